@@ -1,0 +1,1 @@
+"""Processes and I/O: the per-process runtime, the allocator daemon, its zygote and procs."""

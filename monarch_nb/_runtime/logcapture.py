@@ -1,0 +1,106 @@
+"""Per-proc log capture at the file-descriptor level.
+
+The allocator owns the read ends of each proc's stdout/stderr pipes. Lines are tagged with
+rank, stream, wall-clock time and the id of the call running in that proc, which the proc
+announces in-band with an OSC escape (``ESC ] mnb;call=ID BEL``, written just before and
+after each endpoint), so the tag is exact for Python output and never races the data.
+Every line goes to a JSONL file; subscribers get batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+MARK_PREFIX = b"\x1b]mnb;call="
+MARK_END = b"\x07"
+_MARK = re.compile(rb"\x1b\]mnb;call=([^\x07]*)\x07")
+
+#: (rank, stream, ts, call_id, line)
+LogLine = tuple[int, str, float, str, str]
+
+
+def marker(call_id: str) -> bytes:
+    return MARK_PREFIX + call_id.encode() + MARK_END
+
+
+class ProcLog:
+    """Splits one proc's two streams into tagged lines and appends them to ``path``."""
+
+    def __init__(self, path: str, rank: int, emit: Callable[[list[LogLine]], None]) -> None:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        self.path = path
+        self.rank = rank
+        self._emit = emit
+        self._file = open(path, "a", buffering=1 << 16, encoding="utf-8")  # noqa: SIM115
+        self._partial = {"stdout": b"", "stderr": b""}
+        self._call = {"stdout": "", "stderr": ""}
+        self.tail: list[LogLine] = []
+        self.nlines = 0
+
+    def feed(self, stream: str, data: bytes) -> None:
+        buf = self._partial[stream] + data
+        lines = buf.split(b"\n")
+        self._partial[stream] = lines.pop()
+        out: list[LogLine] = []
+        now = time.time()
+        for raw in lines:
+            out.extend(self._split(stream, raw, now))
+        if out:
+            self._write(out)
+
+    def _split(self, stream: str, raw: bytes, now: float) -> list[LogLine]:
+        out: list[LogLine] = []
+        pos = 0
+        text = b""
+        for m in _MARK.finditer(raw):
+            text += raw[pos : m.start()]
+            pos = m.end()
+            if text:
+                # text before a marker on the same line belongs to the earlier call
+                out.append((self.rank, stream, now, self._call[stream], _decode(text)))
+                text = b""
+            self._call[stream] = m.group(1).decode("ascii", "replace")
+        text += raw[pos:]
+        if text or not pos:
+            out.append((self.rank, stream, now, self._call[stream], _decode(text)))
+        return out
+
+    def close(self) -> None:
+        now = time.time()
+        out: list[LogLine] = []
+        for stream, rest in self._partial.items():
+            if rest:
+                out.extend(self._split(stream, rest, now))
+            self._partial[stream] = b""
+        if out:
+            self._write(out)
+        self._file.close()
+
+    def _write(self, lines: list[LogLine]) -> None:
+        for rank, stream, ts, call, line in lines:
+            self._file.write(json.dumps({"ts": ts, "rank": rank, "stream": stream, "call": call, "line": line}) + "\n")
+        self._file.flush()
+        self.nlines += len(lines)
+        self.tail.extend(lines)
+        del self.tail[:-50]
+        self._emit(lines)
+
+
+def _decode(b: bytes) -> str:
+    return b.decode("utf-8", "replace")
+
+
+def read_log(path: str, tail: int | None = None) -> list[dict[str, Any]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            rows = f.readlines()
+    except FileNotFoundError:
+        return []
+    if tail is not None:
+        rows = rows[-tail:] if tail else []
+    return [json.loads(r) for r in rows if r.strip()]

@@ -1,0 +1,512 @@
+"""The per-process runtime: one I/O thread, an inbox, ports, actors and peer supervision.
+
+Every process (controller, allocator, proc) runs one :class:`Runtime`. It binds an inbox
+(ipc, plus TCP when other hosts must reach it) and sends to other inboxes through
+thread-local DEALER sockets, so any thread can send without waking the I/O thread and
+messages from one thread to one peer keep their order. The I/O thread only receives and
+dispatches: PORT frames go to port handlers, ACTOR frames to an actor's mailbox or, for
+system actors, run inline. It never runs user code, so a process whose actor is stuck in
+pdb still answers pings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
+
+import zmq
+import zmq.asyncio
+
+from .._wire import frames as wire
+from .._wire.serialize import dumps, loads, nbytes
+from ..config import Config
+from ..errors import ActorError, ProtocolError, SupervisionError, format_exception, _safe_exc
+from .transport import Security, SocketFactory, ipc_path, route_ip, split_tcp
+
+logger = logging.getLogger(__name__)
+
+PortHandler = Callable[[int, int, Any, list[Any]], None]
+
+#: returned by a system method that answers through its reply port itself (or never)
+NO_REPLY = object()
+
+
+class Mailbox(Protocol):
+    def deliver(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None: ...
+
+
+class _Watch:
+    """What this process knows about one allocator whose procs it talks to."""
+
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        self.procs: dict[str, tuple[str, int, str]] = {}  # proc addr -> (mesh, rank, host)
+        self.last_pong = time.monotonic()
+        self.lost: SupervisionError | None = None
+        self.host = ""
+
+
+class Runtime:
+    """I/O for one process. Create with :meth:`start`; all methods are thread-safe."""
+
+    _instance: Runtime | None = None
+    _instance_lock = threading.Lock()
+
+    def __init__(
+        self,
+        cfg: Config,
+        security: Security,
+        runtime_dir: str,
+        *,
+        tcp_ip: str | None = None,
+        tcp_port: int = 0,
+        label: str = "proc",
+    ) -> None:
+        self.cfg = cfg
+        self.security = security
+        self.runtime_dir = runtime_dir
+        self.label = label
+        self.uid = secrets.token_hex(6)
+        self.hostname = socket.gethostname()
+        self.pid = os.getpid()
+        self.ctx = zmq.Context()
+        self.sockets = SocketFactory(self.ctx, security)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name=f"monarch_nb-io-{label}", daemon=True)
+        self._tcp_ip = tcp_ip
+        self._tcp_port = tcp_port
+        self.ipc_addr = ""
+        self.tcp_addr = ""
+        self._inboxes: list[zmq.asyncio.Socket] = []
+        self._ports: dict[int, PortHandler] = {}
+        self._port_ids = itertools.count(1)
+        self._call_ids = itertools.count(1)
+        self.actors: dict[str, Mailbox] = {}
+        self.system: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._expect: dict[str, dict[tuple[int, int], Callable[[BaseException], None]]] = {}
+        self._dead: dict[str, SupervisionError] = {}
+        self._watches: dict[str, _Watch] = {}
+        self._tls = threading.local()
+        self._all_out: list[zmq.Socket] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.peer_failure_callbacks: list[Callable[[str, SupervisionError], None]] = []
+        self.dropped_frames = 0
+        self._closed = False
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> Runtime:
+        ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread.start()
+        self.loop.call_soon_threadsafe(self._start_inboxes, ready)
+        ready.result(timeout=30)
+        return self
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def _start_inboxes(self, ready: concurrent.futures.Future[None]) -> None:
+        try:
+            self.ipc_addr = self._bind("ipc://" + ipc_path(self.runtime_dir, f"mnb-{self.uid}.sock"))
+            if self._tcp_ip:
+                self.tcp_addr = self._bind(f"tcp://{self._tcp_ip}:{self._tcp_port}")
+            self._spawn(self._watch_loop())
+            ready.set_result(None)
+        except BaseException as e:
+            ready.set_exception(e)
+
+    def _bind(self, addr: str) -> str:
+        actx = zmq.asyncio.Context.shadow(self.ctx)
+        sock = actx.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        self.sockets.secure_server(sock, addr)
+        if addr.startswith("tcp://"):
+            host, port = split_tcp(addr)
+            if port == 0:
+                port = sock.bind_to_random_port(f"tcp://{host}")
+            else:
+                sock.bind(addr)
+            # a wildcard bind is advertised under the address other hosts route to
+            bound = f"tcp://{route_ip('10.255.255.255') if host in ('0.0.0.0', '*') else host}:{port}"
+        else:
+            sock.bind(addr)
+            bound = addr
+            if addr.startswith("ipc://"):
+                os.chmod(addr[len("ipc://") :], 0o600)
+        self._inboxes.append(sock)
+        self._spawn(self._recv_loop(sock))
+        return bound
+
+    def ensure_tcp(self, ip: str) -> str:
+        """Bind a TCP inbox on ``ip`` (once) so peers on other hosts can reach us."""
+        if self.tcp_addr:
+            return self.tcp_addr
+        fut: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+        def bind() -> None:
+            try:
+                if not self.tcp_addr:
+                    self.tcp_addr = self._bind(f"tcp://{ip}:0")
+                fut.set_result(self.tcp_addr)
+            except BaseException as e:
+                fut.set_exception(e)
+
+        self.loop.call_soon_threadsafe(bind)
+        return fut.result(timeout=10)
+
+    def addr_for(self, peer: str) -> str:
+        """Our inbox address as ``peer`` must see it."""
+        if peer.startswith("ipc://"):
+            return self.ipc_addr
+        if self.tcp_addr:
+            return self.tcp_addr
+        return self.ensure_tcp(route_ip(split_tcp(peer)[0]))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        done = threading.Event()
+
+        def stop() -> None:
+            for t in list(self._tasks):
+                t.cancel()
+            for s in self._inboxes:
+                s.close(linger=0)
+            self.loop.stop()
+            done.set()
+
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(stop)
+            done.wait(5)
+            self._thread.join(5)
+        for s in self._all_out:
+            try:
+                s.close(linger=200)
+            except zmq.ZMQError:
+                pass
+        self.sockets.close()
+        self.ctx.term()
+        if self.ipc_addr:
+            try:
+                os.unlink(self.ipc_addr[len("ipc://") :])
+            except OSError:
+                pass
+
+    # ---------------------------------------------------------------- helpers
+    def in_io_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        # the set holds strong references: the loop keeps only weak ones to tasks
+        t = self.loop.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    def spawn_task(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` on the I/O loop (from any thread), owned by the runtime."""
+        if self.in_io_thread():
+            self._spawn(coro)
+        else:
+            self.loop.call_soon_threadsafe(self._spawn, coro)
+
+    def next_call_id(self) -> str:
+        return f"{self.uid}.{next(self._call_ids)}"
+
+    # ---------------------------------------------------------------- ports
+    def open_port(self, handler: PortHandler) -> int:
+        pid = next(self._port_ids)
+        self._ports[pid] = handler
+        return pid
+
+    def close_port(self, pid: int) -> None:
+        self._ports.pop(pid, None)
+
+    # ---------------------------------------------------------------- sending
+    def _out(self, addr: str) -> zmq.Socket:
+        socks: dict[str, zmq.Socket] | None = getattr(self._tls, "socks", None)
+        if socks is None:
+            socks = self._tls.socks = {}
+        s = socks.get(addr)
+        if s is None:
+            s = self.ctx.socket(zmq.DEALER)
+            s.linger = 2000
+            s.setsockopt(zmq.SNDHWM, 0)
+            self.sockets.secure_client(s, addr)
+            s.connect(addr)
+            socks[addr] = s
+            with self._lock:
+                self._all_out.append(s)
+        return s
+
+    def send(self, addr: str, frames: list[Any]) -> None:
+        """Queue ``frames`` for ``addr``; never blocks on the network."""
+        dead = self._dead.get(addr)
+        if dead is not None:
+            raise dead
+        self._out(addr).send_multipart(frames, copy=False)
+
+    def send_port(self, addr: str, port: int, index: int, status: int, value: Any) -> None:
+        """Send ``value`` to a port; an unpicklable value becomes an error the receiver sees."""
+        try:
+            body, bufs = dumps(value)
+        except Exception as e:
+            status = wire.ERROR
+            body, bufs = dumps(
+                ActorError(
+                    TypeError(f"the value could not be pickled to send back: {type(e).__name__}: {e}"),
+                    format_exception(e),
+                    host=self.hostname,
+                )
+            )
+        try:
+            self.send(addr, wire.encode(wire.PORT, (port, index, status), body, bufs))
+        except SupervisionError:
+            logger.debug("reply to dead peer %s dropped", addr)
+
+    def send_actor(
+        self,
+        addr: str,
+        actor: str,
+        method: str,
+        body: bytes,
+        buffers: list[Any],
+        *,
+        reply: tuple[str, int] | None = None,
+        index: int = 0,
+        extent: tuple[tuple[str, ...], tuple[int, ...]] = ((), ()),
+        call_id: str = "",
+    ) -> None:
+        raddr, rport = reply if reply else ("", 0)
+        self.send(addr, wire.encode(wire.ACTOR, (actor, method, raddr, rport, index, extent, call_id), body, buffers))
+
+    def check_size(self, body: bytes, buffers: list[Any]) -> None:
+        n = nbytes(body, buffers)
+        if n > self.cfg.max_message_bytes:
+            raise ValueError(
+                f"message of {n} bytes exceeds max_message_bytes={self.cfg.max_message_bytes}; "
+                "send a handle to the data instead, or raise MONARCH_NB_MAX_MESSAGE_BYTES"
+            )
+
+    # ---------------------------------------------------------------- receiving
+    async def _recv_loop(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                msg = await sock.recv_multipart(copy=False)
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as e:
+                if e.errno == zmq.ETERM:
+                    return
+                logger.warning("inbox receive failed: %s", e)
+                continue
+            try:
+                self._dispatch(msg)
+            except Exception:
+                logger.exception("dropped a message whose handler failed")
+
+    def _dispatch(self, msg: list[zmq.Frame]) -> None:
+        if len(msg) < 3:
+            self.dropped_frames += 1
+            logger.warning("dropped a message with %d frames (expected at least 2 after the routing id)", len(msg) - 1)
+            return
+        try:
+            kind, meta = wire.decode_header(msg[1].bytes)
+        except ProtocolError as e:
+            self.dropped_frames += 1
+            logger.warning("dropped a frame: %s", e)
+            return
+        body = msg[2].buffer
+        bufs = [f.buffer for f in msg[3:]]
+        if kind == wire.PORT:
+            port, index, status = meta
+            h = self._ports.get(port)
+            if h is not None:
+                h(index, status, body, bufs)
+            return
+        actor = meta[0]
+        sysobj = self.system.get(actor)
+        if sysobj is not None:
+            self._run_system(sysobj, meta, body, bufs)
+            return
+        box = self.actors.get(actor)
+        if box is not None:
+            box.deliver(meta, body, bufs)
+            return
+        raddr, rport, index = meta[2], meta[3], meta[4]
+        err = ActorError(
+            LookupError(f"no actor named {actor!r} in {self.label} pid {self.pid} on {self.hostname}"),
+            host=self.hostname,
+        )
+        if raddr:
+            self.send_port(raddr, rport, index, wire.ERROR, err)
+        else:
+            logger.warning("dropped a message for unknown actor %r", actor)
+
+    def _run_system(self, obj: Any, meta: tuple[Any, ...], body: Any, bufs: list[Any]) -> None:
+        actor, method, raddr, rport, index = meta[:5]
+        # system methods get the sender's reply address so they can stream or defer answers
+        try:
+            args, kwargs = loads(body, bufs)
+            fn = getattr(obj, "sys_" + method, None)
+            if fn is None:
+                raise AttributeError(f"system actor {actor!r} has no method {method!r}")
+            res = fn(*args, **kwargs, _reply=(raddr, rport, index)) if getattr(fn, "wants_reply", False) else fn(*args, **kwargs)
+        except Exception as e:
+            self._system_error(raddr, rport, index, e)
+            return
+        if asyncio.iscoroutine(res):
+            self._spawn(self._finish_system(res, raddr, rport, index))
+        elif raddr and res is not NO_REPLY:
+            self.send_port(raddr, rport, index, wire.OK, res)
+
+    async def _finish_system(self, coro: Coroutine[Any, Any, Any], raddr: str, rport: int, index: int) -> None:
+        try:
+            res = await coro
+        except Exception as e:
+            self._system_error(raddr, rport, index, e)
+            return
+        if raddr and res is not NO_REPLY:
+            self.send_port(raddr, rport, index, wire.OK, res)
+
+    def _system_error(self, raddr: str, rport: int, index: int, e: Exception) -> None:
+        if isinstance(e, ActorError):
+            err = e
+        else:
+            err = ActorError(_safe_exc(e), format_exception(e), host=self.hostname)
+        if raddr:
+            self.send_port(raddr, rport, index, wire.ERROR, err)
+        else:
+            logger.warning("system call failed: %s", e)
+
+    # ---------------------------------------------------------------- supervision
+    def expect(self, peer: str, key: tuple[int, int], on_fail: Callable[[BaseException], None]) -> None:
+        """Remember that a reply ``key`` is owed by ``peer``; fail it if the peer dies."""
+        with self._lock:
+            dead = self._dead.get(peer)
+            if dead is None:
+                self._expect.setdefault(peer, {})[key] = on_fail
+        if dead is not None:
+            on_fail(dead)
+
+    def fulfil(self, peer: str, key: tuple[int, int]) -> None:
+        with self._lock:
+            d = self._expect.get(peer)
+            if d is not None:
+                d.pop(key, None)
+
+    def peer_error(self, peer: str) -> SupervisionError | None:
+        return self._dead.get(peer)
+
+    def peer_failed(self, peer: str, err: SupervisionError) -> None:
+        with self._lock:
+            if peer in self._dead:
+                return
+            self._dead[peer] = err
+            owed = self._expect.pop(peer, {})
+        for on_fail in owed.values():
+            try:
+                on_fail(err)
+            except Exception:
+                logger.exception("failure callback raised")
+        for cb in list(self.peer_failure_callbacks):
+            try:
+                cb(peer, err)
+            except Exception:
+                logger.exception("peer failure callback raised")
+
+    def watch(self, alloc_addr: str, proc_addr: str, mesh: str, rank: int, host: str) -> None:
+        """Supervise ``proc_addr`` through the allocator that owns it."""
+        w = self._watches.get(alloc_addr)
+        if w is not None and proc_addr in w.procs:
+            return
+        if w is None:
+            with self._lock:
+                w = self._watches.get(alloc_addr)
+                if w is None:
+                    w = self._watches[alloc_addr] = _Watch(alloc_addr)
+                    w.host = host
+                    self.call_soon(self._subscribe, w)
+        w.procs[proc_addr] = (mesh, rank, host)
+        if w.lost is not None:
+            self.peer_failed(proc_addr, self._proc_error(w, proc_addr, w.lost.cause))
+
+    def _proc_error(self, w: _Watch, proc_addr: str, cause: str) -> SupervisionError:
+        mesh, rank, host = w.procs.get(proc_addr, ("", None, w.host))
+        return SupervisionError(cause, mesh=mesh, rank=rank, host=host)
+
+    def _subscribe(self, w: _Watch) -> None:
+        def on_event(index: int, status: int, body: Any, bufs: list[Any]) -> None:
+            if status == wire.ERROR:
+                return
+            ev = loads(body, bufs)
+            if ev[0] == "proc_exited":
+                _, addr, mesh, rank, host, cause = ev
+                w.procs.setdefault(addr, (mesh, rank, host))
+                self.peer_failed(addr, SupervisionError(cause, mesh=mesh, rank=rank, host=host))
+            elif ev[0] == "pong":
+                w.last_pong = time.monotonic()
+
+        port = self.open_port(on_event)
+        w.event_port = port  # type: ignore[attr-defined]
+        body, bufs = dumps(((), {}))
+        try:
+            self.send_actor(w.addr, "__allocator__", "subscribe", body, bufs, reply=(self.addr_for(w.addr), port))
+        except Exception as e:
+            logger.warning("could not subscribe to allocator %s: %s", w.addr, e)
+
+    async def _watch_loop(self) -> None:
+        ping = dumps(((), {}))
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_interval)
+            now = time.monotonic()
+            for w in list(self._watches.values()):
+                if w.lost is not None:
+                    continue
+                if now - w.last_pong > self.cfg.heartbeat_timeout:
+                    cause = (
+                        f"allocator {w.addr} lost: no heartbeat for {now - w.last_pong:.1f} s "
+                        "(host down, network partition, or allocator killed)"
+                    )
+                    w.lost = SupervisionError(cause, host=w.host)
+                    logger.warning("%s", cause)
+                    for addr in list(w.procs):
+                        self.peer_failed(addr, self._proc_error(w, addr, cause))
+                    continue
+                port = getattr(w, "event_port", None)
+                if port is not None:
+                    try:
+                        self.send_actor(
+                            w.addr, "__allocator__", "ping", ping[0], ping[1], reply=(self.addr_for(w.addr), port)
+                        )
+                    except Exception:
+                        pass
+
+
+def system_method(wants_reply: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark a ``sys_*`` method that wants the caller's ``_reply=(addr, port, index)``."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn.wants_reply = wants_reply  # type: ignore[attr-defined]
+        return fn
+
+    return deco

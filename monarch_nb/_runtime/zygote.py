@@ -1,0 +1,115 @@
+"""The warm zygote: imports heavy modules once, then forks procs on request.
+
+It is single-threaded on purpose (forking a threaded process is unsafe) and talks to its
+allocator over a SOCK_SEQPACKET pair: requests carry the pickled spec plus the write ends
+of the proc's stdout/stderr pipes (SCM_RIGHTS), so the allocator reads them and a proc's
+last words survive its crash. Procs die with the zygote, the zygote with its allocator.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import select
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+from ._prctl import die_with_parent
+
+
+def _send(sock: socket.socket, msg: Any) -> None:
+    sock.send(pickle.dumps(msg))
+
+
+def _child(req: dict[str, Any], fds: list[int], sock: socket.socket, wake_r: int, wake_w: int) -> None:
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        die_with_parent()
+        sock.close()
+        os.close(wake_r)
+        os.close(wake_w)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        for fd in fds:
+            os.close(fd)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+        sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+        os.environ.clear()
+        os.environ.update(req["env"])
+        if req.get("cwd") and os.path.isdir(req["cwd"]):
+            os.chdir(req["cwd"])
+        sys.path[:] = req["sys_path"]
+        mod, _, fn = req["entry"].partition(":")
+        code = getattr(importlib.import_module(mod), fn)(req["spec"]) or 0
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def main(sock_fd: int, preload: str) -> None:
+    die_with_parent()
+    sock = socket.socket(fileno=sock_fd)
+    loaded, failed = [], []
+    t0 = time.monotonic()
+    for name in filter(None, (p.strip() for p in preload.split(","))):
+        try:
+            importlib.import_module(name)
+            loaded.append(name)
+        except Exception as e:
+            failed.append(f"{name}: {type(e).__name__}: {e}")
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    _send(sock, ("ready", loaded, failed, time.monotonic() - t0))
+    while True:
+        r, _, _ = select.select([sock, wake_r], [], [])
+        if wake_r in r:
+            try:
+                os.read(wake_r, 4096)
+            except BlockingIOError:
+                pass
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            _send(sock, ("exited", pid, status))
+        if sock in r:
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, 1 << 22, 4)
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                os._exit(0)  # allocator gone; procs follow through PDEATHSIG
+            req = pickle.loads(data)
+            pid = os.fork()
+            if pid == 0:
+                _child(req, fds, sock, wake_r, wake_w)
+            for fd in fds:
+                os.close(fd)
+            _send(sock, ("spawned", req["token"], pid))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "")

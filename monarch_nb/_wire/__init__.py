@@ -1,0 +1,1 @@
+"""Sans-IO wire layer: frame layout, serialization and keys. No sockets, no threads here."""

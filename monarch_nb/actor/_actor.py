@@ -1,0 +1,368 @@
+"""Actors and how a process hosts them.
+
+A sync actor (every endpoint a ``def``) gets its own thread and no event loop; an actor
+with ``async def`` endpoints gets its own thread running its own loop. Either way messages
+reach it through a mailbox fed by the runtime's I/O thread and run one at a time, in
+arrival order (``concurrent_endpoint`` methods may overlap at their awaits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import queue
+import sys
+import threading
+from functools import cached_property
+from typing import Any
+
+from .._runtime.logcapture import marker
+from .._runtime.runtime import NO_REPLY, Runtime, system_method
+from .._wire import frames as wire
+from .._wire.serialize import loads
+from ..errors import ActorError, format_exception, _safe_exc
+from . import _context
+from ._endpoint import EndpointProperty, _NotAnEndpointMethod
+from ._shape import Extent, Point
+
+logger = logging.getLogger(__name__)
+
+
+class Actor:
+    """Base class of actors. Decorate methods with ``@endpoint`` to make them callable on a mesh."""
+
+    @cached_property
+    def logger(self) -> logging.Logger:
+        inst = _context.current_instance()
+        return logging.getLogger(f"{type(self).__module__}.{type(self).__qualname__}" + (f"[{inst.rank.rank}]" if inst else ""))
+
+    def __supervise__(self, failure: Any) -> Any:
+        """Called when a mesh this actor owns fails; return True when handled."""
+        return None
+
+    def _handle_undeliverable_message(self, message: Any) -> bool:
+        return False
+
+
+def endpoints_of(cls: type) -> dict[str, EndpointProperty]:
+    out: dict[str, EndpointProperty] = {}
+    for klass in reversed(cls.__mro__):
+        for name, v in vars(klass).items():
+            if isinstance(v, EndpointProperty):
+                out[name] = v
+    return out
+
+
+def is_async_actor(cls: type) -> bool:
+    """True for actors whose endpoints are ``async def``; ValueError when a class mixes both."""
+    eps = endpoints_of(cls)
+    kinds = {name: ep.is_async for name, ep in eps.items()}
+    if kinds and len(set(kinds.values())) > 1:
+        sync = sorted(n for n, a in kinds.items() if not a)
+        asyn = sorted(n for n, a in kinds.items() if a)
+        raise ValueError(
+            f"actor class {cls.__qualname__} mixes sync endpoints {sync} and async endpoints {asyn}; "
+            "make them all `def` (the actor runs on its own thread) or all `async def` (it runs on its own loop)"
+        )
+    return any(kinds.values())
+
+
+class Instance:
+    """What an actor knows about itself (``context().actor_instance``)."""
+
+    def __init__(self, name: str, cls: type, rank: Point, proc_mesh: Any, creator: str) -> None:
+        self.name = name
+        self.class_name = f"{cls.__module__}.{cls.__qualname__}"
+        self.rank = rank
+        self.proc_mesh = proc_mesh
+        self.creator = creator
+        rt = _context.runtime()
+        self.proc_id = f"{rt.label}@{rt.hostname}:{rt.pid}"
+        self.actor_id = f"{name}{rank!r}@{self.proc_id}"
+        self._slot: ActorSlot | None = None
+
+    @property
+    def proc(self) -> Any:
+        from ._mesh import this_proc
+
+        return this_proc()
+
+    def stop(self, reason: str | None = None) -> None:
+        if self._slot is not None:
+            self._slot.stop()
+
+    def __repr__(self) -> str:
+        return f"<{self.class_name} {self.name}{self.rank!r}>"
+
+
+class ActorSlot:
+    """One actor in this process: its object, mailbox and thread (and loop, if async)."""
+
+    def __init__(self, rt: Runtime, name: str, cls: type, rank: Point, proc_mesh: Any, creator: str) -> None:
+        self.rt = rt
+        self.name = name
+        self.cls = cls
+        self.is_async = is_async_actor(cls)
+        self.instance_info = Instance(name, cls, rank, proc_mesh, creator)
+        self.instance_info._slot = self
+        self.endpoints = endpoints_of(cls)
+        self.obj: Any = None
+        self.init_error: ActorError | None = None
+        self.markers = _context.proc_spec is not None
+        self.busy = ""
+        self._stopped = False
+        if self.is_async:
+            self.loop = asyncio.new_event_loop()
+            self._aq: asyncio.Queue[Any] | None = None
+            ready = threading.Event()
+            self.thread = threading.Thread(target=self._run_async, args=(ready,), name=f"actor-{name}", daemon=True)
+            self.thread.start()
+            ready.wait()
+        else:
+            self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            self.thread = threading.Thread(target=self._run_sync, name=f"actor-{name}", daemon=True)
+            self.thread.start()
+
+    # -- mailbox (called on the I/O thread)
+    def deliver(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
+        self._put(("call", meta, body, buffers))
+
+    def _put(self, item: Any) -> None:
+        if self.is_async:
+            assert self._aq is not None
+            self.loop.call_soon_threadsafe(self._aq.put_nowait, item)
+        else:
+            self._q.put(item)
+
+    def stop(self) -> None:
+        self._put(("stop",))
+
+    # -- threads
+    def _run_sync(self) -> None:
+        _context._instance.set(self.instance_info)
+        while True:
+            item = self._q.get()
+            if item[0] == "stop":
+                self._cleanup_sync()
+                return
+            if item[0] == "init":
+                self._init(*item[1:])
+            else:
+                self._call_sync(*item[1:])
+
+    def _run_async(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        _context._instance.set(self.instance_info)
+        self._aq = asyncio.Queue()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        ready.set()
+        self.loop.run_until_complete(self._async_main())
+
+    async def _async_main(self) -> None:
+        assert self._aq is not None
+        while True:
+            item = await self._aq.get()
+            if item[0] == "stop":
+                await self._cleanup_async()
+                return
+            if item[0] == "init":
+                self._init(*item[1:])
+                continue
+            meta = item[1]
+            ep = self.endpoints.get(meta[1])
+            if ep is not None and ep.concurrent:
+                t = asyncio.ensure_future(self._call_async(*item[1:]))
+                self._tasks.add(t)
+                t.add_done_callback(self._tasks.discard)
+            else:
+                await self._call_async(*item[1:])
+
+    # -- work
+    def _error(self, e: BaseException, what: str) -> ActorError:
+        return ActorError(
+            _safe_exc(e),
+            format_exception(e),
+            actor=self.name,
+            rank=self.instance_info.rank.rank,
+            host=self.rt.hostname,
+            message=f"{what} failed: {type(e).__name__}: {e}",
+        )
+
+    def _init(self, args: tuple[Any, ...], kwargs: dict[str, Any], reply: tuple[str, int, int]) -> None:
+        tok = _context._message_rank.set(self.instance_info.rank)
+        try:
+            obj = self.cls.__new__(self.cls)
+            obj.__init__(*args, **kwargs)
+            self.obj = obj
+            status, value = wire.OK, None
+        except BaseException as e:
+            self.init_error = self._error(e, f"{self.cls.__qualname__}.__init__ on rank {self.instance_info.rank.rank}")
+            status, value = wire.ERROR, self.init_error
+        finally:
+            _context._message_rank.reset(tok)
+        self.rt.send_port(reply[0], reply[1], reply[2], status, value)
+
+    def _prepare(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> tuple[Any, ...] | None:
+        _, method, raddr, rport, index, ext, call_id = meta
+        if self.init_error is not None:
+            self._reply(raddr, rport, index, wire.ERROR, self.init_error)
+            return None
+        try:
+            args, kwargs = loads(body, buffers)
+        except BaseException as e:
+            self._reply(raddr, rport, index, wire.ERROR, self._error(e, f"unpickling the arguments of {self.name}.{method}"))
+            return None
+        ep = self.endpoints.get(method)
+        if ep is not None:
+            fn = ep.fn
+            if ep.explicit_response_port:
+                from ._port import Port
+
+                args = (Port(raddr, rport, index), *args)
+                raddr = ""
+        else:
+            fn = getattr(self.cls, method, None)
+            if not callable(fn) or method.startswith("__"):
+                self._reply(raddr, rport, index, wire.ERROR, self._error(AttributeError(f"{self.cls.__qualname__} has no endpoint {method!r}"), f"{self.name}.{method}"))
+                return None
+            if isinstance(fn, _NotAnEndpointMethod):
+                fn = fn.fn
+        return fn, args, kwargs, raddr, rport, index, Point(index, Extent(*ext)) if ext[0] or ext[1] else Point(0, Extent([], [])), call_id, method
+
+    def _reply(self, raddr: str, rport: int, index: int, status: int, value: Any) -> None:
+        if raddr:
+            self.rt.send_port(raddr, rport, index, status, value)
+        elif status == wire.ERROR:
+            # nobody is waiting: leave the failure in this proc's log where %mesh logs finds it
+            print(f"monarch_nb: unobserved error in {self.name}: {value}", file=sys.stderr, flush=True)
+
+    def _mark(self, call_id: str) -> None:
+        if self.markers:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                m = marker(call_id)
+                os.write(1, m)
+                os.write(2, m)
+            except OSError:
+                pass
+
+    def _call_sync(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
+        prep = self._prepare(meta, body, buffers)
+        if prep is None:
+            return
+        fn, args, kwargs, raddr, rport, index, mrank, call_id, method = prep
+        tok = _context._message_rank.set(mrank)
+        self.busy = method
+        self._mark(call_id)
+        try:
+            result = fn(self.obj, *args, **kwargs)
+            status = wire.OK
+        except BaseException as e:
+            result, status = self._error(e, f"{self.name}.{method}"), wire.ERROR
+        finally:
+            self._mark("")
+            self.busy = ""
+            _context._message_rank.reset(tok)
+        self._reply(raddr, rport, index, status, result)
+
+    async def _call_async(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
+        prep = self._prepare(meta, body, buffers)
+        if prep is None:
+            return
+        fn, args, kwargs, raddr, rport, index, mrank, call_id, method = prep
+        tok = _context._message_rank.set(mrank)
+        self.busy = method
+        self._mark(call_id)
+        try:
+            result = fn(self.obj, *args, **kwargs)
+            if inspect.isawaitable(result):
+                result = await result
+            status = wire.OK
+        except BaseException as e:
+            result, status = self._error(e, f"{self.name}.{method}"), wire.ERROR
+        finally:
+            self._mark("")
+            self.busy = ""
+            _context._message_rank.reset(tok)
+        self._reply(raddr, rport, index, status, result)
+
+    def _cleanup_sync(self) -> None:
+        fn = getattr(self.obj, "__cleanup__", None)
+        if fn is not None:
+            try:
+                fn(None)
+            except Exception:
+                logger.exception("__cleanup__ of %s raised", self.name)
+
+    async def _cleanup_async(self) -> None:
+        fn = getattr(self.obj, "__cleanup__", None)
+        if fn is not None:
+            try:
+                r = fn(None)
+                if inspect.isawaitable(r):
+                    await r
+            except Exception:
+                logger.exception("__cleanup__ of %s raised", self.name)
+
+
+class ActorHost:
+    """The ``__sys__`` system actor every process runs: spawns and stops actors, answers pings."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.shutdown_requested = threading.Event()
+
+    @system_method(wants_reply=True)
+    def sys_spawn_actor(
+        self,
+        name: str,
+        cls: type,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        rank: int,
+        extent: tuple[list[str], list[int]],
+        proc_mesh: Any,
+        creator: str,
+        *,
+        _reply: tuple[str, int, int],
+    ) -> Any:
+        if name in self.rt.actors:
+            raise ValueError(f"an actor named {name!r} already exists in this proc; pick another name")
+        slot = ActorSlot(self.rt, name, cls, Point(rank, Extent(*extent)), proc_mesh, creator)
+        self.rt.actors[name] = slot
+        slot._put(("init", args, kwargs, _reply))
+        return NO_REPLY
+
+    def sys_stop_actor(self, name: str) -> bool:
+        slot = self.rt.actors.pop(name, None)
+        if slot is None:
+            return False
+        slot.stop()  # type: ignore[attr-defined]
+        return True
+
+    def sys_ping(self) -> str:
+        return "pong"
+
+    def sys_state(self) -> dict[str, Any]:
+        return {n: {"busy": getattr(s, "busy", ""), "async": getattr(s, "is_async", False)} for n, s in self.rt.actors.items()}
+
+    def sys_shutdown(self) -> Any:
+        self.shutdown_requested.set()
+        return NO_REPLY
+
+    def cleanup_all(self, timeout: float = 5.0) -> None:
+        slots = list(self.rt.actors.values())
+        for s in slots:
+            s.stop()  # type: ignore[attr-defined]
+        for s in slots:
+            s.thread.join(timeout)  # type: ignore[attr-defined]
+
+
+def ensure_actor_host(rt: Runtime) -> ActorHost:
+    host = rt.system.get("__sys__")
+    if host is None:
+        host = rt.system["__sys__"] = ActorHost(rt)
+    return host  # type: ignore[no-any-return]

@@ -1,0 +1,51 @@
+"""A proc's main: build the runtime from the allocator's spec, host actors until told to stop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import sys
+from typing import Any
+
+
+def main(spec: dict[str, Any]) -> int:
+    from .._runtime.runtime import Runtime
+    from .._runtime.transport import Security
+    from .._wire.serialize import dumps, loads
+    from ..config import Config
+    from . import _context
+    from ._actor import ensure_actor_host
+
+    cfg = Config(**spec["cfg"])
+    rt = Runtime(
+        cfg,
+        Security(spec["key"], spec["trust_all"]),
+        spec["runtime_dir"],
+        tcp_ip=spec["tcp_ip"],
+        label=f"{spec['mesh']}[{spec['rank']}]",
+    ).start()
+    _context.install_runtime(rt, spec)
+    host = ensure_actor_host(rt)
+    if spec.get("bootstrap"):
+        r = loads(spec["bootstrap"])()
+        if asyncio.iscoroutine(r):
+            asyncio.run(r)
+    addr = rt.tcp_addr or rt.ipc_addr
+    body, bufs = dumps(((spec["token"], addr, os.getpid()), {}))
+    rt.send_actor(spec["alloc_addr"], "__allocator__", "proc_ready", body, bufs)
+    host.shutdown_requested.wait()
+    host.cleanup_all()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    # exec'd through a bootstrap command: the spec comes through an inherited pipe
+    fd = int(os.environ.pop("MONARCH_NB_PROC_SPEC_FD"))
+    with os.fdopen(fd, "rb") as f:
+        spec = pickle.load(f)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    main(spec)

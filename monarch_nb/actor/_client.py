@@ -1,0 +1,289 @@
+"""The client side of allocators: connect (with clear errors), system requests, log streaming,
+mesh ownership and failure reporting. Every process has one; a controller's is the root."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from .. import __version__
+from .._runtime.runtime import Runtime
+from .._runtime.transport import Security
+from .._wire import frames as wire
+from .._wire.serialize import dumps, loads
+from ..errors import (
+    ActorError,
+    AuthenticationError,
+    ConnectError,
+    MonarchNBError,
+    SupervisionError,
+)
+from ._future import Future
+from ._refs import ProcRef
+
+logger = logging.getLogger(__name__)
+
+
+def _decode_sys_error(raw: Any) -> Any:
+    err = loads(*raw)
+    # our own daemons' errors are clearer as themselves than wrapped as a remote actor failure
+    if isinstance(err, ActorError) and isinstance(err.exception, (MonarchNBError, PermissionError, ValueError, TypeError)):
+        raise err.exception
+    raise err
+
+
+def _raise(e: BaseException) -> Any:
+    raise e
+
+
+class Client:
+    def __init__(self, rt: Runtime) -> None:
+        from ._context import in_ipython_kernel, proc_spec
+
+        self.rt = rt
+        self.cid = rt.uid
+        self.kind = "proc" if proc_spec is not None else ("ipython" if in_ipython_kernel() else "script")
+        self.hellos: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        #: proc addr -> mesh name, for meshes this process owns
+        self.owned: dict[str, Any] = {}
+        self.stopped_meshes: set[str] = set()
+        self.log_port = rt.open_port(self._on_logs)
+        self.log_enabled = True
+        self.log_level = logging.INFO
+        self.log_writer: Callable[[list[tuple[int, str, float, str, str]]], None] | None = None
+        rt.peer_failure_callbacks.append(self._on_peer_failed)
+        self._anon = 0
+        if self.kind != "proc":
+            atexit.register(self.shutdown)
+
+    # ------------------------------------------------------------ requests
+    def request(self, addr: str, method: str, *args: Any, _actor: str = "__allocator__", **kwargs: Any) -> Future[Any]:
+        rt = self.rt
+        fut: Future[Any] = Future._create(f"{method} on {addr}")
+        pid = 0
+
+        def on_reply(index: int, status: int, body: Any, bufs: list[Any]) -> None:
+            rt.close_port(pid)
+            rt.fulfil(addr, (pid, 0))
+            raw = (bytes(body), [bytes(b) for b in bufs])
+            if status == wire.ERROR:
+                fut._set_raw(raw, _decode_sys_error)
+            else:
+                fut._set_raw(raw, lambda r: loads(*r))
+
+        def on_fail(err: BaseException) -> None:
+            rt.close_port(pid)
+            fut._set_exception(err)
+
+        pid = rt.open_port(on_reply)
+        body, bufs = dumps((args, kwargs))
+        rt.expect(addr, (pid, 0), on_fail)
+        try:
+            rt.send_actor(addr, _actor, method, body, bufs, reply=(rt.addr_for(addr), pid))
+        except BaseException as e:
+            rt.close_port(pid)
+            fut._set_exception(e)
+        return fut
+
+    def tell(self, addr: str, method: str, *args: Any, _actor: str = "__allocator__", **kwargs: Any) -> None:
+        body, bufs = dumps((args, kwargs))
+        self.rt.send_actor(addr, _actor, method, body, bufs)
+
+    # ------------------------------------------------------------ connecting
+    def connect(self, addr: str, timeout: float | None = None) -> dict[str, Any]:
+        """Say hello to the allocator at ``addr``; raise a precise error if we cannot."""
+        info = self.hellos.get(addr)
+        if info is not None:
+            return info
+        timeout = self.rt.cfg.connect_timeout if timeout is None else timeout
+        if addr.startswith("ipc://") and not os.path.exists(addr[len("ipc://") :]):
+            raise ConnectError(f"no allocator listening at {addr}: the socket file does not exist")
+        if not addr.startswith(("ipc://", "tcp://")):
+            raise ConnectError(f"cannot parse allocator address {addr!r}: expected tcp://HOST:PORT or ipc://PATH")
+        self.rt.sockets.security.check_address(addr)
+        me = self.rt.addr_for(addr)
+        # a probe socket with a monitor tells refused, unreachable and wrong-key apart
+        probe = self.rt.ctx.socket(zmq.DEALER)
+        probe.linger = 0
+        mon = probe.get_monitor_socket()
+        self.rt.sockets.secure_client(probe, addr)
+        probe.connect(addr)
+        fut: Future[Any] = Future._create(f"hello from allocator {addr}")
+
+        def on_reply(index: int, status: int, body: Any, bufs: list[Any]) -> None:
+            raw = (bytes(body), [bytes(b) for b in bufs])
+            if status == wire.ERROR:
+                fut._set_raw(raw, _decode_sys_error)
+            else:
+                fut._set_raw(raw, lambda r: loads(*r))
+
+        pid = self.rt.open_port(on_reply)
+        hello = {"cid": self.cid, "kind": self.kind, "pid": os.getpid(), "host": self.rt.hostname, "addr": me, "version": __version__}
+        body, bufs = dumps(((hello,), {}))
+        probe.send_multipart(wire.encode(wire.ACTOR, ("__allocator__", "hello", me, pid, 0, ((), ()), ""), body, bufs))
+        deadline = time.monotonic() + timeout
+        connected = False
+        last = "no answer"
+        try:
+            while not fut.done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                if mon.poll(min(left, 0.05) * 1000):
+                    ev = recv_monitor_message(mon)
+                    e = ev["event"]
+                    if e == zmq.EVENT_HANDSHAKE_SUCCEEDED or (e == zmq.EVENT_CONNECTED and not addr.startswith("tcp://")):
+                        connected = True
+                    elif e == zmq.EVENT_CONNECTED:
+                        connected = True
+                    elif e == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                        raise AuthenticationError(
+                            f"allocator at {addr} refused our key: controller and allocator must use the same cluster key file"
+                        )
+                    elif e in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                        raise AuthenticationError(
+                            f"security handshake with {addr} failed: the peer holds a different cluster key, "
+                            "or is not a monarch_nb allocator"
+                        )
+                    elif e == zmq.EVENT_CONNECT_RETRIED:
+                        last = "connection refused or host unreachable"
+            if not fut.done():
+                if connected:
+                    hint = "it accepted the connection but did not answer (not a monarch_nb allocator, or another wire version)"
+                else:
+                    hint = last
+                raise ConnectError(f"could not reach allocator at {addr} within {timeout:.1f} s: {hint}")
+            info = fut.get()
+        finally:
+            self.rt.close_port(pid)
+            probe.disable_monitor()
+            mon.close(0)
+            probe.close(0)
+        self.hellos[addr] = info
+        return info
+
+    # ------------------------------------------------------------ logs
+    def _on_logs(self, index: int, status: int, body: Any, bufs: list[Any]) -> None:
+        if status != wire.ITEM or not self.log_enabled:
+            return
+        kind, lines = loads(body, bufs)
+        if kind != "logs":
+            return
+        if self.log_writer is not None:
+            self.log_writer(lines)
+            return
+        out, err = [], []
+        for rank, stream, _ts, _call, line in lines:
+            (err if stream == "stderr" else out).append(f"[{rank}] {line}\n")
+        try:
+            if out:
+                sys.stdout.write("".join(out))
+                sys.stdout.flush()
+            if err:
+                sys.stderr.write("".join(err))
+                sys.stderr.flush()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------ ownership and failures
+    def own(self, procs: list[ProcRef], mesh: Any) -> None:
+        with self._lock:
+            for p in procs:
+                self.owned[p.addr] = mesh
+
+    def _on_peer_failed(self, addr: str, err: SupervisionError) -> None:
+        mesh = self.owned.get(addr)
+        if mesh is None or mesh._name in self.stopped_meshes or "mesh stopped" in err.cause:
+            return
+        threading.Thread(target=mesh._report_failure, args=(err,), daemon=True).start()
+
+    def shutdown(self) -> None:
+        """Detach from every allocator (a script's meshes stop; persistent ones stay)."""
+        for addr in list(self.hellos):
+            try:
+                self.request(addr, "bye", self.rt.addr_for(addr)).get(timeout=2)
+            except Exception:
+                pass
+        self.hellos.clear()
+
+
+def read_connection_files(rdir: str) -> list[dict[str, Any]]:
+    out = []
+    try:
+        names = sorted(os.listdir(rdir))
+    except OSError:
+        return out
+    for n in names:
+        if n.startswith("allocator-") and n.endswith(".json"):
+            try:
+                with open(os.path.join(rdir, n)) as f:
+                    info = json.load(f)
+                info["file"] = os.path.join(rdir, n)
+                out.append(info)
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def find_local_allocator(rdir: str) -> dict[str, Any] | None:
+    import socket
+
+    host = socket.gethostname()
+    for info in read_connection_files(rdir):
+        if info.get("host") == host and _alive(int(info.get("pid", 0))) and os.path.exists(info["addr"][len("ipc://") :]):
+            return info
+    return None
+
+
+def start_local_allocator(rdir: str, timeout: float = 60.0, extra_args: list[str] | None = None) -> dict[str, Any]:
+    """Start a detached allocator daemon on this host and wait for its connection file."""
+    import subprocess
+
+    before = {i["file"] for i in read_connection_files(rdir)}
+    log = open(os.path.join(rdir, f"allocator-start-{os.getpid()}.log"), "ab")  # noqa: SIM115
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "monarch_nb", "allocator", *(extra_args or [])],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+        env=env,
+    )
+    log.close()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for info in read_connection_files(rdir):
+            if info["file"] not in before and info.get("pid") == p.pid:
+                return info
+        if p.poll() is not None:
+            with open(log.name, errors="replace") as f:
+                tail = f.read()[-2000:]
+            raise ConnectError(f"the local allocator exited with code {p.returncode} while starting:\n{tail}")
+        time.sleep(0.02)  # polling a file the daemon writes; there is no event to wait on
+    p.kill()
+    raise ConnectError(f"the local allocator did not write its connection file within {timeout} s")
+
+
+_ = _raise

@@ -1,0 +1,96 @@
+"""Process-wide state: this process's runtime, its client, and the current actor context."""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+from .._runtime.runtime import Runtime
+from .._runtime.transport import Security
+from .._wire.keys import read_key_file
+from ..config import Config, get_config, runtime_dir
+from ._shape import Extent, Point
+
+if TYPE_CHECKING:
+    from ._actor import Instance
+    from ._client import Client
+
+_lock = threading.RLock()
+_runtime: Runtime | None = None
+_client: Client | None = None
+#: set in procs by the bootstrap: mesh, rank, extent, allocator address, host
+proc_spec: dict[str, Any] | None = None
+
+_message_rank: contextvars.ContextVar[Point | None] = contextvars.ContextVar("monarch_nb_message_rank", default=None)
+_instance: contextvars.ContextVar[Instance | None] = contextvars.ContextVar("monarch_nb_instance", default=None)
+
+_EMPTY = Extent([], [])
+
+
+def _default_security(cfg: Config) -> Security:
+    path = os.environ.get("MONARCH_NB_KEY_FILE", "")
+    return Security(read_key_file(path) if path else None)
+
+
+def runtime() -> Runtime:
+    """This process's runtime, started on first use (controllers start theirs lazily)."""
+    global _runtime
+    if _runtime is None:
+        with _lock:
+            if _runtime is None:
+                cfg = get_config()
+                _runtime = Runtime(cfg, _default_security(cfg), runtime_dir(cfg), label="controller").start()
+    return _runtime
+
+
+def install_runtime(rt: Runtime, spec: dict[str, Any] | None = None) -> None:
+    """Used by a proc's bootstrap: the runtime is made from the allocator's spec."""
+    global _runtime, proc_spec
+    _runtime = rt
+    proc_spec = spec
+
+
+def client() -> Client:
+    global _client
+    if _client is None:
+        with _lock:
+            if _client is None:
+                from ._client import Client
+
+                _client = Client(runtime())
+    return _client
+
+
+def _on_io_thread() -> bool:
+    return _runtime is not None and _runtime.in_io_thread()
+
+
+def in_ipython_kernel() -> bool:
+    ip = sys.modules.get("IPython")
+    if ip is None:
+        return False
+    try:
+        shell = ip.get_ipython()  # type: ignore[attr-defined]
+    except Exception:
+        return False
+    return shell is not None and "ipykernel" in sys.modules
+
+
+def proc_point() -> Point:
+    """Where this process sits in its proc mesh ({} in a controller)."""
+    if proc_spec is None:
+        return Point(0, _EMPTY)
+    labels, sizes = proc_spec["extent"]
+    return Point(proc_spec["rank"], Extent(labels, sizes))
+
+
+def current_message_rank() -> Point:
+    p = _message_rank.get()
+    return p if p is not None else proc_point()
+
+
+def current_instance() -> Instance | None:
+    return _instance.get()

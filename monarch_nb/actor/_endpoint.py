@@ -1,0 +1,348 @@
+"""Endpoints and their adverbs: ``call``, ``call_one``, ``choose``, ``stream``, ``broadcast``."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import random
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+
+from .._wire import frames as wire
+from .._wire.serialize import dumps, loads
+from ..errors import MeshClosedError
+from . import _context
+from ._future import Future
+
+if TYPE_CHECKING:
+    from ._mesh import ActorMesh, ValueMesh
+    from ._port import Port
+
+R = TypeVar("R")
+A = TypeVar("A")
+
+
+class EndpointProperty(Generic[R]):
+    """What ``@endpoint`` leaves on the class: the function plus how it is called."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        propagate: Any = None,
+        explicit_response_port: bool = False,
+        instrument: bool = True,
+        concurrent: bool = False,
+    ) -> None:
+        self.fn = fn
+        self.name = fn.__name__
+        self.propagate = propagate
+        self.explicit_response_port = explicit_response_port
+        self.instrument = instrument
+        self.concurrent = concurrent
+        self.is_async = inspect.iscoroutinefunction(fn)
+        self.signature = inspect.signature(fn)
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        # inside the actor, self.method(...) is a plain local call
+        return self.fn.__get__(obj, objtype)
+
+
+def endpoint(
+    method: Callable[..., Any] | None = None,
+    *,
+    propagate: Any = None,
+    explicit_response_port: bool = False,
+    instrument: bool = True,
+) -> Any:
+    """Mark an actor method as callable on a mesh (``@endpoint`` or ``@endpoint(...)``)."""
+
+    def deco(fn: Callable[..., Any]) -> EndpointProperty[Any]:
+        if isinstance(fn, EndpointProperty):
+            raise ValueError(f"{fn.name} is already an endpoint")
+        return EndpointProperty(fn, propagate=propagate, explicit_response_port=explicit_response_port, instrument=instrument)
+
+    return deco(method) if method is not None else deco
+
+
+def concurrent_endpoint(
+    method: Callable[..., Any] | None = None,
+    *,
+    propagate: Any = None,
+    explicit_response_port: bool = False,
+    instrument: bool = True,
+) -> Any:
+    """An ``async def`` endpoint whose calls may overlap at their awaits (start order kept)."""
+
+    def deco(fn: Callable[..., Any]) -> EndpointProperty[Any]:
+        if isinstance(fn, EndpointProperty):
+            raise ValueError("concurrent_endpoint cannot be stacked on @endpoint; use one of them")
+        if not inspect.iscoroutinefunction(fn):
+            raise ValueError(f"concurrent_endpoint needs an async def, {fn.__qualname__} is a def")
+        return EndpointProperty(
+            fn, propagate=propagate, explicit_response_port=explicit_response_port, instrument=instrument, concurrent=True
+        )
+
+    return deco(method) if method is not None else deco
+
+
+class _NotAnEndpointMethod:
+    """``mesh.plain`` for a method without @endpoint: only ``as_endpoint`` accepts it."""
+
+    def __init__(self, mesh: ActorMesh[Any], name: str, fn: Callable[..., Any]) -> None:
+        self.mesh = mesh
+        self.name = name
+        self.fn = fn
+
+    def _refuse(self, *_: Any, **__: Any) -> Any:
+        raise RuntimeError(
+            f"Actor {self.mesh._class}.{self.name} is not annotated as an endpoint. To call it as one, add a "
+            f"@endpoint decorator to it, or directly wrap it in one as_endpoint(obj.method).call(...)"
+        )
+
+    call = call_one = choose = stream = broadcast = __call__ = _refuse
+
+
+_rr = itertools.count()
+
+
+class Endpoint(Generic[R]):
+    """An endpoint of an actor mesh; its adverbs say how a message is delivered."""
+
+    def __init__(self, mesh: ActorMesh[Any], name: str, prop: EndpointProperty[R]) -> None:
+        self._mesh = mesh
+        self._name = name
+        self._prop = prop
+
+    def __repr__(self) -> str:
+        return f"<Endpoint {self._mesh._name}.{self._name} over {self._mesh.extent}>"
+
+    def _check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        lead = (None, None) if self._prop.explicit_response_port else (None,)
+        try:
+            self._prop.signature.bind(*lead, *args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{self._mesh._class.__qualname__}.{self._name}{self._prop.signature}: {e}") from None
+
+    def _send(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        port: tuple[str, int] | None,
+        on_fail: Callable[[int, BaseException], None] | None,
+        ranks: list[int] | None = None,
+    ) -> int:
+        """Send to every actor of the mesh (or ``ranks``, indices into its view); return how many."""
+        self._check(args, kwargs)
+        mesh = self._mesh
+        if mesh._closed():
+            raise MeshClosedError(f"actor mesh {mesh._name!r} was stopped; spawn it again")
+        rt = _context.runtime()
+        body, bufs = dumps((args, kwargs))
+        rt.check_size(body, bufs)
+        view = mesh._view
+        ext = (view.labels, view.sizes)
+        call_id = rt.next_call_id()
+        procs = mesh._procs
+        idx = range(len(view.ranks)) if ranks is None else ranks
+        raddr_cache: dict[bool, str] = {}
+        for i in idx:
+            p = procs[view.ranks[i]]
+            reply = None
+            if port is not None:
+                tcp = p.addr.startswith("tcp://")
+                raddr = raddr_cache.get(tcp) or raddr_cache.setdefault(tcp, rt.addr_for(p.addr))
+                reply = (raddr, port[1]) if port[0] == "" else port
+                if p.alloc:
+                    rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)
+                if on_fail is not None:
+                    rt.expect(p.addr, (port[1], i), functools.partial(on_fail, i))
+            try:
+                rt.send_actor(p.addr, mesh._name, self._name, body, bufs, reply=reply, index=i, extent=ext, call_id=call_id)
+            except BaseException as e:
+                if on_fail is None:
+                    raise
+                on_fail(i, e)
+        return len(idx)
+
+    def _gather(self, args: tuple[Any, ...], kwargs: dict[str, Any], ranks: list[int] | None, what: str) -> Future[list[Any]]:
+        """Send and collect raw replies; fail fast on the first error."""
+        rt = _context.runtime()
+        n = len(self._mesh._view.ranks) if ranks is None else len(ranks)
+        fut: Future[list[Any]] = Future._create(what)
+        raw: list[Any] = [None] * len(self._mesh._view.ranks)
+        left = [n]
+        pid = 0
+        procs, view = self._mesh._procs, self._mesh._view
+
+        def finish() -> None:
+            rt.close_port(pid)
+            for i in range(len(raw)):
+                rt.fulfil(procs[view.ranks[i]].addr, (pid, i))
+
+        def on_reply(index: int, status: int, body: Any, bufs: list[Any]) -> None:
+            rt.fulfil(procs[view.ranks[index]].addr, (pid, index))
+            if status == wire.ERROR:
+                finish()
+                fut._set_raw((body, bufs), _raise_remote)
+                return
+            raw[index] = (body, bufs)
+            left[0] -= 1
+            if left[0] == 0:
+                finish()
+                fut._set_raw(raw, _decode_all)
+
+        def on_fail(index: int, err: BaseException) -> None:
+            finish()
+            fut._set_exception(err)
+
+        pid = rt.open_port(on_reply)
+        try:
+            self._send(args, kwargs, ("", pid), on_fail, ranks)
+        except BaseException:
+            rt.close_port(pid)
+            raise
+        return fut
+
+    def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[R]]:
+        """Call every actor; the future holds a ValueMesh of their results."""
+        from ._mesh import ValueMesh
+
+        view = self._mesh._view
+        inner = self._gather(args, kwargs, None, f"{self._mesh._name}.{self._name}.call()")
+        fut: Future[ValueMesh[R]] = Future._create(f"{self._mesh._name}.{self._name}.call()")
+        inner.add_done_callback(lambda f: fut._set_raw(f, lambda g: ValueMesh._from_view(view, g.get())))
+        return fut
+
+    def call_one(self, *args: Any, **kwargs: Any) -> Future[R]:
+        """Call the single actor of a one-actor mesh; ValueError for any other size."""
+        n = len(self._mesh._view.ranks)
+        if n != 1:
+            raise ValueError(f"call_one requires exactly 1 actor, but mesh has {n}")
+        inner = self._gather(args, kwargs, None, f"{self._mesh._name}.{self._name}.call_one()")
+        fut: Future[R] = Future._create(f"{self._mesh._name}.{self._name}.call_one()")
+        inner.add_done_callback(lambda f: fut._set_raw(f, lambda g: g.get()[0]))
+        return fut
+
+    def choose(self, *args: Any, **kwargs: Any) -> Future[R]:
+        """Call one actor, chosen to spread load."""
+        n = len(self._mesh._view.ranks)
+        i = random.randrange(n)
+        inner = self._gather(args, kwargs, [i], f"{self._mesh._name}.{self._name}.choose()")
+        fut: Future[R] = Future._create(f"{self._mesh._name}.{self._name}.choose()")
+        inner.add_done_callback(lambda f: fut._set_raw(f, lambda g, i=i: g.get()[i]))
+        return fut
+
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[R]]:
+        """Call every actor; yield a future per reply, in arrival order."""
+        import queue
+
+        rt = _context.runtime()
+        n = len(self._mesh._view.ranks)
+        q: queue.SimpleQueue[Future[R]] = queue.SimpleQueue()
+        left = [n]
+        pid = 0
+        procs, view = self._mesh._procs, self._mesh._view
+
+        def deliver(f: Future[R]) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                rt.close_port(pid)
+            q.put(f)
+
+        def on_reply(index: int, status: int, body: Any, bufs: list[Any]) -> None:
+            rt.fulfil(procs[view.ranks[index]].addr, (pid, index))
+            f: Future[R] = Future._create(f"{self._name}.stream() item")
+            f._set_raw((body, bufs), _raise_remote if status == wire.ERROR else _decode_one)
+            deliver(f)
+
+        def on_fail(index: int, err: BaseException) -> None:
+            f: Future[R] = Future._create(f"{self._name}.stream() item")
+            f._set_exception(err)
+            deliver(f)
+
+        pid = rt.open_port(on_reply)
+        self._send(args, kwargs, ("", pid), on_fail)
+
+        def gen() -> Iterator[Future[R]]:
+            for _ in range(n):
+                yield q.get()
+
+        return gen()
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> None:
+        """Send to every actor without waiting for (or receiving) results."""
+        self._send(args, kwargs, None, None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"call an endpoint through an adverb: {self._name}.call(...), .call_one(...), .choose(...), .stream(...) or .broadcast(...)"
+        )
+
+
+def _decode_one(raw: Any) -> Any:
+    return loads(*raw)
+
+
+def _decode_all(raws: list[Any]) -> list[Any]:
+    return [loads(*r) if r is not None else None for r in raws]
+
+
+def _raise_remote(raw: Any) -> Any:
+    raise loads(*raw)
+
+
+def as_endpoint(
+    not_an_endpoint: Any, *, propagate: Any = None, explicit_response_port: bool = False
+) -> Endpoint[Any]:
+    """Call a method that lacks ``@endpoint`` as if it had one: ``as_endpoint(mesh.method).call()``."""
+    if isinstance(not_an_endpoint, Endpoint):
+        return not_an_endpoint
+    if not isinstance(not_an_endpoint, _NotAnEndpointMethod):
+        raise ValueError("expected an method of a spawned actor")
+    prop: EndpointProperty[Any] = EndpointProperty(
+        not_an_endpoint.fn, propagate=propagate, explicit_response_port=explicit_response_port
+    )
+    prop.name = not_an_endpoint.name
+    return Endpoint(not_an_endpoint.mesh, not_an_endpoint.name, prop)
+
+
+def send(
+    endpoint: Endpoint[Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    port: Port[Any] | None = None,
+    selection: Literal["all", "choose"] = "all",
+) -> None:
+    """Fire-and-forget; replies, if any, go to ``port``."""
+    ranks = None if selection == "all" else [random.randrange(len(endpoint._mesh._view.ranks))]
+    endpoint._send(args, kwargs, (port._addr, port._port) if port is not None else None, None, ranks)
+
+
+class Accumulator(Generic[R, A]):
+    """Fold the replies of ``endpoint.stream(...)`` with ``combine`` starting from ``identity``."""
+
+    def __init__(self, endpoint: Endpoint[R], identity: A, combine: Callable[[A, R], A]) -> None:
+        self._endpoint = endpoint
+        self._identity = identity
+        self._combine = combine
+
+    def accumulate(self, *args: Any, **kwargs: Any) -> Future[A]:
+        inner = self._endpoint._gather(args, kwargs, None, "accumulate()")
+        fut: Future[A] = Future._create("accumulate()")
+
+        def fold(f: Future[list[Any]]) -> A:
+            acc = self._identity
+            for v in f.get():
+                acc = self._combine(acc, v)
+            return acc
+
+        inner.add_done_callback(lambda f: fut._set_raw(f, fold))
+        return fut

@@ -1,0 +1,163 @@
+"""One Future for every result: ``.get(timeout)`` in plain code and cells, ``await`` in async code.
+
+Results are completed on the runtime's I/O thread but decoded lazily, on the first
+``get``/``await``, in the consumer's thread, so unpickling never stalls the I/O thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Generator
+from typing import Any, Generic, TypeVar
+
+R = TypeVar("R")
+
+_PENDING, _RAW, _DONE, _FAILED = range(4)
+
+
+class Future(Generic[R]):
+    """The eventual result of an endpoint call or other asynchronous operation.
+
+    Not constructed directly; endpoints and meshes return them.
+    """
+
+    __slots__ = ("_cond", "_state", "_value", "_decode", "_callbacks", "_what", "__weakref__")
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        raise TypeError("Future cannot be constructed directly; endpoints and meshes return them")
+
+    @classmethod
+    def _create(cls, what: str = "result") -> Future[R]:
+        f = object.__new__(cls)
+        f._cond = threading.Condition(threading.Lock())
+        f._state = _PENDING
+        f._value = None
+        f._decode = None
+        f._callbacks = []
+        f._what = what
+        return f
+
+    @classmethod
+    def _completed(cls, value: R) -> Future[R]:
+        f: Future[R] = cls._create()
+        f._set_result(value)
+        return f
+
+    # -- completion (any thread)
+    def _finish(self, state: int, value: Any, decode: Callable[[Any], Any] | None = None) -> bool:
+        with self._cond:
+            if self._state != _PENDING:
+                return False
+            self._state, self._value, self._decode = state, value, decode
+            self._cond.notify_all()
+            cbs, self._callbacks = self._callbacks, []
+        for cb in cbs:
+            cb(self)
+        return True
+
+    def _set_result(self, value: Any) -> bool:
+        return self._finish(_DONE, value)
+
+    def _set_raw(self, raw: Any, decode: Callable[[Any], Any]) -> bool:
+        """Complete with ``raw``; ``decode(raw)`` runs once, in whichever thread reads first."""
+        return self._finish(_RAW, raw, decode)
+
+    def _set_exception(self, exc: BaseException) -> bool:
+        return self._finish(_FAILED, exc)
+
+    def done(self) -> bool:
+        return self._state != _PENDING
+
+    def add_done_callback(self, fn: Callable[[Future[R]], None]) -> None:
+        with self._cond:
+            if self._state == _PENDING:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    # -- reading
+    def _resolve(self) -> R:
+        with self._cond:
+            if self._state == _RAW:
+                decode, raw = self._decode, self._value
+                try:
+                    self._value = decode(raw)  # type: ignore[misc]
+                    self._state = _DONE
+                except BaseException as e:
+                    self._value = e
+                    self._state = _FAILED
+                self._decode = None
+            if self._state == _FAILED:
+                raise self._value  # type: ignore[misc]
+            return self._value  # type: ignore[return-value]
+
+    def get(self, timeout: float | None = None) -> R:
+        """Block until the result is ready; on timeout raise ``TimeoutError`` (the future stays usable)."""
+        from ._context import _on_io_thread
+
+        if self._state == _PENDING:
+            if _on_io_thread():
+                raise RuntimeError("Future.get() on the monarch_nb I/O thread would deadlock; use a callback")
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._state != _PENDING, timeout):
+                    raise TimeoutError(f"{self._what} not ready after {timeout} s (the future is still usable)")
+        return self._resolve()
+
+    result = get
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            self.get(timeout)
+        except TimeoutError:
+            raise
+        except BaseException as e:
+            return e
+        return None
+
+    def __await__(self) -> Generator[Any, None, R]:
+        if self._state == _PENDING:
+            loop = asyncio.get_running_loop()
+            af: asyncio.Future[None] = loop.create_future()
+
+            def wake(_: Future[R]) -> None:
+                loop.call_soon_threadsafe(lambda: af.done() or af.set_result(None))
+
+            self.add_done_callback(wake)
+            yield from af.__await__()
+        return self._resolve()
+
+    def as_asyncio(self) -> asyncio.Future[R]:
+        async def run() -> R:
+            return await self
+
+        return asyncio.ensure_future(run())
+
+    def __repr__(self) -> str:
+        state = {_PENDING: "pending", _RAW: "done", _DONE: "done", _FAILED: "failed"}[self._state]
+        return f"<monarch_nb Future {self._what} {state}>"
+
+
+def returns_future(fn: Callable[..., Coroutine[Any, Any, R]]) -> Callable[..., Future[R]]:
+    """Make an ``async def`` return a :class:`Future`: ``await`` it, or ``.get()`` it from sync code.
+
+    The coroutine runs on the runtime's I/O loop.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Future[R]:
+        from ._context import runtime
+
+        fut: Future[R] = Future._create(fn.__qualname__)
+        cf = runtime().submit(_as_coro(fn(*args, **kwargs)))
+        cf.add_done_callback(
+            lambda c: fut._set_exception(c.exception()) if c.exception() else fut._set_result(c.result())  # type: ignore[arg-type]
+        )
+        return fut
+
+    return wrapper
+
+
+async def _as_coro(aw: Awaitable[R]) -> R:
+    return await aw

@@ -1,0 +1,547 @@
+"""Host, proc, actor and value meshes."""
+
+from __future__ import annotations
+
+import math
+import os
+import pprint
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+import cloudpickle
+
+from .._wire.serialize import loads
+from ..errors import MeshClosedError, SpawnError
+from . import _context
+from ._actor import endpoints_of, is_async_actor
+from ._endpoint import Endpoint, EndpointProperty, _NotAnEndpointMethod
+from ._future import Future
+from ._refs import HostRef, ProcRef
+from ._shape import Extent, MeshTrait, Point, View
+
+R = TypeVar("R")
+T = TypeVar("T")
+
+
+class ValueMesh(MeshTrait, Generic[R]):
+    """The results of ``call()``: one value per actor, shaped like the mesh that was called."""
+
+    def __init__(self, extent: Extent, values: list[R]) -> None:
+        self._view = View(extent.labels, extent.sizes)
+        self._values = list(values)
+
+    @classmethod
+    def _from_view(cls, view: View, values: list[R]) -> ValueMesh[R]:
+        vm: ValueMesh[R] = object.__new__(cls)
+        vm._view = View(view.labels, view.sizes)
+        vm._values = values
+        return vm
+
+    def _with_view(self, view: View) -> ValueMesh[R]:
+        vm: ValueMesh[R] = object.__new__(type(self))
+        vm._view = view
+        vm._values = self._values
+        return vm
+
+    def item(self, **kwargs: int) -> R:
+        """The value at the given coordinates (every dimension must be given)."""
+        labels = self._view.labels
+        extra = [k for k in kwargs if k not in labels]
+        if extra:
+            raise KeyError(f"item has extra dimensions: {extra}")
+        idx = 0
+        for label, size in zip(labels, self._view.sizes):
+            if label not in kwargs:
+                raise KeyError(label)
+            c = kwargs[label]
+            if not 0 <= c < size:
+                raise IndexError(f"{label}={c} out of range for size {size}")
+            idx = idx * size + c
+        return self._values[self._view.ranks[idx]]
+
+    def get(self, rank: int) -> R:
+        return self._values[self._view.ranks[rank]]
+
+    def items(self) -> Iterator[tuple[Point, R]]:
+        ext = self._view.extent
+        for i, r in enumerate(self._view.ranks):
+            yield Point(i, ext), self._values[r]
+
+    def values(self) -> list[R]:
+        return [self._values[r] for r in self._view.ranks]
+
+    def __iter__(self) -> Iterator[tuple[Point, R]]:
+        return self.items()
+
+    def __repr__(self) -> str:
+        body = pprint.pformat(tuple(self.items()))
+        return f"ValueMesh({self.extent}):\n" + "\n".join("  " + line for line in body.splitlines())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ValueMesh, (self.extent, self.values()))
+
+
+class ActorMesh(MeshTrait, Generic[T]):
+    """Actors of one class spawned on a proc mesh; endpoints are attributes."""
+
+    def __init__(self, cls: type, name: str, procs: list[ProcRef], view: View, proc_mesh: ProcMesh | None) -> None:
+        self._class = cls
+        self._name = name
+        self._procs = procs
+        self._view = view
+        self._proc_mesh = proc_mesh
+        self._endpoints = endpoints_of(cls) if cls is not None else {}
+
+    def _with_view(self, view: View) -> ActorMesh[T]:
+        return ActorMesh(self._class, self._name, self._procs, view, self._proc_mesh)
+
+    def _closed(self) -> bool:
+        return self._proc_mesh is not None and self._proc_mesh._stopped
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        prop = self._endpoints.get(name)
+        if prop is not None:
+            return Endpoint(self, name, prop)
+        if self._class is None:
+            # re-attached without the class: trust the caller about the name
+            return Endpoint(self, name, EndpointProperty(_permissive(name)))
+        attr = getattr(self._class, name, None)
+        if callable(attr):
+            return _NotAnEndpointMethod(self, name, attr)
+        raise AttributeError(f"{self._class.__qualname__} has no endpoint {name!r}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ActorMesh, (self._class, self._name, self._procs, self._view, None))
+
+    def __repr__(self) -> str:
+        cls = self._class.__qualname__ if self._class is not None else "?"
+        return f"ActorMesh(class={cls}, name={self._name!r}, extent={self.extent})"
+
+    def stop(self, reason: str = "stopped by client") -> Future[None]:
+        client = _context.client()
+        futs = [client.request(p.addr, "stop_actor", self._name, _actor="__sys__") for p in {p.addr: p for p in self._procs}.values()]
+        return _all(futs, "stop actor mesh")
+
+    @property
+    def initialized(self) -> Future[None]:
+        return Future._completed(None)
+
+    def __await__(self) -> Any:
+        # Monarch's early API awaited spawn(); ours has already finished constructing
+        return _immediate(self).__await__()
+
+
+def _permissive(name: str) -> Callable[..., Any]:
+    def fn(self: Any, *args: Any, **kwargs: Any) -> Any: ...
+
+    fn.__name__ = name
+    return fn
+
+
+async def _immediate(v: T) -> T:
+    return v
+
+
+def _all(futs: list[Future[Any]], what: str) -> Future[Any]:
+    out: Future[Any] = Future._create(what)
+    left = [len(futs)]
+    lock = threading.Lock()
+    if not futs:
+        out._set_result([])
+
+    def done(_: Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            out._set_raw(futs, lambda fs: [f.get() for f in fs])
+
+    for f in futs:
+        f.add_done_callback(done)
+    return out
+
+
+class ProcMesh(MeshTrait):
+    """Processes on one or more hosts, shaped like ``{hosts: 2, gpus: 4}``."""
+
+    def __init__(self, name: str, procs: list[ProcRef], view: View, host_mesh: HostMesh | None, persist: bool = False) -> None:
+        self._name = name
+        self._procs = procs
+        self._view = view
+        self._host_mesh = host_mesh
+        self._persist = persist
+        self._stopped = False
+        self._failed: str = ""
+
+    def _with_view(self, view: View) -> ProcMesh:
+        pm = ProcMesh(self._name, self._procs, view, self._host_mesh, self._persist)
+        pm._root = getattr(self, "_root", self)  # type: ignore[attr-defined]
+        return pm
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def __repr__(self) -> str:
+        return f"ProcMesh(name={self._name!r}, extent={self.extent})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ProcMesh, (self._name, self._procs, self._view, self._host_mesh, self._persist))
+
+    def __await__(self) -> Any:
+        return _immediate(self).__await__()
+
+    @property
+    def initialized(self) -> Future[bool]:
+        return Future._completed(True)
+
+    @property
+    def host_mesh(self) -> HostMesh:
+        if self._host_mesh is None:
+            return this_host()
+        return self._host_mesh
+
+    def spawn(self, name: str, Class: type[T], *args: Any, **kwargs: Any) -> Any:
+        """Construct ``Class(*args, **kwargs)`` in every proc; returns when all are built.
+
+        A failing ``__init__`` raises :class:`SpawnError` with the remote traceback.
+        """
+        if self._stopped:
+            raise MeshClosedError(f"proc mesh {self._name!r} was stopped; spawn new procs")
+        if not isinstance(Class, type):
+            raise TypeError(f"spawn needs an Actor class, got {Class!r}")
+        is_async_actor(Class)  # mixed sync/async endpoints is a ValueError here, before anything is sent
+        client = _context.client()
+        view = self._view
+        ext = (list(view.labels), list(view.sizes))
+        futs = []
+        creator = client.cid
+        for i, r in enumerate(view.ranks):
+            p = self._procs[r]
+            futs.append(
+                client.request(p.addr, "spawn_actor", name, Class, args, kwargs, i, ext, self, creator, _actor="__sys__")
+            )
+            if p.alloc:
+                client.rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)
+        errors = []
+        for f in futs:
+            try:
+                f.get(timeout=client.rt.cfg.spawn_timeout)
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            e = errors[0]
+            tb = getattr(e, "remote_traceback", "")
+            raise SpawnError(f"spawning {name!r} ({Class.__qualname__}) failed on {len(errors)} of {len(futs)} procs: {e}", tb) from e
+        if self._persist or any(p.alloc for p in self._procs):
+            blob = cloudpickle.dumps(Class)
+            for alloc in {p.alloc for p in self._procs if p.alloc}:
+                client.tell(alloc, "note_actor", self._name, name, blob)
+        return ActorMesh(Class, name, self._procs, view, self)
+
+    def stop(self, reason: str = "stopped by client", *, force: bool = False) -> Future[None]:
+        """Stop every proc of this mesh (the whole mesh, also when called on a slice)."""
+        client = _context.client()
+        self._stopped = True
+        root = getattr(self, "_root", self)
+        root._stopped = True
+        client.stopped_meshes.add(self._name)
+        allocs = sorted({p.alloc for p in self._procs if p.alloc})
+        futs = [client.request(a, "stop_mesh", self._name, client.cid, force, reason) for a in allocs]
+        return _all(futs, f"stop mesh {self._name}")
+
+    async def logging_option(
+        self, stream_to_client: bool = True, aggregate_window_sec: int | None = None, level: int = 20
+    ) -> None:
+        """Stream this mesh's output to this client (or not)."""
+        if aggregate_window_sec is not None and not stream_to_client:
+            raise ValueError("aggregate_window_sec needs stream_to_client=True")
+        client = _context.client()
+        client.log_level = level
+        port = client.log_port
+        for alloc in sorted({p.alloc for p in self._procs if p.alloc}):
+            client.rt.send_actor(
+                alloc, "__allocator__", "stream_logs", *_args((self._name, stream_to_client)), reply=(client.rt.addr_for(alloc), port)
+            )
+
+    def _report_failure(self, err: Exception) -> None:
+        from . import _supervision
+
+        self._failed = str(err)
+        _supervision.report(MeshFailureFor(self, err))
+
+    def actor_mesh(self, name: str) -> ActorMesh[Any]:
+        """Re-attach to actors spawned earlier on this mesh (e.g. after a kernel restart)."""
+        client = _context.client()
+        for alloc in sorted({p.alloc for p in self._procs if p.alloc}):
+            info = client.request(alloc, "lookup", self._name).get(timeout=client.rt.cfg.connect_timeout)
+            blob = info["actors"].get(name)
+            if blob is not None:
+                return ActorMesh(loads(blob), name, self._procs, self._view, self)
+        return ActorMesh(None, name, self._procs, self._view, self)  # type: ignore[arg-type]
+
+    @staticmethod
+    def lookup(name: str, hosts: HostMesh | None = None) -> ProcMesh:
+        """Find a running mesh by name on ``hosts`` (default: this host) and attach to it."""
+        hosts = hosts or this_host()
+        client = _context.client()
+        procs: list[ProcRef] = []
+        extent = None
+        persist = False
+        for h in hosts._refs():
+            info = client.request(h.alloc, "lookup", name).get(timeout=client.rt.cfg.connect_timeout)
+            extent = info["extent"]
+            persist = info["persist"]
+            for addr, pid, rank, _state in info["procs"]:
+                procs.append(ProcRef(addr, h.alloc, info["host"], pid, name, rank))
+        assert extent is not None
+        procs.sort(key=lambda p: p.rank)
+        pm = ProcMesh(name, procs, View(*extent), hosts, persist)
+        client.own(procs, pm)
+        return pm
+
+
+class MeshFailureFor:
+    """Builds the :class:`MeshFailure` for a failed proc of ``mesh``."""
+
+    def __new__(cls, mesh: ProcMesh, err: Exception) -> Any:  # type: ignore[misc]
+        from ._supervision import MeshFailure
+
+        return MeshFailure(mesh._name, mesh, err)
+
+
+class HostMesh(MeshTrait):
+    """Hosts, each run by an allocator; ``spawn_procs`` starts procs on every one."""
+
+    def __init__(self, hosts: list[HostRef], view: View) -> None:
+        self._hosts = hosts
+        self._view = view
+
+    def _with_view(self, view: View) -> HostMesh:
+        return HostMesh(self._hosts, view)
+
+    def _refs(self) -> list[HostRef]:
+        return [self._hosts[r] for r in self._view.ranks]
+
+    def __repr__(self) -> str:
+        return f"HostMesh(extent={self.extent}, hosts={[h.host for h in self._refs()]})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (HostMesh, (self._hosts, self._view))
+
+    @property
+    def initialized(self) -> Future[bool]:
+        return Future._completed(True)
+
+    def __await__(self) -> Any:
+        return _immediate(self).__await__()
+
+    def spawn_procs(
+        self,
+        per_host: dict[str, int] | None = None,
+        bootstrap: Callable[[], Any] | None = None,
+        name: str | None = None,
+        proc_bind: list[dict[str, str]] | None = None,
+        bootstrap_command: Any = None,
+        *,
+        persist: bool | None = None,
+    ) -> ProcMesh:
+        """Start procs shaped ``per_host`` on every host; returns when every proc is up.
+
+        ``persist=True`` (the default in a Jupyter kernel) keeps them after this
+        controller exits, to be re-attached with ``ProcMesh.lookup(name)``.
+        """
+        per_host = dict(per_host or {})
+        for k, v in per_host.items():
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"per_host[{k!r}] must be a positive int, got {v!r}")
+        client = _context.client()
+        if persist is None:
+            persist = client.kind == "ipython"
+        if name is None or name == "anon":
+            client._anon += 1
+            name = f"anon-{client.cid[:6]}-{client._anon}"
+        hosts = self._refs()
+        labels = [*self._view.labels, *per_host]
+        sizes = [*self._view.sizes, *per_host.values()]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"per_host labels {list(per_host)} collide with host mesh dimensions {list(self._view.labels)}")
+        n_local = math.prod(per_host.values()) if per_host else 1
+        env = dict(os.environ)
+        boot = cloudpickle.dumps(bootstrap) if bootstrap is not None else None
+        cmd = _bootstrap_command(bootstrap_command)
+        futs = []
+        for h_index, h in enumerate(hosts):
+            client.connect(h.alloc)
+            spec = {
+                "name": name,
+                "owner": client.cid,
+                "persist": persist,
+                "labels": list(per_host),
+                "sizes": list(per_host.values()),
+                "rank_base": h_index * n_local,
+                "host_index": h_index,
+                "extent": (labels, sizes),
+                "env": env,
+                "sys_path": list(sys.path),
+                "cwd": os.getcwd(),
+                "bootstrap": boot,
+                "bootstrap_command": cmd,
+                "stream_logs_to": (client.rt.addr_for(h.alloc), client.log_port) if client.log_enabled else None,
+            }
+            futs.append(client.request(h.alloc, "spawn", spec))
+        procs: list[ProcRef] = []
+        errors = []
+        for h, f in zip(hosts, futs):
+            try:
+                info = f.get(timeout=client.rt.cfg.spawn_timeout + 10)
+            except Exception as e:
+                errors.append((h, e))
+                continue
+            for addr, pid, rank in info["procs"]:
+                procs.append(ProcRef(addr, h.alloc, info["host"], pid, name, rank))
+        if errors:
+            for h, f in zip(hosts, futs):
+                if f.exception(timeout=0) is None:
+                    client.request(h.alloc, "stop_mesh", name, client.cid, False, "spawn failed elsewhere")
+            h, e = errors[0]
+            if isinstance(e, SpawnError):
+                raise e
+            raise SpawnError(f"spawning procs {name!r} on host {h.host} failed: {e}") from e
+        procs.sort(key=lambda p: p.rank)
+        pm = ProcMesh(name, procs, View(labels, sizes), self, persist)
+        client.own(procs, pm)
+        for p in procs:
+            client.rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)
+        return pm
+
+    def shutdown(self) -> Future[None]:
+        """Stop the allocators of these hosts (and every proc they own)."""
+        client = _context.client()
+        return _all([client.request(h.alloc, "shutdown") for h in self._refs()], "shutdown hosts")
+
+    def stop(self) -> Future[None]:
+        return Future._completed(None)
+
+
+def _bootstrap_command(cmd: Any) -> tuple[list[str], dict[str, str]] | None:
+    if cmd is None:
+        return None
+    if isinstance(cmd, (list, tuple)) and cmd and isinstance(cmd[0], str):
+        return [*cmd], {}
+    from ._misc import BootstrapCommand
+
+    if isinstance(cmd, BootstrapCommand):
+        return cmd.argv(), dict(cmd.env)
+    raise TypeError(f"bootstrap_command must be a list of strings or a BootstrapCommand, got {cmd!r}")
+
+
+_host_lock = threading.Lock()
+_local_host: HostMesh | None = None
+
+
+def this_host() -> HostMesh:
+    """This host as a 0-dimensional host mesh; a controller starts the local allocator if none runs."""
+    global _local_host
+    if _local_host is not None:
+        return _local_host
+    with _host_lock:
+        if _local_host is None:
+            spec = _context.proc_spec
+            if spec is not None:
+                _local_host = HostMesh([HostRef(spec["alloc_addr"], spec["host"])], View([], []))
+            else:
+                from ..config import runtime_dir
+                from ._client import find_local_allocator, start_local_allocator
+
+                client = _context.client()
+                rdir = runtime_dir(client.rt.cfg)
+                info = find_local_allocator(rdir) or start_local_allocator(rdir)
+                client.connect(info["addr"])
+                _local_host = HostMesh([HostRef(info["addr"], info["host"])], View([], []))
+    return _local_host
+
+
+_this_proc: ProcMesh | None = None
+
+
+def this_proc() -> ProcMesh:
+    """This process as a 0-dimensional proc mesh: ``this_proc().spawn(...)`` hosts actors here."""
+    global _this_proc
+    if _this_proc is None:
+        from ._actor import ensure_actor_host
+
+        rt = _context.runtime()
+        ensure_actor_host(rt)
+        spec = _context.proc_spec
+        me = ProcRef(rt.ipc_addr, "", rt.hostname, rt.pid, spec["mesh"] if spec else "controller", spec["rank"] if spec else 0)
+        _this_proc = ProcMesh(me.mesh, [me], View([], []), None)
+    return _this_proc
+
+
+_controllers: dict[str, Any] = {}
+_controllers_lock = threading.Lock()
+
+
+def get_or_spawn_controller(name: str, Class: type[T], *args: Any, **kwargs: Any) -> Future[Any]:
+    """A singleton actor named ``name`` in this process, spawned on first request."""
+    with _controllers_lock:
+        mesh = _controllers.get(name)
+        if mesh is None:
+            mesh = _controllers[name] = this_proc().spawn(name, Class, *args, **kwargs)
+    return Future._completed(mesh)
+
+
+def attach_to_workers(
+    *,
+    ca: Any = None,
+    workers: list[Any],
+    name: str | None = None,
+    private_key: Any = None,
+    key_file: str | None = None,
+) -> HostMesh:
+    """A host mesh ``{hosts: N}`` over allocators already running at ``workers`` addresses.
+
+    ``ca`` (or ``key_file``) is the path of the cluster key file; ``"trust_all_connections"``
+    is accepted only for loopback and ipc addresses.
+    """
+    from .._runtime.transport import Security
+    from .._wire.keys import read_key_file
+
+    client = _context.client()
+    path = key_file or (ca if isinstance(ca, (str, os.PathLike)) and ca != "trust_all_connections" else None)
+    if path is None and private_key is None and ca is None:
+        path = os.environ.get("MONARCH_NB_KEY_FILE") or None
+    if isinstance(private_key, bytes):
+        client.rt.sockets.set_security(Security(private_key))
+    elif path:
+        client.rt.sockets.set_security(Security(read_key_file(os.fspath(path))))
+    elif ca == "trust_all_connections":
+        client.rt.sockets.set_security(Security(None, trust_all=True))
+    addrs = [w.get() if isinstance(w, Future) else str(w) for w in workers]
+    refs = []
+    for a in addrs:
+        info = client.connect(a)
+        refs.append(HostRef(a, info["host"]))
+    return HostMesh(refs, View(["hosts"], [len(refs)]))
+
+
+def proc_mesh(*, gpus: int | None = None, hosts: int | None = None, **dims: int) -> ProcMesh:
+    """Monarch's early helper: local procs shaped ``{hosts, gpus, ...}`` on this host."""
+    per_host: dict[str, int] = {}
+    if hosts is not None:
+        per_host["hosts"] = hosts
+    if gpus is not None:
+        per_host["gpus"] = gpus
+    per_host.update(dims)
+    return this_host().spawn_procs(per_host=per_host)
+
+
+def _args(args: tuple[Any, ...]) -> tuple[bytes, list[Any]]:
+    from .._wire.serialize import dumps
+
+    return dumps((args, {}))

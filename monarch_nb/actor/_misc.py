@@ -1,0 +1,288 @@
+"""The rest of ``monarch.actor``'s surface: context, transports, worker loops, tracing hooks."""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import inspect
+import logging
+import os
+import secrets
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _context
+from ._future import Future
+from ._shape import Point
+
+logger = logging.getLogger(__name__)
+
+
+class Context:
+    """Who is running: ``context().actor_instance`` and ``context().message_rank``."""
+
+    @property
+    def actor_instance(self) -> Any:
+        inst = _context.current_instance()
+        if inst is not None:
+            return inst
+        return _ClientInstance()
+
+    @property
+    def message_rank(self) -> Point:
+        return _context.current_message_rank()
+
+
+class _ClientInstance:
+    """The root "actor" of a controller or of a proc outside any actor."""
+
+    name = "client"
+    class_name = "client"
+    creator = None
+
+    @property
+    def rank(self) -> Point:
+        return _context.proc_point()
+
+    @property
+    def actor_id(self) -> str:
+        rt = _context.runtime()
+        return f"client@{rt.label}@{rt.hostname}:{rt.pid}"
+
+    @property
+    def proc_id(self) -> str:
+        rt = _context.runtime()
+        return f"{rt.label}@{rt.hostname}:{rt.pid}"
+
+    @property
+    def proc(self) -> Any:
+        from ._mesh import this_proc
+
+        return this_proc()
+
+    proc_mesh = proc
+
+
+def context() -> Context:
+    return Context()
+
+
+def current_rank() -> Point:
+    """This message's position in the mesh (or slice) it was sent to; ``{}`` on the client."""
+    return _context.current_message_rank()
+
+
+def current_size() -> dict[str, int]:
+    return dict(_context.current_message_rank().extent)
+
+
+def current_actor_name() -> str:
+    return str(context().actor_instance.actor_id)
+
+
+class ChannelTransport(enum.Enum):
+    TcpWithLocalhost = "tcp(localhost)"
+    TcpWithHostname = "tcp(hostname)"
+    MetaTlsWithHostname = "metatls(hostname)"
+    MetaTlsWithIpV6 = "metatls(ipv6)"
+    Tls = "tls"
+    Local = "local"
+    Unix = "unix"
+
+
+_transport = ChannelTransport.Unix
+
+
+def enable_transport(transport: ChannelTransport | str) -> None:
+    """Choose the default transport. monarch_nb uses ipc on one host and CurveZMQ TCP across hosts
+    automatically; TLS transports are not provided (use a cluster key file instead)."""
+    global _transport
+    if isinstance(transport, str):
+        table = {"tcp": ChannelTransport.TcpWithHostname, "ipc": ChannelTransport.Unix}
+        if transport in table:
+            transport = table[transport]
+        elif transport.startswith("tcp://"):
+            transport = ChannelTransport.TcpWithHostname
+        else:
+            raise NotImplementedError(f"transport {transport!r} is not supported by monarch_nb (use 'tcp' or 'ipc')")
+    if transport in (ChannelTransport.MetaTlsWithHostname, ChannelTransport.MetaTlsWithIpV6, ChannelTransport.Tls):
+        raise NotImplementedError(f"{transport} is not supported; monarch_nb secures TCP with CurveZMQ and a cluster key")
+    _transport = transport
+
+
+@dataclass
+class Uid:
+    label: str = ""
+    value: str = field(default_factory=lambda: secrets.token_hex(6))
+
+    @staticmethod
+    def anonymous() -> Uid:
+        return Uid()
+
+    @staticmethod
+    def instance(label: str | None = None) -> Uid:
+        return Uid(label or "")
+
+    @staticmethod
+    def from_string(s: str) -> Uid:
+        label, _, value = s.rpartition("<")
+        return Uid(label, value.rstrip(">"))
+
+    def __str__(self) -> str:
+        return f"{self.label}<{self.value}>"
+
+
+@dataclass(frozen=True)
+class ProcId:
+    uid: Uid
+
+    @property
+    def label(self) -> str:
+        return self.uid.label
+
+    @staticmethod
+    def from_string(s: str) -> ProcId:
+        return ProcId(Uid.from_string(s))
+
+    def __str__(self) -> str:
+        return str(self.uid)
+
+
+@dataclass
+class BootstrapCommand:
+    """How a proc is started when it must be exec'd rather than forked from the zygote."""
+
+    exe: str
+    argv0: str | None
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+    def with_env(self, **env: str) -> BootstrapCommand:
+        return BootstrapCommand(self.exe, self.argv0, list(self.args), {**self.env, **env})
+
+    def argv(self) -> list[str]:
+        return [self.exe, *self.args]
+
+
+def default_bootstrap_cmd() -> BootstrapCommand:
+    """The exec'd alternative to a zygote fork: this interpreter running the proc bootstrap."""
+    return BootstrapCommand(sys.executable, None, ["-m", "monarch_nb.actor._bootstrap"], {})
+
+
+@contextlib.contextmanager
+def span(name: str) -> Iterator[None]:
+    """A timed region; logged at DEBUG with the actor and duration."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        logger.debug("span %s took %.6f s in %s", name, time.perf_counter() - t0, current_actor_name() if _context._runtime else "client")
+
+
+def traced(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:
+    """Wrap a function (sync or async) in :func:`span`."""
+
+    def deco(f: Callable[..., Any]) -> Callable[..., Any]:
+        label = name or f.__qualname__
+        if inspect.iscoroutinefunction(f):
+
+            @functools.wraps(f)
+            async def aw(*a: Any, **k: Any) -> Any:
+                with span(label):
+                    return await f(*a, **k)
+
+            return aw
+
+        @functools.wraps(f)
+        def w(*a: Any, **k: Any) -> Any:
+            with span(label):
+                return f(*a, **k)
+
+        return w
+
+    return deco(fn) if fn is not None else deco
+
+
+class _Instrument:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.value = 0.0
+
+    def add(self, amount: float, attributes: dict[str, Any] | None = None) -> None:
+        self.value += amount
+
+    record = add
+
+
+class _Meter:
+    """A small stand-in for an OpenTelemetry meter (used when opentelemetry is absent)."""
+
+    def create_counter(self, name: str, **_: Any) -> _Instrument:
+        return _Instrument(name)
+
+    create_up_down_counter = create_histogram = create_gauge = create_counter
+
+
+def get_meter() -> Any:
+    try:
+        from opentelemetry import metrics
+
+        return metrics.get_meter("monarch")
+    except ImportError:
+        return _Meter()
+
+
+def debug_controller() -> Any:
+    raise NotImplementedError("the remote debugger arrives with the debug feature (monarch_nb.debug)")
+
+
+def attach(addr: str) -> None:
+    """Monarch reaches meshes through a gateway; here every process talks to allocators directly,
+    so attaching means connecting to the allocator at ``addr``."""
+    _context.client().connect(addr)
+
+
+def shutdown_context(host_timeout: float | None = None) -> Future[None]:
+    """Detach this client from its allocators (a script's meshes stop)."""
+    if _context._client is not None:
+        _context._client.shutdown()
+    return Future._completed(None)
+
+
+def _run_allocator(address: str, ca: Any, private_key: Any, forever: bool) -> None:
+    from ..allocator import run_allocator
+
+    key_file = ca if isinstance(ca, (str, os.PathLike)) and ca != "trust_all_connections" else None
+    run_allocator(bind=address, key_file=os.fspath(key_file) if key_file else None, trust_all=ca == "trust_all_connections")
+
+
+def run_worker_loop_forever(*, ca: Any, address: str, private_key: Any = None) -> None:
+    """Serve as a worker host (an allocator) at ``address`` until killed."""
+    _run_allocator(address, ca, private_key, True)
+
+
+def run_worker_loop_until_shutdown(*, ca: Any, address: str, private_key: Any = None) -> None:
+    """Serve as a worker host at ``address`` until a controller shuts it down."""
+    _run_allocator(address, ca, private_key, False)
+
+
+def start_worker_loop_forever(*, ca: Any, address: str, private_key: Any = None) -> Future[None]:
+    """Start a worker host (allocator daemon) in the background; the future completes once it serves."""
+    import subprocess
+
+    key_file = ca if isinstance(ca, (str, os.PathLike)) and ca != "trust_all_connections" else None
+    argv = [sys.executable, "-m", "monarch_nb", "allocator", "--bind", address]
+    argv += ["--key-file", os.fspath(key_file)] if key_file else ["--trust-all"]
+    subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL)
+    return Future._completed(None)
+
+
+class _Config:
+    prefix_python_logs_with_actor = True
+
+
+config = _Config()

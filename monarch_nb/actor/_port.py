@@ -1,0 +1,111 @@
+"""Ports and channels: a picklable address to which anyone may send values."""
+
+from __future__ import annotations
+
+import queue
+from typing import Any, Generic, TypeVar
+
+from .._wire import frames as wire
+from .._wire.serialize import loads
+from ..errors import ActorError, format_exception
+from . import _context
+from ._future import Future
+
+R = TypeVar("R")
+
+
+class Port(Generic[R]):
+    """Where a value should go; picklable, so it can be handed to other actors."""
+
+    def __init__(self, addr: str, port: int, index: int = 0, once: bool = False) -> None:
+        self._addr = addr
+        self._port = port
+        self._index = index
+        self._once = once
+        self.return_undeliverable = True
+
+    def send(self, obj: R) -> None:
+        _context.runtime().send_port(self._addr, self._port, self._index, wire.ITEM, obj)
+
+    def exception(self, exc: Exception) -> None:
+        err = exc if isinstance(exc, ActorError) else ActorError(exc, format_exception(exc))
+        _context.runtime().send_port(self._addr, self._port, self._index, wire.ERROR, err)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        addr = self._addr
+        rt = _context._runtime
+        if rt is not None and addr == rt.ipc_addr and rt.tcp_addr:
+            # once we have a TCP inbox, hand out the address every host can reach
+            addr = rt.tcp_addr
+        return (Port, (addr, self._port, self._index, self._once))
+
+    def __repr__(self) -> str:
+        return f"Port({self._addr}#{self._port})"
+
+
+class PortReceiver(Generic[R]):
+    """The receiving end of a :class:`Channel`."""
+
+    def __init__(self, ranked: bool = False) -> None:
+        self._q: queue.SimpleQueue[tuple[int, int, Any]] = queue.SimpleQueue()
+        self._waiters: list[Future[Any]] = []
+        self._ranked = ranked
+        self._pid = 0
+
+    def _on_value(self, index: int, status: int, body: Any, bufs: list[Any]) -> None:
+        raw = (bytes(body), [bytes(b) for b in bufs])
+        if self._waiters:
+            f = self._waiters.pop(0)
+            self._complete(f, index, status, raw)
+        else:
+            self._q.put((index, status, raw))
+
+    def _complete(self, f: Future[Any], index: int, status: int, raw: Any) -> None:
+        if status == wire.ERROR:
+            def fail(r: Any) -> Any:
+                raise loads(*r)
+
+            f._set_raw(raw, fail)
+        elif self._ranked:
+            f._set_raw(raw, lambda r: (index, loads(*r)))
+        else:
+            f._set_raw(raw, lambda r: loads(*r))
+
+    def recv(self) -> Future[R]:
+        """A future for the next value sent to the port."""
+        f: Future[R] = Future._create("PortReceiver.recv()")
+        rt = _context.runtime()
+
+        def take() -> None:
+            try:
+                index, status, raw = self._q.get_nowait()
+            except queue.Empty:
+                self._waiters.append(f)
+                return
+            self._complete(f, index, status, raw)
+
+        # values arrive on the I/O thread; taking there too keeps their order
+        rt.call_soon(take)
+        return f
+
+    def close(self) -> None:
+        _context.runtime().close_port(self._pid)
+
+
+class Channel(Generic[R]):
+    """``Channel.open()`` returns a connected ``(Port, PortReceiver)`` pair."""
+
+    @staticmethod
+    def open(once: bool = False) -> tuple[Port[R], PortReceiver[R]]:
+        return Channel._open(once, False)
+
+    @staticmethod
+    def open_ranked(once: bool = False) -> tuple[Port[Any], PortReceiver[Any]]:
+        return Channel._open(once, True)
+
+    @staticmethod
+    def _open(once: bool, ranked: bool) -> tuple[Port[Any], PortReceiver[Any]]:
+        rt = _context.runtime()
+        recv: PortReceiver[Any] = PortReceiver(ranked)
+        recv._pid = rt.open_port(recv._on_value)
+        return Port(rt.ipc_addr, recv._pid, 0, once), recv

@@ -1,0 +1,101 @@
+"""Mesh failures and what happens when nobody handles them."""
+
+from __future__ import annotations
+
+import _thread
+import logging
+import sys
+import threading
+from typing import Any
+
+from . import _context
+
+logger = logging.getLogger(__name__)
+
+
+class MeshFailure:
+    """A proc (or its host) of a mesh failed. Passed to ``__supervise__`` and ``unhandled_fault_hook``."""
+
+    def __init__(self, mesh_name: str, mesh: Any, error: Exception) -> None:
+        self.mesh_name = mesh_name
+        self.mesh = mesh
+        self.error = error
+
+    def report(self) -> str:
+        return f"mesh {self.mesh_name!r} failed: {getattr(self.error, 'message', self.error)}"
+
+    def __repr__(self) -> str:
+        return f"MeshFailure(mesh_name={self.mesh_name}, event={getattr(self.error, 'message', self.error)})"
+
+    __str__ = __repr__
+
+
+_exit_requested = False
+
+
+def unhandled_fault_hook(failure: MeshFailure) -> None:
+    """Default policy for a failure nobody supervised.
+
+    In a script: report it and exit non-zero (fail fast). Under IPython: report it; the
+    mesh is marked failed and the kernel lives on. Replace it by assigning
+    ``monarch_nb.actor.unhandled_fault_hook = my_hook``.
+    """
+    print(f"monarch_nb: unhandled mesh failure: {failure.report()}", file=sys.stderr, flush=True)
+    if _context.in_ipython_kernel():
+        return
+    global _exit_requested
+    _exit_requested = True
+    _install_exit_hook()
+    _thread.interrupt_main()
+
+
+def _install_exit_hook() -> None:
+    prev = sys.excepthook
+
+    def hook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+        if _exit_requested and issubclass(tp, KeyboardInterrupt):
+            sys.stderr.write("monarch_nb: exiting (exit code 1) after an unhandled mesh failure\n")
+            sys.stderr.flush()
+            import os
+
+            os._exit(1)
+        prev(tp, value, tb)
+
+    sys.excepthook = hook
+
+
+_report_lock = threading.Lock()
+
+
+def report(failure: MeshFailure) -> None:
+    """Give ``failure`` to the owning actor's ``__supervise__``, else to the fault hook."""
+    with _report_lock:
+        inst = _context.current_instance()
+        owner = getattr(getattr(inst, "_slot", None), "obj", None) if inst else None
+        if owner is None:
+            from .._runtime.runtime import Runtime  # noqa: F401
+
+            host = _context.runtime().system.get("__sys__")
+            for slot in list(_context.runtime().actors.values()) if host else []:
+                obj = getattr(slot, "obj", None)
+                if obj is not None and type(obj).__supervise__ is not _base_supervise():
+                    owner = obj
+                    break
+        if owner is not None:
+            try:
+                if owner.__supervise__(failure):
+                    return
+            except Exception:
+                logger.exception("__supervise__ raised")
+        from monarch_nb import actor as public
+
+        try:
+            public.unhandled_fault_hook(failure)
+        except Exception:
+            logger.exception("unhandled_fault_hook raised")
+
+
+def _base_supervise() -> Any:
+    from ._actor import Actor
+
+    return Actor.__supervise__

@@ -1,0 +1,91 @@
+"""``monarch-nb``: allocator daemon, status, keys."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _allocator(args: argparse.Namespace) -> int:
+    from .allocator import list_allocators, run_allocator, start_allocator, stop_allocator
+
+    action = args.action or "run"
+    if action == "run":
+        run_allocator(bind=args.bind, key_file=args.key_file, trust_all=args.trust_all, lease=args.lease)
+        return 0
+    if action == "start":
+        extra = []
+        if args.bind:
+            extra += ["--bind", args.bind]
+        if args.key_file:
+            extra += ["--key-file", args.key_file]
+        if args.trust_all:
+            extra += ["--trust-all"]
+        if args.lease is not None:
+            extra += ["--lease", str(args.lease)]
+        info = start_allocator(extra)
+        print(f"allocator pid {info['pid']} at {info['addr']} {info.get('tcp') or ''}".rstrip())
+        return 0
+    if action == "stop":
+        pids = stop_allocator(args.pid)
+        print(f"stopped {len(pids)} allocator(s): {pids}" if pids else "no allocator running on this host")
+        return 0
+    if action == "status":
+        rows = list_allocators()
+        if not rows:
+            print("no allocators registered")
+        for r in rows:
+            print(f"{r['pid']:>8} {'alive' if r['alive'] else 'dead ':5} {r['host']:20} {r['addr']} {r.get('tcp') or ''}")
+        return 0
+    raise SystemExit(f"unknown allocator action {action!r}")
+
+
+def _status(args: argparse.Namespace) -> int:
+    from .introspect import status
+
+    s = status()
+    if args.json:
+        print(json.dumps(s, indent=2, default=str))
+        return 0
+    for a in s["allocators"]:
+        print(f"allocator {a.get('alloc_id', '?')} on {a.get('host')} pid {a.get('pid')}: {a.get('error') or 'ok'}")
+        for m in a.get("meshes", []):
+            states = {}
+            for p in m["procs"]:
+                states[p["state"]] = states.get(p["state"], 0) + 1
+            print(f"  mesh {m['name']} {m['extent']} {m['state']} owner={m['owner']} procs={states}")
+    return 0
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from ._wire.keys import write_key_file
+
+    write_key_file(args.path)
+    print(f"wrote a new cluster key to {args.path} (mode 600); copy it to every host over a secure channel")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="monarch-nb", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("allocator", help="run or manage this host's allocator daemon")
+    a.add_argument("action", nargs="?", choices=["run", "start", "stop", "status"], help="default: run in the foreground")
+    a.add_argument("--bind", help="tcp://IP:PORT to serve other hosts (ipc is always served)")
+    a.add_argument("--key-file", help="cluster key file (required for TCP off loopback)")
+    a.add_argument("--trust-all", action="store_true", help="plain TCP, loopback only")
+    a.add_argument("--lease", type=float, help="seconds without any controller before meshes are reaped")
+    a.add_argument("--pid", type=int, help="with stop: only this allocator")
+    a.set_defaults(fn=_allocator)
+    s = sub.add_parser("status", help="allocators, meshes and procs")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=_status)
+    k = sub.add_parser("keygen", help="write a new cluster key file")
+    k.add_argument("path")
+    k.set_defaults(fn=_keygen)
+    args = p.parse_args(argv)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

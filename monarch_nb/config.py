@@ -1,0 +1,107 @@
+"""Configuration: frozen defaults < ``MONARCH_NB_<FIELD>`` environment < ``configure(**kw)``.
+
+Durations are float seconds. Runtime objects take a :class:`Config`; only the public facade
+reads the process-wide one via :func:`get_config`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from .errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    #: how often controllers ping allocators and allocators ping back
+    heartbeat_interval: float = 0.5
+    #: silence after which a peer counts as lost (issue target: detected < 3 s)
+    heartbeat_timeout: float = 2.0
+    #: waiting for procs to start and actors to be constructed
+    spawn_timeout: float = 120.0
+    #: waiting for a first answer from an address
+    connect_timeout: float = 10.0
+    #: an allocator reaps persistent meshes after this long with no controller attached
+    lease: float = 3600.0
+    #: frames larger than this are refused at the sender and dropped at the receiver
+    max_message_bytes: int = 8 << 30
+    #: where connection files and ipc sockets live; empty means Jupyter's runtime dir
+    runtime_dir: str = ""
+    #: modules the allocator's zygote imports before forking procs
+    zygote_preload: str = "torch"
+    #: how long the allocator batches log lines before forwarding them
+    log_flush_interval: float = 0.02
+
+    def replace(self, **kw: Any) -> Config:
+        return dataclasses.replace(self, **kw)
+
+
+_lock = threading.Lock()
+_overrides: dict[str, Any] = {}
+
+
+def _coerce(field: dataclasses.Field[Any], raw: str) -> Any:
+    kind = field.type if isinstance(field.type, type) else {"float": float, "int": int, "str": str}[str(field.type)]
+    try:
+        return kind(raw)
+    except ValueError as e:
+        raise ConfigError(f"MONARCH_NB_{field.name.upper()}={raw!r} is not a valid {kind.__name__}") from e
+
+
+def get_config() -> Config:
+    """The configuration in force for this process."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(Config):
+        raw = os.environ.get(f"MONARCH_NB_{f.name.upper()}")
+        if raw is not None:
+            values[f.name] = _coerce(f, raw)
+    with _lock:
+        values.update(_overrides)
+    return Config(**values)
+
+
+def configure(**kw: Any) -> None:
+    """Set configuration values for this process (they win over the environment)."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    unknown = set(kw) - names
+    if unknown:
+        raise ConfigError(f"unknown configuration field(s) {sorted(unknown)}; known: {sorted(names)}")
+    with _lock:
+        _overrides.update(kw)
+
+
+@contextlib.contextmanager
+def configured(**kw: Any) -> Iterator[Config]:
+    """Temporarily override configuration values, e.g. in tests."""
+    with _lock:
+        saved = dict(_overrides)
+    configure(**kw)
+    try:
+        yield get_config()
+    finally:
+        with _lock:
+            _overrides.clear()
+            _overrides.update(saved)
+
+
+def runtime_dir(cfg: Config | None = None) -> str:
+    """The directory holding connection files and ipc sockets (created 0700)."""
+    cfg = cfg or get_config()
+    path = cfg.runtime_dir or os.environ.get("MONARCH_NB_RUNTIME_DIR", "")
+    if not path:
+        try:
+            from jupyter_core.paths import jupyter_runtime_dir
+
+            path = jupyter_runtime_dir()
+        except ImportError:
+            base = os.environ.get("JUPYTER_RUNTIME_DIR") or os.path.join(
+                os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "jupyter", "runtime"
+            )
+            path = base
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path

@@ -1,0 +1,171 @@
+"""Exceptions raised by monarch_nb.
+
+* MonarchNBError
+  + ActorError            an endpoint raised remotely (.exception, .remote_traceback, .rank)
+    - SupervisionError    the actor or its process is gone (.mesh, .rank, .host, .cause)
+  + MeshError
+    - SpawnError          an allocator could not start a proc or construct an actor
+    - MeshClosedError     a mesh used after stop()
+  + ProtocolError         malformed, oversized, replayed or foreign frame
+    - VersionMismatchError
+  + AuthenticationError   the peer refused our key (or we refused theirs)
+  + ConnectError          an address that cannot be reached in time
+  + ConfigError
+
+Deadlines raise the builtin ``TimeoutError`` saying what was awaited and for how long.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+
+class MonarchNBError(Exception):
+    """Base class of every error monarch_nb raises itself."""
+
+
+class ActorError(MonarchNBError):
+    """An endpoint raised on a remote actor.
+
+    ``exception`` is the remote exception when it could be unpickled here (else a
+    ``RuntimeError`` carrying its text); ``remote_traceback`` is the remote traceback
+    already formatted, since exceptions do not always survive pickling.
+    """
+
+    def __init__(
+        self,
+        exception: BaseException,
+        remote_traceback: str = "",
+        *,
+        actor: str = "",
+        rank: int | None = None,
+        host: str = "",
+        message: str = "",
+    ) -> None:
+        self.exception = exception
+        self.remote_traceback = remote_traceback
+        self.actor = actor
+        self.rank = rank
+        self.host = host
+        self.message = message or f"{type(exception).__name__}: {exception}"
+        super().__init__(self._headline())
+
+    def _headline(self) -> str:
+        where = []
+        if self.actor:
+            where.append(f"actor {self.actor!r}")
+        if self.rank is not None:
+            where.append(f"rank {self.rank}")
+        if self.host:
+            where.append(f"host {self.host}")
+        prefix = f"A remote actor call failed ({', '.join(where)})" if where else "A remote actor call failed"
+        return f"{prefix}: {self.message}"
+
+    def __str__(self) -> str:
+        if self.remote_traceback:
+            return f"{self._headline()}\nRemote traceback:\n{self.remote_traceback.rstrip()}"
+        return self._headline()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild_actor_error,
+            (type(self), _safe_exc(self.exception), self.remote_traceback, self.actor, self.rank, self.host, self.message),
+        )
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing our local frames, which say nothing about the bug.
+        lines = [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self._headline()}"]
+        if self.remote_traceback:
+            lines.append("Remote traceback:")
+            lines.extend(self.remote_traceback.rstrip().splitlines())
+        return lines
+
+
+class SupervisionError(ActorError):
+    """The actor, its process, or its host is gone; pending and later calls fail with this."""
+
+    def __init__(
+        self,
+        cause: str,
+        *,
+        mesh: str = "",
+        actor: str = "",
+        rank: int | None = None,
+        host: str = "",
+    ) -> None:
+        self.cause = cause
+        self.mesh = mesh
+        parts = []
+        if mesh:
+            parts.append(f"mesh {mesh!r}")
+        if rank is not None:
+            parts.append(f"rank {rank}")
+        if host:
+            parts.append(f"host {host}")
+        msg = f"{' '.join(parts)}: {cause}" if parts else cause
+        super().__init__(RuntimeError(msg), "", actor=actor, rank=rank, host=host, message=msg)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_supervision_error, (self.cause, self.mesh, self.actor, self.rank, self.host))
+
+    def _headline(self) -> str:
+        return f"Supervision failure: {self.message}"
+
+
+def _rebuild_actor_error(cls, exc, tb, actor, rank, host, message):  # type: ignore[no-untyped-def]
+    return cls(exc, tb, actor=actor, rank=rank, host=host, message=message)
+
+
+def _rebuild_supervision_error(cause, mesh, actor, rank, host):  # type: ignore[no-untyped-def]
+    return SupervisionError(cause, mesh=mesh, actor=actor, rank=rank, host=host)
+
+
+def _safe_exc(exc: BaseException) -> BaseException:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def format_exception(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+class MeshError(MonarchNBError):
+    """A mesh could not be created or used."""
+
+
+class SpawnError(MeshError):
+    """An allocator could not start a proc, or an actor's ``__init__`` raised."""
+
+    def __init__(self, message: str, remote_traceback: str = "") -> None:
+        self.remote_traceback = remote_traceback
+        super().__init__(message + (f"\nRemote traceback:\n{remote_traceback.rstrip()}" if remote_traceback else ""))
+
+
+class MeshClosedError(MeshError):
+    """The mesh was stopped; spawn a new one."""
+
+
+class ProtocolError(MonarchNBError):
+    """A frame that is malformed, oversized, replayed, or from another protocol."""
+
+
+class VersionMismatchError(ProtocolError):
+    """The peer speaks another wire version of monarch_nb; install the same version on both sides."""
+
+
+class AuthenticationError(MonarchNBError):
+    """The peer refused our key; both sides must use the same cluster key file."""
+
+
+class ConnectError(MonarchNBError):
+    """An address could not be reached in time (wrong address, dead host, firewall)."""
+
+
+class ConfigError(MonarchNBError):
+    """A configuration value is invalid."""

@@ -1,0 +1,73 @@
+"""Read-only introspection: what frontends (status, dashboard, sidebar) show.
+
+It reads the runtime directory's connection files and asks each live allocator for a
+snapshot. It registers no controller, so it holds no lease and keeps nothing alive.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .actor import _context
+from .actor._client import read_connection_files
+from .config import runtime_dir
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def status(addresses: list[str] | None = None, timeout: float = 2.0) -> dict[str, Any]:
+    """Allocators (local connection files plus ``addresses``), their meshes and procs."""
+    client = _context.client()
+    targets: list[tuple[str, dict[str, Any]]] = []
+    host = socket.gethostname()
+    for info in read_connection_files(runtime_dir()):
+        if info.get("host") == host and not _alive(int(info.get("pid", 0))):
+            continue
+        targets.append((info["addr"], info))
+    for a in addresses or []:
+        targets.append((a, {"addr": a}))
+    futs = [(addr, info, client.request(addr, "status")) for addr, info in targets]
+    out = []
+    for addr, info, f in futs:
+        try:
+            out.append(f.get(timeout=timeout))
+        except Exception as e:
+            out.append({**info, "error": f"{type(e).__name__}: {e}"})
+    return {"time": time.time(), "allocators": out}
+
+
+def on_state_change(callback: Callable[[dict[str, Any]], None], interval: float = 1.0) -> Callable[[], None]:
+    """Call ``callback(snapshot)`` whenever the status changes; returns a function that stops it."""
+    stop = threading.Event()
+
+    def key(s: dict[str, Any]) -> Any:
+        return [
+            (a.get("alloc_id"), a.get("error"), [(m["name"], m["state"], [(p["rank"], p["state"]) for p in m["procs"]]) for m in a.get("meshes", [])])
+            for a in s["allocators"]
+        ]
+
+    def loop() -> None:
+        last = None
+        while not stop.is_set():
+            s = status()
+            k = key(s)
+            if k != last:
+                last = k
+                callback(s)
+            stop.wait(interval)
+
+    threading.Thread(target=loop, name="monarch_nb-status-watch", daemon=True).start()
+    return stop.set

@@ -1,0 +1,66 @@
+"""Helpers for SPMD programs (torch.distributed) inside a proc mesh."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from .actor import Actor, current_rank, endpoint
+from .actor._mesh import ProcMesh
+
+
+class _EnvSetter(Actor):
+    @endpoint
+    def free_port(self) -> tuple[str, int]:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return socket.gethostbyname(socket.gethostname()), s.getsockname()[1]
+
+    @endpoint
+    def set_env(self, master_addr: str, master_port: int, local_size: int) -> dict[str, str]:
+        import os
+
+        p = current_rank()
+        rank, world = p.rank, p.extent.nelements
+        env = {
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank % local_size),
+            "LOCAL_WORLD_SIZE": str(local_size),
+            "GROUP_RANK": str(rank // local_size),
+            "GROUP_WORLD_SIZE": str(world // local_size),
+        }
+        os.environ.update(env)
+        return env
+
+
+def setup_env_for_distributed(proc_mesh: ProcMesh, master_addr: str | None = None, master_port: int | None = None) -> Any:
+    """Set MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK… in every proc of ``proc_mesh``.
+
+    Rank 0 of the mesh hosts the rendezvous. Returns an awaitable that is already done, so
+    both ``setup_env_for_distributed(pm)`` and ``await setup_env_for_distributed(pm)`` work.
+    """
+    setter = proc_mesh.spawn(f"_spmd_env_{id(proc_mesh) & 0xFFFFFF:x}", _EnvSetter)
+    if master_addr is None or master_port is None:
+        first = setter.slice(**{k: 0 for k in setter.extent}) if len(setter.extent) else setter
+        addr, port = first.free_port.call_one().get()
+        master_addr = master_addr or addr
+        master_port = master_port or port
+    hosts_dims = [d for d in proc_mesh.extent if d in ("hosts", "host")]
+    local = proc_mesh.size() // (proc_mesh.size(hosts_dims) if hosts_dims else 1)
+    setter.set_env.call(master_addr, master_port, local).get()
+    setter.stop().get()
+
+    async def done() -> None:
+        return None
+
+    return _Awaitable()
+
+
+class _Awaitable:
+    def __await__(self) -> Any:
+        if False:
+            yield
+        return None
