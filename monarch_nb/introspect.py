@@ -41,7 +41,7 @@ def status(addresses: list[str] | None = None, timeout: float = 2.0) -> dict[str
         targets.append((a, {"addr": a}))
     futs = [(addr, info, client.request(addr, "status")) for addr, info in targets]
     out = []
-    for addr, info, f in futs:
+    for _addr, info, f in futs:
         try:
             out.append(f.get(timeout=timeout))
         except Exception as e:
@@ -55,7 +55,11 @@ def on_state_change(callback: Callable[[dict[str, Any]], None], interval: float 
 
     def key(s: dict[str, Any]) -> Any:
         return [
-            (a.get("alloc_id"), a.get("error"), [(m["name"], m["state"], [(p["rank"], p["state"]) for p in m["procs"]]) for m in a.get("meshes", [])])
+            (
+                a.get("alloc_id"),
+                a.get("error"),
+                [(m["name"], m["state"], [(p["rank"], p["state"]) for p in m["procs"]]) for m in a.get("meshes", [])],
+            )
             for a in s["allocators"]
         ]
 

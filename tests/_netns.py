@@ -71,9 +71,7 @@ _REAP_TIMEOUT = 10.0
 # Run by each host's anchor: mount the private tmpfs dirs, report, then idle
 # until our end of its stdin closes.
 _ANCHOR_SCRIPT = (
-    'set -e; tag=$1; shift; for d in "$@"; do '
-    'mount -t tmpfs -o mode=1777 "$tag" "$d"; done; '
-    "echo ready; exec cat >/dev/null"
+    'set -e; tag=$1; shift; for d in "$@"; do mount -t tmpfs -o mode=1777 "$tag" "$d"; done; echo ready; exec cat >/dev/null'
 )
 
 
@@ -437,9 +435,7 @@ class NetnsCluster:
             ]
             if self.static_neighbors:
                 cmds += [
-                    f"neigh replace {self.ip(j)} lladdr {_mac(0, j)} dev {HOST_IFACE} nud permanent"
-                    for j in self.hosts
-                    if j != i
+                    f"neigh replace {self.ip(j)} lladdr {_mac(0, j)} dev {HOST_IFACE} nud permanent" for j in self.hosts if j != i
                 ]
             _ip("-n", self.netns(i), "-batch", "-", input="\n".join(cmds))
 

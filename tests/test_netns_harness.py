@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _netns import NetnsCluster, NetnsError, cleanup_stale, netns_available  # noqa: E402
+from _netns import NetnsCluster, NetnsError, cleanup_stale, netns_available
 
 pytestmark = pytest.mark.skipif(not netns_available(), reason="needs root, iproute2 and util-linux")
 

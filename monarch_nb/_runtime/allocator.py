@@ -385,7 +385,9 @@ class Allocator:
         for mesh in self.meshes.values():
             for rec in mesh.procs:
                 if rec.state in ("failed", "stopped"):
-                    self.rt.send_port(addr, port, 0, wire.ITEM, ("proc_exited", rec.addr, rec.mesh, rec.rank, self.rt.hostname, rec.cause))
+                    self.rt.send_port(
+                        addr, port, 0, wire.ITEM, ("proc_exited", rec.addr, rec.mesh, rec.rank, self.rt.hostname, rec.cause)
+                    )
         return NO_REPLY
 
     @system_method(wants_reply=True)
@@ -471,6 +473,16 @@ class Allocator:
             rec.ready.set_result(None)
         return NO_REPLY
 
+    def sys_flush_logs(self) -> int:
+        """Read whatever procs have written and send it now (answered after the logs, on the same link)."""
+        n = 0
+        for rec in list(self.by_token.values()):
+            for fd in list(rec.fds):
+                self._drain(rec, fd, final=True)
+                n += 1
+        self._flush_logs()
+        return n
+
     def sys_note_actor(self, mesh: str, actor: str, cls_blob: bytes) -> None:
         m = self.meshes.get(mesh)
         if m is not None:
@@ -493,9 +505,7 @@ class Allocator:
         if m is None:
             raise MeshError(f"no mesh named {name!r} on host {self.rt.hostname}")
         if cid and m.owner != cid and not force:
-            raise PermissionError(
-                f"mesh {name!r} is owned by another controller ({m.owner}); pass force=True to stop it anyway"
-            )
+            raise PermissionError(f"mesh {name!r} is owned by another controller ({m.owner}); pass force=True to stop it anyway")
         n = await self._stop_mesh(m, reason)
         self.meshes.pop(name, None)
         return n
@@ -503,9 +513,7 @@ class Allocator:
     def sys_lookup(self, name: str) -> dict[str, Any]:
         m = self.meshes.get(name)
         if m is None:
-            raise MeshError(
-                f"no mesh named {name!r} on host {self.rt.hostname}; known: {sorted(self.meshes) or 'none'}"
-            )
+            raise MeshError(f"no mesh named {name!r} on host {self.rt.hostname}; known: {sorted(self.meshes) or 'none'}")
         return {
             "name": m.name,
             "owner": m.owner,
@@ -529,7 +537,13 @@ class Allocator:
             "tcp": self.rt.tcp_addr,
             "version": __version__,
             "controllers": [
-                {"cid": c["cid"], "kind": c.get("kind"), "pid": c.get("pid"), "host": c.get("host"), "idle_s": now - c["last_seen"]}
+                {
+                    "cid": c["cid"],
+                    "kind": c.get("kind"),
+                    "pid": c.get("pid"),
+                    "host": c.get("host"),
+                    "idle_s": now - c["last_seen"],
+                }
                 for c in self.controllers.values()
             ],
             "meshes": [
@@ -543,7 +557,14 @@ class Allocator:
                     "extent": m.info.get("extent"),
                     "actors": sorted(m.actors),
                     "procs": [
-                        {"rank": r.rank, "pid": r.pid, "state": r.state, "addr": r.addr, "cause": r.cause, "log": r.log.path if r.log else ""}
+                        {
+                            "rank": r.rank,
+                            "pid": r.pid,
+                            "state": r.state,
+                            "addr": r.addr,
+                            "cause": r.cause,
+                            "log": r.log.path if r.log else "",
+                        }
                         for r in m.procs
                     ],
                 }

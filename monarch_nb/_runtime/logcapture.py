@@ -36,7 +36,7 @@ class ProcLog:
         self.path = path
         self.rank = rank
         self._emit = emit
-        self._file = open(path, "a", buffering=1 << 16, encoding="utf-8")  # noqa: SIM115
+        self._file = open(path, "a", buffering=1 << 16, encoding="utf-8")
         self._partial = {"stdout": b"", "stderr": b""}
         self._call = {"stdout": "", "stderr": ""}
         self.tail: list[LogLine] = []

@@ -29,7 +29,7 @@ import zmq.asyncio
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads, nbytes
 from ..config import Config
-from ..errors import ActorError, ProtocolError, SupervisionError, format_exception, _safe_exc
+from ..errors import ActorError, ProtocolError, SupervisionError, _safe_exc, format_exception
 from .transport import Security, SocketFactory, ipc_path, route_ip, split_tcp
 
 logger = logging.getLogger(__name__)
@@ -147,7 +147,23 @@ class Runtime:
                 os.chmod(addr[len("ipc://") :], 0o600)
         self._inboxes.append(sock)
         self._spawn(self._recv_loop(sock))
+        if addr.startswith("tcp://") and self.security.key is not None:
+            self._spawn(self._log_handshake_failures(sock.get_monitor_socket(), bound))
         return bound
+
+    async def _log_handshake_failures(self, mon: zmq.asyncio.Socket, where: str) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        failures = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        while True:
+            ev = parse_monitor_message(await mon.recv_multipart())
+            if ev["event"] in failures:
+                self.dropped_frames += 1
+                logger.warning(
+                    "refused a connection on %s from %s: security handshake failed (wrong cluster key or not monarch_nb)",
+                    where,
+                    ev["endpoint"].decode(errors="replace"),
+                )
 
     def ensure_tcp(self, ip: str) -> str:
         """Bind a TCP inbox on ``ip`` (once) so peers on other hosts can reach us."""
@@ -495,9 +511,7 @@ class Runtime:
                 port = getattr(w, "event_port", None)
                 if port is not None:
                     try:
-                        self.send_actor(
-                            w.addr, "__allocator__", "ping", ping[0], ping[1], reply=(self.addr_for(w.addr), port)
-                        )
+                        self.send_actor(w.addr, "__allocator__", "ping", ping[0], ping[1], reply=(self.addr_for(w.addr), port))
                     except Exception:
                         pass
 

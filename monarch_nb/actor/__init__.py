@@ -1,14 +1,14 @@
 """The actor API, compatible with ``monarch.actor`` (torchmonarch 0.7): change the import, keep the code.
 
-    from monarch_nb.actor import Actor, endpoint, this_host
+from monarch_nb.actor import Actor, endpoint, this_host
 
-    class Trainer(Actor):
-        @endpoint
-        def train(self, step: int) -> float: ...
+class Trainer(Actor):
+    @endpoint
+    def train(self, step: int) -> float: ...
 
-    procs = this_host().spawn_procs(per_host={"gpus": 8})
-    trainers = procs.spawn("trainers", Trainer)
-    trainers.train.call(step=0).get()
+procs = this_host().spawn_procs(per_host={"gpus": 8})
+trainers = procs.spawn("trainers", Trainer)
+trainers.train.call(step=0).get()
 """
 
 from ..errors import ActorError, SupervisionError

@@ -22,7 +22,7 @@ from .._runtime.logcapture import marker
 from .._runtime.runtime import NO_REPLY, Runtime, system_method
 from .._wire import frames as wire
 from .._wire.serialize import loads
-from ..errors import ActorError, format_exception, _safe_exc
+from ..errors import ActorError, _safe_exc, format_exception
 from . import _context
 from ._endpoint import EndpointProperty, _NotAnEndpointMethod
 from ._shape import Extent, Point
@@ -225,11 +225,27 @@ class ActorSlot:
         else:
             fn = getattr(self.cls, method, None)
             if not callable(fn) or method.startswith("__"):
-                self._reply(raddr, rport, index, wire.ERROR, self._error(AttributeError(f"{self.cls.__qualname__} has no endpoint {method!r}"), f"{self.name}.{method}"))
+                self._reply(
+                    raddr,
+                    rport,
+                    index,
+                    wire.ERROR,
+                    self._error(AttributeError(f"{self.cls.__qualname__} has no endpoint {method!r}"), f"{self.name}.{method}"),
+                )
                 return None
             if isinstance(fn, _NotAnEndpointMethod):
                 fn = fn.fn
-        return fn, args, kwargs, raddr, rport, index, Point(index, Extent(*ext)) if ext[0] or ext[1] else Point(0, Extent([], [])), call_id, method
+        return (
+            fn,
+            args,
+            kwargs,
+            raddr,
+            rport,
+            index,
+            Point(index, Extent(*ext)) if ext[0] or ext[1] else Point(0, Extent([], [])),
+            call_id,
+            method,
+        )
 
     def _reply(self, raddr: str, rport: int, index: int, status: int, value: Any) -> None:
         if raddr:

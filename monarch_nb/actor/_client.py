@@ -18,7 +18,6 @@ from zmq.utils.monitor import recv_monitor_message
 
 from .. import __version__
 from .._runtime.runtime import Runtime
-from .._runtime.transport import Security
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
 from ..errors import (
@@ -40,10 +39,6 @@ def _decode_sys_error(raw: Any) -> Any:
     if isinstance(err, ActorError) and isinstance(err.exception, (MonarchNBError, PermissionError, ValueError, TypeError)):
         raise err.exception
     raise err
-
-
-def _raise(e: BaseException) -> Any:
-    raise e
 
 
 class Client:
@@ -129,7 +124,14 @@ class Client:
                 fut._set_raw(raw, lambda r: loads(*r))
 
         pid = self.rt.open_port(on_reply)
-        hello = {"cid": self.cid, "kind": self.kind, "pid": os.getpid(), "host": self.rt.hostname, "addr": me, "version": __version__}
+        hello = {
+            "cid": self.cid,
+            "kind": self.kind,
+            "pid": os.getpid(),
+            "host": self.rt.hostname,
+            "addr": me,
+            "version": __version__,
+        }
         body, bufs = dumps(((hello,), {}))
         probe.send_multipart(wire.encode(wire.ACTOR, ("__allocator__", "hello", me, pid, 0, ((), ()), ""), body, bufs))
         deadline = time.monotonic() + timeout
@@ -208,8 +210,18 @@ class Client:
             return
         threading.Thread(target=mesh._report_failure, args=(err,), daemon=True).start()
 
+    def flush_logs(self, timeout: float = 2.0) -> None:
+        """Make output the procs already wrote reach this client before returning."""
+        futs = [self.request(a, "flush_logs") for a in list(self.hellos)]
+        for f in futs:
+            try:
+                f.get(timeout=timeout)
+            except Exception:
+                pass
+
     def shutdown(self) -> None:
         """Detach from every allocator (a script's meshes stop; persistent ones stay)."""
+        self.flush_logs()
         for addr in list(self.hellos):
             try:
                 self.request(addr, "bye", self.rt.addr_for(addr)).get(timeout=2)
@@ -261,7 +273,7 @@ def start_local_allocator(rdir: str, timeout: float = 60.0, extra_args: list[str
     import subprocess
 
     before = {i["file"] for i in read_connection_files(rdir)}
-    log = open(os.path.join(rdir, f"allocator-start-{os.getpid()}.log"), "ab")  # noqa: SIM115
+    log = open(os.path.join(rdir, f"allocator-start-{os.getpid()}.log"), "ab")
     env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir)
     p = subprocess.Popen(
         [sys.executable, "-m", "monarch_nb", "allocator", *(extra_args or [])],
@@ -284,6 +296,3 @@ def start_local_allocator(rdir: str, timeout: float = 60.0, extra_args: list[str
         time.sleep(0.02)  # polling a file the daemon writes; there is no event to wait on
     p.kill()
     raise ConnectError(f"the local allocator did not write its connection file within {timeout} s")
-
-
-_ = _raise

@@ -299,9 +299,7 @@ def _raise_remote(raw: Any) -> Any:
     raise loads(*raw)
 
 
-def as_endpoint(
-    not_an_endpoint: Any, *, propagate: Any = None, explicit_response_port: bool = False
-) -> Endpoint[Any]:
+def as_endpoint(not_an_endpoint: Any, *, propagate: Any = None, explicit_response_port: bool = False) -> Endpoint[Any]:
     """Call a method that lacks ``@endpoint`` as if it had one: ``as_endpoint(mesh.method).call()``."""
     if isinstance(not_an_endpoint, Endpoint):
         return not_an_endpoint

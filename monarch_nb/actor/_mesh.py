@@ -123,7 +123,9 @@ class ActorMesh(MeshTrait, Generic[T]):
 
     def stop(self, reason: str = "stopped by client") -> Future[None]:
         client = _context.client()
-        futs = [client.request(p.addr, "stop_actor", self._name, _actor="__sys__") for p in {p.addr: p for p in self._procs}.values()]
+        futs = [
+            client.request(p.addr, "stop_actor", self._name, _actor="__sys__") for p in {p.addr: p for p in self._procs}.values()
+        ]
         return _all(futs, "stop actor mesh")
 
     @property
@@ -222,9 +224,7 @@ class ProcMesh(MeshTrait):
         creator = client.cid
         for i, r in enumerate(view.ranks):
             p = self._procs[r]
-            futs.append(
-                client.request(p.addr, "spawn_actor", name, Class, args, kwargs, i, ext, self, creator, _actor="__sys__")
-            )
+            futs.append(client.request(p.addr, "spawn_actor", name, Class, args, kwargs, i, ext, self, creator, _actor="__sys__"))
             if p.alloc:
                 client.rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)
         errors = []
@@ -236,7 +236,9 @@ class ProcMesh(MeshTrait):
         if errors:
             e = errors[0]
             tb = getattr(e, "remote_traceback", "")
-            raise SpawnError(f"spawning {name!r} ({Class.__qualname__}) failed on {len(errors)} of {len(futs)} procs: {e}", tb) from e
+            raise SpawnError(
+                f"spawning {name!r} ({Class.__qualname__}) failed on {len(errors)} of {len(futs)} procs: {e}", tb
+            ) from e
         if self._persist or any(p.alloc for p in self._procs):
             blob = cloudpickle.dumps(Class)
             for alloc in {p.alloc for p in self._procs if p.alloc}:
@@ -265,7 +267,11 @@ class ProcMesh(MeshTrait):
         port = client.log_port
         for alloc in sorted({p.alloc for p in self._procs if p.alloc}):
             client.rt.send_actor(
-                alloc, "__allocator__", "stream_logs", *_args((self._name, stream_to_client)), reply=(client.rt.addr_for(alloc), port)
+                alloc,
+                "__allocator__",
+                "stream_logs",
+                *_args((self._name, stream_to_client)),
+                reply=(client.rt.addr_for(alloc), port),
             )
 
     def _report_failure(self, err: Exception) -> None:

@@ -180,7 +180,9 @@ def span(name: str) -> Iterator[None]:
     try:
         yield
     finally:
-        logger.debug("span %s took %.6f s in %s", name, time.perf_counter() - t0, current_actor_name() if _context._runtime else "client")
+        logger.debug(
+            "span %s took %.6f s in %s", name, time.perf_counter() - t0, current_actor_name() if _context._runtime else "client"
+        )
 
 
 def traced(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:

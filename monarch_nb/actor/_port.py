@@ -62,6 +62,7 @@ class PortReceiver(Generic[R]):
 
     def _complete(self, f: Future[Any], index: int, status: int, raw: Any) -> None:
         if status == wire.ERROR:
+
             def fail(r: Any) -> Any:
                 raise loads(*r)
 

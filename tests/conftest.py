@@ -1,0 +1,98 @@
+"""Test harness: one private runtime directory per session, fast heartbeats, and no
+allocator left behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+# must happen before monarch_nb is imported anywhere: the runtime reads these once
+_RDIR = tempfile.mkdtemp(prefix="mnbt-", dir="/tmp")
+os.chmod(_RDIR, 0o700)
+os.environ["MONARCH_NB_RUNTIME_DIR"] = _RDIR
+os.environ.setdefault("MONARCH_NB_HEARTBEAT_INTERVAL", "0.2")
+os.environ.setdefault("MONARCH_NB_HEARTBEAT_TIMEOUT", "1.5")
+
+import pytest  # noqa: E402
+
+PY = sys.executable
+
+
+def wait_for(pred, timeout: float = 10.0, what: str = "condition"):  # type: ignore[no-untyped-def]
+    """Poll ``pred`` until it returns a truthy value (returned) or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+class AllocatorProc:
+    """A dedicated allocator daemon with its own runtime dir (for tests that kill it)."""
+
+    def __init__(self, tmp: str, *args: str, env: dict[str, str] | None = None) -> None:
+        self.rdir = tempfile.mkdtemp(prefix="mnba-", dir="/tmp")
+        self.env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=self.rdir, **(env or {}))
+        self.log = os.path.join(self.rdir, "allocator.log")
+        with open(self.log, "wb") as f:
+            self.proc = subprocess.Popen([PY, "-m", "monarch_nb", "allocator", *args], env=self.env, stdout=f, stderr=f)
+        from monarch_nb.actor._client import read_connection_files
+
+        self.info = wait_for(lambda: next(iter(read_connection_files(self.rdir)), None), 30, "allocator connection file")
+        self.addr = self.info["addr"]
+
+    def logtext(self) -> str:
+        with open(self.log, errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.rdir, ignore_errors=True)
+
+
+@pytest.fixture
+def allocator(tmp_path):  # type: ignore[no-untyped-def]
+    """A private allocator; yields it with ``.hosts`` a HostMesh attached to it."""
+    from monarch_nb.actor import attach_to_workers
+
+    a = AllocatorProc(str(tmp_path))
+    a.hosts = attach_to_workers(workers=[a.addr], ca="trust_all_connections")  # type: ignore[attr-defined]
+    yield a
+    a.stop()
+
+
+def run_script(code: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` as a separate controller process (its own ``__main__``)."""
+    return subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=timeout, env=dict(os.environ, **(env or {})))
+
+
+def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
+    from monarch_nb.allocator import stop_allocator
+
+    stop_allocator()
+    shutil.rmtree(_RDIR, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def fault_hook():  # type: ignore[no-untyped-def]
+    """Tests kill procs on purpose: record unhandled failures instead of exiting pytest."""
+    import monarch_nb.actor as api
+
+    seen: list = []
+    saved = api.unhandled_fault_hook
+    api.unhandled_fault_hook = seen.append
+    yield seen
+    api.unhandled_fault_hook = saved

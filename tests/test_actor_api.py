@@ -1,0 +1,313 @@
+"""The Monarch actor API on the embedded local allocator: real daemon, real procs."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import threading
+import time
+
+import pytest
+from conftest import run_script
+
+from monarch_nb.actor import (
+    Accumulator,
+    Actor,
+    ActorError,
+    Channel,
+    Future,
+    Port,
+    ValueMesh,
+    as_endpoint,
+    concurrent_endpoint,
+    context,
+    current_rank,
+    current_size,
+    endpoint,
+    get_or_spawn_controller,
+    send,
+    this_host,
+    this_proc,
+)
+from monarch_nb.errors import SpawnError
+
+pytestmark = pytest.mark.timeout(90)
+
+
+class Counter(Actor):
+    def __init__(self, start: int = 0) -> None:
+        self.n = start
+        self.seen: list[int] = []
+
+    @endpoint
+    def incr(self, by: int = 1) -> int:
+        self.n += by
+        return self.n
+
+    @endpoint
+    def value(self) -> int:
+        return self.n
+
+    @endpoint
+    def record(self, i: int) -> None:
+        self.seen.append(i)
+
+    @endpoint
+    def get_seen(self) -> list[int]:
+        return self.seen
+
+    @endpoint
+    def where(self) -> tuple[int, dict[str, int], int, bool]:
+        try:
+            asyncio.get_running_loop()
+            has_loop = True
+        except RuntimeError:
+            has_loop = False
+        return current_rank().rank, current_size(), context().actor_instance.rank.rank, has_loop
+
+    @endpoint
+    def boom(self, msg: str) -> None:
+        raise ValueError(msg)
+
+    @endpoint
+    def slow(self, s: float) -> str:
+        time.sleep(s)
+        return "done"
+
+    @endpoint(explicit_response_port=True)
+    def ported(self, port: Port[int], x: int) -> None:
+        port.send(x + 1)
+
+    @endpoint
+    def call_other(self, other, x: int) -> list[int]:  # type: ignore[no-untyped-def]
+        return other.incr.call(x).get(timeout=10).values()
+
+    @endpoint
+    def unpicklable(self) -> object:
+        return threading.Lock()
+
+    def plain(self) -> str:
+        return "plain"
+
+
+class AsyncActor(Actor):
+    def __init__(self) -> None:
+        self.active = 0
+        self.peak = 0
+
+    @endpoint
+    async def where(self) -> bool:
+        await asyncio.sleep(0)
+        return asyncio.get_running_loop() is not None
+
+    @concurrent_endpoint
+    async def overlap(self, s: float) -> int:
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        await asyncio.sleep(s)
+        self.active -= 1
+        return self.peak
+
+
+@pytest.fixture(scope="module")
+def procs():  # type: ignore[no-untyped-def]
+    pm = this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2})
+    yield pm
+    pm.stop().get(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def counters(procs):  # type: ignore[no-untyped-def]
+    return procs.spawn("counters", Counter, 10)
+
+
+def test_spawn_and_call_gather_a_value_mesh(procs, counters):  # type: ignore[no-untyped-def]
+    assert procs.extent == counters.extent
+    assert repr(procs.extent) == "{hosts: 2, gpus: 2}"
+    vm = counters.value.call().get(timeout=10)
+    assert isinstance(vm, ValueMesh)
+    assert vm.values() == [10, 10, 10, 10]
+    assert vm.item(hosts=1, gpus=0) == 10
+    pts = [repr(p) for p, _ in vm.items()]
+    assert pts[3] == "{'hosts': 1/2, 'gpus': 1/2}"
+    with pytest.raises(KeyError):
+        vm.item(hosts=1)
+
+
+def test_current_rank_is_the_message_rank_within_a_slice(counters):  # type: ignore[no-untyped-def]
+    vm = counters.slice(gpus=1).where.call().get(timeout=10)
+    ranks = [v[0] for v in vm.values()]
+    assert ranks == [0, 1]
+    assert vm.values()[1][1] == {"hosts": 2}
+    # the actor's own spawn position is unchanged
+    assert [v[2] for v in vm.values()] == [1, 3]
+    assert all(v[3] is False for v in vm.values()), "sync actors run without an event loop"
+
+
+def test_slicing_operations_on_every_mesh_kind(procs, counters):  # type: ignore[no-untyped-def]
+    assert procs.slice(hosts=0).sizes == {"gpus": 2}
+    assert counters.flatten("r").sizes == {"r": 4}
+    assert counters.rename(gpus="g").sizes == {"hosts": 2, "g": 2}
+    assert procs.split(hosts=("a", "b"), b=1).sizes == {"a": 2, "b": 1, "gpus": 2}
+    assert counters.size() == 4 and counters.size("gpus") == 2
+    vm = counters.value.call().get(timeout=10)
+    assert vm.slice(gpus=slice(1, 2)).sizes == {"hosts": 2, "gpus": 1}
+    with pytest.raises(TypeError, match="dimension labeled 'nope'"):
+        procs.slice(nope=0)
+    with pytest.raises(IndexError):
+        procs.slice(gpus=5)
+    with pytest.raises(ValueError):
+        procs.split(hosts="ab")
+
+
+def test_call_one_choose_stream_broadcast(procs):  # type: ignore[no-untyped-def]
+    c = procs.spawn("adverbs", Counter)
+    with pytest.raises(ValueError, match="exactly 1 actor, but mesh has 4"):
+        c.value.call_one()
+    one = c.slice(hosts=0, gpus=1)
+    assert one.incr.call_one(5).get(timeout=10) == 5
+    assert c.incr.choose(0).get(timeout=10) in (0, 5)
+    got = sorted(f.get(timeout=10) for f in c.value.stream())
+    assert got == [0, 0, 0, 5]
+    c.incr.broadcast(100)
+    # a later call from the same sender is ordered after the broadcast
+    assert c.value.call().get(timeout=10).values() == [100, 105, 100, 100]
+    assert Accumulator(c.value, 0, lambda a, b: a + b).accumulate().get(timeout=10) == 405
+
+
+def test_arguments_are_checked_against_the_signature_before_sending(counters):  # type: ignore[no-untyped-def]
+    with pytest.raises(TypeError, match="incr"):
+        counters.incr.call(1, 2, 3)
+    with pytest.raises(TypeError):
+        counters.value.call(bogus=1)
+
+
+def test_ports_channels_send_and_explicit_response_port(counters):  # type: ignore[no-untyped-def]
+    assert counters.ported.call(5).get(timeout=10).values() == [6, 6, 6, 6]
+    port, recv = Channel.open()
+    send(counters.value, (), {}, port=port)
+    vals = sorted(recv.recv().get(timeout=10) for _ in range(4))
+    assert len(vals) == 4
+    port.send("local")
+    assert recv.recv().get(timeout=10) == "local"
+
+
+def test_non_endpoints_refuse_until_wrapped_with_as_endpoint(counters):  # type: ignore[no-untyped-def]
+    with pytest.raises(RuntimeError, match="not annotated as an endpoint"):
+        counters.plain.call()
+    assert as_endpoint(counters.plain).call().get(timeout=10).values() == ["plain"] * 4
+
+
+def test_endpoint_error_carries_remote_traceback_and_actor_lives_on(counters):  # type: ignore[no-untyped-def]
+    with pytest.raises(ActorError) as ei:
+        counters.slice(hosts=1, gpus=1).boom.call_one("bad thing").get(timeout=10)
+    e = ei.value
+    assert isinstance(e.exception, ValueError) and str(e.exception) == "bad thing"
+    assert "raise ValueError(msg)" in e.remote_traceback
+    assert e.rank == 3
+    rendered = "\n".join(e._render_traceback_())
+    assert "test_actor_api.py" in rendered and "bad thing" in rendered
+    assert counters.slice(hosts=1, gpus=1).value.call_one().get(timeout=10) >= 10
+
+
+def test_future_timeout_leaves_it_usable_and_await_works(counters):  # type: ignore[no-untyped-def]
+    f = counters.slice(hosts=0, gpus=0).slow.call_one(0.6)
+    with pytest.raises(TimeoutError):
+        f.get(timeout=0.05)
+    assert f.get(timeout=10) == "done"
+
+    async def main() -> list[int]:
+        return (await counters.value.call()).values()
+
+    assert len(asyncio.run(main())) == 4
+    with pytest.raises(TypeError):
+        Future()
+
+
+def test_sync_and_async_actors_and_mixing_is_rejected(procs):  # type: ignore[no-untyped-def]
+    a = procs.spawn("asyncs", AsyncActor)
+    assert a.where.call().get(timeout=10).values() == [True] * 4
+    one = a.slice(hosts=0, gpus=0)
+    futs = [one.overlap.call_one(0.3) for _ in range(3)]
+    assert max(f.get(timeout=10) for f in futs) >= 2, "concurrent endpoints overlap at awaits"
+
+    class Mixed(Actor):
+        @endpoint
+        def a(self) -> None: ...
+
+        @endpoint
+        async def b(self) -> None: ...
+
+    with pytest.raises(ValueError, match="mixes sync endpoints"):
+        procs.spawn("mixed", Mixed)
+
+
+def test_failing_init_fails_the_spawn_with_its_traceback(procs):  # type: ignore[no-untyped-def]
+    class Bad(Actor):
+        def __init__(self) -> None:
+            if current_rank().rank == 2:
+                raise RuntimeError("no GPU for rank 2")
+
+    with pytest.raises(SpawnError, match="no GPU for rank 2") as ei:
+        procs.spawn("bad", Bad)
+    assert "raise RuntimeError" in str(ei.value)
+
+
+def test_meshes_are_picklable_and_an_actor_can_call_a_mesh_it_was_handed(procs, counters):  # type: ignore[no-untyped-def]
+    other = procs.spawn("others", Counter, 1000)
+    back = pickle.loads(pickle.dumps(other))
+    assert back.value.call().get(timeout=10).values() == [1000] * 4
+    res = counters.slice(hosts=0, gpus=0).call_other.call_one(other, 1).get(timeout=20)
+    assert res == [1001] * 4
+
+
+def test_messages_from_one_sender_arrive_in_order(procs):  # type: ignore[no-untyped-def]
+    c = procs.spawn("ordered", Counter)
+    for i in range(500):
+        c.record.broadcast(i)
+    seen = c.get_seen.call().get(timeout=20).values()
+    assert all(s == list(range(500)) for s in seen)
+
+
+def test_unpicklable_argument_and_result_give_clear_errors(counters):  # type: ignore[no-untyped-def]
+    with pytest.raises(Exception, match="pickle"):
+        counters.incr.call(threading.Lock())
+    with pytest.raises(ActorError, match="could not be pickled"):
+        counters.slice(hosts=0, gpus=0).unpicklable.call_one().get(timeout=10)
+
+
+def test_this_proc_spawns_in_the_controller_and_controllers_are_singletons():  # type: ignore[no-untyped-def]
+    import os
+
+    class Local(Actor):
+        @endpoint
+        def pid(self) -> int:
+            return os.getpid()
+
+    m = this_proc().spawn("local_here", Local)
+    assert m.pid.call_one().get(timeout=10) == os.getpid()
+    c1 = get_or_spawn_controller("ctl", Counter).get(timeout=10)
+    c2 = get_or_spawn_controller("ctl", Counter).get(timeout=10)
+    c1.incr.call_one(3).get(timeout=10)
+    assert c2.value.call_one().get(timeout=10) == 3
+
+
+def test_classes_defined_in_main_travel_by_value():
+    code = """
+from monarch_nb.actor import Actor, endpoint, this_host, current_rank
+class ToyActor(Actor):
+    def __init__(self):
+        self.rank = current_rank().rank
+    @endpoint
+    async def hello_world(self, msg):
+        print(f"Identity: {self.rank}, {msg=}")
+        return self.rank
+procs = this_host().spawn_procs(per_host={"gpus": 3})
+toys = procs.spawn("toy", ToyActor)
+print("RESULT", toys.hello_world.call("hey").get(timeout=20).values(), flush=True)
+"""
+    r = run_script(code)
+    assert r.returncode == 0, r.stderr
+    assert "RESULT [0, 1, 2]" in r.stdout
+    # rank output streams back to the controller, tagged with the rank
+    assert "[1] Identity: 1, msg='hey'" in r.stdout

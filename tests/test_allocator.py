@@ -1,0 +1,274 @@
+"""The allocator daemon: logs, faults, ownership, leases, hostile input, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+from conftest import PY, AllocatorProc, run_script, wait_for
+
+from monarch_nb.actor import Actor, ProcMesh, attach_to_workers, current_rank, endpoint, this_host
+from monarch_nb.errors import SupervisionError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Worker(Actor):
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def sleep(self, s: float) -> str:
+        time.sleep(s)
+        return "woke"
+
+    @endpoint
+    def shout(self, text: str) -> None:
+        print(f"py-out {text} rank={current_rank().rank}", flush=True)
+        os.write(1, f"c-level {text}\n".encode())
+        print(f"py-err {text}", file=sys.stderr, flush=True)
+
+    @endpoint
+    def die(self, last_words: str) -> None:
+        os.write(2, (last_words + "\n").encode())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _log_rows(status: dict, mesh: str, rank: int) -> list[dict]:
+    for a in status["allocators"]:
+        for m in a.get("meshes", []):
+            if m["name"] == mesh:
+                path = m["procs"][rank]["log"]
+                with open(path) as f:
+                    return [json.loads(line) for line in f]
+    raise AssertionError(f"mesh {mesh} not in status")
+
+
+def test_fd_level_capture_tags_lines_and_keeps_last_words(allocator):  # type: ignore[no-untyped-def]
+    from monarch_nb import status
+
+    pm = allocator.hosts.spawn_procs(per_host={"gpus": 2}, name="logs")
+    w = pm.spawn("w", Worker)
+    w.shout.call("hello").get(timeout=10)
+    st = status(addresses=[allocator.addr])
+    rows = wait_for(lambda: (r := _log_rows(st, "logs", 1)) and len(r) >= 3 and r, 10, "log lines")
+    lines = {(r["stream"], r["line"]) for r in rows}
+    assert ("stdout", "py-out hello rank=1") in lines
+    assert ("stdout", "c-level hello") in lines, "C-level writes to fd 1 are captured"
+    assert ("stderr", "py-err hello") in lines
+    calls = {r["call"] for r in rows if "hello" in r["line"]}
+    assert len(calls) == 1 and calls != {""}, "every line carries the id of the call that printed it"
+    assert all(r["rank"] == 1 and r["ts"] > 0 for r in rows)
+
+    # a crashing proc's last words survive, and the caller learns fast
+    t0 = time.monotonic()
+    with pytest.raises(SupervisionError) as ei:
+        w.slice(gpus=0).die.call_one("famous last words").get(timeout=10)
+    assert time.monotonic() - t0 < 3
+    msg = str(ei.value)
+    assert "'logs'" in msg and "rank 0" in msg and "SIGKILL" in msg and "famous last words" in msg
+    # later calls to the dead rank fail the same way, at once
+    with pytest.raises(SupervisionError, match="SIGKILL"):
+        w.slice(gpus=0).pid.call_one().get(timeout=5)
+    # the surviving rank still answers
+    assert w.slice(gpus=1).pid.call_one().get(timeout=10) > 0
+    rows0 = wait_for(lambda: _log_rows(status(addresses=[allocator.addr]), "logs", 0), 10, "rank 0 log")
+    assert any(r["line"] == "famous last words" and r["stream"] == "stderr" for r in rows0)
+    pm.stop().get(timeout=20)
+
+
+def test_sigkilled_proc_fails_pending_calls_within_3s_and_respawn_works(allocator):  # type: ignore[no-untyped-def]
+    pm = allocator.hosts.spawn_procs(per_host={"gpus": 2}, name="victim")
+    w = pm.spawn("w", Worker)
+    pids = w.pid.call().get(timeout=10).values()
+    fut = w.sleep.call(30)
+    t0 = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(SupervisionError) as ei:
+        fut.get(timeout=10)
+    assert time.monotonic() - t0 < 3
+    e = ei.value
+    assert e.rank == 1 and e.mesh == "victim" and e.host and "SIGKILL" in e.cause
+    pm.stop().get(timeout=20)
+    pm2 = allocator.hosts.spawn_procs(per_host={"gpus": 2}, name="victim")
+    assert len(pm2.spawn("w", Worker).pid.call().get(timeout=10).values()) == 2
+    pm2.stop().get(timeout=20)
+
+
+def test_killed_allocator_fails_pending_calls_and_takes_its_procs(tmp_path):  # type: ignore[no-untyped-def]
+    a = AllocatorProc(str(tmp_path))
+    try:
+        hosts = attach_to_workers(workers=[a.addr], ca="trust_all_connections")
+        pm = hosts.spawn_procs(per_host={"gpus": 2}, name="doomed")
+        w = pm.spawn("w", Worker)
+        pids = w.pid.call().get(timeout=10).values()
+        fut = w.sleep.call(30)
+        t0 = time.monotonic()
+        a.proc.kill()
+        with pytest.raises(SupervisionError, match="allocator .* lost"):
+            fut.get(timeout=10)
+        assert time.monotonic() - t0 < 3
+        # procs die with their allocator (through the zygote)
+
+        def gone() -> bool:
+            for p in pids:
+                try:
+                    os.kill(p, 0)
+                    return False
+                except ProcessLookupError:
+                    pass
+            return True
+
+        wait_for(gone, 5, "procs to die with their allocator")
+    finally:
+        a.stop()
+
+
+def test_script_meshes_stop_at_exit_and_persistent_ones_are_reattached(allocator):  # type: ignore[no-untyped-def]
+    code = f"""
+import os
+from monarch_nb.actor import Actor, endpoint, attach_to_workers
+class Keeper(Actor):
+    def __init__(self): self.v = 41
+    @endpoint
+    def bump(self): self.v += 1; return self.v
+hosts = attach_to_workers(workers=[{allocator.addr!r}], ca="trust_all_connections")
+hosts.spawn_procs(per_host={{"gpus": 1}}, name="temp").spawn("k", Keeper)
+pm = hosts.spawn_procs(per_host={{"gpus": 2}}, name="kept", persist=True)
+print("BUMP", pm.spawn("keeper", Keeper).bump.call().get(timeout=10).values(), flush=True)
+"""
+    r = run_script(code)
+    assert r.returncode == 0, r.stderr
+    assert "BUMP [42, 42]" in r.stdout
+    from monarch_nb import status
+
+    def meshes() -> set[str]:
+        return {
+            m["name"]
+            for a in status(addresses=[allocator.addr])["allocators"]
+            if a.get("addr") == allocator.addr
+            for m in a.get("meshes", [])
+        }
+
+    wait_for(lambda: meshes() == {"kept"}, 15, "the script's own mesh to be stopped")
+    pm = ProcMesh.lookup("kept", hosts=allocator.hosts)
+    assert repr(pm.extent) == "{hosts: 1, gpus: 2}"
+    keeper = pm.actor_mesh("keeper")
+    assert keeper.bump.call().get(timeout=10).values() == [43, 43], "same procs, same actor state"
+    # another controller may not stop what it does not own without force
+    with pytest.raises(PermissionError, match="owned by another controller"):
+        pm.stop().get(timeout=10)
+    pm.stop(force=True).get(timeout=20)
+    assert meshes() == set()
+
+
+def test_lease_reaps_meshes_nobody_holds(tmp_path):  # type: ignore[no-untyped-def]
+    a = AllocatorProc(str(tmp_path), "--lease", "1")
+    try:
+        code = f"""
+from monarch_nb.actor import attach_to_workers
+hosts = attach_to_workers(workers=[{a.addr!r}], ca="trust_all_connections")
+hosts.spawn_procs(per_host={{"gpus": 1}}, name="orphan", persist=True)
+print("OK", flush=True)
+"""
+        r = run_script(code)
+        assert "OK" in r.stdout, r.stderr
+        wait_for(lambda: "lease of 1 s expired" in a.logtext(), 20, "the lease to expire")
+    finally:
+        a.stop()
+
+
+def test_malformed_and_foreign_frames_are_dropped_and_the_daemon_keeps_serving(allocator):  # type: ignore[no-untyped-def]
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 2000  # deliver before close
+    s.connect(allocator.addr)
+    s.send_multipart([b"garbage"])
+    s.send_multipart([b"GET / HTTP/1.1", b"x"])
+    s.send_multipart([b"MNB\x07\x01junk", b"body"])
+    s.send_multipart([b"MNB\x01\x01" + b"\x80\x05junk", b"body"])
+    s.close()
+    wait_for(lambda: "dropped a frame" in allocator.logtext() and "wire version 7" in allocator.logtext(), 10, "log")
+    pm = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="after-garbage")
+    assert pm.spawn("w", Worker).pid.call_one().get(timeout=10) > 0
+    pm.stop().get(timeout=20)
+
+
+def test_bootstrap_command_execs_instead_of_forking(allocator):  # type: ignore[no-untyped-def]
+    from monarch_nb.actor import default_bootstrap_cmd
+
+    cmd = default_bootstrap_cmd().with_env(MNB_EXECED="yes")
+    pm = allocator.hosts.spawn_procs(per_host={"gpus": 2}, name="execd", bootstrap_command=cmd)
+
+    class Env(Actor):
+        @endpoint
+        def env(self) -> str:
+            return os.environ.get("MNB_EXECED", "")
+
+    assert pm.spawn("e", Env).env.call().get(timeout=10).values() == ["yes", "yes"]
+    pm.stop().get(timeout=20)
+
+
+def test_bootstrap_callable_runs_before_actors(allocator):  # type: ignore[no-untyped-def]
+    def boot() -> None:
+        os.environ["BOOTED"] = "1"
+
+    pm = allocator.hosts.spawn_procs(per_host={"gpus": 1}, bootstrap=boot, name="booted")
+
+    class Env(Actor):
+        @endpoint
+        def env(self) -> str:
+            return os.environ.get("BOOTED", "")
+
+    assert pm.spawn("e", Env).env.call_one().get(timeout=10) == "1"
+    pm.stop().get(timeout=20)
+
+
+def test_embedded_allocator_and_cli(tmp_path):  # type: ignore[no-untyped-def]
+    rdir = str(tmp_path / "rt")
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir)
+    r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "start"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "allocator pid" in r.stdout, r.stderr
+    files = [f for f in os.listdir(rdir) if f.startswith("allocator-") and f.endswith(".json")]
+    assert len(files) == 1 and os.stat(os.path.join(rdir, files[0])).st_mode & 0o777 == 0o600
+    r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "status"], env=env, capture_output=True, text=True, timeout=60)
+    assert "alive" in r.stdout
+    r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "stop"], env=env, capture_output=True, text=True, timeout=60)
+    assert "stopped 1" in r.stdout
+    r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "status"], env=env, capture_output=True, text=True, timeout=60)
+    assert "no allocators" in r.stdout
+
+
+def test_status_lists_meshes_and_proc_states(procs_for_status=None):  # type: ignore[no-untyped-def]
+    from monarch_nb import status
+
+    pm = this_host().spawn_procs(per_host={"gpus": 2}, name="visible")
+    try:
+        st = status()
+        ms = [m for a in st["allocators"] for m in a.get("meshes", []) if m["name"] == "visible"]
+        assert len(ms) == 1
+        assert [p["state"] for p in ms[0]["procs"]] == ["running", "running"]
+        assert [list(x) for x in ms[0]["extent"]] == [["gpus"], [2]]
+    finally:
+        pm.stop().get(timeout=20)
+
+
+def test_unreachable_address_is_a_clear_error():
+    from monarch_nb.errors import ConfigError, ConnectError
+
+    with pytest.raises(ConnectError, match="socket file does not exist"):
+        attach_to_workers(workers=["ipc:///tmp/definitely-not-here.sock"], ca="trust_all_connections")
+    with pytest.raises(ConnectError, match="could not reach allocator at tcp://127.0.0.1:1"):
+        from monarch_nb.actor import _context
+
+        _context.client().connect("tcp://127.0.0.1:1", timeout=1.0)
+    with pytest.raises(ConfigError, match="unauthenticated TCP"):
+        attach_to_workers(workers=["tcp://192.0.2.1:26600"], ca="trust_all_connections")
+    _ = run_script

@@ -1,0 +1,39 @@
+import monarch_nb.actor as api
+
+MONARCH_0_7_ALL = """Accumulator Actor ActorError current_actor_name as_endpoint current_rank current_size
+concurrent_endpoint endpoint Future returns_future Point ProcMesh ProcId Channel send shutdown_context
+ValueMesh debug_controller get_or_spawn_controller this_host this_proc default_bootstrap_cmd HostMesh context
+Port PortReceiver Endpoint Extent run_worker_loop_forever run_worker_loop_until_shutdown start_worker_loop_forever
+attach_to_workers attach enable_transport Context ChannelTransport unhandled_fault_hook MeshFailure config get_meter
+span traced Uid""".split()
+
+
+def test_every_monarch_name_is_exported():
+    missing = [n for n in MONARCH_0_7_ALL if not hasattr(api, n)]
+    assert missing == []
+    assert set(MONARCH_0_7_ALL) | {"SupervisionError"} <= set(api.__all__)
+    assert api.__all__ == sorted(api.__all__, key=str)
+
+
+def test_extent_and_point_print_like_monarch():
+    e = api.Extent(["hosts", "gpus"], [2, 4])
+    assert repr(e) == "{hosts: 2, gpus: 4}"
+    p = api.Point(5, e)
+    assert repr(p) == "{'hosts': 1/2, 'gpus': 1/4}"
+    assert dict(p) == {"hosts": 1, "gpus": 1} and p.rank == 5 and p.size("gpus") == 4
+    assert repr(api.Extent([], [])) == "{}"
+    assert e.nelements == 8 and list(e) == ["hosts", "gpus"]
+
+
+def test_runtime_layers_import_no_frontend():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, monarch_nb.actor, monarch_nb._runtime.allocator, monarch_nb.actor._bootstrap;"
+        "bad=[m for m in sys.modules if m.split('.')[0] in ('IPython','ipykernel','tornado','jupyter_server')"
+        " or m.startswith(('monarch_nb.magics','monarch_nb.widgets','monarch_nb.server','monarch_nb.cli'))];"
+        "print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]"
