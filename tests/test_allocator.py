@@ -272,3 +272,33 @@ def test_unreachable_address_is_a_clear_error():
     with pytest.raises(ConfigError, match="unauthenticated TCP"):
         attach_to_workers(workers=["tcp://192.0.2.1:26600"], ca="trust_all_connections")
     _ = run_script
+
+
+class Parent(Actor):
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+
+    @endpoint
+    def spawn_child(self) -> int:
+        self.child_procs = this_host().spawn_procs(per_host={"gpus": 1}, name="child-of-parent")
+        self.child = self.child_procs.spawn("w", Worker)
+        return self.child.pid.call_one().get(timeout=10)
+
+    @endpoint
+    def seen(self) -> list[str]:
+        return self.failures
+
+    def __supervise__(self, failure) -> bool:  # type: ignore[no-untyped-def]
+        self.failures.append(failure.report())
+        return True
+
+
+def test_owner_actor_supervises_the_failure_of_a_mesh_it_spawned(allocator, fault_hook):  # type: ignore[no-untyped-def]
+    pm = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="parent")
+    parent = pm.spawn("p", Parent)
+    child_pid = parent.spawn_child.call_one().get(timeout=30)
+    os.kill(child_pid, signal.SIGKILL)
+    reports = wait_for(lambda: parent.seen.call_one().get(timeout=10), 10, "__supervise__ to be called")
+    assert "child-of-parent" in reports[0] and "SIGKILL" in reports[0]
+    assert fault_hook == [], "a handled failure does not reach the controller's hook"
+    pm.stop().get(timeout=20)

@@ -142,18 +142,21 @@ class Future(Generic[R]):
 def returns_future(fn: Callable[..., Coroutine[Any, Any, R]]) -> Callable[..., Future[R]]:
     """Make an ``async def`` return a :class:`Future`: ``await`` it, or ``.get()`` it from sync code.
 
-    The coroutine runs on the runtime's I/O loop.
+    The coroutine runs on a private event loop thread, never on the runtime's I/O loop, so a
+    slow coroutine cannot stall message delivery.
     """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Future[R]:
-        from ._context import runtime
-
         fut: Future[R] = Future._create(fn.__qualname__)
-        cf = runtime().submit(_as_coro(fn(*args, **kwargs)))
-        cf.add_done_callback(
-            lambda c: fut._set_exception(c.exception()) if c.exception() else fut._set_result(c.result())  # type: ignore[arg-type]
-        )
+
+        def run() -> None:
+            try:
+                fut._set_result(asyncio.run(_as_coro(fn(*args, **kwargs))))
+            except BaseException as e:
+                fut._set_exception(e)
+
+        threading.Thread(target=run, name=f"returns_future-{fn.__qualname__}", daemon=True).start()
         return fut
 
     return wrapper

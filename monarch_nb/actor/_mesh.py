@@ -148,19 +148,20 @@ async def _immediate(v: T) -> T:
     return v
 
 
-def _all(futs: list[Future[Any]], what: str) -> Future[Any]:
+def _all(futs: list[Future[Any]], what: str) -> Future[None]:
+    """Completes (with None) when every future has, raising the first failure."""
     out: Future[Any] = Future._create(what)
     left = [len(futs)]
     lock = threading.Lock()
     if not futs:
-        out._set_result([])
+        out._set_result(None)
 
     def done(_: Future[Any]) -> None:
         with lock:
             left[0] -= 1
             last = left[0] == 0
         if last:
-            out._set_raw(futs, lambda fs: [f.get() for f in fs])
+            out._set_raw(futs, lambda fs: [f.get() for f in fs] and None)
 
     for f in futs:
         f.add_done_callback(done)
