@@ -162,11 +162,26 @@ print("BUMP", pm.spawn("keeper", Keeper).bump.call().get(timeout=10).values(), f
     assert repr(pm.extent) == "{hosts: 1, gpus: 2}"
     keeper = pm.actor_mesh("keeper")
     assert keeper.bump.call().get(timeout=10).values() == [43, 43], "same procs, same actor state"
-    # another controller may not stop what it does not own without force
-    with pytest.raises(PermissionError, match="owned by another controller"):
-        pm.stop().get(timeout=10)
-    pm.stop(force=True).get(timeout=20)
+    # its owner is gone, so the controller that re-attached may stop it
+    pm.stop().get(timeout=20)
     assert meshes() == set()
+
+
+def test_a_controller_stops_only_what_it_owns_while_the_owner_is_attached(allocator):  # type: ignore[no-untyped-def]
+    mine = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="mine")
+    code = f"""
+from monarch_nb.actor import ProcMesh, attach_to_workers
+hosts = attach_to_workers(workers=[{allocator.addr!r}], ca="trust_all_connections")
+try:
+    ProcMesh.lookup("mine", hosts=hosts).stop().get(timeout=10)
+    print("STOPPED")
+except PermissionError as e:
+    print("REFUSED", e)
+"""
+    r = run_script(code)
+    assert "REFUSED mesh 'mine' is owned by another controller" in r.stdout, r.stdout + r.stderr
+    assert mine.spawn("w", Worker).pid.call_one().get(timeout=10) > 0
+    mine.stop().get(timeout=20)
 
 
 def test_lease_reaps_meshes_nobody_holds(tmp_path):  # type: ignore[no-untyped-def]

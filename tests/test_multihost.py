@@ -576,13 +576,6 @@ def test_link_down_mid_call(cluster: NetnsCluster, workers: list[Allocator]) -> 
     assert workers[1].popen.poll() is None, workers[1].describe()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="product bug: requests to an allocator that supervision has declared lost are never failed "
-    "(Runtime.peer_failed is only called for proc addresses), so ProcMesh.stop() on a mesh with a lost host "
-    "hangs until the caller's timeout instead of stopping the reachable hosts or raising SupervisionError",
-)
 @pytest.mark.timeout(120)
 def test_stop_after_host_loss(cluster: NetnsCluster, workers: list[Allocator]) -> None:
     ctl = Controller(
@@ -636,8 +629,7 @@ def test_second_controller_reattaches(cluster: NetnsCluster, workers: list[Alloc
         emit("where", values=am.where.call().get(timeout=30).values())
         am.bump.broadcast(1)
         emit("counts", values=am.count.call().get(timeout=30).values())
-        # force: see test_reattached_controller_stops_orphaned_mesh for why it is needed today
-        pm.stop(force=True).get(timeout=30)
+        pm.stop().get(timeout=30)
         emit("stopped")
         """,
     )
@@ -651,13 +643,6 @@ def test_second_controller_reattaches(cluster: NetnsCluster, workers: list[Alloc
         wait_until(lambda i=i: len(zygote_processes(cluster, i)) == 1, 10, f"procs on host {i} to exit")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="product bug: the allocator refuses stop_mesh from any controller but the mesh's creator, even after the "
-    "creator detached (bye), so a re-attached controller cannot stop a persistent mesh without force=True "
-    "(PermissionError: mesh 'keep' is owned by another controller)",
-)
 @pytest.mark.timeout(120)
 def test_reattached_controller_stops_orphaned_mesh(cluster: NetnsCluster, workers: list[Allocator]) -> None:
     first = Controller(

@@ -504,7 +504,9 @@ class Allocator:
         m = self.meshes.get(name)
         if m is None:
             raise MeshError(f"no mesh named {name!r} on host {self.rt.hostname}")
-        if cid and m.owner != cid and not force:
+        owner_attached = any(c.get("cid") == m.owner for c in self.controllers.values())
+        # an owner that is gone (kernel restarted, script exited) hands its meshes to whoever re-attached
+        if cid and m.owner != cid and owner_attached and not force:
             raise PermissionError(f"mesh {name!r} is owned by another controller ({m.owner}); pass force=True to stop it anyway")
         n = await self._stop_mesh(m, reason)
         self.meshes.pop(name, None)

@@ -159,11 +159,8 @@ class Runtime:
             ev = parse_monitor_message(await mon.recv_multipart())
             if ev["event"] in failures:
                 self.dropped_frames += 1
-                logger.warning(
-                    "refused a connection on %s from %s: security handshake failed (wrong cluster key or not monarch_nb)",
-                    where,
-                    ev["endpoint"].decode(errors="replace"),
-                )
+                # libzmq reports our own endpoint here, not the peer's, so it is not named
+                logger.warning("refused a connection on %s: the peer failed the security handshake (wrong cluster key or not monarch_nb)", where)
 
     def ensure_tcp(self, ip: str) -> str:
         """Bind a TCP inbox on ``ip`` (once) so peers on other hosts can reach us."""
@@ -507,6 +504,8 @@ class Runtime:
                     logger.warning("%s", cause)
                     for addr in list(w.procs):
                         self.peer_failed(addr, self._proc_error(w, addr, cause))
+                    # requests to the allocator itself (stop, lookup, ...) fail the same way
+                    self.peer_failed(w.addr, w.lost)
                     continue
                 port = getattr(w, "event_port", None)
                 if port is not None:
