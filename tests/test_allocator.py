@@ -317,3 +317,45 @@ def test_owner_actor_supervises_the_failure_of_a_mesh_it_spawned(allocator, faul
     assert "child-of-parent" in reports[0] and "SIGKILL" in reports[0]
     assert fault_hook == [], "a handled failure does not reach the controller's hook"
     pm.stop().get(timeout=20)
+
+
+class Tidy(Actor):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @endpoint
+    def ping(self) -> int:
+        return current_rank().rank
+
+    def __cleanup__(self, exc) -> None:  # type: ignore[no-untyped-def]
+        with open(f"{self.path}.{current_rank().rank}", "w") as f:
+            f.write("cleaned")
+
+
+def test_cleanup_runs_when_the_mesh_is_stopped(allocator, tmp_path):  # type: ignore[no-untyped-def]
+    pm = allocator.hosts.spawn_procs(per_host={"gpus": 2}, name="tidy")
+    t = pm.spawn("t", Tidy, str(tmp_path / "done"))
+    assert t.ping.call().get(timeout=10).values() == [0, 1]
+    pm.stop().get(timeout=20)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done.0", "done.1"]
+
+
+def test_unhandled_failure_in_a_script_reports_and_exits_non_zero(allocator):  # type: ignore[no-untyped-def]
+    code = f"""
+import os, signal, threading
+from monarch_nb.actor import Actor, endpoint, attach_to_workers
+class P(Actor):
+    @endpoint
+    def pid(self): return os.getpid()
+hosts = attach_to_workers(workers=[{allocator.addr!r}], ca="trust_all_connections")
+pm = hosts.spawn_procs(per_host={{"gpus": 1}}, name="fail-fast")
+os.kill(pm.spawn("p", P).pid.call_one().get(timeout=10), signal.SIGKILL)
+threading.Event().wait(30)  # the fault hook interrupts this wait
+print("NOT REACHED")
+"""
+    t0 = time.monotonic()
+    r = run_script(code, timeout=60)
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    assert time.monotonic() - t0 < 20
+    assert "unhandled mesh failure" in r.stderr and "fail-fast" in r.stderr and "SIGKILL" in r.stderr
+    assert "NOT REACHED" not in r.stdout

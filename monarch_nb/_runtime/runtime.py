@@ -160,7 +160,10 @@ class Runtime:
             if ev["event"] in failures:
                 self.dropped_frames += 1
                 # libzmq reports our own endpoint here, not the peer's, so it is not named
-                logger.warning("refused a connection on %s: the peer failed the security handshake (wrong cluster key or not monarch_nb)", where)
+                logger.warning(
+                    "refused a connection on %s: the peer failed the security handshake (wrong cluster key or not monarch_nb)",
+                    where,
+                )
 
     def ensure_tcp(self, ip: str) -> str:
         """Bind a TCP inbox on ``ip`` (once) so peers on other hosts can reach us."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import _thread
 import logging
+import os
+import signal
 import sys
 import threading
 from typing import Any
@@ -46,7 +47,8 @@ def unhandled_fault_hook(failure: MeshFailure) -> None:
     global _exit_requested
     _exit_requested = True
     _install_exit_hook()
-    _thread.interrupt_main()
+    # a real SIGINT (unlike _thread.interrupt_main) also wakes a main thread blocked in a wait
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def _install_exit_hook() -> None:
@@ -56,8 +58,6 @@ def _install_exit_hook() -> None:
         if _exit_requested and issubclass(tp, KeyboardInterrupt):
             sys.stderr.write("monarch_nb: exiting (exit code 1) after an unhandled mesh failure\n")
             sys.stderr.flush()
-            import os
-
             os._exit(1)
         prev(tp, value, tb)
 
