@@ -169,7 +169,7 @@ class Allocator(HostProc):
 # Shared by every controller script.  `A` and `Sleeper` are defined in the
 # script's __main__, so they travel to the procs by value.
 PRELUDE = """
-import json, os, socket, sys, time, traceback
+import json, os, socket, sys, threading, time, traceback
 import monarch_nb.actor as monarch_actor
 from monarch_nb.actor import Actor, ProcMesh, attach_to_workers, current_rank, endpoint
 from monarch_nb.errors import AuthenticationError, ConfigError, ConnectError, SupervisionError
@@ -178,8 +178,15 @@ CONTROLLER_IP = {controller_ip!r}
 WORKERS = {workers!r}
 
 
+_emit_lock = threading.Lock()
+
+
 def emit(step, **kw):
-    print(json.dumps(dict(step=step, **kw), default=str), flush=True)
+    # fault hooks run on another thread: one write per line, under a lock, keeps lines whole
+    line = json.dumps(dict(step=step, **kw), default=str) + "\\n"
+    with _emit_lock:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def describe(e):
