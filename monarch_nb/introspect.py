@@ -6,7 +6,6 @@ snapshot. It registers no controller, so it holds no lease and keeps nothing ali
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
@@ -14,18 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .actor import _context
-from .actor._client import read_connection_files
+from .actor._client import _alive, read_connection_files
 from .config import runtime_dir
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def status(addresses: list[str] | None = None, timeout: float = 2.0) -> dict[str, Any]:

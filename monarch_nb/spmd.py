@@ -52,10 +52,6 @@ def setup_env_for_distributed(proc_mesh: ProcMesh, master_addr: str | None = Non
     local = proc_mesh.size() // (proc_mesh.size(hosts_dims) if hosts_dims else 1)
     setter.set_env.call(master_addr, master_port, local).get()
     setter.stop().get()
-
-    async def done() -> None:
-        return None
-
     return _Awaitable()
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import wait_for
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _netns import NetnsCluster
@@ -63,18 +64,6 @@ def host_env(**extra: str) -> dict[str, str]:
     }
     env.update(extra)
     return env
-
-
-def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll `pred` (state owned by the kernel: no event to wait on) until truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 # -- processes on hosts ------------------------------------------------------
@@ -405,7 +394,7 @@ def test_mesh_spans_two_hosts(cluster: NetnsCluster, workers: list[Allocator]) -
     ctl.finish()
     # stop() really ended the procs on both hosts (allocator + zygote remain)
     for i in (1, 2):
-        wait_until(lambda i=i: len(zygote_processes(cluster, i)) == 1, 10, f"procs on host {i} to exit")
+        wait_for(lambda i=i: len(zygote_processes(cluster, i)) == 1, 10, f"procs on host {i} to exit")
 
 
 @pytest.mark.timeout(120)
@@ -563,7 +552,7 @@ def test_allocator_killed_mid_call(cluster: NetnsCluster, workers: list[Allocato
     ctl.send("go\n")
     _check_host_failure(cluster, ctl, victim)
     # the zygote and the procs die with their allocator
-    wait_until(lambda: not monarch_processes(cluster, 2), 10, "every monarch_nb process of host 2 to exit")
+    wait_for(lambda: not monarch_processes(cluster, 2), 10, "every monarch_nb process of host 2 to exit")
     assert len(monarch_processes(cluster, 1)) == 4, monarch_processes(cluster, 1)
     ctl.finish()
 
@@ -579,7 +568,7 @@ def test_link_down_mid_call(cluster: NetnsCluster, workers: list[Allocator]) -> 
     _check_host_failure(cluster, ctl, workers[1])
     ctl.finish()
     # cut off from its controller, host 2's allocator reaps the script's mesh on its own
-    wait_until(lambda: len(zygote_processes(cluster, 2)) == 1, 20, "host 2 to reap the orphaned procs")
+    wait_for(lambda: len(zygote_processes(cluster, 2)) == 1, 20, "host 2 to reap the orphaned procs")
     assert workers[1].popen.poll() is None, workers[1].describe()
 
 
@@ -606,7 +595,7 @@ except Exception as e:
     # stopping must not wait on the lost host: done (or a SupervisionError naming it) at once
     assert result["elapsed"] < 5, result
     assert result["ok"] or result["type"] == "SupervisionError", result
-    wait_until(lambda: len(zygote_processes(cluster, 1)) == 1, 10, "procs on host 1 to exit")
+    wait_for(lambda: len(zygote_processes(cluster, 1)) == 1, 10, "procs on host 1 to exit")
 
 
 @pytest.mark.timeout(120)
@@ -647,7 +636,7 @@ def test_second_controller_reattaches(cluster: NetnsCluster, workers: list[Alloc
     second.expect("stopped")
     second.finish()
     for i in (1, 2):
-        wait_until(lambda i=i: len(zygote_processes(cluster, i)) == 1, 10, f"procs on host {i} to exit")
+        wait_for(lambda i=i: len(zygote_processes(cluster, i)) == 1, 10, f"procs on host {i} to exit")
 
 
 @pytest.mark.timeout(120)
@@ -677,4 +666,4 @@ def test_reattached_controller_stops_orphaned_mesh(cluster: NetnsCluster, worker
     second.finish()
     assert result["ok"], result
     for i in (1, 2):
-        wait_until(lambda i=i: len(zygote_processes(cluster, i)) == 1, 10, f"procs on host {i} to exit")
+        wait_for(lambda i=i: len(zygote_processes(cluster, i)) == 1, 10, f"procs on host {i} to exit")

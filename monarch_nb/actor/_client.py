@@ -145,9 +145,7 @@ class Client:
                 if mon.poll(min(left, 0.05) * 1000):
                     ev = recv_monitor_message(mon)
                     e = ev["event"]
-                    if e == zmq.EVENT_HANDSHAKE_SUCCEEDED or (e == zmq.EVENT_CONNECTED and not addr.startswith("tcp://")):
-                        connected = True
-                    elif e == zmq.EVENT_CONNECTED:
+                    if e in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
                         connected = True
                     elif e == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                         raise AuthenticationError(

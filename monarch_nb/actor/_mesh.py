@@ -279,7 +279,7 @@ class ProcMesh(MeshTrait):
         from . import _supervision
 
         self._failed = str(err)
-        _supervision.report(MeshFailureFor(self, err))
+        _supervision.report(_supervision.MeshFailure(self._name, self, err))
 
     def actor_mesh(self, name: str) -> ActorMesh[Any]:
         """Re-attach to actors spawned earlier on this mesh (e.g. after a kernel restart)."""
@@ -310,15 +310,6 @@ class ProcMesh(MeshTrait):
         pm = ProcMesh(name, procs, View(*extent), hosts, persist)
         client.own(procs, pm)
         return pm
-
-
-class MeshFailureFor:
-    """Builds the :class:`MeshFailure` for a failed proc of ``mesh``."""
-
-    def __new__(cls, mesh: ProcMesh, err: Exception) -> Any:  # type: ignore[misc]
-        from ._supervision import MeshFailure
-
-        return MeshFailure(mesh._name, mesh, err)
 
 
 class HostMesh(MeshTrait):

@@ -73,8 +73,6 @@ def report(failure: MeshFailure) -> None:
         inst = _context.current_instance()
         owner = getattr(getattr(inst, "_slot", None), "obj", None) if inst else None
         if owner is None:
-            from .._runtime.runtime import Runtime  # noqa: F401
-
             host = _context.runtime().system.get("__sys__")
             for slot in list(_context.runtime().actors.values()) if host else []:
                 obj = getattr(slot, "obj", None)
