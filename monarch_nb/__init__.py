@@ -18,8 +18,21 @@ def status(**kwargs: Any) -> dict[str, Any]:
     return _status(**kwargs)
 
 
+def load_ipython_extension(ip: Any) -> None:
+    """``%load_ext monarch_nb``: the ``%mesh`` magics, and rank output routed to the calling cell."""
+    from .magics import load_ipython_extension as _load
+
+    _load(ip)
+
+
+def unload_ipython_extension(ip: Any) -> None:
+    from .magics import unload_ipython_extension as _unload
+
+    _unload(ip)
+
+
 def __getattr__(name: str) -> Any:
-    if name in ("actor", "spmd", "introspect", "allocator", "config", "errors"):
+    if name in ("actor", "spmd", "introspect", "allocator", "config", "errors", "mesh", "logs"):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")

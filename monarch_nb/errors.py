@@ -135,6 +135,57 @@ def format_exception(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
 
 
+class ExecError(MonarchNBError):
+    """A ``%%mesh exec`` cell raised on some ranks: one entry per failing rank.
+
+    ``failures`` maps rank → ``(exception type name, message, formatted remote traceback)``;
+    ranks that failed the same way are shown once, with their rank set.
+    """
+
+    def __init__(self, failures: dict[int, tuple[str, str, str]], total: int, mesh: str = "") -> None:
+        self.failures = dict(sorted(failures.items()))
+        self.total = total
+        self.mesh = mesh
+        super().__init__(self._headline())
+
+    def _groups(self) -> list[tuple[list[int], tuple[str, str, str]]]:
+        groups: dict[tuple[str, str, str], list[int]] = {}
+        for rank, f in self.failures.items():
+            groups.setdefault(f, []).append(rank)
+        return [(ranks, f) for f, ranks in groups.items()]
+
+    def _headline(self) -> str:
+        from ._ranks import format_ranks
+
+        n = len(self.failures)
+        where = f" of mesh {self.mesh!r}" if self.mesh else ""
+        kinds = "; ".join(f"ranks {format_ranks(r)}: {_kind(*f[:2])}" for r, f in self._groups())
+        return f"the cell failed on {n} of {self.total} ranks{where} ({kinds})"
+
+    def __str__(self) -> str:
+        return "\n".join(self._lines(color=False))
+
+    def _lines(self, color: bool) -> list[str]:
+        from ._ranks import format_ranks
+
+        red, off = ("\x1b[0;31m", "\x1b[0m") if color else ("", "")
+        lines = [self._headline()]
+        for ranks, (etype, msg, tb) in self._groups():
+            lines.append("")
+            lines.append(f"{red}--- ranks {format_ranks(ranks)} (×{len(ranks)}): {_kind(etype, msg)}{off}")
+            lines.extend(tb.rstrip().splitlines())
+        return lines
+
+    def _render_traceback_(self) -> list[str]:
+        lines = self._lines(color=True)
+        lines[0] = f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}"
+        return lines
+
+
+def _kind(etype: str, msg: str) -> str:
+    return f"{etype}: {msg}" if msg else etype
+
+
 class MeshError(MonarchNBError):
     """A mesh could not be created or used."""
 

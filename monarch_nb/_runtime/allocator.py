@@ -96,7 +96,7 @@ class Allocator:
         self._zsock: socket.socket | None = None
         self._zygote: subprocess.Popen[bytes] | None = None
         self._zygote_ready: asyncio.Future[Any] | None = None
-        self._pending_logs: dict[tuple[str, int], list[Any]] = {}
+        self._pending_logs: dict[tuple[tuple[str, int], str], list[Any]] = {}
         self._flush_scheduled = False
         self._anon = 0
         self.stopped = asyncio.Event()
@@ -270,7 +270,7 @@ class Allocator:
         if mesh is None or not mesh.log_subs:
             return
         for sub in mesh.log_subs:
-            self._pending_logs.setdefault(sub, []).extend(lines)
+            self._pending_logs.setdefault((sub, mesh_name), []).extend(lines)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self.rt.loop.call_later(self.cfg.log_flush_interval, self._flush_logs)
@@ -278,8 +278,8 @@ class Allocator:
     def _flush_logs(self) -> None:
         self._flush_scheduled = False
         pending, self._pending_logs = self._pending_logs, {}
-        for (addr, port), lines in pending.items():
-            self.rt.send_port(addr, port, 0, wire.ITEM, ("logs", lines))
+        for ((addr, port), mesh), lines in pending.items():
+            self.rt.send_port(addr, port, 0, wire.ITEM, ("logs", lines, mesh))
 
     def _publish(self, event: tuple[Any, ...]) -> None:
         for addr, port in list(self.subscribers):
@@ -576,11 +576,11 @@ class Allocator:
             "idle_s": now - self.idle_since if not self.controllers else 0.0,
         }
 
-    def sys_logs(self, mesh: str, rank: int, tail: int | None = None) -> list[dict[str, Any]]:
+    def sys_logs(self, mesh: str, rank: int, tail: int | None = None, start: int = 0) -> list[dict[str, Any]]:
         path = os.path.join(self.log_dir, mesh, f"rank-{rank}.jsonl")
         if not os.path.exists(path):
             raise MeshError(f"no log for mesh {mesh!r} rank {rank} on host {self.rt.hostname}")
-        return read_log(path, tail)
+        return read_log(path, tail, start)
 
     def sys_shutdown(self) -> str:
         self.rt.loop.call_later(0.05, self.stopped.set)

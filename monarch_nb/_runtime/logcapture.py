@@ -4,7 +4,8 @@ The allocator owns the read ends of each proc's stdout/stderr pipes. Lines are t
 rank, stream, wall-clock time and the id of the call running in that proc, which the proc
 announces in-band with an OSC escape (``ESC ] mnb;call=ID BEL``, written just before and
 after each endpoint), so the tag is exact for Python output and never races the data.
-Every line goes to a JSONL file; subscribers get batches.
+Every line goes to a JSONL file; subscribers get batches. A line that starts with ``\r`` is
+the current state of a line still being redrawn (a progress bar), not a finished line.
 """
 
 from __future__ import annotations
@@ -45,11 +46,19 @@ class ProcLog:
     def feed(self, stream: str, data: bytes) -> None:
         buf = self._partial[stream] + data
         lines = buf.split(b"\n")
-        self._partial[stream] = lines.pop()
+        rest = self._partial[stream] = lines.pop()
         out: list[LogLine] = []
         now = time.time()
         for raw in lines:
             out.extend(self._split(stream, raw, now))
+        cr = rest.rfind(b"\r")
+        if cr >= 0 and cr + 1 < len(rest):
+            # a progress bar redraws its line with \r and no newline: pass on its current state
+            # (marked by a leading \r) instead of holding it until the bar ends
+            cur = rest[cr + 1 :]
+            if b"\x1b]" not in cur:
+                out.append((self.rank, stream, now, self._call[stream], "\r" + _decode(cur)))
+                self._partial[stream] = b"\r" + cur
         if out:
             self._write(out)
 
@@ -95,10 +104,10 @@ def _decode(b: bytes) -> str:
     return b.decode("utf-8", "replace")
 
 
-def read_log(path: str, tail: int | None = None) -> list[dict[str, Any]]:
+def read_log(path: str, tail: int | None = None, start: int = 0) -> list[dict[str, Any]]:
     try:
         with open(path, encoding="utf-8") as f:
-            rows = f.readlines()
+            rows = f.readlines()[start:]
     except FileNotFoundError:
         return []
     if tail is not None:

@@ -330,6 +330,58 @@ class ActorHost:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.shutdown_requested = threading.Event()
+        # work that must run on the proc's main thread (``%%mesh exec`` cells), so that an
+        # interrupt is a real SIGINT: it breaks blocking calls such as time.sleep, as in a kernel
+        self._main_jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._main_busy = False
+
+    def run_on_main(self, fn: Any) -> Any:
+        """Run ``fn()`` on this proc's main thread and return its result (raises what it raises)."""
+        done = threading.Event()
+        box: list[Any] = [None, None]
+        self._main_jobs.put((fn, box, done))
+        done.wait()
+        if box[1] is not None:
+            raise box[1]
+        return box[0]
+
+    def main_loop(self) -> None:
+        """The proc's main thread: run main-thread jobs until shutdown."""
+        import signal
+
+        def on_sigint(signum: int, frame: Any) -> None:
+            # only interrupt user code; a stray SIGINT must not kill an idle proc
+            if self._main_busy:
+                raise KeyboardInterrupt
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, on_sigint)
+        while True:
+            try:
+                job = self._main_jobs.get()
+            except KeyboardInterrupt:  # a late interrupt after the job it was meant for
+                continue
+            if job is None:
+                return
+            fn, box, done = job
+            try:
+                self._main_busy = True
+                try:
+                    box[0] = fn()
+                finally:
+                    self._main_busy = False
+            except BaseException as e:
+                box[1] = e
+            done.set()
+
+    def sys_interrupt(self) -> bool:
+        """Interrupt code running on the main thread (a kernel interrupt reaching ``%%mesh exec``)."""
+        import signal
+
+        if not self._main_busy:
+            return False
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+        return True
 
     @system_method(wants_reply=True)
     def sys_spawn_actor(
@@ -367,6 +419,7 @@ class ActorHost:
 
     def sys_shutdown(self) -> Any:
         self.shutdown_requested.set()
+        self._main_jobs.put(None)
         return NO_REPLY
 
     def cleanup_all(self, timeout: float = 5.0) -> None:

@@ -34,7 +34,7 @@ def main(spec: dict[str, Any]) -> int:
     addr = rt.tcp_addr or rt.ipc_addr
     body, bufs = dumps(((spec["token"], addr, os.getpid()), {}))
     rt.send_actor(spec["alloc_addr"], "__allocator__", "proc_ready", body, bufs)
-    host.shutdown_requested.wait()
+    host.main_loop()
     host.cleanup_all()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -56,7 +56,13 @@ class Client:
         self.log_port = rt.open_port(self._on_logs)
         self.log_enabled = True
         self.log_level = logging.INFO
-        self.log_writer: Callable[[list[tuple[int, str, float, str, str]]], None] | None = None
+        #: proc mesh name -> aggregation window (s) chosen with ProcMesh.logging_option
+        self.log_windows: dict[str, float] = {}
+        #: replaces the default log printer: called on the I/O thread with (proc mesh name, lines)
+        self.log_writer: Callable[[str, list[tuple[int, str, float, str, str]]], None] | None = None
+        #: told of every endpoint call this process sends: (call id, [(proc mesh, rank), ...]);
+        #: a frontend uses it to send a call's output to the place the call came from
+        self.on_call: Callable[[str, list[tuple[str, int]]], None] | None = None
         rt.peer_failure_callbacks.append(self._on_peer_failed)
         self._anon = 0
         if self.kind != "proc":
@@ -177,14 +183,16 @@ class Client:
     def _on_logs(self, index: int, status: int, body: Any, bufs: list[Any]) -> None:
         if status != wire.ITEM or not self.log_enabled:
             return
-        kind, lines = loads(body, bufs)
+        kind, lines, mesh = loads(body, bufs)
         if kind != "logs":
             return
         if self.log_writer is not None:
-            self.log_writer(lines)
+            self.log_writer(mesh, lines)
             return
         out, err = [], []
         for rank, stream, _ts, _call, line in lines:
+            if line.startswith("\r"):
+                continue  # a progress bar's intermediate state; a plain stream shows only finished lines
             (err if stream == "stderr" else out).append(f"[{rank}] {line}\n")
         try:
             if out:

@@ -152,6 +152,9 @@ class Endpoint(Generic[R]):
         call_id = rt.next_call_id()
         procs = mesh._procs
         idx = range(len(view.ranks)) if ranks is None else ranks
+        on_call = _context.client().on_call if _context._client is not None else None
+        if on_call is not None:
+            on_call(call_id, [(procs[view.ranks[i]].mesh, procs[view.ranks[i]].rank) for i in idx])
         raddr_cache: dict[bool, str] = {}
         for i in idx:
             p = procs[view.ranks[i]]
@@ -179,6 +182,7 @@ class Endpoint(Generic[R]):
         fut: Future[list[Any]] = Future._create(what)
         raw: list[Any] = [None] * len(self._mesh._view.ranks)
         left = [n]
+        fut._progress = (left, n)
         pid = 0
         procs, view = self._mesh._procs, self._mesh._view
 

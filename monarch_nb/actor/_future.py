@@ -16,6 +16,9 @@ R = TypeVar("R")
 
 _PENDING, _RAW, _DONE, _FAILED = range(4)
 
+#: thread id -> the future that thread is blocked on in ``get()`` (what a frontend shows progress of)
+blocked: dict[int, Future[Any]] = {}
+
 
 class Future(Generic[R]):
     """The eventual result of an endpoint call or other asynchronous operation.
@@ -23,7 +26,7 @@ class Future(Generic[R]):
     Not constructed directly; endpoints and meshes return them.
     """
 
-    __slots__ = ("_cond", "_state", "_value", "_decode", "_callbacks", "_what", "__weakref__")
+    __slots__ = ("_cond", "_state", "_value", "_decode", "_callbacks", "_what", "_progress", "__weakref__")
 
     def __init__(self, *_: Any, **__: Any) -> None:
         raise TypeError("Future cannot be constructed directly; endpoints and meshes return them")
@@ -37,6 +40,8 @@ class Future(Generic[R]):
         f._decode = None
         f._callbacks = []
         f._what = what
+        #: for calls to many actors: ([replies still missing], total), read by progress displays
+        f._progress = None
         return f
 
     @classmethod
@@ -100,9 +105,14 @@ class Future(Generic[R]):
         if self._state == _PENDING:
             if _on_io_thread():
                 raise RuntimeError("Future.get() on the monarch_nb I/O thread would deadlock; use a callback")
-            with self._cond:
-                if not self._cond.wait_for(lambda: self._state != _PENDING, timeout):
-                    raise TimeoutError(f"{self._what} not ready after {timeout} s (the future is still usable)")
+            tid = threading.get_ident()
+            blocked[tid] = self
+            try:
+                with self._cond:
+                    if not self._cond.wait_for(lambda: self._state != _PENDING, timeout):
+                        raise TimeoutError(f"{self._what} not ready after {timeout} s (the future is still usable)")
+            finally:
+                blocked.pop(tid, None)
         return self._resolve()
 
     result = get

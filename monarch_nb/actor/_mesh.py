@@ -265,6 +265,8 @@ class ProcMesh(MeshTrait):
             raise ValueError("aggregate_window_sec needs stream_to_client=True")
         client = _context.client()
         client.log_level = level
+        if aggregate_window_sec is not None:
+            client.log_windows[self._name] = float(aggregate_window_sec)
         port = client.log_port
         for alloc in sorted({p.alloc for p in self._procs if p.alloc}):
             client.rt.send_actor(

@@ -1,0 +1,75 @@
+"""The actor behind ``%%mesh exec``: runs cell source in a proc, like an ipyparallel engine.
+
+Each proc keeps one namespace across cells. Code runs on the proc's main thread, so a kernel
+interrupt becomes a real SIGINT there and breaks blocking calls as it would locally.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import contextvars
+import linecache
+import traceback
+from typing import Any
+
+import cloudpickle
+
+from .actor import Actor, endpoint
+from .actor._actor import ensure_actor_host
+from .actor._context import runtime
+
+#: the actor name every proc mesh uses for its exec namespace
+EXEC_ACTOR = "__mnb_exec__"
+
+
+class Unpicklable:
+    """Stands in for a cell value that cannot travel back to the notebook."""
+
+    def __init__(self, text: str, reason: str) -> None:
+        self.text = text
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"<unpicklable {self.text} ({self.reason})>"
+
+
+class ExecActor(Actor):
+    def __init__(self) -> None:
+        self.ns: dict[str, Any] = {"__name__": "__mnb_exec__", "__builtins__": builtins}
+        self.count = 0
+
+    @endpoint
+    def run(self, source: str, label: str = "") -> tuple[bool, Any]:
+        """Run ``source``; ``(True, value of the last expression)`` or ``(False, (type, message, traceback))``."""
+        self.count += 1
+        filename = f"<mesh exec {label or self.count}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        ctx = contextvars.copy_context()
+        host = ensure_actor_host(runtime())
+        try:
+            value = host.run_on_main(lambda: ctx.run(self._exec, source, filename))
+        except BaseException as e:  # KeyboardInterrupt too: it is the cell's result, not the actor's end
+            tb = e.__traceback__
+            # drop our own frames: the user wants their cell's lines
+            while tb is not None and tb.tb_frame.f_code.co_filename != filename:
+                tb = tb.tb_next
+            text = "".join(traceback.format_exception(type(e), e, tb))
+            return False, (type(e).__name__, str(e), text)
+        if value is None:
+            return True, None
+        try:
+            cloudpickle.dumps(value)
+        except Exception as e:
+            return True, Unpicklable(repr(value)[:200], f"{type(e).__name__}: {e}")
+        return True, value
+
+    def _exec(self, source: str, filename: str) -> Any:
+        tree = ast.parse(source, filename, "exec")
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        exec(compile(tree, filename, "exec"), self.ns)
+        if last is not None:
+            return eval(compile(last, filename, "eval"), self.ns)
+        return None

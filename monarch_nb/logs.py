@@ -1,0 +1,163 @@
+"""Rank output for people: aggregation of many ranks' lines, and the full per-rank logs.
+
+Every line a proc writes is kept by its host's allocator (``rank-N.jsonl``); what reaches a
+notebook or terminal is a summary of it. :class:`Aggregator` collapses the lines of one time
+window: identical lines from many ranks become one line with a count and the rank set
+(``[ranks 0-7 ×8] ready``); lines that differ only in their numbers become one line with each
+number summarised as ``min…max`` (``[ranks 0-7 ×8] loss=0.51…0.58``). :func:`logs` and
+:func:`follow` read the full log, also of a proc that has crashed.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from ._ranks import format_ranks
+
+__all__ = ["Aggregator", "follow", "format_line", "format_ranks", "logs"]
+
+#: (rank, stream, ts, call_id, line) as the allocator sends them
+LogLine = tuple[int, str, float, str, str]
+
+_NUM = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
+
+
+def format_line(rank: int, line: str, mesh: str = "") -> str:
+    """One line of one rank, unaggregated: ``[3] text`` (``[trainer 3] text`` when ``mesh`` is given)."""
+    return f"[{mesh + ' ' if mesh else ''}{rank}] {line}"
+
+
+class _Group:
+    __slots__ = ("parts", "ranks", "count", "nums", "texts")
+
+    def __init__(self, parts: list[str]) -> None:
+        self.parts = parts  # the text between the numbers
+        self.ranks: set[int] = set()
+        self.count = 0
+        self.nums: list[list[str]] = []  # per number slot, every value seen
+        self.texts: set[str] = set()
+
+
+class Aggregator:
+    """Collects lines for one window and summarises them on :meth:`flush`.
+
+    Not thread-safe; the caller serialises ``add`` and ``flush``.
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[str, str, str], _Group] = {}
+        self._meshes: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def add(self, mesh: str, lines: Iterable[LogLine]) -> None:
+        self._meshes.add(mesh)
+        groups = self._groups
+        for rank, stream, _ts, _call, line in lines:
+            nums = _NUM.findall(line)
+            template = _NUM.sub("\0", line) if nums else line
+            key = (mesh, stream, template)
+            g = groups.get(key)
+            if g is None:
+                g = groups[key] = _Group(template.split("\0"))
+                g.nums = [[] for _ in nums]
+            g.ranks.add(rank)
+            g.count += 1
+            if len(g.texts) < 2:
+                g.texts.add(line)
+            for slot, n in zip(g.nums, nums):
+                slot.append(n)
+
+    def flush(self) -> list[tuple[str, str]]:
+        """The window's summary as ``(stream, text)`` pairs, in order of first appearance."""
+        show_mesh = len(self._meshes) > 1
+        out: list[tuple[str, str]] = []
+        for (mesh, stream, _t), g in self._groups.items():
+            if len(g.texts) == 1:
+                text = next(iter(g.texts))
+            else:
+                pieces = [g.parts[0]]
+                for slot, part in zip(g.nums, g.parts[1:]):
+                    pieces.append(_summarise(slot))
+                    pieces.append(part)
+                text = "".join(pieces)
+            who = f"{mesh} " if show_mesh else ""
+            if g.count == 1:
+                prefix = f"[{who}{next(iter(g.ranks))}]"
+            elif len(g.ranks) == 1:
+                prefix = f"[{who}{next(iter(g.ranks))} ×{g.count}]"
+            else:
+                prefix = f"[{who}ranks {format_ranks(g.ranks)} ×{g.count}]"
+            out.append((stream, f"{prefix} {text}"))
+        self._groups = {}
+        self._meshes = set()
+        return out
+
+
+def _summarise(values: list[str]) -> str:
+    first = values[0]
+    if all(v == first for v in values):
+        return first
+    lo = min(values, key=float)
+    hi = max(values, key=float)
+    return f"{lo}…{hi}"
+
+
+# ---------------------------------------------------------------- the full logs
+
+
+def _mesh_allocators(mesh: Any) -> list[str]:
+    return sorted({p.alloc for p in mesh._procs if p.alloc})
+
+
+def logs(
+    mesh: Any, rank: int | None = None, tail: int | None = None, *, start: dict[int, int] | None = None
+) -> list[dict[str, Any]]:
+    """The lines a proc mesh's ranks wrote, oldest first, from the allocators' logs.
+
+    ``mesh`` is a :class:`~monarch_nb.actor.ProcMesh` (or the name of one this controller knows);
+    each row has ``ts``, ``rank``, ``stream``, ``call`` and ``line``. ``tail`` keeps the last N
+    lines per rank; ``start`` skips the first N lines of each rank. Works for procs that have
+    exited or crashed.
+    """
+    from .actor import _context
+
+    mesh = _resolve(mesh)
+    client = _context.client()
+    known = {p.rank: p for p in mesh._procs}
+    ranks = sorted(known) if rank is None else [rank]
+    if rank is not None and rank not in known:
+        raise ValueError(f"mesh {mesh._name!r} has no rank {rank} (ranks {format_ranks(known)})")
+    futs = [client.request(known[r].alloc, "logs", known[r].mesh, r, tail, start.get(r, 0) if start else 0) for r in ranks]
+    rows: list[dict[str, Any]] = []
+    for f in futs:
+        rows.extend(f.get(timeout=client.rt.cfg.connect_timeout))
+    rows.sort(key=lambda r: (r["ts"], r["rank"]))
+    return rows
+
+
+def follow(mesh: Any, rank: int | None = None, tail: int = 10, poll: float = 0.25) -> Iterator[dict[str, Any]]:
+    """Yield the last ``tail`` lines, then new lines as ranks write them (until the caller stops)."""
+    seen: dict[int, int] = {}
+    rows = logs(mesh, rank)
+    for r in rows:
+        seen[r["rank"]] = seen.get(r["rank"], 0) + 1
+    yield from rows[-tail:] if tail else []
+    while True:
+        time.sleep(poll)  # the allocator keeps files, not subscriptions, for ranks' past output
+        rows = logs(mesh, rank, start=seen)
+        for r in rows:
+            seen[r["rank"]] = seen.get(r["rank"], 0) + 1
+        yield from rows
+
+
+def _resolve(mesh: Any) -> Any:
+    if isinstance(mesh, str):
+        from . import mesh as _mesh_api
+
+        return _mesh_api.get(mesh)
+    return mesh

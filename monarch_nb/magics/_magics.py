@@ -1,0 +1,178 @@
+"""The ``%mesh`` line magic and ``%%mesh`` cell magic: argument parsing and display only."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+
+from .. import logs as _logs
+from .. import mesh as _mesh
+from ..actor import _context
+
+_SUMMARY = """\
+%mesh connect [ADDRESS|CONNECTION_FILE ...]   attach to allocators (none: the local one); re-attach named meshes
+%mesh spawn NAME --per-host gpus=8             start a named proc mesh over the attached hosts, bound to NAME
+%%mesh exec [NAME] [--ranks 0:4] [--no-block] [--no-aggregate]
+                                               run the cell in every proc of the mesh (one namespace per proc)
+%mesh status                                   allocators, meshes, procs and their states
+%mesh logs NAME [--rank R] [--tail N] [--follow]
+                                               the full per-rank logs kept by the allocators
+%mesh stop NAME | --all [--force]              stop meshes (your own unless --force)
+%mesh help                                     this text; `%mesh SUBCOMMAND --help` for details"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message}\n{self.format_usage()}")
+
+    def exit(self, status: int = 0, message: str | None = None) -> Any:  # type: ignore[override]
+        # --help printed its text; stop the magic without a traceback
+        raise _HelpShown
+
+
+class _HelpShown(Exception):
+    pass
+
+
+def _kv(text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in text.replace(",", " ").split():
+        k, sep, v = part.partition("=")
+        if not sep or not k.isidentifier():
+            raise UsageError(f"--per-host wants NAME=SIZE pairs like gpus=8 or hosts=2,gpus=4, got {part!r}")
+        try:
+            out[k] = int(v)
+        except ValueError:
+            raise UsageError(f"--per-host size for {k!r} must be an integer, got {v!r}") from None
+    return out
+
+
+def _parsers() -> dict[str, _Parser]:
+    p: dict[str, _Parser] = {}
+    c = p["connect"] = _Parser(prog="%mesh connect", description="Attach to allocators and re-attach their named meshes.")
+    c.add_argument("targets", nargs="*", help="allocator addresses (tcp://HOST:PORT, ipc://PATH) or connection files")
+    c.add_argument("--key-file", help="cluster key file for tcp allocators (default $MONARCH_NB_KEY_FILE)")
+    s = p["spawn"] = _Parser(prog="%mesh spawn", description="Start a named proc mesh on every attached host.")
+    s.add_argument("name", help="mesh name; also the notebook variable bound to it")
+    s.add_argument("--per-host", default="", help="shape per host, e.g. gpus=8 or procs=2,gpus=4")
+    s.add_argument("--no-persist", action="store_true", help="stop the mesh when this kernel exits")
+    e = p["exec"] = _Parser(prog="%%mesh exec", description="Run the cell in every proc of a mesh.")
+    e.add_argument("name", nargs="?", help="mesh name (optional when one mesh runs)")
+    e.add_argument("--ranks", help="a subset of ranks: 0:4, 0-3, 1,3")
+    e.add_argument("--no-block", action="store_true", help="return a Future at once instead of waiting")
+    e.add_argument("--no-aggregate", action="store_true", help="show every line of every rank as it comes")
+    st = p["status"] = _Parser(prog="%mesh status", description="Allocators, meshes, procs and their states.")
+    st.add_argument("addresses", nargs="*", help="extra allocator addresses to ask")
+    lg = p["logs"] = _Parser(prog="%mesh logs", description="The full per-rank logs the allocators keep.")
+    lg.add_argument("name", help="mesh name")
+    lg.add_argument("--rank", type=int, help="only this rank")
+    lg.add_argument("--tail", type=int, help="only the last N lines per rank")
+    lg.add_argument("--follow", action="store_true", help="keep printing new lines (interrupt the kernel to stop)")
+    sp = p["stop"] = _Parser(prog="%mesh stop", description="Stop meshes this kernel owns.")
+    sp.add_argument("name", nargs="?", help="mesh name")
+    sp.add_argument("--all", action="store_true", help="every mesh this kernel owns")
+    sp.add_argument("--force", action="store_true", help="also meshes owned by other controllers")
+    return p
+
+
+@magics_class
+class MeshMagics(Magics):
+    """``%mesh SUBCOMMAND ...``; ``%mesh help`` lists them."""
+
+    @line_cell_magic
+    def mesh(self, line: str, cell: str | None = None) -> Any:
+        try:
+            argv = shlex.split(line)
+        except ValueError as e:
+            raise UsageError(f"%mesh: {e}") from None
+        if not argv or argv[0] in ("help", "-h", "--help"):
+            print(_SUMMARY)
+            return None
+        sub, rest = argv[0], argv[1:]
+        parsers = _parsers()
+        if sub not in parsers:
+            raise UsageError(f"%mesh: unknown subcommand {sub!r}\n{_SUMMARY}")
+        if (sub == "exec") != (cell is not None) and not ({"-h", "--help"} & set(rest)):
+            raise UsageError(
+                "exec is a cell magic: start the cell with %%mesh exec"
+                if sub == "exec"
+                else f"%%mesh {sub} takes no cell body; use %mesh {sub}"
+            )
+        try:
+            args = parsers[sub].parse_args(rest)
+        except _HelpShown:
+            return None
+        return getattr(self, f"_do_{sub}")(args, cell)
+
+    # ------------------------------------------------------------ subcommands
+    def _bind(self, name: str, value: Any) -> None:
+        self.shell.user_ns[name] = value  # type: ignore[union-attr]
+
+    def _do_connect(self, args: argparse.Namespace, cell: str | None) -> Any:
+        hm = _mesh.connect(*args.targets, key_file=args.key_file)
+        found = _mesh.meshes()
+        for name, pm in found.items():
+            if not pm._stopped:
+                self._bind(name, pm)
+        hosts = [h.host for h in hm._refs()]
+        names = ", ".join(f"{n} {pm.extent}" for n, pm in found.items() if not pm._stopped) or "none"
+        print(f"connected to {len(hosts)} host(s): {', '.join(hosts)}; meshes: {names}")
+        return None
+
+    def _do_spawn(self, args: argparse.Namespace, cell: str | None) -> Any:
+        per_host = _kv(args.per_host)
+        pm = _mesh.spawn(args.name, per_host, persist=False if args.no_persist else None)
+        self._bind(args.name, pm)
+        print(f"{args.name}: {len(pm._procs)} procs {pm.extent} on {len({p.host for p in pm._procs})} host(s)")
+        return None
+
+    def _do_exec(self, args: argparse.Namespace, cell: str | None) -> Any:
+        from . import output
+
+        if args.no_aggregate:
+            out = output()
+            if out is not None and out.current is not None:
+                out.current.window = 0.0
+        name = args.name
+        return _mesh.exec_cell(name, cell or "", ranks=args.ranks, block=not args.no_block)
+
+    def _do_status(self, args: argparse.Namespace, cell: str | None) -> Any:
+        from ._tables import StatusTable
+
+        return StatusTable(_mesh.status(args.addresses or None), _context.client().cid)
+
+    def _do_logs(self, args: argparse.Namespace, cell: str | None) -> Any:
+        pm = _mesh.get(args.name)
+        if args.follow:
+            try:
+                for r in _logs.follow(pm, args.rank, tail=args.tail if args.tail is not None else 10):
+                    _print_row(r)
+            except KeyboardInterrupt:
+                pass
+            return None
+        rows = _logs.logs(pm, args.rank, args.tail)
+        for r in rows:
+            _print_row(r)
+        if not rows:
+            print(f"(no output from mesh {args.name})")
+        return None
+
+    def _do_stop(self, args: argparse.Namespace, cell: str | None) -> Any:
+        if not args.all and not args.name:
+            raise UsageError("%mesh stop: name a mesh or pass --all")
+        stopped = _mesh.stop(args.name, all=args.all, force=args.force)
+        print(f"stopped: {', '.join(stopped) or 'nothing (no running mesh of yours)'}")
+        return None
+
+
+def _print_row(r: dict[str, Any]) -> None:
+    stream = sys.stderr if r.get("stream") == "stderr" else sys.stdout
+    line = r["line"]
+    if line.startswith("\r"):
+        return  # intermediate states of a progress bar; its final line follows
+    print(_logs.format_line(r["rank"], line.rsplit("\r", 1)[-1]), file=stream)

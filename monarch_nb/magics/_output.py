@@ -1,0 +1,331 @@
+"""Rank output into the notebook cell that caused it.
+
+Every endpoint call is tagged with the cell that was executing when it was sent (the runtime
+tells us through ``Client.on_call``); every captured line carries the id of the call that was
+running when the rank printed it. While that cell runs, lines go out as ``stream`` messages
+with the cell's request as parent. When the cell ends (after the allocators flushed what
+ranks already wrote), a cell that made calls gets an empty display with a display id; output
+that arrives later, after other cells ran, updates that display, which JupyterLab finds by id.
+Lines written outside any call go to the cell of the last call to that rank.
+
+Aggregation collects lines for a window (default 1 s in a kernel) and collapses them across
+ranks (:class:`monarch_nb.logs.Aggregator`). ``\\r`` progress bars become one updating line
+per rank. A flood is thinned to a line budget, with a marker that says how many lines were
+suppressed and where to read them all; the allocators' logs keep every line.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+import uuid
+from typing import Any
+
+from ..actor import _future
+from ..logs import Aggregator, LogLine, format_line
+
+#: a kernel's default aggregation window, in seconds (as in Monarch's notebook default)
+DEFAULT_WINDOW = 1.0
+#: flood control: output lines per second per cell, after a burst allowance
+RATE = 1000.0
+BURST = 10_000.0
+#: lines kept in a cell's late-output display
+LATE_LINES = 500
+#: a call blocking the cell longer than this shows "ranks replied / total"
+PROGRESS_AFTER = 2.0
+_TICK = 0.05
+
+
+class _Cell:
+    __slots__ = (
+        "parent",
+        "number",
+        "running",
+        "made_calls",
+        "agg",
+        "window",
+        "progress",
+        "progress_id",
+        "progress_dirty",
+        "late_id",
+        "late",
+        "late_dirty",
+        "tokens",
+        "last_refill",
+        "suppressed",
+        "started",
+        "wait_id",
+        "wait_shown",
+        "deadline",
+    )
+
+    def __init__(self, parent: dict[str, Any], number: int, window: float | None) -> None:
+        self.parent = parent
+        self.number = number
+        self.running = True
+        self.made_calls = False
+        self.agg = Aggregator()
+        self.window = window  # None: each mesh's own setting
+        self.progress: dict[tuple[str, int], str] = {}
+        self.progress_id = ""
+        self.progress_dirty = False
+        self.late_id = ""
+        self.late: collections.deque[str] = collections.deque(maxlen=LATE_LINES)
+        self.late_dirty = False
+        self.tokens = BURST
+        self.last_refill = time.monotonic()
+        self.suppressed: dict[str, int] = {}
+        self.started = time.monotonic()
+        self.wait_id = ""
+        self.wait_shown = ""
+        self.deadline = 0.0  # when the aggregation window of the lines held now ends
+
+
+class KernelOutput:
+    """Routes rank output into cells of one IPython kernel; installed by ``%load_ext monarch_nb``."""
+
+    def __init__(self, shell: Any, client: Any) -> None:
+        self.shell = shell
+        self.kernel = shell.kernel
+        self.client = client
+        self._lock = threading.RLock()
+        self._cells: dict[str, _Cell] = {}
+        self._by_call: collections.OrderedDict[str, _Cell] = collections.OrderedDict()
+        self._by_rank: dict[tuple[str, int], _Cell] = {}
+        self.current: _Cell | None = None
+        self.last: _Cell | None = None
+        self._numbers = itertools.count(1)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._main_tid = threading.main_thread().ident
+        #: the next cell's aggregation window, set by ``%%mesh exec --no-aggregate``
+        self.next_window: float | None = None
+
+    # ------------------------------------------------------------ install
+    def install(self) -> None:
+        self.client.log_writer = self.on_lines
+        self.client.on_call = self.on_call
+        self.shell.events.register("pre_run_cell", self.pre_run_cell)
+        self.shell.events.register("post_run_cell", self.post_run_cell)
+        threading.Thread(target=self._ticker, name="monarch_nb-output", daemon=True).start()
+
+    def uninstall(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self.client.log_writer == self.on_lines:
+            self.client.log_writer = None
+        if self.client.on_call == self.on_call:
+            self.client.on_call = None
+        for ev, fn in (("pre_run_cell", self.pre_run_cell), ("post_run_cell", self.post_run_cell)):
+            try:
+                self.shell.events.unregister(ev, fn)
+            except ValueError:
+                pass
+
+    # ------------------------------------------------------------ cell lifecycle (main thread)
+    def pre_run_cell(self, info: Any = None) -> None:
+        parent = self.kernel.get_parent()
+        cell = _Cell(parent, next(self._numbers), self.next_window)
+        self.next_window = None
+        with self._lock:
+            self.current = cell
+
+    def post_run_cell(self, result: Any = None) -> None:
+        cell = self.current
+        if cell is None:
+            return
+        if cell.made_calls:
+            # what ranks printed before their replies is in the allocators' pipes: fetch it into this cell
+            self.client.flush_logs(timeout=1.0)
+        with self._lock:
+            self._flush_cell(cell, force=True)
+            self._show_wait(cell, None)
+            if cell.made_calls:
+                cell.late_id = uuid.uuid4().hex
+                self._send_display(cell, cell.late_id, "", update=False)
+            cell.running = False
+            self.last = cell
+            self.current = None
+
+    # ------------------------------------------------------------ from the runtime
+    def on_call(self, call_id: str, targets: list[tuple[str, int]]) -> None:
+        cell = self.current or self.last
+        if cell is None:
+            return
+        cell.made_calls = True
+        with self._lock:
+            self._by_call[call_id] = cell
+            if len(self._by_call) > 100_000:
+                self._by_call.popitem(last=False)
+            for t in targets:
+                self._by_rank[t] = cell
+
+    def on_lines(self, mesh: str, lines: list[LogLine]) -> None:
+        """Runs on the I/O thread: place each line in its cell."""
+        with self._lock:
+            per_cell: dict[int, tuple[_Cell, list[LogLine]]] = {}
+            for ln in lines:
+                call = ln[3]
+                cell = self._by_call.get(call) if call else None
+                if cell is None:
+                    cell = self._by_rank.get((mesh, ln[0])) or self.current or self.last
+                if cell is None:
+                    continue
+                per_cell.setdefault(id(cell), (cell, []))[1].append(ln)
+            for cell, ls in per_cell.values():
+                self._feed(cell, mesh, ls)
+
+    def _window(self, cell: _Cell, mesh: str) -> float:
+        if cell.window is not None:
+            return cell.window
+        w = self.client.log_windows.get(mesh)
+        return DEFAULT_WINDOW if w is None else float(w)
+
+    def _feed(self, cell: _Cell, mesh: str, lines: list[LogLine]) -> None:
+        plain: list[LogLine] = []
+        for ln in lines:
+            text = ln[4]
+            key = (mesh, ln[0])
+            if "\r" in text or key in cell.progress:
+                # a redrawn line: only its latest state matters; a newline ends it
+                cur = text.rstrip("\r").rsplit("\r", 1)[-1]
+                cell.progress[key] = cur
+                cell.progress_dirty = True
+                if not text.startswith("\r"):
+                    del cell.progress[key]
+                    plain.append((ln[0], ln[1], ln[2], ln[3], cur))
+                continue
+            plain.append(ln)
+        if not plain:
+            self._wake.set()
+            return
+        window = self._window(cell, mesh)
+        if window <= 0:
+            self._emit(cell, [(ln[1], format_line(ln[0], ln[4])) for ln in plain])
+        else:
+            end = time.monotonic() + window
+            cell.deadline = min(cell.deadline, end) if len(cell.agg) else end
+            cell.agg.add(mesh, plain)
+            self._wake.set()
+
+    # ------------------------------------------------------------ emitting
+    def _flush_cell(self, cell: _Cell, force: bool = False) -> None:
+        if len(cell.agg) and (force or time.monotonic() >= cell.deadline):
+            self._emit(cell, cell.agg.flush())
+        if cell.progress_dirty:
+            self._show_progress(cell)
+        if cell.suppressed and (force or time.monotonic() - cell.last_refill > 1.0):
+            self._emit_marker(cell)
+
+    def _admit(self, cell: _Cell, n: int) -> int:
+        now = time.monotonic()
+        cell.tokens = min(BURST, cell.tokens + (now - cell.last_refill) * RATE)
+        cell.last_refill = now
+        k = min(n, int(cell.tokens))
+        cell.tokens -= k
+        return k
+
+    def _emit(self, cell: _Cell, items: list[tuple[str, str]]) -> None:
+        k = self._admit(cell, len(items))
+        if k < len(items):
+            for stream, _ in items[k:]:
+                cell.suppressed[stream] = cell.suppressed.get(stream, 0) + 1
+            items = items[:k]
+        if not items:
+            return
+        if cell.running:
+            for stream in ("stdout", "stderr"):
+                text = "".join(t + "\n" for s, t in items if s == stream)
+                if text:
+                    self._send(cell, "stream", {"name": stream, "text": text})
+        else:
+            cell.late.extend(t for _, t in items)
+            cell.late_dirty = True
+            self._wake.set()
+
+    def _emit_marker(self, cell: _Cell) -> None:
+        meshes = sorted({m for (m, _r) in self._by_rank if self._by_rank[(m, _r)] is cell}) or ["NAME"]
+        n = sum(cell.suppressed.values())
+        cell.suppressed.clear()
+        text = f"[{n} lines suppressed — %mesh logs {meshes[0]} for every line]"
+        if cell.running:
+            self._send(cell, "stream", {"name": "stderr", "text": text + "\n"})
+        else:
+            cell.late.append(text)
+            cell.late_dirty = True
+
+    def _show_progress(self, cell: _Cell) -> None:
+        cell.progress_dirty = False
+        text = "\n".join(f"[{r}] {t}" for (_m, r), t in sorted(cell.progress.items()))
+        if cell.running or not cell.late_id:
+            if not cell.progress_id:
+                if not cell.running:
+                    return
+                cell.progress_id = uuid.uuid4().hex
+                self._send_display(cell, cell.progress_id, text, update=False)
+            else:
+                self._send_display(cell, cell.progress_id, text, update=True)
+        elif cell.progress_id:
+            self._send_display(cell, cell.progress_id, text, update=True)
+
+    def _show_wait(self, cell: _Cell, text: str | None) -> None:
+        """The "ranks replied / total" line of a cell blocked on a long call; ``None`` clears it."""
+        if text is None:
+            if cell.wait_id and cell.wait_shown:
+                self._send_display(cell, cell.wait_id, "", update=True)
+                cell.wait_shown = ""
+            return
+        if text == cell.wait_shown:
+            return
+        if not cell.wait_id:
+            cell.wait_id = uuid.uuid4().hex
+            self._send_display(cell, cell.wait_id, text, update=False)
+        else:
+            self._send_display(cell, cell.wait_id, text, update=True)
+        cell.wait_shown = text
+
+    def _send_display(self, cell: _Cell, display_id: str, text: str, update: bool) -> None:
+        content = {"data": {"text/plain": text}, "metadata": {}, "transient": {"display_id": display_id}}
+        self._send(cell, "update_display_data" if update else "display_data", content)
+
+    def _send(self, cell: _Cell, msg_type: str, content: dict[str, Any]) -> None:
+        k = self.kernel
+        ident = f"stream.{content['name']}".encode() if msg_type == "stream" else None
+        k.session.send(k.iopub_socket, msg_type, content, parent=cell.parent, ident=ident)
+
+    # ------------------------------------------------------------ the ticker thread
+    def _ticker(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(_TICK)
+            self._wake.clear()
+            try:
+                self._tick()
+            except Exception:  # never let a rendering bug end output routing
+                import logging
+
+                logging.getLogger(__name__).exception("monarch_nb output routing")
+
+    def _tick(self) -> None:
+        with self._lock:
+            cells = {id(c): c for c in (*self._by_rank.values(), self.current, self.last) if c is not None}
+            for cell in cells.values():
+                self._flush_cell(cell)
+                if cell.late_dirty and cell.late_id:
+                    cell.late_dirty = False
+                    self._send_display(cell, cell.late_id, "\n".join(cell.late), update=True)
+            cur = self.current
+            if cur is not None:
+                self._show_wait(cur, self._wait_text(cur))
+
+    def _wait_text(self, cell: _Cell) -> str | None:
+        fut = _future.blocked.get(self._main_tid or 0)
+        prog = getattr(fut, "_progress", None) if fut is not None else None
+        if prog is None or fut.done():  # type: ignore[union-attr]
+            return None
+        elapsed = time.monotonic() - cell.started
+        if elapsed < PROGRESS_AFTER:
+            return None
+        left, total = prog
+        return f"⏳ {fut._what}: {total - left[0]}/{total} ranks replied ({elapsed:.0f} s)"  # type: ignore[union-attr]

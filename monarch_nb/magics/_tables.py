@@ -1,0 +1,95 @@
+"""``%mesh status`` as a table: HTML in a notebook, aligned text elsewhere."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from .._ranks import format_ranks
+
+_COLUMNS = ("host", "allocator", "mesh", "owner", "ranks", "state", "pids", "detail")
+
+
+def status_rows(snapshot: dict[str, Any], my_cid: str = "") -> list[dict[str, str]]:
+    """One row per (allocator, mesh, state): ranks that share a state are grouped."""
+    rows: list[dict[str, str]] = []
+    for a in snapshot.get("allocators", []):
+        host = str(a.get("host", "?"))
+        alloc = str(a.get("tcp") or a.get("addr", ""))
+        if "error" in a:
+            rows.append({"host": host, "allocator": alloc, "state": "unreachable", "detail": str(a["error"])})
+            continue
+        meshes = a.get("meshes", [])
+        if not meshes:
+            n = len(a.get("controllers", []))
+            rows.append({"host": host, "allocator": alloc, "state": "idle", "detail": f"{n} controller(s) attached"})
+        for m in meshes:
+            by_state: dict[str, list[dict[str, Any]]] = {}
+            for p in m["procs"]:
+                by_state.setdefault(p["state"], []).append(p)
+            owner = "this kernel" if my_cid and m["owner"] == my_cid else m["owner"][:8]
+            for state, ps in by_state.items():
+                causes = sorted({p["cause"] for p in ps if p.get("cause")})
+                rows.append(
+                    {
+                        "host": host,
+                        "allocator": alloc,
+                        "mesh": m["name"] + ("" if not m.get("persist") else " (persistent)"),
+                        "owner": owner,
+                        "ranks": format_ranks(p["rank"] for p in ps),
+                        "state": state,
+                        "pids": ",".join(str(p["pid"]) for p in ps[:8]) + (" …" if len(ps) > 8 else ""),
+                        "detail": "; ".join(causes),
+                    }
+                )
+    return rows
+
+
+def status_text(rows: list[dict[str, str]]) -> str:
+    if not rows:
+        return "no allocators known (start one with `%mesh connect`)"
+    widths = {c: max(len(c), *(len(r.get(c, "")) for r in rows)) for c in _COLUMNS}
+    lines = ["  ".join(c.ljust(widths[c]) for c in _COLUMNS).rstrip()]
+    for r in rows:
+        lines.append("  ".join(r.get(c, "").ljust(widths[c]) for c in _COLUMNS).rstrip())
+    return "\n".join(lines)
+
+
+_STATE_COLOURS = {
+    "running": "#1a7f37",
+    "failed": "#cf222e",
+    "unreachable": "#cf222e",
+    "stopping": "#9a6700",
+    "starting": "#9a6700",
+}
+
+
+def status_html(rows: list[dict[str, str]]) -> str:
+    if not rows:
+        return "<p>no allocators known (start one with <code>%mesh connect</code>)</p>"
+    head = "".join(f"<th>{c}</th>" for c in _COLUMNS)
+    body = []
+    for r in rows:
+        cells = []
+        for c in _COLUMNS:
+            v = html.escape(r.get(c, ""))
+            if c == "state":
+                colour = _STATE_COLOURS.get(r.get(c, ""), "inherit")
+                v = f'<span class="mnb-state mnb-state-{v}" style="color:{colour}">{v}</span>'
+            cells.append(f"<td>{v}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return f'<table class="mnb-status"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+class StatusTable:
+    """What ``%mesh status`` returns: renders as HTML in a notebook and as text elsewhere."""
+
+    def __init__(self, snapshot: dict[str, Any], my_cid: str = "") -> None:
+        self.snapshot = snapshot
+        self.rows = status_rows(snapshot, my_cid)
+
+    def _repr_html_(self) -> str:
+        return status_html(self.rows)
+
+    def __repr__(self) -> str:
+        return status_text(self.rows)

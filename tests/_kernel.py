@@ -1,0 +1,120 @@
+"""A real IPython kernel driven through jupyter_client, as a notebook frontend drives it."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jupyter_client
+
+
+@dataclass
+class Cell:
+    msg_id: str
+    msgs: list[dict[str, Any]] = field(default_factory=list)
+    reply: dict[str, Any] | None = None
+
+    def _of(self, *types: str) -> list[dict[str, Any]]:
+        return [m for m in self.msgs if m["msg_type"] in types]
+
+    def stream(self, name: str = "stdout") -> str:
+        return "".join(m["content"]["text"] for m in self._of("stream") if m["content"]["name"] == name)
+
+    @property
+    def result(self) -> str:
+        r = self._of("execute_result")
+        return r[0]["content"]["data"]["text/plain"] if r else ""
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        e = self._of("error")
+        return e[0]["content"] if e else None
+
+    def displays(self) -> list[dict[str, Any]]:
+        return [m["content"] for m in self._of("display_data")]
+
+    def display_ids(self) -> list[str]:
+        return [d.get("transient", {}).get("display_id", "") for d in self.displays()]
+
+
+class Kernel:
+    """Start a kernel, execute cells and read every iopub message, also the late ones."""
+
+    def __init__(self, env: dict[str, str] | None = None, load_ext: bool = True) -> None:
+        self.km = jupyter_client.KernelManager(kernel_name="python3")
+        self.km.start_kernel(env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+        #: every iopub message seen, in arrival order
+        self.log: list[dict[str, Any]] = []
+        if load_ext:
+            c = self.run("%load_ext monarch_nb")
+            assert c.error is None, c.error
+
+    def _pump(self, timeout: float) -> dict[str, Any] | None:
+        try:
+            m = self.kc.get_iopub_msg(timeout=timeout)
+        except queue.Empty:
+            return None
+        self.log.append(m)
+        return m
+
+    def execute(self, code: str, allow_stdin: bool = False) -> Cell:
+        return Cell(self.kc.execute(code, allow_stdin=allow_stdin))
+
+    def wait(self, cell: Cell, timeout: float = 60) -> Cell:
+        """Read iopub until ``cell``'s kernel goes idle; keep the messages whose parent is ``cell``."""
+        deadline = time.monotonic() + timeout
+        seen = {id(m) for m in cell.msgs}
+        for m in self.log:
+            if m["parent_header"].get("msg_id") == cell.msg_id and id(m) not in seen:
+                cell.msgs.append(m)
+                if m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
+                    return self._reply(cell, deadline)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"cell {cell.msg_id} did not finish within {timeout} s")
+            m = self._pump(left)
+            if m is None or m["parent_header"].get("msg_id") != cell.msg_id:
+                continue
+            cell.msgs.append(m)
+            if m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
+                return self._reply(cell, deadline)
+
+    def _reply(self, cell: Cell, deadline: float) -> Cell:
+        while cell.reply is None:
+            r = self.kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if r["parent_header"].get("msg_id") == cell.msg_id:
+                cell.reply = r
+        return cell
+
+    def run(self, code: str, timeout: float = 60) -> Cell:
+        return self.wait(self.execute(code), timeout)
+
+    def wait_msg(self, pred: Any, timeout: float = 15, what: str = "an iopub message") -> dict[str, Any]:
+        """The first message (already seen or arriving) for which ``pred(msg)`` is true."""
+        for m in self.log:
+            if pred(m):
+                return m
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            m = self._pump(left)
+            if m is not None and pred(m):
+                return m
+
+    def interrupt(self) -> None:
+        self.km.interrupt_kernel()
+
+    def close(self) -> None:
+        try:
+            self.kc.stop_channels()
+        finally:
+            self.km.shutdown_kernel(now=True)

@@ -1,0 +1,171 @@
+"""The %mesh magics and rank output routing, through a real kernel (jupyter_client)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+
+from tests._kernel import Kernel
+
+
+@pytest.fixture(scope="module")
+def k():  # type: ignore[no-untyped-def]
+    kern = Kernel()
+    c = kern.run("%mesh connect")
+    assert "connected to 1 host" in c.stream(), c.msgs
+    yield kern
+    kern.run("%mesh stop --all", timeout=60)
+    kern.close()
+
+
+def _ok(c):  # type: ignore[no-untyped-def]
+    assert c.error is None, "\n".join(c.error["traceback"]) if c.error else ""
+    return c
+
+
+def test_help_and_clear_usage_errors(k: Kernel) -> None:
+    assert "%mesh spawn NAME" in _ok(k.run("%mesh help")).stream()
+    assert "--per-host" in _ok(k.run("%mesh spawn --help")).stream()
+    assert "--no-aggregate" in _ok(k.run("%mesh exec --help")).stream()
+    # IPython shows a UsageError as one line on stderr and fails the cell
+    for code, text in [
+        ("%mesh frobnicate", "unknown subcommand 'frobnicate'"),
+        ("%mesh spawn x --per-host gpus=two", "must be an integer"),
+        ("%mesh exec", "cell magic"),
+        ("%mesh logs nosuchmesh", "no mesh named 'nosuchmesh'"),
+    ]:
+        c = k.run(code)
+        assert c.reply["content"]["status"] == "error", code
+        assert text in c.stream("stderr") + str(c.error), (code, c.msgs)
+
+
+def test_spawn_binds_variable_and_exec_keeps_a_namespace_per_proc(k: Kernel) -> None:
+    c = _ok(k.run("%mesh spawn ns --per-host gpus=4"))
+    assert "ns: 4 procs {gpus: 4}" in c.stream()
+    assert "ProcMesh(name='ns'" in _ok(k.run("ns")).result
+    _ok(k.run("%%mesh exec ns\nfrom monarch_nb.actor import current_rank\nimport os\nr = current_rank().rank\nmine = r * 10"))
+    c = _ok(k.run("%%mesh exec ns\nmine + 1"))
+    assert re.findall(r"(\d+)\)", c.result) == ["1", "11", "21", "31"], c.result
+    c = _ok(k.run("%%mesh exec ns --ranks 1:3\nr"))
+    assert "ValueMesh({ranks: 2})" in c.result and re.findall(r", (\d+)\)", c.result) == ["1", "2"]
+    # the same Python value comes back through the public function too
+    c = _ok(k.run("import monarch_nb.mesh as M\nM.exec_cell('ns', 'os.getpid()').values() == [p.pid for p in ns._procs]"))
+    assert c.result == "True"
+
+
+def test_errors_show_each_failing_rank_and_the_kernel_lives_on(k: Kernel) -> None:
+    _ok(k.run("%mesh spawn errs --per-host gpus=4"))
+    c = k.run(
+        "%%mesh exec errs\nfrom monarch_nb.actor import current_rank\nr = current_rank().rank\nassert r % 2 == 0, f'odd rank {r}'"
+    )
+    assert c.error and c.error["ename"] == "ExecError"
+    tb = "\n".join(c.error["traceback"])
+    assert "failed on 2 of 4 ranks" in tb
+    assert "ranks 1 (×1): AssertionError: odd rank 1" in tb and "ranks 3 (×1): AssertionError: odd rank 3" in tb
+    assert "assert r % 2 == 0" in tb  # the remote source line
+    assert _ok(k.run("%%mesh exec errs\nr")).result.count("),") == 3
+
+
+def test_rank_output_lands_in_the_calling_cell_aggregated(k: Kernel) -> None:
+    _ok(k.run("%mesh spawn agg --per-host gpus=8"))
+    code = "%%mesh exec agg\nfrom monarch_nb.actor import current_rank\nr = current_rank().rank\nprint('ready')\nprint(f'loss={0.51 + r / 100:.2f}')"
+    c = _ok(k.run(code))
+    out = c.stream()
+    assert "[ranks 0-7 ×8] ready\n" in out, out
+    assert "[ranks 0-7 ×8] loss=0.51…0.58\n" in out, out
+    c = _ok(k.run("%%mesh exec agg --no-aggregate\nprint('each', r)"))
+    lines = sorted(c.stream().splitlines())
+    assert lines == sorted(f"[{r}] each {r}" for r in range(8)), lines
+
+
+def test_late_output_reaches_its_cell_after_another_cell_ran(k: Kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    flag = tmp_path / "go"
+    _ok(k.run("%mesh spawn late --per-host gpus=2"))
+    _ok(k.run("%%mesh exec late\nimport os, time\nfrom monarch_nb.actor import current_rank\nr = current_rank().rank"))
+    # the call returns at once; the ranks print when the test lets them, after another cell ran
+    a = _ok(
+        k.run(f"%%mesh exec late --no-block\nwhile not os.path.exists({str(flag)!r}): time.sleep(0.02)\nprint('late from', r)")
+    )
+    slot = [d for d in a.display_ids() if d]
+    assert slot, "a cell that called ranks keeps a display for output that comes later"
+    b = _ok(k.run("1 + 1"))
+    assert b.result == "2"
+    flag.touch()
+    upd = k.wait_msg(
+        lambda m: (
+            m["msg_type"] == "update_display_data"
+            and m["content"]["transient"]["display_id"] == slot[0]
+            and "late from" in m["content"]["data"]["text/plain"]
+        ),
+        15,
+        "late output in the first cell's display",
+    )
+    assert "[ranks 0-1 ×2] late from 0…1" in upd["content"]["data"]["text/plain"]
+    assert "late from" not in b.stream()
+
+
+def test_output_outside_a_call_goes_to_the_cell_of_the_last_call(k: Kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    flag = tmp_path / "tick"
+    _ok(k.run("%mesh spawn bg --per-host gpus=1"))
+    code = (
+        "%%mesh exec bg\nimport os, threading, time\n"
+        f"def later():\n    while not os.path.exists({str(flag)!r}): time.sleep(0.02)\n    print('background tick')\n"
+        "threading.Thread(target=later).start()"
+    )
+    a = _ok(k.run(code))
+    slot = next(d for d in a.display_ids() if d)
+    b = _ok(k.run("x = 'another cell'"))
+    flag.touch()
+    k.wait_msg(
+        lambda m: (
+            m["msg_type"] == "update_display_data"
+            and m["content"]["transient"]["display_id"] == slot
+            and "background tick" in m["content"]["data"]["text/plain"]
+        ),
+        15,
+        "background output in the cell of the last call",
+    )
+    assert "background tick" not in b.stream()
+
+
+def test_progress_bars_render_as_one_line_per_rank(k: Kernel) -> None:
+    _ok(k.run("%mesh spawn bars --per-host gpus=2"))
+    code = (
+        "%%mesh exec bars\nimport sys, time\nfrom monarch_nb.actor import current_rank\n"
+        "for i in range(0, 101, 25):\n    sys.stdout.write(f'\\rstep {i}%'); sys.stdout.flush(); time.sleep(0.05)\n"
+        "print()"
+    )
+    c = _ok(k.run(code))
+    texts = [d["data"]["text/plain"] for d in c.displays()]
+    assert any(re.search(r"\[\d\] step \d+%", t) for t in texts), texts
+    # no progress state leaks into the stream as separate lines
+    assert "step 0%" not in c.stream()
+
+
+def test_interrupt_stops_remote_code_and_keeps_the_procs(k: Kernel) -> None:
+    _ok(k.run("%mesh spawn intr --per-host gpus=2"))
+    pids = _ok(k.run("%%mesh exec intr\nimport os, time\nos.getpid()")).result
+    cell = k.execute("%%mesh exec intr\nprint('sleeping', flush=True)\ntime.sleep(600)")
+    k.wait_msg(lambda m: m["parent_header"].get("msg_id") == cell.msg_id and m["msg_type"] == "stream", 20, "the ranks to start")
+    k.interrupt()
+    c = k.wait(cell, 20)
+    assert c.error and c.error["ename"] == "KeyboardInterrupt"
+    assert _ok(k.run("%%mesh exec intr\nos.getpid()")).result == pids
+
+
+def test_status_logs_of_a_crashed_proc_and_stop(k: Kernel) -> None:
+    _ok(k.run("%mesh spawn lg --per-host gpus=2"))
+    _ok(k.run("%%mesh exec lg\nimport os\nprint('before the crash', os.getpid())"))
+    html = next(m for m in _ok(k.run("%mesh status")).msgs if m["msg_type"] == "execute_result")["content"]["data"]["text/html"]
+    assert "lg (persistent)" in html and "mnb-state-running" in html
+    pid = int(_ok(k.run("lg._procs[1].pid")).result)
+    os.kill(pid, signal.SIGKILL)
+    c = _ok(k.run("%mesh logs lg --rank 1"))
+    assert f"[1] before the crash {pid}" in c.stream()
+    c = _ok(k.run("%mesh stop lg"))
+    assert "stopped: lg" in c.stream()
+    c = k.run("%%mesh exec lg\n1")
+    assert c.error and "stopped" in c.error["evalue"]
