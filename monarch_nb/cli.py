@@ -66,6 +66,14 @@ def _keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kernelspec(args: argparse.Namespace) -> int:
+    from .kernelspec import install
+
+    path = install(python=args.python, name=args.name, user=args.user, prefix=args.prefix)
+    print(f"installed kernel spec {args.name!r} in {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="monarch-nb", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -83,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("keygen", help="write a new cluster key file")
     k.add_argument("path")
     k.set_defaults(fn=_keygen)
+    ks = sub.add_parser("kernelspec", help="install the 'Python 3 (monarch_nb)' Jupyter kernel")
+    ks.add_argument("action", choices=["install"])
+    ks.add_argument("--python", default=sys.executable, help="interpreter the kernel runs (default: this one)")
+    ks.add_argument("--name", default="monarch-nb", help="kernel name (default: monarch-nb)")
+    ks.add_argument("--user", action="store_true", help="install for this user (~/.local/share/jupyter)")
+    ks.add_argument("--prefix", help="install under PREFIX/share/jupyter (default: this environment)")
+    ks.set_defaults(fn=_kernelspec)
     args = p.parse_args(argv)
     return int(args.fn(args) or 0)
 

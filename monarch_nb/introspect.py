@@ -12,8 +12,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ._runtime.runtime import pid_alive
 from .actor import _context
-from .actor._client import _alive, read_connection_files
+from .actor._client import read_connection_files
 from .config import runtime_dir
 
 
@@ -23,7 +24,7 @@ def status(addresses: list[str] | None = None, timeout: float = 2.0) -> dict[str
     targets: list[tuple[str, dict[str, Any]]] = []
     host = socket.gethostname()
     for info in read_connection_files(runtime_dir()):
-        if info.get("host") == host and not _alive(int(info.get("pid", 0))):
+        if info.get("host") == host and not pid_alive(int(info.get("pid", 0))):
             continue
         targets.append((info["addr"], info))
     for a in addresses or []:

@@ -43,8 +43,14 @@ class Cell:
 class Kernel:
     """Start a kernel, execute cells and read every iopub message, also the late ones."""
 
-    def __init__(self, env: dict[str, str] | None = None, load_ext: bool = True) -> None:
-        self.km = jupyter_client.KernelManager(kernel_name="python3")
+    def __init__(self, env: dict[str, str] | None = None, load_ext: bool = True, kernel_dirs: list[str] | None = None) -> None:
+        if kernel_dirs:
+            from jupyter_client.kernelspec import KernelSpecManager
+
+            ksm = KernelSpecManager(kernel_dirs=kernel_dirs)
+            self.km = jupyter_client.KernelManager(kernel_name="monarch-nb", kernel_spec_manager=ksm)
+        else:
+            self.km = jupyter_client.KernelManager(kernel_name="python3")
         self.km.start_kernel(env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
         self.kc = self.km.client()
         self.kc.start_channels()

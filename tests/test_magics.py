@@ -169,3 +169,108 @@ def test_status_logs_of_a_crashed_proc_and_stop(k: Kernel) -> None:
     assert "stopped: lg" in c.stream()
     c = k.run("%%mesh exec lg\n1")
     assert c.error and "stopped" in c.error["evalue"]
+
+
+def test_logging_option_sets_the_window_of_a_mesh(k: Kernel) -> None:
+    _ok(k.run("%mesh spawn lo --per-host gpus=3"))
+    _ok(k.run("await lo.logging_option(stream_to_client=True, aggregate_window_sec=0)"))
+    c = _ok(k.run("%%mesh exec lo\nfrom monarch_nb.actor import current_rank\nprint('one by one')"))
+    assert c.stream().count("] one by one\n") == 3, c.stream()
+    _ok(k.run("await lo.logging_option(stream_to_client=True, aggregate_window_sec=1)"))
+    assert "[ranks 0-2 ×3] together" in _ok(k.run("%%mesh exec lo\nprint('together')")).stream()
+
+
+def test_a_dead_proc_fails_the_mesh_loudly_and_the_next_cell_respawns(k: Kernel) -> None:
+    from tests.conftest import wait_for
+
+    _ok(k.run("%mesh spawn frail --per-host gpus=2"))
+    _ok(k.run("%%mesh exec frail\n1"))
+    pid = int(_ok(k.run("frail._procs[1].pid")).result)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: "True" in k.run("bool(frail._failed)").result, 10, "the mesh to be marked failed")
+    c = k.run("%%mesh exec frail\n1")
+    assert c.error, "a call to a failed mesh fails"
+    text = c.error["evalue"] + "\n".join(c.error["traceback"])
+    assert "frail" in text and "rank 1" in text and "SIGKILL" in text, text
+    c = _ok(k.run("%mesh spawn frail --per-host gpus=2"))
+    assert "frail: 2 procs" in c.stream()
+    assert _ok(k.run("%%mesh exec frail\n7")).result.count("7") == 2
+
+
+def test_long_calls_show_ranks_replied(k: Kernel) -> None:
+    _ok(k.run("%mesh spawn slow --per-host gpus=2"))
+    cell = k.execute(
+        "%%mesh exec slow\nimport time\nfrom monarch_nb.actor import current_rank\ntime.sleep(3.5 * current_rank().rank)"
+    )
+    k.wait_msg(
+        lambda m: (
+            m["parent_header"].get("msg_id") == cell.msg_id
+            and m["msg_type"] in ("display_data", "update_display_data")
+            and "1/2 ranks replied" in m["content"]["data"].get("text/plain", "")
+        ),
+        20,
+        "a progress line",
+    )
+    _ok(k.wait(cell))
+
+
+def test_a_flood_is_thinned_and_the_kernel_stays_responsive(k: Kernel) -> None:
+    _ok(k.run("%mesh spawn flood --per-host gpus=16"))
+    flood = _ok(k.run("%%mesh exec flood --no-aggregate --no-block\nfor i in range(6250): print('flood line', i)"))
+    # trivial cells keep answering while 100,000 lines arrive
+    for i in range(3):
+        assert _ok(k.run(f"{i} + 1", timeout=10)).result == str(i + 1)
+    _ok(
+        k.run(
+            "import monarch_nb.logs as L\nfrom tests.conftest import wait_for\nwait_for(lambda: len(L.logs(flood, tail=1)) == 16 and all(r['line'] == 'flood line 6249' for r in L.logs(flood, tail=1)), 60)"
+        )
+    )
+    marker = k.wait_msg(
+        lambda m: (
+            m["parent_header"].get("msg_id") == flood.msg_id
+            and "lines suppressed — %mesh logs flood"
+            in (m["content"].get("text") or m["content"].get("data", {}).get("text/plain", ""))
+        ),
+        20,
+        "the suppression marker",
+    )
+    assert marker
+    c = _ok(k.run("sum(len(L.logs(flood, rank=r)) for r in range(16))"))
+    assert int(c.result) == 100_000  # nothing lost from the logs
+
+
+def test_connect_after_a_kernel_restart_finds_meshes_and_namespaces() -> None:
+    a = Kernel()
+    try:
+        _ok(a.run("%mesh connect"))
+        _ok(a.run("%mesh spawn keep --per-host gpus=2"))
+        pids = _ok(a.run("%%mesh exec keep\nimport os\nanswer = 42\nos.getpid()")).result
+    finally:
+        a.close()
+    b = Kernel()
+    try:
+        c = _ok(b.run("%mesh connect"))
+        assert "keep {gpus: 2}" in c.stream()
+        assert _ok(b.run("%%mesh exec keep\nos.getpid()")).result == pids
+        assert _ok(b.run("%%mesh exec keep\nanswer")).result.count("42") == 2
+        _ok(b.run("%mesh stop keep"))
+    finally:
+        b.close()
+
+
+def test_kernelspec_install_gives_a_kernel_with_the_magics_loaded(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "monarch_nb", "kernelspec", "install", "--prefix", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    kern = Kernel(load_ext=False, kernel_dirs=[str(tmp_path / "share" / "jupyter" / "kernels")])
+    try:
+        assert "%mesh connect" in _ok(kern.run("%mesh help")).stream()
+    finally:
+        kern.close()

@@ -28,7 +28,7 @@ from .._wire import frames as wire
 from ..config import Config
 from ..errors import MeshError, SpawnError
 from .logcapture import LogLine, ProcLog, read_log
-from .runtime import NO_REPLY, Runtime, system_method
+from .runtime import NO_REPLY, Runtime, pid_alive, system_method
 from .transport import Security
 
 logger = logging.getLogger(__name__)
@@ -248,7 +248,8 @@ class Allocator:
         stream = rec.fds.get(fd)
         if stream is None:
             return
-        while True:
+        # a bounded number of reads per wake-up: a flooding proc must not starve pings and spawns
+        for _ in range(1 << 20 if final else 4):
             try:
                 data = os.read(fd, 1 << 16)
             except BlockingIOError:
@@ -279,7 +280,7 @@ class Allocator:
         self._flush_scheduled = False
         pending, self._pending_logs = self._pending_logs, {}
         for ((addr, port), mesh), lines in pending.items():
-            self.rt.send_port(addr, port, 0, wire.ITEM, ("logs", lines, mesh))
+            self.rt.send_port(addr, port, 0, wire.ITEM, ("logs", lines, mesh, self.id))
 
     def _publish(self, event: tuple[Any, ...]) -> None:
         for addr, port in list(self.subscribers):
@@ -504,6 +505,7 @@ class Allocator:
         m = self.meshes.get(name)
         if m is None:
             raise MeshError(f"no mesh named {name!r} on host {self.rt.hostname}")
+        self._detach_dead_local()
         owner_attached = any(c.get("cid") == m.owner for c in self.controllers.values())
         # an owner that is gone (kernel restarted, script exited) hands its meshes to whoever re-attached
         if cid and m.owner != cid and owner_attached and not force:
@@ -618,6 +620,15 @@ class Allocator:
             await self._stop_mesh(m, reason)
         self.meshes.clear()
 
+    def _detach_dead_local(self) -> None:
+        """A controller on this host (it reached us over ipc) whose process is gone has detached,
+        without waiting for its heartbeats to time out: a restarted kernel re-attaches at once."""
+        for addr, c in list(self.controllers.items()):
+            if addr.startswith("ipc://") and not pid_alive(int(c.get("pid") or 0)):
+                logger.info("controller %s (pid %s) exited; detaching it", c["cid"], c.get("pid"))
+                del self.controllers[addr]
+                self._orphan(c["cid"])
+
     def _orphan(self, cid: str) -> int:
         n = 0
         for m in list(self.meshes.values()):
@@ -636,6 +647,7 @@ class Allocator:
         while True:
             await asyncio.sleep(min(self.cfg.heartbeat_interval, self.cfg.lease / 4 or 0.1))
             now = time.monotonic()
+            self._detach_dead_local()
             for addr, c in list(self.controllers.items()):
                 if now - c["last_seen"] > detach_after:
                     logger.info("controller %s (pid %s) went silent; detaching it", c["cid"], c.get("pid"))

@@ -490,15 +490,27 @@ class Runtime:
         except Exception as e:
             logger.warning("could not subscribe to allocator %s: %s", w.addr, e)
 
+    def heard_from(self, alloc_addr: str) -> None:
+        """Any message from an allocator counts as a heartbeat (its pongs may queue behind output)."""
+        w = self._watches.get(alloc_addr)
+        if w is not None:
+            w.last_pong = time.monotonic()
+
     async def _watch_loop(self) -> None:
         ping = dumps(((), {}))
+        interval = self.cfg.heartbeat_interval
+        woke = time.monotonic()
         while True:
-            await asyncio.sleep(self.cfg.heartbeat_interval)
+            await asyncio.sleep(interval)
             now = time.monotonic()
+            # when this loop itself was starved (a busy I/O thread, a loaded machine), pongs that
+            # did arrive may not have been read yet: that is no evidence against the peer
+            starved = now - woke > interval + max(0.25, interval)
+            woke = now
             for w in list(self._watches.values()):
                 if w.lost is not None:
                     continue
-                if now - w.last_pong > self.cfg.heartbeat_timeout:
+                if now - w.last_pong > self.cfg.heartbeat_timeout and not starved:
                     cause = (
                         f"allocator {w.addr} lost: no heartbeat for {now - w.last_pong:.1f} s "
                         "(host down, network partition, or allocator killed)"
@@ -526,3 +538,16 @@ def system_method(wants_reply: bool = False) -> Callable[[Callable[..., Any]], C
         return fn
 
     return deco
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

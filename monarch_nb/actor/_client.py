@@ -17,7 +17,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .. import __version__
-from .._runtime.runtime import Runtime
+from .._runtime.runtime import Runtime, pid_alive
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
 from ..errors import (
@@ -49,6 +49,7 @@ class Client:
         self.cid = rt.uid
         self.kind = "proc" if proc_spec is not None else ("ipython" if in_ipython_kernel() else "script")
         self.hellos: dict[str, dict[str, Any]] = {}
+        self._alloc_addr: dict[str, str] = {}  # allocator id -> the address we reach it at
         self._lock = threading.Lock()
         #: proc addr -> mesh name, for meshes this process owns
         self.owned: dict[str, Any] = {}
@@ -177,15 +178,19 @@ class Client:
             mon.close(0)
             probe.close(0)
         self.hellos[addr] = info
+        self._alloc_addr[info.get("alloc_id", "")] = addr
         return info
 
     # ------------------------------------------------------------ logs
     def _on_logs(self, index: int, status: int, body: Any, bufs: list[Any]) -> None:
         if status != wire.ITEM or not self.log_enabled:
             return
-        kind, lines, mesh = loads(body, bufs)
+        kind, lines, mesh, alloc_id = loads(body, bufs)
         if kind != "logs":
             return
+        addr = self._alloc_addr.get(alloc_id)
+        if addr is not None:
+            self.rt.heard_from(addr)  # a flood of output is proof of life too
         if self.log_writer is not None:
             self.log_writer(mesh, lines)
             return
@@ -254,22 +259,12 @@ def read_connection_files(rdir: str) -> list[dict[str, Any]]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
 def find_local_allocator(rdir: str) -> dict[str, Any] | None:
     import socket
 
     host = socket.gethostname()
     for info in read_connection_files(rdir):
-        if info.get("host") == host and _alive(int(info.get("pid", 0))) and os.path.exists(info["addr"][len("ipc://") :]):
+        if info.get("host") == host and pid_alive(int(info.get("pid", 0))) and os.path.exists(info["addr"][len("ipc://") :]):
             return info
     return None
 

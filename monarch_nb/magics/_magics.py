@@ -138,8 +138,12 @@ class MeshMagics(Magics):
             out = output()
             if out is not None and out.current is not None:
                 out.current.window = 0.0
-        name = args.name
-        return _mesh.exec_cell(name, cell or "", ranks=args.ranks, block=not args.no_block)
+        try:
+            return _mesh.exec_cell(args.name, cell or "", ranks=args.ranks, block=not args.no_block)
+        finally:
+            out = output()
+            if out is not None and not args.no_block:
+                out.flush_now()
 
     def _do_status(self, args: argparse.Namespace, cell: str | None) -> Any:
         from ._tables import StatusTable

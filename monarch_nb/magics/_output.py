@@ -132,15 +132,22 @@ class KernelOutput:
         with self._lock:
             self.current = cell
 
+    def flush_now(self) -> None:
+        """Show now what ranks printed before their replies (before the cell's result is shown)."""
+        cell = self.current
+        if cell is None or not cell.made_calls:
+            return
+        # it is still in the allocators' pipes: fetch it into this cell
+        self.client.flush_logs(timeout=1.0)
+        with self._lock:
+            self._flush_cell(cell, force=True)
+
     def post_run_cell(self, result: Any = None) -> None:
         cell = self.current
         if cell is None:
             return
-        if cell.made_calls:
-            # what ranks printed before their replies is in the allocators' pipes: fetch it into this cell
-            self.client.flush_logs(timeout=1.0)
+        self.flush_now()
         with self._lock:
-            self._flush_cell(cell, force=True)
             self._show_wait(cell, None)
             if cell.made_calls:
                 cell.late_id = uuid.uuid4().hex
