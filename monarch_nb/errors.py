@@ -155,24 +155,20 @@ class ExecError(MonarchNBError):
         return [(ranks, f) for f, ranks in groups.items()]
 
     def _headline(self) -> str:
-        from ._ranks import format_ranks
-
         n = len(self.failures)
         where = f" of mesh {self.mesh!r}" if self.mesh else ""
-        kinds = "; ".join(f"ranks {format_ranks(r)}: {_kind(*f[:2])}" for r, f in self._groups())
+        kinds = "; ".join(f"{_ranks(r)}: {_kind(*f[:2])}" for r, f in self._groups())
         return f"the cell failed on {n} of {self.total} ranks{where} ({kinds})"
 
     def __str__(self) -> str:
         return "\n".join(self._lines(color=False))
 
     def _lines(self, color: bool) -> list[str]:
-        from ._ranks import format_ranks
-
         red, off = ("\x1b[0;31m", "\x1b[0m") if color else ("", "")
         lines = [self._headline()]
         for ranks, (etype, msg, tb) in self._groups():
             lines.append("")
-            lines.append(f"{red}--- ranks {format_ranks(ranks)} (×{len(ranks)}): {_kind(etype, msg)}{off}")
+            lines.append(f"{red}--- {_ranks(ranks)}: {_kind(etype, msg)}{off}")
             lines.extend(tb.rstrip().splitlines())
         return lines
 
@@ -180,6 +176,12 @@ class ExecError(MonarchNBError):
         lines = self._lines(color=True)
         lines[0] = f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}"
         return lines
+
+
+def _ranks(ranks: list[int]) -> str:
+    from ._ranks import format_ranks
+
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)} (×{len(ranks)})"
 
 
 def _kind(etype: str, msg: str) -> str:

@@ -31,9 +31,10 @@ def format_line(rank: int, line: str, mesh: str = "") -> str:
 
 
 class _Group:
-    __slots__ = ("parts", "ranks", "count", "nums", "texts")
+    __slots__ = ("parts", "ranks", "count", "nums", "texts", "order")
 
     def __init__(self, parts: list[str]) -> None:
+        self.order = (1 << 62, 0)  # (lowest rank, that rank's line number): a stable place in the summary
         self.parts = parts  # the text between the numbers
         self.ranks: set[int] = set()
         self.count = 0
@@ -50,6 +51,7 @@ class Aggregator:
     def __init__(self) -> None:
         self._groups: dict[tuple[str, str, str], _Group] = {}
         self._meshes: set[str] = set()
+        self._seq: dict[tuple[str, int], int] = {}
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -57,7 +59,9 @@ class Aggregator:
     def add(self, mesh: str, lines: Iterable[LogLine]) -> None:
         self._meshes.add(mesh)
         groups = self._groups
+        seq = self._seq
         for rank, stream, _ts, _call, line in lines:
+            n = seq[(mesh, rank)] = seq.get((mesh, rank), -1) + 1
             nums = _NUM.findall(line)
             template = _NUM.sub("\0", line) if nums else line
             key = (mesh, stream, template)
@@ -67,16 +71,22 @@ class Aggregator:
                 g.nums = [[] for _ in nums]
             g.ranks.add(rank)
             g.count += 1
+            if (rank, n) < g.order:
+                g.order = (rank, n)
             if len(g.texts) < 2:
                 g.texts.add(line)
             for slot, n in zip(g.nums, nums):
                 slot.append(n)
 
     def flush(self) -> list[tuple[str, str]]:
-        """The window's summary as ``(stream, text)`` pairs, in order of first appearance."""
+        """The window's summary as ``(stream, text)`` pairs.
+
+        Groups are ordered by their lowest rank and where that rank printed them, so the
+        summary does not depend on which rank's output happened to arrive first.
+        """
         show_mesh = len(self._meshes) > 1
         out: list[tuple[str, str]] = []
-        for (mesh, stream, _t), g in self._groups.items():
+        for (mesh, stream, _t), g in sorted(self._groups.items(), key=lambda kv: (kv[0][0], kv[1].order)):
             if len(g.texts) == 1:
                 text = next(iter(g.texts))
             else:
@@ -95,6 +105,7 @@ class Aggregator:
             out.append((stream, f"{prefix} {text}"))
         self._groups = {}
         self._meshes = set()
+        self._seq = {}
         return out
 
 

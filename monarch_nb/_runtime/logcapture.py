@@ -55,13 +55,15 @@ class ProcLog:
         else:
             # the common case, and the one that matters in a flood: no call markers in this chunk
             rank, call = self.rank, self._call[stream]
-            out = [(rank, stream, now, call, _decode(raw)) for raw in lines]
+            out = [(rank, stream, now, call, _decode(_final(raw))) for raw in lines]
         cr = rest.rfind(b"\r")
         if cr >= 0 and cr + 1 < len(rest):
             # a progress bar redraws its line with \r and no newline: pass on its current state
             # (marked by a leading \r) instead of holding it until the bar ends
             cur = rest[cr + 1 :]
-            if b"\x1b]" not in cur:
+            if MARK_PREFIX not in cur:
+                for m in _MARK.finditer(rest, 0, cr):  # the call the bar is drawn in
+                    self._call[stream] = m.group(1).decode("ascii", "replace")
                 out.append((self.rank, stream, now, self._call[stream], "\r" + _decode(cur)))
                 self._partial[stream] = b"\r" + cur
         if out:
@@ -81,7 +83,7 @@ class ProcLog:
             self._call[stream] = m.group(1).decode("ascii", "replace")
         text += raw[pos:]
         if text or not pos:
-            out.append((self.rank, stream, now, self._call[stream], _decode(text)))
+            out.append((self.rank, stream, now, self._call[stream], _decode(_final(text))))
         return out
 
     def close(self) -> None:
@@ -108,6 +110,13 @@ class ProcLog:
         self.tail.extend(lines)
         del self.tail[:-50]
         self._emit(lines)
+
+
+def _final(raw: bytes) -> bytes:
+    """What a terminal shows of a finished line: the text after its last carriage return."""
+    if b"\r" not in raw:
+        return raw
+    return raw.rstrip(b"\r").rsplit(b"\r", 1)[-1]
 
 
 #: JSON string encoding (C-accelerated); one JSON object per line is written by hand for speed

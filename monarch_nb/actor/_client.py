@@ -64,6 +64,8 @@ class Client:
         #: told of every endpoint call this process sends: (call id, [(proc mesh, rank), ...]);
         #: a frontend uses it to send a call's output to the place the call came from
         self.on_call: Callable[[str, list[tuple[str, int]]], None] | None = None
+        #: shows a runtime notice (an unhandled mesh failure) to the user: (text, mesh, rank)
+        self.notice: Callable[[str, str, int | None], None] | None = None
         rt.peer_failure_callbacks.append(self._on_peer_failed)
         self._anon = 0
         if self.kind != "proc":

@@ -280,8 +280,11 @@ class ProcMesh(MeshTrait):
     def _report_failure(self, err: Exception) -> None:
         from . import _supervision
 
-        self._failed = str(err)
-        _supervision.report(_supervision.MeshFailure(self._name, self, err))
+        try:
+            _supervision.report(_supervision.MeshFailure(self._name, self, err))
+        finally:
+            # marked after the report, so code that waits for the mark has seen the report
+            self._failed = str(err)
 
     def actor_mesh(self, name: str) -> ActorMesh[Any]:
         """Re-attach to actors spawned earlier on this mesh (e.g. after a kernel restart)."""

@@ -41,7 +41,13 @@ def unhandled_fault_hook(failure: MeshFailure) -> None:
     mesh is marked failed and the kernel lives on. Replace it by assigning
     ``monarch_nb.actor.unhandled_fault_hook = my_hook``.
     """
-    print(f"monarch_nb: unhandled mesh failure: {failure.report()}", file=sys.stderr, flush=True)
+    text = f"monarch_nb: unhandled mesh failure: {failure.report()}"
+    notice = _context.client().notice if _context._client is not None else None
+    if notice is not None:
+        # a notebook frontend shows it in the cell that last called the mesh
+        notice(text, failure.mesh_name, getattr(failure.error, "rank", None))
+    else:
+        print(text, file=sys.stderr, flush=True)
     if _context.in_ipython_kernel():
         return
     global _exit_requested

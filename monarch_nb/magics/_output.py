@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import sys
 import threading
 import time
 import uuid
@@ -107,6 +108,7 @@ class KernelOutput:
     def install(self) -> None:
         self.client.log_writer = self.on_lines
         self.client.on_call = self.on_call
+        self.client.notice = self.notice
         self.shell.events.register("pre_run_cell", self.pre_run_cell)
         self.shell.events.register("post_run_cell", self.post_run_cell)
         threading.Thread(target=self._ticker, name="monarch_nb-output", daemon=True).start()
@@ -118,6 +120,8 @@ class KernelOutput:
             self.client.log_writer = None
         if self.client.on_call == self.on_call:
             self.client.on_call = None
+        if self.client.notice == self.notice:
+            self.client.notice = None
         for ev, fn in (("pre_run_cell", self.pre_run_cell), ("post_run_cell", self.post_run_cell)):
             try:
                 self.shell.events.unregister(ev, fn)
@@ -147,6 +151,9 @@ class KernelOutput:
         if cell is None:
             return
         self.flush_now()
+        # the cell's own prints first, then the display that keeps late rank output below them
+        sys.stdout.flush()
+        sys.stderr.flush()
         with self._lock:
             self._show_wait(cell, None)
             if cell.made_calls:
@@ -183,6 +190,24 @@ class KernelOutput:
                 per_cell.setdefault(id(cell), (cell, []))[1].append(ln)
             for cell, ls in per_cell.values():
                 self._feed(cell, mesh, ls)
+
+    def notice(self, text: str, mesh: str = "", rank: int | None = None) -> None:
+        """A runtime notice: in the running cell, where the user looks, else in the cell that last
+        called ``mesh``, else in the last cell."""
+        with self._lock:
+            cell = self.current
+            if cell is None and mesh:
+                cell = self._by_rank.get((mesh, rank)) if rank is not None else None
+                cell = cell or next((c for (m, _r), c in reversed(self._by_rank.items()) if m == mesh), None)
+            cell = cell or self.last
+            if cell is None:
+                return
+            if cell.running:
+                self._send(cell, "stream", {"name": "stderr", "text": text + "\n"})
+            else:
+                cell.late.append(text)
+                cell.late_dirty = True
+                self._wake.set()
 
     def _window(self, cell: _Cell, mesh: str) -> float:
         if cell.window is not None:

@@ -1,0 +1,379 @@
+"""Regenerates the example notebooks' sources (outputs come from executing them: `bash .ci/demo`).
+
+Kept next to the notebooks so an edit to an example is an edit here, reviewed as Python.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).parent
+KERNEL = {"display_name": "Python 3 (monarch_nb)", "language": "python", "name": "monarch-nb"}
+
+
+def md(text: str) -> nbformat.NotebookNode:
+    return new_markdown_cell(text.strip())
+
+
+def code(text: str, *tags: str) -> nbformat.NotebookNode:
+    c = new_code_cell(text.strip())
+    if tags:
+        c.metadata["tags"] = list(tags)
+    return c
+
+
+NOTEBOOKS: dict[str, list[nbformat.NotebookNode]] = {}
+
+NOTEBOOKS["01_quickstart.ipynb"] = [
+    md("""
+# monarch_nb quickstart
+
+This notebook is the *single controller*: it spawns processes, puts actors in them and calls their
+endpoints. The API is Monarch's (`monarch.actor`); only the import changes. Everything here runs on
+this machine, on the local allocator that `this_host()` starts on first use. The kernel is
+"Python 3 (monarch_nb)", which loads the `%mesh` magics and sends what ranks print to the cell
+that called them.
+"""),
+    code("from monarch_nb.actor import Actor, ActorError, current_rank, endpoint, this_host"),
+    md("""
+## Spawn procs
+
+`spawn_procs` starts a mesh of processes shaped like `{"gpus": 8}` on every host of the host mesh
+(here one host). No GPU is needed: `gpus` is just the name of a dimension.
+"""),
+    code("""
+training_procs = this_host().spawn_procs({"gpus": 8}, name="training")
+training_procs
+"""),
+    md("""
+## Spawn actors and call an endpoint
+
+An actor is a class whose `@endpoint` methods can be called from the controller. `spawn` builds
+one instance in every proc; `.call(...)` calls them all and returns a future whose `.get()` is a
+`ValueMesh` of results, shaped like the mesh.
+"""),
+    code("""
+class Trainer(Actor):
+    @endpoint
+    def train(self, step: int) -> str:
+        return f"rank {current_rank().rank} trained step {step}"
+
+
+trainers = training_procs.spawn("trainers", Trainer)
+trainers.train.call(step=0).get()
+"""),
+    md("""
+## Async endpoints and what ranks print
+
+Endpoints may be `async def`, and their futures can be awaited in the notebook. What the actors
+print is captured per rank by the allocator and shown in this cell; identical lines from many
+ranks collapse into one line with the rank set and a count.
+"""),
+    code("""
+class ToyActor(Actor):
+    def __init__(self):
+        self.rank = current_rank().rank
+
+    @endpoint
+    async def hello_world(self, msg: str) -> str:
+        print(f"Identity: {self.rank}, {msg=}")
+        print("hello from every rank")
+        return f"rank {self.rank} said hello"
+
+
+toy_actor = training_procs.spawn("toy_actor", ToyActor)
+await toy_actor.hello_world.call("hey there, from the notebook")
+"""),
+    md("""
+## Slicing
+
+Meshes slice by dimension name: a slice calls only the actors in it. `call_one` is for a slice of
+exactly one actor and returns its value directly.
+"""),
+    code("trainers.slice(gpus=slice(0, 2)).train.call(step=1).get()"),
+    code("trainers.slice(gpus=0).train.call_one(step=2).get()"),
+    md("""
+## Errors
+
+An exception raised in an endpoint comes back to the controller as an `ActorError` that carries
+the remote exception and traceback; the actor lives on.
+"""),
+    code("""
+class Flaky(Actor):
+    @endpoint
+    def divide(self, x: int) -> float:
+        return 1 / x
+
+
+flaky = training_procs.spawn("flaky", Flaky)
+try:
+    flaky.divide.call(0).get()
+except ActorError as e:
+    print("caught:", type(e.exception).__name__, e.exception)
+flaky.divide.call(4).get().values()
+"""),
+    md("""
+## Stop the procs
+
+In a kernel, meshes outlive the kernel (re-attach after a restart with `%mesh connect` or
+`ProcMesh.lookup(name)`) until stopped, or reaped by the allocator's lease. Stop them when done.
+"""),
+    code("training_procs.stop().get()"),
+]
+
+NOTEBOOKS["02_magics_tour.ipynb"] = [
+    md("""
+# A tour of the `%mesh` magics
+
+The "Python 3 (monarch_nb)" kernel has the magics loaded (elsewhere: `%load_ext monarch_nb`). Every
+magic is also a Python function in `monarch_nb.mesh` and `monarch_nb.logs`.
+"""),
+    code("%mesh help"),
+    md(
+        "`%mesh connect` attaches to allocators; with no address, to the embedded one on this machine. After a kernel restart it finds the named meshes again and binds them to variables."
+    ),
+    code("%mesh connect", "nbval-ignore-output"),
+    md("`%mesh spawn NAME` starts a named proc mesh on every attached host and binds it to the variable `NAME`."),
+    code("%mesh spawn workers --per-host gpus=4"),
+    code("workers"),
+    md("""
+`%%mesh exec` runs the cell in every proc. Each proc keeps its own namespace between cells, like
+an engine; the cell's value is a `ValueMesh` of the last expression on each rank.
+"""),
+    code("""
+%%mesh exec workers
+import os
+from monarch_nb.actor import current_rank
+
+rank = current_rank().rank
+print("ready")
+rank * rank
+"""),
+    code("""
+%%mesh exec workers
+print(f"loss={0.5 + rank / 100:.2f}")
+rank + 100
+"""),
+    md("`--ranks` runs on a subset; the value mesh is then one-dimensional."),
+    code("""
+%%mesh exec workers --ranks 0:2
+rank
+"""),
+    md("`--no-aggregate` shows every line of every rank as it arrives (their order varies from run to run)."),
+    code(
+        """
+%%mesh exec workers --no-aggregate
+print("my rank is", rank)
+""",
+        "nbval-ignore-output",
+    ),
+    md("`%mesh status` shows allocators, meshes, procs and their states (the pids differ on every run)."),
+    code("%mesh status", "nbval-ignore-output"),
+    md("`%mesh logs` reads the full per-rank logs the allocator keeps, unaggregated, also for procs that have crashed."),
+    code("%mesh logs workers --rank 3 --tail 2"),
+    code("%mesh stop workers"),
+]
+
+NOTEBOOKS["03_errors_and_respawn.ipynb"] = [
+    md("""
+# Errors, failures and respawn
+
+Fail fast, notebook style: an error shows in the cell with each failing rank's remote traceback; a
+dead process marks its mesh failed with a clear message; the kernel survives and the next cell
+can respawn.
+"""),
+    code("""
+import os
+import signal
+
+from monarch_nb.actor import Actor, ActorError, SupervisionError, current_rank, endpoint
+"""),
+    code("%mesh spawn frail --per-host gpus=4"),
+    md("An exception in an endpoint arrives as an `ActorError` naming the actor and rank, with the remote traceback."),
+    code("""
+class Worker(Actor):
+    @endpoint
+    def check(self, limit: int) -> int:
+        rank = current_rank().rank
+        if rank >= limit:
+            raise ValueError(f"rank {rank} is over the limit {limit}")
+        return rank
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+
+workers = frail.spawn("workers", Worker)
+try:
+    workers.check.call(3).get()
+except ActorError as e:
+    print(f"{type(e.exception).__name__} on rank {e.rank}: {e.exception}")
+"""),
+    md("In `%%mesh exec`, every failing rank is reported, grouped by error:"),
+    code(
+        """
+%%mesh exec frail
+from monarch_nb.actor import current_rank
+assert current_rank().rank % 2 == 0, f"odd rank {current_rank().rank}"
+""",
+        "raises-exception",
+    ),
+    md("The actors live on after their errors:"),
+    code("workers.check.call(10).get()"),
+    md(
+        "Now a process dies (we kill rank 2 with SIGKILL). The call that was waiting on it fails at once with a `SupervisionError` naming the mesh, rank, host and cause; the mesh is marked failed; the kernel is fine."
+    ),
+    code(
+        """
+os.kill(workers.pid.call().get().item(gpus=2), signal.SIGKILL)
+try:
+    workers.check.call(10).get(timeout=30)
+except SupervisionError as e:
+    print("call failed:", e.cause)
+""",
+        "nbval-ignore-output",
+    ),
+    md("Spawning the mesh again replaces the failed one (its surviving procs are stopped first):"),
+    code("%mesh spawn frail --per-host gpus=4", "nbval-ignore-output"),
+    code("""
+workers = frail.spawn("workers", Worker)
+workers.check.call(10).get()
+"""),
+    code("%mesh stop frail"),
+]
+
+NOTEBOOKS["04_log_aggregation.ipynb"] = [
+    md("""
+# What every rank printed, without a wall of lines
+
+Rank output streams into the cell that made the call. Within a window (1 s in a kernel),
+identical lines from many ranks collapse to one line with the rank set and a count, and lines
+that differ only in their numbers collapse with each number summarised as `min…max`. The
+allocators keep every line: `%mesh logs` shows them all.
+"""),
+    code("%mesh spawn logs8 --per-host gpus=8"),
+    code("""
+%%mesh exec logs8
+from monarch_nb.actor import current_rank
+
+rank = current_rank().rank
+print("starting epoch 1")
+for step in range(3):
+    print(f"step {step} loss={0.9 - 0.1 * step + rank / 100:.2f}")
+"""),
+    md("Lines that only some ranks print keep their own rank sets:"),
+    code("""
+%%mesh exec logs8
+if rank < 4:
+    print("first half")
+else:
+    print("second half")
+"""),
+    md(
+        "`ProcMesh.logging_option` (as in Monarch) changes the window of a mesh; 0 turns aggregation off (every line, in arrival order)."
+    ),
+    code("await logs8.logging_option(stream_to_client=True, aggregate_window_sec=0)"),
+    code("""
+%%mesh exec logs8 --ranks 0:1
+print("unaggregated")
+"""),
+    code("await logs8.logging_option(stream_to_client=True, aggregate_window_sec=1)"),
+    md("A progress bar redrawn with `\\r` becomes one updating line per rank (its intermediate states vary by run):"),
+    code(
+        """
+%%mesh exec logs8 --ranks 0:2
+import sys, time
+for pct in range(0, 101, 20):
+    sys.stdout.write(f"\\rdownloading {pct}%")
+    sys.stdout.flush()
+    time.sleep(0.02)
+print()
+""",
+        "nbval-ignore-output",
+    ),
+    md("Every line is kept by the allocator, per rank:"),
+    code("%mesh logs logs8 --rank 7 --tail 4"),
+    code("%mesh stop logs8"),
+]
+
+NOTEBOOKS["05_spmd_training.ipynb"] = [
+    md("""
+# An SPMD training loop in an actor
+
+As the Titan trainer wrapper in the Monarch articles does: an ordinary `torch.distributed` (gloo)
+program runs inside an actor on every rank; `setup_env_for_distributed` gives each proc its
+`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT`.
+"""),
+    code("""
+from monarch_nb.actor import Actor, current_rank, endpoint, this_host
+from monarch_nb.spmd import setup_env_for_distributed
+
+proc_mesh = this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2}, name="spmd")
+await setup_env_for_distributed(proc_mesh)
+"""),
+    code("""
+class TrainerWrapper(Actor):
+    def __init__(self, lr: float):
+        self.lr = lr
+
+    @endpoint
+    def init(self) -> str:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(4, 1)
+        # the same initial weights everywhere, as DDP would broadcast them
+        for p in self.model.parameters():
+            dist.broadcast(p.data, src=0)
+        return f"rank {dist.get_rank()} of {dist.get_world_size()}"
+
+    @endpoint
+    def train(self, steps: int) -> float:
+        import torch
+        import torch.distributed as dist
+
+        opt = torch.optim.SGD(self.model.parameters(), lr=self.lr)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        for _ in range(steps):
+            x = torch.randn(8, 4, generator=g)
+            loss = ((self.model(x) - x.sum(dim=1, keepdim=True)) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            for p in self.model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+            opt.step()
+        if dist.get_rank() == 0:
+            print(f"{steps} steps, last loss {loss.item():.3f}")
+        return round(self.model.weight.detach().sum().item(), 4)
+
+
+trainer = proc_mesh.spawn("trainer", TrainerWrapper, 0.05)
+trainer.init.call().get()
+"""),
+    md("Every rank holds the same weights after training, because the gradients were all-reduced:"),
+    code("""
+weights = trainer.train.call(30).get()
+len(set(weights.values())) == 1
+"""),
+    code("proc_mesh.stop().get()"),
+]
+
+
+def main() -> None:
+    names = sys.argv[1:] or list(NOTEBOOKS)
+    for name in names:
+        nb = new_notebook(cells=NOTEBOOKS[name], metadata={"kernelspec": KERNEL, "language_info": {"name": "python"}})
+        nbformat.write(nb, HERE / name)
+        print("wrote", HERE / name)
+
+
+if __name__ == "__main__":
+    main()
