@@ -29,6 +29,7 @@ from ..config import Config
 from ..errors import MeshError, SpawnError
 from .logcapture import LogLine, ProcLog, read_log
 from .runtime import NO_REPLY, Runtime, pid_alive, system_method
+from .telemetry import Telemetry
 from .transport import Security
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class ProcRec:
     ready: asyncio.Future[None] | None = None
     exited: asyncio.Future[None] | None = None
     started: float = dataclasses.field(default_factory=time.time)
+    #: cpu, rss, activity, call and line rates (see telemetry.py)
+    tele: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -101,6 +104,7 @@ class Allocator:
         self._anon = 0
         self.stopped = asyncio.Event()
         self.gpus = _gpu_count()
+        self.telemetry = Telemetry(self)
 
     # ------------------------------------------------------------ lifecycle
     def start(self, key_file: str = "") -> None:
@@ -132,6 +136,7 @@ class Allocator:
     async def _start_async(self) -> None:
         self._start_zygote()
         self.rt._spawn(self._reaper())
+        self.rt._spawn(self.telemetry.run())
 
     def _start_zygote(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -568,6 +573,8 @@ class Allocator:
                             "addr": r.addr,
                             "cause": r.cause,
                             "log": r.log.path if r.log else "",
+                            "lines": r.log.nlines if r.log else 0,
+                            **r.tele,
                         }
                         for r in m.procs
                     ],
@@ -576,6 +583,7 @@ class Allocator:
             ],
             "lease_s": self.cfg.lease,
             "idle_s": now - self.idle_since if not self.controllers else 0.0,
+            "host_stats": self.telemetry.host,
         }
 
     def sys_logs(self, mesh: str, rank: int, tail: int | None = None, start: int = 0) -> list[dict[str, Any]]:

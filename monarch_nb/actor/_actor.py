@@ -15,6 +15,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from functools import cached_property
 from typing import Any
 
@@ -112,6 +113,9 @@ class ActorSlot:
         self.init_error: ActorError | None = None
         self.markers = _context.proc_spec is not None
         self.busy = ""
+        #: calls served and seconds spent in them (telemetry)
+        self.calls = 0
+        self.busy_s = 0.0
         self._stopped = False
         if self.is_async:
             self.loop = asyncio.new_event_loop()
@@ -273,12 +277,15 @@ class ActorSlot:
         tok = _context._message_rank.set(mrank)
         self.busy = method
         self._mark(call_id)
+        t0 = time.perf_counter()
         try:
             result = fn(self.obj, *args, **kwargs)
             status = wire.OK
         except BaseException as e:
             result, status = self._error(e, f"{self.name}.{method}"), wire.ERROR
         finally:
+            self.busy_s += time.perf_counter() - t0
+            self.calls += 1
             self._mark("")
             self.busy = ""
             _context._message_rank.reset(tok)
@@ -292,6 +299,7 @@ class ActorSlot:
         tok = _context._message_rank.set(mrank)
         self.busy = method
         self._mark(call_id)
+        t0 = time.perf_counter()
         try:
             result = fn(self.obj, *args, **kwargs)
             if inspect.isawaitable(result):
@@ -300,6 +308,8 @@ class ActorSlot:
         except BaseException as e:
             result, status = self._error(e, f"{self.name}.{method}"), wire.ERROR
         finally:
+            self.busy_s += time.perf_counter() - t0
+            self.calls += 1
             self._mark("")
             self.busy = ""
             _context._message_rank.reset(tok)
@@ -415,7 +425,15 @@ class ActorHost:
         return "pong"
 
     def sys_state(self) -> dict[str, Any]:
-        return {n: {"busy": getattr(s, "busy", ""), "async": getattr(s, "is_async", False)} for n, s in self.rt.actors.items()}
+        return {
+            n: {
+                "busy": getattr(s, "busy", ""),
+                "async": getattr(s, "is_async", False),
+                "calls": getattr(s, "calls", 0),
+                "busy_s": getattr(s, "busy_s", 0.0),
+            }
+            for n, s in self.rt.actors.items()
+        }
 
     def sys_shutdown(self) -> Any:
         self.shutdown_requested.set()

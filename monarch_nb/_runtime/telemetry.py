@@ -1,0 +1,148 @@
+"""What an allocator knows about its host and procs, sampled about once a second.
+
+CPU and RSS per proc and for the host come from the OS (psutil), without asking the procs;
+what a proc is doing (idle, or busy in which endpoint; calls served, time spent) comes from
+its ``__sys__`` actor, answered by its I/O thread, so a busy or paused actor still answers.
+GPU utilisation and memory come from NVML when a GPU and ``pynvml`` are present.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from .._wire import frames as wire
+from .._wire.serialize import dumps, loads
+
+if TYPE_CHECKING:
+    from .allocator import Allocator, ProcRec
+
+logger = logging.getLogger(__name__)
+
+INTERVAL = 1.0
+
+
+class Telemetry:
+    def __init__(self, alloc: Allocator) -> None:
+        self.alloc = alloc
+        self.host: dict[str, Any] = {}
+        self._procs: dict[int, psutil.Process] = {}
+        self._prev: dict[str, tuple[float, int, int]] = {}  # token -> (time, lines, calls)
+        self._port = 0
+        self._index: dict[str, int] = {}  # proc token -> the reply index its state comes back with
+        self._token: dict[int, str] = {}
+        self._next = 0
+        self._nvml: Any = None
+        self._nvml_tried = False
+
+    async def run(self) -> None:
+        psutil.cpu_percent(None)  # the first reading only starts the measurement
+        self._port = self.alloc.rt.open_port(self._on_state)
+        while True:
+            try:
+                self.sample()
+            except Exception:
+                logger.exception("telemetry sample failed")
+            await asyncio.sleep(INTERVAL)
+
+    def sample(self) -> None:
+        vm = psutil.virtual_memory()
+        self.host = {
+            "cpu_percent": psutil.cpu_percent(None),
+            "cpus": psutil.cpu_count() or 1,
+            "mem_used": vm.total - vm.available,
+            "mem_total": vm.total,
+            "load": list(psutil.getloadavg()),
+            "gpus": self._gpus(),
+            "time": time.time(),
+        }
+        now = time.monotonic()
+        args = dumps(((), {}))
+        for rec in list(self.alloc.by_token.values()):
+            if rec.state != "running" or not rec.pid:
+                self._procs.pop(rec.pid, None)
+                continue
+            t = rec.tele
+            p = self._procs.get(rec.pid)
+            try:
+                if p is None:
+                    p = self._procs[rec.pid] = psutil.Process(rec.pid)
+                    p.cpu_percent(None)
+                t["cpu_percent"] = p.cpu_percent(None)
+                t["rss"] = p.memory_info().rss
+            except psutil.Error:
+                self._procs.pop(rec.pid, None)
+                continue
+            lines = rec.log.nlines if rec.log else 0
+            calls = int(t.get("calls", 0))
+            prev = self._prev.get(rec.token)
+            if prev is not None and now > prev[0]:
+                dt = now - prev[0]
+                t["lines_per_s"] = round((lines - prev[1]) / dt, 1)
+                t["calls_per_s"] = round((calls - prev[2]) / dt, 1)
+            self._prev[rec.token] = (now, lines, calls)
+            if rec.addr:
+                i = self._index.get(rec.token, -1)
+                if i < 0:
+                    i = self._index[rec.token] = self._next
+                    self._token[i] = rec.token
+                    self._next += 1
+                try:
+                    self.alloc.rt.send_actor(
+                        rec.addr, "__sys__", "state", args[0], args[1], reply=(self.alloc.rt.ipc_addr, self._port), index=i
+                    )
+                except Exception:
+                    pass
+        for tok in set(self._prev) - set(self.alloc.by_token):
+            del self._prev[tok]
+            self._token.pop(self._index.pop(tok, -1), None)
+
+    def _on_state(self, index: int, status: int, body: Any, bufs: list[Any]) -> None:
+        if status != wire.OK:
+            return
+        actors = loads(body, bufs)
+        rec = self.alloc.by_token.get(self._token.get(index, ""))
+        if rec is not None and rec.state == "running":
+            _absorb(rec, actors)
+
+    def _gpus(self) -> list[dict[str, Any]]:
+        if not self._nvml_tried:
+            self._nvml_tried = True
+            try:
+                import pynvml  # type: ignore[import-not-found]
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+            except Exception:
+                self._nvml = None
+        nv = self._nvml
+        if nv is None:
+            return []
+        out = []
+        try:
+            for i in range(nv.nvmlDeviceGetCount()):
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                util = nv.nvmlDeviceGetUtilizationRates(h)
+                mem = nv.nvmlDeviceGetMemoryInfo(h)
+                out.append({"index": i, "util_percent": util.gpu, "mem_used": mem.used, "mem_total": mem.total})
+        except Exception:
+            return []
+        return out
+
+
+def _absorb(rec: ProcRec, actors: dict[str, dict[str, Any]]) -> None:
+    """Fold a proc's actor states into its telemetry: what it is doing, calls served, time per call."""
+    user = {n: a for n, a in actors.items() if not n.startswith("__")}
+    busy = [f"{n}.{a['busy']}" for n, a in actors.items() if a.get("busy")]
+    calls = sum(int(a.get("calls", 0)) for a in actors.values())
+    busy_s = sum(float(a.get("busy_s", 0.0)) for a in actors.values())
+    t = rec.tele
+    t["actors"] = sorted(user)
+    t["busy"] = busy
+    t["activity"] = ("busy in " + ", ".join(busy)) if busy else "idle"
+    t["calls"] = calls
+    t["mean_call_ms"] = round(1000 * busy_s / calls, 3) if calls else 0.0
