@@ -274,3 +274,33 @@ def test_kernelspec_install_gives_a_kernel_with_the_magics_loaded(tmp_path) -> N
         assert "%mesh connect" in _ok(kern.run("%mesh help")).stream()
     finally:
         kern.close()
+
+
+def _widget_values(k: Kernel) -> list[str]:
+    return [
+        str(m["content"]["data"].get("state", {}).get("value", "")) for m in k.log if m["msg_type"] in ("comm_open", "comm_msg")
+    ]
+
+
+def test_dashboard_shows_every_rank_and_turns_a_killed_one_red(k: Kernel) -> None:
+    import time
+
+    _ok(k.run("%mesh spawn dash --per-host gpus=4"))
+    c = _ok(k.run("dash_view = %mesh dashboard dash\ndash_view"))
+    assert (
+        "application/vnd.jupyter.widget-view+json"
+        in next(m for m in c.msgs if m["msg_type"] == "execute_result")["content"]["data"]
+    )
+    grid = next(v for v in reversed(_widget_values(k)) if 'class="mnb-grid"' in v)
+    assert len(re.findall(r'class="mnb-rank mnb-state-(?:idle|busy|starting)"', grid)) == 4
+    pid = int(_ok(k.run("dash._procs[2].pid")).result)
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    # the update comes from the dashboard's own thread, with no cell running
+    k.wait_msg(
+        lambda m: m["msg_type"] == "comm_msg" and 'mnb-state-failed" data-rank="2"' in str(m["content"]["data"].get("state", {})),
+        3,
+        "rank 2 drawn as failed",
+    )
+    assert time.monotonic() - t0 < 3
+    _ok(k.run("dash_view.close()"))

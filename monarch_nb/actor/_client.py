@@ -61,6 +61,8 @@ class Client:
         self.log_windows: dict[str, float] = {}
         #: replaces the default log printer: called on the I/O thread with (proc mesh name, lines)
         self.log_writer: Callable[[str, list[tuple[int, str, float, str, str]]], None] | None = None
+        #: extra readers of every log batch (a dashboard's live tail), called like log_writer
+        self.log_taps: list[Callable[[str, list[tuple[int, str, float, str, str]]], None]] = []
         #: told of every endpoint call this process sends: (call id, [(proc mesh, rank), ...]);
         #: a frontend uses it to send a call's output to the place the call came from
         self.on_call: Callable[[str, list[tuple[str, int]]], None] | None = None
@@ -193,6 +195,11 @@ class Client:
         addr = self._alloc_addr.get(alloc_id)
         if addr is not None:
             self.rt.heard_from(addr)  # a flood of output is proof of life too
+        for tap in self.log_taps:
+            try:
+                tap(mesh, lines)
+            except Exception:
+                logger.exception("log tap failed")
         if self.log_writer is not None:
             self.log_writer(mesh, lines)
             return

@@ -23,6 +23,7 @@ _SUMMARY = """\
 %mesh logs NAME [--rank R] [--tail N] [--follow]
                                                the full per-rank logs kept by the allocators
 %mesh stop NAME | --all [--force]              stop meshes (your own unless --force)
+%mesh dashboard [NAME]                         a live view: ranks by state, host resources, logs, errors
 %mesh help                                     this text; `%mesh SUBCOMMAND --help` for details"""
 
 
@@ -77,6 +78,9 @@ def _parsers() -> dict[str, _Parser]:
     sp.add_argument("name", nargs="?", help="mesh name")
     sp.add_argument("--all", action="store_true", help="every mesh this kernel owns")
     sp.add_argument("--force", action="store_true", help="also meshes owned by other controllers")
+    d = p["dashboard"] = _Parser(prog="%mesh dashboard", description="A live dashboard of a mesh (ipywidgets).")
+    d.add_argument("name", nargs="?", help="mesh name (optional when one mesh runs)")
+    d.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     return p
 
 
@@ -166,12 +170,21 @@ class MeshMagics(Magics):
             print(f"(no output from mesh {args.name})")
         return None
 
+    def _do_dashboard(self, args: argparse.Namespace, cell: str | None) -> Any:
+        return _do_dashboard_impl(args)
+
     def _do_stop(self, args: argparse.Namespace, cell: str | None) -> Any:
         if not args.all and not args.name:
             raise UsageError("%mesh stop: name a mesh or pass --all")
         stopped = _mesh.stop(args.name, all=args.all, force=args.force)
         print(f"stopped: {', '.join(stopped) or 'nothing (no running mesh of yours)'}")
         return None
+
+
+def _do_dashboard_impl(args: argparse.Namespace) -> Any:
+    from ..widgets import Dashboard
+
+    return Dashboard(_mesh._resolve(args.name), interval=args.interval)
 
 
 def _print_row(r: dict[str, Any]) -> None:

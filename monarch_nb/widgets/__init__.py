@@ -1,0 +1,5 @@
+"""ipywidgets views of the mesh: ``Dashboard(mesh)`` (also ``%mesh dashboard NAME``)."""
+
+from ._dashboard import Dashboard
+
+__all__ = ["Dashboard"]

@@ -1,0 +1,129 @@
+"""HTML for the dashboard, from introspection snapshots (pure functions, no widgets)."""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Any
+
+#: the state classes a rank element carries (``mnb-state-<state>``) and their colours
+STATE_COLOURS = {
+    "starting": "#d4a72c",
+    "idle": "#2da44e",
+    "busy": "#0969da",
+    "paused": "#8250df",
+    "failed": "#cf222e",
+    "stopped": "#8c959f",
+}
+
+CSS = """
+<style>
+.mnb-dash { font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px; }
+.mnb-grid { display: grid; gap: 3px; margin: 4px 0; }
+.mnb-rank { width: 26px; height: 22px; border-radius: 3px; color: white; font-size: 10px;
+            display: flex; align-items: center; justify-content: center; cursor: default; }
+.mnb-bar { background: #eaeef2; border-radius: 3px; height: 10px; width: 160px; display: inline-block;
+           vertical-align: middle; overflow: hidden; }
+.mnb-bar > div { height: 100%; background: #0969da; }
+.mnb-legend span { margin-right: 10px; }
+.mnb-errors { color: #cf222e; }
+</style>
+"""
+
+
+def rank_state(proc: dict[str, Any] | None, unreachable: str = "") -> tuple[str, str]:
+    """``(state class, reason)`` of one rank from its status record."""
+    if unreachable:
+        return "failed", unreachable
+    if proc is None:
+        return "stopped", "not running"
+    st = proc.get("state", "")
+    if st in ("failed", "exited"):
+        return "failed", proc.get("cause") or st
+    if st in ("stopping", "stopped"):
+        return "stopped", proc.get("cause") or st
+    if st == "starting":
+        return "starting", ""
+    if proc.get("paused"):
+        return "paused", "paused at a breakpoint"
+    if proc.get("busy"):
+        return "busy", proc.get("activity", "busy")
+    return "idle", ""
+
+
+def _grid_shape(sizes: list[int]) -> tuple[int, int]:
+    """Rows and columns: the last dimension across, the others stacked."""
+    if not sizes:
+        return 1, 1
+    cols = sizes[-1]
+    return max(1, math.prod(sizes[:-1])), max(1, cols)
+
+
+def _coords(rank: int, labels: list[str], sizes: list[int]) -> str:
+    out = []
+    for label, size in zip(reversed(labels), reversed(sizes)):
+        out.append(f"{label}={rank % size}")
+        rank //= size
+    return ", ".join(reversed(out))
+
+
+def grid_html(ranks: list[dict[str, Any]], labels: list[str], sizes: list[int]) -> str:
+    rows, cols = _grid_shape(sizes)
+    cells = []
+    for r in ranks:
+        tip = " · ".join(
+            x
+            for x in (
+                f"rank {r['rank']} ({_coords(r['rank'], labels, sizes)})",
+                f"host {r.get('host', '?')}",
+                f"pid {r.get('pid', '?')}",
+                r.get("activity") or "",
+                r.get("reason") or "",
+                f"cpu {r['cpu_percent']:.0f}%" if r.get("cpu_percent") is not None else "",
+                f"rss {r['rss'] / 2**20:.0f} MiB" if r.get("rss") else "",
+            )
+            if x
+        )
+        colour = STATE_COLOURS[r["state"]]
+        cells.append(
+            f'<div class="mnb-rank mnb-state-{r["state"]}" data-rank="{r["rank"]}" '
+            f'title="{html.escape(tip)}" style="background:{colour}">{r["rank"]}</div>'
+        )
+    return f'<div class="mnb-grid" style="grid-template-columns: repeat({cols}, 26px)" data-rows="{rows}">{"".join(cells)}</div>'
+
+
+def legend_html() -> str:
+    return (
+        '<div class="mnb-legend">'
+        + "".join(f'<span><b style="color:{c}">■</b> {s}</span>' for s, c in STATE_COLOURS.items())
+        + "</div>"
+    )
+
+
+def hosts_html(hosts: list[dict[str, Any]]) -> str:
+    rows = []
+    for h in hosts:
+        name = html.escape(str(h.get("host", "?")))
+        if h.get("error"):
+            rows.append(f'<div class="mnb-host mnb-errors"><b>{name}</b>: unreachable ({html.escape(h["error"])})</div>')
+            continue
+        st = h.get("host_stats") or {}
+        cpu = float(st.get("cpu_percent", 0.0))
+        mem = st.get("mem_used", 0) / max(1, st.get("mem_total", 1)) * 100
+        gpus = "".join(
+            f" gpu{g['index']} {_bar(g['util_percent'])} {g['util_percent']:.0f}% {g['mem_used'] / 2**30:.1f} GiB"
+            for g in st.get("gpus", [])
+        )
+        rows.append(f'<div class="mnb-host"><b>{name}</b> cpu {_bar(cpu)} {cpu:.0f}% · mem {_bar(mem)} {mem:.0f}%{gpus}</div>')
+    return "".join(rows)
+
+
+def _bar(percent: float) -> str:
+    return f'<span class="mnb-bar"><div style="width:{max(0.0, min(100.0, percent)):.0f}%"></div></span>'
+
+
+def errors_html(errors: list[str]) -> str:
+    if not errors:
+        return ""
+    items = "".join(f"<li>{html.escape(e)}</li>" for e in errors[-10:])
+    return f'<div class="mnb-errors"><b>recent errors</b><ul>{items}</ul></div>'
