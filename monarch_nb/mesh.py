@@ -254,6 +254,25 @@ def stop(name: str | None = None, *, all: bool = False, force: bool = False) -> 
         return stopped
 
 
+def restart(pm: ProcMesh | str) -> dict[str, Any]:
+    """Stop a mesh and start it again, same name and shape, from the hosts' warm zygotes.
+
+    Needed after an environment change to a compiled package; actors and ``%%mesh exec``
+    namespaces are gone afterwards (spawn the actors again).
+    """
+    pm = _resolve(pm)
+    client = _context.client()
+    hm = pm._host_mesh or hosts()
+    nh = len(hm._view.labels)
+    per_host = dict(zip(pm._view.labels[nh:], pm._view.sizes[nh:]))
+    with _lock:
+        pm.stop(reason="restarted", force=True).get(timeout=client.rt.cfg.spawn_timeout)
+        new = hm.spawn_procs(per_host=per_host, name=pm.name, persist=pm._persist)
+        _meshes[pm.name] = new
+        _exec_meshes.pop(pm.name, None)
+    return {"pids": [p.pid for p in new._procs]}
+
+
 def _owned(client: Any, pm: ProcMesh) -> bool:
     return any(client.owned.get(p.addr) is not None for p in pm._procs)
 

@@ -27,6 +27,7 @@ from .. import __version__
 from .._wire import frames as wire
 from ..config import Config
 from ..errors import MeshError, SpawnError
+from .codecache import CodeCache
 from .logcapture import LogLine, ProcLog, read_log
 from .runtime import NO_REPLY, Runtime, pid_alive, system_method
 from .telemetry import Telemetry
@@ -105,6 +106,7 @@ class Allocator:
         self.stopped = asyncio.Event()
         self.gpus = _gpu_count()
         self.telemetry = Telemetry(self)
+        self._code: CodeCache | None = None
 
     # ------------------------------------------------------------ lifecycle
     def start(self, key_file: str = "") -> None:
@@ -308,6 +310,7 @@ class Allocator:
         if self.gpus and "gpus" in mesh.labels:
             env["CUDA_VISIBLE_DEVICES"] = str(coords[mesh.labels.index("gpus")] % self.gpus)
         proc_spec = {
+            "workspaces": self.code.workspaces(),
             "token": rec.token,
             "alloc_addr": self.rt.ipc_addr,
             "alloc_tcp": self.rt.tcp_addr,
@@ -488,6 +491,33 @@ class Allocator:
                 n += 1
         self._flush_logs()
         return n
+
+    # ------------------------------------------------------------ synced code
+    @property
+    def code(self) -> CodeCache:
+        if self._code is None:
+            self._code = CodeCache(os.path.join(self.runtime_dir, "mnb-code"))
+        return self._code
+
+    def sys_sync_missing(self, digests: list[str]) -> list[str]:
+        """Which of these blobs this host lacks (so only those cross the network)."""
+        return self.code.missing(digests)
+
+    def sys_sync_put(self, blobs: dict[str, Any]) -> int:
+        return self.code.put(blobs)
+
+    def sys_sync_pull(self, url: str, digests: list[str]) -> int:
+        """Fetch blobs from a staging area (any fsspec URL this host can reach)."""
+        import fsspec
+
+        fs, base = fsspec.core.url_to_fs(url)
+        n = 0
+        for d in self.code.missing(digests):
+            n += self.code.put({d: fs.cat_file(f"{base.rstrip('/')}/blobs/{d}")})
+        return n
+
+    def sys_sync_commit(self, ws: str, manifest: dict[str, tuple[str, int, int]]) -> dict[str, Any]:
+        return self.code.commit(ws, manifest)
 
     def sys_note_actor(self, mesh: str, actor: str, cls_blob: bytes) -> None:
         m = self.meshes.get(mesh)

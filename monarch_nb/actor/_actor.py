@@ -111,6 +111,8 @@ class ActorSlot:
         self.endpoints = endpoints_of(cls)
         self.obj: Any = None
         self.init_error: ActorError | None = None
+        #: the constructor's arguments, kept for `%mesh sync --recreate`
+        self.init_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.markers = _context.proc_spec is not None
         self.busy = ""
         #: calls served and seconds spent in them (telemetry)
@@ -200,6 +202,7 @@ class ActorSlot:
             obj = self.cls.__new__(self.cls)
             obj.__init__(*args, **kwargs)
             self.obj = obj
+            self.init_args = (args, kwargs)
             status, value = wire.OK, None
         except BaseException as e:
             self.init_error = self._error(e, f"{self.cls.__qualname__}.__init__ on rank {self.instance_info.rank.rank}")
@@ -423,6 +426,22 @@ class ActorHost:
 
     def sys_ping(self) -> str:
         return "pong"
+
+    @system_method(wants_reply=True)
+    def sys_reload(self, root: str, changed: list[str], mode: str = "inplace", *, _reply: tuple[str, int, int]) -> Any:
+        """Reload synced modules that changed (on a thread of its own: imports may be slow)."""
+
+        def run() -> None:
+            from ._reload import reload_changed
+
+            try:
+                value, status = reload_changed(self.rt, root, changed, mode), wire.OK
+            except BaseException as e:
+                value, status = ActorError(_safe_exc(e), format_exception(e), message=f"reload failed: {e}"), wire.ERROR
+            self.rt.send_port(_reply[0], _reply[1], _reply[2], status, value)
+
+        threading.Thread(target=run, name="monarch_nb-reload", daemon=True).start()
+        return NO_REPLY
 
     def sys_state(self) -> dict[str, Any]:
         return {

@@ -17,6 +17,9 @@ def main(spec: dict[str, Any]) -> int:
     from . import _context
     from ._actor import ensure_actor_host
 
+    # synced workspaces come first: their modules win over anything with the same name
+    for ws in reversed(spec.get("workspaces", [])):
+        sys.path.insert(0, ws)
     cfg = Config(**spec["cfg"])
     rt = Runtime(
         cfg,

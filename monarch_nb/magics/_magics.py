@@ -24,6 +24,8 @@ _SUMMARY = """\
                                                the full per-rank logs kept by the allocators
 %mesh stop NAME | --all [--force]              stop meshes (your own unless --force)
 %mesh dashboard [NAME]                         a live view: ranks by state, host resources, logs, errors
+%mesh sync [PATH ...] [--recreate|--restart] [--watch|--stop-watch] [--via URL]
+                                               send the workspace to the hosts, reload it in running procs
 %mesh help                                     this text; `%mesh SUBCOMMAND --help` for details"""
 
 
@@ -78,6 +80,17 @@ def _parsers() -> dict[str, _Parser]:
     sp.add_argument("name", nargs="?", help="mesh name")
     sp.add_argument("--all", action="store_true", help="every mesh this kernel owns")
     sp.add_argument("--force", action="store_true", help="also meshes owned by other controllers")
+    sy = p["sync"] = _Parser(prog="%mesh sync", description="Send the workspace to the hosts and reload it in running procs.")
+    sy.add_argument("paths", nargs="*", help="folders to sync (default: the notebook's folder)")
+    sy.add_argument("--mesh", action="append", help="only reload this mesh (repeatable; default: all)")
+    sy.add_argument("--exclude", action="append", default=[], help="glob to leave out (repeatable; .gitignore is honoured)")
+    sy.add_argument("--via", help="fsspec URL of a staging area the hosts pull from (s3://..., file:///shared/...)")
+    how = sy.add_mutually_exclusive_group()
+    how.add_argument("--recreate", action="store_true", help="re-create the affected actors from their constructor arguments")
+    how.add_argument("--restart", action="store_true", help="restart the procs (needed after changing a compiled package)")
+    how.add_argument("--no-reload", action="store_true", help="only send the files")
+    sy.add_argument("--watch", action="store_true", help="re-sync whenever a file changes")
+    sy.add_argument("--stop-watch", action="store_true", help="stop watching")
     d = p["dashboard"] = _Parser(prog="%mesh dashboard", description="A live dashboard of a mesh (ipywidgets).")
     d.add_argument("name", nargs="?", help="mesh name (optional when one mesh runs)")
     d.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
@@ -170,6 +183,30 @@ class MeshMagics(Magics):
             print(f"(no output from mesh {args.name})")
         return None
 
+    def _do_sync(self, args: argparse.Namespace, cell: str | None) -> Any:
+        from .. import sync as _sync
+
+        global _watcher
+        if args.stop_watch:
+            if _watcher is not None:
+                _watcher.stop()
+                _watcher = None
+            print("not watching")
+            return None
+        mode = "recreate" if args.recreate else "restart" if args.restart else None if args.no_reload else "inplace"
+        meshes = [_mesh.get(n) for n in args.mesh] if args.mesh else None
+        kw: dict[str, Any] = {"meshes": meshes, "excludes": args.exclude, "via": args.via, "reload": mode}
+        if args.watch:
+            if _watcher is not None:
+                _watcher.stop()
+            _watcher = _sync.watch(args.paths or None, **kw)
+            return _watcher
+        reports = _sync.sync(args.paths or None, **kw)
+        if mode == "restart":
+            for name, pm in _mesh.meshes().items():
+                self._bind(name, pm)
+        return reports[0] if len(reports) == 1 else reports
+
     def _do_dashboard(self, args: argparse.Namespace, cell: str | None) -> Any:
         return _do_dashboard_impl(args)
 
@@ -179,6 +216,9 @@ class MeshMagics(Magics):
         stopped = _mesh.stop(args.name, all=args.all, force=args.force)
         print(f"stopped: {', '.join(stopped) or 'nothing (no running mesh of yours)'}")
         return None
+
+
+_watcher: Any = None
 
 
 def _do_dashboard_impl(args: argparse.Namespace) -> Any:

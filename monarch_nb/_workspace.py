@@ -1,0 +1,154 @@
+"""The local workspace as a content-addressed manifest: which files, what content.
+
+Honours ``.gitignore`` files (the common subset: globs, ``**``, anchored ``/x``, directory-only
+``x/``, negation ``!x``) and explicit excludes; always skips VCS folders, virtual environments,
+caches and notebook checkpoints.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+
+ALWAYS_EXCLUDED = (
+    ".git",
+    ".hg",
+    ".svn",
+    "__pycache__",
+    ".ipynb_checkpoints",
+    ".venv",
+    "venv",
+    "node_modules",
+    ".mypy_cache",
+    ".pytest_cache",
+    ".ruff_cache",
+    "*.pyc",
+    "*.pyo",
+)
+
+#: relpath -> (sha256 hex, size, mode bits)
+Manifest = dict[str, tuple[str, int, int]]
+
+
+@dataclass(frozen=True)
+class _Rule:
+    regex: re.Pattern[str]
+    negate: bool
+    dir_only: bool
+
+
+def _compile(pattern: str, base: str) -> _Rule | None:
+    p = pattern.rstrip("\n").rstrip()
+    if not p or p.startswith("#"):
+        return None
+    negate = p.startswith("!")
+    if negate:
+        p = p[1:]
+    dir_only = p.endswith("/")
+    p = p.rstrip("/")
+    anchored = "/" in p
+    p = p.lstrip("/")
+    rx = ""
+    i = 0
+    while i < len(p):
+        if p.startswith("**/", i):
+            rx += "(?:.*/)?"
+            i += 3
+        elif p.startswith("**", i):
+            rx += ".*"
+            i += 2
+        elif p[i] == "*":
+            rx += "[^/]*"
+            i += 1
+        elif p[i] == "?":
+            rx += "[^/]"
+            i += 1
+        else:
+            rx += re.escape(p[i])
+            i += 1
+    prefix = re.escape(base + "/") if base else ""
+    full = f"^{prefix}{rx}$" if anchored else f"^{prefix}(?:.*/)?{rx}$"
+    return _Rule(re.compile(full), negate, dir_only)
+
+
+class Ignore:
+    """Decides what of a tree to leave out."""
+
+    def __init__(self, excludes: tuple[str, ...] | list[str] = ()) -> None:
+        self.rules: list[_Rule] = []
+        self.excludes = tuple(ALWAYS_EXCLUDED) + tuple(excludes)
+
+    def add_gitignore(self, path: str, base: str) -> None:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    r = _compile(line, base)
+                    if r is not None:
+                        self.rules.append(r)
+        except OSError:
+            pass
+
+    def ignored(self, rel: str, is_dir: bool) -> bool:
+        name = rel.rsplit("/", 1)[-1]
+        if any(fnmatch.fnmatch(name, x) or fnmatch.fnmatch(rel, x) for x in self.excludes):
+            return True
+        out = False
+        for r in self.rules:
+            if r.dir_only and not is_dir:
+                continue
+            if r.regex.match(rel):
+                out = not r.negate
+        return out
+
+
+def file_hash(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def scan(
+    root: str, excludes: tuple[str, ...] | list[str] = (), cache: dict[str, tuple[float, int, str]] | None = None
+) -> Manifest:
+    """The manifest of ``root``. ``cache`` (path -> (mtime, size, hash)) skips re-hashing unchanged files."""
+    root = os.path.abspath(root)
+    ig = Ignore(excludes)
+    out: Manifest = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root).replace(os.sep, "/")
+        rel_dir = "" if rel_dir == "." else rel_dir
+        if ".gitignore" in filenames:
+            ig.add_gitignore(os.path.join(dirpath, ".gitignore"), rel_dir)
+        dirnames[:] = sorted(d for d in dirnames if not ig.ignored(f"{rel_dir}/{d}" if rel_dir else d, True))
+        for fn in sorted(filenames):
+            rel = f"{rel_dir}/{fn}" if rel_dir else fn
+            if ig.ignored(rel, False):
+                continue
+            path = os.path.join(dirpath, fn)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if not os.path.isfile(path):
+                continue
+            hit = cache.get(path) if cache is not None else None
+            if hit is not None and hit[0] == st.st_mtime and hit[1] == st.st_size:
+                digest = hit[2]
+            else:
+                digest = file_hash(path)
+                if cache is not None:
+                    cache[path] = (st.st_mtime, st.st_size, digest)
+            out[rel] = (digest, st.st_size, st.st_mode & 0o777)
+    return out
+
+
+def workspace_id(root: str) -> str:
+    """A stable name for a local workspace: its folder name and a hash of its absolute path."""
+    root = os.path.abspath(root)
+    base = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(root) or "root")
+    return f"{base}-{hashlib.sha256(root.encode()).hexdigest()[:10]}"

@@ -1,0 +1,138 @@
+"""In-place reload of synced modules in a running proc, and what it means for its actors.
+
+Changed modules, and the synced modules that import them, are reloaded in dependency order
+(a module after the modules it imports).
+An actor whose class lives in a reloaded module gets the new class: the same object, so its
+state is kept, runs the new endpoint code from its next call on. ``recreate`` builds the
+actor again from its constructor arguments instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+from typing import Any
+
+
+def _modules_under(root: str) -> dict[str, types.ModuleType]:
+    out = {}
+    prefix = root.rstrip(os.sep) + os.sep
+    for name, m in list(sys.modules.items()):
+        f = getattr(m, "__file__", None)
+        if isinstance(m, types.ModuleType) and f and os.path.abspath(f).startswith(prefix):
+            out[name] = m
+    return out
+
+
+def _rel(root: str, module: types.ModuleType) -> str:
+    return os.path.relpath(os.path.abspath(module.__file__ or ""), root).replace(os.sep, "/")
+
+
+def _imports(m: types.ModuleType) -> set[str]:
+    """The modules ``m``'s source imports (absolute names; relative imports resolved)."""
+    import ast
+
+    try:
+        with open(m.__file__ or "", encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return set()
+    pkg = m.__package__ or ""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = pkg.split(".") if pkg else []
+                parts = parts[: len(parts) - node.level + 1] if node.level > 1 else parts
+                base = ".".join([*parts, base] if base else parts)
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+    return out
+
+
+def _plan(loaded: dict[str, types.ModuleType], changed: set[str]) -> list[str]:
+    """Changed modules and the workspace modules that import them, each after what it imports."""
+    deps = {n: {d for d in _imports(m) if d in loaded and d != n} for n, m in loaded.items()}
+    todo = set(changed)
+    grew = True
+    while grew:
+        grew = False
+        for n, ds in deps.items():
+            if n not in todo and ds & todo:
+                todo.add(n)
+                grew = True
+    out: list[str] = []
+    seen: set[str] = set()
+
+    def visit(n: str, stack: frozenset[str]) -> None:
+        if n in seen or n in stack:
+            return
+        for d in sorted(deps[n] & todo):
+            visit(d, stack | {n})
+        seen.add(n)
+        out.append(n)
+
+    for n in sorted(todo):
+        visit(n, frozenset())
+    return out
+
+
+def _lookup(module: types.ModuleType, qualname: str) -> Any:
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def reload_changed(rt: Any, root: str, changed: list[str], mode: str = "inplace") -> dict[str, Any]:
+    """Reload the modules of ``changed`` files (paths relative to ``root``) in this proc."""
+    from ._actor import endpoints_of, is_async_actor
+
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    importlib.invalidate_caches()
+    wanted = set(changed)
+    loaded = _modules_under(root)
+    order = _plan(loaded, {n for n, m in loaded.items() if _rel(root, m) in wanted})
+    mods = {n: loaded[n] for n in order}
+    reloaded = []
+    for name in order:
+        m = mods[name]
+        cached = getattr(m, "__cached__", None)
+        if cached:
+            # a same-size edit within one second would pass the .pyc timestamp check
+            try:
+                os.unlink(cached)
+            except OSError:
+                pass
+        importlib.reload(m)
+        reloaded.append(name)
+    updated, recreated = [], []
+    for aname, slot in list(rt.actors.items()):
+        cls = getattr(slot, "cls", None)
+        if cls is None or cls.__module__ not in mods:
+            continue
+        new = _lookup(sys.modules[cls.__module__], cls.__qualname__)
+        if not isinstance(new, type) or new is cls:
+            continue
+        if is_async_actor(new) != slot.is_async:
+            raise TypeError(f"{cls.__qualname__} changed between sync and async endpoints; use --restart")
+        slot.cls = new
+        slot.endpoints = endpoints_of(new)
+        if mode == "recreate" and slot.init_args is not None:
+            args, kwargs = slot.init_args
+            obj = new.__new__(new)
+            obj.__init__(*args, **kwargs)
+            slot.obj = obj
+            recreated.append(aname)
+        elif slot.obj is not None:
+            slot.obj.__class__ = new
+            updated.append(aname)
+    return {"pid": os.getpid(), "reloaded": reloaded, "updated": updated, "recreated": recreated}

@@ -1,0 +1,277 @@
+"""Send the local workspace to the hosts and reload it in running procs (``%mesh sync``).
+
+Content-addressed and incremental: the controller hashes its files, asks each host's
+allocator which contents it lacks, and sends only those, once per host however many procs
+run there. The synced tree lives in the host's cache and is first on every proc's
+``sys.path``. Running procs then reload the changed modules in place (same PIDs; actors keep
+their state and run the new endpoint code from their next call), or re-create the affected
+actors (``reload="recreate"``), or are restarted (``reload="restart"``, required after an
+environment change to a compiled package).
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _workspace
+from .actor import ProcMesh, _context
+
+__all__ = ["HostSync", "SyncReport", "sync", "watch"]
+
+#: bytes per message when sending file contents to an allocator
+BATCH_BYTES = 16 << 20
+
+_hash_cache: dict[str, tuple[float, int, str]] = {}
+
+
+@dataclass
+class HostSync:
+    host: str
+    allocator: str
+    path: str = ""
+    added: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    bytes_sent: int = 0
+    files_sent: int = 0
+
+
+@dataclass
+class SyncReport:
+    """What one sync did: per host, the files added/changed/removed and the bytes that crossed."""
+
+    workspace: str
+    root: str
+    hosts: list[HostSync]
+    reloads: list[dict[str, Any]] = field(default_factory=list)
+    staged_bytes: int = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(h.bytes_sent for h in self.hosts) + self.staged_bytes
+
+    def _rows(self) -> list[tuple[str, str, str, str, str]]:
+        return [(h.host, str(len(h.added)), str(len(h.changed)), str(len(h.removed)), f"{h.bytes_sent:,}") for h in self.hosts]
+
+    def _reload_line(self) -> str:
+        if not self.reloads:
+            return ""
+        mods = sorted({m for r in self.reloads for m in r.get("reloaded", [])})
+        actors = sorted({a for r in self.reloads for a in (*r.get("updated", []), *r.get("recreated", []))})
+        pids = len({r.get("pid") for r in self.reloads})
+        return (
+            f"reloaded {', '.join(mods) or 'nothing'} in {pids} procs (same PIDs); actors updated: {', '.join(actors) or 'none'}"
+        )
+
+    def __repr__(self) -> str:
+        lines = [f"synced {self.root} -> {self.workspace}"]
+        for host, a, c, r, b in self._rows():
+            lines.append(f"  {host}: +{a} added, ~{c} changed, -{r} removed, {b} bytes")
+        for h in self.hosts:
+            for tag, files in (("+", h.added), ("~", h.changed), ("-", h.removed)):
+                lines.extend(f"    {tag} {f}" for f in files[:20])
+            break  # every host got the same tree; list the files once
+        if self._reload_line():
+            lines.append(self._reload_line())
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><td>{html.escape(h)}</td><td>{a}</td><td>{c}</td><td>{r}</td><td>{b}</td></tr>"
+            for h, a, c, r, b in self._rows()
+        )
+        files = ""
+        if self.hosts:
+            h = self.hosts[0]
+            items = [f"<li><code>+ {html.escape(f)}</code></li>" for f in h.added[:20]]
+            items += [f"<li><code>~ {html.escape(f)}</code></li>" for f in h.changed[:20]]
+            items += [f"<li><code>- {html.escape(f)}</code></li>" for f in h.removed[:20]]
+            files = f"<ul>{''.join(items)}</ul>" if items else ""
+        return (
+            f"<b>synced</b> <code>{html.escape(self.root)}</code>"
+            f"<table><tr><th>host</th><th>added</th><th>changed</th><th>removed</th><th>bytes sent</th></tr>{rows}</table>"
+            f"{files}<div>{html.escape(self._reload_line())}</div>"
+        )
+
+
+def _targets(meshes: list[ProcMesh] | None) -> tuple[dict[str, str], list[ProcMesh]]:
+    """Allocator address -> host name, and the meshes whose procs reload."""
+    from . import mesh as _mesh
+
+    if meshes is None:
+        meshes = [m for m in _mesh.meshes().values() if not m._stopped]
+        hm = _mesh.hosts()
+        allocs = {h.alloc: h.host for h in hm._refs()}
+    else:
+        allocs = {}
+    for m in meshes:
+        for p in m._procs:
+            if p.alloc:
+                allocs.setdefault(p.alloc, p.host)
+    return allocs, meshes
+
+
+def sync(
+    paths: list[str] | str | None = None,
+    *,
+    meshes: list[ProcMesh] | ProcMesh | None = None,
+    excludes: list[str] | tuple[str, ...] = (),
+    via: str | None = None,
+    reload: str | None = "inplace",
+) -> list[SyncReport]:
+    """Sync each path (default: the current directory, a notebook's folder) to the hosts.
+
+    ``meshes`` (default: every mesh this controller knows, and the attached hosts) are the
+    procs that reload; ``via`` is an fsspec URL the hosts pull from instead of receiving the
+    contents over their allocator connection; ``reload`` is ``"inplace"``, ``"recreate"``,
+    ``"restart"`` or ``None``.
+    """
+    if reload not in ("inplace", "recreate", "restart", None):
+        raise ValueError(f"reload must be 'inplace', 'recreate', 'restart' or None, not {reload!r}")
+    roots = [paths] if isinstance(paths, str) else list(paths or [os.getcwd()])
+    if isinstance(meshes, ProcMesh):
+        meshes = [meshes]
+    allocs, target_meshes = _targets(meshes)
+    if not allocs:
+        raise ValueError("no hosts to sync to: `%mesh connect` first")
+    reports = []
+    for root in roots:
+        root = os.path.abspath(root)
+        if not os.path.isdir(root):
+            raise FileNotFoundError(f"cannot sync {root}: not a directory")
+        reports.append(_sync_root(root, allocs, target_meshes, excludes, via, reload))
+    return reports
+
+
+def _sync_root(
+    root: str, allocs: dict[str, str], meshes: list[ProcMesh], excludes: Any, via: str | None, reload: str | None
+) -> SyncReport:
+    client = _context.client()
+    timeout = client.rt.cfg.spawn_timeout
+    manifest = _workspace.scan(root, excludes, _hash_cache)
+    ws = _workspace.workspace_id(root)
+    by_digest = {d: rel for rel, (d, _s, _m) in manifest.items()}
+    digests = list(by_digest)
+    report = SyncReport(ws, root, [HostSync(host, alloc) for alloc, host in allocs.items()])
+    missing = {hs.allocator: client.request(hs.allocator, "sync_missing", digests) for hs in report.hosts}
+    lacking = {a: f.get(timeout=timeout) for a, f in missing.items()}
+    if via:
+        report.staged_bytes = _stage(via, root, by_digest, sorted({d for ds in lacking.values() for d in ds}))
+        pulls = [client.request(a, "sync_pull", via, ds) for a, ds in lacking.items() if ds]
+        for f in pulls:
+            f.get(timeout=timeout)
+    else:
+        for hs in report.hosts:
+            for batch in _batches(root, by_digest, lacking[hs.allocator]):
+                client.request(hs.allocator, "sync_put", batch).get(timeout=timeout)
+                hs.bytes_sent += sum(len(b) for b in batch.values())
+                hs.files_sent += len(batch)
+    commits = {hs.allocator: client.request(hs.allocator, "sync_commit", ws, manifest) for hs in report.hosts}
+    for hs in report.hosts:
+        diff = commits[hs.allocator].get(timeout=timeout)
+        hs.path, hs.added, hs.changed, hs.removed = diff["path"], diff["added"], diff["changed"], diff["removed"]
+    if reload is not None and meshes:
+        report.reloads = _reload(report, meshes, reload)
+    return report
+
+
+def _read(root: str, rel: str) -> bytes:
+    with open(os.path.join(root, rel), "rb") as f:
+        return f.read()
+
+
+def _batches(root: str, by_digest: dict[str, str], digests: list[str]) -> Any:
+    batch: dict[str, bytes] = {}
+    size = 0
+    for d in digests:
+        data = _read(root, by_digest[d])
+        batch[d] = data
+        size += len(data)
+        if size >= BATCH_BYTES:
+            yield batch
+            batch, size = {}, 0
+    if batch:
+        yield batch
+
+
+def _stage(url: str, root: str, by_digest: dict[str, str], digests: list[str]) -> int:
+    """Put contents the hosts lack into the staging area; returns bytes uploaded."""
+    import fsspec
+
+    fs, base = fsspec.core.url_to_fs(url)
+    base = base.rstrip("/")
+    fs.makedirs(f"{base}/blobs", exist_ok=True)
+    n = 0
+    for d in digests:
+        path = f"{base}/blobs/{d}"
+        if fs.exists(path):
+            continue
+        data = _read(root, by_digest[d])
+        fs.pipe_file(path, data)
+        n += len(data)
+    return n
+
+
+def _reload(report: SyncReport, meshes: list[ProcMesh], mode: str) -> list[dict[str, Any]]:
+    client = _context.client()
+    changed_by_alloc = {hs.allocator: (hs.path, hs.changed + hs.removed) for hs in report.hosts}
+    if mode == "restart":
+        from . import mesh as _mesh
+
+        out = []
+        for m in meshes:
+            out.append({"restarted": m.name, **_mesh.restart(m)})
+        return out
+    futs = []
+    for m in meshes:
+        for p in {p.addr: p for p in m._procs}.values():
+            path, changed = changed_by_alloc.get(p.alloc, ("", []))
+            if path:
+                futs.append(client.request(p.addr, "reload", path, changed, mode, _actor="__sys__"))
+    return [f.get(timeout=client.rt.cfg.spawn_timeout) for f in futs]
+
+
+class Watcher:
+    """Re-syncs when files under the roots change; ``stop()`` ends it."""
+
+    def __init__(self, paths: list[str] | None, interval: float, kwargs: dict[str, Any]) -> None:
+        self.roots = [os.path.abspath(p) for p in (paths or [os.getcwd()])]
+        self.interval = interval
+        self.kwargs = kwargs
+        self.reports: list[SyncReport] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._last = {r: _workspace.scan(r, kwargs.get("excludes", ()), _hash_cache) for r in self.roots}
+        self._thread = threading.Thread(target=self._run, name="monarch_nb-sync-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            for r in self.roots:
+                now = _workspace.scan(r, self.kwargs.get("excludes", ()), _hash_cache)
+                if now == self._last[r]:
+                    continue
+                self._last[r] = now
+                try:
+                    rep = sync(r, **self.kwargs)[0]
+                    self.reports.append(rep)
+                    print(rep, flush=True)
+                except Exception as e:
+                    self.errors.append(str(e))
+                    print(f"monarch_nb: sync of {r} failed: {e}", flush=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def __repr__(self) -> str:
+        return f"<watching {', '.join(self.roots)} every {self.interval} s; {len(self.reports)} syncs>"
+
+
+def watch(paths: list[str] | None = None, interval: float = 0.5, **kwargs: Any) -> Watcher:
+    """Sync (and reload) whenever a file under ``paths`` changes, until ``.stop()``."""
+    return Watcher(paths, interval, kwargs)

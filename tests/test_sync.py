@@ -1,0 +1,127 @@
+"""Workspace sync and in-place reload on one host (multi-host sync is in test_multihost_sync.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import monarch_nb.mesh as M
+import monarch_nb.sync as S
+from monarch_nb._workspace import scan
+
+MODULE = """
+from monarch_nb.actor import Actor, endpoint
+
+from helper import GREETING
+
+
+class Worker(Actor):
+    def __init__(self, base):
+        self.base = base
+        self.calls = 0
+
+    @endpoint
+    def hello(self):
+        import os
+        self.calls += 1
+        return (GREETING, "{version}", self.base + self.calls, os.getpid(), __file__)
+"""
+
+
+def _write(ws: Path, version: str, greeting: str = "hi") -> None:
+    (ws / "mymod.py").write_text(textwrap.dedent(MODULE.format(version=version)))
+    (ws / "helper.py").write_text(f"GREETING = {greeting!r}\n")
+
+
+@pytest.fixture
+def ws(tmp_path: Path):  # type: ignore[no-untyped-def]
+    d = tmp_path / "proj"
+    d.mkdir()
+    _write(d, "v1")
+    (d / "data").mkdir()
+    (d / "data" / "big.bin").write_bytes(os.urandom(1000))
+    (d / ".gitignore").write_text("*.log\nscratch/\n!keep.log\n")
+    (d / "run.log").write_text("ignored")
+    (d / "keep.log").write_text("kept")
+    (d / "scratch").mkdir()
+    (d / "scratch" / "x.py").write_text("ignored = True")
+    sys.path.insert(0, str(d))
+    yield d
+    sys.path.remove(str(d))
+    for m in ("mymod", "helper"):
+        sys.modules.pop(m, None)
+
+
+def test_manifest_honours_gitignore_and_excludes(ws: Path) -> None:
+    files = set(scan(str(ws), excludes=["data/*"]))
+    assert files == {"mymod.py", "helper.py", ".gitignore", "keep.log"}
+
+
+def test_sync_is_incremental_and_reload_keeps_pids_and_state(ws: Path) -> None:
+    pm = M.spawn("syncmesh", {"gpus": 2})
+    try:
+        first = S.sync(str(ws), meshes=pm)[0]
+        h = first.hosts[0]
+        assert sorted(h.added) == [".gitignore", "data/big.bin", "helper.py", "keep.log", "mymod.py"]
+        assert h.bytes_sent == sum((ws / f).stat().st_size for f in h.added)
+        import mymod
+
+        w = pm.spawn("w", mymod.Worker, 100)
+        before = w.hello.call().get().values()
+        assert [b[:3] for b in before] == [("hi", "v1", 101)] * 2
+        assert all(b[4].startswith(h.path) for b in before)  # imported from the host's cache
+
+        _write(ws, "v2")  # helper.py is rewritten with the same content: it must not be sent
+        again = S.sync(str(ws), meshes=pm)[0]
+        h2 = again.hosts[0]
+        assert h2.changed == ["mymod.py"] and h2.added == [] and h2.removed == []
+        assert h2.bytes_sent == (ws / "mymod.py").stat().st_size
+        assert {r["pid"] for r in again.reloads} == {b[3] for b in before}
+        after = w.hello.call().get().values()
+        assert [a[:3] for a in after] == [("hi", "v2", 102)] * 2  # new code, same object
+        assert [a[3] for a in after] == [b[3] for b in before]
+
+        (ws / "helper.py").write_text("GREETING = 'hello'\n")
+        (ws / "keep.log").unlink()
+        third = S.sync(str(ws), meshes=pm, reload="recreate")[0]
+        assert third.hosts[0].removed == ["keep.log"]
+        # helper changed: mymod, which uses it, is reloaded after it and the actor is rebuilt
+        assert third.reloads[0]["reloaded"] == ["helper", "mymod"]
+        assert [a[:3] for a in w.hello.call().get().values()] == [("hello", "v2", 101)] * 2
+    finally:
+        M.stop("syncmesh")
+
+
+def test_sync_through_a_staging_area(ws: Path, tmp_path: Path) -> None:
+    stage = tmp_path / "stage"
+    pm = M.spawn("staged", {"gpus": 1})
+    try:
+        rep = S.sync(str(ws), meshes=pm, via=f"file://{stage}")[0]
+        # contents the host already has (from other tests) are not staged again; big.bin is new
+        assert rep.staged_bytes >= 1000 and rep.hosts[0].bytes_sent == 0
+        assert 1 <= len(list((stage / "blobs").iterdir())) <= 5
+        import mymod
+
+        w = pm.spawn("w", mymod.Worker, 0)
+        assert w.hello.call_one().get()[:2] == ("hi", "v1")
+    finally:
+        M.stop("staged")
+
+
+def test_staging_writes_content_addressed_blobs_to_any_fsspec_url(ws: Path) -> None:
+    import fsspec
+
+    from monarch_nb._workspace import scan as scan_ws
+
+    man = scan_ws(str(ws))
+    by_digest = {d: rel for rel, (d, _s, _m) in man.items()}
+    n = S._stage("memory://mnb-stage", str(ws), by_digest, list(by_digest))
+    fs = fsspec.filesystem("memory")
+    assert n == sum(s for _d, s, _m in man.values())
+    assert S._stage("memory://mnb-stage", str(ws), by_digest, list(by_digest)) == 0  # already there
+    d, _s, _m = man["mymod.py"]
+    assert fs.cat_file(f"/mnb-stage/blobs/{d}") == (ws / "mymod.py").read_bytes()
