@@ -667,3 +667,67 @@ def test_reattached_controller_stops_orphaned_mesh(cluster: NetnsCluster, worker
     assert result["ok"], result
     for i in (1, 2):
         wait_for(lambda i=i: len(zygote_processes(cluster, i)) == 1, 10, f"procs on host {i} to exit")
+
+
+SYNC_MODULE = '''
+from monarch_nb.actor import Actor, endpoint
+
+
+class Worker(Actor):
+    def __init__(self):
+        self.calls = 0
+
+    @endpoint
+    def hello(self):
+        import os
+        self.calls += 1
+        return ("{version}", self.calls, os.getpid(), __file__)
+'''
+
+
+@pytest.mark.timeout(180)
+def test_sync_to_hosts_that_cannot_see_the_controllers_files(cluster: NetnsCluster, workers: list[Allocator]) -> None:
+    ctl = Controller(
+        cluster,
+        f"""
+        import monarch_nb.mesh as M, monarch_nb.sync as S
+        SRC = {SYNC_MODULE!r}
+        os.makedirs("/tmp/ws", exist_ok=True)
+        open("/tmp/ws/mymod.py", "w").write(SRC.format(version="v1"))
+        open("/tmp/ws/notes.txt", "w").write("x" * 5000)
+        sys.path.insert(0, "/tmp/ws")
+        M.connect(*WORKERS, key_file="/tmp/key")
+        pm = M.spawn("syncd", {{"gpus": 2}})
+        r = S.sync("/tmp/ws", meshes=pm)[0]
+        emit("synced", hosts=[(h.allocator, h.bytes_sent, sorted(h.added), h.path) for h in r.hosts])
+        import mymod
+        w = pm.spawn("w", mymod.Worker)
+        emit("v1", vals=w.hello.call().get(timeout=30).values())
+        open("/tmp/ws/mymod.py", "w").write(SRC.format(version="v2"))
+        r = S.sync("/tmp/ws", meshes=pm)[0]
+        emit("resynced", size=os.path.getsize("/tmp/ws/mymod.py"),
+             hosts=[(h.allocator, h.bytes_sent, h.changed, h.added) for h in r.hosts],
+             reload_pids=sorted(x["pid"] for x in r.reloads))
+        emit("v2", vals=w.hello.call().get(timeout=30).values())
+        M.stop("syncd")
+        """,
+    )
+    synced = ctl.expect("synced", 90)["hosts"]
+    assert sorted(a for a, *_ in synced) == sorted(w.addr for w in workers)
+    for _addr, sent, added, _path in synced:
+        assert added == ["mymod.py", "notes.txt"] and sent == 5000 + len(SYNC_MODULE.format(version="v1"))
+    v1 = ctl.expect("v1")["vals"]
+    assert [v[:2] for v in v1] == [["v1", 1]] * 4
+    for i, (version, _calls, _pid, file) in enumerate(v1):
+        host = 1 + i // 2
+        # the module came from that host's own cache; the controller's copy is invisible there
+        assert file.startswith("/tmp/mnb/mnb-code/ws/") and cluster.path(host, file).exists(), file
+        assert not cluster.path(host, "/tmp/ws/mymod.py").exists()
+    re_ = ctl.expect("resynced")
+    for _addr, sent, changed, added in re_["hosts"]:
+        assert changed == ["mymod.py"] and added == [] and sent == re_["size"]  # only the changed file's bytes
+    assert re_["reload_pids"] == sorted(v[2] for v in v1)
+    v2 = ctl.expect("v2")["vals"]
+    assert [v[:2] for v in v2] == [["v2", 2]] * 4  # new endpoint code on the same actors, no respawn
+    assert [v[2] for v in v2] == [v[2] for v in v1]
+    ctl.finish()
