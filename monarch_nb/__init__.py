@@ -18,8 +18,24 @@ def status(**kwargs: Any) -> dict[str, Any]:
     return _status(**kwargs)
 
 
+def _jupyter_labextension_paths() -> list[dict[str, str]]:
+    """Where ``jupyter labextension develop`` finds the prebuilt sidebar (see package.json)."""
+    return [{"src": "_labextension", "dest": "monarch-nb"}]
+
+
+def _jupyter_server_extension_points() -> list[dict[str, str]]:
+    return [{"module": "monarch_nb"}]
+
+
+def _load_jupyter_server_extension(server_app: Any) -> None:
+    """jupyter_server entry point: the sidebar's REST API (imported only here, never on ``import monarch_nb``)."""
+    from .server import load
+
+    load(server_app)
+
+
 def __getattr__(name: str) -> Any:
-    if name in ("actor", "spmd", "introspect", "allocator", "config", "errors"):
+    if name in ("actor", "spmd", "introspect", "allocator", "config", "errors", "server"):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")
