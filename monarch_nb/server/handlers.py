@@ -30,12 +30,19 @@ class _Base(APIHandler):
         try:
             result = await asyncio.to_thread(fn, *args, **kwargs)
         except (MeshError, LookupError) as e:
-            raise tornado.web.HTTPError(404, "%s", _reason(e)) from e
+            return self._fail(404, _reason(e))
         except (ValueError, TypeError, PermissionError) as e:
-            raise tornado.web.HTTPError(400, "%s", _reason(e)) from e
+            return self._fail(400, _reason(e))
         except MonarchNBError as e:
-            raise tornado.web.HTTPError(502, "%s", _reason(e)) from e
+            return self._fail(502, _reason(e))
         self.finish(json.dumps(result, default=str))
+
+    def _fail(self, status: int, message: str) -> None:
+        # the same JSON shape as APIHandler's errors ({"message": ...}), without tornado's
+        # %-formatting of HTTPError messages (a mesh name may hold a '%')
+        self.log.warning("monarch_nb sidebar API: %d %s", status, message)
+        self.set_status(status)
+        self.finish(json.dumps({"message": message}))
 
     def _body(self) -> dict[str, Any]:
         if not self.request.body:
@@ -43,10 +50,14 @@ class _Base(APIHandler):
         try:
             body = json.loads(self.request.body)
         except ValueError as e:
-            raise tornado.web.HTTPError(400, "%s", f"the request body is not JSON: {e}") from e
+            raise _BadRequest(f"the request body is not JSON: {e}") from e
         if not isinstance(body, dict):
-            raise tornado.web.HTTPError(400, "the request body must be a JSON object")
+            raise _BadRequest("the request body must be a JSON object")
         return body
+
+
+class _BadRequest(Exception):
+    pass
 
 
 def _reason(e: BaseException) -> str:
@@ -69,9 +80,12 @@ class AllocatorsHandler(_Base):
 class StopMeshHandler(_Base):
     @tornado.web.authenticated
     async def post(self, name: str) -> None:
-        alloc = self._body().get("alloc")
-        if alloc is not None and not isinstance(alloc, str):
-            raise tornado.web.HTTPError(400, "alloc must be an allocator address string")
+        try:
+            alloc = self._body().get("alloc")
+            if alloc is not None and not isinstance(alloc, str):
+                raise _BadRequest("alloc must be an allocator address string")
+        except _BadRequest as e:
+            return self._fail(400, str(e))
         await self._call(self.manager.stop_mesh, name, alloc)
 
 
@@ -81,8 +95,8 @@ class RankLogHandler(_Base):
         raw = self.get_argument("tail", "500")
         try:
             tail = None if raw in ("", "all") else int(raw)
-        except ValueError as e:
-            raise tornado.web.HTTPError(400, "%s", f"tail must be an integer or 'all', got {raw!r}") from e
+        except ValueError:
+            return self._fail(400, f"tail must be an integer or 'all', got {raw!r}")
         await self._call(self.manager.rank_log, name, int(rank), tail, self.get_argument("alloc", "") or None)
 
 

@@ -226,7 +226,15 @@ def _recent_logs(meshes: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     row = json.loads(raw)
                 except ValueError:
                     continue  # a line the allocator is still writing
-                out.append({"ts": row.get("ts", 0.0), "mesh": m["name"], "rank": p["rank"], "stream": row.get("stream", ""), "line": row.get("line", "")})
+                out.append(
+                    {
+                        "ts": row.get("ts", 0.0),
+                        "mesh": m["name"],
+                        "rank": p["rank"],
+                        "stream": row.get("stream", ""),
+                        "line": row.get("line", ""),
+                    }
+                )
     out.sort(key=lambda r: r["ts"])
     return out[-_LOG_RECENT:]
 
