@@ -45,9 +45,17 @@ class JupyterServer:
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ)
-        for var, sub in (("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_RUNTIME_DIR", "jrt"), ("IPYTHONDIR", "ipython")):
+        # user-level jupyter dirs are private: no user kernelspec or setting leaks in; the
+        # venv's own (sys-prefix) kernelspecs, labextensions and server config still apply
+        for var, sub in (
+            ("JUPYTER_CONFIG_DIR", "config"),
+            ("JUPYTER_DATA_DIR", "data"),
+            ("JUPYTER_RUNTIME_DIR", "jrt"),
+            ("IPYTHONDIR", "ipython"),
+        ):
             env[var] = os.path.join(self.tmp, sub)
         env["JUPYTER_PLATFORM_DIRS"] = "1"
+        env["JUPYTER_PREFER_ENV_PATH"] = "1"
         env["PYTHONUNBUFFERED"] = "1"
         argv = [
             sys.executable,
