@@ -81,6 +81,10 @@ def browser(lab):  # type: ignore[no-untyped-def]
     shutil.rmtree(profile, ignore_errors=True)
 
 
+#: meshes the tests spawned from notebooks: named meshes outlive their kernel by design
+_SPAWNED: set[str] = set()
+
+
 @pytest.fixture
 def page(browser, lab, request):  # type: ignore[no-untyped-def]
     pg = browser.new_page()
@@ -91,7 +95,19 @@ def page(browser, lab, request):  # type: ignore[no-untyped-def]
     pg.screenshot(path=str(ARTIFACTS / f"{request.node.name}-end.png"))
     pg.close()
     lab.shutdown_kernels()
+    _stop_spawned()
     assert not errors, errors
+
+
+def _stop_spawned() -> None:
+    from monarch_nb.allocator import stop_mesh
+    from monarch_nb.errors import MeshError
+
+    while _SPAWNED:
+        try:
+            stop_mesh(_SPAWNED.pop())
+        except MeshError:
+            pass  # the test stopped it already
 
 
 def shot(page, name: str) -> None:  # type: ignore[no-untyped-def]
@@ -159,8 +175,9 @@ def _gone(pid: int) -> bool:
 SPAWN = 'from monarch_nb.actor import this_host\nprocs = this_host().spawn_procs(per_host={{"gpus": 4}}, name="{name}")\nprint("spawned", "{name}")'
 
 
-def spawn_from_notebook(page, lab, name: str):  # type: ignore[no-untyped-def]
-    nb = run_notebook(page, lab, write_notebook(lab, name, [SPAWN.format(name=name)]))
+def spawn_from_notebook(page, lab, name: str, *more_cells: str):  # type: ignore[no-untyped-def]
+    _SPAWNED.add(name)
+    nb = run_notebook(page, lab, write_notebook(lab, name, [SPAWN.format(name=name), *more_cells]))
     expect(nb.locator(".jp-OutputArea-output", has_text=f"spawned {name}")).to_be_visible(timeout=90_000)
     return nb
 
@@ -225,3 +242,38 @@ def test_stop_mesh_from_the_sidebar(page, lab) -> None:  # type: ignore[no-untyp
     shot(page, "sidebar-mesh-stopped")
     wait_for(lambda: all(_gone(p) for p in pids.values()), 15, "the stopped mesh's procs to exit")
     assert mesh_pids("stopme") == {}
+
+
+HELLO = """from monarch_nb.actor import Actor, endpoint, current_rank
+
+class Hello(Actor):
+    @endpoint
+    def hi(self):
+        print(f"hello from rank {current_rank().rank}", flush=True)
+
+procs.spawn("hello", Hello).hi.call().get()
+print("said hello")"""
+
+
+def test_rank_log_recent_logs_and_inserting_a_connect_cell(page, lab) -> None:  # type: ignore[no-untyped-def]
+    nb = spawn_from_notebook(page, lab, "talky", HELLO)
+    expect(nb.locator(".jp-OutputArea-output", has_text="said hello")).to_be_visible(timeout=60_000)
+    panel = open_sidebar(page)
+    expect(panel.locator(".mnb-section-logs .mnb-log-line", has_text="hello from rank 3")).to_contain_text("[talky 3]")
+
+    panel.locator('.mnb-mesh[data-mesh="talky"] .mnb-rank[data-rank="1"]').click()
+    log = page.locator(".mnb-RankLogPanel:visible")
+    expect(log).to_have_count(1)
+    expect(log.locator(".mnb-ranklog-lines")).to_contain_text("hello from rank 1")
+    expect(log.locator(".mnb-ranklog-lines")).not_to_contain_text("hello from rank 0")
+    expect(page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current")).to_contain_text("talky rank 1 log")
+    shot(page, "sidebar-rank-log")
+
+    # back to the notebook: the insert action puts a cell into the active notebook
+    page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text="talky.ipynb").click()
+    addr = panel.locator(".mnb-allocator.mnb-alive").first.get_attribute("data-addr")
+    panel.locator(".mnb-allocator.mnb-alive .mnb-insert-connect").first.click()
+    nb = page.locator(".jp-NotebookPanel:visible")
+    expect(nb.locator(".jp-Cell")).to_have_count(3)
+    expect(nb.locator(".jp-Cell.jp-mod-active .cm-content")).to_have_text(f"%mesh connect {addr}")
+    shot(page, "sidebar-insert-connect")

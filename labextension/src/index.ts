@@ -2,10 +2,10 @@
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { Dialog, MainAreaWidget, Notification, showDialog } from '@jupyterlab/apputils';
 import { INotebookTracker, NotebookActions } from '@jupyterlab/notebook';
-import { bugIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
 import { ILogLine, IMesh, rankLog, startAllocator, stopMesh } from './api';
+import { meshIcon } from './icon';
 import { MeshSidebar } from './sidebar';
 
 /** A main-area view of one rank's full log, as its allocator keeps it. */
@@ -90,7 +90,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
           view = new MainAreaWidget({ content });
           view.id = `mnb-log-${encodeURIComponent(mesh)}-${rank}`;
           view.title.label = `${mesh} rank ${rank} log`;
-          view.title.icon = bugIcon;
+          view.title.icon = meshIcon;
           view.title.closable = true;
           view.addClass('mnb-RankLogPanel');
           logViews.set(key, view);
@@ -115,7 +115,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
         app.shell.activateById(panel.id);
       }
     });
-    sidebar.title.icon = bugIcon;
+    sidebar.title.icon = meshIcon;
     app.shell.add(sidebar, 'left', { rank: 900 });
   }
 };
