@@ -4,6 +4,7 @@ jupyter_server, with Jupyter's authentication on every route."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -209,7 +210,17 @@ def test_rest_api_lists_starts_stops_and_reads_logs(server, fault_hook) -> None:
     assert "Traceback" not in server.logtext()
 
 
-def test_server_extension_is_enabled_by_the_installed_config() -> None:
-    r = subprocess.run([sys.executable, "-m", "jupyter_server", "extension", "list"], capture_output=True, text=True, timeout=60)
-    out = r.stdout + r.stderr
-    assert "monarch_nb" in out and "enabled" in out, out
+def test_install_enables_the_server_extension_labextension_and_kernel_spec() -> None:
+    def jupyter(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=60)
+        return r.stdout + r.stderr
+
+    out = jupyter("jupyter_server", "extension", "list")
+    assert re.search(r"monarch_nb\S*\s+\S*enabled", out), out
+    out = jupyter("jupyterlab.labextensions", "list")
+    assert re.search(r"monarch-nb v\S+ \S*enabled\S* \S*OK", out), out
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    spec = KernelSpecManager().get_kernel_spec("monarch-nb")
+    assert spec.display_name == "Python (monarch_nb)"
+    assert spec.argv == ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}", "--ext", "monarch_nb"]
