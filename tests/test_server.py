@@ -137,6 +137,26 @@ def test_stop_mesh_refuses_an_attached_owners_mesh_unless_forced() -> None:
         owner.communicate("", timeout=30)
 
 
+def test_a_stale_connection_file_is_listed_as_a_dead_allocator(manager) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import socket
+
+    from monarch_nb.config import runtime_dir
+
+    dead = subprocess.Popen([PY, "-c", "pass"])
+    dead.wait()
+    path = os.path.join(runtime_dir(), "allocator-stale0test.json")
+    info = {"alloc_id": "stale0test", "host": socket.gethostname(), "pid": dead.pid, "addr": "ipc:///nonexistent.sock"}
+    with open(path, "w") as f:
+        json.dump(info, f)
+    try:
+        a = next(a for a in manager.state()["allocators"] if a["id"] == "stale0test")
+        assert a["alive"] is False and "stale connection file" in a["error"]
+        assert a["pid"] == dead.pid
+    finally:
+        os.unlink(path)
+
+
 def test_rank_log_of_an_unknown_mesh_is_a_clear_error(manager) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(MeshError, match="no rank 0 of a mesh named 'no-such-mesh'"):
         manager.rank_log("no-such-mesh", 0)
