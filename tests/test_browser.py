@@ -277,3 +277,57 @@ def test_rank_log_recent_logs_and_inserting_a_connect_cell(page, lab) -> None:  
     expect(nb.locator(".jp-Cell")).to_have_count(3)
     expect(nb.locator(".jp-Cell.jp-mod-active .cm-content")).to_have_text(f"%mesh connect {addr}")
     shot(page, "sidebar-insert-connect")
+
+
+FLOOD = """
+import sys
+import monarch_nb.actor as api
+from monarch_nb.actor import Actor, current_rank, endpoint, this_host
+
+class Flood(Actor):
+    @endpoint
+    def go(self, n):
+        r = current_rank().rank
+        for i in range(n):
+            print(f"flood rank {r} line {i}")
+        print(f"flood rank {r} done", flush=True)
+
+procs = this_host().spawn_procs(per_host={"gpus": 4}, name="flood")
+print("ready", flush=True)
+procs.spawn("flood", Flood).go.call(25000).get(timeout=180)
+print("flooded", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_sidebar_stays_responsive_during_a_100k_line_flood(page, lab, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+
+    from _jupyter import TOKEN
+    from conftest import PY
+
+    page.goto(f"{lab.base}/lab?reset&token={TOKEN}")
+    panel = open_sidebar(page)
+    expect(panel.locator(".mnb-status")).to_contain_text("updated")
+    _SPAWNED.add("flood")
+    out = tmp_path / "flood.out"
+    # a separate controller floods; its own output goes to a file it can never block on
+    with open(out, "w") as f:
+        ctl = subprocess.Popen([PY, "-c", FLOOD], stdin=subprocess.PIPE, stdout=f, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: "ready" in out.read_text(), 60, "the flooding controller to spawn its mesh")
+        worst = 0.0
+        # while 4 ranks print 100,000 lines, the page keeps answering
+        while "flooded" not in out.read_text():
+            assert ctl.poll() is None, out.read_text()[-2000:]
+            t0 = time.monotonic()
+            panel.locator(".mnb-status").inner_text(timeout=5000)
+            worst = max(worst, time.monotonic() - t0)
+        assert worst < 2.0, f"the page took {worst:.1f} s to answer during the flood"
+        # and the sidebar still refreshes: the last lines and the states are there
+        expect(panel.locator(".mnb-section-logs")).to_contain_text("flood rank 3 done", timeout=10_000)
+        expect(panel.locator('.mnb-mesh[data-mesh="flood"] .mnb-rank.mnb-state-running')).to_have_count(4)
+        assert panel.locator(".mnb-section-logs .mnb-log-line").count() <= 100
+        shot(page, "sidebar-after-flood")
+    finally:
+        ctl.communicate("", timeout=60)
