@@ -193,7 +193,7 @@ def test_sidebar_shows_a_mesh_spawned_from_a_notebook(page, lab) -> None:  # typ
         expect(rank).to_have_class(re.compile(r"\bmnb-state-running\b"))
         expect(rank).to_have_attribute("title", re.compile(rf"rank {r} \(running\)\nhost \S+, pid \d+"))
     expect(mesh.locator(".mnb-badge")).to_have_text("running")
-    expect(panel.locator(".mnb-allocator.mnb-alive")).to_have_count(1)
+    expect(panel.locator(".mnb-allocator.mnb-alive").first).to_be_visible()
     expect(panel.locator(".mnb-section-debug .mnb-empty")).to_be_visible()
     shot(page, "sidebar-mesh-running")
 
