@@ -31,8 +31,24 @@ def unload_ipython_extension(ip: Any) -> None:
     _unload(ip)
 
 
+def _jupyter_labextension_paths() -> list[dict[str, str]]:
+    """Where ``jupyter labextension develop`` finds the prebuilt sidebar (see package.json)."""
+    return [{"src": "_labextension", "dest": "monarch-nb"}]
+
+
+def _jupyter_server_extension_points() -> list[dict[str, str]]:
+    return [{"module": "monarch_nb"}]
+
+
+def _load_jupyter_server_extension(server_app: Any) -> None:
+    """jupyter_server entry point: the sidebar's REST API (imported only here, never on ``import monarch_nb``)."""
+    from .server import load
+
+    load(server_app)
+
+
 def __getattr__(name: str) -> Any:
-    if name in ("actor", "spmd", "introspect", "allocator", "config", "errors", "mesh", "logs"):
+    if name in ("actor", "spmd", "introspect", "allocator", "config", "errors", "mesh", "logs", "sync", "server"):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")

@@ -89,3 +89,34 @@ def stop_allocator(pid: int | None = None, timeout: float = 15.0) -> list[int]:
             pass
         stopped.append(p)
     return stopped
+
+
+def stop_mesh(
+    name: str,
+    addr: str | None = None,
+    *,
+    force: bool = True,
+    reason: str = "stopped from outside its controller",
+    timeout: float = 15.0,
+) -> int:
+    """Stop the mesh ``name`` on the allocator at ``addr`` (default: every known allocator that has it).
+
+    This is for tools that do not own the mesh (a CLI, the JupyterLab sidebar): with ``force``
+    it stops a mesh even while its owning controller is attached; without, an attached owner's
+    mesh is refused with ``PermissionError``. Returns the number of procs that were stopped.
+    """
+    from .actor import _context
+    from .errors import MeshError
+    from .introspect import status
+
+    if addr is None:
+        addrs = [a["addr"] for a in status()["allocators"] if any(m["name"] == name for m in a.get("meshes", []))]
+        if not addrs:
+            raise MeshError(f"no mesh named {name!r} on any known allocator")
+    else:
+        addrs = [addr]
+    client = _context.client()
+    # an empty cid skips the owner check on the allocator; our own cid is never an owner, so it triggers it
+    cid = "" if force else client.cid
+    futs = [client.request(a, "stop_mesh", name, cid, force, reason) for a in addrs]
+    return sum(int(f.get(timeout=timeout) or 0) for f in futs)

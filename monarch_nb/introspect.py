@@ -39,6 +39,22 @@ def status(addresses: list[str] | None = None, timeout: float = 2.0) -> dict[str
     return {"time": time.time(), "allocators": out}
 
 
+def logs(mesh: str, rank: int, tail: int | None = None, addr: str | None = None, timeout: float = 5.0) -> list[dict[str, Any]]:
+    """The captured output of one rank (``tail``: only the last lines), as dicts with ``ts``,
+    ``rank``, ``stream``, ``call`` and ``line``. ``addr`` is the allocator that runs that rank
+    (default: found among the known allocators)."""
+    from .errors import MeshError
+
+    if addr is None:
+        for a in status()["allocators"]:
+            for m in a.get("meshes", []):
+                if m["name"] == mesh and any(p["rank"] == rank for p in m["procs"]):
+                    addr = a["addr"]
+        if addr is None:
+            raise MeshError(f"no rank {rank} of a mesh named {mesh!r} on any known allocator")
+    return _context.client().request(addr, "logs", mesh, rank, tail).get(timeout=timeout)
+
+
 def on_state_change(callback: Callable[[dict[str, Any]], None], interval: float = 1.0) -> Callable[[], None]:
     """Call ``callback(snapshot)`` whenever the status changes; returns a function that stops it."""
     stop = threading.Event()

@@ -1,0 +1,254 @@
+"""What the sidebar shows and does, through monarch_nb's public API only.
+
+No tornado and no kernels here: the state comes from :func:`monarch_nb.introspect.status`
+(the runtime directory's connection files plus each live allocator's snapshot) and the actions
+are the public functions a script could call. The handlers run these blocking calls on a
+worker thread.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+#: recent log lines: at most this many per rank, from at most this many ranks, this many in all
+_LOG_TAIL_PER_RANK = 5
+_LOG_MAX_RANKS = 64
+_LOG_RECENT = 100
+#: bytes read from the end of a rank's log file to find its last lines (logs can be huge)
+_LOG_TAIL_BYTES = 16 * 1024
+#: concurrent polls (several browser tabs) within this many seconds share one snapshot
+_SNAPSHOT_TTL = 0.25
+
+#: the order in which a mesh's proc states win when hosts disagree (worst first)
+_STATE_RANK = {"failed": 0, "stopping": 1, "starting": 2, "running": 3, "stopped": 4}
+
+
+class MeshManager:
+    """Snapshots and actions for the JupyterLab sidebar (one per server)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._snap: dict[str, Any] | None = None
+        self._snap_at = 0.0
+
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict[str, Any]:
+        """Allocators, hosts, meshes (procs with states), debug sessions and recent log lines."""
+        with self._lock:
+            if self._snap is not None and time.monotonic() - self._snap_at < _SNAPSHOT_TTL:
+                return self._snap
+            snap = self._build()
+            self._snap, self._snap_at = snap, time.monotonic()
+            return snap
+
+    def _invalidate(self) -> None:
+        with self._lock:
+            self._snap = None
+
+    def _build(self) -> dict[str, Any]:
+        from monarch_nb import status
+        from monarch_nb.allocator import list_allocators
+        from monarch_nb.config import runtime_dir
+
+        raw = status()
+        allocators: list[dict[str, Any]] = []
+        meshes: dict[str, dict[str, Any]] = {}
+        debug: list[dict[str, Any]] = []
+        seen_pids = set()
+        for a in raw["allocators"]:
+            addr = a.get("addr", "")
+            host = a.get("host", "")
+            seen_pids.add((host, a.get("pid")))
+            allocators.append(
+                {
+                    "id": a.get("alloc_id", ""),
+                    "addr": addr,
+                    "tcp": a.get("tcp") or "",
+                    "host": host,
+                    "pid": a.get("pid"),
+                    "alive": "error" not in a,
+                    "error": a.get("error", ""),
+                    "controllers": len(a.get("controllers", [])),
+                    "lease_s": a.get("lease_s"),
+                    "meshes": [m["name"] for m in a.get("meshes", [])],
+                }
+            )
+            for m in a.get("meshes", []):
+                _merge_mesh(meshes, m, addr, host)
+            # the debugger reports its sessions here once it exists; nothing to show until then
+            for d in a.get("debug_sessions", []):
+                debug.append({**d, "alloc": addr, "host": d.get("host", host)})
+        # connection files whose daemon is gone: listed so a user sees why nothing answers
+        for info in list_allocators():
+            if not info["alive"] and (info.get("host"), info.get("pid")) not in seen_pids:
+                allocators.append(
+                    {
+                        "id": info.get("alloc_id", ""),
+                        "addr": info.get("addr", ""),
+                        "tcp": info.get("tcp") or "",
+                        "host": info.get("host", ""),
+                        "pid": info.get("pid"),
+                        "alive": False,
+                        "error": "not running (stale connection file)",
+                        "controllers": 0,
+                        "lease_s": None,
+                        "meshes": [],
+                    }
+                )
+        mesh_list = sorted(meshes.values(), key=lambda m: m["name"])
+        for m in mesh_list:
+            m["procs"].sort(key=lambda p: p["rank"])
+            m["state"] = _mesh_state(m)
+        return {
+            "time": raw["time"],
+            "server_host": socket.gethostname(),
+            "runtime_dir": runtime_dir(),
+            "allocators": allocators,
+            "hosts": _hosts(allocators, mesh_list),
+            "meshes": mesh_list,
+            "debug_sessions": debug,
+            "logs": _recent_logs(mesh_list),
+        }
+
+    # ------------------------------------------------------------------ actions
+    def start_allocator(self) -> dict[str, Any]:
+        """Start this host's embedded allocator (or report the one already running)."""
+        from monarch_nb.allocator import list_allocators, start_allocator
+
+        before = {a["pid"] for a in list_allocators() if a["alive"]}
+        info = start_allocator()
+        self._invalidate()
+        return {"started": info["pid"] not in before, "addr": info["addr"], "pid": info["pid"], "host": info.get("host", "")}
+
+    def stop_mesh(self, name: str, alloc: str | None = None) -> dict[str, Any]:
+        """Stop a mesh on every allocator that runs it (or only on ``alloc``), whoever owns it."""
+        from monarch_nb.allocator import stop_mesh
+
+        if not name:
+            raise ValueError("a mesh name is required")
+        n = stop_mesh(name, alloc or None, force=True, reason="stopped from the JupyterLab sidebar")
+        self._invalidate()
+        return {"mesh": name, "stopped_procs": n}
+
+    def rank_log(self, mesh: str, rank: int, tail: int | None = 500, alloc: str | None = None) -> dict[str, Any]:
+        """The captured output of one rank, kept by its allocator (also after it crashed)."""
+        from monarch_nb.introspect import logs
+
+        if tail is not None and tail < 0:
+            raise ValueError(f"tail must be >= 0, got {tail}")
+        lines = logs(mesh, rank, tail=tail, addr=alloc or None)
+        return {"mesh": mesh, "rank": rank, "lines": lines}
+
+
+# ---------------------------------------------------------------------- helpers
+def _merge_mesh(meshes: dict[str, dict[str, Any]], m: dict[str, Any], addr: str, host: str) -> None:
+    """A multi-host mesh shows up on every allocator it spans; the sidebar shows it once."""
+    out = meshes.get(m["name"])
+    if out is None:
+        out = meshes[m["name"]] = {
+            "name": m["name"],
+            "owner": m.get("owner", ""),
+            "persist": m.get("persist", False),
+            "labels": list(m.get("labels") or []),
+            "sizes": list(m.get("sizes") or []),
+            "extent": m.get("extent"),
+            "actors": list(m.get("actors") or []),
+            "allocators": [],
+            "hosts": [],
+            "states": [],
+            "procs": [],
+        }
+    out["allocators"].append(addr)
+    out["hosts"].append(host)
+    out["states"].append(m.get("state", ""))
+    for a in m.get("actors") or []:
+        if a not in out["actors"]:
+            out["actors"].append(a)
+    for p in m.get("procs", []):
+        out["procs"].append(
+            {
+                "rank": p["rank"],
+                "pid": p.get("pid"),
+                "state": p.get("state", "unknown"),
+                "cause": p.get("cause") or "",
+                "host": host,
+                "alloc": addr,
+                "log": p.get("log") or "",
+            }
+        )
+
+
+def _mesh_state(m: dict[str, Any]) -> str:
+    states = [s for s in m.pop("states") if s]
+    if not states:
+        return "unknown"
+    return min(states, key=lambda s: _STATE_RANK.get(s, 99))
+
+
+def _hosts(allocators: list[dict[str, Any]], meshes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    hosts: dict[str, dict[str, Any]] = {}
+    for a in allocators:
+        h = hosts.setdefault(a["host"], {"host": a["host"], "allocators": [], "procs": 0, "states": {}})
+        h["allocators"].append(a["addr"])
+    for m in meshes:
+        for p in m["procs"]:
+            h = hosts.setdefault(p["host"], {"host": p["host"], "allocators": [], "procs": 0, "states": {}})
+            h["procs"] += 1
+            h["states"][p["state"]] = h["states"].get(p["state"], 0) + 1
+    return sorted(hosts.values(), key=lambda h: h["host"])
+
+
+def _recent_logs(meshes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The last few lines of each rank, newest last.
+
+    Read from the end of each local log file rather than asked of the allocator, which would
+    read whole files every poll (a flooding rank's log can be large). Ranks on other hosts are
+    left out here; their full log is one click away (:meth:`MeshManager.rank_log`).
+    """
+    import json
+
+    me = socket.gethostname()
+    out: list[dict[str, Any]] = []
+    n = 0
+    for m in meshes:
+        for p in m["procs"]:
+            if n >= _LOG_MAX_RANKS:
+                break
+            if p["host"] != me or not p["log"]:
+                continue
+            n += 1
+            for raw in _tail_lines(p["log"], _LOG_TAIL_PER_RANK):
+                try:
+                    row = json.loads(raw)
+                except ValueError:
+                    continue  # a line the allocator is still writing
+                out.append(
+                    {
+                        "ts": row.get("ts", 0.0),
+                        "mesh": m["name"],
+                        "rank": p["rank"],
+                        "stream": row.get("stream", ""),
+                        "line": row.get("line", ""),
+                    }
+                )
+    out.sort(key=lambda r: r["ts"])
+    return out[-_LOG_RECENT:]
+
+
+def _tail_lines(path: str, n: int) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - _LOG_TAIL_BYTES))
+            data = f.read()
+    except OSError:
+        return []
+    lines = data.split(b"\n")
+    if size > _LOG_TAIL_BYTES:
+        lines = lines[1:]  # the first one is cut
+    return [ln.decode("utf-8", "replace") for ln in lines if ln.strip()][-n:]

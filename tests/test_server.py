@@ -1,0 +1,246 @@
+"""The sidebar's server side: the manager (public API only) and its REST handlers in a real
+jupyter_server, with Jupyter's authentication on every route."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import uuid
+
+import psutil
+import pytest
+from conftest import PY, run_script, wait_for
+
+from monarch_nb.errors import MeshError
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _mesh(state: dict, name: str) -> dict | None:
+    return next((m for m in state["meshes"] if m["name"] == name), None)
+
+
+@pytest.fixture
+def manager():  # type: ignore[no-untyped-def]
+    from monarch_nb.server.manager import MeshManager
+
+    return MeshManager()
+
+
+def _spawn(name: str, n: int = 2):  # type: ignore[no-untyped-def]
+    from monarch_nb.actor import this_host
+
+    return this_host().spawn_procs(per_host={"gpus": n}, name=name)
+
+
+def test_importing_the_package_and_manager_loads_no_web_framework() -> None:
+    code = (
+        "import sys, monarch_nb, monarch_nb.server, monarch_nb.server.manager\n"
+        "assert monarch_nb._jupyter_server_extension_points() == [{'module': 'monarch_nb'}]\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('tornado', 'jupyter_server', 'IPython'))\n"
+        "print('loaded:', bad)\n"
+    )
+    r = run_script(code)
+    assert r.returncode == 0, r.stderr
+    assert "loaded: []" in r.stdout
+
+
+def test_manager_shows_meshes_ranks_logs_and_failures_then_stops(manager, fault_hook) -> None:  # type: ignore[no-untyped-def]
+    from monarch_nb.actor import Actor, current_rank, endpoint
+
+    class Printer(Actor):
+        @endpoint
+        def hello(self) -> int:
+            print(f"hello from rank {current_rank().rank}", flush=True)
+            return os.getpid()
+
+    name = f"mgr-{uuid.uuid4().hex[:6]}"
+    procs = _spawn(name, 3)
+    try:
+        pids = procs.spawn("printer", Printer).hello.call().get(timeout=30)
+        state = manager.state()
+        m = _mesh(state, name)
+        assert m is not None, state
+        assert [p["rank"] for p in m["procs"]] == [0, 1, 2]
+        assert {p["state"] for p in m["procs"]} == {"running"}
+        assert sorted(p["pid"] for p in m["procs"]) == sorted(v for _, v in pids.items())
+        assert "printer" in m["actors"]
+        assert state["debug_sessions"] == []
+        host = state["hosts"][0]
+        assert host["procs"] >= 3 and host["host"] == state["server_host"]
+        assert any(a["alive"] and name in a["meshes"] for a in state["allocators"])
+
+        # recent logs come from the allocator's per-rank logs
+        def logged() -> bool:
+            lines = {(ln["mesh"], ln["rank"], ln["line"]) for ln in manager.state()["logs"]}
+            return all((name, r, f"hello from rank {r}") in lines for r in range(3))
+
+        wait_for(logged, 10, "the ranks' output in the recent logs")
+        log = manager.rank_log(name, 1)
+        assert [ln["line"] for ln in log["lines"]] == ["hello from rank 1"]
+
+        victim = m["procs"][1]["pid"]
+        os.kill(victim, signal.SIGKILL)
+
+        def failed() -> dict | None:
+            mm = _mesh(manager.state(), name)
+            return mm if mm and mm["procs"][1]["state"] == "failed" else None
+
+        mm = wait_for(failed, 10, "rank 1 to show as failed")
+        assert "SIGKILL" in mm["procs"][1]["cause"]
+        assert mm["state"] == "failed"
+        assert [p["state"] for p in mm["procs"]][::2] == ["running", "running"]
+
+        out = manager.stop_mesh(name)
+        assert out["stopped_procs"] >= 2
+        assert _mesh(manager.state(), name) is None
+        wait_for(lambda: all(_gone(p["pid"]) for p in mm["procs"]), 15, "the mesh's procs to exit")
+    finally:
+        try:
+            procs.stop().get(timeout=15)
+        except Exception:
+            pass
+
+
+def test_stop_mesh_refuses_an_attached_owners_mesh_unless_forced() -> None:
+    from monarch_nb.allocator import stop_mesh
+
+    name = f"owned-{uuid.uuid4().hex[:6]}"
+    # a separate controller owns the mesh and stays attached until its stdin closes
+    code = (
+        "import sys\n"
+        "import monarch_nb.actor as api\n"
+        "api.unhandled_fault_hook = lambda f: print('fault', flush=True)\n"
+        "from monarch_nb.actor import this_host\n"
+        f"p = this_host().spawn_procs(per_host={{'gpus': 2}}, name={name!r})\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    owner = subprocess.Popen([PY, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        assert owner.stdout.readline().strip() == "ready"
+        with pytest.raises(PermissionError, match="owned by another controller"):
+            stop_mesh(name, force=False)
+        assert stop_mesh(name) == 2
+        with pytest.raises(MeshError, match="no mesh named"):
+            stop_mesh(name)
+    finally:
+        owner.communicate("", timeout=30)
+
+
+def test_a_stale_connection_file_is_listed_as_a_dead_allocator(manager) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import socket
+
+    from monarch_nb.config import runtime_dir
+
+    dead = subprocess.Popen([PY, "-c", "pass"])
+    dead.wait()
+    path = os.path.join(runtime_dir(), "allocator-stale0test.json")
+    info = {"alloc_id": "stale0test", "host": socket.gethostname(), "pid": dead.pid, "addr": "ipc:///nonexistent.sock"}
+    with open(path, "w") as f:
+        json.dump(info, f)
+    try:
+        a = next(a for a in manager.state()["allocators"] if a["id"] == "stale0test")
+        assert a["alive"] is False and "stale connection file" in a["error"]
+        assert a["pid"] == dead.pid
+    finally:
+        os.unlink(path)
+
+
+def test_rank_log_of_an_unknown_mesh_is_a_clear_error(manager) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(MeshError, match="no rank 0 of a mesh named 'no-such-mesh'"):
+        manager.rank_log("no-such-mesh", 0)
+    with pytest.raises(ValueError, match="tail must be >= 0"):
+        manager.rank_log("no-such-mesh", 0, tail=-1)
+
+
+# ---------------------------------------------------------------------------------- REST
+@pytest.fixture(scope="module")
+def server():  # type: ignore[no-untyped-def]
+    from _jupyter import JupyterServer
+
+    s = JupyterServer("server")
+    yield s
+    s.stop()
+
+
+ROUTES = [
+    ("GET", "/monarch-nb/api/state", None),
+    ("POST", "/monarch-nb/api/allocators", {}),
+    ("POST", "/monarch-nb/api/meshes/demo/stop", {}),
+    ("GET", "/monarch-nb/api/meshes/demo/ranks/0/log", None),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), ROUTES)
+def test_every_route_needs_jupyters_authentication(server, method, path, body) -> None:  # type: ignore[no-untyped-def]
+    status, _ = server.request(method, path, body, token=None)
+    assert status == 403
+    status, _ = server.request(method, path, body, token="wrong-token")
+    assert status == 403
+
+
+def test_rest_api_lists_starts_stops_and_reads_logs(server, fault_hook) -> None:  # type: ignore[no-untyped-def]
+    status, started = server.request("POST", "/monarch-nb/api/allocators", {})
+    assert status == 200, started
+    assert started["addr"].startswith("ipc://")
+    status, again = server.request("POST", "/monarch-nb/api/allocators", {})
+    assert status == 200 and again["started"] is False and again["pid"] == started["pid"]
+
+    name = f"rest-{uuid.uuid4().hex[:6]}"
+    procs = _spawn(name, 2)
+    try:
+        status, state = server.request("GET", "/monarch-nb/api/state")
+        assert status == 200
+        assert set(state) >= {"allocators", "hosts", "meshes", "debug_sessions", "logs"}
+        m = _mesh(state, name)
+        assert m is not None and [p["state"] for p in m["procs"]] == ["running", "running"]
+
+        status, log = server.request("GET", f"/monarch-nb/api/meshes/{name}/ranks/0/log?tail=10")
+        assert status == 200 and log["rank"] == 0 and isinstance(log["lines"], list)
+        status, err = server.request("GET", f"/monarch-nb/api/meshes/{name}/ranks/0/log?tail=lots")
+        assert status == 400 and "tail must be an integer" in err["message"]
+        status, err = server.request("GET", "/monarch-nb/api/meshes/nope/ranks/0/log")
+        assert status == 404 and "no rank 0 of a mesh named 'nope'" in err["message"]
+        status, err = server.request("POST", "/monarch-nb/api/meshes/nope/stop", {})
+        assert status == 404 and "no mesh named 'nope'" in err["message"]
+        status, err = server.request("POST", f"/monarch-nb/api/meshes/{name}/stop", [1, 2])
+        assert status == 400 and "JSON object" in err["message"]
+
+        status, out = server.request("POST", f"/monarch-nb/api/meshes/{name}/stop", {})
+        assert status == 200 and out == {"mesh": name, "stopped_procs": 2}
+        wait_for(lambda: all(_gone(p["pid"]) for p in m["procs"]), 15, "the stopped mesh's procs to exit")
+        status, state = server.request("GET", "/monarch-nb/api/state")
+        assert _mesh(state, name) is None
+    finally:
+        try:
+            procs.stop().get(timeout=15)
+        except Exception:
+            pass
+    assert "Traceback" not in server.logtext()
+
+
+def test_install_enables_the_server_extension_labextension_and_kernel_spec() -> None:
+    def jupyter(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=60)
+        return r.stdout + r.stderr
+
+    out = jupyter("jupyter_server", "extension", "list")
+    assert re.search(r"monarch_nb\S*\s+\S*enabled", out), out
+    out = jupyter("jupyterlab.labextensions", "list")
+    assert re.search(r"monarch-nb v\S+ \S*enabled\S* \S*OK", out), out
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    spec = KernelSpecManager().get_kernel_spec("monarch-nb")
+    assert spec.display_name == "Python 3 (monarch_nb)"
+    assert spec.argv == ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}", "--ext", "monarch_nb"]
