@@ -1,4 +1,4 @@
-"""``monarch-nb``: allocator daemon, status, keys."""
+"""``monarch-nb``: allocator daemon, status, keys, debugger."""
 
 from __future__ import annotations
 
@@ -66,6 +66,12 @@ def _keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _debug(args: argparse.Namespace) -> int:
+    from .debug import run_cli
+
+    return run_cli(args.addr or None, args.key_file, args.command or None)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="monarch-nb", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -83,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("keygen", help="write a new cluster key file")
     k.add_argument("path")
     k.set_defaults(fn=_keygen)
+    d = sub.add_parser("debug", help="attach to ranks stopped at breakpoint() (list, attach, cast, continue)")
+    d.add_argument("--addr", action="append", help="an allocator address (tcp://HOST:PORT); local ones are found")
+    d.add_argument("--key-file", help="cluster key file, for allocators on other hosts")
+    d.add_argument("-c", "--command", action="append", help="run this command and exit (repeatable)")
+    d.set_defaults(fn=_debug)
     args = p.parse_args(argv)
     return int(args.fn(args) or 0)
 

@@ -27,6 +27,7 @@ from .. import __version__
 from .._wire import frames as wire
 from ..config import Config
 from ..errors import MeshError, SpawnError
+from .debugreg import DebugRegistry
 from .logcapture import LogLine, ProcLog, read_log
 from .runtime import NO_REPLY, Runtime, system_method
 from .transport import Security
@@ -77,7 +78,7 @@ def _gpu_count() -> int:
         return 0
 
 
-class Allocator:
+class Allocator(DebugRegistry):
     def __init__(
         self, cfg: Config, security: Security, runtime_dir: str, *, tcp_ip: str | None = None, tcp_port: int = 0
     ) -> None:
@@ -101,6 +102,7 @@ class Allocator:
         self._anon = 0
         self.stopped = asyncio.Event()
         self.gpus = _gpu_count()
+        self._debug_init()
 
     # ------------------------------------------------------------ lifecycle
     def start(self, key_file: str = "") -> None:
@@ -235,6 +237,7 @@ class Allocator:
             rec.exited.set_result(None)
         if rec.log is not None:
             rec.log.close()
+        self._debug_proc_exited(rec.token, cause)
         self._publish(("proc_exited", rec.addr, rec.mesh, rec.rank, self.rt.hostname, cause))
         self._publish(("state", rec.mesh, rec.rank, rec.state, cause))
         mesh = self.meshes.get(rec.mesh)
@@ -388,6 +391,7 @@ class Allocator:
                     self.rt.send_port(
                         addr, port, 0, wire.ITEM, ("proc_exited", rec.addr, rec.mesh, rec.rank, self.rt.hostname, rec.cause)
                     )
+        self._debug_replay(addr, port)
         return NO_REPLY
 
     @system_method(wants_reply=True)
@@ -572,6 +576,7 @@ class Allocator:
                 }
                 for m in self.meshes.values()
             ],
+            "debug_sessions": self.sys_debug_list(),
             "lease_s": self.cfg.lease,
             "idle_s": now - self.idle_since if not self.controllers else 0.0,
         }
@@ -609,6 +614,7 @@ class Allocator:
                 await asyncio.wait(pending, timeout=5.0)
         for r in m.procs:
             self.by_token.pop(r.token, None)
+        self._debug_mesh_stopped(m.name)
         m.state = "stopped"
         self._publish(("mesh", m.name, "stopped", reason))
         return len(live)

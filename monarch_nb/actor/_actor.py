@@ -112,6 +112,9 @@ class ActorSlot:
         self.init_error: ActorError | None = None
         self.markers = _context.proc_spec is not None
         self.busy = ""
+        #: the call being run and who waits for it (a breakpoint's debug session names them)
+        self.call_id = ""
+        self.caller = ""
         self._stopped = False
         if self.is_async:
             self.loop = asyncio.new_event_loop()
@@ -271,7 +274,7 @@ class ActorSlot:
             return
         fn, args, kwargs, raddr, rport, index, mrank, call_id, method = prep
         tok = _context._message_rank.set(mrank)
-        self.busy = method
+        self.busy, self.call_id, self.caller = method, call_id, raddr
         self._mark(call_id)
         try:
             result = fn(self.obj, *args, **kwargs)
@@ -290,7 +293,7 @@ class ActorSlot:
             return
         fn, args, kwargs, raddr, rport, index, mrank, call_id, method = prep
         tok = _context._message_rank.set(mrank)
-        self.busy = method
+        self.busy, self.call_id, self.caller = method, call_id, raddr
         self._mark(call_id)
         try:
             result = fn(self.obj, *args, **kwargs)

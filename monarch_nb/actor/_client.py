@@ -61,6 +61,12 @@ class Client:
         self._anon = 0
         if self.kind != "proc":
             atexit.register(self.shutdown)
+            # breakpoints in calls we make can wake our blocked main thread; we serve their cell sources
+            from . import _debugwait, _pdb
+
+            _pdb.install(rt)
+            _debugwait.enable(rt.uid)
+            rt.event_callbacks.append(_debugwait.on_event)
 
     # ------------------------------------------------------------ requests
     def request(self, addr: str, method: str, *args: Any, _actor: str = "__allocator__", **kwargs: Any) -> Future[Any]:

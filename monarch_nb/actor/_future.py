@@ -12,6 +12,8 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar
 
+from . import _debugwait
+
 R = TypeVar("R")
 
 _PENDING, _RAW, _DONE, _FAILED = range(4)
@@ -100,9 +102,9 @@ class Future(Generic[R]):
         if self._state == _PENDING:
             if _on_io_thread():
                 raise RuntimeError("Future.get() on the monarch_nb I/O thread would deadlock; use a callback")
-            with self._cond:
-                if not self._cond.wait_for(lambda: self._state != _PENDING, timeout):
-                    raise TimeoutError(f"{self._what} not ready after {timeout} s (the future is still usable)")
+            # the wait lives in _debugwait: a rank of ours stopping at a breakpoint wakes the main thread
+            if not _debugwait.wait(self, timeout):
+                raise TimeoutError(f"{self._what} not ready after {timeout} s (the future is still usable)")
         return self._resolve()
 
     result = get
