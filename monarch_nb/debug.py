@@ -74,6 +74,9 @@ class Session:
     alloc: str
     #: pdb's "> file(line)function()\n-> source" for the current frame
     header: str = ""
+    #: where ``breakpoint()`` was called (pdb stops on the line after it)
+    bp_file: str = ""
+    bp_line: int = 0
 
     @property
     def waiting_s(self) -> float:
@@ -107,6 +110,8 @@ class Session:
             cause=rec.get("cause", ""),
             alloc=alloc or _reach(rec),
             header=rec.get("header", ""),
+            bp_file=rec.get("bp_file") or rec.get("file", ""),
+            bp_line=int(rec.get("bp_line") or rec.get("line", 0)),
         )
 
 
@@ -608,7 +613,7 @@ def _no_input() -> None:
     if policy == "wait":
         for r in ours.values():
             print(
-                f"breakpoint at {r.get('file')}:{r.get('line')} on rank {r.get('rank')}: no input here; "
+                f"breakpoint at {r.get('bp_file')}:{r.get('bp_line')} on rank {r.get('rank')}: no input here; "
                 "waiting for an attach (run `monarch-nb debug` in a terminal)",
                 file=sys.stderr,
                 flush=True,
@@ -624,9 +629,9 @@ def _no_input() -> None:
         except Exception as e:
             print(f"monarch_nb: could not continue rank {s.rank}: {e}", file=sys.stderr, flush=True)
         _debugwait.forget(s.sid)
-        print(f"breakpoint at {s.file}:{s.line} on rank {s.rank} skipped (no input)", file=sys.stderr, flush=True)
+        print(f"breakpoint at {s.bp_file}:{s.bp_line} on rank {s.rank} skipped (no input)", file=sys.stderr, flush=True)
     if policy == "raise" and still:
-        where = ", ".join(f"{s.file}:{s.line} on rank {s.rank}" for s in still)
+        where = ", ".join(f"{s.bp_file}:{s.bp_line} on rank {s.rank}" for s in still)
         raise DebugError(f"breakpoint at {where} with no input to debug it (debug_no_input='raise'); the ranks were continued")
 
 

@@ -77,7 +77,7 @@ class _Relay:
 class RemotePdb(pdb.Pdb):
     """A Pdb whose console is the allocator relay; one per ``breakpoint()`` call."""
 
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: Runtime, frame: Any = None) -> None:
         self.relay = _Relay(self)
         super().__init__(stdin=self.relay, stdout=self.relay, nosigint=True, readrc=False)  # type: ignore[arg-type]
         self.use_rawinput = False
@@ -106,6 +106,9 @@ class RemotePdb(pdb.Pdb):
             "call_id": getattr(slot, "call_id", ""),
             "method": getattr(slot, "busy", ""),
             "caller": self.caller,
+            # where breakpoint() was called (pdb stops on the line after it)
+            "bp_file": frame.f_code.co_filename if frame is not None else "",
+            "bp_line": frame.f_lineno if frame is not None else 0,
         }
 
     # -- the relay's view of the prompt loop
@@ -217,7 +220,8 @@ def breakpoint_hook(*args: Any, **kwargs: Any) -> None:
         # the I/O thread carries the debugger's own messages; stopping it would deadlock
         print("monarch_nb: breakpoint() on the I/O thread ignored", file=sys.stderr)
         return
-    RemotePdb(rt).set_trace(sys._getframe(1))
+    frame = sys._getframe(1)
+    RemotePdb(rt, frame).set_trace(frame)
 
 
 class DebugService:
