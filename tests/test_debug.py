@@ -239,6 +239,19 @@ def test_blocked_get_is_the_debugger(kernel: Kernel) -> None:
     kernel.run("procs.stop().get(timeout=30)")
 
 
+def test_awaiting_cell_is_the_debugger(kernel: Kernel) -> None:
+    kernel.run(
+        DEFINE + "\nprocs = this_host().spawn_procs(per_host={'gpus': 2}, name='dbg-await')\nm = procs.spawn('dbg', Dbg)\n"
+    )
+    script = Script(lambda p, t: "attach dbg 1" if _rows(t) == 2 else None, "p local", "c", "continue")
+    r = kernel.run("vm = await m.go.call(4)\nprint(vm.values())", script)
+    assert r["error"] is None, r
+    answers = [a for _, _, a in r["prompts"]]
+    assert r["prompts"][answers.index("p local") + 1][1].strip() == "41"
+    assert "[41, 42]" in r["stdout"]
+    kernel.run("procs.stop().get(timeout=30)")
+
+
 def test_no_stdin_in_kernel_skips_and_returns(kernel: Kernel) -> None:
     r = kernel.run(
         DEFINE

@@ -13,6 +13,7 @@ The plain (no breakpoint) path costs one thread check per blocking wait.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import threading
@@ -30,6 +31,8 @@ _ours: dict[str, dict[str, Any]] = {}
 _unseen: set[str] = set()
 #: futures the main thread is blocked on
 _waiters: set[Future[Any]] = set()
+#: wake-ups of main-thread coroutines awaiting a Future
+_async_waiters: set[Callable[[], None]] = set()
 #: notified on every change to _ours (consoles wait on it without polling)
 changed = threading.Condition(_lock)
 _main = threading.main_thread()
@@ -71,9 +74,12 @@ def on_event(ev: tuple[Any, ...]) -> None:
             _unseen.discard(sid)
         changed.notify_all()
         waiters = list(_waiters) if _unseen else []
+        wakes = list(_async_waiters) if _unseen else []
     for f in waiters:
         with f._cond:
             f._cond.notify_all()
+    for w in wakes:
+        w()
 
 
 def paused() -> dict[str, dict[str, Any]]:
@@ -133,6 +139,36 @@ def wait(fut: Future[Any], timeout: float | None) -> bool:
     finally:
         with _lock:
             _waiters.discard(fut)
+
+
+def awaits_here() -> bool:
+    """Should an ``await`` on this thread go through :func:`wait_async`?"""
+    return _enabled and threading.current_thread() is _main and not getattr(_busy, "on", False)
+
+
+async def wait_async(fut: Future[Any]) -> None:
+    """``await fut`` on the main thread (an async cell): the console runs when a rank of ours stops.
+
+    The console blocks this thread's loop while it reads input, as a blocked ``get()`` would.
+    """
+    loop = asyncio.get_running_loop()
+    while fut._state == 0:
+        woken: asyncio.Future[None] = loop.create_future()
+
+        def wake(*_: Any, woken: asyncio.Future[None] = woken) -> None:
+            loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
+
+        fut.add_done_callback(wake)
+        with _lock:
+            _async_waiters.add(wake)
+        try:
+            if not _unseen:
+                await woken
+        finally:
+            with _lock:
+                _async_waiters.discard(wake)
+        if fut._state == 0 and _unseen:
+            _run_console(fut)
 
 
 @contextlib.contextmanager

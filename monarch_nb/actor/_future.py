@@ -119,7 +119,10 @@ class Future(Generic[R]):
         return None
 
     def __await__(self) -> Generator[Any, None, R]:
-        if self._state == _PENDING:
+        if self._state == _PENDING and _debugwait.awaits_here():
+            # an async cell: a rank of ours stopping at a breakpoint opens the console here
+            yield from _debugwait.wait_async(self).__await__()
+        elif self._state == _PENDING:
             loop = asyncio.get_running_loop()
             af: asyncio.Future[None] = loop.create_future()
 

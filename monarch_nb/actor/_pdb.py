@@ -119,7 +119,7 @@ class RemotePdb(pdb.Pdb):
             "function": frame.f_code.co_name,
             "file": frame.f_code.co_filename,
             "line": entry[1],
-            "header": self.format_stack_entry(entry, "\n-> "),
+            "header": "> " + self.format_stack_entry(entry, "\n-> "),
         }
 
     def _on_prompt(self) -> None:
