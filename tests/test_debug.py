@@ -272,6 +272,45 @@ procs.stop().get(timeout=30)
     assert all(line == str(bp_line) for _, line, _ in skipped), r["stderr"]
 
 
+def test_sessions_survive_a_kernel_restart() -> None:
+    k = Kernel()
+    try:
+        r = k.run(
+            DEFINE
+            + """
+procs = this_host().spawn_procs(per_host={"gpus": 2}, name="dbg-restart")   # persistent in a kernel
+fut = procs.spawn("dbgr", Dbg).go.call(2)
+import time
+deadline = time.monotonic() + 30
+while len(debug.sessions("dbgr")) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(len(debug.sessions("dbgr")))
+"""
+        )
+        assert r["stdout"].strip() == "2", r
+        k.km.restart_kernel(now=True)
+        k.kc.wait_for_ready(timeout=60)
+        r = k.run(
+            """
+from monarch_nb import debug
+from monarch_nb.actor import ProcMesh
+print(debug.format_table(debug.sessions("dbgr")))
+c = debug.attach("dbgr", 1)
+print("P", c.send("p local", timeout=30))
+print("CONT", debug.continue_all("dbgr"))
+ProcMesh.lookup("dbg-restart").stop(force=True).get(timeout=30)  # the old kernel may not be reaped yet
+print("LEFT", debug.sessions("dbgr"))
+"""
+        )
+        assert r["error"] is None, r
+        assert _rows(r["stdout"]) == 2, r["stdout"]
+        assert "P 21" in r["stdout"]
+        assert "CONT {0: '', 1: ''}" in r["stdout"]
+        assert "LEFT []" in r["stdout"]
+    finally:
+        k.close()
+
+
 DEBUGEE = """
 from monarch_nb.actor import Actor, current_rank, endpoint, this_host
 
