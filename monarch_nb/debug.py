@@ -403,6 +403,9 @@ Commands:
 """
 
 
+_RANKS_CMD = re.compile(r"^(ranks\([^)]*\)|\S+)\s+(.+)$")
+
+
 class Console:
     """The debugger's command loop: one line in, text out.
 
@@ -435,14 +438,26 @@ class Console:
         self.write(format_table(sessions(addresses=self.addresses)))
 
     def interact(
-        self, read: Callable[[str], str] = input, *, first: str | None = None, until: Callable[[], bool] | None = None
+        self,
+        read: Callable[[str], str] = input,
+        *,
+        first: str | None = None,
+        until: Callable[[], bool] | None = None,
+        leave_on_detach: bool = False,
     ) -> None:
-        """Read and run commands until ``quit``, end of input, or ``until()`` (checked when not attached)."""
+        """Read and run commands until ``quit``, end of input, or ``until()`` (checked when not attached).
+
+        ``first`` runs before the first read (``%mesh attach`` passes ``"attach ACTOR RANK"``);
+        ``leave_on_detach`` returns once an attached session is detached or continues.
+        """
         if first and not self.execute(first):
             return
         while True:
-            if until is not None and self.attached is None and until():
-                return
+            if self.attached is None:
+                if leave_on_detach and first:
+                    return
+                if until is not None and until():
+                    return
             try:
                 line = read(self.current_prompt)
             except EOFError:
@@ -524,15 +539,15 @@ class Console:
         self.write(f"Attached to debug session for rank {s.rank} ({s.host})\n{s.header}\n")
 
     def _cast(self, line: str) -> None:
-        parts = line.strip().split(None, 3)  # cast [ACTOR] RANKS COMMAND...
-        if len(parts) < 3:
+        m = re.match(r"^\s*cast\s+(ranks\([^)]*\)|\S+)\s+(.+)$", line)
+        if m is None:
             self.write("usage: cast [ACTOR] RANKS COMMAND\n")
             return
-        actors = {s.actor for s in sessions(addresses=self.addresses)}
-        if parts[1] in actors and len(parts) == 4:
-            actor, ranks, cmd = parts[1], parts[2], parts[3]
-        else:
-            actor, ranks, cmd = None, parts[1], line.strip().split(None, 2)[2]
+        actor: str | None = None
+        ranks, cmd = m.group(1), m.group(2)
+        m2 = _RANKS_CMD.match(cmd)
+        if m2 is not None and ranks in {s.actor for s in sessions(addresses=self.addresses)}:
+            actor, ranks, cmd = ranks, m2.group(1), m2.group(2)  # the first word was an actor name
         res = cast(actor, parse_ranks(ranks), cmd, addresses=self.addresses)
         if not res:
             self.write(f"no paused ranks match {ranks}\n")
@@ -591,14 +606,17 @@ def _blocked(fut: Future[Any]) -> None:
 
     try:
         con.interact(input, until=until)
+    except NotImplementedError:  # a frontend that says allow_stdin but cannot answer (StdinNotImplementedError)
+        _no_input()
+        return
     finally:
         _debugwait.mark_seen(seen)
-    if con.quit:
-        left = _debugwait.paused()
-        if left:
-            con.write(
-                f"left the debugger; {len(left)} rank(s) stay paused (attach later with monarch_nb.debug or `monarch-nb debug`)\n"
-            )
+    left = _debugwait.paused()
+    if left:
+        con.write(
+            f"left the debugger; {len(left)} rank(s) stay paused and this call keeps waiting "
+            "(attach with monarch_nb.debug or `monarch-nb debug`, or interrupt to stop waiting)\n"
+        )
     else:
         con.write("all ranks continued; waiting for the result\n")
 

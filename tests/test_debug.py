@@ -476,7 +476,10 @@ def test_cli_through_a_pipe(allocator: Any) -> None:
         with configured(debug_no_input="wait"):
             fut = p.go.call(True)
             _wait_sessions(4, "debugee")
-            cmds = "list\ncast debugee ranks(0:2) p rank\nattach debugee 3\np rank\nw\nc\ncontinue\nlist\nquit\n"
+            cmds = (
+                "list\ncast debugee ranks(0:2) p rank\ncast ranks(gpus=2, hosts=0) p rank + 100\n"
+                "attach debugee 3\np rank\nw\nc\ncontinue\nlist\nquit\n"
+            )
             cli = subprocess.run(
                 [PY, "-m", "monarch_nb", "debug"],
                 input=cmds,
@@ -491,6 +494,7 @@ def test_cli_through_a_pipe(allocator: Any) -> None:
             first_table = out.split("monarch_dbg> ", 2)[1]
             assert _rows(first_table) == 4
             assert "[0] 0" in out and "[1] 1" in out and "[2] 2" not in out
+            assert "[2] 102" in out and "[3] 103" not in out
             assert "Attached to debug session for rank 3" in out
             assert "(Pdb debugee 3) 3" in out
             assert "test_debug.py" in out  # `w` shows the stack with this file

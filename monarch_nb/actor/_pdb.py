@@ -191,7 +191,7 @@ class RemotePdb(pdb.Pdb):
             if fn not in self._no_source and not linecache.getlines(fn, frame.f_globals) and not fn.startswith("<frozen"):
                 self._no_source.add(fn)
                 try:
-                    lines = _context.client().request(self.caller, "source", fn, _actor="__debug__").get(timeout=5)
+                    lines = _context.client().request(self.caller, "source", fn, _actor="__debug__").get(timeout=2)
                 except Exception:
                     lines = []
                 if lines:
