@@ -19,7 +19,7 @@ def status(**kwargs: Any) -> dict[str, Any]:
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("actor", "spmd", "introspect", "allocator", "config", "errors"):
+    if name in ("actor", "spmd", "introspect", "allocator", "config", "errors", "debug"):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")
