@@ -555,6 +555,34 @@ def test_no_stdin_script(tmp_path: Any, policy: str) -> None:
         assert "DebugError" in r.stderr and "no input to debug it" in r.stderr
 
 
+def test_breakpoint_in_init_belongs_to_the_spawn(tmp_path: Any) -> None:
+    path = tmp_path / "init.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            from monarch_nb.actor import Actor, endpoint, this_host
+
+            class Init(Actor):
+                def __init__(self):
+                    breakpoint()
+                    self.ok = True
+
+                @endpoint
+                def ok_(self):
+                    return self.ok
+
+            m = this_host().spawn_procs(per_host={"gpus": 2}).spawn("init", Init)
+            print(m.ok_.call().get(timeout=60).values(), flush=True)
+            """
+        )
+    )
+    r = subprocess.run([PY, str(path)], capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    assert "[True, True]" in r.stdout
+    skipped = re.findall(r"breakpoint at (\S+):(\d+) on rank (\d) skipped \(no input\)", r.stderr)
+    assert sorted(int(x[2]) for x in skipped) == [0, 1] and all(line == "6" for _, line, _ in skipped), r.stderr
+
+
 def test_pdb_set_trace_works_too(allocator: Any) -> None:
     procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="dbg-settrace")
     try:

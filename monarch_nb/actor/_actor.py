@@ -195,6 +195,8 @@ class ActorSlot:
 
     def _init(self, args: tuple[Any, ...], kwargs: dict[str, Any], reply: tuple[str, int, int]) -> None:
         tok = _context._message_rank.set(self.instance_info.rank)
+        # a breakpoint in __init__ belongs to the creator's spawn call (its call ids start with its uid)
+        self.busy, self.call_id, self.caller = "__init__", f"{self.instance_info.creator}.spawn", reply[0]
         try:
             obj = self.cls.__new__(self.cls)
             obj.__init__(*args, **kwargs)
@@ -205,6 +207,7 @@ class ActorSlot:
             status, value = wire.ERROR, self.init_error
         finally:
             _context._message_rank.reset(tok)
+            self.busy = ""
         self.rt.send_port(reply[0], reply[1], reply[2], status, value)
 
     def _prepare(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> tuple[Any, ...] | None:
