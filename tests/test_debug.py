@@ -22,7 +22,7 @@ import jupyter_client
 import pytest
 from conftest import PY, wait_for
 
-from monarch_nb import debug
+from monarch_nb import debug, introspect
 from monarch_nb.actor import Actor, current_rank, endpoint
 from monarch_nb.config import configured
 from monarch_nb.errors import DebugError, SupervisionError
@@ -144,7 +144,7 @@ def _rows(table: str) -> int:
 # in the kernel (procs fetch it from the caller for pdb's `l`)
 DEFINE = """
 from monarch_nb.actor import Actor, endpoint, current_rank, this_host
-from monarch_nb import debug
+from monarch_nb import debug, introspect
 
 class Dbg(Actor):
     @endpoint
@@ -292,7 +292,7 @@ print(len(debug.sessions("dbgr")))
         k.kc.wait_for_ready(timeout=60)
         r = k.run(
             """
-from monarch_nb import debug
+from monarch_nb import debug, introspect
 from monarch_nb.actor import ProcMesh
 print(debug.format_table(debug.sessions("dbgr")))
 c = debug.attach("dbgr", 1)
@@ -419,6 +419,9 @@ def test_others_answer_while_paused_and_messages_queue_in_order(allocator: Any) 
             fut = p.slice(gpus=0).go.call_one(True)
             (s,) = _wait_sessions(1, "paused")
             assert s.rank == 0 and s.function == "go" and s.state == "paused"
+            # the public introspection (dashboard, sidebar) lists it too
+            listed = introspect.status(addresses=[allocator.addr])["debug_sessions"]
+            assert [(d["actor"], d["rank"], d["state"], d["line"]) for d in listed] == [("paused", 0, "paused", s.line)]
             # another actor in the same (paused) proc, and the other rank, still answer
             assert o.ping.call().get(timeout=10).values() == ["pong", "pong"]
             assert p.slice(gpus=1).go.call_one(False).get(timeout=10) == 1

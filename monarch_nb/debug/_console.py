@@ -32,7 +32,7 @@ class Console:
     """The debugger's command loop: one line in, text out.
 
     ``execute(line)`` runs one command (``False`` after ``quit``); ``interact(read)`` loops over
-    ``read(prompt)`` (``input`` in a terminal or a kernel cell). ``write`` receives all output.
+    ``read(prompt)`` (default ``input``: a terminal, or a kernel cell's input box). ``write`` receives all output.
     """
 
     prompt = "monarch_dbg> "
@@ -61,7 +61,7 @@ class Console:
 
     def interact(
         self,
-        read: Callable[[str], str] = input,
+        read: Callable[[str], str] | None = None,
         *,
         first: str | None = None,
         until: Callable[[], bool] | None = None,
@@ -72,6 +72,11 @@ class Console:
         ``first`` runs before the first read (``%mesh attach`` passes ``"attach ACTOR RANK"``);
         ``leave_on_detach`` returns once an attached session is detached or continues.
         """
+        if read is None:
+            # looked up now, not at import: a kernel swaps builtins.input for its stdin channel per request
+            import builtins
+
+            read = builtins.input
         if first and not self.execute(first):
             return
         while True:
@@ -94,8 +99,9 @@ class Console:
             if self.attached is not None:
                 return self._pdb(line)
             return self._command(line)
-        except (DebugError, ValueError, TimeoutError, ConnectionError) as e:
-            self.write(f"error: {e}\n")
+        except Exception as e:  # a console reports and goes on; only quit, EOF and interrupts leave it
+            msg = str(e) if isinstance(e, (DebugError, ValueError)) else f"{type(e).__name__}: {e}"
+            self.write(f"error: {msg}\n")
             return True
 
     def _pdb(self, line: str) -> bool:
