@@ -558,6 +558,32 @@ def test_no_stdin_script(tmp_path: Any, policy: str) -> None:
         assert "DebugError" in r.stderr and "no input to debug it" in r.stderr
 
 
+def test_no_stdin_waits_for_an_attach_within_the_timeout(tmp_path: Any) -> None:
+    path = tmp_path / "bp.py"
+    path.write_text(SCRIPT.replace('"dbg"', '"dbgw"'))
+    proc = subprocess.Popen(
+        [PY, str(path)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, MONARCH_NB_DEBUG_NO_INPUT_TIMEOUT="60"),
+    )
+    try:
+        _wait_sessions(2, "dbgw")
+        # someone else (a terminal, here this test) debugs the ranks while the script waits
+        assert debug.cast("dbgw", "*", "p 6 * 7", timeout=10) == {0: "42\n", 1: "42\n"}
+        assert debug.continue_all("dbgw", timeout=10) == {0: "", 1: ""}
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "[0, 1]" in out
+    assert "skipped" not in err, err
+
+
 def test_breakpoint_in_init_belongs_to_the_spawn(tmp_path: Any) -> None:
     path = tmp_path / "init.py"
     path.write_text(

@@ -225,12 +225,15 @@ class Client:
 
     def shutdown(self) -> None:
         """Detach from every allocator (a script's meshes stop; persistent ones stay)."""
-        self.flush_logs()
-        for addr in list(self.hellos):
-            try:
-                self.request(addr, "bye", self.rt.addr_for(addr)).get(timeout=2)
-            except Exception:
-                pass
+        from . import _debugwait
+
+        with _debugwait.quiet():  # at exit nobody is there to debug paused ranks
+            self.flush_logs()
+            for addr in list(self.hellos):
+                try:
+                    self.request(addr, "bye", self.rt.addr_for(addr)).get(timeout=2)
+                except Exception:
+                    pass
         self.hellos.clear()
 
 

@@ -183,7 +183,6 @@ def quiet() -> Iterator[None]:
 
 
 def _run_console(fut: Future[Any]) -> None:
-    global console
     if console is None:
         importlib.import_module("monarch_nb.debug")  # installs ``console``
     with _lock:

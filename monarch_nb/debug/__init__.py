@@ -16,8 +16,10 @@ or ``monarch-nb debug`` in a terminal.
 Monarch's spelling ``attach debugee 13``, ``cast debugee ranks(0:4) p x``) shared by the
 blocked cell, the ``%mesh`` magics and the CLI. A controller whose main thread is blocked on
 a call whose rank stops runs it through ``input()``: in a kernel, the cell's input box.
+``with quiet():`` keeps housekeeping waits (a frontend's own requests) from opening it.
 """
 
+from ..actor._debugwait import quiet
 from . import _blocked  # noqa: F401  (importing it installs the blocked-cell console)
 from ._console import Console, run_cli
 from ._sessions import DebugClient, RankSet, Session, attach, cast, continue_all, format_table, parse_ranks, sessions
@@ -32,6 +34,7 @@ __all__ = [
     "continue_all",
     "format_table",
     "parse_ranks",
+    "quiet",
     "run_cli",
     "sessions",
 ]
