@@ -627,6 +627,41 @@ def test_pdb_set_trace_works_too(allocator: Any) -> None:
         procs.stop().get(timeout=30)
 
 
+class Loop(Actor):
+    @endpoint
+    def go(self) -> int:
+        total = 0
+        for i in range(3):
+            breakpoint()
+            total += i
+        return total
+
+
+def test_breakpoint_in_a_loop(allocator: Any) -> None:
+    procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="dbg-loop")
+    try:
+        m = procs.spawn("loop", Loop)
+        with configured(debug_no_input="wait"):
+            fut = m.go.call_one()
+            _wait_sessions(1, "loop")
+            c = debug.attach("loop", 0)
+            assert "-> total += i" in c.header and c.send("p i", timeout=10) == "0\n"
+            # stepping onto breakpoint() inside the open session just steps on, into the next iteration
+            assert "-> breakpoint()" in c.send("n", timeout=10) + c.send("n", timeout=10)
+            assert "-> total += i" in c.send("n", timeout=10)
+            assert c.send("p i", timeout=10) == "1\n"
+            assert c.send("c", timeout=10) == "" and c.ended
+            # the last iteration stops again, as a new session
+            for i in (2,):
+                wait_for(lambda: debug.sessions("loop", include_gone=False), 30, "the next iteration's session")
+                c = debug.attach("loop", 0)
+                assert c.send("p i", timeout=10) == f"{i}\n"
+                c.send("c", timeout=10)
+            assert fut.get(timeout=10) == 3
+    finally:
+        procs.stop().get(timeout=30)
+
+
 class SetTrace(Actor):
     @endpoint
     async def go(self) -> int:

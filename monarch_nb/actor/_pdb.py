@@ -23,6 +23,7 @@ import pdb
 import queue
 import secrets
 import sys
+import threading
 import time
 from typing import Any
 
@@ -37,6 +38,8 @@ _STEPS = frozenset({"s", "step", "n", "next", "r", "return", "unt", "until"})
 _PROMPT = "(Pdb) "
 
 _sessions: dict[str, RemotePdb] = {}
+#: the session open on this thread, if any (``breakpoint()`` while stepping through it is a no-op)
+_here = threading.local()
 
 
 class _Relay:
@@ -129,6 +132,7 @@ class RemotePdb(pdb.Pdb):
         if not self.open:
             self.open = True
             _sessions[self.sid] = self
+            _here.pdb = self
             rec = {**self.info, **loc, "banner": out, "since": time.time(), "state": "paused"}
             self._tell("debug_open", rec)
         if self.relay.reply is not None:
@@ -154,6 +158,7 @@ class RemotePdb(pdb.Pdb):
             return
         self.open = False
         _sessions.pop(self.sid, None)
+        _here.pdb = None
         self._answer({"output": self.relay.take(), "state": "continued"})
         while True:  # commands queued behind the one that resumed us
             try:
@@ -220,6 +225,9 @@ def breakpoint_hook(*args: Any, **kwargs: Any) -> None:
         # the I/O thread carries the debugger's own messages; stopping it would deadlock
         print("monarch_nb: breakpoint() on the I/O thread ignored", file=sys.stderr)
         return
+    active = getattr(_here, "pdb", None)
+    if active is not None and active.open:
+        return  # stepped onto another breakpoint() in the session already open here: keep stepping
     frame = sys._getframe(1)
     RemotePdb(rt, frame).set_trace(frame)
 
