@@ -670,3 +670,20 @@ class SetTrace(Actor):
         secret = 42
         pdb.set_trace()
         return secret + 1
+
+
+def test_source_service_serves_cells_and_modules_only(tmp_path: Any) -> None:
+    import linecache
+
+    from monarch_nb.actor._pdb import DebugService
+
+    svc = DebugService()
+    secret = tmp_path / "secret.txt"
+    secret.write_text("do not serve\n")
+    assert svc.sys_source(str(secret)) == []  # a file on disk that no module of ours runs
+    linecache.cache["<cell-7>"] = (4, None, ["x=1\n"], "<cell-7>")  # how IPython registers a cell
+    try:
+        assert svc.sys_source("<cell-7>") == ["x=1\n"]
+    finally:
+        del linecache.cache["<cell-7>"]
+    assert "def test_source_service_serves_cells_and_modules_only" in "".join(svc.sys_source(__file__))

@@ -244,7 +244,14 @@ class DebugService:
         return NO_REPLY
 
     def sys_source(self, filename: str) -> list[str]:
-        return linecache.getlines(filename)
+        """Source a paused rank needs but cannot read: a notebook cell, or a module this process
+        runs (a script's ``__main__``). Never any other file: peers may not browse our disk."""
+        entry = linecache.cache.get(filename)
+        if entry is not None and len(entry) == 4 and entry[1] is None:  # in-memory source (IPython cells)
+            return list(entry[2])
+        if filename in {getattr(m, "__file__", None) for m in list(sys.modules.values())}:
+            return linecache.getlines(filename)
+        return []
 
 
 def install(rt: Runtime) -> None:
