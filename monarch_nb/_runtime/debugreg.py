@@ -11,12 +11,15 @@ Every change is published to subscribers as ``("debug", kind, record)``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
 from ..errors import DebugError
+
+logger = logging.getLogger(__name__)
 
 #: fields of a record that a command's answer updates
 _LOCATION = ("function", "file", "line", "header")
@@ -42,8 +45,12 @@ class DebugRegistry:
         rec["alloc"] = self.rt.tcp_addr or self.rt.ipc_addr
         rec["alloc_ipc"] = self.rt.ipc_addr
         proc = self.by_token.get(rec.get("token", ""))
-        if proc is not None and proc.state not in ("starting", "running"):
-            return  # a late message from a proc already gone
+        if proc is None or proc.state not in ("starting", "running"):
+            # not a proc of ours (or a late message from one already gone): nothing to relay to
+            logger.warning("ignored a debug session from an unknown or exited proc (pid %s)", rec.get("pid"))
+            return
+        # where commands go and whose death ends the session: the allocator's own record, not the claim
+        rec["addr"], rec["pid"], rec["mesh"] = proc.addr or rec["addr"], proc.pid or rec["pid"], proc.mesh
         rec.setdefault("state", "paused")
         rec.setdefault("cause", "")
         self.debug_sessions[rec["sid"]] = rec
