@@ -24,6 +24,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._future import Future
 
+#: Future._state of a pending future (``_future`` imports this module, so it cannot be imported here)
+_PENDING = 0
+
 _lock = threading.Lock()
 #: sid -> session record, for paused (or gone) sessions of calls this controller made
 _ours: dict[str, dict[str, Any]] = {}
@@ -117,7 +120,7 @@ def wait(fut: Future[Any], timeout: float | None) -> bool:
     cond = fut._cond
     if not _enabled or threading.current_thread() is not _main or getattr(_busy, "on", False):
         with cond:
-            return cond.wait_for(lambda: fut._state != 0, timeout)
+            return cond.wait_for(lambda: fut._state != _PENDING, timeout)
     deadline = None if timeout is None else time.monotonic() + timeout
     with _lock:
         _waiters.add(fut)
@@ -125,8 +128,8 @@ def wait(fut: Future[Any], timeout: float | None) -> bool:
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             with cond:
-                cond.wait_for(lambda: fut._state != 0 or bool(_unseen), left)
-            if fut._state != 0:
+                cond.wait_for(lambda: fut._state != _PENDING or bool(_unseen), left)
+            if fut._state != _PENDING:
                 return True
             if _unseen:
                 t0 = time.monotonic()
@@ -152,7 +155,7 @@ async def wait_async(fut: Future[Any]) -> None:
     The console blocks this thread's loop while it reads input, as a blocked ``get()`` would.
     """
     loop = asyncio.get_running_loop()
-    while fut._state == 0:
+    while fut._state == _PENDING:
         woken: asyncio.Future[None] = loop.create_future()
 
         def wake(*_: Any, woken: asyncio.Future[None] = woken) -> None:
@@ -167,7 +170,7 @@ async def wait_async(fut: Future[Any]) -> None:
         finally:
             with _lock:
                 _async_waiters.discard(wake)
-        if fut._state == 0 and _unseen:
+        if fut._state == _PENDING and _unseen:
             _run_console(fut)
 
 

@@ -17,6 +17,7 @@ from . import _debugwait
 R = TypeVar("R")
 
 _PENDING, _RAW, _DONE, _FAILED = range(4)
+assert _debugwait._PENDING == _PENDING
 
 
 class Future(Generic[R]):
