@@ -558,6 +558,65 @@ def test_no_stdin_script(tmp_path: Any, policy: str) -> None:
         assert "DebugError" in r.stderr and "no input to debug it" in r.stderr
 
 
+class Pty:
+    """A process on a pseudo-terminal: what a person sees in a terminal, and what they type."""
+
+    def __init__(self, argv: list[str]) -> None:
+        import pty
+
+        self.fd, child = pty.openpty()
+        self.proc = subprocess.Popen(argv, stdin=child, stdout=child, stderr=child, close_fds=True)
+        os.close(child)
+        self.text = ""
+
+    def expect(self, pattern: str, timeout: float = 30) -> str:
+        """Read until ``pattern`` (a regex) appears in what was printed; return everything so far."""
+        import select
+
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.text):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {pattern!r} within {timeout} s; the terminal shows:\n{self.text}")
+            if select.select([self.fd], [], [], left)[0]:
+                try:
+                    self.text += os.read(self.fd, 65536).decode(errors="replace")
+                except OSError:  # EIO: the process closed the terminal
+                    raise AssertionError(f"the process exited before {pattern!r}:\n{self.text}") from None
+        return self.text
+
+    def send(self, line: str) -> None:
+        os.write(self.fd, (line + "\n").encode())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        os.close(self.fd)
+
+
+def test_script_in_a_terminal_gets_the_console(tmp_path: Any) -> None:
+    path = tmp_path / "bp.py"
+    path.write_text(SCRIPT.replace('"dbg"', '"dbgt"'))
+    term = Pty([PY, str(path)])
+    try:
+        term.expect(r"monarch_dbg> $")
+        while _rows(term.text.rsplit("monarch_dbg>", 2)[-2]) < 2:  # both ranks listed
+            term.send("list")
+            term.expect(r"monarch_dbg> $")
+        term.send("attach dbgt 1")
+        term.expect(r"\(Pdb dbgt 1\) $")
+        term.send("p 6 * 7")
+        assert "42" in term.expect(r"42\s+\(Pdb dbgt 1\) $").rsplit("p 6 * 7", 1)[1]
+        term.send("c")
+        assert "rank 1 continued" in term.expect(r"rank 1 continued\.\s+monarch_dbg> $")
+        term.send("continue")
+        term.expect(r"\[0, 1\]")
+        assert term.proc.wait(30) == 0
+    finally:
+        term.close()
+
+
 def test_no_stdin_waits_for_an_attach_within_the_timeout(tmp_path: Any) -> None:
     path = tmp_path / "bp.py"
     path.write_text(SCRIPT.replace('"dbg"', '"dbgw"'))
