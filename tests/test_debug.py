@@ -239,6 +239,34 @@ def test_blocked_get_is_the_debugger(kernel: Kernel) -> None:
     kernel.run("procs.stop().get(timeout=30)")
 
 
+def test_interrupting_the_debugger_leaves_ranks_paused(kernel: Kernel) -> None:
+    kernel.run(DEFINE + "\nprocs = this_host().spawn_procs(per_host={'gpus': 2}, name='dbg-int')\nm = procs.spawn('dbgi', Dbg)\n")
+
+    def interrupt(prompt: str, text: str) -> str:
+        kernel.km.interrupt_kernel()  # the user presses "interrupt" instead of answering
+        return ""
+
+    r = kernel.run("m.go.call(1).get()", interrupt)
+    assert r["error"] is not None and r["error"]["ename"] == "KeyboardInterrupt", r
+    r = kernel.run(
+        """
+import time
+deadline = time.monotonic() + 30
+while len(debug.sessions("dbgi")) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(sorted((s.rank, s.state) for s in debug.sessions("dbgi")))
+print(debug.continue_all("dbgi"))
+print(m.go.call(2).get(timeout=30) is not None)
+procs.stop().get(timeout=30)
+""",
+        lambda p, t: "continue",  # the next call stops again: this cell's own console continues it
+    )
+    assert r["error"] is None, r
+    assert "[(0, 'paused'), (1, 'paused')]" in r["stdout"]
+    assert "{0: '', 1: ''}" in r["stdout"]
+    assert "True" in r["stdout"]
+
+
 def test_awaiting_cell_is_the_debugger(kernel: Kernel) -> None:
     kernel.run(
         DEFINE + "\nprocs = this_host().spawn_procs(per_host={'gpus': 2}, name='dbg-await')\nm = procs.spawn('dbg', Dbg)\n"
