@@ -175,7 +175,11 @@ class RemotePdb(pdb.Pdb):
 
     def interaction(self, frame: Any, traceback: Any) -> None:
         self._fetch_sources(frame)
-        super().interaction(frame, traceback)
+        try:
+            super().interaction(frame, traceback)
+        except BaseException:  # e.g. pdb's `restart` raises into the endpoint: the session is over
+            self._end()
+            raise
         if self.last not in _STEPS:
             self._end()
 
