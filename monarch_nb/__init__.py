@@ -48,7 +48,7 @@ def _load_jupyter_server_extension(server_app: Any) -> None:
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("actor", "spmd", "introspect", "allocator", "config", "errors", "mesh", "logs", "sync", "server"):
+    if name in ("actor", "spmd", "introspect", "allocator", "config", "errors", "mesh", "logs", "sync", "server", "debug"):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")

@@ -1,4 +1,4 @@
-"""``monarch-nb``: allocator daemon, status, keys."""
+"""``monarch-nb``: allocator daemon, status, keys, debugger."""
 
 from __future__ import annotations
 
@@ -74,6 +74,12 @@ def _kernelspec(args: argparse.Namespace) -> int:
     return 0
 
 
+def _debug(args: argparse.Namespace) -> int:
+    from .debug import run_cli
+
+    return run_cli(args.addr or None, args.key_file, args.command or None)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="monarch-nb", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -98,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     ks.add_argument("--user", action="store_true", help="install for this user (~/.local/share/jupyter)")
     ks.add_argument("--prefix", help="install under PREFIX/share/jupyter (default: this environment)")
     ks.set_defaults(fn=_kernelspec)
+    d = sub.add_parser("debug", help="attach to ranks stopped at breakpoint() (list, attach, cast, continue)")
+    d.add_argument("--addr", action="append", help="an allocator address (tcp://HOST:PORT); local ones are found")
+    d.add_argument("--key-file", help="cluster key file, for allocators on other hosts")
+    d.add_argument("-c", "--command", action="append", help="run this command and exit (repeatable)")
+    d.set_defaults(fn=_debug)
     args = p.parse_args(argv)
     return int(args.fn(args) or 0)
 

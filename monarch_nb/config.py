@@ -36,6 +36,12 @@ class Config:
     zygote_preload: str = "torch"
     #: how long the allocator batches log lines before forwarding them
     log_flush_interval: float = 0.02
+    #: a breakpoint hit while the caller waits with no way to ask for input (nbval, nbconvert,
+    #: a script without a TTY): "continue" it after debug_no_input_timeout, "raise" in the
+    #: caller (after continuing it), or "wait" for an attach from a terminal (monarch-nb debug)
+    debug_no_input: str = "continue"
+    #: seconds a breakpoint with no input waits for an attach from elsewhere before "continue"/"raise"
+    debug_no_input_timeout: float = 0.0
 
     def replace(self, **kw: Any) -> Config:
         return dataclasses.replace(self, **kw)

@@ -11,6 +11,7 @@
   + AuthenticationError   the peer refused our key (or we refused theirs)
   + ConnectError          an address that cannot be reached in time
   + ConfigError
+  + DebugError            a debug session that continued, is gone, or a breakpoint nobody could answer
 
 Deadlines raise the builtin ``TimeoutError`` saying what was awaited and for how long.
 """
@@ -222,3 +223,7 @@ class ConnectError(MonarchNBError):
 
 class ConfigError(MonarchNBError):
     """A configuration value is invalid."""
+
+
+class DebugError(MonarchNBError):
+    """A debug session is gone or unknown, or a breakpoint was hit where nobody could debug it."""

@@ -13,13 +13,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ._runtime.runtime import pid_alive
-from .actor import _context
+from .actor import _context, _debugwait
 from .actor._client import read_connection_files
 from .config import runtime_dir
 
 
 def status(addresses: list[str] | None = None, timeout: float = 2.0) -> dict[str, Any]:
-    """Allocators (local connection files plus ``addresses``), their meshes and procs."""
+    """Allocators (local connection files plus ``addresses``), their meshes and procs, and the
+    debug sessions of ranks paused at ``breakpoint()`` (``debug_sessions``, also per allocator)."""
     client = _context.client()
     targets: list[tuple[str, dict[str, Any]]] = []
     host = socket.gethostname()
@@ -33,10 +34,13 @@ def status(addresses: list[str] | None = None, timeout: float = 2.0) -> dict[str
     out = []
     for _addr, info, f in futs:
         try:
-            out.append(f.get(timeout=timeout))
+            with _debugwait.quiet():  # a status query is not a wait that should open the debugger
+                out.append(f.get(timeout=timeout))
         except Exception as e:
             out.append({**info, "error": f"{type(e).__name__}: {e}"})
-    return {"time": time.time(), "allocators": out}
+    # paused ranks (breakpoint()), flattened for the dashboard and the sidebar
+    debug = [dict(r, alloc_id=a.get("alloc_id")) for a in out for r in a.get("debug_sessions", [])]
+    return {"time": time.time(), "allocators": out, "debug_sessions": debug}
 
 
 def logs(mesh: str, rank: int, tail: int | None = None, addr: str | None = None, timeout: float = 5.0) -> list[dict[str, Any]]:
@@ -65,6 +69,7 @@ def on_state_change(callback: Callable[[dict[str, Any]], None], interval: float 
                 a.get("alloc_id"),
                 a.get("error"),
                 [(m["name"], m["state"], [(p["rank"], p["state"]) for p in m["procs"]]) for m in a.get("meshes", [])],
+                [(d["sid"], d["state"], d.get("line")) for d in a.get("debug_sessions", [])],
             )
             for a in s["allocators"]
         ]

@@ -669,7 +669,7 @@ def test_reattached_controller_stops_orphaned_mesh(cluster: NetnsCluster, worker
         wait_for(lambda i=i: len(zygote_processes(cluster, i)) == 1, 10, f"procs on host {i} to exit")
 
 
-SYNC_MODULE = '''
+SYNC_MODULE = """
 from monarch_nb.actor import Actor, endpoint
 
 
@@ -682,7 +682,7 @@ class Worker(Actor):
         import os
         self.calls += 1
         return ("{version}", self.calls, os.getpid(), __file__)
-'''
+"""
 
 
 @pytest.mark.timeout(180)
@@ -718,7 +718,7 @@ def test_sync_to_hosts_that_cannot_see_the_controllers_files(cluster: NetnsClust
         assert added == ["mymod.py", "notes.txt"] and sent == 5000 + len(SYNC_MODULE.format(version="v1"))
     v1 = ctl.expect("v1")["vals"]
     assert [v[:2] for v in v1] == [["v1", 1]] * 4
-    for i, (version, _calls, _pid, file) in enumerate(v1):
+    for i, (_version, _calls, _pid, file) in enumerate(v1):
         host = 1 + i // 2
         # the module came from that host's own cache; the controller's copy is invisible there
         assert file.startswith("/tmp/mnb/mnb-code/ws/") and cluster.path(host, file).exists(), file

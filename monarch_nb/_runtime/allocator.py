@@ -28,6 +28,7 @@ from .._wire import frames as wire
 from ..config import Config
 from ..errors import MeshError, SpawnError
 from .codecache import CodeCache
+from .debugreg import DebugRegistry
 from .logcapture import LogLine, ProcLog, read_log
 from .runtime import NO_REPLY, Runtime, pid_alive, system_method
 from .telemetry import Telemetry
@@ -81,7 +82,7 @@ def _gpu_count() -> int:
         return 0
 
 
-class Allocator:
+class Allocator(DebugRegistry):
     def __init__(
         self, cfg: Config, security: Security, runtime_dir: str, *, tcp_ip: str | None = None, tcp_port: int = 0
     ) -> None:
@@ -107,6 +108,7 @@ class Allocator:
         self.gpus = _gpu_count()
         self.telemetry = Telemetry(self)
         self._code: CodeCache | None = None
+        self._debug_init()
 
     # ------------------------------------------------------------ lifecycle
     def start(self, key_file: str = "") -> None:
@@ -242,6 +244,7 @@ class Allocator:
             rec.exited.set_result(None)
         if rec.log is not None:
             rec.log.close()
+        self._debug_proc_exited(rec.token, cause)
         self._publish(("proc_exited", rec.addr, rec.mesh, rec.rank, self.rt.hostname, cause))
         self._publish(("state", rec.mesh, rec.rank, rec.state, cause))
         mesh = self.meshes.get(rec.mesh)
@@ -397,6 +400,7 @@ class Allocator:
                     self.rt.send_port(
                         addr, port, 0, wire.ITEM, ("proc_exited", rec.addr, rec.mesh, rec.rank, self.rt.hostname, rec.cause)
                     )
+        self._debug_replay(addr, port)
         return NO_REPLY
 
     @system_method(wants_reply=True)
@@ -611,6 +615,7 @@ class Allocator:
                 }
                 for m in self.meshes.values()
             ],
+            "debug_sessions": self.sys_debug_list(),
             "lease_s": self.cfg.lease,
             "idle_s": now - self.idle_since if not self.controllers else 0.0,
             "host_stats": self.telemetry.host,
@@ -649,6 +654,7 @@ class Allocator:
                 await asyncio.wait(pending, timeout=5.0)
         for r in m.procs:
             self.by_token.pop(r.token, None)
+        self._debug_mesh_stopped(m.name)
         m.state = "stopped"
         self._publish(("mesh", m.name, "stopped", reason))
         return len(live)

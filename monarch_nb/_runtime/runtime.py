@@ -100,6 +100,8 @@ class Runtime:
         self._all_out: list[zmq.Socket] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self.peer_failure_callbacks: list[Callable[[str, SupervisionError], None]] = []
+        #: called on the I/O thread with every other event an allocator publishes (e.g. debug sessions)
+        self.event_callbacks: list[Callable[[tuple[Any, ...]], None]] = []
         self.dropped_frames = 0
         self._closed = False
 
@@ -481,6 +483,12 @@ class Runtime:
                 self.peer_failed(addr, SupervisionError(cause, mesh=mesh, rank=rank, host=host))
             elif ev[0] == "pong":
                 w.last_pong = time.monotonic()
+            else:
+                for cb in self.event_callbacks:
+                    try:
+                        cb(ev)
+                    except Exception:
+                        logger.exception("allocator event callback raised")
 
         port = self.open_port(on_event)
         w.event_port = port  # type: ignore[attr-defined]

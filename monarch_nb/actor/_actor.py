@@ -118,6 +118,9 @@ class ActorSlot:
         #: calls served and seconds spent in them (telemetry)
         self.calls = 0
         self.busy_s = 0.0
+        #: the call being run and who waits for it (a breakpoint's debug session names them)
+        self.call_id = ""
+        self.caller = ""
         self._stopped = False
         if self.is_async:
             self.loop = asyncio.new_event_loop()
@@ -198,6 +201,8 @@ class ActorSlot:
 
     def _init(self, args: tuple[Any, ...], kwargs: dict[str, Any], reply: tuple[str, int, int]) -> None:
         tok = _context._message_rank.set(self.instance_info.rank)
+        # a breakpoint in __init__ belongs to the creator's spawn call (its call ids start with its uid)
+        self.busy, self.call_id, self.caller = "__init__", f"{self.instance_info.creator}.spawn", reply[0]
         try:
             obj = self.cls.__new__(self.cls)
             obj.__init__(*args, **kwargs)
@@ -209,6 +214,7 @@ class ActorSlot:
             status, value = wire.ERROR, self.init_error
         finally:
             _context._message_rank.reset(tok)
+            self.busy = ""
         self.rt.send_port(reply[0], reply[1], reply[2], status, value)
 
     def _prepare(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> tuple[Any, ...] | None:
@@ -278,7 +284,7 @@ class ActorSlot:
             return
         fn, args, kwargs, raddr, rport, index, mrank, call_id, method = prep
         tok = _context._message_rank.set(mrank)
-        self.busy = method
+        self.busy, self.call_id, self.caller = method, call_id, raddr
         self._mark(call_id)
         t0 = time.perf_counter()
         try:
@@ -300,7 +306,7 @@ class ActorSlot:
             return
         fn, args, kwargs, raddr, rport, index, mrank, call_id, method = prep
         tok = _context._message_rank.set(mrank)
-        self.busy = method
+        self.busy, self.call_id, self.caller = method, call_id, raddr
         self._mark(call_id)
         t0 = time.perf_counter()
         try:

@@ -8,6 +8,8 @@ import pickle
 import sys
 from typing import Any
 
+from . import _pdb  # imported here so the zygote preloads pdb once, not every proc
+
 
 def main(spec: dict[str, Any]) -> int:
     from .._runtime.runtime import Runtime
@@ -29,6 +31,7 @@ def main(spec: dict[str, Any]) -> int:
         label=f"{spec['mesh']}[{spec['rank']}]",
     ).start()
     _context.install_runtime(rt, spec)
+    _pdb.install(rt)
     host = ensure_actor_host(rt)
     if spec.get("bootstrap"):
         r = loads(spec["bootstrap"])()

@@ -72,6 +72,12 @@ class Client:
         self._anon = 0
         if self.kind != "proc":
             atexit.register(self.shutdown)
+            # breakpoints in calls we make can wake our blocked main thread; we serve their cell sources
+            from . import _debugwait, _pdb
+
+            _pdb.install(rt)
+            _debugwait.enable(rt.uid)
+            rt.event_callbacks.append(_debugwait.on_event)
 
     # ------------------------------------------------------------ requests
     def request(self, addr: str, method: str, *args: Any, _actor: str = "__allocator__", **kwargs: Any) -> Future[Any]:
@@ -241,12 +247,15 @@ class Client:
 
     def shutdown(self) -> None:
         """Detach from every allocator (a script's meshes stop; persistent ones stay)."""
-        self.flush_logs()
-        for addr in list(self.hellos):
-            try:
-                self.request(addr, "bye", self.rt.addr_for(addr)).get(timeout=2)
-            except Exception:
-                pass
+        from . import _debugwait
+
+        with _debugwait.quiet():  # at exit nobody is there to debug paused ranks
+            self.flush_logs()
+            for addr in list(self.hellos):
+                try:
+                    self.request(addr, "bye", self.rt.addr_for(addr)).get(timeout=2)
+                except Exception:
+                    pass
         self.hellos.clear()
 
 

@@ -12,9 +12,12 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar
 
+from . import _debugwait
+
 R = TypeVar("R")
 
 _PENDING, _RAW, _DONE, _FAILED = range(4)
+assert _debugwait._PENDING == _PENDING
 
 #: thread id -> the future that thread is blocked on in ``get()`` (what a frontend shows progress of)
 blocked: dict[int, Future[Any]] = {}
@@ -108,9 +111,9 @@ class Future(Generic[R]):
             tid = threading.get_ident()
             blocked[tid] = self
             try:
-                with self._cond:
-                    if not self._cond.wait_for(lambda: self._state != _PENDING, timeout):
-                        raise TimeoutError(f"{self._what} not ready after {timeout} s (the future is still usable)")
+                # the wait lives in _debugwait: a rank of ours stopping at a breakpoint wakes the main thread
+                if not _debugwait.wait(self, timeout):
+                    raise TimeoutError(f"{self._what} not ready after {timeout} s (the future is still usable)")
             finally:
                 blocked.pop(tid, None)
         return self._resolve()
@@ -127,7 +130,10 @@ class Future(Generic[R]):
         return None
 
     def __await__(self) -> Generator[Any, None, R]:
-        if self._state == _PENDING:
+        if self._state == _PENDING and _debugwait.awaits_here():
+            # an async cell: a rank of ours stopping at a breakpoint opens the console here
+            yield from _debugwait.wait_async(self).__await__()
+        elif self._state == _PENDING:
             loop = asyncio.get_running_loop()
             af: asyncio.Future[None] = loop.create_future()
 

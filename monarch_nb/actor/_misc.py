@@ -239,7 +239,10 @@ def get_meter() -> Any:
 
 
 def debug_controller() -> Any:
-    raise NotImplementedError("the remote debugger arrives with the debug feature (monarch_nb.debug)")
+    raise NotImplementedError(
+        "monarch_nb has no debug controller actor: use monarch_nb.debug (sessions, attach, cast, continue_all), "
+        "`%mesh debug` in a notebook, or `monarch-nb debug` in a terminal"
+    )
 
 
 def attach(addr: str) -> None:

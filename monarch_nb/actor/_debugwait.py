@@ -1,0 +1,199 @@
+"""The blocked wait is the debugger: wake a controller's main thread when a rank it waits on stops.
+
+Allocators publish debug sessions to their subscribers (every controller that calls their
+procs). This module keeps the paused sessions of calls *this* controller made (their call id
+starts with our runtime's uid) and, when one opens while the main thread is blocked in
+``Future.get()``, wakes that thread and runs the console: ``monarch_nb.debug`` installs it
+(imported on the first breakpoint, so ``mesh.ep.call().get()`` is debuggable as written).
+
+Only the main thread runs a console: it owns ``input()`` (in a kernel, the cell's input box);
+other threads keep waiting, and their ranks stay listed for ``monarch_nb.debug`` clients.
+The plain (no breakpoint) path costs one thread check per blocking wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._future import Future
+
+#: Future._state of a pending future (``_future`` imports this module, so it cannot be imported here)
+_PENDING = 0
+
+_lock = threading.Lock()
+#: sid -> session record, for paused (or gone) sessions of calls this controller made
+_ours: dict[str, dict[str, Any]] = {}
+#: sids opened since a console last showed them
+_unseen: set[str] = set()
+#: futures the main thread is blocked on
+_waiters: set[Future[Any]] = set()
+#: wake-ups of main-thread coroutines awaiting a Future
+_async_waiters: set[Callable[[], None]] = set()
+#: notified on every change to _ours (consoles wait on it without polling)
+changed = threading.Condition(_lock)
+_main = threading.main_thread()
+_uid_prefix = ""
+_enabled = False
+_busy = threading.local()
+
+#: ``console(future)`` runs when the main thread waits and a rank of ours stopped; set by monarch_nb.debug
+console: Callable[[Future[Any]], None] | None = None
+
+
+def enable(uid: str) -> None:
+    """Called once by a controller's client: sessions of calls whose id starts with ``uid`` are ours."""
+    global _uid_prefix, _enabled
+    _uid_prefix = uid + "."
+    _enabled = True
+
+
+def on_event(ev: tuple[Any, ...]) -> None:
+    """An allocator event (I/O thread): track our sessions and wake the main thread's wait."""
+    if ev[0] != "debug" or not _enabled:
+        return
+    _, kind, rec = ev
+    if not str(rec.get("call_id", "")).startswith(_uid_prefix):
+        return
+    sid = rec["sid"]
+    with _lock:
+        if kind == "open":
+            if sid not in _ours:
+                _unseen.add(sid)
+            _ours[sid] = rec
+        elif kind in ("update", "gone"):
+            if sid in _ours or kind == "gone":
+                _ours[sid] = rec
+            if kind == "gone":
+                _unseen.discard(sid)
+        elif kind == "closed":
+            _ours.pop(sid, None)
+            _unseen.discard(sid)
+        changed.notify_all()
+        waiters = list(_waiters) if _unseen else []
+        wakes = list(_async_waiters) if _unseen else []
+    for f in waiters:
+        with f._cond:
+            f._cond.notify_all()
+    for w in wakes:
+        w()
+
+
+def paused() -> dict[str, dict[str, Any]]:
+    """Our sessions still paused (or running a step), by sid."""
+    with _lock:
+        return {s: r for s, r in _ours.items() if r.get("state") != "gone"}
+
+
+def mark_seen(sids: set[str] | None = None) -> None:
+    """A console showed these sessions (all when None): they no longer wake a wait."""
+    with _lock:
+        if sids is None:
+            _unseen.clear()
+        else:
+            _unseen.difference_update(sids)
+
+
+def forget(sid: str) -> None:
+    """A client saw ``sid`` continue (its close event may still be on the way)."""
+    with _lock:
+        _ours.pop(sid, None)
+        _unseen.discard(sid)
+        changed.notify_all()
+
+
+def wait_closed(sids: set[str], timeout: float) -> bool:
+    """Wait up to ``timeout`` for all of ``sids`` to continue or go (e.g. a terminal attached)."""
+    with changed:
+        return changed.wait_for(lambda: not any(s in _ours and _ours[s].get("state") != "gone" for s in sids), timeout)
+
+
+def wait(fut: Future[Any], timeout: float | None) -> bool:
+    """Block until ``fut`` is done (True) or ``timeout`` passes (False), running the console
+    when a rank of ours stops meanwhile and this is the main thread."""
+    cond = fut._cond
+    if not _enabled or threading.current_thread() is not _main or getattr(_busy, "on", False):
+        with cond:
+            return cond.wait_for(lambda: fut._state != _PENDING, timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _lock:
+        _waiters.add(fut)
+    try:
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            with cond:
+                cond.wait_for(lambda: fut._state != _PENDING or bool(_unseen), left)
+            if fut._state != _PENDING:
+                return True
+            if _unseen:
+                t0 = time.monotonic()
+                _run_console(fut)
+                if deadline is not None:  # time spent debugging does not count against the caller's timeout
+                    deadline += time.monotonic() - t0
+                continue
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+    finally:
+        with _lock:
+            _waiters.discard(fut)
+
+
+def awaits_here() -> bool:
+    """Should an ``await`` on this thread go through :func:`wait_async`?"""
+    return _enabled and threading.current_thread() is _main and not getattr(_busy, "on", False)
+
+
+async def wait_async(fut: Future[Any]) -> None:
+    """``await fut`` on the main thread (an async cell): the console runs when a rank of ours stops.
+
+    The console blocks this thread's loop while it reads input, as a blocked ``get()`` would.
+    """
+    loop = asyncio.get_running_loop()
+    while fut._state == _PENDING:
+        woken: asyncio.Future[None] = loop.create_future()
+
+        def wake(*_: Any, woken: asyncio.Future[None] = woken) -> None:
+            loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
+
+        fut.add_done_callback(wake)
+        with _lock:
+            _async_waiters.add(wake)
+        try:
+            if not _unseen:
+                await woken
+        finally:
+            with _lock:
+                _async_waiters.discard(wake)
+        if fut._state == _PENDING and _unseen:
+            _run_console(fut)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Waits in this block never open the console (the debug API's own requests)."""
+    was = getattr(_busy, "on", False)
+    _busy.on = True
+    try:
+        yield
+    finally:
+        _busy.on = was
+
+
+def _run_console(fut: Future[Any]) -> None:
+    if console is None:
+        importlib.import_module("monarch_nb.debug")  # installs ``console``
+    with _lock:
+        shown = set(_unseen)
+    _busy.on = True  # waits inside the console (its own requests) are plain waits
+    try:
+        assert console is not None
+        console(fut)
+    finally:
+        _busy.on = False
+        mark_seen(shown)  # never wake again for what the console was woken for

@@ -1,0 +1,269 @@
+"""Remote pdb in procs: ``breakpoint()`` pauses one actor and hands its prompt to the allocator.
+
+A proc installs :func:`breakpoint_hook` as ``sys.breakpointhook`` (and as ``pdb.set_trace``).
+It runs a :class:`RemotePdb` on the actor's own thread, so only that actor stops: other actors
+keep running, messages to this one queue in its mailbox, and the proc's I/O thread keeps
+answering pings. The Pdb's stdin/stdout are a relay, never the captured fds 0/1:
+
+* at its first prompt the session registers with this host's allocator (``debug_open``), so it
+  is listed for any controller, also one that attaches after a restart;
+* a command reaches ``__debug__.send`` on this proc's I/O thread (forwarded by the allocator),
+  is queued for the Pdb, and its output goes back as the reply once the Pdb prompts again
+  (or once the actor resumes, with state ``continued``).
+
+Code defined in a notebook cell has no file on the proc's host; the Pdb asks the caller's
+``__debug__.source`` for such files so ``l`` and the ``->`` lines show the real source.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import pdb
+import queue
+import secrets
+import sys
+import threading
+import time
+from typing import Any
+
+from .._runtime.runtime import NO_REPLY, Runtime, system_method
+from .._wire import frames as wire
+from .._wire.serialize import dumps
+from . import _context
+
+#: commands after which the Pdb stops again soon (the session stays open)
+_STEPS = frozenset({"s", "step", "n", "next", "r", "return", "unt", "until"})
+#: pdb's prompt, stripped from the output we relay (clients draw their own)
+_PROMPT = "(Pdb) "
+
+_sessions: dict[str, RemotePdb] = {}
+#: the session open on this thread, if any (``breakpoint()`` while stepping through it is a no-op)
+_here = threading.local()
+
+
+class _Relay:
+    """The Pdb's stdin and stdout: lines in from the I/O thread, output out to whoever asked."""
+
+    def __init__(self, owner: RemotePdb) -> None:
+        self.owner = owner
+        self.lines: queue.SimpleQueue[tuple[str, tuple[str, int, int]]] = queue.SimpleQueue()
+        self.out: list[str] = []
+        self.reply: tuple[str, int, int] | None = None
+
+    # stdout
+    def write(self, s: str) -> int:
+        self.out.append(s)
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+    @property
+    def encoding(self) -> str:
+        return "utf-8"
+
+    def take(self) -> str:
+        text, self.out = "".join(self.out), []
+        return text[: -len(_PROMPT)] if text.endswith(_PROMPT) else text
+
+    # stdin
+    def readline(self) -> str:
+        self.owner._on_prompt()
+        line, self.reply = self.lines.get()
+        return line + "\n"
+
+
+class RemotePdb(pdb.Pdb):
+    """A Pdb whose console is the allocator relay; one per ``breakpoint()`` call."""
+
+    def __init__(self, rt: Runtime, frame: Any = None) -> None:
+        self.relay = _Relay(self)
+        super().__init__(stdin=self.relay, stdout=self.relay, nosigint=True, readrc=False)  # type: ignore[arg-type]
+        self.use_rawinput = False
+        self.prompt = _PROMPT
+        self.rt = rt
+        self.sid = f"{os.getpid()}-{secrets.token_hex(3)}"
+        self.open = False
+        self.last = ""
+        self._no_source: set[str] = set()
+        spec = _context.proc_spec or {}
+        inst = _context.current_instance()
+        slot = getattr(inst, "_slot", None)
+        point = inst.rank if inst is not None else _context.proc_point()
+        self.alloc = spec.get("alloc_addr", "")
+        self.caller = getattr(slot, "caller", "")
+        self.info: dict[str, Any] = {
+            "sid": self.sid,
+            "token": spec.get("token", ""),
+            "addr": rt.tcp_addr or rt.ipc_addr,
+            "pid": os.getpid(),
+            "host": rt.hostname,
+            "mesh": spec.get("mesh", ""),
+            "actor": inst.name if inst is not None else "",
+            "rank": point.rank,
+            "coords": dict(point.items()),
+            "call_id": getattr(slot, "call_id", ""),
+            "method": getattr(slot, "busy", ""),
+            "caller": self.caller,
+            # where breakpoint() was called (pdb stops on the line after it)
+            "bp_file": frame.f_code.co_filename if frame is not None else "",
+            "bp_line": frame.f_lineno if frame is not None else 0,
+        }
+
+    # -- the relay's view of the prompt loop
+    def _location(self) -> dict[str, Any]:
+        frame = self.curframe
+        entry = self.stack[self.curindex] if self.stack else (frame, frame.f_lineno)
+        return {
+            "function": frame.f_code.co_name,
+            "file": frame.f_code.co_filename,
+            "line": entry[1],
+            "header": "> " + self.format_stack_entry(entry, "\n-> "),
+        }
+
+    def _on_prompt(self) -> None:
+        """The Pdb waits for a command: answer the last one, or open the session."""
+        out = self.relay.take()
+        loc = self._location()
+        if not self.open:
+            self.open = True
+            _sessions[self.sid] = self
+            _here.pdb = self
+            rec = {**self.info, **loc, "banner": out, "since": time.time(), "state": "paused"}
+            self._tell("debug_open", rec)
+        if self.relay.reply is not None:
+            self._answer({"output": out, "state": "paused", **loc})
+
+    def _answer(self, value: dict[str, Any]) -> None:
+        reply, self.relay.reply = self.relay.reply, None
+        if reply is not None:
+            self.rt.send_port(reply[0], reply[1], reply[2], wire.OK, value)
+
+    def _tell(self, method: str, *args: Any) -> None:
+        if not self.alloc:
+            return
+        body, bufs = dumps((args, {}))
+        try:
+            self.rt.send_actor(self.alloc, "__allocator__", method, body, bufs)
+        except Exception as e:  # the allocator is gone: nobody can attach, so resume
+            print(f"monarch_nb: cannot register a debug session ({e}); continuing", file=sys.stderr)
+
+    def _end(self) -> None:
+        """The actor resumes: answer the command that resumed it and close the session."""
+        if not self.open:
+            return
+        self.open = False
+        _sessions.pop(self.sid, None)
+        _here.pdb = None
+        self._answer({"output": self.relay.take(), "state": "continued"})
+        while True:  # commands queued behind the one that resumed us
+            try:
+                _, reply = self.relay.lines.get_nowait()
+            except queue.Empty:
+                break
+            self.rt.send_port(reply[0], reply[1], reply[2], wire.OK, {"output": "", "state": "continued"})
+        self._tell("debug_close", self.sid)
+
+    # -- pdb hooks
+    def precmd(self, line: str) -> str:
+        self.last = (line.strip() or self.lastcmd or "").split(" ", 1)[0].split(";", 1)[0]
+        return super().precmd(line)
+
+    def interaction(self, frame: Any, traceback: Any) -> None:
+        self._fetch_sources(frame)
+        try:
+            super().interaction(frame, traceback)
+        except BaseException:  # e.g. pdb's `restart` raises into the endpoint: the session is over
+            self._end()
+            raise
+        if self.last not in _STEPS:
+            self._end()
+
+    def trace_dispatch(self, frame: Any, event: str, arg: Any) -> Any:
+        # stepping out of the endpoint lands in the actor's dispatch loop: that is "continue",
+        # not a reason to stop inside monarch_nb (or in the next message's endpoint)
+        if self.open and event == "line" and frame.f_code in _framework_codes():
+            self.set_continue()
+            self._end()
+            return None
+        return super().trace_dispatch(frame, event, arg)
+
+    def _fetch_sources(self, frame: Any) -> None:
+        if not self.caller:
+            return
+        while frame is not None:
+            fn = frame.f_code.co_filename
+            if fn not in self._no_source and not linecache.getlines(fn, frame.f_globals) and not fn.startswith("<frozen"):
+                self._no_source.add(fn)
+                try:
+                    lines = _context.client().request(self.caller, "source", fn, _actor="__debug__").get(timeout=2)
+                except Exception:
+                    lines = []
+                if lines:
+                    # mtime None: linecache.checkcache keeps the entry (there is no file to compare with)
+                    linecache.cache[fn] = (sum(map(len, lines)), None, list(lines), fn)
+            frame = frame.f_back
+
+
+_codes: frozenset[Any] | None = None
+
+
+def _framework_codes() -> frozenset[Any]:
+    global _codes
+    if _codes is None:
+        from ._actor import ActorSlot
+
+        names = ("_call_sync", "_call_async", "_run_sync", "_async_main", "_init")
+        _codes = frozenset(getattr(ActorSlot, n).__code__ for n in names)
+    return _codes
+
+
+def breakpoint_hook(*args: Any, **kwargs: Any) -> None:
+    """``sys.breakpointhook`` in procs: pause this actor in a relayed pdb."""
+    rt = _context._runtime
+    if rt is None or rt.in_io_thread():
+        # the I/O thread carries the debugger's own messages; stopping it would deadlock
+        print("monarch_nb: breakpoint() on the I/O thread ignored", file=sys.stderr)
+        return
+    active = getattr(_here, "pdb", None)
+    if active is not None and active.open:
+        return  # stepped onto another breakpoint() in the session already open here: keep stepping
+    frame = sys._getframe(1)
+    RemotePdb(rt, frame).set_trace(frame)
+
+
+class DebugService:
+    """The ``__debug__`` system actor: commands for paused actors (procs), sources (controllers)."""
+
+    @system_method(wants_reply=True)
+    def sys_send(self, sid: str, line: str, *, _reply: tuple[str, int, int]) -> Any:
+        s = _sessions.get(sid)
+        if s is None:
+            return {"output": "", "state": "continued"}
+        s.relay.lines.put((line, _reply))
+        return NO_REPLY
+
+    def sys_source(self, filename: str) -> list[str]:
+        """Source a paused rank needs but cannot read: a notebook cell, or a module this process
+        runs (a script's ``__main__``). Never any other file: peers may not browse our disk."""
+        entry = linecache.cache.get(filename)
+        if entry is not None and len(entry) == 4 and entry[1] is None:  # in-memory source (IPython cells)
+            return list(entry[2])
+        if filename in {getattr(m, "__file__", None) for m in list(sys.modules.values())}:
+            return linecache.getlines(filename)
+        return []
+
+
+def install(rt: Runtime) -> None:
+    """Serve ``__debug__`` on ``rt``; in a proc, also route ``breakpoint()``/``pdb.set_trace()`` here."""
+    rt.system.setdefault("__debug__", DebugService())
+    if _context.proc_spec is not None and os.environ.get("PYTHONBREAKPOINT") != "0":
+        sys.breakpointhook = breakpoint_hook
+        pdb.set_trace = breakpoint_hook  # type: ignore[assignment]
+
+
+__all__ = ["DebugService", "RemotePdb", "breakpoint_hook", "install"]

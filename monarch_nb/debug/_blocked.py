@@ -1,0 +1,115 @@
+"""The blocked cell is the debugger: what a controller's main thread does when a rank of a call
+it waits on stops at ``breakpoint()`` (installed as ``_debugwait.console`` on import).
+
+With a person at the other end of ``input()`` (a kernel request that allows stdin, a TTY) it
+runs the :class:`Console`; without one it applies ``Config.debug_no_input``: continue the
+ranks after ``debug_no_input_timeout`` and say so, raise, or wait for an attach from elsewhere.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from ..actor import _context, _debugwait
+from ..actor._future import Future
+from ..config import get_config
+from ..errors import ConfigError, DebugError
+from ._console import Console
+from ._sessions import Session, _send
+
+
+def _stdin_available() -> bool:
+    """Can ``input()`` reach a person? (A kernel request with allow_stdin, or a TTY.)"""
+    if _context.in_ipython_kernel():
+        from IPython import get_ipython  # only reached inside a kernel, where IPython is loaded
+
+        kernel = getattr(get_ipython(), "kernel", None)
+        return bool(getattr(kernel, "_allow_stdin", False))
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (ValueError, OSError):
+        return False
+
+
+def _settle(quiet: float = 0.15, limit: float = 1.0) -> None:
+    """Let ranks of one call that stop together arrive before the first table (UI debounce)."""
+    end = time.monotonic() + limit
+    with _debugwait.changed:
+        while True:
+            left = end - time.monotonic()
+            if left <= 0 or not _debugwait.changed.wait(min(quiet, left)):
+                return
+
+
+def _blocked(fut: Future[Any]) -> None:
+    """The console of a main thread blocked on ``fut`` while ranks of its calls are paused."""
+    if not _stdin_available():
+        _no_input()
+        return
+    _settle()
+    ours = _debugwait.paused()
+    seen = set(ours)
+    con = Console()
+    con.write(
+        f"\nmonarch_nb: {len(ours)} rank(s) stopped at a breakpoint while waiting for {fut._what}.\n"
+        "Type 'attach ACTOR RANK' to debug one, 'continue' to resume all, 'help' for more.\n"
+    )
+    con.show_table()
+
+    def until() -> bool:
+        now = _debugwait.paused()
+        seen.update(now)
+        return not now
+
+    try:
+        con.interact(input, until=until)
+    except NotImplementedError:  # a frontend that says allow_stdin but cannot answer (StdinNotImplementedError)
+        _no_input()
+        return
+    finally:
+        _debugwait.mark_seen(seen)
+    left = _debugwait.paused()
+    if left:
+        con.write(
+            f"left the debugger; {len(left)} rank(s) stay paused and this call keeps waiting "
+            "(attach with monarch_nb.debug or `monarch-nb debug`, or interrupt to stop waiting)\n"
+        )
+    else:
+        con.write("all ranks continued; waiting for the result\n")
+
+
+def _no_input() -> None:
+    cfg = get_config()
+    policy = cfg.debug_no_input
+    if policy not in ("continue", "raise", "wait"):
+        raise ConfigError(f"debug_no_input must be 'continue', 'raise' or 'wait', not {policy!r}")
+    ours = _debugwait.paused()
+    _debugwait.mark_seen(set(ours))
+    if policy == "wait":
+        for r in ours.values():
+            print(
+                f"breakpoint at {r.get('bp_file')}:{r.get('bp_line')} on rank {r.get('rank')}: no input here; "
+                "waiting for an attach (run `monarch-nb debug` in a terminal)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return
+    if cfg.debug_no_input_timeout > 0:
+        _debugwait.wait_closed(set(ours), cfg.debug_no_input_timeout)
+    still = [Session._from(r) for s, r in _debugwait.paused().items() if s in ours]
+    futs = [(s, _send(s, "c")) for s in still]
+    for s, f in futs:
+        try:
+            f.get(timeout=30)
+        except Exception as e:
+            print(f"monarch_nb: could not continue rank {s.rank}: {e}", file=sys.stderr, flush=True)
+        _debugwait.forget(s.sid)
+        print(f"breakpoint at {s.bp_file}:{s.bp_line} on rank {s.rank} skipped (no input)", file=sys.stderr, flush=True)
+    if policy == "raise" and still:
+        where = ", ".join(f"{s.bp_file}:{s.bp_line} on rank {s.rank}" for s in still)
+        raise DebugError(f"breakpoint at {where} with no input to debug it (debug_no_input='raise'); the ranks were continued")
+
+
+_debugwait.console = _blocked

@@ -1,0 +1,210 @@
+"""The debugger's command loop (``list``, ``attach``, ``cast``, ``continue``), shared by the
+blocked cell, the ``%mesh`` magics and ``monarch-nb debug``."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..actor import _context
+from ..errors import ConfigError, DebugError
+from ._sessions import _INT, DebugClient, attach, cast, continue_all, format_table, parse_ranks, sessions
+
+_HELP = """\
+Commands:
+  list                          the session table
+  attach [ACTOR] RANK           a pdb on that rank (pdb commands: p, n, s, l, w, up, c, ...; 'detach' returns here)
+  cast [ACTOR] RANKS COMMAND    run a pdb command on a rank set: 0-3, 1,5, *, ranks(0:4), ranks(gpu=0)
+  continue                      resume every paused rank
+  quit                          leave the debugger (paused ranks stay paused)
+  help                          this text
+"""
+
+
+_RANKS_CMD = re.compile(r"^(ranks\([^)]*\)|\S+)\s+(.+)$")
+
+
+class Console:
+    """The debugger's command loop: one line in, text out.
+
+    ``execute(line)`` runs one command (``False`` after ``quit``); ``interact(read)`` loops over
+    ``read(prompt)`` (default ``input``: a terminal, or a kernel cell's input box). ``write`` receives all output.
+    """
+
+    prompt = "monarch_dbg> "
+
+    def __init__(self, write: Callable[[str], Any] | None = None, *, addresses: Iterable[str] | None = None) -> None:
+        self.write = write or _stdout_write
+        self.addresses = list(addresses or [])
+        self.attached: DebugClient | None = None
+        self.quit = False
+
+    @property
+    def current_prompt(self) -> str:
+        if self.attached is not None:
+            s = self.attached.session
+            return f"(Pdb {s.actor} {s.rank}) " if s.actor else f"(Pdb {s.rank}) "
+        return self.prompt
+
+    def banner(self) -> None:
+        self.write(
+            "\n" + "*" * 24 + " MONARCH_NB DEBUGGER " + "*" * 24 + "\n\n"
+            "Enter 'help' for a list of commands.\nEnter 'list' to show all active breakpoints.\n\n"
+        )
+
+    def show_table(self) -> None:
+        self.write(format_table(sessions(addresses=self.addresses)))
+
+    def interact(
+        self,
+        read: Callable[[str], str] | None = None,
+        *,
+        first: str | None = None,
+        until: Callable[[], bool] | None = None,
+        leave_on_detach: bool = False,
+    ) -> None:
+        """Read and run commands until ``quit``, end of input, or ``until()`` (checked when not attached).
+
+        ``first`` runs before the first read (``%mesh attach`` passes ``"attach ACTOR RANK"``);
+        ``leave_on_detach`` returns once an attached session is detached or continues.
+        """
+        if read is None:
+            # looked up now, not at import: a kernel swaps builtins.input for its stdin channel per request
+            import builtins
+
+            read = builtins.input
+        if first and not self.execute(first):
+            return
+        while True:
+            if self.attached is None:
+                if leave_on_detach and first:
+                    return
+                if until is not None and until():
+                    return
+            try:
+                line = read(self.current_prompt)
+            except EOFError:
+                self.write("\n")
+                return
+            if not self.execute(line):
+                return
+
+    def execute(self, line: str) -> bool:
+        """Run one command; returns False when the user asked to leave."""
+        try:
+            if self.attached is not None:
+                return self._pdb(line)
+            return self._command(line)
+        except Exception as e:  # a console reports and goes on; only quit, EOF and interrupts leave it
+            msg = str(e) if isinstance(e, (DebugError, ValueError)) else f"{type(e).__name__}: {e}"
+            self.write(f"error: {msg}\n")
+            return True
+
+    def _pdb(self, line: str) -> bool:
+        client = self.attached
+        assert client is not None
+        if line.strip() == "detach":
+            self.write(f"Detached from rank {client.session.rank}; it stays paused.\n")
+            client.detach()
+            self.attached = None
+            return True
+        try:
+            out = client.send(line)
+        except DebugError as e:
+            self.write(f"error: {e}\n")
+            self.attached = None
+            return True
+        self.write(out if not out or out.endswith("\n") else out + "\n")
+        if client.ended:
+            self.write(f"rank {client.session.rank} continued.\n")
+            self.attached = None
+        return True
+
+    def _command(self, line: str) -> bool:
+        try:
+            words = shlex.split(line)
+        except ValueError:
+            words = line.split()
+        if not words:
+            return True
+        cmd, args = words[0].lower(), words[1:]
+        if cmd in ("help", "h", "?"):
+            self.write(_HELP)
+        elif cmd in ("list", "ls", "sessions"):
+            self.show_table()
+        elif cmd in ("attach", "a"):
+            self._attach(args)
+        elif cmd == "cast":
+            self._cast(line)
+        elif cmd in ("continue", "c", "cont"):
+            res = continue_all(addresses=self.addresses)
+            self.write(f"continued {len(res)} rank(s)\n" if res else "no paused ranks\n")
+            for rank, out in res.items():
+                if out.strip():
+                    self.write(f"[{rank}] {out.rstrip()}\n")
+        elif cmd in ("quit", "exit", "q"):
+            self.quit = True
+            return False
+        else:
+            self.write(f"unknown command {cmd!r}; type 'help'\n")
+        return True
+
+    def _attach(self, args: list[str]) -> None:
+        if len(args) == 1 and _INT.match(args[0]):
+            actor, rank = None, int(args[0])
+        elif len(args) == 2 and _INT.match(args[1]):
+            actor, rank = args[0], int(args[1])
+        else:
+            self.write("usage: attach [ACTOR] RANK\n")
+            return
+        client = attach(actor, rank, addresses=self.addresses)
+        s = client.session
+        self.attached = client
+        self.write(f"Attached to debug session for rank {s.rank} ({s.host})\n{s.header}\n")
+
+    def _cast(self, line: str) -> None:
+        m = re.match(r"^\s*cast\s+(ranks\([^)]*\)|\S+)\s+(.+)$", line)
+        if m is None:
+            self.write("usage: cast [ACTOR] RANKS COMMAND\n")
+            return
+        actor: str | None = None
+        ranks, cmd = m.group(1), m.group(2)
+        m2 = _RANKS_CMD.match(cmd)
+        if m2 is not None and ranks in {s.actor for s in sessions(addresses=self.addresses)}:
+            actor, ranks, cmd = ranks, m2.group(1), m2.group(2)  # the first word was an actor name
+        res = cast(actor, parse_ranks(ranks), cmd, addresses=self.addresses)
+        if not res:
+            self.write(f"no paused ranks match {ranks}\n")
+        for rank, out in res.items():
+            self.write(f"[{rank}] " + (out.rstrip().replace("\n", f"\n[{rank}] ") if out.strip() else "") + "\n")
+
+
+def _stdout_write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------------------- the CLI
+def run_cli(addresses: list[str] | None = None, key_file: str | None = None, commands: list[str] | None = None) -> int:
+    """``monarch-nb debug``: the console in a terminal (or over a pipe), or run ``commands`` and exit."""
+    if key_file:
+        if _context._runtime is not None:
+            raise ConfigError("set the key file before monarch_nb starts its runtime")
+        os.environ["MONARCH_NB_KEY_FILE"] = key_file
+    con = Console(addresses=addresses)
+    if commands:
+        for c in commands:
+            con.write(con.current_prompt + c + "\n")
+            if not con.execute(c):
+                break
+        return 0
+    con.banner()
+    try:
+        con.interact(input)
+    except KeyboardInterrupt:
+        con.write("\n")
+    return 0

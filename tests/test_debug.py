@@ -1,0 +1,776 @@
+"""The remote debugger, end to end: real kernels (with their stdin channel), real allocators and
+procs, the CLI through a pipe.
+
+Kernel tests drive an IPython kernel the way JupyterLab does: ``execute_request`` with
+``allow_stdin``; each ``input_request`` is answered from a script of commands, and what the cell
+printed before each prompt is kept, so assertions see exactly what the user would.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import textwrap
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jupyter_client
+import pytest
+from conftest import PY, wait_for
+
+from monarch_nb import debug, introspect
+from monarch_nb.actor import Actor, current_rank, endpoint
+from monarch_nb.config import configured
+from monarch_nb.errors import DebugError, SupervisionError
+
+pytestmark = pytest.mark.timeout(180)
+
+
+# ---------------------------------------------------------------------------- a kernel with stdin
+class Kernel:
+    """A real kernel; ``run`` executes a cell, answering its input requests with ``answer``."""
+
+    def __init__(self) -> None:
+        self.km = jupyter_client.KernelManager(kernel_name="python3")
+        self.km.start_kernel(env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    def run(
+        self,
+        code: str,
+        answer: Callable[[str, str], str] | None = None,
+        *,
+        allow_stdin: bool = False,
+        timeout: float = 90,
+    ) -> dict[str, Any]:
+        """Run ``code``; ``answer(prompt, output_since_last_prompt)`` replies to each input request.
+
+        Returns ``{"stdout", "stderr", "error", "prompts": [(prompt, output_before_it, reply)]}``.
+        """
+        msg_id = self.kc.execute(textwrap.dedent(code), allow_stdin=allow_stdin or answer is not None)
+        out = {"stdout": "", "stderr": "", "error": None, "prompts": []}
+        since = [0]
+        deadline = time.monotonic() + timeout
+        idle = False
+        while not idle:
+            if time.monotonic() > deadline:
+                self.km.interrupt_kernel()
+                raise AssertionError(f"cell did not finish in {timeout} s; output so far:\n{out['stdout']}\n{out['stderr']}")
+            try:
+                m = self.kc.get_iopub_msg(timeout=0.05)
+            except queue.Empty:
+                m = None
+            if m is not None and m["parent_header"].get("msg_id") == msg_id:
+                t, c = m["msg_type"], m["content"]
+                if t == "stream":
+                    out[c["name"]] += c["text"]
+                elif t == "error":
+                    out["error"] = c
+                elif t == "status" and c["execution_state"] == "idle":
+                    idle = True
+            try:
+                s = self.kc.stdin_channel.get_msg(timeout=0.05)
+            except queue.Empty:
+                continue
+            if s["msg_type"] == "input_request":
+                # output printed before the prompt may still be in flight on iopub: drain it
+                self._drain(msg_id, out)
+                text = out["stdout"][since[0] :]
+                since[0] = len(out["stdout"])
+                assert answer is not None, f"unexpected input request {s['content']['prompt']!r}"
+                reply = answer(s["content"]["prompt"], text)
+                out["prompts"].append((s["content"]["prompt"], text, reply))
+                self.kc.input(reply)
+        self._drain(msg_id, out)
+        return out
+
+    def _drain(self, msg_id: str, out: dict[str, Any]) -> None:
+        # the kernel flushes stdout before input_request and before idle; take what already arrived
+        while True:
+            try:
+                m = self.kc.get_iopub_msg(timeout=0.2)
+            except queue.Empty:
+                return
+            if m["parent_header"].get("msg_id") == msg_id and m["msg_type"] == "stream":
+                out[m["content"]["name"]] += m["content"]["text"]
+
+    def close(self) -> None:
+        try:
+            self.kc.stop_channels()
+        finally:
+            self.km.shutdown_kernel(now=True)
+
+
+@pytest.fixture(scope="module")
+def kernel():  # type: ignore[no-untyped-def]
+    k = Kernel()
+    yield k
+    k.close()
+
+
+class Script:
+    """Answers input requests from a list of commands; a callable entry decides from the output."""
+
+    def __init__(self, *steps: Any) -> None:
+        self.steps = list(steps)
+        self.seen: list[tuple[str, str]] = []
+
+    def __call__(self, prompt: str, text: str) -> str:
+        self.seen.append((prompt, text))
+        if not self.steps:
+            raise AssertionError(f"no answer left for prompt {prompt!r} after:\n{text}")
+        step = self.steps[0]
+        if callable(step):
+            r = step(prompt, text)
+            if r is None:  # not yet: ask again (e.g. keep listing until every rank is there)
+                return "list"
+            self.steps.pop(0)
+            return r
+        self.steps.pop(0)
+        return step
+
+
+def _rows(table: str) -> int:
+    return len([ln for ln in table.splitlines() if re.search(r"\s(paused|running)\s*$", ln)])
+
+
+# cells shared by the kernel tests: the actor is defined in a cell, so its source exists only
+# in the kernel (procs fetch it from the caller for pdb's `l`)
+DEFINE = """
+from monarch_nb.actor import Actor, endpoint, current_rank, this_host
+from monarch_nb import debug, introspect
+
+class Dbg(Actor):
+    @endpoint
+    def go(self, x):
+        rank = current_rank().rank
+        local = x * 10 + rank
+        breakpoint()
+        local += 1
+        return local
+"""
+
+
+# ---------------------------------------------------------------------------- the API from a kernel
+def test_api_in_kernel_list_cast_attach_continue(kernel: Kernel) -> None:
+    r = kernel.run(
+        DEFINE
+        + """
+procs = this_host().spawn_procs(per_host={"gpus": 4}, name="dbg-api")
+m = procs.spawn("dbg", Dbg)
+fut = m.go.call(7)   # not waited on: the cell goes on while the ranks stop
+import time
+deadline = time.monotonic() + 30
+while len(debug.sessions("dbg", include_gone=False)) < 4 and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(debug.format_table(debug.sessions("dbg")))
+"""
+    )
+    assert r["error"] is None, r
+    assert _rows(r["stdout"]) == 4, r["stdout"]
+    assert "go" in r["stdout"]
+
+    r = kernel.run(
+        """
+print(debug.cast("dbg", "0-1", "p rank"))
+s = debug.attach("dbg", 2)
+print("HEADER", s.header)
+print("P", s.send("p local"))
+print("N", s.send("n"))
+print("L", s.send("l"))
+print("C", repr(s.send("c")), s.ended)
+print("LEFT", sorted(x.rank for x in debug.sessions("dbg")))
+print("CONT", sorted(debug.continue_all("dbg")))
+print("VALUES", fut.get(timeout=30).values())
+procs.stop().get(timeout=30)
+"""
+    )
+    assert r["error"] is None, r
+    out = r["stdout"]
+    assert "{0: '0\\n', 1: '1\\n'}" in out
+    assert "-> local += 1" in out  # the header shows the remote source line (fetched from the kernel)
+    assert "P 72" in out
+    assert "-> return local" in out.split("N ", 1)[1]
+    listing = out.split("L ", 1)[1].split("C ", 1)[0]
+    assert "breakpoint()" in listing and "->" in listing
+    assert "LEFT [0, 1, 3]" in out
+    assert "CONT [0, 1, 3]" in out
+    assert "VALUES [71, 72, 73, 74]" in out
+
+
+# ---------------------------------------------------------------------------- the blocked cell
+def test_blocked_get_is_the_debugger(kernel: Kernel) -> None:
+    kernel.run(DEFINE + "\nprocs = this_host().spawn_procs(per_host={'gpus': 4}, name='dbg-cell')\nm = procs.spawn('dbg', Dbg)\n")
+    script = Script(
+        lambda p, t: "cast dbg 0-1 p rank" if _rows(t) == 4 else None,
+        "attach dbg 2",
+        "p local",
+        "n",
+        "c",
+        "list",
+        "continue",
+    )
+    r = kernel.run("print(m.go.call(3).get().values())", script)
+    assert r["error"] is None, r
+    prompts = r["prompts"]
+    first = prompts[0][1]
+    assert "stopped at a breakpoint while waiting for" in first
+    assert prompts[0][0] == "monarch_dbg> "
+    cast_out = next(t for p, t, a in prompts if "[0] 0" in t)
+    assert "[1] 1" in cast_out
+    attach_out = prompts[[a for _, _, a in prompts].index("attach dbg 2") + 1]
+    assert attach_out[0] == "(Pdb dbg 2) "
+    assert "Attached to debug session for rank 2" in attach_out[1] and "-> local += 1" in attach_out[1]
+    after_p = prompts[[a for _, _, a in prompts].index("p local") + 1][1]
+    assert after_p.strip() == "32"
+    after_n = prompts[[a for _, _, a in prompts].index("n") + 1][1]
+    assert "-> return local" in after_n
+    after_c = prompts[[a for _, _, a in prompts].index("c") + 1]
+    assert "rank 2 continued" in after_c[1] and after_c[0] == "monarch_dbg> "
+    table = prompts[[a for _, _, a in prompts].index("list") + 1][1]
+    assert _rows(table) == 3
+    assert "[31, 32, 33, 34]" in r["stdout"].split("all ranks continued", 1)[1]
+    kernel.run("procs.stop().get(timeout=30)")
+
+
+def test_interrupting_the_debugger_leaves_ranks_paused(kernel: Kernel) -> None:
+    kernel.run(DEFINE + "\nprocs = this_host().spawn_procs(per_host={'gpus': 2}, name='dbg-int')\nm = procs.spawn('dbgi', Dbg)\n")
+
+    def interrupt(prompt: str, text: str) -> str:
+        kernel.km.interrupt_kernel()  # the user presses "interrupt" instead of answering
+        return ""
+
+    r = kernel.run("m.go.call(1).get()", interrupt)
+    assert r["error"] is not None and r["error"]["ename"] == "KeyboardInterrupt", r
+    r = kernel.run(
+        """
+import time
+deadline = time.monotonic() + 30
+while len(debug.sessions("dbgi")) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(sorted((s.rank, s.state) for s in debug.sessions("dbgi")))
+print(debug.continue_all("dbgi"))
+print(m.go.call(2).get(timeout=30) is not None)
+procs.stop().get(timeout=30)
+""",
+        lambda p, t: "continue",  # the next call stops again: this cell's own console continues it
+    )
+    assert r["error"] is None, r
+    assert "[(0, 'paused'), (1, 'paused')]" in r["stdout"]
+    assert "{0: '', 1: ''}" in r["stdout"]
+    assert "True" in r["stdout"]
+
+
+def test_awaiting_cell_is_the_debugger(kernel: Kernel) -> None:
+    kernel.run(
+        DEFINE + "\nprocs = this_host().spawn_procs(per_host={'gpus': 2}, name='dbg-await')\nm = procs.spawn('dbg', Dbg)\n"
+    )
+    script = Script(lambda p, t: "attach dbg 1" if _rows(t) == 2 else None, "p local", "c", "continue")
+    r = kernel.run("vm = await m.go.call(4)\nprint(vm.values())", script)
+    assert r["error"] is None, r
+    answers = [a for _, _, a in r["prompts"]]
+    assert r["prompts"][answers.index("p local") + 1][1].strip() == "41"
+    assert "[41, 42]" in r["stdout"]
+    kernel.run("procs.stop().get(timeout=30)")
+
+
+def test_no_stdin_in_kernel_skips_and_returns(kernel: Kernel) -> None:
+    r = kernel.run(
+        DEFINE
+        + """
+procs = this_host().spawn_procs(per_host={"gpus": 2}, name="dbg-nostdin")
+m = procs.spawn("dbg", Dbg)
+print(m.go.call(5).get(timeout=60).values())
+procs.stop().get(timeout=30)
+""",
+        allow_stdin=False,
+    )
+    assert r["error"] is None, r
+    assert "[51, 52]" in r["stdout"]
+    skipped = re.findall(r"breakpoint at (\S+):(\d+) on rank (\d) skipped \(no input\)", r["stderr"])
+    assert sorted(int(x[2]) for x in skipped) == [0, 1], r["stderr"]
+    # the breakpoint() line of Dbg.go in its cell (IPython drops the cell's leading blank line)
+    bp_line = [ln.strip() for ln in DEFINE.lstrip("\n").splitlines()].index("breakpoint()") + 1
+    assert all(line == str(bp_line) for _, line, _ in skipped), r["stderr"]
+
+
+def test_sessions_survive_a_kernel_restart() -> None:
+    k = Kernel()
+    try:
+        r = k.run(
+            DEFINE
+            + """
+procs = this_host().spawn_procs(per_host={"gpus": 2}, name="dbg-restart")   # persistent in a kernel
+fut = procs.spawn("dbgr", Dbg).go.call(2)
+import time
+deadline = time.monotonic() + 30
+while len(debug.sessions("dbgr")) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(len(debug.sessions("dbgr")))
+"""
+        )
+        assert r["stdout"].strip() == "2", r
+        k.km.restart_kernel(now=True)
+        k.kc.wait_for_ready(timeout=60)
+        r = k.run(
+            """
+from monarch_nb import debug, introspect
+from monarch_nb.actor import ProcMesh
+print(debug.format_table(debug.sessions("dbgr")))
+c = debug.attach("dbgr", 1)
+print("P", c.send("p local", timeout=30))
+print("CONT", debug.continue_all("dbgr"))
+ProcMesh.lookup("dbg-restart").stop(force=True).get(timeout=30)  # the old kernel may not be reaped yet
+print("LEFT", debug.sessions("dbgr"))
+"""
+        )
+        assert r["error"] is None, r
+        assert _rows(r["stdout"]) == 2, r["stdout"]
+        assert "P 21" in r["stdout"]
+        assert "CONT {0: '', 1: ''}" in r["stdout"]
+        assert "LEFT []" in r["stdout"]
+    finally:
+        k.close()
+
+
+DEBUGEE = """
+from monarch_nb.actor import Actor, current_rank, endpoint, this_host
+
+def _bad_rank():
+    raise ValueError("bad rank")
+
+def _debugee_actor_internal(rank):
+    if rank % 4 == 0:
+        breakpoint()  # noqa
+        rank += 1
+        return rank
+    elif rank % 4 == 1:
+        breakpoint()  # noqa
+        rank += 2
+        return rank
+    elif rank % 4 == 2:
+        breakpoint()  # noqa
+        rank += 3
+        _bad_rank()
+    elif rank % 4 == 3:
+        breakpoint()  # noqa
+        rank += 4
+        return rank
+
+class DebugeeActor(Actor):
+    @endpoint
+    async def to_debug(self):
+        rank = current_rank().rank
+        return _debugee_actor_internal(rank)
+
+process_mesh = this_host().spawn_procs(per_host={"host": 4, "gpu": 4}, name="debugee-procs")
+debugee_mesh = process_mesh.spawn("debugee", DebugeeActor)
+"""
+
+
+def test_seed_debugee_16_ranks(kernel: Kernel) -> None:
+    r = kernel.run(DEBUGEE, timeout=150)
+    assert r["error"] is None, r
+    script = Script(
+        lambda p, t: "attach debugee 13" if _rows(t) == 16 else None,
+        "p rank",
+        "detach",
+        "attach debugee 2",  # stopped at `rank += 3`
+        "n",  # now at `_bad_rank()`
+        "s",  # into _bad_rank
+        "n",  # at `raise`
+        "n",  # it raises
+        "c",
+        "continue",
+    )
+    r = kernel.run("print(debugee_mesh.to_debug.call().get())", script, timeout=150)
+    prompts = r["prompts"]
+    table = next(t for p, t, a in prompts if a == "attach debugee 13")
+    assert "host=3,gpu=1" in table and "_debugee_actor_internal" in table
+    attach13 = prompts[[a for _, _, a in prompts].index("attach debugee 13") + 1][1]
+    assert "Attached to debug session for rank 13" in attach13 and "-> rank += 2" in attach13
+    assert prompts[[a for _, _, a in prompts].index("p rank") + 1][1].strip() == "13"
+    step_in = prompts[[a for _, _, a in prompts].index("s") + 1][1]
+    assert "_bad_rank()" in step_in and "--Call--" in step_in
+    raised = prompts[[a for _, _, a in prompts].index("c")][1]
+    assert "ValueError: bad rank" in raised
+    err = r["error"]
+    assert err is not None and err["ename"] == "ActorError", r
+    assert "bad rank" in err["evalue"]
+    kernel.run("process_mesh.stop().get(timeout=30)")
+
+
+# ---------------------------------------------------------------------------- in this process
+class Paused(Actor):
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+        self.rank = current_rank().rank
+
+    @endpoint
+    def go(self, stop: bool) -> int:
+        rank = self.rank
+        if stop:
+            breakpoint()
+        return rank
+
+    @endpoint
+    def record(self, i: int) -> None:
+        self.seen.append(i)
+
+    @endpoint
+    def get_seen(self) -> list[int]:
+        return self.seen
+
+
+class Other(Actor):
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+
+def _wait_sessions(n: int, actor: str, **kw: Any) -> list[debug.Session]:
+    return wait_for(lambda: (lambda s: s if len(s) == n else None)(debug.sessions(actor, **kw)), 30, f"{n} sessions of {actor}")
+
+
+def test_others_answer_while_paused_and_messages_queue_in_order(allocator: Any) -> None:
+    procs = allocator.hosts.spawn_procs(per_host={"gpus": 2}, name="dbg-other")
+    try:
+        p = procs.spawn("paused", Paused)
+        o = procs.spawn("other", Other)
+        with configured(debug_no_input="wait"):  # pytest has no stdin: leave the rank to us
+            fut = p.slice(gpus=0).go.call_one(True)
+            (s,) = _wait_sessions(1, "paused")
+            assert s.rank == 0 and s.function == "go" and s.state == "paused"
+            # the public introspection (dashboard, sidebar) lists it too
+            listed = introspect.status(addresses=[allocator.addr])["debug_sessions"]
+            assert [(d["actor"], d["rank"], d["state"], d["line"]) for d in listed] == [("paused", 0, "paused", s.line)]
+            # another actor in the same (paused) proc, and the other rank, still answer
+            assert o.ping.call().get(timeout=10).values() == ["pong", "pong"]
+            assert p.slice(gpus=1).go.call_one(False).get(timeout=10) == 1
+            # messages to the paused actor queue behind the breakpoint
+            for i in range(5):
+                p.slice(gpus=0).record.broadcast(i)
+            seen = p.slice(gpus=0).get_seen.call_one()
+            assert not seen.done()
+            assert debug.attach("paused", 0).send("c", timeout=10) == ""
+            assert fut.get(timeout=10) == 0
+            assert seen.get(timeout=10) == [0, 1, 2, 3, 4]
+        assert debug.sessions("paused") == []
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_rank_killed_while_paused_is_gone(allocator: Any, fault_hook: list[Any]) -> None:
+    procs = allocator.hosts.spawn_procs(per_host={"gpus": 2}, name="dbg-kill")
+    try:
+        p = procs.spawn("paused", Paused)
+        with configured(debug_no_input="wait"):
+            fut = p.go.call(True)
+            sessions = _wait_sessions(2, "paused")
+            victim = next(s for s in sessions if s.rank == 1)
+            # a second controller (a restarted kernel, say) lists the same paused ranks
+            listed = subprocess.run(
+                [PY, "-c", "from monarch_nb import debug; print(sorted((s.actor, s.rank) for s in debug.sessions()))"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env=dict(os.environ, MONARCH_NB_RUNTIME_DIR=allocator.rdir),
+                stdin=subprocess.DEVNULL,
+            )
+            assert "[('paused', 0), ('paused', 1)]" in listed.stdout, listed
+            os.kill(victim.pid, signal.SIGKILL)
+            gone = wait_for(
+                lambda: next((s for s in debug.sessions("paused") if s.rank == 1 and s.state == "gone"), None), 15, "rank 1 gone"
+            )
+            assert "SIGKILL" in gone.cause
+            assert "gone" in debug.format_table(debug.sessions("paused"))
+            with pytest.raises(DebugError, match="gone"):
+                debug.attach("paused", 1)
+            with pytest.raises(SupervisionError):
+                fut.get(timeout=15)
+            assert debug.continue_all("paused", timeout=10) == {0: ""}
+    finally:
+        procs.stop().get(timeout=30)
+    assert debug.sessions("paused") == []
+
+
+def test_cli_through_a_pipe(allocator: Any) -> None:
+    procs = allocator.hosts.spawn_procs(per_host={"gpus": 4}, name="dbg-cli")
+    try:
+        p = procs.spawn("debugee", Paused)
+        with configured(debug_no_input="wait"):
+            fut = p.go.call(True)
+            _wait_sessions(4, "debugee")
+            cmds = (
+                "list\ncast debugee ranks(0:2) p rank\ncast ranks(gpus=2, hosts=0) p rank + 100\n"
+                "attach debugee 3\np rank\nw\nc\ncontinue\nlist\nquit\n"
+            )
+            cli = subprocess.run(
+                [PY, "-m", "monarch_nb", "debug"],
+                input=cmds,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env=dict(os.environ, MONARCH_NB_RUNTIME_DIR=allocator.rdir),
+            )
+            assert cli.returncode == 0, cli.stderr
+            out = cli.stdout
+            assert "MONARCH_NB DEBUGGER" in out
+            first_table = out.split("monarch_dbg> ", 2)[1]
+            assert _rows(first_table) == 4
+            assert "[0] 0" in out and "[1] 1" in out and "[2] 2" not in out
+            assert "[2] 102" in out and "[3] 103" not in out
+            assert "Attached to debug session for rank 3" in out
+            assert "(Pdb debugee 3) 3" in out
+            assert "test_debug.py" in out  # `w` shows the stack with this file
+            assert "rank 3 continued" in out
+            assert "continued 3 rank(s)" in out
+            assert "no debug sessions" in out
+            assert fut.get(timeout=15).values() == [0, 1, 2, 3]
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_parse_ranks() -> None:
+    assert [r for r in range(10) if debug.parse_ranks("0-3").matches(r)] == [0, 1, 2, 3]
+    assert [r for r in range(10) if debug.parse_ranks("ranks(0:4)").matches(r)] == [0, 1, 2, 3]
+    assert [r for r in range(10) if debug.parse_ranks("ranks(1:8:3)").matches(r)] == [1, 4, 7]
+    assert [r for r in range(10) if debug.parse_ranks("1,5").matches(r)] == [1, 5]
+    assert all(debug.parse_ranks("*").matches(r) for r in range(10))
+    assert debug.parse_ranks("ranks(gpu=1)").matches(5, {"host": 1, "gpu": 1})
+    assert not debug.parse_ranks("ranks(gpu=1)").matches(4, {"host": 1, "gpu": 0})
+    with pytest.raises(ValueError, match="bad rank set"):
+        debug.parse_ranks("ranks(x)")
+
+
+SCRIPT = """
+from monarch_nb.actor import Actor, endpoint, current_rank, this_host
+
+class Dbg(Actor):
+    @endpoint
+    def go(self):
+        breakpoint()
+        return current_rank().rank
+
+procs = this_host().spawn_procs(per_host={"gpus": 2})
+print(procs.spawn("dbg", Dbg).go.call().get(timeout=60).values(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("policy", ["continue", "raise"])
+def test_no_stdin_script(tmp_path: Any, policy: str) -> None:
+    path = tmp_path / "bp.py"
+    path.write_text(SCRIPT)
+    r = subprocess.run(
+        [PY, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        stdin=subprocess.DEVNULL,
+        env=dict(os.environ, MONARCH_NB_DEBUG_NO_INPUT=policy),
+    )
+    skipped = re.findall(r"breakpoint at (\S+):(\d+) on rank (\d) skipped \(no input\)", r.stderr)
+    assert skipped and all(f == str(path) and line == "7" for f, line, _ in skipped), r.stderr
+    if policy == "continue":
+        assert r.returncode == 0, r.stderr
+        assert sorted(int(x[2]) for x in skipped) == [0, 1]
+        assert "[0, 1]" in r.stdout
+    else:
+        assert r.returncode == 1
+        assert "DebugError" in r.stderr and "no input to debug it" in r.stderr
+
+
+class Pty:
+    """A process on a pseudo-terminal: what a person sees in a terminal, and what they type."""
+
+    def __init__(self, argv: list[str]) -> None:
+        import pty
+
+        self.fd, child = pty.openpty()
+        self.proc = subprocess.Popen(argv, stdin=child, stdout=child, stderr=child, close_fds=True)
+        os.close(child)
+        self.text = ""
+
+    def expect(self, pattern: str, timeout: float = 30) -> str:
+        """Read until ``pattern`` (a regex) appears in what was printed; return everything so far."""
+        import select
+
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.text):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {pattern!r} within {timeout} s; the terminal shows:\n{self.text}")
+            if select.select([self.fd], [], [], left)[0]:
+                try:
+                    self.text += os.read(self.fd, 65536).decode(errors="replace")
+                except OSError:  # EIO: the process closed the terminal
+                    raise AssertionError(f"the process exited before {pattern!r}:\n{self.text}") from None
+        return self.text
+
+    def send(self, line: str) -> None:
+        os.write(self.fd, (line + "\n").encode())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        os.close(self.fd)
+
+
+def test_script_in_a_terminal_gets_the_console(tmp_path: Any) -> None:
+    path = tmp_path / "bp.py"
+    path.write_text(SCRIPT.replace('"dbg"', '"dbgt"'))
+    term = Pty([PY, str(path)])
+    try:
+        term.expect(r"monarch_dbg> $")
+        while _rows(term.text.rsplit("monarch_dbg>", 2)[-2]) < 2:  # both ranks listed
+            term.send("list")
+            term.expect(r"monarch_dbg> $")
+        term.send("attach dbgt 1")
+        term.expect(r"\(Pdb dbgt 1\) $")
+        term.send("p 6 * 7")
+        assert "42" in term.expect(r"42\s+\(Pdb dbgt 1\) $").rsplit("p 6 * 7", 1)[1]
+        term.send("c")
+        assert "rank 1 continued" in term.expect(r"rank 1 continued\.\s+monarch_dbg> $")
+        term.send("continue")
+        term.expect(r"\[0, 1\]")
+        assert term.proc.wait(30) == 0
+    finally:
+        term.close()
+
+
+def test_no_stdin_waits_for_an_attach_within_the_timeout(tmp_path: Any) -> None:
+    path = tmp_path / "bp.py"
+    path.write_text(SCRIPT.replace('"dbg"', '"dbgw"'))
+    proc = subprocess.Popen(
+        [PY, str(path)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, MONARCH_NB_DEBUG_NO_INPUT_TIMEOUT="60"),
+    )
+    try:
+        _wait_sessions(2, "dbgw")
+        # someone else (a terminal, here this test) debugs the ranks while the script waits
+        assert debug.cast("dbgw", "*", "p 6 * 7", timeout=10) == {0: "42\n", 1: "42\n"}
+        assert debug.continue_all("dbgw", timeout=10) == {0: "", 1: ""}
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "[0, 1]" in out
+    assert "skipped" not in err, err
+
+
+def test_breakpoint_in_init_belongs_to_the_spawn(tmp_path: Any) -> None:
+    path = tmp_path / "init.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            from monarch_nb.actor import Actor, endpoint, this_host
+
+            class Init(Actor):
+                def __init__(self):
+                    breakpoint()
+                    self.ok = True
+
+                @endpoint
+                def ok_(self):
+                    return self.ok
+
+            m = this_host().spawn_procs(per_host={"gpus": 2}).spawn("init", Init)
+            print(m.ok_.call().get(timeout=60).values(), flush=True)
+            """
+        )
+    )
+    r = subprocess.run([PY, str(path)], capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    assert "[True, True]" in r.stdout
+    skipped = re.findall(r"breakpoint at (\S+):(\d+) on rank (\d) skipped \(no input\)", r.stderr)
+    assert sorted(int(x[2]) for x in skipped) == [0, 1] and all(line == "6" for _, line, _ in skipped), r.stderr
+
+
+def test_pdb_set_trace_works_too(allocator: Any) -> None:
+    procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="dbg-settrace")
+    try:
+        m = procs.spawn("st", SetTrace)
+        with configured(debug_no_input="wait"):
+            fut = m.go.call_one()
+            _wait_sessions(1, "st")
+            c = debug.attach("st", 0)
+            assert c.send("p secret", timeout=10).strip() == "42"
+            c.send("c", timeout=10)
+            assert fut.get(timeout=10) == 43
+    finally:
+        procs.stop().get(timeout=30)
+
+
+class Loop(Actor):
+    @endpoint
+    def go(self) -> int:
+        total = 0
+        for i in range(3):
+            breakpoint()
+            total += i
+        return total
+
+
+def test_breakpoint_in_a_loop(allocator: Any) -> None:
+    procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="dbg-loop")
+    try:
+        m = procs.spawn("loop", Loop)
+        with configured(debug_no_input="wait"):
+            fut = m.go.call_one()
+            _wait_sessions(1, "loop")
+            c = debug.attach("loop", 0)
+            assert "-> total += i" in c.header and c.send("p i", timeout=10) == "0\n"
+            # stepping onto breakpoint() inside the open session just steps on, into the next iteration
+            assert "-> breakpoint()" in c.send("n", timeout=10) + c.send("n", timeout=10)
+            assert "-> total += i" in c.send("n", timeout=10)
+            assert c.send("p i", timeout=10) == "1\n"
+            assert c.send("c", timeout=10) == "" and c.ended
+            # the last iteration stops again, as a new session
+            for i in (2,):
+                wait_for(lambda: debug.sessions("loop", include_gone=False), 30, "the next iteration's session")
+                c = debug.attach("loop", 0)
+                assert c.send("p i", timeout=10) == f"{i}\n"
+                c.send("c", timeout=10)
+            assert fut.get(timeout=10) == 3
+    finally:
+        procs.stop().get(timeout=30)
+
+
+class SetTrace(Actor):
+    @endpoint
+    async def go(self) -> int:
+        import pdb
+
+        secret = 42
+        pdb.set_trace()
+        return secret + 1
+
+
+def test_source_service_serves_cells_and_modules_only(tmp_path: Any) -> None:
+    import linecache
+
+    from monarch_nb.actor._pdb import DebugService
+
+    svc = DebugService()
+    secret = tmp_path / "secret.txt"
+    secret.write_text("do not serve\n")
+    assert svc.sys_source(str(secret)) == []  # a file on disk that no module of ours runs
+    linecache.cache["<cell-7>"] = (4, None, ["x=1\n"], "<cell-7>")  # how IPython registers a cell
+    try:
+        assert svc.sys_source("<cell-7>") == ["x=1\n"]
+    finally:
+        del linecache.cache["<cell-7>"]
+    assert "def test_source_service_serves_cells_and_modules_only" in "".join(svc.sys_source(__file__))
