@@ -179,6 +179,10 @@ def exec_cell(
     what = f"%%mesh exec on {pm.name}"
     if not label:
         label = str(next(_cell_counter))
+    import linecache
+
+    filename = f"<mesh exec {label}>"  # the name ExecActor compiles it under
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     fut = am.run._gather((source, label), {}, sel, what)
     idx = sel if sel is not None else list(range(len(pm._view.ranks)))
     out: Future[ValueMesh[Any]] = Future._create(what)

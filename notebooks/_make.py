@@ -366,6 +366,78 @@ len(set(weights.values())) == 1
     code("proc_mesh.stop().get()"),
 ]
 
+NOTEBOOKS["06_debugging.ipynb"] = [
+    md(
+        '# Debugging any rank from the notebook\n\n`breakpoint()` (or `pdb.set_trace()`) in an endpoint pauses **that actor on that rank**: other actors and ranks keep running, messages to the paused actor wait in its mailbox, and its process stays alive. The session is registered with the host\'s allocator, so any controller can list it and attach: this notebook, a restarted kernel, or `monarch-nb debug` in a terminal.\n\n**The blocked cell is the debugger.** When a cell waits on a call (`.get()` or `await`) and ranks of that call stop, the cell prints the session table and asks for commands in its own input box: `list`, `attach ACTOR RANK` (then any pdb command: `p`, `n`, `s`, `l`, `w`, `up`, `c`…, and `detach`), `cast ACTOR RANKS CMD`, `continue`, `help`.\n\nWhen nobody can answer (this notebook run by `nbconvert --execute` or nbval, a script without a terminal) the breakpoint never hangs the run: the rank continues and the cell says `breakpoint at FILE:LINE on rank R skipped (no input)`. `monarch_nb.configure(debug_no_input="raise" | "wait", debug_no_input_timeout=…)` changes that.'
+    ),
+    code(
+        'from monarch_nb import debug\nfrom monarch_nb.actor import Actor, ActorError, current_rank, endpoint, this_host\n\n\ndef _bad_rank():\n    raise ValueError("bad rank")\n\n\ndef _debugee_actor_internal(rank):\n    if rank % 4 == 0:\n        breakpoint()\n        rank += 1\n        return rank\n    elif rank % 4 == 1:\n        breakpoint()\n        rank += 2\n        return rank\n    elif rank % 4 == 2:\n        breakpoint()\n        rank += 3\n        _bad_rank()\n    elif rank % 4 == 3:\n        breakpoint()\n        rank += 4\n        return rank\n\n\nclass DebugeeActor(Actor):\n    @endpoint\n    async def to_debug(self):\n        rank = current_rank().rank\n        return _debugee_actor_internal(rank)\n\n\nprocess_mesh = this_host().spawn_procs(per_host={"host": 2, "gpu": 2}, name="debugging")\ndebugee_mesh = process_mesh.spawn("debugee", DebugeeActor)'
+    ),
+    md("""
+## The blocked cell
+
+Run this cell in JupyterLab: it stops, shows the four paused ranks and an input box. Try
+`attach debugee 2`, `n`, `s`, `l`, `c`, then `continue`. Rank 2 raises, so the cell ends with that
+rank's `ActorError` (caught here so the notebook runs to the end). Run without input (nbval,
+`nbconvert --execute`), each breakpoint is skipped with a note, in the order the ranks reach it.
+"""),
+    code(
+        """
+try:
+    print(debugee_mesh.to_debug.call().get())
+except ActorError as e:
+    print(f"rank {e.rank} failed: {e.message}")
+""",
+        "nbval-ignore-output",
+    ),
+    md("""
+## The same with magics, and from code
+
+(Run without input, ranks of the first call that had not reached their breakpoint when rank 2's
+error ended the wait are skipped later, so their notes can show up in the cells below; the
+outputs of these cells are not compared by the test suite.)
+
+Here the call is not waited on, so the ranks stay paused while we look at them. `%mesh debug`
+lists the sessions (the pids and waiting times differ on every run).
+"""),
+    code(
+        """
+import time
+
+fut = debugee_mesh.to_debug.call()
+deadline = time.monotonic() + 60
+while len(debug.sessions("debugee")) < 4 and time.monotonic() < deadline:
+    time.sleep(0.05)
+len(debug.sessions("debugee"))
+""",
+        "nbval-ignore-output",
+    ),
+    code("%mesh debug", "nbval-ignore-output"),
+    code("%mesh debug cast debugee 0-1 p rank", "nbval-ignore-output"),
+    md("`debug.attach` is the programmatic attach (`%mesh attach debugee 3` does the same through the cell's input box):"),
+    code(
+        """
+s = debug.attach("debugee", 3)
+print(s.send("p rank"))
+print(s.send("n"))
+print(s.send("c").strip() or "(continued)", "ended:", s.ended)
+""",
+        "nbval-ignore-output",
+    ),
+    code("%mesh debug continue", "nbval-ignore-output"),
+    code(
+        """
+err = fut.exception()
+print(type(err).__name__, "on rank", err.rank, "-", err.message)
+""",
+        "nbval-ignore-output",
+    ),
+    md(
+        "From a terminal, `monarch-nb debug` opens the same console (it also accepts Monarch's `attach debugee 13` and `cast debugee ranks(0:4) p x`)."
+    ),
+    code("process_mesh.stop().get()", "nbval-ignore-output"),
+]
+
 
 def main() -> None:
     names = sys.argv[1:] or list(NOTEBOOKS)

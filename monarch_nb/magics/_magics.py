@@ -23,6 +23,10 @@ _SUMMARY = """\
 %mesh logs NAME [--rank R] [--tail N] [--follow]
                                                the full per-rank logs kept by the allocators
 %mesh stop NAME | --all [--force]              stop meshes (your own unless --force)
+%mesh debug                                    paused ranks (breakpoint()): actor, rank, host, function, file:line
+%mesh debug cast ACTOR RANKS COMMAND           send a pdb command to a rank set (0-3, *) and show each answer
+%mesh debug continue                           resume every paused rank
+%mesh attach ACTOR RANK                        an interactive pdb on that rank, through this cell's input box
 %mesh dashboard [NAME]                         a live view: ranks by state, host resources, logs, errors
 %mesh sync [PATH ...] [--recreate|--restart] [--watch|--stop-watch] [--via URL]
                                                send the workspace to the hosts, reload it in running procs
@@ -91,6 +95,12 @@ def _parsers() -> dict[str, _Parser]:
     how.add_argument("--no-reload", action="store_true", help="only send the files")
     sy.add_argument("--watch", action="store_true", help="re-sync whenever a file changes")
     sy.add_argument("--stop-watch", action="store_true", help="stop watching")
+    dbg = p["debug"] = _Parser(prog="%mesh debug", description="Ranks paused at breakpoint(): list, cast, continue.")
+    dbg.add_argument("action", nargs="?", choices=["list", "cast", "continue"], default="list")
+    dbg.add_argument("rest", nargs=argparse.REMAINDER, help="for cast: ACTOR RANKS COMMAND...")
+    at = p["attach"] = _Parser(prog="%mesh attach", description="Attach pdb to a paused rank (detach returns to the table).")
+    at.add_argument("actor")
+    at.add_argument("rank", type=int)
     d = p["dashboard"] = _Parser(prog="%mesh dashboard", description="A live dashboard of a mesh (ipywidgets).")
     d.add_argument("name", nargs="?", help="mesh name (optional when one mesh runs)")
     d.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
@@ -124,7 +134,14 @@ class MeshMagics(Magics):
             args = parsers[sub].parse_args(rest)
         except _HelpShown:
             return None
-        return getattr(self, f"_do_{sub}")(args, cell)
+        run = getattr(self, f"_do_{sub}")
+        if sub in ("exec", "attach", "debug"):
+            return run(args, cell)
+        # the other subcommands' waits are housekeeping: paused ranks must not open the debugger there
+        from ..actor._debugwait import quiet
+
+        with quiet():
+            return run(args, cell)
 
     # ------------------------------------------------------------ subcommands
     def _bind(self, name: str, value: Any) -> None:
@@ -206,6 +223,26 @@ class MeshMagics(Magics):
             for name, pm in _mesh.meshes().items():
                 self._bind(name, pm)
         return reports[0] if len(reports) == 1 else reports
+
+    def _do_debug(self, args: argparse.Namespace, cell: str | None) -> Any:
+        from .. import debug
+
+        if args.action == "list":
+            print(debug.format_table(debug.sessions()))
+            return None
+        if args.action == "continue":
+            debug.Console().execute("continue")
+            return None
+        if len(args.rest) < 3:
+            raise UsageError("%mesh debug cast ACTOR RANKS COMMAND, e.g. %mesh debug cast debugee 0-3 p rank")
+        debug.Console().execute("cast " + " ".join(args.rest))
+        return None
+
+    def _do_attach(self, args: argparse.Namespace, cell: str | None) -> Any:
+        from .. import debug
+
+        debug.Console().interact(first=f"attach {args.actor} {args.rank}", leave_on_detach=True)
+        return None
 
     def _do_dashboard(self, args: argparse.Namespace, cell: str | None) -> Any:
         return _do_dashboard_impl(args)

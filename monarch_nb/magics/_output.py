@@ -25,6 +25,7 @@ import uuid
 from typing import Any
 
 from ..actor import _future
+from ..actor._debugwait import quiet
 from ..logs import Aggregator, LogLine, format_line
 
 #: a kernel's default aggregation window, in seconds (as in Monarch's notebook default)
@@ -141,8 +142,10 @@ class KernelOutput:
         cell = self.current
         if cell is None or not cell.made_calls:
             return
-        # it is still in the allocators' pipes: fetch it into this cell
-        self.client.flush_logs(timeout=1.0)
+        # it is still in the allocators' pipes: fetch it into this cell (a housekeeping wait:
+        # paused ranks are the user's business, not a reason to open the debugger here)
+        with quiet():
+            self.client.flush_logs(timeout=1.0)
         with self._lock:
             self._flush_cell(cell, force=True)
 
