@@ -28,8 +28,11 @@ def status(addresses: list[str] | None = None, timeout: float = 2.0) -> dict[str
         if info.get("host") == host and not pid_alive(int(info.get("pid", 0))):
             continue
         targets.append((info["addr"], info))
+    known = {t[0] for t in targets} | {t[1].get("tcp") for t in targets}
     for a in addresses or []:
-        targets.append((a, {"addr": a}))
+        if a not in known:
+            known.add(a)
+            targets.append((a, {"addr": a}))
     futs = [(addr, info, client.request(addr, "status")) for addr, info in targets]
     out = []
     for _addr, info, f in futs:

@@ -77,7 +77,7 @@ class Dashboard(W.VBox):
     def snapshot(self) -> dict[str, Any]:
         """The ranks of the mesh with their state, from one introspection snapshot."""
         pm = self.mesh
-        st = introspect.status(sorted({p.alloc for p in pm._procs if p.alloc and p.alloc.startswith("tcp://")}))
+        st = introspect.status(sorted({p.alloc for p in pm._procs if p.alloc}))
         by_alloc: dict[str, dict[str, Any]] = {}
         for a in st["allocators"]:
             for key in ("addr", "tcp"):
