@@ -331,3 +331,42 @@ def test_sidebar_stays_responsive_during_a_100k_line_flood(page, lab, tmp_path) 
         shot(page, "sidebar-after-flood")
     finally:
         ctl.communicate("", timeout=60)
+
+
+def test_late_rank_output_shows_in_its_cell_and_a_flood_keeps_the_page_responsive(page, lab, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    flag = tmp_path / "go"
+    _SPAWNED.add("latebr")
+    cells = [
+        "%load_ext monarch_nb\n%mesh spawn latebr --per-host gpus=2\nprint('spawned latebr')",
+        "%%mesh exec latebr --no-block\nimport os, time\nfrom monarch_nb.actor import current_rank\n"
+        f"while not os.path.exists({str(flag)!r}): time.sleep(0.02)\nprint('late hello from', current_rank().rank)",
+        "print('second cell ran')",
+    ]
+    nb = run_notebook(page, lab, write_notebook(lab, "latebr", cells))
+    expect(nb.locator(".jp-OutputArea-output", has_text="second cell ran")).to_be_visible(timeout=90_000)
+    expect(page.locator(".jp-StatusBar-Widget", has_text="| Idle").first).to_be_visible(timeout=30_000)
+    flag.touch()
+    # the output arrives after both cells finished, and lands in the cell that made the call
+    cell1 = nb.locator(".jp-Cell").nth(1)
+    expect(cell1.locator(".jp-OutputArea-output", has_text="late hello from 0…1")).to_be_visible(timeout=15_000)
+    expect(nb.locator(".jp-Cell").nth(2).locator(".jp-OutputArea-output", has_text="late hello")).to_have_count(0)
+    shot(page, "late-output-in-calling-cell")
+
+    # 100,000 lines from 16 ranks into a cell, unaggregated: the page and the kernel keep answering
+    flood = [
+        "%mesh spawn floodnb --per-host gpus=16\nprint('spawned floodnb')",
+        "%%mesh exec floodnb --no-aggregate\nfor i in range(6250): print('flood line', i)",
+        "print('after the flood')",
+    ]
+    _SPAWNED.add("floodnb")
+    nb = run_notebook(page, lab, write_notebook(lab, "floodnb", ["%load_ext monarch_nb", *flood]))
+    worst = 0.0
+    deadline = time.monotonic() + 120
+    while not nb.locator(".jp-OutputArea-output", has_text="after the flood").count():
+        assert time.monotonic() < deadline, "the flood cell never finished"
+        t0 = time.monotonic()
+        page.locator(".jp-NotebookPanel:visible .jp-Cell").first.inner_text(timeout=5000)
+        worst = max(worst, time.monotonic() - t0)
+    assert worst < 2.0, f"the page took {worst:.1f} s to answer during the flood"
+    expect(nb.locator(".jp-OutputArea-output", has_text="lines suppressed — %mesh logs floodnb")).to_be_visible(timeout=30_000)
+    shot(page, "flood-in-a-cell")

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import importlib
 import json
 import logging
 import math
 import os
 import pickle
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,7 +29,7 @@ from typing import Any
 from .. import __version__
 from .._wire import frames as wire
 from ..config import Config
-from ..errors import MeshError, SpawnError
+from ..errors import MeshError, ProtocolError, SpawnError
 from .codecache import CodeCache
 from .debugreg import DebugRegistry
 from .logcapture import LogLine, ProcLog, read_log
@@ -388,7 +391,65 @@ class Allocator(DebugRegistry):
             "addr": self.rt.ipc_addr,
             "tcp": self.rt.tcp_addr,
             "gpus": self.gpus,
+            "versions": self._versions,
         }
+
+    @functools.cached_property
+    def _versions(self) -> dict[str, str]:
+        from ..env import critical_versions
+
+        return critical_versions()
+
+    # ------------------------------------------------------------ the host's environment
+    async def sys_env(self) -> dict[str, Any]:
+        from ..env import describe
+
+        return await asyncio.to_thread(describe)
+
+    async def sys_env_pip(self, spec: str) -> dict[str, Any]:
+        """``pip install spec`` into this allocator's interpreter (fails fast without an index)."""
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--no-input",
+            "--timeout",
+            "5",
+            "--retries",
+            "0",
+            spec,
+        ]
+        proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out, _ = await proc.communicate()
+        return {"ok": proc.returncode == 0, "output": out.decode(errors="replace")[-4000:]}
+
+    def sys_env_install_files(self, name: str, files: dict[str, str], remove: str = "") -> int:
+        """Install a distribution from synced blobs into this interpreter's site-packages."""
+        import sysconfig
+        from importlib import metadata
+
+        site = sysconfig.get_paths()["purelib"]
+        if remove:
+            try:
+                old = metadata.distribution(remove)
+                for f in old.files or []:
+                    p = os.path.normpath(os.path.join(site, str(f)))
+                    if p.startswith(site + os.sep) and os.path.isfile(p):
+                        os.unlink(p)
+            except metadata.PackageNotFoundError:
+                pass
+        n = 0
+        for rel, digest in files.items():
+            dest = os.path.normpath(os.path.join(site, rel))
+            if not dest.startswith(site + os.sep):
+                raise ProtocolError(f"{name}: file {rel!r} would land outside site-packages")
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            shutil.copyfile(self.code._blob(digest), dest)
+            n += 1
+        importlib.invalidate_caches()
+        return n
 
     @system_method(wants_reply=True)
     def sys_subscribe(self, *, _reply: tuple[str, int, int]) -> Any:

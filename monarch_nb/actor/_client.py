@@ -189,7 +189,23 @@ class Client:
             probe.close(0)
         self.hellos[addr] = info
         self._alloc_addr[info.get("alloc_id", "")] = addr
+        self._check_versions(addr, info)
         return info
+
+    def _check_versions(self, addr: str, info: dict[str, Any]) -> None:
+        """Before the first call: differences that would make pickles fail to load, with the fix."""
+        from ..env import critical_mismatches, critical_versions
+
+        problems = critical_mismatches(critical_versions(), info.get("versions") or {})
+        if problems:
+            import warnings
+
+            warnings.warn(
+                f"the environment of allocator {addr} ({info.get('host')}) differs in ways that break calls: "
+                + "; ".join(problems),
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     # ------------------------------------------------------------ logs
     def _on_logs(self, index: int, status: int, body: Any, bufs: list[Any]) -> None:

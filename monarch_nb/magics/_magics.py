@@ -23,6 +23,7 @@ _SUMMARY = """\
 %mesh logs NAME [--rank R] [--tail N] [--follow]
                                                the full per-rank logs kept by the allocators
 %mesh stop NAME | --all [--force]              stop meshes (your own unless --force)
+%mesh env diff | sync                          host environments vs this kernel's; make them match
 %mesh debug                                    paused ranks (breakpoint()): actor, rank, host, function, file:line
 %mesh debug cast ACTOR RANKS COMMAND           send a pdb command to a rank set (0-3, *) and show each answer
 %mesh debug continue                           resume every paused rank
@@ -95,6 +96,12 @@ def _parsers() -> dict[str, _Parser]:
     how.add_argument("--no-reload", action="store_true", help="only send the files")
     sy.add_argument("--watch", action="store_true", help="re-sync whenever a file changes")
     sy.add_argument("--stop-watch", action="store_true", help="stop watching")
+    env = p["env"] = _Parser(
+        prog="%mesh env", description="Compare the hosts' Python environments with this kernel's, or make them match."
+    )
+    env.add_argument("action", choices=["diff", "sync"])
+    env.add_argument("addresses", nargs="*", help="allocators (default: the attached hosts)")
+    env.add_argument("--no-index", action="store_true", help="sync: ship installed files instead of trying pip on the host")
     dbg = p["debug"] = _Parser(prog="%mesh debug", description="Ranks paused at breakpoint(): list, cast, continue.")
     dbg.add_argument("action", nargs="?", choices=["list", "cast", "continue"], default="list")
     dbg.add_argument("rest", nargs=argparse.REMAINDER, help="for cast: ACTOR RANKS COMMAND...")
@@ -223,6 +230,18 @@ class MeshMagics(Magics):
             for name, pm in _mesh.meshes().items():
                 self._bind(name, pm)
         return reports[0] if len(reports) == 1 else reports
+
+    def _do_env(self, args: argparse.Namespace, cell: str | None) -> Any:
+        from .. import env
+
+        if args.action == "diff":
+            return env.diff(args.addresses or None)
+        done = env.sync(args.addresses or None, index=not args.no_index)
+        for alloc, acts in done.items():
+            print(f"{alloc}: " + ("; ".join(acts) if acts else "already matches"))
+        if any(done.values()):
+            print("procs import the new versions once restarted: %mesh sync --restart (compiled packages need it)")
+        return None
 
     def _do_debug(self, args: argparse.Namespace, cell: str | None) -> Any:
         from .. import debug
