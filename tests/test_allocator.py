@@ -359,3 +359,26 @@ print("NOT REACHED")
     assert time.monotonic() - t0 < 20
     assert "unhandled mesh failure" in r.stderr and "fail-fast" in r.stderr and "SIGKILL" in r.stderr
     assert "NOT REACHED" not in r.stdout
+
+
+class Printer(Actor):
+    @endpoint
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+
+
+def test_a_respawned_mesh_starts_a_fresh_log_and_names_are_checked(allocator) -> None:  # type: ignore[no-untyped-def]
+    import monarch_nb.logs as L
+    from monarch_nb.errors import MeshError
+
+    first = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="again")
+    first.spawn("p", Printer).say.call_one("from the first mesh").get(timeout=30)
+    wait_for(lambda: any(r["line"] == "from the first mesh" for r in L.logs(first)), 10, "the first mesh's line")
+    first.stop().get(timeout=30)
+    second = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="again")
+    second.spawn("p", Printer).say.call_one("from the second mesh").get(timeout=30)
+    rows = wait_for(lambda: (r := L.logs(second)) and any(x["line"] == "from the second mesh" for x in r) and r, 10, "a line")
+    assert all(r["line"] != "from the first mesh" for r in rows)
+    second.stop().get(timeout=30)
+    with pytest.raises(MeshError, match="bad mesh name"):
+        allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="../escape")

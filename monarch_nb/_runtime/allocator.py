@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import pickle
+import re
 import secrets
 import shutil
 import signal
@@ -487,6 +488,8 @@ class Allocator(DebugRegistry):
         if not name or name == "anon":
             self._anon += 1
             name = f"anon-{self.id[:4]}-{self._anon}"
+        if not _MESH_NAME.fullmatch(name):
+            raise MeshError(f"bad mesh name {name[:80]!r}: use letters, digits, '_', '-' and '.', not starting with '.'")
         if name in self.meshes:
             m = self.meshes[name]
             raise MeshError(
@@ -498,6 +501,7 @@ class Allocator(DebugRegistry):
         mesh = MeshRec(name, spec["owner"], bool(spec.get("persist")), labels, sizes, spec.get("rank_base", 0), [])
         mesh.info = {"extent": spec["extent"], "host_index": spec.get("host_index", 0)}
         self.meshes[name] = mesh
+        self._rotate_logs(name)
         loop = self.rt.loop
         for i in range(n):
             rec = ProcRec(secrets.token_hex(8), name, mesh.rank_base + i, i)
@@ -534,6 +538,12 @@ class Allocator(DebugRegistry):
             "procs": [(r.addr, r.pid, r.rank) for r in mesh.procs],
             "host": self.rt.hostname,
         }
+
+    def _rotate_logs(self, name: str) -> None:
+        """A new mesh with an old mesh's name starts a fresh log; the old one is kept beside it."""
+        d = os.path.join(self.log_dir, name)
+        if os.path.isdir(d):
+            os.rename(d, f"{d}~{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}")
 
     def sys_proc_ready(self, token: str, addr: str, pid: int) -> Any:
         rec = self.by_token.get(token)
@@ -769,6 +779,7 @@ class Allocator(DebugRegistry):
                 self.idle_since = now
 
 
+_MESH_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 _EMPTY_ARGS = pickle.dumps(((), {}), protocol=5), []
 
 
