@@ -195,6 +195,12 @@ def stats(spec: Spec, xs: list[float]) -> dict[str, Any]:
     return out
 
 
+def _sub(rdir: str, name: str) -> str:
+    path = os.path.join(rdir, name)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
 def _reap(run_id: str) -> list[int]:
     """Kill every process that still carries this run's id (ours, transitively)."""
     needle = f"BENCH_RUN_ID={run_id}".encode()
@@ -238,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         "default .bench-venv/bin/python when present",
     )
     ap.add_argument("--no-monarch", action="store_true", help="run monarch_nb only")
+    ap.add_argument(
+        "--baseline",
+        default="",
+        metavar="GIT_REF",
+        help="instead of Monarch, compare with monarch_nb as of GIT_REF (before/after of an optimisation)",
+    )
     ap.add_argument("--only", default="", help="comma-separated workload names or globs, e.g. 'callone_*,call_8'")
     ap.add_argument("--quick", action="store_true", help="fewer rounds and samples, skip 16 MiB payloads (< 2 min)")
     ap.add_argument("--rounds", type=int, default=0, help="alternation rounds per workload (default 5, quick 3)")
@@ -253,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = _select(a.only, a.quick)
     rounds = a.rounds or (3 if a.quick else 5)
     scale = a.scale or (0.5 if a.quick else 1.0)
-    mpy = "" if a.no_monarch else a.monarch_python
+    mpy = "" if (a.no_monarch or a.baseline) else a.monarch_python
     if mpy and not os.path.exists(mpy):
         raise SystemExit(f"--monarch-python {mpy!r} does not exist (bench/setup_monarch.sh creates .bench-venv)")
 
@@ -266,10 +278,17 @@ def main(argv: list[str] | None = None) -> int:
         if not k.startswith(("MONARCH_NB_", "HYPERACTOR_", "MONARCH_", "PYTHONPATH", "VIRTUAL_ENV"))
     }
     base.update(BENCH_RUN_ID=run_id, TMPDIR=rdir, PYTHONPATH=HERE, PYTHONUNBUFFERED="1")
-    workers = [Worker("nb", sys.executable, dict(base, BENCH_IMPL="nb", MONARCH_NB_RUNTIME_DIR=rdir), a.timeout)]
+    workers = [Worker("nb", sys.executable, dict(base, BENCH_IMPL="nb", MONARCH_NB_RUNTIME_DIR=_sub(rdir, "nb")), a.timeout)]
+    other = "monarch"
     if mpy:
         workers.append(Worker("monarch", mpy, dict(base, BENCH_IMPL="monarch"), a.timeout))
-    label = {"nb": "monarch_nb", "monarch": "monarch"}
+    elif a.baseline:
+        other = "baseline"
+        tree = _sub(rdir, "baseline-src")
+        subprocess.run(f"git -C {ROOT} archive {a.baseline} monarch_nb | tar -x -C {tree}", shell=True, check=True)
+        env = dict(base, BENCH_IMPL="nb", MONARCH_NB_RUNTIME_DIR=_sub(rdir, "baseline"), PYTHONPATH=f"{HERE}:{tree}")
+        workers.append(Worker("baseline", sys.executable, env, a.timeout))
+    label = {"nb": "monarch_nb", "monarch": "monarch", "baseline": "baseline"}
     result: dict[str, Any] = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -279,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "command": " ".join([os.path.basename(sys.executable), "-m", "bench", *(argv if argv is not None else sys.argv[1:])]),
         "rounds": rounds,
+        "compared_with": other if len(workers) > 1 else None,
         "workloads": {},
     }
     t_start = time.monotonic()
@@ -314,12 +334,12 @@ def main(argv: list[str] | None = None) -> int:
                     entry[label[impl]] = {"error": failed[impl][-1500:]}
                 elif xs:
                     entry[label[impl]] = stats(spec, xs)
-            nb, mon = entry.get("monarch_nb", {}), entry.get("monarch", {})
+            nb, mon = entry.get("monarch_nb", {}), entry.get(other, {})
             if "median_s" in nb and "median_s" in mon:
                 entry["ratio_median"] = nb["median_s"] / mon["median_s"]
                 entry["ratio_p99"] = nb["p99_s"] / mon["p99_s"]
                 entry["speedup"] = mon["median_s"] / nb["median_s"]
-                if spec.target_median is not None:
+                if spec.target_median is not None and other == "monarch":
                     met = entry["ratio_median"] <= spec.target_median
                     if spec.target_p99 is not None:
                         met = met and entry["ratio_p99"] <= spec.target_p99
@@ -352,8 +372,9 @@ def _line(e: dict[str, Any]) -> str:
         return f"median {d['median_s'] * 1e3:.3f} ms p99 {d['p99_s'] * 1e3:.3f} ms"
 
     parts = [f"nb {fmt(e['monarch_nb'])}" if "monarch_nb" in e else ""]
-    if "monarch" in e:
-        parts.append(f"monarch {fmt(e['monarch'])}")
+    for other in ("monarch", "baseline"):
+        if other in e:
+            parts.append(f"{other} {fmt(e[other])}")
     if "ratio_median" in e:
         parts.append(f"ratio {e['ratio_median']:.2f} (p99 {e['ratio_p99']:.2f})" + (f" met={e['met']}" if "met" in e else ""))
     return " | ".join(p for p in parts if p)
