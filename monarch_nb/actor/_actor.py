@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import os
 import queue
 import sys
 import threading
 from functools import cached_property
 from typing import Any
 
-from .._runtime.logcapture import marker
+from .._runtime.logcapture import set_call
 from .._runtime.runtime import NO_REPLY, Runtime, system_method
 from .._wire import frames as wire
 from .._wire.serialize import loads
@@ -256,14 +255,14 @@ class ActorSlot:
 
     def _mark(self, call_id: str) -> None:
         if self.markers:
-            try:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                m = marker(call_id)
-                os.write(1, m)
-                os.write(2, m)
-            except OSError:
-                pass
+            if not call_id:
+                # what the call printed leaves the proc before its reply does
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                except (OSError, ValueError):
+                    pass
+            set_call(call_id)
 
     def _call_sync(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
         prep = self._prepare(meta, body, buffers)

@@ -10,6 +10,7 @@ from typing import Any
 
 
 def main(spec: dict[str, Any]) -> int:
+    from .._runtime.logcapture import install_tagged_streams
     from .._runtime.runtime import Runtime
     from .._runtime.transport import Security
     from .._wire.serialize import dumps, loads
@@ -17,6 +18,7 @@ def main(spec: dict[str, Any]) -> int:
     from . import _context
     from ._actor import ensure_actor_host
 
+    install_tagged_streams()
     cfg = Config(**spec["cfg"])
     rt = Runtime(
         cfg,
