@@ -86,7 +86,7 @@ class Runtime:
         self._tcp_port = tcp_port
         self.ipc_addr = ""
         self.tcp_addr = ""
-        self._inboxes: list[zmq.asyncio.Socket] = []
+        self._inboxes: list[zmq.Socket] = []
         self._ports: dict[int, PortHandler] = {}
         self._port_ids = itertools.count(1)
         self._call_ids = itertools.count(1)
@@ -126,8 +126,7 @@ class Runtime:
             ready.set_exception(e)
 
     def _bind(self, addr: str) -> str:
-        actx = zmq.asyncio.Context.shadow(self.ctx)
-        sock = actx.socket(zmq.ROUTER)
+        sock = self.ctx.socket(zmq.ROUTER)
         sock.linger = 0
         sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -146,9 +145,13 @@ class Runtime:
             if addr.startswith("ipc://"):
                 os.chmod(addr[len("ipc://") :], 0o600)
         self._inboxes.append(sock)
-        self._spawn(self._recv_loop(sock))
+        # a plain socket drained from a reader callback: one wake-up takes every queued
+        # message, without a zmq.asyncio future per message
+        self.loop.add_reader(sock.FD, self._drain_inbox, sock)
+        self.loop.call_soon(self._drain_inbox, sock)
         if addr.startswith("tcp://") and self.security.key is not None:
-            self._spawn(self._log_handshake_failures(sock.get_monitor_socket(), bound))
+            mon = zmq.asyncio.Socket.shadow(sock.get_monitor_socket().underlying)
+            self._spawn(self._log_handshake_failures(mon, bound))
         return bound
 
     async def _log_handshake_failures(self, mon: zmq.asyncio.Socket, where: str) -> None:
@@ -200,6 +203,7 @@ class Runtime:
             for t in list(self._tasks):
                 t.cancel()
             for s in self._inboxes:
+                self.loop.remove_reader(s.FD)
                 s.close(linger=0)
             self.loop.stop()
             done.set()
@@ -324,14 +328,16 @@ class Runtime:
             )
 
     # ---------------------------------------------------------------- receiving
-    async def _recv_loop(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
+    def _drain_inbox(self, sock: zmq.Socket) -> None:
+        # the zmq FD is edge-triggered: read until EAGAIN, or come back at once after a batch
+        recv = sock.recv_multipart
+        for _ in range(256):
             try:
-                msg = await sock.recv_multipart(copy=False)
-            except asyncio.CancelledError:
-                raise
+                msg = recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
             except zmq.ZMQError as e:
-                if e.errno == zmq.ETERM:
+                if e.errno in (zmq.ETERM, zmq.ENOTSOCK):
                     return
                 logger.warning("inbox receive failed: %s", e)
                 continue
@@ -339,6 +345,7 @@ class Runtime:
                 self._dispatch(msg)
             except Exception:
                 logger.exception("dropped a message whose handler failed")
+        self.loop.call_soon(self._drain_inbox, sock)
 
     def _dispatch(self, msg: list[zmq.Frame]) -> None:
         if len(msg) < 3:
