@@ -39,7 +39,7 @@ def _instrument(rt: Any, log: list[tuple[str, int]], peer: str, what: Any) -> No
     def timed_dispatch(msg: Any) -> None:
         t = T()
         try:
-            if what(wire.decode_header(msg[1].bytes)):
+            if what(wire.decode(msg)[:2]):
                 log.append(("recv", t))
         except Exception:
             pass

@@ -283,7 +283,10 @@ class Runtime:
         dead = self._dead.get(addr)
         if dead is not None:
             raise dead
-        self._out(addr).send_multipart(frames, copy=False)
+        if len(frames) == 1:
+            self._out(addr).send(frames[0])
+        else:
+            self._out(addr).send_multipart(frames, copy=False)
 
     def send_port(self, addr: str, port: int, index: int, status: int, value: Any) -> None:
         """Send ``value`` to a port; an unpicklable value becomes an error the receiver sees."""
@@ -330,10 +333,15 @@ class Runtime:
     # ---------------------------------------------------------------- receiving
     def _drain_inbox(self, sock: zmq.Socket) -> None:
         # the zmq FD is edge-triggered: read until EAGAIN, or come back at once after a batch
-        recv = sock.recv_multipart
+        recv, opt = sock.recv, sock.getsockopt
         for _ in range(256):
             try:
-                msg = recv(zmq.NOBLOCK, copy=False)
+                recv(zmq.NOBLOCK)  # the sender's routing id; answers go to reply addresses instead
+                # the rest of a multipart message has arrived with its first part; the head is
+                # small (copied), payloads and buffers are not
+                frames = [recv()] if opt(zmq.RCVMORE) else []
+                while opt(zmq.RCVMORE):
+                    frames.append(recv(copy=False).buffer)
             except zmq.Again:
                 return
             except zmq.ZMQError as e:
@@ -342,24 +350,22 @@ class Runtime:
                 logger.warning("inbox receive failed: %s", e)
                 continue
             try:
-                self._dispatch(msg)
+                self._dispatch(frames)
             except Exception:
                 logger.exception("dropped a message whose handler failed")
         self.loop.call_soon(self._drain_inbox, sock)
 
-    def _dispatch(self, msg: list[zmq.Frame]) -> None:
-        if len(msg) < 3:
+    def _dispatch(self, frames: list[Any]) -> None:
+        if not frames:
             self.dropped_frames += 1
-            logger.warning("dropped a message with %d frames (expected at least 2 after the routing id)", len(msg) - 1)
+            logger.warning("dropped an empty message")
             return
         try:
-            kind, meta = wire.decode_header(msg[1].bytes)
+            kind, meta, body, bufs = wire.decode(frames)
         except ProtocolError as e:
             self.dropped_frames += 1
             logger.warning("dropped a frame: %s", e)
             return
-        body = msg[2].buffer
-        bufs = [f.buffer for f in msg[3:]]
         if kind == wire.PORT:
             port, index, status = meta
             h = self._ports.get(port)
