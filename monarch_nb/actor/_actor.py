@@ -112,6 +112,7 @@ class ActorSlot:
         self.markers = _context.proc_spec is not None
         self.busy = ""
         self._stopped = False
+        self._points: dict[Any, Point] = {}
         if self.is_async:
             self.loop = asyncio.new_event_loop()
             self._aq: asyncio.Queue[Any] | None = None
@@ -241,10 +242,20 @@ class ActorSlot:
             raddr,
             rport,
             index,
-            Point(index, Extent(*ext)) if ext[0] or ext[1] else Point(0, Extent([], [])),
+            self._point(index, ext),
             call_id,
             method,
         )
+
+    def _point(self, index: int, ext: Any) -> Point:
+        # the message rank of a call; the same few recur, and building one costs microseconds
+        key = (index, ext)
+        p = self._points.get(key)
+        if p is None:
+            if len(self._points) > 1024:
+                self._points.clear()
+            p = self._points[key] = Point(index, Extent(*ext)) if ext[0] or ext[1] else Point(0, Extent([], []))
+        return p
 
     def _reply(self, raddr: str, rport: int, index: int, status: int, value: Any) -> None:
         if raddr:
