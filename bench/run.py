@@ -254,6 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer rounds and samples, skip 16 MiB payloads (< 2 min)")
     ap.add_argument("--rounds", type=int, default=0, help="alternation rounds per workload (default 5, quick 3)")
     ap.add_argument("--scale", type=float, default=0.0, help="multiply samples per round (default 1, quick 0.5)")
+    ap.add_argument(
+        "--nb-env",
+        action="append",
+        default=[],
+        metavar="KEY=VAL",
+        help="environment for the monarch_nb worker only (experiments)",
+    )
     ap.add_argument("--timeout", type=float, default=300, help="seconds one worker request may take")
     ap.add_argument("--out", default="", help="also write the JSON here")
     ap.add_argument("--list", action="store_true", help="list the workloads and exit")
@@ -278,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         if not k.startswith(("MONARCH_NB_", "HYPERACTOR_", "MONARCH_", "PYTHONPATH", "VIRTUAL_ENV"))
     }
     base.update(BENCH_RUN_ID=run_id, TMPDIR=rdir, PYTHONPATH=HERE, PYTHONUNBUFFERED="1")
-    workers = [Worker("nb", sys.executable, dict(base, BENCH_IMPL="nb", MONARCH_NB_RUNTIME_DIR=_sub(rdir, "nb")), a.timeout)]
+    nb_env = dict(base, BENCH_IMPL="nb", MONARCH_NB_RUNTIME_DIR=_sub(rdir, "nb"))
+    nb_env.update(kv.split("=", 1) for kv in a.nb_env)
+    workers = [Worker("nb", sys.executable, nb_env, a.timeout)]
     other = "monarch"
     if mpy:
         workers.append(Worker("monarch", mpy, dict(base, BENCH_IMPL="monarch"), a.timeout))
