@@ -36,6 +36,9 @@ class Config:
     zygote_preload: str = "torch"
     #: how long the allocator batches log lines before forwarding them
     log_flush_interval: float = 0.02
+    #: out-of-band buffers at least this large go to a peer on this host through shared
+    #: memory (/dev/shm, 0600, unguessable names); 0 turns it off
+    shm_min_bytes: int = 8 << 20
 
     def replace(self, **kw: Any) -> Config:
         return dataclasses.replace(self, **kw)

@@ -27,6 +27,7 @@ from .. import __version__
 from .._wire import frames as wire
 from ..config import Config
 from ..errors import MeshError, SpawnError
+from . import shm
 from .logcapture import LogLine, ProcLog, read_log
 from .runtime import NO_REPLY, Runtime, system_method
 from .transport import Security
@@ -208,6 +209,7 @@ class Allocator:
 
     def _proc_exited(self, rec: ProcRec, status: int) -> None:
         self.by_pid.pop(rec.pid, None)
+        shm.sweep_dead(rec.pid)  # shared-memory buffers it sent that nobody took
         for fd in list(rec.fds):
             self._drain(rec, fd, final=True)
         if os.WIFSIGNALED(status):

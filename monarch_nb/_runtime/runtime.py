@@ -30,6 +30,7 @@ from .._wire import frames as wire
 from .._wire.serialize import dumps, loads, nbytes
 from ..config import Config
 from ..errors import ActorError, ProtocolError, SupervisionError, _safe_exc, format_exception
+from . import shm as _shm
 from .transport import Security, SocketFactory, ipc_path, route_ip, split_tcp
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ class Runtime:
         self.peer_failure_callbacks: list[Callable[[str, SupervisionError], None]] = []
         self.dropped_frames = 0
         self._closed = False
+        self._shm = _shm.ShmSender() if cfg.shm_min_bytes > 0 and _shm.available() else None
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> Runtime:
@@ -218,6 +220,8 @@ class Runtime:
             except zmq.ZMQError:
                 pass
         self.sockets.close()
+        if self._shm is not None:
+            self._shm.close()
         self.ctx.term()
         if self.ipc_addr:
             try:
@@ -302,7 +306,7 @@ class Runtime:
                 )
             )
         try:
-            self.send(addr, wire.encode(wire.PORT, (port, index, status), body, bufs))
+            self.send(addr, self._encode(addr, wire.PORT, (port, index, status), body, bufs))
         except SupervisionError:
             logger.debug("reply to dead peer %s dropped", addr)
 
@@ -320,7 +324,20 @@ class Runtime:
         call_id: str = "",
     ) -> None:
         raddr, rport = reply if reply else ("", 0)
-        self.send(addr, wire.encode(wire.ACTOR, (actor, method, raddr, rport, index, extent, call_id), body, buffers))
+        self.send(addr, self._encode(addr, wire.ACTOR, (actor, method, raddr, rport, index, extent, call_id), body, buffers))
+
+    def _encode(self, addr: str, kind: int, meta: tuple[Any, ...], body: Any, bufs: list[Any]) -> list[Any]:
+        table = None
+        if bufs and self._shm is not None and addr.startswith("ipc://"):
+            # a peer on this host maps large buffers instead of reading them off a socket
+            lim = self.cfg.shm_min_bytes
+            for i, b in enumerate(bufs):
+                if memoryview(b).nbytes >= lim:
+                    if table is None:
+                        table, bufs = [], list(bufs)
+                    table.append((i, *self._shm.put(b)))
+                    bufs[i] = b""
+        return wire.encode(kind, meta, body, bufs, table)
 
     def check_size(self, body: bytes, buffers: list[Any]) -> None:
         n = nbytes(body, buffers)
@@ -361,11 +378,22 @@ class Runtime:
             logger.warning("dropped an empty message")
             return
         try:
-            kind, meta, body, bufs = wire.decode(frames)
+            kind, meta, body, bufs, table = wire.decode(frames)
         except ProtocolError as e:
             self.dropped_frames += 1
             logger.warning("dropped a frame: %s", e)
             return
+        if table:
+            try:
+                bufs = list(bufs)
+                for i, name, n in table:
+                    bufs[i] = _shm.take(name, n)
+            except ProtocolError as e:
+                self.dropped_frames += 1
+                logger.warning("dropped a message: %s", e)
+                if kind == wire.ACTOR and meta[2]:
+                    self.send_port(meta[2], meta[3], meta[4], wire.ERROR, ActorError(e, host=self.hostname))
+                return
         if kind == wire.PORT:
             port, index, status = meta
             h = self._ports.get(port)
@@ -507,6 +535,8 @@ class Runtime:
         ping = dumps(((), {}))
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval)
+            if self._shm is not None:
+                self._shm.sweep()
             now = time.monotonic()
             for w in list(self._watches.values()):
                 if w.lost is not None:

@@ -7,7 +7,8 @@ A message is ``[head, *rest]``:
   user objects) + the pickled payload when it is small (flag ``INLINE``);
 * ``rest`` = the payload when it is large (its own frame, never copied), then its
   out-of-band pickle-5 buffers, each its own frame so large arrays are never copied into
-  the body.
+  the body. With flag ``SHM`` a frame right after the head lists ``(index, name, nbytes)``
+  of buffers that travel through shared memory (their frames are empty).
 
 A small message is one frame: every frame costs a send and a receive call (and a GIL
 round trip) on both sides, which dominated a small call.
@@ -39,24 +40,34 @@ ITEM = 2
 
 #: flags: the payload follows the meta in the head frame
 INLINE = 1
+#: flags: a shared-memory table follows the head
+SHM = 2
 #: payloads up to this size travel in the head frame (one small copy beats a second frame)
 INLINE_MAX = 1 << 16
 
 _LEN = struct.Struct("<I")
 _PREFIX = len(MAGIC) + 3
-_HEADS = {(kind, flags): MAGIC + bytes([VERSION, kind, flags]) for kind in (ACTOR, PORT) for flags in (0, INLINE)}
+_HEADS = {(kind, flags): MAGIC + bytes([VERSION, kind, flags]) for kind in (ACTOR, PORT) for flags in range(4)}
 _WANT = {ACTOR: 7, PORT: 3}
 
 
-def encode(kind: int, meta: tuple[Any, ...], body: bytes | memoryview, buffers: list[Any] = ()) -> list[Any]:  # type: ignore[assignment]
+def encode(
+    kind: int,
+    meta: tuple[Any, ...],
+    body: bytes | memoryview,
+    buffers: list[Any] = (),  # type: ignore[assignment]
+    shm: list[tuple[int, str, int]] | None = None,
+) -> list[Any]:
     m = pickle.dumps(meta, protocol=5)
+    table = [pickle.dumps(shm, protocol=5)] if shm else []
+    flags = SHM if shm else 0
     if len(body) <= INLINE_MAX:
-        return [b"".join((_HEADS[kind, INLINE], _LEN.pack(len(m)), m, body)), *buffers]
-    return [b"".join((_HEADS[kind, 0], _LEN.pack(len(m)), m)), body, *buffers]
+        return [b"".join((_HEADS[kind, flags | INLINE], _LEN.pack(len(m)), m, body)), *table, *buffers]
+    return [b"".join((_HEADS[kind, flags], _LEN.pack(len(m)), m)), *table, body, *buffers]
 
 
-def decode(frames: list[Any]) -> tuple[int, tuple[Any, ...], Any, list[Any]]:
-    """Return ``(kind, meta, body, buffers)``; raise :class:`ProtocolError` for anything foreign or broken."""
+def decode(frames: list[Any]) -> tuple[int, tuple[Any, ...], Any, list[Any], list[tuple[int, str, int]]]:
+    """Return ``(kind, meta, body, buffers, shm)``; raise :class:`ProtocolError` for anything foreign or broken."""
     head = frames[0]
     if len(head) < 4 or head[:3] != MAGIC:
         raise ProtocolError(f"not a monarch_nb frame (starts {bytes(head[:8])!r})")
@@ -80,8 +91,33 @@ def decode(frames: list[Any]) -> tuple[int, tuple[Any, ...], Any, list[Any]]:
         raise ProtocolError("malformed header: meta is not a tuple")
     if len(meta) != want:
         raise ProtocolError(f"malformed header: kind {kind} needs {want} fields, got {len(meta)}")
+    rest = frames[1:]
+    shm: list[tuple[int, str, int]] = []
+    if flags & SHM:
+        if not rest:
+            raise ProtocolError("malformed message: no shared-memory table")
+        shm = _shm_table(rest[0])
+        rest = rest[1:]
     if flags & INLINE:
-        return kind, meta, memoryview(head)[start + n :], frames[1:]
-    if len(frames) < 2:
+        body = memoryview(head)[start + n :]
+    elif rest:
+        body, rest = rest[0], rest[1:]
+    else:
         raise ProtocolError("malformed message: no payload frame")
-    return kind, meta, frames[1], frames[2:]
+    if any(i >= len(rest) for i, _, _ in shm):
+        raise ProtocolError("malformed shared-memory table: index out of range")
+    return kind, meta, body, rest, shm
+
+
+def _shm_table(frame: Any) -> list[tuple[int, str, int]]:
+    try:
+        table = pickle.loads(frame)
+        ok = isinstance(table, list) and all(
+            isinstance(e, tuple) and len(e) == 3 and type(e[0]) is int and e[0] >= 0 and type(e[1]) is str and type(e[2]) is int
+            for e in table
+        )
+    except Exception:
+        ok = False
+    if not ok:
+        raise ProtocolError("malformed shared-memory table")
+    return table  # type: ignore[no-any-return]
