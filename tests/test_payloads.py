@@ -100,3 +100,17 @@ def test_a_shared_memory_file_not_0600_or_not_ours_is_refused(tmp_path):  # type
     finally:
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_when_shared_memory_fails_the_buffer_takes_the_socket(echo, monkeypatch):  # type: ignore[no-untyped-def]
+    from monarch_nb.actor import _context
+
+    rt = _context.runtime()
+    assert rt._shm is not None
+
+    def full(buf):  # type: ignore[no-untyped-def]
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rt._shm, "put", full)
+    arr = np.arange(BIG // 8, dtype=np.int64)
+    assert np.array_equal(echo.echo.call_one(arr).get(timeout=30), arr)

@@ -333,9 +333,15 @@ class Runtime:
             lim = self.cfg.shm_min_bytes
             for i, b in enumerate(bufs):
                 if memoryview(b).nbytes >= lim:
+                    try:
+                        entry = (i, *self._shm.put(b))
+                    except OSError as e:
+                        # /dev/shm full or unusable: this buffer takes the socket instead
+                        logger.debug("shared memory unavailable (%s); sending %d bytes over the socket", e, memoryview(b).nbytes)
+                        continue
                     if table is None:
                         table, bufs = [], list(bufs)
-                    table.append((i, *self._shm.put(b)))
+                    table.append(entry)
                     bufs[i] = b""
         return wire.encode(kind, meta, body, bufs, table)
 
