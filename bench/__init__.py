@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks of monarch_nb and Monarch; run ``python -m bench --help``."""

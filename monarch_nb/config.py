@@ -42,6 +42,9 @@ class Config:
     debug_no_input: str = "continue"
     #: seconds a breakpoint with no input waits for an attach from elsewhere before "continue"/"raise"
     debug_no_input_timeout: float = 0.0
+    #: out-of-band buffers at least this large go to a peer on this host through shared
+    #: memory (/dev/shm, 0600, unguessable names); 0 turns it off
+    shm_min_bytes: int = 8 << 20
 
     def replace(self, **kw: Any) -> Config:
         return dataclasses.replace(self, **kw)

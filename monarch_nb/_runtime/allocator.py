@@ -31,6 +31,7 @@ from .. import __version__
 from .._wire import frames as wire
 from ..config import Config
 from ..errors import MeshError, ProtocolError, SpawnError
+from . import shm
 from .codecache import CodeCache
 from .debugreg import DebugRegistry
 from .logcapture import LogLine, ProcLog, read_log
@@ -221,6 +222,7 @@ class Allocator(DebugRegistry):
 
     def _proc_exited(self, rec: ProcRec, status: int) -> None:
         self.by_pid.pop(rec.pid, None)
+        shm.sweep_dead(rec.pid)  # shared-memory buffers it sent that nobody took
         for fd in list(rec.fds):
             self._drain(rec, fd, final=True)
         if os.WIFSIGNALED(status):

@@ -4,15 +4,24 @@ The allocator owns the read ends of each proc's stdout/stderr pipes. Lines are t
 rank, stream, wall-clock time and the id of the call running in that proc, which the proc
 announces in-band with an OSC escape (``ESC ] mnb;call=ID BEL``, written just before and
 after each endpoint), so the tag is exact for Python output and never races the data.
-Every line goes to a JSONL file; subscribers get batches. A line that starts with ``\r`` is
-the current state of a line still being redrawn (a progress bar), not a finished line.
+Every line goes to a JSONL file; subscribers get batches.
+
+The markers are written lazily (:class:`TaggedStream`): a proc's ``sys.stdout``/``sys.stderr``
+put one in front of the first write after the running call changed, through the stream's own
+buffer, so a call that prints nothing costs no syscall and wakes nobody. C-level writes to
+fd 1/2 carry the tag of the last Python write on that stream.
+
+A line that starts with ``\r`` is the current state of a line still being redrawn (a progress
+bar), not a finished line.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +36,44 @@ LogLine = tuple[int, str, float, str, str]
 
 def marker(call_id: str) -> bytes:
     return MARK_PREFIX + call_id.encode() + MARK_END
+
+
+#: the call this proc is running ("" between calls); stream-global, as the fd-level tags are
+_current_call = [""]
+
+
+def set_call(call_id: str) -> None:
+    """Tag what is printed from now on with ``call_id`` (markers follow lazily, in-band)."""
+    _current_call[0] = call_id
+
+
+class TaggedStream(io.TextIOWrapper):
+    """A line-buffered text stream that announces the running call before its first write."""
+
+    _mnb_last = ""
+
+    def write(self, s: str) -> int:
+        cid = _current_call[0]
+        if cid != self._mnb_last:
+            self._mnb_last = cid
+            # through the same buffer: the marker lands between earlier text and this text
+            super().flush()
+            self.buffer.write(marker(cid))
+        return super().write(s)
+
+
+def install_tagged_streams() -> None:
+    """Make this proc's ``sys.stdout``/``sys.stderr`` :class:`TaggedStream` (line-buffered)."""
+    for name in ("stdout", "stderr"):
+        old = getattr(sys, name)
+        try:
+            old.flush()
+            # a fresh buffer over the fd: the zygote's one cached facts about its old target (seekable)
+            raw = open(old.fileno(), "wb", closefd=False)
+            new = TaggedStream(raw, encoding=old.encoding, errors=old.errors, line_buffering=True)
+        except (AttributeError, ValueError, OSError):
+            continue
+        setattr(sys, name, new)
 
 
 class ProcLog:

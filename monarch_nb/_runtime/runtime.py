@@ -30,6 +30,7 @@ from .._wire import frames as wire
 from .._wire.serialize import dumps, loads, nbytes
 from ..config import Config
 from ..errors import ActorError, ProtocolError, SupervisionError, _safe_exc, format_exception
+from . import shm as _shm
 from .transport import Security, SocketFactory, ipc_path, route_ip, split_tcp
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class Runtime:
         self._tcp_port = tcp_port
         self.ipc_addr = ""
         self.tcp_addr = ""
-        self._inboxes: list[zmq.asyncio.Socket] = []
+        self._inboxes: list[zmq.Socket] = []
         self._ports: dict[int, PortHandler] = {}
         self._port_ids = itertools.count(1)
         self._call_ids = itertools.count(1)
@@ -104,6 +105,7 @@ class Runtime:
         self.event_callbacks: list[Callable[[tuple[Any, ...]], None]] = []
         self.dropped_frames = 0
         self._closed = False
+        self._shm = _shm.ShmSender() if cfg.shm_min_bytes > 0 and _shm.available() else None
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> Runtime:
@@ -128,8 +130,7 @@ class Runtime:
             ready.set_exception(e)
 
     def _bind(self, addr: str) -> str:
-        actx = zmq.asyncio.Context.shadow(self.ctx)
-        sock = actx.socket(zmq.ROUTER)
+        sock = self.ctx.socket(zmq.ROUTER)
         sock.linger = 0
         sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -148,9 +149,13 @@ class Runtime:
             if addr.startswith("ipc://"):
                 os.chmod(addr[len("ipc://") :], 0o600)
         self._inboxes.append(sock)
-        self._spawn(self._recv_loop(sock))
+        # a plain socket drained from a reader callback: one wake-up takes every queued
+        # message, without a zmq.asyncio future per message
+        self.loop.add_reader(sock.FD, self._drain_inbox, sock)
+        self.loop.call_soon(self._drain_inbox, sock)
         if addr.startswith("tcp://") and self.security.key is not None:
-            self._spawn(self._log_handshake_failures(sock.get_monitor_socket(), bound))
+            mon = zmq.asyncio.Socket.shadow(sock.get_monitor_socket().underlying)
+            self._spawn(self._log_handshake_failures(mon, bound))
         return bound
 
     async def _log_handshake_failures(self, mon: zmq.asyncio.Socket, where: str) -> None:
@@ -202,6 +207,7 @@ class Runtime:
             for t in list(self._tasks):
                 t.cancel()
             for s in self._inboxes:
+                self.loop.remove_reader(s.FD)
                 s.close(linger=0)
             self.loop.stop()
             done.set()
@@ -216,6 +222,8 @@ class Runtime:
             except zmq.ZMQError:
                 pass
         self.sockets.close()
+        if self._shm is not None:
+            self._shm.close()
         self.ctx.term()
         if self.ipc_addr:
             try:
@@ -281,7 +289,10 @@ class Runtime:
         dead = self._dead.get(addr)
         if dead is not None:
             raise dead
-        self._out(addr).send_multipart(frames, copy=False)
+        if len(frames) == 1:
+            self._out(addr).send(frames[0])
+        else:
+            self._out(addr).send_multipart(frames, copy=False)
 
     def send_port(self, addr: str, port: int, index: int, status: int, value: Any) -> None:
         """Send ``value`` to a port; an unpicklable value becomes an error the receiver sees."""
@@ -297,7 +308,7 @@ class Runtime:
                 )
             )
         try:
-            self.send(addr, wire.encode(wire.PORT, (port, index, status), body, bufs))
+            self.send(addr, self._encode(addr, wire.PORT, (port, index, status), body, bufs))
         except SupervisionError:
             logger.debug("reply to dead peer %s dropped", addr)
 
@@ -315,7 +326,26 @@ class Runtime:
         call_id: str = "",
     ) -> None:
         raddr, rport = reply if reply else ("", 0)
-        self.send(addr, wire.encode(wire.ACTOR, (actor, method, raddr, rport, index, extent, call_id), body, buffers))
+        self.send(addr, self._encode(addr, wire.ACTOR, (actor, method, raddr, rport, index, extent, call_id), body, buffers))
+
+    def _encode(self, addr: str, kind: int, meta: tuple[Any, ...], body: Any, bufs: list[Any]) -> list[Any]:
+        table = None
+        if bufs and self._shm is not None and addr.startswith("ipc://"):
+            # a peer on this host maps large buffers instead of reading them off a socket
+            lim = self.cfg.shm_min_bytes
+            for i, b in enumerate(bufs):
+                if memoryview(b).nbytes >= lim:
+                    try:
+                        entry = (i, *self._shm.put(b))
+                    except OSError as e:
+                        # /dev/shm full or unusable: this buffer takes the socket instead
+                        logger.debug("shared memory unavailable (%s); sending %d bytes over the socket", e, memoryview(b).nbytes)
+                        continue
+                    if table is None:
+                        table, bufs = [], list(bufs)
+                    table.append(entry)
+                    bufs[i] = b""
+        return wire.encode(kind, meta, body, bufs, table)
 
     def check_size(self, body: bytes, buffers: list[Any]) -> None:
         n = nbytes(body, buffers)
@@ -326,35 +356,57 @@ class Runtime:
             )
 
     # ---------------------------------------------------------------- receiving
-    async def _recv_loop(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
+    def _drain_inbox(self, sock: zmq.Socket) -> None:
+        # the zmq FD is edge-triggered: read while ZMQ_EVENTS says so (checking it re-arms the
+        # FD), or come back at once after a batch. Asking EVENTS instead of calling recv until
+        # EAGAIN saves a GIL release (recv always drops it) and an exception per wake-up; each
+        # GIL release is a chance for a waiting thread to take it and make this one wait
+        recv, opt = sock.recv, sock.getsockopt
+        for _ in range(256):
             try:
-                msg = await sock.recv_multipart(copy=False)
-            except asyncio.CancelledError:
-                raise
+                if not opt(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                recv(zmq.NOBLOCK)  # the sender's routing id; answers go to reply addresses instead
+                # the rest of a multipart message has arrived with its first part; the head is
+                # small (copied), payloads and buffers are not
+                frames = [recv()] if opt(zmq.RCVMORE) else []
+                while opt(zmq.RCVMORE):
+                    frames.append(recv(copy=False).buffer)
+            except zmq.Again:
+                return
             except zmq.ZMQError as e:
-                if e.errno == zmq.ETERM:
+                if e.errno in (zmq.ETERM, zmq.ENOTSOCK):
                     return
                 logger.warning("inbox receive failed: %s", e)
                 continue
             try:
-                self._dispatch(msg)
+                self._dispatch(frames)
             except Exception:
                 logger.exception("dropped a message whose handler failed")
+        self.loop.call_soon(self._drain_inbox, sock)
 
-    def _dispatch(self, msg: list[zmq.Frame]) -> None:
-        if len(msg) < 3:
+    def _dispatch(self, frames: list[Any]) -> None:
+        if not frames:
             self.dropped_frames += 1
-            logger.warning("dropped a message with %d frames (expected at least 2 after the routing id)", len(msg) - 1)
+            logger.warning("dropped an empty message")
             return
         try:
-            kind, meta = wire.decode_header(msg[1].bytes)
+            kind, meta, body, bufs, table = wire.decode(frames)
         except ProtocolError as e:
             self.dropped_frames += 1
             logger.warning("dropped a frame: %s", e)
             return
-        body = msg[2].buffer
-        bufs = [f.buffer for f in msg[3:]]
+        if table:
+            try:
+                bufs = list(bufs)
+                for i, name, n in table:
+                    bufs[i] = _shm.take(name, n)
+            except ProtocolError as e:
+                self.dropped_frames += 1
+                logger.warning("dropped a message: %s", e)
+                if kind == wire.ACTOR and meta[2]:
+                    self.send_port(meta[2], meta[3], meta[4], wire.ERROR, ActorError(e, host=self.hostname))
+                return
         if kind == wire.PORT:
             port, index, status = meta
             h = self._ports.get(port)
@@ -510,6 +562,8 @@ class Runtime:
         woke = time.monotonic()
         while True:
             await asyncio.sleep(interval)
+            if self._shm is not None:
+                self._shm.sweep()
             now = time.monotonic()
             # when this loop itself was starved (a busy I/O thread, a loaded machine), pongs that
             # did arrive may not have been read yet: that is no evidence against the peer

@@ -8,6 +8,7 @@ last words survive its crash. Procs die with the zygote, the zygote with its all
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import pickle
@@ -75,6 +76,11 @@ def main(sock_fd: int, preload: str) -> None:
             loaded.append(name)
         except Exception as e:
             failed.append(f"{name}: {type(e).__name__}: {e}")
+    # everything imported so far lives as long as every proc: keep it out of the collector's
+    # sight, so a proc's collections stay short (no multi-ms pauses scanning torch's objects)
+    # and do not write to, and so un-share, the pages procs inherit from the zygote
+    gc.collect()
+    gc.freeze()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)

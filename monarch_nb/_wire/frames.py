@@ -1,11 +1,17 @@
 """Multipart frame layout.
 
-A message is ``[header, body, *buffers]``:
+A message is ``[head, *rest]``:
 
-* ``header`` = ``MAGIC`` (3 bytes) + version (1 byte) + kind (1 byte) + pickled meta tuple
-  (small: names, port ids, flags; never user objects);
-* ``body`` = the pickled payload; ``buffers`` = its out-of-band pickle-5 buffers, sent as
-  their own frames so large arrays are never copied into the body.
+* ``head`` = ``MAGIC`` (3 bytes) + version + kind + flags (1 byte each) + the length of the
+  pickled meta tuple (4 bytes, little-endian) + the meta tuple (small: names, port ids; never
+  user objects) + the pickled payload when it is small (flag ``INLINE``);
+* ``rest`` = the payload when it is large (its own frame, never copied), then its
+  out-of-band pickle-5 buffers, each its own frame so large arrays are never copied into
+  the body. With flag ``SHM`` a frame right after the head lists ``(index, name, nbytes)``
+  of buffers that travel through shared memory (their frames are empty).
+
+A small message is one frame: every frame costs a send and a receive call (and a GIL
+round trip) on both sides, which dominated a small call.
 
 Everything here is pure; errors are :class:`ProtocolError` so a receiver can log and drop.
 """
@@ -13,14 +19,15 @@ Everything here is pure; errors are :class:`ProtocolError` so a receiver can log
 from __future__ import annotations
 
 import pickle
+import struct
 from typing import Any
 
 from ..errors import ProtocolError, VersionMismatchError
 
 MAGIC = b"MNB"
-VERSION = 1
+VERSION = 2
 
-#: a message for an actor: meta = (actor, method, reply_addr, reply_port, index, call_id, flags)
+#: a message for an actor: meta = (actor, method, reply_addr, reply_port, index, extent, call_id)
 ACTOR = 1
 #: a value for a port: meta = (port_id, index, status)
 PORT = 2
@@ -31,30 +38,86 @@ ERROR = 1
 #: a stream/channel value that does not complete the port
 ITEM = 2
 
-_HEAD = MAGIC + bytes([VERSION])
+#: flags: the payload follows the meta in the head frame
+INLINE = 1
+#: flags: a shared-memory table follows the head
+SHM = 2
+#: payloads up to this size travel in the head frame (one small copy beats a second frame)
+INLINE_MAX = 1 << 16
+
+_LEN = struct.Struct("<I")
+_PREFIX = len(MAGIC) + 3
+_HEADS = {(kind, flags): MAGIC + bytes([VERSION, kind, flags]) for kind in (ACTOR, PORT) for flags in range(4)}
+_WANT = {ACTOR: 7, PORT: 3}
 
 
-def encode(kind: int, meta: tuple[Any, ...], body: bytes | memoryview, buffers: list[Any] = ()) -> list[Any]:  # type: ignore[assignment]
-    return [_HEAD + bytes([kind]) + pickle.dumps(meta, protocol=5), body, *buffers]
+def encode(
+    kind: int,
+    meta: tuple[Any, ...],
+    body: bytes | memoryview,
+    buffers: list[Any] = (),  # type: ignore[assignment]
+    shm: list[tuple[int, str, int]] | None = None,
+) -> list[Any]:
+    m = pickle.dumps(meta, protocol=5)
+    table = [pickle.dumps(shm, protocol=5)] if shm else []
+    flags = SHM if shm else 0
+    if len(body) <= INLINE_MAX:
+        return [b"".join((_HEADS[kind, flags | INLINE], _LEN.pack(len(m)), m, body)), *table, *buffers]
+    return [b"".join((_HEADS[kind, flags], _LEN.pack(len(m)), m)), *table, body, *buffers]
 
 
-def decode_header(header: bytes | memoryview) -> tuple[int, tuple[Any, ...]]:
-    """Return ``(kind, meta)``; raise :class:`ProtocolError` for anything foreign or broken."""
-    h = bytes(header)
-    if len(h) < 5 or h[:3] != MAGIC:
-        raise ProtocolError(f"not a monarch_nb frame (starts {h[:8]!r})")
-    if h[3] != VERSION:
-        raise VersionMismatchError(f"peer speaks wire version {h[3]}, this process speaks {VERSION}")
-    kind = h[4]
-    if kind not in (ACTOR, PORT):
+def decode(frames: list[Any]) -> tuple[int, tuple[Any, ...], Any, list[Any], list[tuple[int, str, int]]]:
+    """Return ``(kind, meta, body, buffers, shm)``; raise :class:`ProtocolError` for anything foreign or broken."""
+    head = frames[0]
+    if len(head) < 4 or head[:3] != MAGIC:
+        raise ProtocolError(f"not a monarch_nb frame (starts {bytes(head[:8])!r})")
+    if head[3] != VERSION:
+        raise VersionMismatchError(f"peer speaks wire version {head[3]}, this process speaks {VERSION}")
+    if len(head) < _PREFIX + 4:
+        raise ProtocolError(f"truncated header ({len(head)} bytes)")
+    kind, flags = head[4], head[5]
+    want = _WANT.get(kind)
+    if want is None:
         raise ProtocolError(f"unknown message kind {kind}")
+    (n,) = _LEN.unpack_from(head, _PREFIX)
+    start = _PREFIX + 4
+    if start + n > len(head):
+        raise ProtocolError("malformed header: meta runs past the frame")
     try:
-        meta = pickle.loads(h[5:])
+        meta = pickle.loads(memoryview(head)[start : start + n])
     except Exception as e:
         raise ProtocolError(f"malformed header: {e}") from e
     if not isinstance(meta, tuple):
         raise ProtocolError("malformed header: meta is not a tuple")
-    want = 7 if kind == ACTOR else 3
     if len(meta) != want:
         raise ProtocolError(f"malformed header: kind {kind} needs {want} fields, got {len(meta)}")
-    return kind, meta
+    rest = frames[1:]
+    shm: list[tuple[int, str, int]] = []
+    if flags & SHM:
+        if not rest:
+            raise ProtocolError("malformed message: no shared-memory table")
+        shm = _shm_table(rest[0])
+        rest = rest[1:]
+    if flags & INLINE:
+        body = memoryview(head)[start + n :]
+    elif rest:
+        body, rest = rest[0], rest[1:]
+    else:
+        raise ProtocolError("malformed message: no payload frame")
+    if any(i >= len(rest) for i, _, _ in shm):
+        raise ProtocolError("malformed shared-memory table: index out of range")
+    return kind, meta, body, rest, shm
+
+
+def _shm_table(frame: Any) -> list[tuple[int, str, int]]:
+    try:
+        table = pickle.loads(frame)
+        ok = isinstance(table, list) and all(
+            isinstance(e, tuple) and len(e) == 3 and type(e[0]) is int and e[0] >= 0 and type(e[1]) is str and type(e[2]) is int
+            for e in table
+        )
+    except Exception:
+        ok = False
+    if not ok:
+        raise ProtocolError("malformed shared-memory table")
+    return table  # type: ignore[no-any-return]

@@ -1,21 +1,138 @@
 """Payload serialization: cloudpickle (classes from ``__main__`` travel by value) with
-pickle protocol 5, so buffers of arrays and tensors travel out of band without copies."""
+pickle protocol 5, so buffers of arrays and tensors travel out of band without copies.
+
+Out of band too: large ``bytes`` (in the arguments or the value, a few containers deep) and
+dense CPU torch tensors, whose default pickling copies their storage into the body.
+"""
 
 from __future__ import annotations
 
 import io
 import pickle
+import sys
 from typing import Any
 
 import cloudpickle
 
+#: leaf types the C pickler writes exactly as cloudpickle would (by value, no class lookup)
+_PLAIN = frozenset({int, float, str, bool, type(None)})
+
+
+#: buffers at least this large travel out of band (their own frame, or shared memory)
+OOB_MIN = 1 << 16
+
+
+def _plain(obj: Any) -> bool:
+    t = type(obj)
+    if t in _PLAIN:
+        return True
+    if t is bytes:
+        return len(obj) < OOB_MIN
+    if t is tuple or t is list:
+        return len(obj) <= 16 and all(_plain(x) for x in obj)
+    if t is dict:
+        return len(obj) <= 16 and all(type(k) is str and _plain(v) for k, v in obj.items())
+    return False
+
 
 def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
     """Serialize ``obj``; return the body and its out-of-band buffers."""
+    if _plain(obj):
+        # small calls and replies (``((), {})``, ``0``, ``(("x", 1), {})``) skip building a
+        # CloudPickler, which costs more than the pickling itself
+        return pickle.dumps(obj, protocol=5), []
     buffers: list[pickle.PickleBuffer] = []
     f = io.BytesIO()
-    cloudpickle.CloudPickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
+    _Pickler(f, protocol=5, buffer_callback=buffers.append).dump(_lift_bytes(obj, 3))
     return f.getvalue(), buffers
+
+
+class _OOBBytes:
+    """Stands in for a large ``bytes`` (which the pickler never offers to reducer_override)."""
+
+    __slots__ = ("b",)
+
+    def __init__(self, b: bytes) -> None:
+        self.b = b
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # loads calls bytes(buffer): the one copy a bytes object needs to own its data
+        return (bytes, (pickle.PickleBuffer(self.b),))
+
+
+def _lift_bytes(obj: Any, depth: int) -> Any:
+    t = type(obj)
+    if t is bytes:
+        return _OOBBytes(obj) if len(obj) >= OOB_MIN else obj
+    if depth == 0:
+        return obj
+    if t is tuple or t is list:
+        if len(obj) > 64:
+            return obj
+        items = [_lift_bytes(x, depth - 1) for x in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        return tuple(items) if t is tuple else items
+    if t is dict and len(obj) <= 64:
+        d = {k: _lift_bytes(v, depth - 1) for k, v in obj.items()}
+        if all(d[k] is v for k, v in obj.items()):
+            return obj
+        return d
+    return obj
+
+
+_tensor_type: Any = None
+
+
+def _tensor_cls() -> Any:
+    global _tensor_type
+    if _tensor_type is None:
+        torch = sys.modules.get("torch")  # no tensor can exist before torch is imported
+        if torch is None:
+            return None
+        _tensor_type = torch.Tensor
+    return _tensor_type
+
+
+def _reduce_tensor(t: Any) -> Any:
+    """Out-of-band reduction of a dense CPU tensor that owns its whole storage, else None."""
+    import torch
+
+    if (
+        t.device.type != "cpu"
+        or t.layout != torch.strided
+        or t.requires_grad
+        or t.is_quantized
+        or t.is_conj()
+        or t.is_neg()
+        or not t.is_contiguous()
+        or t.nbytes < OOB_MIN
+        # a view of a larger storage keeps torch's pickling (which keeps aliasing within a
+        # message); two whole-storage tensors of one storage in one message arrive unaliased
+        or t.untyped_storage().nbytes() != t.nbytes
+    ):
+        return None
+    raw = t.detach().reshape(-1).view(torch.uint8).numpy()
+    return (_rebuild_tensor, (pickle.PickleBuffer(raw), str(t.dtype).removeprefix("torch."), tuple(t.shape)))
+
+
+def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...]) -> Any:
+    import torch
+
+    mv = memoryview(buf)
+    if mv.readonly:
+        mv = memoryview(bytearray(mv))  # tensors are writable; never alias read-only memory
+    return torch.frombuffer(mv, dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
+
+
+class _Pickler(cloudpickle.CloudPickler):
+    def reducer_override(self, obj: Any) -> Any:
+        cls = _tensor_type or _tensor_cls()
+        if cls is not None and type(obj) is cls:
+            r = _reduce_tensor(obj)
+            if r is not None:
+                return r
+        return super().reducer_override(obj)
 
 
 def loads(body: Any, buffers: list[Any] = ()) -> Any:  # type: ignore[assignment]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import os
 import queue
 import sys
 import threading
@@ -19,7 +18,7 @@ import time
 from functools import cached_property
 from typing import Any
 
-from .._runtime.logcapture import marker
+from .._runtime.logcapture import set_call
 from .._runtime.runtime import NO_REPLY, Runtime, system_method
 from .._wire import frames as wire
 from .._wire.serialize import loads
@@ -122,6 +121,7 @@ class ActorSlot:
         self.call_id = ""
         self.caller = ""
         self._stopped = False
+        self._points: dict[Any, Point] = {}
         if self.is_async:
             self.loop = asyncio.new_event_loop()
             self._aq: asyncio.Queue[Any] | None = None
@@ -255,10 +255,20 @@ class ActorSlot:
             raddr,
             rport,
             index,
-            Point(index, Extent(*ext)) if ext[0] or ext[1] else Point(0, Extent([], [])),
+            self._point(index, ext),
             call_id,
             method,
         )
+
+    def _point(self, index: int, ext: Any) -> Point:
+        # the message rank of a call; the same few recur, and building one costs microseconds
+        key = (index, ext)
+        p = self._points.get(key)
+        if p is None:
+            if len(self._points) > 1024:
+                self._points.clear()
+            p = self._points[key] = Point(index, Extent(*ext)) if ext[0] or ext[1] else Point(0, Extent([], []))
+        return p
 
     def _reply(self, raddr: str, rport: int, index: int, status: int, value: Any) -> None:
         if raddr:
@@ -269,14 +279,14 @@ class ActorSlot:
 
     def _mark(self, call_id: str) -> None:
         if self.markers:
-            try:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                m = marker(call_id)
-                os.write(1, m)
-                os.write(2, m)
-            except OSError:
-                pass
+            if not call_id:
+                # what the call printed leaves the proc before its reply does
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                except (OSError, ValueError):
+                    pass
+            set_call(call_id)
 
     def _call_sync(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
         prep = self._prepare(meta, body, buffers)

@@ -12,6 +12,7 @@ from . import _pdb  # imported here so the zygote preloads pdb once, not every p
 
 
 def main(spec: dict[str, Any]) -> int:
+    from .._runtime.logcapture import install_tagged_streams
     from .._runtime.runtime import Runtime
     from .._runtime.transport import Security
     from .._wire.serialize import dumps, loads
@@ -22,6 +23,7 @@ def main(spec: dict[str, Any]) -> int:
     # synced workspaces come first: their modules win over anything with the same name
     for ws in reversed(spec.get("workspaces", [])):
         sys.path.insert(0, ws)
+    install_tagged_streams()
     cfg = Config(**spec["cfg"])
     rt = Runtime(
         cfg,

@@ -32,8 +32,8 @@ _lock = threading.Lock()
 _ours: dict[str, dict[str, Any]] = {}
 #: sids opened since a console last showed them
 _unseen: set[str] = set()
-#: futures the main thread is blocked on
-_waiters: set[Future[Any]] = set()
+#: wake-ups of the main thread blocked in Future.get()
+_waiters: set[threading.Event] = set()
 #: wake-ups of main-thread coroutines awaiting a Future
 _async_waiters: set[Callable[[], None]] = set()
 #: notified on every change to _ours (consoles wait on it without polling)
@@ -78,9 +78,8 @@ def on_event(ev: tuple[Any, ...]) -> None:
         changed.notify_all()
         waiters = list(_waiters) if _unseen else []
         wakes = list(_async_waiters) if _unseen else []
-    for f in waiters:
-        with f._cond:
-            f._cond.notify_all()
+    for w in waiters:
+        w.set()
     for w in wakes:
         w()
 
@@ -117,18 +116,20 @@ def wait_closed(sids: set[str], timeout: float) -> bool:
 def wait(fut: Future[Any], timeout: float | None) -> bool:
     """Block until ``fut`` is done (True) or ``timeout`` passes (False), running the console
     when a rank of ours stops meanwhile and this is the main thread."""
-    cond = fut._cond
     if not _enabled or threading.current_thread() is not _main or getattr(_busy, "on", False):
-        with cond:
-            return cond.wait_for(lambda: fut._state != _PENDING, timeout)
+        return fut._wait_plain(timeout)
     deadline = None if timeout is None else time.monotonic() + timeout
+    # woken by the future's completion or by a debug session of ours opening
+    woken = threading.Event()
+    fut.add_done_callback(lambda _f: woken.set())
     with _lock:
-        _waiters.add(fut)
+        _waiters.add(woken)
     try:
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            with cond:
-                cond.wait_for(lambda: fut._state != _PENDING or bool(_unseen), left)
+            if not _unseen:
+                woken.wait(left)
+            woken.clear()
             if fut._state != _PENDING:
                 return True
             if _unseen:
@@ -141,7 +142,7 @@ def wait(fut: Future[Any], timeout: float | None) -> bool:
                 return False
     finally:
         with _lock:
-            _waiters.discard(fut)
+            _waiters.discard(woken)
 
 
 def awaits_here() -> bool:

@@ -43,6 +43,7 @@ class EndpointProperty(Generic[R]):
         self.concurrent = concurrent
         self.is_async = inspect.iscoroutinefunction(fn)
         self.signature = inspect.signature(fn)
+        self.positional = _positional_range(self.signature, 2 if explicit_response_port else 1)
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -112,6 +113,18 @@ class _NotAnEndpointMethod:
 
 _rr = itertools.count()
 
+_PLAIN_KINDS = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _positional_range(sig: inspect.Signature, lead: int) -> tuple[int, int] | None:
+    """(required, allowed) positional counts after ``lead`` (self, port) when every parameter
+    is a plain positional one; None when only ``Signature.bind`` can tell."""
+    params = list(sig.parameters.values())
+    if len(params) < lead or any(p.kind not in _PLAIN_KINDS for p in params):
+        return None
+    params = params[lead:]
+    return sum(p.default is inspect.Parameter.empty for p in params), len(params)
+
 
 class Endpoint(Generic[R]):
     """An endpoint of an actor mesh; its adverbs say how a message is delivered."""
@@ -125,6 +138,9 @@ class Endpoint(Generic[R]):
         return f"<Endpoint {self._mesh._name}.{self._name} over {self._mesh.extent}>"
 
     def _check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        rng = self._prop.positional
+        if rng is not None and not kwargs and rng[0] <= len(args) <= rng[1]:
+            return  # positional arguments that fit a plain signature: nothing for bind() to find
         lead = (None, None) if self._prop.explicit_response_port else (None,)
         try:
             self._prop.signature.bind(*lead, *args, **kwargs)
@@ -175,8 +191,15 @@ class Endpoint(Generic[R]):
                 on_fail(i, e)
         return len(idx)
 
-    def _gather(self, args: tuple[Any, ...], kwargs: dict[str, Any], ranks: list[int] | None, what: str) -> Future[list[Any]]:
-        """Send and collect raw replies; fail fast on the first error."""
+    def _gather(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        ranks: list[int] | None,
+        what: str,
+        decode: Callable[[list[Any]], Any] | None = None,
+    ) -> Future[Any]:
+        """Send and collect raw replies, decoded by ``decode`` on first read; fail fast on the first error."""
         rt = _context.runtime()
         n = len(self._mesh._view.ranks) if ranks is None else len(ranks)
         fut: Future[list[Any]] = Future._create(what)
@@ -201,7 +224,7 @@ class Endpoint(Generic[R]):
             left[0] -= 1
             if left[0] == 0:
                 finish()
-                fut._set_raw(raw, _decode_all)
+                fut._set_raw(raw, decode or _decode_all)
 
         def on_fail(index: int, err: BaseException) -> None:
             finish()
@@ -220,29 +243,26 @@ class Endpoint(Generic[R]):
         from ._mesh import ValueMesh
 
         view = self._mesh._view
-        inner = self._gather(args, kwargs, None, f"{self._mesh._name}.{self._name}.call()")
-        fut: Future[ValueMesh[R]] = Future._create(f"{self._mesh._name}.{self._name}.call()")
-        inner.add_done_callback(lambda f: fut._set_raw(f, lambda g: ValueMesh._from_view(view, g.get())))
-        return fut
+        return self._gather(
+            args,
+            kwargs,
+            None,
+            f"{self._mesh._name}.{self._name}.call()",
+            lambda raws: ValueMesh._from_view(view, _decode_all(raws)),
+        )
 
     def call_one(self, *args: Any, **kwargs: Any) -> Future[R]:
         """Call the single actor of a one-actor mesh; ValueError for any other size."""
         n = len(self._mesh._view.ranks)
         if n != 1:
             raise ValueError(f"call_one requires exactly 1 actor, but mesh has {n}")
-        inner = self._gather(args, kwargs, None, f"{self._mesh._name}.{self._name}.call_one()")
-        fut: Future[R] = Future._create(f"{self._mesh._name}.{self._name}.call_one()")
-        inner.add_done_callback(lambda f: fut._set_raw(f, lambda g: g.get()[0]))
-        return fut
+        return self._gather(args, kwargs, None, f"{self._mesh._name}.{self._name}.call_one()", _decode_first)
 
     def choose(self, *args: Any, **kwargs: Any) -> Future[R]:
         """Call one actor, chosen to spread load."""
         n = len(self._mesh._view.ranks)
         i = random.randrange(n)
-        inner = self._gather(args, kwargs, [i], f"{self._mesh._name}.{self._name}.choose()")
-        fut: Future[R] = Future._create(f"{self._mesh._name}.{self._name}.choose()")
-        inner.add_done_callback(lambda f: fut._set_raw(f, lambda g, i=i: g.get()[i]))
-        return fut
+        return self._gather(args, kwargs, [i], f"{self._mesh._name}.{self._name}.choose()", lambda raws: loads(*raws[i]))
 
     def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[R]]:
         """Call every actor; yield a future per reply, in arrival order."""
@@ -293,6 +313,10 @@ class Endpoint(Generic[R]):
 
 def _decode_one(raw: Any) -> Any:
     return loads(*raw)
+
+
+def _decode_first(raws: list[Any]) -> Any:
+    return loads(*raws[0])
 
 
 def _decode_all(raws: list[Any]) -> list[Any]:

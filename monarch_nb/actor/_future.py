@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+from _thread import allocate_lock as _allocate_lock
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar
 
@@ -29,7 +30,10 @@ class Future(Generic[R]):
     Not constructed directly; endpoints and meshes return them.
     """
 
-    __slots__ = ("_cond", "_state", "_value", "_decode", "_callbacks", "_what", "_progress", "__weakref__")
+    # two raw locks instead of a threading.Condition: ``_mutex`` guards the state, ``_done``
+    # is held from creation until completion, so waiting is one acquire and creating costs
+    # a fraction of a Condition (this is on every call's path)
+    __slots__ = ("_mutex", "_done", "_state", "_value", "_decode", "_callbacks", "_what", "_progress", "__weakref__")
 
     def __init__(self, *_: Any, **__: Any) -> None:
         raise TypeError("Future cannot be constructed directly; endpoints and meshes return them")
@@ -37,11 +41,13 @@ class Future(Generic[R]):
     @classmethod
     def _create(cls, what: str = "result") -> Future[R]:
         f = object.__new__(cls)
-        f._cond = threading.Condition(threading.Lock())
+        f._mutex = _allocate_lock()
+        f._done = _allocate_lock()
+        f._done.acquire()
         f._state = _PENDING
         f._value = None
         f._decode = None
-        f._callbacks = []
+        f._callbacks = None
         f._what = what
         #: for calls to many actors: ([replies still missing], total), read by progress displays
         f._progress = None
@@ -55,14 +61,15 @@ class Future(Generic[R]):
 
     # -- completion (any thread)
     def _finish(self, state: int, value: Any, decode: Callable[[Any], Any] | None = None) -> bool:
-        with self._cond:
+        with self._mutex:
             if self._state != _PENDING:
                 return False
             self._state, self._value, self._decode = state, value, decode
-            self._cond.notify_all()
-            cbs, self._callbacks = self._callbacks, []
-        for cb in cbs:
-            cb(self)
+            cbs, self._callbacks = self._callbacks, None
+        self._done.release()
+        if cbs:
+            for cb in cbs:
+                cb(self)
         return True
 
     def _set_result(self, value: Any) -> bool:
@@ -79,15 +86,17 @@ class Future(Generic[R]):
         return self._state != _PENDING
 
     def add_done_callback(self, fn: Callable[[Future[R]], None]) -> None:
-        with self._cond:
+        with self._mutex:
             if self._state == _PENDING:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(fn)
                 return
         fn(self)
 
     # -- reading
     def _resolve(self) -> R:
-        with self._cond:
+        with self._mutex:
             if self._state == _RAW:
                 decode, raw = self._decode, self._value
                 try:
@@ -101,11 +110,24 @@ class Future(Generic[R]):
                 raise self._value  # type: ignore[misc]
             return self._value  # type: ignore[return-value]
 
+    def _wait_plain(self, timeout: float | None) -> bool:
+        """Block until done (True) or ``timeout`` passes (False): one acquire of the done lock."""
+        done = self._done
+        if timeout is None:
+            ok = done.acquire()
+        elif timeout <= 0:
+            ok = done.acquire(False)
+        else:
+            ok = done.acquire(True, timeout)
+        if ok:
+            done.release()  # pass the wake-up on to any other waiter
+        return ok
+
     def get(self, timeout: float | None = None) -> R:
         """Block until the result is ready; on timeout raise ``TimeoutError`` (the future stays usable)."""
-        from ._context import _on_io_thread
-
         if self._state == _PENDING:
+            from ._context import _on_io_thread
+
             if _on_io_thread():
                 raise RuntimeError("Future.get() on the monarch_nb I/O thread would deadlock; use a callback")
             tid = threading.get_ident()

@@ -1,0 +1,186 @@
+"""Where the time of one ``call_one`` goes, on monarch_nb (a breakdown for docs/performance.md).
+
+    python -m bench.profile_call [--calls 2000] [--async]
+
+Timestamps come from ``time.perf_counter_ns`` (CLOCK_MONOTONIC, shared by every process of
+the host), taken by instrumenting the runtime objects in place: the controller's send and
+receive, and — through an actor that patches its own process — the proc's receive, the
+endpoint's start and the reply's send. Also reports CPU time per call of controller, proc
+and allocator, which is steadier than wall time on a loaded machine. Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+_RDIR = tempfile.mkdtemp(prefix="mnbp-", dir="/tmp")
+os.chmod(_RDIR, 0o700)
+os.environ["MONARCH_NB_RUNTIME_DIR"] = _RDIR
+
+from monarch_nb.actor import Actor, endpoint, this_host  # noqa: E402
+
+T = time.perf_counter_ns
+
+
+def _instrument(rt: Any, log: list[tuple[str, int]], peer: str, what: Any) -> None:
+    """Record when this runtime dispatches a message ``what(meta)`` accepts, and sends to ``peer``."""
+    from monarch_nb._wire import frames as wire
+
+    dispatch, send = rt._dispatch, rt.send
+
+    def timed_dispatch(msg: Any) -> None:
+        t = T()
+        try:
+            if what(wire.decode(msg)[:2]):
+                log.append(("recv", t))
+        except Exception:
+            pass
+        dispatch(msg)
+
+    def timed_send(addr: str, frames: list[Any]) -> None:
+        t = T()
+        send(addr, frames)
+        if addr == peer:
+            log.append(("send0", t))
+            log.append(("send1", T()))
+
+    rt._dispatch, rt.send = timed_dispatch, timed_send
+
+
+class Probe(Actor):
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+
+    @endpoint
+    def install(self, controller: str) -> int:
+        return _install(self.log, controller)
+
+    @endpoint
+    def ping(self) -> int:
+        self.log.append(("fn", T()))
+        return 0
+
+    @endpoint
+    def dump(self) -> list[tuple[str, int]]:
+        out, self.log[:] = list(self.log), []
+        return out
+
+
+class AsyncProbe(Probe):
+    @endpoint
+    async def install(self, controller: str) -> int:  # type: ignore[override]
+        return _install(self.log, controller)
+
+    @endpoint
+    async def ping(self) -> int:  # type: ignore[override]
+        self.log.append(("fn", T()))
+        return 0
+
+    @endpoint
+    async def dump(self) -> list[tuple[str, int]]:  # type: ignore[override]
+        out, self.log[:] = list(self.log), []
+        return out
+
+
+def _install(log: list[tuple[str, int]], controller: str) -> int:
+    from monarch_nb.actor import _context
+
+    _instrument(_context.runtime(), log, controller, lambda km: km[0] == 1 and km[1][1] == "ping")
+    return os.getpid()
+
+
+def _cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.profile_call")
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--async", dest="use_async", action="store_true", help="an async actor")
+    a = ap.parse_args()
+    from monarch_nb.actor import _context
+    from monarch_nb.allocator import list_allocators, stop_allocator
+
+    try:
+        pm = this_host().spawn_procs(per_host={"gpus": 1}, name="profile")
+        am = pm.spawn("p", AsyncProbe if a.use_async else Probe)
+        rt = _context.runtime()
+        proc_pid = am.install.call_one(rt.ipc_addr).get()
+        alloc_pid = int(list_allocators()[0]["pid"])
+        for _ in range(200):
+            am.ping.call_one().get()
+        am.dump.call_one().get()
+        ctl: list[tuple[str, int]] = []
+        proc_addr = am._procs[0].addr
+        # replies come on fresh ports; heartbeats and logs on the watch/log ports
+        quiet = {getattr(w, "event_port", -1) for w in rt._watches.values()} | {_context.client().log_port}
+        _instrument(rt, ctl, proc_addr, lambda km: km[0] == 2 and km[1][0] not in quiet)
+        cpu0 = (time.process_time(), _cpu(proc_pid), _cpu(alloc_pid))
+        w0 = time.perf_counter()
+        starts, ends = [], []
+        for _ in range(a.calls):
+            starts.append(T())
+            am.ping.call_one().get()
+            ends.append(T())
+        wall = time.perf_counter() - w0
+        cpu1 = (time.process_time(), _cpu(proc_pid), _cpu(alloc_pid))
+        ctl_log = list(ctl)
+        ctl.clear()
+        proc_log = am.dump.call_one().get()
+        pm.stop().get()
+    finally:
+        stop_allocator()
+        shutil.rmtree(_RDIR, ignore_errors=True)
+
+    # pair the events of call i: controller send0/send1/recv, proc recv/fn/send0/send1
+    def split(log: list[tuple[str, int]], kinds: tuple[str, ...]) -> dict[str, list[int]]:
+        d: dict[str, list[int]] = {k: [] for k in kinds}
+        for k, t in log:
+            if k in d:
+                d[k].append(t)
+        return d
+
+    c = split(ctl_log, ("send0", "send1", "recv"))
+    p = split(proc_log, ("recv", "fn", "send0", "send1"))
+    # the first reply the proc logged is the one to the `dump` that emptied its log
+    p["send0"], p["send1"] = p["send0"][1:], p["send1"][1:]
+    n = min(a.calls, *(len(v) for v in c.values()), *(len(v) for v in p.values()))
+    phases = {
+        "controller: call_one() until frames handed to zmq": [c["send1"][i] - starts[i] for i in range(n)],
+        "wire out: zmq send until proc I/O thread has it": [p["recv"][i] - c["send1"][i] for i in range(n)],
+        "proc: I/O thread until endpoint body runs": [p["fn"][i] - p["recv"][i] for i in range(n)],
+        "proc: endpoint body until reply handed to zmq": [p["send1"][i] - p["fn"][i] for i in range(n)],
+        "wire back: zmq send until controller I/O thread has it": [c["recv"][i] - p["send1"][i] for i in range(n)],
+        "controller: I/O thread until .get() returns": [ends[i] - c["recv"][i] for i in range(n)],
+    }
+    total = [ends[i] - starts[i] for i in range(n)]
+    out = {
+        "calls": n,
+        "actor": "async" if a.use_async else "sync",
+        "loadavg": os.getloadavg(),
+        "round_trip_median_us": statistics.median(total) / 1e3,
+        "round_trip_p99_us": sorted(total)[int(0.99 * (n - 1))] / 1e3,
+        "phases_median_us": {k: round(statistics.median(v) / 1e3, 1) for k, v in phases.items()},
+        "cpu_us_per_call": {
+            "controller": round((cpu1[0] - cpu0[0]) / a.calls * 1e6, 1),
+            "proc": round((cpu1[1] - cpu0[1]) / a.calls * 1e6, 1),
+            "allocator": round((cpu1[2] - cpu0[2]) / a.calls * 1e6, 1),
+        },
+        "wall_us_per_call": round(wall / a.calls * 1e6, 1),
+    }
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

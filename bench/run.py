@@ -1,0 +1,403 @@
+"""Side-by-side benchmark of monarch_nb and Monarch (torchmonarch), alternating in one run.
+
+    python -m bench [--monarch-python PATH] [--only PATTERN,...] [--quick] [--rounds N]
+
+Each system is driven by its own controller process (``bench/worker.py``) running the same
+workload file (``bench/workloads.py``) with a different import. For every workload both are
+set up, then rounds alternate between them (the first system swaps every round) so machine
+noise lands on both; medians and p99 are over every sample of every round. Prints JSON.
+
+Everything runs under a private runtime dir (removed at the end); every process the run
+started — workers, the monarch_nb allocator they start, both systems' procs — is stopped,
+found by a run id in their environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import platform
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+DEFAULT_MONARCH_PY = os.path.join(ROOT, ".bench-venv", "bin", "python")
+
+
+@dataclass
+class Spec:
+    name: str
+    samples: int  # per round
+    kind: str = "latency"  # latency | throughput (ops/bytes per sample given by `per_sample`)
+    per_sample: float = 1.0  # calls or MiB moved per sample (throughput workloads)
+    unit: str = ""
+    target: str = ""  # human readable
+    target_median: float | None = None  # max nb/monarch ratio of medians (time)
+    target_p99: float | None = None  # max nb/monarch ratio of p99 (time)
+    quick: bool = True
+    #: rounds are multiplied (and samples per round divided) by this: finer alternation spreads
+    #: bursts of machine load over both systems, which matters for p99
+    interleave: int = 1
+
+
+def _workloads() -> list[Spec]:
+    w = [
+        Spec(f"spawn_{n}", 1, target="<= 0.5x" if n == 8 else "", target_median=0.5 if n == 8 else None, quick=n != 16)
+        for n in (1, 4, 8, 16)
+    ]
+    for actor in ("sync", "async"):
+        for how in ("get", "await"):
+            w.append(
+                Spec(
+                    f"callone_{actor}_{how}",
+                    200,
+                    target="median <= 0.5x, p99 <= 1x",
+                    target_median=0.5,
+                    target_p99=1.0,
+                    interleave=4,
+                )
+            )
+    for n in (4, 8, 16):
+        w.append(Spec(f"call_{n}", 40, target="<= 0.5x" if n >= 8 else "", target_median=0.5 if n >= 8 else None, interleave=2))
+    w.append(Spec("outstanding_2000", 1, "throughput", 2000, "calls/s", ">= 2x throughput", 0.5))
+    for kind in ("bytes", "numpy", "torch"):
+        for mib, k in ((1, 20), (16, 3), (64, 2)):
+            w.append(
+                Spec(
+                    f"payload_{kind}_{mib}MiB",
+                    k,
+                    "throughput",
+                    2 * mib,  # echoed: the bytes travel both ways
+                    "MiB/s",
+                    ">= 2x throughput" if mib == 64 else "",
+                    0.5 if mib == 64 else None,
+                    quick=mib != 16,
+                )
+            )
+    w.append(Spec("logs_10000", 1, "latency", target=""))
+    return w
+
+
+WORKLOADS = _workloads()
+
+
+@dataclass
+class Worker:
+    impl: str
+    python: str
+    env: dict[str, str]
+    timeout: float
+    proc: subprocess.Popen[bytes] | None = None
+    res: Any = None
+    buf: bytes = b""
+    log: str = ""
+    errors: list[str] = field(default_factory=list)
+
+    def start(self) -> None:
+        r, w = os.pipe()
+        self.log = os.path.join(self.env["TMPDIR"], f"worker-{self.impl}.log")
+        with open(self.log, "ab") as errf:
+            self.proc = subprocess.Popen(
+                [self.python, os.path.join(HERE, "worker.py"), str(w)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=errf,
+                pass_fds=(w,),
+                env=self.env,
+                cwd=self.env["TMPDIR"],
+                start_new_session=True,
+            )
+        os.close(w)
+        self.res = r
+        self.buf = b""
+        hello = self._read(120)
+        if not hello.get("ok"):
+            raise RuntimeError(f"{self.impl} worker did not start: {hello}")
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return {"ok": False, "error": f"no answer within {timeout:.0f} s", "timeout": True}
+            r, _, _ = select.select([self.res], [], [], left)
+            if r:
+                data = os.read(self.res, 1 << 20)
+                if not data:
+                    return {"ok": False, "error": f"worker exited; see {self.tail()}", "dead": True}
+                self.buf += data
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)  # type: ignore[no-any-return]
+
+    def tail(self) -> str:
+        try:
+            with open(self.log, errors="replace") as f:
+                return f.read()[-1500:]
+        except OSError:
+            return "(no log)"
+
+    def ask(self, timeout: float | None = None, **cmd: Any) -> dict[str, Any]:
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.flush()
+        ans = self._read(timeout or self.timeout)
+        if ans.get("timeout") or ans.get("dead"):
+            # a hung or crashed worker is replaced; the workload counts as failed
+            self.kill()
+        return ans
+
+    def quit(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            self.ask(timeout=60, op="quit")
+            self.proc.wait(30)
+        except Exception:
+            pass
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        if self.res is not None:
+            os.close(self.res)
+            self.res = None
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default method) of a non-empty list."""
+    s = sorted(xs)
+    pos = (len(s) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def stats(spec: Spec, xs: list[float]) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "n": len(xs),
+        "median_s": percentile(xs, 0.5),
+        "p90_s": percentile(xs, 0.90),
+        "p99_s": percentile(xs, 0.99),
+        "min_s": min(xs),
+        "max_s": max(xs),
+    }
+    if spec.kind == "throughput":
+        out[f"median_{spec.unit}"] = spec.per_sample / out["median_s"]
+    return out
+
+
+def _sub(rdir: str, name: str) -> str:
+    path = os.path.join(rdir, name)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def _reap(run_id: str) -> list[int]:
+    """Kill every process that still carries this run's id (ours, transitively)."""
+    needle = f"BENCH_RUN_ID={run_id}".encode()
+    me = os.getpid()
+    killed = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == me:
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if needle in env.split(b"\0"):
+            try:
+                os.kill(int(d), signal.SIGKILL)
+                killed.append(int(d))
+            except ProcessLookupError:
+                pass
+    return killed
+
+
+def _select(patterns: str, quick: bool) -> list[Spec]:
+    if not patterns:
+        return [w for w in WORKLOADS if w.quick or not quick]
+    pats = [p.strip() for p in patterns.split(",") if p.strip()]
+    chosen = [w for w in WORKLOADS if any(fnmatch.fnmatch(w.name, p) for p in pats)]
+    if not chosen:
+        raise SystemExit(f"no workload matches {patterns!r}; known: {', '.join(w.name for w in WORKLOADS)}")
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--monarch-python",
+        default=DEFAULT_MONARCH_PY if os.path.exists(DEFAULT_MONARCH_PY) else "",
+        help="interpreter with torchmonarch==0.7.0 and torch==2.13.0 (bench/setup_monarch.sh makes one); "
+        "default .bench-venv/bin/python when present",
+    )
+    ap.add_argument("--no-monarch", action="store_true", help="run monarch_nb only")
+    ap.add_argument(
+        "--baseline",
+        default="",
+        metavar="GIT_REF",
+        help="instead of Monarch, compare with monarch_nb as of GIT_REF (before/after of an optimisation)",
+    )
+    ap.add_argument("--only", default="", help="comma-separated workload names or globs, e.g. 'callone_*,call_8'")
+    ap.add_argument("--quick", action="store_true", help="fewer rounds and samples, skip spawn_16 and 16 MiB payloads (< 2 min)")
+    ap.add_argument("--rounds", type=int, default=0, help="alternation rounds per workload (default 5, quick 3)")
+    ap.add_argument("--scale", type=float, default=0.0, help="multiply samples per round (default 1, quick 0.5)")
+    ap.add_argument(
+        "--nb-env",
+        action="append",
+        default=[],
+        metavar="KEY=VAL",
+        help="environment for the monarch_nb worker only (experiments)",
+    )
+    ap.add_argument("--timeout", type=float, default=300, help="seconds one worker request may take")
+    ap.add_argument("--out", default="", help="also write the JSON here")
+    ap.add_argument("--list", action="store_true", help="list the workloads and exit")
+    a = ap.parse_args(argv)
+    if a.list:
+        for w in WORKLOADS:
+            print(w.name, "-", w.target or "(reported)")
+        return 0
+    specs = _select(a.only, a.quick)
+    rounds = a.rounds or (3 if a.quick else 5)
+    scale = a.scale or (0.5 if a.quick else 1.0)
+    mpy = "" if (a.no_monarch or a.baseline) else a.monarch_python
+    if mpy and not os.path.exists(mpy):
+        raise SystemExit(f"--monarch-python {mpy!r} does not exist (bench/setup_monarch.sh creates .bench-venv)")
+
+    run_id = secrets.token_hex(8)
+    rdir = tempfile.mkdtemp(prefix="mnbb-", dir="/tmp")
+    os.chmod(rdir, 0o700)
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MONARCH_NB_", "HYPERACTOR_", "MONARCH_", "PYTHONPATH", "VIRTUAL_ENV"))
+    }
+    base.update(BENCH_RUN_ID=run_id, TMPDIR=rdir, PYTHONPATH=HERE, PYTHONUNBUFFERED="1")
+    nb_env = dict(base, BENCH_IMPL="nb", MONARCH_NB_RUNTIME_DIR=_sub(rdir, "nb"))
+    nb_env.update(kv.split("=", 1) for kv in a.nb_env)
+    workers = [Worker("nb", sys.executable, nb_env, a.timeout)]
+    other = "monarch"
+    if mpy:
+        workers.append(Worker("monarch", mpy, dict(base, BENCH_IMPL="monarch"), a.timeout))
+    elif a.baseline:
+        other = "baseline"
+        tree = _sub(rdir, "baseline-src")
+        subprocess.run(f"git -C {ROOT} archive {a.baseline} monarch_nb | tar -x -C {tree}", shell=True, check=True)
+        env = dict(base, BENCH_IMPL="nb", MONARCH_NB_RUNTIME_DIR=_sub(rdir, "baseline"), PYTHONPATH=f"{HERE}:{tree}")
+        workers.append(Worker("baseline", sys.executable, env, a.timeout))
+    label = {"nb": "monarch_nb", "monarch": "monarch", "baseline": "baseline"}
+    result: dict[str, Any] = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_start": os.getloadavg(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "command": " ".join([os.path.basename(sys.executable), "-m", "bench", *(argv if argv is not None else sys.argv[1:])]),
+        "rounds": rounds,
+        "compared_with": other if len(workers) > 1 else None,
+        "workloads": {},
+    }
+    t_start = time.monotonic()
+    try:
+        for w in workers:
+            w.start()
+        for spec in specs:
+            n = max(1, round(spec.samples * scale / spec.interleave))
+            spec_rounds = rounds * spec.interleave
+            entry: dict[str, Any] = {"target": spec.target} if spec.target else {}
+            samples: dict[str, list[float]] = {w.impl: [] for w in workers}
+            failed: dict[str, str] = {}
+            t0 = time.monotonic()
+            print(f"bench: {spec.name} ({spec_rounds} rounds x {n})", file=sys.stderr, flush=True)
+            for w in workers:
+                ans = w.ask(op="setup", w=spec.name)
+                if not ans.get("ok"):
+                    failed[w.impl] = ans.get("error", "?") + ("\n" + ans["tb"] if "tb" in ans else "")
+            for r in range(spec_rounds):
+                order = workers if r % 2 == 0 else workers[::-1]
+                for w in order:
+                    if w.impl in failed:
+                        continue
+                    ans = w.ask(op="run", w=spec.name, n=n)
+                    if ans.get("ok"):
+                        samples[w.impl].extend(ans["samples"])
+                    else:
+                        failed[w.impl] = ans.get("error", "?") + ("\n" + ans["tb"] if "tb" in ans else "")
+            for w in workers:
+                if w.impl not in failed or w.proc is not None:
+                    w.ask(timeout=120, op="teardown", w=spec.name)
+            for impl, xs in samples.items():
+                if impl in failed:
+                    entry[label[impl]] = {"error": failed[impl][-1500:]}
+                elif xs:
+                    entry[label[impl]] = stats(spec, xs)
+            nb, mon = entry.get("monarch_nb", {}), entry.get(other, {})
+            if "median_s" in nb and "median_s" in mon:
+                entry["ratio_median"] = nb["median_s"] / mon["median_s"]
+                entry["ratio_p99"] = nb["p99_s"] / mon["p99_s"]
+                entry["speedup"] = mon["median_s"] / nb["median_s"]
+                if spec.target_median is not None and other == "monarch":
+                    met = entry["ratio_median"] <= spec.target_median
+                    if spec.target_p99 is not None:
+                        met = met and entry["ratio_p99"] <= spec.target_p99
+                    entry["met"] = met
+            entry["wall_s"] = round(time.monotonic() - t0, 1)
+            result["workloads"][spec.name] = entry
+            print(f"bench: {spec.name}: {_line(entry)}", file=sys.stderr, flush=True)
+    finally:
+        for w in workers:
+            w.quit()
+        leftovers = _reap(run_id)
+        shutil.rmtree(rdir, ignore_errors=True)
+    result["machine"]["loadavg_end"] = os.getloadavg()
+    result["wall_s"] = round(time.monotonic() - t_start, 1)
+    result["leftover_processes_killed"] = len(leftovers)
+    checked = {k: v["met"] for k, v in result["workloads"].items() if "met" in v}
+    result["targets_met"] = f"{sum(checked.values())}/{len(checked)}"
+    text = json.dumps(result, indent=1)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def _line(e: dict[str, Any]) -> str:
+    def fmt(d: dict[str, Any]) -> str:
+        if "error" in d:
+            return "ERROR " + d["error"].splitlines()[0][:200]
+        return f"median {d['median_s'] * 1e3:.3f} ms p99 {d['p99_s'] * 1e3:.3f} ms"
+
+    parts = [f"nb {fmt(e['monarch_nb'])}" if "monarch_nb" in e else ""]
+    for other in ("monarch", "baseline"):
+        if other in e:
+            parts.append(f"{other} {fmt(e[other])}")
+    if "ratio_median" in e:
+        parts.append(f"ratio {e['ratio_median']:.2f} (p99 {e['ratio_p99']:.2f})" + (f" met={e['met']}" if "met" in e else ""))
+    return " | ".join(p for p in parts if p)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

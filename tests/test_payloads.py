@@ -1,0 +1,116 @@
+"""Large payloads: bytes, numpy arrays and torch tensors reach an actor and come back intact,
+through shared memory on one host, and leave nothing behind in /dev/shm."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from monarch_nb._runtime import shm
+from monarch_nb.actor import Actor, endpoint, this_host
+from monarch_nb.errors import ProtocolError
+
+pytestmark = pytest.mark.timeout(90)
+
+BIG = 9 << 20  # above the default shared-memory threshold (8 MiB)
+
+
+class Echo(Actor):
+    @endpoint
+    def echo(self, x):  # type: ignore[no-untyped-def]
+        return x
+
+    @endpoint
+    def bump(self, x):  # type: ignore[no-untyped-def]
+        x += 1  # arrays and tensors that arrived are writable
+        return x
+
+    @endpoint
+    def describe(self, x) -> str:  # type: ignore[no-untyped-def]
+        return f"{type(x).__name__} {getattr(x, 'dtype', '')} {tuple(getattr(x, 'shape', ()))}"
+
+    @endpoint
+    def leftovers(self, controller_pid: int) -> list[str]:
+        return _ours(os.getpid(), controller_pid)
+
+
+def _ours(*pids: int) -> list[str]:
+    """Shared-memory files sent by these processes and not yet taken."""
+    prefixes = tuple(f"mnb-{p}-" for p in pids)
+    return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefixes))
+
+
+@pytest.fixture(scope="module")
+def echo():  # type: ignore[no-untyped-def]
+    pm = this_host().spawn_procs(per_host={"gpus": 1}, name="payloads")
+    yield pm.spawn("e", Echo)
+    pm.stop().get(timeout=30)
+
+
+def test_large_bytes_arrays_and_tensors_round_trip_intact(echo):  # type: ignore[no-untyped-def]
+    b = os.urandom(BIG)
+    assert echo.echo.call_one(b).get(timeout=30) == b
+    arr = np.frombuffer(os.urandom(BIG), dtype=np.float32).copy()
+    back = echo.echo.call_one(arr).get(timeout=30)
+    assert back.dtype == arr.dtype and np.array_equal(back, arr, equal_nan=True)
+    for t in (torch.arange(BIG // 4, dtype=torch.int32), torch.ones(BIG // 2, dtype=torch.bfloat16).reshape(-1, 1024)):
+        got = echo.echo.call_one(t).get(timeout=30)
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t)
+    # several large buffers in one message, mixed with small values
+    msg = {"a": b, "t": torch.zeros(3), "n": arr, "s": "small"}
+    got = echo.echo.call_one(msg).get(timeout=30)
+    assert got["a"] == b and torch.equal(got["t"], torch.zeros(3)) and np.array_equal(got["n"], arr, equal_nan=True)
+
+
+def test_received_buffers_are_writable_and_private(echo):  # type: ignore[no-untyped-def]
+    arr = np.zeros(BIG // 8, dtype=np.int64)
+    assert (echo.bump.call_one(arr).get(timeout=30) == 1).all()
+    assert (arr == 0).all(), "the sender's array is not changed by the receiver"
+    t = torch.zeros(BIG // 4)
+    back = echo.bump.call_one(t).get(timeout=30)
+    assert bool((back == 1).all()) and bool((t == 0).all())
+    back += 1  # writable on the controller too
+    assert echo.describe.call_one(t[: BIG // 8]).get(timeout=30) == f"Tensor torch.float32 ({BIG // 8},)"
+
+
+def test_nothing_is_left_in_dev_shm(echo):  # type: ignore[no-untyped-def]
+    for _ in range(3):
+        echo.echo.call_one(np.ones(BIG, dtype=np.uint8)).get(timeout=30)
+    assert echo.leftovers.call_one(os.getpid()).get(timeout=30) == []
+
+
+def test_a_shared_memory_file_not_0600_or_not_ours_is_refused(tmp_path):  # type: ignore[no-untyped-def]
+    name = f"mnb-{os.getpid()}-" + "ab" * 16
+    path = os.path.join(shm.SHM_DIR, name)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    os.write(fd, b"x" * 100)
+    os.close(fd)
+    os.chmod(path, 0o644)
+    try:
+        with pytest.raises(ProtocolError, match="refused"):
+            shm.take(name, 100)
+        assert not os.path.exists(path), "a refused file of ours is still removed"
+        with pytest.raises(ProtocolError, match="malformed"):
+            shm.take("../etc/passwd", 100)
+        with pytest.raises(ProtocolError, match="gone"):
+            shm.take(name, 100)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_when_shared_memory_fails_the_buffer_takes_the_socket(echo, monkeypatch):  # type: ignore[no-untyped-def]
+    from monarch_nb.actor import _context
+
+    rt = _context.runtime()
+    assert rt._shm is not None
+
+    def full(buf):  # type: ignore[no-untyped-def]
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rt._shm, "put", full)
+    arr = np.arange(BIG // 8, dtype=np.int64)
+    assert np.array_equal(echo.echo.call_one(arr).get(timeout=30), arr)
