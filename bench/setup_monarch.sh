@@ -22,12 +22,13 @@ if [ ! -x "$VENV/bin/python" ]; then
     echo "setup_monarch: creating $VENV"
     "$PY" -m venv "$VENV"
 fi
-if "$VENV/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(0 if (m.version("torch"), m.version("torchmonarch")) == ("2.13.0", "0.7.0") else 1)' 2>/dev/null; then
+if "$VENV/bin/python" -c 'import importlib.metadata as m, sys, ipykernel; sys.exit(0 if (m.version("torch"), m.version("torchmonarch")) == ("2.13.0", "0.7.0") else 1)' 2>/dev/null; then
     echo "setup_monarch: $VENV is up to date"
 else
     pip=("$VENV/bin/python" -m pip install --quiet --progress-bar off)
     "${pip[@]}" "torch==2.13.0"
-    "${pip[@]}" "torchmonarch==0.7.0" numpy
+    # ipykernel: bench/notebook_output.py measures Monarch's output at a kernel's iopub
+    "${pip[@]}" "torchmonarch==0.7.0" numpy ipykernel
 fi
 "$VENV/bin/python" -c 'import torch, monarch.actor; print("setup_monarch: torch", torch.__version__, "monarch at", monarch.__file__)'
 echo "setup_monarch: run  python -m bench --monarch-python $VENV/bin/python"

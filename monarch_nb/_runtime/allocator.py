@@ -108,6 +108,7 @@ class Allocator(DebugRegistry):
         self._zygote_ready: asyncio.Future[Any] | None = None
         self._pending_logs: dict[tuple[tuple[str, int], str], list[Any]] = {}
         self._flush_scheduled = False
+        self._last_log_flush = 0.0
         self._anon = 0
         self.stopped = asyncio.Event()
         self.gpus = _gpu_count()
@@ -290,10 +291,16 @@ class Allocator(DebugRegistry):
             self._pending_logs.setdefault((sub, mesh_name), []).extend(lines)
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            self.rt.loop.call_later(self.cfg.log_flush_interval, self._flush_logs)
+            # the first lines after a quiet spell go at once; a flood is sent in batches
+            wait = self._last_log_flush + self.cfg.log_flush_interval - time.monotonic()
+            if wait <= 0:
+                self.rt.loop.call_soon(self._flush_logs)
+            else:
+                self.rt.loop.call_later(wait, self._flush_logs)
 
     def _flush_logs(self) -> None:
         self._flush_scheduled = False
+        self._last_log_flush = time.monotonic()
         pending, self._pending_logs = self._pending_logs, {}
         for ((addr, port), mesh), lines in pending.items():
             self.rt.send_port(addr, port, 0, wire.ITEM, ("logs", lines, mesh, self.id))
