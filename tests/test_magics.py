@@ -303,3 +303,39 @@ def test_dashboard_shows_every_rank_and_turns_a_killed_one_red(k: Kernel) -> Non
     )
     assert time.monotonic() - t0 < 3
     _ok(k.run("dash_view.close()"))
+
+
+def test_dashboard_lists_paused_ranks_and_its_console_drives_pdb(k: Kernel) -> None:
+    _ok(k.run("%mesh spawn dbgdash --per-host gpus=2"))
+    code = (
+        "from monarch_nb.actor import Actor, endpoint, current_rank\n"
+        "class Stopper(Actor):\n"
+        "    @endpoint\n"
+        "    def stop_here(self):\n"
+        "        secret = 40 + current_rank().rank\n"
+        "        breakpoint()\n"
+        "        return secret\n"
+        "stoppers = dbgdash.spawn('stoppers', Stopper)\n"
+        "pending = stoppers.slice(gpus=1).stop_here.call_one()\n"
+        "view = %mesh dashboard dbgdash\n"
+        "view"
+    )
+    _ok(k.run(code))
+    k.wait_msg(
+        lambda m: m["msg_type"] == "comm_msg" and 'mnb-state-paused" data-rank="1"' in str(m["content"]["data"].get("state", {})),
+        15,
+        "rank 1 drawn as paused",
+    )
+    _ok(
+        k.run(
+            "import time\nt = time.monotonic()\nwhile not view._sids and time.monotonic() - t < 15:\n    time.sleep(0.05)\nlen(view._sids)"
+        )
+    )
+    # what the attach button and the console's send button do
+    c = _ok(
+        k.run("view._attach('stoppers', 1)\nview.console_in.value = 'p secret'\nview._console_send()\nview.console_out.value")
+    )
+    # (current_rank() is the rank within the called slice, as in Monarch: 0 here)
+    assert "(Pdb) p secret\\n40" in c.result, c.result
+    c = _ok(k.run("view.console_in.value = 'c'\nview._console_send()\nprint(pending.get(timeout=30))\nview.close()"))
+    assert c.stream().strip() == "40"

@@ -46,6 +46,15 @@ class Dashboard(W.VBox):
         self.rank_filter = W.Text(placeholder="ranks, e.g. 0-3", description="log ranks", layout=W.Layout(width="260px"))
         self.log_view = W.HTML(layout=W.Layout(max_height="220px", overflow="auto"))
         self.errors_view = W.HTML()
+        self.debug_view = W.VBox()
+        self.console_out = W.HTML(layout=W.Layout(max_height="240px", overflow="auto"))
+        self.console_in = W.Text(placeholder="pdb command (p x, n, s, l, w, c)", layout=W.Layout(width="360px"))
+        self.console_send = W.Button(description="send", tooltip=BUSY_NOTE)
+        self.console_send.on_click(lambda _b: self._console_send())
+        self.console = W.VBox([self.console_out, W.HBox([self.console_in, self.console_send])])
+        self.console.layout.display = "none"
+        self._dbg: Any = None
+        self._sids: tuple[str, ...] = ()
         self.stop_button = W.Button(description="stop mesh", button_style="danger", tooltip=BUSY_NOTE)
         self.refresh_button = W.Button(description="refresh", tooltip=BUSY_NOTE)
         note = W.HTML(f'<span style="color:#57606a">{BUSY_NOTE}</span>')
@@ -63,6 +72,8 @@ class Dashboard(W.VBox):
                 note,
                 self.rank_filter,
                 self.log_view,
+                self.debug_view,
+                self.console,
                 self.errors_view,
             ]
         )
@@ -97,7 +108,13 @@ class Dashboard(W.VBox):
             state, reason = _render.rank_state(rec, unreachable)
             ranks.append({**(rec or {}), "rank": p.rank, "host": p.host, "pid": p.pid, "state": state, "reason": reason})
             hosts.setdefault(p.host, a or {"host": p.host, "error": "no answer"})
-        return {"ranks": ranks, "hosts": list(hosts.values()), "time": st["time"]}
+        names = {p.mesh for p in pm._procs}
+        sessions = [d for d in st.get("debug_sessions", []) if d.get("mesh") in names and d.get("state") != "gone"]
+        paused = {int(d.get("rank", -1)) for d in sessions}
+        for r in ranks:
+            if r["rank"] in paused and r["state"] in ("idle", "busy"):
+                r["state"], r["reason"] = "paused", "paused at a breakpoint"
+        return {"ranks": ranks, "hosts": list(hosts.values()), "time": st["time"], "debug": sessions}
 
     def refresh(self) -> None:
         try:
@@ -112,6 +129,7 @@ class Dashboard(W.VBox):
         self.header.value = f"<b>mesh {pm.name}</b> {pm.extent} · {summary} · {time.strftime('%H:%M:%S')}"
         self.grid_view.value = _render.grid_html(snap["ranks"], labels, sizes)
         self.hosts_view.value = _render.hosts_html(snap["hosts"])
+        self._render_debug(snap["debug"])
         with self._lock:
             for r in snap["ranks"]:
                 if r["state"] == "failed":
@@ -141,6 +159,55 @@ class Dashboard(W.VBox):
         with self._lock:
             rows = [format_line(r, t) for r, t in self._lines if ranks is None or r in ranks]
         self.log_view.value = "<pre style='margin:0'>" + html.escape("\n".join(rows[-100:])) + "</pre>"
+
+    # ------------------------------------------------------------ debug sessions
+    def _render_debug(self, sessions: list[dict[str, Any]]) -> None:
+        sids = tuple(sorted(str(d.get("sid")) for d in sessions))
+        if sids == self._sids:
+            return
+        self._sids = sids
+        rows: list[W.Widget] = []
+        if sessions:
+            rows.append(W.HTML(f"<b>paused at breakpoints</b> ({len(sessions)})"))
+        for d in sorted(sessions, key=lambda d: (str(d.get("actor")), int(d.get("rank", 0)))):
+            where = f"{d.get('file', '?')}:{d.get('line', '?')} in {d.get('function', '?')}"
+            label = W.HTML(f"<code>{d.get('actor')}</code> rank {d.get('rank')} on {d.get('host')} · {where}")
+            b = W.Button(description="attach", tooltip=BUSY_NOTE, layout=W.Layout(width="80px"))
+            b.on_click(lambda _b, a=d.get("actor"), r=int(d.get("rank", 0)): self._attach(a, r))
+            rows.append(W.HBox([b, label]))
+        self.debug_view.children = rows
+
+    def _attach(self, actor: str, rank: int) -> None:
+        import html
+
+        from .. import debug
+
+        try:
+            self._dbg = debug.attach(actor, rank)
+        except Exception as e:
+            self.console_out.value = f'<span class="mnb-errors">{html.escape(str(e))}</span>'
+            self.console.layout.display = ""
+            return
+        self._console_text = f"attached to {actor} rank {rank}\n{self._dbg.header}\n"
+        self.console_out.value = "<pre style='margin:0'>" + html.escape(self._console_text) + "</pre>"
+        self.console.layout.display = ""
+
+    def _console_send(self) -> None:
+        import html
+
+        cmd = self.console_in.value.strip()
+        if not cmd or self._dbg is None:
+            return
+        self.console_in.value = ""
+        try:
+            out = self._dbg.send(cmd, timeout=60)
+        except Exception as e:
+            out = f"error: {e}"
+        self._console_text += f"(Pdb) {cmd}\n{out}"
+        if self._dbg.ended:
+            self._console_text += "(the rank continued)\n"
+            self._dbg = None
+        self.console_out.value = "<pre style='margin:0'>" + html.escape(self._console_text[-20000:]) + "</pre>"
 
     # ------------------------------------------------------------ actions and lifetime
     def _stop_mesh(self) -> None:
