@@ -339,3 +339,61 @@ def test_dashboard_lists_paused_ranks_and_its_console_drives_pdb(k: Kernel) -> N
     assert "(Pdb) p secret\\n40" in c.result, c.result
     c = _ok(k.run("view.console_in.value = 'c'\nview._console_send()\nprint(pending.get(timeout=30))\nview.close()"))
     assert c.stream().strip() == "40"
+
+
+def test_synced_code_survives_a_kernel_restart(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "kmod.py").write_text("WHO = 'synced'\n")
+    a = Kernel()
+    try:
+        _ok(a.run("%mesh connect"))
+        _ok(a.run("%mesh spawn persisted --per-host gpus=2"))
+        c = _ok(a.run(f"%mesh sync {proj}"))
+        assert "kmod.py" in c.result
+        pids = _ok(a.run("%%mesh exec persisted\nimport os\nos.getpid()")).result
+    finally:
+        a.close()
+    b = Kernel()
+    try:
+        assert "persisted" in _ok(b.run("%mesh connect")).stream()
+        c = _ok(b.run("%%mesh exec persisted\nimport kmod\n(kmod.WHO, os.getpid(), '/mnb-code/ws/' in kmod.__file__)"))
+        assert c.result.count("('synced',") == 2 and c.result.count("True)") == 2
+        assert [p for p in re.findall(r"\d{3,}", c.result)] == re.findall(r"\d{3,}", pids)
+        _ok(b.run("%mesh stop persisted"))
+    finally:
+        b.close()
+
+
+def test_breakpoint_in_an_exec_cell_without_stdin_is_skipped_not_hung(k: Kernel) -> None:
+    _ok(k.run("%mesh spawn bpx --per-host gpus=2"))
+    c = _ok(k.run("%%mesh exec bpx\nx = 5\nbreakpoint()\nx + 1"))  # the harness sends allow_stdin=False
+    assert c.result.count("6)") == 2
+    assert "on rank" in c.stream("stderr") + c.stream() and "skipped (no input)" in c.stream("stderr") + c.stream()
+
+
+def test_debug_magics_list_cast_and_continue(k: Kernel) -> None:
+    _ok(k.run("%mesh spawn dbgm --per-host gpus=2"))
+    code = (
+        "from monarch_nb.actor import Actor, endpoint, current_rank\n"
+        "class Halt(Actor):\n"
+        "    @endpoint\n"
+        "    def halt(self):\n"
+        "        mine = current_rank().rank * 7\n"
+        "        breakpoint()\n"
+        "        return mine\n"
+        "halts = dbgm.spawn('halts', Halt)\n"
+        "pending = halts.halt.call()\n"
+        "from monarch_nb import debug\n"
+        "import time\n"
+        "t = time.monotonic()\n"
+        "while len(debug.sessions('halts')) < 2 and time.monotonic() - t < 20:\n"
+        "    time.sleep(0.05)"
+    )
+    _ok(k.run(code))
+    table = _ok(k.run("%mesh debug")).stream()
+    assert table.count("halts") == 2 and "paused" in table
+    out = _ok(k.run("%mesh debug cast halts 0-1 p mine")).stream()
+    assert "[0] 0" in out and "[1] 7" in out
+    _ok(k.run("%mesh debug continue"))
+    assert _ok(k.run("pending.get(timeout=30).values()")).result == "[0, 7]"

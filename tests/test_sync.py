@@ -125,3 +125,42 @@ def test_staging_writes_content_addressed_blobs_to_any_fsspec_url(ws: Path) -> N
     assert S._stage("memory://mnb-stage", str(ws), by_digest, list(by_digest)) == 0  # already there
     d, _s, _m = man["mymod.py"]
     assert fs.cat_file(f"/mnb-stage/blobs/{d}") == (ws / "mymod.py").read_bytes()
+
+
+def test_restart_gives_new_procs_that_import_the_synced_code(ws: Path) -> None:
+    pm = M.spawn("restarted", {"gpus": 2})
+    try:
+        S.sync(str(ws), meshes=pm)
+        old = sorted(p.pid for p in pm._procs)
+        rep = S.sync(str(ws), meshes=pm, reload="restart")[0]
+        new_pm = M.get("restarted")
+        assert new_pm is not pm and sorted(rep.reloads[0]["pids"]) == sorted(p.pid for p in new_pm._procs)
+        assert not set(old) & {p.pid for p in new_pm._procs}
+        import mymod
+
+        w = new_pm.spawn("w", mymod.Worker, 0)
+        assert all(v[4].startswith(rep.hosts[0].path) for v in w.hello.call().get().values())
+    finally:
+        M.stop("restarted")
+
+
+def test_watch_resyncs_and_reloads_on_save(ws: Path) -> None:
+    from tests.conftest import wait_for
+
+    pm = M.spawn("watched", {"gpus": 1})
+    watcher = None
+    try:
+        S.sync(str(ws), meshes=pm)
+        import mymod
+
+        w = pm.spawn("w", mymod.Worker, 0)
+        assert w.hello.call_one().get()[1] == "v1"
+        watcher = S.watch([str(ws)], interval=0.1, meshes=pm)
+        _write(ws, "v3")
+        wait_for(lambda: watcher.reports, 20, "the watcher to sync the edit")
+        assert watcher.reports[0].hosts[0].changed == ["mymod.py"] and not watcher.errors
+        assert w.hello.call_one().get()[1] == "v3"
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        M.stop("watched")
