@@ -83,7 +83,30 @@ def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
     from monarch_nb.allocator import stop_allocator
 
     stop_allocator()
+    _sweep(_RDIR)
     shutil.rmtree(_RDIR, ignore_errors=True)
+
+
+def _sweep(rdir: str) -> None:
+    """Kill what still carries this session's runtime dir (say so: a test leaked it)."""
+    import psutil
+
+    me = os.getpid()
+    left = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != me and p.environ().get("MONARCH_NB_RUNTIME_DIR") == rdir:
+                left.append(p)
+        except (psutil.Error, OSError):
+            pass
+    if left:
+        sys.stderr.write(f"conftest: killing {len(left)} process(es) left behind: {[p.cmdline()[-2:] for p in left]}\n")
+        for p in left:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(left, timeout=10)
 
 
 @pytest.fixture(autouse=True)
