@@ -199,7 +199,11 @@ def test_sidebar_shows_a_mesh_spawned_from_a_notebook(page, lab) -> None:  # typ
 
 
 def test_sigkilled_proc_turns_red_in_the_sidebar_within_3s(page, lab) -> None:  # type: ignore[no-untyped-def]
-    spawn_from_notebook(page, lab, "victim")
+    nb = spawn_from_notebook(
+        page, lab, "victim", "%load_ext monarch_nb\nfrom monarch_nb.widgets import Dashboard\nDashboard(procs)"
+    )
+    widget_rank2 = nb.locator('.jp-OutputArea-output .mnb-grid .mnb-rank[data-rank="2"]')
+    expect(widget_rank2).to_have_class(re.compile(r"\bmnb-state-(idle|busy)\b"), timeout=60_000)
     panel = open_sidebar(page)
     rank2 = panel.locator('.mnb-mesh[data-mesh="victim"] .mnb-rank[data-rank="2"]')
     expect(rank2).to_have_class(re.compile(r"\bmnb-state-running\b"))
@@ -208,6 +212,8 @@ def test_sigkilled_proc_turns_red_in_the_sidebar_within_3s(page, lab) -> None:  
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
     expect(rank2).to_have_class(re.compile(r"\bmnb-state-failed\b"), timeout=3000)
+    # the dashboard widget in the notebook too, updated by its own thread with no cell running
+    expect(widget_rank2).to_have_class(re.compile(r"\bmnb-state-failed\b"), timeout=3000)
     seen_after = time.monotonic() - t0
     assert seen_after < 3.0
     shot(page, "sidebar-rank-failed")
