@@ -70,9 +70,16 @@ _REAP_TIMEOUT = 10.0
 
 # Run by each host's anchor: mount the private tmpfs dirs, report, then idle
 # until our end of its stdin closes.
+# A ``keep`` path that lives under a private dir (a checkout in /tmp) stays visible: it is bound
+# aside on /mnt first, then moved back onto the fresh tmpfs.
 _ANCHOR_SCRIPT = (
-    'set -e; tag=$1; shift; for d in "$@"; do mount -t tmpfs -o mode=1777 "$tag" "$d"; done; echo ready; exec cat >/dev/null'
+    'set -e; tag=$1; keep=$2; shift 2; if [ -n "$keep" ]; then mount --bind "$keep" /mnt; fi; '
+    'for d in "$@"; do mount -t tmpfs -o mode=1777 "$tag" "$d"; done; '
+    'if [ -n "$keep" ]; then mkdir -p "$keep"; mount --move /mnt "$keep"; fi; '
+    "echo ready; exec cat >/dev/null"
 )
+#: the project checkout, kept visible in every host when it lives under a private dir
+_PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class NetnsError(RuntimeError):
@@ -443,7 +450,8 @@ class NetnsCluster:
         for i in self.hosts:
             enter_netns = [_tool("ip"), "netns", "exec", self.netns(i)]
             new_mountns = [_tool("unshare"), "--mount", "--propagation", "slave"]
-            script = ["sh", "-c", _ANCHOR_SCRIPT, "sh", self.netns(i), *self.private_dirs]
+            keep = _PROJECT if any(_PROJECT.startswith(d.rstrip("/") + "/") for d in self.private_dirs) else ""
+            script = ["sh", "-c", _ANCHOR_SCRIPT, "sh", self.netns(i), keep, *self.private_dirs]
             self._anchors[i] = subprocess.Popen(
                 enter_netns + new_mountns + script,
                 stdin=subprocess.PIPE,
