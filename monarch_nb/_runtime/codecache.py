@@ -85,6 +85,7 @@ class CodeCache:
                     os.unlink(self._dest(root, rel))
                 except FileNotFoundError:
                     pass
+        self.manifests.pop(ws, None)  # re-inserted last: the most recent sync wins on sys.path
         self.manifests[ws] = dict(manifest)
         return {"path": root, "added": added, "changed": changed, "removed": removed}
 
@@ -110,4 +111,5 @@ class CodeCache:
         return out
 
     def workspaces(self) -> list[str]:
-        return [self.ws_path(ws) for ws in self.manifests]
+        """Synced trees, most recently synced first (a module name in two of them comes from the newer)."""
+        return [self.ws_path(ws) for ws in reversed(self.manifests)]
