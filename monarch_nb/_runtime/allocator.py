@@ -406,13 +406,13 @@ class Allocator(DebugRegistry):
 
     @functools.cached_property
     def _versions(self) -> dict[str, str]:
-        from ..env import critical_versions
+        from .._pyenv import critical_versions
 
         return critical_versions()
 
     # ------------------------------------------------------------ the host's environment
     async def sys_env(self) -> dict[str, Any]:
-        from ..env import describe
+        from .._pyenv import describe
 
         return await asyncio.to_thread(describe)
 

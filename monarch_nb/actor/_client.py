@@ -194,7 +194,7 @@ class Client:
 
     def _check_versions(self, addr: str, info: dict[str, Any]) -> None:
         """Before the first call: differences that would make pickles fail to load, with the fix."""
-        from ..env import critical_mismatches, critical_versions
+        from .._pyenv import critical_mismatches, critical_versions
 
         problems = critical_mismatches(critical_versions(), info.get("versions") or {})
         if problems:
