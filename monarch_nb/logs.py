@@ -137,7 +137,10 @@ def logs(
     """
     from .actor import _context
 
-    mesh = _resolve(mesh)
+    if isinstance(mesh, str):
+        from .mesh import get
+
+        mesh = get(mesh)
     client = _context.client()
     known = {p.rank: p for p in mesh._procs}
     ranks = sorted(known) if rank is None else [rank]
@@ -164,11 +167,3 @@ def follow(mesh: Any, rank: int | None = None, tail: int = 10, poll: float = 0.2
         for r in rows:
             seen[r["rank"]] = seen.get(r["rank"], 0) + 1
         yield from rows
-
-
-def _resolve(mesh: Any) -> Any:
-    if isinstance(mesh, str):
-        from . import mesh as _mesh_api
-
-        return _mesh_api.get(mesh)
-    return mesh

@@ -264,7 +264,9 @@ class MeshMagics(Magics):
         return None
 
     def _do_dashboard(self, args: argparse.Namespace, cell: str | None) -> Any:
-        return _do_dashboard_impl(args)
+        from ..widgets import Dashboard
+
+        return Dashboard(_mesh._resolve(args.name), interval=args.interval)
 
     def _do_stop(self, args: argparse.Namespace, cell: str | None) -> Any:
         if not args.all and not args.name:
@@ -275,12 +277,6 @@ class MeshMagics(Magics):
 
 
 _watcher: Any = None
-
-
-def _do_dashboard_impl(args: argparse.Namespace) -> Any:
-    from ..widgets import Dashboard
-
-    return Dashboard(_mesh._resolve(args.name), interval=args.interval)
 
 
 def _print_row(r: dict[str, Any]) -> None:

@@ -31,9 +31,9 @@ class Dashboard(W.VBox):
 
     def __init__(self, mesh: ProcMesh | str, interval: float = 1.0, tail: int = 200) -> None:
         if isinstance(mesh, str):
-            from .. import mesh as _mesh
+            from ..mesh import get
 
-            mesh = _mesh.get(mesh)
+            mesh = get(mesh)
         self.mesh = mesh
         self.interval = interval
         self._lines: collections.deque[tuple[int, str]] = collections.deque(maxlen=tail)

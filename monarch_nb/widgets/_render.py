@@ -6,6 +6,8 @@ import html
 import math
 from typing import Any
 
+from ..actor._shape import Extent, Point
+
 #: the state classes a rank element carries (``mnb-state-<state>``) and their colours
 STATE_COLOURS = {
     "starting": "#d4a72c",
@@ -60,11 +62,7 @@ def _grid_shape(sizes: list[int]) -> tuple[int, int]:
 
 
 def _coords(rank: int, labels: list[str], sizes: list[int]) -> str:
-    out = []
-    for label, size in zip(reversed(labels), reversed(sizes)):
-        out.append(f"{label}={rank % size}")
-        rank //= size
-    return ", ".join(reversed(out))
+    return ", ".join(f"{k}={v}" for k, v in dict(Point(rank, Extent(labels, sizes))).items())
 
 
 def grid_html(ranks: list[dict[str, Any]], labels: list[str], sizes: list[int]) -> str:
