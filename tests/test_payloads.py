@@ -36,11 +36,21 @@ class Echo(Actor):
     def leftovers(self, controller_pid: int) -> list[str]:
         return _ours(os.getpid(), controller_pid)
 
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
 
 def _ours(*pids: int) -> list[str]:
-    """Shared-memory files sent by these processes and not yet taken."""
+    """Shared-memory files sent by these processes and not yet taken or given back."""
     prefixes = tuple(f"mnb-{p}-" for p in pids)
-    return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefixes))
+    return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefixes) and not n.endswith(shm.FREE))
+
+
+def _pooled(*pids: int) -> list[str]:
+    """Segments these processes keep for their next large ``bytes``."""
+    prefixes = tuple(f"mnb-{p}-p" for p in pids)
+    return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefixes) and n.endswith(shm.FREE))
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +92,79 @@ def test_nothing_is_left_in_dev_shm(echo):  # type: ignore[no-untyped-def]
     assert echo.leftovers.call_one(os.getpid()).get(timeout=30) == []
 
 
+def test_large_bytes_reuse_their_shared_memory_and_what_arrived_stays_intact(echo):  # type: ignore[no-untyped-def]
+    proc = echo.pid.call_one().get(timeout=30)
+    first = os.urandom(BIG)
+    got_first = echo.echo.call_one(first).get(timeout=30)
+    # the same segments carry the next buffers, of the same size, a smaller and a larger one
+    sizes = [BIG, BIG, BIG - 4097, BIG + 12345, BIG]
+    sent = [os.urandom(n) for n in sizes]
+    for x in sent:
+        assert echo.echo.call_one(x).get(timeout=30) == x
+    assert got_first == first, "a bytes object that arrived does not change when its segment is reused"
+    pooled = _pooled(os.getpid(), proc)
+    # one segment per direction for the 9 MiB buffers, one more each for the larger one
+    assert len(pooled) == 4, pooled
+    assert echo.leftovers.call_one(os.getpid()).get(timeout=30) == []
+
+
+def test_a_pooled_segment_goes_back_when_idle_or_never_returned():  # type: ignore[no-untyped-def]
+    from monarch_nb._wire.serialize import _bytes_from
+
+    sender = shm.ShmSender()
+    try:
+        data = os.urandom(2 << 20)
+        name, n = sender.put(data, copied=True)
+        assert _bytes_from(shm.take(name, n)) == data
+        assert os.path.exists(os.path.join(shm.SHM_DIR, name + shm.FREE))
+        again, _ = sender.put(data[::-1], copied=True)
+        assert again == name, "a given-back segment is reused"
+        assert _bytes_from(shm.take(name, n)) == data[::-1]
+        sender.sweep(idle=0.0)
+        assert not os.path.exists(os.path.join(shm.SHM_DIR, name + shm.FREE)), "an idle segment is unlinked"
+        lost, _ = sender.put(data, copied=True)  # nobody takes this one
+        sender.sweep(max_age=0.0)
+        assert not os.path.exists(os.path.join(shm.SHM_DIR, lost))
+        kept, _ = sender.put(data, copied=True)
+    finally:
+        sender.close()
+    left = [n for n in (name, lost, kept) for n in (n, n + shm.FREE) if os.path.exists(os.path.join(shm.SHM_DIR, n))]
+    assert left == [], "closing the sender removes what it kept"
+
+
+def test_a_killed_controllers_shared_memory_is_removed_by_its_allocator(echo):  # type: ignore[no-untyped-def]
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import os, sys\n"
+        "from monarch_nb.actor import Actor, endpoint, this_host\n"
+        "class E(Actor):\n"
+        "    @endpoint\n"
+        "    def echo(self, x): return x\n"
+        "pm = this_host().spawn_procs(per_host={'gpus': 1}, name='payloads-killed')\n"
+        f"x = os.urandom({BIG})\n"
+        "assert pm.spawn('e', E).echo.call_one(x).get(timeout=30) == x\n"
+        "print(os.getpid(), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(p.stdout.readline())
+        assert _pooled(pid), "the script kept a segment for its next bytes"
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while _pooled(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling the directory the allocator cleans
+        assert _pooled(pid) == [] and _ours(pid) == []
+    finally:
+        p.kill()
+        p.wait(timeout=10)
+
+
 def test_a_shared_memory_file_not_0600_or_not_ours_is_refused(tmp_path):  # type: ignore[no-untyped-def]
     name = f"mnb-{os.getpid()}-" + "ab" * 16
     path = os.path.join(shm.SHM_DIR, name)
@@ -108,7 +191,7 @@ def test_when_shared_memory_fails_the_buffer_takes_the_socket(echo, monkeypatch)
     rt = _context.runtime()
     assert rt._shm is not None
 
-    def full(buf):  # type: ignore[no-untyped-def]
+    def full(buf, copied=False):  # type: ignore[no-untyped-def]
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(rt._shm, "put", full)

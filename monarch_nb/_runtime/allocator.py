@@ -751,6 +751,8 @@ class Allocator(DebugRegistry):
             if addr.startswith("ipc://") and not pid_alive(int(c.get("pid") or 0)):
                 logger.info("controller %s (pid %s) exited; detaching it", c["cid"], c.get("pid"))
                 del self.controllers[addr]
+                if c.get("pid"):
+                    shm.sweep_dead(int(c["pid"]))  # its pooled and in-flight shared memory
                 self._orphan(c["cid"])
 
     def _orphan(self, cid: str) -> int:

@@ -231,6 +231,11 @@ class Runtime:
             except OSError:
                 pass
 
+    def release_shm(self) -> None:
+        """Give back the shared memory this process keeps for sending (it is made again on use)."""
+        if self._shm is not None:
+            self._shm.close()
+
     # ---------------------------------------------------------------- helpers
     def in_io_thread(self) -> bool:
         return threading.current_thread() is self._thread
@@ -336,7 +341,8 @@ class Runtime:
             for i, b in enumerate(bufs):
                 if memoryview(b).nbytes >= lim:
                     try:
-                        entry = (i, *self._shm.put(b))
+                        # a bytes object is copied out at the receiver, so its segment comes back
+                        entry = (i, *self._shm.put(b, copied=type(memoryview(b).obj) is bytes))
                     except OSError as e:
                         # /dev/shm full or unusable: this buffer takes the socket instead
                         logger.debug("shared memory unavailable (%s); sending %d bytes over the socket", e, memoryview(b).nbytes)

@@ -1,15 +1,21 @@
 """Large buffers to a peer on this host travel through shared memory, not the socket.
 
-The sender writes a buffer into a fresh file in ``/dev/shm`` (one copy, by the kernel),
-named ``mnb-<sender pid>-<128 random bits>``, created ``O_EXCL`` with mode 0600, and sends
-the name. The receiver checks that the file is a regular file of its own user, 0600 and of
-the announced size, maps it copy-on-write (the data stays where the sender put it: arrays
-and tensors are built on the mapping, zero-copy) and unlinks it at once, so the mapping is
-the only thing left and goes with the last object using it.
+The sender writes a buffer into a file in ``/dev/shm``, named ``mnb-<sender pid>-<128 random
+bits>``, created ``O_EXCL`` with mode 0600, and sends the name. The receiver checks that the
+file is a regular file of its own user, 0600 and large enough, and maps it copy-on-write.
+
+* Arrays and tensors are built on that mapping (zero-copy), so the receiver unlinks the name at
+  once: the mapping is the only thing left and goes with the last object using it.
+* A ``bytes`` object must own its data, so the receiver copies it out and the segment could
+  carry the next buffer. Filling fresh tmpfs pages costs twice what copying into pages that
+  exist does, so such segments (names ``mnb-<pid>-p<hex>``) are pooled: the receiver renames
+  the name to ``<name>.free`` once it has copied the content out, and only then may the sender
+  claim it back (an atomic rename) and write into it again.
 
 Only used between peers on ipc addresses, i.e. the same host and user (the socket itself is
 0600 in the user's runtime dir). A name nobody took (the receiver died first) is unlinked by
-the sender after a grace period or when it closes, and by the allocator when the sender dies.
+the sender after a grace period or when it closes, and by the allocator when the sender dies;
+a pooled segment nobody used for a while is given back the same way.
 """
 
 from __future__ import annotations
@@ -23,12 +29,26 @@ import threading
 import time
 from typing import Any
 
+from .._wire import _rawbuf
 from ..errors import ProtocolError
 
 SHM_DIR = "/dev/shm"
-_NAME = re.compile(r"mnb-[0-9]{1,10}-[0-9a-f]{32}")
+_NAME = re.compile(r"mnb-[0-9]{1,10}-(p?)[0-9a-f]{32}")
+_LEFT = re.compile(r"mnb-[0-9]{1,10}-p?[0-9a-f]{32}(\.free)?")
+FREE = ".free"
 #: a receiver takes a name within milliseconds; this long without it means it never will
 GRACE_S = 60.0
+#: what one process keeps in pooled segments, and for how long one may sit unused
+POOL_BYTES = 512 << 20
+POOL_IDLE_S = 30.0
+_GRAIN = 1 << 20
+
+
+class _Segment:
+    __slots__ = ("name", "size", "mm", "used")
+
+    def __init__(self, name: str, size: int, mm: mmap.mmap) -> None:
+        self.name, self.size, self.mm, self.used = name, size, mm, time.monotonic()
 
 
 def available() -> bool:
@@ -41,11 +61,19 @@ class ShmSender:
     def __init__(self) -> None:
         self.prefix = f"mnb-{os.getpid()}-"
         self._pending: dict[str, float] = {}
+        self._pool: list[_Segment] = []  # smallest first
         self._lock = threading.Lock()
 
-    def put(self, buf: Any) -> tuple[str, int]:
-        """Copy ``buf`` into a new file; return ``(name, nbytes)`` for the receiver."""
+    def put(self, buf: Any, copied: bool = False) -> tuple[str, int]:
+        """Copy ``buf`` into shared memory; return ``(name, nbytes)`` for the receiver.
+
+        ``copied``: the receiver copies the content out (a ``bytes``), so the segment is pooled.
+        """
         mv = memoryview(buf).cast("B")
+        if copied and _rawbuf.available() and mv.nbytes >= _GRAIN:
+            seg = self._claim(mv.nbytes) or self._new_segment(mv.nbytes)
+            if seg is not None:
+                return self._fill(seg, mv)
         name = self.prefix + secrets.token_hex(16)
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -62,16 +90,92 @@ class ShmSender:
             os.close(fd)
         return name, n
 
-    def sweep(self, max_age: float = GRACE_S) -> None:
-        """Unlink names handed out more than ``max_age`` ago (taken ones are already gone)."""
+    def _claim(self, n: int) -> _Segment | None:
+        with self._lock:
+            for seg in self._pool:
+                if seg.size < n:
+                    continue
+                path = os.path.join(SHM_DIR, seg.name)
+                try:
+                    # only the receiver's rename, after its copy, makes the free name exist
+                    os.rename(path + FREE, path)
+                except FileNotFoundError:
+                    continue  # still with a receiver
+                return seg
+        return None
+
+    def _new_segment(self, n: int) -> _Segment | None:
+        size = -(-n // _GRAIN) * _GRAIN  # a slightly larger buffer next time still fits
+        with self._lock:
+            if sum(s.size for s in self._pool) + size > POOL_BYTES:
+                return None
+        name = self.prefix + "p" + secrets.token_hex(16)
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return None
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.unlink(path)
+            return None
+        finally:
+            os.close(fd)
+        seg = _Segment(name, size, mm)
+        with self._lock:
+            self._pool.append(seg)
+            self._pool.sort(key=lambda s: s.size)
+        return seg
+
+    def _fill(self, seg: _Segment, mv: memoryview) -> tuple[str, int]:
+        n = mv.nbytes
+        try:
+            with _rawbuf.pinned(seg.mm, writable=True) as (dst, _), _rawbuf.pinned(mv) as (src, _):
+                _rawbuf.copy(dst, src, n)  # GIL released: other threads go on meanwhile
+        except BaseException:
+            self._drop(seg)
+            raise
+        seg.used = time.monotonic()
+        return seg.name, n
+
+    def _drop(self, seg: _Segment) -> None:
+        with self._lock:
+            if seg in self._pool:
+                self._pool.remove(seg)
+        self._unlink(seg.name)
+        self._unlink(seg.name + FREE)
+        try:
+            seg.mm.close()
+        except BufferError:
+            pass  # a copy into it is still running; the mapping goes with its last user
+
+    def sweep(self, max_age: float = GRACE_S, idle: float = POOL_IDLE_S) -> None:
+        """Unlink names handed out more than ``max_age`` ago that nobody took (taken ones are
+        gone already), and pooled segments unused for ``idle`` seconds or never given back."""
         now = time.monotonic()
         with self._lock:
             old = [n for n, t in self._pending.items() if now - t > max_age]
+            pool = list(self._pool)
         for n in old:
             self._unlink(n)
+        for seg in pool:
+            free = os.path.join(SHM_DIR, seg.name + FREE)
+            if os.path.exists(free):
+                if now - seg.used > idle:
+                    try:
+                        os.unlink(free)  # unlinking the free name claims it: nobody else can
+                    except FileNotFoundError:
+                        continue
+                    self._drop(seg)
+            elif now - seg.used > max_age:
+                self._drop(seg)  # the receiver never gave it back
 
     def close(self) -> None:
-        self.sweep(-1.0)
+        self.sweep(-1.0, -1.0)
+        for seg in list(self._pool):
+            self._drop(seg)
 
     def _unlink(self, name: str) -> None:
         with self._lock:
@@ -82,32 +186,55 @@ class ShmSender:
             pass
 
 
+class _Pooled(mmap.mmap):
+    """A mapping of a pooled segment: ``copied()`` hands the segment back to its sender."""
+
+    path = ""
+
+    def copied(self) -> None:
+        path, self.path = self.path, ""  # once: a second rename could hit the segment's next use
+        if path:
+            try:
+                os.rename(path, path + FREE)
+            except OSError:
+                pass  # its sender gave up on it already
+
+
 def take(name: str, nbytes: int) -> memoryview:
-    """Map and unlink the file a peer wrote; raise :class:`ProtocolError` if it is not ours."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or not isinstance(nbytes, int) or nbytes <= 0:
+    """Map the file a peer wrote (unlinking it unless pooled); raise :class:`ProtocolError` if it
+    is not ours."""
+    m = _NAME.fullmatch(name) if isinstance(name, str) else None
+    if m is None or not isinstance(nbytes, int) or nbytes <= 0:
         raise ProtocolError(f"malformed shared-memory reference {name!r}")
+    pooled = bool(m.group(1))
     path = os.path.join(SHM_DIR, name)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         raise ProtocolError(f"shared-memory buffer {name} is gone: {e.strerror}") from e
+    keep = False
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 or st.st_size != nbytes:
+        size_ok = st.st_size >= nbytes if pooled else st.st_size == nbytes
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 or not size_ok:
             raise ProtocolError(f"refused shared-memory buffer {name}: not a 0600 file of ours of {nbytes} bytes")
         # private: writes by the receiver (arrays are writable) never reach the file
-        m = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = (_Pooled if pooled else mmap.mmap)(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        keep = pooled  # its sender takes it back once copied out
     finally:
         os.close(fd)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass  # gone already, or not ours to remove (sticky /dev/shm)
-    return memoryview(m)
+        if not keep:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass  # gone already, or not ours to remove (sticky /dev/shm)
+    if keep:
+        mm.path = path  # type: ignore[attr-defined]
+    return memoryview(mm)
 
 
 def sweep_dead(pid: int) -> int:
-    """Unlink what the dead process ``pid`` left in flight (its allocator calls this)."""
+    """Unlink what the dead process ``pid`` left in flight or pooled (its allocator calls this)."""
     prefix = f"mnb-{pid}-"
     n = 0
     try:
@@ -115,7 +242,7 @@ def sweep_dead(pid: int) -> int:
     except OSError:
         return 0
     for name in names:
-        if name.startswith(prefix) and _NAME.fullmatch(name):
+        if name.startswith(prefix) and _LEFT.fullmatch(name):
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
                 n += 1

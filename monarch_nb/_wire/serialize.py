@@ -14,6 +14,8 @@ from typing import Any
 
 import cloudpickle
 
+from . import _rawbuf
+
 #: leaf types the C pickler writes exactly as cloudpickle would (by value, no class lookup)
 _PLAIN = frozenset({int, float, str, bool, type(None)})
 
@@ -56,8 +58,17 @@ class _OOBBytes:
         self.b = b
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        # loads calls bytes(buffer): the one copy a bytes object needs to own its data
-        return (bytes, (pickle.PickleBuffer(self.b),))
+        return (_bytes_from, (pickle.PickleBuffer(self.b),))
+
+
+def _bytes_from(buf: Any) -> bytes:
+    # the one copy a bytes object needs to own its data; a shared-memory segment the sender
+    # may reuse says so (``copied``) and is handed back once its content is out
+    out = _rawbuf.to_bytes(buf)
+    copied = getattr(memoryview(buf).obj, "copied", None)
+    if copied is not None:
+        copied()
+    return out
 
 
 def _lift_bytes(obj: Any, depth: int) -> Any:

@@ -273,6 +273,7 @@ class Client:
                 except Exception:
                     pass
         self.hellos.clear()
+        self.rt.release_shm()
 
 
 def read_connection_files(rdir: str) -> list[dict[str, Any]]:
