@@ -45,6 +45,12 @@ class Config:
     #: out-of-band buffers at least this large go to a peer on this host through shared
     #: memory (/dev/shm, 0600, unguessable names); 0 turns it off
     shm_min_bytes: int = 8 << 20
+    #: a message for this many or more procs of one host goes to that host's allocator once,
+    #: which relays it to each; 0 sends every message straight to its proc
+    fanout_min: int = 2
+    #: how long a message that overtook an earlier one from its sender waits for it before
+    #: being delivered anyway (the earlier one was lost, e.g. with a failed relay)
+    order_gap_timeout: float = 10.0
 
     def replace(self, **kw: Any) -> Config:
         return dataclasses.replace(self, **kw)

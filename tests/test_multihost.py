@@ -62,6 +62,8 @@ def host_env(**extra: str) -> dict[str, str]:
         "MONARCH_NB_HEARTBEAT_TIMEOUT": "1.5",
         "MONARCH_NB_ZYGOTE_PRELOAD": "",  # no torch: procs start fast
     }
+    if "PYTHONPATH" in os.environ:  # hosts run the code this test run imports (a worktree, say)
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     env.update(extra)
     return env
 
@@ -397,6 +399,82 @@ def test_mesh_spans_two_hosts(cluster: NetnsCluster, workers: list[Allocator]) -
     # stop() really ended the procs on both hosts (allocator + zygote remain)
     for i in (1, 2):
         wait_for(lambda i=i: len(zygote_processes(cluster, i)) == 1, 10, f"procs on host {i} to exit")
+
+
+# One message to a mesh over three hosts: the controller sends it once per host, each
+# allocator relays it to its procs; single-proc sends go straight. Every actor must see the
+# messages meant for it in the order they were sent.
+THREE_HOST_BODY = """
+from monarch_nb import introspect
+
+
+class Log(Actor):
+    def __init__(self):
+        self.seen = []
+
+    @endpoint
+    def add(self, i):
+        self.seen.append(i)
+
+    @endpoint
+    def seen_by(self):
+        return dict(current_rank()), self.seen
+
+
+def relayed():
+    by_tcp = {a.get("tcp"): a for a in introspect.status(WORKERS)["allocators"]}
+    return [by_tcp[w]["relayed"] for w in WORKERS]
+
+
+hosts = attach_to_workers(workers=WORKERS, ca="/tmp/key")
+procs = hosts.spawn_procs(per_host={"gpus": 4})
+log = procs.spawn("log", Log)
+before = relayed()
+for i in range(N):
+    kind, h, g = i % 4, (i // 4) % 3, (i // 12) % 4
+    if kind == 0:
+        log.add.broadcast(i)  # all 12 procs: one message per host
+    elif kind == 1:
+        log.slice(hosts=h).add.broadcast(i)  # the 4 procs of one host: one message to it
+    else:
+        log.slice(hosts=h, gpus=g).add.call_one(i).get(timeout=30) if kind == 2 else log.slice(hosts=h, gpus=g).add.broadcast(i)
+seen = log.seen_by.call().get(timeout=30)
+after = relayed()
+emit("seen", items=[list(v) for v in seen.values()], relayed=[[a["messages"] - b["messages"], a["deliveries"] - b["deliveries"]] for a, b in zip(after, before)])
+procs.stop().get(timeout=30)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_three_hosts_fan_out_through_their_allocators_in_order(keys: dict[str, bytes]) -> None:
+    n = 240
+    with NetnsCluster(3) as c:
+        for i in c.hosts:
+            plant_key(c, i, keys["good"])
+        allocs = [Allocator(c, i, "--key-file", KEY) for i in (1, 2, 3)]
+        for a in allocs:
+            a.wait_ready()
+        ctl = Controller(c, f"N = {n}\n" + THREE_HOST_BODY, workers=[a.addr for a in allocs])
+        out = ctl.expect("seen", timeout=120)
+        ctl.finish()
+
+    def meant_for(h: int, g: int) -> list[int]:
+        want = []
+        for i in range(n):
+            kind, hh, gg = i % 4, (i // 4) % 3, (i // 12) % 4
+            if kind == 0 or (kind == 1 and hh == h) or (kind >= 2 and (hh, gg) == (h, g)):
+                want.append(i)
+        return want
+
+    items = out["items"]
+    assert len(items) == 12
+    for point, seen in items:
+        assert seen == meant_for(point["hosts"], point["gpus"]), point
+    # per host: the full broadcasts, that host's own broadcasts, and the final gather,
+    # each received once and relayed to its 4 procs
+    for h, (messages, deliveries) in enumerate(out["relayed"]):
+        want = sum(1 for i in range(n) if i % 4 == 0 or (i % 4 == 1 and (i // 4) % 3 == h)) + 1
+        assert (messages, deliveries) == (want, 4 * want), (h, out["relayed"])
 
 
 @pytest.mark.timeout(120)

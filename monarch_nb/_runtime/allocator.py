@@ -53,6 +53,8 @@ class ProcRec:
     state: str = "starting"
     pid: int = 0
     addr: str = ""
+    #: where this allocator reaches the proc (its ipc inbox; ``addr`` may be its TCP one)
+    local: str = ""
     cause: str = ""
     log: ProcLog | None = None
     fds: dict[int, str] = dataclasses.field(default_factory=dict)
@@ -98,6 +100,7 @@ class Allocator(DebugRegistry):
         self.meshes: dict[str, MeshRec] = {}
         self.by_pid: dict[int, ProcRec] = {}
         self.by_token: dict[str, ProcRec] = {}
+        self.by_addr: dict[str, ProcRec] = {}
         self.controllers: dict[str, dict[str, Any]] = {}  # reply addr -> info
         self.subscribers: dict[tuple[str, int], float] = {}
         self.idle_since = time.monotonic()
@@ -123,6 +126,7 @@ class Allocator(DebugRegistry):
         self.log_dir = os.path.join(self.runtime_dir, f"mnb-logs-{self.id}")
         os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
         self.rt.system["__allocator__"] = self
+        self.rt.resolve_proc = self._local_addr
         self.rt.submit(self._start_async()).result(timeout=30)
         info = {
             "alloc_id": self.id,
@@ -554,17 +558,24 @@ class Allocator(DebugRegistry):
         if os.path.isdir(d):
             os.rename(d, f"{d}~{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}")
 
-    def sys_proc_ready(self, token: str, addr: str, pid: int) -> Any:
+    def sys_proc_ready(self, token: str, addr: str, pid: int, local: str = "") -> Any:
         rec = self.by_token.get(token)
         if rec is None:
             return NO_REPLY
         rec.addr = addr
+        rec.local = local or addr
+        self.by_addr[addr] = rec
         rec.pid = pid
         self.by_pid[pid] = rec
         rec.state = "running"
         if rec.ready is not None and not rec.ready.done():
             rec.ready.set_result(None)
         return NO_REPLY
+
+    def _local_addr(self, addr: str) -> str | None:
+        """Relay (fan-out) destinations: only this allocator's live procs, never other addresses."""
+        rec = self.by_addr.get(addr)
+        return rec.local if rec is not None and rec.state == "running" else None
 
     def sys_flush_logs(self) -> int:
         """Read whatever procs have written and send it now (answered after the logs, on the same link)."""
@@ -659,6 +670,8 @@ class Allocator(DebugRegistry):
             "addr": self.rt.ipc_addr,
             "tcp": self.rt.tcp_addr,
             "version": __version__,
+            # fan-out: messages for several of our procs received once and relayed to each
+            "relayed": {"messages": self.rt.relayed[0], "deliveries": self.rt.relayed[1]},
             "controllers": [
                 {
                     "cid": c["cid"],
@@ -734,6 +747,8 @@ class Allocator(DebugRegistry):
                 await asyncio.wait(pending, timeout=5.0)
         for r in m.procs:
             self.by_token.pop(r.token, None)
+            if self.by_addr.get(r.addr) is r:
+                del self.by_addr[r.addr]
         self._debug_mesh_stopped(m.name)
         m.state = "stopped"
         self._publish(("mesh", m.name, "stopped", reason))

@@ -7,6 +7,12 @@ messages from one thread to one peer keep their order. The I/O thread only recei
 dispatches: PORT frames go to port handlers, ACTOR frames to an actor's mailbox or, for
 system actors, run inline. It never runs user code, so a process whose actor is stuck in
 pdb still answers pings.
+
+A message for many procs (:meth:`Runtime.send_many`) goes to each host's allocator once, as
+a FANOUT frame that the allocator turns into one message per proc. Since such messages and
+direct ones take different paths, every message this process sends to a proc that way is
+numbered on a stream of its own (one per destination), and the receiving runtime delivers
+each stream in order, holding any message that overtook an earlier one.
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, NamedTuple, Protocol
 
 import zmq
 import zmq.asyncio
@@ -29,7 +35,7 @@ import zmq.asyncio
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads, nbytes
 from ..config import Config
-from ..errors import ActorError, ProtocolError, SupervisionError, _safe_exc, format_exception
+from ..errors import ActorError, ProtocolError, SupervisionError, VersionMismatchError, _safe_exc, format_exception
 from . import shm as _shm
 from .transport import Security, SocketFactory, ipc_path, route_ip, split_tcp
 
@@ -54,6 +60,29 @@ class _Watch:
         self.last_pong = time.monotonic()
         self.lost: SupervisionError | None = None
         self.host = ""
+
+
+class Target(NamedTuple):
+    """One destination of :meth:`Runtime.send_many`."""
+
+    addr: str
+    #: the allocator that owns the proc ("" for a process no allocator owns: sent direct)
+    alloc: str
+    #: the receiver's index in the call (its reply carries it back)
+    index: int
+    #: where the proc sends its reply ("" for none)
+    reply: str
+
+
+class _Held:
+    """A receiving stream: the next number to deliver and the messages that came early."""
+
+    __slots__ = ("next", "held", "since")
+
+    def __init__(self) -> None:
+        self.next = 1
+        self.held: dict[int, tuple[tuple[Any, ...], Any, list[Any]]] = {}
+        self.since = 0.0
 
 
 class Runtime:
@@ -98,12 +127,21 @@ class Runtime:
         self._dead: dict[str, SupervisionError] = {}
         self._watches: dict[str, _Watch] = {}
         self._tls = threading.local()
+        self._stream_ids = itertools.count(1)
+        #: sending side of ordered streams: destination -> (stream id, message numbers)
+        self._seqs: dict[str, tuple[str, Iterator[int]]] = {}
+        #: receiving side of ordered streams, by stream id (touched by the I/O thread only)
+        self._streams: dict[str, _Held] = {}
+        #: set by an allocator: its proc at a given address as it can reach it, or None
+        self.resolve_proc: Callable[[str], str | None] | None = None
         self._all_out: list[zmq.Socket] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self.peer_failure_callbacks: list[Callable[[str, SupervisionError], None]] = []
         #: called on the I/O thread with every other event an allocator publishes (e.g. debug sessions)
         self.event_callbacks: list[Callable[[tuple[Any, ...]], None]] = []
         self.dropped_frames = 0
+        #: FANOUT frames taken and the proc messages made of them
+        self.relayed = [0, 0]
         self._closed = False
         self._shm = _shm.ShmSender() if cfg.shm_min_bytes > 0 and _shm.available() else None
 
@@ -209,8 +247,13 @@ class Runtime:
             for s in self._inboxes:
                 self.loop.remove_reader(s.FD)
                 s.close(linger=0)
-            self.loop.stop()
-            done.set()
+
+            def end() -> None:
+                self.loop.stop()
+                done.set()
+
+            # one more turn of the loop lets the cancelled tasks finish (no "destroyed but pending")
+            self.loop.call_soon(end)
 
         if self._thread.is_alive():
             self.loop.call_soon_threadsafe(stop)
@@ -330,8 +373,76 @@ class Runtime:
         extent: tuple[tuple[str, ...], tuple[int, ...]] = ((), ()),
         call_id: str = "",
     ) -> None:
+        """Send one unordered message (system requests); see :meth:`send_many` for actors."""
         raddr, rport = reply if reply else ("", 0)
-        self.send(addr, self._encode(addr, wire.ACTOR, (actor, method, raddr, rport, index, extent, call_id), body, buffers))
+        meta = (actor, method, raddr, rport, index, extent, call_id, "", 0)
+        self.send(addr, self._encode(addr, wire.ACTOR, meta, body, buffers))
+
+    def _stream(self, addr: str) -> tuple[str, Iterator[int]]:
+        """This process's ordered stream to ``addr``: its id and its message numbers.
+
+        One stream per destination for all threads: a message numbered after another (in one
+        thread, or after a join or a lock) is delivered after it. ``next()`` on the counter is
+        atomic, so threads need no lock; one whose number goes unsent (the peer is gone, the
+        only way a send fails) leaves a gap that only that dead peer would have waited on.
+        """
+        st = self._seqs.get(addr)
+        if st is None:
+            st = self._seqs.setdefault(addr, (f"{self.uid}.{next(self._stream_ids)}", itertools.count(1)))
+        return st
+
+    def send_many(
+        self,
+        targets: list[Target],
+        actor: str,
+        method: str,
+        body: bytes,
+        buffers: list[Any],
+        *,
+        port: int = 0,
+        extent: tuple[tuple[str, ...], tuple[int, ...]] = ((), ()),
+        call_id: str = "",
+    ) -> list[tuple[int, BaseException]]:
+        """Send one message to every target, in order with this thread's other messages to each.
+
+        Targets that share an allocator get one FANOUT frame to it (``fanout_min`` or more of
+        them), so a broadcast costs one send per host; the rest go direct. Returns the
+        ``(index, error)`` of targets it could not send to; the others are on their way.
+        """
+        groups: dict[str, list[Target]] = {}
+        direct: list[Target] = []
+        fmin = self.cfg.fanout_min
+        if fmin > 0 and len(targets) >= fmin:
+            for t in targets:
+                if t.alloc:
+                    groups.setdefault(t.alloc, []).append(t)
+                else:
+                    direct.append(t)
+            # shared memory makes direct sends to this host's procs cheaper than a relay for bulk data
+            bulky = self._shm is not None and any(memoryview(b).nbytes >= self.cfg.shm_min_bytes for b in buffers)
+            for alloc in [a for a, g in groups.items() if len(g) < fmin or (bulky and a.startswith("ipc://"))]:
+                direct.extend(groups.pop(alloc))
+        else:
+            direct = targets
+        failed: list[tuple[int, BaseException]] = []
+        for t in direct:
+            sid, seqs = self._stream(t.addr)
+            meta = (actor, method, t.reply, port if t.reply else 0, t.index, extent, call_id, sid, next(seqs))
+            try:
+                self.send(t.addr, self._encode(t.addr, wire.ACTOR, meta, body, buffers))
+            except BaseException as e:
+                failed.append((t.index, e))
+        for alloc, group in groups.items():
+            dests = []
+            for t in group:
+                sid, seqs = self._stream(t.addr)
+                dests.append((t.addr, t.index, t.reply, sid, next(seqs)))
+            meta = (actor, method, port, extent, call_id, tuple(dests))
+            try:
+                self.send(alloc, self._encode(alloc, wire.FANOUT, meta, body, buffers))
+            except BaseException as e:
+                failed.extend((t.index, e) for t in group)
+        return failed
 
     def _encode(self, addr: str, kind: int, meta: tuple[Any, ...], body: Any, bufs: list[Any]) -> list[Any]:
         table = None
@@ -372,7 +483,7 @@ class Runtime:
             try:
                 if not opt(zmq.EVENTS) & zmq.POLLIN:
                     return
-                recv(zmq.NOBLOCK)  # the sender's routing id; answers go to reply addresses instead
+                rid = recv(zmq.NOBLOCK)  # the sender's routing id; answers go to reply addresses instead
                 # the rest of a multipart message has arrived with its first part; the head is
                 # small (copied), payloads and buffers are not
                 frames = [recv()] if opt(zmq.RCVMORE) else []
@@ -386,18 +497,39 @@ class Runtime:
                 logger.warning("inbox receive failed: %s", e)
                 continue
             try:
-                self._dispatch(frames)
+                self._dispatch(frames, sock, rid)
             except Exception:
                 logger.exception("dropped a message whose handler failed")
         self.loop.call_soon(self._drain_inbox, sock)
 
-    def _dispatch(self, frames: list[Any]) -> None:
+    def _refuse(self, sock: zmq.Socket | None, rid: bytes, reason: str) -> None:
+        """Tell the sender (on its own connection) why its message was dropped."""
+        if sock is None:
+            return
+        try:
+            sock.send_multipart([rid, wire.refusal(reason)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def _dispatch(self, frames: list[Any], sock: zmq.Socket | None = None, rid: bytes = b"") -> None:
         if not frames:
             self.dropped_frames += 1
             logger.warning("dropped an empty message")
             return
         try:
             kind, meta, body, bufs, table = wire.decode(frames)
+        except VersionMismatchError as e:
+            self.dropped_frames += 1
+            from .. import __version__
+
+            logger.warning("dropped a frame: %s", e)
+            self._refuse(
+                sock,
+                rid,
+                f"{self.label} on {self.hostname} speaks wire version {wire.VERSION} (monarch_nb {__version__}) "
+                f"and got a message of version {frames[0][3]}: run the same monarch_nb version on every host",
+            )
+            return
         except ProtocolError as e:
             self.dropped_frames += 1
             logger.warning("dropped a frame: %s", e)
@@ -419,6 +551,79 @@ class Runtime:
             if h is not None:
                 h(index, status, body, bufs)
             return
+        if kind == wire.FANOUT:
+            self._fan_out(meta, body, bufs)
+            return
+        if meta[8]:
+            self._ordered(meta, body, bufs)
+        else:
+            self._route(meta, body, bufs)
+
+    def _ordered(self, meta: tuple[Any, ...], body: Any, bufs: list[Any]) -> None:
+        sid, seq = meta[7], meta[8]
+        st = self._streams.get(sid)
+        if st is None:
+            st = self._streams[sid] = _Held()
+        if seq != st.next:
+            if seq < st.next or seq in st.held:
+                self.dropped_frames += 1
+                logger.warning("dropped message %d of stream %s: already delivered (a replay?)", seq, sid)
+            else:
+                if not st.held:
+                    st.since = time.monotonic()
+                st.held[seq] = (meta, body, bufs)
+            return
+        st.next += 1
+        self._route(meta, body, bufs)
+        self._release(st)
+
+    def _release(self, st: _Held) -> None:
+        while st.held:
+            msg = st.held.pop(st.next, None)
+            if msg is None:
+                st.since = time.monotonic()
+                return
+            st.next += 1
+            self._route(*msg)
+
+    def _skip_gaps(self, now: float) -> None:
+        """Deliver messages held behind one that never came (lost with a failed relay) after a while."""
+        for sid, st in self._streams.items():
+            if st.held and now - st.since > self.cfg.order_gap_timeout:
+                first = min(st.held)
+                logger.warning(
+                    "messages %d..%d of stream %s never arrived within %.0f s; delivering the later ones",
+                    st.next,
+                    first - 1,
+                    sid,
+                    self.cfg.order_gap_timeout,
+                )
+                st.next = first
+                self._release(st)
+
+    def _fan_out(self, meta: tuple[Any, ...], body: Any, bufs: list[Any]) -> None:
+        actor, method, rport, extent, call_id, dests = meta
+        resolve = self.resolve_proc
+        self.relayed[0] += 1
+        for addr, index, raddr, sid, seq in dests:
+            local = resolve(addr) if resolve is not None else None
+            if local is None:
+                self.dropped_frames += 1
+                where = f"{self.label} on {self.hostname}"
+                err = ActorError(LookupError(f"{where} has no proc at {addr} to relay {actor}.{method} to"), host=self.hostname)
+                if raddr:
+                    self.send_port(raddr, rport, index, wire.ERROR, err)
+                else:
+                    logger.warning("%s", err)
+                continue
+            try:
+                meta1 = (actor, method, raddr, rport, index, extent, call_id, sid, seq)
+                self.send(local, self._encode(local, wire.ACTOR, meta1, body, bufs))
+                self.relayed[1] += 1
+            except SupervisionError:
+                pass  # the proc is gone; its subscribers hear that from the allocator
+
+    def _route(self, meta: tuple[Any, ...], body: Any, bufs: list[Any]) -> None:
         actor = meta[0]
         sysobj = self.system.get(actor)
         if sysobj is not None:
@@ -571,6 +776,8 @@ class Runtime:
             if self._shm is not None:
                 self._shm.sweep()
             now = time.monotonic()
+            if self._streams:
+                self._skip_gaps(now)
             # when this loop itself was starved (a busy I/O thread, a loaded machine), pongs that
             # did arrive may not have been read yet: that is no evidence against the peer
             starved = now - woke > interval + max(0.25, interval)

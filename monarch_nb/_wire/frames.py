@@ -13,6 +13,10 @@ A message is ``[head, *rest]``:
 A small message is one frame: every frame costs a send and a receive call (and a GIL
 round trip) on both sides, which dominated a small call.
 
+A frame that starts with ``REFUSED`` (magic, then a zero byte where the version goes) is a
+receiver's answer to a message it could not take, e.g. one of another wire version; it is
+the same in every version so that a peer of any version can read why it was refused.
+
 Everything here is pure; errors are :class:`ProtocolError` so a receiver can log and drop.
 """
 
@@ -25,12 +29,22 @@ from typing import Any
 from ..errors import ProtocolError, VersionMismatchError
 
 MAGIC = b"MNB"
-VERSION = 2
+VERSION = 3
 
-#: a message for an actor: meta = (actor, method, reply_addr, reply_port, index, extent, call_id)
+#: a message for an actor: meta = (actor, method, reply_addr, reply_port, index, extent,
+#: call_id, stream, seq); ``seq`` > 0 numbers the sender's messages on ``stream`` (one per
+#: sending process and destination) so the receiver delivers them in the order they were sent
+#: whichever path each took; 0 means unordered (system requests)
 ACTOR = 1
 #: a value for a port: meta = (port_id, index, status)
 PORT = 2
+#: one message for several procs of an allocator, which sends each its ACTOR message:
+#: meta = (actor, method, reply_port, extent, call_id, targets) with
+#: targets = ((proc_addr, index, reply_addr, stream, seq), ...)
+FANOUT = 3
+
+#: the start of a refusal frame: magic and a zero version, then the reason in UTF-8
+REFUSED = MAGIC + b"\x00"
 
 #: PORT status values
 OK = 0
@@ -47,8 +61,8 @@ INLINE_MAX = 1 << 16
 
 _LEN = struct.Struct("<I")
 _PREFIX = len(MAGIC) + 3
-_HEADS = {(kind, flags): MAGIC + bytes([VERSION, kind, flags]) for kind in (ACTOR, PORT) for flags in range(4)}
-_WANT = {ACTOR: 7, PORT: 3}
+_HEADS = {(kind, flags): MAGIC + bytes([VERSION, kind, flags]) for kind in (ACTOR, PORT, FANOUT) for flags in range(4)}
+_WANT = {ACTOR: 9, PORT: 3, FANOUT: 6}
 
 
 def encode(
@@ -72,6 +86,8 @@ def decode(frames: list[Any]) -> tuple[int, tuple[Any, ...], Any, list[Any], lis
     if len(head) < 4 or head[:3] != MAGIC:
         raise ProtocolError(f"not a monarch_nb frame (starts {bytes(head[:8])!r})")
     if head[3] != VERSION:
+        if head[3] == 0:
+            raise ProtocolError(f"refused by the peer: {refusal_reason(head)}")
         raise VersionMismatchError(f"peer speaks wire version {head[3]}, this process speaks {VERSION}")
     if len(head) < _PREFIX + 4:
         raise ProtocolError(f"truncated header ({len(head)} bytes)")
@@ -121,3 +137,16 @@ def _shm_table(frame: Any) -> list[tuple[int, str, int]]:
     if not ok:
         raise ProtocolError("malformed shared-memory table")
     return table  # type: ignore[no-any-return]
+
+
+def refusal(reason: str) -> bytes:
+    """A frame telling a sender why its message was not taken (readable by any wire version)."""
+    return REFUSED + reason.encode("utf-8", "replace")[:1000]
+
+
+def refusal_reason(frame: Any) -> str | None:
+    """The reason in a refusal frame, or None if ``frame`` is not one."""
+    b = bytes(frame[:1004])
+    if not b.startswith(REFUSED):
+        return None
+    return b[len(REFUSED) :].decode("utf-8", "replace")

@@ -218,7 +218,7 @@ class ActorSlot:
         self.rt.send_port(reply[0], reply[1], reply[2], status, value)
 
     def _prepare(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> tuple[Any, ...] | None:
-        _, method, raddr, rport, index, ext, call_id = meta
+        _, method, raddr, rport, index, ext, call_id = meta[:7]
         if self.init_error is not None:
             self._reply(raddr, rport, index, wire.ERROR, self.init_error)
             return None
@@ -419,13 +419,13 @@ class ActorHost:
         cls: type,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        rank: int,
         extent: tuple[list[str], list[int]],
         proc_mesh: Any,
         creator: str,
         *,
         _reply: tuple[str, int, int],
     ) -> Any:
+        rank = _reply[2]  # one message serves every proc; each one's index in the mesh is its rank
         if name in self.rt.actors:
             raise ValueError(f"an actor named {name!r} already exists in this proc; pick another name")
         slot = ActorSlot(self.rt, name, cls, Point(rank, Extent(*extent)), proc_mesh, creator)

@@ -40,7 +40,7 @@ def main(spec: dict[str, Any]) -> int:
         if asyncio.iscoroutine(r):
             asyncio.run(r)
     addr = rt.tcp_addr or rt.ipc_addr
-    body, bufs = dumps(((spec["token"], addr, os.getpid()), {}))
+    body, bufs = dumps(((spec["token"], addr, os.getpid(), rt.ipc_addr), {}))
     rt.send_actor(spec["alloc_addr"], "__allocator__", "proc_ready", body, bufs)
     host.main_loop()
     host.cleanup_all()

@@ -26,6 +26,7 @@ from ..errors import (
     ConnectError,
     MonarchNBError,
     SupervisionError,
+    VersionMismatchError,
 )
 from ._future import Future
 from ._refs import ProcRef
@@ -150,7 +151,7 @@ class Client:
             "version": __version__,
         }
         body, bufs = dumps(((hello,), {}))
-        probe.send_multipart(wire.encode(wire.ACTOR, ("__allocator__", "hello", me, pid, 0, ((), ()), ""), body, bufs))
+        probe.send_multipart(wire.encode(wire.ACTOR, ("__allocator__", "hello", me, pid, 0, ((), ()), "", "", 0), body, bufs))
         deadline = time.monotonic() + timeout
         connected = False
         last = "no answer"
@@ -159,6 +160,10 @@ class Client:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
+                if probe.poll(0):
+                    reason = wire.refusal_reason(probe.recv())
+                    if reason is not None:
+                        raise VersionMismatchError(f"allocator at {addr} refused our hello: {reason}")
                 if mon.poll(min(left, 0.05) * 1000):
                     ev = recv_monitor_message(mon)
                     e = ev["event"]

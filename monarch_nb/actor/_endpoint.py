@@ -6,9 +6,10 @@ import functools
 import inspect
 import itertools
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
+from .._runtime.runtime import Target
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
 from ..errors import MeshClosedError
@@ -16,8 +17,10 @@ from . import _context
 from ._future import Future
 
 if TYPE_CHECKING:
+    from .._runtime.runtime import Runtime
     from ._mesh import ActorMesh, ValueMesh
     from ._port import Port
+    from ._refs import ProcRef
 
 R = TypeVar("R")
 A = TypeVar("A")
@@ -164,31 +167,16 @@ class Endpoint(Generic[R]):
         body, bufs = dumps((args, kwargs))
         rt.check_size(body, bufs)
         view = mesh._view
-        ext = (view.labels, view.sizes)
         call_id = rt.next_call_id()
         procs = mesh._procs
         idx = range(len(view.ranks)) if ranks is None else ranks
         on_call = _context.client().on_call if _context._client is not None else None
         if on_call is not None:
             on_call(call_id, [(procs[view.ranks[i]].mesh, procs[view.ranks[i]].rank) for i in idx])
-        raddr_cache: dict[bool, str] = {}
-        for i in idx:
-            p = procs[view.ranks[i]]
-            reply = None
-            if port is not None:
-                tcp = p.addr.startswith("tcp://")
-                raddr = raddr_cache.get(tcp) or raddr_cache.setdefault(tcp, rt.addr_for(p.addr))
-                reply = (raddr, port[1]) if port[0] == "" else port
-                if p.alloc:
-                    rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)
-                if on_fail is not None:
-                    rt.expect(p.addr, (port[1], i), functools.partial(on_fail, i))
-            try:
-                rt.send_actor(p.addr, mesh._name, self._name, body, bufs, reply=reply, index=i, extent=ext, call_id=call_id)
-            except BaseException as e:
-                if on_fail is None:
-                    raise
-                on_fail(i, e)
+        multicast(
+            rt, [procs[view.ranks[i]] for i in idx], idx, mesh._name, self._name, body, bufs, port, on_fail,
+            (view.labels, view.sizes), call_id,
+        )  # fmt: skip
         return len(idx)
 
     def _gather(
@@ -200,43 +188,16 @@ class Endpoint(Generic[R]):
         decode: Callable[[list[Any]], Any] | None = None,
     ) -> Future[Any]:
         """Send and collect raw replies, decoded by ``decode`` on first read; fail fast on the first error."""
-        rt = _context.runtime()
-        n = len(self._mesh._view.ranks) if ranks is None else len(ranks)
-        fut: Future[list[Any]] = Future._create(what)
-        raw: list[Any] = [None] * len(self._mesh._view.ranks)
-        left = [n]
-        fut._progress = (left, n)
-        pid = 0
-        procs, view = self._mesh._procs, self._mesh._view
-
-        def finish() -> None:
-            rt.close_port(pid)
-            for i in range(len(raw)):
-                rt.fulfil(procs[view.ranks[i]].addr, (pid, i))
-
-        def on_reply(index: int, status: int, body: Any, bufs: list[Any]) -> None:
-            rt.fulfil(procs[view.ranks[index]].addr, (pid, index))
-            if status == wire.ERROR:
-                finish()
-                fut._set_raw((body, bufs), _raise_remote)
-                return
-            raw[index] = (body, bufs)
-            left[0] -= 1
-            if left[0] == 0:
-                finish()
-                fut._set_raw(raw, decode or _decode_all)
-
-        def on_fail(index: int, err: BaseException) -> None:
-            finish()
-            fut._set_exception(err)
-
-        pid = rt.open_port(on_reply)
-        try:
-            self._send(args, kwargs, ("", pid), on_fail, ranks)
-        except BaseException:
-            rt.close_port(pid)
-            raise
-        return fut
+        mesh = self._mesh
+        n = len(mesh._view.ranks) if ranks is None else len(ranks)
+        return gather(
+            _context.runtime(),
+            [mesh._procs[r] for r in mesh._view.ranks],
+            n,
+            what,
+            decode or _decode_all,
+            lambda port, on_fail: self._send(args, kwargs, port, on_fail, ranks),
+        )
 
     def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[R]]:
         """Call every actor; the future holds a ValueMesh of their results."""
@@ -309,6 +270,113 @@ class Endpoint(Generic[R]):
         raise RuntimeError(
             f"call an endpoint through an adverb: {self._name}.call(...), .call_one(...), .choose(...), .stream(...) or .broadcast(...)"
         )
+
+
+class RemoteFailure:
+    """A reply slot of a :func:`gather` that does not fail fast: the error of that rank."""
+
+    __slots__ = ("raw", "exc")
+
+    def __init__(self, raw: Any = None, exc: BaseException | None = None) -> None:
+        self.raw = raw
+        self.exc = exc
+
+    def error(self) -> BaseException:
+        return self.exc if self.exc is not None else loads(*self.raw)
+
+
+def multicast(
+    rt: Runtime,
+    procs: list[ProcRef],
+    idx: Iterable[int],
+    actor: str,
+    method: str,
+    body: bytes,
+    bufs: list[Any],
+    port: tuple[str, int] | None,
+    on_fail: Callable[[int, BaseException], None] | None,
+    extent: Any,
+    call_id: str = "",
+) -> None:
+    """Send one pickled message to ``procs`` (``idx`` their indices in the call), in order with
+    this thread's earlier messages to each; replies go to ``port`` ("" = our own address)."""
+    targets = []
+    raddr_cache: dict[bool, str] = {}
+    for i, p in zip(idx, procs):
+        reply = ""
+        if port is not None:
+            if port[0]:
+                reply = port[0]
+            else:
+                tcp = p.addr.startswith("tcp://")
+                reply = raddr_cache.get(tcp) or raddr_cache.setdefault(tcp, rt.addr_for(p.addr))
+            if p.alloc:
+                rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)
+            if on_fail is not None:
+                rt.expect(p.addr, (port[1], i), functools.partial(on_fail, i))
+        targets.append(Target(p.addr, p.alloc, i, reply))
+    failed = rt.send_many(targets, actor, method, body, bufs, port=port[1] if port else 0, extent=extent, call_id=call_id)
+    for i, e in failed:
+        if on_fail is None:
+            raise e
+        on_fail(i, e)
+
+
+def gather(
+    rt: Runtime,
+    procs: list[ProcRef],
+    n: int,
+    what: str,
+    decode: Callable[[list[Any]], Any],
+    send: Callable[[tuple[str, int], Callable[[int, BaseException], None]], Any],
+    *,
+    fail_fast: bool = True,
+) -> Future[Any]:
+    """Open a reply port, ``send(port, on_fail)`` to ``n`` of ``procs`` (by index), and collect
+    the raw replies into a Future that ``decode`` turns into its value on first read. With
+    ``fail_fast`` the first error completes it; otherwise errors are :class:`RemoteFailure` slots."""
+    fut: Future[Any] = Future._create(what)
+    raw: list[Any] = [None] * len(procs)
+    left = [n]
+    fut._progress = (left, n)
+    pid = 0
+
+    def finish() -> None:
+        rt.close_port(pid)
+        for i in range(len(raw)):
+            rt.fulfil(procs[i].addr, (pid, i))
+
+    def settle(index: int, value: Any) -> None:
+        raw[index] = value
+        left[0] -= 1
+        if left[0] == 0:
+            finish()
+            fut._set_raw(raw, decode)
+
+    def on_reply(index: int, status: int, body: Any, bufs: list[Any]) -> None:
+        rt.fulfil(procs[index].addr, (pid, index))
+        if status != wire.ERROR:
+            settle(index, (body, bufs))
+        elif fail_fast:
+            finish()
+            fut._set_raw((body, bufs), _raise_remote)
+        else:
+            settle(index, RemoteFailure(raw=(body, bufs)))
+
+    def on_fail(index: int, err: BaseException) -> None:
+        if fail_fast:
+            finish()
+            fut._set_exception(err)
+        else:
+            settle(index, RemoteFailure(exc=err))
+
+    pid = rt.open_port(on_reply)
+    try:
+        send(("", pid), on_fail)
+    except BaseException:
+        rt.close_port(pid)
+        raise
+    return fut
 
 
 def _decode_one(raw: Any) -> Any:

@@ -12,11 +12,11 @@ from typing import Any, Generic, TypeVar
 
 import cloudpickle
 
-from .._wire.serialize import loads
+from .._wire.serialize import dumps, loads
 from ..errors import MeshClosedError, SpawnError
 from . import _context
 from ._actor import endpoints_of, is_async_actor
-from ._endpoint import Endpoint, EndpointProperty, _NotAnEndpointMethod
+from ._endpoint import Endpoint, EndpointProperty, RemoteFailure, _NotAnEndpointMethod, gather, multicast
 from ._future import Future
 from ._refs import HostRef, ProcRef
 from ._shape import Extent, MeshTrait, Point, View
@@ -219,26 +219,30 @@ class ProcMesh(MeshTrait):
             raise TypeError(f"spawn needs an Actor class, got {Class!r}")
         is_async_actor(Class)  # mixed sync/async endpoints is a ValueError here, before anything is sent
         client = _context.client()
+        rt = client.rt
         view = self._view
         ext = (list(view.labels), list(view.sizes))
-        futs = []
-        creator = client.cid
-        for i, r in enumerate(view.ranks):
-            p = self._procs[r]
-            futs.append(client.request(p.addr, "spawn_actor", name, Class, args, kwargs, i, ext, self, creator, _actor="__sys__"))
-            if p.alloc:
-                client.rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)
-        errors = []
-        for f in futs:
-            try:
-                f.get(timeout=client.rt.cfg.spawn_timeout)
-            except Exception as e:
-                errors.append(e)
+        procs = [self._procs[r] for r in view.ranks]
+        # pickled once (a class from a notebook cell travels by value) and sent once per host
+        body, bufs = dumps(((name, Class, args, kwargs, ext, self, client.cid), {}))
+        rt.check_size(body, bufs)
+        fut = gather(
+            rt,
+            procs,
+            len(procs),
+            f"spawn {name!r}",
+            list,
+            lambda port, on_fail: multicast(
+                rt, procs, range(len(procs)), "__sys__", "spawn_actor", body, bufs, port, on_fail, ((), ())
+            ),
+            fail_fast=False,
+        )
+        errors = [r.error() for r in fut.get(timeout=rt.cfg.spawn_timeout) if isinstance(r, RemoteFailure)]
         if errors:
             e = errors[0]
             tb = getattr(e, "remote_traceback", "")
             raise SpawnError(
-                f"spawning {name!r} ({Class.__qualname__}) failed on {len(errors)} of {len(futs)} procs: {e}", tb
+                f"spawning {name!r} ({Class.__qualname__}) failed on {len(errors)} of {len(procs)} procs: {e}", tb
             ) from e
         if self._persist or any(p.alloc for p in self._procs):
             blob = cloudpickle.dumps(Class)
