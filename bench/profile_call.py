@@ -36,14 +36,14 @@ def _instrument(rt: Any, log: list[tuple[str, int]], peer: str, what: Any) -> No
 
     dispatch, send = rt._dispatch, rt.send
 
-    def timed_dispatch(msg: Any) -> None:
+    def timed_dispatch(msg: Any, *rest: Any) -> None:
         t = T()
         try:
             if what(wire.decode(msg)[:2]):
                 log.append(("recv", t))
         except Exception:
             pass
-        dispatch(msg)
+        dispatch(msg, *rest)
 
     def timed_send(addr: str, frames: list[Any]) -> None:
         t = T()

@@ -45,6 +45,9 @@ class Config:
     #: out-of-band buffers at least this large go to a peer on this host through shared
     #: memory (/dev/shm, 0600, unguessable names); 0 turns it off
     shm_min_bytes: int = 8 << 20
+    #: processes of one host talk over a direct AF_UNIX socket beside their zmq ipc inbox
+    #: (fewer thread hops per message); off: zmq only
+    direct_ipc: bool = True
     #: a message for this many or more procs of one host goes to that host's allocator once,
     #: which relays it to each; 0 sends every message straight to its proc
     fanout_min: int = 2
@@ -60,8 +63,16 @@ _lock = threading.Lock()
 _overrides: dict[str, Any] = {}
 
 
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
 def _coerce(field: dataclasses.Field[Any], raw: str) -> Any:
-    kind = field.type if isinstance(field.type, type) else {"float": float, "int": int, "str": str}[str(field.type)]
+    kind = field.type if isinstance(field.type, type) else {"float": float, "int": int, "str": str, "bool": bool}[str(field.type)]
+    if kind is bool:
+        try:
+            return _BOOLS[raw.strip().lower()]
+        except KeyError:
+            raise ConfigError(f"MONARCH_NB_{field.name.upper()}={raw!r} is not a valid bool (1/0, true/false)") from None
     try:
         return kind(raw)
     except ValueError as e:

@@ -36,6 +36,7 @@ from .._wire import frames as wire
 from .._wire.serialize import dumps, loads, nbytes
 from ..config import Config
 from ..errors import ActorError, ProtocolError, SupervisionError, VersionMismatchError, _safe_exc, format_exception
+from . import fastpath
 from . import shm as _shm
 from .transport import Security, SocketFactory, ipc_path, route_ip, split_tcp
 
@@ -135,6 +136,10 @@ class Runtime:
         #: set by an allocator: its proc at a given address as it can reach it, or None
         self.resolve_proc: Callable[[str], str | None] | None = None
         self._all_out: list[zmq.Socket] = []
+        self._io_ident = 0
+        self._fast_listener: socket.socket | None = None
+        self._fast_in: set[fastpath.Receiver] = set()
+        self._fast_out: list[fastpath.Sender] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self.peer_failure_callbacks: list[Callable[[str, SupervisionError], None]] = []
         #: called on the I/O thread with every other event an allocator publishes (e.g. debug sessions)
@@ -154,12 +159,16 @@ class Runtime:
         return self
 
     def _run_loop(self) -> None:
+        self._io_ident = threading.get_ident()
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
     def _start_inboxes(self, ready: concurrent.futures.Future[None]) -> None:
         try:
             self.ipc_addr = self._bind("ipc://" + ipc_path(self.runtime_dir, f"mnb-{self.uid}.sock"))
+            if self.cfg.direct_ipc:
+                self._fast_listener = fastpath.listen(fastpath.path_for(self.ipc_addr))
+                self.loop.add_reader(self._fast_listener.fileno(), self._accept_direct)
             if self._tcp_ip:
                 self.tcp_addr = self._bind(f"tcp://{self._tcp_ip}:{self._tcp_port}")
             self._spawn(self._watch_loop())
@@ -195,6 +204,59 @@ class Runtime:
             mon = zmq.asyncio.Socket.shadow(sock.get_monitor_socket().underlying)
             self._spawn(self._log_handshake_failures(mon, bound))
         return bound
+
+    def _accept_direct(self) -> None:
+        assert self._fast_listener is not None
+        while True:
+            try:
+                conn, _ = self._fast_listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                logger.warning("accepting a direct connection failed: %s", e)
+                return
+            uid = fastpath.peer_uid(conn)
+            if uid not in (os.getuid(), 0):
+                # the socket is 0600 in a 0700 directory; this is a second line of defence
+                self.dropped_frames += 1
+                logger.warning("refused a direct connection from uid %d", uid)
+                conn.close()
+                continue
+            conn.setblocking(False)
+            rx = fastpath.Receiver(conn, self._dispatch_direct, self.cfg.max_message_bytes, self.label)
+            self._fast_in.add(rx)
+            self.loop.add_reader(conn.fileno(), self._read_direct, rx)
+
+    def _read_direct(self, rx: fastpath.Receiver) -> None:
+        if not rx.on_readable():
+            self.loop.remove_reader(rx.sock.fileno())
+            rx.sock.close()
+            self._fast_in.discard(rx)
+
+    def _dispatch_direct(self, frames: list[Any]) -> None:
+        try:
+            self._dispatch(frames)
+        except Exception:
+            logger.exception("dropped a message whose handler failed")
+
+    def _direct(self, addr: str) -> fastpath.Sender | None:
+        """This thread's direct connection to the process at ipc ``addr`` (None: use zmq)."""
+        conns: dict[str, fastpath.Sender | None] | None = getattr(self._tls, "direct", None)
+        if conns is None:
+            conns = self._tls.direct = {}
+        try:
+            return conns[addr]
+        except KeyError:
+            pass
+        try:
+            conn: fastpath.Sender | None = fastpath.Sender(fastpath.path_for(addr))
+        except OSError:
+            conn = None  # a peer without a direct socket (or gone): zmq from this thread on
+        conns[addr] = conn
+        if conn is not None:
+            with self._lock:
+                self._fast_out.append(conn)
+        return conn
 
     async def _log_handshake_failures(self, mon: zmq.asyncio.Socket, where: str) -> None:
         from zmq.utils.monitor import parse_monitor_message
@@ -259,6 +321,16 @@ class Runtime:
             self.loop.call_soon_threadsafe(stop)
             done.wait(5)
             self._thread.join(5)
+        for conn in self._fast_out:
+            conn.close()
+        for rx in self._fast_in:
+            rx.sock.close()
+        if self._fast_listener is not None:
+            self._fast_listener.close()
+            try:
+                os.unlink(fastpath.path_for(self.ipc_addr))
+            except OSError:
+                pass
         for s in self._all_out:
             try:
                 s.close(linger=200)
@@ -333,10 +405,22 @@ class Runtime:
         return s
 
     def send(self, addr: str, frames: list[Any]) -> None:
-        """Queue ``frames`` for ``addr``; never blocks on the network."""
+        """Send ``frames`` to ``addr``: directly to a process of this host from any thread but
+        the I/O thread, else queued on zmq (which never blocks on the network)."""
         dead = self._dead.get(addr)
         if dead is not None:
             raise dead
+        if addr[0] == "i" and self.cfg.direct_ipc and threading.get_ident() != self._io_ident:
+            conn = self._direct(addr)
+            if conn is not None:
+                try:
+                    conn.send(frames)
+                except OSError as e:
+                    # the peer went away: like zmq, the message is lost with it (supervision
+                    # reports the peer); this thread's later messages to it take zmq
+                    logger.debug("direct send to %s failed (%s); dropped", addr, e)
+                    self._tls.direct[addr] = None
+                return
         if len(frames) == 1:
             self._out(addr).send(frames[0])
         else:

@@ -1,0 +1,194 @@
+"""The direct AF_UNIX path between processes of one host (monarch_nb/_runtime/fastpath.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+
+import pytest
+from conftest import wait_for
+
+from monarch_nb._runtime import fastpath
+from monarch_nb._runtime.runtime import Runtime
+from monarch_nb._runtime.transport import Security
+from monarch_nb._wire import frames as wire
+from monarch_nb._wire.serialize import dumps
+from monarch_nb.config import Config
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _wire_bytes(frames: list[bytes]) -> bytes:
+    """What a Sender writes for ``frames``, captured off a real socket pair."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    out = bytearray()
+
+    def read() -> None:
+        while chunk := b.recv(1 << 20):
+            out.extend(chunk)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    with a, b:
+        s = fastpath.Sender.__new__(fastpath.Sender)
+        s.sock = a
+        s.send(frames)  # blocks while the socket buffer is full: the reader drains it
+        a.shutdown(socket.SHUT_WR)
+        reader.join(10)
+    return bytes(out)
+
+
+def _receive(data: bytes, chunk: int, max_bytes: int = 1 << 30) -> tuple[list[list[bytes]], bool]:
+    """Feed ``data`` to a Receiver through a real socket, ``chunk`` bytes per write."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    b.setblocking(False)
+    got: list[list[bytes]] = []
+    rx = fastpath.Receiver(b, lambda fr: got.append([bytes(f) for f in fr]), max_bytes, "test")
+    alive = True
+    with a, b:
+        for i in range(0, len(data), chunk):
+            part = memoryview(data)[i : i + chunk]
+            while part and alive:  # a write never waits on a reader that is this same thread
+                n = a.send(part[: 1 << 16])
+                part = part[n:]
+                alive = rx.on_readable()
+            if not alive:
+                break
+        if alive:
+            a.shutdown(socket.SHUT_WR)
+            alive = rx.on_readable()
+    return got, alive
+
+
+def test_messages_survive_any_split_into_reads() -> None:
+    small = [[b"head-1"], [b"h2", b"two", b""], [b"h3"] * 3]
+    # frames larger than the read buffer (256 KiB) are read straight into their own buffer
+    large = [[b"h4", b"x" * 70_000, b""], [b"h5", os.urandom(300_000), b"tail"], [b"last"]]
+    for msgs, chunks in ((small, (1, 2, 5)), (small + large, (13, 4096, 65_537, 1 << 30))):
+        data = b"".join(_wire_bytes(m) for m in msgs)
+        for chunk in chunks:
+            got, alive = _receive(data, chunk)
+            assert got == msgs, chunk
+            assert not alive  # the writer closed: the connection is over
+
+
+def test_an_oversized_message_drops_the_connection(caplog) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.WARNING, logger="monarch_nb._runtime.fastpath")
+    data = _wire_bytes([b"small"]) + _wire_bytes([b"h", b"y" * 5000])
+    got, alive = _receive(data, len(data), max_bytes=1000)
+    assert got == [[b"small"]] and not alive
+    assert "a message of 2 frames and 5001 bytes (limit 1000)" in caplog.text
+
+
+@pytest.fixture
+def pair(tmp_path):  # type: ignore[no-untyped-def]
+    cfg = Config(heartbeat_interval=0.1)
+    rx = Runtime(cfg, Security(), str(tmp_path), label="rx").start()
+    tx = Runtime(cfg, Security(), str(tmp_path), label="tx").start()
+    got: list[tuple[int, bytes]] = []
+    cond = threading.Condition()
+
+    def on_port(index: int, status: int, body, bufs) -> None:  # type: ignore[no-untyped-def]
+        with cond:
+            got.append((index, bytes(body)))
+            cond.notify_all()
+
+    port = rx.open_port(on_port)
+
+    def wait(n: int) -> list[tuple[int, bytes]]:
+        with cond:
+            assert cond.wait_for(lambda: len(got) >= n, 10), got
+            return list(got)
+
+    yield rx, tx, port, wait
+    tx.close()
+    rx.close()
+
+
+def test_runtimes_of_one_host_talk_directly_and_in_order(pair) -> None:  # type: ignore[no-untyped-def]
+    rx, tx, port, wait = pair
+    path = fastpath.path_for(rx.ipc_addr)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    big = os.urandom(3 << 20)
+    for i in range(50):
+        tx.send(rx.ipc_addr, wire.encode(wire.PORT, (port, i, wire.ITEM), big if i == 25 else b"%d" % i))
+    got = wait(50)
+    assert [i for i, _ in got] == list(range(50))
+    assert got[25][1] == big and got[7][1] == b"7"
+    assert len(rx._fast_in) == 1, "the messages did not take the direct path"
+
+
+def test_the_io_thread_sends_through_zmq(pair) -> None:  # type: ignore[no-untyped-def]
+    rx, tx, port, wait = pair
+    tx.call_soon(tx.send, rx.ipc_addr, wire.encode(wire.PORT, (port, 0, wire.ITEM), b"from the loop"))
+    assert wait(1) == [(0, b"from the loop")]
+    assert not rx._fast_in
+
+
+def test_a_dead_peer_costs_the_sender_nothing(pair) -> None:  # type: ignore[no-untyped-def]
+    rx, tx, port, wait = pair
+    addr = rx.ipc_addr
+    tx.send(addr, wire.encode(wire.PORT, (port, 0, wire.ITEM), b"before"))
+    wait(1)
+    rx.close()
+    assert not os.path.exists(fastpath.path_for(addr))
+    for i in range(20):  # a broken pipe is not the caller's error; later sends fall back to zmq
+        tx.send(addr, wire.encode(wire.PORT, (port, i, wire.ITEM), b"into the void"))
+
+
+def test_direct_path_off(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cfg = Config(direct_ipc=False)
+    rx = Runtime(cfg, Security(), str(tmp_path), label="rx").start()
+    tx = Runtime(cfg, Security(), str(tmp_path), label="tx").start()
+    try:
+        assert not os.path.exists(fastpath.path_for(rx.ipc_addr))
+        seen = threading.Event()
+        port = rx.open_port(lambda *a: seen.set())
+        body, bufs = dumps(1)
+        tx.send(rx.ipc_addr, wire.encode(wire.PORT, (port, 0, wire.ITEM), body, bufs))
+        assert seen.wait(10)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_another_user_cannot_connect(caplog) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.WARNING, logger="monarch_nb._runtime.runtime")
+    rdir = tempfile.mkdtemp(prefix="mnbu-", dir="/tmp")  # every parent directory is searchable
+    rx = Runtime(Config(), Security(), rdir, label="rx").start()
+    path = fastpath.path_for(rx.ipc_addr)
+    probe = (
+        "import os, socket, sys\n"
+        "os.setgid(65534); os.setuid(65534)\n"
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "try:\n"
+        f"    s.connect({path!r})\n"
+        "except PermissionError:\n"
+        "    print('DENIED'); sys.exit()\n"
+        "print('CONNECTED', flush=True)\n"
+        "try:\n"
+        "    s.sendall(b'x' * 64)\n"
+        "except OSError:\n"
+        "    pass  # the runtime may already have hung up\n"
+    )
+    # the socket is 0600 in a private directory: the file system refuses another uid
+    os.chmod(os.path.dirname(path), 0o755)
+    try:
+        r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
+        assert r.stdout.strip() == "DENIED", r.stdout + r.stderr
+        # and if the file's mode were loosened, the runtime checks the peer's uid itself
+        os.chmod(path, 0o666)
+        r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
+        assert r.stdout.strip() == "CONNECTED", r.stdout + r.stderr
+        wait_for(lambda: "refused a direct connection from uid 65534" in caplog.text, 10, "the refusal")
+        assert not rx._fast_in
+    finally:
+        rx.close()
+        shutil.rmtree(rdir, ignore_errors=True)
