@@ -55,6 +55,10 @@ class Sender:
 
     def send(self, frames: list[Any]) -> None:
         n = len(frames)
+        if n == 1 and type(frames[0]) is bytes:  # a small message: one frame, one write
+            f = frames[0]
+            self.sock.sendall(b"\x01" + len(f).to_bytes(4, "little") + f)
+            return
         if n > 255:
             raise ValueError(f"a message of {n} frames is more than the direct path carries (255)")
         # sendmsg wants plain byte buffers; an array's buffer (out-of-band pickle) is cast to one
@@ -168,8 +172,8 @@ class Receiver:
 
 
 def peer_uid(sock: socket.socket) -> int:
-    pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-    return uid
+    """The uid of the process at the other end of an AF_UNIX connection."""
+    return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[1]
 
 
 def listen(path: str) -> socket.socket:

@@ -13,6 +13,7 @@ The plain (no breakpoint) path costs one thread check per blocking wait.
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import contextlib
 import importlib
@@ -33,7 +34,7 @@ _ours: dict[str, dict[str, Any]] = {}
 #: sids opened since a console last showed them
 _unseen: set[str] = set()
 #: wake-ups of the main thread blocked in Future.get()
-_waiters: set[threading.Event] = set()
+_waiters: set[_Wake] = set()
 #: wake-ups of main-thread coroutines awaiting a Future
 _async_waiters: set[Callable[[], None]] = set()
 #: notified on every change to _ours (consoles wait on it without polling)
@@ -120,8 +121,8 @@ def wait(fut: Future[Any], timeout: float | None) -> bool:
         return fut._wait_plain(timeout)
     deadline = None if timeout is None else time.monotonic() + timeout
     # woken by the future's completion or by a debug session of ours opening
-    woken = threading.Event()
-    fut.add_done_callback(lambda _f: woken.set())
+    woken = _Wake()
+    fut.add_done_callback(woken.set)
     with _lock:
         _waiters.add(woken)
     try:
@@ -129,7 +130,6 @@ def wait(fut: Future[Any], timeout: float | None) -> bool:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not _unseen:
                 woken.wait(left)
-            woken.clear()
             if fut._state != _PENDING:
                 return True
             if _unseen:
@@ -143,6 +143,26 @@ def wait(fut: Future[Any], timeout: float | None) -> bool:
     finally:
         with _lock:
             _waiters.discard(woken)
+
+
+class _Wake:
+    """A one-waiter wake-up on a raw lock (a ``threading.Event`` costs a Condition per wait,
+    on every blocking ``get()`` of the main thread); a wait consumes the wake-up."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = _thread.allocate_lock()
+        self._lock.acquire()
+
+    def set(self, *_: Any) -> None:
+        try:
+            self._lock.release()
+        except RuntimeError:
+            pass  # already set
+
+    def wait(self, timeout: float | None) -> bool:
+        return self._lock.acquire(True, -1 if timeout is None else timeout)
 
 
 def awaits_here() -> bool:

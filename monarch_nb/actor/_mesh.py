@@ -105,7 +105,9 @@ class ActorMesh(MeshTrait, Generic[T]):
             raise AttributeError(name)
         prop = self._endpoints.get(name)
         if prop is not None:
-            return Endpoint(self, name, prop)
+            # kept on the instance: ``mesh.ep.call_one()`` in a loop builds it once
+            ep = self.__dict__[name] = Endpoint(self, name, prop)
+            return ep
         if self._class is None:
             # re-attached without the class: trust the caller about the name
             return Endpoint(self, name, EndpointProperty(_permissive(name)))
