@@ -175,6 +175,38 @@ def test_call_one_choose_stream_broadcast(procs):  # type: ignore[no-untyped-def
     assert Accumulator(c.value, 0, lambda a, b: a + b).accumulate().get(timeout=10) == 405
 
 
+class Holder(Actor):
+    """``hold`` calls overlap and return only once ``release`` is called."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+
+    @concurrent_endpoint
+    async def hold(self) -> int:
+        await self.go.wait()
+        return current_rank().rank
+
+    @endpoint
+    async def release(self) -> None:
+        self.go.set()
+
+    @endpoint
+    async def rank(self) -> int:
+        return context().actor_instance.rank.rank  # its rank in the whole mesh, not the called slice
+
+
+def test_choose_spreads_calls_over_the_least_busy_actors(procs):  # type: ignore[no-untyped-def]
+    h = procs.spawn("holders", Holder)
+    # one at a time: every actor is idle each time, so they take turns
+    assert sorted(h.rank.choose().get(timeout=10) for _ in range(8)) == [0, 0, 1, 1, 2, 2, 3, 3]
+    # eight calls still running at once: each actor gets two, none gets a third while another has one
+    futs = [h.hold.choose() for _ in range(8)]
+    h.release.broadcast()
+    assert sorted(f.get(timeout=10) for f in futs) == [0, 0, 1, 1, 2, 2, 3, 3]
+    # a slice chooses among its own actors only
+    assert {h.slice(hosts=1).rank.choose().get(timeout=10) for _ in range(4)} == {2, 3}
+
+
 def test_arguments_are_checked_against_the_signature_before_sending(counters):  # type: ignore[no-untyped-def]
     with pytest.raises(TypeError, match="incr"):
         counters.incr.call(1, 2, 3)
@@ -294,6 +326,7 @@ def test_this_proc_spawns_in_the_controller_and_controllers_are_singletons():  #
 
 def test_classes_defined_in_main_travel_by_value():
     code = """
+import sys
 from monarch_nb.actor import Actor, endpoint, this_host, current_rank
 class ToyActor(Actor):
     def __init__(self):
@@ -304,7 +337,9 @@ class ToyActor(Actor):
         return self.rank
 procs = this_host().spawn_procs(per_host={"gpus": 3})
 toys = procs.spawn("toy", ToyActor)
-print("RESULT", toys.hello_world.call("hey").get(timeout=20).values(), flush=True)
+values = toys.hello_world.call("hey").get(timeout=20).values()
+# one write: rank output is printed by another thread and may land between print()'s pieces
+sys.stdout.write(f"RESULT {values}\n")
 """
     r = run_script(code)
     assert r.returncode == 0, r.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
-import random
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
@@ -114,8 +114,6 @@ class _NotAnEndpointMethod:
     call = call_one = choose = stream = broadcast = __call__ = _refuse
 
 
-_rr = itertools.count()
-
 _PLAIN_KINDS = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
@@ -220,10 +218,12 @@ class Endpoint(Generic[R]):
         return self._gather(args, kwargs, None, f"{self._mesh._name}.{self._name}.call_one()", _decode_first)
 
     def choose(self, *args: Any, **kwargs: Any) -> Future[R]:
-        """Call one actor, chosen to spread load."""
-        n = len(self._mesh._view.ranks)
-        i = random.randrange(n)
-        return self._gather(args, kwargs, [i], f"{self._mesh._name}.{self._name}.choose()", lambda raws: loads(*raws[i]))
+        """Call one actor, chosen to spread load: the one with the fewest of this process's
+        ``choose`` calls still running, taking turns among equals."""
+        i = _least_loaded(self._mesh)
+        fut = self._gather(args, kwargs, [i], f"{self._mesh._name}.{self._name}.choose()", lambda raws: loads(*raws[i]))
+        _track_load(self._mesh, i, fut)
+        return fut
 
     def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[R]]:
         """Call every actor; yield a future per reply, in arrival order."""
@@ -395,6 +395,44 @@ def _raise_remote(raw: Any) -> Any:
     raise loads(*raw)
 
 
+#: proc address -> ``choose`` calls this process has running there (under _load_lock: callers'
+#: threads add, the I/O thread takes away)
+_load: dict[str, int] = {}
+_load_lock = threading.Lock()
+_turn = itertools.count()
+
+
+def _least_loaded(mesh: ActorMesh[Any]) -> int:
+    view, procs = mesh._view, mesh._procs
+    n = len(view.ranks)
+    start = next(_turn) % n  # where the scan starts rotates, so ties take turns
+    best, best_load = start, None
+    for k in range(n):
+        i = (start + k) % n
+        load = _load.get(procs[view.ranks[i]].addr, 0)
+        if best_load is None or load < best_load:
+            best, best_load = i, load
+            if load == 0:
+                break
+    return best
+
+
+def _track_load(mesh: ActorMesh[Any], i: int, fut: Future[Any]) -> None:
+    addr = mesh._procs[mesh._view.ranks[i]].addr
+    with _load_lock:
+        _load[addr] = _load.get(addr, 0) + 1
+
+    def done(_: Future[Any]) -> None:
+        with _load_lock:
+            left = _load.get(addr, 1) - 1
+            if left > 0:
+                _load[addr] = left
+            else:
+                _load.pop(addr, None)
+
+    fut.add_done_callback(done)
+
+
 def as_endpoint(not_an_endpoint: Any, *, propagate: Any = None, explicit_response_port: bool = False) -> Endpoint[Any]:
     """Call a method that lacks ``@endpoint`` as if it had one: ``as_endpoint(mesh.method).call()``."""
     if isinstance(not_an_endpoint, Endpoint):
@@ -416,7 +454,7 @@ def send(
     selection: Literal["all", "choose"] = "all",
 ) -> None:
     """Fire-and-forget; replies, if any, go to ``port``."""
-    ranks = None if selection == "all" else [random.randrange(len(endpoint._mesh._view.ranks))]
+    ranks = None if selection == "all" else [_least_loaded(endpoint._mesh)]
     endpoint._send(args, kwargs, (port._addr, port._port) if port is not None else None, None, ranks)
 
 
