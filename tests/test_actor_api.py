@@ -346,3 +346,29 @@ sys.stdout.write(f"RESULT {values}\n")
     assert "RESULT [0, 1, 2]" in r.stdout
     # rank output streams back to the controller, tagged with the rank
     assert "[1] Identity: 1, msg='hey'" in r.stdout
+
+
+def test_logging_option_sets_the_python_logging_level_of_the_procs():
+    code = """
+import asyncio, logging
+from monarch_nb.actor import Actor, endpoint, this_host
+class Talker(Actor):
+    @endpoint
+    def talk(self, tag):
+        log = logging.getLogger("talker")
+        log.debug("debug %s", tag)
+        log.info("info %s", tag)
+        log.warning("warning %s", tag)
+procs = this_host().spawn_procs(per_host={"gpus": 2})
+t = procs.spawn("t", Talker)
+asyncio.run(procs.logging_option(level=logging.DEBUG))
+t.talk.call("A").get(timeout=20)
+asyncio.run(procs.logging_option(level=logging.WARNING))
+t.talk.call("B").get(timeout=20)
+"""
+    r = run_script(code)
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        for line in ("DEBUG:talker:debug A", "INFO:talker:info A", "WARNING:talker:warning A", "WARNING:talker:warning B"):
+            assert f"[{rank}] {line}" in r.stderr, r.stderr
+    assert "debug B" not in r.stderr and "info B" not in r.stderr, r.stderr

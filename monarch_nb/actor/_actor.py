@@ -443,6 +443,16 @@ class ActorHost:
     def sys_ping(self) -> str:
         return "pong"
 
+    def sys_set_log_level(self, level: int) -> None:
+        """``ProcMesh.logging_option(level=)``: this process's root logger level."""
+        import logging
+
+        root = logging.getLogger()
+        if not root.handlers:
+            # without a handler only warnings and worse would show (logging's last resort)
+            logging.basicConfig(format="%(levelname)s:%(name)s:%(message)s")
+        root.setLevel(level)
+
     @system_method(wants_reply=True)
     def sys_reload(self, root: str, changed: list[str], mode: str = "inplace", *, _reply: tuple[str, int, int]) -> Any:
         """Reload synced modules that changed (on a thread of its own: imports may be slow)."""

@@ -266,13 +266,21 @@ class ProcMesh(MeshTrait):
     async def logging_option(
         self, stream_to_client: bool = True, aggregate_window_sec: int | None = None, level: int = 20
     ) -> None:
-        """Stream this mesh's output to this client (or not)."""
+        """Stream this mesh's output to this client (or not), aggregated over
+        ``aggregate_window_sec``; ``level`` is the Python logging level of its processes
+        (their root logger; records at or above it are printed to stderr, so they reach the
+        logs and this client)."""
         if aggregate_window_sec is not None and not stream_to_client:
             raise ValueError("aggregate_window_sec needs stream_to_client=True")
         client = _context.client()
         client.log_level = level
         if aggregate_window_sec is not None:
             client.log_windows[self._name] = float(aggregate_window_sec)
+        body, bufs = _args((int(level),))
+        # ordered before this client's later calls to the mesh, so they log at the new level
+        multicast(
+            client.rt, list(self._procs), range(len(self._procs)), "__sys__", "set_log_level", body, bufs, None, None, ((), ())
+        )
         port = client.log_port
         for alloc in sorted({p.alloc for p in self._procs if p.alloc}):
             client.rt.send_actor(
