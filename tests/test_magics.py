@@ -171,6 +171,35 @@ def test_status_logs_of_a_crashed_proc_and_stop(k: Kernel) -> None:
     assert c.error and "stopped" in c.error["evalue"]
 
 
+def test_logs_follow_prints_new_lines_until_interrupted(k: Kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    flag = tmp_path / "go"
+    _ok(k.run("%mesh spawn fo --per-host gpus=2"))
+    _ok(
+        k.run(
+            "%%mesh exec fo\n"
+            "import os, threading, time\n"
+            "print('old line', flush=True)\n"
+            "def later():\n"
+            f"    while not os.path.exists({str(flag)!r}):\n"
+            "        time.sleep(0.05)  # poll for the test's flag file\n"
+            "    print('new line', flush=True)\n"
+            "threading.Thread(target=later, daemon=True).start()"
+        )
+    )
+    cell = k.execute("%mesh logs fo --follow --tail 5")
+
+    def printed(text: str):  # type: ignore[no-untyped-def]
+        return lambda m: m["parent_header"].get("msg_id") == cell.msg_id and text in m["content"].get("text", "")
+
+    k.wait_msg(printed("[1] old line"), 20, "the old lines")
+    flag.write_text("")
+    k.wait_msg(printed("[0] new line"), 20, "a line written after --follow started")
+    k.interrupt()
+    c = k.wait(cell, 20)
+    assert c.error is None, c.error  # the interrupt ends the follow, not the cell with an error
+    _ok(k.run("%mesh stop fo"))
+
+
 def test_logging_option_sets_the_window_of_a_mesh(k: Kernel) -> None:
     _ok(k.run("%mesh spawn lo --per-host gpus=3"))
     _ok(k.run("await lo.logging_option(stream_to_client=True, aggregate_window_sec=0)"))
