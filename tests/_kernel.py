@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import queue
+import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,6 +117,59 @@ class Kernel:
             m = self._pump(left)
             if m is not None and pred(m):
                 return m
+
+    def converse(
+        self,
+        code: str,
+        answer: Callable[[str, str], str] | None = None,
+        *,
+        allow_stdin: bool = False,
+        timeout: float = 90,
+    ) -> dict[str, Any]:
+        """Run ``code`` as JupyterLab would with an input box: ``answer(prompt, output since the
+        last prompt)`` replies to each ``input_request`` (the debugger's prompts).
+
+        Returns ``{"stdout", "stderr", "error", "prompts": [(prompt, output_before_it, reply)]}``.
+        """
+        msg_id = self.kc.execute(textwrap.dedent(code), allow_stdin=allow_stdin or answer is not None)
+        out: dict[str, Any] = {"stdout": "", "stderr": "", "error": None, "prompts": []}
+        since = 0
+        deadline = time.monotonic() + timeout
+        idle = False
+        while not idle:
+            if time.monotonic() > deadline:
+                self.km.interrupt_kernel()
+                raise AssertionError(f"cell did not finish in {timeout} s; output so far:\n{out['stdout']}\n{out['stderr']}")
+            m = self._pump(0.05)
+            if m is not None and m["parent_header"].get("msg_id") == msg_id:
+                t, c = m["msg_type"], m["content"]
+                if t == "stream":
+                    out[c["name"]] += c["text"]
+                elif t == "error":
+                    out["error"] = c
+                elif t == "status" and c["execution_state"] == "idle":
+                    idle = True
+            try:
+                s = self.kc.stdin_channel.get_msg(timeout=0.05)
+            except queue.Empty:
+                continue
+            if s["msg_type"] == "input_request":
+                # output printed before the prompt may still be in flight on iopub: drain it
+                self._drain_streams(msg_id, out)
+                text = out["stdout"][since:]
+                since = len(out["stdout"])
+                assert answer is not None, f"unexpected input request {s['content']['prompt']!r}"
+                reply = answer(s["content"]["prompt"], text)
+                out["prompts"].append((s["content"]["prompt"], text, reply))
+                self.kc.input(reply)
+        self._drain_streams(msg_id, out)
+        return out
+
+    def _drain_streams(self, msg_id: str, out: dict[str, Any]) -> None:
+        # the kernel flushes stdout before input_request and before idle; take what already arrived
+        while (m := self._pump(0.2)) is not None:
+            if m["parent_header"].get("msg_id") == msg_id and m["msg_type"] == "stream":
+                out[m["content"]["name"]] += m["content"]["text"]
 
     def interrupt(self) -> None:
         self.km.interrupt_kernel()

@@ -9,16 +9,13 @@ printed before each prompt is kept, so assertions see exactly what the user woul
 from __future__ import annotations
 
 import os
-import queue
 import re
 import signal
 import subprocess
 import textwrap
 import time
-from collections.abc import Callable
 from typing import Any
 
-import jupyter_client
 import pytest
 from conftest import PY, wait_for
 
@@ -26,90 +23,14 @@ from monarch_nb import debug, introspect
 from monarch_nb.actor import Actor, current_rank, endpoint
 from monarch_nb.config import configured
 from monarch_nb.errors import DebugError, SupervisionError
+from tests._kernel import Kernel
 
 pytestmark = pytest.mark.timeout(180)
 
 
-# ---------------------------------------------------------------------------- a kernel with stdin
-class Kernel:
-    """A real kernel; ``run`` executes a cell, answering its input requests with ``answer``."""
-
-    def __init__(self) -> None:
-        self.km = jupyter_client.KernelManager(kernel_name="python3")
-        self.km.start_kernel(env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=60)
-
-    def run(
-        self,
-        code: str,
-        answer: Callable[[str, str], str] | None = None,
-        *,
-        allow_stdin: bool = False,
-        timeout: float = 90,
-    ) -> dict[str, Any]:
-        """Run ``code``; ``answer(prompt, output_since_last_prompt)`` replies to each input request.
-
-        Returns ``{"stdout", "stderr", "error", "prompts": [(prompt, output_before_it, reply)]}``.
-        """
-        msg_id = self.kc.execute(textwrap.dedent(code), allow_stdin=allow_stdin or answer is not None)
-        out = {"stdout": "", "stderr": "", "error": None, "prompts": []}
-        since = [0]
-        deadline = time.monotonic() + timeout
-        idle = False
-        while not idle:
-            if time.monotonic() > deadline:
-                self.km.interrupt_kernel()
-                raise AssertionError(f"cell did not finish in {timeout} s; output so far:\n{out['stdout']}\n{out['stderr']}")
-            try:
-                m = self.kc.get_iopub_msg(timeout=0.05)
-            except queue.Empty:
-                m = None
-            if m is not None and m["parent_header"].get("msg_id") == msg_id:
-                t, c = m["msg_type"], m["content"]
-                if t == "stream":
-                    out[c["name"]] += c["text"]
-                elif t == "error":
-                    out["error"] = c
-                elif t == "status" and c["execution_state"] == "idle":
-                    idle = True
-            try:
-                s = self.kc.stdin_channel.get_msg(timeout=0.05)
-            except queue.Empty:
-                continue
-            if s["msg_type"] == "input_request":
-                # output printed before the prompt may still be in flight on iopub: drain it
-                self._drain(msg_id, out)
-                text = out["stdout"][since[0] :]
-                since[0] = len(out["stdout"])
-                assert answer is not None, f"unexpected input request {s['content']['prompt']!r}"
-                reply = answer(s["content"]["prompt"], text)
-                out["prompts"].append((s["content"]["prompt"], text, reply))
-                self.kc.input(reply)
-        self._drain(msg_id, out)
-        return out
-
-    def _drain(self, msg_id: str, out: dict[str, Any]) -> None:
-        # the kernel flushes stdout before input_request and before idle; take what already arrived
-        while True:
-            try:
-                m = self.kc.get_iopub_msg(timeout=0.2)
-            except queue.Empty:
-                return
-            if m["parent_header"].get("msg_id") == msg_id and m["msg_type"] == "stream":
-                out[m["content"]["name"]] += m["content"]["text"]
-
-    def close(self) -> None:
-        try:
-            self.kc.stop_channels()
-        finally:
-            self.km.shutdown_kernel(now=True)
-
-
 @pytest.fixture(scope="module")
 def kernel():  # type: ignore[no-untyped-def]
-    k = Kernel()
+    k = Kernel(load_ext=False)
     yield k
     k.close()
 
@@ -159,7 +80,7 @@ class Dbg(Actor):
 
 # ---------------------------------------------------------------------------- the API from a kernel
 def test_api_in_kernel_list_cast_attach_continue(kernel: Kernel) -> None:
-    r = kernel.run(
+    r = kernel.converse(
         DEFINE
         + """
 procs = this_host().spawn_procs(per_host={"gpus": 4}, name="dbg-api")
@@ -176,7 +97,7 @@ print(debug.format_table(debug.sessions("dbg")))
     assert _rows(r["stdout"]) == 4, r["stdout"]
     assert "go" in r["stdout"]
 
-    r = kernel.run(
+    r = kernel.converse(
         """
 print(debug.cast("dbg", "0-1", "p rank"))
 s = debug.attach("dbg", 2)
@@ -206,7 +127,9 @@ procs.stop().get(timeout=30)
 
 # ---------------------------------------------------------------------------- the blocked cell
 def test_blocked_get_is_the_debugger(kernel: Kernel) -> None:
-    kernel.run(DEFINE + "\nprocs = this_host().spawn_procs(per_host={'gpus': 4}, name='dbg-cell')\nm = procs.spawn('dbg', Dbg)\n")
+    kernel.converse(
+        DEFINE + "\nprocs = this_host().spawn_procs(per_host={'gpus': 4}, name='dbg-cell')\nm = procs.spawn('dbg', Dbg)\n"
+    )
     script = Script(
         lambda p, t: "cast dbg 0-1 p rank" if _rows(t) == 4 else None,
         "attach dbg 2",
@@ -216,7 +139,7 @@ def test_blocked_get_is_the_debugger(kernel: Kernel) -> None:
         "list",
         "continue",
     )
-    r = kernel.run("print(m.go.call(3).get().values())", script)
+    r = kernel.converse("print(m.go.call(3).get().values())", script)
     assert r["error"] is None, r
     prompts = r["prompts"]
     first = prompts[0][1]
@@ -236,19 +159,21 @@ def test_blocked_get_is_the_debugger(kernel: Kernel) -> None:
     table = prompts[[a for _, _, a in prompts].index("list") + 1][1]
     assert _rows(table) == 3
     assert "[31, 32, 33, 34]" in r["stdout"].split("all ranks continued", 1)[1]
-    kernel.run("procs.stop().get(timeout=30)")
+    kernel.converse("procs.stop().get(timeout=30)")
 
 
 def test_interrupting_the_debugger_leaves_ranks_paused(kernel: Kernel) -> None:
-    kernel.run(DEFINE + "\nprocs = this_host().spawn_procs(per_host={'gpus': 2}, name='dbg-int')\nm = procs.spawn('dbgi', Dbg)\n")
+    kernel.converse(
+        DEFINE + "\nprocs = this_host().spawn_procs(per_host={'gpus': 2}, name='dbg-int')\nm = procs.spawn('dbgi', Dbg)\n"
+    )
 
     def interrupt(prompt: str, text: str) -> str:
         kernel.km.interrupt_kernel()  # the user presses "interrupt" instead of answering
         return ""
 
-    r = kernel.run("m.go.call(1).get()", interrupt)
+    r = kernel.converse("m.go.call(1).get()", interrupt)
     assert r["error"] is not None and r["error"]["ename"] == "KeyboardInterrupt", r
-    r = kernel.run(
+    r = kernel.converse(
         """
 import time
 deadline = time.monotonic() + 30
@@ -268,20 +193,20 @@ procs.stop().get(timeout=30)
 
 
 def test_awaiting_cell_is_the_debugger(kernel: Kernel) -> None:
-    kernel.run(
+    kernel.converse(
         DEFINE + "\nprocs = this_host().spawn_procs(per_host={'gpus': 2}, name='dbg-await')\nm = procs.spawn('dbg', Dbg)\n"
     )
     script = Script(lambda p, t: "attach dbg 1" if _rows(t) == 2 else None, "p local", "c", "continue")
-    r = kernel.run("vm = await m.go.call(4)\nprint(vm.values())", script)
+    r = kernel.converse("vm = await m.go.call(4)\nprint(vm.values())", script)
     assert r["error"] is None, r
     answers = [a for _, _, a in r["prompts"]]
     assert r["prompts"][answers.index("p local") + 1][1].strip() == "41"
     assert "[41, 42]" in r["stdout"]
-    kernel.run("procs.stop().get(timeout=30)")
+    kernel.converse("procs.stop().get(timeout=30)")
 
 
 def test_no_stdin_in_kernel_skips_and_returns(kernel: Kernel) -> None:
-    r = kernel.run(
+    r = kernel.converse(
         DEFINE
         + """
 procs = this_host().spawn_procs(per_host={"gpus": 2}, name="dbg-nostdin")
@@ -301,9 +226,9 @@ procs.stop().get(timeout=30)
 
 
 def test_sessions_survive_a_kernel_restart() -> None:
-    k = Kernel()
+    k = Kernel(load_ext=False)
     try:
-        r = k.run(
+        r = k.converse(
             DEFINE
             + """
 procs = this_host().spawn_procs(per_host={"gpus": 2}, name="dbg-restart")   # persistent in a kernel
@@ -318,7 +243,7 @@ print(len(debug.sessions("dbgr")))
         assert r["stdout"].strip() == "2", r
         k.km.restart_kernel(now=True)
         k.kc.wait_for_ready(timeout=60)
-        r = k.run(
+        r = k.converse(
             """
 from monarch_nb import debug, introspect
 from monarch_nb.actor import ProcMesh
@@ -375,7 +300,7 @@ debugee_mesh = process_mesh.spawn("debugee", DebugeeActor)
 
 
 def test_seed_debugee_16_ranks(kernel: Kernel) -> None:
-    r = kernel.run(DEBUGEE, timeout=150)
+    r = kernel.converse(DEBUGEE, timeout=150)
     assert r["error"] is None, r
     script = Script(
         lambda p, t: "attach debugee 13" if _rows(t) == 16 else None,
@@ -389,7 +314,7 @@ def test_seed_debugee_16_ranks(kernel: Kernel) -> None:
         "c",
         "continue",
     )
-    r = kernel.run("print(debugee_mesh.to_debug.call().get())", script, timeout=150)
+    r = kernel.converse("print(debugee_mesh.to_debug.call().get())", script, timeout=150)
     prompts = r["prompts"]
     table = next(t for p, t, a in prompts if a == "attach debugee 13")
     assert "host=3,gpu=1" in table and "_debugee_actor_internal" in table
@@ -403,7 +328,7 @@ def test_seed_debugee_16_ranks(kernel: Kernel) -> None:
     err = r["error"]
     assert err is not None and err["ename"] == "ActorError", r
     assert "bad rank" in err["evalue"]
-    kernel.run("process_mesh.stop().get(timeout=30)")
+    kernel.converse("process_mesh.stop().get(timeout=30)")
 
 
 # ---------------------------------------------------------------------------- in this process
