@@ -102,13 +102,29 @@ class _NotAnEndpointMethod:
         self.name = name
         self.fn = fn
 
-    def _refuse(self, *_: Any, **__: Any) -> Any:
-        raise RuntimeError(
+    def _message(self) -> str:
+        return (
             f"Actor {self.mesh._class}.{self.name} is not annotated as an endpoint. To call it as one, add a "
             f"@endpoint decorator to it, or directly wrap it in one as_endpoint(obj.method).call(...)"
         )
 
-    call = call_one = choose = stream = broadcast = __call__ = _refuse
+    def __call__(self, *_: Any, **__: Any) -> Any:
+        raise RuntimeError(self._message())
+
+    def __getattr__(self, name: str) -> Any:
+        # Monarch's NotAnEndpoint has no adverbs: `mesh.plain.call()` is an AttributeError there
+        # (a program may catch that); ours carries the explanation
+        if name in _ADVERBS:
+            raise NotAnEndpointError(f"{name!r}: {self._message()}")
+        raise AttributeError(name)
+
+
+_ADVERBS = frozenset({"call", "call_one", "choose", "stream", "broadcast", "rref"})
+
+
+class NotAnEndpointError(AttributeError, RuntimeError):
+    """An adverb of a method without ``@endpoint``: an AttributeError as in Monarch, and the
+    RuntimeError monarch_nb raised before."""
 
 
 _rr = itertools.count()
@@ -306,7 +322,8 @@ class Endpoint(Generic[R]):
         self._send(args, kwargs, None, None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
+        # a TypeError, as in Monarch (whose endpoints are simply not callable)
+        raise TypeError(
             f"call an endpoint through an adverb: {self._name}.call(...), .call_one(...), .choose(...), .stream(...) or .broadcast(...)"
         )
 
