@@ -6,6 +6,7 @@ import functools
 import inspect
 import itertools
 import random
+import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
@@ -214,37 +215,60 @@ class Endpoint(Generic[R]):
         ranks: list[int] | None,
         what: str,
         decode: Callable[[list[Any]], Any] | None = None,
+        order: list[int] | None = None,
     ) -> Future[Any]:
-        """Send and collect raw replies, decoded by ``decode`` on first read; fail fast on the first error."""
+        """Send and collect raw replies, decoded by ``decode`` on first read.
+
+        Like Monarch, the future completes once every actor has answered, and when some
+        failed it raises the failure of the lowest rank (not whichever arrived first), so a
+        program sees the same error on every run. ``order``, if given, receives the indices
+        in arrival order (Accumulator folds in that order, as Monarch's does).
+        """
         rt = _context.runtime()
         n = len(self._mesh._view.ranks) if ranks is None else len(ranks)
         fut: Future[list[Any]] = Future._create(what)
         raw: list[Any] = [None] * len(self._mesh._view.ranks)
+        errors: dict[int, Any] = {}
         left = [n]
         fut._progress = (left, n)
         pid = 0
         procs, view = self._mesh._procs, self._mesh._view
 
-        def finish() -> None:
+        lock = threading.Lock()  # replies come on the I/O thread, a failed send on the caller's
+
+        def arrive(index: int, value: Any, failed: bool) -> bool:
+            """Record one actor's answer (the first one only); True when it was the last."""
+            with lock:
+                if raw[index] is not None or index in errors:
+                    return False
+                if failed:
+                    errors[index] = value
+                else:
+                    raw[index] = value
+                if order is not None:
+                    order.append(index)
+                left[0] -= 1
+                return left[0] == 0
+
+        def done() -> None:
             rt.close_port(pid)
-            for i in range(len(raw)):
-                rt.fulfil(procs[view.ranks[i]].addr, (pid, i))
+            if errors:
+                first = errors[min(errors)]
+                if isinstance(first, BaseException):
+                    fut._set_exception(first)
+                else:
+                    fut._set_raw(first, _raise_remote)
+            else:
+                fut._set_raw(raw, decode or _decode_all)
 
         def on_reply(index: int, status: int, body: Any, bufs: list[Any]) -> None:
             rt.fulfil(procs[view.ranks[index]].addr, (pid, index))
-            if status == wire.ERROR:
-                finish()
-                fut._set_raw((body, bufs), _raise_remote)
-                return
-            raw[index] = (body, bufs)
-            left[0] -= 1
-            if left[0] == 0:
-                finish()
-                fut._set_raw(raw, decode or _decode_all)
+            if arrive(index, (body, bufs), status == wire.ERROR):
+                done()
 
         def on_fail(index: int, err: BaseException) -> None:
-            finish()
-            fut._set_exception(err)
+            if arrive(index, err, True):
+                done()
 
         pid = rt.open_port(on_reply)
         try:
