@@ -402,13 +402,16 @@ class Accumulator(Generic[R, A]):
         self._combine = combine
 
     def accumulate(self, *args: Any, **kwargs: Any) -> Future[A]:
-        inner = self._endpoint._gather(args, kwargs, None, "accumulate()")
+        # Monarch folds over stream(), so values are combined in the order they arrive
+        order: list[int] = []
+        inner = self._endpoint._gather(args, kwargs, None, "accumulate()", order=order)
         fut: Future[A] = Future._create("accumulate()")
 
         def fold(f: Future[list[Any]]) -> A:
+            values = f.get()
             acc = self._identity
-            for v in f.get():
-                acc = self._combine(acc, v)
+            for i in order:
+                acc = self._combine(acc, values[i])
             return acc
 
         inner.add_done_callback(lambda f: fut._set_raw(f, fold))
