@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
-from ..errors import MeshClosedError
+from ..errors import MeshClosedError, SupervisionError
 from . import _context
 from ._future import Future
 
@@ -227,6 +227,11 @@ class Endpoint(Generic[R]):
         rt = _context.runtime()
         n = len(self._mesh._view.ranks) if ranks is None else len(ranks)
         fut: Future[list[Any]] = Future._create(what)
+        if self._mesh._closed():
+            self._check(args, kwargs)
+            # Monarch's calls to a stopped mesh fail when their future is read, not when sent
+            fut._set_exception(_stopped_error(self._mesh))
+            return fut
         raw: list[Any] = [None] * len(self._mesh._view.ranks)
         errors: dict[int, Any] = {}
         left = [n]
@@ -332,6 +337,11 @@ class Endpoint(Generic[R]):
             f._set_exception(err)
             deliver(f)
 
+        if self._mesh._closed():
+            # as for call(): the items fail when read
+            for i in range(n):
+                on_fail(i, _stopped_error(self._mesh))
+            return (q.get() for _ in range(n))
         pid = rt.open_port(on_reply)
         self._send(args, kwargs, ("", pid), on_fail)
 
@@ -350,6 +360,11 @@ class Endpoint(Generic[R]):
         raise TypeError(
             f"call an endpoint through an adverb: {self._name}.call(...), .call_one(...), .choose(...), .stream(...) or .broadcast(...)"
         )
+
+
+def _stopped_error(mesh: ActorMesh[Any]) -> SupervisionError:
+    """What a call to a stopped mesh fails with (Monarch's is a SupervisionError too)."""
+    return SupervisionError(f"actor mesh {mesh._name!r} was stopped; spawn it again", actor=mesh._name)
 
 
 def _decode_one(raw: Any) -> Any:
