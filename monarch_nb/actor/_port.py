@@ -7,7 +7,7 @@ from typing import Any, Generic, TypeVar
 
 from .._wire import frames as wire
 from .._wire.serialize import loads
-from ..errors import ActorError, format_exception
+from ..errors import _safe_exc
 from . import _context
 from ._future import Future
 
@@ -28,8 +28,9 @@ class Port(Generic[R]):
         _context.runtime().send_port(self._addr, self._port, self._index, wire.ITEM, obj)
 
     def exception(self, exc: Exception) -> None:
-        err = exc if isinstance(exc, ActorError) else ActorError(exc, format_exception(exc))
-        _context.runtime().send_port(self._addr, self._port, self._index, wire.ERROR, err)
+        """Make the receiving end raise ``exc``: ``recv()`` (or the call an explicit response
+        port answers) raises this exception itself, as in Monarch, not an ActorError around it."""
+        _context.runtime().send_port(self._addr, self._port, self._index, wire.ERROR, _safe_exc(exc))
 
     def __reduce__(self) -> tuple[Any, ...]:
         addr = self._addr
