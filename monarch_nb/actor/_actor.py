@@ -35,8 +35,11 @@ class Actor:
 
     @cached_property
     def logger(self) -> logging.Logger:
-        inst = _context.current_instance()
-        return logging.getLogger(f"{type(self).__module__}.{type(self).__qualname__}" + (f"[{inst.rank.rank}]" if inst else ""))
+        # as Monarch's: named after the class and passing DEBUG records, so that a program's
+        # logging configuration (formats with %(name)s, levels) treats it the same
+        lgr = logging.getLogger(type(self).__name__)
+        lgr.setLevel(logging.DEBUG)
+        return lgr
 
     def __supervise__(self, failure: Any) -> Any:
         """Called when a mesh this actor owns fails; return True when handled."""
