@@ -75,12 +75,23 @@ def is_async_actor(cls: type) -> bool:
 class Instance:
     """What an actor knows about itself (``context().actor_instance``)."""
 
-    def __init__(self, name: str, cls: type, rank: Point, proc_mesh: Any, creator: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        cls: type,
+        rank: Point,
+        proc_mesh: Any,
+        creator: str,
+        parent: _context.CreatorInstance | None = None,
+    ) -> None:
         self.name = name
         self.class_name = f"{cls.__module__}.{cls.__qualname__}"
         self.rank = rank
         self.proc_mesh = proc_mesh
-        self.creator = creator
+        #: who spawned this actor, as Monarch's ``Instance.creator`` (``<root>`` for the controller)
+        self.creator = parent if parent is not None else _context.ROOT
+        #: the spawning client's uid: a breakpoint in ``__init__`` belongs to its spawn call
+        self._creator_uid = creator
         rt = _context.runtime()
         self.proc_id = f"{rt.label}@{rt.hostname}:{rt.pid}"
         self.actor_id = f"{name}{rank!r}@{self.proc_id}"
@@ -97,18 +108,28 @@ class Instance:
             self._slot.stop()
 
     def __repr__(self) -> str:
-        return f"<{self.class_name} {self.name}{self.rank!r}>"
+        # Monarch's qualified name: <root>.<__main__.Trainer trainers{'gpus': 0/2}>
+        return _context.qualified_name(self)
 
 
 class ActorSlot:
     """One actor in this process: its object, mailbox and thread (and loop, if async)."""
 
-    def __init__(self, rt: Runtime, name: str, cls: type, rank: Point, proc_mesh: Any, creator: str) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        name: str,
+        cls: type,
+        rank: Point,
+        proc_mesh: Any,
+        creator: str,
+        parent: _context.CreatorInstance | None = None,
+    ) -> None:
         self.rt = rt
         self.name = name
         self.cls = cls
         self.is_async = is_async_actor(cls)
-        self.instance_info = Instance(name, cls, rank, proc_mesh, creator)
+        self.instance_info = Instance(name, cls, rank, proc_mesh, creator, parent)
         self.instance_info._slot = self
         self.endpoints = endpoints_of(cls)
         self.obj: Any = None
@@ -205,7 +226,7 @@ class ActorSlot:
     def _init(self, args: tuple[Any, ...], kwargs: dict[str, Any], reply: tuple[str, int, int]) -> None:
         tok = _context._message_rank.set(self.instance_info.rank)
         # a breakpoint in __init__ belongs to the creator's spawn call (its call ids start with its uid)
-        self.busy, self.call_id, self.caller = "__init__", f"{self.instance_info.creator}.spawn", reply[0]
+        self.busy, self.call_id, self.caller = "__init__", f"{self.instance_info._creator_uid}.spawn", reply[0]
         try:
             obj = self.cls.__new__(self.cls)
             obj.__init__(*args, **kwargs)
@@ -427,11 +448,12 @@ class ActorHost:
         proc_mesh: Any,
         creator: str,
         *,
+        parent: _context.CreatorInstance | None = None,
         _reply: tuple[str, int, int],
     ) -> Any:
         if name in self.rt.actors:
             raise ValueError(f"an actor named {name!r} already exists in this proc; pick another name")
-        slot = ActorSlot(self.rt, name, cls, Point(rank, Extent(*extent)), proc_mesh, creator)
+        slot = ActorSlot(self.rt, name, cls, Point(rank, Extent(*extent)), proc_mesh, creator, parent)
         self.rt.actors[name] = slot
         slot._put(("init", args, kwargs, _reply))
         return NO_REPLY

@@ -223,9 +223,19 @@ class ProcMesh(MeshTrait):
         ext = (list(view.labels), list(view.sizes))
         futs = []
         creator = client.cid
+        # the new actors' creator (Monarch's Instance.creator)
+        parent = _context.lineage()
         for i, r in enumerate(view.ranks):
             p = self._procs[r]
-            futs.append(client.request(p.addr, "spawn_actor", name, Class, args, kwargs, i, ext, self, creator, _actor="__sys__"))
+            futs.append(
+                client.request(
+                    p.addr,
+                    "spawn_actor",
+                    *(name, Class, args, kwargs, i, ext, self, creator),
+                    parent=parent,
+                    _actor="__sys__",
+                )
+            )
             if p.alloc:
                 client.rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)
         errors = []
