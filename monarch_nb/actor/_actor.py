@@ -83,6 +83,7 @@ class Instance:
         proc_mesh: Any,
         creator: str,
         parent: _context.CreatorInstance | None = None,
+        controllers: Any = None,
     ) -> None:
         self.name = name
         self.class_name = f"{cls.__module__}.{cls.__qualname__}"
@@ -92,6 +93,8 @@ class Instance:
         self.creator = parent if parent is not None else _context.ROOT
         #: the spawning client's uid: a breakpoint in ``__init__`` belongs to its spawn call
         self._creator_uid = creator
+        #: the root controller's proc, where get_or_spawn_controller keeps the job's controllers
+        self._controllers = controllers
         rt = _context.runtime()
         self.proc_id = f"{rt.label}@{rt.hostname}:{rt.pid}"
         self.actor_id = f"{name}{rank!r}@{self.proc_id}"
@@ -124,12 +127,13 @@ class ActorSlot:
         proc_mesh: Any,
         creator: str,
         parent: _context.CreatorInstance | None = None,
+        controllers: Any = None,
     ) -> None:
         self.rt = rt
         self.name = name
         self.cls = cls
         self.is_async = is_async_actor(cls)
-        self.instance_info = Instance(name, cls, rank, proc_mesh, creator, parent)
+        self.instance_info = Instance(name, cls, rank, proc_mesh, creator, parent, controllers)
         self.instance_info._slot = self
         self.endpoints = endpoints_of(cls)
         self.obj: Any = None
@@ -387,6 +391,8 @@ class ActorHost:
         # interrupt is a real SIGINT: it breaks blocking calls such as time.sleep, as in a kernel
         self._main_jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._main_busy = False
+        #: get_or_spawn_controller's singletons (in the root controller): name -> waiters, result
+        self._controllers: dict[str, dict[str, Any]] = {}
 
     def run_on_main(self, fn: Any) -> Any:
         """Run ``fn()`` on this proc's main thread and return its result (raises what it raises)."""
@@ -449,13 +455,51 @@ class ActorHost:
         creator: str,
         *,
         parent: _context.CreatorInstance | None = None,
+        controllers: Any = None,
         _reply: tuple[str, int, int],
     ) -> Any:
         if name in self.rt.actors:
             raise ValueError(f"an actor named {name!r} already exists in this proc; pick another name")
-        slot = ActorSlot(self.rt, name, cls, Point(rank, Extent(*extent)), proc_mesh, creator, parent)
+        slot = ActorSlot(self.rt, name, cls, Point(rank, Extent(*extent)), proc_mesh, creator, parent, controllers)
         self.rt.actors[name] = slot
         slot._put(("init", args, kwargs, _reply))
+        return NO_REPLY
+
+    @system_method(wants_reply=True)
+    def sys_get_or_spawn_controller(
+        self, name: str, cls: type, args: tuple[Any, ...], kwargs: dict[str, Any], creator: str, *, _reply: tuple[str, int, int]
+    ) -> Any:
+        """The job's singleton actor ``name`` in this (the root controller's) process: spawned by
+        the first request, every request answered once it is constructed (or failed to be).
+
+        Runs on the I/O thread and never blocks it: the constructor runs on the new actor's
+        thread and its reply comes back to a port here, which answers everyone waiting.
+        """
+        entry = self._controllers.get(name)
+        if entry is None:
+            if name in self.rt.actors:
+                raise ValueError(f"an actor named {name!r} already exists in this proc; pick another controller name")
+            entry = self._controllers[name] = {"waiters": [_reply], "result": None}
+            pid = 0
+
+            def constructed(index: int, status: int, body: Any, bufs: list[Any]) -> None:
+                self.rt.close_port(pid)
+                entry["result"] = (status, loads(body, bufs))
+                for w in entry["waiters"]:
+                    self.rt.send_port(w[0], w[1], w[2], *entry["result"])
+                entry["waiters"] = []
+
+            pid = self.rt.open_port(constructed)
+            from ._mesh import this_proc
+
+            me = _context.controllers_proc()
+            slot = ActorSlot(self.rt, name, cls, Point(0, Extent([], [])), this_proc(), creator, _context.ROOT, me)
+            self.rt.actors[name] = slot
+            slot._put(("init", args, kwargs, (self.rt.ipc_addr, pid, 0)))
+        elif entry["result"] is None:
+            entry["waiters"].append(_reply)
+        else:
+            self.rt.send_port(_reply[0], _reply[1], _reply[2], *entry["result"])
         return NO_REPLY
 
     def sys_stop_actor(self, name: str) -> bool:

@@ -132,10 +132,22 @@ def qualified_name(ins: Any) -> str:
 ROOT = CreatorInstance(Point(0, _EMPTY), "root", None, None)
 
 
-def lineage() -> CreatorInstance:
-    """The creator of an actor spawned from here (Monarch's ``Instance.creator``)."""
+def lineage() -> tuple[CreatorInstance, Any]:
+    """What an actor spawned from here inherits: its creator, and the proc that holds the
+    job's controllers (``get_or_spawn_controller``), the root controller's own process."""
     inst = current_instance()
     if inst is not None:
-        return CreatorInstance(inst.rank, inst.name, inst.class_name, inst.creator)
+        me = CreatorInstance(inst.rank, inst.name, inst.class_name, inst.creator)
+        return me, inst._controllers or controllers_proc()
     # the controller, or a proc's own code outside any actor (a %%mesh exec cell), roots a tree
-    return ROOT
+    return ROOT, controllers_proc()
+
+
+def controllers_proc() -> Any:
+    """This process as a ProcRef that the actors it spawns (and theirs) send controller requests to."""
+    from ._mesh import this_proc
+
+    me = this_proc()._procs[0]
+    rt = runtime()
+    # once this process has a TCP inbox, procs on other hosts can reach it there
+    return me._replace(addr=rt.tcp_addr) if rt.tcp_addr else me

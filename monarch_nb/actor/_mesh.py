@@ -223,8 +223,8 @@ class ProcMesh(MeshTrait):
         ext = (list(view.labels), list(view.sizes))
         futs = []
         creator = client.cid
-        # the new actors' creator (Monarch's Instance.creator)
-        parent = _context.lineage()
+        # the new actors' creator (Monarch's Instance.creator) and the job's controller proc
+        parent, controllers = _context.lineage()
         for i, r in enumerate(view.ranks):
             p = self._procs[r]
             futs.append(
@@ -233,6 +233,7 @@ class ProcMesh(MeshTrait):
                     "spawn_actor",
                     *(name, Class, args, kwargs, i, ext, self, creator),
                     parent=parent,
+                    controllers=controllers,
                     _actor="__sys__",
                 )
             )
@@ -496,17 +497,25 @@ def this_proc() -> ProcMesh:
     return _this_proc
 
 
-_controllers: dict[str, Any] = {}
-_controllers_lock = threading.Lock()
-
-
 def get_or_spawn_controller(name: str, Class: type[T], *args: Any, **kwargs: Any) -> Future[Any]:
-    """A singleton actor named ``name`` in this process, spawned on first request."""
-    with _controllers_lock:
-        mesh = _controllers.get(name)
-        if mesh is None:
-            mesh = _controllers[name] = this_proc().spawn(name, Class, *args, **kwargs)
-    return Future._completed(mesh)
+    """The job's singleton actor named ``name``, spawned by the first request for it.
+
+    As in Monarch, controllers live in the root controller's process and are shared by the
+    whole tree: the client and every actor it spawned (and theirs), on any proc, get the
+    same actor for the same name. Later requests ignore ``Class`` and the arguments.
+    """
+    inst = _context.current_instance()
+    root = inst._controllers if inst is not None and inst._controllers is not None else _context.controllers_proc()
+    client = _context.client()
+    reply = client.request(root.addr, "get_or_spawn_controller", name, Class, args, kwargs, client.cid, _actor="__sys__")
+    out: Future[Any] = Future._create(f"get_or_spawn_controller({name!r})")
+
+    def mesh(f: Future[Any]) -> ActorMesh[Any]:
+        f.get()  # raises the constructor's failure
+        return ActorMesh(Class, name, [root], View([], []), None)
+
+    reply.add_done_callback(lambda f: out._set_raw(f, mesh))
+    return out
 
 
 def attach_to_workers(
