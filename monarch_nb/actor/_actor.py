@@ -176,6 +176,37 @@ class ActorSlot:
     def stop(self) -> None:
         self._put(("stop",))
 
+    def supervise(self, failure: Any) -> Any:
+        """Run ``__supervise__(failure)`` as Monarch does: on the actor's own thread between
+        messages (a sync actor) or as a task on its loop (an async one, whose override may be
+        ``async def``); never alongside its endpoints on another thread. Returns its result."""
+        done = threading.Event()
+        box: list[Any] = [None, None]
+        self._put(("supervise", failure, box, done))
+        while not done.wait(1.0):
+            if not self.thread.is_alive():
+                return None  # stopped before it got to it: not handled
+        if box[1] is not None:
+            raise box[1]
+        return box[0]
+
+    def _supervise_sync(self, failure: Any, box: list[Any], done: threading.Event) -> None:
+        try:
+            box[0] = self.obj.__supervise__(failure)
+        except BaseException as e:
+            box[1] = e
+        finally:
+            done.set()
+
+    async def _supervise_async(self, failure: Any, box: list[Any], done: threading.Event) -> None:
+        try:
+            r = self.obj.__supervise__(failure)
+            box[0] = await r if inspect.isawaitable(r) else r
+        except BaseException as e:
+            box[1] = e
+        finally:
+            done.set()
+
     # -- threads
     def _run_sync(self) -> None:
         _context._instance.set(self.instance_info)
@@ -186,6 +217,8 @@ class ActorSlot:
                 return
             if item[0] == "init":
                 self._init(*item[1:])
+            elif item[0] == "supervise":
+                self._supervise_sync(*item[1:])
             else:
                 self._call_sync(*item[1:])
 
@@ -206,6 +239,12 @@ class ActorSlot:
                 return
             if item[0] == "init":
                 self._init(*item[1:])
+                continue
+            if item[0] == "supervise":
+                # a task, as in Monarch: it may await while the actor goes on with messages
+                t = asyncio.ensure_future(self._supervise_async(*item[1:]))
+                self._tasks.add(t)
+                t.add_done_callback(self._tasks.discard)
                 continue
             meta = item[1]
             ep = self.endpoints.get(meta[1])

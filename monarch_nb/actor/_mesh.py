@@ -179,6 +179,8 @@ class ProcMesh(MeshTrait):
         self._persist = persist
         self._stopped = False
         self._failed: str = ""
+        #: the actor (an _actor.Instance) that spawned these procs, None for the client
+        self._owner: Any = None
 
     def _with_view(self, view: View) -> ProcMesh:
         pm = ProcMesh(self._name, self._procs, view, self._host_mesh, self._persist)
@@ -428,6 +430,8 @@ class HostMesh(MeshTrait):
             raise SpawnError(f"spawning procs {name!r} on host {h.host} failed: {e}") from e
         procs.sort(key=lambda p: p.rank)
         pm = ProcMesh(name, procs, View(labels, sizes), self, persist)
+        # the actor spawning these procs owns them: their failures go to its __supervise__
+        pm._owner = _context.current_instance()
         client.own(procs, pm)
         for p in procs:
             client.rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)
