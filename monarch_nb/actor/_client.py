@@ -54,6 +54,8 @@ class Client:
         #: proc addr -> mesh name, for meshes this process owns
         self.owned: dict[str, Any] = {}
         self.stopped_meshes: set[str] = set()
+        #: (actor mesh name, address of its first proc) of actor meshes this process stopped
+        self.stopped_actor_meshes: set[tuple[str, str]] = set()
         self.log_port = rt.open_port(self._on_logs)
         self.log_enabled = True
         self.log_level = logging.INFO

@@ -97,8 +97,14 @@ class ActorMesh(MeshTrait, Generic[T]):
     def _with_view(self, view: View) -> ActorMesh[T]:
         return ActorMesh(self._class, self._name, self._procs, view, self._proc_mesh)
 
+    def _key(self) -> tuple[str, str]:
+        # an actor mesh is its name on its procs (slices and copies share it)
+        return (self._name, self._procs[0].addr if self._procs else "")
+
     def _closed(self) -> bool:
-        return self._proc_mesh is not None and self._proc_mesh._stopped
+        if self._proc_mesh is not None and self._proc_mesh._stopped:
+            return True
+        return _context._client is not None and self._key() in _context._client.stopped_actor_meshes
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -123,9 +129,13 @@ class ActorMesh(MeshTrait, Generic[T]):
 
     def stop(self, reason: str = "stopped by client") -> Future[None]:
         client = _context.client()
-        futs = [
-            client.request(p.addr, "stop_actor", self._name, _actor="__sys__") for p in {p.addr: p for p in self._procs}.values()
-        ]
+        # later calls fail when read, with a SupervisionError, as in Monarch (not with the
+        # proc's "no such actor" error)
+        client.stopped_actor_meshes.add(self._key())
+        # only the procs this mesh's actors live on: a mesh spawned on a slice of a proc mesh
+        # must not reach (and fail on a dead) proc outside it
+        procs = {self._procs[r].addr: self._procs[r] for r in self._view.ranks}
+        futs = [client.request(p.addr, "stop_actor", self._name, _actor="__sys__") for p in procs.values()]
         return _all(futs, "stop actor mesh")
 
     @property
@@ -253,6 +263,9 @@ class ProcMesh(MeshTrait):
             raise SpawnError(
                 f"spawning {name!r} ({Class.__qualname__}) failed on {len(errors)} of {len(futs)} procs: {e}", tb
             ) from e
+        if client.stopped_actor_meshes:
+            # a new mesh under a stopped one's name is live (the same key as ActorMesh._key)
+            client.stopped_actor_meshes.discard((name, self._procs[0].addr if self._procs else ""))
         if self._persist or any(p.alloc for p in self._procs):
             blob = cloudpickle.dumps(Class)
             for alloc in {p.alloc for p in self._procs if p.alloc}:
