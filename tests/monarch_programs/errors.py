@@ -1,15 +1,13 @@
 """What a program sees when things go wrong: remote exceptions, bad calls, timeouts."""
 
 import asyncio
-import threading
 
-from monarch.actor import Actor, ActorError, Future, current_rank, endpoint, this_host
+from monarch.actor import Actor, ActorError, Future, concurrent_endpoint, current_rank, endpoint, this_host
 
 
 class Flaky(Actor):
     def __init__(self) -> None:
         self.calls = 0
-        self.release = threading.Event()
 
     @endpoint
     def check(self, x: int, limit: int = 10) -> int:
@@ -28,17 +26,22 @@ class Flaky(Actor):
     def calls_so_far(self) -> int:
         return self.calls
 
-    @endpoint
-    def wait(self) -> str:
-        self.release.wait(60)
-        return "released"
-
-    @endpoint
-    def open(self) -> None:
-        self.release.set()
-
     def helper(self) -> int:
         return 1
+
+
+class Gate(Actor):
+    def __init__(self) -> None:
+        self.opened = asyncio.Event()
+
+    @concurrent_endpoint
+    async def wait(self) -> str:
+        await self.opened.wait()
+        return "released"
+
+    @concurrent_endpoint
+    async def open(self) -> None:
+        self.opened.set()
 
 
 class MixedUp(Actor):
@@ -107,12 +110,13 @@ for label, attempt in [
         print(label, "->", type(e).__name__)
 
 # a timeout leaves the future usable
-waiting = flaky.slice(gpus=1).wait.call_one()
+gate = procs.slice(gpus=1).spawn("gate", Gate)
+waiting = gate.wait.call_one()
 try:
     waiting.get(timeout=0.1)
 except TimeoutError as e:
     print("timeout:", type(e).__name__)
-flaky.slice(gpus=1).open.broadcast()
+gate.open.broadcast()
 print("after timeout:", waiting.get(timeout=60))
 
 procs.stop().get()
