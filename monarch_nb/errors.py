@@ -52,6 +52,13 @@ class ActorError(MonarchNBError):
         self.message = message or f"{type(exception).__name__}: {exception}"
         super().__init__(self._headline())
 
+    @property
+    def exception_formatted(self) -> str:
+        """The remote traceback as Monarch's ``ActorError.exception_formatted`` words it."""
+        return self.remote_traceback.replace(
+            "Traceback (most recent call last):", "Traceback of where the remote call failed (most recent call last):"
+        )
+
     def _headline(self) -> str:
         where = []
         if self.actor:
