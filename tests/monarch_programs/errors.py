@@ -70,6 +70,8 @@ try:
     flaky.slice(gpus=1).check.call_one(50, limit=20).get()
 except ActorError as e:
     print("call_one:", describe(e))
+    lines = e.exception_formatted.strip().splitlines()
+    print("remote traceback:", lines[0], "...", lines[-1])
 try:
     flaky.fail_on.call(1).get()
 except ActorError as e:

@@ -57,6 +57,11 @@ p3, r3 = Channel.open_ranked()
 send(producers.square, (2,), {}, port=p3)
 print("ranked:", sorted(r3.recv().get() for _ in range(3)))
 
+# ranked() reads the same channel as (rank, value) pairs
+p6, r6 = Channel.open()
+send(producers.square, (1,), {}, port=p6)
+print("ranked():", sorted(r6.ranked().recv().get() for _ in range(3)))
+
 # an exception sent through a port is raised by recv()
 p4, r4 = Channel.open()
 producers.slice(gpus=1).fail_through.broadcast(p4)
