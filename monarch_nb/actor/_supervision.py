@@ -98,12 +98,28 @@ def report(failure: MeshFailure) -> None:
                     return
             except Exception:
                 logger.exception("__supervise__ raised")
+        if _context.proc_spec is not None:
+            _escalate(failure)
+            return
         from monarch_nb import actor as public
 
         try:
             public.unhandled_fault_hook(failure)
         except Exception:
             logger.exception("unhandled_fault_hook raised")
+
+
+def _escalate(failure: MeshFailure) -> None:
+    """A failure nobody in this proc handled goes up the tree, as in Monarch: the owning
+    actor fails, so its creator sees its mesh fail (and so on up to the controller's
+    ``unhandled_fault_hook``). Here the proc exits, which its owner observes as exactly that.
+    """
+    print(f"monarch_nb: unhandled mesh failure, this proc exits: {failure.report()}", file=sys.stderr, flush=True)
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(1)
 
 
 def _base_supervise() -> Any:
