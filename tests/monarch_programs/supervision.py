@@ -65,6 +65,23 @@ class AsyncSupervisor(Actor):
         return True
 
 
+class Careless(Actor):
+    """Owns a mesh but does not supervise it: a failure there fails this actor too."""
+
+    def __init__(self) -> None:
+        self.procs = this_host().spawn_procs(per_host={"gpus": 1})
+        self.workers = self.procs.spawn("careless_children", Worker)
+
+    @endpoint
+    def crash_child(self) -> str:
+        self.workers.crash.broadcast()
+        return "crash sent"
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+
 procs = this_host().spawn_procs(per_host={"gpus": 2})
 workers = procs.spawn("workers", Worker)
 print("ping:", workers.ping.call().get().values())
@@ -90,6 +107,19 @@ port, reports = Channel.open()
 async_sup = procs.slice(gpus=0).spawn("async_sup", AsyncSupervisor, port)
 print("async:", async_sup.crash_child.call_one().get())
 print("async:", reports.recv().get(timeout=60))
+
+# an unsupervised failure goes up the tree: the owner fails, and the client's hook hears of it
+unhandled.clear()
+got_unhandled.clear()
+careless_procs = this_host().spawn_procs(per_host={"gpus": 1})
+careless = careless_procs.spawn("careless", Careless)
+print("careless:", careless.crash_child.call_one().get())
+print("careless: hook called:", got_unhandled.wait(60))
+try:
+    careless.ping.call_one().get(timeout=60)
+    print("careless: still answers")
+except Exception as e:
+    print("careless:", type(e).__name__)
 
 # stopping
 extra = procs.slice(gpus=0).spawn("extra", Worker)
