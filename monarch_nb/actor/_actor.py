@@ -495,11 +495,15 @@ class ActorHost:
         *,
         parent: _context.CreatorInstance | None = None,
         controllers: Any = None,
+        label: str | None = None,
         _reply: tuple[str, int, int],
     ) -> Any:
         if name in self.rt.actors:
             raise ValueError(f"an actor named {name!r} already exists in this proc; pick another name")
         slot = ActorSlot(self.rt, name, cls, Point(rank, Extent(*extent)), proc_mesh, creator, parent, controllers)
+        if label is not None:
+            # the name the program gave (``name`` may carry a suffix: ProcMesh._unique_actor_name)
+            slot.instance_info.name = label
         self.rt.actors[name] = slot
         slot._put(("init", args, kwargs, _reply))
         return NO_REPLY

@@ -191,6 +191,8 @@ class ProcMesh(MeshTrait):
         self._failed: str = ""
         #: the actor (an _actor.Instance) that spawned these procs, None for the client
         self._owner: Any = None
+        #: names of the actor meshes this process spawned on these procs (see _unique_actor_name)
+        self._actor_names: set[str] = set()
 
     def _with_view(self, view: View) -> ProcMesh:
         pm = ProcMesh(self._name, self._procs, view, self._host_mesh, self._persist)
@@ -237,6 +239,7 @@ class ProcMesh(MeshTrait):
         creator = client.cid
         # the new actors' creator (Monarch's Instance.creator) and the job's controller proc
         parent, controllers = _context.lineage()
+        label, name = name, self._unique_actor_name(name)
         for i, r in enumerate(view.ranks):
             p = self._procs[r]
             futs.append(
@@ -246,6 +249,7 @@ class ProcMesh(MeshTrait):
                     *(name, Class, args, kwargs, i, ext, self, creator),
                     parent=parent,
                     controllers=controllers,
+                    label=label,
                     _actor="__sys__",
                 )
             )
@@ -271,6 +275,22 @@ class ProcMesh(MeshTrait):
             for alloc in {p.alloc for p in self._procs if p.alloc}:
                 client.tell(alloc, "note_actor", self._name, name, blob)
         return ActorMesh(Class, name, self._procs, view, self)
+
+    def _unique_actor_name(self, name: str) -> str:
+        """The name actors spawned as ``name`` are addressed by in their procs.
+
+        Monarch lets a program spawn the same name again on the same procs (a notebook cell
+        run twice, say): each spawn is a new mesh, and the old one lives on. Procs here key
+        actors by name, so a name this process already spawned on these procs gets a suffix
+        (``trainers_2``); the actors still call themselves ``trainers``.
+        """
+        taken = getattr(self, "_root", self)._actor_names
+        key, n = name, 1
+        while key in taken:
+            n += 1
+            key = f"{name}_{n}"
+        taken.add(key)
+        return key
 
     def stop(self, reason: str = "stopped by client", *, force: bool = False) -> Future[None]:
         """Stop every proc of this mesh (the whole mesh, also when called on a slice)."""
