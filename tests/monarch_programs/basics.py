@@ -81,5 +81,10 @@ try:
 except Exception as e:
     print("item without every dimension:", type(e).__name__)
 
+# spawning a name again makes a second mesh; the first one lives on
+again = procs.spawn("trainers", Trainer, 0.25, tag="again")
+print("spawned again:", again.slice(hosts=0, gpus=0).train.call_one(9).get())
+print("first still there:", trainers.count.call().get().values())
+
 print("stop:", procs.stop().get())
 print("done")
