@@ -161,7 +161,12 @@ class View:
             if v is None:
                 ranges.append(range(size))
             elif isinstance(v, slice):
-                ranges.append(range(size)[v])
+                r = range(size)[v]
+                if not r:
+                    # as Monarch: a mesh with no members is an error here (a call to it would
+                    # wait forever for zero answers)
+                    raise ValueError(f"empty range {v.start}:{v.stop}:{v.step or 1} for dimension {label!r}")
+                ranges.append(r)
             else:
                 if not 0 <= v < size:
                     raise IndexError("index out of range")
