@@ -77,6 +77,11 @@ try:
 except Exception as e:
     print("out of range:", type(e).__name__)
 try:
+    trainers.slice(gpus=slice(2, 2))
+except Exception as e:
+    print("empty range:", type(e).__name__)
+print("negative bounds:", trainers.slice(gpus=slice(-2, None)).extent)
+try:
     results.item(hosts=0)
 except Exception as e:
     print("item without every dimension:", type(e).__name__)
