@@ -27,6 +27,28 @@ class Producer(Actor):
         port.exception(KeyError("nothing to send"))
 
 
+class Boss(Actor):
+    """Opens channels of its own, and hands on ports it was given."""
+
+    @endpoint
+    def delegate(self, workers: Producer, n: int) -> list[tuple[int, int]]:
+        port, receiver = Channel.open()
+        workers.produce.broadcast(port, n)
+        return sorted(receiver.recv().get() for _ in range(n * len(workers)))
+
+    @endpoint
+    def relay(self, workers: Producer, port: Port[tuple[int, int]]) -> None:
+        workers.produce.broadcast(port, 1)
+
+
+class AsyncBoss(Actor):
+    @endpoint
+    async def delegate(self, workers: Producer, n: int) -> list[tuple[int, int]]:
+        port, receiver = Channel.open()
+        workers.produce.broadcast(port, n)
+        return sorted([await receiver.recv() for _ in range(n * len(workers))])
+
+
 procs = this_host().spawn_procs(per_host={"gpus": 3})
 producers = procs.spawn("producers", Producer)
 
@@ -83,5 +105,13 @@ async def consume() -> list[tuple[int, int]]:
 
 
 print("async recv:", asyncio.run(consume()))
+
+# channels inside actors, and a client port passed through an actor
+boss = procs.slice(gpus=0).spawn("boss", Boss)
+print("boss:", boss.delegate.call_one(producers, 2).get())
+print("async boss:", procs.slice(gpus=1).spawn("aboss", AsyncBoss).delegate.call_one(producers, 1).get())
+p7, r7 = Channel.open()
+boss.relay.call_one(producers, p7).get()
+print("relayed:", sorted(r7.recv().get() for _ in range(3)))
 procs.stop().get()
 print("done")
