@@ -107,8 +107,13 @@ class Instance:
         return this_proc()
 
     def stop(self, reason: str | None = None) -> None:
-        if self._slot is not None:
-            self._slot.stop()
+        """Stop this actor once the messages already delivered to it are handled (Monarch's
+        ``Instance.stop``); later calls to it fail instead of waiting on a dead mailbox."""
+        slot = self._slot
+        if slot is not None:
+            # on the I/O thread, which delivers messages: once the proc no longer lists the
+            # actor nothing more reaches its mailbox, and the stop queues after all that did
+            slot.rt.call_soon(slot.retire)
 
     def __repr__(self) -> str:
         # Monarch's qualified name: <root>.<__main__.Trainer trainers{'gpus': 0/2}>
@@ -175,6 +180,12 @@ class ActorSlot:
 
     def stop(self) -> None:
         self._put(("stop",))
+
+    def retire(self) -> None:
+        """Unlist this actor from its proc, then stop it (on the I/O thread)."""
+        if self.rt.actors.get(self.name) is self:
+            del self.rt.actors[self.name]
+        self.stop()
 
     def supervise(self, failure: Any) -> Any:
         """Run ``__supervise__(failure)`` as Monarch does: on the actor's own thread between
