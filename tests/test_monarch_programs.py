@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from monarch_nb.actor import Actor, ActorError, context, endpoint, this_host
+
 PROGRAMS = Path(__file__).parent / "monarch_programs"
 REPO = Path(__file__).parent.parent
 NAMES = sorted(p.stem for p in PROGRAMS.glob("*.py") if not p.name.startswith("_"))
@@ -80,3 +82,29 @@ def test_program_prints_what_it_printed_on_monarch(name: str, tmp_path: Path) ->
     r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, f"{name} exited with {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
     assert output.render(r.stdout) == output.render(expected), f"stderr:\n{r.stderr[-4000:]}"
+
+
+# -- what the programs cannot show: Monarch itself misbehaves there, monarch_nb must not hang
+
+
+class _OneShot(Actor):
+    @endpoint
+    def work(self) -> str:
+        context().actor_instance.stop()
+        return "finishing"
+
+    @endpoint
+    def more(self) -> str:
+        return "more"
+
+
+def test_a_call_to_an_actor_that_stopped_itself_fails_instead_of_waiting() -> None:
+    # (Monarch 0.7.0 lets such a call wait forever in some meshes, or ends the client)
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        one = procs.spawn("one_shot", _OneShot)
+        assert one.work.call_one().get(timeout=30) == "finishing"
+        with pytest.raises(ActorError, match="no actor named"):
+            one.more.call_one().get(timeout=30)
+    finally:
+        procs.stop().get(timeout=30)

@@ -61,6 +61,21 @@ class Counter(Actor):
         port.send(self.n)
 
 
+class OneShot(Actor):
+    """Stops itself when its work is done."""
+
+    def __init__(self, report: Port[str]) -> None:
+        self.report = report
+
+    @endpoint
+    def work(self) -> str:
+        context().actor_instance.stop()
+        return "finishing"
+
+    def __cleanup__(self, exc: Exception | None) -> None:
+        self.report.send("one-shot cleaned up")
+
+
 procs = this_host().spawn_procs(per_host={"gpus": 2}, bootstrap=prepare_proc)
 cleanup_port, cleanups = Channel.open()
 branches = procs.spawn("branch", Branch, cleanup_port)
@@ -94,6 +109,10 @@ print("once:", first.recv().get())
 # stopping an actor mesh runs __cleanup__ in each actor
 branches.stop().get()
 print("cleanups:", sorted(cleanups.recv().get(timeout=60) for _ in range(2)))
+# an actor may stop itself; its __cleanup__ runs once the message in hand is done
+done_port, done = Channel.open()
+one_shot = procs.slice(gpus=1).spawn("one_shot", OneShot, done_port)
+print("one-shot:", one_shot.work.call_one().get(), "->", done.recv().get(timeout=60))
 print("client creator:", context().actor_instance.creator)
 procs.stop().get()
 print("done")
