@@ -5,7 +5,7 @@
     - SupervisionError    the actor or its process is gone (.mesh, .rank, .host, .cause)
   + MeshError
     - SpawnError          an allocator could not start a proc or construct an actor
-    - MeshClosedError     a mesh used after stop()
+    - MeshClosedError     a mesh used after stop() (also a RuntimeError)
   + ProtocolError         malformed, oversized, replayed or foreign frame
     - VersionMismatchError
   + AuthenticationError   the peer refused our key (or we refused theirs)
@@ -51,6 +51,13 @@ class ActorError(MonarchNBError):
         self.host = host
         self.message = message or f"{type(exception).__name__}: {exception}"
         super().__init__(self._headline())
+
+    @property
+    def exception_formatted(self) -> str:
+        """The remote traceback as Monarch's ``ActorError.exception_formatted`` words it."""
+        return self.remote_traceback.replace(
+            "Traceback (most recent call last):", "Traceback of where the remote call failed (most recent call last):"
+        )
 
     def _headline(self) -> str:
         where = []
@@ -201,8 +208,11 @@ class SpawnError(MeshError):
         super().__init__(message + (f"\nRemote traceback:\n{remote_traceback.rstrip()}" if remote_traceback else ""))
 
 
-class MeshClosedError(MeshError):
-    """The mesh was stopped; spawn a new one."""
+class MeshClosedError(MeshError, RuntimeError):
+    """The mesh was stopped; spawn a new one.
+
+    Also a ``RuntimeError``: that is what Monarch raises for a spawn on a stopped proc mesh.
+    """
 
 
 class ProtocolError(MonarchNBError):

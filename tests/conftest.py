@@ -75,8 +75,11 @@ def allocator(tmp_path):  # type: ignore[no-untyped-def]
 
 
 def run_script(code: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` as a separate controller process (its own ``__main__``)."""
-    return subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=timeout, env=dict(os.environ, **(env or {})))
+    """Run ``code`` as a separate controller process (its own ``__main__``), buffered as a
+    user's program is (.ci/run sets PYTHONUNBUFFERED: then print() writes its pieces one by one
+    and rank output, written whole by another thread, may land between them)."""
+    base = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    return subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=timeout, env=dict(base, **(env or {})))
 
 
 def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]

@@ -326,7 +326,6 @@ def test_this_proc_spawns_in_the_controller_and_controllers_are_singletons():  #
 
 def test_classes_defined_in_main_travel_by_value():
     code = """
-import sys
 from monarch_nb.actor import Actor, endpoint, this_host, current_rank
 class ToyActor(Actor):
     def __init__(self):
@@ -337,9 +336,7 @@ class ToyActor(Actor):
         return self.rank
 procs = this_host().spawn_procs(per_host={"gpus": 3})
 toys = procs.spawn("toy", ToyActor)
-values = toys.hello_world.call("hey").get(timeout=20).values()
-# one write: rank output is printed by another thread and may land between print()'s pieces
-sys.stdout.write(f"RESULT {values}\n")
+print("RESULT", toys.hello_world.call("hey").get(timeout=20).values(), flush=True)
 """
     r = run_script(code)
     assert r.returncode == 0, r.stderr

@@ -35,8 +35,11 @@ class Actor:
 
     @cached_property
     def logger(self) -> logging.Logger:
-        inst = _context.current_instance()
-        return logging.getLogger(f"{type(self).__module__}.{type(self).__qualname__}" + (f"[{inst.rank.rank}]" if inst else ""))
+        # as Monarch's: named after the class and passing DEBUG records, so that a program's
+        # logging configuration (formats with %(name)s, levels) treats it the same
+        lgr = logging.getLogger(type(self).__name__)
+        lgr.setLevel(logging.DEBUG)
+        return lgr
 
     def __supervise__(self, failure: Any) -> Any:
         """Called when a mesh this actor owns fails; return True when handled."""
@@ -72,12 +75,26 @@ def is_async_actor(cls: type) -> bool:
 class Instance:
     """What an actor knows about itself (``context().actor_instance``)."""
 
-    def __init__(self, name: str, cls: type, rank: Point, proc_mesh: Any, creator: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        cls: type,
+        rank: Point,
+        proc_mesh: Any,
+        creator: str,
+        parent: _context.CreatorInstance | None = None,
+        controllers: Any = None,
+    ) -> None:
         self.name = name
         self.class_name = f"{cls.__module__}.{cls.__qualname__}"
         self.rank = rank
         self.proc_mesh = proc_mesh
-        self.creator = creator
+        #: who spawned this actor, as Monarch's ``Instance.creator`` (``<root>`` for the controller)
+        self.creator = parent if parent is not None else _context.ROOT
+        #: the spawning client's uid: a breakpoint in ``__init__`` belongs to its spawn call
+        self._creator_uid = creator
+        #: the root controller's proc, where get_or_spawn_controller keeps the job's controllers
+        self._controllers = controllers
         rt = _context.runtime()
         self.proc_id = f"{rt.label}@{rt.hostname}:{rt.pid}"
         self.actor_id = f"{name}{rank!r}@{self.proc_id}"
@@ -90,22 +107,38 @@ class Instance:
         return this_proc()
 
     def stop(self, reason: str | None = None) -> None:
-        if self._slot is not None:
-            self._slot.stop()
+        """Stop this actor once the messages already delivered to it are handled (Monarch's
+        ``Instance.stop``); later calls to it fail instead of waiting on a dead mailbox."""
+        slot = self._slot
+        if slot is not None:
+            # on the I/O thread, which delivers messages: once the proc no longer lists the
+            # actor nothing more reaches its mailbox, and the stop queues after all that did
+            slot.rt.call_soon(slot.retire)
 
     def __repr__(self) -> str:
-        return f"<{self.class_name} {self.name}{self.rank!r}>"
+        # Monarch's qualified name: <root>.<__main__.Trainer trainers{'gpus': 0/2}>
+        return _context.qualified_name(self)
 
 
 class ActorSlot:
     """One actor in this process: its object, mailbox and thread (and loop, if async)."""
 
-    def __init__(self, rt: Runtime, name: str, cls: type, rank: Point, proc_mesh: Any, creator: str) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        name: str,
+        cls: type,
+        rank: Point,
+        proc_mesh: Any,
+        creator: str,
+        parent: _context.CreatorInstance | None = None,
+        controllers: Any = None,
+    ) -> None:
         self.rt = rt
         self.name = name
         self.cls = cls
         self.is_async = is_async_actor(cls)
-        self.instance_info = Instance(name, cls, rank, proc_mesh, creator)
+        self.instance_info = Instance(name, cls, rank, proc_mesh, creator, parent, controllers)
         self.instance_info._slot = self
         self.endpoints = endpoints_of(cls)
         self.obj: Any = None
@@ -148,6 +181,43 @@ class ActorSlot:
     def stop(self) -> None:
         self._put(("stop",))
 
+    def retire(self) -> None:
+        """Unlist this actor from its proc, then stop it (on the I/O thread)."""
+        if self.rt.actors.get(self.name) is self:
+            del self.rt.actors[self.name]
+        self.stop()
+
+    def supervise(self, failure: Any) -> Any:
+        """Run ``__supervise__(failure)`` as Monarch does: on the actor's own thread between
+        messages (a sync actor) or as a task on its loop (an async one, whose override may be
+        ``async def``); never alongside its endpoints on another thread. Returns its result."""
+        done = threading.Event()
+        box: list[Any] = [None, None]
+        self._put(("supervise", failure, box, done))
+        while not done.wait(1.0):
+            if not self.thread.is_alive():
+                return None  # stopped before it got to it: not handled
+        if box[1] is not None:
+            raise box[1]
+        return box[0]
+
+    def _supervise_sync(self, failure: Any, box: list[Any], done: threading.Event) -> None:
+        try:
+            box[0] = self.obj.__supervise__(failure)
+        except BaseException as e:
+            box[1] = e
+        finally:
+            done.set()
+
+    async def _supervise_async(self, failure: Any, box: list[Any], done: threading.Event) -> None:
+        try:
+            r = self.obj.__supervise__(failure)
+            box[0] = await r if inspect.isawaitable(r) else r
+        except BaseException as e:
+            box[1] = e
+        finally:
+            done.set()
+
     # -- threads
     def _run_sync(self) -> None:
         _context._instance.set(self.instance_info)
@@ -158,6 +228,8 @@ class ActorSlot:
                 return
             if item[0] == "init":
                 self._init(*item[1:])
+            elif item[0] == "supervise":
+                self._supervise_sync(*item[1:])
             else:
                 self._call_sync(*item[1:])
 
@@ -178,6 +250,12 @@ class ActorSlot:
                 return
             if item[0] == "init":
                 self._init(*item[1:])
+                continue
+            if item[0] == "supervise":
+                # a task, as in Monarch: it may await while the actor goes on with messages
+                t = asyncio.ensure_future(self._supervise_async(*item[1:]))
+                self._tasks.add(t)
+                t.add_done_callback(self._tasks.discard)
                 continue
             meta = item[1]
             ep = self.endpoints.get(meta[1])
@@ -202,7 +280,7 @@ class ActorSlot:
     def _init(self, args: tuple[Any, ...], kwargs: dict[str, Any], reply: tuple[str, int, int]) -> None:
         tok = _context._message_rank.set(self.instance_info.rank)
         # a breakpoint in __init__ belongs to the creator's spawn call (its call ids start with its uid)
-        self.busy, self.call_id, self.caller = "__init__", f"{self.instance_info.creator}.spawn", reply[0]
+        self.busy, self.call_id, self.caller = "__init__", f"{self.instance_info._creator_uid}.spawn", reply[0]
         try:
             obj = self.cls.__new__(self.cls)
             obj.__init__(*args, **kwargs)
@@ -363,6 +441,8 @@ class ActorHost:
         # interrupt is a real SIGINT: it breaks blocking calls such as time.sleep, as in a kernel
         self._main_jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._main_busy = False
+        #: get_or_spawn_controller's singletons (in the root controller): name -> waiters, result
+        self._controllers: dict[str, dict[str, Any]] = {}
 
     def run_on_main(self, fn: Any) -> Any:
         """Run ``fn()`` on this proc's main thread and return its result (raises what it raises)."""
@@ -423,14 +503,57 @@ class ActorHost:
         proc_mesh: Any,
         creator: str,
         *,
+        parent: _context.CreatorInstance | None = None,
+        controllers: Any = None,
+        label: str | None = None,
         _reply: tuple[str, int, int],
     ) -> Any:
         rank = _reply[2]  # one message serves every proc; each one's index in the mesh is its rank
         if name in self.rt.actors:
             raise ValueError(f"an actor named {name!r} already exists in this proc; pick another name")
-        slot = ActorSlot(self.rt, name, cls, Point(rank, Extent(*extent)), proc_mesh, creator)
+        slot = ActorSlot(self.rt, name, cls, Point(rank, Extent(*extent)), proc_mesh, creator, parent, controllers)
+        if label is not None:
+            # the name the program gave (``name`` may carry a suffix: ProcMesh._unique_actor_name)
+            slot.instance_info.name = label
         self.rt.actors[name] = slot
         slot._put(("init", args, kwargs, _reply))
+        return NO_REPLY
+
+    @system_method(wants_reply=True)
+    def sys_get_or_spawn_controller(
+        self, name: str, cls: type, args: tuple[Any, ...], kwargs: dict[str, Any], creator: str, *, _reply: tuple[str, int, int]
+    ) -> Any:
+        """The job's singleton actor ``name`` in this (the root controller's) process: spawned by
+        the first request, every request answered once it is constructed (or failed to be).
+
+        Runs on the I/O thread and never blocks it: the constructor runs on the new actor's
+        thread and its reply comes back to a port here, which answers everyone waiting.
+        """
+        entry = self._controllers.get(name)
+        if entry is None:
+            if name in self.rt.actors:
+                raise ValueError(f"an actor named {name!r} already exists in this proc; pick another controller name")
+            entry = self._controllers[name] = {"waiters": [_reply], "result": None}
+            pid = 0
+
+            def constructed(index: int, status: int, body: Any, bufs: list[Any]) -> None:
+                self.rt.close_port(pid)
+                entry["result"] = (status, loads(body, bufs))
+                for w in entry["waiters"]:
+                    self.rt.send_port(w[0], w[1], w[2], *entry["result"])
+                entry["waiters"] = []
+
+            pid = self.rt.open_port(constructed)
+            from ._mesh import this_proc
+
+            me = _context.controllers_proc()
+            slot = ActorSlot(self.rt, name, cls, Point(0, Extent([], [])), this_proc(), creator, _context.ROOT, me)
+            self.rt.actors[name] = slot
+            slot._put(("init", args, kwargs, (self.rt.ipc_addr, pid, 0)))
+        elif entry["result"] is None:
+            entry["waiters"].append(_reply)
+        else:
+            self.rt.send_port(_reply[0], _reply[1], _reply[2], *entry["result"])
         return NO_REPLY
 
     def sys_stop_actor(self, name: str) -> bool:

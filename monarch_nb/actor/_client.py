@@ -55,6 +55,8 @@ class Client:
         #: proc addr -> mesh name, for meshes this process owns
         self.owned: dict[str, Any] = {}
         self.stopped_meshes: set[str] = set()
+        #: (actor mesh name, address of its first proc) of actor meshes this process stopped
+        self.stopped_actor_meshes: set[tuple[str, str]] = set()
         self.log_port = rt.open_port(self._on_logs)
         self.log_enabled = True
         self.log_level = logging.INFO
@@ -237,11 +239,9 @@ class Client:
             (err if stream == "stderr" else out).append(f"[{rank}] {line}\n")
         try:
             if out:
-                sys.stdout.write("".join(out))
-                sys.stdout.flush()
+                _write_lines(sys.stdout, sys.__stdout__, "".join(out))
             if err:
-                sys.stderr.write("".join(err))
-                sys.stderr.flush()
+                _write_lines(sys.stderr, sys.__stderr__, "".join(err))
         except Exception:
             pass
 
@@ -279,6 +279,27 @@ class Client:
                     pass
         self.hellos.clear()
         self.rt.release_shm()
+
+
+def _write_lines(stream: Any, original: Any, text: str) -> None:
+    """Write rank output (whole lines) to this process's stdout or stderr.
+
+    To the file descriptor itself when the stream is still the process's own, as Monarch's
+    procs do by sharing it: the program's buffered text is not flushed, so a line the program
+    is printing (``print("result", x)`` writes piece by piece) is never split by rank output.
+    Through the stream when it was replaced (captured, redirected).
+    """
+    if stream is original and stream is not None:
+        try:
+            fd = stream.fileno()
+            data = memoryview(text.encode(stream.encoding or "utf-8", "replace"))
+            while data:
+                data = data[os.write(fd, data) :]
+            return
+        except (OSError, ValueError, AttributeError):
+            pass
+    stream.write(text)
+    stream.flush()
 
 
 def read_connection_files(rdir: str) -> list[dict[str, Any]]:

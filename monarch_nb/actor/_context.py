@@ -94,3 +94,60 @@ def current_message_rank() -> Point:
 
 def current_instance() -> Instance | None:
     return _instance.get()
+
+
+class CreatorInstance:
+    """Who spawned an actor: ``context().actor_instance.creator``, as in Monarch.
+
+    A picklable summary of the spawning actor (or ``<root>``, the controller), linked to its
+    own creator; its repr is the chain of names, e.g. ``<root>.<__main__.Trainer trainers{'gpus': 0/2}>``.
+    """
+
+    __slots__ = ("rank", "name", "class_name", "creator")
+
+    def __init__(self, rank: Point, name: str, class_name: str | None, creator: CreatorInstance | None) -> None:
+        self.rank = rank
+        self.name = name
+        self.class_name = class_name
+        self.creator = creator
+
+    def __repr__(self) -> str:
+        return qualified_name(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (CreatorInstance, (self.rank, self.name, self.class_name, self.creator))
+
+
+def qualified_name(ins: Any) -> str:
+    """Monarch's name of an actor instance: its creators' names and its own, outermost first."""
+    names = []
+    while ins is not None:
+        prefix = "" if ins.class_name is None else f"{ins.class_name} "
+        suffix = repr(ins.rank) if len(ins.rank) > 0 else ""
+        names.append(f"<{prefix}{ins.name}{suffix}>")
+        ins = ins.creator
+    return ".".join(reversed(names))
+
+
+ROOT = CreatorInstance(Point(0, _EMPTY), "root", None, None)
+
+
+def lineage() -> tuple[CreatorInstance, Any]:
+    """What an actor spawned from here inherits: its creator, and the proc that holds the
+    job's controllers (``get_or_spawn_controller``), the root controller's own process."""
+    inst = current_instance()
+    if inst is not None:
+        me = CreatorInstance(inst.rank, inst.name, inst.class_name, inst.creator)
+        return me, inst._controllers or controllers_proc()
+    # the controller, or a proc's own code outside any actor (a %%mesh exec cell), roots a tree
+    return ROOT, controllers_proc()
+
+
+def controllers_proc() -> Any:
+    """This process as a ProcRef that the actors it spawns (and theirs) send controller requests to."""
+    from ._mesh import this_proc
+
+    me = this_proc()._procs[0]
+    rt = runtime()
+    # once this process has a TCP inbox, procs on other hosts can reach it there
+    return me._replace(addr=rt.tcp_addr) if rt.tcp_addr else me

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 from .._runtime.runtime import Target
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
-from ..errors import MeshClosedError
+from ..errors import MeshClosedError, SupervisionError
 from . import _context
 from ._future import Future
 
@@ -105,13 +105,29 @@ class _NotAnEndpointMethod:
         self.name = name
         self.fn = fn
 
-    def _refuse(self, *_: Any, **__: Any) -> Any:
-        raise RuntimeError(
+    def _message(self) -> str:
+        return (
             f"Actor {self.mesh._class}.{self.name} is not annotated as an endpoint. To call it as one, add a "
             f"@endpoint decorator to it, or directly wrap it in one as_endpoint(obj.method).call(...)"
         )
 
-    call = call_one = choose = stream = broadcast = __call__ = _refuse
+    def __call__(self, *_: Any, **__: Any) -> Any:
+        raise RuntimeError(self._message())
+
+    def __getattr__(self, name: str) -> Any:
+        # Monarch's NotAnEndpoint has no adverbs: `mesh.plain.call()` is an AttributeError there
+        # (a program may catch that); ours carries the explanation
+        if name in _ADVERBS:
+            raise NotAnEndpointError(f"{name!r}: {self._message()}")
+        raise AttributeError(name)
+
+
+_ADVERBS = frozenset({"call", "call_one", "choose", "stream", "broadcast", "rref"})
+
+
+class NotAnEndpointError(AttributeError, RuntimeError):
+    """An adverb of a method without ``@endpoint``: an AttributeError as in Monarch, and the
+    RuntimeError monarch_nb raised before."""
 
 
 _PLAIN_KINDS = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -184,9 +200,22 @@ class Endpoint(Generic[R]):
         ranks: list[int] | None,
         what: str,
         decode: Callable[[list[Any]], Any] | None = None,
+        order: list[int] | None = None,
     ) -> Future[Any]:
-        """Send and collect raw replies, decoded by ``decode`` on first read; fail fast on the first error."""
+        """Send and collect raw replies, decoded by ``decode`` on first read.
+
+        Like Monarch, the future completes once every actor has answered, and when some
+        failed it raises the failure of the lowest rank (not whichever arrived first), so a
+        program sees the same error on every run. ``order``, if given, receives the indices
+        in arrival order (Accumulator folds in that order, as Monarch's does).
+        """
         mesh = self._mesh
+        if mesh._closed():
+            self._check(args, kwargs)
+            # Monarch's calls to a stopped mesh fail when their future is read, not when sent
+            fut: Future[Any] = Future._create(what)
+            fut._set_exception(_stopped_error(mesh))
+            return fut
         n = len(mesh._view.ranks) if ranks is None else len(ranks)
         return gather(
             _context.runtime(),
@@ -195,6 +224,7 @@ class Endpoint(Generic[R]):
             what,
             decode or _decode_all,
             lambda port, on_fail: self._send(args, kwargs, port, on_fail, ranks),
+            order=order,
         )
 
     def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[R]]:
@@ -253,6 +283,11 @@ class Endpoint(Generic[R]):
             f._set_exception(err)
             deliver(f)
 
+        if self._mesh._closed():
+            # as for call(): the items fail when read
+            for i in range(n):
+                on_fail(i, _stopped_error(self._mesh))
+            return (q.get() for _ in range(n))
         pid = rt.open_port(on_reply)
         self._send(args, kwargs, ("", pid), on_fail)
 
@@ -267,22 +302,22 @@ class Endpoint(Generic[R]):
         self._send(args, kwargs, None, None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
+        # a TypeError, as in Monarch (whose endpoints are simply not callable)
+        raise TypeError(
             f"call an endpoint through an adverb: {self._name}.call(...), .call_one(...), .choose(...), .stream(...) or .broadcast(...)"
         )
 
 
 class RemoteFailure:
-    """A reply slot of a :func:`gather` that does not fail fast: the error of that rank."""
+    """A failed slot of a :func:`gather` with ``keep_errors``: a remote error or a local one."""
 
-    __slots__ = ("raw", "exc")
+    __slots__ = ("value",)
 
-    def __init__(self, raw: Any = None, exc: BaseException | None = None) -> None:
-        self.raw = raw
-        self.exc = exc
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
     def error(self) -> BaseException:
-        return self.exc if self.exc is not None else loads(*self.raw)
+        return self.value if isinstance(self.value, BaseException) else loads(*self.value)
 
 
 def multicast(
@@ -330,45 +365,57 @@ def gather(
     decode: Callable[[list[Any]], Any],
     send: Callable[[tuple[str, int], Callable[[int, BaseException], None]], Any],
     *,
-    fail_fast: bool = True,
+    order: list[int] | None = None,
+    keep_errors: bool = False,
 ) -> Future[Any]:
     """Open a reply port, ``send(port, on_fail)`` to ``n`` of ``procs`` (by index), and collect
-    the raw replies into a Future that ``decode`` turns into its value on first read. With
-    ``fail_fast`` the first error completes it; otherwise errors are :class:`RemoteFailure` slots."""
+    the raw replies into a Future that ``decode`` turns into its value on first read.
+
+    It completes once all ``n`` have answered; then it raises the lowest index's failure, or,
+    with ``keep_errors``, hands failures to ``decode`` as :class:`RemoteFailure` slots. A proc
+    that is gone (``on_fail``: supervision, a failed send) fails it at once instead: the
+    others may never answer, and a dead rank must surface within seconds. ``order``, if
+    given, receives the indices in arrival order.
+    """
     fut: Future[Any] = Future._create(what)
     raw: list[Any] = [None] * len(procs)
+    errors: dict[int, Any] = {}
     left = [n]
     fut._progress = (left, n)
     pid = 0
+    lock = threading.Lock()  # replies come on the I/O thread, a failed send on the caller's
 
-    def finish() -> None:
+    def arrive(index: int, value: Any, failed: bool, gone: bool = False) -> None:
+        with lock:
+            if left[0] == 0 or raw[index] is not None or index in errors:
+                return  # one answer per actor, none after completion
+            if failed and not keep_errors:
+                errors[index] = value
+            else:
+                raw[index] = RemoteFailure(value) if failed else value
+            if order is not None:
+                order.append(index)
+            left[0] = 0 if gone and not keep_errors else left[0] - 1
+            if left[0]:
+                return
         rt.close_port(pid)
-        for i in range(len(raw)):
+        for i in range(len(raw)):  # a failed send, or ranks not heard from, left expectations behind
             rt.fulfil(procs[i].addr, (pid, i))
-
-    def settle(index: int, value: Any) -> None:
-        raw[index] = value
-        left[0] -= 1
-        if left[0] == 0:
-            finish()
+        if gone and not keep_errors:
+            fut._set_exception(value)
+        elif not errors:
             fut._set_raw(raw, decode)
+        elif isinstance(first := errors[min(errors)], BaseException):
+            fut._set_exception(first)
+        else:
+            fut._set_raw(first, _raise_remote)
 
     def on_reply(index: int, status: int, body: Any, bufs: list[Any]) -> None:
         rt.fulfil(procs[index].addr, (pid, index))
-        if status != wire.ERROR:
-            settle(index, (body, bufs))
-        elif fail_fast:
-            finish()
-            fut._set_raw((body, bufs), _raise_remote)
-        else:
-            settle(index, RemoteFailure(raw=(body, bufs)))
+        arrive(index, (body, bufs), status == wire.ERROR)
 
     def on_fail(index: int, err: BaseException) -> None:
-        if fail_fast:
-            finish()
-            fut._set_exception(err)
-        else:
-            settle(index, RemoteFailure(exc=err))
+        arrive(index, err, True, gone=True)
 
     pid = rt.open_port(on_reply)
     try:
@@ -377,6 +424,11 @@ def gather(
         rt.close_port(pid)
         raise
     return fut
+
+
+def _stopped_error(mesh: ActorMesh[Any]) -> SupervisionError:
+    """What a call to a stopped mesh fails with (Monarch's is a SupervisionError too)."""
+    return SupervisionError(f"actor mesh {mesh._name!r} was stopped; spawn it again", actor=mesh._name)
 
 
 def _decode_one(raw: Any) -> Any:
@@ -467,13 +519,16 @@ class Accumulator(Generic[R, A]):
         self._combine = combine
 
     def accumulate(self, *args: Any, **kwargs: Any) -> Future[A]:
-        inner = self._endpoint._gather(args, kwargs, None, "accumulate()")
+        # Monarch folds over stream(), so values are combined in the order they arrive
+        order: list[int] = []
+        inner = self._endpoint._gather(args, kwargs, None, "accumulate()", order=order)
         fut: Future[A] = Future._create("accumulate()")
 
         def fold(f: Future[list[Any]]) -> A:
+            values = f.get()
             acc = self._identity
-            for v in f.get():
-                acc = self._combine(acc, v)
+            for i in order:
+                acc = self._combine(acc, values[i])
             return acc
 
         inner.add_done_callback(lambda f: fut._set_raw(f, fold))

@@ -97,8 +97,14 @@ class ActorMesh(MeshTrait, Generic[T]):
     def _with_view(self, view: View) -> ActorMesh[T]:
         return ActorMesh(self._class, self._name, self._procs, view, self._proc_mesh)
 
+    def _key(self) -> tuple[str, str]:
+        # an actor mesh is its name on its procs (slices and copies share it)
+        return (self._name, self._procs[0].addr if self._procs else "")
+
     def _closed(self) -> bool:
-        return self._proc_mesh is not None and self._proc_mesh._stopped
+        if self._proc_mesh is not None and self._proc_mesh._stopped:
+            return True
+        return _context._client is not None and self._key() in _context._client.stopped_actor_meshes
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -125,9 +131,13 @@ class ActorMesh(MeshTrait, Generic[T]):
 
     def stop(self, reason: str = "stopped by client") -> Future[None]:
         client = _context.client()
-        futs = [
-            client.request(p.addr, "stop_actor", self._name, _actor="__sys__") for p in {p.addr: p for p in self._procs}.values()
-        ]
+        # later calls fail when read, with a SupervisionError, as in Monarch (not with the
+        # proc's "no such actor" error)
+        client.stopped_actor_meshes.add(self._key())
+        # only the procs this mesh's actors live on: a mesh spawned on a slice of a proc mesh
+        # must not reach (and fail on a dead) proc outside it
+        procs = {self._procs[r].addr: self._procs[r] for r in self._view.ranks}
+        futs = [client.request(p.addr, "stop_actor", self._name, _actor="__sys__") for p in procs.values()]
         return _all(futs, "stop actor mesh")
 
     @property
@@ -181,6 +191,10 @@ class ProcMesh(MeshTrait):
         self._persist = persist
         self._stopped = False
         self._failed: str = ""
+        #: the actor (an _actor.Instance) that spawned these procs, None for the client
+        self._owner: Any = None
+        #: names of the actor meshes this process spawned on these procs (see _unique_actor_name)
+        self._actor_names: set[str] = set()
 
     def _with_view(self, view: View) -> ProcMesh:
         pm = ProcMesh(self._name, self._procs, view, self._host_mesh, self._persist)
@@ -225,32 +239,56 @@ class ProcMesh(MeshTrait):
         view = self._view
         ext = (list(view.labels), list(view.sizes))
         procs = [self._procs[r] for r in view.ranks]
+        # the new actors' creator (Monarch's Instance.creator) and the job's controller proc
+        parent, controllers = _context.lineage()
+        label, name = name, self._unique_actor_name(name)
         # pickled once (a class from a notebook cell travels by value) and sent once per host
-        body, bufs = dumps(((name, Class, args, kwargs, ext, self, client.cid), {}))
+        body, bufs = dumps(
+            ((name, Class, args, kwargs, ext, self, client.cid), {"parent": parent, "controllers": controllers, "label": label})
+        )
         rt.check_size(body, bufs)
         fut = gather(
             rt,
             procs,
             len(procs),
-            f"spawn {name!r}",
+            f"spawn {label!r}",
             list,
             lambda port, on_fail: multicast(
                 rt, procs, range(len(procs)), "__sys__", "spawn_actor", body, bufs, port, on_fail, ((), ())
             ),
-            fail_fast=False,
+            keep_errors=True,
         )
         errors = [r.error() for r in fut.get(timeout=rt.cfg.spawn_timeout) if isinstance(r, RemoteFailure)]
         if errors:
             e = errors[0]
             tb = getattr(e, "remote_traceback", "")
             raise SpawnError(
-                f"spawning {name!r} ({Class.__qualname__}) failed on {len(errors)} of {len(procs)} procs: {e}", tb
+                f"spawning {label!r} ({Class.__qualname__}) failed on {len(errors)} of {len(procs)} procs: {e}", tb
             ) from e
+        if client.stopped_actor_meshes:
+            # a new mesh under a stopped one's name is live (the same key as ActorMesh._key)
+            client.stopped_actor_meshes.discard((name, self._procs[0].addr if self._procs else ""))
         if self._persist or any(p.alloc for p in self._procs):
             blob = cloudpickle.dumps(Class)
             for alloc in {p.alloc for p in self._procs if p.alloc}:
                 client.tell(alloc, "note_actor", self._name, name, blob)
         return ActorMesh(Class, name, self._procs, view, self)
+
+    def _unique_actor_name(self, name: str) -> str:
+        """The name actors spawned as ``name`` are addressed by in their procs.
+
+        Monarch lets a program spawn the same name again on the same procs (a notebook cell
+        run twice, say): each spawn is a new mesh, and the old one lives on. Procs here key
+        actors by name, so a name this process already spawned on these procs gets a suffix
+        (``trainers_2``); the actors still call themselves ``trainers``.
+        """
+        taken = getattr(self, "_root", self)._actor_names
+        key, n = name, 1
+        while key in taken:
+            n += 1
+            key = f"{name}_{n}"
+        taken.add(key)
+        return key
 
     def stop(self, reason: str = "stopped by client", *, force: bool = False) -> Future[None]:
         """Stop every proc of this mesh (the whole mesh, also when called on a slice)."""
@@ -431,6 +469,8 @@ class HostMesh(MeshTrait):
             raise SpawnError(f"spawning procs {name!r} on host {h.host} failed: {e}") from e
         procs.sort(key=lambda p: p.rank)
         pm = ProcMesh(name, procs, View(labels, sizes), self, persist)
+        # the actor spawning these procs owns them: their failures go to its __supervise__
+        pm._owner = _context.current_instance()
         client.own(procs, pm)
         for p in procs:
             client.rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)
@@ -500,17 +540,25 @@ def this_proc() -> ProcMesh:
     return _this_proc
 
 
-_controllers: dict[str, Any] = {}
-_controllers_lock = threading.Lock()
-
-
 def get_or_spawn_controller(name: str, Class: type[T], *args: Any, **kwargs: Any) -> Future[Any]:
-    """A singleton actor named ``name`` in this process, spawned on first request."""
-    with _controllers_lock:
-        mesh = _controllers.get(name)
-        if mesh is None:
-            mesh = _controllers[name] = this_proc().spawn(name, Class, *args, **kwargs)
-    return Future._completed(mesh)
+    """The job's singleton actor named ``name``, spawned by the first request for it.
+
+    As in Monarch, controllers live in the root controller's process and are shared by the
+    whole tree: the client and every actor it spawned (and theirs), on any proc, get the
+    same actor for the same name. Later requests ignore ``Class`` and the arguments.
+    """
+    inst = _context.current_instance()
+    root = inst._controllers if inst is not None and inst._controllers is not None else _context.controllers_proc()
+    client = _context.client()
+    reply = client.request(root.addr, "get_or_spawn_controller", name, Class, args, kwargs, client.cid, _actor="__sys__")
+    out: Future[Any] = Future._create(f"get_or_spawn_controller({name!r})")
+
+    def mesh(f: Future[Any]) -> ActorMesh[Any]:
+        f.get()  # raises the constructor's failure
+        return ActorMesh(Class, name, [root], View([], []), None)
+
+    reply.add_done_callback(lambda f: out._set_raw(f, mesh))
+    return out
 
 
 def attach_to_workers(

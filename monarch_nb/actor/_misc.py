@@ -38,11 +38,14 @@ class Context:
 
 
 class _ClientInstance:
-    """The root "actor" of a controller or of a proc outside any actor."""
+    """The root "actor" of a controller or of a proc outside any actor: Monarch's ``<root>``."""
 
-    name = "client"
-    class_name = "client"
+    name = "root"
+    class_name = None
     creator = None
+
+    def __repr__(self) -> str:
+        return "<root>"
 
     @property
     def rank(self) -> Point:

@@ -7,7 +7,7 @@ from typing import Any, Generic, TypeVar
 
 from .._wire import frames as wire
 from .._wire.serialize import loads
-from ..errors import ActorError, format_exception
+from ..errors import _safe_exc
 from . import _context
 from ._future import Future
 
@@ -28,8 +28,9 @@ class Port(Generic[R]):
         _context.runtime().send_port(self._addr, self._port, self._index, wire.ITEM, obj)
 
     def exception(self, exc: Exception) -> None:
-        err = exc if isinstance(exc, ActorError) else ActorError(exc, format_exception(exc))
-        _context.runtime().send_port(self._addr, self._port, self._index, wire.ERROR, err)
+        """Make the receiving end raise ``exc``: ``recv()`` (or the call an explicit response
+        port answers) raises this exception itself, as in Monarch, not an ActorError around it."""
+        _context.runtime().send_port(self._addr, self._port, self._index, wire.ERROR, _safe_exc(exc))
 
     def __reduce__(self) -> tuple[Any, ...]:
         addr = self._addr
@@ -48,26 +49,34 @@ class PortReceiver(Generic[R]):
 
     def __init__(self, ranked: bool = False) -> None:
         self._q: queue.SimpleQueue[tuple[int, int, Any]] = queue.SimpleQueue()
-        self._waiters: list[Future[Any]] = []
+        #: futures of recv() calls waiting for a value, each with whether it wants the rank
+        self._waiters: list[tuple[Future[Any], bool]] = []
         self._ranked = ranked
         self._pid = 0
+
+    def ranked(self) -> PortReceiver[Any]:
+        """The same channel received as ``(rank, value)`` pairs (Monarch's ``RankedPortReceiver``)."""
+        other: PortReceiver[Any] = PortReceiver(True)
+        other._q, other._waiters, other._pid = self._q, self._waiters, self._pid
+        return other
 
     def _on_value(self, index: int, status: int, body: Any, bufs: list[Any]) -> None:
         raw = (bytes(body), [bytes(b) for b in bufs])
         if self._waiters:
-            f = self._waiters.pop(0)
-            self._complete(f, index, status, raw)
+            f, ranked = self._waiters.pop(0)
+            self._complete(f, ranked, index, status, raw)
         else:
             self._q.put((index, status, raw))
 
-    def _complete(self, f: Future[Any], index: int, status: int, raw: Any) -> None:
+    @staticmethod
+    def _complete(f: Future[Any], ranked: bool, index: int, status: int, raw: Any) -> None:
         if status == wire.ERROR:
 
             def fail(r: Any) -> Any:
                 raise loads(*r)
 
             f._set_raw(raw, fail)
-        elif self._ranked:
+        elif ranked:
             f._set_raw(raw, lambda r: (index, loads(*r)))
         else:
             f._set_raw(raw, lambda r: loads(*r))
@@ -81,9 +90,9 @@ class PortReceiver(Generic[R]):
             try:
                 index, status, raw = self._q.get_nowait()
             except queue.Empty:
-                self._waiters.append(f)
+                self._waiters.append((f, self._ranked))
                 return
-            self._complete(f, index, status, raw)
+            self._complete(f, self._ranked, index, status, raw)
 
         # values arrive on the I/O thread; taking there too keeps their order
         rt.call_soon(take)

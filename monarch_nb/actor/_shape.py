@@ -7,6 +7,21 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 
+class DimensionNotFound(KeyError, ValueError):
+    """A label that is not a dimension of this extent or point.
+
+    Monarch raises ``ValueError("Dimension 'x' not found")`` here; a ``KeyError`` is what a
+    ``Mapping`` owes ``.get()`` and ``in``. Being both, either ``except`` clause catches it.
+    """
+
+    def __init__(self, label: str) -> None:
+        super().__init__(label)
+        self.label = label
+
+    def __str__(self) -> str:
+        return f"Dimension {self.label!r} not found"
+
+
 class Extent(Mapping[str, int]):
     """Named dimension sizes, e.g. ``{hosts: 2, gpus: 4}``."""
 
@@ -34,7 +49,7 @@ class Extent(Mapping[str, int]):
         try:
             return self._sizes[self._labels.index(label)]
         except ValueError:
-            raise KeyError(label) from None
+            raise DimensionNotFound(label) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._labels)
@@ -90,7 +105,7 @@ class Point(Mapping[str, int]):
         try:
             i = self._extent._labels.index(label)
         except ValueError:
-            raise KeyError(label) from None
+            raise DimensionNotFound(label) from None
         return self._coords()[i]
 
     def __iter__(self) -> Iterator[str]:
@@ -146,7 +161,12 @@ class View:
             if v is None:
                 ranges.append(range(size))
             elif isinstance(v, slice):
-                ranges.append(range(size)[v])
+                r = range(size)[v]
+                if not r:
+                    # as Monarch: a mesh with no members is an error here (a call to it would
+                    # wait forever for zero answers)
+                    raise ValueError(f"empty range {v.start}:{v.stop}:{v.step or 1} for dimension {label!r}")
+                ranges.append(r)
             else:
                 if not 0 <= v < size:
                     raise IndexError("index out of range")

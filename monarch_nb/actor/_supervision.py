@@ -73,30 +73,53 @@ def _install_exit_hook() -> None:
 _report_lock = threading.Lock()
 
 
+def _supervises(slot: Any) -> bool:
+    obj = getattr(slot, "obj", None)
+    return obj is not None and type(obj).__supervise__ is not _base_supervise()
+
+
 def report(failure: MeshFailure) -> None:
     """Give ``failure`` to the owning actor's ``__supervise__``, else to the fault hook."""
     with _report_lock:
-        inst = _context.current_instance()
-        owner = getattr(getattr(inst, "_slot", None), "obj", None) if inst else None
-        if owner is None:
+        # the owner is the actor that spawned the failed mesh
+        inst = getattr(failure.mesh, "_owner", None) or _context.current_instance()
+        slot = getattr(inst, "_slot", None) if inst is not None else None
+        if not _supervises(slot):
+            slot = None
             host = _context.runtime().system.get("__sys__")
-            for slot in list(_context.runtime().actors.values()) if host else []:
-                obj = getattr(slot, "obj", None)
-                if obj is not None and type(obj).__supervise__ is not _base_supervise():
-                    owner = obj
+            for s in list(_context.runtime().actors.values()) if host else []:
+                if _supervises(s):
+                    slot = s
                     break
-        if owner is not None:
+        if slot is not None:
             try:
-                if owner.__supervise__(failure):
+                # on the actor's own thread or loop, between its messages (awaited if async)
+                if slot.supervise(failure):
                     return
             except Exception:
                 logger.exception("__supervise__ raised")
+        if _context.proc_spec is not None:
+            _escalate(failure)
+            return
         from monarch_nb import actor as public
 
         try:
             public.unhandled_fault_hook(failure)
         except Exception:
             logger.exception("unhandled_fault_hook raised")
+
+
+def _escalate(failure: MeshFailure) -> None:
+    """A failure nobody in this proc handled goes up the tree, as in Monarch: the owning
+    actor fails, so its creator sees its mesh fail (and so on up to the controller's
+    ``unhandled_fault_hook``). Here the proc exits, which its owner observes as exactly that.
+    """
+    print(f"monarch_nb: unhandled mesh failure, this proc exits: {failure.report()}", file=sys.stderr, flush=True)
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(1)
 
 
 def _base_supervise() -> Any:
