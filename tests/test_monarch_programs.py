@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from monarch_nb.actor import Actor, ActorError, context, endpoint, this_host
+from monarch_nb.actor import Actor, context, endpoint, this_host
+from monarch_nb.errors import SupervisionError
 
 PROGRAMS = Path(__file__).parent / "monarch_programs"
 REPO = Path(__file__).parent.parent
@@ -108,7 +109,7 @@ def test_a_call_to_an_actor_that_stopped_itself_fails_instead_of_waiting() -> No
     try:
         one = procs.spawn("one_shot", _OneShot)
         assert one.work.call_one().get(timeout=30) == "finishing"
-        with pytest.raises(ActorError, match="no actor named"):
+        with pytest.raises(SupervisionError, match="no actor named 'one_shot'"):
             one.more.call_one().get(timeout=30)
     finally:
         procs.stop().get(timeout=30)

@@ -718,8 +718,10 @@ class Runtime:
             box.deliver(meta, body, bufs)
             return
         raddr, rport, index = meta[2], meta[3], meta[4]
-        err = ActorError(
-            LookupError(f"no actor named {actor!r} in {self.label} pid {self.pid} on {self.hostname}"),
+        # the actor was stopped (by the client, or by itself): as in Monarch, a supervision error
+        err = SupervisionError(
+            f"no actor named {actor!r} in {self.label} pid {self.pid} (stopped, or never spawned there)",
+            actor=actor,
             host=self.hostname,
         )
         if raddr:
