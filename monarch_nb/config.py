@@ -48,9 +48,12 @@ class Config:
     #: processes of one host talk over a direct AF_UNIX socket beside their zmq ipc inbox
     #: (fewer thread hops per message); off: zmq only
     direct_ipc: bool = True
-    #: a message for this many or more procs of one host goes to that host's allocator once,
-    #: which relays it to each; 0 sends every message straight to its proc
+    #: a message for this many or more procs of another host goes to that host's allocator
+    #: once, which relays it to each; 0 sends every message straight to its proc
     fanout_min: int = 2
+    #: relay through this host's allocator too (off: a thread reaches this host's procs faster
+    #: over the direct path than a relay does, measured in bench/)
+    fanout_local: bool = False
     #: how long a message that overtook an earlier one from its sender waits for it before
     #: being delivered anyway (the earlier one was lost, e.g. with a failed relay)
     order_gap_timeout: float = 10.0

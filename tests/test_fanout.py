@@ -1,6 +1,9 @@
 """A message for many procs goes to each host's allocator once and is relayed from there;
 messages from one sender to one actor still arrive in the order they were sent, whichever
-path each took. (Across real hosts: test_multihost.py.)"""
+path each took. (Across real hosts: test_multihost.py.)
+
+By default only other hosts' allocators relay; here, on one host, the local allocator is made
+to relay too (``fanout_local``), and a test checks that by default it does not."""
 
 from __future__ import annotations
 
@@ -19,6 +22,19 @@ from monarch_nb.config import Config
 from monarch_nb.errors import ActorError
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def relay_on_this_host():  # type: ignore[no-untyped-def]
+    """These tests run on one host: relay through its allocator too (by default only other
+    hosts' allocators relay; test_multihost.py covers that)."""
+    from monarch_nb.actor import _context
+
+    rt = _context.runtime()
+    saved = rt.cfg
+    rt.cfg = saved.replace(fanout_local=True)
+    yield
+    rt.cfg = saved
 
 
 class Log(Actor):
@@ -215,10 +231,11 @@ def test_refusal_frames_are_recognised() -> None:
         wire.decode([f])
 
 
-def test_no_fanout_when_disabled(allocator):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("setting", ["fanout_min=0", "fanout_local=False"])
+def test_no_relay_when_disabled_or_on_this_host_by_default(allocator, setting):  # type: ignore[no-untyped-def]
     code = f"""
 from monarch_nb.config import configure
-configure(fanout_min=0)
+configure({setting})
 from monarch_nb.actor import Actor, endpoint, attach_to_workers
 from monarch_nb import introspect
 class W(Actor):

@@ -489,22 +489,25 @@ class Runtime:
     ) -> list[tuple[int, BaseException]]:
         """Send one message to every target, in order with this thread's other messages to each.
 
-        Targets that share an allocator get one FANOUT frame to it (``fanout_min`` or more of
-        them), so a broadcast costs one send per host; the rest go direct. Returns the
+        Targets that share another host's allocator get one FANOUT frame to it (``fanout_min``
+        or more of them), so a broadcast costs one send per host; the rest go direct. Returns the
         ``(index, error)`` of targets it could not send to; the others are on their way.
         """
         groups: dict[str, list[Target]] = {}
         direct: list[Target] = []
         fmin = self.cfg.fanout_min
         if fmin > 0 and len(targets) >= fmin:
+            # this host's procs are cheaper to reach straight (the direct path from this thread,
+            # shared memory for bulk data) than through a relay; other hosts' through theirs
+            local = self.cfg.fanout_local and not (
+                self._shm is not None and any(memoryview(b).nbytes >= self.cfg.shm_min_bytes for b in buffers)
+            )
             for t in targets:
-                if t.alloc:
+                if t.alloc and (local or not t.alloc.startswith("ipc://")):
                     groups.setdefault(t.alloc, []).append(t)
                 else:
                     direct.append(t)
-            # shared memory makes direct sends to this host's procs cheaper than a relay for bulk data
-            bulky = self._shm is not None and any(memoryview(b).nbytes >= self.cfg.shm_min_bytes for b in buffers)
-            for alloc in [a for a, g in groups.items() if len(g) < fmin or (bulky and a.startswith("ipc://"))]:
+            for alloc in [a for a, g in groups.items() if len(g) < fmin]:
                 direct.extend(groups.pop(alloc))
         else:
             direct = targets
