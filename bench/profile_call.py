@@ -156,11 +156,11 @@ def main() -> int:
     p["send0"], p["send1"] = p["send0"][1:], p["send1"][1:]
     n = min(a.calls, *(len(v) for v in c.values()), *(len(v) for v in p.values()))
     phases = {
-        "controller: call_one() until frames handed to zmq": [c["send1"][i] - starts[i] for i in range(n)],
-        "wire out: zmq send until proc I/O thread has it": [p["recv"][i] - c["send1"][i] for i in range(n)],
+        "controller: call_one() until its frames are sent": [c["send1"][i] - starts[i] for i in range(n)],
+        "wire out: sent until the proc's I/O thread has it": [p["recv"][i] - c["send1"][i] for i in range(n)],
         "proc: I/O thread until endpoint body runs": [p["fn"][i] - p["recv"][i] for i in range(n)],
-        "proc: endpoint body until reply handed to zmq": [p["send1"][i] - p["fn"][i] for i in range(n)],
-        "wire back: zmq send until controller I/O thread has it": [c["recv"][i] - p["send1"][i] for i in range(n)],
+        "proc: endpoint body until the reply is sent": [p["send1"][i] - p["fn"][i] for i in range(n)],
+        "wire back: sent until the controller's I/O thread has it": [c["recv"][i] - p["send1"][i] for i in range(n)],
         "controller: I/O thread until .get() returns": [ends[i] - c["recv"][i] for i in range(n)],
     }
     total = [ends[i] - starts[i] for i in range(n)]
