@@ -53,3 +53,53 @@ def test_gloo_all_reduce_across_a_proc_mesh():
         assert losses == pytest.approx([-3.0] * 4)
     finally:
         procs.stop().get(timeout=30)
+
+
+class Devices(Actor):
+    @endpoint
+    def visible(self) -> str:
+        return os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
+
+@pytest.mark.timeout(120)
+def test_gpus_coordinate_maps_to_cuda_visible_devices_on_a_gpu_host(tmp_path):  # type: ignore[no-untyped-def]
+    """The allocator counts a host's GPUs in /proc/driver/nvidia/gpus; this machine has none, so
+    the allocator runs in a mount namespace of its own where that directory lists four."""
+    import subprocess
+    import sys
+
+    from conftest import wait_for
+
+    from monarch_nb.actor import attach_to_workers
+    from monarch_nb.actor._client import read_connection_files
+
+    assert os.geteuid() == 0, "needs root for a private mount namespace"
+    rdir = str(tmp_path / "rt")
+    os.mkdir(rdir, 0o700)
+    boot = (
+        "mount -t tmpfs tmpfs /proc/driver && mkdir -p /proc/driver/nvidia/gpus/0000:0{0,1,2,3}:00.0 && "
+        'exec "$0" -m monarch_nb allocator'
+    )
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="")
+    with open(tmp_path / "allocator.log", "wb") as log:
+        daemon = subprocess.Popen(
+            ["unshare", "-m", "--propagation", "private", "bash", "-c", boot, sys.executable], env=env, stdout=log, stderr=log
+        )
+    try:
+        info = wait_for(lambda: next(iter(read_connection_files(rdir)), None), 30, "the allocator's connection file")
+        hosts = attach_to_workers(workers=[info["addr"]], ca="trust_all_connections")
+        procs = hosts.spawn_procs(per_host={"replicas": 2, "gpus": 4}, name="gpu-map")
+        cpu = hosts.spawn_procs(per_host={"workers": 2}, name="no-gpus")
+        try:
+            seen = procs.spawn("dev", Devices).visible.call().get(timeout=30)
+            assert [seen.item(hosts=0, replicas=r, gpus=g) for r in range(2) for g in range(4)] == ["0", "1", "2", "3"] * 2
+            # a mesh without a gpus dimension leaves the variable as the controller had it
+            mine = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+            assert cpu.spawn("dev", Devices).visible.call().get(timeout=30).values() == [mine, mine]
+        finally:
+            procs.stop().get(timeout=30)
+            cpu.stop().get(timeout=30)
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    assert not os.listdir("/proc/driver"), "the fake GPUs leaked out of the allocator's mount namespace"
