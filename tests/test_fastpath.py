@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -123,6 +124,18 @@ def test_runtimes_of_one_host_talk_directly_and_in_order(pair) -> None:  # type:
     assert [i for i, _ in got] == list(range(50))
     assert got[25][1] == big and got[7][1] == b"7"
     assert len(rx._fast_in) == 1, "the messages did not take the direct path"
+
+
+def test_a_thread_that_exits_closes_its_connections(pair) -> None:  # type: ignore[no-untyped-def]
+    rx, tx, port, wait = pair
+    for i in range(5):  # short-lived threads (returns_future makes one per call) must not leak sockets
+        t = threading.Thread(target=tx.send, args=(rx.ipc_addr, wire.encode(wire.PORT, (port, i, wire.ITEM), b"x")))
+        t.start()
+        t.join(10)
+    wait(5)
+    gc.collect()
+    wait_for(lambda: not rx._fast_in, 10, "the receiver to see every thread's connection close")
+    assert not tx._fast_out
 
 
 def test_the_io_thread_sends_through_zmq(pair) -> None:  # type: ignore[no-untyped-def]

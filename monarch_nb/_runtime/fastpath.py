@@ -40,9 +40,10 @@ def path_for(ipc_addr: str) -> str:
 
 
 class Sender:
-    """One thread's connection to one peer."""
+    """One thread's connection to one peer; closed when the thread's last reference goes
+    (a thread that exits takes its connections with it)."""
 
-    __slots__ = ("sock",)
+    __slots__ = ("sock", "__weakref__")
 
     def __init__(self, path: str) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -72,6 +73,9 @@ class Sender:
             self.sock.sendall(rest)
 
     def close(self) -> None:
+        self.sock.close()
+
+    def __del__(self) -> None:
         self.sock.close()
 
 

@@ -26,6 +26,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, NamedTuple, Protocol
 
@@ -139,7 +140,8 @@ class Runtime:
         self._io_ident = 0
         self._fast_listener: socket.socket | None = None
         self._fast_in: set[fastpath.Receiver] = set()
-        self._fast_out: list[fastpath.Sender] = []
+        #: every thread's direct connections (held by the threads; weakly here, to close them)
+        self._fast_out: weakref.WeakSet[fastpath.Sender] = weakref.WeakSet()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.peer_failure_callbacks: list[Callable[[str, SupervisionError], None]] = []
         #: called on the I/O thread with every other event an allocator publishes (e.g. debug sessions)
@@ -255,7 +257,7 @@ class Runtime:
         conns[addr] = conn
         if conn is not None:
             with self._lock:
-                self._fast_out.append(conn)
+                self._fast_out.add(conn)
         return conn
 
     async def _log_handshake_failures(self, mon: zmq.asyncio.Socket, where: str) -> None:
@@ -321,7 +323,7 @@ class Runtime:
             self.loop.call_soon_threadsafe(stop)
             done.wait(5)
             self._thread.join(5)
-        for conn in self._fast_out:
+        for conn in list(self._fast_out):
             conn.close()
         for rx in self._fast_in:
             rx.sock.close()
