@@ -7,6 +7,7 @@ import base64
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -107,6 +108,7 @@ procs.stop().get(timeout=30)
         alloc.terminate()
         alloc.wait(30)
         log.close()
+        shutil.rmtree(rdir, ignore_errors=True)
 
 
 def test_a_conda_prefix_is_detected_and_its_packages_listed(tmp_path: Path) -> None:
