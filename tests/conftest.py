@@ -10,12 +10,17 @@ import sys
 import tempfile
 import time
 
-# must happen before monarch_nb is imported anywhere: the runtime reads these once
-_RDIR = tempfile.mkdtemp(prefix="mnbt-", dir="/tmp")
-os.chmod(_RDIR, 0o700)
-os.environ["MONARCH_NB_RUNTIME_DIR"] = _RDIR
-os.environ.setdefault("MONARCH_NB_HEARTBEAT_INTERVAL", "0.2")
-os.environ.setdefault("MONARCH_NB_HEARTBEAT_TIMEOUT", "1.5")
+# must happen before monarch_nb is imported anywhere: the runtime reads these once. Procs,
+# scripts and kernels the session starts import this module too (with a test module whose
+# actor classes they unpickle): they inherit the session's settings and make no directory.
+_RDIR = os.environ.get("MONARCH_NB_TEST_SESSION_DIR", "")
+if not _RDIR:
+    _RDIR = tempfile.mkdtemp(prefix="mnbt-", dir="/tmp")
+    os.chmod(_RDIR, 0o700)
+    os.environ["MONARCH_NB_TEST_SESSION_DIR"] = _RDIR
+    os.environ["MONARCH_NB_RUNTIME_DIR"] = _RDIR
+    os.environ.setdefault("MONARCH_NB_HEARTBEAT_INTERVAL", "0.2")
+    os.environ.setdefault("MONARCH_NB_HEARTBEAT_TIMEOUT", "1.5")
 
 import pytest  # noqa: E402
 
