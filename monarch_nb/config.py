@@ -54,6 +54,9 @@ class Config:
     #: relay through this host's allocator too (off: a thread reaches this host's procs faster
     #: over the direct path than a relay does, measured in bench/)
     fanout_local: bool = False
+    #: a call to several actors in which one endpoint failed waits this long for the others'
+    #: answers, then raises the lowest rank's failure (ranks failing alike answer within it)
+    call_error_window: float = 0.5
     #: how long a message that overtook an earlier one from its sender waits for it before
     #: being delivered anyway (the earlier one was lost, e.g. with a failed relay)
     order_gap_timeout: float = 10.0

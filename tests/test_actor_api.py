@@ -195,6 +195,26 @@ class Holder(Actor):
         return context().actor_instance.rank.rank  # its rank in the whole mesh, not the called slice
 
 
+class FailOrHold(Holder):
+    @concurrent_endpoint
+    async def work(self) -> int:
+        if current_rank().rank == 1:
+            raise ValueError("rank 1 failed")
+        await self.go.wait()  # the others block, as ranks in a collective wait for a failed peer
+        return current_rank().rank
+
+
+def test_a_failed_rank_surfaces_while_the_others_still_block(procs):  # type: ignore[no-untyped-def]
+    from monarch_nb.config import get_config
+
+    f = procs.spawn("fail_or_hold", FailOrHold)
+    t0 = time.monotonic()
+    with pytest.raises(ActorError, match="rank 1 failed"):
+        f.work.call().get(timeout=30)
+    assert time.monotonic() - t0 < get_config().call_error_window + 5
+    f.release.broadcast()
+
+
 def test_choose_spreads_calls_over_the_least_busy_actors(procs):  # type: ignore[no-untyped-def]
     h = procs.spawn("holders", Holder)
     # one at a time: every actor is idle each time, so they take turns

@@ -371,11 +371,14 @@ def gather(
     """Open a reply port, ``send(port, on_fail)`` to ``n`` of ``procs`` (by index), and collect
     the raw replies into a Future that ``decode`` turns into its value on first read.
 
-    It completes once all ``n`` have answered; then it raises the lowest index's failure, or,
-    with ``keep_errors``, hands failures to ``decode`` as :class:`RemoteFailure` slots. A proc
-    that is gone (``on_fail``: supervision, a failed send) fails it at once instead: the
-    others may never answer, and a dead rank must surface within seconds. ``order``, if
-    given, receives the indices in arrival order.
+    It completes once all ``n`` have answered, raising the lowest index's failure if any
+    failed (as Monarch does, so a program sees the same error on every run); with
+    ``keep_errors`` failures go to ``decode`` as :class:`RemoteFailure` slots instead. Fail
+    fast all the same: once an endpoint has failed, the others get ``call_error_window``
+    seconds to answer (ranks failing alike do, within milliseconds; others may be blocked
+    for good, in a collective waiting for the failed rank, say), and a proc that is gone
+    (``on_fail``: supervision, a failed send) fails the call at once. ``order``, if given,
+    receives the indices in arrival order.
     """
     fut: Future[Any] = Future._create(what)
     raw: list[Any] = [None] * len(procs)
@@ -383,11 +386,29 @@ def gather(
     left = [n]
     fut._progress = (left, n)
     pid = 0
+    closed = [False]
     lock = threading.Lock()  # replies come on the I/O thread, a failed send on the caller's
+
+    def complete(gone: BaseException | None = None) -> None:
+        with lock:
+            if closed[0]:
+                return
+            closed[0] = True
+        rt.close_port(pid)
+        for i in range(len(raw)):  # a failed send, or ranks not heard from, left expectations behind
+            rt.fulfil(procs[i].addr, (pid, i))
+        if gone is not None:
+            fut._set_exception(gone)
+        elif not errors:
+            fut._set_raw(raw, decode)
+        elif isinstance(first := errors[min(errors)], BaseException):
+            fut._set_exception(first)
+        else:
+            fut._set_raw(first, _raise_remote)
 
     def arrive(index: int, value: Any, failed: bool, gone: bool = False) -> None:
         with lock:
-            if left[0] == 0 or raw[index] is not None or index in errors:
+            if closed[0] or raw[index] is not None or index in errors:
                 return  # one answer per actor, none after completion
             if failed and not keep_errors:
                 errors[index] = value
@@ -395,20 +416,18 @@ def gather(
                 raw[index] = RemoteFailure(value) if failed else value
             if order is not None:
                 order.append(index)
-            left[0] = 0 if gone and not keep_errors else left[0] - 1
-            if left[0]:
-                return
-        rt.close_port(pid)
-        for i in range(len(raw)):  # a failed send, or ranks not heard from, left expectations behind
-            rt.fulfil(procs[i].addr, (pid, i))
+            left[0] -= 1
+            last = left[0] == 0
+            first_error = failed and not keep_errors and len(errors) == 1
         if gone and not keep_errors:
-            fut._set_exception(value)
-        elif not errors:
-            fut._set_raw(raw, decode)
-        elif isinstance(first := errors[min(errors)], BaseException):
-            fut._set_exception(first)
-        else:
-            fut._set_raw(first, _raise_remote)
+            complete(value)
+        elif last:
+            complete()
+        elif first_error:
+            try:
+                rt.loop.call_soon_threadsafe(rt.loop.call_later, rt.cfg.call_error_window, complete)
+            except RuntimeError:  # the runtime is closing
+                complete()
 
     def on_reply(index: int, status: int, body: Any, bufs: list[Any]) -> None:
         rt.fulfil(procs[index].addr, (pid, index))
