@@ -76,7 +76,9 @@ class Sender:
         self.sock.close()
 
     def __del__(self) -> None:
-        self.sock.close()
+        sock = getattr(self, "sock", None)  # absent when the connect in __init__ failed
+        if sock is not None:
+            sock.close()
 
 
 class Receiver:
