@@ -653,27 +653,24 @@ class Runtime:
         st = self._streams.get(sid)
         if st is None:
             st = self._streams[sid] = _Held()
-        if seq != st.next:
-            if seq < st.next or seq in st.held:
-                self.dropped_frames += 1
-                logger.warning("dropped message %d of stream %s: already delivered (a replay?)", seq, sid)
-            else:
-                if not st.held:
-                    st.since = time.monotonic()
-                st.held[seq] = (meta, body, bufs)
+        if seq < st.next or seq in st.held:
+            self.dropped_frames += 1
+            logger.warning("dropped message %d of stream %s: already delivered (a replay?)", seq, sid)
             return
-        st.next += 1
-        self._route(meta, body, bufs)
+        if seq != st.next and not st.held:
+            st.since = time.monotonic()  # a gap opens
+        st.held[seq] = (meta, body, bufs)
         self._release(st)
 
     def _release(self, st: _Held) -> None:
-        while st.held:
-            msg = st.held.pop(st.next, None)
-            if msg is None:
-                st.since = time.monotonic()
-                return
+        """Deliver the stream's next messages while they are here."""
+        delivered = False
+        while (msg := st.held.pop(st.next, None)) is not None:
             st.next += 1
+            delivered = True
             self._route(*msg)
+        if delivered and st.held:
+            st.since = time.monotonic()  # waiting again, for the next gap
 
     def _skip_gaps(self, now: float) -> None:
         """Deliver messages held behind one that never came (lost with a failed relay) after a while."""

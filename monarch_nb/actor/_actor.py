@@ -123,23 +123,14 @@ class Instance:
 class ActorSlot:
     """One actor in this process: its object, mailbox and thread (and loop, if async)."""
 
-    def __init__(
-        self,
-        rt: Runtime,
-        name: str,
-        cls: type,
-        rank: Point,
-        proc_mesh: Any,
-        creator: str,
-        parent: _context.CreatorInstance | None = None,
-        controllers: Any = None,
-    ) -> None:
+    def __init__(self, rt: Runtime, name: str, cls: type, info: Instance) -> None:
+        """``name`` keys the actor in this proc; ``info`` is what it knows about itself."""
         self.rt = rt
         self.name = name
         self.cls = cls
         self.is_async = is_async_actor(cls)
-        self.instance_info = Instance(name, cls, rank, proc_mesh, creator, parent, controllers)
-        self.instance_info._slot = self
+        self.instance_info = info
+        info._slot = self
         self.endpoints = endpoints_of(cls)
         self.obj: Any = None
         self.init_error: ActorError | None = None
@@ -511,10 +502,11 @@ class ActorHost:
         rank = _reply[2]  # one message serves every proc; each one's index in the mesh is its rank
         if name in self.rt.actors:
             raise ValueError(f"an actor named {name!r} already exists in this proc; pick another name")
-        slot = ActorSlot(self.rt, name, cls, Point(rank, Extent(*extent)), proc_mesh, creator, parent, controllers)
+        info = Instance(name, cls, Point(rank, Extent(*extent)), proc_mesh, creator, parent, controllers)
         if label is not None:
             # the name the program gave (``name`` may carry a suffix: ProcMesh._unique_actor_name)
-            slot.instance_info.name = label
+            info.name = label
+        slot = ActorSlot(self.rt, name, cls, info)
         self.rt.actors[name] = slot
         slot._put(("init", args, kwargs, _reply))
         return NO_REPLY
@@ -547,7 +539,8 @@ class ActorHost:
             from ._mesh import this_proc
 
             me = _context.controllers_proc()
-            slot = ActorSlot(self.rt, name, cls, Point(0, Extent([], [])), this_proc(), creator, _context.ROOT, me)
+            info = Instance(name, cls, Point(0, Extent([], [])), this_proc(), creator, _context.ROOT, me)
+            slot = ActorSlot(self.rt, name, cls, info)
             self.rt.actors[name] = slot
             slot._put(("init", args, kwargs, (self.rt.ipc_addr, pid, 0)))
         elif entry["result"] is None:

@@ -202,13 +202,9 @@ class Endpoint(Generic[R]):
         decode: Callable[[list[Any]], Any] | None = None,
         order: list[int] | None = None,
     ) -> Future[Any]:
-        """Send and collect raw replies, decoded by ``decode`` on first read.
-
-        Like Monarch, the future completes once every actor has answered, and when some
-        failed it raises the failure of the lowest rank (not whichever arrived first), so a
-        program sees the same error on every run. ``order``, if given, receives the indices
-        in arrival order (Accumulator folds in that order, as Monarch's does).
-        """
+        """Send and collect raw replies (see :func:`gather`), decoded by ``decode`` on first
+        read; ``order`` receives the indices in arrival order (Accumulator folds in that order,
+        as Monarch's does)."""
         mesh = self._mesh
         if mesh._closed():
             self._check(args, kwargs)

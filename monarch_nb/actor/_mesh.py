@@ -265,14 +265,14 @@ class ProcMesh(MeshTrait):
             raise SpawnError(
                 f"spawning {label!r} ({Class.__qualname__}) failed on {len(errors)} of {len(procs)} procs: {e}", tb
             ) from e
-        if client.stopped_actor_meshes:
-            # a new mesh under a stopped one's name is live (the same key as ActorMesh._key)
-            client.stopped_actor_meshes.discard((name, self._procs[0].addr if self._procs else ""))
+        mesh = ActorMesh(Class, name, self._procs, view, self)
+        # a new mesh under a stopped one's name is live
+        client.stopped_actor_meshes.discard(mesh._key())
         if self._persist or any(p.alloc for p in self._procs):
             blob = cloudpickle.dumps(Class)
             for alloc in {p.alloc for p in self._procs if p.alloc}:
                 client.tell(alloc, "note_actor", self._name, name, blob)
-        return ActorMesh(Class, name, self._procs, view, self)
+        return mesh
 
     def _unique_actor_name(self, name: str) -> str:
         """The name actors spawned as ``name`` are addressed by in their procs.
