@@ -425,6 +425,19 @@ def test_rank_killed_while_paused_is_gone(allocator: Any, fault_hook: list[Any])
     assert debug.sessions("paused") == []
 
 
+def test_listing_skips_an_allocator_of_this_host_that_stopped(tmp_path: Any) -> None:
+    from conftest import AllocatorProc
+
+    from monarch_nb.actor import attach_to_workers
+
+    gone = AllocatorProc(str(tmp_path))
+    attach_to_workers(workers=[gone.addr], ca="trust_all_connections")  # connected, nothing spawned
+    gone.stop()
+    t0 = time.monotonic()
+    debug.sessions(timeout=30)
+    assert time.monotonic() - t0 < 10, "the listing waited for an allocator that had stopped"
+
+
 def test_cli_through_a_pipe(allocator: Any) -> None:
     procs = allocator.hosts.spawn_procs(per_host={"gpus": 4}, name="dbg-cli")
     try:
