@@ -512,8 +512,8 @@ def this_host() -> HostMesh:
             if spec is not None:
                 _local_host = HostMesh([HostRef(spec["alloc_addr"], spec["host"])], View([], []))
             else:
+                from .._runtime.records import find_local_allocator, start_local_allocator
                 from ..config import runtime_dir
-                from ._client import find_local_allocator, start_local_allocator
 
                 client = _context.client()
                 rdir = runtime_dir(client.rt.cfg)

@@ -1,0 +1,128 @@
+"""Allocator records: the connection files allocators leave in the runtime directory.
+
+The one owner of their name (``allocator-<id>.json``), their format, their 0600 writer,
+and their readers. A daemon writes its file once it serves; controllers, the CLI, the
+debugger and the launchers read them to find allocators.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from ..errors import ConnectError
+
+__all__ = [
+    "PREFIX",
+    "find_local_allocator",
+    "path_for",
+    "read_connection_files",
+    "start_local_allocator",
+    "write_connection_file",
+]
+
+logger = logging.getLogger(__name__)
+
+#: connection files are ``PREFIX + allocator id + SUFFIX``
+PREFIX = "allocator-"
+SUFFIX = ".json"
+
+
+def path_for(rdir: str, alloc_id: str) -> str:
+    return os.path.join(rdir, f"{PREFIX}{alloc_id}{SUFFIX}")
+
+
+def write_connection_file(rdir: str, alloc_id: str, info: dict[str, Any]) -> str:
+    """Publish ``info`` as the connection file of ``alloc_id``: 0600 from creation, replaced atomically."""
+    path = path_for(rdir, alloc_id)
+    tmp = path + ".tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a leftover of a crashed start, maybe with another mode
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)
+    return path
+
+
+def read_connection_files(rdir: str) -> list[dict[str, Any]]:
+    """Every connection file in ``rdir`` (sorted by name), each with its path as ``file``."""
+    out: list[dict[str, Any]] = []
+    try:
+        names = sorted(os.listdir(rdir))
+    except OSError:
+        return out
+    for n in names:
+        if not (n.startswith(PREFIX) and n.endswith(SUFFIX)):
+            continue
+        path = os.path.join(rdir, n)
+        try:
+            with open(path) as f:
+                info = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(info, dict):
+            info["file"] = path
+            out.append(info)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def find_local_allocator(rdir: str) -> dict[str, Any] | None:
+    """The connection info of a live allocator of this host in ``rdir``, if there is one."""
+    host = socket.gethostname()
+    for info in read_connection_files(rdir):
+        addr = str(info.get("addr", ""))
+        try:
+            pid = int(info.get("pid", 0))
+        except (TypeError, ValueError):
+            continue
+        if info.get("host") == host and _alive(pid) and addr.startswith("ipc://") and os.path.exists(addr[len("ipc://") :]):
+            return info
+    return None
+
+
+def start_local_allocator(rdir: str, timeout: float = 60.0, extra_args: list[str] | None = None) -> dict[str, Any]:
+    """Start a detached allocator daemon on this host and wait for its connection file."""
+    before = {i["file"] for i in read_connection_files(rdir)}
+    log = open(os.path.join(rdir, f"allocator-start-{os.getpid()}.log"), "ab")
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "monarch_nb", "allocator", *(extra_args or [])],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+        env=env,
+    )
+    log.close()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for info in read_connection_files(rdir):
+            if info["file"] not in before and info.get("pid") == p.pid:
+                return info
+        if p.poll() is not None:
+            with open(log.name, errors="replace") as f:
+                tail = f.read()[-2000:]
+            raise ConnectError(f"the local allocator exited with code {p.returncode} while starting:\n{tail}")
+        time.sleep(0.02)  # polling a file the daemon writes; there is no event to wait on
+    p.kill()
+    raise ConnectError(f"the local allocator did not write its connection file within {timeout} s")
