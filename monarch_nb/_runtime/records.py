@@ -1,8 +1,9 @@
 """Allocator records: the connection files allocators leave in the runtime directory.
 
 The one owner of their name (``allocator-<id>.json``), their format, their 0600 writer,
-and their readers. A daemon writes its file once it serves; controllers, the CLI, the
-debugger and the launchers read them to find allocators.
+their readers and the owner and mode checks that decide which of them to trust. A daemon
+writes its file once it serves; controllers, the CLI, the debugger and the launchers read
+them to find allocators.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -34,6 +36,9 @@ logger = logging.getLogger(__name__)
 PREFIX = "allocator-"
 SUFFIX = ".json"
 
+#: files already warned about (listing allocators reads them all, often)
+_warned: set[str] = set()
+
 
 def path_for(rdir: str, alloc_id: str) -> str:
     return os.path.join(rdir, f"{PREFIX}{alloc_id}{SUFFIX}")
@@ -52,8 +57,23 @@ def write_connection_file(rdir: str, alloc_id: str, info: dict[str, Any]) -> str
     return path
 
 
+def _untrusted(path: str, st: os.stat_result) -> str:
+    """Why a connection file must not be believed ("" if it may)."""
+    if st.st_uid != os.getuid():
+        return f"it is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"other users may write it (mode {stat.S_IMODE(st.st_mode):o})"
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    return ""
+
+
 def read_connection_files(rdir: str) -> list[dict[str, Any]]:
-    """Every connection file in ``rdir`` (sorted by name), each with its path as ``file``."""
+    """Every trusted connection file in ``rdir`` (sorted by name), each with its path as ``file``.
+
+    A file another user owns or may write is ignored, with a warning once: whoever wrote it
+    chooses the address this process would send its code to.
+    """
     out: list[dict[str, Any]] = []
     try:
         names = sorted(os.listdir(rdir))
@@ -64,10 +84,20 @@ def read_connection_files(rdir: str) -> list[dict[str, Any]]:
             continue
         path = os.path.join(rdir, n)
         try:
-            with open(path) as f:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue  # gone meanwhile, or a symlink
+        with os.fdopen(fd) as f:
+            why = _untrusted(path, os.fstat(fd))
+            if why:
+                if path not in _warned:
+                    _warned.add(path)
+                    logger.warning("ignoring allocator connection file %s: %s", path, why)
+                continue
+            try:
                 info = json.load(f)
-        except (OSError, ValueError):
-            continue
+            except (OSError, ValueError):
+                continue
         if isinstance(info, dict):
             info["file"] = path
             out.append(info)
