@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from ._runtime.daemon import run_allocator  # noqa: F401  (re-exported: the daemon now lives beside Allocator)
-from ._runtime.records import find_local_allocator, read_connection_files, start_local_allocator
+from ._runtime.records import local_allocator, read_connection_files
 from .config import runtime_dir
 
 
@@ -30,7 +30,7 @@ def list_allocators() -> list[dict[str, Any]]:
 def start_allocator(extra_args: list[str] | None = None) -> dict[str, Any]:
     """Start this host's allocator detached (or return the one already running)."""
     rdir = runtime_dir()
-    return find_local_allocator(rdir) or start_local_allocator(rdir, extra_args=extra_args)
+    return local_allocator(rdir, extra_args=extra_args)
 
 
 def stop_allocator(pid: int | None = None, timeout: float = 15.0) -> list[int]:

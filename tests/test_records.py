@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -87,3 +88,54 @@ def test_a_symlinked_connection_file_is_ignored(rdir: str) -> None:
         assert [i["alloc_id"] for i in records.read_connection_files(other)] == ["elsewhere"]
     finally:
         subprocess.run(["rm", "-rf", other], check=False)
+
+
+_RACER = """
+import json, os, sys, time
+go = sys.argv[1]
+deadline = time.monotonic() + 60
+while not os.path.exists(go):  # all racers released at once
+    if time.monotonic() > deadline:
+        sys.exit("never released")
+    time.sleep(0.002)
+from monarch_nb.actor import this_host
+host = this_host()
+pm = host.spawn_procs(per_host={"procs": 1})
+print(json.dumps({"alloc": host._refs()[0].alloc, "procs": len(pm._procs)}), flush=True)
+pm.stop().get(timeout=30)
+"""
+
+
+def _allocator_pids(rdir: str) -> list[int]:
+    """Allocator daemons (not their zygotes) whose runtime dir is ``rdir``."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.cmdline()[1:4] == ["-m", "monarch_nb", "allocator"] and p.environ().get("MONARCH_NB_RUNTIME_DIR") == rdir:
+                out.append(p.pid)
+        except (psutil.Error, OSError, IndexError):
+            pass
+    return out
+
+
+def test_concurrent_controllers_on_a_fresh_runtime_dir_share_one_allocator(rdir: str) -> None:
+    go = os.path.join(rdir, "go")
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="")
+    racers = [
+        subprocess.Popen([PY, "-c", _RACER, go], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(8)
+    ]
+    try:
+        open(go, "w").close()
+        outs = [r.communicate(timeout=100) for r in racers]
+    finally:
+        for r in racers:
+            r.kill()
+    assert all(r.returncode == 0 for r in racers), [err[-2000:] for _, err in outs]
+    files = records.read_connection_files(rdir)
+    assert len(files) == 1, files
+    assert _allocator_pids(rdir) == [files[0]["pid"]]
+    seen = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert seen == [{"alloc": files[0]["addr"], "procs": 1}] * 8

@@ -3,12 +3,14 @@
 The one owner of their name (``allocator-<id>.json``), their format, their 0600 writer,
 their readers and the owner and mode checks that decide which of them to trust. A daemon
 writes its file once it serves; controllers, the CLI, the debugger and the launchers read
-them to find allocators.
+them to find allocators. Starting this host's allocator goes through a lock file here, so
+concurrent controllers on a fresh runtime directory share one daemon.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -17,6 +19,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import ConnectError
@@ -24,6 +27,7 @@ from ..errors import ConnectError
 __all__ = [
     "PREFIX",
     "find_local_allocator",
+    "local_allocator",
     "path_for",
     "read_connection_files",
     "start_local_allocator",
@@ -35,6 +39,8 @@ logger = logging.getLogger(__name__)
 #: connection files are ``PREFIX + allocator id + SUFFIX``
 PREFIX = "allocator-"
 SUFFIX = ".json"
+#: held (flock) by the process starting this host's allocator
+_START_LOCK = "allocator.lock"
 
 #: files already warned about (listing allocators reads them all, often)
 _warned: set[str] = set()
@@ -130,8 +136,46 @@ def find_local_allocator(rdir: str) -> dict[str, Any] | None:
     return None
 
 
+@contextlib.contextmanager
+def _start_lock(rdir: str, timeout: float) -> Iterator[None]:
+    """Exclusive right to start this host's allocator in ``rdir`` (released if the holder dies)."""
+    fd = os.open(os.path.join(rdir, _START_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ConnectError(
+                        f"another process has been starting the allocator in {rdir} for over {timeout:.0f} s; "
+                        f"see the allocator-start-*.log files there"
+                    ) from None
+                time.sleep(0.02)  # flock has no timed wait; the holder is starting a daemon (seconds)
+        yield
+    finally:
+        os.close(fd)
+
+
+def local_allocator(rdir: str, timeout: float = 60.0, extra_args: list[str] | None = None) -> dict[str, Any]:
+    """This host's allocator in ``rdir``: the running one, else one started now.
+
+    Race-free: concurrent callers (kernels, scripts) serialize on a lock in ``rdir``; the first
+    starts the daemon and the others find it.
+    """
+    info = find_local_allocator(rdir)
+    if info is not None:
+        return info
+    with _start_lock(rdir, timeout):
+        return find_local_allocator(rdir) or start_local_allocator(rdir, timeout, extra_args)
+
+
 def start_local_allocator(rdir: str, timeout: float = 60.0, extra_args: list[str] | None = None) -> dict[str, Any]:
-    """Start a detached allocator daemon on this host and wait for its connection file."""
+    """Start a detached allocator daemon on this host and wait for its connection file.
+
+    Always starts a new one; :func:`local_allocator` is the way to get "the" allocator.
+    """
     before = {i["file"] for i in read_connection_files(rdir)}
     log = open(os.path.join(rdir, f"allocator-start-{os.getpid()}.log"), "ab")
     env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir)
