@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
 from .._wire import frames as wire
 from ..config import Config
 from ..errors import MeshError, ProtocolError, SpawnError
@@ -39,6 +39,7 @@ from .telemetry import Telemetry
 from .transport import Security
 
 logger = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass
 class ProcRec:

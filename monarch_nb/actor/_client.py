@@ -15,8 +15,8 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .. import __version__
 from .._runtime.runtime import Runtime
+from .._version import __version__
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
 from ..errors import (
