@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 from ._ranks import parse_ranks
-from .actor import Future, HostMesh, ProcMesh, ValueMesh, _context, this_host
+from .actor import Future, HostMesh, ProcMesh, ValueMesh, controller_client, this_host
 from .actor._mesh import View, attach_to_workers
 from .actor._refs import HostRef
 from .actor._shape import Extent
@@ -70,7 +70,7 @@ def connect(*targets: str, key_file: str | None = None) -> HostMesh:
 
 
 def _reattach(hm: HostMesh) -> None:
-    client = _context.client()
+    client = controller_client()
     refs = hm._refs()
     by_name: dict[str, list[HostRef]] = {}
     for h in refs:
@@ -103,7 +103,7 @@ def spawn(name: str, per_host: dict[str, int] | None = None, *, persist: bool | 
             if not old._failed:
                 raise MeshError(f"a mesh named {name!r} is already running; `%mesh stop {name}` first or choose another name")
             # respawn after a failure: the failed mesh's remaining procs go first
-            old.stop(reason="respawned", force=True).exception(timeout=_context.client().rt.cfg.spawn_timeout)
+            old.stop(reason="respawned", force=True).exception(timeout=controller_client().rt.cfg.spawn_timeout)
         pm = hosts().spawn_procs(per_host=per_host, name=name, persist=persist, **kwargs)
         _meshes[name] = pm
         _exec_meshes.pop(name, None)
@@ -183,32 +183,22 @@ def exec_cell(
 
     filename = f"<mesh exec {label}>"  # the name ExecActor compiles it under
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    fut = am.run._gather((source, label), {}, sel, what)
     idx = sel if sel is not None else list(range(len(pm._view.ranks)))
-    out: Future[ValueMesh[Any]] = Future._create(what)
-    out._progress = fut._progress
 
-    def done(f: Future[Any]) -> None:
-        try:
-            raw = f.get()
-        except BaseException as e:
-            out._set_exception(e)
-            return
+    def collect(raw: list[tuple[bool, Any]]) -> ValueMesh[Any]:
         failures = {}
         results = []
-        for i in idx:
-            ok, v = raw[i]
+        for i, (ok, v) in zip(idx, raw):
             results.append(v if ok else None)
             if not ok:
                 failures[i] = v
         if failures:
-            out._set_exception(ExecError(failures, len(idx), pm.name))
-        elif sel is None:
-            out._set_result(ValueMesh._from_view(pm._view, results))
-        else:
-            out._set_result(ValueMesh(Extent(["ranks"], [len(results)]), results))
+            raise ExecError(failures, len(idx), pm.name)
+        if sel is None:
+            return ValueMesh._from_view(pm._view, results)
+        return ValueMesh(Extent(["ranks"], [len(results)]), results)
 
-    fut.add_done_callback(done)
+    out = am.run.call_ranks(sel, source, label).then(collect, what)
     if not block:
         return out
     try:
@@ -221,7 +211,7 @@ def exec_cell(
 def interrupt(mesh: ProcMesh | str | None, ranks: list[int] | None = None) -> int:
     """Send an interrupt (SIGINT) to code running in ``%%mesh exec`` on the mesh; returns how many were busy."""
     pm = _resolve(mesh)
-    client = _context.client()
+    client = controller_client()
     procs = [pm._procs[r] for r in pm._view.ranks]
     if ranks is not None:
         procs = [procs[i] for i in ranks]
@@ -241,7 +231,7 @@ def stop(name: str | None = None, *, all: bool = False, force: bool = False) -> 
         raise ValueError("give a mesh name or all=True")
     with _lock:
         targets = [m for m in _meshes.values() if not m._stopped] if all else [get(name)]  # type: ignore[arg-type]
-        client = _context.client()
+        client = controller_client()
         stopped = []
         errors = []
         for pm in targets:
@@ -265,7 +255,7 @@ def restart(pm: ProcMesh | str) -> dict[str, Any]:
     namespaces are gone afterwards (spawn the actors again).
     """
     pm = _resolve(pm)
-    client = _context.client()
+    client = controller_client()
     hm = pm._host_mesh or hosts()
     nh = len(hm._view.labels)
     per_host = dict(zip(pm._view.labels[nh:], pm._view.sizes[nh:]))

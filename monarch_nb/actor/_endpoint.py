@@ -243,6 +243,22 @@ class Endpoint(Generic[R]):
             raise ValueError(f"call_one requires exactly 1 actor, but mesh has {n}")
         return self._gather(args, kwargs, None, f"{self._mesh._name}.{self._name}.call_one()", _decode_first)
 
+    def call_ranks(self, ranks: Iterable[int] | None, *args: Any, **kwargs: Any) -> Future[list[R]]:
+        """Call the actors at ``ranks`` (indices into this mesh's flattened ranks; all of them when
+        None); the future holds their results in that order, and its ``progress()`` counts replies."""
+        n = len(self._mesh._view.ranks)
+        idx = list(range(n)) if ranks is None else list(ranks)
+        bad = [i for i in idx if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"ranks {bad} are out of range for actor mesh {self._mesh._name!r} of {n} actors")
+        return self._gather(
+            args,
+            kwargs,
+            None if ranks is None else idx,
+            f"{self._mesh._name}.{self._name}.call_ranks()",
+            lambda raws: [loads(*raws[i]) for i in idx],
+        )
+
     def choose(self, *args: Any, **kwargs: Any) -> Future[R]:
         """Call one actor, chosen to spread load: the one with the fewest of this process's
         ``choose`` calls still running, taking turns among equals."""
