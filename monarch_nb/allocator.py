@@ -7,9 +7,11 @@ import signal
 import time
 from typing import Any
 
-from ._runtime.daemon import run_allocator  # noqa: F401  (re-exported: the daemon now lives beside Allocator)
+from ._runtime.daemon import run_allocator
 from ._runtime.records import local_allocator, read_connection_files
 from .config import runtime_dir
+
+__all__ = ["list_allocators", "run_allocator", "start_allocator", "stop_allocator", "stop_mesh"]
 
 
 def list_allocators() -> list[dict[str, Any]]:

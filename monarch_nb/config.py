@@ -17,6 +17,8 @@ from typing import Any
 
 from .errors import ConfigError
 
+__all__ = ["Config", "configure", "configured", "get_config", "runtime_dir"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:

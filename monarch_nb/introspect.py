@@ -17,6 +17,8 @@ from ._runtime.runtime import pid_alive
 from .actor import _context, _debugwait
 from .config import runtime_dir
 
+__all__ = ["logs", "on_state_change", "status"]
+
 
 def status(addresses: list[str] | None = None, timeout: float = 2.0) -> dict[str, Any]:
     """Allocators (local connection files plus ``addresses``), their meshes and procs, and the

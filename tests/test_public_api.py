@@ -37,3 +37,19 @@ def test_runtime_layers_import_no_frontend():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_every_error_class_is_exported_and_drawn_in_the_tree():
+    import importlib
+    import re
+
+    from monarch_nb import errors
+
+    classes = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, BaseException)}
+    assert classes <= set(errors.__all__)
+    drawn = set(re.findall(r"^ +[+-] (\w+)", errors.__doc__ or "", re.M))
+    assert drawn == classes - {"MonarchNBError"}
+    assert all(issubclass(getattr(errors, n), errors.MonarchNBError) for n in classes)
+    for mod in ("errors", "config", "introspect", "allocator", "spmd"):
+        m = importlib.import_module(f"monarch_nb.{mod}")
+        assert m.__all__ == sorted(m.__all__) and all(hasattr(m, n) for n in m.__all__), mod

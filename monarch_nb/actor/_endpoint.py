@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 from .._runtime.runtime import Target
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
-from ..errors import MeshClosedError, SupervisionError
+from ..errors import MeshClosedError, NotAnEndpointError, SupervisionError
 from . import _context
 from ._future import Future
 
@@ -123,11 +123,6 @@ class _NotAnEndpointMethod:
 
 
 _ADVERBS = frozenset({"call", "call_one", "choose", "stream", "broadcast", "rref"})
-
-
-class NotAnEndpointError(AttributeError, RuntimeError):
-    """An adverb of a method without ``@endpoint``: an AttributeError as in Monarch, and the
-    RuntimeError monarch_nb raised before."""
 
 
 _PLAIN_KINDS = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
