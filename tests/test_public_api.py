@@ -25,20 +25,6 @@ def test_extent_and_point_print_like_monarch():
     assert e.nelements == 8 and list(e) == ["hosts", "gpus"]
 
 
-def test_runtime_layers_import_no_frontend():
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, monarch_nb.actor, monarch_nb._runtime.allocator, monarch_nb.actor._bootstrap;"
-        "bad=[m for m in sys.modules if m.split('.')[0] in ('IPython','ipykernel','tornado','jupyter_server')"
-        " or m.startswith(('monarch_nb.magics','monarch_nb.widgets','monarch_nb.server','monarch_nb.cli'))];"
-        "print(bad)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-    assert out == "[]"
-
-
 def test_every_error_class_is_exported_and_drawn_in_the_tree():
     import importlib
     import re

@@ -29,6 +29,7 @@ __all__ = [
     "find_local_allocator",
     "local_allocator",
     "path_for",
+    "read_connection_file",
     "read_connection_files",
     "start_local_allocator",
     "write_connection_file",
@@ -108,6 +109,18 @@ def read_connection_files(rdir: str) -> list[dict[str, Any]]:
             info["file"] = path
             out.append(info)
     return out
+
+
+def read_connection_file(path: str) -> dict[str, Any]:
+    """The connection info in the file at ``path`` (one a user names, say, copied from another host)."""
+    try:
+        with open(path) as f:
+            info = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConnectError(f"cannot read connection file {path}: {e}") from None
+    if not isinstance(info, dict):
+        raise ConnectError(f"connection file {path} holds no allocator record")
+    return info
 
 
 def _alive(pid: int) -> bool:
