@@ -16,9 +16,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import wait_for
 
 from monarch_nb import env
-from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -33,12 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _netns import NetnsCluster
 from conftest import wait_for
 
 from monarch_nb._runtime import records
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _netns import NetnsCluster
 
 pytestmark = pytest.mark.multihost
 
