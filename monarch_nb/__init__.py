@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 
 def status(**kwargs: Any) -> dict[str, Any]:

@@ -2,44 +2,16 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import time
 from typing import Any
 
-from ._runtime.allocator import Allocator
-from ._runtime.transport import Security, route_ip, split_tcp
-from ._wire.keys import read_key_file
-from .actor._client import find_local_allocator, read_connection_files, start_local_allocator
-from .config import get_config, runtime_dir
+from ._runtime.daemon import run_allocator
+from ._runtime.records import local_allocator, read_connection_files
+from .config import runtime_dir
 
-
-def run_allocator(
-    *, bind: str | None = None, key_file: str | None = None, trust_all: bool = False, lease: float | None = None
-) -> None:
-    """Serve as this host's allocator in the foreground until shut down.
-
-    ``bind`` is ``tcp://IP:PORT`` for a multi-host allocator (ipc is always served too);
-    TCP off loopback needs ``key_file`` (a cluster key, see ``monarch-nb keygen``).
-    """
-    cfg = get_config()
-    if lease is not None:
-        cfg = cfg.replace(lease=lease)
-    key = read_key_file(key_file) if key_file else None
-    security = Security(key, trust_all)
-    tcp_ip = None
-    port = 0
-    if bind:
-        if not bind.startswith("tcp://"):
-            raise ValueError(f"--bind takes tcp://IP:PORT, got {bind!r}")
-        tcp_ip, port = split_tcp(bind)
-        security.check_address(f"tcp://{route_ip('10.255.255.255') if tcp_ip in ('0.0.0.0', '*') else tcp_ip}:{port}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    alloc = Allocator(cfg, security, runtime_dir(cfg), tcp_ip=tcp_ip, tcp_port=port)
-    alloc.start(key_file or "")
-    signal.signal(signal.SIGTERM, lambda *_: alloc.rt.loop.call_soon_threadsafe(alloc.stopped.set))
-    alloc.serve_forever()
+__all__ = ["list_allocators", "run_allocator", "start_allocator", "stop_allocator", "stop_mesh"]
 
 
 def list_allocators() -> list[dict[str, Any]]:
@@ -60,7 +32,7 @@ def list_allocators() -> list[dict[str, Any]]:
 def start_allocator(extra_args: list[str] | None = None) -> dict[str, Any]:
     """Start this host's allocator detached (or return the one already running)."""
     rdir = runtime_dir()
-    return find_local_allocator(rdir) or start_local_allocator(rdir, extra_args=extra_args)
+    return local_allocator(rdir, extra_args=extra_args)
 
 
 def stop_allocator(pid: int | None = None, timeout: float = 15.0) -> list[int]:

@@ -9,11 +9,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import stat
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from .errors import ConfigError
+
+__all__ = ["Config", "configure", "configured", "get_config", "runtime_dir"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +126,12 @@ def configured(**kw: Any) -> Iterator[Config]:
 
 
 def runtime_dir(cfg: Config | None = None) -> str:
-    """The directory holding connection files and ipc sockets (created 0700)."""
+    """The directory holding connection files and ipc sockets (created 0700).
+
+    An existing one must be ours and private: another user's is refused (its sockets and
+    connection files would decide where our code goes), and ours with a looser mode is made
+    0700 with a warning.
+    """
     cfg = cfg or get_config()
     path = cfg.runtime_dir or os.environ.get("MONARCH_NB_RUNTIME_DIR", "")
     if not path:
@@ -136,4 +145,27 @@ def runtime_dir(cfg: Config | None = None) -> str:
             )
             path = base
     os.makedirs(path, mode=0o700, exist_ok=True)
+    _check_private_dir(path)
     return path
+
+
+def _check_private_dir(path: str) -> None:
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        raise ConfigError(
+            f"the runtime directory {path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
+            "set MONARCH_NB_RUNTIME_DIR to a directory of your own"
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        if mode & stat.S_ISVTX:  # a shared directory like /tmp: never take it over
+            raise ConfigError(
+                f"the runtime directory {path} is a shared directory (mode {mode:o}); "
+                "set MONARCH_NB_RUNTIME_DIR to a private directory of your own"
+            )
+        os.chmod(path, 0o700)
+        warnings.warn(
+            f"the runtime directory {path} was mode {mode:o}, open to other users; made it 0700",
+            RuntimeWarning,
+            stacklevel=3,
+        )

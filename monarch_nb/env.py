@@ -97,9 +97,9 @@ def compare(mine: dict[str, Any], theirs: dict[str, Any]) -> list[dict[str, str]
 def _allocators(addresses: list[str] | None) -> list[str]:
     if addresses:
         return list(addresses)
-    from . import mesh as _mesh
+    from . import _registry
 
-    return [h.alloc for h in _mesh.hosts()._refs()]
+    return [h.alloc for h in _registry.hosts()._refs()]
 
 
 def diff(addresses: list[str] | None = None) -> EnvDiff:

@@ -12,6 +12,9 @@
   + ConnectError          an address that cannot be reached in time
   + ConfigError
   + DebugError            a debug session that continued, is gone, or a breakpoint nobody could answer
+  + ExecError             a ``%%mesh exec`` cell raised on some ranks (one entry per failing rank)
+  + NotAnEndpointError    an adverb of a method without ``@endpoint`` (also AttributeError, RuntimeError)
+  + DimensionNotFound     a label that is not a dimension of an extent or point (also KeyError, ValueError)
 
 Deadlines raise the builtin ``TimeoutError`` saying what was awaited and for how long.
 """
@@ -20,6 +23,25 @@ from __future__ import annotations
 
 import traceback
 from typing import Any
+
+__all__ = [
+    "ActorError",
+    "AuthenticationError",
+    "ConfigError",
+    "ConnectError",
+    "DebugError",
+    "DimensionNotFound",
+    "ExecError",
+    "MeshClosedError",
+    "MeshError",
+    "MonarchNBError",
+    "NotAnEndpointError",
+    "ProtocolError",
+    "SpawnError",
+    "SupervisionError",
+    "VersionMismatchError",
+    "format_exception",
+]
 
 
 class MonarchNBError(Exception):
@@ -237,3 +259,23 @@ class ConfigError(MonarchNBError):
 
 class DebugError(MonarchNBError):
     """A debug session is gone or unknown, or a breakpoint was hit where nobody could debug it."""
+
+
+class NotAnEndpointError(AttributeError, RuntimeError, MonarchNBError):
+    """An adverb of a method without ``@endpoint``: an AttributeError as in Monarch, and the
+    RuntimeError monarch_nb raised before."""
+
+
+class DimensionNotFound(KeyError, ValueError, MonarchNBError):
+    """A label that is not a dimension of this extent or point.
+
+    Monarch raises ``ValueError("Dimension 'x' not found")`` here; a ``KeyError`` is what a
+    ``Mapping`` owes ``.get()`` and ``in``. Being both, either ``except`` clause catches it.
+    """
+
+    def __init__(self, label: str) -> None:
+        super().__init__(label)
+        self.label = label
+
+    def __str__(self) -> str:
+        return f"Dimension {self.label!r} not found"

@@ -12,10 +12,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ._runtime.records import read_connection_files
 from ._runtime.runtime import pid_alive
 from .actor import _context, _debugwait
-from .actor._client import read_connection_files
 from .config import runtime_dir
+
+__all__ = ["logs", "on_state_change", "status"]
 
 
 def status(addresses: list[str] | None = None, timeout: float = 2.0) -> dict[str, Any]:

@@ -138,7 +138,7 @@ def logs(
     from .actor import _context
 
     if isinstance(mesh, str):
-        from .mesh import get
+        from ._registry import get
 
         mesh = get(mesh)
     client = _context.client()

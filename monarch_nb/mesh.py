@@ -1,145 +1,33 @@
 """What the ``%mesh`` magics do, as plain functions a script can call too.
 
-The controller keeps a registry of named proc meshes. :func:`connect` attaches to allocators
-(the embedded local one by default) and re-attaches the meshes already running there, e.g.
-after a kernel restart; :func:`spawn` starts a named mesh over every attached host;
-:func:`exec_cell` runs source code in every proc of a mesh, each proc keeping its own
-namespace; :func:`stop` stops meshes this controller owns.
+The controller keeps a registry of named proc meshes (``monarch_nb._registry``, re-exported
+here). :func:`connect` attaches to allocators (the embedded local one by default) and
+re-attaches the meshes already running there, e.g. after a kernel restart; :func:`spawn`
+starts a named mesh over every attached host; :func:`exec_cell` runs source code in every
+proc of a mesh, each proc keeping its own namespace; :func:`stop` stops meshes this
+controller owns.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import threading
 from typing import Any
 
+from . import _registry
 from ._ranks import parse_ranks
-from .actor import Future, HostMesh, ProcMesh, ValueMesh, _context, this_host
-from .actor._mesh import View, attach_to_workers
-from .actor._refs import HostRef
-from .actor._shape import Extent
-from .errors import ConnectError, ExecError, MeshError, SpawnError
+from ._registry import _resolve, connect, get, hosts, meshes, restart, spawn
+from .actor import Extent, Future, ProcMesh, ValueMesh, controller_client
+from .errors import ExecError, MeshError, SpawnError
 
-__all__ = ["connect", "exec_cell", "get", "hosts", "interrupt", "meshes", "spawn", "status", "stop"]
+__all__ = ["connect", "exec_cell", "get", "hosts", "interrupt", "meshes", "restart", "spawn", "status", "stop"]
 
-_lock = threading.RLock()
-_hosts: HostMesh | None = None
-_meshes: dict[str, ProcMesh] = {}
-_exec_meshes: dict[str, Any] = {}
 _cell_counter = itertools.count(1)
-
-
-def _read_target(target: str) -> str:
-    """An allocator address, or the address in a connection file."""
-    if target.startswith(("tcp://", "ipc://")):
-        return target
-    path = os.path.expanduser(target)
-    if not os.path.exists(path):
-        raise ConnectError(f"{target!r} is neither an allocator address (tcp://HOST:PORT, ipc://PATH) nor a connection file")
-    try:
-        with open(path) as f:
-            info = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConnectError(f"cannot read connection file {path}: {e}") from None
-    import socket
-
-    if info.get("host") == socket.gethostname() and info.get("addr"):
-        return str(info["addr"])
-    if info.get("tcp"):
-        return str(info["tcp"])
-    raise ConnectError(f"connection file {path} names no address reachable from this host")
-
-
-def connect(*targets: str, key_file: str | None = None) -> HostMesh:
-    """Attach to allocators by address or connection file; with none, the embedded local one.
-
-    Meshes already running on them (spawned before a kernel restart, say) are re-attached and
-    returned by :func:`meshes`.
-    """
-    global _hosts
-    with _lock:
-        if targets:
-            hm = attach_to_workers(workers=[_read_target(t) for t in targets], key_file=key_file)
-        else:
-            hm = this_host()
-        _hosts = hm
-        _reattach(hm)
-        return hm
-
-
-def _reattach(hm: HostMesh) -> None:
-    client = _context.client()
-    refs = hm._refs()
-    by_name: dict[str, list[HostRef]] = {}
-    for h in refs:
-        st = client.request(h.alloc, "status").get(timeout=client.rt.cfg.connect_timeout)
-        for m in st["meshes"]:
-            if m["state"] == "running" and not m["name"].startswith("anon-"):
-                by_name.setdefault(m["name"], []).append(h)
-    for name, hs in by_name.items():
-        if name in _meshes and not _meshes[name]._stopped:
-            continue
-        sub = HostMesh(hs, View(["hosts"], [len(hs)]) if len(hs) > 1 else View([], []))
-        try:
-            _meshes[name] = ProcMesh.lookup(name, sub)
-        except MeshError:
-            continue  # stopped meanwhile
-
-
-def hosts() -> HostMesh:
-    """The hosts :func:`connect` attached to (connecting to the local allocator first if needed)."""
-    return _hosts if _hosts is not None else connect()
-
-
-def spawn(name: str, per_host: dict[str, int] | None = None, *, persist: bool | None = None, **kwargs: Any) -> ProcMesh:
-    """A named proc mesh over every attached host, shaped ``per_host`` on each."""
-    if not name.isidentifier():
-        raise ValueError(f"mesh name {name!r} must be a Python identifier (the notebook binds a variable to it)")
-    with _lock:
-        old = _meshes.get(name)
-        if old is not None and not old._stopped:
-            if not old._failed:
-                raise MeshError(f"a mesh named {name!r} is already running; `%mesh stop {name}` first or choose another name")
-            # respawn after a failure: the failed mesh's remaining procs go first
-            old.stop(reason="respawned", force=True).exception(timeout=_context.client().rt.cfg.spawn_timeout)
-        pm = hosts().spawn_procs(per_host=per_host, name=name, persist=persist, **kwargs)
-        _meshes[name] = pm
-        _exec_meshes.pop(name, None)
-        return pm
-
-
-def get(name: str) -> ProcMesh:
-    """The named mesh this controller spawned or re-attached."""
-    pm = _meshes.get(name)
-    if pm is None:
-        known = ", ".join(sorted(_meshes)) or "none"
-        raise MeshError(f"no mesh named {name!r} (known: {known}); spawn it or `%mesh connect` to re-attach")
-    return pm
-
-
-def meshes() -> dict[str, ProcMesh]:
-    """Named meshes known to this controller, including stopped ones until re-spawned."""
-    return dict(_meshes)
-
-
-def _resolve(mesh: ProcMesh | str | None) -> ProcMesh:
-    if isinstance(mesh, ProcMesh):
-        return mesh
-    if mesh is None:
-        live = [m for m in _meshes.values() if not m._stopped]
-        if len(live) != 1:
-            names = ", ".join(sorted(m.name for m in live)) or "none"
-            raise MeshError(f"name the mesh to use: {len(live)} are running ({names})")
-        return live[0]
-    return get(mesh)
 
 
 def _exec_actors(pm: ProcMesh) -> Any:
     from ._exec import EXEC_ACTOR, ExecActor
 
-    am = _exec_meshes.get(pm.name)
+    am = _registry._exec_meshes.get(pm.name)
     if am is None:
         try:
             am = pm.spawn(EXEC_ACTOR, ExecActor)
@@ -147,7 +35,7 @@ def _exec_actors(pm: ProcMesh) -> Any:
             if "already exists" not in str(e):
                 raise
             am = pm.actor_mesh(EXEC_ACTOR)  # a namespace from before a kernel restart
-        _exec_meshes[pm.name] = am
+        _registry._exec_meshes[pm.name] = am
     return am
 
 
@@ -183,32 +71,22 @@ def exec_cell(
 
     filename = f"<mesh exec {label}>"  # the name ExecActor compiles it under
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    fut = am.run._gather((source, label), {}, sel, what)
     idx = sel if sel is not None else list(range(len(pm._view.ranks)))
-    out: Future[ValueMesh[Any]] = Future._create(what)
-    out._progress = fut._progress
 
-    def done(f: Future[Any]) -> None:
-        try:
-            raw = f.get()
-        except BaseException as e:
-            out._set_exception(e)
-            return
+    def collect(raw: list[tuple[bool, Any]]) -> ValueMesh[Any]:
         failures = {}
         results = []
-        for i in idx:
-            ok, v = raw[i]
+        for i, (ok, v) in zip(idx, raw):
             results.append(v if ok else None)
             if not ok:
                 failures[i] = v
         if failures:
-            out._set_exception(ExecError(failures, len(idx), pm.name))
-        elif sel is None:
-            out._set_result(ValueMesh._from_view(pm._view, results))
-        else:
-            out._set_result(ValueMesh(Extent(["ranks"], [len(results)]), results))
+            raise ExecError(failures, len(idx), pm.name)
+        if sel is None:
+            return ValueMesh._from_view(pm._view, results)
+        return ValueMesh(Extent(["ranks"], [len(results)]), results)
 
-    fut.add_done_callback(done)
+    out = am.run.call_ranks(sel, source, label).then(collect, what)
     if not block:
         return out
     try:
@@ -221,7 +99,7 @@ def exec_cell(
 def interrupt(mesh: ProcMesh | str | None, ranks: list[int] | None = None) -> int:
     """Send an interrupt (SIGINT) to code running in ``%%mesh exec`` on the mesh; returns how many were busy."""
     pm = _resolve(mesh)
-    client = _context.client()
+    client = controller_client()
     procs = [pm._procs[r] for r in pm._view.ranks]
     if ranks is not None:
         procs = [procs[i] for i in ranks]
@@ -239,9 +117,9 @@ def stop(name: str | None = None, *, all: bool = False, force: bool = False) -> 
     """Stop the named mesh (or every mesh with ``all=True``); only this controller's unless ``force``."""
     if (name is None) == (not all):
         raise ValueError("give a mesh name or all=True")
-    with _lock:
-        targets = [m for m in _meshes.values() if not m._stopped] if all else [get(name)]  # type: ignore[arg-type]
-        client = _context.client()
+    with _registry._lock:
+        targets = [m for m in _registry._meshes.values() if not m._stopped] if all else [get(name)]  # type: ignore[arg-type]
+        client = controller_client()
         stopped = []
         errors = []
         for pm in targets:
@@ -252,29 +130,10 @@ def stop(name: str | None = None, *, all: bool = False, force: bool = False) -> 
                 stopped.append(pm.name)
             except Exception as e:
                 errors.append(f"{pm.name}: {e}")
-            _exec_meshes.pop(pm.name, None)
+            _registry._exec_meshes.pop(pm.name, None)
         if errors:
             raise MeshError("could not stop " + "; ".join(errors))
         return stopped
-
-
-def restart(pm: ProcMesh | str) -> dict[str, Any]:
-    """Stop a mesh and start it again, same name and shape, from the hosts' warm zygotes.
-
-    Needed after an environment change to a compiled package; actors and ``%%mesh exec``
-    namespaces are gone afterwards (spawn the actors again).
-    """
-    pm = _resolve(pm)
-    client = _context.client()
-    hm = pm._host_mesh or hosts()
-    nh = len(hm._view.labels)
-    per_host = dict(zip(pm._view.labels[nh:], pm._view.sizes[nh:]))
-    with _lock:
-        pm.stop(reason="restarted", force=True).get(timeout=client.rt.cfg.spawn_timeout)
-        new = hm.spawn_procs(per_host=per_host, name=pm.name, persist=pm._persist)
-        _meshes[pm.name] = new
-        _exec_meshes.pop(pm.name, None)
-    return {"pids": [p.pid for p in new._procs]}
 
 
 def _owned(client: Any, pm: ProcMesh) -> bool:

@@ -8,6 +8,8 @@ from typing import Any
 from .actor import Actor, current_rank, endpoint
 from .actor._mesh import ProcMesh
 
+__all__ = ["setup_env_for_distributed"]
+
 
 class _EnvSetter(Actor):
     @endpoint

@@ -100,11 +100,11 @@ class SyncReport:
 
 def _targets(meshes: list[ProcMesh] | None) -> tuple[dict[str, str], list[ProcMesh]]:
     """Allocator address -> host name, and the meshes whose procs reload."""
-    from . import mesh as _mesh
+    from . import _registry
 
     if meshes is None:
-        meshes = [m for m in _mesh.meshes().values() if not m._stopped]
-        hm = _mesh.hosts()
+        meshes = [m for m in _registry.meshes().values() if not m._stopped]
+        hm = _registry.hosts()
         allocs = {h.alloc: h.host for h in hm._refs()}
     else:
         allocs = {}
@@ -220,11 +220,11 @@ def _reload(report: SyncReport, meshes: list[ProcMesh], mode: str) -> list[dict[
     client = _context.client()
     changed_by_alloc = {hs.allocator: (hs.path, hs.changed + hs.removed) for hs in report.hosts}
     if mode == "restart":
-        from . import mesh as _mesh
+        from . import _registry
 
         out = []
         for m in meshes:
-            out.append({"restarted": m.name, **_mesh.restart(m)})
+            out.append({"restarted": m.name, **_registry.restart(m)})
         return out
     futs = []
     for m in meshes:

@@ -13,6 +13,20 @@ from typing import Any
 import jupyter_client
 
 
+def poll(cond: str, timeout: float = 30, what: str = "") -> str:
+    """Cell source that waits *in the kernel* until the expression ``cond`` is true, failing the
+    cell with an AssertionError after ``timeout`` (a kernel cannot import the harness: it would
+    be another copy of conftest). Append it to a cell, or run it as one."""
+    why = f"timed out after {timeout} s waiting for {what or cond}"
+    return (
+        "import time as _poll_time\n"
+        f"_poll_deadline = _poll_time.monotonic() + {timeout}\n"
+        f"while not ({cond}):\n"
+        f"    assert _poll_time.monotonic() < _poll_deadline, {why!r}\n"
+        "    _poll_time.sleep(0.05)\n"
+    )
+
+
 @dataclass
 class Cell:
     msg_id: str

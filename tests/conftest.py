@@ -48,7 +48,7 @@ class AllocatorProc:
         self.log = os.path.join(self.rdir, "allocator.log")
         with open(self.log, "wb") as f:
             self.proc = subprocess.Popen([PY, "-m", "monarch_nb", "allocator", *args], env=self.env, stdout=f, stderr=f)
-        from monarch_nb.actor._client import read_connection_files
+        from monarch_nb._runtime.records import read_connection_files
 
         self.info = wait_for(lambda: next(iter(read_connection_files(self.rdir)), None), 30, "allocator connection file")
         self.addr = self.info["addr"]

@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from conftest import run_script
+from conftest import run_script, wait_for
 
 from monarch_nb.actor import (
     Accumulator,
@@ -173,6 +173,33 @@ def test_call_one_choose_stream_broadcast(procs):  # type: ignore[no-untyped-def
     # a later call from the same sender is ordered after the broadcast
     assert c.value.call().get(timeout=10).values() == [100, 105, 100, 100]
     assert Accumulator(c.value, 0, lambda a, b: a + b).accumulate().get(timeout=10) == 405
+
+
+def test_call_ranks_then_and_progress_for_frontends(procs):  # type: ignore[no-untyped-def]
+    """The public calls ``%%mesh exec`` and the progress line are built on."""
+    from monarch_nb.actor import blocked_on, controller_client
+
+    h = procs.spawn("frontend_calls", Holder)
+    fut = h.rank.call_ranks([3, 0])
+    assert fut.get(timeout=10) == [3, 0] and fut.progress() == (2, 2)
+    held = h.hold.call_ranks(None)
+    derived = held.then(lambda ranks: sum(ranks), "sum of ranks")
+    assert derived.description == "sum of ranks" and derived.progress() == (0, 4)
+    seen: list[object] = []
+    main = threading.get_ident()
+    waiter = threading.Thread(target=lambda: seen.append(derived.get(timeout=20)))
+    waiter.start()
+    assert blocked_on(main) is None
+    wait_for(lambda: blocked_on(waiter.ident or 0) is derived, 10, "the thread to block on the derived future")
+    h.release.call().get(timeout=10)
+    waiter.join(20)
+    assert seen == [6] and derived.progress() == (4, 4)
+    failing = h.rank.call_ranks([1]).then(lambda r: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.get(timeout=10)
+    with pytest.raises(ValueError, match=r"ranks \[4\] are out of range for actor mesh 'frontend_calls' of 4 actors"):
+        h.rank.call_ranks([0, 4])
+    assert controller_client().cid == controller_client().rt.uid
 
 
 class Holder(Actor):

@@ -13,6 +13,7 @@ import pytest
 import zmq
 from conftest import PY, AllocatorProc, run_script, wait_for
 
+from monarch_nb._runtime import records
 from monarch_nb.actor import Actor, ProcMesh, attach_to_workers, current_rank, endpoint, this_host
 from monarch_nb.errors import SupervisionError
 
@@ -251,8 +252,8 @@ def test_embedded_allocator_and_cli(tmp_path):  # type: ignore[no-untyped-def]
     env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir)
     r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "start"], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "allocator pid" in r.stdout, r.stderr
-    files = [f for f in os.listdir(rdir) if f.startswith("allocator-") and f.endswith(".json")]
-    assert len(files) == 1 and os.stat(os.path.join(rdir, files[0])).st_mode & 0o777 == 0o600
+    files = [i["file"] for i in records.read_connection_files(rdir)]
+    assert len(files) == 1 and os.stat(files[0]).st_mode & 0o777 == 0o600
     r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "status"], env=env, capture_output=True, text=True, timeout=60)
     assert "alive" in r.stdout
     r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "stop"], env=env, capture_output=True, text=True, timeout=60)

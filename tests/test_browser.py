@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from _kernel import poll
 from conftest import wait_for
 
 CHROMIUM = "/usr/bin/chromium"
@@ -345,7 +346,8 @@ def test_late_rank_output_shows_in_its_cell_and_a_flood_keeps_the_page_responsiv
     cells = [
         "%load_ext monarch_nb\n%mesh spawn latebr --per-host gpus=2\nprint('spawned latebr')",
         "%%mesh exec latebr --no-block\nimport os, time\nfrom monarch_nb.actor import current_rank\n"
-        f"while not os.path.exists({str(flag)!r}): time.sleep(0.02)\nprint('late hello from', current_rank().rank)",
+        + poll(f"os.path.exists({str(flag)!r})", 120)
+        + "print('late hello from', current_rank().rank)",
         "print('second cell ran')",
     ]
     nb = run_notebook(page, lab, write_notebook(lab, "latebr", cells))

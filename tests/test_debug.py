@@ -17,13 +17,13 @@ import time
 from typing import Any
 
 import pytest
+from _kernel import Kernel, poll
 from conftest import PY, wait_for
 
 from monarch_nb import debug, introspect
 from monarch_nb.actor import Actor, current_rank, endpoint
 from monarch_nb.config import configured
 from monarch_nb.errors import DebugError, SupervisionError
-from tests._kernel import Kernel
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -86,11 +86,9 @@ def test_api_in_kernel_list_cast_attach_continue(kernel: Kernel) -> None:
 procs = this_host().spawn_procs(per_host={"gpus": 4}, name="dbg-api")
 m = procs.spawn("dbg", Dbg)
 fut = m.go.call(7)   # not waited on: the cell goes on while the ranks stop
-import time
-deadline = time.monotonic() + 30
-while len(debug.sessions("dbg", include_gone=False)) < 4 and time.monotonic() < deadline:
-    time.sleep(0.05)
-print(debug.format_table(debug.sessions("dbg")))
+"""
+        + poll('len(debug.sessions("dbg", include_gone=False)) == 4')
+        + """print(debug.format_table(debug.sessions("dbg")))
 """
     )
     assert r["error"] is None, r
@@ -174,12 +172,8 @@ def test_interrupting_the_debugger_leaves_ranks_paused(kernel: Kernel) -> None:
     r = kernel.converse("m.go.call(1).get()", interrupt)
     assert r["error"] is not None and r["error"]["ename"] == "KeyboardInterrupt", r
     r = kernel.converse(
-        """
-import time
-deadline = time.monotonic() + 30
-while len(debug.sessions("dbgi")) < 2 and time.monotonic() < deadline:
-    time.sleep(0.05)
-print(sorted((s.rank, s.state) for s in debug.sessions("dbgi")))
+        poll('len(debug.sessions("dbgi")) == 2')
+        + """print(sorted((s.rank, s.state) for s in debug.sessions("dbgi")))
 print(debug.continue_all("dbgi"))
 print(m.go.call(2).get(timeout=30) is not None)
 procs.stop().get(timeout=30)
@@ -233,11 +227,9 @@ def test_sessions_survive_a_kernel_restart() -> None:
             + """
 procs = this_host().spawn_procs(per_host={"gpus": 2}, name="dbg-restart")   # persistent in a kernel
 fut = procs.spawn("dbgr", Dbg).go.call(2)
-import time
-deadline = time.monotonic() + 30
-while len(debug.sessions("dbgr")) < 2 and time.monotonic() < deadline:
-    time.sleep(0.05)
-print(len(debug.sessions("dbgr")))
+"""
+            + poll('len(debug.sessions("dbgr")) == 2')
+            + """print(len(debug.sessions("dbgr")))
 """
         )
         assert r["stdout"].strip() == "2", r

@@ -6,12 +6,7 @@ script, which the worker hosts cannot read (private /tmp): pdb's ``l`` shows its
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from test_multihost import KEY, PY, Controller, HostProc, NetnsCluster, cluster, host_env, keys, workers  # noqa: F401
 
 pytestmark = pytest.mark.multihost

@@ -16,9 +16,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import wait_for
 
 from monarch_nb import env
-from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -71,7 +71,7 @@ def test_env_diff_shows_and_env_sync_fixes_a_host(tmp_path: Path) -> None:
     log = open(tmp_path / "alloc.log", "wb")
     alloc = subprocess.Popen([str(host_py), "-m", "monarch_nb", "allocator"], env=envvars, stdout=log, stderr=log)
     try:
-        from monarch_nb.actor._client import read_connection_files
+        from monarch_nb._runtime.records import read_connection_files
 
         addr = wait_for(lambda: next(iter(read_connection_files(rdir)), None), 30, "the host's allocator")["addr"]
         script = f"""

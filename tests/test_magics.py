@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import re
 import signal
+import textwrap
 
 import pytest
-
-from tests._kernel import Kernel
+from _kernel import Kernel, poll
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +86,7 @@ def test_late_output_reaches_its_cell_after_another_cell_ran(k: Kernel, tmp_path
     _ok(k.run("%mesh spawn late --per-host gpus=2"))
     _ok(k.run("%%mesh exec late\nimport os, time\nfrom monarch_nb.actor import current_rank\nr = current_rank().rank"))
     # the call returns at once; the ranks print when the test lets them, after another cell ran
-    a = _ok(
-        k.run(f"%%mesh exec late --no-block\nwhile not os.path.exists({str(flag)!r}): time.sleep(0.02)\nprint('late from', r)")
-    )
+    a = _ok(k.run(f"%%mesh exec late --no-block\n{poll(f'os.path.exists({str(flag)!r})', 60)}print('late from', r)"))
     slot = [d for d in a.display_ids() if d]
     assert slot, "a cell that called ranks keeps a display for output that comes later"
     b = _ok(k.run("1 + 1"))
@@ -112,7 +110,7 @@ def test_output_outside_a_call_goes_to_the_cell_of_the_last_call(k: Kernel, tmp_
     _ok(k.run("%mesh spawn bg --per-host gpus=1"))
     code = (
         "%%mesh exec bg\nimport os, threading, time\n"
-        f"def later():\n    while not os.path.exists({str(flag)!r}): time.sleep(0.02)\n    print('background tick')\n"
+        "def later():\n" + textwrap.indent(poll(f"os.path.exists({str(flag)!r})", 60), "    ") + "    print('background tick')\n"
         "threading.Thread(target=later).start()"
     )
     a = _ok(k.run(code))
@@ -180,9 +178,8 @@ def test_logs_follow_prints_new_lines_until_interrupted(k: Kernel, tmp_path) -> 
             "import os, threading, time\n"
             "print('old line', flush=True)\n"
             "def later():\n"
-            f"    while not os.path.exists({str(flag)!r}):\n"
-            "        time.sleep(0.05)  # poll for the test's flag file\n"
-            "    print('new line', flush=True)\n"
+            + textwrap.indent(poll(f"os.path.exists({str(flag)!r})", 60), "    ")
+            + "    print('new line', flush=True)\n"
             "threading.Thread(target=later, daemon=True).start()"
         )
     )
@@ -210,7 +207,7 @@ def test_logging_option_sets_the_window_of_a_mesh(k: Kernel) -> None:
 
 
 def test_a_dead_proc_fails_the_mesh_loudly_and_the_next_cell_respawns(k: Kernel) -> None:
-    from tests.conftest import wait_for
+    from conftest import wait_for
 
     _ok(k.run("%mesh spawn frail --per-host gpus=2"))
     _ok(k.run("%%mesh exec frail\n1"))
@@ -226,10 +223,14 @@ def test_a_dead_proc_fails_the_mesh_loudly_and_the_next_cell_respawns(k: Kernel)
     assert _ok(k.run("%%mesh exec frail\n7")).result.count("7") == 2
 
 
-def test_long_calls_show_ranks_replied(k: Kernel) -> None:
+def test_long_calls_show_ranks_replied(k: Kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    flag = tmp_path / "go"
     _ok(k.run("%mesh spawn slow --per-host gpus=2"))
+    # rank 0 replies at once; rank 1 only once the test has seen the progress line
     cell = k.execute(
-        "%%mesh exec slow\nimport time\nfrom monarch_nb.actor import current_rank\ntime.sleep(3.5 * current_rank().rank)"
+        "%%mesh exec slow\nimport os\nfrom monarch_nb.actor import current_rank\n"
+        + "if current_rank().rank == 1:\n"
+        + textwrap.indent(poll(f"os.path.exists({str(flag)!r})", 60), "    ")
     )
     k.wait_msg(
         lambda m: (
@@ -240,6 +241,7 @@ def test_long_calls_show_ranks_replied(k: Kernel) -> None:
         20,
         "a progress line",
     )
+    flag.touch()
     _ok(k.wait(cell))
 
 
@@ -249,10 +251,8 @@ def test_a_flood_is_thinned_and_the_kernel_stays_responsive(k: Kernel) -> None:
     # trivial cells keep answering while 100,000 lines arrive
     for i in range(3):
         assert _ok(k.run(f"{i} + 1", timeout=10)).result == str(i + 1)
-    # (not tests.conftest in the kernel: importing it would give the kernel another runtime dir)
     done = "len(L.logs(flood, tail=1)) == 16 and all(r['line'] == 'flood line 6249' for r in L.logs(flood, tail=1))"
-    wait = f"import time\nimport monarch_nb.logs as L\nt = time.monotonic()\nwhile not ({done}) and time.monotonic() - t < 60:\n    time.sleep(0.1)\n{done}"
-    assert _ok(k.run(wait, timeout=90)).result == "True"
+    _ok(k.run("import monarch_nb.logs as L\n" + poll(done, 60, "every rank's last flood line in the logs"), timeout=90))
     marker = k.wait_msg(
         lambda m: (
             m["parent_header"].get("msg_id") == flood.msg_id
@@ -355,11 +355,7 @@ def test_dashboard_lists_paused_ranks_and_its_console_drives_pdb(k: Kernel) -> N
         15,
         "rank 1 drawn as paused",
     )
-    _ok(
-        k.run(
-            "import time\nt = time.monotonic()\nwhile not view._sids and time.monotonic() - t < 15:\n    time.sleep(0.05)\nlen(view._sids)"
-        )
-    )
+    _ok(k.run(poll("view._sids", 15, "the dashboard to list the paused session")))
     # what the attach button and the console's send button do
     c = _ok(
         k.run("view._attach('stoppers', 1)\nview.console_in.value = 'p secret'\nview._console_send()\nview.console_out.value")
@@ -413,11 +409,7 @@ def test_debug_magics_list_cast_and_continue(k: Kernel) -> None:
         "        return mine\n"
         "halts = dbgm.spawn('halts', Halt)\n"
         "pending = halts.halt.call()\n"
-        "from monarch_nb import debug\n"
-        "import time\n"
-        "t = time.monotonic()\n"
-        "while len(debug.sessions('halts')) < 2 and time.monotonic() - t < 20:\n"
-        "    time.sleep(0.05)"
+        "from monarch_nb import debug\n" + poll("len(debug.sessions('halts')) == 2", 20)
     )
     _ok(k.run(code))
     table = _ok(k.run("%mesh debug")).stream()

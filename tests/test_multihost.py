@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _netns import NetnsCluster
 from conftest import wait_for
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _netns import NetnsCluster
+from monarch_nb._runtime import records
 
 pytestmark = pytest.mark.multihost
 
@@ -146,7 +146,7 @@ class Allocator(HostProc):
         line = self.err.wait_for(lambda s: "serving at" in s, timeout)
         assert line is not None, f"allocator did not come up within {timeout} s\n{self.describe()}"
         assert self.addr in line, line
-        files = list(self.cluster.path(self.host, RUNTIME_DIR).glob("allocator-*.json"))
+        files = list(self.cluster.path(self.host, RUNTIME_DIR).glob(f"{records.PREFIX}*{records.SUFFIX}"))
         assert len(files) == 1, files
         assert stat.S_IMODE(files[0].stat().st_mode) == 0o600
         self.info = json.loads(files[0].read_text())
@@ -543,7 +543,7 @@ def test_trust_all_refused_off_loopback(cluster: NetnsCluster) -> None:
     )
     assert cp.returncode != 0, cp
     assert b"refusing unauthenticated TCP" in cp.stderr, cp.stderr.decode(errors="replace")
-    assert not list(cluster.path(1, RUNTIME_DIR).glob("allocator-*.json"))
+    assert not list(cluster.path(1, RUNTIME_DIR).glob(f"{records.PREFIX}*{records.SUFFIX}"))
 
 
 @pytest.mark.timeout(60)

@@ -12,8 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from _netns import NetnsCluster, NetnsError, cleanup_stale, netns_available
 
 pytestmark = pytest.mark.skipif(not netns_available(), reason="needs root, iproute2 and util-linux")

@@ -141,11 +141,12 @@ def test_a_stale_connection_file_is_listed_as_a_dead_allocator(manager) -> None:
     import json
     import socket
 
+    from monarch_nb._runtime import records
     from monarch_nb.config import runtime_dir
 
     dead = subprocess.Popen([PY, "-c", "pass"])
     dead.wait()
-    path = os.path.join(runtime_dir(), "allocator-stale0test.json")
+    path = records.path_for(runtime_dir(), "stale0test")
     info = {"alloc_id": "stale0test", "host": socket.gethostname(), "pid": dead.pid, "addr": "ipc:///nonexistent.sock"}
     with open(path, "w") as f:
         json.dump(info, f)

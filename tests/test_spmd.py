@@ -70,8 +70,8 @@ def test_gpus_coordinate_maps_to_cuda_visible_devices_on_a_gpu_host(tmp_path):  
 
     from conftest import wait_for
 
+    from monarch_nb._runtime.records import read_connection_files
     from monarch_nb.actor import attach_to_workers
-    from monarch_nb.actor._client import read_connection_files
 
     assert os.geteuid() == 0, "needs root for a private mount namespace"
     rdir = str(tmp_path / "rt")

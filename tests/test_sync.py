@@ -145,7 +145,7 @@ def test_restart_gives_new_procs_that_import_the_synced_code(ws: Path) -> None:
 
 
 def test_watch_resyncs_and_reloads_on_save(ws: Path) -> None:
-    from tests.conftest import wait_for
+    from conftest import wait_for
 
     pm = M.spawn("watched", {"gpus": 1})
     watcher = None

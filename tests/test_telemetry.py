@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import time
 
+from conftest import wait_for
+
 import monarch_nb
 from monarch_nb.actor import Actor, endpoint, this_host
-from tests.conftest import wait_for
 
 
 class Worker(Actor):

@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import functools
 import importlib
-import json
 import logging
 import math
 import os
@@ -27,11 +26,11 @@ import sys
 import time
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
 from .._wire import frames as wire
 from ..config import Config
 from ..errors import MeshError, ProtocolError, SpawnError
-from . import shm
+from . import records, shm
 from .codecache import CodeCache
 from .debugreg import DebugRegistry
 from .logcapture import LogLine, ProcLog, read_log
@@ -40,8 +39,6 @@ from .telemetry import Telemetry
 from .transport import Security
 
 logger = logging.getLogger(__name__)
-
-CONNECTION_PREFIX = "allocator-"
 
 
 @dataclasses.dataclass
@@ -139,12 +136,7 @@ class Allocator(DebugRegistry):
             "started": time.time(),
             "log_dir": self.log_dir,
         }
-        path = os.path.join(self.runtime_dir, f"{CONNECTION_PREFIX}{self.id}.json")
-        fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(info, f)
-        os.replace(path + ".tmp", path)
-        self.connection_file = path
+        self.connection_file = records.write_connection_file(self.runtime_dir, self.id, info)
         logger.info("allocator %s serving at %s %s", self.id, self.rt.ipc_addr, self.rt.tcp_addr)
 
     async def _start_async(self) -> None:

@@ -609,7 +609,7 @@ class Runtime:
             kind, meta, body, bufs, table = wire.decode(frames)
         except VersionMismatchError as e:
             self.dropped_frames += 1
-            from .. import __version__
+            from .._version import __version__
 
             logger.warning("dropped a frame: %s", e)
             self._refuse(

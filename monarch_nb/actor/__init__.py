@@ -13,6 +13,7 @@ trainers.train.call(step=0).get()
 
 from ..errors import ActorError, SupervisionError
 from ._actor import Actor
+from ._context import controller_client
 from ._endpoint import (
     Accumulator,
     Endpoint,
@@ -21,7 +22,7 @@ from ._endpoint import (
     endpoint,
     send,
 )
-from ._future import Future, returns_future
+from ._future import Future, blocked_on, returns_future
 from ._mesh import (
     ActorMesh,
     HostMesh,
@@ -85,9 +86,11 @@ __all__ = [
     "as_endpoint",
     "attach",
     "attach_to_workers",
+    "blocked_on",
     "concurrent_endpoint",
     "config",
     "context",
+    "controller_client",
     "current_actor_name",
     "current_rank",
     "current_size",

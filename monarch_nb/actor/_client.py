@@ -4,7 +4,6 @@ mesh ownership and failure reporting. Every process has one; a controller's is t
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import sys
@@ -16,8 +15,8 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .. import __version__
-from .._runtime.runtime import Runtime, pid_alive
+from .._runtime.runtime import Runtime
+from .._version import __version__
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
 from ..errors import (
@@ -300,61 +299,3 @@ def _write_lines(stream: Any, original: Any, text: str) -> None:
             pass
     stream.write(text)
     stream.flush()
-
-
-def read_connection_files(rdir: str) -> list[dict[str, Any]]:
-    out = []
-    try:
-        names = sorted(os.listdir(rdir))
-    except OSError:
-        return out
-    for n in names:
-        if n.startswith("allocator-") and n.endswith(".json"):
-            try:
-                with open(os.path.join(rdir, n)) as f:
-                    info = json.load(f)
-                info["file"] = os.path.join(rdir, n)
-                out.append(info)
-            except (OSError, ValueError):
-                continue
-    return out
-
-
-def find_local_allocator(rdir: str) -> dict[str, Any] | None:
-    import socket
-
-    host = socket.gethostname()
-    for info in read_connection_files(rdir):
-        if info.get("host") == host and pid_alive(int(info.get("pid", 0))) and os.path.exists(info["addr"][len("ipc://") :]):
-            return info
-    return None
-
-
-def start_local_allocator(rdir: str, timeout: float = 60.0, extra_args: list[str] | None = None) -> dict[str, Any]:
-    """Start a detached allocator daemon on this host and wait for its connection file."""
-    import subprocess
-
-    before = {i["file"] for i in read_connection_files(rdir)}
-    log = open(os.path.join(rdir, f"allocator-start-{os.getpid()}.log"), "ab")
-    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir)
-    p = subprocess.Popen(
-        [sys.executable, "-m", "monarch_nb", "allocator", *(extra_args or [])],
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=log,
-        start_new_session=True,
-        env=env,
-    )
-    log.close()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for info in read_connection_files(rdir):
-            if info["file"] not in before and info.get("pid") == p.pid:
-                return info
-        if p.poll() is not None:
-            with open(log.name, errors="replace") as f:
-                tail = f.read()[-2000:]
-            raise ConnectError(f"the local allocator exited with code {p.returncode} while starting:\n{tail}")
-        time.sleep(0.02)  # polling a file the daemon writes; there is no event to wait on
-    p.kill()
-    raise ConnectError(f"the local allocator did not write its connection file within {timeout} s")

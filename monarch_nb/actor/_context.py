@@ -64,6 +64,17 @@ def client() -> Client:
     return _client
 
 
+def controller_client() -> Client:
+    """This process's client of its allocators (created on first use), for frontends.
+
+    Its ``cid`` names this controller to allocators; ``request(addr, method, ...)`` and
+    ``tell`` make system requests; a frontend routes output through ``log_writer`` (replaces
+    the default printer), ``log_taps`` (extra readers), ``on_call`` (told of every call with
+    its targets) and ``notice`` (shows runtime notices). A script never needs it.
+    """
+    return client()
+
+
 def _on_io_thread() -> bool:
     return _runtime is not None and _runtime.in_io_thread()
 

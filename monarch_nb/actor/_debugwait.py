@@ -4,7 +4,8 @@ Allocators publish debug sessions to their subscribers (every controller that ca
 procs). This module keeps the paused sessions of calls *this* controller made (their call id
 starts with our runtime's uid) and, when one opens while the main thread is blocked in
 ``Future.get()``, wakes that thread and runs the console: ``monarch_nb.debug`` installs it
-(imported on the first breakpoint, so ``mesh.ep.call().get()`` is debuggable as written).
+with :func:`set_console` (imported on the first breakpoint, so ``mesh.ep.call().get()`` is
+debuggable as written).
 
 Only the main thread runs a console: it owns ``input()`` (in a kernel, the cell's input box);
 other threads keep waiting, and their ranks stay listed for ``monarch_nb.debug`` clients.
@@ -44,8 +45,15 @@ _uid_prefix = ""
 _enabled = False
 _busy = threading.local()
 
-#: ``console(future)`` runs when the main thread waits and a rank of ours stopped; set by monarch_nb.debug
-console: Callable[[Future[Any]], None] | None = None
+#: ``console(future)`` runs when the main thread waits and a rank of ours stopped
+_console: Callable[[Future[Any]], None] | None = None
+
+
+def set_console(fn: Callable[[Future[Any]], None] | None) -> None:
+    """Install the console a blocked main thread runs when a rank of its calls stops
+    (``monarch_nb.debug`` installs its own on import; None falls back to importing it)."""
+    global _console
+    _console = fn
 
 
 def enable(uid: str) -> None:
@@ -207,14 +215,18 @@ def quiet() -> Iterator[None]:
 
 
 def _run_console(fut: Future[Any]) -> None:
-    if console is None:
-        importlib.import_module("monarch_nb.debug")  # installs ``console``
+    if _console is None:
+        # The one upward import of the actor layer (listed in tests/test_layers.py): the console
+        # is a feature (monarch_nb.debug) that a plain script never imports, yet a rank of its
+        # call may stop at breakpoint() and the blocked .get() must open it. Importing it here,
+        # on the first stop only, keeps the debugger out of every controller that never stops.
+        importlib.import_module("monarch_nb.debug")  # calls set_console
     with _lock:
         shown = set(_unseen)
     _busy.on = True  # waits inside the console (its own requests) are plain waits
     try:
-        assert console is not None
-        console(fut)
+        assert _console is not None
+        _console(fut)
     finally:
         _busy.on = False
         mark_seen(shown)  # never wake again for what the console was woken for

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 from .._runtime.runtime import Target
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
-from ..errors import MeshClosedError, SupervisionError
+from ..errors import MeshClosedError, NotAnEndpointError, SupervisionError
 from . import _context
 from ._future import Future
 
@@ -123,11 +123,6 @@ class _NotAnEndpointMethod:
 
 
 _ADVERBS = frozenset({"call", "call_one", "choose", "stream", "broadcast", "rref"})
-
-
-class NotAnEndpointError(AttributeError, RuntimeError):
-    """An adverb of a method without ``@endpoint``: an AttributeError as in Monarch, and the
-    RuntimeError monarch_nb raised before."""
 
 
 _PLAIN_KINDS = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -242,6 +237,22 @@ class Endpoint(Generic[R]):
         if n != 1:
             raise ValueError(f"call_one requires exactly 1 actor, but mesh has {n}")
         return self._gather(args, kwargs, None, f"{self._mesh._name}.{self._name}.call_one()", _decode_first)
+
+    def call_ranks(self, ranks: Iterable[int] | None, *args: Any, **kwargs: Any) -> Future[list[R]]:
+        """Call the actors at ``ranks`` (indices into this mesh's flattened ranks; all of them when
+        None); the future holds their results in that order, and its ``progress()`` counts replies."""
+        n = len(self._mesh._view.ranks)
+        idx = list(range(n)) if ranks is None else list(ranks)
+        bad = [i for i in idx if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"ranks {bad} are out of range for actor mesh {self._mesh._name!r} of {n} actors")
+        return self._gather(
+            args,
+            kwargs,
+            None if ranks is None else idx,
+            f"{self._mesh._name}.{self._name}.call_ranks()",
+            lambda raws: [loads(*raws[i]) for i in idx],
+        )
 
     def choose(self, *args: Any, **kwargs: Any) -> Future[R]:
         """Call one actor, chosen to spread load: the one with the fewest of this process's

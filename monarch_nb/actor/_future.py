@@ -16,6 +16,7 @@ from typing import Any, Generic, TypeVar
 from . import _debugwait
 
 R = TypeVar("R")
+T = TypeVar("T")
 
 _PENDING, _RAW, _DONE, _FAILED = range(4)
 assert _debugwait._PENDING == _PENDING
@@ -84,6 +85,28 @@ class Future(Generic[R]):
 
     def done(self) -> bool:
         return self._state != _PENDING
+
+    @property
+    def description(self) -> str:
+        """What this is the result of (``"trainers.step.call()"``), as progress and timeouts name it."""
+        return self._what
+
+    def progress(self) -> tuple[int, int] | None:
+        """``(replies so far, actors called)`` of a call to several actors; None for other futures."""
+        p = self._progress
+        if p is None:
+            return None
+        left, total = p
+        return total - left[0], total
+
+    def then(self, fn: Callable[[R], T], description: str | None = None) -> Future[T]:
+        """A future of ``fn(result)``, done when this one is and failing as it fails (or as ``fn``
+        raises). ``fn`` runs once, in the thread that first reads the new future, never on the I/O
+        thread. The new future reports this one's progress."""
+        out: Future[T] = Future._create(self._what if description is None else description)
+        out._progress = self._progress
+        self.add_done_callback(lambda src: out._set_raw(src, lambda s: fn(s._resolve())))
+        return out
 
     def add_done_callback(self, fn: Callable[[Future[R]], None]) -> None:
         with self._mutex:
@@ -175,6 +198,11 @@ class Future(Generic[R]):
     def __repr__(self) -> str:
         state = {_PENDING: "pending", _RAW: "done", _DONE: "done", _FAILED: "failed"}[self._state]
         return f"<monarch_nb Future {self._what} {state}>"
+
+
+def blocked_on(thread_id: int) -> Future[Any] | None:
+    """The future thread ``thread_id`` is blocked on in ``get()``, if any (a frontend shows its progress)."""
+    return blocked.get(thread_id)
 
 
 def returns_future(fn: Callable[..., Coroutine[Any, Any, R]]) -> Callable[..., Future[R]]:

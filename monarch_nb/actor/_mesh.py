@@ -512,12 +512,12 @@ def this_host() -> HostMesh:
             if spec is not None:
                 _local_host = HostMesh([HostRef(spec["alloc_addr"], spec["host"])], View([], []))
             else:
+                from .._runtime.records import local_allocator
                 from ..config import runtime_dir
-                from ._client import find_local_allocator, start_local_allocator
 
                 client = _context.client()
                 rdir = runtime_dir(client.rt.cfg)
-                info = find_local_allocator(rdir) or start_local_allocator(rdir)
+                info = local_allocator(rdir)
                 client.connect(info["addr"])
                 _local_host = HostMesh([HostRef(info["addr"], info["host"])], View([], []))
     return _local_host

@@ -262,7 +262,7 @@ def shutdown_context(host_timeout: float | None = None) -> Future[None]:
 
 
 def _run_allocator(address: str, ca: Any, private_key: Any, forever: bool) -> None:
-    from ..allocator import run_allocator
+    from .._runtime.daemon import run_allocator
 
     key_file = ca if isinstance(ca, (str, os.PathLike)) and ca != "trust_all_connections" else None
     run_allocator(bind=address, key_file=os.fspath(key_file) if key_file else None, trust_all=ca == "trust_all_connections")

@@ -6,20 +6,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
-
-class DimensionNotFound(KeyError, ValueError):
-    """A label that is not a dimension of this extent or point.
-
-    Monarch raises ``ValueError("Dimension 'x' not found")`` here; a ``KeyError`` is what a
-    ``Mapping`` owes ``.get()`` and ``in``. Being both, either ``except`` clause catches it.
-    """
-
-    def __init__(self, label: str) -> None:
-        super().__init__(label)
-        self.label = label
-
-    def __str__(self) -> str:
-        return f"Dimension {self.label!r} not found"
+from ..errors import DimensionNotFound
 
 
 class Extent(Mapping[str, int]):

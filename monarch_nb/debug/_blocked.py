@@ -1,5 +1,5 @@
 """The blocked cell is the debugger: what a controller's main thread does when a rank of a call
-it waits on stops at ``breakpoint()`` (installed as ``_debugwait.console`` on import).
+it waits on stops at ``breakpoint()`` (installed with ``_debugwait.set_console`` on import).
 
 With a person at the other end of ``input()`` (a kernel request that allows stdin, a TTY) it
 runs the :class:`Console`; without one it applies ``Config.debug_no_input``: continue the
@@ -112,4 +112,4 @@ def _no_input() -> None:
         raise DebugError(f"breakpoint at {where} with no input to debug it (debug_no_input='raise'); the ranks were continued")
 
 
-_debugwait.console = _blocked
+_debugwait.set_console(_blocked)

@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from .._runtime.records import read_connection_files
 from .._runtime.runtime import pid_alive as _alive
 from ..actor import _context, _debugwait
-from ..actor._client import read_connection_files
 from ..actor._future import Future
 from ..config import runtime_dir
 from ..errors import DebugError

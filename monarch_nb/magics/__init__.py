@@ -18,11 +18,11 @@ _output: KernelOutput | None = None
 
 def load_ipython_extension(ip: Any) -> None:
     global _output
-    from ..actor import _context
+    from ..actor import controller_client
 
     ip.register_magics(MeshMagics)
     if _output is None and getattr(ip, "kernel", None) is not None:
-        _output = KernelOutput(ip, _context.client())
+        _output = KernelOutput(ip, controller_client())
         _output.install()
 
 

@@ -12,7 +12,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from .. import logs as _logs
 from .. import mesh as _mesh
-from ..actor import _context
+from ..actor import controller_client
 
 _SUMMARY = """\
 %mesh connect [ADDRESS|CONNECTION_FILE ...]   attach to allocators (none: the local one); re-attach named meshes
@@ -145,7 +145,7 @@ class MeshMagics(Magics):
         if sub in ("exec", "attach", "debug"):
             return run(args, cell)
         # the other subcommands' waits are housekeeping: paused ranks must not open the debugger there
-        from ..actor._debugwait import quiet
+        from ..debug import quiet
 
         with quiet():
             return run(args, cell)
@@ -189,7 +189,7 @@ class MeshMagics(Magics):
     def _do_status(self, args: argparse.Namespace, cell: str | None) -> Any:
         from ._tables import StatusTable
 
-        return StatusTable(_mesh.status(args.addresses or None), _context.client().cid)
+        return StatusTable(_mesh.status(args.addresses or None), controller_client().cid)
 
     def _do_logs(self, args: argparse.Namespace, cell: str | None) -> Any:
         pm = _mesh.get(args.name)

@@ -24,8 +24,8 @@ import time
 import uuid
 from typing import Any
 
-from ..actor import _future
-from ..actor._debugwait import quiet
+from ..actor import blocked_on
+from ..debug import quiet
 from ..logs import Aggregator, LogLine, format_line
 
 #: a kernel's default aggregation window, in seconds (as in Monarch's notebook default)
@@ -355,12 +355,12 @@ class KernelOutput:
                 self._show_wait(cur, self._wait_text(cur))
 
     def _wait_text(self, cell: _Cell) -> str | None:
-        fut = _future.blocked.get(self._main_tid or 0)
-        prog = getattr(fut, "_progress", None) if fut is not None else None
+        fut = blocked_on(self._main_tid or 0)
+        prog = fut.progress() if fut is not None else None
         if prog is None or fut.done():  # type: ignore[union-attr]
             return None
         elapsed = time.monotonic() - cell.started
         if elapsed < PROGRESS_AFTER:
             return None
-        left, total = prog
-        return f"⏳ {fut._what}: {total - left[0]}/{total} ranks replied ({elapsed:.0f} s)"  # type: ignore[union-attr]
+        replied, total = prog
+        return f"⏳ {fut.description}: {replied}/{total} ranks replied ({elapsed:.0f} s)"  # type: ignore[union-attr]

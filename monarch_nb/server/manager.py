@@ -50,9 +50,9 @@ class MeshManager:
             self._snap = None
 
     def _build(self) -> dict[str, Any]:
-        from monarch_nb import status
         from monarch_nb.allocator import list_allocators
         from monarch_nb.config import runtime_dir
+        from monarch_nb.introspect import status
 
         raw = status()
         allocators: list[dict[str, Any]] = []

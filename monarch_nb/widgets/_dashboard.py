@@ -11,7 +11,7 @@ import ipywidgets as W
 
 from .. import introspect
 from .._ranks import parse_ranks
-from ..actor import ProcMesh, _context
+from ..actor import ProcMesh, controller_client
 from ..logs import format_line
 from . import _render
 
@@ -78,7 +78,7 @@ class Dashboard(W.VBox):
             ]
         )
         self.add_class("mnb-dash")
-        self._client = _context.client()
+        self._client = controller_client()
         self._client.log_taps.append(self._on_lines)
         self.refresh()
         self._thread = threading.Thread(target=self._loop, name="monarch_nb-dashboard", daemon=True)

@@ -6,7 +6,7 @@ import html
 import math
 from typing import Any
 
-from ..actor._shape import Extent, Point
+from ..actor import Extent, Point
 
 #: the state classes a rank element carries (``mnb-state-<state>``) and their colours
 STATE_COLOURS = {

@@ -1,0 +1,148 @@
+"""This controller's named proc meshes and the hosts it attached to.
+
+Shared by the features that act on "every mesh" or "the attached hosts" by default (sync,
+logs, env) and by :mod:`monarch_nb.mesh`, whose magic-shaped functions re-export these:
+:func:`connect` attaches to allocators (the embedded local one by default) and re-attaches
+the meshes already running there, e.g. after a kernel restart; :func:`spawn` starts a named
+mesh over every attached host.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from ._runtime import records
+from .actor import HostMesh, ProcMesh, attach_to_workers, controller_client, this_host
+from .actor._mesh import View
+from .actor._refs import HostRef
+from .errors import ConnectError, MeshError
+
+__all__ = ["connect", "get", "hosts", "meshes", "restart", "spawn"]
+
+_lock = threading.RLock()
+_hosts: HostMesh | None = None
+_meshes: dict[str, ProcMesh] = {}
+#: proc mesh name -> the actor mesh running its ``%%mesh exec`` cells (dropped with the proc mesh)
+_exec_meshes: dict[str, Any] = {}
+
+
+def _read_target(target: str) -> str:
+    """An allocator address, or the address in a connection file."""
+    if target.startswith(("tcp://", "ipc://")):
+        return target
+    path = os.path.expanduser(target)
+    if not os.path.exists(path):
+        raise ConnectError(f"{target!r} is neither an allocator address (tcp://HOST:PORT, ipc://PATH) nor a connection file")
+    info = records.read_connection_file(path)
+    import socket
+
+    if info.get("host") == socket.gethostname() and info.get("addr"):
+        return str(info["addr"])
+    if info.get("tcp"):
+        return str(info["tcp"])
+    raise ConnectError(f"connection file {path} names no address reachable from this host")
+
+
+def connect(*targets: str, key_file: str | None = None) -> HostMesh:
+    """Attach to allocators by address or connection file; with none, the embedded local one.
+
+    Meshes already running on them (spawned before a kernel restart, say) are re-attached and
+    returned by :func:`meshes`.
+    """
+    global _hosts
+    with _lock:
+        if targets:
+            hm = attach_to_workers(workers=[_read_target(t) for t in targets], key_file=key_file)
+        else:
+            hm = this_host()
+        _hosts = hm
+        _reattach(hm)
+        return hm
+
+
+def _reattach(hm: HostMesh) -> None:
+    client = controller_client()
+    refs = hm._refs()
+    by_name: dict[str, list[HostRef]] = {}
+    for h in refs:
+        st = client.request(h.alloc, "status").get(timeout=client.rt.cfg.connect_timeout)
+        for m in st["meshes"]:
+            if m["state"] == "running" and not m["name"].startswith("anon-"):
+                by_name.setdefault(m["name"], []).append(h)
+    for name, hs in by_name.items():
+        if name in _meshes and not _meshes[name]._stopped:
+            continue
+        sub = HostMesh(hs, View(["hosts"], [len(hs)]) if len(hs) > 1 else View([], []))
+        try:
+            _meshes[name] = ProcMesh.lookup(name, sub)
+        except MeshError:
+            continue  # stopped meanwhile
+
+
+def hosts() -> HostMesh:
+    """The hosts :func:`connect` attached to (connecting to the local allocator first if needed)."""
+    return _hosts if _hosts is not None else connect()
+
+
+def spawn(name: str, per_host: dict[str, int] | None = None, *, persist: bool | None = None, **kwargs: Any) -> ProcMesh:
+    """A named proc mesh over every attached host, shaped ``per_host`` on each."""
+    if not name.isidentifier():
+        raise ValueError(f"mesh name {name!r} must be a Python identifier (the notebook binds a variable to it)")
+    with _lock:
+        old = _meshes.get(name)
+        if old is not None and not old._stopped:
+            if not old._failed:
+                raise MeshError(f"a mesh named {name!r} is already running; `%mesh stop {name}` first or choose another name")
+            # respawn after a failure: the failed mesh's remaining procs go first
+            old.stop(reason="respawned", force=True).exception(timeout=controller_client().rt.cfg.spawn_timeout)
+        pm = hosts().spawn_procs(per_host=per_host, name=name, persist=persist, **kwargs)
+        _meshes[name] = pm
+        _exec_meshes.pop(name, None)
+        return pm
+
+
+def get(name: str) -> ProcMesh:
+    """The named mesh this controller spawned or re-attached."""
+    pm = _meshes.get(name)
+    if pm is None:
+        known = ", ".join(sorted(_meshes)) or "none"
+        raise MeshError(f"no mesh named {name!r} (known: {known}); spawn it or `%mesh connect` to re-attach")
+    return pm
+
+
+def meshes() -> dict[str, ProcMesh]:
+    """Named meshes known to this controller, including stopped ones until re-spawned."""
+    return dict(_meshes)
+
+
+def _resolve(mesh: ProcMesh | str | None) -> ProcMesh:
+    if isinstance(mesh, ProcMesh):
+        return mesh
+    if mesh is None:
+        live = [m for m in _meshes.values() if not m._stopped]
+        if len(live) != 1:
+            names = ", ".join(sorted(m.name for m in live)) or "none"
+            raise MeshError(f"name the mesh to use: {len(live)} are running ({names})")
+        return live[0]
+    return get(mesh)
+
+
+def restart(pm: ProcMesh | str) -> dict[str, Any]:
+    """Stop a mesh and start it again, same name and shape, from the hosts' warm zygotes.
+
+    Needed after an environment change to a compiled package; actors and ``%%mesh exec``
+    namespaces are gone afterwards (spawn the actors again).
+    """
+    pm = _resolve(pm)
+    client = controller_client()
+    hm = pm._host_mesh or hosts()
+    nh = len(hm._view.labels)
+    per_host = dict(zip(pm._view.labels[nh:], pm._view.sizes[nh:]))
+    with _lock:
+        pm.stop(reason="restarted", force=True).get(timeout=client.rt.cfg.spawn_timeout)
+        new = hm.spawn_procs(per_host=per_host, name=pm.name, persist=pm._persist)
+        _meshes[pm.name] = new
+        _exec_meshes.pop(pm.name, None)
+    return {"pids": [p.pid for p in new._procs]}

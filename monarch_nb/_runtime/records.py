@@ -1,0 +1,215 @@
+"""Allocator records: the connection files allocators leave in the runtime directory.
+
+The one owner of their name (``allocator-<id>.json``), their format, their 0600 writer,
+their readers and the owner and mode checks that decide which of them to trust. A daemon
+writes its file once it serves; controllers, the CLI, the debugger and the launchers read
+them to find allocators. Starting this host's allocator goes through a lock file here, so
+concurrent controllers on a fresh runtime directory share one daemon.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import ConnectError
+
+__all__ = [
+    "PREFIX",
+    "find_local_allocator",
+    "local_allocator",
+    "path_for",
+    "read_connection_file",
+    "read_connection_files",
+    "start_local_allocator",
+    "write_connection_file",
+]
+
+logger = logging.getLogger(__name__)
+
+#: connection files are ``PREFIX + allocator id + SUFFIX``
+PREFIX = "allocator-"
+SUFFIX = ".json"
+#: held (flock) by the process starting this host's allocator
+_START_LOCK = "allocator.lock"
+
+#: files already warned about (listing allocators reads them all, often)
+_warned: set[str] = set()
+
+
+def path_for(rdir: str, alloc_id: str) -> str:
+    return os.path.join(rdir, f"{PREFIX}{alloc_id}{SUFFIX}")
+
+
+def write_connection_file(rdir: str, alloc_id: str, info: dict[str, Any]) -> str:
+    """Publish ``info`` as the connection file of ``alloc_id``: 0600 from creation, replaced atomically."""
+    path = path_for(rdir, alloc_id)
+    tmp = path + ".tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a leftover of a crashed start, maybe with another mode
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)
+    return path
+
+
+def _untrusted(path: str, st: os.stat_result) -> str:
+    """Why a connection file must not be believed ("" if it may)."""
+    if st.st_uid != os.getuid():
+        return f"it is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"other users may write it (mode {stat.S_IMODE(st.st_mode):o})"
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    return ""
+
+
+def read_connection_files(rdir: str) -> list[dict[str, Any]]:
+    """Every trusted connection file in ``rdir`` (sorted by name), each with its path as ``file``.
+
+    A file another user owns or may write is ignored, with a warning once: whoever wrote it
+    chooses the address this process would send its code to.
+    """
+    out: list[dict[str, Any]] = []
+    try:
+        names = sorted(os.listdir(rdir))
+    except OSError:
+        return out
+    for n in names:
+        if not (n.startswith(PREFIX) and n.endswith(SUFFIX)):
+            continue
+        path = os.path.join(rdir, n)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue  # gone meanwhile, or a symlink
+        with os.fdopen(fd) as f:
+            why = _untrusted(path, os.fstat(fd))
+            if why:
+                if path not in _warned:
+                    _warned.add(path)
+                    logger.warning("ignoring allocator connection file %s: %s", path, why)
+                continue
+            try:
+                info = json.load(f)
+            except (OSError, ValueError):
+                continue
+        if isinstance(info, dict):
+            info["file"] = path
+            out.append(info)
+    return out
+
+
+def read_connection_file(path: str) -> dict[str, Any]:
+    """The connection info in the file at ``path`` (one a user names, say, copied from another host)."""
+    try:
+        with open(path) as f:
+            info = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConnectError(f"cannot read connection file {path}: {e}") from None
+    if not isinstance(info, dict):
+        raise ConnectError(f"connection file {path} holds no allocator record")
+    return info
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def find_local_allocator(rdir: str) -> dict[str, Any] | None:
+    """The connection info of a live allocator of this host in ``rdir``, if there is one."""
+    host = socket.gethostname()
+    for info in read_connection_files(rdir):
+        addr = str(info.get("addr", ""))
+        try:
+            pid = int(info.get("pid", 0))
+        except (TypeError, ValueError):
+            continue
+        if info.get("host") == host and _alive(pid) and addr.startswith("ipc://") and os.path.exists(addr[len("ipc://") :]):
+            return info
+    return None
+
+
+@contextlib.contextmanager
+def _start_lock(rdir: str, timeout: float) -> Iterator[None]:
+    """Exclusive right to start this host's allocator in ``rdir`` (released if the holder dies)."""
+    fd = os.open(os.path.join(rdir, _START_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ConnectError(
+                        f"another process has been starting the allocator in {rdir} for over {timeout:.0f} s; "
+                        f"see the allocator-start-*.log files there"
+                    ) from None
+                time.sleep(0.02)  # flock has no timed wait; the holder is starting a daemon (seconds)
+        yield
+    finally:
+        os.close(fd)
+
+
+def local_allocator(rdir: str, timeout: float = 60.0, extra_args: list[str] | None = None) -> dict[str, Any]:
+    """This host's allocator in ``rdir``: the running one, else one started now.
+
+    Race-free: concurrent callers (kernels, scripts) serialize on a lock in ``rdir``; the first
+    starts the daemon and the others find it.
+    """
+    info = find_local_allocator(rdir)
+    if info is not None:
+        return info
+    with _start_lock(rdir, timeout):
+        return find_local_allocator(rdir) or start_local_allocator(rdir, timeout, extra_args)
+
+
+def start_local_allocator(rdir: str, timeout: float = 60.0, extra_args: list[str] | None = None) -> dict[str, Any]:
+    """Start a detached allocator daemon on this host and wait for its connection file.
+
+    Always starts a new one; :func:`local_allocator` is the way to get "the" allocator.
+    """
+    before = {i["file"] for i in read_connection_files(rdir)}
+    log = open(os.path.join(rdir, f"allocator-start-{os.getpid()}.log"), "ab")
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "monarch_nb", "allocator", *(extra_args or [])],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+        env=env,
+    )
+    log.close()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for info in read_connection_files(rdir):
+            if info["file"] not in before and info.get("pid") == p.pid:
+                return info
+        if p.poll() is not None:
+            with open(log.name, errors="replace") as f:
+                tail = f.read()[-2000:]
+            raise ConnectError(f"the local allocator exited with code {p.returncode} while starting:\n{tail}")
+        time.sleep(0.02)  # polling a file the daemon writes; there is no event to wait on
+    p.kill()
+    raise ConnectError(f"the local allocator did not write its connection file within {timeout} s")
