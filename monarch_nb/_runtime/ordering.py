@@ -42,9 +42,7 @@ class _Held(Generic[M]):
 class StreamOrder(Generic[M]):
     """Delivers messages to ``deliver`` in each stream's number order (numbers start at 1)."""
 
-    def __init__(
-        self, deliver: Callable[[M], None], gap_timeout: float, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, deliver: Callable[[M], None], gap_timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._deliver = deliver
         self.gap_timeout = gap_timeout
         self._clock = clock
