@@ -197,3 +197,29 @@ def test_supervision_declares_a_silent_allocator_and_its_procs_lost(caplog) -> N
     sup.check(now[0], starved=False)
     assert lost == [A, REMOTE]
     assert "no heartbeat for 16.0 s" in str(sup.peer_error(A))
+
+
+def test_a_reply_port_forgets_what_was_answered_or_closed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from monarch_nb._runtime.runtime import ReplyPort, Runtime
+    from monarch_nb._runtime.transport import Security
+
+    rt = Runtime(Config(), Security(), str(tmp_path))  # not started: no thread, no sockets
+    try:
+        failed: list[int] = []
+        replies = ReplyPort(rt, lambda *a: None)
+        for i, peer in enumerate([A, A, B]):
+            replies.owe(i, peer, lambda e, i=i: failed.append(i))
+        replies.answered(0)
+        rt.peer_failed(A, SupervisionError("A died"))
+        assert failed == [1]  # 0 had answered
+        replies.close()
+        rt.peer_failed(B, SupervisionError("B died"))
+        assert failed == [1]  # closed: nothing is owed any more
+        replies.close()
+        again = ReplyPort(rt, lambda *a: None)
+        assert again.port != replies.port
+        again.owe(0, A, lambda e: failed.append(99))  # owed by a dead peer: fails at once
+        assert failed == [1, 99]
+        again.close()
+    finally:
+        rt.close()

@@ -31,7 +31,7 @@ from .sending import Sender, Target
 from .supervision import Supervision
 from .transport import Security, Transport
 
-__all__ = ["NO_REPLY", "Mailbox", "PortHandler", "Runtime", "Target", "pid_alive", "system_method"]
+__all__ = ["NO_REPLY", "Mailbox", "PortHandler", "ReplyPort", "Runtime", "Target", "pid_alive", "system_method"]
 
 
 class Runtime:
@@ -205,6 +205,54 @@ class Runtime:
             starved = now - woke > interval + max(0.25, interval)
             woke = now
             self.supervision.check(now, starved)
+
+
+class ReplyPort:
+    """A port for the replies to one request, and supervision of the peers that owe them.
+
+    Opening it opens a port on ``rt`` whose replies go to ``on_reply``. :meth:`owe` says which
+    peer owes the reply of an index (watched through its allocator, if any; ``on_fail`` runs
+    if it dies, at once if it is dead already), :meth:`answered` that a reply came, and
+    :meth:`close`, once no more are wanted, closes the port and forgets what is still owed
+    (a failed send, peers never heard from). Closing twice is harmless.
+    """
+
+    __slots__ = ("rt", "port", "_owed")
+
+    def __init__(self, rt: Runtime, on_reply: PortHandler) -> None:
+        self.rt = rt
+        #: index -> the peer that owes its reply
+        self._owed: dict[int, str] = {}
+        self.port = rt.open_port(on_reply)
+
+    def owe(
+        self,
+        index: int,
+        peer: str,
+        on_fail: Callable[[BaseException], None],
+        *,
+        alloc: str = "",
+        mesh: str = "",
+        rank: int = 0,
+        host: str = "",
+    ) -> None:
+        """``peer`` owes the reply of ``index``; ``alloc``: the allocator that owns it, to watch."""
+        if alloc:
+            self.rt.watch(alloc, peer, mesh, rank, host)
+        self._owed[index] = peer
+        self.rt.expect(peer, (self.port, index), on_fail)
+
+    def answered(self, index: int) -> None:
+        peer = self._owed.pop(index, None)
+        if peer is not None:
+            self.rt.fulfil(peer, (self.port, index))
+
+    def close(self) -> None:
+        self.rt.close_port(self.port)
+        owed, self._owed = self._owed, {}
+        # a copy in one step: the I/O thread may be answering from the old dict right now
+        for index, peer in list(owed.items()):
+            self.rt.fulfil(peer, (self.port, index))
 
 
 def pid_alive(pid: int) -> bool:
