@@ -223,3 +223,13 @@ def test_a_reply_port_forgets_what_was_answered_or_closed(tmp_path) -> None:  # 
         again.close()
     finally:
         rt.close()
+
+
+def test_header_field_positions_match_their_named_tuples() -> None:
+    fields = wire.ActorMeta._fields
+    named = {"actor": wire.ACTOR_NAME, "method": wire.METHOD, "reply_addr": wire.REPLY_ADDR, "reply_port": wire.REPLY_PORT}
+    named |= {"index": wire.INDEX, "extent": wire.EXTENT, "call_id": wire.CALL_ID, "stream": wire.STREAM, "seq": wire.SEQ}
+    assert {f: fields.index(f) for f in fields} == named
+    meta = wire.ActorMeta("a", "m", "ipc:///r", 3, 1, ((), ()), "c.1", "s.1", 7)
+    kind, got, *_ = wire.decode(wire.encode(wire.ACTOR, tuple(meta), b"body"))
+    assert (kind, wire.ActorMeta(*got)) == (wire.ACTOR, meta)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from .._wire import frames as wire
+from .._wire.frames import ACTOR_NAME, INDEX, REPLY_ADDR, REPLY_PORT, SEQ, STREAM
 from .._wire.serialize import loads
 from ..config import Config
 from ..errors import ActorError, ProtocolError, SupervisionError, VersionMismatchError, _safe_exc, format_exception
@@ -126,8 +127,9 @@ class Receiver:
             except ProtocolError as e:
                 self.dropped += 1
                 logger.warning("dropped a message: %s", e)
-                if kind == wire.ACTOR and meta[2]:
-                    self.sender.send_port(meta[2], meta[3], meta[4], wire.ERROR, ActorError(e, host=self.hostname))
+                if kind == wire.ACTOR and meta[REPLY_ADDR]:
+                    err = ActorError(e, host=self.hostname)
+                    self.sender.send_port(meta[REPLY_ADDR], meta[REPLY_PORT], meta[INDEX], wire.ERROR, err)
                 return
         if kind == wire.PORT:
             port, index, status = meta
@@ -138,10 +140,10 @@ class Receiver:
         if kind == wire.FANOUT:
             self._fan_out(meta, body, bufs)
             return
-        if meta[8]:
-            if not self.order.accept(meta[7], meta[8], (meta, body, bufs)):
+        if meta[SEQ]:
+            if not self.order.accept(meta[STREAM], meta[SEQ], (meta, body, bufs)):
                 self.dropped += 1
-                logger.warning("dropped message %d of stream %s: already delivered (a replay?)", meta[8], meta[7])
+                logger.warning("dropped message %d of stream %s: already delivered (a replay?)", meta[SEQ], meta[STREAM])
         else:
             self._route(meta, body, bufs)
 
@@ -158,7 +160,7 @@ class Receiver:
             )
 
     def _fan_out(self, meta: tuple[Any, ...], body: Any, bufs: list[Any]) -> None:
-        actor, method, rport, extent, call_id, dests = meta
+        actor, method, rport, extent, call_id, dests = meta  # a FanoutMeta
         resolve = self.resolve_proc
         self.relayed[0] += 1
         for addr, index, raddr, sid, seq in dests:
@@ -173,7 +175,7 @@ class Receiver:
                     logger.warning("%s", err)
                 continue
             try:
-                meta1 = (actor, method, raddr, rport, index, extent, call_id, sid, seq)
+                meta1 = (actor, method, raddr, rport, index, extent, call_id, sid, seq)  # an ActorMeta
                 self.sender.send(local, self.sender.encode(local, wire.ACTOR, meta1, body, bufs))
                 self.relayed[1] += 1
             except SupervisionError:
@@ -183,7 +185,7 @@ class Receiver:
         self._route(*msg)
 
     def _route(self, meta: tuple[Any, ...], body: Any, bufs: list[Any]) -> None:
-        actor = meta[0]
+        actor = meta[ACTOR_NAME]
         sysobj = self.system.get(actor)
         if sysobj is not None:
             self._run_system(sysobj, meta, body, bufs)
@@ -192,7 +194,7 @@ class Receiver:
         if box is not None:
             box.deliver(meta, body, bufs)
             return
-        raddr, rport, index = meta[2], meta[3], meta[4]
+        raddr, rport, index = meta[REPLY_ADDR], meta[REPLY_PORT], meta[INDEX]
         # the actor was stopped (by the client, or by itself): as in Monarch, a supervision error
         err = SupervisionError(
             f"no actor named {actor!r} in {self.label} pid {self.pid} (stopped, or never spawned there)",
@@ -205,7 +207,7 @@ class Receiver:
             logger.warning("dropped a message for unknown actor %r", actor)
 
     def _run_system(self, obj: Any, meta: tuple[Any, ...], body: Any, bufs: list[Any]) -> None:
-        actor, method, raddr, rport, index = meta[:5]
+        actor, method, raddr, rport, index = meta[:5]  # the first ActorMeta fields
         # system methods get the sender's reply address so they can stream or defer answers
         try:
             args, kwargs = loads(body, bufs)

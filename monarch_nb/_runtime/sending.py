@@ -104,7 +104,7 @@ class Sender:
     ) -> None:
         """Send one unordered message (system requests); see :meth:`send_many` for actors."""
         raddr, rport = reply if reply else ("", 0)
-        meta = (actor, method, raddr, rport, index, extent, call_id, "", 0)
+        meta = (actor, method, raddr, rport, index, extent, call_id, "", 0)  # an ActorMeta, unordered
         self.send(addr, self.encode(addr, wire.ACTOR, meta, body, buffers))
 
     def _stream(self, addr: str) -> tuple[str, Iterator[int]]:
@@ -159,6 +159,7 @@ class Sender:
         failed: list[tuple[int, BaseException]] = []
         for t in direct:
             sid, seqs = self._stream(t.addr)
+            # an ActorMeta (see frames.py): plain tuples are cheaper to pickle
             meta = (actor, method, t.reply, port if t.reply else 0, t.index, extent, call_id, sid, next(seqs))
             try:
                 self.send(t.addr, self.encode(t.addr, wire.ACTOR, meta, body, buffers))
@@ -168,8 +169,8 @@ class Sender:
             dests = []
             for t in group:
                 sid, seqs = self._stream(t.addr)
-                dests.append((t.addr, t.index, t.reply, sid, next(seqs)))
-            meta = (actor, method, port, extent, call_id, tuple(dests))
+                dests.append((t.addr, t.index, t.reply, sid, next(seqs)))  # a FanoutTarget
+            meta = (actor, method, port, extent, call_id, tuple(dests))  # a FanoutMeta
             try:
                 self.send(alloc, self.encode(alloc, wire.FANOUT, meta, body, buffers))
             except BaseException as e:
