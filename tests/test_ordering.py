@@ -139,3 +139,12 @@ def test_a_failing_delivery_leaves_later_messages_held_not_lost(clock):  # type:
     assert out == []  # 1 counts as delivered; 2 waits for the next arrival or the timeout
     so.accept("a", 3, "m3")
     assert out == ["m2", "m3"]
+
+
+def test_a_skipped_gap_is_reported_before_the_messages_behind_it_are_delivered(clock):  # type: ignore[no-untyped-def]
+    events: list[object] = []
+    so: StreamOrder[str] = StreamOrder(events.append, gap_timeout=1.0, clock=clock, on_skip=events.append)
+    so.accept("a", 2, "m2")
+    clock.now += 2
+    so.skip_gaps()
+    assert events == [Skipped("a", 1, 1), "m2"]

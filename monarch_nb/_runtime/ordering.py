@@ -42,10 +42,18 @@ class _Held(Generic[M]):
 class StreamOrder(Generic[M]):
     """Delivers messages to ``deliver`` in each stream's number order (numbers start at 1)."""
 
-    def __init__(self, deliver: Callable[[M], None], gap_timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        deliver: Callable[[M], None],
+        gap_timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_skip: Callable[[Skipped], None] | None = None,
+    ) -> None:
         self._deliver = deliver
         self.gap_timeout = gap_timeout
         self._clock = clock
+        #: told of each gap given up on, before the messages behind it are delivered
+        self._on_skip = on_skip
         self._streams: dict[str, _Held[M]] = {}
 
     def accept(self, stream: str, seq: int, msg: M) -> bool:
@@ -82,7 +90,10 @@ class StreamOrder(Generic[M]):
         for sid, st in self._streams.items():
             if st.held and now - st.since > self.gap_timeout:
                 first = min(st.held)
-                skipped.append(Skipped(sid, st.next, first - 1))
+                gap = Skipped(sid, st.next, first - 1)
+                if self._on_skip is not None:
+                    self._on_skip(gap)
+                skipped.append(gap)
                 st.next = first
                 self._release(st)
         return skipped

@@ -24,7 +24,7 @@ from .._wire.serialize import loads
 from ..config import Config
 from ..errors import ActorError, ProtocolError, SupervisionError, VersionMismatchError, _safe_exc, format_exception
 from . import shm as _shm
-from .ordering import StreamOrder
+from .ordering import Skipped, StreamOrder
 from .sending import Sender
 from .transport import refuse
 
@@ -77,7 +77,7 @@ class Receiver:
         self.actors: dict[str, Mailbox] = {}
         self.system: dict[str, Any] = {}
         #: receiving side of ordered streams
-        self.order: StreamOrder[_Msg] = StreamOrder(self._route_held, cfg.order_gap_timeout, clock)
+        self.order: StreamOrder[_Msg] = StreamOrder(self._route_held, cfg.order_gap_timeout, clock, self._skipped)
         #: set by an allocator: its proc at a given address as it can reach it, or None
         self.resolve_proc: Callable[[str], str | None] | None = None
         #: messages dropped (malformed, foreign, replayed, for a proc not here)
@@ -150,14 +150,16 @@ class Receiver:
     def skip_gaps(self, now: float) -> None:
         """Deliver messages held behind one that never came (lost with a failed relay) after a while."""
         self.order.gap_timeout = self.cfg.order_gap_timeout
-        for sid, first, last in self.order.skip_gaps(now):
-            logger.warning(
-                "messages %d..%d of stream %s never arrived within %.0f s; delivering the later ones",
-                first,
-                last,
-                sid,
-                self.cfg.order_gap_timeout,
-            )
+        self.order.skip_gaps(now)
+
+    def _skipped(self, gap: Skipped) -> None:
+        logger.warning(
+            "messages %d..%d of stream %s never arrived within %.0f s; delivering the later ones",
+            gap.first,
+            gap.last,
+            gap.stream,
+            self.order.gap_timeout,
+        )
 
     def _fan_out(self, meta: tuple[Any, ...], body: Any, bufs: list[Any]) -> None:
         actor, method, rport, extent, call_id, dests = meta  # a FanoutMeta
