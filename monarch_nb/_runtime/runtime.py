@@ -230,7 +230,6 @@ class ReplyPort:
         index: int,
         peer: str,
         on_fail: Callable[[BaseException], None],
-        *,
         alloc: str = "",
         mesh: str = "",
         rank: int = 0,
@@ -249,10 +248,12 @@ class ReplyPort:
 
     def close(self) -> None:
         self.rt.close_port(self.port)
-        owed, self._owed = self._owed, {}
-        # a copy in one step: the I/O thread may be answering from the old dict right now
-        for index, peer in list(owed.items()):
-            self.rt.fulfil(peer, (self.port, index))
+        owed = self._owed
+        if owed:
+            self._owed = {}
+            # a copy in one step: the I/O thread may be answering from the old dict right now
+            for index, peer in list(owed.items()):
+                self.rt.fulfil(peer, (self.port, index))
 
 
 def pid_alive(pid: int) -> bool:

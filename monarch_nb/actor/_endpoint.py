@@ -346,7 +346,7 @@ def multicast(
                 tcp = p.addr.startswith("tcp://")
                 reply = raddr_cache.get(tcp) or raddr_cache.setdefault(tcp, rt.addr_for(p.addr))
             if replies is not None and on_fail is not None:
-                replies.owe(i, p.addr, functools.partial(on_fail, i), alloc=p.alloc, mesh=p.mesh, rank=p.rank, host=p.host)
+                replies.owe(i, p.addr, functools.partial(on_fail, i), p.alloc, p.mesh, p.rank, p.host)
             else:
                 if p.alloc:
                     rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)
