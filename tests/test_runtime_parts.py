@@ -56,7 +56,7 @@ def test_sender_sends_one_fanout_per_remote_allocator() -> None:
     assert s.send_many(targets, "act", "m", body, bufs, port=7) == []
     [(addr, (kind, meta, *_))] = out.sent
     assert (addr, kind) == (REMOTE, wire.FANOUT)
-    assert [(d[0], d[1], d[4]) for d in meta[5]] == [(t.addr, t.index, 1) for t in targets]
+    assert [(d[0], d[1], d[4]) for d in meta[5]] == [(t.addr, t.call_index, 1) for t in targets]
 
 
 def test_sender_refuses_a_dead_peer_and_reports_it_per_target() -> None:
@@ -228,7 +228,13 @@ def test_a_reply_port_forgets_what_was_answered_or_closed(tmp_path) -> None:  # 
 def test_header_field_positions_match_their_named_tuples() -> None:
     fields = wire.ActorMeta._fields
     named = {"actor": wire.ACTOR_NAME, "method": wire.METHOD, "reply_addr": wire.REPLY_ADDR, "reply_port": wire.REPLY_PORT}
-    named |= {"index": wire.INDEX, "extent": wire.EXTENT, "call_id": wire.CALL_ID, "stream": wire.STREAM, "seq": wire.SEQ}
+    named |= {
+        "call_index": wire.CALL_INDEX,
+        "extent": wire.EXTENT,
+        "call_id": wire.CALL_ID,
+        "stream": wire.STREAM,
+        "seq": wire.SEQ,
+    }
     assert {f: fields.index(f) for f in fields} == named
     meta = wire.ActorMeta("a", "m", "ipc:///r", 3, 1, ((), ()), "c.1", "s.1", 7)
     kind, got, *_ = wire.decode(wire.encode(wire.ACTOR, tuple(meta), b"body"))

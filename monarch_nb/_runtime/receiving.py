@@ -19,7 +19,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from .._wire import frames as wire
-from .._wire.frames import ACTOR_NAME, INDEX, REPLY_ADDR, REPLY_PORT, SEQ, STREAM
+from .._wire.frames import ACTOR_NAME, CALL_INDEX, REPLY_ADDR, REPLY_PORT, SEQ, STREAM
 from .._wire.serialize import loads
 from ..config import Config
 from ..errors import ActorError, ProtocolError, SupervisionError, VersionMismatchError, _safe_exc, format_exception
@@ -129,7 +129,7 @@ class Receiver:
                 logger.warning("dropped a message: %s", e)
                 if kind == wire.ACTOR and meta[REPLY_ADDR]:
                     err = ActorError(e, host=self.hostname)
-                    self.sender.send_port(meta[REPLY_ADDR], meta[REPLY_PORT], meta[INDEX], wire.ERROR, err)
+                    self.sender.send_port(meta[REPLY_ADDR], meta[REPLY_PORT], meta[CALL_INDEX], wire.ERROR, err)
                 return
         if kind == wire.PORT:
             port, index, status = meta
@@ -196,7 +196,7 @@ class Receiver:
         if box is not None:
             box.deliver(meta, body, bufs)
             return
-        raddr, rport, index = meta[REPLY_ADDR], meta[REPLY_PORT], meta[INDEX]
+        raddr, rport, index = meta[REPLY_ADDR], meta[REPLY_PORT], meta[CALL_INDEX]
         # the actor was stopped (by the client, or by itself): as in Monarch, a supervision error
         err = SupervisionError(
             f"no actor named {actor!r} in {self.label} pid {self.pid} (stopped, or never spawned there)",

@@ -32,7 +32,7 @@ class Target(NamedTuple):
     #: the allocator that owns the proc ("" for a process no allocator owns: sent direct)
     alloc: str
     #: the receiver's index in the call (its reply carries it back)
-    index: int
+    call_index: int
     #: where the proc sends its reply ("" for none)
     reply: str
 
@@ -160,21 +160,21 @@ class Sender:
         for t in direct:
             sid, seqs = self._stream(t.addr)
             # an ActorMeta (see frames.py): plain tuples are cheaper to pickle
-            meta = (actor, method, t.reply, port if t.reply else 0, t.index, extent, call_id, sid, next(seqs))
+            meta = (actor, method, t.reply, port if t.reply else 0, t.call_index, extent, call_id, sid, next(seqs))
             try:
                 self.send(t.addr, self.encode(t.addr, wire.ACTOR, meta, body, buffers))
             except BaseException as e:
-                failed.append((t.index, e))
+                failed.append((t.call_index, e))
         for alloc, group in groups.items():
             dests = []
             for t in group:
                 sid, seqs = self._stream(t.addr)
-                dests.append((t.addr, t.index, t.reply, sid, next(seqs)))  # a FanoutTarget
-            meta = (actor, method, port, extent, call_id, tuple(dests))  # a FanoutMeta
+                dests.append((t.addr, t.call_index, t.reply, sid, next(seqs)))  # a FanoutTarget
+            fmeta = (actor, method, port, extent, call_id, tuple(dests))  # a FanoutMeta
             try:
-                self.send(alloc, self.encode(alloc, wire.FANOUT, meta, body, buffers))
+                self.send(alloc, self.encode(alloc, wire.FANOUT, fmeta, body, buffers))
             except BaseException as e:
-                failed.extend((t.index, e) for t in group)
+                failed.extend((t.call_index, e) for t in group)
         return failed
 
     def encode(self, addr: str, kind: int, meta: tuple[Any, ...], body: Any, bufs: list[Any]) -> list[Any]:

@@ -49,7 +49,7 @@ class ActorMeta(NamedTuple):
     reply_addr: str
     reply_port: int
     #: the receiver's index in the call; its reply carries it back
-    index: int
+    call_index: int
     #: (labels, sizes) of the mesh the call went to
     extent: tuple[tuple[str, ...], tuple[int, ...]]
     call_id: str
@@ -62,7 +62,8 @@ class ActorMeta(NamedTuple):
 
 class PortMeta(NamedTuple):
     port: int
-    index: int
+    #: the index of the ActorMeta this answers
+    call_index: int
     #: OK, ERROR or ITEM
     status: int
 
@@ -71,7 +72,7 @@ class FanoutTarget(NamedTuple):
     """One proc of a FANOUT message, and the fields of its ACTOR message that are its own."""
 
     proc_addr: str
-    index: int
+    call_index: int
     reply_addr: str
     stream: str
     seq: int
@@ -87,7 +88,7 @@ class FanoutMeta(NamedTuple):
 
 
 #: positions of :class:`ActorMeta` fields
-ACTOR_NAME, METHOD, REPLY_ADDR, REPLY_PORT, INDEX, EXTENT, CALL_ID, STREAM, SEQ = range(9)
+ACTOR_NAME, METHOD, REPLY_ADDR, REPLY_PORT, CALL_INDEX, EXTENT, CALL_ID, STREAM, SEQ = range(9)
 
 #: the start of a refusal frame: magic and a zero version, then the reason in UTF-8
 REFUSED = MAGIC + b"\x00"
