@@ -52,7 +52,8 @@ def _instrument(rt: Any, log: list[tuple[str, int]], peer: str, what: Any) -> No
             log.append(("send0", t))
             log.append(("send1", T()))
 
-    rt.transport.dispatch, rt.sender.send = timed_dispatch, timed_send
+    # rt.send is the sender's send, bound once: callers of either are timed
+    rt.transport.dispatch, rt.sender.send, rt.send = timed_dispatch, timed_send, timed_send
 
 
 class Probe(Actor):
