@@ -1,17 +1,23 @@
-"""The runtime's parts, each on its own, without sockets or an I/O thread: the sender's
-frames go to a list, the receiver is handed frames, supervision's clock is a variable.
-(The parts together over real sockets: test_fastpath.py, test_fanout.py.)"""
+"""The runtime's parts, each on its own: the sender's frames go to a list, the receiver is
+handed frames, supervision's clock is a variable, and a transport carries bytes without a
+runtime around it. (The parts together: test_fastpath.py, test_fanout.py.)"""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
+import threading
 from typing import Any
 
 import pytest
+from conftest import wait_for
 
 from monarch_nb._runtime.receiving import Receiver
+from monarch_nb._runtime.runtime import ReplyPort, Runtime
 from monarch_nb._runtime.sending import Sender, Target
 from monarch_nb._runtime.supervision import Supervision
+from monarch_nb._runtime.transport import Security, Transport
 from monarch_nb._wire import frames as wire
 from monarch_nb._wire.serialize import dumps, loads
 from monarch_nb.config import Config
@@ -200,9 +206,6 @@ def test_supervision_declares_a_silent_allocator_and_its_procs_lost(caplog) -> N
 
 
 def test_a_reply_port_forgets_what_was_answered_or_closed(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from monarch_nb._runtime.runtime import ReplyPort, Runtime
-    from monarch_nb._runtime.transport import Security
-
     rt = Runtime(Config(), Security(), str(tmp_path))  # not started: no thread, no sockets
     try:
         failed: list[int] = []
@@ -239,3 +242,45 @@ def test_header_field_positions_match_their_named_tuples() -> None:
     meta = wire.ActorMeta("a", "m", "ipc:///r", 3, 1, ((), ()), "c.1", "s.1", 7)
     kind, got, *_ = wire.decode(wire.encode(wire.ACTOR, tuple(meta), b"body"))
     assert (kind, wire.ActorMeta(*got)) == (wire.ACTOR, meta)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "zmq"])
+def test_a_transport_carries_frames_to_another_inbox(tmp_path, direct: bool) -> None:  # type: ignore[no-untyped-def]
+    loop = asyncio.new_event_loop()
+    io = threading.Thread(target=loop.run_forever, daemon=True)
+    io.start()
+    cfg = Config(direct_ipc=direct)
+    rx = Transport(cfg, Security(), str(tmp_path), loop, name="rx")
+    tx = Transport(cfg, Security(), str(tmp_path), loop, name="tx")
+    got: list[list[bytes]] = []
+    opened: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def open_both() -> None:
+        rx.open(lambda frames, *where: got.append([bytes(f) for f in frames]))
+        tx.open(lambda *_: None)
+        opened.set_result(None)
+
+    try:
+        loop.call_soon_threadsafe(open_both)
+        opened.result(10)
+        for i in range(3):
+            tx.send(rx.ipc_addr, [b"head %d" % i, b"buffer"])
+        wait_for(lambda: len(got) == 3, 10, "three messages")
+        assert got == [[b"head %d" % i, b"buffer"] for i in range(3)]  # in order, frames intact
+        assert bool(rx.fast_in) == direct
+    finally:
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def stop() -> None:
+            rx.close_inboxes()
+            tx.close_inboxes()
+            loop.stop()
+            done.set_result(None)
+
+        loop.call_soon_threadsafe(stop)
+        done.result(10)
+        io.join(10)
+        for t in (tx, rx):
+            t.close_connections()
+            t.terminate()
+        loop.close()
