@@ -34,7 +34,7 @@ def _instrument(rt: Any, log: list[tuple[str, int]], peer: str, what: Any) -> No
     """Record when this runtime dispatches a message ``what(meta)`` accepts, and sends to ``peer``."""
     from monarch_nb._wire import frames as wire
 
-    dispatch, send = rt._dispatch, rt.send
+    dispatch, send = rt.transport.dispatch, rt.sender.send
 
     def timed_dispatch(msg: Any, *rest: Any) -> None:
         t = T()
@@ -52,7 +52,8 @@ def _instrument(rt: Any, log: list[tuple[str, int]], peer: str, what: Any) -> No
             log.append(("send0", t))
             log.append(("send1", T()))
 
-    rt._dispatch, rt.send = timed_dispatch, timed_send
+    # rt.send is the sender's send, bound once: callers of either are timed
+    rt.transport.dispatch, rt.sender.send, rt.send = timed_dispatch, timed_send, timed_send
 
 
 class Probe(Actor):
@@ -123,7 +124,7 @@ def main() -> int:
         ctl: list[tuple[str, int]] = []
         proc_addr = am._procs[0].addr
         # replies come on fresh ports; heartbeats and logs on the watch/log ports
-        quiet = {getattr(w, "event_port", -1) for w in rt._watches.values()} | {_context.client().log_port}
+        quiet = {getattr(w, "event_port", -1) for w in rt.supervision.watches.values()} | {_context.client().log_port}
         _instrument(rt, ctl, proc_addr, lambda km: km[0] == 2 and km[1][0] not in quiet)
         cpu0 = (time.process_time(), _cpu(proc_pid), _cpu(alloc_pid))
         w0 = time.perf_counter()

@@ -195,7 +195,7 @@ def test_receiver_drops_a_replayed_message(pair, caplog):  # type: ignore[no-unt
 
 def test_a_lost_message_delays_later_ones_only_for_the_gap_timeout(pair, caplog):  # type: ignore[no-untyped-def]
     rx, tx, rec = pair
-    caplog.set_level(logging.WARNING, logger="monarch_nb._runtime.runtime")
+    caplog.set_level(logging.WARNING, logger="monarch_nb._runtime.receiving")
     _note(tx, rx.ipc_addr, 1, seq=1)
     _note(tx, rx.ipc_addr, 3, seq=3)  # 2 never comes
     assert rec.wait(1) == [1]

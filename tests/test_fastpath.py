@@ -123,7 +123,7 @@ def test_runtimes_of_one_host_talk_directly_and_in_order(pair) -> None:  # type:
     got = wait(50)
     assert [i for i, _ in got] == list(range(50))
     assert got[25][1] == big and got[7][1] == b"7"
-    assert len(rx._fast_in) == 1, "the messages did not take the direct path"
+    assert len(rx.transport.fast_in) == 1, "the messages did not take the direct path"
 
 
 def test_a_thread_that_exits_closes_its_connections(pair) -> None:  # type: ignore[no-untyped-def]
@@ -134,15 +134,15 @@ def test_a_thread_that_exits_closes_its_connections(pair) -> None:  # type: igno
         t.join(10)
     wait(5)
     gc.collect()
-    wait_for(lambda: not rx._fast_in, 10, "the receiver to see every thread's connection close")
-    assert not tx._fast_out
+    wait_for(lambda: not rx.transport.fast_in, 10, "the receiver to see every thread's connection close")
+    assert not tx.transport.fast_out
 
 
 def test_the_io_thread_sends_through_zmq(pair) -> None:  # type: ignore[no-untyped-def]
     rx, tx, port, wait = pair
     tx.call_soon(tx.send, rx.ipc_addr, wire.encode(wire.PORT, (port, 0, wire.ITEM), b"from the loop"))
     assert wait(1) == [(0, b"from the loop")]
-    assert not rx._fast_in
+    assert not rx.transport.fast_in
 
 
 def test_a_dead_peer_costs_the_sender_nothing(pair) -> None:  # type: ignore[no-untyped-def]
@@ -173,7 +173,7 @@ def test_direct_path_off(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_another_user_cannot_connect(caplog) -> None:  # type: ignore[no-untyped-def]
-    caplog.set_level(logging.WARNING, logger="monarch_nb._runtime.runtime")
+    caplog.set_level(logging.WARNING, logger="monarch_nb._runtime.transport")
     rdir = tempfile.mkdtemp(prefix="mnbu-", dir="/tmp")  # every parent directory is searchable
     rx = Runtime(Config(), Security(), rdir, label="rx").start()
     path = fastpath.path_for(rx.ipc_addr)
@@ -201,7 +201,7 @@ def test_another_user_cannot_connect(caplog) -> None:  # type: ignore[no-untyped
         r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
         assert r.stdout.strip() == "CONNECTED", r.stdout + r.stderr
         wait_for(lambda: "refused a direct connection from uid 65534" in caplog.text, 10, "the refusal")
-        assert not rx._fast_in
+        assert not rx.transport.fast_in
     finally:
         rx.close()
         shutil.rmtree(rdir, ignore_errors=True)

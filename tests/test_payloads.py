@@ -189,11 +189,11 @@ def test_when_shared_memory_fails_the_buffer_takes_the_socket(echo, monkeypatch)
     from monarch_nb.actor import _context
 
     rt = _context.runtime()
-    assert rt._shm is not None
+    assert rt.sender.shm is not None
 
     def full(buf, copied=False):  # type: ignore[no-untyped-def]
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(rt._shm, "put", full)
+    monkeypatch.setattr(rt.sender.shm, "put", full)
     arr = np.arange(BIG // 8, dtype=np.int64)
     assert np.array_equal(echo.echo.call_one(arr).get(timeout=30), arr)

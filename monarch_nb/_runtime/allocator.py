@@ -1,89 +1,42 @@
-"""The allocator daemon: one per host, outlives any controller.
+"""The allocator daemon's service: one per host, it keeps the host's meshes and outlives any controller.
 
-It spawns procs (forked from the warm zygote, or exec'd from a bootstrap command), owns them
-(they die with it), captures their output into per-proc logs, tells subscribers when procs
-exit, and reaps meshes nobody holds: a script's meshes when its controller goes away, and
-everything once no controller has been attached for the lease.
+It answers controllers (hello, spawn, lookup, stop, status, logs), knows which controller
+owns which mesh, streams the meshes' output and proc exits to subscribers, and reaps meshes
+nobody holds: a script's meshes when its controller goes away, and everything once no
+controller has been attached for the lease. The processes themselves (zygote, exec, output
+capture, exits) are :mod:`.procs`'s; the host's interpreter and synced code :mod:`.hostenv`'s;
+paused debug sessions :mod:`.debugreg`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
-import importlib
 import logging
 import math
 import os
 import pickle
 import re
 import secrets
-import shutil
 import signal
-import socket
-import subprocess
-import sys
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 from .._version import __version__
 from .._wire import frames as wire
 from ..config import Config
-from ..errors import MeshError, ProtocolError, SpawnError
+from ..errors import MeshError, SpawnError
 from . import records, shm
 from .codecache import CodeCache
 from .debugreg import DebugRegistry
-from .logcapture import LogLine, ProcLog, read_log
+from .hostenv import HostEnv
+from .logcapture import LogLine, read_log
+from .procs import MeshRec, ProcRec, Procs, kill
 from .runtime import NO_REPLY, Runtime, pid_alive, system_method
 from .telemetry import Telemetry
 from .transport import Security
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class ProcRec:
-    token: str
-    mesh: str
-    rank: int
-    local_rank: int
-    state: str = "starting"
-    pid: int = 0
-    addr: str = ""
-    #: where this allocator reaches the proc (its ipc inbox; ``addr`` may be its TCP one)
-    local: str = ""
-    cause: str = ""
-    log: ProcLog | None = None
-    fds: dict[int, str] = dataclasses.field(default_factory=dict)
-    popen: subprocess.Popen[bytes] | None = None
-    ready: asyncio.Future[None] | None = None
-    exited: asyncio.Future[None] | None = None
-    started: float = dataclasses.field(default_factory=time.time)
-    #: cpu, rss, activity, call and line rates (see telemetry.py)
-    tele: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class MeshRec:
-    name: str
-    owner: str
-    persist: bool
-    labels: list[str]
-    sizes: list[int]
-    rank_base: int
-    procs: list[ProcRec]
-    state: str = "starting"
-    created: float = dataclasses.field(default_factory=time.time)
-    actors: dict[str, bytes] = dataclasses.field(default_factory=dict)
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)
-    log_subs: set[tuple[str, int]] = dataclasses.field(default_factory=set)
-
-
-def _gpu_count() -> int:
-    try:
-        return len([d for d in os.listdir("/proc/driver/nvidia/gpus")])
-    except OSError:
-        return 0
 
 
 class Allocator(DebugRegistry):
@@ -95,25 +48,22 @@ class Allocator(DebugRegistry):
         self.security = security
         self.runtime_dir = runtime_dir
         self.meshes: dict[str, MeshRec] = {}
-        self.by_pid: dict[int, ProcRec] = {}
-        self.by_token: dict[str, ProcRec] = {}
-        self.by_addr: dict[str, ProcRec] = {}
+        self.procs = Procs(self.rt, cfg, security, runtime_dir, on_exit=self._proc_exited, on_lines=self._emit_logs)
+        # the procs' indexes, shared (the debug registry and telemetry read them too)
+        self.by_pid, self.by_token, self.by_addr = self.procs.by_pid, self.procs.by_token, self.procs.by_addr
+        self.env = HostEnv(runtime_dir)
         self.controllers: dict[str, dict[str, Any]] = {}  # reply addr -> info
         self.subscribers: dict[tuple[str, int], float] = {}
         self.idle_since = time.monotonic()
         self.log_dir = ""
         self.connection_file = ""
-        self._zsock: socket.socket | None = None
-        self._zygote: subprocess.Popen[bytes] | None = None
-        self._zygote_ready: asyncio.Future[Any] | None = None
         self._pending_logs: dict[tuple[tuple[str, int], str], list[Any]] = {}
         self._flush_scheduled = False
         self._last_log_flush = 0.0
         self._anon = 0
         self.stopped = asyncio.Event()
-        self.gpus = _gpu_count()
+        self.gpus = self.procs.gpus
         self.telemetry = Telemetry(self)
-        self._code: CodeCache | None = None
         self._debug_init()
 
     # ------------------------------------------------------------ lifecycle
@@ -140,25 +90,9 @@ class Allocator(DebugRegistry):
         logger.info("allocator %s serving at %s %s", self.id, self.rt.ipc_addr, self.rt.tcp_addr)
 
     async def _start_async(self) -> None:
-        self._start_zygote()
+        self.procs.start_zygote()
         self.rt._spawn(self._reaper())
         self.rt._spawn(self.telemetry.run())
-
-    def _start_zygote(self) -> None:
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        preload = ",".join(p for p in (self.cfg.zygote_preload, "monarch_nb.actor._bootstrap") if p)
-        # the zygote is started from the main thread of the daemon: PDEATHSIG fires when the
-        # *thread* that forked it exits, and the main thread lives as long as the daemon
-        self._zygote = subprocess.Popen(
-            [sys.executable, "-m", "monarch_nb._runtime.zygote", str(child.fileno()), preload],
-            pass_fds=(child.fileno(),),
-            stdin=subprocess.DEVNULL,
-        )
-        child.close()
-        parent.setblocking(False)
-        self._zsock = parent
-        self._zygote_ready = self.rt.loop.create_future()
-        self.rt.loop.add_reader(parent.fileno(), self._on_zygote)
 
     def serve_forever(self) -> None:
         try:
@@ -173,11 +107,7 @@ class Allocator(DebugRegistry):
             self.rt.submit(self._stop_all("allocator shutting down")).result(timeout=15)
         except Exception:
             logger.exception("stopping procs failed")
-        for rec in list(self.by_pid.values()):
-            _kill(rec.pid)
-        if self._zygote is not None:
-            self._zygote.kill()
-            self._zygote.wait()
+        self.procs.close()
         if self.connection_file:
             try:
                 os.unlink(self.connection_file)
@@ -185,99 +115,15 @@ class Allocator(DebugRegistry):
                 pass
         self.rt.close()
 
-    # ------------------------------------------------------------ zygote and procs
-    def _on_zygote(self) -> None:
-        assert self._zsock is not None
-        while True:
-            try:
-                data = self._zsock.recv(1 << 16)
-            except BlockingIOError:
-                return
-            if not data:
-                self.rt.loop.remove_reader(self._zsock.fileno())
-                logger.error("zygote exited; procs can no longer be forked")
-                if self._zygote_ready and not self._zygote_ready.done():
-                    self._zygote_ready.set_exception(SpawnError("the allocator's zygote exited while starting"))
-                return
-            msg = pickle.loads(data)
-            if msg[0] == "ready":
-                _, loaded, failed, dt = msg
-                logger.info("zygote ready in %.2fs with %s", dt, loaded)
-                for f in failed:
-                    logger.warning("zygote could not preload %s", f)
-                if self._zygote_ready and not self._zygote_ready.done():
-                    self._zygote_ready.set_result(loaded)
-            elif msg[0] == "spawned":
-                rec = self.by_token.get(msg[1])
-                if rec is not None:
-                    rec.pid = msg[2]
-                    self.by_pid[rec.pid] = rec
-            elif msg[0] == "exited":
-                rec = self.by_pid.get(msg[1])
-                if rec is not None:
-                    self._proc_exited(rec, msg[2])
-
-    def _proc_exited(self, rec: ProcRec, status: int) -> None:
-        self.by_pid.pop(rec.pid, None)
-        shm.sweep_dead(rec.pid)  # shared-memory buffers it sent that nobody took
-        for fd in list(rec.fds):
-            self._drain(rec, fd, final=True)
-        if os.WIFSIGNALED(status):
-            sig = os.WTERMSIG(status)
-            try:
-                name = signal.Signals(sig).name
-            except ValueError:
-                name = str(sig)
-            cause = f"process {rec.pid} was killed by {name}"
-        else:
-            cause = f"process {rec.pid} exited with code {os.WEXITSTATUS(status)}"
-        if rec.state == "stopping":
-            rec.state = "stopped"
-            cause = f"mesh stopped ({cause})"
-        else:
-            rec.state = "failed"
-            if rec.log is not None:
-                last = [ln[4] for ln in rec.log.tail if ln[1] == "stderr" and ln[4].strip()][-3:]
-                if last:
-                    cause += "; last output: " + " | ".join(last)
-        rec.cause = cause
-        if rec.ready is not None and not rec.ready.done():
-            rec.ready.set_exception(SpawnError(f"proc rank {rec.rank} of mesh {rec.mesh!r} died while starting: {cause}"))
-        if rec.exited is not None and not rec.exited.done():
-            rec.exited.set_result(None)
-        if rec.log is not None:
-            rec.log.close()
-        self._debug_proc_exited(rec.token, cause)
-        self._publish(("proc_exited", rec.addr, rec.mesh, rec.rank, self.rt.hostname, cause))
-        self._publish(("state", rec.mesh, rec.rank, rec.state, cause))
+    # ------------------------------------------------------------ procs and their output
+    def _proc_exited(self, rec: ProcRec) -> None:
+        """What a proc's exit means beyond the process: its debug sessions, subscribers, mesh."""
+        self._debug_proc_exited(rec.token, rec.cause)
+        self._publish(("proc_exited", rec.addr, rec.mesh, rec.rank, self.rt.hostname, rec.cause))
+        self._publish(("state", rec.mesh, rec.rank, rec.state, rec.cause))
         mesh = self.meshes.get(rec.mesh)
         if mesh is not None and rec.state == "failed" and mesh.state != "stopping":
             mesh.state = "failed"
-
-    def _on_output(self, rec: ProcRec, fd: int) -> None:
-        self._drain(rec, fd)
-
-    def _drain(self, rec: ProcRec, fd: int, final: bool = False) -> None:
-        stream = rec.fds.get(fd)
-        if stream is None:
-            return
-        # a bounded number of reads per wake-up: a flooding proc must not starve pings and spawns
-        for _ in range(1 << 20 if final else 4):
-            try:
-                data = os.read(fd, 1 << 16)
-            except BlockingIOError:
-                return
-            except OSError:
-                data = b""
-            if not data:
-                self.rt.loop.remove_reader(fd)
-                os.close(fd)
-                del rec.fds[fd]
-                return
-            if rec.log is not None:
-                rec.log.feed(stream, data)
-            if not final and len(data) < (1 << 16):
-                return
 
     def _emit_logs(self, mesh_name: str, lines: list[LogLine]) -> None:
         mesh = self.meshes.get(mesh_name)
@@ -305,86 +151,6 @@ class Allocator(DebugRegistry):
         for addr, port in list(self.subscribers):
             self.rt.send_port(addr, port, 0, wire.ITEM, event)
 
-    async def _start_proc(self, mesh: MeshRec, rec: ProcRec, spec: dict[str, Any]) -> None:
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        for fd, stream in ((out_r, "stdout"), (err_r, "stderr")):
-            os.set_blocking(fd, False)
-            rec.fds[fd] = stream
-            self.rt.loop.add_reader(fd, self._on_output, rec, fd)
-        rec.log = ProcLog(
-            os.path.join(self.log_dir, mesh.name, f"rank-{rec.rank}.jsonl"),
-            rec.rank,
-            lambda lines, m=mesh.name: self._emit_logs(m, lines),
-        )
-        env = dict(spec["env"])
-        coords = _coords(rec.local_rank, mesh.sizes)
-        if self.gpus and "gpus" in mesh.labels:
-            env["CUDA_VISIBLE_DEVICES"] = str(coords[mesh.labels.index("gpus")] % self.gpus)
-        proc_spec = {
-            "workspaces": self.code.workspaces(),
-            "token": rec.token,
-            "alloc_addr": self.rt.ipc_addr,
-            "alloc_tcp": self.rt.tcp_addr,
-            "runtime_dir": self.runtime_dir,
-            "tcp_ip": self.rt.tcp_addr.rsplit(":", 1)[0][len("tcp://") :] if self.rt.tcp_addr else None,
-            "key": self.security.key,
-            "trust_all": self.security.trust_all,
-            "mesh": mesh.name,
-            "rank": rec.rank,
-            "extent": spec["extent"],
-            "host": self.rt.hostname,
-            "cfg": dataclasses.asdict(self.cfg),
-            "bootstrap": spec.get("bootstrap"),
-        }
-        cmd = spec.get("bootstrap_command")
-        try:
-            if cmd:
-                argv, cmd_env = cmd
-                env.update(cmd_env or {})
-                spec_r, spec_w = os.pipe()
-                env["MONARCH_NB_PROC_SPEC_FD"] = str(spec_r)
-                rec.popen = subprocess.Popen(
-                    argv,
-                    env=env,
-                    cwd=spec.get("cwd") if os.path.isdir(spec.get("cwd") or "") else None,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out_w,
-                    stderr=err_w,
-                    pass_fds=(spec_r,),
-                    preexec_fn=_die_with_allocator,
-                )
-                os.close(spec_r)
-                with os.fdopen(spec_w, "wb") as f:
-                    pickle.dump(proc_spec, f)
-                rec.pid = rec.popen.pid
-                self.by_pid[rec.pid] = rec
-                pidfd = os.pidfd_open(rec.pid)
-                self.rt.loop.add_reader(pidfd, self._on_exec_exit, rec, pidfd)
-            else:
-                assert self._zygote_ready is not None and self._zsock is not None
-                await self._zygote_ready
-                req = {
-                    "token": rec.token,
-                    "env": env,
-                    "sys_path": spec["sys_path"],
-                    "cwd": spec.get("cwd", ""),
-                    "entry": "monarch_nb.actor._bootstrap:main",
-                    "spec": proc_spec,
-                }
-                socket.send_fds(self._zsock, [pickle.dumps(req)], [out_w, err_w])
-        finally:
-            os.close(out_w)
-            os.close(err_w)
-
-    def _on_exec_exit(self, rec: ProcRec, pidfd: int) -> None:
-        self.rt.loop.remove_reader(pidfd)
-        os.close(pidfd)
-        assert rec.popen is not None
-        _, status = os.waitpid(rec.popen.pid, 0)
-        rec.popen.returncode = 0
-        self._proc_exited(rec, status)
-
     # ------------------------------------------------------------ system methods
     def sys_hello(self, info: dict[str, Any]) -> dict[str, Any]:
         if info.get("role", "controller") == "controller":
@@ -397,65 +163,20 @@ class Allocator(DebugRegistry):
             "addr": self.rt.ipc_addr,
             "tcp": self.rt.tcp_addr,
             "gpus": self.gpus,
-            "versions": self._versions,
+            "versions": self.env.versions,
         }
 
-    @functools.cached_property
-    def _versions(self) -> dict[str, str]:
-        from .._pyenv import critical_versions
-
-        return critical_versions()
-
     # ------------------------------------------------------------ the host's environment
-    async def sys_env(self) -> dict[str, Any]:
-        from .._pyenv import describe
+    def sys_env(self) -> Coroutine[Any, Any, dict[str, Any]]:
+        return self.env.describe()
 
-        return await asyncio.to_thread(describe)
-
-    async def sys_env_pip(self, spec: str) -> dict[str, Any]:
+    def sys_env_pip(self, spec: str) -> Coroutine[Any, Any, dict[str, Any]]:
         """``pip install spec`` into this allocator's interpreter (fails fast without an index)."""
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--disable-pip-version-check",
-            "--no-input",
-            "--timeout",
-            "5",
-            "--retries",
-            "0",
-            spec,
-        ]
-        proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        out, _ = await proc.communicate()
-        return {"ok": proc.returncode == 0, "output": out.decode(errors="replace")[-4000:]}
+        return self.env.pip_install(spec)
 
     def sys_env_install_files(self, name: str, files: dict[str, str], remove: str = "") -> int:
         """Install a distribution from synced blobs into this interpreter's site-packages."""
-        import sysconfig
-        from importlib import metadata
-
-        site = sysconfig.get_paths()["purelib"]
-        if remove:
-            try:
-                old = metadata.distribution(remove)
-                for f in old.files or []:
-                    p = os.path.normpath(os.path.join(site, str(f)))
-                    if p.startswith(site + os.sep) and os.path.isfile(p):
-                        os.unlink(p)
-            except metadata.PackageNotFoundError:
-                pass
-        n = 0
-        for rel, digest in files.items():
-            dest = os.path.normpath(os.path.join(site, rel))
-            if not dest.startswith(site + os.sep):
-                raise ProtocolError(f"{name}: file {rel!r} would land outside site-packages")
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            shutil.copyfile(self.code._blob(digest), dest)
-            n += 1
-        importlib.invalidate_caches()
-        return n
+        return self.env.install_files(name, files, remove)
 
     @system_method(wants_reply=True)
     def sys_subscribe(self, *, _reply: tuple[str, int, int]) -> Any:
@@ -519,7 +240,7 @@ class Allocator(DebugRegistry):
         try:
             async with asyncio.timeout(self.cfg.spawn_timeout):
                 for rec in mesh.procs:
-                    await self._start_proc(mesh, rec, spec)
+                    await self.procs.start(mesh, rec, spec, self.log_dir, self.code.workspaces)
                 await asyncio.gather(*(r.ready for r in mesh.procs if r.ready is not None))
         except BaseException as e:
             await self._stop_mesh(mesh, "spawn failed")
@@ -571,20 +292,14 @@ class Allocator(DebugRegistry):
 
     def sys_flush_logs(self) -> int:
         """Read whatever procs have written and send it now (answered after the logs, on the same link)."""
-        n = 0
-        for rec in list(self.by_token.values()):
-            for fd in list(rec.fds):
-                self._drain(rec, fd, final=True)
-                n += 1
+        n = self.procs.drain_all()
         self._flush_logs()
         return n
 
     # ------------------------------------------------------------ synced code
     @property
     def code(self) -> CodeCache:
-        if self._code is None:
-            self._code = CodeCache(os.path.join(self.runtime_dir, "mnb-code"))
-        return self._code
+        return self.env.code
 
     def sys_sync_missing(self, digests: list[str]) -> list[str]:
         """Which of these blobs this host lacks (so only those cross the network)."""
@@ -595,13 +310,7 @@ class Allocator(DebugRegistry):
 
     def sys_sync_pull(self, url: str, digests: list[str]) -> int:
         """Fetch blobs from a staging area (any fsspec URL this host can reach)."""
-        import fsspec
-
-        fs, base = fsspec.core.url_to_fs(url)
-        n = 0
-        for d in self.code.missing(digests):
-            n += self.code.put({d: fs.cat_file(f"{base.rstrip('/')}/blobs/{d}")})
-        return n
+        return self.env.sync_pull(url, digests)
 
     def sys_sync_commit(self, ws: str, manifest: dict[str, tuple[str, int, int]]) -> dict[str, Any]:
         return self.code.commit(ws, manifest)
@@ -728,13 +437,13 @@ class Allocator(DebugRegistry):
                 except Exception:
                     pass
             elif r.pid:
-                _kill(r.pid, signal.SIGTERM)
+                kill(r.pid, signal.SIGTERM)
         waits = [r.exited for r in live if r.exited is not None and r.pid]
         if waits:
             _, pending = await asyncio.wait(waits, timeout=2.0)
             for r in live:
                 if r.exited is not None and not r.exited.done() and r.pid:
-                    _kill(r.pid)
+                    kill(r.pid)
             if pending:
                 await asyncio.wait(pending, timeout=5.0)
         for r in m.procs:
@@ -799,24 +508,3 @@ class Allocator(DebugRegistry):
 
 _MESH_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 _EMPTY_ARGS = pickle.dumps(((), {}), protocol=5), []
-
-
-def _coords(index: int, sizes: list[int]) -> list[int]:
-    out = []
-    for s in reversed(sizes):
-        out.append(index % s)
-        index //= s
-    return out[::-1]
-
-
-def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _die_with_allocator() -> None:
-    from ._prctl import die_with_parent
-
-    die_with_parent()

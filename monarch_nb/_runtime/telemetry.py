@@ -19,7 +19,8 @@ from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
 
 if TYPE_CHECKING:
-    from .allocator import Allocator, ProcRec
+    from .allocator import Allocator
+    from .procs import ProcRec
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,11 @@
-"""Socket set-up: where inboxes bind, and how every connection is secured.
+"""Sockets: where inboxes bind, how every connection is secured, and the bytes in and out.
+
+:class:`Transport` owns a process's sockets. It binds an inbox (ipc, plus TCP when other
+hosts must reach it), reads it on the I/O thread and hands every message's frames to one
+``dispatch`` callable, and sends frames to other inboxes through thread-local DEALER sockets
+(or, to a process of this host from any thread but the I/O thread, a direct connection), so
+any thread can send without waking the I/O thread and messages from one thread to one peer
+keep their order. What the frames mean is not its business.
 
 Threat model (see docs/security.md): on one host, ipc sockets live in a 0700 runtime
 directory and are themselves 0600, so only the user can connect. Across hosts every socket
@@ -8,18 +15,28 @@ that prove they hold it. Plain TCP (``trust_all_connections``) is refused off lo
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import ipaddress
 import logging
 import os
 import socket
+import threading
 import warnings
+import weakref
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
+import zmq.asyncio
 import zmq.auth.thread
 
+from .._wire import frames as wire
 from .._wire.keys import curve_keypair
+from ..config import Config
 from ..errors import ConfigError
+from . import fastpath
 
 logger = logging.getLogger(__name__)
 
@@ -148,3 +165,299 @@ def route_ip(peer_host: str) -> str:
 def split_tcp(addr: str) -> tuple[str, int]:
     host, port = addr[len("tcp://") :].rsplit(":", 1)
     return host.strip("[]"), int(port)
+
+
+#: what a transport hands each message to: its frames, and the inbox socket and sender's
+#: routing id when it came over zmq (to refuse it on the sender's own connection)
+Dispatch = Callable[..., None]
+
+
+def refuse(sock: zmq.Socket | None, rid: bytes, reason: str) -> None:
+    """Tell the sender (on its own connection) why its message was dropped."""
+    if sock is None:
+        return
+    try:
+        sock.send_multipart([rid, wire.refusal(reason)], zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass
+
+
+def _not_open(frames: list[Any], sock: zmq.Socket | None = None, rid: bytes = b"") -> None:
+    raise RuntimeError("the transport is not open")
+
+
+class Transport:
+    """A process's sockets. Thread-safe; inboxes are read on ``loop``'s thread."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        security: Security,
+        runtime_dir: str,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        name: str,
+        label: str = "proc",
+        spawn: Callable[[Coroutine[Any, Any, Any]], Any] | None = None,
+        tcp_ip: str | None = None,
+        tcp_port: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.security = security
+        self.runtime_dir = runtime_dir
+        self.loop = loop
+        self.name = name
+        self.label = label
+        self._spawn = spawn if spawn is not None else loop.create_task
+        self.ctx = zmq.Context()
+        self.sockets = SocketFactory(self.ctx, security)
+        self._tcp_ip = tcp_ip
+        self._tcp_port = tcp_port
+        self.ipc_addr = ""
+        self.tcp_addr = ""
+        #: the thread that reads the inboxes (set by its owner); it never sends directly
+        self.io_ident = 0
+        self.dispatch: Dispatch = _not_open
+        #: connections refused here (wrong uid, failed handshakes)
+        self.dropped = 0
+        self._inboxes: list[zmq.Socket] = []
+        self._all_out: list[zmq.Socket] = []
+        self._tls = threading.local()
+        self._lock = threading.Lock()
+        self._fast_listener: socket.socket | None = None
+        #: accepted direct connections
+        self.fast_in: set[fastpath.Receiver] = set()
+        #: every thread's direct connections (held by the threads; weakly here, to close them)
+        self.fast_out: weakref.WeakSet[fastpath.Sender] = weakref.WeakSet()
+
+    # ---------------------------------------------------------------- inboxes
+    def open(self, dispatch: Dispatch) -> None:
+        """Bind the inboxes and hand what they receive to ``dispatch`` (on the loop's thread)."""
+        self.dispatch = dispatch
+        self.ipc_addr = self._bind("ipc://" + ipc_path(self.runtime_dir, f"{self.name}.sock"))
+        if self.cfg.direct_ipc:
+            self._fast_listener = fastpath.listen(fastpath.path_for(self.ipc_addr))
+            self.loop.add_reader(self._fast_listener.fileno(), self._accept_direct)
+        if self._tcp_ip:
+            self.tcp_addr = self._bind(f"tcp://{self._tcp_ip}:{self._tcp_port}")
+
+    def _bind(self, addr: str) -> str:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        self.sockets.secure_server(sock, addr)
+        if addr.startswith("tcp://"):
+            host, port = split_tcp(addr)
+            if port == 0:
+                port = sock.bind_to_random_port(f"tcp://{host}")
+            else:
+                sock.bind(addr)
+            # a wildcard bind is advertised under the address other hosts route to
+            bound = f"tcp://{route_ip('10.255.255.255') if host in ('0.0.0.0', '*') else host}:{port}"
+        else:
+            sock.bind(addr)
+            bound = addr
+            if addr.startswith("ipc://"):
+                os.chmod(addr[len("ipc://") :], 0o600)
+        self._inboxes.append(sock)
+        # a plain socket drained from a reader callback: one wake-up takes every queued
+        # message, without a zmq.asyncio future per message
+        self.loop.add_reader(sock.FD, self._drain_inbox, sock)
+        self.loop.call_soon(self._drain_inbox, sock)
+        if addr.startswith("tcp://") and self.security.key is not None:
+            mon = zmq.asyncio.Socket.shadow(sock.get_monitor_socket().underlying)
+            self._spawn(self._log_handshake_failures(mon, bound))
+        return bound
+
+    def _drain_inbox(self, sock: zmq.Socket) -> None:
+        # the zmq FD is edge-triggered: read while ZMQ_EVENTS says so (checking it re-arms the
+        # FD), or come back at once after a batch. Asking EVENTS instead of calling recv until
+        # EAGAIN saves a GIL release (recv always drops it) and an exception per wake-up; each
+        # GIL release is a chance for a waiting thread to take it and make this one wait
+        recv, opt, dispatch = sock.recv, sock.getsockopt, self.dispatch
+        for _ in range(256):
+            try:
+                if not opt(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                rid = recv(zmq.NOBLOCK)  # the sender's routing id; answers go to reply addresses instead
+                # the rest of a multipart message has arrived with its first part; the head is
+                # small (copied), payloads and buffers are not
+                frames = [recv()] if opt(zmq.RCVMORE) else []
+                while opt(zmq.RCVMORE):
+                    frames.append(recv(copy=False).buffer)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as e:
+                if e.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                    return
+                logger.warning("inbox receive failed: %s", e)
+                continue
+            try:
+                dispatch(frames, sock, rid)
+            except Exception:
+                logger.exception("dropped a message whose handler failed")
+        self.loop.call_soon(self._drain_inbox, sock)
+
+    def _accept_direct(self) -> None:
+        assert self._fast_listener is not None
+        while True:
+            try:
+                conn, _ = self._fast_listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                logger.warning("accepting a direct connection failed: %s", e)
+                return
+            uid = fastpath.peer_uid(conn)
+            if uid not in (os.getuid(), 0):
+                # the socket is 0600 in a 0700 directory; this is a second line of defence
+                self.dropped += 1
+                logger.warning("refused a direct connection from uid %d", uid)
+                conn.close()
+                continue
+            conn.setblocking(False)
+            rx = fastpath.Receiver(conn, self._dispatch_direct, self.cfg.max_message_bytes, self.label)
+            self.fast_in.add(rx)
+            self.loop.add_reader(conn.fileno(), self._read_direct, rx)
+
+    def _read_direct(self, rx: fastpath.Receiver) -> None:
+        if not rx.on_readable():
+            self.loop.remove_reader(rx.sock.fileno())
+            rx.sock.close()
+            self.fast_in.discard(rx)
+
+    def _dispatch_direct(self, frames: list[Any]) -> None:
+        try:
+            self.dispatch(frames)
+        except Exception:
+            logger.exception("dropped a message whose handler failed")
+
+    async def _log_handshake_failures(self, mon: zmq.asyncio.Socket, where: str) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        failures = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        while True:
+            ev = parse_monitor_message(await mon.recv_multipart())
+            if ev["event"] in failures:
+                self.dropped += 1
+                # libzmq reports our own endpoint here, not the peer's, so it is not named
+                logger.warning(
+                    "refused a connection on %s: the peer failed the security handshake (wrong cluster key or not monarch_nb)",
+                    where,
+                )
+
+    def ensure_tcp(self, ip: str) -> str:
+        """Bind a TCP inbox on ``ip`` (once) so peers on other hosts can reach us."""
+        if self.tcp_addr:
+            return self.tcp_addr
+        fut: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+        def bind() -> None:
+            try:
+                if not self.tcp_addr:
+                    self.tcp_addr = self._bind(f"tcp://{ip}:0")
+                fut.set_result(self.tcp_addr)
+            except BaseException as e:
+                fut.set_exception(e)
+
+        self.loop.call_soon_threadsafe(bind)
+        return fut.result(timeout=10)
+
+    def addr_for(self, peer: str) -> str:
+        """Our inbox address as ``peer`` must see it."""
+        if peer.startswith("ipc://"):
+            return self.ipc_addr
+        if self.tcp_addr:
+            return self.tcp_addr
+        return self.ensure_tcp(route_ip(split_tcp(peer)[0]))
+
+    # ---------------------------------------------------------------- sending
+    def send(self, addr: str, frames: list[Any]) -> None:
+        """Send ``frames`` to the inbox at ``addr``: directly to a process of this host from any
+        thread but the I/O thread, else queued on zmq (which never blocks on the network)."""
+        if addr[0] == "i" and self.cfg.direct_ipc and threading.get_ident() != self.io_ident:
+            conn = self._direct(addr)
+            if conn is not None:
+                try:
+                    conn.send(frames)
+                except OSError as e:
+                    # the peer went away: like zmq, the message is lost with it (supervision
+                    # reports the peer); this thread's later messages to it take zmq
+                    logger.debug("direct send to %s failed (%s); dropped", addr, e)
+                    self._tls.direct[addr] = None
+                return
+        if len(frames) == 1:
+            self._out(addr).send(frames[0])
+        else:
+            self._out(addr).send_multipart(frames, copy=False)
+
+    def _out(self, addr: str) -> zmq.Socket:
+        socks: dict[str, zmq.Socket] | None = getattr(self._tls, "socks", None)
+        if socks is None:
+            socks = self._tls.socks = {}
+        s = socks.get(addr)
+        if s is None:
+            s = self.ctx.socket(zmq.DEALER)
+            s.linger = 2000
+            s.setsockopt(zmq.SNDHWM, 0)
+            self.sockets.secure_client(s, addr)
+            s.connect(addr)
+            socks[addr] = s
+            with self._lock:
+                self._all_out.append(s)
+        return s
+
+    def _direct(self, addr: str) -> fastpath.Sender | None:
+        """This thread's direct connection to the process at ipc ``addr`` (None: use zmq)."""
+        conns: dict[str, fastpath.Sender | None] | None = getattr(self._tls, "direct", None)
+        if conns is None:
+            conns = self._tls.direct = {}
+        try:
+            return conns[addr]
+        except KeyError:
+            pass
+        try:
+            conn: fastpath.Sender | None = fastpath.Sender(fastpath.path_for(addr))
+        except OSError:
+            conn = None  # a peer without a direct socket (or gone): zmq from this thread on
+        conns[addr] = conn
+        if conn is not None:
+            with self._lock:
+                self.fast_out.add(conn)
+        return conn
+
+    # ---------------------------------------------------------------- closing
+    def close_inboxes(self) -> None:
+        """Stop reading (on the loop's thread)."""
+        for s in self._inboxes:
+            self.loop.remove_reader(s.FD)
+            s.close(linger=0)
+
+    def close_connections(self) -> None:
+        """Close every connection; queued outgoing messages get a moment to leave."""
+        for conn in list(self.fast_out):
+            conn.close()
+        for rx in self.fast_in:
+            rx.sock.close()
+        if self._fast_listener is not None:
+            self._fast_listener.close()
+            try:
+                os.unlink(fastpath.path_for(self.ipc_addr))
+            except OSError:
+                pass
+        for s in self._all_out:
+            try:
+                s.close(linger=200)
+            except zmq.ZMQError:
+                pass
+        self.sockets.close()
+
+    def terminate(self) -> None:
+        """End the zmq context (after :meth:`close_connections`) and remove the inbox's socket file."""
+        self.ctx.term()
+        if self.ipc_addr:
+            try:
+                os.unlink(self.ipc_addr[len("ipc://") :])
+            except OSError:
+                pass

@@ -24,24 +24,71 @@ from __future__ import annotations
 
 import pickle
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import ProtocolError, VersionMismatchError
 
 MAGIC = b"MNB"
 VERSION = 3
 
-#: a message for an actor: meta = (actor, method, reply_addr, reply_port, index, extent,
-#: call_id, stream, seq); ``seq`` > 0 numbers the sender's messages on ``stream`` (one per
-#: sending process and destination) so the receiver delivers them in the order they were sent
-#: whichever path each took; 0 means unordered (system requests)
+#: a message for an actor: meta is an :class:`ActorMeta`
 ACTOR = 1
-#: a value for a port: meta = (port_id, index, status)
+#: a value for a port: meta is a :class:`PortMeta`
 PORT = 2
-#: one message for several procs of an allocator, which sends each its ACTOR message:
-#: meta = (actor, method, reply_port, extent, call_id, targets) with
-#: targets = ((proc_addr, index, reply_addr, stream, seq), ...)
+#: one message for several procs of an allocator, which sends each its ACTOR message: meta
+#: is a :class:`FanoutMeta`
 FANOUT = 3
+
+
+# The meta of each kind, field by field. It travels as a plain tuple (a NamedTuple would
+# pickle its class with it) and is read by position: the constants below name the positions.
+class ActorMeta(NamedTuple):
+    actor: str
+    method: str
+    #: where the reply goes ("" for none) and the port there
+    reply_addr: str
+    reply_port: int
+    #: the receiver's index in the call; its reply carries it back
+    call_index: int
+    #: (labels, sizes) of the mesh the call went to
+    extent: tuple[tuple[str, ...], tuple[int, ...]]
+    call_id: str
+    #: ``seq`` > 0 numbers the sender's messages on ``stream`` (one per sending process and
+    #: destination) so the receiver delivers them in the order they were sent whichever path
+    #: each took; 0 means unordered (system requests)
+    stream: str
+    seq: int
+
+
+class PortMeta(NamedTuple):
+    port: int
+    #: the index of the ActorMeta this answers
+    call_index: int
+    #: OK, ERROR or ITEM
+    status: int
+
+
+class FanoutTarget(NamedTuple):
+    """One proc of a FANOUT message, and the fields of its ACTOR message that are its own."""
+
+    proc_addr: str
+    call_index: int
+    reply_addr: str
+    stream: str
+    seq: int
+
+
+class FanoutMeta(NamedTuple):
+    actor: str
+    method: str
+    reply_port: int
+    extent: tuple[tuple[str, ...], tuple[int, ...]]
+    call_id: str
+    targets: tuple[FanoutTarget, ...]
+
+
+#: positions of :class:`ActorMeta` fields
+ACTOR_NAME, METHOD, REPLY_ADDR, REPLY_PORT, CALL_INDEX, EXTENT, CALL_ID, STREAM, SEQ = range(9)
 
 #: the start of a refusal frame: magic and a zero version, then the reason in UTF-8
 REFUSED = MAGIC + b"\x00"
@@ -62,7 +109,7 @@ INLINE_MAX = 1 << 16
 _LEN = struct.Struct("<I")
 _PREFIX = len(MAGIC) + 3
 _HEADS = {(kind, flags): MAGIC + bytes([VERSION, kind, flags]) for kind in (ACTOR, PORT, FANOUT) for flags in range(4)}
-_WANT = {ACTOR: 9, PORT: 3, FANOUT: 6}
+_WANT = {ACTOR: len(ActorMeta._fields), PORT: len(PortMeta._fields), FANOUT: len(FanoutMeta._fields)}
 
 
 def encode(

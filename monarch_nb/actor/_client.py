@@ -15,7 +15,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .._runtime.runtime import Runtime
+from .._runtime.runtime import ReplyPort, Runtime
 from .._version import __version__
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
@@ -85,11 +85,10 @@ class Client:
     def request(self, addr: str, method: str, *args: Any, _actor: str = "__allocator__", **kwargs: Any) -> Future[Any]:
         rt = self.rt
         fut: Future[Any] = Future._create(f"{method} on {addr}")
-        pid = 0
+        body, bufs = dumps((args, kwargs))
 
         def on_reply(index: int, status: int, body: Any, bufs: list[Any]) -> None:
-            rt.close_port(pid)
-            rt.fulfil(addr, (pid, 0))
+            replies.close()
             raw = (bytes(body), [bytes(b) for b in bufs])
             if status == wire.ERROR:
                 fut._set_raw(raw, _decode_sys_error)
@@ -97,16 +96,15 @@ class Client:
                 fut._set_raw(raw, lambda r: loads(*r))
 
         def on_fail(err: BaseException) -> None:
-            rt.close_port(pid)
+            replies.close()
             fut._set_exception(err)
 
-        pid = rt.open_port(on_reply)
-        body, bufs = dumps((args, kwargs))
-        rt.expect(addr, (pid, 0), on_fail)
+        replies = ReplyPort(rt, on_reply)
+        replies.owe(0, addr, on_fail)
         try:
-            rt.send_actor(addr, _actor, method, body, bufs, reply=(rt.addr_for(addr), pid))
+            rt.send_actor(addr, _actor, method, body, bufs, reply=(rt.addr_for(addr), replies.port))
         except BaseException as e:
-            rt.close_port(pid)
+            replies.close()
             fut._set_exception(e)
         return fut
 

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
-from .._runtime.runtime import Target
+from .._runtime.runtime import ReplyPort, Target
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
 from ..errors import MeshClosedError, NotAnEndpointError, SupervisionError
@@ -163,11 +163,12 @@ class Endpoint(Generic[R]):
         self,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        port: tuple[str, int] | None,
+        port: ReplyPort | tuple[str, int] | None,
         on_fail: Callable[[int, BaseException], None] | None,
         ranks: list[int] | None = None,
     ) -> int:
-        """Send to every actor of the mesh (or ``ranks``, indices into its view); return how many."""
+        """Send to every actor of the mesh (or ``ranks``, indices into its view); return how many.
+        Replies go to ``port`` (see :func:`multicast`)."""
         self._check(args, kwargs)
         mesh = self._mesh
         if mesh._closed():
@@ -266,21 +267,20 @@ class Endpoint(Generic[R]):
         """Call every actor; yield a future per reply, in arrival order."""
         import queue
 
-        rt = _context.runtime()
         n = len(self._mesh._view.ranks)
         q: queue.SimpleQueue[Future[R]] = queue.SimpleQueue()
         left = [n]
-        pid = 0
-        procs, view = self._mesh._procs, self._mesh._view
+        replies: ReplyPort | None = None
 
         def deliver(f: Future[R]) -> None:
             left[0] -= 1
-            if left[0] == 0:
-                rt.close_port(pid)
+            if left[0] == 0 and replies is not None:
+                replies.close()
             q.put(f)
 
         def on_reply(index: int, status: int, body: Any, bufs: list[Any]) -> None:
-            rt.fulfil(procs[view.ranks[index]].addr, (pid, index))
+            assert replies is not None
+            replies.answered(index)
             f: Future[R] = Future._create(f"{self._name}.stream() item")
             f._set_raw((body, bufs), _raise_remote if status == wire.ERROR else _decode_one)
             deliver(f)
@@ -295,8 +295,8 @@ class Endpoint(Generic[R]):
             for i in range(n):
                 on_fail(i, _stopped_error(self._mesh))
             return (q.get() for _ in range(n))
-        pid = rt.open_port(on_reply)
-        self._send(args, kwargs, ("", pid), on_fail)
+        replies = ReplyPort(_context.runtime(), on_reply)
+        self._send(args, kwargs, replies, on_fail)
 
         def gen() -> Iterator[Future[R]]:
             for _ in range(n):
@@ -335,29 +335,36 @@ def multicast(
     method: str,
     body: bytes,
     bufs: list[Any],
-    port: tuple[str, int] | None,
+    port: ReplyPort | tuple[str, int] | None,
     on_fail: Callable[[int, BaseException], None] | None,
     extent: Any,
     call_id: str = "",
 ) -> None:
     """Send one pickled message to ``procs`` (``idx`` their indices in the call), in order with
-    this thread's earlier messages to each; replies go to ``port`` ("" = our own address)."""
+    this thread's earlier messages to each. Replies go to ``port``: a :class:`ReplyPort` of
+    ours, each proc owing it the reply of its index (``on_fail(index, error)`` if it dies), or
+    an ``(addr, port)`` anyone opened ("" = our own address), or nowhere (None)."""
     targets = []
     raddr_cache: dict[bool, str] = {}
+    replies = port if isinstance(port, ReplyPort) else None
+    port_id = port.port if isinstance(port, ReplyPort) else port[1] if port else 0
     for i, p in zip(idx, procs):
         reply = ""
         if port is not None:
-            if port[0]:
+            if replies is None and port[0]:
                 reply = port[0]
             else:
                 tcp = p.addr.startswith("tcp://")
                 reply = raddr_cache.get(tcp) or raddr_cache.setdefault(tcp, rt.addr_for(p.addr))
-            if p.alloc:
-                rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)
-            if on_fail is not None:
-                rt.expect(p.addr, (port[1], i), functools.partial(on_fail, i))
+            if replies is not None and on_fail is not None:
+                replies.owe(i, p.addr, functools.partial(on_fail, i), p.alloc, p.mesh, p.rank, p.host)
+            else:
+                if p.alloc:
+                    rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)
+                if on_fail is not None:
+                    rt.expect(p.addr, (port_id, i), functools.partial(on_fail, i))
         targets.append(Target(p.addr, p.alloc, i, reply))
-    failed = rt.send_many(targets, actor, method, body, bufs, port=port[1] if port else 0, extent=extent, call_id=call_id)
+    failed = rt.send_many(targets, actor, method, body, bufs, port=port_id, extent=extent, call_id=call_id)
     for i, e in failed:
         if on_fail is None:
             raise e
@@ -370,13 +377,13 @@ def gather(
     n: int,
     what: str,
     decode: Callable[[list[Any]], Any],
-    send: Callable[[tuple[str, int], Callable[[int, BaseException], None]], Any],
+    send: Callable[[ReplyPort, Callable[[int, BaseException], None]], Any],
     *,
     order: list[int] | None = None,
     keep_errors: bool = False,
 ) -> Future[Any]:
-    """Open a reply port, ``send(port, on_fail)`` to ``n`` of ``procs`` (by index), and collect
-    the raw replies into a Future that ``decode`` turns into its value on first read.
+    """Open a :class:`ReplyPort`, ``send(port, on_fail)`` to ``n`` of ``procs`` (by index; see
+    :func:`multicast`), and collect the raw replies into a Future that ``decode`` turns into its value on first read.
 
     It completes once all ``n`` have answered, raising the lowest index's failure if any
     failed (as Monarch does, so a program sees the same error on every run); with
@@ -392,7 +399,6 @@ def gather(
     errors: dict[int, Any] = {}
     left = [n]
     fut._progress = (left, n)
-    pid = 0
     closed = [False]
     lock = threading.Lock()  # replies come on the I/O thread, a failed send on the caller's
 
@@ -401,9 +407,7 @@ def gather(
             if closed[0]:
                 return
             closed[0] = True
-        rt.close_port(pid)
-        for i in range(len(raw)):  # a failed send, or ranks not heard from, left expectations behind
-            rt.fulfil(procs[i].addr, (pid, i))
+        replies.close()  # a failed send, or ranks not heard from, left expectations behind
         if gone is not None:
             fut._set_exception(gone)
         elif not errors:
@@ -437,17 +441,17 @@ def gather(
                 complete()
 
     def on_reply(index: int, status: int, body: Any, bufs: list[Any]) -> None:
-        rt.fulfil(procs[index].addr, (pid, index))
+        replies.answered(index)
         arrive(index, (body, bufs), status == wire.ERROR)
 
     def on_fail(index: int, err: BaseException) -> None:
         arrive(index, err, True, gone=True)
 
-    pid = rt.open_port(on_reply)
+    replies = ReplyPort(rt, on_reply)
     try:
-        send(("", pid), on_fail)
+        send(replies, on_fail)
     except BaseException:
-        rt.close_port(pid)
+        replies.close()
         raise
     return fut
 

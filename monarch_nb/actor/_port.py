@@ -52,12 +52,12 @@ class PortReceiver(Generic[R]):
         #: futures of recv() calls waiting for a value, each with whether it wants the rank
         self._waiters: list[tuple[Future[Any], bool]] = []
         self._ranked = ranked
-        self._pid = 0
+        self._port = 0
 
     def ranked(self) -> PortReceiver[Any]:
         """The same channel received as ``(rank, value)`` pairs (Monarch's ``RankedPortReceiver``)."""
         other: PortReceiver[Any] = PortReceiver(True)
-        other._q, other._waiters, other._pid = self._q, self._waiters, self._pid
+        other._q, other._waiters, other._port = self._q, self._waiters, self._port
         return other
 
     def _on_value(self, index: int, status: int, body: Any, bufs: list[Any]) -> None:
@@ -99,7 +99,7 @@ class PortReceiver(Generic[R]):
         return f
 
     def close(self) -> None:
-        _context.runtime().close_port(self._pid)
+        _context.runtime().close_port(self._port)
 
 
 class Channel(Generic[R]):
@@ -117,5 +117,5 @@ class Channel(Generic[R]):
     def _open(once: bool, ranked: bool) -> tuple[Port[Any], PortReceiver[Any]]:
         rt = _context.runtime()
         recv: PortReceiver[Any] = PortReceiver(ranked)
-        recv._pid = rt.open_port(recv._on_value)
-        return Port(rt.ipc_addr, recv._pid, 0, once), recv
+        recv._port = rt.open_port(recv._on_value)
+        return Port(rt.ipc_addr, recv._port, 0, once), recv

@@ -103,7 +103,7 @@ def _allocators(addresses: Iterable[str] | None) -> list[str]:
     for info in read_connection_files(runtime_dir()):
         if info.get("host") == host and _alive(int(info.get("pid", 0))):
             out[info["addr"]] = None
-    for a in [*client.hellos, *client.rt._watches]:
+    for a in [*client.hellos, *client.rt.supervision.watches]:
         # an allocator of this host that stopped since we connected took its socket with it:
         # asking it would only wait out the timeout
         if a.startswith("ipc://") and not os.path.exists(a[len("ipc://") :]):

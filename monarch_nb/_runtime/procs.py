@@ -1,0 +1,328 @@
+"""This host's procs as processes: started, their output captured, their exits noticed.
+
+:class:`Procs` forks a proc from the warm zygote (or execs a bootstrap command), captures its
+stdout/stderr into its :class:`~.logcapture.ProcLog`, and when it exits records why, fails
+a start still waiting for it, and tells its owner. What a proc means for a mesh, and who
+hears about it, is the allocator's business: it gets each exit through ``on_exit``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..config import Config
+from ..errors import SpawnError
+from . import shm
+from .logcapture import LogLine, ProcLog
+from .runtime import Runtime
+from .transport import Security
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ProcRec:
+    token: str
+    mesh: str
+    rank: int
+    local_rank: int
+    state: str = "starting"
+    pid: int = 0
+    addr: str = ""
+    #: where this allocator reaches the proc (its ipc inbox; ``addr`` may be its TCP one)
+    local: str = ""
+    cause: str = ""
+    log: ProcLog | None = None
+    fds: dict[int, str] = dataclasses.field(default_factory=dict)
+    popen: subprocess.Popen[bytes] | None = None
+    ready: asyncio.Future[None] | None = None
+    exited: asyncio.Future[None] | None = None
+    started: float = dataclasses.field(default_factory=time.time)
+    #: cpu, rss, activity, call and line rates (see telemetry.py)
+    tele: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class MeshRec:
+    name: str
+    owner: str
+    persist: bool
+    labels: list[str]
+    sizes: list[int]
+    rank_base: int
+    procs: list[ProcRec]
+    state: str = "starting"
+    created: float = dataclasses.field(default_factory=time.time)
+    actors: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    log_subs: set[tuple[str, int]] = dataclasses.field(default_factory=set)
+
+
+def _gpu_count() -> int:
+    try:
+        return len([d for d in os.listdir("/proc/driver/nvidia/gpus")])
+    except OSError:
+        return 0
+
+
+class Procs:
+    """The procs of one allocator, by pid, token and address; used on the I/O thread."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        cfg: Config,
+        security: Security,
+        runtime_dir: str,
+        *,
+        on_exit: Callable[[ProcRec], None],
+        on_lines: Callable[[str, list[LogLine]], None],
+    ) -> None:
+        self.rt = rt
+        self.cfg = cfg
+        self.security = security
+        self.runtime_dir = runtime_dir
+        self._on_exit = on_exit
+        self._on_lines = on_lines
+        self.by_pid: dict[int, ProcRec] = {}
+        self.by_token: dict[str, ProcRec] = {}
+        self.by_addr: dict[str, ProcRec] = {}
+        self.gpus = _gpu_count()
+        self._zsock: socket.socket | None = None
+        self._zygote: subprocess.Popen[bytes] | None = None
+        self._zygote_ready: asyncio.Future[Any] | None = None
+
+    def start_zygote(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        preload = ",".join(p for p in (self.cfg.zygote_preload, "monarch_nb.actor._bootstrap") if p)
+        # the zygote is started from the main thread of the daemon: PDEATHSIG fires when the
+        # *thread* that forked it exits, and the main thread lives as long as the daemon
+        self._zygote = subprocess.Popen(
+            [sys.executable, "-m", "monarch_nb._runtime.zygote", str(child.fileno()), preload],
+            pass_fds=(child.fileno(),),
+            stdin=subprocess.DEVNULL,
+        )
+        child.close()
+        parent.setblocking(False)
+        self._zsock = parent
+        self._zygote_ready = self.rt.loop.create_future()
+        self.rt.loop.add_reader(parent.fileno(), self._on_zygote)
+
+    def _on_zygote(self) -> None:
+        assert self._zsock is not None
+        while True:
+            try:
+                data = self._zsock.recv(1 << 16)
+            except BlockingIOError:
+                return
+            if not data:
+                self.rt.loop.remove_reader(self._zsock.fileno())
+                logger.error("zygote exited; procs can no longer be forked")
+                if self._zygote_ready and not self._zygote_ready.done():
+                    self._zygote_ready.set_exception(SpawnError("the allocator's zygote exited while starting"))
+                return
+            msg = pickle.loads(data)
+            if msg[0] == "ready":
+                _, loaded, failed, dt = msg
+                logger.info("zygote ready in %.2fs with %s", dt, loaded)
+                for f in failed:
+                    logger.warning("zygote could not preload %s", f)
+                if self._zygote_ready and not self._zygote_ready.done():
+                    self._zygote_ready.set_result(loaded)
+            elif msg[0] == "spawned":
+                rec = self.by_token.get(msg[1])
+                if rec is not None:
+                    rec.pid = msg[2]
+                    self.by_pid[rec.pid] = rec
+            elif msg[0] == "exited":
+                rec = self.by_pid.get(msg[1])
+                if rec is not None:
+                    self._proc_exited(rec, msg[2])
+
+    def _proc_exited(self, rec: ProcRec, status: int) -> None:
+        self.by_pid.pop(rec.pid, None)
+        shm.sweep_dead(rec.pid)  # shared-memory buffers it sent that nobody took
+        for fd in list(rec.fds):
+            self._drain(rec, fd, final=True)
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            try:
+                name = signal.Signals(sig).name
+            except ValueError:
+                name = str(sig)
+            cause = f"process {rec.pid} was killed by {name}"
+        else:
+            cause = f"process {rec.pid} exited with code {os.WEXITSTATUS(status)}"
+        if rec.state == "stopping":
+            rec.state = "stopped"
+            cause = f"mesh stopped ({cause})"
+        else:
+            rec.state = "failed"
+            if rec.log is not None:
+                last = [ln[4] for ln in rec.log.tail if ln[1] == "stderr" and ln[4].strip()][-3:]
+                if last:
+                    cause += "; last output: " + " | ".join(last)
+        rec.cause = cause
+        if rec.ready is not None and not rec.ready.done():
+            rec.ready.set_exception(SpawnError(f"proc rank {rec.rank} of mesh {rec.mesh!r} died while starting: {cause}"))
+        if rec.exited is not None and not rec.exited.done():
+            rec.exited.set_result(None)
+        if rec.log is not None:
+            rec.log.close()
+        self._on_exit(rec)
+
+    def _on_output(self, rec: ProcRec, fd: int) -> None:
+        self._drain(rec, fd)
+
+    def _drain(self, rec: ProcRec, fd: int, final: bool = False) -> None:
+        stream = rec.fds.get(fd)
+        if stream is None:
+            return
+        # a bounded number of reads per wake-up: a flooding proc must not starve pings and spawns
+        for _ in range(1 << 20 if final else 4):
+            try:
+                data = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self.rt.loop.remove_reader(fd)
+                os.close(fd)
+                del rec.fds[fd]
+                return
+            if rec.log is not None:
+                rec.log.feed(stream, data)
+            if not final and len(data) < (1 << 16):
+                return
+
+    async def start(self, mesh: MeshRec, rec: ProcRec, spec: dict[str, Any], log_dir: str, workspaces: Callable[[], Any]) -> None:
+        """Start ``rec`` (a proc of ``mesh``) as ``spec`` says, logging to ``log_dir``;
+        ``workspaces()``: the synced code it imports from."""
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        for fd, stream in ((out_r, "stdout"), (err_r, "stderr")):
+            os.set_blocking(fd, False)
+            rec.fds[fd] = stream
+            self.rt.loop.add_reader(fd, self._on_output, rec, fd)
+        rec.log = ProcLog(
+            os.path.join(log_dir, mesh.name, f"rank-{rec.rank}.jsonl"),
+            rec.rank,
+            lambda lines, m=mesh.name: self._on_lines(m, lines),
+        )
+        env = dict(spec["env"])
+        coords = _coords(rec.local_rank, mesh.sizes)
+        if self.gpus and "gpus" in mesh.labels:
+            env["CUDA_VISIBLE_DEVICES"] = str(coords[mesh.labels.index("gpus")] % self.gpus)
+        proc_spec = {
+            "workspaces": workspaces(),
+            "token": rec.token,
+            "alloc_addr": self.rt.ipc_addr,
+            "alloc_tcp": self.rt.tcp_addr,
+            "runtime_dir": self.runtime_dir,
+            "tcp_ip": self.rt.tcp_addr.rsplit(":", 1)[0][len("tcp://") :] if self.rt.tcp_addr else None,
+            "key": self.security.key,
+            "trust_all": self.security.trust_all,
+            "mesh": mesh.name,
+            "rank": rec.rank,
+            "extent": spec["extent"],
+            "host": self.rt.hostname,
+            "cfg": dataclasses.asdict(self.cfg),
+            "bootstrap": spec.get("bootstrap"),
+        }
+        cmd = spec.get("bootstrap_command")
+        try:
+            if cmd:
+                argv, cmd_env = cmd
+                env.update(cmd_env or {})
+                spec_r, spec_w = os.pipe()
+                env["MONARCH_NB_PROC_SPEC_FD"] = str(spec_r)
+                rec.popen = subprocess.Popen(
+                    argv,
+                    env=env,
+                    cwd=spec.get("cwd") if os.path.isdir(spec.get("cwd") or "") else None,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out_w,
+                    stderr=err_w,
+                    pass_fds=(spec_r,),
+                    preexec_fn=_die_with_allocator,
+                )
+                os.close(spec_r)
+                with os.fdopen(spec_w, "wb") as f:
+                    pickle.dump(proc_spec, f)
+                rec.pid = rec.popen.pid
+                self.by_pid[rec.pid] = rec
+                pidfd = os.pidfd_open(rec.pid)
+                self.rt.loop.add_reader(pidfd, self._on_exec_exit, rec, pidfd)
+            else:
+                assert self._zygote_ready is not None and self._zsock is not None
+                await self._zygote_ready
+                req = {
+                    "token": rec.token,
+                    "env": env,
+                    "sys_path": spec["sys_path"],
+                    "cwd": spec.get("cwd", ""),
+                    "entry": "monarch_nb.actor._bootstrap:main",
+                    "spec": proc_spec,
+                }
+                socket.send_fds(self._zsock, [pickle.dumps(req)], [out_w, err_w])
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+
+    def _on_exec_exit(self, rec: ProcRec, pidfd: int) -> None:
+        self.rt.loop.remove_reader(pidfd)
+        os.close(pidfd)
+        assert rec.popen is not None
+        _, status = os.waitpid(rec.popen.pid, 0)
+        rec.popen.returncode = 0
+        self._proc_exited(rec, status)
+
+    def drain_all(self) -> int:
+        """Read whatever every proc has written (its log lines go out as usual); how many streams."""
+        n = 0
+        for rec in list(self.by_token.values()):
+            for fd in list(rec.fds):
+                self._drain(rec, fd, final=True)
+                n += 1
+        return n
+
+    def close(self) -> None:
+        """Kill every proc and the zygote."""
+        for rec in list(self.by_pid.values()):
+            kill(rec.pid)
+        if self._zygote is not None:
+            self._zygote.kill()
+            self._zygote.wait()
+
+
+def _coords(index: int, sizes: list[int]) -> list[int]:
+    out = []
+    for s in reversed(sizes):
+        out.append(index % s)
+        index //= s
+    return out[::-1]
+
+
+def kill(pid: int, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _die_with_allocator() -> None:
+    from ._prctl import die_with_parent
+
+    die_with_parent()

@@ -1,0 +1,217 @@
+"""Sending: what this process's messages look like on the wire, and which way they go.
+
+:class:`Sender` encodes messages (large buffers to a peer of this host through shared
+memory), refuses to send to a peer supervision has declared dead, and numbers every message
+for a proc on an ordered stream of its own (one per destination), so the receiver delivers
+them in the order they were sent although direct messages and relayed ones take different
+paths. A message for many procs (:meth:`Sender.send_many`) goes to each host's allocator
+once, as a FANOUT frame that the allocator turns into one message per proc. The bytes leave
+through the transport's ``send``, handed in as a callable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+from .._wire import frames as wire
+from .._wire.serialize import dumps, nbytes
+from ..config import Config
+from ..errors import ActorError, SupervisionError, format_exception
+from . import shm as _shm
+
+logger = logging.getLogger(__name__)
+
+
+class Target(NamedTuple):
+    """One destination of :meth:`Sender.send_many`."""
+
+    addr: str
+    #: the allocator that owns the proc ("" for a process no allocator owns: sent direct)
+    alloc: str
+    #: the receiver's index in the call (its reply carries it back)
+    call_index: int
+    #: where the proc sends its reply ("" for none)
+    reply: str
+
+
+class Sender:
+    """Encodes and sends this process's messages; thread-safe."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        send_frames: Callable[[str, list[Any]], None],
+        dead: Mapping[str, SupervisionError],
+        *,
+        uid: str,
+        hostname: str,
+    ) -> None:
+        self.cfg = cfg
+        self._send_frames = send_frames
+        #: peers known to be gone (supervision's, read here): sending to one raises its error
+        self._dead = dead
+        self.uid = uid
+        self.hostname = hostname
+        self._call_ids = itertools.count(1)
+        self._stream_ids = itertools.count(1)
+        #: sending side of ordered streams: destination -> (stream id, message numbers)
+        self._seqs: dict[str, tuple[str, Iterator[int]]] = {}
+        self.shm = _shm.ShmSender() if cfg.shm_min_bytes > 0 and _shm.available() else None
+
+    def next_call_id(self) -> str:
+        return f"{self.uid}.{next(self._call_ids)}"
+
+    def send(self, addr: str, frames: list[Any]) -> None:
+        """Send ``frames`` to ``addr``, or raise the peer's error if it is known to be gone."""
+        dead = self._dead.get(addr)
+        if dead is not None:
+            raise dead
+        self._send_frames(addr, frames)
+
+    def send_port(self, addr: str, port: int, index: int, status: int, value: Any) -> None:
+        """Send ``value`` to a port; an unpicklable value becomes an error the receiver sees."""
+        try:
+            body, bufs = dumps(value)
+        except Exception as e:
+            status = wire.ERROR
+            body, bufs = dumps(
+                ActorError(
+                    TypeError(f"the value could not be pickled to send back: {type(e).__name__}: {e}"),
+                    format_exception(e),
+                    host=self.hostname,
+                )
+            )
+        try:
+            self.send(addr, self.encode(addr, wire.PORT, (port, index, status), body, bufs))
+        except SupervisionError:
+            logger.debug("reply to dead peer %s dropped", addr)
+
+    def send_actor(
+        self,
+        addr: str,
+        actor: str,
+        method: str,
+        body: bytes,
+        buffers: list[Any],
+        *,
+        reply: tuple[str, int] | None = None,
+        index: int = 0,
+        extent: tuple[tuple[str, ...], tuple[int, ...]] = ((), ()),
+        call_id: str = "",
+    ) -> None:
+        """Send one unordered message (system requests); see :meth:`send_many` for actors."""
+        raddr, rport = reply if reply else ("", 0)
+        meta = (actor, method, raddr, rport, index, extent, call_id, "", 0)  # an ActorMeta, unordered
+        self.send(addr, self.encode(addr, wire.ACTOR, meta, body, buffers))
+
+    def _stream(self, addr: str) -> tuple[str, Iterator[int]]:
+        """This process's ordered stream to ``addr``: its id and its message numbers.
+
+        One stream per destination for all threads: a message numbered after another (in one
+        thread, or after a join or a lock) is delivered after it. ``next()`` on the counter is
+        atomic, so threads need no lock; one whose number goes unsent (the peer is gone, the
+        only way a send fails) leaves a gap that only that dead peer would have waited on.
+        """
+        st = self._seqs.get(addr)
+        if st is None:
+            st = self._seqs.setdefault(addr, (f"{self.uid}.{next(self._stream_ids)}", itertools.count(1)))
+        return st
+
+    def send_many(
+        self,
+        targets: list[Target],
+        actor: str,
+        method: str,
+        body: bytes,
+        buffers: list[Any],
+        *,
+        port: int = 0,
+        extent: tuple[tuple[str, ...], tuple[int, ...]] = ((), ()),
+        call_id: str = "",
+    ) -> list[tuple[int, BaseException]]:
+        """Send one message to every target, in order with this thread's other messages to each.
+
+        Targets that share another host's allocator get one FANOUT frame to it (``fanout_min``
+        or more of them), so a broadcast costs one send per host; the rest go direct. Returns the
+        ``(index, error)`` of targets it could not send to; the others are on their way.
+        """
+        groups: dict[str, list[Target]] = {}
+        direct: list[Target] = []
+        fmin = self.cfg.fanout_min
+        if fmin > 0 and len(targets) >= fmin:
+            # this host's procs are cheaper to reach straight (the direct path from this thread,
+            # shared memory for bulk data) than through a relay; other hosts' through theirs
+            local = self.cfg.fanout_local and not (
+                self.shm is not None and any(memoryview(b).nbytes >= self.cfg.shm_min_bytes for b in buffers)
+            )
+            for t in targets:
+                if t.alloc and (local or not t.alloc.startswith("ipc://")):
+                    groups.setdefault(t.alloc, []).append(t)
+                else:
+                    direct.append(t)
+            for alloc in [a for a, g in groups.items() if len(g) < fmin]:
+                direct.extend(groups.pop(alloc))
+        else:
+            direct = targets
+        failed: list[tuple[int, BaseException]] = []
+        for t in direct:
+            sid, seqs = self._stream(t.addr)
+            # an ActorMeta (see frames.py): plain tuples are cheaper to pickle
+            meta = (actor, method, t.reply, port if t.reply else 0, t.call_index, extent, call_id, sid, next(seqs))
+            try:
+                self.send(t.addr, self.encode(t.addr, wire.ACTOR, meta, body, buffers))
+            except BaseException as e:
+                failed.append((t.call_index, e))
+        for alloc, group in groups.items():
+            dests = []
+            for t in group:
+                sid, seqs = self._stream(t.addr)
+                dests.append((t.addr, t.call_index, t.reply, sid, next(seqs)))  # a FanoutTarget
+            fmeta = (actor, method, port, extent, call_id, tuple(dests))  # a FanoutMeta
+            try:
+                self.send(alloc, self.encode(alloc, wire.FANOUT, fmeta, body, buffers))
+            except BaseException as e:
+                failed.extend((t.call_index, e) for t in group)
+        return failed
+
+    def encode(self, addr: str, kind: int, meta: tuple[Any, ...], body: Any, bufs: list[Any]) -> list[Any]:
+        """The frames of a message for ``addr``."""
+        table = None
+        if bufs and self.shm is not None and addr.startswith("ipc://"):
+            # a peer on this host maps large buffers instead of reading them off a socket
+            lim = self.cfg.shm_min_bytes
+            for i, b in enumerate(bufs):
+                if memoryview(b).nbytes >= lim:
+                    try:
+                        # a bytes object is copied out at the receiver, so its segment comes back
+                        entry = (i, *self.shm.put(b, copied=type(memoryview(b).obj) is bytes))
+                    except OSError as e:
+                        # /dev/shm full or unusable: this buffer takes the socket instead
+                        logger.debug("shared memory unavailable (%s); sending %d bytes over the socket", e, memoryview(b).nbytes)
+                        continue
+                    if table is None:
+                        table, bufs = [], list(bufs)
+                    table.append(entry)
+                    bufs[i] = b""
+        return wire.encode(kind, meta, body, bufs, table)
+
+    def check_size(self, body: bytes, buffers: list[Any]) -> None:
+        n = nbytes(body, buffers)
+        if n > self.cfg.max_message_bytes:
+            raise ValueError(
+                f"message of {n} bytes exceeds max_message_bytes={self.cfg.max_message_bytes}; "
+                "send a handle to the data instead, or raise MONARCH_NB_MAX_MESSAGE_BYTES"
+            )
+
+    def sweep_shm(self) -> None:
+        """Reclaim shared memory that receivers have given back."""
+        if self.shm is not None:
+            self.shm.sweep()
+
+    def release_shm(self) -> None:
+        """Give back the shared memory this process keeps for sending (it is made again on use)."""
+        if self.shm is not None:
+            self.shm.close()

@@ -1,0 +1,184 @@
+"""Supervision: which peers are gone, and failing whatever they owed.
+
+A process that waits for replies says who owes each one (:meth:`Supervision.expect`); a
+peer that dies fails them all at once (:meth:`Supervision.peer_failed`) and is refused from
+then on. Procs are watched through the allocator that owns them: :class:`Supervision`
+subscribes to each such allocator's events (a proc exited), pings it every heartbeat, and
+declares it and all its procs lost when it goes silent for ``heartbeat_timeout``.
+
+Its I/O (a port for events, a ping) goes through ``io``, any object with the four methods
+of :class:`SupervisionIO` (the runtime in practice); time comes from ``clock``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from .._wire import frames as wire
+from .._wire.serialize import dumps, loads
+from ..config import Config
+from ..errors import SupervisionError
+
+logger = logging.getLogger(__name__)
+
+
+class SupervisionIO(Protocol):
+    def open_port(self, handler: Callable[[int, int, Any, list[Any]], None]) -> int: ...
+
+    def send_actor(
+        self, addr: str, actor: str, method: str, body: bytes, buffers: list[Any], *, reply: tuple[str, int]
+    ) -> None: ...
+
+    def addr_for(self, peer: str) -> str: ...
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None: ...
+
+
+class Watch:
+    """What this process knows about one allocator whose procs it talks to."""
+
+    def __init__(self, addr: str, now: float) -> None:
+        self.addr = addr
+        self.procs: dict[str, tuple[str, int, str]] = {}  # proc addr -> (mesh, rank, host)
+        self.last_pong = now
+        self.lost: SupervisionError | None = None
+        self.host = ""
+        #: the port its events come to (0 until subscribed)
+        self.event_port = 0
+
+
+class Supervision:
+    """Expectations of replies, known-dead peers, and the allocators watched; thread-safe."""
+
+    def __init__(self, cfg: Config, io: SupervisionIO, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.io = io
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._expect: dict[str, dict[tuple[int, int], Callable[[BaseException], None]]] = {}
+        #: peer address -> why it is gone (read lock-free by the sender)
+        self.dead: dict[str, SupervisionError] = {}
+        #: allocator address -> what we know of it
+        self.watches: dict[str, Watch] = {}
+        self.peer_failure_callbacks: list[Callable[[str, SupervisionError], None]] = []
+        #: called on the I/O thread with every other event an allocator publishes (e.g. debug sessions)
+        self.event_callbacks: list[Callable[[tuple[Any, ...]], None]] = []
+        self._ping = dumps(((), {}))
+
+    def expect(self, peer: str, key: tuple[int, int], on_fail: Callable[[BaseException], None]) -> None:
+        """Remember that a reply ``key`` is owed by ``peer``; fail it if the peer dies."""
+        with self._lock:
+            dead = self.dead.get(peer)
+            if dead is None:
+                self._expect.setdefault(peer, {})[key] = on_fail
+        if dead is not None:
+            on_fail(dead)
+
+    def fulfil(self, peer: str, key: tuple[int, int]) -> None:
+        with self._lock:
+            d = self._expect.get(peer)
+            if d is not None:
+                d.pop(key, None)
+
+    def peer_error(self, peer: str) -> SupervisionError | None:
+        return self.dead.get(peer)
+
+    def peer_failed(self, peer: str, err: SupervisionError) -> None:
+        with self._lock:
+            if peer in self.dead:
+                return
+            self.dead[peer] = err
+            owed = self._expect.pop(peer, {})
+        for on_fail in owed.values():
+            try:
+                on_fail(err)
+            except Exception:
+                logger.exception("failure callback raised")
+        for cb in list(self.peer_failure_callbacks):
+            try:
+                cb(peer, err)
+            except Exception:
+                logger.exception("peer failure callback raised")
+
+    def watch(self, alloc_addr: str, proc_addr: str, mesh: str, rank: int, host: str) -> None:
+        """Supervise ``proc_addr`` through the allocator that owns it."""
+        w = self.watches.get(alloc_addr)
+        if w is not None and proc_addr in w.procs:
+            return
+        if w is None:
+            with self._lock:
+                w = self.watches.get(alloc_addr)
+                if w is None:
+                    w = self.watches[alloc_addr] = Watch(alloc_addr, self._clock())
+                    w.host = host
+                    self.io.call_soon(self._subscribe, w)
+        w.procs[proc_addr] = (mesh, rank, host)
+        if w.lost is not None:
+            self.peer_failed(proc_addr, self._proc_error(w, proc_addr, w.lost.cause))
+
+    def _proc_error(self, w: Watch, proc_addr: str, cause: str) -> SupervisionError:
+        mesh, rank, host = w.procs.get(proc_addr, ("", None, w.host))
+        return SupervisionError(cause, mesh=mesh, rank=rank, host=host)
+
+    def _subscribe(self, w: Watch) -> None:
+        def on_event(index: int, status: int, body: Any, bufs: list[Any]) -> None:
+            if status == wire.ERROR:
+                return
+            ev = loads(body, bufs)
+            if ev[0] == "proc_exited":
+                _, addr, mesh, rank, host, cause = ev
+                w.procs.setdefault(addr, (mesh, rank, host))
+                self.peer_failed(addr, SupervisionError(cause, mesh=mesh, rank=rank, host=host))
+            elif ev[0] == "pong":
+                w.last_pong = self._clock()
+            else:
+                for cb in self.event_callbacks:
+                    try:
+                        cb(ev)
+                    except Exception:
+                        logger.exception("allocator event callback raised")
+
+        w.event_port = self.io.open_port(on_event)
+        body, bufs = dumps(((), {}))
+        try:
+            self.io.send_actor(w.addr, "__allocator__", "subscribe", body, bufs, reply=(self.io.addr_for(w.addr), w.event_port))
+        except Exception as e:
+            logger.warning("could not subscribe to allocator %s: %s", w.addr, e)
+
+    def heard_from(self, alloc_addr: str) -> None:
+        """Any message from an allocator counts as a heartbeat (its pongs may queue behind output)."""
+        w = self.watches.get(alloc_addr)
+        if w is not None:
+            w.last_pong = self._clock()
+
+    def check(self, now: float, starved: bool) -> None:
+        """One heartbeat: declare silent allocators lost, ping the others. ``starved``: this
+        check itself ran late, so pongs that did arrive may not have been read yet (no
+        evidence against a peer)."""
+        ping = self._ping
+        for w in list(self.watches.values()):
+            if w.lost is not None:
+                continue
+            if now - w.last_pong > self.cfg.heartbeat_timeout and not starved:
+                cause = (
+                    f"allocator {w.addr} lost: no heartbeat for {now - w.last_pong:.1f} s "
+                    "(host down, network partition, or allocator killed)"
+                )
+                w.lost = SupervisionError(cause, host=w.host)
+                logger.warning("%s", cause)
+                for addr in list(w.procs):
+                    self.peer_failed(addr, self._proc_error(w, addr, cause))
+                # requests to the allocator itself (stop, lookup, ...) fail the same way
+                self.peer_failed(w.addr, w.lost)
+                continue
+            if w.event_port:
+                try:
+                    self.io.send_actor(
+                        w.addr, "__allocator__", "ping", ping[0], ping[1], reply=(self.io.addr_for(w.addr), w.event_port)
+                    )
+                except Exception:
+                    pass

@@ -1,0 +1,286 @@
+"""The runtime's parts, each on its own: the sender's frames go to a list, the receiver is
+handed frames, supervision's clock is a variable, and a transport carries bytes without a
+runtime around it. (The parts together: test_fastpath.py, test_fanout.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from typing import Any
+
+import pytest
+from conftest import wait_for
+
+from monarch_nb._runtime.receiving import Receiver
+from monarch_nb._runtime.runtime import ReplyPort, Runtime
+from monarch_nb._runtime.sending import Sender, Target
+from monarch_nb._runtime.supervision import Supervision
+from monarch_nb._runtime.transport import Security, Transport
+from monarch_nb._wire import frames as wire
+from monarch_nb._wire.serialize import dumps, loads
+from monarch_nb.config import Config
+from monarch_nb.errors import SupervisionError
+
+pytestmark = pytest.mark.timeout(10)
+
+A, B = "ipc:///tmp/a.sock", "ipc:///tmp/b.sock"
+REMOTE = "tcp://10.0.0.2:5000"
+
+
+class Wire:
+    """Where a sender's frames go: (address, decoded message) in sending order."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, tuple[Any, ...]]] = []
+        self.frames: list[list[Any]] = []
+
+    def __call__(self, addr: str, frames: list[Any]) -> None:
+        self.frames.append(frames)
+        self.sent.append((addr, wire.decode(frames)))
+
+
+def _sender(cfg: Config | None = None) -> tuple[Sender, Wire, dict[str, SupervisionError]]:
+    out, dead = Wire(), {}
+    return Sender(cfg or Config(shm_min_bytes=0), out, dead, uid="me", hostname="h"), out, dead
+
+
+def test_sender_numbers_each_destination_its_own_stream() -> None:
+    s, out, _ = _sender()
+    body, bufs = dumps(((), {}))
+    for _ in range(2):
+        assert s.send_many([Target(A, "", 0, ""), Target(B, "", 1, "")], "act", "m", body, bufs) == []
+    streams = [(addr, meta[7], meta[8]) for addr, (_, meta, *_) in out.sent]
+    assert streams == [(A, "me.1", 1), (B, "me.2", 1), (A, "me.1", 2), (B, "me.2", 2)]
+
+
+def test_sender_sends_one_fanout_per_remote_allocator() -> None:
+    s, out, _ = _sender(Config(shm_min_bytes=0, fanout_min=2))
+    body, bufs = dumps(((), {}))
+    targets = [Target(f"tcp://10.0.0.2:{6000 + i}", REMOTE, i, "tcp://10.0.0.1:1") for i in range(3)]
+    assert s.send_many(targets, "act", "m", body, bufs, port=7) == []
+    [(addr, (kind, meta, *_))] = out.sent
+    assert (addr, kind) == (REMOTE, wire.FANOUT)
+    assert [(d[0], d[1], d[4]) for d in meta[5]] == [(t.addr, t.call_index, 1) for t in targets]
+
+
+def test_sender_refuses_a_dead_peer_and_reports_it_per_target() -> None:
+    s, out, dead = _sender()
+    dead[B] = SupervisionError("gone")
+    body, bufs = dumps(((), {}))
+    failed = s.send_many([Target(A, "", 0, ""), Target(B, "", 1, "")], "act", "m", body, bufs)
+    assert [(i, str(e)) for i, e in failed] == [(1, str(dead[B]))]
+    assert [addr for addr, _ in out.sent] == [A]
+    with pytest.raises(SupervisionError):
+        s.send(B, [b""])
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def sys_note(self, i: int) -> int:
+        self.seen.append(i)
+        return i * 10
+
+
+def _receiver(cfg: Config | None = None) -> tuple[Receiver, Wire, Recorder]:
+    s, out, _ = _sender()
+    rx = Receiver(cfg or Config(), s, label="rx", hostname="h", pid=1, spawn=lambda c: c.close())
+    rec = rx.system["rec"] = Recorder()
+    return rx, out, rec
+
+
+def _actor_msg(i: int, seq: int, reply: str = "", stream: str = "s.1", actor: str = "rec") -> list[Any]:
+    body, bufs = dumps(((i,), {}))
+    return wire.encode(wire.ACTOR, (actor, "note", reply, 5 if reply else 0, 0, ((), ()), "", stream, seq), body, bufs)
+
+
+def test_receiver_delivers_a_stream_in_order_and_drops_replays(caplog) -> None:  # type: ignore[no-untyped-def]
+    rx, _, rec = _receiver()
+    for i, seq in [(3, 3), (1, 1), (1, 1), (2, 2)]:
+        rx.dispatch(_actor_msg(i, seq))
+    assert rec.seen == [1, 2, 3]
+    assert rx.dropped == 1
+
+
+def test_receiver_answers_on_the_reply_port_and_routes_ports_to_handlers() -> None:
+    rx, out, _ = _receiver()
+    rx.dispatch(_actor_msg(4, 0, reply=B))
+    [(addr, (kind, meta, body, bufs, _))] = out.sent
+    assert (addr, kind, meta) == (B, wire.PORT, (5, 0, wire.OK))
+    assert loads(body, bufs) == 40
+    got: list[Any] = []
+    port = rx.open_port(lambda index, status, body, bufs: got.append((index, status, loads(body, bufs))))
+    body, bufs = dumps("v")
+    rx.dispatch(wire.encode(wire.PORT, (port, 2, wire.OK), body, bufs))
+    rx.close_port(port)
+    rx.dispatch(wire.encode(wire.PORT, (port, 3, wire.OK), body, bufs))  # closed: ignored
+    assert got == [(2, wire.OK, "v")]
+
+
+def test_receiver_fails_a_call_to_an_unknown_actor_and_drops_garbage() -> None:
+    rx, out, _ = _receiver()
+    rx.dispatch(_actor_msg(1, 0, reply=B, actor="nobody"))
+    [(addr, (kind, meta, body, bufs, _))] = out.sent
+    assert (addr, kind, meta[2]) == (B, wire.PORT, wire.ERROR)
+    assert "no actor named 'nobody'" in str(loads(body, bufs))
+    rx.dispatch([b"not a frame"])
+    rx.dispatch([])
+    assert rx.dropped == 2
+
+
+def test_receiver_relays_a_fanout_to_its_procs() -> None:
+    rx, out, _ = _receiver()
+    rx.resolve_proc = {"tcp://p0": A}.get
+    body, bufs = dumps(((), {}))
+    dests = (("tcp://p0", 0, "tcp://ctl", "c.1", 1), ("tcp://p1", 1, "tcp://ctl", "c.2", 1))
+    rx.dispatch(wire.encode(wire.FANOUT, ("act", "m", 9, ((), ()), "call", dests), body, bufs))
+    assert [(addr, kind, meta[:5], meta[7:]) for addr, (kind, meta, *_) in out.sent] == [
+        (A, wire.ACTOR, ("act", "m", "tcp://ctl", 9, 0), ("c.1", 1)),  # relayed, numbering kept
+        ("tcp://ctl", wire.PORT, (9, 1, wire.ERROR), ()),  # no such proc here: the caller hears why
+    ]
+    assert rx.relayed == [1, 1]
+
+
+class IO:
+    """Supervision's way out: ports it opens and messages it sends, recorded."""
+
+    def __init__(self) -> None:
+        self.handlers: list[Any] = []
+        self.sent: list[tuple[str, str]] = []
+
+    def open_port(self, handler: Any) -> int:
+        self.handlers.append(handler)
+        return len(self.handlers)
+
+    def send_actor(self, addr: str, actor: str, method: str, body: bytes, buffers: list[Any], *, reply: tuple[str, int]) -> None:
+        self.sent.append((addr, method))
+
+    def addr_for(self, peer: str) -> str:
+        return "ipc:///me"
+
+    def call_soon(self, fn: Any, *args: Any) -> None:
+        fn(*args)
+
+
+def test_supervision_fails_what_a_dead_peer_owed_and_refuses_it_after() -> None:
+    sup = Supervision(Config(), IO())
+    failed: list[tuple[str, BaseException]] = []
+    sup.expect(A, (1, 0), lambda e: failed.append(("a0", e)))
+    sup.expect(A, (1, 1), lambda e: failed.append(("a1", e)))
+    sup.fulfil(A, (1, 1))
+    err = SupervisionError("proc died")
+    sup.peer_failed(A, err)
+    sup.peer_failed(A, SupervisionError("again"))  # once only
+    assert failed == [("a0", err)]
+    assert sup.peer_error(A) is err
+    sup.expect(A, (2, 0), lambda e: failed.append(("late", e)))  # owed by the dead: fails at once
+    assert failed[-1] == ("late", err)
+
+
+def test_supervision_declares_a_silent_allocator_and_its_procs_lost(caplog) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.WARNING, logger="monarch_nb._runtime.supervision")
+    now = [0.0]
+    io = IO()
+    sup = Supervision(Config(heartbeat_timeout=5.0), io, clock=lambda: now[0])
+    sup.watch(REMOTE, A, "m", 0, "h2")
+    assert io.sent == [(REMOTE, "subscribe")]
+    lost: list[str] = []
+    sup.peer_failure_callbacks.append(lambda peer, e: lost.append(peer))
+    now[0] = 4.0
+    sup.check(now[0], starved=False)
+    assert io.sent[-1] == (REMOTE, "ping") and not lost
+    pong = dumps(("pong",))
+    io.handlers[0](0, wire.OK, *pong)  # the allocator answers: alive until 9 s
+    now[0] = 8.0
+    sup.check(now[0], starved=False)
+    assert not lost
+    now[0] = 20.0
+    sup.check(now[0], starved=True)  # a late check is no evidence against the peer
+    assert not lost
+    sup.check(now[0], starved=False)
+    assert lost == [A, REMOTE]
+    assert "no heartbeat for 16.0 s" in str(sup.peer_error(A))
+
+
+def test_a_reply_port_forgets_what_was_answered_or_closed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    rt = Runtime(Config(), Security(), str(tmp_path))  # not started: no thread, no sockets
+    try:
+        failed: list[int] = []
+        replies = ReplyPort(rt, lambda *a: None)
+        for i, peer in enumerate([A, A, B]):
+            replies.owe(i, peer, lambda e, i=i: failed.append(i))
+        replies.answered(0)
+        rt.peer_failed(A, SupervisionError("A died"))
+        assert failed == [1]  # 0 had answered
+        replies.close()
+        rt.peer_failed(B, SupervisionError("B died"))
+        assert failed == [1]  # closed: nothing is owed any more
+        replies.close()
+        again = ReplyPort(rt, lambda *a: None)
+        assert again.port != replies.port
+        again.owe(0, A, lambda e: failed.append(99))  # owed by a dead peer: fails at once
+        assert failed == [1, 99]
+        again.close()
+    finally:
+        rt.close()
+
+
+def test_header_field_positions_match_their_named_tuples() -> None:
+    fields = wire.ActorMeta._fields
+    named = {"actor": wire.ACTOR_NAME, "method": wire.METHOD, "reply_addr": wire.REPLY_ADDR, "reply_port": wire.REPLY_PORT}
+    named |= {
+        "call_index": wire.CALL_INDEX,
+        "extent": wire.EXTENT,
+        "call_id": wire.CALL_ID,
+        "stream": wire.STREAM,
+        "seq": wire.SEQ,
+    }
+    assert {f: fields.index(f) for f in fields} == named
+    meta = wire.ActorMeta("a", "m", "ipc:///r", 3, 1, ((), ()), "c.1", "s.1", 7)
+    kind, got, *_ = wire.decode(wire.encode(wire.ACTOR, tuple(meta), b"body"))
+    assert (kind, wire.ActorMeta(*got)) == (wire.ACTOR, meta)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "zmq"])
+def test_a_transport_carries_frames_to_another_inbox(tmp_path, direct: bool) -> None:  # type: ignore[no-untyped-def]
+    loop = asyncio.new_event_loop()
+    io = threading.Thread(target=loop.run_forever, daemon=True)
+    io.start()
+    cfg = Config(direct_ipc=direct)
+    rx = Transport(cfg, Security(), str(tmp_path), loop, name="rx")
+    tx = Transport(cfg, Security(), str(tmp_path), loop, name="tx")
+    got: list[list[bytes]] = []
+    opened: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def open_both() -> None:
+        rx.open(lambda frames, *where: got.append([bytes(f) for f in frames]))
+        tx.open(lambda *_: None)
+        opened.set_result(None)
+
+    try:
+        loop.call_soon_threadsafe(open_both)
+        opened.result(10)
+        for i in range(3):
+            tx.send(rx.ipc_addr, [b"head %d" % i, b"buffer"])
+        wait_for(lambda: len(got) == 3, 10, "three messages")
+        assert got == [[b"head %d" % i, b"buffer"] for i in range(3)]  # in order, frames intact
+        assert bool(rx.fast_in) == direct
+    finally:
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def stop() -> None:
+            rx.close_inboxes()
+            tx.close_inboxes()
+            loop.stop()
+            done.set_result(None)
+
+        loop.call_soon_threadsafe(stop)
+        done.result(10)
+        io.join(10)
+        for t in (tx, rx):
+            t.close_connections()
+            t.terminate()
+        loop.close()
