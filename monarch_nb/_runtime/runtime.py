@@ -111,7 +111,7 @@ class Runtime:
         self.hostname = socket.gethostname()
         self.pid = os.getpid()
         self.ctx = zmq.Context()
-        self.sockets = SocketFactory(self.ctx, security)
+        self.sockets = SocketFactory(self.ctx, security, runtime_dir)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=f"monarch_nb-io-{label}", daemon=True)
         self._tcp_ip = tcp_ip
@@ -202,7 +202,7 @@ class Runtime:
         # message, without a zmq.asyncio future per message
         self.loop.add_reader(sock.FD, self._drain_inbox, sock)
         self.loop.call_soon(self._drain_inbox, sock)
-        if addr.startswith("tcp://") and self.security.key is not None:
+        if addr.startswith("tcp://"):
             mon = zmq.asyncio.Socket.shadow(sock.get_monitor_socket().underlying)
             self._spawn(self._log_handshake_failures(mon, bound))
         return bound

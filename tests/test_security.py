@@ -1,0 +1,201 @@
+"""Hardening against other local users and unlucky inputs (issue 15).
+
+An attacker here is another uid on the same host (``nobody``, 65534) who can reach every TCP
+port on loopback: the frame it sends would create a file if anything unpickled it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import stat
+import subprocess
+import textwrap
+import time
+
+import psutil
+import pytest
+from conftest import PY, AllocatorProc, wait_for
+
+from monarch_nb._wire import frames
+
+pytestmark = pytest.mark.timeout(120)
+
+NOBODY = 65534
+
+
+class _Exploit:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.path}",))
+
+
+def evil_frame(marker: str) -> bytes:
+    """An ACTOR frame whose meta, once unpickled, creates ``marker``."""
+    meta = pickle.dumps(_Exploit(marker), protocol=5)
+    return frames.MAGIC + bytes([frames.VERSION, frames.ACTOR, frames.INLINE]) + len(meta).to_bytes(4, "little") + meta
+
+
+#: a ZMTP 3.0 client with the NULL mechanism (no key) in the standard library only: what any
+#: local user can write without our virtualenv (which may sit in a directory they cannot read)
+_ZMTP_CLIENT = """
+import socket, struct, sys
+host, port = sys.argv[1][len("tcp://"):].rsplit(":", 1)
+frame = bytes.fromhex(sys.argv[2])
+s = socket.create_connection((host, int(port)), timeout=5)
+def recv_exactly(n):
+    out = b""
+    while len(out) < n:
+        b = s.recv(n - len(out))
+        if not b:
+            sys.exit(0)  # the server hung up: it wants a mechanism we do not speak
+        out += b
+    return out
+def frame_of(flags, body):
+    if len(body) < 256:
+        return bytes([flags, len(body)]) + body
+    return bytes([flags | 2]) + struct.pack(">Q", len(body)) + body
+try:
+    s.sendall(b"\\xff" + bytes(8) + b"\\x7f" + bytes([3, 1]) + b"NULL".ljust(20, b"\\0") + bytes(32))
+    recv_exactly(64)
+    props = bytes([11]) + b"Socket-Type" + struct.pack(">I", 6) + b"DEALER"
+    s.sendall(frame_of(4, bytes([5]) + b"READY" + props))
+    flags = recv_exactly(1)[0]
+    recv_exactly(recv_exactly(1)[0] if not flags & 2 else struct.unpack(">Q", recv_exactly(8))[0])
+    s.sendall(frame_of(0, frame))
+    while s.recv(4096):
+        pass
+except OSError:
+    pass
+"""
+
+
+def send_as_nobody(addr: str, frame: bytes) -> None:
+    """Connect to ``addr`` as uid 65534 without a key and send ``frame`` (what any local user can do)."""
+    py = shutil.which("python3", path="/usr/bin:/bin") or PY
+    r = subprocess.run(
+        [py, "-c", _ZMTP_CLIENT, addr, frame.hex()],
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 0, r.stderr
+
+
+def assert_never_appears(path: str, seconds: float = 2.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert not os.path.exists(path), f"a frame from uid {NOBODY} ran code: {path} was created"
+        time.sleep(0.05)
+
+
+def tcp_listeners(pid: int) -> list[str]:
+    out = []
+    for c in psutil.Process(pid).net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN:
+            out.append(f"tcp://{c.laddr.ip}:{c.laddr.port}")
+    return out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to send a frame as uid 65534")
+@pytest.mark.parametrize("trust_all", [False, True], ids=["keyless", "trust-all"])
+def test_loopback_tcp_allocator_refuses_another_uid(tmp_path, trust_all: bool) -> None:  # type: ignore[no-untyped-def]
+    args = ["--bind", "tcp://127.0.0.1:0"] + (["--trust-all"] if trust_all else [])
+    a = AllocatorProc(str(tmp_path), *args, env={"MONARCH_NB_KEY_FILE": ""})
+    try:
+        assert a.info["tcp"].startswith("tcp://127.0.0.1:")
+        marker = str(tmp_path / "pwned-allocator")
+        send_as_nobody(a.info["tcp"], evil_frame(marker))
+        # the daemon saw the connection and refused it before reading a frame (or ran it)
+        wait_for(lambda: os.path.exists(marker) or "security handshake" in a.logtext(), 10, "the allocator to take the frame")
+        assert_never_appears(marker)
+        assert a.proc.poll() is None
+        key = os.path.join(a.rdir, "loopback-tcp.key")
+        assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
+    finally:
+        a.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to send a frame as uid 65534")
+def test_keyless_controller_on_loopback_tcp(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The same user's keyless controller reaches a loopback TCP allocator (the runtime directory's
+    key), and whatever TCP inbox the controller opens for the replies refuses a stranger."""
+    a = AllocatorProc(str(tmp_path), "--bind", "tcp://127.0.0.1:0", env={"MONARCH_NB_KEY_FILE": ""})
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from monarch_nb.actor import Actor, endpoint, attach_to_workers
+        from monarch_nb.actor import _context
+
+        class Echo(Actor):
+            @endpoint
+            def echo(self, x):
+                return x
+
+        hosts = attach_to_workers(workers=[{a.info["tcp"]!r}])
+        procs = hosts.spawn_procs(per_host={{"gpus": 1}})
+        e = procs.spawn("e", Echo)
+        print("echo", e.echo.call_one(41).get(timeout=60) + 1, flush=True)
+        sys.stdin.readline()
+        procs.stop().get(timeout=30)
+        """
+    )
+    env = dict(a.env, MONARCH_NB_KEY_FILE="", PYTHONPATH=os.path.dirname(__file__))
+    p = subprocess.Popen(
+        [PY, "-c", script], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        line = p.stdout.readline()  # type: ignore[union-attr]
+        assert line.strip() == "echo 42", p.stderr.read()  # type: ignore[union-attr]
+        listeners = tcp_listeners(p.pid)
+        for i, addr in enumerate(listeners):
+            marker = str(tmp_path / f"pwned-controller-{i}")
+            send_as_nobody(addr.replace("0.0.0.0", "127.0.0.1"), evil_frame(marker))
+            assert_never_appears(marker)
+        p.stdin.write("done\n")  # type: ignore[union-attr]
+        p.stdin.flush()  # type: ignore[union-attr]
+        assert p.wait(60) == 0, p.stderr.read()  # type: ignore[union-attr]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        a.stop()
+
+
+def test_tcp_off_loopback_without_key_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from monarch_nb._runtime.transport import Security
+    from monarch_nb.errors import ConfigError
+
+    for trust_all in (False, True):
+        with pytest.raises(ConfigError, match="monarch-nb keygen"):
+            Security(None, trust_all).check_address("tcp://192.0.2.1:26600")
+
+
+@pytest.mark.parametrize("kind", ["0644-file", "symlink"])
+def test_keygen_leaves_no_readable_secret(tmp_path, kind: str) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "cluster.key"
+    target = tmp_path / "elsewhere"
+    target.write_text("not a key\n")
+    os.chmod(target, 0o644)
+    if kind == "symlink":
+        os.symlink(target, path)
+    else:
+        path.write_text("old\n")
+        os.chmod(path, 0o644)
+    r = subprocess.run([PY, "-m", "monarch_nb", "keygen", str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    st = os.lstat(path)
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    assert "(mode 600)" in r.stdout
+    assert target.read_text() == "not a key\n"  # the link was not written through
+    from monarch_nb._wire.keys import read_key_file
+
+    assert len(read_key_file(str(path))) == 32
