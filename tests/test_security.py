@@ -12,13 +12,15 @@ import shutil
 import stat
 import subprocess
 import textwrap
+import threading
 import time
 
 import psutil
 import pytest
-from conftest import PY, AllocatorProc, wait_for
+from conftest import PY, AllocatorProc, run_script, wait_for
 
 from monarch_nb._wire import frames
+from monarch_nb.actor import Actor, ActorError, endpoint, this_host
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -199,3 +201,147 @@ def test_keygen_leaves_no_readable_secret(tmp_path, kind: str) -> None:  # type:
     from monarch_nb._wire.keys import read_key_file
 
     assert len(read_key_file(str(path))) == 32
+
+
+# ---------------------------------------------------------------- unlucky exceptions (item 3)
+
+
+class StrRaises(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+class Unpicklable(Exception):
+    def __init__(self) -> None:
+        super().__init__("holds a lock")
+        self.lock = threading.Lock()
+
+
+class NeedsTwoArgs(Exception):
+    """Pickles fine, but unpickling calls ``__init__`` with one argument and raises."""
+
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__(f"{a}+{b}")
+
+
+def _refuse_to_unpickle() -> None:
+    raise ValueError("this argument does not unpickle here")
+
+
+class BadArg:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (_refuse_to_unpickle, ())
+
+
+class BadArgStrRaises:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (_raise_str_raises, ())
+
+
+def _raise_str_raises() -> None:
+    raise StrRaises()
+
+
+class Raiser(Actor):
+    @endpoint
+    def raise_it(self, kind: str) -> None:
+        raise {"str": StrRaises(), "unpicklable": Unpicklable(), "two": NeedsTwoArgs(1, 2)}[kind]
+
+    @endpoint
+    def take(self, x: object) -> str:
+        return "took it"
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+    @endpoint
+    def big(self, n: int) -> bytes:
+        return b"x" * n
+
+
+@pytest.fixture(scope="module")
+def raiser():  # type: ignore[no-untyped-def]
+    procs = this_host().spawn_procs(per_host={"gpus": 1}, name="raiser")
+    yield procs.spawn("raiser", Raiser)
+    procs.stop().get(timeout=30)
+
+
+@pytest.mark.parametrize("kind", ["str", "unpicklable", "two"])
+def test_endpoint_exception_that_resists_formatting_or_pickling(raiser, kind: str) -> None:  # type: ignore[no-untyped-def]
+    t0 = time.monotonic()
+    with pytest.raises(ActorError) as ei:
+        raiser.raise_it.call_one(kind).get(timeout=10)
+    assert time.monotonic() - t0 < 10
+    assert type(ei.value.exception).__name__ in ({"str": "StrRaises", "unpicklable": "RuntimeError", "two": "RuntimeError"}[kind])
+    assert "raise_it" in str(ei.value)
+    assert raiser.ping.call_one().get(timeout=10) == "pong"
+
+
+@pytest.mark.parametrize("arg", [BadArg(), BadArgStrRaises()], ids=["raises", "raises-str-raises"])
+def test_arguments_that_fail_to_unpickle_in_the_actor(raiser, arg: object) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ActorError, match="unpickling the arguments"):
+        raiser.take.call_one(arg).get(timeout=10)
+    assert raiser.ping.call_one().get(timeout=10) == "pong"
+
+
+def test_exception_class_from_main_arrives_as_itself() -> None:
+    """A class defined in ``__main__`` (a notebook cell, a script) is caught by ``except MyError``."""
+    r = run_script(
+        textwrap.dedent(
+            """
+            from monarch_nb.actor import Actor, ActorError, endpoint, this_host
+
+            class MyError(Exception):
+                pass
+
+            class A(Actor):
+                @endpoint
+                def fail(self):
+                    raise MyError("from the actor")
+
+            procs = this_host().spawn_procs(per_host={"gpus": 1})
+            a = procs.spawn("a", A)
+            try:
+                a.fail.call_one().get(timeout=30)
+            except ActorError as e:
+                print("caught", type(e.exception).__name__, isinstance(e.exception, MyError), e.exception)
+            procs.stop().get(timeout=30)
+            """
+        ),
+        timeout=90,
+    )
+    assert "caught MyError True from the actor" in r.stdout, r.stdout + r.stderr
+
+
+def test_reply_over_max_message_bytes_fails_the_call(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    limit = {"MONARCH_NB_MAX_MESSAGE_BYTES": str(1 << 20)}
+    a = AllocatorProc(str(tmp_path), env=limit)
+    try:
+        r = run_script(
+            textwrap.dedent(
+                f"""
+                import time
+                from monarch_nb.actor import ActorError, attach_to_workers
+                from test_security import Raiser
+
+                hosts = attach_to_workers(workers=[{a.addr!r}])
+                procs = hosts.spawn_procs(per_host={{"gpus": 1}})
+                r = procs.spawn("r", Raiser)
+                t0 = time.monotonic()
+                try:
+                    r.big.call_one(2 << 20).get(timeout=30)
+                except ActorError as e:
+                    print("failed after", time.monotonic() - t0, "s:", e.message)
+                print("then", len(r.big.call_one(1000).get(timeout=10)))
+                procs.stop().get(timeout=30)
+                """
+            ),
+            timeout=90,
+            env=dict(limit, MONARCH_NB_RUNTIME_DIR=a.rdir, PYTHONPATH=os.path.dirname(__file__)),
+        )
+        assert "max_message_bytes=1048576" in r.stdout and "too large to send back" in r.stdout, r.stdout + r.stderr
+        assert float(r.stdout.split("failed after ")[1].split()[0]) < 10, r.stdout
+        assert "then 1000" in r.stdout
+    finally:
+        a.stop()
