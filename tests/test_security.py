@@ -11,6 +11,7 @@ import pickle
 import shutil
 import stat
 import subprocess
+import tempfile
 import textwrap
 import threading
 import time
@@ -345,3 +346,42 @@ def test_reply_over_max_message_bytes_fails_the_call(tmp_path) -> None:  # type:
         assert "then 1000" in r.stdout
     finally:
         a.stop()
+
+
+# ---------------------------------------------------------------- a full /dev/shm (item 2)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare for a private /dev/shm")
+def test_full_dev_shm_falls_back_to_the_socket(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """In a mount namespace whose /dev/shm holds 16 MiB, 32 MiB go to an echo actor and back."""
+    rdir = tempfile.mkdtemp(prefix="mnbs-", dir="/tmp")
+    script = textwrap.dedent(
+        """
+        import os
+        from monarch_nb.actor import Actor, endpoint, this_host
+
+        class Echo(Actor):
+            @endpoint
+            def echo(self, b):
+                return b
+
+        data = os.urandom(32 << 20)
+        procs = this_host().spawn_procs(per_host={"gpus": 1})
+        back = procs.spawn("echo", Echo).echo.call_one(data).get(timeout=60)
+        print("same bytes back:", back == data, flush=True)
+        procs.stop().get(timeout=30)
+        """
+    )
+    (tmp_path / "echo.py").write_text(script)
+    shell = f"mount -t tmpfs -o size=16m,mode=1777 tmpfs /dev/shm && {PY} {tmp_path / 'echo.py'}; rc=$?; {PY} -m monarch_nb allocator stop >/dev/null; exit $rc"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["MONARCH_NB_RUNTIME_DIR"] = rdir
+    try:
+        r = subprocess.run(
+            ["unshare", "-m", "--propagation", "private", "sh", "-c", shell], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+        assert "same bytes back: True" in r.stdout, r.stdout + r.stderr
+    finally:
+        subprocess.run([PY, "-m", "monarch_nb", "allocator", "stop"], env=env, capture_output=True, timeout=60)
+        shutil.rmtree(rdir, ignore_errors=True)
