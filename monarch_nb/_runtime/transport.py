@@ -52,7 +52,7 @@ class Security:
         host = addr[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
         if not _is_loopback(host):
             raise ConfigError(
-                f"refusing TCP to {addr} without a cluster key: off loopback every connection is authenticated "
+                f"refusing unauthenticated TCP to {addr}: off loopback every connection is authenticated "
                 "with one. Make one with `monarch-nb keygen KEYFILE`, copy it to every host, and pass it "
                 "(--key-file KEYFILE, key_file=/ca=KEYFILE, or MONARCH_NB_KEY_FILE=KEYFILE); "
                 "ca='trust_all_connections' / --trust-all only serve loopback"
