@@ -385,3 +385,78 @@ def test_full_dev_shm_falls_back_to_the_socket(tmp_path) -> None:  # type: ignor
     finally:
         subprocess.run([PY, "-m", "monarch_nb", "allocator", "stop"], env=env, capture_output=True, timeout=60)
         shutil.rmtree(rdir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the direct path (item 11)
+
+
+def test_direct_path_of_another_wire_version_is_refused_at_the_caller() -> None:
+    """A direct socket that greets with another wire version: the sender raises, sends nothing."""
+    import socket
+
+    from monarch_nb._runtime.runtime import Runtime
+    from monarch_nb._runtime.transport import Security
+    from monarch_nb.config import Config
+    from monarch_nb.errors import VersionMismatchError
+
+    rdir = tempfile.mkdtemp(prefix="mnbv-", dir="/tmp")
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lst.bind(os.path.join(rdir, "mnb-other.fast"))
+    lst.listen(4)
+    got: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = lst.accept()
+        with conn:
+            conn.sendall(frames.MAGIC + bytes([frames.VERSION + 1]))
+            conn.settimeout(2)
+            try:
+                got.append(conn.recv(100))
+            except OSError:
+                pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    tx = Runtime(Config(), Security(), rdir, label="tx").start()
+    try:
+        with pytest.raises(VersionMismatchError, match=f"speaks wire version {frames.VERSION + 1}"):
+            tx.send(f"ipc://{rdir}/mnb-other.sock", frames.encode(frames.PORT, (1, 0, frames.ITEM), b"hello"))
+        t.join(10)
+        assert got in ([], [b""])  # nothing of the message was written
+    finally:
+        tx.close()
+        lst.close()
+        shutil.rmtree(rdir, ignore_errors=True)
+
+
+class Slow(Actor):
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def length(self, b: bytes) -> int:
+        return len(b)
+
+
+def test_a_stopped_receiver_leaves_the_sender_free() -> None:
+    import signal
+
+    procs = this_host().spawn_procs(per_host={"gpus": 1}, name="stopped")
+    try:
+        s = procs.spawn("slow", Slow)
+        pid = s.pid.call_one().get(timeout=30)  # this thread now has a direct connection to it
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            big = b"x" * (4 << 20)  # more than a socket buffer, less than the shared-memory threshold
+            t0 = time.monotonic()
+            futs = [s.length.call_one(big) for _ in range(3)]
+            assert time.monotonic() - t0 < 8, "the sending thread was held by a stopped receiver"
+            with pytest.raises(TimeoutError):
+                futs[0].get(timeout=2)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert [f.get(timeout=30) for f in futs] == [4 << 20] * 3
+        assert s.length.call_one(b"after").get(timeout=10) == 5
+    finally:
+        procs.stop().get(timeout=30)

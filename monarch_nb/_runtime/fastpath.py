@@ -11,8 +11,15 @@ Security is the ipc inbox's: the socket lives in the 0700 runtime directory with
 and the receiver also checks the connecting process's uid (``SO_PEERCRED``).
 
 Sends block when the receiver's socket buffer is full (its runtime loop always drains, it runs
-no user code); a runtime's own I/O thread never sends this way, so two loops can never wait on
-each other.
+no user code), but never for long: a receiver that takes nothing for ``STALL_S`` (stopped, or
+stuck) raises :class:`Stalled` in the sender, which sends that message over zmq instead, or, if
+part of it is written, leaves the rest to a thread of its own; either way the sending thread is
+free and uses zmq for that peer from then on (ordered streams are numbered, so the receiver
+keeps the order). A runtime's own I/O thread never sends this way, so two loops can never wait
+on each other.
+
+On accept the receiver writes its magic and wire version; the sender reads them before its
+first message and raises :class:`~monarch_nb.errors.VersionMismatchError` for another version.
 """
 
 from __future__ import annotations
@@ -21,8 +28,12 @@ import logging
 import os
 import socket
 import struct
+import threading
 from collections.abc import Callable
 from typing import Any
+
+from .._wire import frames as wire
+from ..errors import ProtocolError, VersionMismatchError
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +42,28 @@ SUFFIX = ".fast"
 _BIG = 1 << 16
 _READ = 1 << 18
 _PEERCRED = struct.Struct("3i")
+#: a receiver that takes no byte for this long is treated as stuck (SO_SNDTIMEO: no cost per send)
+STALL_S = 1.0
+#: how long a new connection waits for the receiver's greeting
+GREETING_S = 5.0
+_TIMEVAL = struct.Struct("ll")
+
+
+def greeting() -> bytes:
+    return wire.MAGIC + bytes([wire.VERSION])
+
+
+class Stalled(Exception):
+    """The receiver took nothing for ``STALL_S``; ``queued``: the message still goes out (a
+    thread finishes writing it), else none of it was written and it must take another path."""
+
+    def __init__(self, queued: bool) -> None:
+        super().__init__("the receiver is not reading its direct socket")
+        self.queued = queued
+
+
+def _timeval(seconds: float) -> bytes:
+    return _TIMEVAL.pack(int(seconds), int((seconds % 1) * 1e6))
 
 
 def path_for(ipc_addr: str) -> str:
@@ -49,6 +82,21 @@ class Sender:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.connect(path)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(GREETING_S))
+            hello = b""
+            while len(hello) < 4:
+                b = s.recv(4 - len(hello))
+                if not b:
+                    raise ConnectionResetError(f"{path} closed the direct connection before greeting")
+                hello += b
+            if hello[:3] != wire.MAGIC:
+                raise ProtocolError(f"{path} is not a monarch_nb direct socket (it greeted with {hello!r})")
+            if hello[3] != wire.VERSION:
+                raise VersionMismatchError(
+                    f"the process at {path} speaks wire version {hello[3]}, this process speaks {wire.VERSION}: "
+                    "run the same monarch_nb version in every process of a host"
+                )
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(STALL_S))
         except BaseException:
             s.close()
             raise
@@ -58,7 +106,7 @@ class Sender:
         n = len(frames)
         if n == 1 and type(frames[0]) is bytes:  # a small message: one frame, one write
             f = frames[0]
-            self.sock.sendall(b"\x01" + len(f).to_bytes(4, "little") + f)
+            self._write([b"\x01" + len(f).to_bytes(4, "little") + f])
             return
         if n > 255:
             raise ValueError(f"a message of {n} frames is more than the direct path carries (255)")
@@ -66,11 +114,40 @@ class Sender:
         parts = [f if type(f) is bytes else memoryview(f).cast("B") for f in frames]
         head = struct.pack(f"<B{n}I", n, *(len(p) for p in parts))
         parts.insert(0, head)
+        self._write(parts)
+
+    def _write(self, parts: list[Any]) -> None:
         total = sum(len(p) for p in parts)
-        sent = self.sock.sendmsg(parts)
-        if sent < total:  # a signal cut the write short: finish it in order
-            rest = b"".join(bytes(p) for p in parts)[sent:]
-            self.sock.sendall(rest)
+        sent = 0
+        try:
+            sent = self.sock.sendmsg(parts)
+            if sent < total:  # a full buffer or a signal cut the write short: finish it in order
+                rest = memoryview(b"".join(bytes(p) for p in parts))[sent:]
+                while rest:
+                    k = self.sock.send(rest)
+                    sent += k
+                    rest = rest[k:]
+        except BlockingIOError:
+            # SO_SNDTIMEO passed without the receiver taking a byte
+            if sent == 0:
+                raise Stalled(queued=False) from None
+            self._finish_later(b"".join(bytes(p) for p in parts)[sent:])
+            raise Stalled(queued=True) from None
+
+    def _finish_later(self, rest: bytes) -> None:
+        """Write the rest of a message the receiver stopped reading, off the sending thread
+        (the stream must stay whole), then close: the sender uses zmq for this peer now."""
+
+        def run() -> None:
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0))  # no limit
+                self.sock.sendall(rest)
+            except OSError as e:
+                logger.debug("finishing a stalled direct message failed: %s", e)
+            finally:
+                self.sock.close()
+
+        threading.Thread(target=run, name="monarch_nb-direct-finish", daemon=True).start()
 
     def close(self) -> None:
         self.sock.close()
@@ -87,6 +164,10 @@ class Receiver:
     __slots__ = ("sock", "dispatch", "max_bytes", "buf", "r", "w", "lens", "frames", "big", "filled", "label")
 
     def __init__(self, sock: socket.socket, dispatch: Callable[[list[Any]], None], max_bytes: int, label: str) -> None:
+        try:
+            sock.send(greeting())  # a fresh connection's buffer is empty: this never blocks
+        except OSError as e:
+            logger.debug("greeting a direct connection failed: %s", e)
         self.sock = sock
         self.dispatch = dispatch
         self.max_bytes = max_bytes
