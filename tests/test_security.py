@@ -460,3 +460,50 @@ def test_a_stopped_receiver_leaves_the_sender_free() -> None:
         assert s.length.call_one(b"after").get(timeout=10) == 5
     finally:
         procs.stop().get(timeout=30)
+
+
+# ---------------------------------------------------------------- the sidebar's REST API (item 11)
+
+
+@pytest.fixture(scope="module")
+def readonly_server():  # type: ignore[no-untyped-def]
+    from _jupyter import JupyterServer
+
+    s = JupyterServer(
+        "server",
+        extra_args=["--ServerApp.authorizer_class=_authz.ReadOnly"],
+        extra_env={"PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))},
+    )
+    yield s
+    s.stop()
+
+
+def test_a_read_only_authorizer_makes_a_read_only_sidebar(readonly_server) -> None:  # type: ignore[no-untyped-def]
+    status, state = readonly_server.request("GET", "/monarch-nb/api/state")
+    assert status == 200, state
+    assert "allocators" in state
+    for path in ("/monarch-nb/api/allocators", "/monarch-nb/api/meshes/demo/stop"):
+        status, body = readonly_server.request("POST", path, {})
+        assert status == 403, (path, status, body)
+
+
+def test_the_sidebar_reads_logs_only_from_allocators_it_knows(readonly_server) -> None:  # type: ignore[no-untyped-def]
+    status, body = readonly_server.request("GET", "/monarch-nb/api/meshes/demo/ranks/0/log?alloc=tcp://127.0.0.1:9")
+    assert status == 400 and "not an allocator this server knows" in body["message"], (status, body)
+    # and the server process never reached for that address
+    server = psutil.Process(readonly_server.proc.pid)
+    assert not [c for c in server.net_connections(kind="tcp") if c.raddr and c.raddr.port == 9]
+
+
+@pytest.mark.parametrize("name", ["..", "../..", "a/../..", ".hidden"])
+def test_a_log_request_cannot_leave_the_log_directory(name: str) -> None:
+    from monarch_nb.actor import _context
+    from monarch_nb.allocator import start_allocator
+    from monarch_nb.config import runtime_dir
+
+    addr = start_allocator()["addr"]
+    # what a '..' would reach: a file shaped like a rank log, outside any mesh's log directory
+    with open(os.path.join(runtime_dir(), "rank-0.jsonl"), "w") as f:
+        f.write('{"line": "not yours"}\n')
+    with pytest.raises(ValueError, match="bad mesh name"):
+        _context.client().request(addr, "logs", name, 0, None).get(timeout=10)

@@ -34,7 +34,7 @@ from ..errors import MeshError, ProtocolError, SpawnError
 from . import shm
 from .codecache import CodeCache
 from .debugreg import DebugRegistry
-from .logcapture import LogLine, ProcLog, read_log
+from .logcapture import LogLine, ProcLog, rank_log_path, read_log
 from .runtime import NO_REPLY, Runtime, pid_alive, system_method
 from .telemetry import Telemetry
 from .transport import Security
@@ -715,7 +715,7 @@ class Allocator(DebugRegistry):
         }
 
     def sys_logs(self, mesh: str, rank: int, tail: int | None = None, start: int = 0) -> list[dict[str, Any]]:
-        path = os.path.join(self.log_dir, mesh, f"rank-{rank}.jsonl")
+        path = rank_log_path(self.log_dir, mesh, rank)
         if not os.path.exists(path):
             raise MeshError(f"no log for mesh {mesh!r} rank {rank} on host {self.rt.hostname}")
         return read_log(path, tail, start)

@@ -174,6 +174,16 @@ def _decode(b: bytes) -> str:
     return b.decode("utf-8", "replace")
 
 
+def rank_log_path(log_dir: str, mesh: str, rank: int) -> str:
+    """Where rank ``rank`` of ``mesh`` logs under ``log_dir``; a name that would leave it
+    (``..``, a slash) is an error, not a path."""
+    if not isinstance(mesh, str) or not mesh or mesh.startswith(".") or "/" in mesh or "\0" in mesh or os.sep in mesh:
+        raise ValueError(f"bad mesh name {str(mesh)[:80]!r}: a mesh name is one path component, not starting with '.'")
+    if type(rank) is not int or rank < 0:
+        raise ValueError(f"bad rank {rank!r}: a rank is an integer >= 0")
+    return os.path.join(log_dir, mesh, f"rank-{rank}.jsonl")
+
+
 def read_log(path: str, tail: int | None = None, start: int = 0) -> list[dict[str, Any]]:
     try:
         with open(path, encoding="utf-8") as f:
