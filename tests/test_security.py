@@ -23,7 +23,7 @@ from conftest import PY, AllocatorProc, run_script, wait_for
 from monarch_nb._wire import frames
 from monarch_nb.actor import Actor, ActorError, endpoint, this_host
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
 
 NOBODY = 65534
 
@@ -507,3 +507,75 @@ def test_a_log_request_cannot_leave_the_log_directory(name: str) -> None:
         f.write('{"line": "not yours"}\n')
     with pytest.raises(ValueError, match="bad mesh name"):
         _context.client().request(addr, "logs", name, 0, None).get(timeout=10)
+
+
+# ---------------------------------------------------------------- a dead log subscriber (item 4)
+
+
+class Chatty(Actor):
+    @endpoint
+    def flood_when(self, flag: str, mb: int) -> None:
+        """Print ``mb`` MB on a thread of its own once ``flag`` exists."""
+
+        def run() -> None:
+            while not os.path.exists(flag):
+                time.sleep(0.05)
+            line = "y" * 999
+            for _ in range(mb * 1000):
+                print(line)
+            print("flood done", flush=True)
+
+        threading.Thread(target=run, daemon=True).start()
+
+    @endpoint
+    def hello(self) -> str:
+        print("hello from the chatty rank", flush=True)
+        return "hi"
+
+
+def test_a_killed_controllers_log_subscription_does_not_grow_the_allocator(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    a = AllocatorProc(str(tmp_path))
+    flag = str(tmp_path / "go")
+    script = textwrap.dedent(
+        f"""
+        import time
+        from monarch_nb.actor import attach_to_workers
+        from test_security import Chatty
+
+        hosts = attach_to_workers(workers=[{a.addr!r}])
+        procs = hosts.spawn_procs(per_host={{"gpus": 1}}, name="chatty", persist=True)
+        c = procs.spawn("c", Chatty)
+        c.hello.call_one().get(timeout=30)
+        c.flood_when.call_one({flag!r}, 50).get(timeout=30)
+        print("armed", flush=True)
+        time.sleep(600)  # killed by the test
+        """
+    )
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=a.rdir, PYTHONPATH=os.path.dirname(__file__))
+    env.pop("PYTHONUNBUFFERED", None)
+    p = subprocess.Popen([PY, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out = [p.stdout.readline() for _ in range(2)]  # type: ignore[union-attr]
+        assert "hello from the chatty rank" in out[0] and out[1] == "armed\n", out
+        p.kill()
+        p.wait(10)
+        wait_for(lambda: "exited; detaching it" in a.logtext(), 15, "the allocator to detach the killed controller")
+        alloc = psutil.Process(a.proc.pid)
+        before = alloc.memory_info().rss
+        open(flag, "w").close()
+        log = next(iter(__import__("glob").glob(os.path.join(a.rdir, "mnb-logs-*", "chatty", "rank-0.jsonl"))))
+
+        def done() -> bool:
+            with open(log, "rb") as f:
+                f.seek(max(0, os.path.getsize(log) - 4096))
+                return b"flood done" in f.read()
+
+        wait_for(done, 150, "the rank to print 50 MB")
+        grown = alloc.memory_info().rss - before
+        assert grown < 20 << 20, f"the allocator grew by {grown >> 20} MiB"
+        assert os.path.getsize(log) > 50_000_000  # every line is on disk
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        a.stop()

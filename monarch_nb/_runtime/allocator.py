@@ -112,6 +112,8 @@ class Allocator(DebugRegistry):
         self._pending_logs: dict[tuple[tuple[str, int], str], list[Any]] = {}
         self._flush_scheduled = False
         self._last_log_flush = 0.0
+        #: log lines not sent to a subscriber that went silent (still on disk), by its address
+        self.dropped_log_lines: dict[str, int] = {}
         self._anon = 0
         self.stopped = asyncio.Event()
         self.gpus = _gpu_count()
@@ -307,7 +309,31 @@ class Allocator(DebugRegistry):
         self._last_log_flush = time.monotonic()
         pending, self._pending_logs = self._pending_logs, {}
         for ((addr, port), mesh), lines in pending.items():
-            self.rt.send_port(addr, port, 0, wire.ITEM, ("logs", lines, mesh, self.id))
+            self._send_logs(addr, port, mesh, lines)
+
+    def _send_logs(self, addr: str, port: int, mesh: str, lines: list[Any]) -> None:
+        """Log lines for a controller that has not pinged for as long as it takes to detach it
+        are dropped, counted and logged (they stay in the rank's log file): a dead or stopped
+        subscriber's queue must not grow without bound. Only log lines are ever dropped."""
+        c = self.controllers.get(addr)
+        if c is not None and time.monotonic() - c["last_seen"] > max(5.0, 3 * self.cfg.heartbeat_timeout):
+            n = self.dropped_log_lines.get(addr, 0)
+            if n == 0:
+                logger.warning("controller %s is not answering: dropping its log lines (they stay in the logs on disk)", addr)
+            self.dropped_log_lines[addr] = n + len(lines)
+            return
+        n = self.dropped_log_lines.pop(addr, 0)
+        if n:
+            logger.warning("controller %s is back; %d log lines were not sent to it (see the logs on disk)", addr, n)
+        self.rt.send_port(addr, port, 0, wire.ITEM, ("logs", lines, mesh, self.id))
+
+    def _forget_subscriber(self, addr: str) -> None:
+        """A detached controller gets no more log lines or events."""
+        for m in self.meshes.values():
+            m.log_subs = {s for s in m.log_subs if s[0] != addr}
+        for sub in [s for s in self.subscribers if s[0] == addr]:
+            del self.subscribers[sub]
+        self.dropped_log_lines.pop(addr, None)
 
     def _publish(self, event: tuple[Any, ...]) -> None:
         for addr, port in list(self.subscribers):
@@ -494,6 +520,7 @@ class Allocator(DebugRegistry):
         c = self.controllers.pop(addr, None)
         if c is None:
             return 0
+        self._forget_subscriber(addr)
         return self._orphan(c["cid"])
 
     async def sys_spawn(self, spec: dict[str, Any]) -> dict[str, Any]:
@@ -766,6 +793,7 @@ class Allocator(DebugRegistry):
             if addr.startswith("ipc://") and not pid_alive(int(c.get("pid") or 0)):
                 logger.info("controller %s (pid %s) exited; detaching it", c["cid"], c.get("pid"))
                 del self.controllers[addr]
+                self._forget_subscriber(addr)
                 if c.get("pid"):
                     shm.sweep_dead(int(c["pid"]))  # its pooled and in-flight shared memory
                 self._orphan(c["cid"])
@@ -793,6 +821,7 @@ class Allocator(DebugRegistry):
                 if now - c["last_seen"] > detach_after:
                     logger.info("controller %s (pid %s) went silent; detaching it", c["cid"], c.get("pid"))
                     del self.controllers[addr]
+                    self._forget_subscriber(addr)
                     self._orphan(c["cid"])
             for sub, seen in list(self.subscribers.items()):
                 if now - seen > detach_after and sub[0] not in self.controllers:
