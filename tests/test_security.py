@@ -6,6 +6,7 @@ port on loopback: the frame it sends would create a file if anything unpickled i
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -579,3 +580,66 @@ def test_a_killed_controllers_log_subscription_does_not_grow_the_allocator(tmp_p
             p.kill()
             p.wait()
         a.stop()
+
+
+# ---------------------------------------------------------------- the allocator's I/O thread (item 5)
+
+
+def _peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+
+
+def test_a_log_tail_reads_the_end_of_a_huge_log_only(allocator) -> None:  # type: ignore[no-untyped-def]
+    from monarch_nb.introspect import logs
+
+    procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="biglog")
+    try:
+        procs.spawn("c", Chatty).hello.call_one().get(timeout=30)
+        path = next(iter(__import__("glob").glob(os.path.join(allocator.rdir, "mnb-logs-*", "biglog", "rank-0.jsonl"))))
+        wait_for(lambda: os.path.getsize(path) > 0, 10, "the rank's first line on disk")
+        row = (json.dumps({"ts": 0.0, "rank": 0, "stream": "stdout", "call": "", "line": "z" * 200}) + "\n").encode()
+        block = row * ((4 << 20) // len(row))
+        with open(path, "ab") as f:
+            for _ in range(50):  # 200 MB of old output
+                f.write(block)
+            f.write(row.replace(b"z" * 200, b"the last line"))
+        peak = _peak_rss(allocator.proc.pid)
+        got = logs("biglog", 0, tail=10, addr=allocator.addr, timeout=30)
+        assert len(got) == 10 and got[-1]["line"] == "the last line"
+        grown = _peak_rss(allocator.proc.pid) - peak
+        assert grown < 32 << 20, f"reading a tail of 10 lines raised the allocator's peak memory by {grown >> 20} MiB"
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_a_stalled_sync_pull_leaves_the_allocator_answering(allocator, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The staging area hangs (a FIFO nobody writes, as a hung network mount would): the
+    allocator keeps answering heartbeats and calls while the pull waits."""
+    import hashlib
+
+    from monarch_nb.actor import _context
+
+    blob = b"print('synced')\n"
+    digest = hashlib.sha256(blob).hexdigest()
+    (tmp_path / "blobs").mkdir()
+    fifo = tmp_path / "blobs" / digest
+    os.mkfifo(fifo)
+    procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="pulled")
+    try:
+        c = procs.spawn("c", Chatty)
+        c.hello.call_one().get(timeout=30)
+        pull = _context.client().request(allocator.addr, "sync_pull", f"file://{tmp_path}", [digest])
+        deadline = time.monotonic() + 3 * float(os.environ.get("MONARCH_NB_HEARTBEAT_TIMEOUT", "2"))
+        n = 0
+        while time.monotonic() < deadline:  # several heartbeat timeouts of calls, all answered
+            assert c.hello.call_one().get(timeout=10) == "hi"
+            assert _context.client().request(allocator.addr, "status").get(timeout=5)["host"]
+            n += 1
+        assert not pull.done()
+        with open(fifo, "wb") as f:  # the staging area answers at last (a FIFO is no file fsspec
+            f.write(blob)  # can seek in: the pull may fail now; it only had to not block anything)
+        wait_for(pull.done, 30, "the pull to end")
+        assert n > 0
+    finally:
+        procs.stop().get(timeout=30)

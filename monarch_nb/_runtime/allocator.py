@@ -465,7 +465,11 @@ class Allocator(DebugRegistry):
         out, _ = await proc.communicate()
         return {"ok": proc.returncode == 0, "output": out.decode(errors="replace")[-4000:]}
 
-    def sys_env_install_files(self, name: str, files: dict[str, str], remove: str = "") -> int:
+    async def sys_env_install_files(self, name: str, files: dict[str, str], remove: str = "") -> int:
+        # file writes: off the I/O thread, which answers heartbeats
+        return await asyncio.to_thread(self._env_install_files, name, files, remove)
+
+    def _env_install_files(self, name: str, files: dict[str, str], remove: str = "") -> int:
         """Install a distribution from synced blobs into this interpreter's site-packages."""
         import sysconfig
         from importlib import metadata
@@ -628,7 +632,11 @@ class Allocator(DebugRegistry):
     def sys_sync_put(self, blobs: dict[str, Any]) -> int:
         return self.code.put(blobs)
 
-    def sys_sync_pull(self, url: str, digests: list[str]) -> int:
+    async def sys_sync_pull(self, url: str, digests: list[str]) -> int:
+        # network and disk: off the I/O thread, which answers heartbeats
+        return await asyncio.to_thread(self._sync_pull, url, digests)
+
+    def _sync_pull(self, url: str, digests: list[str]) -> int:
         """Fetch blobs from a staging area (any fsspec URL this host can reach)."""
         import fsspec
 
@@ -741,11 +749,11 @@ class Allocator(DebugRegistry):
             "host_stats": self.telemetry.host,
         }
 
-    def sys_logs(self, mesh: str, rank: int, tail: int | None = None, start: int = 0) -> list[dict[str, Any]]:
+    async def sys_logs(self, mesh: str, rank: int, tail: int | None = None, start: int = 0) -> list[dict[str, Any]]:
         path = rank_log_path(self.log_dir, mesh, rank)
         if not os.path.exists(path):
             raise MeshError(f"no log for mesh {mesh!r} rank {rank} on host {self.rt.hostname}")
-        return read_log(path, tail, start)
+        return await asyncio.to_thread(read_log, path, tail, start)
 
     def sys_shutdown(self) -> str:
         self.rt.loop.call_later(0.05, self.stopped.set)

@@ -185,11 +185,40 @@ def rank_log_path(log_dir: str, mesh: str, rank: int) -> str:
 
 
 def read_log(path: str, tail: int | None = None, start: int = 0) -> list[dict[str, Any]]:
+    """Rows ``start:`` of a rank's log, or only its last ``tail`` rows (read from the end of
+    the file: a tail of a huge log costs what the tail is, not what the log is)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            rows = f.readlines()[start:]
+        with open(path, "rb") as f:
+            if tail is not None and start == 0:
+                rows = _last_lines(f, tail)
+            else:
+                rows = f.readlines()[start:]
+                if tail is not None:
+                    rows = rows[-tail:] if tail else []
     except FileNotFoundError:
         return []
-    if tail is not None:
-        rows = rows[-tail:] if tail else []
-    return [json.loads(r) for r in rows if r.strip()]
+    out = []
+    for r in rows:
+        if r.strip():
+            try:
+                out.append(json.loads(r))
+            except ValueError:
+                pass  # a line the allocator is still writing
+    return out
+
+
+def _last_lines(f: Any, n: int, block: int = 1 << 16) -> list[bytes]:
+    if n <= 0:
+        return []
+    end = f.seek(0, os.SEEK_END)
+    pos, buf = end, b""
+    # n + 1 newlines: the first line in the buffer may be cut
+    while pos > 0 and buf.count(b"\n") <= n:
+        step = min(block, pos)
+        pos -= step
+        f.seek(pos)
+        buf = f.read(step) + buf
+    lines = buf.splitlines(keepends=True)
+    if pos > 0:
+        lines = lines[1:]
+    return lines[-n:]
