@@ -643,3 +643,74 @@ def test_a_stalled_sync_pull_leaves_the_allocator_answering(allocator, tmp_path)
         assert n > 0
     finally:
         procs.stop().get(timeout=30)
+
+
+# ---------------------------------------------------------------- log limits (item 10)
+
+
+class Printer(Actor):
+    @endpoint
+    def print_bytes(self, n: int) -> int:
+        line = "p" * 99
+        for i in range(n // 100):
+            print(line if i < n // 100 - 1 else "the very last line")
+        return n
+
+
+def test_a_rank_printing_twice_its_cap_keeps_at_most_the_cap(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from monarch_nb.actor import attach_to_workers
+    from monarch_nb.introspect import logs
+
+    cap = 1 << 20
+    a = AllocatorProc(str(tmp_path), env={"MONARCH_NB_LOG_MAX_RANK_BYTES": str(cap)})
+    try:
+        hosts = attach_to_workers(workers=[a.addr])
+        procs = hosts.spawn_procs(per_host={"gpus": 1}, name="capped")
+        try:
+            p = procs.spawn("p", Printer)
+            p.print_bytes.call_one(2 * cap).get(timeout=60)
+            d = next(iter(__import__("glob").glob(os.path.join(a.rdir, "mnb-logs-*", "capped"))))
+
+            def last_line_on_disk() -> list[dict]:
+                got = logs("capped", 0, tail=3, addr=a.addr, timeout=30)
+                return got if got and got[-1]["line"] == "the very last line" else []
+
+            wait_for(last_line_on_disk, 30, "the last line in the log")
+            on_disk = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+            assert cap // 2 < on_disk <= cap, on_disk
+            assert sorted(os.listdir(d)) == ["rank-0.jsonl", "rank-0.jsonl.1"]
+            # the whole log reads both files, oldest first, with no gap
+            rows = logs("capped", 0, addr=a.addr, timeout=30)
+            assert len(rows) > (cap // 2) // 200 and rows[-1]["line"] == "the very last line"
+        finally:
+            procs.stop().get(timeout=30)
+    finally:
+        a.stop()
+
+
+def test_gc_removes_old_logs_of_stopped_allocators_and_meshes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    rdir = tmp_path / "rt"
+    rdir.mkdir(mode=0o700)
+    old = time.time() - 30 * 86400
+
+    def rank_log(path: str, when: float) -> None:
+        p = rdir / path
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text('{"line": "x"}\n')
+        os.utime(p, (when, when))
+
+    rank_log("mnb-logs-0123456789ab/train/rank-0.jsonl", old)  # an allocator long gone
+    rank_log("mnb-logs-ba9876543210/train/rank-0.jsonl", time.time())  # gone, but recent
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=str(rdir))
+    r = subprocess.run([PY, "-m", "monarch_nb", "gc", "--dry-run"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "would remove" in r.stdout and "mnb-logs-0123456789ab" in r.stdout and "ba9876543210" not in r.stdout, r.stdout
+    assert (rdir / "mnb-logs-0123456789ab").exists()  # a dry run removes nothing
+    r = subprocess.run([PY, "-m", "monarch_nb", "gc"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert not (rdir / "mnb-logs-0123456789ab").exists()
+    assert (rdir / "mnb-logs-ba9876543210" / "train" / "rank-0.jsonl").exists()
+    # over the total, the oldest go first even when young
+    env["MONARCH_NB_LOG_MAX_TOTAL_BYTES"] = "1"
+    r = subprocess.run([PY, "-m", "monarch_nb", "gc"], env=env, capture_output=True, text=True, timeout=60)
+    assert not (rdir / "mnb-logs-ba9876543210").exists(), r.stdout

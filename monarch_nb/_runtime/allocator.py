@@ -350,6 +350,7 @@ class Allocator(DebugRegistry):
             os.path.join(self.log_dir, mesh.name, f"rank-{rec.rank}.jsonl"),
             rec.rank,
             lambda lines, m=mesh.name: self._emit_logs(m, lines),
+            self.cfg.log_max_rank_bytes,
         )
         env = dict(spec["env"])
         coords = _coords(rec.local_rank, mesh.sizes)

@@ -79,12 +79,15 @@ def install_tagged_streams() -> None:
 class ProcLog:
     """Splits one proc's two streams into tagged lines and appends them to ``path``."""
 
-    def __init__(self, path: str, rank: int, emit: Callable[[list[LogLine]], None]) -> None:
+    def __init__(self, path: str, rank: int, emit: Callable[[list[LogLine]], None], max_bytes: int = 0) -> None:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         self.path = path
         self.rank = rank
         self._emit = emit
+        #: the newest file holds at most half: with the previous one, the rank stays under max_bytes
+        self._half = max_bytes // 2
         self._file = open(path, "a", buffering=1 << 16, encoding="utf-8")
+        self._size = self._file.tell()
         self._partial = {"stdout": b"", "stderr": b""}
         self._call = {"stdout": "", "stderr": ""}
         self.tail: list[LogLine] = []
@@ -146,17 +149,29 @@ class ProcLog:
 
     def _write(self, lines: list[LogLine]) -> None:
         enc = _encode
-        self._file.write(
-            "".join(
-                f'{{"ts": {ts!r}, "rank": {rank}, "stream": "{stream}", "call": {enc(call)}, "line": {enc(line)}}}\n'
-                for rank, stream, ts, call, line in lines
-            )
+        text = "".join(
+            f'{{"ts": {ts!r}, "rank": {rank}, "stream": "{stream}", "call": {enc(call)}, "line": {enc(line)}}}\n'
+            for rank, stream, ts, call, line in lines
         )
+        if self._half and self._size + len(text) > self._half:
+            self._rotate()
+        self._file.write(text)
         self._file.flush()
+        self._size += len(text)  # ASCII: characters are bytes
         self.nlines += len(lines)
         self.tail.extend(lines)
         del self.tail[:-50]
         self._emit(lines)
+
+    def _rotate(self) -> None:
+        self._file.close()
+        os.replace(self.path, self.path + ROTATED)
+        self._file = open(self.path, "a", buffering=1 << 16, encoding="utf-8")
+        self._size = 0
+
+
+#: the suffix of a rank log's previous half
+ROTATED = ".1"
 
 
 def _final(raw: bytes) -> bytes:
@@ -187,16 +202,27 @@ def rank_log_path(log_dir: str, mesh: str, rank: int) -> str:
 def read_log(path: str, tail: int | None = None, start: int = 0) -> list[dict[str, Any]]:
     """Rows ``start:`` of a rank's log, or only its last ``tail`` rows (read from the end of
     the file: a tail of a huge log costs what the tail is, not what the log is)."""
+    rows: list[bytes] = []
     try:
         with open(path, "rb") as f:
             if tail is not None and start == 0:
                 rows = _last_lines(f, tail)
             else:
-                rows = f.readlines()[start:]
-                if tail is not None:
-                    rows = rows[-tail:] if tail else []
+                rows = f.readlines()
     except FileNotFoundError:
-        return []
+        pass
+    if tail is None or start or len(rows) < tail:
+        # the previous half of a rotated log comes first
+        try:
+            with open(path + ROTATED, "rb") as f:
+                old = _last_lines(f, tail - len(rows)) if tail is not None and not start else f.readlines()
+            rows = old + rows
+        except FileNotFoundError:
+            pass
+    if start:
+        rows = rows[start:]
+        if tail is not None:
+            rows = rows[-tail:] if tail else []
     out = []
     for r in rows:
         if r.strip():
