@@ -714,3 +714,41 @@ def test_gc_removes_old_logs_of_stopped_allocators_and_meshes(tmp_path) -> None:
     env["MONARCH_NB_LOG_MAX_TOTAL_BYTES"] = "1"
     r = subprocess.run([PY, "-m", "monarch_nb", "gc"], env=env, capture_output=True, text=True, timeout=60)
     assert not (rdir / "mnb-logs-ba9876543210").exists(), r.stdout
+
+
+def test_logs_of_a_previous_allocator_of_this_host(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    a = AllocatorProc(str(tmp_path))
+    env = {"MONARCH_NB_RUNTIME_DIR": a.rdir, "PYTHONPATH": os.path.dirname(__file__)}
+    try:
+        r = run_script(
+            textwrap.dedent(
+                f"""
+                from monarch_nb.actor import attach_to_workers
+                from test_security import Chatty
+
+                procs = attach_to_workers(workers=[{a.addr!r}]).spawn_procs(per_host={{"gpus": 2}}, name="before")
+                procs.spawn("c", Chatty).hello.call().get(timeout=30)
+                procs.stop().get(timeout=30)
+                """
+            ),
+            timeout=90,
+            env=env,
+        )
+        assert r.returncode == 0, r.stderr
+        a.proc.terminate()
+        a.proc.wait(30)
+        r = run_script(
+            textwrap.dedent(
+                """
+                from monarch_nb import logs as L
+                rows = L.logs("before", tail=5)
+                print(sorted({(row["rank"], row["line"]) for row in rows}))
+                """
+            ),
+            timeout=90,
+            env=env,
+        )
+        assert r.returncode == 0, r.stderr
+        assert "[(0, 'hello from the chatty rank'), (1, 'hello from the chatty rank')]" in r.stdout, r.stdout
+    finally:
+        a.stop()
