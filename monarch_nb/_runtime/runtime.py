@@ -310,7 +310,11 @@ class Runtime:
                 t.cancel()
             for s in self._inboxes:
                 self.loop.remove_reader(s.FD)
+                # a TCP inbox's monitor socket left open would hold ctx.term() forever
+                mon = s._monitor_socket
                 s.close(linger=0)
+                if mon is not None:
+                    mon.close(linger=0)
 
             def end() -> None:
                 self.loop.stop()
