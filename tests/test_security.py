@@ -754,3 +754,15 @@ def test_logs_of_a_previous_allocator_of_this_host(tmp_path) -> None:  # type: i
         assert "[(0, 'hello from the chatty rank'), (1, 'hello from the chatty rank')]" in r.stdout, r.stdout
     finally:
         a.stop()
+
+
+def test_loopback_tcp_across_runtime_directories_says_why_it_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from monarch_nb.actor import _context
+    from monarch_nb.errors import AuthenticationError
+
+    a = AllocatorProc(str(tmp_path), "--bind", "tcp://127.0.0.1:0", env=dict(LIGHT, MONARCH_NB_KEY_FILE=""))
+    try:
+        with pytest.raises(AuthenticationError, match="another MONARCH_NB_RUNTIME_DIR needs a shared key file"):
+            _context.client().connect(a.info["tcp"], timeout=10)
+    finally:
+        a.stop()
