@@ -126,6 +126,7 @@ def test_loopback_tcp_allocator_refuses_another_uid(tmp_path, trust_all: bool) -
         assert a.proc.poll() is None
         key = os.path.join(a.rdir, "loopback-tcp.key")
         assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
+        assert f"authenticated with this runtime directory's key {key}" in a.logtext()
     finally:
         a.stop()
 
