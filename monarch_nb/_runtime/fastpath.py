@@ -11,12 +11,10 @@ Security is the ipc inbox's: the socket lives in the 0700 runtime directory with
 and the receiver also checks the connecting process's uid (``SO_PEERCRED``).
 
 Sends block when the receiver's socket buffer is full (its runtime loop always drains, it runs
-no user code), but never for long: a receiver that takes nothing for ``STALL_S`` (stopped, or
-stuck) raises :class:`Stalled` in the sender, which sends that message over zmq instead, or, if
-part of it is written, leaves the rest to a thread of its own; either way the sending thread is
-free and uses zmq for that peer from then on (ordered streams are numbered, so the receiver
-keeps the order). A runtime's own I/O thread never sends this way, so two loops can never wait
-on each other.
+no user code), but never for long: once a receiver has taken nothing for ``STALL_S`` (stopped,
+or stuck), the connection hands what is left of that message, and every later one, to a writer
+thread of its own, in order, as zmq would queue them; the sending thread is free. A runtime's
+own I/O thread never sends this way, so two loops can never wait on each other.
 
 On accept the receiver writes its magic and wire version; the sender reads them before its
 first message and raises :class:`~monarch_nb.errors.VersionMismatchError` for another version.
@@ -26,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import struct
 import threading
@@ -53,15 +52,6 @@ def greeting() -> bytes:
     return wire.MAGIC + bytes([wire.VERSION])
 
 
-class Stalled(Exception):
-    """The receiver took nothing for ``STALL_S``; ``queued``: the message still goes out (a
-    thread finishes writing it), else none of it was written and it must take another path."""
-
-    def __init__(self, queued: bool) -> None:
-        super().__init__("the receiver is not reading its direct socket")
-        self.queued = queued
-
-
 def _timeval(seconds: float) -> bytes:
     return _TIMEVAL.pack(int(seconds), int((seconds % 1) * 1e6))
 
@@ -76,7 +66,7 @@ class Sender:
     """One thread's connection to one peer; closed when the thread's last reference goes
     (a thread that exits takes its connections with it)."""
 
-    __slots__ = ("sock", "__weakref__")
+    __slots__ = ("sock", "_q", "__weakref__")
 
     def __init__(self, path: str) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -101,6 +91,7 @@ class Sender:
             s.close()
             raise
         self.sock = s
+        self._q: _Queue | None = None
 
     def send(self, frames: list[Any]) -> None:
         n = len(frames)
@@ -117,6 +108,12 @@ class Sender:
         self._write(parts)
 
     def _write(self, parts: list[Any]) -> None:
+        q = getattr(self, "_q", None)
+        if q is not None:  # the receiver stalled earlier: keep the order, behind what is queued
+            if q.failed:
+                raise BrokenPipeError("the direct connection's writer failed: the peer is gone")
+            q.put(b"".join(bytes(p) for p in parts))
+            return
         total = sum(len(p) for p in parts)
         sent = 0
         try:
@@ -128,34 +125,41 @@ class Sender:
                     sent += k
                     rest = rest[k:]
         except BlockingIOError:
-            # SO_SNDTIMEO passed without the receiver taking a byte
-            if sent == 0:
-                raise Stalled(queued=False) from None
-            self._finish_later(b"".join(bytes(p) for p in parts)[sent:])
-            raise Stalled(queued=True) from None
-
-    def _finish_later(self, rest: bytes) -> None:
-        """Write the rest of a message the receiver stopped reading, off the sending thread
-        (the stream must stay whole), then close: the sender uses zmq for this peer now."""
-
-        def run() -> None:
-            try:
-                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0))  # no limit
-                self.sock.sendall(rest)
-            except OSError as e:
-                logger.debug("finishing a stalled direct message failed: %s", e)
-            finally:
-                self.sock.close()
-
-        threading.Thread(target=run, name="monarch_nb-direct-finish", daemon=True).start()
+            # SO_SNDTIMEO passed without the receiver taking a byte: a writer thread takes over
+            self._q = q = _Queue()
+            q.put(b"".join(bytes(p) for p in parts)[sent:])
+            threading.Thread(target=_writer, args=(self.sock, q), name="monarch_nb-direct-writer", daemon=True).start()
 
     def close(self) -> None:
-        self.sock.close()
+        q = getattr(self, "_q", None)
+        if q is not None and not q.failed:
+            q.put(None)  # the writer closes the socket once what is queued is written
+        else:
+            self.sock.close()
 
     def __del__(self) -> None:
-        sock = getattr(self, "sock", None)  # absent when the connect in __init__ failed
-        if sock is not None:
-            sock.close()
+        if getattr(self, "sock", None) is not None:  # absent when the connect in __init__ failed
+            self.close()
+
+
+class _Queue(queue.SimpleQueue):  # type: ignore[type-arg]
+    """A stalled connection's messages; ``failed`` once its writer could not write (later
+    sends raise, as a send to a gone peer does)."""
+
+    failed = False
+
+
+def _writer(sock: socket.socket, q: _Queue) -> None:
+    """Write a stalled connection's messages in order, waiting as long as the receiver does."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0))  # no limit here
+        while (data := q.get()) is not None:
+            sock.sendall(data)
+    except OSError as e:
+        q.failed = True
+        logger.debug("a direct connection's writer failed: %s", e)
+    finally:
+        sock.close()
 
 
 class Receiver:

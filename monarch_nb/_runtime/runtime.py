@@ -421,19 +421,12 @@ class Runtime:
             if conn is not None:
                 try:
                     conn.send(frames)
-                    return
-                except fastpath.Stalled as e:
-                    # a stopped or stuck receiver: never block the caller on it; zmq queues
-                    logger.debug("direct path to %s stalled; zmq from now on", addr)
-                    self._tls.direct[addr] = None
-                    if e.queued:
-                        return
                 except OSError as e:
                     # the peer went away: like zmq, the message is lost with it (supervision
                     # reports the peer); this thread's later messages to it take zmq
                     logger.debug("direct send to %s failed (%s); dropped", addr, e)
                     self._tls.direct[addr] = None
-                    return
+                return
         if len(frames) == 1:
             self._out(addr).send(frames[0])
         else:
