@@ -9,9 +9,9 @@ from typing import Any
 
 from ._runtime.daemon import run_allocator
 from ._runtime.records import local_allocator, read_connection_files
-from .config import runtime_dir
+from .config import get_config, runtime_dir
 
-__all__ = ["list_allocators", "run_allocator", "start_allocator", "stop_allocator", "stop_mesh"]
+__all__ = ["gc_logs", "list_allocators", "run_allocator", "start_allocator", "stop_allocator", "stop_mesh"]
 
 
 def list_allocators() -> list[dict[str, Any]]:
@@ -27,6 +27,18 @@ def list_allocators() -> list[dict[str, Any]]:
             info["alive"] = True
         out.append(info)
     return out
+
+
+def gc_logs(dry_run: bool = False) -> list[dict[str, Any]]:
+    """Remove logs of stopped allocators and earlier meshes older than ``log_max_age``, oldest
+    first, and more of them while all logs together exceed ``log_max_total_bytes``. Running
+    allocators' current meshes keep theirs. Returns what was (with ``dry_run``: would be) removed."""
+    from ._runtime.logfiles import collect
+
+    cfg = get_config()
+    live = {str(a.get("alloc_id", "")) for a in list_allocators() if a["alive"]}
+    gone = collect(runtime_dir(cfg), live, cfg.log_max_total_bytes, cfg.log_max_age, dry_run)
+    return [{"path": r.path, "bytes": r.nbytes, "age_days": r.age / 86400} for r in gone]
 
 
 def start_allocator(extra_args: list[str] | None = None) -> dict[str, Any]:

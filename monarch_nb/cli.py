@@ -59,10 +59,31 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _keygen(args: argparse.Namespace) -> int:
-    from ._wire.keys import write_key_file
+    import os
+    import stat
 
-    write_key_file(args.path)
-    print(f"wrote a new cluster key to {args.path} (mode 600); copy it to every host over a secure channel")
+    from ._wire.keys import write_key_file
+    from .errors import ConfigError
+
+    try:
+        write_key_file(args.path)
+    except ConfigError as e:
+        print(f"monarch-nb keygen: {e}", file=sys.stderr)
+        return 1
+    mode = stat.S_IMODE(os.lstat(args.path).st_mode)
+    print(f"wrote a new cluster key to {args.path} (mode {mode:o}); copy it to every host over a secure channel")
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from .allocator import gc_logs
+
+    gone = gc_logs(dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for g in gone:
+        print(f"{verb} {g['path']} ({g['bytes'] / 1e6:.1f} MB, {g['age_days']:.1f} days old)")
+    total = sum(g["bytes"] for g in gone)
+    print(f"{verb} {len(gone)} log director{'y' if len(gone) == 1 else 'ies'}, {total / 1e6:.1f} MB")
     return 0
 
 
@@ -87,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("action", nargs="?", choices=["run", "start", "stop", "status"], help="default: run in the foreground")
     a.add_argument("--bind", help="tcp://IP:PORT to serve other hosts (ipc is always served)")
     a.add_argument("--key-file", help="cluster key file (required for TCP off loopback)")
-    a.add_argument("--trust-all", action="store_true", help="plain TCP, loopback only")
+    a.add_argument(
+        "--trust-all",
+        action="store_true",
+        help="Monarch's trust_all_connections: loopback only, authenticated with the runtime directory's key",
+    )
     a.add_argument("--lease", type=float, help="seconds without any controller before meshes are reaped")
     a.add_argument("--pid", type=int, help="with stop: only this allocator")
     a.set_defaults(fn=_allocator)
@@ -97,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("keygen", help="write a new cluster key file")
     k.add_argument("path")
     k.set_defaults(fn=_keygen)
+    g = sub.add_parser("gc", help="remove old logs of stopped allocators and meshes (log_max_age, log_max_total_bytes)")
+    g.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    g.set_defaults(fn=_gc)
     ks = sub.add_parser("kernelspec", help="install the 'Python 3 (monarch_nb)' Jupyter kernel")
     ks.add_argument("action", choices=["install"])
     ks.add_argument("--python", default=sys.executable, help="interpreter the kernel runs (default: this one)")

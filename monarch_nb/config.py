@@ -40,6 +40,13 @@ class Config:
     zygote_preload: str = "torch"
     #: how long the allocator batches log lines before forwarding them
     log_flush_interval: float = 0.02
+    #: a rank's log on disk is kept under this size, in two files (``rank-N.jsonl`` and the
+    #: previous ``rank-N.jsonl.1``): the oldest half goes when the newest half is full; 0: no limit
+    log_max_rank_bytes: int = 256 << 20
+    #: ``monarch-nb gc`` removes the oldest logs of stopped meshes and allocators beyond this total
+    log_max_total_bytes: int = 4 << 30
+    #: ``monarch-nb gc`` removes logs of stopped meshes and allocators older than this (seconds)
+    log_max_age: float = 14 * 86400.0
     #: a breakpoint hit while the caller waits with no way to ask for input (nbval, nbconvert,
     #: a script without a TTY): "continue" it after debug_no_input_timeout, "raise" in the
     #: caller (after continuing it), or "wait" for an attach from a terminal (monarch-nb debug)

@@ -71,7 +71,7 @@ class ActorError(MonarchNBError):
         self.actor = actor
         self.rank = rank
         self.host = host
-        self.message = message or f"{type(exception).__name__}: {exception}"
+        self.message = message or f"{type(exception).__name__}: {safe_str(exception)}"
         super().__init__(self._headline())
 
     @property
@@ -151,18 +151,33 @@ def _rebuild_supervision_error(cause, mesh, actor, rank, host):  # type: ignore[
     return SupervisionError(cause, mesh=mesh, actor=actor, rank=rank, host=host)
 
 
+def safe_str(exc: BaseException) -> str:
+    """``str(exc)``, or a placeholder when the exception's own ``__str__`` raises."""
+    try:
+        return str(exc)
+    except Exception as e:
+        return f"<str() of {type(exc).__name__} raised {type(e).__name__}>"
+
+
 def _safe_exc(exc: BaseException) -> BaseException:
+    """``exc`` if it survives a pickle round trip (cloudpickle: classes defined in ``__main__``
+    or a notebook travel by value and arrive as themselves), else a ``RuntimeError`` with its text."""
     import pickle
 
+    import cloudpickle
+
     try:
-        pickle.loads(pickle.dumps(exc))
+        pickle.loads(cloudpickle.dumps(exc))
         return exc
     except Exception:
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
+        return RuntimeError(f"{type(exc).__name__}: {safe_str(exc)}")
 
 
 def format_exception(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    except Exception as e:
+        return f"{type(exc).__name__}: {safe_str(exc)} (its traceback could not be formatted: {type(e).__name__})\n"
 
 
 class ExecError(MonarchNBError):

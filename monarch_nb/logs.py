@@ -133,14 +133,22 @@ def logs(
     ``mesh`` is a :class:`~monarch_nb.actor.ProcMesh` (or the name of one this controller knows);
     each row has ``ts``, ``rank``, ``stream``, ``call`` and ``line``. ``tail`` keeps the last N
     lines per rank; ``start`` skips the first N lines of each rank. Works for procs that have
-    exited or crashed.
+    exited or crashed, and, on this host, for meshes of an allocator that has stopped since
+    (a name this controller does not know is looked up in the runtime directory's logs).
     """
     from .actor import _context
+    from .errors import MeshError, MonarchNBError
 
     if isinstance(mesh, str):
         from ._registry import get
 
-        mesh = get(mesh)
+        try:
+            mesh = get(mesh)
+        except MeshError:
+            rows = _local_logs(mesh, rank, tail, start)
+            if rows is None:
+                raise
+            return rows
     client = _context.client()
     known = {p.rank: p for p in mesh._procs}
     ranks = sorted(known) if rank is None else [rank]
@@ -148,9 +156,42 @@ def logs(
         raise ValueError(f"mesh {mesh._name!r} has no rank {rank} (ranks {format_ranks(known)})")
     futs = [client.request(known[r].alloc, "logs", known[r].mesh, r, tail, start.get(r, 0) if start else 0) for r in ranks]
     rows: list[dict[str, Any]] = []
-    for f in futs:
-        rows.extend(f.get(timeout=client.rt.cfg.connect_timeout))
+    for r, f in zip(ranks, futs):
+        try:
+            rows.extend(f.get(timeout=client.rt.cfg.connect_timeout))
+        except MonarchNBError:
+            # its allocator is gone: on this host its files are still there
+            local = _local_logs(known[r].mesh, r, tail, start)
+            if local is None:
+                raise
+            rows.extend(local)
     rows.sort(key=lambda r: (r["ts"], r["rank"]))
+    return rows
+
+
+def _local_logs(name: str, rank: int | None, tail: int | None, start: dict[int, int] | None) -> list[dict[str, Any]] | None:
+    """The newest logs of mesh ``name`` kept in this host's runtime directory, by any allocator."""
+    import glob
+    import os
+    import re
+
+    from ._runtime.logcapture import rank_log_path, read_log
+    from .config import runtime_dir
+
+    rank_log_path("", name, 0)  # a name that would leave the log directory is an error
+    dirs = [d for d in glob.glob(os.path.join(glob.escape(runtime_dir()), "mnb-logs-*", glob.escape(name))) if os.path.isdir(d)]
+    if not dirs:
+        return None
+    d = max(dirs, key=os.path.getmtime)
+    ranks = sorted(int(m.group(1)) for f in os.listdir(d) if (m := re.fullmatch(r"rank-(\d+)\.jsonl", f)))
+    if rank is not None:
+        if rank not in ranks:
+            return None
+        ranks = [rank]
+    rows: list[dict[str, Any]] = []
+    for r in ranks:
+        rows.extend(read_log(os.path.join(d, f"rank-{r}.jsonl"), tail, start.get(r, 0) if start else 0))
+    rows.sort(key=lambda row: (row["ts"], row["rank"]))
     return rows
 
 

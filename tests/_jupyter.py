@@ -33,7 +33,7 @@ def _free_port() -> int:
 class JupyterServer:
     """``app`` is "server" (REST only, quick) or "lab" (the JupyterLab frontend too)."""
 
-    def __init__(self, app: str = "server") -> None:
+    def __init__(self, app: str = "server", extra_args: list[str] | None = None, extra_env: dict[str, str] | None = None) -> None:
         self.tmp = tempfile.mkdtemp(prefix="mnbj-", dir="/tmp")
         self.root = os.path.join(self.tmp, "work")
         os.makedirs(self.root)
@@ -57,6 +57,7 @@ class JupyterServer:
         env["JUPYTER_PLATFORM_DIRS"] = "1"
         env["JUPYTER_PREFER_ENV_PATH"] = "1"
         env["PYTHONUNBUFFERED"] = "1"
+        env.update(extra_env or {})
         argv = [
             sys.executable,
             "-m",
@@ -76,6 +77,7 @@ class JupyterServer:
                 f"--LabApp.user_settings_dir={settings}",
                 f"--LabApp.workspaces_dir={os.path.join(self.tmp, 'workspaces')}",
             ]
+        argv += extra_args or []
         self.log = os.path.join(self.tmp, "server.log")
         with open(self.log, "wb") as f:
             self.proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

@@ -30,7 +30,7 @@ from . import records, shm
 from .codecache import CodeCache
 from .debugreg import DebugRegistry
 from .hostenv import HostEnv
-from .logcapture import LogLine, read_log
+from .logcapture import LogLine, rank_log_path, read_log
 from .procs import MeshRec, ProcRec, Procs, kill
 from .runtime import NO_REPLY, Runtime, pid_alive, system_method
 from .telemetry import Telemetry
@@ -60,6 +60,8 @@ class Allocator(DebugRegistry):
         self._pending_logs: dict[tuple[tuple[str, int], str], list[Any]] = {}
         self._flush_scheduled = False
         self._last_log_flush = 0.0
+        #: log lines not sent to a subscriber that went silent (still on disk), by its address
+        self.dropped_log_lines: dict[str, int] = {}
         self._anon = 0
         self.stopped = asyncio.Event()
         self.gpus = self.procs.gpus
@@ -145,7 +147,31 @@ class Allocator(DebugRegistry):
         self._last_log_flush = time.monotonic()
         pending, self._pending_logs = self._pending_logs, {}
         for ((addr, port), mesh), lines in pending.items():
-            self.rt.send_port(addr, port, 0, wire.ITEM, ("logs", lines, mesh, self.id))
+            self._send_logs(addr, port, mesh, lines)
+
+    def _send_logs(self, addr: str, port: int, mesh: str, lines: list[Any]) -> None:
+        """Log lines for a controller that has not pinged for as long as it takes to detach it
+        are dropped, counted and logged (they stay in the rank's log file): a dead or stopped
+        subscriber's queue must not grow without bound. Only log lines are ever dropped."""
+        c = self.controllers.get(addr)
+        if c is not None and time.monotonic() - c["last_seen"] > max(5.0, 3 * self.cfg.heartbeat_timeout):
+            n = self.dropped_log_lines.get(addr, 0)
+            if n == 0:
+                logger.warning("controller %s is not answering: dropping its log lines (they stay in the logs on disk)", addr)
+            self.dropped_log_lines[addr] = n + len(lines)
+            return
+        n = self.dropped_log_lines.pop(addr, 0)
+        if n:
+            logger.warning("controller %s is back; %d log lines were not sent to it (see the logs on disk)", addr, n)
+        self.rt.send_port(addr, port, 0, wire.ITEM, ("logs", lines, mesh, self.id))
+
+    def _forget_subscriber(self, addr: str) -> None:
+        """A detached controller gets no more log lines or events."""
+        for m in self.meshes.values():
+            m.log_subs = {s for s in m.log_subs if s[0] != addr}
+        for sub in [s for s in self.subscribers if s[0] == addr]:
+            del self.subscribers[sub]
+        self.dropped_log_lines.pop(addr, None)
 
     def _publish(self, event: tuple[Any, ...]) -> None:
         for addr, port in list(self.subscribers):
@@ -174,7 +200,11 @@ class Allocator(DebugRegistry):
         """``pip install spec`` into this allocator's interpreter (fails fast without an index)."""
         return self.env.pip_install(spec)
 
-    def sys_env_install_files(self, name: str, files: dict[str, str], remove: str = "") -> int:
+    async def sys_env_install_files(self, name: str, files: dict[str, str], remove: str = "") -> int:
+        # file writes: off the I/O thread, which answers heartbeats
+        return await asyncio.to_thread(self._env_install_files, name, files, remove)
+
+    def _env_install_files(self, name: str, files: dict[str, str], remove: str = "") -> int:
         """Install a distribution from synced blobs into this interpreter's site-packages."""
         return self.env.install_files(name, files, remove)
 
@@ -207,6 +237,7 @@ class Allocator(DebugRegistry):
         c = self.controllers.pop(addr, None)
         if c is None:
             return 0
+        self._forget_subscriber(addr)
         return self._orphan(c["cid"])
 
     async def sys_spawn(self, spec: dict[str, Any]) -> dict[str, Any]:
@@ -308,7 +339,11 @@ class Allocator(DebugRegistry):
     def sys_sync_put(self, blobs: dict[str, Any]) -> int:
         return self.code.put(blobs)
 
-    def sys_sync_pull(self, url: str, digests: list[str]) -> int:
+    async def sys_sync_pull(self, url: str, digests: list[str]) -> int:
+        # network and disk: off the I/O thread, which answers heartbeats
+        return await asyncio.to_thread(self._sync_pull, url, digests)
+
+    def _sync_pull(self, url: str, digests: list[str]) -> int:
         """Fetch blobs from a staging area (any fsspec URL this host can reach)."""
         return self.env.sync_pull(url, digests)
 
@@ -415,11 +450,11 @@ class Allocator(DebugRegistry):
             "host_stats": self.telemetry.host,
         }
 
-    def sys_logs(self, mesh: str, rank: int, tail: int | None = None, start: int = 0) -> list[dict[str, Any]]:
-        path = os.path.join(self.log_dir, mesh, f"rank-{rank}.jsonl")
+    async def sys_logs(self, mesh: str, rank: int, tail: int | None = None, start: int = 0) -> list[dict[str, Any]]:
+        path = rank_log_path(self.log_dir, mesh, rank)
         if not os.path.exists(path):
             raise MeshError(f"no log for mesh {mesh!r} rank {rank} on host {self.rt.hostname}")
-        return read_log(path, tail, start)
+        return await asyncio.to_thread(read_log, path, tail, start)
 
     def sys_shutdown(self) -> str:
         self.rt.loop.call_later(0.05, self.stopped.set)
@@ -467,6 +502,7 @@ class Allocator(DebugRegistry):
             if addr.startswith("ipc://") and not pid_alive(int(c.get("pid") or 0)):
                 logger.info("controller %s (pid %s) exited; detaching it", c["cid"], c.get("pid"))
                 del self.controllers[addr]
+                self._forget_subscriber(addr)
                 if c.get("pid"):
                     shm.sweep_dead(int(c["pid"]))  # its pooled and in-flight shared memory
                 self._orphan(c["cid"])
@@ -494,6 +530,7 @@ class Allocator(DebugRegistry):
                 if now - c["last_seen"] > detach_after:
                     logger.info("controller %s (pid %s) went silent; detaching it", c["cid"], c.get("pid"))
                     del self.controllers[addr]
+                    self._forget_subscriber(addr)
                     self._orphan(c["cid"])
             for sub, seen in list(self.subscribers.items()):
                 if now - seen > detach_after and sub[0] not in self.controllers:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 
 from .._wire.keys import read_key_file
 from ..config import get_config, runtime_dir
 from .allocator import Allocator
-from .transport import Security, route_ip, split_tcp
+from .transport import LOCAL_KEY_FILE, Security, route_ip, split_tcp
 
 __all__ = ["run_allocator"]
 
@@ -36,5 +37,12 @@ def run_allocator(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     alloc = Allocator(cfg, security, runtime_dir(cfg), tcp_ip=tcp_ip, tcp_port=port)
     alloc.start(key_file or "")
+    if bind and key is None:
+        logging.getLogger(__name__).info(
+            "TCP at %s is authenticated with this runtime directory's key %s: only processes of this user "
+            "sharing MONARCH_NB_RUNTIME_DIR can connect (others need a cluster key: --key-file)",
+            alloc.rt.tcp_addr,
+            os.path.join(alloc.runtime_dir, LOCAL_KEY_FILE),
+        )
     signal.signal(signal.SIGTERM, lambda *_: alloc.rt.loop.call_soon_threadsafe(alloc.stopped.set))
     alloc.serve_forever()

@@ -11,18 +11,28 @@ Security is the ipc inbox's: the socket lives in the 0700 runtime directory with
 and the receiver also checks the connecting process's uid (``SO_PEERCRED``).
 
 Sends block when the receiver's socket buffer is full (its runtime loop always drains, it runs
-no user code); a runtime's own I/O thread never sends this way, so two loops can never wait on
-each other.
+no user code), but never for long: once a receiver has taken nothing for ``STALL_S`` (stopped,
+or stuck), the connection hands what is left of that message, and every later one, to a writer
+thread of its own, in order, as zmq would queue them; the sending thread is free. A runtime's
+own I/O thread never sends this way, so two loops can never wait on each other.
+
+On accept the receiver writes its magic and wire version; the sender reads them before its
+first message and raises :class:`~monarch_nb.errors.VersionMismatchError` for another version.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import struct
+import threading
 from collections.abc import Callable
 from typing import Any
+
+from .._wire import frames as wire
+from ..errors import ProtocolError, VersionMismatchError
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +41,19 @@ SUFFIX = ".fast"
 _BIG = 1 << 16
 _READ = 1 << 18
 _PEERCRED = struct.Struct("3i")
+#: a receiver that takes no byte for this long is treated as stuck (SO_SNDTIMEO: no cost per send)
+STALL_S = 1.0
+#: how long a new connection waits for the receiver's greeting
+GREETING_S = 5.0
+_TIMEVAL = struct.Struct("ll")
+
+
+def greeting() -> bytes:
+    return wire.MAGIC + bytes([wire.VERSION])
+
+
+def _timeval(seconds: float) -> bytes:
+    return _TIMEVAL.pack(int(seconds), int((seconds % 1) * 1e6))
 
 
 def path_for(ipc_addr: str) -> str:
@@ -43,22 +66,38 @@ class Sender:
     """One thread's connection to one peer; closed when the thread's last reference goes
     (a thread that exits takes its connections with it)."""
 
-    __slots__ = ("sock", "__weakref__")
+    __slots__ = ("sock", "_q", "__weakref__")
 
     def __init__(self, path: str) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.connect(path)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(GREETING_S))
+            hello = b""
+            while len(hello) < 4:
+                b = s.recv(4 - len(hello))
+                if not b:
+                    raise ConnectionResetError(f"{path} closed the direct connection before greeting")
+                hello += b
+            if hello[:3] != wire.MAGIC:
+                raise ProtocolError(f"{path} is not a monarch_nb direct socket (it greeted with {hello!r})")
+            if hello[3] != wire.VERSION:
+                raise VersionMismatchError(
+                    f"the process at {path} speaks wire version {hello[3]}, this process speaks {wire.VERSION}: "
+                    "run the same monarch_nb version in every process of a host"
+                )
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(STALL_S))
         except BaseException:
             s.close()
             raise
         self.sock = s
+        self._q: _Queue | None = None
 
     def send(self, frames: list[Any]) -> None:
         n = len(frames)
         if n == 1 and type(frames[0]) is bytes:  # a small message: one frame, one write
             f = frames[0]
-            self.sock.sendall(b"\x01" + len(f).to_bytes(4, "little") + f)
+            self._write([b"\x01" + len(f).to_bytes(4, "little") + f])
             return
         if n > 255:
             raise ValueError(f"a message of {n} frames is more than the direct path carries (255)")
@@ -66,19 +105,61 @@ class Sender:
         parts = [f if type(f) is bytes else memoryview(f).cast("B") for f in frames]
         head = struct.pack(f"<B{n}I", n, *(len(p) for p in parts))
         parts.insert(0, head)
+        self._write(parts)
+
+    def _write(self, parts: list[Any]) -> None:
+        q = getattr(self, "_q", None)
+        if q is not None:  # the receiver stalled earlier: keep the order, behind what is queued
+            if q.failed:
+                raise BrokenPipeError("the direct connection's writer failed: the peer is gone")
+            q.put(b"".join(bytes(p) for p in parts))
+            return
         total = sum(len(p) for p in parts)
-        sent = self.sock.sendmsg(parts)
-        if sent < total:  # a signal cut the write short: finish it in order
-            rest = b"".join(bytes(p) for p in parts)[sent:]
-            self.sock.sendall(rest)
+        sent = 0
+        try:
+            sent = self.sock.sendmsg(parts)
+            if sent < total:  # a full buffer or a signal cut the write short: finish it in order
+                rest = memoryview(b"".join(bytes(p) for p in parts))[sent:]
+                while rest:
+                    k = self.sock.send(rest)
+                    sent += k
+                    rest = rest[k:]
+        except BlockingIOError:
+            # SO_SNDTIMEO passed without the receiver taking a byte: a writer thread takes over
+            self._q = q = _Queue()
+            q.put(b"".join(bytes(p) for p in parts)[sent:])
+            threading.Thread(target=_writer, args=(self.sock, q), name="monarch_nb-direct-writer", daemon=True).start()
 
     def close(self) -> None:
-        self.sock.close()
+        q = getattr(self, "_q", None)
+        if q is not None and not q.failed:
+            q.put(None)  # the writer closes the socket once what is queued is written
+        else:
+            self.sock.close()
 
     def __del__(self) -> None:
-        sock = getattr(self, "sock", None)  # absent when the connect in __init__ failed
-        if sock is not None:
-            sock.close()
+        if getattr(self, "sock", None) is not None:  # absent when the connect in __init__ failed
+            self.close()
+
+
+class _Queue(queue.SimpleQueue):  # type: ignore[type-arg]
+    """A stalled connection's messages; ``failed`` once its writer could not write (later
+    sends raise, as a send to a gone peer does)."""
+
+    failed = False
+
+
+def _writer(sock: socket.socket, q: _Queue) -> None:
+    """Write a stalled connection's messages in order, waiting as long as the receiver does."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0))  # no limit here
+        while (data := q.get()) is not None:
+            sock.sendall(data)
+    except OSError as e:
+        q.failed = True
+        logger.debug("a direct connection's writer failed: %s", e)
+    finally:
+        sock.close()
 
 
 class Receiver:
@@ -87,6 +168,10 @@ class Receiver:
     __slots__ = ("sock", "dispatch", "max_bytes", "buf", "r", "w", "lens", "frames", "big", "filled", "label")
 
     def __init__(self, sock: socket.socket, dispatch: Callable[[list[Any]], None], max_bytes: int, label: str) -> None:
+        try:
+            sock.send(greeting())  # a fresh connection's buffer is empty: this never blocks
+        except OSError as e:
+            logger.debug("greeting a direct connection failed: %s", e)
         self.sock = sock
         self.dispatch = dispatch
         self.max_bytes = max_bytes

@@ -79,12 +79,15 @@ def install_tagged_streams() -> None:
 class ProcLog:
     """Splits one proc's two streams into tagged lines and appends them to ``path``."""
 
-    def __init__(self, path: str, rank: int, emit: Callable[[list[LogLine]], None]) -> None:
+    def __init__(self, path: str, rank: int, emit: Callable[[list[LogLine]], None], max_bytes: int = 0) -> None:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         self.path = path
         self.rank = rank
         self._emit = emit
+        #: the newest file holds at most half: with the previous one, the rank stays under max_bytes
+        self._half = max_bytes // 2
         self._file = open(path, "a", buffering=1 << 16, encoding="utf-8")
+        self._size = self._file.tell()
         self._partial = {"stdout": b"", "stderr": b""}
         self._call = {"stdout": "", "stderr": ""}
         self.tail: list[LogLine] = []
@@ -146,17 +149,29 @@ class ProcLog:
 
     def _write(self, lines: list[LogLine]) -> None:
         enc = _encode
-        self._file.write(
-            "".join(
-                f'{{"ts": {ts!r}, "rank": {rank}, "stream": "{stream}", "call": {enc(call)}, "line": {enc(line)}}}\n'
-                for rank, stream, ts, call, line in lines
-            )
+        text = "".join(
+            f'{{"ts": {ts!r}, "rank": {rank}, "stream": "{stream}", "call": {enc(call)}, "line": {enc(line)}}}\n'
+            for rank, stream, ts, call, line in lines
         )
+        if self._half and self._size + len(text) > self._half:
+            self._rotate()
+        self._file.write(text)
         self._file.flush()
+        self._size += len(text)  # ASCII: characters are bytes
         self.nlines += len(lines)
         self.tail.extend(lines)
         del self.tail[:-50]
         self._emit(lines)
+
+    def _rotate(self) -> None:
+        self._file.close()
+        os.replace(self.path, self.path + ROTATED)
+        self._file = open(self.path, "a", buffering=1 << 16, encoding="utf-8")
+        self._size = 0
+
+
+#: the suffix of a rank log's previous half
+ROTATED = ".1"
 
 
 def _final(raw: bytes) -> bytes:
@@ -174,12 +189,62 @@ def _decode(b: bytes) -> str:
     return b.decode("utf-8", "replace")
 
 
+def rank_log_path(log_dir: str, mesh: str, rank: int) -> str:
+    """Where rank ``rank`` of ``mesh`` logs under ``log_dir``; a name that would leave it
+    (``..``, a slash) is an error, not a path."""
+    if not isinstance(mesh, str) or not mesh or mesh.startswith(".") or "/" in mesh or "\0" in mesh or os.sep in mesh:
+        raise ValueError(f"bad mesh name {str(mesh)[:80]!r}: a mesh name is one path component, not starting with '.'")
+    if type(rank) is not int or rank < 0:
+        raise ValueError(f"bad rank {rank!r}: a rank is an integer >= 0")
+    return os.path.join(log_dir, mesh, f"rank-{rank}.jsonl")
+
+
 def read_log(path: str, tail: int | None = None, start: int = 0) -> list[dict[str, Any]]:
+    """Rows ``start:`` of a rank's log, or only its last ``tail`` rows (read from the end of
+    the file: a tail of a huge log costs what the tail is, not what the log is)."""
+    rows: list[bytes] = []
     try:
-        with open(path, encoding="utf-8") as f:
-            rows = f.readlines()[start:]
+        with open(path, "rb") as f:
+            if tail is not None and start == 0:
+                rows = _last_lines(f, tail)
+            else:
+                rows = f.readlines()
     except FileNotFoundError:
+        pass
+    if tail is None or start or len(rows) < tail:
+        # the previous half of a rotated log comes first
+        try:
+            with open(path + ROTATED, "rb") as f:
+                old = _last_lines(f, tail - len(rows)) if tail is not None and not start else f.readlines()
+            rows = old + rows
+        except FileNotFoundError:
+            pass
+    if start:
+        rows = rows[start:]
+        if tail is not None:
+            rows = rows[-tail:] if tail else []
+    out = []
+    for r in rows:
+        if r.strip():
+            try:
+                out.append(json.loads(r))
+            except ValueError:
+                pass  # a line the allocator is still writing
+    return out
+
+
+def _last_lines(f: Any, n: int, block: int = 1 << 16) -> list[bytes]:
+    if n <= 0:
         return []
-    if tail is not None:
-        rows = rows[-tail:] if tail else []
-    return [json.loads(r) for r in rows if r.strip()]
+    end = f.seek(0, os.SEEK_END)
+    pos, buf = end, b""
+    # n + 1 newlines: the first line in the buffer may be cut
+    while pos > 0 and buf.count(b"\n") <= n:
+        step = min(block, pos)
+        pos -= step
+        f.seek(pos)
+        buf = f.read(step) + buf
+    lines = buf.splitlines(keepends=True)
+    if pos > 0:
+        lines = lines[1:]
+    return lines[-n:]

@@ -220,6 +220,7 @@ class Procs:
             os.path.join(log_dir, mesh.name, f"rank-{rec.rank}.jsonl"),
             rec.rank,
             lambda lines, m=mesh.name: self._on_lines(m, lines),
+            self.cfg.log_max_rank_bytes,
         )
         env = dict(spec["env"])
         coords = _coords(rec.local_rank, mesh.sizes)

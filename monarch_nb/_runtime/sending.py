@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from .._wire import frames as wire
 from .._wire.serialize import dumps, nbytes
 from ..config import Config
-from ..errors import ActorError, SupervisionError, format_exception
+from ..errors import ActorError, SupervisionError, format_exception, safe_str
 from . import shm as _shm
 
 logger = logging.getLogger(__name__)
@@ -72,18 +72,19 @@ class Sender:
         self._send_frames(addr, frames)
 
     def send_port(self, addr: str, port: int, index: int, status: int, value: Any) -> None:
-        """Send ``value`` to a port; an unpicklable value becomes an error the receiver sees."""
+        """Send ``value`` to a port; an unpicklable or oversized value becomes an error the receiver sees."""
+        why = ""
         try:
             body, bufs = dumps(value)
         except Exception as e:
+            why, tb = f"the value could not be pickled to send back: {type(e).__name__}: {safe_str(e)}", format_exception(e)
+        else:
+            if nbytes(body, bufs) > self.cfg.max_message_bytes:
+                # the receiver would drop it, and its caller wait forever
+                why, tb = f"the value is too large to send back: {self._too_large(body, bufs)}", ""
+        if why:
             status = wire.ERROR
-            body, bufs = dumps(
-                ActorError(
-                    TypeError(f"the value could not be pickled to send back: {type(e).__name__}: {e}"),
-                    format_exception(e),
-                    host=self.hostname,
-                )
-            )
+            body, bufs = dumps(ActorError(TypeError(why), tb, host=self.hostname))
         try:
             self.send(addr, self.encode(addr, wire.PORT, (port, index, status), body, bufs))
         except SupervisionError:
@@ -199,12 +200,14 @@ class Sender:
         return wire.encode(kind, meta, body, bufs, table)
 
     def check_size(self, body: bytes, buffers: list[Any]) -> None:
-        n = nbytes(body, buffers)
-        if n > self.cfg.max_message_bytes:
-            raise ValueError(
-                f"message of {n} bytes exceeds max_message_bytes={self.cfg.max_message_bytes}; "
-                "send a handle to the data instead, or raise MONARCH_NB_MAX_MESSAGE_BYTES"
-            )
+        if nbytes(body, buffers) > self.cfg.max_message_bytes:
+            raise ValueError(self._too_large(body, buffers))
+
+    def _too_large(self, body: bytes, buffers: list[Any]) -> str:
+        return (
+            f"message of {nbytes(body, buffers)} bytes exceeds max_message_bytes={self.cfg.max_message_bytes}; "
+            "send a handle to the data instead, or raise MONARCH_NB_MAX_MESSAGE_BYTES"
+        )
 
     def sweep_shm(self) -> None:
         """Reclaim shared memory that receivers have given back."""

@@ -116,7 +116,8 @@ class ShmSender:
         except OSError:
             return None
         try:
-            os.ftruncate(fd, size)
+            # reserve the pages now: a sparse file in a full tmpfs would SIGBUS on the write
+            os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             os.unlink(path)

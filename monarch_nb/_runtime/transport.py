@@ -10,7 +10,9 @@ keep their order. What the frames mean is not its business.
 Threat model (see docs/security.md): on one host, ipc sockets live in a 0700 runtime
 directory and are themselves 0600, so only the user can connect. Across hosts every socket
 speaks CurveZMQ with keys derived from the cluster secret; a ZAP handler admits only peers
-that prove they hold it. Plain TCP (``trust_all_connections``) is refused off loopback.
+that prove they hold it. No TCP socket is ever plain: without a cluster key, loopback TCP
+uses a key kept in the runtime directory (made 0600 on first use, so the user's own processes
+share it and nobody else can read it), and TCP off loopback is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import logging
 import os
 import socket
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ import zmq.asyncio
 import zmq.auth.thread
 
 from .._wire import frames as wire
-from .._wire.keys import curve_keypair
+from .._wire.keys import curve_keypair, load_or_create_key
 from ..config import Config
 from ..errors import ConfigError
 from . import fastpath
@@ -41,29 +42,37 @@ from . import fastpath
 logger = logging.getLogger(__name__)
 
 ZAP_DOMAIN = "monarch_nb"
+#: the key of a runtime directory's loopback TCP sockets when no cluster key is given
+LOCAL_KEY_FILE = "loopback-tcp.key"
+
+
+def local_key(runtime_dir: str) -> bytes:
+    """This runtime directory's loopback key (created 0600 on first use)."""
+    return load_or_create_key(os.path.join(runtime_dir, LOCAL_KEY_FILE))
 
 
 @dataclass(frozen=True)
 class Security:
-    """The secret of a cluster (None: ipc / trusted loopback only)."""
+    """The secret of a cluster (None: ipc, and loopback TCP with the runtime directory's key).
+
+    ``trust_all`` (``ca="trust_all_connections"``, ``--trust-all``) is kept for Monarch's API;
+    it means no more than no key: loopback TCP is still authenticated, with the local key.
+    """
 
     key: bytes | None = None
     trust_all: bool = False
 
     def check_address(self, addr: str) -> None:
+        """Refuse TCP to ``addr`` that no key we hold could authenticate."""
         if not addr.startswith("tcp://") or self.key is not None:
             return
         host = addr[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
         if not _is_loopback(host):
             raise ConfigError(
-                f"refusing unauthenticated TCP to {addr}: off loopback every connection needs the cluster key "
-                "(pass key_file=/ca= a key file, or set MONARCH_NB_KEY_FILE); "
-                "ca='trust_all_connections' is only accepted on loopback and ipc"
-            )
-        if self.trust_all:
-            warnings.warn(
-                f"trust_all_connections on {addr}: any local user can connect to this port and run code",
-                stacklevel=3,
+                f"refusing unauthenticated TCP to {addr}: off loopback every connection is authenticated "
+                "with one. Make one with `monarch-nb keygen KEYFILE`, copy it to every host, and pass it "
+                "(--key-file KEYFILE, key_file=/ca=KEYFILE, or MONARCH_NB_KEY_FILE=KEYFILE); "
+                "ca='trust_all_connections' / --trust-all only serve loopback"
             )
 
 
@@ -93,48 +102,57 @@ class _KeyProvider:
 class SocketFactory:
     """Makes inbox (server) and outbox (client) sockets with the right security."""
 
-    def __init__(self, ctx: zmq.Context, security: Security) -> None:
+    def __init__(self, ctx: zmq.Context, security: Security, runtime_dir: str = "") -> None:
         self.ctx = ctx
         self.security = security
+        self.runtime_dir = runtime_dir
         self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
+        self._keys: tuple[bytes, bytes] | None = None
         if security.key is not None:
-            self.public, self.secret = curve_keypair(security.key)
+            self._keys = curve_keypair(security.key)
 
     def set_security(self, security: Security) -> None:
         """Adopt a cluster key after start (before any TCP socket uses the old one)."""
         if security.key is not None and security.key != self.security.key and self.security.key is not None:
-            from ..errors import ConfigError as _CE
-
-            raise _CE("this process already uses another cluster key; one process joins one cluster")
+            raise ConfigError("this process already uses another cluster key; one process joins one cluster")
+        if security.key is None:
+            # dropping a key would leave our TCP sockets on it: keep it
+            security = Security(self.security.key, security.trust_all)
         self.security = security
         if security.key is not None:
-            self.public, self.secret = curve_keypair(security.key)
+            self._keys = curve_keypair(security.key)
             if self._auth is not None:
-                self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_KeyProvider(self.public))
+                self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_KeyProvider(self._keys[0]))
 
-    def _ensure_auth(self) -> None:
+    def _tcp_keys(self, addr: str) -> tuple[bytes, bytes]:
+        self.security.check_address(addr)
+        if self._keys is None:
+            from ..config import runtime_dir
+
+            self._keys = curve_keypair(local_key(self.runtime_dir or runtime_dir()))
+        return self._keys
+
+    def _ensure_auth(self, public: bytes) -> None:
         if self._auth is None:
             self._auth = zmq.auth.thread.ThreadAuthenticator(self.ctx, log=logger)
             self._auth.start()
-            self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_KeyProvider(self.public))
+            self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_KeyProvider(public))
 
     def secure_server(self, sock: zmq.Socket, addr: str) -> None:
         if addr.startswith("tcp://"):
-            self.security.check_address(addr)
-            if self.security.key is not None:
-                self._ensure_auth()
-                sock.curve_server = True
-                sock.curve_secretkey = self.secret
-                sock.curve_publickey = self.public
-                sock.zap_domain = ZAP_DOMAIN.encode()
+            public, secret = self._tcp_keys(addr)
+            self._ensure_auth(public)
+            sock.curve_server = True
+            sock.curve_secretkey = secret
+            sock.curve_publickey = public
+            sock.zap_domain = ZAP_DOMAIN.encode()
 
     def secure_client(self, sock: zmq.Socket, addr: str) -> None:
         if addr.startswith("tcp://"):
-            self.security.check_address(addr)
-            if self.security.key is not None:
-                sock.curve_serverkey = self.public
-                sock.curve_publickey = self.public
-                sock.curve_secretkey = self.secret
+            public, secret = self._tcp_keys(addr)
+            sock.curve_serverkey = public
+            sock.curve_publickey = public
+            sock.curve_secretkey = secret
 
     def close(self) -> None:
         if self._auth is not None:
@@ -210,7 +228,7 @@ class Transport:
         self.label = label
         self._spawn = spawn if spawn is not None else loop.create_task
         self.ctx = zmq.Context()
-        self.sockets = SocketFactory(self.ctx, security)
+        self.sockets = SocketFactory(self.ctx, security, runtime_dir)
         self._tcp_ip = tcp_ip
         self._tcp_port = tcp_port
         self.ipc_addr = ""
@@ -265,7 +283,7 @@ class Transport:
         # message, without a zmq.asyncio future per message
         self.loop.add_reader(sock.FD, self._drain_inbox, sock)
         self.loop.call_soon(self._drain_inbox, sock)
-        if addr.startswith("tcp://") and self.security.key is not None:
+        if addr.startswith("tcp://"):
             mon = zmq.asyncio.Socket.shadow(sock.get_monitor_socket().underlying)
             self._spawn(self._log_handshake_failures(mon, bound))
         return bound
@@ -432,7 +450,11 @@ class Transport:
         """Stop reading (on the loop's thread)."""
         for s in self._inboxes:
             self.loop.remove_reader(s.FD)
+            # a TCP inbox's monitor socket left open would hold ctx.term() forever
+            mon = s._monitor_socket
             s.close(linger=0)
+            if mon is not None:
+                mon.close(linger=0)
 
     def close_connections(self) -> None:
         """Close every connection; queued outgoing messages get a moment to leave."""

@@ -8,6 +8,7 @@ encrypts and authenticates every byte (with per-connection nonces, which also st
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import secrets
@@ -24,21 +25,61 @@ def generate_key() -> bytes:
 
 
 def write_key_file(path: str, key: bytes | None = None) -> bytes:
+    """Write a new key to ``path``, mode 0600, owned by us, or raise :class:`ConfigError`.
+
+    The key is written to a fresh file beside ``path`` (``O_EXCL``: nobody else's file, no
+    symlink followed) and renamed over it, so an existing file of any mode, or a symlink
+    someone planted, is replaced rather than written through and left readable.
+    """
     key = key or generate_key()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key.hex() + "\n")
+    if os.path.isdir(path):
+        raise ConfigError(f"{path!r} is a directory; give keygen the path of the key file to write")
+    tmp = f"{path}.{secrets.token_hex(6)}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        raise ConfigError(f"cannot write cluster key file {path!r}: {e.strerror}") from e
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        with os.fdopen(fd, "w") as f:
+            f.write(key.hex() + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return key
+
+
+def load_or_create_key(path: str) -> bytes:
+    """The key in ``path``, made (0600) on first use; race-free between processes."""
+    if os.path.lexists(path):
+        return read_key_file(path)
+    tmp = f"{path}.{secrets.token_hex(6)}.tmp"
+    write_key_file(tmp)
+    try:
+        os.link(tmp, path)  # the first process to link wins; the others read its key
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    return read_key_file(path)
 
 
 def read_key_file(path: str) -> bytes:
     try:
-        st = os.stat(path)
-        text = open(path).read().strip()
+        fd = os.open(path, os.O_RDONLY)
     except OSError as e:
         raise ConfigError(f"cannot read cluster key file {path!r}: {e.strerror}") from e
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        text = f.read().strip()
     if st.st_mode & 0o077:
         raise ConfigError(f"cluster key file {path!r} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it")
+    if st.st_uid != os.geteuid():
+        raise ConfigError(
+            f"cluster key file {path!r} belongs to uid {st.st_uid}, not to this user; make your own with monarch-nb keygen"
+        )
     try:
         key = bytes.fromhex(text)
     except ValueError as e:

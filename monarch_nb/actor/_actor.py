@@ -22,7 +22,7 @@ from .._runtime.logcapture import set_call
 from .._runtime.runtime import NO_REPLY, Runtime, system_method
 from .._wire import frames as wire
 from .._wire.serialize import loads
-from ..errors import ActorError, _safe_exc, format_exception
+from ..errors import ActorError, _safe_exc, format_exception, safe_str
 from . import _context
 from ._endpoint import EndpointProperty, _NotAnEndpointMethod
 from ._shape import Extent, Point
@@ -265,7 +265,7 @@ class ActorSlot:
             actor=self.name,
             rank=self.instance_info.rank.rank,
             host=self.rt.hostname,
-            message=f"{what} failed: {type(e).__name__}: {e}",
+            message=f"{what} failed: {type(e).__name__}: {safe_str(e)}",
         )
 
     def _init(self, args: tuple[Any, ...], kwargs: dict[str, Any], reply: tuple[str, int, int]) -> None:
@@ -579,7 +579,7 @@ class ActorHost:
             try:
                 value, status = reload_changed(self.rt, root, changed, mode), wire.OK
             except BaseException as e:
-                value, status = ActorError(_safe_exc(e), format_exception(e), message=f"reload failed: {e}"), wire.ERROR
+                value, status = ActorError(_safe_exc(e), format_exception(e), message=f"reload failed: {safe_str(e)}"), wire.ERROR
             self.rt.send_port(_reply[0], _reply[1], _reply[2], status, value)
 
         threading.Thread(target=run, name="monarch_nb-reload", daemon=True).start()

@@ -171,11 +171,12 @@ class Client:
                     elif e == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                         raise AuthenticationError(
                             f"allocator at {addr} refused our key: controller and allocator must use the same cluster key file"
+                            + self._local_key_hint()
                         )
                     elif e in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
                         raise AuthenticationError(
                             f"security handshake with {addr} failed: the peer holds a different cluster key, "
-                            "or is not a monarch_nb allocator"
+                            "or is not a monarch_nb allocator" + self._local_key_hint()
                         )
                     elif e == zmq.EVENT_CONNECT_RETRIED:
                         last = "connection refused or host unreachable"
@@ -195,6 +196,14 @@ class Client:
         self._alloc_addr[info.get("alloc_id", "")] = addr
         self._check_versions(addr, info)
         return info
+
+    def _local_key_hint(self) -> str:
+        if self.rt.sockets.security.key is not None:
+            return ""
+        return (
+            f" (with no cluster key, loopback TCP uses the key of this runtime directory, {self.rt.runtime_dir}: an "
+            "allocator started with another MONARCH_NB_RUNTIME_DIR needs a shared key file, see `monarch-nb keygen`)"
+        )
 
     def _check_versions(self, addr: str, info: dict[str, Any]) -> None:
         """Before the first call: differences that would make pickles fail to load, with the fix."""

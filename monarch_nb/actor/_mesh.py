@@ -366,6 +366,16 @@ class ProcMesh(MeshTrait):
         procs.sort(key=lambda p: p.rank)
         pm = ProcMesh(name, procs, View(*extent), hosts, persist)
         client.own(procs, pm)
+        if client.log_enabled:
+            # what its ranks print reaches this controller too (a restarted kernel re-attaching)
+            for alloc in sorted({p.alloc for p in procs if p.alloc}):
+                client.rt.send_actor(
+                    alloc,
+                    "__allocator__",
+                    "stream_logs",
+                    *_args((name, True)),
+                    reply=(client.rt.addr_for(alloc), client.log_port),
+                )
         return pm
 
 

@@ -284,7 +284,10 @@ def start_worker_loop_forever(*, ca: Any, address: str, private_key: Any = None)
 
     key_file = ca if isinstance(ca, (str, os.PathLike)) and ca != "trust_all_connections" else None
     argv = [sys.executable, "-m", "monarch_nb", "allocator", "--bind", address]
-    argv += ["--key-file", os.fspath(key_file)] if key_file else ["--trust-all"]
+    if key_file:
+        argv += ["--key-file", os.fspath(key_file)]
+    elif ca == "trust_all_connections":
+        argv += ["--trust-all"]
     subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL)
     return Future._completed(None)
 

@@ -192,7 +192,8 @@ class MeshMagics(Magics):
         return StatusTable(_mesh.status(args.addresses or None), controller_client().cid)
 
     def _do_logs(self, args: argparse.Namespace, cell: str | None) -> Any:
-        pm = _mesh.get(args.name)
+        # a name this kernel does not know may still have logs of an earlier allocator on this host
+        pm = _mesh.meshes().get(args.name) or (_mesh.get(args.name) if args.follow else args.name)
         if args.follow:
             try:
                 for r in _logs.follow(pm, args.rank, tail=args.tail if args.tail is not None else 10):

@@ -1,8 +1,10 @@
 """Thin REST handlers over :class:`~monarch_nb.server.manager.MeshManager`.
 
 Every handler is an ``APIHandler`` with ``@tornado.web.authenticated``: Jupyter's own token /
-cookie authentication (and its XSRF check on POST) guards them, as it does the kernels. The
-manager's calls block on allocator round trips, so they run on a worker thread.
+cookie authentication (and its XSRF check on POST) guards them, as it does the kernels; and
+``@authorized`` asks the server's ``Authorizer`` (resource ``monarch_nb``; GET is "read", POST
+is "write"), so a deployment can give some users a read-only sidebar. The manager's calls
+block on allocator round trips, so they run on a worker thread.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import tornado.web
+from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
@@ -22,6 +25,7 @@ from .manager import MeshManager
 
 class _Base(APIHandler):
     manager: MeshManager
+    auth_resource = "monarch_nb"
 
     def initialize(self, manager: MeshManager) -> None:
         self.manager = manager
@@ -67,18 +71,21 @@ def _reason(e: BaseException) -> str:
 
 class StateHandler(_Base):
     @tornado.web.authenticated
+    @authorized
     async def get(self) -> None:
         await self._call(self.manager.state)
 
 
 class AllocatorsHandler(_Base):
     @tornado.web.authenticated
+    @authorized
     async def post(self) -> None:
         await self._call(self.manager.start_allocator)
 
 
 class StopMeshHandler(_Base):
     @tornado.web.authenticated
+    @authorized
     async def post(self, name: str) -> None:
         try:
             alloc = self._body().get("alloc")
@@ -91,6 +98,7 @@ class StopMeshHandler(_Base):
 
 class RankLogHandler(_Base):
     @tornado.web.authenticated
+    @authorized
     async def get(self, name: str, rank: str) -> None:
         raw = self.get_argument("tail", "500")
         try:

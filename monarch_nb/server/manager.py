@@ -130,6 +130,7 @@ class MeshManager:
 
         if not name:
             raise ValueError("a mesh name is required")
+        self._check_alloc(alloc)
         n = stop_mesh(name, alloc or None, force=True, reason="stopped from the JupyterLab sidebar")
         self._invalidate()
         return {"mesh": name, "stopped_procs": n}
@@ -140,8 +141,20 @@ class MeshManager:
 
         if tail is not None and tail < 0:
             raise ValueError(f"tail must be >= 0, got {tail}")
+        self._check_alloc(alloc)
         lines = logs(mesh, rank, tail=tail, addr=alloc or None)
         return {"mesh": mesh, "rank": rank, "lines": lines}
+
+    def _check_alloc(self, alloc: str | None) -> None:
+        """A request names only an allocator this server knows: it never connects where a URL says."""
+        if not alloc:
+            return
+        known = {a["addr"] for a in self.state()["allocators"]}
+        if alloc not in known:
+            self._invalidate()  # one that started a moment ago
+            known = {a["addr"] for a in self.state()["allocators"]}
+        if alloc not in known:
+            raise PermissionError(f"{alloc!r} is not an allocator this server knows (see /monarch-nb/api/state)")
 
 
 # ---------------------------------------------------------------------- helpers

@@ -1,0 +1,33 @@
+"""A real kernel restart (jupyter_client's restart_kernel): re-attaching brings back the
+meshes, and what their ranks print reaches the cells of the new kernel."""
+
+from __future__ import annotations
+
+import pytest
+from _kernel import Cell, Kernel
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _ok(c: Cell) -> Cell:
+    assert c.error is None, c.error
+    return c
+
+
+def test_rank_output_reaches_the_cell_after_a_kernel_restart() -> None:
+    k = Kernel()
+    try:
+        _ok(k.run("%mesh connect"))
+        _ok(k.run("%mesh spawn survivor --per-host gpus=2"))
+        pids = _ok(k.run("%%mesh exec survivor\nimport os\nprint('before the restart', flush=True)\nos.getpid()"))
+        assert "before the restart" in pids.stream()
+        k.km.restart_kernel(now=True)
+        k.kc.wait_for_ready(timeout=60)
+        _ok(k.run("%load_ext monarch_nb"))
+        assert "survivor" in _ok(k.run("%mesh connect")).stream()
+        c = _ok(k.run("%%mesh exec survivor\nprint('after the restart', flush=True)\nos.getpid()"))
+        assert c.result == pids.result  # the same processes
+        assert "after the restart" in c.stream(), c.stream()
+        _ok(k.run("%mesh stop survivor"))
+    finally:
+        k.close()

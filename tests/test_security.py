@@ -1,0 +1,769 @@
+"""Hardening against other local users and unlucky inputs (issue 15).
+
+An attacker here is another uid on the same host (``nobody``, 65534) who can reach every TCP
+port on loopback: the frame it sends would create a file if anything unpickled it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import stat
+import subprocess
+import tempfile
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+from conftest import PY, AllocatorProc, run_script, wait_for
+
+from monarch_nb._wire import frames
+from monarch_nb.actor import Actor, ActorError, endpoint, this_host
+
+pytestmark = pytest.mark.timeout(240)
+
+NOBODY = 65534
+#: allocators of these tests run code that needs no torch: their zygote starts in a fraction of the time
+LIGHT = {"MONARCH_NB_ZYGOTE_PRELOAD": ""}
+
+
+class _Exploit:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.path}",))
+
+
+def evil_frame(marker: str) -> bytes:
+    """An ACTOR frame whose meta, once unpickled, creates ``marker``."""
+    meta = pickle.dumps(_Exploit(marker), protocol=5)
+    return frames.MAGIC + bytes([frames.VERSION, frames.ACTOR, frames.INLINE]) + len(meta).to_bytes(4, "little") + meta
+
+
+#: a ZMTP 3.0 client with the NULL mechanism (no key) in the standard library only: what any
+#: local user can write without our virtualenv (which may sit in a directory they cannot read)
+_ZMTP_CLIENT = """
+import socket, struct, sys
+host, port = sys.argv[1][len("tcp://"):].rsplit(":", 1)
+frame = bytes.fromhex(sys.argv[2])
+s = socket.create_connection((host, int(port)), timeout=5)
+def recv_exactly(n):
+    out = b""
+    while len(out) < n:
+        b = s.recv(n - len(out))
+        if not b:
+            sys.exit(0)  # the server hung up: it wants a mechanism we do not speak
+        out += b
+    return out
+def frame_of(flags, body):
+    if len(body) < 256:
+        return bytes([flags, len(body)]) + body
+    return bytes([flags | 2]) + struct.pack(">Q", len(body)) + body
+try:
+    s.sendall(b"\\xff" + bytes(8) + b"\\x7f" + bytes([3, 1]) + b"NULL".ljust(20, b"\\0") + bytes(32))
+    recv_exactly(64)
+    props = bytes([11]) + b"Socket-Type" + struct.pack(">I", 6) + b"DEALER"
+    s.sendall(frame_of(4, bytes([5]) + b"READY" + props))
+    flags = recv_exactly(1)[0]
+    recv_exactly(recv_exactly(1)[0] if not flags & 2 else struct.unpack(">Q", recv_exactly(8))[0])
+    s.sendall(frame_of(0, frame))
+    while s.recv(4096):
+        pass
+except OSError:
+    pass
+"""
+
+
+def send_as_nobody(addr: str, frame: bytes) -> None:
+    """Connect to ``addr`` as uid 65534 without a key and send ``frame`` (what any local user can do)."""
+    py = shutil.which("python3", path="/usr/bin:/bin") or PY
+    r = subprocess.run(
+        [py, "-c", _ZMTP_CLIENT, addr, frame.hex()],
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 0, r.stderr
+
+
+def assert_never_appears(path: str, seconds: float = 2.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert not os.path.exists(path), f"a frame from uid {NOBODY} ran code: {path} was created"
+        time.sleep(0.05)
+
+
+def tcp_listeners(pid: int) -> list[str]:
+    out = []
+    for c in psutil.Process(pid).net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN:
+            out.append(f"tcp://{c.laddr.ip}:{c.laddr.port}")
+    return out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to send a frame as uid 65534")
+@pytest.mark.parametrize("trust_all", [False, True], ids=["keyless", "trust-all"])
+def test_loopback_tcp_allocator_refuses_another_uid(tmp_path, trust_all: bool) -> None:  # type: ignore[no-untyped-def]
+    args = ["--bind", "tcp://127.0.0.1:0"] + (["--trust-all"] if trust_all else [])
+    a = AllocatorProc(str(tmp_path), *args, env=dict(LIGHT, MONARCH_NB_KEY_FILE=""))
+    try:
+        assert a.info["tcp"].startswith("tcp://127.0.0.1:")
+        marker = str(tmp_path / "pwned-allocator")
+        send_as_nobody(a.info["tcp"], evil_frame(marker))
+        # the daemon saw the connection and refused it before reading a frame (or ran it)
+        wait_for(lambda: os.path.exists(marker) or "security handshake" in a.logtext(), 10, "the allocator to take the frame")
+        assert_never_appears(marker)
+        assert a.proc.poll() is None
+        key = os.path.join(a.rdir, "loopback-tcp.key")
+        assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
+        assert f"authenticated with this runtime directory's key {key}" in a.logtext()
+    finally:
+        a.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to send a frame as uid 65534")
+def test_keyless_controller_on_loopback_tcp(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The same user's keyless controller reaches a loopback TCP allocator (the runtime directory's
+    key), and whatever TCP inbox the controller opens for the replies refuses a stranger."""
+    a = AllocatorProc(str(tmp_path), "--bind", "tcp://127.0.0.1:0", env=dict(LIGHT, MONARCH_NB_KEY_FILE=""))
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from monarch_nb.actor import Actor, endpoint, attach_to_workers
+        from monarch_nb.actor import _context
+
+        class Echo(Actor):
+            @endpoint
+            def echo(self, x):
+                return x
+
+        hosts = attach_to_workers(workers=[{a.info["tcp"]!r}])
+        procs = hosts.spawn_procs(per_host={{"gpus": 1}})
+        e = procs.spawn("e", Echo)
+        print("echo", e.echo.call_one(41).get(timeout=60) + 1, flush=True)
+        sys.stdin.readline()
+        procs.stop().get(timeout=30)
+        """
+    )
+    env = dict(a.env, MONARCH_NB_KEY_FILE="", PYTHONPATH=os.path.dirname(__file__))
+    p = subprocess.Popen(
+        [PY, "-c", script], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        line = p.stdout.readline()  # type: ignore[union-attr]
+        assert line.strip() == "echo 42", p.stderr.read()  # type: ignore[union-attr]
+        listeners = tcp_listeners(p.pid)
+        for i, addr in enumerate(listeners):
+            marker = str(tmp_path / f"pwned-controller-{i}")
+            send_as_nobody(addr.replace("0.0.0.0", "127.0.0.1"), evil_frame(marker))
+            assert_never_appears(marker)
+        p.stdin.write("done\n")  # type: ignore[union-attr]
+        p.stdin.flush()  # type: ignore[union-attr]
+        assert p.wait(60) == 0, p.stderr.read()  # type: ignore[union-attr]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        a.stop()
+
+
+def test_tcp_off_loopback_without_key_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from monarch_nb._runtime.transport import Security
+    from monarch_nb.errors import ConfigError
+
+    for trust_all in (False, True):
+        with pytest.raises(ConfigError, match="monarch-nb keygen"):
+            Security(None, trust_all).check_address("tcp://192.0.2.1:26600")
+
+
+@pytest.mark.parametrize("kind", ["0644-file", "symlink"])
+def test_keygen_leaves_no_readable_secret(tmp_path, kind: str) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "cluster.key"
+    target = tmp_path / "elsewhere"
+    target.write_text("not a key\n")
+    os.chmod(target, 0o644)
+    if kind == "symlink":
+        os.symlink(target, path)
+    else:
+        path.write_text("old\n")
+        os.chmod(path, 0o644)
+    r = subprocess.run([PY, "-m", "monarch_nb", "keygen", str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    st = os.lstat(path)
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    assert "(mode 600)" in r.stdout
+    assert target.read_text() == "not a key\n"  # the link was not written through
+    from monarch_nb._wire.keys import read_key_file
+
+    assert len(read_key_file(str(path))) == 32
+
+
+# ---------------------------------------------------------------- unlucky exceptions (item 3)
+
+
+class StrRaises(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+class Unpicklable(Exception):
+    def __init__(self) -> None:
+        super().__init__("holds a lock")
+        self.lock = threading.Lock()
+
+
+class NeedsTwoArgs(Exception):
+    """Pickles fine, but unpickling calls ``__init__`` with one argument and raises."""
+
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__(f"{a}+{b}")
+
+
+def _refuse_to_unpickle() -> None:
+    raise ValueError("this argument does not unpickle here")
+
+
+class BadArg:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (_refuse_to_unpickle, ())
+
+
+class BadArgStrRaises:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (_raise_str_raises, ())
+
+
+def _raise_str_raises() -> None:
+    raise StrRaises()
+
+
+class Raiser(Actor):
+    @endpoint
+    def raise_it(self, kind: str) -> None:
+        raise {"str": StrRaises(), "unpicklable": Unpicklable(), "two": NeedsTwoArgs(1, 2)}[kind]
+
+    @endpoint
+    def take(self, x: object) -> str:
+        return "took it"
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+    @endpoint
+    def big(self, n: int) -> bytes:
+        return b"x" * n
+
+
+@pytest.fixture(scope="module")
+def raiser():  # type: ignore[no-untyped-def]
+    procs = this_host().spawn_procs(per_host={"gpus": 1}, name="raiser")
+    yield procs.spawn("raiser", Raiser)
+    procs.stop().get(timeout=30)
+
+
+@pytest.mark.parametrize("kind", ["str", "unpicklable", "two"])
+def test_endpoint_exception_that_resists_formatting_or_pickling(raiser, kind: str) -> None:  # type: ignore[no-untyped-def]
+    t0 = time.monotonic()
+    with pytest.raises(ActorError) as ei:
+        raiser.raise_it.call_one(kind).get(timeout=10)
+    assert time.monotonic() - t0 < 10
+    assert type(ei.value.exception).__name__ in ({"str": "StrRaises", "unpicklable": "RuntimeError", "two": "RuntimeError"}[kind])
+    assert "raise_it" in str(ei.value)
+    assert raiser.ping.call_one().get(timeout=10) == "pong"
+
+
+@pytest.mark.parametrize("arg", [BadArg(), BadArgStrRaises()], ids=["raises", "raises-str-raises"])
+def test_arguments_that_fail_to_unpickle_in_the_actor(raiser, arg: object) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ActorError, match="unpickling the arguments"):
+        raiser.take.call_one(arg).get(timeout=10)
+    assert raiser.ping.call_one().get(timeout=10) == "pong"
+
+
+def test_exception_class_from_main_arrives_as_itself() -> None:
+    """A class defined in ``__main__`` (a notebook cell, a script) is caught by ``except MyError``."""
+    r = run_script(
+        textwrap.dedent(
+            """
+            from monarch_nb.actor import Actor, ActorError, endpoint, this_host
+
+            class MyError(Exception):
+                pass
+
+            class A(Actor):
+                @endpoint
+                def fail(self):
+                    raise MyError("from the actor")
+
+            procs = this_host().spawn_procs(per_host={"gpus": 1})
+            a = procs.spawn("a", A)
+            try:
+                a.fail.call_one().get(timeout=30)
+            except ActorError as e:
+                print("caught", type(e.exception).__name__, isinstance(e.exception, MyError), e.exception)
+            procs.stop().get(timeout=30)
+            """
+        ),
+        timeout=90,
+    )
+    assert "caught MyError True from the actor" in r.stdout, r.stdout + r.stderr
+
+
+def test_reply_over_max_message_bytes_fails_the_call(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    limit = {"MONARCH_NB_MAX_MESSAGE_BYTES": str(1 << 20)}
+    a = AllocatorProc(str(tmp_path), env=dict(LIGHT, **limit))
+    try:
+        r = run_script(
+            textwrap.dedent(
+                f"""
+                import time
+                from monarch_nb.actor import ActorError, attach_to_workers
+                from test_security import Raiser
+
+                hosts = attach_to_workers(workers=[{a.addr!r}])
+                procs = hosts.spawn_procs(per_host={{"gpus": 1}})
+                r = procs.spawn("r", Raiser)
+                t0 = time.monotonic()
+                try:
+                    r.big.call_one(2 << 20).get(timeout=30)
+                except ActorError as e:
+                    print("failed after", time.monotonic() - t0, "s:", e.message)
+                print("then", len(r.big.call_one(1000).get(timeout=10)))
+                procs.stop().get(timeout=30)
+                """
+            ),
+            timeout=90,
+            env=dict(limit, MONARCH_NB_RUNTIME_DIR=a.rdir, PYTHONPATH=os.path.dirname(__file__)),
+        )
+        assert "max_message_bytes=1048576" in r.stdout and "too large to send back" in r.stdout, r.stdout + r.stderr
+        assert float(r.stdout.split("failed after ")[1].split()[0]) < 10, r.stdout
+        assert "then 1000" in r.stdout
+    finally:
+        a.stop()
+
+
+# ---------------------------------------------------------------- a full /dev/shm (item 2)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare for a private /dev/shm")
+def test_full_dev_shm_falls_back_to_the_socket(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """In a mount namespace whose /dev/shm holds 16 MiB, 32 MiB go to an echo actor and back."""
+    rdir = tempfile.mkdtemp(prefix="mnbs-", dir="/tmp")
+    script = textwrap.dedent(
+        """
+        import os
+        from monarch_nb.actor import Actor, endpoint, this_host
+
+        class Echo(Actor):
+            @endpoint
+            def echo(self, b):
+                return b
+
+        data = os.urandom(32 << 20)
+        procs = this_host().spawn_procs(per_host={"gpus": 1})
+        back = procs.spawn("echo", Echo).echo.call_one(data).get(timeout=60)
+        print("same bytes back:", back == data, flush=True)
+        procs.stop().get(timeout=30)
+        """
+    )
+    (tmp_path / "echo.py").write_text(script)
+    shell = f"mount -t tmpfs -o size=16m,mode=1777 tmpfs /dev/shm && {PY} {tmp_path / 'echo.py'}; rc=$?; {PY} -m monarch_nb allocator stop >/dev/null; exit $rc"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["MONARCH_NB_RUNTIME_DIR"] = rdir
+    try:
+        r = subprocess.run(
+            ["unshare", "-m", "--propagation", "private", "sh", "-c", shell], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+        assert "same bytes back: True" in r.stdout, r.stdout + r.stderr
+    finally:
+        subprocess.run([PY, "-m", "monarch_nb", "allocator", "stop"], env=env, capture_output=True, timeout=60)
+        shutil.rmtree(rdir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the direct path (item 11)
+
+
+def test_direct_path_of_another_wire_version_is_refused_at_the_caller() -> None:
+    """A direct socket that greets with another wire version: the sender raises, sends nothing."""
+    import socket
+
+    from monarch_nb._runtime.runtime import Runtime
+    from monarch_nb._runtime.transport import Security
+    from monarch_nb.config import Config
+    from monarch_nb.errors import VersionMismatchError
+
+    rdir = tempfile.mkdtemp(prefix="mnbv-", dir="/tmp")
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lst.bind(os.path.join(rdir, "mnb-other.fast"))
+    lst.listen(4)
+    got: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = lst.accept()
+        with conn:
+            conn.sendall(frames.MAGIC + bytes([frames.VERSION + 1]))
+            conn.settimeout(2)
+            try:
+                got.append(conn.recv(100))
+            except OSError:
+                pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    tx = Runtime(Config(), Security(), rdir, label="tx").start()
+    try:
+        with pytest.raises(VersionMismatchError, match=f"speaks wire version {frames.VERSION + 1}"):
+            tx.send(f"ipc://{rdir}/mnb-other.sock", frames.encode(frames.PORT, (1, 0, frames.ITEM), b"hello"))
+        t.join(10)
+        assert got in ([], [b""])  # nothing of the message was written
+    finally:
+        tx.close()
+        lst.close()
+        shutil.rmtree(rdir, ignore_errors=True)
+
+
+class Slow(Actor):
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def length(self, b: bytes) -> int:
+        return len(b)
+
+
+def test_a_stopped_receiver_leaves_the_sender_free() -> None:
+    import signal
+
+    procs = this_host().spawn_procs(per_host={"gpus": 1}, name="stopped")
+    try:
+        s = procs.spawn("slow", Slow)
+        pid = s.pid.call_one().get(timeout=30)  # this thread now has a direct connection to it
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            big = b"x" * (4 << 20)  # more than a socket buffer, less than the shared-memory threshold
+            t0 = time.monotonic()
+            futs = [s.length.call_one(big) for _ in range(3)]
+            assert time.monotonic() - t0 < 8, "the sending thread was held by a stopped receiver"
+            with pytest.raises(TimeoutError):
+                futs[0].get(timeout=2)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert [f.get(timeout=30) for f in futs] == [4 << 20] * 3
+        assert s.length.call_one(b"after").get(timeout=10) == 5
+    finally:
+        procs.stop().get(timeout=30)
+
+
+# ---------------------------------------------------------------- the sidebar's REST API (item 11)
+
+
+@pytest.fixture(scope="module")
+def readonly_server():  # type: ignore[no-untyped-def]
+    from _jupyter import JupyterServer
+
+    s = JupyterServer(
+        "server",
+        extra_args=["--ServerApp.authorizer_class=_authz.ReadOnly"],
+        extra_env={"PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))},
+    )
+    yield s
+    s.stop()
+
+
+def test_a_read_only_authorizer_makes_a_read_only_sidebar(readonly_server) -> None:  # type: ignore[no-untyped-def]
+    status, state = readonly_server.request("GET", "/monarch-nb/api/state")
+    assert status == 200, state
+    assert "allocators" in state
+    for path in ("/monarch-nb/api/allocators", "/monarch-nb/api/meshes/demo/stop"):
+        status, body = readonly_server.request("POST", path, {})
+        assert status == 403, (path, status, body)
+
+
+def test_the_sidebar_reads_logs_only_from_allocators_it_knows(readonly_server) -> None:  # type: ignore[no-untyped-def]
+    status, body = readonly_server.request("GET", "/monarch-nb/api/meshes/demo/ranks/0/log?alloc=tcp://127.0.0.1:9")
+    assert status == 400 and "not an allocator this server knows" in body["message"], (status, body)
+    # and the server process never reached for that address
+    server = psutil.Process(readonly_server.proc.pid)
+    assert not [c for c in server.net_connections(kind="tcp") if c.raddr and c.raddr.port == 9]
+
+
+@pytest.mark.parametrize("name", ["..", "../..", "a/../..", ".hidden"])
+def test_a_log_request_cannot_leave_the_log_directory(name: str) -> None:
+    from monarch_nb.actor import _context
+    from monarch_nb.allocator import start_allocator
+    from monarch_nb.config import runtime_dir
+
+    addr = start_allocator()["addr"]
+    # what a '..' would reach: a file shaped like a rank log, outside any mesh's log directory
+    with open(os.path.join(runtime_dir(), "rank-0.jsonl"), "w") as f:
+        f.write('{"line": "not yours"}\n')
+    with pytest.raises(ValueError, match="bad mesh name"):
+        _context.client().request(addr, "logs", name, 0, None).get(timeout=10)
+
+
+# ---------------------------------------------------------------- a dead log subscriber (item 4)
+
+
+class Chatty(Actor):
+    @endpoint
+    def flood_when(self, flag: str, mb: int) -> None:
+        """Print ``mb`` MB on a thread of its own once ``flag`` exists."""
+
+        def run() -> None:
+            while not os.path.exists(flag):
+                time.sleep(0.05)
+            line = "y" * 999
+            for _ in range(mb * 1000):
+                print(line)
+            print("flood done", flush=True)
+
+        threading.Thread(target=run, daemon=True).start()
+
+    @endpoint
+    def hello(self) -> str:
+        print("hello from the chatty rank", flush=True)
+        return "hi"
+
+
+def test_a_killed_controllers_log_subscription_does_not_grow_the_allocator(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    a = AllocatorProc(str(tmp_path), env=LIGHT)
+    flag = str(tmp_path / "go")
+    script = textwrap.dedent(
+        f"""
+        import time
+        from monarch_nb.actor import attach_to_workers
+        from test_security import Chatty
+
+        hosts = attach_to_workers(workers=[{a.addr!r}])
+        procs = hosts.spawn_procs(per_host={{"gpus": 1}}, name="chatty", persist=True)
+        c = procs.spawn("c", Chatty)
+        c.hello.call_one().get(timeout=30)
+        c.flood_when.call_one({flag!r}, 50).get(timeout=30)
+        print("armed", flush=True)
+        time.sleep(600)  # killed by the test
+        """
+    )
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=a.rdir, PYTHONPATH=os.path.dirname(__file__))
+    env.pop("PYTHONUNBUFFERED", None)
+    p = subprocess.Popen([PY, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out = [p.stdout.readline() for _ in range(2)]  # type: ignore[union-attr]
+        assert "hello from the chatty rank" in out[0] and out[1] == "armed\n", out
+        p.kill()
+        p.wait(10)
+        wait_for(lambda: "exited; detaching it" in a.logtext(), 15, "the allocator to detach the killed controller")
+        alloc = psutil.Process(a.proc.pid)
+        before = alloc.memory_info().rss
+        open(flag, "w").close()
+        log = next(iter(__import__("glob").glob(os.path.join(a.rdir, "mnb-logs-*", "chatty", "rank-0.jsonl"))))
+
+        def done() -> bool:
+            with open(log, "rb") as f:
+                f.seek(max(0, os.path.getsize(log) - 4096))
+                return b"flood done" in f.read()
+
+        wait_for(done, 150, "the rank to print 50 MB")
+        grown = alloc.memory_info().rss - before
+        assert grown < 20 << 20, f"the allocator grew by {grown >> 20} MiB"
+        assert os.path.getsize(log) > 50_000_000  # every line is on disk
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        a.stop()
+
+
+# ---------------------------------------------------------------- the allocator's I/O thread (item 5)
+
+
+def _peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+
+
+def test_a_log_tail_reads_the_end_of_a_huge_log_only(allocator) -> None:  # type: ignore[no-untyped-def]
+    from monarch_nb.introspect import logs
+
+    procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="biglog")
+    try:
+        procs.spawn("c", Chatty).hello.call_one().get(timeout=30)
+        path = next(iter(__import__("glob").glob(os.path.join(allocator.rdir, "mnb-logs-*", "biglog", "rank-0.jsonl"))))
+        wait_for(lambda: os.path.getsize(path) > 0, 10, "the rank's first line on disk")
+        row = (json.dumps({"ts": 0.0, "rank": 0, "stream": "stdout", "call": "", "line": "z" * 200}) + "\n").encode()
+        block = row * ((4 << 20) // len(row))
+        with open(path, "ab") as f:
+            for _ in range(50):  # 200 MB of old output
+                f.write(block)
+            f.write(row.replace(b"z" * 200, b"the last line"))
+        peak = _peak_rss(allocator.proc.pid)
+        got = logs("biglog", 0, tail=10, addr=allocator.addr, timeout=30)
+        assert len(got) == 10 and got[-1]["line"] == "the last line"
+        grown = _peak_rss(allocator.proc.pid) - peak
+        assert grown < 32 << 20, f"reading a tail of 10 lines raised the allocator's peak memory by {grown >> 20} MiB"
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_a_stalled_sync_pull_leaves_the_allocator_answering(allocator, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The staging area hangs (a FIFO nobody writes, as a hung network mount would): the
+    allocator keeps answering heartbeats and calls while the pull waits."""
+    import hashlib
+
+    from monarch_nb.actor import _context
+
+    blob = b"print('synced')\n"
+    digest = hashlib.sha256(blob).hexdigest()
+    (tmp_path / "blobs").mkdir()
+    fifo = tmp_path / "blobs" / digest
+    os.mkfifo(fifo)
+    procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="pulled")
+    try:
+        c = procs.spawn("c", Chatty)
+        c.hello.call_one().get(timeout=30)
+        pull = _context.client().request(allocator.addr, "sync_pull", f"file://{tmp_path}", [digest])
+        deadline = time.monotonic() + 3 * float(os.environ.get("MONARCH_NB_HEARTBEAT_TIMEOUT", "2"))
+        n = 0
+        while time.monotonic() < deadline:  # several heartbeat timeouts of calls, all answered
+            assert c.hello.call_one().get(timeout=10) == "hi"
+            assert _context.client().request(allocator.addr, "status").get(timeout=5)["host"]
+            n += 1
+        assert not pull.done()
+        with open(fifo, "wb") as f:  # the staging area answers at last (a FIFO is no file fsspec
+            f.write(blob)  # can seek in: the pull may fail now; it only had to not block anything)
+        wait_for(pull.done, 30, "the pull to end")
+        assert n > 0
+    finally:
+        procs.stop().get(timeout=30)
+
+
+# ---------------------------------------------------------------- log limits (item 10)
+
+
+class Printer(Actor):
+    @endpoint
+    def print_bytes(self, n: int) -> int:
+        line = "p" * 99
+        for i in range(n // 100):
+            print(line if i < n // 100 - 1 else "the very last line")
+        return n
+
+
+def test_a_rank_printing_twice_its_cap_keeps_at_most_the_cap(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from monarch_nb.actor import attach_to_workers
+    from monarch_nb.introspect import logs
+
+    cap = 1 << 20
+    a = AllocatorProc(str(tmp_path), env=dict(LIGHT, MONARCH_NB_LOG_MAX_RANK_BYTES=str(cap)))
+    try:
+        hosts = attach_to_workers(workers=[a.addr])
+        procs = hosts.spawn_procs(per_host={"gpus": 1}, name="capped")
+        try:
+            p = procs.spawn("p", Printer)
+            p.print_bytes.call_one(2 * cap).get(timeout=60)
+            d = next(iter(__import__("glob").glob(os.path.join(a.rdir, "mnb-logs-*", "capped"))))
+
+            def last_line_on_disk() -> list[dict]:
+                got = logs("capped", 0, tail=3, addr=a.addr, timeout=30)
+                return got if got and got[-1]["line"] == "the very last line" else []
+
+            wait_for(last_line_on_disk, 30, "the last line in the log")
+            on_disk = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+            assert cap // 2 < on_disk <= cap, on_disk
+            assert sorted(os.listdir(d)) == ["rank-0.jsonl", "rank-0.jsonl.1"]
+            # the whole log reads both files, oldest first, with no gap
+            rows = logs("capped", 0, addr=a.addr, timeout=30)
+            assert len(rows) > (cap // 2) // 200 and rows[-1]["line"] == "the very last line"
+        finally:
+            procs.stop().get(timeout=30)
+    finally:
+        a.stop()
+
+
+def test_gc_removes_old_logs_of_stopped_allocators_and_meshes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    rdir = tmp_path / "rt"
+    rdir.mkdir(mode=0o700)
+    old = time.time() - 30 * 86400
+
+    def rank_log(path: str, when: float) -> None:
+        p = rdir / path
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text('{"line": "x"}\n')
+        os.utime(p, (when, when))
+
+    rank_log("mnb-logs-0123456789ab/train/rank-0.jsonl", old)  # an allocator long gone
+    rank_log("mnb-logs-ba9876543210/train/rank-0.jsonl", time.time())  # gone, but recent
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=str(rdir))
+    r = subprocess.run([PY, "-m", "monarch_nb", "gc", "--dry-run"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "would remove" in r.stdout and "mnb-logs-0123456789ab" in r.stdout and "ba9876543210" not in r.stdout, r.stdout
+    assert (rdir / "mnb-logs-0123456789ab").exists()  # a dry run removes nothing
+    r = subprocess.run([PY, "-m", "monarch_nb", "gc"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert not (rdir / "mnb-logs-0123456789ab").exists()
+    assert (rdir / "mnb-logs-ba9876543210" / "train" / "rank-0.jsonl").exists()
+    # over the total, the oldest go first even when young
+    env["MONARCH_NB_LOG_MAX_TOTAL_BYTES"] = "1"
+    r = subprocess.run([PY, "-m", "monarch_nb", "gc"], env=env, capture_output=True, text=True, timeout=60)
+    assert not (rdir / "mnb-logs-ba9876543210").exists(), r.stdout
+
+
+def test_logs_of_a_previous_allocator_of_this_host(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    a = AllocatorProc(str(tmp_path), env=LIGHT)
+    env = {"MONARCH_NB_RUNTIME_DIR": a.rdir, "PYTHONPATH": os.path.dirname(__file__)}
+    try:
+        r = run_script(
+            textwrap.dedent(
+                f"""
+                from monarch_nb.actor import attach_to_workers
+                from test_security import Chatty
+
+                procs = attach_to_workers(workers=[{a.addr!r}]).spawn_procs(per_host={{"gpus": 2}}, name="before")
+                procs.spawn("c", Chatty).hello.call().get(timeout=60)
+                procs.stop().get(timeout=60)
+                """
+            ),
+            timeout=90,
+            env=env,
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        a.proc.terminate()
+        a.proc.wait(30)
+        r = run_script(
+            textwrap.dedent(
+                """
+                from monarch_nb import logs as L
+                rows = L.logs("before", tail=5)
+                print(sorted({(row["rank"], row["line"]) for row in rows}))
+                """
+            ),
+            timeout=90,
+            env=env,
+        )
+        assert r.returncode == 0, r.stderr
+        assert "[(0, 'hello from the chatty rank'), (1, 'hello from the chatty rank')]" in r.stdout, r.stdout
+    finally:
+        a.stop()
+
+
+def test_loopback_tcp_across_runtime_directories_says_why_it_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from monarch_nb.actor import _context
+    from monarch_nb.errors import AuthenticationError
+
+    a = AllocatorProc(str(tmp_path), "--bind", "tcp://127.0.0.1:0", env=dict(LIGHT, MONARCH_NB_KEY_FILE=""))
+    try:
+        with pytest.raises(AuthenticationError, match="another MONARCH_NB_RUNTIME_DIR needs a shared key file"):
+            _context.client().connect(a.info["tcp"], timeout=10)
+    finally:
+        a.stop()
