@@ -12,7 +12,15 @@ def _allocator(args: argparse.Namespace) -> int:
 
     action = args.action or "run"
     if action == "run":
-        run_allocator(bind=args.bind, key_file=args.key_file, trust_all=args.trust_all, lease=args.lease)
+        run_allocator(
+            bind=args.bind,
+            key_file=args.key_file,
+            trust_all=args.trust_all,
+            lease=args.lease,
+            announce_dir=args.announce_dir,
+            announce_name=args.announce_name,
+            exit_on_lease=args.exit_on_lease,
+        )
         return 0
     if action == "start":
         extra = []
@@ -90,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--trust-all", action="store_true", help="plain TCP, loopback only")
     a.add_argument("--lease", type=float, help="seconds without any controller before meshes are reaped")
     a.add_argument("--pid", type=int, help="with stop: only this allocator")
+    a.add_argument("--announce-dir", help="a job's directory: write this allocator's addresses there (0600) once serving")
+    a.add_argument("--announce-name", help="the file name to announce under (default: this host's name)")
+    a.add_argument("--exit-on-lease", action="store_true", help="exit after the lease passes with no controller attached")
     a.set_defaults(fn=_allocator)
     s = sub.add_parser("status", help="allocators, meshes and procs")
     s.add_argument("--json", action="store_true")
