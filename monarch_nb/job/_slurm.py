@@ -39,6 +39,8 @@ logger = logging.getLogger("monarch_nb.job")
 
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "RESIZING", "REQUEUED", "SUSPENDED", "STAGE_OUT", "SIGNALING"}
 TERMINAL = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"}
+#: base states; the rest of a 23.02+ state list are flags
+BASE = {"PENDING", "RUNNING", "SUSPENDED"} | TERMINAL
 
 
 @dataclasses.dataclass
@@ -78,8 +80,8 @@ def parse_squeue_json(text: str, job_id: str) -> SlurmJobInfo | None:
         if str(_number(j.get("job_id"))) != str(job_id):
             continue
         state = j.get("job_state")
-        if isinstance(state, list):  # 23.02+: the base state first, then flags
-            state = next((s for s in state if s in ACTIVE | TERMINAL), state[0] if state else "UNKNOWN")
+        if isinstance(state, list):  # 23.02+: a base state and flags (COMPLETING, CONFIGURING...)
+            state = next((s for s in state if s in BASE), state[0] if state else "UNKNOWN")
         return SlurmJobInfo(
             job_id=str(job_id),
             state=str(state or "UNKNOWN"),
