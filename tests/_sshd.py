@@ -147,7 +147,9 @@ class SshCluster:
         assert self.net is not None
         key = os.stat(f"/run/netns/{self.net.netns(i)}")
         out = []
-        skip = {self.net._anchors[i].pid, self.daemons[self.names[i - 1]].pid}
+        skip = {self.net._anchors[i].pid}
+        if i > 0:
+            skip.add(self.daemons[self.names[i - 1]].pid)
         for e in os.listdir("/proc"):
             if not e.isdigit() or int(e) in skip:
                 continue
