@@ -341,7 +341,12 @@ class Runtime:
         self.sockets.close()
         if self._shm is not None:
             self._shm.close()
-        self.ctx.term()
+        if self.label == "allocator":
+            # a daemon that exits: a socket left to a TCP peer that went away (a controller on
+            # another host) made term() wait forever, so SIGTERM (scancel, a job's kill()) hung
+            self.ctx.destroy(linger=0)
+        else:
+            self.ctx.term()
         if self.ipc_addr:
             try:
                 os.unlink(self.ipc_addr[len("ipc://") :])
