@@ -13,6 +13,9 @@ kubernetes client.
 """
 
 from ._job import DEFAULT_JOB_PATH, JobError, JobState, JobTrait, LocalJob, job_load, job_loads, load_current_job, set_current_job
+from ._named import apply_spec, launch, named_job_path
+from ._named import jobs as list_jobs
+from ._named import kill as kill_job
 from ._process import ProcessJob
 from ._slurm import SlurmJob
 from ._ssh import SSHJob
@@ -26,8 +29,13 @@ __all__ = [
     "ProcessJob",
     "SSHJob",
     "SlurmJob",
+    "apply_spec",
     "job_load",
     "job_loads",
+    "kill_job",
+    "launch",
+    "list_jobs",
     "load_current_job",
+    "named_job_path",
     "set_current_job",
 ]

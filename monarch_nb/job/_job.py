@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -104,6 +105,7 @@ class JobTrait(ABC):
         self._cached: JobTrait | None = None
         self._apply_id: str | None = None
         self._cached_path: str | None = None
+        self._started: float = 0.0
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -130,6 +132,7 @@ class JobTrait(ABC):
         """
         if self._running is None:
             self._apply_id = uuid.uuid4().hex
+            self._started = time.time()
             self._create(client_script)
             self._status = "running"
 
@@ -193,6 +196,36 @@ class JobTrait(ABC):
         running._cached_path = cached_path
         return job
 
+    def describe(self) -> dict[str, Any]:
+        """A one-row summary for job tables (``%mesh jobs``, ``monarch-nb job status``): scheduler,
+        id, state (asking the scheduler where there is one), hosts, age and walltime left (s)."""
+        running = self._running
+        if running is None:
+            return {
+                "scheduler": self._scheduler,
+                "id": "",
+                "state": "not applied",
+                "hosts": 0,
+                "age_s": None,
+                "walltime_left_s": None,
+            }
+        row = {
+            "scheduler": running._scheduler,
+            "id": (running._apply_id or "")[:8],
+            "state": "running",
+            "hosts": 0,
+            "age_s": time.time() - running._started if running._started else None,
+            "walltime_left_s": None,
+        }
+        row.update(running._describe())
+        return row
+
+    #: how job tables name this job's scheduler
+    _scheduler: ClassVar[str] = "local"
+
+    def _describe(self) -> dict[str, Any]:
+        return {}
+
     # ------------------------------------------------------------ serialization
     def dump(self, filename: str) -> None:
         """Write this job (spec and running state) to ``filename``: JSON, mode 0600."""
@@ -208,6 +241,7 @@ class JobTrait(ABC):
         if running is not None:
             out["running"] = True
             out["apply_id"] = running._apply_id
+            out["started"] = running._started
             out["runtime"] = running._runtime()
             if running is not self:
                 out["type"] = running._type_name
@@ -268,6 +302,7 @@ def job_loads(data: bytes | str) -> JobTrait:
     job = cls(**obj["spec"])
     if obj.get("running"):
         job._apply_id = obj.get("apply_id")
+        job._started = float(obj.get("started") or 0.0)
         job._load_runtime(obj.get("runtime") or {})
         job._status = "running"
     return job

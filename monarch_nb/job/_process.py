@@ -42,6 +42,12 @@ class ProcessJob(JobTrait):
         self._dir = ""
         self._hosts: dict[str, dict[str, Any]] = {}
 
+    _scheduler = "process"
+
+    def _describe(self) -> dict[str, Any]:
+        lost = sorted(s for s, h in self._hosts.items() if not pid_is(int(h["pid"]), self._dir))
+        return {"hosts": len(self._hosts), "state": f"lost: {', '.join(lost)}" if lost else "running"}
+
     def add_mesh(self, name: str, num_hosts: int) -> None:
         self._meshes[name] = num_hosts
 

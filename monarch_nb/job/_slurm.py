@@ -179,6 +179,19 @@ class SlurmJob(JobTrait):
         self._dir = ""
         self._hosts: list[dict[str, Any]] = []
 
+    _scheduler = "slurm"
+
+    def _describe(self) -> dict[str, Any]:
+        info = self.query()
+        row: dict[str, Any] = {"id": self._slurm_job_id or "", "hosts": len(self._hosts)}
+        if info is None:
+            row["state"] = "gone"
+            return row
+        row["state"] = info.state if info.reason in ("", "None") else f"{info.state} ({info.reason})"
+        if info.time_limit_min is not None and info.start_time and info.state == "RUNNING":
+            row["walltime_left_s"] = info.start_time + 60 * info.time_limit_min - time.time()
+        return row
+
     def add_mesh(self, name: str, num_nodes: int) -> None:
         self._meshes[name] = num_nodes
 

@@ -120,6 +120,12 @@ class SSHJob(JobTrait):
         self._key_file = ""
         self._hosts: dict[str, dict[str, Any]] = {}
 
+    _scheduler = "ssh"
+
+    def _describe(self) -> dict[str, Any]:
+        lost = sorted(h for h, info in self._hosts.items() if not _listening(info["tcp"], timeout=1.0))
+        return {"hosts": len(self._hosts), "state": f"lost: {', '.join(lost)}" if lost else "running"}
+
     def add_mesh(self, name: str, hosts: list[str]) -> None:
         self._meshes[name] = list(hosts)
 
