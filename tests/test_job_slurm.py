@@ -195,3 +195,54 @@ def test_nodes_that_never_announce_fail_the_job_with_their_names(slurm: SlurmClu
     assert res["error"] and "node(s) n1, n2 did not announce themselves within 2 s" in res["error"], res
     # the failed job was cancelled, not left holding the nodes
     wait_for(lambda: not slurm.squeue().strip(), 30, "the failed job to leave the queue")
+
+
+def test_walltime_ends_the_allocators_and_the_notebook_is_told(slurm: SlurmCluster) -> None:
+    # time_limit is one minute (Slurm's granularity); slurmctld enforces it up to ~30 s late
+    res = run_controller(
+        slurm.net,
+        slurm.shared,
+        _code(
+            slurm,
+            """
+            import time
+            import monarch_nb.actor as public
+            failures = []
+            public.unhandled_fault_hook = lambda f: failures.append(f.report())
+            job = SlurmJob(meshes={{"t": 2}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, exclusive=False,
+                           time_limit="1", job_name="short")
+            state = job.state(cached_path=None)
+            w = state.t.spawn_procs(per_host={{"gpus": 1}}, name="short").spawn("w", Where)
+            out(before=sorted(h for h, _ in w.where.call().get().values()), job_id=job.job_id)
+            deadline = time.time() + 150
+            info = job.query()
+            while info is not None and info.state == "RUNNING" and time.time() < deadline:
+                time.sleep(0.5)  # polling the scheduler until the walltime passes
+                info = job.query()
+            out(state=info.state if info else None, reason=info.reason if info else None)
+            try:
+                w.where.call().get(timeout=30)
+                out(call=None)
+            except Exception as e:
+                out(call=f"{{type(e).__name__}}: {{e}}")
+            try:
+                job.state(cached_path=None)
+                out(state_error=None)
+            except JobError as e:
+                out(state_error=str(e))
+            out(failures=failures)
+            job.kill()
+            """,
+        ),
+        _env(slurm),
+        timeout=240,
+    )
+    assert res[0]["before"] == ["n1", "n2"]
+    # 22.05 shows COMPLETING while the step is torn down, then TIMEOUT; the reason is TimeLimit
+    assert res[1]["state"] in ("COMPLETING", "TIMEOUT") and res[1]["reason"] == "TimeLimit", res
+    assert res[2]["call"] and res[2]["call"].startswith("SupervisionError") and "lost" in res[2]["call"], res
+    err = res[3]["state_error"]
+    assert "TimeLimit: its time_limit ran out): its allocators are gone" in err and f"Slurm job {res[0]['job_id']} is" in err, res
+    assert res[4]["failures"] and "failed" in res[4]["failures"][0], res
+    for i in (1, 2, 3):
+        wait_for(lambda i=i: not _ours_on(slurm, i), 20, f"node n{i} to have no monarch_nb process")

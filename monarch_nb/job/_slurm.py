@@ -368,7 +368,7 @@ class SlurmJob(JobTrait):
     def _state(self) -> dict[str, HostMesh]:
         info = self.query()
         if info is None or info.state != "RUNNING":
-            state = f"{info.state} ({info.reason})" if info else "no longer known to Slurm"
+            state = f"{info.state} ({_explain(info.reason)})" if info else "no longer known to Slurm"
             raise JobError(f"Slurm job {self._slurm_job_id} is {state}: its allocators are gone; kill() it and apply again")
         out: dict[str, list[str]] = {}
         i = 0
@@ -402,6 +402,17 @@ class SlurmJob(JobTrait):
             shutil.rmtree(self._dir, ignore_errors=True)
         self._slurm_job_id = None
         self._hosts = []
+
+
+_REASONS = {
+    "TimeLimit": "TimeLimit: its time_limit ran out",
+    "NodeDown": "NodeDown: a node of the job failed",
+    "NodeFail": "NodeFail: a node of the job failed",
+}
+
+
+def _explain(reason: str) -> str:
+    return _REASONS.get(reason, reason)
 
 
 def squeue(job_id: str) -> SlurmJobInfo | None:
