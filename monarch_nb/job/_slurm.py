@@ -378,7 +378,10 @@ class SlurmJob(JobTrait):
         return host_meshes(out, os.path.join(self._dir, "key"))
 
     def can_run(self, spec: JobTrait) -> bool:
-        if not isinstance(spec, SlurmJob) or spec._spec() != self._spec() or not self._hosts:
+        # where logs go and how long to wait do not change what the allocation is
+        loose = ("log_dir", "announce_timeout", "job_start_timeout")
+        mine = {k: v for k, v in self._spec().items() if k not in loose}
+        if not isinstance(spec, SlurmJob) or {k: v for k, v in spec._spec().items() if k not in loose} != mine or not self._hosts:
             return False
         info = self.query()
         return info is not None and info.state == "RUNNING"
