@@ -130,6 +130,10 @@ def test_every_slurm_parameter_shows_in_the_sbatch_script(tmp_path: Path) -> Non
     # the wait, not the script: job_start_timeout is honoured by state() (test_job_slurm)
     assert job._job_start_timeout == 600
     assert "--exclusive" not in SlurmJob({"a": 1}, exclusive=False).batch_script()
+    # batch mode: the allocators are a background step; the client runs on the batch host
+    batch = job.batch_script("/shared/job", "10.0.0.1", "/home/u/train.py").splitlines()
+    assert batch[-7].startswith("srun --nodes=3 ") and batch[-7].endswith(" &")
+    assert batch[-5:-3] == ["export MONARCH_NB_BATCH_JOB=/shared/job/job.json", "/opt/py/bin/python3 /home/u/train.py"]
 
 
 def test_unsupported_parameters_are_refused_by_name() -> None:
@@ -141,8 +145,8 @@ def test_unsupported_parameters_are_refused_by_name() -> None:
         SSHJob(transport="metatls")
     with pytest.raises(ValueError, match="sbatch options"):
         SlurmJob({"a": 1}, slurm_args=["constraint=x"])
-    with pytest.raises(NotImplementedError, match="client_script"):
-        SlurmJob({"a": 1})._create("train.py")
+    with pytest.raises(FileNotFoundError, match="client_script 'nosuch.py' does not exist"):
+        SlurmJob({"a": 1})._create("nosuch.py")
     with pytest.raises(NotImplementedError, match="client_script"):
         ProcessJob({"a": 1})._create("train.py")
 

@@ -8,6 +8,7 @@ must be on a real cluster); squeue is read only for the job's state.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import textwrap
@@ -244,5 +245,45 @@ def test_walltime_ends_the_allocators_and_the_notebook_is_told(slurm: SlurmClust
     err = res[3]["state_error"]
     assert "TimeLimit: its time_limit ran out): its allocators are gone" in err and f"Slurm job {res[0]['job_id']} is" in err, res
     assert res[4]["failures"] and "failed" in res[4]["failures"][0], res
+    for i in (1, 2, 3):
+        wait_for(lambda i=i: not _ours_on(slurm, i), 20, f"node n{i} to have no monarch_nb process")
+
+
+def test_batch_mode_runs_the_client_inside_the_allocation(slurm: SlurmCluster) -> None:
+    result = Path(slurm.shared, "jobs", "batch-result.json")
+    client = Path(slurm.shared, "client.py")
+    client.write_text(
+        textwrap.dedent(_HEAD).format(log_dir=os.path.join(slurm.shared, "jobs"), py=PY)
+        + textwrap.dedent(
+            f"""
+            job = SlurmJob(meshes={{"trainers": 2}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, exclusive=False)
+            state = job.state()
+            got = state.trainers.spawn_procs(per_host={{"gpus": 1}}).spawn("w", Where).where.call().get()
+            with open({str(result)!r}, "w") as f:
+                json.dump({{"where": sorted(h for h, _ in got.values()), "job": os.environ["SLURM_JOB_ID"],
+                           "me": socket.gethostname()}}, f)
+            job.kill()  # inside its own allocation: a no-op, the job ends with this script
+            """
+        )
+    )
+    res = run_controller(
+        slurm.net,
+        slurm.shared,
+        _code(
+            slurm,
+            """
+            job = SlurmJob(meshes={{"trainers": 2}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, exclusive=False)
+            job.apply(client_script={client!r})
+            out(job_id=job.job_id)
+            """,
+            client=str(client),
+        ),
+        _env(slurm),
+    )[0]
+    wait_for(result.exists, 90, f"the batch client's result ({slurm.logs()})")
+    got = json.loads(result.read_text())
+    assert got["where"] == ["n1", "n2"] and got["job"] == res["job_id"] and got["me"] == "n1", got
+    # the job ended with its client: allocators gone, queue empty
+    wait_for(lambda: not slurm.squeue().strip(), 60, "the batch job to end")
     for i in (1, 2, 3):
         wait_for(lambda i=i: not _ours_on(slurm, i), 20, f"node n{i} to have no monarch_nb process")

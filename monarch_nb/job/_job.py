@@ -145,6 +145,13 @@ class JobTrait(ABC):
         if isinstance(cached_path, _Default):
             cached_path = _default_job_path()
         running = self._running
+        batch = os.environ.get("MONARCH_NB_BATCH_JOB")
+        if running is None and batch:
+            # a client script inside its own allocation (apply(client_script=...)): that
+            # allocation, whatever cache this process was told to use
+            job = job_load(batch)
+            job._enter_batch()
+            self._cached = running = job
         if running is None:
             cached = self._load_cached(cached_path)
             if cached is not None:
@@ -259,6 +266,10 @@ class JobTrait(ABC):
 
     def _load_runtime(self, data: dict[str, Any]) -> None:  # noqa: B027 - a job with no runtime state has nothing to load
         """Restore what ``_runtime`` returned."""
+
+    def _enter_batch(self) -> None:
+        """Called in a batch job's client before attaching (schedulers with a batch mode)."""
+        raise JobError(f"{type(self).__name__} has no batch mode")
 
     def _host_addrs(self) -> list[str]:
         """The addresses of the allocators this job started (empty when it started none)."""

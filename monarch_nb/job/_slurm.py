@@ -37,6 +37,9 @@ from ._job import JobError, JobTrait
 
 logger = logging.getLogger("monarch_nb.job")
 
+#: set in a batch job's client script: the job record it attaches to
+BATCH_ENV = "MONARCH_NB_BATCH_JOB"
+
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "RESIZING", "REQUEUED", "SUSPENDED", "STAGE_OUT", "SIGNALING"}
 TERMINAL = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"}
 #: base states; the rest of a 23.02+ state list are flags
@@ -236,8 +239,14 @@ class SlurmJob(JobTrait):
     def _num_nodes(self) -> int:
         return sum(self._meshes.values())
 
-    def batch_script(self, job_dir: str = "<job dir>", controller_ip: str = "<controller ip>") -> str:
-        """The sbatch script this job submits (every argument shows in it)."""
+    def batch_script(
+        self, job_dir: str = "<job dir>", controller_ip: str = "<controller ip>", client_script: str | None = None
+    ) -> str:
+        """The sbatch script this job submits (every argument shows in it).
+
+        With ``client_script`` (batch mode) the allocators run as a background step and the
+        script runs on the batch host as the job's controller; the job ends with it.
+        """
         n = self._num_nodes()
         out = os.path.join(self._log_dir, f"slurm_%j_{self._job_name}.out")
         err = os.path.join(self._log_dir, f"slurm_%j_{self._job_name}.err")
@@ -284,7 +293,20 @@ class SlurmJob(JobTrait):
         ]
         # one allocator per node, whatever ntasks_per_node reserved: the procs per node are
         # spawn_procs(per_host=...)'s business
-        lines.append(f"exec srun --nodes={n} --ntasks={n} --ntasks-per-node=1 --kill-on-bad-exit=0 " + shlex.join(allocator))
+        srun = f"srun --nodes={n} --ntasks={n} --ntasks-per-node=1 --kill-on-bad-exit=0 " + shlex.join(allocator)
+        if client_script is None:
+            lines.append(f"exec {srun}")
+        else:
+            lines += [
+                f"{srun} &",
+                "step=$!",
+                # the client's job.state() attaches to this allocation, not to a new one
+                f"export {BATCH_ENV}={shlex.quote(os.path.join(job_dir, 'job.json'))}",
+                f"{shlex.quote(self._python_exe)} {shlex.quote(os.path.abspath(client_script))}",
+                "rc=$?",
+                'kill "$step" 2>/dev/null; wait "$step"',
+                'exit "$rc"',
+            ]
         return "\n".join(lines) + "\n"
 
     # ------------------------------------------------------------ squeue
@@ -296,15 +318,20 @@ class SlurmJob(JobTrait):
 
     # ------------------------------------------------------------ the job
     def _create(self, client_script: str | None) -> None:
-        if client_script is not None:
-            raise NotImplementedError("SlurmJob.apply(client_script=...) (batch mode) is not implemented yet")
+        if client_script is not None and not os.path.isfile(client_script):
+            raise FileNotFoundError(f"client_script {client_script!r} does not exist")
         os.makedirs(self._log_dir, exist_ok=True)
         self._dir = records.make_private_dir(
             os.path.join(self._log_dir, ".monarch_nb-jobs", f"{self._job_name}-{self._apply_id[:8]}")  # type: ignore[index]
         )
         write_key_file(os.path.join(self._dir, "key"))
         records.make_private_dir(os.path.join(self._dir, "announce"))
-        script = self.batch_script(self._dir, controller_ip())
+        if client_script is not None:
+            # what the client, inside the allocation, attaches to (its job id comes from Slurm)
+            record = self._to_json()
+            record.update(running=True, apply_id=self._apply_id, started=self._started, runtime=self._runtime())
+            records.write_json(os.path.join(self._dir, "job.json"), record)
+        script = self.batch_script(self._dir, controller_ip(), client_script)
         try:
             cp = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True, timeout=60)
         except FileNotFoundError:
@@ -314,6 +341,9 @@ class SlurmJob(JobTrait):
             raise JobError(f"sbatch refused the job: {cp.stderr.strip()}")
         self._slurm_job_id = cp.stdout.strip().split(";")[0]
         logger.info("submitted Slurm job %s (%d nodes)", self._slurm_job_id, self._num_nodes())
+        if client_script is not None:
+            logger.info("batch mode: %s runs inside job %s; %s", client_script, self._slurm_job_id, self._logs_hint())
+            return
         try:
             self._wait_started()
         except BaseException:
@@ -362,6 +392,15 @@ class SlurmJob(JobTrait):
         hosts = sorted(got.values(), key=lambda a: (int(a["scheduler"].get("SLURM_NODEID", 1 << 30)), order.get(a["name"], 0)))
         self._hosts = [{"name": a["name"], "tcp": a["tcp"], "pid": a["pid"]} for a in hosts]
 
+    def _enter_batch(self) -> None:
+        """Inside our own allocation (batch mode): find its allocators."""
+        self._slurm_job_id = os.environ.get("SLURM_JOB_ID") or self._slurm_job_id
+        if not self._hosts:
+            self._wait_started()
+
+    def _in_own_batch(self) -> bool:
+        return bool(os.environ.get(BATCH_ENV)) and os.environ.get("SLURM_JOB_ID") == self._slurm_job_id
+
     def _logs_hint(self) -> str:
         return f"see {os.path.join(self._log_dir, f'slurm_{self._slurm_job_id}_{self._job_name}.err')}"
 
@@ -387,6 +426,11 @@ class SlurmJob(JobTrait):
         return info is not None and info.state == "RUNNING"
 
     def _kill(self) -> None:
+        if self._in_own_batch():
+            # the batch script ends the allocation when the client exits; cancelling it here
+            # would kill the client itself
+            logger.info("kill() inside batch job %s: the job ends when this script does", self._slurm_job_id)
+            return
         job_id = self._slurm_job_id
         if job_id is not None:
             cp = subprocess.run(["scancel", job_id], capture_output=True, text=True, timeout=60)
