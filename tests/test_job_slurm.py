@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -287,3 +288,68 @@ def test_batch_mode_runs_the_client_inside_the_allocation(slurm: SlurmCluster) -
     wait_for(lambda: not slurm.squeue().strip(), 60, "the batch job to end")
     for i in (1, 2, 3):
         wait_for(lambda i=i: not _ours_on(slurm, i), 20, f"node n{i} to have no monarch_nb process")
+
+
+def test_a_node_whose_link_goes_down_fails_its_calls_by_name(slurm: SlurmCluster) -> None:
+    assert slurm.net is not None
+    ready = Path(slurm.shared, "jobs", "link-ready")
+    go = Path(slurm.shared, "jobs", "link-go")
+    script = _code(
+        slurm,
+        """
+        import time
+        import monarch_nb.actor as public
+        failures = []
+        public.unhandled_fault_hook = lambda f: failures.append(f.report())
+        job = SlurmJob(meshes={{"t": 3}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, exclusive=False, job_name="link")
+        state = job.state(cached_path=None)
+        w = state.t.spawn_procs(per_host={{"gpus": 1}}, name="link").spawn("w", Where)
+        w.where.call().get()
+        open({ready!r}, "w").close()
+        while not os.path.exists({go!r}):
+            time.sleep(0.05)  # the test pulls n2's cable, then says go
+        t0 = time.monotonic()
+        try:
+            w.where.call().get(timeout=30)
+            out(call=None)
+        except Exception as e:
+            out(call=f"{{type(e).__name__}}: {{e}}", after=time.monotonic() - t0)
+        out(failures=failures)
+        while os.path.exists({go!r}):
+            time.sleep(0.05)  # the cable is back
+        job.kill()
+        out(killed=True)
+        """,
+        ready=str(ready),
+        go=str(go),
+    )
+    path = Path(slurm.shared, "link.py")
+    path.write_text(script)
+    proc = slurm.net.popen(0, [PY, str(path)], env=_env(slurm), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: ready.exists() or proc.poll() is not None, 90, "the job to run")
+        assert proc.poll() is None, proc.communicate()
+        slurm.net.link_down(2)  # n2
+        go.touch()
+        lines: list[dict] = []
+        while len(lines) < 2:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            assert line, proc.communicate()
+            if line.startswith(b"{"):
+                lines.append(json.loads(line))
+        slurm.net.link_up(2)
+        go.unlink()
+        out, err = proc.communicate(timeout=90)
+        assert proc.returncode == 0, err.decode()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for f in (ready, go):
+            if f.exists():
+                f.unlink()
+    call = lines[0]
+    n2 = slurm.net.ip(2)
+    assert call["call"].startswith("SupervisionError") and f"allocator tcp://{n2}:" in call["call"] and "lost" in call["call"]
+    assert call["after"] < 10, call  # heartbeats, not Slurm's SlurmdTimeout, notice it
+    assert b'"killed": true' in out
