@@ -71,6 +71,7 @@ def test_constructors_keep_monarchs_parameter_names() -> None:
             "qos",
             "out_of_cluster",
             "attach_to",
+            "bind_to",
         ],
         SSHJob: ["python_exe", "ssh_args", "monarch_port", "transport"],
         ProcessJob: ["meshes", "env"],
@@ -141,6 +142,8 @@ def test_unsupported_parameters_are_refused_by_name() -> None:
         SlurmJob({"a": 1}, out_of_cluster=True)
     with pytest.raises(NotImplementedError, match="attach_to"):
         SlurmJob({"a": 1}, attach_to="tcp://x:1")
+    with pytest.raises(NotImplementedError, match="bind_to"):
+        SlurmJob({"a": 1}, bind_to="0.0.0.0")
     with pytest.raises(NotImplementedError, match="transport='metatls'"):
         SSHJob(transport="metatls")
     with pytest.raises(ValueError, match="sbatch options"):

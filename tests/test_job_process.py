@@ -156,3 +156,23 @@ def test_procmesh_lookup_is_the_public_way_back(tmp_path: Path) -> None:
         assert sorted(p.pid for p in again._procs) == sorted(p.pid for p in procs._procs)
     finally:
         job.kill()
+
+
+def test_exec_command_runs_on_every_host_or_one(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    from monarch_nb.job import exec_command
+
+    job = ProcessJob({"w": 2}, env=FAST)
+    try:
+        state = job.state(cached_path=None)
+        rc = exec_command(
+            state.w, ["sh", "-c", 'echo "hello from $MONARCH_RANK_hosts of $MONARCH_SIZE_hosts"; exit $MONARCH_RANK_hosts']
+        ).get(timeout=60)
+        assert rc == 1  # the largest exit code
+        out = capfd.readouterr().out
+        assert "hello from 0 of 2" in out and "hello from 1 of 2" in out
+        rc = exec_command(state.w, ["sh", "-c", "echo only; exit 0"], rank=1, output_dir=str(tmp_path / "out")).get(timeout=60)
+        assert rc == 0
+        assert (tmp_path / "out" / "stdout.txt").read_text() == "only\n"
+        assert "only" not in capfd.readouterr().out  # it went to the file
+    finally:
+        job.kill()

@@ -12,6 +12,7 @@ job.kill()                          # scancel: nothing is left on any node
 kubernetes client.
 """
 
+from ._exec import exec_command
 from ._job import DEFAULT_JOB_PATH, JobError, JobState, JobTrait, LocalJob, job_load, job_loads, load_current_job, set_current_job
 from ._named import apply_spec, launch, named_job_path
 from ._named import jobs as list_jobs
@@ -30,6 +31,7 @@ __all__ = [
     "SSHJob",
     "SlurmJob",
     "apply_spec",
+    "exec_command",
     "job_load",
     "job_loads",
     "kill_job",

@@ -145,6 +145,7 @@ class SlurmJob(JobTrait):
         qos: str | None = None,
         out_of_cluster: bool = False,
         attach_to: str | None = None,
+        bind_to: str | None = None,
         *,
         announce_timeout: float = 120.0,
     ) -> None:
@@ -154,6 +155,11 @@ class SlurmJob(JobTrait):
             )
         if attach_to is not None:
             raise NotImplementedError("SlurmJob(attach_to=...): a gateway for out-of-cluster access is not implemented")
+        if bind_to is not None:
+            raise NotImplementedError(
+                "SlurmJob(bind_to=...): each allocator binds the address its node uses to reach the controller "
+                "and announces it; a separate listen address is not implemented"
+            )
         if ntasks_per_node < 1:
             raise ValueError(f"ntasks_per_node must be >= 1, got {ntasks_per_node}")
         for arg in slurm_args:
