@@ -13,7 +13,8 @@ import pytest
 from tests._kernel import Kernel
 
 pytestmark = pytest.mark.timeout(180)
-FAST = {"MONARCH_NB_ZYGOTE_PRELOAD": ""}
+# the kernel's settings reach the allocators it launches: a short lease ends what a failed test leaves
+FAST = {"MONARCH_NB_ZYGOTE_PRELOAD": "", "MONARCH_NB_LEASE": "60"}
 
 
 def _ok(c):  # type: ignore[no-untyped-def]

@@ -18,7 +18,8 @@ from monarch_nb.actor import Actor, ProcMesh, endpoint
 from monarch_nb.job import JobError, ProcessJob, job_load
 
 pytestmark = pytest.mark.timeout(120)
-FAST = {"MONARCH_NB_ZYGOTE_PRELOAD": ""}
+# a short lease: allocators a failed test leaves behind exit a minute after the session
+FAST = {"MONARCH_NB_ZYGOTE_PRELOAD": "", "MONARCH_NB_LEASE": "60"}
 
 
 class Pid(Actor):
@@ -87,7 +88,8 @@ import json, os, sys
 sys.path.insert(0, {tests!r})
 from monarch_nb.actor import ProcMesh
 from monarch_nb.job import ProcessJob
-job = ProcessJob({{"trainers": 2}}, env={{"MONARCH_NB_ZYGOTE_PRELOAD": ""}})
+from test_job_process import FAST
+job = ProcessJob({{"trainers": 2}}, env=FAST)
 state = job.state(cached_path={cache!r})
 procs = ProcMesh.lookup("kept", state.trainers)
 pids = sorted(p.pid for p in procs._procs)

@@ -32,8 +32,8 @@ _SUMMARY = """\
 %mesh dashboard [NAME]                         a live view: ranks by state, host resources, logs, errors
 %mesh sync [PATH ...] [--recreate|--restart] [--watch|--stop-watch] [--via URL]
                                                send the workspace to the hosts, reload it in running procs
-%mesh help                                     this text; `%mesh SUBCOMMAND --help` for details
-""" + _jobs.SUMMARY
+%mesh help                                     this text; `%mesh SUBCOMMAND --help` for details"""
+_SUMMARY += "\n" + _jobs.SUMMARY
 
 
 class _Parser(argparse.ArgumentParser):
