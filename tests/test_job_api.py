@@ -25,6 +25,7 @@ from monarch_nb.job import (
     job_loads,
 )
 from monarch_nb.job._common import expand_hostlist
+from monarch_nb.job._common import forwarded_config as _forwarded
 from monarch_nb.job._slurm import parse_squeue_json, parse_squeue_text
 
 DATA = Path(__file__).parent / "data"
@@ -157,6 +158,11 @@ def test_unsupported_parameters_are_refused_by_name() -> None:
 def test_ssh_command_line_carries_no_secret() -> None:
     job = SSHJob(python_exe="/venv/bin/python", ssh_args=["-p", "2222", "-i", "/home/u/.ssh/id"], monarch_port=0)
     job.add_mesh("w", ["u@h1"])
+    start = job.start_command("u@h1")
+    assert start[5:10] == ["-p", "2222", "-i", "/home/u/.ssh/id", "u@h1"]
+    # python_exe and monarch_port are arguments of the remote start script; no key anywhere
+    assert start[10].endswith(" sh '<job id>' 0 /venv/bin/python" + "".join(f" {k}={v}" for k, v in sorted(_forwarded().items())))
+    assert 'cat > "$d/key"' in start[10] and '--bind "tcp://$ip:$port"' in start[10]
     argv = job.ssh_command("u@h1", "echo hi", "arg1")
     assert argv[:5] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
     assert argv[5:9] == ["-p", "2222", "-i", "/home/u/.ssh/id"] and argv[9] == "u@h1"

@@ -182,10 +182,14 @@ class SSHJob(JobTrait):
             raise JobError(f"starting on {host} failed (exit {cp.returncode}): {err}")
         return out
 
-    def _start_host(self, host: str, key: bytes) -> dict[str, Any]:
+    def start_command(self, host: str) -> list[str]:
+        """The ssh command that starts ``host``'s allocator (the key goes to its stdin, not here)."""
         settings = [f"{k}={v}" for k, v in sorted(forwarded_config().items())]
         script = _START.replace("${START_TIMEOUT}", str(START_TIMEOUT)).replace("$((START_TIMEOUT*10))", str(START_TIMEOUT * 10))
-        argv = self.ssh_command(host, script, self._apply_id or "", str(self._port), self._python_exe, *settings)
+        return self.ssh_command(host, script, self._apply_id or "<job id>", str(self._port), self._python_exe, *settings)
+
+    def _start_host(self, host: str, key: bytes) -> dict[str, Any]:
+        argv = self.start_command(host)
         out = self._run(host, argv, key.hex().encode() + b"\n", CONNECT_TIMEOUT + START_TIMEOUT + 10)
         info: dict[str, Any] = {}
         for line in out.splitlines():
