@@ -40,6 +40,17 @@ PrintMotd no
 """
 
 
+def _root_locked() -> str:
+    try:
+        for line in open("/etc/shadow"):
+            name, pw = line.split(":")[:2]
+            if name == "root":
+                return pw if pw.startswith("!") else ""
+    except OSError:
+        pass
+    return ""
+
+
 class SshCluster:
     """sshd on hosts 1..n; the controller is host 0."""
 
@@ -47,6 +58,12 @@ class SshCluster:
         for tool in (SSHD, SSH_KEYGEN, "/usr/bin/ssh"):
             if not os.path.exists(tool):
                 raise RuntimeError(f"{tool} is missing; run .ci/setup (apt-get install openssh-server openssh-client)")
+        locked = _root_locked()
+        if locked:
+            raise RuntimeError(
+                f"root's password field in /etc/shadow is {locked!r} (locked): sshd without PAM refuses even key "
+                "logins to a locked account; unlock it for key logins with `usermod -p '*' root`"
+            )
         self.n_hosts = n_hosts
         self.names = [f"s{i}" for i in range(1, n_hosts + 1)]
         self.shared = tempfile.mkdtemp(prefix="mnb-ssh-", dir="/var/tmp")
