@@ -12,7 +12,15 @@ def _allocator(args: argparse.Namespace) -> int:
 
     action = args.action or "run"
     if action == "run":
-        run_allocator(bind=args.bind, key_file=args.key_file, trust_all=args.trust_all, lease=args.lease)
+        run_allocator(
+            bind=args.bind,
+            key_file=args.key_file,
+            trust_all=args.trust_all,
+            lease=args.lease,
+            announce_dir=args.announce_dir,
+            announce_name=args.announce_name,
+            exit_on_lease=args.exit_on_lease,
+        )
         return 0
     if action == "start":
         extra = []
@@ -101,6 +109,43 @@ def _debug(args: argparse.Namespace) -> int:
     return run_cli(args.addr or None, args.key_file, args.command or None)
 
 
+def _fmt_s(v: float | None) -> str:
+    if v is None:
+        return "-"
+    v = int(v)
+    return f"{v // 3600}h{v % 3600 // 60:02d}m" if v >= 3600 else f"{v // 60}m{v % 60:02d}s"
+
+
+def _job(args: argparse.Namespace) -> int:
+    from .job import apply_spec, kill_job, list_jobs
+
+    if args.action == "apply":
+        if not args.target:
+            raise SystemExit("monarch-nb job apply needs a job spec: module.attr (a JobTrait object)")
+        job = apply_spec(args.target, args.cached_path)
+        row = job.describe()
+        print(f"applied {args.target}: {type(job).__name__} {row['scheduler']} {row['id']} {row['state']}")
+        return 0
+    if args.action == "status":
+        rows = list_jobs()
+        if args.json:
+            print(json.dumps(rows, indent=2, default=str))
+            return 0
+        if not rows:
+            print("no jobs")
+        for r in rows:
+            print(
+                f"{r['name']:16} {r['scheduler']:8} {r['id']:10} {r['state']:24} hosts={r['hosts']:<3} "
+                f"age={_fmt_s(r.get('age_s'))} walltime_left={_fmt_s(r.get('walltime_left_s'))}"
+            )
+        return 0
+    if args.action == "kill":
+        kill_job(args.target)
+        print(f"killed {args.target or 'the current job'}")
+        return 0
+    raise SystemExit(f"unknown job action {args.action!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="monarch-nb", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -115,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     a.add_argument("--lease", type=float, help="seconds without any controller before meshes are reaped")
     a.add_argument("--pid", type=int, help="with stop: only this allocator")
+    a.add_argument("--announce-dir", help="a job's directory: write this allocator's addresses there (0600) once serving")
+    a.add_argument("--announce-name", help="the file name to announce under (default: this host's name)")
+    a.add_argument("--exit-on-lease", action="store_true", help="exit after the lease passes with no controller attached")
     a.set_defaults(fn=_allocator)
     s = sub.add_parser("status", help="allocators, meshes and procs")
     s.add_argument("--json", action="store_true")
@@ -137,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--key-file", help="cluster key file, for allocators on other hosts")
     d.add_argument("-c", "--command", action="append", help="run this command and exit (repeatable)")
     d.set_defaults(fn=_debug)
+    j = sub.add_parser("job", help="apply, list and kill jobs (Slurm, ssh, local processes)")
+    j.add_argument("action", choices=["apply", "status", "kill"])
+    j.add_argument("target", nargs="?", help="apply: module.attr of a JobTrait; kill: a job name (default: the current job)")
+    j.add_argument("--cached-path", help="apply: where to cache the job (default: the runtime directory)")
+    j.add_argument("--json", action="store_true", help="status: JSON rows")
+    j.set_defaults(fn=_job)
     args = p.parse_args(argv)
     return int(args.fn(args) or 0)
 

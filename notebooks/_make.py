@@ -438,6 +438,100 @@ print(type(err).__name__, "on rank", err.rank, "-", err.message)
 ]
 
 
+NOTEBOOKS["07_cluster.ipynb"] = [
+    md("""
+# Jobs: get hosts from a scheduler, re-attach from any kernel
+
+`monarch_nb.job` is Monarch's `monarch.job`: a *job* is a spec (how many hosts, which scheduler
+options) plus, once applied, its state. `job.state()` applies the job the first time and
+re-attaches every time after, from this kernel, a restarted one or another notebook: the state
+is cached in a 0600 JSON file under the runtime directory.
+
+This notebook uses `ProcessJob`, which runs one allocator daemon per "host" on this machine, so it
+runs anywhere. On a cluster, only the job changes (see the end, and docs/clusters.md).
+"""),
+    code("""
+from monarch_nb.actor import Actor, ProcMesh, endpoint
+from monarch_nb.job import ProcessJob
+
+job = ProcessJob({"trainers": 2})
+state = job.state()
+state.trainers.extent
+"""),
+    md("""
+## Train on the job's hosts
+
+`state.trainers` is a `HostMesh`; procs and actors are spawned on it as on `this_host()`. In a
+notebook, proc meshes persist: they outlive this kernel, to be found again by name.
+"""),
+    code(
+        """
+class Trainer(Actor):
+    \"\"\"Fits y = 3x + 1 by gradient descent; the weights live in the actor between calls.\"\"\"
+
+    def __init__(self):
+        self.w, self.b = 0.0, 0.0
+
+    @endpoint
+    def train(self, steps: int) -> float:
+        data = [(x / 10, 3 * x / 10 + 1) for x in range(10)]
+        for _ in range(steps):
+            gw = sum(2 * (self.w * x + self.b - y) * x for x, y in data) / len(data)
+            gb = sum(2 * (self.w * x + self.b - y) for x, y in data) / len(data)
+            self.w, self.b = self.w - 0.5 * gw, self.b - 0.5 * gb
+        return round(sum((self.w * x + self.b - y) ** 2 for x, y in data) / len(data), 6)
+
+
+procs = state.trainers.spawn_procs(per_host={"gpus": 2}, name="training")
+trainers = procs.spawn("trainer", Trainer)
+losses = trainers.train.call(steps=20).get()
+""",
+        "nbval-ignore-output",
+    ),
+    code("losses"),
+    md("""
+## Re-attach
+
+After a kernel restart (or from another notebook), the same two lines find the running job, and
+`ProcMesh.lookup` finds the procs on it, with their actors and everything they hold: the loss
+goes on falling from where it was, in the same processes.
+"""),
+    code(
+        """
+again = ProcessJob({"trainers": 2})
+state2 = again.state()
+procs2 = ProcMesh.lookup("training", state2.trainers)
+losses2 = procs2.actor_mesh("trainer").train.call(steps=20).get()
+""",
+        "nbval-ignore-output",
+    ),
+    code("""
+print("same job:", again.apply_id == job.apply_id)
+print("same processes:", sorted(p.pid for p in procs2._procs) == sorted(p.pid for p in procs._procs))
+losses2
+"""),
+    md("""
+## The same on Slurm
+
+```python
+from monarch_nb.job import SlurmJob
+job = SlurmJob(meshes={"trainers": 4}, gpus_per_node=8, time_limit="4:00:00",
+               partition="gpu", log_dir="/shared/runs", python_exe="/shared/venv/bin/python")
+state = job.state()        # sbatch once; the queue reason shows here while it waits
+```
+or `%mesh launch slurm trainers --hosts 4 --time 4:00:00 --partition gpu`, then `%mesh jobs`.
+
+## Clean up
+
+`kill()` stops every allocator and proc of the job (on Slurm: `scancel`) and forgets its cache.
+"""),
+    code("""
+job.kill()
+job.active
+"""),
+]
+
+
 def main() -> None:
     names = sys.argv[1:] or list(NOTEBOOKS)
     for name in names:

@@ -73,9 +73,14 @@ _REAP_TIMEOUT = 10.0
 # A ``keep`` path that lives under a private dir (a checkout in /tmp) stays visible: it is bound
 # aside on /mnt first, then moved back onto the fresh tmpfs.
 _ANCHOR_SCRIPT = (
-    'set -e; tag=$1; keep=$2; shift 2; if [ -n "$keep" ]; then mount --bind "$keep" /mnt; fi; '
+    'set -e; tag=$1; keep=$2; name=$3; hosts=$4; shift 4; if [ -n "$keep" ]; then mount --bind "$keep" /mnt; fi; '
     'for d in "$@"; do mount -t tmpfs -o mode=1777 "$tag" "$d"; done; '
     'if [ -n "$keep" ]; then mkdir -p "$keep"; mount --move /mnt "$keep"; fi; '
+    # a private /run: sshd's privilege separation directory (G5 of TOOLCHAIN-cluster.md)
+    'for d in "$@"; do if [ "$d" = /run ]; then chmod 755 /run; mkdir -m 755 /run/sshd; fi; done; '
+    'if [ -n "$name" ]; then hostname "$name"; fi; '
+    'if [ -n "$hosts" ]; then printf "%s" "$hosts" > /dev/shm/.netns-hosts 2>/dev/null || printf "%s" "$hosts" > /tmp/.netns-hosts; '
+    "  f=/dev/shm/.netns-hosts; [ -f $f ] || f=/tmp/.netns-hosts; mount --bind $f /etc/hosts; fi; "
     "echo ready; exec cat >/dev/null"
 )
 #: the project checkout, kept visible in every host when it lives under a private dir
@@ -144,6 +149,7 @@ class NetnsCluster:
         *,
         static_neighbors: bool = True,
         private_dirs: Sequence[str] = PRIVATE_DIRS,
+        hostnames: Sequence[str] | None = None,
     ) -> None:
         """Build the cluster; on failure, tear down what was built and raise.
 
@@ -151,7 +157,14 @@ class NetnsCluster:
             host.  Without them, a connect to a host whose link is down fails
             with EHOSTUNREACH after ~3 s of failed ARP (if its entry has
             expired) instead of timing out silently as behind a real switch.
-        private_dirs: directories that get a fresh per-host tmpfs.
+        private_dirs: directories that get a fresh per-host tmpfs; "/run" among them also gets
+            the ``/run/sshd`` directory sshd needs.
+        hostnames: one name per host (0..n_hosts): each host then gets a UTS namespace with
+            that hostname and an /etc/hosts naming every host (so a Slurm node is named by its
+            hostname, and ``ssh h2`` resolves). Such hosts are entered with ``nsenter --net``
+            rather than ``ip netns exec``, which would mount a fresh /sys and hide
+            /sys/fs/cgroup from slurmd (G1 of TOOLCHAIN-cluster.md); /sys/class/net then lists
+            the root namespace's devices (``ip`` is right).
         """
         if not 1 <= n_hosts <= MAX_HOSTS:
             raise ValueError(f"n_hosts must be in 1..{MAX_HOSTS}, got {n_hosts}")
@@ -160,6 +173,9 @@ class NetnsCluster:
         self.n_hosts = n_hosts
         self.static_neighbors = static_neighbors
         self.private_dirs = tuple(private_dirs)
+        if hostnames is not None and len(hostnames) != n_hosts + 1:
+            raise ValueError(f"hostnames needs {n_hosts + 1} names (hosts 0..{n_hosts}), got {len(hostnames)}")
+        self.hostnames = list(hostnames) if hostnames is not None else None
         self._user_prefix = prefix
         self.prefix = prefix or _new_prefix()
         self._created: list[str] = []  # namespaces this object created
@@ -229,6 +245,7 @@ class NetnsCluster:
             f"--target={self._anchor(i).pid}",
             "--net",
             "--mount",
+            *(["--uts"] if self.hostnames else []),
             f"--wd={os.fspath(cwd)}",
             "--",
             *(os.fspath(arg) for arg in argv),
@@ -447,11 +464,19 @@ class NetnsCluster:
             _ip("-n", self.netns(i), "-batch", "-", input="\n".join(cmds))
 
         # Start all anchors first so that their startup overlaps.
+        etc_hosts = ""
+        if self.hostnames:
+            etc_hosts = "127.0.0.1 localhost\n" + "".join(f"{self.ip(j)} {self.hostnames[j]}\n" for j in self.hosts)
         for i in self.hosts:
-            enter_netns = [_tool("ip"), "netns", "exec", self.netns(i)]
-            new_mountns = [_tool("unshare"), "--mount", "--propagation", "slave"]
+            if self.hostnames:
+                enter_netns = [_tool("nsenter"), f"--net={NETNS_DIR / self.netns(i)}"]
+                new_mountns = [_tool("unshare"), "--uts", "--mount", "--propagation", "slave"]
+            else:
+                enter_netns = [_tool("ip"), "netns", "exec", self.netns(i)]
+                new_mountns = [_tool("unshare"), "--mount", "--propagation", "slave"]
             keep = _PROJECT if any(_PROJECT.startswith(d.rstrip("/") + "/") for d in self.private_dirs) else ""
-            script = ["sh", "-c", _ANCHOR_SCRIPT, "sh", self.netns(i), keep, *self.private_dirs]
+            name = self.hostnames[i] if self.hostnames else ""
+            script = ["sh", "-c", _ANCHOR_SCRIPT, "sh", self.netns(i), keep, name, etc_hosts, *self.private_dirs]
             self._anchors[i] = subprocess.Popen(
                 enter_netns + new_mountns + script,
                 stdin=subprocess.PIPE,

@@ -56,6 +56,7 @@ ALLOWED_UP = {
 DYNAMIC = {
     "monarch_nb": "the facade's __getattr__ imports the submodule named (it sits above every layer)",
     "monarch_nb._runtime.zygote": "imports the modules its allocator names (preloads, the proc entry point)",
+    "monarch_nb.job._job": "imports the user's module of `monarch-nb job apply module:attr`",
 }
 
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)} | {"entry": len(LAYERS)}

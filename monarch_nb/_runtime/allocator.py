@@ -66,6 +66,8 @@ class Allocator(DebugRegistry):
         self.stopped = asyncio.Event()
         self.gpus = self.procs.gpus
         self.telemetry = Telemetry(self)
+        #: a job's allocator leaves with its lease: nothing outlives a job nobody controls
+        self.exit_on_lease = False
         self._debug_init()
 
     # ------------------------------------------------------------ lifecycle
@@ -537,10 +539,13 @@ class Allocator(DebugRegistry):
                     del self.subscribers[sub]
             if self.controllers:
                 self.idle_since = now
-            elif self.meshes and now - self.idle_since > self.cfg.lease:
+            elif (self.meshes or self.exit_on_lease) and now - self.idle_since > self.cfg.lease:
                 logger.info("lease of %.0f s expired with no controller attached; stopping all meshes", self.cfg.lease)
                 await self._stop_all("lease expired")
                 self.idle_since = now
+                if self.exit_on_lease:
+                    logger.info("started by a job with exit-on-lease: exiting")
+                    self.stopped.set()
 
 
 _MESH_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")

@@ -15,16 +15,34 @@ __all__ = ["run_allocator"]
 
 
 def run_allocator(
-    *, bind: str | None = None, key_file: str | None = None, trust_all: bool = False, lease: float | None = None
+    *,
+    bind: str | None = None,
+    key_file: str | None = None,
+    trust_all: bool = False,
+    lease: float | None = None,
+    announce_dir: str | None = None,
+    announce_name: str | None = None,
+    exit_on_lease: bool = False,
 ) -> None:
     """Serve as this host's allocator in the foreground until shut down.
 
     ``bind`` is ``tcp://IP:PORT`` for a multi-host allocator (ipc is always served too);
     TCP off loopback needs ``key_file`` (a cluster key, see ``monarch-nb keygen``).
+    ``bind`` may also be ``tcp://route:PEER:PORT``: the address this host uses to reach PEER
+    (the controller), which is the one address of a multi-homed node the controller can reach.
+    ``announce_dir``: a job launcher's directory; once serving, the allocator writes its
+    addresses there (``<announce_name>.json``, 0600), so nobody scrapes scheduler output.
+    ``exit_on_lease``: a job's allocator exits (not only reaps its meshes) after the lease
+    passes with no controller attached.
     """
     cfg = get_config()
     if lease is not None:
         cfg = cfg.replace(lease=lease)
+    if bind and bind.startswith("tcp://route:"):
+        import socket as _socket
+
+        peer, _, port_s = bind[len("tcp://route:") :].rpartition(":")
+        bind = f"tcp://{route_ip(_socket.gethostbyname(peer.strip('[]')))}:{port_s}"
     key = read_key_file(key_file) if key_file else None
     security = Security(key, trust_all)
     tcp_ip = None
@@ -36,6 +54,7 @@ def run_allocator(
         security.check_address(f"tcp://{route_ip('10.255.255.255') if tcp_ip in ('0.0.0.0', '*') else tcp_ip}:{port}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     alloc = Allocator(cfg, security, runtime_dir(cfg), tcp_ip=tcp_ip, tcp_port=port)
+    alloc.exit_on_lease = exit_on_lease
     alloc.start(key_file or "")
     if bind and key is None:
         logging.getLogger(__name__).info(
@@ -45,4 +64,8 @@ def run_allocator(
             os.path.join(alloc.runtime_dir, LOCAL_KEY_FILE),
         )
     signal.signal(signal.SIGTERM, lambda *_: alloc.rt.loop.call_soon_threadsafe(alloc.stopped.set))
+    if announce_dir:
+        from ._jobrecords import announce
+
+        announce(announce_dir, announce_name or "", alloc)
     alloc.serve_forever()

@@ -477,7 +477,12 @@ class Transport:
 
     def terminate(self) -> None:
         """End the zmq context (after :meth:`close_connections`) and remove the inbox's socket file."""
-        self.ctx.term()
+        if self.label == "allocator":
+            # a daemon that exits: a socket left to a TCP peer that went away (a controller on
+            # another host) made term() wait forever, so SIGTERM (scancel, a job's kill()) hung
+            self.ctx.destroy(linger=0)
+        else:
+            self.ctx.term()
         if self.ipc_addr:
             try:
                 os.unlink(self.ipc_addr[len("ipc://") :])

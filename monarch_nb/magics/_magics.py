@@ -13,6 +13,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from .. import logs as _logs
 from .. import mesh as _mesh
 from ..actor import controller_client
+from . import _jobs
 
 _SUMMARY = """\
 %mesh connect [ADDRESS|CONNECTION_FILE ...]   attach to allocators (none: the local one); re-attach named meshes
@@ -32,6 +33,7 @@ _SUMMARY = """\
 %mesh sync [PATH ...] [--recreate|--restart] [--watch|--stop-watch] [--via URL]
                                                send the workspace to the hosts, reload it in running procs
 %mesh help                                     this text; `%mesh SUBCOMMAND --help` for details"""
+_SUMMARY += "\n" + _jobs.SUMMARY
 
 
 class _Parser(argparse.ArgumentParser):
@@ -111,6 +113,7 @@ def _parsers() -> dict[str, _Parser]:
     d = p["dashboard"] = _Parser(prog="%mesh dashboard", description="A live dashboard of a mesh (ipywidgets).")
     d.add_argument("name", nargs="?", help="mesh name (optional when one mesh runs)")
     d.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    _jobs.add_parsers(p, _Parser)
     return p
 
 
@@ -263,6 +266,10 @@ class MeshMagics(Magics):
 
         debug.Console().interact(first=f"attach {args.actor} {args.rank}", leave_on_detach=True)
         return None
+
+    _do_launch = _jobs.do_launch
+    _do_jobs = _jobs.do_jobs
+    _do_kill = _jobs.do_kill
 
     def _do_dashboard(self, args: argparse.Namespace, cell: str | None) -> Any:
         from ..widgets import Dashboard

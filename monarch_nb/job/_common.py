@@ -1,0 +1,190 @@
+"""What the launchers share: the configuration allocators inherit, waiting for announcements,
+stopping local daemons by pid, hostlists."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .._runtime import _jobrecords as records
+from ..actor import HostMesh, attach_to_workers
+from ._job import JobError
+
+#: settings that belong to the controller's host, not to an allocator elsewhere
+_NOT_FORWARDED = {"MONARCH_NB_RUNTIME_DIR", "MONARCH_NB_KEY_FILE", "MONARCH_NB_TEST_SESSION_DIR"}
+
+
+def forwarded_config() -> dict[str, str]:
+    """The controller's ``MONARCH_NB_*`` settings, for the allocators a job starts (heartbeats,
+    lease, zygote preload...): a job behaves as the controller was configured."""
+    return {k: v for k, v in os.environ.items() if k.startswith("MONARCH_NB_") and k not in _NOT_FORWARDED}
+
+
+def wait_announced(
+    directory: str,
+    names: set[str] | int,
+    timeout: float,
+    check: Callable[[], str | None] | None = None,
+    what: str = "allocator",
+) -> dict[str, dict[str, Any]]:
+    """Wait until every allocator in ``names`` (or that many) announced itself in ``directory``.
+
+    ``check`` returns an error text when waiting is pointless (a process died, the job ended).
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.02
+    while True:
+        got = records.read_announcements(directory)
+        done = len(got) >= names if isinstance(names, int) else set(names) <= set(got)
+        if done:
+            return got
+        if check is not None:
+            err = check()
+            if err:
+                raise JobError(err)
+        if time.monotonic() > deadline:
+            if isinstance(names, int):
+                missing = f"{names - len(got)} of {names}"
+            else:
+                missing = ", ".join(sorted(set(names) - set(got)))
+            raise JobError(f"{what}(s) {missing} did not announce themselves within {timeout:.0f} s")
+        time.sleep(delay)  # polling files the allocators write; there is no event to wait on
+        delay = min(delay * 1.5, 0.25)
+
+
+def pid_state(pid: int) -> str:
+    """A process's state letter ("" when gone; "Z" counts as gone for callers)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def pid_is(pid: int, marker: str) -> bool:
+    """Is ``pid`` alive and started with ``marker`` in its command line (still the process we
+    started, not a recycled pid)?"""
+    if pid <= 0 or pid_state(pid) in ("", "Z", "X"):
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return marker.encode() in cmdline
+
+
+def stop_pids(pids: list[int], marker: str, timeout: float = 15.0) -> list[int]:
+    """SIGTERM our daemons (checked by ``marker``), SIGKILL what is left at ``timeout``; returns
+    the pids that were still alive afterwards."""
+    from ._job import _children
+
+    live = [p for p in pids if pid_is(p, marker)]
+    for p in live:
+        try:
+            os.kill(p, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for c in _children:
+            c.poll()
+        live = [p for p in live if pid_state(p) not in ("", "Z", "X")]
+        if not live:
+            return []
+        time.sleep(0.02)  # waiting for other processes to exit; no event to wait on
+    for p in live:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return live
+
+
+def host_meshes(meshes: dict[str, list[str]], key_file: str | None = None) -> dict[str, HostMesh]:
+    """One ``{hosts: N}`` mesh per name over allocators at the given addresses."""
+    out = {}
+    for name, addrs in meshes.items():
+        if key_file:
+            out[name] = attach_to_workers(workers=addrs, name=name, key_file=key_file)
+        else:
+            out[name] = attach_to_workers(workers=addrs, name=name)
+    return out
+
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def expand_hostlist(expr: str) -> list[str]:
+    """Slurm's hostlist expression (``h[1-3,5],gpu[01-02]-ib,x``) as host names, in order."""
+    out: list[str] = []
+    for part in _split_top(expr):
+        out.extend(_expand_one(part))
+    return out
+
+
+def _split_top(expr: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in expr.strip():
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            if cur:
+                parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur:
+        parts.append(cur)
+    return parts
+
+
+def _expand_one(part: str) -> list[str]:
+    m = re.search(r"\[([^\]]*)\]", part)
+    if m is None:
+        return [part]
+    head, tail = part[: m.start()], part[m.end() :]
+    names = []
+    for rng in m.group(1).split(","):
+        r = _RANGE.match(rng.strip())
+        if r is None:
+            raise ValueError(f"bad hostlist range {rng!r} in {part!r}")
+        lo, hi = r.group(1), r.group(2) or r.group(1)
+        width = len(lo) if lo.startswith("0") else 0
+        for i in range(int(lo), int(hi) + 1):
+            names.extend(f"{head}{str(i).zfill(width)}{t}" for t in _expand_one(tail))
+    return names
+
+
+def forget_hosts(addrs: list[str]) -> None:
+    """This controller stops watching allocators its job just stopped: what is still pending on
+    them fails at once, and no "allocator lost" alarm follows a deliberate kill()."""
+    from ..actor import _context
+    from ..errors import SupervisionError
+
+    client = _context._client
+    if client is None or not addrs:
+        return
+    rt = client.rt
+    for a in addrs:
+        client.hellos.pop(a, None)
+
+    def drop() -> None:
+        for a in addrs:
+            w = rt._watches.get(a)
+            if w is None or w.lost is not None:
+                continue
+            # "mesh stopped" in the cause: the client reports no mesh failure for it
+            cause = f"allocator {a} stopped: its job was killed (mesh stopped)"
+            w.lost = SupervisionError(cause, host=w.host)
+            for p in list(w.procs):
+                rt.peer_failed(p, rt._proc_error(w, p, cause))
+            rt.peer_failed(a, w.lost)
+
+    rt.loop.call_soon_threadsafe(drop)

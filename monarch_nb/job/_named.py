@@ -1,0 +1,115 @@
+"""Named jobs, for the ``%mesh launch|jobs|kill`` magics and ``monarch-nb job``: a job cached
+under ``<runtime dir>/jobs/<name>.json``, so any kernel or shell on this machine finds it by name."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Any
+
+from ..config import runtime_dir
+from ._job import (
+    DEFAULT_JOB_PATH,
+    JobError,
+    JobState,
+    JobTrait,
+    LocalJob,
+    _default_job_path,
+    import_job,
+    job_load,
+    set_current_job,
+)
+from ._process import ProcessJob
+from ._slurm import SlurmJob
+from ._ssh import SSHJob
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
+SCHEDULERS = ("slurm", "ssh", "process", "local")
+
+
+def named_job_path(name: str) -> str:
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"job name {name!r}: use letters, digits, '_' and '-' (it also names the host mesh)")
+    return os.path.join(runtime_dir(), "jobs", f"{name}.json")
+
+
+def make_job(scheduler: str, name: str, hosts: str | int, **options: Any) -> JobTrait:
+    """A job spec whose one mesh is ``name``: ``hosts`` is a count (slurm, process) or a comma
+    separated host list (ssh); ``options`` are the scheduler's constructor arguments."""
+    if scheduler == "slurm":
+        return SlurmJob(meshes={name: int(hosts)}, **options)
+    if scheduler == "process":
+        return ProcessJob({name: int(hosts)}, **options)
+    if scheduler == "local":
+        return LocalJob((name,), **options)
+    if scheduler == "ssh":
+        job = SSHJob(**options)
+        job.add_mesh(name, [h for h in str(hosts).split(",") if h])
+        return job
+    if scheduler in ("k8s", "kubernetes"):
+        raise NotImplementedError("%mesh launch k8s: KubernetesJob is not implemented yet (monarch_nb.job.kubernetes)")
+    raise ValueError(f"unknown scheduler {scheduler!r}; one of {', '.join(SCHEDULERS)}")
+
+
+def launch(scheduler: str, name: str, hosts: str | int, **options: Any) -> JobState:
+    """Apply (or re-attach to) the named job and return its state; ``state.<name>`` is its hosts."""
+    job = make_job(scheduler, name, hosts, **options)
+    return job.state(cached_path=named_job_path(name))
+
+
+def _job_files() -> dict[str, str]:
+    out = {}
+    d = os.path.join(runtime_dir(), "jobs")
+    try:
+        names = sorted(os.listdir(d))
+    except FileNotFoundError:
+        names = []
+    for n in names:
+        if n.endswith(".json") and _NAME.fullmatch(n[:-5]) and n != "job_state.json":
+            out[n[:-5]] = os.path.join(d, n)
+    default = _default_job_path()
+    if os.path.exists(default):
+        out.setdefault("(current)", default)
+    return out
+
+
+def jobs() -> list[dict[str, Any]]:
+    """One row per job known on this machine: name, type, scheduler, id, state, hosts, age, walltime left."""
+    rows = []
+    for name, path in _job_files().items():
+        try:
+            job = job_load(path)
+            row = {"name": name, "type": type(job).__name__, **job.describe()}
+        except Exception as e:  # one unreadable record must not hide the others
+            row = {"name": name, "type": "?", "scheduler": "?", "id": "", "state": f"unreadable: {e}", "hosts": 0}
+        row["path"] = path
+        rows.append(row)
+    return rows
+
+
+def kill(name: str | None = None) -> None:
+    """Kill the named job (default: the current one, at ``DEFAULT_JOB_PATH``)."""
+    path = named_job_path(name) if name and name != "(current)" else _default_job_path()
+    try:
+        job = job_load(path)
+    except FileNotFoundError:
+        known = ", ".join(_job_files()) or "none"
+        raise JobError(f"no job named {name or '(current)'!r} (no {path}); known: {known}") from None
+    job.kill()
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+def apply_spec(spec: str, cached_path: str | None = None) -> JobTrait:
+    """``monarch-nb job apply module.attr``: import the job, make it current, apply and cache it."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    job = import_job(spec)
+    set_current_job(spec)
+    job.apply()
+    job.dump(cached_path or _default_job_path())
+    return job
+
+
+__all__ = ["DEFAULT_JOB_PATH", "apply_spec", "jobs", "kill", "launch", "make_job", "named_job_path"]

@@ -1,0 +1,141 @@
+"""``%mesh launch``, ``%mesh jobs``, ``%mesh kill``: jobs by name, over ``monarch_nb.job``'s public functions."""
+
+from __future__ import annotations
+
+import argparse
+import html
+from typing import Any
+
+from IPython.core.error import UsageError
+
+from ..job import JobError, kill_job, launch, list_jobs
+
+SUMMARY = """\
+%mesh launch slurm|ssh|process|local NAME --hosts N|h1,h2 [--partition P] [--time T] [--gpus-per-node G] ...
+                                               apply (or re-attach to) a job; NAME is bound to its host mesh
+%mesh jobs                                     jobs on this machine: scheduler, id, state, hosts, age, walltime left
+%mesh kill NAME                                stop a job: every allocator and proc it started"""
+
+
+def add_parsers(p: dict[str, Any], parser_cls: type) -> None:
+    la = p["launch"] = parser_cls(prog="%mesh launch", description="Apply or re-attach to a named job; bind NAME to its hosts.")
+    la.add_argument("scheduler", choices=["slurm", "ssh", "process", "local", "k8s"])
+    la.add_argument("name", help="job name; also the host mesh's name and the notebook variable bound to it")
+    la.add_argument("--hosts", default="1", help="a node count (slurm, process) or host list h1,h2 (ssh)")
+    la.add_argument("--partition")
+    la.add_argument("--time", dest="time_limit", help="Slurm walltime, e.g. 2:00:00")
+    la.add_argument("--gpus-per-node", type=int)
+    la.add_argument("--cpus-per-task", type=int)
+    la.add_argument("--mem")
+    la.add_argument("--account")
+    la.add_argument("--qos")
+    la.add_argument("--log-dir", help="Slurm: a directory every node sees (default: the current one)")
+    la.add_argument("--no-exclusive", action="store_true", help="Slurm: share nodes with other jobs")
+    la.add_argument("--python", dest="python_exe", help="the interpreter on the hosts")
+    la.add_argument("--port", dest="monarch_port", type=int, help="allocator port (0: any)")
+    la.add_argument("--ssh-arg", dest="ssh_args", action="append", help="ssh: an extra ssh argument (repeatable)")
+    la.add_argument("--slurm-arg", dest="slurm_args", action="append", help="slurm: an extra sbatch option (repeatable)")
+    p["jobs"] = parser_cls(prog="%mesh jobs", description="Jobs on this machine and their scheduler state.")
+    k = p["kill"] = parser_cls(prog="%mesh kill", description="Kill a job: every allocator and proc it started.")
+    k.add_argument("name")
+
+
+_BY_SCHEDULER = {
+    "slurm": {
+        "partition",
+        "time_limit",
+        "gpus_per_node",
+        "cpus_per_task",
+        "mem",
+        "account",
+        "qos",
+        "log_dir",
+        "python_exe",
+        "monarch_port",
+        "slurm_args",
+    },
+    "ssh": {"python_exe", "monarch_port", "ssh_args"},
+    "process": set(),
+    "local": set(),
+    "k8s": set(),
+}
+
+
+def do_launch(self: Any, args: argparse.Namespace, cell: str | None) -> Any:
+    allowed = _BY_SCHEDULER[args.scheduler]
+    options = {}
+    for key in sorted(_BY_SCHEDULER["slurm"] | _BY_SCHEDULER["ssh"]):
+        value = getattr(args, key)
+        if value is None:
+            continue
+        if key not in allowed:
+            raise UsageError(f"%mesh launch {args.scheduler}: --{key.replace('_', '-')} does not apply to {args.scheduler}")
+        options[key] = value
+    if args.no_exclusive:
+        if args.scheduler != "slurm":
+            raise UsageError("%mesh launch: --no-exclusive is a Slurm option")
+        options["exclusive"] = False
+    try:
+        state = launch(args.scheduler, args.name, args.hosts, **options)
+    except (JobError, NotImplementedError, ValueError) as e:
+        raise UsageError(f"%mesh launch: {e}") from None
+    hosts = getattr(state, args.name)
+    self._bind(args.name, hosts)
+    print(f"{args.name}: {len(hosts._refs())} host(s) {', '.join(h.host for h in hosts._refs())} ({args.scheduler})")
+    return None
+
+
+class JobsTable:
+    """``%mesh jobs``: text in a terminal, a table in a notebook."""
+
+    COLUMNS = ("name", "scheduler", "id", "state", "hosts", "age", "walltime left")
+
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        self.rows = [
+            {
+                "name": r["name"],
+                "scheduler": r.get("scheduler", "?"),
+                "id": str(r.get("id", "")),
+                "state": str(r.get("state", "")),
+                "hosts": str(r.get("hosts", "")),
+                "age": _dur(r.get("age_s")),
+                "walltime left": _dur(r.get("walltime_left_s")),
+            }
+            for r in rows
+        ]
+
+    def __repr__(self) -> str:
+        if not self.rows:
+            return "no jobs"
+        widths = {c: max(len(c), *(len(r[c]) for r in self.rows)) for c in self.COLUMNS}
+        lines = ["  ".join(c.ljust(widths[c]) for c in self.COLUMNS)]
+        lines += ["  ".join(r[c].ljust(widths[c]) for c in self.COLUMNS) for r in self.rows]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        if not self.rows:
+            return "<i>no jobs</i>"
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.COLUMNS)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(r[c])}</td>" for c in self.COLUMNS) + "</tr>" for r in self.rows)
+        return f"<table class='mnb-jobs'><tr>{head}</tr>{body}</table>"
+
+
+def _dur(v: float | None) -> str:
+    if v is None:
+        return "-"
+    v = max(0, int(v))
+    return f"{v // 3600}h{v % 3600 // 60:02d}m" if v >= 3600 else f"{v // 60}m{v % 60:02d}s"
+
+
+def do_jobs(self: Any, args: argparse.Namespace, cell: str | None) -> Any:
+    return JobsTable(list_jobs())
+
+
+def do_kill(self: Any, args: argparse.Namespace, cell: str | None) -> Any:
+    try:
+        kill_job(args.name)
+    except JobError as e:
+        raise UsageError(f"%mesh kill: {e}") from None
+    self.shell.user_ns.pop(args.name, None)
+    print(f"killed job {args.name}")
+    return None

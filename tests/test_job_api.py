@@ -1,0 +1,249 @@
+"""monarch_nb.job without a cluster: the API's shape, the generated sbatch script and ssh command
+(every Monarch parameter shows or is refused), squeue parsing of Slurm 22.05 and 24.11, and the
+cached job state's safety (0600 JSON, foreign or writable files refused)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from monarch_nb.job import (
+    DEFAULT_JOB_PATH,
+    JobError,
+    JobState,
+    LocalJob,
+    ProcessJob,
+    SlurmJob,
+    SSHJob,
+    job_load,
+    job_loads,
+)
+from monarch_nb.job._common import expand_hostlist
+from monarch_nb.job._common import forwarded_config as _forwarded
+from monarch_nb.job._slurm import parse_squeue_json, parse_squeue_text
+
+DATA = Path(__file__).parent / "data"
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_import_does_not_need_kubernetes() -> None:
+    code = "import sys, monarch_nb.job; print('kubernetes' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_job_state_names_its_meshes() -> None:
+    st = JobState({"trainers": "T", "dataloaders": "D"})  # type: ignore[dict-item]
+    assert st.trainers == "T"
+    with pytest.raises(AttributeError, match="'nope' is not a valid host mesh name. Available names: dataloaders, trainers"):
+        _ = st.nope
+    assert "trainers" in dir(st)
+
+
+def test_default_job_path_is_under_the_runtime_dir() -> None:
+    assert DEFAULT_JOB_PATH.startswith(os.environ["MONARCH_NB_RUNTIME_DIR"])
+
+
+def test_constructors_keep_monarchs_parameter_names() -> None:
+    want = {
+        SlurmJob: [
+            "meshes",
+            "python_exe",
+            "slurm_args",
+            "monarch_port",
+            "job_name",
+            "ntasks_per_node",
+            "time_limit",
+            "partition",
+            "log_dir",
+            "exclusive",
+            "gpus_per_node",
+            "cpus_per_task",
+            "mem",
+            "job_start_timeout",
+            "account",
+            "qos",
+            "out_of_cluster",
+            "attach_to",
+            "bind_to",
+        ],
+        SSHJob: ["python_exe", "ssh_args", "monarch_port", "transport"],
+        ProcessJob: ["meshes", "env"],
+        LocalJob: ["hosts"],
+    }
+    for cls, names in want.items():
+        params = list(inspect.signature(cls.__init__).parameters)[1:]
+        assert params[: len(names)] == names, cls
+    assert list(inspect.signature(SlurmJob.add_mesh).parameters)[1:] == ["name", "num_nodes"]
+    assert list(inspect.signature(SSHJob.add_mesh).parameters)[1:] == ["name", "hosts"]
+
+
+def test_every_slurm_parameter_shows_in_the_sbatch_script(tmp_path: Path) -> None:
+    job = SlurmJob(
+        meshes={"trainers": 2},
+        python_exe="/opt/py/bin/python3",
+        slurm_args=["--constraint=h100", "--reservation=r1"],
+        monarch_port=23456,
+        job_name="exp7",
+        ntasks_per_node=8,
+        time_limit="1:30:00",
+        partition="gpu",
+        log_dir=str(tmp_path),
+        exclusive=True,
+        gpus_per_node=8,
+        cpus_per_task=12,
+        mem="200G",
+        job_start_timeout=600,
+        account="acct9",
+        qos="high",
+    )
+    job.add_mesh("dataloaders", 1)
+    script = job.batch_script("/shared/job", "10.0.0.1")
+    for line in [
+        "#SBATCH --job-name=exp7",
+        "#SBATCH --nodes=3",
+        "#SBATCH --ntasks-per-node=8",
+        f"#SBATCH --output={tmp_path}/slurm_%j_exp7.out",
+        f"#SBATCH --error={tmp_path}/slurm_%j_exp7.err",
+        "#SBATCH --time=1:30:00",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --cpus-per-task=12",
+        "#SBATCH --mem=200G",
+        "#SBATCH --exclusive",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=acct9",
+        "#SBATCH --qos=high",
+        "#SBATCH --constraint=h100",
+        "#SBATCH --reservation=r1",
+    ]:
+        assert line in script.splitlines(), line
+    srun = script.splitlines()[-1]
+    assert srun.startswith("exec srun --nodes=3 --ntasks=3 --ntasks-per-node=1 ")
+    assert "/opt/py/bin/python3 -m monarch_nb allocator" in srun
+    assert "--bind tcp://route:10.0.0.1:23456" in srun
+    assert "--key-file /shared/job/key" in srun and "--announce-dir /shared/job/announce" in srun
+    # the wait, not the script: job_start_timeout is honoured by state() (test_job_slurm)
+    assert job._job_start_timeout == 600
+    assert "--exclusive" not in SlurmJob({"a": 1}, exclusive=False).batch_script()
+    # batch mode: the allocators are a background step; the client runs on the batch host
+    batch = job.batch_script("/shared/job", "10.0.0.1", "/home/u/train.py").splitlines()
+    assert batch[-7].startswith("srun --nodes=3 ") and batch[-7].endswith(" &")
+    assert batch[-5:-3] == ["export MONARCH_NB_BATCH_JOB=/shared/job/job.json", "/opt/py/bin/python3 /home/u/train.py"]
+
+
+def test_unsupported_parameters_are_refused_by_name() -> None:
+    with pytest.raises(NotImplementedError, match="out_of_cluster"):
+        SlurmJob({"a": 1}, out_of_cluster=True)
+    with pytest.raises(NotImplementedError, match="attach_to"):
+        SlurmJob({"a": 1}, attach_to="tcp://x:1")
+    with pytest.raises(NotImplementedError, match="bind_to"):
+        SlurmJob({"a": 1}, bind_to="0.0.0.0")
+    with pytest.raises(NotImplementedError, match="transport='metatls'"):
+        SSHJob(transport="metatls")
+    with pytest.raises(ValueError, match="sbatch options"):
+        SlurmJob({"a": 1}, slurm_args=["constraint=x"])
+    with pytest.raises(FileNotFoundError, match="client_script 'nosuch.py' does not exist"):
+        SlurmJob({"a": 1})._create("nosuch.py")
+    with pytest.raises(NotImplementedError, match="client_script"):
+        ProcessJob({"a": 1})._create("train.py")
+
+
+def test_ssh_command_line_carries_no_secret() -> None:
+    job = SSHJob(python_exe="/venv/bin/python", ssh_args=["-p", "2222", "-i", "/home/u/.ssh/id"], monarch_port=0)
+    job.add_mesh("w", ["u@h1"])
+    start = job.start_command("u@h1")
+    assert start[5:10] == ["-p", "2222", "-i", "/home/u/.ssh/id", "u@h1"]
+    # python_exe and monarch_port are arguments of the remote start script; no key anywhere
+    assert start[10].endswith(" sh '<job id>' 0 /venv/bin/python" + "".join(f" {k}={v}" for k, v in sorted(_forwarded().items())))
+    assert 'cat > "$d/key"' in start[10] and '--bind "tcp://$ip:$port"' in start[10]
+    argv = job.ssh_command("u@h1", "echo hi", "arg1")
+    assert argv[:5] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
+    assert argv[5:9] == ["-p", "2222", "-i", "/home/u/.ssh/id"] and argv[9] == "u@h1"
+    assert argv[10] == "sh -c 'echo hi' sh arg1"
+
+
+def test_squeue_json_of_slurm_22_05() -> None:
+    # recorded from Debian's slurmctld 22.05.8 (tests/_slurm.py): plain strings and ints
+    text = (DATA / "squeue-22.05.json").read_text()
+    assert json.loads(text)["meta"]["Slurm"]["release"] == "22.05.8"
+    info = parse_squeue_json(text, "1")
+    assert info is not None
+    assert (info.state, info.reason, info.nodes, info.time_limit_min) == ("RUNNING", "None", "n[1-3]", 5)
+    assert info.node_names == ["n1", "n2", "n3"]
+    assert parse_squeue_json(text, "99") is None
+
+
+def test_squeue_json_of_slurm_24_11() -> None:
+    # the shape of squeue --json in 24.11 (data_parser v0.0.42): states are lists, numbers are
+    # {"set", "infinite", "number"}; reconstructed from that schema (bookworm only has 22.05)
+    text = (DATA / "squeue-24.11.json").read_text()
+    running = parse_squeue_json(text, "4242")
+    assert running is not None
+    assert (running.state, running.reason, running.time_limit_min, running.start_time) == ("RUNNING", "None", 60, 1732467600)
+    assert running.node_names == ["gpu-a01", "gpu-a02", "gpu-b07"]
+    pending = parse_squeue_json(text, "4243")
+    assert pending is not None and (pending.state, pending.reason, pending.time_limit_min, pending.node_names) == (
+        "PENDING",
+        "Resources",
+        None,
+        [],
+    )
+    ended = parse_squeue_json(text, "4240")
+    assert ended is not None and (ended.state, ended.reason) == ("TIMEOUT", "TimeLimit")
+
+
+def test_squeue_text_fallback() -> None:
+    text = (DATA / "squeue-22.05.txt").read_text()
+    info = parse_squeue_text(text, "2")
+    assert info is not None and (info.state, info.nodes, info.time_limit_min) == ("RUNNING", "n[1-3]", 5)
+    assert parse_squeue_text("7|PENDING|Priority||1-00:00:00\n", "7").reason == "Priority"  # type: ignore[union-attr]
+    assert parse_squeue_text("7|PENDING|Priority||1-00:00:00\n", "7").time_limit_min == 1440  # type: ignore[union-attr]
+
+
+def test_hostlists() -> None:
+    assert expand_hostlist("h[1-3]") == ["h1", "h2", "h3"]
+    assert expand_hostlist("gpu[08-10,12],login1") == ["gpu08", "gpu09", "gpu10", "gpu12", "login1"]
+    assert expand_hostlist("r[1-2]n[1-2]") == ["r1n1", "r1n2", "r2n1", "r2n2"]
+
+
+def test_cached_state_is_private_json_and_round_trips(tmp_path: Path) -> None:
+    job = SSHJob(python_exe="/p", monarch_port=0)
+    job.add_mesh("w", ["a", "b"])
+    job._status = "running"
+    job._apply_id = "abc"
+    job._hosts = {"a": {"tcp": "tcp://10.0.0.2:1", "pid": 5, "dir": "/tmp/mnb-job-abc"}}
+    path = tmp_path / "state.json"
+    job.dump(str(path))
+    assert path.stat().st_mode & 0o777 == 0o600
+    data = json.loads(path.read_text())
+    assert data["format"] == "monarch_nb.job/1" and data["type"] == "SSHJob" and data["apply_id"] == "abc"
+    back = job_load(str(path))
+    assert isinstance(back, SSHJob) and back.active and back._meshes == {"w": ["a", "b"]} and back._hosts == job._hosts
+    assert isinstance(job_loads(job.dumps()), SSHJob)
+
+
+def test_a_record_not_ours_is_refused_unread(tmp_path: Path) -> None:
+    job = ProcessJob({"a": 1})
+    path = tmp_path / "state.json"
+    job.dump(str(path))
+    os.chown(path, 65534, 65534)  # nobody's
+    with pytest.raises(JobError, match="belongs to uid 65534"):
+        job_load(str(path))
+    os.chown(path, 0, 0)
+    os.chmod(path, 0o666)
+    with pytest.raises(JobError, match="others can write it"):
+        job_load(str(path))
+    # a pickle (Monarch's format) is never loaded
+    path.write_bytes(b"\x80\x04K\x01.")
+    os.chmod(path, 0o600)
+    with pytest.raises(JobError, match="not a monarch_nb job record"):
+        job_load(str(path))
+    with pytest.raises(JobError, match="unknown job type"):
+        job_loads(json.dumps({"format": "monarch_nb.job/1", "type": "os.system", "spec": {}}))

@@ -1,0 +1,180 @@
+"""ProcessJob: real allocator daemons on this machine, one per "host"; they outlive the process
+that applied the job, re-attach from a new process (hosts and live proc meshes, same PIDs), end
+with kill() (nothing left) or with their lease when no controller comes back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import wait_for
+
+from monarch_nb.actor import Actor, ProcMesh, endpoint
+from monarch_nb.job import JobError, ProcessJob, job_load
+
+pytestmark = pytest.mark.timeout(120)
+# a short lease: allocators a failed test leaves behind exit a minute after the session
+FAST = {"MONARCH_NB_ZYGOTE_PRELOAD": "", "MONARCH_NB_LEASE": "60"}
+
+
+class Pid(Actor):
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _procs_mentioning(marker: str) -> list[int]:
+    out = []
+    for e in os.listdir("/proc"):
+        if e.isdigit() and int(e) != os.getpid():
+            try:
+                if marker.encode() in Path(f"/proc/{e}/cmdline").read_bytes() and _alive(int(e)):
+                    out.append(int(e))
+            except OSError:
+                pass
+    return out
+
+
+def test_apply_spawn_call_kill_leaves_nothing(tmp_path: Path) -> None:
+    cache = os.path.join(os.environ["MONARCH_NB_RUNTIME_DIR"], f"js-{tmp_path.name}.json")
+    job = ProcessJob({"trainers": 2, "dataloaders": 1}, env=FAST)
+    state = job.state(cached_path=cache)
+    assert Path(cache).stat().st_mode & 0o777 == 0o600
+    assert str(state.trainers.extent) == "{hosts: 2}" and str(state.dataloaders.extent) == "{hosts: 1}"
+    with pytest.raises(AttributeError, match="Available names: dataloaders, trainers"):
+        _ = state.evaluators
+    procs = state.trainers.spawn_procs(per_host={"gpus": 2}, name="tr")
+    pids = sorted(procs.spawn("p", Pid).pid.call().get().values())
+    assert len(pids) == 4 and len(set(pids)) == 4
+    alloc_pids = [int(h["pid"]) for h in job._hosts.values()]
+    job_dir = job._dir
+    # a second state() on the running job attaches again, it does not apply again
+    assert str(job.state(cached_path=cache).trainers.extent) == "{hosts: 2}" and job._dir == job_dir
+
+    job.kill()
+    assert not job.active
+    assert not os.path.exists(cache) and not os.path.exists(job_dir)
+    wait_for(lambda: not any(_alive(p) for p in pids + alloc_pids), 15, "allocators and procs to exit")
+    assert _procs_mentioning(job_dir) == []
+
+
+_PHASE1 = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+from monarch_nb.job import ProcessJob
+from test_job_process import Pid, FAST
+job = ProcessJob({{"trainers": 2}}, env=FAST)
+state = job.state(cached_path={cache!r})
+procs = state.trainers.spawn_procs(per_host={{"gpus": 2}}, name="kept", persist=True)
+pids = sorted(procs.spawn("p", Pid).pid.call().get().values())
+print(json.dumps({{"pids": pids, "dir": job._dir}}), flush=True)
+os._exit(0)  # as a crashed kernel: no goodbye to the allocators
+"""
+
+_PHASE2 = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+from monarch_nb.actor import ProcMesh
+from monarch_nb.job import ProcessJob
+from test_job_process import FAST
+job = ProcessJob({{"trainers": 2}}, env=FAST)
+state = job.state(cached_path={cache!r})
+procs = ProcMesh.lookup("kept", state.trainers)
+pids = sorted(p.pid for p in procs._procs)
+answered = sorted(procs.actor_mesh("p").pid.call().get().values())
+print(json.dumps({{"pids": pids, "answered": answered, "dir": job._running._dir}}), flush=True)
+if {kill!r}:
+    job.kill()
+"""
+
+
+def _script(code: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_reattach_from_a_new_process_finds_the_same_procs(tmp_path: Path) -> None:
+    cache = os.path.join(os.environ["MONARCH_NB_RUNTIME_DIR"], f"js-{tmp_path.name}.json")
+    tests = str(Path(__file__).parent)
+    first = _script(textwrap.dedent(_PHASE1.format(tests=tests, cache=cache)))
+    try:
+        # the applying process is gone; its allocators and persistent procs are not
+        assert all(_alive(p) for p in first["pids"])
+        second = _script(textwrap.dedent(_PHASE2.format(tests=tests, cache=cache, kill=False)))
+        assert second["dir"] == first["dir"]
+        assert second["pids"] == first["pids"] and second["answered"] == first["pids"]
+        third = _script(textwrap.dedent(_PHASE2.format(tests=tests, cache=cache, kill=True)))
+        assert third["pids"] == first["pids"]
+        wait_for(lambda: not any(_alive(p) for p in first["pids"]), 15, "procs to exit after kill()")
+        assert _procs_mentioning(first["dir"]) == []
+    finally:
+        if os.path.exists(cache):
+            job_load(cache).kill()
+
+
+def test_allocators_exit_after_the_lease_with_no_controller(tmp_path: Path) -> None:
+    cache = os.path.join(os.environ["MONARCH_NB_RUNTIME_DIR"], f"js-{tmp_path.name}.json")
+    code = f"""
+import json
+from monarch_nb.job import ProcessJob
+job = ProcessJob({{"h": 2}}, env={{"MONARCH_NB_ZYGOTE_PRELOAD": "", "MONARCH_NB_LEASE": "1.5"}})
+job.state(cached_path={cache!r})
+print(json.dumps({{"pids": [h["pid"] for h in job._hosts.values()], "dir": job._dir}}))
+"""
+    first = _script(code)
+    try:
+        wait_for(lambda: not any(_alive(p) for p in first["pids"]), 30, "allocators to exit at the end of their lease")
+        # a job whose hosts are gone is not re-attached: state() says so, kill() cleans up
+        job = ProcessJob({"h": 2}, env={"MONARCH_NB_ZYGOTE_PRELOAD": "", "MONARCH_NB_LEASE": "1.5"})
+        stale = job_load(cache)
+        assert not stale.can_run(job)
+        with pytest.raises(JobError, match="are gone"):
+            stale.state(cached_path=None)
+    finally:
+        job_load(cache).kill()
+    assert not os.path.exists(first["dir"])
+
+
+def test_procmesh_lookup_is_the_public_way_back(tmp_path: Path) -> None:
+    # in-process: ProcMesh.lookup over the job's hosts returns the mesh spawned on them
+    job = ProcessJob({"w": 1}, env=FAST)
+    try:
+        state = job.state(cached_path=None)
+        procs = state.w.spawn_procs(per_host={"gpus": 2}, name="lk", persist=True)
+        again = ProcMesh.lookup("lk", state.w)
+        assert sorted(p.pid for p in again._procs) == sorted(p.pid for p in procs._procs)
+    finally:
+        job.kill()
+
+
+def test_exec_command_runs_on_every_host_or_one(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    from monarch_nb.job import exec_command
+
+    job = ProcessJob({"w": 2}, env=FAST)
+    try:
+        state = job.state(cached_path=None)
+        rc = exec_command(
+            state.w, ["sh", "-c", 'echo "hello from $MONARCH_RANK_hosts of $MONARCH_SIZE_hosts"; exit $MONARCH_RANK_hosts']
+        ).get(timeout=60)
+        assert rc == 1  # the largest exit code
+        out = capfd.readouterr().out
+        assert "hello from 0 of 2" in out and "hello from 1 of 2" in out
+        rc = exec_command(state.w, ["sh", "-c", "echo only; exit 0"], rank=1, output_dir=str(tmp_path / "out")).get(timeout=60)
+        assert rc == 0
+        assert (tmp_path / "out" / "stdout.txt").read_text() == "only\n"
+        assert "only" not in capfd.readouterr().out  # it went to the file
+    finally:
+        job.kill()

@@ -1,0 +1,355 @@
+"""SlurmJob against a real Slurm 22.05 cluster (Debian's munged, slurmctld and slurmd on network
+namespace hosts: tests/_slurm.py), one cluster for the module.
+
+The controller runs on "ctl" (the login node, where slurmctld runs too); n1..n3 are the nodes.
+Allocators announce themselves in the job's directory (on the shared directory, as ``log_dir``
+must be on a real cluster); squeue is read only for the job's state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import wait_for
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _jobhelp import PY, KeyWatch, run_controller
+from _slurm import SlurmCluster
+
+pytestmark = [pytest.mark.multihost, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def slurm() -> Iterator[SlurmCluster]:
+    c = SlurmCluster(3)
+    try:
+        c.assert_alive()
+        yield c
+        c.assert_alive()
+    finally:
+        c.close()
+
+
+def _env(c: SlurmCluster) -> dict[str, str]:
+    return c.env(
+        MONARCH_NB_RUNTIME_DIR="/tmp/mnb",
+        MONARCH_NB_ZYGOTE_PRELOAD="",
+        MONARCH_NB_HEARTBEAT_INTERVAL="0.2",
+        MONARCH_NB_HEARTBEAT_TIMEOUT="1.5",
+    )
+
+
+_HEAD = """
+import contextlib, io, json, os, socket, sys
+from monarch_nb.actor import Actor, ProcMesh, endpoint
+from monarch_nb.job import JobError, SlurmJob
+
+class Where(Actor):
+    @endpoint
+    def where(self):
+        return socket.gethostname(), os.getpid()
+
+def out(**kw):
+    print(json.dumps(kw), flush=True)
+
+LOG_DIR = {log_dir!r}
+PY = {py!r}
+"""
+
+
+def _code(c: SlurmCluster, body: str, **fmt: object) -> str:
+    return textwrap.dedent(_HEAD).format(log_dir=os.path.join(c.shared, "jobs"), py=PY) + textwrap.dedent(body).format(**fmt)
+
+
+def _ours_on(c: SlurmCluster, i: int) -> list[str]:
+    """Command lines of monarch_nb processes on host i."""
+    assert c.net is not None
+    key = os.stat(f"/run/netns/{c.net.netns(i)}")
+    out = []
+    for e in os.listdir("/proc"):
+        if not e.isdigit():
+            continue
+        try:
+            st = os.stat(f"/proc/{e}/ns/net")
+            if (st.st_dev, st.st_ino) != (key.st_dev, key.st_ino):
+                continue
+            cmd = Path(f"/proc/{e}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if "monarch_nb" in cmd and state != "Z":
+            out.append(cmd)
+    return out
+
+
+def test_trainers_on_three_nodes_reattach_and_kill(slurm: SlurmCluster) -> None:
+    with KeyWatch() as watch:
+        first = run_controller(
+            slurm.net,
+            slurm.shared,
+            _code(
+                slurm,
+                """
+                job = SlurmJob(meshes={{"trainers": 3}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, exclusive=False)
+                state = job.state(cached_path="/tmp/job.json")
+                procs = state.trainers.spawn_procs(per_host={{"gpus": 2}}, name="train", persist=True)
+                got = procs.spawn("w", Where).where.call().get()
+                out(job_id=job.job_id, extent=str(procs.extent), where=sorted(got.values()),
+                    dir=job._dir, hosts=[h.host for h in state.trainers._refs()])
+                os._exit(0)  # the kernel dies: no kill(), no goodbye
+                """,
+            ),
+            _env(slurm),
+        )[0]
+        assert first["extent"] == "{hosts: 3, gpus: 2}"
+        assert first["hosts"] == ["n1", "n2", "n3"]
+        assert sorted({h for h, _ in first["where"]}) == ["n1", "n2", "n3"] and len(first["where"]) == 6
+        slurm.assert_alive()
+        assert f"{first['job_id']} " in slurm.squeue() or f" {first['job_id']} " in slurm.squeue()
+        key = bytes.fromhex(Path(first["dir"], "key").read_text().strip())
+        assert Path(first["dir"], "key").stat().st_mode & 0o777 == 0o600
+
+        second = run_controller(
+            slurm.net,
+            slurm.shared,
+            _code(
+                slurm,
+                """
+                job = SlurmJob(meshes={{"trainers": 3}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, exclusive=False)
+                state = job.state(cached_path="/tmp/job.json")
+                procs = ProcMesh.lookup("train", state.trainers)
+                got = procs.actor_mesh("w").where.call().get()
+                out(job_id=job._running.job_id, where=sorted(got.values()))
+                job.kill()
+                out(killed=True, cache=os.path.exists("/tmp/job.json"))
+                """,
+            ),
+            _env(slurm),
+        )
+    assert second[0] == {"job_id": first["job_id"], "where": first["where"]}
+    assert second[1] == {"killed": True, "cache": False}
+    for i in (1, 2, 3):
+        wait_for(lambda i=i: not _ours_on(slurm, i), 20, f"node n{i} to have no monarch_nb process")
+    assert not os.path.exists(first["dir"])
+    slurm.assert_alive()
+    assert watch.scans > 10
+    assert watch.leaks(key) == []
+
+
+def test_pending_job_shows_its_reason_and_honours_job_start_timeout(slurm: SlurmCluster) -> None:
+    res = run_controller(
+        slurm.net,
+        slurm.shared,
+        _code(
+            slurm,
+            """
+            hog = SlurmJob(meshes={{"all": 3}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, job_name="hog")
+            hog.apply()
+            err = io.StringIO()
+            late = SlurmJob(meshes={{"one": 1}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, job_name="late",
+                            job_start_timeout=2)
+            try:
+                with contextlib.redirect_stderr(err):
+                    late.state(cached_path=None)
+                out(error=None)
+            except JobError as e:
+                out(error=str(e), stderr=err.getvalue(), late=late.job_id)
+            finally:
+                hog.kill()
+            """,
+        ),
+        _env(slurm),
+    )[0]
+    assert res["error"] and "did not start within job_start_timeout=2 s" in res["error"], res
+    assert "pending: Resources" in res["stderr"] or "pending: Priority" in res["stderr"], res
+    assert "PENDING" in res["error"]
+    wait_for(lambda: not slurm.squeue().strip(), 30, "the queue to be empty")
+
+
+def test_nodes_that_never_announce_fail_the_job_with_their_names(slurm: SlurmCluster) -> None:
+    fake = Path(slurm.shared, "not-python")
+    fake.write_text("#!/bin/sh\nexec sleep 600\n")  # starts, never announces
+    fake.chmod(0o755)
+    res = run_controller(
+        slurm.net,
+        slurm.shared,
+        _code(
+            slurm,
+            """
+            job = SlurmJob(meshes={{"a": 2}}, python_exe={fake!r}, log_dir=LOG_DIR, exclusive=False, announce_timeout=2)
+            try:
+                job.state(cached_path=None)
+                out(error=None)
+            except JobError as e:
+                out(error=str(e), job_id=job.job_id)
+            """,
+            fake=str(fake),
+        ),
+        _env(slurm),
+    )[0]
+    assert res["error"] and "node(s) n1, n2 did not announce themselves within 2 s" in res["error"], res
+    # the failed job was cancelled, not left holding the nodes
+    wait_for(lambda: not slurm.squeue().strip(), 30, "the failed job to leave the queue")
+
+
+def test_walltime_ends_the_allocators_and_the_notebook_is_told(slurm: SlurmCluster) -> None:
+    # time_limit is one minute (Slurm's granularity); slurmctld enforces it up to ~30 s late
+    res = run_controller(
+        slurm.net,
+        slurm.shared,
+        _code(
+            slurm,
+            """
+            import time
+            import monarch_nb.actor as public
+            failures = []
+            public.unhandled_fault_hook = lambda f: failures.append(f.report())
+            job = SlurmJob(meshes={{"t": 2}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, exclusive=False,
+                           time_limit="1", job_name="short")
+            state = job.state(cached_path=None)
+            w = state.t.spawn_procs(per_host={{"gpus": 1}}, name="short").spawn("w", Where)
+            out(before=sorted(h for h, _ in w.where.call().get().values()), job_id=job.job_id)
+            deadline = time.time() + 150
+            info = job.query()
+            while info is not None and info.state == "RUNNING" and time.time() < deadline:
+                time.sleep(0.5)  # polling the scheduler until the walltime passes
+                info = job.query()
+            out(state=info.state if info else None, reason=info.reason if info else None)
+            try:
+                w.where.call().get(timeout=30)
+                out(call=None)
+            except Exception as e:
+                out(call=f"{{type(e).__name__}}: {{e}}")
+            try:
+                job.state(cached_path=None)
+                out(state_error=None)
+            except JobError as e:
+                out(state_error=str(e))
+            out(failures=failures)
+            job.kill()
+            """,
+        ),
+        _env(slurm),
+        timeout=240,
+    )
+    assert res[0]["before"] == ["n1", "n2"]
+    # 22.05 shows COMPLETING while the step is torn down, then TIMEOUT; the reason is TimeLimit
+    assert res[1]["state"] in ("COMPLETING", "TIMEOUT") and res[1]["reason"] == "TimeLimit", res
+    assert res[2]["call"] and res[2]["call"].startswith("SupervisionError") and "lost" in res[2]["call"], res
+    err = res[3]["state_error"]
+    assert "TimeLimit: its time_limit ran out): its allocators are gone" in err and f"Slurm job {res[0]['job_id']} is" in err, res
+    assert res[4]["failures"] and "failed" in res[4]["failures"][0], res
+    for i in (1, 2, 3):
+        wait_for(lambda i=i: not _ours_on(slurm, i), 20, f"node n{i} to have no monarch_nb process")
+
+
+def test_batch_mode_runs_the_client_inside_the_allocation(slurm: SlurmCluster) -> None:
+    result = Path(slurm.shared, "jobs", "batch-result.json")
+    client = Path(slurm.shared, "client.py")
+    client.write_text(
+        textwrap.dedent(_HEAD).format(log_dir=os.path.join(slurm.shared, "jobs"), py=PY)
+        + textwrap.dedent(
+            f"""
+            job = SlurmJob(meshes={{"trainers": 2}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, exclusive=False)
+            state = job.state()
+            got = state.trainers.spawn_procs(per_host={{"gpus": 1}}).spawn("w", Where).where.call().get()
+            with open({str(result)!r}, "w") as f:
+                json.dump({{"where": sorted(h for h, _ in got.values()), "job": os.environ["SLURM_JOB_ID"],
+                           "me": socket.gethostname()}}, f)
+            job.kill()  # inside its own allocation: a no-op, the job ends with this script
+            """
+        )
+    )
+    res = run_controller(
+        slurm.net,
+        slurm.shared,
+        _code(
+            slurm,
+            """
+            job = SlurmJob(meshes={{"trainers": 2}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, exclusive=False)
+            job.apply(client_script={client!r})
+            out(job_id=job.job_id)
+            """,
+            client=str(client),
+        ),
+        _env(slurm),
+    )[0]
+    wait_for(result.exists, 90, f"the batch client's result ({slurm.logs()})")
+    got = json.loads(result.read_text())
+    assert got["where"] == ["n1", "n2"] and got["job"] == res["job_id"] and got["me"] == "n1", got
+    # the job ended with its client: allocators gone, queue empty
+    wait_for(lambda: not slurm.squeue().strip(), 60, "the batch job to end")
+    for i in (1, 2, 3):
+        wait_for(lambda i=i: not _ours_on(slurm, i), 20, f"node n{i} to have no monarch_nb process")
+
+
+def test_a_node_whose_link_goes_down_fails_its_calls_by_name(slurm: SlurmCluster) -> None:
+    assert slurm.net is not None
+    ready = Path(slurm.shared, "jobs", "link-ready")
+    go = Path(slurm.shared, "jobs", "link-go")
+    script = _code(
+        slurm,
+        """
+        import time
+        import monarch_nb.actor as public
+        failures = []
+        public.unhandled_fault_hook = lambda f: failures.append(f.report())
+        job = SlurmJob(meshes={{"t": 3}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, exclusive=False, job_name="link")
+        state = job.state(cached_path=None)
+        w = state.t.spawn_procs(per_host={{"gpus": 1}}, name="link").spawn("w", Where)
+        w.where.call().get()
+        open({ready!r}, "w").close()
+        while not os.path.exists({go!r}):
+            time.sleep(0.05)  # the test pulls n2's cable, then says go
+        t0 = time.monotonic()
+        try:
+            w.where.call().get(timeout=30)
+            out(call=None)
+        except Exception as e:
+            out(call=f"{{type(e).__name__}}: {{e}}", after=time.monotonic() - t0)
+        out(failures=failures)
+        while os.path.exists({go!r}):
+            time.sleep(0.05)  # the cable is back
+        job.kill()
+        out(killed=True)
+        """,
+        ready=str(ready),
+        go=str(go),
+    )
+    path = Path(slurm.shared, "link.py")
+    path.write_text(script)
+    proc = slurm.net.popen(0, [PY, str(path)], env=_env(slurm), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: ready.exists() or proc.poll() is not None, 90, "the job to run")
+        assert proc.poll() is None, proc.communicate()
+        slurm.net.link_down(2)  # n2
+        go.touch()
+        lines: list[dict] = []
+        while len(lines) < 2:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            assert line, proc.communicate()
+            if line.startswith(b"{"):
+                lines.append(json.loads(line))
+        slurm.net.link_up(2)
+        go.unlink()
+        out, err = proc.communicate(timeout=90)
+        assert proc.returncode == 0, err.decode()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for f in (ready, go):
+            if f.exists():
+                f.unlink()
+    call = lines[0]
+    n2 = slurm.net.ip(2)
+    assert call["call"].startswith("SupervisionError") and f"allocator tcp://{n2}:" in call["call"] and "lost" in call["call"]
+    assert call["after"] < 10, call  # heartbeats, not Slurm's SlurmdTimeout, notice it
+    assert b'"killed": true' in out

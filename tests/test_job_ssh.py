@@ -1,0 +1,204 @@
+"""SSHJob against real sshd servers on network-namespace hosts (tests/_sshd.py).
+
+The controller runs on host "ctl", as a notebook on a login machine would; the allocators are
+started over ssh on s1..s3. One cluster for the module. Nothing sleeps to synchronise: scripts
+run to completion and print JSON; host processes are polled with deadlines.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import wait_for
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _jobhelp import PY, KeyWatch, run_controller
+from _sshd import SshCluster
+
+pytestmark = [pytest.mark.multihost, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def ssh() -> Iterator[SshCluster]:
+    c = SshCluster(3)
+    try:
+        yield c
+        c.assert_alive()
+    finally:
+        c.close()
+
+
+def _env(c: SshCluster) -> dict[str, str]:
+    return c.env(
+        MONARCH_NB_RUNTIME_DIR="/tmp/mnb",
+        MONARCH_NB_ZYGOTE_PRELOAD="",
+        MONARCH_NB_HEARTBEAT_INTERVAL="0.2",
+        MONARCH_NB_HEARTBEAT_TIMEOUT="1.5",
+    )
+
+
+_HEAD = """
+import json, os, socket, sys
+from monarch_nb.actor import Actor, ProcMesh, endpoint
+from monarch_nb.job import JobError, SSHJob
+
+class Where(Actor):
+    @endpoint
+    def where(self):
+        return socket.gethostname(), os.getpid()
+
+def out(**kw):
+    print(json.dumps(kw), flush=True)
+
+def make_job(ssh_args, hosts=("root@s1", "root@s2"), extra=("root@s3",)):
+    job = SSHJob(python_exe={py!r}, ssh_args=ssh_args, monarch_port=0)
+    job.add_mesh("workers", list(hosts))
+    if extra:
+        job.add_mesh("extra", list(extra))
+    return job
+"""
+
+
+def _code(body: str, **fmt: object) -> str:
+    return textwrap.dedent(_HEAD).format(py=PY) + textwrap.dedent(body).format(**fmt)
+
+
+def _allocators_on(c: SshCluster, i: int) -> list[tuple[int, str]]:
+    return [p for p in c.host_pids(i) if "monarch_nb" in p[1]]
+
+
+def test_launch_survive_reattach_kill(ssh: SshCluster) -> None:
+    args = ssh.ssh_args()
+    with KeyWatch() as watch:
+        first = run_controller(
+            ssh.net,
+            ssh.shared,
+            _code(
+                """
+                job = make_job({args!r})
+                state = job.state(cached_path="/tmp/job.json")
+                procs = state.workers.spawn_procs(per_host={{"gpus": 2}}, name="kept", persist=True)
+                got = procs.spawn("w", Where).where.call().get()
+                out(where=sorted(got.values()), key_file=job._key_file,
+                    extra=[h.host for h in state.extra._refs()])
+                os._exit(0)  # a crashed kernel: no goodbye, no kill()
+                """,
+                args=args,
+            ),
+            _env(ssh),
+        )[0]
+        # the ssh clients are gone (they return once the allocator announced), the allocators live on
+        assert not [p for p in ssh.host_pids(0) if p[1].startswith("ssh ")]
+        for i in (1, 2, 3):
+            assert len(_allocators_on(ssh, i)) >= 1, ssh.host_pids(i)
+        hosts = sorted({h for h, _ in first["where"]})
+        assert hosts == ["s1", "s2"] and len(first["where"]) == 4 and first["extra"] == ["s3"]
+        key = bytes.fromhex(ssh.net.path(0, first["key_file"]).read_text().strip())
+
+        second = run_controller(
+            ssh.net,
+            ssh.shared,
+            _code(
+                """
+                job = make_job({args!r})
+                state = job.state(cached_path="/tmp/job.json")
+                procs = ProcMesh.lookup("kept", state.workers)
+                got = procs.actor_mesh("w").where.call().get()
+                out(where=sorted(got.values()), pids=sorted((p.host, p.pid) for p in procs._procs))
+                job.kill()
+                out(killed=True, cache=os.path.exists("/tmp/job.json"))
+                """,
+                args=args,
+            ),
+            _env(ssh),
+        )
+    assert [list(x) for x in second[0]["pids"]] == [list(x) for x in first["where"]]
+    assert second[0]["where"] == first["where"]
+    assert second[1] == {"killed": True, "cache": False}
+    # kill() stopped the recorded allocators over ssh: nothing of ours is left on any host
+    for i in (1, 2, 3):
+        wait_for(lambda i=i: not [p for p in ssh.host_pids(i) if "sshd:" not in p[1]], 15, f"host s{i} to be empty")
+    ssh.assert_alive()
+    assert watch.scans > 10
+    assert watch.leaks(key) == []
+
+
+def test_unreachable_host_fails_clearly_and_cleans_up(ssh: SshCluster) -> None:
+    assert ssh.net is not None
+    nowhere = ssh.net.ip(3).rsplit(".", 1)[0] + ".250"  # on the subnet, no host there
+    res = run_controller(
+        ssh.net,
+        ssh.shared,
+        _code(
+            """
+            job = make_job({args!r}, hosts=("root@s1", "root@{nowhere}"), extra=())
+            try:
+                job.state(cached_path=None)
+                out(error=None)
+            except JobError as e:
+                out(error=str(e))
+            """,
+            args=ssh.ssh_args(),
+            nowhere=nowhere,
+        ),
+        _env(ssh),
+    )[0]
+    assert res["error"] and f"ssh could not reach root@{nowhere}" in res["error"], res
+    # the host that did start was stopped again
+    wait_for(lambda: not _allocators_on(ssh, 1), 15, "the allocator started on s1 to be stopped")
+
+
+def test_refused_ssh_key_fails_clearly(ssh: SshCluster) -> None:
+    other = os.path.join(ssh.shared, "not_authorized")
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", other], check=True)
+    res = run_controller(
+        ssh.net,
+        ssh.shared,
+        _code(
+            """
+            job = make_job({args!r}, extra=())
+            try:
+                job.state(cached_path=None)
+                out(error=None)
+            except JobError as e:
+                out(error=str(e))
+            """,
+            args=ssh.ssh_args(other),
+        ),
+        _env(ssh),
+    )[0]
+    assert res["error"] and "was refused" in res["error"] and "Permission denied" in res["error"], res
+    assert not _allocators_on(ssh, 1) and not _allocators_on(ssh, 2)
+
+
+def test_wrong_cluster_key_fails_clearly(ssh: SshCluster) -> None:
+    res = run_controller(
+        ssh.net,
+        ssh.shared,
+        _code(
+            """
+            from monarch_nb._wire.keys import write_key_file
+            from monarch_nb.errors import AuthenticationError
+            job = make_job({args!r}, hosts=("root@s1",), extra=())
+            job.apply()
+            write_key_file(job._key_file)  # the controller now holds another key than the hosts
+            try:
+                job.state(cached_path=None)
+                out(error=None)
+            except AuthenticationError as e:
+                out(error=str(e))
+            finally:
+                job.kill()
+            """,
+            args=ssh.ssh_args(),
+        ),
+        _env(ssh),
+    )[0]
+    assert res["error"] and "different cluster key" in res["error"], res
+    wait_for(lambda: not _allocators_on(ssh, 1), 15, "s1's allocator to be stopped")
