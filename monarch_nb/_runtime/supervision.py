@@ -120,6 +120,17 @@ class Supervision:
         if w.lost is not None:
             self.peer_failed(proc_addr, self._proc_error(w, proc_addr, w.lost.cause))
 
+    def lose(self, alloc_addr: str, cause: str) -> None:
+        """Count the allocator at ``alloc_addr`` and its procs as gone for ``cause`` (it was
+        stopped on purpose): what is pending on them fails at once, with no heartbeat alarm."""
+        w = self.watches.get(alloc_addr)
+        if w is None or w.lost is not None:
+            return
+        w.lost = SupervisionError(cause, host=w.host)
+        for p in list(w.procs):
+            self.peer_failed(p, self._proc_error(w, p, cause))
+        self.peer_failed(alloc_addr, w.lost)
+
     def _proc_error(self, w: Watch, proc_addr: str, cause: str) -> SupervisionError:
         mesh, rank, host = w.procs.get(proc_addr, ("", None, w.host))
         return SupervisionError(cause, mesh=mesh, rank=rank, host=host)

@@ -166,7 +166,6 @@ def forget_hosts(addrs: list[str]) -> None:
     """This controller stops watching allocators its job just stopped: what is still pending on
     them fails at once, and no "allocator lost" alarm follows a deliberate kill()."""
     from ..actor import _context
-    from ..errors import SupervisionError
 
     client = _context._client
     if client is None or not addrs:
@@ -177,14 +176,7 @@ def forget_hosts(addrs: list[str]) -> None:
 
     def drop() -> None:
         for a in addrs:
-            w = rt._watches.get(a)
-            if w is None or w.lost is not None:
-                continue
             # "mesh stopped" in the cause: the client reports no mesh failure for it
-            cause = f"allocator {a} stopped: its job was killed (mesh stopped)"
-            w.lost = SupervisionError(cause, host=w.host)
-            for p in list(w.procs):
-                rt.peer_failed(p, rt._proc_error(w, p, cause))
-            rt.peer_failed(a, w.lost)
+            rt.supervision.lose(a, f"allocator {a} stopped: its job was killed (mesh stopped)")
 
     rt.loop.call_soon_threadsafe(drop)
