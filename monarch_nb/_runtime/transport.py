@@ -102,7 +102,7 @@ class _KeyProvider:
 class SocketFactory:
     """Makes inbox (server) and outbox (client) sockets with the right security."""
 
-    def __init__(self, ctx: zmq.Context, security: Security, runtime_dir: str = "") -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], security: Security, runtime_dir: str = "") -> None:
         self.ctx = ctx
         self.security = security
         self.runtime_dir = runtime_dir
@@ -138,7 +138,7 @@ class SocketFactory:
             self._auth.start()
             self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_KeyProvider(public))
 
-    def secure_server(self, sock: zmq.Socket, addr: str) -> None:
+    def secure_server(self, sock: zmq.Socket[bytes], addr: str) -> None:
         if addr.startswith("tcp://"):
             public, secret = self._tcp_keys(addr)
             self._ensure_auth(public)
@@ -147,7 +147,7 @@ class SocketFactory:
             sock.curve_publickey = public
             sock.zap_domain = ZAP_DOMAIN.encode()
 
-    def secure_client(self, sock: zmq.Socket, addr: str) -> None:
+    def secure_client(self, sock: zmq.Socket[bytes], addr: str) -> None:
         if addr.startswith("tcp://"):
             public, secret = self._tcp_keys(addr)
             sock.curve_serverkey = public
@@ -175,7 +175,7 @@ def route_ip(peer_host: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((peer_host, 9))
-            return s.getsockname()[0]
+            return str(s.getsockname()[0])
         except OSError:
             return "127.0.0.1"
 
@@ -190,7 +190,7 @@ def split_tcp(addr: str) -> tuple[str, int]:
 Dispatch = Callable[..., None]
 
 
-def refuse(sock: zmq.Socket | None, rid: bytes, reason: str) -> None:
+def refuse(sock: zmq.Socket[bytes] | None, rid: bytes, reason: str) -> None:
     """Tell the sender (on its own connection) why its message was dropped."""
     if sock is None:
         return
@@ -200,7 +200,7 @@ def refuse(sock: zmq.Socket | None, rid: bytes, reason: str) -> None:
         pass
 
 
-def _not_open(frames: list[Any], sock: zmq.Socket | None = None, rid: bytes = b"") -> None:
+def _not_open(frames: list[Any], sock: zmq.Socket[bytes] | None = None, rid: bytes = b"") -> None:
     raise RuntimeError("the transport is not open")
 
 
@@ -238,8 +238,8 @@ class Transport:
         self.dispatch: Dispatch = _not_open
         #: connections refused here (wrong uid, failed handshakes)
         self.dropped = 0
-        self._inboxes: list[zmq.Socket] = []
-        self._all_out: list[zmq.Socket] = []
+        self._inboxes: list[zmq.Socket[bytes]] = []
+        self._all_out: list[zmq.Socket[bytes]] = []
         self._tls = threading.local()
         self._lock = threading.Lock()
         self._fast_listener: socket.socket | None = None
@@ -288,7 +288,7 @@ class Transport:
             self._spawn(self._log_handshake_failures(mon, bound))
         return bound
 
-    def _drain_inbox(self, sock: zmq.Socket) -> None:
+    def _drain_inbox(self, sock: zmq.Socket[bytes]) -> None:
         # the zmq FD is edge-triggered: read while ZMQ_EVENTS says so (checking it re-arms the
         # FD), or come back at once after a batch. Asking EVENTS instead of calling recv until
         # EAGAIN saves a GIL release (recv always drops it) and an exception per wake-up; each
@@ -301,7 +301,7 @@ class Transport:
                 rid = recv(zmq.NOBLOCK)  # the sender's routing id; answers go to reply addresses instead
                 # the rest of a multipart message has arrived with its first part; the head is
                 # small (copied), payloads and buffers are not
-                frames = [recv()] if opt(zmq.RCVMORE) else []
+                frames: list[Any] = [recv()] if opt(zmq.RCVMORE) else []
                 while opt(zmq.RCVMORE):
                     frames.append(recv(copy=False).buffer)
             except zmq.Again:
@@ -410,8 +410,8 @@ class Transport:
         else:
             self._out(addr).send_multipart(frames, copy=False)
 
-    def _out(self, addr: str) -> zmq.Socket:
-        socks: dict[str, zmq.Socket] | None = getattr(self._tls, "socks", None)
+    def _out(self, addr: str) -> zmq.Socket[bytes]:
+        socks: dict[str, zmq.Socket[bytes]] | None = getattr(self._tls, "socks", None)
         if socks is None:
             socks = self._tls.socks = {}
         s = socks.get(addr)

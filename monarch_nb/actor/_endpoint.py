@@ -383,7 +383,8 @@ def gather(
     keep_errors: bool = False,
 ) -> Future[Any]:
     """Open a :class:`ReplyPort`, ``send(port, on_fail)`` to ``n`` of ``procs`` (by index; see
-    :func:`multicast`), and collect the raw replies into a Future that ``decode`` turns into its value on first read.
+    :func:`multicast`), and collect the raw replies into a Future that ``decode`` turns into
+    its value on first read.
 
     It completes once all ``n`` have answered, raising the lowest index's failure if any
     failed (as Monarch does, so a program sees the same error on every run); with
