@@ -357,10 +357,10 @@ class DataServer:
             if entry is None or status != ST_OK:
                 self._reply(ch, status, bad)
                 return
+            self.bytes_out += n  # counted first: the reader may look before this thread goes on
             ch.send(_RSP.pack(ST_OK, n))
             for p in range(off, off + n, PIECE):
                 ch.send(entry.source(p, min(PIECE, off + n - p)))
-            self.bytes_out += n
         elif op == OP_WRITE:
             # the payload follows the request: take it all (into the buffer, or away) to stay in step
             p = off
@@ -421,15 +421,15 @@ class _Pool:
     """Idle connections to data servers, reused across transfers (one transfer per connection)."""
 
     def __init__(self) -> None:
-        self._idle: dict[tuple[str, str], list[_Plain | _Sealed]] = {}
+        self._idle: dict[tuple[str, ...], list[_Plain | _Sealed]] = {}
         self._lock = threading.Lock()
 
-    def take(self, where: tuple[str, str], key: bytes | None, deadline: float) -> _Plain | _Sealed:
+    def take(self, where: tuple[str, ...], key: bytes | None, deadline: float) -> _Plain | _Sealed:
         with self._lock:
             idle = self._idle.get(where)
             if idle:
                 return idle.pop()
-        kind, addr = where
+        kind, addr = where[0], where[1]
         left = max(0.001, deadline - time.monotonic())
         if kind == "unix":
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -447,7 +447,7 @@ class _Pool:
             s.close()
             raise
 
-    def give(self, where: tuple[str, str], ch: _Plain | _Sealed) -> None:
+    def give(self, where: tuple[str, ...], ch: _Plain | _Sealed) -> None:
         with self._lock:
             self._idle.setdefault(where, []).append(ch)
 
@@ -480,16 +480,19 @@ def stream(
     ``ValueError`` for a bad range, ``PermissionError`` when keys differ.
     """
     same = addr.host == host_id()
-    where = ("unix", addr.unix) if same else ("tcp", addr.tcp)
+    # pooled by key too: a connection proves one key, never another
+    where = ("unix", addr.unix) if same else ("tcp", addr.tcp, hashlib.sha256(key or b"").hexdigest()[:16])
     if not same and not addr.tcp:
         raise PeerGone("the owner's process has no address reachable from another host")
     phase = "connecting to"
     got = 0
     try:
         ch = _pool.take(where, key, deadline)
+    except PermissionError:
+        raise
     except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as e:
         raise PeerGone(f"its data server at {where[1]} is gone ({e.strerror or e})") from e
-    except (socket.timeout, TimeoutError) as e:
+    except TimeoutError as e:
         raise Stalled(f"the owner's side stalled: no connection to its data server at {where[1]} in time") from e
     except OSError as e:
         raise PeerGone(f"its data server at {where[1]} cannot be reached ({e.strerror or e})") from e
@@ -532,7 +535,7 @@ def stream(
             if status != ST_OK:
                 _fail(ch, status, m)
         ok = True
-    except (socket.timeout, TimeoutError) as e:
+    except TimeoutError as e:
         raise Stalled(f"the owner's side stalled ({phase}; {got} of {n} bytes moved)") from e
     except (BufferGone, ValueError, PermissionError):
         ok = True  # the connection is still in step: the reply was read whole
