@@ -436,7 +436,7 @@ def test_cross_host_read_and_write_go_straight_between_the_two_procs(tmp_path_fa
 def test_the_stream_is_sealed_and_refuses_a_wrong_key() -> None:
     from monarch_nb._runtime import _dataplane as dp
 
-    srv = dp.DataServer("/tmp", b"k" * 32, lambda: "127.0.0.1")
+    srv = dp.DataServer(b"k" * 32, lambda: "127.0.0.1")
     try:
         data = bytearray(os.urandom(3 << 20))
         bid = srv.register(dp.Entry(memoryview(data), data))

@@ -10,8 +10,8 @@ actor thread is busy in a long endpoint.
   descriptor number is never mistaken for it), maps it once, and copies with ``memmove``: one
   copy at memory speed, no socket. The owner closing that descriptor (``drop()``) is what tells
   readers the buffer is gone; their mappings of it are let go on their next look.
-* Same host otherwise (a ``memoryview``, a CUDA tensor, or /dev/shm full): a unix socket in the
-  user's 0600 runtime directory, peer uid checked.
+* Same host otherwise (a ``memoryview``, a CUDA tensor, or /dev/shm full): an abstract unix
+  socket (nothing on disk to leave behind), the peer's uid checked on accept.
 * Across hosts: TCP on the proc's cluster address. Both ends prove they hold the cluster key
   (HMAC challenge-response over fresh nonces, the key never on the wire), derive one AES-256-GCM
   key per direction for this connection, and seal every record of every message: requests,
@@ -238,17 +238,17 @@ class Address:
 
 
 class DataServer:
-    def __init__(self, runtime_dir: str, key: bytes | None, tcp_ip: Callable[[], str]) -> None:
+    def __init__(self, key: bytes | None, tcp_ip: Callable[[], str]) -> None:
         self.key = key
         self._tcp_ip = tcp_ip
         self._entries: dict[bytes, Entry] = {}
         self._lock = threading.Lock()
         self._listeners: list[socket.socket] = []
-        self.unix = os.path.join(runtime_dir, f"mnb-dp-{os.getpid()}-{secrets.token_hex(3)}.sock")
+        # abstract (no file to leave behind when the proc is killed); callers' uid is checked
+        self.unix = f"\0monarch_nb-dp-{os.getuid()}-{os.getpid()}-{secrets.token_hex(8)}"
         self.tcp = ""
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.bind(self.unix)
-        os.chmod(self.unix, 0o600)
         s.listen(64)
         self._serve_listener(s, sealed=False)
         self.bytes_out = 0
@@ -390,8 +390,6 @@ class DataServer:
             except OSError:
                 pass
             s.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.unix)
         with self._lock:
             entries, self._entries = list(self._entries.values()), {}
         for e in entries:
@@ -402,13 +400,13 @@ _server: DataServer | None = None
 _server_lock = threading.Lock()
 
 
-def server(runtime_dir: str, key: bytes | None, tcp_ip: Callable[[], str]) -> DataServer:
+def server(key: bytes | None, tcp_ip: Callable[[], str]) -> DataServer:
     """This process's data server, started on first use."""
     global _server
     if _server is None:
         with _server_lock:
             if _server is None:
-                _server = DataServer(runtime_dir, key, tcp_ip)
+                _server = DataServer(key, tcp_ip)
     return _server
 
 

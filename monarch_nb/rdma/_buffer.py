@@ -220,7 +220,7 @@ def _server() -> dp.DataServer:
     def tcp_ip() -> str:
         return rt.tcp_addr[len("tcp://") :].rsplit(":", 1)[0] if rt.tcp_addr else ""
 
-    return dp.server(rt.runtime_dir, rt.security.key, tcp_ip)
+    return dp.server(rt.security.key, tcp_ip)
 
 
 def _key() -> bytes | None:
@@ -333,6 +333,15 @@ class RDMABuffer:
     def _dropped_error(self) -> BufferDroppedError:
         return BufferDroppedError(f"RDMABuffer of {self._owner} ({self._size} bytes) was dropped; ask its owner for a new one")
 
+    def _in_shm(self, local: Any) -> bool:
+        """Whether a transfer with ``local`` is a plain copy out of (or into) shared memory."""
+        return (
+            self._shm is not None
+            and not self._dropped
+            and self._addr.host == dp.host_id()
+            and (isinstance(local, memoryview) or local.device.type == "cpu")
+        )
+
     def _transfer(self, write: bool, local: Any, nbytes: int, deadline: float) -> None:
         if self._dropped:
             raise self._dropped_error()
@@ -440,8 +449,13 @@ class RDMAAction:
             if last:
                 fut._set_result(None)
 
+        # a copy out of shared memory runs at memory speed: handing it to another thread would
+        # cost more than the copy of a few MiB, so it runs here; streams go to the pool
+        inline = [op for op in ops if op[1]._in_shm(op[2])]
         ex = _pool()
-        for op in ops[1:]:
-            ex.submit(run, op)
-        ex.submit(run, ops[0])
+        for op in ops:
+            if not any(op is o for o in inline):
+                ex.submit(run, op)
+        for op in inline:
+            run(op)
         return fut
