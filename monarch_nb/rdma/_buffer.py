@@ -32,6 +32,7 @@ __all__ = [
     "RDMAShmFallbackWarning",
     "RDMATcpFallbackWarning",
     "RDMAWriteTransferWarning",
+    "bytes_moved",
     "get_rdma_backend",
     "is_ibverbs_available",
     "is_rdma_available",
@@ -227,6 +228,22 @@ def _key() -> bytes | None:
     return _context.runtime().security.key
 
 
+_stats = {"read": 0, "written": 0, "shm": 0, "stream": 0}
+_stats_lock = threading.Lock()
+
+
+def bytes_moved() -> dict[str, int]:
+    """What this process moved through RDMABuffers: as a reader/writer (``read``, ``written``, and
+    by path, ``shm`` or ``stream``) and as an owner serving its buffers' streams (``served_out``,
+    ``served_in``; shared-memory copies cost the owner nothing and are not seen there)."""
+    with _stats_lock:
+        out = dict(_stats)
+    srv = dp.local_server()
+    out["served_out"] = srv.bytes_out if srv else 0
+    out["served_in"] = srv.bytes_in if srv else 0
+    return out
+
+
 # ------------------------------------------------------------------------------------ buffers
 class RDMABuffer:
     """A handle to 1-D contiguous memory of the actor that made it; any actor may read or write it.
@@ -345,12 +362,18 @@ class RDMABuffer:
     def _transfer(self, write: bool, local: Any, nbytes: int, deadline: float) -> None:
         if self._dropped:
             raise self._dropped_error()
+        path = self._transfer_path(write, local, nbytes, deadline)
+        with _stats_lock:
+            _stats["written" if write else "read"] += nbytes
+            _stats[path] += nbytes
+
+    def _transfer_path(self, write: bool, local: Any, nbytes: int, deadline: float) -> str:
         with _host_view(local, nbytes, fill=write) as mv:
             mv = mv[:nbytes]
             if self._shm is not None and self._addr.host == dp.host_id():
                 with _address(mv) as (addr, _):
                     if dp.shm_copy(self._addr, self._shm, write, addr, 0, nbytes):
-                        return
+                        return "shm"
                 if not dp.owner_alive(self._addr):
                     raise self._gone(f"its process (pid {self._addr.pid}) exited")
                 raise self._dropped_error()
@@ -365,6 +388,7 @@ class RDMABuffer:
             except dp.Stalled as e:
                 verb = "write into" if write else "read from"
                 raise TimeoutError(f"RDMABuffer {verb} {self._owner} timed out: {e}") from e
+            return "stream"
 
 
 def _rebuild(
