@@ -269,6 +269,25 @@ def test_drop_gc_and_reader_handles(pair: tuple[ProcMesh, ProcMesh]) -> None:
     assert _leftovers(pid) == []
 
 
+def test_a_stalled_owner_times_out_saying_so(pair: tuple[ProcMesh, ProcMesh]) -> None:
+    a, b = pair
+    owner = a.spawn("owner", Owner)
+    reader = b.spawn("reader", Reader)
+    _, mvbuf = owner.buffers.call_one().get(timeout=60)
+    pid = owner.info.call_one().get(timeout=30)["pid"]
+    assert reader.read_mv.call_one(mvbuf).get(timeout=60) == b"m" * 8
+    os.kill(pid, signal.SIGSTOP)  # its data server cannot answer, its process is alive
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="owner's side stalled") as e:
+            mvbuf.read_into(memoryview(bytearray(4096)), timeout=1).get(timeout=30)
+        assert time.monotonic() - t0 < 10
+        assert mvbuf.owner in str(e.value)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert reader.read_mv.call_one(mvbuf).get(timeout=60) == b"m" * 8
+
+
 class TinyShmOwner(Actor):
     """Owns a buffer made while its thread sees a full /dev/shm (a tiny tmpfs in a mount
     namespace of this thread's own: the rest of the machine keeps the real one)."""
