@@ -33,6 +33,27 @@ class Owner(Actor):
     def get(self) -> RDMABuffer:
         return self.buf
 
+    @endpoint
+    def raw_server(self, ip: str) -> int:
+        """A plain TCP sender of this buffer's bytes (no authentication, no encryption): the
+        link's own speed, the baseline across hosts."""
+        import socket
+        import threading
+
+        ls = socket.socket()
+        ls.bind((ip, 0))
+        ls.listen(4)
+        data = memoryview(self.t.numpy())
+
+        def serve() -> None:
+            while True:
+                c, _ = ls.accept()
+                while c.recv(1):
+                    c.sendall(data)
+
+        threading.Thread(target=serve, daemon=True).start()
+        return ls.getsockname()[1]
+
 
 class Reader(Actor):
     @endpoint
@@ -44,6 +65,23 @@ class Reader(Actor):
             t0 = time.perf_counter()
             (buf.read_into(local) if op == "read" else buf.write_from(local)).get()
             out.append(time.perf_counter() - t0)
+        return out[1:]
+
+    @endpoint
+    def raw_read(self, ip: str, port: int, n: int, reps: int) -> list[float]:
+        import socket
+
+        buf = bytearray(n)
+        mv = memoryview(buf)
+        out = []
+        with socket.create_connection((ip, port)) as c:
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                c.sendall(b"x")
+                got = 0
+                while got < n:
+                    got += c.recv_into(mv[got:])
+                out.append(time.perf_counter() - t0)
         return out[1:]
 
     @endpoint
@@ -61,8 +99,18 @@ class Reader(Actor):
 def main() -> None:
     sizes = [int(s) for s in sys.argv[1].split(",")]
     floor = os.environ.get("BENCH_FLOOR") == "1"
-    owners_procs = this_host().spawn_procs(per_host={"gpus": 1})
-    reader_procs = this_host().spawn_procs(per_host={"gpus": 1})
+    workers = os.environ.get("BENCH_WORKERS", "")
+    if workers:
+        # two hosts: the owner on the first, the reader on the second
+        from monarch_nb.actor import attach_to_workers
+
+        hosts = attach_to_workers(workers=workers.split(","), ca=os.environ["BENCH_KEY"])
+        procs = hosts.spawn_procs(per_host={"gpus": 1})
+        owners_procs, reader_procs = procs.slice(hosts=0), procs.slice(hosts=1)
+        owner_ip = workers.split(",")[0][len("tcp://") :].rsplit(":", 1)[0]
+    else:
+        owners_procs = this_host().spawn_procs(per_host={"gpus": 1})
+        reader_procs = this_host().spawn_procs(per_host={"gpus": 1})
     reader = reader_procs.spawn("reader", Reader)
     res: dict[str, dict[str, float]] = {}
     for n in sizes:
@@ -72,14 +120,24 @@ def main() -> None:
         owner = owners_procs.spawn(f"owner{n}", Owner, n)
         buf = owner.get.call_one().get()
         for op in ("read", "write"):
+            # the controller only waits for the reply: its CPU time over the transfers' wall time
+            c0, w0 = time.process_time(), time.perf_counter()
             t = statistics.median(reader.time_op.call_one(buf, n, reps, op).get())
-            res[f"{op}_{n}"] = {"median_s": t, "GBps": n / t / 1e9}
+            cpu = (time.process_time() - c0) / (time.perf_counter() - w0)
+            res[f"{op}_{n}"] = {"median_s": t, "GBps": n / t / 1e9, "controller_cpu_fraction": cpu}
+        if workers:
+            port = owner.raw_server.call_one(owner_ip).get()
+            t = statistics.median(reader.raw_read.call_one(owner_ip, port, n, reps).get())
+            res[f"rawtcp_{n}"] = {"median_s": t, "GBps": n / t / 1e9}
         if floor:
             t = statistics.median(reader.memcpy.call_one(n, reps).get())
             res[f"memcpy_{n}"] = {"median_s": t, "GBps": n / t / 1e9}
     print(json.dumps(res))
-    owners_procs.stop().get()
-    reader_procs.stop().get()
+    if workers:
+        procs.stop().get()
+    else:
+        owners_procs.stop().get()
+        reader_procs.stop().get()
 
 
 if __name__ == "__main__":
