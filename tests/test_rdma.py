@@ -452,10 +452,68 @@ def test_cross_host_read_and_write_go_straight_between_the_two_procs(tmp_path_fa
         cluster.close()
 
 
+def _notebook_body() -> str:
+    """notebooks/08_data_plane.ipynb's code cells, on two netns hosts instead of the embedded
+    default: the server's proc on the first host, a trainer proc... on each."""
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).parent.parent / "notebooks" / "08_data_plane.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    *run, cleanup = cells
+    subs = {
+        'this_host().spawn_procs(per_host={"gpus": 1}, name="ps")': 'hosts.slice(hosts=0).spawn_procs(per_host={"gpus": 1}, name="ps")',
+        'this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2}, name="trainers")': 'hosts.spawn_procs(per_host={"gpus": 2}, name="trainers")',
+    }
+    src = "\n".join(run)
+    for a, b in subs.items():
+        assert a in src, a
+        src = src.replace(a, b)
+    return (
+        'hosts = attach_to_workers(workers=WORKERS, ca="/tmp/key")\n'
+        + src
+        + '\nemit("moved", items=[[dict(p), m] for p, m in trainers.moved.call().get(timeout=60).items()])\n'
+        + cleanup
+    )
+
+
+@pytest.mark.multihost
+@pytest.mark.timeout(150)
+def test_the_notebook_cells_across_two_hosts(tmp_path_factory: pytest.TempPathFactory) -> None:
+    import subprocess
+
+    import test_multihost as mh
+
+    keydir = tmp_path_factory.mktemp("rdmakey")
+    subprocess.run([mh.PY, "-m", "monarch_nb", "keygen", str(keydir / "k")], check=True, capture_output=True, timeout=60)
+    key = (keydir / "k").read_bytes()
+    cluster = mh.NetnsCluster(2)
+    try:
+        for i in cluster.hosts:
+            mh.plant_key(cluster, i, key)
+        for i in (1, 2):
+            mh.Allocator(cluster, i, "--key-file", mh.KEY).wait_ready()
+        ctl = mh.Controller(cluster, _notebook_body())
+        moved = ctl.expect("moved", 120)["items"]
+        ctl.finish()
+        out = ctl.out.text()
+        for v in (1, 2, 3):
+            assert f"version {v}: trainers see mean [{v}.0]" in out, out
+        assert "[7.0, 7.0, 7.0, 7.0]" in out, out
+        assert len(moved) == 4
+        for point, m in moved:
+            # 4 pulls of 4 MB each: on the server's host out of shared memory, on the other by stream
+            assert m["read"] == 16_000_000, (point, m)
+            path = "shm" if point["hosts"] == 0 else "stream"
+            assert m[path] == 16_000_000, (point, m)
+    finally:
+        cluster.close()
+
+
 def test_the_stream_is_sealed_and_refuses_a_wrong_key() -> None:
     from monarch_nb._runtime import _dataplane as dp
 
-    srv = dp.DataServer(b"k" * 32, lambda: "127.0.0.1")
+    srv = dp.DataServer(lambda: b"k" * 32, lambda: "127.0.0.1")
     try:
         data = bytearray(os.urandom(3 << 20))
         bid = srv.register(dp.Entry(memoryview(data), data))

@@ -238,8 +238,8 @@ class Address:
 
 
 class DataServer:
-    def __init__(self, key: bytes | None, tcp_ip: Callable[[], str]) -> None:
-        self.key = key
+    def __init__(self, key: Callable[[], bytes | None], tcp_ip: Callable[[], str]) -> None:
+        self._key = key  # asked on use: a controller adopts its cluster key when it attaches
         self._tcp_ip = tcp_ip
         self._entries: dict[bytes, Entry] = {}
         self._lock = threading.Lock()
@@ -260,7 +260,7 @@ class DataServer:
         threading.Thread(target=self._accept, args=(s, sealed), name="monarch_nb-dataplane-accept", daemon=True).start()
 
     def address(self) -> Address:
-        if not self.tcp and self.key is not None:
+        if not self.tcp and self._key() is not None:
             ip = self._tcp_ip()
             if ip:
                 with self._lock:
@@ -307,8 +307,9 @@ class DataServer:
             if sealed:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn.settimeout(10)
-                assert self.key is not None
-                ch = _server_handshake(conn, self.key)
+                key = self._key()
+                assert key is not None
+                ch = _server_handshake(conn, key)
                 if ch is None:
                     logger.warning("refused a data-plane connection: the peer does not hold the cluster key")
                     conn.close()
@@ -400,7 +401,7 @@ _server: DataServer | None = None
 _server_lock = threading.Lock()
 
 
-def server(key: bytes | None, tcp_ip: Callable[[], str]) -> DataServer:
+def server(key: Callable[[], bytes | None], tcp_ip: Callable[[], str]) -> DataServer:
     """This process's data server, started on first use."""
     global _server
     if _server is None:

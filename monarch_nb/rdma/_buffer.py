@@ -221,11 +221,12 @@ def _server() -> dp.DataServer:
     def tcp_ip() -> str:
         return rt.tcp_addr[len("tcp://") :].rsplit(":", 1)[0] if rt.tcp_addr else ""
 
-    return dp.server(rt.security.key, tcp_ip)
+    return dp.server(_key, tcp_ip)
 
 
 def _key() -> bytes | None:
-    return _context.runtime().security.key
+    # the socket factory's: a controller adopts the cluster key there when it attaches
+    return _context.runtime().sockets.security.key
 
 
 _stats = {"read": 0, "written": 0, "shm": 0, "stream": 0}
