@@ -122,7 +122,7 @@ def _host_view(data: Any, nbytes: int, fill: bool) -> Iterator[memoryview]:
         yield _cpu_view(data, nbytes)
     else:
         t = _torch()
-        flat = data.view(t.uint8) if data.dtype != t.uint8 else data
+        flat = (data.view(t.uint8) if data.dtype != t.uint8 else data)[:nbytes]
         stage = t.empty(nbytes, dtype=t.uint8, pin_memory=True)
         if fill:
             stage.copy_(flat)
@@ -139,28 +139,33 @@ def _address(mv: memoryview) -> Any:
 
 # ------------------------------------------------------------------------------- owner's side
 class _CudaEntry(dp.Entry):
-    """A CUDA buffer: served through pinned host memory, one piece at a time."""
+    """A CUDA buffer: served through pinned host memory, one piece at a time. Each serving thread
+    has its own staging buffer: a piece is sent whole before that thread asks for the next."""
 
     def __init__(self, tensor: Any, nbytes: int) -> None:
         t = _torch()
         super().__init__(memoryview(bytearray(0)), tensor)
         self.nbytes = nbytes
         self.flat = tensor.view(t.uint8) if tensor.dtype != t.uint8 else tensor
-        self.stage = t.empty(min(nbytes, dp.PIECE), dtype=t.uint8, pin_memory=True)
-        self.lock = threading.Lock()
+        self._tls = threading.local()
+
+    def _stage(self, n: int) -> Any:
+        stage = getattr(self._tls, "stage", None)
+        if stage is None:
+            t = _torch()
+            stage = self._tls.stage = t.empty(min(self.nbytes, dp.PIECE), dtype=t.uint8, pin_memory=True)
+        return stage[:n]
 
     def source(self, off: int, n: int) -> memoryview:
-        out = _torch().empty(n, dtype=_torch().uint8, pin_memory=True)
-        out.copy_(self.flat[off : off + n])
-        self._last = out  # alive until the next piece is asked for (sent by then)
-        return _cpu_view(out, n)
+        stage = self._stage(n)
+        stage.copy_(self.flat[off : off + n])
+        return _cpu_view(stage, n)
 
     @contextlib.contextmanager
     def target(self, off: int, n: int) -> Iterator[memoryview]:
-        with self.lock:
-            stage = self.stage[:n]
-            yield _cpu_view(stage, n)
-            self.flat[off : off + n].copy_(stage)
+        stage = self._stage(n)
+        yield _cpu_view(stage, n)
+        self.flat[off : off + n].copy_(stage)
 
 
 def _share(data: Any, nbytes: int) -> tuple[dp.Shm | None, list[Any]]:
@@ -183,7 +188,7 @@ def _share(data: Any, nbytes: int) -> tuple[dp.Shm | None, list[Any]]:
     except OSError as e:
         warnings.warn(
             f"RDMABuffer of {nbytes} bytes could not be placed in shared memory ({e.strerror or e}): "
-            "readers on this host read it over its owner's stream instead (slower); free /dev/shm space",
+            "readers on this host read it over its owner's stream instead (slower); if /dev/shm is full, free space there",
             RDMAShmFallbackWarning,
             stacklevel=3,
         )
