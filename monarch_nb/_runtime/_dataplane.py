@@ -22,6 +22,7 @@ actor thread is busy in a long endpoint.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import hmac
 import logging
@@ -572,10 +573,14 @@ class Shm:
 
 class _Maps:
     """Mappings of owners' shared files, kept for the next copy and let go once the owner closed
-    its descriptor (dropped the buffer) or died: checked on every use and by a slow sweep."""
+    its descriptor (dropped the buffer) or died: checked on every use and by a slow sweep.
+
+    A mapping is never closed explicitly: each entry holds a buffer export giving its address,
+    and a copy holds the entry while it runs, so the memory is unmapped only once neither the
+    table nor any copy refers to it."""
 
     def __init__(self) -> None:
-        self._maps: dict[tuple[int, int, int, int], mmap.mmap] = {}
+        self._maps: dict[tuple[int, int, int, int], tuple[mmap.mmap, Any, int]] = {}
         self._lock = threading.Lock()
         self._sweeper: threading.Thread | None = None
 
@@ -587,16 +592,15 @@ class _Maps:
             return False
         return (st.st_dev, st.st_ino) == (shm.dev, shm.ino)
 
-    def get(self, pid: int, shm: Shm) -> mmap.mmap | None:
-        """The mapping (None: the owner let go of the file, or died)."""
+    def get(self, pid: int, shm: Shm) -> tuple[mmap.mmap, Any, int] | None:
+        """(mapping, export, address) of the file (None: the owner let go of it, or died)."""
         key = (pid, shm.fd, shm.dev, shm.ino)
         if not self.alive(pid, shm):
             self._forget(key)
             return None
-        with self._lock:
-            mm = self._maps.get(key)
-        if mm is not None:
-            return mm
+        m = self._maps.get(key)
+        if m is not None:
+            return m
         try:
             fd = os.open(f"/proc/{pid}/fd/{shm.fd}", os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -608,21 +612,18 @@ class _Maps:
             mm = mmap.mmap(fd, shm.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        export = (ctypes.c_char * shm.size).from_buffer(mm)
+        m = (mm, export, ctypes.addressof(export))
         with self._lock:
-            mm = self._maps.setdefault(key, mm)
+            m = self._maps.setdefault(key, m)
             if self._sweeper is None:
                 self._sweeper = threading.Thread(target=self._sweep, name="monarch_nb-dataplane-maps", daemon=True)
                 self._sweeper.start()
-        return mm
+        return m
 
     def _forget(self, key: tuple[int, int, int, int]) -> None:
         with self._lock:
-            mm = self._maps.pop(key, None)
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass  # a copy still runs from it; the mapping goes with that copy's view
+            self._maps.pop(key, None)
 
     def _sweep(self) -> None:
         while True:
@@ -645,16 +646,13 @@ maps = _Maps()
 def shm_copy(addr: Address, shm: Shm, write: bool, local_addr: int, off: int, n: int) -> bool:
     """Copy between local memory at ``local_addr`` and the owner's shared file; False if the owner
     let go of it (dropped, or died: the caller tells which)."""
-    from .._wire import _rawbuf
-
-    mm = maps.get(addr.pid, shm)
-    if mm is None:
+    m = maps.get(addr.pid, shm)
+    if m is None:
         return False
-    with _rawbuf.pinned(mm, writable=True) as (base, _):
-        src, dst = base + shm.offset + off, local_addr
-        if write:
-            src, dst = dst, src
-        _rawbuf.copy(dst, src, n)
+    src, dst = m[2] + shm.offset + off, local_addr
+    if write:
+        src, dst = dst, src
+    ctypes.memmove(dst, src, n)  # GIL released; ``m`` keeps the mapping alive meanwhile
     return True
 
 
