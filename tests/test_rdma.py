@@ -286,6 +286,36 @@ def test_a_stalled_owner_times_out_saying_so(pair: tuple[ProcMesh, ProcMesh]) ->
     assert reader.read_mv.call_one(mvbuf).get(timeout=60) == b"m" * 8
 
 
+def test_the_dashboard_shows_bytes_moved_per_proc() -> None:
+    from monarch_nb import introspect
+    from monarch_nb.widgets._render import grid_html
+
+    a = this_host().spawn_procs(per_host={"gpus": 1}, name="rdma_dash_a")
+    b = this_host().spawn_procs(per_host={"gpus": 1}, name="rdma_dash_b")
+    try:
+        owner = a.spawn("owner", Owner)
+        reader = b.spawn("reader", Reader)
+        buf, mvbuf = owner.buffers.call_one().get(timeout=60)
+        reader.read.call_one(buf).get(timeout=60)
+        reader.read_mv.call_one(mvbuf).get(timeout=60)
+
+        def procs(mesh: str) -> list[dict]:
+            for al in introspect.status()["allocators"]:
+                for m in al.get("meshes", []):
+                    if m["name"] == mesh:
+                        return m["procs"]
+            return []
+
+        # the reader read N + 4096 bytes; the owner served the 4096 of the stream (shm costs it nothing)
+        got = wait_for(lambda: (p := procs("rdma_dash_b")) and p[0].get("bytes_moved") == N + 4096 and p, 10, "reader's bytes")
+        assert wait_for(lambda: (p := procs("rdma_dash_a")) and p[0].get("bytes_moved") == 4096, 10, "owner's bytes")
+        ranks = [{**got[0], "rank": 0, "state": "idle"}]
+        assert "moved 1.1 MB" in grid_html(ranks, ["gpus"], [1])
+    finally:
+        for m in (a, b):
+            m.stop().get(timeout=30)
+
+
 class TinyShmOwner(Actor):
     """Owns a buffer made while its thread sees a full /dev/shm (a tiny tmpfs in a mount
     namespace of this thread's own: the rest of the machine keeps the real one)."""

@@ -416,6 +416,32 @@ def local_server() -> DataServer | None:
     return _server
 
 
+# --------------------------------------------------------------------------------- bytes moved
+_moved = {"read": 0, "written": 0, "shm": 0, "stream": 0}
+_moved_lock = threading.Lock()
+
+
+def count(write: bool, path: str, n: int) -> None:
+    """Count ``n`` bytes this process read or wrote through a buffer, by ``path`` (shm/stream)."""
+    with _moved_lock:
+        _moved["written" if write else "read"] += n
+        _moved[path] += n
+
+
+def counters() -> dict[str, int] | None:
+    """What this process moved as a reader/writer and served as an owner; None if it never
+    touched the data plane (telemetry then reports nothing)."""
+    with _moved_lock:
+        out = dict(_moved)
+    srv = _server
+    out["served_out"] = srv.bytes_out if srv else 0
+    out["served_in"] = srv.bytes_in if srv else 0
+    if srv is None and not any(out.values()):
+        return None
+    out["total"] = out["read"] + out["written"] + out["served_out"] + out["served_in"]
+    return out
+
+
 # ---------------------------------------------------------------------------------- reader side
 class _Pool:
     """Idle connections to data servers, reused across transfers (one transfer per connection)."""

@@ -234,20 +234,12 @@ def _key() -> bytes | None:
     return _context.runtime().sockets.security.key
 
 
-_stats = {"read": 0, "written": 0, "shm": 0, "stream": 0}
-_stats_lock = threading.Lock()
-
-
 def bytes_moved() -> dict[str, int]:
     """What this process moved through RDMABuffers: as a reader/writer (``read``, ``written``, and
     by path, ``shm`` or ``stream``) and as an owner serving its buffers' streams (``served_out``,
     ``served_in``; shared-memory copies cost the owner nothing and are not seen there)."""
-    with _stats_lock:
-        out = dict(_stats)
-    srv = dp.local_server()
-    out["served_out"] = srv.bytes_out if srv else 0
-    out["served_in"] = srv.bytes_in if srv else 0
-    return out
+    c = dp.counters()
+    return c if c is not None else {k: 0 for k in ("read", "written", "shm", "stream", "served_out", "served_in", "total")}
 
 
 # ------------------------------------------------------------------------------------ buffers
@@ -334,9 +326,7 @@ class RDMABuffer:
         fut: Future[None] = Future._create("RDMABuffer.write_from" if write else "RDMABuffer.read_into")
         try:
             self._shm_copy(write, local.data_ptr(), n)
-            with _stats_lock:
-                _stats["written" if write else "read"] += n
-                _stats["shm"] += n
+            dp.count(write, "shm", n)
         except BaseException as e:
             fut._set_exception(e)
         else:
@@ -399,10 +389,7 @@ class RDMABuffer:
     def _transfer(self, write: bool, local: Any, nbytes: int, deadline: float) -> None:
         if self._dropped:
             raise self._dropped_error()
-        path = self._transfer_path(write, local, nbytes, deadline)
-        with _stats_lock:
-            _stats["written" if write else "read"] += nbytes
-            _stats[path] += nbytes
+        dp.count(write, self._transfer_path(write, local, nbytes, deadline), nbytes)
 
     def _transfer_path(self, write: bool, local: Any, nbytes: int, deadline: float) -> str:
         with _host_view(local, nbytes, fill=write) as mv:
