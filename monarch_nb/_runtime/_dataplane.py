@@ -108,6 +108,7 @@ class _Plain:
     """A unix-socket connection: payloads go as they are (same user, 0600 socket)."""
 
     sealed = False
+    reused = False
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -126,6 +127,7 @@ class _Sealed:
     """A TCP connection whose every record is AES-256-GCM with keys made for this connection."""
 
     sealed = True
+    reused = False
 
     def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes) -> None:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -450,11 +452,14 @@ class _Pool:
         self._idle: dict[tuple[str, ...], list[_Plain | _Sealed]] = {}
         self._lock = threading.Lock()
 
-    def take(self, where: tuple[str, ...], key: bytes | None, deadline: float) -> _Plain | _Sealed:
+    def take(self, where: tuple[str, ...], key: bytes | None, deadline: float, fresh: bool = False) -> _Plain | _Sealed:
+        """An idle connection (its ``reused`` set) or, with ``fresh`` or none idle, a new one."""
         with self._lock:
             idle = self._idle.get(where)
-            if idle:
-                return idle.pop()
+            if idle and not fresh:
+                ch = idle.pop()
+                ch.reused = True
+                return ch
         kind, addr = where[0], where[1]
         left = max(0.001, deadline - time.monotonic())
         if kind == "unix":
@@ -490,6 +495,10 @@ def pool_sockets() -> list[socket.socket]:
     return _pool.connections()
 
 
+class _StaleConnection(Exception):
+    pass
+
+
 def stream(
     addr: Address,
     key: bytes | None,
@@ -505,15 +514,37 @@ def stream(
     Raises :class:`PeerGone`, :class:`BufferGone`, :class:`Stalled` (saying who stalled),
     ``ValueError`` for a bad range, ``PermissionError`` when keys differ.
     """
+    try:
+        _stream(addr, key, op, bid, local, off, n, deadline, fresh=False)
+    except _StaleConnection:
+        # an idle connection that broke meanwhile (the peer restarted its side, a network blip):
+        # nothing moved on it, and every op may be repeated, so once more on a new one
+        _stream(addr, key, op, bid, local, off, n, deadline, fresh=True)
+
+
+def _stream(
+    addr: Address,
+    key: bytes | None,
+    op: int,
+    bid: bytes,
+    local: memoryview | None,
+    off: int,
+    n: int,
+    deadline: float,
+    fresh: bool,
+) -> None:
     same = addr.host == host_id()
     # pooled by key too: a connection proves one key, never another
     where = ("unix", addr.unix) if same else ("tcp", addr.tcp, hashlib.sha256(key or b"").hexdigest()[:16])
     if not same and not addr.tcp:
-        raise PeerGone("the owner's process has no address reachable from another host")
+        raise RuntimeError(
+            "this RDMABuffer's owner has no address that other hosts can reach (a controller that had "
+            "not joined a cluster when it made the buffer): make the buffer in an actor, or after attaching"
+        )
     phase = "connecting to"
     got = 0
     try:
-        ch = _pool.take(where, key, deadline)
+        ch = _pool.take(where, key, deadline, fresh)
     except PermissionError:
         raise
     except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as e:
@@ -567,6 +598,8 @@ def stream(
         ok = True  # the connection is still in step: the reply was read whole
         raise
     except (ConnectionError, OSError) as e:
+        if ch.reused and got == 0:
+            raise _StaleConnection() from e
         raise PeerGone(f"its connection broke while {phase} ({got} of {n} bytes moved): {e}") from e
     finally:
         if ok:
