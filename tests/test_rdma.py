@@ -558,8 +558,22 @@ def test_the_stream_is_sealed_and_refuses_a_wrong_key() -> None:
         assert out == data
         with pytest.raises(PermissionError, match="key"):
             dp.stream(remote, b"x" * 32, dp.OP_READ, bid, memoryview(out), 0, len(out), time.monotonic() + 30)
-        # what travels on the wire is not the plaintext
+        # a record changed on the way is refused (and the client sees a broken connection)
         ip, port = addr.tcp.rsplit(":", 1)
+        with socket.create_connection((ip, int(port)), timeout=10) as s:
+            ch = dp._client_handshake(s, b"k" * 32)
+            ch.send(dp._REQ.pack(dp.OP_READ, bid, 0, 16))
+            hdr = s.recv(4, socket.MSG_WAITALL)
+            rec = bytearray(s.recv(int.from_bytes(hdr, "big"), socket.MSG_WAITALL))
+            rec[0] ^= 1  # the reply's first record, one bit flipped, fed to the client's decoder
+            r, w = socket.socketpair()
+            w.sendall(hdr + bytes(rec))
+            ch.sock = r
+            with pytest.raises(ConnectionResetError, match="authentication"):
+                ch.recv_into(memoryview(bytearray(dp._RSP.size)))
+            r.close()
+            w.close()
+        # what travels on the wire is not the plaintext
         with socket.create_connection((ip, int(port)), timeout=10) as s:
             ch = dp._client_handshake(s, b"k" * 32)
             ch.send(dp._REQ.pack(dp.OP_READ, bid, 0, 4096))

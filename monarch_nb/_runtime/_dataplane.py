@@ -160,12 +160,28 @@ class _Sealed:
             if m <= _TAG or m > _REC + _TAG or m - _TAG > n - got:
                 raise ConnectionResetError(f"malformed sealed record of {m} bytes")
             _recv_exact(self.sock, ct[:m])
-            self._dec.decrypt_into(self._recvd.to_bytes(12, "big"), ct[:m], bytes(self._hdr), mv[got : got + m - _TAG])
+            try:
+                self._dec.decrypt_into(self._recvd.to_bytes(12, "big"), ct[:m], bytes(self._hdr), mv[got : got + m - _TAG])
+            except Exception as e:  # cryptography's InvalidTag: forged, replayed, reordered or cut
+                logger.warning("dropped a data-plane connection: a record failed authentication")
+                raise ConnectionResetError("a sealed record failed authentication") from e
             self._recvd += 1
             got += m - _TAG
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _tune_tcp(s: socket.socket) -> None:
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    # a peer host that vanished (no RST) fails a blocked send within a minute, and an idle pooled
+    # connection to it is found dead by keepalive, instead of a server thread waiting forever
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    with contextlib.suppress(AttributeError, OSError):
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 60_000)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
@@ -308,7 +324,7 @@ class DataServer:
         ch: _Plain | _Sealed | None
         try:
             if sealed:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _tune_tcp(conn)
                 conn.settimeout(10)
                 key = self._key()
                 assert key is not None
@@ -471,7 +487,7 @@ class _Pool:
             raise PermissionError("reading a buffer on another host needs the cluster key (this process has none)")
         ip, port = addr.rsplit(":", 1)
         s = socket.create_connection((ip, int(port)), timeout=left)
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _tune_tcp(s)
         try:
             return _client_handshake(s, key)
         except BaseException:
