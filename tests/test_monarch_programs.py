@@ -32,18 +32,19 @@ output = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(output)
 
 # the only lines a port to monarch_nb changes
-_IMPORT = re.compile(r"^(\s*)(from\s+monarch\.actor\s+import\b|import\s+monarch\.actor\s+as\b)")
+_IMPORT = re.compile(r"^(\s*)(from\s+monarch\.(actor|rdma)\s+import\b|import\s+monarch\.(actor|rdma)\s+as\b)")
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def port_to_monarch_nb(source: str) -> str:
-    """Rewrite the ``monarch.actor`` import lines, refusing programs that touch Monarch elsewhere."""
+    """Rewrite the ``monarch.actor`` (and ``monarch.rdma``) import lines, refusing programs that touch
+    Monarch elsewhere."""
     out = []
     changed = 0
     for line in source.splitlines(keepends=True):
         if _IMPORT.match(line):
-            line = line.replace("monarch.actor", "monarch_nb.actor", 1)
+            line = re.sub(r"\bmonarch\.(actor|rdma)\b", r"monarch_nb.\1", line, count=1)
             changed += 1
         elif re.search(r"\bmonarch\b", line):
             raise AssertionError(f"Monarch used outside an import line: {line!r}")
@@ -66,8 +67,10 @@ def test_output_comparison_ignores_only_how_actor_lines_interleave() -> None:
 
 
 def test_the_port_changes_only_import_lines() -> None:
-    src = "from monarch.actor import Actor\nimport monarch.actor as api\nx = 1\n"
-    assert port_to_monarch_nb(src) == "from monarch_nb.actor import Actor\nimport monarch_nb.actor as api\nx = 1\n"
+    src = "from monarch.actor import Actor\nimport monarch.actor as api\nfrom monarch.rdma import RDMABuffer\nx = 1\n"
+    assert port_to_monarch_nb(src) == (
+        "from monarch_nb.actor import Actor\nimport monarch_nb.actor as api\nfrom monarch_nb.rdma import RDMABuffer\nx = 1\n"
+    )
     with pytest.raises(AssertionError):
         port_to_monarch_nb("from monarch.actor import Actor\nimport monarch.rdma\n")
 

@@ -243,7 +243,8 @@ def sweep_dead(pid: int) -> int:
     except OSError:
         return 0
     for name in names:
-        if name.startswith(prefix) and _LEFT.fullmatch(name):
+        # torch_<pid>_*: an RDMABuffer's storage is unlinked once made; a kill right then leaves it
+        if (name.startswith(prefix) and _LEFT.fullmatch(name)) or name.startswith(f"torch_{pid}_"):
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
                 n += 1

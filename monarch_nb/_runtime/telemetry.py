@@ -138,12 +138,15 @@ class Telemetry:
 def _absorb(rec: ProcRec, actors: dict[str, dict[str, Any]]) -> None:
     """Fold a proc's actor states into its telemetry: what it is doing, calls served, time per call."""
     user = {n: a for n, a in actors.items() if not n.startswith("__")}
-    busy = [f"{n}.{a['busy']}" for n, a in actors.items() if a.get("busy")]
-    calls = sum(int(a.get("calls", 0)) for a in actors.values())
-    busy_s = sum(float(a.get("busy_s", 0.0)) for a in actors.values())
+    busy = [f"{n}.{a['busy']}" for n, a in actors.items() if n != "__dataplane__" and a.get("busy")]
+    calls = sum(int(a.get("calls", 0)) for n, a in actors.items() if n != "__dataplane__")
+    busy_s = sum(float(a.get("busy_s", 0.0)) for n, a in actors.items() if n != "__dataplane__")
     t = rec.tele
     t["actors"] = sorted(user)
     t["busy"] = busy
     t["activity"] = ("busy in " + ", ".join(busy)) if busy else "idle"
     t["calls"] = calls
     t["mean_call_ms"] = round(1000 * busy_s / calls, 3) if calls else 0.0
+    moved = actors.get("__dataplane__")
+    if moved:
+        t["bytes_moved"] = int(moved.get("total", 0))

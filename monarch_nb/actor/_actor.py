@@ -18,6 +18,7 @@ import time
 from functools import cached_property
 from typing import Any
 
+from .._runtime import _dataplane
 from .._runtime.logcapture import set_call
 from .._runtime.runtime import NO_REPLY, Runtime, system_method
 from .._wire import frames as wire
@@ -586,7 +587,7 @@ class ActorHost:
         return NO_REPLY
 
     def sys_state(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             n: {
                 "busy": getattr(s, "busy", ""),
                 "async": getattr(s, "is_async", False),
@@ -595,6 +596,10 @@ class ActorHost:
             }
             for n, s in self.rt.actors.items()
         }
+        moved = _dataplane.counters()
+        if moved is not None:  # bytes moved through RDMABuffers, for the dashboard
+            out["__dataplane__"] = moved
+        return out
 
     def sys_shutdown(self) -> Any:
         self.shutdown_requested.set()

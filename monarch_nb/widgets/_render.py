@@ -65,6 +65,14 @@ def _coords(rank: int, labels: list[str], sizes: list[int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in dict(Point(rank, Extent(labels, sizes))).items())
 
 
+def _bytes(n: int) -> str:
+    """Bytes moved through RDMABuffers, human-sized."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 def grid_html(ranks: list[dict[str, Any]], labels: list[str], sizes: list[int]) -> str:
     rows, cols = _grid_shape(sizes)
     cells = []
@@ -79,6 +87,7 @@ def grid_html(ranks: list[dict[str, Any]], labels: list[str], sizes: list[int]) 
                 r.get("reason") or "",
                 f"cpu {r['cpu_percent']:.0f}%" if r.get("cpu_percent") is not None else "",
                 f"rss {r['rss'] / 2**20:.0f} MiB" if r.get("rss") else "",
+                f"moved {_bytes(r['bytes_moved'])}" if r.get("bytes_moved") else "",
             )
             if x
         )

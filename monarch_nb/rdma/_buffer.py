@@ -1,0 +1,506 @@
+"""RDMABuffer and RDMAAction: Monarch's ``monarch.rdma`` API over monarch_nb's data plane.
+
+There is no InfiniBand here; the backend (``get_rdma_backend() == "shm+tcp"``) is shared memory
+between procs of one host and a direct, authenticated and encrypted TCP stream between hosts
+(see ``monarch_nb/_runtime/_dataplane.py``). Neither path touches the controller or an allocator.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ctypes
+import os
+import sys
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from .._runtime import _dataplane as dp
+from ..actor import _context
+from ..actor._future import Future
+from ..errors import SupervisionError
+
+__all__ = [
+    "BufferDroppedError",
+    "RDMAAction",
+    "RDMABuffer",
+    "RDMAReadTransferWarning",
+    "RDMAShmFallbackWarning",
+    "RDMATcpFallbackWarning",
+    "RDMAWriteTransferWarning",
+    "bytes_moved",
+    "get_rdma_backend",
+    "is_ibverbs_available",
+    "is_rdma_available",
+]
+
+BACKEND = "shm+tcp"
+
+
+class RDMAReadTransferWarning(Warning):
+    pass
+
+
+class RDMAWriteTransferWarning(Warning):
+    pass
+
+
+class RDMATcpFallbackWarning(Warning):
+    """Monarch's warning when it falls back to TCP; kept for code that filters it (never raised here)."""
+
+
+class RDMAShmFallbackWarning(Warning):
+    """A buffer could not be placed in shared memory (e.g. /dev/shm is full): it is served over
+    its owner's stream instead, also on its own host."""
+
+
+class BufferDroppedError(RuntimeError):
+    """The buffer was dropped (by its owner or any holder, or collected by its owner)."""
+
+
+def is_ibverbs_available() -> bool:
+    """Whether ibverbs RDMA hardware is used: never, monarch_nb moves bytes with shm and TCP."""
+    return False
+
+
+def is_rdma_available() -> bool:
+    """Deprecated in Monarch (ambiguous); like Monarch's, it answers :func:`is_ibverbs_available`."""
+    warnings.warn(
+        "is_rdma_available is deprecated (as in Monarch): use is_ibverbs_available() or get_rdma_backend()",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return is_ibverbs_available()
+
+
+def get_rdma_backend() -> str:
+    """``"shm+tcp"``: shared memory within a host, a direct encrypted TCP stream across hosts."""
+    return BACKEND
+
+
+# ------------------------------------------------------------------------------- local memory
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+def _is_tensor(obj: object) -> bool:
+    t = _torch()
+    return t is not None and isinstance(obj, t.Tensor)
+
+
+def _check(data: Any) -> int:
+    """Validate local memory as Monarch does; return its size in bytes."""
+    if isinstance(data, memoryview):
+        if data.ndim != 1 or not data.c_contiguous:
+            raise ValueError(f"RDMABuffer only supports 1d contiguous torch.Tensor or 1d c-contiguous memoryview. Got: {data!r}")
+        return data.nbytes
+    if _is_tensor(data):
+        if data.dim() != 1 or not data.is_contiguous():
+            raise ValueError(f"RDMABuffer only supports 1d contiguous torch.Tensor or 1d c-contiguous memoryview. Got: {data!r}")
+        return int(data.numel() * data.element_size())
+    raise TypeError(f"RDMABuffer takes a 1-D contiguous torch.Tensor or memoryview, not {type(data).__name__}")
+
+
+def _cpu_view(data: Any, nbytes: int) -> memoryview:
+    """A writable 1-D byte view of a CPU tensor's memory (the tensor must outlive it)."""
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * nbytes).from_address(data.data_ptr())).cast("B")
+
+
+@contextlib.contextmanager
+def _host_view(data: Any, nbytes: int, fill: bool) -> Iterator[memoryview]:
+    """Host bytes for ``data``: its own memory, or for CUDA a pinned staging copy (``fill``: load
+    it from the device first; a writable staging buffer goes back to the device afterwards)."""
+    if isinstance(data, memoryview):
+        yield data.cast("B")
+    elif data.device.type == "cpu":
+        yield _cpu_view(data, nbytes)
+    else:
+        t = _torch()
+        flat = (data.view(t.uint8) if data.dtype != t.uint8 else data)[:nbytes]
+        stage = t.empty(nbytes, dtype=t.uint8, pin_memory=True)
+        if fill:
+            stage.copy_(flat)
+        yield _cpu_view(stage, nbytes)
+        if not fill:
+            flat.copy_(stage)
+
+
+def _address(mv: memoryview) -> Any:
+    from .._wire import _rawbuf
+
+    return _rawbuf.pinned(mv, writable=not mv.readonly)
+
+
+# ------------------------------------------------------------------------------- owner's side
+class _CudaEntry(dp.Entry):
+    """A CUDA buffer: served through pinned host memory, one piece at a time. Each serving thread
+    has its own staging buffer: a piece is sent whole before that thread asks for the next."""
+
+    def __init__(self, tensor: Any, nbytes: int) -> None:
+        t = _torch()
+        super().__init__(memoryview(bytearray(0)), tensor)
+        self.nbytes = nbytes
+        self.flat = tensor.view(t.uint8) if tensor.dtype != t.uint8 else tensor
+        self._tls = threading.local()
+
+    def _stage(self, n: int) -> Any:
+        stage = getattr(self._tls, "stage", None)
+        if stage is None:
+            t = _torch()
+            stage = self._tls.stage = t.empty(min(self.nbytes, dp.PIECE), dtype=t.uint8, pin_memory=True)
+        return stage[:n]
+
+    def source(self, off: int, n: int) -> memoryview:
+        stage = self._stage(n)
+        stage.copy_(self.flat[off : off + n])
+        return _cpu_view(stage, n)
+
+    @contextlib.contextmanager
+    def target(self, off: int, n: int) -> Iterator[memoryview]:
+        stage = self._stage(n)
+        yield _cpu_view(stage, n)
+        self.flat[off : off + n].copy_(stage)
+
+
+def _share(data: Any, nbytes: int) -> tuple[dp.Shm | None, list[Any]]:
+    """Move a CPU tensor's storage into shared memory in place (every tensor on that storage
+    follows, same as ``Tensor.share_memory_()``); return where readers of this host find it."""
+    storage = data.untyped_storage()
+    try:
+        free = os.statvfs("/dev/shm")
+        if free.f_bavail * free.f_frsize < storage.nbytes() + (1 << 20):
+            raise OSError(28, "not enough free space in /dev/shm")
+        before = _torch_segments()
+        try:
+            fd, size = storage._share_fd_cpu_()
+        except RuntimeError as e:
+            # torch leaves the file it could not fill behind
+            for name in _torch_segments() - before:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join("/dev/shm", name))
+            raise OSError(28, str(e)) from e
+    except OSError as e:
+        warnings.warn(
+            f"RDMABuffer of {nbytes} bytes could not be placed in shared memory ({e.strerror or e}): "
+            "readers on this host read it over its owner's stream instead (slower); if /dev/shm is full, free space there",
+            RDMAShmFallbackWarning,
+            stacklevel=3,
+        )
+        return None, []
+    # our own descriptor: closing it at drop is what readers see (torch's stays with the storage)
+    mine = os.dup(fd)
+    st = os.fstat(mine)
+    offset = data.data_ptr() - storage.data_ptr()
+    return dp.Shm(mine, st.st_dev, st.st_ino, offset, size), [mine]
+
+
+def _torch_segments() -> set[str]:
+    prefix = f"torch_{os.getpid()}_"
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+    except OSError:
+        return set()
+
+
+def _owner_identity() -> tuple[str, str, int | None, str]:
+    """(owner name, mesh, rank, host) of the actor (or controller) creating a buffer."""
+    rt = _context.runtime()
+    inst = _context.current_instance()
+    spec = _context.proc_spec or {}
+    if inst is not None:
+        name = inst.actor_id
+    else:
+        name = f"<root>@{rt.label}@{rt.hostname}:{rt.pid}"
+    return name, spec.get("mesh", ""), spec.get("rank"), spec.get("host", rt.hostname)
+
+
+def _server() -> dp.DataServer:
+    rt = _context.runtime()
+
+    def tcp_ip() -> str:
+        return rt.tcp_addr[len("tcp://") :].rsplit(":", 1)[0] if rt.tcp_addr else ""
+
+    return dp.server(_key, tcp_ip)
+
+
+def _key() -> bytes | None:
+    # the socket factory's: a controller adopts the cluster key there when it attaches
+    return _context.runtime().sockets.security.key
+
+
+def bytes_moved() -> dict[str, int]:
+    """What this process moved through RDMABuffers: as a reader/writer (``read``, ``written``, and
+    by path, ``shm`` or ``stream``) and as an owner serving its buffers' streams (``served_out``,
+    ``served_in``; shared-memory copies cost the owner nothing and are not seen there)."""
+    c = dp.counters()
+    return c if c is not None else {k: 0 for k in ("read", "written", "shm", "stream", "served_out", "served_in", "total")}
+
+
+# ------------------------------------------------------------------------------------ buffers
+class RDMABuffer:
+    """A handle to 1-D contiguous memory of the actor that made it; any actor may read or write it.
+
+    Made inside the owning actor (``RDMABuffer(tensor_or_memoryview)``) and sent to others as a
+    small picklable handle. The buffer aliases the owner's memory: a change the owner makes in
+    place is seen by the next ``read_into``, and ``write_from`` changes the owner's tensor in
+    place. CPU tensors are moved into shared memory on creation (same data, same tensor
+    objects, as ``Tensor.share_memory_()`` does) so that readers on the owner's host copy
+    straight out of it.
+    """
+
+    def __init__(self, data: Any) -> None:
+        nbytes = _check(data)
+        if nbytes == 0:
+            raise ValueError("Cannot create RDMABuffer with size 0.")
+        srv = _server()
+        shm: dp.Shm | None = None
+        extra: list[Any] = []
+        if isinstance(data, memoryview):
+            mv = data.cast("B")
+            entry = dp.Entry(mv, data)
+        elif data.device.type == "cpu":
+            shm, extra = _share(data, nbytes)
+            entry = dp.Entry(_cpu_view(data, nbytes), data)
+        elif data.device.type == "cuda":
+            entry = _CudaEntry(data, nbytes)
+        else:
+            raise ValueError(f"RDMABuffer supports CPU and CUDA tensors, not {data.device.type}")
+        for fd in extra:
+            entry.extra.append(lambda fd=fd: os.close(fd))
+        self._id = srv.register(entry)
+        self._size = nbytes
+        self._addr = srv.address()
+        self._shm = shm
+        self._owner, self._mesh, self._rank, self._host = _owner_identity()
+        self._dropped = False
+        # the owner's handle going away frees the buffer; a reader's (unpickled) handle has none
+        self._finalizer: weakref.finalize | None = weakref.finalize(self, srv.release, self._id)
+
+    # -- pickling: what travels is the handle, never the bytes
+    def __reduce__(self) -> tuple[Any, ...]:
+        state = (self._id, self._size, self._addr, self._shm, self._owner, self._mesh, self._rank, self._host)
+        return (_rebuild, state)
+
+    @property
+    def backend(self) -> str:
+        return get_rdma_backend()
+
+    @property
+    def owner(self) -> str:
+        """The owning actor's id."""
+        return self._owner
+
+    def size(self) -> int:
+        """Size in bytes."""
+        return self._size
+
+    def __repr__(self) -> str:
+        where = "shm" if self._shm is not None else "stream"
+        return f"<RDMABuffer {self._size} bytes of {self._owner} ({where}{', dropped' if self._dropped else ''})>"
+
+    def read_into(self, dst: Any, *, timeout: int = 60) -> Future[None]:
+        """Copy this buffer into ``dst`` (1-D contiguous, at least ``size()`` bytes)."""
+        if _is_tensor(dst) and self._in_shm(dst):
+            # the common case, kept short: a 1 MiB copy takes tens of microseconds
+            if _check(dst) < self._size:
+                raise ValueError(f"destination of {_check(dst)} bytes is smaller than the RDMABuffer's {self._size}")
+            return self._now(False, dst, self._size)
+        return RDMAAction().read_remote(dst, self).submit(timeout=timeout)
+
+    def write_from(self, src: Any, *, timeout: int = 60) -> Future[None]:
+        """Copy ``src`` (1-D contiguous, at most ``size()`` bytes) into the owner's memory."""
+        if _is_tensor(src) and self._in_shm(src):
+            n = _check(src)
+            if n > self._size:
+                raise ValueError(f"source of {n} bytes exceeds the RDMABuffer's {self._size}")
+            return self._now(True, src, n)
+        return RDMAAction().write_remote(self, src).submit(timeout=timeout)
+
+    def _now(self, write: bool, local: Any, n: int) -> Future[None]:
+        fut: Future[None] = Future._create("RDMABuffer.write_from" if write else "RDMABuffer.read_into")
+        try:
+            self._shm_copy(write, local.data_ptr(), n)
+            dp.count(write, "shm", n)
+        except BaseException as e:
+            fut._set_exception(e)
+        else:
+            fut._set_result(None)
+        return fut
+
+    def _shm_copy(self, write: bool, addr: int, n: int) -> None:
+        assert self._shm is not None
+        if dp.shm_copy(self._addr, self._shm, write, addr, 0, n):
+            return
+        if not dp.owner_alive(self._addr):
+            raise self._gone(f"its process (pid {self._addr.pid}) exited")
+        raise self._dropped_error()
+
+    def drop(self) -> Future[None]:
+        """Release the buffer: its owner stops serving it and lets go of its memory. Any holder
+        may drop it; reads and writes after that fail with :class:`BufferDroppedError`."""
+        self._dropped = True
+        if self._finalizer is not None:
+            self._finalizer()
+            return Future._completed(None)
+        fut: Future[None] = Future._create("RDMABuffer.drop")
+        deadline = time.monotonic() + 30
+
+        def run() -> None:
+            try:
+                dp.stream(self._addr, _key(), dp.OP_DROP, self._id, None, 0, 0, deadline)
+            except dp.PeerGone:
+                pass  # nothing left to free
+            except BaseException as e:
+                fut._set_exception(e)
+                return
+            fut._set_result(None)
+
+        _pool().submit(run)
+        return fut
+
+    # -- the transfers (on a pool thread)
+    def _gone(self, why: str) -> SupervisionError:
+        return SupervisionError(
+            f"the owner of this RDMABuffer, {self._owner}, is gone: {why}",
+            mesh=self._mesh,
+            actor=self._owner,
+            rank=self._rank,
+            host=self._host,
+        )
+
+    def _dropped_error(self) -> BufferDroppedError:
+        return BufferDroppedError(f"RDMABuffer of {self._owner} ({self._size} bytes) was dropped; ask its owner for a new one")
+
+    def _in_shm(self, local: Any) -> bool:
+        """Whether a transfer with ``local`` is a plain copy out of (or into) shared memory."""
+        return (
+            self._shm is not None
+            and not self._dropped
+            and self._addr.host == dp.host_id()
+            and (isinstance(local, memoryview) or local.device.type == "cpu")
+        )
+
+    def _transfer(self, write: bool, local: Any, nbytes: int, deadline: float) -> None:
+        if self._dropped:
+            raise self._dropped_error()
+        dp.count(write, self._transfer_path(write, local, nbytes, deadline), nbytes)
+
+    def _transfer_path(self, write: bool, local: Any, nbytes: int, deadline: float) -> str:
+        with _host_view(local, nbytes, fill=write) as mv:
+            mv = mv[:nbytes]
+            if self._shm is not None and self._addr.host == dp.host_id():
+                with _address(mv) as (addr, _):
+                    self._shm_copy(write, addr, nbytes)
+                return "shm"
+            try:
+                dp.stream(self._addr, _key(), dp.OP_WRITE if write else dp.OP_READ, self._id, mv, 0, nbytes, deadline)
+            except dp.PeerGone as e:
+                if dp.owner_alive(self._addr):
+                    raise self._dropped_error() from e
+                raise self._gone(str(e)) from e
+            except dp.BufferGone as e:
+                raise self._dropped_error() from e
+            except dp.Stalled as e:
+                verb = "write into" if write else "read from"
+                raise TimeoutError(f"RDMABuffer {verb} {self._owner} timed out: {e}") from e
+            return "stream"
+
+
+def _rebuild(
+    bid: bytes, size: int, addr: dp.Address, shm: dp.Shm | None, owner: str, mesh: str, rank: int | None, host: str
+) -> RDMABuffer:
+    b = object.__new__(RDMABuffer)
+    b._id, b._size, b._addr, b._shm = bid, size, addr, shm
+    b._owner, b._mesh, b._rank, b._host = owner, mesh, rank, host
+    b._dropped = False
+    b._finalizer = None
+    return b
+
+
+# ------------------------------------------------------------------------------------ batches
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _executor
+    if _executor is None:
+        with _executor_lock:
+            if _executor is None:
+                _executor = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="monarch_nb-rdma")
+    return _executor
+
+
+class RDMAAction:
+    """A batch of reads and writes, submitted as one unit (Monarch's ``RDMAAction``)."""
+
+    def __init__(self) -> None:
+        self._ops: list[tuple[bool, RDMABuffer, Any, int]] = []
+
+    def read_remote(self, dst: Any, src: RDMABuffer) -> RDMAAction:
+        """Queue a read of buffer ``src`` into local memory ``dst``."""
+        n = _check(dst)
+        if isinstance(dst, memoryview) and dst.readonly:
+            raise ValueError("cannot read into a read-only memoryview")
+        if n < src.size():
+            raise ValueError(f"destination of {n} bytes is smaller than the RDMABuffer's {src.size()}")
+        self._ops.append((False, src, dst, src.size()))
+        return self
+
+    def write_remote(self, dst: RDMABuffer, src: Any) -> RDMAAction:
+        """Queue a write of local memory ``src`` into buffer ``dst``."""
+        n = _check(src)
+        if n > dst.size():
+            raise ValueError(f"source of {n} bytes exceeds the RDMABuffer's {dst.size()}")
+        self._ops.append((True, dst, src, n))
+        return self
+
+    def fetch_add(self, src: RDMABuffer, dst: Any, add: int) -> RDMAAction:
+        raise NotImplementedError("Not yet supported")
+
+    def compare_and_swap(self, src: RDMABuffer, dst: Any, compare: int, swap: int) -> RDMAAction:
+        raise NotImplementedError("Not yet supported")
+
+    def submit(self, *, timeout: int = 60) -> Future[None]:
+        """Run the queued operations (concurrently); the future resolves when all are done, or
+        fails with the first failure. Safe to call more than once."""
+        if timeout < 0:
+            raise ValueError("timeout must be >= 0")
+        fut: Future[None] = Future._create("RDMAAction.submit")
+        ops = list(self._ops)
+        if not ops:
+            fut._set_result(None)
+            return fut
+        deadline = time.monotonic() + timeout
+        left = [len(ops)]
+        lock = threading.Lock()
+
+        def run(op: tuple[bool, RDMABuffer, Any, int]) -> None:
+            write, buf, local, n = op
+            try:
+                buf._transfer(write, local, n, deadline)
+            except BaseException as e:
+                fut._set_exception(e)
+                return
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                fut._set_result(None)
+
+        # a copy out of shared memory runs at memory speed: handing it to another thread would
+        # cost more than the copy of a few MiB, so it runs here; streams go to the pool
+        inline = [op for op in ops if op[1]._in_shm(op[2])]
+        ex = _pool()
+        for op in ops:
+            if not any(op is o for o in inline):
+                ex.submit(run, op)
+        for op in inline:
+            run(op)
+        return fut

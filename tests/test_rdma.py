@@ -1,0 +1,588 @@
+"""The data plane (``monarch_nb.rdma``): buffers that move between procs directly.
+
+Real procs on the embedded default for one host, network-namespace hosts (tests/_netns.py)
+for two: reads and writes see the owner's memory in place, complete while the owner's actor
+is busy, fail with SupervisionError when the owner died, and leave nothing in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import signal
+import socket
+import time
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+from conftest import wait_for
+
+from monarch_nb.actor import Actor, ProcMesh, endpoint, this_host
+from monarch_nb.errors import SupervisionError
+from monarch_nb.rdma import (
+    BufferDroppedError,
+    RDMAAction,
+    RDMABuffer,
+    get_rdma_backend,
+    is_ibverbs_available,
+    is_rdma_available,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+N = 1 << 20
+
+
+class Owner(Actor):
+    def __init__(self) -> None:
+        self.t = torch.arange(N // 4, dtype=torch.int32)
+        self.raw = bytearray(b"m" * 4096)
+        self.buf = RDMABuffer(self.t.view(torch.uint8))
+        self.mvbuf = RDMABuffer(memoryview(self.raw))
+
+    @endpoint
+    def buffers(self) -> tuple[RDMABuffer, RDMABuffer]:
+        return self.buf, self.mvbuf
+
+    @endpoint
+    def info(self) -> dict:
+        from monarch_nb._runtime import _dataplane as dp
+
+        srv = dp.local_server()
+        return dict(
+            pid=os.getpid(),
+            ptr=self.t.data_ptr(),
+            head=self.t[:4].tolist(),
+            raw=bytes(self.raw[:4]),
+            registered=srv.registered() if srv else 0,
+            bytes_out=srv.bytes_out if srv else 0,
+        )
+
+    @endpoint
+    def bump(self) -> None:
+        self.t += 1  # in place: the buffer must show it
+
+    @endpoint
+    def temporary(self) -> RDMABuffer:
+        return RDMABuffer(torch.ones(1024, dtype=torch.uint8))  # nobody keeps it here
+
+    @endpoint
+    def collect(self) -> None:
+        gc.collect()
+
+    @endpoint
+    def drop_own(self) -> None:
+        self.buf.drop().get(timeout=10)
+
+    @endpoint
+    def block(self, seconds: float) -> float:
+        # not a sleep to wait for something: this actor must be busy while others read it
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            sum(range(1000))
+        return seconds
+
+
+class Reader(Actor):
+    def __init__(self) -> None:
+        self.dst = torch.zeros(N // 4, dtype=torch.int32)
+
+    @endpoint
+    def read(self, buf: RDMABuffer, timeout: int = 30) -> list[int]:
+        buf.read_into(self.dst.view(torch.uint8), timeout=timeout).get(timeout=60)
+        return [int(self.dst[0]), int(self.dst[-1])]
+
+    @endpoint
+    def read_mv(self, buf: RDMABuffer) -> bytes:
+        out = bytearray(buf.size())
+        buf.read_into(memoryview(out)).get(timeout=60)
+        return bytes(out[:8])
+
+    @endpoint
+    def write(self, buf: RDMABuffer, value: int) -> None:
+        src = torch.full((N // 4,), value, dtype=torch.int32)
+        buf.write_from(src.view(torch.uint8)).get(timeout=60)
+
+    @endpoint
+    def error_of_read(self, buf: RDMABuffer) -> tuple[str, str]:
+        try:
+            buf.read_into(memoryview(bytearray(buf.size()))).get(timeout=60)
+        except Exception as e:
+            return type(e).__name__, str(e)
+        return "", ""
+
+    @endpoint
+    def drop(self, buf: RDMABuffer) -> None:
+        buf.drop().get(timeout=30)
+
+    @endpoint
+    def forget(self, buf: RDMABuffer) -> None:
+        del buf
+        gc.collect()
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[ProcMesh, ProcMesh]]:
+    a = this_host().spawn_procs(per_host={"gpus": 1})
+    b = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        yield a, b
+    finally:
+        for m in (a, b):
+            try:
+                m.stop().get(timeout=30)
+            except Exception:
+                pass
+
+
+def _leftovers(pid: int) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith((f"mnb-{pid}-", f"torch_{pid}_"))]
+
+
+def test_backend_names() -> None:
+    assert get_rdma_backend() == "shm+tcp"
+    assert is_ibverbs_available() is False
+    with pytest.warns(DeprecationWarning):
+        assert is_rdma_available() is False
+
+
+def test_bad_memory_raises_value_error() -> None:
+    with pytest.raises(ValueError, match="size 0"):
+        RDMABuffer(torch.zeros(0))
+    with pytest.raises(ValueError, match="1d contiguous"):
+        RDMABuffer(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="1d contiguous"):
+        RDMABuffer(torch.zeros(16)[::2])
+    with pytest.raises(ValueError, match="1d"):
+        RDMABuffer(memoryview(bytearray(8)).cast("B", (2, 4)))
+    with pytest.raises(TypeError, match="memoryview"):
+        RDMABuffer([1, 2, 3])  # type: ignore[arg-type]
+    buf = RDMABuffer(torch.zeros(16, dtype=torch.uint8))
+    try:
+        with pytest.raises(ValueError, match="smaller"):
+            buf.read_into(torch.zeros(8, dtype=torch.uint8))
+        with pytest.raises(ValueError, match="exceeds"):
+            buf.write_from(torch.zeros(32, dtype=torch.uint8))
+    finally:
+        buf.drop().get(timeout=10)
+
+
+def test_same_host_reads_and_writes_alias_the_owner_without_a_socket(pair: tuple[ProcMesh, ProcMesh]) -> None:
+    a, b = pair
+    owner = a.spawn("owner", Owner)
+    reader = b.spawn("reader", Reader)
+    buf, mvbuf = owner.buffers.call_one().get(timeout=60)
+    assert buf.size() == N and buf.backend == "shm+tcp" and "owner" in buf.owner
+    before = owner.info.call_one().get(timeout=30)
+    assert reader.read.call_one(buf).get(timeout=60) == [0, N // 4 - 1]
+    owner.bump.call_one().get(timeout=30)  # changed in place after the buffer was made
+    assert reader.read.call_one(buf).get(timeout=60) == [1, N // 4]
+    reader.write.call_one(buf, 7).get(timeout=60)
+    after = owner.info.call_one().get(timeout=30)
+    assert after["head"] == [7, 7, 7, 7] and after["ptr"] == before["ptr"]
+    # the tensor's bytes never went through the owner's data server (its sockets)
+    assert after["bytes_out"] == 0
+    # a memoryview cannot be moved into shared memory: it is served by the owner's stream
+    assert reader.read_mv.call_one(mvbuf).get(timeout=60) == b"m" * 8
+    assert owner.info.call_one().get(timeout=30)["bytes_out"] == 4096
+    # batches, from the controller too
+    dst1, dst2 = torch.zeros(N, dtype=torch.uint8), bytearray(4096)
+    RDMAAction().read_remote(dst1, buf).read_remote(memoryview(dst2), mvbuf).submit(timeout=30).get(timeout=60)
+    assert dst1.view(torch.int32)[:2].tolist() == [7, 7] and dst2[:1] == b"m"
+
+
+def test_reads_complete_while_the_owner_is_busy(pair: tuple[ProcMesh, ProcMesh]) -> None:
+    a, b = pair
+    owner = a.spawn("owner", Owner)
+    reader = b.spawn("reader", Reader)
+    buf, mvbuf = owner.buffers.call_one().get(timeout=60)
+    busy = owner.block.call_one(5.0)
+    assert reader.read.call_one(buf).get(timeout=30) == [0, N // 4 - 1]
+    assert reader.read_mv.call_one(mvbuf).get(timeout=30) == b"m" * 8
+    reader.write.call_one(buf, 3).get(timeout=30)
+    assert not busy.done(), "reads waited for the owner's endpoint"
+    assert busy.get(timeout=30) == 5.0
+    assert owner.info.call_one().get(timeout=30)["head"] == [3, 3, 3, 3]
+
+
+def test_read_from_a_dead_owner_is_a_supervision_error_and_leaves_no_segment(pair: tuple[ProcMesh, ProcMesh]) -> None:
+    a, b = pair
+    owner = a.spawn("owner", Owner)
+    reader = b.spawn("reader", Reader)
+    buf, mvbuf = owner.buffers.call_one().get(timeout=60)
+    pid = owner.info.call_one().get(timeout=30)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10, "owner proc to die")
+    for b_ in (buf, mvbuf):
+        kind, msg = reader.error_of_read.call_one(b_).get(timeout=60)
+        assert kind == "SupervisionError", (kind, msg)
+        assert "owner" in msg and buf.owner in msg, msg
+    with pytest.raises(SupervisionError, match="owner"):
+        buf.read_into(torch.zeros(N, dtype=torch.uint8)).get(timeout=30)
+    assert _leftovers(pid) == []
+
+
+def test_drop_gc_and_reader_handles(pair: tuple[ProcMesh, ProcMesh]) -> None:
+    a, b = pair
+    owner = a.spawn("owner", Owner)
+    reader = b.spawn("reader", Reader)
+    buf, mvbuf = owner.buffers.call_one().get(timeout=60)
+    start = owner.info.call_one().get(timeout=30)
+    assert start["registered"] == 2
+    # a reader's handle going away frees nothing
+    reader.forget.call_one(buf).get(timeout=30)
+    assert reader.read.call_one(buf).get(timeout=60) == [0, N // 4 - 1]
+    # an owner's handle nobody keeps is collected, and with it its registration
+    tmp = owner.temporary.call_one().get(timeout=30)
+    owner.collect.call_one().get(timeout=30)
+    assert owner.info.call_one().get(timeout=30)["registered"] == 2
+    kind, msg = reader.error_of_read.call_one(tmp).get(timeout=30)
+    assert kind == "BufferDroppedError", (kind, msg)
+    # drop() from any holder: the owner lets go at once (its descriptor of the shared file too)
+    reader.drop.call_one(mvbuf).get(timeout=30)
+    owner.drop_own.call_one().get(timeout=30)
+    end = owner.info.call_one().get(timeout=30)
+    assert end["registered"] == 0
+    shm = buf._shm
+    assert shm is not None
+    try:
+        st = os.stat(f"/proc/{end['pid']}/fd/{shm.fd}")
+        assert (st.st_dev, st.st_ino) != (shm.dev, shm.ino)
+    except FileNotFoundError:
+        pass
+    for b_ in (buf, mvbuf):
+        kind, msg = reader.error_of_read.call_one(b_).get(timeout=30)
+        assert kind == "BufferDroppedError" and "dropped" in msg, (kind, msg)
+    with pytest.raises(BufferDroppedError):
+        buf.read_into(torch.zeros(N, dtype=torch.uint8)).get(timeout=30)
+    pid = end["pid"]
+    a.stop().get(timeout=30)
+    assert _leftovers(pid) == []
+
+
+def test_a_stalled_owner_times_out_saying_so(pair: tuple[ProcMesh, ProcMesh]) -> None:
+    a, b = pair
+    owner = a.spawn("owner", Owner)
+    reader = b.spawn("reader", Reader)
+    _, mvbuf = owner.buffers.call_one().get(timeout=60)
+    pid = owner.info.call_one().get(timeout=30)["pid"]
+    assert reader.read_mv.call_one(mvbuf).get(timeout=60) == b"m" * 8
+    os.kill(pid, signal.SIGSTOP)  # its data server cannot answer, its process is alive
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="owner's side stalled") as e:
+            mvbuf.read_into(memoryview(bytearray(4096)), timeout=1).get(timeout=30)
+        assert time.monotonic() - t0 < 10
+        assert mvbuf.owner in str(e.value)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert reader.read_mv.call_one(mvbuf).get(timeout=60) == b"m" * 8
+
+
+def test_the_dashboard_shows_bytes_moved_per_proc() -> None:
+    from monarch_nb import introspect
+    from monarch_nb.widgets._render import grid_html
+
+    a = this_host().spawn_procs(per_host={"gpus": 1}, name="rdma_dash_a")
+    b = this_host().spawn_procs(per_host={"gpus": 1}, name="rdma_dash_b")
+    try:
+        owner = a.spawn("owner", Owner)
+        reader = b.spawn("reader", Reader)
+        buf, mvbuf = owner.buffers.call_one().get(timeout=60)
+        reader.read.call_one(buf).get(timeout=60)
+        reader.read_mv.call_one(mvbuf).get(timeout=60)
+
+        def procs(mesh: str) -> list[dict]:
+            for al in introspect.status()["allocators"]:
+                for m in al.get("meshes", []):
+                    if m["name"] == mesh:
+                        return m["procs"]
+            return []
+
+        # the reader read N + 4096 bytes; the owner served the 4096 of the stream (shm costs it nothing)
+        got = wait_for(lambda: (p := procs("rdma_dash_b")) and p[0].get("bytes_moved") == N + 4096 and p, 10, "reader's bytes")
+        assert wait_for(lambda: (p := procs("rdma_dash_a")) and p[0].get("bytes_moved") == 4096, 10, "owner's bytes")
+        ranks = [{**got[0], "rank": 0, "state": "idle"}]
+        assert "moved 1.1 MB" in grid_html(ranks, ["gpus"], [1])
+    finally:
+        for m in (a, b):
+            m.stop().get(timeout=30)
+
+
+class TinyShmOwner(Actor):
+    """Owns a buffer made while its thread sees a full /dev/shm (a tiny tmpfs in a mount
+    namespace of this thread's own: the rest of the machine keeps the real one)."""
+
+    @endpoint
+    def make(self) -> tuple[RDMABuffer, list[str]]:
+        libc = ctypes.CDLL(None, use_errno=True)
+        clone_newns, ms_rec, ms_private = 0x00020000, 0x4000, 1 << 18
+        assert libc.unshare(clone_newns) == 0, os.strerror(ctypes.get_errno())
+        assert libc.mount(b"none", b"/", None, ms_rec | ms_private, None) == 0, os.strerror(ctypes.get_errno())
+        assert libc.mount(b"tiny", b"/dev/shm", b"tmpfs", 0, b"size=64k") == 0, os.strerror(ctypes.get_errno())
+        self.t = torch.full((N,), 5, dtype=torch.uint8)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            self.buf = RDMABuffer(self.t)
+        return self.buf, [f"{x.category.__name__}: {x.message}" for x in w] + os.listdir("/dev/shm")
+
+
+def test_full_dev_shm_falls_back_to_the_stream_with_a_warning(pair: tuple[ProcMesh, ProcMesh]) -> None:
+    a, b = pair
+    owner = a.spawn("tiny", TinyShmOwner)
+    reader = b.spawn("reader", Reader)
+    buf, seen = owner.make.call_one().get(timeout=60)
+    assert len(seen) == 1 and seen[0].startswith("RDMAShmFallbackWarning") and "shared memory" in seen[0], seen
+    assert "stream" in repr(buf)
+    assert reader.read_mv.call_one(buf).get(timeout=60) == b"\x05" * 8
+
+
+class CudaOwner(Actor):
+    def __init__(self) -> None:
+        self.t = torch.arange(N, device="cuda", dtype=torch.uint8)
+        self.buf = RDMABuffer(self.t)
+
+    @endpoint
+    def get(self) -> RDMABuffer:
+        return self.buf
+
+    @endpoint
+    def head(self) -> list[int]:
+        return self.t[:4].tolist()
+
+
+class CudaReader(Actor):
+    @endpoint
+    def roundtrip(self, buf: RDMABuffer) -> list[int]:
+        dst = torch.zeros(N, device="cuda", dtype=torch.uint8)
+        buf.read_into(dst).get(timeout=60)
+        buf.write_from(torch.full((N,), 4, device="cuda", dtype=torch.uint8)).get(timeout=60)
+        return dst[:4].tolist()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_buffers_stage_through_pinned_memory(pair: tuple[ProcMesh, ProcMesh]) -> None:
+    a, b = pair
+    owner = a.spawn("cuda_owner", CudaOwner)
+    reader = b.spawn("cuda_reader", CudaReader)
+    buf = owner.get.call_one().get(timeout=60)
+    assert reader.roundtrip.call_one(buf).get(timeout=60) == [0, 1, 2, 3]
+    assert owner.head.call_one().get(timeout=60) == [4, 4, 4, 4]
+
+
+# -- two hosts -----------------------------------------------------------------------------
+
+CROSS_HOST_BODY = """
+import psutil
+from monarch_nb.rdma import RDMABuffer
+
+
+def tcp_conns():
+    p = psutil.Process()
+    conns = p.net_connections(kind="tcp") if hasattr(p, "net_connections") else p.connections(kind="tcp")
+    return [(c.laddr.ip, c.laddr.port, c.raddr.ip, c.raddr.port) for c in conns if c.raddr and c.status == "ESTABLISHED"]
+
+
+class Owner(Actor):
+    def __init__(self):
+        self.raw = bytearray(bytes(range(256)) * (4 << 12))  # 4 MiB
+        self.buf = RDMABuffer(memoryview(self.raw))
+
+    @endpoint
+    def get(self):
+        return self.buf
+
+    @endpoint
+    def state(self):
+        return dict(pid=os.getpid(), ip=my_ip(), head=list(self.raw[:4]), conns=tcp_conns())
+
+    @endpoint
+    def block(self, s):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < s:
+            sum(range(1000))
+
+
+class Reader(Actor):
+    @endpoint
+    def read(self, buf):
+        out = bytearray(buf.size())
+        buf.read_into(memoryview(out)).get(timeout=60)
+        return dict(ok=out == bytearray(bytes(range(256)) * (4 << 12)), n=len(out))
+
+    @endpoint
+    def write(self, buf):
+        buf.write_from(memoryview(bytes([9]) * 1024)).get(timeout=60)
+
+    @endpoint
+    def state(self):
+        return dict(pid=os.getpid(), ip=my_ip(), conns=tcp_conns())
+
+
+hosts = attach_to_workers(workers=WORKERS, ca="/tmp/key")
+procs = hosts.spawn_procs(per_host={"gpus": 1})
+owner = procs.slice(hosts=0).spawn("owner", Owner)
+reader = procs.slice(hosts=1).spawn("reader", Reader)
+buf = owner.get.call_one().get(timeout=30)
+emit("read", **reader.read.call_one(buf).get(timeout=60))
+busy = owner.block.call_one(5.0)
+t0 = time.monotonic()
+reader.write.call_one(buf).get(timeout=60)
+emit("write_while_busy", seconds=time.monotonic() - t0, busy_done=busy.done())
+busy.get(timeout=30)
+emit("ends", owner=owner.state.call_one().get(timeout=30), reader=reader.state.call_one().get(timeout=30), port=int(buf._addr.tcp.rsplit(":", 1)[1]))
+procs.stop().get(timeout=30)
+"""
+
+
+@pytest.mark.multihost
+@pytest.mark.timeout(150)
+def test_cross_host_read_and_write_go_straight_between_the_two_procs(tmp_path_factory: pytest.TempPathFactory) -> None:
+    import test_multihost as mh
+
+    assert os.geteuid() == 0, "multi-host tests need root (network and mount namespaces)"
+    keydir = tmp_path_factory.mktemp("rdmakey")
+    import subprocess
+
+    subprocess.run([mh.PY, "-m", "monarch_nb", "keygen", str(keydir / "k")], check=True, capture_output=True, timeout=60)
+    key = (keydir / "k").read_bytes()
+    cluster = mh.NetnsCluster(2)
+    try:
+        for i in cluster.hosts:
+            mh.plant_key(cluster, i, key)
+        allocs = [mh.Allocator(cluster, i, "--key-file", mh.KEY).wait_ready() for i in (1, 2)]
+        ctl = mh.Controller(cluster, CROSS_HOST_BODY)
+        assert ctl.expect("read", 90) == {"step": "read", "ok": True, "n": 4 << 20}
+        w = ctl.expect("write_while_busy", 60)
+        assert w["seconds"] < 4.0 and not w["busy_done"], w
+        ends = ctl.expect("ends", 60)
+        ctl.finish()
+        own, rd, port = ends["owner"], ends["reader"], ends["port"]
+        assert own["head"] == [9, 9, 9, 9]
+        assert own["ip"] == cluster.ip(1) and rd["ip"] == cluster.ip(2)
+        # the data connection: reader's end in the reader's proc, owner's end in the owner's
+        # proc at its data port, and nobody else (controller, allocators) in between
+        data = [c for c in rd["conns"] if c[2] == own["ip"] and c[3] == port]
+        assert data, rd
+        mine = {(c[0], c[1], c[2], c[3]) for c in own["conns"] if c[1] == port}
+        for lip, lport, rip, rport in data:
+            assert (rip, rport, lip, lport) in mine, (data, own["conns"])
+        assert own["pid"] not in (a.pid for a in allocs) and rd["pid"] not in (a.pid for a in allocs)
+    finally:
+        cluster.close()
+
+
+def _notebook_body() -> str:
+    """notebooks/08_data_plane.ipynb's code cells, on two netns hosts instead of the embedded
+    default: the server's proc on the first host, a trainer proc... on each."""
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).parent.parent / "notebooks" / "08_data_plane.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    *run, cleanup = cells
+    subs = {
+        'this_host().spawn_procs(per_host={"gpus": 1}, name="ps")': 'hosts.slice(hosts=0).spawn_procs(per_host={"gpus": 1}, name="ps")',
+        'this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2}, name="trainers")': 'hosts.spawn_procs(per_host={"gpus": 2}, name="trainers")',
+    }
+    src = "\n".join(run)
+    for a, b in subs.items():
+        assert a in src, a
+        src = src.replace(a, b)
+    return (
+        'hosts = attach_to_workers(workers=WORKERS, ca="/tmp/key")\n'
+        + src
+        + '\nemit("moved", items=[[dict(p), m] for p, m in trainers.moved.call().get(timeout=60).items()])\n'
+        + cleanup
+    )
+
+
+@pytest.mark.multihost
+@pytest.mark.timeout(150)
+def test_the_notebook_cells_across_two_hosts(tmp_path_factory: pytest.TempPathFactory) -> None:
+    import subprocess
+
+    import test_multihost as mh
+
+    keydir = tmp_path_factory.mktemp("rdmakey")
+    subprocess.run([mh.PY, "-m", "monarch_nb", "keygen", str(keydir / "k")], check=True, capture_output=True, timeout=60)
+    key = (keydir / "k").read_bytes()
+    cluster = mh.NetnsCluster(2)
+    try:
+        for i in cluster.hosts:
+            mh.plant_key(cluster, i, key)
+        for i in (1, 2):
+            mh.Allocator(cluster, i, "--key-file", mh.KEY).wait_ready()
+        ctl = mh.Controller(cluster, _notebook_body())
+        moved = ctl.expect("moved", 120)["items"]
+        ctl.finish()
+        out = ctl.out.text()
+        for v in (1, 2, 3):
+            assert f"version {v}: trainers see mean [{v}.0]" in out, out
+        assert "[7.0, 7.0, 7.0, 7.0]" in out, out
+        assert len(moved) == 4
+        for point, m in moved:
+            # 4 pulls of 4 MB each: on the server's host out of shared memory, on the other by stream
+            assert m["read"] == 16_000_000, (point, m)
+            path = "shm" if point["hosts"] == 0 else "stream"
+            assert m[path] == 16_000_000, (point, m)
+    finally:
+        cluster.close()
+
+
+def test_the_stream_is_sealed_and_refuses_a_wrong_key() -> None:
+    from monarch_nb._runtime import _dataplane as dp
+
+    srv = dp.DataServer(lambda: b"k" * 32, lambda: "127.0.0.1")
+    try:
+        data = bytearray(os.urandom(3 << 20))
+        bid = srv.register(dp.Entry(memoryview(data), data))
+        addr = srv.address()
+        remote = dp.Address(addr.pid, addr.start, "elsewhere", addr.unix, addr.tcp)  # force TCP
+        out = bytearray(len(data))
+        dp.stream(remote, b"k" * 32, dp.OP_READ, bid, memoryview(out), 0, len(out), time.monotonic() + 30)
+        assert out == data
+        # an idle pooled connection that broke meanwhile is replaced, not reported as a dead owner
+        for sock in dp.pool_sockets():
+            sock.shutdown(socket.SHUT_RDWR)
+        out[:] = bytes(len(out))
+        dp.stream(remote, b"k" * 32, dp.OP_READ, bid, memoryview(out), 0, len(out), time.monotonic() + 30)
+        assert out == data
+        with pytest.raises(PermissionError, match="key"):
+            dp.stream(remote, b"x" * 32, dp.OP_READ, bid, memoryview(out), 0, len(out), time.monotonic() + 30)
+        # a record changed on the way is refused (and the client sees a broken connection)
+        ip, port = addr.tcp.rsplit(":", 1)
+        with socket.create_connection((ip, int(port)), timeout=10) as s:
+            ch = dp._client_handshake(s, b"k" * 32)
+            ch.send(dp._REQ.pack(dp.OP_READ, bid, 0, 16))
+            hdr = s.recv(4, socket.MSG_WAITALL)
+            rec = bytearray(s.recv(int.from_bytes(hdr, "big"), socket.MSG_WAITALL))
+            rec[0] ^= 1  # the reply's first record, one bit flipped, fed to the client's decoder
+            r, w = socket.socketpair()
+            w.sendall(hdr + bytes(rec))
+            ch.sock = r
+            with pytest.raises(ConnectionResetError, match="authentication"):
+                ch.recv_into(memoryview(bytearray(dp._RSP.size)))
+            r.close()
+            w.close()
+        # what travels on the wire is not the plaintext
+        with socket.create_connection((ip, int(port)), timeout=10) as s:
+            ch = dp._client_handshake(s, b"k" * 32)
+            ch.send(dp._REQ.pack(dp.OP_READ, bid, 0, 4096))
+            raw = b""
+            while len(raw) < 4096 + 2 * (4 + 16):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                raw += chunk
+            assert bytes(data[:64]) not in raw
+    finally:
+        srv.close()
