@@ -60,6 +60,8 @@ class Config:
     #: how long a message that overtook an earlier one from its sender waits for it before
     #: being delivered anyway (the earlier one was lost, e.g. with a failed relay)
     order_gap_timeout: float = 10.0
+    #: show monarch_nb's own frames in remote tracebacks (hidden by default, as IPython hides its own)
+    traceback_internal_frames: bool = False
 
     def replace(self, **kw: Any) -> Config:
         return dataclasses.replace(self, **kw)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 from .._runtime.runtime import Target
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
-from ..errors import MeshClosedError, SupervisionError
+from ..errors import ActorError, MeshClosedError, SupervisionError
 from . import _context
 from ._future import Future
 
@@ -221,6 +221,7 @@ class Endpoint(Generic[R]):
             decode or _decode_all,
             lambda port, on_fail: self._send(args, kwargs, port, on_fail, ranks),
             order=order,
+            endpoint=f"{mesh._name}.{self._name}",
         )
 
     def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[R]]:
@@ -363,6 +364,7 @@ def gather(
     *,
     order: list[int] | None = None,
     keep_errors: bool = False,
+    endpoint: str = "",
 ) -> Future[Any]:
     """Open a reply port, ``send(port, on_fail)`` to ``n`` of ``procs`` (by index), and collect
     the raw replies into a Future that ``decode`` turns into its value on first read.
@@ -374,7 +376,8 @@ def gather(
     seconds to answer (ranks failing alike do, within milliseconds; others may be blocked
     for good, in a collective waiting for the failed rank, say), and a proc that is gone
     (``on_fail``: supervision, a failed send) fails the call at once. ``order``, if given,
-    receives the indices in arrival order.
+    receives the indices in arrival order. ``endpoint`` ("actor.method") names the call in
+    the error, which carries every rank's failure and the ranks still running (``_set_group``).
     """
     fut: Future[Any] = Future._create(what)
     raw: list[Any] = [None] * len(procs)
@@ -400,7 +403,8 @@ def gather(
         elif isinstance(first := errors[min(errors)], BaseException):
             fut._set_exception(first)
         else:
-            fut._set_raw(first, _raise_remote)
+            still = [i for i in range(n) if raw[i] is None and i not in errors] if n == len(raw) else left[0]
+            fut._set_raw((dict(errors), still, n, endpoint), _raise_grouped)
 
     def arrive(index: int, value: Any, failed: bool, gone: bool = False) -> None:
         with lock:
@@ -460,6 +464,25 @@ def _decode_all(raws: list[Any]) -> list[Any]:
 
 def _raise_remote(raw: Any) -> Any:
     raise loads(*raw)
+
+
+def _raise_grouped(raw: Any) -> Any:
+    """Raise the lowest rank's failure (as Monarch does), carrying every rank's for display."""
+    errors, still, n, endpoint = raw
+    first = min(errors)
+    err = loads(*errors[first])
+    if isinstance(err, ActorError) and endpoint:
+        failures: dict[int, ActorError] = {first: err}
+        for i, r in errors.items():
+            if i != first and not isinstance(r, BaseException):
+                try:
+                    e = loads(*r)
+                except Exception:
+                    continue
+                if isinstance(e, ActorError):
+                    failures[i] = e
+        err._set_group(endpoint, n, failures, still)
+    raise err
 
 
 #: proc address -> ``choose`` calls this process has running there (under _load_lock: callers'

@@ -180,7 +180,11 @@ class MeshMagics(Magics):
             if out is not None and out.current is not None:
                 out.current.window = 0.0
         try:
-            return _mesh.exec_cell(args.name, cell or "", ranks=args.ranks, block=not args.no_block)
+            # a blank first line keeps line numbers those of the cell (its first line is the magic),
+            # and the label names it as IPython names cells: tracebacks read "Cell In[N], line L"
+            n = _running_cell_number(self.shell)
+            source, label = ("\n" + (cell or ""), f"In[{n}]") if n else (cell or "", "")
+            return _mesh.exec_cell(args.name, source, ranks=args.ranks, block=not args.no_block, label=label)
         finally:
             out = output()
             if out is not None and not args.no_block:
@@ -277,6 +281,15 @@ class MeshMagics(Magics):
 
 
 _watcher: Any = None
+
+
+def _running_cell_number(shell: Any) -> int:
+    """The In[N] of the cell running now: the last one IPython compiled (its execution_count
+    has already moved on to the next cell's number by then)."""
+    numbers = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    if numbers:
+        return int(max(numbers.values()))
+    return max(0, int(getattr(shell, "execution_count", 1)) - 1)
 
 
 def _print_row(r: dict[str, Any]) -> None:

@@ -112,9 +112,33 @@ class KernelOutput:
         self.client.notice = self.notice
         self.shell.events.register("pre_run_cell", self.pre_run_cell)
         self.shell.events.register("post_run_cell", self.post_run_cell)
+        self._hook_display()
         threading.Thread(target=self._ticker, name="monarch_nb-output", daemon=True).start()
 
+    def _hook_display(self) -> None:
+        """What a short call printed is shown before the value the cell returns (the
+        displayhook runs before post_run_cell, while the lines still sit in the window)."""
+        trap = getattr(self.shell, "display_trap", None)
+        if trap is None or getattr(trap.hook, "_mnb_flush", False):
+            return
+        original = trap.hook
+
+        def hook(value: Any) -> Any:
+            if value is not None:
+                try:
+                    self.flush_now()
+                except Exception:  # showing the value matters more than ordering it
+                    pass
+            return original(value)
+
+        hook._mnb_flush = True  # type: ignore[attr-defined]
+        hook._mnb_original = original  # type: ignore[attr-defined]
+        trap.hook = hook
+
     def uninstall(self) -> None:
+        trap = getattr(self.shell, "display_trap", None)
+        if trap is not None and getattr(trap.hook, "_mnb_flush", False):
+            trap.hook = trap.hook._mnb_original
         self._stop.set()
         self._wake.set()
         if self.client.log_writer == self.on_lines:

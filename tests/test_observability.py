@@ -1,0 +1,157 @@
+"""What a notebook shows of a cluster: grouped errors from many ranks, output in order,
+print-only cells, displays shaped like the mesh. Through a real kernel (jupyter_client)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests._kernel import Kernel
+
+
+@pytest.fixture(scope="module")
+def k():  # type: ignore[no-untyped-def]
+    kern = Kernel()
+    c = kern.run("%mesh connect")
+    assert "connected to 1 host" in c.stream(), c.msgs
+    c = kern.run("%mesh spawn obs --per-host gpus=16", timeout=120)
+    assert c.error is None, c.error
+    yield kern
+    kern.run("%mesh stop --all", timeout=60)
+    kern.close()
+
+
+def _ok(c):  # type: ignore[no-untyped-def]
+    assert c.error is None, "\n".join(c.error["traceback"]) if c.error else ""
+    return c
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _tb(c) -> str:  # type: ignore[no-untyped-def]
+    assert c.error is not None, c.msgs
+    return _ANSI.sub("", "\n".join(c.error["traceback"]))
+
+
+ACTOR = """\
+import threading, time
+from monarch_nb.actor import Actor, endpoint, current_rank
+
+gate = threading.Event()
+
+class Worker(Actor):
+    def __init__(self):
+        self.gate = threading.Event()
+
+    @endpoint
+    def lookup(self, slow=-1):
+        r = current_rank().rank
+        if r == slow:
+            self.gate.wait(30)
+        if r % 4 == 0:
+            raise KeyError(f"shard {r}")
+        return r
+
+    @endpoint
+    def release(self):
+        self.gate.set()
+
+    @endpoint
+    def train(self, steps):
+        r = current_rank().rank
+        for s in range(steps):
+            print(f"step {s} loss={(steps - s) * 0.02 + r * 0.001:.3f}")
+
+    @endpoint
+    def hello(self):
+        print("hello from", current_rank().rank)
+        return current_rank().rank * 10
+
+workers = obs.spawn("workers", Worker)
+"""
+
+
+@pytest.fixture(scope="module")
+def workers(k: Kernel) -> str:
+    _ok(k.run(ACTOR, timeout=120))
+    return "workers"
+
+
+def test_an_error_on_4_of_16_ranks_is_grouped_under_monarch_s_headline(k: Kernel, workers: str) -> None:
+    c = k.run("workers.lookup.call(slow=5).get()")
+    tb = _tb(c)
+    assert c.error["ename"] == "ActorError"
+    lines = tb.splitlines()
+    assert lines[0] == "ActorError: Actor call workers.lookup failed.", tb
+    assert lines[1] == "KeyError on 4 of 16 ranks: 0,4,8,12", tb
+    assert "rank 5 (1 of 16) was still running when this was raised" in tb
+    # one traceback for the four ranks, their messages listed
+    assert tb.count("Traceback of where the remote call failed") == 1, tb
+    assert "--- ranks 0,4,8,12: KeyError" in tb
+    for r in (0, 4, 8, 12):
+        assert f"rank {r}: KeyError: 'shard {r}'" in tb
+    # the frame in the notebook cell reads as IPython names cells, with its source line;
+    # no runtime frame of monarch_nb, no /tmp/ipykernel_ file
+    cell_no = re.search(r"Cell In\[(\d+)\], line 16, in lookup", tb)
+    assert cell_no, tb
+    assert 'raise KeyError(f"shard {r}")' in tb
+    assert "monarch_nb" not in tb and "ipykernel_" not in tb and "_call_sync" not in tb, tb
+    # the value a program catches is still Monarch's: the lowest rank's ActorError
+    c = _ok(
+        k.run(
+            "from monarch_nb.actor import ActorError\nworkers.release.call().get()\n"
+            "try:\n    workers.lookup.call().get()\nexcept ActorError as e:\n    err = e\n"
+            "(type(err.exception).__name__, str(err.exception), err.rank)"
+        )
+    )
+    assert c.result == "('KeyError', \"'shard 0'\", 0)"
+
+
+def test_runtime_frames_show_when_configured(k: Kernel, workers: str) -> None:
+    c = k.run(
+        "import monarch_nb.config as C\nwith C.configured(traceback_internal_frames=True):\n"
+        "    try:\n        workers.lookup.call().get()\n    except Exception as e:\n        text = str(e)\n"
+        "'_actor.py' in text, 'Cell In[' in text"
+    )
+    assert _ok(c).result == "(True, True)"
+
+
+def test_exec_errors_group_alike_ranks_and_name_the_cell(k: Kernel) -> None:
+    c = k.run("%%mesh exec obs\nfrom monarch_nb.actor import current_rank\nr = current_rank().rank\nassert r % 2 == 0, f'odd rank {r}'")
+    tb = _tb(c)
+    assert c.error["ename"] == "ExecError"
+    assert "failed on 8 of 16 ranks" in tb and "AssertionError on 8 of 16 ranks: 1,3,5,7,9,11,13,15" in tb
+    assert tb.count("--- ranks") == 1 and "rank 3: AssertionError: odd rank 3" in tb
+    count = c.reply["content"]["execution_count"]
+    # line 4 of the cell (the magic is line 1)
+    assert f"Cell In[{count}], line 4" in tb and "assert r % 2 == 0" in tb, tb
+    assert "<mesh exec" not in tb
+
+
+def test_training_output_keeps_its_order_aggregated_across_ranks(k: Kernel, workers: str) -> None:
+    c = _ok(k.run("workers.train.call(8).get();"))
+    lines = [ln for ln in c.stream().splitlines() if "step" in ln]
+    assert len(lines) == 8, c.stream()
+    for s, ln in enumerate(lines):
+        lo, hi = (8 - s) * 0.02, (8 - s) * 0.02 + 0.015
+        assert ln == f"[ranks 0-15 ×16] step {s} loss={lo:.3f}…{hi:.3f}", ln
+
+
+def test_output_of_a_short_call_appears_above_its_value(k: Kernel, workers: str) -> None:
+    c = _ok(k.run("workers.hello.call().get()"))
+    kinds = [m["msg_type"] for m in c.msgs if m["msg_type"] in ("stream", "execute_result")]
+    assert "execute_result" in kinds and "stream" in kinds, c.msgs
+    assert kinds.index("stream") < kinds.index("execute_result"), kinds
+    assert "[ranks 0-15 ×16] hello from 0…15" in c.stream()
+
+
+def test_print_only_cells_show_no_value_mesh_of_nones(k: Kernel, workers: str) -> None:
+    c = _ok(k.run("%%mesh exec obs\nprint('only printing')"))
+    assert "only printing" in c.stream()
+    assert not [m for m in c.msgs if m["msg_type"] == "execute_result"], c.msgs
+    c = _ok(k.run("workers.train.call(1).get()"))
+    assert not [m for m in c.msgs if m["msg_type"] == "execute_result"], c.msgs
+    # the value is still a ValueMesh
+    assert _ok(k.run("type(_).__name__, len(_.values()), set(_.values())")).result == "('ValueMesh', 16, {None})"
