@@ -74,11 +74,17 @@ class ActorError(MonarchNBError):
         """(rank, exception type, message, traceback) for grouping."""
         last = next((ln for ln in reversed(self.remote_traceback.splitlines()) if ln.strip()), "")
         etype, sep, msg = last.partition(": ")
+        tb = _remote_words(self.remote_traceback)
         if not self.remote_traceback or not etype or " " in etype:
             etype, msg = type(self.exception).__name__, str(self.exception)
+        elif str(self.exception) not in last:
+            # the error raised is not the one its traceback ends with (a reply that could not
+            # be pickled, say): show both
+            etype, msg = type(self.exception).__name__, str(self.exception)
+            tb = f"{tb.rstrip()}\n{etype}: {msg}\n"
         elif not sep:
             msg = ""
-        return (rank, etype, msg, _remote_words(self.remote_traceback))
+        return (rank, etype, msg, tb)
 
     def _grouped_lines(self, color: bool) -> list[str]:
         from . import _errgroup
@@ -86,7 +92,7 @@ class ActorError(MonarchNBError):
         lines = [f"Actor call {self.endpoint} failed."]
         failures = self.failures or {}
         if self.total <= 1 and len(failures) <= 1:
-            tb = _errgroup.clean_traceback(self.exception_formatted).rstrip()
+            tb = _errgroup.clean_traceback(self._failure_tuple(0)[3]).rstrip()
             return lines + (tb.splitlines() if tb else [self.message])
         groups = _errgroup.group(e._failure_tuple(r) for r, e in failures.items())
         lines.extend(_errgroup.summary_lines(groups, self.total))

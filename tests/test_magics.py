@@ -424,6 +424,8 @@ def test_debug_magics_list_cast_and_continue(k: Kernel) -> None:
     _ok(k.run(code))
     table = _ok(k.run("%mesh debug")).stream()
     assert table.count("halts") == 2 and "paused" in table
+    # where they stopped reads as IPython names the cell that defined the class
+    assert re.search(r"Cell In\[\d+\], line 7", table) and "ipykernel_" not in table, table
     out = _ok(k.run("%mesh debug cast halts 0-1 p mine")).stream()
     assert "[0] 0" in out and "[1] 7" in out
     _ok(k.run("%mesh debug continue"))
