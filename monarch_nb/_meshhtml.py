@@ -52,8 +52,7 @@ def _cell(text: str) -> str:
     short = text.splitlines()[0] if text else ""
     short = short[: CLIP - 1] + "…" if len(short) >= CLIP or "\n" in text else short
     return (
-        f'<details class="mnb-clip"><summary><code>{html.escape(short)}</code></summary>'
-        f"<pre>{html.escape(text)}</pre></details>"
+        f'<details class="mnb-clip"><summary><code>{html.escape(short)}</code></summary><pre>{html.escape(text)}</pre></details>'
     )
 
 
@@ -104,9 +103,7 @@ def value_table_html(labels: Sequence[str], sizes: Sequence[int], values: Sequen
         trs = []
         for r in range(nr):
             label = f"<th>{r}</th>" if rows_l else "<th></th>"
-            tds = "".join(
-                f'<td data-rank="{o * per + r * nc + c}">{_cell(reprs[o * per + r * nc + c])}</td>' for c in range(nc)
-            )
+            tds = "".join(f'<td data-rank="{o * per + r * nc + c}">{_cell(reprs[o * per + r * nc + c])}</td>' for c in range(nc))
             trs.append(f"<tr>{label}{tds}</tr>")
         tables.append(f'<table class="mnb-table">{caption}<thead>{thead}</thead><tbody>{"".join(trs)}</tbody></table>')
     return f'{_CSS}<div class="mnb-vm">{head}{"".join(tables)}</div>'

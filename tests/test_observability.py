@@ -119,7 +119,9 @@ def test_runtime_frames_show_when_configured(k: Kernel, workers: str) -> None:
 
 
 def test_exec_errors_group_alike_ranks_and_name_the_cell(k: Kernel) -> None:
-    c = k.run("%%mesh exec obs\nfrom monarch_nb.actor import current_rank\nr = current_rank().rank\nassert r % 2 == 0, f'odd rank {r}'")
+    c = k.run(
+        "%%mesh exec obs\nfrom monarch_nb.actor import current_rank\nr = current_rank().rank\nassert r % 2 == 0, f'odd rank {r}'"
+    )
     tb = _tb(c)
     assert c.error["ename"] == "ExecError"
     assert "failed on 8 of 16 ranks" in tb and "AssertionError on 8 of 16 ranks: 1,3,5,7,9,11,13,15" in tb
@@ -155,3 +157,73 @@ def test_print_only_cells_show_no_value_mesh_of_nones(k: Kernel, workers: str) -
     assert not [m for m in c.msgs if m["msg_type"] == "execute_result"], c.msgs
     # the value is still a ValueMesh
     assert _ok(k.run("type(_).__name__, len(_.values()), set(_.values())")).result == "('ValueMesh', 16, {None})"
+
+
+HANG = """\
+from monarch_nb.actor import Actor, endpoint, current_rank
+from monarch_nb.spmd import setup_env_for_distributed
+
+class Hang(Actor):
+    @endpoint
+    def reduce(self):
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        if current_rank().rank == 3:
+            return "never joins"
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        return float(t.sum())
+
+    @endpoint
+    def hold_gil(self, seconds):
+        import ctypes
+        ctypes.PyDLL(None).sleep(seconds)  # a C call that keeps the GIL
+
+setup_env_for_distributed(hung)
+hangs = hung.spawn("hangs", Hang)
+pending = hangs.reduce.call()
+from monarch_nb import debug
+import time
+t = time.monotonic()
+while time.monotonic() - t < 60:
+    s = debug.stacks(hung, "0-2")
+    if "all_reduce" in str(s) and len(s.root.children) > 0:
+        break
+    time.sleep(0.2)
+"""
+
+
+def _html(c) -> str:  # type: ignore[no-untyped-def]
+    for m in c.msgs:
+        if m["msg_type"] in ("execute_result", "display_data") and "text/html" in m["content"]["data"]:
+            return m["content"]["data"]["text/html"]
+    raise AssertionError(f"no HTML output: {c.msgs}")
+
+
+def test_stacks_of_a_hung_collective_merge_the_waiting_ranks(k: Kernel) -> None:
+    _ok(k.run("%mesh spawn hung --per-host gpus=4", timeout=120))
+    try:
+        _ok(k.run(HANG, timeout=90))
+        c = _ok(k.run("%mesh stacks hung --timeout 10", timeout=60))
+        text = c.result
+        # three ranks blocked in the all-reduce: one stack, their rank set; the fourth returned
+        m = re.search(r"\[ranks 0-2 \(3\)\]\n((?:      .*\n)+)", text + "\n")
+        assert m, text
+        block = m.group(1)
+        assert "reduce (Cell In[" in block and "dist.all_reduce(t)" in block and "all_reduce (" in block, block
+        assert re.search(r"\[rank 3\]\n\s+\(only monarch_nb frames: waiting for work\)", text), text
+        assert "_actor.py" not in text and "no answer" not in text
+        html = _html(c)
+        assert '<details open class="mnb-stack-node" data-ranks="0-2">' in html and "all_reduce" in html
+        # --ranks picks some; --native adds py-spy's native frames (the wait inside gloo)
+        c = _ok(k.run("%mesh stacks hung --ranks 0-1 --native --timeout 10", timeout=60))
+        assert "[ranks 0-1 (2)]" in c.result and "rank 2" not in c.result.split("thread")[0]
+        assert "native stack of ranks 0-1 (2) (py-spy)" in c.result and "c10d::Work::wait" in c.result, c.result
+        # a rank whose I/O thread cannot get the GIL is shown as such, within the deadline
+        _ok(k.run("held = hangs.slice(gpus=3).hold_gil.call_one(4)\nimport time; time.sleep(0.5)"))
+        c = _ok(k.run("%mesh stacks hung --ranks 3 --native --timeout 1", timeout=30))
+        assert "rank 3 (" in c.result and "no answer within 1 s: its I/O thread could not get the GIL" in c.result
+        assert "native stack of rank 3 (py-spy)" in c.result and "hold_gil" in c.result, c.result
+        _ok(k.run("held.get(timeout=30)"))
+    finally:
+        k.run("%mesh stop hung", timeout=60)

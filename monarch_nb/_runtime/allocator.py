@@ -439,6 +439,27 @@ class Allocator(DebugRegistry):
         out, _ = await proc.communicate()
         return {"ok": proc.returncode == 0, "output": out.decode(errors="replace")[-4000:]}
 
+    async def sys_native_stack(self, pid: int, timeout: float = 10.0) -> dict[str, Any]:
+        """``py-spy dump --native`` of one of this allocator's procs (its ancestor may ptrace it
+        where the controller, on another host or not an ancestor, may not)."""
+        if not any(r.pid == pid and r.state == "running" for m in self.meshes.values() for r in m.procs):
+            raise ValueError(f"pid {pid} is not a running proc of this allocator")
+        exe = os.path.join(os.path.dirname(sys.executable), "py-spy")
+        exe = exe if os.path.exists(exe) else shutil.which("py-spy") or ""
+        if not exe:
+            return {"text": "", "error": f"py-spy is not installed on {self.rt.hostname} (pip install 'monarch_nb[stacks]')"}
+        proc = await asyncio.create_subprocess_exec(
+            exe, "dump", "--pid", str(pid), "--native", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            return {"text": "", "error": f"py-spy dump gave no answer within {timeout:.0f} s"}
+        text = out.decode(errors="replace")
+        return {"text": text, "error": "" if proc.returncode == 0 else err.decode(errors="replace").strip()[-2000:]}
+
     def sys_env_install_files(self, name: str, files: dict[str, str], remove: str = "") -> int:
         """Install a distribution from synced blobs into this interpreter's site-packages."""
         import sysconfig

@@ -52,7 +52,9 @@ def rank_records(procs: list[Any], stopped: bool = False, failed: str = "") -> l
     return out
 
 
-def mesh_grid_html(kind: str, name: str, labels: list[str], sizes: list[int], procs: list[Any], stopped: bool, failed: str) -> str:
+def mesh_grid_html(
+    kind: str, name: str, labels: list[str], sizes: list[int], procs: list[Any], stopped: bool, failed: str
+) -> str:
     recs = rank_records(procs, stopped, failed)
     note = ""
     if any(r["state"] == "failed" for r in recs) or failed:
