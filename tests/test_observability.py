@@ -227,3 +227,49 @@ def test_stacks_of_a_hung_collective_merge_the_waiting_ranks(k: Kernel) -> None:
         _ok(k.run("held.get(timeout=30)"))
     finally:
         k.run("%mesh stop hung", timeout=60)
+
+
+def test_a_value_mesh_displays_as_a_table_shaped_like_its_mesh(k: Kernel, workers: str) -> None:
+    c = _ok(k.run('workers.rename(gpus="all").split(all=("hosts", "gpus"), gpus=8).hello.call().get()'))
+    html = _html(c)
+    tables = re.findall(r'<table class="mnb-table">(.*?)</table>', html, re.S)
+    assert len(tables) == 1, html
+    rows = re.findall(r"<tbody>(.*)</tbody>", tables[0], re.S)[0].split("</tr>")[:-1]
+    assert len(rows) == 2 and all(r.count("<td ") == 8 for r in rows), tables[0]
+    assert "hosts \\ gpus" in tables[0] and '<td data-rank="9"><code>90</code></td>' in rows[1]
+    assert c.result.startswith("ValueMesh({hosts: 2, gpus: 8}):")
+    # three dimensions: one table per value of the outer one
+    c = _ok(k.run('workers.split(gpus=("a", "b", "c"), b=2, c=4).hello.call().get()'))
+    assert _html(c).count('<table class="mnb-table">') == 2 and "<caption>a=1</caption>" in _html(c)
+
+
+def test_large_value_meshes_group_values_clip_long_ones_and_keep_the_text_short(k: Kernel) -> None:
+    code = (
+        "from monarch_nb.actor import ValueMesh\nfrom monarch_nb.actor._shape import Extent\n"
+        "big = ValueMesh(Extent(['hosts', 'gpus'], [8, 16]), ['ok'] * 120 + ['x' * 500] * 8)\nbig"
+    )
+    c = _ok(k.run(code))
+    html = _html(c)
+    assert '<table class="mnb-grouped">' in html
+    assert '<td class="mnb-ranks">0-119</td><td>120</td>' in html and '<td class="mnb-ranks">120-127</td>' in html
+    assert '<details class="mnb-clip">' in html and "x" * 500 in html  # the full value one click away
+    assert len(c.result.splitlines()) < 40 and "96 more" in c.result
+
+
+def test_proc_and_actor_meshes_display_as_rank_grids_coloured_by_state(k: Kernel, workers: str) -> None:
+    for expr in ("obs", "workers"):
+        html = _html(_ok(k.run(expr)))
+        tiles = re.findall(r'<div class="mnb-tile mnb-state-(\w+)" data-rank="(\d+)"[^>]*title="([^"]*)"', html)
+        assert [int(r) for _s, r, _t in tiles] == list(range(16)), html
+        assert {s for s, _r, _t in tiles} <= {"idle", "busy"}, tiles
+        assert all(re.search(r"host \S+ · pid \d+", t) for _s, _r, t in tiles), tiles
+    _ok(k.run("import os, signal\nos.kill(obs._procs[5].pid, signal.SIGKILL)"))
+    # the killed rank turns failed (the allocator notices within its heartbeat)
+    c = _ok(
+        k.run(
+            "import time\nt = time.monotonic()\n"
+            'while \'mnb-state-failed" data-rank="5"\' not in obs._repr_html_() and time.monotonic() - t < 10:\n'
+            "    time.sleep(0.1)\nobs"
+        )
+    )
+    assert 'mnb-state-failed" data-rank="5"' in _html(c) and "healthy ranks still callable" in _html(c)

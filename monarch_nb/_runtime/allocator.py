@@ -44,6 +44,11 @@ logger = logging.getLogger(__name__)
 CONNECTION_PREFIX = "allocator-"
 
 
+def _set_once(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 @dataclasses.dataclass
 class ProcRec:
     token: str
@@ -380,10 +385,36 @@ class Allocator(DebugRegistry):
                     "entry": "monarch_nb.actor._bootstrap:main",
                     "spec": proc_spec,
                 }
-                socket.send_fds(self._zsock, [pickle.dumps(req)], [out_w, err_w])
+                await self._send_zygote(pickle.dumps(req), [out_w, err_w])
         finally:
             os.close(out_w)
             os.close(err_w)
+
+    async def _send_zygote(self, data: bytes, fds: list[int]) -> None:
+        """One request to the zygote; a large spawn fills the socket's buffer (EAGAIN: nothing
+        was sent, a SEQPACKET message is all or nothing), so wait until it drains."""
+        assert self._zsock is not None
+        sock = self._zsock
+        deadline = time.monotonic() + self.cfg.spawn_timeout
+        while True:
+            try:
+                socket.send_fds(sock, [data], fds)
+                return
+            except BlockingIOError:
+                pass
+            if time.monotonic() > deadline:
+                raise SpawnError(f"the zygote took no request for {self.cfg.spawn_timeout:.0f} s")
+            writable = self.rt.loop.create_future()
+            # one waiter at a time per fd (add_writer replaces the callback): later ones queue on the lock
+            self._zsend_lock = getattr(self, "_zsend_lock", None) or asyncio.Lock()
+            async with self._zsend_lock:
+                self.rt.loop.add_writer(sock.fileno(), _set_once, writable)
+                try:
+                    await asyncio.wait_for(writable, max(0.01, deadline - time.monotonic()))
+                except TimeoutError:
+                    pass
+                finally:
+                    self.rt.loop.remove_writer(sock.fileno())
 
     def _on_exec_exit(self, rec: ProcRec, pidfd: int) -> None:
         self.rt.loop.remove_reader(pidfd)
