@@ -42,6 +42,7 @@ class RankStack:
 class _Node:
     label: str
     source: str = ""
+    func: str = ""
     ranks: set[int] = field(default_factory=set)
     children: dict[Any, _Node] = field(default_factory=dict)
 
@@ -80,7 +81,7 @@ class Stacks:
             key = (file, line, func)
             child = node.children.get(key)
             if child is None:
-                child = node.children[key] = _Node(_frame_label(file, line, func), src or _local_source(file, line))
+                child = node.children[key] = _Node(_frame_label(file, line, func), src or _local_source(file, line), func)
             child.ranks.add(rank)
             node = child
 
@@ -147,11 +148,13 @@ class Stacks:
             + "</div>"
             for n in (chain if not top else chain[1:])
         )
-        head = html.escape(chain[0].label if top else chain[-1].label)
+        # summary text only (JupyterLab lays out elements inside <summary> as blocks): the rank
+        # set, and the thread, or the function the ranks are in at the end of this block
+        head = chain[0].label if top else f"in {chain[-1].func}" if chain[-1].func else chain[-1].label
         kids = "".join(self._html(c, False) for c in chain[-1].children.values())
         return (
             f'<details open class="mnb-stack-node" data-ranks="{format_ranks(ranks)}">'
-            f'<summary><span class="mnb-ranks">{_ranks(ranks)}</span> · {head}</summary>'
+            f"<summary>{html.escape(f'{_ranks(ranks)} · {head}')}</summary>"
             f'<div class="mnb-frames">{frames}</div>{kids}</details>'
         )
 
@@ -170,8 +173,7 @@ _CSS = """<style>
 .mnb-stacks { font-family: var(--jp-code-font-family, monospace); font-size: 12px; }
 .mnb-stacks details { margin-left: 14px; border-left: 1px solid #d0d7de; padding-left: 6px; }
 .mnb-stacks > details { margin-left: 0; }
-.mnb-stacks summary { cursor: pointer; }
-.mnb-stacks .mnb-ranks { color: #0969da; font-weight: 600; }
+.mnb-stacks summary { cursor: pointer; color: #0969da; font-weight: 600; }
 .mnb-stacks .mnb-src { color: #57606a; margin-left: 16px; }
 .mnb-stacks .mnb-stack-missing { color: #cf222e; }
 </style>"""
@@ -192,11 +194,15 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)} ({len(ranks)})"
 
 
+_LIB = re.compile(r"^.*/(?:site-packages|dist-packages|lib/python3\.\d+)/")
+
+
 def _frame_label(file: str, line: int, func: str) -> str:
     if not file:
         return func
     n = cell_number(file)
-    where = f"Cell In[{n}], line {line}" if n is not None else f"{file}:{line}"
+    # installed and standard-library modules by their module path: the prefix is the same everywhere
+    where = f"Cell In[{n}], line {line}" if n is not None else f"{_LIB.sub('', file)}:{line}"
     return f"{func} ({where})"
 
 
