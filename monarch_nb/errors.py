@@ -242,8 +242,18 @@ class SpawnError(MeshError):
     """An allocator could not start a proc, or an actor's ``__init__`` raised."""
 
     def __init__(self, message: str, remote_traceback: str = "") -> None:
+        from ._errgroup import clean_traceback
+
         self.remote_traceback = remote_traceback
-        super().__init__(message + (f"\nRemote traceback:\n{remote_traceback.rstrip()}" if remote_traceback else ""))
+        tb = clean_traceback(remote_traceback).rstrip() if remote_traceback else ""
+        #: the remote error, when an actor's constructor raised
+        self.error: BaseException | None = None
+        super().__init__(message + (f"\nRemote traceback:\n{tb}" if tb else ""))
+
+    def _render_traceback_(self) -> list[str]:
+        # the local frames (spawn's) say nothing about the user's bug: the remote traceback does
+        lines = str(self).splitlines()
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}", *lines[1:]]
 
 
 class MeshClosedError(MeshError, RuntimeError):

@@ -233,7 +233,7 @@ def test_long_calls_show_ranks_replied(k: Kernel) -> None:
     cell = k.execute(
         "%%mesh exec slow\nimport time\nfrom monarch_nb.actor import current_rank\ntime.sleep(3.5 * current_rank().rank)"
     )
-    k.wait_msg(
+    m = k.wait_msg(
         lambda m: (
             m["parent_header"].get("msg_id") == cell.msg_id
             and m["msg_type"] in ("display_data", "update_display_data")
@@ -242,6 +242,9 @@ def test_long_calls_show_ranks_replied(k: Kernel) -> None:
         20,
         "a progress line",
     )
+    # plain text that needs no emoji font
+    assert m["content"]["data"]["text/plain"].startswith("waiting on %%mesh exec on slow: 1/2 ranks replied")
+    assert m["content"]["data"]["text/plain"].isascii()
     _ok(k.wait(cell))
 
 

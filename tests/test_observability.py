@@ -159,6 +159,20 @@ def test_print_only_cells_show_no_value_mesh_of_nones(k: Kernel, workers: str) -
     assert _ok(k.run("type(_).__name__, len(_.values()), set(_.values())")).result == "('ValueMesh', 16, {None})"
 
 
+def test_a_failing_init_shows_the_user_s_error_and_its_traceback_once(k: Kernel) -> None:
+    code = (
+        "from monarch_nb.actor import Actor\n"
+        "class Bad(Actor):\n"
+        "    def __init__(self):\n"
+        "        raise ValueError('no config file')\n"
+        "obs.spawn('bad', Bad)"
+    )
+    tb = _tb(k.run(code))
+    assert "Bad.__init__ on rank 0 failed: ValueError: no config file" in tb.splitlines()[0], tb
+    assert tb.count("raise ValueError('no config file')") == 1 and tb.count("Traceback") == 1, tb
+    assert re.search(r"Cell In\[\d+\], line 4, in __init__", tb) and "monarch_nb/" not in tb, tb
+
+
 HANG = """\
 from monarch_nb.actor import Actor, endpoint, current_rank
 from monarch_nb.spmd import setup_env_for_distributed

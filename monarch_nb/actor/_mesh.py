@@ -306,9 +306,14 @@ class ProcMesh(MeshTrait):
         if errors:
             e = errors[0]
             tb = getattr(e, "remote_traceback", "")
-            raise SpawnError(
-                f"spawning {label!r} ({Class.__qualname__}) failed on {len(errors)} of {len(procs)} procs: {e}", tb
-            ) from e
+            # the user's error is the headline; its traceback is shown once, by SpawnError (not
+            # again as a chained cause: ``.error`` keeps the remote error)
+            msg = getattr(e, "message", "") or str(e)
+            err = SpawnError(
+                f"spawning {label!r} ({Class.__qualname__}) failed on {len(errors)} of {len(procs)} procs: {msg}", tb
+            )
+            err.error = e
+            raise err from None
         mesh = ActorMesh(Class, name, self._procs, view, self)
         # a new mesh under a stopped one's name is live
         client.stopped_actor_meshes.discard(mesh._key())

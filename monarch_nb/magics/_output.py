@@ -387,4 +387,5 @@ class KernelOutput:
         if elapsed < PROGRESS_AFTER:
             return None
         left, total = prog
-        return f"⏳ {fut._what}: {total - left[0]}/{total} ranks replied ({elapsed:.0f} s)"  # type: ignore[union-attr]
+        # plain text: an emoji needs a font the browser may not have
+        return f"waiting on {fut._what}: {total - left[0]}/{total} ranks replied ({elapsed:.0f} s)"  # type: ignore[union-attr]
