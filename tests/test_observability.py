@@ -3,6 +3,7 @@ print-only cells, displays shaped like the mesh. Through a real kernel (jupyter_
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -287,3 +288,25 @@ def test_proc_and_actor_meshes_display_as_rank_grids_coloured_by_state(k: Kernel
         )
     )
     assert 'mnb-state-failed" data-rank="5"' in _html(c) and "healthy ranks still callable" in _html(c)
+
+
+def test_stopping_the_allocator_logs_no_error_and_leaves_no_socket_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from conftest import AllocatorProc, run_script
+
+    a = AllocatorProc(str(tmp_path), "run", env={"MONARCH_NB_ZYGOTE_PRELOAD": ""})
+    try:
+        code = (
+            "from monarch_nb.actor import this_host\n"
+            "pm = this_host().spawn_procs(per_host={'gpus': 2}, name='kept', persist=True)\nprint(len(pm))"
+        )
+        r = run_script(code, env={"MONARCH_NB_RUNTIME_DIR": a.rdir})
+        assert r.returncode == 0 and r.stdout.strip() == "2", r.stderr
+        # the script exited: its own socket files went with it; the persistent mesh's stay in use
+        socks = sorted(f for f in os.listdir(a.rdir) if f.endswith((".sock", ".fast")))
+        assert len(socks) == 2 * 3, socks  # the allocator and two procs, an inbox and a direct socket each
+        a.proc.terminate()
+        a.proc.wait(15)
+        assert [f for f in os.listdir(a.rdir) if f.endswith((".sock", ".fast"))] == []
+        assert " ERROR " not in a.logtext(), a.logtext()
+    finally:
+        a.stop()

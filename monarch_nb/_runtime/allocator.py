@@ -44,6 +44,19 @@ logger = logging.getLogger(__name__)
 CONNECTION_PREFIX = "allocator-"
 
 
+def _unlink_ipc(addr: str) -> None:
+    """Remove the socket files of an ipc inbox (``…/x.sock``) and its direct socket (``…/x.fast``)."""
+    if not addr.startswith("ipc://"):
+        return
+    from .fastpath import path_for
+
+    for path in (addr[len("ipc://") :], path_for(addr)):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def _set_once(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -182,6 +195,7 @@ class Allocator(DebugRegistry):
             self.close()
 
     def close(self) -> None:
+        self._closing = True  # the zygote's exit is expected now, not an error
         try:
             self.rt.submit(self._stop_all("allocator shutting down")).result(timeout=15)
         except Exception:
@@ -208,7 +222,10 @@ class Allocator(DebugRegistry):
                 return
             if not data:
                 self.rt.loop.remove_reader(self._zsock.fileno())
-                logger.error("zygote exited; procs can no longer be forked")
+                if getattr(self, "_closing", False):
+                    logger.info("zygote stopped")
+                else:
+                    logger.error("zygote exited; procs can no longer be forked")
                 if self._zygote_ready and not self._zygote_ready.done():
                     self._zygote_ready.set_exception(SpawnError("the allocator's zygote exited while starting"))
                 return
@@ -801,6 +818,7 @@ class Allocator(DebugRegistry):
             self.by_token.pop(r.token, None)
             if self.by_addr.get(r.addr) is r:
                 del self.by_addr[r.addr]
+            _unlink_ipc(r.local or r.addr)  # procs end with os._exit: their socket files stay behind
         self._debug_mesh_stopped(m.name)
         m.state = "stopped"
         self._publish(("mesh", m.name, "stopped", reason))
