@@ -63,8 +63,12 @@ def _blocked(fut: Future[Any]) -> None:
         seen.update(now)
         return not now
 
+    read: Any = input
+    if not _context.in_ipython_kernel():
+        # a terminal: stop reading once the call completes, whoever resumed its ranks
+        read = _terminal_reader(lambda: fut.done() or not _debugwait.paused())
     try:
-        con.interact(input, until=until)
+        con.interact(read, until=until)
     except NotImplementedError:  # a frontend that says allow_stdin but cannot answer (StdinNotImplementedError)
         _no_input()
         return
@@ -78,6 +82,32 @@ def _blocked(fut: Future[Any]) -> None:
         )
     else:
         con.write("all ranks continued; waiting for the result\n")
+
+
+def _terminal_reader(done: Any, poll: float = 0.1) -> Any:
+    """``input()`` for a TTY that gives up (EOFError: the console leaves) once ``done()``: the
+    ranks were continued from elsewhere (``monarch-nb debug`` in another terminal) and the
+    call completed, so the program goes on without waiting for a keystroke."""
+    import os
+    import select
+
+    def read(prompt: str) -> str:
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        fd = sys.stdin.fileno()
+        while True:
+            if select.select([fd], [], [], poll)[0]:
+                # canonical mode: a read returns one line the user typed
+                data = os.read(fd, 4096).decode(errors="replace")
+                if not data:
+                    raise EOFError
+                return data.rstrip("\r\n")
+            if done():
+                sys.stdout.write("(the ranks were resumed elsewhere)\n")
+                sys.stdout.flush()
+                raise EOFError
+
+    return read
 
 
 def _no_input() -> None:
