@@ -278,6 +278,8 @@ def test_proc_and_actor_meshes_display_as_rank_grids_coloured_by_state(k: Kernel
         assert [int(r) for _s, r, _t in tiles] == list(range(16)), html
         assert {s for s, _r, _t in tiles} <= {"idle", "busy"}, tiles
         assert all(re.search(r"host \S+ · pid \d+", t) for _s, _r, t in tiles), tiles
+    hosts = _html(_ok(k.run("import monarch_nb.mesh as M\nM.hosts()")))
+    assert hosts.count('class="mnb-tile ') == 1 and "HostMesh" in hosts
     _ok(k.run("import os, signal\nos.kill(obs._procs[5].pid, signal.SIGKILL)"))
     # the killed rank turns failed (the allocator notices within its heartbeat)
     c = _ok(
