@@ -221,7 +221,7 @@ class Endpoint(Generic[R]):
             decode or _decode_all,
             lambda port, on_fail: self._send(args, kwargs, port, on_fail, ranks),
             order=order,
-            endpoint=f"{mesh._name}.{self._name}",
+            endpoint=self,  # named only if the call fails: nothing to format on every call
         )
 
     def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[R]]:
@@ -364,7 +364,7 @@ def gather(
     *,
     order: list[int] | None = None,
     keep_errors: bool = False,
-    endpoint: str = "",
+    endpoint: Endpoint[Any] | str | None = None,
 ) -> Future[Any]:
     """Open a reply port, ``send(port, on_fail)`` to ``n`` of ``procs`` (by index), and collect
     the raw replies into a Future that ``decode`` turns into its value on first read.
@@ -376,8 +376,9 @@ def gather(
     seconds to answer (ranks failing alike do, within milliseconds; others may be blocked
     for good, in a collective waiting for the failed rank, say), and a proc that is gone
     (``on_fail``: supervision, a failed send) fails the call at once. ``order``, if given,
-    receives the indices in arrival order. ``endpoint`` ("actor.method") names the call in
-    the error, which carries every rank's failure and the ranks still running (``_set_group``).
+    receives the indices in arrival order. ``endpoint`` (an Endpoint, or "actor.method") names
+    the call in the error, which carries every rank's failure and the ranks still running
+    (``ActorError._set_group``).
     """
     fut: Future[Any] = Future._create(what)
     raw: list[Any] = [None] * len(procs)
@@ -471,6 +472,8 @@ def _raise_grouped(raw: Any) -> Any:
     errors, still, n, endpoint = raw
     first = min(errors)
     err = loads(*errors[first])
+    if isinstance(endpoint, Endpoint):
+        endpoint = f"{endpoint._mesh._name}.{endpoint._name}"
     if isinstance(err, ActorError) and endpoint:
         failures: dict[int, ActorError] = {first: err}
         for i, r in errors.items():

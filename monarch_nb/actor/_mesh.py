@@ -437,7 +437,7 @@ class HostMesh(MeshTrait):
     def _repr_html_(self) -> str:
         from .._meshhtml import rank_grid_html
 
-        recs = [{"rank": i, "host": h.host, "pid": "", "state": "idle", "reason": h.alloc} for i, h in enumerate(self._refs())]
+        recs = [{"rank": i, "host": h.host, "pid": "", "state": "idle", "reason": ""} for i, h in enumerate(self._refs())]
         return rank_grid_html(f"HostMesh {self.extent}", list(self._view.labels), list(self._view.sizes), recs)
 
     def __reduce__(self) -> tuple[Any, ...]:
