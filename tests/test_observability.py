@@ -7,6 +7,7 @@ import os
 import re
 
 import pytest
+from conftest import wait_for
 
 from tests._kernel import Kernel
 
@@ -242,6 +243,35 @@ def test_stacks_of_a_hung_collective_merge_the_waiting_ranks(k: Kernel) -> None:
         _ok(k.run("held.get(timeout=30)"))
     finally:
         k.run("%mesh stop hung", timeout=60)
+
+
+def test_a_blocked_cell_s_console_returns_when_the_ranks_are_resumed_elsewhere(k: Kernel) -> None:
+    from monarch_nb import debug
+
+    _ok(k.run("%mesh spawn bp2 --per-host gpus=2", timeout=120))
+    try:
+        _ok(
+            k.run(
+                "from monarch_nb.actor import Actor, endpoint, current_rank\n"
+                "class Halt(Actor):\n"
+                "    @endpoint\n"
+                "    def halt(self):\n"
+                "        mine = current_rank().rank * 7\n"
+                "        breakpoint()\n"
+                "        return mine\n"
+                "halts = bp2.spawn('halts_elsewhere', Halt)"
+            )
+        )
+        cell = k.execute("halts.halt.call().get().values()", allow_stdin=True)
+        prompt = k.kc.get_stdin_msg(timeout=60)
+        assert prompt["msg_type"] == "input_request" and "monarch_dbg>" in prompt["content"]["prompt"]
+        # another controller (a terminal, here this test) continues the ranks; nobody answers the box
+        wait_for(lambda: len(debug.sessions("halts_elsewhere")) == 2, 20, "both ranks paused")
+        debug.continue_all("halts_elsewhere", timeout=10)
+        c = _ok(k.wait(cell, timeout=60))
+        assert c.result == "[0, 7]" and "resumed elsewhere" in c.stream(), c.msgs
+    finally:
+        k.run("%mesh stop bp2", timeout=60)
 
 
 def test_a_value_mesh_displays_as_a_table_shaped_like_its_mesh(k: Kernel, workers: str) -> None:
