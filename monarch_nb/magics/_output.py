@@ -126,7 +126,8 @@ class KernelOutput:
         def hook(value: Any) -> Any:
             if value is not None:
                 try:
-                    self.flush_now()
+                    # the flood marker waits for the cell's end: one, not one per flush
+                    self.flush_now(marker=False)
                 except Exception:  # showing the value matters more than ordering it
                     pass
             return original(value)
@@ -161,8 +162,9 @@ class KernelOutput:
         with self._lock:
             self.current = cell
 
-    def flush_now(self) -> None:
-        """Show now what ranks printed before their replies (before the cell's result is shown)."""
+    def flush_now(self, marker: bool = True) -> None:
+        """Show now what ranks printed before their replies (before the cell's result is shown);
+        ``marker``: also the count of lines a flood control held back so far."""
         cell = self.current
         if cell is None or not cell.made_calls:
             return
@@ -171,7 +173,7 @@ class KernelOutput:
         with quiet():
             self.client.flush_logs(timeout=1.0)
         with self._lock:
-            self._flush_cell(cell, force=True)
+            self._flush_cell(cell, force=True, marker=marker)
 
     def post_run_cell(self, result: Any = None) -> None:
         cell = self.current
@@ -270,12 +272,12 @@ class KernelOutput:
             self._wake.set()
 
     # ------------------------------------------------------------ emitting
-    def _flush_cell(self, cell: _Cell, force: bool = False) -> None:
+    def _flush_cell(self, cell: _Cell, force: bool = False, marker: bool = True) -> None:
         if len(cell.agg) and (force or time.monotonic() >= cell.deadline):
             self._emit(cell, cell.agg.flush())
         if cell.progress_dirty:
             self._show_progress(cell)
-        if cell.suppressed and (force or time.monotonic() - cell.last_refill > 1.0):
+        if cell.suppressed and ((force and marker) or time.monotonic() - cell.last_refill > 1.0):
             self._emit_marker(cell)
 
     def _admit(self, cell: _Cell, n: int) -> int:
