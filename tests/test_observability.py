@@ -241,6 +241,9 @@ def test_stacks_of_a_hung_collective_merge_the_waiting_ranks(k: Kernel) -> None:
         assert "rank 3 (" in c.result and "no answer within 1 s: its I/O thread could not get the GIL" in c.result
         assert "native stack of rank 3 (py-spy)" in c.result and "hold_gil" in c.result, c.result
         _ok(k.run("held.get(timeout=30)"))
+        # a variable holding a mesh spawned through the Python API works too
+        c = _ok(k.run("%mesh stacks hangs --ranks 0-2 --timeout 10", timeout=60))
+        assert "[ranks 0-2 (3)] thread actor-hangs" in c.result, c.result
     finally:
         k.run("%mesh stop hung", timeout=60)
 

@@ -29,7 +29,7 @@ _SUMMARY = """\
 %mesh debug continue                           resume every paused rank
 %mesh attach ACTOR RANK                        an interactive pdb on that rank, through this cell's input box
 %mesh dashboard [NAME]                         a live view: ranks by state, host resources, logs, errors
-%mesh stacks NAME [--ranks R] [--native]       every thread's stack on every rank, identical ones merged
+%mesh stacks NAME [--ranks R] [--native]       every thread's stack on every rank (NAME: a mesh or a variable holding one)
 %mesh sync [PATH ...] [--recreate|--restart] [--watch|--stop-watch] [--via URL]
                                                send the workspace to the hosts, reload it in running procs
 %mesh help                                     this text; `%mesh SUBCOMMAND --help` for details"""
@@ -113,7 +113,7 @@ def _parsers() -> dict[str, _Parser]:
     d.add_argument("name", nargs="?", help="mesh name (optional when one mesh runs)")
     d.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     sk = p["stacks"] = _Parser(prog="%mesh stacks", description="Every thread's Python stack on every rank, merged.")
-    sk.add_argument("name", nargs="?", help="mesh name (optional when one mesh runs)")
+    sk.add_argument("name", nargs="?", help="mesh name, or a variable holding a proc or actor mesh (optional when one mesh runs)")
     sk.add_argument("--ranks", help="a subset of ranks: 0:4, 0-3, 1,3")
     sk.add_argument("--native", action="store_true", help="add native frames (py-spy dump --native, if installed)")
     sk.add_argument("--timeout", type=float, default=5.0, help="seconds every rank has to answer")
@@ -280,8 +280,13 @@ class MeshMagics(Magics):
 
     def _do_stacks(self, args: argparse.Namespace, cell: str | None) -> Any:
         from .. import debug
+        from ..actor import ActorMesh, ProcMesh
 
-        return debug.stacks(_mesh._resolve(args.name), args.ranks, native=args.native, timeout=args.timeout)
+        # a notebook variable holding a mesh (spawned through the Python API), else a named mesh
+        target = self.shell.user_ns.get(args.name) if args.name else None  # type: ignore[union-attr]
+        if not isinstance(target, (ProcMesh, ActorMesh)):
+            target = _mesh._resolve(args.name)
+        return debug.stacks(target, args.ranks, native=args.native, timeout=args.timeout)
 
     def _do_stop(self, args: argparse.Namespace, cell: str | None) -> Any:
         if not args.all and not args.name:
