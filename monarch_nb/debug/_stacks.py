@@ -207,11 +207,15 @@ def _frame_label(file: str, line: int, func: str) -> str:
 
 
 def _local_source(file: str, line: int) -> str:
-    # code from this notebook's cells has no source on the ranks; this process has it
-    if not file or cell_number(file) is None:
+    """Source the rank could not read: code from this notebook's cells, or a module this
+    process runs (a script's ``__main__``), whose file the ranks' hosts may not have."""
+    if not file:
         return ""
     import linecache
+    import sys
 
+    if cell_number(file) is None and file not in {getattr(m, "__file__", None) for m in list(sys.modules.values())}:
+        return ""
     return linecache.getline(file, line).strip()
 
 
