@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from . import _errgroup
 from .errors import ConfigError
 
 __all__ = ["Config", "configure", "configured", "get_config", "runtime_dir"]
@@ -71,6 +72,8 @@ class Config:
     #: how long a message that overtook an earlier one from its sender waits for it before
     #: being delivered anyway (the earlier one was lost, e.g. with a failed relay)
     order_gap_timeout: float = 10.0
+    #: show monarch_nb's own frames in remote tracebacks (hidden by default, as IPython hides its own)
+    traceback_internal_frames: bool = False
 
     def replace(self, **kw: Any) -> Config:
         return dataclasses.replace(self, **kw)
@@ -176,3 +179,6 @@ def _check_private_dir(path: str) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+_errgroup.internal_frames_setting = lambda: get_config().traceback_internal_frames

@@ -74,12 +74,55 @@ class ActorError(MonarchNBError):
         self.message = message or f"{type(exception).__name__}: {safe_str(exception)}"
         super().__init__(self._headline())
 
+    #: set by a call to several actors (``_set_group``): "actor.method", how many were called,
+    #: every failure by rank (index in the call), and the ranks that had not answered
+    endpoint: str = ""
+    total: int = 0
+    failures: dict[int, ActorError] | None = None
+    running: list[int] | int = 0
+
+    def _set_group(
+        self, endpoint: str, total: int, failures: dict[int, ActorError] | None = None, running: list[int] | int = 0
+    ) -> ActorError:
+        self.endpoint, self.total, self.failures, self.running = endpoint, total, failures, running
+        return self
+
     @property
     def exception_formatted(self) -> str:
         """The remote traceback as Monarch's ``ActorError.exception_formatted`` words it."""
-        return self.remote_traceback.replace(
-            "Traceback (most recent call last):", "Traceback of where the remote call failed (most recent call last):"
-        )
+        return _remote_words(self.remote_traceback)
+
+    def _failure_tuple(self, rank: int) -> tuple[int, str, str, str]:
+        """(rank, exception type, message, traceback) for grouping."""
+        last = next((ln for ln in reversed(self.remote_traceback.splitlines()) if ln.strip()), "")
+        etype, sep, msg = last.partition(": ")
+        tb = _remote_words(self.remote_traceback)
+        if not self.remote_traceback or not etype or " " in etype:
+            etype, msg = type(self.exception).__name__, str(self.exception)
+        elif str(self.exception) not in last:
+            # the error raised is not the one its traceback ends with (a reply that could not
+            # be pickled, say): show both
+            etype, msg = type(self.exception).__name__, str(self.exception)
+            tb = f"{tb.rstrip()}\n{etype}: {msg}\n"
+        elif not sep:
+            msg = ""
+        return (rank, etype, msg, tb)
+
+    def _grouped_lines(self, color: bool) -> list[str]:
+        from . import _errgroup
+
+        lines = [f"Actor call {self.endpoint} failed."]
+        failures = self.failures or {}
+        if self.total <= 1 and len(failures) <= 1:
+            tb = _errgroup.clean_traceback(self._failure_tuple(0)[3]).rstrip()
+            return lines + (tb.splitlines() if tb else [self.message])
+        groups = _errgroup.group(e._failure_tuple(r) for r, e in failures.items())
+        lines.extend(_errgroup.summary_lines(groups, self.total))
+        running = _errgroup.running_line(self.running, self.total)
+        if running:
+            lines.append(running)
+        lines.extend(_errgroup.group_lines(groups, color))
+        return lines
 
     def _headline(self) -> str:
         where = []
@@ -93,8 +136,12 @@ class ActorError(MonarchNBError):
         return f"{prefix}: {self.message}"
 
     def __str__(self) -> str:
+        if self.endpoint:
+            return "\n".join(self._grouped_lines(color=False))
         if self.remote_traceback:
-            return f"{self._headline()}\nRemote traceback:\n{self.remote_traceback.rstrip()}"
+            from ._errgroup import clean_traceback
+
+            return f"{self._headline()}\nRemote traceback:\n{clean_traceback(self.remote_traceback).rstrip()}"
         return self._headline()
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -105,10 +152,16 @@ class ActorError(MonarchNBError):
 
     def _render_traceback_(self) -> list[str]:
         # IPython calls this instead of printing our local frames, which say nothing about the bug.
+        if self.endpoint:
+            lines = self._grouped_lines(color=True)
+            lines[0] = f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}"
+            return lines
         lines = [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self._headline()}"]
         if self.remote_traceback:
+            from ._errgroup import clean_traceback
+
             lines.append("Remote traceback:")
-            lines.extend(self.remote_traceback.rstrip().splitlines())
+            lines.extend(clean_traceback(self.remote_traceback).rstrip().splitlines())
         return lines
 
 
@@ -141,6 +194,10 @@ class SupervisionError(ActorError):
 
     def _headline(self) -> str:
         return f"Supervision failure: {self.message}"
+
+
+def _remote_words(tb: str) -> str:
+    return tb.replace("Traceback (most recent call last):", "Traceback of where the remote call failed (most recent call last):")
 
 
 def _rebuild_actor_error(cls, exc, tb, actor, rank, host, message):  # type: ignore[no-untyped-def]
@@ -184,7 +241,8 @@ class ExecError(MonarchNBError):
     """A ``%%mesh exec`` cell raised on some ranks: one entry per failing rank.
 
     ``failures`` maps rank → ``(exception type name, message, formatted remote traceback)``;
-    ranks that failed the same way are shown once, with their rank set.
+    ranks that failed alike (same type, same frames) are shown once, with their rank set and
+    the messages that differ.
     """
 
     def __init__(self, failures: dict[int, tuple[str, str, str]], total: int, mesh: str = "") -> None:
@@ -193,44 +251,24 @@ class ExecError(MonarchNBError):
         self.mesh = mesh
         super().__init__(self._headline())
 
-    def _groups(self) -> list[tuple[list[int], tuple[str, str, str]]]:
-        groups: dict[tuple[str, str, str], list[int]] = {}
-        for rank, f in self.failures.items():
-            groups.setdefault(f, []).append(rank)
-        return [(ranks, f) for f, ranks in groups.items()]
-
     def _headline(self) -> str:
         n = len(self.failures)
         where = f" of mesh {self.mesh!r}" if self.mesh else ""
-        kinds = "; ".join(f"{_ranks(r)}: {_kind(*f[:2])}" for r, f in self._groups())
-        return f"the cell failed on {n} of {self.total} ranks{where} ({kinds})"
+        return f"the cell failed on {n} of {self.total} ranks{where}"
 
     def __str__(self) -> str:
         return "\n".join(self._lines(color=False))
 
     def _lines(self, color: bool) -> list[str]:
-        red, off = ("\x1b[0;31m", "\x1b[0m") if color else ("", "")
-        lines = [self._headline()]
-        for ranks, (etype, msg, tb) in self._groups():
-            lines.append("")
-            lines.append(f"{red}--- {_ranks(ranks)}: {_kind(etype, msg)}{off}")
-            lines.extend(tb.rstrip().splitlines())
-        return lines
+        from . import _errgroup
+
+        groups = _errgroup.group((r, *f) for r, f in self.failures.items())
+        return [self._headline(), *_errgroup.summary_lines(groups, self.total), *_errgroup.group_lines(groups, color)]
 
     def _render_traceback_(self) -> list[str]:
         lines = self._lines(color=True)
         lines[0] = f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}"
         return lines
-
-
-def _ranks(ranks: list[int]) -> str:
-    from ._ranks import format_ranks
-
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)} (×{len(ranks)})"
-
-
-def _kind(etype: str, msg: str) -> str:
-    return f"{etype}: {msg}" if msg else etype
 
 
 class MeshError(MonarchNBError):
@@ -241,8 +279,18 @@ class SpawnError(MeshError):
     """An allocator could not start a proc, or an actor's ``__init__`` raised."""
 
     def __init__(self, message: str, remote_traceback: str = "") -> None:
+        from ._errgroup import clean_traceback
+
         self.remote_traceback = remote_traceback
-        super().__init__(message + (f"\nRemote traceback:\n{remote_traceback.rstrip()}" if remote_traceback else ""))
+        tb = clean_traceback(remote_traceback).rstrip() if remote_traceback else ""
+        #: the remote error, when an actor's constructor raised
+        self.error: BaseException | None = None
+        super().__init__(message + (f"\nRemote traceback:\n{tb}" if tb else ""))
+
+    def _render_traceback_(self) -> list[str]:
+        # the local frames (spawn's) say nothing about the user's bug: the remote traceback does
+        lines = str(self).splitlines()
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}", *lines[1:]]
 
 
 class MeshClosedError(MeshError, RuntimeError):

@@ -2,9 +2,11 @@
 
 Every line a proc writes is kept by its host's allocator (``rank-N.jsonl``); what reaches a
 notebook or terminal is a summary of it. :class:`Aggregator` collapses the lines of one time
-window: identical lines from many ranks become one line with a count and the rank set
-(``[ranks 0-7 ×8] ready``); lines that differ only in their numbers become one line with each
-number summarised as ``min…max`` (``[ranks 0-7 ×8] loss=0.51…0.58``). :func:`logs` and
+window across ranks, never across a rank's own successive lines: the k-th line of each rank
+with a given template forms one group, so identical lines from many ranks become one line with
+a count and the rank set (``[ranks 0-7 ×8] ready``), lines that differ only in their numbers
+become one line with each number summarised as ``min…max`` (``[ranks 0-7 ×8] loss=0.51…0.58``),
+and 8 steps printed by every rank stay 8 lines, in order. :func:`logs` and
 :func:`follow` read the full log, also of a proc that has crashed.
 """
 
@@ -49,9 +51,11 @@ class Aggregator:
     """
 
     def __init__(self) -> None:
-        self._groups: dict[tuple[str, str, str], _Group] = {}
+        self._groups: dict[tuple[str, str, str, int], _Group] = {}
         self._meshes: set[str] = set()
         self._seq: dict[tuple[str, int], int] = {}
+        #: (mesh, rank, stream, template) -> lines of that rank with that template so far
+        self._occ: dict[tuple[str, int, str, str], int] = {}
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -60,11 +64,14 @@ class Aggregator:
         self._meshes.add(mesh)
         groups = self._groups
         seq = self._seq
+        occ = self._occ
         for rank, stream, _ts, _call, line in lines:
             n = seq[(mesh, rank)] = seq.get((mesh, rank), -1) + 1
             nums = _NUM.findall(line)
             template = _NUM.sub("\0", line) if nums else line
-            key = (mesh, stream, template)
+            okey = (mesh, rank, stream, template)
+            k = occ[okey] = occ.get(okey, -1) + 1
+            key = (mesh, stream, template, k)
             g = groups.get(key)
             if g is None:
                 g = groups[key] = _Group(template.split("\0"))
@@ -86,7 +93,7 @@ class Aggregator:
         """
         show_mesh = len(self._meshes) > 1
         out: list[tuple[str, str]] = []
-        for (mesh, stream, _t), g in sorted(self._groups.items(), key=lambda kv: (kv[0][0], kv[1].order)):
+        for (mesh, stream, _t, _k), g in sorted(self._groups.items(), key=lambda kv: (kv[0][0], kv[1].order)):
             if len(g.texts) == 1:
                 text = next(iter(g.texts))
             else:
@@ -106,6 +113,7 @@ class Aggregator:
         self._groups = {}
         self._meshes = set()
         self._seq = {}
+        self._occ = {}
         return out
 
 

@@ -252,9 +252,10 @@ NOTEBOOKS["04_log_aggregation.ipynb"] = [
 # What every rank printed, without a wall of lines
 
 Rank output streams into the cell that made the call. Within a window (1 s in a kernel),
-identical lines from many ranks collapse to one line with the rank set and a count, and lines
-that differ only in their numbers collapse with each number summarised as `min…max`. The
-allocators keep every line: `%mesh logs` shows them all.
+output is aggregated across ranks, never across a rank's own successive lines: the k-th line of
+every rank collapses to one line with the rank set and a count, and lines that differ only in
+their numbers collapse with each number summarised as `min…max`, so every step of a training
+loop stays its own line, in order. The allocators keep every line: `%mesh logs` shows them all.
 """),
     code("%mesh spawn logs8 --per-host gpus=8"),
     code("""

@@ -69,6 +69,8 @@ class JupyterServer:
             "--port-retries=0",
             f"--IdentityProvider.token={TOKEN}",
             f"--ServerApp.root_dir={self.root}",
+            # kernels over ipc sockets in the private runtime dir, as .ci/demo starts them
+            "--KernelManager.transport=ipc",
         ]
         if app == "lab":
             argv += [

@@ -64,9 +64,10 @@ class Kernel:
             from jupyter_client.kernelspec import KernelSpecManager
 
             ksm = KernelSpecManager(kernel_dirs=kernel_dirs)
-            self.km = jupyter_client.KernelManager(kernel_name="monarch-nb", kernel_spec_manager=ksm)
+            self.km = jupyter_client.KernelManager(kernel_name="monarch-nb", kernel_spec_manager=ksm, transport="ipc")
         else:
-            self.km = jupyter_client.KernelManager(kernel_name="python3")
+            # ipc (files in the private runtime dir) rather than TCP: nothing in plain text on a port
+            self.km = jupyter_client.KernelManager(kernel_name="python3", transport="ipc")
         self.km.start_kernel(env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
         self.kc = self.km.client()
         self.kc.start_channels()

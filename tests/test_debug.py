@@ -575,6 +575,22 @@ def test_script_in_a_terminal_gets_the_console(tmp_path: Any) -> None:
         term.close()
 
 
+def test_a_terminal_console_returns_when_the_ranks_are_resumed_elsewhere(tmp_path: Any) -> None:
+    path = tmp_path / "bp.py"
+    path.write_text(SCRIPT.replace('"dbg"', '"dbge"'))
+    term = Pty([PY, str(path)])
+    try:
+        term.expect(r"monarch_dbg> $")
+        _wait_sessions(2, "dbge")
+        # another terminal (here, this test) continues the ranks; nobody types in the script's
+        assert debug.continue_all("dbge", timeout=10) == {0: "", 1: ""}
+        term.expect(r"\[0, 1\]", timeout=30)
+        assert term.proc.wait(30) == 0
+        assert "resumed elsewhere" in term.text
+    finally:
+        term.close()
+
+
 def test_no_stdin_waits_for_an_attach_within_the_timeout(tmp_path: Any) -> None:
     path = tmp_path / "bp.py"
     path.write_text(SCRIPT.replace('"dbg"', '"dbgw"'))

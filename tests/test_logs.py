@@ -38,10 +38,21 @@ def test_streams_and_meshes_stay_apart() -> None:
     assert a.flush() == [("stdout", "[a 0] x"), ("stderr", "[b 0] x")]
 
 
-def test_one_rank_repeating_a_line_shows_its_count() -> None:
+def test_a_rank_s_successive_lines_are_never_merged() -> None:
     a = Aggregator()
     a.add("m", _lines((2, "tick"), (2, "tick"), (2, "tick")))
-    assert a.flush() == [("stdout", "[2 ×3] tick")]
+    assert a.flush() == [("stdout", "[2] tick")] * 3
+
+
+def test_training_steps_keep_their_order_and_aggregate_across_ranks() -> None:
+    # 8 steps on 16 ranks, arriving rank by rank in a scrambled order: 8 lines, step 0 to 7
+    a = Aggregator()
+    for r in (5, 0, 15, 3, 9, 1, 2, 4, 6, 7, 8, 10, 11, 12, 13, 14):
+        a.add("m", _lines(*((r, f"step {s} loss={(8 - s) * 0.02 + r * 0.001:.3f}") for s in range(8))))
+    out = a.flush()
+    assert [t for _s, t in out] == [
+        f"[ranks 0-15 ×16] step {s} loss={(8 - s) * 0.02:.3f}…{(8 - s) * 0.02 + 0.015:.3f}" for s in range(8)
+    ]
 
 
 def test_rank_sets() -> None:

@@ -64,7 +64,9 @@ def test_errors_show_each_failing_rank_and_the_kernel_lives_on(k: Kernel) -> Non
     assert c.error and c.error["ename"] == "ExecError"
     tb = "\n".join(c.error["traceback"])
     assert "failed on 2 of 4 ranks" in tb
-    assert "--- rank 1: AssertionError: odd rank 1" in tb and "--- rank 3: AssertionError: odd rank 3" in tb
+    # ranks 1 and 3 failed alike: one traceback, their messages listed
+    assert "--- ranks 1,3: AssertionError" in tb and tb.count("--- ") == 1
+    assert "rank 1: AssertionError: odd rank 1" in tb and "rank 3: AssertionError: odd rank 3" in tb
     assert "assert r % 2 == 0" in tb  # the remote source line
     assert _ok(k.run("%%mesh exec errs\nr")).result.count("),") == 3
 
@@ -232,7 +234,7 @@ def test_long_calls_show_ranks_replied(k: Kernel, tmp_path) -> None:  # type: ig
         + "if current_rank().rank == 1:\n"
         + textwrap.indent(poll(f"os.path.exists({str(flag)!r})", 60), "    ")
     )
-    k.wait_msg(
+    m = k.wait_msg(
         lambda m: (
             m["parent_header"].get("msg_id") == cell.msg_id
             and m["msg_type"] in ("display_data", "update_display_data")
@@ -241,6 +243,9 @@ def test_long_calls_show_ranks_replied(k: Kernel, tmp_path) -> None:  # type: ig
         20,
         "a progress line",
     )
+    # plain text that needs no emoji font
+    assert m["content"]["data"]["text/plain"].startswith("waiting on %%mesh exec on slow: 1/2 ranks replied")
+    assert m["content"]["data"]["text/plain"].isascii()
     flag.touch()
     _ok(k.wait(cell))
 
@@ -414,6 +419,12 @@ def test_debug_magics_list_cast_and_continue(k: Kernel) -> None:
     _ok(k.run(code))
     table = _ok(k.run("%mesh debug")).stream()
     assert table.count("halts") == 2 and "paused" in table
+    # where they stopped reads as IPython names the cell that defined the class
+    assert re.search(r"Cell In\[\d+\], line 7", table) and "ipykernel_" not in table, table
+    # ranks paused in pdb still answer for their stacks (the I/O thread does)
+    st = _ok(k.run("%mesh stacks dbgm")).result
+    assert re.search(r"\[ranks 0-1 \(2\)\] thread actor-halts\n\s+halt \(Cell In\[\d+\], line 7\)", st), st
+    assert "no answer" not in st
     out = _ok(k.run("%mesh debug cast halts 0-1 p mine")).stream()
     assert "[0] 0" in out and "[1] 7" in out
     _ok(k.run("%mesh debug continue"))

@@ -811,3 +811,36 @@ def test_sync_to_hosts_that_cannot_see_the_controllers_files(cluster: NetnsClust
     assert [v[:2] for v in v2] == [["v2", 2]] * 4  # new endpoint code on the same actors, no respawn
     assert [v[2] for v in v2] == [v[2] for v in v1]
     ctl.finish()
+
+
+@pytest.mark.timeout(120)
+def test_stacks_of_ranks_on_other_hosts(cluster: NetnsCluster, workers: list[Allocator]) -> None:
+    ctl = Controller(
+        cluster,
+        """
+        from monarch_nb import debug
+        hosts = attach_to_workers(workers=WORKERS, ca="/tmp/key")
+        procs = hosts.spawn_procs(per_host={"gpus": 2})
+        sleepers = procs.spawn("s", Sleeper)
+        pending = sleepers.sleep.call(5)
+        deadline = time.monotonic() + 20
+        while True:  # until every rank is in its sleep
+            st = debug.stacks(procs, native=True, timeout=10)
+            if "[ranks 0-3 (4)] thread actor-s" in str(st) or time.monotonic() > deadline:
+                break
+        emit(
+            "stacks",
+            answered=[r.rank for r in st.ranks if r.threads is not None],
+            native=[r.rank for r in st.ranks if "Sleeper.sleep" in r.native or "sleep (" in r.native],
+            text=str(st),
+        )
+        pending.get(timeout=30)
+        procs.stop().get(timeout=30)
+        """,
+    )
+    got = ctl.expect("stacks", timeout=60)
+    assert got["answered"] == [0, 1, 2, 3], got["text"]
+    # every rank in the sleep, merged into one stack; py-spy ran by each rank's own allocator
+    assert "[ranks 0-3 (4)] thread actor-s" in got["text"] and "time.sleep(seconds)" in got["text"], got["text"]
+    assert got["native"] == [0, 1, 2, 3], got["text"]
+    ctl.finish()

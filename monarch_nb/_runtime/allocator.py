@@ -17,7 +17,9 @@ import os
 import pickle
 import re
 import secrets
+import shutil
 import signal
+import sys
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -37,6 +39,19 @@ from .telemetry import Telemetry
 from .transport import Security
 
 logger = logging.getLogger(__name__)
+
+
+def _unlink_ipc(addr: str) -> None:
+    """Remove the socket files of an ipc inbox (``…/x.sock``) and its direct socket (``…/x.fast``)."""
+    if not addr.startswith("ipc://"):
+        return
+    from .fastpath import path_for
+
+    for path in (addr[len("ipc://") :], path_for(addr)):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 class Allocator(DebugRegistry):
@@ -107,6 +122,7 @@ class Allocator(DebugRegistry):
             self.close()
 
     def close(self) -> None:
+        self.procs.closing = True  # the zygote's exit is expected now, not an error
         try:
             self.rt.submit(self._stop_all("allocator shutting down")).result(timeout=15)
         except Exception:
@@ -201,6 +217,27 @@ class Allocator(DebugRegistry):
     def sys_env_pip(self, spec: str) -> Coroutine[Any, Any, dict[str, Any]]:
         """``pip install spec`` into this allocator's interpreter (fails fast without an index)."""
         return self.env.pip_install(spec)
+
+    async def sys_native_stack(self, pid: int, timeout: float = 10.0) -> dict[str, Any]:
+        """``py-spy dump --native`` of one of this allocator's procs (its ancestor may ptrace it
+        where the controller, on another host or not an ancestor, may not)."""
+        if not any(r.pid == pid and r.state == "running" for m in self.meshes.values() for r in m.procs):
+            raise ValueError(f"pid {pid} is not a running proc of this allocator")
+        exe = os.path.join(os.path.dirname(sys.executable), "py-spy")
+        exe = exe if os.path.exists(exe) else shutil.which("py-spy") or ""
+        if not exe:
+            return {"text": "", "error": f"py-spy is not installed on {self.rt.hostname} (pip install 'monarch_nb[stacks]')"}
+        proc = await asyncio.create_subprocess_exec(
+            exe, "dump", "--pid", str(pid), "--native", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            return {"text": "", "error": f"py-spy dump gave no answer within {timeout:.0f} s"}
+        text = out.decode(errors="replace")
+        return {"text": text, "error": "" if proc.returncode == 0 else err.decode(errors="replace").strip()[-2000:]}
 
     async def sys_env_install_files(self, name: str, files: dict[str, str], remove: str = "") -> int:
         # file writes: off the I/O thread, which answers heartbeats
@@ -487,6 +524,7 @@ class Allocator(DebugRegistry):
             self.by_token.pop(r.token, None)
             if self.by_addr.get(r.addr) is r:
                 del self.by_addr[r.addr]
+            _unlink_ipc(r.local or r.addr)  # procs end with os._exit: their socket files stay behind
         self._debug_mesh_stopped(m.name)
         m.state = "stopped"
         self._publish(("mesh", m.name, "stopped", reason))

@@ -102,6 +102,8 @@ class Procs:
         self._zsock: socket.socket | None = None
         self._zygote: subprocess.Popen[bytes] | None = None
         self._zygote_ready: asyncio.Future[Any] | None = None
+        #: set when the allocator shuts down: the zygote's exit is expected then
+        self.closing = False
 
     def start_zygote(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -128,7 +130,10 @@ class Procs:
                 return
             if not data:
                 self.rt.loop.remove_reader(self._zsock.fileno())
-                logger.error("zygote exited; procs can no longer be forked")
+                if self.closing:
+                    logger.info("zygote stopped")
+                else:
+                    logger.error("zygote exited; procs can no longer be forked")
                 if self._zygote_ready and not self._zygote_ready.done():
                     self._zygote_ready.set_exception(SpawnError("the allocator's zygote exited while starting"))
                 return

@@ -73,7 +73,7 @@ class Client:
         rt.peer_failure_callbacks.append(self._on_peer_failed)
         self._anon = 0
         if self.kind != "proc":
-            atexit.register(self.shutdown)
+            atexit.register(self._at_exit)
             # breakpoints in calls we make can wake our blocked main thread; we serve their cell sources
             from . import _debugwait, _pdb
 
@@ -271,6 +271,19 @@ class Client:
                 f.get(timeout=timeout)
             except Exception:
                 pass
+
+    def _at_exit(self) -> None:
+        self.shutdown()
+        # nobody can reach this process once it exits: its socket files would only be litter
+        from .._runtime.fastpath import path_for
+
+        addr = self.rt.ipc_addr
+        if addr.startswith("ipc://"):
+            for path in (addr[len("ipc://") :], path_for(addr)):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
 
     def shutdown(self) -> None:
         """Detach from every allocator (a script's meshes stop; persistent ones stay)."""

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 from .._runtime.runtime import ReplyPort, Target
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
-from ..errors import MeshClosedError, NotAnEndpointError, SupervisionError
+from ..errors import ActorError, MeshClosedError, NotAnEndpointError, SupervisionError
 from . import _context
 from ._future import Future
 
@@ -217,6 +217,7 @@ class Endpoint(Generic[R]):
             decode or _decode_all,
             lambda port, on_fail: self._send(args, kwargs, port, on_fail, ranks),
             order=order,
+            endpoint=self,  # named only if the call fails: nothing to format on every call
         )
 
     def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[R]]:
@@ -381,6 +382,7 @@ def gather(
     *,
     order: list[int] | None = None,
     keep_errors: bool = False,
+    endpoint: Endpoint[Any] | str | None = None,
 ) -> Future[Any]:
     """Open a :class:`ReplyPort`, ``send(port, on_fail)`` to ``n`` of ``procs`` (by index; see
     :func:`multicast`), and collect the raw replies into a Future that ``decode`` turns into
@@ -393,7 +395,9 @@ def gather(
     seconds to answer (ranks failing alike do, within milliseconds; others may be blocked
     for good, in a collective waiting for the failed rank, say), and a proc that is gone
     (``on_fail``: supervision, a failed send) fails the call at once. ``order``, if given,
-    receives the indices in arrival order.
+    receives the indices in arrival order. ``endpoint`` (an Endpoint, or "actor.method") names
+    the call in the error, which carries every rank's failure and the ranks still running
+    (``ActorError._set_group``).
     """
     fut: Future[Any] = Future._create(what)
     raw: list[Any] = [None] * len(procs)
@@ -416,7 +420,8 @@ def gather(
         elif isinstance(first := errors[min(errors)], BaseException):
             fut._set_exception(first)
         else:
-            fut._set_raw(first, _raise_remote)
+            still = [i for i in range(n) if raw[i] is None and i not in errors] if n == len(raw) else left[0]
+            fut._set_raw((dict(errors), still, n, endpoint), _raise_grouped)
 
     def arrive(index: int, value: Any, failed: bool, gone: bool = False) -> None:
         with lock:
@@ -476,6 +481,27 @@ def _decode_all(raws: list[Any]) -> list[Any]:
 
 def _raise_remote(raw: Any) -> Any:
     raise loads(*raw)
+
+
+def _raise_grouped(raw: Any) -> Any:
+    """Raise the lowest rank's failure (as Monarch does), carrying every rank's for display."""
+    errors, still, n, endpoint = raw
+    first = min(errors)
+    err = loads(*errors[first])
+    if isinstance(endpoint, Endpoint):
+        endpoint = f"{endpoint._mesh._name}.{endpoint._name}"
+    if isinstance(err, ActorError) and endpoint:
+        failures: dict[int, ActorError] = {first: err}
+        for i, r in errors.items():
+            if i != first and not isinstance(r, BaseException):
+                try:
+                    e = loads(*r)
+                except Exception:
+                    continue
+                if isinstance(e, ActorError):
+                    failures[i] = e
+        err._set_group(endpoint, n, failures, still)
+    raise err
 
 
 #: proc address -> ``choose`` calls this process has running there (under _load_lock: callers'

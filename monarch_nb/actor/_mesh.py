@@ -76,11 +76,37 @@ class ValueMesh(MeshTrait, Generic[R]):
         return self.items()
 
     def __repr__(self) -> str:
-        body = pprint.pformat(tuple(self.items()))
-        return f"ValueMesh({self.extent}):\n" + "\n".join("  " + line for line in body.splitlines())
+        items = tuple(self.items())
+        more = ""
+        if len(items) > _REPR_MAX:  # stays short; .values() and the notebook table have them all
+            more = f"\n  … {len(items) - _REPR_MAX} more (.values() has them all)"
+            items = items[:_REPR_MAX]
+        body = pprint.pformat(items)
+        return f"ValueMesh({self.extent}):\n" + "\n".join("  " + line for line in body.splitlines()) + more
+
+    def _repr_html_(self) -> str:
+        from .._meshhtml import value_table_html
+
+        return value_table_html(self._view.labels, self._view.sizes, self.values())
+
+    @property
+    def _ipython_display_(self) -> Callable[[], None] | None:
+        # a print-only cell (every endpoint returned None) shows nothing; the value stays a
+        # ValueMesh (Out[N] and _ still hold it). IPython asks for this hook before any repr.
+        if self._view.ranks and all(self._values[r] is None for r in self._view.ranks):
+            return _show_nothing
+        return None
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (ValueMesh, (self.extent, self.values()))
+
+
+#: a ValueMesh's text repr lists at most this many values
+_REPR_MAX = 32
+
+
+def _show_nothing() -> None:
+    return None
 
 
 class ActorMesh(MeshTrait, Generic[T]):
@@ -128,6 +154,16 @@ class ActorMesh(MeshTrait, Generic[T]):
     def __repr__(self) -> str:
         cls = self._class.__qualname__ if self._class is not None else "?"
         return f"ActorMesh(class={cls}, name={self._name!r}, extent={self.extent})"
+
+    def _repr_html_(self) -> str:
+        from ._display import mesh_grid_html
+
+        cls = self._class.__qualname__ if self._class is not None else "?"
+        pm = self._proc_mesh
+        return mesh_grid_html(
+            f"ActorMesh {cls}", self._name, list(self._view.labels), list(self._view.sizes),
+            [self._procs[r] for r in self._view.ranks], self._closed(), pm._failed if pm is not None else "",
+        )  # fmt: skip
 
     def stop(self, reason: str = "stopped by client") -> Future[None]:
         client = _context.client()
@@ -208,6 +244,14 @@ class ProcMesh(MeshTrait):
     def __repr__(self) -> str:
         return f"ProcMesh(name={self._name!r}, extent={self.extent})"
 
+    def _repr_html_(self) -> str:
+        from ._display import mesh_grid_html
+
+        return mesh_grid_html(
+            "ProcMesh", self._name, list(self._view.labels), list(self._view.sizes),
+            [self._procs[r] for r in self._view.ranks], self._stopped, self._failed,
+        )  # fmt: skip
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (ProcMesh, (self._name, self._procs, self._view, self._host_mesh, self._persist))
 
@@ -262,9 +306,14 @@ class ProcMesh(MeshTrait):
         if errors:
             e = errors[0]
             tb = getattr(e, "remote_traceback", "")
-            raise SpawnError(
-                f"spawning {label!r} ({Class.__qualname__}) failed on {len(errors)} of {len(procs)} procs: {e}", tb
-            ) from e
+            # the user's error is the headline; its traceback is shown once, by SpawnError (not
+            # again as a chained cause: ``.error`` keeps the remote error)
+            msg = getattr(e, "message", "") or str(e)
+            err = SpawnError(
+                f"spawning {label!r} ({Class.__qualname__}) failed on {len(errors)} of {len(procs)} procs: {msg}", tb
+            )
+            err.error = e
+            raise err from None
         mesh = ActorMesh(Class, name, self._procs, view, self)
         # a new mesh under a stopped one's name is live
         client.stopped_actor_meshes.discard(mesh._key())
@@ -394,6 +443,12 @@ class HostMesh(MeshTrait):
 
     def __repr__(self) -> str:
         return f"HostMesh(extent={self.extent}, hosts={[h.host for h in self._refs()]})"
+
+    def _repr_html_(self) -> str:
+        from .._meshhtml import rank_grid_html
+
+        recs = [{"rank": i, "host": h.host, "pid": "", "state": "idle", "reason": ""} for i, h in enumerate(self._refs())]
+        return rank_grid_html(f"HostMesh {self.extent}", list(self._view.labels), list(self._view.sizes), recs)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (HostMesh, (self._hosts, self._view))

@@ -247,6 +247,12 @@ class DebugService:
         s.relay.lines.put((line, _reply))
         return NO_REPLY
 
+    def sys_stacks(self) -> dict[str, Any]:
+        """Every thread's Python stack (``monarch_nb.debug.stacks``), answered on the I/O thread."""
+        from ._stackdump import collect
+
+        return collect(_context.runtime())
+
     def sys_source(self, filename: str) -> list[str]:
         """Source a paused rank needs but cannot read: a notebook cell, or a module this process
         runs (a script's ``__main__``). Never any other file: peers may not browse our disk."""

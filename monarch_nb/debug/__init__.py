@@ -11,6 +11,7 @@ or ``monarch-nb debug`` in a terminal.
 >>> print(s.send("p rank")); s.send("c")
 >>> debug.cast("debugee", "0-3", "p rank") # {rank: output}
 >>> debug.continue_all()
+>>> debug.stacks(mesh)                     # every thread's stack on every rank, merged
 
 :class:`Console` is the interactive loop (``list``, ``attach``, ``cast``, ``continue``, also in
 Monarch's spelling ``attach debugee 13``, ``cast debugee ranks(0:4) p x``) shared by the
@@ -23,12 +24,14 @@ from ..actor._debugwait import quiet
 from . import _blocked  # noqa: F401  (importing it installs the blocked-cell console)
 from ._console import Console, run_cli
 from ._sessions import DebugClient, RankSet, Session, attach, cast, continue_all, format_table, parse_ranks, sessions
+from ._stacks import Stacks, stacks
 
 __all__ = [
     "Console",
     "DebugClient",
     "RankSet",
     "Session",
+    "Stacks",
     "attach",
     "cast",
     "continue_all",
@@ -37,4 +40,5 @@ __all__ = [
     "quiet",
     "run_cli",
     "sessions",
+    "stacks",
 ]

@@ -9,6 +9,7 @@ ranks after ``debug_no_input_timeout`` and say so, raise, or wait for an attach 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import Any
 
@@ -63,8 +64,11 @@ def _blocked(fut: Future[Any]) -> None:
         seen.update(now)
         return not now
 
+    # stop reading once the call completes or no rank of ours is paused, whoever resumed them
+    done = lambda: fut.done() or not _debugwait.paused()  # noqa: E731
+    read: Any = _kernel_reader(done) if _context.in_ipython_kernel() else _terminal_reader(done)
     try:
-        con.interact(input, until=until)
+        con.interact(read, until=until)
     except NotImplementedError:  # a frontend that says allow_stdin but cannot answer (StdinNotImplementedError)
         _no_input()
         return
@@ -78,6 +82,86 @@ def _blocked(fut: Future[Any]) -> None:
         )
     else:
         con.write("all ranks continued; waiting for the result\n")
+
+
+def _terminal_reader(done: Any, poll: float = 0.1) -> Any:
+    """``input()`` for a TTY that gives up (EOFError: the console leaves) once ``done()``: the
+    ranks were continued from elsewhere (``monarch-nb debug`` in another terminal) and the
+    call completed, so the program goes on without waiting for a keystroke."""
+    import os
+    import select
+
+    def read(prompt: str) -> str:
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        fd = sys.stdin.fileno()
+        while True:
+            if select.select([fd], [], [], poll)[0]:
+                # canonical mode: a read returns one line the user typed
+                data = os.read(fd, 4096).decode(errors="replace")
+                if not data:
+                    raise EOFError
+                return data.rstrip("\r\n")
+            if done():
+                sys.stdout.write("(the ranks were resumed elsewhere)\n")
+                sys.stdout.flush()
+                raise EOFError
+
+    return read
+
+
+class _Resumed(BaseException):
+    """Raised into the main thread waiting in the kernel's input(): the ranks went on without it.
+
+    A BaseException: ipykernel's input loop swallows Exceptions (as invalid messages)."""
+
+
+def _kernel_reader(done: Any, poll: float = 0.1) -> Any:
+    """``input()`` in a kernel that gives up (EOFError) once ``done()``.
+
+    ipykernel's input() waits for the frontend's reply in a loop on the main thread, with no
+    way to cancel it; a watcher thread raises :class:`_Resumed` into that thread (between two
+    of its polls) while, and only while, it is in there.
+    """
+    import builtins
+    import ctypes
+
+    tid = threading.get_ident()
+    lock = threading.Lock()
+    state = {"reading": False, "fired": False}
+
+    def set_async(exc: Any) -> None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(exc) if exc else None)
+
+    def watch(stop: threading.Event) -> None:
+        while not stop.wait(poll):
+            if done():
+                with lock:
+                    if state["reading"] and not state["fired"]:
+                        state["fired"] = True
+                        set_async(_Resumed)
+                return
+
+    def read(prompt: str) -> str:
+        stop = threading.Event()
+        threading.Thread(target=watch, args=(stop,), name="monarch_nb-console-watch", daemon=True).start()
+        try:
+            try:
+                with lock:
+                    state["reading"], state["fired"] = True, False
+                # looked up now: a kernel swaps builtins.input per request
+                return builtins.input(prompt)
+            finally:
+                with lock:
+                    state["reading"] = False
+                    if state["fired"]:
+                        set_async(None)  # not delivered yet: it must not land anywhere else
+                stop.set()
+        except _Resumed:
+            print("(the ranks were resumed elsewhere)", flush=True)
+            raise EOFError from None
+
+    return read
 
 
 def _no_input() -> None:

@@ -164,7 +164,7 @@ def format_table(rows: Iterable[Session]) -> str:
             s.host,
             str(s.pid),
             s.function,
-            f"{_short(s.file)}:{s.line}",
+            _where(s.file, s.line),
             _dur(s.waiting_s),
             s.state if s.state != "gone" else f"gone ({s.cause})",
         )
@@ -173,6 +173,14 @@ def format_table(rows: Iterable[Session]) -> str:
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head) - 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in [head, *body]]
     return "\n".join(lines) + "\n"
+
+
+def _where(path: str, line: int) -> str:
+    """``Cell In[12], line 3`` for code from a notebook cell (as IPython names it), else file:line."""
+    from .._errgroup import cell_number
+
+    n = cell_number(path)
+    return f"Cell In[{n}], line {line}" if n is not None else f"{_short(path)}:{line}"
 
 
 def _short(path: str) -> str:

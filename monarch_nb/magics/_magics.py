@@ -30,6 +30,7 @@ _SUMMARY = """\
 %mesh debug continue                           resume every paused rank
 %mesh attach ACTOR RANK                        an interactive pdb on that rank, through this cell's input box
 %mesh dashboard [NAME]                         a live view: ranks by state, host resources, logs, errors
+%mesh stacks NAME [--ranks R] [--native]       every thread's stack on every rank (NAME: a mesh or a variable holding one)
 %mesh sync [PATH ...] [--recreate|--restart] [--watch|--stop-watch] [--via URL]
                                                send the workspace to the hosts, reload it in running procs
 %mesh help                                     this text; `%mesh SUBCOMMAND --help` for details"""
@@ -113,6 +114,11 @@ def _parsers() -> dict[str, _Parser]:
     d = p["dashboard"] = _Parser(prog="%mesh dashboard", description="A live dashboard of a mesh (ipywidgets).")
     d.add_argument("name", nargs="?", help="mesh name (optional when one mesh runs)")
     d.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    sk = p["stacks"] = _Parser(prog="%mesh stacks", description="Every thread's Python stack on every rank, merged.")
+    sk.add_argument("name", nargs="?", help="mesh name, or a variable holding a proc or actor mesh (optional when one mesh runs)")
+    sk.add_argument("--ranks", help="a subset of ranks: 0:4, 0-3, 1,3")
+    sk.add_argument("--native", action="store_true", help="add native frames (py-spy dump --native, if installed)")
+    sk.add_argument("--timeout", type=float, default=5.0, help="seconds every rank has to answer")
     _jobs.add_parsers(p, _Parser)
     return p
 
@@ -183,7 +189,11 @@ class MeshMagics(Magics):
             if out is not None and out.current is not None:
                 out.current.window = 0.0
         try:
-            return _mesh.exec_cell(args.name, cell or "", ranks=args.ranks, block=not args.no_block)
+            # a blank first line keeps line numbers those of the cell (its first line is the magic),
+            # and the label names it as IPython names cells: tracebacks read "Cell In[N], line L"
+            n = _running_cell_number(self.shell)
+            source, label = ("\n" + (cell or ""), f"In[{n}]") if n else (cell or "", "")
+            return _mesh.exec_cell(args.name, source, ranks=args.ranks, block=not args.no_block, label=label)
         finally:
             out = output()
             if out is not None and not args.no_block:
@@ -276,6 +286,16 @@ class MeshMagics(Magics):
 
         return Dashboard(_mesh._resolve(args.name), interval=args.interval)
 
+    def _do_stacks(self, args: argparse.Namespace, cell: str | None) -> Any:
+        from .. import debug
+        from ..actor import ActorMesh, ProcMesh
+
+        # a notebook variable holding a mesh (spawned through the Python API), else a named mesh
+        target = self.shell.user_ns.get(args.name) if args.name else None  # type: ignore[union-attr]
+        if not isinstance(target, (ProcMesh, ActorMesh)):
+            target = _mesh._resolve(args.name)
+        return debug.stacks(target, args.ranks, native=args.native, timeout=args.timeout)
+
     def _do_stop(self, args: argparse.Namespace, cell: str | None) -> Any:
         if not args.all and not args.name:
             raise UsageError("%mesh stop: name a mesh or pass --all")
@@ -285,6 +305,15 @@ class MeshMagics(Magics):
 
 
 _watcher: Any = None
+
+
+def _running_cell_number(shell: Any) -> int:
+    """The In[N] of the cell running now: the last one IPython compiled (its execution_count
+    has already moved on to the next cell's number by then)."""
+    numbers = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    if numbers:
+        return int(max(numbers.values()))
+    return max(0, int(getattr(shell, "execution_count", 1)) - 1)
 
 
 def _print_row(r: dict[str, Any]) -> None:

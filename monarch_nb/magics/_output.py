@@ -112,9 +112,34 @@ class KernelOutput:
         self.client.notice = self.notice
         self.shell.events.register("pre_run_cell", self.pre_run_cell)
         self.shell.events.register("post_run_cell", self.post_run_cell)
+        self._hook_display()
         threading.Thread(target=self._ticker, name="monarch_nb-output", daemon=True).start()
 
+    def _hook_display(self) -> None:
+        """What a short call printed is shown before the value the cell returns (the
+        displayhook runs before post_run_cell, while the lines still sit in the window)."""
+        trap = getattr(self.shell, "display_trap", None)
+        if trap is None or getattr(trap.hook, "_mnb_flush", False):
+            return
+        original = trap.hook
+
+        def hook(value: Any) -> Any:
+            if value is not None:
+                try:
+                    # the flood marker waits for the cell's end: one, not one per flush
+                    self.flush_now(marker=False)
+                except Exception:  # showing the value matters more than ordering it
+                    pass
+            return original(value)
+
+        hook._mnb_flush = True  # type: ignore[attr-defined]
+        hook._mnb_original = original  # type: ignore[attr-defined]
+        trap.hook = hook
+
     def uninstall(self) -> None:
+        trap = getattr(self.shell, "display_trap", None)
+        if trap is not None and getattr(trap.hook, "_mnb_flush", False):
+            trap.hook = trap.hook._mnb_original
         self._stop.set()
         self._wake.set()
         if self.client.log_writer == self.on_lines:
@@ -137,8 +162,9 @@ class KernelOutput:
         with self._lock:
             self.current = cell
 
-    def flush_now(self) -> None:
-        """Show now what ranks printed before their replies (before the cell's result is shown)."""
+    def flush_now(self, marker: bool = True) -> None:
+        """Show now what ranks printed before their replies (before the cell's result is shown);
+        ``marker``: also the count of lines a flood control held back so far."""
         cell = self.current
         if cell is None or not cell.made_calls:
             return
@@ -147,7 +173,7 @@ class KernelOutput:
         with quiet():
             self.client.flush_logs(timeout=1.0)
         with self._lock:
-            self._flush_cell(cell, force=True)
+            self._flush_cell(cell, force=True, marker=marker)
 
     def post_run_cell(self, result: Any = None) -> None:
         cell = self.current
@@ -246,12 +272,12 @@ class KernelOutput:
             self._wake.set()
 
     # ------------------------------------------------------------ emitting
-    def _flush_cell(self, cell: _Cell, force: bool = False) -> None:
+    def _flush_cell(self, cell: _Cell, force: bool = False, marker: bool = True) -> None:
         if len(cell.agg) and (force or time.monotonic() >= cell.deadline):
             self._emit(cell, cell.agg.flush())
         if cell.progress_dirty:
             self._show_progress(cell)
-        if cell.suppressed and (force or time.monotonic() - cell.last_refill > 1.0):
+        if cell.suppressed and ((force and marker) or time.monotonic() - cell.last_refill > 1.0):
             self._emit_marker(cell)
 
     def _admit(self, cell: _Cell, n: int) -> int:
@@ -363,4 +389,5 @@ class KernelOutput:
         if elapsed < PROGRESS_AFTER:
             return None
         replied, total = prog
-        return f"⏳ {fut.description}: {replied}/{total} ranks replied ({elapsed:.0f} s)"  # type: ignore[union-attr]
+        # plain text: an emoji needs a font the browser may not have
+        return f"waiting on {fut.description}: {replied}/{total} ranks replied ({elapsed:.0f} s)"  # type: ignore[union-attr]

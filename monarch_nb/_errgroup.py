@@ -1,0 +1,179 @@
+"""Remote tracebacks for people: runtime frames hidden, notebook cells named as IPython names
+them, and the failures of many ranks grouped.
+
+Ranks fail alike far more often than not (the same bug on every rank, or on every rank that
+got a bad shard), so failures with the same exception type and the same frames are shown
+once, with their rank set and the messages that differ. Pure text functions: errors.py (a
+leaf) formats with them, and so can any frontend.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from ._ranks import format_ranks
+
+_FRAME = re.compile(r'^  File "(?P<file>[^"]*)", line (?P<line>\d+), in (?P<func>.*)$')
+_MESH_EXEC = re.compile(r"^<mesh exec In\[(\d+)\]>$")
+_PKG = os.path.dirname(os.path.abspath(__file__))
+
+
+def _internal(path: str) -> bool:
+    """A file of monarch_nb itself (also at another path on a remote host: same relative module)."""
+    i = path.rfind("/monarch_nb/")
+    if i < 0:
+        return False
+    rel = path[i + len("/monarch_nb/") :]
+    return os.path.exists(os.path.join(_PKG, rel))
+
+
+def cell_number(filename: str) -> int | None:
+    """The execution count of the notebook cell ``filename`` was compiled from, if it was
+    (IPython's ``/tmp/ipykernel_…/….py`` names, and ``%%mesh exec`` cells' ``<mesh exec In[N]>``)."""
+    m = _MESH_EXEC.match(filename)
+    if m:
+        return int(m.group(1))
+    ipy = sys.modules.get("IPython")
+    if ipy is None:
+        return None
+    try:
+        shell = ipy.get_ipython()
+        number = shell.compile._filename_map.get(filename) if shell is not None else None
+    except Exception:
+        return None
+    return int(number) if isinstance(number, int) else None
+
+
+def cell_location(filename: str, line: int) -> str:
+    """``Cell In[12], line 3`` for code from a notebook cell, else ``file:line``."""
+    n = cell_number(filename)
+    return f"Cell In[{n}], line {line}" if n is not None else f"{filename}:{line}"
+
+
+#: the ``traceback_internal_frames`` setting; :mod:`monarch_nb.config` installs its reader here
+#: (config imports errors, which formats with this module: reading config from here would
+#: close an import cycle)
+internal_frames_setting: Callable[[], bool] = bool  # bool() is False until config installs its reader
+
+
+def show_internal_frames() -> bool:
+    try:
+        return bool(internal_frames_setting())
+    except Exception:
+        return False
+
+
+def clean_traceback(text: str, internal: bool | None = None) -> str:
+    """``text`` (a formatted traceback) with monarch_nb's own frames dropped (unless
+    ``internal``, default: the ``traceback_internal_frames`` setting) and frames of notebook
+    cells named ``Cell In[N], line L`` with their source line."""
+    if internal is None:
+        internal = show_internal_frames()
+    lines = text.splitlines()
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        m = _FRAME.match(lines[i])
+        if m is None:
+            out.append(lines[i])
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines) and lines[j].startswith("    "):
+            j += 1  # the frame's source line and its carets
+        body = lines[i + 1 : j]
+        path, lineno, func = m.group("file"), int(m.group("line")), m.group("func")
+        if not internal and _internal(path):
+            i = j
+            continue
+        n = cell_number(path)
+        if n is not None:
+            out.append(f"  Cell In[{n}], line {lineno}, in {func}")
+            if not body:
+                src = linecache.getline(path, lineno).strip()
+                body = [f"    {src}"] if src else []
+            out.extend(body)
+        else:
+            out.extend(lines[i:j])
+        i = j
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+
+
+def frames_of(text: str) -> tuple[str, ...]:
+    """The frame lines of a traceback: what two failures must share to be grouped."""
+    return tuple(ln for ln in text.splitlines() if _FRAME.match(ln))
+
+
+@dataclass
+class Group:
+    etype: str
+    ranks: list[int]
+    traceback: str  # the lowest rank's
+    messages: dict[int, str] = field(default_factory=dict)
+
+
+def group(failures: Iterable[tuple[int, str, str, str]]) -> list[Group]:
+    """``(rank, exception type, message, traceback)`` → groups of the same type and frames,
+    largest first (ties: lowest rank first)."""
+    by_key: dict[tuple[str, tuple[str, ...]], Group] = {}
+    for rank, etype, msg, tb in sorted(failures, key=lambda f: f[0]):
+        key = (etype, frames_of(tb))
+        g = by_key.get(key)
+        if g is None:
+            g = by_key[key] = Group(etype, [], tb)
+        g.ranks.append(rank)
+        g.messages[rank] = msg
+    return sorted(by_key.values(), key=lambda g: (-len(g.ranks), g.ranks[0]))
+
+
+def ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+
+
+def summary_lines(groups: list[Group], total: int) -> list[str]:
+    """``KeyError on 4 of 16 ranks: 0,4,8,12``, one line per type (groups of one type merged)."""
+    by_type: dict[str, list[int]] = {}
+    for g in groups:
+        by_type.setdefault(g.etype, []).extend(g.ranks)
+    out = []
+    for etype, ranks in by_type.items():
+        unit = "rank" if total == 1 else "ranks"
+        out.append(f"{etype} on {len(ranks)} of {total} {unit}: {format_ranks(ranks)}")
+    return out
+
+
+def running_line(running: list[int] | int, total: int) -> str:
+    if isinstance(running, int):
+        verb = "was" if running == 1 else "were"
+        return f"{running} of {total} ranks {verb} still running when this was raised" if running else ""
+    if not running:
+        return ""
+    verb = "was" if len(running) == 1 else "were"
+    return f"{ranks_text(running)} ({len(running)} of {total}) {verb} still running when this was raised"
+
+
+def group_lines(groups: list[Group], color: bool = False, internal: bool | None = None) -> list[str]:
+    """Each group: a header with its ranks, its traceback once, and the messages that differ."""
+    red, off = ("\x1b[0;31m", "\x1b[0m") if color else ("", "")
+    out: list[str] = []
+    for g in groups:
+        out.append("")
+        out.append(f"{red}--- {ranks_text(g.ranks)}: {g.etype}{off}")
+        out.extend(clean_traceback(g.traceback, internal).rstrip().splitlines())
+        distinct = set(g.messages.values())
+        if len(distinct) > 1:
+            out.append(f"messages ({len(distinct)} distinct):")
+            by_msg: dict[str, list[int]] = {}
+            for r, msg in g.messages.items():
+                by_msg.setdefault(msg, []).append(r)
+            shown = sorted(by_msg.items(), key=lambda kv: kv[1][0])
+            for msg, ranks in shown[:20]:
+                out.append(f"  {ranks_text(ranks)}: {g.etype}: {msg}" if msg else f"  {ranks_text(ranks)}: {g.etype}")
+            if len(shown) > 20:
+                out.append(f"  … {len(shown) - 20} more")
+    return out
