@@ -23,6 +23,16 @@ def _ok(c):  # type: ignore[no-untyped-def]
 
 
 def test_launch_jobs_restart_reattach_kill() -> None:
+    try:
+        _launch_jobs_restart_reattach_kill()
+    finally:
+        from monarch_nb.job import list_jobs
+
+        if any(r["name"] == "work" for r in list_jobs()):  # the test failed before %mesh kill
+            subprocess.run([sys.executable, "-m", "monarch_nb", "job", "kill", "work"], capture_output=True, timeout=60)
+
+
+def _launch_jobs_restart_reattach_kill() -> None:
     k = Kernel(env=FAST)
     try:
         c = _ok(k.run("%mesh launch process work --hosts 2"))

@@ -50,24 +50,29 @@ def _procs_mentioning(marker: str) -> list[int]:
 def test_apply_spawn_call_kill_leaves_nothing(tmp_path: Path) -> None:
     cache = os.path.join(os.environ["MONARCH_NB_RUNTIME_DIR"], f"js-{tmp_path.name}.json")
     job = ProcessJob({"trainers": 2, "dataloaders": 1}, env=FAST)
-    state = job.state(cached_path=cache)
-    assert Path(cache).stat().st_mode & 0o777 == 0o600
-    assert str(state.trainers.extent) == "{hosts: 2}" and str(state.dataloaders.extent) == "{hosts: 1}"
-    with pytest.raises(AttributeError, match="Available names: dataloaders, trainers"):
-        _ = state.evaluators
-    procs = state.trainers.spawn_procs(per_host={"gpus": 2}, name="tr")
-    pids = sorted(procs.spawn("p", Pid).pid.call().get().values())
-    assert len(pids) == 4 and len(set(pids)) == 4
-    alloc_pids = [int(h["pid"]) for h in job._hosts.values()]
-    job_dir = job._dir
-    # a second state() on the running job attaches again, it does not apply again
-    assert str(job.state(cached_path=cache).trainers.extent) == "{hosts: 2}" and job._dir == job_dir
+    try:
+        state = job.state(cached_path=cache)
+        assert Path(cache).stat().st_mode & 0o777 == 0o600
+        assert str(state.trainers.extent) == "{hosts: 2}" and str(state.dataloaders.extent) == "{hosts: 1}"
+        with pytest.raises(AttributeError, match="Available names: dataloaders, trainers"):
+            _ = state.evaluators
+        procs = state.trainers.spawn_procs(per_host={"gpus": 2}, name="tr")
+        pids = sorted(procs.spawn("p", Pid).pid.call().get().values())
+        assert len(pids) == 4 and len(set(pids)) == 4
+        alloc_pids = [int(h["pid"]) for h in job._hosts.values()]
+        job_dir = job._dir
+        # a second state() on the running job attaches again, it does not apply again
+        assert str(job.state(cached_path=cache).trainers.extent) == "{hosts: 2}" and job._dir == job_dir
 
-    job.kill()
-    assert not job.active
-    assert not os.path.exists(cache) and not os.path.exists(job_dir)
-    wait_for(lambda: not any(_alive(p) for p in pids + alloc_pids), 15, "allocators and procs to exit")
-    assert _procs_mentioning(job_dir) == []
+        job.kill()
+        assert not job.active
+        assert not os.path.exists(cache) and not os.path.exists(job_dir)
+        wait_for(lambda: not any(_alive(p) for p in pids + alloc_pids), 15, "allocators and procs to exit")
+        assert _procs_mentioning(job_dir) == []
+
+    finally:
+        if job.active:  # the test failed before kill(): leave nothing behind anyway
+            job.kill()
 
 
 _PHASE1 = """

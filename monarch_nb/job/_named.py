@@ -80,9 +80,22 @@ def jobs() -> list[dict[str, Any]]:
     for name, path in _job_files().items():
         try:
             job = job_load(path)
-            row = {"name": name, "type": type(job).__name__, **job.describe()}
         except Exception as e:  # one unreadable record must not hide the others
-            row = {"name": name, "type": "?", "scheduler": "?", "id": "", "state": f"unreadable: {e}", "hosts": 0}
+            rows.append(
+                {"name": name, "type": "?", "scheduler": "?", "id": "", "state": f"unreadable: {e}", "hosts": 0, "path": path}
+            )
+            continue
+        try:
+            row = {"name": name, "type": type(job).__name__, **job.describe()}
+        except Exception as e:  # the scheduler did not answer: say so in the row
+            row = {
+                "name": name,
+                "type": type(job).__name__,
+                "scheduler": job._scheduler,
+                "id": "",
+                "state": f"unknown: {e}",
+                "hosts": 0,
+            }
         row["path"] = path
         rows.append(row)
     return rows
