@@ -31,7 +31,7 @@ from .. import __version__
 from .._wire import frames as wire
 from ..config import Config
 from ..errors import MeshError, ProtocolError, SpawnError
-from . import shm
+from . import shm, zygote
 from .codecache import CodeCache
 from .debugreg import DebugRegistry
 from .logcapture import LogLine, ProcLog, read_log
@@ -107,6 +107,7 @@ class Allocator(DebugRegistry):
         self.log_dir = ""
         self.connection_file = ""
         self._zsock: socket.socket | None = None
+        self._zreq: zygote.Requests | None = None
         self._zygote: subprocess.Popen[bytes] | None = None
         self._zygote_ready: asyncio.Future[Any] | None = None
         self._pending_logs: dict[tuple[tuple[str, int], str], list[Any]] = {}
@@ -165,6 +166,7 @@ class Allocator(DebugRegistry):
         child.close()
         parent.setblocking(False)
         self._zsock = parent
+        self._zreq = zygote.Requests(parent)
         self._zygote_ready = self.rt.loop.create_future()
         self.rt.loop.add_reader(parent.fileno(), self._on_zygote)
 
@@ -370,7 +372,7 @@ class Allocator(DebugRegistry):
                 pidfd = os.pidfd_open(rec.pid)
                 self.rt.loop.add_reader(pidfd, self._on_exec_exit, rec, pidfd)
             else:
-                assert self._zygote_ready is not None and self._zsock is not None
+                assert self._zygote_ready is not None and self._zreq is not None
                 await self._zygote_ready
                 req = {
                     "token": rec.token,
@@ -380,7 +382,10 @@ class Allocator(DebugRegistry):
                     "entry": "monarch_nb.actor._bootstrap:main",
                     "spec": proc_spec,
                 }
-                socket.send_fds(self._zsock, [pickle.dumps(req)], [out_w, err_w])
+                try:
+                    await self._zreq.send(pickle.dumps(req), [out_w, err_w])
+                except TimeoutError as e:
+                    raise SpawnError(str(e)) from None
         finally:
             os.close(out_w)
             os.close(err_w)
