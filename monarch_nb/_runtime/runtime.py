@@ -514,13 +514,15 @@ class Runtime:
         else:
             direct = targets
         failed: list[tuple[int, BaseException]] = []
+        shared: dict[int, Any] | None = {} if len(direct) > 1 and buffers else None
         for t in direct:
             sid, seqs = self._stream(t.addr)
             meta = (actor, method, t.reply, port if t.reply else 0, t.index, extent, call_id, sid, next(seqs))
             try:
-                self.send(t.addr, self._encode(t.addr, wire.ACTOR, meta, body, buffers))
+                self.send(t.addr, self._encode(t.addr, wire.ACTOR, meta, body, buffers, shared))
             except BaseException as e:
                 failed.append((t.index, e))
+        self._unshare(shared)
         for alloc, group in groups.items():
             dests = []
             for t in group:
@@ -533,7 +535,11 @@ class Runtime:
                 failed.extend((t.index, e) for t in group)
         return failed
 
-    def _encode(self, addr: str, kind: int, meta: tuple[Any, ...], body: Any, bufs: list[Any]) -> list[Any]:
+    def _encode(
+        self, addr: str, kind: int, meta: tuple[Any, ...], body: Any, bufs: list[Any], shared: dict[int, Any] | None = None
+    ) -> list[Any]:
+        """``shared``: one message to several peers of this host (a dict this method fills, then
+        :meth:`_unshare`): each buffer is written to shared memory once, each peer gets a link."""
         table = None
         if bufs and self._shm is not None and addr.startswith("ipc://"):
             # a peer on this host maps large buffers instead of reading them off a socket
@@ -541,8 +547,14 @@ class Runtime:
             for i, b in enumerate(bufs):
                 if memoryview(b).nbytes >= lim:
                     try:
-                        # a bytes object is copied out at the receiver, so its segment comes back
-                        entry = (i, *self._shm.put(b, copied=type(memoryview(b).obj) is bytes))
+                        if shared is None:
+                            # a bytes object is copied out at the receiver, so its segment comes back
+                            entry = (i, *self._shm.put(b, copied=type(memoryview(b).obj) is bytes))
+                        else:
+                            src = shared.get(i)
+                            if src is None:
+                                src = shared[i] = self._shm.put(b)
+                            entry = (i, self._shm.link(src[0]), src[1])
                     except OSError as e:
                         # /dev/shm full or unusable: this buffer takes the socket instead
                         logger.debug("shared memory unavailable (%s); sending %d bytes over the socket", e, memoryview(b).nbytes)
@@ -552,6 +564,11 @@ class Runtime:
                     table.append(entry)
                     bufs[i] = b""
         return wire.encode(kind, meta, body, bufs, table)
+
+    def _unshare(self, shared: dict[int, Any] | None) -> None:
+        if shared and self._shm is not None:
+            for name, _ in shared.values():
+                self._shm.unlink(name)
 
     def check_size(self, body: bytes, buffers: list[Any]) -> None:
         n = nbytes(body, buffers)
@@ -691,6 +708,7 @@ class Runtime:
         actor, method, rport, extent, call_id, dests = meta
         resolve = self.resolve_proc
         self.relayed[0] += 1
+        shared: dict[int, Any] | None = {} if len(dests) > 1 and bufs else None
         for addr, index, raddr, sid, seq in dests:
             local = resolve(addr) if resolve is not None else None
             if local is None:
@@ -704,10 +722,11 @@ class Runtime:
                 continue
             try:
                 meta1 = (actor, method, raddr, rport, index, extent, call_id, sid, seq)
-                self.send(local, self._encode(local, wire.ACTOR, meta1, body, bufs))
+                self.send(local, self._encode(local, wire.ACTOR, meta1, body, bufs, shared))
                 self.relayed[1] += 1
             except SupervisionError:
                 pass  # the proc is gone; its subscribers hear that from the allocator
+        self._unshare(shared)
 
     def _route(self, meta: tuple[Any, ...], body: Any, bufs: list[Any]) -> None:
         actor = meta[0]
