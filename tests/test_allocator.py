@@ -416,3 +416,21 @@ def test_128_procs_on_one_host_spawn_answer_and_stop(tmp_path):  # type: ignore[
         assert "Errno 11" not in a.logtext()
     finally:
         a.stop()
+
+
+def test_a_10_mib_line_reaches_a_script_controller_whole(allocator):  # type: ignore[no-untyped-def]
+    code = f"""
+from monarch_nb.actor import Actor, endpoint, attach_to_workers
+class Big(Actor):
+    @endpoint
+    def big(self) -> None:
+        print("BIG<" + "x" * (10 << 20) + ">")
+        print("after")
+hosts = attach_to_workers(workers=[{allocator.addr!r}], ca="trust_all_connections")
+pm = hosts.spawn_procs(per_host={{"gpus": 1}}, name="bigline")
+pm.spawn("b", Big).big.call_one().get(timeout=30)
+pm.stop().get(timeout=20)
+"""
+    r = run_script(code, env={"MONARCH_NB_RUNTIME_DIR": allocator.rdir})
+    lines = r.stdout.splitlines()
+    assert lines.count("[0] BIG<" + "x" * (10 << 20) + ">") == 1 and lines.count("[0] after") == 1, r.stderr[-2000:]

@@ -17,6 +17,7 @@ bar), not a finished line.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -29,6 +30,9 @@ from typing import Any
 MARK_PREFIX = b"\x1b]mnb;call="
 MARK_END = b"\x07"
 _MARK = re.compile(rb"\x1b\]mnb;call=([^\x07]*)\x07")
+
+#: characters in one batch of lines from which it reaches subscribers before the log file
+BIG_WRITE = 1 << 20
 
 #: (rank, stream, ts, call_id, line)
 LogLine = tuple[int, str, float, str, str]
@@ -86,12 +90,24 @@ class ProcLog:
         self._emit = emit
         self._file = open(path, "a", buffering=1 << 16, encoding="utf-8")
         self._partial = {"stdout": b"", "stderr": b""}
+        self._more: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+        self._unwritten: list[LogLine] = []
         self._call = {"stdout": "", "stderr": ""}
         self.tail: list[LogLine] = []
         self.nlines = 0
 
     def feed(self, stream: str, data: bytes) -> None:
-        buf = self._partial[stream] + data
+        if b"\n" not in data and b"\r" not in data:
+            # the middle of a long line: keep the piece, join once the line ends (joining every
+            # 64 KiB read made a 10 MiB line cost 160 copies of up to 10 MiB)
+            self._more[stream].append(data)
+            return
+        more = self._more[stream]
+        if more:
+            buf = b"".join([self._partial[stream], *more, data])
+            more.clear()
+        else:
+            buf = self._partial[stream] + data
         lines = buf.split(b"\n")
         rest = self._partial[stream] = lines.pop()
         now = time.time()
@@ -114,7 +130,7 @@ class ProcLog:
                 out.append((self.rank, stream, now, self._call[stream], "\r" + _decode(cur)))
                 self._partial[stream] = b"\r" + cur
         if out:
-            self._write(out)
+            self._write(out, len(buf))
 
     def _split(self, stream: str, raw: bytes, now: float) -> list[LogLine]:
         out: list[LogLine] = []
@@ -137,14 +153,46 @@ class ProcLog:
         now = time.time()
         out: list[LogLine] = []
         for stream, rest in self._partial.items():
+            rest = b"".join([rest, *self._more[stream]])
+            self._more[stream].clear()
             if rest:
                 out.extend(self._split(stream, rest, now))
             self._partial[stream] = b""
         if out:
             self._write(out)
+        self._write_unwritten()
         self._file.close()
 
-    def _write(self, lines: list[LogLine]) -> None:
+    def _write(self, lines: list[LogLine], nbytes: int = 0) -> None:
+        self.nlines += len(lines)
+        self.tail.extend(lines)
+        del self.tail[:-50]
+        if self._unwritten:
+            self._unwritten.extend(lines)  # after the lines still waiting: the file keeps their order
+            self._emit(lines)
+            return
+        loop = None
+        if nbytes >= BIG_WRITE:
+            # a huge line (10 MiB) takes tens of ms to escape and write: it goes to subscribers
+            # first (what ``emit`` queues on the loop runs before this), to the file right after
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                pass
+        if loop is None:
+            self._write_file(lines)
+            self._emit(lines)
+            return
+        self._unwritten = list(lines)
+        self._emit(lines)
+        loop.call_soon(self._write_unwritten)
+
+    def _write_unwritten(self) -> None:
+        lines, self._unwritten = self._unwritten, []
+        if lines and not self._file.closed:
+            self._write_file(lines)
+
+    def _write_file(self, lines: list[LogLine]) -> None:
         enc = _encode
         self._file.write(
             "".join(
@@ -153,10 +201,6 @@ class ProcLog:
             )
         )
         self._file.flush()
-        self.nlines += len(lines)
-        self.tail.extend(lines)
-        del self.tail[:-50]
-        self._emit(lines)
 
 
 def _final(raw: bytes) -> bytes:
