@@ -101,3 +101,27 @@ def test_a_huge_line_reaches_subscribers_before_the_log_file_and_the_file_keeps_
         return [json.loads(x)["line"][:7] for x in path.read_text().splitlines()]
 
     assert asyncio.run(run()) == ["small 1", "zzzzzzz", "small 2", "small 3"]
+
+
+def test_megabytes_at_once_split_as_small_reads_do(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    parts = [
+        marker("a") + b"one\n",
+        b"two " + marker("b") + b"three\n",
+        marker("c") + b"\n",
+        b"\n",
+        "d\u00e9j\u00e0 vu\n".encode(),
+        b"bar\r50%\r100%\n",
+        b"p" * (1 << 20) + b"\n",
+        marker("") + b"tail\rpartial",
+    ]
+    data = b"".join(parts)
+    small: list[tuple[int, str, float, str, str]] = []
+    whole: list[tuple[int, str, float, str, str]] = []
+    a = ProcLog(str(tmp_path / "a.jsonl"), 0, small.extend)
+    for p in parts[:-2]:
+        a.feed("stdout", p)  # below the size that takes the megabytes path
+    _feed(a, parts[-2] + parts[-1], 1000)
+    b = ProcLog(str(tmp_path / "b.jsonl"), 0, whole.extend)
+    b.feed("stdout", data)
+    assert [(c, ln) for _, _, _, c, ln in whole] == [(c, ln) for _, _, _, c, ln in small]
+    assert whole[-1][3:] == ("", "\rpartial")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
 import functools
 import importlib
 import json
@@ -42,6 +43,9 @@ from .transport import Security
 logger = logging.getLogger(__name__)
 
 CONNECTION_PREFIX = "allocator-"
+#: one read of a proc's output pipe; a pipe that fills it is widened to _WIDE_PIPE
+_PIPE_READ = 1 << 16
+_WIDE_PIPE = 1 << 20
 
 
 @dataclasses.dataclass
@@ -58,6 +62,8 @@ class ProcRec:
     cause: str = ""
     log: ProcLog | None = None
     fds: dict[int, str] = dataclasses.field(default_factory=dict)
+    #: output pipes widened to _WIDE_PIPE
+    wide: set[int] = dataclasses.field(default_factory=set)
     popen: subprocess.Popen[bytes] | None = None
     ready: asyncio.Future[None] | None = None
     exited: asyncio.Future[None] | None = None
@@ -272,9 +278,10 @@ class Allocator(DebugRegistry):
         if stream is None:
             return
         # a bounded number of reads per wake-up: a flooding proc must not starve pings and spawns
+        size = _WIDE_PIPE if fd in rec.wide else _PIPE_READ
         for _ in range(1 << 20 if final else 4):
             try:
-                data = os.read(fd, 1 << 16)
+                data = os.read(fd, size)
             except BlockingIOError:
                 return
             except OSError:
@@ -286,7 +293,16 @@ class Allocator(DebugRegistry):
                 return
             if rec.log is not None:
                 rec.log.feed(stream, data)
-            if not final and len(data) < (1 << 16):
+            if len(data) == _PIPE_READ and size == _PIPE_READ:
+                # a full read: the proc is writing faster than one pipe buffer per wake-up (a
+                # flood, a 10 MiB line); a wider pipe lets it go on with 16x fewer wake-ups of
+                # both sides (asked only then: pipe memory counts against the user's limit)
+                rec.wide.add(fd)
+                try:
+                    fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _WIDE_PIPE)
+                except OSError:
+                    pass
+            if not final and len(data) < size:
                 return
 
     def _emit_logs(self, mesh_name: str, lines: list[LogLine]) -> None:

@@ -108,17 +108,22 @@ class ProcLog:
             more.clear()
         else:
             buf = self._partial[stream] + data
-        lines = buf.split(b"\n")
-        rest = self._partial[stream] = lines.pop()
         now = time.time()
-        if MARK_PREFIX in buf:
-            out: list[LogLine] = []
-            for raw in lines:
-                out.extend(self._split(stream, raw, now))
+        out: list[LogLine]
+        if len(buf) >= BIG_WRITE:
+            out, rest = self._big(stream, buf, now)
+            self._partial[stream] = rest
         else:
-            # the common case, and the one that matters in a flood: no call markers in this chunk
-            rank, call = self.rank, self._call[stream]
-            out = [(rank, stream, now, call, _decode(_final(raw))) for raw in lines]
+            lines = buf.split(b"\n")
+            rest = self._partial[stream] = lines.pop()
+            if MARK_PREFIX in buf:
+                out = []
+                for raw in lines:
+                    out.extend(self._split(stream, raw, now))
+            else:
+                # the common case, and the one that matters in a flood: no call markers in this chunk
+                rank, call = self.rank, self._call[stream]
+                out = [(rank, stream, now, call, _decode(_final(raw))) for raw in lines]
         cr = rest.rfind(b"\r")
         if cr >= 0 and cr + 1 < len(rest):
             # a progress bar redraws its line with \r and no newline: pass on its current state
@@ -131,6 +136,28 @@ class ProcLog:
                 self._partial[stream] = b"\r" + cur
         if out:
             self._write(out, len(buf))
+
+    def _big(self, stream: str, buf: bytes, now: float) -> tuple[list[LogLine], bytes]:
+        """``feed`` for megabytes at once, as :meth:`_split` does it line by line, but each
+        piece decoded straight out of ``buf`` (splitting first would copy it once more)."""
+        out: list[LogLine] = []
+        mv = memoryview(buf)
+        start = 0
+        while (end := buf.find(b"\n", start)) >= 0:
+            pos = start
+            while (p := buf.find(MARK_PREFIX, pos, end)) >= 0 and (q := buf.find(MARK_END, p, end)) >= 0:
+                if p > pos:  # text before a marker on the same line belongs to the earlier call
+                    out.append((self.rank, stream, now, self._call[stream], str(mv[pos:p], "utf-8", "replace")))
+                self._call[stream] = buf[p + len(MARK_PREFIX) : q].decode("ascii", "replace")
+                pos = q + 1
+            if pos < end or pos == start:
+                if buf.find(b"\r", pos, end) >= 0:
+                    text = _decode(_final(buf[pos:end]))
+                else:
+                    text = str(mv[pos:end], "utf-8", "replace")
+                out.append((self.rank, stream, now, self._call[stream], text))
+            start = end + 1
+        return out, buf[start:]
 
     def _split(self, stream: str, raw: bytes, now: float) -> list[LogLine]:
         out: list[LogLine] = []
