@@ -35,7 +35,7 @@ class Config:
     #: modules the allocator's zygote imports before forking procs
     zygote_preload: str = "torch"
     #: how long the allocator batches log lines before forwarding them
-    log_flush_interval: float = 0.02
+    log_flush_interval: float = 0.005
     #: a breakpoint hit while the caller waits with no way to ask for input (nbval, nbconvert,
     #: a script without a TTY): "continue" it after debug_no_input_timeout, "raise" in the
     #: caller (after continuing it), or "wait" for an attach from a terminal (monarch-nb debug)

@@ -4,13 +4,15 @@ splitting of a proc's output into lines."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import time
 
 import pytest
+from conftest import wait_for
 
 from monarch_nb._ranks import format_ranks, parse_ranks
-from monarch_nb._runtime.logcapture import ProcLog, marker
+from monarch_nb._runtime.logcapture import ProcLog, TaggedStream, _Flusher, marker, set_call
 from monarch_nb.logs import Aggregator
 
 
@@ -125,3 +127,47 @@ def test_megabytes_at_once_split_as_small_reads_do(tmp_path) -> None:  # type: i
     b.feed("stdout", data)
     assert [(c, ln) for _, _, _, c, ln in whole] == [(c, ln) for _, _, _, c, ln in small]
     assert whole[-1][3:] == ("", "\rpartial")
+
+
+class _Pipe(io.RawIOBase):
+    """A raw stream that records each write (as a proc's stdout pipe would get them)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # type: ignore[no-untyped-def,override]
+        self.writes.append(bytes(b))
+        return len(b)
+
+
+def _coalescing() -> tuple[_Pipe, TaggedStream]:
+    pipe = _Pipe()
+    s = TaggedStream(io.BufferedWriter(pipe), encoding="utf-8", line_buffering=False)
+    s._mnb_coalesce = True
+    s._mnb_flusher = _Flusher(s)
+    return pipe, s
+
+
+def test_a_burst_of_prints_is_coalesced_into_few_writes_and_a_lone_line_still_goes_out() -> None:
+    pipe, s = _coalescing()
+    set_call("c1")
+    try:
+        print("first", file=s)
+        # the first line of a call is out at once (C-level output after it keeps the call's tag)
+        assert b"".join(pipe.writes) == marker("c1") + b"first\n"
+        for i in range(10_000):
+            print(f"line {i}", file=s)
+        s.flush()  # what the end of a call does
+        text = b"".join(pipe.writes).decode()
+        assert text == "\x1b]mnb;call=c1\x07first\n" + "".join(f"line {i}\n" for i in range(10_000))
+        assert len(pipe.writes) < 2_000, f"{len(pipe.writes)} writes for 10,001 lines"
+        # a line left in the buffer, with nothing printed after it, goes out within a few ms
+        n = len(pipe.writes)
+        print("lone", file=s)
+        print("lone 2", file=s)
+        wait_for(lambda: b"".join(pipe.writes[n:]).endswith(b"lone 2\n"), 2.0, "the buffered line to be flushed")
+    finally:
+        set_call("")

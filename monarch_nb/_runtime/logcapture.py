@@ -23,6 +23,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -51,10 +52,25 @@ def set_call(call_id: str) -> None:
     _current_call[0] = call_id
 
 
+#: a proc's stdout writes the lines printed this soon after its last write to the pipe
+#: together, up to this much later (one write for a burst of lines, not one per line)
+COALESCE_S = 0.001
+
+
 class TaggedStream(io.TextIOWrapper):
-    """A line-buffered text stream that announces the running call before its first write."""
+    """A line-buffered text stream that announces the running call before its first write.
+
+    ``coalesce`` (stdout): a line goes to the pipe at once when the stream has not written for
+    :data:`COALESCE_S`; lines printed sooner after (a loop of prints) wait in the buffer for at
+    most that long, so 10,000 lines cost a few dozen writes (and allocator wake-ups), not
+    10,000. The first write of a call is flushed at once, so output written to the fd by C code
+    after it still carries the call's tag; the end of a call flushes what is left.
+    """
 
     _mnb_last = ""
+    _mnb_coalesce = False
+    _mnb_flushed = 0.0
+    _mnb_flusher: _Flusher | None = None
 
     def write(self, s: str) -> int:
         cid = _current_call[0]
@@ -63,20 +79,57 @@ class TaggedStream(io.TextIOWrapper):
             # through the same buffer: the marker lands between earlier text and this text
             super().flush()
             self.buffer.write(marker(cid))
-        return super().write(s)
+            self._mnb_flushed = 0.0
+        n = super().write(s)
+        if self._mnb_coalesce and ("\n" in s or "\r" in s):
+            now = time.monotonic()
+            if now - self._mnb_flushed >= COALESCE_S:
+                self._mnb_flushed = now
+                super().flush()
+            elif self._mnb_flusher is not None:
+                self._mnb_flusher.arm()
+        return n
+
+
+class _Flusher:
+    """Flushes a coalescing stream :data:`COALESCE_S` after a line was left in its buffer (a
+    print followed by a long computation must not sit there)."""
+
+    def __init__(self, stream: TaggedStream) -> None:
+        self.stream = stream
+        self.wanted = threading.Event()
+        threading.Thread(target=self._run, name="mnb-stdout-flush", daemon=True).start()
+
+    def arm(self) -> None:
+        if not self.wanted.is_set():
+            self.wanted.set()
+
+    def _run(self) -> None:
+        while True:
+            self.wanted.wait()
+            time.sleep(COALESCE_S)
+            self.wanted.clear()
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                return
 
 
 def install_tagged_streams() -> None:
-    """Make this proc's ``sys.stdout``/``sys.stderr`` :class:`TaggedStream` (line-buffered)."""
+    """Make this proc's ``sys.stdout``/``sys.stderr`` :class:`TaggedStream` (line-buffered,
+    stdout coalescing bursts of lines)."""
     for name in ("stdout", "stderr"):
         old = getattr(sys, name)
         try:
             old.flush()
             # a fresh buffer over the fd: the zygote's one cached facts about its old target (seekable)
             raw = open(old.fileno(), "wb", closefd=False)
-            new = TaggedStream(raw, encoding=old.encoding, errors=old.errors, line_buffering=True)
+            new = TaggedStream(raw, encoding=old.encoding, errors=old.errors, line_buffering=name == "stderr")
         except (AttributeError, ValueError, OSError):
             continue
+        if name == "stdout":
+            new._mnb_coalesce = True
+            new._mnb_flusher = _Flusher(new)
         setattr(sys, name, new)
 
 
