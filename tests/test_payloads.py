@@ -212,7 +212,7 @@ def _rss_mib(field: str) -> float:
     raise AssertionError(f"no {field} in /proc/self/status")
 
 
-def test_one_payload_called_to_16_actors_is_written_once_and_the_controller_stays_small():  # type: ignore[no-untyped-def]
+def test_one_payload_called_to_16_actors_is_written_once_and_the_controller_stays_small(monkeypatch):  # type: ignore[no-untyped-def]
     pm = this_host().spawn_procs(per_host={"gpus": 16}, name="fanpayload")
     try:
         e = pm.spawn("e", Echo)
@@ -231,5 +231,19 @@ def test_one_payload_called_to_16_actors_is_written_once_and_the_controller_stay
         grew = _rss_mib("VmHWM") - base
         assert grew <= 2 * mib, f"controller peak grew by {grew:.0f} MiB for a {mib} MiB payload to 16 actors"
         assert all(v == [] for v in e.leftovers.call(os.getpid()).get(timeout=30).values())
+
+        # /dev/shm full: tried once for the message, then every actor gets it over its socket
+        from monarch_nb.actor import _context
+
+        tries = []
+
+        def full(buf, copied=False):  # type: ignore[no-untyped-def]
+            tries.append(1)
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(_context.runtime()._shm, "put", full)
+        small = b[:BIG]
+        assert set(e.digest.call(small).get(timeout=60).values()) == {hashlib.sha256(small).hexdigest()}
+        assert len(tries) == 1
     finally:
         pm.stop().get(timeout=60)

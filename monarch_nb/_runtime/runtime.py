@@ -553,7 +553,10 @@ class Runtime:
                         else:
                             src = shared.get(i)
                             if src is None:
+                                shared[i] = ("", 0)  # stays so if it fails: the others take the socket at once
                                 src = shared[i] = self._shm.put(b)
+                            if not src[0]:
+                                continue
                             entry = (i, self._shm.link(src[0]), src[1])
                     except OSError as e:
                         # /dev/shm full or unusable: this buffer takes the socket instead
@@ -568,7 +571,8 @@ class Runtime:
     def _unshare(self, shared: dict[int, Any] | None) -> None:
         if shared and self._shm is not None:
             for name, _ in shared.values():
-                self._shm.unlink(name)
+                if name:
+                    self._shm.unlink(name)
 
     def check_size(self, body: bytes, buffers: list[Any]) -> None:
         n = nbytes(body, buffers)
