@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
+import select
+import signal
 import time
 
 import pytest
@@ -171,3 +174,34 @@ def test_a_burst_of_prints_is_coalesced_into_few_writes_and_a_lone_line_still_go
         wait_for(lambda: b"".join(pipe.writes[n:]).endswith(b"lone 2\n"), 2.0, "the buffered line to be flushed")
     finally:
         set_call("")
+
+
+def test_a_forked_child_of_a_proc_still_gets_its_lines_flushed() -> None:
+    r, w = os.pipe()
+    s = TaggedStream(open(w, "wb", closefd=False), encoding="utf-8", line_buffering=False)
+    s._mnb_coalesce = True
+    s._mnb_flusher = _Flusher(s)
+    pid = os.fork()
+    if pid == 0:  # as a data loader's worker would: print, then keep working
+        try:
+            s._mnb_flushed = time.monotonic() + 3600  # as if it had just written: these lines wait in the buffer
+            print("child 1", file=s)
+            print("child 2", file=s)
+            time.sleep(30)
+        finally:
+            os._exit(0)
+    try:
+        got = b""
+
+        def both() -> bool:
+            nonlocal got
+            if select.select([r], [], [], 0.05)[0]:
+                got += os.read(r, 4096)
+            return got.endswith(b"child 2\n")
+
+        wait_for(both, 5.0, "the child's buffered line")
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)
+        os.close(w)

@@ -97,6 +97,11 @@ class _Flusher:
 
     def __init__(self, stream: TaggedStream) -> None:
         self.stream = stream
+        self._start()
+        # a child forked by user code (a data loader's worker) has the stream but not the thread
+        os.register_at_fork(after_in_child=self._start)
+
+    def _start(self) -> None:
         self.wanted = threading.Event()
         threading.Thread(target=self._run, name="mnb-stdout-flush", daemon=True).start()
 
