@@ -86,6 +86,7 @@ def _workloads() -> list[Spec]:
                 target="peak memory <= 2x payload",
                 floor=("memcpy", 64 << 20, 1),
                 target_extra=("peak_over_payload", 2.0),
+                quick=n == 16,
             )
         )
     w.append(Spec("outstanding_2000", 1, "throughput", 2000, "calls/s", ">= 2x throughput", 0.5, floor=("rtt", 2000)))
