@@ -54,7 +54,7 @@ def roundtrip(n: int = 10_000) -> float:
         os.waitpid(pid, 0)
 
 
-def memcpy(nbytes: int, repeat: int = 1) -> float:
+def memcpy(nbytes: int, repeat: int = 3) -> float:
     """The fastest of ``repeat`` copies of ``nbytes`` (pages of both sides already touched)."""
     src = bytearray(os.urandom(1 << 20)) * max(1, nbytes >> 20) if nbytes >= 1 << 20 else bytearray(os.urandom(nbytes))
     dst = bytearray(len(src))

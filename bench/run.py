@@ -322,10 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="list the workloads and exit")
     a = ap.parse_args(argv)
     if a.list:
+        print("floor - raw AF_UNIX round trip and memcpy of each payload size (with every run unless --no-floor)")
         for w in WORKLOADS:
             print(w.name, "-", w.target or "(reported)")
         return 0
-    specs = _select(a.only, a.quick)
+    floor_only = a.only.strip() == "floor"
+    specs = [] if floor_only else _select(",".join(p for p in a.only.split(",") if p.strip() != "floor"), a.quick)
     rounds = a.rounds or (3 if a.quick else 5)
     scale = a.scale or (0.5 if a.quick else 1.0)
     mpy = "" if (a.no_monarch or a.baseline) else a.monarch_python
@@ -369,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     fl: dict[str, Any] | None = None
     if not a.no_floor:
-        fl = result["floor"] = measure_floor(specs, rounds)
+        fl = result["floor"] = measure_floor(WORKLOADS if floor_only else specs, rounds)
         sizes = ", ".join(f"{int(n) >> 20} MiB {t * 1e3:.2f} ms" for n, t in fl["memcpy_s"].items())
         print(f"bench: floor: round trip {fl['roundtrip_s'] * 1e6:.1f} us; memcpy {sizes}", file=sys.stderr, flush=True)
     try:
