@@ -46,6 +46,12 @@ class Spec:
     target_median: float | None = None  # max nb/monarch ratio of medians (time)
     target_p99: float | None = None  # max nb/monarch ratio of p99 (time)
     quick: bool = True
+    #: the row's floor (bench/floor.py): ("rtt", k) is k raw round trips, ("memcpy", nbytes, k)
+    #: k copies of nbytes
+    floor: tuple[Any, ...] = ("rtt", 1)
+    #: (metric, bound): a figure the workload reports beside its times (max over samples),
+    #: whose monarch_nb value must stay at or below ``bound``
+    target_extra: tuple[str, float] | None = None
     #: rounds are multiplied (and samples per round divided) by this: finer alternation spreads
     #: bursts of machine load over both systems, which matters for p99
     interleave: int = 1
@@ -70,7 +76,20 @@ def _workloads() -> list[Spec]:
             )
     for n in (4, 8, 16):
         w.append(Spec(f"call_{n}", 40, target="<= 0.5x" if n >= 8 else "", target_median=0.5 if n >= 8 else None, interleave=2))
-    w.append(Spec("outstanding_2000", 1, "throughput", 2000, "calls/s", ">= 2x throughput", 0.5))
+    for n in (8, 16):
+        # one 64 MiB bytes argument to n actors (each answers its length); the row also gives
+        # the controller's peak memory over the payload (``peak_over_payload``, target <= 2)
+        w.append(
+            Spec(
+                f"callarg_64MiB_{n}",
+                2,
+                target="peak memory <= 2x payload",
+                floor=("memcpy", 64 << 20, 1),
+                target_extra=("peak_over_payload", 2.0),
+                quick=n == 16,
+            )
+        )
+    w.append(Spec("outstanding_2000", 1, "throughput", 2000, "calls/s", ">= 2x throughput", 0.5, floor=("rtt", 2000)))
     for kind in ("bytes", "numpy", "torch"):
         for mib, k in ((1, 20), (16, 3), (64, 2)):
             w.append(
@@ -83,9 +102,12 @@ def _workloads() -> list[Spec]:
                     ">= 2x throughput" if mib == 64 else "",
                     0.5 if mib == 64 else None,
                     quick=mib != 16,
+                    floor=("memcpy", mib << 20, 2),  # an echo moves the payload twice
                 )
             )
     w.append(Spec("logs_10000", 1, "latency", target=""))
+    # one line of 10 MiB printed by a rank, until it reached the controller's stdout
+    w.append(Spec("logline_10MiB", 2, target="<= 0.5x", target_median=0.5, floor=("memcpy", 10 << 20, 1)))
     return w
 
 
@@ -232,6 +254,30 @@ def _reap(run_id: str) -> list[int]:
     return killed
 
 
+def measure_floor(specs: list[Spec], rounds: int) -> dict[str, Any]:
+    """The raw AF_UNIX round trip and a memcpy of each payload size, medians of ``rounds``."""
+    from bench import floor
+
+    sizes = sorted({s.floor[1] for s in specs if s.floor[0] == "memcpy"})
+    rtt: list[float] = []
+    copies: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(max(3, rounds)):
+        rtt.append(floor.roundtrip(10_000))
+        for n in sizes:
+            copies[n].append(floor.memcpy(n))
+    return {
+        "roundtrip_s": percentile(rtt, 0.5),
+        "roundtrip_rounds_s": rtt,
+        "memcpy_s": {str(n): percentile(xs, 0.5) for n, xs in copies.items()},
+    }
+
+
+def floor_of(spec: Spec, fl: dict[str, Any]) -> float:
+    if spec.floor[0] == "memcpy":
+        return float(fl["memcpy_s"][str(spec.floor[1])] * spec.floor[2])
+    return float(fl["roundtrip_s"] * spec.floor[1])
+
+
 def _select(patterns: str, quick: bool) -> list[Spec]:
     if not patterns:
         return [w for w in WORKLOADS if w.quick or not quick]
@@ -270,15 +316,18 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VAL",
         help="environment for the monarch_nb worker only (experiments)",
     )
+    ap.add_argument("--no-floor", action="store_true", help="skip measuring the machine's floor (bench/floor.py)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds one worker request may take")
     ap.add_argument("--out", default="", help="also write the JSON here")
     ap.add_argument("--list", action="store_true", help="list the workloads and exit")
     a = ap.parse_args(argv)
     if a.list:
+        print("floor - raw AF_UNIX round trip and memcpy of each payload size (with every run unless --no-floor)")
         for w in WORKLOADS:
             print(w.name, "-", w.target or "(reported)")
         return 0
-    specs = _select(a.only, a.quick)
+    floor_only = a.only.strip() == "floor"
+    specs = [] if floor_only else _select(",".join(p for p in a.only.split(",") if p.strip() != "floor"), a.quick)
     rounds = a.rounds or (3 if a.quick else 5)
     scale = a.scale or (0.5 if a.quick else 1.0)
     mpy = "" if (a.no_monarch or a.baseline) else a.monarch_python
@@ -320,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": {},
     }
     t_start = time.monotonic()
+    fl: dict[str, Any] | None = None
+    if not a.no_floor:
+        fl = result["floor"] = measure_floor(WORKLOADS if floor_only else specs, rounds)
+        sizes = ", ".join(f"{int(n) >> 20} MiB {t * 1e3:.2f} ms" for n, t in fl["memcpy_s"].items())
+        print(f"bench: floor: round trip {fl['roundtrip_s'] * 1e6:.1f} us; memcpy {sizes}", file=sys.stderr, flush=True)
     try:
         for w in workers:
             w.start()
@@ -328,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             spec_rounds = rounds * spec.interleave
             entry: dict[str, Any] = {"target": spec.target} if spec.target else {}
             samples: dict[str, list[float]] = {w.impl: [] for w in workers}
+            extra: dict[str, dict[str, list[float]]] = {w.impl: {} for w in workers}
             failed: dict[str, str] = {}
             t0 = time.monotonic()
             print(f"bench: {spec.name} ({spec_rounds} rounds x {n})", file=sys.stderr, flush=True)
@@ -343,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
                     ans = w.ask(op="run", w=spec.name, n=n)
                     if ans.get("ok"):
                         samples[w.impl].extend(ans["samples"])
+                        for k, v in (ans.get("extra") or {}).items():
+                            extra[w.impl].setdefault(k, []).extend(v)
                     else:
                         failed[w.impl] = ans.get("error", "?") + ("\n" + ans["tb"] if "tb" in ans else "")
             for w in workers:
@@ -352,7 +409,13 @@ def main(argv: list[str] | None = None) -> int:
                 if impl in failed:
                     entry[label[impl]] = {"error": failed[impl][-1500:]}
                 elif xs:
-                    entry[label[impl]] = stats(spec, xs)
+                    entry[label[impl]] = st = stats(spec, xs)
+                    for k, v in extra[impl].items():
+                        st[k] = max(v)
+                    if fl is not None:
+                        st["x_floor"] = st["median_s"] / floor_of(spec, fl)
+            if fl is not None:
+                entry["floor_s"] = floor_of(spec, fl)
             nb, mon = entry.get("monarch_nb", {}), entry.get(other, {})
             if "median_s" in nb and "median_s" in mon:
                 entry["ratio_median"] = nb["median_s"] / mon["median_s"]
@@ -363,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
                     if spec.target_p99 is not None:
                         met = met and entry["ratio_p99"] <= spec.target_p99
                     entry["met"] = met
+            if spec.target_extra is not None and spec.target_extra[0] in nb:
+                key, bound = spec.target_extra
+                entry["met"] = entry.get("met", True) and nb[key] <= bound
             entry["wall_s"] = round(time.monotonic() - t0, 1)
             result["workloads"][spec.name] = entry
             print(f"bench: {spec.name}: {_line(entry)}", file=sys.stderr, flush=True)
@@ -388,7 +454,12 @@ def _line(e: dict[str, Any]) -> str:
     def fmt(d: dict[str, Any]) -> str:
         if "error" in d:
             return "ERROR " + d["error"].splitlines()[0][:200]
-        return f"median {d['median_s'] * 1e3:.3f} ms p99 {d['p99_s'] * 1e3:.3f} ms"
+        out = f"median {d['median_s'] * 1e3:.3f} ms p99 {d['p99_s'] * 1e3:.3f} ms"
+        if "x_floor" in d:
+            out += f" ({d['x_floor']:.1f}x floor)"
+        if "peak_over_payload" in d:
+            out += f" peak {d['peak_over_payload']:.2f}x payload"
+        return out
 
     parts = [f"nb {fmt(e['monarch_nb'])}" if "monarch_nb" in e else ""]
     for other in ("monarch", "baseline"):

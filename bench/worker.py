@@ -45,7 +45,11 @@ def main() -> int:
                 live[name] = wl
                 answer(ok=True, setup_s=time.perf_counter() - t0)
             elif op == "run":
-                answer(ok=True, samples=live[name].sample(int(cmd["n"])))  # type: ignore[attr-defined]
+                wl = live[name]
+                samples = wl.sample(int(cmd["n"]))  # type: ignore[attr-defined]
+                # figures a workload reports beside its times (e.g. peak memory), then forgets
+                extra, wl.extra = getattr(wl, "extra", {}), {}  # type: ignore[attr-defined]
+                answer(ok=True, samples=samples, extra=extra)
             elif op == "teardown":
                 wl = live.pop(name, None)
                 if wl is not None:

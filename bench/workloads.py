@@ -38,6 +38,15 @@ class Echo(Actor):
         return x
 
     @endpoint
+    def length(self, x: Any) -> int:
+        return len(x)
+
+    @endpoint
+    def bigline(self, tag: str, nbytes: int) -> int:
+        print(f"BENCHLOG {tag} 0 " + "x" * nbytes)
+        return nbytes
+
+    @endpoint
     def spew(self, tag: str, n: int) -> int:
         for i in range(n):
             print(f"BENCHLOG {tag} {i}")
@@ -239,13 +248,17 @@ class LogSink:
         threading.Thread(target=self._pump, name="bench-logsink", daemon=True).start()
 
     def _pump(self) -> None:
-        rest = b""
+        rest: list[bytes] = []  # pieces of a line not finished yet (joined once it is: a 10 MiB line)
         while True:
-            data = os.read(self.fd, 1 << 16)
+            data = os.read(self.fd, 1 << 20)
             if not data:
                 return
-            lines = (rest + data).split(b"\n")
-            rest = lines.pop()
+            if b"\n" not in data:
+                rest.append(data)
+                continue
+            rest.append(data)
+            lines = b"".join(rest).split(b"\n")
+            rest = [lines.pop()]
             hits = []
             for ln in lines:
                 j = ln.find(LOG_TAG)
@@ -307,6 +320,72 @@ class Logs(_OnMesh):
         return out
 
 
+def _mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class CallArg(_OnMesh):
+    """``call()`` of one large ``bytes`` argument to every actor of an ``n``-proc mesh, gathered.
+
+    Reports ``peak_over_payload``: this controller's peak resident memory during the call, over
+    its resident memory before the payload existed, in payloads (Linux: the peak is reset through
+    ``/proc/self/clear_refs`` before each call)."""
+
+    warmup = 1
+
+    def __init__(self, mib: int, n: int) -> None:
+        self.n = n
+        self.nbytes = mib << 20
+        self.extra: dict[str, list[float]] = {}
+
+    def setup(self) -> None:
+        self.rss0 = _mib("VmRSS")
+        self.x = make_payload("bytes", self.nbytes)
+        super().setup()
+        self.extra = {}
+
+    def sample(self, k: int) -> list[float]:
+        ep = self.am.length
+        out = []
+        for _ in range(k):
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                pass
+            t0 = time.perf_counter()
+            v = ep.call(self.x).get()
+            out.append(time.perf_counter() - t0)
+            if set(v.values()) != {self.nbytes}:
+                raise AssertionError("an actor got a different argument")
+            peak = (_mib("VmHWM") - self.rss0) / (self.nbytes >> 20)
+            self.extra.setdefault("peak_over_payload", []).append(peak)
+        return out
+
+
+class LogLine(Logs):
+    """A rank prints one line of ``nbytes``; one sample is the time until it reached this controller."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def sample(self, k: int) -> list[float]:
+        assert SINK is not None
+        out = []
+        for _ in range(k):
+            tag = _name("t")
+            t0 = time.perf_counter()
+            self.am.bigline.call_one(tag, self.nbytes).get()
+            if not SINK.wait(tag, 1, 120):
+                raise AssertionError("the line did not reach the controller within 120 s")
+            out.append(time.perf_counter() - t0)
+        return out
+
+
 def build(name: str) -> Any:
     """The workload object for a workload name (see ``bench.spec.WORKLOADS``)."""
     parts = name.split("_")
@@ -322,4 +401,8 @@ def build(name: str) -> Any:
         return Payload(parts[1], int(parts[2].rstrip("MiB")))
     if parts[0] == "logs":
         return Logs(int(parts[1]))
+    if parts[0] == "callarg":
+        return CallArg(int(parts[1].rstrip("MiB")), int(parts[2]))
+    if parts[0] == "logline":
+        return LogLine(int(parts[1].rstrip("MiB")) << 20)
     raise ValueError(f"unknown workload {name!r}")

@@ -40,7 +40,7 @@ class Config:
     #: modules the allocator's zygote imports before forking procs
     zygote_preload: str = "torch"
     #: how long the allocator batches log lines before forwarding them
-    log_flush_interval: float = 0.02
+    log_flush_interval: float = 0.005
     #: a rank's log on disk is kept under this size, in two files (``rank-N.jsonl`` and the
     #: previous ``rank-N.jsonl.1``): the oldest half goes when the newest half is full; 0: no limit
     log_max_rank_bytes: int = 256 << 20

@@ -383,3 +383,55 @@ def test_a_respawned_mesh_starts_a_fresh_log_and_names_are_checked(allocator) ->
     second.stop().get(timeout=30)
     with pytest.raises(MeshError, match="bad mesh name"):
         allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="../escape")
+
+
+@pytest.mark.timeout(180)
+def test_128_procs_on_one_host_spawn_answer_and_stop(tmp_path):  # type: ignore[no-untyped-def]
+    # more spawn requests than the zygote's socket buffer holds (it filled at ~60): the rest
+    # wait for the zygote to read them instead of failing the spawn with EAGAIN
+    a = AllocatorProc(str(tmp_path), env={"MONARCH_NB_ZYGOTE_PRELOAD": ""})
+    try:
+        hosts = attach_to_workers(workers=[a.addr], ca="trust_all_connections")
+
+        class Pid(Actor):  # defined here: it travels by value, so no proc imports this module
+            @endpoint
+            def pid(self) -> int:
+                return os.getpid()
+
+        pm = hosts.spawn_procs(per_host={"gpus": 128}, name="many")
+        pids = pm.spawn("p", Pid).pid.call().get(timeout=120)
+        assert len(set(pids.values())) == 128
+        assert [p.rank for p, _ in pids.items()] == list(range(128))
+        pm.stop().get(timeout=60)
+
+        def gone() -> bool:
+            for p in pids.values():
+                try:
+                    os.kill(p, 0)
+                    return False
+                except ProcessLookupError:
+                    pass
+            return True
+
+        wait_for(gone, 30, "the 128 procs to exit")
+        assert "Errno 11" not in a.logtext()
+    finally:
+        a.stop()
+
+
+def test_a_10_mib_line_reaches_a_script_controller_whole(allocator):  # type: ignore[no-untyped-def]
+    code = f"""
+from monarch_nb.actor import Actor, endpoint, attach_to_workers
+class Big(Actor):
+    @endpoint
+    def big(self) -> None:
+        print("BIG<" + "x" * (10 << 20) + ">")
+        print("after")
+hosts = attach_to_workers(workers=[{allocator.addr!r}], ca="trust_all_connections")
+pm = hosts.spawn_procs(per_host={{"gpus": 1}}, name="bigline")
+pm.spawn("b", Big).big.call_one().get(timeout=30)
+pm.stop().get(timeout=20)
+"""
+    r = run_script(code, env={"MONARCH_NB_RUNTIME_DIR": allocator.rdir})
+    lines = r.stdout.splitlines()
+    assert lines.count("[0] BIG<" + "x" * (10 << 20) + ">") == 1 and lines.count("[0] after") == 1, r.stderr[-2000:]

@@ -7,7 +7,9 @@ to relay too (``fanout_local``), and a test checks that by default it does not."
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import threading
 
 import pytest
@@ -46,6 +48,10 @@ class Log(Actor):
         self.seen.append((who, i))
 
     @endpoint
+    def digest(self, x: bytes) -> tuple[str, int]:
+        return hashlib.sha256(x).hexdigest(), os.getpid()
+
+    @endpoint
     def seen_by(self) -> tuple[int, list[tuple[str, int]]]:
         return current_rank().rank, self.seen
 
@@ -76,6 +82,26 @@ def test_broadcast_is_one_send_to_the_allocator_and_mixed_paths_keep_order(alloc
     assert after["deliveries"] - before["deliveries"] == 4 * fanned
     for rank, seen in log.seen_by.call().get(timeout=30).values():
         assert seen == [("main", i) for i in range(n) if i % 3 == 0 or i % 4 == rank], f"rank {rank}"
+    pm.stop().get(timeout=20)
+
+
+def test_a_large_buffer_relayed_to_several_procs_arrives_intact_and_leaves_nothing_in_shm(allocator, monkeypatch):  # type: ignore[no-untyped-def]
+    from monarch_nb.actor import _context
+
+    # without shared memory of its own this controller relays even a large buffer through
+    # this host's allocator, which writes it to shared memory once and links it to each proc
+    monkeypatch.setattr(_context.runtime().sender, "shm", None)
+    pm = allocator.hosts.spawn_procs(per_host={"gpus": 4}, name="bigfan")
+    log = pm.spawn("log", Log)
+    log.seen_by.call().get(timeout=30)
+    before = relayed(allocator)
+    x = os.urandom(9 << 20)
+    got = log.digest.call(x).get(timeout=30).values()
+    assert relayed(allocator)["messages"] - before["messages"] == 1
+    assert [d for d, _ in got] == [hashlib.sha256(x).hexdigest()] * 4
+    alloc_pid = allocator.info["pid"]
+    left = [n for n in os.listdir("/dev/shm") if n.startswith(f"mnb-{alloc_pid}-")]
+    assert left == [], f"the allocator left {left} in /dev/shm"
     pm.stop().get(timeout=20)
 
 

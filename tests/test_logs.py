@@ -1,10 +1,21 @@
-"""Aggregation of rank output and rank-set syntax (pure functions)."""
+"""Aggregation of rank output and rank-set syntax (pure functions), and the allocator's
+splitting of a proc's output into lines."""
 
 from __future__ import annotations
 
+import asyncio
+import io
+import json
+import os
+import select
+import signal
+import time
+
 import pytest
+from conftest import wait_for
 
 from monarch_nb._ranks import format_ranks, parse_ranks
+from monarch_nb._runtime.logcapture import ProcLog, TaggedStream, _Flusher, marker, set_call
 from monarch_nb.logs import Aggregator
 
 
@@ -65,3 +76,143 @@ def test_rank_sets() -> None:
         parse_ranks("9", 8)
     with pytest.raises(ValueError, match="cannot read rank set"):
         parse_ranks("a-b", 8)
+
+
+def _feed(log: ProcLog, data: bytes, piece: int = 1 << 16) -> None:
+    for i in range(0, len(data), piece):  # as the allocator reads a pipe: 64 KiB at a time
+        log.feed("stdout", data[i : i + piece])
+
+
+def test_a_huge_line_is_split_in_linear_time_and_kept_whole(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    got: list[tuple[int, str, float, str, str]] = []
+    log = ProcLog(str(tmp_path / "rank-3.jsonl"), 3, got.extend)
+    big = "y" * (20 << 20)
+    t0 = time.perf_counter()
+    _feed(log, marker("c1") + b"before\n" + big.encode() + b"\nafter\rstep 1\rstep 2")
+    # joining the pieces at every read took 2.8 s for these 20 MiB (0.1 s now)
+    assert time.perf_counter() - t0 < 1.0
+    assert [(r, c, ln) for r, _, _, c, ln in got] == [(3, "c1", "before"), (3, "c1", big), (3, "c1", "\rstep 2")]
+    log.feed("stdout", b"\n")
+    log.close()
+    rows = [json.loads(x) for x in (tmp_path / "rank-3.jsonl").read_text().splitlines()]
+    assert [r["line"] for r in rows] == ["before", big, "\rstep 2", "step 2"]
+
+
+def test_a_huge_line_reaches_subscribers_before_the_log_file_and_the_file_keeps_order(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "rank-0.jsonl"
+
+    async def run() -> list[str]:
+        on_disk_at_emit: list[tuple[str, int]] = []
+
+        def emit(lines: list[tuple[int, str, float, str, str]]) -> None:
+            on_disk_at_emit.append((lines[0][4][:7], len(path.read_text().splitlines())))
+
+        log = ProcLog(str(path), 0, emit)
+        _feed(log, b"small 1\n" + b"z" * (2 << 20) + b"\nsmall 2\n")
+        log.feed("stdout", b"small 3\n")
+        await asyncio.sleep(0)  # the deferred write runs on the loop
+        log.close()
+        # the huge line went out while only the line before it was on disk
+        assert on_disk_at_emit[:2] == [("small 1", 1), ("zzzzzzz", 1)]
+        return [json.loads(x)["line"][:7] for x in path.read_text().splitlines()]
+
+    assert asyncio.run(run()) == ["small 1", "zzzzzzz", "small 2", "small 3"]
+
+
+def test_megabytes_at_once_split_as_small_reads_do(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    parts = [
+        marker("a") + b"one\n",
+        b"two " + marker("b") + b"three\n",
+        marker("c") + b"\n",
+        b"\n",
+        "d\u00e9j\u00e0 vu\n".encode(),
+        b"bar\r50%\r100%\n",
+        b"p" * (1 << 20) + b"\n",
+        marker("") + b"tail\rpartial",
+    ]
+    data = b"".join(parts)
+    small: list[tuple[int, str, float, str, str]] = []
+    whole: list[tuple[int, str, float, str, str]] = []
+    a = ProcLog(str(tmp_path / "a.jsonl"), 0, small.extend)
+    for p in parts[:-2]:
+        a.feed("stdout", p)  # below the size that takes the megabytes path
+    _feed(a, parts[-2] + parts[-1], 1000)
+    b = ProcLog(str(tmp_path / "b.jsonl"), 0, whole.extend)
+    b.feed("stdout", data)
+    assert [(c, ln) for _, _, _, c, ln in whole] == [(c, ln) for _, _, _, c, ln in small]
+    assert whole[-1][3:] == ("", "\rpartial")
+
+
+class _Pipe(io.RawIOBase):
+    """A raw stream that records each write (as a proc's stdout pipe would get them)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # type: ignore[no-untyped-def,override]
+        self.writes.append(bytes(b))
+        return len(b)
+
+
+def _coalescing() -> tuple[_Pipe, TaggedStream]:
+    pipe = _Pipe()
+    s = TaggedStream(io.BufferedWriter(pipe), encoding="utf-8", line_buffering=False)
+    s._mnb_coalesce = True
+    s._mnb_flusher = _Flusher(s)
+    return pipe, s
+
+
+def test_a_burst_of_prints_is_coalesced_into_few_writes_and_a_lone_line_still_goes_out() -> None:
+    pipe, s = _coalescing()
+    set_call("c1")
+    try:
+        print("first", file=s)
+        # the first line of a call is out at once (C-level output after it keeps the call's tag)
+        assert b"".join(pipe.writes) == marker("c1") + b"first\n"
+        for i in range(10_000):
+            print(f"line {i}", file=s)
+        s.flush()  # what the end of a call does
+        text = b"".join(pipe.writes).decode()
+        assert text == "\x1b]mnb;call=c1\x07first\n" + "".join(f"line {i}\n" for i in range(10_000))
+        assert len(pipe.writes) < 2_000, f"{len(pipe.writes)} writes for 10,001 lines"
+        # a line left in the buffer, with nothing printed after it, goes out within a few ms
+        n = len(pipe.writes)
+        print("lone", file=s)
+        print("lone 2", file=s)
+        wait_for(lambda: b"".join(pipe.writes[n:]).endswith(b"lone 2\n"), 2.0, "the buffered line to be flushed")
+    finally:
+        set_call("")
+
+
+def test_a_forked_child_of_a_proc_still_gets_its_lines_flushed() -> None:
+    r, w = os.pipe()
+    s = TaggedStream(open(w, "wb", closefd=False), encoding="utf-8", line_buffering=False)
+    s._mnb_coalesce = True
+    s._mnb_flusher = _Flusher(s)
+    pid = os.fork()
+    if pid == 0:  # as a data loader's worker would: print, then keep working
+        try:
+            s._mnb_flushed = time.monotonic() + 3600  # as if it had just written: these lines wait in the buffer
+            print("child 1", file=s)
+            print("child 2", file=s)
+            time.sleep(30)
+        finally:
+            os._exit(0)
+    try:
+        got = b""
+
+        def both() -> bool:
+            nonlocal got
+            if select.select([r], [], [], 0.05)[0]:
+                got += os.read(r, 4096)
+            return got.endswith(b"child 2\n")
+
+        wait_for(both, 5.0, "the child's buffered line")
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)
+        os.close(w)

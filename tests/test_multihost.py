@@ -217,6 +217,11 @@ class A(Actor):
     def count(self):
         return self.n
 
+    @endpoint
+    def digest(self, x):
+        import hashlib
+        return hashlib.sha256(x).hexdigest()
+
 
 class Sleeper(Actor):
     @endpoint
@@ -446,6 +451,28 @@ procs.stop().get(timeout=30)
 
 
 @pytest.mark.timeout(180)
+def test_a_large_argument_to_two_hosts_arrives_intact_on_every_proc(cluster: NetnsCluster, workers: list[Allocator]) -> None:
+    # across hosts a message for many procs goes once to each host's allocator, which hands
+    # a large buffer to its procs through shared memory, written once for all of them
+    ctl = Controller(
+        cluster,
+        """
+        import hashlib
+        hosts = attach_to_workers(workers=WORKERS, ca="/tmp/key")
+        procs = hosts.spawn_procs(per_host={"gpus": 3})
+        actors = procs.spawn("a", A)
+        x = os.urandom(1 << 20) * 9
+        got = actors.digest.call(x).get(timeout=60).values()
+        emit("digests", ok=got == [hashlib.sha256(x).hexdigest()] * 6)
+        procs.stop().get(timeout=30)
+        emit("stopped")
+        """,
+    )
+    assert ctl.expect("digests", timeout=120)["ok"]
+    ctl.expect("stopped")
+    ctl.finish()
+
+
 def test_three_hosts_fan_out_through_their_allocators_in_order(keys: dict[str, bytes]) -> None:
     n = 240
     with NetnsCluster(3) as c:

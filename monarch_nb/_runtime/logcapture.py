@@ -17,11 +17,13 @@ bar), not a finished line.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +31,9 @@ from typing import Any
 MARK_PREFIX = b"\x1b]mnb;call="
 MARK_END = b"\x07"
 _MARK = re.compile(rb"\x1b\]mnb;call=([^\x07]*)\x07")
+
+#: characters in one batch of lines from which it reaches subscribers before the log file
+BIG_WRITE = 1 << 20
 
 #: (rank, stream, ts, call_id, line)
 LogLine = tuple[int, str, float, str, str]
@@ -47,10 +52,25 @@ def set_call(call_id: str) -> None:
     _current_call[0] = call_id
 
 
+#: a proc's stdout writes the lines printed this soon after its last write to the pipe
+#: together, up to this much later (one write for a burst of lines, not one per line)
+COALESCE_S = 0.001
+
+
 class TaggedStream(io.TextIOWrapper):
-    """A line-buffered text stream that announces the running call before its first write."""
+    """A line-buffered text stream that announces the running call before its first write.
+
+    ``coalesce`` (stdout): a line goes to the pipe at once when the stream has not written for
+    :data:`COALESCE_S`; lines printed sooner after (a loop of prints) wait in the buffer for at
+    most that long, so 10,000 lines cost a few dozen writes (and allocator wake-ups), not
+    10,000. The first write of a call is flushed at once, so output written to the fd by C code
+    after it still carries the call's tag; the end of a call flushes what is left.
+    """
 
     _mnb_last = ""
+    _mnb_coalesce = False
+    _mnb_flushed = 0.0
+    _mnb_flusher: _Flusher | None = None
 
     def write(self, s: str) -> int:
         cid = _current_call[0]
@@ -59,20 +79,62 @@ class TaggedStream(io.TextIOWrapper):
             # through the same buffer: the marker lands between earlier text and this text
             super().flush()
             self.buffer.write(marker(cid))
-        return super().write(s)
+            self._mnb_flushed = 0.0
+        n = super().write(s)
+        if self._mnb_coalesce and ("\n" in s or "\r" in s):
+            now = time.monotonic()
+            if now - self._mnb_flushed >= COALESCE_S:
+                self._mnb_flushed = now
+                super().flush()
+            elif self._mnb_flusher is not None:
+                self._mnb_flusher.arm()
+        return n
+
+
+class _Flusher:
+    """Flushes a coalescing stream :data:`COALESCE_S` after a line was left in its buffer (a
+    print followed by a long computation must not sit there)."""
+
+    def __init__(self, stream: TaggedStream) -> None:
+        self.stream = stream
+        self._start()
+        # a child forked by user code (a data loader's worker) has the stream but not the thread
+        os.register_at_fork(after_in_child=self._start)
+
+    def _start(self) -> None:
+        self.wanted = threading.Event()
+        threading.Thread(target=self._run, name="mnb-stdout-flush", daemon=True).start()
+
+    def arm(self) -> None:
+        if not self.wanted.is_set():
+            self.wanted.set()
+
+    def _run(self) -> None:
+        while True:
+            self.wanted.wait()
+            time.sleep(COALESCE_S)
+            self.wanted.clear()
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                return
 
 
 def install_tagged_streams() -> None:
-    """Make this proc's ``sys.stdout``/``sys.stderr`` :class:`TaggedStream` (line-buffered)."""
+    """Make this proc's ``sys.stdout``/``sys.stderr`` :class:`TaggedStream` (line-buffered,
+    stdout coalescing bursts of lines)."""
     for name in ("stdout", "stderr"):
         old = getattr(sys, name)
         try:
             old.flush()
             # a fresh buffer over the fd: the zygote's one cached facts about its old target (seekable)
             raw = open(old.fileno(), "wb", closefd=False)
-            new = TaggedStream(raw, encoding=old.encoding, errors=old.errors, line_buffering=True)
+            new = TaggedStream(raw, encoding=old.encoding, errors=old.errors, line_buffering=name == "stderr")
         except (AttributeError, ValueError, OSError):
             continue
+        if name == "stdout":
+            new._mnb_coalesce = True
+            new._mnb_flusher = _Flusher(new)
         setattr(sys, name, new)
 
 
@@ -89,23 +151,40 @@ class ProcLog:
         self._file = open(path, "a", buffering=1 << 16, encoding="utf-8")
         self._size = self._file.tell()
         self._partial = {"stdout": b"", "stderr": b""}
+        self._more: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+        self._unwritten: list[LogLine] = []
         self._call = {"stdout": "", "stderr": ""}
         self.tail: list[LogLine] = []
         self.nlines = 0
 
     def feed(self, stream: str, data: bytes) -> None:
-        buf = self._partial[stream] + data
-        lines = buf.split(b"\n")
-        rest = self._partial[stream] = lines.pop()
-        now = time.time()
-        if MARK_PREFIX in buf:
-            out: list[LogLine] = []
-            for raw in lines:
-                out.extend(self._split(stream, raw, now))
+        if b"\n" not in data and b"\r" not in data:
+            # the middle of a long line: keep the piece, join once the line ends (joining every
+            # 64 KiB read made a 10 MiB line cost 160 copies of up to 10 MiB)
+            self._more[stream].append(data)
+            return
+        more = self._more[stream]
+        if more:
+            buf = b"".join([self._partial[stream], *more, data])
+            more.clear()
         else:
-            # the common case, and the one that matters in a flood: no call markers in this chunk
-            rank, call = self.rank, self._call[stream]
-            out = [(rank, stream, now, call, _decode(_final(raw))) for raw in lines]
+            buf = self._partial[stream] + data
+        now = time.time()
+        out: list[LogLine]
+        if len(buf) >= BIG_WRITE:
+            out, rest = self._big(stream, buf, now)
+            self._partial[stream] = rest
+        else:
+            lines = buf.split(b"\n")
+            rest = self._partial[stream] = lines.pop()
+            if MARK_PREFIX in buf:
+                out = []
+                for raw in lines:
+                    out.extend(self._split(stream, raw, now))
+            else:
+                # the common case, and the one that matters in a flood: no call markers in this chunk
+                rank, call = self.rank, self._call[stream]
+                out = [(rank, stream, now, call, _decode(_final(raw))) for raw in lines]
         cr = rest.rfind(b"\r")
         if cr >= 0 and cr + 1 < len(rest):
             # a progress bar redraws its line with \r and no newline: pass on its current state
@@ -117,7 +196,29 @@ class ProcLog:
                 out.append((self.rank, stream, now, self._call[stream], "\r" + _decode(cur)))
                 self._partial[stream] = b"\r" + cur
         if out:
-            self._write(out)
+            self._write(out, len(buf))
+
+    def _big(self, stream: str, buf: bytes, now: float) -> tuple[list[LogLine], bytes]:
+        """``feed`` for megabytes at once, as :meth:`_split` does it line by line, but each
+        piece decoded straight out of ``buf`` (splitting first would copy it once more)."""
+        out: list[LogLine] = []
+        mv = memoryview(buf)
+        start = 0
+        while (end := buf.find(b"\n", start)) >= 0:
+            pos = start
+            while (p := buf.find(MARK_PREFIX, pos, end)) >= 0 and (q := buf.find(MARK_END, p, end)) >= 0:
+                if p > pos:  # text before a marker on the same line belongs to the earlier call
+                    out.append((self.rank, stream, now, self._call[stream], str(mv[pos:p], "utf-8", "replace")))
+                self._call[stream] = buf[p + len(MARK_PREFIX) : q].decode("ascii", "replace")
+                pos = q + 1
+            if pos < end or pos == start:
+                if buf.find(b"\r", pos, end) >= 0:
+                    text = _decode(_final(buf[pos:end]))
+                else:
+                    text = str(mv[pos:end], "utf-8", "replace")
+                out.append((self.rank, stream, now, self._call[stream], text))
+            start = end + 1
+        return out, buf[start:]
 
     def _split(self, stream: str, raw: bytes, now: float) -> list[LogLine]:
         out: list[LogLine] = []
@@ -140,14 +241,46 @@ class ProcLog:
         now = time.time()
         out: list[LogLine] = []
         for stream, rest in self._partial.items():
+            rest = b"".join([rest, *self._more[stream]])
+            self._more[stream].clear()
             if rest:
                 out.extend(self._split(stream, rest, now))
             self._partial[stream] = b""
         if out:
             self._write(out)
+        self._write_unwritten()
         self._file.close()
 
-    def _write(self, lines: list[LogLine]) -> None:
+    def _write(self, lines: list[LogLine], nbytes: int = 0) -> None:
+        self.nlines += len(lines)
+        self.tail.extend(lines)
+        del self.tail[:-50]
+        if self._unwritten:
+            self._unwritten.extend(lines)  # after the lines still waiting: the file keeps their order
+            self._emit(lines)
+            return
+        loop = None
+        if nbytes >= BIG_WRITE:
+            # a huge line (10 MiB) takes tens of ms to escape and write: it goes to subscribers
+            # first (what ``emit`` queues on the loop runs before this), to the file right after
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                pass
+        if loop is None:
+            self._write_file(lines)
+            self._emit(lines)
+            return
+        self._unwritten = list(lines)
+        self._emit(lines)
+        loop.call_soon(self._write_unwritten)
+
+    def _write_unwritten(self) -> None:
+        lines, self._unwritten = self._unwritten, []
+        if lines and not self._file.closed:
+            self._write_file(lines)
+
+    def _write_file(self, lines: list[LogLine]) -> None:
         enc = _encode
         text = "".join(
             f'{{"ts": {ts!r}, "rank": {rank}, "stream": "{stream}", "call": {enc(call)}, "line": {enc(line)}}}\n'
@@ -158,10 +291,6 @@ class ProcLog:
         self._file.write(text)
         self._file.flush()
         self._size += len(text)  # ASCII: characters are bytes
-        self.nlines += len(lines)
-        self.tail.extend(lines)
-        del self.tail[:-50]
-        self._emit(lines)
 
     def _rotate(self) -> None:
         self._file.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
 import logging
 import os
 import pickle
@@ -23,12 +24,15 @@ from typing import Any
 
 from ..config import Config
 from ..errors import SpawnError
-from . import shm
+from . import shm, zygote
 from .logcapture import LogLine, ProcLog
 from .runtime import Runtime
 from .transport import Security
 
 logger = logging.getLogger(__name__)
+#: one read of a proc's output pipe; a pipe that fills it is widened to _WIDE_PIPE
+_PIPE_READ = 1 << 16
+_WIDE_PIPE = 1 << 20
 
 
 @dataclasses.dataclass
@@ -45,6 +49,8 @@ class ProcRec:
     cause: str = ""
     log: ProcLog | None = None
     fds: dict[int, str] = dataclasses.field(default_factory=dict)
+    #: output pipes widened to _WIDE_PIPE
+    wide: set[int] = dataclasses.field(default_factory=set)
     popen: subprocess.Popen[bytes] | None = None
     ready: asyncio.Future[None] | None = None
     exited: asyncio.Future[None] | None = None
@@ -100,6 +106,7 @@ class Procs:
         self.by_addr: dict[str, ProcRec] = {}
         self.gpus = _gpu_count()
         self._zsock: socket.socket | None = None
+        self._zreq: zygote.Requests | None = None
         self._zygote: subprocess.Popen[bytes] | None = None
         self._zygote_ready: asyncio.Future[Any] | None = None
         #: set when the allocator shuts down: the zygote's exit is expected then
@@ -118,6 +125,7 @@ class Procs:
         child.close()
         parent.setblocking(False)
         self._zsock = parent
+        self._zreq = zygote.Requests(parent)
         self._zygote_ready = self.rt.loop.create_future()
         self.rt.loop.add_reader(parent.fileno(), self._on_zygote)
 
@@ -195,9 +203,10 @@ class Procs:
         if stream is None:
             return
         # a bounded number of reads per wake-up: a flooding proc must not starve pings and spawns
+        size = _WIDE_PIPE if fd in rec.wide else _PIPE_READ
         for _ in range(1 << 20 if final else 4):
             try:
-                data = os.read(fd, 1 << 16)
+                data = os.read(fd, size)
             except BlockingIOError:
                 return
             except OSError:
@@ -209,7 +218,16 @@ class Procs:
                 return
             if rec.log is not None:
                 rec.log.feed(stream, data)
-            if not final and len(data) < (1 << 16):
+            if len(data) == _PIPE_READ and size == _PIPE_READ:
+                # a full read: the proc is writing faster than one pipe buffer per wake-up (a
+                # flood, a 10 MiB line); a wider pipe lets it go on with 16x fewer wake-ups of
+                # both sides (asked only then: pipe memory counts against the user's limit)
+                rec.wide.add(fd)
+                try:
+                    fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _WIDE_PIPE)
+                except OSError:
+                    pass
+            if not final and len(data) < size:
                 return
 
     async def start(self, mesh: MeshRec, rec: ProcRec, spec: dict[str, Any], log_dir: str, workspaces: Callable[[], Any]) -> None:
@@ -272,7 +290,7 @@ class Procs:
                 pidfd = os.pidfd_open(rec.pid)
                 self.rt.loop.add_reader(pidfd, self._on_exec_exit, rec, pidfd)
             else:
-                assert self._zygote_ready is not None and self._zsock is not None
+                assert self._zygote_ready is not None and self._zreq is not None
                 await self._zygote_ready
                 req = {
                     "token": rec.token,
@@ -282,7 +300,10 @@ class Procs:
                     "entry": "monarch_nb.actor._bootstrap:main",
                     "spec": proc_spec,
                 }
-                socket.send_fds(self._zsock, [pickle.dumps(req)], [out_w, err_w])
+                try:
+                    await self._zreq.send(pickle.dumps(req), [out_w, err_w])
+                except TimeoutError as e:
+                    raise SpawnError(str(e)) from None
         finally:
             os.close(out_w)
             os.close(err_w)

@@ -165,6 +165,7 @@ class Receiver:
         actor, method, rport, extent, call_id, dests = meta  # a FanoutMeta
         resolve = self.resolve_proc
         self.relayed[0] += 1
+        shared: dict[int, Any] | None = {} if len(dests) > 1 and bufs else None
         for addr, index, raddr, sid, seq in dests:
             local = resolve(addr) if resolve is not None else None
             if local is None:
@@ -178,10 +179,11 @@ class Receiver:
                 continue
             try:
                 meta1 = (actor, method, raddr, rport, index, extent, call_id, sid, seq)  # an ActorMeta
-                self.sender.send(local, self.sender.encode(local, wire.ACTOR, meta1, body, bufs))
+                self.sender.send(local, self.sender.encode(local, wire.ACTOR, meta1, body, bufs, shared))
                 self.relayed[1] += 1
             except SupervisionError:
                 pass  # the proc is gone; its subscribers hear that from the allocator
+        self.sender.unshare(shared)
 
     def _route_held(self, msg: _Msg) -> None:
         self._route(*msg)

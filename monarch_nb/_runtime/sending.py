@@ -158,14 +158,16 @@ class Sender:
         else:
             direct = targets
         failed: list[tuple[int, BaseException]] = []
+        shared: dict[int, Any] | None = {} if len(direct) > 1 and buffers else None
         for t in direct:
             sid, seqs = self._stream(t.addr)
             # an ActorMeta (see frames.py): plain tuples are cheaper to pickle
             meta = (actor, method, t.reply, port if t.reply else 0, t.call_index, extent, call_id, sid, next(seqs))
             try:
-                self.send(t.addr, self.encode(t.addr, wire.ACTOR, meta, body, buffers))
+                self.send(t.addr, self.encode(t.addr, wire.ACTOR, meta, body, buffers, shared))
             except BaseException as e:
                 failed.append((t.call_index, e))
+        self.unshare(shared)
         for alloc, group in groups.items():
             dests = []
             for t in group:
@@ -178,8 +180,12 @@ class Sender:
                 failed.extend((t.call_index, e) for t in group)
         return failed
 
-    def encode(self, addr: str, kind: int, meta: tuple[Any, ...], body: Any, bufs: list[Any]) -> list[Any]:
-        """The frames of a message for ``addr``."""
+    def encode(
+        self, addr: str, kind: int, meta: tuple[Any, ...], body: Any, bufs: list[Any], shared: dict[int, Any] | None = None
+    ) -> list[Any]:
+        """The frames of a message for ``addr``. ``shared``: one message to several peers of this
+        host (a dict this method fills, then :meth:`unshare`): each buffer is written to shared
+        memory once, each peer gets a link to it."""
         table = None
         if bufs and self.shm is not None and addr.startswith("ipc://"):
             # a peer on this host maps large buffers instead of reading them off a socket
@@ -187,8 +193,17 @@ class Sender:
             for i, b in enumerate(bufs):
                 if memoryview(b).nbytes >= lim:
                     try:
-                        # a bytes object is copied out at the receiver, so its segment comes back
-                        entry = (i, *self.shm.put(b, copied=type(memoryview(b).obj) is bytes))
+                        if shared is None:
+                            # a bytes object is copied out at the receiver, so its segment comes back
+                            entry = (i, *self.shm.put(b, copied=type(memoryview(b).obj) is bytes))
+                        else:
+                            src = shared.get(i)
+                            if src is None:
+                                shared[i] = ("", 0)  # stays so if it fails: the others take the socket at once
+                                src = shared[i] = self.shm.put(b)
+                            if not src[0]:
+                                continue
+                            entry = (i, self.shm.link(src[0]), src[1])
                     except OSError as e:
                         # /dev/shm full or unusable: this buffer takes the socket instead
                         logger.debug("shared memory unavailable (%s); sending %d bytes over the socket", e, memoryview(b).nbytes)
@@ -198,6 +213,13 @@ class Sender:
                     table.append(entry)
                     bufs[i] = b""
         return wire.encode(kind, meta, body, bufs, table)
+
+    def unshare(self, shared: dict[int, Any] | None) -> None:
+        """Drop this process's names of the segments :meth:`encode` shared (each peer has its link)."""
+        if shared and self.shm is not None:
+            for name, _ in shared.values():
+                if name:
+                    self.shm.unlink(name)
 
     def check_size(self, body: bytes, buffers: list[Any]) -> None:
         if nbytes(body, buffers) > self.cfg.max_message_bytes:

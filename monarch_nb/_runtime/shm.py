@@ -90,6 +90,19 @@ class ShmSender:
             os.close(fd)
         return name, n
 
+    def link(self, name: str) -> str:
+        """Another name for the file ``name`` that :meth:`put` wrote: one copy in memory for
+        several peers of this host, each of which unlinks its own name once it has mapped it."""
+        new = self.prefix + secrets.token_hex(16)
+        os.link(os.path.join(SHM_DIR, name), os.path.join(SHM_DIR, new))
+        with self._lock:
+            self._pending[new] = time.monotonic()
+        return new
+
+    def unlink(self, name: str) -> None:
+        """Give up a name :meth:`put` returned that no peer was sent (its links live on)."""
+        self._unlink(name)
+
     def _claim(self, n: int) -> _Segment | None:
         with self._lock:
             for seg in self._pool:

@@ -8,6 +8,7 @@ last words survive its crash. Procs die with the zygote, the zygote with its all
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import importlib
 import os
@@ -20,6 +21,55 @@ import time
 from typing import Any
 
 from ._prctl import die_with_parent
+
+#: how long one spawn request may wait for the zygote to take the requests before it
+SEND_TIMEOUT_S = 60.0
+
+
+class Requests:
+    """The allocator's end of the socket pair: spawn requests, sent in order.
+
+    The zygote takes one request per fork, so a burst (a mesh of 64 procs on one host) fills
+    the socket's buffer long before it is read. The end is non-blocking (it lives on the
+    allocator's event loop), so a request that does not fit waits until the zygote has read
+    the earlier ones, instead of failing with ``EAGAIN``; one waiter at a time, the others
+    queue behind it on a lock, which also keeps the requests in the order they were made.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._lock = asyncio.Lock()
+
+    async def send(self, data: bytes, fds: list[int], timeout: float = SEND_TIMEOUT_S) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        async with self._lock:
+            while True:
+                try:
+                    socket.send_fds(self.sock, [data], fds)
+                    return
+                except BlockingIOError:
+                    pass
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"the allocator's zygote took no spawn request for {timeout:.0f} s "
+                        "(busy forking, or stuck): spawn fewer procs at once, or restart the allocator"
+                    )
+                writable = loop.create_future()
+                fd = self.sock.fileno()
+                loop.add_writer(fd, _wake, writable)
+                try:
+                    await asyncio.wait_for(writable, left)
+                except TimeoutError:
+                    pass
+                finally:
+                    loop.remove_writer(fd)
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _send(sock: socket.socket, msg: Any) -> None:

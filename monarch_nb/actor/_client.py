@@ -9,7 +9,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
@@ -239,15 +239,21 @@ class Client:
             self.log_writer(mesh, lines)
             return
         out, err = [], []
+        big = False
         for rank, stream, _ts, _call, line in lines:
             if line.startswith("\r"):
                 continue  # a progress bar's intermediate state; a plain stream shows only finished lines
-            (err if stream == "stderr" else out).append(f"[{rank}] {line}\n")
+            dest = err if stream == "stderr" else out
+            if len(line) < _BIG_LINE:
+                dest.append(f"[{rank}] {line}\n")
+            else:
+                big = True
+                dest.extend((f"[{rank}] ", line, "\n"))  # a 10 MiB line is not copied to prefix it
         try:
             if out:
-                _write_lines(sys.stdout, sys.__stdout__, "".join(out))
+                _write_lines(sys.stdout, sys.__stdout__, out, big)
             if err:
-                _write_lines(sys.stderr, sys.__stderr__, "".join(err))
+                _write_lines(sys.stderr, sys.__stderr__, err, big)
         except Exception:
             pass
 
@@ -300,7 +306,11 @@ class Client:
         self.rt.release_shm()
 
 
-def _write_lines(stream: Any, original: Any, text: str) -> None:
+#: a line this long is written on its own, not joined with the others (one copy fewer of it)
+_BIG_LINE = 1 << 16
+
+
+def _write_lines(stream: Any, original: Any, parts: list[str], big: bool = False) -> None:
     """Write rank output (whole lines) to this process's stdout or stderr.
 
     To the file descriptor itself when the stream is still the process's own, as Monarch's
@@ -311,11 +321,32 @@ def _write_lines(stream: Any, original: Any, text: str) -> None:
     if stream is original and stream is not None:
         try:
             fd = stream.fileno()
-            data = memoryview(text.encode(stream.encoding or "utf-8", "replace"))
-            while data:
-                data = data[os.write(fd, data) :]
+            enc = stream.encoding or "utf-8"
+            for text in _runs(parts, big):
+                data = memoryview(text.encode(enc, "replace"))
+                while data:
+                    data = data[os.write(fd, data) :]
             return
         except (OSError, ValueError, AttributeError):
             pass
-    stream.write(text)
+    for text in _runs(parts, big):
+        stream.write(text)
     stream.flush()
+
+
+def _runs(parts: list[str], big: bool) -> Iterator[str]:
+    """``parts`` joined, except that a big part stays a string of its own."""
+    if not big:
+        yield "".join(parts)
+        return
+    small: list[str] = []
+    for p in parts:
+        if len(p) < _BIG_LINE:
+            small.append(p)
+            continue
+        if small:
+            yield "".join(small)
+            small = []
+        yield p
+    if small:
+        yield "".join(small)
