@@ -110,15 +110,23 @@ class Supervision:
         if w is not None and proc_addr in w.procs:
             return
         if w is None:
+            w = self.watch_allocator(alloc_addr, host)
+        w.procs[proc_addr] = (mesh, rank, host)
+        if w.lost is not None:
+            self.peer_failed(proc_addr, self._proc_error(w, proc_addr, w.lost.cause))
+
+    def watch_allocator(self, alloc_addr: str, host: str) -> Watch:
+        """Ping and listen to the allocator at ``alloc_addr`` from now on, procs or not: an
+        allocator detaches a controller that stays silent, even one waiting for its first spawn."""
+        w = self.watches.get(alloc_addr)
+        if w is None:
             with self._lock:
                 w = self.watches.get(alloc_addr)
                 if w is None:
                     w = self.watches[alloc_addr] = Watch(alloc_addr, self._clock())
                     w.host = host
                     self.io.call_soon(self._subscribe, w)
-        w.procs[proc_addr] = (mesh, rank, host)
-        if w.lost is not None:
-            self.peer_failed(proc_addr, self._proc_error(w, proc_addr, w.lost.cause))
+        return w
 
     def lose(self, alloc_addr: str, cause: str) -> None:
         """Count the allocator at ``alloc_addr`` and its procs as gone for ``cause`` (it was

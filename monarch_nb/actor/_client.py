@@ -194,6 +194,8 @@ class Client:
             probe.close(0)
         self.hellos[addr] = info
         self._alloc_addr[info.get("alloc_id", "")] = addr
+        # heartbeats from now on: a controller silent until its first proc is detached
+        self.rt.supervision.watch_allocator(addr, str(info.get("host", "")))
         self._check_versions(addr, info)
         return info
 
