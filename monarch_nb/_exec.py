@@ -16,7 +16,7 @@ from typing import Any
 import cloudpickle
 
 from .actor import Actor, endpoint
-from .actor._actor import ensure_actor_host
+from .actor._host import ensure_actor_host
 from .actor._context import runtime
 
 #: the actor name every proc mesh uses for its exec namespace

@@ -18,7 +18,7 @@ def main(spec: dict[str, Any]) -> int:
     from .._wire.serialize import dumps, loads
     from ..config import Config
     from . import _context
-    from ._actor import ensure_actor_host
+    from ._host import ensure_actor_host
 
     # synced workspaces come first: their modules win over anything with the same name
     for ws in reversed(spec.get("workspaces", [])):

@@ -530,7 +530,7 @@ def this_proc() -> ProcMesh:
     """This process as a 0-dimensional proc mesh: ``this_proc().spawn(...)`` hosts actors here."""
     global _this_proc
     if _this_proc is None:
-        from ._actor import ensure_actor_host
+        from ._host import ensure_actor_host
 
         rt = _context.runtime()
         ensure_actor_host(rt)
