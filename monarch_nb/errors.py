@@ -2,7 +2,7 @@
 
 * MonarchNBError
   + ActorError            an endpoint raised remotely (.exception, .remote_traceback, .rank)
-    - SupervisionError    the actor or its process is gone (.mesh, .rank, .host, .cause)
+  + SupervisionError      the actor or its process is gone (.mesh, .rank, .host, .cause); also a RuntimeError
   + MeshError
     - SpawnError          an allocator could not start a proc or construct an actor
     - MeshClosedError     a mesh used after stop() (also a RuntimeError)
@@ -90,8 +90,12 @@ class ActorError(MonarchNBError):
         return lines
 
 
-class SupervisionError(ActorError):
-    """The actor, its process, or its host is gone; pending and later calls fail with this."""
+class SupervisionError(MonarchNBError, RuntimeError):
+    """The actor, its process, or its host failed; pending and later calls to it fail with this.
+
+    A ``RuntimeError`` and not an ``ActorError``, as Monarch's: the endpoint did not raise,
+    the actor is gone. ``cause`` says why; ``mesh``, ``rank`` and ``host`` where.
+    """
 
     def __init__(
         self,
@@ -101,32 +105,44 @@ class SupervisionError(ActorError):
         actor: str = "",
         rank: int | None = None,
         host: str = "",
+        message: str = "",
     ) -> None:
         self.cause = cause
         self.mesh = mesh
-        parts = []
-        if mesh:
-            parts.append(f"mesh {mesh!r}")
-        if rank is not None:
-            parts.append(f"rank {rank}")
-        if host:
-            parts.append(f"host {host}")
-        msg = f"{' '.join(parts)}: {cause}" if parts else cause
-        super().__init__(RuntimeError(msg), "", actor=actor, rank=rank, host=host, message=msg)
+        self.actor = actor
+        self.rank = rank
+        self.host = host
+        #: Monarch's settable attribute: the endpoint whose call saw the failure
+        self.endpoint: str | None = None
+        if not message:
+            parts = []
+            if mesh:
+                parts.append(f"mesh {mesh!r}")
+            if rank is not None:
+                parts.append(f"rank {rank}")
+            if host:
+                parts.append(f"host {host}")
+            message = f"Supervision failure: {' '.join(parts)}: {cause}" if parts else f"Supervision failure: {cause}"
+        self.message = message
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        return self.message
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_supervision_error, (self.cause, self.mesh, self.actor, self.rank, self.host))
+        return (_rebuild_supervision_error, (self.cause, self.mesh, self.actor, self.rank, self.host, self.message))
 
-    def _headline(self) -> str:
-        return f"Supervision failure: {self.message}"
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing our local frames, which say nothing about the failure
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self.message}"]
 
 
 def _rebuild_actor_error(cls, exc, tb, actor, rank, host, message):  # type: ignore[no-untyped-def]
     return cls(exc, tb, actor=actor, rank=rank, host=host, message=message)
 
 
-def _rebuild_supervision_error(cause, mesh, actor, rank, host):  # type: ignore[no-untyped-def]
-    return SupervisionError(cause, mesh=mesh, actor=actor, rank=rank, host=host)
+def _rebuild_supervision_error(cause, mesh, actor, rank, host, message=""):  # type: ignore[no-untyped-def]
+    return SupervisionError(cause, mesh=mesh, actor=actor, rank=rank, host=host, message=message)
 
 
 def _safe_exc(exc: BaseException) -> BaseException:

@@ -99,8 +99,17 @@ class Instance:
             # actor nothing more reaches its mailbox, and the stop queues after all that did
             slot.rt.call_soon(slot.retire)
 
+    def abort(self, reason: str | None = None) -> None:
+        """Fail this actor (Monarch's ``Instance.abort``) once the message in hand is done: later
+        messages get ``SupervisionError``, ``__cleanup__`` runs, and the owner of its mesh is told."""
+        slot = self._slot
+        if slot is None:
+            return
+        slot.abort_reason = reason or "aborted"
+        if not slot.busy:
+            # between messages (a thread of the actor's own): the actor's loop acts on it next
+            slot._put(("abort",))
+
     def __repr__(self) -> str:
         # Monarch's qualified name: <root>.<__main__.Trainer trainers{'gpus': 0/2}>
         return _context.qualified_name(self)
-
-

@@ -13,6 +13,7 @@ import inspect
 import logging
 import queue
 import sys
+import textwrap
 import threading
 import time
 from typing import Any
@@ -21,7 +22,7 @@ from .._runtime.logcapture import set_call
 from .._runtime.runtime import NO_REPLY, Runtime, system_method
 from .._wire import frames as wire
 from .._wire.serialize import loads
-from ..errors import ActorError, _safe_exc, format_exception
+from ..errors import ActorError, SupervisionError, _safe_exc, format_exception
 from . import _context
 from ._actor import Instance, endpoints_of, is_async_actor
 from ._endpoint import _NotAnEndpointMethod
@@ -56,6 +57,12 @@ class ActorSlot:
         self.caller = ""
         self._stopped = False
         self._points: dict[Any, Point] = {}
+        #: why this actor failed (Monarch's "actor explicitly aborted due to: ..."), once it has
+        self.failed: str | None = None
+        #: a reason given to ``Instance.abort``, acted on once the message in hand is done
+        self.abort_reason: str | None = None
+        #: where the owner of this actor's mesh hears of its failure: (address, port)
+        self.supervisor: tuple[str, int] | None = None
         if self.is_async:
             self.loop = asyncio.new_event_loop()
             self._aq: asyncio.Queue[Any] | None = None
@@ -125,14 +132,24 @@ class ActorSlot:
         while True:
             item = self._q.get()
             if item[0] == "stop":
-                self._cleanup_sync()
+                if self.failed is None:
+                    self._cleanup_sync()
                 return
-            if item[0] == "init":
-                self._init(*item[1:])
-            elif item[0] == "supervise":
-                self._supervise_sync(*item[1:])
-            else:
-                self._call_sync(*item[1:])
+            if self.failed is not None:
+                self._refuse(item)
+                continue
+            try:
+                if item[0] == "init":
+                    self._init(*item[1:])
+                elif item[0] == "supervise":
+                    self._supervise_sync(*item[1:])
+                elif item[0] == "call":
+                    self._call_sync(*item[1:])
+                if self.abort_reason is not None:
+                    raise _Aborted(self.abort_reason)
+            except _ActorFailed as f:
+                self._fail(f)
+                self._cleanup_sync(f.cleanup_exc)
 
     def _run_async(self, ready: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
@@ -147,8 +164,15 @@ class ActorSlot:
         while True:
             item = await self._aq.get()
             if item[0] == "stop":
-                await self._cleanup_async()
+                if self.failed is None:
+                    await self._cleanup_async()
                 return
+            if self.failed is not None:
+                self._refuse(item)
+                continue
+            if item[0] == "abort":
+                await self._fail_async(_Aborted(self.abort_reason or ""))
+                continue
             if item[0] == "init":
                 self._init(*item[1:])
                 continue
@@ -166,6 +190,62 @@ class ActorSlot:
                 t.add_done_callback(self._tasks.discard)
             else:
                 await self._call_async(*item[1:])
+
+    # -- failure
+    def _fail(self, f: _ActorFailed) -> None:
+        """This actor failed (on its own thread): its caller, then every queued message's,
+        gets SupervisionError, and the owner of its mesh hears of it. Later messages are
+        refused the same way (``_refuse``); the caller runs ``__cleanup__``."""
+        info = self.instance_info
+        self.failed = f.reason
+        f.cleanup_exc = Exception(f"serving {info.actor_id.replace(' ', '')}: {f.reason}")
+        if f.caller is not None:
+            raddr, rport, index, method = f.caller
+            self.rt.send_port(raddr, rport, index, wire.ERROR, self.supervision_error(method))
+        for item in self._drain():
+            self._refuse(item)
+        if self.supervisor is not None:
+            event = {"rank": info.rank.rank, "actor": repr(info), "reason": f.reason}
+            try:
+                self.rt.send_port(self.supervisor[0], self.supervisor[1], info.rank.rank, wire.OK, event)
+            except Exception:
+                logger.warning("could not tell the owner of %s that it failed", self.name, exc_info=True)
+
+    def _drain(self) -> list[Any]:
+        """Take what is queued (a stop stays queued: it still ends the actor)."""
+        items: list[Any] = []
+        try:
+            while True:
+                items.append(self._aq.get_nowait() if self.is_async else self._q.get_nowait())  # type: ignore[union-attr]
+        except (queue.Empty, asyncio.QueueEmpty):
+            pass
+        for item in items:
+            if item[0] == "stop":
+                self._put(item)
+        return [i for i in items if i[0] != "stop"]
+
+    def supervision_error(self, method: str) -> SupervisionError:
+        """What a call to this failed actor gets, in Monarch's words."""
+        info = self.instance_info
+        reason = self.failed or ""
+        return SupervisionError(
+            reason,
+            actor=info.name,
+            rank=info.rank.rank,
+            host=self.rt.hostname,
+            message=(
+                f"Endpoint call {info.name}.{method}() failed, The actor {info!r} and all its descendants have failed:\n"
+                + textwrap.indent(reason, "  ")
+            ),
+        )
+
+    def _refuse(self, item: Any) -> None:
+        if item[0] == "call":
+            meta = item[1]
+            if meta[2]:
+                self.rt.send_port(meta[2], meta[3], meta[4], wire.ERROR, self.supervision_error(meta[1]))
+        elif item[0] == "supervise":
+            item[3].set()  # not handled: the failure goes on up
 
     # -- work
     def _error(self, e: BaseException, what: str) -> ActorError:
@@ -279,8 +359,14 @@ class ActorSlot:
         try:
             result = fn(self.obj, *args, **kwargs)
             status = wire.OK
-        except BaseException as e:
+        except Exception as e:
+            if not raddr:
+                # nobody receives it (a broadcast, an explicit port): as in Monarch, the actor fails
+                raise _ActorFailed(e, _caller(meta)) from None
             result, status = self._error(e, f"{self.name}.{method}"), wire.ERROR
+        except BaseException as e:
+            # SystemExit, KeyboardInterrupt, ...: the actor fails, its process lives on
+            raise _ActorFailed(e, _caller(meta)) from None
         finally:
             self.busy_s += time.perf_counter() - t0
             self.calls += 1
@@ -298,38 +384,80 @@ class ActorSlot:
         self.busy, self.call_id, self.caller = method, call_id, raddr
         self._mark(call_id)
         t0 = time.perf_counter()
+        failure: _ActorFailed | None = None
         try:
             result = fn(self.obj, *args, **kwargs)
             if inspect.isawaitable(result):
                 result = await result
             status = wire.OK
-        except BaseException as e:
+        except Exception as e:
+            if not raddr:
+                failure = _ActorFailed(e, _caller(meta))
             result, status = self._error(e, f"{self.name}.{method}"), wire.ERROR
+        except BaseException as e:
+            failure = _ActorFailed(e, _caller(meta))
+            result, status = None, wire.ERROR
         finally:
             self.busy_s += time.perf_counter() - t0
             self.calls += 1
             self._mark("")
             self.busy = ""
             _context._message_rank.reset(tok)
+        if failure is None and self.abort_reason is not None:
+            self._reply(raddr, rport, index, status, result)
+            failure = _Aborted(self.abort_reason)
+        if failure is not None:
+            await self._fail_async(failure)
+            return
         self._reply(raddr, rport, index, status, result)
 
-    def _cleanup_sync(self) -> None:
+    async def _fail_async(self, f: _ActorFailed) -> None:
+        if self.failed is not None:
+            return
+        self._fail(f)
+        # in Monarch a SystemExit or KeyboardInterrupt ends an async actor's loop before its
+        # __cleanup__ can run
+        if not isinstance(f.error, (SystemExit, KeyboardInterrupt)):
+            await self._cleanup_async(f.cleanup_exc)
+
+    def _cleanup_sync(self, exc: Exception | None = None) -> None:
         fn = getattr(self.obj, "__cleanup__", None)
         if fn is not None:
             try:
-                fn(None)
+                fn(exc)
             except Exception:
                 logger.exception("__cleanup__ of %s raised", self.name)
 
-    async def _cleanup_async(self) -> None:
+    async def _cleanup_async(self, exc: Exception | None = None) -> None:
         fn = getattr(self.obj, "__cleanup__", None)
         if fn is not None:
             try:
-                r = fn(None)
+                r = fn(exc)
                 if inspect.isawaitable(r):
                     await r
             except Exception:
                 logger.exception("__cleanup__ of %s raised", self.name)
+
+
+class _ActorFailed(Exception):
+    """An actor's failure, raised out of the message that caused it to its loop."""
+
+    def __init__(self, error: BaseException | None, caller: tuple[str, int, int, str] | None, reason: str = "") -> None:
+        super().__init__(reason)
+        self.error = error
+        #: who waits for the message that failed: (address, port, index, method)
+        self.caller = caller
+        self.reason = reason or "actor explicitly aborted due to: " + format_exception(error)  # type: ignore[arg-type]
+        self.cleanup_exc: Exception | None = None
+
+
+class _Aborted(_ActorFailed):
+    def __init__(self, reason: str) -> None:
+        super().__init__(None, None, f"actor explicitly aborted due to: {reason}")
+
+
+def _caller(meta: tuple[Any, ...]) -> tuple[str, int, int, str] | None:
+    return (meta[2], meta[3], meta[4], meta[1]) if meta[2] else None
 
 
 class ActorHost:
@@ -407,6 +535,7 @@ class ActorHost:
         parent: _context.CreatorInstance | None = None,
         controllers: Any = None,
         label: str | None = None,
+        supervisor_port: int | None = None,
         _reply: tuple[str, int, int],
     ) -> Any:
         rank = _reply[2]  # one message serves every proc; each one's index in the mesh is its rank
@@ -417,6 +546,10 @@ class ActorHost:
             # the name the program gave (``name`` may carry a suffix: ProcMesh._unique_actor_name)
             info.name = label
         slot = ActorSlot(self.rt, name, cls, info)
+        if supervisor_port is not None:
+            # the spawner hears of this actor's failure on a port of its own, at the address it
+            # gave for the spawn's reply
+            slot.supervisor = (_reply[0], supervisor_port)
         self.rt.actors[name] = slot
         slot._put(("init", args, kwargs, _reply))
         return NO_REPLY

@@ -6,14 +6,16 @@ import math
 import os
 import pprint
 import sys
+import textwrap
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import cloudpickle
 
+from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
-from ..errors import MeshClosedError, SpawnError
+from ..errors import MeshClosedError, SpawnError, SupervisionError
 from . import _context
 from ._actor import endpoints_of, is_async_actor
 from ._endpoint import Endpoint, EndpointProperty, RemoteFailure, _NotAnEndpointMethod, gather, multicast
@@ -93,9 +95,28 @@ class ActorMesh(MeshTrait, Generic[T]):
         self._view = view
         self._proc_mesh = proc_mesh
         self._endpoints = endpoints_of(cls) if cls is not None else {}
+        #: the actor (an _actor.Instance) that spawned this mesh, None for the client
+        self._owner: Any = None
+        #: the name the program gave (``_name`` may carry a suffix, see ProcMesh._unique_actor_name)
+        self._label = name
 
     def _with_view(self, view: View) -> ActorMesh[T]:
-        return ActorMesh(self._class, self._name, self._procs, view, self._proc_mesh)
+        m: ActorMesh[T] = ActorMesh(self._class, self._name, self._procs, view, self._proc_mesh)
+        m._owner, m._label = self._owner, self._label
+        return m
+
+    def _report_actor_failure(self, event: dict[str, Any]) -> None:
+        from . import _supervision
+
+        err = SupervisionError(event["reason"], mesh=self._label, actor=self._label, rank=event["rank"])
+        failure = _supervision.MeshFailure(
+            self._label,
+            self,
+            err,
+            crashed_ranks=[event["rank"]],
+            event=f"Supervision event: actor {event['actor']} failed:\n" + textwrap.indent(event["reason"], "  "),
+        )
+        _supervision.report(failure)
 
     def _key(self) -> tuple[str, str]:
         # an actor mesh is its name on its procs (slices and copies share it)
@@ -147,6 +168,15 @@ class ActorMesh(MeshTrait, Generic[T]):
     def __await__(self) -> Any:
         # Monarch's early API awaited spawn(); ours has already finished constructing
         return _immediate(self).__await__()
+
+
+def _actor_failed(meshbox: list[ActorMesh[Any]], status: int, body: Any, bufs: list[Any]) -> None:
+    """An actor of a mesh this process spawned failed (on the I/O thread): supervision, on a
+    thread of its own, since an owner's ``__supervise__`` may take its time."""
+    if status != wire.OK or not meshbox:
+        return
+    event = loads(body, bufs)
+    threading.Thread(target=meshbox[0]._report_actor_failure, args=(event,), name="monarch_nb-supervise", daemon=True).start()
 
 
 def _permissive(name: str) -> Callable[..., Any]:
@@ -243,8 +273,15 @@ class ProcMesh(MeshTrait):
         parent, controllers = _context.lineage()
         label, name = name, self._unique_actor_name(name)
         # pickled once (a class from a notebook cell travels by value) and sent once per host
+        # each actor tells this process of its own failure on this port (Monarch's supervision
+        # events), whose handler hands it to the mesh once spawn has made it
+        meshbox: list[ActorMesh[Any]] = []
+        sup_port = rt.open_port(lambda index, status, b, bb: _actor_failed(meshbox, status, b, bb))
         body, bufs = dumps(
-            ((name, Class, args, kwargs, ext, self, client.cid), {"parent": parent, "controllers": controllers, "label": label})
+            (
+                (name, Class, args, kwargs, ext, self, client.cid),
+                {"parent": parent, "controllers": controllers, "label": label, "supervisor_port": sup_port},
+            )
         )
         rt.check_size(body, bufs)
         fut = gather(
@@ -260,12 +297,16 @@ class ProcMesh(MeshTrait):
         )
         errors = [r.error() for r in fut.get(timeout=rt.cfg.spawn_timeout) if isinstance(r, RemoteFailure)]
         if errors:
+            rt.close_port(sup_port)
             e = errors[0]
             tb = getattr(e, "remote_traceback", "")
             raise SpawnError(
                 f"spawning {label!r} ({Class.__qualname__}) failed on {len(errors)} of {len(procs)} procs: {e}", tb
             ) from e
         mesh = ActorMesh(Class, name, self._procs, view, self)
+        mesh._owner = _context.current_instance()
+        mesh._label = label
+        meshbox.append(mesh)
         # a new mesh under a stopped one's name is live
         client.stopped_actor_meshes.discard(mesh._key())
         if self._persist or any(p.alloc for p in self._procs):

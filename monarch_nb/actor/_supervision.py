@@ -15,18 +15,25 @@ logger = logging.getLogger(__name__)
 
 
 class MeshFailure:
-    """A proc (or its host) of a mesh failed. Passed to ``__supervise__`` and ``unhandled_fault_hook``."""
+    """Ranks of a mesh failed: an actor on its own, or the proc (or host) under it. Passed to
+    ``__supervise__`` and ``unhandled_fault_hook``."""
 
-    def __init__(self, mesh_name: str, mesh: Any, error: Exception) -> None:
+    def __init__(
+        self, mesh_name: str, mesh: Any, error: Exception, crashed_ranks: list[int] | None = None, event: str | None = None
+    ) -> None:
         self.mesh_name = mesh_name
         self.mesh = mesh
         self.error = error
+        rank = getattr(error, "rank", None)
+        self.crashed_ranks = list(crashed_ranks) if crashed_ranks is not None else ([rank] if rank is not None else [])
+        self.event = event if event is not None else f"Supervision event: {getattr(error, 'message', error)}"
 
     def report(self) -> str:
-        return f"mesh {self.mesh_name!r} failed: {getattr(self.error, 'message', self.error)}"
+        return f"mesh {self.mesh_name!r} failed: {self.event}"
 
     def __repr__(self) -> str:
-        return f"MeshFailure(mesh_name={self.mesh_name}, event={getattr(self.error, 'message', self.error)})"
+        # Monarch's words
+        return f"MeshFailure(mesh_name={self.mesh_name}, crashed_ranks={self.crashed_ranks}, event={self.event})"
 
     __str__ = __repr__
 
