@@ -67,13 +67,13 @@ class ActorError(MonarchNBError):
             where.append(f"rank {self.rank}")
         if self.host:
             where.append(f"host {self.host}")
-        prefix = f"A remote actor call failed ({', '.join(where)})" if where else "A remote actor call failed"
-        return f"{prefix}: {self.message}"
+        return f"{self.message} ({', '.join(where)})" if where else self.message
 
     def __str__(self) -> str:
+        # Monarch's: the message, then the remote traceback
         if self.remote_traceback:
-            return f"{self._headline()}\nRemote traceback:\n{self.remote_traceback.rstrip()}"
-        return self._headline()
+            return f"{self.message}\n {self.exception_formatted}"
+        return self.message
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (

@@ -290,7 +290,7 @@ def test_sync_and_async_actors_and_mixing_is_rejected(procs):  # type: ignore[no
         @endpoint
         async def b(self) -> None: ...
 
-    with pytest.raises(ValueError, match="mixes sync endpoints"):
+    with pytest.raises(ValueError, match="mixes both async and sync endpoints"):
         procs.spawn("mixed", Mixed)
 
 

@@ -49,9 +49,10 @@ def is_async_actor(cls: type) -> bool:
     if kinds and len(set(kinds.values())) > 1:
         sync = sorted(n for n, a in kinds.items() if not a)
         asyn = sorted(n for n, a in kinds.items() if a)
+        # Monarch's words
         raise ValueError(
-            f"actor class {cls.__qualname__} mixes sync endpoints {sync} and async endpoints {asyn}; "
-            "make them all `def` (the actor runs on its own thread) or all `async def` (it runs on its own loop)"
+            f"{cls} mixes both async and sync endpoints.Synchronous endpoints cannot be mixed with async endpoints "
+            f"because they can cause the asyncio loop to deadlock if they wait.sync: {sync} async: {asyn}"
         )
     return any(kinds.values())
 

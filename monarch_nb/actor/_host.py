@@ -258,6 +258,17 @@ class ActorSlot:
             message=f"{what} failed: {type(e).__name__}: {e}",
         )
 
+    def _call_error(self, e: BaseException, method: str) -> ActorError:
+        # Monarch's words, with the name the program gave the mesh
+        return ActorError(
+            _safe_exc(e),
+            format_exception(e),
+            actor=self.name,
+            rank=self.instance_info.rank.rank,
+            host=self.rt.hostname,
+            message=f"Actor call {self.instance_info.name}.{method} failed.",
+        )
+
     def _init(self, args: tuple[Any, ...], kwargs: dict[str, Any], reply: tuple[str, int, int]) -> None:
         tok = _context._message_rank.set(self.instance_info.rank)
         # a breakpoint in __init__ belongs to the creator's spawn call (its call ids start with its uid)
@@ -302,7 +313,7 @@ class ActorSlot:
                     rport,
                     index,
                     wire.ERROR,
-                    self._error(AttributeError(f"{self.cls.__qualname__} has no endpoint {method!r}"), f"{self.name}.{method}"),
+                    self._call_error(AttributeError(f"{self.cls.__qualname__} has no endpoint {method!r}"), method),
                 )
                 return None
             if isinstance(fn, _NotAnEndpointMethod):
@@ -357,13 +368,19 @@ class ActorSlot:
         self._mark(call_id)
         t0 = time.perf_counter()
         try:
+            if inspect.iscoroutinefunction(fn):
+                # only as_endpoint reaches one: a sync actor's own endpoints are all `def`
+                raise TypeError(
+                    f"{self.instance_info.name}.{method} is an async def method, but its actor's endpoints are all def, "
+                    "so it has no event loop to run on"
+                )
             result = fn(self.obj, *args, **kwargs)
             status = wire.OK
         except Exception as e:
             if not raddr:
                 # nobody receives it (a broadcast, an explicit port): as in Monarch, the actor fails
                 raise _ActorFailed(e, _caller(meta)) from None
-            result, status = self._error(e, f"{self.name}.{method}"), wire.ERROR
+            result, status = self._call_error(e, method), wire.ERROR
         except BaseException as e:
             # SystemExit, KeyboardInterrupt, ...: the actor fails, its process lives on
             raise _ActorFailed(e, _caller(meta)) from None
@@ -393,7 +410,7 @@ class ActorSlot:
         except Exception as e:
             if not raddr:
                 failure = _ActorFailed(e, _caller(meta))
-            result, status = self._error(e, f"{self.name}.{method}"), wire.ERROR
+            result, status = self._call_error(e, method), wire.ERROR
         except BaseException as e:
             failure = _ActorFailed(e, _caller(meta))
             result, status = None, wire.ERROR

@@ -141,7 +141,7 @@ class ActorMesh(MeshTrait, Generic[T]):
         attr = getattr(self._class, name, None)
         if callable(attr):
             return _NotAnEndpointMethod(self, name, attr)
-        raise AttributeError(f"{self._class.__qualname__} has no endpoint {name!r}")
+        raise AttributeError(name)  # as Monarch words it
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (ActorMesh, (self._class, self._name, self._procs, self._view, None))
