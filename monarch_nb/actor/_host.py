@@ -63,6 +63,10 @@ class ActorSlot:
         self.abort_reason: str | None = None
         #: where the owner of this actor's mesh hears of its failure: (address, port)
         self.supervisor: tuple[str, int] | None = None
+        #: a failure to act on before the next message (an unhandled one of a mesh it owns)
+        self.pending_failure: _ActorFailed | None = None
+        #: the actor that calls to this failed one name (itself, or the child whose failure it did not handle)
+        self.failed_actor = ""
         if self.is_async:
             self.loop = asyncio.new_event_loop()
             self._aq: asyncio.Queue[Any] | None = None
@@ -135,6 +139,10 @@ class ActorSlot:
                 if self.failed is None:
                     self._cleanup_sync()
                 return
+            pf = self.pending_failure
+            if pf is not None and self.failed is None:
+                self._fail(pf)
+                self._cleanup_sync(pf.cleanup_exc)
             if self.failed is not None:
                 self._refuse(item)
                 continue
@@ -167,6 +175,9 @@ class ActorSlot:
                 if self.failed is None:
                     await self._cleanup_async()
                 return
+            pf = self.pending_failure
+            if pf is not None and self.failed is None:
+                await self._fail_async(pf)
             if self.failed is not None:
                 self._refuse(item)
                 continue
@@ -198,6 +209,7 @@ class ActorSlot:
         refused the same way (``_refuse``); the caller runs ``__cleanup__``."""
         info = self.instance_info
         self.failed = f.reason
+        self.failed_actor = f.actor or repr(info)
         f.cleanup_exc = Exception(f"serving {info.actor_id.replace(' ', '')}: {f.reason}")
         if f.caller is not None:
             raddr, rport, index, method = f.caller
@@ -205,11 +217,50 @@ class ActorSlot:
         for item in self._drain():
             self._refuse(item)
         if self.supervisor is not None:
-            event = {"rank": info.rank.rank, "actor": repr(info), "reason": f.reason}
+            event = {
+                "rank": info.rank.rank,
+                "actor": self.failed_actor,
+                "reason": f.reason,
+                "event": f.event or f"Supervision event: actor {info!r} failed:\n" + textwrap.indent(f.reason, "  "),
+            }
             try:
                 self.rt.send_port(self.supervisor[0], self.supervisor[1], info.rank.rank, wire.OK, event)
             except Exception:
                 logger.warning("could not tell the owner of %s that it failed", self.name, exc_info=True)
+
+    def fail_unsupervised(self, failure: Any, exc: BaseException | None) -> None:
+        """A failure of a mesh this actor owns that its ``__supervise__`` did not handle (returned
+        falsy, or raised ``exc``): as in Monarch this actor fails, ahead of its queued messages,
+        and its own owner hears of it, in Monarch's words."""
+        me = repr(self.instance_info)
+        child = getattr(failure, "actor", "") or failure.mesh_name
+        reason = getattr(failure, "reason", "") or failure.event
+        if exc is None:
+            f = _ActorFailed(
+                None,
+                None,
+                reason,
+                actor=child,
+                event=f"Supervision event: actor {me} failed because it did not handle a supervision event from its child. "
+                "The child's event was:\n" + textwrap.indent(failure.event, "  "),
+            )
+        else:
+            head = f"{type(exc).__name__}: {exc}"
+            f = _ActorFailed(
+                None,
+                None,
+                head
+                + "\nThis error occurred while handling another failure:\n"
+                + textwrap.indent(
+                    f"The actor {child} and all its descendants have failed:\n" + textwrap.indent(reason, "  "), "  "
+                ),
+                event=f"Supervision event: actor {me} failed:\n"
+                + textwrap.indent(head, "  ")
+                + "\nThis error occurred while handling a supervision event from its child. The event was:\n"
+                + textwrap.indent(failure.event, "  "),
+            )
+        self.pending_failure = f
+        self._put(("abort",))  # wakes an idle actor; a busy one acts on it before its next message
 
     def _drain(self) -> list[Any]:
         """Take what is queued (a stop stays queued: it still ends the actor)."""
@@ -234,7 +285,7 @@ class ActorSlot:
             rank=info.rank.rank,
             host=self.rt.hostname,
             message=(
-                f"Endpoint call {info.name}.{method}() failed, The actor {info!r} and all its descendants have failed:\n"
+                f"Endpoint call {info.name}.{method}() failed, The actor {self.failed_actor} and all its descendants have failed:\n"
                 + textwrap.indent(reason, "  ")
             ),
         )
@@ -459,9 +510,20 @@ class ActorSlot:
 class _ActorFailed(Exception):
     """An actor's failure, raised out of the message that caused it to its loop."""
 
-    def __init__(self, error: BaseException | None, caller: tuple[str, int, int, str] | None, reason: str = "") -> None:
+    def __init__(
+        self,
+        error: BaseException | None,
+        caller: tuple[str, int, int, str] | None,
+        reason: str = "",
+        *,
+        actor: str = "",
+        event: str = "",
+    ) -> None:
         super().__init__(reason)
         self.error = error
+        #: the actor later calls name as failed (default: this one) and the supervision event's text
+        self.actor = actor
+        self.event = event
         #: who waits for the message that failed: (address, port, index, method)
         self.caller = caller
         self.reason = reason or "actor explicitly aborted due to: " + format_exception(error)  # type: ignore[arg-type]

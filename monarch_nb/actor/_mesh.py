@@ -6,7 +6,6 @@ import math
 import os
 import pprint
 import sys
-import textwrap
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
@@ -114,8 +113,10 @@ class ActorMesh(MeshTrait, Generic[T]):
             self,
             err,
             crashed_ranks=[event["rank"]],
-            event=f"Supervision event: actor {event['actor']} failed:\n" + textwrap.indent(event["reason"], "  "),
+            event=event["event"],
         )
+        # what an owner that does not handle it fails with (see ActorSlot.fail_unsupervised)
+        failure.actor, failure.reason = event["actor"], event["reason"]
         _supervision.report(failure)
 
     def _key(self) -> tuple[str, str]:
