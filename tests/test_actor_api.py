@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from conftest import run_script
+from conftest import run_script, wait_for
 
 from monarch_nb.actor import (
     Accumulator,
@@ -29,7 +29,7 @@ from monarch_nb.actor import (
     this_host,
     this_proc,
 )
-from monarch_nb.errors import SpawnError
+from monarch_nb.errors import SupervisionError
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -294,15 +294,24 @@ def test_sync_and_async_actors_and_mixing_is_rejected(procs):  # type: ignore[no
         procs.spawn("mixed", Mixed)
 
 
-def test_failing_init_fails_the_spawn_with_its_traceback(procs):  # type: ignore[no-untyped-def]
+def test_failing_init_is_reported_through_supervision_and_fails_calls(procs, fault_hook):  # type: ignore[no-untyped-def]
     class Bad(Actor):
         def __init__(self) -> None:
             if current_rank().rank == 2:
                 raise RuntimeError("no GPU for rank 2")
 
-    with pytest.raises(SpawnError, match="no GPU for rank 2") as ei:
-        procs.spawn("bad", Bad)
-    assert "raise RuntimeError" in str(ei.value)
+        @endpoint
+        def ping(self) -> int:
+            return current_rank().rank
+
+    bad = procs.spawn("bad", Bad)  # returns at once, as Monarch's
+    mine = lambda: [f for f in fault_hook if f.mesh_name == "bad"]  # noqa: E731
+    wait_for(mine, 30, "the hook to hear of the failed __init__")
+    assert [f.crashed_ranks for f in mine()] == [[2]]
+    assert "no GPU for rank 2" in repr(mine()[0]) and "raise RuntimeError" in repr(mine()[0])
+    with pytest.raises(SupervisionError, match="no GPU for rank 2"):
+        bad.ping.call().get(timeout=20)
+    assert bad.slice(hosts=0, gpus=0).ping.call_one().get(timeout=20) == 0
 
 
 def test_meshes_are_picklable_and_an_actor_can_call_a_mesh_it_was_handed(procs, counters):  # type: ignore[no-untyped-def]

@@ -185,7 +185,10 @@ class ActorSlot:
                 await self._fail_async(_Aborted(self.abort_reason or ""))
                 continue
             if item[0] == "init":
-                self._init(*item[1:])
+                try:
+                    self._init(*item[1:])
+                except _ActorFailed as f:
+                    self._fail(f)  # no __cleanup__ after a failed __init__, as in Monarch
                 continue
             if item[0] == "supervise":
                 # a task, as in Monarch: it may await while the actor goes on with messages
@@ -320,10 +323,14 @@ class ActorSlot:
             message=f"Actor call {self.instance_info.name}.{method} failed.",
         )
 
-    def _init(self, args: tuple[Any, ...], kwargs: dict[str, Any], reply: tuple[str, int, int]) -> None:
+    def _init(self, args: tuple[Any, ...], kwargs: dict[str, Any], reply: tuple[str, int, int], answer: bool = True) -> None:
+        """Construct the actor. ``answer``: reply with the outcome (get_or_spawn_controller waits
+        for it); otherwise (``spawn``, which returned at once, as Monarch's) a failing
+        ``__init__`` fails the actor, and its owner hears of it through supervision."""
         tok = _context._message_rank.set(self.instance_info.rank)
         # a breakpoint in __init__ belongs to the creator's spawn call (its call ids start with its uid)
         self.busy, self.call_id, self.caller = "__init__", f"{self.instance_info._creator_uid}.spawn", reply[0]
+        failure: _ActorFailed | None = None
         try:
             obj = self.cls.__new__(self.cls)
             obj.__init__(*args, **kwargs)
@@ -333,10 +340,14 @@ class ActorSlot:
         except BaseException as e:
             self.init_error = self._error(e, f"{self.cls.__qualname__}.__init__ on rank {self.instance_info.rank.rank}")
             status, value = wire.ERROR, self.init_error
+            failure = _ActorFailed(e, None)
         finally:
             _context._message_rank.reset(tok)
             self.busy = ""
-        self.rt.send_port(reply[0], reply[1], reply[2], status, value)
+        if answer:
+            self.rt.send_port(reply[0], reply[1], reply[2], status, value)
+        elif failure is not None:
+            raise failure
 
     def _prepare(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> tuple[Any, ...] | None:
         _, method, raddr, rport, index, ext, call_id = meta[:7]
@@ -630,8 +641,9 @@ class ActorHost:
             # gave for the spawn's reply
             slot.supervisor = (_reply[0], supervisor_port)
         self.rt.actors[name] = slot
-        slot._put(("init", args, kwargs, _reply))
-        return NO_REPLY
+        # constructed in the background: spawn returns at once, as Monarch's
+        slot._put(("init", args, kwargs, _reply, False))
+        return None
 
     @system_method(wants_reply=True)
     def sys_get_or_spawn_controller(

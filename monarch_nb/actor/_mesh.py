@@ -171,13 +171,38 @@ class ActorMesh(MeshTrait, Generic[T]):
         return _immediate(self).__await__()
 
 
-def _actor_failed(meshbox: list[ActorMesh[Any]], status: int, body: Any, bufs: list[Any]) -> None:
-    """An actor of a mesh this process spawned failed (on the I/O thread): supervision, on a
-    thread of its own, since an owner's ``__supervise__`` may take its time."""
-    if status != wire.OK or not meshbox:
-        return
-    event = loads(body, bufs)
-    threading.Thread(target=meshbox[0]._report_actor_failure, args=(event,), name="monarch_nb-supervise", daemon=True).start()
+class _Supervised:
+    """Where the actors of a mesh this process spawned report their failures. One may fail
+    (its ``__init__``, say) before ``spawn`` has made the mesh: its event waits for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._mesh: ActorMesh[Any] | None = None
+        self._early: list[dict[str, Any]] = []
+
+    def attach(self, mesh: ActorMesh[Any]) -> None:
+        with self._lock:
+            self._mesh = mesh
+            early, self._early = self._early, []
+        for event in early:
+            self._report(mesh, event)
+
+    def on_event(self, index: int, status: int, body: Any, bufs: list[Any]) -> None:
+        """An actor failed (on the I/O thread)."""
+        if status != wire.OK:
+            return
+        event = loads(body, bufs)
+        with self._lock:
+            mesh = self._mesh
+            if mesh is None:
+                self._early.append(event)
+                return
+        self._report(mesh, event)
+
+    @staticmethod
+    def _report(mesh: ActorMesh[Any], event: dict[str, Any]) -> None:
+        # on a thread of its own: an owner's __supervise__ may take its time
+        threading.Thread(target=mesh._report_actor_failure, args=(event,), name="monarch_nb-supervise", daemon=True).start()
 
 
 def _permissive(name: str) -> Callable[..., Any]:
@@ -256,9 +281,9 @@ class ProcMesh(MeshTrait):
         return self._host_mesh
 
     def spawn(self, name: str, Class: type[T], *args: Any, **kwargs: Any) -> Any:
-        """Construct ``Class(*args, **kwargs)`` in every proc; returns when all are built.
-
-        A failing ``__init__`` raises :class:`SpawnError` with the remote traceback.
+        """Construct ``Class(*args, **kwargs)`` in every proc, in the background: returns once
+        every proc has the actor queued, as Monarch's. A failing ``__init__`` fails its actor:
+        the owner hears of it through supervision and calls to it raise ``SupervisionError``.
         """
         if self._stopped:
             raise MeshClosedError(f"proc mesh {self._name!r} was stopped; spawn new procs")
@@ -276,8 +301,8 @@ class ProcMesh(MeshTrait):
         # pickled once (a class from a notebook cell travels by value) and sent once per host
         # each actor tells this process of its own failure on this port (Monarch's supervision
         # events), whose handler hands it to the mesh once spawn has made it
-        meshbox: list[ActorMesh[Any]] = []
-        sup_port = rt.open_port(lambda index, status, b, bb: _actor_failed(meshbox, status, b, bb))
+        sup = _Supervised()
+        sup_port = rt.open_port(sup.on_event)
         body, bufs = dumps(
             (
                 (name, Class, args, kwargs, ext, self, client.cid),
@@ -307,7 +332,7 @@ class ProcMesh(MeshTrait):
         mesh = ActorMesh(Class, name, self._procs, view, self)
         mesh._owner = _context.current_instance()
         mesh._label = label
-        meshbox.append(mesh)
+        sup.attach(mesh)
         # a new mesh under a stopped one's name is live
         client.stopped_actor_meshes.discard(mesh._key())
         if self._persist or any(p.alloc for p in self._procs):
