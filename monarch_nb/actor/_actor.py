@@ -84,6 +84,8 @@ class Instance:
         self.proc_id = f"{rt.label}@{rt.hostname}:{rt.pid}"
         self.actor_id = f"{name}{rank!r}@{self.proc_id}"
         self._slot: Any = None  # its _host.ActorSlot, once hosted
+        #: the meshes (actor and proc) this actor spawned: they stop when it does
+        self._owned: list[Any] = []
 
     @property
     def proc(self) -> Any:

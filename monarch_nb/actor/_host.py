@@ -67,6 +67,11 @@ class ActorSlot:
         self.pending_failure: _ActorFailed | None = None
         #: the actor that calls to this failed one name (itself, or the child whose failure it did not handle)
         self.failed_actor = ""
+        #: stop() was called: what is queued is refused, the call in hand gets no result
+        self.stopping = False
+        #: (async) the loop's main task, and whether it is inside a (non-concurrent) handler
+        self._main: asyncio.Task[Any] | None = None
+        self._handling = False
         if self.is_async:
             self.loop = asyncio.new_event_loop()
             self._aq: asyncio.Queue[Any] | None = None
@@ -90,8 +95,41 @@ class ActorSlot:
         else:
             self._q.put(item)
 
-    def stop(self) -> None:
+    def stop(self, done: Any = None, owned: bool = True) -> None:
+        """Stop this actor as Monarch does: the message in hand finishes (an async actor's is
+        cancelled, with its concurrent tasks), queued ones are refused, the meshes it spawned
+        stop (``owned``), ``__cleanup__`` runs, then ``done()`` is called (on its thread)."""
+        self.stopping = True
+        self._stop_done = done
+        self._stop_owned = owned
+        if self.is_async:
+            self.loop.call_soon_threadsafe(self._cancel_for_stop)
         self._put(("stop",))
+
+    def _cancel_for_stop(self) -> None:
+        # on the actor's loop
+        for t in list(self._tasks):
+            t.cancel()
+        if self._handling and self._main is not None:
+            self._main.cancel()
+
+    def _finish_stop(self) -> None:
+        """The meshes this actor spawned stop before it (their ``__cleanup__`` first)."""
+        if not getattr(self, "_stop_owned", False):
+            return
+        for mesh in reversed(self.instance_info._owned):
+            try:
+                mesh.stop().get(timeout=self.rt.cfg.spawn_timeout)
+            except Exception as e:
+                logger.warning("stopping %r, spawned by %s: %s", mesh, self.name, e)
+
+    def _signal_stopped(self) -> None:
+        done = getattr(self, "_stop_done", None)
+        if done is not None:
+            try:
+                done()
+            except Exception:
+                logger.exception("stop callback of %s raised", self.name)
 
     def retire(self) -> None:
         """Unlist this actor from its proc, then stop it (on the I/O thread)."""
@@ -136,9 +174,14 @@ class ActorSlot:
         while True:
             item = self._q.get()
             if item[0] == "stop":
+                self._finish_stop()
                 if self.failed is None:
                     self._cleanup_sync()
+                self._signal_stopped()
                 return
+            if self.stopping:
+                self._refuse(item)
+                continue
             pf = self.pending_failure
             if pf is not None and self.failed is None:
                 self._fail(pf)
@@ -169,12 +212,21 @@ class ActorSlot:
 
     async def _async_main(self) -> None:
         assert self._aq is not None
+        self._main = asyncio.current_task()
         while True:
             item = await self._aq.get()
             if item[0] == "stop":
+                # concurrent tasks were cancelled (_cancel_for_stop): they end before __cleanup__
+                if self._tasks:
+                    await asyncio.gather(*self._tasks, return_exceptions=True)
+                self._finish_stop()
                 if self.failed is None:
                     await self._cleanup_async()
+                self._signal_stopped()
                 return
+            if self.stopping:
+                self._refuse(item)
+                continue
             pf = self.pending_failure
             if pf is not None and self.failed is None:
                 await self._fail_async(pf)
@@ -203,7 +255,15 @@ class ActorSlot:
                 self._tasks.add(t)
                 t.add_done_callback(self._tasks.discard)
             else:
-                await self._call_async(*item[1:])
+                self._handling = True
+                try:
+                    await self._call_async(*item[1:])
+                except asyncio.CancelledError:
+                    if not self.stopping:
+                        raise
+                    self._main.uncancel()  # type: ignore[union-attr]
+                finally:
+                    self._handling = False
 
     # -- failure
     def _fail(self, f: _ActorFailed) -> None:
@@ -279,9 +339,17 @@ class ActorSlot:
         return [i for i in items if i[0] != "stop"]
 
     def supervision_error(self, method: str) -> SupervisionError:
-        """What a call to this failed actor gets, in Monarch's words."""
+        """What a call to this failed (or stopped) actor gets, in Monarch's words."""
         info = self.instance_info
-        reason = self.failed or ""
+        if self.failed is None:
+            return SupervisionError(
+                "stopped",
+                actor=info.name,
+                rank=info.rank.rank,
+                host=self.rt.hostname,
+                message=f"Endpoint call {info.name}.{method}() failed, the actor {info!r} was stopped",
+            )
+        reason = self.failed
         return SupervisionError(
             reason,
             actor=info.name,
@@ -452,6 +520,10 @@ class ActorSlot:
             self._mark("")
             self.busy = ""
             _context._message_rank.reset(tok)
+        if self.stopping:
+            # stopped while it ran: its caller gets no result, as in Monarch
+            self._refuse(("call", meta))
+            return
         self._reply(raddr, rport, index, status, result)
 
     async def _call_async(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
@@ -473,6 +545,12 @@ class ActorSlot:
             if not raddr:
                 failure = _ActorFailed(e, _caller(meta))
             result, status = self._call_error(e, method), wire.ERROR
+        except asyncio.CancelledError:
+            if not self.stopping:
+                raise
+            # stop() cancelled it: its caller gets no result, as in Monarch
+            self._refuse(("call", meta))
+            raise
         except BaseException as e:
             failure = _ActorFailed(e, _caller(meta))
             result, status = None, wire.ERROR
@@ -487,6 +565,9 @@ class ActorSlot:
             failure = _Aborted(self.abort_reason)
         if failure is not None:
             await self._fail_async(failure)
+            return
+        if self.stopping:
+            self._refuse(("call", meta))
             return
         self._reply(raddr, rport, index, status, result)
 
@@ -683,12 +764,19 @@ class ActorHost:
             self.rt.send_port(_reply[0], _reply[1], _reply[2], *entry["result"])
         return NO_REPLY
 
-    def sys_stop_actor(self, name: str) -> bool:
+    @system_method(wants_reply=True)
+    def sys_stop_actor(self, name: str, *, _reply: tuple[str, int, int]) -> Any:
+        """Stop actor ``name``; answered once its ``__cleanup__`` has finished."""
         slot = self.rt.actors.pop(name, None)
         if slot is None:
             return False
-        slot.stop()  # type: ignore[attr-defined]
-        return True
+
+        def done() -> None:
+            if _reply[0]:
+                self.rt.send_port(_reply[0], _reply[1], _reply[2], wire.OK, True)
+
+        slot.stop(done)  # type: ignore[attr-defined]
+        return NO_REPLY
 
     def sys_ping(self) -> str:
         return "pong"
@@ -738,9 +826,14 @@ class ActorHost:
     def cleanup_all(self, timeout: float = 5.0) -> None:
         slots = list(self.rt.actors.values())
         for s in slots:
-            s.stop()  # type: ignore[attr-defined]
+            # the proc is going: what its actors spawned goes with its own procs
+            s.stop(owned=False)  # type: ignore[attr-defined]
         for s in slots:
             s.thread.join(timeout)  # type: ignore[attr-defined]
+        # the actors go before the interpreter does, so their __del__ runs as in Monarch
+        for s in slots:
+            s.obj = None  # type: ignore[attr-defined]
+        self.rt.actors.clear()
 
 
 def ensure_actor_host(rt: Runtime) -> ActorHost:

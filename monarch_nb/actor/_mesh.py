@@ -332,6 +332,8 @@ class ProcMesh(MeshTrait):
         mesh = ActorMesh(Class, name, self._procs, view, self)
         mesh._owner = _context.current_instance()
         mesh._label = label
+        if mesh._owner is not None:
+            mesh._owner._owned.append(mesh)  # stopped when its owner is
         sup.attach(mesh)
         # a new mesh under a stopped one's name is live
         client.stopped_actor_meshes.discard(mesh._key())
@@ -538,6 +540,8 @@ class HostMesh(MeshTrait):
         pm = ProcMesh(name, procs, View(labels, sizes), self, persist)
         # the actor spawning these procs owns them: their failures go to its __supervise__
         pm._owner = _context.current_instance()
+        if pm._owner is not None:
+            pm._owner._owned.append(pm)  # stopped when its owner is
         client.own(procs, pm)
         for p in procs:
             client.rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)

@@ -96,8 +96,9 @@ def report(failure: MeshFailure) -> None:
         # the owner is the actor that spawned the failed mesh
         owner = getattr(getattr(failure.mesh, "_owner", None), "_slot", None)
         if owner is not None:
-            if owner.failed is not None:
-                return  # failed already: that failure went up on its own
+            if owner.failed is not None or owner.stopping:
+                # failed already (that failure went up on its own), or stopping: dropped silently
+                return
             exc: BaseException | None = None
             if _supervises(owner):
                 try:
@@ -106,6 +107,8 @@ def report(failure: MeshFailure) -> None:
                         return
                 except BaseException as e:
                     exc = e
+            if owner.stopping:
+                return  # stop() cancelled the pending __supervise__: silently
             owner.fail_unsupervised(failure, exc)
             return
         inst = _context.current_instance()
