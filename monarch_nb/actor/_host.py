@@ -76,12 +76,13 @@ class ActorSlot:
             self.loop = asyncio.new_event_loop()
             self._aq: asyncio.Queue[Any] | None = None
             ready = threading.Event()
-            self.thread = threading.Thread(target=self._run_async, args=(ready,), name=f"actor-{name}", daemon=True)
+            self.thread = threading.Thread(target=self._run_async, args=(ready,), name="monarch-actor-event-loop", daemon=True)
             self.thread.start()
             ready.wait()
         else:
             self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-            self.thread = threading.Thread(target=self._run_sync, name=f"actor-{name}", daemon=True)
+            # the thread names are Monarch's
+            self.thread = threading.Thread(target=self._run_sync, name="monarch-actor-driver", daemon=True)
             self.thread.start()
 
     # -- mailbox (called on the I/O thread)
@@ -95,15 +96,18 @@ class ActorSlot:
         else:
             self._q.put(item)
 
-    def stop(self, done: Any = None, owned: bool = True) -> None:
+    def stop(self, done: Any = None, owned: bool = True, graceful: bool = False) -> None:
         """Stop this actor as Monarch does: the message in hand finishes (an async actor's is
-        cancelled, with its concurrent tasks), queued ones are refused, the meshes it spawned
-        stop (``owned``), ``__cleanup__`` runs, then ``done()`` is called (on its thread)."""
-        self.stopping = True
+        cancelled, with its concurrent tasks) but its caller gets no result, queued ones are
+        refused, the meshes it spawned stop (``owned``), ``__cleanup__`` runs, then ``done()``
+        is called (on its thread). ``graceful`` (an actor stopping itself): what was delivered
+        before is still handled and answered."""
         self._stop_done = done
         self._stop_owned = owned
-        if self.is_async:
-            self.loop.call_soon_threadsafe(self._cancel_for_stop)
+        if not graceful:
+            self.stopping = True
+            if self.is_async:
+                self.loop.call_soon_threadsafe(self._cancel_for_stop)
         self._put(("stop",))
 
     def _cancel_for_stop(self) -> None:
@@ -135,7 +139,7 @@ class ActorSlot:
         """Unlist this actor from its proc, then stop it (on the I/O thread)."""
         if self.rt.actors.get(self.name) is self:
             del self.rt.actors[self.name]
-        self.stop()
+        self.stop(graceful=True)
 
     def supervise(self, failure: Any) -> Any:
         """Run ``__supervise__(failure)`` as Monarch does: on the actor's own thread between

@@ -448,6 +448,11 @@ class HostMesh(MeshTrait):
     def _with_view(self, view: View) -> HostMesh:
         return HostMesh(self._hosts, view)
 
+    @property
+    def is_fake_in_process(self) -> bool:
+        """Monarch's flag for hosts simulated inside the client; ours are always real processes."""
+        return False
+
     def _refs(self) -> list[HostRef]:
         return [self._hosts[r] for r in self._view.ranks]
 
