@@ -444,9 +444,22 @@ class HostMesh(MeshTrait):
     def __init__(self, hosts: list[HostRef], view: View) -> None:
         self._hosts = hosts
         self._view = view
+        #: the default bootstrap command of spawn_procs (with_python_executable)
+        self._bootstrap_cmd: Any = None
 
     def _with_view(self, view: View) -> HostMesh:
-        return HostMesh(self._hosts, view)
+        hm = HostMesh(self._hosts, view)
+        hm._bootstrap_cmd = self._bootstrap_cmd
+        return hm
+
+    def with_python_executable(self, python_executable: str) -> HostMesh:
+        """These hosts, spawning procs with ``python_executable`` (by exec, not from the zygote)."""
+        from ._misc import default_bootstrap_cmd
+
+        base = default_bootstrap_cmd()
+        hm = HostMesh(self._hosts, self._view)
+        hm._bootstrap_cmd = type(base)(python_executable, None, base.args, base.env, base.inherit_env)
+        return hm
 
     @property
     def is_fake_in_process(self) -> bool:
@@ -502,7 +515,7 @@ class HostMesh(MeshTrait):
         n_local = math.prod(per_host.values()) if per_host else 1
         env = dict(os.environ)
         boot = cloudpickle.dumps(bootstrap) if bootstrap is not None else None
-        cmd = _bootstrap_command(bootstrap_command)
+        cmd = _bootstrap_command(bootstrap_command if bootstrap_command is not None else self._bootstrap_cmd)
         futs = []
         for h_index, h in enumerate(hosts):
             client.connect(h.alloc)
@@ -561,7 +574,8 @@ class HostMesh(MeshTrait):
         return Future._completed(None)
 
 
-def _bootstrap_command(cmd: Any) -> tuple[list[str], dict[str, str]] | None:
+def _bootstrap_command(cmd: Any) -> tuple[Any, ...] | None:
+    """(argv, environment changes (None removes), whether to start from the inherited environment)."""
     if cmd is None:
         return None
     if isinstance(cmd, (list, tuple)) and cmd and isinstance(cmd[0], str):
@@ -569,7 +583,9 @@ def _bootstrap_command(cmd: Any) -> tuple[list[str], dict[str, str]] | None:
     from ._misc import BootstrapCommand
 
     if isinstance(cmd, BootstrapCommand):
-        return cmd.argv(), dict(cmd.env)
+        if cmd.inherit_env and all(v is not None for v in cmd.env.values()):
+            return cmd.argv(), dict(cmd.env)  # the form allocators before inherit_env read too
+        return cmd.argv(), dict(cmd.env), cmd.inherit_env
     raise TypeError(f"bootstrap_command must be a list of strings or a BootstrapCommand, got {cmd!r}")
 
 
