@@ -9,6 +9,7 @@ arrival order (``concurrent_endpoint`` methods may overlap at their awaits).
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import logging
 import queue
@@ -57,6 +58,8 @@ class ActorSlot:
         self.caller = ""
         self._stopped = False
         self._points: dict[Any, Point] = {}
+        #: control items (supervision) that go ahead of queued messages
+        self._ctl: collections.deque[Any] = collections.deque()
         #: why this actor failed (Monarch's "actor explicitly aborted due to: ..."), once it has
         self.failed: str | None = None
         #: a reason given to ``Instance.abort``, acted on once the message in hand is done
@@ -147,7 +150,10 @@ class ActorSlot:
         ``async def``); never alongside its endpoints on another thread. Returns its result."""
         done = threading.Event()
         box: list[Any] = [None, None]
-        self._put(("supervise", failure, box, done))
+        # a control item: it runs before the messages already queued (Monarch's SA-3), so
+        # supervision is never starved by a backlog of the actor's own endpoint messages
+        self._ctl.append(("supervise", failure, box, done))
+        self._put(("ctl",))
         while not done.wait(1.0):
             if not self.thread.is_alive():
                 return None  # stopped before it got to it: not handled
@@ -177,6 +183,14 @@ class ActorSlot:
         _context._instance.set(self.instance_info)
         while True:
             item = self._q.get()
+            while self._ctl:
+                ctl = self._ctl.popleft()
+                if self.stopping or self.failed is not None:
+                    self._refuse(ctl)
+                else:
+                    self._supervise_sync(*ctl[1:])
+            if item[0] == "ctl":
+                continue
             if item[0] == "stop":
                 self._finish_stop()
                 if self.failed is None:
@@ -196,8 +210,6 @@ class ActorSlot:
             try:
                 if item[0] == "init":
                     self._init(*item[1:])
-                elif item[0] == "supervise":
-                    self._supervise_sync(*item[1:])
                 elif item[0] == "call":
                     self._call_sync(*item[1:])
                 if self.abort_reason is not None:
@@ -219,6 +231,17 @@ class ActorSlot:
         self._main = asyncio.current_task()
         while True:
             item = await self._aq.get()
+            while self._ctl:
+                ctl = self._ctl.popleft()
+                if self.stopping or self.failed is not None:
+                    self._refuse(ctl)
+                else:
+                    # a task, as in Monarch: it may await while the actor goes on with messages
+                    t = asyncio.ensure_future(self._supervise_async(*ctl[1:]))
+                    self._tasks.add(t)
+                    t.add_done_callback(self._tasks.discard)
+            if item[0] == "ctl":
+                continue
             if item[0] == "stop":
                 # concurrent tasks were cancelled (_cancel_for_stop): they end before __cleanup__
                 if self._tasks:
@@ -245,12 +268,6 @@ class ActorSlot:
                     self._init(*item[1:])
                 except _ActorFailed as f:
                     self._fail(f)  # no __cleanup__ after a failed __init__, as in Monarch
-                continue
-            if item[0] == "supervise":
-                # a task, as in Monarch: it may await while the actor goes on with messages
-                t = asyncio.ensure_future(self._supervise_async(*item[1:]))
-                self._tasks.add(t)
-                t.add_done_callback(self._tasks.discard)
                 continue
             meta = item[1]
             ep = self.endpoints.get(meta[1])
@@ -283,6 +300,8 @@ class ActorSlot:
             self.rt.send_port(raddr, rport, index, wire.ERROR, self.supervision_error(method))
         for item in self._drain():
             self._refuse(item)
+        while self._ctl:
+            self._refuse(self._ctl.popleft())
         if self.supervisor is not None:
             event = {
                 "rank": info.rank.rank,
