@@ -228,7 +228,7 @@ def test_a_dead_proc_fails_the_mesh_loudly_and_the_next_cell_respawns(k: Kernel)
 
 def test_a_failing_init_shows_a_notice_in_the_cell_that_spawned(k: Kernel) -> None:
     # spawn returns at once (as Monarch's); the failure comes through supervision, and the
-    # kernel's default unhandled_fault_hook shows it where the user looks
+    # kernel's default unhandled_fault_hook shows it in the running cell
     _ok(k.run("%mesh spawn initfail --per-host gpus=2"))
     cell = k.execute(
         "from monarch_nb.actor import Actor, endpoint\n"
@@ -239,6 +239,8 @@ def test_a_failing_init_shows_a_notice_in_the_cell_that_spawned(k: Kernel) -> No
         "    def ping(self) -> int:\n"
         "        return 1\n"
         "bad = initfail.spawn('bad', Bad)\n"
+        "import time\n"
+        "time.sleep(3)  # the user's cell is still running when construction fails\n"
         "type(bad).__name__"
     )
 
