@@ -98,10 +98,12 @@ class ActorMesh(MeshTrait, Generic[T]):
         self._owner: Any = None
         #: the name the program gave (``_name`` may carry a suffix, see ProcMesh._unique_actor_name)
         self._label = name
+        #: where its actors report failures (None when re-attached from elsewhere)
+        self._sup: _Supervised | None = None
 
     def _with_view(self, view: View) -> ActorMesh[T]:
         m: ActorMesh[T] = ActorMesh(self._class, self._name, self._procs, view, self._proc_mesh)
-        m._owner, m._label = self._owner, self._label
+        m._owner, m._label, m._sup = self._owner, self._label, self._sup
         return m
 
     def _report_actor_failure(self, event: dict[str, Any]) -> None:
@@ -160,7 +162,12 @@ class ActorMesh(MeshTrait, Generic[T]):
         # must not reach (and fail on a dead) proc outside it
         procs = {self._procs[r].addr: self._procs[r] for r in self._view.ranks}
         futs = [client.request(p.addr, "stop_actor", self._name, _actor="__sys__") for p in procs.values()]
-        return _all(futs, "stop actor mesh")
+        done = _all(futs, "stop actor mesh")
+        sup = self._sup
+        if sup is not None and sup.port is not None and set(self._view.ranks) >= sup.ranks:
+            # the whole mesh is gone: no more failures to hear of
+            done.add_done_callback(lambda _: sup.close(client.rt))
+        return done
 
     @property
     def initialized(self) -> Future[None]:
@@ -179,8 +186,17 @@ class _Supervised:
         self._lock = threading.Lock()
         self._mesh: ActorMesh[Any] | None = None
         self._early: list[dict[str, Any]] = []
+        self.port: int | None = None
+        #: the ranks (of the proc mesh) the actors were spawned on
+        self.ranks: set[int] = set()
+
+    def close(self, rt: Any) -> None:
+        if self.port is not None:
+            rt.close_port(self.port)
+            self.port = None
 
     def attach(self, mesh: ActorMesh[Any]) -> None:
+        self.ranks = set(mesh._view.ranks)
         with self._lock:
             self._mesh = mesh
             early, self._early = self._early, []
@@ -334,6 +350,8 @@ class ProcMesh(MeshTrait):
         mesh._label = label
         if mesh._owner is not None:
             mesh._owner._owned.append(mesh)  # stopped when its owner is
+        sup.port = sup_port
+        mesh._sup = sup
         sup.attach(mesh)
         # a new mesh under a stopped one's name is live
         client.stopped_actor_meshes.discard(mesh._key())
