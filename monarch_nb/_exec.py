@@ -16,8 +16,8 @@ from typing import Any
 import cloudpickle
 
 from .actor import Actor, endpoint
-from .actor._actor import ensure_actor_host
 from .actor._context import runtime
+from .actor._host import ensure_actor_host
 
 #: the actor name every proc mesh uses for its exec namespace
 EXEC_ACTOR = "__mnb_exec__"

@@ -2,7 +2,7 @@
 
 * MonarchNBError
   + ActorError            an endpoint raised remotely (.exception, .remote_traceback, .rank)
-    - SupervisionError    the actor or its process is gone (.mesh, .rank, .host, .cause)
+  + SupervisionError      the actor or its process is gone (.mesh, .rank, .host, .cause); also a RuntimeError
   + MeshError
     - SpawnError          an allocator could not start a proc or construct an actor
     - MeshClosedError     a mesh used after stop() (also a RuntimeError)
@@ -132,17 +132,23 @@ class ActorError(MonarchNBError):
             where.append(f"rank {self.rank}")
         if self.host:
             where.append(f"host {self.host}")
-        prefix = f"A remote actor call failed ({', '.join(where)})" if where else "A remote actor call failed"
-        return f"{prefix}: {self.message}"
+        return f"{self.message} ({', '.join(where)})" if where else self.message
 
     def __str__(self) -> str:
-        if self.endpoint:
-            return "\n".join(self._grouped_lines(color=False))
+        # Monarch's: the message, then the remote traceback (of the lowest failing rank); the
+        # grouped view of every failing rank is the notebook's (_render_traceback_) and grouped_text()
         if self.remote_traceback:
             from ._errgroup import clean_traceback
 
-            return f"{self._headline()}\nRemote traceback:\n{clean_traceback(self.remote_traceback).rstrip()}"
-        return self._headline()
+            # runtime frames hidden (unless traceback_internal_frames), cell frames named Cell In[N]
+            return f"{self.message}\n {clean_traceback(self.exception_formatted)}"
+        return self.message
+
+    def grouped_text(self) -> str:
+        """Every failing rank of the call, grouped (what a notebook shows for this error)."""
+        if self.endpoint:
+            return "\n".join(self._grouped_lines(color=False))
+        return str(self)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (
@@ -165,8 +171,12 @@ class ActorError(MonarchNBError):
         return lines
 
 
-class SupervisionError(ActorError):
-    """The actor, its process, or its host is gone; pending and later calls fail with this."""
+class SupervisionError(MonarchNBError, RuntimeError):
+    """The actor, its process, or its host failed; pending and later calls to it fail with this.
+
+    A ``RuntimeError`` and not an ``ActorError``, as Monarch's: the endpoint did not raise,
+    the actor is gone. ``cause`` says why; ``mesh``, ``rank`` and ``host`` where.
+    """
 
     def __init__(
         self,
@@ -176,24 +186,36 @@ class SupervisionError(ActorError):
         actor: str = "",
         rank: int | None = None,
         host: str = "",
+        message: str = "",
     ) -> None:
         self.cause = cause
         self.mesh = mesh
-        parts = []
-        if mesh:
-            parts.append(f"mesh {mesh!r}")
-        if rank is not None:
-            parts.append(f"rank {rank}")
-        if host:
-            parts.append(f"host {host}")
-        msg = f"{' '.join(parts)}: {cause}" if parts else cause
-        super().__init__(RuntimeError(msg), "", actor=actor, rank=rank, host=host, message=msg)
+        self.actor = actor
+        self.rank = rank
+        self.host = host
+        #: Monarch's settable attribute: the endpoint whose call saw the failure
+        self.endpoint: str | None = None
+        if not message:
+            parts = []
+            if mesh:
+                parts.append(f"mesh {mesh!r}")
+            if rank is not None:
+                parts.append(f"rank {rank}")
+            if host:
+                parts.append(f"host {host}")
+            message = f"Supervision failure: {' '.join(parts)}: {cause}" if parts else f"Supervision failure: {cause}"
+        self.message = message
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        return self.message
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_supervision_error, (self.cause, self.mesh, self.actor, self.rank, self.host))
+        return (_rebuild_supervision_error, (self.cause, self.mesh, self.actor, self.rank, self.host, self.message))
 
-    def _headline(self) -> str:
-        return f"Supervision failure: {self.message}"
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing our local frames, which say nothing about the failure
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self.message}"]
 
 
 def _remote_words(tb: str) -> str:
@@ -204,8 +226,8 @@ def _rebuild_actor_error(cls, exc, tb, actor, rank, host, message):  # type: ign
     return cls(exc, tb, actor=actor, rank=rank, host=host, message=message)
 
 
-def _rebuild_supervision_error(cause, mesh, actor, rank, host):  # type: ignore[no-untyped-def]
-    return SupervisionError(cause, mesh=mesh, actor=actor, rank=rank, host=host)
+def _rebuild_supervision_error(cause, mesh, actor, rank, host, message=""):  # type: ignore[no-untyped-def]
+    return SupervisionError(cause, mesh=mesh, actor=actor, rank=rank, host=host, message=message)
 
 
 def safe_str(exc: BaseException) -> str:

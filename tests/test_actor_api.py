@@ -6,6 +6,7 @@ import asyncio
 import pickle
 import threading
 import time
+from typing import Any
 
 import pytest
 from conftest import run_script, wait_for
@@ -29,7 +30,7 @@ from monarch_nb.actor import (
     this_host,
     this_proc,
 )
-from monarch_nb.errors import SpawnError
+from monarch_nb.errors import SupervisionError
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -317,19 +318,72 @@ def test_sync_and_async_actors_and_mixing_is_rejected(procs):  # type: ignore[no
         @endpoint
         async def b(self) -> None: ...
 
-    with pytest.raises(ValueError, match="mixes sync endpoints"):
+    with pytest.raises(ValueError, match="mixes both async and sync endpoints"):
         procs.spawn("mixed", Mixed)
 
 
-def test_failing_init_fails_the_spawn_with_its_traceback(procs):  # type: ignore[no-untyped-def]
+def test_failing_init_is_reported_through_supervision_and_fails_calls(procs, fault_hook):  # type: ignore[no-untyped-def]
     class Bad(Actor):
         def __init__(self) -> None:
             if current_rank().rank == 2:
                 raise RuntimeError("no GPU for rank 2")
 
-    with pytest.raises(SpawnError, match="no GPU for rank 2") as ei:
-        procs.spawn("bad", Bad)
-    assert "raise RuntimeError" in str(ei.value)
+        @endpoint
+        def ping(self) -> int:
+            return current_rank().rank
+
+    bad = procs.spawn("bad", Bad)  # returns at once, as Monarch's
+    mine = lambda: [f for f in fault_hook if f.mesh_name == "bad"]  # noqa: E731
+    wait_for(mine, 30, "the hook to hear of the failed __init__")
+    assert [f.crashed_ranks for f in mine()] == [[2]]
+    assert "no GPU for rank 2" in repr(mine()[0]) and "raise RuntimeError" in repr(mine()[0])
+    with pytest.raises(SupervisionError, match="no GPU for rank 2"):
+        bad.ping.call().get(timeout=20)
+    assert bad.slice(hosts=0, gpus=0).ping.call_one().get(timeout=20) == 0
+
+
+class _GivesUp(Actor):
+    @endpoint
+    def give_up(self) -> None:
+        time.sleep(0.5)  # by then its owner has a backlog
+        raise SystemExit(3)  # fails this actor alone
+
+
+class BusyOwner(Actor):
+    """Owns a mesh whose actor fails while a backlog of its own slow messages is queued."""
+
+    def __init__(self, events: Port[str]) -> None:
+        self.events = events
+        self.child = this_proc().spawn("giver_upper", _GivesUp)
+
+    @endpoint
+    def fail_child(self) -> None:
+        self.child.give_up.broadcast()
+
+    @endpoint
+    def slow(self, i: int) -> None:
+        time.sleep(0.05)
+        self.events.send(f"slow {i}")
+
+    def __supervise__(self, failure: Any) -> bool:
+        self.events.send(f"supervised {failure.crashed_ranks}")
+        return True
+
+
+def test_supervision_of_a_sync_actor_goes_ahead_of_its_message_backlog(fault_hook):  # type: ignore[no-untyped-def]
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        port, events = Channel.open()
+        owner = procs.spawn("busy_owner", BusyOwner, port)
+        owner.fail_child.call_one().get(timeout=20)
+        for i in range(60):
+            owner.slow.broadcast(i)
+        seen = [events.recv().get(timeout=20) for _ in range(61)]
+        assert "supervised [0]" in seen
+        assert seen.index("supervised [0]") < 50, seen  # not after the 3 s backlog
+        assert fault_hook == [], "a handled failure does not reach the client's hook"
+    finally:
+        procs.stop().get(timeout=30)
 
 
 def test_meshes_are_picklable_and_an_actor_can_call_a_mesh_it_was_handed(procs, counters):  # type: ignore[no-untyped-def]

@@ -225,6 +225,39 @@ def test_a_dead_proc_fails_the_mesh_loudly_and_the_next_cell_respawns(k: Kernel)
     assert _ok(k.run("%%mesh exec frail\n7")).result.count("7") == 2
 
 
+def test_a_failing_init_shows_a_notice_in_the_cell_that_spawned(k: Kernel) -> None:
+    # spawn returns at once (as Monarch's); the failure comes through supervision, and the
+    # kernel's default unhandled_fault_hook shows it in the running cell
+    _ok(k.run("%mesh spawn initfail --per-host gpus=2"))
+    cell = k.execute(
+        "from monarch_nb.actor import Actor, endpoint\n"
+        "class Bad(Actor):\n"
+        "    def __init__(self) -> None:\n"
+        "        raise ValueError('cannot construct this')\n"
+        "    @endpoint\n"
+        "    def ping(self) -> int:\n"
+        "        return 1\n"
+        "bad = initfail.spawn('bad', Bad)\n"
+        "import time\n"
+        "time.sleep(3)  # the user's cell is still running when construction fails\n"
+        "type(bad).__name__"
+    )
+
+    def text(m: dict) -> str:  # type: ignore[type-arg]
+        c = m["content"]
+        return str(c.get("text") or c.get("data", {}).get("text/plain", ""))
+
+    k.wait_msg(
+        lambda m: m["parent_header"].get("msg_id") == cell.msg_id and "cannot construct this" in text(m),
+        30,
+        "the failure notice in the spawning cell",
+    )
+    assert _ok(k.wait(cell)).result == "'ActorMesh'"
+    c = k.run("bad.ping.call().get(timeout=20)")
+    assert c.error and c.error["ename"] == "SupervisionError", c.error
+    assert _ok(k.run("1 + 1")).result == "2", "the kernel lives on"
+
+
 def test_long_calls_show_ranks_replied(k: Kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
     flag = tmp_path / "go"
     _ok(k.run("%mesh spawn slow --per-host gpus=2"))

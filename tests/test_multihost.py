@@ -853,7 +853,7 @@ def test_stacks_of_ranks_on_other_hosts(cluster: NetnsCluster, workers: list[All
         deadline = time.monotonic() + 20
         while True:  # until every rank is in its sleep
             st = debug.stacks(procs, native=True, timeout=10)
-            if "[ranks 0-3 (4)] thread actor-s" in str(st) or time.monotonic() > deadline:
+            if "[ranks 0-3 (4)] thread monarch-actor-driver" in str(st) or time.monotonic() > deadline:
                 break
         emit(
             "stacks",
@@ -868,6 +868,6 @@ def test_stacks_of_ranks_on_other_hosts(cluster: NetnsCluster, workers: list[All
     got = ctl.expect("stacks", timeout=60)
     assert got["answered"] == [0, 1, 2, 3], got["text"]
     # every rank in the sleep, merged into one stack; py-spy ran by each rank's own allocator
-    assert "[ranks 0-3 (4)] thread actor-s" in got["text"] and "time.sleep(seconds)" in got["text"], got["text"]
+    assert "[ranks 0-3 (4)] thread monarch-actor-driver" in got["text"] and "time.sleep(seconds)" in got["text"], got["text"]
     assert got["native"] == [0, 1, 2, 3], got["text"]
     ctl.finish()

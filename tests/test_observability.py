@@ -115,7 +115,7 @@ def test_runtime_frames_show_when_configured(k: Kernel, workers: str) -> None:
     c = k.run(
         "import monarch_nb.config as C\nwith C.configured(traceback_internal_frames=True):\n"
         "    try:\n        workers.lookup.call().get()\n    except Exception as e:\n        text = str(e)\n"
-        "'_actor.py' in text, 'Cell In[' in text"
+        "'monarch_nb/actor/' in text, 'Cell In[' in text"
     )
     assert _ok(c).result == "(True, True)"
 
@@ -162,17 +162,23 @@ def test_print_only_cells_show_no_value_mesh_of_nones(k: Kernel, workers: str) -
 
 
 def test_a_failing_init_shows_the_user_s_error_and_its_traceback_once(k: Kernel) -> None:
+    # spawn returns at once (as Monarch's); the first call fails with SupervisionError, whose
+    # text carries the user's error and its remote traceback once
     code = (
-        "from monarch_nb.actor import Actor\n"
+        "from monarch_nb.actor import Actor, endpoint\n"
         "class Bad(Actor):\n"
         "    def __init__(self):\n"
         "        raise ValueError('no config file')\n"
-        "obs.spawn('bad', Bad)"
+        "    @endpoint\n"
+        "    def ping(self):\n"
+        "        return 1\n"
+        "bad = obs.spawn('bad', Bad)\n"
+        "bad.ping.call().get(timeout=30)"
     )
-    tb = _tb(k.run(code))
-    assert "Bad.__init__ on rank 0 failed: ValueError: no config file" in tb.splitlines()[0], tb
-    assert tb.count("raise ValueError('no config file')") == 1 and tb.count("Traceback") == 1, tb
-    assert re.search(r"Cell In\[\d+\], line 4, in __init__", tb) and "monarch_nb/" not in tb, tb
+    c = k.run(code)
+    tb = _tb(c)
+    assert c.error is not None and c.error["ename"] == "SupervisionError", c.error
+    assert tb.count("ValueError: no config file") == 1 and tb.count("line 4, in __init__") == 1, tb
 
 
 HANG = """\
@@ -243,7 +249,7 @@ def test_stacks_of_a_hung_collective_merge_the_waiting_ranks(k: Kernel) -> None:
         _ok(k.run("held.get(timeout=30)"))
         # a variable holding a mesh spawned through the Python API works too
         c = _ok(k.run("%mesh stacks hangs --ranks 0-2 --timeout 10", timeout=60))
-        assert "[ranks 0-2 (3)] thread actor-hangs" in c.result, c.result
+        assert "[ranks 0-2 (3)] thread monarch-actor-driver" in c.result, c.result
     finally:
         k.run("%mesh stop hung", timeout=60)
 

@@ -268,8 +268,15 @@ class Procs:
         cmd = spec.get("bootstrap_command")
         try:
             if cmd:
-                argv, cmd_env = cmd
-                env.update(cmd_env or {})
+                argv, cmd_env = cmd[0], cmd[1]
+                if len(cmd) > 2 and not cmd[2]:
+                    # inherit_env=False: an empty environment but for what a proc needs to start
+                    env = {k: v for k, v in env.items() if k.startswith("MONARCH_NB_") or k in _PROC_ENV}
+                for k, v in (cmd_env or {}).items():
+                    if v is None:
+                        env.pop(k, None)
+                    else:
+                        env[k] = v
                 spec_r, spec_w = os.pipe()
                 env["MONARCH_NB_PROC_SPEC_FD"] = str(spec_r)
                 rec.popen = subprocess.Popen(
@@ -332,6 +339,10 @@ class Procs:
         if self._zygote is not None:
             self._zygote.kill()
             self._zygote.wait()
+
+
+#: what a proc started with inherit_env=False still gets (Monarch's launch variables are always set)
+_PROC_ENV = frozenset({"PYTHONPATH", "CUDA_VISIBLE_DEVICES"})
 
 
 def _coords(index: int, sizes: list[int]) -> list[int]:

@@ -237,8 +237,8 @@ class Receiver:
             self.sender.send_port(raddr, rport, index, wire.OK, res)
 
     def _system_error(self, raddr: str, rport: int, index: int, e: Exception) -> None:
-        if isinstance(e, ActorError):
-            err = e
+        if isinstance(e, (ActorError, SupervisionError)):
+            err: Exception = e
         else:
             err = ActorError(_safe_exc(e), format_exception(e), host=self.hostname)
         if raddr:

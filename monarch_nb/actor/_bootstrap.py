@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
+import gc
 import os
 import pickle
 import sys
@@ -18,7 +20,7 @@ def main(spec: dict[str, Any]) -> int:
     from .._wire.serialize import dumps, loads
     from ..config import Config
     from . import _context
-    from ._actor import ensure_actor_host
+    from ._host import ensure_actor_host
 
     # synced workspaces come first: their modules win over anything with the same name
     for ws in reversed(spec.get("workspaces", [])):
@@ -44,6 +46,9 @@ def main(spec: dict[str, Any]) -> int:
     rt.send_actor(spec["alloc_addr"], "__allocator__", "proc_ready", body, bufs)
     host.main_loop()
     host.cleanup_all()
+    # a normal exit, as Monarch's procs make: finalizers and atexit handlers run
+    gc.collect()
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -34,7 +34,7 @@ class Future(Generic[R]):
     # two raw locks instead of a threading.Condition: ``_mutex`` guards the state, ``_done``
     # is held from creation until completion, so waiting is one acquire and creating costs
     # a fraction of a Condition (this is on every call's path)
-    __slots__ = ("_mutex", "_done", "_state", "_value", "_decode", "_callbacks", "_what", "_progress", "__weakref__")
+    __slots__ = ("_mutex", "_done", "_state", "_value", "_decode", "_callbacks", "_what", "_progress", "_start", "__weakref__")
 
     def __init__(self, *_: Any, **__: Any) -> None:
         raise TypeError("Future cannot be constructed directly; endpoints and meshes return them")
@@ -52,6 +52,8 @@ class Future(Generic[R]):
         f._what = what
         #: for calls to many actors: ([replies still missing], total), read by progress displays
         f._progress = None
+        #: work that begins only once the future is first read or awaited (``PortReceiver.recv``)
+        f._start = None
         return f
 
     @classmethod
@@ -83,7 +85,15 @@ class Future(Generic[R]):
     def _set_exception(self, exc: BaseException) -> bool:
         return self._finish(_FAILED, exc)
 
+    def _kick(self) -> None:
+        with self._mutex:
+            start, self._start = self._start, None
+        if start is not None:
+            start()
+
     def done(self) -> bool:
+        if self._start is not None:
+            self._kick()
         return self._state != _PENDING
 
     @property
@@ -109,6 +119,8 @@ class Future(Generic[R]):
         return out
 
     def add_done_callback(self, fn: Callable[[Future[R]], None]) -> None:
+        if self._start is not None:
+            self._kick()
         with self._mutex:
             if self._state == _PENDING:
                 if self._callbacks is None:
@@ -149,6 +161,8 @@ class Future(Generic[R]):
     def get(self, timeout: float | None = None) -> R:
         """Block until the result is ready; on timeout raise ``TimeoutError`` (the future stays usable)."""
         if self._state == _PENDING:
+            if self._start is not None:
+                self._kick()
             from ._context import _on_io_thread
 
             if _on_io_thread():
@@ -175,6 +189,8 @@ class Future(Generic[R]):
         return None
 
     def __await__(self) -> Generator[Any, None, R]:
+        if self._start is not None:
+            self._kick()
         if self._state == _PENDING and _debugwait.awaits_here():
             # an async cell: a rank of ours stopping at a breakpoint opens the console here
             yield from _debugwait.wait_async(self).__await__()

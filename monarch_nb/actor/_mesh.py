@@ -12,8 +12,9 @@ from typing import Any, Generic, TypeVar
 
 import cloudpickle
 
+from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
-from ..errors import MeshClosedError, SpawnError
+from ..errors import MeshClosedError, SpawnError, SupervisionError
 from . import _context
 from ._actor import endpoints_of, is_async_actor
 from ._endpoint import Endpoint, EndpointProperty, RemoteFailure, _NotAnEndpointMethod, gather, multicast
@@ -119,9 +120,32 @@ class ActorMesh(MeshTrait, Generic[T]):
         self._view = view
         self._proc_mesh = proc_mesh
         self._endpoints = endpoints_of(cls) if cls is not None else {}
+        #: the actor (an _actor.Instance) that spawned this mesh, None for the client
+        self._owner: Any = None
+        #: the name the program gave (``_name`` may carry a suffix, see ProcMesh._unique_actor_name)
+        self._label = name
+        #: where its actors report failures (None when re-attached from elsewhere)
+        self._sup: _Supervised | None = None
 
     def _with_view(self, view: View) -> ActorMesh[T]:
-        return ActorMesh(self._class, self._name, self._procs, view, self._proc_mesh)
+        m: ActorMesh[T] = ActorMesh(self._class, self._name, self._procs, view, self._proc_mesh)
+        m._owner, m._label, m._sup = self._owner, self._label, self._sup
+        return m
+
+    def _report_actor_failure(self, event: dict[str, Any]) -> None:
+        from . import _supervision
+
+        err = SupervisionError(event["reason"], mesh=self._label, actor=self._label, rank=event["rank"])
+        failure = _supervision.MeshFailure(
+            self._label,
+            self,
+            err,
+            crashed_ranks=[event["rank"]],
+            event=event["event"],
+        )
+        # what an owner that does not handle it fails with (see ActorSlot.fail_unsupervised)
+        failure.actor, failure.reason = event["actor"], event["reason"]
+        _supervision.report(failure)
 
     def _key(self) -> tuple[str, str]:
         # an actor mesh is its name on its procs (slices and copies share it)
@@ -146,7 +170,7 @@ class ActorMesh(MeshTrait, Generic[T]):
         attr = getattr(self._class, name, None)
         if callable(attr):
             return _NotAnEndpointMethod(self, name, attr)
-        raise AttributeError(f"{self._class.__qualname__} has no endpoint {name!r}")
+        raise AttributeError(name)  # as Monarch words it
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (ActorMesh, (self._class, self._name, self._procs, self._view, None))
@@ -174,7 +198,12 @@ class ActorMesh(MeshTrait, Generic[T]):
         # must not reach (and fail on a dead) proc outside it
         procs = {self._procs[r].addr: self._procs[r] for r in self._view.ranks}
         futs = [client.request(p.addr, "stop_actor", self._name, _actor="__sys__") for p in procs.values()]
-        return _all(futs, "stop actor mesh")
+        done = _all(futs, "stop actor mesh")
+        sup = self._sup
+        if sup is not None and sup.port is not None and set(self._view.ranks) >= sup.ranks:
+            # the whole mesh is gone: no more failures to hear of
+            done.add_done_callback(lambda _: sup.close(client.rt))
+        return done
 
     @property
     def initialized(self) -> Future[None]:
@@ -183,6 +212,49 @@ class ActorMesh(MeshTrait, Generic[T]):
     def __await__(self) -> Any:
         # Monarch's early API awaited spawn(); ours has already finished constructing
         return _immediate(self).__await__()
+
+
+class _Supervised:
+    """Where the actors of a mesh this process spawned report their failures. One may fail
+    (its ``__init__``, say) before ``spawn`` has made the mesh: its event waits for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._mesh: ActorMesh[Any] | None = None
+        self._early: list[dict[str, Any]] = []
+        self.port: int | None = None
+        #: the ranks (of the proc mesh) the actors were spawned on
+        self.ranks: set[int] = set()
+
+    def close(self, rt: Any) -> None:
+        if self.port is not None:
+            rt.close_port(self.port)
+            self.port = None
+
+    def attach(self, mesh: ActorMesh[Any]) -> None:
+        self.ranks = set(mesh._view.ranks)
+        with self._lock:
+            self._mesh = mesh
+            early, self._early = self._early, []
+        for event in early:
+            self._report(mesh, event)
+
+    def on_event(self, index: int, status: int, body: Any, bufs: list[Any]) -> None:
+        """An actor failed (on the I/O thread)."""
+        if status != wire.OK:
+            return
+        event = loads(body, bufs)
+        with self._lock:
+            mesh = self._mesh
+            if mesh is None:
+                self._early.append(event)
+                return
+        self._report(mesh, event)
+
+    @staticmethod
+    def _report(mesh: ActorMesh[Any], event: dict[str, Any]) -> None:
+        # on a thread of its own: an owner's __supervise__ may take its time
+        threading.Thread(target=mesh._report_actor_failure, args=(event,), name="monarch_nb-supervise", daemon=True).start()
 
 
 def _permissive(name: str) -> Callable[..., Any]:
@@ -269,9 +341,9 @@ class ProcMesh(MeshTrait):
         return self._host_mesh
 
     def spawn(self, name: str, Class: type[T], *args: Any, **kwargs: Any) -> Any:
-        """Construct ``Class(*args, **kwargs)`` in every proc; returns when all are built.
-
-        A failing ``__init__`` raises :class:`SpawnError` with the remote traceback.
+        """Construct ``Class(*args, **kwargs)`` in every proc, in the background: returns once
+        every proc has the actor queued, as Monarch's. A failing ``__init__`` fails its actor:
+        the owner hears of it through supervision and calls to it raise ``SupervisionError``.
         """
         if self._stopped:
             raise MeshClosedError(f"proc mesh {self._name!r} was stopped; spawn new procs")
@@ -287,8 +359,15 @@ class ProcMesh(MeshTrait):
         parent, controllers = _context.lineage()
         label, name = name, self._unique_actor_name(name)
         # pickled once (a class from a notebook cell travels by value) and sent once per host
+        # each actor tells this process of its own failure on this port (Monarch's supervision
+        # events), whose handler hands it to the mesh once spawn has made it
+        sup = _Supervised()
+        sup_port = rt.open_port(sup.on_event)
         body, bufs = dumps(
-            ((name, Class, args, kwargs, ext, self, client.cid), {"parent": parent, "controllers": controllers, "label": label})
+            (
+                (name, Class, args, kwargs, ext, self, client.cid),
+                {"parent": parent, "controllers": controllers, "label": label, "supervisor_port": sup_port},
+            )
         )
         rt.check_size(body, bufs)
         fut = gather(
@@ -304,6 +383,7 @@ class ProcMesh(MeshTrait):
         )
         errors = [r.error() for r in fut.get(timeout=rt.cfg.spawn_timeout) if isinstance(r, RemoteFailure)]
         if errors:
+            rt.close_port(sup_port)
             e = errors[0]
             tb = getattr(e, "remote_traceback", "")
             # the user's error is the headline; its traceback is shown once, by SpawnError (not
@@ -315,6 +395,13 @@ class ProcMesh(MeshTrait):
             err.error = e
             raise err from None
         mesh = ActorMesh(Class, name, self._procs, view, self)
+        mesh._owner = _context.current_instance()
+        mesh._label = label
+        if mesh._owner is not None:
+            mesh._owner._owned.append(mesh)  # stopped when its owner is
+        sup.port = sup_port
+        mesh._sup = sup
+        sup.attach(mesh)
         # a new mesh under a stopped one's name is live
         client.stopped_actor_meshes.discard(mesh._key())
         if self._persist or any(p.alloc for p in self._procs):
@@ -434,9 +521,27 @@ class HostMesh(MeshTrait):
     def __init__(self, hosts: list[HostRef], view: View) -> None:
         self._hosts = hosts
         self._view = view
+        #: the default bootstrap command of spawn_procs (with_python_executable)
+        self._bootstrap_cmd: Any = None
 
     def _with_view(self, view: View) -> HostMesh:
-        return HostMesh(self._hosts, view)
+        hm = HostMesh(self._hosts, view)
+        hm._bootstrap_cmd = self._bootstrap_cmd
+        return hm
+
+    def with_python_executable(self, python_executable: str) -> HostMesh:
+        """These hosts, spawning procs with ``python_executable`` (by exec, not from the zygote)."""
+        from ._misc import default_bootstrap_cmd
+
+        base = default_bootstrap_cmd()
+        hm = HostMesh(self._hosts, self._view)
+        hm._bootstrap_cmd = type(base)(python_executable, None, base.args, base.env, base.inherit_env)
+        return hm
+
+    @property
+    def is_fake_in_process(self) -> bool:
+        """Monarch's flag for hosts simulated inside the client; ours are always real processes."""
+        return False
 
     def _refs(self) -> list[HostRef]:
         return [self._hosts[r] for r in self._view.ranks]
@@ -493,7 +598,7 @@ class HostMesh(MeshTrait):
         n_local = math.prod(per_host.values()) if per_host else 1
         env = dict(os.environ)
         boot = cloudpickle.dumps(bootstrap) if bootstrap is not None else None
-        cmd = _bootstrap_command(bootstrap_command)
+        cmd = _bootstrap_command(bootstrap_command if bootstrap_command is not None else self._bootstrap_cmd)
         futs = []
         for h_index, h in enumerate(hosts):
             client.connect(h.alloc)
@@ -536,6 +641,8 @@ class HostMesh(MeshTrait):
         pm = ProcMesh(name, procs, View(labels, sizes), self, persist)
         # the actor spawning these procs owns them: their failures go to its __supervise__
         pm._owner = _context.current_instance()
+        if pm._owner is not None:
+            pm._owner._owned.append(pm)  # stopped when its owner is
         client.own(procs, pm)
         for p in procs:
             client.rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)
@@ -550,7 +657,8 @@ class HostMesh(MeshTrait):
         return Future._completed(None)
 
 
-def _bootstrap_command(cmd: Any) -> tuple[list[str], dict[str, str]] | None:
+def _bootstrap_command(cmd: Any) -> tuple[Any, ...] | None:
+    """(argv, environment changes (None removes), whether to start from the inherited environment)."""
     if cmd is None:
         return None
     if isinstance(cmd, (list, tuple)) and cmd and isinstance(cmd[0], str):
@@ -558,7 +666,9 @@ def _bootstrap_command(cmd: Any) -> tuple[list[str], dict[str, str]] | None:
     from ._misc import BootstrapCommand
 
     if isinstance(cmd, BootstrapCommand):
-        return cmd.argv(), dict(cmd.env)
+        if cmd.inherit_env and all(v is not None for v in cmd.env.values()):
+            return cmd.argv(), dict(cmd.env)  # the form allocators before inherit_env read too
+        return cmd.argv(), dict(cmd.env), cmd.inherit_env
     raise TypeError(f"bootstrap_command must be a list of strings or a BootstrapCommand, got {cmd!r}")
 
 
@@ -595,7 +705,7 @@ def this_proc() -> ProcMesh:
     """This process as a 0-dimensional proc mesh: ``this_proc().spawn(...)`` hosts actors here."""
     global _this_proc
     if _this_proc is None:
-        from ._actor import ensure_actor_host
+        from ._host import ensure_actor_host
 
         rt = _context.runtime()
         ensure_actor_host(rt)

@@ -11,7 +11,7 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,20 +155,45 @@ class ProcId:
         return str(self.uid)
 
 
-@dataclass
 class BootstrapCommand:
-    """How a proc is started when it must be exec'd rather than forked from the zygote."""
+    """How a proc is started when it must be exec'd rather than forked from the zygote
+    (Monarch's signature). ``env`` is applied on top of the host's environment when
+    ``inherit_env`` (the default), else on top of an empty one; a ``None`` value removes a
+    variable."""
 
-    exe: str
-    argv0: str | None
-    args: list[str]
-    env: dict[str, str] = field(default_factory=dict)
+    def __init__(
+        self,
+        program: str,
+        arg0: str | None,
+        args: list[str],
+        env: Mapping[str, str | None] | None = None,
+        inherit_env: bool = True,
+    ) -> None:
+        self.exe = program
+        self.argv0 = arg0
+        self.args = list(args)
+        self.env: dict[str, str | None] = dict(env or {})
+        self.inherit_env = inherit_env
 
-    def with_env(self, **env: str) -> BootstrapCommand:
-        return BootstrapCommand(self.exe, self.argv0, list(self.args), {**self.env, **env})
+    @property
+    def program(self) -> str:
+        return self.exe
+
+    def with_env(self, env: Mapping[str, str | None] | None = None, **more: str | None) -> BootstrapCommand:
+        """A copy with ``env`` (and keyword variables) merged on top; ``None`` removes a variable."""
+        return BootstrapCommand(self.exe, self.argv0, self.args, {**self.env, **(env or {}), **more}, self.inherit_env)
 
     def argv(self) -> list[str]:
         return [self.exe, *self.args]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BootstrapCommand) and vars(self) == vars(other)
+
+    def __repr__(self) -> str:
+        return (
+            f"BootstrapCommand(program={self.exe!r}, arg0={self.argv0!r}, args={self.args!r}, env={self.env!r}, "
+            f"inherit_env={self.inherit_env})"
+        )
 
 
 def default_bootstrap_cmd() -> BootstrapCommand:

@@ -215,7 +215,7 @@ _codes: frozenset[Any] | None = None
 def _framework_codes() -> frozenset[Any]:
     global _codes
     if _codes is None:
-        from ._actor import ActorSlot
+        from ._host import ActorSlot
 
         names = ("_call_sync", "_call_async", "_run_sync", "_async_main", "_init")
         _codes = frozenset(getattr(ActorSlot, n).__code__ for n in names)

@@ -94,8 +94,9 @@ class PortReceiver(Generic[R]):
                 return
             self._complete(f, self._ranked, index, status, raw)
 
-        # values arrive on the I/O thread; taking there too keeps their order
-        rt.call_soon(take)
+        # values arrive on the I/O thread; taking there too keeps their order. Only once the
+        # future is first read or awaited, as Monarch's: an unobserved recv() consumes nothing
+        f._start = lambda: rt.call_soon(take)
         return f
 
     def close(self) -> None:

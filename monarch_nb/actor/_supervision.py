@@ -15,18 +15,28 @@ logger = logging.getLogger(__name__)
 
 
 class MeshFailure:
-    """A proc (or its host) of a mesh failed. Passed to ``__supervise__`` and ``unhandled_fault_hook``."""
+    """Ranks of a mesh failed: an actor on its own, or the proc (or host) under it. Passed to
+    ``__supervise__`` and ``unhandled_fault_hook``."""
 
-    def __init__(self, mesh_name: str, mesh: Any, error: Exception) -> None:
+    def __init__(
+        self, mesh_name: str, mesh: Any, error: Exception, crashed_ranks: list[int] | None = None, event: str | None = None
+    ) -> None:
         self.mesh_name = mesh_name
         self.mesh = mesh
         self.error = error
+        rank = getattr(error, "rank", None)
+        self.crashed_ranks = list(crashed_ranks) if crashed_ranks is not None else ([rank] if rank is not None else [])
+        self.event = event if event is not None else f"Supervision event: {getattr(error, 'message', error)}"
+        #: for an actor's failure: the actor calls name as failed, and why (see ActorSlot.fail_unsupervised)
+        self.actor = ""
+        self.reason = ""
 
     def report(self) -> str:
-        return f"mesh {self.mesh_name!r} failed: {getattr(self.error, 'message', self.error)}"
+        return f"mesh {self.mesh_name!r} failed: {self.event}"
 
     def __repr__(self) -> str:
-        return f"MeshFailure(mesh_name={self.mesh_name}, event={getattr(self.error, 'message', self.error)})"
+        # Monarch's words
+        return f"MeshFailure(mesh_name={self.mesh_name}, crashed_ranks={self.crashed_ranks}, event={self.event})"
 
     __str__ = __repr__
 
@@ -79,10 +89,29 @@ def _supervises(slot: Any) -> bool:
 
 
 def report(failure: MeshFailure) -> None:
-    """Give ``failure`` to the owning actor's ``__supervise__``, else to the fault hook."""
+    """Give ``failure`` to the owning actor's ``__supervise__``; when it is not handled there
+    the owner fails and its own owner hears of that. With no owning actor: the client's
+    ``unhandled_fault_hook`` (or, in a proc, the proc exits)."""
     with _report_lock:
         # the owner is the actor that spawned the failed mesh
-        inst = getattr(failure.mesh, "_owner", None) or _context.current_instance()
+        owner = getattr(getattr(failure.mesh, "_owner", None), "_slot", None)
+        if owner is not None:
+            if owner.failed is not None or owner.stopping:
+                # failed already (that failure went up on its own), or stopping: dropped silently
+                return
+            exc: BaseException | None = None
+            if _supervises(owner):
+                try:
+                    # on the actor's own thread or loop, between its messages (awaited if async)
+                    if owner.supervise(failure):
+                        return
+                except BaseException as e:
+                    exc = e
+            if owner.stopping:
+                return  # stop() cancelled the pending __supervise__: silently
+            owner.fail_unsupervised(failure, exc)
+            return
+        inst = _context.current_instance()
         slot = getattr(inst, "_slot", None) if inst is not None else None
         if not _supervises(slot):
             slot = None
@@ -93,7 +122,6 @@ def report(failure: MeshFailure) -> None:
                     break
         if slot is not None:
             try:
-                # on the actor's own thread or loop, between its messages (awaited if async)
                 if slot.supervise(failure):
                     return
             except Exception:

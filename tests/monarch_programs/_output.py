@@ -15,7 +15,9 @@ import re
 import sys
 
 _TAG = re.compile(r"^\[\d+\] ")
-_ACTOR = re.compile(r"actor says .*?(?=actor says |$)")
+# a rank's tag goes with its text: rank output written straight to the fd may land inside a
+# client line whose buffered text was flushed in two pieces
+_ACTOR = re.compile(r"(?:\[\d+\] )?actor says .*?(?=(?:\[\d+\] )?actor says |$)")
 
 
 def normalize(text: str) -> tuple[list[str], list[str]]:
@@ -24,7 +26,7 @@ def normalize(text: str) -> tuple[list[str], list[str]]:
     actors: list[str] = []
     for line in text.splitlines():
         line = _TAG.sub("", line)
-        actors.extend(m.group(0).rstrip() for m in _ACTOR.finditer(line))
+        actors.extend(_TAG.sub("", m.group(0)).rstrip() for m in _ACTOR.finditer(line))
         rest = _ACTOR.sub("", line)
         if rest.strip():
             client.append(rest)

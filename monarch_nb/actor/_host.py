@@ -1,0 +1,871 @@
+"""How a process hosts actors: each one's mailbox and thread, and the ``__sys__`` system actor.
+
+A sync actor (every endpoint a ``def``) gets its own thread and no event loop; an actor
+with ``async def`` endpoints gets its own thread running its own loop. Either way messages
+reach it through a mailbox fed by the runtime's I/O thread and run one at a time, in
+arrival order (``concurrent_endpoint`` methods may overlap at their awaits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import logging
+import queue
+import sys
+import textwrap
+import threading
+import time
+from typing import Any
+
+from .._runtime import _dataplane
+from .._runtime.logcapture import set_call
+from .._runtime.runtime import NO_REPLY, Runtime, system_method
+from .._wire import frames as wire
+from .._wire.serialize import loads
+from ..errors import ActorError, SupervisionError, _safe_exc, format_exception, safe_str
+from . import _context
+from ._actor import Instance, endpoints_of, is_async_actor
+from ._endpoint import _NotAnEndpointMethod
+from ._shape import Extent, Point
+
+logger = logging.getLogger(__name__)
+
+
+class ActorSlot:
+    """One actor in this process: its object, mailbox and thread (and loop, if async)."""
+
+    def __init__(self, rt: Runtime, name: str, cls: type, info: Instance) -> None:
+        """``name`` keys the actor in this proc; ``info`` is what it knows about itself."""
+        self.rt = rt
+        self.name = name
+        self.cls = cls
+        self.is_async = is_async_actor(cls)
+        self.instance_info = info
+        info._slot = self
+        self.endpoints = endpoints_of(cls)
+        self.obj: Any = None
+        self.init_error: ActorError | None = None
+        #: the constructor's arguments, kept for `%mesh sync --recreate`
+        self.init_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self.markers = _context.proc_spec is not None
+        self.busy = ""
+        #: calls served and seconds spent in them (telemetry)
+        self.calls = 0
+        self.busy_s = 0.0
+        #: the call being run and who waits for it (a breakpoint's debug session names them)
+        self.call_id = ""
+        self.caller = ""
+        self._stopped = False
+        self._points: dict[Any, Point] = {}
+        #: control items (supervision) that go ahead of queued messages
+        self._ctl: collections.deque[Any] = collections.deque()
+        #: why this actor failed (Monarch's "actor explicitly aborted due to: ..."), once it has
+        self.failed: str | None = None
+        #: a reason given to ``Instance.abort``, acted on once the message in hand is done
+        self.abort_reason: str | None = None
+        #: where the owner of this actor's mesh hears of its failure: (address, port)
+        self.supervisor: tuple[str, int] | None = None
+        #: a failure to act on before the next message (an unhandled one of a mesh it owns)
+        self.pending_failure: _ActorFailed | None = None
+        #: the actor that calls to this failed one name (itself, or the child whose failure it did not handle)
+        self.failed_actor = ""
+        #: stop() was called: what is queued is refused, the call in hand gets no result
+        self.stopping = False
+        #: (async) the loop's main task, and whether it is inside a (non-concurrent) handler
+        self._main: asyncio.Task[Any] | None = None
+        self._handling = False
+        if self.is_async:
+            self.loop = asyncio.new_event_loop()
+            self._aq: asyncio.Queue[Any] | None = None
+            ready = threading.Event()
+            self.thread = threading.Thread(target=self._run_async, args=(ready,), name="monarch-actor-event-loop", daemon=True)
+            self.thread.start()
+            ready.wait()
+        else:
+            self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            # the thread names are Monarch's
+            self.thread = threading.Thread(target=self._run_sync, name="monarch-actor-driver", daemon=True)
+            self.thread.start()
+
+    # -- mailbox (called on the I/O thread)
+    def deliver(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
+        self._put(("call", meta, body, buffers))
+
+    def _put(self, item: Any) -> None:
+        if self.is_async:
+            assert self._aq is not None
+            self.loop.call_soon_threadsafe(self._aq.put_nowait, item)
+        else:
+            self._q.put(item)
+
+    def stop(self, done: Any = None, owned: bool = True, graceful: bool = False) -> None:
+        """Stop this actor as Monarch does: the message in hand finishes (an async actor's is
+        cancelled, with its concurrent tasks) but its caller gets no result, queued ones are
+        refused, the meshes it spawned stop (``owned``), ``__cleanup__`` runs, then ``done()``
+        is called (on its thread). ``graceful`` (an actor stopping itself): what was delivered
+        before is still handled and answered."""
+        self._stop_done = done
+        self._stop_owned = owned
+        if not graceful:
+            self.stopping = True
+            if self.is_async:
+                self.loop.call_soon_threadsafe(self._cancel_for_stop)
+        self._put(("stop",))
+
+    def _cancel_for_stop(self) -> None:
+        # on the actor's loop
+        for t in list(self._tasks):
+            t.cancel()
+        if self._handling and self._main is not None:
+            self._main.cancel()
+
+    def _finish_stop(self) -> None:
+        """The meshes this actor spawned stop before it (their ``__cleanup__`` first)."""
+        if not getattr(self, "_stop_owned", False):
+            return
+        for mesh in reversed(self.instance_info._owned):
+            try:
+                mesh.stop().get(timeout=self.rt.cfg.spawn_timeout)
+            except Exception as e:
+                logger.warning("stopping %r, spawned by %s: %s", mesh, self.name, e)
+
+    def _signal_stopped(self) -> None:
+        done = getattr(self, "_stop_done", None)
+        if done is not None:
+            try:
+                done()
+            except Exception:
+                logger.exception("stop callback of %s raised", self.name)
+
+    def retire(self) -> None:
+        """Unlist this actor from its proc, then stop it (on the I/O thread)."""
+        if self.rt.actors.get(self.name) is self:
+            del self.rt.actors[self.name]
+        self.stop(graceful=True)
+
+    def supervise(self, failure: Any) -> Any:
+        """Run ``__supervise__(failure)`` as Monarch does: on the actor's own thread between
+        messages (a sync actor) or as a task on its loop (an async one, whose override may be
+        ``async def``); never alongside its endpoints on another thread. Returns its result."""
+        done = threading.Event()
+        box: list[Any] = [None, None]
+        # a control item: it runs before the messages already queued (Monarch's SA-3), so
+        # supervision is never starved by a backlog of the actor's own endpoint messages
+        self._ctl.append(("supervise", failure, box, done))
+        self._put(("ctl",))
+        while not done.wait(1.0):
+            if not self.thread.is_alive():
+                return None  # stopped before it got to it: not handled
+        if box[1] is not None:
+            raise box[1]
+        return box[0]
+
+    def _supervise_sync(self, failure: Any, box: list[Any], done: threading.Event) -> None:
+        try:
+            box[0] = self.obj.__supervise__(failure)
+        except BaseException as e:
+            box[1] = e
+        finally:
+            done.set()
+
+    async def _supervise_async(self, failure: Any, box: list[Any], done: threading.Event) -> None:
+        try:
+            r = self.obj.__supervise__(failure)
+            box[0] = await r if inspect.isawaitable(r) else r
+        except BaseException as e:
+            box[1] = e
+        finally:
+            done.set()
+
+    # -- threads
+    def _run_sync(self) -> None:
+        _context._instance.set(self.instance_info)
+        while True:
+            item = self._q.get()
+            while self._ctl:
+                ctl = self._ctl.popleft()
+                if self.stopping or self.failed is not None:
+                    self._refuse(ctl)
+                else:
+                    self._supervise_sync(*ctl[1:])
+            if item[0] == "ctl":
+                continue
+            if item[0] == "stop":
+                self._finish_stop()
+                if self.failed is None:
+                    self._cleanup_sync()
+                self._signal_stopped()
+                return
+            if self.stopping:
+                self._refuse(item)
+                continue
+            pf = self.pending_failure
+            if pf is not None and self.failed is None:
+                self._fail(pf)
+                self._cleanup_sync(pf.cleanup_exc)
+            if self.failed is not None:
+                self._refuse(item)
+                continue
+            try:
+                if item[0] == "init":
+                    self._init(*item[1:])
+                elif item[0] == "call":
+                    self._call_sync(*item[1:])
+                if self.abort_reason is not None:
+                    raise _Aborted(self.abort_reason)
+            except _ActorFailed as f:
+                self._fail(f)
+                self._cleanup_sync(f.cleanup_exc)
+
+    def _run_async(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        _context._instance.set(self.instance_info)
+        self._aq = asyncio.Queue()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        ready.set()
+        self.loop.run_until_complete(self._async_main())
+
+    async def _async_main(self) -> None:
+        assert self._aq is not None
+        self._main = asyncio.current_task()
+        while True:
+            item = await self._aq.get()
+            while self._ctl:
+                ctl = self._ctl.popleft()
+                if self.stopping or self.failed is not None:
+                    self._refuse(ctl)
+                else:
+                    # a task, as in Monarch: it may await while the actor goes on with messages
+                    t = asyncio.ensure_future(self._supervise_async(*ctl[1:]))
+                    self._tasks.add(t)
+                    t.add_done_callback(self._tasks.discard)
+            if item[0] == "ctl":
+                continue
+            if item[0] == "stop":
+                # concurrent tasks were cancelled (_cancel_for_stop): they end before __cleanup__
+                if self._tasks:
+                    await asyncio.gather(*self._tasks, return_exceptions=True)
+                self._finish_stop()
+                if self.failed is None:
+                    await self._cleanup_async()
+                self._signal_stopped()
+                return
+            if self.stopping:
+                self._refuse(item)
+                continue
+            pf = self.pending_failure
+            if pf is not None and self.failed is None:
+                await self._fail_async(pf)
+            if self.failed is not None:
+                self._refuse(item)
+                continue
+            if item[0] == "abort":
+                await self._fail_async(_Aborted(self.abort_reason or ""))
+                continue
+            if item[0] == "init":
+                try:
+                    self._init(*item[1:])
+                except _ActorFailed as f:
+                    self._fail(f)  # no __cleanup__ after a failed __init__, as in Monarch
+                continue
+            meta = item[1]
+            ep = self.endpoints.get(meta[1])
+            if ep is not None and ep.concurrent:
+                t = asyncio.ensure_future(self._call_async(*item[1:]))
+                self._tasks.add(t)
+                t.add_done_callback(self._tasks.discard)
+            else:
+                self._handling = True
+                try:
+                    await self._call_async(*item[1:])
+                except asyncio.CancelledError:
+                    if not self.stopping:
+                        raise
+                    self._main.uncancel()  # type: ignore[union-attr]
+                finally:
+                    self._handling = False
+
+    # -- failure
+    def _fail(self, f: _ActorFailed) -> None:
+        """This actor failed (on its own thread): its caller, then every queued message's,
+        gets SupervisionError, and the owner of its mesh hears of it. Later messages are
+        refused the same way (``_refuse``); the caller runs ``__cleanup__``."""
+        info = self.instance_info
+        self.failed = f.reason
+        self.failed_actor = f.actor or repr(info)
+        f.cleanup_exc = Exception(f"serving {info.actor_id.replace(' ', '')}: {f.reason}")
+        if f.caller is not None:
+            raddr, rport, index, method = f.caller
+            self.rt.send_port(raddr, rport, index, wire.ERROR, self.supervision_error(method))
+        for item in self._drain():
+            self._refuse(item)
+        while self._ctl:
+            self._refuse(self._ctl.popleft())
+        if self.supervisor is not None:
+            event = {
+                "rank": info.rank.rank,
+                "actor": self.failed_actor,
+                "reason": f.reason,
+                "event": f.event or f"Supervision event: actor {info!r} failed:\n" + textwrap.indent(f.reason, "  "),
+            }
+            try:
+                self.rt.send_port(self.supervisor[0], self.supervisor[1], info.rank.rank, wire.OK, event)
+            except Exception:
+                logger.warning("could not tell the owner of %s that it failed", self.name, exc_info=True)
+
+    def fail_unsupervised(self, failure: Any, exc: BaseException | None) -> None:
+        """A failure of a mesh this actor owns that its ``__supervise__`` did not handle (returned
+        falsy, or raised ``exc``): as in Monarch this actor fails, ahead of its queued messages,
+        and its own owner hears of it, in Monarch's words."""
+        me = repr(self.instance_info)
+        child = getattr(failure, "actor", "") or failure.mesh_name
+        reason = getattr(failure, "reason", "") or failure.event
+        if exc is None:
+            f = _ActorFailed(
+                None,
+                None,
+                reason,
+                actor=child,
+                event=f"Supervision event: actor {me} failed because it did not handle a supervision event from its child. "
+                "The child's event was:\n" + textwrap.indent(failure.event, "  "),
+            )
+        else:
+            head = f"{type(exc).__name__}: {exc}"
+            f = _ActorFailed(
+                None,
+                None,
+                head
+                + "\nThis error occurred while handling another failure:\n"
+                + textwrap.indent(
+                    f"The actor {child} and all its descendants have failed:\n" + textwrap.indent(reason, "  "), "  "
+                ),
+                event=f"Supervision event: actor {me} failed:\n"
+                + textwrap.indent(head, "  ")
+                + "\nThis error occurred while handling a supervision event from its child. The event was:\n"
+                + textwrap.indent(failure.event, "  "),
+            )
+        self.pending_failure = f
+        self._put(("abort",))  # wakes an idle actor; a busy one acts on it before its next message
+
+    def _drain(self) -> list[Any]:
+        """Take what is queued (a stop stays queued: it still ends the actor)."""
+        items: list[Any] = []
+        try:
+            while True:
+                items.append(self._aq.get_nowait() if self.is_async else self._q.get_nowait())  # type: ignore[union-attr]
+        except (queue.Empty, asyncio.QueueEmpty):
+            pass
+        for item in items:
+            if item[0] == "stop":
+                self._put(item)
+        return [i for i in items if i[0] != "stop"]
+
+    def supervision_error(self, method: str) -> SupervisionError:
+        """What a call to this failed (or stopped) actor gets, in Monarch's words."""
+        info = self.instance_info
+        if self.failed is None:
+            return SupervisionError(
+                "stopped",
+                actor=info.name,
+                rank=info.rank.rank,
+                host=self.rt.hostname,
+                message=f"Endpoint call {info.name}.{method}() failed, the actor {info!r} was stopped",
+            )
+        reason = self.failed
+        return SupervisionError(
+            reason,
+            actor=info.name,
+            rank=info.rank.rank,
+            host=self.rt.hostname,
+            message=(
+                f"Endpoint call {info.name}.{method}() failed, The actor {self.failed_actor} and all its descendants have failed:\n"
+                + textwrap.indent(reason, "  ")
+            ),
+        )
+
+    def _refuse(self, item: Any) -> None:
+        if item[0] == "call":
+            meta = item[1]
+            if meta[2]:
+                self.rt.send_port(meta[2], meta[3], meta[4], wire.ERROR, self.supervision_error(meta[1]))
+        elif item[0] == "supervise":
+            item[3].set()  # not handled: the failure goes on up
+
+    # -- work
+    def _error(self, e: BaseException, what: str) -> ActorError:
+        return ActorError(
+            _safe_exc(e),
+            format_exception(e),
+            actor=self.name,
+            rank=self.instance_info.rank.rank,
+            host=self.rt.hostname,
+            message=f"{what} failed: {type(e).__name__}: {safe_str(e)}",
+        )
+
+    def _call_error(self, e: BaseException, method: str) -> ActorError:
+        # Monarch's words, with the name the program gave the mesh
+        return ActorError(
+            _safe_exc(e),
+            format_exception(e),
+            actor=self.name,
+            rank=self.instance_info.rank.rank,
+            host=self.rt.hostname,
+            message=f"Actor call {self.instance_info.name}.{method} failed.",
+        )
+
+    def _init(self, args: tuple[Any, ...], kwargs: dict[str, Any], reply: tuple[str, int, int], answer: bool = True) -> None:
+        """Construct the actor. ``answer``: reply with the outcome (get_or_spawn_controller waits
+        for it); otherwise (``spawn``, which returned at once, as Monarch's) a failing
+        ``__init__`` fails the actor, and its owner hears of it through supervision."""
+        tok = _context._message_rank.set(self.instance_info.rank)
+        # a breakpoint in __init__ belongs to the creator's spawn call (its call ids start with its uid)
+        self.busy, self.call_id, self.caller = "__init__", f"{self.instance_info._creator_uid}.spawn", reply[0]
+        failure: _ActorFailed | None = None
+        try:
+            obj = self.cls.__new__(self.cls)
+            obj.__init__(*args, **kwargs)
+            self.obj = obj
+            self.init_args = (args, kwargs)
+            status, value = wire.OK, None
+        except BaseException as e:
+            self.init_error = self._error(e, f"{self.cls.__qualname__}.__init__ on rank {self.instance_info.rank.rank}")
+            status, value = wire.ERROR, self.init_error
+            failure = _ActorFailed(e, None)
+        finally:
+            _context._message_rank.reset(tok)
+            self.busy = ""
+        if answer:
+            self.rt.send_port(reply[0], reply[1], reply[2], status, value)
+        elif failure is not None:
+            raise failure
+
+    def _prepare(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> tuple[Any, ...] | None:
+        _, method, raddr, rport, index, ext, call_id = meta[:7]
+        if self.init_error is not None:
+            self._reply(raddr, rport, index, wire.ERROR, self.init_error)
+            return None
+        try:
+            args, kwargs = loads(body, buffers)
+        except BaseException as e:
+            self._reply(raddr, rport, index, wire.ERROR, self._error(e, f"unpickling the arguments of {self.name}.{method}"))
+            return None
+        ep = self.endpoints.get(method)
+        if ep is not None:
+            fn = ep.fn
+            if ep.explicit_response_port:
+                from ._port import Port
+
+                args = (Port(raddr, rport, index), *args)
+                raddr = ""
+        else:
+            fn = getattr(self.cls, method, None)
+            if not callable(fn) or method.startswith("__"):
+                self._reply(
+                    raddr,
+                    rport,
+                    index,
+                    wire.ERROR,
+                    self._call_error(AttributeError(f"{self.cls.__qualname__} has no endpoint {method!r}"), method),
+                )
+                return None
+            if isinstance(fn, _NotAnEndpointMethod):
+                fn = fn.fn
+        return (
+            fn,
+            args,
+            kwargs,
+            raddr,
+            rport,
+            index,
+            self._point(index, ext),
+            call_id,
+            method,
+        )
+
+    def _point(self, index: int, ext: Any) -> Point:
+        # the message rank of a call; the same few recur, and building one costs microseconds
+        key = (index, ext)
+        p = self._points.get(key)
+        if p is None:
+            if len(self._points) > 1024:
+                self._points.clear()
+            p = self._points[key] = Point(index, Extent(*ext)) if ext[0] or ext[1] else Point(0, Extent([], []))
+        return p
+
+    def _reply(self, raddr: str, rport: int, index: int, status: int, value: Any) -> None:
+        if raddr:
+            self.rt.send_port(raddr, rport, index, status, value)
+        elif status == wire.ERROR:
+            # nobody is waiting: leave the failure in this proc's log where %mesh logs finds it
+            print(f"monarch_nb: unobserved error in {self.name}: {value}", file=sys.stderr, flush=True)
+
+    def _mark(self, call_id: str) -> None:
+        if self.markers:
+            if not call_id:
+                # what the call printed leaves the proc before its reply does
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                except (OSError, ValueError):
+                    pass
+            set_call(call_id)
+
+    def _call_sync(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
+        prep = self._prepare(meta, body, buffers)
+        if prep is None:
+            return
+        fn, args, kwargs, raddr, rport, index, mrank, call_id, method = prep
+        tok = _context._message_rank.set(mrank)
+        self.busy, self.call_id, self.caller = method, call_id, raddr
+        self._mark(call_id)
+        t0 = time.perf_counter()
+        try:
+            if inspect.iscoroutinefunction(fn):
+                # only as_endpoint reaches one: a sync actor's own endpoints are all `def`
+                raise TypeError(
+                    f"{self.instance_info.name}.{method} is an async def method, but its actor's endpoints are all def, "
+                    "so it has no event loop to run on"
+                )
+            result = fn(self.obj, *args, **kwargs)
+            status = wire.OK
+        except Exception as e:
+            if not raddr:
+                # nobody receives it (a broadcast, an explicit port): as in Monarch, the actor fails
+                raise _ActorFailed(e, _caller(meta)) from None
+            result, status = self._call_error(e, method), wire.ERROR
+        except BaseException as e:
+            # SystemExit, KeyboardInterrupt, ...: the actor fails, its process lives on
+            raise _ActorFailed(e, _caller(meta)) from None
+        finally:
+            self.busy_s += time.perf_counter() - t0
+            self.calls += 1
+            self._mark("")
+            self.busy = ""
+            _context._message_rank.reset(tok)
+        if self.stopping:
+            # stopped while it ran: its caller gets no result, as in Monarch
+            self._refuse(("call", meta))
+            return
+        self._reply(raddr, rport, index, status, result)
+
+    async def _call_async(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
+        prep = self._prepare(meta, body, buffers)
+        if prep is None:
+            return
+        fn, args, kwargs, raddr, rport, index, mrank, call_id, method = prep
+        tok = _context._message_rank.set(mrank)
+        self.busy, self.call_id, self.caller = method, call_id, raddr
+        self._mark(call_id)
+        t0 = time.perf_counter()
+        failure: _ActorFailed | None = None
+        try:
+            result = fn(self.obj, *args, **kwargs)
+            if inspect.isawaitable(result):
+                result = await result
+            status = wire.OK
+        except Exception as e:
+            if not raddr:
+                failure = _ActorFailed(e, _caller(meta))
+            result, status = self._call_error(e, method), wire.ERROR
+        except asyncio.CancelledError:
+            if not self.stopping:
+                raise
+            # stop() cancelled it: its caller gets no result, as in Monarch
+            self._refuse(("call", meta))
+            raise
+        except BaseException as e:
+            failure = _ActorFailed(e, _caller(meta))
+            result, status = None, wire.ERROR
+        finally:
+            self.busy_s += time.perf_counter() - t0
+            self.calls += 1
+            self._mark("")
+            self.busy = ""
+            _context._message_rank.reset(tok)
+        if failure is None and self.abort_reason is not None:
+            self._reply(raddr, rport, index, status, result)
+            failure = _Aborted(self.abort_reason)
+        if failure is not None:
+            await self._fail_async(failure)
+            return
+        if self.stopping:
+            self._refuse(("call", meta))
+            return
+        self._reply(raddr, rport, index, status, result)
+
+    async def _fail_async(self, f: _ActorFailed) -> None:
+        if self.failed is not None:
+            return
+        self._fail(f)
+        # in Monarch a SystemExit or KeyboardInterrupt ends an async actor's loop before its
+        # __cleanup__ can run
+        if not isinstance(f.error, (SystemExit, KeyboardInterrupt)):
+            await self._cleanup_async(f.cleanup_exc)
+
+    def _cleanup_sync(self, exc: Exception | None = None) -> None:
+        fn = getattr(self.obj, "__cleanup__", None)
+        if fn is not None:
+            try:
+                fn(exc)
+            except Exception:
+                logger.exception("__cleanup__ of %s raised", self.name)
+
+    async def _cleanup_async(self, exc: Exception | None = None) -> None:
+        fn = getattr(self.obj, "__cleanup__", None)
+        if fn is not None:
+            try:
+                r = fn(exc)
+                if inspect.isawaitable(r):
+                    await r
+            except Exception:
+                logger.exception("__cleanup__ of %s raised", self.name)
+
+
+class _ActorFailed(Exception):
+    """An actor's failure, raised out of the message that caused it to its loop."""
+
+    def __init__(
+        self,
+        error: BaseException | None,
+        caller: tuple[str, int, int, str] | None,
+        reason: str = "",
+        *,
+        actor: str = "",
+        event: str = "",
+    ) -> None:
+        super().__init__(reason)
+        self.error = error
+        #: the actor later calls name as failed (default: this one) and the supervision event's text
+        self.actor = actor
+        self.event = event
+        #: who waits for the message that failed: (address, port, index, method)
+        self.caller = caller
+        self.reason = reason or "actor explicitly aborted due to: " + format_exception(error)  # type: ignore[arg-type]
+        self.cleanup_exc: Exception | None = None
+
+
+class _Aborted(_ActorFailed):
+    def __init__(self, reason: str) -> None:
+        super().__init__(None, None, f"actor explicitly aborted due to: {reason}")
+
+
+def _caller(meta: tuple[Any, ...]) -> tuple[str, int, int, str] | None:
+    return (meta[2], meta[3], meta[4], meta[1]) if meta[2] else None
+
+
+class ActorHost:
+    """The ``__sys__`` system actor every process runs: spawns and stops actors, answers pings."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.shutdown_requested = threading.Event()
+        # work that must run on the proc's main thread (``%%mesh exec`` cells), so that an
+        # interrupt is a real SIGINT: it breaks blocking calls such as time.sleep, as in a kernel
+        self._main_jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._main_busy = False
+        #: get_or_spawn_controller's singletons (in the root controller): name -> waiters, result
+        self._controllers: dict[str, dict[str, Any]] = {}
+
+    def run_on_main(self, fn: Any) -> Any:
+        """Run ``fn()`` on this proc's main thread and return its result (raises what it raises)."""
+        done = threading.Event()
+        box: list[Any] = [None, None]
+        self._main_jobs.put((fn, box, done))
+        done.wait()
+        if box[1] is not None:
+            raise box[1]
+        return box[0]
+
+    def main_loop(self) -> None:
+        """The proc's main thread: run main-thread jobs until shutdown."""
+        import signal
+
+        def on_sigint(signum: int, frame: Any) -> None:
+            # only interrupt user code; a stray SIGINT must not kill an idle proc
+            if self._main_busy:
+                raise KeyboardInterrupt
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, on_sigint)
+        while True:
+            try:
+                job = self._main_jobs.get()
+            except KeyboardInterrupt:  # a late interrupt after the job it was meant for
+                continue
+            if job is None:
+                return
+            fn, box, done = job
+            try:
+                self._main_busy = True
+                try:
+                    box[0] = fn()
+                finally:
+                    self._main_busy = False
+            except BaseException as e:
+                box[1] = e
+            done.set()
+
+    def sys_interrupt(self) -> bool:
+        """Interrupt code running on the main thread (a kernel interrupt reaching ``%%mesh exec``)."""
+        import signal
+
+        if not self._main_busy:
+            return False
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+        return True
+
+    @system_method(wants_reply=True)
+    def sys_spawn_actor(
+        self,
+        name: str,
+        cls: type,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        extent: tuple[list[str], list[int]],
+        proc_mesh: Any,
+        creator: str,
+        *,
+        parent: _context.CreatorInstance | None = None,
+        controllers: Any = None,
+        label: str | None = None,
+        supervisor_port: int | None = None,
+        _reply: tuple[str, int, int],
+    ) -> Any:
+        rank = _reply[2]  # one message serves every proc; each one's index in the mesh is its rank
+        if name in self.rt.actors:
+            raise ValueError(f"an actor named {name!r} already exists in this proc; pick another name")
+        info = Instance(name, cls, Point(rank, Extent(*extent)), proc_mesh, creator, parent, controllers)
+        if label is not None:
+            # the name the program gave (``name`` may carry a suffix: ProcMesh._unique_actor_name)
+            info.name = label
+        slot = ActorSlot(self.rt, name, cls, info)
+        if supervisor_port is not None:
+            # the spawner hears of this actor's failure on a port of its own, at the address it
+            # gave for the spawn's reply
+            slot.supervisor = (_reply[0], supervisor_port)
+        self.rt.actors[name] = slot
+        # constructed in the background: spawn returns at once, as Monarch's
+        slot._put(("init", args, kwargs, _reply, False))
+        return None
+
+    @system_method(wants_reply=True)
+    def sys_get_or_spawn_controller(
+        self, name: str, cls: type, args: tuple[Any, ...], kwargs: dict[str, Any], creator: str, *, _reply: tuple[str, int, int]
+    ) -> Any:
+        """The job's singleton actor ``name`` in this (the root controller's) process: spawned by
+        the first request, every request answered once it is constructed (or failed to be).
+
+        Runs on the I/O thread and never blocks it: the constructor runs on the new actor's
+        thread and its reply comes back to a port here, which answers everyone waiting.
+        """
+        entry = self._controllers.get(name)
+        if entry is None:
+            if name in self.rt.actors:
+                raise ValueError(f"an actor named {name!r} already exists in this proc; pick another controller name")
+            entry = self._controllers[name] = {"waiters": [_reply], "result": None}
+            pid = 0
+
+            def constructed(index: int, status: int, body: Any, bufs: list[Any]) -> None:
+                self.rt.close_port(pid)
+                entry["result"] = (status, loads(body, bufs))
+                for w in entry["waiters"]:
+                    self.rt.send_port(w[0], w[1], w[2], *entry["result"])
+                entry["waiters"] = []
+
+            pid = self.rt.open_port(constructed)
+            from ._mesh import this_proc
+
+            me = _context.controllers_proc()
+            info = Instance(name, cls, Point(0, Extent([], [])), this_proc(), creator, _context.ROOT, me)
+            slot = ActorSlot(self.rt, name, cls, info)
+            self.rt.actors[name] = slot
+            slot._put(("init", args, kwargs, (self.rt.ipc_addr, pid, 0)))
+        elif entry["result"] is None:
+            entry["waiters"].append(_reply)
+        else:
+            self.rt.send_port(_reply[0], _reply[1], _reply[2], *entry["result"])
+        return NO_REPLY
+
+    @system_method(wants_reply=True)
+    def sys_stop_actor(self, name: str, *, _reply: tuple[str, int, int]) -> Any:
+        """Stop actor ``name``; answered once its ``__cleanup__`` has finished."""
+        slot = self.rt.actors.pop(name, None)
+        if slot is None:
+            return False
+
+        def done() -> None:
+            if _reply[0]:
+                self.rt.send_port(_reply[0], _reply[1], _reply[2], wire.OK, True)
+
+        slot.stop(done)  # type: ignore[attr-defined]
+        return NO_REPLY
+
+    def sys_ping(self) -> str:
+        return "pong"
+
+    def sys_set_log_level(self, level: int) -> None:
+        """``ProcMesh.logging_option(level=)``: this process's root logger level."""
+        import logging
+
+        root = logging.getLogger()
+        if not root.handlers:
+            # without a handler only warnings and worse would show (logging's last resort)
+            logging.basicConfig(format="%(levelname)s:%(name)s:%(message)s")
+        root.setLevel(level)
+
+    @system_method(wants_reply=True)
+    def sys_reload(self, root: str, changed: list[str], mode: str = "inplace", *, _reply: tuple[str, int, int]) -> Any:
+        """Reload synced modules that changed (on a thread of its own: imports may be slow)."""
+
+        def run() -> None:
+            from ._reload import reload_changed
+
+            try:
+                value, status = reload_changed(self.rt, root, changed, mode), wire.OK
+            except BaseException as e:
+                value, status = ActorError(_safe_exc(e), format_exception(e), message=f"reload failed: {safe_str(e)}"), wire.ERROR
+            self.rt.send_port(_reply[0], _reply[1], _reply[2], status, value)
+
+        threading.Thread(target=run, name="monarch_nb-reload", daemon=True).start()
+        return NO_REPLY
+
+    def sys_state(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            n: {
+                "busy": getattr(s, "busy", ""),
+                "async": getattr(s, "is_async", False),
+                "calls": getattr(s, "calls", 0),
+                "busy_s": getattr(s, "busy_s", 0.0),
+            }
+            for n, s in self.rt.actors.items()
+        }
+        moved = _dataplane.counters()
+        if moved is not None:  # bytes moved through RDMABuffers, for the dashboard
+            out["__dataplane__"] = moved
+        return out
+
+    def sys_shutdown(self) -> Any:
+        self.shutdown_requested.set()
+        self._main_jobs.put(None)
+        return NO_REPLY
+
+    def cleanup_all(self, timeout: float = 5.0) -> None:
+        slots = list(self.rt.actors.values())
+        for s in slots:
+            # the proc is going: what its actors spawned goes with its own procs
+            s.stop(owned=False)  # type: ignore[attr-defined]
+        for s in slots:
+            s.thread.join(timeout)  # type: ignore[attr-defined]
+        # the actors go before the interpreter does, so their __del__ runs as in Monarch
+        for s in slots:
+            s.obj = None  # type: ignore[attr-defined]
+        self.rt.actors.clear()
+
+
+def ensure_actor_host(rt: Runtime) -> ActorHost:
+    host = rt.system.get("__sys__")
+    if host is None:
+        host = rt.system["__sys__"] = ActorHost(rt)
+    return host  # type: ignore[no-any-return]
