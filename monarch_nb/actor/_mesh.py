@@ -290,6 +290,13 @@ class ProcMesh(MeshTrait):
         taken.add(key)
         return key
 
+    def activate(self) -> Any:
+        """``with procs.activate():`` torch factories make tensors on this mesh (Monarch's tensor
+        engine; here ``monarch_nb.tensor``, which must have been imported)."""
+        if _activate_hook is None:
+            raise RuntimeError("ProcMesh.activate() is monarch_nb.tensor's: `import monarch_nb.tensor` first")
+        return _activate_hook(self)
+
     def stop(self, reason: str = "stopped by client", *, force: bool = False) -> Future[None]:
         """Stop every proc of this mesh (the whole mesh, also when called on a slice)."""
         client = _context.client()
@@ -367,6 +374,15 @@ class ProcMesh(MeshTrait):
         pm = ProcMesh(name, procs, View(*extent), hosts, persist)
         client.own(procs, pm)
         return pm
+
+
+#: set by monarch_nb.tensor (a feature above this layer) when imported
+_activate_hook: Callable[[ProcMesh], Any] | None = None
+
+
+def set_activate_hook(fn: Callable[[ProcMesh], Any]) -> None:
+    global _activate_hook
+    _activate_hook = fn
 
 
 class HostMesh(MeshTrait):
