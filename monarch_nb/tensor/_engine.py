@@ -461,6 +461,9 @@ def make(engine: Engine, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     pl = tuple(placements) if placements is not None else None
     if pl is not None and len(pl) != len(engine.sizes):
         raise ValueError(f"{len(pl)} placements for a mesh of {len(engine.sizes)} dimensions {list(engine.labels)}")
+    if fn in _FLOAT_FACTORIES and "dtype" not in kwargs:
+        # the ranks' default dtype is not the controller's
+        kwargs["dtype"] = torch.get_default_dtype()
     seed = int(torch.randint(0, 2**62, ()).item()) if random else None
     fac = Factory(fn, pl, seed)
     try:
@@ -471,6 +474,8 @@ def make(engine: Engine, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     engine.send([(fac, args, kwargs, [h._id], torch.is_grad_enabled())])
     return h
 
+
+_FLOAT_FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.rand, torch.randn, torch.eye, torch.linspace}
 
 # --- activate() ------------------------------------------------------------------------------
 
