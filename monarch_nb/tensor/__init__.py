@@ -63,6 +63,7 @@ __all__ = [
     "randn",
     "reduce",
     "remote",
+    "setup",
     "stats",
     "zeros",
 ]
@@ -74,6 +75,14 @@ def activate(procs: ProcMesh) -> ActivateMode:
 
 
 set_activate_hook(activate)
+
+
+def setup(procs: ProcMesh) -> str:
+    """Start the mesh's tensor engine now (the hidden actor, the process group named as the
+    mesh's dimensions); otherwise the first op does. Returns the backend, gloo or nccl."""
+    e = engine_for(procs)
+    e.start()
+    return e.backend
 
 
 def _placements(procs: ProcMesh, placements: Sequence[Placement] | None) -> tuple[Placement, ...]:
