@@ -448,7 +448,8 @@ and placements are known in the notebook at once; values come back only when ask
 are just the names of the mesh's dimensions. Everything runs in float64 so that the mesh's
 training can be compared with the notebook's own, number for number.
 """),
-    code("""
+    code(
+        """
 import torch
 import torch.nn.functional as F
 
@@ -459,7 +460,9 @@ from monarch_nb.tensor import Replicate, Shard
 torch.set_default_dtype(torch.float64)
 procs = this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2}, name="tensors")
 mt.setup(procs)  # the process group and device mesh (else the first op sets them up)
-""", "nbval-ignore-output"),
+""",
+        "nbval-ignore-output",
+    ),
     md("""
 ## Shard a weight matrix
 
@@ -467,11 +470,14 @@ mt.setup(procs)  # the process group and device mesh (else the first op sets the
 dimension: here the columns are split over `gpus` and replicated over `hosts`. The display shows
 each rank's local shape and its first values.
 """),
-    code("""
+    code(
+        """
 W = torch.arange(24.0).reshape(4, 6)
 w = mt.distribute(W, procs, [Replicate(), Shard(1)])
 w
-""", "nbval-ignore-output"),
+""",
+        "nbval-ignore-output",
+    ),
     md("An op on handles returns a handle at once; `mt.inspect` brings the global value back."),
     code("""
 y = torch.relu(w.T @ w - 100)
@@ -520,9 +526,10 @@ loss.backward()
 print("loss", loss.shape, loss.placements, "grad of w1", w1.grad.shape, w1.grad.placements)
 opt.zero_grad()
 """),
-    code("""
+    code(
+        """
 mesh_losses = []
-for step in range(50):
+for _ in range(50):
     opt.zero_grad()
     loss = model(x, w1, w2)
     loss.backward()
@@ -533,14 +540,16 @@ mesh_curve = torch.stack([mt.inspect(l) for l in mesh_losses])
 w1l, w2l = W1.clone().requires_grad_(), W2.clone().requires_grad_()
 opt_l = torch.optim.SGD([w1l, w2l], lr=0.5)
 local_curve = []
-for step in range(50):
+for _ in range(50):
     opt_l.zero_grad()
     l = model(X, w1l, w2l)
     l.backward()
     opt_l.step()
     local_curve.append(l.detach())
 local_curve = torch.stack(local_curve)
-""", "nbval-ignore-output"),
+""",
+        "nbval-ignore-output",
+    ),
     code("""
 torch.testing.assert_close(mesh_curve, local_curve, rtol=1e-10, atol=0)
 print(f"loss {mesh_curve[0]:.4f} -> {mesh_curve[-1]:.4f} over 50 steps; the same curve as single-process training")
