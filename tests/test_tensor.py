@@ -358,3 +358,34 @@ def test_nccl_mesh_tensors_on_gpus():  # type: ignore[no-untyped-def]
         torch.testing.assert_close(mt.inspect((h @ h.T).relu()), (t @ t.T).relu())
     finally:
         procs.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(180)
+def test_a_handle_dropped_in_a_kernel_frees_the_ranks_tensor():  # type: ignore[no-untyped-def]
+    """In a real kernel, ``Out`` pins a displayed handle: ``del`` plus ``%reset -f out`` frees it."""
+    from _kernel import Kernel
+
+    k = Kernel(load_ext=False)
+    try:
+
+        def ok(code: str) -> str:
+            c = k.run(code, timeout=120)
+            assert c.error is None, "\n".join(c.error["traceback"])
+            return c.result or c.stream()
+
+        ok(
+            "import gc, torch\nimport monarch_nb.tensor as mt\nfrom monarch_nb.actor import this_host\n"
+            "procs = this_host().spawn_procs(per_host={'gpus': 2}, name='tensorkernel')\n"
+            "x = mt.distribute(torch.ones(4, 2), procs, [mt.Shard(0)])\n"
+            "count = lambda: mt._engine.engine_for(procs).actor.count.call().get(timeout=30).values()[0]"
+        )
+        assert "MeshTensor(shape=(4, 2)" in ok("h = x + 1\nh")  # displayed: Out[2] holds it now
+        before = int(ok("gc.collect(); y = x * 1; mt.inspect(y); count()"))
+        ok("del h\ngc.collect()\nz = x * 2; mt.inspect(z)")
+        assert int(ok("count()")) == before + 1, "Out still pins the handle"
+        ok("%reset -f out")
+        ok("gc.collect(); w = x * 3; mt.inspect(w)")
+        assert int(ok("count()")) == before + 1, "h freed (-1), w made (+1)"
+        ok("procs.stop().get(timeout=30)")
+    finally:
+        k.close()
