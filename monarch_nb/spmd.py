@@ -63,7 +63,7 @@ def setup_env_for_distributed(
         first = setter.slice(**{k: 0 for k in setter.extent}) if len(setter.extent) else setter
         addr, port = first.free_port.call_one().get()
         if use_ipaddr and master_addr is None:
-            addr = first.ip_addr.call_one().get()
+            addr = _tcp_host(proc_mesh) or first.ip_addr.call_one().get()
         master_addr = master_addr or addr
         master_port = master_port or port
     hosts_dims = [d for d in proc_mesh.extent if d in ("hosts", "host")]
@@ -71,6 +71,16 @@ def setup_env_for_distributed(
     setter.set_env.call(master_addr, master_port, local).get()
     setter.stop().get()
     return _Awaitable()
+
+
+def _tcp_host(proc_mesh: ProcMesh) -> str:
+    """The IP address the runtime reaches rank 0 at, when it is a TCP one (procs on other hosts)."""
+    addr = proc_mesh._procs[proc_mesh._view.ranks[0]].addr
+    if addr.startswith("tcp://"):
+        host = addr[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+        if host and not host.startswith("127.") and host != "0.0.0.0":
+            return host
+    return ""
 
 
 def setup_torch_elastic_env(

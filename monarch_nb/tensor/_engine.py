@@ -92,9 +92,10 @@ class Engine:
     def start(self) -> Any:
         with self._start_lock:
             if self.actor is None:
-                from ..spmd import setup_torch_elastic_env
+                from ..spmd import _tcp_host, setup_torch_elastic_env
 
-                setup_torch_elastic_env(self.procs)
+                # procs on other hosts: rendezvous at the address the runtime reaches rank 0 at
+                setup_torch_elastic_env(self.procs, use_ipaddr=bool(_tcp_host(self.procs)) or None)
                 actor = self.procs.spawn("_tensor_engine", TensorWorker)
                 self.backend = (
                     actor.setup.call(list(self.labels), list(self.sizes), COLLECTIVE_TIMEOUT_S)

@@ -16,6 +16,28 @@ from ..actor import Actor, current_rank, endpoint
 from ._ops import Factory, Lit, Ref
 
 
+def _gloo_interface(master: str) -> None:
+    """Point gloo at the interface that reaches ``master``: by default it binds the address the
+    host name resolves to, which on a host whose name maps to another machine's (or no) address
+    leaves it on loopback, unreachable from other hosts."""
+    import socket
+
+    import psutil
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, 9))
+            ip = s.getsockname()[0]
+    except OSError:
+        return
+    if ip.startswith("127."):
+        return
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            return
+
+
 class _Failed:
     """A table entry whose op failed: every op reading it fails with the same error."""
 
@@ -42,6 +64,8 @@ class TensorWorker(Actor):
             local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
             torch.cuda.set_device(local)
             self.device = f"cuda:{local}"
+        if not cuda and "GLOO_SOCKET_IFNAME" not in os.environ:
+            _gloo_interface(os.environ.get("MASTER_ADDR", ""))
         if not dist.is_initialized():
             dist.init_process_group(
                 "nccl" if cuda else "gloo",
