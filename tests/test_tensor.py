@@ -389,3 +389,39 @@ def test_a_handle_dropped_in_a_kernel_frees_the_ranks_tensor():  # type: ignore[
         ok("procs.stop().get(timeout=30)")
     finally:
         k.close()
+
+
+def _shard_linears(name, mod, mesh):  # type: ignore[no-untyped-def]
+    from torch import nn
+    from torch.distributed.tensor import distribute_tensor
+
+    if isinstance(mod, nn.Linear):
+        for n, p in list(mod.named_parameters()):
+            mod.register_parameter(n, nn.Parameter(distribute_tensor(p, mesh, [Replicate(), Shard(0)])))
+
+
+def test_distribute_module_trains_on_the_ranks(mesh2):  # type: ignore[no-untyped-def]
+    import copy
+
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    local = copy.deepcopy(model)
+    m = mt.distribute_module(model, mesh2, _shard_linears)
+    params = m.parameters()
+    assert (tuple(params[0].shape), params[0].placements) == ((16, 8), (Replicate(), Shard(0)))
+    X, Y = gen(16, 8), torch.randint(0, 4, (16,), generator=torch.Generator().manual_seed(1))
+    x, y = mt.distribute(X, mesh2, [Shard(0), Replicate()]), mt.distribute(Y, mesh2, [Shard(0), Replicate()])
+    opt, opt_l = mt.Optimizer(torch.optim.SGD, params, lr=0.3), torch.optim.SGD(local.parameters(), lr=0.3)
+    for _ in range(5):
+        opt.zero_grad()
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        opt_l.zero_grad()
+        want = F.cross_entropy(local(X), Y)
+        want.backward()
+        opt_l.step()
+        torch.testing.assert_close(mt.inspect(loss), want.detach())
+    torch.testing.assert_close(mt.inspect(params[2]), local[2].weight.detach())

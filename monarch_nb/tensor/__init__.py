@@ -37,6 +37,7 @@ from ._engine import (
     COLLECTIVE_TIMEOUT_S,
     ActivateMode,
     Engine,
+    MeshModule,
     MeshTensor,
     TensorOpError,
     dispatch,
@@ -47,6 +48,7 @@ from ._ops import REDUCE_OPS, Reduce, local_slice
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_S",
+    "MeshModule",
     "MeshTensor",
     "Optimizer",
     "Partial",
@@ -55,6 +57,7 @@ __all__ = [
     "TensorOpError",
     "activate",
     "distribute",
+    "distribute_module",
     "fetch_shard",
     "full_tensor",
     "inspect",
@@ -206,6 +209,39 @@ class remote:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return dispatch(self.fn, args, kwargs)
+
+
+class _DistributeModule:
+    def __init__(self, partition_fn: Any) -> None:
+        self.partition_fn = partition_fn
+
+    def __call__(self, mesh: Any, device: str, module: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.tensor import distribute_module as dm
+
+        return dm(module.to(device), mesh, self.partition_fn)
+
+    def __str__(self) -> str:
+        return "distribute_module"
+
+
+def distribute_module(module: torch.nn.Module, procs: ProcMesh, partition_fn: Any = None) -> MeshModule:
+    """``torch.distributed.tensor.distribute_module`` on the ranks: the module (weights and all)
+    goes to every rank, ``partition_fn(name, submodule, device_mesh)`` shards its parameters
+    there (every parameter Replicate() when None). Returns a handle: call it on mesh tensors,
+    hand ``m.parameters()`` to :class:`Optimizer`."""
+    import copy
+
+    from ._engine import WithMesh
+
+    e = engine_for(procs)
+    fn = _DistributeModule(partition_fn)
+    try:
+        shadow = fn(e.shadow_mesh, "meta", copy.deepcopy(module))
+    except Exception as err:
+        raise TensorOpError(f"distribute_module: {type(err).__name__}: {err}") from err
+    h = MeshModule(e, e.new_id(), shadow)
+    e.send([(WithMesh(fn), (module.cpu(),), {}, [h._id], torch.is_grad_enabled())])
+    return h
 
 
 class _MakeOptimizer:

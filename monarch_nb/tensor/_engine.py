@@ -22,7 +22,7 @@ from .._wire.serialize import loads, nbytes
 from ..actor import Future
 from ..actor._mesh import ProcMesh
 from ..errors import MonarchNBError
-from ._ops import Attr, Factory, Lit, Method, Ref, local_shape
+from ._ops import Attr, Factory, Lit, Method, Ref, WithMesh, local_shape
 from ._worker import TensorWorker
 
 #: seconds a collective on the ranks may wait for a peer before it fails (a dead rank)
@@ -336,6 +336,63 @@ class MeshTensor:
         )
 
 
+class MeshModule:
+    """An ``nn.Module`` living on the ranks (its parameters DTensors), held by the controller:
+    calling it runs forward on the ranks; ``parameters()`` are mesh tensors."""
+
+    __slots__ = ("_engine", "_id", "_shadow", "__weakref__")
+
+    def __init__(self, engine: Engine, id: int, shadow: Any) -> None:
+        self._engine = engine
+        self._id = id
+        self._shadow = shadow
+
+    def __del__(self) -> None:
+        try:
+            self._engine.frees.append(self._id)
+        except AttributeError:
+            pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return dispatch(_CallModule(), (self, *args), kwargs)
+
+    def parameters(self) -> list[MeshTensor]:
+        return dispatch(_Parameters(), (self,), {})
+
+    def named_parameters(self) -> dict[str, MeshTensor]:
+        return dispatch(_NamedParameters(), (self,), {})
+
+    def train(self, mode: bool = True) -> MeshModule:
+        return dispatch(Method("train"), (self, mode), {})
+
+    def eval(self) -> MeshModule:
+        return self.train(False)
+
+    def __repr__(self) -> str:
+        return f"MeshModule on {self._engine.procs!r}:\n{self._shadow!r}"
+
+
+class _CallModule:
+    def __call__(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+        return module(*args, **kwargs)
+
+    def __str__(self) -> str:
+        return "module forward"
+
+
+class _Parameters:
+    def __call__(self, module: Any) -> list[Any]:
+        return list(module.parameters())
+
+
+class _NamedParameters:
+    def __call__(self, module: Any) -> dict[str, Any]:
+        return dict(module.named_parameters())
+
+
+_HANDLES = (MeshTensor, MeshModule)
+
+
 def _binop(name: str) -> Any:
     m = Method(name)
 
@@ -386,7 +443,7 @@ def _portable(func: Any) -> Any:
 
 
 def _name(func: Any) -> str:
-    if isinstance(func, (Method, Attr, Factory)):
+    if isinstance(func, (Method, Attr, Factory, WithMesh)):
         return str(func)
     mod = getattr(func, "__module__", None) or ""
     return f"{mod + '.' if mod else ''}{getattr(func, '__qualname__', getattr(func, '__name__', repr(func)))}"
@@ -396,7 +453,7 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
     """Run ``func`` on the shadows here (shape, placements, errors at once), send it to the
     ranks, and hand back handles for its tensor results."""
     leaves = pytree.tree_leaves((args, kwargs))
-    handles = [x for x in leaves if isinstance(x, MeshTensor)]
+    handles = [x for x in leaves if isinstance(x, _HANDLES)]
     if not handles:
         return func(*args, **kwargs)
     engine = handles[0]._engine
@@ -408,7 +465,7 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
     by_shadow = {id(h._shadow): h for h in handles}
 
     def shadow(x: Any) -> Any:
-        if isinstance(x, MeshTensor):
+        if isinstance(x, _HANDLES):
             return x._shadow
         if isinstance(x, torch.Tensor):
             return DTensor.from_local(
@@ -417,7 +474,7 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
         return x
 
     def remote(x: Any) -> Any:
-        if isinstance(x, MeshTensor):
+        if isinstance(x, _HANDLES):
             return Ref(x._id)
         if isinstance(x, torch.Tensor):
             return Lit(x.detach().cpu())
@@ -435,10 +492,12 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
     ids: list[int | None] = []
     results: list[Any] = []
     for v in flat:
-        if isinstance(v, DTensor):
-            h = by_shadow.get(id(v))
-            if h is None:
-                h = MeshTensor(engine, engine.new_id(), v)
+        if id(v) in by_shadow:  # an input handed back (an in-place op, Module.train())
+            h = by_shadow[id(v)]
+            ids.append(h._id)
+            results.append(h)
+        elif isinstance(v, DTensor):
+            h = MeshTensor(engine, engine.new_id(), v)
             ids.append(h._id)
             results.append(h)
         elif isinstance(v, torch.Tensor):
@@ -506,7 +565,7 @@ class ActivateMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if any(isinstance(x, MeshTensor) for x in pytree.tree_leaves((args, kwargs))):
+        if any(isinstance(x, _HANDLES) for x in pytree.tree_leaves((args, kwargs))):
             return dispatch(func, args, kwargs)
         if func in _FACTORIES and not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves((args, kwargs))):
             return make(self.engine, func, tuple(args), kwargs, None, _FACTORIES[func])

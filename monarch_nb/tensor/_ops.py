@@ -82,6 +82,16 @@ class Factory:
 
 
 @dataclass(frozen=True)
+class WithMesh:
+    """``fn(mesh, device, *args)``: an op that needs the rank's device mesh (as factories do)."""
+
+    fn: Any
+
+    def __str__(self) -> str:
+        return str(self.fn)
+
+
+@dataclass(frozen=True)
 class Reduce:
     """Monarch's ``reduce``: combine each rank's local tensor across the named mesh dims; the
     result is the same on every rank of those dims, so they become Replicate()."""

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils import _pytree as pytree
 
 from ..actor import Actor, current_rank, endpoint
-from ._ops import Factory, Lit, Ref
+from ._ops import Factory, Lit, Ref, WithMesh
 
 
 def _gloo_interface(master: str) -> None:
@@ -108,6 +108,9 @@ class TensorWorker(Actor):
                 with torch.set_grad_enabled(grad):
                     if isinstance(fn, Factory):
                         out = fn(self.mesh, self.device, *args, **kwargs)
+                    elif isinstance(fn, WithMesh):
+                        a, k = self._resolve((args, kwargs))
+                        out = fn.fn(self.mesh, self.device, *a, **k)
                     else:
                         a, k = self._resolve((args, kwargs))
                         out = fn(*a, **k)
