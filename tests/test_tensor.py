@@ -335,6 +335,12 @@ def test_a_dead_rank_fails_pending_reads_and_the_mesh_can_be_stopped(tmp_path, m
         assert time.monotonic() - t0 < 10, "a dead rank is detected within 10 s (heartbeat timeout + margin)"
         with pytest.raises(SupervisionError):
             mt.fetch_shard(x, gpus=1).get(timeout=30)
+        # the survivor, released into the collective, leaves it (peer gone or the 5 s timeout)
+        # with an error stored on the result, and answers the next read
+        open(flag, "w").close()
+        with pytest.raises(Exception, match="(?i)timed? ?out|closed|connection|peer|reset"):
+            mt.fetch_shard(y, gpus=0).get(timeout=30)
+        torch.testing.assert_close(mt.fetch_shard(x, gpus=0).get(timeout=30), torch.arange(2.0))
     finally:
         procs.stop().get(timeout=60)
 
