@@ -184,6 +184,16 @@ def test_factories_and_activate(mesh2):  # type: ignore[no-untyped-def]
     assert not torch.equal(mt.inspect(s), shards[0])
     torch.testing.assert_close(mt.inspect(y), (shards[0] * 2).sum(dim=0))
     assert not isinstance(torch.rand(2), mt.MeshTensor)  # outside the block: a plain tensor
+    html = z._repr_html_()
+    assert "hosts=1, gpus=1" in html and "(2, 3)" in html and "placements=(S(0), S(1))" in html
+
+
+def test_rank_tensor_holds_each_ranks_coordinate(mesh2):  # type: ignore[no-untyped-def]
+    g = mesh2.rank_tensor("gpus")
+    assert g.shape == (2,) and g.placements == (Replicate(), Shard(0))
+    assert [int(mt.fetch_shard(g, hosts=h, gpus=c).get(timeout=30).item()) for h in range(2) for c in range(2)] == [0, 1, 0, 1]
+    total = mt.reduce(mt.rank_tensor(mesh2, "hosts"), ["hosts", "gpus"], "sum")
+    assert int(mt.fetch_shard(total, gpus=1).get(timeout=30).item()) == 0 + 0 + 1 + 1
 
 
 def test_reduce_combines_local_tensors_across_named_dims(mesh2):  # type: ignore[no-untyped-def]

@@ -32,7 +32,7 @@ import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from ..actor import Future
-from ..actor._mesh import ProcMesh, set_activate_hook
+from ..actor._mesh import ProcMesh, set_tensor_hooks
 from ._engine import (
     COLLECTIVE_TIMEOUT_S,
     ActivateMode,
@@ -64,6 +64,7 @@ __all__ = [
     "ones",
     "rand",
     "randn",
+    "rank_tensor",
     "reduce",
     "remote",
     "setup",
@@ -77,7 +78,19 @@ def activate(procs: ProcMesh) -> ActivateMode:
     return ActivateMode(engine_for(procs))
 
 
-set_activate_hook(activate)
+def rank_tensor(procs: ProcMesh, dim: str) -> MeshTensor:
+    """Each rank's coordinate along ``dim``, as a mesh tensor: ``arange(size)`` sharded over
+    ``dim`` (Shard(0)) and replicated over the others, so rank ``c``'s local tensor is ``[c]``
+    (Monarch's holds the scalar ``c``)."""
+    e = engine_for(procs)
+    if dim not in e.labels:
+        raise ValueError(f"{dim!r} is not a dimension of {procs!r}; its dimensions are {list(e.labels)}")
+    n = e.sizes[e.labels.index(dim)]
+    pl = [Shard(0) if name == dim else Replicate() for name in e.labels]
+    return make(e, torch.arange, (n,), {}, pl, False)
+
+
+set_tensor_hooks(activate=activate, rank_tensor=rank_tensor)
 
 
 def setup(procs: ProcMesh) -> str:
