@@ -179,6 +179,11 @@ def test_factories_and_activate(mesh2):  # type: ignore[no-untyped-def]
         s = torch.rand(3, 4)
         y = (r * 2).sum(dim=0)
     assert r.placements == (Replicate(), Replicate()) and y.shape == (4,)
+    ones = torch.ones(4, 6)
+    with mesh2.activate():  # monarch_nb.tensor's own calls inside the block still work
+        z2 = mt.zeros(4, 6, procs=mesh2, placements=[Shard(0), Shard(1)]) + mt.rand(4, 6, procs=mesh2) * 0
+        d = mt.distribute(ones, mesh2) + z2
+    torch.testing.assert_close(mt.inspect(d), torch.ones(4, 6))
     shards = [mt.fetch_shard(r, hosts=h, gpus=g).get(timeout=30) for h in range(2) for g in range(2)]
     assert all(torch.equal(shards[0], x) for x in shards)  # random, yet the same on every rank
     assert not torch.equal(mt.inspect(s), shards[0])

@@ -40,6 +40,7 @@ from ._engine import (
     MeshModule,
     MeshTensor,
     TensorOpError,
+    _Controller,
     dispatch,
     engine_for,
     make,
@@ -128,10 +129,11 @@ def distribute(t: torch.Tensor, procs: ProcMesh, placements: Sequence[Placement]
     from torch.distributed.tensor import DTensor
 
     src = t.detach().cpu().contiguous()
-    shadow = DTensor.from_local(
-        local_slice(torch.empty_like(src, device="meta"), [0] * len(e.sizes), list(e.sizes), pl),
-        e.shadow_mesh, pl, run_check=False, shape=src.shape, stride=src.stride(),
-    )  # fmt: skip
+    with _Controller():
+        shadow = DTensor.from_local(
+            local_slice(torch.empty_like(src, device="meta"), [0] * len(e.sizes), list(e.sizes), pl),
+            e.shadow_mesh, pl, run_check=False, shape=src.shape, stride=src.stride(),
+        )  # fmt: skip
     h = MeshTensor(e, e.new_id(), shadow)
     # the seam for the data plane (monarch_nb.rdma): today each shard rides its own message
     for r in range(e.size):
@@ -249,7 +251,8 @@ def distribute_module(module: torch.nn.Module, procs: ProcMesh, partition_fn: An
     e = engine_for(procs)
     fn = _DistributeModule(partition_fn)
     try:
-        shadow = fn(e.shadow_mesh, "meta", copy.deepcopy(module))
+        with _Controller():
+            shadow = fn(e.shadow_mesh, "meta", copy.deepcopy(module))
     except Exception as err:
         raise TensorOpError(f"distribute_module: {type(err).__name__}: {err}") from err
     h = MeshModule(e, e.new_id(), shadow)

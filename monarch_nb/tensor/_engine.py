@@ -416,6 +416,17 @@ MeshTensor.__hash__ = object.__hash__  # type: ignore[method-assign]
 
 _portable_cache: dict[Any, Any] = {}
 
+#: set while this thread computes shadows or seeds: an active ActivateMode lets torch be torch
+_local = threading.local()
+
+
+class _Controller:
+    def __enter__(self) -> None:
+        _local.depth = getattr(_local, "depth", 0) + 1
+
+    def __exit__(self, *_: Any) -> None:
+        _local.depth -= 1
+
 
 def _portable(func: Any) -> Any:
     """``func`` as something the ranks can unpickle (method descriptors and property getters
@@ -482,7 +493,8 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
 
     s_args, s_kwargs = pytree.tree_map(shadow, (args, kwargs))
     try:
-        out = func(*s_args, **s_kwargs)
+        with _Controller():
+            out = func(*s_args, **s_kwargs)
     except Exception as e:
         raise TensorOpError(
             f"{_name(func)} cannot run on mesh tensors with placements "
@@ -524,10 +536,12 @@ def make(engine: Engine, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     if fn in _FLOAT_FACTORIES and "dtype" not in kwargs:
         # the ranks' default dtype is not the controller's
         kwargs["dtype"] = torch.get_default_dtype()
-    seed = int(torch.randint(0, 2**62, ()).item()) if random else None
+    with _Controller():
+        seed = int(torch.randint(0, 2**62, ()).item()) if random else None
     fac = Factory(fn, pl, seed)
     try:
-        shadow = Factory(fn, pl, None)(engine.shadow_mesh, "meta", *args, **kwargs)
+        with _Controller():
+            shadow = Factory(fn, pl, None)(engine.shadow_mesh, "meta", *args, **kwargs)
     except Exception as e:
         raise TensorOpError(f"{fac}: {type(e).__name__}: {e}") from e
     h = MeshTensor(engine, engine.new_id(), shadow)
@@ -565,6 +579,8 @@ class ActivateMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if getattr(_local, "depth", 0):
+            return func(*args, **kwargs)
         if any(isinstance(x, _HANDLES) for x in pytree.tree_leaves((args, kwargs))):
             return dispatch(func, args, kwargs)
         if func in _FACTORIES and not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves((args, kwargs))):
