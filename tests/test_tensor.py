@@ -162,6 +162,9 @@ def test_distribute_sends_each_rank_its_shard_even_when_uneven(mesh1):  # type: 
         torch.testing.assert_close(mt.fetch_shard(h, gpus=g).get(timeout=30), pieces[g])
     torch.testing.assert_close(h.full_tensor(), t)
     assert mt.inspect(h, gpus=2).shape == (2, 5)
+    rows = list(h)
+    assert len(rows) == 7 and rows[6].shape == (5,)
+    torch.testing.assert_close(mt.inspect(rows[6]), t[6])
 
 
 def test_factories_and_activate(mesh2):  # type: ignore[no-untyped-def]

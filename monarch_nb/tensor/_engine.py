@@ -242,6 +242,11 @@ class MeshTensor:
     def __len__(self) -> int:
         return len(self._shadow)
 
+    def __iter__(self) -> Any:
+        # without it, Python would iterate through __getitem__ until an IndexError, which the
+        # shadow raises as a TensorOpError
+        return (self[i] for i in range(len(self)))
+
     def local_shape(self, **coords: int) -> list[int]:
         """The shape of the local tensor of the rank at ``coords`` (0 for dims not named)."""
         e = self._engine
