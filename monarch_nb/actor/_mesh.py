@@ -426,6 +426,19 @@ class ProcMesh(MeshTrait):
         taken.add(key)
         return key
 
+    def activate(self) -> Any:
+        """``with procs.activate():`` torch factories make tensors on this mesh (Monarch's tensor
+        engine; here ``monarch_nb.tensor``, which must have been imported)."""
+        if _tensor_hooks is None:
+            raise RuntimeError("ProcMesh.activate() is monarch_nb.tensor's: `import monarch_nb.tensor` first")
+        return _tensor_hooks["activate"](self)
+
+    def rank_tensor(self, dim: str) -> Any:
+        """A mesh tensor holding each rank's coordinate along ``dim`` (``monarch_nb.tensor``)."""
+        if _tensor_hooks is None:
+            raise RuntimeError("ProcMesh.rank_tensor() is monarch_nb.tensor's: `import monarch_nb.tensor` first")
+        return _tensor_hooks["rank_tensor"](self, dim)
+
     def stop(self, reason: str = "stopped by client", *, force: bool = False) -> Future[None]:
         """Stop every proc of this mesh (the whole mesh, also when called on a slice)."""
         client = _context.client()
@@ -513,6 +526,15 @@ class ProcMesh(MeshTrait):
                     reply=(client.rt.addr_for(alloc), client.log_port),
                 )
         return pm
+
+
+#: set by monarch_nb.tensor (a feature above this layer) when imported: activate, rank_tensor
+_tensor_hooks: dict[str, Callable[..., Any]] | None = None
+
+
+def set_tensor_hooks(**hooks: Callable[..., Any]) -> None:
+    global _tensor_hooks
+    _tensor_hooks = hooks
 
 
 class HostMesh(MeshTrait):

@@ -1,0 +1,147 @@
+"""Mesh tensors (monarch_nb.tensor) on a 4-proc mesh: per-op overhead, pipelined ops/s, and
+distribute/full_tensor of a large tensor. Prints JSON.
+
+    python -m bench.tensor_ops [--mib 256] [--ops 500] [--monarch-python PATH]
+
+Runs under a private runtime dir and stops what it started. Per-op overhead is what the
+notebook waits for when it issues a small elementwise op (the ranks run it later); round trip
+is an op plus fetch_shard of its result; pipelined is ops/s from the first issue to the last
+result. distribute sends each rank its shard through the controller's sockets (until the data
+plane, monarch_nb.rdma, carries them); full_tensor gathers on the ranks (a collective) and
+rank 0 sends the value. With ``--monarch-python`` (a torchmonarch 0.7 interpreter) the same
+per-op workloads run on Monarch's tensor engine too (local per-rank ops: its cross-rank ones
+need CUDA), under "monarch".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib", type=int, default=256, help="size of the distribute/full_tensor tensor")
+    ap.add_argument("--ops", type=int, default=500, help="ops per pipelined sample")
+    ap.add_argument("--monarch-python", default="", help="a torchmonarch interpreter, to compare")
+    args = ap.parse_args()
+    rdir = tempfile.mkdtemp(prefix="mnb-bt-", dir="/tmp")
+    os.chmod(rdir, 0o700)
+    os.environ["MONARCH_NB_RUNTIME_DIR"] = rdir
+    try:
+        out = {"monarch_nb": run(args.mib, args.ops)}
+        if args.monarch_python:
+            cp = subprocess.run(
+                [args.monarch_python, "-c", MONARCH, str(args.ops)], capture_output=True, text=True, timeout=300, cwd=rdir
+            )
+            lines = [ln for ln in cp.stdout.splitlines() if ln.startswith("{")]
+            out["monarch"] = json.loads(lines[-1]) if lines else {"error": cp.stderr[-2000:]}
+        print(json.dumps(out, indent=2))
+    finally:
+        subprocess.run([sys.executable, "-m", "monarch_nb", "allocator", "stop"], capture_output=True, timeout=60)
+        shutil.rmtree(rdir, ignore_errors=True)
+
+
+def run(mib: int, nops: int) -> dict[str, object]:
+    import torch
+
+    import monarch_nb.tensor as mt
+    from monarch_nb.actor import this_host
+    from monarch_nb.tensor import Replicate, Shard
+
+    out: dict[str, object] = {"procs": 4}
+    procs = this_host().spawn_procs(per_host={"gpus": 4}, name="bench_tensor")
+    try:
+        t0 = time.perf_counter()
+        mt.setup(procs)
+        out["setup_s"] = round(time.perf_counter() - t0, 3)
+        x = mt.distribute(torch.ones(16, 16), procs, [Shard(0)])
+        mt.inspect(x)
+        issue, rtt = [], []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            y = x + 1
+            t1 = time.perf_counter()
+            mt.fetch_shard(y).get(timeout=60)
+            issue.append(t1 - t0)
+            rtt.append(time.perf_counter() - t0)
+        out["op_issue_us_median"] = round(statistics.median(issue) * 1e6, 1)
+        out["op_plus_fetch_ms_median"] = round(statistics.median(rtt) * 1e3, 3)
+        rates = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            y = x
+            for _ in range(nops):
+                y = y + 1
+            mt.fetch_shard(y).get(timeout=120)
+            rates.append(nops / (time.perf_counter() - t0))
+        out["pipelined_ops_per_s_median"] = round(statistics.median(rates), 1)
+
+        big = torch.randn(mib * 2**20 // 4 // 1024, 1024)
+        before = mt.stats(procs)["bytes_received"]
+        t0 = time.perf_counter()
+        h = mt.distribute(big, procs, [Shard(0)])
+        mt.fetch_shard(h.sum(), gpus=3).get(timeout=600)  # the last rank has its shard
+        out[f"distribute_{mib}MiB_s"] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
+        back = h.full_tensor()
+        out[f"full_tensor_{mib}MiB_s"] = round(time.perf_counter() - t0, 3)
+        out["full_tensor_MiB_received"] = round((mt.stats(procs)["bytes_received"] - before) / 2**20, 2)
+        out["distribute_MiB_sent"] = mib  # each shard once: the whole tensor through the controller
+        assert torch.equal(back, big)
+        r = mt.distribute(torch.ones(4), procs, [Replicate()])
+        mt.inspect(r)
+    finally:
+        procs.stop().get(timeout=60)
+    return out
+
+
+MONARCH = """
+import json, statistics, sys, time
+import torch
+from monarch import fetch_shard
+from monarch.actor import this_host
+
+nops = int(sys.argv[1])
+mesh = this_host().spawn_procs({"gpus": 4})
+out = {"procs": 4}
+with mesh.activate():
+    x = torch.ones(16, 16)
+t0 = time.perf_counter()
+fetch_shard(x.sum()).result(timeout=120)
+out["first_fetch_shard_sum_s"] = round(time.perf_counter() - t0, 3)
+issue, rtt = [], []
+for _ in range(200):
+    t0 = time.perf_counter()
+    with mesh.activate():
+        y = x + 1
+    t1 = time.perf_counter()
+    fetch_shard(y).result(timeout=60)
+    issue.append(t1 - t0)
+    rtt.append(time.perf_counter() - t0)
+out["op_issue_us_median"] = round(statistics.median(issue) * 1e6, 1)
+out["op_plus_fetch_ms_median"] = round(statistics.median(rtt) * 1e3, 3)
+rates = []
+for _ in range(3):
+    t0 = time.perf_counter()
+    with mesh.activate():
+        y = x
+        for _ in range(nops):
+            y = y + 1
+    fetch_shard(y).result(timeout=120)
+    rates.append(nops / (time.perf_counter() - t0))
+out["pipelined_ops_per_s_median"] = round(statistics.median(rates), 1)
+print(json.dumps(out), flush=True)
+mesh.stop().get()
+"""
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""Distributed tensors driven from the notebook: torch's own DTensor on the ranks of a proc mesh,
+a handle (:class:`MeshTensor`) on the controller.
+
+    import monarch_nb.tensor as mt
+    procs = this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2})
+    w = mt.distribute(torch.randn(64, 64), procs, [Replicate(), Shard(1)])
+    with procs.activate():
+        x = torch.rand(8, 64)          # a mesh tensor, Replicate() everywhere
+        y = torch.relu(x @ w)          # runs on the ranks; y.shape is known at once
+    mt.inspect(y)                      # the global value
+
+Each proc mesh gets one hidden actor (spawned at first use) holding a table id -> DTensor, a
+gloo (CPU) or NCCL (GPU) process group and a device mesh named as the proc mesh. Ops are sent
+to every rank in one ordered stream of small records; each result's shape and placements come
+from running the op on meta shadows here, against torch's fake process group, so an op
+returns at once even while the ranks are busy, and an op DTensor cannot shard fails here,
+before anything is sent. An op failing on the ranks stores its error under its results: reading
+them (or any op using them) raises it; other tensors keep working.
+
+Differences from Monarch's tensor engine, on purpose: ``inspect(t)`` returns the global value
+(Monarch's returns one shard; ``inspect(t, gpus=1)`` returns that rank's shard here too);
+tensors are DTensors with placements, so factories inside ``activate()`` are ``Replicate()``
+on every dimension and ``reduce`` makes the reduced dimensions ``Replicate()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from ..actor import Future
+from ..actor._mesh import ProcMesh, set_tensor_hooks
+from ._engine import (
+    COLLECTIVE_TIMEOUT_S,
+    ActivateMode,
+    Engine,
+    MeshModule,
+    MeshTensor,
+    TensorOpError,
+    _Controller,
+    dispatch,
+    engine_for,
+    make,
+)
+from ._ops import REDUCE_OPS, Reduce, local_slice
+
+__all__ = [
+    "COLLECTIVE_TIMEOUT_S",
+    "MeshModule",
+    "MeshTensor",
+    "Optimizer",
+    "Partial",
+    "Replicate",
+    "Shard",
+    "TensorOpError",
+    "activate",
+    "distribute",
+    "distribute_module",
+    "fetch_shard",
+    "full_tensor",
+    "inspect",
+    "ones",
+    "rand",
+    "randn",
+    "rank_tensor",
+    "reduce",
+    "remote",
+    "setup",
+    "stats",
+    "zeros",
+]
+
+
+def activate(procs: ProcMesh) -> ActivateMode:
+    """``with activate(procs):`` (or ``with procs.activate():``) torch factories make mesh tensors."""
+    return ActivateMode(engine_for(procs))
+
+
+def rank_tensor(procs: ProcMesh, dim: str) -> MeshTensor:
+    """Each rank's coordinate along ``dim``, as a mesh tensor: ``arange(size)`` sharded over
+    ``dim`` (Shard(0)) and replicated over the others, so rank ``c``'s local tensor is ``[c]``
+    (Monarch's holds the scalar ``c``)."""
+    e = engine_for(procs)
+    if dim not in e.labels:
+        raise ValueError(f"{dim!r} is not a dimension of {procs!r}; its dimensions are {list(e.labels)}")
+    n = e.sizes[e.labels.index(dim)]
+    pl = [Shard(0) if name == dim else Replicate() for name in e.labels]
+    return make(e, torch.arange, (n,), {}, pl, False)
+
+
+set_tensor_hooks(activate=activate, rank_tensor=rank_tensor)
+
+
+def setup(procs: ProcMesh) -> str:
+    """Start the mesh's tensor engine now (the hidden actor, the process group named as the
+    mesh's dimensions); otherwise the first op does. Returns the backend, gloo or nccl."""
+    e = engine_for(procs)
+    e.start()
+    return e.backend
+
+
+def _placements(procs: ProcMesh, placements: Sequence[Placement] | None) -> tuple[Placement, ...]:
+    e = engine_for(procs)
+    if placements is None:
+        return tuple(Replicate() for _ in e.sizes)
+    pl = tuple(placements)
+    if len(pl) != len(e.sizes) or not all(isinstance(p, Placement) for p in pl):
+        raise ValueError(
+            f"placements must be {len(e.sizes)} DTensor placements (Shard(d), Replicate(), Partial()), one per "
+            f"dimension {list(e.labels)} of {procs!r}; got {placements!r}"
+        )
+    return pl
+
+
+def distribute(t: torch.Tensor, procs: ProcMesh, placements: Sequence[Placement] | None = None) -> MeshTensor:
+    """Put ``t`` on the ranks of ``procs`` as a DTensor with ``placements`` (one per mesh dim;
+    Replicate() everywhere when None). Each rank is sent only its own shard, once."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"distribute needs a torch.Tensor, got {type(t).__name__}")
+    e = engine_for(procs)
+    pl = _placements(procs, placements)
+    for p in pl:
+        if isinstance(p, Shard) and not -t.ndim <= p.dim < max(t.ndim, 1):
+            raise ValueError(f"{p} is out of range for a tensor of {t.ndim} dimensions")
+    pl = tuple(Shard(p.dim % t.ndim) if isinstance(p, Shard) else p for p in pl)
+    from torch.distributed.tensor import DTensor
+
+    src = t.detach().cpu().contiguous()
+    with _Controller():
+        shadow = DTensor.from_local(
+            local_slice(torch.empty_like(src, device="meta"), [0] * len(e.sizes), list(e.sizes), pl),
+            e.shadow_mesh, pl, run_check=False, shape=src.shape, stride=src.stride(),
+        )  # fmt: skip
+    h = MeshTensor(e, e.new_id(), shadow)
+    # the seam for the data plane (monarch_nb.rdma): today each shard rides its own message
+    for r in range(e.size):
+        e.put(r, h._id, local_slice(src, e.coords_of(r), list(e.sizes), pl), pl, tuple(src.shape), src.stride())
+    if t.requires_grad:
+        h.requires_grad_()
+    return h
+
+
+def _factory(
+    fn: Any, random: bool, size: tuple[Any, ...], procs: ProcMesh, placements: Any, kwargs: dict[str, Any]
+) -> MeshTensor:
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    return make(engine_for(procs), fn, tuple(size), kwargs, _placements(procs, placements), random)
+
+
+def zeros(*size: Any, procs: ProcMesh, placements: Sequence[Placement] | None = None, **kwargs: Any) -> MeshTensor:
+    """``torch.zeros(*size)`` made on the ranks (only the size is sent)."""
+    return _factory(torch.zeros, False, size, procs, placements, kwargs)
+
+
+def ones(*size: Any, procs: ProcMesh, placements: Sequence[Placement] | None = None, **kwargs: Any) -> MeshTensor:
+    """``torch.ones(*size)`` made on the ranks (only the size is sent)."""
+    return _factory(torch.ones, False, size, procs, placements, kwargs)
+
+
+def rand(*size: Any, procs: ProcMesh, placements: Sequence[Placement] | None = None, **kwargs: Any) -> MeshTensor:
+    """``torch.rand(*size)`` made on the ranks from a seed drawn here (``torch.manual_seed`` here
+    makes it reproducible); its global value is what torch.rand gives locally with that seed."""
+    return _factory(torch.rand, True, size, procs, placements, kwargs)
+
+
+def randn(*size: Any, procs: ProcMesh, placements: Sequence[Placement] | None = None, **kwargs: Any) -> MeshTensor:
+    """``torch.randn(*size)`` made on the ranks, seeded as :func:`rand`."""
+    return _factory(torch.randn, True, size, procs, placements, kwargs)
+
+
+def _shard_index(t: MeshTensor, shard: dict[str, int] | None, kwargs: dict[str, int]) -> int:
+    coords = dict(shard or {})
+    coords.update(kwargs)
+    return t._engine.rank_of(coords)
+
+
+def fetch_shard(t: MeshTensor, shard: dict[str, int] | None = None, **kwargs: int) -> Future[torch.Tensor]:
+    """A Future of the local tensor of the rank at ``shard`` (dims not named: coordinate 0)."""
+    if not isinstance(t, MeshTensor):
+        raise TypeError(f"fetch_shard needs a MeshTensor, got {type(t).__name__}")
+    r = _shard_index(t, shard, kwargs)
+    fut = t._engine.gather("fetch", ([], t._id), [r], f"fetch_shard(rank {r})")
+    out: Future[torch.Tensor] = Future._create("fetch_shard()")
+    fut.add_done_callback(lambda f: out._set_raw(f, lambda g: g.get()[r]))
+    return out
+
+
+def inspect(t: MeshTensor, shard: dict[str, int] | None = None, **kwargs: int) -> torch.Tensor:
+    """The global value of ``t`` (Monarch's returns a shard: name one, ``inspect(t, gpus=1)``,
+    for that rank's local tensor)."""
+    if shard or kwargs:
+        return fetch_shard(t, shard, **kwargs).get()
+    return t.full_tensor()
+
+
+def full_tensor(t: MeshTensor) -> torch.Tensor:
+    return t.full_tensor()
+
+
+def reduce(t: MeshTensor, dims: str | Sequence[str], reduction: str = "sum", **_: Any) -> MeshTensor:
+    """Monarch's ``reduce``: combine every rank's local tensor across the mesh dims ``dims`` with
+    ``reduction`` (sum, avg, max, min, product); those dims become Replicate()."""
+    if not isinstance(t, MeshTensor):
+        raise TypeError(f"reduce needs a MeshTensor, got {type(t).__name__}")
+    names = (dims,) if isinstance(dims, str) else tuple(dims)
+    bad = [d for d in names if d not in t._engine.labels]
+    if bad:
+        raise ValueError(f"{bad} are not dimensions of {t.mesh!r}; its dimensions are {list(t._engine.labels)}")
+    if reduction not in REDUCE_OPS:
+        raise ValueError(f"reduction must be one of {REDUCE_OPS}, got {reduction!r}")
+    return dispatch(Reduce(names, reduction), (t,), {})
+
+
+class remote:
+    """``remote(fn)(*mesh_tensors)`` runs ``fn`` on every rank, on the DTensors; the controller
+    runs it on meta shadows for the result's shape, so ``fn`` must work on meta tensors."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return dispatch(self.fn, args, kwargs)
+
+
+class _DistributeModule:
+    def __init__(self, partition_fn: Any) -> None:
+        self.partition_fn = partition_fn
+
+    def __call__(self, mesh: Any, device: str, module: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.tensor import distribute_module as dm
+
+        return dm(module.to(device), mesh, self.partition_fn)
+
+    def __str__(self) -> str:
+        return "distribute_module"
+
+
+def distribute_module(module: torch.nn.Module, procs: ProcMesh, partition_fn: Any = None) -> MeshModule:
+    """``torch.distributed.tensor.distribute_module`` on the ranks: the module (weights and all)
+    goes to every rank, ``partition_fn(name, submodule, device_mesh)`` shards its parameters
+    there (every parameter Replicate() when None). Returns a handle: call it on mesh tensors,
+    hand ``m.parameters()`` to :class:`Optimizer`."""
+    import copy
+
+    from ._engine import WithMesh
+
+    e = engine_for(procs)
+    fn = _DistributeModule(partition_fn)
+    try:
+        with _Controller():
+            shadow = fn(e.shadow_mesh, "meta", copy.deepcopy(module))
+    except Exception as err:
+        raise TensorOpError(f"distribute_module: {type(err).__name__}: {err}") from err
+    h = MeshModule(e, e.new_id(), shadow)
+    e.send([(WithMesh(fn), (module.cpu(),), {}, [h._id], torch.is_grad_enabled())])
+    return h
+
+
+class _MakeOptimizer:
+    def __init__(self, cls: type, kwargs: dict[str, Any]) -> None:
+        self.cls = cls
+        self.kwargs = kwargs
+
+    def __call__(self, params: list[Any]) -> Any:
+        return self.cls(params, **self.kwargs)
+
+
+class Optimizer:
+    """A torch optimizer over mesh tensors, living on the ranks: ``step()`` and ``zero_grad()``
+    are one message each. ``Optimizer(torch.optim.SGD, [w1, w2], lr=0.1)``."""
+
+    def __init__(self, cls: type, params: Iterable[MeshTensor], **kwargs: Any) -> None:
+        ps = list(params)
+        if not ps or not all(isinstance(p, MeshTensor) for p in ps):
+            raise TypeError("Optimizer needs a non-empty list of MeshTensors")
+        self._engine: Engine = ps[0]._engine
+        self._params = ps
+        self._id = self._engine.new_id()
+        self._engine.send([(_MakeOptimizer(cls, kwargs), ([_ref(p) for p in ps],), {}, [self._id], False)])
+
+    def step(self) -> None:
+        self._engine.send([(_Step(), (_ref_id(self._id),), {}, [], False)])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self._params:
+            p._shadow.grad = None
+        self._engine.send([(_ZeroGrad(), (_ref_id(self._id),), {}, [], False)])
+
+    def __del__(self) -> None:
+        try:
+            self._engine.frees.append(self._id)
+        except AttributeError:
+            pass
+
+
+class _Step:
+    def __call__(self, opt: Any) -> None:
+        opt.step()
+
+
+class _ZeroGrad:
+    def __call__(self, opt: Any) -> None:
+        opt.zero_grad(set_to_none=True)
+
+
+def _ref(p: MeshTensor) -> Any:
+    from ._ops import Ref
+
+    return Ref(p._id)
+
+
+def _ref_id(i: int) -> Any:
+    from ._ops import Ref
+
+    return Ref(i)
+
+
+def stats(procs: ProcMesh) -> dict[str, Any]:
+    """What the mesh's tensor engine sent and received: messages sent, bytes of values received."""
+    e = engine_for(procs)
+    return {"messages_sent": e.messages_sent, "bytes_received": e.bytes_received, "backend": e.backend}
+
+
+__all__ += ["Engine"]

@@ -1,0 +1,593 @@
+"""The controller side: a handle per mesh tensor, its meta "shadow" DTensor (shape, dtype,
+placements and autograd structure, known at once), and one engine per proc mesh that sends
+op records to the ranks in one ordered stream."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import pickle
+import threading
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from .._wire.serialize import loads, nbytes
+from ..actor import Future
+from ..actor._mesh import ProcMesh
+from ..errors import MonarchNBError
+from ._ops import Attr, Factory, Lit, Method, Ref, WithMesh, local_shape
+from ._worker import TensorWorker
+
+#: seconds a collective on the ranks may wait for a peer before it fails (a dead rank)
+COLLECTIVE_TIMEOUT_S = 60.0
+#: seconds the controller waits for a value (full_tensor, inspect, setup) before giving up
+VALUE_TIMEOUT_S = 300.0
+
+
+class TensorOpError(MonarchNBError, RuntimeError):
+    """An op that DTensor cannot run on these placements; raised on the controller before
+    anything is sent (nothing is computed on the controller)."""
+
+
+_shadow_lock = threading.Lock()
+_shadow_meshes: dict[tuple[tuple[str, ...], tuple[int, ...]], Any] = {}
+
+
+def _shadow_mesh(labels: tuple[str, ...], sizes: tuple[int, ...]) -> Any:
+    """A DeviceMesh of the proc mesh's shape in this process, over torch's fake process group:
+    DTensor's sharding propagation runs on meta tensors against it; no byte moves."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = (labels, sizes)
+    with _shadow_lock:
+        if key in _shadow_meshes:
+            return _shadow_meshes[key]
+        if not dist.is_initialized():
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+
+            dist.init_process_group("fake", rank=0, world_size=1 << 16, store=FakeStore())
+        elif dist.get_backend() != "fake":
+            raise TensorOpError(
+                "this controller already has a torch.distributed process group; mesh tensors need "
+                "the controller's default group to be torch's fake one (do not init_process_group here)"
+            )
+        n = math.prod(sizes)
+        mesh = DeviceMesh("cpu", torch.arange(n).reshape(sizes), mesh_dim_names=labels)
+        _shadow_meshes[key] = mesh
+        return mesh
+
+
+class Engine:
+    """One per proc mesh: the hidden worker actor, the id counter, the frees to send."""
+
+    def __init__(self, procs: ProcMesh) -> None:
+        self.procs = procs
+        ext = procs.extent
+        self.labels = tuple(ext.keys()) or ("ranks",)
+        self.sizes = tuple(ext.values()) or (1,)
+        self.size = math.prod(self.sizes)
+        self.shadow_mesh = _shadow_mesh(self.labels, self.sizes)
+        self._ids = itertools.count(1)
+        #: ids of handles collected on the controller, sent with the next broadcast
+        self.frees: collections.deque[int] = collections.deque()
+        self.actor: Any = None
+        self._start_lock = threading.Lock()
+        self.backend = ""
+        self.bytes_received = 0
+        self.messages_sent = 0
+
+    def __repr__(self) -> str:
+        return f"<tensor engine on {self.procs!r}>"
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def start(self) -> Any:
+        with self._start_lock:
+            if self.actor is None:
+                from ..spmd import _tcp_host, setup_torch_elastic_env
+
+                # procs on other hosts: rendezvous at the address the runtime reaches rank 0 at
+                setup_torch_elastic_env(self.procs, use_ipaddr=bool(_tcp_host(self.procs)) or None)
+                actor = self.procs.spawn("_tensor_engine", TensorWorker)
+                self.backend = (
+                    actor.setup.call(list(self.labels), list(self.sizes), COLLECTIVE_TIMEOUT_S)
+                    .get(timeout=VALUE_TIMEOUT_S)
+                    .values()[0]
+                )
+                self.actor = actor
+        return self.actor
+
+    def take_frees(self) -> list[int]:
+        out = []
+        while True:
+            try:
+                out.append(self.frees.popleft())
+            except IndexError:
+                return out
+
+    def send(self, records: list[tuple[Any, ...]]) -> None:
+        actor = self.start()
+        actor.run.broadcast(self.take_frees(), records)
+        self.messages_sent += 1
+
+    def put(self, rank: int, *args: Any) -> None:
+        self.start().put._send(([], *args), {}, None, None, [rank])
+        self.messages_sent += 1
+
+    def gather(self, method: str, args: tuple[Any, ...], ranks: list[int] | None, what: str) -> Future[list[Any]]:
+        """Call ``method`` on ``ranks`` (all when None); the future holds their results, and
+        the bytes of every reply are counted as received by the controller."""
+
+        def decode(raws: list[Any]) -> list[Any]:
+            out = []
+            for r in raws:
+                if r is not None:
+                    self.bytes_received += nbytes(*r)
+                out.append(loads(*r) if r is not None else None)
+            return out
+
+        return getattr(self.start(), method)._gather(args, {}, ranks, what, decode)
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        bad = set(coords) - set(self.labels)
+        if bad:
+            raise ValueError(f"{sorted(bad)} are not dimensions of {self.procs!r}; its dimensions are {list(self.labels)}")
+        r = 0
+        for name, size in zip(self.labels, self.sizes):
+            c = coords.get(name, 0)
+            if not 0 <= c < size:
+                raise ValueError(f"{name}={c} is out of range for a dimension of size {size}")
+            r = r * size + c
+        return r
+
+    def coords_of(self, rank: int) -> list[int]:
+        out = []
+        for size in reversed(self.sizes):
+            out.append(rank % size)
+            rank //= size
+        return out[::-1]
+
+
+_engines: dict[str, Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def engine_for(procs: ProcMesh) -> Engine:
+    if not isinstance(procs, ProcMesh):
+        raise TypeError(f"mesh tensors live on a ProcMesh, got {type(procs).__name__}")
+    root = getattr(procs, "_root", procs)
+    if root is not procs and list(procs._view.ranks) != list(root._view.ranks):
+        raise ValueError(f"mesh tensors live on a whole proc mesh; {procs!r} is a slice of {root!r}")
+    with _engines_lock:
+        e = _engines.get(procs.name)
+        if e is None or e.procs._stopped:
+            e = _engines[procs.name] = Engine(root)
+        return e
+
+
+# --- handles ---------------------------------------------------------------------------------
+
+
+class MeshTensor:
+    """A DTensor living on the ranks of a proc mesh, held by the controller.
+
+    Shape, dtype, placements and ``requires_grad`` are known here at once (from a meta shadow);
+    torch ops on it are sent to the ranks and return new handles; values come back only with
+    ``full_tensor()``, :func:`fetch_shard`, :func:`inspect` and :func:`reduce`.
+    """
+
+    __slots__ = ("_engine", "_id", "_shadow", "__weakref__")
+
+    def __init__(self, engine: Engine, id: int, shadow: DTensor) -> None:
+        self._engine = engine
+        self._id = id
+        self._shadow = shadow
+
+    def __del__(self) -> None:
+        try:
+            self._engine.frees.append(self._id)
+        except AttributeError:  # a half-built handle
+            pass
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return dispatch(func, args, kwargs or {})
+
+    # metadata, answered here
+    @property
+    def shape(self) -> torch.Size:
+        return self._shadow.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._shadow.dtype
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return tuple(self._shadow.placements)
+
+    @property
+    def ndim(self) -> int:
+        return self._shadow.ndim
+
+    @property
+    def requires_grad(self) -> bool:
+        return self._shadow.requires_grad
+
+    @property
+    def is_leaf(self) -> bool:
+        return self._shadow.is_leaf
+
+    @property
+    def mesh(self) -> ProcMesh:
+        return self._engine.procs
+
+    def size(self, dim: int | None = None) -> Any:
+        return self._shadow.size() if dim is None else self._shadow.size(dim)
+
+    def dim(self) -> int:
+        return self._shadow.dim()
+
+    def numel(self) -> int:
+        return self._shadow.numel()
+
+    def __len__(self) -> int:
+        return len(self._shadow)
+
+    def __iter__(self) -> Any:
+        # without it, Python would iterate through __getitem__ until an IndexError, which the
+        # shadow raises as a TensorOpError
+        return (self[i] for i in range(len(self)))
+
+    def local_shape(self, **coords: int) -> list[int]:
+        """The shape of the local tensor of the rank at ``coords`` (0 for dims not named)."""
+        e = self._engine
+        return local_shape(list(self.shape), e.coords_of(e.rank_of(coords)), list(e.sizes), self.placements)
+
+    # values
+    def full_tensor(self) -> torch.Tensor:
+        """The global value, as a plain tensor here (a collective on the ranks)."""
+        fut = self._engine.gather("full", ([], self._id), None, "full_tensor()")
+        return fut.get(timeout=VALUE_TIMEOUT_S)[0]
+
+    def item(self) -> Any:
+        return self.full_tensor().item()
+
+    def tolist(self) -> Any:
+        return self.full_tensor().tolist()
+
+    def __bool__(self) -> bool:
+        raise TypeError("the truth value of a mesh tensor needs its value: use inspect(t) or t.item()")
+
+    # ops with no torch function of their own
+    @property
+    def grad(self) -> MeshTensor | None:
+        if self._shadow.grad is None:
+            return None
+        return dispatch(Attr("grad"), (self,), {})
+
+    @property
+    def T(self) -> MeshTensor:
+        return dispatch(Attr("T"), (self,), {})
+
+    @property
+    def mT(self) -> MeshTensor:
+        return dispatch(Attr("mT"), (self,), {})
+
+    @property
+    def data(self) -> MeshTensor:
+        return dispatch(Attr("data"), (self,), {})
+
+    def redistribute(self, device_mesh: Any = None, placements: Any = None) -> MeshTensor:
+        """As DTensor's: the same global value with other placements (collectives on the ranks)."""
+        if placements is None:
+            raise ValueError("redistribute needs placements, one per mesh dimension")
+        return dispatch(Method("redistribute"), (self,), {"placements": tuple(placements)})
+
+    def backward(self, gradient: Any = None, retain_graph: Any = None, create_graph: bool = False) -> None:
+        dispatch(Method("backward"), (self,), {"gradient": gradient, "retain_graph": retain_graph, "create_graph": create_graph})
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or not callable(getattr(torch.Tensor, name, None)):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        m = Method(name)
+        return lambda *args, **kwargs: dispatch(m, (self, *args), kwargs)
+
+    def __repr__(self) -> str:
+        pl = ", ".join(map(str, self.placements))
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return f"MeshTensor(shape={tuple(self.shape)}, dtype={self.dtype}, placements=({pl}), mesh={dict(zip(self._engine.labels, self._engine.sizes))}{grad})"
+
+    def _previews(self, k: int = 6, timeout: float = 10.0) -> list[str]:
+        try:
+            vals = self._engine.gather("fetch", ([], self._id, k), None, "preview").get(timeout=timeout)
+        except Exception as e:  # a preview shows what went wrong instead
+            return [f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"] * self._engine.size
+        return [", ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in t.tolist()) for t in vals]
+
+    def _rows(self) -> list[tuple[str, str, str]]:
+        e = self._engine
+        rows = []
+        for r, pv in enumerate(self._previews()):
+            c = e.coords_of(r)
+            coord = ", ".join(f"{n}={v}" for n, v in zip(e.labels, c))
+            ls = local_shape(list(self.shape), c, list(e.sizes), self.placements)
+            rows.append((coord, str(tuple(ls)), pv))
+        return rows
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        lines = [repr(self)] + [f"  {c}: local {s}: [{v}{'' if len(v.split(',')) < 6 else ', …'}]" for c, s, v in self._rows()]
+        p.text("\n".join(lines))
+
+    def _repr_html_(self) -> str:
+        import html
+
+        head = html.escape(repr(self))
+        body = "".join(
+            f"<tr><td>{html.escape(c)}</td><td>{html.escape(s)}</td><td><code>{html.escape(v)}</code></td></tr>"
+            for c, s, v in self._rows()
+        )
+        return (
+            f"<div><code>{head}</code><table><thead><tr><th>rank</th><th>local shape</th><th>first values</th>"
+            f"</tr></thead><tbody>{body}</tbody></table></div>"
+        )
+
+
+class MeshModule:
+    """An ``nn.Module`` living on the ranks (its parameters DTensors), held by the controller:
+    calling it runs forward on the ranks; ``parameters()`` are mesh tensors."""
+
+    __slots__ = ("_engine", "_id", "_shadow", "__weakref__")
+
+    def __init__(self, engine: Engine, id: int, shadow: Any) -> None:
+        self._engine = engine
+        self._id = id
+        self._shadow = shadow
+
+    def __del__(self) -> None:
+        try:
+            self._engine.frees.append(self._id)
+        except AttributeError:
+            pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return dispatch(_CallModule(), (self, *args), kwargs)
+
+    def parameters(self) -> list[MeshTensor]:
+        return dispatch(_Parameters(), (self,), {})
+
+    def named_parameters(self) -> dict[str, MeshTensor]:
+        return dispatch(_NamedParameters(), (self,), {})
+
+    def train(self, mode: bool = True) -> MeshModule:
+        return dispatch(Method("train"), (self, mode), {})
+
+    def eval(self) -> MeshModule:
+        return self.train(False)
+
+    def __repr__(self) -> str:
+        return f"MeshModule on {self._engine.procs!r}:\n{self._shadow!r}"
+
+
+class _CallModule:
+    def __call__(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+        return module(*args, **kwargs)
+
+    def __str__(self) -> str:
+        return "module forward"
+
+
+class _Parameters:
+    def __call__(self, module: Any) -> list[Any]:
+        return list(module.parameters())
+
+
+class _NamedParameters:
+    def __call__(self, module: Any) -> dict[str, Any]:
+        return dict(module.named_parameters())
+
+
+_HANDLES = (MeshTensor, MeshModule)
+
+
+def _binop(name: str) -> Any:
+    m = Method(name)
+
+    def op(self: MeshTensor, *args: Any) -> Any:
+        return dispatch(m, (self, *args), {})
+
+    op.__name__ = name
+    return op
+
+
+for _name in (
+    "__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__ __rtruediv__ "
+    "__itruediv__ __floordiv__ __matmul__ __rmatmul__ __pow__ __rpow__ __neg__ __abs__ __getitem__ __setitem__ "
+    "__lt__ __le__ __gt__ __ge__ __eq__ __ne__ __and__ __or__ __invert__ __mod__"
+).split():
+    setattr(MeshTensor, _name, _binop(_name))
+MeshTensor.__hash__ = object.__hash__  # type: ignore[method-assign]
+
+
+# --- dispatch --------------------------------------------------------------------------------
+
+_portable_cache: dict[Any, Any] = {}
+
+#: set while this thread computes shadows or seeds: an active ActivateMode lets torch be torch
+_local = threading.local()
+
+
+class _Controller:
+    def __enter__(self) -> None:
+        _local.depth = getattr(_local, "depth", 0) + 1
+
+    def __exit__(self, *_: Any) -> None:
+        _local.depth -= 1
+
+
+def _portable(func: Any) -> Any:
+    """``func`` as something the ranks can unpickle (method descriptors and property getters
+    become :class:`Method`/:class:`Attr`)."""
+    try:
+        return _portable_cache[func]
+    except (KeyError, TypeError):
+        pass
+    out = func
+    owner = getattr(func, "__self__", None)
+    if isinstance(owner, (types.GetSetDescriptorType, property)) or type(owner).__name__ == "getset_descriptor":
+        out = Attr(owner.__name__)
+    else:
+        try:
+            pickle.dumps(func)
+        except Exception:  # anything unpicklable named like a method is one
+            name = getattr(func, "__name__", "")
+            if name and hasattr(torch.Tensor, name):
+                out = Method(name)
+    try:
+        _portable_cache[func] = out
+    except TypeError:
+        pass
+    return out
+
+
+def _name(func: Any) -> str:
+    if isinstance(func, (Method, Attr, Factory, WithMesh)):
+        return str(func)
+    mod = getattr(func, "__module__", None) or ""
+    return f"{mod + '.' if mod else ''}{getattr(func, '__qualname__', getattr(func, '__name__', repr(func)))}"
+
+
+def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = True) -> Any:
+    """Run ``func`` on the shadows here (shape, placements, errors at once), send it to the
+    ranks, and hand back handles for its tensor results."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    handles = [x for x in leaves if isinstance(x, _HANDLES)]
+    if not handles:
+        return func(*args, **kwargs)
+    engine = handles[0]._engine
+    for h in handles:
+        if h._engine is not engine:
+            raise ValueError(
+                f"{_name(func)}: its mesh tensors live on different proc meshes ({engine.procs!r}, {h._engine.procs!r})"
+            )
+    by_shadow = {id(h._shadow): h for h in handles}
+
+    def shadow(x: Any) -> Any:
+        if isinstance(x, _HANDLES):
+            return x._shadow
+        if isinstance(x, torch.Tensor):
+            return DTensor.from_local(
+                torch.empty_like(x, device="meta"), engine.shadow_mesh, [Replicate()] * len(engine.sizes), run_check=False
+            )
+        return x
+
+    def remote(x: Any) -> Any:
+        if isinstance(x, _HANDLES):
+            return Ref(x._id)
+        if isinstance(x, torch.Tensor):
+            return Lit(x.detach().cpu())
+        return x
+
+    s_args, s_kwargs = pytree.tree_map(shadow, (args, kwargs))
+    try:
+        with _Controller():
+            out = func(*s_args, **s_kwargs)
+    except Exception as e:
+        raise TensorOpError(
+            f"{_name(func)} cannot run on mesh tensors with placements "
+            f"{[tuple(map(str, h.placements)) for h in handles]}: {type(e).__name__}: {e}"
+        ) from e
+    flat, spec = pytree.tree_flatten(out)
+    ids: list[int | None] = []
+    results: list[Any] = []
+    for v in flat:
+        if id(v) in by_shadow:  # an input handed back (an in-place op, Module.train())
+            h = by_shadow[id(v)]
+            ids.append(h._id)
+            results.append(h)
+        elif isinstance(v, DTensor):
+            h = MeshTensor(engine, engine.new_id(), v)
+            ids.append(h._id)
+            results.append(h)
+        elif isinstance(v, torch.Tensor):
+            raise TensorOpError(f"{_name(func)} returns a plain tensor, not a DTensor; mesh tensors cannot hold it")
+        else:
+            ids.append(None)
+            results.append(v)
+    r_args, r_kwargs = pytree.tree_map(remote, (args, kwargs))
+    engine.send([(_portable(func), r_args, r_kwargs, ids, torch.is_grad_enabled())])
+    return pytree.tree_unflatten(results, spec)
+
+
+def make(engine: Engine, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], placements: Any, random: bool) -> MeshTensor:
+    """A factory run on the ranks (no data sent): ``fn(*args, **kwargs)`` cut to ``placements``."""
+    kwargs = dict(kwargs)
+    kwargs.pop("device", None)
+    if kwargs.pop("generator", None) is not None:
+        raise ValueError(
+            "mesh tensor factories seed their own generator: leave generator= out (torch.manual_seed here seeds them)"
+        )
+    pl = tuple(placements) if placements is not None else None
+    if pl is not None and len(pl) != len(engine.sizes):
+        raise ValueError(f"{len(pl)} placements for a mesh of {len(engine.sizes)} dimensions {list(engine.labels)}")
+    if fn in _FLOAT_FACTORIES and "dtype" not in kwargs:
+        # the ranks' default dtype is not the controller's
+        kwargs["dtype"] = torch.get_default_dtype()
+    with _Controller():
+        seed = int(torch.randint(0, 2**62, ()).item()) if random else None
+    fac = Factory(fn, pl, seed)
+    try:
+        with _Controller():
+            shadow = Factory(fn, pl, None)(engine.shadow_mesh, "meta", *args, **kwargs)
+    except Exception as e:
+        raise TensorOpError(f"{fac}: {type(e).__name__}: {e}") from e
+    h = MeshTensor(engine, engine.new_id(), shadow)
+    engine.send([(fac, args, kwargs, [h._id], torch.is_grad_enabled())])
+    return h
+
+
+_FLOAT_FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.rand, torch.randn, torch.eye, torch.linspace}
+
+# --- activate() ------------------------------------------------------------------------------
+
+_FACTORIES = {
+    torch.zeros: False,
+    torch.ones: False,
+    torch.empty: False,
+    torch.full: False,
+    torch.arange: False,
+    torch.eye: False,
+    torch.linspace: False,
+    torch.rand: True,
+    torch.randn: True,
+    torch.randint: True,
+    torch.randperm: True,
+    torch.normal: True,
+}
+
+
+class ActivateMode(TorchFunctionMode):
+    """Inside ``with procs.activate():`` torch factories make mesh tensors (Replicate() on every
+    dimension, random ones seeded alike on every rank); ops on mesh tensors go to the ranks."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.engine = engine
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(_local, "depth", 0):
+            return func(*args, **kwargs)
+        if any(isinstance(x, _HANDLES) for x in pytree.tree_leaves((args, kwargs))):
+            return dispatch(func, args, kwargs)
+        if func in _FACTORIES and not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves((args, kwargs))):
+            return make(self.engine, func, tuple(args), kwargs, None, _FACTORIES[func])
+        return func(*args, **kwargs)

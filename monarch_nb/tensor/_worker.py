@@ -1,0 +1,155 @@
+"""The rank side: one hidden actor per proc mesh holding the table id -> DTensor (or any object
+an op made, an optimizer say) and running the controller's op records in the order sent."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils import _pytree as pytree
+
+from ..actor import Actor, current_rank, endpoint
+from ._ops import Factory, Lit, Ref, WithMesh
+
+
+def _gloo_interface(master: str) -> None:
+    """Point gloo at the interface that reaches ``master``: by default it binds the address the
+    host name resolves to, which on a host whose name maps to another machine's (or no) address
+    leaves it on loopback, unreachable from other hosts."""
+    import socket
+
+    import psutil
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, 9))
+            ip = s.getsockname()[0]
+    except OSError:
+        return
+    if ip.startswith("127."):
+        return
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            return
+
+
+class _Failed:
+    """A table entry whose op failed: every op reading it fails with the same error."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class TensorWorker(Actor):
+    def __init__(self) -> None:
+        self.table: dict[int, Any] = {}
+        self.mesh: Any = None
+        self.device = "cpu"
+
+    @endpoint
+    def setup(self, labels: list[str], sizes: list[int], timeout_s: float) -> str:
+        """Join (or reuse) the default process group and build the device mesh named as the
+        proc mesh; collectives time out after ``timeout_s`` so a dead peer cannot hang a rank."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+        if cuda:
+            local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+            torch.cuda.set_device(local)
+            self.device = f"cuda:{local}"
+        if not cuda and "GLOO_SOCKET_IFNAME" not in os.environ:
+            _gloo_interface(os.environ.get("MASTER_ADDR", ""))
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "nccl" if cuda else "gloo",
+                timeout=datetime.timedelta(seconds=timeout_s),
+                device_id=torch.device(self.device) if cuda else None,
+            )
+        names = tuple(labels) if labels else ("ranks",)
+        self.mesh = init_device_mesh("cuda" if cuda else "cpu", tuple(sizes) or (1,), mesh_dim_names=names)
+        return dist.get_backend()
+
+    def _get(self, r: Ref) -> Any:
+        v = self.table.get(r.id, None)
+        if v is None:
+            raise KeyError(f"mesh tensor {r.id} is not on rank {current_rank().rank} (freed?)")
+        if isinstance(v, _Failed):
+            raise v.error
+        return v
+
+    def _resolve(self, tree: Any) -> Any:
+        def one(x: Any) -> Any:
+            if isinstance(x, Ref):
+                return self._get(x)
+            if isinstance(x, Lit):
+                t = x.value.to(self.device)
+                return DTensor.from_local(t, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+            return x
+
+        return pytree.tree_map(one, tree, is_leaf=lambda x: isinstance(x, (Ref, Lit)))
+
+    def _free(self, frees: list[int]) -> None:
+        for i in frees:
+            self.table.pop(i, None)
+
+    @endpoint
+    def run(self, frees: list[int], records: list[tuple[Any, ...]]) -> None:
+        """Run op records in order; a failing one stores its error under its outputs' ids."""
+        self._free(frees)
+        for fn, args, kwargs, out_ids, grad in records:
+            try:
+                with torch.set_grad_enabled(grad):
+                    if isinstance(fn, Factory):
+                        out = fn(self.mesh, self.device, *args, **kwargs)
+                    elif isinstance(fn, WithMesh):
+                        a, k = self._resolve((args, kwargs))
+                        out = fn.fn(self.mesh, self.device, *a, **k)
+                    else:
+                        a, k = self._resolve((args, kwargs))
+                        out = fn(*a, **k)
+                leaves = pytree.tree_leaves(out)
+                for i, v in zip(out_ids, leaves):
+                    if i is not None:
+                        self.table[i] = v
+            except Exception as e:  # the error belongs to the op's outputs
+                for i in out_ids:
+                    if i is not None:
+                        self.table[i] = _Failed(e)
+
+    @endpoint
+    def put(self, frees: list[int], id: int, local: torch.Tensor, placements: Any, shape: Any, stride: Any) -> None:
+        """This rank's shard of a distributed tensor, sent to it alone."""
+        self._free(frees)
+        self.table[id] = DTensor.from_local(
+            local.to(self.device), self.mesh, placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
+        )
+
+    @endpoint
+    def fetch(self, frees: list[int], id: int, limit: int = -1) -> torch.Tensor:
+        """This rank's local tensor (its first ``limit`` elements, flattened, when >= 0)."""
+        self._free(frees)
+        t = self._get(Ref(id))
+        local = t.to_local() if isinstance(t, DTensor) else t
+        local = local.detach()
+        if limit >= 0:
+            local = local.reshape(-1)[:limit]
+        return local.cpu().clone()
+
+    @endpoint
+    def full(self, frees: list[int], id: int) -> torch.Tensor | None:
+        """The global value (a collective: every rank must be asked); rank 0 returns it."""
+        self._free(frees)
+        t = self._get(Ref(id))
+        full = t.full_tensor().detach() if isinstance(t, DTensor) else t
+        return full.cpu() if current_rank().rank == 0 else None
+
+    @endpoint
+    def count(self) -> int:
+        return len(self.table)

@@ -1,0 +1,451 @@
+"""Mesh tensors (monarch_nb.tensor): every supported op against the same op on a plain local
+tensor, on a 1-D {gpus: 4} and a 2-D {hosts: 2, gpus: 2} mesh of real procs (gloo)."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import os
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import monarch_nb.tensor as mt
+from monarch_nb.actor import this_host
+from monarch_nb.errors import SupervisionError
+from monarch_nb.tensor import Partial, Replicate, Shard, TensorOpError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def float64():  # type: ignore[no-untyped-def]
+    """The oracle compares in float64 (the ranks get the dtype with each tensor or factory)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+@pytest.fixture(scope="module")
+def mesh1():  # type: ignore[no-untyped-def]
+    procs = this_host().spawn_procs(per_host={"gpus": 4}, name="tensor1d")
+    yield procs
+    procs.stop().get(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def mesh2():  # type: ignore[no-untyped-def]
+    procs = this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2}, name="tensor2d")
+    yield procs
+    procs.stop().get(timeout=30)
+
+
+@pytest.fixture(params=["1d", "2d"])
+def procs(request, mesh1, mesh2):  # type: ignore[no-untyped-def]
+    return mesh1 if request.param == "1d" else mesh2
+
+
+def gen(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+#: placements of the first input, per mesh rank: Shard(0), Shard(1), Replicate(), Partial()
+PLACEMENTS = {
+    1: {"S0": [Shard(0)], "S1": [Shard(1)], "R": [Replicate()], "P": [Partial()]},
+    2: {
+        "S0": [Shard(0), Replicate()],
+        "S1": [Replicate(), Shard(1)],
+        "R": [Replicate(), Replicate()],
+        "P": [Partial(), Shard(0)],
+    },
+}
+
+
+def fit(placements: list, ndim: int) -> list:
+    """The same placements for a tensor of ``ndim`` dims (a Shard past its last dim replicates)."""
+    return [Replicate() if isinstance(p, Shard) and p.dim >= ndim else p for p in placements]
+
+
+# name -> (fn, shapes of its inputs); each input is distributed, then fn runs on the handles
+# and on the local tensors
+OPS = {
+    "add": (lambda a, b: a + b, [(8, 6), (8, 6)]),
+    "sub_scalar": (lambda a: 1.5 - a, [(8, 6)]),
+    "mul": (lambda a, b: a * b, [(8, 6), (8, 6)]),
+    "div": (lambda a: a / 4 + a / (a.abs() + 1), [(8, 6)]),
+    "neg_pow": (lambda a: (-a) ** 2, [(8, 6)]),
+    "matmul": (lambda a, b: a @ b, [(8, 6), (6, 4)]),
+    "torch_matmul": (lambda a, b: torch.matmul(a, b), [(8, 6), (6, 4)]),
+    "linear": (lambda x, w, b: F.linear(x, w, b), [(8, 6), (4, 6), (4,)]),
+    "relu": (lambda a: torch.relu(a), [(8, 6)]),
+    "F_relu": (lambda a: F.relu(a), [(8, 6)]),
+    "gelu": (lambda a: F.gelu(a), [(8, 6)]),
+    "softmax": (lambda a: F.softmax(a, dim=-1), [(8, 6)]),
+    "log_softmax": (lambda a: F.log_softmax(a, dim=1), [(8, 6)]),
+    "sum": (lambda a: a.sum(), [(8, 6)]),
+    "sum_dim0": (lambda a: a.sum(dim=0), [(8, 6)]),
+    "sum_dim1": (lambda a: torch.sum(a, dim=1), [(8, 6)]),
+    "mean": (lambda a: a.mean(), [(8, 6)]),
+    "mean_dim1": (lambda a: a.mean(dim=1), [(8, 6)]),
+    "transpose": (lambda a: a.transpose(0, 1), [(8, 6)]),
+    "T": (lambda a: a.T @ a, [(8, 6)]),
+    "view": (lambda a: a.view(48), [(8, 6)]),
+    "reshape": (lambda a: a.reshape(4, 12), [(8, 6)]),
+    "slice_rows": (lambda a: a[2:6], [(8, 6)]),
+    "slice_cols": (lambda a: a[:, 1:4], [(8, 6)]),
+    "index": (lambda a: a[3], [(8, 6)]),
+}
+
+
+@pytest.mark.parametrize("pl", ["S0", "S1", "R", "P"])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_op_matches_local(procs, op, pl):  # type: ignore[no-untyped-def]
+    fn, shapes = OPS[op]
+    placements = PLACEMENTS[len(procs.extent)][pl]
+    local = [gen(*s, seed=i) for i, s in enumerate(shapes)]
+    handles = [mt.distribute(t, procs, fit(placements, t.ndim)) for t in local]
+    out = fn(*handles)
+    want = fn(*local)
+    assert isinstance(out, mt.MeshTensor)
+    assert out.shape == want.shape and out.dtype == want.dtype
+    torch.testing.assert_close(mt.inspect(out), want)
+
+
+def test_cross_entropy_with_a_local_target(procs):  # type: ignore[no-untyped-def]
+    logits, target = gen(8, 5), torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
+    for pl in PLACEMENTS[len(procs.extent)].values():
+        loss = F.cross_entropy(mt.distribute(logits, procs, pl), target)
+        assert loss.shape == ()
+        torch.testing.assert_close(mt.inspect(loss), F.cross_entropy(logits, target))
+
+
+PAIRS = list(itertools.product(["S0", "S1", "R", "P"], repeat=2))
+
+
+@pytest.mark.parametrize("src,dst", PAIRS)
+def test_redistribute_between_every_pair(mesh1, src, dst):  # type: ignore[no-untyped-def]
+    pl = PLACEMENTS[1]
+    t = gen(8, 6)
+    h = mt.distribute(t, mesh1, pl[src])
+    if dst == "P" and src != "P":
+        # DTensor itself refuses (Partial is for its internal use): said on the controller, nothing sent
+        sent = mt.stats(mesh1)["messages_sent"]
+        with pytest.raises(TensorOpError, match="redistribute"):
+            h.redistribute(placements=pl[dst])
+        assert mt.stats(mesh1)["messages_sent"] == sent
+        return
+    r = h.redistribute(placements=pl[dst])
+    assert r.placements == tuple(pl[dst])
+    torch.testing.assert_close(mt.inspect(r), t)
+    # every rank holds the piece its placement says
+    for g in range(4):
+        assert list(mt.fetch_shard(r, gpus=g).get(timeout=30).shape) == r.local_shape(gpus=g)
+
+
+@pytest.mark.parametrize("src,dst", [("S0", "S1"), ("S1", "R"), ("P", "S0"), ("R", "S0"), ("P", "R")])
+def test_redistribute_on_a_2d_mesh(mesh2, src, dst):  # type: ignore[no-untyped-def]
+    t = gen(8, 6)
+    pl = PLACEMENTS[2]
+    r = mt.distribute(t, mesh2, pl[src]).redistribute(placements=pl[dst])
+    assert r.placements == tuple(pl[dst])
+    torch.testing.assert_close(mt.inspect(r), t)
+
+
+def test_distribute_sends_each_rank_its_shard_even_when_uneven(mesh1):  # type: ignore[no-untyped-def]
+    t = gen(7, 5)
+    h = mt.distribute(t, mesh1, [Shard(0)])
+    pieces = list(torch.chunk(t, 4, dim=0))
+    for g in range(4):
+        torch.testing.assert_close(mt.fetch_shard(h, gpus=g).get(timeout=30), pieces[g])
+    torch.testing.assert_close(h.full_tensor(), t)
+    assert mt.inspect(h, gpus=2).shape == (2, 5)
+    rows = list(h)
+    assert len(rows) == 7 and rows[6].shape == (5,)
+    torch.testing.assert_close(mt.inspect(rows[6]), t[6])
+
+
+def test_factories_and_activate(mesh2):  # type: ignore[no-untyped-def]
+    z = mt.zeros(4, 6, procs=mesh2, placements=[Shard(0), Shard(1)])
+    assert z.shape == (4, 6) and z.placements == (Shard(0), Shard(1))
+    assert mt.fetch_shard(z, hosts=1, gpus=1).get(timeout=30).shape == (2, 3)
+    torch.testing.assert_close(mt.inspect(mt.ones(3, procs=mesh2) + z.sum()), torch.ones(3))
+    torch.manual_seed(7)
+    a = mt.inspect(mt.rand(8, 6, procs=mesh2, placements=[Shard(0), Replicate()]))
+    torch.manual_seed(7)
+    b = mt.rand(8, 6, procs=mesh2, placements=[Replicate(), Shard(1)])
+    torch.testing.assert_close(mt.inspect(b), a)  # seeded alike, whatever the placements
+    with mesh2.activate():
+        r = torch.rand(3, 4)
+        s = torch.rand(3, 4)
+        y = (r * 2).sum(dim=0)
+    assert r.placements == (Replicate(), Replicate()) and y.shape == (4,)
+    ones = torch.ones(4, 6)
+    with mesh2.activate():  # monarch_nb.tensor's own calls inside the block still work
+        z2 = mt.zeros(4, 6, procs=mesh2, placements=[Shard(0), Shard(1)]) + mt.rand(4, 6, procs=mesh2) * 0
+        d = mt.distribute(ones, mesh2) + z2
+    torch.testing.assert_close(mt.inspect(d), torch.ones(4, 6))
+    shards = [mt.fetch_shard(r, hosts=h, gpus=g).get(timeout=30) for h in range(2) for g in range(2)]
+    assert all(torch.equal(shards[0], x) for x in shards)  # random, yet the same on every rank
+    assert not torch.equal(mt.inspect(s), shards[0])
+    torch.testing.assert_close(mt.inspect(y), (shards[0] * 2).sum(dim=0))
+    assert not isinstance(torch.rand(2), mt.MeshTensor)  # outside the block: a plain tensor
+    html = z._repr_html_()
+    assert "hosts=1, gpus=1" in html and "(2, 3)" in html and "placements=(S(0), S(1))" in html
+
+
+def test_rank_tensor_holds_each_ranks_coordinate(mesh2):  # type: ignore[no-untyped-def]
+    g = mesh2.rank_tensor("gpus")
+    assert g.shape == (2,) and g.placements == (Replicate(), Shard(0))
+    assert [int(mt.fetch_shard(g, hosts=h, gpus=c).get(timeout=30).item()) for h in range(2) for c in range(2)] == [0, 1, 0, 1]
+    total = mt.reduce(mt.rank_tensor(mesh2, "hosts"), ["hosts", "gpus"], "sum")
+    assert int(mt.fetch_shard(total, gpus=1).get(timeout=30).item()) == 0 + 0 + 1 + 1
+
+
+def test_reduce_combines_local_tensors_across_named_dims(mesh2):  # type: ignore[no-untyped-def]
+    t = gen(8, 6)
+    h = mt.distribute(t, mesh2, [Shard(0), Shard(1)])
+    locals_ = {(i, j): torch.chunk(torch.chunk(t, 2, 0)[i], 2, 1)[j] for i in range(2) for j in range(2)}
+    r = mt.reduce(h, "gpus", "sum")
+    assert r.placements == (Shard(0), Replicate())
+    for i, j in locals_:
+        torch.testing.assert_close(mt.fetch_shard(r, hosts=i, gpus=j).get(timeout=30), locals_[i, 0] + locals_[i, 1])
+    m = mt.reduce(h, ["hosts", "gpus"], "max")
+    torch.testing.assert_close(mt.fetch_shard(m, gpus=1).get(timeout=30), torch.stack(list(locals_.values())).amax(0))
+    a = mt.reduce(h, ("hosts",), "avg")
+    torch.testing.assert_close(mt.fetch_shard(a, gpus=1).get(timeout=30), (locals_[0, 1] + locals_[1, 1]) / 2)
+    with pytest.raises(ValueError, match="not dimensions"):
+        mt.reduce(h, "nodes")
+
+
+def _wait_for_flag(x: torch.Tensor, path: str) -> torch.Tensor:
+    # on the controller's meta shadow this returns at once; on the ranks it blocks until released
+    if x.device.type != "meta":
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return x
+
+
+def test_shapes_are_known_while_ranks_are_blocked(mesh1, tmp_path):  # type: ignore[no-untyped-def]
+    flag = str(tmp_path / "go")
+    x = mt.distribute(gen(8, 6), mesh1, [Shard(0)])
+    blocked = mt.remote(_wait_for_flag)(x, flag)
+    try:
+        y = (blocked @ blocked.T).relu().sum(dim=1)  # sent while the ranks wait: answered here
+        assert y.shape == (8,) and y.placements == (Shard(0),)
+        fut = mt.fetch_shard(y, gpus=3)
+        assert not fut.done()
+    finally:
+        open(flag, "w").close()
+    want = (gen(8, 6) @ gen(8, 6).T).relu().sum(dim=1)
+    torch.testing.assert_close(fut.get(timeout=60), want[6:])
+
+
+def test_an_error_stays_on_the_handle_that_caused_it(mesh1):  # type: ignore[no-untyped-def]
+    x = mt.distribute(gen(8, 5), mesh1, [Shard(0)])
+    bad = F.cross_entropy(x, torch.full((8,), 99))  # class 99 of 5: only the ranks can tell
+    assert bad.shape == ()
+    with pytest.raises(Exception, match="out of bounds") as first:
+        mt.inspect(bad)
+    later = (bad * 2).relu()
+    with pytest.raises(type(first.value), match="out of bounds"):
+        mt.fetch_shard(later, gpus=2).get(timeout=30)
+    torch.testing.assert_close(mt.inspect(x + 1), gen(8, 5) + 1)  # the rest keeps working
+
+
+def test_an_op_dtensor_cannot_shard_fails_here_and_is_never_sent(mesh1):  # type: ignore[no-untyped-def]
+    x = mt.distribute(gen(8, 6), mesh1, [Shard(0)])
+    sent = mt.stats(mesh1)["messages_sent"]
+    with pytest.raises(TensorOpError, match="nonzero"):
+        torch.nonzero(x)
+    with pytest.raises(TypeError, match="truth value"):
+        bool(x)
+    assert mt.stats(mesh1)["messages_sent"] == sent
+
+
+def test_training_moves_metadata_only_and_matches_local_training(mesh2):  # type: ignore[no-untyped-def]
+    """50 steps of an MLP, data parallel on hosts and tensor parallel on gpus, in float64."""
+    X, Y = gen(16, 8, seed=1), torch.randint(0, 4, (16,), generator=torch.Generator().manual_seed(2))
+    W1, W2 = gen(8, 16, seed=3) * 0.3, gen(16, 4, seed=4) * 0.3
+
+    def step_local(w1, w2):  # type: ignore[no-untyped-def]
+        return F.cross_entropy(F.gelu(X @ w1) @ w2, Y)
+
+    w1l, w2l = W1.clone().requires_grad_(), W2.clone().requires_grad_()
+    opt_l = torch.optim.SGD([w1l, w2l], lr=0.5)
+    for _ in range(50):
+        opt_l.zero_grad()
+        last = step_local(w1l, w2l)
+        last.backward()
+        opt_l.step()
+
+    x = mt.distribute(X, mesh2, [Shard(0), Replicate()])
+    y = mt.distribute(Y, mesh2, [Shard(0), Replicate()])
+    w1 = mt.distribute(W1, mesh2, [Replicate(), Shard(1)]).requires_grad_()
+    w2 = mt.distribute(W2, mesh2, [Replicate(), Shard(0)]).requires_grad_()
+    opt = mt.Optimizer(torch.optim.SGD, [w1, w2], lr=0.5)
+    before = mt.stats(mesh2)["bytes_received"]
+    for _ in range(50):
+        opt.zero_grad()
+        loss = F.cross_entropy(F.gelu(x @ w1) @ w2, y)
+        loss.backward()
+        assert w1.grad is not None and w1.grad.shape == (8, 16)
+        opt.step()
+    assert mt.stats(mesh2)["bytes_received"] == before  # 50 steps, not a byte of values back
+    torch.testing.assert_close(mt.inspect(w1), w1l.detach())
+    torch.testing.assert_close(mt.inspect(w2), w2l.detach())
+    torch.testing.assert_close(mt.inspect(loss), last.detach())
+    assert mt.fetch_shard(w1, hosts=1, gpus=1).get(timeout=30).shape == (8, 8)
+    assert mt.fetch_shard(w2, hosts=0, gpus=1).get(timeout=30).shape == (8, 4)
+
+
+def _table_size(procs) -> int:  # type: ignore[no-untyped-def]
+    return mt._engine.engine_for(procs).actor.count.call().get(timeout=30).values()[0]
+
+
+def test_a_collected_handle_frees_the_ranks_tensor(mesh1):  # type: ignore[no-untyped-def]
+    x = mt.distribute(gen(8, 6), mesh1, [Shard(0)])
+    gc.collect()
+    y = x * 1
+    mt.inspect(y)  # the message flushes what earlier tests dropped
+    base = _table_size(mesh1)
+    hs = [x + i for i in range(10)]
+    mt.inspect(hs[-1])
+    assert _table_size(mesh1) == base + 10
+    del hs
+    gc.collect()
+    z = x * 1  # the frees ride on the next message
+    mt.inspect(z)
+    assert _table_size(mesh1) == base + 1
+
+
+def test_setup_torch_elastic_env(mesh2):  # type: ignore[no-untyped-def]
+    from monarch_nb.spmd import setup_torch_elastic_env, setup_torch_elastic_env_async
+
+    x = mt.zeros(2, procs=mesh2)  # starts the engine: the rendezvous went through the env
+    assert mt.stats(mesh2)["backend"] == "gloo"
+    assert mt.inspect(x).shape == (2,)
+    import asyncio
+
+    setup_torch_elastic_env(mesh2, use_ipaddr=True)
+    asyncio.run(setup_torch_elastic_env_async(mesh2))
+
+
+def test_a_dead_rank_fails_pending_reads_and_the_mesh_can_be_stopped(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    import signal
+
+    monkeypatch.setattr(mt._engine, "COLLECTIVE_TIMEOUT_S", 5.0)
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, name="tensordead")
+    try:
+        x = mt.distribute(torch.arange(4.0), procs, [Shard(0)])
+        pids = mt.remote(_pid)(x)
+        pid = int(mt.fetch_shard(pids, gpus=1).get(timeout=30).item())
+        flag = str(tmp_path / "never")
+        y = mt.remote(_wait_for_flag)(x, flag).redistribute(placements=[Replicate()])
+        pending = mt.fetch_shard(y, gpus=1)
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(SupervisionError):
+            pending.get(timeout=30)
+        assert time.monotonic() - t0 < 10, "a dead rank is detected within 10 s (heartbeat timeout + margin)"
+        with pytest.raises(SupervisionError):
+            mt.fetch_shard(x, gpus=1).get(timeout=30)
+        # the survivor, released into the collective, leaves it (peer gone or the 5 s timeout)
+        # with an error stored on the result, and answers the next read
+        open(flag, "w").close()
+        with pytest.raises(Exception, match="(?i)timed? ?out|closed|connection|peer|reset"):
+            mt.fetch_shard(y, gpus=0).get(timeout=30)
+        torch.testing.assert_close(mt.fetch_shard(x, gpus=0).get(timeout=30), torch.arange(2.0))
+    finally:
+        procs.stop().get(timeout=60)
+
+
+def _pid(x: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    pid = torch.tensor(float(os.getpid()), device=x.device)
+    return DTensor.from_local(pid, x.device_mesh, [Replicate()], run_check=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the NCCL path)")
+def test_nccl_mesh_tensors_on_gpus():  # type: ignore[no-untyped-def]
+    n = min(torch.cuda.device_count(), 2)
+    procs = this_host().spawn_procs(per_host={"gpus": n}, name="tensorcuda")
+    try:
+        t = gen(8, 6)
+        h = mt.distribute(t, procs, [Shard(0)])
+        assert mt.stats(procs)["backend"] == "nccl"
+        torch.testing.assert_close(mt.inspect((h @ h.T).relu()), (t @ t.T).relu())
+    finally:
+        procs.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(180)
+def test_a_handle_dropped_in_a_kernel_frees_the_ranks_tensor():  # type: ignore[no-untyped-def]
+    """In a real kernel, ``Out`` pins a displayed handle: ``del`` plus ``%reset -f out`` frees it."""
+    from _kernel import Kernel
+
+    k = Kernel(load_ext=False)
+    try:
+
+        def ok(code: str) -> str:
+            c = k.run(code, timeout=120)
+            assert c.error is None, "\n".join(c.error["traceback"])
+            return c.result or c.stream()
+
+        ok(
+            "import gc, torch\nimport monarch_nb.tensor as mt\nfrom monarch_nb.actor import this_host\n"
+            "procs = this_host().spawn_procs(per_host={'gpus': 2}, name='tensorkernel')\n"
+            "x = mt.distribute(torch.ones(4, 2), procs, [mt.Shard(0)])\n"
+            "count = lambda: mt._engine.engine_for(procs).actor.count.call().get(timeout=30).values()[0]"
+        )
+        assert "MeshTensor(shape=(4, 2)" in ok("h = x + 1\nh")  # displayed: Out[2] holds it now
+        before = int(ok("gc.collect(); y = x * 1; mt.inspect(y); count()"))
+        ok("del h\ngc.collect()\nz = x * 2; mt.inspect(z)")
+        assert int(ok("count()")) == before + 1, "Out still pins the handle"
+        ok("%reset -f out")
+        ok("gc.collect(); w = x * 3; mt.inspect(w)")
+        assert int(ok("count()")) == before + 1, "h freed (-1), w made (+1)"
+        ok("procs.stop().get(timeout=30)")
+    finally:
+        k.close()
+
+
+def _shard_linears(name, mod, mesh):  # type: ignore[no-untyped-def]
+    from torch import nn
+    from torch.distributed.tensor import distribute_tensor
+
+    if isinstance(mod, nn.Linear):
+        for n, p in list(mod.named_parameters()):
+            mod.register_parameter(n, nn.Parameter(distribute_tensor(p, mesh, [Replicate(), Shard(0)])))
+
+
+def test_distribute_module_trains_on_the_ranks(mesh2):  # type: ignore[no-untyped-def]
+    import copy
+
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    local = copy.deepcopy(model)
+    m = mt.distribute_module(model, mesh2, _shard_linears)
+    params = m.parameters()
+    assert (tuple(params[0].shape), params[0].placements) == ((16, 8), (Replicate(), Shard(0)))
+    X, Y = gen(16, 8), torch.randint(0, 4, (16,), generator=torch.Generator().manual_seed(1))
+    x, y = mt.distribute(X, mesh2, [Shard(0), Replicate()]), mt.distribute(Y, mesh2, [Shard(0), Replicate()])
+    opt, opt_l = mt.Optimizer(torch.optim.SGD, params, lr=0.3), torch.optim.SGD(local.parameters(), lr=0.3)
+    for _ in range(5):
+        opt.zero_grad()
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        opt_l.zero_grad()
+        want = F.cross_entropy(local(X), Y)
+        want.backward()
+        opt_l.step()
+        torch.testing.assert_close(mt.inspect(loss), want.detach())
+    torch.testing.assert_close(mt.inspect(params[2]), local[2].weight.detach())

@@ -1,0 +1,51 @@
+"""Mesh tensors across two simulated hosts (network namespaces): the process group spans both
+hosts' procs, and ops, redistribute and training run across them."""
+
+from __future__ import annotations
+
+import pytest
+from _netns import NetnsCluster
+from test_multihost import Allocator, Controller, cluster, keys, workers  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.multihost
+
+
+@pytest.mark.timeout(240)
+def test_mesh_tensors_across_two_hosts(cluster: NetnsCluster, workers: list[Allocator]) -> None:  # noqa: F811
+    ctl = Controller(
+        cluster,
+        """
+        import torch
+        import torch.nn.functional as F
+        import monarch_nb.tensor as mt
+        from monarch_nb.tensor import Replicate, Shard
+
+        torch.set_default_dtype(torch.float64)
+        hosts = attach_to_workers(workers=WORKERS, ca="/tmp/key")
+        procs = hosts.spawn_procs(per_host={"gpus": 2})
+        emit("backend", backend=mt.setup(procs))
+        g = torch.Generator().manual_seed(0)
+        X, W = torch.randn(8, 6, generator=g), torch.randn(6, 4, generator=g)
+        x = mt.distribute(X, procs, [Shard(0), Replicate()])
+        w = mt.distribute(W, procs, [Replicate(), Shard(1)]).requires_grad_()
+        y = torch.relu(x @ w)
+        ok = torch.allclose(mt.inspect(y), torch.relu(X @ W))
+        r = mt.inspect(x.redistribute(placements=[Replicate(), Shard(1)]))
+        loss = F.log_softmax(y, dim=1).sum()
+        loss.backward()
+        wl = W.clone().requires_grad_()
+        F.log_softmax(torch.relu(X @ wl), dim=1).sum().backward()
+        emit("values", ok=ok, redistributed=torch.equal(r, X), grad=torch.allclose(mt.inspect(w.grad), wl.grad))
+        procs.stop().get(timeout=30)
+        emit("stopped")
+        """,
+    )
+    assert ctl.expect("backend", timeout=120)["backend"] == "gloo"
+    assert ctl.expect("values", timeout=120) | {"step": "values"} == {
+        "step": "values",
+        "ok": True,
+        "redistributed": True,
+        "grad": True,
+    }
+    ctl.expect("stopped")
+    ctl.finish()
