@@ -207,7 +207,7 @@ class Cluster:
 
 _HEAD = """
 import json, os, socket, sys
-from kubernetes import client, config
+from kubernetes import client, config, watch
 from monarch_nb._wire.keys import read_key_file
 from monarch_nb.actor import Actor, endpoint
 from monarch_nb.job import JobError
@@ -346,6 +346,38 @@ def test_attach_only_by_label_selector(k8s: Cluster) -> None:
         out(after=objects())
     """)
     assert out[0]["after"] == EMPTY
+
+
+def test_reattach_from_a_new_process_by_name(k8s: Cluster) -> None:
+    # %mesh launch k8s's path (monarch_nb.job.launch): a named job, cached; a second process
+    # re-attaches to the same pods and finds the procs it left there, with the same PIDs
+    launch = """
+        from monarch_nb.actor import ProcMesh
+        from monarch_nb.job import kill_job, launch, list_jobs
+        grant("monarch-nb")
+        state = launch("k8s", "named", 2, namespace=NS, image=IMAGE, kubeconfig=kc("ctl"), timeout=90)
+    """
+    out = k8s.run(
+        launch
+        + """
+        procs = state.named.spawn_procs(per_host={"gpus": 1}, name="train", persist=True)
+        out(pids=sorted(p for p, _ in procs.spawn("w", Where).where.call().get().values()))
+    """
+    )
+    pids = out[0]["pids"]
+    out = k8s.run(
+        launch
+        + """
+        procs = ProcMesh.lookup("train", state.named)
+        out(pids=sorted(p for p, _ in procs.actor_mesh("w").where.call().get().values()),
+            jobs=[(r["name"], r["scheduler"], r["hosts"]) for r in list_jobs()])
+        kill_job("named")
+        out(after=objects())
+    """
+    )
+    assert out[0]["pids"] == pids
+    assert ["named", "k8s", 2] in out[0]["jobs"]
+    assert out[1]["after"] == EMPTY
 
 
 def test_pending_pod_says_why(k8s: Cluster) -> None:

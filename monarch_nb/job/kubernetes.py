@@ -456,6 +456,23 @@ class KubernetesJob(JobTrait):
         return {"id": self._job_id, "hosts": sum(len(v) for v in self._hosts.values())}
 
 
+def make_job(
+    name: str,
+    hosts: int,
+    namespace: str = "default",
+    image: str | None = None,
+    kubeconfig: str | None = None,
+    monarch_port: int = _DEFAULT_MONARCH_PORT,
+    timeout: int | None = None,
+) -> KubernetesJob:
+    """``%mesh launch k8s NAME --hosts N [--image I] [--namespace NS] [--kubeconfig F] [--port P]``:
+    one mesh ``name`` of ``hosts`` pods, provisioned from ``image`` or, without one, attached to
+    by Monarch's labels for ``name``."""
+    job = KubernetesJob(namespace, timeout=timeout, kubeconfig=KubeConfig.from_path(kubeconfig) if kubeconfig else None)
+    job.add_mesh(name, hosts, image_spec=ImageSpec(image) if image else None, port=monarch_port)
+    return job
+
+
 def _raise(e: BaseException) -> None:
     raise e
 
