@@ -29,6 +29,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,6 +166,10 @@ class Kubelet:
         base_env = {k: v for k, v in os.environ.items() if not k.startswith("MONARCH_NB_")}
         while not self.stopped:
             logpath = self.host_path(f"{self.dir}/container.log")
+            # a container starts with a fresh writable layer: what the last one wrote outside its
+            # volumes is gone (here: below /tmp of the host, the only such place our pods write)
+            for p in c_writes(self.argv):
+                shutil.rmtree(self.host_path(p), ignore_errors=True)
             with open(logpath, "wb") as log:
                 self.proc = subprocess.Popen(
                     [*self.hcfg["wrap"], *self.argv],
@@ -183,7 +188,7 @@ class Kubelet:
             )
             ready = False
             while self.proc.poll() is None and not self.stopped:
-                if not ready and self.probe and os.path.exists(self.host_path(self.probe)):
+                if not ready and self.probe and os.path.exists(self.host_path(self.map_path(self.probe))):
                     ready = True
                     self.set_status(
                         conditions=cond(True, True),
@@ -210,7 +215,7 @@ class Kubelet:
                     )
                 ],
             )
-            deadline = time.monotonic() + 2.0  # the back-off
+            deadline = time.monotonic() + 10.0  # the kubelet's first back-off
             while time.monotonic() < deadline and not self.stopped:
                 time.sleep(0.1)
 
@@ -233,6 +238,11 @@ class Kubelet:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+def c_writes(argv: list[str]) -> list[str]:
+    """Paths under /tmp named on a container's command line (its own file system)."""
+    return [a for a in argv if a.startswith("/tmp/") and not a.startswith("/tmp/kubelet/")]
 
 
 def cond(scheduled: bool, ready: bool, reason: str = "", message: str = "") -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import textwrap
@@ -193,6 +194,23 @@ class Cluster:
                 n += 1
         return n
 
+    def kill_allocators(self, i: int) -> list[int]:
+        """SIGKILL the allocators on host i (a container that crashed)."""
+        key = os.stat(f"/run/netns/{self.net.netns(i)}")
+        pids = []
+        for e in os.listdir("/proc"):
+            if not e.isdigit():
+                continue
+            try:
+                st = os.stat(f"/proc/{e}/ns/net")
+                cmd = Path(f"/proc/{e}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if (st.st_ino, st.st_dev) == (key.st_ino, key.st_dev) and b"monarch_nb\0allocator" in cmd:
+                os.kill(int(e), signal.SIGKILL)
+                pids.append(int(e))
+        return pids
+
     def close(self) -> None:
         srv = getattr(self, "server", None)
         if srv is not None and srv.poll() is None:
@@ -370,13 +388,27 @@ def test_reattach_from_a_new_process_by_name(k8s: Cluster) -> None:
         + """
         procs = ProcMesh.lookup("train", state.named)
         out(pids=sorted(p for p, _ in procs.actor_mesh("w").where.call().get().values()),
-            jobs=[(r["name"], r["scheduler"], r["hosts"]) for r in list_jobs()])
-        kill_job("named")
-        out(after=objects())
+            jobs=[(r["name"], r["scheduler"], r["hosts"], r["state"]) for r in list_jobs()])
     """
     )
     assert out[0]["pids"] == pids
-    assert ["named", "k8s", 2] in out[0]["jobs"]
+    assert ["named", "k8s", 2, "running"] in out[0]["jobs"]
+    # the allocator of rank 1 dies: its pod is not Ready (the kubelet backs off), the job shows it lost
+    assert k8s.kill_allocators(2)
+    out = k8s.run("""
+        import time
+        from monarch_nb.job import kill_job, list_jobs
+        deadline = time.monotonic() + 8
+        while True:
+            row = next(r for r in list_jobs() if r["name"] == "named")
+            if row["state"] != "running" or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)  # polling the API server's view; no event to wait on here
+        out(state=row["state"])
+        kill_job("named")
+        out(after=objects())
+    """)
+    assert out[0]["state"] == "lost: named[1]"
     assert out[1]["after"] == EMPTY
 
 

@@ -15,8 +15,10 @@ from typing import Any
 
 #: where the key Secret is mounted in each pod
 KEY_DIR = "/var/run/monarch-nb/key"
-#: an emptyDir where the allocator announces itself; the readiness probe waits for that file
-ANNOUNCE_DIR = "/var/run/monarch-nb/announce"
+#: where the allocator announces itself; the readiness probe waits for that file. In the
+#: container's own file system, not an emptyDir: a restarted container starts without the last
+#: one's file, so it is not Ready before its allocator serves again
+ANNOUNCE_DIR = "/tmp/monarch-nb-announce"
 ANNOUNCE_NAME = "allocator"
 RANK_LABEL = "apps.kubernetes.io/pod-index"
 MANAGED_BY = "monarch-nb"
@@ -118,7 +120,6 @@ def statefulset(
         },
         "volumeMounts": [
             {"name": "key", "mountPath": KEY_DIR, "readOnly": True},
-            {"name": "announce", "mountPath": ANNOUNCE_DIR},
         ],
     }
     if resources:
@@ -140,7 +141,6 @@ def statefulset(
                     "containers": [container],
                     "volumes": [
                         {"name": "key", "secret": {"secretName": secret_name(job_id), "defaultMode": 0o400}},
-                        {"name": "announce", "emptyDir": {}},
                     ],
                 },
             },

@@ -8,8 +8,8 @@ Two modes per mesh, as Monarch's:
 - provisioning (``image_spec``): instead of Monarch's MonarchMesh operator, this creates the
   objects itself (``_k8s_manifests``): a Secret with a new cluster key, mounted as a file; per
   mesh a headless Service and a StatefulSet with ``podManagementPolicy: Parallel`` whose pods run
-  ``python -m monarch_nb allocator`` on their own pod IP. The allocator announces itself in an
-  emptyDir and the readiness probe waits for that file, so a Ready pod is a serving allocator: the
+  ``python -m monarch_nb allocator`` on their own pod IP. The allocator announces itself in a
+  file of its container and the readiness probe waits for that file, so a Ready pod is a serving allocator: the
   controller takes ``status.podIP`` and the port of Ready pods (pod status is read for the job's
   state; addresses are the pods' own, not guessed from host names).
 
@@ -300,11 +300,8 @@ class KubernetesJob(JobTrait):
 
     def _wait_ready(self) -> dict[str, list[str]]:
         """Watch each mesh's pods until every rank is Ready; its addresses by rank."""
-        out = {}
-        start = time.monotonic()
-        for name in self._meshes:
-            out[name] = self._wait_mesh(name, start)
-        return out
+        # ``timeout`` is per mesh, as Monarch's
+        return {name: self._wait_mesh(name, time.monotonic()) for name in self._meshes}
 
     def _wait_mesh(self, name: str, start: float) -> list[str]:
         client, _, watch, ApiException = _k8s()
@@ -453,7 +450,24 @@ class KubernetesJob(JobTrait):
             raise JobError("could not delete every object of the job: " + "; ".join(errors))
 
     def _describe(self) -> dict[str, Any]:
-        return {"id": self._job_id, "hosts": sum(len(v) for v in self._hosts.values())}
+        row: dict[str, Any] = {"id": self._job_id, "hosts": sum(len(v) for v in self._hosts.values())}
+        client, _, _, ApiException = _k8s()
+        try:
+            core = client.CoreV1Api(self._client())
+            lost = []
+            for name, c in self._meshes.items():
+                pods = core.list_namespaced_pod(self._namespace, label_selector=self._selector(name), _request_timeout=10).items
+                ready = {
+                    (p.metadata.labels or {}).get(c["pod_rank_label"])
+                    for p in pods
+                    if any(x.type == "Ready" and x.status == "True" for x in (p.status.conditions or []))
+                }
+                lost += [f"{name}[{i}]" for i in range(c["num_replicas"]) if str(i) not in ready]
+        except (ApiException, JobError, OSError) as e:
+            row["state"] = f"unknown ({type(e).__name__}: {e})"[:120]
+            return row
+        row["state"] = f"lost: {', '.join(lost)}" if lost else "running"
+        return row
 
 
 def make_job(
