@@ -47,7 +47,7 @@ def _launch_jobs_restart_reattach_kill() -> None:
         for code, text in [
             ("%mesh launch slurm x --ssh-arg=-v", "does not apply to slurm"),
             ("%mesh kill nosuchjob", "no job named 'nosuchjob'"),
-            ("%mesh launch k8s x", "KubernetesJob is not implemented yet"),
+            ("%mesh launch k8s x", "not inside a pod"),  # no kubeconfig, no service account
         ]:
             bad = k.run(code)
             assert bad.reply["content"]["status"] == "error", code

@@ -25,7 +25,7 @@ from ._slurm import SlurmJob
 from ._ssh import SSHJob
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
-SCHEDULERS = ("slurm", "ssh", "process", "local")
+SCHEDULERS = ("slurm", "ssh", "process", "local", "k8s")
 
 
 def named_job_path(name: str) -> str:
@@ -35,7 +35,7 @@ def named_job_path(name: str) -> str:
 
 
 def make_job(scheduler: str, name: str, hosts: str | int, **options: Any) -> JobTrait:
-    """A job spec whose one mesh is ``name``: ``hosts`` is a count (slurm, process) or a comma
+    """A job spec whose one mesh is ``name``: ``hosts`` is a count (slurm, process, k8s) or a comma
     separated host list (ssh); ``options`` are the scheduler's constructor arguments."""
     if scheduler == "slurm":
         return SlurmJob(meshes={name: int(hosts)}, **options)
@@ -48,7 +48,9 @@ def make_job(scheduler: str, name: str, hosts: str | int, **options: Any) -> Job
         job.add_mesh(name, [h for h in str(hosts).split(",") if h])
         return job
     if scheduler in ("k8s", "kubernetes"):
-        raise NotImplementedError("%mesh launch k8s: KubernetesJob is not implemented yet (monarch_nb.job.kubernetes)")
+        from .kubernetes import make_job as make_k8s_job  # only here: the kubernetes client is optional
+
+        return make_k8s_job(name, int(hosts), **options)
     raise ValueError(f"unknown scheduler {scheduler!r}; one of {', '.join(SCHEDULERS)}")
 
 

@@ -11,7 +11,7 @@ from IPython.core.error import UsageError
 from ..job import JobError, kill_job, launch, list_jobs
 
 SUMMARY = """\
-%mesh launch slurm|ssh|process|local NAME --hosts N|h1,h2 [--partition P] [--time T] [--gpus-per-node G] ...
+%mesh launch slurm|ssh|process|local|k8s NAME --hosts N|h1,h2 [--partition P] [--time T] [--gpus-per-node G] ...
                                                apply (or re-attach to) a job; NAME is bound to its host mesh
 %mesh jobs                                     jobs on this machine: scheduler, id, state, hosts, age, walltime left
 %mesh kill NAME                                stop a job: every allocator and proc it started"""
@@ -35,6 +35,9 @@ def add_parsers(p: dict[str, Any], parser_cls: type) -> None:
     la.add_argument("--port", dest="monarch_port", type=int, help="allocator port (0: any)")
     la.add_argument("--ssh-arg", dest="ssh_args", action="append", help="ssh: an extra ssh argument (repeatable)")
     la.add_argument("--slurm-arg", dest="slurm_args", action="append", help="slurm: an extra sbatch option (repeatable)")
+    la.add_argument("--namespace", help="k8s: the namespace (default: default)")
+    la.add_argument("--image", help="k8s: the pods' image (with monarch_nb); without it, attach to pods labelled with NAME")
+    la.add_argument("--kubeconfig", help="k8s: a kubeconfig file (default: the in-cluster service account)")
     p["jobs"] = parser_cls(prog="%mesh jobs", description="Jobs on this machine and their scheduler state.")
     k = p["kill"] = parser_cls(prog="%mesh kill", description="Kill a job: every allocator and proc it started.")
     k.add_argument("name")
@@ -57,14 +60,14 @@ _BY_SCHEDULER = {
     "ssh": {"python_exe", "monarch_port", "ssh_args"},
     "process": set(),
     "local": set(),
-    "k8s": set(),
+    "k8s": {"namespace", "image", "kubeconfig", "monarch_port"},
 }
 
 
 def do_launch(self: Any, args: argparse.Namespace, cell: str | None) -> Any:
     allowed = _BY_SCHEDULER[args.scheduler]
     options = {}
-    for key in sorted(_BY_SCHEDULER["slurm"] | _BY_SCHEDULER["ssh"]):
+    for key in sorted(_BY_SCHEDULER["slurm"] | _BY_SCHEDULER["ssh"] | _BY_SCHEDULER["k8s"]):
         value = getattr(args, key)
         if value is None:
             continue

@@ -1,0 +1,503 @@
+"""``KubernetesJob``: Monarch's ``monarch.job.kubernetes.KubernetesJob``, same constructor and
+``add_mesh`` arguments, through the official ``kubernetes`` client (``pip install monarch-nb[k8s]``).
+
+Two modes per mesh, as Monarch's:
+
+- attach-only (no ``image_spec``): pods already running an allocator are found by label selector;
+  ranks come from ``pod_rank_label``.
+- provisioning (``image_spec``): instead of Monarch's MonarchMesh operator, this creates the
+  objects itself (``_k8s_manifests``): a Secret with a new cluster key, mounted as a file; per
+  mesh a headless Service and a StatefulSet with ``podManagementPolicy: Parallel`` whose pods run
+  ``python -m monarch_nb allocator`` on their own pod IP. The allocator announces itself in a
+  file of its container and the readiness probe waits for that file, so a Ready pod is a serving allocator: the
+  controller takes ``status.podIP`` and the port of Ready pods (pod status is read for the job's
+  state; addresses are the pods' own, not guessed from host names).
+
+Waits watch the pods (list, then watch from its ``resourceVersion``) and fail with why: a Pending
+pod with the scheduler's reason (after ``timeout``; without one it waits and shows the reason),
+a container in CrashLoopBackOff or an image that cannot be pulled at once (with its last log
+lines), a 403 naming the permission the controller lacks (``KubernetesJob.rbac_manifests``).
+
+The controller must reach the pod IPs (a notebook in the cluster, or on a node). A gateway for a
+notebook outside the cluster (Monarch's ``attach_to``/port-forward) is not implemented.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .._runtime import _jobrecords as records
+from .._wire.keys import write_key_file
+from ..actor import HostMesh
+from ..config import runtime_dir
+from . import _k8s_manifests as m
+from ._common import forwarded_config, host_meshes
+from ._job import JobError, JobTrait
+
+logger = logging.getLogger("monarch_nb.job")
+
+_DEFAULT_MONARCH_PORT = 26600
+_RFC_1123_MAX_LEN = 63
+#: log lines shown for a crashing container
+LOG_LINES = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSpec:
+    """Container image (with monarch_nb installed) and optional resources (requests = limits)."""
+
+    image: str
+    resources: dict[str, str | int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class KubeConfig:
+    """Where the API server is: a kubeconfig file (``from_path``), a client ``Configuration``
+    (``from_config``), or, with neither, the in-cluster service account."""
+
+    local: Path | None = None
+    remote: Any = None
+
+    @classmethod
+    def from_path(cls, path: str) -> KubeConfig:
+        return cls(local=Path(path).expanduser())
+
+    @classmethod
+    def from_config(cls, config: Any) -> KubeConfig:
+        return cls(remote=config)
+
+    @property
+    def out_of_cluster(self) -> bool:
+        return self.remote is not None or self.local is not None
+
+    def api_client(self) -> Any:
+        client, config = _k8s()[:2]
+        if self.remote is not None:
+            return client.ApiClient(self.remote)
+        if self.local is not None:
+            try:
+                return config.new_client_from_config(config_file=str(self.local))
+            except config.ConfigException as e:
+                raise JobError(f"cannot load kubeconfig {str(self.local)!r}: {e}") from e
+        try:
+            config.load_incluster_config()
+        except config.ConfigException as e:
+            raise JobError(
+                f"no kubeconfig given and not inside a pod ({e}): pass kubeconfig=KubeConfig.from_path('~/.kube/config')"
+            ) from e
+        return client.ApiClient()
+
+
+def _k8s() -> tuple[Any, Any, Any, Any]:
+    try:
+        from kubernetes import client, config, watch
+        from kubernetes.client.rest import ApiException
+    except ImportError:
+        raise ImportError("KubernetesJob needs the kubernetes client: pip install 'monarch-nb[k8s]'") from None
+    return client, config, watch, ApiException
+
+
+class KubernetesJob(JobTrait):
+    """Meshes of pods, each running an allocator (Monarch's ``KubernetesJob``).
+
+    job = KubernetesJob("default", kubeconfig=KubeConfig.from_path("~/.kube/config"))
+    job.add_mesh("trainers", 4, image_spec=ImageSpec("me/monarch-nb:latest", {"nvidia.com/gpu": 8}))
+    state = job.state()
+    """
+
+    _scheduler = "k8s"
+
+    def __init__(
+        self,
+        namespace: str,
+        timeout: int | None = None,
+        kubeconfig: KubeConfig | None = None,
+        attach_to: str | None = None,
+        *,
+        meshes: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        if attach_to is not None:
+            raise NotImplementedError(
+                "KubernetesJob(attach_to=...): a port-forward gateway for a notebook outside the cluster is not "
+                "implemented; run the notebook where it reaches the pod IPs (in a pod, or on a node)"
+            )
+        super().__init__()
+        self._namespace = namespace
+        self._timeout = timeout
+        if isinstance(kubeconfig, str):  # from a cached record
+            kubeconfig = KubeConfig.from_path(kubeconfig)
+        self._kubeconfig = kubeconfig or KubeConfig()
+        self._meshes: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (meshes or {}).items()}
+        self._dir = ""
+        self._created: list[list[str]] = []
+        self._hosts: dict[str, list[str]] = {}
+        self._api: Any = None
+
+    # ------------------------------------------------------------ spec
+    def add_mesh(
+        self,
+        name: str,
+        num_replicas: int,
+        label_selector: str | None = None,
+        pod_rank_label: str = m.RANK_LABEL,
+        image_spec: ImageSpec | None = None,
+        port: int = _DEFAULT_MONARCH_PORT,
+        pod_template: Any = None,
+        labels: dict[str, str] | None = None,
+        annotations: dict[str, str] | None = None,
+    ) -> None:
+        """A mesh of ``num_replicas`` pods: found by ``label_selector`` (attach-only) or created
+        from ``image_spec`` (provisioning). Names follow RFC 1123 (lowercase alphanumerics)."""
+        if not name or len(name) > _RFC_1123_MAX_LEN or not (name.isalnum() and name.islower() and name[0].isalpha()):
+            raise ValueError(
+                f"mesh name {name!r} is invalid: at most 63 lowercase alphanumeric characters, starting with a letter"
+            )
+        if not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ValueError(f"num_replicas must be a positive number of pods, got {num_replicas!r}")
+        if pod_template is not None:
+            raise NotImplementedError(
+                "add_mesh(pod_template=...): provisioning from a pod template is not implemented; use image_spec"
+            )
+        provisioned = image_spec is not None
+        if provisioned and label_selector is not None:
+            raise ValueError("'label_selector' cannot be customized when provisioning")
+        if provisioned and pod_rank_label != m.RANK_LABEL:
+            raise ValueError("'pod_rank_label' cannot be customized when provisioning")
+        if not provisioned and (labels is not None or annotations is not None):
+            raise ValueError("'labels' and 'annotations' can only be set when provisioning (image_spec)")
+        self._meshes[name] = {
+            "num_replicas": num_replicas,
+            "label_selector": label_selector or f"{m.NAME_LABEL}=monarch-worker,{m.MESH_LABEL}={name}",
+            "pod_rank_label": pod_rank_label,
+            "image": image_spec.image if image_spec else None,
+            "resources": dict(image_spec.resources) if image_spec and image_spec.resources else None,
+            "port": int(port),
+            "labels": labels,
+            "annotations": annotations,
+        }
+
+    def _spec(self) -> dict[str, Any]:
+        if self._kubeconfig.remote is not None:
+            kc = None  # a Configuration object is not cached; a re-attach uses the in-cluster account
+        else:
+            kc = str(self._kubeconfig.local) if self._kubeconfig.local else None
+        return {"namespace": self._namespace, "timeout": self._timeout, "kubeconfig": kc, "meshes": self._meshes}
+
+    def _runtime(self) -> dict[str, Any]:
+        return {"dir": self._dir, "created": self._created, "hosts": self._hosts}
+
+    def _load_runtime(self, data: dict[str, Any]) -> None:
+        self._dir = data.get("dir", "")
+        self._created = [list(x) for x in data.get("created") or []]
+        self._hosts = dict(data.get("hosts") or {})
+
+    def _host_addrs(self) -> list[str]:
+        return [a for addrs in self._hosts.values() for a in addrs]
+
+    @property
+    def _job_id(self) -> str:
+        return (self._apply_id or "")[:8]
+
+    def manifests(self, apply_id: str | None = None, key: bytes = b"0" * 64) -> list[dict[str, Any]]:
+        """The objects ``apply()`` creates (a dry run: no API server needed; the key is a placeholder)."""
+        job_id = (apply_id or self._apply_id or "00000000")[:8]
+        out = []
+        if any(c["image"] for c in self._meshes.values()):
+            out.append(m.secret(self._namespace, job_id, key))
+        env = forwarded_config()
+        for name, c in self._meshes.items():
+            if not c["image"]:
+                continue
+            out.append(m.service(self._namespace, name, job_id, c["port"]))
+            out.append(
+                m.statefulset(
+                    self._namespace,
+                    name,
+                    job_id,
+                    c["num_replicas"],
+                    c["image"],
+                    c["port"],
+                    resources=c["resources"],
+                    labels=c["labels"],
+                    annotations=c["annotations"],
+                    env=env,
+                )
+            )
+        return out
+
+    @staticmethod
+    def rbac_manifests(namespace: str, service_account: str = "monarch-nb") -> list[dict[str, Any]]:
+        """ServiceAccount, Role and RoleBinding the controller needs (namespaced, no wildcards)."""
+        return m.rbac(namespace, service_account)
+
+    # ------------------------------------------------------------ API calls
+    def _client(self) -> Any:
+        if self._api is None:
+            self._api = self._kubeconfig.api_client()
+        return self._api
+
+    def _call(self, verb: str, resource: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        ApiException = _k8s()[3]
+        try:
+            return fn(*args, **kw)
+        except ApiException as e:
+            if e.status == 403:
+                raise JobError(
+                    f"the Kubernetes API refused to {verb} {resource} in namespace {self._namespace!r} (403: "
+                    f"{_reason(e)}); the controller's account needs '{verb}' on '{resource}': apply "
+                    f"KubernetesJob.rbac_manifests({self._namespace!r}) and use that service account"
+                ) from None
+            if e.status == 409:
+                raise JobError(
+                    f"{resource} already exists in namespace {self._namespace!r} ({_reason(e)}): another job uses "
+                    "this mesh name; kill() it or delete the object"
+                ) from None
+            raise JobError(f"Kubernetes API error on {verb} {resource}: {e.status} {_reason(e)}") from None
+
+    # ------------------------------------------------------------ the job
+    def _create(self, client_script: str | None) -> None:
+        if client_script is not None:
+            raise NotImplementedError("KubernetesJob.apply(client_script=...): KubernetesJob has no batch mode")
+        if not self._meshes:
+            raise ValueError("at least one mesh must be added with add_mesh()")
+        client = _k8s()[0]
+        api = self._client()
+        core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
+        key = b""
+        if any(c["image"] for c in self._meshes.values()):
+            # a new cluster key for the pods we create; attach-only pods use the controller's own
+            self._dir = records.make_private_dir(os.path.join(runtime_dir(), "jobs", f"k8s-{self._job_id}"))
+            write_key_file(os.path.join(self._dir, "key"))
+            with open(os.path.join(self._dir, "key"), "rb") as f:
+                key = f.read()  # the file as the allocator reads it
+        ns = self._namespace
+        try:
+            for obj in self.manifests(self._apply_id, key):
+                kind, name = obj["kind"], obj["metadata"]["name"]
+                if kind == "Secret":
+                    self._call("create", "secrets", core.create_namespaced_secret, ns, obj)
+                elif kind == "Service":
+                    self._call("create", "services", core.create_namespaced_service, ns, obj)
+                else:
+                    self._call("create", "statefulsets.apps", apps.create_namespaced_stateful_set, ns, obj)
+                self._created.append([kind, name])
+                logger.info("created %s %s/%s", kind, ns, name)
+            self._hosts = self._wait_ready()
+        except BaseException:
+            self._kill()
+            raise
+
+    def _selector(self, name: str) -> str:
+        c = self._meshes[name]
+        return m.selector(name, self._job_id) if c["image"] else c["label_selector"]
+
+    def _wait_ready(self) -> dict[str, list[str]]:
+        """Watch each mesh's pods until every rank is Ready; its addresses by rank."""
+        # ``timeout`` is per mesh, as Monarch's
+        return {name: self._wait_mesh(name, time.monotonic()) for name in self._meshes}
+
+    def _wait_mesh(self, name: str, start: float) -> list[str]:
+        client, _, watch, ApiException = _k8s()
+        core = client.CoreV1Api(self._client())
+        c = self._meshes[name]
+        sel = self._selector(name)
+        ns = self._namespace
+        lst = self._call("list", "pods", core.list_namespaced_pod, ns, label_selector=sel)
+        pods = {p.metadata.name: p for p in lst.items}
+        rv = lst.metadata.resource_version
+        shown: dict[str, str] = {}
+        while True:
+            addrs, pending = self._evaluate(name, c, pods, shown)
+            if addrs is not None:
+                return addrs
+            left = None if self._timeout is None else self._timeout - (time.monotonic() - start)
+            if left is not None and left <= 0:
+                raise JobError(f"mesh {name!r}: {pending} within timeout={self._timeout} s (namespace {ns!r}, selector {sel!r})")
+            w = watch.Watch()
+            try:
+                for ev in w.stream(
+                    core.list_namespaced_pod,
+                    ns,
+                    label_selector=sel,
+                    resource_version=rv,
+                    timeout_seconds=max(1, int(min(left or 5, 5))),
+                ):
+                    pod = ev["object"]
+                    rv = pod.metadata.resource_version
+                    if ev["type"] == "DELETED":
+                        pods.pop(pod.metadata.name, None)
+                    else:
+                        pods[pod.metadata.name] = pod
+                    break  # evaluate after each change
+            except ApiException as e:
+                if e.status == 410:  # our resourceVersion is too old: list again
+                    lst = self._call("list", "pods", core.list_namespaced_pod, ns, label_selector=sel)
+                    pods = {p.metadata.name: p for p in lst.items}
+                    rv = lst.metadata.resource_version
+                    continue
+                self._call("watch", "pods", _raise, e)
+            finally:
+                w.stop()
+
+    def _evaluate(
+        self, name: str, c: dict[str, Any], pods: dict[str, Any], shown: dict[str, str]
+    ) -> tuple[list[str] | None, str]:
+        """Addresses by rank when all are Ready; else (None, what is missing). A crashing pod raises."""
+        n = c["num_replicas"]
+        ready: dict[int, str] = {}
+        waiting = []
+        for pname, pod in sorted(pods.items()):
+            for cs in (pod.status.container_statuses or []) if pod.status else []:
+                w = cs.state.waiting if cs.state else None
+                if w is not None and w.reason in (
+                    "CrashLoopBackOff",
+                    "ErrImagePull",
+                    "ImagePullBackOff",
+                    "CreateContainerConfigError",
+                    "InvalidImageName",
+                ):
+                    raise JobError(
+                        f"pod {pname} of mesh {name!r} is in {w.reason} ({w.message or 'no message'}, "
+                        f"restarts: {cs.restart_count}); its last log lines:\n{self._logs(pname)}"
+                    )
+            label = (pod.metadata.labels or {}).get(c["pod_rank_label"])
+            try:
+                rank = int(label) if label is not None else -1
+            except ValueError:
+                rank = -1
+            conds = {x.type: x for x in (pod.status.conditions or [])} if pod.status else {}
+            if rank < 0 or rank >= n:
+                continue
+            if "Ready" in conds and conds["Ready"].status == "True" and pod.status.pod_ip:
+                ready[rank] = f"tcp://{pod.status.pod_ip}:{c['port']}"
+                continue
+            sched = conds.get("PodScheduled")
+            if sched is not None and sched.status == "False":
+                why = f"Pending: {sched.reason}: {sched.message}"
+            else:
+                why = f"{pod.status.phase if pod.status else 'unknown'}, not Ready"
+            waiting.append(f"pod {pname} {why}")
+            if shown.get(pname) != why:
+                shown[pname] = why
+                # shown live in the cell: why the mesh is not there yet
+                print(f"mesh {name!r}: pod {pname} {why}", file=sys.stderr, flush=True)
+        if len(ready) == n:
+            return [ready[i] for i in range(n)], ""
+        missing = [i for i in range(n) if i not in ready]
+        what = "; ".join(waiting) or f"no pod with rank(s) {missing}"
+        return None, f"{n - len(ready)} of {n} pods not Ready ({what})"
+
+    def _logs(self, pod: str) -> str:
+        client, _, _, ApiException = _k8s()
+        core = client.CoreV1Api(self._client())
+        for previous in (True, False):
+            try:
+                text = core.read_namespaced_pod_log(pod, self._namespace, tail_lines=LOG_LINES, previous=previous)
+            except ApiException as e:
+                if e.status == 403:
+                    return "(cannot read its log: the controller's Role lacks 'get' on 'pods/log')"
+                continue
+            if text:
+                return text.rstrip()
+        return "(no log)"
+
+    def _state(self) -> dict[str, HostMesh]:
+        if self._created or not self._hosts:
+            # pods may have moved since apply (rescheduled): read their addresses again
+            self._hosts = self._wait_ready()
+        key = os.path.join(self._dir, "key") if self._dir else None
+        return host_meshes(self._hosts, key_file=key)
+
+    def can_run(self, spec: JobTrait) -> bool:
+        return (
+            isinstance(spec, KubernetesJob)
+            and spec._namespace == self._namespace
+            and spec._meshes == self._meshes
+            and bool(self._hosts)
+        )
+
+    def _kill(self) -> None:
+        """Delete what this job created (attach-only pods are not ours: they are left alone)."""
+        if not self._created:
+            return
+        client, _, _, ApiException = _k8s()
+        api = self._client()
+        core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
+        errors = []
+        for kind, name in reversed(self._created):
+            fn, res = {
+                "Secret": (core.delete_namespaced_secret, "secrets"),
+                "Service": (core.delete_namespaced_service, "services"),
+                "StatefulSet": (apps.delete_namespaced_stateful_set, "statefulsets.apps"),
+            }[kind]
+            try:
+                fn(name, self._namespace, propagation_policy="Background")
+            except ApiException as e:
+                if e.status != 404:
+                    errors.append(f"delete {res} {name}: {e.status} {_reason(e)}")
+        self._created = []
+        self._hosts = {}
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        if errors:
+            raise JobError("could not delete every object of the job: " + "; ".join(errors))
+
+    def _describe(self) -> dict[str, Any]:
+        row: dict[str, Any] = {"id": self._job_id, "hosts": sum(len(v) for v in self._hosts.values())}
+        client, _, _, ApiException = _k8s()
+        try:
+            core = client.CoreV1Api(self._client())
+            lost = []
+            for name, c in self._meshes.items():
+                pods = core.list_namespaced_pod(self._namespace, label_selector=self._selector(name), _request_timeout=10).items
+                ready = {
+                    (p.metadata.labels or {}).get(c["pod_rank_label"])
+                    for p in pods
+                    if any(x.type == "Ready" and x.status == "True" for x in (p.status.conditions or []))
+                }
+                lost += [f"{name}[{i}]" for i in range(c["num_replicas"]) if str(i) not in ready]
+        except (ApiException, JobError, OSError) as e:
+            row["state"] = f"unknown ({type(e).__name__}: {e})"[:120]
+            return row
+        row["state"] = f"lost: {', '.join(lost)}" if lost else "running"
+        return row
+
+
+def make_job(
+    name: str,
+    hosts: int,
+    namespace: str = "default",
+    image: str | None = None,
+    kubeconfig: str | None = None,
+    monarch_port: int = _DEFAULT_MONARCH_PORT,
+    timeout: int | None = None,
+) -> KubernetesJob:
+    """``%mesh launch k8s NAME --hosts N [--image I] [--namespace NS] [--kubeconfig F] [--port P]``:
+    one mesh ``name`` of ``hosts`` pods, provisioned from ``image`` or, without one, attached to
+    by Monarch's labels for ``name``."""
+    job = KubernetesJob(namespace, timeout=timeout, kubeconfig=KubeConfig.from_path(kubeconfig) if kubeconfig else None)
+    job.add_mesh(name, hosts, image_spec=ImageSpec(image) if image else None, port=monarch_port)
+    return job
+
+
+def _raise(e: BaseException) -> None:
+    raise e
+
+
+def _reason(e: Any) -> str:
+    import json
+
+    try:
+        return str(json.loads(e.body).get("message") or e.reason)
+    except Exception:
+        return str(e.reason)
+
+
+__all__ = ["ImageSpec", "KubeConfig", "KubernetesJob"]

@@ -1,0 +1,464 @@
+"""KubernetesJob: its manifests against the published schemas (strict, Kubernetes 1.30-1.37), and
+its whole flow through the official kubernetes client against a test API server
+(tests/_k8s_api.py) whose "pods" are network-namespace hosts running real allocators.
+
+Host 0 runs the API server and the controller scripts; hosts 1..3 are the nodes. The API server
+validates what it receives, enforces the Role this job generates, answers 409/404, and serves
+watches from a resourceVersion. No real cluster is involved: docs/clusters.md says how to try one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import wait_for
+
+sys.path.insert(0, str(Path(__file__).parent))
+import kubernetes_validate as kv
+from _jobhelp import PY, KeyWatch, run_controller
+from _netns import NetnsCluster
+
+pytestmark = [pytest.mark.multihost, pytest.mark.timeout(240)]
+
+NS = "mnb"
+VERSIONS = [f"1.{v}" for v in range(30, 38)]
+IMAGE = "example.org/monarch-nb:test"
+#: an image without monarch_nb: its allocator exits at once, the pod crash-loops
+BROKEN = "example.org/python:3.11-slim"
+
+
+def test_manifests_validate_strict_on_every_version() -> None:
+    from monarch_nb.job.kubernetes import ImageSpec, KubernetesJob
+
+    job = KubernetesJob(NS)
+    job.add_mesh(
+        "trainers",
+        4,
+        image_spec=ImageSpec(IMAGE, {"nvidia.com/gpu": 8, "cpu": "16"}),
+        port=26601,
+        labels={"team": "ml"},
+        annotations={"note": "x"},
+    )
+    job.add_mesh("loaders", 2, image_spec=ImageSpec(IMAGE))
+    objs = job.manifests("abcdef12") + KubernetesJob.rbac_manifests(NS)
+    kinds = sorted(o["kind"] for o in objs)
+    assert kinds == ["Role", "RoleBinding", "Secret", "Service", "Service", "ServiceAccount", "StatefulSet", "StatefulSet"]
+    for obj in objs:
+        for v in VERSIONS:
+            kv.validate(obj, v, strict=True)
+    sts = next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "trainers")
+    # every add_mesh argument shows in the manifests
+    assert sts["spec"]["podManagementPolicy"] == "Parallel" and sts["spec"]["replicas"] == 4
+    assert sts["metadata"]["labels"]["team"] == "ml" and sts["metadata"]["annotations"] == {"note": "x"}
+    c = sts["spec"]["template"]["spec"]["containers"][0]
+    assert c["image"] == IMAGE and c["resources"]["limits"] == {"nvidia.com/gpu": "8", "cpu": "16"}
+    assert "tcp://$(POD_IP):26601" in c["args"] and c["ports"][0]["containerPort"] == 26601
+    svc = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "trainers-svc")
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["ports"][0]["port"] == 26601
+    # the key: a Secret mounted as a file, never in env or argv
+    assert any(v.get("secret") for v in sts["spec"]["template"]["spec"]["volumes"])
+    key_b64 = next(o for o in objs if o["kind"] == "Secret")["data"]["key"]
+    assert key_b64 not in json.dumps(sts)
+    assert not any("secretKeyRef" in json.dumps(e) for e in c["env"])
+    role = next(o for o in objs if o["kind"] == "Role")
+    assert role["metadata"]["namespace"] == NS
+    assert "*" not in json.dumps(role["rules"])
+    # strict means strict: a misspelt field is refused
+    bad = json.loads(json.dumps(sts))
+    bad["spec"]["replica"] = 1
+    with pytest.raises(kv.ValidationError):
+        kv.validate(bad, "1.33", strict=True)
+
+
+def test_unsupported_arguments_say_so() -> None:
+    from monarch_nb.job.kubernetes import ImageSpec, KubernetesJob
+
+    with pytest.raises(NotImplementedError, match="attach_to"):
+        KubernetesJob(NS, attach_to="tcp://127.0.0.1:26600")
+    job = KubernetesJob(NS)
+    with pytest.raises(NotImplementedError, match="pod_template"):
+        job.add_mesh("a", 1, pod_template={"spec": {}})
+    with pytest.raises(ValueError, match="label_selector"):
+        job.add_mesh("a", 1, image_spec=ImageSpec(IMAGE), label_selector="x=y")
+    with pytest.raises(ValueError, match="invalid"):
+        job.add_mesh("Bad_Name", 1)
+
+
+def test_import_needs_no_kubernetes() -> None:
+    code = "import sys; sys.modules['kubernetes'] = None; import monarch_nb.job, monarch_nb.job.kubernetes; print('ok')"
+    cp = __import__("subprocess").run([PY, "-c", code], capture_output=True, text=True, timeout=60)
+    assert cp.stdout.strip() == "ok", cp.stderr
+
+
+# ------------------------------------------------------------ against the test API server
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.shared = tempfile.mkdtemp(prefix="mnb-k8s-", dir="/var/tmp")
+        os.chmod(self.shared, 0o755)
+        self.net = NetnsCluster(3)
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> None:
+        tokens = {
+            "admin-token": "admin",
+            "ctl-token": f"system:serviceaccount:{NS}:monarch-nb",
+            "weak-token": f"system:serviceaccount:{NS}:weak",
+        }
+        cfg = {
+            "port_file": os.path.join(self.shared, "port"),
+            "python": PY,
+            "images": {BROKEN: "/usr/bin/python3"},
+            "tokens": tokens,
+            "hosts": [
+                {"ip": self.net.ip(i), "wrap": self.net.wrap(i, [], cwd="/"), "root": str(self.net.path(i, "/"))}
+                for i in (1, 2, 3)
+            ],
+        }
+        Path(self.shared, "api.json").write_text(json.dumps(cfg))
+        self.log = open(os.path.join(self.shared, "api.log"), "wb")
+        self.server = self.net.popen(
+            0,
+            [PY, str(Path(__file__).parent / "_k8s_api.py"), os.path.join(self.shared, "api.json")],
+            env=self.env(),
+            stdout=self.log,
+            stderr=self.log,
+        )
+        wait_for(lambda: os.path.exists(cfg["port_file"]) or self.server.poll() is not None, timeout=60)
+        assert self.server.poll() is None, Path(self.shared, "api.log").read_text()
+        port = Path(cfg["port_file"]).read_text()
+        for user, token in (("admin", "admin-token"), ("ctl", "ctl-token"), ("weak", "weak-token")):
+            Path(self.shared, f"{user}.kubeconfig").write_text(
+                json.dumps(
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Config",
+                        "current-context": "test",
+                        "clusters": [{"name": "test", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+                        "users": [{"name": user, "user": {"token": token}}],
+                        "contexts": [{"name": "test", "context": {"cluster": "test", "user": user, "namespace": NS}}],
+                    }
+                )
+            )
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {
+            "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": "/tmp",
+            "LANG": "C.UTF-8",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
+        env.update(extra)
+        return env
+
+    def run(self, body: str, timeout: float = 150, **extra: str) -> list[dict]:
+        code = textwrap.dedent(_HEAD).format(
+            shared=self.shared, ns=NS, image=IMAGE, broken=BROKEN, ctl=self.net.ip(0)
+        ) + textwrap.dedent(body)
+        env = self.env(
+            MONARCH_NB_RUNTIME_DIR="/tmp/mnb",
+            MONARCH_NB_ZYGOTE_PRELOAD="",
+            MONARCH_NB_HEARTBEAT_INTERVAL="0.2",
+            MONARCH_NB_HEARTBEAT_TIMEOUT="1.5",
+            **extra,
+        )
+        return run_controller(self.net, self.shared, code, env, timeout=timeout)
+
+    def allocators_on(self, i: int) -> int:
+        key = os.stat(f"/run/netns/{self.net.netns(i)}")
+        n = 0
+        for e in os.listdir("/proc"):
+            if not e.isdigit():
+                continue
+            try:
+                st = os.stat(f"/proc/{e}/ns/net")
+                cmd = Path(f"/proc/{e}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if (st.st_ino, st.st_dev) == (key.st_ino, key.st_dev) and b"monarch_nb\0allocator" in cmd:
+                n += 1
+        return n
+
+    def kill_allocators(self, i: int) -> list[int]:
+        """SIGKILL the allocators on host i (a container that crashed)."""
+        key = os.stat(f"/run/netns/{self.net.netns(i)}")
+        pids = []
+        for e in os.listdir("/proc"):
+            if not e.isdigit():
+                continue
+            try:
+                st = os.stat(f"/proc/{e}/ns/net")
+                cmd = Path(f"/proc/{e}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if (st.st_ino, st.st_dev) == (key.st_ino, key.st_dev) and b"monarch_nb\0allocator" in cmd:
+                os.kill(int(e), signal.SIGKILL)
+                pids.append(int(e))
+        return pids
+
+    def close(self) -> None:
+        srv = getattr(self, "server", None)
+        if srv is not None and srv.poll() is None:
+            srv.terminate()
+            try:
+                srv.wait(20)
+            except Exception:
+                srv.kill()
+        self.net.close()
+        shutil.rmtree(self.shared, ignore_errors=True)
+
+
+_HEAD = """
+import json, os, socket, sys
+from kubernetes import client, config, watch
+from monarch_nb._wire.keys import read_key_file
+from monarch_nb.actor import Actor, endpoint
+from monarch_nb.job import JobError
+from monarch_nb.job.kubernetes import ImageSpec, KubeConfig, KubernetesJob
+
+SHARED = {shared!r}
+NS = {ns!r}
+IMAGE = {image!r}
+BROKEN = {broken!r}
+CTL = {ctl!r}
+
+class Where(Actor):
+    @endpoint
+    def where(self):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.connect((CTL, 9))  # the address this host reaches the controller from
+        return os.getpid(), s.getsockname()[0]
+
+def out(**kw):
+    print(json.dumps(kw), flush=True)
+
+def kc(user):
+    return os.path.join(SHARED, user + ".kubeconfig")
+
+def admin():
+    return config.new_client_from_config(config_file=kc("admin"))
+
+def grant(sa, rules=None):
+    api = admin()
+    objs = KubernetesJob.rbac_manifests(NS, sa)
+    for o in objs:
+        o["metadata"]["name"] = o["metadata"]["name"] + "-" + sa
+    objs[2]["roleRef"]["name"] = objs[1]["metadata"]["name"]
+    if rules is not None:
+        objs[1]["rules"] = rules
+    rbac = client.RbacAuthorizationV1Api(api)
+    for fn, o in ((client.CoreV1Api(api).create_namespaced_service_account, objs[0]),
+                  (rbac.create_namespaced_role, objs[1]), (rbac.create_namespaced_role_binding, objs[2])):
+        try:
+            fn(NS, o)
+        except client.ApiException as e:
+            if e.status != 409:  # granted by an earlier test
+                raise
+
+def objects():
+    api = admin()
+    core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
+    return dict(
+        pods=sorted(p.metadata.name for p in core.list_namespaced_pod(NS).items),
+        statefulsets=sorted(s.metadata.name for s in apps.list_namespaced_stateful_set(NS).items),
+        services=sorted(s.metadata.name for s in core.list_namespaced_service(NS).items),
+        secrets=sorted(s.metadata.name for s in core.list_namespaced_secret(NS).items),
+    )
+"""
+
+EMPTY = {"pods": [], "statefulsets": [], "services": [], "secrets": []}
+
+
+@pytest.fixture(scope="module")
+def k8s() -> Iterator[Cluster]:
+    c = Cluster()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def test_whole_flow(k8s: Cluster) -> None:
+    with KeyWatch() as watch:
+        out = k8s.run("""
+            grant("monarch-nb")
+            job = KubernetesJob(NS, timeout=90, kubeconfig=KubeConfig.from_path(kc("ctl")))
+            job.add_mesh("trainers", 3, image_spec=ImageSpec(IMAGE))
+            state = job.state(cached_path="/tmp/job.json")
+            out(objects=objects(), hosts=job._hosts, key=read_key_file(os.path.join(job._dir, "key")).hex())
+            procs = state.trainers.spawn_procs(per_host={"gpus": 2}, name="train")
+            got = procs.spawn("w", Where).where.call().get()
+            out(where=[list(v) for v in got.values()])
+            # a second job with the same mesh name: the API server's 409, named
+            other = KubernetesJob(NS, timeout=30, kubeconfig=KubeConfig.from_path(kc("ctl")))
+            other.add_mesh("trainers", 1, image_spec=ImageSpec(IMAGE))
+            try:
+                other.apply()
+            except JobError as e:
+                out(conflict=str(e))
+            job.kill()
+            out(after=objects())
+        """)
+    first = out[0]
+    assert first["objects"]["statefulsets"] == ["trainers"]
+    assert first["objects"]["services"] == ["trainers-svc"]
+    assert first["objects"]["pods"] == ["trainers-0", "trainers-1", "trainers-2"]
+    assert len(first["objects"]["secrets"]) == 1
+    # ranks in pod-index order: the pod on host i+1 is rank i
+    assert first["hosts"]["trainers"] == [f"tcp://{k8s.net.ip(i)}:26600" for i in (1, 2, 3)]
+    where = out[1]["where"]
+    assert len(where) == 6 and {ip for _, ip in where} == {k8s.net.ip(i) for i in (1, 2, 3)}
+    assert "already exists" in out[2]["conflict"] and "trainers" in out[2]["conflict"]
+    assert out[3]["after"] == EMPTY
+    # deleting the StatefulSet ended the allocators
+    wait_for(lambda: not any(k8s.allocators_on(i) for i in (1, 2, 3)), timeout=30)
+    leaks = watch.leaks(bytes.fromhex(first["key"]))
+    assert not leaks, leaks
+
+
+def test_attach_only_by_label_selector(k8s: Cluster) -> None:
+    # pods someone else provisioned (here: another job, in another process), found by Monarch's labels
+    k8s.run("""
+        grant("monarch-nb")
+        owner = KubernetesJob(NS, timeout=90, kubeconfig=KubeConfig.from_path(kc("ctl")))
+        owner.add_mesh("workers", 2, image_spec=ImageSpec(IMAGE))
+        owner.apply()
+        owner.dump("/tmp/owner.json")
+        import shutil
+        shutil.copy(os.path.join(owner._dir, "key"), "/tmp/attach.key")
+    """)
+    out = k8s.run(
+        """
+        sel = "app.kubernetes.io/name=monarch-worker,monarch.pytorch.org/mesh-name=workers"
+        job = KubernetesJob(NS, timeout=30, kubeconfig=KubeConfig.from_path(kc("ctl")))
+        job.add_mesh("workers", 2, label_selector=sel)
+        # attach-only pods are authenticated with the controller's own cluster key (its config)
+        state = job.state(cached_path=None)
+        got = state.workers.spawn_procs(per_host={"gpus": 1}).spawn("w", Where).where.call().get()
+        out(n=len(got), created=job._created)
+        job.kill()                      # attach-only: the pods are not ours to delete
+        out(after_attach_kill=objects()["pods"])
+    """,
+        MONARCH_NB_KEY_FILE="/tmp/attach.key",
+    )
+    assert out[0] == {"n": 2, "created": []}
+    assert out[1]["after_attach_kill"] == ["workers-0", "workers-1"]
+    out = k8s.run("""
+        from monarch_nb.job import job_load
+        job_load("/tmp/owner.json").kill()
+        out(after=objects())
+    """)
+    assert out[0]["after"] == EMPTY
+
+
+def test_reattach_from_a_new_process_by_name(k8s: Cluster) -> None:
+    # %mesh launch k8s's path (monarch_nb.job.launch): a named job, cached; a second process
+    # re-attaches to the same pods and finds the procs it left there, with the same PIDs
+    launch = """
+        from monarch_nb.actor import ProcMesh
+        from monarch_nb.job import kill_job, launch, list_jobs
+        grant("monarch-nb")
+        state = launch("k8s", "named", 2, namespace=NS, image=IMAGE, kubeconfig=kc("ctl"), timeout=90)
+    """
+    out = k8s.run(
+        launch
+        + """
+        procs = state.named.spawn_procs(per_host={"gpus": 1}, name="train", persist=True)
+        out(pids=sorted(p for p, _ in procs.spawn("w", Where).where.call().get().values()))
+    """
+    )
+    pids = out[0]["pids"]
+    out = k8s.run(
+        launch
+        + """
+        procs = ProcMesh.lookup("train", state.named)
+        out(pids=sorted(p for p, _ in procs.actor_mesh("w").where.call().get().values()),
+            jobs=[(r["name"], r["scheduler"], r["hosts"], r["state"]) for r in list_jobs()])
+    """
+    )
+    assert out[0]["pids"] == pids
+    assert ["named", "k8s", 2, "running"] in out[0]["jobs"]
+    # the allocator of rank 1 dies: its pod is not Ready (the kubelet backs off), the job shows it lost
+    assert k8s.kill_allocators(2)
+    out = k8s.run("""
+        import time
+        from monarch_nb.job import kill_job, list_jobs
+        deadline = time.monotonic() + 8
+        while True:
+            row = next(r for r in list_jobs() if r["name"] == "named")
+            if row["state"] != "running" or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)  # polling the API server's view; no event to wait on here
+        out(state=row["state"])
+        kill_job("named")
+        out(after=objects())
+    """)
+    assert out[0]["state"] == "lost: named[1]"
+    assert out[1]["after"] == EMPTY
+
+
+def test_pending_pod_says_why(k8s: Cluster) -> None:
+    out = k8s.run("""
+        grant("monarch-nb")
+        job = KubernetesJob(NS, timeout=6, kubeconfig=KubeConfig.from_path(kc("ctl")))
+        job.add_mesh("big", 4, image_spec=ImageSpec(IMAGE))     # 3 nodes
+        try:
+            job.state(cached_path=None)
+        except JobError as e:
+            out(error=str(e))
+        out(after=objects())
+    """)
+    err = out[0]["error"]
+    assert "big-3" in err and "Unschedulable" in err and "0/3 nodes are available" in err and "timeout=6" in err
+    assert out[1]["after"] == EMPTY
+
+
+def test_crashloop_shows_last_log_lines(k8s: Cluster) -> None:
+    out = k8s.run("""
+        grant("monarch-nb")
+        job = KubernetesJob(NS, timeout=60, kubeconfig=KubeConfig.from_path(kc("ctl")))
+        job.add_mesh("broken", 1, image_spec=ImageSpec(BROKEN))
+        try:
+            job.state(cached_path=None)
+        except JobError as e:
+            out(error=str(e))
+        out(after=objects())
+    """)
+    err = out[0]["error"]
+    assert "broken-0" in err and "CrashLoopBackOff" in err
+    assert "No module named monarch_nb" in err  # the container's own last log line
+    assert out[1]["after"] == EMPTY
+
+
+def test_forbidden_names_the_permission(k8s: Cluster) -> None:
+    out = k8s.run("""
+        # a Role without statefulsets: the job's own Role minus one rule
+        grant("weak", rules=[r for r in KubernetesJob.rbac_manifests(NS)[1]["rules"] if r["resources"] != ["statefulsets"]])
+        job = KubernetesJob(NS, timeout=30, kubeconfig=KubeConfig.from_path(kc("weak")))
+        job.add_mesh("denied", 1, image_spec=ImageSpec(IMAGE))
+        try:
+            job.state(cached_path=None)
+        except JobError as e:
+            out(error=str(e))
+        out(after=objects())
+    """)
+    err = out[0]["error"]
+    assert "403" in err and "'create' on 'statefulsets.apps'" in err and "rbac_manifests" in err
+    assert f"system:serviceaccount:{NS}:weak" in err
+    # what it created before the refusal (the Secret, the Service) was deleted again
+    assert out[1]["after"] == EMPTY
