@@ -133,14 +133,17 @@ class Cluster:
         self.key = read_key_file(self.keyfile)
         self.alloc = AllocatorProc(tmp, "--bind", "tcp://127.0.0.1:0", "--key-file", self.keyfile, env=ENV)
         env = {k: v for k, v in self.alloc.env.items() if k != "PYTHONUNBUFFERED"}
-        self.ctl = subprocess.Popen(
-            [PY, "-c", _CONTROLLER, self.alloc.info["tcp"], self.keyfile],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        # a file, not a pipe: the controller logs every frame it drops, and a full pipe would stop it
+        self.ctl_log = os.path.join(self.alloc.rdir, "controller.log")
+        with open(self.ctl_log, "wb") as err:
+            self.ctl = subprocess.Popen(
+                [PY, "-c", _CONTROLLER, self.alloc.info["tcp"], self.keyfile],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
         try:
             line = self._line(90)
             info = json.loads(line)
@@ -161,7 +164,8 @@ class Cluster:
             raise AssertionError(f"the controller said nothing in {timeout} s")
         line = self.ctl.stdout.readline()
         if not line:
-            err = self.ctl.stderr.read() if self.ctl.stderr else ""  # type: ignore[union-attr]
+            with open(self.ctl_log, errors="replace") as f:
+                err = f.read()
             raise AssertionError(f"the controller exited ({self.ctl.poll()}): {err[-3000:]}")
         return line
 
@@ -209,6 +213,9 @@ def tempfile_dir() -> str:
 def cluster(tmp_path_factory):  # type: ignore[no-untyped-def]
     c = Cluster(str(tmp_path_factory.mktemp("fuzz")))
     yield c
+    if os.environ.get("FUZZ_DUMP_LOG"):
+        shutil.copy(c.alloc.log, os.environ["FUZZ_DUMP_LOG"])
+        shutil.copy(c.ctl_log, os.environ["FUZZ_DUMP_LOG"] + ".ctl")
     try:
         c.assert_bounded()
     finally:
@@ -727,33 +734,68 @@ def entry_points(cluster: Cluster) -> list[tuple[str, str, str]]:
     return out
 
 
+def _as_nobody(kind: str, addr: str, frame: bytes) -> str:
+    py = shutil.which("python3", path="/usr/bin:/bin") or PY
+    r = subprocess.run(
+        [py, "-c", _NOBODY_CLIENT, kind, addr.encode().hex(), frame.hex()],
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def _assert_none_made(markers: list[str], outcomes: list[str], seconds: float = 2.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        made = [m for m in markers if os.path.exists(m)]
+        assert not made, f"a frame from uid {NOBODY} ran code: {made}\n" + "\n".join(outcomes)
+        time.sleep(0.05)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to send frames as uid 65534")
 def test_no_entry_point_runs_a_strangers_pickle(cluster) -> None:  # type: ignore[no-untyped-def]
-    py = shutil.which("python3", path="/usr/bin:/bin") or PY
     markers = []
     outcomes = []
     for name, kind, addr in entry_points(cluster):
         marker = os.path.join(cluster.keydir, f"pwned-{name}-{kind}")
         markers += [marker, marker + "-body"]
-        r = subprocess.run(
-            [py, "-c", _NOBODY_CLIENT, kind, addr.encode().hex(), evil_frames(marker).hex()],
-            user=NOBODY,
-            group=NOBODY,
-            extra_groups=[],
-            cwd="/",
-            env={"PATH": "/usr/bin:/bin"},
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        assert r.returncode == 0, r.stderr
-        outcomes.append(f"{name} {kind}: {r.stdout.strip()}")
+        outcomes.append(f"{name} {kind}: {_as_nobody(kind, addr, evil_frames(marker))}")
     cluster.check()  # every process took its frames (or refused them) and still answers
-    deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline:
-        made = [m for m in markers if os.path.exists(m)]
-        assert not made, f"a frame from uid {NOBODY} ran code: {made}\n" + "\n".join(outcomes)
-        time.sleep(0.05)
+    _assert_none_made(markers, outcomes)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to send frames as uid 65534")
+def test_direct_path_checks_the_peer_uid_behind_the_file_mode(cluster) -> None:  # type: ignore[no-untyped-def]
+    """The ipc sockets' first defence is the 0700 runtime directory (above, uid 65534 cannot even
+    connect). The direct path also checks the peer's uid: open the directory and the direct
+    sockets to everyone for a moment, and a stranger's frame is still refused unread."""
+    rdir = cluster.alloc.rdir
+    fast = [(name, addr) for name, kind, addr in entry_points(cluster) if kind == "fast"]
+    dir_mode = os.stat(rdir).st_mode & 0o777
+    modes = {addr: os.stat(addr).st_mode & 0o777 for _, addr in fast}
+    markers, outcomes = [], []
+    try:
+        os.chmod(rdir, 0o711)
+        for name, addr in fast:
+            os.chmod(addr, 0o666)
+            marker = os.path.join(cluster.keydir, f"pwned-{name}-open-fast")
+            markers += [marker, marker + "-body"]
+            outcomes.append(f"{name}: {_as_nobody('fast', addr, evil_frames(marker))}")
+    finally:
+        os.chmod(rdir, dir_mode)
+        for addr, mode in modes.items():
+            os.chmod(addr, mode)
+    assert not [o for o in outcomes if "refused at connect" in o], outcomes  # the check was reached
+    wait_for(lambda: f"refused a direct connection from uid {NOBODY}" in cluster.alloc.logtext(), 10, "the refusal logged")
+    cluster.check()
+    _assert_none_made(markers, outcomes)
 
 
 # ---------------------------------------------------------------- the sidebar's REST handlers
