@@ -869,3 +869,76 @@ def test_fuzz_rest_handlers(jserver, case: tuple[str, str, bytes | None], token:
         assert status in (401, 403, 404, 405), (method, path, status)
     assert jserver.proc.poll() is None
     assert _raw_request(jserver.base, "GET", "/monarch-nb/api/state", None, TOKEN) == 200
+
+
+# ---------------------------------------------------------------- files other processes read
+
+json_value = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=12)),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12,
+)
+
+
+def _job_records() -> list[dict[str, Any]]:
+    from monarch_nb.job import LocalJob, ProcessJob
+
+    out = []
+    for job in (LocalJob(("a", "b")), ProcessJob({"trainers": 2}, env={"X": "1"})):
+        rec = json.loads(job.dumps())
+        out.append(rec)
+        out.append(dict(rec, running=True, apply_id="abc", started=1.0, runtime={"dir": "/nowhere", "hosts": {}}))
+    return out
+
+
+@st.composite
+def job_record(draw: Any) -> bytes:
+    """A real job record with one field (at any depth) replaced by any JSON value, or removed."""
+    rec = json.loads(json.dumps(draw(st.sampled_from(_job_records()))))
+    node = rec
+    while True:
+        keys = list(node)
+        key = draw(st.sampled_from(keys))
+        if isinstance(node[key], dict) and node[key] and draw(st.booleans()):
+            node = node[key]
+            continue
+        if draw(st.booleans()):
+            node[key] = draw(json_value)
+        else:
+            del node[key]
+        break
+    return json.dumps(rec).encode() if draw(st.integers(0, 9)) else draw(st.binary(max_size=64))
+
+
+@FUZZ
+@given(raw=job_record())
+def test_fuzz_job_state_files(raw: bytes) -> None:
+    """A cached job state that is not what ``dump()`` wrote is a ``JobError`` that says so."""
+    from monarch_nb.job import JobError, job_loads
+
+    try:
+        job_loads(raw)
+    except JobError:
+        pass
+
+
+@settings(FUZZ, max_examples=60)
+@given(
+    infos=st.lists(
+        st.one_of(json_value, st.fixed_dictionaries({"name": st.just("n0")}, optional={"tcp": json_value})), max_size=3
+    )
+)
+def test_fuzz_announcements_and_connection_files(tmp_path_factory, infos: list[Any]) -> None:  # type: ignore[no-untyped-def]
+    """Whatever JSON sits in a job's announcement directory or a runtime directory's connection
+    files, the readers skip what they cannot use and raise nothing."""
+    from monarch_nb._runtime import _jobrecords, records
+
+    d = str(tmp_path_factory.mktemp("files"))
+    os.chmod(d, 0o700)
+    for i, info in enumerate(infos):
+        _jobrecords.write_private(os.path.join(d, f"n{i}.json"), json.dumps(info).encode())
+        _jobrecords.write_private(records.path_for(d, f"{i:012x}"), json.dumps(info).encode())
+    for info in _jobrecords.read_announcements(d).values():
+        assert isinstance(info, dict)
+    records.read_connection_files(d)
+    assert records.find_local_allocator(d) is None
