@@ -401,15 +401,23 @@ def test_fuzz_tcp_wrong_key(cluster, zctx, data, msg: list[bytes]) -> None:  # t
     s.curve_serverkey = curve_keypair(cluster.key)[0]  # the server's public key is no secret
     s.curve_publickey, s.curve_secretkey = curve_keypair(generate_key())
     mon = s.get_monitor_socket()  # before connecting: the handshake's end is not missed
+    tag = secrets.token_hex(4)  # the 8 bytes a dropped frame's log line quotes
+    marker = os.path.join(cluster.keydir, f"wrong-key-{tag}")
     try:
         s.connect(addr)
-        s.send_multipart(msg, zmq.NOBLOCK)
+        s.send_multipart([tag.encode()], zmq.NOBLOCK)  # logged by name if it were ever decoded
+        s.send_multipart([evil_frames(marker), *msg], zmq.NOBLOCK)
         assert _wait_handshake_end(mon) == zmq.EVENT_HANDSHAKE_FAILED_AUTH, f"{target}'s TCP inbox took a stranger's key"
     finally:
         s.disable_monitor()
         mon.close(linger=0)
         s.close(linger=0)
     cluster.check()
+    assert not os.path.exists(marker) and not os.path.exists(marker + "-body")
+    # the allocator's log, and the controller's (which also shows the proc's): never decoded
+    assert tag not in cluster.alloc.logtext()
+    with open(cluster.ctl_log, errors="replace") as f:
+        assert tag not in f.read()
 
 
 @settings(FUZZ, max_examples=40)
@@ -806,8 +814,13 @@ def jserver():  # type: ignore[no-untyped-def]
     from _jupyter import JupyterServer
 
     s = JupyterServer("server")
+    rss0 = psutil.Process(s.proc.pid).memory_info().rss
     yield s
-    s.stop()
+    try:
+        grown = psutil.Process(s.proc.pid).memory_info().rss - rss0
+        assert grown < RSS_BOUND, f"the Jupyter server grew by {grown >> 20} MiB under fuzzing"
+    finally:
+        s.stop()
 
 
 def _raw_request(base: str, method: str, path: str, body: bytes | None, token: str) -> int:
