@@ -487,9 +487,10 @@ def fast_payload(draw: Any) -> bytes:
     if how == "truncated":
         m = _framed(draw(message))
         return m[: draw(st.integers(0, len(m) - 1))]
-    if how == "lengths":  # any count and lengths (over the limit, zero frames), then some bytes
-        n = draw(st.integers(0, 255))
-        lens = draw(st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n))
+    if how == "lengths":  # any count and lengths (over the limit, zero frames, frames left unfinished)
+        n = draw(st.one_of(st.integers(0, 3), st.integers(0, 255)))
+        length = st.one_of(st.integers(0, 300), st.integers(0, MAX_BYTES), st.integers(0, 2**32 - 1))
+        lens = draw(st.lists(length, min_size=n, max_size=n))
         return struct.pack(f"<B{n}I", n, *lens) + draw(st.binary(max_size=64))
     return b"".join(_framed(m) for m in draw(st.lists(message, min_size=2, max_size=4)))
 
@@ -636,7 +637,7 @@ def classify(proto: str, addr: str, info: dict[str, Any]) -> str | None:
 
 def test_every_listening_socket_has_a_fuzz_case(cluster) -> None:  # type: ignore[no-untyped-def]
     alloc = psutil.Process(cluster.pids["allocator"])
-    zygotes = [p for p in alloc.children() if p.pid != cluster.pids["proc"]]
+    zygotes = [p for p in alloc.children(recursive=True) if p.pid != cluster.pids["proc"]]
     procs: dict[str, tuple[int, dict[str, Any]]] = {name: (t["pid"], t) for name, t in cluster.targets().items()}
     for z in zygotes:  # the zygote (and anything else the allocator runs) must listen on nothing
         procs[f"allocator's child {z.pid} {z.name()}"] = (z.pid, {"ipc": "ipc://-", "tcp": ""})
