@@ -213,9 +213,6 @@ def tempfile_dir() -> str:
 def cluster(tmp_path_factory):  # type: ignore[no-untyped-def]
     c = Cluster(str(tmp_path_factory.mktemp("fuzz")))
     yield c
-    if os.environ.get("FUZZ_DUMP_LOG"):
-        shutil.copy(c.alloc.log, os.environ["FUZZ_DUMP_LOG"])
-        shutil.copy(c.ctl_log, os.environ["FUZZ_DUMP_LOG"] + ".ctl")
     try:
         c.assert_bounded()
     finally:
