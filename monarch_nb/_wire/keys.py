@@ -14,6 +14,7 @@ import os
 import secrets
 
 import zmq
+import zmq.utils.z85  # not imported by `import zmq`: curve_keypair may run before anything else imports it
 
 from ..errors import ConfigError
 

@@ -307,15 +307,21 @@ def job_loads(data: bytes | str) -> JobTrait:
         raise JobError(f"not a monarch_nb job record: {e}") from e
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise JobError(f"not a monarch_nb job record (format {obj.get('format') if isinstance(obj, dict) else None!r})")
-    cls = _JOB_TYPES.get(obj.get("type", ""))
+    kind = obj.get("type", "")
+    cls = _JOB_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise JobError(f"unknown job type {obj.get('type')!r} in job record; known: {sorted(_JOB_TYPES)}")
-    job = cls(**obj["spec"])
-    if obj.get("running"):
-        job._apply_id = obj.get("apply_id")
-        job._started = float(obj.get("started") or 0.0)
-        job._load_runtime(obj.get("runtime") or {})
-        job._status = "running"
+        raise JobError(f"unknown job type {kind!r} in job record; known: {sorted(_JOB_TYPES)}")
+    # a record edited by hand or cut short: a JobError that says so, not whatever the
+    # constructor or _load_runtime trips on (tests/test_fuzz.py)
+    try:
+        job = cls(**obj["spec"])
+        if obj.get("running"):
+            job._apply_id = obj.get("apply_id")
+            job._started = float(obj.get("started") or 0.0)
+            job._load_runtime(obj.get("runtime") or {})
+            job._status = "running"
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise JobError(f"malformed {kind} job record ({type(e).__name__}: {e}); delete it and apply the job again") from e
     return job
 
 
