@@ -143,11 +143,11 @@ class SupervisionError(ActorError):
         return f"Supervision failure: {self.message}"
 
 
-def _rebuild_actor_error(cls, exc, tb, actor, rank, host, message):  # type: ignore[no-untyped-def]
+def _rebuild_actor_error(cls, exc, tb, actor, rank, host, message):
     return cls(exc, tb, actor=actor, rank=rank, host=host, message=message)
 
 
-def _rebuild_supervision_error(cause, mesh, actor, rank, host):  # type: ignore[no-untyped-def]
+def _rebuild_supervision_error(cause, mesh, actor, rank, host):
     return SupervisionError(cause, mesh=mesh, actor=actor, rank=rank, host=host)
 
 

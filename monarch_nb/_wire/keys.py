@@ -14,6 +14,7 @@ import os
 import secrets
 
 import zmq
+import zmq.utils.z85
 
 from ..errors import ConfigError
 

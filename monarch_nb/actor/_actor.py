@@ -15,6 +15,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from functools import cached_property
 from typing import Any
 
@@ -274,7 +275,7 @@ class ActorSlot:
         # a breakpoint in __init__ belongs to the creator's spawn call (its call ids start with its uid)
         self.busy, self.call_id, self.caller = "__init__", f"{self.instance_info._creator_uid}.spawn", reply[0]
         try:
-            obj = self.cls.__new__(self.cls)
+            obj = self.cls.__new__(self.cls)  # type: ignore[call-overload]
             obj.__init__(*args, **kwargs)
             self.obj = obj
             self.init_args = (args, kwargs)
@@ -299,7 +300,7 @@ class ActorSlot:
             return None
         ep = self.endpoints.get(method)
         if ep is not None:
-            fn = ep.fn
+            fn: Callable[..., Any] | None = ep.fn
             if ep.explicit_response_port:
                 from ._port import Port
 
@@ -577,6 +578,7 @@ class ActorHost:
         def run() -> None:
             from ._reload import reload_changed
 
+            value: Any
             try:
                 value, status = reload_changed(self.rt, root, changed, mode), wire.OK
             except BaseException as e:
@@ -618,4 +620,4 @@ def ensure_actor_host(rt: Runtime) -> ActorHost:
     host = rt.system.get("__sys__")
     if host is None:
         host = rt.system["__sys__"] = ActorHost(rt)
-    return host  # type: ignore[no-any-return]
+    return host

@@ -238,6 +238,8 @@ class Client:
         if self.log_writer is not None:
             self.log_writer(mesh, lines)
             return
+        out: list[str]
+        err: list[str]
         out, err = [], []
         for rank, stream, _ts, _call, line in lines:
             if line.startswith("\r"):

@@ -265,7 +265,7 @@ class ProcMesh(MeshTrait):
             raise SpawnError(
                 f"spawning {label!r} ({Class.__qualname__}) failed on {len(errors)} of {len(procs)} procs: {e}", tb
             ) from e
-        mesh = ActorMesh(Class, name, self._procs, view, self)
+        mesh: ActorMesh[T] = ActorMesh(Class, name, self._procs, view, self)
         # a new mesh under a stopped one's name is live
         client.stopped_actor_meshes.discard(mesh._key())
         if self._persist or any(p.alloc for p in self._procs):
@@ -473,10 +473,10 @@ class HostMesh(MeshTrait):
             for h, f in zip(hosts, futs):
                 if f.exception(timeout=0) is None:
                     client.request(h.alloc, "stop_mesh", name, client.cid, False, "spawn failed elsewhere")
-            h, e = errors[0]
-            if isinstance(e, SpawnError):
-                raise e
-            raise SpawnError(f"spawning procs {name!r} on host {h.host} failed: {e}") from e
+            h, err = errors[0]
+            if isinstance(err, SpawnError):
+                raise err
+            raise SpawnError(f"spawning procs {name!r} on host {h.host} failed: {err}") from err
         procs.sort(key=lambda p: p.rank)
         pm = ProcMesh(name, procs, View(labels, sizes), self, persist)
         # the actor spawning these procs owns them: their failures go to its __supervise__
