@@ -11,7 +11,7 @@ import builtins
 import contextvars
 import linecache
 import traceback
-from typing import Any
+from typing import Any, cast
 
 import cloudpickle
 
@@ -68,7 +68,7 @@ class ExecActor(Actor):
         tree = ast.parse(source, filename, "exec")
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
+            last = ast.Expression(cast(ast.Expr, tree.body.pop()).value)
         exec(compile(tree, filename, "exec"), self.ns)
         if last is not None:
             return eval(compile(last, filename, "eval"), self.ns)

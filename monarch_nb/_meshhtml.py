@@ -101,10 +101,12 @@ def value_table_html(labels: Sequence[str], sizes: Sequence[int], values: Sequen
         corner = f"{html.escape(rows_l)} \\ {html.escape(cols_l)}" if rows_l else html.escape(cols_l)
         thead = f"<tr><th>{corner}</th>" + "".join(f"<th>{c}</th>" for c in range(nc)) + "</tr>"
         trs = []
-        for r in range(nr):
-            label = f"<th>{r}</th>" if rows_l else "<th></th>"
-            tds = "".join(f'<td data-rank="{o * per + r * nc + c}">{_cell(reprs[o * per + r * nc + c])}</td>' for c in range(nc))
-            trs.append(f"<tr>{label}{tds}</tr>")
+        for row in range(nr):
+            row_th = f"<th>{row}</th>" if rows_l else "<th></th>"
+            tds = "".join(
+                f'<td data-rank="{o * per + row * nc + c}">{_cell(reprs[o * per + row * nc + c])}</td>' for c in range(nc)
+            )
+            trs.append(f"<tr>{row_th}{tds}</tr>")
         tables.append(f'<table class="mnb-table">{caption}<thead>{thead}</thead><tbody>{"".join(trs)}</tbody></table>')
     return f'{_CSS}<div class="mnb-vm">{head}{"".join(tables)}</div>'
 

@@ -59,7 +59,7 @@ def _status(args: argparse.Namespace) -> int:
     for a in s["allocators"]:
         print(f"allocator {a.get('alloc_id', '?')} on {a.get('host')} pid {a.get('pid')}: {a.get('error') or 'ok'}")
         for m in a.get("meshes", []):
-            states = {}
+            states: dict[str, int] = {}
             for p in m["procs"]:
                 states[p["state"]] = states.get(p["state"], 0) + 1
             print(f"  mesh {m['name']} {m['extent']} {m['state']} owner={m['owner']} procs={states}")

@@ -222,11 +222,11 @@ def _remote_words(tb: str) -> str:
     return tb.replace("Traceback (most recent call last):", "Traceback of where the remote call failed (most recent call last):")
 
 
-def _rebuild_actor_error(cls, exc, tb, actor, rank, host, message):  # type: ignore[no-untyped-def]
+def _rebuild_actor_error(cls, exc, tb, actor, rank, host, message):
     return cls(exc, tb, actor=actor, rank=rank, host=host, message=message)
 
 
-def _rebuild_supervision_error(cause, mesh, actor, rank, host, message=""):  # type: ignore[no-untyped-def]
+def _rebuild_supervision_error(cause, mesh, actor, rank, host, message=""):
     return SupervisionError(cause, mesh=mesh, actor=actor, rank=rank, host=host, message=message)
 
 

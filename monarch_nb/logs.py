@@ -153,10 +153,10 @@ def logs(
         try:
             mesh = get(mesh)
         except MeshError:
-            rows = _local_logs(mesh, rank, tail, start)
-            if rows is None:
+            local = _local_logs(mesh, rank, tail, start)
+            if local is None:
                 raise
-            return rows
+            return local
     client = _context.client()
     known = {p.rank: p for p in mesh._procs}
     ranks = sorted(known) if rank is None else [rank]

@@ -27,7 +27,7 @@ import pytest  # noqa: E402
 PY = sys.executable
 
 
-def wait_for(pred, timeout: float = 10.0, what: str = "condition"):  # type: ignore[no-untyped-def]
+def wait_for(pred, timeout: float = 10.0, what: str = "condition"):
     """Poll ``pred`` until it returns a truthy value (returned) or fail after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
@@ -69,12 +69,12 @@ class AllocatorProc:
 
 
 @pytest.fixture
-def allocator(tmp_path):  # type: ignore[no-untyped-def]
+def allocator(tmp_path):
     """A private allocator; yields it with ``.hosts`` a HostMesh attached to it."""
     from monarch_nb.actor import attach_to_workers
 
     a = AllocatorProc(str(tmp_path))
-    a.hosts = attach_to_workers(workers=[a.addr], ca="trust_all_connections")  # type: ignore[attr-defined]
+    a.hosts = attach_to_workers(workers=[a.addr], ca="trust_all_connections")
     yield a
     a.stop()
 
@@ -87,7 +87,7 @@ def run_script(code: str, timeout: float = 60, env: dict[str, str] | None = None
     return subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=timeout, env=dict(base, **(env or {})))
 
 
-def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
+def pytest_sessionfinish(session, exitstatus):
     from monarch_nb.allocator import stop_allocator
 
     stop_allocator()
@@ -118,7 +118,7 @@ def _sweep(rdir: str) -> None:
 
 
 @pytest.fixture(autouse=True)
-def fault_hook():  # type: ignore[no-untyped-def]
+def fault_hook():
     """Tests kill procs on purpose: record unhandled failures instead of exiting pytest."""
     import monarch_nb.actor as api
 

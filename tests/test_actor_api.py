@@ -80,7 +80,7 @@ class Counter(Actor):
         port.send(x + 1)
 
     @endpoint
-    def call_other(self, other, x: int) -> list[int]:  # type: ignore[no-untyped-def]
+    def call_other(self, other, x: int) -> list[int]:
         return other.incr.call(x).get(timeout=10).values()
 
     @endpoint
@@ -111,18 +111,18 @@ class AsyncActor(Actor):
 
 
 @pytest.fixture(scope="module")
-def procs():  # type: ignore[no-untyped-def]
+def procs():
     pm = this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2})
     yield pm
     pm.stop().get(timeout=30)
 
 
 @pytest.fixture(scope="module")
-def counters(procs):  # type: ignore[no-untyped-def]
+def counters(procs):
     return procs.spawn("counters", Counter, 10)
 
 
-def test_spawn_and_call_gather_a_value_mesh(procs, counters):  # type: ignore[no-untyped-def]
+def test_spawn_and_call_gather_a_value_mesh(procs, counters):
     assert procs.extent == counters.extent
     assert repr(procs.extent) == "{hosts: 2, gpus: 2}"
     vm = counters.value.call().get(timeout=10)
@@ -135,7 +135,7 @@ def test_spawn_and_call_gather_a_value_mesh(procs, counters):  # type: ignore[no
         vm.item(hosts=1)
 
 
-def test_current_rank_is_the_message_rank_within_a_slice(counters):  # type: ignore[no-untyped-def]
+def test_current_rank_is_the_message_rank_within_a_slice(counters):
     vm = counters.slice(gpus=1).where.call().get(timeout=10)
     ranks = [v[0] for v in vm.values()]
     assert ranks == [0, 1]
@@ -145,7 +145,7 @@ def test_current_rank_is_the_message_rank_within_a_slice(counters):  # type: ign
     assert all(v[3] is False for v in vm.values()), "sync actors run without an event loop"
 
 
-def test_slicing_operations_on_every_mesh_kind(procs, counters):  # type: ignore[no-untyped-def]
+def test_slicing_operations_on_every_mesh_kind(procs, counters):
     assert procs.slice(hosts=0).sizes == {"gpus": 2}
     assert counters.flatten("r").sizes == {"r": 4}
     assert counters.rename(gpus="g").sizes == {"hosts": 2, "g": 2}
@@ -161,7 +161,7 @@ def test_slicing_operations_on_every_mesh_kind(procs, counters):  # type: ignore
         procs.split(hosts="ab")
 
 
-def test_call_one_choose_stream_broadcast(procs):  # type: ignore[no-untyped-def]
+def test_call_one_choose_stream_broadcast(procs):
     c = procs.spawn("adverbs", Counter)
     with pytest.raises(ValueError, match="exactly 1 actor, but mesh has 4"):
         c.value.call_one()
@@ -176,7 +176,7 @@ def test_call_one_choose_stream_broadcast(procs):  # type: ignore[no-untyped-def
     assert Accumulator(c.value, 0, lambda a, b: a + b).accumulate().get(timeout=10) == 405
 
 
-def test_call_ranks_then_and_progress_for_frontends(procs):  # type: ignore[no-untyped-def]
+def test_call_ranks_then_and_progress_for_frontends(procs):
     """The public calls ``%%mesh exec`` and the progress line are built on."""
     from monarch_nb.actor import blocked_on, controller_client
 
@@ -232,7 +232,7 @@ class FailOrHold(Holder):
         return current_rank().rank
 
 
-def test_a_failed_rank_surfaces_while_the_others_still_block(procs):  # type: ignore[no-untyped-def]
+def test_a_failed_rank_surfaces_while_the_others_still_block(procs):
     from monarch_nb.config import get_config
 
     f = procs.spawn("fail_or_hold", FailOrHold)
@@ -243,7 +243,7 @@ def test_a_failed_rank_surfaces_while_the_others_still_block(procs):  # type: ig
     f.release.broadcast()
 
 
-def test_choose_spreads_calls_over_the_least_busy_actors(procs):  # type: ignore[no-untyped-def]
+def test_choose_spreads_calls_over_the_least_busy_actors(procs):
     h = procs.spawn("holders", Holder)
     # one at a time: every actor is idle each time, so they take turns
     assert sorted(h.rank.choose().get(timeout=10) for _ in range(8)) == [0, 0, 1, 1, 2, 2, 3, 3]
@@ -255,14 +255,14 @@ def test_choose_spreads_calls_over_the_least_busy_actors(procs):  # type: ignore
     assert {h.slice(hosts=1).rank.choose().get(timeout=10) for _ in range(4)} == {2, 3}
 
 
-def test_arguments_are_checked_against_the_signature_before_sending(counters):  # type: ignore[no-untyped-def]
+def test_arguments_are_checked_against_the_signature_before_sending(counters):
     with pytest.raises(TypeError, match="incr"):
         counters.incr.call(1, 2, 3)
     with pytest.raises(TypeError):
         counters.value.call(bogus=1)
 
 
-def test_ports_channels_send_and_explicit_response_port(counters):  # type: ignore[no-untyped-def]
+def test_ports_channels_send_and_explicit_response_port(counters):
     assert counters.ported.call(5).get(timeout=10).values() == [6, 6, 6, 6]
     port, recv = Channel.open()
     send(counters.value, (), {}, port=port)
@@ -272,13 +272,13 @@ def test_ports_channels_send_and_explicit_response_port(counters):  # type: igno
     assert recv.recv().get(timeout=10) == "local"
 
 
-def test_non_endpoints_refuse_until_wrapped_with_as_endpoint(counters):  # type: ignore[no-untyped-def]
+def test_non_endpoints_refuse_until_wrapped_with_as_endpoint(counters):
     with pytest.raises(RuntimeError, match="not annotated as an endpoint"):
         counters.plain.call()
     assert as_endpoint(counters.plain).call().get(timeout=10).values() == ["plain"] * 4
 
 
-def test_endpoint_error_carries_remote_traceback_and_actor_lives_on(counters):  # type: ignore[no-untyped-def]
+def test_endpoint_error_carries_remote_traceback_and_actor_lives_on(counters):
     with pytest.raises(ActorError) as ei:
         counters.slice(hosts=1, gpus=1).boom.call_one("bad thing").get(timeout=10)
     e = ei.value
@@ -290,7 +290,7 @@ def test_endpoint_error_carries_remote_traceback_and_actor_lives_on(counters):  
     assert counters.slice(hosts=1, gpus=1).value.call_one().get(timeout=10) >= 10
 
 
-def test_future_timeout_leaves_it_usable_and_await_works(counters):  # type: ignore[no-untyped-def]
+def test_future_timeout_leaves_it_usable_and_await_works(counters):
     f = counters.slice(hosts=0, gpus=0).slow.call_one(0.6)
     with pytest.raises(TimeoutError):
         f.get(timeout=0.05)
@@ -304,7 +304,7 @@ def test_future_timeout_leaves_it_usable_and_await_works(counters):  # type: ign
         Future()
 
 
-def test_sync_and_async_actors_and_mixing_is_rejected(procs):  # type: ignore[no-untyped-def]
+def test_sync_and_async_actors_and_mixing_is_rejected(procs):
     a = procs.spawn("asyncs", AsyncActor)
     assert a.where.call().get(timeout=10).values() == [True] * 4
     one = a.slice(hosts=0, gpus=0)
@@ -386,7 +386,7 @@ def test_supervision_of_a_sync_actor_goes_ahead_of_its_message_backlog(fault_hoo
         procs.stop().get(timeout=30)
 
 
-def test_meshes_are_picklable_and_an_actor_can_call_a_mesh_it_was_handed(procs, counters):  # type: ignore[no-untyped-def]
+def test_meshes_are_picklable_and_an_actor_can_call_a_mesh_it_was_handed(procs, counters):
     other = procs.spawn("others", Counter, 1000)
     back = pickle.loads(pickle.dumps(other))
     assert back.value.call().get(timeout=10).values() == [1000] * 4
@@ -394,7 +394,7 @@ def test_meshes_are_picklable_and_an_actor_can_call_a_mesh_it_was_handed(procs, 
     assert res == [1001] * 4
 
 
-def test_messages_from_one_sender_arrive_in_order(procs):  # type: ignore[no-untyped-def]
+def test_messages_from_one_sender_arrive_in_order(procs):
     c = procs.spawn("ordered", Counter)
     for i in range(500):
         c.record.broadcast(i)
@@ -402,14 +402,14 @@ def test_messages_from_one_sender_arrive_in_order(procs):  # type: ignore[no-unt
     assert all(s == list(range(500)) for s in seen)
 
 
-def test_unpicklable_argument_and_result_give_clear_errors(counters):  # type: ignore[no-untyped-def]
+def test_unpicklable_argument_and_result_give_clear_errors(counters):
     with pytest.raises(Exception, match="pickle"):
         counters.incr.call(threading.Lock())
     with pytest.raises(ActorError, match="could not be pickled"):
         counters.slice(hosts=0, gpus=0).unpicklable.call_one().get(timeout=10)
 
 
-def test_this_proc_spawns_in_the_controller_and_controllers_are_singletons():  # type: ignore[no-untyped-def]
+def test_this_proc_spawns_in_the_controller_and_controllers_are_singletons():
     import os
 
     class Local(Actor):

@@ -52,7 +52,7 @@ def _log_rows(status: dict, mesh: str, rank: int) -> list[dict]:
     raise AssertionError(f"mesh {mesh} not in status")
 
 
-def test_fd_level_capture_tags_lines_and_keeps_last_words(allocator):  # type: ignore[no-untyped-def]
+def test_fd_level_capture_tags_lines_and_keeps_last_words(allocator):
     from monarch_nb import status
 
     pm = allocator.hosts.spawn_procs(per_host={"gpus": 2}, name="logs")
@@ -85,7 +85,7 @@ def test_fd_level_capture_tags_lines_and_keeps_last_words(allocator):  # type: i
     pm.stop().get(timeout=20)
 
 
-def test_sigkilled_proc_fails_pending_calls_within_3s_and_respawn_works(allocator):  # type: ignore[no-untyped-def]
+def test_sigkilled_proc_fails_pending_calls_within_3s_and_respawn_works(allocator):
     pm = allocator.hosts.spawn_procs(per_host={"gpus": 2}, name="victim")
     w = pm.spawn("w", Worker)
     pids = w.pid.call().get(timeout=10).values()
@@ -103,7 +103,7 @@ def test_sigkilled_proc_fails_pending_calls_within_3s_and_respawn_works(allocato
     pm2.stop().get(timeout=20)
 
 
-def test_killed_allocator_fails_pending_calls_and_takes_its_procs(tmp_path):  # type: ignore[no-untyped-def]
+def test_killed_allocator_fails_pending_calls_and_takes_its_procs(tmp_path):
     a = AllocatorProc(str(tmp_path))
     try:
         hosts = attach_to_workers(workers=[a.addr], ca="trust_all_connections")
@@ -132,7 +132,7 @@ def test_killed_allocator_fails_pending_calls_and_takes_its_procs(tmp_path):  # 
         a.stop()
 
 
-def test_script_meshes_stop_at_exit_and_persistent_ones_are_reattached(allocator):  # type: ignore[no-untyped-def]
+def test_script_meshes_stop_at_exit_and_persistent_ones_are_reattached(allocator):
     code = f"""
 import os
 from monarch_nb.actor import Actor, endpoint, attach_to_workers
@@ -168,7 +168,7 @@ print("BUMP", pm.spawn("keeper", Keeper).bump.call().get(timeout=10).values(), f
     assert meshes() == set()
 
 
-def test_a_controller_stops_only_what_it_owns_while_the_owner_is_attached(allocator):  # type: ignore[no-untyped-def]
+def test_a_controller_stops_only_what_it_owns_while_the_owner_is_attached(allocator):
     mine = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="mine")
     code = f"""
 from monarch_nb.actor import ProcMesh, attach_to_workers
@@ -185,7 +185,7 @@ except PermissionError as e:
     mine.stop().get(timeout=20)
 
 
-def test_lease_reaps_meshes_nobody_holds(tmp_path):  # type: ignore[no-untyped-def]
+def test_lease_reaps_meshes_nobody_holds(tmp_path):
     a = AllocatorProc(str(tmp_path), "--lease", "1")
     try:
         code = f"""
@@ -201,7 +201,7 @@ print("OK", flush=True)
         a.stop()
 
 
-def test_malformed_and_foreign_frames_are_dropped_and_the_daemon_keeps_serving(allocator):  # type: ignore[no-untyped-def]
+def test_malformed_and_foreign_frames_are_dropped_and_the_daemon_keeps_serving(allocator):
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.linger = 2000  # deliver before close
@@ -217,7 +217,7 @@ def test_malformed_and_foreign_frames_are_dropped_and_the_daemon_keeps_serving(a
     pm.stop().get(timeout=20)
 
 
-def test_bootstrap_command_execs_instead_of_forking(allocator):  # type: ignore[no-untyped-def]
+def test_bootstrap_command_execs_instead_of_forking(allocator):
     from monarch_nb.actor import default_bootstrap_cmd
 
     cmd = default_bootstrap_cmd().with_env(MNB_EXECED="yes")
@@ -232,7 +232,7 @@ def test_bootstrap_command_execs_instead_of_forking(allocator):  # type: ignore[
     pm.stop().get(timeout=20)
 
 
-def test_bootstrap_callable_runs_before_actors(allocator):  # type: ignore[no-untyped-def]
+def test_bootstrap_callable_runs_before_actors(allocator):
     def boot() -> None:
         os.environ["BOOTED"] = "1"
 
@@ -247,7 +247,7 @@ def test_bootstrap_callable_runs_before_actors(allocator):  # type: ignore[no-un
     pm.stop().get(timeout=20)
 
 
-def test_embedded_allocator_and_cli(tmp_path):  # type: ignore[no-untyped-def]
+def test_embedded_allocator_and_cli(tmp_path):
     rdir = str(tmp_path / "rt")
     env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir)
     r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "start"], env=env, capture_output=True, text=True, timeout=60)
@@ -262,7 +262,7 @@ def test_embedded_allocator_and_cli(tmp_path):  # type: ignore[no-untyped-def]
     assert "no allocators" in r.stdout
 
 
-def test_status_lists_meshes_and_proc_states(procs_for_status=None):  # type: ignore[no-untyped-def]
+def test_status_lists_meshes_and_proc_states(procs_for_status=None):
     from monarch_nb import status
 
     pm = this_host().spawn_procs(per_host={"gpus": 2}, name="visible")
@@ -304,12 +304,12 @@ class Parent(Actor):
     def seen(self) -> list[str]:
         return self.failures
 
-    def __supervise__(self, failure) -> bool:  # type: ignore[no-untyped-def]
+    def __supervise__(self, failure) -> bool:
         self.failures.append(failure.report())
         return True
 
 
-def test_owner_actor_supervises_the_failure_of_a_mesh_it_spawned(allocator, fault_hook):  # type: ignore[no-untyped-def]
+def test_owner_actor_supervises_the_failure_of_a_mesh_it_spawned(allocator, fault_hook):
     pm = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="parent")
     parent = pm.spawn("p", Parent)
     child_pid = parent.spawn_child.call_one().get(timeout=30)
@@ -328,12 +328,12 @@ class Tidy(Actor):
     def ping(self) -> int:
         return current_rank().rank
 
-    def __cleanup__(self, exc) -> None:  # type: ignore[no-untyped-def]
+    def __cleanup__(self, exc) -> None:
         with open(f"{self.path}.{current_rank().rank}", "w") as f:
             f.write("cleaned")
 
 
-def test_cleanup_runs_when_the_mesh_is_stopped(allocator, tmp_path):  # type: ignore[no-untyped-def]
+def test_cleanup_runs_when_the_mesh_is_stopped(allocator, tmp_path):
     pm = allocator.hosts.spawn_procs(per_host={"gpus": 2}, name="tidy")
     t = pm.spawn("t", Tidy, str(tmp_path / "done"))
     assert t.ping.call().get(timeout=10).values() == [0, 1]
@@ -341,7 +341,7 @@ def test_cleanup_runs_when_the_mesh_is_stopped(allocator, tmp_path):  # type: ig
     assert sorted(p.name for p in tmp_path.iterdir()) == ["done.0", "done.1"]
 
 
-def test_unhandled_failure_in_a_script_reports_and_exits_non_zero(allocator):  # type: ignore[no-untyped-def]
+def test_unhandled_failure_in_a_script_reports_and_exits_non_zero(allocator):
     code = f"""
 import os, signal, threading
 from monarch_nb.actor import Actor, endpoint, attach_to_workers
@@ -368,7 +368,7 @@ class Printer(Actor):
         print(text, flush=True)
 
 
-def test_a_respawned_mesh_starts_a_fresh_log_and_names_are_checked(allocator) -> None:  # type: ignore[no-untyped-def]
+def test_a_respawned_mesh_starts_a_fresh_log_and_names_are_checked(allocator) -> None:
     import monarch_nb.logs as L
     from monarch_nb.errors import MeshError
 

@@ -48,7 +48,7 @@ PANEL = "#monarch-nb-sidebar"
 
 
 @pytest.fixture(scope="module")
-def lab():  # type: ignore[no-untyped-def]
+def lab():
     from _jupyter import JupyterServer
 
     s = JupyterServer("lab")
@@ -58,7 +58,7 @@ def lab():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def browser(lab):  # type: ignore[no-untyped-def]
+def browser(lab):
     assert os.path.exists(CHROMIUM), f"{CHROMIUM} is missing: bash .ci/setup installs Debian's chromium"
     profile = tempfile.mkdtemp(prefix="mnbc-", dir="/tmp")
     # chromium writes crash reports and dconf under HOME/XDG dirs even with a fresh profile
@@ -87,7 +87,7 @@ _SPAWNED: set[str] = set()
 
 
 @pytest.fixture
-def page(browser, lab, request):  # type: ignore[no-untyped-def]
+def page(browser, lab, request):
     pg = browser.new_page()
     errors: list[str] = []
     pg.on("pageerror", lambda e: errors.append(str(e)))
@@ -111,12 +111,12 @@ def _stop_spawned() -> None:
             pass  # the test stopped it already
 
 
-def shot(page, name: str) -> None:  # type: ignore[no-untyped-def]
+def shot(page, name: str) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
 
 
-def write_notebook(lab, name: str, cells: list[str]) -> str:  # type: ignore[no-untyped-def]
+def write_notebook(lab, name: str, cells: list[str]) -> str:
     nb = {
         "cells": [
             {"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {}, "outputs": [], "source": src}
@@ -135,7 +135,7 @@ def write_notebook(lab, name: str, cells: list[str]) -> str:  # type: ignore[no-
     return path
 
 
-def run_notebook(page, lab, path: str):  # type: ignore[no-untyped-def]
+def run_notebook(page, lab, path: str):
     """Open the notebook in a fresh workspace, run all its cells; returns the notebook panel."""
     from _jupyter import TOKEN
 
@@ -148,7 +148,7 @@ def run_notebook(page, lab, path: str):  # type: ignore[no-untyped-def]
     return nb
 
 
-def open_sidebar(page):  # type: ignore[no-untyped-def]
+def open_sidebar(page):
     tab = page.locator(TAB)
     tab.click()
     panel = page.locator(PANEL)
@@ -176,14 +176,14 @@ def _gone(pid: int) -> bool:
 SPAWN = 'from monarch_nb.actor import this_host\nprocs = this_host().spawn_procs(per_host={{"gpus": 4}}, name="{name}")\nprint("spawned", "{name}")'
 
 
-def spawn_from_notebook(page, lab, name: str, *more_cells: str):  # type: ignore[no-untyped-def]
+def spawn_from_notebook(page, lab, name: str, *more_cells: str):
     _SPAWNED.add(name)
     nb = run_notebook(page, lab, write_notebook(lab, name, [SPAWN.format(name=name), *more_cells]))
     expect(nb.locator(".jp-OutputArea-output", has_text=f"spawned {name}")).to_be_visible(timeout=90_000)
     return nb
 
 
-def test_sidebar_shows_a_mesh_spawned_from_a_notebook(page, lab) -> None:  # type: ignore[no-untyped-def]
+def test_sidebar_shows_a_mesh_spawned_from_a_notebook(page, lab) -> None:
     spawn_from_notebook(page, lab, "demo")
     panel = open_sidebar(page)
     mesh = panel.locator('.mnb-mesh[data-mesh="demo"]')
@@ -199,7 +199,7 @@ def test_sidebar_shows_a_mesh_spawned_from_a_notebook(page, lab) -> None:  # typ
     shot(page, "sidebar-mesh-running")
 
 
-def test_sigkilled_proc_turns_red_in_the_sidebar_within_3s(page, lab) -> None:  # type: ignore[no-untyped-def]
+def test_sigkilled_proc_turns_red_in_the_sidebar_within_3s(page, lab) -> None:
     nb = spawn_from_notebook(
         page, lab, "victim", "%load_ext monarch_nb\nfrom monarch_nb.widgets import Dashboard\nDashboard(procs)"
     )
@@ -232,7 +232,7 @@ def test_sigkilled_proc_turns_red_in_the_sidebar_within_3s(page, lab) -> None:  
         )
 
 
-def test_stop_mesh_from_the_sidebar(page, lab) -> None:  # type: ignore[no-untyped-def]
+def test_stop_mesh_from_the_sidebar(page, lab) -> None:
     spawn_from_notebook(page, lab, "stopme")
     panel = open_sidebar(page)
     mesh = panel.locator('.mnb-mesh[data-mesh="stopme"]')
@@ -262,7 +262,7 @@ procs.spawn("hello", Hello).hi.call().get()
 print("said hello")"""
 
 
-def test_rank_log_recent_logs_and_inserting_a_connect_cell(page, lab) -> None:  # type: ignore[no-untyped-def]
+def test_rank_log_recent_logs_and_inserting_a_connect_cell(page, lab) -> None:
     nb = spawn_from_notebook(page, lab, "talky", HELLO)
     expect(nb.locator(".jp-OutputArea-output", has_text="said hello")).to_be_visible(timeout=60_000)
     panel = open_sidebar(page)
@@ -307,7 +307,7 @@ sys.stdin.read()
 """
 
 
-def test_sidebar_stays_responsive_during_a_100k_line_flood(page, lab, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_sidebar_stays_responsive_during_a_100k_line_flood(page, lab, tmp_path) -> None:
     import subprocess
 
     from _jupyter import TOKEN
@@ -340,7 +340,7 @@ def test_sidebar_stays_responsive_during_a_100k_line_flood(page, lab, tmp_path) 
         ctl.communicate("", timeout=60)
 
 
-def test_late_rank_output_shows_in_its_cell_and_a_flood_keeps_the_page_responsive(page, lab, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_late_rank_output_shows_in_its_cell_and_a_flood_keeps_the_page_responsive(page, lab, tmp_path) -> None:
     flag = tmp_path / "go"
     _SPAWNED.add("latebr")
     cells = [

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
-def kernel():  # type: ignore[no-untyped-def]
+def kernel():
     k = Kernel(load_ext=False)
     yield k
     k.close()

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(autouse=True)
-def relay_on_this_host():  # type: ignore[no-untyped-def]
+def relay_on_this_host():
     """These tests run on one host: relay through its allocator too (by default only other
     hosts' allocators relay; test_multihost.py covers that)."""
     from monarch_nb.actor import _context
@@ -56,14 +56,14 @@ class Log(Actor):
         return current_rank().rank, self.seen
 
 
-def relayed(allocator) -> dict[str, int]:  # type: ignore[no-untyped-def]
+def relayed(allocator) -> dict[str, int]:
     from monarch_nb import introspect
 
     (a,) = [a for a in introspect.status([allocator.addr])["allocators"] if a.get("addr") == allocator.addr]
     return a["relayed"]
 
 
-def test_broadcast_is_one_send_to_the_allocator_and_mixed_paths_keep_order(allocator):  # type: ignore[no-untyped-def]
+def test_broadcast_is_one_send_to_the_allocator_and_mixed_paths_keep_order(allocator):
     pm = allocator.hosts.spawn_procs(per_host={"gpus": 4}, name="fan")
     log = pm.spawn("log", Log)
     before = relayed(allocator)
@@ -133,7 +133,7 @@ def test_threads_keep_their_order_and_a_later_call_sees_everything_sent_before(a
     pm.stop().get(timeout=20)
 
 
-def test_spawn_goes_through_the_allocator_once(allocator):  # type: ignore[no-untyped-def]
+def test_spawn_goes_through_the_allocator_once(allocator):
     pm = allocator.hosts.spawn_procs(per_host={"gpus": 4}, name="spawnfan")
     before = relayed(allocator)
     log = pm.spawn("log", Log)
@@ -143,14 +143,14 @@ def test_spawn_goes_through_the_allocator_once(allocator):  # type: ignore[no-un
     pm.stop().get(timeout=20)
 
 
-def test_the_allocator_relays_only_to_its_own_procs(allocator):  # type: ignore[no-untyped-def]
+def test_the_allocator_relays_only_to_its_own_procs(allocator):
     from monarch_nb.actor import _context
 
     rt = _context.runtime()
     got: list[BaseException] = []
     done = threading.Event()
 
-    def on_reply(index: int, status: int, body, bufs) -> None:  # type: ignore[no-untyped-def]
+    def on_reply(index: int, status: int, body, bufs) -> None:
         got.append(loads(body, bufs))
         done.set()
 
@@ -182,7 +182,7 @@ class _Recorder:
 
 
 @pytest.fixture
-def pair(tmp_path):  # type: ignore[no-untyped-def]
+def pair(tmp_path):
     """Two bare runtimes: a receiver with a recording system actor, and a sender."""
     rdir = str(tmp_path)
     cfg = Config(heartbeat_interval=0.1, order_gap_timeout=0.5)
@@ -199,7 +199,7 @@ def _note(tx: Runtime, to: str, i: int, seq: int, stream: str = "s.1") -> None:
     tx.send(to, wire.encode(wire.ACTOR, ("rec", "note", "", 0, 0, ((), ()), "", stream, seq), body, bufs))
 
 
-def test_receiver_holds_a_message_that_overtook_an_earlier_one(pair):  # type: ignore[no-untyped-def]
+def test_receiver_holds_a_message_that_overtook_an_earlier_one(pair):
     rx, tx, rec = pair
     _note(tx, rx.ipc_addr, 3, seq=3)
     _note(tx, rx.ipc_addr, 2, seq=2)
@@ -209,7 +209,7 @@ def test_receiver_holds_a_message_that_overtook_an_earlier_one(pair):  # type: i
     assert rec.wait(4) == [100, 1, 2, 3]
 
 
-def test_receiver_drops_a_replayed_message(pair, caplog):  # type: ignore[no-untyped-def]
+def test_receiver_drops_a_replayed_message(pair, caplog):
     rx, tx, rec = pair
     _note(tx, rx.ipc_addr, 1, seq=1)
     _note(tx, rx.ipc_addr, 1, seq=1)
@@ -219,7 +219,7 @@ def test_receiver_drops_a_replayed_message(pair, caplog):  # type: ignore[no-unt
     assert rec.seen == [1, 2]
 
 
-def test_a_lost_message_delays_later_ones_only_for_the_gap_timeout(pair, caplog):  # type: ignore[no-untyped-def]
+def test_a_lost_message_delays_later_ones_only_for_the_gap_timeout(pair, caplog):
     rx, tx, rec = pair
     caplog.set_level(logging.WARNING, logger="monarch_nb._runtime.receiving")
     _note(tx, rx.ipc_addr, 1, seq=1)
@@ -229,7 +229,7 @@ def test_a_lost_message_delays_later_ones_only_for_the_gap_timeout(pair, caplog)
     assert any("never arrived" in r.getMessage() for r in caplog.records)
 
 
-def test_foreign_wire_version_is_refused_with_a_reason_at_the_caller(allocator):  # type: ignore[no-untyped-def]
+def test_foreign_wire_version_is_refused_with_a_reason_at_the_caller(allocator):
     code = f"""
 import monarch_nb._wire.frames as f
 f.VERSION = 2
@@ -258,7 +258,7 @@ def test_refusal_frames_are_recognised() -> None:
 
 
 @pytest.mark.parametrize("setting", ["fanout_min=0", "fanout_local=False"])
-def test_no_relay_when_disabled_or_on_this_host_by_default(allocator, setting):  # type: ignore[no-untyped-def]
+def test_no_relay_when_disabled_or_on_this_host_by_default(allocator, setting):
     code = f"""
 from monarch_nb.config import configure
 configure({setting})

@@ -80,7 +80,7 @@ def test_messages_survive_any_split_into_reads() -> None:
             assert not alive  # the writer closed: the connection is over
 
 
-def test_an_oversized_message_drops_the_connection(caplog) -> None:  # type: ignore[no-untyped-def]
+def test_an_oversized_message_drops_the_connection(caplog) -> None:
     caplog.set_level(logging.WARNING, logger="monarch_nb._runtime.fastpath")
     data = _wire_bytes([b"small"]) + _wire_bytes([b"h", b"y" * 5000])
     got, alive = _receive(data, len(data), max_bytes=1000)
@@ -89,14 +89,14 @@ def test_an_oversized_message_drops_the_connection(caplog) -> None:  # type: ign
 
 
 @pytest.fixture
-def pair(tmp_path):  # type: ignore[no-untyped-def]
+def pair(tmp_path):
     cfg = Config(heartbeat_interval=0.1)
     rx = Runtime(cfg, Security(), str(tmp_path), label="rx").start()
     tx = Runtime(cfg, Security(), str(tmp_path), label="tx").start()
     got: list[tuple[int, bytes]] = []
     cond = threading.Condition()
 
-    def on_port(index: int, status: int, body, bufs) -> None:  # type: ignore[no-untyped-def]
+    def on_port(index: int, status: int, body, bufs) -> None:
         with cond:
             got.append((index, bytes(body)))
             cond.notify_all()
@@ -113,7 +113,7 @@ def pair(tmp_path):  # type: ignore[no-untyped-def]
     rx.close()
 
 
-def test_runtimes_of_one_host_talk_directly_and_in_order(pair) -> None:  # type: ignore[no-untyped-def]
+def test_runtimes_of_one_host_talk_directly_and_in_order(pair) -> None:
     rx, tx, port, wait = pair
     path = fastpath.path_for(rx.ipc_addr)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
@@ -126,7 +126,7 @@ def test_runtimes_of_one_host_talk_directly_and_in_order(pair) -> None:  # type:
     assert len(rx.transport.fast_in) == 1, "the messages did not take the direct path"
 
 
-def test_a_thread_that_exits_closes_its_connections(pair) -> None:  # type: ignore[no-untyped-def]
+def test_a_thread_that_exits_closes_its_connections(pair) -> None:
     rx, tx, port, wait = pair
     for i in range(5):  # short-lived threads (returns_future makes one per call) must not leak sockets
         t = threading.Thread(target=tx.send, args=(rx.ipc_addr, wire.encode(wire.PORT, (port, i, wire.ITEM), b"x")))
@@ -138,14 +138,14 @@ def test_a_thread_that_exits_closes_its_connections(pair) -> None:  # type: igno
     assert not tx.transport.fast_out
 
 
-def test_the_io_thread_sends_through_zmq(pair) -> None:  # type: ignore[no-untyped-def]
+def test_the_io_thread_sends_through_zmq(pair) -> None:
     rx, tx, port, wait = pair
     tx.call_soon(tx.send, rx.ipc_addr, wire.encode(wire.PORT, (port, 0, wire.ITEM), b"from the loop"))
     assert wait(1) == [(0, b"from the loop")]
     assert not rx.transport.fast_in
 
 
-def test_a_dead_peer_costs_the_sender_nothing(pair) -> None:  # type: ignore[no-untyped-def]
+def test_a_dead_peer_costs_the_sender_nothing(pair) -> None:
     rx, tx, port, wait = pair
     addr = rx.ipc_addr
     tx.send(addr, wire.encode(wire.PORT, (port, 0, wire.ITEM), b"before"))
@@ -156,7 +156,7 @@ def test_a_dead_peer_costs_the_sender_nothing(pair) -> None:  # type: ignore[no-
         tx.send(addr, wire.encode(wire.PORT, (port, i, wire.ITEM), b"into the void"))
 
 
-def test_direct_path_off(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_direct_path_off(tmp_path) -> None:
     cfg = Config(direct_ipc=False)
     rx = Runtime(cfg, Security(), str(tmp_path), label="rx").start()
     tx = Runtime(cfg, Security(), str(tmp_path), label="tx").start()
@@ -172,7 +172,7 @@ def test_direct_path_off(tmp_path) -> None:  # type: ignore[no-untyped-def]
         rx.close()
 
 
-def test_another_user_cannot_connect(caplog) -> None:  # type: ignore[no-untyped-def]
+def test_another_user_cannot_connect(caplog) -> None:
     caplog.set_level(logging.WARNING, logger="monarch_nb._runtime.transport")
     rdir = tempfile.mkdtemp(prefix="mnbu-", dir="/tmp")  # every parent directory is searchable
     rx = Runtime(Config(), Security(), rdir, label="rx").start()

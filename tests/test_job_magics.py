@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(180)
 FAST = {"MONARCH_NB_ZYGOTE_PRELOAD": "", "MONARCH_NB_LEASE": "60"}
 
 
-def _ok(c):  # type: ignore[no-untyped-def]
+def _ok(c):
     assert c.error is None, "\n".join(c.error["traceback"]) if c.error else ""
     return c
 

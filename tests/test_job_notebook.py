@@ -71,7 +71,7 @@ class LoginNodeKernel(Kernel):
         self._ok(self.run("%load_ext monarch_nb"))
 
     @staticmethod
-    def _ok(cell):  # type: ignore[no-untyped-def]
+    def _ok(cell):
         assert cell.error is None, "\n".join(cell.error["traceback"]) if cell.error else ""
         return cell
 

@@ -12,7 +12,7 @@ from _kernel import Kernel, poll
 
 
 @pytest.fixture(scope="module")
-def k():  # type: ignore[no-untyped-def]
+def k():
     kern = Kernel()
     c = kern.run("%mesh connect")
     assert "connected to 1 host" in c.stream(), c.msgs
@@ -21,7 +21,7 @@ def k():  # type: ignore[no-untyped-def]
     kern.close()
 
 
-def _ok(c):  # type: ignore[no-untyped-def]
+def _ok(c):
     assert c.error is None, "\n".join(c.error["traceback"]) if c.error else ""
     return c
 
@@ -83,7 +83,7 @@ def test_rank_output_lands_in_the_calling_cell_aggregated(k: Kernel) -> None:
     assert lines == sorted(f"[{r}] each {r}" for r in range(8)), lines
 
 
-def test_late_output_reaches_its_cell_after_another_cell_ran(k: Kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_late_output_reaches_its_cell_after_another_cell_ran(k: Kernel, tmp_path) -> None:
     flag = tmp_path / "go"
     _ok(k.run("%mesh spawn late --per-host gpus=2"))
     _ok(k.run("%%mesh exec late\nimport os, time\nfrom monarch_nb.actor import current_rank\nr = current_rank().rank"))
@@ -107,7 +107,7 @@ def test_late_output_reaches_its_cell_after_another_cell_ran(k: Kernel, tmp_path
     assert "late from" not in b.stream()
 
 
-def test_output_outside_a_call_goes_to_the_cell_of_the_last_call(k: Kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_output_outside_a_call_goes_to_the_cell_of_the_last_call(k: Kernel, tmp_path) -> None:
     flag = tmp_path / "tick"
     _ok(k.run("%mesh spawn bg --per-host gpus=1"))
     code = (
@@ -171,7 +171,7 @@ def test_status_logs_of_a_crashed_proc_and_stop(k: Kernel) -> None:
     assert c.error and "stopped" in c.error["evalue"]
 
 
-def test_logs_follow_prints_new_lines_until_interrupted(k: Kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_logs_follow_prints_new_lines_until_interrupted(k: Kernel, tmp_path) -> None:
     flag = tmp_path / "go"
     _ok(k.run("%mesh spawn fo --per-host gpus=2"))
     _ok(
@@ -187,7 +187,7 @@ def test_logs_follow_prints_new_lines_until_interrupted(k: Kernel, tmp_path) -> 
     )
     cell = k.execute("%mesh logs fo --follow --tail 5")
 
-    def printed(text: str):  # type: ignore[no-untyped-def]
+    def printed(text: str):
         return lambda m: m["parent_header"].get("msg_id") == cell.msg_id and text in m["content"].get("text", "")
 
     k.wait_msg(printed("[1] old line"), 20, "the old lines")
@@ -324,7 +324,7 @@ def test_connect_after_a_kernel_restart_finds_meshes_and_namespaces() -> None:
         b.close()
 
 
-def test_kernelspec_install_gives_a_kernel_with_the_magics_loaded(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_kernelspec_install_gives_a_kernel_with_the_magics_loaded(tmp_path) -> None:
     import subprocess
     import sys
 
@@ -404,7 +404,7 @@ def test_dashboard_lists_paused_ranks_and_its_console_drives_pdb(k: Kernel) -> N
     assert c.stream().strip() == "40"
 
 
-def test_synced_code_survives_a_kernel_restart(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_synced_code_survives_a_kernel_restart(tmp_path) -> None:
     proj = tmp_path / "proj"
     proj.mkdir()
     (proj / "kmod.py").write_text("WHO = 'synced'\n")

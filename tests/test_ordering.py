@@ -30,7 +30,7 @@ def order(clock: Clock) -> tuple[StreamOrder[str], list[str]]:
     return StreamOrder(out.append, gap_timeout=5.0, clock=clock), out
 
 
-def test_in_order_messages_are_delivered_at_once(order):  # type: ignore[no-untyped-def]
+def test_in_order_messages_are_delivered_at_once(order):
     so, out = order
     for i in range(1, 4):
         assert so.accept("a", i, f"m{i}")
@@ -38,7 +38,7 @@ def test_in_order_messages_are_delivered_at_once(order):  # type: ignore[no-unty
     assert so.waiting() == 0
 
 
-def test_an_early_message_waits_for_the_ones_before_it(order):  # type: ignore[no-untyped-def]
+def test_an_early_message_waits_for_the_ones_before_it(order):
     so, out = order
     assert so.accept("a", 3, "m3")
     assert so.accept("a", 2, "m2")
@@ -51,7 +51,7 @@ def test_an_early_message_waits_for_the_ones_before_it(order):  # type: ignore[n
     assert out[-1] == "m4"
 
 
-def test_streams_are_independent(order):  # type: ignore[no-untyped-def]
+def test_streams_are_independent(order):
     so, out = order
     so.accept("a", 2, "a2")
     so.accept("b", 1, "b1")  # another sender's stream is not held up by a's gap
@@ -61,7 +61,7 @@ def test_streams_are_independent(order):  # type: ignore[no-untyped-def]
     assert len(so) == 2
 
 
-def test_a_replay_is_dropped_whether_delivered_or_held(order):  # type: ignore[no-untyped-def]
+def test_a_replay_is_dropped_whether_delivered_or_held(order):
     so, out = order
     assert so.accept("a", 1, "m1")
     assert not so.accept("a", 1, "m1 again")  # delivered already
@@ -72,7 +72,7 @@ def test_a_replay_is_dropped_whether_delivered_or_held(order):  # type: ignore[n
     assert out == ["m1", "m2", "m3"]
 
 
-def test_a_gap_is_skipped_only_after_the_timeout(order, clock):  # type: ignore[no-untyped-def]
+def test_a_gap_is_skipped_only_after_the_timeout(order, clock):
     so, out = order
     so.accept("a", 1, "m1")
     so.accept("a", 3, "m3")  # 2 never comes
@@ -89,7 +89,7 @@ def test_a_gap_is_skipped_only_after_the_timeout(order, clock):  # type: ignore[
     assert out == ["m1", "m3", "m4"]
 
 
-def test_skipping_delivers_up_to_the_next_gap_which_gets_its_own_timeout(order, clock):  # type: ignore[no-untyped-def]
+def test_skipping_delivers_up_to_the_next_gap_which_gets_its_own_timeout(order, clock):
     so, out = order
     so.accept("a", 2, "m2")
     so.accept("a", 3, "m3")
@@ -104,7 +104,7 @@ def test_skipping_delivers_up_to_the_next_gap_which_gets_its_own_timeout(order, 
     assert out == ["m2", "m3", "m6"]
 
 
-def test_the_gap_clock_restarts_when_a_missing_message_arrives(order, clock):  # type: ignore[no-untyped-def]
+def test_the_gap_clock_restarts_when_a_missing_message_arrives(order, clock):
     so, out = order
     so.accept("a", 3, "m3")
     clock.now += 4
@@ -116,7 +116,7 @@ def test_the_gap_clock_restarts_when_a_missing_message_arrives(order, clock):  #
     assert out == ["m1", "m3"]
 
 
-def test_skip_gaps_takes_an_explicit_time(order, clock):  # type: ignore[no-untyped-def]
+def test_skip_gaps_takes_an_explicit_time(order, clock):
     so, out = order
     so.accept("a", 2, "m2")
     assert so.skip_gaps(clock.now + 1) == []
@@ -124,7 +124,7 @@ def test_skip_gaps_takes_an_explicit_time(order, clock):  # type: ignore[no-unty
     assert out == ["m2"]
 
 
-def test_a_failing_delivery_leaves_later_messages_held_not_lost(clock):  # type: ignore[no-untyped-def]
+def test_a_failing_delivery_leaves_later_messages_held_not_lost(clock):
     out: list[str] = []
 
     def deliver(m: str) -> None:
@@ -141,7 +141,7 @@ def test_a_failing_delivery_leaves_later_messages_held_not_lost(clock):  # type:
     assert out == ["m2", "m3"]
 
 
-def test_a_skipped_gap_is_reported_before_the_messages_behind_it_are_delivered(clock):  # type: ignore[no-untyped-def]
+def test_a_skipped_gap_is_reported_before_the_messages_behind_it_are_delivered(clock):
     events: list[object] = []
     so: StreamOrder[str] = StreamOrder(events.append, gap_timeout=1.0, clock=clock, on_skip=events.append)
     so.accept("a", 2, "m2")

@@ -21,16 +21,16 @@ BIG = 9 << 20  # above the default shared-memory threshold (8 MiB)
 
 class Echo(Actor):
     @endpoint
-    def echo(self, x):  # type: ignore[no-untyped-def]
+    def echo(self, x):
         return x
 
     @endpoint
-    def bump(self, x):  # type: ignore[no-untyped-def]
+    def bump(self, x):
         x += 1  # arrays and tensors that arrived are writable
         return x
 
     @endpoint
-    def describe(self, x) -> str:  # type: ignore[no-untyped-def]
+    def describe(self, x) -> str:
         return f"{type(x).__name__} {getattr(x, 'dtype', '')} {tuple(getattr(x, 'shape', ()))}"
 
     @endpoint
@@ -66,13 +66,13 @@ def _pooled(*pids: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def echo():  # type: ignore[no-untyped-def]
+def echo():
     pm = this_host().spawn_procs(per_host={"gpus": 1}, name="payloads")
     yield pm.spawn("e", Echo)
     pm.stop().get(timeout=30)
 
 
-def test_large_bytes_arrays_and_tensors_round_trip_intact(echo):  # type: ignore[no-untyped-def]
+def test_large_bytes_arrays_and_tensors_round_trip_intact(echo):
     b = os.urandom(BIG)
     assert echo.echo.call_one(b).get(timeout=30) == b
     arr = np.frombuffer(os.urandom(BIG), dtype=np.float32).copy()
@@ -87,7 +87,7 @@ def test_large_bytes_arrays_and_tensors_round_trip_intact(echo):  # type: ignore
     assert got["a"] == b and torch.equal(got["t"], torch.zeros(3)) and np.array_equal(got["n"], arr, equal_nan=True)
 
 
-def test_received_buffers_are_writable_and_private(echo):  # type: ignore[no-untyped-def]
+def test_received_buffers_are_writable_and_private(echo):
     arr = np.zeros(BIG // 8, dtype=np.int64)
     assert (echo.bump.call_one(arr).get(timeout=30) == 1).all()
     assert (arr == 0).all(), "the sender's array is not changed by the receiver"
@@ -98,13 +98,13 @@ def test_received_buffers_are_writable_and_private(echo):  # type: ignore[no-unt
     assert echo.describe.call_one(t[: BIG // 8]).get(timeout=30) == f"Tensor torch.float32 ({BIG // 8},)"
 
 
-def test_nothing_is_left_in_dev_shm(echo):  # type: ignore[no-untyped-def]
+def test_nothing_is_left_in_dev_shm(echo):
     for _ in range(3):
         echo.echo.call_one(np.ones(BIG, dtype=np.uint8)).get(timeout=30)
     assert echo.leftovers.call_one(os.getpid()).get(timeout=30) == []
 
 
-def test_large_bytes_reuse_their_shared_memory_and_what_arrived_stays_intact(echo):  # type: ignore[no-untyped-def]
+def test_large_bytes_reuse_their_shared_memory_and_what_arrived_stays_intact(echo):
     proc = echo.pid.call_one().get(timeout=30)
     first = os.urandom(BIG)
     got_first = echo.echo.call_one(first).get(timeout=30)
@@ -120,7 +120,7 @@ def test_large_bytes_reuse_their_shared_memory_and_what_arrived_stays_intact(ech
     assert echo.leftovers.call_one(os.getpid()).get(timeout=30) == []
 
 
-def test_a_pooled_segment_goes_back_when_idle_or_never_returned():  # type: ignore[no-untyped-def]
+def test_a_pooled_segment_goes_back_when_idle_or_never_returned():
     from monarch_nb._wire.serialize import _bytes_from
 
     sender = shm.ShmSender()
@@ -144,7 +144,7 @@ def test_a_pooled_segment_goes_back_when_idle_or_never_returned():  # type: igno
     assert left == [], "closing the sender removes what it kept"
 
 
-def test_a_killed_controllers_shared_memory_is_removed_by_its_allocator(echo):  # type: ignore[no-untyped-def]
+def test_a_killed_controllers_shared_memory_is_removed_by_its_allocator(echo):
     import signal
     import subprocess
     import sys
@@ -177,7 +177,7 @@ def test_a_killed_controllers_shared_memory_is_removed_by_its_allocator(echo):  
         p.wait(timeout=10)
 
 
-def test_a_shared_memory_file_not_0600_or_not_ours_is_refused(tmp_path):  # type: ignore[no-untyped-def]
+def test_a_shared_memory_file_not_0600_or_not_ours_is_refused(tmp_path):
     name = f"mnb-{os.getpid()}-" + "ab" * 16
     path = os.path.join(shm.SHM_DIR, name)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -197,13 +197,13 @@ def test_a_shared_memory_file_not_0600_or_not_ours_is_refused(tmp_path):  # type
             os.unlink(path)
 
 
-def test_when_shared_memory_fails_the_buffer_takes_the_socket(echo, monkeypatch):  # type: ignore[no-untyped-def]
+def test_when_shared_memory_fails_the_buffer_takes_the_socket(echo, monkeypatch):
     from monarch_nb.actor import _context
 
     rt = _context.runtime()
     assert rt.sender.shm is not None
 
-    def full(buf, copied=False):  # type: ignore[no-untyped-def]
+    def full(buf, copied=False):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(rt.sender.shm, "put", full)

@@ -163,7 +163,7 @@ def test_bad_memory_raises_value_error() -> None:
     with pytest.raises(ValueError, match="1d"):
         RDMABuffer(memoryview(bytearray(8)).cast("B", (2, 4)))
     with pytest.raises(TypeError, match="memoryview"):
-        RDMABuffer([1, 2, 3])  # type: ignore[arg-type]
+        RDMABuffer([1, 2, 3])
     buf = RDMABuffer(torch.zeros(16, dtype=torch.uint8))
     try:
         with pytest.raises(ValueError, match="smaller"):

@@ -21,7 +21,7 @@ NOBODY = 65534
 
 
 @pytest.fixture
-def rdir():  # type: ignore[no-untyped-def]
+def rdir():
     # short: ipc socket paths in it must stay under 108 bytes
     d = tempfile.mkdtemp(prefix="mnbr-", dir="/tmp")
     yield d

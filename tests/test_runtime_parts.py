@@ -97,7 +97,7 @@ def _actor_msg(i: int, seq: int, reply: str = "", stream: str = "s.1", actor: st
     return wire.encode(wire.ACTOR, (actor, "note", reply, 5 if reply else 0, 0, ((), ()), "", stream, seq), body, bufs)
 
 
-def test_receiver_delivers_a_stream_in_order_and_drops_replays(caplog) -> None:  # type: ignore[no-untyped-def]
+def test_receiver_delivers_a_stream_in_order_and_drops_replays(caplog) -> None:
     rx, _, rec = _receiver()
     for i, seq in [(3, 3), (1, 1), (1, 1), (2, 2)]:
         rx.dispatch(_actor_msg(i, seq))
@@ -180,7 +180,7 @@ def test_supervision_fails_what_a_dead_peer_owed_and_refuses_it_after() -> None:
     assert failed[-1] == ("late", err)
 
 
-def test_supervision_declares_a_silent_allocator_and_its_procs_lost(caplog) -> None:  # type: ignore[no-untyped-def]
+def test_supervision_declares_a_silent_allocator_and_its_procs_lost(caplog) -> None:
     caplog.set_level(logging.WARNING, logger="monarch_nb._runtime.supervision")
     now = [0.0]
     io = IO()
@@ -205,7 +205,7 @@ def test_supervision_declares_a_silent_allocator_and_its_procs_lost(caplog) -> N
     assert "no heartbeat for 16.0 s" in str(sup.peer_error(A))
 
 
-def test_a_reply_port_forgets_what_was_answered_or_closed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_reply_port_forgets_what_was_answered_or_closed(tmp_path) -> None:
     rt = Runtime(Config(), Security(), str(tmp_path))  # not started: no thread, no sockets
     try:
         failed: list[int] = []
@@ -245,7 +245,7 @@ def test_header_field_positions_match_their_named_tuples() -> None:
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "zmq"])
-def test_a_transport_carries_frames_to_another_inbox(tmp_path, direct: bool) -> None:  # type: ignore[no-untyped-def]
+def test_a_transport_carries_frames_to_another_inbox(tmp_path, direct: bool) -> None:
     loop = asyncio.new_event_loop()
     io = threading.Thread(target=loop.run_forever, daemon=True)
     io.start()

@@ -35,7 +35,7 @@ class _Exploit:
     def __init__(self, path: str) -> None:
         self.path = path
 
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self):
         return (os.system, (f"touch {self.path}",))
 
 
@@ -113,7 +113,7 @@ def tcp_listeners(pid: int) -> list[str]:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to send a frame as uid 65534")
 @pytest.mark.parametrize("trust_all", [False, True], ids=["keyless", "trust-all"])
-def test_loopback_tcp_allocator_refuses_another_uid(tmp_path, trust_all: bool) -> None:  # type: ignore[no-untyped-def]
+def test_loopback_tcp_allocator_refuses_another_uid(tmp_path, trust_all: bool) -> None:
     args = ["--bind", "tcp://127.0.0.1:0"] + (["--trust-all"] if trust_all else [])
     a = AllocatorProc(str(tmp_path), *args, env=dict(LIGHT, MONARCH_NB_KEY_FILE=""))
     try:
@@ -132,7 +132,7 @@ def test_loopback_tcp_allocator_refuses_another_uid(tmp_path, trust_all: bool) -
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to send a frame as uid 65534")
-def test_keyless_controller_on_loopback_tcp(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_keyless_controller_on_loopback_tcp(tmp_path) -> None:
     """The same user's keyless controller reaches a loopback TCP allocator (the runtime directory's
     key), and whatever TCP inbox the controller opens for the replies refuses a stranger."""
     a = AllocatorProc(str(tmp_path), "--bind", "tcp://127.0.0.1:0", env=dict(LIGHT, MONARCH_NB_KEY_FILE=""))
@@ -177,7 +177,7 @@ def test_keyless_controller_on_loopback_tcp(tmp_path) -> None:  # type: ignore[n
         a.stop()
 
 
-def test_tcp_off_loopback_without_key_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_tcp_off_loopback_without_key_is_refused(tmp_path) -> None:
     from monarch_nb._runtime.transport import Security
     from monarch_nb.errors import ConfigError
 
@@ -187,7 +187,7 @@ def test_tcp_off_loopback_without_key_is_refused(tmp_path) -> None:  # type: ign
 
 
 @pytest.mark.parametrize("kind", ["0644-file", "symlink"])
-def test_keygen_leaves_no_readable_secret(tmp_path, kind: str) -> None:  # type: ignore[no-untyped-def]
+def test_keygen_leaves_no_readable_secret(tmp_path, kind: str) -> None:
     path = tmp_path / "cluster.key"
     target = tmp_path / "elsewhere"
     target.write_text("not a key\n")
@@ -234,12 +234,12 @@ def _refuse_to_unpickle() -> None:
 
 
 class BadArg:
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self):
         return (_refuse_to_unpickle, ())
 
 
 class BadArgStrRaises:
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self):
         return (_raise_str_raises, ())
 
 
@@ -266,14 +266,14 @@ class Raiser(Actor):
 
 
 @pytest.fixture(scope="module")
-def raiser():  # type: ignore[no-untyped-def]
+def raiser():
     procs = this_host().spawn_procs(per_host={"gpus": 1}, name="raiser")
     yield procs.spawn("raiser", Raiser)
     procs.stop().get(timeout=30)
 
 
 @pytest.mark.parametrize("kind", ["str", "unpicklable", "two"])
-def test_endpoint_exception_that_resists_formatting_or_pickling(raiser, kind: str) -> None:  # type: ignore[no-untyped-def]
+def test_endpoint_exception_that_resists_formatting_or_pickling(raiser, kind: str) -> None:
     t0 = time.monotonic()
     with pytest.raises(ActorError) as ei:
         raiser.raise_it.call_one(kind).get(timeout=10)
@@ -284,7 +284,7 @@ def test_endpoint_exception_that_resists_formatting_or_pickling(raiser, kind: st
 
 
 @pytest.mark.parametrize("arg", [BadArg(), BadArgStrRaises()], ids=["raises", "raises-str-raises"])
-def test_arguments_that_fail_to_unpickle_in_the_actor(raiser, arg: object) -> None:  # type: ignore[no-untyped-def]
+def test_arguments_that_fail_to_unpickle_in_the_actor(raiser, arg: object) -> None:
     with pytest.raises(ActorError, match="unpickling the arguments"):
         raiser.take.call_one(arg).get(timeout=10)
     assert raiser.ping.call_one().get(timeout=10) == "pong"
@@ -319,7 +319,7 @@ def test_exception_class_from_main_arrives_as_itself() -> None:
     assert "caught MyError True from the actor" in r.stdout, r.stdout + r.stderr
 
 
-def test_reply_over_max_message_bytes_fails_the_call(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_reply_over_max_message_bytes_fails_the_call(tmp_path) -> None:
     limit = {"MONARCH_NB_MAX_MESSAGE_BYTES": str(1 << 20)}
     a = AllocatorProc(str(tmp_path), env=dict(LIGHT, **limit))
     try:
@@ -356,7 +356,7 @@ def test_reply_over_max_message_bytes_fails_the_call(tmp_path) -> None:  # type:
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare for a private /dev/shm")
-def test_full_dev_shm_falls_back_to_the_socket(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_full_dev_shm_falls_back_to_the_socket(tmp_path) -> None:
     """In a mount namespace whose /dev/shm holds 16 MiB, 32 MiB go to an echo actor and back."""
     rdir = tempfile.mkdtemp(prefix="mnbs-", dir="/tmp")
     script = textwrap.dedent(
@@ -470,7 +470,7 @@ def test_a_stopped_receiver_leaves_the_sender_free() -> None:
 
 
 @pytest.fixture(scope="module")
-def readonly_server():  # type: ignore[no-untyped-def]
+def readonly_server():
     from _jupyter import JupyterServer
 
     s = JupyterServer(
@@ -482,7 +482,7 @@ def readonly_server():  # type: ignore[no-untyped-def]
     s.stop()
 
 
-def test_a_read_only_authorizer_makes_a_read_only_sidebar(readonly_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_read_only_authorizer_makes_a_read_only_sidebar(readonly_server) -> None:
     status, state = readonly_server.request("GET", "/monarch-nb/api/state")
     assert status == 200, state
     assert "allocators" in state
@@ -491,7 +491,7 @@ def test_a_read_only_authorizer_makes_a_read_only_sidebar(readonly_server) -> No
         assert status == 403, (path, status, body)
 
 
-def test_the_sidebar_reads_logs_only_from_allocators_it_knows(readonly_server) -> None:  # type: ignore[no-untyped-def]
+def test_the_sidebar_reads_logs_only_from_allocators_it_knows(readonly_server) -> None:
     status, body = readonly_server.request("GET", "/monarch-nb/api/meshes/demo/ranks/0/log?alloc=tcp://127.0.0.1:9")
     assert status == 400 and "not an allocator this server knows" in body["message"], (status, body)
     # and the server process never reached for that address
@@ -537,7 +537,7 @@ class Chatty(Actor):
         return "hi"
 
 
-def test_a_killed_controllers_log_subscription_does_not_grow_the_allocator(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_killed_controllers_log_subscription_does_not_grow_the_allocator(tmp_path) -> None:
     a = AllocatorProc(str(tmp_path), env=LIGHT)
     flag = str(tmp_path / "go")
     script = textwrap.dedent(
@@ -593,7 +593,7 @@ def _peak_rss(pid: int) -> int:
         return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
 
 
-def test_a_log_tail_reads_the_end_of_a_huge_log_only(allocator) -> None:  # type: ignore[no-untyped-def]
+def test_a_log_tail_reads_the_end_of_a_huge_log_only(allocator) -> None:
     from monarch_nb.introspect import logs
 
     procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="biglog")
@@ -616,7 +616,7 @@ def test_a_log_tail_reads_the_end_of_a_huge_log_only(allocator) -> None:  # type
         procs.stop().get(timeout=30)
 
 
-def test_a_stalled_sync_pull_leaves_the_allocator_answering(allocator, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_stalled_sync_pull_leaves_the_allocator_answering(allocator, tmp_path) -> None:
     """The staging area hangs (a FIFO nobody writes, as a hung network mount would): the
     allocator keeps answering heartbeats and calls while the pull waits."""
     import hashlib
@@ -660,7 +660,7 @@ class Printer(Actor):
         return n
 
 
-def test_a_rank_printing_twice_its_cap_keeps_at_most_the_cap(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_rank_printing_twice_its_cap_keeps_at_most_the_cap(tmp_path) -> None:
     from monarch_nb.actor import attach_to_workers
     from monarch_nb.introspect import logs
 
@@ -691,7 +691,7 @@ def test_a_rank_printing_twice_its_cap_keeps_at_most_the_cap(tmp_path) -> None: 
         a.stop()
 
 
-def test_gc_removes_old_logs_of_stopped_allocators_and_meshes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_gc_removes_old_logs_of_stopped_allocators_and_meshes(tmp_path) -> None:
     rdir = tmp_path / "rt"
     rdir.mkdir(mode=0o700)
     old = time.time() - 30 * 86400
@@ -719,7 +719,7 @@ def test_gc_removes_old_logs_of_stopped_allocators_and_meshes(tmp_path) -> None:
     assert not (rdir / "mnb-logs-ba9876543210").exists(), r.stdout
 
 
-def test_logs_of_a_previous_allocator_of_this_host(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_logs_of_a_previous_allocator_of_this_host(tmp_path) -> None:
     a = AllocatorProc(str(tmp_path), env=LIGHT)
     env = {"MONARCH_NB_RUNTIME_DIR": a.rdir, "PYTHONPATH": os.path.dirname(__file__)}
     try:
@@ -757,7 +757,7 @@ def test_logs_of_a_previous_allocator_of_this_host(tmp_path) -> None:  # type: i
         a.stop()
 
 
-def test_loopback_tcp_across_runtime_directories_says_why_it_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_loopback_tcp_across_runtime_directories_says_why_it_is_refused(tmp_path) -> None:
     from monarch_nb.actor import _context
     from monarch_nb.errors import AuthenticationError
 

@@ -29,13 +29,13 @@ def _mesh(state: dict, name: str) -> dict | None:
 
 
 @pytest.fixture
-def manager():  # type: ignore[no-untyped-def]
+def manager():
     from monarch_nb.server.manager import MeshManager
 
     return MeshManager()
 
 
-def _spawn(name: str, n: int = 2):  # type: ignore[no-untyped-def]
+def _spawn(name: str, n: int = 2):
     from monarch_nb.actor import this_host
 
     return this_host().spawn_procs(per_host={"gpus": n}, name=name)
@@ -53,7 +53,7 @@ def test_importing_the_package_and_manager_loads_no_web_framework() -> None:
     assert "loaded: []" in r.stdout
 
 
-def test_manager_shows_meshes_ranks_logs_and_failures_then_stops(manager, fault_hook) -> None:  # type: ignore[no-untyped-def]
+def test_manager_shows_meshes_ranks_logs_and_failures_then_stops(manager, fault_hook) -> None:
     from monarch_nb.actor import Actor, current_rank, endpoint
 
     class Printer(Actor):
@@ -137,7 +137,7 @@ def test_stop_mesh_refuses_an_attached_owners_mesh_unless_forced() -> None:
         owner.communicate("", timeout=30)
 
 
-def test_a_stale_connection_file_is_listed_as_a_dead_allocator(manager) -> None:  # type: ignore[no-untyped-def]
+def test_a_stale_connection_file_is_listed_as_a_dead_allocator(manager) -> None:
     import json
     import socket
 
@@ -158,7 +158,7 @@ def test_a_stale_connection_file_is_listed_as_a_dead_allocator(manager) -> None:
         os.unlink(path)
 
 
-def test_rank_log_of_an_unknown_mesh_is_a_clear_error(manager) -> None:  # type: ignore[no-untyped-def]
+def test_rank_log_of_an_unknown_mesh_is_a_clear_error(manager) -> None:
     with pytest.raises(MeshError, match="no rank 0 of a mesh named 'no-such-mesh'"):
         manager.rank_log("no-such-mesh", 0)
     with pytest.raises(ValueError, match="tail must be >= 0"):
@@ -167,7 +167,7 @@ def test_rank_log_of_an_unknown_mesh_is_a_clear_error(manager) -> None:  # type:
 
 # ---------------------------------------------------------------------------------- REST
 @pytest.fixture(scope="module")
-def server():  # type: ignore[no-untyped-def]
+def server():
     from _jupyter import JupyterServer
 
     s = JupyterServer("server")
@@ -184,14 +184,14 @@ ROUTES = [
 
 
 @pytest.mark.parametrize(("method", "path", "body"), ROUTES)
-def test_every_route_needs_jupyters_authentication(server, method, path, body) -> None:  # type: ignore[no-untyped-def]
+def test_every_route_needs_jupyters_authentication(server, method, path, body) -> None:
     status, _ = server.request(method, path, body, token=None)
     assert status == 403
     status, _ = server.request(method, path, body, token="wrong-token")
     assert status == 403
 
 
-def test_rest_api_lists_starts_stops_and_reads_logs(server, fault_hook) -> None:  # type: ignore[no-untyped-def]
+def test_rest_api_lists_starts_stops_and_reads_logs(server, fault_hook) -> None:
     status, started = server.request("POST", "/monarch-nb/api/allocators", {})
     assert status == 200, started
     assert started["addr"].startswith("ipc://")

@@ -62,7 +62,7 @@ class Devices(Actor):
 
 
 @pytest.mark.timeout(120)
-def test_gpus_coordinate_maps_to_cuda_visible_devices_on_a_gpu_host(tmp_path):  # type: ignore[no-untyped-def]
+def test_gpus_coordinate_maps_to_cuda_visible_devices_on_a_gpu_host(tmp_path):
     """The allocator counts a host's GPUs in /proc/driver/nvidia/gpus; this machine has none, so
     the allocator runs in a mount namespace of its own where that directory lists four."""
     import subprocess

@@ -38,7 +38,7 @@ def _write(ws: Path, version: str, greeting: str = "hi") -> None:
 
 
 @pytest.fixture
-def ws(tmp_path: Path):  # type: ignore[no-untyped-def]
+def ws(tmp_path: Path):
     d = tmp_path / "proj"
     d.mkdir()
     _write(d, "v1")

@@ -24,7 +24,7 @@ class Worker(Actor):
             print("line", i, flush=True)
 
 
-def _procs(name: str) -> list[dict]:  # type: ignore[type-arg]
+def _procs(name: str) -> list[dict]:
     for a in monarch_nb.status()["allocators"]:
         for m in a.get("meshes", []):
             if m["name"] == name:
@@ -32,7 +32,7 @@ def _procs(name: str) -> list[dict]:  # type: ignore[type-arg]
     return []
 
 
-def test_status_reports_activity_resources_and_rates(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_status_reports_activity_resources_and_rates(tmp_path) -> None:
     flag = str(tmp_path / "release")
     pm = this_host().spawn_procs(per_host={"gpus": 2}, name="tele")
     try:

@@ -306,7 +306,7 @@ class Allocator(DebugRegistry):
             mesh.procs.append(rec)
             self.by_token[rec.token] = rec
         if spec.get("stream_logs_to"):
-            mesh.log_subs.add(tuple(spec["stream_logs_to"]))  # type: ignore[arg-type]
+            mesh.log_subs.add(tuple(spec["stream_logs_to"]))
         try:
             async with asyncio.timeout(self.cfg.spawn_timeout):
                 for rec in mesh.procs:
@@ -587,4 +587,4 @@ class Allocator(DebugRegistry):
 
 
 _MESH_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
-_EMPTY_ARGS = pickle.dumps(((), {}), protocol=5), []
+_EMPTY_ARGS: tuple[bytes, list[Any]] = pickle.dumps(((), {}), protocol=5), []

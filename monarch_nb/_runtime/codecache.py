@@ -64,6 +64,8 @@ class CodeCache:
         lacking = self.missing([d for d, _s, _m in manifest.values()])
         if lacking:
             raise ProtocolError(f"cannot commit workspace {ws}: {len(lacking)} blobs were never sent")
+        added: list[str]
+        changed: list[str]
         added, changed, removed = [], [], []
         for rel, (digest, _size, _mode) in manifest.items():
             dest = self._dest(root, rel)

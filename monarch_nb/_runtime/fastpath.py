@@ -264,7 +264,8 @@ class Receiver:
 
 def peer_uid(sock: socket.socket) -> int:
     """The uid of the process at the other end of an AF_UNIX connection."""
-    return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[1]
+    uid: int = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[1]
+    return uid
 
 
 def listen(path: str) -> socket.socket:

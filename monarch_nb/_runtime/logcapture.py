@@ -311,7 +311,7 @@ def _final(raw: bytes) -> bytes:
 
 
 #: JSON string encoding (C-accelerated); one JSON object per line is written by hand for speed
-_encode = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+_encode = json.encoder.encode_basestring_ascii
 
 
 def _decode(b: bytes) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import fcntl
+import functools
 import logging
 import os
 import pickle
@@ -242,7 +243,7 @@ class Procs:
         rec.log = ProcLog(
             os.path.join(log_dir, mesh.name, f"rank-{rec.rank}.jsonl"),
             rec.rank,
-            lambda lines, m=mesh.name: self._on_lines(m, lines),
+            functools.partial(self._on_lines, mesh.name),
             self.cfg.log_max_rank_bytes,
         )
         env = dict(spec["env"])

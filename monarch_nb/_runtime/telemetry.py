@@ -114,7 +114,7 @@ class Telemetry:
         if not self._nvml_tried:
             self._nvml_tried = True
             try:
-                import pynvml  # type: ignore[import-not-found]
+                import pynvml
 
                 pynvml.nvmlInit()
                 self._nvml = pynvml

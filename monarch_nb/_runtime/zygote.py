@@ -136,8 +136,9 @@ def main(sock_fd: int, preload: str) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     _send(sock, ("ready", loaded, failed, time.monotonic() - t0))
+    watched: list[socket.socket | int] = [sock, wake_r]
     while True:
-        r, _, _ = select.select([sock, wake_r], [], [])
+        r, _, _ = select.select(watched, [], [])
         if wake_r in r:
             try:
                 os.read(wake_r, 4096)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import pickle
 import struct
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from ..errors import ProtocolError, VersionMismatchError
@@ -116,7 +117,7 @@ def encode(
     kind: int,
     meta: tuple[Any, ...],
     body: bytes | memoryview,
-    buffers: list[Any] = (),  # type: ignore[assignment]
+    buffers: Sequence[Any] = (),
     shm: list[tuple[int, str, int]] | None = None,
 ) -> list[Any]:
     m = pickle.dumps(meta, protocol=5)
@@ -174,7 +175,7 @@ def decode(frames: list[Any]) -> tuple[int, tuple[Any, ...], Any, list[Any], lis
 
 def _shm_table(frame: Any) -> list[tuple[int, str, int]]:
     try:
-        table = pickle.loads(frame)
+        table: list[tuple[int, str, int]] = pickle.loads(frame)
         ok = isinstance(table, list) and all(
             isinstance(e, tuple) and len(e) == 3 and type(e[0]) is int and e[0] >= 0 and type(e[1]) is str and type(e[2]) is int
             for e in table
@@ -183,7 +184,7 @@ def _shm_table(frame: Any) -> list[tuple[int, str, int]]:
         ok = False
     if not ok:
         raise ProtocolError("malformed shared-memory table")
-    return table  # type: ignore[no-any-return]
+    return table
 
 
 def refusal(reason: str) -> bytes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import pickle
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import cloudpickle
@@ -136,7 +137,7 @@ def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...]) -> Any:
     return torch.frombuffer(mv, dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
 
 
-class _Pickler(cloudpickle.CloudPickler):
+class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
     def reducer_override(self, obj: Any) -> Any:
         cls = _tensor_type or _tensor_cls()
         if cls is not None and type(obj) is cls:
@@ -146,7 +147,7 @@ class _Pickler(cloudpickle.CloudPickler):
         return super().reducer_override(obj)
 
 
-def loads(body: Any, buffers: list[Any] = ()) -> Any:  # type: ignore[assignment]
+def loads(body: Any, buffers: Iterable[Any] = ()) -> Any:
     return pickle.loads(body, buffers=buffers)
 
 

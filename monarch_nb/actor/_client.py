@@ -240,6 +240,8 @@ class Client:
         if self.log_writer is not None:
             self.log_writer(mesh, lines)
             return
+        out: list[str]
+        err: list[str]
         out, err = [], []
         big = False
         for rank, stream, _ts, _call, line in lines:

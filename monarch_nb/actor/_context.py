@@ -84,7 +84,7 @@ def in_ipython_kernel() -> bool:
     if ip is None:
         return False
     try:
-        shell = ip.get_ipython()  # type: ignore[attr-defined]
+        shell = ip.get_ipython()
     except Exception:
         return False
     return shell is not None and "ipykernel" in sys.modules

@@ -89,8 +89,8 @@ def on_event(ev: tuple[Any, ...]) -> None:
         wakes = list(_async_waiters) if _unseen else []
     for w in waiters:
         w.set()
-    for w in wakes:
-        w()
+    for wake in wakes:
+        wake()
 
 
 def paused() -> dict[str, dict[str, Any]]:
@@ -188,7 +188,7 @@ async def wait_async(fut: Future[Any]) -> None:
         woken: asyncio.Future[None] = loop.create_future()
 
         def wake(*_: Any, woken: asyncio.Future[None] = woken) -> None:
-            loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
+            loop.call_soon_threadsafe(lambda: None if woken.done() else woken.set_result(None))
 
         fut.add_done_callback(wake)
         with _lock:

@@ -352,8 +352,9 @@ def multicast(
     for i, p in zip(idx, procs):
         reply = ""
         if port is not None:
-            if replies is None and port[0]:
-                reply = port[0]
+            # replies is None: port is an (addr, port) tuple (no isinstance per target)
+            if replies is None and port[0]:  # type: ignore[index]
+                reply = port[0]  # type: ignore[index]
             else:
                 tcp = p.addr.startswith("tcp://")
                 reply = raddr_cache.get(tcp) or raddr_cache.setdefault(tcp, rt.addr_for(p.addr))
@@ -442,7 +443,7 @@ def gather(
             complete()
         elif first_error:
             try:
-                rt.loop.call_soon_threadsafe(rt.loop.call_later, rt.cfg.call_error_window, complete)
+                rt.loop.call_soon_threadsafe(rt.loop.call_later, rt.cfg.call_error_window, complete)  # type: ignore[arg-type]
             except RuntimeError:  # the runtime is closing
                 complete()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+from _thread import LockType
 from _thread import allocate_lock as _allocate_lock
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar
@@ -35,6 +36,15 @@ class Future(Generic[R]):
     # is held from creation until completion, so waiting is one acquire and creating costs
     # a fraction of a Condition (this is on every call's path)
     __slots__ = ("_mutex", "_done", "_state", "_value", "_decode", "_callbacks", "_what", "_progress", "_start", "__weakref__")
+    _mutex: LockType
+    _done: LockType
+    _state: int
+    _value: Any
+    _decode: Callable[[Any], Any] | None
+    _callbacks: list[Callable[[Future[R]], object]] | None
+    _what: str
+    _progress: tuple[list[int], int] | None
+    _start: Callable[[], None] | None
 
     def __init__(self, *_: Any, **__: Any) -> None:
         raise TypeError("Future cannot be constructed directly; endpoints and meshes return them")
@@ -118,7 +128,7 @@ class Future(Generic[R]):
         self.add_done_callback(lambda src: out._set_raw(src, lambda s: fn(s._resolve())))
         return out
 
-    def add_done_callback(self, fn: Callable[[Future[R]], None]) -> None:
+    def add_done_callback(self, fn: Callable[[Future[R]], object]) -> None:
         if self._start is not None:
             self._kick()
         with self._mutex:
@@ -142,8 +152,8 @@ class Future(Generic[R]):
                     self._state = _FAILED
                 self._decode = None
             if self._state == _FAILED:
-                raise self._value  # type: ignore[misc]
-            return self._value  # type: ignore[return-value]
+                raise self._value
+            return self._value
 
     def _wait_plain(self, timeout: float | None) -> bool:
         """Block until done (True) or ``timeout`` passes (False): one acquire of the done lock."""
@@ -199,7 +209,7 @@ class Future(Generic[R]):
             af: asyncio.Future[None] = loop.create_future()
 
             def wake(_: Future[R]) -> None:
-                loop.call_soon_threadsafe(lambda: af.done() or af.set_result(None))
+                loop.call_soon_threadsafe(lambda: None if af.done() else af.set_result(None))
 
             self.add_done_callback(wake)
             yield from af.__await__()

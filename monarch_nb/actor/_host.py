@@ -283,7 +283,7 @@ class ActorSlot:
                 except asyncio.CancelledError:
                     if not self.stopping:
                         raise
-                    self._main.uncancel()  # type: ignore[union-attr]
+                    self._main.uncancel()
                 finally:
                     self._handling = False
 
@@ -424,7 +424,7 @@ class ActorSlot:
         self.busy, self.call_id, self.caller = "__init__", f"{self.instance_info._creator_uid}.spawn", reply[0]
         failure: _ActorFailed | None = None
         try:
-            obj = self.cls.__new__(self.cls)
+            obj = self.cls.__new__(self.cls)  # type: ignore[call-overload]
             obj.__init__(*args, **kwargs)
             self.obj = obj
             self.init_args = (args, kwargs)
@@ -460,7 +460,7 @@ class ActorSlot:
                 args = (Port(raddr, rport, index), *args)
                 raddr = ""
         else:
-            fn = getattr(self.cls, method, None)
+            fn = getattr(self.cls, method, None)  # type: ignore[assignment]
             if not callable(fn) or method.startswith("__"):
                 self._reply(
                     raddr,
@@ -823,7 +823,8 @@ class ActorHost:
             from ._reload import reload_changed
 
             try:
-                value, status = reload_changed(self.rt, root, changed, mode), wire.OK
+                value: Any = reload_changed(self.rt, root, changed, mode)
+                status = wire.OK
             except BaseException as e:
                 value, status = ActorError(_safe_exc(e), format_exception(e), message=f"reload failed: {safe_str(e)}"), wire.ERROR
             self.rt.send_port(_reply[0], _reply[1], _reply[2], status, value)
@@ -868,4 +869,4 @@ def ensure_actor_host(rt: Runtime) -> ActorHost:
     host = rt.system.get("__sys__")
     if host is None:
         host = rt.system["__sys__"] = ActorHost(rt)
-    return host  # type: ignore[no-any-return]
+    return host

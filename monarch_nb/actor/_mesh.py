@@ -394,7 +394,7 @@ class ProcMesh(MeshTrait):
             )
             err.error = e
             raise err from None
-        mesh = ActorMesh(Class, name, self._procs, view, self)
+        mesh: ActorMesh[Any] = ActorMesh(Class, name, self._procs, view, self)
         mesh._owner = _context.current_instance()
         mesh._label = label
         if mesh._owner is not None:
@@ -655,10 +655,10 @@ class HostMesh(MeshTrait):
             for h, f in zip(hosts, futs):
                 if f.exception(timeout=0) is None:
                     client.request(h.alloc, "stop_mesh", name, client.cid, False, "spawn failed elsewhere")
-            h, e = errors[0]
-            if isinstance(e, SpawnError):
-                raise e
-            raise SpawnError(f"spawning procs {name!r} on host {h.host} failed: {e}") from e
+            h, err = errors[0]
+            if isinstance(err, SpawnError):
+                raise err
+            raise SpawnError(f"spawning procs {name!r} on host {h.host} failed: {err}") from err
         procs.sort(key=lambda p: p.rank)
         pm = ProcMesh(name, procs, View(labels, sizes), self, persist)
         # the actor spawning these procs owns them: their failures go to its __supervise__

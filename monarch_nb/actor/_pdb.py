@@ -25,7 +25,8 @@ import secrets
 import sys
 import threading
 import time
-from typing import Any
+from types import FrameType
+from typing import Any, cast
 
 from .._runtime.runtime import NO_REPLY, Runtime, system_method
 from .._wire import frames as wire
@@ -116,7 +117,7 @@ class RemotePdb(pdb.Pdb):
 
     # -- the relay's view of the prompt loop
     def _location(self) -> dict[str, Any]:
-        frame = self.curframe
+        frame = cast("FrameType", self.curframe)  # the prompt loop runs at a frame
         entry = self.stack[self.curindex] if self.stack else (frame, frame.f_lineno)
         return {
             "function": frame.f_code.co_name,
@@ -269,7 +270,7 @@ def install(rt: Runtime) -> None:
     rt.system.setdefault("__debug__", DebugService())
     if _context.proc_spec is not None and os.environ.get("PYTHONBREAKPOINT") != "0":
         sys.breakpointhook = breakpoint_hook
-        pdb.set_trace = breakpoint_hook  # type: ignore[assignment]
+        pdb.set_trace = breakpoint_hook
 
 
 __all__ = ["DebugService", "RemotePdb", "breakpoint_hook", "install"]

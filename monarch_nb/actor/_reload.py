@@ -128,7 +128,7 @@ def reload_changed(rt: Any, root: str, changed: list[str], mode: str = "inplace"
         slot.endpoints = endpoints_of(new)
         if mode == "recreate" and slot.init_args is not None:
             args, kwargs = slot.init_args
-            obj = new.__new__(new)
+            obj = new.__new__(new)  # type: ignore[call-overload]
             obj.__init__(*args, **kwargs)
             slot.obj = obj
             recreated.append(aname)

@@ -194,7 +194,7 @@ class View:
             elif prod != size:
                 raise ValueError(f"Dimension {label!r} of size {size} is not evenly divided by {prod}")
             out_l.extend(names)
-            out_s.extend(int(s) for s in known)  # type: ignore[arg-type]
+            out_s.extend(int(s) for s in known)
         if new_sizes:
             raise ValueError(f"unused size constraints: {tuple(new_sizes)}")
         if len(set(out_l)) != len(out_l):

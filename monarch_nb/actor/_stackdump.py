@@ -19,7 +19,7 @@ def collect(rt: Any) -> dict[str, Any]:
     names = {t.ident: t.name for t in threading.enumerate()}
     threads = []
     for ident, frame in sys._current_frames().items():
-        stack = traceback.extract_stack(frame)
+        stack: list[traceback.FrameSummary] = list(traceback.extract_stack(frame))
         if ident == me:
             # the collector's own frames say nothing about the process
             stack = stack[: next((i for i, fs in enumerate(stack) if fs.filename == __file__), len(stack))]

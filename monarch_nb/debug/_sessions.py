@@ -272,7 +272,7 @@ def parse_ranks(spec: str | Iterable[int] | RankSet | None) -> RankSet:
         else:
             rank_preds.append(_one(part, spec))
     ranks = (lambda r: any(p(r) for p in rank_preds)) if rank_preds else None
-    return RankSet(ranks, {k: (lambda c, ps=ps: any(p(c) for p in ps)) for k, ps in coords.items()}, text)
+    return RankSet(ranks, {k: (lambda c, ps=ps: any(p(c) for p in ps)) for k, ps in coords.items()}, text)  # type: ignore[misc]
 
 
 # ---------------------------------------------------------------------------- attach / cast

@@ -150,7 +150,7 @@ def _expand_one(part: str) -> list[str]:
     if m is None:
         return [part]
     head, tail = part[: m.start()], part[m.end() :]
-    names = []
+    names: list[str] = []
     for rng in m.group(1).split(","):
         r = _RANGE.match(rng.strip())
         if r is None:

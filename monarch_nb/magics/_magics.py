@@ -38,10 +38,10 @@ _SUMMARY += "\n" + _jobs.SUMMARY
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # type: ignore[override]
+    def error(self, message: str) -> Any:
         raise UsageError(f"{self.prog}: {message}\n{self.format_usage()}")
 
-    def exit(self, status: int = 0, message: str | None = None) -> Any:  # type: ignore[override]
+    def exit(self, status: int = 0, message: str | None = None) -> Any:
         # --help printed its text; stop the magic without a traceback
         raise _HelpShown
 

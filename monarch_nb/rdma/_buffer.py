@@ -272,7 +272,7 @@ class RDMABuffer:
         else:
             raise ValueError(f"RDMABuffer supports CPU and CUDA tensors, not {data.device.type}")
         for fd in extra:
-            entry.extra.append(lambda fd=fd: os.close(fd))
+            entry.extra.append(lambda fd=fd: os.close(fd))  # type: ignore[misc]
         self._id = srv.register(entry)
         self._size = nbytes
         self._addr = srv.address()

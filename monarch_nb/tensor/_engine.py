@@ -245,7 +245,7 @@ class MeshTensor:
     def __iter__(self) -> Any:
         # without it, Python would iterate through __getitem__ until an IndexError, which the
         # shadow raises as a TensorOpError
-        return (self[i] for i in range(len(self)))
+        return (self[i] for i in range(len(self)))  # type: ignore[index]
 
     def local_shape(self, **coords: int) -> list[int]:
         """The shape of the local tensor of the rank at ``coords`` (0 for dims not named)."""
@@ -408,12 +408,12 @@ def _binop(name: str) -> Any:
     return op
 
 
-for _name in (
+for _dunder in (
     "__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__ __rtruediv__ "
     "__itruediv__ __floordiv__ __matmul__ __rmatmul__ __pow__ __rpow__ __neg__ __abs__ __getitem__ __setitem__ "
     "__lt__ __le__ __gt__ __ge__ __eq__ __ne__ __and__ __or__ __invert__ __mod__"
 ).split():
-    setattr(MeshTensor, _name, _binop(_name))
+    setattr(MeshTensor, _dunder, _binop(_dunder))
 MeshTensor.__hash__ = object.__hash__  # type: ignore[method-assign]
 
 
@@ -443,7 +443,7 @@ def _portable(func: Any) -> Any:
     out = func
     owner = getattr(func, "__self__", None)
     if isinstance(owner, (types.GetSetDescriptorType, property)) or type(owner).__name__ == "getset_descriptor":
-        out = Attr(owner.__name__)
+        out = Attr(owner.__name__)  # type: ignore[union-attr]
     else:
         try:
             pickle.dumps(func)
@@ -503,7 +503,7 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
     except Exception as e:
         raise TensorOpError(
             f"{_name(func)} cannot run on mesh tensors with placements "
-            f"{[tuple(map(str, h.placements)) for h in handles]}: {type(e).__name__}: {e}"
+            f"{[tuple(map(str, h.placements)) for h in handles]}: {type(e).__name__}: {e}"  # type: ignore[union-attr]
         ) from e
     flat, spec = pytree.tree_flatten(out)
     ids: list[int | None] = []

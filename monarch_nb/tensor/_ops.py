@@ -75,7 +75,7 @@ class Factory:
         coord = mesh.get_coordinate() if device != "meta" else [0] * mesh.ndim
         local = local_slice(full, coord, list(mesh.shape), placements)
         out = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
-        return out.requires_grad_() if requires_grad else out
+        return out.requires_grad_() if requires_grad else out  # type: ignore[return-value]
 
     def __str__(self) -> str:
         return f"torch.{getattr(self.fn, '__name__', self.fn)}"
