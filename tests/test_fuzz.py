@@ -949,14 +949,14 @@ def test_fuzz_job_state_files(raw: bytes) -> None:
 def test_fuzz_announcements_and_connection_files(tmp_path_factory, infos: list[Any]) -> None:  # type: ignore[no-untyped-def]
     """Whatever JSON sits in a job's announcement directory or a runtime directory's connection
     files, the readers skip what they cannot use and raise nothing."""
-    from monarch_nb._runtime import _jobrecords, records
+    from monarch_nb._runtime import records
 
     d = str(tmp_path_factory.mktemp("files"))
     os.chmod(d, 0o700)
     for i, info in enumerate(infos):
-        _jobrecords.write_private(os.path.join(d, f"n{i}.json"), json.dumps(info).encode())
-        _jobrecords.write_private(records.path_for(d, f"{i:012x}"), json.dumps(info).encode())
-    for info in _jobrecords.read_announcements(d).values():
+        records.write_private(os.path.join(d, f"n{i}.json"), json.dumps(info).encode())
+        records.write_private(records.path_for(d, f"{i:012x}"), json.dumps(info).encode())
+    for info in records.read_announcements(d).values():
         assert isinstance(info, dict)
     records.read_connection_files(d)
     assert records.find_local_allocator(d) is None

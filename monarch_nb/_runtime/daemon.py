@@ -65,7 +65,7 @@ def run_allocator(
         )
     signal.signal(signal.SIGTERM, lambda *_: alloc.rt.loop.call_soon_threadsafe(alloc.stopped.set))
     if announce_dir:
-        from ._jobrecords import announce
+        from .records import announce
 
         announce(announce_dir, announce_name or "", alloc)
     alloc.serve_forever()

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .._runtime import _jobrecords as records
+from .._runtime import records
 from ..actor import HostMesh, attach_to_workers
 from ._job import JobError
 

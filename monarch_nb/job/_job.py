@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from .._runtime import _jobrecords as records
+from .._runtime import records
 from ..actor import HostMesh, this_host
 from ..config import runtime_dir
 from ..errors import MonarchNBError

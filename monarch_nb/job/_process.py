@@ -13,7 +13,7 @@ import subprocess
 import sys
 from typing import Any
 
-from .._runtime import _jobrecords as records
+from .._runtime import records
 from ..actor import HostMesh
 from ..config import get_config, runtime_dir
 from ._common import forwarded_config, host_meshes, pid_is, stop_pids, wait_announced

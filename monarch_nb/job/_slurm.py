@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .._runtime import _jobrecords as records
+from .._runtime import records
 from .._runtime.transport import route_ip
 from .._wire.keys import write_key_file
 from ..actor import HostMesh

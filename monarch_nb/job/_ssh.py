@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .._runtime import _jobrecords as records
+from .._runtime import records
 from .._runtime.transport import split_tcp
 from .._wire.keys import read_key_file, write_key_file
 from ..actor import HostMesh

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .._runtime import _jobrecords as records
+from .._runtime import records
 from .._wire.keys import write_key_file
 from ..actor import HostMesh
 from ..config import runtime_dir
