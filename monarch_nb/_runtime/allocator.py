@@ -495,6 +495,11 @@ class Allocator(DebugRegistry):
             raise MeshError(f"no log for mesh {mesh!r} rank {rank} on host {self.rt.hostname}")
         return await asyncio.to_thread(read_log, path, tail, start)
 
+    async def sys_spans(self, mesh: str | None = None, since: float | None = None) -> dict[str, Any]:
+        """Spans and metrics of this allocator's procs (``telemetry.query``), drained first."""
+        received = time.time()  # with the reply's time, gives the caller this host's clock offset
+        return {**await self.telemetry.spans.collect(mesh, since), "received": received}
+
     def sys_shutdown(self) -> str:
         self.rt.loop.call_later(0.05, self.stopped.set)
         return "shutting down"
@@ -504,6 +509,8 @@ class Allocator(DebugRegistry):
         m.state = "stopping"
         live = [r for r in m.procs if r.state in ("starting", "running")]
         for r in live:
+            # their last spans: the proc answers this before the shutdown sent after it
+            self.telemetry.spans.poll(r)
             r.state = "stopping"
             if r.addr:
                 try:

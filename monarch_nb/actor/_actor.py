@@ -18,7 +18,7 @@ import time
 from functools import cached_property
 from typing import Any
 
-from .._runtime import _dataplane
+from .._runtime import _dataplane, spans
 from .._runtime.logcapture import set_call
 from .._runtime.runtime import NO_REPLY, Runtime, system_method
 from .._wire import frames as wire
@@ -373,8 +373,10 @@ class ActorSlot:
         except BaseException as e:
             result, status = self._error(e, f"{self.name}.{method}"), wire.ERROR
         finally:
-            self.busy_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.busy_s += t1 - t0
             self.calls += 1
+            spans.record_call(self.instance_info.name, method, self.instance_info.rank.rank, t0, t1, status == wire.OK)
             self._mark("")
             self.busy = ""
             _context._message_rank.reset(tok)
@@ -397,8 +399,10 @@ class ActorSlot:
         except BaseException as e:
             result, status = self._error(e, f"{self.name}.{method}"), wire.ERROR
         finally:
-            self.busy_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.busy_s += t1 - t0
             self.calls += 1
+            spans.record_call(self.instance_info.name, method, self.instance_info.rank.rank, t0, t1, status == wire.OK)
             self._mark("")
             self.busy = ""
             _context._message_rank.reset(tok)

@@ -1,0 +1,195 @@
+"""Spans on every rank: recorded in the proc, kept by the allocator, queried, traced."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+import time
+
+import pandas as pd
+import pytest
+from conftest import PY, wait_for
+
+from monarch_nb import telemetry
+from monarch_nb._runtime import spans as ring
+from monarch_nb._runtime.spanstore import PER_PROC
+from monarch_nb.actor import Actor, context, endpoint, this_host
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Traced(Actor):
+    @endpoint
+    def step(self, n: int) -> int:
+        with telemetry.span("inner", n=n):
+            time.sleep(0.002)
+        return n
+
+    @endpoint
+    def boom(self) -> None:
+        raise KeyError("nope")
+
+    @endpoint
+    def slow_on(self, rank: int) -> None:
+        time.sleep(0.08 if context().actor_instance.rank.rank == rank else 0.005)
+
+    @endpoint
+    def many(self, n: int) -> int:
+        for _ in range(n):
+            with telemetry.span("tick"):
+                pass
+        return n
+
+    @endpoint
+    def count(self) -> None:
+        m = telemetry.get_meter("test")
+        m.create_counter("steps").add(2, {"phase": "train"})
+        m.create_histogram("loss").record(0.5)
+
+
+@pytest.fixture(scope="module")
+def traced():  # type: ignore[no-untyped-def]
+    pm = this_host().spawn_procs(per_host={"gpus": 2}, name="spans")
+    try:
+        yield pm.spawn("t", Traced)
+    finally:
+        pm.stop().get(timeout=30)
+
+
+def test_calls_and_inner_spans_are_recorded_with_outcome(traced) -> None:  # type: ignore[no-untyped-def]
+    t0 = time.time()
+    assert traced.slice(gpus=0).step.call_one(7).get(timeout=30) == 7
+    traced.step.call(3).get(timeout=30)
+    with pytest.raises(Exception, match="nope"):
+        traced.slice(gpus=1).boom.call_one().get(timeout=30)
+    df = telemetry.query("spans", since=t0)
+    assert isinstance(df, pd.DataFrame)
+    calls = df[(df.kind == "call") & (df.name == "t.step")]
+    # call_one on rank 0, then call on both ranks
+    assert sorted(calls["rank"]) == [0, 0, 1] and (calls.outcome == "ok").all()
+    assert (calls.actor == "t").all() and (calls.method == "step").all()
+    err = df[df.name == "t.boom"]
+    assert list(err["rank"]) == [1] and list(err.outcome) == ["error"]
+    inner = df[df.name == "inner"]
+    assert len(inner) == 3 and {a["n"] for a in inner["attributes"]} == {7, 3}
+    # measured in the proc: each inner span lies within a call of its rank, and takes its sleep
+    for _, s in inner.iterrows():
+        outer = calls[
+            (calls["rank"] == s["rank"]) & (calls.start <= s.start) & (calls.start + calls.duration >= s.start + s.duration)
+        ]
+        assert len(outer) >= 1 and s.duration >= 0.002
+    assert (df.start >= t0 - 1).all() and (df.duration >= 0).all()
+
+
+def test_query_across_two_procs_and_trace_file(traced, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    t0 = time.time()
+    traced.step.call(1).get(timeout=30)
+    with telemetry.span("notebook-side", cell=1):
+        pass
+    df = telemetry.query(since=t0)
+    mine = df[df.mesh == "spans"]
+    assert set(mine["rank"]) == {0, 1} and len(set(mine["pid"])) == 2
+    assert "notebook-side" in set(df[df.mesh == "(controller)"].name)
+    assert list(df.columns) == telemetry._query.COLUMNS
+    path = tmp_path / "trace.json"
+    telemetry.chrome_trace(df, str(path))
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    xs = [e for e in events if e["ph"] == "X"]
+    assert len(xs) == len(df)
+    assert all({"name", "ts", "dur", "pid", "tid"} <= e.keys() and e["dur"] >= 0 for e in xs)
+    names = [e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"]
+    assert any(n.startswith("rank 0") for n in names) and any(n.startswith("rank 1") for n in names)
+    assert "clock_offsets_s" in trace["otherData"]
+
+
+def test_stragglers_are_flagged(traced) -> None:  # type: ignore[no-untyped-def]
+    t0 = time.time()
+    for _ in range(3):
+        traced.slow_on.call(1).get(timeout=30)
+    rows = telemetry.query_records("spans", since=t0)
+    slow = telemetry.stragglers(rows, factor=2.0)
+    assert [(d["name"], d["rank"]) for d in slow] == [("t.slow_on", 1)]
+    assert slow[0]["ratio"] > 2
+    assert telemetry.stragglers(rows, factor=50.0) == []
+    with pytest.raises(ValueError, match="factor"):
+        telemetry.stragglers(rows, factor=0.5)
+    trace = telemetry.chrome_trace(rows)
+    flagged = [e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and "straggler" in str(e["args"].get("name"))]
+    assert len(flagged) == 1 and flagged[0].startswith("rank 1")
+
+
+def test_memory_is_bounded(traced) -> None:  # type: ignore[no-untyped-def]
+    # in the proc: a burst larger than the allocator keeps per proc
+    traced.slice(gpus=0).many.call_one(PER_PROC + 1000).get(timeout=60)
+    rows = wait_for(lambda: [r for r in telemetry.query_records("spans") if r["rank"] == 0], 10, "spans of rank 0")
+    assert len(rows) <= PER_PROC and sum(r["name"] == "tick" for r in rows) >= PER_PROC // 2
+    # in a process's own ring: what was overwritten before a drain is counted, not kept
+    before = ring.drain(0)["last"]
+    for _ in range(ring.RING + 10):
+        ring.record_span("fill", "", 0, 0.0, 0.0, True, None)
+    got = ring.drain(before)
+    assert len(got["spans"]) <= ring.RING and got["dropped"] >= 10
+
+
+def test_metrics_from_every_rank(traced) -> None:  # type: ignore[no-untyped-def]
+    traced.count.call().get(timeout=30)
+    traced.count.call().get(timeout=30)
+    m = telemetry.metrics("spans")
+    steps = m[(m.meter == "test") & (m.name == "steps")]
+    assert sorted(steps["rank"]) == [0, 1] and (steps["sum"] == 4).all() and (steps["count"] == 2).all()
+    assert steps.iloc[0]["attrs"] == {"phase": "train"}
+    with pytest.raises(ValueError, match="only goes up"):
+        telemetry.get_meter("x").create_counter("c").add(-1)
+
+
+def test_spans_outlive_the_controller_that_made_them(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # a controller (as a kernel before its restart) spans on its procs, then exits; a new
+    # controller reads them back from the allocator
+    script = tmp_path / "before.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {os.path.dirname(__file__)!r})
+            from test_telemetry_spans import Traced
+            from monarch_nb.actor import this_host
+            pm = this_host().spawn_procs(per_host={{"gpus": 2}}, name="before-restart")
+            pm.spawn("t", Traced).step.call(42).get(timeout=30)
+            pm.stop().get(timeout=30)
+            """
+        )
+    )
+    t0 = time.time()
+    subprocess.run([PY, str(script)], check=True, timeout=90, env=os.environ.copy())
+    df = telemetry.query("before-restart", since=t0)
+    assert sorted(df[df.name == "t.step"]["rank"]) == [0, 1]
+    assert sorted(df[df.name == "inner"]["rank"]) == [0, 1]
+
+
+def test_bad_input_says_what_to_do() -> None:
+    with pytest.raises(ValueError, match="30s"):
+        telemetry.query(since="yesterday")
+    with pytest.raises(ValueError, match="non-empty name"):
+        with telemetry.span(""):
+            pass
+
+
+def test_traced_decorator_records_sync_and_async() -> None:
+    import asyncio
+
+    @telemetry.traced
+    def f(x: int) -> int:
+        return x + 1
+
+    @telemetry.traced("named", kind="a")
+    async def g() -> int:
+        return 2
+
+    before = ring.drain(0)["last"]
+    assert f(1) == 2 and asyncio.run(g()) == 2
+    got = [s for s in ring.drain(before)["spans"] if s["kind"] == "span"]
+    assert [s["name"] for s in got][-2:] == ["test_traced_decorator_records_sync_and_async.<locals>.f", "named"]
+    assert got[-1]["attrs"] == {"kind": "a"}
