@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import textwrap
 import time
@@ -193,3 +194,36 @@ def test_traced_decorator_records_sync_and_async() -> None:
     got = [s for s in ring.drain(before)["spans"] if s["kind"] == "span"]
     assert [s["name"] for s in got][-2:] == ["test_traced_decorator_records_sync_and_async.<locals>.f", "named"]
     assert got[-1]["attrs"] == {"kind": "a"}
+
+
+def test_mesh_trace_magic_writes_a_trace_and_draws_the_timeline(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from _kernel import Kernel
+
+    kern = Kernel()
+    try:
+        assert "connected" in kern.run("%mesh connect").stream()
+        c = kern.run("%mesh spawn tr --per-host gpus=2 --no-persist", timeout=90)
+        assert c.error is None, c.msgs
+        cell = (
+            "%%mesh exec tr\n"
+            "import time\nfrom monarch_nb import telemetry\nfrom monarch_nb.actor import current_rank\n"
+            "with telemetry.span('work'):\n    time.sleep(0.1 if current_rank().rank == 1 else 0.002)"
+        )
+        for _ in range(2):
+            assert kern.run(cell).error is None
+        out = tmp_path / "tr.json"
+        c = kern.run(f"%mesh trace tr --last 60s --out {out} --factor 3")
+        assert c.error is None, c.msgs
+        trace = json.loads(out.read_text())
+        xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+        assert {e["args"]["rank"] for e in xs} == {0, 1} and any(e["name"] == "work" for e in xs)
+        res = c._of("execute_result")[0]["content"]["data"]
+        assert str(out) in res["text/plain"]
+        assert re.search(r"straggler: tr rank 1 .* \d+\.\dx the other ranks'", res["text/plain"]), res["text/plain"]
+        svg = res["text/html"]
+        assert "<svg" in svg and svg.count("class='mnb-span'") == len(xs) and "tr r1 (slow)" in svg
+        bad = kern.run("%mesh trace tr --last soon")
+        assert bad.reply["content"]["status"] == "error" and "--last 'soon'" in bad.stream("stderr") + str(bad.error)
+        kern.run("%mesh stop tr", timeout=60)
+    finally:
+        kern.close()
