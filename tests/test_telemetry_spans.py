@@ -8,6 +8,7 @@ import re
 import subprocess
 import textwrap
 import time
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -37,6 +38,10 @@ class Traced(Actor):
         time.sleep(0.08 if context().actor_instance.rank.rank == rank else 0.005)
 
     @endpoint
+    def lag(self, rank: int) -> None:
+        time.sleep(0.1 if context().actor_instance.rank.rank == rank else 0.002)
+
+    @endpoint
     def many(self, n: int) -> int:
         for _ in range(n):
             with telemetry.span("tick"):
@@ -50,9 +55,13 @@ class Traced(Actor):
         m.create_histogram("loss").record(0.5)
 
 
+_PROCS: dict[str, Any] = {}
+
+
 @pytest.fixture(scope="module")
 def traced():  # type: ignore[no-untyped-def]
     pm = this_host().spawn_procs(per_host={"gpus": 2}, name="spans")
+    _PROCS["spans"] = pm
     try:
         yield pm.spawn("t", Traced)
     finally:
@@ -120,6 +129,22 @@ def test_stragglers_are_flagged(traced) -> None:  # type: ignore[no-untyped-def]
     trace = telemetry.chrome_trace(rows)
     flagged = [e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and "straggler" in str(e["args"].get("name"))]
     assert len(flagged) == 1 and flagged[0].startswith("rank 1")
+
+
+def test_dashboard_shows_latency_per_rank_and_the_straggler(traced) -> None:  # type: ignore[no-untyped-def]
+    from monarch_nb.widgets import Dashboard
+
+    for _ in range(3):
+        traced.lag.call(0).get(timeout=30)
+    d = Dashboard(_PROCS["spans"], interval=60, straggler_factor=2.0, window="60s")
+    try:
+        html = d.latency_view.value
+        assert "endpoint latency" in html and html.count("mnb-lat-row") == 2, html
+        # (other endpoints of earlier tests may have stragglers of their own on a loaded machine)
+        assert re.search(r"straggler: rank 0 \(\S+\) t\.lag \d", html), html
+        assert re.search(r'<tr class="mnb-lat-row mnb-straggler"><td>rank 0</td>', html), html
+    finally:
+        d.close()
 
 
 def test_memory_is_bounded(traced) -> None:  # type: ignore[no-untyped-def]

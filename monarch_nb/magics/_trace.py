@@ -17,10 +17,9 @@ _W, _LABEL, _ROW = 900, 150, 14
 
 def trace(name: str | None, last: str, out: str | None, factor: float) -> TraceView:
     try:
-        telemetry._query.parse_since(last)
+        rows = telemetry.query_records(name, since=last)
     except ValueError as e:
         raise ValueError(f"--last {last!r}: {e}") from None
-    rows = telemetry.query_records(name, since=last)
     if out is None:
         out = f"trace-{name or 'all'}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     telemetry.chrome_trace(rows, out, factor=factor)
