@@ -3,7 +3,10 @@
 Every proc's ring (spans.py) is drained about once a second and on every query, so spans
 outlive the proc that recorded them and the controller (a restarted kernel reads them back
 from here). Bounds: the last ``PER_PROC`` spans of each proc, for the ``PROCS`` procs seen
-most recently; spans a proc recorded in its last second before it died are lost with it.
+most recently, and ``TOTAL`` in all (the procs polled longest ago go first); spans a proc
+recorded in its last second before it died are lost with it (those of a stopped mesh are not:
+its procs are drained as they are told to stop). Spans are kept as tuples with interned
+names, about 250 bytes each, so the bounds cost at most about 64 MiB (attributes extra).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +27,10 @@ if TYPE_CHECKING:
 
 PER_PROC = int(os.environ.get("MONARCH_NB_SPANS_PER_PROC", "4096"))
 PROCS = int(os.environ.get("MONARCH_NB_SPAN_PROCS", "256"))
+TOTAL = int(os.environ.get("MONARCH_NB_SPANS_TOTAL", "262144"))
+
+#: what each kept span holds (the proc's mesh, rank, host and pid are kept once per proc)
+_FIELDS = ("seq", "kind", "name", "actor", "method", "actor_rank", "start", "duration", "outcome", "thread", "attrs")
 
 
 class _Kept:
@@ -32,7 +40,7 @@ class _Kept:
         self.cursor = 0
         self.dropped = 0
         self.meta = meta
-        self.spans: collections.deque[dict[str, Any]] = collections.deque(maxlen=PER_PROC)
+        self.spans: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=PER_PROC)
         self.metrics: list[dict[str, Any]] = []
 
 
@@ -44,6 +52,7 @@ class SpanStore:
         self._index: dict[int, str] = {}
         self._next = 0
         self._waiting: dict[str, list[asyncio.Future[None]]] = {}
+        self.total = 0
 
     def _open(self) -> int:
         if not self._port:
@@ -58,7 +67,7 @@ class SpanStore:
         if k is None:
             k = self.kept[rec.token] = _Kept({"mesh": rec.mesh, "rank": rec.rank, "host": self.alloc.rt.hostname})
             while len(self.kept) > PROCS:
-                self.kept.popitem(last=False)
+                self.total -= len(self.kept.popitem(last=False)[1].spans)
         self.kept.move_to_end(rec.token)
         k.meta["pid"] = rec.pid
         i = self._next
@@ -88,13 +97,32 @@ class SpanStore:
         if status == wire.OK and k is not None:
             got = loads(body, bufs)
             meta = k.meta
+            before = len(k.spans)
+            intern = sys.intern
             for s in got["spans"]:
                 if s["seq"] > k.cursor:
-                    s.update(meta)
-                    k.spans.append(s)
+                    k.spans.append(
+                        (
+                            s["seq"],
+                            intern(s["kind"]),
+                            intern(s["name"]),
+                            intern(s["actor"]),
+                            intern(s["method"]),
+                            s["actor_rank"],
+                            s["start"],
+                            s["duration"],
+                            intern(s["outcome"]),
+                            s["thread"],
+                            s.get("attrs"),
+                        )
+                    )
+            self.total += len(k.spans) - before
             k.dropped += got["dropped"]
             k.cursor = max(k.cursor, got["last"])
             k.metrics = [dict(m, **meta) for m in got["metrics"]]
+            while self.total > TOTAL and len(self.kept) > 1:
+                _, old = self.kept.popitem(last=False)
+                self.total -= len(old.spans)
         self._release(token)
 
     async def collect(self, mesh: str | None, since: float | None, timeout: float = 2.0) -> dict[str, Any]:
@@ -112,5 +140,6 @@ class SpanStore:
                 continue
             dropped += k.dropped
             metrics.extend(k.metrics)
-            spans.extend(s for s in k.spans if since is None or s["start"] + s["duration"] >= since)
+            meta = k.meta
+            spans.extend(dict(zip(_FIELDS, s), **meta) for s in k.spans if since is None or s[6] + s[7] >= since)
         return {"now": time.time(), "host": self.alloc.rt.hostname, "spans": spans, "metrics": metrics, "dropped": dropped}

@@ -4,8 +4,10 @@ Every endpoint call is a span (actor, method, rank, start, duration, outcome), t
 proc that ran it; ``span()`` and ``@traced`` add spans of your own (inside an endpoint they
 nest in its call), and ``get_meter()`` gives counters and histograms with the OpenTelemetry
 API's names. Each proc keeps its records in a fixed-size ring which its allocator drains
-about once a second into a bounded store (the last 4096 spans of each of the 256 procs seen
-most recently), so spans outlive the procs and the kernel that made them.
+about once a second (and when its mesh stops) into a bounded store: per allocator, the last
+4096 spans of each of the 256 procs polled most recently and 262144 in all (about 64 MiB), so
+spans outlive the procs and the kernel that made them; a kernel restarted within that bound
+reads them back. Spans a proc recorded in its last second before it crashed are lost with it.
 
 ``query()`` gathers them from every attached allocator as a pandas DataFrame (pandas is the
 ``telemetry`` extra: ``pip install 'monarch-nb[telemetry]'``), with each host's clock offset
