@@ -55,6 +55,13 @@ class Traced(Actor):
         m.create_histogram("loss").record(0.5)
 
 
+class AsyncTraced(Actor):
+    @endpoint
+    async def step(self) -> str:
+        with telemetry.span("async-inner"):
+            return "done"
+
+
 _PROCS: dict[str, Any] = {}
 
 
@@ -91,6 +98,12 @@ def test_calls_and_inner_spans_are_recorded_with_outcome(traced) -> None:  # typ
         ]
         assert len(outer) >= 1 and s.duration >= 0.002
     assert (df.start >= t0 - 1).all() and (df.duration >= 0).all()
+    # an async actor's calls are spans too
+    am = _PROCS["spans"].spawn("a", AsyncTraced)
+    t1 = time.time()
+    am.step.call().get(timeout=30)
+    df = telemetry.query("spans", since=t1)
+    assert sorted(df[df.name == "a.step"]["rank"]) == [0, 1] and sorted(df[df.name == "async-inner"]["rank"]) == [0, 1]
 
 
 def test_query_across_two_procs_and_trace_file(traced, tmp_path) -> None:  # type: ignore[no-untyped-def]
