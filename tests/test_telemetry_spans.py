@@ -239,13 +239,13 @@ def test_traced_decorator_records_sync_and_async() -> None:
     assert api.get_meter().name == "monarch"
 
 
-def test_mesh_trace_magic_writes_a_trace_and_draws_the_timeline(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_mesh_trace_magic_writes_a_trace_and_draws_the_timeline_also_after_a_kernel_restart(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from _kernel import Kernel
 
     kern = Kernel()
     try:
         assert "connected" in kern.run("%mesh connect").stream()
-        c = kern.run("%mesh spawn tr --per-host gpus=2 --no-persist", timeout=90)
+        c = kern.run("%mesh spawn tr --per-host gpus=2", timeout=90)
         assert c.error is None, c.msgs
         cell = (
             "%%mesh exec tr\n"
@@ -267,6 +267,15 @@ def test_mesh_trace_magic_writes_a_trace_and_draws_the_timeline(tmp_path) -> Non
         assert "<svg" in svg and svg.count("class='mnb-span'") == len(xs) and "tr r1 (slow)" in svg
         bad = kern.run("%mesh trace tr --last soon")
         assert bad.reply["content"]["status"] == "error" and "--last 'soon'" in bad.stream("stderr") + str(bad.error)
-        kern.run("%mesh stop tr", timeout=60)
+        # a restarted kernel reads the spans of before the restart back from the allocator
+        kern.km.restart_kernel(now=True)
+        kern.kc.wait_for_ready(timeout=60)
+        assert kern.run("%load_ext monarch_nb").error is None
+        out2 = tmp_path / "after.json"
+        c = kern.run(f"%mesh trace tr --last 5m --out {out2}")
+        assert c.error is None, c.msgs
+        after = [e for e in json.loads(out2.read_text())["traceEvents"] if e["ph"] == "X" and e["name"] == "work"]
+        assert sorted(e["args"]["rank"] for e in after) == [0, 0, 1, 1]
     finally:
+        kern.run("%mesh stop tr", timeout=60)
         kern.close()
