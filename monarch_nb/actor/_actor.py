@@ -376,12 +376,11 @@ class ActorSlot:
             t1 = time.perf_counter()
             self.busy_s += t1 - t0
             self.calls += 1
+            spans.record_call(self.instance_info.name, method, self.instance_info.rank.rank, t0, t1, status == wire.OK)
             self._mark("")
             self.busy = ""
             _context._message_rank.reset(tok)
         self._reply(raddr, rport, index, status, result)
-        # after the reply: the caller does not wait for the span to be stored
-        spans.record_call(self.instance_info.name, method, self.instance_info.rank.rank, t0, t1, status == wire.OK)
 
     async def _call_async(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
         prep = self._prepare(meta, body, buffers)
@@ -403,12 +402,11 @@ class ActorSlot:
             t1 = time.perf_counter()
             self.busy_s += t1 - t0
             self.calls += 1
+            spans.record_call(self.instance_info.name, method, self.instance_info.rank.rank, t0, t1, status == wire.OK)
             self._mark("")
             self.busy = ""
             _context._message_rank.reset(tok)
         self._reply(raddr, rport, index, status, result)
-        # after the reply: the caller does not wait for the span to be stored
-        spans.record_call(self.instance_info.name, method, self.instance_info.rank.rank, t0, t1, status == wire.OK)
 
     def _cleanup_sync(self) -> None:
         fn = getattr(self.obj, "__cleanup__", None)
