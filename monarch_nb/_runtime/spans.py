@@ -24,7 +24,7 @@ _MASK = RING - 1
 
 _ring: list[Any] = [None] * RING
 _seq = itertools.count(1)
-#: the last sequence number handed out; read by drain (may lag a writer by one record)
+#: about the last sequence number stored (writers race to set it; drain reads on past it)
 _last = [0]
 #: perf_counter and wall clock read together once: converts recorded times at drain
 _BASE_PERF = time.perf_counter()
@@ -38,7 +38,7 @@ def record_call(actor: str, method: str, rank: int, t0: float, t1: float, ok: bo
     """One endpoint call: ``t0``/``t1`` are the ``perf_counter()`` readings around it."""
     i = next(_seq)
     _ring[i & _MASK] = (i, "call", method, actor, rank, t0, t1, ok, None, threading.get_ident())
-    _last[0] = i
+    _last[0] = i  # a hint for drain, which reads on past it
 
 
 def record_span(name: str, actor: str, rank: int, t0: float, t1: float, ok: bool, attrs: dict[str, Any] | None) -> None:
@@ -73,11 +73,17 @@ def drain(after: int) -> dict[str, Any]:
     out = []
     dropped = max(0, last - RING - after)
     off = _BASE_WALL - _BASE_PERF
-    for s in range(lo + 1, last + 1):
+    last = lo
+    # up to the first slot not yet stored: _last may lag (or, set by a slower writer, trail)
+    # the newest record, and a numbered record may not be stored yet (its writer lost the GIL
+    # in between); the next drain starts there rather than skip it for good
+    for s in range(lo + 1, lo + RING + 1):
         r = _ring[s & _MASK]
-        if r is None or r[0] != s:
-            # overwritten by a writer that lapped us, or not yet stored: skip, not wait
-            continue
+        if r is None or r[0] < s:
+            break
+        last = s
+        if r[0] > s:
+            continue  # overwritten by a writer that lapped us: counted in dropped
         _, kind, name, actor, rank, t0, t1, ok, attrs, tid = r
         d = {
             "seq": s,
