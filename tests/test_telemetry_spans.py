@@ -53,6 +53,7 @@ class Traced(Actor):
         m = telemetry.get_meter("test")
         m.create_counter("steps").add(2, {"phase": "train"})
         m.create_histogram("loss").record(0.5)
+        m.create_gauge("lr").set(0.01)
 
 
 class AsyncTraced(Actor):
@@ -180,6 +181,8 @@ def test_metrics_from_every_rank(traced) -> None:  # type: ignore[no-untyped-def
     steps = m[(m.meter == "test") & (m.name == "steps")]
     assert sorted(steps["rank"]) == [0, 1] and (steps["sum"] == 4).all() and (steps["count"] == 2).all()
     assert steps.iloc[0]["attrs"] == {"phase": "train"}
+    lr = m[m.name == "lr"]
+    assert len(lr) == 2 and (lr["last"] == 0.01).all() and (lr.kind == "gauge").all()
     with pytest.raises(ValueError, match="only goes up"):
         telemetry.get_meter("x").create_counter("c").add(-1)
 

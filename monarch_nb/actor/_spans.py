@@ -112,7 +112,7 @@ class Counter(_Instrument):
 
     kind = "counter"
 
-    def add(self, amount: float = 1, attributes: dict[str, Any] | None = None) -> None:
+    def add(self, amount: float = 1, attributes: dict[str, Any] | None = None, context: Any = None) -> None:
         if amount < 0:
             raise ValueError(f"Counter {self.name!r} only goes up; add({amount}) is negative (use an UpDownCounter)")
         _ring.record_metric(self.meter, self.name, self.kind, amount, _attrs(attributes))
@@ -123,7 +123,7 @@ class UpDownCounter(_Instrument):
 
     kind = "updown"
 
-    def add(self, amount: float = 1, attributes: dict[str, Any] | None = None) -> None:
+    def add(self, amount: float = 1, attributes: dict[str, Any] | None = None, context: Any = None) -> None:
         _ring.record_metric(self.meter, self.name, self.kind, amount, _attrs(attributes))
 
 
@@ -132,7 +132,17 @@ class Histogram(_Instrument):
 
     kind = "histogram"
 
-    def record(self, amount: float, attributes: dict[str, Any] | None = None) -> None:
+    def record(self, amount: float, attributes: dict[str, Any] | None = None, context: Any = None) -> None:
+        _ring.record_metric(self.meter, self.name, self.kind, amount, _attrs(attributes))
+
+
+class Gauge(_Instrument):
+    """The current value of something (OpenTelemetry's synchronous ``Gauge``); kept as its
+    aggregate too, so ``last`` is the value and ``min``/``max`` its range."""
+
+    kind = "gauge"
+
+    def set(self, amount: float, attributes: dict[str, Any] | None = None, context: Any = None) -> None:
         _ring.record_metric(self.meter, self.name, self.kind, amount, _attrs(attributes))
 
 
@@ -150,6 +160,9 @@ class Meter:
 
     def create_histogram(self, name: str, unit: str = "", description: str = "") -> Histogram:
         return Histogram(self.name, name, unit, description)
+
+    def create_gauge(self, name: str, unit: str = "", description: str = "") -> Gauge:
+        return Gauge(self.name, name, unit, description)
 
 
 def get_meter(name: str = "monarch") -> Meter:

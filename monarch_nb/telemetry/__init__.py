@@ -17,11 +17,12 @@ the ranks slower than the others.
 
 from __future__ import annotations
 
-from ..actor._spans import Counter, Histogram, Meter, Span, UpDownCounter, get_meter, span, traced
+from ..actor._spans import Counter, Gauge, Histogram, Meter, Span, UpDownCounter, get_meter, span, traced
 from ._query import chrome_trace, metrics, query, query_records, stragglers
 
 __all__ = [
     "Counter",
+    "Gauge",
     "Histogram",
     "Meter",
     "Span",
