@@ -508,9 +508,12 @@ class Allocator(DebugRegistry):
     async def _stop_mesh(self, m: MeshRec, reason: str) -> int:
         m.state = "stopping"
         live = [r for r in m.procs if r.state in ("starting", "running")]
+        # their last spans first: a proc may exit before its answer to a drain sent just ahead
+        # of the shutdown leaves it (answered by its I/O thread: a busy actor does not delay it)
+        drains = [f for r in live if (f := self.telemetry.spans.poll(r)) is not None]
+        if drains:
+            await asyncio.wait(drains, timeout=1.0)
         for r in live:
-            # their last spans: the proc answers this before the shutdown sent after it
-            self.telemetry.spans.poll(r)
             r.state = "stopping"
             if r.addr:
                 try:
