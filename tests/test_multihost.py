@@ -871,3 +871,33 @@ def test_stacks_of_ranks_on_other_hosts(cluster: NetnsCluster, workers: list[All
     assert "[ranks 0-3 (4)] thread monarch-actor-driver" in got["text"] and "time.sleep(seconds)" in got["text"], got["text"]
     assert got["native"] == [0, 1, 2, 3], got["text"]
     ctl.finish()
+
+
+def test_telemetry_gathers_spans_of_every_host_on_one_timeline(cluster: NetnsCluster, workers: list[Allocator]) -> None:
+    ctl = Controller(
+        cluster,
+        """
+        from monarch_nb import telemetry
+        hosts = attach_to_workers(workers=WORKERS, ca="/tmp/key")
+        procs = hosts.spawn_procs(per_host={"gpus": 2})
+        t0 = time.time()
+        procs.spawn("a", A).where.call().get(timeout=30)
+        rows = [r for r in telemetry.query_records(since=t0, addresses=WORKERS) if r["name"] == "a.where"]
+        trace = telemetry.chrome_trace(rows)
+        emit(
+            "spans",
+            ranks=sorted(r["rank"] for r in rows),
+            pids=len({r["pid"] for r in rows}),
+            offsets=sorted({round(r["clock_offset"], 6) for r in rows}),
+            starts_ok=all(t0 - 1 <= r["start"] <= time.time() for r in rows),
+            events=sum(e["ph"] == "X" for e in trace["traceEvents"]),
+        )
+        procs.stop().get(timeout=30)
+        """,
+    )
+    got = ctl.expect("spans", timeout=60)
+    # the four ranks' calls, measured in four procs on two hosts, each host's offset applied
+    assert got["ranks"] == [0, 1, 2, 3] and got["pids"] == 4 and got["events"] == 4, got
+    assert len(got["offsets"]) == 2 and all(abs(o) < 0.5 for o in got["offsets"]), got
+    assert got["starts_ok"], got
+    ctl.finish()

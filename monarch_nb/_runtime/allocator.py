@@ -495,6 +495,11 @@ class Allocator(DebugRegistry):
             raise MeshError(f"no log for mesh {mesh!r} rank {rank} on host {self.rt.hostname}")
         return await asyncio.to_thread(read_log, path, tail, start)
 
+    async def sys_spans(self, mesh: str | None = None, since: float | None = None) -> dict[str, Any]:
+        """Spans and metrics of this allocator's procs (``telemetry.query``), drained first."""
+        received = time.time()  # with the reply's time, gives the caller this host's clock offset
+        return {**await self.telemetry.spans.collect(mesh, since), "received": received}
+
     def sys_shutdown(self) -> str:
         self.rt.loop.call_later(0.05, self.stopped.set)
         return "shutting down"
@@ -503,6 +508,11 @@ class Allocator(DebugRegistry):
     async def _stop_mesh(self, m: MeshRec, reason: str) -> int:
         m.state = "stopping"
         live = [r for r in m.procs if r.state in ("starting", "running")]
+        # their last spans first: a proc may exit before its answer to a drain sent just ahead
+        # of the shutdown leaves it (answered by its I/O thread: a busy actor does not delay it)
+        drains = [f for r in live if (f := self.telemetry.spans.poll(r)) is not None]
+        if drains:
+            await asyncio.wait(drains, timeout=1.0)
         for r in live:
             r.state = "stopping"
             if r.addr:

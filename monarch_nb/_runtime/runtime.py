@@ -28,6 +28,7 @@ from typing import Any
 from ..config import Config
 from .receiving import NO_REPLY, Mailbox, PortHandler, Receiver, system_method
 from .sending import Sender, Target
+from .spans import SpanSource
 from .supervision import Supervision
 from .transport import Security, Transport
 
@@ -79,6 +80,8 @@ class Runtime:
         self.check_size, self.next_call_id, self.release_shm = s.check_size, s.next_call_id, s.release_shm
         self.open_port, self.close_port = r.open_port, r.close_port
         self.actors, self.system, self.relayed = r.actors, r.system, r.relayed
+        # every process's spans, drained by its allocator (spans.py)
+        self.system["__spans__"] = SpanSource()
         self.expect, self.fulfil, self.watch, self.heard_from = v.expect, v.fulfil, v.watch, v.heard_from
         self.peer_error, self.peer_failed = v.peer_error, v.peer_failed
         self.peer_failure_callbacks, self.event_callbacks = v.peer_failure_callbacks, v.event_callbacks

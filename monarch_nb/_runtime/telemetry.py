@@ -17,6 +17,7 @@ import psutil
 
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
+from .spanstore import SpanStore
 
 if TYPE_CHECKING:
     from .allocator import Allocator
@@ -39,6 +40,8 @@ class Telemetry:
         self._next = 0
         self._nvml: Any = None
         self._nvml_tried = False
+        #: spans drained from the procs (spanstore.py)
+        self.spans = SpanStore(alloc)
 
     async def run(self) -> None:
         psutil.cpu_percent(None)  # the first reading only starts the measurement
@@ -87,6 +90,7 @@ class Telemetry:
                 t["calls_per_s"] = round((calls - prev[2]) / dt, 1)
             self._prev[rec.token] = (now, lines, calls)
             if rec.addr:
+                self.spans.poll(rec)
                 i = self._index.get(rec.token, -1)
                 if i < 0:
                     i = self._index[rec.token] = self._next

@@ -49,16 +49,14 @@ from ._misc import (
     debug_controller,
     default_bootstrap_cmd,
     enable_transport,
-    get_meter,
     run_worker_loop_forever,
     run_worker_loop_until_shutdown,
     shutdown_context,
-    span,
     start_worker_loop_forever,
-    traced,
 )
 from ._port import Channel, Port, PortReceiver
 from ._shape import Extent, Point
+from ._spans import get_meter, span, traced
 from ._supervision import MeshFailure, unhandled_fault_hook
 
 __all__ = [

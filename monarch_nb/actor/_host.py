@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from .._runtime import _dataplane
+from .._runtime import _dataplane, spans
 from .._runtime.logcapture import set_call
 from .._runtime.runtime import NO_REPLY, Runtime, system_method
 from .._wire import frames as wire
@@ -521,6 +521,7 @@ class ActorSlot:
         self.busy, self.call_id, self.caller = method, call_id, raddr
         self._mark(call_id)
         t0 = time.perf_counter()
+        status = wire.ERROR
         try:
             if inspect.iscoroutinefunction(fn):
                 # only as_endpoint reaches one: a sync actor's own endpoints are all `def`
@@ -539,8 +540,10 @@ class ActorSlot:
             # SystemExit, KeyboardInterrupt, ...: the actor fails, its process lives on
             raise _ActorFailed(e, _caller(meta)) from None
         finally:
-            self.busy_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.busy_s += t1 - t0
             self.calls += 1
+            spans.record_call(self.instance_info.name, method, self.instance_info.rank.rank, t0, t1, status == wire.OK)
             self._mark("")
             self.busy = ""
             _context._message_rank.reset(tok)
@@ -559,6 +562,7 @@ class ActorSlot:
         self.busy, self.call_id, self.caller = method, call_id, raddr
         self._mark(call_id)
         t0 = time.perf_counter()
+        status = wire.ERROR
         failure: _ActorFailed | None = None
         try:
             result = fn(self.obj, *args, **kwargs)
@@ -579,8 +583,10 @@ class ActorSlot:
             failure = _ActorFailed(e, _caller(meta))
             result, status = None, wire.ERROR
         finally:
-            self.busy_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.busy_s += t1 - t0
             self.calls += 1
+            spans.record_call(self.instance_info.name, method, self.instance_info.rank.rank, t0, t1, status == wire.OK)
             self._mark("")
             self.busy = ""
             _context._message_rank.reset(tok)

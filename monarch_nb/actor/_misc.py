@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import functools
-import inspect
 import logging
 import os
 import secrets
 import sys
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,71 +195,6 @@ class BootstrapCommand:
 def default_bootstrap_cmd() -> BootstrapCommand:
     """The exec'd alternative to a zygote fork: this interpreter running the proc bootstrap."""
     return BootstrapCommand(sys.executable, None, ["-m", "monarch_nb.actor._bootstrap"], {})
-
-
-@contextlib.contextmanager
-def span(name: str) -> Iterator[None]:
-    """A timed region; logged at DEBUG with the actor and duration."""
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        logger.debug(
-            "span %s took %.6f s in %s", name, time.perf_counter() - t0, current_actor_name() if _context._runtime else "client"
-        )
-
-
-def traced(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:
-    """Wrap a function (sync or async) in :func:`span`."""
-
-    def deco(f: Callable[..., Any]) -> Callable[..., Any]:
-        label = name or f.__qualname__
-        if inspect.iscoroutinefunction(f):
-
-            @functools.wraps(f)
-            async def aw(*a: Any, **k: Any) -> Any:
-                with span(label):
-                    return await f(*a, **k)
-
-            return aw
-
-        @functools.wraps(f)
-        def w(*a: Any, **k: Any) -> Any:
-            with span(label):
-                return f(*a, **k)
-
-        return w
-
-    return deco(fn) if fn is not None else deco
-
-
-class _Instrument:
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.value = 0.0
-
-    def add(self, amount: float, attributes: dict[str, Any] | None = None) -> None:
-        self.value += amount
-
-    record = add
-
-
-class _Meter:
-    """A small stand-in for an OpenTelemetry meter (used when opentelemetry is absent)."""
-
-    def create_counter(self, name: str, **_: Any) -> _Instrument:
-        return _Instrument(name)
-
-    create_up_down_counter = create_histogram = create_gauge = create_counter
-
-
-def get_meter() -> Any:
-    try:
-        from opentelemetry import metrics
-
-        return metrics.get_meter("monarch")
-    except ImportError:
-        return _Meter()
 
 
 def debug_controller() -> Any:

@@ -31,6 +31,8 @@ _SUMMARY = """\
 %mesh attach ACTOR RANK                        an interactive pdb on that rank, through this cell's input box
 %mesh dashboard [NAME]                         a live view: ranks by state, host resources, logs, errors
 %mesh stacks NAME [--ranks R] [--native]       every thread's stack on every rank (NAME: a mesh or a variable holding one)
+%mesh trace [NAME] [--last 30s] [--out PATH] [--factor 2]
+                                               every rank's spans as a Chrome/Perfetto trace file and a timeline; stragglers named
 %mesh sync [PATH ...] [--recreate|--restart] [--watch|--stop-watch] [--via URL]
                                                send the workspace to the hosts, reload it in running procs
 %mesh help                                     this text; `%mesh SUBCOMMAND --help` for details"""
@@ -119,6 +121,13 @@ def _parsers() -> dict[str, _Parser]:
     sk.add_argument("--ranks", help="a subset of ranks: 0:4, 0-3, 1,3")
     sk.add_argument("--native", action="store_true", help="add native frames (py-spy dump --native, if installed)")
     sk.add_argument("--timeout", type=float, default=5.0, help="seconds every rank has to answer")
+    tr = p["trace"] = _Parser(
+        prog="%mesh trace", description="Every rank's spans of the last while: a trace file and a timeline."
+    )
+    tr.add_argument("name", nargs="?", help="mesh name (default: every mesh of every attached allocator)")
+    tr.add_argument("--last", default="30s", help="how far back: 30s, 5m, 2h (default 30s)")
+    tr.add_argument("--out", help="trace file (default trace-NAME-TIME.json here)")
+    tr.add_argument("--factor", type=float, default=2.0, help="a straggler is this many times slower than the others' median")
     _jobs.add_parsers(p, _Parser)
     return p
 
@@ -295,6 +304,14 @@ class MeshMagics(Magics):
         if not isinstance(target, (ProcMesh, ActorMesh)):
             target = _mesh._resolve(args.name)
         return debug.stacks(target, args.ranks, native=args.native, timeout=args.timeout)
+
+    def _do_trace(self, args: argparse.Namespace, cell: str | None) -> Any:
+        from . import _trace
+
+        try:
+            return _trace.trace(args.name, args.last, args.out, args.factor)
+        except ValueError as e:
+            raise UsageError(f"%mesh trace: {e}") from None
 
     def _do_stop(self, args: argparse.Namespace, cell: str | None) -> Any:
         if not args.all and not args.name:

@@ -9,7 +9,7 @@ from typing import Any
 
 import ipywidgets as W
 
-from .. import introspect
+from .. import introspect, telemetry
 from .._ranks import parse_ranks
 from ..actor import ProcMesh, controller_client
 from ..logs import format_line
@@ -29,13 +29,17 @@ class Dashboard(W.VBox):
     stays live while cells run; :meth:`close` stops it.
     """
 
-    def __init__(self, mesh: ProcMesh | str, interval: float = 1.0, tail: int = 200) -> None:
+    def __init__(
+        self, mesh: ProcMesh | str, interval: float = 1.0, tail: int = 200, straggler_factor: float = 2.0, window: str = "30s"
+    ) -> None:
         if isinstance(mesh, str):
             from ..mesh import get
 
             mesh = get(mesh)
         self.mesh = mesh
         self.interval = interval
+        #: endpoint latency per rank over ``window``; a rank over ``straggler_factor`` x the others' median is flagged
+        self.straggler_factor, self.window = straggler_factor, window
         self._lines: collections.deque[tuple[int, str]] = collections.deque(maxlen=tail)
         self._errors: list[str] = []
         self._stop = threading.Event()
@@ -43,6 +47,7 @@ class Dashboard(W.VBox):
         self.header = W.HTML()
         self.grid_view = W.HTML()
         self.hosts_view = W.HTML()
+        self.latency_view = W.HTML()
         self.rank_filter = W.Text(placeholder="ranks, e.g. 0-3", description="log ranks", layout=W.Layout(width="260px"))
         self.log_view = W.HTML(layout=W.Layout(max_height="220px", overflow="auto"))
         self.errors_view = W.HTML()
@@ -68,6 +73,7 @@ class Dashboard(W.VBox):
                 W.HTML(_render.legend_html()),
                 self.grid_view,
                 self.hosts_view,
+                self.latency_view,
                 W.HBox([self.refresh_button, self.stop_button]),
                 note,
                 self.rank_filter,
@@ -129,6 +135,7 @@ class Dashboard(W.VBox):
         self.header.value = f"<b>mesh {pm.name}</b> {pm.extent} · {summary} · {time.strftime('%H:%M:%S')}"
         self.grid_view.value = _render.grid_html(snap["ranks"], labels, sizes)
         self.hosts_view.value = _render.hosts_html(snap["hosts"])
+        self._render_latency()
         self._render_debug(snap["debug"])
         with self._lock:
             for r in snap["ranks"]:
@@ -138,6 +145,17 @@ class Dashboard(W.VBox):
                         self._errors.append(msg)
             self.errors_view.value = _render.errors_html(self._errors)
         self._render_log()
+
+    def _render_latency(self) -> None:
+        pm = self.mesh
+        try:
+            rows = telemetry.query_records(
+                pm._procs[0].mesh, since=self.window, addresses=sorted({p.alloc for p in pm._procs if p.alloc}), timeout=2.0
+            )
+            slow = telemetry.stragglers(rows, self.straggler_factor)
+            self.latency_view.value = _render.latency_html(rows, slow, self.straggler_factor, self.window)
+        except Exception as e:  # latency is extra: the rest of the dashboard stays live
+            self.latency_view.value = f'<span class="mnb-errors">latency unavailable: {e}</span>'
 
     def _on_lines(self, mesh: str, lines: list[tuple[int, str, float, str, str]]) -> None:
         if mesh != self.mesh.name:

@@ -134,3 +134,37 @@ def errors_html(errors: list[str]) -> str:
         return ""
     items = "".join(f"<li>{html.escape(e)}</li>" for e in errors[-10:])
     return f'<div class="mnb-errors"><b>recent errors</b><ul>{items}</ul></div>'
+
+
+def latency_html(spans: list[dict[str, Any]], slow: list[dict[str, Any]], factor: float, window: str, top: int = 16) -> str:
+    """Per-rank endpoint latency over the window (the slowest ``top`` ranks) and the stragglers."""
+    per: dict[int, list[float]] = {}
+    for s in spans:
+        if s.get("kind") == "call":
+            per.setdefault(int(s["rank"]), []).append(float(s["duration"]))
+    if not per:
+        return f'<div class="mnb-latency">no endpoint calls in the last {html.escape(window)}</div>'
+    flagged = {d["rank"] for d in slow}
+    stats = []
+    for rank, d in per.items():
+        d.sort()
+        stats.append((d[len(d) // 2], d[min(len(d) - 1, int(len(d) * 0.95))], len(d), rank))
+    stats.sort(reverse=True)
+    worst = stats[0][0] or 1e-9
+    rows = "".join(
+        f'<tr class="mnb-lat-row{" mnb-straggler" if rank in flagged else ""}"><td>rank {rank}</td><td>{n}</td>'
+        f"<td>{_bar(100 * med / worst)} {med * 1e3:.2f} ms</td><td>{p95 * 1e3:.2f} ms</td>"
+        f"<td>{'straggler' if rank in flagged else ''}</td></tr>"
+        for med, p95, n, rank in stats[:top]
+    )
+    notes = "".join(
+        f'<div class="mnb-errors">straggler: rank {d["rank"]} ({html.escape(str(d["host"]))}) {html.escape(d["name"])} '
+        f"{d['ratio']:.1f}x the other ranks' median</div>"
+        for d in slow
+    )
+    more = f"<div>… {len(stats) - top} faster ranks not shown</div>" if len(stats) > top else ""
+    return (
+        f'<div class="mnb-latency"><b>endpoint latency, last {html.escape(window)}</b> '
+        f"(a straggler: median over {factor:g}x the other ranks')"
+        f"<table><tr><th>rank</th><th>calls</th><th>median</th><th>p95</th><th></th></tr>{rows}</table>{more}{notes}</div>"
+    )

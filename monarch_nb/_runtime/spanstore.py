@@ -1,0 +1,145 @@
+"""The allocator's copy of its procs' spans: drained from each proc's ring, kept with a bound.
+
+Every proc's ring (spans.py) is drained about once a second and on every query, so spans
+outlive the proc that recorded them and the controller (a restarted kernel reads them back
+from here). Bounds: the last ``PER_PROC`` spans of each proc, for the ``PROCS`` procs seen
+most recently, and ``TOTAL`` in all (the procs polled longest ago go first); spans a proc
+recorded in its last second before it died are lost with it (those of a stopped mesh are not:
+its procs are drained as they are told to stop). Spans are kept as tuples with interned
+names, about 250 bytes each, so the bounds cost at most about 64 MiB (attributes extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from .._wire import frames as wire
+from .._wire.serialize import dumps, loads
+
+if TYPE_CHECKING:
+    from .allocator import Allocator
+    from .procs import ProcRec
+
+PER_PROC = int(os.environ.get("MONARCH_NB_SPANS_PER_PROC", "4096"))
+PROCS = int(os.environ.get("MONARCH_NB_SPAN_PROCS", "256"))
+TOTAL = int(os.environ.get("MONARCH_NB_SPANS_TOTAL", "262144"))
+
+#: what each kept span holds (the proc's mesh, rank, host and pid are kept once per proc)
+_FIELDS = ("seq", "kind", "name", "actor", "method", "actor_rank", "start", "duration", "outcome", "thread", "attrs")
+
+
+class _Kept:
+    __slots__ = ("cursor", "dropped", "meta", "metrics", "spans")
+
+    def __init__(self, meta: dict[str, Any]) -> None:
+        self.cursor = 0
+        self.dropped = 0
+        self.meta = meta
+        self.spans: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=PER_PROC)
+        self.metrics: list[dict[str, Any]] = []
+
+
+class SpanStore:
+    def __init__(self, alloc: Allocator) -> None:
+        self.alloc = alloc
+        self.kept: collections.OrderedDict[str, _Kept] = collections.OrderedDict()
+        self._port = 0
+        self._index: dict[int, str] = {}
+        self._next = 0
+        self._waiting: dict[str, list[asyncio.Future[None]]] = {}
+        self.total = 0
+
+    def _open(self) -> int:
+        if not self._port:
+            self._port = self.alloc.rt.open_port(self._on_drain)
+        return self._port
+
+    def poll(self, rec: ProcRec) -> asyncio.Future[None] | None:
+        """Ask one running proc for the spans it recorded since the last drain."""
+        if rec.state != "running" or not rec.addr:
+            return None
+        k = self.kept.get(rec.token)
+        if k is None:
+            k = self.kept[rec.token] = _Kept({"mesh": rec.mesh, "rank": rec.rank, "host": self.alloc.rt.hostname})
+            while len(self.kept) > PROCS:
+                self.total -= len(self.kept.popitem(last=False)[1].spans)
+        self.kept.move_to_end(rec.token)
+        k.meta["pid"] = rec.pid
+        i = self._next
+        self._next += 1
+        self._index[i] = rec.token
+        body, bufs = dumps(((k.cursor,), {}))
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(rec.token, []).append(fut)
+        try:
+            self.alloc.rt.send_actor(
+                rec.addr, "__spans__", "drain", body, bufs, reply=(self.alloc.rt.ipc_addr, self._open()), index=i
+            )
+        except Exception:
+            self._index.pop(i, None)
+            self._release(rec.token)
+            return None
+        return fut
+
+    def _release(self, token: str) -> None:
+        for f in self._waiting.pop(token, []):
+            if not f.done():
+                f.set_result(None)
+
+    def _on_drain(self, index: int, status: int, body: Any, bufs: list[Any]) -> None:
+        token = self._index.pop(index, "")
+        k = self.kept.get(token)
+        if status == wire.OK and k is not None:
+            got = loads(body, bufs)
+            meta = k.meta
+            before = len(k.spans)
+            intern = sys.intern
+            for s in got["spans"]:
+                if s["seq"] > k.cursor:
+                    k.spans.append(
+                        (
+                            s["seq"],
+                            intern(s["kind"]),
+                            intern(s["name"]),
+                            intern(s["actor"]),
+                            intern(s["method"]),
+                            s["actor_rank"],
+                            s["start"],
+                            s["duration"],
+                            intern(s["outcome"]),
+                            s["thread"],
+                            s.get("attrs"),
+                        )
+                    )
+            self.total += len(k.spans) - before
+            k.dropped += got["dropped"]
+            k.cursor = max(k.cursor, got["last"])
+            k.metrics = [dict(m, **meta) for m in got["metrics"]]
+            while self.total > TOTAL and len(self.kept) > 1:
+                _, old = self.kept.popitem(last=False)
+                self.total -= len(old.spans)
+        self._release(token)
+
+    async def collect(self, mesh: str | None, since: float | None, timeout: float = 2.0) -> dict[str, Any]:
+        """Drain every running proc (of ``mesh``) now, then everything kept that matches."""
+        futs = [
+            f for r in list(self.alloc.by_token.values()) if mesh is None or r.mesh == mesh if (f := self.poll(r)) is not None
+        ]
+        if futs:
+            await asyncio.wait(futs, timeout=timeout)
+        spans: list[dict[str, Any]] = []
+        metrics: list[dict[str, Any]] = []
+        dropped = 0
+        for k in self.kept.values():
+            if mesh is not None and k.meta["mesh"] != mesh:
+                continue
+            dropped += k.dropped
+            metrics.extend(k.metrics)
+            meta = k.meta
+            spans.extend(dict(zip(_FIELDS, s), **meta) for s in k.spans if since is None or s[6] + s[7] >= since)
+        return {"now": time.time(), "host": self.alloc.rt.hostname, "spans": spans, "metrics": metrics, "dropped": dropped}
