@@ -311,7 +311,7 @@ program runs inside an actor on every rank; `setup_env_for_distributed` gives ea
 `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT`.
 """),
     code("""
-from monarch_nb.actor import Actor, current_rank, endpoint, this_host
+from monarch_nb.actor import Actor, endpoint, this_host
 from monarch_nb.spmd import setup_env_for_distributed
 
 proc_mesh = this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2}, name="spmd")
