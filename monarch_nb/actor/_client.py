@@ -140,7 +140,7 @@ class Client:
             else:
                 fut._set_raw(raw, lambda r: loads(*r))
 
-        pid = self.rt.open_port(on_reply)
+        port = self.rt.open_port(on_reply)
         hello = {
             "cid": self.cid,
             "kind": self.kind,
@@ -150,7 +150,7 @@ class Client:
             "version": __version__,
         }
         body, bufs = dumps(((hello,), {}))
-        probe.send_multipart(wire.encode(wire.ACTOR, ("__allocator__", "hello", me, pid, 0, ((), ()), "", "", 0), body, bufs))
+        probe.send_multipart(wire.encode(wire.ACTOR, ("__allocator__", "hello", me, port, 0, ((), ()), "", "", 0), body, bufs))
         deadline = time.monotonic() + timeout
         connected = False
         last = "no answer"
@@ -188,7 +188,7 @@ class Client:
                 raise ConnectError(f"could not reach allocator at {addr} within {timeout:.1f} s: {hint}")
             info = fut.get()
         finally:
-            self.rt.close_port(pid)
+            self.rt.close_port(port)
             probe.disable_monitor()
             mon.close(0)
             probe.close(0)

@@ -771,23 +771,23 @@ class ActorHost:
             if name in self.rt.actors:
                 raise ValueError(f"an actor named {name!r} already exists in this proc; pick another controller name")
             entry = self._controllers[name] = {"waiters": [_reply], "result": None}
-            pid = 0
+            port = 0
 
             def constructed(index: int, status: int, body: Any, bufs: list[Any]) -> None:
-                self.rt.close_port(pid)
+                self.rt.close_port(port)
                 entry["result"] = (status, loads(body, bufs))
                 for w in entry["waiters"]:
                     self.rt.send_port(w[0], w[1], w[2], *entry["result"])
                 entry["waiters"] = []
 
-            pid = self.rt.open_port(constructed)
+            port = self.rt.open_port(constructed)
             from ._mesh import this_proc
 
             me = _context.controllers_proc()
             info = Instance(name, cls, Point(0, Extent([], [])), this_proc(), creator, _context.ROOT, me)
             slot = ActorSlot(self.rt, name, cls, info)
             self.rt.actors[name] = slot
-            slot._put(("init", args, kwargs, (self.rt.ipc_addr, pid, 0)))
+            slot._put(("init", args, kwargs, (self.rt.ipc_addr, port, 0)))
         elif entry["result"] is None:
             entry["waiters"].append(_reply)
         else:
