@@ -6,6 +6,7 @@ import html
 import math
 from typing import Any
 
+from .. import _meshhtml
 from ..actor import Extent, Point
 
 #: the state classes a rank element carries (``mnb-state-<state>``) and their colours
@@ -34,23 +35,12 @@ CSS = """
 
 
 def rank_state(proc: dict[str, Any] | None, unreachable: str = "") -> tuple[str, str]:
-    """``(state class, reason)`` of one rank from its status record."""
+    """``(state class, reason)`` of one rank from its status record (the states are the mesh grid's)."""
     if unreachable:
         return "failed", unreachable
     if proc is None:
         return "stopped", "not running"
-    st = proc.get("state", "")
-    if st in ("failed", "exited"):
-        return "failed", proc.get("cause") or st
-    if st in ("stopping", "stopped"):
-        return "stopped", proc.get("cause") or st
-    if st == "starting":
-        return "starting", ""
-    if proc.get("paused"):
-        return "paused", "paused at a breakpoint"
-    if proc.get("busy"):
-        return "busy", proc.get("activity", "busy")
-    return "idle", ""
+    return _meshhtml.rank_state(proc)
 
 
 def _grid_shape(sizes: list[int]) -> tuple[int, int]:
