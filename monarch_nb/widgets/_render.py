@@ -10,14 +10,8 @@ from .. import _meshhtml
 from ..actor import Extent, Point
 
 #: the state classes a rank element carries (``mnb-state-<state>``) and their colours
-STATE_COLOURS = {
-    "starting": "#d4a72c",
-    "idle": "#2da44e",
-    "busy": "#0969da",
-    "paused": "#8250df",
-    "failed": "#cf222e",
-    "stopped": "#8c959f",
-}
+# one legend for the dashboard and the mesh grids; the dashboard has no "unknown" rank
+STATE_COLOURS = {s: c for s, c in _meshhtml.STATE_COLOURS.items() if s != "unknown"}
 
 CSS = """
 <style>
