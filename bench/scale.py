@@ -521,23 +521,26 @@ def _onehost_run(py: str, impl: str, n: int, reps: int) -> dict[str, Any]:
         shutil.rmtree(rdir, ignore_errors=True)
 
 
-def part_onehost(quick: bool, monarch_python: str, sizes: list[int] | None = None) -> dict[str, Any]:
+def part_onehost(quick: bool, monarch_python: str, sizes: list[int] | None = None, monarch_max: int = 128) -> dict[str, Any]:
     sizes = sizes or ([16] if quick else [16, 48, 128])
     reps = 10 if quick else 30
     rows = []
     for n in sizes:
         row: dict[str, Any] = {"ranks": n, "monarch_nb": _onehost_run(PY, "nb", n, reps)}
         if monarch_python:
-            mon = _onehost_run(monarch_python, "monarch", n, reps)
-            if "error" in mon and n == 128:
-                row["monarch_128_error"] = mon["error"][-300:]
-                row["monarch_ranks"] = 64
-                mon = _onehost_run(monarch_python, "monarch", 64, reps)
-            row["monarch"] = mon
+            m = min(n, monarch_max)
+            mon = _onehost_run(monarch_python, "monarch", m, reps)
+            if "error" in mon and m > 64:
+                row[f"monarch_{m}_error"] = mon["error"][-300:]
+                m = 64
+                mon = _onehost_run(monarch_python, "monarch", m, reps)
+            row["monarch"] = dict(mon, ranks=m)
             nb = row["monarch_nb"]
-            if "error" not in mon and "error" not in nb:
+            if "error" not in mon and "error" not in nb and m == n:
                 for key in ("spawn_s", "call_all_median_s"):
                     row[f"ratio_{key}"] = nb[key] / mon[key]
+            if "call_all_median_s" in mon:
+                mon["call_per_rank_s"] = mon["call_all_median_s"] / m
         nb = row["monarch_nb"]
         if "call_all_median_s" in nb:
             nb["call_per_rank_s"] = nb["call_all_median_s"] / n
@@ -556,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grid-hosts", default="", help="comma-separated host counts (default 1,2,4,8,16)")
     ap.add_argument("--grid-ranks", default="", help="comma-separated ranks per host (default 1,8,32)")
     ap.add_argument("--onehost-ranks", default="", help="comma-separated (default 16,48,128)")
+    ap.add_argument("--monarch-max", type=int, default=128, help="Monarch's largest mesh (memory: its procs do not share pages)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     parts = ("onehost", "grid", "hero") if a.part == "all" else (a.part,)
@@ -572,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         elif p == "hero":
             result["hero"] = part_hero(a.quick, a.hero_preload, a.hero_shape)
         else:
-            result["onehost"] = part_onehost(a.quick, a.monarch_python, _ints(a.onehost_ranks))
+            result["onehost"] = part_onehost(a.quick, a.monarch_python, _ints(a.onehost_ranks), a.monarch_max)
     result["machine"]["loadavg_end"] = os.getloadavg()
     text = json.dumps(result, indent=1)
     print(text)
