@@ -93,7 +93,9 @@ def test_a_cells_first_line_shows_at_once_then_joins_its_aggregated_group(k: Ker
         return m["parent_header"].get("msg_id") == cell.msg_id and m["msg_type"] in types
 
     # while the ranks still run, before the 1 s aggregation window closes
-    first = k.wait_msg(lambda m: ours(m, "display_data") and "started" in m["content"]["data"]["text/plain"], 15, "the first line")
+    first = k.wait_msg(
+        lambda m: ours(m, "display_data") and "started" in m["content"]["data"]["text/plain"], 15, "the first line"
+    )
     assert re.fullmatch(r"\[[01]\] started [01]", first["content"]["data"]["text/plain"]), first["content"]
     slot = first["content"]["transient"]["display_id"]
     cleared = k.wait_msg(
