@@ -9,8 +9,16 @@
 # Full run: about 10 min for bench, 1 for notebook_output, 10-30 for scale on a quiet machine.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-OUT=${1:-bench-figures-$(date -u +%Y%m%dT%H%M%S)}
-QUICK=${2:-}
+OUT=""
+QUICK=""
+for arg in "$@"; do
+    case "$arg" in
+        --quick) QUICK=1 ;;
+        -*) echo "figures: unknown option $arg (usage: bench/figures.sh [OUT_DIR] [--quick])" >&2; exit 2 ;;
+        *) OUT=$arg ;;
+    esac
+done
+OUT=${OUT:-bench-figures-$(date -u +%Y%m%dT%H%M%S)}
 PY=.venv/bin/python
 MONARCH_PY=${MONARCH_PY:-.bench-venv/bin/python}
 mkdir -p "$OUT"
