@@ -22,6 +22,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -71,7 +72,7 @@ class Kernel:
     def __init__(self, python: str, env: dict[str, str]) -> None:
         from jupyter_client.kernelspec import KernelSpecManager
 
-        d = tempfile.mkdtemp(prefix="mnbk-")
+        d = self.spec_dir = tempfile.mkdtemp(prefix="mnbk-")
         os.makedirs(f"{d}/bench")
         with open(f"{d}/bench/kernel.json", "w") as f:
             json.dump(
@@ -175,6 +176,7 @@ class Kernel:
     def close(self) -> None:
         self.kc.stop_channels()
         self.km.shutdown_kernel(now=True)
+        shutil.rmtree(self.spec_dir, ignore_errors=True)
 
 
 def main() -> None:
@@ -205,6 +207,7 @@ def main() -> None:
             k.close()
         if "nb" in systems:
             os.system(f"MONARCH_NB_RUNTIME_DIR={rdir} {sys.executable} -m monarch_nb allocator stop >/dev/null 2>&1")
+        shutil.rmtree(rdir, ignore_errors=True)
     out: dict[str, object] = {
         "workload": f"{N:,} lines from one rank, aggregation off, at a kernel's iopub",
         "repeat": args.repeat,
