@@ -380,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         for spec in specs:
             n = max(1, round(spec.samples * scale / spec.interleave))
             spec_rounds = rounds * spec.interleave
+            if len(workers) > 1:
+                # each side goes first in as many rounds as the other (the first run of all
+                # follows no other side's teardown)
+                spec_rounds += spec_rounds % 2
             entry: dict[str, Any] = {"target": spec.target} if spec.target else {}
             samples: dict[str, list[float]] = {w.impl: [] for w in workers}
             extra: dict[str, dict[str, list[float]]] = {w.impl: {} for w in workers}

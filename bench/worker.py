@@ -65,6 +65,12 @@ def main() -> int:
         except Exception:
             pass
     if workloads.IMPL == "nb":
+        import atexit
+
+        # a user's script ends normally: the controller says bye and gives back its shared-memory
+        # pool at exit; os._exit below would skip that, and the allocator stopped next would no
+        # longer be there to sweep the pool after us
+        atexit._run_exitfuncs()
         # the worker started this private runtime dir's allocator (this_host()); stop it
         from monarch_nb.allocator import stop_allocator
 

@@ -83,6 +83,35 @@ def test_rank_output_lands_in_the_calling_cell_aggregated(k: Kernel) -> None:
     assert lines == sorted(f"[{r}] each {r}" for r in range(8)), lines
 
 
+def test_a_cells_first_line_shows_at_once_then_joins_its_aggregated_group(k: Kernel, tmp_path) -> None:
+    flag = tmp_path / "go"
+    _ok(k.run("%mesh spawn first --per-host gpus=2"))
+    _ok(k.run("%%mesh exec first\nimport os\nfrom monarch_nb.actor import current_rank\nr = current_rank().rank"))
+    cell = k.execute(f"%%mesh exec first\nprint('started', r)\n{poll(f'os.path.exists({str(flag)!r})', 60)}print('done', r)")
+
+    def ours(m: dict, *types: str) -> bool:
+        return m["parent_header"].get("msg_id") == cell.msg_id and m["msg_type"] in types
+
+    # while the ranks still run, before the 1 s aggregation window closes
+    first = k.wait_msg(
+        lambda m: ours(m, "display_data") and "started" in m["content"]["data"]["text/plain"], 15, "the first line"
+    )
+    assert re.fullmatch(r"\[[01]\] started [01]", first["content"]["data"]["text/plain"]), first["content"]
+    slot = first["content"]["transient"]["display_id"]
+    cleared = k.wait_msg(
+        lambda m: ours(m, "update_display_data") and m["content"]["transient"]["display_id"] == slot, 15, "the first line merged"
+    )
+    assert cleared["content"]["data"]["text/plain"] == ""
+    group = k.wait_msg(lambda m: ours(m, "stream") and "started" in m["content"]["text"], 15, "the window's group")
+    assert "[ranks 0-1 ×2] started 0…1\n" in group["content"]["text"]
+    assert k.log.index(first) < k.log.index(cleared) < k.log.index(group), "provisional, then merged into its group"
+    flag.touch()
+    c = _ok(k.wait(cell))
+    assert c.stream().count("started") == 1, c.stream()
+    assert "[ranks 0-1 ×2] done 0…1\n" in c.stream(), c.stream()
+    assert [d["data"]["text/plain"] for d in c.displays()].count(first["content"]["data"]["text/plain"]) == 1
+
+
 def test_late_output_reaches_its_cell_after_another_cell_ran(k: Kernel, tmp_path) -> None:
     flag = tmp_path / "go"
     _ok(k.run("%mesh spawn late --per-host gpus=2"))

@@ -177,6 +177,35 @@ def test_a_killed_controllers_shared_memory_is_removed_by_its_allocator(echo):
         p.wait(timeout=10)
 
 
+def test_what_a_gone_process_left_in_dev_shm_is_swept_once_old_and_a_live_ones_is_kept():
+    import secrets
+    import subprocess
+    import sys
+
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=30)
+    paths = {
+        who: os.path.join(shm.SHM_DIR, f"mnb-{p.pid}-p{secrets.token_hex(16)}{shm.FREE}")
+        for who, p in (("live", live), ("gone", gone))
+    }
+    try:
+        for path in paths.values():
+            with open(path, "wb") as f:
+                f.write(b"x")
+        shm.sweep_stale()
+        assert all(os.path.exists(p) for p in paths.values()), "a fresh file is kept"
+        shm.sweep_stale(min_age=0.0)
+        assert not os.path.exists(paths["gone"]), "an exited process's pool is removed"
+        assert os.path.exists(paths["live"]), "a live process's pool is kept"
+    finally:
+        live.kill()
+        live.wait(timeout=10)
+        for path in paths.values():
+            if os.path.exists(path):
+                os.unlink(path)
+
+
 def test_a_shared_memory_file_not_0600_or_not_ours_is_refused(tmp_path):
     name = f"mnb-{os.getpid()}-" + "ab" * 16
     path = os.path.join(shm.SHM_DIR, name)

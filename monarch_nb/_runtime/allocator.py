@@ -110,6 +110,8 @@ class Allocator(DebugRegistry):
 
     async def _start_async(self) -> None:
         self.procs.start_zygote()
+        # pools of controllers that exited without a word after their allocator had stopped
+        self.rt.loop.run_in_executor(None, shm.sweep_stale)
         self.rt._spawn(self._reaper())
         self.rt._spawn(self.telemetry.run())
 

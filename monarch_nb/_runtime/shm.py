@@ -15,7 +15,9 @@ file is a regular file of its own user, 0600 and large enough, and maps it copy-
 Only used between peers on ipc addresses, i.e. the same host and user (the socket itself is
 0600 in the user's runtime dir). A name nobody took (the receiver died first) is unlinked by
 the sender after a grace period or when it closes, and by the allocator when the sender dies;
-a pooled segment nobody used for a while is given back the same way.
+a pooled segment nobody used for a while is given back the same way. A sender that ended with
+``os._exit`` after its allocator had gone leaves its pool behind: the next allocator to start on
+the host removes it (:func:`sweep_stale`).
 """
 
 from __future__ import annotations
@@ -264,3 +266,44 @@ def sweep_dead(pid: int) -> int:
             except OSError:
                 pass
     return n
+
+
+def sweep_stale(min_age: float = 2 * GRACE_S) -> int:
+    """Unlink what processes of this user that are gone left behind (their allocator was not
+    there to see them exit), untouched for ``min_age`` seconds; returns how many.
+
+    The age is a second guard besides the pid: a live sender in another pid namespace sharing
+    this ``/dev/shm`` renames its pooled segments on every use and gives up idle ones itself
+    long before ``min_age``, so nothing of its is that old.
+    """
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    now, uid, n = time.time(), os.geteuid(), 0
+    for name in names:
+        if not _LEFT.fullmatch(name):
+            continue
+        pid = int(name.split("-", 2)[1])
+        if pid == os.getpid() or _alive(pid):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            st = os.lstat(path)
+            if st.st_uid != uid or now - max(st.st_ctime, st.st_mtime) < min_age:
+                continue
+            os.unlink(path)
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # someone else's: not ours to judge
+    return True

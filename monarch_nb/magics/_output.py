@@ -9,7 +9,9 @@ that arrives later, after other cells ran, updates that display, which JupyterLa
 Lines written outside any call go to the cell of the last call to that rank.
 
 Aggregation collects lines for a window (default 1 s in a kernel) and collapses them across
-ranks (:class:`monarch_nb.logs.Aggregator`). ``\\r`` progress bars become one updating line
+ranks (:class:`monarch_nb.logs.Aggregator`). A cell's first line is not held for the window: it
+is shown at once in a display of its own, provisionally; when the window closes that display is
+emptied and the line appears in its merged group (a call is seen to start printing at once). ``\\r`` progress bars become one updating line
 per rank. A flood is thinned to a line budget, with a marker that says how many lines were
 suppressed and where to read them all; the allocators' logs keep every line.
 """
@@ -61,6 +63,8 @@ class _Cell:
         "wait_id",
         "wait_shown",
         "deadline",
+        "first_id",
+        "first_shown",
     )
 
     def __init__(self, parent: dict[str, Any], number: int, window: float | None) -> None:
@@ -83,6 +87,8 @@ class _Cell:
         self.wait_id = ""
         self.wait_shown = ""
         self.deadline = 0.0  # when the aggregation window of the lines held now ends
+        self.first_id = ""  # the display showing the cell's first line until its window closes
+        self.first_shown = False
 
 
 class KernelOutput:
@@ -269,12 +275,18 @@ class KernelOutput:
             end = time.monotonic() + window
             cell.deadline = min(cell.deadline, end) if len(cell.agg) else end
             cell.agg.add(mesh, plain)
+            if not cell.first_shown and cell.running:
+                # shown now, on this thread (the ticker's tick is 50 ms); merged at the flush
+                cell.first_shown = True
+                cell.first_id = uuid.uuid4().hex
+                self._send_display(cell, cell.first_id, format_line(plain[0][0], plain[0][4]), update=False)
             self._wake.set()
 
     # ------------------------------------------------------------ emitting
     def _flush_cell(self, cell: _Cell, force: bool = False, marker: bool = True) -> None:
         if len(cell.agg) and (force or time.monotonic() >= cell.deadline):
-            self._emit(cell, cell.agg.flush())
+            first, cell.first_id = cell.first_id, ""
+            self._emit(cell, cell.agg.flush(), into=first)
         if cell.progress_dirty:
             self._show_progress(cell)
         if cell.suppressed and ((force and marker) or time.monotonic() - cell.last_refill > 1.0):
@@ -288,12 +300,16 @@ class KernelOutput:
         cell.tokens -= k
         return k
 
-    def _emit(self, cell: _Cell, items: list[tuple[str, str]]) -> None:
+    def _emit(self, cell: _Cell, items: list[tuple[str, str]], into: str = "") -> None:
+        """``into``: the display of a provisional first line, which these lines replace."""
         k = self._admit(cell, len(items))
         if k < len(items):
             for stream, _ in items[k:]:
                 cell.suppressed[stream] = cell.suppressed.get(stream, 0) + 1
             items = items[:k]
+        if into:
+            # emptied, not filled: the group goes out as the stream every other window's does
+            self._send_display(cell, into, "", update=True)
         if not items:
             return
         if cell.running:
