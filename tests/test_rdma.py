@@ -419,6 +419,16 @@ class Reader(Actor):
         return dict(ok=out == bytearray(bytes(range(256)) * (4 << 12)), n=len(out))
 
     @endpoint
+    def read_split(self, buf, streams):
+        from monarch_nb.config import configured
+
+        out = bytearray(buf.size())
+        with configured(rdma_streams=streams):
+            buf.read_into(memoryview(out)).get(timeout=60)
+        port = int(buf._addr.tcp.rsplit(":", 1)[1])
+        return dict(ok=out == bytearray(bytes(range(256)) * (4 << 12)), conns=sum(1 for c in tcp_conns() if c[3] == port))
+
+    @endpoint
     def write(self, buf):
         buf.write_from(memoryview(bytes([9]) * 1024)).get(timeout=60)
 
@@ -433,6 +443,7 @@ owner = procs.slice(hosts=0).spawn("owner", Owner)
 reader = procs.slice(hosts=1).spawn("reader", Reader)
 buf = owner.get.call_one().get(timeout=30)
 emit("read", **reader.read.call_one(buf).get(timeout=60))
+emit("read_split", **reader.read_split.call_one(buf, 4).get(timeout=60))
 busy = owner.block.call_one(5.0)
 t0 = time.monotonic()
 reader.write.call_one(buf).get(timeout=60)
@@ -461,6 +472,8 @@ def test_cross_host_read_and_write_go_straight_between_the_two_procs(tmp_path_fa
         allocs = [mh.Allocator(cluster, i, "--key-file", mh.KEY).wait_ready() for i in (1, 2)]
         ctl = mh.Controller(cluster, CROSS_HOST_BODY)
         assert ctl.expect("read", 90) == {"step": "read", "ok": True, "n": 4 << 20}
+        # the same buffer in four byte ranges over four connections, each sealed, arrives whole
+        assert ctl.expect("read_split", 60) == {"step": "read_split", "ok": True, "conns": 4}
         w = ctl.expect("write_while_busy", 60)
         assert w["seconds"] < 4.0 and not w["busy_done"], w
         ends = ctl.expect("ends", 60)
@@ -471,7 +484,7 @@ def test_cross_host_read_and_write_go_straight_between_the_two_procs(tmp_path_fa
         # the data connection: reader's end in the reader's proc, owner's end in the owner's
         # proc at its data port, and nobody else (controller, allocators) in between
         data = [c for c in rd["conns"] if c[2] == own["ip"] and c[3] == port]
-        assert data, rd
+        assert len(data) >= 4, rd
         mine = {(c[0], c[1], c[2], c[3]) for c in own["conns"] if c[1] == port}
         for lip, lport, rip, rport in data:
             assert (rip, rport, lip, lport) in mine, (data, own["conns"])
@@ -584,5 +597,41 @@ def test_the_stream_is_sealed_and_refuses_a_wrong_key() -> None:
                     break
                 raw += chunk
             assert bytes(data[:64]) not in raw
+    finally:
+        srv.close()
+
+
+def test_a_transfer_split_over_several_streams_arrives_whole() -> None:
+    from monarch_nb._runtime import _dataplane as dp
+    from monarch_nb.config import configured
+
+    srv = dp.DataServer(lambda: b"k" * 32, lambda: "127.0.0.1")
+    try:
+        data = bytearray(os.urandom((5 << 20) + 123))  # not a whole number of records
+        bid = srv.register(dp.Entry(memoryview(data), data))
+        addr = srv.address()
+        remote = dp.Address(addr.pid, addr.start, "elsewhere", addr.unix, addr.tcp)  # force TCP
+        port = int(addr.tcp.rsplit(":", 1)[1])
+
+        def conns() -> int:
+            return sum(1 for s in dp.pool_sockets() if s.getpeername()[1] == port)
+
+        with configured(rdma_streams=4):
+            assert dp.streams_for(len(data)) == 4
+            out = bytearray(len(data))
+            dp.stream(remote, b"k" * 32, dp.OP_READ, bid, memoryview(out), 0, len(out), time.monotonic() + 30)
+            assert out == data
+            assert conns() == 4  # one connection per range, each sealed (the server is TCP only here)
+            new = bytearray(os.urandom(len(data)))
+            dp.stream(remote, b"k" * 32, dp.OP_WRITE, bid, memoryview(new), 0, len(new), time.monotonic() + 30)
+            assert data == new and srv.bytes_in == len(new) and srv.bytes_out == len(out)
+            # a range that fails (the buffer is gone) fails the whole transfer
+            srv.release(bid)
+            with pytest.raises(dp.BufferGone):
+                dp.stream(remote, b"k" * 32, dp.OP_READ, bid, memoryview(out), 0, len(out), time.monotonic() + 30)
+        with configured(rdma_streams=0):
+            assert dp.streams_for(1 << 20) == 1  # small transfers: one stream
+        with configured(rdma_streams=8):
+            assert dp.streams_for(3 << 20) == 3  # never a range under one record
     finally:
         srv.close()

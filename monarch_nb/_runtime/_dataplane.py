@@ -377,7 +377,8 @@ class DataServer:
             if entry is None or status != ST_OK:
                 self._reply(ch, status, bad)
                 return
-            self.bytes_out += n  # counted first: the reader may look before this thread goes on
+            with self._lock:  # counted first: the reader may look before this thread goes on
+                self.bytes_out += n
             ch.send(_RSP.pack(ST_OK, n))
             for p in range(off, off + n, PIECE):
                 ch.send(entry.source(p, min(PIECE, off + n - p)))
@@ -397,7 +398,8 @@ class DataServer:
                     ch.recv_into(memoryview(bytearray(k)))
                 p += k
             if status == ST_OK:
-                self.bytes_in += n
+                with self._lock:
+                    self.bytes_in += n
             self._reply(ch, status, bad)
         else:
             raise ConnectionError(f"unknown data-plane op {op}")
@@ -525,11 +527,75 @@ def stream(
     n: int,
     deadline: float,
 ) -> None:
-    """One read (into ``local``), write (from ``local``) or drop over a direct connection.
+    """One read (into ``local``), write (from ``local``) or drop over direct connections: one,
+    or across hosts for a large transfer several, each carrying a byte range (:func:`streams_for`).
 
     Raises :class:`PeerGone`, :class:`BufferGone`, :class:`Stalled` (saying who stalled),
     ``ValueError`` for a bad range, ``PermissionError`` when keys differ.
     """
+    k = 1 if op == OP_DROP or addr.host == host_id() else streams_for(n)
+    if k <= 1:
+        _one(addr, key, op, bid, local, off, n, deadline)
+        return
+    assert local is not None
+    # equal byte ranges (page-aligned, the last one shorter), each on a connection of its own
+    step = -(-n // k)
+    step = -(-step // 65536) * 65536
+    ranges = [(a, min(n, a + step)) for a in range(0, n, step)]
+    errors: list[BaseException | None] = [None] * len(ranges)
+
+    def part(i: int) -> None:
+        a, b = ranges[i]
+        try:
+            _one(addr, key, op, bid, local[a:b], off + a, b - a, deadline)
+        except BaseException as e:
+            errors[i] = e
+
+    threads = [
+        threading.Thread(target=part, args=(i,), name="monarch_nb-dataplane-part", daemon=True) for i in range(1, len(ranges))
+    ]
+    for t in threads:
+        t.start()
+    part(0)
+    for t in threads:
+        t.join()  # each part ends by the deadline: its socket times out then
+    for e in errors:
+        if e is not None:
+            raise e
+
+
+#: a transfer across hosts at least this large is split over several connections by default
+#: (0: never; measured in bench/rdma.py, see docs/rdma.md)
+SPLIT_MIN = 0
+#: the most connections one transfer is split over by default
+SPLIT_MAX = 4
+
+
+def streams_for(n: int) -> int:
+    """How many connections a transfer of ``n`` bytes across hosts goes over: the configured
+    ``rdma_streams``, else one per :data:`SPLIT_MIN` bytes up to :data:`SPLIT_MAX`."""
+    from ..config import get_config
+
+    forced = get_config().rdma_streams
+    if forced < 0:
+        raise ValueError(f"rdma_streams must be >= 0 (0 chooses by size), not {forced}")
+    if forced:
+        return max(1, min(forced, -(-n // _REC)))
+    if not SPLIT_MIN or n < 2 * SPLIT_MIN:
+        return 1
+    return min(SPLIT_MAX, n // SPLIT_MIN)
+
+
+def _one(
+    addr: Address,
+    key: bytes | None,
+    op: int,
+    bid: bytes,
+    local: memoryview | None,
+    off: int,
+    n: int,
+    deadline: float,
+) -> None:
     try:
         _stream(addr, key, op, bid, local, off, n, deadline, fresh=False)
     except _StaleConnection:
