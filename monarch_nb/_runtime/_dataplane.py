@@ -47,7 +47,9 @@ OP_READ, OP_WRITE, OP_DROP = 1, 2, 3
 ST_OK, ST_GONE, ST_BAD = 0, 1, 2
 _MAGIC = b"MNBDP1"
 _NONCE = 32
-_REC = 1 << 20  # plaintext per sealed record
+# plaintext per sealed record: small enough that the reader decrypts one record while the
+# next is sealed and on the wire (a whole 1 MiB record would make the three happen in turn)
+_REC = 256 << 10
 _TAG = 16
 #: a payload this large is moved in pieces so that a CUDA owner stages through a bounded buffer
 PIECE = 8 << 20
@@ -135,7 +137,7 @@ class _Sealed:
         self.sock = sock
         self._enc, self._dec = AESGCM(send_key), AESGCM(recv_key)
         self._sent = self._recvd = 0
-        self._out = bytearray(_REC + _TAG)
+        self._out = bytearray(4 + _REC + _TAG)
         self._in = bytearray(_REC + _TAG)
         self._hdr = bytearray(4)
 
@@ -146,10 +148,10 @@ class _Sealed:
             chunk = mv[off : off + _REC]
             m = chunk.nbytes + _TAG
             hdr = struct.pack("!I", m)
-            self._enc.encrypt_into(self._sent.to_bytes(12, "big"), chunk, hdr, out[:m])
+            out[:4] = hdr
+            self._enc.encrypt_into(self._sent.to_bytes(12, "big"), chunk, hdr, out[4 : 4 + m])
             self._sent += 1
-            self.sock.sendall(hdr)
-            self.sock.sendall(out[:m])
+            self.sock.sendall(out[: 4 + m])  # header and record in one write: one packet, not two
 
     def recv_into(self, mv: memoryview) -> None:
         n, got = mv.nbytes, 0
@@ -580,7 +582,7 @@ def streams_for(n: int) -> int:
     if forced < 0:
         raise ValueError(f"rdma_streams must be >= 0 (0 chooses by size), not {forced}")
     if forced:
-        return max(1, min(forced, -(-n // _REC)))
+        return max(1, min(forced, -(-n // (1 << 20))))  # no range under 1 MiB
     if not SPLIT_MIN or n < 2 * SPLIT_MIN:
         return 1
     return min(SPLIT_MAX, n // SPLIT_MIN)
