@@ -197,6 +197,14 @@ def main() -> None:
         if floor:
             t = statistics.median(reader.memcpy.call_one(n, reps).get())
             res[f"memcpy_{n}"] = {"median_s": t, "GBps": n / t / 1e9}
+    names = {}
+    for pid in helpers:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                names[str(pid)] = f.read().replace(b"\0", b" ").decode(errors="replace")[-100:].strip()
+        except OSError:
+            names[str(pid)] = "?"
+    res["helpers"] = names  # type: ignore[assignment]
     print(json.dumps(res))
     if workers:
         procs.stop().get()

@@ -185,6 +185,7 @@ def main() -> int:
                     "allocators_cpu_fraction": ours.get("allocators_cpu_fraction"),
                 }
             out["same_host"][str(n)] = row
+        out["same_host"]["cpu_counted_for"] = {"monarch_nb": nb.get("helpers"), "monarch": mon.get("helpers")}
         for name, r in (("monarch_nb", nb), ("monarch", mon)):
             if "error" in r:
                 out[f"{name}_error"] = r["error"]
@@ -212,6 +213,7 @@ def main() -> int:
                     },
                 }
             out["across_hosts"][str(n)] = row
+        out["across_hosts"]["cpu_counted_for"] = {"monarch_nb": hosts.get("helpers"), "monarch": mhosts.get("helpers")}
         if "error" in hosts:
             out["across_hosts_error"] = hosts["error"]
         if "error" in mhosts:

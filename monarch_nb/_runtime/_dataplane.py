@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 # request: op, buffer id, offset, length; reply: status, length of what follows
 _REQ = struct.Struct("!B16sQQ")
 _RSP = struct.Struct("!BQ")
-OP_READ, OP_WRITE, OP_DROP = 1, 2, 3
+OP_READ, OP_WRITE, OP_DROP, OP_IPC = 1, 2, 3, 4
 ST_OK, ST_GONE, ST_BAD = 0, 1, 2
 _MAGIC = b"MNBDP1"
 _NONCE = 32
@@ -237,6 +237,10 @@ class Entry:
             raise BufferError("this RDMABuffer was made from read-only memory")
         yield self.view[off : off + n]
 
+    def ipc(self) -> bytes:
+        """A CUDA IPC handle of this buffer for one reader of this host (CUDA buffers only)."""
+        raise BufferError("this RDMABuffer is not in CUDA memory: no CUDA IPC handle")
+
     def release(self) -> None:
         for fn in self.extra:
             try:
@@ -359,7 +363,10 @@ class DataServer:
 
     def _reply(self, ch: _Plain | _Sealed, status: int, msg: str = "") -> None:
         body = msg.encode()
-        ch.send(_RSP.pack(status, len(body)) + body)
+        # two records, as the reader takes them: the fixed-size reply, then what it announced
+        ch.send(_RSP.pack(status, len(body)))
+        if body:
+            ch.send(body)
 
     def _handle(self, ch: _Plain | _Sealed, op: int, bid: bytes, off: int, n: int) -> None:
         with self._lock:
@@ -367,6 +374,20 @@ class DataServer:
         if op == OP_DROP:
             self.release(bid)
             self._reply(ch, ST_OK)
+            return
+        if op == OP_IPC:
+            if entry is None:
+                self._reply(ch, ST_GONE)
+                return
+            try:
+                if ch.sealed:
+                    raise BufferError("CUDA IPC handles are for processes of the owner's host")
+                body = entry.ipc()
+            except Exception as e:  # no IPC for this buffer or between these two: the reader streams
+                self._reply(ch, ST_BAD, f"{type(e).__name__}: {e}")
+                return
+            ch.send(_RSP.pack(ST_OK, len(body)))
+            ch.send(body)
             return
         bad = ""
         if entry is None:
@@ -439,7 +460,7 @@ def local_server() -> DataServer | None:
 
 
 # --------------------------------------------------------------------------------- bytes moved
-_moved = {"read": 0, "written": 0, "shm": 0, "stream": 0}
+_moved = {"read": 0, "written": 0, "shm": 0, "stream": 0, "cuda_ipc": 0}
 _moved_lock = threading.Lock()
 
 
@@ -528,17 +549,17 @@ def stream(
     off: int,
     n: int,
     deadline: float,
-) -> None:
-    """One read (into ``local``), write (from ``local``) or drop over direct connections: one,
-    or across hosts for a large transfer several, each carrying a byte range (:func:`streams_for`).
+) -> bytes:
+    """One read (into ``local``), write (from ``local``), drop, or request for a CUDA IPC handle
+    (returned) over direct connections: one, or across hosts for a large transfer several, each
+    carrying a byte range (:func:`streams_for`).
 
     Raises :class:`PeerGone`, :class:`BufferGone`, :class:`Stalled` (saying who stalled),
     ``ValueError`` for a bad range, ``PermissionError`` when keys differ.
     """
-    k = 1 if op == OP_DROP or addr.host == host_id() else streams_for(n)
+    k = 1 if op in (OP_DROP, OP_IPC) or addr.host == host_id() else streams_for(n)
     if k <= 1:
-        _one(addr, key, op, bid, local, off, n, deadline)
-        return
+        return _one(addr, key, op, bid, local, off, n, deadline)
     assert local is not None
     # equal byte ranges (page-aligned, the last one shorter), each on a connection of its own
     step = -(-n // k)
@@ -564,6 +585,7 @@ def stream(
     for e in errors:
         if e is not None:
             raise e
+    return b""
 
 
 #: a transfer across hosts at least this large is split over several connections by default
@@ -597,13 +619,13 @@ def _one(
     off: int,
     n: int,
     deadline: float,
-) -> None:
+) -> bytes:
     try:
-        _stream(addr, key, op, bid, local, off, n, deadline, fresh=False)
+        return _stream(addr, key, op, bid, local, off, n, deadline, fresh=False)
     except _StaleConnection:
         # an idle connection that broke meanwhile (the peer restarted its side, a network blip):
         # nothing moved on it, and every op may be repeated, so once more on a new one
-        _stream(addr, key, op, bid, local, off, n, deadline, fresh=True)
+        return _stream(addr, key, op, bid, local, off, n, deadline, fresh=True)
 
 
 def _stream(
@@ -616,7 +638,7 @@ def _stream(
     n: int,
     deadline: float,
     fresh: bool,
-) -> None:
+) -> bytes:
     same = addr.host == host_id()
     # pooled by key too: a connection proves one key, never another
     where = ("unix", addr.unix) if same else ("tcp", addr.tcp, hashlib.sha256(key or b"").hexdigest()[:16])
@@ -627,6 +649,7 @@ def _stream(
         )
     phase = "connecting to"
     got = 0
+    body = bytearray()
     try:
         ch = _pool.take(where, key, deadline, fresh)
     except PermissionError:
@@ -669,12 +692,15 @@ def _stream(
             if status != ST_OK:
                 _fail(ch, status, m)
         else:
-            phase = "waiting for the owner to drop the buffer"
+            phase = "waiting for the owner to drop the buffer" if op == OP_DROP else "waiting for the owner's CUDA IPC handle"
             ch.send(_REQ.pack(op, bid, 0, 0))
             ch.recv_into(memoryview(rsp))
             status, m = _RSP.unpack(rsp)
             if status != ST_OK:
                 _fail(ch, status, m)
+            if m:
+                body = bytearray(m)
+                ch.recv_into(memoryview(body))
         ok = True
     except TimeoutError as e:
         raise Stalled(f"the owner's side stalled ({phase}; {got} of {n} bytes moved)") from e
@@ -691,6 +717,7 @@ def _stream(
             _pool.give(where, ch)
         else:
             ch.close()
+    return bytes(body)
 
 
 def _fail(ch: _Plain | _Sealed, status: int, m: int) -> None:
