@@ -174,7 +174,8 @@ def main() -> None:
         owner = owners_procs.spawn(f"owner{n}", Owner, n)
         buf = owner.get.call_one().get()
         helpers = sorted((around | set(owner.ancestors.call_one().get())) - mine)
-        rows = [(f"_s{k}", k) for k in forced if k > 1 or n > (1 << 20)] if workers and not monarch else []
+        # forced counts only where they split anything (no range is under 1 MiB)
+        rows = [(f"_s{k}", k) for k in forced if n > (1 << 20)] if workers and not monarch else []
         for suffix, k in [("", 0), *rows]:
             if workers and not monarch:
                 reader.set_streams.call_one(k).get()
