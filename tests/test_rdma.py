@@ -486,7 +486,7 @@ class Owner(Actor):
 
     @endpoint
     def state(self):
-        return dict(pid=os.getpid(), ip=my_ip(), head=list(self.raw[:4]), conns=tcp_conns())
+        return dict(pid=os.getpid(), ip=my_ip(), head=list(self.raw[:4]), sevens=self.raw.count(7), conns=tcp_conns())
 
     @endpoint
     def block(self, s):
@@ -513,6 +513,13 @@ class Reader(Actor):
         return dict(ok=out == bytearray(bytes(range(256)) * (4 << 12)), conns=sum(1 for c in tcp_conns() if c[3] == port))
 
     @endpoint
+    def write_split(self, buf, streams):
+        from monarch_nb.config import configured
+
+        with configured(rdma_streams=streams):
+            buf.write_from(memoryview(bytes([7]) * buf.size())).get(timeout=60)
+
+    @endpoint
     def write(self, buf):
         buf.write_from(memoryview(bytes([9]) * 1024)).get(timeout=60)
 
@@ -528,6 +535,7 @@ reader = procs.slice(hosts=1).spawn("reader", Reader)
 buf = owner.get.call_one().get(timeout=30)
 emit("read", **reader.read.call_one(buf).get(timeout=60))
 emit("read_split", **reader.read_split.call_one(buf, 4).get(timeout=60))
+reader.write_split.call_one(buf, 3).get(timeout=60)
 busy = owner.block.call_one(5.0)
 t0 = time.monotonic()
 reader.write.call_one(buf).get(timeout=60)
@@ -563,7 +571,8 @@ def test_cross_host_read_and_write_go_straight_between_the_two_procs(tmp_path_fa
         ends = ctl.expect("ends", 60)
         ctl.finish()
         own, rd, port = ends["owner"], ends["reader"], ends["port"]
-        assert own["head"] == [9, 9, 9, 9]
+        # the split write (3 ranges) landed whole, then the small write over its first KiB
+        assert own["head"] == [9, 9, 9, 9] and own["sevens"] == (4 << 20) - 1024, own["sevens"]
         assert own["ip"] == cluster.ip(1) and rd["ip"] == cluster.ip(2)
         # the data connection: reader's end in the reader's proc, owner's end in the owner's
         # proc at its data port, and nobody else (controller, allocators) in between
