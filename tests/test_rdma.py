@@ -729,6 +729,9 @@ def test_a_transfer_split_over_several_streams_arrives_whole() -> None:
         with configured(rdma_streams=0):
             assert dp.streams_for(1 << 20) == 1  # small transfers: one stream
         with configured(rdma_streams=8):
-            assert dp.streams_for(3 << 20) == 3  # never a range under one record
+            assert dp.streams_for(3 << 20) == 3  # never a range under 1 MiB
+            assert dp.streams_for(1 << 20) == 1
+        with configured(rdma_streams=-1), pytest.raises(ValueError, match="rdma_streams must be >= 0"):
+            dp.streams_for(4 << 20)
     finally:
         srv.close()

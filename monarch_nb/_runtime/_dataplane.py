@@ -598,6 +598,8 @@ SPLIT_MAX = 4
 def streams_for(n: int) -> int:
     """How many connections a transfer of ``n`` bytes across hosts goes over: the configured
     ``rdma_streams``, else one per :data:`SPLIT_MIN` bytes up to :data:`SPLIT_MAX`."""
+    if n <= (1 << 20):
+        return 1  # never a range under 1 MiB (and no configuration lookup for small transfers)
     from ..config import get_config
 
     forced = get_config().rdma_streams
