@@ -16,7 +16,10 @@ actor thread is busy in a long endpoint.
   (HMAC challenge-response over fresh nonces, the key never on the wire), derive one AES-256-GCM
   key per direction for this connection, and seal every record of every message: requests,
   replies and payload (the nonce is a record counter, so a replayed, dropped or reordered record
-  fails authentication).
+  fails authentication). A large transfer may be split into byte ranges over several such
+  connections (:func:`streams_for`; one by default: more never won on the machines measured).
+* CUDA buffers, same host: a reader that sees the owner's GPU asks the owner (``OP_IPC``) for a
+  CUDA IPC handle of its own and copies device to device from then on (``rdma/_buffer.py``).
 """
 
 from __future__ import annotations
