@@ -15,10 +15,10 @@ import warnings
 import torch
 
 if os.environ.get("BENCH_IMPL") == "monarch":
-    from monarch.actor import Actor, endpoint, this_host
+    from monarch.actor import Actor, attach_to_workers, endpoint, this_host
     from monarch.rdma import RDMABuffer
 else:
-    from monarch_nb.actor import Actor, endpoint, this_host
+    from monarch_nb.actor import Actor, attach_to_workers, endpoint, this_host
     from monarch_nb.rdma import RDMABuffer
 
 warnings.simplefilter("ignore")
@@ -32,6 +32,10 @@ class Owner(Actor):
     @endpoint
     def get(self) -> RDMABuffer:
         return self.buf
+
+    @endpoint
+    def ancestors(self) -> list[int]:
+        return _ancestors(os.getpid())
 
     @endpoint
     def raw_server(self, ip: str) -> int:
@@ -55,7 +59,47 @@ class Owner(Actor):
         return ls.getsockname()[1]
 
 
+def _ancestors(pid: int) -> list[int]:
+    """``pid``'s parent, its parent, ... (not pid 1)."""
+    out = []
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                s = f.read()
+        except OSError:
+            break
+        pid = int(s[s.rindex(b")") + 2 :].split()[1])
+        if pid > 1:
+            out.append(pid)
+    return out
+
+
+def _cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system, all threads) the processes ``pids`` have used so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                s = f.read()
+        except OSError:
+            continue
+        fields = s[s.rindex(b")") + 2 :].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
 class Reader(Actor):
+    @endpoint
+    def ancestors(self) -> list[int]:
+        return _ancestors(os.getpid())
+
+    @endpoint
+    def set_streams(self, k: int) -> None:
+        from monarch_nb.config import configure
+
+        configure(rdma_streams=k)
+
     @endpoint
     def time_op(self, buf: RDMABuffer, n: int, reps: int, op: str) -> list[float]:
         local = torch.zeros(n, dtype=torch.uint8)
@@ -100,11 +144,17 @@ def main() -> None:
     sizes = [int(s) for s in sys.argv[1].split(",")]
     floor = os.environ.get("BENCH_FLOOR") == "1"
     workers = os.environ.get("BENCH_WORKERS", "")
+    monarch = os.environ.get("BENCH_IMPL") == "monarch"
+    # stream counts to force (ours, across hosts): "1,2,4"; the unforced row is the default's
+    forced = [int(k) for k in os.environ.get("BENCH_STREAMS", "").split(",") if k]
     if workers:
         # two hosts: the owner on the first, the reader on the second
-        from monarch_nb.actor import attach_to_workers
+        if monarch:
+            # as Monarch's multi-host docs do: its default transport is unix sockets
+            from monarch.actor import enable_transport
 
-        hosts = attach_to_workers(workers=workers.split(","), ca=os.environ["BENCH_KEY"])
+            enable_transport("tcp")
+        hosts = attach_to_workers(workers=workers.split(","), ca="trust_all_connections" if monarch else os.environ["BENCH_KEY"])
         procs = hosts.spawn_procs(per_host={"gpus": 1})
         owners_procs, reader_procs = procs.slice(hosts=0), procs.slice(hosts=1)
         owner_ip = workers.split(",")[0][len("tcp://") :].rsplit(":", 1)[0]
@@ -112,19 +162,35 @@ def main() -> None:
         owners_procs = this_host().spawn_procs(per_host={"gpus": 1})
         reader_procs = this_host().spawn_procs(per_host={"gpus": 1})
     reader = reader_procs.spawn("reader", Reader)
+    # the processes between the controller and the two procs (allocators, zygotes, host agents):
+    # their CPU time during a transfer says whether they are on its path
+    mine = set(_ancestors(os.getpid())) | {os.getpid()}
+    around = set(reader.ancestors.call_one().get())
     res: dict[str, dict[str, float]] = {}
     for n in sizes:
         reps = 20 if n <= (1 << 20) else 5 if n <= (64 << 20) else 2
-        if os.environ.get("BENCH_IMPL") == "monarch" and n > (1 << 20):
-            reps = 2  # its TCP fallback moves ~0.1 GB/s
+        if monarch and n > (1 << 20):
+            reps = 2  # its TCP fallback moves ~0.1-1 GB/s
         owner = owners_procs.spawn(f"owner{n}", Owner, n)
         buf = owner.get.call_one().get()
-        for op in ("read", "write"):
-            # the controller only waits for the reply: its CPU time over the transfers' wall time
-            c0, w0 = time.process_time(), time.perf_counter()
-            t = statistics.median(reader.time_op.call_one(buf, n, reps, op).get())
-            cpu = (time.process_time() - c0) / (time.perf_counter() - w0)
-            res[f"{op}_{n}"] = {"median_s": t, "GBps": n / t / 1e9, "controller_cpu_fraction": cpu}
+        helpers = sorted((around | set(owner.ancestors.call_one().get())) - mine)
+        # forced counts only where they split anything (no range is under 1 MiB)
+        rows = [(f"_s{k}", k) for k in forced if n > (1 << 20)] if workers and not monarch else []
+        for suffix, k in [("", 0), *rows]:
+            if workers and not monarch:
+                reader.set_streams.call_one(k).get()
+            for op in ("read", "write"):
+                # the controller only waits for the reply: its CPU time over the transfers' wall time
+                c0, a0, w0 = time.process_time(), _cpu(helpers), time.perf_counter()
+                t = statistics.median(reader.time_op.call_one(buf, n, reps, op).get())
+                wall = time.perf_counter() - w0
+                res[f"{op}_{n}{suffix}"] = {
+                    "median_s": t,
+                    "GBps": n / t / 1e9,
+                    "controller_cpu_fraction": (time.process_time() - c0) / wall,
+                    "allocators_cpu_fraction": (_cpu(helpers) - a0) / wall,
+                    "allocator_pids": helpers,
+                }
         if workers:
             port = owner.raw_server.call_one(owner_ip).get()
             t = statistics.median(reader.raw_read.call_one(owner_ip, port, n, reps).get())
@@ -132,6 +198,14 @@ def main() -> None:
         if floor:
             t = statistics.median(reader.memcpy.call_one(n, reps).get())
             res[f"memcpy_{n}"] = {"median_s": t, "GBps": n / t / 1e9}
+    names = {}
+    for pid in helpers:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                names[str(pid)] = f.read().replace(b"\0", b" ").decode(errors="replace")[-100:].strip()
+        except OSError:
+            names[str(pid)] = "?"
+    res["helpers"] = names  # type: ignore[assignment]
     print(json.dumps(res))
     if workers:
         procs.stop().get()

@@ -74,6 +74,9 @@ class Config:
     order_gap_timeout: float = 10.0
     #: show monarch_nb's own frames in remote tracebacks (hidden by default, as IPython hides its own)
     traceback_internal_frames: bool = False
+    #: connections one RDMABuffer transfer across hosts is split over (each carries a byte
+    #: range, each authenticated and encrypted); 0 chooses by size (see docs/rdma.md)
+    rdma_streams: int = 0
 
     def replace(self, **kw: Any) -> Config:
         return dataclasses.replace(self, **kw)

@@ -7,6 +7,7 @@ is busy, fail with SupervisionError when the owner died, and leave nothing in /d
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -357,14 +358,52 @@ class CudaOwner(Actor):
     def head(self) -> list[int]:
         return self.t[:4].tolist()
 
+    @endpoint
+    def ptr(self) -> int:
+        return self.t.data_ptr()
+
+    @endpoint
+    def bump(self) -> None:
+        self.t += 1
+
+    @endpoint
+    def drop_own(self) -> None:
+        self.buf.drop().get(timeout=10)
+
 
 class CudaReader(Actor):
     @endpoint
-    def roundtrip(self, buf: RDMABuffer) -> list[int]:
+    def roundtrip(self, buf: RDMABuffer, stream: bool = False) -> dict:
+        from monarch_nb.rdma import bytes_moved
+
+        if stream:
+            buf._ipc = False  # as when the owner's GPU is not visible here: staged over the stream
+        before = bytes_moved()
         dst = torch.zeros(N, device="cuda", dtype=torch.uint8)
         buf.read_into(dst).get(timeout=60)
+        cpu = torch.zeros(N, dtype=torch.uint8)
+        buf.read_into(cpu).get(timeout=60)
         buf.write_from(torch.full((N,), 4, device="cuda", dtype=torch.uint8)).get(timeout=60)
+        after = bytes_moved()
+        return dict(
+            head=dst[:4].tolist(),
+            cpu_head=cpu[:4].tolist(),
+            moved={k: after[k] - before[k] for k in ("cuda_ipc", "stream", "shm")},
+        )
+
+    @endpoint
+    def head(self, buf: RDMABuffer) -> list[int]:
+        dst = torch.zeros(N, device="cuda", dtype=torch.uint8)
+        buf.read_into(dst).get(timeout=60)
         return dst[:4].tolist()
+
+    @endpoint
+    def error_of_read(self, buf: RDMABuffer) -> str:
+        try:
+            buf.read_into(torch.zeros(N, device="cuda", dtype=torch.uint8)).get(timeout=60)
+        except Exception as e:
+            return type(e).__name__
+        return ""
 
 
 @pytest.mark.cuda
@@ -374,8 +413,53 @@ def test_cuda_buffers_stage_through_pinned_memory(pair: tuple[ProcMesh, ProcMesh
     owner = a.spawn("cuda_owner", CudaOwner)
     reader = b.spawn("cuda_reader", CudaReader)
     buf = owner.get.call_one().get(timeout=60)
-    assert reader.roundtrip.call_one(buf).get(timeout=60) == [0, 1, 2, 3]
+    got = reader.roundtrip.call_one(buf, True).get(timeout=60)
+    assert got["head"] == [0, 1, 2, 3] and got["cpu_head"] == [0, 1, 2, 3], got
+    assert got["moved"] == {"cuda_ipc": 0, "stream": 3 * N, "shm": 0}, got
     assert owner.head.call_one().get(timeout=60) == [4, 4, 4, 4]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_ipc_between_procs_of_one_host(pair: tuple[ProcMesh, ProcMesh]) -> None:
+    # both procs are rank 0 of a {gpus: 1} mesh: they see the same GPU
+    a, b = pair
+    owner = a.spawn("cuda_owner", CudaOwner)
+    reader = b.spawn("cuda_reader", CudaReader)
+    buf = owner.get.call_one().get(timeout=60)
+    ptr = owner.ptr.call_one().get(timeout=60)
+    got = reader.roundtrip.call_one(buf).get(timeout=60)
+    assert got["head"] == [0, 1, 2, 3] and got["cpu_head"] == [0, 1, 2, 3], got
+    assert got["moved"] == {"cuda_ipc": 3 * N, "stream": 0, "shm": 0}, got
+    # the buffer is the owner's tensor, both ways: written in place, in-place changes seen
+    assert owner.head.call_one().get(timeout=60) == [4, 4, 4, 4]
+    assert owner.ptr.call_one().get(timeout=60) == ptr
+    owner.bump.call_one().get(timeout=60)
+    assert reader.head.call_one(buf).get(timeout=60) == [5, 5, 5, 5]
+    owner.drop_own.call_one().get(timeout=60)
+    assert reader.error_of_read.call_one(buf).get(timeout=60) == "BufferDroppedError"
+
+
+def test_cuda_ipc_handles_are_only_for_cuda_buffers_on_their_host() -> None:
+    # the request a reader of a CUDA buffer makes first (runs without a GPU): a CPU buffer has
+    # no IPC handle, and none is given over TCP; the reader then streams
+    from monarch_nb._runtime import _dataplane as dp
+
+    srv = dp.DataServer(lambda: b"k" * 32, lambda: "127.0.0.1")
+    try:
+        data = bytearray(4096)
+        bid = srv.register(dp.Entry(memoryview(data), data))
+        addr = srv.address()
+        with pytest.raises(ValueError, match="not in CUDA memory"):
+            dp.stream(addr, None, dp.OP_IPC, bid, None, 0, 0, time.monotonic() + 30)
+        remote = dp.Address(addr.pid, addr.start, "elsewhere", addr.unix, addr.tcp)
+        with pytest.raises(ValueError, match="owner's host"):
+            dp.stream(remote, b"k" * 32, dp.OP_IPC, bid, None, 0, 0, time.monotonic() + 30)
+        srv.release(bid)
+        with pytest.raises(dp.BufferGone):
+            dp.stream(addr, None, dp.OP_IPC, bid, None, 0, 0, time.monotonic() + 30)
+    finally:
+        srv.close()
 
 
 # -- two hosts -----------------------------------------------------------------------------
@@ -402,7 +486,7 @@ class Owner(Actor):
 
     @endpoint
     def state(self):
-        return dict(pid=os.getpid(), ip=my_ip(), head=list(self.raw[:4]), conns=tcp_conns())
+        return dict(pid=os.getpid(), ip=my_ip(), head=list(self.raw[:4]), sevens=self.raw.count(7), conns=tcp_conns())
 
     @endpoint
     def block(self, s):
@@ -419,6 +503,23 @@ class Reader(Actor):
         return dict(ok=out == bytearray(bytes(range(256)) * (4 << 12)), n=len(out))
 
     @endpoint
+    def read_split(self, buf, streams):
+        from monarch_nb.config import configured
+
+        out = bytearray(buf.size())
+        with configured(rdma_streams=streams):
+            buf.read_into(memoryview(out)).get(timeout=60)
+        port = int(buf._addr.tcp.rsplit(":", 1)[1])
+        return dict(ok=out == bytearray(bytes(range(256)) * (4 << 12)), conns=sum(1 for c in tcp_conns() if c[3] == port))
+
+    @endpoint
+    def write_split(self, buf, streams):
+        from monarch_nb.config import configured
+
+        with configured(rdma_streams=streams):
+            buf.write_from(memoryview(bytes([7]) * buf.size())).get(timeout=60)
+
+    @endpoint
     def write(self, buf):
         buf.write_from(memoryview(bytes([9]) * 1024)).get(timeout=60)
 
@@ -433,6 +534,8 @@ owner = procs.slice(hosts=0).spawn("owner", Owner)
 reader = procs.slice(hosts=1).spawn("reader", Reader)
 buf = owner.get.call_one().get(timeout=30)
 emit("read", **reader.read.call_one(buf).get(timeout=60))
+emit("read_split", **reader.read_split.call_one(buf, 4).get(timeout=60))
+reader.write_split.call_one(buf, 3).get(timeout=60)
 busy = owner.block.call_one(5.0)
 t0 = time.monotonic()
 reader.write.call_one(buf).get(timeout=60)
@@ -461,17 +564,20 @@ def test_cross_host_read_and_write_go_straight_between_the_two_procs(tmp_path_fa
         allocs = [mh.Allocator(cluster, i, "--key-file", mh.KEY).wait_ready() for i in (1, 2)]
         ctl = mh.Controller(cluster, CROSS_HOST_BODY)
         assert ctl.expect("read", 90) == {"step": "read", "ok": True, "n": 4 << 20}
+        # the same buffer in four byte ranges over four connections, each sealed, arrives whole
+        assert ctl.expect("read_split", 60) == {"step": "read_split", "ok": True, "conns": 4}
         w = ctl.expect("write_while_busy", 60)
         assert w["seconds"] < 4.0 and not w["busy_done"], w
         ends = ctl.expect("ends", 60)
         ctl.finish()
         own, rd, port = ends["owner"], ends["reader"], ends["port"]
-        assert own["head"] == [9, 9, 9, 9]
+        # the split write (3 ranges) landed whole, then the small write over its first KiB
+        assert own["head"] == [9, 9, 9, 9] and own["sevens"] == (4 << 20) - 1024, own["sevens"]
         assert own["ip"] == cluster.ip(1) and rd["ip"] == cluster.ip(2)
         # the data connection: reader's end in the reader's proc, owner's end in the owner's
         # proc at its data port, and nobody else (controller, allocators) in between
         data = [c for c in rd["conns"] if c[2] == own["ip"] and c[3] == port]
-        assert data, rd
+        assert len(data) >= 4, rd
         mine = {(c[0], c[1], c[2], c[3]) for c in own["conns"] if c[1] == port}
         for lip, lport, rip, rport in data:
             assert (rip, rport, lip, lport) in mine, (data, own["conns"])
@@ -584,5 +690,48 @@ def test_the_stream_is_sealed_and_refuses_a_wrong_key() -> None:
                     break
                 raw += chunk
             assert bytes(data[:64]) not in raw
+    finally:
+        srv.close()
+
+
+def test_a_transfer_split_over_several_streams_arrives_whole() -> None:
+    from monarch_nb._runtime import _dataplane as dp
+    from monarch_nb.config import configured
+
+    srv = dp.DataServer(lambda: b"k" * 32, lambda: "127.0.0.1")
+    try:
+        data = bytearray(os.urandom((5 << 20) + 123))  # not a whole number of records
+        bid = srv.register(dp.Entry(memoryview(data), data))
+        addr = srv.address()
+        remote = dp.Address(addr.pid, addr.start, "elsewhere", addr.unix, addr.tcp)  # force TCP
+        port = int(addr.tcp.rsplit(":", 1)[1])
+
+        def conns() -> int:
+            n = 0
+            for s in dp.pool_sockets():
+                with contextlib.suppress(OSError):  # pooled by an earlier test, to a server now gone
+                    n += s.getpeername()[1] == port
+            return n
+
+        with configured(rdma_streams=4):
+            assert dp.streams_for(len(data)) == 4
+            out = bytearray(len(data))
+            dp.stream(remote, b"k" * 32, dp.OP_READ, bid, memoryview(out), 0, len(out), time.monotonic() + 30)
+            assert out == data
+            assert conns() == 4  # one connection per range, each sealed (the server is TCP only here)
+            new = bytearray(os.urandom(len(data)))
+            dp.stream(remote, b"k" * 32, dp.OP_WRITE, bid, memoryview(new), 0, len(new), time.monotonic() + 30)
+            assert data == new and srv.bytes_in == len(new) and srv.bytes_out == len(out)
+            # a range that fails (the buffer is gone) fails the whole transfer
+            srv.release(bid)
+            with pytest.raises(dp.BufferGone):
+                dp.stream(remote, b"k" * 32, dp.OP_READ, bid, memoryview(out), 0, len(out), time.monotonic() + 30)
+        with configured(rdma_streams=0):
+            assert dp.streams_for(1 << 20) == 1  # small transfers: one stream
+        with configured(rdma_streams=8):
+            assert dp.streams_for(3 << 20) == 3  # never a range under 1 MiB
+            assert dp.streams_for(1 << 20) == 1
+        with configured(rdma_streams=-1), pytest.raises(ValueError, match="rdma_streams must be >= 0"):
+            dp.streams_for(4 << 20)
     finally:
         srv.close()

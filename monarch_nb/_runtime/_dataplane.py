@@ -16,7 +16,10 @@ actor thread is busy in a long endpoint.
   (HMAC challenge-response over fresh nonces, the key never on the wire), derive one AES-256-GCM
   key per direction for this connection, and seal every record of every message: requests,
   replies and payload (the nonce is a record counter, so a replayed, dropped or reordered record
-  fails authentication).
+  fails authentication). A large transfer may be split into byte ranges over several such
+  connections (:func:`streams_for`; one by default: more never won on the machines measured).
+* CUDA buffers, same host: a reader that sees the owner's GPU asks the owner (``OP_IPC``) for a
+  CUDA IPC handle of its own and copies device to device from then on (``rdma/_buffer.py``).
 """
 
 from __future__ import annotations
@@ -43,11 +46,13 @@ logger = logging.getLogger(__name__)
 # request: op, buffer id, offset, length; reply: status, length of what follows
 _REQ = struct.Struct("!B16sQQ")
 _RSP = struct.Struct("!BQ")
-OP_READ, OP_WRITE, OP_DROP = 1, 2, 3
+OP_READ, OP_WRITE, OP_DROP, OP_IPC = 1, 2, 3, 4
 ST_OK, ST_GONE, ST_BAD = 0, 1, 2
 _MAGIC = b"MNBDP1"
 _NONCE = 32
-_REC = 1 << 20  # plaintext per sealed record
+# plaintext per sealed record: small enough that the reader decrypts one record while the
+# next is sealed and on the wire (a whole 1 MiB record would make the three happen in turn)
+_REC = 256 << 10
 _TAG = 16
 #: a payload this large is moved in pieces so that a CUDA owner stages through a bounded buffer
 PIECE = 8 << 20
@@ -135,7 +140,7 @@ class _Sealed:
         self.sock = sock
         self._enc, self._dec = AESGCM(send_key), AESGCM(recv_key)
         self._sent = self._recvd = 0
-        self._out = bytearray(_REC + _TAG)
+        self._out = bytearray(4 + _REC + _TAG)
         self._in = bytearray(_REC + _TAG)
         self._hdr = bytearray(4)
 
@@ -146,10 +151,10 @@ class _Sealed:
             chunk = mv[off : off + _REC]
             m = chunk.nbytes + _TAG
             hdr = struct.pack("!I", m)
-            self._enc.encrypt_into(self._sent.to_bytes(12, "big"), chunk, hdr, out[:m])
+            out[:4] = hdr
+            self._enc.encrypt_into(self._sent.to_bytes(12, "big"), chunk, hdr, out[4 : 4 + m])
             self._sent += 1
-            self.sock.sendall(hdr)
-            self.sock.sendall(out[:m])
+            self.sock.sendall(out[: 4 + m])  # header and record in one write: one packet, not two
 
     def recv_into(self, mv: memoryview) -> None:
         n, got = mv.nbytes, 0
@@ -234,6 +239,10 @@ class Entry:
         if self.view.readonly:
             raise BufferError("this RDMABuffer was made from read-only memory")
         yield self.view[off : off + n]
+
+    def ipc(self) -> bytes:
+        """A CUDA IPC handle of this buffer for one reader of this host (CUDA buffers only)."""
+        raise BufferError("this RDMABuffer is not in CUDA memory: no CUDA IPC handle")
 
     def release(self) -> None:
         for fn in self.extra:
@@ -357,7 +366,10 @@ class DataServer:
 
     def _reply(self, ch: _Plain | _Sealed, status: int, msg: str = "") -> None:
         body = msg.encode()
-        ch.send(_RSP.pack(status, len(body)) + body)
+        # two records, as the reader takes them: the fixed-size reply, then what it announced
+        ch.send(_RSP.pack(status, len(body)))
+        if body:
+            ch.send(body)
 
     def _handle(self, ch: _Plain | _Sealed, op: int, bid: bytes, off: int, n: int) -> None:
         with self._lock:
@@ -365,6 +377,20 @@ class DataServer:
         if op == OP_DROP:
             self.release(bid)
             self._reply(ch, ST_OK)
+            return
+        if op == OP_IPC:
+            if entry is None:
+                self._reply(ch, ST_GONE)
+                return
+            try:
+                if ch.sealed:
+                    raise BufferError("CUDA IPC handles are for processes of the owner's host")
+                body = entry.ipc()
+            except Exception as e:  # no IPC for this buffer or between these two: the reader streams
+                self._reply(ch, ST_BAD, f"{type(e).__name__}: {e}")
+                return
+            ch.send(_RSP.pack(ST_OK, len(body)))
+            ch.send(body)
             return
         bad = ""
         if entry is None:
@@ -377,7 +403,8 @@ class DataServer:
             if entry is None or status != ST_OK:
                 self._reply(ch, status, bad)
                 return
-            self.bytes_out += n  # counted first: the reader may look before this thread goes on
+            with self._lock:  # counted first: the reader may look before this thread goes on
+                self.bytes_out += n
             ch.send(_RSP.pack(ST_OK, n))
             for p in range(off, off + n, PIECE):
                 ch.send(entry.source(p, min(PIECE, off + n - p)))
@@ -397,7 +424,8 @@ class DataServer:
                     ch.recv_into(memoryview(bytearray(k)))
                 p += k
             if status == ST_OK:
-                self.bytes_in += n
+                with self._lock:
+                    self.bytes_in += n
             self._reply(ch, status, bad)
         else:
             raise ConnectionError(f"unknown data-plane op {op}")
@@ -435,7 +463,7 @@ def local_server() -> DataServer | None:
 
 
 # --------------------------------------------------------------------------------- bytes moved
-_moved = {"read": 0, "written": 0, "shm": 0, "stream": 0}
+_moved = {"read": 0, "written": 0, "shm": 0, "stream": 0, "cuda_ipc": 0}
 _moved_lock = threading.Lock()
 
 
@@ -524,18 +552,85 @@ def stream(
     off: int,
     n: int,
     deadline: float,
-) -> None:
-    """One read (into ``local``), write (from ``local``) or drop over a direct connection.
+) -> bytes:
+    """One read (into ``local``), write (from ``local``), drop, or request for a CUDA IPC handle
+    (returned) over direct connections: one, or across hosts for a large transfer several, each
+    carrying a byte range (:func:`streams_for`).
 
     Raises :class:`PeerGone`, :class:`BufferGone`, :class:`Stalled` (saying who stalled),
     ``ValueError`` for a bad range, ``PermissionError`` when keys differ.
     """
+    k = 1 if op in (OP_DROP, OP_IPC) or addr.host == host_id() else streams_for(n)
+    if k <= 1:
+        return _one(addr, key, op, bid, local, off, n, deadline)
+    assert local is not None
+    # equal byte ranges (page-aligned, the last one shorter), each on a connection of its own
+    step = -(-n // k)
+    step = -(-step // 65536) * 65536
+    ranges = [(a, min(n, a + step)) for a in range(0, n, step)]
+    errors: list[BaseException | None] = [None] * len(ranges)
+
+    def part(i: int) -> None:
+        a, b = ranges[i]
+        try:
+            _one(addr, key, op, bid, local[a:b], off + a, b - a, deadline)
+        except BaseException as e:
+            errors[i] = e
+
+    threads = [
+        threading.Thread(target=part, args=(i,), name="monarch_nb-dataplane-part", daemon=True) for i in range(1, len(ranges))
+    ]
+    for t in threads:
+        t.start()
+    part(0)
+    for t in threads:
+        t.join()  # each part ends by the deadline: its socket times out then
+    for e in errors:
+        if e is not None:
+            raise e
+    return b""
+
+
+#: a transfer across hosts at least this large is split over several connections by default
+#: (0: never; measured in bench/rdma.py, see docs/rdma.md)
+SPLIT_MIN = 0
+#: the most connections one transfer is split over by default
+SPLIT_MAX = 4
+
+
+def streams_for(n: int) -> int:
+    """How many connections a transfer of ``n`` bytes across hosts goes over: the configured
+    ``rdma_streams``, else one per :data:`SPLIT_MIN` bytes up to :data:`SPLIT_MAX`."""
+    if n <= (1 << 20):
+        return 1  # never a range under 1 MiB (and no configuration lookup for small transfers)
+    from ..config import get_config
+
+    forced = get_config().rdma_streams
+    if forced < 0:
+        raise ValueError(f"rdma_streams must be >= 0 (0 chooses by size), not {forced}")
+    if forced:
+        return max(1, min(forced, -(-n // (1 << 20))))  # no range under 1 MiB
+    if not SPLIT_MIN or n < 2 * SPLIT_MIN:
+        return 1
+    return min(SPLIT_MAX, n // SPLIT_MIN)
+
+
+def _one(
+    addr: Address,
+    key: bytes | None,
+    op: int,
+    bid: bytes,
+    local: memoryview | None,
+    off: int,
+    n: int,
+    deadline: float,
+) -> bytes:
     try:
-        _stream(addr, key, op, bid, local, off, n, deadline, fresh=False)
+        return _stream(addr, key, op, bid, local, off, n, deadline, fresh=False)
     except _StaleConnection:
         # an idle connection that broke meanwhile (the peer restarted its side, a network blip):
         # nothing moved on it, and every op may be repeated, so once more on a new one
-        _stream(addr, key, op, bid, local, off, n, deadline, fresh=True)
+        return _stream(addr, key, op, bid, local, off, n, deadline, fresh=True)
 
 
 def _stream(
@@ -548,7 +643,7 @@ def _stream(
     n: int,
     deadline: float,
     fresh: bool,
-) -> None:
+) -> bytes:
     same = addr.host == host_id()
     # pooled by key too: a connection proves one key, never another
     where = ("unix", addr.unix) if same else ("tcp", addr.tcp, hashlib.sha256(key or b"").hexdigest()[:16])
@@ -559,6 +654,7 @@ def _stream(
         )
     phase = "connecting to"
     got = 0
+    body = bytearray()
     try:
         ch = _pool.take(where, key, deadline, fresh)
     except PermissionError:
@@ -601,12 +697,15 @@ def _stream(
             if status != ST_OK:
                 _fail(ch, status, m)
         else:
-            phase = "waiting for the owner to drop the buffer"
+            phase = "waiting for the owner to drop the buffer" if op == OP_DROP else "waiting for the owner's CUDA IPC handle"
             ch.send(_REQ.pack(op, bid, 0, 0))
             ch.recv_into(memoryview(rsp))
             status, m = _RSP.unpack(rsp)
             if status != ST_OK:
                 _fail(ch, status, m)
+            if m:
+                body = bytearray(m)
+                ch.recv_into(memoryview(body))
         ok = True
     except TimeoutError as e:
         raise Stalled(f"the owner's side stalled ({phase}; {got} of {n} bytes moved)") from e
@@ -623,6 +722,7 @@ def _stream(
             _pool.give(where, ch)
         else:
             ch.close()
+    return bytes(body)
 
 
 def _fail(ch: _Plain | _Sealed, status: int, m: int) -> None:

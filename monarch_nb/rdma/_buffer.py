@@ -10,6 +10,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import json
+import logging
 import os
 import sys
 import threading
@@ -39,6 +41,8 @@ __all__ = [
 ]
 
 BACKEND = "shm+tcp"
+
+logger = logging.getLogger(__name__)
 
 
 class RDMAReadTransferWarning(Warning):
@@ -167,6 +171,23 @@ class _CudaEntry(dp.Entry):
         yield _cpu_view(stage, n)
         self.flat[off : off + n].copy_(stage)
 
+    def ipc(self) -> bytes:
+        """A fresh CUDA IPC handle of the memory for one reader of this host: torch counts one
+        consumer per share (the block stays allocated until each has let go), so each reader
+        asks for its own. The reader finds the device by UUID (procs see different
+        ``CUDA_VISIBLE_DEVICES``)."""
+        t = _torch()
+        storage = self.flat.untyped_storage()
+        share = storage._share_cuda_()  # (device, handle, size, offset, refcounter, its offset, event, sync)
+        return json.dumps(
+            {
+                "uuid": str(t.cuda.get_device_properties(self.flat.device).uuid),
+                "share": [{"hex": v.hex()} if isinstance(v, bytes) else v for v in share[1:]],
+                "offset": self.flat.data_ptr() - storage.data_ptr(),
+                "nbytes": self.nbytes,
+            }
+        ).encode()
+
 
 def _share(data: Any, nbytes: int) -> tuple[dp.Shm | None, list[Any]]:
     """Move a CPU tensor's storage into shared memory in place (every tensor on that storage
@@ -198,6 +219,14 @@ def _share(data: Any, nbytes: int) -> tuple[dp.Shm | None, list[Any]]:
     st = os.fstat(mine)
     offset = data.data_ptr() - storage.data_ptr()
     return dp.Shm(mine, st.st_dev, st.st_ino, offset, size), [mine]
+
+
+def _token() -> tuple[dp.Shm, list[int]]:
+    """A descriptor that is open exactly while a CUDA buffer is registered: readers of this host
+    check it (as they check a CPU buffer's shared file) before each copy through CUDA IPC."""
+    fd = os.memfd_create("monarch_nb-cuda-buffer", os.MFD_CLOEXEC)
+    st = os.fstat(fd)
+    return dp.Shm(fd, st.st_dev, st.st_ino, 0, 0), [fd]
 
 
 def _torch_segments() -> set[str]:
@@ -236,10 +265,11 @@ def _key() -> bytes | None:
 
 def bytes_moved() -> dict[str, int]:
     """What this process moved through RDMABuffers: as a reader/writer (``read``, ``written``, and
-    by path, ``shm`` or ``stream``) and as an owner serving its buffers' streams (``served_out``,
+    by path, ``shm``, ``stream`` or ``cuda_ipc``) and as an owner serving its buffers' streams (``served_out``,
     ``served_in``; shared-memory copies cost the owner nothing and are not seen there)."""
     c = dp.counters()
-    return c if c is not None else {k: 0 for k in ("read", "written", "shm", "stream", "served_out", "served_in", "total")}
+    keys = ("read", "written", "shm", "stream", "cuda_ipc", "served_out", "served_in", "total")
+    return c if c is not None else {k: 0 for k in keys}
 
 
 # ------------------------------------------------------------------------------------ buffers
@@ -260,6 +290,7 @@ class RDMABuffer:
             raise ValueError("Cannot create RDMABuffer with size 0.")
         srv = _server()
         shm: dp.Shm | None = None
+        token: dp.Shm | None = None
         extra: list[Any] = []
         if isinstance(data, memoryview):
             mv = data.cast("B")
@@ -269,6 +300,7 @@ class RDMABuffer:
             entry = dp.Entry(_cpu_view(data, nbytes), data)
         elif data.device.type == "cuda":
             entry = _CudaEntry(data, nbytes)
+            token, extra = _token()
         else:
             raise ValueError(f"RDMABuffer supports CPU and CUDA tensors, not {data.device.type}")
         for fd in extra:
@@ -277,6 +309,8 @@ class RDMABuffer:
         self._size = nbytes
         self._addr = srv.address()
         self._shm = shm
+        self._token = token
+        self._ipc: Any = None
         self._owner, self._mesh, self._rank, self._host = _owner_identity()
         self._dropped = False
         # the owner's handle going away frees the buffer; a reader's (unpickled) handle has none
@@ -284,7 +318,7 @@ class RDMABuffer:
 
     # -- pickling: what travels is the handle, never the bytes
     def __reduce__(self) -> tuple[Any, ...]:
-        state = (self._id, self._size, self._addr, self._shm, self._owner, self._mesh, self._rank, self._host)
+        state = (self._id, self._size, self._addr, self._shm, self._owner, self._mesh, self._rank, self._host, self._token)
         return (_rebuild, state)
 
     @property
@@ -301,7 +335,7 @@ class RDMABuffer:
         return self._size
 
     def __repr__(self) -> str:
-        where = "shm" if self._shm is not None else "stream"
+        where = "shm" if self._shm is not None else "cuda" if self._token is not None else "stream"
         return f"<RDMABuffer {self._size} bytes of {self._owner} ({where}{', dropped' if self._dropped else ''})>"
 
     def read_into(self, dst: Any, *, timeout: int = 60) -> Future[None]:
@@ -389,7 +423,65 @@ class RDMABuffer:
     def _transfer(self, write: bool, local: Any, nbytes: int, deadline: float) -> None:
         if self._dropped:
             raise self._dropped_error()
-        dp.count(write, self._transfer_path(write, local, nbytes, deadline), nbytes)
+        if self._token is not None and self._addr.host == dp.host_id() and self._ipc_copy(write, local, nbytes, deadline):
+            path = "cuda_ipc"
+        else:
+            path = self._transfer_path(write, local, nbytes, deadline)
+        dp.count(write, path, nbytes)
+
+    # -- CUDA IPC: a CUDA buffer read or written by a proc of its host that sees the same GPU
+    def _ipc_copy(self, write: bool, local: Any, n: int, deadline: float) -> bool:
+        """Copy straight between ``local`` and the owner's device memory; False when CUDA IPC
+        is not possible between the two (the stream, staged through pinned memory, instead)."""
+        t = _torch()
+        if t is None or not t.cuda.is_available() or self._ipc is False:
+            return False
+        assert self._token is not None
+        if not dp.maps.alive(self._addr.pid, self._token):
+            self._ipc = False  # let go of the mapping: the owner's block can be freed
+            if not dp.owner_alive(self._addr):
+                raise self._gone(f"its process (pid {self._addr.pid}) exited")
+            raise self._dropped_error()
+        if self._ipc is None:
+            self._ipc = self._open_ipc(deadline)
+            if self._ipc is False:
+                return False
+        remote = self._ipc[:n]
+        if isinstance(local, memoryview):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a read-only source: only read from
+                flat = t.frombuffer(local, dtype=t.uint8)[:n]
+        else:
+            flat = (local.view(t.uint8) if local.dtype != t.uint8 else local)[:n]
+        if write:
+            remote.copy_(flat)
+        else:
+            flat.copy_(remote)
+        for dev in {remote.device, flat.device}:
+            if dev.type == "cuda":
+                t.cuda.synchronize(dev)  # done before the future resolves, on both devices
+        return True
+
+    def _open_ipc(self, deadline: float) -> Any:
+        """The owner's memory mapped here through a CUDA IPC handle it made for this handle
+        (one round trip over its unix socket), or False."""
+        t = _torch()
+        try:
+            body = dp.stream(self._addr, None, dp.OP_IPC, self._id, None, 0, 0, deadline)
+            info = json.loads(body)
+            want = info["uuid"]
+            dev = next((i for i in range(t.cuda.device_count()) if str(t.cuda.get_device_properties(i).uuid) == want), None)
+            if dev is None:
+                logger.debug("RDMABuffer of %s: its GPU is not visible here; streaming instead", self._owner)
+                return False
+            share = [bytes.fromhex(v["hex"]) if isinstance(v, dict) else v for v in info["share"]]
+            t.cuda._lazy_init()
+            storage = t.UntypedStorage._new_shared_cuda(dev, *share)
+            typed = t.storage.TypedStorage(wrap_storage=storage, dtype=t.uint8, _internal=True)
+            return t._utils._rebuild_tensor(typed, info["offset"], (info["nbytes"],), (1,))
+        except Exception as e:  # not possible between these two procs: the stream says why if it fails too
+            logger.debug("RDMABuffer of %s: no CUDA IPC (%s); streaming instead", self._owner, e)
+            return False
 
     def _transfer_path(self, write: bool, local: Any, nbytes: int, deadline: float) -> str:
         with _host_view(local, nbytes, fill=write) as mv:
@@ -413,10 +505,19 @@ class RDMABuffer:
 
 
 def _rebuild(
-    bid: bytes, size: int, addr: dp.Address, shm: dp.Shm | None, owner: str, mesh: str, rank: int | None, host: str
+    bid: bytes,
+    size: int,
+    addr: dp.Address,
+    shm: dp.Shm | None,
+    owner: str,
+    mesh: str,
+    rank: int | None,
+    host: str,
+    token: dp.Shm | None = None,
 ) -> RDMABuffer:
     b = object.__new__(RDMABuffer)
     b._id, b._size, b._addr, b._shm = bid, size, addr, shm
+    b._token, b._ipc = token, None
     b._owner, b._mesh, b._rank, b._host = owner, mesh, rank, host
     b._dropped = False
     b._finalizer = None
