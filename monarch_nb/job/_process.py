@@ -46,7 +46,7 @@ class ProcessJob(JobTrait):
 
     def _describe(self) -> dict[str, Any]:
         lost = sorted(s for s, h in self._hosts.items() if not pid_is(int(h["pid"]), self._dir))
-        return {"hosts": len(self._hosts), "state": f"lost: {', '.join(lost)}" if lost else "running"}
+        return {"hosts": len(self._hosts), "state": f"lost: {', '.join(lost)}" if lost else "running", "lost": lost}
 
     def add_mesh(self, name: str, num_hosts: int) -> None:
         self._meshes[name] = num_hosts

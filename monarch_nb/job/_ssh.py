@@ -124,7 +124,7 @@ class SSHJob(JobTrait):
 
     def _describe(self) -> dict[str, Any]:
         lost = sorted(h for h, info in self._hosts.items() if not _listening(info["tcp"], timeout=1.0))
-        return {"hosts": len(self._hosts), "state": f"lost: {', '.join(lost)}" if lost else "running"}
+        return {"hosts": len(self._hosts), "state": f"lost: {', '.join(lost)}" if lost else "running", "lost": lost}
 
     def add_mesh(self, name: str, hosts: list[str]) -> None:
         self._meshes[name] = list(hosts)

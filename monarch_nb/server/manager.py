@@ -264,8 +264,6 @@ def job_row(r: dict[str, Any]) -> dict[str, Any]:
     """A job record for the sidebar and the dashboard: the hosts the scheduler lost listed apart."""
     state = str(r.get("state", ""))
     lost = list(r.get("lost") or [])
-    if not lost and state.startswith("lost: "):
-        lost = [h.strip() for h in state[len("lost: ") :].split(",") if h.strip()]
     return {
         "name": str(r.get("name", "")),
         "scheduler": str(r.get("scheduler", "?")),
