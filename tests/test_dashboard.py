@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+from html import unescape as html_unescape
 
 import pytest
 from _kernel import Kernel
@@ -86,11 +87,20 @@ def test_dashboard_errors_log_stacks_failed_mesh_and_stop() -> None:
         errors = _value(k, "d.errors_view.value")
         assert re.search(r"In\[\d+\]: ActorError: Actor call steps.lookup failed", errors), errors
         assert re.search(r"rank 1 on \S+: endpoint steps.lookup raised", errors), errors
+        assert "steps.lookup failed. KeyError: 'shard 1'" in html_unescape(errors) and "Traceback" not in errors, errors
 
         # the stacks action: every rank's stack, merged
         _ok(k.run("d.stacks_button.click()"))
         stacks = _value(k, "d.stacks_view.value")
         assert "mnb-stacks" in stacks and 'data-ranks="0-3"' in stacks, stacks[:2000]
+
+        # a %%mesh exec that raises on the ranks
+        _ok(k.run("%mesh connect"))  # re-attaches dashpy by name, for %%mesh exec
+        assert k.run("%%mesh exec dashpy\n1 / 0").error
+        _ok(k.run("d.refresh()"))
+        errors = _value(k, "d.errors_view.value")
+        assert re.search(r"In\[\d+\]: ExecError: .*ZeroDivisionError on 4 of 4 ranks", errors), errors
+        assert errors.count("endpoint steps.lookup raised") == 1, errors  # once, however often it is asked
 
         # a killed rank fails the mesh as a whole, in the sidebar's words, with what to do
         pid = int(_ok(k.run("pyapi._procs[2].pid")).result)
@@ -107,6 +117,11 @@ def test_dashboard_errors_log_stacks_failed_mesh_and_stop() -> None:
         _ok(k.run("d.stop_button.click()"))
         assert _value(k, "d.stop_button.disabled, d.stacks_button.disabled").strip() == "True True"
         assert 'data-state="stopped"' in _value(k, "d.header.value")
+        # a spawn that fails joins the errors too
+        assert k.run("pyapi.spawn('again', Steps)").error
+        assert re.search(
+            r"In\[\d+\]: MeshClosedError: proc mesh &#x27;dashpy&#x27; was stopped", _value(k, "d.errors_view.value")
+        )
         _ok(k.run("d.close()"))
     finally:
         k.close()

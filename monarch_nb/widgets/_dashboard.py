@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import html
+import re
 import threading
 import time
 from typing import Any
@@ -15,6 +16,9 @@ from .._ranks import parse_ranks
 from ..actor import ProcMesh, controller_client
 from ..logs import Aggregator
 from . import _render
+
+#: the line of a many-rank error that says which ranks failed
+_RANKS_LINE = re.compile(r" on \d+ of \d+ ranks")
 
 #: jobs are asked of their schedulers (squeue, ssh probes) at most this often
 JOBS_EVERY = 5.0
@@ -191,7 +195,8 @@ class Dashboard(W.VBox):
             for s in rows:
                 if s.get("outcome") != "error":
                     continue
-                key = (s.get("rank"), s.get("name"), s.get("start"))
+                # the start moves with each query's clock-offset estimate; the duration, measured in the proc, does not
+                key = (s.get("pid"), s.get("rank"), s.get("name"), s.get("duration"))
                 if key in self._error_spans:
                     continue
                 self._error_spans.add(key)
@@ -228,7 +233,11 @@ class Dashboard(W.VBox):
         if err is None or not isinstance(err, MonarchNBError):
             return
         n = getattr(result, "execution_count", None)
-        head = " ".join(line.strip() for line in str(err).strip().splitlines()[:3] if line.strip())
+        # Monarch's headline and the rank count ("KeyError on 4 of 16 ranks: 0,4,8,12") or else the
+        # exception's own last line; the traceback is in the cell
+        lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()] or [""]
+        ranks = [ln for ln in lines[1:] if _RANKS_LINE.search(ln)]
+        head = " ".join([lines[0], *(ranks[:1] or lines[-1:] if len(lines) > 1 else [])])
         where = f"In[{n}]" if n else "a cell"
         with self._lock:
             self._errors.append(f"{time.strftime('%H:%M:%S')} {where}: {type(err).__name__}: {head[:300]}")
