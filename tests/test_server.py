@@ -125,6 +125,42 @@ def test_manager_shows_meshes_ranks_logs_and_failures_then_stops(manager, fault_
             pass
 
 
+def test_a_rank_in_a_call_is_busy_in_the_sidebar_as_in_the_dashboard(manager, tmp_path) -> None:
+    from monarch_nb.actor import Actor, endpoint
+    from monarch_nb.widgets import _render
+
+    flag = tmp_path / "go"
+
+    class Waiter(Actor):
+        @endpoint
+        def wait(self, path: str) -> None:
+            import time
+
+            deadline = time.monotonic() + 30
+            while not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    name = f"busy-{uuid.uuid4().hex[:6]}"
+    procs = _spawn(name, 2)
+    try:
+        pending = procs.spawn("waiter", Waiter).slice(gpus=1).wait.call(str(flag))
+
+        def busy() -> dict | None:
+            m = _mesh(manager.state(), name)
+            return m if m and m["procs"][1]["state"] == "busy" else None
+
+        m = wait_for(busy, 15, "rank 1 to show as busy")
+        assert m["procs"][0]["state"] == "idle" and m["state"] == "busy" and "wait" in m["procs"][1]["activity"]
+        # the dashboard draws the same record the same way
+        assert _render.rank_state({"state": m["procs"][1]["proc_state"], "busy": ["waiter.wait"]})[0] == "busy"
+        flag.touch()
+        pending.get(timeout=30)
+        wait_for(lambda: _mesh(manager.state(), name)["procs"][1]["state"] == "idle", 15, "rank 1 idle again")
+    finally:
+        flag.touch()
+        procs.stop().get(timeout=15)
+
+
 def test_stop_mesh_refuses_an_attached_owners_mesh_unless_forced() -> None:
     from monarch_nb.allocator import stop_mesh
 
