@@ -124,6 +124,9 @@ def test_job_rows_in_the_sidebar_and_the_dashboard_with_a_lost_host(page, lab) -
         expect(side_row.locator(".mnb-lost")).to_have_text(f"lost: {slot}")
         expect(dash_row).to_have_attribute("data-state", "lost", timeout=15_000)
         expect(dash_row).to_contain_text(f"({slot} lost)")
+        # the job's mesh is in the sidebar too: the rank on the lost host failed, the mesh as a whole
+        mesh = panel.locator('.mnb-mesh[data-mesh="bjobp"]')
+        expect(mesh.locator(".mnb-badge")).to_have_text(FAILED, timeout=15_000)
         shot(page, "dashboard-and-sidebar-job-lost-host")
     finally:
         if any(r["name"] == "bjob" for r in list_jobs()):

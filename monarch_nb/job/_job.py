@@ -225,6 +225,8 @@ class JobTrait(ABC):
             "age_s": time.time() - running._started if running._started else None,
             "walltime_left_s": None,
             "lost": [],
+            # where its allocators listen: the sidebar asks them for their meshes
+            "addrs": list(running._host_addrs()),
         }
         row.update(running._describe())
         return row

@@ -26,6 +26,8 @@ _LOG_TAIL_BYTES = 16 * 1024
 #: concurrent polls (several browser tabs) within this many seconds share one snapshot
 _SNAPSHOT_TTL = 0.25
 
+#: ranks remembered after their mesh stopped (for their log view), at most
+_SEEN_MAX = 10_000
 #: jobs are asked of their schedulers (squeue, ssh probes) at most this often
 _JOBS_TTL = 5.0
 
@@ -63,7 +65,9 @@ class MeshManager:
         from monarch_nb.config import runtime_dir
         from monarch_nb.introspect import status
 
-        raw = status()
+        jobs = self._job_rows()
+        # a job's allocators keep their connection files in the job's own directory: ask them by address
+        raw = status(sorted({a for j in jobs for a in j["addrs"]}) or None)
         allocators: list[dict[str, Any]] = []
         meshes: dict[str, dict[str, Any]] = {}
         debug: list[dict[str, Any]] = []
@@ -92,7 +96,8 @@ class MeshManager:
             for d in a.get("debug_sessions", []):
                 debug.append({**d, "alloc": addr, "host": d.get("host", host)})
         # connection files whose daemon is gone: listed so a user sees why nothing answers
-        for info in list_allocators():
+        local = list_allocators()
+        for info in local:
             if not info["alive"] and (info.get("host"), info.get("pid")) not in seen_pids:
                 allocators.append(
                     {
@@ -110,8 +115,10 @@ class MeshManager:
                 )
         paused = {(str(d.get("mesh", "")), int(d.get("rank", -1))) for d in debug if d.get("state", "paused") == "paused"}
         mesh_list = sorted(meshes.values(), key=lambda m: m["name"])
+        alive = {a["addr"] for a in allocators if a["alive"]}
         for m in mesh_list:
             m.pop("states")
+            self._add_lost_ranks(m, alive)
             m["procs"].sort(key=lambda p: p["rank"])
             for p in m["procs"]:
                 if p["state"] in ("idle", "busy") and (m["name"], p["rank"]) in paused:
@@ -119,7 +126,10 @@ class MeshManager:
             # the dashboard's and %mesh status's words for the mesh as a whole
             m["state"], m["label"], m["hint"] = _meshhtml.mesh_state([p["state"] for p in m["procs"]])
             for p in m["procs"]:
+                self._seen.pop((m["name"], p["rank"]), None)  # newest last: the oldest go first
                 self._seen[(m["name"], p["rank"])] = {k: p.get(k) for k in ("host", "pid", "state", "cause", "alloc")}
+        while len(self._seen) > _SEEN_MAX:
+            del self._seen[next(iter(self._seen))]
         me = socket.gethostname()
         return {
             "time": raw["time"],
@@ -128,14 +138,26 @@ class MeshManager:
             # one legend for the sidebar, the dashboard and the notebook's grids
             "legend": {s: _meshhtml.STATE_COLOURS[s] for s in _meshhtml.LEGEND},
             "colours": dict(_meshhtml.STATE_COLOURS),
-            "local_allocator": any(a["alive"] and a["host"] == me for a in allocators),
+            # this runtime directory's own allocator ("Start allocator" starts it; a job's are not it)
+            "local_allocator": any(a["alive"] and a.get("host") == me for a in local),
             "allocators": allocators,
             "hosts": _hosts(allocators, mesh_list),
             "meshes": mesh_list,
             "debug_sessions": debug,
             "logs": self._keep_logs(_recent_logs(mesh_list)),
-            "jobs": self._job_rows(),
+            "jobs": jobs,
         }
+
+    def _add_lost_ranks(self, m: dict[str, Any], alive: set[str]) -> None:
+        """A rank seen before whose allocator no longer answers (its host died, or is cut off)
+        is failed, as the dashboard draws it: its allocator cannot list it any more."""
+        have = {p["rank"] for p in m["procs"]}
+        for (name, rank), seen in list(self._seen.items()):
+            if name == m["name"] and rank not in have and seen.get("alloc") not in alive:
+                cause = f"its host {seen.get('host')} does not answer (allocator {seen.get('alloc')})"
+                m["procs"].append(
+                    {**seen, "rank": rank, "state": "failed", "proc_state": "unknown", "activity": "", "cause": cause, "log": ""}
+                )
 
     def _keep_logs(self, fresh: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The newest lines of this poll and earlier ones, in time order: a stopped mesh's
@@ -274,6 +296,7 @@ def job_row(r: dict[str, Any]) -> dict[str, Any]:
         "lost": lost,
         "age_s": r.get("age_s"),
         "walltime_left_s": r.get("walltime_left_s"),
+        "addrs": [str(a) for a in r.get("addrs") or []],
     }
 
 
