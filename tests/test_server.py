@@ -117,6 +117,13 @@ def test_manager_shows_meshes_ranks_logs_and_failures_then_stops(manager, fault_
         assert {(name, r) for r in range(3)} <= {(ln["mesh"], ln["rank"]) for ln in after["logs"]}
         gone = manager.rank_log(name, 0)["proc"]
         assert gone["state"] == "stopped" and gone["pid"] == m["procs"][0]["pid"]
+        # the same name spawned again, smaller: the old ranks are history, not lost ranks of the new mesh
+        again = _spawn(name, 1)
+        try:
+            ranks = wait_for(lambda: (mm := _mesh(manager.state(), name)) and mm["procs"], 10, "the new mesh listed")
+            assert [(p["rank"], p["state"]) for p in ranks] in ([(0, "idle")], [(0, "busy")]), ranks
+        finally:
+            again.stop().get(timeout=15)
         wait_for(lambda: all(_gone(p["pid"]) for p in mm["procs"]), 15, "the mesh's procs to exit")
     finally:
         try:

@@ -128,6 +128,11 @@ class MeshManager:
             for p in m["procs"]:
                 self._seen.pop((m["name"], p["rank"]), None)  # newest last: the oldest go first
                 self._seen[(m["name"], p["rank"])] = {k: p.get(k) for k in ("host", "pid", "state", "cause", "alloc")}
+        # a mesh no longer listed was stopped: its ranks are history, never a later same-named mesh's lost ranks
+        listed = {m["name"] for m in mesh_list}
+        for (name, _rank), seen in self._seen.items():
+            if name not in listed:
+                seen["gone"] = True
         while len(self._seen) > _SEEN_MAX:
             del self._seen[next(iter(self._seen))]
         me = socket.gethostname()
@@ -153,7 +158,7 @@ class MeshManager:
         is failed, as the dashboard draws it: its allocator cannot list it any more."""
         have = {p["rank"] for p in m["procs"]}
         for (name, rank), seen in list(self._seen.items()):
-            if name == m["name"] and rank not in have and seen.get("alloc") not in alive:
+            if name == m["name"] and rank not in have and not seen.get("gone") and seen.get("alloc") not in alive:
                 cause = f"its host {seen.get('host')} does not answer (allocator {seen.get('alloc')})"
                 m["procs"].append(
                     {**seen, "rank": rank, "state": "failed", "proc_state": "unknown", "activity": "", "cause": cause, "log": ""}
@@ -222,7 +227,8 @@ class MeshManager:
         if proc is not None:
             info = {k: proc.get(k) for k in ("host", "pid", "state", "cause")}
         elif (mesh, rank) in self._seen:
-            info = {**self._seen[(mesh, rank)], "state": "stopped"}
+            info = {k: v for k, v in self._seen[(mesh, rank)].items() if k != "gone"}
+            info["state"] = "stopped"
             info["cause"] = info.get("cause") or "its mesh was stopped"
         else:
             info = {"host": "", "pid": None, "state": "stopped", "cause": "not running"}
