@@ -29,6 +29,13 @@ STATE_COLOURS = {
     "stopped": "#8c959f",
     "unknown": "#afb8c1",
 }
+#: the states every legend shows (dashboard, sidebar, grids), in this order
+LEGEND = ("idle", "busy", "paused", "failed", "stopped")
+#: what a mesh with a failed rank is, as a whole (Monarch's semantics), and what to do about it
+FAILED_MESH = "failed (healthy ranks still callable; new spawns refused)"
+FAILED_MESH_HINT = (
+    "read the failed ranks' logs for why, then stop the mesh and spawn it again (%mesh stop NAME; %mesh spawn NAME ...)"
+)
 
 _CSS = """<style>
 .mnb-vm { font-family: var(--jp-code-font-family, monospace); font-size: 12px; }
@@ -127,6 +134,21 @@ def rank_state(proc: dict[str, Any] | None) -> tuple[str, str]:
     if proc.get("busy"):
         return "busy", str(proc.get("activity") or "busy")
     return "idle", ""
+
+
+def mesh_state(states: Sequence[str]) -> tuple[str, str, str]:
+    """``(state, label, hint)`` of a whole mesh from its ranks' states: one failed rank fails
+    the mesh (its label says what still works); otherwise the most telling of its ranks' states."""
+    present = set(states)
+    if not present:
+        return "unknown", "unknown", ""
+    if "failed" in present:
+        return "failed", FAILED_MESH, FAILED_MESH_HINT
+    for s in ("stopped", "starting", "paused", "busy", "idle"):
+        if s in present and (s != "stopped" or present == {"stopped"}):
+            return s, s, ""
+    # some stopped, the rest in states not listed above
+    return "unknown", ", ".join(sorted(present)), ""
 
 
 def _grid_columns(sizes: Sequence[int], n: int) -> int:

@@ -191,9 +191,9 @@ def test_sidebar_shows_a_mesh_spawned_from_a_notebook(page, lab) -> None:
     expect(ranks).to_have_count(4)
     for r in range(4):
         rank = mesh.locator(f'.mnb-rank[data-rank="{r}"]')
-        expect(rank).to_have_class(re.compile(r"\bmnb-state-running\b"))
-        expect(rank).to_have_attribute("title", re.compile(rf"rank {r} \(running\)\nhost \S+, pid \d+"))
-    expect(mesh.locator(".mnb-badge")).to_have_text("running")
+        expect(rank).to_have_class(re.compile(r"\bmnb-state-(idle|busy)\b"))
+        expect(rank).to_have_attribute("title", re.compile(rf"rank {r} \((idle|busy)[^)]*\)\nhost \S+, pid \d+"))
+    expect(mesh.locator(".mnb-badge")).to_have_text(re.compile(r"^(idle|busy)$"))
     expect(panel.locator(".mnb-allocator.mnb-alive").first).to_be_visible()
     expect(panel.locator(".mnb-section-debug .mnb-empty")).to_be_visible()
     shot(page, "sidebar-mesh-running")
@@ -207,7 +207,7 @@ def test_sigkilled_proc_turns_red_in_the_sidebar_within_3s(page, lab) -> None:
     expect(widget_rank2).to_have_class(re.compile(r"\bmnb-state-(idle|busy)\b"), timeout=60_000)
     panel = open_sidebar(page)
     rank2 = panel.locator('.mnb-mesh[data-mesh="victim"] .mnb-rank[data-rank="2"]')
-    expect(rank2).to_have_class(re.compile(r"\bmnb-state-running\b"))
+    expect(rank2).to_have_class(re.compile(r"\bmnb-state-(idle|busy)\b"))
     pid = mesh_pids("victim")[2]
 
     os.kill(pid, signal.SIGKILL)
@@ -228,7 +228,7 @@ def test_sigkilled_proc_turns_red_in_the_sidebar_within_3s(page, lab) -> None:
     # the other ranks are still running
     for r in (0, 1, 3):
         expect(panel.locator(f'.mnb-mesh[data-mesh="victim"] .mnb-rank[data-rank="{r}"]')).to_have_class(
-            re.compile(r"\bmnb-state-running\b")
+            re.compile(r"\bmnb-state-(idle|busy)\b")
         )
 
 
@@ -236,7 +236,7 @@ def test_stop_mesh_from_the_sidebar(page, lab) -> None:
     spawn_from_notebook(page, lab, "stopme")
     panel = open_sidebar(page)
     mesh = panel.locator('.mnb-mesh[data-mesh="stopme"]')
-    expect(mesh.locator(".mnb-rank.mnb-state-running")).to_have_count(4)
+    expect(mesh.locator(".mnb-rank:is(.mnb-state-idle, .mnb-state-busy)")).to_have_count(4)
     pids = mesh_pids("stopme")
     assert len(pids) == 4
 
@@ -333,7 +333,7 @@ def test_sidebar_stays_responsive_during_a_100k_line_flood(page, lab, tmp_path) 
         assert worst < 2.0, f"the page took {worst:.1f} s to answer during the flood"
         # and the sidebar still refreshes: the last lines and the states are there
         expect(panel.locator(".mnb-section-logs")).to_contain_text("flood rank 3 done", timeout=10_000)
-        expect(panel.locator('.mnb-mesh[data-mesh="flood"] .mnb-rank.mnb-state-running')).to_have_count(4)
+        expect(panel.locator('.mnb-mesh[data-mesh="flood"] .mnb-rank:is(.mnb-state-idle, .mnb-state-busy)')).to_have_count(4)
         assert panel.locator(".mnb-section-logs .mnb-log-line").count() <= 100
         shot(page, "sidebar-after-flood")
     finally:

@@ -189,9 +189,26 @@ def test_status_logs_of_a_crashed_proc_and_stop(k: Kernel) -> None:
     _ok(k.run("%mesh spawn lg --per-host gpus=2"))
     _ok(k.run("%%mesh exec lg\nimport os\nprint('before the crash', os.getpid())"))
     html = next(m for m in _ok(k.run("%mesh status")).msgs if m["msg_type"] == "execute_result")["content"]["data"]["text/html"]
-    assert "lg (persistent)" in html and "mnb-state-running" in html
+    assert "lg (persistent)" in html and re.search(r"mnb-state-(idle|busy)", html)
     pid = int(_ok(k.run("lg._procs[1].pid")).result)
     os.kill(pid, signal.SIGKILL)
+    # %mesh status and the sidebar tell one story: the mesh as a whole is failed, rank 1 failed, 0 idle
+    from conftest import wait_for
+
+    from monarch_nb.server.manager import MeshManager
+
+    failed = "failed (healthy ranks still callable; new spawns refused)"
+
+    def status_says_failed() -> str | None:
+        t = _ok(k.run("%mesh status")).result
+        return t if failed in t else None
+
+    text = wait_for(status_says_failed, 15, "%mesh status to say failed")
+    assert re.search(r"lg \(persistent\)\s+this kernel\s+1\s+failed\s+\d+\s+process \d+ was killed by SIGKILL", text), text
+    assert "%mesh stop lg" in text, text
+    side = next(m for m in MeshManager().state()["meshes"] if m["name"] == "lg")
+    assert side["label"] == failed and [p["state"] for p in side["procs"]] == ["idle", "failed"]
+    assert re.search(r"lg \(persistent\)\s+this kernel\s+0\s+idle", text), text
     c = _ok(k.run("%mesh logs lg --rank 1"))
     assert f"[1] before the crash {pid}" in c.stream()
     c = _ok(k.run("%mesh stop lg"))

@@ -14,6 +14,7 @@ import psutil
 import pytest
 from conftest import PY, run_script, wait_for
 
+from monarch_nb._meshhtml import STATE_COLOURS
 from monarch_nb.errors import MeshError
 
 
@@ -70,7 +71,11 @@ def test_manager_shows_meshes_ranks_logs_and_failures_then_stops(manager, fault_
         m = _mesh(state, name)
         assert m is not None, state
         assert [p["rank"] for p in m["procs"]] == [0, 1, 2]
-        assert {p["state"] for p in m["procs"]} == {"running"}
+        # the dashboard's states and legend, not the allocator's "running"
+        assert {p["state"] for p in m["procs"]} <= {"idle", "busy"} and m["state"] in ("idle", "busy")
+        assert list(state["legend"]) == ["idle", "busy", "paused", "failed", "stopped"]
+        assert state["legend"] == {s: STATE_COLOURS[s] for s in state["legend"]}
+        assert state["local_allocator"] is True
         assert sorted(p["pid"] for p in m["procs"]) == sorted(v for _, v in pids.items())
         assert "printer" in m["actors"]
         assert state["debug_sessions"] == []
@@ -96,18 +101,71 @@ def test_manager_shows_meshes_ranks_logs_and_failures_then_stops(manager, fault_
 
         mm = wait_for(failed, 10, "rank 1 to show as failed")
         assert "SIGKILL" in mm["procs"][1]["cause"]
-        assert mm["state"] == "failed"
-        assert [p["state"] for p in mm["procs"]][::2] == ["running", "running"]
+        # failed as a whole, in the same words as the dashboard and %mesh status, with what to do
+        assert (mm["state"], mm["label"]) == ("failed", "failed (healthy ranks still callable; new spawns refused)")
+        assert "%mesh stop" in mm["hint"]
+        assert [p["state"] for p in mm["procs"]][::2] == ["idle", "idle"]
+        # a rank's log view says where it ran and how it died
+        dead = manager.rank_log(name, 1)["proc"]
+        assert dead["pid"] == victim and dead["state"] == "failed" and "SIGKILL" in dead["cause"] and dead["host"]
 
         out = manager.stop_mesh(name)
         assert out["stopped_procs"] >= 2
-        assert _mesh(manager.state(), name) is None
+        after = manager.state()
+        assert _mesh(after, name) is None
+        # the stopped mesh's recent lines stay in the sidebar
+        assert {(name, r) for r in range(3)} <= {(ln["mesh"], ln["rank"]) for ln in after["logs"]}
+        gone = manager.rank_log(name, 0)["proc"]
+        assert gone["state"] == "stopped" and gone["pid"] == m["procs"][0]["pid"]
+        # the same name spawned again, smaller: the old ranks are history, not lost ranks of the new mesh
+        again = _spawn(name, 1)
+        try:
+            ranks = wait_for(lambda: (mm := _mesh(manager.state(), name)) and mm["procs"], 10, "the new mesh listed")
+            assert [(p["rank"], p["state"]) for p in ranks] in ([(0, "idle")], [(0, "busy")]), ranks
+        finally:
+            again.stop().get(timeout=15)
         wait_for(lambda: all(_gone(p["pid"]) for p in mm["procs"]), 15, "the mesh's procs to exit")
     finally:
         try:
             procs.stop().get(timeout=15)
         except Exception:
             pass
+
+
+def test_a_rank_in_a_call_is_busy_in_the_sidebar_as_in_the_dashboard(manager, tmp_path) -> None:
+    from monarch_nb.actor import Actor, endpoint
+    from monarch_nb.widgets import _render
+
+    flag = tmp_path / "go"
+
+    class Waiter(Actor):
+        @endpoint
+        def wait(self, path: str) -> None:
+            import time
+
+            deadline = time.monotonic() + 30
+            while not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    name = f"busy-{uuid.uuid4().hex[:6]}"
+    procs = _spawn(name, 2)
+    try:
+        pending = procs.spawn("waiter", Waiter).slice(gpus=1).wait.call(str(flag))
+
+        def busy() -> dict | None:
+            m = _mesh(manager.state(), name)
+            return m if m and m["procs"][1]["state"] == "busy" else None
+
+        m = wait_for(busy, 15, "rank 1 to show as busy")
+        assert m["procs"][0]["state"] == "idle" and m["state"] == "busy" and "wait" in m["procs"][1]["activity"]
+        # the dashboard draws the same record the same way
+        assert _render.rank_state({"state": m["procs"][1]["proc_state"], "busy": ["waiter.wait"]})[0] == "busy"
+        flag.touch()
+        pending.get(timeout=30)
+        wait_for(lambda: _mesh(manager.state(), name)["procs"][1]["state"] == "idle", 15, "rank 1 idle again")
+    finally:
+        flag.touch()
+        procs.stop().get(timeout=15)
 
 
 def test_stop_mesh_refuses_an_attached_owners_mesh_unless_forced() -> None:
@@ -205,7 +263,8 @@ def test_rest_api_lists_starts_stops_and_reads_logs(server, fault_hook) -> None:
         assert status == 200
         assert set(state) >= {"allocators", "hosts", "meshes", "debug_sessions", "logs"}
         m = _mesh(state, name)
-        assert m is not None and [p["state"] for p in m["procs"]] == ["running", "running"]
+        assert m is not None and {p["state"] for p in m["procs"]} <= {"idle", "busy"}
+        assert state["legend"]["failed"] == STATE_COLOURS["failed"] and isinstance(state["jobs"], list)
 
         status, log = server.request("GET", f"/monarch-nb/api/meshes/{name}/ranks/0/log?tail=10")
         assert status == 200 and log["rank"] == 0 and isinstance(log["lines"], list)

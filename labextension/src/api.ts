@@ -5,7 +5,12 @@ import { ServerConnection } from '@jupyterlab/services';
 export interface IProc {
   rank: number;
   pid: number | null;
+  /** the dashboard's state: idle, busy, paused, failed, stopped (or starting, unknown) */
   state: string;
+  /** the allocator's word for the process: starting, running, failed, ... */
+  proc_state?: string;
+  activity?: string;
+  reason?: string;
   cause: string;
   host: string;
   alloc: string;
@@ -13,7 +18,12 @@ export interface IProc {
 
 export interface IMesh {
   name: string;
+  /** the mesh as a whole: failed when one rank failed */
   state: string;
+  /** what the dashboard and %mesh status say: "failed (healthy ranks still callable; new spawns refused)" */
+  label: string;
+  /** what to do about it */
+  hint: string;
   owner: string;
   labels: string[];
   sizes: number[];
@@ -59,9 +69,29 @@ export interface ILogLine {
   line: string;
 }
 
+export interface IJob {
+  name: string;
+  scheduler: string;
+  id: string;
+  /** the scheduler's state, or "lost" when it lost some of the job's hosts */
+  state: string;
+  detail: string;
+  hosts: number;
+  lost: string[];
+  age_s: number | null;
+  walltime_left_s: number | null;
+}
+
 export interface IState {
   time: number;
   runtime_dir: string;
+  /** the states the legend shows and their colours (the dashboard's) */
+  legend: { [state: string]: string };
+  /** every rank state's colour */
+  colours: { [state: string]: string };
+  /** an allocator runs on the Jupyter server's host */
+  local_allocator: boolean;
+  jobs: IJob[];
   allocators: IAllocator[];
   hosts: IHost[];
   meshes: IMesh[];
@@ -106,6 +136,13 @@ export function stopMesh(name: string): Promise<{ mesh: string; stopped_procs: n
   return request(['meshes', name, 'stop'], { method: 'POST', body: '{}' });
 }
 
-export function rankLog(mesh: string, rank: number, tail = 2000): Promise<{ lines: ILogLine[] }> {
+export interface IRankInfo {
+  host: string;
+  pid: number | null;
+  state: string;
+  cause: string;
+}
+
+export function rankLog(mesh: string, rank: number, tail = 2000): Promise<{ lines: ILogLine[]; proc: IRankInfo }> {
   return request(['meshes', mesh, 'ranks', String(rank), 'log'], {}, `?tail=${tail}`);
 }

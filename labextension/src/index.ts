@@ -13,6 +13,10 @@ class RankLogView extends Widget {
   constructor(readonly mesh: string, readonly rank: number) {
     super();
     this.addClass('mnb-RankLog');
+    // where the rank ran and how it ended
+    this._head = document.createElement('div');
+    this._head.className = 'mnb-ranklog-head';
+    this.node.appendChild(this._head);
     this._pre = document.createElement('pre');
     this._pre.className = 'mnb-ranklog-lines';
     this.node.appendChild(this._pre);
@@ -21,7 +25,13 @@ class RankLogView extends Widget {
   async load(): Promise<void> {
     this._pre.textContent = 'loading…';
     try {
-      const { lines } = await rankLog(this.mesh, this.rank);
+      const { lines, proc } = await rankLog(this.mesh, this.rank);
+      if (proc) {
+        this._head.textContent =
+          `rank ${this.rank} of ${this.mesh} · host ${proc.host || '?'} · pid ${proc.pid ?? '?'} · ${proc.state}` +
+          (proc.cause ? ` · ${proc.cause}` : '');
+        this._head.setAttribute('data-state', proc.state);
+      }
       this._pre.replaceChildren(...lines.map(formatLine));
       if (!lines.length) {
         this._pre.textContent = `rank ${this.rank} of ${this.mesh} has not printed anything`;
@@ -33,6 +43,7 @@ class RankLogView extends Widget {
   }
 
   private _pre: HTMLPreElement;
+  private _head: HTMLDivElement;
 }
 
 function formatLine(l: ILogLine): HTMLElement {

@@ -3,7 +3,7 @@
 import { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
 
-import { IAllocator, IDebugSession, IHost, ILogLine, IMesh, IState, getState } from './api';
+import { IAllocator, IDebugSession, IHost, IJob, ILogLine, IMesh, IState, getState } from './api';
 
 /** What the panel asks its host application to do (kept out of the view so it stays testable). */
 export interface ISidebarActions {
@@ -15,7 +15,7 @@ export interface ISidebarActions {
 
 export const POLL_MS = 1000;
 
-type Section = 'allocators' | 'hosts' | 'meshes' | 'debug' | 'logs';
+type Section = 'allocators' | 'hosts' | 'meshes' | 'jobs' | 'debug' | 'logs';
 
 function el<K extends keyof HTMLElementTagNameMap>(
   tag: K,
@@ -36,7 +36,7 @@ function el<K extends keyof HTMLElementTagNameMap>(
   return e;
 }
 
-/** A CSS-safe state class: mnb-state-running, mnb-state-failed, ... */
+/** A CSS-safe state class: mnb-state-idle, mnb-state-failed, ... */
 export function stateClass(state: string): string {
   return 'mnb-state-' + (state || 'unknown').replace(/[^a-z0-9_-]/gi, '-').toLowerCase();
 }
@@ -50,6 +50,13 @@ function button(cls: string, label: string, title: string, onClick: () => void):
   return b;
 }
 
+/** 75 -> "1m15s", 4000 -> "1h06m" (as %mesh jobs writes them) */
+export function duration(seconds: number): string {
+  const v = Math.max(0, Math.floor(seconds));
+  const pad = (n: number) => String(n).padStart(2, '0');
+  return v >= 3600 ? `${Math.floor(v / 3600)}h${pad(Math.floor((v % 3600) / 60))}m` : `${Math.floor(v / 60)}m${pad(v % 60)}s`;
+}
+
 export class MeshSidebar extends Widget {
   constructor(private actions: ISidebarActions) {
     super();
@@ -59,19 +66,22 @@ export class MeshSidebar extends Widget {
 
     const header = el('div', 'mnb-header');
     header.appendChild(el('h2', 'mnb-title', 'Monarch meshes'));
-    header.appendChild(
-      button('mnb-start-allocator', 'Start allocator', 'Start the embedded allocator on the Jupyter server host', () => {
-        void this.actions.startAllocator();
-      })
-    );
+    this._start = button('mnb-start-allocator', 'Start allocator', 'Start the embedded allocator on the Jupyter server host', () => {
+      void this.actions.startAllocator();
+    });
+    header.appendChild(this._start);
     this.node.appendChild(header);
     this._status = el('div', 'mnb-status', 'connecting…');
     this.node.appendChild(this._status);
+    // the dashboard's legend: the states and colours the server sends
+    this._legend = el('div', 'mnb-legend');
+    this.node.appendChild(this._legend);
 
     const titles: [Section, string][] = [
       ['allocators', 'Allocators'],
       ['hosts', 'Hosts'],
       ['meshes', 'Meshes'],
+      ['jobs', 'Jobs'],
       ['debug', 'Debug sessions'],
       ['logs', 'Recent logs']
     ];
@@ -110,9 +120,28 @@ export class MeshSidebar extends Widget {
   }
 
   render(state: IState): void {
+    // one legend for the sidebar and the dashboard: the server's colours, as CSS variables
+    for (const s of Object.keys(state.colours || {})) {
+      this.node.style.setProperty(`--mnb-${s}`, state.colours[s]);
+    }
+    const legend = JSON.stringify(state.legend || {});
+    if (legend !== this._legendJson) {
+      this._legendJson = legend;
+      this._legend.replaceChildren(
+        ...Object.keys(state.legend || {}).map(s => {
+          const item = el('span', 'mnb-legend-item', '', { 'data-state': s });
+          item.appendChild(el('span', `mnb-swatch ${stateClass(s)}`));
+          item.appendChild(document.createTextNode(s));
+          return item;
+        })
+      );
+    }
+    // no second allocator on this host: it is running already
+    this._start.style.display = state.local_allocator ? 'none' : '';
     this._renderSection('allocators', state.allocators, () => this._allocators(state.allocators));
     this._renderSection('hosts', state.hosts, () => this._hosts(state.hosts));
     this._renderSection('meshes', state.meshes, () => this._meshes(state.meshes));
+    this._renderSection('jobs', state.jobs || [], () => this._jobs(state.jobs || []));
     this._renderSection('debug', state.debug_sessions, () => this._debug(state.debug_sessions));
     this._renderSection('logs', state.logs, () => this._logs(state.logs));
   }
@@ -225,15 +254,19 @@ export class MeshSidebar extends Widget {
       const box = el('div', `mnb-mesh ${stateClass(m.state)}`, '', { 'data-mesh': m.name });
       const head = el('div', 'mnb-mesh-head');
       head.appendChild(el('span', 'mnb-name', m.name));
-      head.appendChild(el('span', `mnb-badge ${stateClass(m.state)}`, m.state));
+      head.appendChild(el('span', `mnb-badge ${stateClass(m.state)}`, m.label || m.state, { title: m.hint || '' }));
       const dims = m.labels.map((l, i) => `${l}=${m.sizes[i]}`).join(' ');
       head.appendChild(el('span', 'mnb-detail', `${dims} on ${Array.from(new Set(m.hosts)).join(', ')}`));
-      head.appendChild(
-        button('mnb-stop-mesh', 'Stop', `Stop mesh ${m.name} and its ${m.procs.length} proc(s)`, () => {
-          void this.actions.stopMesh(m);
-        })
-      );
+      const stop = button('mnb-stop-mesh', 'Stop', `Stop mesh ${m.name} and its ${m.procs.length} proc(s)`, () => {
+        void this.actions.stopMesh(m);
+      });
+      // nothing left to stop
+      stop.disabled = m.state === 'stopped';
+      head.appendChild(stop);
       box.appendChild(head);
+      if (m.hint) {
+        box.appendChild(el('div', 'mnb-hint', m.hint.split('NAME').join(m.name)));
+      }
 
       // one element per rank, laid out by the mesh's last dimension
       const grid = el('div', 'mnb-ranks');
@@ -241,7 +274,7 @@ export class MeshSidebar extends Widget {
       grid.style.gridTemplateColumns = `repeat(${Math.max(1, Math.min(cols, 16))}, 1.6em)`;
       for (const p of m.procs) {
         const tip = [
-          `rank ${p.rank} (${p.state})`,
+          `rank ${p.rank} (${p.state}${p.state === 'busy' && p.activity && p.activity !== 'busy' ? ': ' + p.activity : ''})`,
           `host ${p.host}, pid ${p.pid ?? '?'}`,
           p.cause,
           'click: open its log'
@@ -273,6 +306,29 @@ export class MeshSidebar extends Widget {
         box.appendChild(el('div', 'mnb-cause', `… and ${failed.length - 8} more failed rank(s)`));
       }
       return box;
+    });
+  }
+
+  private _jobs(jobs: IJob[]): HTMLElement[] {
+    if (!jobs.length) {
+      return this._empty('No jobs (%mesh launch, or monarch-nb job apply).');
+    }
+    return jobs.map(j => {
+      const lost = j.lost && j.lost.length > 0;
+      const row = el('div', `mnb-job${lost ? ' mnb-job-lost' : ''}`, '', { 'data-job': j.name, 'data-state': j.state });
+      row.appendChild(el('span', 'mnb-name', j.name));
+      row.appendChild(el('span', 'mnb-job-state', j.state, { title: j.detail || j.state }));
+      const bits = [
+        `${j.scheduler}${j.id ? ' ' + j.id : ''}`,
+        `${j.hosts} host(s)`,
+        j.age_s !== null && j.age_s !== undefined ? `age ${duration(j.age_s)}` : '',
+        j.walltime_left_s !== null && j.walltime_left_s !== undefined ? `${duration(j.walltime_left_s)} left` : ''
+      ].filter(Boolean);
+      row.appendChild(el('span', 'mnb-detail', ' · ' + bits.join(' · ')));
+      if (lost) {
+        row.appendChild(el('div', 'mnb-lost', `lost: ${j.lost.join(', ')}`));
+      }
+      return row;
     });
   }
 
@@ -318,6 +374,9 @@ export class MeshSidebar extends Widget {
   }
 
   private _status: HTMLElement;
+  private _start: HTMLButtonElement;
+  private _legend: HTMLElement;
+  private _legendJson = '';
   private _bodies = new Map<Section, HTMLElement>();
   private _last = new Map<Section, string>();
   private _timer: number | null = null;

@@ -58,6 +58,6 @@ def mesh_grid_html(
     recs = rank_records(procs, stopped, failed)
     note = ""
     if any(r["state"] == "failed" for r in recs) or failed:
-        note = "failed (healthy ranks still callable; new spawns refused)"
+        note = _meshhtml.FAILED_MESH
     ext = ", ".join(f"{k}: {s}" for k, s in zip(labels, sizes))
     return _meshhtml.rank_grid_html(f"{kind} {name} {{{ext}}}".replace("  ", " "), labels, sizes, recs, note)

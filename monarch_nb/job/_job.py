@@ -204,8 +204,9 @@ class JobTrait(ABC):
         return job
 
     def describe(self) -> dict[str, Any]:
-        """A one-row summary for job tables (``%mesh jobs``, ``monarch-nb job status``): scheduler,
-        id, state (asking the scheduler where there is one), hosts, age and walltime left (s)."""
+        """A one-row summary for job tables (``%mesh jobs``, ``monarch-nb job status``, the sidebar
+        and the dashboard): scheduler, id, state (asking the scheduler where there is one), hosts,
+        age, walltime left (s) and ``lost``, the hosts the scheduler lost."""
         running = self._running
         if running is None:
             return {
@@ -223,6 +224,9 @@ class JobTrait(ABC):
             "hosts": 0,
             "age_s": time.time() - running._started if running._started else None,
             "walltime_left_s": None,
+            "lost": [],
+            # where its allocators listen: the sidebar asks them for their meshes
+            "addrs": list(running._host_addrs()),
         }
         row.update(running._describe())
         return row

@@ -46,7 +46,14 @@ class ProcessJob(JobTrait):
 
     def _describe(self) -> dict[str, Any]:
         lost = sorted(s for s, h in self._hosts.items() if not pid_is(int(h["pid"]), self._dir))
-        return {"hosts": len(self._hosts), "state": f"lost: {', '.join(lost)}" if lost else "running"}
+        # the sidebar asks the live allocators only: a dead one would make every poll wait for it
+        addrs = [h["addr"] for s, h in self._hosts.items() if s not in lost]
+        return {
+            "hosts": len(self._hosts),
+            "state": f"lost: {', '.join(lost)}" if lost else "running",
+            "lost": lost,
+            "addrs": addrs,
+        }
 
     def add_mesh(self, name: str, num_hosts: int) -> None:
         self._meshes[name] = num_hosts

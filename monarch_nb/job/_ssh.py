@@ -124,7 +124,14 @@ class SSHJob(JobTrait):
 
     def _describe(self) -> dict[str, Any]:
         lost = sorted(h for h, info in self._hosts.items() if not _listening(info["tcp"], timeout=1.0))
-        return {"hosts": len(self._hosts), "state": f"lost: {', '.join(lost)}" if lost else "running"}
+        # the sidebar asks the live allocators only: a dead one would make every poll wait for it
+        addrs = [info["tcp"] for h, info in self._hosts.items() if h not in lost and info.get("tcp")]
+        return {
+            "hosts": len(self._hosts),
+            "state": f"lost: {', '.join(lost)}" if lost else "running",
+            "lost": lost,
+            "addrs": addrs,
+        }
 
     def add_mesh(self, name: str, hosts: list[str]) -> None:
         self._meshes[name] = list(hosts)

@@ -467,6 +467,7 @@ class KubernetesJob(JobTrait):
             row["state"] = f"unknown ({type(e).__name__}: {e})"[:120]
             return row
         row["state"] = f"lost: {', '.join(lost)}" if lost else "running"
+        row["lost"] = lost
         return row
 
 

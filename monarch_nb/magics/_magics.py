@@ -13,6 +13,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from .. import logs as _logs
 from .. import mesh as _mesh
 from ..actor import controller_client
+from ..errors import AuthenticationError, ConfigError, ConnectError, DebugError, MeshError, ProtocolError
 from . import _jobs
 
 _SUMMARY = """\
@@ -166,7 +167,11 @@ class MeshMagics(Magics):
         from ..debug import quiet
 
         with quiet():
-            return run(args, cell)
+            try:
+                return run(args, cell)
+            except _ONE_LINE as e:
+                # housekeeping failed: say why in one line, as IPython says a usage error
+                raise UsageError(f"%mesh {sub}: {e}") from None
 
     # ------------------------------------------------------------ subcommands
     def _bind(self, name: str, value: Any) -> None:
@@ -293,7 +298,28 @@ class MeshMagics(Magics):
     def _do_dashboard(self, args: argparse.Namespace, cell: str | None) -> Any:
         from ..widgets import Dashboard
 
-        return Dashboard(_mesh._resolve(args.name), interval=args.interval)
+        return Dashboard(self._find_proc_mesh(args.name), interval=args.interval)
+
+    def _find_proc_mesh(self, name: str | None) -> Any:
+        """A named mesh: this controller's, a notebook variable (or the mesh a variable holds,
+        spawned through the Python API), else one running on this host's allocator."""
+        from ..actor import ActorMesh, ProcMesh
+
+        if not name or name in _mesh.meshes():
+            return _mesh._resolve(name)
+        ns = self.shell.user_ns  # type: ignore[union-attr]
+        v = ns.get(name)
+        if isinstance(v, ActorMesh) and v._proc_mesh is not None:
+            v = v._proc_mesh
+        if isinstance(v, ProcMesh):
+            return v
+        for v in list(ns.values()):
+            if isinstance(v, ProcMesh) and v.name == name and not v._stopped:
+                return v
+        try:
+            return ProcMesh.lookup(name)
+        except Exception:
+            return _mesh._resolve(name)  # its error lists the meshes there are
 
     def _do_stacks(self, args: argparse.Namespace, cell: str | None) -> Any:
         from .. import debug
@@ -322,6 +348,10 @@ class MeshMagics(Magics):
 
 
 _watcher: Any = None
+
+#: errors a housekeeping subcommand reports as one line, not as a library traceback (a call's
+#: ActorError and SupervisionError keep theirs: that traceback is the user's code)
+_ONE_LINE = (MeshError, ConnectError, ConfigError, DebugError, ProtocolError, AuthenticationError)
 
 
 def _running_cell_number(shell: Any) -> int:

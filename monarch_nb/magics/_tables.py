@@ -5,14 +5,22 @@ from __future__ import annotations
 import html
 from typing import Any
 
+from .. import _meshhtml
 from .._ranks import format_ranks
 
 _COLUMNS = ("host", "allocator", "mesh", "owner", "ranks", "state", "pids", "detail")
 
 
 def status_rows(snapshot: dict[str, Any], my_cid: str = "") -> list[dict[str, str]]:
-    """One row per (allocator, mesh, state): ranks that share a state are grouped."""
+    """One row per (allocator, mesh, state): ranks that share a state are grouped. The states
+    are the sidebar's and the dashboard's (idle, busy, paused, failed, stopped); a mesh with a
+    failed rank gets a first row saying what the mesh as a whole is, and what to do."""
     rows: list[dict[str, str]] = []
+    paused = {
+        (str(d.get("mesh", "")), int(d.get("rank", -1)))
+        for d in snapshot.get("debug_sessions", [])
+        if d.get("state", "paused") == "paused"
+    }
     for a in snapshot.get("allocators", []):
         host = str(a.get("host", "?"))
         alloc = str(a.get("tcp") or a.get("addr", ""))
@@ -26,15 +34,32 @@ def status_rows(snapshot: dict[str, Any], my_cid: str = "") -> list[dict[str, st
         for m in meshes:
             by_state: dict[str, list[dict[str, Any]]] = {}
             for p in m["procs"]:
-                by_state.setdefault(p["state"], []).append(p)
+                state = _meshhtml.rank_state(p)[0]
+                if state in ("idle", "busy") and (m["name"], int(p["rank"])) in paused:
+                    state = "paused"
+                by_state.setdefault(state, []).append(p)
             owner = "this kernel" if my_cid and m["owner"] == my_cid else m["owner"][:8]
+            mesh_label = m["name"] + ("" if not m.get("persist") else " (persistent)")
+            whole, label, hint = _meshhtml.mesh_state(list(by_state))
+            if whole == "failed":
+                rows.append(
+                    {
+                        "host": host,
+                        "allocator": alloc,
+                        "mesh": mesh_label,
+                        "owner": owner,
+                        "ranks": format_ranks(p["rank"] for p in m["procs"]),
+                        "state": label,
+                        "detail": hint.replace("NAME", m["name"]),
+                    }
+                )
             for state, ps in by_state.items():
                 causes = sorted({p["cause"] for p in ps if p.get("cause")})
                 rows.append(
                     {
                         "host": host,
                         "allocator": alloc,
-                        "mesh": m["name"] + ("" if not m.get("persist") else " (persistent)"),
+                        "mesh": mesh_label,
                         "owner": owner,
                         "ranks": format_ranks(p["rank"] for p in ps),
                         "state": state,
@@ -55,13 +80,8 @@ def status_text(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
-_STATE_COLOURS = {
-    "running": "#1a7f37",
-    "failed": "#cf222e",
-    "unreachable": "#cf222e",
-    "stopping": "#9a6700",
-    "starting": "#9a6700",
-}
+#: the sidebar's and the dashboard's colours (one legend), and an allocator nobody reaches
+_STATE_COLOURS = {**_meshhtml.STATE_COLOURS, "unreachable": _meshhtml.STATE_COLOURS["failed"]}
 
 
 def status_html(rows: list[dict[str, str]]) -> str:
@@ -74,8 +94,10 @@ def status_html(rows: list[dict[str, str]]) -> str:
         for c in _COLUMNS:
             v = html.escape(r.get(c, ""))
             if c == "state":
-                colour = _STATE_COLOURS.get(r.get(c, ""), "inherit")
-                v = f'<span class="mnb-state mnb-state-{v}" style="color:{colour}">{v}</span>'
+                # the whole-mesh row's label ("failed (healthy ranks ...)") takes its first word's colour
+                key = r.get(c, "").split(" ")[0]
+                colour = _STATE_COLOURS.get(key, "inherit")
+                v = f'<span class="mnb-state mnb-state-{html.escape(key)}" style="color:{colour}">{v}</span>'
             cells.append(f"<td>{v}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     return f'<table class="mnb-status"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'

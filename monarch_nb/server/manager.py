@@ -8,11 +8,14 @@ worker thread.
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import threading
 import time
 from typing import Any
+
+from .. import _meshhtml
 
 #: recent log lines: at most this many per rank, from at most this many ranks, this many in all
 _LOG_TAIL_PER_RANK = 5
@@ -23,8 +26,10 @@ _LOG_TAIL_BYTES = 16 * 1024
 #: concurrent polls (several browser tabs) within this many seconds share one snapshot
 _SNAPSHOT_TTL = 0.25
 
-#: the order in which a mesh's proc states win when hosts disagree (worst first)
-_STATE_RANK = {"failed": 0, "stopping": 1, "starting": 2, "running": 3, "stopped": 4}
+#: ranks remembered after their mesh stopped (for their log view), at most
+_SEEN_MAX = 10_000
+#: jobs are asked of their schedulers (squeue, ssh probes) at most this often
+_JOBS_TTL = 5.0
 
 
 class MeshManager:
@@ -34,6 +39,12 @@ class MeshManager:
         self._lock = threading.Lock()
         self._snap: dict[str, Any] | None = None
         self._snap_at = 0.0
+        self._jobs: list[dict[str, Any]] = []
+        self._jobs_at = -_JOBS_TTL
+        #: (mesh, rank) -> host, pid, state and cause when last seen, for a log view after the mesh stopped
+        self._seen: dict[tuple[str, int], dict[str, Any]] = {}
+        #: recent log lines seen in earlier polls: they outlive the mesh that printed them
+        self._recent: collections.OrderedDict[tuple[Any, ...], dict[str, Any]] = collections.OrderedDict()
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
@@ -54,7 +65,9 @@ class MeshManager:
         from monarch_nb.config import runtime_dir
         from monarch_nb.introspect import status
 
-        raw = status()
+        jobs = self._job_rows()
+        # a job's allocators keep their connection files in the job's own directory: ask them by address
+        raw = status(sorted({a for j in jobs for a in j["addrs"]}) or None)
         allocators: list[dict[str, Any]] = []
         meshes: dict[str, dict[str, Any]] = {}
         debug: list[dict[str, Any]] = []
@@ -83,7 +96,8 @@ class MeshManager:
             for d in a.get("debug_sessions", []):
                 debug.append({**d, "alloc": addr, "host": d.get("host", host)})
         # connection files whose daemon is gone: listed so a user sees why nothing answers
-        for info in list_allocators():
+        local = list_allocators()
+        for info in local:
             if not info["alive"] and (info.get("host"), info.get("pid")) not in seen_pids:
                 allocators.append(
                     {
@@ -99,20 +113,79 @@ class MeshManager:
                         "meshes": [],
                     }
                 )
+        paused = {(str(d.get("mesh", "")), int(d.get("rank", -1))) for d in debug if d.get("state", "paused") == "paused"}
         mesh_list = sorted(meshes.values(), key=lambda m: m["name"])
+        alive = {a["addr"] for a in allocators if a["alive"]}
         for m in mesh_list:
+            m.pop("states")
+            self._add_lost_ranks(m, alive)
             m["procs"].sort(key=lambda p: p["rank"])
-            m["state"] = _mesh_state(m)
+            for p in m["procs"]:
+                if p["state"] in ("idle", "busy") and (m["name"], p["rank"]) in paused:
+                    p["state"], p["reason"] = "paused", "paused at a breakpoint"
+            # the dashboard's and %mesh status's words for the mesh as a whole
+            m["state"], m["label"], m["hint"] = _meshhtml.mesh_state([p["state"] for p in m["procs"]])
+            for p in m["procs"]:
+                self._seen.pop((m["name"], p["rank"]), None)  # newest last: the oldest go first
+                self._seen[(m["name"], p["rank"])] = {k: p.get(k) for k in ("host", "pid", "state", "cause", "alloc")}
+        # a mesh no longer listed was stopped: its ranks are history, never a later same-named mesh's lost ranks
+        listed = {m["name"] for m in mesh_list}
+        for (name, _rank), seen in self._seen.items():
+            if name not in listed:
+                seen["gone"] = True
+        while len(self._seen) > _SEEN_MAX:
+            del self._seen[next(iter(self._seen))]
+        me = socket.gethostname()
         return {
             "time": raw["time"],
-            "server_host": socket.gethostname(),
+            "server_host": me,
             "runtime_dir": runtime_dir(),
+            # one legend for the sidebar, the dashboard and the notebook's grids
+            "legend": {s: _meshhtml.STATE_COLOURS[s] for s in _meshhtml.LEGEND},
+            "colours": dict(_meshhtml.STATE_COLOURS),
+            # this runtime directory's own allocator ("Start allocator" starts it; a job's are not it)
+            "local_allocator": any(a["alive"] and a.get("host") == me for a in local),
             "allocators": allocators,
             "hosts": _hosts(allocators, mesh_list),
             "meshes": mesh_list,
             "debug_sessions": debug,
-            "logs": _recent_logs(mesh_list),
+            "logs": self._keep_logs(_recent_logs(mesh_list)),
+            "jobs": jobs,
         }
+
+    def _add_lost_ranks(self, m: dict[str, Any], alive: set[str]) -> None:
+        """A rank seen before whose allocator no longer answers (its host died, or is cut off)
+        is failed, as the dashboard draws it: its allocator cannot list it any more."""
+        have = {p["rank"] for p in m["procs"]}
+        for (name, rank), seen in list(self._seen.items()):
+            if name == m["name"] and rank not in have and not seen.get("gone") and seen.get("alloc") not in alive:
+                cause = f"its host {seen.get('host')} does not answer (allocator {seen.get('alloc')})"
+                m["procs"].append(
+                    {**seen, "rank": rank, "state": "failed", "proc_state": "unknown", "activity": "", "cause": cause, "log": ""}
+                )
+
+    def _keep_logs(self, fresh: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The newest lines of this poll and earlier ones, in time order: a stopped mesh's
+        last lines stay in view (a stopped mesh is no longer listed, so its files are not read)."""
+        for r in fresh:
+            self._recent[(r["ts"], r["mesh"], r["rank"], r["stream"], r["line"])] = r
+        rows = sorted(self._recent.values(), key=lambda r: r["ts"])[-_LOG_RECENT:]
+        self._recent = collections.OrderedDict(((r["ts"], r["mesh"], r["rank"], r["stream"], r["line"]), r) for r in rows)
+        return rows
+
+    def _job_rows(self) -> list[dict[str, Any]]:
+        """``monarch_nb.job``'s records with their scheduler state, asked at most every few seconds."""
+        if time.monotonic() - self._jobs_at < _JOBS_TTL:
+            return self._jobs
+        from monarch_nb.job import list_jobs
+
+        try:
+            rows = list_jobs()
+        except Exception as e:  # the sidebar shows what it can
+            rows = [{"name": "?", "scheduler": "?", "id": "", "state": f"unknown: {type(e).__name__}: {e}", "hosts": 0}]
+        self._jobs = [job_row(r) for r in rows]
+        self._jobs_at = time.monotonic()
+        return self._jobs
 
     # ------------------------------------------------------------------ actions
     def start_allocator(self) -> dict[str, Any]:
@@ -137,13 +210,30 @@ class MeshManager:
 
     def rank_log(self, mesh: str, rank: int, tail: int | None = 500, alloc: str | None = None) -> dict[str, Any]:
         """The captured output of one rank, kept by its allocator (also after it crashed)."""
+        from monarch_nb.errors import MeshError
         from monarch_nb.introspect import logs
 
         if tail is not None and tail < 0:
             raise ValueError(f"tail must be >= 0, got {tail}")
         self._check_alloc(alloc)
-        lines = logs(mesh, rank, tail=tail, addr=alloc or None)
-        return {"mesh": mesh, "rank": rank, "lines": lines}
+        try:
+            lines = logs(mesh, rank, tail=tail, addr=alloc or None)
+        except MeshError:
+            if (mesh, rank) not in self._seen:
+                raise
+            # its allocator dropped a stopped mesh's logs: what this server kept of them
+            lines = [r for r in self._recent.values() if r["mesh"] == mesh and r["rank"] == rank]
+        proc = next((p for m in self.state()["meshes"] if m["name"] == mesh for p in m["procs"] if p["rank"] == rank), None)
+        if proc is not None:
+            info = {k: proc.get(k) for k in ("host", "pid", "state", "cause")}
+        elif (mesh, rank) in self._seen:
+            info = {k: v for k, v in self._seen[(mesh, rank)].items() if k != "gone"}
+            info["state"] = "stopped"
+            info["cause"] = info.get("cause") or "its mesh was stopped"
+        else:
+            info = {"host": "", "pid": None, "state": "stopped", "cause": "not running"}
+        # how it died, in the words of the rank's state ("killed by SIGKILL", "exited with code 3")
+        return {"mesh": mesh, "rank": rank, "lines": lines, "proc": info}
 
     def _check_alloc(self, alloc: str | None) -> None:
         """A request names only an allocator this server knows: it never connects where a URL says."""
@@ -186,7 +276,10 @@ def _merge_mesh(meshes: dict[str, dict[str, Any]], m: dict[str, Any], addr: str,
             {
                 "rank": p["rank"],
                 "pid": p.get("pid"),
-                "state": p.get("state", "unknown"),
+                # the dashboard's states (idle, busy, paused, failed, stopped), not the allocator's
+                "state": _meshhtml.rank_state(p)[0],
+                "proc_state": p.get("state", "unknown"),
+                "activity": p.get("activity") or "",
                 "cause": p.get("cause") or "",
                 "host": host,
                 "alloc": addr,
@@ -195,11 +288,22 @@ def _merge_mesh(meshes: dict[str, dict[str, Any]], m: dict[str, Any], addr: str,
         )
 
 
-def _mesh_state(m: dict[str, Any]) -> str:
-    states = [s for s in m.pop("states") if s]
-    if not states:
-        return "unknown"
-    return min(states, key=lambda s: _STATE_RANK.get(s, 99))
+def job_row(r: dict[str, Any]) -> dict[str, Any]:
+    """A job record for the sidebar and the dashboard: the hosts the scheduler lost listed apart."""
+    state = str(r.get("state", ""))
+    lost = list(r.get("lost") or [])
+    return {
+        "name": str(r.get("name", "")),
+        "scheduler": str(r.get("scheduler", "?")),
+        "id": str(r.get("id", "")),
+        "state": "lost" if lost else state,
+        "detail": state,
+        "hosts": r.get("hosts", 0),
+        "lost": lost,
+        "age_s": r.get("age_s"),
+        "walltime_left_s": r.get("walltime_left_s"),
+        "addrs": [str(a) for a in r.get("addrs") or []],
+    }
 
 
 def _hosts(allocators: list[dict[str, Any]], meshes: list[dict[str, Any]]) -> list[dict[str, Any]]:

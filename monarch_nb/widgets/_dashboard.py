@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import collections
+import html
+import re
 import threading
 import time
 from typing import Any
 
 import ipywidgets as W
 
-from .. import introspect, telemetry
+from .. import _meshhtml, introspect, telemetry
 from .._ranks import parse_ranks
 from ..actor import ProcMesh, controller_client
-from ..logs import format_line
+from ..logs import Aggregator
 from . import _render
+
+#: the line of a many-rank error that says which ranks failed
+_RANKS_LINE = re.compile(r" on \d+ of \d+ ranks")
+
+#: jobs are asked of their schedulers (squeue, ssh probes) at most this often
+JOBS_EVERY = 5.0
 
 BUSY_NOTE = (
     "Buttons act only while the kernel is idle: a running cell holds the kernel. "
@@ -40,14 +48,18 @@ class Dashboard(W.VBox):
         self.interval = interval
         #: endpoint latency per rank over ``window``; a rank over ``straggler_factor`` x the others' median is flagged
         self.straggler_factor, self.window = straggler_factor, window
-        self._lines: collections.deque[tuple[int, str]] = collections.deque(maxlen=tail)
+        self._lines: collections.deque[tuple[int, str, float, str, str]] = collections.deque(maxlen=tail)
         self._errors: list[str] = []
+        self._error_spans: set[tuple[Any, ...]] = set()
+        self._jobs_at = -JOBS_EVERY
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.header = W.HTML()
         self.grid_view = W.HTML()
         self.hosts_view = W.HTML()
         self.latency_view = W.HTML()
+        self.jobs_view = W.HTML()
+        self.stacks_view = W.HTML(layout=W.Layout(max_height="400px", overflow="auto"))
         self.rank_filter = W.Text(placeholder="ranks, e.g. 0-3", description="log ranks", layout=W.Layout(width="260px"))
         self.log_view = W.HTML(layout=W.Layout(max_height="220px", overflow="auto"))
         self.errors_view = W.HTML()
@@ -62,6 +74,8 @@ class Dashboard(W.VBox):
         self._sids: tuple[str, ...] = ()
         self.stop_button = W.Button(description="stop mesh", button_style="danger", tooltip=BUSY_NOTE)
         self.refresh_button = W.Button(description="refresh", tooltip=BUSY_NOTE)
+        self.stacks_button = W.Button(description="stacks", tooltip="the Python stack of every rank, merged. " + BUSY_NOTE)
+        self.stacks_button.on_click(lambda _b: self._show_stacks())
         note = W.HTML(f'<span style="color:#57606a">{BUSY_NOTE}</span>')
         self.stop_button.on_click(lambda _b: self._stop_mesh())
         self.refresh_button.on_click(lambda _b: self.refresh())
@@ -73,9 +87,11 @@ class Dashboard(W.VBox):
                 W.HTML(_render.legend_html()),
                 self.grid_view,
                 self.hosts_view,
+                self.jobs_view,
                 self.latency_view,
-                W.HBox([self.refresh_button, self.stop_button]),
+                W.HBox([self.refresh_button, self.stacks_button, self.stop_button]),
                 note,
+                self.stacks_view,
                 self.rank_filter,
                 self.log_view,
                 self.debug_view,
@@ -86,6 +102,7 @@ class Dashboard(W.VBox):
         self.add_class("mnb-dash")
         self._client = controller_client()
         self._client.log_taps.append(self._on_lines)
+        self._watch_cells()
         self.refresh()
         self._thread = threading.Thread(target=self._loop, name="monarch_nb-dashboard", daemon=True)
         self._thread.start()
@@ -132,10 +149,24 @@ class Dashboard(W.VBox):
         labels, sizes = list(pm._view.labels), list(pm._view.sizes)
         counts = collections.Counter(r["state"] for r in snap["ranks"])
         summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-        self.header.value = f"<b>mesh {pm.name}</b> {pm.extent} · {summary} · {time.strftime('%H:%M:%S')}"
+        # the mesh as a whole, in the sidebar's and %mesh status's words
+        state, label, hint = _meshhtml.mesh_state([r["state"] for r in snap["ranks"]])
+        if pm._stopped:
+            state, label, hint = "stopped", "stopped", ""
+        colour = _meshhtml.STATE_COLOURS.get(state, _meshhtml.STATE_COLOURS["unknown"])
+        hint_html = f' <span class="mnb-hint">{html.escape(hint.replace("NAME", pm.name))}</span>' if hint else ""
+        self.header.value = (
+            f"<b>mesh {html.escape(pm.name)}</b> {pm.extent} · "
+            f'<span class="mnb-mesh-state mnb-state-{state}" data-state="{state}" style="color:{colour};font-weight:600">'
+            f"{html.escape(label)}</span> · {summary} · {time.strftime('%H:%M:%S')}{hint_html}"
+        )
+        # nothing left to stop
+        self.stop_button.disabled = state == "stopped"
+        self.stacks_button.disabled = state == "stopped"
         self.grid_view.value = _render.grid_html(snap["ranks"], labels, sizes)
         self.hosts_view.value = _render.hosts_html(snap["hosts"])
         self._render_latency()
+        self._render_jobs()
         self._render_debug(snap["debug"])
         with self._lock:
             for r in snap["ranks"]:
@@ -152,20 +183,82 @@ class Dashboard(W.VBox):
             rows = telemetry.query_records(
                 pm._procs[0].mesh, since=self.window, addresses=sorted({p.alloc for p in pm._procs if p.alloc}), timeout=2.0
             )
+            self._span_errors(rows)
             slow = telemetry.stragglers(rows, self.straggler_factor)
             self.latency_view.value = _render.latency_html(rows, slow, self.straggler_factor, self.window)
         except Exception as e:  # latency is extra: the rest of the dashboard stays live
             self.latency_view.value = f'<span class="mnb-errors">latency unavailable: {e}</span>'
 
+    def _span_errors(self, rows: list[dict[str, Any]]) -> None:
+        """Endpoint calls that raised on a rank (whoever called them) join the errors."""
+        with self._lock:
+            for s in rows:
+                if s.get("outcome") != "error":
+                    continue
+                # the start moves with each query's clock-offset estimate; the duration, measured in the proc, does not
+                key = (s.get("pid"), s.get("rank"), s.get("name"), s.get("duration"))
+                if key in self._error_spans:
+                    continue
+                self._error_spans.add(key)
+                at = time.strftime("%H:%M:%S", time.localtime(float(s.get("start") or 0)))
+                self._errors.append(f"{at} rank {s.get('rank')} on {s.get('host')}: endpoint {s.get('name')} raised")
+
+    def _render_jobs(self) -> None:
+        if time.monotonic() - self._jobs_at < JOBS_EVERY:
+            return
+        self._jobs_at = time.monotonic()
+        try:
+            from ..job import list_jobs
+
+            self.jobs_view.value = _render.jobs_html(list_jobs())
+        except Exception as e:  # jobs are extra: the rest of the dashboard stays live
+            self.jobs_view.value = f'<span class="mnb-errors">jobs unavailable: {html.escape(str(e))}</span>'
+
+    def _watch_cells(self) -> None:
+        """Errors raised by this notebook's cells (a call, ``%%mesh exec``, a spawn) join the errors."""
+        try:
+            from IPython import get_ipython
+        except ImportError:
+            return
+        shell = get_ipython()
+        if shell is None:
+            return
+        self._shell = shell
+        shell.events.register("post_run_cell", self._on_cell)
+
+    def _on_cell(self, result: Any) -> None:
+        from ..errors import MonarchNBError
+
+        err = getattr(result, "error_in_exec", None)
+        if err is None or not isinstance(err, MonarchNBError):
+            return
+        n = getattr(result, "execution_count", None)
+        # Monarch's headline and the rank count ("KeyError on 4 of 16 ranks: 0,4,8,12") or else the
+        # exception's own last line; the traceback is in the cell
+        lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()] or [""]
+        ranks = [ln for ln in lines[1:] if _RANKS_LINE.search(ln)]
+        head = " ".join([lines[0], *(ranks[:1] or lines[-1:] if len(lines) > 1 else [])])
+        where = f"In[{n}]" if n else "a cell"
+        with self._lock:
+            self._errors.append(f"{time.strftime('%H:%M:%S')} {where}: {type(err).__name__}: {head[:300]}")
+            self.errors_view.value = _render.errors_html(self._errors)
+
+    def _show_stacks(self) -> None:
+        from .. import debug
+
+        self.stacks_view.value = "<i>collecting the stacks of every rank…</i>"
+        try:
+            self.stacks_view.value = debug.stacks(self.mesh, timeout=5.0)._repr_html_()
+        except Exception as e:
+            self.stacks_view.value = f'<span class="mnb-errors">stacks failed: {html.escape(str(e))}</span>'
+
     def _on_lines(self, mesh: str, lines: list[tuple[int, str, float, str, str]]) -> None:
         if mesh != self.mesh.name:
             return
         with self._lock:
-            self._lines.extend((r, text) for r, _s, _t, _c, text in lines if not text.startswith("\r"))
+            self._lines.extend(ln for ln in lines if not ln[4].startswith("\r"))
 
     def _render_log(self) -> None:
-        import html
-
         ranks: set[int] | None = None
         f = self.rank_filter.value.strip()
         if f:
@@ -175,7 +268,11 @@ class Dashboard(W.VBox):
                 self.log_view.value = f'<span class="mnb-errors">{html.escape(str(e))}</span>'
                 return
         with self._lock:
-            rows = [format_line(r, t) for r, t in self._lines if ranks is None or r in ranks]
+            lines = [ln for ln in self._lines if ranks is None or ln[0] in ranks]
+        # aggregated as in a cell: the k-th line of each rank with one template is one line, in order
+        agg = Aggregator()
+        agg.add(self.mesh.name, lines)
+        rows = [text for _stream, text in agg.flush()]
         self.log_view.value = "<pre style='margin:0'>" + html.escape("\n".join(rows[-100:])) + "</pre>"
 
     # ------------------------------------------------------------ debug sessions
@@ -196,8 +293,6 @@ class Dashboard(W.VBox):
         self.debug_view.children = rows
 
     def _attach(self, actor: str, rank: int) -> None:
-        import html
-
         from .. import debug
 
         try:
@@ -211,8 +306,6 @@ class Dashboard(W.VBox):
         self.console.layout.display = ""
 
     def _console_send(self) -> None:
-        import html
-
         cmd = self.console_in.value.strip()
         if not cmd or self._dbg is None:
             return
@@ -242,6 +335,12 @@ class Dashboard(W.VBox):
 
     def close(self) -> None:
         self._stop.set()
+        shell = getattr(self, "_shell", None)
+        if shell is not None:
+            try:
+                shell.events.unregister("post_run_cell", self._on_cell)
+            except ValueError:
+                pass
         if self._on_lines in self._client.log_taps:
             self._client.log_taps.remove(self._on_lines)
         super().close()

@@ -84,11 +84,51 @@ def grid_html(ranks: list[dict[str, Any]], labels: list[str], sizes: list[int]) 
 
 
 def legend_html() -> str:
+    """The sidebar's legend: the same states, the same colours (``_meshhtml.LEGEND``)."""
     return (
         '<div class="mnb-legend">'
-        + "".join(f'<span><b style="color:{c}">■</b> {s}</span>' for s, c in STATE_COLOURS.items())
+        + "".join(
+            f'<span class="mnb-legend-item" data-state="{s}"><b style="color:{STATE_COLOURS[s]}">■</b> {s}</span>'
+            for s in _meshhtml.LEGEND
+        )
         + "</div>"
     )
+
+
+def _dur(v: Any) -> str:
+    if v is None:
+        return "-"
+    v = max(0, int(v))
+    return f"{v // 3600}h{v % 3600 // 60:02d}m" if v >= 3600 else f"{v // 60}m{v % 60:02d}s"
+
+
+def jobs_html(rows: list[dict[str, Any]]) -> str:
+    """``monarch_nb.job``'s jobs with their scheduler state; hosts the scheduler lost are named."""
+    if not rows:
+        return ""
+    out = []
+    for r in rows:
+        state = str(r.get("state", ""))
+        lost = list(r.get("lost") or [])
+        shown = "lost" if lost else state
+        cls = "mnb-errors" if lost or state.startswith(("unknown", "unreadable", "gone")) else ""
+        cells = (
+            html.escape(str(r.get("name", ""))),
+            html.escape(str(r.get("scheduler", "?"))),
+            html.escape(str(r.get("id", ""))),
+            f'<span class="mnb-job-state {cls}">{html.escape(shown)}</span>'
+            + (f' <span class="mnb-job-lost">({html.escape(", ".join(lost))} lost)</span>' if lost else ""),
+            html.escape(str(r.get("hosts", ""))),
+            _dur(r.get("age_s")),
+            _dur(r.get("walltime_left_s")),
+        )
+        out.append(
+            f'<tr class="mnb-job" data-job="{html.escape(str(r.get("name", "")))}" data-state="{html.escape(shown)}">'
+            + "".join(f"<td>{c}</td>" for c in cells)
+            + "</tr>"
+        )
+    head = "".join(f"<th>{c}</th>" for c in ("job", "scheduler", "id", "state", "hosts", "age", "walltime left"))
+    return f'<div class="mnb-jobs"><b>jobs</b><table><tr>{head}</tr>{"".join(out)}</table></div>'
 
 
 def hosts_html(hosts: list[dict[str, Any]]) -> str:

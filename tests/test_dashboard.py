@@ -1,0 +1,163 @@
+"""The dashboard tells the sidebar's story, through a real kernel (jupyter_client): one legend,
+a mesh with a failed rank failed as a whole, the calls' errors, an aggregated log in order, a
+stacks action, stop disabled once stopped, and jobs with a host the scheduler lost."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from html import unescape as html_unescape
+
+import pytest
+from _kernel import Kernel
+from conftest import wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+FAST = {"MONARCH_NB_ZYGOTE_PRELOAD": "", "MONARCH_NB_LEASE": "60"}
+FAILED = "failed (healthy ranks still callable; new spawns refused)"
+
+SETUP = """%load_ext monarch_nb
+from monarch_nb.actor import Actor, endpoint, current_rank, this_host
+
+class Steps(Actor):
+    @endpoint
+    def train(self, n):
+        for s in range(n):
+            print(f"step {s} loss={(n - s) * 0.1 + current_rank().rank * 0.01:.2f}", flush=True)
+
+    @endpoint
+    def lookup(self):
+        if current_rank().rank == 1:
+            raise KeyError("shard 1")
+        return 0
+
+# through the Python API, no %mesh connect: the dashboard finds it by name
+pyapi = this_host().spawn_procs(per_host={"gpus": 4}, name="dashpy")
+steps = pyapi.spawn("steps", Steps)
+"""
+
+
+def _ok(c):
+    assert c.error is None, "\n".join(c.error["traceback"]) if c.error else ""
+    return c
+
+
+def _value(k: Kernel, expr: str) -> str:
+    return _ok(k.run(f"print({expr})")).stream()
+
+
+def test_dashboard_errors_log_stacks_failed_mesh_and_stop() -> None:
+    from monarch_nb.server.manager import MeshManager
+
+    k = Kernel(env=FAST)
+    try:
+        _ok(k.run(SETUP))
+        _ok(k.run("d = %mesh dashboard dashpy"))
+        # one legend, the sidebar's (served as /monarch-nb/api/state's "legend")
+        legend = MeshManager().state()["legend"]
+        html = _value(k, "d.children[2].value")
+        assert re.findall(r'data-state="(\w+)"', html) == list(legend) == ["idle", "busy", "paused", "failed", "stopped"]
+        for s, colour in legend.items():
+            assert f'data-state="{s}"><b style="color:{colour}">' in html
+
+        # a magic's error is one line, not a library traceback
+        bad = k.run("%mesh dashboard nosuchmesh")
+        assert bad.reply["content"]["status"] == "error", bad.msgs
+        said = bad.stream("stderr")
+        assert said.startswith("UsageError: %mesh dashboard: no mesh named 'nosuchmesh'") and "Traceback" not in said, bad.msgs
+
+        # the log tail aggregated across ranks, never across a rank's own lines, in order
+        _ok(k.run("steps.train.call(4).get()"))
+
+        def steps_logged() -> list[str] | None:
+            rows = [ln for ln in _value(k, "d.log_view.value").splitlines() if "step" in ln]
+            return rows if len(rows) == 4 else None
+
+        rows = wait_for(steps_logged, 15, "4 aggregated step lines in the dashboard's log")
+        assert [r.split(" loss=")[0].split(">")[-1] for r in rows] == [f"[ranks 0-3 ×4] step {s}" for s in range(4)], rows
+
+        # an endpoint error raised in a cell, and the rank's span, in the errors list
+        failing = k.run("steps.lookup.call().get()")
+        assert failing.error and failing.error["ename"] == "ActorError"
+        _ok(k.run("d.refresh()"))
+        errors = _value(k, "d.errors_view.value")
+        assert re.search(r"In\[\d+\]: ActorError: Actor call steps.lookup failed", errors), errors
+        assert re.search(r"rank 1 on \S+: endpoint steps.lookup raised", errors), errors
+        assert "steps.lookup failed. KeyError: 'shard 1'" in html_unescape(errors) and "Traceback" not in errors, errors
+
+        # the stacks action: every rank's stack, merged
+        _ok(k.run("d.stacks_button.click()"))
+        stacks = _value(k, "d.stacks_view.value")
+        assert "mnb-stacks" in stacks and 'data-ranks="0-3"' in stacks, stacks[:2000]
+
+        # a %%mesh exec that raises on the ranks
+        _ok(k.run("%mesh connect"))  # re-attaches dashpy by name, for %%mesh exec
+        assert k.run("%%mesh exec dashpy\n1 / 0").error
+        _ok(k.run("d.refresh()"))
+        errors = _value(k, "d.errors_view.value")
+        assert re.search(r"In\[\d+\]: ExecError: .*ZeroDivisionError on 4 of 4 ranks", errors), errors
+        assert errors.count("endpoint steps.lookup raised") == 1, errors  # once, however often it is asked
+
+        # a killed rank fails the mesh as a whole, in the sidebar's words, with what to do
+        pid = int(_ok(k.run("pyapi._procs[2].pid")).result)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: FAILED in _value(k, "d.header.value"), 15, "the dashboard to say the mesh failed")
+        header = _value(k, "d.header.value")
+        assert 'data-state="failed"' in header and "%mesh stop dashpy" in header, header
+        side = next(m for m in MeshManager().state()["meshes"] if m["name"] == "dashpy")
+        assert (side["state"], side["label"]) == ("failed", FAILED)
+        assert "rank 2 on" in _value(k, "d.errors_view.value")
+        assert _value(k, "d.stop_button.disabled").strip() == "False"
+
+        # stopping it from the dashboard disables its stop (and stacks) buttons
+        _ok(k.run("d.stop_button.click()"))
+        assert _value(k, "d.stop_button.disabled, d.stacks_button.disabled").strip() == "True True"
+        assert 'data-state="stopped"' in _value(k, "d.header.value")
+        # a spawn that fails joins the errors too
+        assert k.run("pyapi.spawn('again', Steps)").error
+        assert re.search(
+            r"In\[\d+\]: MeshClosedError: proc mesh &#x27;dashpy&#x27; was stopped", _value(k, "d.errors_view.value")
+        )
+        _ok(k.run("d.close()"))
+    finally:
+        k.close()
+
+
+def test_dashboard_and_sidebar_list_jobs_and_a_lost_host() -> None:
+    from monarch_nb.job import job_load, list_jobs
+    from monarch_nb.job._named import named_job_path
+    from monarch_nb.server.manager import MeshManager
+
+    k = Kernel(env=FAST)
+    try:
+        _ok(k.run("%load_ext monarch_nb\n%mesh launch process dashjob --hosts 2"))
+        _ok(k.run("procs = dashjob.spawn_procs(per_host={'gpus': 1}, name='dj')\nd = %mesh dashboard procs"))
+        _ok(k.run("d._jobs_at = -1e9; d.refresh()"))
+        jobs = _value(k, "d.jobs_view.value")
+        assert re.search(r'data-job="dashjob" data-state="running"><td>dashjob</td><td>process</td><td>[0-9a-f]{8}</td>', jobs), (
+            jobs
+        )
+        manager = MeshManager()
+        row = next(j for j in manager.state()["jobs"] if j["name"] == "dashjob")
+        assert (row["scheduler"], row["state"], row["hosts"], row["lost"]) == ("process", "running", 2, [])
+
+        # the scheduler loses a host (its allocator dies): both say which
+        hosts = job_load(named_job_path("dashjob"))._hosts
+        slot, info = sorted(hosts.items())[1]
+        os.kill(int(info["pid"]), signal.SIGKILL)
+        _ok(k.run("d._jobs_at = -1e9; d.refresh()"))
+        jobs = _value(k, "d.jobs_view.value")
+        assert 'data-job="dashjob" data-state="lost"' in jobs and f"({slot} lost)" in jobs, jobs
+        manager._jobs_at = -1e9
+        manager._invalidate()
+        row = next(j for j in manager.state()["jobs"] if j["name"] == "dashjob")
+        assert (row["state"], row["lost"]) == ("lost", [slot]), row
+        _ok(k.run("d.close()\n%mesh kill dashjob"))
+    finally:
+        k.close()
+        if any(r["name"] == "dashjob" for r in list_jobs()):  # the test failed before %mesh kill
+            subprocess.run([sys.executable, "-m", "monarch_nb", "job", "kill", "dashjob"], capture_output=True, timeout=60)
