@@ -112,7 +112,8 @@ class Kubelet:
         self.logs: list[bytes] = []
         self.restarts = 0
         spec = pod["spec"]
-        c = spec["containers"][0]
+        # one container runs here: the allocator's (a pod template's sidecars are not run)
+        c = next((c for c in spec["containers"] if c.get("name") == "allocator"), spec["containers"][0])
         self.mounts: dict[str, str] = {}
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         for vm in c.get("volumeMounts", []):

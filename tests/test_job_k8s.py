@@ -79,14 +79,66 @@ def test_manifests_validate_strict_on_every_version() -> None:
         kv.validate(bad, "1.33", strict=True)
 
 
+def test_pod_template_is_merged_and_validates_strict() -> None:
+    from kubernetes import client
+
+    from monarch_nb.job.kubernetes import KubernetesJob
+
+    tmpl = client.V1PodTemplateSpec(
+        metadata=client.V1ObjectMeta(labels={"team": "ml"}, annotations={"note": "x"}),
+        spec=client.V1PodSpec(
+            node_selector={"gpu": "h100"},
+            tolerations=[client.V1Toleration(key="gpu", operator="Exists", effect="NoSchedule")],
+            containers=[
+                client.V1Container(name="sidecar", image="busybox", command=["sleep", "inf"]),
+                client.V1Container(
+                    name="allocator",
+                    image=IMAGE,
+                    resources=client.V1ResourceRequirements(limits={"nvidia.com/gpu": "8"}),
+                    env=[client.V1EnvVar(name="NCCL_DEBUG", value="INFO")],
+                    volume_mounts=[client.V1VolumeMount(name="data", mount_path="/data")],
+                ),
+            ],
+            volumes=[client.V1Volume(name="data", empty_dir=client.V1EmptyDirVolumeSource())],
+        ),
+    )
+    job = KubernetesJob(NS)
+    job.add_mesh("trainers", 2, pod_template=tmpl, port=26601)
+    objs = job.manifests("abcdef12")
+    for obj in objs:
+        for v in VERSIONS:
+            kv.validate(obj, v, strict=True)
+    sts = next(o for o in objs if o["kind"] == "StatefulSet")
+    t = sts["spec"]["template"]
+    # the template's own fields stay
+    assert t["metadata"]["labels"]["team"] == "ml" and t["metadata"]["annotations"] == {"note": "x"}
+    assert t["spec"]["nodeSelector"] == {"gpu": "h100"} and t["spec"]["tolerations"][0]["key"] == "gpu"
+    side, alloc = t["spec"]["containers"]
+    assert side == {"name": "sidecar", "image": "busybox", "command": ["sleep", "inf"]}
+    assert alloc["image"] == IMAGE and alloc["resources"] == {"limits": {"nvidia.com/gpu": "8"}}
+    assert {"name": "NCCL_DEBUG", "value": "INFO"} in alloc["env"]
+    # the allocator's own: command, bind address, key file, readiness, port
+    assert alloc["command"][-2:] == ["monarch_nb", "allocator"] and "tcp://$(POD_IP):26601" in alloc["args"]
+    assert alloc["readinessProbe"]["exec"]["command"][0] == "test"
+    assert {v["name"] for v in t["spec"]["volumes"]} == {"data", "key"}
+    assert {vm["mountPath"] for vm in alloc["volumeMounts"]} == {"/data", "/var/run/monarch-nb/key"}
+    # pods are still found by the job's selector whatever labels the template has
+    assert sts["spec"]["selector"]["matchLabels"].items() <= t["metadata"]["labels"].items()
+
+
 def test_unsupported_arguments_say_so() -> None:
     from monarch_nb.job.kubernetes import ImageSpec, KubernetesJob
 
     with pytest.raises(NotImplementedError, match="attach_to"):
         KubernetesJob(NS, attach_to="tcp://127.0.0.1:26600")
     job = KubernetesJob(NS)
-    with pytest.raises(NotImplementedError, match="pod_template"):
+    with pytest.raises(ValueError, match="pod_template.spec.containers is empty"):
         job.add_mesh("a", 1, pod_template={"spec": {}})
+    with pytest.raises(NotImplementedError, match="sets command"):
+        job.add_mesh("a", 1, pod_template={"spec": {"containers": [{"name": "w", "image": IMAGE, "command": ["x"]}]}})
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        job.add_mesh("a", 1, image_spec=ImageSpec(IMAGE), pod_template={"spec": {"containers": [{"image": IMAGE}]}})
+    assert not job._meshes  # nothing refused was kept
     with pytest.raises(ValueError, match="label_selector"):
         job.add_mesh("a", 1, image_spec=ImageSpec(IMAGE), label_selector="x=y")
     with pytest.raises(ValueError, match="invalid"):

@@ -154,33 +154,38 @@ class KubernetesJob(JobTrait):
         annotations: dict[str, str] | None = None,
     ) -> None:
         """A mesh of ``num_replicas`` pods: found by ``label_selector`` (attach-only) or created
-        from ``image_spec`` (provisioning). Names follow RFC 1123 (lowercase alphanumerics)."""
+        from ``image_spec`` or ``pod_template`` (provisioning; a ``V1PodTemplateSpec`` or its dict,
+        merged with the allocator's container: see ``_k8s_manifests.merge_pod_template``). Names
+        follow RFC 1123 (lowercase alphanumerics)."""
         if not name or len(name) > _RFC_1123_MAX_LEN or not (name.isalnum() and name.islower() and name[0].isalpha()):
             raise ValueError(
                 f"mesh name {name!r} is invalid: at most 63 lowercase alphanumeric characters, starting with a letter"
             )
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas must be a positive number of pods, got {num_replicas!r}")
-        if pod_template is not None:
-            raise NotImplementedError(
-                "add_mesh(pod_template=...): provisioning from a pod template is not implemented; use image_spec"
-            )
-        provisioned = image_spec is not None
+        if image_spec is not None and pod_template is not None:
+            raise ValueError("'image_spec' and 'pod_template' are mutually exclusive")
+        template = _template_dict(pod_template) if pod_template is not None else None
+        provisioned = image_spec is not None or template is not None
         if provisioned and label_selector is not None:
             raise ValueError("'label_selector' cannot be customized when provisioning")
         if provisioned and pod_rank_label != m.RANK_LABEL:
             raise ValueError("'pod_rank_label' cannot be customized when provisioning")
         if not provisioned and (labels is not None or annotations is not None):
             raise ValueError("'labels' and 'annotations' can only be set when provisioning (image_spec)")
+        if template is not None:
+            # a template that cannot be honoured is refused here, not at apply()
+            m.statefulset(self._namespace, name, "00000000", num_replicas, "x", int(port), pod_template=template)
         self._meshes[name] = {
             "num_replicas": num_replicas,
             "label_selector": label_selector or f"{m.NAME_LABEL}=monarch-worker,{m.MESH_LABEL}={name}",
             "pod_rank_label": pod_rank_label,
-            "image": image_spec.image if image_spec else None,
+            "image": image_spec.image if image_spec else (_template_image(template) if template else None),
             "resources": dict(image_spec.resources) if image_spec and image_spec.resources else None,
             "port": int(port),
             "labels": labels,
             "annotations": annotations,
+            "pod_template": template,
         }
 
     def _spec(self) -> dict[str, Any]:
@@ -228,6 +233,7 @@ class KubernetesJob(JobTrait):
                     labels=c["labels"],
                     annotations=c["annotations"],
                     env=env,
+                    pod_template=c.get("pod_template"),
                 )
             )
         return out
@@ -485,6 +491,23 @@ def make_job(
     job = KubernetesJob(namespace, timeout=timeout, kubeconfig=KubeConfig.from_path(kubeconfig) if kubeconfig else None)
     job.add_mesh(name, hosts, image_spec=ImageSpec(image) if image else None, port=monarch_port)
     return job
+
+
+def _template_dict(t: Any) -> dict[str, Any]:
+    """A ``V1PodTemplateSpec`` (or its dict, camelCase as the API takes it) as a plain dict."""
+    if isinstance(t, dict):
+        return dict(t)
+    client = _k8s()[0]
+    if not isinstance(t, client.V1PodTemplateSpec):
+        raise TypeError(f"pod_template must be a kubernetes.client.V1PodTemplateSpec or a dict, got {type(t).__name__}")
+    out: dict[str, Any] = client.ApiClient().sanitize_for_serialization(t)
+    return out
+
+
+def _template_image(t: dict[str, Any]) -> str:
+    cs = (t.get("spec") or {}).get("containers") or [{}]
+    c = next((c for c in cs if c.get("name") == "allocator"), cs[0])
+    return str(c.get("image") or "")
 
 
 def _raise(e: BaseException) -> None:
