@@ -129,8 +129,8 @@ def test_pod_template_is_merged_and_validates_strict() -> None:
 def test_unsupported_arguments_say_so() -> None:
     from monarch_nb.job.kubernetes import ImageSpec, KubernetesJob
 
-    with pytest.raises(NotImplementedError, match="attach_to"):
-        KubernetesJob(NS, attach_to="tcp://127.0.0.1:26600")
+    with pytest.raises(ValueError, match="kubectl port-forward"):
+        KubernetesJob(NS, attach_to="127.0.0.1:26601")
     job = KubernetesJob(NS)
     with pytest.raises(ValueError, match="pod_template.spec.containers is empty"):
         job.add_mesh("a", 1, pod_template={"spec": {}})
@@ -177,7 +177,12 @@ class Cluster:
             "images": {BROKEN: "/usr/bin/python3"},
             "tokens": tokens,
             "hosts": [
-                {"ip": self.net.ip(i), "wrap": self.net.wrap(i, [], cwd="/"), "root": str(self.net.path(i, "/"))}
+                {
+                    "ip": self.net.ip(i),
+                    "wrap": self.net.wrap(i, [], cwd="/"),
+                    "root": str(self.net.path(i, "/")),
+                    "netns": f"/run/netns/{self.net.netns(i)}",
+                }
                 for i in (1, 2, 3)
             ],
         }
@@ -514,3 +519,48 @@ def test_forbidden_names_the_permission(k8s: Cluster) -> None:
     assert f"system:serviceaccount:{NS}:weak" in err
     # what it created before the refusal (the Secret, the Service) was deleted again
     assert out[1]["after"] == EMPTY
+
+
+def test_gateway_reaches_pods_the_controller_cannot_route_to(k8s: Cluster) -> None:
+    # the controller's host is cut off from the pods (a notebook outside the cluster): it reaches
+    # the API server only, and the pods only through one port-forward to rank 0's gateway
+    k8s.net.partition(0)
+    try:
+        with KeyWatch() as watch:
+            out = k8s.run("""
+                import time
+                grant("monarch-nb")
+                job = KubernetesJob(NS, timeout=90, kubeconfig=KubeConfig.from_path(kc("ctl")))
+                job.add_mesh("gw", 3, image_spec=ImageSpec(IMAGE))
+                state = job.state(cached_path=None)
+                gw = job._gw[0]
+                try:
+                    socket.create_connection((job._hosts["gw"][1][6:].rsplit(":", 1)[0], 26600), timeout=1)
+                    direct = "reachable"
+                except OSError as e:
+                    direct = type(e).__name__
+                t0 = time.monotonic()
+                procs = state.gw.spawn_procs(per_host={"gpus": 2}, name="train")
+                w = procs.spawn("w", Where)
+                got = w.where.call().get()
+                t1 = time.monotonic()
+                for _ in range(20):
+                    w.where.call().get()
+                out(direct=direct, reverse=gw.reverse, hosts=job._hosts, where=[list(v) for v in got.values()],
+                    spawn_call_s=t1 - t0, call_s=(time.monotonic() - t1) / 20,
+                    key=read_key_file(os.path.join(job._dir, "key")).hex())
+                job.kill()
+                out(after=objects(), gateway_closed=not gw.alive)
+            """)
+    finally:
+        k8s.net.heal(0)
+    first = out[0]
+    print("gateway:", {k: first[k] for k in ("direct", "reverse", "spawn_call_s", "call_s")})
+    assert first["direct"] in ("TimeoutError", "socket.timeout", "OSError"), first
+    # the answers come back through the reverse listener on rank 0's pod
+    assert first["reverse"].startswith(f"tcp://{k8s.net.ip(1)}:")
+    where = first["where"]
+    assert len(where) == 6 and {ip for _, ip in where} == {k8s.net.ip(i) for i in (1, 2, 3)}
+    assert out[1] == {"after": EMPTY, "gateway_closed": True}
+    wait_for(lambda: not any(k8s.allocators_on(i) for i in (1, 2, 3)), timeout=30)
+    assert not watch.leaks(bytes.fromhex(first["key"]))

@@ -31,10 +31,18 @@ MESH_LABEL = "monarch.pytorch.org/mesh-name"
 RULES: list[tuple[str, str, list[str]]] = [
     ("", "pods", ["get", "list", "watch"]),
     ("", "pods/log", ["get"]),
+    # the gateway of a controller outside the cluster (websocket port-forward: create, or get
+    # on API servers before the create check of 1.35)
+    ("", "pods/portforward", ["get", "create"]),
     ("", "secrets", ["create", "delete"]),
     ("", "services", ["create", "delete"]),
     ("apps", "statefulsets", ["create", "delete"]),
 ]
+
+
+def gateway_port(port: int) -> int:
+    """The gateway's port in a pod: next to the allocator's, on the pod's loopback only."""
+    return port + 1
 
 
 def selector_labels(mesh: str, job_id: str) -> dict[str, str]:
@@ -110,6 +118,9 @@ def statefulset(
             ANNOUNCE_DIR,
             "--announce-name",
             ANNOUNCE_NAME,
+            # the tunnel end for a controller outside the cluster (port-forward; loopback only)
+            "--gateway",
+            f"127.0.0.1:{gateway_port(port)}",
         ],
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
         + [{"name": k, "value": v} for k, v in sorted((env or {}).items())],
