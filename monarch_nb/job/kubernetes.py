@@ -224,6 +224,13 @@ class KubernetesJob(JobTrait):
         self._hosts = dict(data.get("hosts") or {})
         self._pods = dict(data.get("pods") or {})
 
+    def _rebind_connection_inputs(self, spec: JobTrait) -> None:
+        # this process's kubeconfig and gateway, not the ones of the process that applied the job
+        if isinstance(spec, KubernetesJob):
+            self._kubeconfig, self._attach_to = spec._kubeconfig, spec._attach_to
+            self._gateway_mode, self._timeout = spec._gateway_mode, spec._timeout
+            self._api = None
+
     def _host_addrs(self) -> list[str]:
         return [a for addrs in self._hosts.values() for a in addrs]
 
