@@ -454,20 +454,25 @@ class KubernetesJob(JobTrait):
         return host_meshes(self._hosts, key_file=key)
 
     # ------------------------------------------------------------ the gateway
-    def _needs_gateway(self) -> bool:
+    def _needs_gateway(self, key_file: str | None) -> bool:
         if self._attach_to is not None or self._gateway_mode:
             return True
         if self._gateway_mode is False or not self._kubeconfig.out_of_cluster:
             return False
-        import socket
+        from .._runtime.transport import Security
+        from .._wire.keys import read_key_file
+        from ..actor import _context
+        from ..errors import ConnectError
 
-        from .._runtime.transport import split_tcp
-
+        client = _context.client()
+        if key_file:
+            client.rt.sockets.set_security(Security(read_key_file(key_file)))
         first = next(a for addrs in self._hosts.values() for a in addrs)
         try:
-            with socket.create_connection(split_tcp(first), timeout=GATEWAY_PROBE_S):
-                return False
-        except OSError as e:
+            # the hello both ways (a raw TCP probe would be logged by the allocator as a failed handshake)
+            client.connect(first, timeout=GATEWAY_PROBE_S)
+            return False
+        except ConnectError as e:
             logger.info("pod %s does not answer from here (%s): reaching the pods through a gateway", first, e)
             return True
 
@@ -481,7 +486,7 @@ class KubernetesJob(JobTrait):
         if self._gw is not None and self._gw[0].alive:
             return
         self._close_gateway()
-        if not self._hosts or not self._needs_gateway():
+        if not self._hosts or not self._needs_gateway(key_file):
             return
         if not key_file:
             raise JobError("the gateway needs the cluster key: this job has none and MONARCH_NB_KEY_FILE is not set")
