@@ -7,7 +7,7 @@ from __future__ import annotations
 import secrets
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -39,8 +39,8 @@ def server() -> Iterator[GatewayServer]:
     srv.close()
 
 
-def _tunnel(srv: GatewayServer) -> socket.socket:
-    return socket.create_connection(srv.addr[:2], timeout=10)
+def _tunnel(srv: GatewayServer) -> Callable[[], socket.socket]:
+    return lambda: socket.create_connection(srv.addr[:2], timeout=10)
 
 
 def test_a_tunnel_needs_the_cluster_key(server: GatewayServer) -> None:
@@ -79,3 +79,27 @@ def test_streams_go_only_to_the_jobs_hosts_and_carry_bytes_both_ways(server: Gat
         gw.close()
         echo.close()
     assert not gw.alive
+
+
+def test_a_dropped_tunnel_is_opened_again_with_the_same_reply_address(server: GatewayServer) -> None:
+    inbox = socket.create_server(("127.0.0.1", 0))
+    echo = socket.create_server(("127.0.0.1", 0))
+    gw = GatewayClient(_tunnel(server), KEY, ["127.0.0.1"], lambda: f"tcp://127.0.0.1:{inbox.getsockname()[1]}")
+    try:
+        reverse, first = gw.reverse, gw.mux
+        first.close()  # the port-forward drops
+        # the next connection the controller makes opens a new tunnel, in the same session
+        assert _socks_connect(gw.proxy, gw.username, gw.password, "127.0.0.1", echo.getsockname()[1]) == 0
+        assert gw.mux is not first and gw.reverse == reverse and server.tunnels == 2
+        # a host answering at the reply address the procs already hold reaches the controller
+        h, p = reverse[len("tcp://") :].rsplit(":", 1)
+        with socket.create_connection((h, int(p)), timeout=10) as c:
+            c.sendall(b"answer")
+            conn, _ = inbox.accept()
+            conn.settimeout(10)
+            assert conn.recv(6) == b"answer"
+            conn.close()
+    finally:
+        gw.close()
+        inbox.close()
+        echo.close()

@@ -228,11 +228,13 @@ class Cluster:
             shared=self.shared, ns=NS, image=IMAGE, broken=BROKEN, ctl=self.net.ip(0)
         ) + textwrap.dedent(body)
         env = self.env(
-            MONARCH_NB_RUNTIME_DIR="/tmp/mnb",
-            MONARCH_NB_ZYGOTE_PRELOAD="",
-            MONARCH_NB_HEARTBEAT_INTERVAL="0.2",
-            MONARCH_NB_HEARTBEAT_TIMEOUT="1.5",
-            **extra,
+            **{
+                "MONARCH_NB_RUNTIME_DIR": "/tmp/mnb",
+                "MONARCH_NB_ZYGOTE_PRELOAD": "",
+                "MONARCH_NB_HEARTBEAT_INTERVAL": "0.2",
+                "MONARCH_NB_HEARTBEAT_TIMEOUT": "1.5",
+                **extra,
+            }
         )
         return run_controller(self.net, self.shared, code, env, timeout=timeout)
 
@@ -527,7 +529,8 @@ def test_gateway_reaches_pods_the_controller_cannot_route_to(k8s: Cluster) -> No
     k8s.net.partition(0)
     try:
         with KeyWatch() as watch:
-            out = k8s.run("""
+            out = k8s.run(
+                """
                 import time
                 grant("monarch-nb")
                 job = KubernetesJob(NS, timeout=90, kubeconfig=KubeConfig.from_path(kc("ctl")))
@@ -540,10 +543,18 @@ def test_gateway_reaches_pods_the_controller_cannot_route_to(k8s: Cluster) -> No
                 except OSError as e:
                     direct = type(e).__name__
                 procs = state.gw.spawn_procs(per_host={"gpus": 2}, name="train", persist=True)
-                got = procs.spawn("w", Where).where.call().get()
+                w = procs.spawn("w", Where)
+                got = w.where.call().get()
+                # the port-forward drops: the next connection opens a new one, same reply address
+                before, reverse = gw.mux, gw.reverse
+                before.close()
+                again = w.where.call().get()
                 out(direct=direct, reverse=gw.reverse, where=[list(v) for v in got.values()],
+                    reopened=gw.mux is not before and gw.reverse == reverse and sorted(again.values()) == sorted(got.values()),
                     key=read_key_file(os.path.join(job._dir, "key")).hex())
-            """)
+            """,
+                MONARCH_NB_HEARTBEAT_TIMEOUT="20",
+            )  # a dropped tunnel loses heartbeats in flight, not the hosts
             # a new process re-attaches through a port it forwarded itself (attach_to), as with
             # `kubectl port-forward pod/gw-0 P:26601`, and finds its procs with the same PIDs
             out += k8s.run("""
@@ -596,6 +607,7 @@ def test_gateway_reaches_pods_the_controller_cannot_route_to(k8s: Cluster) -> No
     first, again = out[0], out[1]
     print("gateway:", first["direct"], {k: again[k] for k in ("to_first_call_s", "call_s")})
     assert first["direct"] in ("TimeoutError", "OSError"), first
+    assert first["reopened"], first
     # the answers come back through a reverse listener on rank 0's pod
     assert first["reverse"].startswith(f"tcp://{k8s.net.ip(1)}:") and again["reverse"].startswith(f"tcp://{k8s.net.ip(1)}:")
     where = first["where"]

@@ -37,6 +37,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,6 +51,10 @@ _CHUNK = 256 * 1024
 _MAX_HELLO = 1 << 20
 #: seconds for a handshake, a stream to open, a SOCKS negotiation
 TIMEOUT = 15.0
+#: seconds a session's reverse listener waits for the controller's next tunnel
+SESSION_GRACE = 120.0
+#: seconds between attempts to open a tunnel that dropped
+RETRY_S = 1.0
 
 
 class GatewayError(RuntimeError):
@@ -225,6 +230,15 @@ class _Mux:
 # ------------------------------------------------------------------ the cluster's end
 
 
+class _Session:
+    """One controller's tunnels, one after another: its reverse listener outlives a tunnel
+    that drops, so the reply address the procs were given stays valid."""
+
+    def __init__(self, reverse: socket.socket) -> None:
+        self.reverse = reverse
+        self.mux: _Mux | None = None
+
+
 class GatewayServer:
     """Serves tunnels on ``listen`` (loopback of the pod) for holders of ``key``; reverse
     listeners bind ``reverse_ip`` (the address the job's other hosts reach this one at)."""
@@ -238,6 +252,8 @@ class GatewayServer:
         self.sock = socket.create_server(listen)
         self.addr = self.sock.getsockname()
         self.tunnels = 0
+        self.sessions: dict[str, _Session] = {}
+        self.lock = threading.Lock()
         threading.Thread(target=self._accept, name="gateway", daemon=True).start()
 
     def _accept(self) -> None:
@@ -247,6 +263,37 @@ class GatewayServer:
             except OSError:
                 return
             threading.Thread(target=self._serve, args=(conn,), name="gateway-tunnel", daemon=True).start()
+
+    def _session(self, name: str) -> _Session:
+        with self.lock:
+            sess = self.sessions.get(name)
+            if sess is None:
+                sess = self.sessions[name] = _Session(socket.create_server((self.reverse_ip, 0)))
+                threading.Thread(target=self._accept_reverse, args=(sess,), name="gateway-reverse", daemon=True).start()
+            return sess
+
+    def _accept_reverse(self, sess: _Session) -> None:
+        while True:
+            try:
+                c, _ = sess.reverse.accept()
+            except OSError:
+                return
+            mux = sess.mux
+            if mux is None or mux.closed.is_set():
+                c.close()  # between tunnels: the peer's zmq connects again
+                continue
+            sid = mux.new_sid()
+            mux.expect(sid)
+            mux.send(ACCEPT, sid)
+            mux.attach(sid, c)
+
+    def _expire(self, name: str, sess: _Session) -> None:
+        with self.lock:
+            if sess.mux is not None or self.sessions.get(name) is not sess:
+                return
+            del self.sessions[name]
+        sess.reverse.close()
+        logger.info("gateway: session %s ended (no tunnel for %.0f s)", name[:8], SESSION_GRACE)
 
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(TIMEOUT)
@@ -261,8 +308,9 @@ class GatewayServer:
                 return
             hosts = hello.get("hosts")
             allow = {str(ipaddress.ip_address(str(h))) for h in hosts} if isinstance(hosts, list) else set()
-            reverse = socket.create_server((self.reverse_ip, 0))
-            raw = _send_doc(conn, {"reverse": f"tcp://{self.reverse_ip}:{reverse.getsockname()[1]}"})
+            name = str(hello.get("session") or secrets.token_hex(16))
+            sess = self._session(name)
+            raw = _send_doc(conn, {"reverse": f"tcp://{self.reverse_ip}:{sess.reverse.getsockname()[1]}"})
             conn.sendall(_mac(self.key, b"server", nonce_c, nonce_s, raw))
         except (OSError, GatewayError, ValueError, TypeError) as e:
             logger.warning("gateway: a tunnel failed its handshake: %s", e)
@@ -271,7 +319,10 @@ class GatewayServer:
         conn.settimeout(None)
         self.tunnels += 1
         mux = _Mux(conn, first_sid=2)
-        logger.info("gateway: tunnel open, %d hosts, answers at %s", len(allow), reverse.getsockname())
+        old, sess.mux = sess.mux, mux
+        if old is not None:
+            old.close()
+        logger.info("gateway: tunnel open, %d hosts, answers at %s", len(allow), sess.reverse.getsockname())
 
         def on_open(sid: int, dest: str) -> None:
             host, _, port = dest.rpartition(":")
@@ -289,38 +340,79 @@ class GatewayServer:
             mux.send(OPENED, sid)
             mux.attach(sid, s)
 
-        def accept_reverse() -> None:
-            while True:
-                try:
-                    c, _ = reverse.accept()
-                except OSError:
-                    return
-                sid = mux.new_sid()
-                mux.expect(sid)
-                mux.send(ACCEPT, sid)
-                mux.attach(sid, c)
-
-        threading.Thread(target=accept_reverse, name="gateway-reverse", daemon=True).start()
         try:
             mux.run(on_open, None)
         finally:
-            reverse.close()
+            with self.lock:
+                if sess.mux is mux:
+                    sess.mux = None
+                    # the reply address stays valid a while, for the controller's next tunnel
+                    t = threading.Timer(SESSION_GRACE, self._expire, args=(name, sess))
+                    t.daemon = True
+                    t.start()
             logger.info("gateway: tunnel closed")
 
     def close(self) -> None:
         self.sock.close()
+        with self.lock:
+            sessions, self.sessions = list(self.sessions.values()), {}
+        for sess in sessions:
+            sess.reverse.close()
+            if sess.mux is not None:
+                sess.mux.close()
 
 
 # ------------------------------------------------------------------ the controller's end
 
 
 class GatewayClient:
-    """The controller's end of one tunnel: ``tunnel`` is a connected stream socket to a
-    :class:`GatewayServer`; ``hosts`` the addresses to reach behind it; ``inbox`` returns the
-    controller's TCP inbox address (streams from the cluster connect there)."""
+    """The controller's end: ``connect`` opens a tunnel (a connected stream socket to a
+    :class:`GatewayServer`), now and again whenever the last one dropped; ``hosts`` are the
+    addresses to reach behind it; ``inbox`` returns the controller's TCP inbox address (streams
+    from the cluster connect there). The SOCKS5 end, its password and the reply address stay
+    the same across tunnels, so sockets already made keep working."""
 
-    def __init__(self, tunnel: socket.socket, key: bytes, hosts: list[str], inbox: Callable[[], str]) -> None:
+    def __init__(self, connect: Callable[[], socket.socket], key: bytes, hosts: list[str], inbox: Callable[[], str]) -> None:
+        self._connect = connect
+        self.key = key
+        self.hosts = sorted(set(hosts))
         self.inbox = inbox
+        self.session = secrets.token_hex(16)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._retry_at = 0.0
+        self.reverse = ""
+        self.mux = self._open()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.username = secrets.token_hex(8)
+        self.password = secrets.token_hex(16)
+        self.proxy = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.route = Route(frozenset(hosts), self.proxy, self.username, self.password, self.reverse)
+        threading.Thread(target=self._accept, name="gateway-socks", daemon=True).start()
+
+    def _open(self) -> _Mux:
+        try:
+            tunnel = self._connect()
+        except Exception as e:  # whatever the way in raises (a refused port-forward, a closed port)
+            raise GatewayError(f"cannot open a tunnel: {e}") from None
+        try:
+            reverse = self._handshake(tunnel)
+        except BaseException:
+            tunnel.close()
+            raise
+        if self.reverse and reverse != self.reverse:
+            tunnel.close()
+            raise GatewayError(
+                f"the gateway restarted (answers now at {reverse}, not {self.reverse}): re-attach with job.state() in a new kernel"
+            )
+        self.reverse = reverse
+        mux = _Mux(tunnel, first_sid=1)
+        threading.Thread(
+            target=mux.run, args=(None, lambda sid: self._on_accept(mux, sid)), name="gateway-tunnel", daemon=True
+        ).start()
+        return mux
+
+    def _handshake(self, tunnel: socket.socket) -> str:
         tunnel.settimeout(TIMEOUT)
         try:
             head = _recv_exact(tunnel, len(MAGIC) + 32)
@@ -331,40 +423,50 @@ class GatewayClient:
         nonce_s = head[len(MAGIC) :]
         nonce_c = secrets.token_bytes(32)
         tunnel.sendall(nonce_c)
-        raw = _send_doc(tunnel, {"hosts": sorted(set(hosts))})
-        tunnel.sendall(_mac(key, b"client", nonce_s, nonce_c, raw))
+        raw = _send_doc(tunnel, {"hosts": self.hosts, "session": self.session})
+        tunnel.sendall(_mac(self.key, b"client", nonce_s, nonce_c, raw))
         try:
             doc, raw = _recv_doc(tunnel)
             mac = _recv_exact(tunnel, 32)
         except GatewayError:
             raise GatewayError("the gateway refused the tunnel: it holds another cluster key") from None
-        if not hmac.compare_digest(mac, _mac(key, b"server", nonce_c, nonce_s, raw)):
+        if not hmac.compare_digest(mac, _mac(self.key, b"server", nonce_c, nonce_s, raw)):
             raise GatewayError("the gateway does not hold the cluster key: refused")
         tunnel.settimeout(None)
-        self.reverse = str(doc["reverse"])
-        self.mux = _Mux(tunnel, first_sid=1)
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.username = secrets.token_hex(8)
-        self.password = secrets.token_hex(16)
-        self.proxy = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.route = Route(frozenset(hosts), self.proxy, self.username, self.password, self.reverse)
-        threading.Thread(target=self.mux.run, args=(None, self._on_accept), name="gateway-tunnel", daemon=True).start()
-        threading.Thread(target=self._accept, name="gateway-socks", daemon=True).start()
+        return str(doc["reverse"])
+
+    def _live(self) -> _Mux:
+        """The current tunnel, opened again if it dropped (at most once per RETRY_S)."""
+        with self._lock:
+            if self._closed:
+                raise GatewayError("the gateway is closed")
+            if not self.mux.closed.is_set():
+                return self.mux
+            now = time.monotonic()
+            if now < self._retry_at:
+                raise GatewayError("the tunnel dropped; opening it again failed a moment ago")
+            logger.warning("gateway: the tunnel dropped; opening a new one")
+            try:
+                self.mux = self._open()
+            except GatewayError:
+                self._retry_at = now + RETRY_S
+                raise
+            return self.mux
 
     @property
     def alive(self) -> bool:
-        return not self.mux.closed.is_set()
+        return not self._closed
 
-    def _on_accept(self, sid: int) -> None:
+    def _on_accept(self, mux: _Mux, sid: int) -> None:
         from .transport import split_tcp
 
         try:
             s = socket.create_connection(split_tcp(self.inbox()), timeout=TIMEOUT)
             s.settimeout(None)
         except OSError:
-            self.mux.send(CLOSE, sid)
+            mux.send(CLOSE, sid)
             return
-        self.mux.attach(sid, s)
+        mux.attach(sid, s)
 
     def _accept(self) -> None:
         while True:
@@ -404,23 +506,30 @@ class GatewayClient:
             if cmd != 1:
                 conn.sendall(b"\x05\x07\x00\x01" + bytes(6))
                 raise GatewayError("SOCKS command other than CONNECT")
-            sid = self.mux.new_sid()
+            try:
+                mux = self._live()
+            except GatewayError:
+                conn.sendall(b"\x05\x01\x00\x01" + bytes(6))
+                raise
+            sid = mux.new_sid()
             ev, why = threading.Event(), []  # type: ignore[var-annotated]
-            self.mux.waiting[sid] = (ev, why)
-            self.mux.expect(sid)
-            if not self.mux.send(OPEN, sid, f"{host}:{port}".encode()) or not ev.wait(TIMEOUT) or why[0]:
-                self.mux.waiting.pop(sid, None)
-                self.mux.pending.pop(sid, None)
+            mux.waiting[sid] = (ev, why)
+            mux.expect(sid)
+            if not mux.send(OPEN, sid, f"{host}:{port}".encode()) or not ev.wait(TIMEOUT) or why[0]:
+                mux.waiting.pop(sid, None)
+                mux.pending.pop(sid, None)
                 conn.sendall(b"\x05\x05\x00\x01" + bytes(6))
                 raise GatewayError(f"connect to {host}:{port} through the gateway failed: {why[0] if why else 'no answer'}")
             conn.sendall(b"\x05\x00\x00\x01" + bytes(6))
             conn.settimeout(None)
-            self.mux.attach(sid, conn)
+            mux.attach(sid, conn)
         except (OSError, GatewayError, ValueError) as e:
             logger.debug("gateway: %s", e)
             conn.close()
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         self.listener.close()
         self.mux.close()
 

@@ -492,29 +492,40 @@ class KubernetesJob(JobTrait):
             raise JobError("the gateway needs the cluster key: this job has none and MONARCH_NB_KEY_FILE is not set")
         mesh = next(iter(self._hosts))
         port = m.gateway_port(self._meshes[mesh]["port"])
-        pf = None
-        if self._attach_to is not None:
+        forwards: list[Any] = []
+        attach_to = self._attach_to
+        if attach_to is not None:
             import socket
 
-            where = f"{self._attach_to} (attach_to)"
-            try:
-                tunnel = socket.create_connection(split_tcp(self._attach_to), timeout=10)
-            except OSError as e:
-                raise JobError(f"cannot connect to attach_to={self._attach_to!r}: {e}; is the port-forward running?") from None
+            where = f"{attach_to} (attach_to)"
+
+            def connect() -> Any:
+                try:
+                    return socket.create_connection(split_tcp(attach_to), timeout=10)
+                except OSError as e:
+                    raise JobError(f"cannot connect to attach_to={attach_to!r}: {e}; is the port-forward running?") from None
+
         else:
             pod = self._pods[mesh][0]
             where = f"pod {pod} port {port} (port-forward)"
-            pf, tunnel = self._port_forward(pod, port)
+
+            def connect() -> Any:
+                # a new port-forward for each tunnel (the first, and one after a drop)
+                pf, sock = self._port_forward(pod, port)
+                forwards[:] = [f for f in forwards if f.connected] + [pf]
+                return sock
+
         rt = _context.client().rt
         try:
             gw = GatewayClient(
-                tunnel, read_key_file(key_file), sorted({split_tcp(a)[0] for a in self._host_addrs()}), lambda: rt.tcp_addr
+                connect, read_key_file(key_file), sorted({split_tcp(a)[0] for a in self._host_addrs()}), lambda: rt.tcp_addr
             )
         except GatewayError as e:
-            tunnel.close()
+            for f in forwards:
+                f.close()
             raise JobError(f"gateway at {where}: {e}") from None
         rt.transport.add_route(gw.route)
-        self._gw = (gw, pf, gw.route)
+        self._gw = (gw, forwards, gw.route)
         logger.info("reaching %d pods through the gateway at %s", len(gw.route.hosts), where)
 
     def _port_forward(self, pod: str, port: int) -> tuple[Any, Any]:
@@ -547,8 +558,8 @@ class KubernetesJob(JobTrait):
         if _context._client is not None:
             _context._client.rt.transport.remove_route(route)
         gw.close()
-        if pf is not None:
-            pf.close()
+        for f in pf:
+            f.close()
 
     def can_run(self, spec: JobTrait) -> bool:
         return (
