@@ -408,7 +408,7 @@ class Transport:
         if peer.startswith("ipc://"):
             return self.ipc_addr
         routes = self.sockets.routes
-        if routes:
+        if routes and peer.startswith("tcp://"):
             route = routes.get(split_tcp(peer)[0])
             if route is not None:
                 # behind a gateway: the peer reaches us through its reverse listener, which
