@@ -170,6 +170,7 @@ class Cluster:
             "admin-token": "admin",
             "ctl-token": f"system:serviceaccount:{NS}:monarch-nb",
             "weak-token": f"system:serviceaccount:{NS}:weak",
+            "nopf-token": f"system:serviceaccount:{NS}:nopf",
         }
         cfg = {
             "port_file": os.path.join(self.shared, "port"),
@@ -198,7 +199,7 @@ class Cluster:
         wait_for(lambda: os.path.exists(cfg["port_file"]) or self.server.poll() is not None, timeout=60)
         assert self.server.poll() is None, Path(self.shared, "api.log").read_text()
         port = Path(cfg["port_file"]).read_text()
-        for user, token in (("admin", "admin-token"), ("ctl", "ctl-token"), ("weak", "weak-token")):
+        for user, token in (("admin", "admin-token"), ("ctl", "ctl-token"), ("weak", "weak-token"), ("nopf", "nopf-token")):
             Path(self.shared, f"{user}.kubeconfig").write_text(
                 json.dumps(
                     {
@@ -587,6 +588,15 @@ def test_gateway_reaches_pods_the_controller_cannot_route_to(k8s: Cluster) -> No
                         threading.Thread(target=pump, args=(r, c), daemon=True).start()
 
                 threading.Thread(target=forward, daemon=True).start()
+                # an account whose Role lacks pods/portforward: the 403, named
+                grant("nopf", rules=[r for r in KubernetesJob.rbac_manifests(NS)[1]["rules"] if r["resources"] != ["pods/portforward"]])
+                denied = KubernetesJob(NS, timeout=90, kubeconfig=KubeConfig.from_path(kc("nopf")), gateway=True)
+                denied.add_mesh("gw", 3, image_spec=ImageSpec(IMAGE))
+                try:
+                    denied.state(cached_path="/tmp/gw.json")
+                    forbidden = None
+                except JobError as e:
+                    forbidden = str(e)
                 job = KubernetesJob(NS, timeout=90, kubeconfig=KubeConfig.from_path(kc("ctl")),
                                     attach_to=f"tcp://127.0.0.1:{lst.getsockname()[1]}")
                 job.add_mesh("gw", 3, image_spec=ImageSpec(IMAGE))
@@ -597,7 +607,7 @@ def test_gateway_reaches_pods_the_controller_cannot_route_to(k8s: Cluster) -> No
                 t1 = time.monotonic()
                 for _ in range(20):
                     w.where.call().get()
-                out(where=[list(v) for v in got.values()], reverse=gw.reverse, to_first_call_s=t1 - t0,
+                out(where=[list(v) for v in got.values()], reverse=gw.reverse, to_first_call_s=t1 - t0, forbidden=forbidden,
                     call_s=(time.monotonic() - t1) / 20)
                 job.kill()
                 out(after=objects(), gateway_closed=not gw.alive)
@@ -613,6 +623,7 @@ def test_gateway_reaches_pods_the_controller_cannot_route_to(k8s: Cluster) -> No
     where = first["where"]
     assert len(where) == 6 and {ip for _, ip in where} == {k8s.net.ip(i) for i in (1, 2, 3)}
     assert sorted(again["where"]) == sorted(where)  # the same procs, re-attached
+    assert "403" in again["forbidden"] and "'create' on 'pods/portforward'" in again["forbidden"], again
     assert out[2] == {"after": EMPTY, "gateway_closed": True}
     wait_for(lambda: not any(k8s.allocators_on(i) for i in (1, 2, 3)), timeout=30)
     assert not watch.leaks(bytes.fromhex(first["key"]))

@@ -537,8 +537,9 @@ class KubernetesJob(JobTrait):
         try:
             pf = portforward(core.connect_get_namespaced_pod_portforward, pod, self._namespace, ports=str(port))
         except Exception as e:  # the websocket library's errors, or the client's ApiException
+            # the client reports a refused websocket upgrade as ApiException(status=0, reason="Handshake status 403 ...")
             status = getattr(e, "status", None) or getattr(e, "status_code", None)
-            if status == 403:
+            if status == 403 or "Handshake status 403" in str(getattr(e, "reason", "")):
                 raise JobError(
                     f"the Kubernetes API refused a port-forward to pod {pod} (403): the controller's account needs "
                     f"'create' on 'pods/portforward': apply KubernetesJob.rbac_manifests({self._namespace!r})"
