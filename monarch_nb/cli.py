@@ -20,6 +20,7 @@ def _allocator(args: argparse.Namespace) -> int:
             announce_dir=args.announce_dir,
             announce_name=args.announce_name,
             exit_on_lease=args.exit_on_lease,
+            gateway=args.gateway,
         )
         return 0
     if action == "start":
@@ -163,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--announce-dir", help="a job's directory: write this allocator's addresses there (0600) once serving")
     a.add_argument("--announce-name", help="the file name to announce under (default: this host's name)")
     a.add_argument("--exit-on-lease", action="store_true", help="exit after the lease passes with no controller attached")
+    a.add_argument(
+        "--gateway",
+        metavar="127.0.0.1:PORT",
+        help="serve a tunnel for a controller outside the cluster (reached by port-forward; loopback only, needs --key-file)",
+    )
     a.set_defaults(fn=_allocator)
     s = sub.add_parser("status", help="allocators, meshes and procs")
     s.add_argument("--json", action="store_true")

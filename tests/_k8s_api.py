@@ -13,7 +13,12 @@ What it enforces, as a real API server would:
 - requests with a service account's token are authorized by the Roles bound to it (RoleBindings in
   that namespace; no wildcards are honoured): 403 with the real message otherwise;
 - 409 on create of an existing name, 404 on a missing one;
-- watches start after the given ``resourceVersion`` (410 Gone if it is older than what is kept).
+- watches start after the given ``resourceVersion`` (410 Gone if it is older than what is kept);
+- port-forward as the client's ``kubernetes.stream.portforward`` speaks it: a websocket upgrade of
+  ``GET .../pods/NAME/portforward?ports=P`` (subprotocol ``v4.channel.k8s.io``, authorized as
+  ``create`` on ``pods/portforward``), channel 0 data and 1 errors, each opened with the port in
+  two little-endian bytes; the connection is made to ``127.0.0.1:P`` in the pod's network
+  namespace (``setns``), as a kubelet does.
 
 The kubelet: a StatefulSet's pods are placed one per free host (none free: Pending,
 ``Unschedulable``); the Secret and emptyDir volumes are directories on the host, ``$(VAR)`` is
@@ -25,12 +30,16 @@ shows ``CrashLoopBackOff`` (with the previous container's log).
 from __future__ import annotations
 
 import base64
+import ctypes
 import datetime
+import hashlib
 import json
 import os
 import re
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -112,7 +121,8 @@ class Kubelet:
         self.logs: list[bytes] = []
         self.restarts = 0
         spec = pod["spec"]
-        c = spec["containers"][0]
+        # one container runs here: the allocator's (a pod template's sidecars are not run)
+        c = next((c for c in spec["containers"] if c.get("name") == "allocator"), spec["containers"][0])
         self.mounts: dict[str, str] = {}
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         for vm in c.get("volumeMounts", []):
@@ -448,9 +458,13 @@ class Handler(BaseHTTPRequestHandler):
         group, plural, ns, name, sub, q = p
         watching = q.get("watch", ["false"])[0] in ("true", "1")
         verb = "get" if name else ("watch" if watching else "list")
+        if sub == "portforward":
+            verb = "create"  # a websocket upgrade is authorized as create (Kubernetes 1.35+; get before)
         if not self.authorize(verb, group, plural, sub, ns):
             return
         st = self.store
+        if name and sub == "portforward":
+            return self.portforward(ns, name, q)
         if name and sub == "log":
             k = st.pods.get((ns, name))
             if k is None:
@@ -485,6 +499,83 @@ class Handler(BaseHTTPRequestHandler):
             self.send_json(
                 200, {"kind": f"{kind}List", "apiVersion": "v1", "metadata": {"resourceVersion": str(st.rv)}, "items": items}
             )
+
+    def portforward(self, ns: str, name: str, q: dict[str, list[str]]) -> None:
+        st = self.store
+        k = st.pods.get((ns, name))
+        if k is None:
+            return self.status(404, "NotFound", f'pods "{name}" not found')
+        if (self.headers.get("Upgrade") or "").lower() != "websocket":
+            return self.status(400, "BadRequest", "port-forward needs a websocket upgrade")
+        offered = [p.strip() for p in (self.headers.get("Sec-WebSocket-Protocol") or "").split(",")]
+        if WS_PROTOCOL not in offered:
+            return self.status(400, "BadRequest", f"subprotocols {offered}: this server speaks {WS_PROTOCOL}")
+        ports = [int(p) for p in q.get("ports", [""])[0].split(",") if p]
+        if len(ports) != 1:
+            return self.status(400, "BadRequest", "one port per port-forward here")
+        port = ports[0]
+        accept = base64.b64encode(hashlib.sha1(self.headers["Sec-WebSocket-Key"].encode() + WS_GUID).digest()).decode()
+        self.send_response(101)
+        self.send_header("Upgrade", "websocket")
+        self.send_header("Connection", "Upgrade")
+        self.send_header("Sec-WebSocket-Accept", accept)
+        self.send_header("Sec-WebSocket-Protocol", WS_PROTOCOL)
+        self.end_headers()
+        self.close_connection = True
+        wlock = threading.Lock()
+
+        def send(payload: bytes, opcode: int = 2) -> None:
+            n = len(payload)
+            head = bytes([0x80 | opcode]) + (
+                bytes([n]) if n < 126 else b"\x7e" + struct.pack("!H", n) if n < 65536 else b"\x7f" + struct.pack("!Q", n)
+            )
+            with wlock:
+                self.wfile.write(head + payload)
+                self.wfile.flush()
+
+        pb = struct.pack("<H", port)
+        send(b"\x00" + pb)
+        send(b"\x01" + pb)
+        st.log.append(f"portforward {ns}/{name}:{port}")
+        try:
+            conn = connect_in_netns(k.hcfg["netns"], port)
+        except OSError as e:
+            # as a kubelet: the reason on the error channel, then the stream ends
+            send(b"\x01" + f"error forwarding port {port} to pod {name}: {e}".encode())
+            send(b"", 8)
+            return
+
+        def from_client() -> None:
+            try:
+                while True:
+                    frame = ws_read(self.rfile)
+                    if frame is None or frame[0] == 8:
+                        break
+                    op, data = frame
+                    if op == 9:
+                        send(data, 10)
+                    elif op == 2 and data[:1] == b"\x00" and len(data) > 1:
+                        conn.sendall(data[1:])
+            except OSError:
+                pass
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+        t = threading.Thread(target=from_client, daemon=True)
+        t.start()
+        try:
+            while True:
+                data = conn.recv(256 * 1024)
+                if not data:
+                    break
+                send(b"\x00" + data)
+            send(b"", 8)
+        except OSError:
+            pass
+        conn.close()
+        t.join(5)
 
     def watch(self, ns: str, plural: str, sel: str, q: dict[str, list[str]]) -> None:
         st = self.store
@@ -534,6 +625,49 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             pass
         self.close_connection = True
+
+
+WS_PROTOCOL = "v4.channel.k8s.io"
+WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+_libc = ctypes.CDLL(None, use_errno=True)
+_CLONE_NEWNET = 0x40000000
+
+
+def ws_read(rfile: Any) -> tuple[int, bytes] | None:
+    """One websocket frame from the client (masked, as clients must): (opcode, payload)."""
+    h = rfile.read(2)
+    if len(h) < 2:
+        return None
+    op, n = h[0] & 0x0F, h[1] & 0x7F
+    if n == 126:
+        (n,) = struct.unpack("!H", rfile.read(2))
+    elif n == 127:
+        (n,) = struct.unpack("!Q", rfile.read(8))
+    mask = rfile.read(4) if h[1] & 0x80 else b""
+    data = rfile.read(n)
+    if len(data) < n:
+        return None
+    if mask and n:
+        m = (mask * (n // 4 + 1))[:n]
+        data = (int.from_bytes(data, "big") ^ int.from_bytes(m, "big")).to_bytes(n, "big")
+    return op, data
+
+
+def connect_in_netns(netns: str, port: int) -> socket.socket:
+    """Connect to 127.0.0.1:port inside a pod's network namespace (this thread's, for a moment)."""
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    target = os.open(netns, os.O_RDONLY)
+    try:
+        if _libc.setns(target, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), "setns")
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=5)
+        finally:
+            if _libc.setns(own, _CLONE_NEWNET) != 0:
+                os._exit(70)  # a thread left in a pod's namespace would serve the API from there
+    finally:
+        os.close(own)
+        os.close(target)
 
 
 def main() -> None:

@@ -79,14 +79,66 @@ def test_manifests_validate_strict_on_every_version() -> None:
         kv.validate(bad, "1.33", strict=True)
 
 
+def test_pod_template_is_merged_and_validates_strict() -> None:
+    from kubernetes import client
+
+    from monarch_nb.job.kubernetes import KubernetesJob
+
+    tmpl = client.V1PodTemplateSpec(
+        metadata=client.V1ObjectMeta(labels={"team": "ml"}, annotations={"note": "x"}),
+        spec=client.V1PodSpec(
+            node_selector={"gpu": "h100"},
+            tolerations=[client.V1Toleration(key="gpu", operator="Exists", effect="NoSchedule")],
+            containers=[
+                client.V1Container(name="sidecar", image="busybox", command=["sleep", "inf"]),
+                client.V1Container(
+                    name="allocator",
+                    image=IMAGE,
+                    resources=client.V1ResourceRequirements(limits={"nvidia.com/gpu": "8"}),
+                    env=[client.V1EnvVar(name="NCCL_DEBUG", value="INFO")],
+                    volume_mounts=[client.V1VolumeMount(name="data", mount_path="/data")],
+                ),
+            ],
+            volumes=[client.V1Volume(name="data", empty_dir=client.V1EmptyDirVolumeSource())],
+        ),
+    )
+    job = KubernetesJob(NS)
+    job.add_mesh("trainers", 2, pod_template=tmpl, port=26601)
+    objs = job.manifests("abcdef12")
+    for obj in objs:
+        for v in VERSIONS:
+            kv.validate(obj, v, strict=True)
+    sts = next(o for o in objs if o["kind"] == "StatefulSet")
+    t = sts["spec"]["template"]
+    # the template's own fields stay
+    assert t["metadata"]["labels"]["team"] == "ml" and t["metadata"]["annotations"] == {"note": "x"}
+    assert t["spec"]["nodeSelector"] == {"gpu": "h100"} and t["spec"]["tolerations"][0]["key"] == "gpu"
+    side, alloc = t["spec"]["containers"]
+    assert side == {"name": "sidecar", "image": "busybox", "command": ["sleep", "inf"]}
+    assert alloc["image"] == IMAGE and alloc["resources"] == {"limits": {"nvidia.com/gpu": "8"}}
+    assert {"name": "NCCL_DEBUG", "value": "INFO"} in alloc["env"]
+    # the allocator's own: command, bind address, key file, readiness, port
+    assert alloc["command"][-2:] == ["monarch_nb", "allocator"] and "tcp://$(POD_IP):26601" in alloc["args"]
+    assert alloc["readinessProbe"]["exec"]["command"][0] == "test"
+    assert {v["name"] for v in t["spec"]["volumes"]} == {"data", "key"}
+    assert {vm["mountPath"] for vm in alloc["volumeMounts"]} == {"/data", "/var/run/monarch-nb/key"}
+    # pods are still found by the job's selector whatever labels the template has
+    assert sts["spec"]["selector"]["matchLabels"].items() <= t["metadata"]["labels"].items()
+
+
 def test_unsupported_arguments_say_so() -> None:
     from monarch_nb.job.kubernetes import ImageSpec, KubernetesJob
 
-    with pytest.raises(NotImplementedError, match="attach_to"):
-        KubernetesJob(NS, attach_to="tcp://127.0.0.1:26600")
+    with pytest.raises(ValueError, match="kubectl port-forward"):
+        KubernetesJob(NS, attach_to="127.0.0.1:26601")
     job = KubernetesJob(NS)
-    with pytest.raises(NotImplementedError, match="pod_template"):
+    with pytest.raises(ValueError, match="pod_template.spec.containers is empty"):
         job.add_mesh("a", 1, pod_template={"spec": {}})
+    with pytest.raises(NotImplementedError, match="sets command"):
+        job.add_mesh("a", 1, pod_template={"spec": {"containers": [{"name": "w", "image": IMAGE, "command": ["x"]}]}})
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        job.add_mesh("a", 1, image_spec=ImageSpec(IMAGE), pod_template={"spec": {"containers": [{"image": IMAGE}]}})
+    assert not job._meshes  # nothing refused was kept
     with pytest.raises(ValueError, match="label_selector"):
         job.add_mesh("a", 1, image_spec=ImageSpec(IMAGE), label_selector="x=y")
     with pytest.raises(ValueError, match="invalid"):
@@ -118,6 +170,7 @@ class Cluster:
             "admin-token": "admin",
             "ctl-token": f"system:serviceaccount:{NS}:monarch-nb",
             "weak-token": f"system:serviceaccount:{NS}:weak",
+            "nopf-token": f"system:serviceaccount:{NS}:nopf",
         }
         cfg = {
             "port_file": os.path.join(self.shared, "port"),
@@ -125,7 +178,12 @@ class Cluster:
             "images": {BROKEN: "/usr/bin/python3"},
             "tokens": tokens,
             "hosts": [
-                {"ip": self.net.ip(i), "wrap": self.net.wrap(i, [], cwd="/"), "root": str(self.net.path(i, "/"))}
+                {
+                    "ip": self.net.ip(i),
+                    "wrap": self.net.wrap(i, [], cwd="/"),
+                    "root": str(self.net.path(i, "/")),
+                    "netns": f"/run/netns/{self.net.netns(i)}",
+                }
                 for i in (1, 2, 3)
             ],
         }
@@ -141,7 +199,7 @@ class Cluster:
         wait_for(lambda: os.path.exists(cfg["port_file"]) or self.server.poll() is not None, timeout=60)
         assert self.server.poll() is None, Path(self.shared, "api.log").read_text()
         port = Path(cfg["port_file"]).read_text()
-        for user, token in (("admin", "admin-token"), ("ctl", "ctl-token"), ("weak", "weak-token")):
+        for user, token in (("admin", "admin-token"), ("ctl", "ctl-token"), ("weak", "weak-token"), ("nopf", "nopf-token")):
             Path(self.shared, f"{user}.kubeconfig").write_text(
                 json.dumps(
                     {
@@ -171,11 +229,13 @@ class Cluster:
             shared=self.shared, ns=NS, image=IMAGE, broken=BROKEN, ctl=self.net.ip(0)
         ) + textwrap.dedent(body)
         env = self.env(
-            MONARCH_NB_RUNTIME_DIR="/tmp/mnb",
-            MONARCH_NB_ZYGOTE_PRELOAD="",
-            MONARCH_NB_HEARTBEAT_INTERVAL="0.2",
-            MONARCH_NB_HEARTBEAT_TIMEOUT="1.5",
-            **extra,
+            **{
+                "MONARCH_NB_RUNTIME_DIR": "/tmp/mnb",
+                "MONARCH_NB_ZYGOTE_PRELOAD": "",
+                "MONARCH_NB_HEARTBEAT_INTERVAL": "0.2",
+                "MONARCH_NB_HEARTBEAT_TIMEOUT": "1.5",
+                **extra,
+            }
         )
         return run_controller(self.net, self.shared, code, env, timeout=timeout)
 
@@ -462,3 +522,108 @@ def test_forbidden_names_the_permission(k8s: Cluster) -> None:
     assert f"system:serviceaccount:{NS}:weak" in err
     # what it created before the refusal (the Secret, the Service) was deleted again
     assert out[1]["after"] == EMPTY
+
+
+def test_gateway_reaches_pods_the_controller_cannot_route_to(k8s: Cluster) -> None:
+    # the controller's host is cut off from the pods (a notebook outside the cluster): it reaches
+    # the API server only, and the pods only through one port-forward to rank 0's gateway
+    k8s.net.partition(0)
+    try:
+        with KeyWatch() as watch:
+            out = k8s.run(
+                """
+                import time
+                grant("monarch-nb")
+                job = KubernetesJob(NS, timeout=90, kubeconfig=KubeConfig.from_path(kc("ctl")))
+                job.add_mesh("gw", 3, image_spec=ImageSpec(IMAGE))
+                state = job.state(cached_path="/tmp/gw.json")
+                gw = job._gw[0]
+                try:
+                    socket.create_connection((job._hosts["gw"][1][6:].rsplit(":", 1)[0], 26600), timeout=1)
+                    direct = "reachable"
+                except OSError as e:
+                    direct = type(e).__name__
+                procs = state.gw.spawn_procs(per_host={"gpus": 2}, name="train", persist=True)
+                w = procs.spawn("w", Where)
+                got = w.where.call().get()
+                # the port-forward drops: the next connection opens a new one, same reply address
+                before, reverse = gw.mux, gw.reverse
+                before.close()
+                again = w.where.call().get()
+                out(direct=direct, reverse=gw.reverse, where=[list(v) for v in got.values()],
+                    reopened=gw.mux is not before and gw.reverse == reverse and sorted(again.values()) == sorted(got.values()),
+                    key=read_key_file(os.path.join(job._dir, "key")).hex())
+            """,
+                MONARCH_NB_HEARTBEAT_TIMEOUT="20",
+            )  # a dropped tunnel loses heartbeats in flight, not the hosts
+            # a new process re-attaches through a port it forwarded itself (attach_to), as with
+            # `kubectl port-forward pod/gw-0 P:26601`, and finds its procs with the same PIDs
+            out += k8s.run("""
+                import threading, time
+                from kubernetes.stream import portforward
+                from monarch_nb.actor import ProcMesh
+                t0 = time.monotonic()
+                core = client.CoreV1Api(config.new_client_from_config(config_file=kc("ctl")))
+                lst = socket.create_server(("127.0.0.1", 0))
+
+                def pump(a, b):
+                    try:
+                        while data := a.recv(65536):
+                            b.sendall(data)
+                    except OSError:
+                        pass
+                    for x in (a, b):
+                        try:
+                            x.shutdown(socket.SHUT_RDWR)
+                        except OSError:
+                            pass
+
+                def forward():  # what kubectl port-forward does: one forward per local connection
+                    while True:
+                        c, _ = lst.accept()
+                        pf = portforward(core.connect_get_namespaced_pod_portforward, "gw-0", NS, ports="26601")
+                        r = pf.socket(26601)._socket
+                        r.setblocking(True)
+                        threading.Thread(target=pump, args=(c, r), daemon=True).start()
+                        threading.Thread(target=pump, args=(r, c), daemon=True).start()
+
+                threading.Thread(target=forward, daemon=True).start()
+                # an account whose Role lacks pods/portforward: the 403, named
+                grant("nopf", rules=[r for r in KubernetesJob.rbac_manifests(NS)[1]["rules"] if r["resources"] != ["pods/portforward"]])
+                denied = KubernetesJob(NS, timeout=90, kubeconfig=KubeConfig.from_path(kc("nopf")), gateway=True)
+                denied.add_mesh("gw", 3, image_spec=ImageSpec(IMAGE))
+                try:
+                    denied.state(cached_path="/tmp/gw.json")
+                    forbidden = None
+                except JobError as e:
+                    forbidden = str(e)
+                job = KubernetesJob(NS, timeout=90, kubeconfig=KubeConfig.from_path(kc("ctl")),
+                                    attach_to=f"tcp://127.0.0.1:{lst.getsockname()[1]}")
+                job.add_mesh("gw", 3, image_spec=ImageSpec(IMAGE))
+                state = job.state(cached_path="/tmp/gw.json")
+                gw = job._running._gw[0]  # the cached job's, which this spec re-attached to
+                w = ProcMesh.lookup("train", state.gw).actor_mesh("w")
+                got = w.where.call().get()
+                t1 = time.monotonic()
+                for _ in range(20):
+                    w.where.call().get()
+                out(where=[list(v) for v in got.values()], reverse=gw.reverse, to_first_call_s=t1 - t0, forbidden=forbidden,
+                    call_s=(time.monotonic() - t1) / 20)
+                job.kill()
+                out(after=objects(), gateway_closed=not gw.alive)
+            """)
+    finally:
+        k8s.net.heal(0)
+    first, again = out[0], out[1]
+    print("gateway:", first["direct"], {k: again[k] for k in ("to_first_call_s", "call_s")})
+    assert first["direct"] in ("TimeoutError", "OSError"), first
+    assert first["reopened"], first
+    # the answers come back through a reverse listener on rank 0's pod
+    assert first["reverse"].startswith(f"tcp://{k8s.net.ip(1)}:") and again["reverse"].startswith(f"tcp://{k8s.net.ip(1)}:")
+    where = first["where"]
+    assert len(where) == 6 and {ip for _, ip in where} == {k8s.net.ip(i) for i in (1, 2, 3)}
+    assert sorted(again["where"]) == sorted(where)  # the same procs, re-attached
+    assert "403" in again["forbidden"] and "'create' on 'pods/portforward'" in again["forbidden"], again
+    assert out[2] == {"after": EMPTY, "gateway_closed": True}
+    wait_for(lambda: not any(k8s.allocators_on(i) for i in (1, 2, 3)), timeout=30)
+    assert not watch.leaks(bytes.fromhex(first["key"]))

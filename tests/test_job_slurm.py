@@ -155,21 +155,45 @@ def test_pending_job_shows_its_reason_and_honours_job_start_timeout(slurm: Slurm
             err = io.StringIO()
             late = SlurmJob(meshes={{"one": 1}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, job_name="late",
                             job_start_timeout=2)
+            import threading
             try:
                 with contextlib.redirect_stderr(err):
                     late.state(cached_path=None)
                 out(error=None)
             except JobError as e:
                 out(error=str(e), stderr=err.getvalue(), late=late.job_id)
+            # the default: no deadline. The reason shows in the cell while the job is still queued;
+            # the nodes are freed only once it showed, and the job then starts
+            shown = threading.Event()
+            class Cell(io.StringIO):
+                def write(self, s):
+                    if "pending:" in s:
+                        shown.set()
+                    return super().write(s)
+            def free_nodes():
+                shown.wait(60)
+                hog.kill()
+            threading.Thread(target=free_nodes).start()
+            cell = Cell()
+            waited = SlurmJob(meshes={{"one": 1}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, job_name="waited")
+            try:
+                with contextlib.redirect_stderr(cell):
+                    state = waited.state(cached_path=None)
+                out(started=len(state.one.spawn_procs(per_host={{"gpus": 1}}).spawn("w", Where).where.call().get()),
+                    cell=cell.getvalue(), shown_before_start=shown.is_set())
             finally:
+                waited.kill()
                 hog.kill()
             """,
         ),
         _env(slurm),
-    )[0]
+    )
+    res, waited = res[0], res[1]
     assert res["error"] and "did not start within job_start_timeout=2 s" in res["error"], res
     assert "pending: Resources" in res["stderr"] or "pending: Priority" in res["stderr"], res
     assert "PENDING" in res["error"]
+    assert waited["started"] == 1 and waited["shown_before_start"], waited
+    assert "pending: Resources" in waited["cell"] or "pending: Priority" in waited["cell"], waited
     wait_for(lambda: not slurm.squeue().strip(), 30, "the queue to be empty")
 
 

@@ -23,6 +23,7 @@ def run_allocator(
     announce_dir: str | None = None,
     announce_name: str | None = None,
     exit_on_lease: bool = False,
+    gateway: str | None = None,
 ) -> None:
     """Serve as this host's allocator in the foreground until shut down.
 
@@ -34,6 +35,8 @@ def run_allocator(
     addresses there (``<announce_name>.json``, 0600), so nobody scrapes scheduler output.
     ``exit_on_lease``: a job's allocator exits (not only reaps its meshes) after the lease
     passes with no controller attached.
+    ``gateway``: ``127.0.0.1:PORT``, where a controller outside the cluster's network opens its
+    one tunnel (a port-forward) to reach this job's allocators (see gateway.py).
     """
     cfg = get_config()
     if lease is not None:
@@ -52,6 +55,8 @@ def run_allocator(
             raise ValueError(f"--bind takes tcp://IP:PORT, got {bind!r}")
         tcp_ip, port = split_tcp(bind)
         security.check_address(f"tcp://{route_ip('10.255.255.255') if tcp_ip in ('0.0.0.0', '*') else tcp_ip}:{port}")
+    if gateway and (key is None or not tcp_ip):
+        raise ValueError("--gateway needs --key-file and a --bind address (what the job's hosts reach this one at)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     alloc = Allocator(cfg, security, runtime_dir(cfg), tcp_ip=tcp_ip, tcp_port=port)
     alloc.exit_on_lease = exit_on_lease
@@ -63,6 +68,13 @@ def run_allocator(
             alloc.rt.tcp_addr,
             os.path.join(alloc.runtime_dir, LOCAL_KEY_FILE),
         )
+    if gateway and key is not None:
+        from .gateway import GatewayServer
+
+        gw_host, _, gw_port = gateway.rpartition(":")
+        # the reverse listener binds the address the allocator serves at (a wildcard resolved)
+        srv = GatewayServer((gw_host or "127.0.0.1", int(gw_port)), split_tcp(alloc.rt.tcp_addr)[0], key)
+        logging.getLogger(__name__).info("gateway for controllers outside the cluster at %s:%d", *srv.addr[:2])
     signal.signal(signal.SIGTERM, lambda *_: alloc.rt.loop.call_soon_threadsafe(alloc.stopped.set))
     if announce_dir:
         from .records import announce

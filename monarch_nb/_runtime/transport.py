@@ -110,6 +110,8 @@ class SocketFactory:
         self._keys: tuple[bytes, bytes] | None = None
         if security.key is not None:
             self._keys = curve_keypair(security.key)
+        #: host -> the gateway that reaches it (hosts the controller cannot route to: see gateway.py)
+        self.routes: dict[str, Any] = {}
 
     def set_security(self, security: Security) -> None:
         """Adopt a cluster key after start (before any TCP socket uses the old one)."""
@@ -153,6 +155,13 @@ class SocketFactory:
             sock.curve_serverkey = public
             sock.curve_publickey = public
             sock.curve_secretkey = secret
+            if self.routes:
+                route = self.routes.get(split_tcp(addr)[0])
+                if route is not None:
+                    # through the gateway's SOCKS5 proxy; CurveZMQ still runs end to end
+                    sock.setsockopt(zmq.SOCKS_PROXY, route.proxy.encode())
+                    sock.setsockopt(zmq.SOCKS_USERNAME, route.username.encode())
+                    sock.setsockopt(zmq.SOCKS_PASSWORD, route.password.encode())
 
     def close(self) -> None:
         if self._auth is not None:
@@ -383,10 +392,30 @@ class Transport:
         self.loop.call_soon_threadsafe(bind)
         return fut.result(timeout=10)
 
+    def add_route(self, route: Any) -> None:
+        """Reach ``route.hosts`` through a gateway (a :class:`~.gateway.Route`); connections
+        already open keep their path."""
+        for h in route.hosts:
+            self.sockets.routes[h] = route
+
+    def remove_route(self, route: Any) -> None:
+        for h in route.hosts:
+            if self.sockets.routes.get(h) is route:
+                del self.sockets.routes[h]
+
     def addr_for(self, peer: str) -> str:
         """Our inbox address as ``peer`` must see it."""
         if peer.startswith("ipc://"):
             return self.ipc_addr
+        routes = self.sockets.routes
+        if routes and peer.startswith("tcp://"):
+            route = routes.get(split_tcp(peer)[0])
+            if route is not None:
+                # behind a gateway: the peer reaches us through its reverse listener, which
+                # connects back to our TCP inbox
+                if not self.tcp_addr:
+                    self.ensure_tcp(route_ip(split_tcp(peer)[0]))
+                return str(route.reply_addr)
         if self.tcp_addr:
             return self.tcp_addr
         return self.ensure_tcp(route_ip(split_tcp(peer)[0]))

@@ -156,6 +156,7 @@ class JobTrait(ABC):
             cached = self._load_cached(cached_path)
             if cached is not None:
                 logger.info("re-attaching to the cached %s job at %s", cached._type_name, cached_path)
+                cached._rebind_connection_inputs(self)
                 self._cached = cached
                 self._cached_path = cached_path
                 running = cached
@@ -267,6 +268,10 @@ class JobTrait(ABC):
     def _runtime(self) -> dict[str, Any]:
         """What a running job must remember to be found again (JSON)."""
         return {}
+
+    def _rebind_connection_inputs(self, spec: JobTrait) -> None:  # noqa: B027 - most jobs connect as cached
+        """Take how ``spec`` connects (credentials, a gateway) when re-attaching to a cached job
+        that can run it (Monarch's hook of the same name)."""
 
     def _load_runtime(self, data: dict[str, Any]) -> None:  # noqa: B027 - a job with no runtime state has nothing to load
         """Restore what ``_runtime`` returned."""

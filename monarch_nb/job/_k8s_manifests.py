@@ -31,10 +31,18 @@ MESH_LABEL = "monarch.pytorch.org/mesh-name"
 RULES: list[tuple[str, str, list[str]]] = [
     ("", "pods", ["get", "list", "watch"]),
     ("", "pods/log", ["get"]),
+    # the gateway of a controller outside the cluster (websocket port-forward: create, or get
+    # on API servers before the create check of 1.35)
+    ("", "pods/portforward", ["get", "create"]),
     ("", "secrets", ["create", "delete"]),
     ("", "services", ["create", "delete"]),
     ("apps", "statefulsets", ["create", "delete"]),
 ]
+
+
+def gateway_port(port: int) -> int:
+    """The gateway's port in a pod: next to the allocator's, on the pod's loopback only."""
+    return port + 1
 
 
 def selector_labels(mesh: str, job_id: str) -> dict[str, str]:
@@ -90,6 +98,7 @@ def statefulset(
     annotations: dict[str, str] | None = None,
     env: dict[str, str] | None = None,
     python_exe: str = "python",
+    pod_template: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     pod_labels = selector_labels(mesh, job_id)
     meta: dict[str, Any] = {"name": mesh, "namespace": namespace, "labels": {**(labels or {}), **pod_labels}}
@@ -109,6 +118,9 @@ def statefulset(
             ANNOUNCE_DIR,
             "--announce-name",
             ANNOUNCE_NAME,
+            # the tunnel end for a controller outside the cluster (port-forward; loopback only)
+            "--gateway",
+            f"127.0.0.1:{gateway_port(port)}",
         ],
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
         + [{"name": k, "value": v} for k, v in sorted((env or {}).items())],
@@ -125,6 +137,16 @@ def statefulset(
     if resources:
         rs = {k: str(v) for k, v in resources.items()}
         container["resources"] = {"requests": rs, "limits": dict(rs)}
+    tmpl_meta: dict[str, Any] = {"labels": pod_labels}
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "containers": [container],
+        "volumes": [
+            {"name": "key", "secret": {"secretName": secret_name(job_id), "defaultMode": 0o400}},
+        ],
+    }
+    if pod_template is not None:
+        tmpl_meta, pod_spec = merge_pod_template(pod_template, tmpl_meta, pod_spec)
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -134,18 +156,63 @@ def statefulset(
             "replicas": replicas,
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": pod_labels},
-            "template": {
-                "metadata": {"labels": pod_labels},
-                "spec": {
-                    "automountServiceAccountToken": False,
-                    "containers": [container],
-                    "volumes": [
-                        {"name": "key", "secret": {"secretName": secret_name(job_id), "defaultMode": 0o400}},
-                    ],
-                },
-            },
+            "template": {"metadata": tmpl_meta, "spec": pod_spec},
         },
     }
+
+
+#: fields of the allocator's container that monarch_nb sets itself: a template that sets them
+#: would be ignored, so it is refused instead
+OWNED_CONTAINER_FIELDS = ("command", "args", "readinessProbe")
+
+
+def merge_pod_template(
+    template: dict[str, Any], meta: dict[str, Any], spec: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The user's pod template (``add_mesh(pod_template=...)``, camelCase) with the allocator merged
+    in: its container is the template's container named ``allocator``, else its first one; the
+    template keeps its image, resources, other containers, volumes and pod fields. What the
+    allocator needs (command, the key volume, the readiness probe, its port and env) is added; a
+    template that sets one of those itself raises ``NotImplementedError`` naming the field."""
+    t_meta = dict(template.get("metadata") or {})
+    t_spec = dict(template.get("spec") or {})
+    containers = [dict(c) for c in t_spec.get("containers") or []]
+    if not containers:
+        raise ValueError("pod_template.spec.containers is empty: give the container that runs the allocator (its image)")
+    idx = next((i for i, c in enumerate(containers) if c.get("name") == "allocator"), 0)
+    user = containers[idx]
+    if not user.get("image"):
+        raise ValueError(f"pod_template container {user.get('name')!r} has no image (one with monarch_nb installed)")
+    for f in OWNED_CONTAINER_FIELDS:
+        if user.get(f):
+            raise NotImplementedError(
+                f"pod_template container {user.get('name')!r} sets {f}: monarch_nb sets the allocator's {f} itself; "
+                "remove it (other containers of the template may set theirs)"
+            )
+    ours = spec["containers"][0]
+    merged = {**user, **{k: v for k, v in ours.items() if k not in ("image", "resources")}}
+    merged["name"] = user.get("name") or ours["name"]
+    merged["image"] = user["image"]
+    if "resources" in ours and "resources" not in user:
+        merged["resources"] = ours["resources"]
+    clash = sorted({e.get("name") for e in user.get("env") or []} & {e["name"] for e in ours["env"]})
+    if clash:
+        raise ValueError(f"pod_template container {user.get('name')!r} sets env {clash}, which the allocator needs; rename them")
+    merged["env"] = list(ours["env"]) + list(user.get("env") or [])
+    merged["ports"] = list(ours["ports"]) + [p for p in user.get("ports") or [] if p.get("name") != "monarch"]
+    merged["volumeMounts"] = list(ours["volumeMounts"]) + list(user.get("volumeMounts") or [])
+    containers[idx] = merged
+    names = [c.get("name") for c in containers]
+    if len(set(names)) != len(names):
+        raise ValueError(f"pod_template container names must be unique, got {names}")
+    volumes = list(t_spec.get("volumes") or [])
+    if any(v.get("name") == "key" for v in volumes):
+        raise ValueError("pod_template has a volume named 'key': that name is the cluster key's Secret; rename it")
+    out_spec = {**spec, **t_spec, "containers": containers, "volumes": volumes + list(spec["volumes"])}
+    if "automountServiceAccountToken" in t_spec:
+        out_spec["automountServiceAccountToken"] = t_spec["automountServiceAccountToken"]
+    out_meta = {**t_meta, "labels": {**(t_meta.get("labels") or {}), **meta["labels"]}}
+    return out_meta, out_spec
 
 
 def rbac(namespace: str, service_account: str, name: str = "monarch-nb-controller") -> list[dict[str, Any]]:

@@ -18,8 +18,14 @@ pod with the scheduler's reason (after ``timeout``; without one it waits and sho
 a container in CrashLoopBackOff or an image that cannot be pulled at once (with its last log
 lines), a 403 naming the permission the controller lacks (``KubernetesJob.rbac_manifests``).
 
-The controller must reach the pod IPs (a notebook in the cluster, or on a node). A gateway for a
-notebook outside the cluster (Monarch's ``attach_to``/port-forward) is not implemented.
+A notebook in the cluster (or on a node) reaches the pod IPs itself. One outside it (a laptop with
+a kubeconfig) reaches them through one gateway: a websocket port-forward
+(``kubernetes.stream.portforward``, subprotocol ``v4.channel.k8s.io``) to the gateway port of
+rank 0's pod, over which every connection to the job's allocators and procs, and every answer
+back, rides (``_runtime/gateway.py``: SOCKS5 for zmq, CurveZMQ end to end, both ends proven to
+hold the cluster key). It is used when the pods do not answer directly (``gateway=None``), always
+(``gateway=True``), or over a port you forwarded yourself (``attach_to="tcp://127.0.0.1:P"`` for
+``kubectl port-forward pod/<mesh>-0 P:<port+1>``).
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ _DEFAULT_MONARCH_PORT = 26600
 _RFC_1123_MAX_LEN = 63
 #: log lines shown for a crashing container
 LOG_LINES = 20
+#: how long the first pod may take to accept a connection before the gateway is used instead
+GATEWAY_PROBE_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,14 +129,18 @@ class KubernetesJob(JobTrait):
         kubeconfig: KubeConfig | None = None,
         attach_to: str | None = None,
         *,
+        gateway: bool | None = None,
         meshes: dict[str, dict[str, Any]] | None = None,
     ) -> None:
-        if attach_to is not None:
-            raise NotImplementedError(
-                "KubernetesJob(attach_to=...): a port-forward gateway for a notebook outside the cluster is not "
-                "implemented; run the notebook where it reaches the pod IPs (in a pod, or on a node)"
+        if attach_to is not None and not attach_to.startswith("tcp://"):
+            raise ValueError(
+                f"attach_to={attach_to!r}: give tcp://127.0.0.1:PORT, a local port forwarded to the gateway port "
+                "(monarch port + 1) of a pod of the job: kubectl port-forward pod/<mesh>-0 PORT:26601"
             )
         super().__init__()
+        self._attach_to = attach_to
+        self._gateway_mode = gateway
+        self._gw: Any = None  # (GatewayClient, port-forward or None, Route) while open
         self._namespace = namespace
         self._timeout = timeout
         if isinstance(kubeconfig, str):  # from a cached record
@@ -138,6 +150,7 @@ class KubernetesJob(JobTrait):
         self._dir = ""
         self._created: list[list[str]] = []
         self._hosts: dict[str, list[str]] = {}
+        self._pods: dict[str, list[str]] = {}
         self._api: Any = None
 
     # ------------------------------------------------------------ spec
@@ -154,33 +167,38 @@ class KubernetesJob(JobTrait):
         annotations: dict[str, str] | None = None,
     ) -> None:
         """A mesh of ``num_replicas`` pods: found by ``label_selector`` (attach-only) or created
-        from ``image_spec`` (provisioning). Names follow RFC 1123 (lowercase alphanumerics)."""
+        from ``image_spec`` or ``pod_template`` (provisioning; a ``V1PodTemplateSpec`` or its dict,
+        merged with the allocator's container: see ``_k8s_manifests.merge_pod_template``). Names
+        follow RFC 1123 (lowercase alphanumerics)."""
         if not name or len(name) > _RFC_1123_MAX_LEN or not (name.isalnum() and name.islower() and name[0].isalpha()):
             raise ValueError(
                 f"mesh name {name!r} is invalid: at most 63 lowercase alphanumeric characters, starting with a letter"
             )
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas must be a positive number of pods, got {num_replicas!r}")
-        if pod_template is not None:
-            raise NotImplementedError(
-                "add_mesh(pod_template=...): provisioning from a pod template is not implemented; use image_spec"
-            )
-        provisioned = image_spec is not None
+        if image_spec is not None and pod_template is not None:
+            raise ValueError("'image_spec' and 'pod_template' are mutually exclusive")
+        template = _template_dict(pod_template) if pod_template is not None else None
+        provisioned = image_spec is not None or template is not None
         if provisioned and label_selector is not None:
             raise ValueError("'label_selector' cannot be customized when provisioning")
         if provisioned and pod_rank_label != m.RANK_LABEL:
             raise ValueError("'pod_rank_label' cannot be customized when provisioning")
         if not provisioned and (labels is not None or annotations is not None):
             raise ValueError("'labels' and 'annotations' can only be set when provisioning (image_spec)")
+        if template is not None:
+            # a template that cannot be honoured is refused here, not at apply()
+            m.statefulset(self._namespace, name, "00000000", num_replicas, "x", int(port), pod_template=template)
         self._meshes[name] = {
             "num_replicas": num_replicas,
             "label_selector": label_selector or f"{m.NAME_LABEL}=monarch-worker,{m.MESH_LABEL}={name}",
             "pod_rank_label": pod_rank_label,
-            "image": image_spec.image if image_spec else None,
+            "image": image_spec.image if image_spec else (_template_image(template) if template else None),
             "resources": dict(image_spec.resources) if image_spec and image_spec.resources else None,
             "port": int(port),
             "labels": labels,
             "annotations": annotations,
+            "pod_template": template,
         }
 
     def _spec(self) -> dict[str, Any]:
@@ -188,15 +206,30 @@ class KubernetesJob(JobTrait):
             kc = None  # a Configuration object is not cached; a re-attach uses the in-cluster account
         else:
             kc = str(self._kubeconfig.local) if self._kubeconfig.local else None
-        return {"namespace": self._namespace, "timeout": self._timeout, "kubeconfig": kc, "meshes": self._meshes}
+        return {
+            "namespace": self._namespace,
+            "timeout": self._timeout,
+            "kubeconfig": kc,
+            "attach_to": self._attach_to,
+            "gateway": self._gateway_mode,
+            "meshes": self._meshes,
+        }
 
     def _runtime(self) -> dict[str, Any]:
-        return {"dir": self._dir, "created": self._created, "hosts": self._hosts}
+        return {"dir": self._dir, "created": self._created, "hosts": self._hosts, "pods": self._pods}
 
     def _load_runtime(self, data: dict[str, Any]) -> None:
         self._dir = data.get("dir", "")
         self._created = [list(x) for x in data.get("created") or []]
         self._hosts = dict(data.get("hosts") or {})
+        self._pods = dict(data.get("pods") or {})
+
+    def _rebind_connection_inputs(self, spec: JobTrait) -> None:
+        # this process's kubeconfig and gateway, not the ones of the process that applied the job
+        if isinstance(spec, KubernetesJob):
+            self._kubeconfig, self._attach_to = spec._kubeconfig, spec._attach_to
+            self._gateway_mode, self._timeout = spec._gateway_mode, spec._timeout
+            self._api = None
 
     def _host_addrs(self) -> list[str]:
         return [a for addrs in self._hosts.values() for a in addrs]
@@ -228,6 +261,7 @@ class KubernetesJob(JobTrait):
                     labels=c["labels"],
                     annotations=c["annotations"],
                     env=env,
+                    pod_template=c.get("pod_template"),
                 )
             )
         return out
@@ -352,6 +386,7 @@ class KubernetesJob(JobTrait):
         """Addresses by rank when all are Ready; else (None, what is missing). A crashing pod raises."""
         n = c["num_replicas"]
         ready: dict[int, str] = {}
+        names: dict[int, str] = {}
         waiting = []
         for pname, pod in sorted(pods.items()):
             for cs in (pod.status.container_statuses or []) if pod.status else []:
@@ -377,6 +412,7 @@ class KubernetesJob(JobTrait):
                 continue
             if "Ready" in conds and conds["Ready"].status == "True" and pod.status.pod_ip:
                 ready[rank] = f"tcp://{pod.status.pod_ip}:{c['port']}"
+                names[rank] = pname
                 continue
             sched = conds.get("PodScheduled")
             if sched is not None and sched.status == "False":
@@ -389,6 +425,7 @@ class KubernetesJob(JobTrait):
                 # shown live in the cell: why the mesh is not there yet
                 print(f"mesh {name!r}: pod {pname} {why}", file=sys.stderr, flush=True)
         if len(ready) == n:
+            self._pods[name] = [names[i] for i in range(n)]
             return [ready[i] for i in range(n)], ""
         missing = [i for i in range(n) if i not in ready]
         what = "; ".join(waiting) or f"no pod with rank(s) {missing}"
@@ -413,7 +450,117 @@ class KubernetesJob(JobTrait):
             # pods may have moved since apply (rescheduled): read their addresses again
             self._hosts = self._wait_ready()
         key = os.path.join(self._dir, "key") if self._dir else None
+        self._ensure_gateway(key or os.environ.get("MONARCH_NB_KEY_FILE"))
         return host_meshes(self._hosts, key_file=key)
+
+    # ------------------------------------------------------------ the gateway
+    def _needs_gateway(self, key_file: str | None) -> bool:
+        if self._attach_to is not None or self._gateway_mode:
+            return True
+        if self._gateway_mode is False or not self._kubeconfig.out_of_cluster:
+            return False
+        from .._runtime.transport import Security
+        from .._wire.keys import read_key_file
+        from ..actor import _context
+        from ..errors import ConnectError
+
+        client = _context.client()
+        if key_file:
+            client.rt.sockets.set_security(Security(read_key_file(key_file)))
+        first = next(a for addrs in self._hosts.values() for a in addrs)
+        try:
+            # the hello both ways (a raw TCP probe would be logged by the allocator as a failed handshake)
+            client.connect(first, timeout=GATEWAY_PROBE_S)
+            return False
+        except ConnectError as e:
+            logger.info("pod %s does not answer from here (%s): reaching the pods through a gateway", first, e)
+            return True
+
+    def _ensure_gateway(self, key_file: str | None) -> None:
+        """Open the tunnel (once per process) and route the pods' addresses through it."""
+        from .._runtime.gateway import GatewayClient, GatewayError
+        from .._runtime.transport import split_tcp
+        from .._wire.keys import read_key_file
+        from ..actor import _context
+
+        if self._gw is not None and self._gw[0].alive:
+            return
+        self._close_gateway()
+        if not self._hosts or not self._needs_gateway(key_file):
+            return
+        if not key_file:
+            raise JobError("the gateway needs the cluster key: this job has none and MONARCH_NB_KEY_FILE is not set")
+        mesh = next(iter(self._hosts))
+        port = m.gateway_port(self._meshes[mesh]["port"])
+        forwards: list[Any] = []
+        attach_to = self._attach_to
+        if attach_to is not None:
+            import socket
+
+            where = f"{attach_to} (attach_to)"
+
+            def connect() -> Any:
+                try:
+                    return socket.create_connection(split_tcp(attach_to), timeout=10)
+                except OSError as e:
+                    raise JobError(f"cannot connect to attach_to={attach_to!r}: {e}; is the port-forward running?") from None
+
+        else:
+            pod = self._pods[mesh][0]
+            where = f"pod {pod} port {port} (port-forward)"
+
+            def connect() -> Any:
+                # a new port-forward for each tunnel (the first, and one after a drop)
+                pf, sock = self._port_forward(pod, port)
+                forwards[:] = [f for f in forwards if f.connected] + [pf]
+                return sock
+
+        rt = _context.client().rt
+        try:
+            gw = GatewayClient(
+                connect, read_key_file(key_file), sorted({split_tcp(a)[0] for a in self._host_addrs()}), lambda: rt.tcp_addr
+            )
+        except GatewayError as e:
+            for f in forwards:
+                f.close()
+            raise JobError(f"gateway at {where}: {e}") from None
+        rt.transport.add_route(gw.route)
+        self._gw = (gw, forwards, gw.route)
+        logger.info("reaching %d pods through the gateway at %s", len(gw.route.hosts), where)
+
+    def _port_forward(self, pod: str, port: int) -> tuple[Any, Any]:
+        """A websocket port-forward to ``pod``'s ``port`` (the client's ``portforward``)."""
+        client = _k8s()[0]
+        from kubernetes.stream import portforward
+
+        core = client.CoreV1Api(self._client())
+        try:
+            pf = portforward(core.connect_get_namespaced_pod_portforward, pod, self._namespace, ports=str(port))
+        except Exception as e:  # the websocket library's errors, or the client's ApiException
+            # the client reports a refused websocket upgrade as ApiException(status=0, reason="Handshake status 403 ...")
+            status = getattr(e, "status", None) or getattr(e, "status_code", None)
+            if status == 403 or "Handshake status 403" in str(getattr(e, "reason", "")):
+                raise JobError(
+                    f"the Kubernetes API refused a port-forward to pod {pod} (403): the controller's account needs "
+                    f"'create' on 'pods/portforward': apply KubernetesJob.rbac_manifests({self._namespace!r})"
+                ) from None
+            raise JobError(f"port-forward to pod {pod} port {port} failed: {type(e).__name__}: {e}") from None
+        sock = pf.socket(port)._socket
+        sock.setblocking(True)
+        return pf, sock
+
+    def _close_gateway(self) -> None:
+        if self._gw is None:
+            return
+        gw, pf, route = self._gw
+        self._gw = None
+        from ..actor import _context
+
+        if _context._client is not None:
+            _context._client.rt.transport.remove_route(route)
+        gw.close()
+        for f in pf:
+            f.close()
 
     def can_run(self, spec: JobTrait) -> bool:
         return (
@@ -444,6 +591,7 @@ class KubernetesJob(JobTrait):
                     errors.append(f"delete {res} {name}: {e.status} {_reason(e)}")
         self._created = []
         self._hosts = {}
+        self._close_gateway()
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
         if errors:
@@ -486,6 +634,23 @@ def make_job(
     job = KubernetesJob(namespace, timeout=timeout, kubeconfig=KubeConfig.from_path(kubeconfig) if kubeconfig else None)
     job.add_mesh(name, hosts, image_spec=ImageSpec(image) if image else None, port=monarch_port)
     return job
+
+
+def _template_dict(t: Any) -> dict[str, Any]:
+    """A ``V1PodTemplateSpec`` (or its dict, camelCase as the API takes it) as a plain dict."""
+    if isinstance(t, dict):
+        return dict(t)
+    client = _k8s()[0]
+    if not isinstance(t, client.V1PodTemplateSpec):
+        raise TypeError(f"pod_template must be a kubernetes.client.V1PodTemplateSpec or a dict, got {type(t).__name__}")
+    out: dict[str, Any] = client.ApiClient().sanitize_for_serialization(t)
+    return out
+
+
+def _template_image(t: dict[str, Any]) -> str:
+    cs = (t.get("spec") or {}).get("containers") or [{}]
+    c = next((c for c in cs if c.get("name") == "allocator"), cs[0])
+    return str(c.get("image") or "")
 
 
 def _raise(e: BaseException) -> None:

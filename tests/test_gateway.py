@@ -1,0 +1,105 @@
+"""The gateway's two ends (monarch_nb/_runtime/gateway.py) on real sockets: who may open a tunnel,
+and where a tunnel may lead. The whole path through a Kubernetes port-forward, with the controller
+cut off from the pods, is tests/test_job_k8s.py's gateway test."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import struct
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from monarch_nb._runtime.gateway import GatewayClient, GatewayError, GatewayServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _socks_connect(proxy: str, user: str, password: str, host: str, port: int) -> int:
+    """A SOCKS5 CONNECT as zmq makes it; the reply code (0: connected)."""
+    h, p = proxy.rsplit(":", 1)
+    with socket.create_connection((h, int(p)), timeout=20) as s:
+        s.sendall(b"\x05\x01\x02")
+        assert s.recv(2) == b"\x05\x02"
+        s.sendall(bytes([1, len(user)]) + user.encode() + bytes([len(password)]) + password.encode())
+        if s.recv(2) != b"\x01\x00":
+            return -1
+        s.sendall(b"\x05\x01\x00\x01" + socket.inet_aton(host) + struct.pack("!H", port))
+        return s.recv(10)[1]
+
+
+KEY = secrets.token_bytes(32)
+
+
+@pytest.fixture
+def server() -> Iterator[GatewayServer]:
+    srv = GatewayServer(("127.0.0.1", 0), "127.0.0.1", KEY)
+    yield srv
+    srv.close()
+
+
+def _tunnel(srv: GatewayServer) -> Callable[[], socket.socket]:
+    return lambda: socket.create_connection(srv.addr[:2], timeout=10)
+
+
+def test_a_tunnel_needs_the_cluster_key(server: GatewayServer) -> None:
+    with pytest.raises(GatewayError, match="another cluster key|does not hold"):
+        GatewayClient(_tunnel(server), secrets.token_bytes(32), ["127.0.0.1"], lambda: "")
+    assert server.tunnels == 0
+
+
+def test_streams_go_only_to_the_jobs_hosts_and_carry_bytes_both_ways(server: GatewayServer) -> None:
+    echo = socket.create_server(("127.0.0.1", 0))
+    port = echo.getsockname()[1]
+    gw = GatewayClient(_tunnel(server), KEY, ["127.0.0.1"], lambda: "")
+    try:
+        # a host that is not one of the job's allocators: refused at the gateway
+        assert _socks_connect(gw.proxy, gw.username, gw.password, "127.0.0.2", port) == 5
+        # the wrong SOCKS password: refused at the controller's end
+        assert _socks_connect(gw.proxy, gw.username, "x" * 32, "127.0.0.1", port) == -1
+        h, p = gw.proxy.rsplit(":", 1)
+        with socket.create_connection((h, int(p)), timeout=20) as s:
+            s.sendall(b"\x05\x01\x02")
+            s.recv(2)
+            s.sendall(bytes([1, 16]) + gw.username.encode() + bytes([32]) + gw.password.encode())
+            assert s.recv(2) == b"\x01\x00"
+            s.sendall(b"\x05\x01\x00\x01" + socket.inet_aton("127.0.0.1") + struct.pack("!H", port))
+            assert s.recv(10)[1] == 0
+            conn, _ = echo.accept()
+            conn.sendall(b"hello")  # the far end speaks first, as a zmq peer greets
+            assert s.recv(5) == b"hello"
+            s.sendall(b"x" * 1_000_000)
+            got = b""
+            while len(got) < 1_000_000:
+                got += conn.recv(1 << 20)
+            assert got == b"x" * 1_000_000
+            conn.close()
+    finally:
+        gw.close()
+        echo.close()
+    assert not gw.alive
+
+
+def test_a_dropped_tunnel_is_opened_again_with_the_same_reply_address(server: GatewayServer) -> None:
+    inbox = socket.create_server(("127.0.0.1", 0))
+    echo = socket.create_server(("127.0.0.1", 0))
+    gw = GatewayClient(_tunnel(server), KEY, ["127.0.0.1"], lambda: f"tcp://127.0.0.1:{inbox.getsockname()[1]}")
+    try:
+        reverse, first = gw.reverse, gw.mux
+        first.close()  # the port-forward drops
+        # the next connection the controller makes opens a new tunnel, in the same session
+        assert _socks_connect(gw.proxy, gw.username, gw.password, "127.0.0.1", echo.getsockname()[1]) == 0
+        assert gw.mux is not first and gw.reverse == reverse and server.tunnels == 2
+        # a host answering at the reply address the procs already hold reaches the controller
+        h, p = reverse[len("tcp://") :].rsplit(":", 1)
+        with socket.create_connection((h, int(p)), timeout=10) as c:
+            c.sendall(b"answer")
+            conn, _ = inbox.accept()
+            conn.settimeout(10)
+            assert conn.recv(6) == b"answer"
+            conn.close()
+    finally:
+        gw.close()
+        inbox.close()
+        echo.close()
