@@ -225,7 +225,9 @@ class Kubelet:
                     )
                 ],
             )
-            deadline = time.monotonic() + 10.0  # the kubelet's first back-off
+            # a real kubelet's first back-off is 10 s; 60 s here so that a test watching a crashed
+            # pod still finds it not Ready however slowly its next script starts on a loaded machine
+            deadline = time.monotonic() + 60.0
             while time.monotonic() < deadline and not self.stopped:
                 time.sleep(0.1)
 
