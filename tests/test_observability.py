@@ -176,6 +176,10 @@ def test_a_failing_init_shows_the_user_s_error_and_its_traceback_once(k: Kernel)
     tb = _tb(c)
     assert c.error is not None and c.error["ename"] == "SupervisionError", c.error
     assert tb.count("ValueError: no config file") == 1 and tb.count("line 4, in __init__") == 1, tb
+    # the frame reads as IPython names cells, with its source; no runtime frame
+    count = c.reply["content"]["execution_count"]
+    assert f"Cell In[{count}], line 4, in __init__" in tb and "raise ValueError('no config file')" in tb, tb
+    assert "monarch_nb/" not in tb and "ipykernel_" not in tb, tb
 
 
 HANG = """\
