@@ -332,6 +332,28 @@ def test_a_failure_the_cell_did_not_catch_is_told_of_once(k: Kernel) -> None:
     assert "1 more failure of mesh 'uncaught' (rank " in notices[0], notices
 
 
+def test_a_long_cell_hears_of_a_failure_its_code_did_not_see(k: Kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    flag = tmp_path / "seen"
+    _ok(k.run("%mesh spawn unseen --per-host gpus=2"))
+    # the hold before telling a running cell, shortened for the test (5 s by default)
+    _ok(k.run("import sys\n_O = sys.modules['monarch_nb.magics._output']\n_hold, _O.NOTICE_HOLD = _O.NOTICE_HOLD, 0.5"))
+    try:
+        # the cell goes on with other work (not waiting on a call) until the test saw the notice
+        cell = k.execute(
+            KILL.format(var="pids3", mesh="unseen", ranks="[1]") + poll(f"os.path.exists({str(flag)!r})", 60, "the test")
+        )
+        k.wait_msg(
+            lambda m: m["parent_header"].get("msg_id") == cell.msg_id and "unhandled mesh failure: mesh 'unseen'" in _text(m),
+            30,
+            "the notice while the cell still runs",
+        )
+        flag.touch()
+        _ok(k.wait(cell))
+        assert sum("unhandled mesh failure" in _text(m) for m in _of(k, cell)) == 1
+    finally:
+        _ok(k.run("_O.NOTICE_HOLD = _hold"))
+
+
 def test_long_calls_show_ranks_replied(k: Kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
     flag = tmp_path / "go"
     _ok(k.run("%mesh spawn slow --per-host gpus=2"))

@@ -671,6 +671,8 @@ class HostMesh(MeshTrait):
 
         for f in futs:
             f.add_done_callback(host_done)
+        if not futs:
+            whole._set_result(None)
         try:
             whole.get(timeout=client.rt.cfg.spawn_timeout + 10)
         except TimeoutError:

@@ -44,8 +44,11 @@ PROGRESS_AFTER = 2.0
 #: second: its bar would only flicker, and make the example notebooks' outputs vary with load)
 SPAWN_PROGRESS_MIN = 16
 #: a failure notice waits this long in a running cell for the user's code to see the failure
-#: as an error (and catch it, so there is nothing "unhandled" to tell); the cell's end decides
+#: as an error (and catch it, so there is nothing "unhandled" to tell); the cell's end decides.
+#: While the cell is blocked on a call it waits longer (up to NOTICE_HOLD_MAX): a call that the
+#: failure concerns fails at once and the cell's code sees it as soon as it wakes
 NOTICE_HOLD = 5.0
+NOTICE_HOLD_MAX = 60.0
 _TICK = 0.05
 
 
@@ -455,7 +458,8 @@ class KernelOutput:
         if not cell.held:
             return
         now = time.monotonic()
-        due = [h for h in cell.held if now - h[0] >= NOTICE_HOLD and not _seen(h[2], cell.raised)]
+        hold = NOTICE_HOLD_MAX if blocked_on(self._main_tid or 0) is not None else NOTICE_HOLD
+        due = [h for h in cell.held if now - h[0] >= hold and not _seen(h[2], cell.raised)]
         if due:
             cell.held = [h for h in cell.held if h not in due]
             self._show_notices(cell, [(t, m, r) for _at, t, m, r in due])
