@@ -28,7 +28,7 @@ from typing import Any
 from .._ranks import format_ranks
 from ..actor import blocked_on
 from ..debug import quiet
-from ..errors import MonarchNBError
+from ..errors import ActorError, ExecError, SupervisionError
 from ..logs import Aggregator, LogLine, format_line
 
 #: a kernel's default aggregation window, in seconds (as in Monarch's notebook default)
@@ -479,12 +479,12 @@ class KernelOutput:
 
 
 def _names(err: BaseException | None) -> set[str]:
-    """The meshes (proc or actor) a monarch_nb error names, also through its causes; "*" for
-    one that names none."""
+    """The meshes (proc or actor) a failure's error names, also through its causes; "*" for one
+    that names none."""
     names: set[str] = set()
     seen = 0
     while err is not None and seen < 8:
-        if isinstance(err, MonarchNBError):
+        if isinstance(err, (ActorError, SupervisionError, ExecError)):
             found = {n for n in (getattr(err, a, "") for a in ("mesh", "actor")) if isinstance(n, str) and n}
             names |= found or {"*"}
         err = err.__cause__ or err.__context__
