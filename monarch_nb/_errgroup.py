@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 
 from ._ranks import format_ranks
 
-_FRAME = re.compile(r'^  File "(?P<file>[^"]*)", line (?P<line>\d+), in (?P<func>.*)$')
+# a frame line; ``ind``: the indent of a traceback quoted inside a longer text (a supervision
+# failure's reason, indented under its headline)
+_FRAME = re.compile(r'^(?P<ind> *)  File "(?P<file>[^"]*)", line (?P<line>\d+), in (?P<func>.*)$')
 _MESH_EXEC = re.compile(r"^<mesh exec In\[(\d+)\]>$")
 _PKG = os.path.dirname(os.path.abspath(__file__))
 
@@ -83,8 +85,9 @@ def clean_traceback(text: str, internal: bool | None = None) -> str:
             out.append(lines[i])
             i += 1
             continue
+        ind = m.group("ind")
         j = i + 1
-        while j < len(lines) and lines[j].startswith("    "):
+        while j < len(lines) and lines[j].startswith(ind + "    "):
             j += 1  # the frame's source line and its carets
         body = lines[i + 1 : j]
         path, lineno, func = m.group("file"), int(m.group("line")), m.group("func")
@@ -93,10 +96,10 @@ def clean_traceback(text: str, internal: bool | None = None) -> str:
             continue
         n = cell_number(path)
         if n is not None:
-            out.append(f"  Cell In[{n}], line {lineno}, in {func}")
+            out.append(f"{ind}  Cell In[{n}], line {lineno}, in {func}")
             if not body:
                 src = linecache.getline(path, lineno).strip()
-                body = [f"    {src}"] if src else []
+                body = [f"{ind}    {src}"] if src else []
             out.extend(body)
         else:
             out.extend(lines[i:j])

@@ -208,14 +208,19 @@ class SupervisionError(MonarchNBError, RuntimeError):
         super().__init__(message)
 
     def __str__(self) -> str:
-        return self.message
+        # a failed __init__ or proc carries its remote traceback: runtime frames hidden (unless
+        # traceback_internal_frames), cell frames named Cell In[N], as ActorError's
+        from ._errgroup import clean_traceback
+
+        return clean_traceback(self.message)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_supervision_error, (self.cause, self.mesh, self.actor, self.rank, self.host, self.message))
 
     def _render_traceback_(self) -> list[str]:
         # IPython calls this instead of printing our local frames, which say nothing about the failure
-        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self.message}"]
+        lines = str(self).splitlines() or [""]
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}", *lines[1:]]
 
 
 def _remote_words(tb: str) -> str:

@@ -760,6 +760,155 @@ print(f"loss {mesh_curve[0]:.4f} -> {mesh_curve[-1]:.4f} over 50 steps; the same
     code("procs.stop().get()"),
 ]
 
+NOTEBOOKS["10_observability.ipynb"] = [
+    md("""
+# Seeing what the cluster does: telemetry, a trace timeline, stacks, the dashboard
+
+Every endpoint call is recorded as a span on the rank that ran it (actor, method, rank, start,
+duration, outcome), timed in the proc and kept by the allocators. `span()` and `@traced` add
+spans of your own and `get_meter()` gives counters and histograms (Monarch's names, the
+OpenTelemetry API's shapes). `monarch_nb.telemetry.query()` returns the spans as a pandas
+DataFrame; `%mesh trace` writes them as a Chrome/Perfetto trace and draws a timeline in the cell,
+naming the stragglers. `%mesh stacks` shows what every rank is doing right now, and
+`%mesh dashboard` is a live view of a mesh.
+"""),
+    code("""
+import itertools
+import os
+import tempfile
+import time
+
+from monarch_nb import debug, telemetry
+from monarch_nb.actor import Actor, current_rank, endpoint
+"""),
+    md("""
+A mesh of four procs. (Spawning a large mesh shows a progress bar in the cell while it starts:
+procs up of the total.)
+"""),
+    code("%mesh spawn observe --per-host gpus=4"),
+    md("""
+## Spans on every rank
+
+`step` loads a batch and computes on it, each in a span of its own; rank 3 is slow on purpose
+(a straggler), and a counter counts the batches.
+"""),
+    code("""
+batches = telemetry.get_meter("training").create_counter("batches")
+
+
+class Trainer(Actor):
+    @endpoint
+    def step(self, n: int) -> int:
+        rank = current_rank().rank
+        with telemetry.span("load"):
+            time.sleep(0.001)
+        with telemetry.span("compute"):
+            time.sleep(0.05 if rank == 3 else 0.002)
+        batches.add(1)
+        return n
+
+
+trainers = observe.spawn("trainers", Trainer)
+started = time.time()
+for n in range(5):
+    trainers.step.call(n).get()
+"""),
+    md("""
+The allocators drain each proc's spans about once a second; `query()` gathers them from every
+attached allocator (each host's clock offset applied):
+"""),
+    code(
+        """
+deadline = time.monotonic() + 30
+while True:
+    spans = telemetry.query("observe", since=started)
+    calls = spans[(spans["kind"] == "call") & (spans["method"] == "step")]
+    if len(calls) == 20 or time.monotonic() > deadline:
+        break
+    time.sleep(0.2)
+spans[["rank", "kind", "name", "duration", "outcome"]].head(8)
+""",
+        "nbval-ignore-output",
+    ),
+    code("""
+print(calls.groupby("rank").size().to_dict())
+print(sorted(spans["name"].unique()))
+"""),
+    md("A rank whose median duration is more than twice the others' is a straggler:"),
+    code("""
+[(d["rank"], d["name"]) for d in telemetry.stragglers(spans, factor=2.0)]
+"""),
+    md("""
+## A trace timeline
+
+`%mesh trace` writes every rank's spans of the last while as a Chrome/Perfetto trace (open it in
+ui.perfetto.dev) and draws them in the cell: a row per rank, calls as bars, your spans inside
+them, stragglers in red.
+"""),
+    code(
+        """
+trace_dir = tempfile.mkdtemp(prefix="trace-")
+since_started = f"{time.time() - started + 1:.0f}s"  # this run's spans, not an earlier run's
+%mesh trace observe --last {since_started} --out {trace_dir}/observe.json
+""",
+        "nbval-ignore-output",
+    ),
+    code("""
+import json
+
+with open(f"{trace_dir}/observe.json") as f:
+    events = json.load(f)["traceEvents"]
+sorted({e["name"] for e in events if e.get("ph") == "X"})
+"""),
+    md("""
+## What every rank is doing now
+
+`%mesh stacks` asks each proc's I/O thread for the stack of every thread, so ranks blocked in a
+collective or a C call answer too; identical stacks are merged with their rank sets. Here three
+ranks wait for a file that only appears later, and rank 0 returns at once:
+"""),
+    code("""
+flag = os.path.join(tempfile.mkdtemp(prefix="go-"), "go")
+
+
+class Waiter(Actor):
+    @endpoint
+    def wait_for_go(self, path: str) -> int:
+        deadline = time.monotonic() + 60
+        if current_rank().rank > 0:
+            while not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        return current_rank().rank
+
+
+waiters = observe.spawn("waiters", Waiter)
+pending = waiters.wait_for_go.call(flag)
+deadline = time.monotonic() + 30
+while "wait_for_go" not in str(debug.stacks(observe, "1-3")) and time.monotonic() < deadline:
+    time.sleep(0.1)
+"""),
+    code("%mesh stacks observe", "nbval-ignore-output"),
+    code("""
+lines = str(debug.stacks(observe)).splitlines()
+for above, line in itertools.pairwise(lines):
+    if "wait_for_go" in line:
+        print(above.strip(), line.split(" (")[0].strip())
+"""),
+    code("""
+open(flag, "w").close()
+pending.get().values()
+"""),
+    md("""
+## The dashboard
+
+`%mesh dashboard observe` is a live view of the mesh (ipywidgets): ranks coloured by state,
+host resources, per-rank latency with stragglers flagged, recent logs and errors. It updates
+while you work in other cells.
+"""),
+    code("%mesh dashboard observe", "nbval-ignore-output"),
+    code("observe.stop().get()"),
+]
+
 
 def main() -> None:
     names = sys.argv[1:] or list(NOTEBOOKS)

@@ -271,10 +271,37 @@ def test_a_dead_proc_fails_the_mesh_loudly_and_the_next_cell_respawns(k: Kernel)
     assert _ok(k.run("%%mesh exec frail\n7")).result.count("7") == 2
 
 
+# counts the failures the kernel's unhandled_fault_hook was given, after it showed them: a cell
+# can wait for the notice to have been issued (while it still runs) instead of sleeping
+COUNT_FAULTS = """\
+import monarch_nb.actor as _api
+if not hasattr(_api.unhandled_fault_hook, "seen"):
+    _shown = _api.unhandled_fault_hook
+    def _counting(failure):
+        _shown(failure)
+        _counting.seen.append(failure.mesh_name)
+    _counting.seen = []
+    _api.unhandled_fault_hook = _counting
+faults = _api.unhandled_fault_hook.seen
+"""
+
+
+def _text(m: dict) -> str:  # type: ignore[type-arg]
+    c = m["content"]
+    return str(c.get("text") or c.get("data", {}).get("text/plain", "") or "\n".join(c.get("traceback", [])))
+
+
+def _of(k: Kernel, cell) -> list[dict]:  # type: ignore[no-untyped-def,type-arg]
+    """Every iopub message of ``cell`` seen so far, also late ones (after it went idle)."""
+    return [m for m in k.log if m["parent_header"].get("msg_id") == cell.msg_id]
+
+
 def test_a_failing_init_shows_a_notice_in_the_cell_that_spawned(k: Kernel) -> None:
     # spawn returns at once (as Monarch's); the failure comes through supervision, and the
     # kernel's default unhandled_fault_hook shows it in the running cell
     _ok(k.run("%mesh spawn initfail --per-host gpus=2"))
+    _ok(k.run(COUNT_FAULTS))
+    # the user's cell is still running when construction fails on both ranks
     cell = k.execute(
         "from monarch_nb.actor import Actor, endpoint\n"
         "class Bad(Actor):\n"
@@ -283,25 +310,94 @@ def test_a_failing_init_shows_a_notice_in_the_cell_that_spawned(k: Kernel) -> No
         "    @endpoint\n"
         "    def ping(self) -> int:\n"
         "        return 1\n"
-        "bad = initfail.spawn('bad', Bad)\n"
-        "import time\n"
-        "time.sleep(3)  # the user's cell is still running when construction fails\n"
-        "type(bad).__name__"
-    )
-
-    def text(m: dict) -> str:  # type: ignore[type-arg]
-        c = m["content"]
-        return str(c.get("text") or c.get("data", {}).get("text/plain", ""))
-
-    k.wait_msg(
-        lambda m: m["parent_header"].get("msg_id") == cell.msg_id and "cannot construct this" in text(m),
-        30,
-        "the failure notice in the spawning cell",
+        "bad = initfail.spawn('bad', Bad)\n" + poll("faults.count('bad') == 2", 30, "both ranks' failures") + "type(bad).__name__"
     )
     assert _ok(k.wait(cell)).result == "'ActorMesh'"
+    count = cell.reply["content"]["execution_count"]  # type: ignore[index]
+    notices = "".join(_text(m) for m in _of(k, cell) if "unhandled mesh failure" in _text(m))
+    # one notice for the mesh, the remote traceback once, its frame named as IPython names cells
+    assert notices.count("unhandled mesh failure") == 1, notices
+    assert notices.count("ValueError: cannot construct this") == 1, notices
+    assert f"Cell In[{count}], line 4, in __init__" in notices and "raise ValueError(" in notices, notices
+    assert "monarch_nb/" not in notices and "ipykernel_" not in notices, notices
+    assert "1 more failure of mesh 'bad'" in notices, notices
     c = k.run("bad.ping.call().get(timeout=20)")
     assert c.error and c.error["ename"] == "SupervisionError", c.error
+    tb = "\n".join(c.error["traceback"])
+    assert tb.count("ValueError: cannot construct this") == 1 and f"Cell In[{count}], line 4, in __init__" in tb, tb
+    assert "monarch_nb/" not in tb and "ipykernel_" not in tb, tb
+    assert "unhandled mesh failure" not in "".join(_text(m) for m in c.msgs), "told of once, when spawned"
     assert _ok(k.run("1 + 1")).result == "2", "the kernel lives on"
+
+
+KILL = """\
+import os, signal
+from monarch_nb.actor import Actor, endpoint, SupervisionError
+class Pid(Actor):
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+{var} = {mesh}.spawn("{var}", Pid)
+_pids = {var}.pid.call().get()
+for r in {ranks}:
+    os.kill(_pids.item(gpus=r), signal.SIGKILL)
+"""
+
+
+def test_a_failure_the_cell_caught_shows_no_unhandled_notice(k: Kernel) -> None:
+    _ok(k.run("%mesh spawn caught --per-host gpus=2"))
+    _ok(k.run(COUNT_FAULTS))
+    cell = k.execute(
+        KILL.format(var="pids", mesh="caught", ranks="[1]")
+        + "try:\n    pids.pid.call().get(timeout=30)\nexcept SupervisionError as e:\n    print('caught:', e.cause)\n"
+        # the failure is reported while the cell still runs
+        + poll("faults.count('caught') == 1", 30, "the failure's report")
+    )
+    c = _ok(k.wait(cell))
+    assert "caught: process" in c.stream() and "SIGKILL" in c.stream(), c.msgs
+    # nothing "unhandled" in the cell, then or later: the next cell runs after it
+    _ok(k.run("1"))
+    assert not [m for m in _of(k, cell) if "unhandled" in _text(m)], _of(k, cell)
+
+
+def test_a_failure_the_cell_did_not_catch_is_told_of_once(k: Kernel) -> None:
+    _ok(k.run("%mesh spawn uncaught --per-host gpus=3"))
+    _ok(k.run(COUNT_FAULTS))
+    cell = k.execute(
+        KILL.format(var="pids2", mesh="uncaught", ranks="[1, 2]")
+        + "try:\n    pids2.pid.call().get(timeout=30)\nfinally:\n"
+        + textwrap.indent(poll("faults.count('uncaught') == 2", 30, "both failures' reports"), "    ")
+    )
+    c = k.wait(cell)
+    assert c.error and c.error["ename"] == "SupervisionError", c.msgs
+    _ok(k.run("1"))
+    texts = [_text(m) for m in _of(k, cell)]
+    notices = [t for t in texts if "unhandled mesh failure" in t]
+    assert len(notices) == 1 and notices[0].count("unhandled mesh failure") == 1, texts
+    assert "mesh 'uncaught'" in notices[0] and "SIGKILL" in notices[0], notices
+    assert "1 more failure of mesh 'uncaught' (rank " in notices[0], notices
+
+
+def test_a_long_cell_hears_of_a_failure_its_code_did_not_see(k: Kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    flag = tmp_path / "seen"
+    _ok(k.run("%mesh spawn unseen --per-host gpus=2"))
+    # the hold before telling a running cell, shortened for the test (5 s by default)
+    _ok(k.run("import sys\n_O = sys.modules['monarch_nb.magics._output']\n_hold, _O.NOTICE_HOLD = _O.NOTICE_HOLD, 0.5"))
+    try:
+        # the cell goes on with other work (not waiting on a call) until the test saw the notice
+        cell = k.execute(
+            KILL.format(var="pids3", mesh="unseen", ranks="[1]") + poll(f"os.path.exists({str(flag)!r})", 60, "the test")
+        )
+        k.wait_msg(
+            lambda m: m["parent_header"].get("msg_id") == cell.msg_id and "unhandled mesh failure: mesh 'unseen'" in _text(m),
+            30,
+            "the notice while the cell still runs",
+        )
+        flag.touch()
+        _ok(k.wait(cell))
+        assert sum("unhandled mesh failure" in _text(m) for m in _of(k, cell)) == 1
+    finally:
+        _ok(k.run("_O.NOTICE_HOLD = _hold"))
 
 
 def test_long_calls_show_ranks_replied(k: Kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -327,6 +423,40 @@ def test_long_calls_show_ranks_replied(k: Kernel, tmp_path) -> None:  # type: ig
     assert m["content"]["data"]["text/plain"].isascii()
     flag.touch()
     _ok(k.wait(cell))
+
+
+def test_spawning_a_large_mesh_shows_procs_up_as_a_progress_bar(k: Kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    flag = tmp_path / "go"
+    # half the procs come up at once; the other half wait in their bootstrap for the test's flag
+    cell = k.execute(
+        "import os\nfrom monarch_nb.actor import this_host, current_rank\n"
+        "def half_waits():\n"
+        "    if current_rank().rank >= 8:\n"
+        + textwrap.indent(poll(f"os.path.exists({str(flag)!r})", 60), "        ")
+        + "big = this_host().spawn_procs(per_host={'gpus': 16}, name='big', bootstrap=half_waits)\nlen(big)"
+    )
+
+    def bar(m: dict, what: str) -> bool:  # type: ignore[type-arg]
+        return (
+            m["parent_header"].get("msg_id") == cell.msg_id
+            and m["msg_type"] in ("display_data", "update_display_data")
+            and what in m["content"]["data"].get("text/plain", "")
+        )
+
+    m = k.wait_msg(lambda m: bar(m, "8/16 procs up"), 60, "a progress bar at 8 of 16 procs up")
+    text = m["content"]["data"]["text/plain"]
+    # plain ASCII that needs no emoji font, and the browser's own bar where HTML shows
+    assert text.startswith("waiting on spawn of 16 procs 'big': 8/16 procs up [##########..........] ("), text
+    assert text.isascii()
+    assert '<progress value="8" max="16"' in m["content"]["data"]["text/html"], m["content"]
+    flag.touch()
+    c = _ok(k.wait(cell, timeout=60))
+    assert c.result == "16"
+    # the bar goes once the spawn returned
+    display_id = m["content"]["transient"]["display_id"]
+    last = [x for x in c.msgs if x["msg_type"] == "update_display_data" and x["content"]["transient"]["display_id"] == display_id]
+    assert last and last[-1]["content"]["data"]["text/plain"] == "", last[-1:]
+    _ok(k.run("big.stop().get()"))
 
 
 def test_a_flood_is_thinned_and_the_kernel_stays_responsive(k: Kernel) -> None:

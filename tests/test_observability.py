@@ -38,27 +38,21 @@ def _tb(c) -> str:  # type: ignore[no-untyped-def]
 
 
 ACTOR = """\
-import threading, time
+import os, time
 from monarch_nb.actor import Actor, endpoint, current_rank
 
-gate = threading.Event()
-
 class Worker(Actor):
-    def __init__(self):
-        self.gate = threading.Event()
-
     @endpoint
-    def lookup(self, slow=-1):
+    def lookup(self, slow=-1, flag=""):
         r = current_rank().rank
         if r == slow:
-            self.gate.wait(30)
+            # still running when the others have failed, until the test creates the flag file
+            deadline = time.monotonic() + 30
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.02)
         if r % 4 == 0:
             raise KeyError(f"shard {r}")
         return r
-
-    @endpoint
-    def release(self):
-        self.gate.set()
 
     @endpoint
     def train(self, steps):
@@ -81,8 +75,9 @@ def workers(k: Kernel) -> str:
     return "workers"
 
 
-def test_an_error_on_4_of_16_ranks_is_grouped_under_monarch_s_headline(k: Kernel, workers: str) -> None:
-    c = k.run("workers.lookup.call(slow=5).get()")
+def test_an_error_on_4_of_16_ranks_is_grouped_under_monarch_s_headline(k: Kernel, workers: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    flag = tmp_path / "release"
+    c = k.run(f"workers.lookup.call(slow=5, flag={str(flag)!r}).get()")
     tb = _tb(c)
     assert c.error["ename"] == "ActorError"
     lines = tb.splitlines()
@@ -96,14 +91,16 @@ def test_an_error_on_4_of_16_ranks_is_grouped_under_monarch_s_headline(k: Kernel
         assert f"rank {r}: KeyError: 'shard {r}'" in tb
     # the frame in the notebook cell reads as IPython names cells, with its source line;
     # no runtime frame of monarch_nb, no /tmp/ipykernel_ file
-    cell_no = re.search(r"Cell In\[(\d+)\], line 16, in lookup", tb)
+    cell_no = re.search(r"Cell In\[(\d+)\], line 14, in lookup", tb)
     assert cell_no, tb
     assert 'raise KeyError(f"shard {r}")' in tb
     assert "monarch_nb" not in tb and "ipykernel_" not in tb and "_call_sync" not in tb, tb
+    # rank 5 finishes its call: later calls need not wait behind it
+    flag.touch()
     # the value a program catches is still Monarch's: the lowest rank's ActorError
     c = _ok(
         k.run(
-            "from monarch_nb.actor import ActorError\nworkers.release.call().get()\n"
+            "from monarch_nb.actor import ActorError\n"
             "try:\n    workers.lookup.call().get()\nexcept ActorError as e:\n    err = e\n"
             "(type(err.exception).__name__, str(err.exception), err.rank)"
         )
@@ -179,6 +176,10 @@ def test_a_failing_init_shows_the_user_s_error_and_its_traceback_once(k: Kernel)
     tb = _tb(c)
     assert c.error is not None and c.error["ename"] == "SupervisionError", c.error
     assert tb.count("ValueError: no config file") == 1 and tb.count("line 4, in __init__") == 1, tb
+    # the frame reads as IPython names cells, with its source; no runtime frame
+    count = c.reply["content"]["execution_count"]
+    assert f"Cell In[{count}], line 4, in __init__" in tb and "raise ValueError('no config file')" in tb, tb
+    assert "monarch_nb/" not in tb and "ipykernel_" not in tb, tb
 
 
 HANG = """\

@@ -309,6 +309,8 @@ class Allocator(DebugRegistry):
             self.by_token[rec.token] = rec
         if spec.get("stream_logs_to"):
             mesh.log_subs.add(tuple(spec["stream_logs_to"]))
+        if spec.get("progress_to"):
+            self._tell_procs_up(mesh, tuple(spec["progress_to"]), spec.get("host_index", 0))
         try:
             async with asyncio.timeout(self.cfg.spawn_timeout):
                 for rec in mesh.procs:
@@ -336,6 +338,26 @@ class Allocator(DebugRegistry):
             "procs": [(r.addr, r.pid, r.rank) for r in mesh.procs],
             "host": self.rt.hostname,
         }
+
+    def _tell_procs_up(self, mesh: MeshRec, to: tuple[str, int], host_index: int) -> None:
+        """Tell the spawning controller how many of this host's procs are up, as each comes up
+        (its cell shows a progress bar while a large mesh starts)."""
+        n = len(mesh.procs)
+        up = 0
+
+        def one_up(f: asyncio.Future[None]) -> None:
+            nonlocal up
+            if f.cancelled() or f.exception() is not None:
+                return
+            up += 1
+            try:
+                self.rt.send_port(to[0], to[1], 0, wire.ITEM, ("procs_up", host_index, up, n))
+            except Exception:  # a controller gone mid-spawn: the spawn's own reply tells the rest
+                logger.debug("procs_up to %s failed", to[0], exc_info=True)
+
+        for rec in mesh.procs:
+            if rec.ready is not None:
+                rec.ready.add_done_callback(one_up)
 
     def _rotate_logs(self, name: str) -> None:
         """A new mesh with an old mesh's name starts a fresh log; the old one is kept beside it."""

@@ -27,6 +27,7 @@ from ..errors import (
     SupervisionError,
     VersionMismatchError,
 )
+from . import _future
 from ._future import Future
 from ._refs import ProcRef
 
@@ -80,6 +81,17 @@ class Client:
             _pdb.install(rt)
             _debugwait.enable(rt.uid)
             rt.event_callbacks.append(_debugwait.on_event)
+
+    @property
+    def on_raise(self) -> Callable[[BaseException], None] | None:
+        """Told of every error a future raises into the code reading it (``get``, ``await``), in
+        that code's thread: a frontend learns which failures the user's code saw (and may have
+        caught). Only failures pay for it."""
+        return _future.raised_hook
+
+    @on_raise.setter
+    def on_raise(self, fn: Callable[[BaseException], None] | None) -> None:
+        _future.raised_hook = fn
 
     # ------------------------------------------------------------ requests
     def request(self, addr: str, method: str, *args: Any, _actor: str = "__allocator__", **kwargs: Any) -> Future[Any]:

@@ -70,7 +70,8 @@ def controller_client() -> Client:
     Its ``cid`` names this controller to allocators; ``request(addr, method, ...)`` and
     ``tell`` make system requests; a frontend routes output through ``log_writer`` (replaces
     the default printer), ``log_taps`` (extra readers), ``on_call`` (told of every call with
-    its targets) and ``notice`` (shows runtime notices). A script never needs it.
+    its targets), ``notice`` (shows runtime notices) and ``on_raise`` (told of errors raised
+    into code reading a future). A script never needs it.
     """
     return client()
 

@@ -24,6 +24,8 @@ assert _debugwait._PENDING == _PENDING
 
 #: thread id -> the future that thread is blocked on in ``get()`` (what a frontend shows progress of)
 blocked: dict[int, Future[Any]] = {}
+#: told of every error a future raises into the code reading it (set through ``Client.on_raise``)
+raised_hook: Callable[[BaseException], None] | None = None
 
 
 class Future(Generic[R]):
@@ -35,7 +37,19 @@ class Future(Generic[R]):
     # two raw locks instead of a threading.Condition: ``_mutex`` guards the state, ``_done``
     # is held from creation until completion, so waiting is one acquire and creating costs
     # a fraction of a Condition (this is on every call's path)
-    __slots__ = ("_mutex", "_done", "_state", "_value", "_decode", "_callbacks", "_what", "_progress", "_start", "__weakref__")
+    __slots__ = (
+        "_mutex",
+        "_done",
+        "_state",
+        "_value",
+        "_decode",
+        "_callbacks",
+        "_what",
+        "_progress",
+        "_unit",
+        "_start",
+        "__weakref__",
+    )
     _mutex: LockType
     _done: LockType
     _state: int
@@ -44,6 +58,7 @@ class Future(Generic[R]):
     _callbacks: list[Callable[[Future[R]], object]] | None
     _what: str
     _progress: tuple[list[int], int] | None
+    _unit: str  # unset (read with a default) but where progress counts something other than replies
     _start: Callable[[], None] | None
 
     def __init__(self, *_: Any, **__: Any) -> None:
@@ -119,6 +134,11 @@ class Future(Generic[R]):
         left, total = p
         return total - left[0], total
 
+    @property
+    def progress_unit(self) -> str:
+        """What :meth:`progress` counts: ``"ranks replied"`` for calls, ``"procs up"`` for a spawn."""
+        return getattr(self, "_unit", "ranks replied")
+
     def then(self, fn: Callable[[R], T], description: str | None = None) -> Future[T]:
         """A future of ``fn(result)``, done when this one is and failing as it fails (or as ``fn``
         raises). ``fn`` runs once, in the thread that first reads the new future, never on the I/O
@@ -151,9 +171,13 @@ class Future(Generic[R]):
                     self._value = e
                     self._state = _FAILED
                 self._decode = None
-            if self._state == _FAILED:
-                raise self._value
-            return self._value
+            if self._state != _FAILED:
+                return self._value
+            err = self._value
+        hook = raised_hook  # outside the mutex: the hook takes its frontend's locks
+        if hook is not None:
+            hook(err)
+        raise err
 
     def _wait_plain(self, timeout: float | None) -> bool:
         """Block until done (True) or ``timeout`` passes (False): one acquire of the done lock."""

@@ -621,6 +621,23 @@ class HostMesh(MeshTrait):
         env = dict(os.environ)
         boot = cloudpickle.dumps(bootstrap) if bootstrap is not None else None
         cmd = _bootstrap_command(bootstrap_command if bootstrap_command is not None else self._bootstrap_cmd)
+        # one future for the whole spawn, reporting procs up as the allocators tell of them: a
+        # frontend shows its progress while a large mesh starts
+        total = n_local * len(hosts)
+        whole: Future[None] = Future._create(f"spawn of {total} procs {name!r}")
+        whole._progress = ([total], total)
+        whole._unit = "procs up"
+        up_by_host: dict[int, int] = {}
+
+        def procs_up(index: int, status: int, body: Any, bufs: list[Any]) -> None:
+            if status != wire.ITEM:
+                return
+            kind, h_index, up, _n = loads(body, bufs)
+            if kind == "procs_up":
+                up_by_host[h_index] = max(up, up_by_host.get(h_index, 0))
+                whole._progress[0][0] = total - sum(up_by_host.values())  # type: ignore[index]
+
+        progress_port = client.rt.open_port(procs_up)
         futs = []
         for h_index, h in enumerate(hosts):
             client.connect(h.alloc)
@@ -639,13 +656,34 @@ class HostMesh(MeshTrait):
                 "bootstrap": boot,
                 "bootstrap_command": cmd,
                 "stream_logs_to": (client.rt.addr_for(h.alloc), client.log_port) if client.log_enabled else None,
+                "progress_to": (client.rt.addr_for(h.alloc), progress_port),
             }
             futs.append(client.request(h.alloc, "spawn", spec))
+        waiting = [len(futs)]
+        lock = threading.Lock()
+
+        def host_done(_f: Future[Any]) -> None:
+            with lock:
+                waiting[0] -= 1
+                last = waiting[0] == 0
+            if last:
+                whole._set_result(None)
+
+        for f in futs:
+            f.add_done_callback(host_done)
+        if not futs:
+            whole._set_result(None)
+        try:
+            whole.get(timeout=client.rt.cfg.spawn_timeout + 10)
+        except TimeoutError:
+            pass  # the hosts that did not answer are named below
+        finally:
+            client.rt.close_port(progress_port)
         procs: list[ProcRef] = []
         errors = []
         for h, f in zip(hosts, futs):
             try:
-                info = f.get(timeout=client.rt.cfg.spawn_timeout + 10)
+                info = f.get(timeout=0)
             except Exception as e:
                 errors.append((h, e))
                 continue

@@ -9,6 +9,7 @@ import sys
 import threading
 from typing import Any
 
+from .._errgroup import clean_traceback
 from . import _context
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ def unhandled_fault_hook(failure: MeshFailure) -> None:
     mesh is marked failed and the kernel lives on. Replace it by assigning
     ``monarch_nb.actor.unhandled_fault_hook = my_hook``.
     """
-    text = f"monarch_nb: unhandled mesh failure: {failure.report()}"
+    # the failure's remote traceback (a failed __init__) as errors show theirs: cells named
+    text = clean_traceback(f"monarch_nb: unhandled mesh failure: {failure.report()}")
     notice = _context.client().notice if _context._client is not None else None
     if notice is not None:
         # a notebook frontend shows it in the cell that last called the mesh

@@ -19,6 +19,7 @@ suppressed and where to read them all; the allocators' logs keep every line.
 from __future__ import annotations
 
 import collections
+import html as html_lib
 import itertools
 import sys
 import threading
@@ -26,8 +27,10 @@ import time
 import uuid
 from typing import Any
 
+from .._ranks import format_ranks
 from ..actor import blocked_on
 from ..debug import quiet
+from ..errors import ActorError, ExecError, SupervisionError
 from ..logs import Aggregator, LogLine, format_line
 
 #: a kernel's default aggregation window, in seconds (as in Monarch's notebook default)
@@ -39,6 +42,15 @@ BURST = 10_000.0
 LATE_LINES = 500
 #: a call blocking the cell longer than this shows "ranks replied / total"
 PROGRESS_AFTER = 2.0
+#: a spawn of at least this many procs shows "procs up / total" (a smaller one starts in about a
+#: second: its bar would only flicker, and make the example notebooks' outputs vary with load)
+SPAWN_PROGRESS_MIN = 16
+#: a failure notice waits this long in a running cell for the user's code to see the failure
+#: as an error (and catch it, so there is nothing "unhandled" to tell); the cell's end decides.
+#: While the cell is blocked on a call it waits longer (up to NOTICE_HOLD_MAX): a call that the
+#: failure concerns fails at once and the cell's code sees it as soon as it wakes
+NOTICE_HOLD = 5.0
+NOTICE_HOLD_MAX = 60.0
 _TICK = 0.05
 
 
@@ -65,6 +77,10 @@ class _Cell:
         "deadline",
         "first_id",
         "first_shown",
+        "held",
+        "raised",
+        "caught",
+        "noticed",
     )
 
     def __init__(self, parent: dict[str, Any], number: int, window: float | None) -> None:
@@ -89,6 +105,14 @@ class _Cell:
         self.deadline = 0.0  # when the aggregation window of the lines held now ends
         self.first_id = ""  # the display showing the cell's first line until its window closes
         self.first_shown = False
+        #: failure notices not shown yet: (arrival, text, mesh, rank)
+        self.held: list[tuple[float, str, str, int | None]] = []
+        #: the meshes named by errors raised into the cell's code ("*": an error naming none)
+        self.raised: set[str] = set()
+        #: once the cell ended: those of them it caught (it did not end with their error)
+        self.caught: set[str] = set()
+        #: meshes whose failure this cell has told of (later ones get one short line)
+        self.noticed: set[str] = set()
 
 
 class KernelOutput:
@@ -116,6 +140,7 @@ class KernelOutput:
         self.client.log_writer = self.on_lines
         self.client.on_call = self.on_call
         self.client.notice = self.notice
+        self.client.on_raise = self.on_raise
         self.shell.events.register("pre_run_cell", self.pre_run_cell)
         self.shell.events.register("post_run_cell", self.post_run_cell)
         self._hook_display()
@@ -154,6 +179,8 @@ class KernelOutput:
             self.client.on_call = None
         if self.client.notice == self.notice:
             self.client.notice = None
+        if self.client.on_raise == self.on_raise:
+            self.client.on_raise = None
         for ev, fn in (("pre_run_cell", self.pre_run_cell), ("post_run_cell", self.post_run_cell)):
             try:
                 self.shell.events.unregister(ev, fn)
@@ -189,8 +216,14 @@ class KernelOutput:
         # the cell's own prints first, then the display that keeps late rank output below them
         sys.stdout.flush()
         sys.stderr.flush()
+        uncaught = _names(getattr(result, "error_in_exec", None))
         with self._lock:
             self._show_wait(cell, None)
+            # a failure the cell's code saw as an error and caught is handled: no notice; one it
+            # did not see, or let end the cell, is told of once
+            cell.caught = cell.raised - uncaught if "*" not in uncaught else set()
+            held, cell.held = cell.held, []
+            self._show_notices(cell, [(t, m, r) for _at, t, m, r in held if not _seen(m, cell.caught)])
             if cell.made_calls:
                 cell.late_id = uuid.uuid4().hex
                 self._send_display(cell, cell.late_id, "", update=False)
@@ -228,7 +261,8 @@ class KernelOutput:
 
     def notice(self, text: str, mesh: str = "", rank: int | None = None) -> None:
         """A runtime notice: in the running cell, where the user looks, else in the cell that last
-        called ``mesh``, else in the last cell."""
+        called ``mesh``, else in the last cell. A running cell holds it until it ends (or for
+        ``NOTICE_HOLD``): if its code catches the failure as an error, nothing was unhandled."""
         with self._lock:
             cell = self.current
             if cell is None and mesh:
@@ -238,11 +272,46 @@ class KernelOutput:
             if cell is None:
                 return
             if cell.running:
-                self._send(cell, "stream", {"name": "stderr", "text": text + "\n"})
-            else:
-                cell.late.append(text)
-                cell.late_dirty = True
+                cell.held.append((time.monotonic(), text, mesh, rank))
                 self._wake.set()
+            elif not _seen(mesh, cell.caught):
+                self._show_notices(cell, [(text, mesh, rank)])
+
+    def on_raise(self, err: BaseException) -> None:
+        """An error raised into code reading a future: in the running cell's thread, the cell saw
+        the failures it names."""
+        if threading.get_ident() != self._main_tid:
+            return  # a frontend's own thread (a dashboard), not the user's cell
+        cell = self.current
+        names = _names(err)
+        if cell is not None and names:
+            with self._lock:
+                cell.raised |= names
+
+    def _show_notices(self, cell: _Cell, items: list[tuple[str, str, int | None]]) -> None:
+        """Each mesh's first failure in full, later ones of the same mesh in one short line."""
+        later: dict[str, list[int | None]] = {}
+        lines = []
+        for text, mesh, rank in items:
+            if mesh and mesh in cell.noticed:
+                later.setdefault(mesh, []).append(rank)
+                continue
+            cell.noticed.add(mesh)
+            lines.append(text.rstrip("\n"))
+        for mesh, ranks in later.items():
+            known = sorted({r for r in ranks if r is not None})
+            unit = "rank" if len(known) == 1 else "ranks"
+            which = f" ({unit} {format_ranks(known)})" if known else ""
+            n = len(ranks)
+            lines.append(f"monarch_nb: {n} more failure{'s' if n > 1 else ''} of mesh {mesh!r}{which}, as above")
+        if not lines:
+            return
+        if cell.running:
+            self._send(cell, "stream", {"name": "stderr", "text": "".join(t + "\n" for t in lines)})
+        else:
+            cell.late.extend(lines)
+            cell.late_dirty = True
+            self._wake.set()
 
     def _window(self, cell: _Cell, mesh: str) -> float:
         if cell.window is not None:
@@ -347,24 +416,27 @@ class KernelOutput:
         elif cell.progress_id:
             self._send_display(cell, cell.progress_id, text, update=True)
 
-    def _show_wait(self, cell: _Cell, text: str | None) -> None:
-        """The "ranks replied / total" line of a cell blocked on a long call; ``None`` clears it."""
-        if text is None:
+    def _show_wait(self, cell: _Cell, shown: tuple[str, str] | None) -> None:
+        """The progress bar of a cell blocked on a long call ("ranks replied") or a spawn ("procs
+        up"), as text and HTML; ``None`` clears it."""
+        if shown is None:
             if cell.wait_id and cell.wait_shown:
                 self._send_display(cell, cell.wait_id, "", update=True)
                 cell.wait_shown = ""
             return
+        text, html = shown
         if text == cell.wait_shown:
             return
         if not cell.wait_id:
             cell.wait_id = uuid.uuid4().hex
-            self._send_display(cell, cell.wait_id, text, update=False)
+            self._send_display(cell, cell.wait_id, text, update=False, html=html)
         else:
-            self._send_display(cell, cell.wait_id, text, update=True)
+            self._send_display(cell, cell.wait_id, text, update=True, html=html)
         cell.wait_shown = text
 
-    def _send_display(self, cell: _Cell, display_id: str, text: str, update: bool) -> None:
-        content = {"data": {"text/plain": text}, "metadata": {}, "transient": {"display_id": display_id}}
+    def _send_display(self, cell: _Cell, display_id: str, text: str, update: bool, html: str = "") -> None:
+        data = {"text/plain": text, "text/html": html} if html else {"text/plain": text}
+        content = {"data": data, "metadata": {}, "transient": {"display_id": display_id}}
         self._send(cell, "update_display_data" if update else "display_data", content)
 
     def _send(self, cell: _Cell, msg_type: str, content: dict[str, Any]) -> None:
@@ -395,15 +467,65 @@ class KernelOutput:
             cur = self.current
             if cur is not None:
                 self._show_wait(cur, self._wait_text(cur))
+                self._release_notices(cur)
 
-    def _wait_text(self, cell: _Cell) -> str | None:
+    def _release_notices(self, cell: _Cell) -> None:
+        """A long cell hears of a failure its code has not seen as an error within NOTICE_HOLD."""
+        if not cell.held:
+            return
+        now = time.monotonic()
+        hold = NOTICE_HOLD_MAX if blocked_on(self._main_tid or 0) is not None else NOTICE_HOLD
+        due = [h for h in cell.held if now - h[0] >= hold and not _seen(h[2], cell.raised)]
+        if due:
+            cell.held = [h for h in cell.held if h not in due]
+            self._show_notices(cell, [(t, m, r) for _at, t, m, r in due])
+
+    def _wait_text(self, cell: _Cell) -> tuple[str, str] | None:
         fut = blocked_on(self._main_tid or 0)
         prog = fut.progress() if fut is not None else None
-        if prog is None or fut.done():  # type: ignore[union-attr]
+        if fut is None or prog is None or fut.done():
+            return None
+        if fut.progress_unit == "procs up" and prog[1] < SPAWN_PROGRESS_MIN:
             return None
         elapsed = time.monotonic() - cell.started
         if elapsed < PROGRESS_AFTER:
             return None
-        replied, total = prog
-        # plain text: an emoji needs a font the browser may not have
-        return f"waiting on {fut.description}: {replied}/{total} ranks replied ({elapsed:.0f} s)"  # type: ignore[union-attr]
+        args = (fut.description, prog[0], prog[1], fut.progress_unit, elapsed)
+        return progress_text(*args), progress_html(*args)
+
+
+def _names(err: BaseException | None) -> set[str]:
+    """The meshes (proc or actor) a failure's error names, also through its causes; "*" for one
+    that names none."""
+    names: set[str] = set()
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, (ActorError, SupervisionError, ExecError)):
+            found = {n for n in (getattr(err, a, "") for a in ("mesh", "actor")) if isinstance(n, str) and n}
+            names |= found or {"*"}
+        err = err.__cause__ or err.__context__
+        seen += 1
+    return names
+
+
+def _seen(mesh: str, names: set[str]) -> bool:
+    return bool(names) and ("*" in names or mesh in names)
+
+
+_BAR = 20
+
+
+def progress_text(what: str, done: int, total: int, unit: str, elapsed: float) -> str:
+    """``waiting on spawn of 16 procs 'big': 5/16 procs up [#####...............] (3 s)``: plain
+    ASCII (an emoji or a block glyph needs a font the browser may not have)."""
+    filled = _BAR * done // total if total > 0 else _BAR
+    return f"waiting on {what}: {done}/{total} {unit} [{'#' * filled}{'.' * (_BAR - filled)}] ({elapsed:.0f} s)"
+
+
+def progress_html(what: str, done: int, total: int, unit: str, elapsed: float) -> str:
+    """The same, with the browser's own progress bar (``<progress>``) for frontends showing HTML."""
+    return (
+        f'<div class="mnb-progress">waiting on <code>{html_lib.escape(what)}</code> '
+        f'<progress value="{done}" max="{total}" style="vertical-align: middle"></progress> '
+        f"{done}/{total} {html_lib.escape(unit)} ({elapsed:.0f} s)</div>"
+    )
