@@ -470,3 +470,45 @@ t.talk.call("B").get(timeout=20)
         for line in ("DEBUG:talker:debug A", "INFO:talker:info A", "WARNING:talker:warning A", "WARNING:talker:warning B"):
             assert f"[{rank}] {line}" in r.stderr, r.stderr
     assert "debug B" not in r.stderr and "info B" not in r.stderr, r.stderr
+
+
+def test_stop_kills_a_proc_that_outlives_its_cleanup_and_says_so():
+    # a normal exit waits for non-daemon threads, as Monarch's procs do; one that never ends
+    # keeps its proc alive past the grace period: stop() kills it and names it
+    code = """
+import os, threading, warnings
+from monarch_nb.actor import Actor, endpoint, this_host
+class Lingers(Actor):
+    @endpoint
+    def start(self):
+        threading.Thread(target=threading.Event().wait, name="never-ends", daemon=False).start()
+        return os.getpid()
+    @endpoint
+    def pid(self):
+        return os.getpid()
+procs = this_host().spawn_procs(per_host={"gpus": 2})
+m = procs.spawn("l", Lingers)
+stuck = m.slice(gpus=1).start.call_one().get(timeout=20)
+fine = m.slice(gpus=0).pid.call_one().get(timeout=20)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    procs.stop().get(timeout=60)
+print("WARN", [(x.category.__name__, str(x.message)) for x in w])
+for pid in (stuck, fine):
+    try:
+        os.kill(pid, 0)
+        print("ALIVE", pid)
+    except ProcessLookupError:
+        pass
+print("STUCK", stuck)
+"""
+    t0 = time.monotonic()
+    r = run_script(code, timeout=90)
+    assert r.returncode == 0, r.stderr
+    stuck = r.stdout.split("STUCK ")[1].split()[0]
+    warned = r.stdout.split("WARN ")[1].splitlines()[0]
+    assert "ProcsKilledWarning" in warned, r.stdout
+    assert f"killed 1 proc(s): rank 1 (pid {stuck} on " in warned, warned
+    assert "still running 3 s after its actors' __cleanup__" in warned, warned
+    assert "ALIVE" not in r.stdout, r.stdout
+    assert time.monotonic() - t0 < 60

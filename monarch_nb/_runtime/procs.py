@@ -55,6 +55,8 @@ class ProcRec:
     popen: subprocess.Popen[bytes] | None = None
     ready: asyncio.Future[None] | None = None
     exited: asyncio.Future[None] | None = None
+    #: done once the proc says its actors' ``__cleanup__`` has finished (it is exiting)
+    cleaned: asyncio.Future[None] | None = None
     started: float = dataclasses.field(default_factory=time.time)
     #: cpu, rss, activity, call and line rates (see telemetry.py)
     tele: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -74,6 +76,8 @@ class MeshRec:
     actors: dict[str, bytes] = dataclasses.field(default_factory=dict)
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     log_subs: set[tuple[str, int]] = dataclasses.field(default_factory=set)
+    #: procs the last stop had to kill: {rank, pid, host, why}
+    killed: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 def _gpu_count() -> int:

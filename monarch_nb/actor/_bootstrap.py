@@ -46,12 +46,25 @@ def main(spec: dict[str, Any]) -> int:
     rt.send_actor(spec["alloc_addr"], "__allocator__", "proc_ready", body, bufs)
     host.main_loop()
     host.cleanup_all()
-    # a normal exit, as Monarch's procs make: finalizers and atexit handlers run
+    # the allocator gives a proc a grace period from here, then kills it (and stop() says so)
+    rt.send_actor(spec["alloc_addr"], "__allocator__", "proc_cleaned", *dumps(((spec["token"],), {})))
+    # a normal exit, as Monarch's procs make: non-daemon threads are waited for, then
+    # finalizers and atexit handlers run
+    _join_threads()
     gc.collect()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _join_threads() -> None:
+    import threading
+
+    me = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not me and not t.daemon:
+            t.join()
 
 
 if __name__ == "__main__":

@@ -288,6 +288,10 @@ def _all(futs: list[Future[Any]], what: str) -> Future[None]:
     return out
 
 
+class ProcsKilledWarning(RuntimeWarning):
+    """``ProcMesh.stop()`` had to kill procs that did not exit after their actors' ``__cleanup__``."""
+
+
 class ProcMesh(MeshTrait):
     """Processes on one or more hosts, shaped like ``{hosts: 2, gpus: 4}``."""
 
@@ -447,8 +451,21 @@ class ProcMesh(MeshTrait):
         root._stopped = True
         client.stopped_meshes.add(self._name)
         allocs = sorted({p.alloc for p in self._procs if p.alloc})
-        futs = [client.request(a, "stop_mesh", self._name, client.cid, force, reason) for a in allocs]
-        return _all(futs, f"stop mesh {self._name}")
+        futs = [client.request(a, "stop_mesh", self._name, client.cid, force, reason, True) for a in allocs]
+        out: Future[None] = Future._create(f"stop mesh {self._name}")
+        name = self._name
+
+        def finish(fs: list[Future[Any]]) -> None:
+            killed = [k for f in fs for k in (f.get() or {}).get("killed", ())]
+            if killed:
+                # stop finishes the job: what it had to kill is said where stop() was awaited
+                import warnings
+
+                procs = ", ".join(f"rank {k['rank']} (pid {k['pid']} on {k['host']}): {k['why']}" for k in killed)
+                warnings.warn(f"stopping proc mesh {name!r} killed {len(killed)} proc(s): {procs}", ProcsKilledWarning, 2)
+
+        _all(futs, f"stop mesh {name}").add_done_callback(lambda _f: out._set_raw(futs, finish))
+        return out
 
     async def logging_option(
         self, stream_to_client: bool = True, aggregate_window_sec: int | None = None, level: int = 20
