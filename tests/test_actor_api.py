@@ -467,8 +467,10 @@ t.talk.call("B").get(timeout=20)
     r = run_script(code)
     assert r.returncode == 0, r.stderr
     for rank in (0, 1):
-        for line in ("DEBUG:talker:debug A", "INFO:talker:info A", "WARNING:talker:warning A", "WARNING:talker:warning B"):
-            assert f"[{rank}] {line}" in r.stderr, r.stderr
+        # with Monarch's [actor=...] prefix on records logged by an actor
+        prefix = f"[actor=<root>.<__main__.Talker t{{'gpus': {rank}/2}}>]"
+        for level, text in (("DEBUG", "debug A"), ("INFO", "info A"), ("WARNING", "warning A"), ("WARNING", "warning B")):
+            assert f"[{rank}] {level}:talker:{prefix} {text}" in r.stderr, r.stderr
     assert "debug B" not in r.stderr and "info B" not in r.stderr, r.stderr
 
 

@@ -10,7 +10,7 @@ import pickle
 import sys
 from typing import Any
 
-from . import _pdb  # imported here so the zygote preloads pdb once, not every proc
+from . import _logprefix, _pdb  # imported here so the zygote preloads pdb once, not every proc
 
 
 def main(spec: dict[str, Any]) -> int:
@@ -35,6 +35,7 @@ def main(spec: dict[str, Any]) -> int:
         label=f"{spec['mesh']}[{spec['rank']}]",
     ).start()
     _context.install_runtime(rt, spec)
+    _logprefix.install(False)
     _pdb.install(rt)
     host = ensure_actor_host(rt)
     if spec.get("bootstrap"):

@@ -251,5 +251,9 @@ def start_worker_loop_forever(*, ca: Any, address: str, private_key: Any = None)
 class _Config:
     prefix_python_logs_with_actor = True
 
+    def __reduce__(self) -> str:
+        # by reference, as Monarch's config module is: an actor setting it sets its own process's
+        return "config"
+
 
 config = _Config()
