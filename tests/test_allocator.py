@@ -435,3 +435,75 @@ pm.stop().get(timeout=20)
     r = run_script(code, env={"MONARCH_NB_RUNTIME_DIR": allocator.rdir})
     lines = r.stdout.splitlines()
     assert lines.count("[0] BIG<" + "x" * (10 << 20) + ">") == 1 and lines.count("[0] after") == 1, r.stderr[-2000:]
+
+
+def test_worker_addresses_in_monarchs_forms() -> None:
+    from monarch_nb._runtime.transport import worker_address
+
+    assert worker_address("tcp://h:4444") == ("tcp://h:4444", "tcp://h:4444")
+    assert worker_address("ipc:///tmp/x.sock") == ("ipc:///tmp/x.sock", "ipc:///tmp/x.sock")
+    assert worker_address("service@tcp://h:4444") == ("tcp://h:4444", "tcp://h:4444")
+    assert worker_address("service<2MuAHeDjLCEd>@tcp://h:4444") == ("tcp://h:4444", "tcp://h:4444")
+    assert worker_address("tcp://worker-fqdn:4444@tcp://0.0.0.0:4444") == ("tcp://worker-fqdn:4444", "tcp://0.0.0.0:4444")
+    assert worker_address("service<2MuAHeDjLCEd>@tcp://fqdn:4444@tcp://0.0.0.0:4444") == ("tcp://fqdn:4444", "tcp://0.0.0.0:4444")
+    for bad in ("h:4444", "service@h:4444", "tcp://a:1@ipc:///x", "tcp://a:1@tcp://b:2@tcp://c:3", ""):
+        with pytest.raises(ValueError, match="worker address"):
+            worker_address(bad)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_allocator_serves_at_a_bind_address_and_is_dialled_at_the_advertised_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    port = _free_port()
+    # Monarch's serving alias, with a proc id: bound on 127.0.0.1, advertised (and dialled) as localhost
+    addr = f"service<2MuAHeDjLCEd>@tcp://localhost:{port}@tcp://127.0.0.1:{port}"
+    a = AllocatorProc(str(tmp_path), "--bind", addr, "--trust-all")
+    try:
+        assert a.info["tcp"] == f"tcp://localhost:{port}", a.info
+        code = f"""
+from monarch_nb.actor import Actor, attach_to_workers, endpoint
+class Where(Actor):
+    @endpoint
+    def host(self) -> str:
+        import socket
+        return socket.gethostname()
+hosts = attach_to_workers(workers=[{addr!r}], ca="trust_all_connections")
+print("ALLOC", hosts._refs()[0].alloc)
+pm = hosts.spawn_procs(per_host={{"gpus": 2}})
+print("CALL", len(pm.spawn("w", Where).host.call().get(timeout=30).values()))
+pm.stop().get(timeout=30)
+"""
+        r = run_script(code, env={"MONARCH_NB_RUNTIME_DIR": a.rdir})
+        assert r.returncode == 0, r.stderr
+        assert f"ALLOC tcp://localhost:{port}" in r.stdout and "CALL 2" in r.stdout, r.stdout
+    finally:
+        a.stop()
+
+
+@pytest.mark.parametrize("args", [["--trust-all"], []], ids=["trust-all", "keyless"])
+def test_a_wildcard_bind_without_a_cluster_key_is_refused(args: list[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    rdir = str(tmp_path / "rt")
+    os.makedirs(rdir, mode=0o700)
+    cp = subprocess.run(
+        [PY, "-m", "monarch_nb", "allocator", "--bind", f"tcp://0.0.0.0:{_free_port()}", *args],
+        env=dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cp.returncode != 0
+    assert "refusing unauthenticated TCP on every interface" in cp.stderr, cp.stderr
+    assert "monarch-nb keygen" in cp.stderr and "trust_all_connections" in cp.stderr, cp.stderr
+    assert not list(records.read_connection_files(rdir))
+    # Monarch's API refuses it where it is called, before anything starts
+    from monarch_nb.actor import start_worker_loop_forever
+    from monarch_nb.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="every interface"):
+        start_worker_loop_forever(ca="trust_all_connections", address="tcp://*:4444")

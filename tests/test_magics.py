@@ -462,3 +462,36 @@ def test_debug_magics_list_cast_and_continue(k: Kernel) -> None:
     assert "[0] 0" in out and "[1] 7" in out
     _ok(k.run("%mesh debug continue"))
     assert _ok(k.run("pending.get(timeout=30).values()")).result == "[0, 7]"
+
+
+def test_the_default_fault_hook_stays_quiet_about_a_failure_the_cell_already_raised(k: Kernel) -> None:
+    # an actor that fails on its own fails its caller's call; the same failure then reaches
+    # the kernel's default unhandled_fault_hook, which must not show it a second time
+    start = len(k.log)
+    _ok(k.run("%mesh spawn quiet --per-host gpus=2"))
+    _ok(
+        k.run(
+            "from monarch_nb.actor import Actor, endpoint\n"
+            "import monarch_nb.actor._supervision as _sup\n"
+            "class Quits(Actor):\n"
+            "    @endpoint\n"
+            "    def quit(self) -> None:\n"
+            "        raise SystemExit(3)\n"
+            "hooked = _sup._hook_calls\n"
+            "q = quiet.spawn('q', Quits)"
+        )
+    )
+    c = k.run("q.slice(gpus=1).quit.call_one().get(timeout=30)")
+    assert c.error and c.error["ename"] == "SupervisionError", c.error
+    _ok(k.run(poll("_sup._hook_calls == hooked + 1", 20, "the default hook to see the failure")))
+    # a failure nobody raised into a cell is still shown; notices go out in order, so once it
+    # is here one for the first failure would be too
+    _ok(k.run("q.slice(gpus=0).quit.broadcast()"))
+
+    def notice(m: dict, point: str) -> bool:  # type: ignore[type-arg]
+        text = str(m["content"].get("text") or m["content"].get("data", {}).get("text/plain", ""))
+        return "unhandled mesh failure" in text and f"Quits q{{'gpus': {point}}}" in text
+
+    k.wait_msg(lambda m: notice(m, "0/2"), 30, "the notice of the failure nobody saw")
+    assert not [m for m in k.log[start:] if notice(m, "1/2")]
+    _ok(k.run("quiet.stop().get(timeout=30)"))

@@ -260,7 +260,10 @@ class Procs:
             "alloc_addr": self.rt.ipc_addr,
             "alloc_tcp": self.rt.tcp_addr,
             "runtime_dir": self.runtime_dir,
-            "tcp_ip": self.rt.tcp_addr.rsplit(":", 1)[0][len("tcp://") :] if self.rt.tcp_addr else None,
+            # procs bind where their allocator is bound (not where it is advertised)
+            "tcp_ip": (self.rt.transport.bound_tcp or self.rt.tcp_addr).rsplit(":", 1)[0][len("tcp://") :]
+            if self.rt.tcp_addr
+            else None,
             "key": self.security.key,
             "trust_all": self.security.trust_all,
             "mesh": mesh.name,

@@ -63,6 +63,10 @@ def client() -> Client:
 
                 _client = Client(runtime())
                 _logprefix.install(proc_spec is None)
+                if in_ipython_kernel():
+                    from . import _supervision
+
+                    _supervision.install_kernel_quiet()
     return _client
 
 

@@ -24,6 +24,8 @@ assert _debugwait._PENDING == _PENDING
 
 #: thread id -> the future that thread is blocked on in ``get()`` (what a frontend shows progress of)
 blocked: dict[int, Future[Any]] = {}
+#: told of every error a read raises (a kernel's default fault hook keeps quiet about those)
+on_raise: Callable[[BaseException], None] | None = None
 
 
 class Future(Generic[R]):
@@ -152,6 +154,8 @@ class Future(Generic[R]):
                     self._state = _FAILED
                 self._decode = None
             if self._state == _FAILED:
+                if on_raise is not None:
+                    on_raise(self._value)
                 raise self._value
             return self._value
 
@@ -183,6 +187,8 @@ class Future(Generic[R]):
                 # the wait lives in _debugwait: a rank of ours stopping at a breakpoint wakes the main thread
                 if not _debugwait.wait(self, timeout):
                     raise TimeoutError(f"{self._what} not ready after {timeout} s (the future is still usable)")
+                # read while still listed as blocked: whoever watches ``blocked`` sees the error raised
+                return self._resolve()
             finally:
                 blocked.pop(tid, None)
         return self._resolve()

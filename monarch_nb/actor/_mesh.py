@@ -788,7 +788,7 @@ def attach_to_workers(
     ``ca`` (or ``key_file``) is the path of the cluster key file; ``"trust_all_connections"``
     is accepted only for loopback and ipc addresses.
     """
-    from .._runtime.transport import Security
+    from .._runtime.transport import Security, worker_address
     from .._wire.keys import read_key_file
 
     client = _context.client()
@@ -801,7 +801,8 @@ def attach_to_workers(
         client.rt.sockets.set_security(Security(read_key_file(os.fspath(path))))
     elif ca == "trust_all_connections":
         client.rt.sockets.set_security(Security(None, trust_all=True))
-    addrs = [w.get() if isinstance(w, Future) else str(w) for w in workers]
+    # Monarch's forms: [proc-id@]url, and advertised@bind (dial the advertised one)
+    addrs = [worker_address(w.get() if isinstance(w, Future) else str(w))[0] for w in workers]
     refs = []
     for a in addrs:
         info = client.connect(a)

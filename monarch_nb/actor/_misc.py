@@ -238,7 +238,12 @@ def start_worker_loop_forever(*, ca: Any, address: str, private_key: Any = None)
     """Start a worker host (allocator daemon) in the background; the future completes once it serves."""
     import subprocess
 
+    from .._runtime.daemon import check_bind
+    from .._wire.keys import read_key_file
+
     key_file = ca if isinstance(ca, (str, os.PathLike)) and ca != "trust_all_connections" else None
+    # refused here, where the caller sees it, rather than in the background process
+    check_bind(address, read_key_file(os.fspath(key_file)) if key_file else None)
     argv = [sys.executable, "-m", "monarch_nb", "allocator", "--bind", address]
     if key_file:
         argv += ["--key-file", os.fspath(key_file)]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 from . import _context
@@ -42,6 +44,8 @@ class MeshFailure:
 
 
 _exit_requested = False
+#: how many failures the default hook has dealt with in a kernel (tests wait on it)
+_hook_calls = 0
 
 
 def unhandled_fault_hook(failure: MeshFailure) -> None:
@@ -51,20 +55,92 @@ def unhandled_fault_hook(failure: MeshFailure) -> None:
     mesh is marked failed and the kernel lives on. Replace it by assigning
     ``monarch_nb.actor.unhandled_fault_hook = my_hook``.
     """
+    global _hook_calls
     text = f"monarch_nb: unhandled mesh failure: {failure.report()}"
+    if _context.in_ipython_kernel():
+        if not _raised_in_this_cell(failure):
+            # a notebook frontend shows it in the running cell, else the one that last called the mesh
+            notice = _context.client().notice if _context._client is not None else None
+            if notice is not None:
+                notice(text, failure.mesh_name, getattr(failure.error, "rank", None))
+            else:
+                print(text, file=sys.stderr, flush=True)
+        # else: the cell shows it already, as the error its call raised
+        _hook_calls += 1
+        return
     notice = _context.client().notice if _context._client is not None else None
     if notice is not None:
-        # a notebook frontend shows it in the cell that last called the mesh
         notice(text, failure.mesh_name, getattr(failure.error, "rank", None))
     else:
         print(text, file=sys.stderr, flush=True)
-    if _context.in_ipython_kernel():
-        return
     global _exit_requested
     _exit_requested = True
     _install_exit_hook()
     # a real SIGINT (unlike _thread.interrupt_main) also wakes a main thread blocked in a wait
     os.kill(os.getpid(), signal.SIGINT)
+
+
+#: failures raised into a kernel's cells as errors: (mesh or actor name, rank) -> the cell's msg_id
+_raised: collections.OrderedDict[tuple[str, int | None], str] = collections.OrderedDict()
+_raised_lock = threading.Lock()
+
+
+def _cell_id() -> str:
+    """The kernel's running cell, or the last one to run (where a notice would go)."""
+    try:
+        ip = sys.modules["IPython"].get_ipython()
+        return str(ip.kernel.get_parent().get("header", {}).get("msg_id", ""))
+    except Exception:
+        return ""
+
+
+def note_raised(err: BaseException) -> None:
+    """``err`` is raised into user code (a kernel's ``Future`` read): remember where it came from."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # a cell's code runs on the main thread; other reads are the runtime's own
+    errs = [err, *(getattr(err, "failures", None) or {}).values()] if isinstance(getattr(err, "failures", None), dict) else [err]
+    keys = []
+    for e in errs:
+        rank = getattr(e, "rank", None)
+        for name in {getattr(e, "actor", "") or "", getattr(e, "mesh", "") or ""}:
+            if name and isinstance(name, str):
+                keys.append((name, rank))
+    if not keys:
+        return
+    cell = _cell_id()
+    with _raised_lock:
+        for k in keys:
+            _raised[k] = cell
+            _raised.move_to_end(k)
+        while len(_raised) > 1024:
+            _raised.popitem(last=False)
+
+
+def install_kernel_quiet() -> None:
+    """In a kernel: errors read from futures are noted, so the default hook does not repeat them."""
+    from . import _future
+
+    _future.on_raise = note_raised
+
+
+def _raised_in_this_cell(failure: MeshFailure) -> bool:
+    from . import _future
+
+    main = threading.main_thread().ident or 0
+    f = _future.blocked.get(main)
+    if f is not None and not _context._on_io_thread():
+        # the cell is waiting on a call: the call's own error (sent just before this event)
+        # may be about to be raised there; give it until the wait ends (bounded)
+        deadline = time.monotonic() + 2.0
+        while _future.blocked.get(main) is f and f.done() is False and time.monotonic() < deadline:
+            f._wait_plain(0.05)
+        while _future.blocked.get(main) is f and time.monotonic() < deadline:
+            time.sleep(0.005)  # the main thread is between its wake-up and its read
+    names = {failure.mesh_name, getattr(getattr(failure, "mesh", None), "_name", "") or ""}
+    ranks: list[int | None] = list(failure.crashed_ranks) or [None]
+    cell = _cell_id()
+    with _raised_lock:
+        return all(any(_raised.get((n, r)) == cell for n in names if n) for r in ranks)
 
 
 def _install_exit_hook() -> None:
