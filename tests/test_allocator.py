@@ -507,3 +507,76 @@ def test_a_wildcard_bind_without_a_cluster_key_is_refused(args: list[str], tmp_p
 
     with pytest.raises(ConfigError, match="every interface"):
         start_worker_loop_forever(ca="trust_all_connections", address="tcp://*:4444")
+
+
+def test_procs_inherit_their_hosts_environment_not_the_controllers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # as Monarch's: a worker host's procs start from that host's environment (here, its
+    # allocator's); a controller's this_host() is the controller itself, so there its own
+    a = AllocatorProc(str(tmp_path), env={"MNB_HOST_ONLY": "host"})
+    try:
+        code = f"""
+import os
+from monarch_nb.actor import Actor, attach_to_workers, default_bootstrap_cmd, endpoint, this_host
+os.environ["MNB_CONTROLLER_ONLY"] = "controller"
+os.environ.pop("MNB_HOST_ONLY", None)
+NAMES = ("MNB_HOST_ONLY", "MNB_CONTROLLER_ONLY", "MNB_ADDED")
+class Env(Actor):
+    @endpoint
+    def get(self):
+        return {{n: os.environ.get(n) for n in NAMES}}
+hosts = attach_to_workers(workers=[{a.addr!r}], ca="trust_all_connections")
+pm = hosts.spawn_procs(per_host={{"gpus": 1}})
+print("WORKER", pm.spawn("e", Env).get.call_one().get(timeout=30))
+pm.stop().get(timeout=30)
+cmd = default_bootstrap_cmd().with_env({{"MNB_ADDED": "told", "MNB_HOST_ONLY": None}})
+pm = hosts.spawn_procs(per_host={{"gpus": 1}}, bootstrap_command=cmd)
+print("TOLD", pm.spawn("e", Env).get.call_one().get(timeout=30))
+pm.stop().get(timeout=30)
+pm = this_host().spawn_procs(per_host={{"gpus": 1}})
+print("LOCAL", pm.spawn("e", Env).get.call_one().get(timeout=30))
+pm.stop().get(timeout=30)
+"""
+        r = run_script(code, timeout=120, env={"MNB_HOST_ONLY": "controller-had-it-too"})
+        assert r.returncode == 0, r.stderr
+        out = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in r.stdout.splitlines() if " " in ln}
+        assert out["WORKER"] == "{'MNB_HOST_ONLY': 'host', 'MNB_CONTROLLER_ONLY': None, 'MNB_ADDED': None}", r.stdout
+        assert out["TOLD"] == "{'MNB_HOST_ONLY': None, 'MNB_CONTROLLER_ONLY': None, 'MNB_ADDED': 'told'}", r.stdout
+        assert out["LOCAL"] == "{'MNB_HOST_ONLY': None, 'MNB_CONTROLLER_ONLY': 'controller', 'MNB_ADDED': None}", r.stdout
+    finally:
+        a.stop()
+
+
+def test_a_proc_mesh_name_on_hosts_that_hold_different_meshes_is_ambiguous(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from monarch_nb import mesh as M
+    from monarch_nb.errors import MeshError
+
+    a1, a2 = AllocatorProc(str(tmp_path)), AllocatorProc(str(tmp_path))
+    try:
+        mine = attach_to_workers(workers=[a1.addr], ca="trust_all_connections").spawn_procs(
+            per_host={"gpus": 1}, name="dup6", persist=True
+        )
+        # another controller spawns the same name on another host, and leaves it running
+        code = f"""
+from monarch_nb.actor import attach_to_workers
+attach_to_workers(workers=[{a2.addr!r}], ca="trust_all_connections").spawn_procs(per_host={{"gpus": 2}}, name="dup6", persist=True)
+"""
+        r = run_script(code)
+        assert r.returncode == 0, r.stderr
+        both = attach_to_workers(workers=[a1.addr, a2.addr], ca="trust_all_connections")
+        with pytest.raises(MeshError) as e:
+            ProcMesh.lookup("dup6", both)
+        msg = str(e.value)
+        assert "2 hosts have a proc mesh named 'dup6', and they are not one mesh" in msg, msg
+        assert "gpus: 1}, spawned by this controller" in msg and "gpus: 2}, spawned by controller " in msg, msg
+        assert "pick one by its hosts: ProcMesh.lookup('dup6', attach_to_workers(workers=[ADDRESS]))" in msg, msg
+        # %mesh connect's function binds neither, and says why
+        M.connect(a1.addr, a2.addr)
+        assert "dup6" not in M.meshes() and "not one mesh" in M.ambiguous_meshes()["dup6"]
+        # one host's is found by naming that host
+        theirs = ProcMesh.lookup("dup6", attach_to_workers(workers=[a2.addr], ca="trust_all_connections"))
+        assert dict(theirs.extent) == {"hosts": 1, "gpus": 2}
+        mine.stop().get(timeout=30)
+        theirs.stop(force=True).get(timeout=30)
+    finally:
+        a1.stop()
+        a2.stop()

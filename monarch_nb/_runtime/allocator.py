@@ -396,10 +396,14 @@ class Allocator(DebugRegistry):
     def sys_sync_commit(self, ws: str, manifest: dict[str, tuple[str, int, int]]) -> dict[str, Any]:
         return self.code.commit(ws, manifest)
 
-    def sys_note_actor(self, mesh: str, actor: str, cls_blob: bytes) -> None:
+    def sys_note_actor(self, mesh: str, actor: str, cls_blob: bytes, owner: str = "", label: str = "") -> None:
+        """Actor mesh ``actor`` (a spawn's id) was spawned on ``mesh`` as ``label`` by controller
+        ``owner``: kept for re-attaching (``ProcMesh.actor_mesh``), which names the candidates
+        when several spawns share a label."""
         m = self.meshes.get(mesh)
         if m is not None:
             m.actors[actor] = cls_blob
+            m.actor_info[actor] = {"owner": owner, "label": label or actor, "created": time.time()}
 
     @system_method(wants_reply=True)
     def sys_stream_logs(self, mesh: str, on: bool = True, *, _reply: tuple[str, int, int]) -> Any:
@@ -439,6 +443,7 @@ class Allocator(DebugRegistry):
         return {
             "name": m.name,
             "owner": m.owner,
+            "created": m.created,
             "persist": m.persist,
             "labels": m.labels,
             "sizes": m.sizes,
@@ -446,6 +451,7 @@ class Allocator(DebugRegistry):
             "state": m.state,
             "procs": [(r.addr, r.pid, r.rank, r.state) for r in m.procs],
             "actors": dict(m.actors),
+            "actor_info": dict(m.actor_info),
             "host": self.rt.hostname,
         }
 
@@ -479,7 +485,7 @@ class Allocator(DebugRegistry):
                     "labels": m.labels,
                     "sizes": m.sizes,
                     "extent": m.info.get("extent"),
-                    "actors": sorted(m.actors),
+                    "actors": sorted({m.actor_info.get(a, {}).get("label", a) for a in m.actors}),
                     "procs": [
                         {
                             "rank": r.rank,

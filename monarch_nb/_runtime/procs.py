@@ -74,6 +74,8 @@ class MeshRec:
     state: str = "starting"
     created: float = dataclasses.field(default_factory=time.time)
     actors: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    #: per actor mesh id: {owner, label, created}
+    actor_info: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     log_subs: set[tuple[str, int]] = dataclasses.field(default_factory=set)
     #: procs the last stop had to kill: {rank, pid, host, why}
@@ -250,7 +252,8 @@ class Procs:
             functools.partial(self._on_lines, mesh.name),
             self.cfg.log_max_rank_bytes,
         )
-        env = dict(spec["env"])
+        # the controller's environment when it sent one (its this_host()), else this host's
+        env = dict(spec["env"]) if spec.get("env") is not None else dict(os.environ)
         coords = _coords(rec.local_rank, mesh.sizes)
         if self.gpus and "gpus" in mesh.labels:
             env["CUDA_VISIBLE_DEVICES"] = str(coords[mesh.labels.index("gpus")] % self.gpus)
