@@ -62,8 +62,13 @@ def connect(*targets: str, key_file: str | None = None) -> HostMesh:
         return hm
 
 
+#: names that :func:`connect` found on several hosts as distinct meshes: name -> the candidates
+ambiguous: dict[str, str] = {}
+
+
 def _reattach(hm: HostMesh) -> None:
     client = controller_client()
+    ambiguous.clear()
     refs = hm._refs()
     by_name: dict[str, list[HostRef]] = {}
     for h in refs:
@@ -77,8 +82,11 @@ def _reattach(hm: HostMesh) -> None:
         sub = HostMesh(hs, View(["hosts"], [len(hs)]) if len(hs) > 1 else View([], []))
         try:
             _meshes[name] = ProcMesh.lookup(name, sub)
-        except MeshError:
-            continue  # stopped meanwhile
+        except MeshError as e:
+            if "not one mesh" in str(e):
+                # procs of unrelated meshes that share a name: which one is the user's to say
+                ambiguous[name] = str(e)
+            continue  # else stopped meanwhile
 
 
 def hosts() -> HostMesh:

@@ -31,6 +31,13 @@ class Config:
     spawn_timeout: float = 120.0
     #: waiting for a first answer from an address
     connect_timeout: float = 10.0
+    #: stopping procs: a proc still running this long after its actors' ``__cleanup__`` has
+    #: finished (a non-daemon thread, a slow atexit handler) is killed, and ``stop()`` says so
+    stop_grace: float = 3.0
+    #: stopping procs: how long their actors may take to finish the message in hand and
+    #: ``__cleanup__`` before the proc is killed (and ``stop()`` says so); a proc mesh's stop
+    #: must not wait on an actor stuck in a long call
+    stop_cleanup_timeout: float = 2.0
     #: an allocator reaps persistent meshes after this long with no controller attached
     lease: float = 3600.0
     #: frames larger than this are refused at the sender and dropped at the receiver

@@ -25,6 +25,9 @@ __all__ = ["Aggregator", "follow", "format_line", "format_ranks", "logs"]
 LogLine = tuple[int, str, float, str, str]
 
 _NUM = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
+#: the point of Monarch's ``[actor=<root>.<__main__.T ts{'gpus': 1/4}>]`` log prefix: the
+#: rank tag already says it, so it is not part of the line's text (ranks' records collapse)
+_ACTOR_POINT = re.compile(r"(\[actor=[^\]]*?)\{[^{}]*\}>\]")
 
 
 def format_line(rank: int, line: str, mesh: str = "") -> str:
@@ -67,6 +70,8 @@ class Aggregator:
         occ = self._occ
         for rank, stream, _ts, _call, line in lines:
             n = seq[(mesh, rank)] = seq.get((mesh, rank), -1) + 1
+            if "[actor=" in line:
+                line = _ACTOR_POINT.sub(r"\1>]", line, 1)
             nums = _NUM.findall(line)
             template = _NUM.sub("\0", line) if nums else line
             okey = (mesh, rank, stream, template)

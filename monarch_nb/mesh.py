@@ -19,7 +19,26 @@ from ._registry import _resolve, connect, get, hosts, meshes, restart, spawn
 from .actor import Extent, Future, ProcMesh, ValueMesh, controller_client
 from .errors import ExecError, MeshError, SpawnError
 
-__all__ = ["connect", "exec_cell", "get", "hosts", "interrupt", "meshes", "restart", "spawn", "status", "stop"]
+__all__ = [
+    "ambiguous_meshes",
+    "connect",
+    "exec_cell",
+    "get",
+    "hosts",
+    "interrupt",
+    "meshes",
+    "restart",
+    "spawn",
+    "status",
+    "stop",
+]
+
+
+def ambiguous_meshes() -> dict[str, str]:
+    """Names the last :func:`connect` found on several hosts as distinct proc meshes (not
+    re-attached): name -> the candidates and how to pick one."""
+    return dict(_registry.ambiguous)
+
 
 _cell_counter = itertools.count(1)
 

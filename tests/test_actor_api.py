@@ -467,6 +467,100 @@ t.talk.call("B").get(timeout=20)
     r = run_script(code)
     assert r.returncode == 0, r.stderr
     for rank in (0, 1):
-        for line in ("DEBUG:talker:debug A", "INFO:talker:info A", "WARNING:talker:warning A", "WARNING:talker:warning B"):
-            assert f"[{rank}] {line}" in r.stderr, r.stderr
+        # with Monarch's [actor=...] prefix on records logged by an actor
+        prefix = f"[actor=<root>.<__main__.Talker t{{'gpus': {rank}/2}}>]"
+        for level, text in (("DEBUG", "debug A"), ("INFO", "info A"), ("WARNING", "warning A"), ("WARNING", "warning B")):
+            assert f"[{rank}] {level}:talker:{prefix} {text}" in r.stderr, r.stderr
     assert "debug B" not in r.stderr and "info B" not in r.stderr, r.stderr
+
+
+def test_stop_kills_a_proc_that_outlives_its_cleanup_and_says_so():
+    # a normal exit waits for non-daemon threads, as Monarch's procs do; one that never ends
+    # keeps its proc alive past the grace period: stop() kills it and names it
+    code = """
+import os, threading, warnings
+from monarch_nb.actor import Actor, endpoint, this_host
+class Lingers(Actor):
+    @endpoint
+    def start(self):
+        threading.Thread(target=threading.Event().wait, name="never-ends", daemon=False).start()
+        return os.getpid()
+    @endpoint
+    def pid(self):
+        return os.getpid()
+procs = this_host().spawn_procs(per_host={"gpus": 2})
+m = procs.spawn("l", Lingers)
+stuck = m.slice(gpus=1).start.call_one().get(timeout=20)
+fine = m.slice(gpus=0).pid.call_one().get(timeout=20)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    procs.stop().get(timeout=60)
+print("WARN", [(x.category.__name__, str(x.message)) for x in w])
+for pid in (stuck, fine):
+    try:
+        os.kill(pid, 0)
+        print("ALIVE", pid)
+    except ProcessLookupError:
+        pass
+print("STUCK", stuck)
+"""
+    t0 = time.monotonic()
+    r = run_script(code, timeout=90)
+    assert r.returncode == 0, r.stderr
+    stuck = r.stdout.split("STUCK ")[1].split()[0]
+    warned = r.stdout.split("WARN ")[1].splitlines()[0]
+    assert "ProcsKilledWarning" in warned, r.stdout
+    assert f"killed 1 proc(s): rank 1 (pid {stuck} on " in warned, warned
+    assert "still running 3 s after its actors' __cleanup__" in warned, warned
+    assert "ALIVE" not in r.stdout, r.stdout
+    assert time.monotonic() - t0 < 60
+
+
+class SpawnsToo(Actor):
+    @endpoint
+    def spawn_counter(self, pm: Any, start: int) -> int:
+        # the same name the client spawned on the same procs: a mesh of its own
+        return sum(pm.spawn("w6", Counter, start).incr.call(1).get(timeout=20).values())
+
+
+def test_each_spawn_is_its_own_mesh_across_controllers_and_actors():
+    pm = this_host().spawn_procs(per_host={"gpus": 2}, name="shared6", persist=True)
+    try:
+        mine = pm.spawn("w6", Counter, 100)
+        assert mine.incr.call().get(timeout=20).values() == [101, 101]
+        # another controller attaches to the same procs and spawns the same name
+        code = """
+from monarch_nb.actor import Actor, ProcMesh, endpoint
+class Other(Actor):
+    def __init__(self, start):
+        self.n = start
+    @endpoint
+    def incr(self, by=1):
+        self.n += by
+        return self.n
+pm = ProcMesh.lookup("shared6")
+theirs = pm.spawn("w6", Other, 500)
+print("THEIRS", theirs.incr.call().get(timeout=20).values(), repr(theirs))
+"""
+        r = run_script(code)
+        assert r.returncode == 0, r.stderr
+        assert "THEIRS [501, 501] ActorMesh(class=Other, name='w6'" in r.stdout, r.stdout
+        # an actor spawning the name too, on the same procs
+        sp = pm.spawn("spawner", SpawnsToo)
+        assert sp.slice(gpus=0).spawn_counter.call_one(pm, 7).get(timeout=30) == 16
+        # and this controller again: every spawn is its own mesh, none disturbed the others
+        again = pm.spawn("w6", Counter, 0)
+        assert again.incr.call().get(timeout=20).values() == [1, 1]
+        assert mine.incr.call().get(timeout=20).values() == [102, 102]
+        assert mine._name != again._name and repr(again).startswith("ActorMesh(class=Counter, name='w6'")
+        # looking one up by the name they share lists the candidates and says how to pick one
+        with pytest.raises(ValueError) as e:
+            pm.actor_mesh("w6")
+        msg = str(e.value)
+        assert "actor meshes named 'w6' live on proc mesh 'shared6'" in msg, msg
+        assert msg.count("spawned by this controller") == 2 and msg.count("spawned by controller ") == 2, msg
+        assert repr(mine._name) in msg and "pick one by its id: actor_mesh(" in msg, msg
+        assert pm.actor_mesh(mine._name).value.call().get(timeout=20).values() == [102, 102]
+        assert pm.actor_mesh("spawner")._name == sp._name  # a name spawned once is found by it
+    finally:
+        pm.stop().get(timeout=30)

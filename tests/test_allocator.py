@@ -435,3 +435,148 @@ pm.stop().get(timeout=20)
     r = run_script(code, env={"MONARCH_NB_RUNTIME_DIR": allocator.rdir})
     lines = r.stdout.splitlines()
     assert lines.count("[0] BIG<" + "x" * (10 << 20) + ">") == 1 and lines.count("[0] after") == 1, r.stderr[-2000:]
+
+
+def test_worker_addresses_in_monarchs_forms() -> None:
+    from monarch_nb._runtime.transport import worker_address
+
+    assert worker_address("tcp://h:4444") == ("tcp://h:4444", "tcp://h:4444")
+    assert worker_address("ipc:///tmp/x.sock") == ("ipc:///tmp/x.sock", "ipc:///tmp/x.sock")
+    assert worker_address("service@tcp://h:4444") == ("tcp://h:4444", "tcp://h:4444")
+    assert worker_address("service<2MuAHeDjLCEd>@tcp://h:4444") == ("tcp://h:4444", "tcp://h:4444")
+    assert worker_address("tcp://worker-fqdn:4444@tcp://0.0.0.0:4444") == ("tcp://worker-fqdn:4444", "tcp://0.0.0.0:4444")
+    assert worker_address("service<2MuAHeDjLCEd>@tcp://fqdn:4444@tcp://0.0.0.0:4444") == ("tcp://fqdn:4444", "tcp://0.0.0.0:4444")
+    for bad in ("h:4444", "service@h:4444", "tcp://a:1@ipc:///x", "tcp://a:1@tcp://b:2@tcp://c:3", ""):
+        with pytest.raises(ValueError, match="worker address"):
+            worker_address(bad)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_allocator_serves_at_a_bind_address_and_is_dialled_at_the_advertised_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    port = _free_port()
+    # Monarch's serving alias, with a proc id: bound on 127.0.0.1, advertised (and dialled) as localhost
+    addr = f"service<2MuAHeDjLCEd>@tcp://localhost:{port}@tcp://127.0.0.1:{port}"
+    a = AllocatorProc(str(tmp_path), "--bind", addr, "--trust-all")
+    try:
+        assert a.info["tcp"] == f"tcp://localhost:{port}", a.info
+        code = f"""
+from monarch_nb.actor import Actor, attach_to_workers, endpoint
+class Where(Actor):
+    @endpoint
+    def host(self) -> str:
+        import socket
+        return socket.gethostname()
+hosts = attach_to_workers(workers=[{addr!r}], ca="trust_all_connections")
+print("ALLOC", hosts._refs()[0].alloc)
+pm = hosts.spawn_procs(per_host={{"gpus": 2}})
+print("CALL", len(pm.spawn("w", Where).host.call().get(timeout=30).values()))
+pm.stop().get(timeout=30)
+"""
+        r = run_script(code, env={"MONARCH_NB_RUNTIME_DIR": a.rdir})
+        assert r.returncode == 0, r.stderr
+        assert f"ALLOC tcp://localhost:{port}" in r.stdout and "CALL 2" in r.stdout, r.stdout
+    finally:
+        a.stop()
+
+
+@pytest.mark.parametrize("args", [["--trust-all"], []], ids=["trust-all", "keyless"])
+def test_a_wildcard_bind_without_a_cluster_key_is_refused(args: list[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    rdir = str(tmp_path / "rt")
+    os.makedirs(rdir, mode=0o700)
+    cp = subprocess.run(
+        [PY, "-m", "monarch_nb", "allocator", "--bind", f"tcp://0.0.0.0:{_free_port()}", *args],
+        env=dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cp.returncode != 0
+    assert "refusing unauthenticated TCP on every interface" in cp.stderr, cp.stderr
+    assert "monarch-nb keygen" in cp.stderr and "trust_all_connections" in cp.stderr, cp.stderr
+    assert not list(records.read_connection_files(rdir))
+    # Monarch's API refuses it where it is called, before anything starts
+    from monarch_nb.actor import start_worker_loop_forever
+    from monarch_nb.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="every interface"):
+        start_worker_loop_forever(ca="trust_all_connections", address="tcp://*:4444")
+
+
+def test_procs_inherit_their_hosts_environment_not_the_controllers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # as Monarch's: a worker host's procs start from that host's environment (here, its
+    # allocator's); a controller's this_host() is the controller itself, so there its own
+    a = AllocatorProc(str(tmp_path), env={"MNB_HOST_ONLY": "host"})
+    try:
+        code = f"""
+import os
+from monarch_nb.actor import Actor, attach_to_workers, default_bootstrap_cmd, endpoint, this_host
+os.environ["MNB_CONTROLLER_ONLY"] = "controller"
+os.environ.pop("MNB_HOST_ONLY", None)
+NAMES = ("MNB_HOST_ONLY", "MNB_CONTROLLER_ONLY", "MNB_ADDED")
+class Env(Actor):
+    @endpoint
+    def get(self):
+        return {{n: os.environ.get(n) for n in NAMES}}
+hosts = attach_to_workers(workers=[{a.addr!r}], ca="trust_all_connections")
+pm = hosts.spawn_procs(per_host={{"gpus": 1}})
+print("WORKER", pm.spawn("e", Env).get.call_one().get(timeout=30))
+pm.stop().get(timeout=30)
+cmd = default_bootstrap_cmd().with_env({{"MNB_ADDED": "told", "MNB_HOST_ONLY": None}})
+pm = hosts.spawn_procs(per_host={{"gpus": 1}}, bootstrap_command=cmd)
+print("TOLD", pm.spawn("e", Env).get.call_one().get(timeout=30))
+pm.stop().get(timeout=30)
+pm = this_host().spawn_procs(per_host={{"gpus": 1}})
+print("LOCAL", pm.spawn("e", Env).get.call_one().get(timeout=30))
+pm.stop().get(timeout=30)
+"""
+        r = run_script(code, timeout=120, env={"MNB_HOST_ONLY": "controller-had-it-too"})
+        assert r.returncode == 0, r.stderr
+        out = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in r.stdout.splitlines() if " " in ln}
+        assert out["WORKER"] == "{'MNB_HOST_ONLY': 'host', 'MNB_CONTROLLER_ONLY': None, 'MNB_ADDED': None}", r.stdout
+        assert out["TOLD"] == "{'MNB_HOST_ONLY': None, 'MNB_CONTROLLER_ONLY': None, 'MNB_ADDED': 'told'}", r.stdout
+        assert out["LOCAL"] == "{'MNB_HOST_ONLY': None, 'MNB_CONTROLLER_ONLY': 'controller', 'MNB_ADDED': None}", r.stdout
+    finally:
+        a.stop()
+
+
+def test_a_proc_mesh_name_on_hosts_that_hold_different_meshes_is_ambiguous(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from monarch_nb import mesh as M
+    from monarch_nb.errors import MeshError
+
+    a1, a2 = AllocatorProc(str(tmp_path)), AllocatorProc(str(tmp_path))
+    try:
+        mine = attach_to_workers(workers=[a1.addr], ca="trust_all_connections").spawn_procs(
+            per_host={"gpus": 1}, name="dup6", persist=True
+        )
+        # another controller spawns the same name on another host, and leaves it running
+        code = f"""
+from monarch_nb.actor import attach_to_workers
+attach_to_workers(workers=[{a2.addr!r}], ca="trust_all_connections").spawn_procs(per_host={{"gpus": 2}}, name="dup6", persist=True)
+"""
+        r = run_script(code)
+        assert r.returncode == 0, r.stderr
+        both = attach_to_workers(workers=[a1.addr, a2.addr], ca="trust_all_connections")
+        with pytest.raises(MeshError) as e:
+            ProcMesh.lookup("dup6", both)
+        msg = str(e.value)
+        assert "2 hosts have a proc mesh named 'dup6', and they are not one mesh" in msg, msg
+        assert "gpus: 1}, spawned by this controller" in msg and "gpus: 2}, spawned by controller " in msg, msg
+        assert "pick one by its hosts: ProcMesh.lookup('dup6', attach_to_workers(workers=[ADDRESS]))" in msg, msg
+        # %mesh connect's function binds neither, and says why
+        M.connect(a1.addr, a2.addr)
+        assert "dup6" not in M.meshes() and "not one mesh" in M.ambiguous_meshes()["dup6"]
+        # one host's is found by naming that host
+        theirs = ProcMesh.lookup("dup6", attach_to_workers(workers=[a2.addr], ca="trust_all_connections"))
+        assert dict(theirs.extent) == {"hosts": 1, "gpus": 2}
+        mine.stop().get(timeout=30)
+        theirs.stop(force=True).get(timeout=30)
+    finally:
+        a1.stop()
+        a2.stop()

@@ -417,6 +417,30 @@ def test_rank_killed_while_paused_is_gone(allocator: Any, fault_hook: list[Any])
     assert debug.sessions("paused") == []
 
 
+def test_attaching_by_a_name_two_paused_meshes_share_lists_them(allocator: Any) -> None:
+    # each spawn is its own mesh: two spawned as "twin", both paused on rank 0
+    procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="dbg-twins")
+    try:
+        a, b = procs.spawn("twin", Paused), procs.spawn("twin", Paused)
+        with configured(debug_no_input="wait"):
+            fa, fb = a.go.call_one(True), b.go.call_one(True)
+            _wait_sessions(2, "twin")
+            with pytest.raises(DebugError) as e:
+                debug.attach("twin", 0)
+            msg = str(e.value)
+            assert "2 actor meshes named 'twin' have rank 0 paused" in msg, msg
+            assert f"  {a._name}: rank 0 of proc mesh 'dbg-twins'" in msg and f"  {b._name}: rank 0" in msg, msg
+            assert "pick one by its id: %mesh attach ACTOR_ID 0" in msg, msg
+            # the id picks one; the other stays paused
+            assert debug.attach(b._name, 0).send("c", timeout=10) == ""
+            assert fb.get(timeout=10) == 0 and not fa.done()
+            assert [s.actor_id for s in debug.sessions("twin")] == [a._name]
+            assert debug.attach("twin", 0).send("c", timeout=10) == ""
+            assert fa.get(timeout=10) == 0
+    finally:
+        procs.stop().get(timeout=30)
+
+
 def test_listing_skips_an_allocator_of_this_host_that_stopped(tmp_path: Any) -> None:
     from conftest import AllocatorProc
 

@@ -66,6 +66,21 @@ def test_training_steps_keep_their_order_and_aggregate_across_ranks() -> None:
     ]
 
 
+def test_monarch_actor_prefixes_collapse_with_their_point_read_as_the_rank_tag() -> None:
+    # Monarch's [actor=...] log prefix names each rank's point; the rank tag says it already
+    a = Aggregator()
+    pre = "INFO:talker:[actor=<root>.<__main__.Talker talkers{{'hosts': {h}/2, 'gpus': {g}/2}}>] "
+    a.add("m", _lines(*((2 * h + g, pre.format(h=h, g=g) + "step 3 loss=0.5") for h in (1, 0) for g in (1, 0))))
+    a.add("m", _lines((1, "[actor=<root>.<__main__.P p{'gpus': 1/2}>.<__main__.C c{'gpus': 0/1}>] alone")))
+    assert a.flush() == [
+        ("stdout", "[ranks 0-3 ×4] INFO:talker:[actor=<root>.<__main__.Talker talkers>] step 3 loss=0.5"),
+        ("stdout", "[1] [actor=<root>.<__main__.P p{'gpus': 1/2}>.<__main__.C c>] alone"),
+    ]
+    # a prefix with no point (a controller's <root>) and braces in the message are left alone
+    a.add("m", _lines((0, "[actor=<root>] x {'a': 1}>]")))
+    assert a.flush() == [("stdout", "[0] [actor=<root>] x {'a': 1}>]")]
+
+
 def test_rank_sets() -> None:
     assert format_ranks([0, 1, 2, 3, 5, 7, 8]) == "0-3,5,7-8"
     assert parse_ranks("0:4", 8) == [0, 1, 2, 3]

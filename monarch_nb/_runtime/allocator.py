@@ -365,6 +365,13 @@ class Allocator(DebugRegistry):
         if os.path.isdir(d):
             os.rename(d, f"{d}~{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}")
 
+    def sys_proc_cleaned(self, token: str) -> Any:
+        # a stopping proc's actors are cleaned up: from now on it has stop_grace to exit
+        rec = self.by_token.get(token)
+        if rec is not None and rec.cleaned is not None and not rec.cleaned.done():
+            rec.cleaned.set_result(None)
+        return NO_REPLY
+
     def sys_proc_ready(self, token: str, addr: str, pid: int, local: str = "") -> Any:
         rec = self.by_token.get(token)
         if rec is None:
@@ -413,10 +420,14 @@ class Allocator(DebugRegistry):
     def sys_sync_commit(self, ws: str, manifest: dict[str, tuple[str, int, int]]) -> dict[str, Any]:
         return self.code.commit(ws, manifest)
 
-    def sys_note_actor(self, mesh: str, actor: str, cls_blob: bytes) -> None:
+    def sys_note_actor(self, mesh: str, actor: str, cls_blob: bytes, owner: str = "", label: str = "") -> None:
+        """Actor mesh ``actor`` (a spawn's id) was spawned on ``mesh`` as ``label`` by controller
+        ``owner``: kept for re-attaching (``ProcMesh.actor_mesh``), which names the candidates
+        when several spawns share a label."""
         m = self.meshes.get(mesh)
         if m is not None:
             m.actors[actor] = cls_blob
+            m.actor_info[actor] = {"owner": owner, "label": label or actor, "created": time.time()}
 
     @system_method(wants_reply=True)
     def sys_stream_logs(self, mesh: str, on: bool = True, *, _reply: tuple[str, int, int]) -> Any:
@@ -430,7 +441,11 @@ class Allocator(DebugRegistry):
             m.log_subs.discard(sub)
         return NO_REPLY
 
-    async def sys_stop_mesh(self, name: str, cid: str = "", force: bool = False, reason: str = "stopped by client") -> int:
+    async def sys_stop_mesh(
+        self, name: str, cid: str = "", force: bool = False, reason: str = "stopped by client", detail: bool = False
+    ) -> int | dict[str, Any]:
+        """Stop mesh ``name``: the number of procs stopped, or with ``detail`` also the ones that
+        had to be killed (``{"stopped": n, "killed": [{rank, pid, host, why}]}``)."""
         m = self.meshes.get(name)
         if m is None:
             raise MeshError(f"no mesh named {name!r} on host {self.rt.hostname}")
@@ -441,6 +456,8 @@ class Allocator(DebugRegistry):
             raise PermissionError(f"mesh {name!r} is owned by another controller ({m.owner}); pass force=True to stop it anyway")
         n = await self._stop_mesh(m, reason)
         self.meshes.pop(name, None)
+        if detail:
+            return {"stopped": n, "killed": m.killed}
         return n
 
     def sys_lookup(self, name: str) -> dict[str, Any]:
@@ -450,6 +467,7 @@ class Allocator(DebugRegistry):
         return {
             "name": m.name,
             "owner": m.owner,
+            "created": m.created,
             "persist": m.persist,
             "labels": m.labels,
             "sizes": m.sizes,
@@ -457,6 +475,7 @@ class Allocator(DebugRegistry):
             "state": m.state,
             "procs": [(r.addr, r.pid, r.rank, r.state) for r in m.procs],
             "actors": dict(m.actors),
+            "actor_info": dict(m.actor_info),
             "host": self.rt.hostname,
         }
 
@@ -490,7 +509,7 @@ class Allocator(DebugRegistry):
                     "labels": m.labels,
                     "sizes": m.sizes,
                     "extent": m.info.get("extent"),
-                    "actors": sorted(m.actors),
+                    "actors": sorted({m.actor_info.get(a, {}).get("label", a) for a in m.actors}),
                     "procs": [
                         {
                             "rank": r.rank,
@@ -537,23 +556,21 @@ class Allocator(DebugRegistry):
         drains = [f for r in live if (f := self.telemetry.spans.poll(r)) is not None]
         if drains:
             await asyncio.wait(drains, timeout=1.0)
+        loop = self.rt.loop
         for r in live:
             r.state = "stopping"
+            r.cleaned = loop.create_future()
             if r.addr:
                 try:
                     self.rt.send_actor(r.addr, "__sys__", "shutdown", *_EMPTY_ARGS)
                 except Exception:
-                    pass
-            elif r.pid:
-                kill(r.pid, signal.SIGTERM)
-        waits = [r.exited for r in live if r.exited is not None and r.pid]
-        if waits:
-            _, pending = await asyncio.wait(waits, timeout=2.0)
-            for r in live:
-                if r.exited is not None and not r.exited.done() and r.pid:
-                    kill(r.pid)
-            if pending:
-                await asyncio.wait(pending, timeout=5.0)
+                    r.cleaned.set_result(None)
+            else:
+                # not up yet: it has no actors to clean up
+                r.cleaned.set_result(None)
+                if r.pid:
+                    kill(r.pid, signal.SIGTERM)
+        m.killed = await self._reap_stopping([r for r in live if r.pid and r.exited is not None])
         for r in m.procs:
             self.by_token.pop(r.token, None)
             if self.by_addr.get(r.addr) is r:
@@ -563,6 +580,32 @@ class Allocator(DebugRegistry):
         m.state = "stopped"
         self._publish(("mesh", m.name, "stopped", reason))
         return len(live)
+
+    async def _reap_stopping(self, live: list[ProcRec]) -> list[dict[str, Any]]:
+        """Wait for stopping procs to exit as Monarch's do: each gets ``stop_cleanup_timeout``
+        for its actors' ``__cleanup__``, then ``stop_grace`` to exit (non-daemon threads,
+        atexit); one still running then is killed. Returns what was killed, and why."""
+        killed: list[dict[str, Any]] = []
+
+        async def one(r: ProcRec) -> None:
+            assert r.exited is not None and r.cleaned is not None
+            exited = r.exited
+            why = ""
+            await asyncio.wait([exited, r.cleaned], timeout=self.cfg.stop_cleanup_timeout, return_when=asyncio.FIRST_COMPLETED)
+            if not exited.done():
+                if not r.cleaned.done():
+                    why = f"its actors' __cleanup__ had not finished after {self.cfg.stop_cleanup_timeout:g} s"
+                else:
+                    await asyncio.wait([exited], timeout=self.cfg.stop_grace)
+                    why = f"still running {self.cfg.stop_grace:g} s after its actors' __cleanup__ (a non-daemon thread?)"
+            if not exited.done():
+                kill(r.pid)
+                killed.append({"rank": r.rank, "pid": r.pid, "host": self.rt.hostname, "why": why})
+                await asyncio.wait([exited], timeout=5.0)
+
+        await asyncio.gather(*(one(r) for r in live))
+        killed.sort(key=lambda k: k["rank"])
+        return killed
 
     async def _stop_all(self, reason: str) -> None:
         for m in list(self.meshes.values()):

@@ -8,10 +8,11 @@ import signal
 
 from .._wire.keys import read_key_file
 from ..config import get_config, runtime_dir
+from ..errors import ConfigError
 from .allocator import Allocator
-from .transport import LOCAL_KEY_FILE, Security, route_ip, split_tcp
+from .transport import LOCAL_KEY_FILE, Security, is_wildcard, route_ip, split_tcp, worker_address
 
-__all__ = ["run_allocator"]
+__all__ = ["check_bind", "run_allocator"]
 
 
 def run_allocator(
@@ -41,25 +42,21 @@ def run_allocator(
     cfg = get_config()
     if lease is not None:
         cfg = cfg.replace(lease=lease)
-    if bind and bind.startswith("tcp://route:"):
-        import socket as _socket
-
-        peer, _, port_s = bind[len("tcp://route:") :].rpartition(":")
-        bind = f"tcp://{route_ip(_socket.gethostbyname(peer.strip('[]')))}:{port_s}"
     key = read_key_file(key_file) if key_file else None
     security = Security(key, trust_all)
+    bind, advertise = check_bind(bind, key)
     tcp_ip = None
     port = 0
     if bind:
-        if not bind.startswith("tcp://"):
-            raise ValueError(f"--bind takes tcp://IP:PORT, got {bind!r}")
         tcp_ip, port = split_tcp(bind)
-        security.check_address(f"tcp://{route_ip('10.255.255.255') if tcp_ip in ('0.0.0.0', '*') else tcp_ip}:{port}")
     if gateway and (key is None or not tcp_ip):
         raise ValueError("--gateway needs --key-file and a --bind address (what the job's hosts reach this one at)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     alloc = Allocator(cfg, security, runtime_dir(cfg), tcp_ip=tcp_ip, tcp_port=port)
     alloc.exit_on_lease = exit_on_lease
+    if advertise:
+        # peers dial the advertised address; procs still bind where the allocator does
+        alloc.rt.transport.advertise = advertise
     alloc.start(key_file or "")
     if bind and key is None:
         logging.getLogger(__name__).info(
@@ -81,3 +78,41 @@ def run_allocator(
 
         announce(announce_dir, announce_name or "", alloc)
     alloc.serve_forever()
+
+
+def check_bind(bind: str | None, key: bytes | None) -> tuple[str | None, str]:
+    """(where to bind, the address to advertise or "") for ``--bind`` in any of Monarch's forms
+    (``[proc-id@]tcp://advertised:port[@tcp://bind-ip:port]``) or ``tcp://route:PEER:PORT``;
+    refuses (``ConfigError``) TCP that no key would authenticate: a wildcard or off-loopback
+    address without a cluster key, whatever ``trust_all`` says."""
+    if not bind:
+        return bind, ""
+    advertise = ""
+    if not bind.startswith("tcp://route:"):
+        advertise, bind = worker_address(bind)
+        if advertise == bind:
+            advertise = ""
+        if bind.startswith("ipc://"):
+            raise ValueError(
+                f"--bind {bind!r}: an allocator always serves ipc, at a path in its runtime directory "
+                "(`monarch-nb allocator list` shows it); --bind is for TCP (tcp://IP:PORT), to serve other hosts"
+            )
+    else:
+        import socket as _socket
+
+        peer, _, port_s = bind[len("tcp://route:") :].rpartition(":")
+        bind = f"tcp://{route_ip(_socket.gethostbyname(peer.strip('[]')))}:{port_s}"
+    tcp_ip, port = split_tcp(bind)
+    if key is None and is_wildcard(tcp_ip):
+        raise ConfigError(
+            f"refusing unauthenticated TCP on every interface ({bind}): a wildcard bind serves other hosts, "
+            "and off loopback every connection is authenticated with a cluster key. Make one with "
+            "`monarch-nb keygen KEYFILE`, copy it to every host and pass it (--key-file KEYFILE, ca=KEYFILE, "
+            "MONARCH_NB_KEY_FILE=KEYFILE), or bind loopback (tcp://127.0.0.1:PORT); "
+            "ca='trust_all_connections' / --trust-all only serve loopback"
+        )
+    security = Security(key)
+    security.check_address(f"tcp://{route_ip('10.255.255.255') if is_wildcard(tcp_ip) else tcp_ip}:{port}")
+    if advertise:
+        security.check_address(advertise)
+    return bind, advertise

@@ -55,6 +55,8 @@ class ProcRec:
     popen: subprocess.Popen[bytes] | None = None
     ready: asyncio.Future[None] | None = None
     exited: asyncio.Future[None] | None = None
+    #: done once the proc says its actors' ``__cleanup__`` has finished (it is exiting)
+    cleaned: asyncio.Future[None] | None = None
     started: float = dataclasses.field(default_factory=time.time)
     #: cpu, rss, activity, call and line rates (see telemetry.py)
     tele: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -72,8 +74,12 @@ class MeshRec:
     state: str = "starting"
     created: float = dataclasses.field(default_factory=time.time)
     actors: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    #: per actor mesh id: {owner, label, created}
+    actor_info: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     log_subs: set[tuple[str, int]] = dataclasses.field(default_factory=set)
+    #: procs the last stop had to kill: {rank, pid, host, why}
+    killed: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 def _gpu_count() -> int:
@@ -246,7 +252,8 @@ class Procs:
             functools.partial(self._on_lines, mesh.name),
             self.cfg.log_max_rank_bytes,
         )
-        env = dict(spec["env"])
+        # the controller's environment when it sent one (its this_host()), else this host's
+        env = dict(spec["env"]) if spec.get("env") is not None else dict(os.environ)
         coords = _coords(rec.local_rank, mesh.sizes)
         if self.gpus and "gpus" in mesh.labels:
             env["CUDA_VISIBLE_DEVICES"] = str(coords[mesh.labels.index("gpus")] % self.gpus)
@@ -256,7 +263,10 @@ class Procs:
             "alloc_addr": self.rt.ipc_addr,
             "alloc_tcp": self.rt.tcp_addr,
             "runtime_dir": self.runtime_dir,
-            "tcp_ip": self.rt.tcp_addr.rsplit(":", 1)[0][len("tcp://") :] if self.rt.tcp_addr else None,
+            # procs bind where their allocator is bound (not where it is advertised)
+            "tcp_ip": (self.rt.transport.bound_tcp or self.rt.tcp_addr).rsplit(":", 1)[0][len("tcp://") :]
+            if self.rt.tcp_addr
+            else None,
             "key": self.security.key,
             "trust_all": self.security.trust_all,
             "mesh": mesh.name,

@@ -200,9 +200,12 @@ class Receiver:
             return
         raddr, rport, index = meta[REPLY_ADDR], meta[REPLY_PORT], meta[CALL_INDEX]
         # the actor was stopped (by the client, or by itself): as in Monarch, a supervision error
+        # an actor mesh's id is ``name#spawn``: the name is what the program knows it by
+        name, _, spawn = actor.partition("#")
         err = SupervisionError(
-            f"no actor named {actor!r} in {self.label} pid {self.pid} (stopped, or never spawned there)",
-            actor=actor,
+            f"no actor named {name!r}{f' (spawn {spawn})' if spawn else ''} in {self.label} pid {self.pid} "
+            "(stopped, or never spawned there)",
+            actor=name,
             host=self.hostname,
         )
         if raddr:

@@ -142,11 +142,12 @@ class Telemetry:
 def _absorb(rec: ProcRec, actors: dict[str, dict[str, Any]]) -> None:
     """Fold a proc's actor states into its telemetry: what it is doing, calls served, time per call."""
     user = {n: a for n, a in actors.items() if not n.startswith("__")}
-    busy = [f"{n}.{a['busy']}" for n, a in actors.items() if n != "__dataplane__" and a.get("busy")]
+    # shown by the names actor meshes were spawned under, not their spawn ids (``name#spawn``)
+    busy = [f"{n.partition('#')[0]}.{a['busy']}" for n, a in actors.items() if n != "__dataplane__" and a.get("busy")]
     calls = sum(int(a.get("calls", 0)) for n, a in actors.items() if n != "__dataplane__")
     busy_s = sum(float(a.get("busy_s", 0.0)) for n, a in actors.items() if n != "__dataplane__")
     t = rec.tele
-    t["actors"] = sorted(user)
+    t["actors"] = sorted({n.partition("#")[0] for n in user})
     t["busy"] = busy
     t["activity"] = ("busy in " + ", ".join(busy)) if busy else "idle"
     t["calls"] = calls

@@ -189,6 +189,34 @@ def route_ip(peer_host: str) -> str:
             return "127.0.0.1"
 
 
+def worker_address(addr: str) -> tuple[str, str]:
+    """(advertised, bound) of a worker address in any form Monarch's worker loops accept:
+    ``tcp://host:port``, ``ipc://path``, ``<proc-id>@<url>`` (``service@…``,
+    ``service<2MuAHeDjLCEd>@…``: the proc id is Monarch's, ignored here), and the serving alias
+    ``tcp://advertised:port@tcp://0.0.0.0:port`` (bind to the right, peers dial the left)."""
+    if not isinstance(addr, str) or not addr:
+        raise ValueError(f"a worker address is a string such as tcp://host:port, got {addr!r}")
+    rest = addr
+    head, sep, tail = rest.partition("@")
+    if sep and "://" not in head:
+        rest = tail  # a proc id
+    advertised, sep, bound = rest.partition("@")
+    bound = bound if sep else advertised
+    for a in (advertised, bound):
+        if not (a.startswith("tcp://") or a.startswith("ipc://")) or "@" in a:
+            raise ValueError(
+                f"bad worker address {addr!r}: use tcp://host:port, ipc://path, "
+                "[proc-id@]tcp://advertised:port[@tcp://bind-ip:port]"
+            )
+    if advertised.startswith("tcp://") != bound.startswith("tcp://"):
+        raise ValueError(f"bad worker address {addr!r}: the advertised and bound addresses are of different kinds")
+    return advertised, bound
+
+
+def is_wildcard(host: str) -> bool:
+    return host in ("0.0.0.0", "*", "::", "")
+
+
 def split_tcp(addr: str) -> tuple[str, int]:
     host, port = addr[len("tcp://") :].rsplit(":", 1)
     return host.strip("[]"), int(port)
@@ -242,6 +270,10 @@ class Transport:
         self._tcp_port = tcp_port
         self.ipc_addr = ""
         self.tcp_addr = ""
+        #: where the TCP inbox is bound, when peers are told another address (``advertise``)
+        self.bound_tcp = ""
+        #: the address peers dial, when not the bound one (Monarch's ``advertised@bind`` form)
+        self.advertise = ""
         #: the thread that reads the inboxes (set by its owner); it never sends directly
         self.io_ident = 0
         self.dispatch: Dispatch = _not_open
@@ -266,7 +298,9 @@ class Transport:
             self._fast_listener = fastpath.listen(fastpath.path_for(self.ipc_addr))
             self.loop.add_reader(self._fast_listener.fileno(), self._accept_direct)
         if self._tcp_ip:
-            self.tcp_addr = self._bind(f"tcp://{self._tcp_ip}:{self._tcp_port}")
+            self.tcp_addr = self.bound_tcp = self._bind(f"tcp://{self._tcp_ip}:{self._tcp_port}")
+            if self.advertise:
+                self.tcp_addr = self.advertise
 
     def _bind(self, addr: str) -> str:
         sock = self.ctx.socket(zmq.ROUTER)

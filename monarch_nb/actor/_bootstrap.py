@@ -10,7 +10,7 @@ import pickle
 import sys
 from typing import Any
 
-from . import _pdb  # imported here so the zygote preloads pdb once, not every proc
+from . import _logprefix, _pdb  # imported here so the zygote preloads pdb once, not every proc
 
 
 def main(spec: dict[str, Any]) -> int:
@@ -35,6 +35,7 @@ def main(spec: dict[str, Any]) -> int:
         label=f"{spec['mesh']}[{spec['rank']}]",
     ).start()
     _context.install_runtime(rt, spec)
+    _logprefix.install(False)
     _pdb.install(rt)
     host = ensure_actor_host(rt)
     if spec.get("bootstrap"):
@@ -46,12 +47,25 @@ def main(spec: dict[str, Any]) -> int:
     rt.send_actor(spec["alloc_addr"], "__allocator__", "proc_ready", body, bufs)
     host.main_loop()
     host.cleanup_all()
-    # a normal exit, as Monarch's procs make: finalizers and atexit handlers run
+    # the allocator gives a proc a grace period from here, then kills it (and stop() says so)
+    rt.send_actor(spec["alloc_addr"], "__allocator__", "proc_cleaned", *dumps(((spec["token"],), {})))
+    # a normal exit, as Monarch's procs make: non-daemon threads are waited for, then
+    # finalizers and atexit handlers run
+    _join_threads()
     gc.collect()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _join_threads() -> None:
+    import threading
+
+    me = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not me and not t.daemon:
+            t.join()
 
 
 if __name__ == "__main__":

@@ -58,9 +58,11 @@ def client() -> Client:
     if _client is None:
         with _lock:
             if _client is None:
+                from . import _logprefix
                 from ._client import Client
 
                 _client = Client(runtime())
+                _logprefix.install(proc_spec is None)
     return _client
 
 

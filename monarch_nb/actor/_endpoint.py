@@ -147,7 +147,7 @@ class Endpoint(Generic[R]):
         self._prop = prop
 
     def __repr__(self) -> str:
-        return f"<Endpoint {self._mesh._name}.{self._name} over {self._mesh.extent}>"
+        return f"<Endpoint {self._mesh._label}.{self._name} over {self._mesh.extent}>"
 
     def _check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         rng = self._prop.positional
@@ -172,7 +172,7 @@ class Endpoint(Generic[R]):
         self._check(args, kwargs)
         mesh = self._mesh
         if mesh._closed():
-            raise MeshClosedError(f"actor mesh {mesh._name!r} was stopped; spawn it again")
+            raise MeshClosedError(f"actor mesh {mesh._label!r} was stopped; spawn it again")
         rt = _context.runtime()
         body, bufs = dumps((args, kwargs))
         rt.check_size(body, bufs)
@@ -229,7 +229,7 @@ class Endpoint(Generic[R]):
             args,
             kwargs,
             None,
-            f"{self._mesh._name}.{self._name}.call()",
+            f"{self._mesh._label}.{self._name}.call()",
             lambda raws: ValueMesh._from_view(view, _decode_all(raws)),
         )
 
@@ -238,7 +238,7 @@ class Endpoint(Generic[R]):
         n = len(self._mesh._view.ranks)
         if n != 1:
             raise ValueError(f"call_one requires exactly 1 actor, but mesh has {n}")
-        return self._gather(args, kwargs, None, f"{self._mesh._name}.{self._name}.call_one()", _decode_first)
+        return self._gather(args, kwargs, None, f"{self._mesh._label}.{self._name}.call_one()", _decode_first)
 
     def call_ranks(self, ranks: Iterable[int] | None, *args: Any, **kwargs: Any) -> Future[list[R]]:
         """Call the actors at ``ranks`` (indices into this mesh's flattened ranks; all of them when
@@ -247,12 +247,12 @@ class Endpoint(Generic[R]):
         idx = list(range(n)) if ranks is None else list(ranks)
         bad = [i for i in idx if not 0 <= i < n]
         if bad:
-            raise ValueError(f"ranks {bad} are out of range for actor mesh {self._mesh._name!r} of {n} actors")
+            raise ValueError(f"ranks {bad} are out of range for actor mesh {self._mesh._label!r} of {n} actors")
         return self._gather(
             args,
             kwargs,
             None if ranks is None else idx,
-            f"{self._mesh._name}.{self._name}.call_ranks()",
+            f"{self._mesh._label}.{self._name}.call_ranks()",
             lambda raws: [loads(*raws[i]) for i in idx],
         )
 
@@ -260,7 +260,7 @@ class Endpoint(Generic[R]):
         """Call one actor, chosen to spread load: the one with the fewest of this process's
         ``choose`` calls still running, taking turns among equals."""
         i = _least_loaded(self._mesh)
-        fut = self._gather(args, kwargs, [i], f"{self._mesh._name}.{self._name}.choose()", lambda raws: loads(*raws[i]))
+        fut = self._gather(args, kwargs, [i], f"{self._mesh._label}.{self._name}.choose()", lambda raws: loads(*raws[i]))
         _track_load(self._mesh, i, fut)
         return fut
 
@@ -465,7 +465,7 @@ def gather(
 
 def _stopped_error(mesh: ActorMesh[Any]) -> SupervisionError:
     """What a call to a stopped mesh fails with (Monarch's is a SupervisionError too)."""
-    return SupervisionError(f"actor mesh {mesh._name!r} was stopped; spawn it again", actor=mesh._name)
+    return SupervisionError(f"actor mesh {mesh._label!r} was stopped; spawn it again", actor=mesh._label)
 
 
 def _decode_one(raw: Any) -> Any:
@@ -490,7 +490,7 @@ def _raise_grouped(raw: Any) -> Any:
     first = min(errors)
     err = loads(*errors[first])
     if isinstance(endpoint, Endpoint):
-        endpoint = f"{endpoint._mesh._name}.{endpoint._name}"
+        endpoint = f"{endpoint._mesh._label}.{endpoint._name}"
     if isinstance(err, ActorError) and endpoint:
         failures: dict[int, ActorError] = {first: err}
         for i, r in errors.items():

@@ -207,6 +207,8 @@ class Future(Generic[R]):
                 # the wait lives in _debugwait: a rank of ours stopping at a breakpoint wakes the main thread
                 if not _debugwait.wait(self, timeout):
                     raise TimeoutError(f"{self._what} not ready after {timeout} s (the future is still usable)")
+                # read while still listed as blocked: whoever watches ``blocked`` sees the error raised
+                return self._resolve()
             finally:
                 blocked.pop(tid, None)
         return self._resolve()

@@ -398,7 +398,7 @@ class ActorSlot:
         return ActorError(
             _safe_exc(e),
             format_exception(e),
-            actor=self.name,
+            actor=self.instance_info.name,
             rank=self.instance_info.rank.rank,
             host=self.rt.hostname,
             message=f"{what} failed: {type(e).__name__}: {safe_str(e)}",
@@ -409,7 +409,7 @@ class ActorSlot:
         return ActorError(
             _safe_exc(e),
             format_exception(e),
-            actor=self.name,
+            actor=self.instance_info.name,
             rank=self.instance_info.rank.rank,
             host=self.rt.hostname,
             message=f"Actor call {self.instance_info.name}.{method} failed.",

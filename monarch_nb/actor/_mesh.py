@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import pprint
+import secrets
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -14,7 +17,7 @@ import cloudpickle
 
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
-from ..errors import MeshClosedError, SpawnError, SupervisionError
+from ..errors import MeshClosedError, MeshError, SpawnError, SupervisionError
 from . import _context
 from ._actor import endpoints_of, is_async_actor
 from ._endpoint import Endpoint, EndpointProperty, RemoteFailure, _NotAnEndpointMethod, gather, multicast
@@ -113,7 +116,9 @@ def _show_nothing() -> None:
 class ActorMesh(MeshTrait, Generic[T]):
     """Actors of one class spawned on a proc mesh; endpoints are attributes."""
 
-    def __init__(self, cls: type, name: str, procs: list[ProcRef], view: View, proc_mesh: ProcMesh | None) -> None:
+    def __init__(
+        self, cls: type, name: str, procs: list[ProcRef], view: View, proc_mesh: ProcMesh | None, label: str | None = None
+    ) -> None:
         self._class = cls
         self._name = name
         self._procs = procs
@@ -122,14 +127,14 @@ class ActorMesh(MeshTrait, Generic[T]):
         self._endpoints = endpoints_of(cls) if cls is not None else {}
         #: the actor (an _actor.Instance) that spawned this mesh, None for the client
         self._owner: Any = None
-        #: the name the program gave (``_name`` may carry a suffix, see ProcMesh._unique_actor_name)
-        self._label = name
+        #: the name the program gave; ``_name`` is this spawn's own id (see ProcMesh._unique_actor_name)
+        self._label = label or _label_of(name)
         #: where its actors report failures (None when re-attached from elsewhere)
         self._sup: _Supervised | None = None
 
     def _with_view(self, view: View) -> ActorMesh[T]:
-        m: ActorMesh[T] = ActorMesh(self._class, self._name, self._procs, view, self._proc_mesh)
-        m._owner, m._label, m._sup = self._owner, self._label, self._sup
+        m: ActorMesh[T] = ActorMesh(self._class, self._name, self._procs, view, self._proc_mesh, self._label)
+        m._owner, m._sup = self._owner, self._sup
         return m
 
     def _report_actor_failure(self, event: dict[str, Any]) -> None:
@@ -173,11 +178,11 @@ class ActorMesh(MeshTrait, Generic[T]):
         raise AttributeError(name)  # as Monarch words it
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ActorMesh, (self._class, self._name, self._procs, self._view, None))
+        return (ActorMesh, (self._class, self._name, self._procs, self._view, None, self._label))
 
     def __repr__(self) -> str:
         cls = self._class.__qualname__ if self._class is not None else "?"
-        return f"ActorMesh(class={cls}, name={self._name!r}, extent={self.extent})"
+        return f"ActorMesh(class={cls}, name={self._label!r}, extent={self.extent})"
 
     def _repr_html_(self) -> str:
         from ._display import mesh_grid_html
@@ -185,7 +190,7 @@ class ActorMesh(MeshTrait, Generic[T]):
         cls = self._class.__qualname__ if self._class is not None else "?"
         pm = self._proc_mesh
         return mesh_grid_html(
-            f"ActorMesh {cls}", self._name, list(self._view.labels), list(self._view.sizes),
+            f"ActorMesh {cls}", self._label, list(self._view.labels), list(self._view.sizes),
             [self._procs[r] for r in self._view.ranks], self._closed(), pm._failed if pm is not None else "",
         )  # fmt: skip
 
@@ -286,6 +291,54 @@ def _all(futs: list[Future[Any]], what: str) -> Future[None]:
     for f in futs:
         f.add_done_callback(done)
     return out
+
+
+#: this process's part of the spawn ids it makes (see ProcMesh._unique_actor_name)
+_SPAWN_ID = secrets.token_hex(3)
+_spawn_counter = itertools.count(1)
+
+
+def _label_of(actor_id: str) -> str:
+    """The name a spawn was given, from its id (``trainers#3fa2b1.2`` -> ``trainers``)."""
+    return actor_id.partition("#")[0]
+
+
+def _ambiguous(name: str, proc_mesh: str, ids: list[str], meta: dict[str, dict[str, Any]], me: str) -> str:
+    now = time.time()
+    rows = []
+    for a in sorted(ids, key=lambda a: meta.get(a, {}).get("created", 0.0)):
+        m = meta.get(a, {})
+        owner = m.get("owner") or "?"
+        who = "this controller" if owner == me else f"controller {owner}"
+        age = f"{now - m['created']:.0f} s ago" if "created" in m else "earlier"
+        rows.append(f"  {a!r}: spawned by {who}, {age}")
+    return (
+        f"{len(ids)} actor meshes named {name!r} live on proc mesh {proc_mesh!r} (each spawn is its own mesh):\n"
+        + "\n".join(rows)
+        + f"\npick one by its id: actor_mesh({ids[0]!r})"
+    )
+
+
+def _ambiguous_procs(name: str, refs: list[HostRef], infos: list[dict[str, Any]], me: str) -> str:
+    now = time.time()
+    rows = []
+    for h, i in zip(refs, infos):
+        owner = i.get("owner") or "?"
+        who = "this controller" if owner == me else f"controller {owner}"
+        age = f", {now - i['created']:.0f} s old" if i.get("created") else ""
+        labels, sizes = i.get("extent") or ([], [])
+        shape = "{" + ", ".join(f"{k}: {v}" for k, v in zip(labels, sizes)) + "}"
+        rows.append(f"  on host {h.host} ({h.alloc}): {shape}, spawned by {who}{age}")
+    return (
+        f"{len(refs)} hosts have a proc mesh named {name!r}, and they are not one mesh:\n"
+        + "\n".join(rows)
+        + f"\npick one by its hosts: ProcMesh.lookup({name!r}, attach_to_workers(workers=[ADDRESS]))"
+        " (or `%mesh connect ADDRESS`)"
+    )
+
+
+class ProcsKilledWarning(RuntimeWarning):
+    """``ProcMesh.stop()`` had to kill procs that did not exit after their actors' ``__cleanup__``."""
 
 
 class ProcMesh(MeshTrait):
@@ -394,9 +447,8 @@ class ProcMesh(MeshTrait):
             )
             err.error = e
             raise err from None
-        mesh: ActorMesh[Any] = ActorMesh(Class, name, self._procs, view, self)
+        mesh: ActorMesh[Any] = ActorMesh(Class, name, self._procs, view, self, label)
         mesh._owner = _context.current_instance()
-        mesh._label = label
         if mesh._owner is not None:
             mesh._owner._owned.append(mesh)  # stopped when its owner is
         sup.port = sup_port
@@ -407,24 +459,25 @@ class ProcMesh(MeshTrait):
         if self._persist or any(p.alloc for p in self._procs):
             blob = cloudpickle.dumps(Class)
             for alloc in {p.alloc for p in self._procs if p.alloc}:
-                client.tell(alloc, "note_actor", self._name, name, blob)
+                client.tell(alloc, "note_actor", self._name, name, blob, client.cid, label)
         return mesh
 
     def _unique_actor_name(self, name: str) -> str:
-        """The name actors spawned as ``name`` are addressed by in their procs.
+        """This spawn's own id, which its actors are addressed by in their procs.
 
-        Monarch lets a program spawn the same name again on the same procs (a notebook cell
-        run twice, say): each spawn is a new mesh, and the old one lives on. Procs here key
-        actors by name, so a name this process already spawned on these procs gets a suffix
-        (``trainers_2``); the actors still call themselves ``trainers``.
+        As in Monarch each spawn is a new mesh, also under a name spawned before: by this
+        process (a notebook cell run twice), by another controller, or by an actor, on the same
+        procs. Procs key actors by this id, ``name#<process>.<n>`` (unique to this process and
+        spawn); the actors still call themselves ``name``, and ``name`` is what programs look
+        them up by (``ProcMesh.actor_mesh``).
         """
-        taken = getattr(self, "_root", self)._actor_names
-        key, n = name, 1
-        while key in taken:
-            n += 1
-            key = f"{name}_{n}"
-        taken.add(key)
-        return key
+        if "#" in name:
+            raise ValueError(f"actor mesh name {name!r}: '#' is reserved (it separates a spawn's id); pick another name")
+        if name.startswith("__") and name.endswith("__"):
+            # monarch_nb's own per-proc actors (a kernel's %%mesh exec namespace): one per
+            # proc by design, which a later controller finds again by its refused spawn
+            return name
+        return f"{name}#{_SPAWN_ID}.{next(_spawn_counter)}"
 
     def activate(self) -> Any:
         """``with procs.activate():`` torch factories make tensors on this mesh (Monarch's tensor
@@ -447,8 +500,21 @@ class ProcMesh(MeshTrait):
         root._stopped = True
         client.stopped_meshes.add(self._name)
         allocs = sorted({p.alloc for p in self._procs if p.alloc})
-        futs = [client.request(a, "stop_mesh", self._name, client.cid, force, reason) for a in allocs]
-        return _all(futs, f"stop mesh {self._name}")
+        futs = [client.request(a, "stop_mesh", self._name, client.cid, force, reason, True) for a in allocs]
+        out: Future[None] = Future._create(f"stop mesh {self._name}")
+        name = self._name
+
+        def finish(fs: list[Future[Any]]) -> None:
+            killed = [k for f in fs for k in (f.get() or {}).get("killed", ())]
+            if killed:
+                # stop finishes the job: what it had to kill is said where stop() was awaited
+                import warnings
+
+                procs = ", ".join(f"rank {k['rank']} (pid {k['pid']} on {k['host']}): {k['why']}" for k in killed)
+                warnings.warn(f"stopping proc mesh {name!r} killed {len(killed)} proc(s): {procs}", ProcsKilledWarning, 2)
+
+        _all(futs, f"stop mesh {name}").add_done_callback(lambda _f: out._set_raw(futs, finish))
+        return out
 
     async def logging_option(
         self, stream_to_client: bool = True, aggregate_window_sec: int | None = None, level: int = 20
@@ -488,13 +554,23 @@ class ProcMesh(MeshTrait):
             self._failed = str(err)
 
     def actor_mesh(self, name: str) -> ActorMesh[Any]:
-        """Re-attach to actors spawned earlier on this mesh (e.g. after a kernel restart)."""
+        """Re-attach to actors spawned earlier on this mesh (e.g. after a kernel restart).
+
+        ``name`` is the name they were spawned under, or a spawn's id (``name#…``, as
+        ``ActorMesh._name`` and the error below show it) when several spawns used that name.
+        """
         client = _context.client()
         for alloc in sorted({p.alloc for p in self._procs if p.alloc}):
             info = client.request(alloc, "lookup", self._name).get(timeout=client.rt.cfg.connect_timeout)
-            blob = info["actors"].get(name)
-            if blob is not None:
-                return ActorMesh(loads(blob), name, self._procs, self._view, self)
+            actors: dict[str, bytes] = info["actors"]
+            meta: dict[str, dict[str, Any]] = info.get("actor_info") or {}
+            if name in actors:
+                return ActorMesh(loads(actors[name]), name, self._procs, self._view, self)
+            found = [a for a in actors if _label_of(a) == name]
+            if len(found) == 1:
+                return ActorMesh(loads(actors[found[0]]), found[0], self._procs, self._view, self)
+            if len(found) > 1:
+                raise ValueError(_ambiguous(name, self._name, found, meta, client.cid))
         return ActorMesh(None, name, self._procs, self._view, self)  # type: ignore[arg-type]
 
     @staticmethod
@@ -505,8 +581,15 @@ class ProcMesh(MeshTrait):
         procs: list[ProcRef] = []
         extent = None
         persist = False
-        for h in hosts._refs():
-            info = client.request(h.alloc, "lookup", name).get(timeout=client.rt.cfg.connect_timeout)
+        refs = hosts._refs()
+        futs = [client.request(h.alloc, "lookup", name) for h in refs]
+        infos = [f.get(timeout=client.rt.cfg.connect_timeout) for f in futs]
+        # one mesh spans hosts under one owner and extent; meshes that only share the name
+        # (spawned apart, by other controllers) are not merged into one
+        kinds = {(i.get("owner"), repr(i.get("extent"))) for i in infos}
+        if len(kinds) > 1:
+            raise MeshError(_ambiguous_procs(name, refs, infos, client.cid))
+        for h, info in zip(refs, infos):
             extent = info["extent"]
             persist = info["persist"]
             for addr, pid, rank, _state in info["procs"]:
@@ -545,10 +628,13 @@ class HostMesh(MeshTrait):
         self._view = view
         #: the default bootstrap command of spawn_procs (with_python_executable)
         self._bootstrap_cmd: Any = None
+        #: procs start with this process's environment rather than their host's: only for a
+        #: controller's this_host(), whose host Monarch runs inside the controller itself
+        self._controller_env = False
 
     def _with_view(self, view: View) -> HostMesh:
         hm = HostMesh(self._hosts, view)
-        hm._bootstrap_cmd = self._bootstrap_cmd
+        hm._bootstrap_cmd, hm._controller_env = self._bootstrap_cmd, self._controller_env
         return hm
 
     def with_python_executable(self, python_executable: str) -> HostMesh:
@@ -557,6 +643,7 @@ class HostMesh(MeshTrait):
 
         base = default_bootstrap_cmd()
         hm = HostMesh(self._hosts, self._view)
+        hm._controller_env = self._controller_env
         hm._bootstrap_cmd = type(base)(python_executable, None, base.args, base.env, base.inherit_env)
         return hm
 
@@ -618,7 +705,9 @@ class HostMesh(MeshTrait):
         if len(set(labels)) != len(labels):
             raise ValueError(f"per_host labels {list(per_host)} collide with host mesh dimensions {list(self._view.labels)}")
         n_local = math.prod(per_host.values()) if per_host else 1
-        env = dict(os.environ)
+        # as Monarch's: procs inherit their host's environment (None: the allocator's own), but
+        # a controller's this_host() is the controller itself there
+        env = dict(os.environ) if self._controller_env else None
         boot = cloudpickle.dumps(bootstrap) if bootstrap is not None else None
         cmd = _bootstrap_command(bootstrap_command if bootstrap_command is not None else self._bootstrap_cmd)
         # one future for the whole spawn, reporting procs up as the allocators tell of them: a
@@ -755,6 +844,7 @@ def this_host() -> HostMesh:
                 info = local_allocator(rdir)
                 client.connect(info["addr"])
                 _local_host = HostMesh([HostRef(info["addr"], info["host"])], View([], []))
+                _local_host._controller_env = True
     return _local_host
 
 
@@ -809,7 +899,7 @@ def attach_to_workers(
     ``ca`` (or ``key_file``) is the path of the cluster key file; ``"trust_all_connections"``
     is accepted only for loopback and ipc addresses.
     """
-    from .._runtime.transport import Security
+    from .._runtime.transport import Security, worker_address
     from .._wire.keys import read_key_file
 
     client = _context.client()
@@ -822,7 +912,8 @@ def attach_to_workers(
         client.rt.sockets.set_security(Security(read_key_file(os.fspath(path))))
     elif ca == "trust_all_connections":
         client.rt.sockets.set_security(Security(None, trust_all=True))
-    addrs = [w.get() if isinstance(w, Future) else str(w) for w in workers]
+    # Monarch's forms: [proc-id@]url, and advertised@bind (dial the advertised one)
+    addrs = [worker_address(w.get() if isinstance(w, Future) else str(w))[0] for w in workers]
     refs = []
     for a in addrs:
         info = client.connect(a)

@@ -238,7 +238,12 @@ def start_worker_loop_forever(*, ca: Any, address: str, private_key: Any = None)
     """Start a worker host (allocator daemon) in the background; the future completes once it serves."""
     import subprocess
 
+    from .._runtime.daemon import check_bind
+    from .._wire.keys import read_key_file
+
     key_file = ca if isinstance(ca, (str, os.PathLike)) and ca != "trust_all_connections" else None
+    # refused here, where the caller sees it, rather than in the background process
+    check_bind(address, read_key_file(os.fspath(key_file)) if key_file else None)
     argv = [sys.executable, "-m", "monarch_nb", "allocator", "--bind", address]
     if key_file:
         argv += ["--key-file", os.fspath(key_file)]
@@ -250,6 +255,10 @@ def start_worker_loop_forever(*, ca: Any, address: str, private_key: Any = None)
 
 class _Config:
     prefix_python_logs_with_actor = True
+
+    def __reduce__(self) -> str:
+        # by reference, as Monarch's config module is: an actor setting it sets its own process's
+        return "config"
 
 
 config = _Config()

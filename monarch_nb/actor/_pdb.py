@@ -105,6 +105,7 @@ class RemotePdb(pdb.Pdb):
             "host": rt.hostname,
             "mesh": spec.get("mesh", ""),
             "actor": inst.name if inst is not None else "",
+            "actor_id": getattr(slot, "name", "") if inst is not None else "",
             "rank": point.rank,
             "coords": dict(point.items()),
             "call_id": getattr(slot, "call_id", ""),

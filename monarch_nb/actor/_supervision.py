@@ -43,6 +43,8 @@ class MeshFailure:
 
 
 _exit_requested = False
+#: how many failures the default hook has dealt with in a kernel (tests wait on it)
+_hook_calls = 0
 
 
 def unhandled_fault_hook(failure: MeshFailure) -> None:
@@ -52,15 +54,17 @@ def unhandled_fault_hook(failure: MeshFailure) -> None:
     mesh is marked failed and the kernel lives on. Replace it by assigning
     ``monarch_nb.actor.unhandled_fault_hook = my_hook``.
     """
+    global _hook_calls
+    _hook_calls += 1
     # the failure's remote traceback (a failed __init__) as errors show theirs: cells named
     text = clean_traceback(f"monarch_nb: unhandled mesh failure: {failure.report()}")
     notice = _context.client().notice if _context._client is not None else None
     if notice is not None:
-        # a notebook frontend shows it in the cell that last called the mesh
         notice(text, failure.mesh_name, getattr(failure.error, "rank", None))
     else:
         print(text, file=sys.stderr, flush=True)
     if _context.in_ipython_kernel():
+        # the kernel's output layer keeps the notice quiet when the cell already raised the failure
         return
     global _exit_requested
     _exit_requested = True

@@ -48,6 +48,8 @@ class Session:
     header: str = ""
     #: where ``breakpoint()`` was called (pdb stops on the line after it)
     bp_file: str = ""
+    #: the actor mesh's own id (each spawn is its own mesh; ``actor`` is the name it was given)
+    actor_id: str = ""
     bp_line: int = 0
 
     @property
@@ -84,6 +86,7 @@ class Session:
             header=rec.get("header", ""),
             bp_file=rec.get("bp_file") or rec.get("file", ""),
             bp_line=int(rec.get("bp_line") or rec.get("line", 0)),
+            actor_id=rec.get("actor_id") or "",
         )
 
 
@@ -141,7 +144,7 @@ def sessions(
                 continue
             seen.add(rec["sid"])
             s = Session._from(rec, a)
-            if actor is not None and s.actor != actor:
+            if actor is not None and s.actor != actor and s.actor_id != actor:
                 continue
             if not sel.matches(s.rank, s.coords) or (not include_gone and s.state == "gone"):
                 continue
@@ -332,6 +335,18 @@ def attach(actor: str | None, rank: int, *, addresses: Iterable[str] | None = No
             raise DebugError(f"rank {rank} of {gone[0].actor} is gone: {gone[0].cause}")
         have = ", ".join(f"{s.actor} {s.rank}" for s in sessions(include_gone=False, addresses=addresses)) or "none"
         raise DebugError(f"no paused session for {actor or 'any actor'} rank {rank}; paused: {have}")
+    meshes = {s.actor_id for s in found if s.actor_id}
+    if actor is not None and len(meshes) > 1:
+        # actor meshes spawned under one name: which one is the user's to say
+        rows = "\n".join(
+            f"  {s.actor_id}: rank {s.rank} of proc mesh {s.mesh!r}, pid {s.pid} on {s.host}, "
+            f"paused at {s.where} for {s.waiting_s:.0f} s"
+            for s in sorted(found, key=lambda s: s.since)
+        )
+        raise DebugError(
+            f"{len(meshes)} actor meshes named {actor!r} have rank {rank} paused:\n{rows}\n"
+            f"pick one by its id: %mesh attach ACTOR_ID {rank} (debug.attach(ACTOR_ID, {rank}))"
+        )
     return DebugClient(max(found, key=lambda s: s.since))
 
 

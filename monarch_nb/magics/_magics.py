@@ -186,6 +186,8 @@ class MeshMagics(Magics):
         hosts = [h.host for h in hm._refs()]
         names = ", ".join(f"{n} {pm.extent}" for n, pm in found.items() if not pm._stopped) or "none"
         print(f"connected to {len(hosts)} host(s): {', '.join(hosts)}; meshes: {names}")
+        for _name, why in _mesh.ambiguous_meshes().items():
+            print(f"not bound: {why}", file=sys.stderr)
         return None
 
     def _do_spawn(self, args: argparse.Namespace, cell: str | None) -> Any:

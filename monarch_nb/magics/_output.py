@@ -219,9 +219,10 @@ class KernelOutput:
         uncaught = _names(getattr(result, "error_in_exec", None))
         with self._lock:
             self._show_wait(cell, None)
-            # a failure the cell's code saw as an error and caught is handled: no notice; one it
-            # did not see, or let end the cell, is told of once
-            cell.caught = cell.raised - uncaught if "*" not in uncaught else set()
+            # a failure the cell's code saw as an error, caught or not, needs no notice: a caught
+            # one is handled, an uncaught one is the cell's own error already (issue 14: the kernel's
+            # default hook prints nothing for a failure raised into user code in the same cell)
+            cell.caught = cell.raised | uncaught
             held, cell.held = cell.held, []
             self._show_notices(cell, [(t, m, r) for _at, t, m, r in held if not _seen(m, cell.caught)])
             if cell.made_calls:
