@@ -61,6 +61,7 @@ __all__ = [
     "distribute_module",
     "fetch_shard",
     "full_tensor",
+    "fully_shard",
     "inspect",
     "ones",
     "rand",
@@ -256,6 +257,42 @@ def distribute_module(module: torch.nn.Module, procs: ProcMesh, partition_fn: An
     except Exception as err:
         raise TensorOpError(f"distribute_module: {type(err).__name__}: {err}") from err
     h = MeshModule(e, e.new_id(), shadow)
+    e.send([(WithMesh(fn), (module.cpu(),), {}, [h._id], torch.is_grad_enabled())])
+    return h
+
+
+def fully_shard(
+    module: torch.nn.Module,
+    procs: ProcMesh,
+    *,
+    wrap: type | tuple[type, ...] | Any = None,
+    reshard_after_forward: bool = True,
+) -> MeshModule:
+    """FSDP2's ``torch.distributed.fsdp.fully_shard`` on the ranks of ``procs``: the module goes
+    to every rank, each submodule ``wrap`` picks (module classes, or ``fn(name, module) -> bool``)
+    is sharded as its own unit, then the root; on a 2-D mesh it is HSDP (replicated over the
+    first dimension, sharded over the second). Returns a handle: call it on a batch split over
+    every rank (``Shard(0)`` on each mesh dimension), compute the loss on the result as on any
+    mesh tensor, and step an :class:`Optimizer` over ``m.parameters()`` (DTensors ``Shard(0)``
+    as FSDP makes them). Gradients are those of the loss on the global batch."""
+    from ._engine import WithMesh
+    from ._fsdp import FSDPCall, FSDPShadow, FullyShard
+
+    e = engine_for(procs)
+    if len(e.sizes) > 2:
+        raise ValueError(
+            f"fully_shard runs on a 1-D mesh (FSDP) or a 2-D one (HSDP); {procs!r} has {len(e.sizes)} dimensions: "
+            "spawn the procs with one or two"
+        )
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"fully_shard needs a torch.nn.Module, got {type(module).__name__}")
+    try:
+        with _Controller():
+            shadow = FSDPShadow(module, e.shadow_mesh, list(e.sizes))
+    except Exception as err:
+        raise TensorOpError(f"fully_shard: {type(err).__name__}: {err}") from err
+    h = MeshModule(e, e.new_id(), shadow, FSDPCall())
+    fn = FullyShard(wrap, {"reshard_after_forward": reshard_after_forward})
     e.send([(WithMesh(fn), (module.cpu(),), {}, [h._id], torch.is_grad_enabled())])
     return h
 

@@ -345,12 +345,14 @@ class MeshModule:
     """An ``nn.Module`` living on the ranks (its parameters DTensors), held by the controller:
     calling it runs forward on the ranks; ``parameters()`` are mesh tensors."""
 
-    __slots__ = ("_engine", "_id", "_shadow", "__weakref__")
+    __slots__ = ("_engine", "_id", "_shadow", "_call", "__weakref__")
 
-    def __init__(self, engine: Engine, id: int, shadow: Any) -> None:
+    def __init__(self, engine: Engine, id: int, shadow: Any, call: Any = None) -> None:
         self._engine = engine
         self._id = id
         self._shadow = shadow
+        #: the op a forward call sends (FSDP modules run theirs on the local batch)
+        self._call = call or _CallModule()
 
     def __del__(self) -> None:
         try:
@@ -359,7 +361,7 @@ class MeshModule:
             pass
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return dispatch(_CallModule(), (self, *args), kwargs)
+        return dispatch(self._call, (self, *args), kwargs)
 
     def parameters(self) -> list[MeshTensor]:
         return dispatch(_Parameters(), (self,), {})
@@ -503,7 +505,7 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
     except Exception as e:
         raise TensorOpError(
             f"{_name(func)} cannot run on mesh tensors with placements "
-            f"{[tuple(map(str, h.placements)) for h in handles]}: {type(e).__name__}: {e}"  # type: ignore[union-attr]
+            f"{[tuple(map(str, h.placements)) for h in handles if isinstance(h, MeshTensor)]}: {type(e).__name__}: {e}"
         ) from e
     flat, spec = pytree.tree_flatten(out)
     ids: list[int | None] = []
