@@ -71,6 +71,7 @@ __all__ = [
     "remote",
     "setup",
     "stats",
+    "to_mesh",
     "zeros",
 ]
 
@@ -136,9 +137,18 @@ def distribute(t: torch.Tensor, procs: ProcMesh, placements: Sequence[Placement]
             e.shadow_mesh, pl, run_check=False, shape=src.shape, stride=src.stride(),
         )  # fmt: skip
     h = MeshTensor(e, e.new_id(), shadow)
-    # the seam for the data plane (monarch_nb.rdma): today each shard rides its own message
+    # each rank gets its own piece straight from here (small ones in a message, large ones
+    # through the data plane), never through another rank; ranks holding the same piece
+    # (Replicate) share one copy of it
+    pieces: dict[int, torch.Tensor] = {}
+    made: dict[tuple[Any, ...], torch.Tensor] = {}
     for r in range(e.size):
-        e.put(r, h._id, local_slice(src, e.coords_of(r), list(e.sizes), pl), pl, tuple(src.shape), src.stride())
+        c = e.coords_of(r)
+        key = tuple(c[i] if isinstance(p, Shard) else (c[i] != 0 if isinstance(p, Partial) else None) for i, p in enumerate(pl))
+        if key not in made:
+            made[key] = local_slice(src, c, list(e.sizes), pl)
+        pieces[r] = made[key]
+    e.put_pieces(h._id, pieces, pl, tuple(src.shape), src.stride())
     if t.requires_grad:
         h.requires_grad_()
     return h
@@ -196,6 +206,14 @@ def inspect(t: MeshTensor, shard: dict[str, int] | None = None, **kwargs: int) -
     if shard or kwargs:
         return fetch_shard(t, shard, **kwargs).get()
     return t.full_tensor()
+
+
+def to_mesh(tensors: Any, procs: ProcMesh) -> Any:
+    """Monarch's ``to_mesh``: every mesh tensor in ``tensors`` (a pytree) moved to ``procs`` (see
+    :meth:`MeshTensor.to_mesh`)."""
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda x: x.to_mesh(procs) if isinstance(x, MeshTensor) else x, tensors)
 
 
 def full_tensor(t: MeshTensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
@@ -22,13 +22,16 @@ from .._wire.serialize import loads, nbytes
 from ..actor import Future
 from ..actor._mesh import ProcMesh
 from ..errors import MonarchNBError
-from ._ops import Attr, Factory, Lit, Method, Ref, WithMesh, local_shape
+from ._ops import Attr, Factory, Lit, Method, Ref, Via, WithMesh, local_shape, local_view
 from ._worker import TensorWorker
 
 #: seconds a collective on the ranks may wait for a peer before it fails (a dead rank)
 COLLECTIVE_TIMEOUT_S = 60.0
 #: seconds the controller waits for a value (full_tensor, inspect, setup) before giving up
 VALUE_TIMEOUT_S = 300.0
+#: shards from this size up travel by the data plane (an RDMABuffer read by the receiver: a
+#: shared-memory copy on one host, a direct stream across hosts) instead of inside a message
+DATA_PLANE_BYTES = 1 << 20
 
 
 class TensorOpError(MonarchNBError, RuntimeError):
@@ -122,6 +125,51 @@ class Engine:
         self.start().put._send(([], *args), {}, None, None, [rank])
         self.messages_sent += 1
 
+    def put_pieces(self, id: int, pieces: dict[int, torch.Tensor], placements: Any, shape: Any, stride: Any) -> None:
+        """Send rank r its local tensor ``pieces[r]``; a large one goes as an RDMABuffer the rank
+        reads (one buffer per distinct piece, dropped once every rank that needs it has it)."""
+        from ..rdma import RDMABuffer
+
+        lent: dict[int, tuple[Any, list[int]]] = {}
+        for r, piece in pieces.items():
+            if piece.numel() * piece.element_size() < DATA_PLANE_BYTES:
+                self.put(r, id, piece, placements, shape, stride)
+                continue
+            key = piece.data_ptr()
+            if key not in lent:
+                lent[key] = (RDMABuffer(piece.view(-1).view(torch.uint8)), [])
+            lent[key][1].append(r)
+        for buf, ranks in lent.values():
+            via = Via(buf, tuple(pieces[ranks[0]].shape), pieces[ranks[0]].dtype)
+            fut = self.gather("put", ([], id, via, placements, shape, stride), ranks, "distribute()")
+            self.messages_sent += 1
+            fut.add_done_callback(_dropper(buf))
+
+    def full_by_pieces(self, h: MeshTensor) -> torch.Tensor | None:
+        """The global value read piece by piece from the ranks holding distinct pieces (no
+        collective); None where a placement is Partial (the ranks must sum first)."""
+        pl = h.placements
+        if any(not isinstance(p, (Shard, Replicate)) for p in pl):
+            return None
+        holders = [r for r in range(self.size) if all(c == 0 for c, p in zip(self.coords_of(r), pl) if not isinstance(p, Shard))]
+        bufs = self.gather("share", ([], h._id), holders, "full_tensor()").get(timeout=VALUE_TIMEOUT_S)
+        out = torch.empty(h.shape, dtype=h.dtype)
+        try:
+            for r in holders:
+                if bufs[r] is None:
+                    continue
+                view = local_view(out, self.coords_of(r), list(self.sizes), pl)
+                dst = view if view.is_contiguous() else torch.empty(view.shape, dtype=view.dtype)
+                bufs[r].read_into(dst.view(-1).view(torch.uint8), timeout=int(VALUE_TIMEOUT_S)).get(timeout=VALUE_TIMEOUT_S)
+                if dst is not view:
+                    view.copy_(dst)
+                self.bytes_received += bufs[r].size()
+        finally:
+            for r in holders:
+                if bufs[r] is not None:
+                    bufs[r].drop()
+        return out
+
     def gather(self, method: str, args: tuple[Any, ...], ranks: list[int] | None, what: str) -> Future[list[Any]]:
         """Call ``method`` on ``ranks`` (all when None); the future holds their results, and
         the bytes of every reply are counted as received by the controller."""
@@ -154,6 +202,13 @@ class Engine:
             out.append(rank % size)
             rank //= size
         return out[::-1]
+
+
+def _dropper(buf: Any) -> Any:
+    def drop(_: Any) -> None:
+        buf.drop()
+
+    return drop
 
 
 _engines: dict[str, Engine] = {}
@@ -254,7 +309,13 @@ class MeshTensor:
 
     # values
     def full_tensor(self) -> torch.Tensor:
-        """The global value, as a plain tensor here (a collective on the ranks)."""
+        """The global value, as a plain tensor here: a large one read piece by piece from the
+        ranks holding them (the data plane), a small one gathered on the ranks (a collective)
+        and sent by rank 0."""
+        if self.numel() * self.dtype.itemsize >= DATA_PLANE_BYTES:
+            out = self._engine.full_by_pieces(self)
+            if out is not None:
+                return out
         fut = self._engine.gather("full", ([], self._id), None, "full_tensor()")
         return fut.get(timeout=VALUE_TIMEOUT_S)[0]
 
@@ -291,6 +352,33 @@ class MeshTensor:
         if placements is None:
             raise ValueError("redistribute needs placements, one per mesh dimension")
         return dispatch(Method("redistribute"), (self,), {"placements": tuple(placements)})
+
+    def to_mesh(self, procs: ProcMesh) -> MeshTensor:
+        """Monarch's ``to_mesh``: the same tensor on another proc mesh whose dimensions have the
+        same names and sizes; each rank's local tensor goes to the rank at the same coordinates,
+        straight from proc to proc (an RDMABuffer the receiving rank reads). Waits until the
+        source ranks have computed this tensor (its pieces' handles come back, not its bytes)."""
+        src, dst = self._engine, engine_for(procs)
+        if dst is src:
+            return self
+        if (dst.labels, dst.sizes) != (src.labels, src.sizes):
+            raise ValueError(
+                f"to_mesh needs a mesh with the same dimensions: this tensor's is "
+                f"{dict(zip(src.labels, src.sizes))}, {procs!r} has {dict(zip(dst.labels, dst.sizes))}"
+            )
+        if self.requires_grad:
+            raise ValueError("to_mesh of a tensor that requires grad: move t.detach() (gradients do not cross meshes)")
+        bufs = src.gather("share", ([], self._id), None, "to_mesh()").get(timeout=VALUE_TIMEOUT_S)
+        h = MeshTensor(dst, dst.new_id(), self._shadow.detach())  # type: ignore[arg-type]
+        pl, shape, stride = self.placements, tuple(self.shape), self._shadow.stride()
+        for r, buf in enumerate(bufs):
+            ls = tuple(local_shape(list(shape), dst.coords_of(r), list(dst.sizes), pl))
+            piece = Via(buf, ls, self.dtype) if buf is not None else torch.empty(ls, dtype=self.dtype)
+            fut = dst.gather("put", ([], h._id, piece, pl, shape, stride), [r], "to_mesh()")
+            dst.messages_sent += 1
+            if buf is not None:
+                fut.add_done_callback(_dropper(buf))
+        return h
 
     def backward(self, gradient: Any = None, retain_graph: Any = None, create_graph: bool = False) -> None:
         dispatch(Method("backward"), (self,), {"gradient": gradient, "retain_graph": retain_graph, "create_graph": create_graph})

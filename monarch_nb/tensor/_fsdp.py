@@ -75,9 +75,9 @@ class FSDPShadow:
             local = local_slice(p.detach(), [0] * len(sizes), sizes, pl) if p.ndim else p.detach()
             d = DTensor.from_local(local, mesh, pl if p.ndim else [Replicate()] * len(sizes), run_check=False,
                                    shape=p.shape, stride=p.stride())  # fmt: skip
-            d = nn.Parameter(d, requires_grad=p.requires_grad)
-            self.params[name] = d
-            p.register_post_accumulate_grad_hook(_mirror(d))
+            param = nn.Parameter(d, requires_grad=p.requires_grad)
+            self.params[name] = param  # type: ignore[assignment]
+            p.register_post_accumulate_grad_hook(_mirror(param))
 
     def parameters(self) -> list[DTensor]:
         return list(self.params.values())
@@ -93,7 +93,7 @@ class FSDPShadow:
         return f"fully_shard({self.plain!r})"
 
 
-def _mirror(d: DTensor) -> Any:
+def _mirror(d: torch.Tensor) -> Any:
     def hook(p: torch.Tensor) -> None:
         d.grad = torch.empty_like(d)
         p.grad = None

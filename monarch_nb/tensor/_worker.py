@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils import _pytree as pytree
 
 from ..actor import Actor, current_rank, endpoint
-from ._ops import Factory, Lit, Ref, WithMesh
+from ._ops import Factory, Lit, Ref, Via, WithMesh
 
 
 def _gloo_interface(master: str) -> None:
@@ -52,6 +52,8 @@ class TensorWorker(Actor):
         self.table: dict[int, Any] = {}
         self.mesh: Any = None
         self.device = "cpu"
+        #: RDMABuffers lent to the controller (full_tensor), by id: kept alive until it drops them
+        self.lent: dict[int, Any] = {}
 
     @endpoint
     def setup(self, labels: list[str], sizes: list[int], timeout_s: float) -> str:
@@ -98,6 +100,7 @@ class TensorWorker(Actor):
     def _free(self, frees: list[int]) -> None:
         for i in frees:
             self.table.pop(i, None)
+            self.lent.pop(i, None)
 
     @endpoint
     def run(self, frees: list[int], records: list[tuple[Any, ...]]) -> None:
@@ -125,8 +128,11 @@ class TensorWorker(Actor):
 
     @endpoint
     def put(self, frees: list[int], id: int, local: torch.Tensor, placements: Any, shape: Any, stride: Any) -> None:
-        """This rank's shard of a distributed tensor, sent to it alone."""
+        """This rank's shard of a distributed tensor, sent to it alone (in the message, or, when
+        large, read from the controller's RDMABuffer)."""
         self._free(frees)
+        if isinstance(local, Via):
+            local = local.receive(timeout=300.0)
         self.table[id] = DTensor.from_local(
             local.to(self.device), self.mesh, placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
         )
@@ -149,6 +155,20 @@ class TensorWorker(Actor):
         t = self._get(Ref(id))
         full = t.full_tensor().detach() if isinstance(t, DTensor) else t
         return full.cpu() if current_rank().rank == 0 else None
+
+    @endpoint
+    def share(self, frees: list[int], id: int) -> Any:
+        """This rank's local tensor as an RDMABuffer, for the controller to read (full_tensor of
+        a large tensor: each piece straight from its rank, no collective)."""
+        from ..rdma import RDMABuffer
+
+        self._free(frees)
+        t = self._get(Ref(id))
+        local = (t.to_local() if isinstance(t, DTensor) else t).detach().cpu().contiguous().clone()
+        if local.numel() == 0:
+            return None
+        buf = self.lent[id] = RDMABuffer(local.view(-1).view(torch.uint8))
+        return buf
 
     @endpoint
     def count(self) -> int:
