@@ -1,5 +1,5 @@
 """Mesh tensors across two simulated hosts (network namespaces): the process group spans both
-hosts' procs, and ops, redistribute and training run across them."""
+hosts' procs, and ops, redistribute, training and large shards (the data plane) run across them."""
 
 from __future__ import annotations
 
@@ -36,6 +36,15 @@ def test_mesh_tensors_across_two_hosts(cluster: NetnsCluster, workers: list[Allo
         wl = W.clone().requires_grad_()
         F.log_softmax(torch.relu(X @ wl), dim=1).sum().backward()
         emit("values", ok=ok, redistributed=torch.equal(r, X), grad=torch.allclose(mt.inspect(w.grad), wl.grad))
+        # over 1 MiB a piece: the data plane, a stream from the controller to each rank, from
+        # each rank to the controller, and from rank to rank across the hosts
+        B = torch.randn(1024, 520, generator=g)
+        b = mt.distribute(B, procs, [Shard(0), Replicate()])
+        back = b.full_tensor()
+        other = hosts.spawn_procs(per_host={"gpus": 2}, name="other")
+        moved = (b * 2).to_mesh(other)
+        emit("large", distributed=torch.equal(back, B), moved=torch.equal(moved.full_tensor(), B * 2))
+        other.stop().get(timeout=30)
         procs.stop().get(timeout=30)
         emit("stopped")
         """,
@@ -47,5 +56,6 @@ def test_mesh_tensors_across_two_hosts(cluster: NetnsCluster, workers: list[Allo
         "redistributed": True,
         "grad": True,
     }
+    assert ctl.expect("large", timeout=120) | {"step": "large"} == {"step": "large", "distributed": True, "moved": True}
     ctl.expect("stopped")
     ctl.finish()
