@@ -7,9 +7,10 @@ Runs under a private runtime dir and stops what it started. Per-op overhead is w
 notebook waits for when it issues a small elementwise op (the ranks run it later); round trip
 is an op plus fetch_shard of its result; pipelined is ops/s from the first issue to the last
 result. distribute and full_tensor run both ways: "messages" (every shard inside a message;
-full_tensor an all-gather on the ranks, rank 0 sending the value) and "data_plane" (what
-monarch_nb.tensor does from 1 MiB up: each rank reads its shard from the controller's
-RDMABuffer, the controller reads each rank's piece from that rank's). With ``--monarch-python`` (a torchmonarch 0.7 interpreter) the same
+full_tensor an all-gather on the ranks, rank 0 sending the value) and "data_plane" (every
+piece from 1 MiB: each rank reads its shard from the controller's RDMABuffer, the controller
+reads each rank's piece from that rank's). By default full_tensor takes the data plane from
+1 MiB and distribute from pieces of 32 MiB (where it starts to pay here). With ``--monarch-python`` (a torchmonarch 0.7 interpreter) the same
 per-op workloads run on Monarch's tensor engine too (local per-rank ops: its cross-rank ones
 need CUDA), under "monarch".
 """
@@ -88,8 +89,9 @@ def run(mib: int, nops: int, reps: int = 3) -> dict[str, object]:
 
         big = torch.randn(mib * 2**20 // 4 // 1024, 1024)
         # both paths, warm (the first data-plane use starts each proc's data server), medians
-        for path, threshold in (("messages", 1 << 62), ("data_plane", mt._engine.DATA_PLANE_BYTES)):
-            mt._engine.DATA_PLANE_BYTES = threshold
+        defaults = (mt._engine.DATA_PLANE_BYTES, mt._engine.DISTRIBUTE_DATA_PLANE_BYTES)
+        for path, threshold in (("messages", 1 << 62), ("data_plane", 1 << 20)):
+            mt._engine.DATA_PLANE_BYTES = mt._engine.DISTRIBUTE_DATA_PLANE_BYTES = threshold
             w = mt.distribute(torch.ones(1024, 1024), procs, [Shard(0)])
             w.full_tensor()
             dist_s, full_s, received = [], [], []
@@ -111,7 +113,7 @@ def run(mib: int, nops: int, reps: int = 3) -> dict[str, object]:
         # the controller is the source: the whole tensor leaves it once, in messages on the
         # first path, as shared-memory RDMABuffers the ranks read on the second
         out["distribute_MiB_out_of_controller"] = mib
-        mt._engine.DATA_PLANE_BYTES = threshold
+        mt._engine.DATA_PLANE_BYTES, mt._engine.DISTRIBUTE_DATA_PLANE_BYTES = defaults
         r = mt.distribute(torch.ones(4), procs, [Replicate()])
         mt.inspect(r)
     finally:

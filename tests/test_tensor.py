@@ -513,10 +513,12 @@ def _rdma_read(x: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(torch.tensor(v, device=x.device), x.device_mesh, [Replicate()] * n, run_check=False)
 
 
-def test_large_shards_travel_by_the_data_plane(mesh2):  # type: ignore[no-untyped-def]
-    """From 1 MiB up, distribute hands each rank an RDMABuffer of its piece and full_tensor reads
+def test_large_shards_travel_by_the_data_plane(mesh2, monkeypatch):  # type: ignore[no-untyped-def]
+    """Large pieces: distribute hands each rank an RDMABuffer of its piece and full_tensor reads
     each distinct piece from its rank: values right for every placement, bytes counted."""
     from monarch_nb.rdma import bytes_moved
+
+    monkeypatch.setattr(mt._engine, "DISTRIBUTE_DATA_PLANE_BYTES", 1 << 20)  # 32 MiB pieces by default
 
     t = gen(1024, 520)  # 4.3 MB of float64: each of 4 pieces over 1 MiB
     ranks = [(h, g) for h in range(2) for g in range(2)]

@@ -38,6 +38,7 @@ def test_mesh_tensors_across_two_hosts(cluster: NetnsCluster, workers: list[Allo
         emit("values", ok=ok, redistributed=torch.equal(r, X), grad=torch.allclose(mt.inspect(w.grad), wl.grad))
         # over 1 MiB a piece: the data plane, a stream from the controller to each rank, from
         # each rank to the controller, and from rank to rank across the hosts
+        mt._engine.DISTRIBUTE_DATA_PLANE_BYTES = 1 << 20  # by default from 32 MiB pieces
         B = torch.randn(1024, 520, generator=g)
         b = mt.distribute(B, procs, [Shard(0), Replicate()])
         back = b.full_tensor()

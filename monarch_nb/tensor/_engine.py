@@ -29,9 +29,15 @@ from ._worker import TensorWorker
 COLLECTIVE_TIMEOUT_S = 60.0
 #: seconds the controller waits for a value (full_tensor, inspect, setup) before giving up
 VALUE_TIMEOUT_S = 300.0
-#: shards from this size up travel by the data plane (an RDMABuffer read by the receiver: a
-#: shared-memory copy on one host, a direct stream across hosts) instead of inside a message
+#: full_tensor of a tensor from this size up reads each piece from its rank by the data plane
+#: (an RDMABuffer the controller reads: a shared-memory copy on one host, a direct stream across
+#: hosts) instead of an all-gather on the ranks and rank 0's reply; faster from 16 MiB to 256 MiB
+#: here (bench/tensor_ops.py)
 DATA_PLANE_BYTES = 1 << 20
+#: distribute sends a piece from this size up as an RDMABuffer the rank reads, smaller ones
+#: inside its message (which the transport already moves out of band): making the buffer costs
+#: more than it saves below pieces of tens of MiB on this machine (bench/tensor_ops.py)
+DISTRIBUTE_DATA_PLANE_BYTES = 32 << 20
 
 
 class TensorOpError(MonarchNBError, RuntimeError):
@@ -132,7 +138,7 @@ class Engine:
 
         lent: dict[int, tuple[Any, list[int]]] = {}
         for r, piece in pieces.items():
-            if piece.numel() * piece.element_size() < DATA_PLANE_BYTES:
+            if piece.numel() * piece.element_size() < DISTRIBUTE_DATA_PLANE_BYTES:
                 self.put(r, id, piece, placements, shape, stride)
                 continue
             key = piece.data_ptr()
