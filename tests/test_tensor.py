@@ -588,3 +588,30 @@ def test_nccl_fully_shard_on_gpus():  # type: ignore[no-untyped-def]
         torch.testing.assert_close(mt.inspect(m(mt.distribute(X, procs, [Shard(0)]))), local(X).detach())
     finally:
         procs.stop().get(timeout=30)
+
+
+def test_tensors_on_slices_of_a_proc_mesh_and_between_them(mesh2):  # type: ignore[no-untyped-def]
+    """A slice of a proc mesh holds mesh tensors of its own (its device mesh named as the slice);
+    to_mesh moves one from a slice to another, as pipeline stages do."""
+    stage0, stage1 = mesh2.slice(hosts=0), mesh2.slice(hosts=1)
+    t, w = gen(8, 6), gen(6, 4, seed=1)
+    x = mt.distribute(t, stage0, [Shard(0)])
+    assert x.mesh is stage0 and x.placements == (Shard(0),)
+    y = torch.relu(x @ mt.distribute(w, stage0, [Replicate()]))
+    torch.testing.assert_close(mt.inspect(y), torch.relu(t @ w))
+    torch.testing.assert_close(mt.inspect(y.redistribute(placements=[Replicate()])), torch.relu(t @ w))
+    assert mt.fetch_shard(y, gpus=1).get(timeout=30).shape == (4, 4)
+    z = y.to_mesh(stage1) * 2  # stage 0's rank gpus=g sends its piece to stage 1's gpus=g
+    assert z.mesh is stage1
+    torch.testing.assert_close(mt.inspect(z), torch.relu(t @ w) * 2)
+    with stage1.activate():
+        ones = torch.ones(4)
+    torch.testing.assert_close(mt.inspect(mt.reduce(ones, "gpus", "sum")), torch.full((4,), 2.0))
+    # the whole mesh's tensors are untouched by the slices' ops, and work alongside
+    whole = mt.distribute(t, mesh2, [Shard(0), Shard(1)])
+    torch.testing.assert_close(mt.inspect(whole + 1), t + 1)
+    with pytest.raises(ValueError, match="different proc meshes"):
+        x + mt.distribute(t, stage1, [Shard(0)])
+    cols = mesh2.slice(gpus=1)  # a slice across the hosts
+    c = mt.distribute(t, cols, [Shard(1)])
+    torch.testing.assert_close(mt.inspect(c.sum(dim=1)), t.sum(dim=1))

@@ -10,7 +10,8 @@ a handle (:class:`MeshTensor`) on the controller.
     mt.inspect(y)                      # the global value
 
 Each proc mesh gets one hidden actor (spawned at first use) holding a table id -> DTensor, a
-gloo (CPU) or NCCL (GPU) process group and a device mesh named as the proc mesh. Ops are sent
+gloo (CPU) or NCCL (GPU) process group and a device mesh named as the proc mesh; a slice of it
+(``procs.slice(hosts=0)``) gets a device mesh of its own over the same actor and process group. Ops are sent
 to every rank in one ordered stream of small records; each result's shape and placements come
 from running the op on meta shadows here, against torch's fake process group, so an op
 returns at once even while the ranks are busy, and an op DTensor cannot shard fails here,

@@ -76,21 +76,32 @@ def _shadow_mesh(labels: tuple[str, ...], sizes: tuple[int, ...]) -> Any:
 class Engine:
     """One per proc mesh: the hidden worker actor, the id counter, the frees to send."""
 
-    def __init__(self, procs: ProcMesh) -> None:
+    def __init__(self, procs: ProcMesh, root: Engine | None = None) -> None:
         self.procs = procs
         ext = procs.extent
         self.labels = tuple(ext.keys()) or ("ranks",)
         self.sizes = tuple(ext.values()) or (1,)
         self.size = math.prod(self.sizes)
         self.shadow_mesh = _shadow_mesh(self.labels, self.sizes)
-        self._ids = itertools.count(1)
+        #: a slice's engine drives the whole mesh's worker (one table, one ordered stream, one
+        #: process group): its messages carry ``key`` and go to every rank, and ``ranks`` maps
+        #: its ranks to the whole mesh's
+        self.root = root
+        self.key: tuple[int, ...] | None = None
+        self.ranks = list(range(self.size))
+        if root is not None:
+            pos = {g: i for i, g in enumerate(root.procs._view.ranks)}
+            self.ranks = [pos[g] for g in procs._view.ranks]
+            self.key = tuple(self.ranks)
+        self._ids: itertools.count[int] = root._ids if root is not None else itertools.count(1)
         #: ids of handles collected on the controller, sent with the next broadcast
-        self.frees: collections.deque[int] = collections.deque()
+        self.frees: collections.deque[int] = root.frees if root is not None else collections.deque()
         self.actor: Any = None
         self._start_lock = threading.Lock()
         self.backend = ""
         self.bytes_received = 0
         self.messages_sent = 0
+        self.slices: dict[Any, Engine] = {}
 
     def __repr__(self) -> str:
         return f"<tensor engine on {self.procs!r}>"
@@ -99,6 +110,14 @@ class Engine:
         return next(self._ids)
 
     def start(self) -> Any:
+        if self.root is not None:
+            with self._start_lock:
+                if self.actor is None:
+                    actor = self.root.start()
+                    actor.define.broadcast(self.take_frees(), self.key, self.ranks, list(self.labels), list(self.sizes))
+                    self.backend = self.root.backend
+                    self.actor = actor
+            return self.actor
         with self._start_lock:
             if self.actor is None:
                 from ..spmd import _tcp_host, setup_torch_elastic_env
@@ -124,11 +143,14 @@ class Engine:
 
     def send(self, records: list[tuple[Any, ...]]) -> None:
         actor = self.start()
-        actor.run.broadcast(self.take_frees(), records)
+        if self.key is None:
+            actor.run.broadcast(self.take_frees(), records)
+        else:
+            actor.run.broadcast(self.take_frees(), records, self.key)
         self.messages_sent += 1
 
     def put(self, rank: int, *args: Any) -> None:
-        self.start().put._send(([], *args), {}, None, None, [rank])
+        self.start().put._send(([], *args, self.key), {}, None, None, [self.ranks[rank]])
         self.messages_sent += 1
 
     def put_pieces(self, id: int, pieces: dict[int, torch.Tensor], placements: Any, shape: Any, stride: Any) -> None:
@@ -147,7 +169,7 @@ class Engine:
             lent[key][1].append(r)
         for buf, ranks in lent.values():
             via = Via(buf, tuple(pieces[ranks[0]].shape), pieces[ranks[0]].dtype)
-            fut = self.gather("put", ([], id, via, placements, shape, stride), ranks, "distribute()")
+            fut = self.gather("put", ([], id, via, placements, shape, stride, self.key), ranks, "distribute()")
             self.messages_sent += 1
             fut.add_done_callback(_dropper(buf))
 
@@ -186,9 +208,11 @@ class Engine:
                 if r is not None:
                     self.bytes_received += nbytes(*r)
                 out.append(loads(*r) if r is not None else None)
-            return out
+            # indexed by this engine's ranks (a slice's differ from the whole mesh's)
+            return out if self.key is None else [out[i] for i in self.ranks]
 
-        return getattr(self.start(), method)._gather(args, {}, ranks, what, decode)
+        to = self.ranks if ranks is None else [self.ranks[r] for r in ranks]
+        return getattr(self.start(), method)._gather(args, {}, None if self.key is None and ranks is None else to, what, decode)
 
     def rank_of(self, coords: dict[str, int]) -> int:
         bad = set(coords) - set(self.labels)
@@ -225,13 +249,18 @@ def engine_for(procs: ProcMesh) -> Engine:
     if not isinstance(procs, ProcMesh):
         raise TypeError(f"mesh tensors live on a ProcMesh, got {type(procs).__name__}")
     root = getattr(procs, "_root", procs)
-    if root is not procs and list(procs._view.ranks) != list(root._view.ranks):
-        raise ValueError(f"mesh tensors live on a whole proc mesh; {procs!r} is a slice of {root!r}")
     with _engines_lock:
         e = _engines.get(procs.name)
         if e is None or e.procs._stopped:
             e = _engines[procs.name] = Engine(root)
-        return e
+        if root is procs or list(procs._view.ranks) == list(root._view.ranks):
+            return e
+        # a slice: its own device mesh (named as the slice) over the whole mesh's worker
+        key = (tuple(procs._view.ranks), tuple(procs.extent.items()))
+        s = e.slices.get(key)
+        if s is None:
+            s = e.slices[key] = Engine(procs, e)
+        return s
 
 
 # --- handles ---------------------------------------------------------------------------------
@@ -380,7 +409,7 @@ class MeshTensor:
         for r, buf in enumerate(bufs):
             ls = tuple(local_shape(list(shape), dst.coords_of(r), list(dst.sizes), pl))
             piece = Via(buf, ls, self.dtype) if buf is not None else torch.empty(ls, dtype=self.dtype)
-            fut = dst.gather("put", ([], h._id, piece, pl, shape, stride), [r], "to_mesh()")
+            fut = dst.gather("put", ([], h._id, piece, pl, shape, stride, dst.key), [r], "to_mesh()")
             dst.messages_sent += 1
             if buf is not None:
                 fut.add_done_callback(_dropper(buf))

@@ -51,6 +51,9 @@ class TensorWorker(Actor):
     def __init__(self) -> None:
         self.table: dict[int, Any] = {}
         self.mesh: Any = None
+        #: device meshes of slices of the proc mesh, by the slice's key (its ranks); a rank
+        #: outside a slice holds it too (DeviceMesh is built by every rank), coordinate None
+        self.meshes: dict[Any, Any] = {}
         self.device = "cpu"
         #: RDMABuffers lent to the controller (full_tensor), by id: kept alive until it drops them
         self.lent: dict[int, Any] = {}
@@ -86,13 +89,33 @@ class TensorWorker(Actor):
             raise v.error
         return v
 
-    def _resolve(self, tree: Any) -> Any:
+    def _mesh(self, key: Any) -> Any:
+        """The device mesh a message is for (the whole proc mesh's when ``key`` is None), or
+        None when this rank is not in it."""
+        m = self.mesh if key is None else self.meshes[key]
+        return m if m.get_coordinate() is not None else None
+
+    @endpoint
+    def define(self, frees: list[int], key: Any, ranks: list[int], labels: list[str], sizes: list[int]) -> None:
+        """The device mesh of a slice of the proc mesh (``ranks`` in the process group): built
+        by every rank, since its process groups are made collectively."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        self._free(frees)
+        if key not in self.meshes:
+            mesh = torch.tensor(ranks, dtype=torch.int).reshape(tuple(sizes) or (1,))
+            names = tuple(labels) if labels else ("ranks",)
+            self.meshes[key] = DeviceMesh(self.mesh.device_type, mesh, mesh_dim_names=names)
+
+    def _resolve(self, tree: Any, mesh: Any = None) -> Any:
+        mesh = mesh if mesh is not None else self.mesh
+
         def one(x: Any) -> Any:
             if isinstance(x, Ref):
                 return self._get(x)
             if isinstance(x, Lit):
                 t = x.value.to(self.device)
-                return DTensor.from_local(t, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+                return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
             return x
 
         return pytree.tree_map(one, tree, is_leaf=lambda x: isinstance(x, (Ref, Lit)))
@@ -103,19 +126,23 @@ class TensorWorker(Actor):
             self.lent.pop(i, None)
 
     @endpoint
-    def run(self, frees: list[int], records: list[tuple[Any, ...]]) -> None:
-        """Run op records in order; a failing one stores its error under its outputs' ids."""
+    def run(self, frees: list[int], records: list[tuple[Any, ...]], key: Any = None) -> None:
+        """Run op records in order; a failing one stores its error under its outputs' ids.
+        Records for a slice (``key``) are sent to every rank; those outside it skip them."""
         self._free(frees)
+        mesh = self._mesh(key)
+        if mesh is None:
+            return
         for fn, args, kwargs, out_ids, grad in records:
             try:
                 with torch.set_grad_enabled(grad):
                     if isinstance(fn, Factory):
-                        out = fn(self.mesh, self.device, *args, **kwargs)
+                        out = fn(mesh, self.device, *args, **kwargs)
                     elif isinstance(fn, WithMesh):
-                        a, k = self._resolve((args, kwargs))
-                        out = fn.fn(self.mesh, self.device, *a, **k)
+                        a, k = self._resolve((args, kwargs), mesh)
+                        out = fn.fn(mesh, self.device, *a, **k)
                     else:
-                        a, k = self._resolve((args, kwargs))
+                        a, k = self._resolve((args, kwargs), mesh)
                         out = fn(*a, **k)
                 leaves = pytree.tree_leaves(out)
                 for i, v in zip(out_ids, leaves):
@@ -127,14 +154,16 @@ class TensorWorker(Actor):
                         self.table[i] = _Failed(e)
 
     @endpoint
-    def put(self, frees: list[int], id: int, local: torch.Tensor, placements: Any, shape: Any, stride: Any) -> None:
+    def put(
+        self, frees: list[int], id: int, local: torch.Tensor, placements: Any, shape: Any, stride: Any, key: Any = None
+    ) -> None:
         """This rank's shard of a distributed tensor, sent to it alone (in the message, or, when
         large, read from the controller's RDMABuffer)."""
         self._free(frees)
         if isinstance(local, Via):
             local = local.receive(timeout=300.0)
         self.table[id] = DTensor.from_local(
-            local.to(self.device), self.mesh, placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
+            local.to(self.device), self._mesh(key), placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
         )
 
     @endpoint
@@ -154,7 +183,8 @@ class TensorWorker(Actor):
         self._free(frees)
         t = self._get(Ref(id))
         full = t.full_tensor().detach() if isinstance(t, DTensor) else t
-        return full.cpu() if current_rank().rank == 0 else None
+        first = not isinstance(t, DTensor) or all(c == 0 for c in t.device_mesh.get_coordinate() or [1])
+        return full.cpu() if first else None
 
     @endpoint
     def share(self, frees: list[int], id: int) -> Any:
