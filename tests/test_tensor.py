@@ -562,7 +562,7 @@ def test_to_mesh_moves_each_ranks_piece_to_the_same_coordinates(mesh1, mesh2):  
         big = gen(1024, 520)
         (moved,) = mt.to_mesh([mt.distribute(big, mesh2, [Shard(0), Replicate()])], other)
         assert torch.equal(moved.full_tensor(), big)
-        with pytest.raises(ValueError, match="same dimensions"):
+        with pytest.raises(ValueError, match="this tensor's dimensions"):
             h.to_mesh(mesh1)
         with pytest.raises(ValueError, match="requires grad"):
             h.requires_grad_().to_mesh(other)
@@ -615,3 +615,23 @@ def test_tensors_on_slices_of_a_proc_mesh_and_between_them(mesh2):  # type: igno
     cols = mesh2.slice(gpus=1)  # a slice across the hosts
     c = mt.distribute(t, cols, [Shard(1)])
     torch.testing.assert_close(mt.inspect(c.sum(dim=1)), t.sum(dim=1))
+
+
+def test_slice_mesh_then_to_mesh_broadcasts_over_the_missing_dimension(mesh1, mesh2):  # type: ignore[no-untyped-def]
+    """Monarch's ``t.slice_mesh(hosts=1).to_mesh(mesh)``: host 1's piece, copied to every host."""
+    t = gen(8, 6)
+    h = mt.distribute(t, mesh2, [Shard(0), Shard(1)])
+    s = h.slice_mesh(hosts=1)
+    assert (s.shape, s.placements) == ((4, 6), (Shard(1),))
+    torch.testing.assert_close(mt.inspect(s), t[4:])
+    b = s.to_mesh(mesh2)
+    assert (b.shape, b.placements) == ((4, 6), (Replicate(), Shard(1)))
+    torch.testing.assert_close(mt.inspect(b), t[4:])
+    for host in range(2):
+        torch.testing.assert_close(mt.fetch_shard(b, hosts=host, gpus=1).get(timeout=30), t[4:, 3:])
+    one = mt.distribute(t, mesh1, [Replicate()]).slice_mesh(gpus=2)  # a mesh of one rank
+    torch.testing.assert_close(mt.inspect(one * 2), t * 2)
+    with pytest.raises(ValueError, match="redistribute first"):
+        mt.distribute(t, mesh2, [Partial(), Replicate()]).slice_mesh(hosts=0)
+    with pytest.raises(ValueError, match="this tensor's dimensions"):
+        s.to_mesh(mesh1)  # gpus: 2 here, 4 there

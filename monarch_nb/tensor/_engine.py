@@ -22,7 +22,7 @@ from .._wire.serialize import loads, nbytes
 from ..actor import Future
 from ..actor._mesh import ProcMesh
 from ..errors import MonarchNBError
-from ._ops import Attr, Factory, Lit, Method, Ref, Via, WithMesh, local_shape, local_view
+from ._ops import Attr, Factory, Lit, Method, Ref, Via, WithMesh, chunk_range, local_shape, local_view
 from ._worker import TensorWorker
 
 #: seconds a collective on the ranks may wait for a peer before it fails (a dead rank)
@@ -389,30 +389,76 @@ class MeshTensor:
         return dispatch(Method("redistribute"), (self,), {"placements": tuple(placements)})
 
     def to_mesh(self, procs: ProcMesh) -> MeshTensor:
-        """Monarch's ``to_mesh``: the same tensor on another proc mesh whose dimensions have the
-        same names and sizes; each rank's local tensor goes to the rank at the same coordinates,
-        straight from proc to proc (an RDMABuffer the receiving rank reads). Waits until the
-        source ranks have computed this tensor (its pieces' handles come back, not its bytes)."""
+        """Monarch's ``to_mesh``: this tensor on another proc mesh (or slice) that has this one's
+        dimensions, same names and sizes; each rank's local tensor goes to the rank at the same
+        coordinates, straight from proc to proc (an RDMABuffer the receiving rank reads), and is
+        broadcast over dimensions the destination has beyond these (``Replicate()`` there), so
+        ``t.slice_mesh(hosts=0).to_mesh(procs)`` copies stage 0's tensor to every host. Waits
+        until the source ranks have this tensor (its pieces' handles come back, not its bytes)."""
         src, dst = self._engine, engine_for(procs)
         if dst is src:
             return self
-        if (dst.labels, dst.sizes) != (src.labels, src.sizes):
+        src_dims = dict(zip(src.labels, src.sizes))
+        dst_dims = dict(zip(dst.labels, dst.sizes))
+        if any(dst_dims.get(n) != size for n, size in src_dims.items()):
             raise ValueError(
-                f"to_mesh needs a mesh with the same dimensions: this tensor's is "
-                f"{dict(zip(src.labels, src.sizes))}, {procs!r} has {dict(zip(dst.labels, dst.sizes))}"
+                f"to_mesh needs a mesh with this tensor's dimensions (same names and sizes; more are "
+                f"broadcast to): this tensor's are {src_dims}, {procs!r} has {dst_dims}"
             )
         if self.requires_grad:
             raise ValueError("to_mesh of a tensor that requires grad: move t.detach() (gradients do not cross meshes)")
+        by_name = dict(zip(src.labels, self.placements))
+        pl = tuple(by_name.get(n, Replicate()) for n in dst.labels)
+        shape, stride = tuple(self.shape), self._shadow.stride()
+        with _Controller():
+            local = torch.empty(local_shape(list(shape), [0] * len(pl), list(dst.sizes), pl), dtype=self.dtype, device="meta")
+            shadow = DTensor.from_local(local, dst.shadow_mesh, pl, run_check=False, shape=self.shape, stride=stride)
         bufs = src.gather("share", ([], self._id), None, "to_mesh()").get(timeout=VALUE_TIMEOUT_S)
-        h = MeshTensor(dst, dst.new_id(), self._shadow.detach())  # type: ignore[arg-type]
-        pl, shape, stride = self.placements, tuple(self.shape), self._shadow.stride()
-        for r, buf in enumerate(bufs):
-            ls = tuple(local_shape(list(shape), dst.coords_of(r), list(dst.sizes), pl))
+        h = MeshTensor(dst, dst.new_id(), shadow)
+        readers: dict[int, list[int]] = collections.defaultdict(list)
+        for r in range(dst.size):
+            c = dict(zip(dst.labels, dst.coords_of(r)))
+            readers[src.rank_of({n: c[n] for n in src.labels if n in c})].append(r)
+        for s, ranks in readers.items():
+            buf = bufs[s]
+            ls = tuple(local_shape(list(shape), dst.coords_of(ranks[0]), list(dst.sizes), pl))
             piece = Via(buf, ls, self.dtype) if buf is not None else torch.empty(ls, dtype=self.dtype)
-            fut = dst.gather("put", ([], h._id, piece, pl, shape, stride, dst.key), [r], "to_mesh()")
+            fut = dst.gather("put", ([], h._id, piece, pl, shape, stride, dst.key), ranks, "to_mesh()")
             dst.messages_sent += 1
             if buf is not None:
                 fut.add_done_callback(_dropper(buf))
+        return h
+
+    def slice_mesh(self, **coords: int) -> MeshTensor:
+        """Monarch's ``slice_mesh``: this tensor as the ranks of ``mesh.slice(**coords)`` hold
+        it, a mesh tensor on that slice (for ``to_mesh``). A dimension sharded here keeps its
+        piece at that coordinate; one ``Partial()`` here must be redistributed first."""
+        e = self._engine
+        if not coords or any(not isinstance(v, int) for v in coords.values()):
+            raise ValueError("slice_mesh takes one coordinate (an int) per dimension it drops, e.g. slice_mesh(hosts=0)")
+        sub = e.procs.slice(**coords)
+        shape = list(self.shape)
+        keep: list[Placement] = []
+        for name, size, p in zip(e.labels, e.sizes, self.placements):
+            if name not in coords:
+                keep.append(p)
+            elif isinstance(p, Shard):
+                a, b = chunk_range(shape[p.dim], size, coords[name])
+                shape[p.dim] = b - a
+            elif not isinstance(p, Replicate):
+                raise ValueError(f"slice_mesh: {p} over {name!r} has no value of its own on a slice; redistribute first")
+        sharded = [p.dim for name, p in zip(e.labels, self.placements) if isinstance(p, Shard) and name in coords]
+        if any(isinstance(p, Shard) and p.dim in sharded for p in keep):
+            raise ValueError("slice_mesh: a tensor dimension sharded over both a dropped and a kept mesh dimension")
+        d = engine_for(sub)
+        keep = keep or [Replicate()]  # every dimension dropped: a mesh of one rank
+        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        with _Controller():
+            local = torch.empty(local_shape(shape, [0] * len(keep), list(d.sizes), keep), dtype=self.dtype, device="meta")
+            shadow = DTensor.from_local(local, d.shadow_mesh, keep, run_check=False, shape=torch.Size(shape), stride=stride)
+        h = MeshTensor(d, d.new_id(), shadow)
+        fn = WithMesh(_Restrict(tuple(keep), tuple(shape), stride))
+        d.send([(fn, (Ref(self._id),), {}, [h._id], torch.is_grad_enabled())])
         return h
 
     def backward(self, gradient: Any = None, retain_graph: Any = None, create_graph: bool = False) -> None:
@@ -500,6 +546,21 @@ class MeshModule:
 
     def __repr__(self) -> str:
         return f"MeshModule on {self._engine.procs!r}:\n{self._shadow!r}"
+
+
+class _Restrict:
+    """Rank side of slice_mesh: this rank's local tensor, as a DTensor on the slice's mesh."""
+
+    def __init__(self, placements: tuple[Placement, ...], shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
+        self.placements, self.shape, self.stride = placements, shape, stride
+
+    def __call__(self, mesh: Any, device: str, x: DTensor) -> DTensor:
+        return DTensor.from_local(
+            x.to_local(), mesh, self.placements, run_check=False, shape=torch.Size(self.shape), stride=self.stride
+        )
+
+    def __str__(self) -> str:
+        return "slice_mesh"
 
 
 class _CallModule:
