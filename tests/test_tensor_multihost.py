@@ -38,6 +38,27 @@ def test_mesh_tensors_across_two_hosts(cluster: NetnsCluster, workers: list[Allo
         emit("values", ok=ok, redistributed=torch.equal(r, X), grad=torch.allclose(mt.inspect(w.grad), wl.grad))
         # over 1 MiB a piece: the data plane, a stream from the controller to each rank, from
         # each rank to the controller, and from rank to rank across the hosts
+        # FSDP2 as HSDP across the hosts: one Adam step, then the loss, against one process
+        import copy
+        from torch import nn
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
+        local = copy.deepcopy(net)
+        m = mt.fully_shard(net, procs)
+        T = torch.randint(0, 3, (8,), generator=g)
+        xb, tb = mt.distribute(X, procs, [Shard(0), Shard(0)]), mt.distribute(T, procs, [Shard(0), Shard(0)])
+        opt = mt.Optimizer(torch.optim.Adam, m.parameters(), lr=0.01)
+        opt_l = torch.optim.Adam(local.parameters(), lr=0.01)
+        for _ in range(2):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(xb), tb)
+            loss.backward()
+            opt.step()
+            opt_l.zero_grad()
+            want = F.cross_entropy(local(X), T)
+            want.backward()
+            opt_l.step()
+        emit("fsdp", same=torch.allclose(mt.inspect(loss), want.detach(), rtol=1e-10, atol=0))
         mt._engine.DISTRIBUTE_DATA_PLANE_BYTES = 1 << 20  # by default from 32 MiB pieces
         B = torch.randn(1024, 520, generator=g)
         b = mt.distribute(B, procs, [Shard(0), Replicate()])
@@ -57,6 +78,7 @@ def test_mesh_tensors_across_two_hosts(cluster: NetnsCluster, workers: list[Allo
         "redistributed": True,
         "grad": True,
     }
+    assert ctl.expect("fsdp", timeout=120)["same"] is True
     assert ctl.expect("large", timeout=120) | {"step": "large"} == {"step": "large", "distributed": True, "moved": True}
     ctl.expect("stopped")
     ctl.finish()
