@@ -597,6 +597,8 @@ def test_tensors_on_slices_of_a_proc_mesh_and_between_them(mesh2):  # type: igno
     t, w = gen(8, 6), gen(6, 4, seed=1)
     x = mt.distribute(t, stage0, [Shard(0)])
     assert x.mesh is stage0 and x.placements == (Shard(0),)
+    html = x._repr_html_()  # one row per rank of the slice, each with its own piece
+    assert html.count("<tr><td>gpus=") == 2 and "-2.31" in html and "1.011" in html
     y = torch.relu(x @ mt.distribute(w, stage0, [Replicate()]))
     torch.testing.assert_close(mt.inspect(y), torch.relu(t @ w))
     torch.testing.assert_close(mt.inspect(y.redistribute(placements=[Replicate()])), torch.relu(t @ w))
