@@ -590,7 +590,7 @@ def test_nccl_fully_shard_on_gpus():  # type: ignore[no-untyped-def]
         procs.stop().get(timeout=30)
 
 
-def test_tensors_on_slices_of_a_proc_mesh_and_between_them(mesh2):  # type: ignore[no-untyped-def]
+def test_tensors_on_slices_of_a_proc_mesh_and_between_them(mesh2, tmp_path):  # type: ignore[no-untyped-def]
     """A slice of a proc mesh holds mesh tensors of its own (its device mesh named as the slice);
     to_mesh moves one from a slice to another, as pipeline stages do."""
     stage0, stage1 = mesh2.slice(hosts=0), mesh2.slice(hosts=1)
@@ -614,6 +614,20 @@ def test_tensors_on_slices_of_a_proc_mesh_and_between_them(mesh2):  # type: igno
     torch.testing.assert_close(mt.inspect(whole + 1), t + 1)
     with pytest.raises(ValueError, match="different proc meshes"):
         x + mt.distribute(t, stage1, [Shard(0)])
+    # between slices of one mesh: point to point in the ordered stream, so no wait here
+    flag = str(tmp_path / "go")
+    blocked = mt.remote(_wait_for_flag)(x, flag)
+    try:
+        moved = blocked.to_mesh(stage1)
+        assert moved.shape == (8, 6)
+        pending = mt.fetch_shard(moved, gpus=1)
+        assert not pending.done()
+    finally:
+        open(flag, "w").close()
+    torch.testing.assert_close(pending.get(timeout=60), t[4:])
+    bad = F.cross_entropy(mt.distribute(gen(8, 5), stage0, [Shard(0)]), torch.full((8,), 99)).reshape(1)
+    with pytest.raises(Exception, match="to_mesh: the source tensor on rank 0 has no value"):
+        mt.inspect(bad.to_mesh(stage1))
     cols = mesh2.slice(gpus=1)  # a slice across the hosts
     c = mt.distribute(t, cols, [Shard(1)])
     torch.testing.assert_close(mt.inspect(c.sum(dim=1)), t.sum(dim=1))

@@ -393,8 +393,10 @@ class MeshTensor:
         dimensions, same names and sizes; each rank's local tensor goes to the rank at the same
         coordinates, straight from proc to proc (an RDMABuffer the receiving rank reads), and is
         broadcast over dimensions the destination has beyond these (``Replicate()`` there), so
-        ``t.slice_mesh(hosts=0).to_mesh(procs)`` copies stage 0's tensor to every host. Waits
-        until the source ranks have this tensor (its pieces' handles come back, not its bytes)."""
+        ``t.slice_mesh(hosts=0).to_mesh(procs)`` copies stage 0's tensor to every host. Between
+        slices of one proc mesh the pieces go point to point over its process group, in the
+        ordered stream (this returns at once); between two proc meshes this waits until the
+        source ranks have this tensor (its pieces' handles come back, not its bytes)."""
         src, dst = self._engine, engine_for(procs)
         if dst is src:
             return self
@@ -413,12 +415,26 @@ class MeshTensor:
         with _Controller():
             local = torch.empty(local_shape(list(shape), [0] * len(pl), list(dst.sizes), pl), dtype=self.dtype, device="meta")
             shadow = DTensor.from_local(local, dst.shadow_mesh, pl, run_check=False, shape=self.shape, stride=stride)
-        bufs = src.gather("share", ([], self._id), None, "to_mesh()").get(timeout=VALUE_TIMEOUT_S)
-        h = MeshTensor(dst, dst.new_id(), shadow)
         readers: dict[int, list[int]] = collections.defaultdict(list)
         for r in range(dst.size):
             c = dict(zip(dst.labels, dst.coords_of(r)))
             readers[src.rank_of({n: c[n] for n in src.labels if n in c})].append(r)
+        if (src.root or src) is (dst.root or dst):
+            # slices of one proc mesh share its process group: point to point in the ordered
+            # stream, so this returns at once, as any op does
+            dst.start()  # the destination slice's device mesh, defined on every rank
+            h = MeshTensor(dst, dst.new_id(), shadow)
+            pairs = [
+                (src.ranks[s], dst.ranks[r], tuple(local_shape(list(shape), dst.coords_of(r), list(dst.sizes), pl)))
+                for s, ranks in readers.items()
+                for r in ranks
+            ]
+            base = src.root or src
+            base.start().transfer.broadcast(base.take_frees(), self._id, h._id, pairs, self.dtype, dst.key, pl, shape, stride)
+            base.messages_sent += 1
+            return h
+        bufs = src.gather("share", ([], self._id), None, "to_mesh()").get(timeout=VALUE_TIMEOUT_S)
+        h = MeshTensor(dst, dst.new_id(), shadow)
         for s, ranks in readers.items():
             buf = bufs[s]
             ls = tuple(local_shape(list(shape), dst.coords_of(ranks[0]), list(dst.sizes), pl))

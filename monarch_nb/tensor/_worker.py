@@ -93,6 +93,8 @@ class TensorWorker(Actor):
         """The device mesh a message is for (the whole proc mesh's when ``key`` is None), or
         None when this rank is not in it."""
         m = self.mesh if key is None else self.meshes[key]
+        if isinstance(m, BaseException):
+            raise m
         return m if m.get_coordinate() is not None else None
 
     @endpoint
@@ -105,7 +107,10 @@ class TensorWorker(Actor):
         if key not in self.meshes:
             mesh = torch.tensor(ranks, dtype=torch.int).reshape(tuple(sizes) or (1,))
             names = tuple(labels) if labels else ("ranks",)
-            self.meshes[key] = DeviceMesh(self.mesh.device_type, mesh, mesh_dim_names=names)
+            try:
+                self.meshes[key] = DeviceMesh(self.mesh.device_type, mesh, mesh_dim_names=names)
+            except Exception as e:  # every op on the slice fails with it; the actor lives on
+                self.meshes[key] = e
 
     def _resolve(self, tree: Any, mesh: Any = None) -> Any:
         mesh = mesh if mesh is not None else self.mesh
@@ -130,7 +135,12 @@ class TensorWorker(Actor):
         """Run op records in order; a failing one stores its error under its outputs' ids.
         Records for a slice (``key``) are sent to every rank; those outside it skip them."""
         self._free(frees)
-        mesh = self._mesh(key)
+        try:
+            mesh = self._mesh(key)
+        except Exception as e:
+            for *_, out_ids, _ in records:
+                self.table.update((i, _Failed(e)) for i in out_ids if i is not None)
+            return
         if mesh is None:
             return
         for fn, args, kwargs, out_ids, grad in records:
@@ -160,11 +170,14 @@ class TensorWorker(Actor):
         """This rank's shard of a distributed tensor, sent to it alone (in the message, or, when
         large, read from the controller's RDMABuffer)."""
         self._free(frees)
-        if isinstance(local, Via):
-            local = local.receive(timeout=300.0)
-        self.table[id] = DTensor.from_local(
-            local.to(self.device), self._mesh(key), placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
-        )
+        try:
+            if isinstance(local, Via):
+                local = local.receive(timeout=300.0)
+            self.table[id] = DTensor.from_local(
+                local.to(self.device), self._mesh(key), placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
+            )
+        except Exception as e:  # the error belongs to the tensor (a put without a reply would abort the actor)
+            self.table[id] = _Failed(e)
 
     @endpoint
     def fetch(self, frees: list[int], id: int, limit: int = -1) -> torch.Tensor:
@@ -185,6 +198,74 @@ class TensorWorker(Actor):
         full = t.full_tensor().detach() if isinstance(t, DTensor) else t
         first = not isinstance(t, DTensor) or all(c == 0 for c in t.device_mesh.get_coordinate() or [1])
         return full.cpu() if first else None
+
+    @endpoint
+    def transfer(
+        self, frees: list[int], src: int, dst: int, pairs: list[tuple[int, int, tuple[int, ...]]], dtype: torch.dtype,
+        key: Any, placements: Any, shape: Any, stride: Any,
+    ) -> None:  # fmt: skip
+        """to_mesh between slices of this proc mesh, in the ordered stream: rank ``s`` sends its
+        local tensor of ``src`` to rank ``d`` (process-group ranks) over the process group; ``d``
+        stores it as ``dst`` on its slice's mesh. A status goes first, so a source without a
+        value fails its destinations' tensor instead of leaving them waiting."""
+        self._free(frees)
+        try:
+            self._transfer(src, dst, pairs, dtype, key, placements, shape, stride)
+        except Exception as e:  # the error belongs to the destinations' tensor; the actor lives on
+            if any(d == dist.get_rank() for _, d, _ in pairs):
+                self.table[dst] = _Failed(e)
+
+    def _transfer(
+        self, src: int, dst: int, pairs: list[tuple[int, int, tuple[int, ...]]], dtype: torch.dtype,
+        key: Any, placements: Any, shape: Any, stride: Any,
+    ) -> None:  # fmt: skip
+        me = dist.get_rank()
+        local: torch.Tensor | None = None
+        error: BaseException | None = None
+        if any(s == me for s, _, _ in pairs):
+            try:
+                t = self._get(Ref(src))
+                local = (t.to_local() if isinstance(t, DTensor) else t).detach().contiguous()
+            except Exception as e:
+                error = e
+        status: dict[tuple[int, int], torch.Tensor] = {}
+        reqs: list[Any] = []
+        for s, d, _ in pairs:
+            if s == d:
+                continue
+            if s == me:
+                status[s, d] = torch.tensor([int(local is not None)], device=self.device)
+                reqs.append(dist.isend(status[s, d], d))
+            elif d == me:
+                status[s, d] = torch.zeros(1, dtype=torch.int64, device=self.device)
+                reqs.append(dist.irecv(status[s, d], s))
+        for r in reqs:
+            r.wait()
+        reqs = []
+        got: dict[int, torch.Tensor | None] = {}
+        for s, d, ls in pairs:
+            if s == me and d == me:
+                got[s] = local.clone() if local is not None else None
+            elif s == me and local is not None:
+                reqs.append(dist.isend(local, d))
+            elif d == me and int(status[s, d].item()):
+                buf = got[s] = torch.empty(ls, dtype=dtype, device=self.device)
+                reqs.append(dist.irecv(buf, s))
+            elif d == me:
+                got[s] = None
+        for r in reqs:
+            r.wait()
+        for s, d, _ in pairs:
+            if d != me:
+                continue
+            piece = got.get(s)
+            if piece is None:
+                why = f": {type(error).__name__}: {error}" if s == me and error is not None else ""
+                self.table[dst] = _Failed(RuntimeError(f"to_mesh: the source tensor on rank {s} has no value{why}"))
+            else:
+                self.table[dst] = DTensor.from_local(
+                    piece, self._mesh(key), placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
+                )
 
     @endpoint
     def share(self, frees: list[int], id: int) -> Any:
