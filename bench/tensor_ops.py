@@ -1,14 +1,16 @@
 """Mesh tensors (monarch_nb.tensor) on a 4-proc mesh: per-op overhead, pipelined ops/s, and
-distribute/full_tensor of a large tensor. Prints JSON.
+distribute/full_tensor of a large tensor. Prints JSON (medians).
 
-    python -m bench.tensor_ops [--mib 256] [--ops 500] [--monarch-python PATH]
+    python -m bench.tensor_ops [--mib 256] [--ops 500] [--reps 3] [--monarch-python PATH]
 
 Runs under a private runtime dir and stops what it started. Per-op overhead is what the
 notebook waits for when it issues a small elementwise op (the ranks run it later); round trip
 is an op plus fetch_shard of its result; pipelined is ops/s from the first issue to the last
-result. distribute sends each rank its shard through the controller's sockets (until the data
-plane, monarch_nb.rdma, carries them); full_tensor gathers on the ranks (a collective) and
-rank 0 sends the value. With ``--monarch-python`` (a torchmonarch 0.7 interpreter) the same
+result. distribute and full_tensor run both ways: "messages" (every shard inside a message;
+full_tensor an all-gather on the ranks, rank 0 sending the value) and "data_plane" (every
+piece from 1 MiB: each rank reads its shard from the controller's RDMABuffer, the controller
+reads each rank's piece from that rank's). By default full_tensor takes the data plane from
+1 MiB and distribute from pieces of 32 MiB (where it starts to pay here). With ``--monarch-python`` (a torchmonarch 0.7 interpreter) the same
 per-op workloads run on Monarch's tensor engine too (local per-rank ops: its cross-rank ones
 need CUDA), under "monarch".
 """
@@ -30,13 +32,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=256, help="size of the distribute/full_tensor tensor")
     ap.add_argument("--ops", type=int, default=500, help="ops per pipelined sample")
+    ap.add_argument("--reps", type=int, default=3, help="distribute/full_tensor samples per path")
     ap.add_argument("--monarch-python", default="", help="a torchmonarch interpreter, to compare")
     args = ap.parse_args()
     rdir = tempfile.mkdtemp(prefix="mnb-bt-", dir="/tmp")
     os.chmod(rdir, 0o700)
     os.environ["MONARCH_NB_RUNTIME_DIR"] = rdir
     try:
-        out = {"monarch_nb": run(args.mib, args.ops)}
+        out = {"monarch_nb": run(args.mib, args.ops, args.reps)}
         if args.monarch_python:
             cp = subprocess.run(
                 [args.monarch_python, "-c", MONARCH, str(args.ops)], capture_output=True, text=True, timeout=300, cwd=rdir
@@ -49,7 +52,7 @@ def main() -> None:
         shutil.rmtree(rdir, ignore_errors=True)
 
 
-def run(mib: int, nops: int) -> dict[str, object]:
+def run(mib: int, nops: int, reps: int = 3) -> dict[str, object]:
     import torch
 
     import monarch_nb.tensor as mt
@@ -85,17 +88,32 @@ def run(mib: int, nops: int) -> dict[str, object]:
         out["pipelined_ops_per_s_median"] = round(statistics.median(rates), 1)
 
         big = torch.randn(mib * 2**20 // 4 // 1024, 1024)
-        before = mt.stats(procs)["bytes_received"]
-        t0 = time.perf_counter()
-        h = mt.distribute(big, procs, [Shard(0)])
-        mt.fetch_shard(h.sum(), gpus=3).get(timeout=600)  # the last rank has its shard
-        out[f"distribute_{mib}MiB_s"] = round(time.perf_counter() - t0, 3)
-        t0 = time.perf_counter()
-        back = h.full_tensor()
-        out[f"full_tensor_{mib}MiB_s"] = round(time.perf_counter() - t0, 3)
-        out["full_tensor_MiB_received"] = round((mt.stats(procs)["bytes_received"] - before) / 2**20, 2)
-        out["distribute_MiB_sent"] = mib  # each shard once: the whole tensor through the controller
-        assert torch.equal(back, big)
+        # both paths, warm (the first data-plane use starts each proc's data server), medians
+        defaults = (mt._engine.DATA_PLANE_BYTES, mt._engine.DISTRIBUTE_DATA_PLANE_BYTES)
+        for path, threshold in (("messages", 1 << 62), ("data_plane", 1 << 20)):
+            mt._engine.DATA_PLANE_BYTES = mt._engine.DISTRIBUTE_DATA_PLANE_BYTES = threshold
+            w = mt.distribute(torch.ones(1024, 1024), procs, [Shard(0)])
+            w.full_tensor()
+            dist_s, full_s, received = [], [], []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                h = mt.distribute(big, procs, [Shard(0)])
+                mt.fetch_shard(h.sum(), gpus=3).get(timeout=600)  # the last rank has its shard
+                dist_s.append(time.perf_counter() - t0)
+                before = mt.stats(procs)["bytes_received"]
+                t0 = time.perf_counter()
+                back = h.full_tensor()
+                full_s.append(time.perf_counter() - t0)
+                received.append(mt.stats(procs)["bytes_received"] - before)
+                assert torch.equal(back, big)
+                del h, back
+            out[f"distribute_{mib}MiB_s_median_{path}"] = round(statistics.median(dist_s), 3)
+            out[f"full_tensor_{mib}MiB_s_median_{path}"] = round(statistics.median(full_s), 3)
+            out[f"full_tensor_MiB_received_{path}"] = round(max(received) / 2**20, 3)
+        # the controller is the source: the whole tensor leaves it once, in messages on the
+        # first path, as shared-memory RDMABuffers the ranks read on the second
+        out["distribute_MiB_out_of_controller"] = mib
+        mt._engine.DATA_PLANE_BYTES, mt._engine.DISTRIBUTE_DATA_PLANE_BYTES = defaults
         r = mt.distribute(torch.ones(4), procs, [Replicate()])
         mt.inspect(r)
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import math
 import os
 import time
 
@@ -449,3 +450,204 @@ def test_distribute_module_trains_on_the_ranks(mesh2):  # type: ignore[no-untype
         opt_l.step()
         torch.testing.assert_close(mt.inspect(loss), want.detach())
     torch.testing.assert_close(mt.inspect(params[2]), local[2].weight.detach())
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.gelu(self.fc(x))
+
+
+@pytest.mark.parametrize("dims", ["1d", "2d"])
+def test_fully_shard_trains_as_single_process_training(mesh1, mesh2, dims):  # type: ignore[no-untyped-def]
+    """FSDP2 (HSDP on the 2-D mesh) on the ranks, Adam stepped with one message: five steps
+    match the same model trained in one process, in float64."""
+    import copy
+
+    from torch import nn
+
+    procs = mesh1 if dims == "1d" else mesh2
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 10), _Block(10), _Block(10), nn.Linear(10, 3))
+    local = copy.deepcopy(model)
+    m = mt.fully_shard(model, procs, wrap=_Block)
+    params = m.parameters()
+    n = len(procs.extent)
+    assert (tuple(params[0].shape), params[0].placements) == ((10, 6), (*[Replicate()] * (n - 1), Shard(0)))
+    # FSDP's own shards: dim 0 split over the last mesh dimension
+    assert mt.fetch_shard(params[0], gpus=1).get(timeout=30).shape == ((10 + 3) // 4 if n == 1 else 5, 6)
+    X, Y = gen(16, 6, seed=5), torch.randint(0, 3, (16,), generator=torch.Generator().manual_seed(6))
+    batch = [Shard(0)] * n
+    x, y = mt.distribute(X, procs, batch), mt.distribute(Y, procs, batch)
+    opt = mt.Optimizer(torch.optim.Adam, params, lr=0.01)
+    opt_l = torch.optim.Adam(local.parameters(), lr=0.01)
+    sent = mt.stats(procs)["messages_sent"]
+    for _ in range(5):
+        opt.zero_grad()
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        opt_l.zero_grad()
+        want = F.cross_entropy(local(X), Y)
+        want.backward()
+        opt_l.step()
+        torch.testing.assert_close(mt.inspect(loss), want.detach())
+    assert params[0].grad is not None and params[0].grad.shape == (10, 6)
+    for p, q in zip(params, local.parameters()):
+        torch.testing.assert_close(mt.inspect(p), q.detach())
+    with pytest.raises(TensorOpError, match="Shard\\(0\\) on every mesh dimension"):
+        m(mt.distribute(X, procs, [Replicate()] * n))
+    assert mt.stats(procs)["messages_sent"] - sent < 5 * 12, "each step is a handful of messages"
+
+
+def _rdma_read(x: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    from monarch_nb.rdma import bytes_moved
+
+    v = float(bytes_moved()["read"]) if x.device.type != "meta" else 0.0
+    n = x.device_mesh.ndim
+    return DTensor.from_local(torch.tensor(v, device=x.device), x.device_mesh, [Replicate()] * n, run_check=False)
+
+
+def test_large_shards_travel_by_the_data_plane(mesh2, monkeypatch):  # type: ignore[no-untyped-def]
+    """Large pieces: distribute hands each rank an RDMABuffer of its piece and full_tensor reads
+    each distinct piece from its rank: values right for every placement, bytes counted."""
+    from monarch_nb.rdma import bytes_moved
+
+    monkeypatch.setattr(mt._engine, "DISTRIBUTE_DATA_PLANE_BYTES", 1 << 20)  # 32 MiB pieces by default
+
+    t = gen(1024, 520)  # 4.3 MB of float64: each of 4 pieces over 1 MiB
+    ranks = [(h, g) for h in range(2) for g in range(2)]
+    for pl in (
+        [Shard(0), Shard(1)],
+        [Replicate(), Shard(0)],
+        [Shard(1), Shard(1)],
+        [Replicate(), Replicate()],
+        [Partial(), Shard(0)],
+    ):
+        counts = mt.remote(_rdma_read)(mt.zeros(1, procs=mesh2))
+        before = [mt.fetch_shard(counts, hosts=h, gpus=g).get(timeout=30).item() for h, g in ranks]
+        h = mt.distribute(t, mesh2, pl)
+        counts = mt.remote(_rdma_read)(h)
+        for (i, j), b in zip(ranks, before):
+            got = mt.fetch_shard(counts, hosts=i, gpus=j).get(timeout=30).item() - b
+            want = math.prod(h.local_shape(hosts=i, gpus=j)) * 8
+            assert got == want, f"rank {i, j} read its piece through the data plane ({pl})"
+        read, received = bytes_moved()["read"], mt.stats(mesh2)["bytes_received"]
+        torch.testing.assert_close(h.full_tensor(), t)
+        if isinstance(pl[0], Partial):  # summed on the ranks first: the collective, rank 0 sends it
+            assert bytes_moved()["read"] == read
+        else:  # each distinct piece once, straight from its rank
+            assert bytes_moved()["read"] - read == t.numel() * 8
+            got = mt.stats(mesh2)["bytes_received"] - received
+            assert t.numel() * 8 <= got < t.numel() * 8 + 4096  # the values, and the buffers' small handles
+
+
+def test_to_mesh_moves_each_ranks_piece_to_the_same_coordinates(mesh1, mesh2):  # type: ignore[no-untyped-def]
+    other = this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2}, name="tensor2d_b")
+    try:
+        for pl in ([Shard(0), Shard(1)], [Replicate(), Shard(0)], [Partial(), Replicate()]):
+            t = gen(7, 6)
+            h = mt.distribute(t, mesh2, pl) * 2
+            y = h.to_mesh(other)
+            assert y.mesh is not h.mesh and (y.shape, y.placements) == (t.shape, tuple(pl))
+            torch.testing.assert_close(mt.inspect(y + 1), t * 2 + 1)
+            for i, j in itertools.product(range(2), range(2)):
+                mine = mt.fetch_shard(y, hosts=i, gpus=j).get(timeout=30)
+                assert torch.equal(mine, mt.fetch_shard(h, hosts=i, gpus=j).get(timeout=30))
+        big = gen(1024, 520)
+        (moved,) = mt.to_mesh([mt.distribute(big, mesh2, [Shard(0), Replicate()])], other)
+        assert torch.equal(moved.full_tensor(), big)
+        with pytest.raises(ValueError, match="this tensor's dimensions"):
+            h.to_mesh(mesh1)
+        with pytest.raises(ValueError, match="requires grad"):
+            h.requires_grad_().to_mesh(other)
+    finally:
+        other.stop().get(timeout=30)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (FSDP2 over NCCL)")
+def test_nccl_fully_shard_on_gpus():  # type: ignore[no-untyped-def]
+    import copy
+
+    from torch import nn
+
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, name="tensorcudafsdp")
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
+        local = copy.deepcopy(model)
+        m = mt.fully_shard(model, procs)
+        assert mt.stats(procs)["backend"] == "nccl"
+        X = gen(8, 6)
+        torch.testing.assert_close(mt.inspect(m(mt.distribute(X, procs, [Shard(0)]))), local(X).detach())
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_tensors_on_slices_of_a_proc_mesh_and_between_them(mesh2, tmp_path):  # type: ignore[no-untyped-def]
+    """A slice of a proc mesh holds mesh tensors of its own (its device mesh named as the slice);
+    to_mesh moves one from a slice to another, as pipeline stages do."""
+    stage0, stage1 = mesh2.slice(hosts=0), mesh2.slice(hosts=1)
+    t, w = gen(8, 6), gen(6, 4, seed=1)
+    x = mt.distribute(t, stage0, [Shard(0)])
+    assert x.mesh is stage0 and x.placements == (Shard(0),)
+    html = x._repr_html_()  # one row per rank of the slice, each with its own piece
+    assert html.count("<tr><td>gpus=") == 2 and "-2.31" in html and "1.011" in html
+    y = torch.relu(x @ mt.distribute(w, stage0, [Replicate()]))
+    torch.testing.assert_close(mt.inspect(y), torch.relu(t @ w))
+    torch.testing.assert_close(mt.inspect(y.redistribute(placements=[Replicate()])), torch.relu(t @ w))
+    assert mt.fetch_shard(y, gpus=1).get(timeout=30).shape == (4, 4)
+    z = y.to_mesh(stage1) * 2  # stage 0's rank gpus=g sends its piece to stage 1's gpus=g
+    assert z.mesh is stage1
+    torch.testing.assert_close(mt.inspect(z), torch.relu(t @ w) * 2)
+    with stage1.activate():
+        ones = torch.ones(4)
+    torch.testing.assert_close(mt.inspect(mt.reduce(ones, "gpus", "sum")), torch.full((4,), 2.0))
+    # the whole mesh's tensors are untouched by the slices' ops, and work alongside
+    whole = mt.distribute(t, mesh2, [Shard(0), Shard(1)])
+    torch.testing.assert_close(mt.inspect(whole + 1), t + 1)
+    with pytest.raises(ValueError, match="different proc meshes"):
+        x + mt.distribute(t, stage1, [Shard(0)])
+    # between slices of one mesh: point to point in the ordered stream, so no wait here
+    flag = str(tmp_path / "go")
+    blocked = mt.remote(_wait_for_flag)(x, flag)
+    try:
+        moved = blocked.to_mesh(stage1)
+        assert moved.shape == (8, 6)
+        pending = mt.fetch_shard(moved, gpus=1)
+        assert not pending.done()
+    finally:
+        open(flag, "w").close()
+    torch.testing.assert_close(pending.get(timeout=60), t[4:])
+    bad = F.cross_entropy(mt.distribute(gen(8, 5), stage0, [Shard(0)]), torch.full((8,), 99)).reshape(1)
+    with pytest.raises(Exception, match="to_mesh: the source tensor on rank 0 has no value"):
+        mt.inspect(bad.to_mesh(stage1))
+    cols = mesh2.slice(gpus=1)  # a slice across the hosts
+    c = mt.distribute(t, cols, [Shard(1)])
+    torch.testing.assert_close(mt.inspect(c.sum(dim=1)), t.sum(dim=1))
+
+
+def test_slice_mesh_then_to_mesh_broadcasts_over_the_missing_dimension(mesh1, mesh2):  # type: ignore[no-untyped-def]
+    """Monarch's ``t.slice_mesh(hosts=1).to_mesh(mesh)``: host 1's piece, copied to every host."""
+    t = gen(8, 6)
+    h = mt.distribute(t, mesh2, [Shard(0), Shard(1)])
+    s = h.slice_mesh(hosts=1)
+    assert (s.shape, s.placements) == ((4, 6), (Shard(1),))
+    torch.testing.assert_close(mt.inspect(s), t[4:])
+    b = s.to_mesh(mesh2)
+    assert (b.shape, b.placements) == ((4, 6), (Replicate(), Shard(1)))
+    torch.testing.assert_close(mt.inspect(b), t[4:])
+    for host in range(2):
+        torch.testing.assert_close(mt.fetch_shard(b, hosts=host, gpus=1).get(timeout=30), t[4:, 3:])
+    one = mt.distribute(t, mesh1, [Replicate()]).slice_mesh(gpus=2)  # a mesh of one rank
+    torch.testing.assert_close(mt.inspect(one * 2), t * 2)
+    with pytest.raises(ValueError, match="redistribute first"):
+        mt.distribute(t, mesh2, [Partial(), Replicate()]).slice_mesh(hosts=0)
+    with pytest.raises(ValueError, match="this tensor's dimensions"):
+        s.to_mesh(mesh1)  # gpus: 2 here, 4 there

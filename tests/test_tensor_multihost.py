@@ -1,5 +1,5 @@
 """Mesh tensors across two simulated hosts (network namespaces): the process group spans both
-hosts' procs, and ops, redistribute and training run across them."""
+hosts' procs, and ops, redistribute, training and large shards (the data plane) run across them."""
 
 from __future__ import annotations
 
@@ -36,6 +36,37 @@ def test_mesh_tensors_across_two_hosts(cluster: NetnsCluster, workers: list[Allo
         wl = W.clone().requires_grad_()
         F.log_softmax(torch.relu(X @ wl), dim=1).sum().backward()
         emit("values", ok=ok, redistributed=torch.equal(r, X), grad=torch.allclose(mt.inspect(w.grad), wl.grad))
+        # over 1 MiB a piece: the data plane, a stream from the controller to each rank, from
+        # each rank to the controller, and from rank to rank across the hosts
+        # FSDP2 as HSDP across the hosts: one Adam step, then the loss, against one process
+        import copy
+        from torch import nn
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
+        local = copy.deepcopy(net)
+        m = mt.fully_shard(net, procs)
+        T = torch.randint(0, 3, (8,), generator=g)
+        xb, tb = mt.distribute(X, procs, [Shard(0), Shard(0)]), mt.distribute(T, procs, [Shard(0), Shard(0)])
+        opt = mt.Optimizer(torch.optim.Adam, m.parameters(), lr=0.01)
+        opt_l = torch.optim.Adam(local.parameters(), lr=0.01)
+        for _ in range(2):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(xb), tb)
+            loss.backward()
+            opt.step()
+            opt_l.zero_grad()
+            want = F.cross_entropy(local(X), T)
+            want.backward()
+            opt_l.step()
+        emit("fsdp", same=torch.allclose(mt.inspect(loss), want.detach(), rtol=1e-10, atol=0))
+        mt._engine.DISTRIBUTE_DATA_PLANE_BYTES = 1 << 20  # by default from 32 MiB pieces
+        B = torch.randn(1024, 520, generator=g)
+        b = mt.distribute(B, procs, [Shard(0), Replicate()])
+        back = b.full_tensor()
+        other = hosts.spawn_procs(per_host={"gpus": 2}, name="other")
+        moved = (b * 2).to_mesh(other)
+        emit("large", distributed=torch.equal(back, B), moved=torch.equal(moved.full_tensor(), B * 2))
+        other.stop().get(timeout=30)
         procs.stop().get(timeout=30)
         emit("stopped")
         """,
@@ -47,5 +78,7 @@ def test_mesh_tensors_across_two_hosts(cluster: NetnsCluster, workers: list[Allo
         "redistributed": True,
         "grad": True,
     }
+    assert ctl.expect("fsdp", timeout=120)["same"] is True
+    assert ctl.expect("large", timeout=120) | {"step": "large"} == {"step": "large", "distributed": True, "moved": True}
     ctl.expect("stopped")
     ctl.finish()

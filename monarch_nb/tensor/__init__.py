@@ -10,7 +10,8 @@ a handle (:class:`MeshTensor`) on the controller.
     mt.inspect(y)                      # the global value
 
 Each proc mesh gets one hidden actor (spawned at first use) holding a table id -> DTensor, a
-gloo (CPU) or NCCL (GPU) process group and a device mesh named as the proc mesh. Ops are sent
+gloo (CPU) or NCCL (GPU) process group and a device mesh named as the proc mesh; a slice of it
+(``procs.slice(hosts=0)``) gets a device mesh of its own over the same actor and process group. Ops are sent
 to every rank in one ordered stream of small records; each result's shape and placements come
 from running the op on meta shadows here, against torch's fake process group, so an op
 returns at once even while the ranks are busy, and an op DTensor cannot shard fails here,
@@ -61,6 +62,7 @@ __all__ = [
     "distribute_module",
     "fetch_shard",
     "full_tensor",
+    "fully_shard",
     "inspect",
     "ones",
     "rand",
@@ -70,6 +72,7 @@ __all__ = [
     "remote",
     "setup",
     "stats",
+    "to_mesh",
     "zeros",
 ]
 
@@ -135,9 +138,18 @@ def distribute(t: torch.Tensor, procs: ProcMesh, placements: Sequence[Placement]
             e.shadow_mesh, pl, run_check=False, shape=src.shape, stride=src.stride(),
         )  # fmt: skip
     h = MeshTensor(e, e.new_id(), shadow)
-    # the seam for the data plane (monarch_nb.rdma): today each shard rides its own message
+    # each rank gets its own piece straight from here (small ones in a message, large ones
+    # through the data plane), never through another rank; ranks holding the same piece
+    # (Replicate) share one copy of it
+    pieces: dict[int, torch.Tensor] = {}
+    made: dict[tuple[Any, ...], torch.Tensor] = {}
     for r in range(e.size):
-        e.put(r, h._id, local_slice(src, e.coords_of(r), list(e.sizes), pl), pl, tuple(src.shape), src.stride())
+        c = e.coords_of(r)
+        key = tuple(c[i] if isinstance(p, Shard) else (c[i] != 0 if isinstance(p, Partial) else None) for i, p in enumerate(pl))
+        if key not in made:
+            made[key] = local_slice(src, c, list(e.sizes), pl)
+        pieces[r] = made[key]
+    e.put_pieces(h._id, pieces, pl, tuple(src.shape), src.stride())
     if t.requires_grad:
         h.requires_grad_()
     return h
@@ -195,6 +207,14 @@ def inspect(t: MeshTensor, shard: dict[str, int] | None = None, **kwargs: int) -
     if shard or kwargs:
         return fetch_shard(t, shard, **kwargs).get()
     return t.full_tensor()
+
+
+def to_mesh(tensors: Any, procs: ProcMesh) -> Any:
+    """Monarch's ``to_mesh``: every mesh tensor in ``tensors`` (a pytree) moved to ``procs`` (see
+    :meth:`MeshTensor.to_mesh`)."""
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda x: x.to_mesh(procs) if isinstance(x, MeshTensor) else x, tensors)
 
 
 def full_tensor(t: MeshTensor) -> torch.Tensor:
@@ -256,6 +276,42 @@ def distribute_module(module: torch.nn.Module, procs: ProcMesh, partition_fn: An
     except Exception as err:
         raise TensorOpError(f"distribute_module: {type(err).__name__}: {err}") from err
     h = MeshModule(e, e.new_id(), shadow)
+    e.send([(WithMesh(fn), (module.cpu(),), {}, [h._id], torch.is_grad_enabled())])
+    return h
+
+
+def fully_shard(
+    module: torch.nn.Module,
+    procs: ProcMesh,
+    *,
+    wrap: type | tuple[type, ...] | Any = None,
+    reshard_after_forward: bool = True,
+) -> MeshModule:
+    """FSDP2's ``torch.distributed.fsdp.fully_shard`` on the ranks of ``procs``: the module goes
+    to every rank, each submodule ``wrap`` picks (module classes, or ``fn(name, module) -> bool``)
+    is sharded as its own unit, then the root; on a 2-D mesh it is HSDP (replicated over the
+    first dimension, sharded over the second). Returns a handle: call it on a batch split over
+    every rank (``Shard(0)`` on each mesh dimension), compute the loss on the result as on any
+    mesh tensor, and step an :class:`Optimizer` over ``m.parameters()`` (DTensors ``Shard(0)``
+    as FSDP makes them). Gradients are those of the loss on the global batch."""
+    from ._engine import WithMesh
+    from ._fsdp import FSDPCall, FSDPShadow, FullyShard
+
+    e = engine_for(procs)
+    if len(e.sizes) > 2:
+        raise ValueError(
+            f"fully_shard runs on a 1-D mesh (FSDP) or a 2-D one (HSDP); {procs!r} has {len(e.sizes)} dimensions: "
+            "spawn the procs with one or two"
+        )
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"fully_shard needs a torch.nn.Module, got {type(module).__name__}")
+    try:
+        with _Controller():
+            shadow = FSDPShadow(module, e.shadow_mesh, list(e.sizes))
+    except Exception as err:
+        raise TensorOpError(f"fully_shard: {type(err).__name__}: {err}") from err
+    h = MeshModule(e, e.new_id(), shadow, FSDPCall())
+    fn = FullyShard(wrap, {"reshard_after_forward": reshard_after_forward})
     e.send([(WithMesh(fn), (module.cpu(),), {}, [h._id], torch.is_grad_enabled())])
     return h
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
@@ -22,13 +22,22 @@ from .._wire.serialize import loads, nbytes
 from ..actor import Future
 from ..actor._mesh import ProcMesh
 from ..errors import MonarchNBError
-from ._ops import Attr, Factory, Lit, Method, Ref, WithMesh, local_shape
+from ._ops import Attr, Factory, Lit, Method, Ref, Via, WithMesh, chunk_range, local_shape, local_view
 from ._worker import TensorWorker
 
 #: seconds a collective on the ranks may wait for a peer before it fails (a dead rank)
 COLLECTIVE_TIMEOUT_S = 60.0
 #: seconds the controller waits for a value (full_tensor, inspect, setup) before giving up
 VALUE_TIMEOUT_S = 300.0
+#: full_tensor of a tensor from this size up reads each piece from its rank by the data plane
+#: (an RDMABuffer the controller reads: a shared-memory copy on one host, a direct stream across
+#: hosts) instead of an all-gather on the ranks and rank 0's reply; faster from 16 MiB to 256 MiB
+#: here (bench/tensor_ops.py)
+DATA_PLANE_BYTES = 1 << 20
+#: distribute sends a piece from this size up as an RDMABuffer the rank reads, smaller ones
+#: inside its message (which the transport already moves out of band): making the buffer costs
+#: more than it saves below pieces of tens of MiB on this machine (bench/tensor_ops.py)
+DISTRIBUTE_DATA_PLANE_BYTES = 32 << 20
 
 
 class TensorOpError(MonarchNBError, RuntimeError):
@@ -67,21 +76,32 @@ def _shadow_mesh(labels: tuple[str, ...], sizes: tuple[int, ...]) -> Any:
 class Engine:
     """One per proc mesh: the hidden worker actor, the id counter, the frees to send."""
 
-    def __init__(self, procs: ProcMesh) -> None:
+    def __init__(self, procs: ProcMesh, root: Engine | None = None) -> None:
         self.procs = procs
         ext = procs.extent
         self.labels = tuple(ext.keys()) or ("ranks",)
         self.sizes = tuple(ext.values()) or (1,)
         self.size = math.prod(self.sizes)
         self.shadow_mesh = _shadow_mesh(self.labels, self.sizes)
-        self._ids = itertools.count(1)
+        #: a slice's engine drives the whole mesh's worker (one table, one ordered stream, one
+        #: process group): its messages carry ``key`` and go to every rank, and ``ranks`` maps
+        #: its ranks to the whole mesh's
+        self.root = root
+        self.key: tuple[int, ...] | None = None
+        self.ranks = list(range(self.size))
+        if root is not None:
+            pos = {g: i for i, g in enumerate(root.procs._view.ranks)}
+            self.ranks = [pos[g] for g in procs._view.ranks]
+            self.key = tuple(self.ranks)
+        self._ids: itertools.count[int] = root._ids if root is not None else itertools.count(1)
         #: ids of handles collected on the controller, sent with the next broadcast
-        self.frees: collections.deque[int] = collections.deque()
+        self.frees: collections.deque[int] = root.frees if root is not None else collections.deque()
         self.actor: Any = None
         self._start_lock = threading.Lock()
         self.backend = ""
         self.bytes_received = 0
         self.messages_sent = 0
+        self.slices: dict[Any, Engine] = {}
 
     def __repr__(self) -> str:
         return f"<tensor engine on {self.procs!r}>"
@@ -90,6 +110,14 @@ class Engine:
         return next(self._ids)
 
     def start(self) -> Any:
+        if self.root is not None:
+            with self._start_lock:
+                if self.actor is None:
+                    actor = self.root.start()
+                    actor.define.broadcast(self.take_frees(), self.key, self.ranks, list(self.labels), list(self.sizes))
+                    self.backend = self.root.backend
+                    self.actor = actor
+            return self.actor
         with self._start_lock:
             if self.actor is None:
                 from ..spmd import _tcp_host, setup_torch_elastic_env
@@ -115,12 +143,60 @@ class Engine:
 
     def send(self, records: list[tuple[Any, ...]]) -> None:
         actor = self.start()
-        actor.run.broadcast(self.take_frees(), records)
+        if self.key is None:
+            actor.run.broadcast(self.take_frees(), records)
+        else:
+            actor.run.broadcast(self.take_frees(), records, self.key)
         self.messages_sent += 1
 
     def put(self, rank: int, *args: Any) -> None:
-        self.start().put._send(([], *args), {}, None, None, [rank])
+        self.start().put._send(([], *args, self.key), {}, None, None, [self.ranks[rank]])
         self.messages_sent += 1
+
+    def put_pieces(self, id: int, pieces: dict[int, torch.Tensor], placements: Any, shape: Any, stride: Any) -> None:
+        """Send rank r its local tensor ``pieces[r]``; a large one goes as an RDMABuffer the rank
+        reads (one buffer per distinct piece, dropped once every rank that needs it has it)."""
+        from ..rdma import RDMABuffer
+
+        lent: dict[int, tuple[Any, list[int]]] = {}
+        for r, piece in pieces.items():
+            if piece.numel() * piece.element_size() < DISTRIBUTE_DATA_PLANE_BYTES:
+                self.put(r, id, piece, placements, shape, stride)
+                continue
+            key = piece.data_ptr()
+            if key not in lent:
+                lent[key] = (RDMABuffer(piece.view(-1).view(torch.uint8)), [])
+            lent[key][1].append(r)
+        for buf, ranks in lent.values():
+            via = Via(buf, tuple(pieces[ranks[0]].shape), pieces[ranks[0]].dtype)
+            fut = self.gather("put", ([], id, via, placements, shape, stride, self.key), ranks, "distribute()")
+            self.messages_sent += 1
+            fut.add_done_callback(_dropper(buf))
+
+    def full_by_pieces(self, h: MeshTensor) -> torch.Tensor | None:
+        """The global value read piece by piece from the ranks holding distinct pieces (no
+        collective); None where a placement is Partial (the ranks must sum first)."""
+        pl = h.placements
+        if any(not isinstance(p, (Shard, Replicate)) for p in pl):
+            return None
+        holders = [r for r in range(self.size) if all(c == 0 for c, p in zip(self.coords_of(r), pl) if not isinstance(p, Shard))]
+        bufs = self.gather("share", ([], h._id), holders, "full_tensor()").get(timeout=VALUE_TIMEOUT_S)
+        out = torch.empty(h.shape, dtype=h.dtype)
+        try:
+            for r in holders:
+                if bufs[r] is None:
+                    continue
+                view = local_view(out, self.coords_of(r), list(self.sizes), pl)
+                dst = view if view.is_contiguous() else torch.empty(view.shape, dtype=view.dtype)
+                bufs[r].read_into(dst.view(-1).view(torch.uint8), timeout=int(VALUE_TIMEOUT_S)).get(timeout=VALUE_TIMEOUT_S)
+                if dst is not view:
+                    view.copy_(dst)
+                self.bytes_received += bufs[r].size()
+        finally:
+            for r in holders:
+                if bufs[r] is not None:
+                    bufs[r].drop()
+        return out
 
     def gather(self, method: str, args: tuple[Any, ...], ranks: list[int] | None, what: str) -> Future[list[Any]]:
         """Call ``method`` on ``ranks`` (all when None); the future holds their results, and
@@ -132,9 +208,11 @@ class Engine:
                 if r is not None:
                     self.bytes_received += nbytes(*r)
                 out.append(loads(*r) if r is not None else None)
-            return out
+            # indexed by this engine's ranks (a slice's differ from the whole mesh's)
+            return out if self.key is None else [out[i] for i in self.ranks]
 
-        return getattr(self.start(), method)._gather(args, {}, ranks, what, decode)
+        to = self.ranks if ranks is None else [self.ranks[r] for r in ranks]
+        return getattr(self.start(), method)._gather(args, {}, None if self.key is None and ranks is None else to, what, decode)
 
     def rank_of(self, coords: dict[str, int]) -> int:
         bad = set(coords) - set(self.labels)
@@ -156,6 +234,13 @@ class Engine:
         return out[::-1]
 
 
+def _dropper(buf: Any) -> Any:
+    def drop(_: Any) -> None:
+        buf.drop()
+
+    return drop
+
+
 _engines: dict[str, Engine] = {}
 _engines_lock = threading.Lock()
 
@@ -164,13 +249,18 @@ def engine_for(procs: ProcMesh) -> Engine:
     if not isinstance(procs, ProcMesh):
         raise TypeError(f"mesh tensors live on a ProcMesh, got {type(procs).__name__}")
     root = getattr(procs, "_root", procs)
-    if root is not procs and list(procs._view.ranks) != list(root._view.ranks):
-        raise ValueError(f"mesh tensors live on a whole proc mesh; {procs!r} is a slice of {root!r}")
     with _engines_lock:
         e = _engines.get(procs.name)
         if e is None or e.procs._stopped:
             e = _engines[procs.name] = Engine(root)
-        return e
+        if root is procs or list(procs._view.ranks) == list(root._view.ranks):
+            return e
+        # a slice: its own device mesh (named as the slice) over the whole mesh's worker
+        key = (tuple(procs._view.ranks), tuple(procs.extent.items()))
+        s = e.slices.get(key)
+        if s is None:
+            s = e.slices[key] = Engine(procs, e)
+        return s
 
 
 # --- handles ---------------------------------------------------------------------------------
@@ -254,7 +344,13 @@ class MeshTensor:
 
     # values
     def full_tensor(self) -> torch.Tensor:
-        """The global value, as a plain tensor here (a collective on the ranks)."""
+        """The global value, as a plain tensor here: a large one read piece by piece from the
+        ranks holding them (the data plane), a small one gathered on the ranks (a collective)
+        and sent by rank 0."""
+        if self.numel() * self.dtype.itemsize >= DATA_PLANE_BYTES:
+            out = self._engine.full_by_pieces(self)
+            if out is not None:
+                return out
         fut = self._engine.gather("full", ([], self._id), None, "full_tensor()")
         return fut.get(timeout=VALUE_TIMEOUT_S)[0]
 
@@ -291,6 +387,95 @@ class MeshTensor:
         if placements is None:
             raise ValueError("redistribute needs placements, one per mesh dimension")
         return dispatch(Method("redistribute"), (self,), {"placements": tuple(placements)})
+
+    def to_mesh(self, procs: ProcMesh) -> MeshTensor:
+        """Monarch's ``to_mesh``: this tensor on another proc mesh (or slice) that has this one's
+        dimensions, same names and sizes; each rank's local tensor goes to the rank at the same
+        coordinates, straight from proc to proc (an RDMABuffer the receiving rank reads), and is
+        broadcast over dimensions the destination has beyond these (``Replicate()`` there), so
+        ``t.slice_mesh(hosts=0).to_mesh(procs)`` copies stage 0's tensor to every host. Between
+        slices of one proc mesh the pieces go point to point over its process group, in the
+        ordered stream (this returns at once); between two proc meshes this waits until the
+        source ranks have this tensor (its pieces' handles come back, not its bytes)."""
+        src, dst = self._engine, engine_for(procs)
+        if dst is src:
+            return self
+        src_dims = dict(zip(src.labels, src.sizes))
+        dst_dims = dict(zip(dst.labels, dst.sizes))
+        if any(dst_dims.get(n) != size for n, size in src_dims.items()):
+            raise ValueError(
+                f"to_mesh needs a mesh with this tensor's dimensions (same names and sizes; more are "
+                f"broadcast to): this tensor's are {src_dims}, {procs!r} has {dst_dims}"
+            )
+        if self.requires_grad:
+            raise ValueError("to_mesh of a tensor that requires grad: move t.detach() (gradients do not cross meshes)")
+        by_name = dict(zip(src.labels, self.placements))
+        pl = tuple(by_name.get(n, Replicate()) for n in dst.labels)
+        shape, stride = tuple(self.shape), self._shadow.stride()
+        with _Controller():
+            local = torch.empty(local_shape(list(shape), [0] * len(pl), list(dst.sizes), pl), dtype=self.dtype, device="meta")
+            shadow = DTensor.from_local(local, dst.shadow_mesh, pl, run_check=False, shape=self.shape, stride=stride)
+        readers: dict[int, list[int]] = collections.defaultdict(list)
+        for r in range(dst.size):
+            c = dict(zip(dst.labels, dst.coords_of(r)))
+            readers[src.rank_of({n: c[n] for n in src.labels if n in c})].append(r)
+        if (src.root or src) is (dst.root or dst):
+            # slices of one proc mesh share its process group: point to point in the ordered
+            # stream, so this returns at once, as any op does
+            dst.start()  # the destination slice's device mesh, defined on every rank
+            h = MeshTensor(dst, dst.new_id(), shadow)
+            pairs = [
+                (src.ranks[s], dst.ranks[r], tuple(local_shape(list(shape), dst.coords_of(r), list(dst.sizes), pl)))
+                for s, ranks in readers.items()
+                for r in ranks
+            ]
+            base = src.root or src
+            base.start().transfer.broadcast(base.take_frees(), self._id, h._id, pairs, self.dtype, dst.key, pl, shape, stride)
+            base.messages_sent += 1
+            return h
+        bufs = src.gather("share", ([], self._id), None, "to_mesh()").get(timeout=VALUE_TIMEOUT_S)
+        h = MeshTensor(dst, dst.new_id(), shadow)
+        for s, ranks in readers.items():
+            buf = bufs[s]
+            ls = tuple(local_shape(list(shape), dst.coords_of(ranks[0]), list(dst.sizes), pl))
+            piece = Via(buf, ls, self.dtype) if buf is not None else torch.empty(ls, dtype=self.dtype)
+            fut = dst.gather("put", ([], h._id, piece, pl, shape, stride, dst.key), ranks, "to_mesh()")
+            dst.messages_sent += 1
+            if buf is not None:
+                fut.add_done_callback(_dropper(buf))
+        return h
+
+    def slice_mesh(self, **coords: int) -> MeshTensor:
+        """Monarch's ``slice_mesh``: this tensor as the ranks of ``mesh.slice(**coords)`` hold
+        it, a mesh tensor on that slice (for ``to_mesh``). A dimension sharded here keeps its
+        piece at that coordinate; one ``Partial()`` here must be redistributed first."""
+        e = self._engine
+        if not coords or any(not isinstance(v, int) for v in coords.values()):
+            raise ValueError("slice_mesh takes one coordinate (an int) per dimension it drops, e.g. slice_mesh(hosts=0)")
+        sub = e.procs.slice(**coords)
+        shape = list(self.shape)
+        keep: list[Placement] = []
+        for name, size, p in zip(e.labels, e.sizes, self.placements):
+            if name not in coords:
+                keep.append(p)
+            elif isinstance(p, Shard):
+                a, b = chunk_range(shape[p.dim], size, coords[name])
+                shape[p.dim] = b - a
+            elif not isinstance(p, Replicate):
+                raise ValueError(f"slice_mesh: {p} over {name!r} has no value of its own on a slice; redistribute first")
+        sharded = [p.dim for name, p in zip(e.labels, self.placements) if isinstance(p, Shard) and name in coords]
+        if any(isinstance(p, Shard) and p.dim in sharded for p in keep):
+            raise ValueError("slice_mesh: a tensor dimension sharded over both a dropped and a kept mesh dimension")
+        d = engine_for(sub)
+        keep = keep or [Replicate()]  # every dimension dropped: a mesh of one rank
+        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        with _Controller():
+            local = torch.empty(local_shape(shape, [0] * len(keep), list(d.sizes), keep), dtype=self.dtype, device="meta")
+            shadow = DTensor.from_local(local, d.shadow_mesh, keep, run_check=False, shape=torch.Size(shape), stride=stride)
+        h = MeshTensor(d, d.new_id(), shadow)
+        fn = WithMesh(_Restrict(tuple(keep), tuple(shape), stride))
+        d.send([(fn, (Ref(self._id),), {}, [h._id], torch.is_grad_enabled())])
+        return h
 
     def backward(self, gradient: Any = None, retain_graph: Any = None, create_graph: bool = False) -> None:
         dispatch(Method("backward"), (self,), {"gradient": gradient, "retain_graph": retain_graph, "create_graph": create_graph})
@@ -345,12 +530,14 @@ class MeshModule:
     """An ``nn.Module`` living on the ranks (its parameters DTensors), held by the controller:
     calling it runs forward on the ranks; ``parameters()`` are mesh tensors."""
 
-    __slots__ = ("_engine", "_id", "_shadow", "__weakref__")
+    __slots__ = ("_engine", "_id", "_shadow", "_call", "__weakref__")
 
-    def __init__(self, engine: Engine, id: int, shadow: Any) -> None:
+    def __init__(self, engine: Engine, id: int, shadow: Any, call: Any = None) -> None:
         self._engine = engine
         self._id = id
         self._shadow = shadow
+        #: the op a forward call sends (FSDP modules run theirs on the local batch)
+        self._call = call or _CallModule()
 
     def __del__(self) -> None:
         try:
@@ -359,7 +546,7 @@ class MeshModule:
             pass
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return dispatch(_CallModule(), (self, *args), kwargs)
+        return dispatch(self._call, (self, *args), kwargs)
 
     def parameters(self) -> list[MeshTensor]:
         return dispatch(_Parameters(), (self,), {})
@@ -375,6 +562,21 @@ class MeshModule:
 
     def __repr__(self) -> str:
         return f"MeshModule on {self._engine.procs!r}:\n{self._shadow!r}"
+
+
+class _Restrict:
+    """Rank side of slice_mesh: this rank's local tensor, as a DTensor on the slice's mesh."""
+
+    def __init__(self, placements: tuple[Placement, ...], shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
+        self.placements, self.shape, self.stride = placements, shape, stride
+
+    def __call__(self, mesh: Any, device: str, x: DTensor) -> DTensor:
+        return DTensor.from_local(
+            x.to_local(), mesh, self.placements, run_check=False, shape=torch.Size(self.shape), stride=self.stride
+        )
+
+    def __str__(self) -> str:
+        return "slice_mesh"
 
 
 class _CallModule:
@@ -503,7 +705,7 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
     except Exception as e:
         raise TensorOpError(
             f"{_name(func)} cannot run on mesh tensors with placements "
-            f"{[tuple(map(str, h.placements)) for h in handles]}: {type(e).__name__}: {e}"  # type: ignore[union-attr]
+            f"{[tuple(map(str, h.placements)) for h in handles if isinstance(h, MeshTensor)]}: {type(e).__name__}: {e}"
         ) from e
     flat, spec = pytree.tree_flatten(out)
     ids: list[int | None] = []

@@ -27,6 +27,21 @@ class Lit:
 
 
 @dataclass(frozen=True)
+class Via:
+    """A shard too big for a message: the rank reads it from ``buf`` (an RDMABuffer of the
+    sender's) into a tensor of ``shape`` and ``dtype`` (the data plane, monarch_nb.rdma)."""
+
+    buf: Any
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def receive(self, timeout: float) -> torch.Tensor:
+        t = torch.empty(self.shape, dtype=self.dtype)
+        self.buf.read_into(t.view(-1).view(torch.uint8), timeout=int(timeout)).get(timeout=timeout)
+        return t
+
+
+@dataclass(frozen=True)
 class Method:
     """``x.name(*args, **kwargs)``: picklable where a method descriptor may not be."""
 
@@ -146,6 +161,17 @@ def local_slice(t: torch.Tensor, coord: list[int], sizes: list[int], placements:
             if coord[i] != 0:
                 out = torch.zeros_like(out)
     return out.clone() if out.device.type != "meta" else out.contiguous()
+
+
+def local_view(t: torch.Tensor, coord: list[int], sizes: list[int], placements: Any) -> torch.Tensor:
+    """The region of a global ``t`` that the rank at ``coord`` holds (a view into ``t``; no
+    Partial placements)."""
+    out = t
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard):
+            a, b = chunk_range(out.shape[p.dim], sizes[i], coord[i])
+            out = out.narrow(p.dim, a, b - a)
+    return out
 
 
 def local_shape(shape: list[int], coord: list[int], sizes: list[int], placements: Any) -> list[int]:

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils import _pytree as pytree
 
 from ..actor import Actor, current_rank, endpoint
-from ._ops import Factory, Lit, Ref, WithMesh
+from ._ops import Factory, Lit, Ref, Via, WithMesh
 
 
 def _gloo_interface(master: str) -> None:
@@ -51,7 +51,12 @@ class TensorWorker(Actor):
     def __init__(self) -> None:
         self.table: dict[int, Any] = {}
         self.mesh: Any = None
+        #: device meshes of slices of the proc mesh, by the slice's key (its ranks); a rank
+        #: outside a slice holds it too (DeviceMesh is built by every rank), coordinate None
+        self.meshes: dict[Any, Any] = {}
         self.device = "cpu"
+        #: RDMABuffers lent to the controller (full_tensor), by id: kept alive until it drops them
+        self.lent: dict[int, Any] = {}
 
     @endpoint
     def setup(self, labels: list[str], sizes: list[int], timeout_s: float) -> str:
@@ -84,13 +89,38 @@ class TensorWorker(Actor):
             raise v.error
         return v
 
-    def _resolve(self, tree: Any) -> Any:
+    def _mesh(self, key: Any) -> Any:
+        """The device mesh a message is for (the whole proc mesh's when ``key`` is None), or
+        None when this rank is not in it."""
+        m = self.mesh if key is None else self.meshes[key]
+        if isinstance(m, BaseException):
+            raise m
+        return m if m.get_coordinate() is not None else None
+
+    @endpoint
+    def define(self, frees: list[int], key: Any, ranks: list[int], labels: list[str], sizes: list[int]) -> None:
+        """The device mesh of a slice of the proc mesh (``ranks`` in the process group): built
+        by every rank, since its process groups are made collectively."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        self._free(frees)
+        if key not in self.meshes:
+            mesh = torch.tensor(ranks, dtype=torch.int).reshape(tuple(sizes) or (1,))
+            names = tuple(labels) if labels else ("ranks",)
+            try:
+                self.meshes[key] = DeviceMesh(self.mesh.device_type, mesh, mesh_dim_names=names)
+            except Exception as e:  # every op on the slice fails with it; the actor lives on
+                self.meshes[key] = e
+
+    def _resolve(self, tree: Any, mesh: Any = None) -> Any:
+        mesh = mesh if mesh is not None else self.mesh
+
         def one(x: Any) -> Any:
             if isinstance(x, Ref):
                 return self._get(x)
             if isinstance(x, Lit):
                 t = x.value.to(self.device)
-                return DTensor.from_local(t, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+                return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
             return x
 
         return pytree.tree_map(one, tree, is_leaf=lambda x: isinstance(x, (Ref, Lit)))
@@ -98,21 +128,31 @@ class TensorWorker(Actor):
     def _free(self, frees: list[int]) -> None:
         for i in frees:
             self.table.pop(i, None)
+            self.lent.pop(i, None)
 
     @endpoint
-    def run(self, frees: list[int], records: list[tuple[Any, ...]]) -> None:
-        """Run op records in order; a failing one stores its error under its outputs' ids."""
+    def run(self, frees: list[int], records: list[tuple[Any, ...]], key: Any = None) -> None:
+        """Run op records in order; a failing one stores its error under its outputs' ids.
+        Records for a slice (``key``) are sent to every rank; those outside it skip them."""
         self._free(frees)
+        try:
+            mesh = self._mesh(key)
+        except Exception as e:
+            for *_, out_ids, _ in records:
+                self.table.update((i, _Failed(e)) for i in out_ids if i is not None)
+            return
+        if mesh is None:
+            return
         for fn, args, kwargs, out_ids, grad in records:
             try:
                 with torch.set_grad_enabled(grad):
                     if isinstance(fn, Factory):
-                        out = fn(self.mesh, self.device, *args, **kwargs)
+                        out = fn(mesh, self.device, *args, **kwargs)
                     elif isinstance(fn, WithMesh):
-                        a, k = self._resolve((args, kwargs))
-                        out = fn.fn(self.mesh, self.device, *a, **k)
+                        a, k = self._resolve((args, kwargs), mesh)
+                        out = fn.fn(mesh, self.device, *a, **k)
                     else:
-                        a, k = self._resolve((args, kwargs))
+                        a, k = self._resolve((args, kwargs), mesh)
                         out = fn(*a, **k)
                 leaves = pytree.tree_leaves(out)
                 for i, v in zip(out_ids, leaves):
@@ -124,12 +164,20 @@ class TensorWorker(Actor):
                         self.table[i] = _Failed(e)
 
     @endpoint
-    def put(self, frees: list[int], id: int, local: torch.Tensor, placements: Any, shape: Any, stride: Any) -> None:
-        """This rank's shard of a distributed tensor, sent to it alone."""
+    def put(
+        self, frees: list[int], id: int, local: torch.Tensor, placements: Any, shape: Any, stride: Any, key: Any = None
+    ) -> None:
+        """This rank's shard of a distributed tensor, sent to it alone (in the message, or, when
+        large, read from the controller's RDMABuffer)."""
         self._free(frees)
-        self.table[id] = DTensor.from_local(
-            local.to(self.device), self.mesh, placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
-        )
+        try:
+            if isinstance(local, Via):
+                local = local.receive(timeout=300.0)
+            self.table[id] = DTensor.from_local(
+                local.to(self.device), self._mesh(key), placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
+            )
+        except Exception as e:  # the error belongs to the tensor (a put without a reply would abort the actor)
+            self.table[id] = _Failed(e)
 
     @endpoint
     def fetch(self, frees: list[int], id: int, limit: int = -1) -> torch.Tensor:
@@ -148,7 +196,90 @@ class TensorWorker(Actor):
         self._free(frees)
         t = self._get(Ref(id))
         full = t.full_tensor().detach() if isinstance(t, DTensor) else t
-        return full.cpu() if current_rank().rank == 0 else None
+        first = not isinstance(t, DTensor) or all(c == 0 for c in t.device_mesh.get_coordinate() or [1])
+        return full.cpu() if first else None
+
+    @endpoint
+    def transfer(
+        self, frees: list[int], src: int, dst: int, pairs: list[tuple[int, int, tuple[int, ...]]], dtype: torch.dtype,
+        key: Any, placements: Any, shape: Any, stride: Any,
+    ) -> None:  # fmt: skip
+        """to_mesh between slices of this proc mesh, in the ordered stream: rank ``s`` sends its
+        local tensor of ``src`` to rank ``d`` (process-group ranks) over the process group; ``d``
+        stores it as ``dst`` on its slice's mesh. A status goes first, so a source without a
+        value fails its destinations' tensor instead of leaving them waiting."""
+        self._free(frees)
+        try:
+            self._transfer(src, dst, pairs, dtype, key, placements, shape, stride)
+        except Exception as e:  # the error belongs to the destinations' tensor; the actor lives on
+            if any(d == dist.get_rank() for _, d, _ in pairs):
+                self.table[dst] = _Failed(e)
+
+    def _transfer(
+        self, src: int, dst: int, pairs: list[tuple[int, int, tuple[int, ...]]], dtype: torch.dtype,
+        key: Any, placements: Any, shape: Any, stride: Any,
+    ) -> None:  # fmt: skip
+        me = dist.get_rank()
+        local: torch.Tensor | None = None
+        error: BaseException | None = None
+        if any(s == me for s, _, _ in pairs):
+            try:
+                t = self._get(Ref(src))
+                local = (t.to_local() if isinstance(t, DTensor) else t).detach().contiguous()
+            except Exception as e:
+                error = e
+        status: dict[tuple[int, int], torch.Tensor] = {}
+        reqs: list[Any] = []
+        for s, d, _ in pairs:
+            if s == d:
+                continue
+            if s == me:
+                status[s, d] = torch.tensor([int(local is not None)], device=self.device)
+                reqs.append(dist.isend(status[s, d], d))
+            elif d == me:
+                status[s, d] = torch.zeros(1, dtype=torch.int64, device=self.device)
+                reqs.append(dist.irecv(status[s, d], s))
+        for r in reqs:
+            r.wait()
+        reqs = []
+        got: dict[int, torch.Tensor | None] = {}
+        for s, d, ls in pairs:
+            if s == me and d == me:
+                got[s] = local.clone() if local is not None else None
+            elif s == me and local is not None:
+                reqs.append(dist.isend(local, d))
+            elif d == me and int(status[s, d].item()):
+                buf = got[s] = torch.empty(ls, dtype=dtype, device=self.device)
+                reqs.append(dist.irecv(buf, s))
+            elif d == me:
+                got[s] = None
+        for r in reqs:
+            r.wait()
+        for s, d, _ in pairs:
+            if d != me:
+                continue
+            piece = got.get(s)
+            if piece is None:
+                why = f": {type(error).__name__}: {error}" if s == me and error is not None else ""
+                self.table[dst] = _Failed(RuntimeError(f"to_mesh: the source tensor on rank {s} has no value{why}"))
+            else:
+                self.table[dst] = DTensor.from_local(
+                    piece, self._mesh(key), placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
+                )
+
+    @endpoint
+    def share(self, frees: list[int], id: int) -> Any:
+        """This rank's local tensor as an RDMABuffer, for the controller to read (full_tensor of
+        a large tensor: each piece straight from its rank, no collective)."""
+        from ..rdma import RDMABuffer
+
+        self._free(frees)
+        t = self._get(Ref(id))
+        local = (t.to_local() if isinstance(t, DTensor) else t).detach().cpu().contiguous().clone()
+        if local.numel() == 0:
+            return None
+        buf = self.lent[id] = RDMABuffer(local.view(-1).view(torch.uint8))
+        return buf
 
     @endpoint
     def count(self) -> int:
