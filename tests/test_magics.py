@@ -96,7 +96,7 @@ def test_a_cells_first_line_shows_at_once_then_joins_its_aggregated_group(k: Ker
     first = k.wait_msg(
         lambda m: ours(m, "display_data") and "started" in m["content"]["data"]["text/plain"], 15, "the first line"
     )
-    assert re.fullmatch(r"\[[01]\] started [01]", first["content"]["data"]["text/plain"]), first["content"]
+    assert re.fullmatch(r"\[[01]\] started [01] …", first["content"]["data"]["text/plain"]), first["content"]
     slot = first["content"]["transient"]["display_id"]
     cleared = k.wait_msg(
         lambda m: ours(m, "update_display_data") and m["content"]["transient"]["display_id"] == slot, 15, "the first line merged"

@@ -243,7 +243,9 @@ def _owner_identity() -> tuple[str, str, int | None, str]:
     inst = _context.current_instance()
     spec = _context.proc_spec or {}
     if inst is not None:
-        name = inst.actor_id
+        # the spawn's name as the user gave it, not its internal id (trainers#3fa2b1.2)
+        head, sep, tail = inst.actor_id.partition("#")
+        name = head + tail[min((i for i in (tail.find("{"), tail.find("@")) if i >= 0), default=len(tail)) :] if sep else head
     else:
         name = f"<root>@{rt.label}@{rt.hostname}:{rt.pid}"
     return name, spec.get("mesh", ""), spec.get("rank"), spec.get("host", rt.hostname)
