@@ -12,7 +12,7 @@ from typing import Any
 import ipywidgets as W
 
 from .. import _meshhtml, introspect, telemetry
-from .._ranks import parse_ranks
+from .._ranks import format_ranks, parse_ranks
 from ..actor import ProcMesh, controller_client
 from ..logs import Aggregator
 from . import _render
@@ -102,6 +102,7 @@ class Dashboard(W.VBox):
         self.add_class("mnb-dash")
         self._client = controller_client()
         self._client.log_taps.append(self._on_lines)
+        self._client.failure_taps.append(self._on_failure)
         self._watch_cells()
         self.refresh()
         self._thread = threading.Thread(target=self._loop, name="monarch_nb-dashboard", daemon=True)
@@ -190,7 +191,9 @@ class Dashboard(W.VBox):
             self.latency_view.value = f'<span class="mnb-errors">latency unavailable: {e}</span>'
 
     def _span_errors(self, rows: list[dict[str, Any]]) -> None:
-        """Endpoint calls that raised on a rank (whoever called them) join the errors."""
+        """Endpoint calls that raised on a rank, and failed spans (a ``%%mesh exec`` cell), whoever ran
+        them, join the errors: one line per failure and its ranks, not one per rank."""
+        groups: dict[str, tuple[float, list[int], set[str]]] = {}
         with self._lock:
             for s in rows:
                 if s.get("outcome") != "error":
@@ -200,8 +203,20 @@ class Dashboard(W.VBox):
                 if key in self._error_spans:
                     continue
                 self._error_spans.add(key)
-                at = time.strftime("%H:%M:%S", time.localtime(float(s.get("start") or 0)))
-                self._errors.append(f"{at} rank {s.get('rank')} on {s.get('host')}: endpoint {s.get('name')} raised")
+                if s.get("kind") == "call":
+                    what = f"endpoint {s.get('name')} raised"
+                else:
+                    attrs = s.get("attributes")
+                    err = attrs.get("error") if isinstance(attrs, dict) else None
+                    what = f"{s.get('name')} raised" + (f" {err}" if err else "")
+                first, ranks, hosts = groups.setdefault(what, (float(s.get("start") or 0), [], set()))
+                ranks.append(int(s.get("rank") or 0))
+                hosts.add(str(s.get("host")))
+            for what, (first, ranks, hosts) in groups.items():
+                at = time.strftime("%H:%M:%S", time.localtime(first))
+                who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+                where = ", ".join(sorted(hosts)[:3]) + (f" (+{len(hosts) - 3})" if len(hosts) > 3 else "")
+                self._errors.append(f"{at} {who} on {where}: {what}")
 
     def _render_jobs(self) -> None:
         if time.monotonic() - self._jobs_at < JOBS_EVERY:
@@ -241,6 +256,22 @@ class Dashboard(W.VBox):
         where = f"In[{n}]" if n else "a cell"
         with self._lock:
             self._errors.append(f"{time.strftime('%H:%M:%S')} {where}: {type(err).__name__}: {head[:300]}")
+            self.errors_view.value = _render.errors_html(self._errors)
+
+    def _on_failure(self, failure: Any) -> None:
+        """A mesh failure on this mesh's procs (a failed ``__init__``, a dead proc) joins the errors
+        when the controller learns of it, before any call raises it."""
+        procs = getattr(failure.mesh, "_procs", None) or []
+        if not any(p.mesh == self.mesh.name for p in procs):
+            return
+        # the headline: the remote error's last line ("ValueError: bad shard"), its traceback is in the cell's notice
+        why = [ln.strip() for ln in str(failure.reason or failure.error).strip().splitlines() if ln.strip()] or [""]
+        ranks = ",".join(str(r) for r in failure.crashed_ranks)
+        what = f"actor {failure.mesh_name} failed" if failure.actor else f"mesh {failure.mesh_name} failed"
+        with self._lock:
+            self._errors.append(
+                f"{time.strftime('%H:%M:%S')} {what} on rank{'s' if ',' in ranks else ''} {ranks}: {why[-1][:300]}"
+            )
             self.errors_view.value = _render.errors_html(self._errors)
 
     def _show_stacks(self) -> None:
@@ -343,4 +374,6 @@ class Dashboard(W.VBox):
                 pass
         if self._on_lines in self._client.log_taps:
             self._client.log_taps.remove(self._on_lines)
+        if self._on_failure in self._client.failure_taps:
+            self._client.failure_taps.remove(self._on_failure)
         super().close()
