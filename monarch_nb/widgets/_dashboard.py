@@ -118,6 +118,8 @@ class Dashboard(W.VBox):
             for key in ("addr", "tcp"):
                 if a.get(key):
                     by_alloc[a[key]] = a
+        # each allocator's procs by (mesh, rank), indexed once: a lookup per rank, not a scan
+        recs: dict[int, dict[tuple[str, int], dict[str, Any]]] = {}
         ranks = []
         hosts: dict[str, dict[str, Any]] = {}
         for p in pm._procs:
@@ -127,8 +129,10 @@ class Dashboard(W.VBox):
             if a is None or a.get("error"):
                 unreachable = f"host {p.host} unreachable" + (f": {a['error']}" if a and a.get("error") else "")
             else:
-                m = next((m for m in a.get("meshes", []) if m["name"] == p.mesh), None)
-                rec = next((r for r in m["procs"] if r["rank"] == p.rank), None) if m else None
+                index = recs.get(id(a))
+                if index is None:
+                    index = recs[id(a)] = {(m["name"], r["rank"]): r for m in a.get("meshes", []) for r in m["procs"]}
+                rec = index.get((p.mesh, p.rank))
             state, reason = _render.rank_state(rec, unreachable)
             ranks.append({**(rec or {}), "rank": p.rank, "host": p.host, "pid": p.pid, "state": state, "reason": reason})
             hosts.setdefault(p.host, a or {"host": p.host, "error": "no answer"})
@@ -181,14 +185,18 @@ class Dashboard(W.VBox):
     def _render_latency(self) -> None:
         pm = self.mesh
         try:
-            rows = telemetry.query_records(
-                pm._procs[0].mesh, since=self.window, addresses=sorted({p.alloc for p in pm._procs if p.alloc}), timeout=2.0
+            # reduced by the allocators: a 128-rank mesh's calls are tens of thousands of spans a window
+            got = telemetry.latency_summary(
+                pm._procs[0].mesh,
+                since=self.window,
+                addresses=sorted({p.alloc for p in pm._procs if p.alloc}),
+                timeout=2.0,
+                factor=self.straggler_factor,
             )
-            self._span_errors(rows)
-            slow = telemetry.stragglers(rows, self.straggler_factor)
-            self.latency_view.value = _render.latency_html(rows, slow, self.straggler_factor, self.window)
+            self._span_errors(got["errors"])
+            self.latency_view.value = _render.latency_html(got["ranks"], got["stragglers"], self.straggler_factor, self.window)
         except Exception as e:  # latency is extra: the rest of the dashboard stays live
-            self.latency_view.value = f'<span class="mnb-errors">latency unavailable: {e}</span>'
+            self.latency_view.value = f'<span class="mnb-errors">latency unavailable: {html.escape(str(e))}</span>'
 
     def _span_errors(self, rows: list[dict[str, Any]]) -> None:
         """Endpoint calls that raised on a rank, and failed spans (a ``%%mesh exec`` cell), whoever ran
