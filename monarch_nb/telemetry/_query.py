@@ -237,11 +237,11 @@ def latency_summary(
             for kind, name, _n, m, _p95 in p["names"]:
                 if kind == "call":
                     medians.setdefault((p["mesh"], name), {})[rank] = m
-        for e in got["errors"]:
-            e["start"] -= offset
-            e["clock_offset"] = offset
-            if t_since is None or e["start"] + e["duration"] >= t_since:
-                errors.append({c: e.get("attrs") if c == "attributes" else e.get(c) for c in COLUMNS})
+        for sp in got["errors"]:
+            sp["start"] -= offset
+            sp["clock_offset"] = offset
+            if t_since is None or sp["start"] + sp["duration"] >= t_since:
+                errors.append({c: sp.get("attrs") if c == "attributes" else sp.get(c) for c in COLUMNS})
     errors.sort(key=lambda s: s["start"])
     return {"ranks": ranks, "stragglers": _flag(medians, hosts, factor), "errors": errors, "unreachable": unreachable}
 
