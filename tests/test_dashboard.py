@@ -181,11 +181,14 @@ def test_dashboard_shows_a_failed_spawn_at_once_and_another_kernels_exec_error()
 
         def failure_listed() -> str | None:
             errors = html_unescape(_value(k, "d.errors_view.value"))
-            return errors if "actor bad failed on rank" in errors else None
+            return errors if "actor bad failed on ranks 0-3" in errors else None
 
+        # one line for the four ranks' events
         errors = wait_for(failure_listed, 30, "the failed spawn in the dashboard's errors")
-        assert re.search(r"actor bad failed on ranks? [0-9,]+: ValueError: no shard for me", errors), errors
+        assert re.search(r"actor bad failed on ranks 0-3: ValueError: no shard for me", errors), errors
         assert "In[" not in errors, errors  # no cell raised it: the supervision event did
+        _ok(k.run("d.refresh()"))  # its __init__ span says it again: still listed once
+        assert html_unescape(_value(k, "d.errors_view.value")).count("no shard for me") == 1
 
         # a %%mesh exec that fails in another kernel reaches this kernel's dashboard (through the spans)
         other = Kernel(env=FAST)
@@ -201,6 +204,22 @@ def test_dashboard_shows_a_failed_spawn_at_once_and_another_kernels_exec_error()
         # one line for the four ranks, with the error
         assert re.search(r"ranks 0-3 on \S+: mesh exec raised ZeroDivisionError: division by zero", errors), errors
         assert errors.count("mesh exec raised") == 1, errors
+
+        # and a spawn that fails there: through its __init__ span
+        spawned = other.run(
+            "from monarch_nb.actor import Actor\nimport monarch_nb.mesh as M\n"
+            "class Worse(Actor):\n    def __init__(self):\n        raise RuntimeError('elsewhere')\n"
+            "w = M.get('dashfail').spawn('worse', Worse)"
+        )
+        assert spawned.error is None, spawned.msgs
+
+        def init_listed() -> str | None:
+            _ok(k.run("d.refresh()"))
+            errors = html_unescape(_value(k, "d.errors_view.value"))
+            return errors if "elsewhere" in errors else None
+
+        errors = wait_for(init_listed, 30, "the other kernel's failed spawn in the dashboard")
+        assert re.search(r"ranks 0-3 on \S+: worse\S*\.__init__ raised RuntimeError: elsewhere", errors), errors
         _ok(k.run("d.close()\nprocs.stop().get(timeout=60)"))
     finally:
         if other is not None:

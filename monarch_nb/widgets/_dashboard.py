@@ -51,6 +51,9 @@ class Dashboard(W.VBox):
         self._lines: collections.deque[tuple[int, str, float, str, str]] = collections.deque(maxlen=tail)
         self._errors: list[str] = []
         self._error_spans: set[tuple[Any, ...]] = set()
+        self._failed_inits: set[tuple[str, int]] = set()
+        #: failures told by supervision: (what, why) -> (index in _errors, time, ranks)
+        self._failures: dict[tuple[str, str], tuple[int, str, set[int]]] = {}
         self._jobs_at = -JOBS_EVERY
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -211,6 +214,8 @@ class Dashboard(W.VBox):
                 if key in self._error_spans:
                     continue
                 self._error_spans.add(key)
+                if str(s.get("name")).endswith(".__init__") and (s.get("actor"), s.get("rank")) in self._failed_inits:
+                    continue
                 if s.get("kind") == "call":
                     what = f"endpoint {s.get('name')} raised"
                 else:
@@ -274,12 +279,20 @@ class Dashboard(W.VBox):
             return
         # the headline: the remote error's last line ("ValueError: bad shard"), its traceback is in the cell's notice
         why = [ln.strip() for ln in str(failure.reason or failure.error).strip().splitlines() if ln.strip()] or [""]
-        ranks = ",".join(str(r) for r in failure.crashed_ranks)
         what = f"actor {failure.mesh_name} failed" if failure.actor else f"mesh {failure.mesh_name} failed"
         with self._lock:
-            self._errors.append(
-                f"{time.strftime('%H:%M:%S')} {what} on rank{'s' if ',' in ranks else ''} {ranks}: {why[-1][:300]}"
-            )
+            # its __init__ span (see _span_errors) says the same later: listed once
+            self._failed_inits.update((failure.mesh_name, r) for r in failure.crashed_ranks)
+            # each rank's failure is an event of its own: alike ones (same actor, same error) are one line
+            key = (what, why[-1][:300])
+            entry = self._failures.get(key)
+            if entry is None:  # _errors only grows: the index stays its line
+                entry = self._failures[key] = (len(self._errors), time.strftime("%H:%M:%S"), set())
+                self._errors.append("")
+            entry[2].update(failure.crashed_ranks)
+            ranks = sorted(entry[2])
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+            self._errors[entry[0]] = f"{entry[1]} {what} on {who}: {key[1]}"
             self.errors_view.value = _render.errors_html(self._errors)
 
     def _show_stacks(self) -> None:
