@@ -1,4 +1,5 @@
-"""What it costs to render a many-rank mesh: the dashboard's build and refresh, ``%mesh status``.
+"""What it costs to render a many-rank mesh: the dashboard's build and refresh, ``%mesh status``,
+the sidebar's state.
 
     python -m bench.dashboard [--ranks 128] [--calls 100] [--rounds 3]
 
@@ -77,6 +78,16 @@ def main(argv: list[str] | None = None) -> int:
         out["dashboard_refresh_s"] = _median(d.refresh, a.rounds)
         # what %mesh status does: the snapshot, then the cell's HTML and text
         out["mesh_status_s"] = _median(lambda: (lambda s: (s._repr_html_(), repr(s)))(StatusTable(M.status(), "")), a.rounds)
+        try:  # the sidebar's state (jupyter-server side), when the server extra is installed
+            from monarch_nb.server.manager import MeshManager
+
+            def sidebar() -> None:
+                m = MeshManager()
+                m.state()
+
+            out["sidebar_state_s"] = _median(sidebar, a.rounds)
+        except ImportError:
+            pass
         out["load_after"] = os.getloadavg()[0]
         pm.stop().get(timeout=60)
     finally:
