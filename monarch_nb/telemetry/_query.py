@@ -190,9 +190,9 @@ def _flag(
 
 
 def latency_summary(
-    mesh: str, since: Any = None, addresses: list[str] | None = None, timeout: float = 10.0, factor: float = 2.0
+    mesh: str | None = None, since: Any = None, addresses: list[str] | None = None, timeout: float = 10.0, factor: float = 2.0
 ) -> dict[str, Any]:
-    """What a dashboard shows of ``mesh``'s spans, reduced by each allocator rather than sent:
+    """What a dashboard shows of ``mesh``'s spans (None: every mesh's), reduced by each allocator rather than sent:
     ``ranks`` (per rank: mesh, rank, host, pid, calls, median, p95 of its endpoint calls),
     ``stragglers`` (as :func:`stragglers` gives, from the per-rank medians of each endpoint),
     ``errors`` (the failed spans as :func:`query_records` rows, clock offsets applied) and
