@@ -272,14 +272,15 @@ class Dashboard(W.VBox):
             self.errors_view.value = _render.errors_html(self._errors)
 
     def _on_failure(self, failure: Any) -> None:
-        """A mesh failure on this mesh's procs (a failed ``__init__``, a dead proc) joins the errors
-        when the controller learns of it, before any call raises it."""
+        """An actor failure on this mesh's procs (a failed ``__init__``, an actor that died) joins the
+        errors when the controller learns of it, before any call raises it. A dead proc is not
+        listed here: refresh lists it with how it died, from its allocator."""
         procs = getattr(failure.mesh, "_procs", None) or []
-        if not any(p.mesh == self.mesh.name for p in procs):
+        if not failure.actor or not any(p.mesh == self.mesh.name for p in procs):
             return
         # the headline: the remote error's last line ("ValueError: bad shard"), its traceback is in the cell's notice
         why = [ln.strip() for ln in str(failure.reason or failure.error).strip().splitlines() if ln.strip()] or [""]
-        what = f"actor {failure.mesh_name} failed" if failure.actor else f"mesh {failure.mesh_name} failed"
+        what = f"actor {failure.mesh_name} failed"
         with self._lock:
             # its __init__ span (see _span_errors) says the same later: listed once
             self._failed_inits.update((failure.mesh_name, r) for r in failure.crashed_ranks)
