@@ -10,14 +10,17 @@ import ast
 import builtins
 import contextvars
 import linecache
+import time
 import traceback
 from typing import Any, cast
 
 import cloudpickle
 
+from ._runtime import spans
 from .actor import Actor, endpoint
 from .actor._context import runtime
 from .actor._host import ensure_actor_host
+from .actor._spans import _who
 
 #: the actor name every proc mesh uses for its exec namespace
 EXEC_ACTOR = "__mnb_exec__"
@@ -47,6 +50,7 @@ class ExecActor(Actor):
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         ctx = contextvars.copy_context()
         host = ensure_actor_host(runtime())
+        t0 = time.perf_counter()
         try:
             value = host.run_on_main(lambda: ctx.run(self._exec, source, filename))
         except BaseException as e:  # KeyboardInterrupt too: it is the cell's result, not the actor's end
@@ -55,6 +59,18 @@ class ExecActor(Actor):
             while tb is not None and tb.tb_frame.f_code.co_filename != filename:
                 tb = tb.tb_next
             text = "".join(traceback.format_exception(type(e), e, tb))
+            # the endpoint returns the error as a value, so its call span says ok: this span carries
+            # the failure to telemetry, and to every dashboard on the mesh, whichever kernel ran the cell
+            actor, rank = _who()
+            spans.record_span(
+                "mesh exec",
+                actor,
+                rank,
+                t0,
+                time.perf_counter(),
+                False,
+                {"cell": label, "error": f"{type(e).__name__}: {e}"[:300]},
+            )
             return False, (type(e).__name__, str(e), text)
         if value is None:
             return True, None

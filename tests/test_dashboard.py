@@ -161,3 +161,67 @@ def test_dashboard_and_sidebar_list_jobs_and_a_lost_host() -> None:
         k.close()
         if any(r["name"] == "dashjob" for r in list_jobs()):  # the test failed before %mesh kill
             subprocess.run([sys.executable, "-m", "monarch_nb", "job", "kill", "dashjob"], capture_output=True, timeout=60)
+
+
+def test_dashboard_shows_a_failed_spawn_at_once_and_another_kernels_exec_error() -> None:
+    k = Kernel(env=FAST)
+    other = None
+    try:
+        _ok(
+            k.run(
+                "%load_ext monarch_nb\nfrom monarch_nb.actor import Actor, this_host\n"
+                "class Bad(Actor):\n    def __init__(self):\n        raise ValueError('no shard for me')\n"
+                "procs = this_host().spawn_procs(per_host={'gpus': 4}, name='dashfail')\n"
+                "d = %mesh dashboard dashfail"
+            )
+        )
+        # a failing __init__: in the errors when the spawning cell's notice is, before any call raises it
+        spawned = k.run("bad = procs.spawn('bad', Bad)")
+        assert spawned.error is None, spawned.msgs
+
+        def failure_listed() -> str | None:
+            errors = html_unescape(_value(k, "d.errors_view.value"))
+            return errors if "actor bad failed on ranks 0-3" in errors else None
+
+        # one line for the four ranks' events
+        errors = wait_for(failure_listed, 30, "the failed spawn in the dashboard's errors")
+        assert re.search(r"actor bad failed on ranks 0-3: ValueError: no shard for me", errors), errors
+        assert "In[" not in errors, errors  # no cell raised it: the supervision event did
+        _ok(k.run("d.refresh()"))  # its __init__ span says it again: still listed once
+        assert html_unescape(_value(k, "d.errors_view.value")).count("no shard for me") == 1
+
+        # a %%mesh exec that fails in another kernel reaches this kernel's dashboard (through the spans)
+        other = Kernel(env=FAST)
+        _ok(other.run("%load_ext monarch_nb\n%mesh connect"))
+        assert other.run("%%mesh exec dashfail\nx = 1\n1 / 0").error
+
+        def exec_listed() -> str | None:
+            _ok(k.run("d.refresh()"))
+            errors = html_unescape(_value(k, "d.errors_view.value"))
+            return errors if "mesh exec raised" in errors else None
+
+        errors = wait_for(exec_listed, 30, "the other kernel's exec error in the dashboard")
+        # one line for the four ranks, with the error
+        assert re.search(r"ranks 0-3 on \S+: mesh exec raised ZeroDivisionError: division by zero", errors), errors
+        assert errors.count("mesh exec raised") == 1, errors
+
+        # and a spawn that fails there: through its __init__ span
+        spawned = other.run(
+            "from monarch_nb.actor import Actor\nimport monarch_nb.mesh as M\n"
+            "class Worse(Actor):\n    def __init__(self):\n        raise RuntimeError('elsewhere')\n"
+            "w = M.get('dashfail').spawn('worse', Worse)"
+        )
+        assert spawned.error is None, spawned.msgs
+
+        def init_listed() -> str | None:
+            _ok(k.run("d.refresh()"))
+            errors = html_unescape(_value(k, "d.errors_view.value"))
+            return errors if "elsewhere" in errors else None
+
+        errors = wait_for(init_listed, 30, "the other kernel's failed spawn in the dashboard")
+        assert re.search(r"ranks 0-3 on \S+: worse\S*\.__init__ raised RuntimeError: elsewhere", errors), errors
+        _ok(k.run("d.close()\nprocs.stop().get(timeout=60)"))
+    finally:
+        if other is not None:
+            other.close()
+        k.close()

@@ -884,8 +884,10 @@ def test_telemetry_gathers_spans_of_every_host_on_one_timeline(cluster: NetnsClu
         procs.spawn("a", A).where.call().get(timeout=30)
         rows = [r for r in telemetry.query_records(since=t0, addresses=WORKERS) if r["name"] == "a.where"]
         trace = telemetry.chrome_trace(rows)
+        summary = telemetry.latency_summary(since=t0, addresses=WORKERS)
         emit(
             "spans",
+            summary=(sorted((r["rank"], r["calls"]) for r in summary["ranks"]), summary["unreachable"]),
             ranks=sorted(r["rank"] for r in rows),
             pids=len({r["pid"] for r in rows}),
             offsets=sorted({round(r["clock_offset"], 6) for r in rows}),
@@ -898,6 +900,8 @@ def test_telemetry_gathers_spans_of_every_host_on_one_timeline(cluster: NetnsClu
     got = ctl.expect("spans", timeout=60)
     # the four ranks' calls, measured in four procs on two hosts, each host's offset applied
     assert got["ranks"] == [0, 1, 2, 3] and got["pids"] == 4 and got["events"] == 4, got
+    # the dashboard's summary of the same calls, reduced by each host's allocator
+    assert got["summary"] == [[[0, 1], [1, 1], [2, 1], [3, 1]], []], got
     assert len(got["offsets"]) == 2 and all(abs(o) < 0.5 for o in got["offsets"]), got
     assert got["starts_ok"], got
     ctl.finish()

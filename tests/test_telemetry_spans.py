@@ -145,6 +145,28 @@ def test_stragglers_are_flagged(traced) -> None:  # type: ignore[no-untyped-def]
     assert len(flagged) == 1 and flagged[0].startswith("rank 1")
 
 
+def test_latency_summary_agrees_with_the_spans_it_reduces(traced) -> None:  # type: ignore[no-untyped-def]
+    # the dashboard's query: reduced by the allocator, it says what the raw spans say
+    t0 = time.time()
+    for _ in range(3):
+        traced.slow_on.call(1).get(timeout=30)
+    with pytest.raises(Exception, match="nope"):
+        traced.boom.call().get(timeout=30)
+    rows = telemetry.query_records("spans", since=t0)
+    got = telemetry.latency_summary("spans", since=t0, factor=2.0)
+    assert [(d["name"], d["rank"]) for d in got["stragglers"]] == [(d["name"], d["rank"]) for d in telemetry.stragglers(rows)]
+    assert got["unreachable"] == []
+    for r in got["ranks"]:
+        mine = sorted(x["duration"] for x in rows if x["kind"] == "call" and x["rank"] == r["rank"])
+        assert r["calls"] == len(mine) == 4, (r, mine)
+        assert min(mine) <= r["median"] <= r["p95"] <= max(mine)
+    failed = [(x["rank"], x["name"]) for x in rows if x["outcome"] == "error"]
+    assert sorted((e["rank"], e["name"]) for e in got["errors"]) == sorted(failed) == [(0, "t.boom"), (1, "t.boom")]
+    assert all(e["start"] >= t0 - 1 and e["outcome"] == "error" for e in got["errors"])
+    with pytest.raises(ValueError, match="factor"):
+        telemetry.latency_summary("spans", factor=1.0)
+
+
 def test_dashboard_shows_latency_per_rank_and_the_straggler(traced) -> None:  # type: ignore[no-untyped-def]
     from monarch_nb.widgets import Dashboard
 

@@ -543,6 +543,18 @@ class Allocator(DebugRegistry):
         received = time.time()  # with the reply's time, gives the caller this host's clock offset
         return {**await self.telemetry.spans.collect(mesh, since), "received": received}
 
+    async def sys_span_summary(
+        self, mesh: str | None = None, since: float | None = None, sent: float | None = None
+    ) -> dict[str, Any]:
+        """Per-proc latency summaries and the failed spans of this allocator's procs (a dashboard's
+        refresh), drained first. ``since`` is on the caller's clock, which read ``sent`` as it asked:
+        moved onto ours by that difference (the one-way delay is the error; the caller cannot trim
+        a summary as it trims spans)."""
+        received = time.time()
+        if since is not None and sent is not None:
+            since += received - sent
+        return {**await self.telemetry.spans.summarize(mesh, since), "received": received}
+
     def sys_shutdown(self) -> str:
         self.rt.loop.call_later(0.05, self.stopped.set)
         return "shutting down"

@@ -127,11 +127,7 @@ class SpanStore:
 
     async def collect(self, mesh: str | None, since: float | None, timeout: float = 2.0) -> dict[str, Any]:
         """Drain every running proc (of ``mesh``) now, then everything kept that matches."""
-        futs = [
-            f for r in list(self.alloc.by_token.values()) if mesh is None or r.mesh == mesh if (f := self.poll(r)) is not None
-        ]
-        if futs:
-            await asyncio.wait(futs, timeout=timeout)
+        await self._drain(mesh, timeout)
         spans: list[dict[str, Any]] = []
         metrics: list[dict[str, Any]] = []
         dropped = 0
@@ -143,3 +139,54 @@ class SpanStore:
             meta = k.meta
             spans.extend(dict(zip(_FIELDS, s), **meta) for s in k.spans if since is None or s[6] + s[7] >= since)
         return {"now": time.time(), "host": self.alloc.rt.hostname, "spans": spans, "metrics": metrics, "dropped": dropped}
+
+    async def _drain(self, mesh: str | None, timeout: float) -> None:
+        futs = [
+            f for r in list(self.alloc.by_token.values()) if mesh is None or r.mesh == mesh if (f := self.poll(r)) is not None
+        ]
+        if futs:
+            await asyncio.wait(futs, timeout=timeout)
+
+    async def summarize(
+        self, mesh: str | None, since: float | None, timeout: float = 2.0, max_errors: int = 1000
+    ) -> dict[str, Any]:
+        """``collect``'s spans reduced here, per proc, to what a dashboard shows: the endpoint calls'
+        count, median and p95 duration (all calls, and per name for stragglers) and the spans that
+        failed in full. A 128-rank mesh's 30 s of calls are tens of thousands of spans; sending
+        their summary, not them, keeps a dashboard's refresh cheap whatever the call rate."""
+        await self._drain(mesh, timeout)
+        procs: list[dict[str, Any]] = []
+        errors: list[dict[str, Any]] = []
+        for k in self.kept.values():
+            if mesh is not None and k.meta["mesh"] != mesh:
+                continue
+            calls: list[float] = []
+            names: dict[tuple[str, str], list[float]] = {}
+            for sp in k.spans:
+                if since is not None and sp[6] + sp[7] < since:
+                    continue
+                if sp[8] == "error":
+                    errors.append(dict(zip(_FIELDS, sp), **k.meta))
+                if sp[1] == "call":
+                    calls.append(sp[7])
+                names.setdefault((sp[1], sp[2]), []).append(sp[7])
+            if not names:
+                continue
+            calls.sort()
+            procs.append(
+                {
+                    **k.meta,
+                    "calls": _stats(calls),
+                    "names": [(kind, name, *_stats(sorted(d))) for (kind, name), d in names.items()],
+                }
+            )
+        return {"now": time.time(), "host": self.alloc.rt.hostname, "procs": procs, "errors": errors[-max_errors:]}
+
+
+def _stats(d: list[float]) -> tuple[int, float, float]:
+    """Count, median and p95 of sorted durations."""
+    if not d:
+        return 0, 0.0, 0.0
+    n = len(d)
+    med = d[n // 2] if n % 2 else (d[n // 2 - 1] + d[n // 2]) / 2
+    return n, med, d[min(n - 1, int(n * 0.95))]

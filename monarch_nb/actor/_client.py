@@ -71,6 +71,9 @@ class Client:
         self.on_call: Callable[[str, list[tuple[str, int]]], None] | None = None
         #: shows a runtime notice (an unhandled mesh failure) to the user: (text, mesh, rank)
         self.notice: Callable[[str, str, int | None], None] | None = None
+        #: told of every mesh failure this process learns of (a MeshFailure), handled or not, as
+        #: soon as it is known: a dashboard lists a failed spawn before any call raises it
+        self.failure_taps: list[Callable[[Any], None]] = []
         rt.peer_failure_callbacks.append(self._on_peer_failed)
         self._anon = 0
         if self.kind != "proc":

@@ -423,6 +423,7 @@ class ActorSlot:
         # a breakpoint in __init__ belongs to the creator's spawn call (its call ids start with its uid)
         self.busy, self.call_id, self.caller = "__init__", f"{self.instance_info._creator_uid}.spawn", reply[0]
         failure: _ActorFailed | None = None
+        t0 = time.perf_counter()
         try:
             obj = self.cls.__new__(self.cls)  # type: ignore[call-overload]
             obj.__init__(*args, **kwargs)
@@ -433,6 +434,16 @@ class ActorSlot:
             self.init_error = self._error(e, f"{self.cls.__qualname__}.__init__ on rank {self.instance_info.rank.rank}")
             status, value = wire.ERROR, self.init_error
             failure = _ActorFailed(e, None)
+            # a failed spawn in telemetry: a dashboard in any kernel lists it, not only the spawner's
+            spans.record_span(
+                f"{self.instance_info.name}.__init__",
+                self.instance_info.name,
+                self.instance_info.rank.rank,
+                t0,
+                time.perf_counter(),
+                False,
+                {"error": f"{type(e).__name__}: {e}"[:300]},
+            )
         finally:
             _context._message_rank.reset(tok)
             self.busy = ""

@@ -98,6 +98,7 @@ def report(failure: MeshFailure) -> None:
     """Give ``failure`` to the owning actor's ``__supervise__``; when it is not handled there
     the owner fails and its own owner hears of that. With no owning actor: the client's
     ``unhandled_fault_hook`` (or, in a proc, the proc exits)."""
+    _tap(failure)
     with _report_lock:
         # the owner is the actor that spawned the failed mesh
         owner = getattr(getattr(failure.mesh, "_owner", None), "_slot", None)
@@ -141,6 +142,15 @@ def report(failure: MeshFailure) -> None:
             public.unhandled_fault_hook(failure)
         except Exception:
             logger.exception("unhandled_fault_hook raised")
+
+
+def _tap(failure: MeshFailure) -> None:
+    client = _context._client
+    for tap in list(client.failure_taps) if client is not None else ():
+        try:
+            tap(failure)
+        except Exception:  # a reader's bug must not stop the failure's handling
+            logger.exception("a failure tap raised")
 
 
 def _escalate(failure: MeshFailure) -> None:

@@ -12,13 +12,14 @@ reads them back. Spans a proc recorded in its last second before it crashed are 
 ``query()`` gathers them from every attached allocator as a pandas DataFrame (pandas is the
 ``telemetry`` extra: ``pip install 'monarch-nb[telemetry]'``), with each host's clock offset
 applied; ``chrome_trace()`` writes them as a Chrome/Perfetto trace and ``stragglers()`` names
-the ranks slower than the others.
+the ranks slower than the others; ``latency_summary()`` is what a dashboard shows (per-rank
+latency, stragglers, failed spans), reduced by each allocator so its size does not grow with the call rate.
 """
 
 from __future__ import annotations
 
 from ..actor._spans import Counter, Gauge, Histogram, Meter, Span, UpDownCounter, get_meter, span, traced
-from ._query import chrome_trace, metrics, query, query_records, stragglers
+from ._query import chrome_trace, latency_summary, metrics, query, query_records, stragglers
 
 __all__ = [
     "Counter",
@@ -29,6 +30,7 @@ __all__ = [
     "UpDownCounter",
     "chrome_trace",
     "get_meter",
+    "latency_summary",
     "metrics",
     "query",
     "query_records",

@@ -159,11 +159,16 @@ def stragglers(spans: Any, factor: float = 2.0, kind: str | None = "call") -> li
             continue
         per.setdefault((s["mesh"], s["name"]), {}).setdefault(int(s["rank"]), []).append(float(s["duration"]))
         hosts[(s["mesh"], int(s["rank"]))] = s.get("host") or ""
+    return _flag({key: {r: statistics.median(d) for r, d in ranks.items()} for key, ranks in per.items()}, hosts, factor)
+
+
+def _flag(
+    medians: dict[tuple[str, str], dict[int, float]], hosts: dict[tuple[str, int], str], factor: float
+) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for (mesh, name), ranks in per.items():
-        if len(ranks) < 2:
+    for (mesh, name), med in medians.items():
+        if len(med) < 2:
             continue
-        med = {r: statistics.median(d) for r, d in ranks.items()}
         for r, m in med.items():
             # the others' median: one slow rank of two (or of a few) does not raise its own bar
             typical = statistics.median(v for q, v in med.items() if q != r)
@@ -182,6 +187,63 @@ def stragglers(spans: Any, factor: float = 2.0, kind: str | None = "call") -> li
                 )
     out.sort(key=lambda d: -d["ratio"])
     return out
+
+
+def latency_summary(
+    mesh: str | None = None, since: Any = None, addresses: list[str] | None = None, timeout: float = 10.0, factor: float = 2.0
+) -> dict[str, Any]:
+    """What a dashboard shows of ``mesh``'s spans (None: every mesh's), reduced by each allocator rather than sent:
+    ``ranks`` (per rank: mesh, rank, host, pid, calls, median, p95 of its endpoint calls),
+    ``stragglers`` (as :func:`stragglers` gives, from the per-rank medians of each endpoint),
+    ``errors`` (the failed spans as :func:`query_records` rows, clock offsets applied) and
+    ``unreachable`` (allocators that did not answer)."""
+    if factor <= 1:
+        raise ValueError(f"factor={factor}: a straggler is slower than the median by a factor above 1 (e.g. 2.0)")
+    client = _context.client()
+    t_since = parse_since(since)
+    asked = []
+    for a in _targets(addresses):
+        t_send = time.time()
+        asked.append((a, t_send, client.request(a, "span_summary", mesh, t_since, t_send)))
+    ranks: list[dict[str, Any]] = []
+    medians: dict[tuple[str, str], dict[int, float]] = {}
+    hosts: dict[tuple[str, int], str] = {}
+    errors: list[dict[str, Any]] = []
+    unreachable: list[str] = []
+    for addr, t_send, fut in asked:
+        try:
+            with _debugwait.quiet():
+                got = fut.get(timeout=timeout)
+        except Exception as e:
+            unreachable.append(f"{addr}: {type(e).__name__}: {e}")
+            continue
+        offset = ((got.get("received", got["now"]) - t_send) + (got["now"] - time.time())) / 2
+        for p in got["procs"]:
+            rank = int(p["rank"])
+            hosts[(p["mesh"], rank)] = p.get("host") or ""
+            n, med, p95 = p["calls"]
+            if n:
+                ranks.append(
+                    {
+                        "mesh": p["mesh"],
+                        "rank": rank,
+                        "host": p.get("host"),
+                        "pid": p.get("pid"),
+                        "calls": n,
+                        "median": med,
+                        "p95": p95,
+                    }
+                )
+            for kind, name, _n, m, _p95 in p["names"]:
+                if kind == "call":
+                    medians.setdefault((p["mesh"], name), {})[rank] = m
+        for sp in got["errors"]:
+            sp["start"] -= offset
+            sp["clock_offset"] = offset
+            if t_since is None or sp["start"] + sp["duration"] >= t_since:
+                errors.append({c: sp.get("attrs") if c == "attributes" else sp.get(c) for c in COLUMNS})
+    errors.sort(key=lambda s: s["start"])
+    return {"ranks": ranks, "stragglers": _flag(medians, hosts, factor), "errors": errors, "unreachable": unreachable}
 
 
 def chrome_trace(spans: Any, path: str | None = None, factor: float = 2.0) -> dict[str, Any]:

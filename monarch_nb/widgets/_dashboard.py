@@ -12,7 +12,7 @@ from typing import Any
 import ipywidgets as W
 
 from .. import _meshhtml, introspect, telemetry
-from .._ranks import parse_ranks
+from .._ranks import format_ranks, parse_ranks
 from ..actor import ProcMesh, controller_client
 from ..logs import Aggregator
 from . import _render
@@ -51,6 +51,9 @@ class Dashboard(W.VBox):
         self._lines: collections.deque[tuple[int, str, float, str, str]] = collections.deque(maxlen=tail)
         self._errors: list[str] = []
         self._error_spans: set[tuple[Any, ...]] = set()
+        self._failed_inits: set[tuple[str, int]] = set()
+        #: failures told by supervision: (what, why) -> (index in _errors, time, ranks)
+        self._failures: dict[tuple[str, str], tuple[int, str, set[int]]] = {}
         self._jobs_at = -JOBS_EVERY
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -102,6 +105,7 @@ class Dashboard(W.VBox):
         self.add_class("mnb-dash")
         self._client = controller_client()
         self._client.log_taps.append(self._on_lines)
+        self._client.failure_taps.append(self._on_failure)
         self._watch_cells()
         self.refresh()
         self._thread = threading.Thread(target=self._loop, name="monarch_nb-dashboard", daemon=True)
@@ -117,6 +121,8 @@ class Dashboard(W.VBox):
             for key in ("addr", "tcp"):
                 if a.get(key):
                     by_alloc[a[key]] = a
+        # each allocator's procs by (mesh, rank), indexed once: a lookup per rank, not a scan
+        recs: dict[int, dict[tuple[str, int], dict[str, Any]]] = {}
         ranks = []
         hosts: dict[str, dict[str, Any]] = {}
         for p in pm._procs:
@@ -126,8 +132,10 @@ class Dashboard(W.VBox):
             if a is None or a.get("error"):
                 unreachable = f"host {p.host} unreachable" + (f": {a['error']}" if a and a.get("error") else "")
             else:
-                m = next((m for m in a.get("meshes", []) if m["name"] == p.mesh), None)
-                rec = next((r for r in m["procs"] if r["rank"] == p.rank), None) if m else None
+                index = recs.get(id(a))
+                if index is None:
+                    index = recs[id(a)] = {(m["name"], r["rank"]): r for m in a.get("meshes", []) for r in m["procs"]}
+                rec = index.get((p.mesh, p.rank))
             state, reason = _render.rank_state(rec, unreachable)
             ranks.append({**(rec or {}), "rank": p.rank, "host": p.host, "pid": p.pid, "state": state, "reason": reason})
             hosts.setdefault(p.host, a or {"host": p.host, "error": "no answer"})
@@ -180,17 +188,23 @@ class Dashboard(W.VBox):
     def _render_latency(self) -> None:
         pm = self.mesh
         try:
-            rows = telemetry.query_records(
-                pm._procs[0].mesh, since=self.window, addresses=sorted({p.alloc for p in pm._procs if p.alloc}), timeout=2.0
+            # reduced by the allocators: a 128-rank mesh's calls are tens of thousands of spans a window
+            got = telemetry.latency_summary(
+                pm._procs[0].mesh,
+                since=self.window,
+                addresses=sorted({p.alloc for p in pm._procs if p.alloc}),
+                timeout=2.0,
+                factor=self.straggler_factor,
             )
-            self._span_errors(rows)
-            slow = telemetry.stragglers(rows, self.straggler_factor)
-            self.latency_view.value = _render.latency_html(rows, slow, self.straggler_factor, self.window)
+            self._span_errors(got["errors"])
+            self.latency_view.value = _render.latency_html(got["ranks"], got["stragglers"], self.straggler_factor, self.window)
         except Exception as e:  # latency is extra: the rest of the dashboard stays live
-            self.latency_view.value = f'<span class="mnb-errors">latency unavailable: {e}</span>'
+            self.latency_view.value = f'<span class="mnb-errors">latency unavailable: {html.escape(str(e))}</span>'
 
     def _span_errors(self, rows: list[dict[str, Any]]) -> None:
-        """Endpoint calls that raised on a rank (whoever called them) join the errors."""
+        """Endpoint calls that raised on a rank, and failed spans (a ``%%mesh exec`` cell), whoever ran
+        them, join the errors: one line per failure and its ranks, not one per rank."""
+        groups: dict[str, tuple[float, list[int], set[str]]] = {}
         with self._lock:
             for s in rows:
                 if s.get("outcome") != "error":
@@ -200,8 +214,22 @@ class Dashboard(W.VBox):
                 if key in self._error_spans:
                     continue
                 self._error_spans.add(key)
-                at = time.strftime("%H:%M:%S", time.localtime(float(s.get("start") or 0)))
-                self._errors.append(f"{at} rank {s.get('rank')} on {s.get('host')}: endpoint {s.get('name')} raised")
+                if str(s.get("name")).endswith(".__init__") and (s.get("actor"), s.get("rank")) in self._failed_inits:
+                    continue
+                if s.get("kind") == "call":
+                    what = f"endpoint {s.get('name')} raised"
+                else:
+                    attrs = s.get("attributes")
+                    err = attrs.get("error") if isinstance(attrs, dict) else None
+                    what = f"{s.get('name')} raised" + (f" {err}" if err else "")
+                first, ranks, hosts = groups.setdefault(what, (float(s.get("start") or 0), [], set()))
+                ranks.append(int(s.get("rank") or 0))
+                hosts.add(str(s.get("host")))
+            for what, (first, ranks, hosts) in groups.items():
+                at = time.strftime("%H:%M:%S", time.localtime(first))
+                who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+                where = ", ".join(sorted(hosts)[:3]) + (f" (+{len(hosts) - 3})" if len(hosts) > 3 else "")
+                self._errors.append(f"{at} {who} on {where}: {what}")
 
     def _render_jobs(self) -> None:
         if time.monotonic() - self._jobs_at < JOBS_EVERY:
@@ -241,6 +269,31 @@ class Dashboard(W.VBox):
         where = f"In[{n}]" if n else "a cell"
         with self._lock:
             self._errors.append(f"{time.strftime('%H:%M:%S')} {where}: {type(err).__name__}: {head[:300]}")
+            self.errors_view.value = _render.errors_html(self._errors)
+
+    def _on_failure(self, failure: Any) -> None:
+        """An actor failure on this mesh's procs (a failed ``__init__``, an actor that died) joins the
+        errors when the controller learns of it, before any call raises it. A dead proc is not
+        listed here: refresh lists it with how it died, from its allocator."""
+        procs = getattr(failure.mesh, "_procs", None) or []
+        if not failure.actor or not any(p.mesh == self.mesh.name for p in procs):
+            return
+        # the headline: the remote error's last line ("ValueError: bad shard"), its traceback is in the cell's notice
+        why = [ln.strip() for ln in str(failure.reason or failure.error).strip().splitlines() if ln.strip()] or [""]
+        what = f"actor {failure.mesh_name} failed"
+        with self._lock:
+            # its __init__ span (see _span_errors) says the same later: listed once
+            self._failed_inits.update((failure.mesh_name, r) for r in failure.crashed_ranks)
+            # each rank's failure is an event of its own: alike ones (same actor, same error) are one line
+            key = (what, why[-1][:300])
+            entry = self._failures.get(key)
+            if entry is None:  # _errors only grows: the index stays its line
+                entry = self._failures[key] = (len(self._errors), time.strftime("%H:%M:%S"), set())
+                self._errors.append("")
+            entry[2].update(failure.crashed_ranks)
+            ranks = sorted(entry[2])
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+            self._errors[entry[0]] = f"{entry[1]} {what} on {who}: {key[1]}"
             self.errors_view.value = _render.errors_html(self._errors)
 
     def _show_stacks(self) -> None:
@@ -343,4 +396,6 @@ class Dashboard(W.VBox):
                 pass
         if self._on_lines in self._client.log_taps:
             self._client.log_taps.remove(self._on_lines)
+        if self._on_failure in self._client.failure_taps:
+            self._client.failure_taps.remove(self._on_failure)
         super().close()

@@ -160,20 +160,13 @@ def errors_html(errors: list[str]) -> str:
     return f'<div class="mnb-errors"><b>recent errors</b><ul>{items}</ul></div>'
 
 
-def latency_html(spans: list[dict[str, Any]], slow: list[dict[str, Any]], factor: float, window: str, top: int = 16) -> str:
-    """Per-rank endpoint latency over the window (the slowest ``top`` ranks) and the stragglers."""
-    per: dict[int, list[float]] = {}
-    for s in spans:
-        if s.get("kind") == "call":
-            per.setdefault(int(s["rank"]), []).append(float(s["duration"]))
-    if not per:
+def latency_html(ranks: list[dict[str, Any]], slow: list[dict[str, Any]], factor: float, window: str, top: int = 16) -> str:
+    """Per-rank endpoint latency over the window (the slowest ``top`` ranks) and the stragglers;
+    ``ranks`` are ``telemetry.latency_summary()``'s (rank, calls, median, p95)."""
+    if not ranks:
         return f'<div class="mnb-latency">no endpoint calls in the last {html.escape(window)}</div>'
     flagged = {d["rank"] for d in slow}
-    stats = []
-    for rank, d in per.items():
-        d.sort()
-        stats.append((d[len(d) // 2], d[min(len(d) - 1, int(len(d) * 0.95))], len(d), rank))
-    stats.sort(reverse=True)
+    stats = sorted(((float(r["median"]), float(r["p95"]), int(r["calls"]), int(r["rank"])) for r in ranks), reverse=True)
     worst = stats[0][0] or 1e-9
     rows = "".join(
         f'<tr class="mnb-lat-row{" mnb-straggler" if rank in flagged else ""}"><td>rank {rank}</td><td>{n}</td>'
