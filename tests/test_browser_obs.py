@@ -97,7 +97,8 @@ def test_errors_logs_tables_grids_and_stacks_in_the_page(page, lab) -> None:  # 
     _shot(err, "obs-grouped-error")
 
     # 8 training steps on 16 ranks: 8 lines, in order
-    log = _out(nb, 2).first
+    # (the cell's first output is the provisional first line's display, emptied once its group shows)
+    log = _out(nb, 2).filter(has_text="step 7").first
     lines = [ln for ln in log.inner_text().splitlines() if "step" in ln]
     assert [ln.split(" loss=")[0] for ln in lines] == [f"[ranks 0-15 ×16] step {s}" for s in range(8)], lines
     _shot(log, "obs-ordered-training-log")

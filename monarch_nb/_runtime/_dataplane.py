@@ -569,11 +569,14 @@ def stream(
     step = -(-step // 65536) * 65536
     ranges = [(a, min(n, a + step)) for a in range(0, n, step)]
     errors: list[BaseException | None] = [None] * len(ranges)
+    # each range's connection goes back to the pool only once every range is done, so that no
+    # range takes another's connection as it frees: the ranges run on distinct connections
+    held: list[tuple[tuple[str, ...], _Plain | _Sealed]] = []
 
     def part(i: int) -> None:
         a, b = ranges[i]
         try:
-            _one(addr, key, op, bid, local[a:b], off + a, b - a, deadline)
+            _one(addr, key, op, bid, local[a:b], off + a, b - a, deadline, held)
         except BaseException as e:
             errors[i] = e
 
@@ -585,6 +588,8 @@ def stream(
     part(0)
     for t in threads:
         t.join()  # each part ends by the deadline: its socket times out then
+    for where, ch in held:
+        _pool.give(where, ch)
     for e in errors:
         if e is not None:
             raise e
@@ -624,13 +629,14 @@ def _one(
     off: int,
     n: int,
     deadline: float,
+    held: list[tuple[tuple[str, ...], _Plain | _Sealed]] | None = None,
 ) -> bytes:
     try:
-        return _stream(addr, key, op, bid, local, off, n, deadline, fresh=False)
+        return _stream(addr, key, op, bid, local, off, n, deadline, fresh=False, held=held)
     except _StaleConnection:
         # an idle connection that broke meanwhile (the peer restarted its side, a network blip):
         # nothing moved on it, and every op may be repeated, so once more on a new one
-        return _stream(addr, key, op, bid, local, off, n, deadline, fresh=True)
+        return _stream(addr, key, op, bid, local, off, n, deadline, fresh=True, held=held)
 
 
 def _stream(
@@ -643,6 +649,7 @@ def _stream(
     n: int,
     deadline: float,
     fresh: bool,
+    held: list[tuple[tuple[str, ...], _Plain | _Sealed]] | None = None,
 ) -> bytes:
     same = addr.host == host_id()
     # pooled by key too: a connection proves one key, never another
@@ -719,7 +726,10 @@ def _stream(
     finally:
         if ok:
             ch.sock.settimeout(None)
-            _pool.give(where, ch)
+            if held is not None:
+                held.append((where, ch))  # given back by the caller once its other ranges are done
+            else:
+                _pool.give(where, ch)
         else:
             ch.close()
     return bytes(body)

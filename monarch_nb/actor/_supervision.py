@@ -69,8 +69,14 @@ def unhandled_fault_hook(failure: MeshFailure) -> None:
     global _exit_requested
     _exit_requested = True
     _install_exit_hook()
-    # a real SIGINT (unlike _thread.interrupt_main) also wakes a main thread blocked in a wait
-    os.kill(os.getpid(), signal.SIGINT)
+    # a real SIGINT (unlike _thread.interrupt_main) also wakes a main thread blocked in a wait,
+    # but only if that thread receives it: a process-directed signal may go to any thread (Linux
+    # skips a main thread that has a signal pending), and then the wait runs to its end
+    main = threading.main_thread().ident
+    if main is not None and main != threading.get_ident():
+        signal.pthread_kill(main, signal.SIGINT)
+    else:
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def _install_exit_hook() -> None:
