@@ -41,6 +41,15 @@ class Config:
     zygote_preload: str = "torch"
     #: how long the allocator batches log lines before forwarding them
     log_flush_interval: float = 0.005
+    #: messages queued to one peer (per sending thread) before a send waits for room: a peer
+    #: that does not read (stopped, dead, slow network) costs a bounded amount of memory
+    send_hwm: int = 1000
+    #: how long a send to a peer whose queue is full waits for room before it fails (a log
+    #: line for a slow subscriber is dropped at once instead, counted; it stays on disk)
+    send_timeout: float = 10.0
+    #: a connection to a peer unused this long is closed (an allocator answers many short-lived
+    #: controllers: their sockets must not pile up); it reconnects on the next message
+    peer_idle_close: float = 120.0
     #: a rank's log on disk is kept under this size, in two files (``rank-N.jsonl`` and the
     #: previous ``rank-N.jsonl.1``): the oldest half goes when the newest half is full; 0: no limit
     log_max_rank_bytes: int = 256 << 20

@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
@@ -767,3 +768,176 @@ def test_loopback_tcp_across_runtime_directories_says_why_it_is_refused(tmp_path
             _context.client().connect(a.info["tcp"], timeout=10)
     finally:
         a.stop()
+
+
+# ---------------------------------------------------------------- bounded queues, detaching, sockets (item 4 and after)
+
+
+def _controller(a: AllocatorProc, body: str, tmp_path, name: str) -> tuple[subprocess.Popen, str]:
+    """A controller script attached to ``a``; what the ranks print is not written anywhere (a
+    frontend's log writer), what the script says goes to a file the test reads."""
+    out = str(tmp_path / f"{name}.out")
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        from monarch_nb.actor import _context, attach_to_workers
+        from test_security import Chatty
+
+        def wait_file(path):
+            while not os.path.exists(path):
+                time.sleep(0.05)
+
+        _context.controller_client().log_writer = lambda mesh, lines: None
+        hosts = attach_to_workers(workers=[{a.addr!r}])
+        """
+    ) + textwrap.dedent(body)
+    env = dict(a.env, PYTHONPATH=os.path.dirname(__file__))
+    with open(out, "w") as f:
+        p = subprocess.Popen([PY, "-u", "-c", script], env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+    return p, out
+
+
+def _said(out: str, what: str) -> bool:
+    with open(out, errors="replace") as f:
+        return what in f.read()
+
+
+def test_a_stopped_log_subscriber_costs_the_allocator_a_bounded_queue(tmp_path) -> None:
+    """A live controller that reads nothing (SIGSTOP) while its mesh prints 50 MB: the allocator
+    drops that subscriber's log lines once its queue is full (counted, logged; every line is on
+    disk) instead of growing, and the controller's calls work again once it reads again."""
+    # heartbeats far longer than the test: only the full queue, not silence, may drop lines
+    a = AllocatorProc(str(tmp_path), env=dict(LIGHT, MONARCH_NB_HEARTBEAT_TIMEOUT="120"))
+    flag, resume = str(tmp_path / "go"), str(tmp_path / "resume")
+    p, out = _controller(
+        a,
+        f"""
+        procs = hosts.spawn_procs(per_host={{"gpus": 1}}, name="chatty", persist=True)
+        c = procs.spawn("c", Chatty)
+        c.hello.call_one().get(timeout=30)
+        c.flood_when.call_one({flag!r}, 50).get(timeout=30)
+        print("armed", flush=True)
+        wait_file({resume!r})
+        print("after:", c.hello.call_one().get(timeout=60), flush=True)
+        procs.stop().get(timeout=30)
+        """,
+        tmp_path,
+        "slow",
+    )
+    try:
+        wait_for(lambda: _said(out, "armed"), 60, "the controller to arm the flood")
+        os.kill(p.pid, signal.SIGSTOP)
+        alloc = psutil.Process(a.proc.pid)
+        before = alloc.memory_info().rss
+        open(flag, "w").close()
+        log = next(iter(__import__("glob").glob(os.path.join(a.rdir, "mnb-logs-*", "chatty", "rank-0.jsonl"))))
+
+        def done() -> bool:
+            with open(log, "rb") as f:
+                f.seek(max(0, os.path.getsize(log) - 4096))
+                return b"flood done" in f.read()
+
+        peak = 0
+        deadline = time.monotonic() + 150
+        while not done():  # the allocator's memory all along the flood, not only at its end
+            assert time.monotonic() < deadline, "the rank did not print 50 MB in 150 s"
+            peak = max(peak, alloc.memory_info().rss - before)
+            time.sleep(0.1)
+        assert peak < 20 << 20, f"the allocator grew by {peak >> 20} MiB for a subscriber that reads nothing"
+        assert os.path.getsize(log) > 50_000_000  # every line is on disk
+        assert "reads too slowly (its queue is full): dropping its log lines" in a.logtext()
+        os.kill(p.pid, signal.SIGCONT)
+        open(resume, "w").close()
+        wait_for(lambda: _said(out, "after: hi"), 60, "the controller's call after it reads again")
+        assert p.wait(30) == 0
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+            p.wait()
+        a.stop()
+
+
+def test_a_detached_controller_is_told_by_its_pongs(tmp_path) -> None:
+    """A controller silent long enough to be detached (suspended) learns it when it pings again:
+    its calls fail with a SupervisionError that says so, instead of waiting for ever."""
+    a = AllocatorProc(str(tmp_path), env=LIGHT)
+    resume = str(tmp_path / "resume")
+    p, out = _controller(
+        a,
+        f"""
+        from monarch_nb.errors import SupervisionError
+        procs = hosts.spawn_procs(per_host={{"gpus": 1}}, name="held")
+        c = procs.spawn("c", Chatty)
+        c.hello.call_one().get(timeout=30)
+        print("ready", flush=True)
+        wait_file({resume!r})
+        try:
+            c.hello.call_one().get(timeout=30)
+            print("answered")
+        except SupervisionError as e:
+            print("failed:", e, flush=True)
+        except TimeoutError:
+            print("no answer", flush=True)
+        os._exit(0)
+        """,
+        tmp_path,
+        "detached",
+    )
+    try:
+        wait_for(lambda: _said(out, "ready"), 60, "the controller to spawn")
+        os.kill(p.pid, signal.SIGSTOP)
+        wait_for(lambda: "went silent; detaching it" in a.logtext(), 30, "the allocator to detach the stopped controller")
+        os.kill(p.pid, signal.SIGCONT)
+        open(resume, "w").close()
+        assert p.wait(45) == 0
+        with open(out) as f:
+            said = f.read()
+        assert "failed:" in said and "detached this controller" in said, said
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+            p.wait()
+        a.stop()
+
+
+def test_short_lived_controllers_do_not_pile_up_sockets_in_the_allocator(tmp_path) -> None:
+    """Controllers that come and go (each with its own address), and requests whose answers go
+    to addresses nobody serves: the allocator closes those connections; its fds stay bounded."""
+    import zmq
+
+    from monarch_nb._runtime.runtime import Runtime
+    from monarch_nb._runtime.transport import Security
+    from monarch_nb.actor._client import Client
+    from monarch_nb.config import get_config
+
+    a = AllocatorProc(str(tmp_path), env=dict(LIGHT, MONARCH_NB_PEER_IDLE_CLOSE="1"))
+    alloc = psutil.Process(a.proc.pid)
+    ctx = zmq.Context()
+    try:
+        cfg = get_config()
+        baseline = alloc.num_fds()
+        for _ in range(25):  # short-lived controllers that say goodbye
+            rt = Runtime(cfg, Security(), a.rdir, label="controller").start()
+            cl = Client(rt)
+            cl.connect(a.addr)
+            assert cl.request(a.addr, "status").get(timeout=10)["pid"] == a.proc.pid
+            cl.shutdown()
+            rt.close()
+        raw = ctx.socket(zmq.DEALER)
+        raw.linger = 0
+        raw.connect(a.addr)
+        for i in range(40):  # answers to addresses nobody serves
+            raw.send(_status_frame(f"ipc://{a.rdir}/nobody-{i}.sock"))
+        wait_for(lambda: alloc.num_fds() > baseline + 20, 30, "the allocator to answer (and so connect to) each address")
+        wait_for(lambda: alloc.num_fds() <= baseline + 8, 30, f"the allocator's fds to come back near {baseline}")
+        raw.close()
+    finally:
+        ctx.destroy(linger=0)
+        a.stop()
+
+
+def _status_frame(reply: str) -> bytes:
+    meta = ("__allocator__", "status", reply, 7, 0, ((), ()), "", "", 0)
+    return frames.encode(frames.ACTOR, meta, pickle.dumps(((), {}), protocol=5))[0]
