@@ -650,5 +650,5 @@ class Allocator(DebugRegistry):
 _MESH_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 _PONG = dumps(("pong",))
 #: characters of log lines in one message to a subscriber (see ``_send_logs``)
-LOG_CHUNK_CHARS = 16 << 10
+LOG_CHUNK_CHARS = 8 << 10
 _EMPTY_ARGS: tuple[bytes, list[Any]] = pickle.dumps(((), {}), protocol=5), []
