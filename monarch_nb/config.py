@@ -57,6 +57,11 @@ class Config:
     log_max_total_bytes: int = 4 << 30
     #: ``monarch-nb gc`` removes logs of stopped meshes and allocators older than this (seconds)
     log_max_age: float = 14 * 86400.0
+    #: ``monarch-nb gc`` removes synced workspaces (code cache) not synced for this long (seconds),
+    #: unless a running allocator's procs import from them
+    code_max_age: float = 14 * 86400.0
+    #: ``monarch-nb gc`` removes the least recently synced workspaces beyond this total
+    code_max_total_bytes: int = 2 << 30
     #: a breakpoint hit while the caller waits with no way to ask for input (nbval, nbconvert,
     #: a script without a TTY): "continue" it after debug_no_input_timeout, "raise" in the
     #: caller (after continuing it), or "wait" for an attach from a terminal (monarch-nb debug)

@@ -720,6 +720,56 @@ def test_gc_removes_old_logs_of_stopped_allocators_and_meshes(tmp_path) -> None:
     assert not (rdir / "mnb-logs-ba9876543210").exists(), r.stdout
 
 
+def test_gc_removes_old_synced_code_but_not_what_a_running_allocator_serves(tmp_path) -> None:
+    import hashlib
+
+    from monarch_nb._runtime.codecache import CodeCache
+    from monarch_nb.actor import _context
+
+    a = AllocatorProc(str(tmp_path), env=LIGHT)
+    try:
+        live, old = b"x = 1\n", b"y = 2\n"
+        dl, do = hashlib.sha256(live).hexdigest(), hashlib.sha256(old).hexdigest()
+        cl = _context.client()
+        cl.connect(a.addr)
+        cl.request(a.addr, "sync_put", {dl: live}).get(timeout=30)
+        cl.request(a.addr, "sync_commit", "live", {"mod.py": (dl, len(live), 0o644)}).get(timeout=30)
+        code = os.path.join(a.rdir, "mnb-code")
+        # what an allocator that no longer runs synced
+        earlier = CodeCache(code, owner="0123456789ab")
+        earlier.put({do: old})
+        earlier.commit("old", {"old.py": (do, len(old), 0o644)})
+        month = time.time() - 30 * 86400
+        for p in ("ws/old", "ws/live", f"blobs/{do[:2]}/{do}", f"blobs/{dl[:2]}/{dl}"):
+            os.utime(os.path.join(code, p), (month, month))
+
+        def gc(*args: str, **env: str) -> str:
+            r = subprocess.run(
+                [PY, "-m", "monarch_nb", "gc", *args], env=dict(a.env, **env), capture_output=True, text=True, timeout=60
+            )
+            assert r.returncode == 0, r.stderr
+            return r.stdout
+
+        out = gc("--dry-run")
+        assert "would remove" in out and "ws/old" in out and do in out, out
+        assert "ws/live" not in out and dl not in out, out  # a running allocator's procs import from it
+        assert os.path.exists(os.path.join(code, "ws", "old", "old.py"))  # a dry run removes nothing
+        gc()
+        assert not os.path.exists(os.path.join(code, "ws", "old"))
+        assert not os.path.exists(os.path.join(code, "blobs", do[:2], do))
+        assert not os.path.exists(os.path.join(code, "in-use-0123456789ab"))
+        assert os.path.exists(os.path.join(code, "ws", "live", "mod.py"))
+        assert os.path.exists(os.path.join(code, "blobs", dl[:2], dl))
+        # over the size limit, still nothing a running allocator serves
+        gc(MONARCH_NB_CODE_MAX_TOTAL_BYTES="1")
+        assert os.path.exists(os.path.join(code, "ws", "live", "mod.py"))
+        a.stop()
+        out = gc()  # its allocator gone, the month-old workspace goes too
+        assert not os.path.exists(os.path.join(code, "ws", "live")), out
+    finally:
+        a.stop()
+
+
 def test_logs_of_a_previous_allocator_of_this_host(tmp_path) -> None:
     a = AllocatorProc(str(tmp_path), env=LIGHT)
     env = {"MONARCH_NB_RUNTIME_DIR": a.rdir, "PYTHONPATH": os.path.dirname(__file__)}

@@ -93,6 +93,7 @@ class Allocator(DebugRegistry):
     def start(self, key_file: str = "") -> None:
         self.rt.start()
         self.id = self.rt.uid
+        self.env.owner = self.id
         self.log_dir = os.path.join(self.runtime_dir, f"mnb-logs-{self.id}")
         os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
         self.rt.system["__allocator__"] = self
