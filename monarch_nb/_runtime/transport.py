@@ -514,7 +514,7 @@ class Transport:
         ob.last_used.setdefault(keep, now)
         for addr in sorted(ob.socks, key=lambda a: ob.last_used.get(a, 0.0))[: len(ob.socks) - MAX_PEER_SOCKETS]:
             if addr != keep:
-                self._close_out(ob, addr, linger=0)
+                self._close_out(ob, addr, linger=1.0)  # the least recently used: what it queued may leave
 
     def _close_out(self, ob: _Outboxes, addr: str, linger: float) -> None:
         s = ob.socks.pop(addr)
