@@ -991,3 +991,42 @@ def test_short_lived_controllers_do_not_pile_up_sockets_in_the_allocator(tmp_pat
 def _status_frame(reply: str) -> bytes:
     meta = ("__allocator__", "status", reply, 7, 0, ((), ()), "", "", 0)
     return frames.encode(frames.ACTOR, meta, pickle.dumps(((), {}), protocol=5))[0]
+
+
+def test_a_full_queue_fails_a_send_with_an_error_and_drops_only_log_lines() -> None:
+    """A peer that reads nothing: a request or reply to it waits for room up to send_timeout and
+    then raises ConnectError (never lost silently); a droppable message (a log line) is refused
+    at once."""
+    import zmq
+
+    from monarch_nb._runtime.runtime import Runtime
+    from monarch_nb._runtime.transport import Security
+    from monarch_nb.config import get_config
+    from monarch_nb.errors import ConnectError
+
+    rdir = tempfile.mkdtemp(prefix="mnbq-", dir="/tmp")
+    ctx = zmq.Context()
+    sink = ctx.socket(zmq.ROUTER)
+    sink.rcvhwm = 1
+    sink.setsockopt(zmq.RCVBUF, 4096)
+    addr = f"ipc://{rdir}/sink.sock"
+    sink.bind(addr)
+    cfg = get_config().replace(send_hwm=10, send_timeout=1.0, direct_ipc=False)
+    rt = Runtime(cfg, Security(), rdir, label="controller").start()
+    try:
+        body = b"x" * 65536
+        t0 = time.monotonic()
+        with pytest.raises(ConnectError, match="is not reading its messages"):
+            for _ in range(100_000):
+                rt.transport.send(addr, [body])
+        assert time.monotonic() - t0 < 15
+        assert rt.transport.send(addr, [body], droppable=True) is False
+        t0 = time.monotonic()
+        with pytest.raises(ConnectError):  # a peer that already made us wait fails at once
+            rt.transport.send(addr, [body])
+        assert time.monotonic() - t0 < 0.5
+    finally:
+        rt.close()
+        sink.close(0)
+        ctx.term()
+        shutil.rmtree(rdir, ignore_errors=True)

@@ -466,7 +466,7 @@ class Transport:
                 return True
             except zmq.Again:
                 pass
-        ob.full_since[addr] = now
+        ob.full_since[addr] = time.monotonic()  # when the wait ended: it fails at once from here
         raise ConnectError(
             f"{addr} is not reading its messages: {self.cfg.send_hwm} are queued for it and none left "
             f"within {wait:.1f} s (a stopped, hung or overloaded peer); this message was not sent "
