@@ -896,6 +896,9 @@ def test_a_stopped_log_subscriber_costs_the_allocator_a_bounded_queue(tmp_path) 
         assert peak < 20 << 20, f"the allocator grew by {peak >> 20} MiB for a subscriber that reads nothing"
         assert os.path.getsize(log) > 50_000_000  # every line is on disk
         assert "reads too slowly (its queue is full): dropping its log lines" in a.logtext()
+        from monarch_nb.actor import _context
+
+        assert _context.client().request(a.addr, "status").get(timeout=10)["dropped_log_lines"] > 0
         os.kill(p.pid, signal.SIGCONT)
         open(resume, "w").close()
         wait_for(lambda: _said(out, "after: hi"), 60, "the controller's call after it reads again")

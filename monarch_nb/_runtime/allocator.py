@@ -80,6 +80,7 @@ class Allocator(DebugRegistry):
         self._last_log_flush = 0.0
         #: log lines not sent to a subscriber that went silent (still on disk), by its address
         self.dropped_log_lines: dict[str, int] = {}
+        #: all log lines dropped so far (``status()["dropped_log_lines"]``)
         self.dropped_log_total = 0
         self._anon = 0
         self.stopped = asyncio.Event()
@@ -498,6 +499,8 @@ class Allocator(DebugRegistry):
             "version": __version__,
             # fan-out: messages for several of our procs received once and relayed to each
             "relayed": {"messages": self.rt.relayed[0], "deliveries": self.rt.relayed[1]},
+            # log lines not sent to a silent or too slow subscriber (every one is in the logs on disk)
+            "dropped_log_lines": self.dropped_log_total,
             "controllers": [
                 {
                     "cid": c["cid"],
