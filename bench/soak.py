@@ -85,22 +85,40 @@ class Stats:
 
 
 class LogCounter:
-    """Counts a tag's lines in a rank's log on disk, reading only what was appended since."""
+    """Counts each tag's lines in a rank's log on disk, reading only what was appended since.
+
+    It keeps the file open: when the log rotates (``rank-N.jsonl`` becomes ``rank-N.jsonl.1``
+    at half the per-rank cap), it reads the rest of the old file through its descriptor, then
+    the new file from its start; every line is counted once."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.offset = 0
+        self.f: Any = None
         self.rest = b""
         self.counts: dict[str, int] = {}
+        self.rotations = 0
 
     def read(self) -> None:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return
-        self.offset += len(data)
+        if self.f is None:
+            try:
+                self.f = open(self.path, "rb")
+            except FileNotFoundError:
+                return
+        while True:
+            self._count(self.f.read())
+            try:
+                rotated = os.stat(self.path).st_ino != os.fstat(self.f.fileno()).st_ino
+            except FileNotFoundError:
+                rotated = False
+            if not rotated:
+                return
+            self._count(self.f.read())  # what reached the old file after the first read
+            self.f.close()
+            self.f = open(self.path, "rb")
+            self.rest = b""
+            self.rotations += 1
+
+    def _count(self, data: bytes) -> None:
         data = self.rest + data
         cut = data.rfind(b"\n") + 1
         self.rest = data[cut:]
@@ -387,12 +405,10 @@ class SoakRun:
         for t in threads:
             t.join(180)
         self.samples.append({"t_min": round((time.monotonic() - t0) / 60, 1), **_sample(self.alloc_pid)})
-        # the lines of every flood, counted once more in the log on disk (the previous half of a
-        # rotated log included; the run stays far under the per-rank cap)
-        full = LogCounter(os.path.join(self.log_dir, "soak-main", "rank-0.jsonl.1"))
-        full.read()
+        # the lines of every flood, counted in the log on disk (across its rotation; the run
+        # stays under the per-rank cap, so nothing is deleted by it)
         self.counter.read()
-        on_disk = {t: self.counter.counts.get(t, 0) + full.counts.get(t, 0) for t in self.flood_expected}
+        on_disk = {t: self.counter.counts.get(t, 0) for t in self.flood_expected}
         lost_lines = sum(max(0, n - on_disk[t]) for t, n in self.flood_expected.items())
         with self.stats.lock:
             c = dict(self.stats.c)
@@ -407,6 +423,7 @@ class SoakRun:
             "floods": c.get("floods", 0),
             "log_lines_printed": sum(self.flood_expected.values()),
             "log_lines_on_disk": sum(on_disk.values()),
+            "log_rotations_seen": self.counter.rotations,
             "lost_log_lines": lost_lines,
             "log_lines_streamed_to_controller": c.get("log_lines_streamed", 0),
             "spawns_and_stops": c.get("spawns", 0),
