@@ -11,7 +11,7 @@ from ._runtime.daemon import run_allocator
 from ._runtime.records import local_allocator, read_connection_files
 from .config import get_config, runtime_dir
 
-__all__ = ["gc_logs", "list_allocators", "run_allocator", "start_allocator", "stop_allocator", "stop_mesh"]
+__all__ = ["gc_code", "gc_logs", "list_allocators", "run_allocator", "start_allocator", "stop_allocator", "stop_mesh"]
 
 
 def list_allocators() -> list[dict[str, Any]]:
@@ -38,6 +38,19 @@ def gc_logs(dry_run: bool = False) -> list[dict[str, Any]]:
     cfg = get_config()
     live = {str(a.get("alloc_id", "")) for a in list_allocators() if a["alive"]}
     gone = collect(runtime_dir(cfg), live, cfg.log_max_total_bytes, cfg.log_max_age, dry_run)
+    return [{"path": r.path, "bytes": r.nbytes, "age_days": r.age / 86400} for r in gone]
+
+
+def gc_code(dry_run: bool = False) -> list[dict[str, Any]]:
+    """Remove synced workspaces of the code cache not synced for ``code_max_age``, least
+    recently synced first, and more while the cache exceeds ``code_max_total_bytes``; then the
+    blobs no workspace links. Workspaces of running allocators stay. Returns what was (with
+    ``dry_run``: would be) removed."""
+    from ._runtime.codecache import collect
+
+    cfg = get_config()
+    live = {str(a.get("alloc_id", "")) for a in list_allocators() if a["alive"]}
+    gone = collect(runtime_dir(cfg), live, cfg.code_max_total_bytes, cfg.code_max_age, dry_run)
     return [{"path": r.path, "bytes": r.nbytes, "age_days": r.age / 86400} for r in gone]
 
 

@@ -85,14 +85,17 @@ def _keygen(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from .allocator import gc_logs
+    from .allocator import gc_code, gc_logs
 
-    gone = gc_logs(dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
-    for g in gone:
-        print(f"{verb} {g['path']} ({g['bytes'] / 1e6:.1f} MB, {g['age_days']:.1f} days old)")
-    total = sum(g["bytes"] for g in gone)
-    print(f"{verb} {len(gone)} log director{'y' if len(gone) == 1 else 'ies'}, {total / 1e6:.1f} MB")
+    for what, gone, unit in (
+        ("log", gc_logs(dry_run=args.dry_run), ("directory", "directories")),
+        ("code cache", gc_code(dry_run=args.dry_run), ("entry", "entries")),
+    ):
+        for g in gone:
+            print(f"{verb} {g['path']} ({g['bytes'] / 1e6:.1f} MB, {g['age_days']:.1f} days old)")
+        total = sum(g["bytes"] for g in gone)
+        print(f"{verb} {len(gone)} {what} {unit[0] if len(gone) == 1 else unit[1]}, {total / 1e6:.1f} MB")
     return 0
 
 
@@ -176,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("keygen", help="write a new cluster key file")
     k.add_argument("path")
     k.set_defaults(fn=_keygen)
-    g = sub.add_parser("gc", help="remove old logs of stopped allocators and meshes (log_max_age, log_max_total_bytes)")
+    g = sub.add_parser(
+        "gc",
+        help="remove old logs of stopped allocators and meshes (log_max_age, log_max_total_bytes) "
+        "and old synced code (code_max_age, code_max_total_bytes)",
+    )
     g.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     g.set_defaults(fn=_gc)
     ks = sub.add_parser("kernelspec", help="install the 'Python 3 (monarch_nb)' Jupyter kernel")

@@ -48,6 +48,15 @@ class Config:
     zygote_preload: str = "torch"
     #: how long the allocator batches log lines before forwarding them
     log_flush_interval: float = 0.005
+    #: messages queued to one peer (per sending thread) before a send waits for room: a peer
+    #: that does not read (stopped, dead, slow network) costs a bounded amount of memory
+    send_hwm: int = 1000
+    #: how long a send to a peer whose queue is full waits for room before it fails (a log
+    #: line for a slow subscriber is dropped at once instead, counted; it stays on disk)
+    send_timeout: float = 10.0
+    #: a connection to a peer unused this long is closed (an allocator answers many short-lived
+    #: controllers: their sockets must not pile up); it reconnects on the next message
+    peer_idle_close: float = 120.0
     #: a rank's log on disk is kept under this size, in two files (``rank-N.jsonl`` and the
     #: previous ``rank-N.jsonl.1``): the oldest half goes when the newest half is full; 0: no limit
     log_max_rank_bytes: int = 256 << 20
@@ -55,6 +64,11 @@ class Config:
     log_max_total_bytes: int = 4 << 30
     #: ``monarch-nb gc`` removes logs of stopped meshes and allocators older than this (seconds)
     log_max_age: float = 14 * 86400.0
+    #: ``monarch-nb gc`` removes synced workspaces (code cache) not synced for this long (seconds),
+    #: unless a running allocator's procs import from them
+    code_max_age: float = 14 * 86400.0
+    #: ``monarch-nb gc`` removes the least recently synced workspaces beyond this total
+    code_max_total_bytes: int = 2 << 30
     #: a breakpoint hit while the caller waits with no way to ask for input (nbval, nbconvert,
     #: a script without a TTY): "continue" it after debug_no_input_timeout, "raise" in the
     #: caller (after continuing it), or "wait" for an attach from a terminal (monarch-nb debug)

@@ -267,8 +267,8 @@ SAFE_METHODS = [
     "",
 ]
 #: where a fuzzed request asks for its answer: nowhere, nothing listening, nothing reachable. A
-#: small fixed set: a daemon keeps a socket (an fd) for good per distinct address it answered,
-#: so random addresses would grow it without bound (a known gap, not what this suite measures)
+#: small fixed set: a daemon keeps a socket (an fd) per address it answered until it has been
+#: unused for peer_idle_close (test_security checks that bound), longer than a fuzz run
 REPLY_ADDRS = ["", "ipc:///nonexistent/mnb-x.sock", "tcp://127.0.0.1:9", "not an address"]
 #: bodies of the wrong shape: not a pickle, or not an ``(args, kwargs)`` pair that fits
 bodies = st.one_of(

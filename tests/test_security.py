@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
@@ -719,6 +720,56 @@ def test_gc_removes_old_logs_of_stopped_allocators_and_meshes(tmp_path) -> None:
     assert not (rdir / "mnb-logs-ba9876543210").exists(), r.stdout
 
 
+def test_gc_removes_old_synced_code_but_not_what_a_running_allocator_serves(tmp_path) -> None:
+    import hashlib
+
+    from monarch_nb._runtime.codecache import CodeCache
+    from monarch_nb.actor import _context
+
+    a = AllocatorProc(str(tmp_path), env=LIGHT)
+    try:
+        live, old = b"x = 1\n", b"y = 2\n"
+        dl, do = hashlib.sha256(live).hexdigest(), hashlib.sha256(old).hexdigest()
+        cl = _context.client()
+        cl.connect(a.addr)
+        cl.request(a.addr, "sync_put", {dl: live}).get(timeout=30)
+        cl.request(a.addr, "sync_commit", "live", {"mod.py": (dl, len(live), 0o644)}).get(timeout=30)
+        code = os.path.join(a.rdir, "mnb-code")
+        # what an allocator that no longer runs synced
+        earlier = CodeCache(code, owner="0123456789ab")
+        earlier.put({do: old})
+        earlier.commit("old", {"old.py": (do, len(old), 0o644)})
+        month = time.time() - 30 * 86400
+        for p in ("ws/old", "ws/live", f"blobs/{do[:2]}/{do}", f"blobs/{dl[:2]}/{dl}"):
+            os.utime(os.path.join(code, p), (month, month))
+
+        def gc(*args: str, **env: str) -> str:
+            r = subprocess.run(
+                [PY, "-m", "monarch_nb", "gc", *args], env=dict(a.env, **env), capture_output=True, text=True, timeout=60
+            )
+            assert r.returncode == 0, r.stderr
+            return r.stdout
+
+        out = gc("--dry-run")
+        assert "would remove" in out and "ws/old" in out and do in out, out
+        assert "ws/live" not in out and dl not in out, out  # a running allocator's procs import from it
+        assert os.path.exists(os.path.join(code, "ws", "old", "old.py"))  # a dry run removes nothing
+        gc()
+        assert not os.path.exists(os.path.join(code, "ws", "old"))
+        assert not os.path.exists(os.path.join(code, "blobs", do[:2], do))
+        assert not os.path.exists(os.path.join(code, "in-use-0123456789ab"))
+        assert os.path.exists(os.path.join(code, "ws", "live", "mod.py"))
+        assert os.path.exists(os.path.join(code, "blobs", dl[:2], dl))
+        # over the size limit, still nothing a running allocator serves
+        gc(MONARCH_NB_CODE_MAX_TOTAL_BYTES="1")
+        assert os.path.exists(os.path.join(code, "ws", "live", "mod.py"))
+        a.stop()
+        out = gc()  # its allocator gone, the month-old workspace goes too
+        assert not os.path.exists(os.path.join(code, "ws", "live")), out
+    finally:
+        a.stop()
+
+
 def test_logs_of_a_previous_allocator_of_this_host(tmp_path) -> None:
     a = AllocatorProc(str(tmp_path), env=LIGHT)
     env = {"MONARCH_NB_RUNTIME_DIR": a.rdir, "PYTHONPATH": os.path.dirname(__file__)}
@@ -767,3 +818,218 @@ def test_loopback_tcp_across_runtime_directories_says_why_it_is_refused(tmp_path
             _context.client().connect(a.info["tcp"], timeout=10)
     finally:
         a.stop()
+
+
+# ---------------------------------------------------------------- bounded queues, detaching, sockets (item 4 and after)
+
+
+def _controller(a: AllocatorProc, body: str, tmp_path, name: str) -> tuple[subprocess.Popen, str]:
+    """A controller script attached to ``a``; what the ranks print is not written anywhere (a
+    frontend's log writer), what the script says goes to a file the test reads."""
+    out = str(tmp_path / f"{name}.out")
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        from monarch_nb.actor import _context, attach_to_workers
+        from test_security import Chatty
+
+        def wait_file(path):
+            while not os.path.exists(path):
+                time.sleep(0.05)
+
+        _context.controller_client().log_writer = lambda mesh, lines: None
+        hosts = attach_to_workers(workers=[{a.addr!r}])
+        """
+    ) + textwrap.dedent(body)
+    env = dict(a.env, PYTHONPATH=os.path.dirname(__file__))
+    with open(out, "w") as f:
+        p = subprocess.Popen([PY, "-u", "-c", script], env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+    return p, out
+
+
+def _said(out: str, what: str) -> bool:
+    with open(out, errors="replace") as f:
+        return what in f.read()
+
+
+def test_a_stopped_log_subscriber_costs_the_allocator_a_bounded_queue(tmp_path) -> None:
+    """A live controller that reads nothing (SIGSTOP) while its mesh prints 50 MB: the allocator
+    drops that subscriber's log lines once its queue is full (counted, logged; every line is on
+    disk) instead of growing, and the controller's calls work again once it reads again."""
+    # heartbeats far longer than the test: only the full queue, not silence, may drop lines
+    a = AllocatorProc(str(tmp_path), env=dict(LIGHT, MONARCH_NB_HEARTBEAT_TIMEOUT="120"))
+    flag, resume = str(tmp_path / "go"), str(tmp_path / "resume")
+    p, out = _controller(
+        a,
+        f"""
+        procs = hosts.spawn_procs(per_host={{"gpus": 1}}, name="chatty", persist=True)
+        c = procs.spawn("c", Chatty)
+        c.hello.call_one().get(timeout=30)
+        c.flood_when.call_one({flag!r}, 50).get(timeout=30)
+        print("armed", flush=True)
+        wait_file({resume!r})
+        print("after:", c.hello.call_one().get(timeout=60), flush=True)
+        procs.stop().get(timeout=30)
+        """,
+        tmp_path,
+        "slow",
+    )
+    try:
+        wait_for(lambda: _said(out, "armed"), 60, "the controller to arm the flood")
+        os.kill(p.pid, signal.SIGSTOP)
+        alloc = psutil.Process(a.proc.pid)
+        before = alloc.memory_info().rss
+        open(flag, "w").close()
+        log = next(iter(__import__("glob").glob(os.path.join(a.rdir, "mnb-logs-*", "chatty", "rank-0.jsonl"))))
+
+        def done() -> bool:
+            with open(log, "rb") as f:
+                f.seek(max(0, os.path.getsize(log) - 4096))
+                return b"flood done" in f.read()
+
+        peak = 0
+        deadline = time.monotonic() + 150
+        while not done():  # the allocator's memory all along the flood, not only at its end
+            assert time.monotonic() < deadline, "the rank did not print 50 MB in 150 s"
+            peak = max(peak, alloc.memory_info().rss - before)
+            time.sleep(0.1)
+        assert peak < 20 << 20, f"the allocator grew by {peak >> 20} MiB for a subscriber that reads nothing"
+        assert os.path.getsize(log) > 50_000_000  # every line is on disk
+        assert "reads too slowly (its queue is full): dropping its log lines" in a.logtext()
+        from monarch_nb.actor import _context
+
+        assert _context.client().request(a.addr, "status").get(timeout=10)["dropped_log_lines"] > 0
+        os.kill(p.pid, signal.SIGCONT)
+        open(resume, "w").close()
+        wait_for(lambda: _said(out, "after: hi"), 60, "the controller's call after it reads again")
+        assert p.wait(30) == 0
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+            p.wait()
+        a.stop()
+
+
+def test_a_detached_controller_is_told_by_its_pongs(tmp_path) -> None:
+    """A controller silent long enough to be detached (suspended) learns it when it pings again:
+    its calls fail with a SupervisionError that says so, instead of waiting for ever."""
+    a = AllocatorProc(str(tmp_path), env=LIGHT)
+    resume = str(tmp_path / "resume")
+    p, out = _controller(
+        a,
+        f"""
+        from monarch_nb.errors import SupervisionError
+        procs = hosts.spawn_procs(per_host={{"gpus": 1}}, name="held")
+        c = procs.spawn("c", Chatty)
+        c.hello.call_one().get(timeout=30)
+        print("ready", flush=True)
+        wait_file({resume!r})
+        try:
+            c.hello.call_one().get(timeout=30)
+            print("answered")
+        except SupervisionError as e:
+            print("failed:", e, flush=True)
+        except TimeoutError:
+            print("no answer", flush=True)
+        os._exit(0)
+        """,
+        tmp_path,
+        "detached",
+    )
+    try:
+        wait_for(lambda: _said(out, "ready"), 60, "the controller to spawn")
+        os.kill(p.pid, signal.SIGSTOP)
+        wait_for(lambda: "went silent; detaching it" in a.logtext(), 30, "the allocator to detach the stopped controller")
+        os.kill(p.pid, signal.SIGCONT)
+        open(resume, "w").close()
+        assert p.wait(45) == 0
+        with open(out) as f:
+            said = f.read()
+        assert "failed:" in said and "detached this controller" in said, said
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+            p.wait()
+        a.stop()
+
+
+def test_short_lived_controllers_do_not_pile_up_sockets_in_the_allocator(tmp_path) -> None:
+    """Controllers that come and go (each with its own address), and requests whose answers go
+    to addresses nobody serves: the allocator closes those connections; its fds stay bounded."""
+    import zmq
+
+    from monarch_nb._runtime.runtime import Runtime
+    from monarch_nb._runtime.transport import Security
+    from monarch_nb.actor._client import Client
+    from monarch_nb.config import get_config
+
+    a = AllocatorProc(str(tmp_path), env=dict(LIGHT, MONARCH_NB_PEER_IDLE_CLOSE="1"))
+    alloc = psutil.Process(a.proc.pid)
+    ctx = zmq.Context()
+    try:
+        cfg = get_config()
+        baseline = alloc.num_fds()
+        for _ in range(25):  # short-lived controllers that say goodbye
+            rt = Runtime(cfg, Security(), a.rdir, label="controller").start()
+            cl = Client(rt)
+            cl.connect(a.addr)
+            assert cl.request(a.addr, "status").get(timeout=10)["pid"] == a.proc.pid
+            cl.shutdown()
+            rt.close()
+        raw = ctx.socket(zmq.DEALER)
+        raw.linger = 0
+        raw.connect(a.addr)
+        for i in range(40):  # answers to addresses nobody serves
+            raw.send(_status_frame(f"ipc://{a.rdir}/nobody-{i}.sock"))
+        wait_for(lambda: alloc.num_fds() > baseline + 20, 30, "the allocator to answer (and so connect to) each address")
+        wait_for(lambda: alloc.num_fds() <= baseline + 8, 30, f"the allocator's fds to come back near {baseline}")
+        raw.close()
+    finally:
+        ctx.destroy(linger=0)
+        a.stop()
+
+
+def _status_frame(reply: str) -> bytes:
+    meta = ("__allocator__", "status", reply, 7, 0, ((), ()), "", "", 0)
+    return frames.encode(frames.ACTOR, meta, pickle.dumps(((), {}), protocol=5))[0]
+
+
+def test_a_full_queue_fails_a_send_with_an_error_and_drops_only_log_lines() -> None:
+    """A peer that reads nothing: a request or reply to it waits for room up to send_timeout and
+    then raises ConnectError (never lost silently); a droppable message (a log line) is refused
+    at once."""
+    import zmq
+
+    from monarch_nb._runtime.runtime import Runtime
+    from monarch_nb._runtime.transport import Security
+    from monarch_nb.config import get_config
+    from monarch_nb.errors import ConnectError
+
+    rdir = tempfile.mkdtemp(prefix="mnbq-", dir="/tmp")
+    ctx = zmq.Context()
+    sink = ctx.socket(zmq.ROUTER)
+    sink.rcvhwm = 1
+    sink.setsockopt(zmq.RCVBUF, 4096)
+    addr = f"ipc://{rdir}/sink.sock"
+    sink.bind(addr)
+    cfg = get_config().replace(send_hwm=10, send_timeout=1.0, direct_ipc=False)
+    rt = Runtime(cfg, Security(), rdir, label="controller").start()
+    try:
+        body = b"x" * 65536
+        t0 = time.monotonic()
+        with pytest.raises(ConnectError, match="is not reading its messages"):
+            for _ in range(100_000):
+                rt.transport.send(addr, [body])
+        assert time.monotonic() - t0 < 15
+        assert rt.transport.send(addr, [body], droppable=True) is False
+        t0 = time.monotonic()
+        with pytest.raises(ConnectError):  # a peer that already made us wait fails at once
+            rt.transport.send(addr, [body])
+        assert time.monotonic() - t0 < 0.5
+    finally:
+        rt.close()
+        sink.close(0)
+        ctx.term()
+        shutil.rmtree(rdir, ignore_errors=True)

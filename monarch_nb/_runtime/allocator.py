@@ -26,6 +26,7 @@ from typing import Any
 
 from .._version import __version__
 from .._wire import frames as wire
+from .._wire.serialize import dumps
 from ..config import Config
 from ..errors import MeshError, SpawnError
 from . import records, shm
@@ -69,6 +70,8 @@ class Allocator(DebugRegistry):
         self.env = HostEnv(runtime_dir)
         self.controllers: dict[str, dict[str, Any]] = {}  # reply addr -> info
         self.subscribers: dict[tuple[str, int], float] = {}
+        #: controllers detached without a bye (silent, exited), by address: why, for their next pings
+        self.detached: dict[str, str] = {}
         self.idle_since = time.monotonic()
         self.log_dir = ""
         self.connection_file = ""
@@ -77,6 +80,8 @@ class Allocator(DebugRegistry):
         self._last_log_flush = 0.0
         #: log lines not sent to a subscriber that went silent (still on disk), by its address
         self.dropped_log_lines: dict[str, int] = {}
+        #: all log lines dropped so far (``status()["dropped_log_lines"]``)
+        self.dropped_log_total = 0
         self._anon = 0
         self.stopped = asyncio.Event()
         self.gpus = self.procs.gpus
@@ -89,6 +94,7 @@ class Allocator(DebugRegistry):
     def start(self, key_file: str = "") -> None:
         self.rt.start()
         self.id = self.rt.uid
+        self.env.owner = self.id
         self.log_dir = os.path.join(self.runtime_dir, f"mnb-logs-{self.id}")
         os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
         self.rt.system["__allocator__"] = self
@@ -170,20 +176,43 @@ class Allocator(DebugRegistry):
             self._send_logs(addr, port, mesh, lines)
 
     def _send_logs(self, addr: str, port: int, mesh: str, lines: list[Any]) -> None:
-        """Log lines for a controller that has not pinged for as long as it takes to detach it
-        are dropped, counted and logged (they stay in the rank's log file): a dead or stopped
-        subscriber's queue must not grow without bound. Only log lines are ever dropped."""
+        """Only log lines are ever dropped, counted and logged (they stay in the rank's log
+        file): for a controller that has not pinged for as long as it takes to detach it (a
+        dead or stopped subscriber), and for one whose queue is full (a live but slow one).
+        Lines go in chunks of at most ``LOG_CHUNK_CHARS``, so that a full queue
+        (``send_hwm`` messages) holds a bounded amount of output."""
         c = self.controllers.get(addr)
         if c is not None and time.monotonic() - c["last_seen"] > max(5.0, 3 * self.cfg.heartbeat_timeout):
-            n = self.dropped_log_lines.get(addr, 0)
-            if n == 0:
-                logger.warning("controller %s is not answering: dropping its log lines (they stay in the logs on disk)", addr)
-            self.dropped_log_lines[addr] = n + len(lines)
+            self._drop_logs(addr, len(lines), "is not answering")
             return
-        n = self.dropped_log_lines.pop(addr, 0)
-        if n:
-            logger.warning("controller %s is back; %d log lines were not sent to it (see the logs on disk)", addr, n)
-        self.rt.send_port(addr, port, 0, wire.ITEM, ("logs", lines, mesh, self.id))
+        i, n = 0, len(lines)
+        while i < n:
+            j, size = i, 0
+            while j < n and (j == i or size + len(lines[j][4]) <= LOG_CHUNK_CHARS):
+                size += len(lines[j][4])
+                j += 1
+            chunk = lines[i:j] if i or j < n else lines
+            body, bufs = dumps(("logs", chunk, mesh, self.id))
+            frames = self.rt.sender.encode(addr, wire.PORT, (port, 0, wire.ITEM), body, bufs)
+            try:
+                sent = self.rt.transport.send(addr, frames, droppable=True)
+            except Exception as e:  # an address that cannot be reached at all
+                logger.debug("log lines for %s not sent: %s", addr, e)
+                sent = False
+            if not sent:
+                self._drop_logs(addr, n - i, "reads too slowly (its queue is full)")
+                return
+            i = j
+        dropped = self.dropped_log_lines.pop(addr, 0)
+        if dropped:
+            logger.warning("controller %s keeps up again; %d log lines were not sent to it (see the logs on disk)", addr, dropped)
+
+    def _drop_logs(self, addr: str, n: int, why: str) -> None:
+        before = self.dropped_log_lines.get(addr, 0)
+        if before == 0:
+            logger.warning("controller %s %s: dropping its log lines (they stay in the logs on disk)", addr, why)
+        self.dropped_log_lines[addr] = before + n
+        self.dropped_log_total += n
 
     def _forget_subscriber(self, addr: str) -> None:
         """A detached controller gets no more log lines or events."""
@@ -201,6 +230,7 @@ class Allocator(DebugRegistry):
     def sys_hello(self, info: dict[str, Any]) -> dict[str, Any]:
         if info.get("role", "controller") == "controller":
             self.controllers[info["addr"]] = {**info, "last_seen": time.monotonic()}
+            self.detached.pop(info["addr"], None)
         return {
             "alloc_id": self.id,
             "version": __version__,
@@ -271,14 +301,36 @@ class Allocator(DebugRegistry):
         c = self.controllers.get(addr)
         if c is not None:
             c["last_seen"] = now
-        self.rt.send_port(addr, port, 0, wire.ITEM, ("pong",))
+        why = self.detached.get(addr) if c is None else None
+        if why is not None:
+            # it still thinks it is attached: say so, or its calls wait for events that never come
+            self.rt.send_port(addr, port, 0, wire.ITEM, ("pong", "detached", why))
+            return NO_REPLY
+        # a pong waits behind what the queue already holds; none is sent to a subscriber too
+        # slow to take it (its queue is full of proof of life already)
+        frames = self.rt.sender.encode(addr, wire.PORT, (port, 0, wire.ITEM), *_PONG)
+        self.rt.transport.send(addr, frames, droppable=True)
         return NO_REPLY
+
+    def _detach(self, addr: str, why: str) -> None:
+        """Forget a controller that went silent or exited; its later pings are answered with ``why``."""
+        c = self.controllers.pop(addr, None)
+        self._forget_subscriber(addr)
+        self.detached[addr] = why
+        while len(self.detached) > 1024:
+            del self.detached[next(iter(self.detached))]
+        if c is not None:
+            self._orphan(c["cid"])
+        # its connection: closed once the last messages had a moment to leave
+        self.rt.loop.call_later(1.0, self.rt.transport.forget_peer, addr, 1.0)
 
     def sys_bye(self, addr: str) -> int:
         c = self.controllers.pop(addr, None)
         if c is None:
             return 0
         self._forget_subscriber(addr)
+        # its connection: closed once the answer to this bye had a moment to leave
+        self.rt.loop.call_later(1.0, self.rt.transport.forget_peer, addr, 1.0)
         return self._orphan(c["cid"])
 
     async def sys_spawn(self, spec: dict[str, Any]) -> dict[str, Any]:
@@ -490,6 +542,8 @@ class Allocator(DebugRegistry):
             "version": __version__,
             # fan-out: messages for several of our procs received once and relayed to each
             "relayed": {"messages": self.rt.relayed[0], "deliveries": self.rt.relayed[1]},
+            # log lines not sent to a silent or too slow subscriber (every one is in the logs on disk)
+            "dropped_log_lines": self.dropped_log_total,
             "controllers": [
                 {
                     "cid": c["cid"],
@@ -630,11 +684,9 @@ class Allocator(DebugRegistry):
         for addr, c in list(self.controllers.items()):
             if addr.startswith("ipc://") and not pid_alive(int(c.get("pid") or 0)):
                 logger.info("controller %s (pid %s) exited; detaching it", c["cid"], c.get("pid"))
-                del self.controllers[addr]
-                self._forget_subscriber(addr)
+                self._detach(addr, "its process exited")
                 if c.get("pid"):
                     shm.sweep_dead(int(c["pid"]))  # its pooled and in-flight shared memory
-                self._orphan(c["cid"])
 
     def _orphan(self, cid: str) -> int:
         n = 0
@@ -658,9 +710,12 @@ class Allocator(DebugRegistry):
             for addr, c in list(self.controllers.items()):
                 if now - c["last_seen"] > detach_after:
                     logger.info("controller %s (pid %s) went silent; detaching it", c["cid"], c.get("pid"))
-                    del self.controllers[addr]
-                    self._forget_subscriber(addr)
-                    self._orphan(c["cid"])
+                    self._detach(
+                        addr,
+                        f"allocator {self.rt.hostname}:{os.getpid()} heard no ping from this controller for "
+                        f"{now - c['last_seen']:.1f} s (over {detach_after:.0f} s: a suspended or stalled process) and "
+                        "detached it: its meshes that were not persistent were stopped",
+                    )
             for sub, seen in list(self.subscribers.items()):
                 if now - seen > detach_after and sub[0] not in self.controllers:
                     del self.subscribers[sub]
@@ -676,4 +731,7 @@ class Allocator(DebugRegistry):
 
 
 _MESH_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
+_PONG = dumps(("pong",))
+#: characters of log lines in one message to a subscriber (see ``_send_logs``)
+LOG_CHUNK_CHARS = 8 << 10
 _EMPTY_ARGS: tuple[bytes, list[Any]] = pickle.dumps(((), {}), protocol=5), []

@@ -4,6 +4,11 @@ Blobs live once per host under ``blobs/<2 hex>/<sha256>``; each workspace is a t
 ``ws/<workspace id>/`` whose files are hard links to its blobs, so a sync that changes one file
 writes one file. Trees survive controllers (and kernel restarts); new procs get them on
 ``sys.path``.
+
+The cache has limits (``code_max_age``, ``code_max_total_bytes``), applied by
+``monarch-nb gc`` (:func:`collect`): a workspace not synced for the age, or the least recently
+synced ones while the cache is over the size, go, unless a running allocator serves it (each
+lists its workspaces in ``in-use-<allocator id>``); then every blob no tree links any more.
 """
 
 from __future__ import annotations
@@ -11,14 +16,18 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ProtocolError
 
 
 class CodeCache:
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, owner: str = "") -> None:
         self.root = root
+        #: the allocator whose procs import from these trees (named in ``in-use-<owner>``)
+        self.owner = owner
         os.makedirs(os.path.join(root, "blobs"), mode=0o700, exist_ok=True)
         os.makedirs(os.path.join(root, "ws"), mode=0o700, exist_ok=True)
         #: workspace id -> manifest of what is materialised
@@ -89,6 +98,8 @@ class CodeCache:
                     pass
         self.manifests.pop(ws, None)  # re-inserted last: the most recent sync wins on sys.path
         self.manifests[ws] = dict(manifest)
+        os.utime(root)  # the tree's age, for gc, is the time since its last sync
+        self._note_in_use()
         return {"path": root, "added": added, "changed": changed, "removed": removed}
 
     def _dest(self, root: str, rel: str) -> str:
@@ -112,6 +123,115 @@ class CodeCache:
                 out[rel] = (file_hash(p), st.st_size, st.st_mode & 0o777)
         return out
 
+    def _note_in_use(self) -> None:
+        if not self.owner:
+            return
+        path = os.path.join(self.root, f"{IN_USE}{self.owner}")
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write("\n".join(self.manifests) + "\n")
+        os.replace(tmp, path)
+
     def workspaces(self) -> list[str]:
         """Synced trees, most recently synced first (a module name in two of them comes from the newer)."""
         return [self.ws_path(ws) for ws in reversed(self.manifests)]
+
+
+#: ``in-use-<allocator id>``: the workspaces a running allocator's procs import from
+IN_USE = "in-use-"
+#: a blob no tree links is kept this long (a sync puts its blobs before it commits them)
+BLOB_GRACE = 3600.0
+
+
+@dataclass(frozen=True)
+class Removable:
+    path: str
+    nbytes: int
+    #: seconds since it was last synced (written)
+    age: float
+
+
+def _files(path: str) -> dict[int, tuple[int, int]]:
+    """Inode -> (size, links) of every file under ``path``."""
+    out: dict[int, tuple[int, int]] = {}
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            out[st.st_ino] = (st.st_size, st.st_nlink)
+    return out
+
+
+def plan(runtime_dir: str, live_ids: set[str], max_total: int, max_age: float) -> list[Removable]:
+    """What :func:`collect` would remove from the code cache of ``runtime_dir``: workspaces,
+    least recently synced first, then the blobs nothing links once they are gone."""
+    root = os.path.join(runtime_dir, "mnb-code")
+    if not os.path.isdir(root) or os.path.islink(root):
+        return []
+    now = time.time()
+    in_use: set[str] = set()
+    for name in os.listdir(root):
+        if name.startswith(IN_USE) and name[len(IN_USE) :] in live_ids:
+            with open(os.path.join(root, name)) as f:
+                in_use.update(line.strip() for line in f if line.strip())
+    blobs: dict[int, tuple[str, int, int, float]] = {}  # inode -> path, size, links, mtime
+    for dirpath, _dirs, files in os.walk(os.path.join(root, "blobs")):
+        for name in files:
+            p = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            blobs[st.st_ino] = (p, st.st_size, st.st_nlink, st.st_mtime)
+    # each inode counted once: a tree's files are hard links to blobs (or copies of them)
+    total = sum(b[1] for b in blobs.values())
+    trees = []
+    wdir = os.path.join(root, "ws")
+    for ws in sorted(os.listdir(wdir)) if os.path.isdir(wdir) else []:
+        p = os.path.join(wdir, ws)
+        if os.path.islink(p) or not os.path.isdir(p):
+            continue
+        tree = _files(p)
+        total += sum(size for i, (size, _n) in tree.items() if i not in blobs)
+        # what removing it frees: its copies, and the blobs no other tree links
+        frees = sum(size for i, (size, links) in tree.items() if i not in blobs or links <= 2)
+        trees.append((now - os.lstat(p).st_mtime, ws, p, frees, tree))
+    out: list[Removable] = []
+    unlinked: dict[int, int] = {}  # blob inode -> links held by the trees removed
+    for age, ws, p, frees, tree in sorted(trees, key=lambda t: -t[0]):
+        if ws in in_use or not (age > max_age or (max_total and total > max_total)):
+            continue
+        out.append(Removable(p, frees, age))
+        total -= frees
+        for i in tree:
+            if i in blobs:
+                unlinked[i] = unlinked.get(i, 0) + 1
+    for i, (p, size, links, mtime) in sorted(blobs.items(), key=lambda kv: kv[1][0]):
+        if links - unlinked.get(i, 0) <= 1 and now - mtime > BLOB_GRACE:
+            out.append(Removable(p, size, now - mtime))
+    return out
+
+
+def collect(runtime_dir: str, live_ids: set[str], max_total: int, max_age: float, dry_run: bool = False) -> list[Removable]:
+    """Remove (unless ``dry_run``) what :func:`plan` lists; returns it."""
+    out = plan(runtime_dir, live_ids, max_total, max_age)
+    if not dry_run:
+        for r in out:
+            if os.path.isdir(r.path):
+                shutil.rmtree(r.path, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(r.path)
+                except OSError:
+                    pass
+        # the in-use lists of allocators that no longer run
+        root = os.path.join(runtime_dir, "mnb-code")
+        for name in os.listdir(root) if os.path.isdir(root) else []:
+            if name.startswith(IN_USE) and name[len(IN_USE) :] not in live_ids:
+                try:
+                    os.unlink(os.path.join(root, name))
+                except OSError:
+                    pass
+    return out

@@ -24,12 +24,14 @@ class HostEnv:
 
     def __init__(self, runtime_dir: str) -> None:
         self.runtime_dir = runtime_dir
+        #: the allocator serving this environment (its workspaces are in use while it runs)
+        self.owner = ""
         self._code: CodeCache | None = None
 
     @property
     def code(self) -> CodeCache:
         if self._code is None:
-            self._code = CodeCache(os.path.join(self.runtime_dir, "mnb-code"))
+            self._code = CodeCache(os.path.join(self.runtime_dir, "mnb-code"), self.owner)
         return self._code
 
     @functools.cached_property

@@ -202,6 +202,7 @@ class Runtime:
             await asyncio.sleep(interval)
             self.sender.sweep_shm()
             now = time.monotonic()
+            self.transport.sweep_idle(now)
             self.receiver.skip_gaps(now)
             # when this loop itself was starved (a busy I/O thread, a loaded machine), pongs that
             # did arrive may not have been read yet: that is no evidence against the peer

@@ -43,7 +43,7 @@ class Sender:
     def __init__(
         self,
         cfg: Config,
-        send_frames: Callable[[str, list[Any]], None],
+        send_frames: Callable[..., Any],
         dead: Mapping[str, SupervisionError],
         *,
         uid: str,

@@ -139,6 +139,18 @@ class Supervision:
             self.peer_failed(p, self._proc_error(w, p, cause))
         self.peer_failed(alloc_addr, w.lost)
 
+    def _detached(self, w: Watch, why: str) -> None:
+        """The allocator no longer counts us as attached (we were silent too long): what we
+        wait for from it and its procs would never come, so it fails now, saying why."""
+        if w.lost is not None:
+            return
+        cause = (
+            f"allocator {w.addr} detached this controller: {why}. Its procs no longer answer to it; "
+            "a new controller (restart the kernel or script) attaches again and finds persistent meshes by name"
+        )
+        logger.warning("%s", cause)
+        self.lose(w.addr, cause)
+
     def _proc_error(self, w: Watch, proc_addr: str, cause: str) -> SupervisionError:
         mesh, rank, host = w.procs.get(proc_addr, ("", None, w.host))
         return SupervisionError(cause, mesh=mesh, rank=rank, host=host)
@@ -153,7 +165,10 @@ class Supervision:
                 w.procs.setdefault(addr, (mesh, rank, host))
                 self.peer_failed(addr, SupervisionError(cause, mesh=mesh, rank=rank, host=host))
             elif ev[0] == "pong":
-                w.last_pong = self._clock()
+                if len(ev) > 2 and ev[1] == "detached":
+                    self._detached(w, str(ev[2]))
+                else:
+                    w.last_pong = self._clock()
             else:
                 for cb in self.event_callbacks:
                     try:

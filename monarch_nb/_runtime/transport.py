@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ import zmq.auth.thread
 from .._wire import frames as wire
 from .._wire.keys import curve_keypair, load_or_create_key
 from ..config import Config
-from ..errors import ConfigError
+from ..errors import ConfigError, ConnectError
 from . import fastpath
 
 logger = logging.getLogger(__name__)
@@ -237,6 +238,24 @@ def refuse(sock: zmq.Socket[bytes] | None, rid: bytes, reason: str) -> None:
         pass
 
 
+#: a thread keeps at most this many peer connections; the least recently used go first
+MAX_PEER_SOCKETS = 256
+
+
+class _Outboxes:
+    """One thread's zmq sockets by peer address, and when each was last used (for closing idle ones)."""
+
+    __slots__ = ("socks", "used", "last_used", "full_since")
+
+    def __init__(self) -> None:
+        self.socks: dict[str, zmq.Socket[bytes]] = {}
+        #: addresses sent to since the last sweep (a set add per send: no clock read on the hot path)
+        self.used: set[str] = set()
+        self.last_used: dict[str, float] = {}
+        #: peers whose full queue made a send fail, and when: later sends fail at once for a while
+        self.full_since: dict[str, float] = {}
+
+
 def _not_open(frames: list[Any], sock: zmq.Socket[bytes] | None = None, rid: bytes = b"") -> None:
     raise RuntimeError("the transport is not open")
 
@@ -280,7 +299,7 @@ class Transport:
         #: connections refused here (wrong uid, failed handshakes)
         self.dropped = 0
         self._inboxes: list[zmq.Socket[bytes]] = []
-        self._all_out: list[zmq.Socket[bytes]] = []
+        self._all_out: set[zmq.Socket[bytes]] = set()
         self._tls = threading.local()
         self._lock = threading.Lock()
         self._fast_listener: socket.socket | None = None
@@ -455,9 +474,14 @@ class Transport:
         return self.ensure_tcp(route_ip(split_tcp(peer)[0]))
 
     # ---------------------------------------------------------------- sending
-    def send(self, addr: str, frames: list[Any]) -> None:
+    def send(self, addr: str, frames: list[Any], droppable: bool = False) -> bool:
         """Send ``frames`` to the inbox at ``addr``: directly to a process of this host from any
-        thread but the I/O thread, else queued on zmq (which never blocks on the network)."""
+        thread but the I/O thread, else queued on zmq (which never blocks on the network).
+
+        A peer's zmq queue holds at most ``send_hwm`` messages. When it is full, a ``droppable``
+        message (a log line) is not sent and False returned; any other waits up to
+        ``send_timeout`` for room (the I/O thread, which must keep answering, at most a second)
+        and then raises :class:`ConnectError`: nothing but log lines is ever dropped silently."""
         if addr[0] == "i" and self.cfg.direct_ipc and threading.get_ident() != self.io_ident:
             conn = self._direct(addr)
             if conn is not None:
@@ -468,27 +492,109 @@ class Transport:
                     # reports the peer); this thread's later messages to it take zmq
                     logger.debug("direct send to %s failed (%s); dropped", addr, e)
                     self._tls.direct[addr] = None
-                return
-        if len(frames) == 1:
-            self._out(addr).send(frames[0])
-        else:
-            self._out(addr).send_multipart(frames, copy=False)
-
-    def _out(self, addr: str) -> zmq.Socket[bytes]:
-        socks: dict[str, zmq.Socket[bytes]] | None = getattr(self._tls, "socks", None)
-        if socks is None:
-            socks = self._tls.socks = {}
-        s = socks.get(addr)
+                return True
+        ob: _Outboxes | None = getattr(self._tls, "out", None)
+        if ob is None:
+            ob = self._tls.out = _Outboxes()
+        s = ob.socks.get(addr)
         if s is None:
-            s = self.ctx.socket(zmq.DEALER)
-            s.linger = 2000
-            s.setsockopt(zmq.SNDHWM, 0)
-            self.sockets.secure_client(s, addr)
-            s.connect(addr)
-            socks[addr] = s
-            with self._lock:
-                self._all_out.append(s)
+            s = self._connect(ob, addr)
+        ob.used.add(addr)
+        try:
+            if len(frames) == 1:
+                s.send(frames[0], zmq.NOBLOCK)
+            else:
+                s.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return self._send_when_room(ob, s, addr, frames, droppable)
+        return True
+
+    def _send_when_room(self, ob: _Outboxes, s: zmq.Socket[bytes], addr: str, frames: list[Any], droppable: bool) -> bool:
+        if droppable:
+            return False
+        now = time.monotonic()
+        timeout = self.cfg.send_timeout
+        if threading.get_ident() == self.io_ident:
+            timeout = min(timeout, 1.0)
+        failed = ob.full_since.get(addr)
+        # a peer that already let a whole wait pass fails at once until it reads again
+        wait = 0.0 if failed is not None and now - failed < self.cfg.send_timeout else timeout
+        if wait > 0 and s.poll(int(wait * 1000), zmq.POLLOUT):
+            try:
+                if len(frames) == 1:
+                    s.send(frames[0], zmq.NOBLOCK)
+                else:
+                    s.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                ob.full_since.pop(addr, None)
+                return True
+            except zmq.Again:
+                pass
+        ob.full_since[addr] = time.monotonic()  # when the wait ended: it fails at once from here
+        raise ConnectError(
+            f"{addr} is not reading its messages: {self.cfg.send_hwm} are queued for it and none left "
+            f"within {wait:.1f} s (a stopped, hung or overloaded peer); this message was not sent "
+            "(MONARCH_NB_SEND_HWM / MONARCH_NB_SEND_TIMEOUT set the bounds)"
+        )
+
+    def _connect(self, ob: _Outboxes, addr: str) -> zmq.Socket[bytes]:
+        s = self.ctx.socket(zmq.DEALER)
+        s.linger = 2000
+        s.setsockopt(zmq.SNDHWM, self.cfg.send_hwm)
+        self.sockets.secure_client(s, addr)
+        s.connect(addr)
+        ob.socks[addr] = s
+        with self._lock:
+            self._all_out.add(s)
+        if len(ob.socks) > MAX_PEER_SOCKETS:
+            self._evict(ob, time.monotonic(), keep=addr)
         return s
+
+    def sweep_idle(self, now: float) -> int:
+        """Close this thread's connections unused for ``peer_idle_close`` (called by their
+        thread, as zmq sockets are not thread-safe); returns how many were closed."""
+        ob: _Outboxes | None = getattr(self._tls, "out", None)
+        if ob is None:
+            return 0
+        for addr in ob.used:
+            ob.last_used[addr] = now
+        ob.used.clear()
+        idle = [a for a, t in ob.last_used.items() if now - t > self.cfg.peer_idle_close]
+        for addr in idle:
+            self._close_out(ob, addr, linger=0)
+        return len(idle)
+
+    def forget_peer(self, addr: str, linger: float = 0.0) -> None:
+        """Close this thread's connection to ``addr`` (a peer known to be gone); what is still
+        queued gets ``linger`` seconds to leave. A later message reconnects."""
+        ob: _Outboxes | None = getattr(self._tls, "out", None)
+        if ob is not None and addr in ob.socks:
+            self._close_out(ob, addr, linger)
+
+    def _evict(self, ob: _Outboxes, now: float, keep: str) -> None:
+        for addr in ob.used:
+            ob.last_used[addr] = now
+        ob.used.clear()
+        ob.last_used.setdefault(keep, now)
+        for addr in sorted(ob.socks, key=lambda a: ob.last_used.get(a, 0.0))[: len(ob.socks) - MAX_PEER_SOCKETS]:
+            if addr != keep:
+                self._close_out(ob, addr, linger=1.0)  # the least recently used: what it queued may leave
+
+    def _close_out(self, ob: _Outboxes, addr: str, linger: float) -> None:
+        s = ob.socks.pop(addr)
+        ob.last_used.pop(addr, None)
+        ob.used.discard(addr)
+        ob.full_since.pop(addr, None)
+        with self._lock:
+            self._all_out.discard(s)
+        try:
+            s.close(linger=int(linger * 1000))
+        except zmq.ZMQError:
+            pass
+
+    def out_sockets(self) -> int:
+        """How many zmq connections this thread holds."""
+        ob: _Outboxes | None = getattr(self._tls, "out", None)
+        return 0 if ob is None else len(ob.socks)
 
     def _direct(self, addr: str) -> fastpath.Sender | None:
         """This thread's direct connection to the process at ipc ``addr`` (None: use zmq)."""
@@ -532,7 +638,9 @@ class Transport:
                 os.unlink(fastpath.path_for(self.ipc_addr))
             except OSError:
                 pass
-        for s in self._all_out:
+        with self._lock:
+            out = list(self._all_out)
+        for s in out:
             try:
                 s.close(linger=200)
             except zmq.ZMQError:
