@@ -115,6 +115,34 @@ def test_op_matches_local(procs, op, pl):  # type: ignore[no-untyped-def]
     torch.testing.assert_close(mt.inspect(out), want)
 
 
+#: per mesh rank, the placements of the LocalTensorMode oracle (one set per mesh keeps it short;
+#: the value oracle above covers every placement)
+LTM_PLACEMENTS = {1: "S0", 2: "S1"}
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_each_ranks_piece_matches_local_tensor_mode(procs, op):  # type: ignore[no-untyped-def]
+    """torch's LocalTensorMode runs the same DTensor program for every rank in this process:
+    each rank's local tensor (Partial pieces included) and the placements must be its."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    fn, shapes = OPS[op]
+    e = mt._engine.engine_for(procs)
+    placements = PLACEMENTS[len(procs.extent)][LTM_PLACEMENTS[len(procs.extent)]]
+    local = [gen(*s, seed=i) for i, s in enumerate(shapes)]
+    out = fn(*[mt.distribute(t, procs, fit(placements, t.ndim)) for t in local])
+    futs = [mt.fetch_shard(out, dict(zip(e.labels, e.coords_of(r)))) for r in range(e.size)]
+    with LocalTensorMode(frozenset(range(e.size))):
+        mesh = init_device_mesh("cpu", e.sizes, mesh_dim_names=e.labels)
+        want = fn(*[distribute_tensor(t, mesh, fit(placements, t.ndim)) for t in local])
+        pieces = want.to_local()._local_tensors
+    assert out.placements == want.placements and out.shape == want.shape
+    for r, f in enumerate(futs):
+        torch.testing.assert_close(f.get(timeout=30), pieces[r], msg=lambda m, r=r: f"rank {r}: {m}")
+
+
 def test_cross_entropy_with_a_local_target(procs):  # type: ignore[no-untyped-def]
     logits, target = gen(8, 5), torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
     for pl in PLACEMENTS[len(procs.extent)].values():
