@@ -679,3 +679,41 @@ def test_slice_mesh_then_to_mesh_broadcasts_over_the_missing_dimension(mesh1, me
         mt.distribute(t, mesh2, [Partial(), Replicate()]).slice_mesh(hosts=0)
     with pytest.raises(ValueError, match="this tensor's dimensions"):
         s.to_mesh(mesh1)  # gpus: 2 here, 4 there
+
+
+def test_slice_mesh_with_ranges_keeps_the_chosen_ranks_pieces(mesh1, mesh2):  # type: ignore[no-untyped-def]
+    """``slice_mesh(gpus=slice(a, b))`` keeps the dimension: the slice's tensor is the
+    concatenation of the chosen ranks' pieces, each still on its own rank."""
+    t = gen(7, 6)
+    h = mt.distribute(t, mesh1, [Shard(0)])  # rows 2, 2, 2, 1 on gpus 0..3
+    for rng, want in [
+        (slice(1, 3), t[2:6]),
+        (slice(2, 4), t[4:]),
+        (slice(0, 4, 2), torch.cat([t[0:2], t[4:6]])),
+        (slice(None), t),
+    ]:
+        s = h.slice_mesh(gpus=rng)
+        assert (s.shape, s.placements) == (want.shape, (Shard(0),))
+        torch.testing.assert_close(mt.inspect(s), want)
+        torch.testing.assert_close(mt.inspect((s * 2).sum(dim=0)), (want * 2).sum(dim=0))
+        for k, g in enumerate(range(4)[rng]):
+            torch.testing.assert_close(mt.fetch_shard(s, gpus=k).get(timeout=30), torch.chunk(t, 4)[g])
+    r = mt.distribute(t, mesh1, [Replicate()]).slice_mesh(gpus=slice(1, 3))
+    assert dict(r.mesh.extent) == {"gpus": 2}
+    torch.testing.assert_close(mt.inspect(r.redistribute(placements=[Shard(1)])), t)
+
+    u = gen(8, 6)
+    p = mt.distribute(u, mesh2, [Partial(), Shard(0)])  # Partial kept whole, the Shard cut
+    s2 = p.slice_mesh(hosts=slice(None), gpus=slice(1, 2))
+    assert (s2.shape, s2.placements) == ((4, 6), (Partial(), Shard(0)))
+    torch.testing.assert_close(mt.inspect(s2), u[4:])
+    both = mt.distribute(u, mesh2, [Shard(0), Shard(1)]).slice_mesh(hosts=1, gpus=slice(0, 1))
+    assert (both.shape, both.placements) == ((4, 3), (Shard(1),))
+    torch.testing.assert_close(mt.inspect(both), u[4:, :3])
+
+    with pytest.raises(ValueError, match="would not cut that way"):
+        mt.distribute(gen(5, 2), mesh1, [Shard(0)]).slice_mesh(gpus=slice(1, 4))  # rows 2, 1, 0
+    with pytest.raises(ValueError, match="redistribute first"):
+        p.slice_mesh(hosts=slice(0, 1))
+    with pytest.raises(ValueError, match="an int, which drops the dimension. or a range"):
+        h.slice_mesh(gpus="0")

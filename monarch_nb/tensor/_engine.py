@@ -445,27 +445,53 @@ class MeshTensor:
                 fut.add_done_callback(_dropper(buf))
         return h
 
-    def slice_mesh(self, **coords: int) -> MeshTensor:
+    def slice_mesh(self, **coords: int | slice) -> MeshTensor:
         """Monarch's ``slice_mesh``: this tensor as the ranks of ``mesh.slice(**coords)`` hold
-        it, a mesh tensor on that slice (for ``to_mesh``). A dimension sharded here keeps its
-        piece at that coordinate; one ``Partial()`` here must be redistributed first."""
+        it, a mesh tensor on that slice (for ``to_mesh``). An int drops the dimension, a range
+        (``gpus=slice(1, 3)``) keeps it; a dimension sharded here keeps the pieces of the ranks
+        chosen (so the slice's tensor is their concatenation, which must be cut as DTensor cuts
+        it: ``torch.chunk``); one ``Partial()`` here must be redistributed first unless kept whole."""
         e = self._engine
-        if not coords or any(not isinstance(v, int) for v in coords.values()):
-            raise ValueError("slice_mesh takes one coordinate (an int) per dimension it drops, e.g. slice_mesh(hosts=0)")
+        if not coords or any(not isinstance(v, (int, slice)) for v in coords.values()):
+            raise ValueError(
+                "slice_mesh takes a coordinate (an int, which drops the dimension) or a range (a slice, "
+                "which keeps it) per dimension, e.g. slice_mesh(hosts=0) or slice_mesh(gpus=slice(0, 2))"
+            )
         sub = e.procs.slice(**coords)
         shape = list(self.shape)
         keep: list[Placement] = []
+        cut: list[tuple[str, int]] = []  # (mesh dim, tensor dim) of each Shard a slice cuts
         for name, size, p in zip(e.labels, e.sizes, self.placements):
-            if name not in coords:
+            v = coords.get(name)
+            rng = range(size)[v] if isinstance(v, slice) else range(v, v + 1) if isinstance(v, int) else None
+            if rng is None or (isinstance(v, slice) and rng == range(size)):
                 keep.append(p)
             elif isinstance(p, Shard):
-                a, b = chunk_range(shape[p.dim], size, coords[name])
-                shape[p.dim] = b - a
-            elif not isinstance(p, Replicate):
+                pieces = [chunk_range(shape[p.dim], size, k) for k in rng]
+                lens = [b - a for a, b in pieces]
+                if isinstance(v, slice):
+                    recut = [b - a for a, b in (chunk_range(sum(lens), len(lens), i) for i in range(len(lens)))]
+                    if recut != lens:
+                        raise ValueError(
+                            f"slice_mesh: ranks {v.start}:{v.stop}:{v.step or 1} of {name!r} hold pieces of "
+                            f"{lens} along dim {p.dim}, which DTensor would not cut that way; redistribute first"
+                        )
+                    keep.append(p)
+                cut.append((name, p.dim))
+                shape[p.dim] = sum(lens)
+            elif isinstance(p, Replicate):
+                if isinstance(v, slice):
+                    keep.append(p)
+            else:
                 raise ValueError(f"slice_mesh: {p} over {name!r} has no value of its own on a slice; redistribute first")
-        sharded = [p.dim for name, p in zip(e.labels, self.placements) if isinstance(p, Shard) and name in coords]
-        if any(isinstance(p, Shard) and p.dim in sharded for p in keep):
-            raise ValueError("slice_mesh: a tensor dimension sharded over both a dropped and a kept mesh dimension")
+        dropped = {n for n, v in coords.items() if isinstance(v, int)}
+        for name, dim in cut:
+            # dropped dims narrow one after another, as DTensor nests them; any other mix does not
+            others = {n for n, p in zip(e.labels, self.placements) if isinstance(p, Shard) and p.dim == dim} - {name}
+            if others and not (name in dropped and others <= dropped):
+                raise ValueError(
+                    f"slice_mesh: tensor dim {dim} is sharded over {name!r} and another mesh dimension; redistribute first"
+                )
         d = engine_for(sub)
         keep = keep or [Replicate()]  # every dimension dropped: a mesh of one rank
         stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
