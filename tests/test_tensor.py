@@ -575,6 +575,40 @@ def test_large_shards_travel_by_the_data_plane(mesh2, monkeypatch):  # type: ign
             assert t.numel() * 8 <= got < t.numel() * 8 + 4096  # the values, and the buffers' small handles
 
 
+def test_fetch_shard_of_a_large_piece_reads_it_by_the_data_plane(mesh2, tmp_path):  # type: ignore[no-untyped-def]
+    """A local tensor of 1 MiB and more is lent by its rank as an RDMABuffer and read here:
+    the right piece for every placement, its bytes counted once, the future still a future."""
+    from monarch_nb.rdma import bytes_moved
+
+    t = gen(1024, 520)  # each rank's piece of Shard(0), Shard(1): 512 x 260 float64, just over 1 MiB
+    for pl, coords, want in [
+        ([Shard(0), Shard(1)], {"hosts": 1, "gpus": 0}, t[512:, :260]),
+        ([Replicate(), Shard(0)], {"hosts": 1, "gpus": 1}, t[512:]),
+        ([Partial(), Replicate()], {"hosts": 0, "gpus": 1}, t),  # Partial: host 0 holds the value
+        ([Partial(), Replicate()], {"hosts": 1, "gpus": 1}, torch.zeros_like(t)),
+    ]:
+        h = mt.distribute(t, mesh2, pl) * 1
+        read, received = bytes_moved()["read"], mt.stats(mesh2)["bytes_received"]
+        got = mt.fetch_shard(h, coords).get(timeout=60)
+        assert torch.equal(got, want), (pl, coords)
+        assert bytes_moved()["read"] - read == want.numel() * 8
+        assert want.numel() * 8 <= mt.stats(mesh2)["bytes_received"] - received < want.numel() * 8 + 4096
+    flag = str(tmp_path / "go")
+    x = mt.distribute(t, mesh2, [Shard(0), Shard(1)])
+    blocked = mt.remote(_wait_for_flag)(x, flag)
+    try:
+        pending = [mt.fetch_shard(blocked, hosts=1, gpus=1) for _ in range(2)]  # two reads of one piece
+        assert not pending[0].done()
+    finally:
+        open(flag, "w").close()
+    for f in pending:
+        torch.testing.assert_close(f.get(timeout=60), t[512:, 260:])
+    small = mt.distribute(gen(8, 6), mesh2, [Shard(0), Shard(1)])
+    read = bytes_moved()["read"]
+    torch.testing.assert_close(mt.fetch_shard(small, hosts=1).get(timeout=30), gen(8, 6)[4:, :3])
+    assert bytes_moved()["read"] == read  # a small piece comes in its reply
+
+
 def test_to_mesh_moves_each_ranks_piece_to_the_same_coordinates(mesh1, mesh2):  # type: ignore[no-untyped-def]
     other = this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2}, name="tensor2d_b")
     try:

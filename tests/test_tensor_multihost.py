@@ -65,7 +65,13 @@ def test_mesh_tensors_across_two_hosts(cluster: NetnsCluster, workers: list[Allo
         back = b.full_tensor()
         other = hosts.spawn_procs(per_host={"gpus": 2}, name="other")
         moved = (b * 2).to_mesh(other)
-        emit("large", distributed=torch.equal(back, B), moved=torch.equal(moved.full_tensor(), B * 2))
+        far = mt.fetch_shard(b, hosts=1, gpus=1).get(timeout=60)  # 2 MiB: lent, read across hosts
+        emit(
+            "large",
+            distributed=torch.equal(back, B),
+            moved=torch.equal(moved.full_tensor(), B * 2),
+            shard=torch.equal(far, B[512:]),
+        )
         other.stop().get(timeout=30)
         procs.stop().get(timeout=30)
         emit("stopped")
@@ -79,6 +85,11 @@ def test_mesh_tensors_across_two_hosts(cluster: NetnsCluster, workers: list[Allo
         "grad": True,
     }
     assert ctl.expect("fsdp", timeout=120)["same"] is True
-    assert ctl.expect("large", timeout=120) | {"step": "large"} == {"step": "large", "distributed": True, "moved": True}
+    assert ctl.expect("large", timeout=120) | {"step": "large"} == {
+        "step": "large",
+        "distributed": True,
+        "moved": True,
+        "shard": True,
+    }
     ctl.expect("stopped")
     ctl.finish()

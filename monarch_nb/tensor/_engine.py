@@ -198,6 +198,19 @@ class Engine:
                     bufs[r].drop()
         return out
 
+    def read_lent(self, buf: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A rank's local tensor read from the RDMABuffer its ``share`` lent (None: empty),
+        which is then dropped."""
+        out = torch.empty(shape, dtype=dtype)
+        if buf is None:
+            return out
+        try:
+            buf.read_into(out.view(-1).view(torch.uint8), timeout=int(VALUE_TIMEOUT_S)).get(timeout=VALUE_TIMEOUT_S)
+            self.bytes_received += buf.size()
+        finally:
+            buf.drop()
+        return out
+
     def gather(self, method: str, args: tuple[Any, ...], ranks: list[int] | None, what: str) -> Future[list[Any]]:
         """Call ``method`` on ``ranks`` (all when None); the future holds their results, and
         the bytes of every reply are counted as received by the controller."""

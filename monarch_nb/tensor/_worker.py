@@ -55,8 +55,8 @@ class TensorWorker(Actor):
         #: outside a slice holds it too (DeviceMesh is built by every rank), coordinate None
         self.meshes: dict[Any, Any] = {}
         self.device = "cpu"
-        #: RDMABuffers lent to the controller (full_tensor), by id: kept alive until it drops them
-        self.lent: dict[int, Any] = {}
+        #: RDMABuffers lent to the controller (full_tensor, fetch_shard), by id: kept alive until it drops them
+        self.lent: dict[int, list[Any]] = {}
 
     @endpoint
     def setup(self, labels: list[str], sizes: list[int], timeout_s: float) -> str:
@@ -278,7 +278,12 @@ class TensorWorker(Actor):
         local = (t.to_local() if isinstance(t, DTensor) else t).detach().cpu().contiguous().clone()
         if local.numel() == 0:
             return None
-        buf = self.lent[id] = RDMABuffer(local.view(-1).view(torch.uint8))
+        buf = RDMABuffer(local.view(-1).view(torch.uint8))
+        # several reads of one tensor may be under way (fetch_shard futures not yet read); the
+        # last few stay alive until the controller drops them or the tensor is freed
+        lent = self.lent.setdefault(id, [])
+        lent.append(buf)
+        del lent[:-8]
         return buf
 
     @endpoint
