@@ -3,9 +3,12 @@ hosts' procs, and ops, redistribute, training and large shards (the data plane) 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from _netns import NetnsCluster
 from test_multihost import Allocator, Controller, cluster, keys, workers  # noqa: F401 - fixtures
+from test_tensor import OPS
 
 pytestmark = pytest.mark.multihost
 
@@ -36,6 +39,19 @@ def test_mesh_tensors_across_two_hosts(cluster: NetnsCluster, workers: list[Allo
         wl = W.clone().requires_grad_()
         F.log_softmax(torch.relu(X @ wl), dim=1).sum().backward()
         emit("values", ok=ok, redistributed=torch.equal(r, X), grad=torch.allclose(mt.inspect(w.grad), wl.grad))
+        # every op of the oracle in tests/test_tensor.py, on each placement of the first input
+        import os, sys
+        sys.path.insert(0, os.environ["MNB_TESTS_DIR"])
+        from test_tensor import OPS, PLACEMENTS, fit, gen
+        wrong, runs = [], 0
+        for name, (fn, shapes) in sorted(OPS.items()):
+            for pl, placements in PLACEMENTS[2].items():
+                local = [gen(*s, seed=i) for i, s in enumerate(shapes)]
+                out = fn(*[mt.distribute(t, procs, fit(placements, t.ndim)) for t in local])
+                runs += 1
+                if not torch.allclose(mt.inspect(out), fn(*local)):
+                    wrong.append(f"{name}/{pl}")
+        emit("ops", wrong=wrong, runs=runs)
         # over 1 MiB a piece: the data plane, a stream from the controller to each rank, from
         # each rank to the controller, and from rank to rank across the hosts
         # FSDP2 as HSDP across the hosts: one Adam step, then the loss, against one process
@@ -76,6 +92,7 @@ def test_mesh_tensors_across_two_hosts(cluster: NetnsCluster, workers: list[Allo
         procs.stop().get(timeout=30)
         emit("stopped")
         """,
+        MNB_TESTS_DIR=str(Path(__file__).parent),
     )
     assert ctl.expect("backend", timeout=120)["backend"] == "gloo"
     assert ctl.expect("values", timeout=120) | {"step": "values"} == {
@@ -84,6 +101,7 @@ def test_mesh_tensors_across_two_hosts(cluster: NetnsCluster, workers: list[Allo
         "redistributed": True,
         "grad": True,
     }
+    assert ctl.expect("ops", timeout=120) | {"step": "ops"} == {"step": "ops", "wrong": [], "runs": 4 * len(OPS)}
     assert ctl.expect("fsdp", timeout=120)["same"] is True
     assert ctl.expect("large", timeout=120) | {"step": "large"} == {
         "step": "large",
