@@ -363,7 +363,7 @@ def test_setup_torch_elastic_env(mesh2):  # type: ignore[no-untyped-def]
     asyncio.run(setup_torch_elastic_env_async(mesh2))
 
 
-def test_a_dead_rank_fails_pending_reads_and_the_mesh_can_be_stopped(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+def test_a_dead_rank_fails_pending_reads_and_the_mesh_can_be_stopped_and_respawned(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     import signal
 
     monkeypatch.setattr(mt._engine, "COLLECTIVE_TIMEOUT_S", 5.0)
@@ -390,6 +390,12 @@ def test_a_dead_rank_fails_pending_reads_and_the_mesh_can_be_stopped(tmp_path, m
         torch.testing.assert_close(mt.fetch_shard(x, gpus=0).get(timeout=30), torch.arange(2.0))
     finally:
         procs.stop().get(timeout=60)
+    # stopped, the mesh respawns under its name with a fresh process group and mesh tensors
+    again = this_host().spawn_procs(per_host={"gpus": 2}, name="tensordead")
+    try:
+        torch.testing.assert_close(mt.inspect(mt.distribute(torch.arange(4.0), again, [Shard(0)]) + 1), torch.arange(1.0, 5.0))
+    finally:
+        again.stop().get(timeout=60)
 
 
 def _pid(x: torch.Tensor) -> torch.Tensor:
