@@ -351,12 +351,21 @@ def test_a_collected_handle_frees_the_ranks_tensor(mesh1):  # type: ignore[no-un
     assert _table_size(mesh1) == base + 1
 
 
+def _named_as_the_proc_mesh(x: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    ok = float(x.device_mesh.mesh_dim_names == ("hosts", "gpus") and tuple(x.device_mesh.shape) == (2, 2))
+    return DTensor.from_local(torch.full((2,), ok), x.device_mesh, [Replicate(), Replicate()], run_check=False)
+
+
 def test_setup_torch_elastic_env(mesh2):  # type: ignore[no-untyped-def]
     from monarch_nb.spmd import setup_torch_elastic_env, setup_torch_elastic_env_async
 
     x = mt.zeros(2, procs=mesh2)  # starts the engine: the rendezvous went through the env
     assert mt.stats(mesh2)["backend"] == "gloo"
     assert mt.inspect(x).shape == (2,)
+    named = mt.remote(_named_as_the_proc_mesh)(x)  # the ranks' device mesh: the proc mesh's names
+    assert mt.inspect(named).tolist() == [1.0, 1.0]
     import asyncio
 
     setup_torch_elastic_env(mesh2, use_ipaddr=True)
