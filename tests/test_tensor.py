@@ -617,7 +617,7 @@ def test_fetch_shard_of_a_large_piece_reads_it_by_the_data_plane(mesh2, tmp_path
     assert bytes_moved()["read"] == read  # a small piece comes in its reply
 
 
-def test_to_mesh_moves_each_ranks_piece_to_the_same_coordinates(mesh1, mesh2):  # type: ignore[no-untyped-def]
+def test_to_mesh_moves_each_ranks_piece_to_the_same_coordinates(mesh1, mesh2, tmp_path):  # type: ignore[no-untyped-def]
     other = this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2}, name="tensor2d_b")
     try:
         for pl in ([Shard(0), Shard(1)], [Replicate(), Shard(0)], [Partial(), Replicate()]):
@@ -636,6 +636,21 @@ def test_to_mesh_moves_each_ranks_piece_to_the_same_coordinates(mesh1, mesh2):  
             h.to_mesh(mesh1)
         with pytest.raises(ValueError, match="requires grad"):
             h.requires_grad_().to_mesh(other)
+        # queued: the destination's ranks pull their pieces in its ordered stream, so neither
+        # to_mesh nor the ops after it wait for the source here
+        t = gen(8, 6)
+        blocked = mt.remote(_wait_for_flag)(mt.distribute(t, mesh2, [Shard(0), Shard(1)]), str(tmp_path / "go"))
+        try:
+            moved = blocked.to_mesh(other) + 1
+            assert moved.shape == (8, 6)
+            pending = mt.fetch_shard(moved, hosts=1, gpus=1)
+            assert not pending.done()
+        finally:
+            open(tmp_path / "go", "w").close()
+        torch.testing.assert_close(pending.get(timeout=60), t[4:, 3:] + 1)
+        bad = F.cross_entropy(mt.distribute(gen(8, 5), mesh2, [Shard(0), Replicate()]), torch.full((8,), 99))
+        with pytest.raises(Exception, match="out of bounds"):  # the source's error, on the destination's tensor
+            mt.inspect(bad.reshape(1).to_mesh(other) * 2)
     finally:
         other.stop().get(timeout=30)
 

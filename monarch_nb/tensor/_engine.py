@@ -287,7 +287,8 @@ class MeshTensor:
     ``full_tensor()``, :func:`fetch_shard`, :func:`inspect` and :func:`reduce`.
     """
 
-    __slots__ = ("_engine", "_id", "_shadow", "__weakref__")
+    __slots__ = ("_engine", "_id", "_shadow", "_keep", "__weakref__")
+    _keep: MeshTensor
 
     def __init__(self, engine: Engine, id: int, shadow: DTensor) -> None:
         self._engine = engine
@@ -406,10 +407,11 @@ class MeshTensor:
         dimensions, same names and sizes; each rank's local tensor goes to the rank at the same
         coordinates, straight from proc to proc (an RDMABuffer the receiving rank reads), and is
         broadcast over dimensions the destination has beyond these (``Replicate()`` there), so
-        ``t.slice_mesh(hosts=0).to_mesh(procs)`` copies stage 0's tensor to every host. Between
-        slices of one proc mesh the pieces go point to point over its process group, in the
-        ordered stream (this returns at once); between two proc meshes this waits until the
-        source ranks have this tensor (its pieces' handles come back, not its bytes)."""
+        ``t.slice_mesh(hosts=0).to_mesh(procs)`` copies stage 0's tensor to every host. This
+        returns at once, as any op does: between slices of one proc mesh the pieces go point to
+        point over its process group, in the ordered stream; between two proc meshes each
+        destination rank, in its mesh's ordered stream, asks the source rank for its piece
+        (until the source has made it, within ``VALUE_TIMEOUT_S``) and reads it by the data plane."""
         src, dst = self._engine, engine_for(procs)
         if dst is src:
             return self
@@ -446,16 +448,24 @@ class MeshTensor:
             base.start().transfer.broadcast(base.take_frees(), self._id, h._id, pairs, self.dtype, dst.key, pl, shape, stride)
             base.messages_sent += 1
             return h
-        bufs = src.gather("share", ([], self._id), None, "to_mesh()").get(timeout=VALUE_TIMEOUT_S)
+        # between two proc meshes: each destination rank pulls its piece from the source rank,
+        # in the destination's ordered stream (later ops there wait for it), so this returns at once
+        dst.start()
         h = MeshTensor(dst, dst.new_id(), shadow)
+        h._keep = self  # the source's tensor lives until the destination's is collected
+        src_base, dst_base = src.root or src, dst.root or dst
+        sources: dict[int, dict[str, int]] = {}
+        local_shapes: dict[int, tuple[int, ...]] = {}
         for s, ranks in readers.items():
-            buf = bufs[s]
-            ls = tuple(local_shape(list(shape), dst.coords_of(ranks[0]), list(dst.sizes), pl))
-            piece = Via(buf, ls, self.dtype) if buf is not None else torch.empty(ls, dtype=self.dtype)
-            fut = dst.gather("put", ([], h._id, piece, pl, shape, stride, dst.key), ranks, "to_mesh()")
-            dst.messages_sent += 1
-            if buf is not None:
-                fut.add_done_callback(_dropper(buf))
+            at = dict(zip(src_base.procs.extent.keys(), src_base.coords_of(src.ranks[s])))
+            for r in ranks:
+                sources[dst.ranks[r]] = at
+                local_shapes[dst.ranks[r]] = tuple(local_shape(list(shape), dst.coords_of(r), list(dst.sizes), pl))
+        dst_base.start().pull.broadcast(
+            dst_base.take_frees(), h._id, src_base.start(), sources, self._id, local_shapes, self.dtype, pl, shape,
+            stride, dst.key, VALUE_TIMEOUT_S,
+        )  # fmt: skip
+        dst_base.messages_sent += 1
         return h
 
     def slice_mesh(self, **coords: int | slice) -> MeshTensor:
