@@ -115,6 +115,34 @@ def test_op_matches_local(procs, op, pl):  # type: ignore[no-untyped-def]
     torch.testing.assert_close(mt.inspect(out), want)
 
 
+#: per mesh rank, the placements of the LocalTensorMode oracle (one set per mesh keeps it short;
+#: the value oracle above covers every placement)
+LTM_PLACEMENTS = {1: "S0", 2: "S1"}
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_each_ranks_piece_matches_local_tensor_mode(procs, op):  # type: ignore[no-untyped-def]
+    """torch's LocalTensorMode runs the same DTensor program for every rank in this process:
+    each rank's local tensor (Partial pieces included) and the placements must be its."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    fn, shapes = OPS[op]
+    e = mt._engine.engine_for(procs)
+    placements = PLACEMENTS[len(procs.extent)][LTM_PLACEMENTS[len(procs.extent)]]
+    local = [gen(*s, seed=i) for i, s in enumerate(shapes)]
+    out = fn(*[mt.distribute(t, procs, fit(placements, t.ndim)) for t in local])
+    futs = [mt.fetch_shard(out, dict(zip(e.labels, e.coords_of(r)))) for r in range(e.size)]
+    with LocalTensorMode(frozenset(range(e.size))):
+        mesh = init_device_mesh("cpu", e.sizes, mesh_dim_names=e.labels)
+        want = fn(*[distribute_tensor(t, mesh, fit(placements, t.ndim)) for t in local])
+        pieces = want.to_local()._local_tensors
+    assert out.placements == want.placements and out.shape == want.shape
+    for r, f in enumerate(futs):
+        torch.testing.assert_close(f.get(timeout=30), pieces[r], msg=lambda m, r=r: f"rank {r}: {m}")
+
+
 def test_cross_entropy_with_a_local_target(procs):  # type: ignore[no-untyped-def]
     logits, target = gen(8, 5), torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
     for pl in PLACEMENTS[len(procs.extent)].values():
@@ -127,32 +155,25 @@ PAIRS = list(itertools.product(["S0", "S1", "R", "P"], repeat=2))
 
 
 @pytest.mark.parametrize("src,dst", PAIRS)
-def test_redistribute_between_every_pair(mesh1, src, dst):  # type: ignore[no-untyped-def]
-    pl = PLACEMENTS[1]
+def test_redistribute_between_every_pair(procs, src, dst):  # type: ignore[no-untyped-def]
+    e = mt._engine.engine_for(procs)
+    pl = PLACEMENTS[len(procs.extent)]
     t = gen(8, 6)
-    h = mt.distribute(t, mesh1, pl[src])
+    h = mt.distribute(t, procs, pl[src])
     if dst == "P" and src != "P":
         # DTensor itself refuses (Partial is for its internal use): said on the controller, nothing sent
-        sent = mt.stats(mesh1)["messages_sent"]
+        sent = mt.stats(procs)["messages_sent"]
         with pytest.raises(TensorOpError, match="redistribute"):
             h.redistribute(placements=pl[dst])
-        assert mt.stats(mesh1)["messages_sent"] == sent
+        assert mt.stats(procs)["messages_sent"] == sent
         return
     r = h.redistribute(placements=pl[dst])
     assert r.placements == tuple(pl[dst])
     torch.testing.assert_close(mt.inspect(r), t)
     # every rank holds the piece its placement says
-    for g in range(4):
-        assert list(mt.fetch_shard(r, gpus=g).get(timeout=30).shape) == r.local_shape(gpus=g)
-
-
-@pytest.mark.parametrize("src,dst", [("S0", "S1"), ("S1", "R"), ("P", "S0"), ("R", "S0"), ("P", "R")])
-def test_redistribute_on_a_2d_mesh(mesh2, src, dst):  # type: ignore[no-untyped-def]
-    t = gen(8, 6)
-    pl = PLACEMENTS[2]
-    r = mt.distribute(t, mesh2, pl[src]).redistribute(placements=pl[dst])
-    assert r.placements == tuple(pl[dst])
-    torch.testing.assert_close(mt.inspect(r), t)
+    coords = [dict(zip(e.labels, e.coords_of(k))) for k in range(e.size)]
+    for c, f in [(c, mt.fetch_shard(r, c)) for c in coords]:
+        assert list(f.get(timeout=30).shape) == r.local_shape(**c)
 
 
 def test_distribute_sends_each_rank_its_shard_even_when_uneven(mesh1):  # type: ignore[no-untyped-def]
@@ -323,19 +344,28 @@ def test_a_collected_handle_frees_the_ranks_tensor(mesh1):  # type: ignore[no-un
     assert _table_size(mesh1) == base + 1
 
 
+def _named_as_the_proc_mesh(x: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    ok = float(x.device_mesh.mesh_dim_names == ("hosts", "gpus") and tuple(x.device_mesh.shape) == (2, 2))
+    return DTensor.from_local(torch.full((2,), ok), x.device_mesh, [Replicate(), Replicate()], run_check=False)
+
+
 def test_setup_torch_elastic_env(mesh2):  # type: ignore[no-untyped-def]
     from monarch_nb.spmd import setup_torch_elastic_env, setup_torch_elastic_env_async
 
     x = mt.zeros(2, procs=mesh2)  # starts the engine: the rendezvous went through the env
     assert mt.stats(mesh2)["backend"] == "gloo"
     assert mt.inspect(x).shape == (2,)
+    named = mt.remote(_named_as_the_proc_mesh)(x)  # the ranks' device mesh: the proc mesh's names
+    assert mt.inspect(named).tolist() == [1.0, 1.0]
     import asyncio
 
     setup_torch_elastic_env(mesh2, use_ipaddr=True)
     asyncio.run(setup_torch_elastic_env_async(mesh2))
 
 
-def test_a_dead_rank_fails_pending_reads_and_the_mesh_can_be_stopped(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+def test_a_dead_rank_fails_pending_reads_and_the_mesh_can_be_stopped_and_respawned(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     import signal
 
     monkeypatch.setattr(mt._engine, "COLLECTIVE_TIMEOUT_S", 5.0)
@@ -362,6 +392,12 @@ def test_a_dead_rank_fails_pending_reads_and_the_mesh_can_be_stopped(tmp_path, m
         torch.testing.assert_close(mt.fetch_shard(x, gpus=0).get(timeout=30), torch.arange(2.0))
     finally:
         procs.stop().get(timeout=60)
+    # stopped, the mesh respawns under its name with a fresh process group and mesh tensors
+    again = this_host().spawn_procs(per_host={"gpus": 2}, name="tensordead")
+    try:
+        torch.testing.assert_close(mt.inspect(mt.distribute(torch.arange(4.0), again, [Shard(0)]) + 1), torch.arange(1.0, 5.0))
+    finally:
+        again.stop().get(timeout=60)
 
 
 def _pid(x: torch.Tensor) -> torch.Tensor:
@@ -547,7 +583,41 @@ def test_large_shards_travel_by_the_data_plane(mesh2, monkeypatch):  # type: ign
             assert t.numel() * 8 <= got < t.numel() * 8 + 4096  # the values, and the buffers' small handles
 
 
-def test_to_mesh_moves_each_ranks_piece_to_the_same_coordinates(mesh1, mesh2):  # type: ignore[no-untyped-def]
+def test_fetch_shard_of_a_large_piece_reads_it_by_the_data_plane(mesh2, tmp_path):  # type: ignore[no-untyped-def]
+    """A local tensor of 1 MiB and more is lent by its rank as an RDMABuffer and read here:
+    the right piece for every placement, its bytes counted once, the future still a future."""
+    from monarch_nb.rdma import bytes_moved
+
+    t = gen(1024, 520)  # each rank's piece of Shard(0), Shard(1): 512 x 260 float64, just over 1 MiB
+    for pl, coords, want in [
+        ([Shard(0), Shard(1)], {"hosts": 1, "gpus": 0}, t[512:, :260]),
+        ([Replicate(), Shard(0)], {"hosts": 1, "gpus": 1}, t[512:]),
+        ([Partial(), Replicate()], {"hosts": 0, "gpus": 1}, t),  # Partial: host 0 holds the value
+        ([Partial(), Replicate()], {"hosts": 1, "gpus": 1}, torch.zeros_like(t)),
+    ]:
+        h = mt.distribute(t, mesh2, pl) * 1
+        read, received = bytes_moved()["read"], mt.stats(mesh2)["bytes_received"]
+        got = mt.fetch_shard(h, coords).get(timeout=60)
+        assert torch.equal(got, want), (pl, coords)
+        assert bytes_moved()["read"] - read == want.numel() * 8
+        assert want.numel() * 8 <= mt.stats(mesh2)["bytes_received"] - received < want.numel() * 8 + 4096
+    flag = str(tmp_path / "go")
+    x = mt.distribute(t, mesh2, [Shard(0), Shard(1)])
+    blocked = mt.remote(_wait_for_flag)(x, flag)
+    try:
+        pending = [mt.fetch_shard(blocked, hosts=1, gpus=1) for _ in range(2)]  # two reads of one piece
+        assert not pending[0].done()
+    finally:
+        open(flag, "w").close()
+    for f in pending:
+        torch.testing.assert_close(f.get(timeout=60), t[512:, 260:])
+    small = mt.distribute(gen(8, 6), mesh2, [Shard(0), Shard(1)])
+    read = bytes_moved()["read"]
+    torch.testing.assert_close(mt.fetch_shard(small, hosts=1).get(timeout=30), gen(8, 6)[4:, :3])
+    assert bytes_moved()["read"] == read  # a small piece comes in its reply
+
+
+def test_to_mesh_moves_each_ranks_piece_to_the_same_coordinates(mesh1, mesh2, tmp_path):  # type: ignore[no-untyped-def]
     other = this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2}, name="tensor2d_b")
     try:
         for pl in ([Shard(0), Shard(1)], [Replicate(), Shard(0)], [Partial(), Replicate()]):
@@ -566,6 +636,21 @@ def test_to_mesh_moves_each_ranks_piece_to_the_same_coordinates(mesh1, mesh2):  
             h.to_mesh(mesh1)
         with pytest.raises(ValueError, match="requires grad"):
             h.requires_grad_().to_mesh(other)
+        # queued: the destination's ranks pull their pieces in its ordered stream, so neither
+        # to_mesh nor the ops after it wait for the source here
+        t = gen(8, 6)
+        blocked = mt.remote(_wait_for_flag)(mt.distribute(t, mesh2, [Shard(0), Shard(1)]), str(tmp_path / "go"))
+        try:
+            moved = blocked.to_mesh(other) + 1
+            assert moved.shape == (8, 6)
+            pending = mt.fetch_shard(moved, hosts=1, gpus=1)
+            assert not pending.done()
+        finally:
+            open(tmp_path / "go", "w").close()
+        torch.testing.assert_close(pending.get(timeout=60), t[4:, 3:] + 1)
+        bad = F.cross_entropy(mt.distribute(gen(8, 5), mesh2, [Shard(0), Replicate()]), torch.full((8,), 99))
+        with pytest.raises(Exception, match="out of bounds"):  # the source's error, on the destination's tensor
+            mt.inspect(bad.reshape(1).to_mesh(other) * 2)
     finally:
         other.stop().get(timeout=30)
 
@@ -651,3 +736,41 @@ def test_slice_mesh_then_to_mesh_broadcasts_over_the_missing_dimension(mesh1, me
         mt.distribute(t, mesh2, [Partial(), Replicate()]).slice_mesh(hosts=0)
     with pytest.raises(ValueError, match="this tensor's dimensions"):
         s.to_mesh(mesh1)  # gpus: 2 here, 4 there
+
+
+def test_slice_mesh_with_ranges_keeps_the_chosen_ranks_pieces(mesh1, mesh2):  # type: ignore[no-untyped-def]
+    """``slice_mesh(gpus=slice(a, b))`` keeps the dimension: the slice's tensor is the
+    concatenation of the chosen ranks' pieces, each still on its own rank."""
+    t = gen(7, 6)
+    h = mt.distribute(t, mesh1, [Shard(0)])  # rows 2, 2, 2, 1 on gpus 0..3
+    for rng, want in [
+        (slice(1, 3), t[2:6]),
+        (slice(2, 4), t[4:]),
+        (slice(0, 4, 2), torch.cat([t[0:2], t[4:6]])),
+        (slice(None), t),
+    ]:
+        s = h.slice_mesh(gpus=rng)
+        assert (s.shape, s.placements) == (want.shape, (Shard(0),))
+        torch.testing.assert_close(mt.inspect(s), want)
+        torch.testing.assert_close(mt.inspect((s * 2).sum(dim=0)), (want * 2).sum(dim=0))
+        for k, g in enumerate(range(4)[rng]):
+            torch.testing.assert_close(mt.fetch_shard(s, gpus=k).get(timeout=30), torch.chunk(t, 4)[g])
+    r = mt.distribute(t, mesh1, [Replicate()]).slice_mesh(gpus=slice(1, 3))
+    assert dict(r.mesh.extent) == {"gpus": 2}
+    torch.testing.assert_close(mt.inspect(r.redistribute(placements=[Shard(1)])), t)
+
+    u = gen(8, 6)
+    p = mt.distribute(u, mesh2, [Partial(), Shard(0)])  # Partial kept whole, the Shard cut
+    s2 = p.slice_mesh(hosts=slice(None), gpus=slice(1, 2))
+    assert (s2.shape, s2.placements) == ((4, 6), (Partial(), Shard(0)))
+    torch.testing.assert_close(mt.inspect(s2), u[4:])
+    both = mt.distribute(u, mesh2, [Shard(0), Shard(1)]).slice_mesh(hosts=1, gpus=slice(0, 1))
+    assert (both.shape, both.placements) == ((4, 3), (Shard(1),))
+    torch.testing.assert_close(mt.inspect(both), u[4:, :3])
+
+    with pytest.raises(ValueError, match="would not cut that way"):
+        mt.distribute(gen(5, 2), mesh1, [Shard(0)]).slice_mesh(gpus=slice(1, 4))  # rows 2, 1, 0
+    with pytest.raises(ValueError, match="redistribute first"):
+        p.slice_mesh(hosts=slice(0, 1))
+    with pytest.raises(ValueError, match="an int, which drops the dimension. or a range"):
+        h.slice_mesh(gpus="0")

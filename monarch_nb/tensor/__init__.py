@@ -26,6 +26,7 @@ on every dimension and ``reduce`` makes the reduced dimensions ``Replicate()``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from ..actor import Future
 from ..actor._mesh import ProcMesh, set_tensor_hooks
+from . import _engine
 from ._engine import (
     COLLECTIVE_TIMEOUT_S,
     ActivateMode,
@@ -46,7 +48,7 @@ from ._engine import (
     engine_for,
     make,
 )
-from ._ops import REDUCE_OPS, Reduce, local_slice
+from ._ops import REDUCE_OPS, Reduce, local_shape, local_slice
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_S",
@@ -195,8 +197,16 @@ def fetch_shard(t: MeshTensor, shard: dict[str, int] | None = None, **kwargs: in
     if not isinstance(t, MeshTensor):
         raise TypeError(f"fetch_shard needs a MeshTensor, got {type(t).__name__}")
     r = _shard_index(t, shard, kwargs)
-    fut = t._engine.gather("fetch", ([], t._id), [r], f"fetch_shard(rank {r})")
+    e = t._engine
     out: Future[torch.Tensor] = Future._create("fetch_shard()")
+    shape = tuple(local_shape(list(t.shape), e.coords_of(r), list(e.sizes), t.placements))
+    if math.prod(shape) * t.dtype.itemsize >= _engine.DATA_PLANE_BYTES:
+        # a large piece comes by the data plane: the rank lends it as an RDMABuffer, read here
+        # (in the thread that first reads the future, never on the I/O thread)
+        lent = e.gather("share", ([], t._id), [r], f"fetch_shard(rank {r})")
+        lent.add_done_callback(lambda f: out._set_raw(f, lambda g: e.read_lent(g.get()[r], shape, t.dtype)))
+        return out
+    fut = e.gather("fetch", ([], t._id), [r], f"fetch_shard(rank {r})")
     fut.add_done_callback(lambda f: out._set_raw(f, lambda g: g.get()[r]))
     return out
 

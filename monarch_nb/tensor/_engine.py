@@ -198,6 +198,19 @@ class Engine:
                     bufs[r].drop()
         return out
 
+    def read_lent(self, buf: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A rank's local tensor read from the RDMABuffer its ``share`` lent (None: empty),
+        which is then dropped."""
+        out = torch.empty(shape, dtype=dtype)
+        if buf is None:
+            return out
+        try:
+            buf.read_into(out.view(-1).view(torch.uint8), timeout=int(VALUE_TIMEOUT_S)).get(timeout=VALUE_TIMEOUT_S)
+            self.bytes_received += buf.size()
+        finally:
+            buf.drop()
+        return out
+
     def gather(self, method: str, args: tuple[Any, ...], ranks: list[int] | None, what: str) -> Future[list[Any]]:
         """Call ``method`` on ``ranks`` (all when None); the future holds their results, and
         the bytes of every reply are counted as received by the controller."""
@@ -274,7 +287,8 @@ class MeshTensor:
     ``full_tensor()``, :func:`fetch_shard`, :func:`inspect` and :func:`reduce`.
     """
 
-    __slots__ = ("_engine", "_id", "_shadow", "__weakref__")
+    __slots__ = ("_engine", "_id", "_shadow", "_keep", "__weakref__")
+    _keep: MeshTensor
 
     def __init__(self, engine: Engine, id: int, shadow: DTensor) -> None:
         self._engine = engine
@@ -393,10 +407,11 @@ class MeshTensor:
         dimensions, same names and sizes; each rank's local tensor goes to the rank at the same
         coordinates, straight from proc to proc (an RDMABuffer the receiving rank reads), and is
         broadcast over dimensions the destination has beyond these (``Replicate()`` there), so
-        ``t.slice_mesh(hosts=0).to_mesh(procs)`` copies stage 0's tensor to every host. Between
-        slices of one proc mesh the pieces go point to point over its process group, in the
-        ordered stream (this returns at once); between two proc meshes this waits until the
-        source ranks have this tensor (its pieces' handles come back, not its bytes)."""
+        ``t.slice_mesh(hosts=0).to_mesh(procs)`` copies stage 0's tensor to every host. This
+        returns at once, as any op does: between slices of one proc mesh the pieces go point to
+        point over its process group, in the ordered stream; between two proc meshes each
+        destination rank, in its mesh's ordered stream, asks the source rank for its piece
+        (until the source has made it, within ``VALUE_TIMEOUT_S``) and reads it by the data plane."""
         src, dst = self._engine, engine_for(procs)
         if dst is src:
             return self
@@ -433,39 +448,73 @@ class MeshTensor:
             base.start().transfer.broadcast(base.take_frees(), self._id, h._id, pairs, self.dtype, dst.key, pl, shape, stride)
             base.messages_sent += 1
             return h
-        bufs = src.gather("share", ([], self._id), None, "to_mesh()").get(timeout=VALUE_TIMEOUT_S)
+        # between two proc meshes: each destination rank pulls its piece from the source rank,
+        # in the destination's ordered stream (later ops there wait for it), so this returns at once
+        dst.start()
         h = MeshTensor(dst, dst.new_id(), shadow)
+        h._keep = self  # the source's tensor lives until the destination's is collected
+        src_base, dst_base = src.root or src, dst.root or dst
+        sources: dict[int, dict[str, int]] = {}
+        local_shapes: dict[int, tuple[int, ...]] = {}
         for s, ranks in readers.items():
-            buf = bufs[s]
-            ls = tuple(local_shape(list(shape), dst.coords_of(ranks[0]), list(dst.sizes), pl))
-            piece = Via(buf, ls, self.dtype) if buf is not None else torch.empty(ls, dtype=self.dtype)
-            fut = dst.gather("put", ([], h._id, piece, pl, shape, stride, dst.key), ranks, "to_mesh()")
-            dst.messages_sent += 1
-            if buf is not None:
-                fut.add_done_callback(_dropper(buf))
+            at = dict(zip(src_base.procs.extent.keys(), src_base.coords_of(src.ranks[s])))
+            for r in ranks:
+                sources[dst.ranks[r]] = at
+                local_shapes[dst.ranks[r]] = tuple(local_shape(list(shape), dst.coords_of(r), list(dst.sizes), pl))
+        dst_base.start().pull.broadcast(
+            dst_base.take_frees(), h._id, src_base.start(), sources, self._id, local_shapes, self.dtype, pl, shape,
+            stride, dst.key, VALUE_TIMEOUT_S,
+        )  # fmt: skip
+        dst_base.messages_sent += 1
         return h
 
-    def slice_mesh(self, **coords: int) -> MeshTensor:
+    def slice_mesh(self, **coords: int | slice) -> MeshTensor:
         """Monarch's ``slice_mesh``: this tensor as the ranks of ``mesh.slice(**coords)`` hold
-        it, a mesh tensor on that slice (for ``to_mesh``). A dimension sharded here keeps its
-        piece at that coordinate; one ``Partial()`` here must be redistributed first."""
+        it, a mesh tensor on that slice (for ``to_mesh``). An int drops the dimension, a range
+        (``gpus=slice(1, 3)``) keeps it; a dimension sharded here keeps the pieces of the ranks
+        chosen (so the slice's tensor is their concatenation, which must be cut as DTensor cuts
+        it: ``torch.chunk``); one ``Partial()`` here must be redistributed first unless kept whole."""
         e = self._engine
-        if not coords or any(not isinstance(v, int) for v in coords.values()):
-            raise ValueError("slice_mesh takes one coordinate (an int) per dimension it drops, e.g. slice_mesh(hosts=0)")
+        if not coords or any(not isinstance(v, (int, slice)) for v in coords.values()):
+            raise ValueError(
+                "slice_mesh takes a coordinate (an int, which drops the dimension) or a range (a slice, "
+                "which keeps it) per dimension, e.g. slice_mesh(hosts=0) or slice_mesh(gpus=slice(0, 2))"
+            )
         sub = e.procs.slice(**coords)
         shape = list(self.shape)
         keep: list[Placement] = []
+        cut: list[tuple[str, int]] = []  # (mesh dim, tensor dim) of each Shard a slice cuts
         for name, size, p in zip(e.labels, e.sizes, self.placements):
-            if name not in coords:
+            v = coords.get(name)
+            rng = range(size)[v] if isinstance(v, slice) else range(v, v + 1) if isinstance(v, int) else None
+            if rng is None or (isinstance(v, slice) and rng == range(size)):
                 keep.append(p)
             elif isinstance(p, Shard):
-                a, b = chunk_range(shape[p.dim], size, coords[name])
-                shape[p.dim] = b - a
-            elif not isinstance(p, Replicate):
+                pieces = [chunk_range(shape[p.dim], size, k) for k in rng]
+                lens = [b - a for a, b in pieces]
+                if isinstance(v, slice):
+                    recut = [b - a for a, b in (chunk_range(sum(lens), len(lens), i) for i in range(len(lens)))]
+                    if recut != lens:
+                        raise ValueError(
+                            f"slice_mesh: ranks {v.start}:{v.stop}:{v.step or 1} of {name!r} hold pieces of "
+                            f"{lens} along dim {p.dim}, which DTensor would not cut that way; redistribute first"
+                        )
+                    keep.append(p)
+                cut.append((name, p.dim))
+                shape[p.dim] = sum(lens)
+            elif isinstance(p, Replicate):
+                if isinstance(v, slice):
+                    keep.append(p)
+            else:
                 raise ValueError(f"slice_mesh: {p} over {name!r} has no value of its own on a slice; redistribute first")
-        sharded = [p.dim for name, p in zip(e.labels, self.placements) if isinstance(p, Shard) and name in coords]
-        if any(isinstance(p, Shard) and p.dim in sharded for p in keep):
-            raise ValueError("slice_mesh: a tensor dimension sharded over both a dropped and a kept mesh dimension")
+        dropped = {n for n, v in coords.items() if isinstance(v, int)}
+        for name, dim in cut:
+            # dropped dims narrow one after another, as DTensor nests them; any other mix does not
+            others = {n for n, p in zip(e.labels, self.placements) if isinstance(p, Shard) and p.dim == dim} - {name}
+            if others and not (name in dropped and others <= dropped):
+                raise ValueError(
+                    f"slice_mesh: tensor dim {dim} is sharded over {name!r} and another mesh dimension; redistribute first"
+                )
         d = engine_for(sub)
         keep = keep or [Replicate()]  # every dimension dropped: a mesh of one rank
         stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))

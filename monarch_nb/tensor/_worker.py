@@ -55,8 +55,8 @@ class TensorWorker(Actor):
         #: outside a slice holds it too (DeviceMesh is built by every rank), coordinate None
         self.meshes: dict[Any, Any] = {}
         self.device = "cpu"
-        #: RDMABuffers lent to the controller (full_tensor), by id: kept alive until it drops them
-        self.lent: dict[int, Any] = {}
+        #: RDMABuffers lent to the controller (full_tensor, fetch_shard), by id: kept alive until it drops them
+        self.lent: dict[int, list[Any]] = {}
 
     @endpoint
     def setup(self, labels: list[str], sizes: list[int], timeout_s: float) -> str:
@@ -271,14 +271,78 @@ class TensorWorker(Actor):
     def share(self, frees: list[int], id: int) -> Any:
         """This rank's local tensor as an RDMABuffer, for the controller to read (full_tensor of
         a large tensor: each piece straight from its rank, no collective)."""
-        from ..rdma import RDMABuffer
+        self._free(frees)
+        return self._lend(id)
+
+    @endpoint
+    def lend(self, id: int) -> tuple[str, Any]:
+        """For a rank of another proc mesh pulling this tensor (to_mesh): ``("wait", None)``
+        until this rank has run the op that makes ``id``, then ``("ok", RDMABuffer or None)``,
+        or ``("error", the op's error)``."""
+        v = self.table.get(id)
+        if v is None:
+            return ("wait", None)
+        if isinstance(v, _Failed):
+            return ("error", v.error)
+        return ("ok", self._lend(id))
+
+    @endpoint
+    def pull(
+        self, frees: list[int], id: int, source: Any, sources: dict[int, dict[str, int]], src: int,
+        local_shapes: dict[int, tuple[int, ...]], dtype: torch.dtype, placements: Any, shape: Any, stride: Any,
+        key: Any, timeout_s: float,
+    ) -> None:  # fmt: skip
+        """to_mesh from another proc mesh, in this mesh's ordered stream (so later ops on ``id``
+        wait for it): this rank asks the source rank at ``sources[me]`` (a worker of ``source``)
+        for its piece of ``src``, until that rank has made it or ``timeout_s`` passes, reads it
+        by the data plane and stores it as ``id``."""
+        import time
 
         self._free(frees)
+        me = current_rank().rank
+        if me not in sources:
+            return
+        try:
+            mesh = self._mesh(key)
+            target = source.slice(**sources[me])
+            deadline = time.monotonic() + timeout_s
+            pause = 0.001
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"to_mesh: the source rank {sources[me]} had no mesh tensor {src} within {timeout_s} s")
+                state, v = target.lend.call_one(src).get(timeout=left)
+                if state == "ok":
+                    break
+                if state == "error":
+                    raise v
+                time.sleep(pause)  # the source has not run the op yet: ask again shortly
+                pause = min(pause * 2, 0.05)
+            local = torch.empty(local_shapes[me], dtype=dtype)
+            if v is not None:
+                try:
+                    v.read_into(local.view(-1).view(torch.uint8), timeout=int(timeout_s)).get(timeout=timeout_s)
+                finally:
+                    v.drop()
+            self.table[id] = DTensor.from_local(
+                local.to(self.device), mesh, placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
+            )
+        except Exception as e:  # the error belongs to the tensor; the actor lives on
+            self.table[id] = _Failed(e)
+
+    def _lend(self, id: int) -> Any:
+        from ..rdma import RDMABuffer
+
         t = self._get(Ref(id))
         local = (t.to_local() if isinstance(t, DTensor) else t).detach().cpu().contiguous().clone()
         if local.numel() == 0:
             return None
-        buf = self.lent[id] = RDMABuffer(local.view(-1).view(torch.uint8))
+        buf = RDMABuffer(local.view(-1).view(torch.uint8))
+        # several reads of one tensor may be under way (fetch_shard futures not yet read); the
+        # last few stay alive until the controller drops them or the tensor is freed
+        lent = self.lent.setdefault(id, [])
+        lent.append(buf)
+        del lent[:-8]
         return buf
 
     @endpoint
