@@ -236,6 +236,9 @@ class SlurmJob(JobTrait):
     def _host_addrs(self) -> list[str]:
         return [h["tcp"] for h in self._hosts]
 
+    def _key_path(self) -> str:
+        return os.path.join(self._dir, "key") if self._dir else ""
+
     @property
     def job_id(self) -> str | None:
         """Slurm's id of the submitted job."""

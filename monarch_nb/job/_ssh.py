@@ -122,6 +122,9 @@ class SSHJob(JobTrait):
 
     _scheduler = "ssh"
 
+    def _key_path(self) -> str:
+        return self._key_file
+
     def _describe(self) -> dict[str, Any]:
         lost = sorted(h for h, info in self._hosts.items() if not _listening(info["tcp"], timeout=1.0))
         # the sidebar asks the live allocators only: a dead one would make every poll wait for it
