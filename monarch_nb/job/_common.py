@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .._runtime import records
+from .._runtime.transport import split_tcp
 from ..actor import HostMesh, attach_to_workers
 from ._job import JobError
 
@@ -55,6 +57,16 @@ def wait_announced(
             raise JobError(f"{what}(s) {missing} did not announce themselves within {timeout:.0f} s")
         time.sleep(delay)  # polling files the allocators write; there is no event to wait on
         delay = min(delay * 1.5, 0.25)
+
+
+def listening(addr: str, timeout: float = 3.0) -> bool:
+    """Does something accept TCP connections at ``addr`` (an allocator's port, ``tcp://h:p``)?"""
+    try:
+        host, port = split_tcp(addr)
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def pid_state(pid: int) -> str:
