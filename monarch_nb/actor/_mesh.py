@@ -408,20 +408,23 @@ class ProcMesh(MeshTrait):
         view = self._view
         ext = (list(view.labels), list(view.sizes))
         procs = [self._procs[r] for r in view.ranks]
-        # the new actors' creator (Monarch's Instance.creator) and the job's controller proc
-        parent, controllers = _context.lineage()
         label, name = name, self._unique_actor_name(name)
-        # pickled once (a class from a notebook cell travels by value) and sent once per host
         # each actor tells this process of its own failure on this port (Monarch's supervision
         # events), whose handler hands it to the mesh once spawn has made it
         sup = _Supervised()
         sup_port = rt.open_port(sup.on_event)
-        body, bufs = dumps(
-            (
-                (name, Class, args, kwargs, ext, self, client.cid),
-                {"parent": parent, "controllers": controllers, "label": label, "supervisor_port": sup_port},
+        # the addresses of ours inside (the controller proc, Ports in the arguments) as the
+        # procs' hosts reach them (through a gateway's reply address, if they are behind one)
+        with _context.pickling_for(rt, procs[0].addr if procs else ""):
+            # the new actors' creator (Monarch's Instance.creator) and the job's controller proc
+            parent, controllers = _context.lineage()
+            # pickled once (a class from a notebook cell travels by value) and sent once per host
+            body, bufs = dumps(
+                (
+                    (name, Class, args, kwargs, ext, self, client.cid),
+                    {"parent": parent, "controllers": controllers, "label": label, "supervisor_port": sup_port},
+                )
             )
-        )
         rt.check_size(body, bufs)
         fut = gather(
             rt,
