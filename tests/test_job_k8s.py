@@ -400,7 +400,6 @@ def test_whole_flow(k8s: Cluster) -> None:
     assert first["hosts"]["trainers"] == [f"tcp://{k8s.net.ip(i)}:26600" for i in (1, 2, 3)]
     where = out[1]["where"]
     assert len(where) == 6 and {ip for _, ip in where} == {k8s.net.ip(i) for i in (1, 2, 3)}
-    assert first["pushed"] == sorted(pid for pid, _ in where) and first["tallies"] == [1, 2, 3, 4, 5, 6], first
     assert "already exists" in out[2]["conflict"] and "trainers" in out[2]["conflict"]
     assert out[3]["after"] == EMPTY
     # deleting the StatefulSet ended the allocators
