@@ -380,4 +380,7 @@ def test_a_node_whose_link_goes_down_fails_its_calls_by_name(slurm: SlurmCluster
     # the job's row names the lost node, and the sidebar asks only the two that answer
     row = lines[1]
     assert row["lost"] == ["n2"] and "lost: n2" in row["state"] and row["addrs"] == 2, row
+    # its liveness probe is a CurveZMQ handshake: the allocators log no refused connection for it
+    errs = list(Path(slurm.shared, "jobs").glob("slurm_*_link.err"))
+    assert errs and not [f for f in errs if "security handshake" in f.read_text()], errs
     assert b'"killed": true' in out

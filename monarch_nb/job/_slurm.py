@@ -32,7 +32,7 @@ from .._runtime import records
 from .._runtime.transport import route_ip
 from .._wire.keys import write_key_file
 from ..actor import HostMesh
-from ._common import expand_hostlist, forwarded_config, host_meshes, listening, wait_announced
+from ._common import answering, expand_hostlist, forwarded_config, host_meshes, wait_announced
 from ._job import JobError, JobTrait
 
 logger = logging.getLogger("monarch_nb.job")
@@ -203,7 +203,8 @@ class SlurmJob(JobTrait):
             # lost: a node Slurm marks down or not responding, or whose allocator does not answer
             # (Slurm notices a cut link only after SlurmdTimeout; the allocator's port at once)
             down = nodes_down([h["name"] for h in self._hosts])
-            lost = sorted(h["name"] for h in self._hosts if h["name"] in down or not listening(h["tcp"], timeout=1.0))
+            live = answering([h["tcp"] for h in self._hosts], self._key_path())
+            lost = sorted(h["name"] for h in self._hosts if h["name"] in down or h["tcp"] not in live)
             row["lost"] = lost
             # the sidebar asks the live allocators only: a dead one would make every poll wait for it
             row["addrs"] = [h["tcp"] for h in self._hosts if h["name"] not in lost]

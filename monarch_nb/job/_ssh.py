@@ -22,7 +22,7 @@ from .._runtime import records
 from .._wire.keys import read_key_file, write_key_file
 from ..actor import HostMesh
 from ..config import runtime_dir
-from ._common import forwarded_config, host_meshes, listening
+from ._common import answering, forwarded_config, host_meshes, listening
 from ._job import JobError, JobTrait
 
 #: ssh connect timeout, and how long a remote allocator may take to announce itself
@@ -124,7 +124,8 @@ class SSHJob(JobTrait):
         return self._key_file
 
     def _describe(self) -> dict[str, Any]:
-        lost = sorted(h for h, info in self._hosts.items() if not listening(info["tcp"], timeout=1.0))
+        live = answering([info["tcp"] for info in self._hosts.values()], self._key_file)
+        lost = sorted(h for h, info in self._hosts.items() if info["tcp"] not in live)
         # the sidebar asks the live allocators only: a dead one would make every poll wait for it
         addrs = [info["tcp"] for h, info in self._hosts.items() if h not in lost and info.get("tcp")]
         return {
