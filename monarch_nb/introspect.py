@@ -43,7 +43,9 @@ def status(
     refused = ""
     if key_file and addresses:
         try:
-            client.rt.sockets.set_security(Security(read_key_file(key_file)))
+            key = read_key_file(key_file)
+            if client.rt.sockets.security.key != key:
+                client.rt.sockets.set_security(Security(key))
         except Exception as e:  # another cluster's key, or an unreadable file: said per allocator
             refused = f"cannot ask it with the key {key_file}: {e}"
     for a in addresses or []:
