@@ -178,7 +178,14 @@ class ActorMesh(MeshTrait, Generic[T]):
         raise AttributeError(name)  # as Monarch words it
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ActorMesh, (self._class, self._name, self._procs, self._view, None, self._label))
+        procs = self._procs
+        if _context._pickling_for.get():
+            # to hosts behind a gateway: actors in this process are reached at its reply address
+            rt = _context.runtime()
+            if any(p.addr == rt.ipc_addr for p in procs):
+                reach = _context.reachable_addr(rt)
+                procs = [p._replace(addr=reach) if p.addr == rt.ipc_addr else p for p in procs]
+        return (ActorMesh, (self._class, self._name, procs, self._view, None, self._label))
 
     def __repr__(self) -> str:
         cls = self._class.__qualname__ if self._class is not None else "?"
