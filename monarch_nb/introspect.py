@@ -14,30 +14,51 @@ from typing import Any
 
 from ._runtime.records import read_connection_files
 from ._runtime.runtime import pid_alive
+from ._runtime.transport import Security
+from ._wire.keys import read_key_file
 from .actor import _context, _debugwait
 from .config import runtime_dir
 
 __all__ = ["logs", "on_state_change", "status"]
 
 
-def status(addresses: list[str] | None = None, timeout: float = 2.0) -> dict[str, Any]:
+def status(
+    addresses: list[str] | None = None, timeout: float = 2.0, *, key_file: str | None = None, local: bool = True
+) -> dict[str, Any]:
     """Allocators (local connection files plus ``addresses``), their meshes and procs, and the
-    debug sessions of ranks paused at ``breakpoint()`` (``debug_sessions``, also per allocator)."""
+    debug sessions of ranks paused at ``breakpoint()`` (``debug_sessions``, also per allocator).
+
+    ``key_file``: the cluster key ``addresses`` hold (a job's own key); this process adopts it
+    unless it already holds another one (one process joins one cluster: then each of them reads
+    as an error saying so). ``local=False`` leaves this machine's connection files out.
+    """
     client = _context.client()
     targets: list[tuple[str, dict[str, Any]]] = []
     host = socket.gethostname()
-    for info in read_connection_files(runtime_dir()):
+    for info in read_connection_files(runtime_dir()) if local else []:
         if info.get("host") == host and not pid_alive(int(info.get("pid", 0))):
             continue
         targets.append((info["addr"], info))
     known = {t[0] for t in targets} | {t[1].get("tcp") for t in targets}
+    refused = ""
+    if key_file and addresses:
+        try:
+            key = read_key_file(key_file)
+            if client.rt.sockets.security.key != key:
+                client.rt.sockets.set_security(Security(key))
+        except Exception as e:  # another cluster's key, or an unreadable file: said per allocator
+            refused = f"cannot ask it with the key {key_file}: {e}"
     for a in addresses or []:
         if a not in known:
             known.add(a)
             targets.append((a, {"addr": a}))
-    futs = [(addr, info, client.request(addr, "status")) for addr, info in targets]
+    mine = set(addresses or [])
+    futs = [(addr, info, None if refused and addr in mine else client.request(addr, "status")) for addr, info in targets]
     out = []
     for _addr, info, f in futs:
+        if f is None:
+            out.append({**info, "error": refused})
+            continue
         try:
             with _debugwait.quiet():  # a status query is not a wait that should open the debugger
                 out.append(f.get(timeout=timeout))

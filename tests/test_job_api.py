@@ -26,7 +26,7 @@ from monarch_nb.job import (
 )
 from monarch_nb.job._common import expand_hostlist
 from monarch_nb.job._common import forwarded_config as _forwarded
-from monarch_nb.job._slurm import parse_squeue_json, parse_squeue_text
+from monarch_nb.job._slurm import parse_sinfo_nodes, parse_squeue_json, parse_squeue_text
 
 DATA = Path(__file__).parent / "data"
 pytestmark = pytest.mark.timeout(60)
@@ -205,6 +205,12 @@ def test_squeue_text_fallback() -> None:
     assert info is not None and (info.state, info.nodes, info.time_limit_min) == ("RUNNING", "n[1-3]", 5)
     assert parse_squeue_text("7|PENDING|Priority||1-00:00:00\n", "7").reason == "Priority"  # type: ignore[union-attr]
     assert parse_squeue_text("7|PENDING|Priority||1-00:00:00\n", "7").time_limit_min == 1440  # type: ignore[union-attr]
+
+
+def test_sinfo_names_the_nodes_slurm_lost() -> None:
+    # `sinfo -h -N -o '%N|%T'`: '*' is "not responding"; drain, powered-down (~) and mixed still run work
+    text = "n1|allocated\nn2|allocated*\nn3|down\nn4|mixed+drain\nn5|idle~\nn6|fail\nn7|down*\n"
+    assert parse_sinfo_nodes(text) == {"n2": "allocated*", "n3": "down", "n6": "fail", "n7": "down*"}
 
 
 def test_hostlists() -> None:

@@ -287,7 +287,7 @@ _HEAD = """
 import json, os, socket, sys
 from kubernetes import client, config, watch
 from monarch_nb._wire.keys import read_key_file
-from monarch_nb.actor import Actor, endpoint
+from monarch_nb.actor import Actor, Channel, endpoint, get_or_spawn_controller, this_proc
 from monarch_nb.job import JobError
 from monarch_nb.job.kubernetes import ImageSpec, KubeConfig, KubernetesJob
 
@@ -303,6 +303,24 @@ class Where(Actor):
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         s.connect((CTL, 9))  # the address this host reaches the controller from
         return os.getpid(), s.getsockname()[0]
+
+    @endpoint
+    def push(self, port):
+        port.send(os.getpid())  # to a Port of the controller's, handed over as an argument
+
+    @endpoint
+    def tally(self, counter=None):
+        counter = counter or get_or_spawn_controller("tally", Tally).get()
+        return counter.add.call_one().get(timeout=20)
+
+class Tally(Actor):  # a controller: it lives in the controller's process
+    def __init__(self):
+        self.n = 0
+
+    @endpoint
+    def add(self):
+        self.n += 1
+        return self.n
 
 def out(**kw):
     print(json.dumps(kw), flush=True)
@@ -546,11 +564,19 @@ def test_gateway_reaches_pods_the_controller_cannot_route_to(k8s: Cluster) -> No
                 procs = state.gw.spawn_procs(per_host={"gpus": 2}, name="train", persist=True)
                 w = procs.spawn("w", Where)
                 got = w.where.call().get()
+                # a Port and the controllers' proc, handed to the pods, are the gateway's reply address
+                port, recv = Channel.open()
+                w.push.call(port).get()
+                pushed = sorted(recv.recv().get(timeout=20) for _ in range(6))
+                tallies = sorted(w.tally.call().get().values())
+                # and an actor living in the controller's own process, handed over as an argument
+                mine = this_proc().spawn("mine", Tally)
+                tallies += sorted(w.tally.call(mine).get().values())
                 # the port-forward drops: the next connection opens a new one, same reply address
                 before, reverse = gw.mux, gw.reverse
                 before.close()
                 again = w.where.call().get()
-                out(direct=direct, reverse=gw.reverse, where=[list(v) for v in got.values()],
+                out(direct=direct, reverse=gw.reverse, where=[list(v) for v in got.values()], pushed=pushed, tallies=tallies,
                     reopened=gw.mux is not before and gw.reverse == reverse and sorted(again.values()) == sorted(got.values()),
                     key=read_key_file(os.path.join(job._dir, "key")).hex())
             """,
@@ -622,6 +648,7 @@ def test_gateway_reaches_pods_the_controller_cannot_route_to(k8s: Cluster) -> No
     assert first["reverse"].startswith(f"tcp://{k8s.net.ip(1)}:") and again["reverse"].startswith(f"tcp://{k8s.net.ip(1)}:")
     where = first["where"]
     assert len(where) == 6 and {ip for _, ip in where} == {k8s.net.ip(i) for i in (1, 2, 3)}
+    assert first["pushed"] == sorted(pid for pid, _ in where) and first["tallies"] == [1, 2, 3, 4, 5, 6] * 2, first
     assert sorted(again["where"]) == sorted(where)  # the same procs, re-attached
     assert "403" in again["forbidden"] and "'create' on 'pods/portforward'" in again["forbidden"], again
     assert out[2] == {"after": EMPTY, "gateway_closed": True}

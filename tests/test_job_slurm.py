@@ -338,7 +338,8 @@ def test_a_node_whose_link_goes_down_fails_its_calls_by_name(slurm: SlurmCluster
             out(call=None)
         except Exception as e:
             out(call=f"{{type(e).__name__}}: {{e}}", after=time.monotonic() - t0)
-        out(failures=failures)
+        row = job.describe()  # the job tables' row (%mesh jobs, the sidebar, the dashboard)
+        out(failures=failures, lost=row["lost"], state=row["state"], addrs=len(row["addrs"]))
         while os.path.exists({go!r}):
             time.sleep(0.05)  # the cable is back
         job.kill()
@@ -376,4 +377,10 @@ def test_a_node_whose_link_goes_down_fails_its_calls_by_name(slurm: SlurmCluster
     n2 = slurm.net.ip(2)
     assert call["call"].startswith("SupervisionError") and f"allocator tcp://{n2}:" in call["call"] and "lost" in call["call"]
     assert call["after"] < 10, call  # heartbeats, not Slurm's SlurmdTimeout, notice it
+    # the job's row names the lost node, and the sidebar asks only the two that answer
+    row = lines[1]
+    assert row["lost"] == ["n2"] and "lost: n2" in row["state"] and row["addrs"] == 2, row
+    # its liveness probe is a CurveZMQ handshake: the allocators log no refused connection for it
+    errs = list(Path(slurm.shared, "jobs").glob("slurm_*_link.err"))
+    assert errs and not [f for f in errs if "security handshake" in f.read_text()], errs
     assert b'"killed": true' in out

@@ -46,7 +46,7 @@ def _env(c: SshCluster) -> dict[str, str]:
 _HEAD = """
 import json, os, socket, sys
 from monarch_nb.actor import Actor, ProcMesh, endpoint
-from monarch_nb.job import JobError, SSHJob
+from monarch_nb.job import JobError, SSHJob, named_job_path
 
 class Where(Actor):
     @endpoint
@@ -82,7 +82,7 @@ def test_launch_survive_reattach_kill(ssh: SshCluster) -> None:
             _code(
                 """
                 job = make_job({args!r})
-                state = job.state(cached_path="/tmp/job.json")
+                state = job.state(cached_path=named_job_path("ssh1"))
                 procs = state.workers.spawn_procs(per_host={{"gpus": 2}}, name="kept", persist=True)
                 got = procs.spawn("w", Where).where.call().get()
                 out(where=sorted(got.values()), key_file=job._key_file,
@@ -101,18 +101,39 @@ def test_launch_survive_reattach_kill(ssh: SshCluster) -> None:
         assert hosts == ["s1", "s2"] and len(first["where"]) == 4 and first["extra"] == ["s3"]
         key = bytes.fromhex(ssh.net.path(0, first["key_file"]).read_text().strip())
 
+        # the JupyterLab sidebar's state (GET /monarch-nb/api/state is MeshManager.state()), from
+        # a process that never attached: it asks the job's allocators with the job's own key
+        side = run_controller(
+            ssh.net,
+            ssh.shared,
+            _code(
+                """
+                from monarch_nb.server.manager import MeshManager
+                s = MeshManager().state()
+                out(jobs=s["jobs"], allocators=[[a["addr"], a["alive"], a["error"]] for a in s["allocators"]],
+                    meshes={{m["name"]: [[p["host"], p["pid"], p["state"]] for p in m["procs"]] for m in s["meshes"]}})
+                """
+            ),
+            _env(ssh),
+        )[0]
+        (row,) = side["jobs"]
+        assert row["name"] == "ssh1" and row["scheduler"] == "ssh" and row["state"] == "running" and not row["lost"], row
+        assert len(row["addrs"]) == 3 and all(alive for addr, alive, _ in side["allocators"] if addr in row["addrs"]), side
+        assert sorted((h, pid) for h, pid, _ in side["meshes"]["kept"]) == sorted(tuple(w) for w in first["where"]), side
+        assert {st for _, _, st in side["meshes"]["kept"]} == {"idle"}, side
+
         second = run_controller(
             ssh.net,
             ssh.shared,
             _code(
                 """
                 job = make_job({args!r})
-                state = job.state(cached_path="/tmp/job.json")
+                state = job.state(cached_path=named_job_path("ssh1"))
                 procs = ProcMesh.lookup("kept", state.workers)
                 got = procs.actor_mesh("w").where.call().get()
                 out(where=sorted(got.values()), pids=sorted((p.host, p.pid) for p in procs._procs))
                 job.kill()
-                out(killed=True, cache=os.path.exists("/tmp/job.json"))
+                out(killed=True, cache=os.path.exists(named_job_path("ssh1")))
                 """,
                 args=args,
             ),

@@ -162,6 +162,41 @@ def controllers_proc() -> Any:
     from ._mesh import this_proc
 
     me = this_proc()._procs[0]
-    rt = runtime()
-    # once this process has a TCP inbox, procs on other hosts can reach it there
-    return me._replace(addr=rt.tcp_addr) if rt.tcp_addr else me
+    addr = reachable_addr(runtime())
+    return me._replace(addr=addr) if addr else me
+
+
+#: the peer a message being pickled here goes to; set only while this process reaches some
+#: hosts through a gateway (see :func:`reachable_addr`), so other processes never pay for it
+_pickling_for: contextvars.ContextVar[str] = contextvars.ContextVar("monarch_nb_pickling_for", default="")
+
+
+def reachable_addr(rt: Runtime) -> str:
+    """Our inbox as a message's recipient on another host must see it ("" without a TCP inbox).
+
+    A Port or controller reference travels in a message's arguments; once this process has a
+    TCP inbox, procs on other hosts reach it there, except hosts behind a gateway (a notebook
+    outside Kubernetes): they reach it through the gateway's reply address."""
+    peer = _pickling_for.get()
+    if peer.startswith("tcp://") and rt.transport.sockets.routes:
+        return rt.addr_for(peer)
+    return rt.tcp_addr
+
+
+class pickling_for:
+    """``with pickling_for(rt, peer):`` the addresses pickled inside are the ones ``peer``
+    reaches (a no-op unless a gateway route exists)."""
+
+    __slots__ = ("_token", "_peer", "_on")
+
+    def __init__(self, rt: Runtime, peer: str) -> None:
+        self._peer = peer
+        self._on = bool(rt.transport.sockets.routes)
+
+    def __enter__(self) -> None:
+        if self._on:
+            self._token = _pickling_for.set(self._peer)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._on:
+            _pickling_for.reset(self._token)

@@ -174,12 +174,17 @@ class Endpoint(Generic[R]):
         if mesh._closed():
             raise MeshClosedError(f"actor mesh {mesh._label!r} was stopped; spawn it again")
         rt = _context.runtime()
-        body, bufs = dumps((args, kwargs))
-        rt.check_size(body, bufs)
         view = mesh._view
-        call_id = rt.next_call_id()
         procs = mesh._procs
         idx = range(len(view.ranks)) if ranks is None else ranks
+        if rt.transport.sockets.routes and len(idx):
+            # hosts behind a gateway reach a Port of ours in the arguments at its reply address
+            with _context.pickling_for(rt, procs[view.ranks[idx[0]]].addr):
+                body, bufs = dumps((args, kwargs))
+        else:
+            body, bufs = dumps((args, kwargs))
+        rt.check_size(body, bufs)
+        call_id = rt.next_call_id()
         on_call = _context.client().on_call if _context._client is not None else None
         if on_call is not None:
             on_call(call_id, [(procs[view.ranks[i]].mesh, procs[view.ranks[i]].rank) for i in idx])

@@ -178,7 +178,14 @@ class ActorMesh(MeshTrait, Generic[T]):
         raise AttributeError(name)  # as Monarch words it
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ActorMesh, (self._class, self._name, self._procs, self._view, None, self._label))
+        procs = self._procs
+        if _context._pickling_for.get():
+            # to hosts behind a gateway: actors in this process are reached at its reply address
+            rt = _context.runtime()
+            if any(p.addr == rt.ipc_addr for p in procs):
+                reach = _context.reachable_addr(rt)
+                procs = [p._replace(addr=reach) if p.addr == rt.ipc_addr else p for p in procs]
+        return (ActorMesh, (self._class, self._name, procs, self._view, None, self._label))
 
     def __repr__(self) -> str:
         cls = self._class.__qualname__ if self._class is not None else "?"
@@ -408,20 +415,23 @@ class ProcMesh(MeshTrait):
         view = self._view
         ext = (list(view.labels), list(view.sizes))
         procs = [self._procs[r] for r in view.ranks]
-        # the new actors' creator (Monarch's Instance.creator) and the job's controller proc
-        parent, controllers = _context.lineage()
         label, name = name, self._unique_actor_name(name)
-        # pickled once (a class from a notebook cell travels by value) and sent once per host
         # each actor tells this process of its own failure on this port (Monarch's supervision
         # events), whose handler hands it to the mesh once spawn has made it
         sup = _Supervised()
         sup_port = rt.open_port(sup.on_event)
-        body, bufs = dumps(
-            (
-                (name, Class, args, kwargs, ext, self, client.cid),
-                {"parent": parent, "controllers": controllers, "label": label, "supervisor_port": sup_port},
+        # the addresses of ours inside (the controller proc, Ports in the arguments) as the
+        # procs' hosts reach them (through a gateway's reply address, if they are behind one)
+        with _context.pickling_for(rt, procs[0].addr if procs else ""):
+            # the new actors' creator (Monarch's Instance.creator) and the job's controller proc
+            parent, controllers = _context.lineage()
+            # pickled once (a class from a notebook cell travels by value) and sent once per host
+            body, bufs = dumps(
+                (
+                    (name, Class, args, kwargs, ext, self, client.cid),
+                    {"parent": parent, "controllers": controllers, "label": label, "supervisor_port": sup_port},
+                )
             )
-        )
         rt.check_size(body, bufs)
         fut = gather(
             rt,

@@ -35,9 +35,9 @@ class Port(Generic[R]):
     def __reduce__(self) -> tuple[Any, ...]:
         addr = self._addr
         rt = _context._runtime
-        if rt is not None and addr == rt.ipc_addr and rt.tcp_addr:
-            # once we have a TCP inbox, hand out the address every host can reach
-            addr = rt.tcp_addr
+        if rt is not None and (addr == rt.ipc_addr or addr == rt.tcp_addr):
+            # once we have a TCP inbox, hand out the address the recipient's host reaches
+            addr = _context.reachable_addr(rt) or addr
         return (Port, (addr, self._port, self._index, self._once))
 
     def __repr__(self) -> str:

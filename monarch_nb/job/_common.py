@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .._runtime import records
+from .._runtime.transport import split_tcp
 from ..actor import HostMesh, attach_to_workers
 from ._job import JobError
 
@@ -55,6 +57,63 @@ def wait_announced(
             raise JobError(f"{what}(s) {missing} did not announce themselves within {timeout:.0f} s")
         time.sleep(delay)  # polling files the allocators write; there is no event to wait on
         delay = min(delay * 1.5, 0.25)
+
+
+def listening(addr: str, timeout: float = 3.0) -> bool:
+    """Does something accept TCP connections at ``addr`` (an allocator's port, ``tcp://h:p``)?"""
+    try:
+        host, port = split_tcp(addr)
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def answering(addrs: list[str], key_file: str, timeout: float = 1.0) -> set[str]:
+    """Which of ``addrs`` (allocators' ``tcp://h:p``) complete a CurveZMQ handshake with the key
+    in ``key_file`` within ``timeout``: all probed at once, and quietly (a bare TCP probe is
+    logged by the allocator as a failed handshake, on every poll of a job table)."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    from .._wire.keys import curve_keypair, read_key_file
+
+    if not addrs:
+        return set()
+    try:
+        public, secret = curve_keypair(read_key_file(key_file))
+    except Exception:  # no key (a job being killed): nothing can be asked
+        return set()
+    ctx = zmq.Context()
+    socks, mons = [], {}
+    try:
+        for a in addrs:
+            s = ctx.socket(zmq.DEALER)
+            s.linger = 0
+            s.curve_serverkey, s.curve_publickey, s.curve_secretkey = public, public, secret
+            mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            s.connect(a)
+            socks.append(s)
+            mons[mon] = a
+        ok: set[str] = set()
+        poller = zmq.Poller()
+        for mon in mons:
+            poller.register(mon, zmq.POLLIN)
+        deadline = time.monotonic() + timeout
+        while len(ok) < len(addrs) and (left := deadline - time.monotonic()) > 0:
+            for mon, _ in poller.poll(int(left * 1000) + 1):
+                recv_monitor_message(mon)
+                ok.add(mons[mon])
+                poller.unregister(mon)
+        return ok
+    finally:
+        for s in socks:
+            s.disable_monitor()
+        for mon in mons:
+            mon.close(0)
+        for s in socks:
+            s.close(0)
+        ctx.term()
 
 
 def pid_state(pid: int) -> str:

@@ -207,7 +207,8 @@ class JobTrait(ABC):
     def describe(self) -> dict[str, Any]:
         """A one-row summary for job tables (``%mesh jobs``, ``monarch-nb job status``, the sidebar
         and the dashboard): scheduler, id, state (asking the scheduler where there is one), hosts,
-        age, walltime left (s) and ``lost``, the hosts the scheduler lost."""
+        age, walltime left (s), ``lost`` (the hosts the scheduler lost), ``addrs`` (where its
+        allocators listen) and ``key_file`` (the cluster key they hold; "" for this machine's)."""
         running = self._running
         if running is None:
             return {
@@ -228,6 +229,8 @@ class JobTrait(ABC):
             "lost": [],
             # where its allocators listen: the sidebar asks them for their meshes
             "addrs": list(running._host_addrs()),
+            # a job's own cluster key: who asks its allocators (the sidebar) must hold it
+            "key_file": running._key_path(),
         }
         row.update(running._describe())
         return row
@@ -283,6 +286,10 @@ class JobTrait(ABC):
     def _host_addrs(self) -> list[str]:
         """The addresses of the allocators this job started (empty when it started none)."""
         return []
+
+    def _key_path(self) -> str:
+        """The cluster key file its allocators hold ("": this machine's runtime directory's)."""
+        return ""
 
     @abstractmethod
     def _create(self, client_script: str | None) -> None: ...

@@ -32,7 +32,7 @@ from .._runtime import records
 from .._runtime.transport import route_ip
 from .._wire.keys import write_key_file
 from ..actor import HostMesh
-from ._common import expand_hostlist, forwarded_config, host_meshes, wait_announced
+from ._common import answering, expand_hostlist, forwarded_config, host_meshes, wait_announced
 from ._job import JobError, JobTrait
 
 logger = logging.getLogger("monarch_nb.job")
@@ -199,6 +199,17 @@ class SlurmJob(JobTrait):
         row["state"] = info.state if info.reason in ("", "None") else f"{info.state} ({info.reason})"
         if info.time_limit_min is not None and info.start_time and info.state == "RUNNING":
             row["walltime_left_s"] = info.start_time + 60 * info.time_limit_min - time.time()
+        if info.state == "RUNNING" and self._hosts:
+            # lost: a node Slurm marks down or not responding, or whose allocator does not answer
+            # (Slurm notices a cut link only after SlurmdTimeout; the allocator's port at once)
+            down = nodes_down([h["name"] for h in self._hosts])
+            live = answering([h["tcp"] for h in self._hosts], self._key_path())
+            lost = sorted(h["name"] for h in self._hosts if h["name"] in down or h["tcp"] not in live)
+            row["lost"] = lost
+            # the sidebar asks the live allocators only: a dead one would make every poll wait for it
+            row["addrs"] = [h["tcp"] for h in self._hosts if h["name"] not in lost]
+            if lost:
+                row["state"] = f"RUNNING, lost: {', '.join(f'{n} ({down[n]})' if n in down else n for n in lost)}"
         return row
 
     def add_mesh(self, name: str, num_nodes: int) -> None:
@@ -235,6 +246,9 @@ class SlurmJob(JobTrait):
 
     def _host_addrs(self) -> list[str]:
         return [h["tcp"] for h in self._hosts]
+
+    def _key_path(self) -> str:
+        return os.path.join(self._dir, "key") if self._dir else ""
 
     @property
     def job_id(self) -> str | None:
@@ -486,6 +500,37 @@ def squeue(job_id: str) -> SlurmJobInfo | None:
             return None
         raise JobError(f"squeue failed: {cp.stderr.strip()}")
     return parse_squeue_text(cp.stdout, job_id)
+
+
+#: node states (sinfo's long names, lower case) in which a node no longer runs its jobs' work
+_LOST_STATES = {"down", "fail", "failing", "unknown", "not_responding", "no_respond"}
+
+
+def parse_sinfo_nodes(text: str) -> dict[str, str]:
+    """The nodes of ``sinfo -h -N -o '%N|%T'`` output that are lost, with their state: down,
+    failed, or not responding (sinfo's ``*`` suffix, as in ``allocated*``)."""
+    out = {}
+    for line in text.splitlines():
+        name, sep, state = line.strip().partition("|")
+        state = state.strip().lower()
+        if not sep or not name:
+            continue
+        base = state.rstrip("*~#!%$@^-+").split("+")[0]
+        if state.endswith("*") or base in _LOST_STATES:
+            out[name] = state
+    return out
+
+
+def nodes_down(names: list[str]) -> dict[str, str]:
+    """Which of ``names`` Slurm says are down or not responding (node -> its state); empty when
+    sinfo cannot be asked (the allocators' own answers still tell a lost host)."""
+    try:
+        cp = subprocess.run(
+            ["sinfo", "-h", "-N", "-n", ",".join(names), "-o", "%N|%T"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return parse_sinfo_nodes(cp.stdout) if cp.returncode == 0 else {}
 
 
 def controller_ip() -> str:

@@ -13,18 +13,16 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .._runtime import records
-from .._runtime.transport import split_tcp
 from .._wire.keys import read_key_file, write_key_file
 from ..actor import HostMesh
 from ..config import runtime_dir
-from ._common import forwarded_config, host_meshes
+from ._common import answering, forwarded_config, host_meshes, listening
 from ._job import JobError, JobTrait
 
 #: ssh connect timeout, and how long a remote allocator may take to announce itself
@@ -122,8 +120,12 @@ class SSHJob(JobTrait):
 
     _scheduler = "ssh"
 
+    def _key_path(self) -> str:
+        return self._key_file
+
     def _describe(self) -> dict[str, Any]:
-        lost = sorted(h for h, info in self._hosts.items() if not _listening(info["tcp"], timeout=1.0))
+        live = answering([info["tcp"] for info in self._hosts.values()], self._key_file)
+        lost = sorted(h for h, info in self._hosts.items() if info["tcp"] not in live)
         # the sidebar asks the live allocators only: a dead one would make every poll wait for it
         addrs = [info["tcp"] for h, info in self._hosts.items() if h not in lost and info.get("tcp")]
         return {
@@ -262,7 +264,7 @@ class SSHJob(JobTrait):
             and spec._transport == self._transport
             and spec._meshes == self._meshes
             and bool(self._hosts)
-            and all(_listening(h["tcp"]) for h in self._hosts.values())
+            and all(listening(h["tcp"]) for h in self._hosts.values())
         )
 
     def _kill(self) -> None:
@@ -286,12 +288,3 @@ class SSHJob(JobTrait):
         self._hosts = {}
         if errors:
             raise JobError("kill() could not stop the allocators on: " + "; ".join(errors))
-
-
-def _listening(addr: str, timeout: float = 3.0) -> bool:
-    try:
-        host, port = split_tcp(addr)
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except (OSError, ValueError):
-        return False

@@ -234,6 +234,10 @@ class KubernetesJob(JobTrait):
     def _host_addrs(self) -> list[str]:
         return [a for addrs in self._hosts.values() for a in addrs]
 
+    def _key_path(self) -> str:
+        # attach-only jobs (no directory of ours) use MONARCH_NB_KEY_FILE, as the process does
+        return os.path.join(self._dir, "key") if self._dir else ""
+
     @property
     def _job_id(self) -> str:
         return (self._apply_id or "")[:8]

@@ -66,8 +66,16 @@ class MeshManager:
         from monarch_nb.introspect import status
 
         jobs = self._job_rows()
-        # a job's allocators keep their connection files in the job's own directory: ask them by address
-        raw = status(sorted({a for j in jobs for a in j["addrs"]}) or None)
+        # a job's allocators keep their connection files in the job's own directory: ask them by
+        # address, with the job's own cluster key (SSH, Slurm and Kubernetes jobs make one each)
+        by_key: dict[str, set[str]] = {}
+        for j in jobs:
+            by_key.setdefault(j["key_file"], set()).update(j["addrs"])
+        raw = status(sorted(by_key.pop("", set())) or None)
+        for key_file, addrs in sorted(by_key.items()):
+            more = status(sorted(addrs), key_file=key_file, local=False)
+            raw["allocators"] += more["allocators"]
+            raw["debug_sessions"] += more["debug_sessions"]
         allocators: list[dict[str, Any]] = []
         meshes: dict[str, dict[str, Any]] = {}
         debug: list[dict[str, Any]] = []
@@ -303,6 +311,7 @@ def job_row(r: dict[str, Any]) -> dict[str, Any]:
         "age_s": r.get("age_s"),
         "walltime_left_s": r.get("walltime_left_s"),
         "addrs": [str(a) for a in r.get("addrs") or []],
+        "key_file": str(r.get("key_file") or ""),
     }
 
 
