@@ -197,7 +197,12 @@ class Supervision:
         for w in list(self.watches.values()):
             if w.lost is not None:
                 continue
-            if now - w.last_pong > self.cfg.heartbeat_timeout and not starved:
+            if starved:
+                # this process was not running (suspended, or starved of CPU): its own silence is no
+                # evidence against the peer, which gets a whole timeout from now to answer this ping
+                # (a controller resumed after being detached hears so from the pong, not as a loss)
+                w.last_pong = max(w.last_pong, now)
+            if now - w.last_pong > self.cfg.heartbeat_timeout:
                 cause = (
                     f"allocator {w.addr} lost: no heartbeat for {now - w.last_pong:.1f} s "
                     "(host down, network partition, or allocator killed)"
