@@ -346,8 +346,9 @@ def test_cleanup_runs_when_the_mesh_is_stopped(allocator, tmp_path):
 
 def test_unhandled_failure_in_a_script_reports_and_exits_non_zero(allocator):
     code = f"""
-import os, signal, threading
+import atexit, os, signal, threading
 from monarch_nb.actor import Actor, endpoint, attach_to_workers
+atexit.register(lambda: print("ATEXIT RAN"))
 class P(Actor):
     @endpoint
     def pid(self): return os.getpid()
@@ -363,6 +364,7 @@ print("NOT REACHED")
     assert time.monotonic() - t0 < 20
     assert "unhandled mesh failure" in r.stderr and "fail-fast" in r.stderr and "SIGKILL" in r.stderr
     assert "NOT REACHED" not in r.stdout
+    assert "ATEXIT RAN" in r.stdout, "atexit handlers run before the exit, as in Monarch"
 
 
 class Printer(Actor):
