@@ -155,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("allocator", help="run or manage this host's allocator daemon")
     a.add_argument("action", nargs="?", choices=["run", "start", "stop", "status"], help="default: run in the foreground")
-    a.add_argument("--bind", help="tcp://IP:PORT to serve other hosts (ipc is always served)")
+    a.add_argument(
+        "--bind",
+        help="tcp://IP:PORT to serve other hosts, or ipc://PATH: a socket file served too (ipc is always served in the runtime dir)",
+    )
     a.add_argument("--key-file", help="cluster key file (required for TCP off loopback)")
     a.add_argument(
         "--trust-all",

@@ -370,11 +370,33 @@ class BusyOwner(Actor):
         return True
 
 
-def test_supervision_of_a_sync_actor_goes_ahead_of_its_message_backlog(fault_hook):  # type: ignore[no-untyped-def]
+class AsyncBusyOwner(Actor):
+    """BusyOwner as an async actor: its supervision, too, goes ahead of its queued messages."""
+
+    def __init__(self, events: Port[str]) -> None:
+        self.events = events
+        self.child = this_proc().spawn("giver_upper", _GivesUp)
+
+    @endpoint
+    async def fail_child(self) -> None:
+        self.child.give_up.broadcast()
+
+    @endpoint
+    async def slow(self, i: int) -> None:
+        await asyncio.sleep(0.05)
+        self.events.send(f"slow {i}")
+
+    async def __supervise__(self, failure: Any) -> bool:
+        self.events.send(f"supervised {failure.crashed_ranks}")
+        return True
+
+
+@pytest.mark.parametrize("owner_cls", [BusyOwner, AsyncBusyOwner], ids=["sync", "async"])
+def test_supervision_of_an_actor_goes_ahead_of_its_message_backlog(fault_hook, owner_cls):  # type: ignore[no-untyped-def]
     procs = this_host().spawn_procs(per_host={"gpus": 1})
     try:
         port, events = Channel.open()
-        owner = procs.spawn("busy_owner", BusyOwner, port)
+        owner = procs.spawn("busy_owner", owner_cls, port)
         owner.fail_child.call_one().get(timeout=20)
         for i in range(60):
             owner.slow.broadcast(i)

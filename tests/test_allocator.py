@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -343,8 +346,9 @@ def test_cleanup_runs_when_the_mesh_is_stopped(allocator, tmp_path):
 
 def test_unhandled_failure_in_a_script_reports_and_exits_non_zero(allocator):
     code = f"""
-import os, signal, threading
+import atexit, os, signal, threading
 from monarch_nb.actor import Actor, endpoint, attach_to_workers
+atexit.register(lambda: print("ATEXIT RAN"))
 class P(Actor):
     @endpoint
     def pid(self): return os.getpid()
@@ -360,6 +364,7 @@ print("NOT REACHED")
     assert time.monotonic() - t0 < 20
     assert "unhandled mesh failure" in r.stderr and "fail-fast" in r.stderr and "SIGKILL" in r.stderr
     assert "NOT REACHED" not in r.stdout
+    assert "ATEXIT RAN" in r.stdout, "atexit handlers run before the exit, as in Monarch"
 
 
 class Printer(Actor):
@@ -449,6 +454,53 @@ def test_worker_addresses_in_monarchs_forms() -> None:
     for bad in ("h:4444", "service@h:4444", "tcp://a:1@ipc:///x", "tcp://a:1@tcp://b:2@tcp://c:3", ""):
         with pytest.raises(ValueError, match="worker address"):
             worker_address(bad)
+
+
+def test_a_worker_loop_serves_at_an_ipc_path_of_the_programs_choosing() -> None:
+    # Monarch's ipc://PATH: a unix socket file; a relative PATH is against the working directory
+    # of the process that reads it (the worker that binds, the controller that dials)
+    where = tempfile.mkdtemp(prefix="mnbw-", dir="/tmp")
+    a = AllocatorProc(where, "--bind", f"ipc://{where}/worker.sock", "--trust-all")
+    try:
+        assert stat.S_IMODE(os.stat(os.path.join(where, "worker.sock")).st_mode) == 0o600
+        code = f"""
+import os
+from monarch_nb.actor import Actor, attach_to_workers, endpoint
+class Pid(Actor):
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+os.chdir({where!r})
+hosts = attach_to_workers(workers=["ipc://worker.sock"], ca="trust_all_connections")
+print("ALLOC", hosts._refs()[0].alloc)
+pm = hosts.spawn_procs(per_host={{"gpus": 2}})
+print("CALL", len(pm.spawn("p", Pid).pid.call().get(timeout=30).values()))
+pm.stop().get(timeout=30)
+"""
+        r = run_script(code, env={"MONARCH_NB_RUNTIME_DIR": a.rdir})
+        assert r.returncode == 0, r.stderr
+        assert f"ALLOC ipc://{where}/worker.sock" in r.stdout and "CALL 2" in r.stdout, r.stdout
+        # a second worker loop at the same path is refused while the first serves there
+        rdir = tempfile.mkdtemp(prefix="mnba-", dir="/tmp")
+        cp = subprocess.run(
+            [PY, "-m", "monarch_nb", "allocator", "--bind", "ipc://worker.sock", "--trust-all"],
+            cwd=where,
+            env=dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        shutil.rmtree(rdir, ignore_errors=True)
+        assert cp.returncode != 0 and "another process already serves at" in cp.stderr, cp.stderr
+        # Linux's abstract sockets (Monarch's ipc://@NAME) have no permissions: refused
+        from monarch_nb.errors import ConfigError
+
+        with pytest.raises(ConfigError, match="ipc://@NAME"):
+            attach_to_workers(workers=["ipc://@worker"], ca="trust_all_connections")
+    finally:
+        a.stop()
+    assert not os.path.exists(os.path.join(where, "worker.sock")), "the socket file goes with the worker"
+    shutil.rmtree(where, ignore_errors=True)
 
 
 def _free_port() -> int:

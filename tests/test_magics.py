@@ -360,6 +360,22 @@ def test_a_failure_the_cell_caught_shows_no_unhandled_notice(k: Kernel) -> None:
     assert not [m for m in _of(k, cell) if "unhandled" in _text(m)], _of(k, cell)
 
 
+def test_a_failure_an_async_cell_caught_by_awaiting_shows_no_unhandled_notice(k: Kernel) -> None:
+    # the error reaches the cell through ``await`` (an async cell), not ``.get()``: the kernel is
+    # told of it all the same, so the failure it names needs no "unhandled" notice
+    _ok(k.run("%mesh spawn acaught --per-host gpus=2"))
+    _ok(k.run(COUNT_FAULTS))
+    cell = k.execute(
+        KILL.format(var="pids4", mesh="acaught", ranks="[1]")
+        + "try:\n    await pids4.pid.call()\nexcept SupervisionError as e:\n    print('caught:', e.cause)\n"
+        + poll("faults.count('acaught') == 1", 30, "the failure's report")
+    )
+    c = _ok(k.wait(cell))
+    assert "caught: process" in c.stream() and "SIGKILL" in c.stream(), c.msgs
+    _ok(k.run("1"))
+    assert not [m for m in _of(k, cell) if "unhandled" in _text(m)], _of(k, cell)
+
+
 def test_a_failure_the_cell_raised_and_did_not_catch_is_not_told_again(k: Kernel) -> None:
     # issue 14: the kernel's default hook prints nothing for a failure already raised into user
     # code in the same cell; the cell's own error is where the user reads it

@@ -28,7 +28,9 @@ def run_allocator(
 ) -> None:
     """Serve as this host's allocator in the foreground until shut down.
 
-    ``bind`` is ``tcp://IP:PORT`` for a multi-host allocator (ipc is always served too);
+    ``bind`` is ``tcp://IP:PORT`` for a multi-host allocator (ipc is always served too), or
+    ``ipc://PATH``: a socket file served besides the one in the runtime directory (Monarch's
+    worker loop address; a relative PATH is against the working directory);
     TCP off loopback needs ``key_file`` (a cluster key, see ``monarch-nb keygen``).
     ``bind`` may also be ``tcp://route:PEER:PORT``: the address this host uses to reach PEER
     (the controller), which is the one address of a multi-homed node the controller can reach.
@@ -47,7 +49,10 @@ def run_allocator(
     bind, advertise = check_bind(bind, key)
     tcp_ip = None
     port = 0
-    if bind:
+    extra_ipc = ""
+    if bind and bind.startswith("ipc://"):
+        extra_ipc = bind
+    elif bind:
         tcp_ip, port = split_tcp(bind)
     if gateway and (key is None or not tcp_ip):
         raise ValueError("--gateway needs --key-file and a --bind address (what the job's hosts reach this one at)")
@@ -57,6 +62,7 @@ def run_allocator(
     if advertise:
         # peers dial the advertised address; procs still bind where the allocator does
         alloc.rt.transport.advertise = advertise
+    alloc.rt.transport.extra_ipc = extra_ipc
     alloc.start(key_file or "")
     if bind and key is None:
         logging.getLogger(__name__).info(
@@ -93,10 +99,8 @@ def check_bind(bind: str | None, key: bytes | None) -> tuple[str | None, str]:
         if advertise == bind:
             advertise = ""
         if bind.startswith("ipc://"):
-            raise ValueError(
-                f"--bind {bind!r}: an allocator always serves ipc, at a path in its runtime directory "
-                "(`monarch-nb allocator list` shows it); --bind is for TCP (tcp://IP:PORT), to serve other hosts"
-            )
+            # served besides the runtime directory's socket, as Monarch's worker loop serves it
+            return bind, ""
     else:
         import socket as _socket
 

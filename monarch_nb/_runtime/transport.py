@@ -192,11 +192,13 @@ def route_ip(peer_host: str) -> str:
 
 def worker_address(addr: str) -> tuple[str, str]:
     """(advertised, bound) of a worker address in any form Monarch's worker loops accept:
-    ``tcp://host:port``, ``ipc://path``, ``<proc-id>@<url>`` (``service@…``,
+    ``tcp://host:port``, ``ipc://path`` (made absolute against this process's working directory), ``<proc-id>@<url>`` (``service@…``,
     ``service<2MuAHeDjLCEd>@…``: the proc id is Monarch's, ignored here), and the serving alias
     ``tcp://advertised:port@tcp://0.0.0.0:port`` (bind to the right, peers dial the left)."""
     if not isinstance(addr, str) or not addr:
         raise ValueError(f"a worker address is a string such as tcp://host:port, got {addr!r}")
+    if addr.startswith("ipc://"):
+        return (_ipc_worker(addr),) * 2
     rest = addr
     head, sep, tail = rest.partition("@")
     if sep and "://" not in head:
@@ -212,6 +214,24 @@ def worker_address(addr: str) -> tuple[str, str]:
     if advertised.startswith("tcp://") != bound.startswith("tcp://"):
         raise ValueError(f"bad worker address {addr!r}: the advertised and bound addresses are of different kinds")
     return advertised, bound
+
+
+def _ipc_worker(addr: str) -> str:
+    """``ipc://PATH`` as Monarch reads it: a unix socket file, a relative PATH resolved against
+    this process's working directory; ``ipc://@NAME`` (Linux's abstract namespace) is refused."""
+    path = addr[len("ipc://") :]
+    if path.startswith("@"):
+        raise ConfigError(
+            f"worker address {addr!r}: an abstract unix socket (ipc://@NAME) has no file permissions, so any "
+            "local user could connect to it; monarch_nb serves ipc only at socket files of mode 0600: "
+            "use ipc://PATH (a file path, relative to the working directory or absolute)"
+        )
+    if not path or "@" in path:
+        raise ValueError(f"bad worker address {addr!r}: use ipc://PATH, a socket file's path")
+    full = os.path.abspath(path)
+    if len(full.encode()) > 107:
+        raise ValueError(f"worker address {addr!r}: the socket path {full!r} is over the 107 bytes unix sockets allow")
+    return "ipc://" + full
 
 
 def is_wildcard(host: str) -> bool:
@@ -293,6 +313,9 @@ class Transport:
         self.bound_tcp = ""
         #: the address peers dial, when not the bound one (Monarch's ``advertised@bind`` form)
         self.advertise = ""
+        #: a worker loop's ``ipc://PATH`` of the program's choosing (absolute): an inbox served
+        #: there besides the one in the runtime directory
+        self.extra_ipc = ""
         #: the thread that reads the inboxes (set by its owner); it never sends directly
         self.io_ident = 0
         self.dispatch: Dispatch = _not_open
@@ -320,6 +343,26 @@ class Transport:
             self.tcp_addr = self.bound_tcp = self._bind(f"tcp://{self._tcp_ip}:{self._tcp_port}")
             if self.advertise:
                 self.tcp_addr = self.advertise
+        if self.extra_ipc:
+            self._bind_extra_ipc(self.extra_ipc)
+
+    def _bind_extra_ipc(self, addr: str) -> None:
+        """Serve ``ipc://PATH`` too: bound in the runtime directory (0700) and made 0600 there,
+        then renamed into place, so no other user can connect in between. A live server there
+        already is refused; a stale socket file is replaced."""
+        path = addr[len("ipc://") :]
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            pass
+        else:
+            raise ConfigError(f"worker address {addr}: another process already serves at {path}")
+        finally:
+            probe.close()
+        tmp = ipc_path(self.runtime_dir, f"{self.name}.extra.sock")
+        self._bind("ipc://" + tmp)  # chmods 0600
+        os.rename(tmp, path)
 
     def _bind(self, addr: str) -> str:
         sock = self.ctx.socket(zmq.ROUTER)
@@ -655,8 +698,9 @@ class Transport:
             self.ctx.destroy(linger=0)
         else:
             self.ctx.term()
-        if self.ipc_addr:
-            try:
-                os.unlink(self.ipc_addr[len("ipc://") :])
-            except OSError:
-                pass
+        for addr in (self.ipc_addr, self.extra_ipc):
+            if addr:
+                try:
+                    os.unlink(addr[len("ipc://") :])
+                except OSError:
+                    pass

@@ -562,6 +562,10 @@ class ActorSlot:
             # stopped while it ran: its caller gets no result, as in Monarch
             self._refuse(("call", meta))
             return
+        if self.abort_reason is not None and not raddr:
+            # aborted in an endpoint with an explicit port: a caller it never answered hears of
+            # the failure, as in Monarch (an answered one ignores the late error)
+            raise _Aborted(self.abort_reason, _caller(meta))
         self._reply(raddr, rport, index, status, result)
 
     async def _call_async(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
@@ -603,7 +607,8 @@ class ActorSlot:
             _context._message_rank.reset(tok)
         if failure is None and self.abort_reason is not None:
             self._reply(raddr, rport, index, status, result)
-            failure = _Aborted(self.abort_reason)
+            # an explicit port's caller (raddr cleared) may never have been answered: tell it
+            failure = _Aborted(self.abort_reason, None if raddr else _caller(meta))
         if failure is not None:
             await self._fail_async(failure)
             return
@@ -664,8 +669,8 @@ class _ActorFailed(Exception):
 
 
 class _Aborted(_ActorFailed):
-    def __init__(self, reason: str) -> None:
-        super().__init__(None, None, f"actor explicitly aborted due to: {reason}")
+    def __init__(self, reason: str, caller: tuple[str, int, int, str] | None = None) -> None:
+        super().__init__(None, caller, f"actor explicitly aborted due to: {reason}")
 
 
 def _caller(meta: tuple[Any, ...]) -> tuple[str, int, int, str] | None:

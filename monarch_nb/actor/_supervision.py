@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -86,6 +87,14 @@ def _install_exit_hook() -> None:
         if _exit_requested and issubclass(tp, KeyboardInterrupt):
             sys.stderr.write("monarch_nb: exiting (exit code 1) after an unhandled mesh failure\n")
             sys.stderr.flush()
+            # as Monarch's: atexit handlers run, then status 1 (a KeyboardInterrupt left to the
+            # interpreter would end the process by SIGINT, status 130)
+            atexit._run_exitfuncs()
+            for f in (sys.stdout, sys.stderr):
+                try:
+                    f.flush()
+                except (OSError, ValueError):
+                    pass
             os._exit(1)
         prev(tp, value, tb)
 
