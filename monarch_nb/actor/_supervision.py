@@ -73,6 +73,10 @@ def unhandled_fault_hook(failure: MeshFailure) -> None:
     # a real SIGINT (unlike _thread.interrupt_main) also wakes a main thread blocked in a wait,
     # but only if that thread receives it: a process-directed signal may go to any thread (Linux
     # skips a main thread that has a signal pending), and then the wait runs to its end
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        # SIGINT does not raise KeyboardInterrupt here: ignored (a background job of a
+        # non-interactive shell starts so) or taken by the program, so no wait would end
+        _exit_now()
     main = threading.main_thread().ident
     if main is not None and main != threading.get_ident():
         signal.pthread_kill(main, signal.SIGINT)
@@ -80,22 +84,26 @@ def unhandled_fault_hook(failure: MeshFailure) -> None:
         os.kill(os.getpid(), signal.SIGINT)
 
 
+def _exit_now() -> None:
+    sys.stderr.write("monarch_nb: exiting (exit code 1) after an unhandled mesh failure\n")
+    sys.stderr.flush()
+    # as Monarch's: atexit handlers run, then status 1 (a KeyboardInterrupt left to the
+    # interpreter would end the process by SIGINT, status 130)
+    atexit._run_exitfuncs()
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(1)
+
+
 def _install_exit_hook() -> None:
     prev = sys.excepthook
 
     def hook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
         if _exit_requested and issubclass(tp, KeyboardInterrupt):
-            sys.stderr.write("monarch_nb: exiting (exit code 1) after an unhandled mesh failure\n")
-            sys.stderr.flush()
-            # as Monarch's: atexit handlers run, then status 1 (a KeyboardInterrupt left to the
-            # interpreter would end the process by SIGINT, status 130)
-            atexit._run_exitfuncs()
-            for f in (sys.stdout, sys.stderr):
-                try:
-                    f.flush()
-                except (OSError, ValueError):
-                    pass
-            os._exit(1)
+            _exit_now()
         prev(tp, value, tb)
 
     sys.excepthook = hook
