@@ -6,7 +6,9 @@ import itertools
 import math
 import os
 import pprint
+import re
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -131,10 +133,14 @@ class ActorMesh(MeshTrait, Generic[T]):
         self._label = label or _label_of(name)
         #: where its actors report failures (None when re-attached from elsewhere)
         self._sup: _Supervised | None = None
+        #: (creator, (labels, sizes), ranks into ``_procs``) of the spawn that made it: how its
+        #: actors name themselves (their Point), for errors that speak for a dead actor; None
+        #: when re-attached or unpickled
+        self._origin: tuple[Any, tuple[list[str], list[int]], list[int]] | None = None
 
     def _with_view(self, view: View) -> ActorMesh[T]:
         m: ActorMesh[T] = ActorMesh(self._class, self._name, self._procs, view, self._proc_mesh, self._label)
-        m._owner, m._sup = self._owner, self._sup
+        m._owner, m._sup, m._origin = self._owner, self._sup, self._origin
         return m
 
     def _report_actor_failure(self, event: dict[str, Any]) -> None:
@@ -151,6 +157,41 @@ class ActorMesh(MeshTrait, Generic[T]):
         # what an owner that does not handle it fails with (see ActorSlot.fail_unsupervised)
         failure.actor, failure.reason = event["actor"], event["reason"]
         _supervision.report(failure)
+
+    def _dead_proc_error(self, method: str, index: int, err: BaseException) -> BaseException:
+        """What a call to ``method`` gets from the actor at ``index`` (of this mesh's view) when
+        its process died (``err``, the runtime's): Monarch's words, naming the actor, then ours
+        (host, pid, signal by name). Any other error is returned as it is."""
+        if (
+            not isinstance(err, SupervisionError)
+            or err.actor
+            or not err.mesh
+            or self._origin is None
+            or err.cause.startswith("mesh stopped")
+        ):
+            return err
+        creator, (labels, sizes), ranks = self._origin
+        try:
+            rank = ranks.index(self._view.ranks[index])
+        except (ValueError, IndexError):
+            return err
+        actor = _context.qualified_name(
+            _context.CreatorInstance(Point(rank, Extent(labels, sizes)), self._label, _class_name(self._class), creator)
+        )
+        where = f"host {err.host}, proc mesh {err.mesh!r} rank {err.rank}"
+        e = SupervisionError(
+            err.cause,
+            mesh=err.mesh,
+            actor=self._label,
+            rank=err.rank,
+            host=err.host,
+            message=(
+                f"Endpoint call {self._label}.{method}() failed, The actor {actor} and all its descendants have failed:\n"
+                f"  the process this actor was running on {_proc_status(err.cause)}\n  {where}: {err.cause}"
+            ),
+        )
+        e.endpoint = f"{self._label}.{method}"
+        return e
 
     def _key(self) -> tuple[str, str]:
         # an actor mesh is its name on its procs (slices and copies share it)
@@ -463,6 +504,7 @@ class ProcMesh(MeshTrait):
             mesh._owner._owned.append(mesh)  # stopped when its owner is
         sup.port = sup_port
         mesh._sup = sup
+        mesh._origin = (parent, ext, list(view.ranks))
         sup.attach(mesh)
         # a new mesh under a stopped one's name is live
         client.stopped_actor_meshes.discard(mesh._key())
@@ -946,3 +988,22 @@ def _args(args: tuple[Any, ...]) -> tuple[bytes, list[Any]]:
     from .._wire.serialize import dumps
 
     return dumps((args, {}))
+
+
+def _class_name(cls: type | None) -> str | None:
+    return f"{cls.__module__}.{cls.__qualname__}" if cls is not None else None
+
+
+_KILLED = re.compile(r"process \d+ was killed by (\w+)")
+_EXITED = re.compile(r"process \d+ exited with code (\d+)")
+
+
+def _proc_status(cause: str) -> str:
+    """Monarch's words for how a process ended (its ProcStatus), from the runtime's ``cause``."""
+    if m := _KILLED.match(cause):
+        name = m.group(1)
+        sig = signal.Signals[name].value if name in signal.Signals.__members__ else name
+        return f"failed: Killed(sig={sig})"
+    if (m := _EXITED.match(cause)) and m.group(1) != "0":
+        return f"exited with non-zero code {m.group(1)}"
+    return f"failed: {cause}"
