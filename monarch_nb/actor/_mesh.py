@@ -158,10 +158,11 @@ class ActorMesh(MeshTrait, Generic[T]):
         failure.actor, failure.reason = event["actor"], event["reason"]
         _supervision.report(failure)
 
-    def _dead_proc_error(self, method: str, index: int, err: BaseException) -> BaseException:
-        """What a call to ``method`` gets from the actor at ``index`` (of this mesh's view) when
-        its process died (``err``, the runtime's): Monarch's words, naming the actor, then ours
-        (host, pid, signal by name). Any other error is returned as it is."""
+    def _dead_actor(self, err: BaseException, proc: int) -> tuple[int, str, str] | None:
+        """For a proc-death ``err`` (the runtime's) of ``self._procs[proc]``: the rank of this
+        mesh's actor there, its Monarch name, and Monarch's words for its failure followed by
+        ours (host, proc mesh and rank, pid and signal by name). None for any other error, or
+        when no actor of this mesh lived on that proc."""
         if (
             not isinstance(err, SupervisionError)
             or err.actor
@@ -169,29 +170,60 @@ class ActorMesh(MeshTrait, Generic[T]):
             or self._origin is None
             or err.cause.startswith("mesh stopped")
         ):
-            return err
+            return None
         creator, (labels, sizes), ranks = self._origin
         try:
-            rank = ranks.index(self._view.ranks[index])
-        except (ValueError, IndexError):
-            return err
+            rank = ranks.index(proc)
+        except ValueError:
+            return None
         actor = _context.qualified_name(
             _context.CreatorInstance(Point(rank, Extent(labels, sizes)), self._label, _class_name(self._class), creator)
         )
-        where = f"host {err.host}, proc mesh {err.mesh!r} rank {err.rank}"
+        words = (
+            f"the process this actor was running on {_proc_status(err.cause)}\n"
+            f"  host {err.host}, proc mesh {err.mesh!r} rank {err.rank}: {err.cause}"
+        )
+        return rank, actor, words
+
+    def _dead_proc_error(self, method: str, index: int, err: BaseException) -> BaseException:
+        """What a call to ``method`` gets from the actor at ``index`` (of this mesh's view) when
+        its process died (``err``, the runtime's): Monarch's words, naming the actor, then ours.
+        Any other error is returned as it is."""
+        try:
+            dead = self._dead_actor(err, self._view.ranks[index])
+        except IndexError:
+            dead = None
+        if dead is None:
+            return err
+        assert isinstance(err, SupervisionError)
+        _, actor, words = dead
         e = SupervisionError(
             err.cause,
             mesh=err.mesh,
             actor=self._label,
             rank=err.rank,
             host=err.host,
-            message=(
-                f"Endpoint call {self._label}.{method}() failed, The actor {actor} and all its descendants have failed:\n"
-                f"  the process this actor was running on {_proc_status(err.cause)}\n  {where}: {err.cause}"
-            ),
+            message=f"Endpoint call {self._label}.{method}() failed, The actor {actor} and all its descendants have failed:\n  {words}",
         )
         e.endpoint = f"{self._label}.{method}"
         return e
+
+    def _proc_failure(self, err: BaseException) -> Any:
+        """The ``MeshFailure`` of this mesh for a dead proc (``err``), as Monarch reports it to
+        the owner or the hook: the actor mesh, the actor's rank and words. None when no actor
+        of this mesh lived there, or this mesh was stopped."""
+        from . import _supervision
+
+        if self._closed() or not isinstance(err, SupervisionError):
+            return None
+        proc = next((i for i, p in enumerate(self._procs) if p.mesh == err.mesh and p.rank == err.rank), None)
+        dead = self._dead_actor(err, proc) if proc is not None else None
+        if dead is None:
+            return None
+        rank, actor, words = dead
+        event = f"Supervision event: actor {actor} failed:\n  {words}"
+        e = SupervisionError(err.cause, mesh=err.mesh, actor=self._label, rank=err.rank, host=err.host, message=event)
+        return _supervision.MeshFailure(self._label, self, e, crashed_ranks=[rank], event=event)
 
     def _key(self) -> tuple[str, str]:
         # an actor mesh is its name on its procs (slices and copies share it)
@@ -404,6 +436,9 @@ class ProcMesh(MeshTrait):
         self._owner: Any = None
         #: names of the actor meshes this process spawned on these procs (see _unique_actor_name)
         self._actor_names: set[str] = set()
+        #: the actor meshes spawned here by this process, in spawn order (a dead proc is reported
+        #: as theirs)
+        self._spawned: list[ActorMesh[Any]] = []
 
     def _with_view(self, view: View) -> ProcMesh:
         pm = ProcMesh(self._name, self._procs, view, self._host_mesh, self._persist)
@@ -505,6 +540,7 @@ class ProcMesh(MeshTrait):
         sup.port = sup_port
         mesh._sup = sup
         mesh._origin = (parent, ext, list(view.ranks))
+        self._spawned.append(mesh)
         sup.attach(mesh)
         # a new mesh under a stopped one's name is live
         client.stopped_actor_meshes.discard(mesh._key())
@@ -600,7 +636,11 @@ class ProcMesh(MeshTrait):
         from . import _supervision
 
         try:
-            _supervision.report(_supervision.MeshFailure(self._name, self, err))
+            # as Monarch's: one failure per actor mesh that had an actor on the dead proc, named
+            # after it; the proc mesh's own only when none had
+            failures = [f for m in list(self._spawned) if (f := m._proc_failure(err)) is not None]
+            for f in failures or [_supervision.MeshFailure(self._name, self, err)]:
+                _supervision.report(f)
         finally:
             # marked after the report, so code that waits for the mark has seen the report
             self._failed = str(err)

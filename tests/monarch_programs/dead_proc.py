@@ -1,12 +1,13 @@
 """A process dies under an actor mesh: killed by SIGKILL, or exiting with a non-zero code.
 A call to the mesh, or to the dead rank, raises SupervisionError in Monarch's words, naming
 the actor and what happened to its process; the live rank keeps answering; the client's
-unhandled_fault_hook hears of the failure."""
+unhandled_fault_hook hears of the actor mesh's failure."""
 
 # every lambda here is called at once, inside its loop iteration
 # ruff: noqa: B023
 
 import os
+import re
 import signal
 import threading
 import time
@@ -49,18 +50,21 @@ def attempt(what: str, fn) -> None:
         print(f"  {what}: {words(e)}")
 
 
-def hooked() -> bool:
-    """Whether the hook heard of the failure (within a minute). Which meshes it names differs:
-    Monarch's names each actor mesh on the proc and its own logger mesh, monarch_nb's the
-    proc mesh (the compatibility notes, "Gaps found")."""
+def hooked(name: str) -> list[str]:
+    """The hook's reports about actor mesh ``name`` (Monarch also reports its own logger mesh
+    on the dead proc: left out), once one arrived: the event's first two lines."""
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    while True:
         with lock:
-            if failures:
-                failures.clear()
-                return True
+            mine = [f for f in failures if re.match(rf"{name}(-|$)", str(f.mesh_name))]
+        if mine or time.monotonic() > deadline:
+            break
         time.sleep(0.05)
-    return False
+    out = []
+    for f in mine:
+        lines = [line.strip() for line in repr(f)[:-1].splitlines()]
+        out.append("  hook: " + re.sub(r"mesh_name=(\w+?)-\w+,", r"mesh_name=\1,", lines[0]) + " ... " + lines[1])
+    return out
 
 
 for how in ("SIGKILL", "exit 3"):
@@ -74,7 +78,8 @@ for how in ("SIGKILL", "exit 3"):
         os.kill(pids.item(gpus=1), signal.SIGKILL)
     else:
         rank1.exit.broadcast(3)
-    print(f"  hook called: {hooked()}")
+    for line in hooked(name):
+        print(line)
     attempt("call", lambda: mesh.pid.call().get(timeout=60))
     attempt("stream", lambda: [f.get(timeout=60) for f in mesh.pid.stream()])
     attempt("call_one rank 1", lambda: rank1.pid.call_one().get(timeout=60))
