@@ -351,7 +351,7 @@ def test_a_failure_the_cell_caught_shows_no_unhandled_notice(k: Kernel) -> None:
         KILL.format(var="pids", mesh="caught", ranks="[1]")
         + "try:\n    pids.pid.call().get(timeout=30)\nexcept SupervisionError as e:\n    print('caught:', e.cause)\n"
         # the failure is reported while the cell still runs
-        + poll("faults.count('caught') == 1", 30, "the failure's report")
+        + poll("faults.count('pids') == 1", 30, "the failure's report")
     )
     c = _ok(k.wait(cell))
     assert "caught: process" in c.stream() and "SIGKILL" in c.stream(), c.msgs
@@ -368,7 +368,7 @@ def test_a_failure_an_async_cell_caught_by_awaiting_shows_no_unhandled_notice(k:
     cell = k.execute(
         KILL.format(var="pids4", mesh="acaught", ranks="[1]")
         + "try:\n    await pids4.pid.call()\nexcept SupervisionError as e:\n    print('caught:', e.cause)\n"
-        + poll("faults.count('acaught') == 1", 30, "the failure's report")
+        + poll("faults.count('pids4') == 1", 30, "the failure's report")
     )
     c = _ok(k.wait(cell))
     assert "caught: process" in c.stream() and "SIGKILL" in c.stream(), c.msgs
@@ -384,7 +384,7 @@ def test_a_failure_the_cell_raised_and_did_not_catch_is_not_told_again(k: Kernel
     cell = k.execute(
         KILL.format(var="pids2", mesh="uncaught", ranks="[1, 2]")
         + "try:\n    pids2.pid.call().get(timeout=30)\nfinally:\n"
-        + textwrap.indent(poll("faults.count('uncaught') == 2", 30, "both failures' reports"), "    ")
+        + textwrap.indent(poll("faults.count('pids2') == 2", 30, "both failures' reports"), "    ")
     )
     c = k.wait(cell)
     assert c.error and c.error["ename"] == "SupervisionError", c.msgs
@@ -404,11 +404,13 @@ def test_a_long_cell_hears_of_a_failure_its_code_did_not_see(k: Kernel, tmp_path
         cell = k.execute(
             KILL.format(var="pids3", mesh="unseen", ranks="[1]") + poll(f"os.path.exists({str(flag)!r})", 60, "the test")
         )
-        k.wait_msg(
-            lambda m: m["parent_header"].get("msg_id") == cell.msg_id and "unhandled mesh failure: mesh 'unseen'" in _text(m),
+        # as Monarch's, the failure is the actor mesh's; our words name the proc mesh too
+        notice = k.wait_msg(
+            lambda m: m["parent_header"].get("msg_id") == cell.msg_id and "unhandled mesh failure: mesh 'pids3'" in _text(m),
             30,
             "the notice while the cell still runs",
         )
+        assert "proc mesh 'unseen' rank 1" in _text(notice) and "SIGKILL" in _text(notice), _text(notice)
         flag.touch()
         _ok(k.wait(cell))
         assert sum("unhandled mesh failure" in _text(m) for m in _of(k, cell)) == 1

@@ -293,7 +293,7 @@ class Endpoint(Generic[R]):
 
         def on_fail(index: int, err: BaseException) -> None:
             f: Future[R] = Future._create(f"{self._name}.stream() item")
-            f._set_exception(err)
+            f._set_exception(self._mesh._dead_proc_error(self._name, index, err))
             deliver(f)
 
         if self._mesh._closed():
@@ -457,6 +457,9 @@ def gather(
         arrive(index, (body, bufs), status == wire.ERROR)
 
     def on_fail(index: int, err: BaseException) -> None:
+        if isinstance(endpoint, Endpoint):
+            # a dead proc, in the words of the endpoint's actor (as Monarch's)
+            err = endpoint._mesh._dead_proc_error(endpoint._name, index, err)
         arrive(index, err, True, gone=True)
 
     replies = ReplyPort(rt, on_reply)

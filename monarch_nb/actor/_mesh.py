@@ -6,7 +6,9 @@ import itertools
 import math
 import os
 import pprint
+import re
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -131,10 +133,14 @@ class ActorMesh(MeshTrait, Generic[T]):
         self._label = label or _label_of(name)
         #: where its actors report failures (None when re-attached from elsewhere)
         self._sup: _Supervised | None = None
+        #: (creator, (labels, sizes), ranks into ``_procs``) of the spawn that made it: how its
+        #: actors name themselves (their Point), for errors that speak for a dead actor; None
+        #: when re-attached or unpickled
+        self._origin: tuple[Any, tuple[list[str], list[int]], list[int]] | None = None
 
     def _with_view(self, view: View) -> ActorMesh[T]:
         m: ActorMesh[T] = ActorMesh(self._class, self._name, self._procs, view, self._proc_mesh, self._label)
-        m._owner, m._sup = self._owner, self._sup
+        m._owner, m._sup, m._origin = self._owner, self._sup, self._origin
         return m
 
     def _report_actor_failure(self, event: dict[str, Any]) -> None:
@@ -151,6 +157,73 @@ class ActorMesh(MeshTrait, Generic[T]):
         # what an owner that does not handle it fails with (see ActorSlot.fail_unsupervised)
         failure.actor, failure.reason = event["actor"], event["reason"]
         _supervision.report(failure)
+
+    def _dead_actor(self, err: BaseException, proc: int) -> tuple[int, str, str] | None:
+        """For a proc-death ``err`` (the runtime's) of ``self._procs[proc]``: the rank of this
+        mesh's actor there, its Monarch name, and Monarch's words for its failure followed by
+        ours (host, proc mesh and rank, pid and signal by name). None for any other error, or
+        when no actor of this mesh lived on that proc."""
+        if (
+            not isinstance(err, SupervisionError)
+            or err.actor
+            or not err.mesh
+            or self._origin is None
+            or err.cause.startswith("mesh stopped")
+        ):
+            return None
+        creator, (labels, sizes), ranks = self._origin
+        try:
+            rank = ranks.index(proc)
+        except ValueError:
+            return None
+        actor = _context.qualified_name(
+            _context.CreatorInstance(Point(rank, Extent(labels, sizes)), self._label, _class_name(self._class), creator)
+        )
+        words = (
+            f"the process this actor was running on {_proc_status(err.cause)}\n"
+            f"  host {err.host}, proc mesh {err.mesh!r} rank {err.rank}: {err.cause}"
+        )
+        return rank, actor, words
+
+    def _dead_proc_error(self, method: str, index: int, err: BaseException) -> BaseException:
+        """What a call to ``method`` gets from the actor at ``index`` (of this mesh's view) when
+        its process died (``err``, the runtime's): Monarch's words, naming the actor, then ours.
+        Any other error is returned as it is."""
+        try:
+            dead = self._dead_actor(err, self._view.ranks[index])
+        except IndexError:
+            dead = None
+        if dead is None:
+            return err
+        assert isinstance(err, SupervisionError)
+        _, actor, words = dead
+        e = SupervisionError(
+            err.cause,
+            mesh=err.mesh,
+            actor=self._label,
+            rank=err.rank,
+            host=err.host,
+            message=f"Endpoint call {self._label}.{method}() failed, The actor {actor} and all its descendants have failed:\n  {words}",
+        )
+        e.endpoint = f"{self._label}.{method}"
+        return e
+
+    def _proc_failure(self, err: BaseException) -> Any:
+        """The ``MeshFailure`` of this mesh for a dead proc (``err``), as Monarch reports it to
+        the owner or the hook: the actor mesh, the actor's rank and words. None when no actor
+        of this mesh lived there, or this mesh was stopped."""
+        from . import _supervision
+
+        if self._closed() or not isinstance(err, SupervisionError):
+            return None
+        proc = next((i for i, p in enumerate(self._procs) if p.mesh == err.mesh and p.rank == err.rank), None)
+        dead = self._dead_actor(err, proc) if proc is not None else None
+        if dead is None:
+            return None
+        rank, actor, words = dead
+        event = f"Supervision event: actor {actor} failed:\n  {words}"
+        e = SupervisionError(err.cause, mesh=err.mesh, actor=self._label, rank=err.rank, host=err.host, message=event)
+        return _supervision.MeshFailure(self._label, self, e, crashed_ranks=[rank], event=event)
 
     def _key(self) -> tuple[str, str]:
         # an actor mesh is its name on its procs (slices and copies share it)
@@ -363,6 +436,9 @@ class ProcMesh(MeshTrait):
         self._owner: Any = None
         #: names of the actor meshes this process spawned on these procs (see _unique_actor_name)
         self._actor_names: set[str] = set()
+        #: the actor meshes spawned here by this process, in spawn order (a dead proc is reported
+        #: as theirs)
+        self._spawned: list[ActorMesh[Any]] = []
 
     def _with_view(self, view: View) -> ProcMesh:
         pm = ProcMesh(self._name, self._procs, view, self._host_mesh, self._persist)
@@ -463,6 +539,8 @@ class ProcMesh(MeshTrait):
             mesh._owner._owned.append(mesh)  # stopped when its owner is
         sup.port = sup_port
         mesh._sup = sup
+        mesh._origin = (parent, ext, list(view.ranks))
+        self._spawned.append(mesh)
         sup.attach(mesh)
         # a new mesh under a stopped one's name is live
         client.stopped_actor_meshes.discard(mesh._key())
@@ -558,7 +636,11 @@ class ProcMesh(MeshTrait):
         from . import _supervision
 
         try:
-            _supervision.report(_supervision.MeshFailure(self._name, self, err))
+            # as Monarch's: one failure per actor mesh that had an actor on the dead proc, named
+            # after it; the proc mesh's own only when none had
+            failures = [f for m in list(self._spawned) if (f := m._proc_failure(err)) is not None]
+            for f in failures or [_supervision.MeshFailure(self._name, self, err)]:
+                _supervision.report(f)
         finally:
             # marked after the report, so code that waits for the mark has seen the report
             self._failed = str(err)
@@ -946,3 +1028,22 @@ def _args(args: tuple[Any, ...]) -> tuple[bytes, list[Any]]:
     from .._wire.serialize import dumps
 
     return dumps((args, {}))
+
+
+def _class_name(cls: type | None) -> str | None:
+    return f"{cls.__module__}.{cls.__qualname__}" if cls is not None else None
+
+
+_KILLED = re.compile(r"process \d+ was killed by (\w+)")
+_EXITED = re.compile(r"process \d+ exited with code (\d+)")
+
+
+def _proc_status(cause: str) -> str:
+    """Monarch's words for how a process ended (its ProcStatus), from the runtime's ``cause``."""
+    if m := _KILLED.match(cause):
+        name = m.group(1)
+        sig = signal.Signals[name].value if name in signal.Signals.__members__ else name
+        return f"failed: Killed(sig={sig})"
+    if (m := _EXITED.match(cause)) and m.group(1) != "0":
+        return f"exited with non-zero code {m.group(1)}"
+    return f"failed: {cause}"
