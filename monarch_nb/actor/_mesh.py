@@ -163,6 +163,11 @@ class ActorMesh(MeshTrait, Generic[T]):
         )
         # what an owner that does not handle it fails with (see ActorSlot.fail_unsupervised)
         failure.actor, failure.reason = event["actor"], event["reason"]
+        pm = self._proc_mesh
+        if pm is not None:
+            # its procs take no new actors now: `%mesh spawn NAME` replaces them (_registry.spawn)
+            root = getattr(pm, "_root", pm)
+            root._actor_failed = root._actor_failed or event["reason"]
         _supervision.report(failure)
 
     def _key(self) -> tuple[str, str]:
@@ -409,6 +414,8 @@ class ProcMesh(MeshTrait):
         self._persist = persist
         self._stopped = False
         self._failed: str = ""
+        #: why an actor this process spawned here failed (its procs refuse new spawns)
+        self._actor_failed: str = ""
         #: the actor (an _actor.Instance) that spawned these procs, None for the client
         self._owner: Any = None
         #: names of the actor meshes this process spawned on these procs (see _unique_actor_name)
