@@ -129,6 +129,8 @@ def rank_state(proc: dict[str, Any] | None) -> tuple[str, str]:
         return "stopped", proc.get("cause") or st
     if st == "starting":
         return "starting", ""
+    if proc.get("actor_failed"):
+        return "failed", str(proc["actor_failed"])
     if proc.get("paused"):
         return "paused", "paused at a breakpoint"
     if proc.get("busy"):

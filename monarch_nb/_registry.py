@@ -101,9 +101,10 @@ def spawn(name: str, per_host: dict[str, int] | None = None, *, persist: bool | 
     with _lock:
         old = _meshes.get(name)
         if old is not None and not old._stopped:
-            if not old._failed:
+            if not (old._failed or old._actor_failed):
                 raise MeshError(f"a mesh named {name!r} is already running; `%mesh stop {name}` first or choose another name")
-            # respawn after a failure: the failed mesh's remaining procs go first
+            # respawn after a failure (a dead proc, or an actor's: its procs take no new actors):
+            # the failed mesh's remaining procs go first
             old.stop(reason="respawned", force=True).exception(timeout=controller_client().rt.cfg.spawn_timeout)
         pm = hosts().spawn_procs(per_host=per_host, name=name, persist=persist, **kwargs)
         _meshes[name] = pm

@@ -322,7 +322,7 @@ def test_sync_and_async_actors_and_mixing_is_rejected(procs):
         procs.spawn("mixed", Mixed)
 
 
-def test_failing_init_is_reported_through_supervision_and_fails_calls(procs, fault_hook):  # type: ignore[no-untyped-def]
+def test_failing_init_is_reported_through_supervision_and_fails_calls(fault_hook):  # type: ignore[no-untyped-def]
     class Bad(Actor):
         def __init__(self) -> None:
             if current_rank().rank == 2:
@@ -332,14 +332,19 @@ def test_failing_init_is_reported_through_supervision_and_fails_calls(procs, fau
         def ping(self) -> int:
             return current_rank().rank
 
-    bad = procs.spawn("bad", Bad)  # returns at once, as Monarch's
-    mine = lambda: [f for f in fault_hook if f.mesh_name == "bad"]  # noqa: E731
-    wait_for(mine, 30, "the hook to hear of the failed __init__")
-    assert [f.crashed_ranks for f in mine()] == [[2]]
-    assert "no GPU for rank 2" in repr(mine()[0]) and "raise RuntimeError" in repr(mine()[0])
-    with pytest.raises(SupervisionError, match="no GPU for rank 2"):
-        bad.ping.call().get(timeout=20)
-    assert bad.slice(hosts=0, gpus=0).ping.call_one().get(timeout=20) == 0
+    # procs of its own: a proc where an actor failed takes no new actors (as Monarch's)
+    procs = this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2})
+    try:
+        bad = procs.spawn("bad", Bad)  # returns at once, as Monarch's
+        mine = lambda: [f for f in fault_hook if f.mesh_name == "bad"]  # noqa: E731
+        wait_for(mine, 30, "the hook to hear of the failed __init__")
+        assert [f.crashed_ranks for f in mine()] == [[2]]
+        assert "no GPU for rank 2" in repr(mine()[0]) and "raise RuntimeError" in repr(mine()[0])
+        with pytest.raises(SupervisionError, match="no GPU for rank 2"):
+            bad.ping.call().get(timeout=20)
+        assert bad.slice(hosts=0, gpus=0).ping.call_one().get(timeout=20) == 0
+    finally:
+        procs.stop().get(timeout=30)
 
 
 class _GivesUp(Actor):

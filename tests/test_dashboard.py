@@ -205,22 +205,25 @@ def test_dashboard_shows_a_failed_spawn_at_once_and_another_kernels_exec_error()
         assert re.search(r"ranks 0-3 on \S+: mesh exec raised ZeroDivisionError: division by zero", errors), errors
         assert errors.count("mesh exec raised") == 1, errors
 
-        # and a spawn that fails there: through its __init__ span
+        # and a spawn that fails there: through its __init__ span. On procs whose actors have not
+        # failed (dashfail's take no new actors, as Monarch's)
+        _ok(k.run("procs2 = this_host().spawn_procs(per_host={'gpus': 4}, name='dashfail2')\nd2 = %mesh dashboard dashfail2"))
+        _ok(other.run("%mesh connect"))  # re-attaches dashfail2
         spawned = other.run(
             "from monarch_nb.actor import Actor\nimport monarch_nb.mesh as M\n"
             "class Worse(Actor):\n    def __init__(self):\n        raise RuntimeError('elsewhere')\n"
-            "w = M.get('dashfail').spawn('worse', Worse)"
+            "w = M.get('dashfail2').spawn('worse', Worse)"
         )
         assert spawned.error is None, spawned.msgs
 
         def init_listed() -> str | None:
-            _ok(k.run("d.refresh()"))
-            errors = html_unescape(_value(k, "d.errors_view.value"))
+            _ok(k.run("d2.refresh()"))
+            errors = html_unescape(_value(k, "d2.errors_view.value"))
             return errors if "elsewhere" in errors else None
 
         errors = wait_for(init_listed, 30, "the other kernel's failed spawn in the dashboard")
         assert re.search(r"ranks 0-3 on \S+: worse\S*\.__init__ raised RuntimeError: elsewhere", errors), errors
-        _ok(k.run("d.close()\nprocs.stop().get(timeout=60)"))
+        _ok(k.run("d.close()\nd2.close()\nprocs.stop().get(timeout=60)\nprocs2.stop().get(timeout=60)"))
     finally:
         if other is not None:
             other.close()

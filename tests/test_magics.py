@@ -688,4 +688,11 @@ def test_the_default_fault_hook_stays_quiet_about_a_failure_the_cell_already_rai
 
     k.wait_msg(lambda m: notice(m, "0/2"), 30, "the notice of the failure nobody saw")
     assert not [m for m in k.log[start:] if notice(m, "1/2")]
+    # its procs take no new actors (as Monarch's), and say what to do; `%mesh spawn` replaces them
+    c = k.run("quiet.spawn('q2', Quits).quit.call().get(timeout=30)")
+    assert c.error and c.error["ename"] == "RuntimeError", c.error
+    assert c.error["evalue"].startswith("error spawning actor mesh: statuses: Failed(") and "spawn new procs" in c.error["evalue"]
+    _ok(k.run("%mesh spawn quiet --per-host gpus=2"))
+    _ok(k.run("class Pings(Actor):\n    @endpoint\n    def ping(self) -> int:\n        return 1"))
+    assert _ok(k.run("quiet.spawn('p', Pings).ping.call().get(timeout=30).values()")).result == "[1, 1]"
     _ok(k.run("quiet.stop().get(timeout=30)"))

@@ -160,7 +160,9 @@ def test_print_only_cells_show_no_value_mesh_of_nones(k: Kernel, workers: str) -
 
 def test_a_failing_init_shows_the_user_s_error_and_its_traceback_once(k: Kernel) -> None:
     # spawn returns at once (as Monarch's); the first call fails with SupervisionError, whose
-    # text carries the user's error and its remote traceback once
+    # text carries the user's error and its remote traceback once. On procs of its own: a proc
+    # where an actor failed takes no new actors (as Monarch's), and obs is shared
+    _ok(k.run("from monarch_nb.actor import this_host\ninitbad = this_host().spawn_procs(per_host={'gpus': 1})"))
     code = (
         "from monarch_nb.actor import Actor, endpoint\n"
         "class Bad(Actor):\n"
@@ -169,7 +171,7 @@ def test_a_failing_init_shows_the_user_s_error_and_its_traceback_once(k: Kernel)
         "    @endpoint\n"
         "    def ping(self):\n"
         "        return 1\n"
-        "bad = obs.spawn('bad', Bad)\n"
+        "bad = initbad.spawn('bad', Bad)\n"
         "bad.ping.call().get(timeout=30)"
     )
     c = k.run(code)
@@ -180,6 +182,7 @@ def test_a_failing_init_shows_the_user_s_error_and_its_traceback_once(k: Kernel)
     count = c.reply["content"]["execution_count"]
     assert f"Cell In[{count}], line 4, in __init__" in tb and "raise ValueError('no config file')" in tb, tb
     assert "monarch_nb/" not in tb and "ipykernel_" not in tb, tb
+    _ok(k.run("initbad.stop().get(timeout=30)"))
 
 
 HANG = """\

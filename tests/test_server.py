@@ -132,6 +132,47 @@ def test_manager_shows_meshes_ranks_logs_and_failures_then_stops(manager, fault_
             pass
 
 
+def test_a_rank_whose_actor_failed_shows_failed_while_its_proc_lives_on(manager, fault_hook) -> None:
+    from monarch_nb.actor import Actor, current_rank, endpoint
+
+    class Quitter(Actor):
+        @endpoint
+        def quit(self) -> None:
+            if current_rank().rank == 1:
+                raise SystemExit(3)
+
+    name = f"actfail-{uuid.uuid4().hex[:6]}"
+    procs = _spawn(name, 2)
+    try:
+        w = procs.spawn("quitter", Quitter)
+        w.quit.broadcast()
+        wait_for(lambda: fault_hook, 30, "the client's hook to hear of rank 1's failure")
+
+        def failed() -> dict | None:
+            mm = _mesh(manager.state(), name)
+            return mm if mm and mm["procs"][1]["state"] == "failed" else None
+
+        mm = wait_for(failed, 15, "rank 1 to show as failed in the sidebar's state")
+        # the proc lives on; the rank is failed for its actor, and the mesh fails as a whole
+        assert mm["procs"][1]["proc_state"] == "running" and not _gone(mm["procs"][1]["pid"])
+        assert "actor quitter failed" in mm["procs"][1]["cause"] and "SystemExit" in mm["procs"][1]["cause"], mm
+        assert mm["procs"][0]["state"] in ("idle", "busy")
+        assert (mm["state"], mm["label"]) == ("failed", "failed (healthy ranks still callable; new spawns refused)")
+        # as the label says: a spawn on these procs is refused, as in Monarch when the new mesh is
+        # first called, with Monarch's words and what to do
+        again = procs.spawn("again", Quitter)
+        with pytest.raises(RuntimeError) as e:
+            again.quit.call().get(timeout=30)
+        said = str(e.value)
+        assert said.startswith(
+            "error spawning actor mesh: statuses: Running=0..1;"
+            "Failed(Cannot spawn new actors on mesh with supervision events)=1..2"
+        ), said
+        assert "procs.stop()" in said and "spawn_procs" in said
+    finally:
+        procs.stop().get(timeout=15)
+
+
 def test_a_rank_in_a_call_is_busy_in_the_sidebar_as_in_the_dashboard(manager, tmp_path) -> None:
     from monarch_nb.actor import Actor, endpoint
     from monarch_nb.widgets import _render

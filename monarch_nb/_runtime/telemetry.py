@@ -141,17 +141,24 @@ class Telemetry:
 
 def _absorb(rec: ProcRec, actors: dict[str, dict[str, Any]]) -> None:
     """Fold a proc's actor states into its telemetry: what it is doing, calls served, time per call."""
+    actors = dict(actors)
+    moved = actors.pop("__dataplane__", None)
+    failures = actors.pop("__failures__", None)
     user = {n: a for n, a in actors.items() if not n.startswith("__")}
     # shown by the names actor meshes were spawned under, not their spawn ids (``name#spawn``)
-    busy = [f"{n.partition('#')[0]}.{a['busy']}" for n, a in actors.items() if n != "__dataplane__" and a.get("busy")]
-    calls = sum(int(a.get("calls", 0)) for n, a in actors.items() if n != "__dataplane__")
-    busy_s = sum(float(a.get("busy_s", 0.0)) for n, a in actors.items() if n != "__dataplane__")
+    busy = [f"{n.partition('#')[0]}.{a['busy']}" for n, a in actors.items() if a.get("busy")]
+    calls = sum(int(a.get("calls", 0)) for a in actors.values())
+    busy_s = sum(float(a.get("busy_s", 0.0)) for a in actors.values())
     t = rec.tele
+    if failures:
+        # an actor failed while its proc lives on: the rank is failed (_meshhtml.rank_state)
+        first = failures["actors"][0]
+        why = (first.get("reason") or "").strip().splitlines()
+        t["actor_failed"] = f"actor {first.get('actor')} failed: {why[-1] if why else 'no reason given'}"
     t["actors"] = sorted({n.partition("#")[0] for n in user})
     t["busy"] = busy
     t["activity"] = ("busy in " + ", ".join(busy)) if busy else "idle"
     t["calls"] = calls
     t["mean_call_ms"] = round(1000 * busy_s / calls, 3) if calls else 0.0
-    moved = actors.get("__dataplane__")
     if moved:
         t["bytes_moved"] = int(moved.get("total", 0))

@@ -171,6 +171,8 @@ class Endpoint(Generic[R]):
         Replies go to ``port`` (see :func:`multicast`)."""
         self._check(args, kwargs)
         mesh = self._mesh
+        if (refused := mesh._refusal()) is not None:
+            raise refused
         if mesh._closed():
             raise MeshClosedError(f"actor mesh {mesh._label!r} was stopped; spawn it again")
         rt = _context.runtime()
@@ -207,11 +209,12 @@ class Endpoint(Generic[R]):
         read; ``order`` receives the indices in arrival order (Accumulator folds in that order,
         as Monarch's does)."""
         mesh = self._mesh
-        if mesh._closed():
+        if mesh._closed() or mesh._refused is not None:
             self._check(args, kwargs)
-            # Monarch's calls to a stopped mesh fail when their future is read, not when sent
+            # Monarch's calls to a stopped mesh (or one its procs refused) fail when their future
+            # is read, not when sent
             fut: Future[Any] = Future._create(what)
-            fut._set_exception(_stopped_error(mesh))
+            fut._set_exception(mesh._refusal() or _stopped_error(mesh))
             return fut
         n = len(mesh._view.ranks) if ranks is None else len(ranks)
         return gather(
@@ -296,10 +299,10 @@ class Endpoint(Generic[R]):
             f._set_exception(self._mesh._dead_proc_error(self._name, index, err))
             deliver(f)
 
-        if self._mesh._closed():
+        if self._mesh._closed() or self._mesh._refused is not None:
             # as for call(): the items fail when read
             for i in range(n):
-                on_fail(i, _stopped_error(self._mesh))
+                on_fail(i, self._mesh._refusal() or _stopped_error(self._mesh))
             return (q.get() for _ in range(n))
         replies = ReplyPort(_context.runtime(), on_reply)
         self._send(args, kwargs, replies, on_fail)

@@ -294,6 +294,9 @@ class ActorSlot:
         refused the same way (``_refuse``); the caller runs ``__cleanup__``."""
         info = self.instance_info
         self.failed = f.reason
+        host = self.rt.system.get("__sys__")
+        if host is not None:
+            host.actor_failures.append((info.name, f.reason))
         self.failed_actor = f.actor or repr(info)
         f.cleanup_exc = Exception(f"serving {info.actor_id.replace(' ', '')}: {f.reason}")
         if f.caller is not None:
@@ -677,6 +680,10 @@ def _caller(meta: tuple[Any, ...]) -> tuple[str, int, int, str] | None:
     return (meta[2], meta[3], meta[4], meta[1]) if meta[2] else None
 
 
+#: what a proc that had an actor failure answers a spawn with (Monarch's words)
+SPAWN_REFUSED = "Cannot spawn new actors on mesh with supervision events"
+
+
 class ActorHost:
     """The ``__sys__`` system actor every process runs: spawns and stops actors, answers pings."""
 
@@ -689,6 +696,9 @@ class ActorHost:
         self._main_busy = False
         #: get_or_spawn_controller's singletons (in the root controller): name -> waiters, result
         self._controllers: dict[str, dict[str, Any]] = {}
+        #: the actors that failed in this proc, ``(name, reason)``: Monarch's supervision events,
+        #: kept for good (a proc that had one refuses new spawns; the dashboard shows it failed)
+        self.actor_failures: list[tuple[str, str]] = []
 
     def run_on_main(self, fn: Any) -> Any:
         """Run ``fn()`` on this proc's main thread and return its result (raises what it raises)."""
@@ -756,6 +766,13 @@ class ActorHost:
         _reply: tuple[str, int, int],
     ) -> Any:
         rank = _reply[2]  # one message serves every proc; each one's index in the mesh is its rank
+        if self.actor_failures and not (name.startswith("__") and name.endswith("__")):
+            # as Monarch's procs; monarch_nb's own per-proc actors (``%%mesh exec``) still come,
+            # so a failed proc can be looked into
+            failed, why = self.actor_failures[0]
+            lines = [ln.strip() for ln in why.strip().splitlines() if ln.strip()]
+            # a traceback's last line is the error itself
+            raise RuntimeError(f"{SPAWN_REFUSED}: actor {failed!r} failed here: {lines[-1] if lines else 'no reason given'}")
         if name in self.rt.actors:
             raise ValueError(f"an actor named {name!r} already exists in this proc; pick another name")
         info = Instance(name, cls, Point(rank, Extent(*extent)), proc_mesh, creator, parent, controllers)
@@ -864,6 +881,8 @@ class ActorHost:
             }
             for n, s in self.rt.actors.items()
         }
+        if self.actor_failures:  # the dashboard shows this proc's rank failed
+            out["__failures__"] = {"actors": [{"actor": a, "reason": r} for a, r in self.actor_failures]}
         moved = _dataplane.counters()
         if moved is not None:  # bytes moved through RDMABuffers, for the dashboard
             out["__dataplane__"] = moved

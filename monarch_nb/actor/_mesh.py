@@ -119,7 +119,14 @@ class ActorMesh(MeshTrait, Generic[T]):
     """Actors of one class spawned on a proc mesh; endpoints are attributes."""
 
     def __init__(
-        self, cls: type, name: str, procs: list[ProcRef], view: View, proc_mesh: ProcMesh | None, label: str | None = None
+        self,
+        cls: type,
+        name: str,
+        procs: list[ProcRef],
+        view: View,
+        proc_mesh: ProcMesh | None,
+        label: str | None = None,
+        refused: str | None = None,
     ) -> None:
         self._class = cls
         self._name = name
@@ -137,10 +144,16 @@ class ActorMesh(MeshTrait, Generic[T]):
         #: actors name themselves (their Point), for errors that speak for a dead actor; None
         #: when re-attached or unpickled
         self._origin: tuple[Any, tuple[list[str], list[int]], list[int]] | None = None
+        #: why its spawn was refused on some of its procs (calls fail with it; see ProcMesh.spawn)
+        self._refused = refused
+
+    def _refusal(self) -> RuntimeError | None:
+        """What a call fails with when procs refused this mesh's spawn (a new error each time)."""
+        return RuntimeError(self._refused) if self._refused is not None else None
 
     def _with_view(self, view: View) -> ActorMesh[T]:
         m: ActorMesh[T] = ActorMesh(self._class, self._name, self._procs, view, self._proc_mesh, self._label)
-        m._owner, m._sup, m._origin = self._owner, self._sup, self._origin
+        m._owner, m._sup, m._origin, m._refused = self._owner, self._sup, self._origin, self._refused
         return m
 
     def _report_actor_failure(self, event: dict[str, Any]) -> None:
@@ -156,6 +169,11 @@ class ActorMesh(MeshTrait, Generic[T]):
         )
         # what an owner that does not handle it fails with (see ActorSlot.fail_unsupervised)
         failure.actor, failure.reason = event["actor"], event["reason"]
+        pm = self._proc_mesh
+        if pm is not None:
+            # its procs take no new actors now: `%mesh spawn NAME` replaces them (_registry.spawn)
+            root = getattr(pm, "_root", pm)
+            root._actor_failed = root._actor_failed or event["reason"]
         _supervision.report(failure)
 
     def _dead_actor(self, err: BaseException, proc: int) -> tuple[int, str, str] | None:
@@ -258,7 +276,7 @@ class ActorMesh(MeshTrait, Generic[T]):
             if any(p.addr == rt.ipc_addr for p in procs):
                 reach = _context.reachable_addr(rt)
                 procs = [p._replace(addr=reach) if p.addr == rt.ipc_addr else p for p in procs]
-        return (ActorMesh, (self._class, self._name, procs, self._view, None, self._label))
+        return (ActorMesh, (self._class, self._name, procs, self._view, None, self._label, self._refused))
 
     def __repr__(self) -> str:
         cls = self._class.__qualname__ if self._class is not None else "?"
@@ -417,6 +435,43 @@ def _ambiguous_procs(name: str, refs: list[HostRef], infos: list[dict[str, Any]]
     )
 
 
+def _refused_ranks(results: list[Any]) -> dict[int, str]:
+    """The ranks whose proc refused the spawn because an actor failed there (``SPAWN_REFUSED``),
+    with what it said."""
+    from ._host import SPAWN_REFUSED
+
+    out = {}
+    for rank, r in enumerate(results):
+        if isinstance(r, RemoteFailure):
+            e = r.error()
+            msg = getattr(e, "message", "") or str(e)
+            if SPAWN_REFUSED in msg:
+                out[rank] = msg[msg.index(SPAWN_REFUSED) + len(SPAWN_REFUSED) :].lstrip(": ")
+    return out
+
+
+def _spawn_refused(refused: dict[int, str], n: int, mesh: str) -> str:
+    """Monarch's error for a spawn on procs that had an actor failure (its first line, statuses
+    as rank ranges), and what to do."""
+    from ._host import SPAWN_REFUSED
+
+    runs: list[list[Any]] = []  # [status, first rank, end]
+    for rank in range(n):
+        st = f"Failed({SPAWN_REFUSED})" if rank in refused else "Running"
+        if runs and runs[-1][0] == st:
+            runs[-1][2] = rank + 1
+        else:
+            runs.append([st, rank, rank + 1])
+    statuses = ";".join(f"{st}={a}..{b}" for st, a, b in runs)
+    first = min(refused)
+    return (
+        f"error spawning actor mesh: statuses: {statuses}\n"
+        f"rank {first} of proc mesh {mesh!r}: {refused[first]}\n"
+        "a proc where an actor failed takes no new actors: stop this proc mesh (`procs.stop()`) and spawn new "
+        "procs (`this_host().spawn_procs(...)`), or spawn on a slice without the failed ranks"
+    )
+
+
 class ProcsKilledWarning(RuntimeWarning):
     """``ProcMesh.stop()`` had to kill procs that did not exit after their actors' ``__cleanup__``."""
 
@@ -432,6 +487,8 @@ class ProcMesh(MeshTrait):
         self._persist = persist
         self._stopped = False
         self._failed: str = ""
+        #: why an actor this process spawned here failed (its procs refuse new spawns)
+        self._actor_failed: str = ""
         #: the actor (an _actor.Instance) that spawned these procs, None for the client
         self._owner: Any = None
         #: names of the actor meshes this process spawned on these procs (see _unique_actor_name)
@@ -520,8 +577,10 @@ class ProcMesh(MeshTrait):
             ),
             keep_errors=True,
         )
-        errors = [r.error() for r in fut.get(timeout=rt.cfg.spawn_timeout) if isinstance(r, RemoteFailure)]
-        if errors:
+        results = fut.get(timeout=rt.cfg.spawn_timeout)
+        errors = [r.error() for r in results if isinstance(r, RemoteFailure)]
+        refused = _refused_ranks(results) if errors else {}
+        if errors and len(refused) < len(errors):
             rt.close_port(sup_port)
             e = errors[0]
             tb = getattr(e, "remote_traceback", "")
@@ -534,6 +593,10 @@ class ProcMesh(MeshTrait):
             err.error = e
             raise err from None
         mesh: ActorMesh[Any] = ActorMesh(Class, name, self._procs, view, self, label)
+        if refused:
+            # procs where an actor failed took no actor: as Monarch's, spawn still returns the
+            # mesh, and every call to it fails with the reason
+            mesh._refused = _spawn_refused(refused, len(results), self._name)
         mesh._owner = _context.current_instance()
         if mesh._owner is not None:
             mesh._owner._owned.append(mesh)  # stopped when its owner is

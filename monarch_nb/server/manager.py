@@ -280,15 +280,17 @@ def _merge_mesh(meshes: dict[str, dict[str, Any]], m: dict[str, Any], addr: str,
         if a not in out["actors"]:
             out["actors"].append(a)
     for p in m.get("procs", []):
+        state, reason = _meshhtml.rank_state(p)
         out["procs"].append(
             {
                 "rank": p["rank"],
                 "pid": p.get("pid"),
                 # the dashboard's states (idle, busy, paused, failed, stopped), not the allocator's
-                "state": _meshhtml.rank_state(p)[0],
+                "state": state,
                 "proc_state": p.get("state", "unknown"),
                 "activity": p.get("activity") or "",
-                "cause": p.get("cause") or "",
+                # a proc that lives on after its actor failed has no cause of its own: the actor's
+                "cause": p.get("cause") or (reason if p.get("actor_failed") else ""),
                 "host": host,
                 "alloc": addr,
                 "log": p.get("log") or "",

@@ -112,8 +112,13 @@ CASES = [
 for cls in (SyncWorker, AsyncWorker):
     procs = this_host().spawn_procs(per_host={"gpus": 1})
     names = [f"{cls.__name__[0].lower()}{i}" for i in range(len(CASES))]
-    # every mesh is spawned before any fails (Monarch refuses spawns on a proc mesh with failures)
-    meshes = [procs.spawn(name, cls, kind == "init") for name, (kind, _) in zip(names, CASES)]
+    # every mesh is spawned before any fails (Monarch refuses spawns on a proc mesh with failures);
+    # a failing __init__ may fail before the next spawn reaches its proc: those get procs of their own
+    own = [this_host().spawn_procs(per_host={"gpus": 1}) for kind, _ in CASES if kind == "init"]
+    spare = iter(own)
+    meshes = [
+        (next(spare) if kind == "init" else procs).spawn(name, cls, kind == "init") for name, (kind, _) in zip(names, CASES)
+    ]
     for name, mesh, (kind, adverb) in zip(names, meshes, CASES):
         print(f"{cls.__name__} {kind} via {adverb}:")
         arg = "SystemExit" if kind == "init" else kind
@@ -129,4 +134,6 @@ for cls in (SyncWorker, AsyncWorker):
             print(line)
         attempt("after", lambda: mesh.ping.call_one().get(timeout=60))
     procs.stop().get()
+    for p in own:
+        p.stop().get()
 print("done")
