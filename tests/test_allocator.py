@@ -598,9 +598,15 @@ pm.stop().get(timeout=30)
         a.stop()
 
 
-def test_a_proc_mesh_name_on_hosts_that_hold_different_meshes_is_ambiguous(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_proc_mesh_name_on_hosts_that_hold_different_meshes_is_ambiguous(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from monarch_nb import _registry
     from monarch_nb import mesh as M
     from monarch_nb.errors import MeshError
+
+    # M.connect below points this process's registry at the two allocators this test stops:
+    # put back the hosts later tests' M.spawn uses
+    monkeypatch.setattr(_registry, "_hosts", _registry._hosts)
+    monkeypatch.setattr(_registry, "ambiguous", {})
 
     a1, a2 = AllocatorProc(str(tmp_path)), AllocatorProc(str(tmp_path))
     try:
