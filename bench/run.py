@@ -232,9 +232,9 @@ def _sub(rdir: str, name: str) -> str:
     return path
 
 
-def _reap(run_id: str) -> list[int]:
-    """Kill every process that still carries this run's id (ours, transitively)."""
-    needle = f"BENCH_RUN_ID={run_id}".encode()
+def _reap(run_id: str, var: str = "BENCH_RUN_ID") -> list[int]:
+    """Kill every process that still carries this run's id in ``var`` (ours, transitively)."""
+    needle = f"{var}={run_id}".encode()
     me = os.getpid()
     killed = []
     for d in os.listdir("/proc"):

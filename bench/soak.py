@@ -40,6 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RUN_ENV = "MNB_SOAK_RUN"
 
+from bench.run import _reap  # noqa: E402
 from monarch_nb.actor import Actor, endpoint  # noqa: E402
 
 
@@ -127,28 +128,6 @@ class LogCounter:
             if i >= 0:
                 tag = line[i + 11 :].split(b" ", 1)[0].decode()
                 self.counts[tag] = self.counts.get(tag, 0) + 1
-
-
-def _reap(run_id: str) -> list[int]:
-    """Kill every process that still carries this run's id (ours, transitively)."""
-    needle = f"{RUN_ENV}={run_id}".encode()
-    me = os.getpid()
-    killed = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == me:
-            continue
-        try:
-            with open(f"/proc/{d}/environ", "rb") as f:
-                env = f.read()
-        except OSError:
-            continue
-        if needle in env.split(b"\0"):
-            try:
-                os.kill(int(d), signal.SIGKILL)
-                killed.append(int(d))
-            except ProcessLookupError:
-                pass
-    return killed
 
 
 def _sample(pid: int) -> dict[str, Any]:
@@ -467,7 +446,7 @@ class SoakRun:
                 alloc.wait(30)
             except Exception:
                 alloc.kill()
-        killed = _reap(self.run_id)
+        killed = _reap(self.run_id, RUN_ENV)
         if killed:
             print(f"soak: killed {len(killed)} leftover processes", flush=True)
         shutil.rmtree(self.rdir, ignore_errors=True)
