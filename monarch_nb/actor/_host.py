@@ -526,14 +526,29 @@ class ActorSlot:
                     pass
             set_call(call_id)
 
+    def _begin_call(self, mrank: Any, method: str, call_id: str, raddr: str) -> Any:
+        """What a sync or async endpoint call sets while it runs; the token for _end_call."""
+        tok = _context._message_rank.set(mrank)
+        self.busy, self.call_id, self.caller = method, call_id, raddr
+        self._mark(call_id)
+        return tok
+
+    def _end_call(self, method: str, t0: float, ok: bool, tok: Any) -> None:
+        """The call's accounting (busy time, count, span) and the state _begin_call set, undone."""
+        t1 = time.perf_counter()
+        self.busy_s += t1 - t0
+        self.calls += 1
+        spans.record_call(self.instance_info.name, method, self.instance_info.rank.rank, t0, t1, ok)
+        self._mark("")
+        self.busy = ""
+        _context._message_rank.reset(tok)
+
     def _call_sync(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
         prep = self._prepare(meta, body, buffers)
         if prep is None:
             return
         fn, args, kwargs, raddr, rport, index, mrank, call_id, method = prep
-        tok = _context._message_rank.set(mrank)
-        self.busy, self.call_id, self.caller = method, call_id, raddr
-        self._mark(call_id)
+        tok = self._begin_call(mrank, method, call_id, raddr)
         t0 = time.perf_counter()
         status = wire.ERROR
         try:
@@ -554,13 +569,7 @@ class ActorSlot:
             # SystemExit, KeyboardInterrupt, ...: the actor fails, its process lives on
             raise _ActorFailed(e, _caller(meta)) from None
         finally:
-            t1 = time.perf_counter()
-            self.busy_s += t1 - t0
-            self.calls += 1
-            spans.record_call(self.instance_info.name, method, self.instance_info.rank.rank, t0, t1, status == wire.OK)
-            self._mark("")
-            self.busy = ""
-            _context._message_rank.reset(tok)
+            self._end_call(method, t0, status == wire.OK, tok)
         if self.stopping:
             # stopped while it ran: its caller gets no result, as in Monarch
             self._refuse(("call", meta))
@@ -576,9 +585,7 @@ class ActorSlot:
         if prep is None:
             return
         fn, args, kwargs, raddr, rport, index, mrank, call_id, method = prep
-        tok = _context._message_rank.set(mrank)
-        self.busy, self.call_id, self.caller = method, call_id, raddr
-        self._mark(call_id)
+        tok = self._begin_call(mrank, method, call_id, raddr)
         t0 = time.perf_counter()
         status = wire.ERROR
         failure: _ActorFailed | None = None
@@ -601,13 +608,7 @@ class ActorSlot:
             failure = _ActorFailed(e, _caller(meta))
             result, status = None, wire.ERROR
         finally:
-            t1 = time.perf_counter()
-            self.busy_s += t1 - t0
-            self.calls += 1
-            spans.record_call(self.instance_info.name, method, self.instance_info.rank.rank, t0, t1, status == wire.OK)
-            self._mark("")
-            self.busy = ""
-            _context._message_rank.reset(tok)
+            self._end_call(method, t0, status == wire.OK, tok)
         if failure is None and self.abort_reason is not None:
             self._reply(raddr, rport, index, status, result)
             # an explicit port's caller (raddr cleared) may never have been answered: tell it
