@@ -243,9 +243,8 @@ def _owner_identity() -> tuple[str, str, int | None, str]:
     inst = _context.current_instance()
     spec = _context.proc_spec or {}
     if inst is not None:
-        # the spawn's name as the user gave it, not its internal id (trainers#3fa2b1.2)
-        head, sep, tail = inst.actor_id.partition("#")
-        name = head + tail[min((i for i in (tail.find("{"), tail.find("@")) if i >= 0), default=len(tail)) :] if sep else head
+        # the spawn's name as the user gave it (``name``), not the internal id in ``actor_id``
+        name = f"{inst.name}{inst.rank!r}@{inst.proc_id}"
     else:
         name = f"<root>@{rt.label}@{rt.hostname}:{rt.pid}"
     return name, spec.get("mesh", ""), spec.get("rank"), spec.get("host", rt.hostname)
