@@ -9,6 +9,7 @@ import re
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .._runtime import spans as _ring
@@ -65,16 +66,17 @@ def _targets(addresses: list[str] | None) -> list[str]:
     return out + [a for a in addresses or [] if a not in out]
 
 
-def _gather(
-    mesh: str | None, since: float | None, addresses: list[str] | None, timeout: float
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+def _ask(
+    method: str, addresses: list[str] | None, timeout: float, args: Callable[[float], tuple[Any, ...]]
+) -> tuple[list[tuple[dict[str, Any], float]], list[str]]:
+    """Ask every allocator ``method`` at once (``args(send_time)``): each answer with its clock
+    offset, and the allocators that did not answer (``addr: error``)."""
     client = _context.client()
-    # allocators filter in their own clock: a second's slack covers any offset, trimmed below
-    asked = [
-        (a, time.time(), client.request(a, "spans", mesh, None if since is None else since - 1.0)) for a in _targets(addresses)
-    ]
-    spans: list[dict[str, Any]] = []
-    mets: list[dict[str, Any]] = []
+    asked = []
+    for a in _targets(addresses):
+        t_send = time.time()
+        asked.append((a, t_send, client.request(a, method, *args(t_send))))
+    answers: list[tuple[dict[str, Any], float]] = []
     errors: list[str] = []
     for addr, t_send, fut in asked:
         try:
@@ -85,7 +87,18 @@ def _gather(
             continue
         t_recv = time.time()
         # NTP's estimate: the allocator's clock minus ours, from its readings on arrival and reply
-        offset = ((got.get("received", got["now"]) - t_send) + (got["now"] - t_recv)) / 2
+        answers.append((got, ((got.get("received", got["now"]) - t_send) + (got["now"] - t_recv)) / 2))
+    return answers, errors
+
+
+def _gather(
+    mesh: str | None, since: float | None, addresses: list[str] | None, timeout: float
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    # allocators filter in their own clock: a second's slack covers any offset, trimmed below
+    answers, errors = _ask("spans", addresses, timeout, lambda _t: (mesh, None if since is None else since - 1.0))
+    spans: list[dict[str, Any]] = []
+    mets: list[dict[str, Any]] = []
+    for got, offset in answers:
         for s in got["spans"]:
             s["start"] -= offset
             s["clock_offset"] = offset
@@ -199,25 +212,13 @@ def latency_summary(
     ``unreachable`` (allocators that did not answer)."""
     if factor <= 1:
         raise ValueError(f"factor={factor}: a straggler is slower than the median by a factor above 1 (e.g. 2.0)")
-    client = _context.client()
     t_since = parse_since(since)
-    asked = []
-    for a in _targets(addresses):
-        t_send = time.time()
-        asked.append((a, t_send, client.request(a, "span_summary", mesh, t_since, t_send)))
+    answers, unreachable = _ask("span_summary", addresses, timeout, lambda t_send: (mesh, t_since, t_send))
     ranks: list[dict[str, Any]] = []
     medians: dict[tuple[str, str], dict[int, float]] = {}
     hosts: dict[tuple[str, int], str] = {}
     errors: list[dict[str, Any]] = []
-    unreachable: list[str] = []
-    for addr, t_send, fut in asked:
-        try:
-            with _debugwait.quiet():
-                got = fut.get(timeout=timeout)
-        except Exception as e:
-            unreachable.append(f"{addr}: {type(e).__name__}: {e}")
-            continue
-        offset = ((got.get("received", got["now"]) - t_send) + (got["now"] - time.time())) / 2
+    for got, offset in answers:
         for p in got["procs"]:
             rank = int(p["rank"])
             hosts[(p["mesh"], rank)] = p.get("host") or ""
