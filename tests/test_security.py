@@ -523,7 +523,10 @@ class Chatty(Actor):
         """Print ``mb`` MB on a thread of its own once ``flag`` exists."""
 
         def run() -> None:
+            deadline = time.monotonic() + 120  # the test's own timeout is shorter
             while not os.path.exists(flag):
+                if time.monotonic() > deadline:
+                    return
                 time.sleep(0.05)
             line = "y" * 999
             for _ in range(mb * 1000):
