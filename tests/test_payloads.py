@@ -191,6 +191,29 @@ def test_an_array_kept_past_the_senders_grace_stays_valid_and_its_memory_goes_wi
         shm.sweep_mapped(-1.0)
 
 
+def test_large_bytes_that_arrived_never_change_and_hash_right_when_their_memory_is_reused():
+    from monarch_nb._wire import _rawbuf
+    from monarch_nb._wire.serialize import _bytes_from
+
+    def arrive(data: bytes) -> bytes:
+        return _bytes_from(memoryview(bytearray(data)))
+
+    n = _rawbuf.MIN_BYTES + 4096
+    a, b, c = (os.urandom(n) for _ in range(3))
+    got_a = arrive(a)
+    as_key = {got_a: "a"}  # hashed: its hash is cached in the object
+    view = memoryview(arrive(b))  # a view holds the bytes it was made of
+    got_c = arrive(c)
+    assert got_a == a and view == b and got_c == c and as_key[a] == "a"
+    del as_key, got_a, view
+    for data in (os.urandom(n), os.urandom(n)):
+        got = arrive(data)
+        assert got == data and hash(got) == hash(bytes(bytearray(data))) and {got: 1}[data] == 1
+        del got  # dropped: its memory may carry the next one
+    assert got_c == c
+    _rawbuf.release_idle(-1.0)
+
+
 def test_a_pooled_segment_goes_back_when_idle_or_never_returned():
     from monarch_nb._wire.serialize import _bytes_from
 
