@@ -251,7 +251,10 @@ def take(name: str, nbytes: int) -> memoryview:
         if pooled:
             return _lend(_map_pooled(name, fd, st), path, nbytes)
         # private: writes by the receiver (arrays are writable) never reach the file
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            raise ProtocolError(f"could not map shared-memory buffer {name}: {e.strerror}") from e
     finally:
         os.close(fd)
         if not pooled:
@@ -276,7 +279,10 @@ def _map_pooled(name: str, fd: int, st: os.stat_result) -> _Mapped:
             _unmap(seg)
             seg = None
         if seg is None:
-            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as e:  # out of address space or memory: this message is lost, not the loop
+                raise ProtocolError(f"could not map shared-memory buffer {name}: {e.strerror}") from e
             pin = ctypes.c_char.from_buffer(mm)
             addr = ctypes.addressof(pin)  # valid until _unmap, which only an unlent mapping gets
             del pin
