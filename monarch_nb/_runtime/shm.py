@@ -322,8 +322,8 @@ def _unmap(seg: _Mapped) -> None:
 def sweep_mapped(idle: float = POOL_IDLE_S) -> None:
     """Unmap peers' segments not lent out that their senders gave up, or unused for ``idle`` s
     (the sender gives those up too; until this process unmaps them their pages stay); forget a
-    received ``bytes`` kept for reuse as long."""
-    _rawbuf.release_idle(idle)
+    received ``bytes`` kept for reuse after at most ``REUSE_IDLE_S``."""
+    _rawbuf.release_idle(min(idle, _rawbuf.REUSE_IDLE_S))
     now = time.monotonic()
     with _mapped_lock:
         idle_segs = [s for s in _mapped.values() if not s.busy]

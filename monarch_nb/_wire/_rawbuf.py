@@ -11,7 +11,7 @@ Even in huge pages, the kernel's zeroing of fresh memory costs more than the cop
 2.8 ms for 64 MiB here). So the last large ``bytes`` made here is remembered: when the next one
 of the same size comes and nothing else holds the old one any more (its reference count says
 so: only this module could still see it, so nobody can see it change), its memory is filled
-again instead of fresh memory. One per process, given up after a while unused
+again instead of fresh memory. One per process, given up after a few seconds unused
 (:func:`release_idle`).
 
 Anything unusual (another interpreter, no libc, a non-contiguous buffer) falls back to plain
@@ -32,8 +32,10 @@ from typing import Any
 MIN_BYTES = 4 << 20
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
-#: the largest ``bytes`` kept for reuse
+#: the largest ``bytes`` kept for reuse, and how long one is kept unused: a process that got
+#: one keeps that much memory this long after (its peak is no higher than without reuse)
 REUSE_MAX = 512 << 20
+REUSE_IDLE_S = 5.0
 _PyBUF_SIMPLE = 0
 _PyBUF_WRITABLE = 1
 
