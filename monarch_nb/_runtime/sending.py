@@ -194,8 +194,8 @@ class Sender:
                 if memoryview(b).nbytes >= lim:
                     try:
                         if shared is None:
-                            # a bytes object is copied out at the receiver, so its segment comes back
-                            entry = (i, *self.shm.put(b, copied=type(memoryview(b).obj) is bytes))
+                            # one receiver: it gives the segment back when done with it
+                            entry = (i, *self.shm.put(b, pooled=True))
                         else:
                             src = shared.get(i)
                             if src is None:
@@ -232,11 +232,15 @@ class Sender:
         )
 
     def sweep_shm(self) -> None:
-        """Reclaim shared memory that receivers have given back."""
+        """Reclaim shared memory that receivers have given back, and unmap peers' segments
+        that their senders gave up."""
         if self.shm is not None:
             self.shm.sweep()
+        _shm.sweep_mapped()
 
     def release_shm(self) -> None:
-        """Give back the shared memory this process keeps for sending (it is made again on use)."""
+        """Give back the shared memory this process keeps for sending (it is made again on use)
+        and unmap the peers' segments it keeps mapped and is not using."""
         if self.shm is not None:
             self.shm.close()
+        _shm.sweep_mapped(-1.0)

@@ -2,26 +2,35 @@
 
 The sender writes a buffer into a file in ``/dev/shm``, named ``mnb-<sender pid>-<128 random
 bits>``, created ``O_EXCL`` with mode 0600, and sends the name. The receiver checks that the
-file is a regular file of its own user, 0600 and large enough, and maps it copy-on-write.
+file is a regular file of its own user, 0600 and large enough, and maps it.
 
-* Arrays and tensors are built on that mapping (zero-copy), so the receiver unlinks the name at
-  once: the mapping is the only thing left and goes with the last object using it.
-* A ``bytes`` object must own its data, so the receiver copies it out and the segment could
-  carry the next buffer. Filling fresh tmpfs pages costs twice what copying into pages that
-  exist does, so such segments (names ``mnb-<pid>-p<hex>``) are pooled: the receiver renames
-  the name to ``<name>.free`` once it has copied the content out, and only then may the sender
-  claim it back (an atomic rename) and write into it again.
+Filling fresh tmpfs pages costs seven times what copying into pages that exist does, and
+mapping them and giving them back again costs as much as the copy: so a buffer for one peer goes
+into a pooled segment (names ``mnb-<pid>-p<hex>``) that both sides keep mapped.
+
+* The receiver lends the segment out as the memory of what it unpickles (a ``bytes`` is copied
+  out at once; an array or a tensor is built on it, writable), through a lease object whose
+  last user gone renames the name to ``<name>.free``. Only then may the sender claim it back
+  (an atomic rename) and write into it again, so a segment belongs to one side at a time: what
+  the receiver's array holds is never overwritten while it is in use.
+* A buffer for several peers (one message to many procs of this host) is written once into a
+  file of its own, each peer gets a hard link to it, maps it copy-on-write and unlinks its name
+  at once: the mapping is the only thing left and goes with the last object using it. So are
+  buffers beyond the pool's budget.
 
 Only used between peers on ipc addresses, i.e. the same host and user (the socket itself is
 0600 in the user's runtime dir). A name nobody took (the receiver died first) is unlinked by
 the sender after a grace period or when it closes, and by the allocator when the sender dies;
-a pooled segment nobody used for a while is given back the same way. A sender that ended with
+a pooled segment nobody used for a while, or that a receiver kept longer than the grace period,
+is given back the same way (a receiver's array on it stays valid: its mapping keeps the pages),
+and the receivers unmap their view of it when they see the name gone. A sender that ended with
 ``os._exit`` after its allocator had gone leaves its pool behind: the next allocator to start on
 the host removes it (:func:`sweep_stale`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import re
@@ -29,6 +38,7 @@ import secrets
 import stat
 import threading
 import time
+import weakref
 from typing import Any
 
 from .._wire import _rawbuf
@@ -66,13 +76,14 @@ class ShmSender:
         self._pool: list[_Segment] = []  # smallest first
         self._lock = threading.Lock()
 
-    def put(self, buf: Any, copied: bool = False) -> tuple[str, int]:
+    def put(self, buf: Any, pooled: bool = False) -> tuple[str, int]:
         """Copy ``buf`` into shared memory; return ``(name, nbytes)`` for the receiver.
 
-        ``copied``: the receiver copies the content out (a ``bytes``), so the segment is pooled.
+        ``pooled``: for one receiver, which gives the segment back once done with it (not for
+        :meth:`link`).
         """
         mv = memoryview(buf).cast("B")
-        if copied and _rawbuf.available() and mv.nbytes >= _GRAIN:
+        if pooled and _rawbuf.available() and mv.nbytes >= _GRAIN:
             seg = self._claim(mv.nbytes) or self._new_segment(mv.nbytes)
             if seg is not None:
                 return self._fill(seg, mv)
@@ -202,18 +213,21 @@ class ShmSender:
             pass
 
 
-class _Pooled(mmap.mmap):
-    """A mapping of a pooled segment: ``copied()`` hands the segment back to its sender."""
+class _Mapped:
+    """A peer's pooled segment as this process maps it, kept for its next use."""
 
-    path = ""
+    __slots__ = ("name", "key", "mm", "addr", "size", "busy", "used")
 
-    def copied(self) -> None:
-        path, self.path = self.path, ""  # once: a second rename could hit the segment's next use
-        if path:
-            try:
-                os.rename(path, path + FREE)
-            except OSError:
-                pass  # its sender gave up on it already
+    def __init__(self, name: str, key: tuple[int, int], mm: mmap.mmap, addr: int, size: int) -> None:
+        self.name, self.key, self.mm, self.addr, self.size = name, key, mm, addr, size
+        self.busy, self.used = False, time.monotonic()
+
+
+#: this process's mappings of its peers' pooled segments, by name (RLock: a lease's finalizer
+#: may run inside a collection that started while the lock was held)
+_mapped: dict[str, _Mapped] = {}
+_mapped_lock = threading.RLock()
+_mapped_pid = [0]
 
 
 def take(name: str, nbytes: int) -> memoryview:
@@ -225,28 +239,110 @@ def take(name: str, nbytes: int) -> memoryview:
     pooled = bool(m.group(1))
     path = os.path.join(SHM_DIR, name)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # a pooled segment is mapped shared (it is ours alone until given back): read-write
+        fd = os.open(path, (os.O_RDWR if pooled else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         raise ProtocolError(f"shared-memory buffer {name} is gone: {e.strerror}") from e
-    keep = False
     try:
         st = os.fstat(fd)
         size_ok = st.st_size >= nbytes if pooled else st.st_size == nbytes
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 or not size_ok:
             raise ProtocolError(f"refused shared-memory buffer {name}: not a 0600 file of ours of {nbytes} bytes")
+        if pooled:
+            return _lend(_map_pooled(name, fd, st), path, nbytes)
         # private: writes by the receiver (arrays are writable) never reach the file
-        mm = (_Pooled if pooled else mmap.mmap)(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        keep = pooled  # its sender takes it back once copied out
+        try:
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            raise ProtocolError(f"could not map shared-memory buffer {name}: {e.strerror}") from e
     finally:
         os.close(fd)
-        if not keep:
+        if not pooled:
             try:
                 os.unlink(path)
             except OSError:
                 pass  # gone already, or not ours to remove (sticky /dev/shm)
-    if keep:
-        mm.path = path  # type: ignore[attr-defined]
     return memoryview(mm)
+
+
+def _map_pooled(name: str, fd: int, st: os.stat_result) -> _Mapped:
+    key = (st.st_dev, st.st_ino)
+    with _mapped_lock:
+        if _mapped_pid[0] != os.getpid():  # a forked child starts with no leases of its own
+            _mapped.clear()
+            _mapped_pid[0] = os.getpid()
+        seg = _mapped.get(name)
+        if seg is not None and seg.busy:
+            # only this process's rename hands it back: its sender broke the protocol
+            raise ProtocolError(f"refused shared-memory buffer {name}: it is still in use here")
+        if seg is not None and (seg.key != key or seg.size < st.st_size):
+            _unmap(seg)
+            seg = None
+        if seg is None:
+            try:
+                mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as e:  # out of address space or memory: this message is lost, not the loop
+                raise ProtocolError(f"could not map shared-memory buffer {name}: {e.strerror}") from e
+            pin = ctypes.c_char.from_buffer(mm)
+            addr = ctypes.addressof(pin)  # valid until _unmap, which only an unlent mapping gets
+            del pin
+            seg = _mapped[name] = _Mapped(name, key, mm, addr, st.st_size)
+        seg.busy = True
+        return seg
+
+
+def _lend(seg: _Mapped, path: str, nbytes: int) -> memoryview:
+    # the lease is the buffer's exporter: every view, array or tensor made from it holds it
+    # (directly or through a memoryview's managed buffer), so it dies with the last of them
+    lease = (ctypes.c_ubyte * nbytes).from_address(seg.addr)
+    done = weakref.finalize(lease, _give_back, seg, path)
+    done.atexit = False
+    lease.copied = done  # type: ignore[attr-defined]  # a bytes object, copied out, gives it back at once
+    return memoryview(lease)
+
+
+def _give_back(seg: _Mapped, path: str) -> None:
+    seg.used = time.monotonic()
+    seg.busy = False  # before the rename: the name may come back to this process at once
+    try:
+        os.rename(path, path + FREE)
+    except OSError:
+        # its sender gave up on it (kept too long) or is gone: nothing will reuse this mapping
+        with _mapped_lock:
+            if _mapped.get(seg.name) is seg and not seg.busy:
+                _unmap(seg)
+
+
+def _unmap(seg: _Mapped) -> None:
+    if _mapped.get(seg.name) is seg:
+        del _mapped[seg.name]
+    seg.mm.close()
+
+
+def sweep_mapped(idle: float = POOL_IDLE_S) -> None:
+    """Unmap peers' segments not lent out that their senders gave up, or unused for ``idle`` s
+    (the sender gives those up too; until this process unmaps them their pages stay); forget a
+    received ``bytes`` kept for reuse after at most ``REUSE_IDLE_S``."""
+    _rawbuf.release_idle(min(idle, _rawbuf.REUSE_IDLE_S))
+    now = time.monotonic()
+    with _mapped_lock:
+        idle_segs = [s for s in _mapped.values() if not s.busy]
+    for seg in idle_segs:
+        gone = now - seg.used > idle
+        if not gone:
+            path = os.path.join(SHM_DIR, seg.name)
+            try:
+                st = os.stat(path + FREE)
+            except OSError:
+                try:
+                    st = os.stat(path)  # claimed again by its sender, on its way to a receiver
+                except OSError:
+                    st = None
+            gone = st is None or (st.st_dev, st.st_ino) != seg.key
+        if gone:
+            with _mapped_lock:
+                if not seg.busy:
+                    _unmap(seg)
 
 
 def sweep_dead(pid: int) -> int:
