@@ -19,12 +19,14 @@ own I/O thread never sends this way, so two loops can never wait on each other.
 On accept the receiver writes its magic and wire version; the sender reads them before its
 first message and raises :class:`~monarch_nb.errors.VersionMismatchError` for another version.
 
-Replies come back on the connection their request came on, when the request's reply address
-is the sending process's own (its hello, the first message, names it): the caller's own socket
-carries its reply, so a caller blocked on that reply reads it itself (:meth:`Sender.read_until`)
-instead of waiting for its I/O thread to read it and wake it. Whoever holds a connection's
-``rlock`` reads it; the I/O thread watches it (in an epoll of its own) except while a caller
-reads it, so a reply wakes one thread, not two.
+A call whose caller will most likely block on its one reply (``call_one`` outside a
+coroutine) is *claimed*: a CLAIM message goes just before it, and its reply comes back on the
+same connection when the reply address is the sending process's own (its hello, the
+connection's first message, names it). The caller's own socket carries its reply, so the
+caller reads it itself (:meth:`Sender.read_until`) instead of its I/O thread reading it and
+waking it: one thread wake-up fewer per call. Whoever holds a connection's ``rlock`` reads it;
+the I/O thread watches it (in an epoll of its own) except while a claimed reply is due, so a
+reply wakes one thread, not two. Every other reply takes the usual way.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ _TIMEVAL = struct.Struct("ll")
 #: a connection's first message, naming the sender's inbox (where its replies may come back);
 #: no wire frame starts so (they start with the magic)
 HELLO = b"\x00mnb-hello "
+#: a message of its own just before a call whose caller will read the reply on this connection
+CLAIM = b"\x00mnb-claim"
 #: how the I/O thread watches a connection of its process's (paused while a caller reads it)
 WATCH = select.EPOLLIN
 
@@ -209,17 +213,18 @@ class Sender:
             else:
                 self.unwatch()
 
-    def send(self, frames: list[Any]) -> None:
+    def send(self, frames: list[Any], claim: bool = False) -> None:
+        """Write one message; ``claim``: its reply is to come back on this connection."""
         n = len(frames)
         if n == 1 and type(frames[0]) is bytes:  # a small message: one frame, one write
-            self._write([_one(frames[0])])
+            self._write([_CLAIMED + _one(frames[0])] if claim else [_one(frames[0])])
             return
         if n > 255:
             raise ValueError(f"a message of {n} frames is more than the direct path carries (255)")
         # sendmsg wants plain byte buffers; an array's buffer (out-of-band pickle) is cast to one
         parts = [f if type(f) is bytes else memoryview(f).cast("B") for f in frames]
         head = struct.pack(f"<B{n}I", n, *(len(p) for p in parts))
-        parts.insert(0, head)
+        parts.insert(0, _CLAIMED + head if claim else head)
         self._write(parts)
 
     def _write(self, parts: list[Any]) -> None:
@@ -262,6 +267,9 @@ def _one(frame: bytes) -> bytes:
     return b"\x01" + len(frame).to_bytes(4, "little") + frame
 
 
+_CLAIMED = _one(CLAIM)
+
+
 class _Queue(queue.SimpleQueue):  # type: ignore[type-arg]
     """A stalled connection's messages; ``failed`` once its writer could not write (later
     sends raise, as a send to a gone peer does)."""
@@ -287,6 +295,7 @@ class Receiver:
 
     __slots__ = (
         "sock", "dispatch", "max_bytes", "buf", "r", "w", "lens", "frames", "big", "filled", "label", "peer", "out", "wlock",
+        "claimed",
     )  # fmt: skip
 
     def __init__(
@@ -301,6 +310,8 @@ class Receiver:
         self.peer: str | None = None if accepted else ""
         self.out: Sender | None = None
         self.wlock = threading.Lock()
+        #: the message being dispatched was claimed (its reply comes back here)
+        self.claimed = False
         self.sock = sock
         self.dispatch = dispatch
         self.max_bytes = max_bytes
@@ -409,13 +420,17 @@ class Receiver:
                         self._compact()
                     return True
             self.lens, self.frames = None, []
+            if frames[0][:1] == b"\x00" and len(frames) == 1:  # no wire frame starts so
+                f0 = bytes(frames[0])
+                if f0 == CLAIM:
+                    self.claimed = True
+                elif f0.startswith(HELLO) and self.peer is None:
+                    self.peer = f0[len(HELLO) :].decode()
+                continue
             if self.peer is None:
-                f0 = frames[0]
-                if len(frames) == 1 and f0[: len(HELLO)] == HELLO:
-                    self.peer = bytes(f0[len(HELLO) :]).decode()
-                    continue
                 self.peer = ""  # a sender without a hello: its replies take the usual way
             self.dispatch(frames)
+            self.claimed = False
 
 
 def peer_uid(sock: socket.socket) -> int:

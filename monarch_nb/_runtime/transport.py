@@ -473,6 +473,10 @@ class Transport:
             logger.exception("dropped a message whose handler failed")
 
     def _dispatch_from(self, rx: fastpath.Receiver, frames: list[Any]) -> None:
+        if not rx.claimed:
+            self._dispatch_direct(frames)
+            return
+        # a call whose reply its caller reads on the connection it came on
         self.arrived_on = rx
         try:
             self.dispatch(frames)
@@ -596,20 +600,23 @@ class Transport:
             conn = self._direct(addr)
             if conn is not None:
                 tls = self._tls
+                claim = False
                 if tls.__dict__.pop("claim", False) and conn.rx is not None:
                     if conn.paused or conn.busy:
                         # an earlier call is not waited for yet: many outstanding, whose
-                        # replies the I/O thread reads (until a wait on this connection)
+                        # replies take the usual way (until a wait on this connection)
                         conn.busy = True
                         conn.resume()
                     else:
-                        # paused before the write: a reply that comes while this thread is
-                        # still on its way to wait for it does not wake the I/O thread
+                        # its reply comes back here, where the I/O thread's watch is paused
+                        # before the write: a reply that comes while this thread is still on
+                        # its way to wait for it does not wake the I/O thread
                         conn.pause()
+                        claim = True
                 elif conn.paused:
                     conn.resume()  # something else first: the I/O thread reads what comes
                 try:
-                    conn.send(frames)
+                    conn.send(frames, claim)
                 except OSError as e:
                     # the peer went away: like zmq, the message is lost with it (supervision
                     # reports the peer); this thread's later messages to it take zmq
