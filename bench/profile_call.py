@@ -35,32 +35,25 @@ def _instrument(rt: Any, log: list[tuple[str, int]], peer: str, what: Any) -> No
     from monarch_nb._wire import frames as wire
 
     dispatch, send = rt.transport.dispatch, rt.sender.send
-    reply = getattr(rt.transport, "dispatch_reply", None)
 
-    def timed(dispatch: Any) -> Any:
-        def timed_dispatch(msg: Any, *rest: Any) -> None:
-            t = T()
-            try:
-                if what(wire.decode(msg)[:2]):
-                    log.append(("recv", t))
-            except Exception:
-                pass
-            dispatch(msg, *rest)
-
-        return timed_dispatch
-
-    def timed_send(addr: str, frames: list[Any], *rest: Any) -> None:
+    def timed_dispatch(msg: Any, *rest: Any) -> None:
         t = T()
-        send(addr, frames, *rest)
+        try:
+            if what(wire.decode(msg)[:2]):
+                log.append(("recv", t))
+        except Exception:
+            pass
+        dispatch(msg, *rest)
+
+    def timed_send(addr: str, frames: list[Any]) -> None:
+        t = T()
+        send(addr, frames)
         if addr == peer:
             log.append(("send0", t))
             log.append(("send1", T()))
 
-    # rt.send is the sender's send, bound once: callers of either are timed; a reply read by
-    # the thread waiting for it (on its own connection) goes through dispatch_reply
-    rt.transport.dispatch, rt.sender.send, rt.send = timed(dispatch), timed_send, timed_send
-    if reply is not None:
-        rt.transport.dispatch_reply = timed(reply)
+    # rt.send is the sender's send, bound once: callers of either are timed
+    rt.transport.dispatch, rt.sender.send, rt.send = timed_dispatch, timed_send, timed_send
 
 
 class Probe(Actor):
@@ -168,10 +161,8 @@ def main() -> int:
         "wire out: sent until the proc's I/O thread has it": [p["recv"][i] - c["send1"][i] for i in range(n)],
         "proc: I/O thread until endpoint body runs": [p["fn"][i] - p["recv"][i] for i in range(n)],
         "proc: endpoint body until the reply is sent": [p["send1"][i] - p["fn"][i] for i in range(n)],
-        "wire back: sent until the controller reads it (I/O thread or the caller)": [
-            c["recv"][i] - p["send1"][i] for i in range(n)
-        ],
-        "controller: read until .get() returns": [ends[i] - c["recv"][i] for i in range(n)],
+        "wire back: sent until the controller's I/O thread has it": [c["recv"][i] - p["send1"][i] for i in range(n)],
+        "controller: I/O thread until .get() returns": [ends[i] - c["recv"][i] for i in range(n)],
     }
     total = [ends[i] - starts[i] for i in range(n)]
     out = {
