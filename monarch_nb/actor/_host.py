@@ -91,7 +91,8 @@ class ActorSlot:
 
     # -- mailbox (called on the I/O thread)
     def deliver(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
-        self._put(("call", meta, body, buffers))
+        # the connection it came on: the reply goes back there when it is the caller's own
+        self._put(("call", meta, body, buffers, self.rt.transport.arrived_on))
 
     def _put(self, item: Any) -> None:
         if self.is_async:
@@ -508,9 +509,9 @@ class ActorSlot:
             p = self._points[key] = Point(index, Extent(*ext)) if ext[0] or ext[1] else Point(0, Extent([], []))
         return p
 
-    def _reply(self, raddr: str, rport: int, index: int, status: int, value: Any) -> None:
+    def _reply(self, raddr: str, rport: int, index: int, status: int, value: Any, via: Any = None) -> None:
         if raddr:
-            self.rt.send_port(raddr, rport, index, status, value)
+            self.rt.send_port(raddr, rport, index, status, value, via)
         elif status == wire.ERROR:
             # nobody is waiting: leave the failure in this proc's log where %mesh logs finds it
             print(f"monarch_nb: unobserved error in {self.name}: {value}", file=sys.stderr, flush=True)
@@ -543,7 +544,7 @@ class ActorSlot:
         self.busy = ""
         _context._message_rank.reset(tok)
 
-    def _call_sync(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
+    def _call_sync(self, meta: tuple[Any, ...], body: Any, buffers: list[Any], via: Any = None) -> None:
         prep = self._prepare(meta, body, buffers)
         if prep is None:
             return
@@ -578,9 +579,9 @@ class ActorSlot:
             # aborted in an endpoint with an explicit port: a caller it never answered hears of
             # the failure, as in Monarch (an answered one ignores the late error)
             raise _Aborted(self.abort_reason, _caller(meta))
-        self._reply(raddr, rport, index, status, result)
+        self._reply(raddr, rport, index, status, result, via)
 
-    async def _call_async(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
+    async def _call_async(self, meta: tuple[Any, ...], body: Any, buffers: list[Any], via: Any = None) -> None:
         prep = self._prepare(meta, body, buffers)
         if prep is None:
             return
@@ -619,7 +620,7 @@ class ActorSlot:
         if self.stopping:
             self._refuse(("call", meta))
             return
-        self._reply(raddr, rport, index, status, result)
+        self._reply(raddr, rport, index, status, result, via)
 
     async def _fail_async(self, f: _ActorFailed) -> None:
         if self.failed is not None:
