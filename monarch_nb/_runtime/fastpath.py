@@ -18,15 +18,6 @@ own I/O thread never sends this way, so two loops can never wait on each other.
 
 On accept the receiver writes its magic and wire version; the sender reads them before its
 first message and raises :class:`~monarch_nb.errors.VersionMismatchError` for another version.
-
-A call whose caller will most likely block on its one reply (``call_one`` outside a
-coroutine) is *claimed*: a CLAIM message goes just before it, and its reply comes back on the
-same connection when the reply address is the sending process's own (its hello, the
-connection's first message, names it). The caller's own socket carries its reply, so the
-caller reads it itself (:meth:`Sender.read_until`) instead of its I/O thread reading it and
-waking it: one thread wake-up fewer per call. Whoever holds a connection's ``rlock`` reads it;
-the I/O thread watches it (in an epoll of its own) except while a claimed reply is due, so a
-reply wakes one thread, not two. Every other reply takes the usual way.
 """
 
 from __future__ import annotations
@@ -34,11 +25,9 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import select
 import socket
 import struct
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -51,22 +40,12 @@ SUFFIX = ".fast"
 #: frames at least this large are received straight into their own buffer
 _BIG = 1 << 16
 _READ = 1 << 18
-_NOWAIT = socket.MSG_DONTWAIT
 _PEERCRED = struct.Struct("3i")
 #: a receiver that takes no byte for this long is treated as stuck (SO_SNDTIMEO: no cost per send)
 STALL_S = 1.0
 #: how long a new connection waits for the receiver's greeting
 GREETING_S = 5.0
-#: a caller reading its own reply looks up at least this often (a failure, a debugger)
-SLICE = 0.02
 _TIMEVAL = struct.Struct("ll")
-#: a connection's first message, naming the sender's inbox (where its replies may come back);
-#: no wire frame starts so (they start with the magic)
-HELLO = b"\x00mnb-hello "
-#: a message of its own just before a call whose caller will read the reply on this connection
-CLAIM = b"\x00mnb-claim"
-#: how the I/O thread watches a connection of its process's (paused while a caller reads it)
-WATCH = select.EPOLLIN
 
 
 def greeting() -> bytes:
@@ -87,9 +66,9 @@ class Sender:
     """One thread's connection to one peer; closed when the thread's last reference goes
     (a thread that exits takes its connections with it)."""
 
-    __slots__ = ("sock", "_q", "rx", "rlock", "_ep", "calls", "paused", "busy", "_plock", "__weakref__")
+    __slots__ = ("sock", "_q", "__weakref__")
 
-    def __init__(self, path: str, inbox: str = "") -> None:
+    def __init__(self, path: str) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.connect(path)
@@ -108,123 +87,24 @@ class Sender:
                     "run the same monarch_nb version in every process of a host"
                 )
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(STALL_S))
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(SLICE))
-            if inbox:
-                s.sendall(_one(HELLO + inbox.encode()))
         except BaseException:
             s.close()
             raise
         self.sock = s
         self._q: _Queue | None = None
-        #: the replies that come back on this connection, and who reads them (see ``watch``)
-        self.rx: Receiver | None = None
-        self.rlock = threading.Lock()
-        self._ep: Any = None
-        #: calls whose one reply comes back here, so far (the caller's count, see read_until)
-        self.calls = 0
-        #: since when the I/O thread's watch is paused (0: it watches)
-        self.paused = 0.0
-        #: calls were sent on it without a wait in between (none is paused for until one is)
-        self.busy = False
-        self._plock = threading.Lock()
 
-    @classmethod
-    def over(cls, sock: socket.socket) -> Sender:
-        """A sender on a connection accepted here (the replies to what came on it)."""
-        self = object.__new__(cls)
-        self.sock, self._q, self.rx, self._ep, self.calls, self.paused, self.busy = sock, None, None, None, 0, 0.0, False
-        self.rlock, self._plock = threading.Lock(), threading.Lock()
-        return self
-
-    def watch(self, ep: Any, rx: Receiver) -> None:
-        """Replies may come back on this connection: ``rx`` reads them, on the thread of whoever
-        holds ``rlock``; ``ep`` (the I/O thread's) watches it while no caller does."""
-        self.rx, self._ep = rx, ep
-        ep.register(self.sock.fileno(), WATCH)
-
-    def pause(self) -> None:
-        """The I/O thread stops watching: one thread wakes for a reply, not two. A caller pauses
-        it as it sends a call it will likely wait for (so a reply that comes before the wait
-        does not wake the I/O thread either); every other way of using the call's future
-        resumes it, and the I/O thread itself after a while (``resume_stale``)."""
-        with self._plock:
-            if self.paused:
-                return
-            self.paused = time.monotonic()
-            try:
-                self._ep.modify(self.sock.fileno(), 0)
-            except (OSError, ValueError, AttributeError):
-                pass  # closed meanwhile
-
-    def resume(self) -> None:
-        """The I/O thread reads what comes next (after ``rlock`` is released)."""
-        if not self.paused:
-            return
-        with self._plock:
-            if not self.paused:
-                return
-            self.paused = 0.0
-            try:
-                self._ep.modify(self.sock.fileno(), WATCH)
-            except (OSError, ValueError, AttributeError):
-                pass  # closed meanwhile
-
-    def unwatch(self) -> None:
-        self.rx = None
-        ep, self._ep = getattr(self, "_ep", None), None
-        if ep is not None:
-            try:
-                ep.unregister(self.sock.fileno())
-            except (OSError, ValueError):
-                pass
-
-    def read_until(self, done: Callable[[], bool], timeout: float | None, stop: Callable[[], bool] | None = None) -> bool | None:
-        """Read this connection's replies on this thread until ``done()`` (True), ``stop()``
-        (True) or ``timeout`` passes (False). A blocking read, one syscall for the reply; it
-        looks at ``done()`` and ``stop()`` at least every ``SLICE`` s (a failure completing the
-        future, a debugger). None: someone else reads it, or it is closed; wait the plain way."""
-        self.busy = False
-        rx = self.rx
-        if rx is None or not self.rlock.acquire(False):
-            return None
-        ok = True
-        try:
-            self.pause()
-            end = None if timeout is None else time.monotonic() + timeout
-            while not done():
-                if stop is not None and stop():
-                    return True
-                if end is not None:
-                    left = end - time.monotonic()
-                    if left <= 0:
-                        return False
-                    if left < SLICE:  # the socket's own timeout is the slice: wait for less
-                        if not select.select([self.sock], [], [], left)[0]:
-                            continue
-                if not rx.read_once():
-                    ok = False
-                    return None
-            return True
-        finally:
-            # released first: an I/O thread that found it held paused the watch, then looked again
-            self.rlock.release()
-            if ok:
-                self.resume()
-            else:
-                self.unwatch()
-
-    def send(self, frames: list[Any], claim: bool = False) -> None:
-        """Write one message; ``claim``: its reply is to come back on this connection."""
+    def send(self, frames: list[Any]) -> None:
         n = len(frames)
         if n == 1 and type(frames[0]) is bytes:  # a small message: one frame, one write
-            self._write([_CLAIMED + _one(frames[0])] if claim else [_one(frames[0])])
+            f = frames[0]
+            self._write([b"\x01" + len(f).to_bytes(4, "little") + f])
             return
         if n > 255:
             raise ValueError(f"a message of {n} frames is more than the direct path carries (255)")
         # sendmsg wants plain byte buffers; an array's buffer (out-of-band pickle) is cast to one
         parts = [f if type(f) is bytes else memoryview(f).cast("B") for f in frames]
         head = struct.pack(f"<B{n}I", n, *(len(p) for p in parts))
-        parts.insert(0, _CLAIMED + head if claim else head)
+        parts.insert(0, head)
         self._write(parts)
 
     def _write(self, parts: list[Any]) -> None:
@@ -251,7 +131,6 @@ class Sender:
             threading.Thread(target=_writer, args=(self.sock, q), name="monarch_nb-direct-writer", daemon=True).start()
 
     def close(self) -> None:
-        self.unwatch()
         q = getattr(self, "_q", None)
         if q is not None and not q.failed:
             q.put(None)  # the writer closes the socket once what is queued is written
@@ -261,13 +140,6 @@ class Sender:
     def __del__(self) -> None:
         if getattr(self, "sock", None) is not None:  # absent when the connect in __init__ failed
             self.close()
-
-
-def _one(frame: bytes) -> bytes:
-    return b"\x01" + len(frame).to_bytes(4, "little") + frame
-
-
-_CLAIMED = _one(CLAIM)
 
 
 class _Queue(queue.SimpleQueue):  # type: ignore[type-arg]
@@ -293,26 +165,13 @@ def _writer(sock: socket.socket, q: _Queue) -> None:
 class Receiver:
     """Reassembles the messages of one accepted connection; driven by its loop's reader."""
 
-    __slots__ = (
-        "sock", "dispatch", "max_bytes", "buf", "r", "w", "lens", "frames", "big", "filled", "label", "peer", "out", "wlock",
-        "claimed", "dispatch_claimed",
-    )  # fmt: skip
+    __slots__ = ("sock", "dispatch", "max_bytes", "buf", "r", "w", "lens", "frames", "big", "filled", "label")
 
-    def __init__(
-        self, sock: socket.socket, dispatch: Callable[[list[Any]], None], max_bytes: int, label: str, accepted: bool = True
-    ) -> None:
-        if accepted:
-            try:
-                sock.send(greeting())  # a fresh connection's buffer is empty: this never blocks
-            except OSError as e:
-                logger.debug("greeting a direct connection failed: %s", e)
-        #: the sender's inbox, from its hello ("" without one); replies to it may take this connection
-        self.peer: str | None = None if accepted else ""
-        self.out: Sender | None = None
-        self.wlock = threading.Lock()
-        #: the next message is claimed (its reply comes back here): it goes to dispatch_claimed
-        self.claimed = False
-        self.dispatch_claimed: Callable[[Receiver, list[Any]], None] = _dispatch_claimed
+    def __init__(self, sock: socket.socket, dispatch: Callable[[list[Any]], None], max_bytes: int, label: str) -> None:
+        try:
+            sock.send(greeting())  # a fresh connection's buffer is empty: this never blocks
+        except OSError as e:
+            logger.debug("greeting a direct connection failed: %s", e)
         self.sock = sock
         self.dispatch = dispatch
         self.max_bytes = max_bytes
@@ -324,26 +183,17 @@ class Receiver:
         self.big: bytearray | None = None
         self.filled = 0
 
-    def reply(self, frames: list[Any]) -> None:
-        """Send a reply back on this connection (any thread but the reading one's loop)."""
-        with self.wlock:
-            out = self.out
-            if out is None:
-                out = self.out = Sender.over(self.sock)
-            out.send(frames)
-
     def on_readable(self) -> bool:
         """Read what is there and dispatch whole messages; False once the connection is over."""
         sock = self.sock
         for _ in range(64):  # bounded work per wake-up, like the zmq inbox
             try:
-                # the socket blocks (for the threads that write replies on it); reads never do
                 if self.big is not None:
-                    n = sock.recv_into(memoryview(self.big)[self.filled :], 0, _NOWAIT)
+                    n = sock.recv_into(memoryview(self.big)[self.filled :])
                 else:
                     if self.w == len(self.buf):
                         self._compact()
-                    n = sock.recv_into(memoryview(self.buf)[self.w :], 0, _NOWAIT)
+                    n = sock.recv_into(memoryview(self.buf)[self.w :])
             except (BlockingIOError, InterruptedError):
                 return True
             except OSError as e:
@@ -362,39 +212,6 @@ class Receiver:
             if not self._parse():
                 return False
         return True
-
-    def read_once(self) -> bool:
-        """One blocking read (up to the socket's receive timeout) and the whole messages it
-        completes dispatched; False once the connection is over."""
-        n = self._recv(0)
-        if n is None:
-            return True
-        return n > 0 and self._took(n)
-
-    def _recv(self, flags: int) -> int | None:
-        """Bytes read into the buffer or the big frame; None: nothing yet; -1: failed."""
-        try:
-            if self.big is not None:
-                return self.sock.recv_into(memoryview(self.big)[self.filled :], 0, flags)
-            if self.w == len(self.buf):
-                self._compact()
-            return self.sock.recv_into(memoryview(self.buf)[self.w :], 0, flags)
-        except (BlockingIOError, InterruptedError):
-            return None
-        except OSError as e:
-            logger.debug("direct connection to %s failed: %s", self.label, e)
-            return -1
-
-    def _took(self, n: int) -> bool:
-        if self.big is not None:
-            self.filled += n
-            if self.filled < len(self.big):
-                return True
-            self.frames.append(self.big)
-            self.big = None
-        else:
-            self.w += n
-        return self._parse()
 
     def _compact(self) -> None:
         left = self.w - self.r
@@ -442,23 +259,7 @@ class Receiver:
                         self._compact()
                     return True
             self.lens, self.frames = None, []
-            f0 = frames[0]
-            if f0 and f0[0] == 0 and len(frames) == 1:  # no wire frame starts so
-                f0 = bytes(f0)
-                if f0 == CLAIM:
-                    self.claimed = True
-                elif f0.startswith(HELLO) and self.peer is None:
-                    self.peer = f0[len(HELLO) :].decode()
-                continue
-            if self.claimed:
-                self.claimed = False
-                self.dispatch_claimed(self, frames)
-            else:
-                self.dispatch(frames)
-
-
-def _dispatch_claimed(rx: Receiver, frames: list[Any]) -> None:
-    rx.dispatch(frames)
+            self.dispatch(frames)
 
 
 def peer_uid(sock: socket.socket) -> int:

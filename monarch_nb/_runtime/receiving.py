@@ -73,8 +73,6 @@ class Receiver:
         self.pid = pid
         self._spawn = spawn
         self._ports: dict[int, PortHandler] = {}
-        #: ports whose handler may run on any thread (a caller reading its own reply runs it)
-        self._any_thread: set[int] = set()
         self._port_ids = itertools.count(1)
         self.actors: dict[str, Mailbox] = {}
         self.system: dict[str, Any] = {}
@@ -86,46 +84,15 @@ class Receiver:
         self.dropped = 0
         #: FANOUT frames taken and the proc messages made of them
         self.relayed = [0, 0]
-        #: hands a message to the I/O thread's dispatch (set by the runtime)
-        self.handoff: Callable[[list[Any]], None] = self.dispatch
 
     # ---------------------------------------------------------------- ports
-    def open_port(self, handler: PortHandler, any_thread: bool = False) -> int:
-        """A port whose values go to ``handler``, on the I/O thread unless ``any_thread`` (the
-        handler is thread-safe and cares for no order but its own)."""
+    def open_port(self, handler: PortHandler) -> int:
         port = next(self._port_ids)
         self._ports[port] = handler
-        if any_thread:
-            self._any_thread.add(port)
         return port
 
     def close_port(self, port: int) -> None:
         self._ports.pop(port, None)
-        self._any_thread.discard(port)
-
-    def dispatch_reply(self, frames: list[Any]) -> None:
-        """A message read off the I/O thread (a caller reading replies on its own connection):
-        a value for a port that takes any thread is handled here, anything else goes to the I/O
-        thread (in order: the thread that read it holds the connection until it is queued)."""
-        try:
-            kind, meta, body, bufs, table = wire.decode(frames)
-        except Exception:
-            kind = None  # the I/O thread says why it drops it
-        if kind == wire.PORT and meta[0] in self._any_thread:
-            if table:
-                try:
-                    bufs = list(bufs)
-                    for i, name, n in table:
-                        bufs[i] = _shm.take(name, n)
-                except ProtocolError as e:
-                    self.dropped += 1
-                    logger.warning("dropped a message: %s", e)
-                    return
-            h = self._ports.get(meta[0])
-            if h is not None:
-                h(meta[1], meta[2], body, bufs)
-            return
-        self.handoff(frames)
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, frames: list[Any], sock: Any = None, rid: bytes = b"") -> None:

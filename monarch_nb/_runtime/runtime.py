@@ -73,8 +73,6 @@ class Runtime:
         self.sender = Sender(cfg, self.transport.send, self.supervision.dead, uid=self.uid, hostname=self.hostname)
         self.receiver = Receiver(cfg, self.sender, label=label, hostname=self.hostname, pid=self.pid, spawn=self._spawn)
         self._cfg = cfg
-        self.receiver.handoff = self._handoff
-        self.transport.dispatch_reply = self.receiver.dispatch_reply
         # the parts' entry points as the runtime's own: bound methods, so no extra call per use
         t, s, r, v = self.transport, self.sender, self.receiver, self.supervision
         self.ensure_tcp, self.addr_for = t.ensure_tcp, t.addr_for
@@ -174,10 +172,6 @@ class Runtime:
         self.transport.terminate()
 
     # ---------------------------------------------------------------- the I/O loop
-    def _handoff(self, frames: list[Any]) -> None:
-        """A message read on another thread, for the I/O thread's dispatch."""
-        self.loop.call_soon_threadsafe(self.transport._dispatch_direct, frames)
-
     def in_io_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
@@ -209,7 +203,6 @@ class Runtime:
             self.sender.sweep_shm()
             now = time.monotonic()
             self.transport.sweep_idle(now)
-            self.transport.resume_stale(now, interval)
             self.receiver.skip_gaps(now)
             # when this loop itself was starved (a busy I/O thread, a loaded machine), pongs that
             # did arrive may not have been read yet: that is no evidence against the peer
@@ -230,11 +223,11 @@ class ReplyPort:
 
     __slots__ = ("rt", "port", "_owed")
 
-    def __init__(self, rt: Runtime, on_reply: PortHandler, any_thread: bool = False) -> None:
+    def __init__(self, rt: Runtime, on_reply: PortHandler) -> None:
         self.rt = rt
         #: index -> the peer that owes its reply
         self._owed: dict[int, str] = {}
-        self.port = rt.open_port(on_reply, any_thread)
+        self.port = rt.open_port(on_reply)
 
     def owe(
         self,

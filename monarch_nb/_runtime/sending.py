@@ -64,18 +64,14 @@ class Sender:
     def next_call_id(self) -> str:
         return f"{self.uid}.{next(self._call_ids)}"
 
-    def send(self, addr: str, frames: list[Any], via: Any = None) -> None:
-        """Send ``frames`` to ``addr``, or raise the peer's error if it is known to be gone
-        (``via``: the connection the request came on, see ``Transport.send``)."""
+    def send(self, addr: str, frames: list[Any]) -> None:
+        """Send ``frames`` to ``addr``, or raise the peer's error if it is known to be gone."""
         dead = self._dead.get(addr)
         if dead is not None:
             raise dead
-        if via is None:
-            self._send_frames(addr, frames)
-        else:
-            self._send_frames(addr, frames, via=via)
+        self._send_frames(addr, frames)
 
-    def send_port(self, addr: str, port: int, index: int, status: int, value: Any, via: Any = None) -> None:
+    def send_port(self, addr: str, port: int, index: int, status: int, value: Any) -> None:
         """Send ``value`` to a port; an unpicklable or oversized value becomes an error the receiver sees."""
         why = ""
         try:
@@ -90,7 +86,7 @@ class Sender:
             status = wire.ERROR
             body, bufs = dumps(ActorError(TypeError(why), tb, host=self.hostname))
         try:
-            self.send(addr, self.encode(addr, wire.PORT, (port, index, status), body, bufs), via)
+            self.send(addr, self.encode(addr, wire.PORT, (port, index, status), body, bufs))
         except SupervisionError:
             logger.debug("reply to dead peer %s dropped", addr)
 

@@ -22,7 +22,6 @@ import concurrent.futures
 import ipaddress
 import logging
 import os
-import select
 import socket
 import threading
 import time
@@ -331,13 +330,6 @@ class Transport:
         self.fast_in: set[fastpath.Receiver] = set()
         #: every thread's direct connections (held by the threads; weakly here, to close them)
         self.fast_out: weakref.WeakSet[fastpath.Sender] = weakref.WeakSet()
-        #: the I/O thread's watch of those connections, for replies that come back on them
-        self._replies: Any = None
-        self._reply_conns: dict[int, weakref.ref[fastpath.Sender]] = {}
-        #: the direct connection a message being dispatched came on (its reply may go back there)
-        self.arrived_on: fastpath.Receiver | None = None
-        #: how a thread other than the I/O thread hands on a reply it read (set by the runtime)
-        self.dispatch_reply: Callable[[list[Any]], None] = _not_open
 
     # ---------------------------------------------------------------- inboxes
     def open(self, dispatch: Dispatch) -> None:
@@ -347,8 +339,6 @@ class Transport:
         if self.cfg.direct_ipc:
             self._fast_listener = fastpath.listen(fastpath.path_for(self.ipc_addr))
             self.loop.add_reader(self._fast_listener.fileno(), self._accept_direct)
-            self._replies = select.epoll()
-            self.loop.add_reader(self._replies.fileno(), self._read_replies)
         if self._tcp_ip:
             self.tcp_addr = self.bound_tcp = self._bind(f"tcp://{self._tcp_ip}:{self._tcp_port}")
             if self.advertise:
@@ -450,12 +440,8 @@ class Transport:
                 logger.warning("refused a direct connection from uid %d", uid)
                 conn.close()
                 continue
-            # blocking for the actor threads that write replies back on it (SO_SNDTIMEO bounds
-            # them); the receiver's reads never block
-            conn.setblocking(True)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, fastpath._timeval(fastpath.STALL_S))
+            conn.setblocking(False)
             rx = fastpath.Receiver(conn, self._dispatch_direct, self.cfg.max_message_bytes, self.label)
-            rx.dispatch_claimed = self._dispatch_claimed
             self.fast_in.add(rx)
             self.loop.add_reader(conn.fileno(), self._read_direct, rx)
 
@@ -470,49 +456,6 @@ class Transport:
             self.dispatch(frames)
         except Exception:
             logger.exception("dropped a message whose handler failed")
-
-    def _dispatch_claimed(self, rx: fastpath.Receiver, frames: list[Any]) -> None:
-        # a call whose reply its caller reads on the connection it came on
-        self.arrived_on = rx
-        try:
-            self.dispatch(frames)
-        except Exception:
-            logger.exception("dropped a message whose handler failed")
-        finally:
-            self.arrived_on = None
-
-    def _dispatch_back(self, frames: list[Any]) -> None:
-        """A reply that came back on a connection of ours, read by the I/O thread or a caller."""
-        if threading.get_ident() == self.io_ident:
-            self._dispatch_direct(frames)
-            return
-        try:
-            self.dispatch_reply(frames)
-        except Exception:
-            logger.exception("dropped a message whose handler failed")
-
-    def _read_replies(self) -> None:
-        """Read the connections of ours whose replies no blocked caller is reading."""
-        assert self._replies is not None
-        for fd, _ in self._replies.poll(0):
-            ref = self._reply_conns.get(fd)
-            conn = ref() if ref is not None else None
-            if conn is None or conn.rx is None:
-                continue
-            if not conn.rlock.acquire(False):
-                # a caller reads it: pause the watch (no busy loop), then look again, as the
-                # caller may have stopped, and resumed it, in between
-                conn.pause()
-                if not conn.rlock.acquire(False):
-                    continue  # the caller resumes the watch when it stops
-                conn.resume()
-            try:
-                ok = conn.rx.on_readable()
-            finally:
-                conn.rlock.release()
-            if not ok:
-                conn.unwatch()
-                self._reply_conns.pop(fd, None)
 
     async def _log_handshake_failures(self, mon: zmq.asyncio.Socket, where: str) -> None:
         from zmq.utils.monitor import parse_monitor_message
@@ -574,51 +517,24 @@ class Transport:
         return self.ensure_tcp(route_ip(split_tcp(peer)[0]))
 
     # ---------------------------------------------------------------- sending
-    def send(self, addr: str, frames: list[Any], droppable: bool = False, via: fastpath.Receiver | None = None) -> bool:
+    def send(self, addr: str, frames: list[Any], droppable: bool = False) -> bool:
         """Send ``frames`` to the inbox at ``addr``: directly to a process of this host from any
         thread but the I/O thread, else queued on zmq (which never blocks on the network).
 
         A peer's zmq queue holds at most ``send_hwm`` messages. When it is full, a ``droppable``
         message (a log line) is not sent and False returned; any other waits up to
         ``send_timeout`` for room (the I/O thread, which must keep answering, at most a second)
-        and then raises :class:`ConnectError`: nothing but log lines is ever dropped silently.
-
-        ``via``: the direct connection a request came on; its reply goes back on it when
-        ``addr`` is the requester's own inbox (so a caller blocked on it reads it itself)."""
-        if via is not None and via.peer == addr and threading.get_ident() != self.io_ident:
-            try:
-                via.reply(frames)
-                return True
-            except OSError as e:
-                # the requesting thread's connection is gone; its process may not be
-                logger.debug("reply on the request's connection failed (%s); sent the usual way", e)
+        and then raises :class:`ConnectError`: nothing but log lines is ever dropped silently."""
         if addr[0] == "i" and self.cfg.direct_ipc and threading.get_ident() != self.io_ident:
             conn = self._direct(addr)
             if conn is not None:
-                tls = self._tls
-                claim = False
-                if tls.__dict__.pop("claim", False) and conn.rx is not None:
-                    if conn.paused or conn.busy:
-                        # an earlier call is not waited for yet: many outstanding, whose
-                        # replies take the usual way (until a wait on this connection)
-                        conn.busy = True
-                        conn.resume()
-                    else:
-                        # its reply comes back here, where the I/O thread's watch is paused
-                        # before the write: a reply that comes while this thread is still on
-                        # its way to wait for it does not wake the I/O thread
-                        conn.pause()
-                        claim = True
-                elif conn.paused:
-                    conn.resume()  # something else first: the I/O thread reads what comes
                 try:
-                    conn.send(frames, claim)
+                    conn.send(frames)
                 except OSError as e:
                     # the peer went away: like zmq, the message is lost with it (supervision
                     # reports the peer); this thread's later messages to it take zmq
                     logger.debug("direct send to %s failed (%s); dropped", addr, e)
-                    tls.direct[addr] = None
-                tls.last = conn
+                    self._tls.direct[addr] = None
                 return True
         ob: _Outboxes | None = getattr(self._tls, "out", None)
         if ob is None:
@@ -732,50 +648,19 @@ class Transport:
             return conns[addr]
         except KeyError:
             pass
-        reps = self._replies
         try:
-            conn: fastpath.Sender | None = fastpath.Sender(fastpath.path_for(addr), self.ipc_addr if reps is not None else "")
+            conn: fastpath.Sender | None = fastpath.Sender(fastpath.path_for(addr))
         except OSError:
             conn = None  # a peer without a direct socket (or gone): zmq from this thread on
         conns[addr] = conn
         if conn is not None:
             with self._lock:
                 self.fast_out.add(conn)
-            if reps is not None:
-                rx = fastpath.Receiver(conn.sock, self._dispatch_back, self.cfg.max_message_bytes, self.label, accepted=False)
-                self._reply_conns[conn.sock.fileno()] = weakref.ref(conn)
-                conn.watch(reps, rx)
-        return conn
-
-    def resume_stale(self, now: float, after: float) -> None:
-        """Watch again the connections paused for a call whose future nobody has used for
-        ``after`` seconds (dropped unread): their replies are read, their ports closed."""
-        for ref in list(self._reply_conns.values()):
-            conn = ref()
-            if conn is not None and conn.paused and now - conn.paused > after and not conn.rlock.locked():
-                conn.resume()
-
-    def expect_reply(self) -> None:
-        """This thread's next message is a call whose one reply it will most likely wait for:
-        if it goes on a direct connection, the I/O thread's watch of it is paused first, so
-        that reply waits for this thread to read it (``fastpath.Sender.read_until``)."""
-        tls = self._tls
-        tls.claim = True
-        tls.last = None
-
-    def sent_on(self) -> fastpath.Sender | None:
-        """The direct connection this thread's last message went on (None: another way), forgotten here."""
-        tls = self._tls
-        tls.claim = False
-        conn: fastpath.Sender | None = getattr(tls, "last", None)
-        tls.last = None
         return conn
 
     # ---------------------------------------------------------------- closing
     def close_inboxes(self) -> None:
         """Stop reading (on the loop's thread)."""
-        if self._replies is not None:
-            self.loop.remove_reader(self._replies.fileno())
         for s in self._inboxes:
             self.loop.remove_reader(s.FD)
             # a TCP inbox's monitor socket left open would hold ctx.term() forever
@@ -788,8 +673,6 @@ class Transport:
         """Close every connection; queued outgoing messages get a moment to leave."""
         for conn in list(self.fast_out):
             conn.close()
-        if self._replies is not None:
-            self._replies.close()
         for rx in self.fast_in:
             rx.sock.close()
         if self._fast_listener is not None:

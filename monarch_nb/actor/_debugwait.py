@@ -130,20 +130,14 @@ def wait(fut: Future[Any], timeout: float | None) -> bool:
     deadline = None if timeout is None else time.monotonic() + timeout
     # woken by the future's completion or by a debug session of ours opening
     woken = _Wake()
-    fut._on_done(woken.set)
-    conn = fut._via[0] if fut._via is not None else None
-    via = conn if conn is not None and conn.calls == fut._via[1] else None  # type: ignore[index]
+    fut.add_done_callback(woken.set)
     with _lock:
         _waiters.add(woken)
     try:
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not _unseen:
-                if via is None or fut._state != _PENDING or fut._read_reply(via, left, _any_unseen) is None:
-                    via = None
-                    if conn is not None:
-                        conn.resume()  # the I/O thread reads the reply
-                    woken.wait(left)
+                woken.wait(left)
             if fut._state != _PENDING:
                 return True
             if _unseen:
@@ -177,10 +171,6 @@ class _Wake:
 
     def wait(self, timeout: float | None) -> bool:
         return self._lock.acquire(True, -1 if timeout is None else timeout)
-
-
-def _any_unseen() -> bool:
-    return bool(_unseen)
 
 
 def awaits_here() -> bool:

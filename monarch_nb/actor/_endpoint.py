@@ -6,7 +6,6 @@ import functools
 import inspect
 import itertools
 import threading
-from asyncio.events import _get_running_loop
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
@@ -466,24 +465,12 @@ def gather(
             err = endpoint._mesh._dead_proc_error(endpoint._name, index, err)
         arrive(index, err, True, gone=True)
 
-    # any thread: a caller blocked on the reply may read it itself (fastpath.Sender.read_until)
-    replies = ReplyPort(rt, on_reply, any_thread=True)
-    # a caller in a coroutine awaits its future: the I/O thread reads that reply
-    claim = n == 1 and _get_running_loop() is None
-    if claim:
-        rt.transport.expect_reply()
+    replies = ReplyPort(rt, on_reply)
     try:
         send(replies, on_fail)
     except BaseException:
         replies.close()
-        if claim:
-            rt.transport.sent_on()  # the claim is not left to the thread's next message
         raise
-    if claim and (conn := rt.transport.sent_on()) is not None and conn.paused:
-        # the reply comes back on this thread's connection, paused for it: a wait for it reads
-        # it there if no later call was sent on it (many outstanding are left to the I/O thread)
-        conn.calls += 1
-        fut._via = (conn, conn.calls)
     return fut
 
 

@@ -48,7 +48,6 @@ class Future(Generic[R]):
         "_progress",
         "_unit",
         "_start",
-        "_via",
         "__weakref__",
     )
     _mutex: LockType
@@ -61,9 +60,6 @@ class Future(Generic[R]):
     _progress: tuple[list[int], int] | None
     _unit: str  # unset (read with a default) but where progress counts something other than replies
     _start: Callable[[], None] | None
-    #: (the connection this future's one reply comes back on, the number of its call there): a
-    #: thread blocked on it reads it there
-    _via: tuple[Any, int] | None
 
     def __init__(self, *_: Any, **__: Any) -> None:
         raise TypeError("Future cannot be constructed directly; endpoints and meshes return them")
@@ -83,7 +79,6 @@ class Future(Generic[R]):
         f._progress = None
         #: work that begins only once the future is first read or awaited (``PortReceiver.recv``)
         f._start = None
-        f._via = None
         return f
 
     @classmethod
@@ -124,8 +119,6 @@ class Future(Generic[R]):
     def done(self) -> bool:
         if self._start is not None:
             self._kick()
-        if self._via is not None and self._state == _PENDING:
-            self._via[0].resume()  # polled, not waited for: the I/O thread reads the reply
         return self._state != _PENDING
 
     @property
@@ -156,11 +149,6 @@ class Future(Generic[R]):
         return out
 
     def add_done_callback(self, fn: Callable[[Future[R]], object]) -> None:
-        if self._via is not None and self._state == _PENDING:
-            self._via[0].resume()  # awaited or chained, not read by a blocked thread
-        self._on_done(fn)
-
-    def _on_done(self, fn: Callable[[Future[R]], object]) -> None:
         if self._start is not None:
             self._kick()
         with self._mutex:
@@ -192,15 +180,7 @@ class Future(Generic[R]):
         raise err
 
     def _wait_plain(self, timeout: float | None) -> bool:
-        """Block until done (True) or ``timeout`` passes (False): one acquire of the done lock,
-        or, when the reply comes back on a connection of ours, reading it there."""
-        via = self._via
-        if via is not None and self._state == _PENDING:
-            if via[0].calls == via[1]:  # no later call on the connection: read it here
-                ok = self._read_reply(via[0], timeout, None)
-                if ok is not None:
-                    return ok
-            via[0].resume()  # the I/O thread reads it
+        """Block until done (True) or ``timeout`` passes (False): one acquire of the done lock."""
         done = self._done
         if timeout is None:
             ok = done.acquire()
@@ -210,13 +190,6 @@ class Future(Generic[R]):
             ok = done.acquire(True, timeout)
         if ok:
             done.release()  # pass the wake-up on to any other waiter
-        return ok
-
-    def _read_reply(self, via: Any, timeout: float | None, stop: Callable[[], bool] | None) -> bool | None:
-        """Read replies on ``via`` on this thread until this future is done (True), ``timeout``
-        passes (False) or ``stop()``; None: it cannot be read here, wait the plain way. The I/O
-        thread would read it and wake this one: one thread wake-up fewer per call."""
-        ok: bool | None = via.read_until(lambda: self._state != _PENDING, timeout, stop)
         return ok
 
     def get(self, timeout: float | None = None) -> R:

@@ -91,8 +91,7 @@ class ActorSlot:
 
     # -- mailbox (called on the I/O thread)
     def deliver(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
-        # the connection it came on: the reply goes back there when it is the caller's own
-        self._put(("call", meta, body, buffers, self.rt.transport.arrived_on))
+        self._put(("call", meta, body, buffers))
 
     def _put(self, item: Any) -> None:
         if self.is_async:
@@ -509,9 +508,9 @@ class ActorSlot:
             p = self._points[key] = Point(index, Extent(*ext)) if ext[0] or ext[1] else Point(0, Extent([], []))
         return p
 
-    def _reply(self, raddr: str, rport: int, index: int, status: int, value: Any, via: Any = None) -> None:
+    def _reply(self, raddr: str, rport: int, index: int, status: int, value: Any) -> None:
         if raddr:
-            self.rt.send_port(raddr, rport, index, status, value, via)
+            self.rt.send_port(raddr, rport, index, status, value)
         elif status == wire.ERROR:
             # nobody is waiting: leave the failure in this proc's log where %mesh logs finds it
             print(f"monarch_nb: unobserved error in {self.name}: {value}", file=sys.stderr, flush=True)
@@ -544,7 +543,7 @@ class ActorSlot:
         self.busy = ""
         _context._message_rank.reset(tok)
 
-    def _call_sync(self, meta: tuple[Any, ...], body: Any, buffers: list[Any], via: Any = None) -> None:
+    def _call_sync(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
         prep = self._prepare(meta, body, buffers)
         if prep is None:
             return
@@ -579,9 +578,9 @@ class ActorSlot:
             # aborted in an endpoint with an explicit port: a caller it never answered hears of
             # the failure, as in Monarch (an answered one ignores the late error)
             raise _Aborted(self.abort_reason, _caller(meta))
-        self._reply(raddr, rport, index, status, result, via)
+        self._reply(raddr, rport, index, status, result)
 
-    async def _call_async(self, meta: tuple[Any, ...], body: Any, buffers: list[Any], via: Any = None) -> None:
+    async def _call_async(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
         prep = self._prepare(meta, body, buffers)
         if prep is None:
             return
@@ -620,7 +619,7 @@ class ActorSlot:
         if self.stopping:
             self._refuse(("call", meta))
             return
-        self._reply(raddr, rport, index, status, result, via)
+        self._reply(raddr, rport, index, status, result)
 
     async def _fail_async(self, f: _ActorFailed) -> None:
         if self.failed is not None:
