@@ -432,6 +432,7 @@ class Big(Actor):
     def big(self) -> None:
         print("BIG<" + "x" * (10 << 20) + ">")
         print("after")
+        print("\u00e9" * (1 << 20))  # huge and not ASCII: decoded on the way
 hosts = attach_to_workers(workers=[{allocator.addr!r}], ca="trust_all_connections")
 pm = hosts.spawn_procs(per_host={{"gpus": 1}}, name="bigline")
 pm.spawn("b", Big).big.call_one().get(timeout=30)
@@ -440,6 +441,7 @@ pm.stop().get(timeout=20)
     r = run_script(code, env={"MONARCH_NB_RUNTIME_DIR": allocator.rdir})
     lines = r.stdout.splitlines()
     assert lines.count("[0] BIG<" + "x" * (10 << 20) + ">") == 1 and lines.count("[0] after") == 1, r.stderr[-2000:]
+    assert lines.count("[0] " + "\u00e9" * (1 << 20)) == 1
 
 
 def test_worker_addresses_in_monarchs_forms() -> None:

@@ -36,7 +36,7 @@ from . import records, shm
 from .codecache import CodeCache
 from .debugreg import DebugRegistry
 from .hostenv import HostEnv
-from .logcapture import LogLine, rank_log_path, read_log
+from .logcapture import LogLine, line_text, rank_log_path, read_log
 from .procs import MeshRec, ProcRec, Procs, kill
 from .runtime import NO_REPLY, Runtime, pid_alive, system_method
 from .telemetry import Telemetry
@@ -392,7 +392,7 @@ class Allocator(DebugRegistry):
             tail = ""
             for rec in mesh.procs:
                 if rec.log is not None and rec.state == "failed":
-                    tail = "\n".join(ln[4] for ln in rec.log.tail[-20:])
+                    tail = "\n".join(line_text(ln[4]) for ln in rec.log.tail[-20:])
                     break
             if isinstance(e, SpawnError):
                 raise SpawnError(str(e), tail) from None

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._wire._rawbuf import to_bytes
+
 MARK_PREFIX = b"\x1b]mnb;call="
 MARK_END = b"\x07"
 _MARK = re.compile(rb"\x1b\]mnb;call=([^\x07]*)\x07")
@@ -36,8 +38,17 @@ _MARK = re.compile(rb"\x1b\]mnb;call=([^\x07]*)\x07")
 #: characters in one batch of lines from which it reaches subscribers before the log file
 BIG_WRITE = 1 << 20
 
-#: (rank, stream, ts, call_id, line)
-LogLine = tuple[int, str, float, str, str]
+#: (rank, stream, ts, call_id, line); a huge line (:data:`HUGE_LINE` or more, read in a megabyte
+#: or more at once) stays ``bytes``, UTF-8 as the proc wrote it, decoded only where it is shown
+LogLine = tuple[int, str, float, str, str | bytes]
+
+#: a line this long, read in one megabyte or more, is passed on as the proc's bytes
+HUGE_LINE = 1 << 16
+
+
+def line_text(line: str | bytes) -> str:
+    """A log line's text (a huge one is still the proc's bytes)."""
+    return line if isinstance(line, str) else _decode(line)
 
 
 def marker(call_id: str) -> bytes:
@@ -309,8 +320,11 @@ class ProcLog:
                 self._call[stream] = buf[p + len(MARK_PREFIX) : q].decode("ascii", "replace")
                 pos = q + 1
             if pos < end or pos == start:
+                text: str | bytes
                 if buf.find(b"\r", pos, end) >= 0:
                     text = _decode(_final(buf[pos:end]))
+                elif end - pos >= HUGE_LINE:
+                    text = to_bytes(mv[pos:end])  # one copy (huge pages), no decoding here
                 else:
                     text = str(mv[pos:end], "utf-8", "replace")
                 out.append((self.rank, stream, now, self._call[stream], text))
@@ -416,21 +430,22 @@ def _records(lines: list[LogLine], texts: list[str] | None) -> list[bytes]:
             i = len(texts)
     for rank, stream, ts, call, line in lines[i:] if i else lines:
         head = f'{{"ts": {ts!r}, "rank": {rank}, "stream": "{stream}", "call": {enc(call)}, "line": '
-        if len(line) >= _HUGE and line.isascii() and not (raw := line.encode("ascii")).translate(None, _JSON_PLAIN):
+        raw = line if isinstance(line, bytes) else None
+        if isinstance(line, str) and len(line) >= HUGE_LINE and line.isascii():
+            raw = line.encode("ascii")
+        if raw is not None and not raw.translate(None, _JSON_PLAIN):
             # megabytes that JSON leaves as they are (the usual huge line): not escaped, not copied
             if small:
                 parts.append("".join(small).encode("ascii"))
                 small = []
             parts += [(head + '"').encode("ascii"), raw, b'"}\n']
         else:
-            small.append(head + enc(line) + "}\n")
+            small.append(head + enc(line_text(line)) + "}\n")
     if small:
         parts.append("".join(small).encode("ascii"))
     return parts
 
 
-#: a line this long is checked for characters JSON escapes before it is escaped
-_HUGE = 1 << 16
 #: the bytes JSON (``ensure_ascii``) writes as they are
 _JSON_PLAIN = bytes(c for c in range(0x20, 0x7F) if c not in b'"\\')
 

@@ -26,7 +26,7 @@ from typing import Any
 from ..config import Config
 from ..errors import SpawnError
 from . import shm, zygote
-from .logcapture import LogLine, ProcLog
+from .logcapture import LogLine, ProcLog, line_text
 from .runtime import Runtime
 from .transport import Security
 
@@ -192,7 +192,7 @@ class Procs:
         else:
             rec.state = "failed"
             if rec.log is not None:
-                last = [ln[4] for ln in rec.log.tail if ln[1] == "stderr" and ln[4].strip()][-3:]
+                last = [t for ln in rec.log.tail if ln[1] == "stderr" and (t := line_text(ln[4])).strip()][-3:]
                 if last:
                     cause += "; last output: " + " | ".join(last)
         rec.cause = cause
