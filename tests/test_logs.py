@@ -302,3 +302,12 @@ def test_the_log_file_keeps_its_format_whatever_the_lines_hold(tmp_path) -> None
     assert [row[4] for row in got][:3] == texts[:3]
     assert [row[4] for row in got][3 : 3 + len(texts)] == [t.replace("\udcff", "\ufffd") for t in texts]
     assert {row[3] for row in got[:3]} == {"c9"}
+
+
+def test_a_progress_bar_read_without_a_newline_is_its_current_state_not_a_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    got: list[tuple[int, str, float, str, str]] = []
+    log = ProcLog(str(tmp_path / "r.jsonl"), 0, got.extend)
+    log.feed("stdout", b"bar 10%\rbar 20%")
+    log.feed("stdout", b"\rbar 30%\n")
+    log.close()
+    assert [ln for _, _, _, _, ln in got] == ["\rbar 20%", "bar 30%"]

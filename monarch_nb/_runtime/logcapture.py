@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._wire._rawbuf import to_bytes
+from .._wire._rawbuf import join, to_bytes
 
 MARK_PREFIX = b"\x1b]mnb;call="
 MARK_END = b"\x07"
@@ -249,6 +249,8 @@ class ProcLog:
             self._more[stream].append(data)
             return
         more = self._more[stream]
+        if more and self._whole_line(stream, data):
+            return
         if more:
             buf = b"".join([self._partial[stream], *more, data])
             more.clear()
@@ -263,7 +265,9 @@ class ProcLog:
         else:
             end = buf.rfind(b"\n")
             rest = self._partial[stream] = buf[end + 1 :]
-            if buf.find(MARK_PREFIX, 0, end) >= 0:
+            if end < 0:
+                out = []  # only a carriage return: a progress bar's state, below
+            elif buf.find(MARK_PREFIX, 0, end) >= 0:
                 out = []
                 for raw in buf[:end].split(b"\n"):
                     out.extend(self._split(stream, raw, now))
@@ -294,6 +298,24 @@ class ProcLog:
             self._write(out, len(buf), texts)
         if ended and self._on_call_end is not None:
             self._on_call_end()
+
+    def _whole_line(self, stream: str, data: bytes) -> bool:
+        """A huge line ending in ``data``, with no marker and no carriage return: its pieces
+        are joined into the line itself (one copy, not a buffer and then the line); False if
+        this is not that line."""
+        nl = data.find(b"\n")
+        head = [self._partial[stream], *self._more[stream]]
+        if nl < 0 or sum(map(len, head)) + nl < HUGE_LINE:
+            return False
+        if any(b"\x1b" in p or b"\r" in p for p in head) or data.find(b"\x1b", 0, nl) >= 0 or data.find(b"\r", 0, nl) >= 0:
+            return False
+        line = join([*head, memoryview(data)[:nl]])
+        self._more[stream].clear()
+        self._partial[stream] = b""
+        self._write([(self.rank, stream, time.time(), self._call[stream], line)], len(line))
+        if nl + 1 < len(data):
+            self.feed(stream, data[nl + 1 :])
+        return True
 
     def _lead_marks(self, stream: str, data: bytes) -> tuple[bytes, bool]:
         """Take the whole markers at the start of ``data`` (the start of a line): the rest, and

@@ -112,3 +112,18 @@ def to_bytes(buf: Any) -> bytes:
         advise_huge(dst, n)
         copy(dst, src, n)
     return out
+
+
+def join(parts: list[Any]) -> bytes:
+    """``b"".join(parts)``, into huge pages when large (as :func:`to_bytes`)."""
+    n = sum(memoryview(p).nbytes for p in parts)
+    if _API is None or n < MIN_BYTES or not all(memoryview(p).c_contiguous for p in parts):
+        return b"".join(parts)
+    out: bytes = _API[0](None, n)
+    dst = id(out) + _API[4]
+    advise_huge(dst, n)
+    for p in parts:
+        with pinned(p) as (src, m):
+            copy(dst, src, m)
+            dst += m
+    return out
