@@ -311,3 +311,15 @@ def test_a_progress_bar_read_without_a_newline_is_its_current_state_not_a_line(t
     log.feed("stdout", b"\rbar 30%\n")
     log.close()
     assert [ln for _, _, _, _, ln in got] == ["\rbar 20%", "bar 30%"]
+
+
+def test_a_script_shows_a_batch_of_one_rank_as_it_shows_its_lines_one_by_one() -> None:
+    from monarch_nb.actor._client import _one_rank_text
+
+    lines = [(3, "stdout", 1.0, "c", t) for t in ["a", "", "d\u00e9j\u00e0", "x" * 5000, *map(str, range(20))]]
+    assert _one_rank_text(lines) == "".join(f"[3] {t}\n" for *_, t in lines)
+    # anything else takes the line-by-line way
+    assert _one_rank_text(lines + [(4, "stdout", 1.0, "c", "other rank")]) is None
+    assert _one_rank_text(lines + [(3, "stderr", 1.0, "c", "other stream")]) is None
+    assert _one_rank_text(lines + [(3, "stdout", 1.0, "c", "\rprogress")]) is None
+    assert _one_rank_text(lines + [(3, "stdout", 1.0, "c", b"huge")]) is None

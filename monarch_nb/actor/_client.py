@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import operator
 import os
 import sys
 import threading
@@ -258,6 +259,16 @@ class Client:
         if self.log_writer is not None:
             self.log_writer(mesh, lines)
             return
+        text = _one_rank_text(lines)
+        if text is not None:
+            try:
+                if lines[0][1] == "stderr":
+                    _write_lines(sys.stderr, sys.__stderr__, [text])
+                else:
+                    _write_lines(sys.stdout, sys.__stdout__, [text])
+            except Exception:
+                pass
+            return
         out: list[str | bytes]
         err: list[str | bytes]
         out, err = [], []
@@ -335,6 +346,30 @@ class Client:
 
 #: a line this long is written on its own, not joined with the others (one copy fewer of it)
 _BIG_LINE = 1 << 16
+
+
+_LINE = operator.itemgetter(4)
+_RANK = operator.itemgetter(0)
+_STREAM = operator.itemgetter(1)
+
+
+def _one_rank_text(lines: list[Any]) -> str | None:
+    """What a plain stream shows of a batch of one rank's lines of one stream, built in C (a
+    flood's batch is hundreds of lines); None for any other batch (several ranks or streams,
+    a progress bar's state, a huge line)."""
+    if len(lines) < 8:
+        return None
+    try:
+        joined = "\n".join(map(_LINE, lines))
+    except TypeError:  # a huge line, still bytes
+        return None
+    if len(joined) >= _BIG_LINE * 4 or "\r" in joined:
+        return None
+    ranks = set(map(_RANK, lines))
+    if len(ranks) != 1 or len(set(map(_STREAM, lines))) != 1:
+        return None
+    prefix = f"[{ranks.pop()}] "
+    return prefix + joined.replace("\n", "\n" + prefix) + "\n"
 
 
 def _write_lines(stream: Any, original: Any, parts: list[str | bytes], big: bool = False) -> None:
