@@ -319,7 +319,7 @@ def test_a_script_shows_a_batch_of_one_rank_as_it_shows_its_lines_one_by_one() -
     lines = [(3, "stdout", 1.0, "c", t) for t in ["a", "", "d\u00e9j\u00e0", "x" * 5000, *map(str, range(20))]]
     assert _one_rank_text(lines) == "".join(f"[3] {t}\n" for *_, t in lines)
     # anything else takes the line-by-line way
-    assert _one_rank_text(lines + [(4, "stdout", 1.0, "c", "other rank")]) is None
-    assert _one_rank_text(lines + [(3, "stderr", 1.0, "c", "other stream")]) is None
-    assert _one_rank_text(lines + [(3, "stdout", 1.0, "c", "\rprogress")]) is None
-    assert _one_rank_text(lines + [(3, "stdout", 1.0, "c", b"huge")]) is None
+    assert _one_rank_text([*lines, (4, "stdout", 1.0, "c", "other rank")]) is None
+    assert _one_rank_text([*lines, (3, "stderr", 1.0, "c", "other stream")]) is None
+    assert _one_rank_text([*lines, (3, "stdout", 1.0, "c", "\rprogress")]) is None
+    assert _one_rank_text([*lines, (3, "stdout", 1.0, "c", b"huge")]) is None
