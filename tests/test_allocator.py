@@ -432,6 +432,7 @@ class Big(Actor):
     def big(self) -> None:
         print("BIG<" + "x" * (10 << 20) + ">")
         print("after")
+        print("\u00e9" * (1 << 20))  # huge and not ASCII: decoded on the way
 hosts = attach_to_workers(workers=[{allocator.addr!r}], ca="trust_all_connections")
 pm = hosts.spawn_procs(per_host={{"gpus": 1}}, name="bigline")
 pm.spawn("b", Big).big.call_one().get(timeout=30)
@@ -440,6 +441,7 @@ pm.stop().get(timeout=20)
     r = run_script(code, env={"MONARCH_NB_RUNTIME_DIR": allocator.rdir})
     lines = r.stdout.splitlines()
     assert lines.count("[0] BIG<" + "x" * (10 << 20) + ">") == 1 and lines.count("[0] after") == 1, r.stderr[-2000:]
+    assert lines.count("[0] " + "\u00e9" * (1 << 20)) == 1
 
 
 def test_worker_addresses_in_monarchs_forms() -> None:
@@ -638,3 +640,34 @@ attach_to_workers(workers=[{a2.addr!r}], ca="trust_all_connections").spawn_procs
     finally:
         a1.stop()
         a2.stop()
+
+
+def test_the_end_of_a_call_sends_its_burst_of_output_without_waiting_for_a_batch() -> None:
+    # batches every 5 s: the lines printed after a burst's first would wait that long, but the
+    # end of the call that printed them tells the allocator that the burst is over
+    a = AllocatorProc("", env={"MONARCH_NB_LOG_FLUSH_INTERVAL": "5"})
+    try:
+        code = f"""
+import time
+from monarch_nb.actor import Actor, endpoint, attach_to_workers
+class Burst(Actor):
+    @endpoint
+    def burst(self) -> None:
+        for i in range(2000):
+            print(f"burst {{i}}")
+hosts = attach_to_workers(workers=[{a.addr!r}], ca="trust_all_connections")
+pm = hosts.spawn_procs(per_host={{"gpus": 1}}, name="burst")
+b = pm.spawn("b", Burst)
+time.sleep(0.1)  # the spawn's own output, if any, is not this burst
+b.burst.call_one().get(timeout=30)
+time.sleep(1.5)
+print("END", flush=True)
+pm.stop().get(timeout=20)
+"""
+        r = run_script(code, env={"MONARCH_NB_RUNTIME_DIR": a.rdir})
+        lines = r.stdout.splitlines()
+        assert "END" in lines, r.stderr[-2000:]
+        before = lines[: lines.index("END")]
+        assert before == [f"[0] burst {i}" for i in range(2000)], (len(before), r.stderr[-2000:])
+    finally:
+        a.stop()

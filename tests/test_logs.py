@@ -15,7 +15,7 @@ import pytest
 from conftest import wait_for
 
 from monarch_nb._ranks import format_ranks, parse_ranks
-from monarch_nb._runtime.logcapture import ProcLog, TaggedStream, _Flusher, marker, set_call
+from monarch_nb._runtime.logcapture import ProcLog, TaggedStream, _Flusher, line_text, marker, set_call
 from monarch_nb.logs import Aggregator
 
 
@@ -106,7 +106,8 @@ def test_a_huge_line_is_split_in_linear_time_and_kept_whole(tmp_path) -> None:  
     _feed(log, marker("c1") + b"before\n" + big.encode() + b"\nafter\rstep 1\rstep 2")
     # joining the pieces at every read took 2.8 s for these 20 MiB (0.1 s now)
     assert time.perf_counter() - t0 < 1.0
-    assert [(r, c, ln) for r, _, _, c, ln in got] == [(3, "c1", "before"), (3, "c1", big), (3, "c1", "\rstep 2")]
+    # the huge line stays the proc's bytes until it is shown
+    assert [(r, c, ln) for r, _, _, c, ln in got] == [(3, "c1", "before"), (3, "c1", big.encode()), (3, "c1", "\rstep 2")]
     log.feed("stdout", b"\n")
     log.close()
     rows = [json.loads(x) for x in (tmp_path / "rank-3.jsonl").read_text().splitlines()]
@@ -120,7 +121,7 @@ def test_a_huge_line_reaches_subscribers_before_the_log_file_and_the_file_keeps_
         on_disk_at_emit: list[tuple[str, int]] = []
 
         def emit(lines: list[tuple[int, str, float, str, str]]) -> None:
-            on_disk_at_emit.append((lines[0][4][:7], len(path.read_text().splitlines())))
+            on_disk_at_emit.append((line_text(lines[0][4][:7]), len(path.read_text().splitlines())))
 
         log = ProcLog(str(path), 0, emit)
         _feed(log, b"small 1\n" + b"z" * (2 << 20) + b"\nsmall 2\n")
@@ -202,6 +203,43 @@ def test_a_burst_of_prints_is_coalesced_into_few_writes_and_a_lone_line_still_go
         set_call("")
 
 
+def test_a_call_that_changes_in_a_burst_gets_its_marker_and_a_calls_end_marks_the_burst_over() -> None:
+    pipe, s = _coalescing()
+    s._mnb_flushed = time.monotonic() + 3600  # as if it had just written: the lines below are a burst
+    set_call("c1")
+    try:
+        for i in range(3):
+            print(f"a {i}", file=s)
+        set_call("c2")  # the next call, in the middle of the burst
+        for i in range(3):
+            print(f"b {i}", file=s)
+        n = len(pipe.writes)
+        s.end_call()
+        # what was left and the marker of no call, in one write
+        assert len(pipe.writes) == n + 1 and pipe.writes[-1].endswith(b"b 2\n" + marker(""))
+        text = b"".join(pipe.writes)
+        assert text == marker("c1") + b"a 0\na 1\na 2\n" + marker("c2") + b"b 0\nb 1\nb 2\n" + marker("")
+        s.end_call()  # a call that printed nothing: no write
+        assert len(pipe.writes) == n + 1
+    finally:
+        set_call("")
+
+
+def test_the_allocator_learns_that_a_burst_ended_from_the_proc_s_marker(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ends: list[int] = []
+    got: list[tuple[int, str, float, str, str]] = []
+    log = ProcLog(str(tmp_path / "r.jsonl"), 0, got.extend, on_call_end=lambda: ends.append(len(got)))
+    log.feed("stdout", marker("c1") + b"x\ny\n")
+    assert ends == []
+    log.feed("stdout", b"z\n" + marker(""))  # the end of a call after its last line
+    assert ends == [3]
+    log.feed("stdout", marker("c2") + b"w\n")
+    log.feed("stdout", marker(""))  # on its own, after the text went out
+    assert ends == [3, 4]
+    log.close()
+    assert [(c, ln) for _, _, _, c, ln in got] == [("c1", "x"), ("c1", "y"), ("c1", "z"), ("c2", "w")]
+
+
 def test_a_forked_child_of_a_proc_still_gets_its_lines_flushed() -> None:
     r, w = os.pipe()
     s = TaggedStream(open(w, "wb", closefd=False), encoding="utf-8", line_buffering=False)
@@ -231,3 +269,57 @@ def test_a_forked_child_of_a_proc_still_gets_its_lines_flushed() -> None:
         os.waitpid(pid, 0)
         os.close(r)
         os.close(w)
+
+
+def _record(ts: float, rank: int, stream: str, call: str, line: str) -> str:
+    # the log file's format as every version wrote it, one line at a time
+    enc = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+    return f'{{"ts": {ts!r}, "rank": {rank}, "stream": "{stream}", "call": {enc(call)}, "line": {enc(line)}}}\n'
+
+
+def test_the_log_file_keeps_its_format_whatever_the_lines_hold(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    texts = [
+        "plain",
+        "",
+        'quo"te',
+        "back\\slash then n: \\n",
+        "tab\there, bell \x07, del \x7f",
+        "d\u00e9j\u00e0 vu \u2603 \U0001f600",
+        "bad utf-8: \udcff",
+    ]
+    got: list[tuple[int, str, float, str, str]] = []
+    log = ProcLog(str(tmp_path / "rank-2.jsonl"), 2, got.extend)
+    # a flood's chunk with no backslash, one with, a progress bar, and huge lines JSON keeps
+    # as they are and does not
+    log.feed("stdout", marker("c9") + b"".join(t.encode("utf-8", "surrogateescape") + b"\n" for t in texts[:3]))
+    log.feed("stdout", b"".join(t.encode("utf-8", "surrogateescape") + b"\n" for t in texts))
+    log.feed("stdout", b"one\ntwo\nbar 10%\rbar 20%\n" + marker("") + b"x\rpartial")
+    log.feed("stderr", b"y" * (3 << 20) + b"\n" + b'z"' * (1 << 19) + b"\n")
+    log.feed("stderr", b"a" * (70 << 10) + b"\nb\n")
+    log.close()
+    want = "".join(_record(ts, rank, stream, call, line_text(line)) for rank, stream, ts, call, line in got)
+    assert (tmp_path / "rank-2.jsonl").read_bytes() == want.encode("ascii")
+    assert [row[4] for row in got][:3] == texts[:3]
+    assert [row[4] for row in got][3 : 3 + len(texts)] == [t.replace("\udcff", "\ufffd") for t in texts]
+    assert {row[3] for row in got[:3]} == {"c9"}
+
+
+def test_a_progress_bar_read_without_a_newline_is_its_current_state_not_a_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    got: list[tuple[int, str, float, str, str]] = []
+    log = ProcLog(str(tmp_path / "r.jsonl"), 0, got.extend)
+    log.feed("stdout", b"bar 10%\rbar 20%")
+    log.feed("stdout", b"\rbar 30%\n")
+    log.close()
+    assert [ln for _, _, _, _, ln in got] == ["\rbar 20%", "bar 30%"]
+
+
+def test_a_script_shows_a_batch_of_one_rank_as_it_shows_its_lines_one_by_one() -> None:
+    from monarch_nb.actor._client import _one_rank_text
+
+    lines = [(3, "stdout", 1.0, "c", t) for t in ["a", "", "d\u00e9j\u00e0", "x" * 5000, *map(str, range(20))]]
+    assert _one_rank_text(lines) == "".join(f"[3] {t}\n" for *_, t in lines)
+    # anything else takes the line-by-line way
+    assert _one_rank_text([*lines, (4, "stdout", 1.0, "c", "other rank")]) is None
+    assert _one_rank_text([*lines, (3, "stderr", 1.0, "c", "other stream")]) is None
+    assert _one_rank_text([*lines, (3, "stdout", 1.0, "c", "\rprogress")]) is None
+    assert _one_rank_text([*lines, (3, "stdout", 1.0, "c", b"huge")]) is None

@@ -11,8 +11,11 @@ paused debug sessions :mod:`.debugreg`'s.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import logging
 import math
+import operator
 import os
 import pickle
 import re
@@ -33,7 +36,7 @@ from . import records, shm
 from .codecache import CodeCache
 from .debugreg import DebugRegistry
 from .hostenv import HostEnv
-from .logcapture import LogLine, rank_log_path, read_log
+from .logcapture import LogLine, line_text, rank_log_path, read_log
 from .procs import MeshRec, ProcRec, Procs, kill
 from .runtime import NO_REPLY, Runtime, pid_alive, system_method
 from .telemetry import Telemetry
@@ -64,7 +67,9 @@ class Allocator(DebugRegistry):
         self.security = security
         self.runtime_dir = runtime_dir
         self.meshes: dict[str, MeshRec] = {}
-        self.procs = Procs(self.rt, cfg, security, runtime_dir, on_exit=self._proc_exited, on_lines=self._emit_logs)
+        self.procs = Procs(
+            self.rt, cfg, security, runtime_dir, on_exit=self._proc_exited, on_lines=self._emit_logs, on_call_end=self._logs_now
+        )
         # the procs' indexes, shared (the debug registry and telemetry read them too)
         self.by_pid, self.by_token, self.by_addr = self.procs.by_pid, self.procs.by_token, self.procs.by_addr
         self.env = HostEnv(runtime_dir)
@@ -76,7 +81,7 @@ class Allocator(DebugRegistry):
         self.log_dir = ""
         self.connection_file = ""
         self._pending_logs: dict[tuple[tuple[str, int], str], list[Any]] = {}
-        self._flush_scheduled = False
+        self._flush_timer: asyncio.Handle | None = None
         self._last_log_flush = 0.0
         #: log lines not sent to a subscriber that went silent (still on disk), by its address
         self.dropped_log_lines: dict[str, int] = {}
@@ -159,17 +164,25 @@ class Allocator(DebugRegistry):
             return
         for sub in mesh.log_subs:
             self._pending_logs.setdefault((sub, mesh_name), []).extend(lines)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
+        if self._flush_timer is None:
             # the first lines after a quiet spell go at once; a flood is sent in batches
             wait = self._last_log_flush + self.cfg.log_flush_interval - time.monotonic()
             if wait <= 0:
-                self.rt.loop.call_soon(self._flush_logs)
+                self._flush_timer = self.rt.loop.call_soon(self._flush_logs)
             else:
-                self.rt.loop.call_later(wait, self._flush_logs)
+                self._flush_timer = self.rt.loop.call_later(wait, self._flush_logs)
+
+    def _logs_now(self, mesh_name: str) -> None:
+        """A proc's call that printed ended: the end of its burst waits for no batch."""
+        t = self._flush_timer
+        if isinstance(t, asyncio.TimerHandle):
+            t.cancel()
+            self._flush_timer = self.rt.loop.call_soon(self._flush_logs)
 
     def _flush_logs(self) -> None:
-        self._flush_scheduled = False
+        t, self._flush_timer = self._flush_timer, None
+        if t is not None:
+            t.cancel()  # called directly (flush_logs): the one scheduled has nothing left to do
         self._last_log_flush = time.monotonic()
         pending, self._pending_logs = self._pending_logs, {}
         for ((addr, port), mesh), lines in pending.items():
@@ -185,12 +198,13 @@ class Allocator(DebugRegistry):
         if c is not None and time.monotonic() - c["last_seen"] > max(5.0, 3 * self.cfg.heartbeat_timeout):
             self._drop_logs(addr, len(lines), "is not answering")
             return
-        i, n = 0, len(lines)
+        # where each line ends in the batch's text, counted in C (a flood is thousands of lines)
+        ends = list(itertools.accumulate(map(len, map(_LINE_TEXT, lines))))
+        i, n, base = 0, len(lines), 0
         while i < n:
-            j, size = i, 0
-            while j < n and (j == i or size + len(lines[j][4]) <= LOG_CHUNK_CHARS):
-                size += len(lines[j][4])
-                j += 1
+            # the lines up to LOG_CHUNK_CHARS from here, at least one
+            j = max(i + 1, bisect.bisect_right(ends, base + LOG_CHUNK_CHARS, i))
+            base = ends[j - 1]
             chunk = lines[i:j] if i or j < n else lines
             body, bufs = dumps(("logs", chunk, mesh, self.id))
             frames = self.rt.sender.encode(addr, wire.PORT, (port, 0, wire.ITEM), body, bufs)
@@ -378,7 +392,7 @@ class Allocator(DebugRegistry):
             tail = ""
             for rec in mesh.procs:
                 if rec.log is not None and rec.state == "failed":
-                    tail = "\n".join(ln[4] for ln in rec.log.tail[-20:])
+                    tail = "\n".join(line_text(ln[4]) for ln in rec.log.tail[-20:])
                     break
             if isinstance(e, SpawnError):
                 raise SpawnError(str(e), tail) from None
@@ -734,4 +748,5 @@ _MESH_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 _PONG = dumps(("pong",))
 #: characters of log lines in one message to a subscriber (see ``_send_logs``)
 LOG_CHUNK_CHARS = 8 << 10
+_LINE_TEXT = operator.itemgetter(4)
 _EMPTY_ARGS: tuple[bytes, list[Any]] = pickle.dumps(((), {}), protocol=5), []

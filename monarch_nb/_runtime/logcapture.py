@@ -8,8 +8,9 @@ Every line goes to a JSONL file; subscribers get batches.
 
 The markers are written lazily (:class:`TaggedStream`): a proc's ``sys.stdout``/``sys.stderr``
 put one in front of the first write after the running call changed, through the stream's own
-buffer, so a call that prints nothing costs no syscall and wakes nobody. C-level writes to
-fd 1/2 carry the tag of the last Python write on that stream.
+buffer, so a call that prints nothing costs no syscall and wakes nobody. A call that printed
+ends with the marker of no call behind its last text (the allocator then forwards its burst at
+once). C-level writes to fd 1/2 carry the tag of the last marker on that stream.
 
 A line that starts with ``\r`` is the current state of a line still being redrawn (a progress
 bar), not a finished line.
@@ -28,6 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._wire._rawbuf import join, to_bytes
+
 MARK_PREFIX = b"\x1b]mnb;call="
 MARK_END = b"\x07"
 _MARK = re.compile(rb"\x1b\]mnb;call=([^\x07]*)\x07")
@@ -35,8 +38,17 @@ _MARK = re.compile(rb"\x1b\]mnb;call=([^\x07]*)\x07")
 #: characters in one batch of lines from which it reaches subscribers before the log file
 BIG_WRITE = 1 << 20
 
-#: (rank, stream, ts, call_id, line)
-LogLine = tuple[int, str, float, str, str]
+#: (rank, stream, ts, call_id, line); a huge line (:data:`HUGE_LINE` or more, read in a megabyte
+#: or more at once) stays ``bytes``, UTF-8 as the proc wrote it, decoded only where it is shown
+LogLine = tuple[int, str, float, str, str | bytes]
+
+#: a line this long, read in one megabyte or more, is passed on as the proc's bytes
+HUGE_LINE = 1 << 16
+
+
+def line_text(line: str | bytes) -> str:
+    """A log line's text (a huge one is still the proc's bytes)."""
+    return line if isinstance(line, str) else _decode(line)
 
 
 def marker(call_id: str) -> bytes:
@@ -46,15 +58,25 @@ def marker(call_id: str) -> bytes:
 #: the call this proc is running ("" between calls); stream-global, as the fd-level tags are
 _current_call = [""]
 
+#: this proc's coalescing streams (their fast path ends when the running call changes)
+_fast_streams: list[TaggedStream] = []
+
 
 def set_call(call_id: str) -> None:
     """Tag what is printed from now on with ``call_id`` (markers follow lazily, in-band)."""
     _current_call[0] = call_id
+    for s in _fast_streams:
+        s.__dict__.pop("write", None)  # the next write must see the change and write the marker
 
 
 #: a proc's stdout writes the lines printed this soon after its last write to the pipe
 #: together, up to this much later (one write for a burst of lines, not one per line)
 COALESCE_S = 0.001
+
+_END = marker("")
+_END_TEXT = _END.decode("ascii")
+_text_write = io.TextIOWrapper.write
+_text_flush = io.TextIOWrapper.flush
 
 
 class TaggedStream(io.TextIOWrapper):
@@ -65,6 +87,12 @@ class TaggedStream(io.TextIOWrapper):
     most that long, so 10,000 lines cost a few dozen writes (and allocator wake-ups), not
     10,000. The first write of a call is flushed at once, so output written to the fd by C code
     after it still carries the call's tag; the end of a call flushes what is left.
+
+    Within a burst the writes skip this class's Python ``write``: the instance's ``write``
+    becomes the C one of :class:`io.TextIOWrapper` (what ``print`` looks up on every call)
+    until the flusher's next tick or a change of the running call puts the Python one back.
+    Nothing is decided per write inside that window: the markers (the call cannot change) and
+    the flush (the flusher is armed) are already taken care of.
     """
 
     _mnb_last = ""
@@ -77,45 +105,71 @@ class TaggedStream(io.TextIOWrapper):
         if cid != self._mnb_last:
             self._mnb_last = cid
             # through the same buffer: the marker lands between earlier text and this text
-            super().flush()
+            _text_flush(self)
             self.buffer.write(marker(cid))
             self._mnb_flushed = 0.0
-        n = super().write(s)
+        n = _text_write(self, s)
         if self._mnb_coalesce and ("\n" in s or "\r" in s):
             now = time.monotonic()
             if now - self._mnb_flushed >= COALESCE_S:
                 self._mnb_flushed = now
-                super().flush()
-            elif self._mnb_flusher is not None:
-                self._mnb_flusher.arm()
+                _text_flush(self)
+            elif (fl := self._mnb_flusher) is not None:
+                # a burst: the next lines go straight into the buffer until the flusher's tick
+                self.__dict__["write"] = _text_write.__get__(self)
+                fl.arm()
         return n
+
+    def end_call(self) -> None:
+        """At the end of a call that printed: flush, with the marker of "no call" after its
+        text, which tells the allocator that this burst is over (it forwards it at once)."""
+        self.__dict__.pop("write", None)
+        if self._mnb_last:
+            self._mnb_last = ""
+            if _END_TEXT.encode(self.encoding, "replace") == _END:
+                _text_write(self, _END_TEXT)  # behind the text in the buffer: one write for both
+            else:
+                _text_flush(self)
+                self.buffer.write(_END)
+            self._mnb_flushed = time.monotonic()
+        _text_flush(self)
 
 
 class _Flusher:
     """Flushes a coalescing stream :data:`COALESCE_S` after a line was left in its buffer (a
-    print followed by a long computation must not sit there)."""
+    print followed by a long computation must not sit there), and ends its fast path."""
 
     def __init__(self, stream: TaggedStream) -> None:
         self.stream = stream
+        _fast_streams.append(stream)  # only a stream with a flusher takes the fast path
         self._start()
         # a child forked by user code (a data loader's worker) has the stream but not the thread
-        os.register_at_fork(after_in_child=self._start)
+        os.register_at_fork(after_in_child=self._child)
 
     def _start(self) -> None:
         self.wanted = threading.Event()
         threading.Thread(target=self._run, name="mnb-stdout-flush", daemon=True).start()
+
+    def _child(self) -> None:
+        self._start()
+        self.arm()  # the parent may have forked in a burst, with lines in the buffer
 
     def arm(self) -> None:
         if not self.wanted.is_set():
             self.wanted.set()
 
     def _run(self) -> None:
+        st = self.stream
         while True:
             self.wanted.wait()
             time.sleep(COALESCE_S)
             self.wanted.clear()
+            # first back to the Python write, then flush: a line written in between either
+            # decides for itself or is in the buffer this flush empties
+            st.__dict__.pop("write", None)
+            st._mnb_flushed = time.monotonic()
             try:
-                self.stream.flush()
+                _text_flush(st)
             except (OSError, ValueError):
                 return
 
@@ -135,35 +189,68 @@ def install_tagged_streams() -> None:
         if name == "stdout":
             new._mnb_coalesce = True
             new._mnb_flusher = _Flusher(new)
+        _tagged.append(new)
         setattr(sys, name, new)
+
+
+#: this proc's tagged streams
+_tagged: list[TaggedStream] = []
+
+
+def end_call() -> None:
+    """The running call ended: what it printed leaves the proc now (before its reply does)."""
+    _current_call[0] = ""
+    for s in _tagged:
+        try:
+            s.end_call()
+        except (OSError, ValueError):
+            pass
 
 
 class ProcLog:
     """Splits one proc's two streams into tagged lines and appends them to ``path``."""
 
-    def __init__(self, path: str, rank: int, emit: Callable[[list[LogLine]], None], max_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        path: str,
+        rank: int,
+        emit: Callable[[list[LogLine]], None],
+        max_bytes: int = 0,
+        on_call_end: Callable[[], None] | None = None,
+    ) -> None:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         self.path = path
         self.rank = rank
         self._emit = emit
+        #: called when the proc said that a call which printed is over (its burst is complete)
+        self._on_call_end = on_call_end
         #: the newest file holds at most half: with the previous one, the rank stays under max_bytes
         self._half = max_bytes // 2
-        self._file = open(path, "a", buffering=1 << 16, encoding="utf-8")
+        self._file = open(path, "ab", buffering=1 << 16)
         self._size = self._file.tell()
         self._partial = {"stdout": b"", "stderr": b""}
         self._more: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
-        self._unwritten: list[LogLine] = []
+        #: batches on their way to the file after a huge one (lines, their texts: see _write)
+        self._unwritten: list[tuple[list[LogLine], list[str] | None]] = []
         self._call = {"stdout": "", "stderr": ""}
         self.tail: list[LogLine] = []
         self.nlines = 0
 
     def feed(self, stream: str, data: bytes) -> None:
         if b"\n" not in data and b"\r" not in data:
+            if data.startswith(MARK_PREFIX) and not self._partial[stream] and not self._more[stream]:
+                data, ended = self._lead_marks(stream, data)  # a call's end, after its text went out
+                if ended and self._on_call_end is not None:
+                    self._on_call_end()
+                if not data:
+                    return
             # the middle of a long line: keep the piece, join once the line ends (joining every
             # 64 KiB read made a 10 MiB line cost 160 copies of up to 10 MiB)
             self._more[stream].append(data)
             return
         more = self._more[stream]
+        if more and self._whole_line(stream, data):
+            return
         if more:
             buf = b"".join([self._partial[stream], *more, data])
             more.clear()
@@ -171,20 +258,32 @@ class ProcLog:
             buf = self._partial[stream] + data
         now = time.time()
         out: list[LogLine]
+        texts: list[str] | None = None
         if len(buf) >= BIG_WRITE:
             out, rest = self._big(stream, buf, now)
             self._partial[stream] = rest
         else:
-            lines = buf.split(b"\n")
-            rest = self._partial[stream] = lines.pop()
-            if MARK_PREFIX in buf:
+            end = buf.rfind(b"\n")
+            rest = self._partial[stream] = buf[end + 1 :]
+            if end < 0:
+                out = []  # only a carriage return: a progress bar's state, below
+            elif buf.find(MARK_PREFIX, 0, end) >= 0:
                 out = []
-                for raw in lines:
+                for raw in buf[:end].split(b"\n"):
                     out.extend(self._split(stream, raw, now))
             else:
-                # the common case, and the one that matters in a flood: no call markers in this chunk
+                # the common case, and the one that matters in a flood: no call markers in these
+                # lines; decoded and split at once (a newline byte never ends inside a character)
+                texts = str(memoryview(buf)[:end], "utf-8", "replace").split("\n")
+                if b"\r" in buf:
+                    texts = [_final_text(t) for t in texts]
                 rank, call = self.rank, self._call[stream]
-                out = [(rank, stream, now, call, _decode(_final(raw))) for raw in lines]
+                out = [(rank, stream, now, call, t) for t in texts]
+        ended = False
+        if rest.startswith(MARK_PREFIX):
+            # the marker a call's end leaves after its last line: taken now, not with the next line
+            rest, ended = self._lead_marks(stream, rest)
+            self._partial[stream] = rest
         cr = rest.rfind(b"\r")
         if cr >= 0 and cr + 1 < len(rest):
             # a progress bar redraws its line with \r and no newline: pass on its current state
@@ -196,7 +295,38 @@ class ProcLog:
                 out.append((self.rank, stream, now, self._call[stream], "\r" + _decode(cur)))
                 self._partial[stream] = b"\r" + cur
         if out:
-            self._write(out, len(buf))
+            self._write(out, len(buf), texts)
+        if ended and self._on_call_end is not None:
+            self._on_call_end()
+
+    def _whole_line(self, stream: str, data: bytes) -> bool:
+        """A huge line ending in ``data``, with no marker and no carriage return: its pieces
+        are joined into the line itself (one copy, not a buffer and then the line); False if
+        this is not that line."""
+        nl = data.find(b"\n")
+        head = [self._partial[stream], *self._more[stream]]
+        if nl < 0 or sum(map(len, head)) + nl < HUGE_LINE:
+            return False
+        if any(b"\x1b" in p or b"\r" in p for p in head) or data.find(b"\x1b", 0, nl) >= 0 or data.find(b"\r", 0, nl) >= 0:
+            return False
+        line = join([*head, memoryview(data)[:nl]])
+        self._more[stream].clear()
+        self._partial[stream] = b""
+        self._write([(self.rank, stream, time.time(), self._call[stream], line)], len(line))
+        if nl + 1 < len(data):
+            self.feed(stream, data[nl + 1 :])
+        return True
+
+    def _lead_marks(self, stream: str, data: bytes) -> tuple[bytes, bool]:
+        """Take the whole markers at the start of ``data`` (the start of a line): the rest, and
+        whether the last was the marker of no call (a call that printed ended)."""
+        ended = False
+        while data.startswith(MARK_PREFIX) and (q := data.find(MARK_END)) >= 0:
+            call = data[len(MARK_PREFIX) : q].decode("ascii", "replace")
+            self._call[stream] = call
+            ended = not call
+            data = data[q + 1 :]
+        return data, ended
 
     def _big(self, stream: str, buf: bytes, now: float) -> tuple[list[LogLine], bytes]:
         """``feed`` for megabytes at once, as :meth:`_split` does it line by line, but each
@@ -212,8 +342,11 @@ class ProcLog:
                 self._call[stream] = buf[p + len(MARK_PREFIX) : q].decode("ascii", "replace")
                 pos = q + 1
             if pos < end or pos == start:
+                text: str | bytes
                 if buf.find(b"\r", pos, end) >= 0:
                     text = _decode(_final(buf[pos:end]))
+                elif end - pos >= HUGE_LINE:
+                    text = to_bytes(mv[pos:end])  # one copy (huge pages), no decoding here
                 else:
                     text = str(mv[pos:end], "utf-8", "replace")
                 out.append((self.rank, stream, now, self._call[stream], text))
@@ -251,52 +384,92 @@ class ProcLog:
         self._write_unwritten()
         self._file.close()
 
-    def _write(self, lines: list[LogLine], nbytes: int = 0) -> None:
+    def _write(self, lines: list[LogLine], nbytes: int = 0, texts: list[str] | None = None) -> None:
+        """``texts``: the text of the first ``len(texts)`` lines, which share the rest of their
+        tag (one chunk of a flood: their records are escaped at once)."""
         self.nlines += len(lines)
         self.tail.extend(lines)
         del self.tail[:-50]
         if self._unwritten:
-            self._unwritten.extend(lines)  # after the lines still waiting: the file keeps their order
+            self._unwritten.append((lines, texts))  # after the lines still waiting: the file keeps their order
             self._emit(lines)
             return
         loop = None
         if nbytes >= BIG_WRITE:
-            # a huge line (10 MiB) takes tens of ms to escape and write: it goes to subscribers
-            # first (what ``emit`` queues on the loop runs before this), to the file right after
+            # a huge line (10 MiB) takes ms to check and write: it goes to subscribers first
+            # (what ``emit`` queues on the loop runs before this), to the file right after
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:
                 pass
         if loop is None:
-            self._write_file(lines)
+            self._write_file(lines, texts)
             self._emit(lines)
             return
-        self._unwritten = list(lines)
+        self._unwritten = [(lines, texts)]
         self._emit(lines)
         loop.call_soon(self._write_unwritten)
 
     def _write_unwritten(self) -> None:
-        lines, self._unwritten = self._unwritten, []
-        if lines and not self._file.closed:
-            self._write_file(lines)
+        batches, self._unwritten = self._unwritten, []
+        for lines, texts in batches:
+            if self._file.closed:
+                return
+            self._write_file(lines, texts)
 
-    def _write_file(self, lines: list[LogLine]) -> None:
-        enc = _encode
-        text = "".join(
-            f'{{"ts": {ts!r}, "rank": {rank}, "stream": "{stream}", "call": {enc(call)}, "line": {enc(line)}}}\n'
-            for rank, stream, ts, call, line in lines
-        )
-        if self._half and self._size + len(text) > self._half:
+    def _write_file(self, lines: list[LogLine], texts: list[str] | None = None) -> None:
+        parts = _records(lines, texts)
+        n = sum(map(len, parts))
+        if self._half and self._size + n > self._half:
             self._rotate()
-        self._file.write(text)
+        for p in parts:
+            self._file.write(p)
         self._file.flush()
-        self._size += len(text)  # ASCII: characters are bytes
+        self._size += n
 
     def _rotate(self) -> None:
         self._file.close()
         os.replace(self.path, self.path + ROTATED)
-        self._file = open(self.path, "a", buffering=1 << 16, encoding="utf-8")
+        self._file = open(self.path, "ab", buffering=1 << 16)
         self._size = 0
+
+
+def _records(lines: list[LogLine], texts: list[str] | None) -> list[bytes]:
+    """The log file's records of ``lines``: one JSON object a line, ASCII, always the same
+    keys in the same order (:func:`read_log` parses them)."""
+    enc = _encode
+    parts: list[bytes] = []
+    small: list[str] = []
+    i = 0
+    if texts is not None and len(texts) > 1:
+        rank, stream, ts, call, _ = lines[0]
+        head = f'{{"ts": {ts!r}, "rank": {rank}, "stream": "{stream}", "call": {enc(call)}, "line": '
+        joined = "\n".join(texts)
+        if "\\" not in joined:
+            # escaped at once: every \n left in the escaped text stands for a line break (with
+            # no backslash in the text, no other escape is a backslash and an n)
+            small.append(head + enc(joined).replace("\\n", '"}\n' + head + '"') + "}\n")
+            i = len(texts)
+    for rank, stream, ts, call, line in lines[i:] if i else lines:
+        head = f'{{"ts": {ts!r}, "rank": {rank}, "stream": "{stream}", "call": {enc(call)}, "line": '
+        raw = line if isinstance(line, bytes) else None
+        if isinstance(line, str) and len(line) >= HUGE_LINE and line.isascii():
+            raw = line.encode("ascii")
+        if raw is not None and not raw.translate(None, _JSON_PLAIN):
+            # megabytes that JSON leaves as they are (the usual huge line): not escaped, not copied
+            if small:
+                parts.append("".join(small).encode("ascii"))
+                small = []
+            parts += [(head + '"').encode("ascii"), raw, b'"}\n']
+        else:
+            small.append(head + enc(line_text(line)) + "}\n")
+    if small:
+        parts.append("".join(small).encode("ascii"))
+    return parts
+
+
+#: the bytes JSON (``ensure_ascii``) writes as they are
+_JSON_PLAIN = bytes(c for c in range(0x20, 0x7F) if c not in b'"\\')
 
 
 #: the suffix of a rank log's previous half
@@ -312,6 +485,13 @@ def _final(raw: bytes) -> bytes:
 
 #: JSON string encoding (C-accelerated); one JSON object per line is written by hand for speed
 _encode = json.encoder.encode_basestring_ascii
+
+
+def _final_text(line: str) -> str:
+    """:func:`_final` of a decoded line."""
+    if "\r" not in line:
+        return line
+    return line.rstrip("\r").rsplit("\r", 1)[-1]
 
 
 def _decode(b: bytes) -> str:

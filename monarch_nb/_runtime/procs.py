@@ -26,7 +26,7 @@ from typing import Any
 from ..config import Config
 from ..errors import SpawnError
 from . import shm, zygote
-from .logcapture import LogLine, ProcLog
+from .logcapture import LogLine, ProcLog, line_text
 from .runtime import Runtime
 from .transport import Security
 
@@ -101,6 +101,7 @@ class Procs:
         *,
         on_exit: Callable[[ProcRec], None],
         on_lines: Callable[[str, list[LogLine]], None],
+        on_call_end: Callable[[str], None] | None = None,
     ) -> None:
         self.rt = rt
         self.cfg = cfg
@@ -108,6 +109,7 @@ class Procs:
         self.runtime_dir = runtime_dir
         self._on_exit = on_exit
         self._on_lines = on_lines
+        self._on_call_end = on_call_end
         self.by_pid: dict[int, ProcRec] = {}
         self.by_token: dict[str, ProcRec] = {}
         self.by_addr: dict[str, ProcRec] = {}
@@ -190,7 +192,7 @@ class Procs:
         else:
             rec.state = "failed"
             if rec.log is not None:
-                last = [ln[4] for ln in rec.log.tail if ln[1] == "stderr" and ln[4].strip()][-3:]
+                last = [t for ln in rec.log.tail if ln[1] == "stderr" and (t := line_text(ln[4])).strip()][-3:]
                 if last:
                     cause += "; last output: " + " | ".join(last)
         rec.cause = cause
@@ -251,6 +253,7 @@ class Procs:
             rec.rank,
             functools.partial(self._on_lines, mesh.name),
             self.cfg.log_max_rank_bytes,
+            functools.partial(self._on_call_end, mesh.name) if self._on_call_end is not None else None,
         )
         # the controller's environment when it sent one (its this_host()), else this host's
         env = dict(spec["env"]) if spec.get("env") is not None else dict(os.environ)

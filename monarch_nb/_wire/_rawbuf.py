@@ -164,3 +164,18 @@ def release_idle(idle: float) -> None:
     with _last_lock:
         if _last and time.monotonic() - _last[1] > idle:
             _last.clear()
+
+
+def join(parts: list[Any]) -> bytes:
+    """``b"".join(parts)``, into huge pages when large (as :func:`to_bytes`)."""
+    n = sum(memoryview(p).nbytes for p in parts)
+    if _API is None or n < MIN_BYTES or not all(memoryview(p).c_contiguous for p in parts):
+        return b"".join(parts)
+    out: bytes = _API[0](None, n)
+    dst = id(out) + _API[4]
+    advise_huge(dst, n)
+    for p in parts:
+        with pinned(p) as (src, m):
+            copy(dst, src, m)
+            dst += m
+    return out

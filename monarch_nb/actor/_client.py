@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import operator
 import os
 import sys
 import threading
@@ -15,6 +16,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from .._runtime.logcapture import line_text
 from .._runtime.runtime import ReplyPort, Runtime
 from .._version import __version__
 from .._wire import frames as wire
@@ -247,6 +249,8 @@ class Client:
         addr = self._alloc_addr.get(alloc_id)
         if addr is not None:
             self.rt.heard_from(addr)  # a flood of output is proof of life too
+        if (self.log_taps or self.log_writer is not None) and any(type(ln[4]) is bytes for ln in lines):
+            lines = [(r, st, ts, c, line_text(ln)) for r, st, ts, c, ln in lines]  # a huge line, shown as text
         for tap in self.log_taps:
             try:
                 tap(mesh, lines)
@@ -255,14 +259,29 @@ class Client:
         if self.log_writer is not None:
             self.log_writer(mesh, lines)
             return
-        out: list[str]
-        err: list[str]
+        text = _one_rank_text(lines)
+        if text is not None:
+            try:
+                if lines[0][1] == "stderr":
+                    _write_lines(sys.stderr, sys.__stderr__, [text])
+                else:
+                    _write_lines(sys.stdout, sys.__stdout__, [text])
+            except Exception:
+                pass
+            return
+        out: list[str | bytes]
+        err: list[str | bytes]
         out, err = [], []
         big = False
         for rank, stream, _ts, _call, line in lines:
+            dest = err if stream == "stderr" else out
+            if type(line) is bytes:
+                # a huge line as the proc wrote it: ASCII goes to the fd as it came
+                big = True
+                dest.extend((f"[{rank}] ", line if line.isascii() else line_text(line), "\n"))
+                continue
             if line.startswith("\r"):
                 continue  # a progress bar's intermediate state; a plain stream shows only finished lines
-            dest = err if stream == "stderr" else out
             if len(line) < _BIG_LINE:
                 dest.append(f"[{rank}] {line}\n")
             else:
@@ -329,38 +348,69 @@ class Client:
 _BIG_LINE = 1 << 16
 
 
-def _write_lines(stream: Any, original: Any, parts: list[str], big: bool = False) -> None:
+_LINE = operator.itemgetter(4)
+_RANK = operator.itemgetter(0)
+_STREAM = operator.itemgetter(1)
+
+
+def _one_rank_text(lines: list[Any]) -> str | None:
+    """What a plain stream shows of a batch of one rank's lines of one stream, built in C (a
+    flood's batch is hundreds of lines); None for any other batch (several ranks or streams,
+    a progress bar's state, a huge line)."""
+    if len(lines) < 8:
+        return None
+    try:
+        joined = "\n".join(map(_LINE, lines))
+    except TypeError:  # a huge line, still bytes
+        return None
+    if len(joined) >= _BIG_LINE * 4 or "\r" in joined:
+        return None
+    ranks = set(map(_RANK, lines))
+    if len(ranks) != 1 or len(set(map(_STREAM, lines))) != 1:
+        return None
+    prefix = f"[{ranks.pop()}] "
+    return prefix + joined.replace("\n", "\n" + prefix) + "\n"
+
+
+def _write_lines(stream: Any, original: Any, parts: list[str | bytes], big: bool = False) -> None:
     """Write rank output (whole lines) to this process's stdout or stderr.
 
     To the file descriptor itself when the stream is still the process's own, as Monarch's
     procs do by sharing it: the program's buffered text is not flushed, so a line the program
     is printing (``print("result", x)`` writes piece by piece) is never split by rank output.
-    Through the stream when it was replaced (captured, redirected).
+    Through the stream when it was replaced (captured, redirected). A ``bytes`` part is a huge
+    ASCII line, written as it is where the encoding keeps ASCII as it is.
     """
     if stream is original and stream is not None:
         try:
             fd = stream.fileno()
             enc = stream.encoding or "utf-8"
+            same = "a".encode(enc, "replace") == b"a"
             for text in _runs(parts, big):
-                data = memoryview(text.encode(enc, "replace"))
+                if isinstance(text, str):
+                    data = memoryview(text.encode(enc, "replace"))
+                elif same:
+                    data = memoryview(text)
+                else:
+                    data = memoryview(text.decode("ascii").encode(enc, "replace"))
                 while data:
                     data = data[os.write(fd, data) :]
             return
         except (OSError, ValueError, AttributeError):
             pass
     for text in _runs(parts, big):
-        stream.write(text)
+        stream.write(text if isinstance(text, str) else text.decode("ascii"))
     stream.flush()
 
 
-def _runs(parts: list[str], big: bool) -> Iterator[str]:
-    """``parts`` joined, except that a big part stays a string of its own."""
+def _runs(parts: list[str | bytes], big: bool) -> Iterator[str | bytes]:
+    """``parts`` joined, except that a big part stays one of its own."""
     if not big:
-        yield "".join(parts)
+        yield "".join(parts)  # type: ignore[arg-type]
         return
     small: list[str] = []
     for p in parts:
-        if len(p) < _BIG_LINE:
+        if len(p) < _BIG_LINE and isinstance(p, str):
             small.append(p)
             continue
         if small:

@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from .._runtime import _dataplane, spans
-from .._runtime.logcapture import set_call
+from .._runtime.logcapture import TaggedStream, end_call, set_call
 from .._runtime.runtime import NO_REPLY, Runtime, system_method
 from .._wire import frames as wire
 from .._wire.serialize import loads
@@ -519,11 +519,14 @@ class ActorSlot:
         if self.markers:
             if not call_id:
                 # what the call printed leaves the proc before its reply does
-                try:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                except (OSError, ValueError):
-                    pass
+                for f in (sys.stdout, sys.stderr):
+                    if not isinstance(f, TaggedStream):  # one the user put in place of the proc's own
+                        try:
+                            f.flush()
+                        except (OSError, ValueError, AttributeError):
+                            pass
+                end_call()
+                return
             set_call(call_id)
 
     def _begin_call(self, mrank: Any, method: str, call_id: str, raddr: str) -> Any:
