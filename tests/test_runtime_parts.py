@@ -232,6 +232,29 @@ def test_a_reply_port_forgets_what_was_answered_or_closed(tmp_path) -> None:
         rt.close()
 
 
+def test_a_reply_port_is_one_supervision_record_and_fails_each_index_once(tmp_path) -> None:
+    rt = Runtime(Config(), Security(), str(tmp_path))  # not started: no thread, no sockets
+    try:
+        failed: list[tuple[int, str]] = []
+        replies = ReplyPort(rt, lambda *a: None, lambda i, e: failed.append((i, str(e).rsplit(": ", 1)[-1])))
+        for i, peer in enumerate([A, A, B, B]):
+            replies.owe(i, peer)
+        # a call to many peers costs supervision one record, not one per peer
+        assert not rt.supervision._expect and list(rt.supervision._waiters) == [replies.port]
+        replies.answered(1)
+        rt.peer_failed(A, SupervisionError("A died"))
+        assert failed == [(0, "A died")]  # 1 had answered
+        replies.fail(2, OSError("send failed"))
+        rt.peer_failed(B, SupervisionError("B died"))
+        assert failed == [(0, "A died"), (2, "send failed"), (3, "B died")]  # 2 failed once, by its send
+        replies.fail(3, OSError("again"))
+        assert len(failed) == 3
+        replies.close()
+        assert not rt.supervision._waiters
+    finally:
+        rt.close()
+
+
 def test_header_field_positions_match_their_named_tuples() -> None:
     fields = wire.ActorMeta._fields
     named = {"actor": wire.ACTOR_NAME, "method": wire.METHOD, "reply_addr": wire.REPLY_ADDR, "reply_port": wire.REPLY_PORT}

@@ -114,7 +114,7 @@ class Sender:
                 raise BrokenPipeError("the direct connection's writer failed: the peer is gone")
             q.put(b"".join(bytes(p) for p in parts))
             return
-        total = sum(len(p) for p in parts)
+        total = len(parts[0]) if len(parts) == 1 else sum(len(p) for p in parts)
         sent = 0
         try:
             sent = self.sock.sendmsg(parts)
