@@ -165,7 +165,7 @@ def _writer(sock: socket.socket, q: _Queue) -> None:
 class Receiver:
     """Reassembles the messages of one accepted connection; driven by its loop's reader."""
 
-    __slots__ = ("sock", "dispatch", "max_bytes", "buf", "r", "w", "lens", "frames", "big", "filled", "label")
+    __slots__ = ("sock", "dispatch", "max_bytes", "buf", "r", "w", "lens", "frames", "big", "filled", "label", "got")
 
     def __init__(self, sock: socket.socket, dispatch: Callable[[list[Any]], None], max_bytes: int, label: str) -> None:
         try:
@@ -182,17 +182,21 @@ class Receiver:
         self.frames: list[Any] = []
         self.big: bytearray | None = None
         self.filled = 0
+        #: messages dispatched so far
+        self.got = 0
 
     def on_readable(self) -> bool:
         """Read what is there and dispatch whole messages; False once the connection is over."""
         sock = self.sock
         for _ in range(64):  # bounded work per wake-up, like the zmq inbox
+            want = 0
             try:
                 if self.big is not None:
                     n = sock.recv_into(memoryview(self.big)[self.filled :])
                 else:
                     if self.w == len(self.buf):
                         self._compact()
+                    want = len(self.buf) - self.w
                     n = sock.recv_into(memoryview(self.buf)[self.w :])
             except (BlockingIOError, InterruptedError):
                 return True
@@ -209,8 +213,16 @@ class Receiver:
                 self.big = None
             else:
                 self.w += n
+            got = self.got
             if not self._parse():
                 return False
+            if n < want and self.got == got + 1 and self.r == self.w:
+                # a short read of exactly one whole message (a reply, one of a call's many): the
+                # next read would almost surely fail with EAGAIN (a syscall and an exception per
+                # message); the loop's reader is level-triggered, so more bytes call us again.
+                # A burst (several messages a read) keeps reading, which is cheaper there
+                self.r = self.w = 0
+                return True
         return True
 
     def _compact(self) -> None:
@@ -259,6 +271,7 @@ class Receiver:
                         self._compact()
                     return True
             self.lens, self.frames = None, []
+            self.got += 1
             self.dispatch(frames)
 
 
