@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import logging
 import threading
+import weakref
 from typing import Any
 
 import pytest
@@ -252,6 +254,29 @@ def test_a_reply_port_is_one_supervision_record_and_fails_each_index_once(tmp_pa
         replies.close()
         assert not rt.supervision._waiters
     finally:
+        rt.close()
+
+
+def test_a_closed_reply_port_leaves_no_cycle_behind(tmp_path) -> None:
+    # a call's callbacks are closures over its port (and its replies): once closed, the call's
+    # memory must go back at once, not wait for the cyclic collector (a 1 MiB echo got 2x slower)
+    rt = Runtime(Config(), Security(), str(tmp_path))
+    gc.disable()
+    try:
+
+        def call() -> weakref.ref[Any]:
+            # as gather() does: the callback is a closure over the port
+            def on_fail(index: int, err: BaseException) -> None:
+                replies.answered(index)
+
+            replies = ReplyPort(rt, lambda *a: None, on_fail)
+            replies.owe(0, A)
+            replies.close()
+            return weakref.ref(on_fail)
+
+        assert call()() is None
+    finally:
+        gc.enable()
         rt.close()
 
 
