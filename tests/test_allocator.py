@@ -100,6 +100,9 @@ def test_sigkilled_proc_fails_pending_calls_within_3s_and_respawn_works(allocato
     assert time.monotonic() - t0 < 3
     e = ei.value
     assert e.rank == 1 and e.mesh == "victim" and e.host and "SIGKILL" in e.cause
+    # a stream over the mesh: the dead rank's item fails once, the live rank's answers
+    errs = [f.exception(timeout=10) for f in w.pid.stream()]
+    assert sorted(type(x).__name__ for x in errs) == ["NoneType", "SupervisionError"]
     pm.stop().get(timeout=20)
     pm2 = allocator.hosts.spawn_procs(per_host={"gpus": 2}, name="victim")
     assert len(pm2.spawn("w", Worker).pid.call().get(timeout=10).values()) == 2

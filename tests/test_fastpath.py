@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from typing import Any
 
 import pytest
 from conftest import wait_for
@@ -78,6 +79,33 @@ def test_messages_survive_any_split_into_reads() -> None:
             got, alive = _receive(data, chunk)
             assert got == msgs, chunk
             assert not alive  # the writer closed: the connection is over
+
+
+def test_a_lone_message_takes_one_read_and_a_burst_reads_until_drained() -> None:
+    class Counting(socket.socket):
+        reads = 0
+
+        def recv_into(self, *args: Any) -> int:
+            Counting.reads += 1
+            return super().recv_into(*args)
+
+    a, raw = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    b = Counting(fileno=raw.detach())
+    b.setblocking(False)
+    got: list[list[bytes]] = []
+    rx = fastpath.Receiver(b, lambda fr: got.append([bytes(f) for f in fr]), 1 << 30, "test")
+    with a, b:
+        a.sendall(_wire_bytes([b"reply"]))
+        assert rx.on_readable() and got == [[b"reply"]]
+        # a reply, one of a call's many: no second read that could only fail with EAGAIN
+        assert Counting.reads == 1
+        a.sendall(b"".join(_wire_bytes([b"m%d" % i]) for i in range(3)))
+        assert rx.on_readable() and len(got) == 4
+        assert Counting.reads == 3  # several messages in one read: read on until the socket is empty
+        a.sendall(_wire_bytes([b"last"]))
+        a.shutdown(socket.SHUT_WR)
+        assert rx.on_readable() and got[-1] == [b"last"]
+        assert not rx.on_readable()  # the level-triggered loop calls again: the end of the connection
 
 
 def test_an_oversized_message_drops_the_connection(caplog) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import logging
 import threading
+import weakref
 from typing import Any
 
 import pytest
@@ -229,6 +231,52 @@ def test_a_reply_port_forgets_what_was_answered_or_closed(tmp_path) -> None:
         assert failed == [1, 99]
         again.close()
     finally:
+        rt.close()
+
+
+def test_a_reply_port_is_one_supervision_record_and_fails_each_index_once(tmp_path) -> None:
+    rt = Runtime(Config(), Security(), str(tmp_path))  # not started: no thread, no sockets
+    try:
+        failed: list[tuple[int, str]] = []
+        replies = ReplyPort(rt, lambda *a: None, lambda i, e: failed.append((i, str(e).rsplit(": ", 1)[-1])))
+        for i, peer in enumerate([A, A, B, B]):
+            replies.owe(i, peer)
+        # a call to many peers costs supervision one record, not one per peer
+        assert not rt.supervision._expect and list(rt.supervision._waiters) == [replies.port]
+        replies.answered(1)
+        rt.peer_failed(A, SupervisionError("A died"))
+        assert failed == [(0, "A died")]  # 1 had answered
+        replies.fail(2, OSError("send failed"))
+        rt.peer_failed(B, SupervisionError("B died"))
+        assert failed == [(0, "A died"), (2, "send failed"), (3, "B died")]  # 2 failed once, by its send
+        replies.fail(3, OSError("again"))
+        assert len(failed) == 3
+        replies.close()
+        assert not rt.supervision._waiters
+    finally:
+        rt.close()
+
+
+def test_a_closed_reply_port_leaves_no_cycle_behind(tmp_path) -> None:
+    # a call's callbacks are closures over its port (and its replies): once closed, the call's
+    # memory must go back at once, not wait for the cyclic collector (a 1 MiB echo got 2x slower)
+    rt = Runtime(Config(), Security(), str(tmp_path))
+    gc.disable()
+    try:
+
+        def call() -> weakref.ref[Any]:
+            # as gather() does: the callback is a closure over the port
+            def on_fail(index: int, err: BaseException) -> None:
+                replies.answered(index)
+
+            replies = ReplyPort(rt, lambda *a: None, on_fail)
+            replies.owe(0, A)
+            replies.close()
+            return weakref.ref(on_fail)
+
+        assert call()() is None
+    finally:
+        gc.enable()
         rt.close()
 
 

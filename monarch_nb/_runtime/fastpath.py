@@ -41,6 +41,7 @@ SUFFIX = ".fast"
 _BIG = 1 << 16
 _READ = 1 << 18
 _PEERCRED = struct.Struct("3i")
+_ONE = struct.Struct("<I")
 #: a receiver that takes no byte for this long is treated as stuck (SO_SNDTIMEO: no cost per send)
 STALL_S = 1.0
 #: how long a new connection waits for the receiver's greeting
@@ -114,7 +115,7 @@ class Sender:
                 raise BrokenPipeError("the direct connection's writer failed: the peer is gone")
             q.put(b"".join(bytes(p) for p in parts))
             return
-        total = sum(len(p) for p in parts)
+        total = len(parts[0]) if len(parts) == 1 else sum(len(p) for p in parts)
         sent = 0
         try:
             sent = self.sock.sendmsg(parts)
@@ -165,7 +166,7 @@ def _writer(sock: socket.socket, q: _Queue) -> None:
 class Receiver:
     """Reassembles the messages of one accepted connection; driven by its loop's reader."""
 
-    __slots__ = ("sock", "dispatch", "max_bytes", "buf", "r", "w", "lens", "frames", "big", "filled", "label")
+    __slots__ = ("sock", "dispatch", "max_bytes", "buf", "r", "w", "lens", "frames", "big", "filled", "label", "got")
 
     def __init__(self, sock: socket.socket, dispatch: Callable[[list[Any]], None], max_bytes: int, label: str) -> None:
         try:
@@ -182,17 +183,21 @@ class Receiver:
         self.frames: list[Any] = []
         self.big: bytearray | None = None
         self.filled = 0
+        #: messages dispatched so far
+        self.got = 0
 
     def on_readable(self) -> bool:
         """Read what is there and dispatch whole messages; False once the connection is over."""
         sock = self.sock
         for _ in range(64):  # bounded work per wake-up, like the zmq inbox
+            want = 0
             try:
                 if self.big is not None:
                     n = sock.recv_into(memoryview(self.big)[self.filled :])
                 else:
                     if self.w == len(self.buf):
                         self._compact()
+                    want = len(self.buf) - self.w
                     n = sock.recv_into(memoryview(self.buf)[self.w :])
             except (BlockingIOError, InterruptedError):
                 return True
@@ -209,8 +214,16 @@ class Receiver:
                 self.big = None
             else:
                 self.w += n
+            got = self.got
             if not self._parse():
                 return False
+            if n < want and self.got == got + 1 and self.r == self.w:
+                # a short read of exactly one whole message (a reply, one of a call's many): the
+                # next read would almost surely fail with EAGAIN (a syscall and an exception per
+                # message); the loop's reader is level-triggered, so more bytes call us again.
+                # A burst (several messages a read) keeps reading, which is cheaper there
+                self.r = self.w = 0
+                return True
         return True
 
     def _compact(self) -> None:
@@ -226,6 +239,15 @@ class Receiver:
                 if avail < 1:
                     return True
                 n = buf[self.r]
+                if n == 1 and avail >= 5:
+                    # the common message (a call, a reply): one frame, often wholly read already
+                    r = self.r + 5
+                    (need,) = _ONE.unpack_from(buf, r - 4)
+                    if need <= self.w - r and need <= self.max_bytes:
+                        self.r = r + need
+                        self.got += 1
+                        self.dispatch([bytes(mv[r : r + need])])
+                        continue
                 if avail < 1 + 4 * n:
                     return True
                 lens = struct.unpack_from(f"<{n}I", buf, self.r + 1)
@@ -259,6 +281,7 @@ class Receiver:
                         self._compact()
                     return True
             self.lens, self.frames = None, []
+            self.got += 1
             self.dispatch(frames)
 
 

@@ -215,49 +215,79 @@ class ReplyPort:
     """A port for the replies to one request, and supervision of the peers that owe them.
 
     Opening it opens a port on ``rt`` whose replies go to ``on_reply``. :meth:`owe` says which
-    peer owes the reply of an index (watched through its allocator, if any; ``on_fail`` runs
-    if it dies, at once if it is dead already), :meth:`answered` that a reply came, and
-    :meth:`close`, once no more are wanted, closes the port and forgets what is still owed
-    (a failed send, peers never heard from). Closing twice is harmless.
+    peer owes the reply of an index (watched through its allocator, if any; ``on_fail(index,
+    error)`` runs if it dies, at once if it is dead already), :meth:`answered` that a reply
+    came, and :meth:`close`, once no more are wanted, closes the port and forgets what is still
+    owed (a failed send, peers never heard from). Closing twice is harmless.
+
+    Supervision holds one record for the whole port, not one per peer: a call to many actors
+    costs a dict entry per peer here, and a peer's failure is matched against what each open
+    port is owed (failures are rare, replies are not). Each index fails at most once.
     """
 
-    __slots__ = ("rt", "port", "_owed")
+    __slots__ = ("rt", "port", "_owed", "on_fail", "_fail_one")
 
-    def __init__(self, rt: Runtime, on_reply: PortHandler) -> None:
+    def __init__(self, rt: Runtime, on_reply: PortHandler, on_fail: Callable[[int, BaseException], None] | None = None) -> None:
         self.rt = rt
         #: index -> the peer that owes its reply
         self._owed: dict[int, str] = {}
+        self.on_fail = on_fail
+        #: index -> its own failure callback (owe() given one)
+        self._fail_one: dict[int, Callable[[BaseException], None]] | None = None
         self.port = rt.open_port(on_reply)
+        rt.supervision.wait(self.port, self._peer_failed)
 
     def owe(
         self,
         index: int,
         peer: str,
-        on_fail: Callable[[BaseException], None],
+        on_fail: Callable[[BaseException], None] | None = None,
         alloc: str = "",
         mesh: str = "",
         rank: int = 0,
         host: str = "",
     ) -> None:
-        """``peer`` owes the reply of ``index``; ``alloc``: the allocator that owns it, to watch."""
+        """``peer`` owes the reply of ``index``; ``alloc``: the allocator that owns it, to watch.
+        ``on_fail(error)``: this index's own failure callback instead of the port's."""
         if alloc:
             self.rt.watch(alloc, peer, mesh, rank, host)
+        if on_fail is not None:
+            if self._fail_one is None:
+                self._fail_one = {}
+            self._fail_one[index] = on_fail
         self._owed[index] = peer
-        self.rt.expect(peer, (self.port, index), on_fail)
+        # after noting it: a peer failing from here on is matched by _peer_failed
+        dead = self.rt.supervision.dead.get(peer)
+        if dead is not None:
+            self.fail(index, dead)
+
+    def fail(self, index: int, err: BaseException) -> None:
+        """The reply of ``index`` will not come (its peer is gone, its send failed): tell the
+        failure callback, once, unless the reply came first."""
+        if self._owed.pop(index, None) is None:
+            return
+        one = self._fail_one.pop(index, None) if self._fail_one is not None else None
+        if one is not None:
+            one(err)
+        elif self.on_fail is not None:
+            self.on_fail(index, err)
+
+    def _peer_failed(self, peer: str, err: BaseException) -> None:
+        owed = self._owed
+        if owed:
+            for index in [i for i, p in list(owed.items()) if p == peer]:
+                self.fail(index, err)
 
     def answered(self, index: int) -> None:
-        peer = self._owed.pop(index, None)
-        if peer is not None:
-            self.rt.fulfil(peer, (self.port, index))
+        self._owed.pop(index, None)
 
     def close(self) -> None:
         self.rt.close_port(self.port)
-        owed = self._owed
-        if owed:
-            self._owed = {}
-            # a copy in one step: the I/O thread may be answering from the old dict right now
-            for index, peer in list(owed.items()):
-                self.rt.fulfil(peer, (self.port, index))
+        self.rt.supervision.unwait(self.port)
+        self._owed = {}
+        # the callbacks are closures that hold this port (and the call's replies): without them
+        # the call's memory goes back at once, not at the next cyclic collection
+        self.on_fail = self._fail_one = None
 
 
 def pid_alive(pid: int) -> bool:

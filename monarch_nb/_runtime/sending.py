@@ -159,12 +159,22 @@ class Sender:
             direct = targets
         failed: list[tuple[int, BaseException]] = []
         shared: dict[int, Any] | None = {} if len(direct) > 1 and buffers else None
+        # per target, what send() and encode() would do, without their calls and checks (a call
+        # to many actors pays these per rank)
+        dead, send_frames, seqs_of, encode = self._dead, self._send_frames, self._seqs, wire.encode
         for t in direct:
-            sid, seqs = self._stream(t.addr)
+            addr = t.addr
+            st = seqs_of.get(addr) or self._stream(addr)
             # an ActorMeta (see frames.py): plain tuples are cheaper to pickle
-            meta = (actor, method, t.reply, port if t.reply else 0, t.call_index, extent, call_id, sid, next(seqs))
+            meta = (actor, method, t.reply, port if t.reply else 0, t.call_index, extent, call_id, st[0], next(st[1]))
             try:
-                self.send(t.addr, self.encode(t.addr, wire.ACTOR, meta, body, buffers, shared))
+                gone = dead.get(addr)
+                if gone is not None:
+                    raise gone
+                if buffers:
+                    send_frames(addr, self.encode(addr, wire.ACTOR, meta, body, buffers, shared))
+                else:
+                    send_frames(addr, encode(wire.ACTOR, meta, body))
             except BaseException as e:
                 failed.append((t.call_index, e))
         self.unshare(shared)

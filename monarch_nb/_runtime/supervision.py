@@ -60,6 +60,9 @@ class Supervision:
         self._clock = clock
         self._lock = threading.Lock()
         self._expect: dict[str, dict[tuple[int, int], Callable[[BaseException], None]]] = {}
+        #: key -> told ``(peer, error)`` of every peer that fails while registered: one record for a
+        #: whole call to many peers (a :class:`~.runtime.ReplyPort`) instead of one per peer
+        self._waiters: dict[int, Callable[[str, SupervisionError], None]] = {}
         #: peer address -> why it is gone (read lock-free by the sender)
         self.dead: dict[str, SupervisionError] = {}
         #: allocator address -> what we know of it
@@ -84,6 +87,15 @@ class Supervision:
             if d is not None:
                 d.pop(key, None)
 
+    def wait(self, key: int, on_peer_failed: Callable[[str, SupervisionError], None]) -> None:
+        """Tell ``on_peer_failed`` of every peer that fails until :meth:`unwait` (it checks whether
+        it waits on that peer). A peer already dead is not reported: check :attr:`dead` after
+        noting what a peer owes (both lock-free; a peer failing in between is reported)."""
+        self._waiters[key] = on_peer_failed
+
+    def unwait(self, key: int) -> None:
+        self._waiters.pop(key, None)
+
     def peer_error(self, peer: str) -> SupervisionError | None:
         return self.dead.get(peer)
 
@@ -93,9 +105,15 @@ class Supervision:
                 return
             self.dead[peer] = err
             owed = self._expect.pop(peer, {})
+            waiters = list(self._waiters.values())
         for on_fail in owed.values():
             try:
                 on_fail(err)
+            except Exception:
+                logger.exception("failure callback raised")
+        for on_peer_failed in waiters:
+            try:
+                on_peer_failed(peer, err)
             except Exception:
                 logger.exception("failure callback raised")
         for cb in list(self.peer_failure_callbacks):

@@ -111,6 +111,7 @@ _LEN = struct.Struct("<I")
 _PREFIX = len(MAGIC) + 3
 _HEADS = {(kind, flags): MAGIC + bytes([VERSION, kind, flags]) for kind in (ACTOR, PORT, FANOUT) for flags in range(4)}
 _WANT = {ACTOR: len(ActorMeta._fields), PORT: len(PortMeta._fields), FANOUT: len(FanoutMeta._fields)}
+_KINDS = {h: kf for kf, h in _HEADS.items()}
 
 
 def encode(
@@ -131,6 +132,45 @@ def encode(
 def decode(frames: list[Any]) -> tuple[int, tuple[Any, ...], Any, list[Any], list[tuple[int, str, int]]]:
     """Return ``(kind, meta, body, buffers, shm)``; raise :class:`ProtocolError` for anything foreign or broken."""
     head = frames[0]
+    # one slice and one lookup check magic, version, kind and flags of a well-formed head
+    kf = _KINDS.get(head[:_PREFIX]) if type(head) is bytes else None
+    kind, flags = _check_head(head) if kf is None else kf
+    if len(head) < _PREFIX + 4:
+        raise ProtocolError(f"truncated header ({len(head)} bytes)")
+    (n,) = _LEN.unpack_from(head, _PREFIX)
+    start = _PREFIX + 4
+    end = start + n
+    if end > len(head):
+        raise ProtocolError("malformed header: meta runs past the frame")
+    try:
+        meta = pickle.loads(head[start:end])
+    except Exception as e:
+        raise ProtocolError(f"malformed header: {e}") from e
+    if not isinstance(meta, tuple):
+        raise ProtocolError("malformed header: meta is not a tuple")
+    if len(meta) != _WANT[kind]:
+        raise ProtocolError(f"malformed header: kind {kind} needs {_WANT[kind]} fields, got {len(meta)}")
+    rest = frames[1:] if len(frames) > 1 else []
+    shm: list[tuple[int, str, int]] = []
+    if flags & SHM:
+        if not rest:
+            raise ProtocolError("malformed message: no shared-memory table")
+        shm = _shm_table(rest[0])
+        rest = rest[1:]
+    if flags & INLINE:
+        body = memoryview(head)[end:]
+    elif rest:
+        body, rest = rest[0], rest[1:]
+    else:
+        raise ProtocolError("malformed message: no payload frame")
+    if shm and any(i >= len(rest) for i, _, _ in shm):
+        raise ProtocolError("malformed shared-memory table: index out of range")
+    return kind, meta, body, rest, shm
+
+
+def _check_head(head: Any) -> tuple[int, int]:
+    """``(kind, flags)`` of a head that is not a plain well-formed ``bytes`` one, or the error
+    that says what is wrong with it."""
     if len(head) < 4 or head[:3] != MAGIC:
         raise ProtocolError(f"not a monarch_nb frame (starts {bytes(head[:8])!r})")
     if head[3] != VERSION:
@@ -140,37 +180,9 @@ def decode(frames: list[Any]) -> tuple[int, tuple[Any, ...], Any, list[Any], lis
     if len(head) < _PREFIX + 4:
         raise ProtocolError(f"truncated header ({len(head)} bytes)")
     kind, flags = head[4], head[5]
-    want = _WANT.get(kind)
-    if want is None:
+    if kind not in _WANT:
         raise ProtocolError(f"unknown message kind {kind}")
-    (n,) = _LEN.unpack_from(head, _PREFIX)
-    start = _PREFIX + 4
-    if start + n > len(head):
-        raise ProtocolError("malformed header: meta runs past the frame")
-    try:
-        meta = pickle.loads(memoryview(head)[start : start + n])
-    except Exception as e:
-        raise ProtocolError(f"malformed header: {e}") from e
-    if not isinstance(meta, tuple):
-        raise ProtocolError("malformed header: meta is not a tuple")
-    if len(meta) != want:
-        raise ProtocolError(f"malformed header: kind {kind} needs {want} fields, got {len(meta)}")
-    rest = frames[1:]
-    shm: list[tuple[int, str, int]] = []
-    if flags & SHM:
-        if not rest:
-            raise ProtocolError("malformed message: no shared-memory table")
-        shm = _shm_table(rest[0])
-        rest = rest[1:]
-    if flags & INLINE:
-        body = memoryview(head)[start + n :]
-    elif rest:
-        body, rest = rest[0], rest[1:]
-    else:
-        raise ProtocolError("malformed message: no payload frame")
-    if any(i >= len(rest) for i, _, _ in shm):
-        raise ProtocolError("malformed shared-memory table: index out of range")
-    return kind, meta, body, rest, shm
+    return kind, flags
 
 
 def _shm_table(frame: Any) -> list[tuple[int, str, int]]:

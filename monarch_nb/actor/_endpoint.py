@@ -304,7 +304,7 @@ class Endpoint(Generic[R]):
             for i in range(n):
                 on_fail(i, self._mesh._refusal() or _stopped_error(self._mesh))
             return (q.get() for _ in range(n))
-        replies = ReplyPort(_context.runtime(), on_reply)
+        replies = ReplyPort(_context.runtime(), on_reply, on_fail)
         self._send(args, kwargs, replies, on_fail)
 
         def gen() -> Iterator[Future[R]]:
@@ -357,6 +357,8 @@ def multicast(
     raddr_cache: dict[bool, str] = {}
     replies = port if isinstance(port, ReplyPort) else None
     port_id = port.port if isinstance(port, ReplyPort) else port[1] if port else 0
+    # the port's own failure callback: one supervision record for the call, not one per target
+    own = replies is not None and on_fail is not None and replies.on_fail is on_fail
     for i, p in zip(idx, procs):
         reply = ""
         if port is not None:
@@ -367,7 +369,7 @@ def multicast(
                 tcp = p.addr.startswith("tcp://")
                 reply = raddr_cache.get(tcp) or raddr_cache.setdefault(tcp, rt.addr_for(p.addr))
             if replies is not None and on_fail is not None:
-                replies.owe(i, p.addr, functools.partial(on_fail, i), p.alloc, p.mesh, p.rank, p.host)
+                replies.owe(i, p.addr, None if own else functools.partial(on_fail, i), p.alloc, p.mesh, p.rank, p.host)
             else:
                 if p.alloc:
                     rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)
@@ -378,7 +380,10 @@ def multicast(
     for i, e in failed:
         if on_fail is None:
             raise e
-        on_fail(i, e)
+        if replies is not None:
+            replies.fail(i, e)  # once, unless its peer's failure came first
+        else:
+            on_fail(i, e)
 
 
 def gather(
@@ -465,7 +470,7 @@ def gather(
             err = endpoint._mesh._dead_proc_error(endpoint._name, index, err)
         arrive(index, err, True, gone=True)
 
-    replies = ReplyPort(rt, on_reply)
+    replies = ReplyPort(rt, on_reply, on_fail)
     try:
         send(replies, on_fail)
     except BaseException:
