@@ -303,6 +303,8 @@ def test_the_log_file_keeps_its_format_whatever_the_lines_hold(tmp_path) -> None
     log.feed("stdout", b"one\ntwo\nbar 10%\rbar 20%\n" + marker("") + b"x\rpartial")
     log.feed("stderr", b"y" * (3 << 20) + b"\n" + b'z"' * (1 << 19) + b"\n")
     log.feed("stderr", b"a" * (70 << 10) + b"\nb\n")
+    # megabytes with one byte JSON escapes (a colour code, DEL, a control character at the end)
+    log.feed("stderr", b"c" * (2 << 20) + b"\x1b[0m\n" + b"\x7f" + b"d" * (2 << 20) + b"\n" + b"e" * (2 << 20) + b"\x01\n")
     log.close()
     want = "".join(_record(ts, rank, stream, call, line_text(line)) for rank, stream, ts, call, line in got)
     assert (tmp_path / "rank-2.jsonl").read_bytes() == want.encode("ascii")
