@@ -115,6 +115,8 @@ def test_a_huge_line_is_split_in_linear_time_and_kept_whole(tmp_path) -> None:  
     assert time.perf_counter() - t0 < 1.0
     # the huge line stays the proc's bytes until it is shown
     assert [(r, c, ln) for r, _, _, c, ln in got] == [(3, "c1", "before"), (3, "c1", big.encode()), (3, "c1", "\rstep 2")]
+    # the tail (for error messages) keeps the start of it, not 20 MiB
+    assert [ln[4] for ln in log.tail] == ["before", big[:4096].encode(), "\rstep 2"]
     log.feed("stdout", b"\n")
     log.close()
     rows = [json.loads(x) for x in (tmp_path / "rank-3.jsonl").read_text().splitlines()]
