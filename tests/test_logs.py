@@ -10,12 +10,14 @@ import os
 import select
 import signal
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from conftest import wait_for
 
 from monarch_nb._ranks import format_ranks, parse_ranks
-from monarch_nb._runtime.logcapture import ProcLog, TaggedStream, _Flusher, line_text, marker, set_call
+from monarch_nb._runtime.logcapture import ProcLog, TaggedStream, _Flusher, expand, line_text, marker, set_call, split_run
 from monarch_nb.logs import Aggregator
 
 
@@ -93,6 +95,11 @@ def test_rank_sets() -> None:
         parse_ranks("a-b", 8)
 
 
+def _into(got: list[tuple[int, str, float, str, str]]) -> Callable[[list[Any]], None]:
+    """An emit that keeps lines (runs of lines split, as a controller's readers get them)."""
+    return lambda items: got.extend(expand(items))
+
+
 def _feed(log: ProcLog, data: bytes, piece: int = 1 << 16) -> None:
     for i in range(0, len(data), piece):  # as the allocator reads a pipe: 64 KiB at a time
         log.feed("stdout", data[i : i + piece])
@@ -100,7 +107,7 @@ def _feed(log: ProcLog, data: bytes, piece: int = 1 << 16) -> None:
 
 def test_a_huge_line_is_split_in_linear_time_and_kept_whole(tmp_path) -> None:  # type: ignore[no-untyped-def]
     got: list[tuple[int, str, float, str, str]] = []
-    log = ProcLog(str(tmp_path / "rank-3.jsonl"), 3, got.extend)
+    log = ProcLog(str(tmp_path / "rank-3.jsonl"), 3, _into(got))
     big = "y" * (20 << 20)
     t0 = time.perf_counter()
     _feed(log, marker("c1") + b"before\n" + big.encode() + b"\nafter\rstep 1\rstep 2")
@@ -108,6 +115,8 @@ def test_a_huge_line_is_split_in_linear_time_and_kept_whole(tmp_path) -> None:  
     assert time.perf_counter() - t0 < 1.0
     # the huge line stays the proc's bytes until it is shown
     assert [(r, c, ln) for r, _, _, c, ln in got] == [(3, "c1", "before"), (3, "c1", big.encode()), (3, "c1", "\rstep 2")]
+    # the tail (for error messages) keeps the start of it, not 20 MiB
+    assert [ln[4] for ln in log.tail] == ["before", big[:4096].encode(), "\rstep 2"]
     log.feed("stdout", b"\n")
     log.close()
     rows = [json.loads(x) for x in (tmp_path / "rank-3.jsonl").read_text().splitlines()]
@@ -149,11 +158,11 @@ def test_megabytes_at_once_split_as_small_reads_do(tmp_path) -> None:  # type: i
     data = b"".join(parts)
     small: list[tuple[int, str, float, str, str]] = []
     whole: list[tuple[int, str, float, str, str]] = []
-    a = ProcLog(str(tmp_path / "a.jsonl"), 0, small.extend)
+    a = ProcLog(str(tmp_path / "a.jsonl"), 0, _into(small))
     for p in parts[:-2]:
         a.feed("stdout", p)  # below the size that takes the megabytes path
     _feed(a, parts[-2] + parts[-1], 1000)
-    b = ProcLog(str(tmp_path / "b.jsonl"), 0, whole.extend)
+    b = ProcLog(str(tmp_path / "b.jsonl"), 0, _into(whole))
     b.feed("stdout", data)
     assert [(c, ln) for _, _, _, c, ln in whole] == [(c, ln) for _, _, _, c, ln in small]
     assert whole[-1][3:] == ("", "\rpartial")
@@ -228,7 +237,7 @@ def test_a_call_that_changes_in_a_burst_gets_its_marker_and_a_calls_end_marks_th
 def test_the_allocator_learns_that_a_burst_ended_from_the_proc_s_marker(tmp_path) -> None:  # type: ignore[no-untyped-def]
     ends: list[int] = []
     got: list[tuple[int, str, float, str, str]] = []
-    log = ProcLog(str(tmp_path / "r.jsonl"), 0, got.extend, on_call_end=lambda: ends.append(len(got)))
+    log = ProcLog(str(tmp_path / "r.jsonl"), 0, _into(got), on_call_end=lambda: ends.append(len(got)))
     log.feed("stdout", marker("c1") + b"x\ny\n")
     assert ends == []
     log.feed("stdout", b"z\n" + marker(""))  # the end of a call after its last line
@@ -288,7 +297,7 @@ def test_the_log_file_keeps_its_format_whatever_the_lines_hold(tmp_path) -> None
         "bad utf-8: \udcff",
     ]
     got: list[tuple[int, str, float, str, str]] = []
-    log = ProcLog(str(tmp_path / "rank-2.jsonl"), 2, got.extend)
+    log = ProcLog(str(tmp_path / "rank-2.jsonl"), 2, _into(got))
     # a flood's chunk with no backslash, one with, a progress bar, and huge lines JSON keeps
     # as they are and does not
     log.feed("stdout", marker("c9") + b"".join(t.encode("utf-8", "surrogateescape") + b"\n" for t in texts[:3]))
@@ -296,6 +305,8 @@ def test_the_log_file_keeps_its_format_whatever_the_lines_hold(tmp_path) -> None
     log.feed("stdout", b"one\ntwo\nbar 10%\rbar 20%\n" + marker("") + b"x\rpartial")
     log.feed("stderr", b"y" * (3 << 20) + b"\n" + b'z"' * (1 << 19) + b"\n")
     log.feed("stderr", b"a" * (70 << 10) + b"\nb\n")
+    # megabytes with one byte JSON escapes (a colour code, DEL, a control character at the end)
+    log.feed("stderr", b"c" * (2 << 20) + b"\x1b[0m\n" + b"\x7f" + b"d" * (2 << 20) + b"\n" + b"e" * (2 << 20) + b"\x01\n")
     log.close()
     want = "".join(_record(ts, rank, stream, call, line_text(line)) for rank, stream, ts, call, line in got)
     assert (tmp_path / "rank-2.jsonl").read_bytes() == want.encode("ascii")
@@ -306,7 +317,7 @@ def test_the_log_file_keeps_its_format_whatever_the_lines_hold(tmp_path) -> None
 
 def test_a_progress_bar_read_without_a_newline_is_its_current_state_not_a_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
     got: list[tuple[int, str, float, str, str]] = []
-    log = ProcLog(str(tmp_path / "r.jsonl"), 0, got.extend)
+    log = ProcLog(str(tmp_path / "r.jsonl"), 0, _into(got))
     log.feed("stdout", b"bar 10%\rbar 20%")
     log.feed("stdout", b"\rbar 30%\n")
     log.close()
@@ -323,3 +334,37 @@ def test_a_script_shows_a_batch_of_one_rank_as_it_shows_its_lines_one_by_one() -
     assert _one_rank_text([*lines, (3, "stderr", 1.0, "c", "other stream")]) is None
     assert _one_rank_text([*lines, (3, "stdout", 1.0, "c", "\rprogress")]) is None
     assert _one_rank_text([*lines, (3, "stdout", 1.0, "c", b"huge")]) is None
+
+
+def test_a_flood_s_chunk_is_one_run_of_lines_and_cuts_at_line_ends(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    items: list[Any] = []
+    log = ProcLog(str(tmp_path / "r.jsonl"), 4, items.extend)
+    log.feed("stdout", marker("c1") + b"first\n")
+    texts = [f"line {i} d\u00e9j\u00e0" for i in range(3000)] + ["", "bar 1\rbar 2"]
+    log.feed("stdout", "".join(t + "\n" for t in texts).encode())
+    # one item for the whole chunk, not a tuple a line
+    assert len(items) == 2 and items[1][:2] == (4, "stdout") and items[1][3] == "c1" and items[1][5] == len(texts)
+    want = [*texts[:-1], "bar 2"]
+    assert [ln for *_, ln in expand(items)][1:] == want
+    assert log.nlines == 1 + len(texts) and [ln[4] for ln in log.tail] == want[-50:]
+    # cut for the wire at line ends, nothing lost or reordered
+    parts = split_run(items[1], 1000)
+    assert all(len(p[4]) <= 1000 for p in parts) and len(parts) > 30
+    assert [ln for *_, ln in expand(parts)] == want and sum(p[5] for p in parts) == len(texts)
+    long = (0, "stdout", 1.0, "c", "a\n" + "b" * 3000 + "\nc", 3)
+    assert [p[4] for p in split_run(long, 1000)] == ["a", "b" * 3000, "c"]
+    log.close()
+    rows = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [r["line"] for r in rows] == ["first", *want] and {r["call"] for r in rows} == {"c1"}
+
+
+def test_a_script_shows_a_run_of_lines_as_it_shows_its_lines_one_by_one() -> None:
+    from monarch_nb.actor._client import _one_rank_text, _plain_parts
+
+    texts = ["a", "", "d\u00e9j\u00e0", "x" * 5000]
+    items = [(3, "stdout", 1.0, "c", "one"), (3, "stdout", 1.0, "c", "\n".join(texts), 4), (3, "stderr", 1.0, "c", "e\nf", 2)]
+    out, err, big = _plain_parts(items)
+    assert "".join(map(str, out)) == "".join(f"[3] {t}\n" for t in ["one", *texts]) and err == ["[3] e\n[3] f\n"]
+    assert not big
+    runs = [(3, "stdout", 1.0, "c", "\n".join(texts), 4)] * 8
+    assert _one_rank_text(runs) == "".join(f"[3] {t}\n" for t in texts * 8)

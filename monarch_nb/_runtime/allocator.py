@@ -36,7 +36,7 @@ from . import records, shm
 from .codecache import CodeCache
 from .debugreg import DebugRegistry
 from .hostenv import HostEnv
-from .logcapture import LogLine, line_text, rank_log_path, read_log
+from .logcapture import LogItem, count_lines, line_text, rank_log_path, read_log, split_run
 from .procs import MeshRec, ProcRec, Procs, kill
 from .runtime import NO_REPLY, Runtime, pid_alive, system_method
 from .telemetry import Telemetry
@@ -158,7 +158,7 @@ class Allocator(DebugRegistry):
         if mesh is not None and rec.state == "failed" and mesh.state != "stopping":
             mesh.state = "failed"
 
-    def _emit_logs(self, mesh_name: str, lines: list[LogLine]) -> None:
+    def _emit_logs(self, mesh_name: str, lines: list[LogItem]) -> None:
         mesh = self.meshes.get(mesh_name)
         if mesh is None or not mesh.log_subs:
             return
@@ -196,8 +196,11 @@ class Allocator(DebugRegistry):
         (``send_hwm`` messages) holds a bounded amount of output."""
         c = self.controllers.get(addr)
         if c is not None and time.monotonic() - c["last_seen"] > max(5.0, 3 * self.cfg.heartbeat_timeout):
-            self._drop_logs(addr, len(lines), "is not answering")
+            self._drop_logs(addr, count_lines(lines), "is not answering")
             return
+        if any(len(it) == 6 and len(it[4]) > LOG_CHUNK_CHARS for it in lines):
+            # a flood's run of lines (one string) is cut at line ends like a batch of lines
+            lines = [p for it in lines for p in (split_run(it, LOG_CHUNK_CHARS) if len(it) == 6 else (it,))]
         # where each line ends in the batch's text, counted in C (a flood is thousands of lines)
         ends = list(itertools.accumulate(map(len, map(_LINE_TEXT, lines))))
         i, n, base = 0, len(lines), 0
@@ -214,7 +217,7 @@ class Allocator(DebugRegistry):
                 logger.debug("log lines for %s not sent: %s", addr, e)
                 sent = False
             if not sent:
-                self._drop_logs(addr, n - i, "reads too slowly (its queue is full)")
+                self._drop_logs(addr, count_lines(lines[i:]), "reads too slowly (its queue is full)")
                 return
             i = j
         dropped = self.dropped_log_lines.pop(addr, 0)

@@ -26,7 +26,7 @@ from typing import Any
 from ..config import Config
 from ..errors import SpawnError
 from . import shm, zygote
-from .logcapture import LogLine, ProcLog, line_text
+from .logcapture import LogItem, ProcLog, line_text
 from .runtime import Runtime
 from .transport import Security
 
@@ -100,7 +100,7 @@ class Procs:
         runtime_dir: str,
         *,
         on_exit: Callable[[ProcRec], None],
-        on_lines: Callable[[str, list[LogLine]], None],
+        on_lines: Callable[[str, list[LogItem]], None],
         on_call_end: Callable[[str], None] | None = None,
     ) -> None:
         self.rt = rt

@@ -16,7 +16,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .._runtime.logcapture import line_text
+from .._runtime.logcapture import expand, line_text
 from .._runtime.runtime import ReplyPort, Runtime
 from .._version import __version__
 from .._wire import frames as wire
@@ -249,8 +249,11 @@ class Client:
         addr = self._alloc_addr.get(alloc_id)
         if addr is not None:
             self.rt.heard_from(addr)  # a flood of output is proof of life too
-        if (self.log_taps or self.log_writer is not None) and any(type(ln[4]) is bytes for ln in lines):
-            lines = [(r, st, ts, c, line_text(ln)) for r, st, ts, c, ln in lines]  # a huge line, shown as text
+        if self.log_taps or self.log_writer is not None:
+            # readers get lines (a flood's run of lines comes as one string: split here)
+            lines = expand(lines)
+            if any(type(ln[4]) is bytes for ln in lines):
+                lines = [(r, st, ts, c, line_text(ln)) for r, st, ts, c, ln in lines]  # a huge line, shown as text
         for tap in self.log_taps:
             try:
                 tap(mesh, lines)
@@ -269,24 +272,7 @@ class Client:
             except Exception:
                 pass
             return
-        out: list[str | bytes]
-        err: list[str | bytes]
-        out, err = [], []
-        big = False
-        for rank, stream, _ts, _call, line in lines:
-            dest = err if stream == "stderr" else out
-            if type(line) is bytes:
-                # a huge line as the proc wrote it: ASCII goes to the fd as it came
-                big = True
-                dest.extend((f"[{rank}] ", line if line.isascii() else line_text(line), "\n"))
-                continue
-            if line.startswith("\r"):
-                continue  # a progress bar's intermediate state; a plain stream shows only finished lines
-            if len(line) < _BIG_LINE:
-                dest.append(f"[{rank}] {line}\n")
-            else:
-                big = True
-                dest.extend((f"[{rank}] ", line, "\n"))  # a 10 MiB line is not copied to prefix it
+        out, err, big = _plain_parts(lines)
         try:
             if out:
                 _write_lines(sys.stdout, sys.__stdout__, out, big)
@@ -353,9 +339,39 @@ _RANK = operator.itemgetter(0)
 _STREAM = operator.itemgetter(1)
 
 
+def _plain_parts(items: list[Any]) -> tuple[list[str | bytes], list[str | bytes], bool]:
+    """What a plain stdout and stderr show of a batch (lines and runs of lines), and whether a
+    part is big (written on its own)."""
+    out: list[str | bytes]
+    err: list[str | bytes]
+    out, err = [], []
+    big = False
+    for item in items:
+        if len(item) == 6:  # a run of lines, one string
+            rank, stream, _ts, _call, line, _n = item
+            prefix = f"[{rank}] "
+            (err if stream == "stderr" else out).append(prefix + line.replace("\n", "\n" + prefix) + "\n")
+            continue
+        rank, stream, _ts, _call, line = item
+        dest = err if stream == "stderr" else out
+        if type(line) is bytes:
+            # a huge line as the proc wrote it: ASCII goes to the fd as it came
+            big = True
+            dest.extend((f"[{rank}] ", line if line.isascii() else line_text(line), "\n"))
+            continue
+        if line.startswith("\r"):
+            continue  # a progress bar's intermediate state; a plain stream shows only finished lines
+        if len(line) < _BIG_LINE:
+            dest.append(f"[{rank}] {line}\n")
+        else:
+            big = True
+            dest.extend((f"[{rank}] ", line, "\n"))  # a 10 MiB line is not copied to prefix it
+    return out, err, big
+
+
 def _one_rank_text(lines: list[Any]) -> str | None:
-    """What a plain stream shows of a batch of one rank's lines of one stream, built in C (a
-    flood's batch is hundreds of lines); None for any other batch (several ranks or streams,
+    """What a plain stream shows of a batch of one rank's lines (or runs of lines) of one
+    stream, built in C (a batch can be hundreds of lines); None for any other batch (several ranks or streams,
     a progress bar's state, a huge line)."""
     if len(lines) < 8:
         return None
