@@ -30,7 +30,8 @@ from typing import Any, NamedTuple
 from ..errors import ProtocolError, VersionMismatchError
 
 MAGIC = b"MNB"
-VERSION = 3
+#: 4: rank output travels as runs of lines (``logcapture.LogRun``), not a tuple per line
+VERSION = 4
 
 #: a message for an actor: meta is an :class:`ActorMeta`
 ACTOR = 1
