@@ -131,11 +131,7 @@ def to_bytes(buf: Any) -> bytes:
     if _API is None or n < MIN_BYTES or not mv.c_contiguous:
         return bytes(mv)
     with pinned(mv) as (src, _):
-        out = _reuse(n)
-        if out is None:
-            # uninitialised: only this function holds it until filled
-            out = _API[0](None, n)
-            advise_huge(id(out) + _API[4], n)
+        out = _reuse(n) or _fresh(n)
         copy(id(out) + _API[4], src, n)
     if n <= REUSE_MAX and _API[5]:
         with _last_lock:
@@ -166,14 +162,21 @@ def release_idle(idle: float) -> None:
             _last.clear()
 
 
+def _fresh(n: int) -> bytes:
+    """An uninitialised ``bytes`` of ``n``, advised for huge pages: only its maker holds it
+    until it is filled."""
+    out: bytes = _API[0](None, n)
+    advise_huge(id(out) + _API[4], n)
+    return out
+
+
 def join(parts: list[Any]) -> bytes:
     """``b"".join(parts)``, into huge pages when large (as :func:`to_bytes`)."""
     n = sum(memoryview(p).nbytes for p in parts)
     if _API is None or n < MIN_BYTES or not all(memoryview(p).c_contiguous for p in parts):
         return b"".join(parts)
-    out: bytes = _API[0](None, n)
+    out = _fresh(n)
     dst = id(out) + _API[4]
-    advise_huge(dst, n)
     for p in parts:
         with pinned(p) as (src, m):
             copy(dst, src, m)
