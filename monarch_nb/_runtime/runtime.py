@@ -35,6 +35,23 @@ from .transport import Security, Transport
 __all__ = ["NO_REPLY", "Mailbox", "PortHandler", "ReplyPort", "Runtime", "Target", "pid_alive", "system_method"]
 
 
+def new_loop(fast: bool = True) -> asyncio.AbstractEventLoop:
+    """An event loop for an I/O or actor thread: uvloop's where it is installed and ``fast``.
+
+    libuv's loop costs less per wake-up than asyncio's selector loop (A/B against asyncio's:
+    ``call_one`` 0.85-0.96x, ``call`` to 16 0.84x). The allocator keeps asyncio's: its log
+    batching runs on sub-millisecond timers, which libuv rounds to whole milliseconds
+    (``logs_10000`` read 1.47x with uvloop there)."""
+    if fast:
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
 class Runtime:
     """I/O for one process. Create with :meth:`start`; all methods are thread-safe."""
 
@@ -54,7 +71,7 @@ class Runtime:
         self.uid = secrets.token_hex(6)
         self.hostname = socket.gethostname()
         self.pid = os.getpid()
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_loop(fast=label != "allocator")
         self._thread = threading.Thread(target=self._run_loop, name=f"monarch_nb-io-{label}", daemon=True)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False

@@ -21,7 +21,7 @@ from typing import Any
 
 from .._runtime import _dataplane, spans
 from .._runtime.logcapture import TaggedStream, end_call, set_call
-from .._runtime.runtime import NO_REPLY, Runtime, system_method
+from .._runtime.runtime import NO_REPLY, Runtime, new_loop, system_method
 from .._wire import frames as wire
 from .._wire.serialize import loads
 from ..errors import ActorError, SupervisionError, _safe_exc, format_exception, safe_str
@@ -77,7 +77,7 @@ class ActorSlot:
         self._main: asyncio.Task[Any] | None = None
         self._handling = False
         if self.is_async:
-            self.loop = asyncio.new_event_loop()
+            self.loop = new_loop()
             self._aq: asyncio.Queue[Any] | None = None
             ready = threading.Event()
             self.thread = threading.Thread(target=self._run_async, args=(ready,), name="monarch-actor-event-loop", daemon=True)
