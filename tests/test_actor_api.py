@@ -473,6 +473,37 @@ print("RESULT", toys.hello_world.call("hey").get(timeout=20).values(), flush=Tru
     assert "[1] Identity: 1, msg='hey'" in r.stdout
 
 
+def test_code_from_main_keeps_its_file_name_in_the_proc(tmp_path):
+    # cloudpickle 3.1.3 ships all by-value code as "<dynamic-code>": a remote traceback would
+    # then name no file and the debugger could not fetch the cell's source
+    script = tmp_path / "my_training.py"
+    script.write_text(
+        """
+import sys
+from monarch_nb.actor import Actor, ActorError, endpoint, this_host
+class Fails(Actor):
+    @endpoint
+    def where(self):
+        return sys._getframe().f_code.co_filename
+    @endpoint
+    def boom(self):
+        raise ValueError("boom")
+procs = this_host().spawn_procs(per_host={"gpus": 1})
+f = procs.spawn("f", Fails)
+print("FILE", f.where.call_one().get(timeout=20), flush=True)
+try:
+    f.boom.call_one().get(timeout=20)
+except ActorError as e:
+    print("TRACE", str(e).replace("\\n", " | "), flush=True)
+"""
+    )
+    r = run_script(f"exec(compile(open({str(script)!r}).read(), {str(script)!r}, 'exec'))")
+    assert r.returncode == 0, r.stderr
+    assert f"FILE {script}" in r.stdout, r.stdout
+    trace = next(ln for ln in r.stdout.splitlines() if ln.startswith("TRACE"))
+    assert f'File "{script}"' in trace and "<dynamic-code>" not in trace, trace
+
+
 def test_logging_option_sets_the_python_logging_level_of_the_procs():
     code = """
 import asyncio, logging

@@ -10,6 +10,8 @@ from __future__ import annotations
 import io
 import pickle
 import sys
+import types
+from collections import ChainMap
 from collections.abc import Iterable
 from typing import Any
 
@@ -137,7 +139,24 @@ def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...]) -> Any:
     return torch.frombuffer(mv, dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
 
 
+_DYNAMIC = "<dynamic-code>"
+_cloud_code_reduce = cloudpickle.CloudPickler.dispatch_table[types.CodeType]
+
+
+def _code_reduce(code: types.CodeType) -> Any:
+    # cloudpickle 3.1.3 names all code it ships "<dynamic-code>", for deterministic payloads;
+    # ours must keep the notebook cell's file name, which tracebacks, stack dumps, log
+    # prefixes and the debugger's source fetch (from the controller's linecache) go by
+    rebuild, args = _cloud_code_reduce(code)
+    if code.co_filename != _DYNAMIC and _DYNAMIC in args:
+        i = args.index(_DYNAMIC)
+        args = (*args[:i], code.co_filename, *args[i + 1 :])
+    return rebuild, args
+
+
 class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
+    dispatch_table = ChainMap({types.CodeType: _code_reduce}, cloudpickle.CloudPickler.dispatch_table)
+
     def reducer_override(self, obj: Any) -> Any:
         cls = _tensor_type or _tensor_cls()
         if cls is not None and type(obj) is cls:
@@ -145,6 +164,14 @@ class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
             if r is not None:
                 return r
         return super().reducer_override(obj)
+
+
+def dumps_by_value(obj: Any) -> bytes:
+    """``obj`` (a class, a function) pickled by cloudpickle as one blob, its code keeping its
+    file name."""
+    f = io.BytesIO()
+    _Pickler(f, protocol=5).dump(obj)
+    return f.getvalue()
 
 
 def loads(body: Any, buffers: Iterable[Any] = ()) -> Any:

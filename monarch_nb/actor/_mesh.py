@@ -15,10 +15,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
-import cloudpickle
-
 from .._wire import frames as wire
-from .._wire.serialize import dumps, loads
+from .._wire.serialize import dumps, dumps_by_value, loads
 from ..errors import MeshClosedError, MeshError, SpawnError, SupervisionError
 from . import _context
 from ._actor import endpoints_of, is_async_actor
@@ -608,7 +606,7 @@ class ProcMesh(MeshTrait):
         # a new mesh under a stopped one's name is live
         client.stopped_actor_meshes.discard(mesh._key())
         if self._persist or any(p.alloc for p in self._procs):
-            blob = cloudpickle.dumps(Class)
+            blob = dumps_by_value(Class)
             for alloc in {p.alloc for p in self._procs if p.alloc}:
                 client.tell(alloc, "note_actor", self._name, name, blob, client.cid, label)
         return mesh
@@ -863,7 +861,7 @@ class HostMesh(MeshTrait):
         # as Monarch's: procs inherit their host's environment (None: the allocator's own), but
         # a controller's this_host() is the controller itself there
         env = dict(os.environ) if self._controller_env else None
-        boot = cloudpickle.dumps(bootstrap) if bootstrap is not None else None
+        boot = dumps_by_value(bootstrap) if bootstrap is not None else None
         cmd = _bootstrap_command(bootstrap_command if bootstrap_command is not None else self._bootstrap_cmd)
         # one future for the whole spawn, reporting procs up as the allocators tell of them: a
         # frontend shows its progress while a large mesh starts
