@@ -16,6 +16,7 @@ import itertools
 import os
 import threading
 import time
+from array import array
 from typing import Any
 
 #: records each process keeps between drains (a power of two)
@@ -100,8 +101,12 @@ def drain(after: int) -> dict[str, Any]:
         if attrs:
             d["attrs"] = attrs
         out.append(d)
+    return {"last": last, "dropped": dropped, "spans": out, "metrics": _metrics_now(), "now": time.time(), "pid": os.getpid()}
+
+
+def _metrics_now() -> list[dict[str, Any]]:
     with _mlock:
-        metrics = [
+        return [
             {
                 "meter": k[0],
                 "name": k[1],
@@ -115,11 +120,62 @@ def drain(after: int) -> dict[str, Any]:
             }
             for k, v in _metrics.items()
         ]
-    return {"last": last, "dropped": dropped, "spans": out, "metrics": metrics, "now": time.time(), "pid": os.getpid()}
+
+
+def drain_packed(after: int, limit: int = RING) -> dict[str, Any]:
+    """The newest ``limit`` records above ``after``, as columns: what the allocator drains.
+
+    It runs on the proc's I/O thread, which holds the GIL meanwhile, so every call in flight
+    waits for it: a full ring as :func:`drain`'s dicts took about 6 ms there (and as long again
+    to pickle), once a second at a high call rate. Here the ring is sliced, transposed and the
+    times packed by C code (about 0.3 ms for 4096 records). ``spans`` is ``None`` and
+    ``cols`` holds ``(first seq, kinds, names, actors, ranks, t0 bytes, t1 bytes, oks,
+    attrs, tid bytes)`` for consecutive sequence numbers from ``first``; records that were
+    not consecutive (a writer that lost the GIL between numbering and storing, or one that
+    lapped us) go through :func:`drain` instead. Older records than the newest ``limit`` are
+    skipped (the allocator keeps no more than that per proc), not counted as dropped."""
+    last = max(_last[0], after)  # _last may trail what an earlier drain returned (racing writers)
+    lo = max(after, last - min(limit, RING))
+    recs: list[Any] = []
+    if last > lo:
+        a, b = (lo + 1) & _MASK, (last & _MASK) + 1
+        recs = _ring[a:b] if a < b else _ring[a:] + _ring[:b]
+    cols: list[tuple[Any, ...]] = list(zip(*recs)) if recs and None not in recs else [()] * 10
+    if recs and cols[0] != tuple(range(lo + 1, last + 1)):
+        d = drain(lo)
+        d["dropped"] = max(d["dropped"], last - RING - after, 0)
+        return d
+    _, kinds, names, actors, ranks, t0s, t1s, oks, attrs, tids = cols
+    dropped = max(0, last - RING - after)
+    # a record stored since _last was read (or whose writer has not set _last yet) goes with
+    # the next drain, which starts at ``last``
+    return {
+        "last": last,
+        "dropped": dropped,
+        "spans": None,
+        "cols": (
+            lo + 1,
+            kinds,
+            names,
+            actors,
+            ranks,
+            array("d", t0s).tobytes(),
+            array("d", t1s).tobytes(),
+            oks,
+            attrs,
+            array("Q", tids).tobytes(),
+        ),
+        "off": _BASE_WALL - _BASE_PERF,
+        "metrics": _metrics_now(),
+        "now": time.time(),
+        "pid": os.getpid(),
+    }
 
 
 class SpanSource:
     """The ``__spans__`` system actor: how an allocator drains this process's ring."""
 
-    def sys_drain(self, after: int = 0) -> dict[str, Any]:
-        return drain(after)
+    def sys_drain(self, after: int = 0, limit: int = 0) -> dict[str, Any]:
+        # ``limit`` (records wanted at most) asks for the packed form: allocators that predate
+        # it get dicts
+        return drain_packed(after, limit) if limit else drain(after)
