@@ -226,8 +226,12 @@ def test_the_allocators_packed_drain_keeps_what_the_dicts_say() -> None:
     # take over, and read up to it
     last = ring.drain(0)["last"]
     ring.record_call("a#1", "step", 3, t, t, True)
-    ring._ring[(last + 1) & ring._MASK] = None
-    got = ring.drain_packed(last - 5, PER_PROC)
+    slot = (last + 1) & ring._MASK
+    stored, ring._ring[slot] = ring._ring[slot], None
+    try:
+        got = ring.drain_packed(last - 5, PER_PROC)
+    finally:
+        ring._ring[slot] = stored  # as its writer would: this process's ring serves the other tests
     assert [s["seq"] for s in got["spans"]] == list(range(last - 4, last + 1)) and got["last"] == last
 
 
