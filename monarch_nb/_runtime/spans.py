@@ -1,13 +1,15 @@
 """This process's spans and metrics: a fixed-size ring written on every endpoint call.
 
 Recording is on the hot path of every call, so it is one ``next()`` on a shared counter and
-one slot store into a preallocated list: no lock (``next`` on ``itertools.count`` is atomic
-under the GIL), no allocation beyond the record tuple, and times kept as raw
-``perf_counter`` seconds, turned into wall-clock time only when the allocator drains them.
+a few slot stores into preallocated columns: no lock (``next`` on ``itertools.count`` is
+atomic under the GIL), no allocation but a small key tuple (an endpoint's recurring
+``(kind, name, actor, rank, ok, attrs, thread)`` is shared by its records), and times kept
+as raw ``perf_counter`` seconds, turned into wall-clock time only when they are read.
 
 The allocator drains the ring through the ``__spans__`` system actor (answered on the I/O
-thread, so a busy actor still answers); a record the ring overwrote before it was drained
-is lost and counted as ``dropped``.
+thread, so a busy actor still answers; the columns go as they are, see
+:func:`drain_packed`); a record the ring overwrote before it was drained is lost and
+counted as ``dropped``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ from typing import Any
 RING = 1 << int(os.environ.get("MONARCH_NB_SPAN_RING_BITS", "13"))
 _MASK = RING - 1
 
-_ring: list[Any] = [None] * RING
+# the ring, as columns: a slot's number is stored last, so a slot that holds number ``s``
+# holds record ``s`` (unless a writer a whole ring ahead lapped it meanwhile)
+_nums = array("q", bytes(8 * RING))
+_t0s = array("d", bytes(8 * RING))
+_t1s = array("d", bytes(8 * RING))
+#: each slot's (kind, name, actor, rank, ok, attrs, thread)
+_keys: list[Any] = [None] * RING
+#: the keys of calls, shared by the records of one endpoint, actor, outcome and thread
+_call_keys: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 _seq = itertools.count(1)
 #: about the last sequence number stored (writers race to set it; drain reads on past it)
 _last = [0]
@@ -37,15 +47,29 @@ _mlock = threading.Lock()
 
 def record_call(actor: str, method: str, rank: int, t0: float, t1: float, ok: bool) -> None:
     """One endpoint call: ``t0``/``t1`` are the ``perf_counter()`` readings around it."""
+    tid = threading.get_ident()
+    k = _call_keys.get((method, actor, rank, ok, tid))
+    if k is None:
+        if len(_call_keys) > 4096:  # threads come and go: bounded
+            _call_keys.clear()
+        k = _call_keys[method, actor, rank, ok, tid] = ("call", method, actor, rank, ok, None, tid)
     i = next(_seq)
-    _ring[i & _MASK] = (i, "call", method, actor, rank, t0, t1, ok, None, threading.get_ident())
+    j = i & _MASK
+    _t0s[j] = t0
+    _t1s[j] = t1
+    _keys[j] = k
+    _nums[j] = i
     _last[0] = i  # a hint for drain, which reads on past it
 
 
 def record_span(name: str, actor: str, rank: int, t0: float, t1: float, ok: bool, attrs: dict[str, Any] | None) -> None:
     """A user span (``telemetry.span``) in this process."""
     i = next(_seq)
-    _ring[i & _MASK] = (i, "span", name, actor, rank, t0, t1, ok, attrs or None, threading.get_ident())
+    j = i & _MASK
+    _t0s[j] = t0
+    _t1s[j] = t1
+    _keys[j] = ("span", name, actor, rank, ok, attrs or None, threading.get_ident())
+    _nums[j] = i
     _last[0] = i
 
 
@@ -79,13 +103,15 @@ def drain(after: int) -> dict[str, Any]:
     # the newest record, and a numbered record may not be stored yet (its writer lost the GIL
     # in between); the next drain starts there rather than skip it for good
     for s in range(lo + 1, lo + RING + 1):
-        r = _ring[s & _MASK]
-        if r is None or r[0] < s:
+        j = s & _MASK
+        n = _nums[j]
+        if n < s:
             break
         last = s
-        if r[0] > s:
+        if n > s:
             continue  # overwritten by a writer that lapped us: counted in dropped
-        _, kind, name, actor, rank, t0, t1, ok, attrs, tid = r
+        kind, name, actor, rank, ok, attrs, tid = _keys[j]
+        t0, t1 = _t0s[j], _t1s[j]
         d = {
             "seq": s,
             "kind": kind,
@@ -123,48 +149,34 @@ def _metrics_now() -> list[dict[str, Any]]:
 
 
 def drain_packed(after: int, limit: int = RING) -> dict[str, Any]:
-    """The newest ``limit`` records above ``after``, as columns: what the allocator drains.
+    """The newest ``limit`` records above ``after``, as the ring's columns: what the allocator drains.
 
     It runs on the proc's I/O thread, which holds the GIL meanwhile, so every call in flight
-    waits for it: a full ring as :func:`drain`'s dicts took about 6 ms there (and as long again
-    to pickle), once a second at a high call rate. Here the ring is sliced, transposed and the
-    times packed by C code (about 0.3 ms for 4096 records). ``spans`` is ``None`` and
-    ``cols`` holds ``(first seq, kinds, names, actors, ranks, t0 bytes, t1 bytes, oks,
-    attrs, tid bytes)`` for consecutive sequence numbers from ``first``; records that were
-    not consecutive (a writer that lost the GIL between numbering and storing, or one that
-    lapped us) go through :func:`drain` instead. Older records than the newest ``limit`` are
-    skipped (the allocator keeps no more than that per proc), not counted as dropped."""
+    waits for it: a full ring as :func:`drain`'s dicts took 3-8 ms there with the pickling,
+    once a second at a high call rate; slices of the columns take C code tens of µs. ``spans``
+    is ``None`` and ``cols`` holds ``(first seq, keys, t0 bytes, t1 bytes)`` (a key per record,
+    see ``_keys``) for consecutive sequence numbers from ``first``; when they are not
+    consecutive (a writer between numbering and storing, or one that lapped us) :func:`drain`
+    answers instead. Records older than the newest ``limit`` are skipped (the allocator keeps
+    no more than that per proc), not counted as dropped."""
     last = max(_last[0], after)  # _last may trail what an earlier drain returned (racing writers)
     lo = max(after, last - min(limit, RING))
-    recs: list[Any] = []
-    if last > lo:
-        a, b = (lo + 1) & _MASK, (last & _MASK) + 1
-        recs = _ring[a:b] if a < b else _ring[a:] + _ring[:b]
-    cols: list[tuple[Any, ...]] = list(zip(*recs)) if recs and None not in recs else [()] * 10
-    if recs and cols[0] != tuple(range(lo + 1, last + 1)):
+    a, b = (lo + 1) & _MASK, (last & _MASK) + 1
+    if last <= lo:
+        nums, keys, t0s, t1s = array("q"), [], array("d"), array("d")
+    elif a < b:
+        nums, keys, t0s, t1s = _nums[a:b], _keys[a:b], _t0s[a:b], _t1s[a:b]
+    else:
+        nums, keys, t0s, t1s = _nums[a:] + _nums[:b], _keys[a:] + _keys[:b], _t0s[a:] + _t0s[:b], _t1s[a:] + _t1s[:b]
+    if nums != array("q", range(lo + 1, last + 1)):
         d = drain(lo)
         d["dropped"] = max(d["dropped"], last - RING - after, 0)
         return d
-    _, kinds, names, actors, ranks, t0s, t1s, oks, attrs, tids = cols
-    dropped = max(0, last - RING - after)
-    # a record stored since _last was read (or whose writer has not set _last yet) goes with
-    # the next drain, which starts at ``last``
     return {
         "last": last,
-        "dropped": dropped,
+        "dropped": max(0, last - RING - after),
         "spans": None,
-        "cols": (
-            lo + 1,
-            kinds,
-            names,
-            actors,
-            ranks,
-            array("d", t0s).tobytes(),
-            array("d", t1s).tobytes(),
-            oks,
-            attrs,
-            array("Q", tids).tobytes(),
-        ),
+        "cols": (lo + 1, keys, t0s.tobytes(), t1s.tobytes()),
         "off": _BASE_WALL - _BASE_PERF,
         "metrics": _metrics_now(),
         "now": time.time(),

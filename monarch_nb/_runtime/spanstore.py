@@ -226,38 +226,41 @@ _OUTCOME = {True: "ok", False: "error"}
 
 
 def _unpack(cols: tuple[Any, ...], off: float, cursor: int) -> Any:
-    """A packed drain (``spans.drain_packed``) as kept tuples (``_FIELDS``), made by C code:
-    the allocator does this for every proc every second, competing for the host's cores
-    with the procs it serves."""
-    first, kinds, names, actors, ranks, t0b, t1b, oks, attrs, tidb = cols
-    t0, t1, tids = array("d"), array("d"), array("Q")
+    """A packed drain (``spans.drain_packed``) as kept tuples (``_FIELDS``), made by C code
+    but for one tuple per distinct key (an endpoint's calls share theirs)."""
+    first, keys, t0b, t1b = cols
+    t0, t1 = array("d"), array("d")
     t0.frombytes(t0b)
     t1.frombytes(t1b)
-    tids.frombytes(tidb)
-    # (kind, name, actor) takes few values: each one's interned (kind, name, actor, method) once
-    keys = list(zip(kinds, names, actors))
-    table = {}
-    for kind, name, actor in set(keys):
-        call = kind == "call"
-        table[kind, name, actor] = (
-            sys.intern(kind),
-            sys.intern(f"{actor}.{name}" if call else name),
-            sys.intern(actor),
-            sys.intern(name if call else ""),
-        )
-    per = list(map(table.__getitem__, keys))
+    table: dict[int, tuple[Any, ...]] = {}
+    for k in keys:
+        if id(k) not in table:
+            kind, name, actor, rank, ok, attrs, tid = k
+            call = kind == "call"
+            table[id(k)] = (
+                sys.intern(kind),
+                sys.intern(f"{actor}.{name}" if call else name),
+                sys.intern(actor),
+                sys.intern(name if call else ""),
+                rank,
+                _OUTCOME[bool(ok)],
+                tid,
+                attrs,
+            )
+    per = list(map(table.__getitem__, map(id, keys)))
+    g = operator.itemgetter
     rows = zip(
         range(first, first + len(keys)),
-        map(operator.itemgetter(0), per),
-        map(operator.itemgetter(1), per),
-        map(operator.itemgetter(2), per),
-        map(operator.itemgetter(3), per),
-        ranks,
+        map(g(0), per),
+        map(g(1), per),
+        map(g(2), per),
+        map(g(3), per),
+        map(g(4), per),
         map(off.__add__, t0),
         map(operator.sub, t1, t0),
-        map(_OUTCOME.__getitem__, oks),
-        tids,
-        attrs,
+        map(g(5), per),
+        map(g(6), per),
+        map(g(7), per),
     )
     # records at or below the cursor were kept from an earlier drain
     return itertools.islice(rows, max(0, cursor + 1 - first), None)
