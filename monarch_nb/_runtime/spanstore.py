@@ -40,7 +40,7 @@ class _Kept:
     """One proc's kept spans. A drain's packed columns are kept as they came and made into
     tuples only when something reads ``spans`` (a query, a dashboard): the allocator drains
     every proc every second, on cores it shares with the procs it serves, and a busy proc's
-    4096 records took it about 1.2 ms to unpack; most of them are never read."""
+    4096 records take it about 1 ms to unpack; most of them are never read."""
 
     __slots__ = ("_npacked", "_packed", "_spans", "cursor", "dropped", "meta", "metrics")
 
