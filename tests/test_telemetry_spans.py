@@ -196,6 +196,45 @@ def test_memory_is_bounded(traced) -> None:  # type: ignore[no-untyped-def]
     assert len(got["spans"]) <= ring.RING and got["dropped"] >= 10
 
 
+def test_the_allocators_packed_drain_keeps_what_the_dicts_say() -> None:
+    from monarch_nb._runtime.spanstore import _FIELDS, _Kept
+    from monarch_nb._wire.serialize import dumps, loads
+
+    t = time.perf_counter()
+    before = ring.drain(0)["last"]
+    kept = _Kept({})
+    kept.cursor = before
+    # two drains, as the allocator's once a second, as they went over the wire; the second
+    # finds more than the allocator keeps, and sends only the newest
+    for n in (300, PER_PROC + 200):
+        for i in range(n):
+            ring.record_call("a#1", "step", 3, t + i, t + i + 0.5, i % 7 != 0)
+        ring.record_span("user", "a#1", 3, t, t + 2.0, False, {"k": n})
+        got = loads(*dumps(ring.drain_packed(kept.cursor, PER_PROC)))
+        assert got["spans"] is None and got["dropped"] == 0
+        kept.add_packed(got["cols"], got["off"], kept.cursor)
+        kept.cursor = got["last"]
+    want = ring.drain(before)["spans"][-PER_PROC:]
+    assert len(kept) == PER_PROC and kept.cursor == want[-1]["seq"]
+    rows = [dict(zip(_FIELDS, s)) for s in kept.spans]
+    assert [r["seq"] for r in rows] == [w["seq"] for w in want]
+    for r, w in zip(rows, want):
+        assert r.pop("start") == pytest.approx(w.pop("start"), abs=1e-6)
+        assert r.pop("attrs") == w.pop("attrs", None)
+        assert r == w
+    # a record numbered but not stored yet (its writer lost the GIL in between): the dicts
+    # take over, and read up to it
+    last = ring.drain(0)["last"]
+    ring.record_call("a#1", "step", 3, t, t, True)
+    slot = (last + 1) & ring._MASK
+    ring._nums[slot] = last + 1 - ring.RING
+    try:
+        got = ring.drain_packed(last - 5, PER_PROC)
+    finally:
+        ring._nums[slot] = last + 1  # as its writer would: this process's ring serves the other tests
+    assert [s["seq"] for s in got["spans"]] == list(range(last - 4, last + 1)) and got["last"] == last
+
+
 def test_metrics_from_every_rank(traced) -> None:  # type: ignore[no-untyped-def]
     traced.count.call().get(timeout=30)
     traced.count.call().get(timeout=30)
