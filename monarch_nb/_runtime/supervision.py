@@ -67,6 +67,9 @@ class Supervision:
         self.dead: dict[str, SupervisionError] = {}
         #: allocator address -> what we know of it
         self.watches: dict[str, Watch] = {}
+        #: every proc address :meth:`watch` was told of (read lock-free: a call to many actors
+        #: skips the call for procs it already watches)
+        self.watched: set[str] = set()
         self.peer_failure_callbacks: list[Callable[[str, SupervisionError], None]] = []
         #: called on the I/O thread with every other event an allocator publishes (e.g. debug sessions)
         self.event_callbacks: list[Callable[[tuple[Any, ...]], None]] = []
@@ -130,6 +133,7 @@ class Supervision:
         if w is None:
             w = self.watch_allocator(alloc_addr, host)
         w.procs[proc_addr] = (mesh, rank, host)
+        self.watched.add(proc_addr)
         if w.lost is not None:
             self.peer_failed(proc_addr, self._proc_error(w, proc_addr, w.lost.cause))
 

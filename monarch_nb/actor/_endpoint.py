@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
-from .._runtime.runtime import ReplyPort, Target
+from .._runtime.runtime import ReplyPort
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
 from ..errors import ActorError, MeshClosedError, NotAnEndpointError, SupervisionError
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 R = TypeVar("R")
 A = TypeVar("A")
+
+ERROR = wire.ERROR
 
 
 class EndpointProperty(Generic[R]):
@@ -353,13 +355,22 @@ def multicast(
     this thread's earlier messages to each. Replies go to ``port``: a :class:`ReplyPort` of
     ours, each proc owing it the reply of its index (``on_fail(index, error)`` if it dies), or
     an ``(addr, port)`` anyone opened ("" = our own address), or nowhere (None)."""
-    targets = []
+    targets: list[tuple[str, str, int, str]] = []
     raddr_cache: dict[bool, str] = {}
     replies = port if isinstance(port, ReplyPort) else None
     port_id = port.port if isinstance(port, ReplyPort) else port[1] if port else 0
     # the port's own failure callback: one supervision record for the call, not one per target
     own = replies is not None and on_fail is not None and replies.on_fail is on_fail
-    for i, p in zip(idx, procs):
+    if own:
+        # the common call (call(), call_one(), ...): what the general loop below does, per rank
+        assert replies is not None
+        replies.owe_procs(idx, procs)
+        append = targets.append
+        for i, p in zip(idx, procs):
+            addr = p.addr
+            tcp = addr.startswith("tcp://")
+            append((addr, p.alloc, i, raddr_cache.get(tcp) or raddr_cache.setdefault(tcp, rt.addr_for(addr))))
+    for i, p in zip(idx, procs) if not own else ():
         reply = ""
         if port is not None:
             # replies is None: port is an (addr, port) tuple (no isinstance per target)
@@ -375,7 +386,7 @@ def multicast(
                     rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)
                 if on_fail is not None:
                     rt.expect(p.addr, (port_id, i), functools.partial(on_fail, i))
-        targets.append(Target(p.addr, p.alloc, i, reply))
+        targets.append((p.addr, p.alloc, i, reply))
     failed = rt.send_many(targets, actor, method, body, bufs, port=port_id, extent=extent, call_id=call_id)
     for i, e in failed:
         if on_fail is None:
@@ -462,7 +473,20 @@ def gather(
 
     def on_reply(index: int, status: int, body: Any, bufs: list[Any]) -> None:
         replies.answered(index)
-        arrive(index, (body, bufs), status == wire.ERROR)
+        if status == ERROR:
+            arrive(index, (body, bufs), True)
+            return
+        # arrive() for a value, inline: one of these per rank, on the I/O thread
+        with lock:
+            if closed[0] or raw[index] is not None or index in errors:
+                return
+            raw[index] = (body, bufs)
+            if order is not None:
+                order.append(index)
+            left[0] -= 1
+            if left[0]:
+                return
+        complete()
 
     def on_fail(index: int, err: BaseException) -> None:
         if isinstance(endpoint, Endpoint):
