@@ -106,7 +106,7 @@ class Runtime:
         self.actors, self.system, self.relayed = r.actors, r.system, r.relayed
         # every process's spans, drained by its allocator (spans.py)
         self.system["__spans__"] = SpanSource()
-        self.expect, self.fulfil, self.watch, self.heard_from = v.expect, v.fulfil, v.watch, v.heard_from
+        self.watch, self.heard_from = v.watch, v.heard_from
         self.peer_error, self.peer_failed = v.peer_error, v.peer_failed
         self.peer_failure_callbacks, self.event_callbacks = v.peer_failure_callbacks, v.event_callbacks
 
