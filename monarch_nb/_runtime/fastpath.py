@@ -124,10 +124,12 @@ class Sender:
                 raise BrokenPipeError("the direct connection's writer failed: the peer is gone")
             q.put(b"".join(bytes(p) for p in parts))
             return
-        total = len(parts[0]) if len(parts) == 1 else sum(len(p) for p in parts)
+        one = len(parts) == 1
+        total = len(parts[0]) if one else sum(len(p) for p in parts)
         sent = 0
         try:
-            sent = self.sock.sendmsg(parts)
+            # send() costs ~0.2 us less than sendmsg() (no iovec to build): one per rank of a call
+            sent = self.sock.send(parts[0]) if one else self.sock.sendmsg(parts)
             if sent < total:  # a full buffer or a signal cut the write short: finish it in order
                 rest = memoryview(b"".join(bytes(p) for p in parts))[sent:]
                 while rest:
