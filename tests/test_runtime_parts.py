@@ -122,6 +122,24 @@ def test_receiver_answers_on_the_reply_port_and_routes_ports_to_handlers() -> No
     assert got == [(2, wire.OK, "v")]
 
 
+def test_receiver_takes_a_one_frame_port_value_as_dispatch_does(caplog) -> None:
+    # dispatch_one (the direct path's single frames) reads a reply's head itself: same result,
+    # and anything malformed still goes to dispatch, which drops it with a reason
+    rx, _, _ = _receiver()
+    got: list[Any] = []
+    port = rx.open_port(lambda index, status, body, bufs: got.append((index, status, loads(body, bufs), bufs)))
+    body, bufs = dumps({"x": 1})
+    [frame] = wire.encode(wire.PORT, (port, 7, wire.ERROR), body, bufs)
+    rx.dispatch_one(frame)
+    assert got == [(7, wire.ERROR, {"x": 1}, [])]
+    rx.dispatch_one(frame[:12])  # truncated meta
+    bad = wire.encode(wire.PORT, ("p", 1, 0), body)[0]  # no such port: ignored, as by dispatch
+    rx.dispatch_one(bad)
+    assert len(got) == 1 and rx.dropped == 1
+    rx.dispatch_one(_actor_msg(4, 0, reply=B)[0])  # any other message: dispatch's way
+    assert rx.system["rec"].seen == [4]
+
+
 def test_receiver_fails_a_call_to_an_unknown_actor_and_drops_garbage() -> None:
     rx, out, _ = _receiver()
     rx.dispatch(_actor_msg(1, 0, reply=B, actor="nobody"))
@@ -167,19 +185,17 @@ class IO:
         fn(*args)
 
 
-def test_supervision_fails_what_a_dead_peer_owed_and_refuses_it_after() -> None:
+def test_supervision_tells_waiting_ports_of_a_dead_peer_once_and_refuses_it_after() -> None:
     sup = Supervision(Config(), IO())
-    failed: list[tuple[str, BaseException]] = []
-    sup.expect(A, (1, 0), lambda e: failed.append(("a0", e)))
-    sup.expect(A, (1, 1), lambda e: failed.append(("a1", e)))
-    sup.fulfil(A, (1, 1))
+    told: list[tuple[int, str, BaseException]] = []
+    sup.wait(1, lambda peer, e: told.append((1, peer, e)))
+    sup.wait(2, lambda peer, e: told.append((2, peer, e)))
+    sup.unwait(2)  # closed: told nothing
     err = SupervisionError("proc died")
     sup.peer_failed(A, err)
     sup.peer_failed(A, SupervisionError("again"))  # once only
-    assert failed == [("a0", err)]
-    assert sup.peer_error(A) is err
-    sup.expect(A, (2, 0), lambda e: failed.append(("late", e)))  # owed by the dead: fails at once
-    assert failed[-1] == ("late", err)
+    assert told == [(1, A, err)]
+    assert sup.peer_error(A) is err and sup.dead[A] is err  # refused from now on
 
 
 def test_supervision_declares_a_silent_allocator_and_its_procs_lost(caplog) -> None:
@@ -242,7 +258,7 @@ def test_a_reply_port_is_one_supervision_record_and_fails_each_index_once(tmp_pa
         for i, peer in enumerate([A, A, B, B]):
             replies.owe(i, peer)
         # a call to many peers costs supervision one record, not one per peer
-        assert not rt.supervision._expect and list(rt.supervision._waiters) == [replies.port]
+        assert list(rt.supervision._waiters) == [replies.port]
         replies.answered(1)
         rt.peer_failed(A, SupervisionError("A died"))
         assert failed == [(0, "A died")]  # 1 had answered
@@ -255,6 +271,37 @@ def test_a_reply_port_is_one_supervision_record_and_fails_each_index_once(tmp_pa
         assert not rt.supervision._waiters
     finally:
         rt.close()
+
+
+def test_a_reply_port_owed_by_many_procs_at_once(tmp_path) -> None:
+    # owe_procs (a call to many actors): one loop, allocators watched once per proc, a proc
+    # already dead fails its index at once through the port's own callback
+    rt = Runtime(Config(), Security(), str(tmp_path))  # not started: no thread, no sockets
+    try:
+        rt.supervision.watch_allocator = lambda alloc, host: _Watched(alloc)  # type: ignore[method-assign]
+        failed: list[tuple[int, str]] = []
+        procs = [_Proc(A, REMOTE, "m", 0), _Proc(B, REMOTE, "m", 1), _Proc("ipc:///tmp/c.sock", "", "m", 2)]
+        rt.peer_failed(B, SupervisionError("B died"))
+        replies = ReplyPort(rt, lambda *a: None, lambda i, e: failed.append((i, str(e).rsplit(": ", 1)[-1])))
+        replies.owe_procs([4, 5, 6], procs)
+        assert failed == [(5, "B died")]
+        assert rt.supervision.watched == {A, B}  # the allocator-less proc is not watched
+        rt.peer_failed(A, SupervisionError("A died"))
+        assert failed == [(5, "B died"), (4, "A died")]
+        replies.answered(6)
+        replies.close()
+    finally:
+        rt.close()
+
+
+class _Proc:
+    def __init__(self, addr: str, alloc: str, mesh: str, rank: int) -> None:
+        self.addr, self.alloc, self.mesh, self.rank, self.host = addr, alloc, mesh, rank, "h"
+
+
+class _Watched:
+    def __init__(self, addr: str) -> None:
+        self.addr, self.procs, self.lost = addr, {}, None
 
 
 def test_a_closed_reply_port_leaves_no_cycle_behind(tmp_path) -> None:

@@ -49,6 +49,10 @@ GREETING_S = 5.0
 _TIMEVAL = struct.Struct("ll")
 
 
+#: a message of one frame starts so, then the frame's length (u32)
+ONE_FRAME = b"\x01"
+
+
 def greeting() -> bytes:
     return wire.MAGIC + bytes([wire.VERSION])
 
@@ -108,6 +112,11 @@ class Sender:
         parts.insert(0, head)
         self._write(parts)
 
+    def send_framed(self, data: bytes) -> None:
+        """Send a message of one frame already laid out for the wire (:data:`ONE_FRAME`, its
+        length, the frame)."""
+        self._write([data])
+
     def _write(self, parts: list[Any]) -> None:
         q = getattr(self, "_q", None)
         if q is not None:  # the receiver stalled earlier: keep the order, behind what is queued
@@ -115,10 +124,12 @@ class Sender:
                 raise BrokenPipeError("the direct connection's writer failed: the peer is gone")
             q.put(b"".join(bytes(p) for p in parts))
             return
-        total = len(parts[0]) if len(parts) == 1 else sum(len(p) for p in parts)
+        one = len(parts) == 1
+        total = len(parts[0]) if one else sum(len(p) for p in parts)
         sent = 0
         try:
-            sent = self.sock.sendmsg(parts)
+            # send() costs ~0.2 us less than sendmsg() (no iovec to build): one per rank of a call
+            sent = self.sock.send(parts[0]) if one else self.sock.sendmsg(parts)
             if sent < total:  # a full buffer or a signal cut the write short: finish it in order
                 rest = memoryview(b"".join(bytes(p) for p in parts))[sent:]
                 while rest:
@@ -166,15 +177,26 @@ def _writer(sock: socket.socket, q: _Queue) -> None:
 class Receiver:
     """Reassembles the messages of one accepted connection; driven by its loop's reader."""
 
-    __slots__ = ("sock", "dispatch", "max_bytes", "buf", "r", "w", "lens", "frames", "big", "filled", "label", "got")
+    __slots__ = (
+        "sock", "dispatch", "dispatch_one", "max_bytes", "buf", "r", "w", "lens", "frames", "big", "filled", "label", "got"
+    )  # fmt: skip
 
-    def __init__(self, sock: socket.socket, dispatch: Callable[[list[Any]], None], max_bytes: int, label: str) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        dispatch: Callable[[list[Any]], None],
+        max_bytes: int,
+        label: str,
+        dispatch_one: Callable[[bytes], None] | None = None,
+    ) -> None:
         try:
             sock.send(greeting())  # a fresh connection's buffer is empty: this never blocks
         except OSError as e:
             logger.debug("greeting a direct connection failed: %s", e)
         self.sock = sock
         self.dispatch = dispatch
+        #: a message of one frame (most of them), without a list around it
+        self.dispatch_one = dispatch_one or (lambda frame: dispatch([frame]))
         self.max_bytes = max_bytes
         self.label = label
         self.buf = bytearray(_READ)
@@ -246,7 +268,7 @@ class Receiver:
                     if need <= self.w - r and need <= self.max_bytes:
                         self.r = r + need
                         self.got += 1
-                        self.dispatch([bytes(mv[r : r + need])])
+                        self.dispatch_one(bytes(mv[r : r + need]))
                         continue
                 if avail < 1 + 4 * n:
                     return True

@@ -22,7 +22,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from ..config import Config
@@ -87,7 +87,14 @@ class Runtime:
             tcp_port=tcp_port,
         )
         self.supervision = Supervision(cfg, self)
-        self.sender = Sender(cfg, self.transport.send, self.supervision.dead, uid=self.uid, hostname=self.hostname)
+        self.sender = Sender(
+            cfg,
+            self.transport.send,
+            self.supervision.dead,
+            uid=self.uid,
+            hostname=self.hostname,
+            direct_conns=self.transport.direct_conns,
+        )
         self.receiver = Receiver(cfg, self.sender, label=label, hostname=self.hostname, pid=self.pid, spawn=self._spawn)
         self._cfg = cfg
         # the parts' entry points as the runtime's own: bound methods, so no extra call per use
@@ -99,7 +106,7 @@ class Runtime:
         self.actors, self.system, self.relayed = r.actors, r.system, r.relayed
         # every process's spans, drained by its allocator (spans.py)
         self.system["__spans__"] = SpanSource()
-        self.expect, self.fulfil, self.watch, self.heard_from = v.expect, v.fulfil, v.watch, v.heard_from
+        self.watch, self.heard_from = v.watch, v.heard_from
         self.peer_error, self.peer_failed = v.peer_error, v.peer_failed
         self.peer_failure_callbacks, self.event_callbacks = v.peer_failure_callbacks, v.event_callbacks
 
@@ -156,7 +163,7 @@ class Runtime:
 
     def _open(self, ready: concurrent.futures.Future[None]) -> None:
         try:
-            self.transport.open(self.receiver.dispatch)
+            self.transport.open(self.receiver.dispatch, self.receiver.dispatch_one)
             self._spawn(self._watch_loop())
             ready.set_result(None)
         except BaseException as e:
@@ -277,6 +284,24 @@ class ReplyPort:
         dead = self.rt.supervision.dead.get(peer)
         if dead is not None:
             self.fail(index, dead)
+
+    def owe_procs(self, idx: Iterable[int], procs: Iterable[Any]) -> None:
+        """:meth:`owe` for a call to many procs, failing through the port's own callback:
+        ``procs`` (objects with ``addr``, ``alloc``, ``mesh``, ``rank``, ``host``) owe the
+        replies of ``idx``, in order. ``idx`` is read twice."""
+        owed = self._owed
+        sup = self.rt.supervision
+        watched, watch = sup.watched, sup.watch
+        for i, p in zip(idx, procs):
+            addr = owed[i] = p.addr
+            if addr not in watched and p.alloc:
+                watch(p.alloc, addr, p.mesh, p.rank, p.host)
+        dead = sup.dead
+        if dead:  # after noting them all: a peer failing from here on is matched by _peer_failed
+            for i, p in zip(idx, procs):
+                err = dead.get(p.addr)
+                if err is not None:
+                    self.fail(i, err)
 
     def fail(self, index: int, err: BaseException) -> None:
         """The reply of ``index`` will not come (its peer is gone, its send failed): tell the

@@ -13,16 +13,22 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterator, Mapping
+import pickle
+import struct
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from .._wire import frames as wire
 from .._wire.serialize import dumps, nbytes
 from ..config import Config
 from ..errors import ActorError, SupervisionError, format_exception, safe_str
+from . import fastpath
 from . import shm as _shm
 
 logger = logging.getLogger(__name__)
+
+_dumps = pickle.dumps
+_LEN = struct.Struct("<I").pack
 
 
 class Target(NamedTuple):
@@ -48,9 +54,12 @@ class Sender:
         *,
         uid: str,
         hostname: str,
+        direct_conns: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
         self.cfg = cfg
         self._send_frames = send_frames
+        #: this thread's direct connections (``Transport.direct_conns``), or None
+        self._direct_conns = direct_conns
         #: peers known to be gone (supervision's, read here): sending to one raises its error
         self._dead = dead
         self.uid = uid
@@ -123,7 +132,7 @@ class Sender:
 
     def send_many(
         self,
-        targets: list[Target],
+        targets: Sequence[tuple[str, str, int, str]],
         actor: str,
         method: str,
         body: bytes,
@@ -140,7 +149,7 @@ class Sender:
         ``(index, error)`` of targets it could not send to; the others are on their way.
         """
         groups: dict[str, list[Target]] = {}
-        direct: list[Target] = []
+        direct: Sequence[tuple[str, str, int, str]] = []
         fmin = self.cfg.fanout_min
         if fmin > 0 and len(targets) >= fmin:
             # this host's procs are cheaper to reach straight (the direct path from this thread,
@@ -148,35 +157,53 @@ class Sender:
             local = self.cfg.fanout_local and not (
                 self.shm is not None and any(memoryview(b).nbytes >= self.cfg.shm_min_bytes for b in buffers)
             )
+            near: list[tuple[str, str, int, str]] = []
             for t in targets:
+                t = Target(*t)
                 if t.alloc and (local or not t.alloc.startswith("ipc://")):
                     groups.setdefault(t.alloc, []).append(t)
                 else:
-                    direct.append(t)
+                    near.append(t)
             for alloc in [a for a, g in groups.items() if len(g) < fmin]:
-                direct.extend(groups.pop(alloc))
+                near.extend(groups.pop(alloc))
+            direct = near
         else:
             direct = targets
         failed: list[tuple[int, BaseException]] = []
         shared: dict[int, Any] | None = {} if len(direct) > 1 and buffers else None
-        # per target, what send() and encode() would do, without their calls and checks (a call
-        # to many actors pays these per rank)
+        # per target, what send(), encode() and the transport would do, without their calls and
+        # checks (a call to many actors pays these per rank)
         dead, send_frames, seqs_of, encode = self._dead, self._send_frames, self._seqs, wire.encode
-        for t in direct:
-            addr = t.addr
+        small = not buffers and len(body) <= wire.INLINE_MAX
+        # a small message to a peer this thread already writes to directly is laid out for the
+        # wire in one join (head, meta, body and the direct path's length prefix)
+        conns = self._direct_conns() if small and self._direct_conns is not None else None
+        head, nhead = wire.ACTOR_INLINE_HEAD, len(wire.ACTOR_INLINE_HEAD) + 4
+        for addr, _, index, reply in direct:
             st = seqs_of.get(addr) or self._stream(addr)
             # an ActorMeta (see frames.py): plain tuples are cheaper to pickle
-            meta = (actor, method, t.reply, port if t.reply else 0, t.call_index, extent, call_id, st[0], next(st[1]))
+            meta = (actor, method, reply, port if reply else 0, index, extent, call_id, st[0], next(st[1]))
             try:
                 gone = dead.get(addr)
                 if gone is not None:
                     raise gone
-                if buffers:
+                if conns is not None and (conn := conns.get(addr)) is not None:
+                    m = _dumps(meta, 5)
+                    n = nhead + len(m) + len(body)
+                    data = b"".join((fastpath.ONE_FRAME, n.to_bytes(4, "little"), head, _LEN(len(m)), m, body))
+                    try:
+                        conn.send_framed(data)
+                    except OSError as e:
+                        # as Transport.send: the peer went away and the message with it (supervision
+                        # reports the peer); this thread's later messages to it take zmq
+                        logger.debug("direct send to %s failed (%s); dropped", addr, e)
+                        conns[addr] = None
+                elif buffers:
                     send_frames(addr, self.encode(addr, wire.ACTOR, meta, body, buffers, shared))
                 else:
                     send_frames(addr, encode(wire.ACTOR, meta, body))
             except BaseException as e:
-                failed.append((t.call_index, e))
+                failed.append((index, e))
         self.unshare(shared)
         for alloc, group in groups.items():
             dests = []

@@ -1,8 +1,9 @@
 """Supervision: which peers are gone, and failing whatever they owed.
 
-A process that waits for replies says who owes each one (:meth:`Supervision.expect`); a
-peer that dies fails them all at once (:meth:`Supervision.peer_failed`) and is refused from
-then on. Procs are watched through the allocator that owns them: :class:`Supervision`
+A process that waits for replies registers the port they come to (:meth:`Supervision.wait`;
+a :class:`~.runtime.ReplyPort` knows which peer owes which reply); a peer that dies is
+reported to every such port at once (:meth:`Supervision.peer_failed`), which fails what that
+peer owed it, and is refused from then on. Procs are watched through the allocator that owns them: :class:`Supervision`
 subscribes to each such allocator's events (a proc exited), pings it every heartbeat, and
 declares it and all its procs lost when it goes silent for ``heartbeat_timeout``.
 
@@ -52,14 +53,13 @@ class Watch:
 
 
 class Supervision:
-    """Expectations of replies, known-dead peers, and the allocators watched; thread-safe."""
+    """Ports waiting for replies, known-dead peers, and the allocators watched; thread-safe."""
 
     def __init__(self, cfg: Config, io: SupervisionIO, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.io = io
         self._clock = clock
         self._lock = threading.Lock()
-        self._expect: dict[str, dict[tuple[int, int], Callable[[BaseException], None]]] = {}
         #: key -> told ``(peer, error)`` of every peer that fails while registered: one record for a
         #: whole call to many peers (a :class:`~.runtime.ReplyPort`) instead of one per peer
         self._waiters: dict[int, Callable[[str, SupervisionError], None]] = {}
@@ -67,25 +67,13 @@ class Supervision:
         self.dead: dict[str, SupervisionError] = {}
         #: allocator address -> what we know of it
         self.watches: dict[str, Watch] = {}
+        #: every proc address :meth:`watch` was told of (read lock-free: a call to many actors
+        #: skips the call for procs it already watches)
+        self.watched: set[str] = set()
         self.peer_failure_callbacks: list[Callable[[str, SupervisionError], None]] = []
         #: called on the I/O thread with every other event an allocator publishes (e.g. debug sessions)
         self.event_callbacks: list[Callable[[tuple[Any, ...]], None]] = []
         self._ping = dumps(((), {}))
-
-    def expect(self, peer: str, key: tuple[int, int], on_fail: Callable[[BaseException], None]) -> None:
-        """Remember that a reply ``key`` is owed by ``peer``; fail it if the peer dies."""
-        with self._lock:
-            dead = self.dead.get(peer)
-            if dead is None:
-                self._expect.setdefault(peer, {})[key] = on_fail
-        if dead is not None:
-            on_fail(dead)
-
-    def fulfil(self, peer: str, key: tuple[int, int]) -> None:
-        with self._lock:
-            d = self._expect.get(peer)
-            if d is not None:
-                d.pop(key, None)
 
     def wait(self, key: int, on_peer_failed: Callable[[str, SupervisionError], None]) -> None:
         """Tell ``on_peer_failed`` of every peer that fails until :meth:`unwait` (it checks whether
@@ -104,13 +92,7 @@ class Supervision:
             if peer in self.dead:
                 return
             self.dead[peer] = err
-            owed = self._expect.pop(peer, {})
             waiters = list(self._waiters.values())
-        for on_fail in owed.values():
-            try:
-                on_fail(err)
-            except Exception:
-                logger.exception("failure callback raised")
         for on_peer_failed in waiters:
             try:
                 on_peer_failed(peer, err)
@@ -130,6 +112,7 @@ class Supervision:
         if w is None:
             w = self.watch_allocator(alloc_addr, host)
         w.procs[proc_addr] = (mesh, rank, host)
+        self.watched.add(proc_addr)
         if w.lost is not None:
             self.peer_failed(proc_addr, self._proc_error(w, proc_addr, w.lost.cause))
 

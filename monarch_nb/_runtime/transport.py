@@ -319,6 +319,7 @@ class Transport:
         #: the thread that reads the inboxes (set by its owner); it never sends directly
         self.io_ident = 0
         self.dispatch: Dispatch = _not_open
+        self._dispatch_one: Callable[[bytes], None] = lambda frame: self.dispatch([frame])
         #: connections refused here (wrong uid, failed handshakes)
         self.dropped = 0
         self._inboxes: list[zmq.Socket[bytes]] = []
@@ -332,9 +333,11 @@ class Transport:
         self.fast_out: weakref.WeakSet[fastpath.Sender] = weakref.WeakSet()
 
     # ---------------------------------------------------------------- inboxes
-    def open(self, dispatch: Dispatch) -> None:
-        """Bind the inboxes and hand what they receive to ``dispatch`` (on the loop's thread)."""
+    def open(self, dispatch: Dispatch, dispatch_one: Callable[[bytes], None] | None = None) -> None:
+        """Bind the inboxes and hand what they receive to ``dispatch`` (on the loop's thread);
+        ``dispatch_one``: a message of one frame off the direct path, if given."""
         self.dispatch = dispatch
+        self._dispatch_one = dispatch_one or (lambda frame: dispatch([frame]))
         self.ipc_addr = self._bind("ipc://" + ipc_path(self.runtime_dir, f"{self.name}.sock"))
         if self.cfg.direct_ipc:
             self._fast_listener = fastpath.listen(fastpath.path_for(self.ipc_addr))
@@ -441,7 +444,7 @@ class Transport:
                 conn.close()
                 continue
             conn.setblocking(False)
-            rx = fastpath.Receiver(conn, self._dispatch_direct, self.cfg.max_message_bytes, self.label)
+            rx = fastpath.Receiver(conn, self._dispatch_direct, self.cfg.max_message_bytes, self.label, self._dispatch_direct_one)
             self.fast_in.add(rx)
             self.loop.add_reader(conn.fileno(), self._read_direct, rx)
 
@@ -454,6 +457,12 @@ class Transport:
     def _dispatch_direct(self, frames: list[Any]) -> None:
         try:
             self.dispatch(frames)
+        except Exception:
+            logger.exception("dropped a message whose handler failed")
+
+    def _dispatch_direct_one(self, frame: bytes) -> None:
+        try:
+            self._dispatch_one(frame)
         except Exception:
             logger.exception("dropped a message whose handler failed")
 
@@ -638,6 +647,17 @@ class Transport:
         """How many zmq connections this thread holds."""
         ob: _Outboxes | None = getattr(self._tls, "out", None)
         return 0 if ob is None else len(ob.socks)
+
+    def direct_conns(self) -> dict[str, fastpath.Sender | None] | None:
+        """This thread's direct connections by address (None where the thread sends none:
+        the I/O thread, or the direct path is off), for a sender writing to many peers in a row.
+        An address not in it yet, or None there, goes through :meth:`send`."""
+        if not self.cfg.direct_ipc or threading.get_ident() == self.io_ident:
+            return None
+        conns: dict[str, fastpath.Sender | None] | None = getattr(self._tls, "direct", None)
+        if conns is None:
+            conns = self._tls.direct = {}
+        return conns
 
     def _direct(self, addr: str) -> fastpath.Sender | None:
         """This thread's direct connection to the process at ipc ``addr`` (None: use zmq)."""

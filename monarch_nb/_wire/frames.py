@@ -130,6 +130,26 @@ def encode(
     return [b"".join((_HEADS[kind, flags], _LEN.pack(len(m)), m)), *table, body, *buffers]
 
 
+#: the start of a one-frame actor message (payload inline, no shared memory)
+ACTOR_INLINE_HEAD = _HEADS[ACTOR, INLINE]
+#: the start of a one-frame port value (a reply): :func:`port_value` reads it
+PORT_INLINE_HEAD = _HEADS[PORT, INLINE]
+
+
+def port_value(head: bytes) -> tuple[int, int, int, memoryview]:
+    """``(port, index, status, body)`` of a frame that starts with :data:`PORT_INLINE_HEAD`
+    (the caller checked): the replies of a call to many actors, read without :func:`decode`'s
+    generality. Raises on anything malformed (decode then says what)."""
+    (n,) = _LEN.unpack_from(head, _PREFIX)
+    end = _PREFIX + 4 + n
+    if end > len(head):
+        raise ProtocolError("malformed header: meta runs past the frame")
+    port, index, status = pickle.loads(head[_PREFIX + 4 : end])
+    if type(port) is not int or type(index) is not int or type(status) is not int:
+        raise ProtocolError("malformed port header")
+    return port, index, status, memoryview(head)[end:]
+
+
 def decode(frames: list[Any]) -> tuple[int, tuple[Any, ...], Any, list[Any], list[tuple[int, str, int]]]:
     """Return ``(kind, meta, body, buffers, shm)``; raise :class:`ProtocolError` for anything foreign or broken."""
     head = frames[0]

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
-from .._runtime.runtime import ReplyPort, Target
+from .._runtime.runtime import ReplyPort
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
 from ..errors import ActorError, MeshClosedError, NotAnEndpointError, SupervisionError
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 R = TypeVar("R")
 A = TypeVar("A")
+
+ERROR = wire.ERROR
 
 
 class EndpointProperty(Generic[R]):
@@ -351,39 +353,47 @@ def multicast(
 ) -> None:
     """Send one pickled message to ``procs`` (``idx`` their indices in the call), in order with
     this thread's earlier messages to each. Replies go to ``port``: a :class:`ReplyPort` of
-    ours, each proc owing it the reply of its index (``on_fail(index, error)`` if it dies), or
-    an ``(addr, port)`` anyone opened ("" = our own address), or nowhere (None)."""
-    targets = []
-    raddr_cache: dict[bool, str] = {}
+    ours, each proc owing it the reply of its index (the port's ``on_fail(index, error)`` if it
+    dies or the send fails; ``on_fail`` here must be the port's own or None), or an
+    ``(addr, port)`` anyone opened ("" = our own address; its owner supervises what it is
+    owed), or nowhere (None). Without a failure callback a failed send raises."""
     replies = port if isinstance(port, ReplyPort) else None
-    port_id = port.port if isinstance(port, ReplyPort) else port[1] if port else 0
-    # the port's own failure callback: one supervision record for the call, not one per target
-    own = replies is not None and on_fail is not None and replies.on_fail is on_fail
-    for i, p in zip(idx, procs):
-        reply = ""
-        if port is not None:
-            # replies is None: port is an (addr, port) tuple (no isinstance per target)
-            if replies is None and port[0]:  # type: ignore[index]
-                reply = port[0]  # type: ignore[index]
+    if on_fail is not None and (replies is None or replies.on_fail is not on_fail):
+        raise ValueError("multicast: on_fail must be the ReplyPort's own failure callback")
+    targets: list[tuple[str, str, int, str]] = []
+    append = targets.append
+    raddr_cache: dict[bool, str] = {}
+    # read now: a failure noted below may complete the call and close the port
+    fails_there = replies is not None and replies.on_fail is not None
+    if replies is not None:
+        # one supervision record for the call (the port's), not one per target
+        replies.owe_procs(idx, procs)
+        port_id = replies.port
+        for i, p in zip(idx, procs):
+            addr = p.addr
+            tcp = addr.startswith("tcp://")
+            append((addr, p.alloc, i, raddr_cache.get(tcp) or raddr_cache.setdefault(tcp, rt.addr_for(addr))))
+    elif isinstance(port, tuple):
+        raddr, port_id = port
+        for i, p in zip(idx, procs):
+            addr = p.addr
+            if p.alloc:
+                rt.watch(p.alloc, addr, p.mesh, p.rank, p.host)
+            if not raddr:
+                tcp = addr.startswith("tcp://")
+                append((addr, p.alloc, i, raddr_cache.get(tcp) or raddr_cache.setdefault(tcp, rt.addr_for(addr))))
             else:
-                tcp = p.addr.startswith("tcp://")
-                reply = raddr_cache.get(tcp) or raddr_cache.setdefault(tcp, rt.addr_for(p.addr))
-            if replies is not None and on_fail is not None:
-                replies.owe(i, p.addr, None if own else functools.partial(on_fail, i), p.alloc, p.mesh, p.rank, p.host)
-            else:
-                if p.alloc:
-                    rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)
-                if on_fail is not None:
-                    rt.expect(p.addr, (port_id, i), functools.partial(on_fail, i))
-        targets.append(Target(p.addr, p.alloc, i, reply))
+                append((addr, p.alloc, i, raddr))
+    else:
+        port_id = 0
+        for i, p in zip(idx, procs):
+            append((p.addr, p.alloc, i, ""))
     failed = rt.send_many(targets, actor, method, body, bufs, port=port_id, extent=extent, call_id=call_id)
     for i, e in failed:
-        if on_fail is None:
+        if not fails_there:
             raise e
-        if replies is not None:
-            replies.fail(i, e)  # once, unless its peer's failure came first
-        else:
-            on_fail(i, e)
+        assert replies is not None
+        replies.fail(i, e)  # once, unless its peer's failure (or the port's closing) came first
 
 
 def gather(
@@ -462,7 +472,20 @@ def gather(
 
     def on_reply(index: int, status: int, body: Any, bufs: list[Any]) -> None:
         replies.answered(index)
-        arrive(index, (body, bufs), status == wire.ERROR)
+        if status == ERROR:
+            arrive(index, (body, bufs), True)
+            return
+        # arrive() for a value, inline: one of these per rank, on the I/O thread
+        with lock:
+            if closed[0] or raw[index] is not None or index in errors:
+                return
+            raw[index] = (body, bufs)
+            if order is not None:
+                order.append(index)
+            left[0] -= 1
+            if left[0]:
+                return
+        complete()
 
     def on_fail(index: int, err: BaseException) -> None:
         if isinstance(endpoint, Endpoint):
