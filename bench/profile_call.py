@@ -34,7 +34,7 @@ def _instrument(rt: Any, log: list[tuple[str, int]], peer: str, what: Any) -> No
     """Record when this runtime dispatches a message ``what(meta)`` accepts, and sends to ``peer``."""
     from monarch_nb._wire import frames as wire
 
-    dispatch, send = rt.transport.dispatch, rt.sender.send
+    dispatch, send = rt.transport.dispatch, rt.sender._send_frames
 
     def timed_dispatch(msg: Any, *rest: Any) -> None:
         t = T()
@@ -45,15 +45,16 @@ def _instrument(rt: Any, log: list[tuple[str, int]], peer: str, what: Any) -> No
             pass
         dispatch(msg, *rest)
 
-    def timed_send(addr: str, frames: list[Any]) -> None:
+    def timed_send(addr: str, frames: list[Any], *rest: Any) -> Any:
         t = T()
-        send(addr, frames)
+        r = send(addr, frames, *rest)
         if addr == peer:
             log.append(("send0", t))
             log.append(("send1", T()))
+        return r
 
-    # rt.send is the sender's send, bound once: callers of either are timed
-    rt.transport.dispatch, rt.sender.send, rt.send = timed_dispatch, timed_send, timed_send
+    # every send (one message, a reply, a call to many) ends in the sender's send_frames
+    rt.transport.dispatch, rt.sender._send_frames = timed_dispatch, timed_send
 
 
 class Probe(Actor):

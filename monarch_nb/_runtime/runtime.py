@@ -89,6 +89,9 @@ class Runtime:
         self.supervision = Supervision(cfg, self)
         self.sender = Sender(cfg, self.transport.send, self.supervision.dead, uid=self.uid, hostname=self.hostname)
         self.receiver = Receiver(cfg, self.sender, label=label, hostname=self.hostname, pid=self.pid, spawn=self._spawn)
+        if label not in ("allocator", "controller"):
+            # a proc's idle sync actors read their calls off the caller's connection themselves
+            self.receiver.claim = self.transport.claim
         self._cfg = cfg
         # the parts' entry points as the runtime's own: bound methods, so no extra call per use
         t, s, r, v = self.transport, self.sender, self.receiver, self.supervision
