@@ -476,9 +476,12 @@ class Transport:
             self._watch = select.epoll()
             self.loop.add_reader(self._watch.fileno(), self._on_watch)
         fd = rx.sock.fileno()
+        try:
+            # watched until the actor's thread takes it (it may be busy with what is queued before)
+            self._watch.register(fd, select.EPOLLIN | select.EPOLLONESHOT)
+        except OSError:
+            return None
         self.loop.remove_reader(fd)
-        # watched until the actor's thread takes it (it may be busy with what is queued before)
-        self._watch.register(fd, select.EPOLLIN | select.EPOLLONESHOT)
         rx.claimed = True
         c = self._claims[fd] = Claim(self, rx)
         return c
@@ -806,7 +809,10 @@ class Claim:
                 return False
             self.state = Claim.BUSY
             assert self.t._watch is not None
-            self.t._watch.modify(self.fd, select.EPOLLIN | select.EPOLLONESHOT)
+            try:
+                self.t._watch.modify(self.fd, select.EPOLLIN | select.EPOLLONESHOT)
+            except OSError:
+                pass  # closed meanwhile (the process is ending)
             return True
 
     def idle(self) -> bool:
