@@ -53,8 +53,20 @@ def _instrument(rt: Any, log: list[tuple[str, int]], peer: str, what: Any) -> No
             log.append(("send1", T()))
         return r
 
+    take_own = getattr(rt.receiver, "take_own", None)
+
+    def timed_take_own(frames: Any, actor: str) -> Any:
+        # a proc's idle sync actor reads its calls itself: "recv" is when its thread has one
+        t = T()
+        r = take_own(frames, actor)  # type: ignore[misc]
+        if r is not None and what((wire.ACTOR, r[0])):
+            log.append(("recv", t))
+        return r
+
     # every send (one message, a reply, a call to many) ends in the sender's send_frames
     rt.transport.dispatch, rt.sender._send_frames = timed_dispatch, timed_send
+    if take_own is not None:
+        rt.receiver.take_own = timed_take_own
 
 
 class Probe(Actor):
@@ -159,8 +171,8 @@ def main() -> int:
     n = min(a.calls, *(len(v) for v in c.values()), *(len(v) for v in p.values()))
     phases = {
         "controller: call_one() until its frames are sent": [c["send1"][i] - starts[i] for i in range(n)],
-        "wire out: sent until the proc's I/O thread has it": [p["recv"][i] - c["send1"][i] for i in range(n)],
-        "proc: I/O thread until endpoint body runs": [p["fn"][i] - p["recv"][i] for i in range(n)],
+        "wire out: sent until the proc has read it": [p["recv"][i] - c["send1"][i] for i in range(n)],
+        "proc: read until endpoint body runs": [p["fn"][i] - p["recv"][i] for i in range(n)],
         "proc: endpoint body until the reply is sent": [p["send1"][i] - p["fn"][i] for i in range(n)],
         "wire back: sent until the controller's I/O thread has it": [c["recv"][i] - p["send1"][i] for i in range(n)],
         "controller: I/O thread until .get() returns": [ends[i] - c["recv"][i] for i in range(n)],
