@@ -34,7 +34,7 @@ def _instrument(rt: Any, log: list[tuple[str, int]], peer: str, what: Any) -> No
     """Record when this runtime dispatches a message ``what(meta)`` accepts, and sends to ``peer``."""
     from monarch_nb._wire import frames as wire
 
-    dispatch, send = rt.transport.dispatch, rt.sender.send
+    dispatch, send = rt.transport.dispatch, rt.sender._send_frames
 
     def timed_dispatch(msg: Any, *rest: Any) -> None:
         t = T()
@@ -45,15 +45,28 @@ def _instrument(rt: Any, log: list[tuple[str, int]], peer: str, what: Any) -> No
             pass
         dispatch(msg, *rest)
 
-    def timed_send(addr: str, frames: list[Any]) -> None:
+    def timed_send(addr: str, frames: list[Any], *rest: Any) -> Any:
         t = T()
-        send(addr, frames)
+        r = send(addr, frames, *rest)
         if addr == peer:
             log.append(("send0", t))
             log.append(("send1", T()))
+        return r
 
-    # rt.send is the sender's send, bound once: callers of either are timed
-    rt.transport.dispatch, rt.sender.send, rt.send = timed_dispatch, timed_send, timed_send
+    take_own = getattr(rt.receiver, "take_own", None)
+
+    def timed_take_own(frames: Any, actor: str) -> Any:
+        # a proc's idle sync actor reads its calls itself: "recv" is when its thread has one
+        t = T()
+        r = take_own(frames, actor)  # type: ignore[misc]
+        if r is not None and what((wire.ACTOR, r[0])):
+            log.append(("recv", t))
+        return r
+
+    # every send (one message, a reply, a call to many) ends in the sender's send_frames
+    rt.transport.dispatch, rt.sender._send_frames = timed_dispatch, timed_send
+    if take_own is not None:
+        rt.receiver.take_own = timed_take_own
 
 
 class Probe(Actor):
@@ -158,8 +171,8 @@ def main() -> int:
     n = min(a.calls, *(len(v) for v in c.values()), *(len(v) for v in p.values()))
     phases = {
         "controller: call_one() until its frames are sent": [c["send1"][i] - starts[i] for i in range(n)],
-        "wire out: sent until the proc's I/O thread has it": [p["recv"][i] - c["send1"][i] for i in range(n)],
-        "proc: I/O thread until endpoint body runs": [p["fn"][i] - p["recv"][i] for i in range(n)],
+        "wire out: sent until the proc has read it": [p["recv"][i] - c["send1"][i] for i in range(n)],
+        "proc: read until endpoint body runs": [p["fn"][i] - p["recv"][i] for i in range(n)],
         "proc: endpoint body until the reply is sent": [p["send1"][i] - p["fn"][i] for i in range(n)],
         "wire back: sent until the controller's I/O thread has it": [c["recv"][i] - p["send1"][i] for i in range(n)],
         "controller: I/O thread until .get() returns": [ends[i] - c["recv"][i] for i in range(n)],

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from monarch_nb._runtime.runtime import Runtime
 from monarch_nb._runtime.transport import Security
 from monarch_nb._wire import frames as wire
 from monarch_nb._wire.serialize import dumps
+from monarch_nb.actor import Actor, endpoint
 from monarch_nb.config import Config
 
 pytestmark = pytest.mark.timeout(60)
@@ -233,3 +235,61 @@ def test_another_user_cannot_connect(caplog) -> None:
     finally:
         rx.close()
         shutil.rmtree(rdir, ignore_errors=True)
+
+
+class _Recorder(Actor):
+    """A sync actor: its thread reads the caller's connection itself once idle."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    @endpoint
+    def record(self, i: int) -> None:
+        self.seen.append(i)
+
+    @endpoint
+    def get_seen(self) -> list[int]:
+        return self.seen
+
+    @endpoint
+    def slow(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "done"
+
+    @endpoint
+    def reads_own_connection(self) -> bool:
+        from monarch_nb.actor import _context
+
+        # white-box: the path this test is about was taken (the slot holds a claimed connection)
+        return any(s.obj is self and s._claim is not None for s in _context.runtime().actors.values())  # type: ignore[attr-defined]
+
+
+def test_an_idle_actor_reads_its_calls_itself_and_hands_back_the_rest(allocator: Any) -> None:
+    procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="claim")
+    try:
+        a = procs.spawn("a", _Recorder)
+        b = procs.spawn("b", _Recorder)
+        for _ in range(3):
+            assert a.slow.call_one(0).get(timeout=10) == "done"
+        assert a.reads_own_connection.call_one().get(timeout=10)
+        # one thread's calls to two actors of one proc, on one connection: each keeps its order
+        for i in range(200):
+            (a if i % 3 else b).record.broadcast(i)
+            if i % 50 == 0:
+                assert a.slow.call_one(0).get(timeout=10) == "done"
+        assert a.get_seen.call_one().get(timeout=10) == [i for i in range(200) if i % 3]
+        assert b.get_seen.call_one().get(timeout=10) == [i for i in range(200) if not i % 3]
+        # while a runs a long endpoint, the proc's I/O thread takes the connection back: b answers
+        a.slow.call_one(0).get(timeout=10)
+        slow = a.slow.call_one(3)
+        t0 = time.monotonic()
+        assert b.slow.call_one(0).get(timeout=10) == "done"
+        assert time.monotonic() - t0 < 2.0 and not slow.done()
+        a.record.broadcast(-1)  # queued behind the slow call, in order
+        assert slow.get(timeout=10) == "done"
+        assert a.get_seen.call_one().get(timeout=10)[-1] == -1
+        # and an idle actor takes its connection again (b may hold it for a while, and one that
+        # had to hand a message back waits a few messages before it claims again)
+        assert any(a.reads_own_connection.call_one().get(timeout=10) for _ in range(40))
+    finally:
+        procs.stop().get(timeout=30)

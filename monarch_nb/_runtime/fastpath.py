@@ -178,8 +178,22 @@ class Receiver:
     """Reassembles the messages of one accepted connection; driven by its loop's reader."""
 
     __slots__ = (
-        "sock", "dispatch", "dispatch_one", "max_bytes", "buf", "r", "w", "lens", "frames", "big", "filled", "label", "got"
-    )  # fmt: skip
+        "sock",
+        "dispatch",
+        "dispatch_one",
+        "max_bytes",
+        "buf",
+        "r",
+        "w",
+        "lens",
+        "frames",
+        "big",
+        "filled",
+        "label",
+        "got",
+        "claimed",
+        "cooldown",
+    )
 
     def __init__(
         self,
@@ -207,6 +221,14 @@ class Receiver:
         self.filled = 0
         #: messages dispatched so far
         self.got = 0
+        #: read by an actor's own thread for now (its runtime loop leaves it alone)
+        self.claimed = False
+        #: messages to go before an actor may claim this connection again (one gave it back)
+        self.cooldown = 0
+
+    def drained(self) -> bool:
+        """Nothing read and not yet dispatched (no partial message buffered)."""
+        return self.r == self.w and self.lens is None and self.big is None
 
     def on_readable(self) -> bool:
         """Read what is there and dispatch whole messages; False once the connection is over."""
@@ -239,6 +261,8 @@ class Receiver:
             got = self.got
             if not self._parse():
                 return False
+            if self.claimed:
+                return True  # an actor's thread reads it from here on
             if n < want and self.got == got + 1 and self.r == self.w:
                 # a short read of exactly one whole message (a reply, one of a call's many): the
                 # next read would almost surely fail with EAGAIN (a syscall and an exception per

@@ -71,6 +71,17 @@ class StreamOrder(Generic[M]):
         self._release(st)
         return True
 
+    def take_next(self, stream: str, seq: int) -> bool:
+        """Whether ``seq`` is the next message of ``stream`` with none held behind a gap: if so
+        it counts as delivered (the caller delivers it itself), else nothing changes."""
+        st = self._streams.get(stream)
+        if st is None:
+            st = self._streams[stream] = _Held()
+        if seq != st.next or st.held:
+            return False
+        st.next += 1
+        return True
+
     def _release(self, st: _Held[M]) -> None:
         """Deliver the stream's next messages while they are here."""
         delivered = False

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
@@ -42,6 +43,12 @@ assert len(_PORT_HEAD) == 6
 
 class Mailbox(Protocol):
     def deliver(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None: ...
+
+    def claims(self) -> bool:
+        """Whether it would read its messages' connection itself now (see Transport.claim)."""
+        ...
+
+    def take_connection(self, claim: Any) -> None: ...
 
 
 def system_method(wants_reply: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -78,8 +85,13 @@ class Receiver:
         self._port_ids = itertools.count(1)
         self.actors: dict[str, Mailbox] = {}
         self.system: dict[str, Any] = {}
-        #: receiving side of ordered streams
+        #: receiving side of ordered streams; the lock: actor threads that read their own
+        #: connections (take_own) check the order too
         self.order: StreamOrder[_Msg] = StreamOrder(self._route_held, cfg.order_gap_timeout, clock, self._skipped)
+        self._order_lock = threading.Lock()
+        #: set by the runtime: the direct connection of the message being dispatched, for an
+        #: idle sync actor to read itself (Transport.claim)
+        self.claim: Callable[[], Any] | None = None
         #: set by an allocator: its proc at a given address as it can reach it, or None
         self.resolve_proc: Callable[[str], str | None] | None = None
         #: messages dropped (malformed, foreign, replayed, for a proc not here)
@@ -143,7 +155,9 @@ class Receiver:
             self._fan_out(meta, body, bufs)
             return
         if meta[SEQ]:
-            if not self.order.accept(meta[STREAM], meta[SEQ], (meta, body, bufs)):
+            with self._order_lock:
+                ok = self.order.accept(meta[STREAM], meta[SEQ], (meta, body, bufs))
+            if not ok:
                 self.dropped += 1
                 logger.warning("dropped message %d of stream %s: already delivered (a replay?)", meta[SEQ], meta[STREAM])
         else:
@@ -167,7 +181,29 @@ class Receiver:
     def skip_gaps(self, now: float) -> None:
         """Deliver messages held behind one that never came (lost with a failed relay) after a while."""
         self.order.gap_timeout = self.cfg.order_gap_timeout
-        self.order.skip_gaps(now)
+        with self._order_lock:
+            self.order.skip_gaps(now)
+
+    def take_own(self, frames: list[Any], actor: str) -> _Msg | None:
+        """For an actor's thread that read ``frames`` off its own connection: the message, if
+        it is a call to ``actor`` due now in its stream's order (then it counts as delivered);
+        else None, and the frames go to :meth:`dispatch` as usual."""
+        try:
+            kind, meta, body, bufs, table = wire.decode(frames)
+        except ProtocolError:
+            return None
+        if kind != wire.ACTOR or table or meta[ACTOR_NAME] != actor:
+            return None
+        if meta[SEQ]:
+            # never wait here: the loop's thread may hold it while it delivers
+            if not self._order_lock.acquire(blocking=False):
+                return None
+            try:
+                if not self.order.take_next(meta[STREAM], meta[SEQ]):
+                    return None
+            finally:
+                self._order_lock.release()
+        return meta, body, bufs
 
     def _skipped(self, gap: Skipped) -> None:
         logger.warning(
@@ -214,6 +250,10 @@ class Receiver:
         box = self.actors.get(actor)
         if box is not None:
             box.deliver(meta, body, bufs)
+            if self.claim is not None and box.claims():
+                c = self.claim()
+                if c is not None:
+                    box.take_connection(c)
             return
         raddr, rport, index = meta[REPLY_ADDR], meta[REPLY_PORT], meta[CALL_INDEX]
         # the actor was stopped (by the client, or by itself): as in Monarch, a supervision error

@@ -96,6 +96,9 @@ class Runtime:
             direct_conns=self.transport.direct_conns,
         )
         self.receiver = Receiver(cfg, self.sender, label=label, hostname=self.hostname, pid=self.pid, spawn=self._spawn)
+        if label not in ("allocator", "controller"):
+            # a proc's idle sync actors read their calls off the caller's connection themselves
+            self.receiver.claim = self.transport.claim
         self._cfg = cfg
         # the parts' entry points as the runtime's own: bound methods, so no extra call per use
         t, s, r, v = self.transport, self.sender, self.receiver, self.supervision

@@ -22,6 +22,7 @@ import concurrent.futures
 import ipaddress
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -331,6 +332,11 @@ class Transport:
         self.fast_in: set[fastpath.Receiver] = set()
         #: every thread's direct connections (held by the threads; weakly here, to close them)
         self.fast_out: weakref.WeakSet[fastpath.Sender] = weakref.WeakSet()
+        #: the direct connection being read (on the loop's thread), for claim()
+        self._reading: fastpath.Receiver | None = None
+        #: connections claimed by actor threads that this loop watches while their actor is busy
+        self._watch: select.epoll | None = None
+        self._claims: dict[int, Claim] = {}
 
     # ---------------------------------------------------------------- inboxes
     def open(self, dispatch: Dispatch, dispatch_one: Callable[[bytes], None] | None = None) -> None:
@@ -449,10 +455,65 @@ class Transport:
             self.loop.add_reader(conn.fileno(), self._read_direct, rx)
 
     def _read_direct(self, rx: fastpath.Receiver) -> None:
-        if not rx.on_readable():
+        self._reading = rx
+        try:
+            alive = rx.on_readable()
+        finally:
+            self._reading = None
+        if not alive:
             self.loop.remove_reader(rx.sock.fileno())
             rx.sock.close()
             self.fast_in.discard(rx)
+
+    def claim(self) -> Claim | None:
+        """On the loop's thread, while it dispatches a message that came alone on a direct
+        connection: hand that connection to the caller (an idle actor's thread, which reads it
+        itself from then on, see :class:`Claim`), or None."""
+        rx = self._reading
+        if rx is None or rx.claimed or not rx.drained():
+            return None
+        if rx.cooldown:
+            rx.cooldown -= 1
+            return None
+        if self._watch is None:
+            self._watch = select.epoll()
+            self.loop.add_reader(self._watch.fileno(), self._on_watch)
+        fd = rx.sock.fileno()
+        try:
+            # watched until the actor's thread takes it (it may be busy with what is queued before)
+            self._watch.register(fd, select.EPOLLIN | select.EPOLLONESHOT)
+        except OSError:
+            return None
+        self.loop.remove_reader(fd)
+        rx.claimed = True
+        c = self._claims[fd] = Claim(self, rx)
+        return c
+
+    def _on_watch(self) -> None:
+        assert self._watch is not None
+        for fd, _ in self._watch.poll(0):
+            c = self._claims.get(fd)
+            if c is not None:
+                c.take_back()
+
+    def resume(self, rx: fastpath.Receiver, frames: list[list[Any]]) -> None:
+        """On the loop's thread: read a claimed connection here again, after dispatching the
+        messages its actor's thread read off it and left (in their order)."""
+        fd = rx.sock.fileno()
+        self._claims.pop(fd, None)
+        rx.claimed = False
+        rx.dispatch = self._dispatch_direct
+        rx.dispatch_one = self._dispatch_direct_one
+        if fd < 0 or rx not in self.fast_in:
+            return  # closed meanwhile
+        try:
+            if self._watch is not None:
+                self._watch.unregister(fd)
+        except OSError:
+            pass
+        for f in frames:
+            self._dispatch_direct(f)
+        self.loop.add_reader(fd, self._read_direct, rx)
 
     def _dispatch_direct(self, frames: list[Any]) -> None:
         try:
@@ -724,3 +785,91 @@ class Transport:
                     os.unlink(addr[len("ipc://") :])
                 except OSError:
                     pass
+
+
+class Claim:
+    """A direct connection read by an idle sync actor's own thread instead of the runtime loop.
+
+    A call that comes alone on a direct connection wakes the loop's thread, which hands it to
+    the actor's thread (a second wake-up, and a wait for the GIL the first one still holds).
+    An actor that claimed the connection waits on it itself: a call to it costs one wake-up.
+    Anything else it reads (another actor's call, a port's value, a message out of order) it
+    hands back with the connection, in order, to the loop (:meth:`give_back`). Until its
+    thread takes it, and while it runs an endpoint (:meth:`busy` .. :meth:`idle`), the loop
+    watches the connection, and takes it back for good once a byte arrives meanwhile, so
+    pings, stacks and the debugger are served while the actor is busy, as on the loop.
+    """
+
+    IDLE, BUSY, GONE = 0, 1, 2
+    __slots__ = ("t", "rx", "fd", "lock", "state", "got")
+
+    def __init__(self, t: Transport, rx: fastpath.Receiver) -> None:
+        self.t = t
+        self.rx = rx
+        self.fd = rx.sock.fileno()
+        self.lock = threading.Lock()
+        self.state = Claim.BUSY
+        #: what the actor's thread read off the connection and has not taken yet
+        self.got: list[list[Any]] = []
+        rx.dispatch = self.got.append
+        rx.dispatch_one = self._got_one
+
+    def _got_one(self, frame: bytes) -> None:
+        self.got.append([frame])
+
+    def read(self) -> list[list[Any]] | None:
+        """(The actor's thread, when the connection is readable.) The whole messages read, or
+        None: the connection ended (it went back to the loop, which closes it)."""
+        if not self.rx.on_readable():
+            self.give_back()
+            return None
+        got = self.got[:]
+        self.got.clear()
+        return got
+
+    def busy(self) -> bool:
+        """About to run an endpoint: the loop watches the connection meanwhile."""
+        with self.lock:
+            if self.state != Claim.IDLE:
+                return False
+            self.state = Claim.BUSY
+            assert self.t._watch is not None
+            try:
+                self.t._watch.modify(self.fd, select.EPOLLIN | select.EPOLLONESHOT)
+            except OSError:
+                pass  # closed meanwhile (the process is ending)
+            return True
+
+    def idle(self) -> bool:
+        """The endpoint is done: read it here again. False: the loop took it back meanwhile."""
+        with self.lock:
+            if self.state != Claim.BUSY:
+                return self.state == Claim.IDLE
+            self.state = Claim.IDLE
+            assert self.t._watch is not None
+            try:
+                self.t._watch.modify(self.fd, select.EPOLLONESHOT)
+            except OSError:
+                pass  # closed meanwhile: the next read says so
+            return True
+
+    def give_back(self, frames: list[list[Any]] = (), cooldown: int = 0) -> None:  # type: ignore[assignment]
+        """(The actor's thread.) The loop reads the connection again, after dispatching
+        ``frames`` (read here, not taken); ``cooldown``: messages before it may be claimed again."""
+        with self.lock:
+            if self.state == Claim.GONE:
+                return
+            self.state = Claim.GONE
+        self.rx.cooldown = cooldown
+        try:
+            self.t.loop.call_soon_threadsafe(self.t.resume, self.rx, [*frames, *self.got])
+        except RuntimeError:
+            pass  # the loop is closed: so is the connection
+
+    def take_back(self) -> None:
+        """(The loop, a byte arrived while the actor was busy.) Read it on the loop again."""
+        with self.lock:
+            if self.state != Claim.BUSY:
+                return  # idle again (it reads the byte itself) or given back already
+            self.state = Claim.GONE
+        self.t.resume(self.rx, [])

@@ -12,7 +12,9 @@ import asyncio
 import collections
 import inspect
 import logging
+import os
 import queue
+import select
 import sys
 import textwrap
 import threading
@@ -85,6 +87,13 @@ class ActorSlot:
             ready.wait()
         else:
             self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            #: the direct connection this actor's thread reads itself while idle (Transport.claim)
+            self._claim: Any = None
+            self._claim_pending = False
+            #: the thread waits on its connection: a put must wake it through ``_wake``
+            self._polling = False
+            self._wake = -1
+            self._poller: Any = None
             # the thread names are Monarch's
             self.thread = threading.Thread(target=self._run_sync, name="monarch-actor-driver", daemon=True)
             self.thread.start()
@@ -99,6 +108,18 @@ class ActorSlot:
             self.loop.call_soon_threadsafe(self._aq.put_nowait, item)
         else:
             self._q.put(item)
+            if self._polling:
+                os.eventfd_write(self._wake, 1)
+
+    def claims(self) -> bool:
+        """(The I/O thread.) Whether this actor's thread would read its caller's connection."""
+        return not self.is_async and self._claim is None and not self._claim_pending and not self.stopping and self.failed is None
+
+    def take_connection(self, claim: Any) -> None:
+        """(The I/O thread, right after delivering a call that came alone on ``claim``'s
+        connection.) From the next message on, this actor's thread reads it itself."""
+        self._claim_pending = True
+        self._put(("claim", claim))
 
     def stop(self, done: Any = None, owned: bool = True, graceful: bool = False) -> None:
         """Stop this actor as Monarch does: the message in hand finishes (an async actor's is
@@ -182,42 +203,135 @@ class ActorSlot:
     # -- threads
     def _run_sync(self) -> None:
         _context._instance.set(self.instance_info)
-        while True:
-            item = self._q.get()
-            while self._ctl:
-                ctl = self._ctl.popleft()
-                if self.stopping or self.failed is not None:
-                    self._refuse(ctl)
-                else:
-                    self._supervise_sync(*ctl[1:])
-            if item[0] == "ctl":
-                continue
-            if item[0] == "stop":
-                self._finish_stop()
-                if self.failed is None:
-                    self._cleanup_sync()
-                self._signal_stopped()
-                return
-            if self.stopping:
-                self._refuse(item)
-                continue
-            pf = self.pending_failure
-            if pf is not None and self.failed is None:
-                self._fail(pf)
-                self._cleanup_sync(pf.cleanup_exc)
-            if self.failed is not None:
-                self._refuse(item)
-                continue
+        try:
+            while True:
+                c = self._claim
+                if c is None:
+                    if self._handle_sync(self._q.get()):
+                        return
+                    continue
+                item = self._next_claimed(c)
+                if item is None:
+                    continue
+                # the I/O thread watches the connection while this one is busy
+                c.busy()
+                stop = self._handle_sync(item)
+                if not c.idle() and self._claim is c:
+                    self._unclaim()  # something came meanwhile: the I/O thread reads it from now on
+                if stop:
+                    return
+        finally:
+            if self._claim is not None:
+                self._claim.give_back()
+                self._unclaim()
+
+    def _next_claimed(self, c: Any) -> Any:
+        """Wait for the next message, on the claimed connection or in the mailbox (which goes
+        first: what is there was delivered earlier); None when there is none yet."""
+        q = self._q
+        if not q.empty():
+            return q.get_nowait()
+        self._polling = True
+        try:
+            if not q.empty():  # put before _polling was seen: no wake-up is coming for it
+                return q.get_nowait()
+            ready = self._poller.poll()
+        finally:
+            self._polling = False
+        for fd, _ in ready:
+            if fd == self._wake:
+                try:
+                    os.eventfd_read(self._wake)
+                except BlockingIOError:
+                    pass
+        if not q.empty():
+            # the mailbox first; the connection is still readable next time (level-triggered)
+            return q.get_nowait()
+        got = c.read()
+        if got is None:  # the connection ended: the I/O thread has it back
+            self._unclaim()
+            return None
+        if not got:
+            return None  # part of a message
+        own = self.rt.receiver.take_own(got[0], self.name) if len(got) == 1 else None
+        if own is None:
+            # another actor's, a port's, out of order, or several at once: the I/O thread's work
+            c.give_back(got, cooldown=0 if len(got) > 1 else 16)
+            self._unclaim()
+            return None
+        item = ("call", *own)
+        if not q.empty():
+            # earlier messages of its stream were delivered to the mailbox meanwhile: after them
+            q.put(item)
+            return q.get_nowait()
+        return item
+
+    def _unclaim(self) -> None:
+        c, self._claim = self._claim, None
+        if c is not None and self._poller is not None:
             try:
-                if item[0] == "init":
-                    self._init(*item[1:])
-                elif item[0] == "call":
-                    self._call_sync(*item[1:])
-                if self.abort_reason is not None:
-                    raise _Aborted(self.abort_reason)
-            except _ActorFailed as f:
-                self._fail(f)
-                self._cleanup_sync(f.cleanup_exc)
+                self._poller.unregister(c.fd)
+            except (KeyError, ValueError):
+                pass
+
+    def _adopt(self, c: Any) -> None:
+        """Read ``c``'s connection on this thread from now on (see :meth:`take_connection`)."""
+        self._claim_pending = False
+        if self._claim is not None or self.stopping or self.failed is not None:
+            c.give_back()
+            return
+        if not c.idle():
+            return  # something came while this thread was busy: the I/O thread read it
+        if self._poller is None:
+            self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            self._poller = select.poll()
+            self._poller.register(self._wake, select.POLLIN)
+        self._poller.register(c.fd, select.POLLIN)
+        self._claim = c
+
+    def _handle_sync(self, item: Any) -> bool:
+        """Handle one mailbox item on the actor's thread; True: the actor stopped."""
+        if item[0] == "claim":
+            self._adopt(item[1])
+            return False
+        while self._ctl:
+            ctl = self._ctl.popleft()
+            if self.stopping or self.failed is not None:
+                self._refuse(ctl)
+            else:
+                self._supervise_sync(*ctl[1:])
+        if item[0] == "ctl":
+            return False
+        if item[0] == "stop":
+            if self._claim is not None:
+                self._claim.give_back()
+                self._unclaim()
+            self._finish_stop()
+            if self.failed is None:
+                self._cleanup_sync()
+            self._signal_stopped()
+            return True
+        if self.stopping:
+            self._refuse(item)
+            return False
+        pf = self.pending_failure
+        if pf is not None and self.failed is None:
+            self._fail(pf)
+            self._cleanup_sync(pf.cleanup_exc)
+        if self.failed is not None:
+            self._refuse(item)
+            return False
+        try:
+            if item[0] == "init":
+                self._init(*item[1:])
+            elif item[0] == "call":
+                self._call_sync(*item[1:])
+            if self.abort_reason is not None:
+                raise _Aborted(self.abort_reason)
+        except _ActorFailed as f:
+            self._fail(f)
+            self._cleanup_sync(f.cleanup_exc)
+        return False
 
     def _run_async(self, ready: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
@@ -363,7 +477,10 @@ class ActorSlot:
         for item in items:
             if item[0] == "stop":
                 self._put(item)
-        return [i for i in items if i[0] != "stop"]
+            elif item[0] == "claim":
+                self._claim_pending = False
+                item[1].give_back()  # a failed actor reads no connection
+        return [i for i in items if i[0] not in ("stop", "claim")]
 
     def supervision_error(self, method: str) -> SupervisionError:
         """What a call to this failed (or stopped) actor gets, in Monarch's words."""
@@ -581,6 +698,10 @@ class ActorSlot:
             # aborted in an endpoint with an explicit port: a caller it never answered hears of
             # the failure, as in Monarch (an answered one ignores the late error)
             raise _Aborted(self.abort_reason, _caller(meta))
+        if self._claim is not None:
+            # read the connection here again before the caller can answer the reply: a call it
+            # sends at once must not find the I/O thread watching, which would take it back
+            self._claim.idle()
         self._reply(raddr, rport, index, status, result)
 
     async def _call_async(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
