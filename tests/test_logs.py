@@ -151,10 +151,13 @@ def test_a_huge_line_reaches_subscribers_before_the_log_file_and_the_file_keeps_
         assert on_disk_at_emit[:2] == [("small 1", 1), ("zzzzzzz", 1)]
         # a reader of the log (the allocator's ``logs`` request) sees every line taken so far
         assert [r["line"][:8] for r in read_log(str(path))][-3:] == ["small 49", "yyyyyyyy", "last"]
-        log.close()
+        _feed(log, b"w" * (2 << 20) + b"\n")
+        t0 = time.monotonic()
+        log.close()  # on the loop, before the writer got the line: written here, not waited for
+        assert time.monotonic() - t0 < 1.0
         return [json.loads(x)["line"][:8] for x in path.read_text().splitlines()]
 
-    assert asyncio.run(run()) == ["small 1", "zzzzzzzz", *(f"small {i}" for i in range(2, 50)), "yyyyyyyy", "last"]
+    assert asyncio.run(run()) == ["small 1", "zzzzzzzz", *(f"small {i}" for i in range(2, 50)), "yyyyyyyy", "last", "wwwwwwww"]
 
 
 def test_megabytes_at_once_split_as_small_reads_do(tmp_path) -> None:  # type: ignore[no-untyped-def]

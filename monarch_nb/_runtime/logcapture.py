@@ -18,6 +18,7 @@ bar), not a finished line.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import io
 import json
@@ -312,6 +313,8 @@ class ProcLog:
         #: while ``_writing`` (the file is then that thread's alone); both under ``_lock``
         self._unwritten: list[list[LogItem]] = []
         self._writing = False
+        #: the waiting batches are some thread's to write (the writer's, or a caller of settle)
+        self._submitted = False
         self._close_after = False
         self._lock = threading.Condition(threading.Lock())
         _open_logs[path] = self
@@ -465,16 +468,22 @@ class ProcLog:
             self._write(out)
         # the proc is gone: its last lines are on disk before this returns, unless the disk
         # stalls (then the writer closes the file once it has everything)
-        with self._lock:
-            if not self._lock.wait_for(lambda: not self._writing, CLOSE_WAIT_S):
-                self._close_after = True
-                return
+        if not self.settle(CLOSE_WAIT_S):
+            with self._lock:
+                if self._writing:
+                    self._close_after = True
+                    return
         self._file.close()
 
     def settle(self, timeout: float) -> bool:
-        """Wait until every line taken so far is in the file (at most ``timeout`` seconds)."""
+        """Wait until every line taken so far is in the file (at most ``timeout`` seconds);
+        lines not yet handed to the writer thread are written by the caller."""
         with self._lock:
-            return self._lock.wait_for(lambda: not self._writing, timeout)
+            if not self._writing or self._submitted:
+                return self._lock.wait_for(lambda: not self._writing, timeout)
+            self._submitted = True
+        self._write_unwritten()
+        return True
 
     def _write(self, lines: list[LogItem], nbytes: int = 0) -> None:
         self.nlines += count_lines(lines)
@@ -496,9 +505,21 @@ class ProcLog:
         self._emit(lines)
         if start:
             try:
-                _file_writer().submit(self._write_unwritten)
-            except RuntimeError:  # the interpreter is shutting down: written here
-                self._write_unwritten()
+                # after what ``emit`` queued on the loop (the line's send): the writer's copy of
+                # 10 MiB into the page cache must not compete with it for the machine's cores
+                asyncio.get_running_loop().call_soon(self._to_writer)
+            except RuntimeError:
+                self._to_writer()
+
+    def _to_writer(self) -> None:
+        with self._lock:
+            if not self._writing or self._submitted:
+                return  # written meanwhile by a caller of settle
+            self._submitted = True
+        try:
+            _file_writer().submit(self._write_unwritten)
+        except RuntimeError:  # the interpreter is shutting down: written here
+            self._write_unwritten()
 
     def _write_unwritten(self) -> None:
         """The writer thread's turn: the waiting batches, in order, until there are none."""
@@ -506,7 +527,7 @@ class ProcLog:
             with self._lock:
                 batches, self._unwritten = self._unwritten, []
                 if not batches:
-                    self._writing = False
+                    self._writing = self._submitted = False
                     close, self._close_after = self._close_after, False
                     self._lock.notify_all()
                     break
