@@ -309,7 +309,7 @@ class ProcLog:
         self._size = self._file.tell()
         self._partial = {"stdout": b"", "stderr": b""}
         self._more: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
-        #: batches on their way to the file after a huge one, written by :data:`_FILE_WRITER`
+        #: batches on their way to the file after a huge one, written by :func:`_file_writer`
         #: while ``_writing`` (the file is then that thread's alone); both under ``_lock``
         self._unwritten: list[list[LogItem]] = []
         self._writing = False
