@@ -534,7 +534,7 @@ class ProcLog:
             for lines in batches:
                 try:
                     self._write_file(lines)
-                except (OSError, ValueError):
+                except Exception:  # whatever it was, the lines after these still get their turn
                     logger.warning("could not write %d lines to %s", count_lines(lines), self.path, exc_info=True)
         if close:
             self._file.close()
