@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import threading
 import time
 from typing import Any
@@ -26,6 +27,8 @@ else:
 LOG_TAG = b"BENCHLOG "
 #: how much of a line the log sink reads for its tag
 _HEAD = 4096
+#: what the log sink counts: a tag and a line number
+_TAGGED = re.compile(re.escape(LOG_TAG) + rb"(\S+) (\S+)")
 
 
 class Echo(Actor):
@@ -252,29 +255,25 @@ class LogSink:
     def _pump(self) -> None:
         # only a line's head is looked at (the tag comes after at most a rank prefix): a 10 MiB
         # line is neither joined nor split here, so the reader's copies do not count in either
-        # system's time
+        # system's time. The whole lines of a read are searched at once, in C: looping over
+        # 10,000 lines in Python took this reader 6-7 ms (GIL held) per sample, the same
+        # controller process the system under test runs its I/O in
         head = b""  # the start of a line not finished yet
         while True:
             data = os.read(self.fd, 1 << 20)
             if not data:
                 return
-            hits = []
-            start = 0
-            while True:
-                nl = data.find(b"\n", start)
-                if nl < 0:
-                    if len(head) < _HEAD:
-                        head += data[start : start + _HEAD - len(head)]
-                    break
-                ln = data[start : min(nl, start + _HEAD)]
-                if head:
-                    ln, head = head + ln, b""
-                start = nl + 1
-                j = ln.find(LOG_TAG)
-                if j >= 0:
-                    parts = ln[j + len(LOG_TAG) :].split(maxsplit=2)
-                    if len(parts) >= 2:
-                        hits.append((parts[0], parts[1]))
+            last = data.rfind(b"\n")
+            if last < 0:
+                if len(head) < _HEAD:
+                    head += data[: _HEAD - len(head)]
+                continue
+            first = data.find(b"\n")
+            # the line going on since earlier reads ends here
+            hits = _TAGGED.findall(head + data[: min(first, _HEAD)])
+            if last > first:
+                hits += _TAGGED.findall(memoryview(data)[first + 1 : last])
+            head = data[last + 1 : last + 1 + _HEAD]
             if hits:
                 with self.lock:
                     for tag, i in hits:

@@ -431,7 +431,9 @@ def test_128_procs_on_one_host_spawn_answer_and_stop(tmp_path):  # type: ignore[
 
 def test_a_10_mib_line_reaches_a_script_controller_whole(allocator):  # type: ignore[no-untyped-def]
     code = f"""
+import fcntl, sys
 from monarch_nb.actor import Actor, endpoint, attach_to_workers
+from monarch_nb.logs import logs
 class Big(Actor):
     @endpoint
     def big(self) -> None:
@@ -440,13 +442,21 @@ class Big(Actor):
         print("\u00e9" * (1 << 20))  # huge and not ASCII: decoded on the way
 hosts = attach_to_workers(workers=[{allocator.addr!r}], ca="trust_all_connections")
 pm = hosts.spawn_procs(per_host={{"gpus": 1}}, name="bigline")
+print("PIPE", fcntl.fcntl(1, 1032), file=sys.stderr)  # F_GETPIPE_SZ
 pm.spawn("b", Big).big.call_one().get(timeout=30)
+# asked right after the call: the rank's log on disk already holds what it printed
+print("DISK", [(r["stream"], r["line"]) for r in logs(pm, 0)] == [("stdout", "BIG<" + "x" * (10 << 20) + ">"), ("stdout", "after"), ("stdout", "\u00e9" * (1 << 20))], file=sys.stderr)
 pm.stop().get(timeout=20)
+print("PIPE", fcntl.fcntl(1, 1032), file=sys.stderr)
 """
     r = run_script(code, env={"MONARCH_NB_RUNTIME_DIR": allocator.rdir})
     lines = r.stdout.splitlines()
     assert lines.count("[0] BIG<" + "x" * (10 << 20) + ">") == 1 and lines.count("[0] after") == 1, r.stderr[-2000:]
     assert lines.count("[0] " + "\u00e9" * (1 << 20)) == 1
+    assert "DISK True" in r.stderr.splitlines(), r.stderr[-2000:]
+    # the script's stdout pipe was made wide for the huge line (160 turns with its reader -> 10)
+    before, after = (int(ln.split()[1]) for ln in r.stderr.splitlines() if ln.startswith("PIPE"))
+    assert before < 1 << 20 and after == 1 << 20, (before, after)
 
 
 def test_worker_addresses_in_monarchs_forms() -> None:

@@ -17,7 +17,17 @@ import pytest
 from conftest import wait_for
 
 from monarch_nb._ranks import format_ranks, parse_ranks
-from monarch_nb._runtime.logcapture import ProcLog, TaggedStream, _Flusher, expand, line_text, marker, set_call, split_run
+from monarch_nb._runtime.logcapture import (
+    ProcLog,
+    TaggedStream,
+    _Flusher,
+    expand,
+    line_text,
+    marker,
+    read_log,
+    set_call,
+    split_run,
+)
 from monarch_nb.logs import Aggregator
 
 
@@ -134,14 +144,20 @@ def test_a_huge_line_reaches_subscribers_before_the_log_file_and_the_file_keeps_
 
         log = ProcLog(str(path), 0, emit)
         _feed(log, b"small 1\n" + b"z" * (2 << 20) + b"\nsmall 2\n")
-        log.feed("stdout", b"small 3\n")
-        await asyncio.sleep(0)  # the deferred write runs on the loop
-        log.close()
+        for i in range(3, 50):  # while the huge line is on its way to the file (another thread)
+            log.feed("stdout", b"small %d\n" % i)
+        _feed(log, b"y" * (2 << 20) + b"\nlast\n")
         # the huge line went out while only the line before it was on disk
         assert on_disk_at_emit[:2] == [("small 1", 1), ("zzzzzzz", 1)]
-        return [json.loads(x)["line"][:7] for x in path.read_text().splitlines()]
+        # a reader of the log (the allocator's ``logs`` request) sees every line taken so far
+        assert [r["line"][:8] for r in read_log(str(path))][-3:] == ["small 49", "yyyyyyyy", "last"]
+        _feed(log, b"w" * (2 << 20) + b"\n")
+        t0 = time.monotonic()
+        log.close()  # on the loop, before the writer got the line: written here, not waited for
+        assert time.monotonic() - t0 < 1.0
+        return [json.loads(x)["line"][:8] for x in path.read_text().splitlines()]
 
-    assert asyncio.run(run()) == ["small 1", "zzzzzzz", "small 2", "small 3"]
+    assert asyncio.run(run()) == ["small 1", "zzzzzzzz", *(f"small {i}" for i in range(2, 50)), "yyyyyyyy", "last", "wwwwwwww"]
 
 
 def test_megabytes_at_once_split_as_small_reads_do(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -214,6 +214,22 @@ def test_large_bytes_that_arrived_never_change_and_hash_right_when_their_memory_
     _rawbuf.release_idle(-1.0)
 
 
+def test_a_huge_line_joined_from_pipe_reads_never_changes_when_the_next_one_reuses_memory() -> None:
+    from monarch_nb._wire import _rawbuf
+
+    n = _rawbuf.MIN_BYTES + 4096
+    pieces = [os.urandom(n // 4) for _ in range(4)]
+    kept = _rawbuf.join(pieces)  # still held (a subscriber's batch): never written again
+    assert kept == b"".join(pieces)
+    for _ in range(3):
+        new = [os.urandom(n // 4) for _ in range(4)]
+        line = _rawbuf.join(new)
+        assert line == b"".join(new) and hash(line) == hash(b"".join(new))
+        del line  # gone: the next line may take its memory
+    assert kept == b"".join(pieces)
+    _rawbuf.release_idle(-1.0)
+
+
 def test_a_pooled_segment_goes_back_when_idle_or_never_returned():
     from monarch_nb._wire.serialize import _bytes_from
 

@@ -19,17 +19,22 @@ bar), not a finished line.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import io
 import json
+import logging
 import os
 import re
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from .._wire._rawbuf import join, to_bytes
+
+logger = logging.getLogger(__name__)
 
 MARK_PREFIX = b"\x1b]mnb;call="
 MARK_END = b"\x07"
@@ -262,6 +267,11 @@ def install_tagged_streams() -> None:
         setattr(sys, name, new)
 
 
+#: how long a closing :class:`ProcLog` waits for its lines still on their way to the file
+CLOSE_WAIT_S = 2.0
+#: this process's rank logs still being written to, by path (:func:`read_log` waits for them)
+_open_logs: weakref.WeakValueDictionary[str, ProcLog] = weakref.WeakValueDictionary()
+
 #: this proc's tagged streams
 _tagged: list[TaggedStream] = []
 
@@ -299,8 +309,15 @@ class ProcLog:
         self._size = self._file.tell()
         self._partial = {"stdout": b"", "stderr": b""}
         self._more: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
-        #: batches on their way to the file after a huge one
+        #: batches on their way to the file after a huge one, written by :func:`_file_writer`
+        #: while ``_writing`` (the file is then that thread's alone); both under ``_lock``
         self._unwritten: list[list[LogItem]] = []
+        self._writing = False
+        #: the waiting batches are some thread's to write (the writer's, or a caller of settle)
+        self._submitted = False
+        self._close_after = False
+        self._lock = threading.Condition(threading.Lock())
+        _open_logs[path] = self
         self._call = {"stdout": "", "stderr": ""}
         self.tail: list[LogLine] = []
         self.nlines = 0
@@ -449,39 +466,78 @@ class ProcLog:
             self._partial[stream] = b""
         if out:
             self._write(out)
-        self._write_unwritten()
+        # the proc is gone: its last lines are on disk before this returns, unless the disk
+        # stalls (then the writer closes the file once it has everything)
+        if not self.settle(CLOSE_WAIT_S):
+            with self._lock:
+                if self._writing:
+                    self._close_after = True
+                    return
         self._file.close()
+
+    def settle(self, timeout: float) -> bool:
+        """Wait until every line taken so far is in the file (at most ``timeout`` seconds);
+        lines not yet handed to the writer thread are written by the caller."""
+        with self._lock:
+            if not self._writing or self._submitted:
+                return self._lock.wait_for(lambda: not self._writing, timeout)
+            self._submitted = True
+        self._write_unwritten()
+        return True
 
     def _write(self, lines: list[LogItem], nbytes: int = 0) -> None:
         self.nlines += count_lines(lines)
         self.tail += _tail_lines(lines, 50)
         del self.tail[:-50]
-        if self._unwritten:
-            self._unwritten.append(lines)  # after the lines still waiting: the file keeps their order
-            self._emit(lines)
-            return
-        loop = None
-        if nbytes >= BIG_WRITE:
-            # a huge line (10 MiB) takes ms to check and write: it goes to subscribers first
-            # (what ``emit`` queues on the loop runs before this), to the file right after
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                pass
-        if loop is None:
-            self._write_file(lines)
-            self._emit(lines)
-            return
-        self._unwritten = [lines]
+        start = False
+        with self._lock:
+            if self._writing:
+                self._unwritten.append(lines)  # after the lines still waiting: the file keeps their order
+            elif nbytes >= BIG_WRITE:
+                # a huge line (10 MiB) takes ms to check and write, and a write into a page
+                # cache full of dirty pages can stall for 20 ms: it goes to subscribers first and
+                # to the file from another thread, so the allocator reads on meanwhile (a proc
+                # printing its next line waits for no disk)
+                self._writing = start = True
+                self._unwritten = [lines]
+            else:
+                self._write_file(lines)
         self._emit(lines)
-        loop.call_soon(self._write_unwritten)
+        if start:
+            try:
+                # after what ``emit`` queued on the loop (the line's send): the writer's copy of
+                # 10 MiB into the page cache must not compete with it for the machine's cores
+                asyncio.get_running_loop().call_soon(self._to_writer)
+            except RuntimeError:
+                self._to_writer()
+
+    def _to_writer(self) -> None:
+        with self._lock:
+            if not self._writing or self._submitted:
+                return  # written meanwhile by a caller of settle
+            self._submitted = True
+        try:
+            _file_writer().submit(self._write_unwritten)
+        except RuntimeError:  # the interpreter is shutting down: written here
+            self._write_unwritten()
 
     def _write_unwritten(self) -> None:
-        batches, self._unwritten = self._unwritten, []
-        for lines in batches:
-            if self._file.closed:
-                return
-            self._write_file(lines)
+        """The writer thread's turn: the waiting batches, in order, until there are none."""
+        while True:
+            with self._lock:
+                batches, self._unwritten = self._unwritten, []
+                if not batches:
+                    self._writing = self._submitted = False
+                    close, self._close_after = self._close_after, False
+                    self._lock.notify_all()
+                    break
+            for lines in batches:
+                try:
+                    self._write_file(lines)
+                except Exception:  # whatever it was, the lines after these still get their turn
+                    logger.warning("could not write %d lines to %s", count_lines(lines), self.path, exc_info=True)
+        if close:
+            self._file.close()
 
     def _write_file(self, lines: list[LogItem]) -> None:
         parts = _records(lines)
@@ -498,6 +554,16 @@ class ProcLog:
         os.replace(self.path, self.path + ROTATED)
         self._file = open(self.path, "ab", buffering=1 << 16)
         self._size = 0
+
+
+_writer: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _file_writer() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread that writes huge lines to rank logs (a disk takes one write at a time)."""
+    if not _writer:
+        _writer.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mnb-logfile"))
+    return _writer[0]
 
 
 def _records(lines: list[LogItem]) -> list[bytes]:
@@ -597,6 +663,9 @@ def read_log(path: str, tail: int | None = None, start: int = 0) -> list[dict[st
     """Rows ``start:`` of a rank's log, or only its last ``tail`` rows (read from the end of
     the file: a tail of a huge log costs what the tail is, not what the log is)."""
     rows: list[bytes] = []
+    log = _open_logs.get(path)
+    if log is not None:
+        log.settle(CLOSE_WAIT_S)  # a huge line read from its proc is on disk before this reads
     try:
         with open(path, "rb") as f:
             if tail is not None and start == 0:

@@ -133,10 +133,14 @@ def to_bytes(buf: Any) -> bytes:
     with pinned(mv) as (src, _):
         out = _reuse(n) or _fresh(n)
         copy(id(out) + _API[4], src, n)
-    if n <= REUSE_MAX and _API[5]:
+    _remember(out)
+    return out
+
+
+def _remember(out: bytes) -> None:
+    if len(out) <= REUSE_MAX and _API[5]:
         with _last_lock:
             _last[:] = [out, time.monotonic()]
-    return out
 
 
 _last: list[Any] = []  # [the last large bytes made here, when]
@@ -171,14 +175,16 @@ def _fresh(n: int) -> bytes:
 
 
 def join(parts: list[Any]) -> bytes:
-    """``b"".join(parts)``, into huge pages when large (as :func:`to_bytes`)."""
+    """``b"".join(parts)``, into huge pages when large, or into the memory of the last large
+    ``bytes`` made here when nothing holds it any more (as :func:`to_bytes`)."""
     n = sum(memoryview(p).nbytes for p in parts)
     if _API is None or n < MIN_BYTES or not all(memoryview(p).c_contiguous for p in parts):
         return b"".join(parts)
-    out = _fresh(n)
+    out = _reuse(n) or _fresh(n)
     dst = id(out) + _API[4]
     for p in parts:
         with pinned(p) as (src, m):
             copy(dst, src, m)
             dst += m
+    _remember(out)
     return out
