@@ -105,9 +105,11 @@ def _workloads() -> list[Spec]:
                     floor=("memcpy", mib << 20, 2),  # an echo moves the payload twice
                 )
             )
-    w.append(Spec("logs_10000", 1, "latency", target=""))
+    # a sample is a burst of 10-50 ms that one burst of machine load can double: enough samples,
+    # alternated finely, that the median is not two of them
+    w.append(Spec("logs_10000", 8, "latency", target="", interleave=2))
     # one line of 10 MiB printed by a rank, until it reached the controller's stdout
-    w.append(Spec("logline_10MiB", 2, target="<= 0.5x", target_median=0.5, floor=("memcpy", 10 << 20, 1)))
+    w.append(Spec("logline_10MiB", 8, target="<= 0.5x", target_median=0.5, floor=("memcpy", 10 << 20, 1), interleave=2))
     return w
 
 
