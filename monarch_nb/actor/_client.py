@@ -306,9 +306,6 @@ class Client:
 
     def _at_exit(self) -> None:
         self.shutdown()
-        # stop the I/O thread before the interpreter finalizes: a daemon thread still running a
-        # (uvloop) loop then wakes into a half-torn-down interpreter
-        self.rt.close()
         # nobody can reach this process once it exits: its socket files would only be litter
         from .._runtime.fastpath import path_for
 
