@@ -25,6 +25,13 @@ import time
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
+try:
+    # imported here, not when a loop is made: the zygote imports this module before it forks,
+    # so a proc does not pay the 2-3 ms of importing it on the way to its first call
+    import uvloop
+except ImportError:  # not installed (optional on platforms without wheels)
+    uvloop = None  # type: ignore[assignment]
+
 from ..config import Config
 from .receiving import NO_REPLY, Mailbox, PortHandler, Receiver, system_method
 from .sending import Sender, Target
@@ -42,13 +49,8 @@ def new_loop(fast: bool = True) -> asyncio.AbstractEventLoop:
     ``call_one`` 0.85-0.96x, ``call`` to 16 0.84x). The allocator keeps asyncio's: its log
     batching runs on sub-millisecond timers, which libuv rounds to whole milliseconds
     (``logs_10000`` read 1.47x with uvloop there)."""
-    if fast:
-        try:
-            import uvloop
-        except ImportError:
-            pass
-        else:
-            return uvloop.new_event_loop()
+    if fast and uvloop is not None:
+        return uvloop.new_event_loop()
     return asyncio.new_event_loop()
 
 
