@@ -21,6 +21,8 @@ if not _RDIR:
     os.environ["MONARCH_NB_RUNTIME_DIR"] = _RDIR
     os.environ.setdefault("MONARCH_NB_HEARTBEAT_INTERVAL", "0.2")
     os.environ.setdefault("MONARCH_NB_HEARTBEAT_TIMEOUT", "1.5")
+    # a process of the suite that crashes (SIGSEGV, abort) prints every thread's Python stack
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 import pytest  # noqa: E402
 
@@ -92,7 +94,21 @@ def pytest_sessionfinish(session, exitstatus):
 
     stop_allocator()
     _sweep(_RDIR)
+    if exitstatus not in (0, 5):
+        _report_daemon_logs(_RDIR)
     shutil.rmtree(_RDIR, ignore_errors=True)
+
+
+def _report_daemon_logs(rdir: str, lines: int = 40) -> None:
+    """The end of each allocator log of the session (a crash's stacks, a stall's warnings): the
+    directory goes away with the session, and a failed CI run has nothing else to show of them."""
+    import glob
+
+    for path in sorted(glob.glob(os.path.join(rdir, "allocator*.log"))):
+        with open(path, errors="replace") as f:
+            tail = f.read().splitlines()[-lines:]
+        sys.stderr.write(f"conftest: the end of {os.path.basename(path)}:\n")
+        sys.stderr.writelines(f"  {line[:300]}\n" for line in tail)
 
 
 def _sweep(rdir: str) -> None:

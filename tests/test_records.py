@@ -139,3 +139,29 @@ def test_concurrent_controllers_on_a_fresh_runtime_dir_share_one_allocator(rdir:
     assert _allocator_pids(rdir) == [files[0]["pid"]]
     seen = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert seen == [{"alloc": files[0]["addr"], "procs": 1}] * 8
+
+
+def test_an_allocator_that_died_unreaped_is_not_taken_for_the_running_one(rdir: str) -> None:
+    # a kernel that started the host's allocator never waits for it: if the allocator dies,
+    # its pid stays a zombie and its socket file stays, and every later controller waited for
+    # heartbeats from it (1.5 s each, every spawn of a CI run failing); this process is the
+    # parent here and does not reap it until the end
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="")
+    log = open(os.path.join(rdir, "dead.log"), "wb")
+    dead = subprocess.Popen([PY, "-m", "monarch_nb", "allocator"], env=env, stdout=log, stderr=log)
+    try:
+        from conftest import wait_for
+
+        info = wait_for(lambda: records.find_local_allocator(rdir), 60, "the allocator's connection file")
+        assert info["pid"] == dead.pid
+        os.kill(dead.pid, 9)
+        wait_for(lambda: os.waitid(os.P_PID, dead.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG), 10, "its death")
+        addr = info["addr"][len("ipc://") :]
+        assert os.path.exists(addr) and os.path.exists(info["file"])  # what it left looks alive
+        assert records.find_local_allocator(rdir) is None
+        fresh = records.local_allocator(rdir, timeout=60)
+        assert fresh["pid"] != dead.pid
+    finally:
+        dead.kill()
+        dead.wait(10)
+        log.close()

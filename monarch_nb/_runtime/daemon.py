@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -57,6 +58,8 @@ def run_allocator(
     if gateway and (key is None or not tcp_ip):
         raise ValueError("--gateway needs --key-file and a --bind address (what the job's hosts reach this one at)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # a daemon that crashes leaves every thread's Python stack in its log, not only an exit code
+    faulthandler.enable()
     alloc = Allocator(cfg, security, runtime_dir(cfg), tcp_ip=tcp_ip, tcp_port=port)
     alloc.exit_on_lease = exit_on_lease
     if advertise:

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import ConfigError, ConnectError
+from ._pids import pid_alive
 
 __all__ = [
     "PREFIX",
@@ -125,18 +126,6 @@ def read_connection_file(path: str) -> dict[str, Any]:
     return info
 
 
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def find_local_allocator(rdir: str) -> dict[str, Any] | None:
     """The connection info of a live allocator of this host in ``rdir``, if there is one."""
     host = socket.gethostname()
@@ -146,7 +135,7 @@ def find_local_allocator(rdir: str) -> dict[str, Any] | None:
             pid = int(info.get("pid", 0))
         except (TypeError, ValueError):
             continue
-        if info.get("host") == host and _alive(pid) and addr.startswith("ipc://") and os.path.exists(addr[len("ipc://") :]):
+        if info.get("host") == host and pid_alive(pid) and addr.startswith("ipc://") and os.path.exists(addr[len("ipc://") :]):
             return info
     return None
 

@@ -33,6 +33,7 @@ except ImportError:  # not installed (optional on platforms without wheels)
     uvloop = None  # type: ignore[assignment]
 
 from ..config import Config
+from ._pids import pid_alive
 from .receiving import NO_REPLY, Mailbox, PortHandler, Receiver, system_method
 from .sending import Sender, Target
 from .spans import SpanSource
@@ -178,12 +179,33 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        self._stop_loop(5.0, close_inboxes=True)
+        self.transport.close_connections()
+        self.sender.release_shm()
+        self.transport.terminate()
+
+    # ---------------------------------------------------------------- the I/O loop
+
+    def halt(self, timeout: float = 2.0) -> None:
+        """Stop the I/O thread (its tasks cancelled, its loop stopped) and leave the sockets
+        open: for a process about to exit. Its interpreter must not finalize under a loop still
+        running in a daemon thread: uvloop's callbacks then run into a half torn-down
+        interpreter (SIGSEGV at exit). :meth:`close` would close the sockets too, which libzmq
+        does not take from an exit handler (an abort in its epoll.cpp)."""
+        if not self._closed:
+            self._closed = True
+            self._stop_loop(timeout, close_inboxes=False)
+
+    def _stop_loop(self, timeout: float, close_inboxes: bool) -> None:
+        if not self._thread.is_alive():
+            return
         done = threading.Event()
 
         def stop() -> None:
             for t in list(self._tasks):
                 t.cancel()
-            self.transport.close_inboxes()
+            if close_inboxes:
+                self.transport.close_inboxes()
 
             def end() -> None:
                 self.loop.stop()
@@ -192,15 +214,10 @@ class Runtime:
             # one more turn of the loop lets the cancelled tasks finish (no "destroyed but pending")
             self.loop.call_soon(end)
 
-        if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(stop)
-            done.wait(5)
-            self._thread.join(5)
-        self.transport.close_connections()
-        self.sender.release_shm()
-        self.transport.terminate()
+        self.loop.call_soon_threadsafe(stop)
+        done.wait(timeout)
+        self._thread.join(timeout)
 
-    # ---------------------------------------------------------------- the I/O loop
     def in_io_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
@@ -335,16 +352,3 @@ class ReplyPort:
         # the callbacks are closures that hold this port (and the call's replies): without them
         # the call's memory goes back at once, not at the next cyclic collection
         self.on_fail = self._fail_one = None
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True

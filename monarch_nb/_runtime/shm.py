@@ -43,6 +43,7 @@ from typing import Any
 
 from .._wire import _rawbuf
 from ..errors import ProtocolError
+from ._pids import pid_alive
 
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"mnb-[0-9]{1,10}-(p?)[0-9a-f]{32}")
@@ -381,7 +382,7 @@ def sweep_stale(min_age: float = 2 * GRACE_S) -> int:
         if not _LEFT.fullmatch(name):
             continue
         pid = int(name.split("-", 2)[1])
-        if pid == os.getpid() or _alive(pid):
+        if pid == os.getpid() or pid_alive(pid):
             continue
         path = os.path.join(SHM_DIR, name)
         try:
@@ -393,13 +394,3 @@ def sweep_stale(min_age: float = 2 * GRACE_S) -> int:
         except OSError:
             pass
     return n
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # someone else's: not ours to judge
-    return True

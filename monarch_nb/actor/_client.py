@@ -316,6 +316,7 @@ class Client:
                     os.unlink(path)
                 except OSError:
                     pass
+        self.rt.halt()
 
     def shutdown(self) -> None:
         """Detach from every allocator (a script's meshes stop; persistent ones stay)."""
