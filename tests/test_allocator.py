@@ -140,6 +140,25 @@ def test_killed_allocator_fails_pending_calls_and_takes_its_procs(tmp_path):
         a.stop()
 
 
+def test_a_stalled_allocator_fails_what_was_pending_and_the_host_takes_new_spawns_once_it_answers(allocator):
+    # one stall of the allocator past the heartbeat timeout (a loaded CI machine) once failed
+    # every later spawn of the controller with the same cached "lost" error
+    pm = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="stalls")
+    w = pm.spawn("w", Worker)
+    w.pid.call().get(timeout=10)
+    fut = w.sleep.call(5)
+    os.kill(allocator.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(SupervisionError, match="allocator .* lost: no heartbeat"):
+            fut.get(timeout=10)
+    finally:
+        os.kill(allocator.proc.pid, signal.SIGCONT)
+    again = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="after_stall")
+    pid = again.spawn("w", Worker).pid.call_one().get(timeout=10)
+    assert isinstance(pid, int) and pid != os.getpid()
+    again.stop().get(timeout=10)
+
+
 def test_script_meshes_stop_at_exit_and_persistent_ones_are_reattached(allocator):
     code = f"""
 import os

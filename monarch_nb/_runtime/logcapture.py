@@ -267,7 +267,7 @@ def install_tagged_streams() -> None:
         setattr(sys, name, new)
 
 
-#: how long a closing :class:`ProcLog` waits for its lines still on their way to the file
+#: how long a reader of a rank's log waits for a huge line still on its way to the file
 CLOSE_WAIT_S = 2.0
 #: this process's rank logs still being written to, by path (:func:`read_log` waits for them)
 _open_logs: weakref.WeakValueDictionary[str, ProcLog] = weakref.WeakValueDictionary()
@@ -466,9 +466,16 @@ class ProcLog:
             self._partial[stream] = b""
         if out:
             self._write(out)
-        # the proc is gone: its last lines are on disk before this returns, unless the disk
-        # stalls (then the writer closes the file once it has everything)
-        if not self.settle(CLOSE_WAIT_S):
+        # the proc is gone: its last lines go to disk now. Lines the writer thread already has
+        # are waited for, but not on an event loop (the allocator's: its heartbeats and spawns
+        # would wait for the disk too); there, and if the disk stalls, the writer closes the file
+        # once it has everything (read_log waits for it)
+        try:
+            asyncio.get_running_loop()
+            wait = 0.0
+        except RuntimeError:
+            wait = CLOSE_WAIT_S
+        if not self.settle(wait):
             with self._lock:
                 if self._writing:
                     self._close_after = True

@@ -140,6 +140,31 @@ class Supervision:
             self.peer_failed(p, self._proc_error(w, p, cause))
         self.peer_failed(alloc_addr, w.lost)
 
+    def is_lost(self, alloc_addr: str) -> bool:
+        w = self.watches.get(alloc_addr)
+        return w is not None and w.lost is not None
+
+    def revive(self, alloc_addr: str) -> None:
+        """The allocator at ``alloc_addr``, declared lost, answered a new hello: heartbeats and
+        sends to it resume. What its loss failed stays failed (the calls, the meshes' states),
+        and its procs stay refused until they are watched again (a new spawn, or an attach by
+        name that finds them alive): the silence may have been a stall of a host that lived
+        on, and a host that was lost once is not lost for this process's lifetime."""
+        w = self.watches.get(alloc_addr)
+        if w is None or w.lost is None:
+            return
+        with self._lock:
+            cause = w.lost.cause
+            for addr in [alloc_addr, *w.procs]:
+                err = self.dead.get(addr)
+                if err is not None and err.cause == cause:
+                    del self.dead[addr]
+            self.watched.difference_update(w.procs)
+            w.procs.clear()
+            w.lost = None
+            w.last_pong = self._clock()
+        self.io.call_soon(self._subscribe, w)
+
     def _detached(self, w: Watch, why: str) -> None:
         """The allocator no longer counts us as attached (we were silent too long): what we
         wait for from it and its procs would never come, so it fails now, saying why."""
@@ -147,7 +172,8 @@ class Supervision:
             return
         cause = (
             f"allocator {w.addr} detached this controller: {why}. Its procs no longer answer to it; "
-            "a new controller (restart the kernel or script) attaches again and finds persistent meshes by name"
+            "a new spawn or attach on that host from this controller (or a restarted kernel or script) attaches again "
+            "and finds persistent meshes by name"
         )
         logger.warning("%s", cause)
         self.lose(w.addr, cause)
@@ -177,7 +203,8 @@ class Supervision:
                     except Exception:
                         logger.exception("allocator event callback raised")
 
-        w.event_port = self.io.open_port(on_event)
+        if not w.event_port:  # a revived allocator's events come to the port they came to before
+            w.event_port = self.io.open_port(on_event)
         body, bufs = dumps(((), {}))
         try:
             self.io.send_actor(w.addr, "__allocator__", "subscribe", body, bufs, reply=(self.io.addr_for(w.addr), w.event_port))

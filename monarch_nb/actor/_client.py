@@ -136,7 +136,11 @@ class Client:
         """Say hello to the allocator at ``addr``; raise a precise error if we cannot."""
         info = self.hellos.get(addr)
         if info is not None:
-            return info
+            if not self.rt.supervision.is_lost(addr):
+                return info
+            # declared lost (silent past the heartbeat timeout, or it detached us): a new hello
+            # says whether it is back, as after a stall of its host, or a restart at this address
+            del self.hellos[addr]
         timeout = self.rt.cfg.connect_timeout if timeout is None else timeout
         if addr.startswith("ipc://") and not os.path.exists(addr[len("ipc://") :]):
             raise ConnectError(f"no allocator listening at {addr}: the socket file does not exist")
@@ -213,6 +217,7 @@ class Client:
             probe.close(0)
         self.hellos[addr] = info
         self._alloc_addr[info.get("alloc_id", "")] = addr
+        self.rt.supervision.revive(addr)
         # heartbeats from now on: a controller silent until its first proc is detached
         self.rt.supervision.watch_allocator(addr, str(info.get("host", "")))
         self._check_versions(addr, info)

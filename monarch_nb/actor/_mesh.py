@@ -981,10 +981,10 @@ _local_host: HostMesh | None = None
 def this_host() -> HostMesh:
     """This host as a 0-dimensional host mesh; a controller starts the local allocator if none runs."""
     global _local_host
-    if _local_host is not None:
+    if _local_host is not None and not _local_allocator_lost(_local_host):
         return _local_host
     with _host_lock:
-        if _local_host is None:
+        if _local_host is None or _local_allocator_lost(_local_host):
             spec = _context.proc_spec
             if spec is not None:
                 _local_host = HostMesh([HostRef(spec["alloc_addr"], spec["host"])], View([], []))
@@ -999,6 +999,14 @@ def this_host() -> HostMesh:
                 _local_host = HostMesh([HostRef(info["addr"], info["host"])], View([], []))
                 _local_host._controller_env = True
     return _local_host
+
+
+def _local_allocator_lost(host: HostMesh) -> bool:
+    """A controller's local allocator went silent: it may have died and another been started
+    since (at another address), so ``this_host()`` looks again instead of keeping a dead one."""
+    if not getattr(host, "_controller_env", False):
+        return False
+    return _context.client().rt.supervision.is_lost(host._hosts[0].alloc)
 
 
 _this_proc: ProcMesh | None = None
