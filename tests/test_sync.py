@@ -12,6 +12,7 @@ import pytest
 import monarch_nb.mesh as M
 import monarch_nb.sync as S
 from monarch_nb._workspace import scan
+from monarch_nb.actor import Actor, endpoint
 
 MODULE = """
 from monarch_nb.actor import Actor, endpoint
@@ -164,3 +165,36 @@ def test_watch_resyncs_and_reloads_on_save(ws: Path) -> None:
         if watcher is not None:
             watcher.stop()
         M.stop("watched")
+
+
+class Stray(Actor):
+    @endpoint
+    def strand(self, gone: str) -> None:
+        # a module known by a path relative to a working directory that is then removed (a
+        # persistent proc outlives the notebook directory it was started in)
+        import types
+
+        m = types.ModuleType("stray_rel")
+        m.__file__ = "stray_rel.py"
+        sys.modules["stray_rel"] = m
+        os.chdir(gone)
+
+
+def test_a_proc_whose_working_directory_was_removed_still_reloads(ws: Path, tmp_path: Path) -> None:
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    pm = M.spawn("cwdgone", {"gpus": 1})
+    try:
+        S.sync(str(ws), meshes=pm)
+        import mymod
+
+        w = pm.spawn("w", mymod.Worker, 0)
+        w.hello.call().get()
+        pm.spawn("s", Stray).strand.call(str(gone)).get()
+        gone.rmdir()
+        _write(ws, "v2")
+        rep = S.sync(str(ws), meshes=pm)[0]
+        assert rep.reloads[0]["reloaded"] == ["mymod"]
+        assert [v[1] for v in w.hello.call().get().values()] == ["v2"]
+    finally:
+        M.stop("cwdgone")

@@ -21,13 +21,23 @@ def _modules_under(root: str) -> dict[str, types.ModuleType]:
     prefix = root.rstrip(os.sep) + os.sep
     for name, m in list(sys.modules.items()):
         f = getattr(m, "__file__", None)
-        if isinstance(m, types.ModuleType) and f and os.path.abspath(f).startswith(prefix):
+        if isinstance(m, types.ModuleType) and f and _absolute(f).startswith(prefix):
             out[name] = m
     return out
 
 
+def _absolute(path: str) -> str:
+    """``path`` made absolute, or as it is when it is relative to a working directory that was
+    removed since (a proc outlives the notebook directory it was started in): such a module
+    cannot be under a synced root, and one of them must not fail the reload of all the others."""
+    try:
+        return os.path.abspath(path)
+    except FileNotFoundError:
+        return path
+
+
 def _rel(root: str, module: types.ModuleType) -> str:
-    return os.path.relpath(os.path.abspath(module.__file__ or ""), root).replace(os.sep, "/")
+    return os.path.relpath(_absolute(module.__file__ or ""), root).replace(os.sep, "/")
 
 
 def _imports(m: types.ModuleType) -> set[str]:
