@@ -18,6 +18,7 @@ from conftest import PY, AllocatorProc, run_script, wait_for
 
 from monarch_nb._runtime import records
 from monarch_nb.actor import Actor, ProcMesh, attach_to_workers, current_rank, endpoint, this_host
+from monarch_nb.allocator import stop_mesh
 from monarch_nb.errors import SupervisionError
 
 pytestmark = pytest.mark.timeout(120)
@@ -153,6 +154,8 @@ def test_a_stalled_allocator_fails_what_was_pending_and_the_host_takes_new_spawn
             fut.get(timeout=10)
     finally:
         os.kill(allocator.proc.pid, signal.SIGCONT)
+    # a request (what status, stop and the sidebar send) finds it again, as a spawn does
+    assert stop_mesh("stalls", allocator.addr) == 1
     again = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="after_stall")
     pid = again.spawn("w", Worker).pid.call_one().get(timeout=10)
     assert isinstance(pid, int) and pid != os.getpid()

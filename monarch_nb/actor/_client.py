@@ -103,6 +103,8 @@ class Client:
     # ------------------------------------------------------------ requests
     def request(self, addr: str, method: str, *args: Any, _actor: str = "__allocator__", **kwargs: Any) -> Future[Any]:
         rt = self.rt
+        if rt.supervision.is_lost(addr):
+            self._try_revive(addr)
         fut: Future[Any] = Future._create(f"{method} on {addr}")
         body, bufs = dumps((args, kwargs))
 
@@ -222,6 +224,17 @@ class Client:
         self.rt.supervision.watch_allocator(addr, str(info.get("host", "")))
         self._check_versions(addr, info)
         return info
+
+    def _try_revive(self, addr: str) -> None:
+        """Before a request to an allocator declared lost: a quick hello, which revives it if it
+        answers (a stall, not a death); if not, the request fails with the loss, as before. Not
+        on the I/O thread, which the hello's reply needs."""
+        if threading.get_ident() == self.rt.transport.io_ident:
+            return
+        try:
+            self.connect(addr, timeout=self.rt.cfg.heartbeat_timeout)
+        except Exception as e:
+            logger.debug("allocator %s, lost, did not answer a new hello: %s", addr, e)
 
     def _local_key_hint(self) -> str:
         if self.rt.sockets.security.key is not None:
