@@ -54,6 +54,8 @@ class Client:
         self.cid = rt.uid
         self.kind = "proc" if proc_spec is not None else ("ipython" if in_ipython_kernel() else "script")
         self.hellos: dict[str, dict[str, Any]] = {}
+        #: when a request last tried to revive an allocator declared lost, by address
+        self._revive_tried: dict[str, float] = {}
         self._alloc_addr: dict[str, str] = {}  # allocator id -> the address we reach it at
         self._lock = threading.Lock()
         #: proc addr -> mesh name, for meshes this process owns
@@ -231,6 +233,12 @@ class Client:
         on the I/O thread, which the hello's reply needs."""
         if threading.get_ident() == self.rt.transport.io_ident:
             return
+        # a host that is really gone costs a caller the hello's wait once in a while, not on
+        # every request (a dashboard refreshing the status of a job with a dead node)
+        now = time.monotonic()
+        if now - self._revive_tried.get(addr, -REVIVE_EVERY_S) < REVIVE_EVERY_S:
+            return
+        self._revive_tried[addr] = now
         try:
             self.connect(addr, timeout=self.rt.cfg.heartbeat_timeout)
         except Exception as e:
@@ -350,6 +358,9 @@ class Client:
         self.hellos.clear()
         self.rt.release_shm()
 
+
+#: how often a request to an allocator declared lost tries a new hello first (a spawn always does)
+REVIVE_EVERY_S = 10.0
 
 #: a line this long is written on its own, not joined with the others (one copy fewer of it)
 _BIG_LINE = 1 << 16
