@@ -79,7 +79,9 @@ class ActorSlot:
         self._main: asyncio.Task[Any] | None = None
         self._handling = False
         if self.is_async:
-            self.loop = new_loop()
+            # uvloop's in a proc, which leaves by os._exit; a controller's interpreter finalizes
+            # with this daemon thread still in its loop, and uvloop's callbacks then crash it
+            self.loop = new_loop(fast=_context.proc_spec is not None)
             self._aq: asyncio.Queue[Any] | None = None
             ready = threading.Event()
             self.thread = threading.Thread(target=self._run_async, args=(ready,), name="monarch-actor-event-loop", daemon=True)
