@@ -40,7 +40,9 @@ _waiters: set[_Wake] = set()
 _async_waiters: set[Callable[[], None]] = set()
 #: notified on every change to _ours (consoles wait on it without polling)
 changed = threading.Condition(_lock)
-_main = threading.main_thread()
+#: the main thread's ident, compared with the caller's on every blocking wait (cheaper than
+#: current_thread(); a forked child's thread keeps the ident of the thread that forked)
+_main_ident = threading.main_thread().ident
 _uid_prefix = ""
 _enabled = False
 _busy = threading.local()
@@ -122,10 +124,11 @@ def wait_closed(sids: set[str], timeout: float) -> bool:
         return changed.wait_for(lambda: not any(s in _ours and _ours[s].get("state") != "gone" for s in sids), timeout)
 
 
-def wait(fut: Future[Any], timeout: float | None) -> bool:
+def wait(fut: Future[Any], timeout: float | None, tid: int = 0) -> bool:
     """Block until ``fut`` is done (True) or ``timeout`` passes (False), running the console
-    when a rank of ours stops meanwhile and this is the main thread."""
-    if not _enabled or threading.current_thread() is not _main or getattr(_busy, "on", False):
+    when a rank of ours stops meanwhile and this is the main thread (``tid``: the calling
+    thread's ident, if the caller has it)."""
+    if not _enabled or (tid or _thread.get_ident()) != _main_ident or getattr(_busy, "on", False):
         return fut._wait_plain(timeout)
     deadline = None if timeout is None else time.monotonic() + timeout
     # woken by the future's completion or by a debug session of ours opening
@@ -175,7 +178,7 @@ class _Wake:
 
 def awaits_here() -> bool:
     """Should an ``await`` on this thread go through :func:`wait_async`?"""
-    return _enabled and threading.current_thread() is _main and not getattr(_busy, "on", False)
+    return _enabled and _thread.get_ident() == _main_ident and not getattr(_busy, "on", False)
 
 
 async def wait_async(fut: Future[Any]) -> None:
