@@ -122,21 +122,25 @@ def test_receiver_answers_on_the_reply_port_and_routes_ports_to_handlers() -> No
     assert got == [(2, wire.OK, "v")]
 
 
-def test_receiver_takes_a_one_frame_port_value_as_dispatch_does(caplog) -> None:
-    # dispatch_one (the direct path's single frames) reads a reply's head itself: same result,
-    # and anything malformed still goes to dispatch, which drops it with a reason
+def test_receiver_takes_a_one_frame_port_value_as_a_multipart_one(caplog) -> None:
+    # a reply of one frame (the direct path's common case) is read without the general decode:
+    # same result as the same value in frames of its own, and anything malformed still goes
+    # to the general decode, which drops it with a reason
     rx, _, _ = _receiver()
     got: list[Any] = []
-    port = rx.open_port(lambda index, status, body, bufs: got.append((index, status, loads(body, bufs), bufs)))
+    port = rx.open_port(lambda index, status, body, bufs: got.append((index, status, loads(body, bufs), list(bufs))))
     body, bufs = dumps({"x": 1})
     [frame] = wire.encode(wire.PORT, (port, 7, wire.ERROR), body, bufs)
-    rx.dispatch_one(frame)
+    rx.dispatch([frame])
     assert got == [(7, wire.ERROR, {"x": 1}, [])]
-    rx.dispatch_one(frame[:12])  # truncated meta
-    bad = wire.encode(wire.PORT, ("p", 1, 0), body)[0]  # no such port: ignored, as by dispatch
-    rx.dispatch_one(bad)
-    assert len(got) == 1 and rx.dropped == 1
-    rx.dispatch_one(_actor_msg(4, 0, reply=B)[0])  # any other message: dispatch's way
+    big = b"y" * (wire.INLINE_MAX + 1)  # a payload frame of its own: the general decode
+    rx.dispatch(wire.encode(wire.PORT, (port, 8, wire.OK), *dumps(big)))
+    assert got[1][:3] == (8, wire.OK, big)
+    rx.dispatch([frame[:12]])  # truncated meta
+    bad = wire.encode(wire.PORT, ("p", 1, 0), body)[0]  # no such port: ignored
+    rx.dispatch([bad])
+    assert len(got) == 2 and rx.dropped == 1
+    rx.dispatch(_actor_msg(4, 0, reply=B))  # any other message of one frame: the general way
     assert rx.system["rec"].seen == [4]
 
 
