@@ -34,8 +34,11 @@ _lock = threading.Lock()
 _ours: dict[str, dict[str, Any]] = {}
 #: sids opened since a console last showed them
 _unseen: set[str] = set()
-#: wake-ups of the main thread blocked in Future.get()
-_waiters: set[_Wake] = set()
+#: the wake-up of the main thread blocked in Future.get(), if it is: only the main thread waits
+#: through this module, one wait at a time (waits inside the console are plain), so a slot
+#: set and cleared without the lock does (wait() sets it before it reads _unseen, on_event
+#: adds to _unseen before it reads the slot)
+_main_wake: _Wake | None = None
 #: wake-ups of main-thread coroutines awaiting a Future
 _async_waiters: set[Callable[[], None]] = set()
 #: notified on every change to _ours (consoles wait on it without polling)
@@ -87,10 +90,10 @@ def on_event(ev: tuple[Any, ...]) -> None:
             _ours.pop(sid, None)
             _unseen.discard(sid)
         changed.notify_all()
-        waiters = list(_waiters) if _unseen else []
+        waiter = _main_wake if _unseen else None
         wakes = list(_async_waiters) if _unseen else []
-    for w in waiters:
-        w.set()
+    if waiter is not None:
+        waiter.set()
     for wake in wakes:
         wake()
 
@@ -130,12 +133,12 @@ def wait(fut: Future[Any], timeout: float | None, tid: int = 0) -> bool:
     thread's ident, if the caller has it)."""
     if not _enabled or (tid or _thread.get_ident()) != _main_ident or getattr(_busy, "on", False):
         return fut._wait_plain(timeout)
+    global _main_wake
     deadline = None if timeout is None else time.monotonic() + timeout
     # woken by the future's completion or by a debug session of ours opening
     woken = _Wake()
     fut.add_done_callback(woken.set)
-    with _lock:
-        _waiters.add(woken)
+    outer, _main_wake = _main_wake, woken  # outer: a signal handler's wait inside this one
     try:
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -152,8 +155,7 @@ def wait(fut: Future[Any], timeout: float | None, tid: int = 0) -> bool:
             if deadline is not None and time.monotonic() >= deadline:
                 return False
     finally:
-        with _lock:
-            _waiters.discard(woken)
+        _main_wake = outer
 
 
 class _Wake:

@@ -374,7 +374,8 @@ def multicast(
         raise ValueError("multicast: on_fail must be the ReplyPort's own failure callback")
     targets: list[tuple[str, str, int, str]] = []
     append = targets.append
-    raddr_cache: dict[bool, str] = {}
+    # our address as the call's ipc and tcp peers see it, asked once per call
+    via_ipc = via_tcp = ""
     # read now: a failure noted below may complete the call and close the port
     fails_there = replies is not None and replies.on_fail is not None
     if replies is not None:
@@ -383,19 +384,22 @@ def multicast(
         port_id = replies.port
         for i, p in zip(idx, procs):
             addr = p.addr
-            tcp = addr.startswith("tcp://")
-            append((addr, p.alloc, i, raddr_cache.get(tcp) or raddr_cache.setdefault(tcp, rt.addr_for(addr))))
+            if addr.startswith("tcp://"):
+                append((addr, p.alloc, i, via_tcp or (via_tcp := rt.addr_for(addr))))
+            else:
+                append((addr, p.alloc, i, via_ipc or (via_ipc := rt.addr_for(addr))))
     elif isinstance(port, tuple):
         raddr, port_id = port
         for i, p in zip(idx, procs):
             addr = p.addr
             if p.alloc:
                 rt.watch(p.alloc, addr, p.mesh, p.rank, p.host)
-            if not raddr:
-                tcp = addr.startswith("tcp://")
-                append((addr, p.alloc, i, raddr_cache.get(tcp) or raddr_cache.setdefault(tcp, rt.addr_for(addr))))
-            else:
+            if raddr:
                 append((addr, p.alloc, i, raddr))
+            elif addr.startswith("tcp://"):
+                append((addr, p.alloc, i, via_tcp or (via_tcp := rt.addr_for(addr))))
+            else:
+                append((addr, p.alloc, i, via_ipc or (via_ipc := rt.addr_for(addr))))
     else:
         port_id = 0
         for i, p in zip(idx, procs):
