@@ -17,6 +17,7 @@ from __future__ import annotations
 import _thread
 import asyncio
 import contextlib
+import functools
 import importlib
 import threading
 import time
@@ -191,21 +192,25 @@ async def wait_async(fut: Future[Any]) -> None:
     loop = asyncio.get_running_loop()
     while fut._state == _PENDING:
         woken: asyncio.Future[None] = loop.create_future()
-
-        def wake(*_: Any, woken: asyncio.Future[None] = woken) -> None:
-            loop.call_soon_threadsafe(lambda: None if woken.done() else woken.set_result(None))
-
+        # C all the way from the I/O thread's completion (or on_event) to the loop's queue
+        wake = functools.partial(loop.call_soon_threadsafe, resolve_once, woken)
         fut.add_done_callback(wake)
-        with _lock:
-            _async_waiters.add(wake)
+        # the set's add and discard are atomic (on_event copies it under _lock, also atomic):
+        # added before _unseen is read, as on_event adds to _unseen before it copies the set
+        _async_waiters.add(wake)
         try:
             if not _unseen:
                 await woken
         finally:
-            with _lock:
-                _async_waiters.discard(wake)
+            _async_waiters.discard(wake)
         if fut._state == _PENDING and _unseen:
             _run_console(fut)
+
+
+def resolve_once(f: asyncio.Future[None], *_: Any) -> None:
+    """Wake an awaiting coroutine (on its loop; a second wake-up does nothing)."""
+    if not f.done():
+        f.set_result(None)
 
 
 @contextlib.contextmanager

@@ -222,11 +222,11 @@ class Endpoint(Generic[R]):
             fut: Future[Any] = Future._create(what)
             fut._set_exception(mesh._refusal() or _stopped_error(mesh))
             return fut
-        n = len(mesh._view.ranks) if ranks is None else len(ranks)
+        slots = len(mesh._view.ranks)
         return gather(
             _context.runtime(),
-            [mesh._procs[r] for r in mesh._view.ranks],
-            n,
+            slots,
+            slots if ranks is None else len(ranks),
             what,
             decode or _decode_all,
             lambda port, on_fail: self._send(args, kwargs, port, on_fail, ranks, True),
@@ -414,7 +414,7 @@ def multicast(
 
 def gather(
     rt: Runtime,
-    procs: list[ProcRef],
+    slots: int,
     n: int,
     what: str,
     decode: Callable[[list[Any]], Any],
@@ -424,9 +424,9 @@ def gather(
     keep_errors: bool = False,
     endpoint: Endpoint[Any] | str | None = None,
 ) -> Future[Any]:
-    """Open a :class:`ReplyPort`, ``send(port, on_fail)`` to ``n`` of ``procs`` (by index; see
-    :func:`multicast`), and collect the raw replies into a Future that ``decode`` turns into
-    its value on first read.
+    """Open a :class:`ReplyPort`, ``send(port, on_fail)`` to ``n`` procs (their indices below
+    ``slots``; see :func:`multicast`), and collect the raw replies into a Future that
+    ``decode`` turns into its value on first read (a list of ``slots``, by index).
 
     It completes once all ``n`` have answered, raising the lowest index's failure if any
     failed (as Monarch does, so a program sees the same error on every run); with
@@ -440,7 +440,7 @@ def gather(
     (``ActorError._set_group``).
     """
     fut: Future[Any] = Future._create(what)
-    raw: list[Any] = [None] * len(procs)
+    raw: list[Any] = [None] * slots
     errors: dict[int, Any] = {}
     left = [n]
     fut._progress = (left, n)

@@ -233,11 +233,7 @@ class Future(Generic[R]):
         elif self._state == _PENDING:
             loop = asyncio.get_running_loop()
             af: asyncio.Future[None] = loop.create_future()
-
-            def wake(_: Future[R]) -> None:
-                loop.call_soon_threadsafe(lambda: None if af.done() else af.set_result(None))
-
-            self.add_done_callback(wake)
+            self.add_done_callback(functools.partial(loop.call_soon_threadsafe, _debugwait.resolve_once, af))
             yield from af.__await__()
         return self._resolve()
 
