@@ -82,14 +82,18 @@ class Sender:
         except Exception as e:
             why, tb = f"the value could not be pickled to send back: {type(e).__name__}: {safe_str(e)}", format_exception(e)
         else:
-            if nbytes(body, bufs) > self.cfg.max_message_bytes:
+            if (nbytes(body, bufs) if bufs else len(body)) > self.cfg.max_message_bytes:
                 # the receiver would drop it, and its caller wait forever
                 why, tb = f"the value is too large to send back: {self._too_large(body, bufs)}", ""
         if why:
             status = wire.ERROR
             body, bufs = dumps(ActorError(TypeError(why), tb, host=self.hostname))
+        meta = (port, index, status)  # a PortMeta
         try:
-            self.send(addr, self.encode(addr, wire.PORT, (port, index, status), body, bufs))
+            if not bufs and len(body) <= wire.INLINE_MAX:  # a reply's commonest form: one small frame
+                self.send(addr, [wire.encode_one(wire.PORT, meta, body)])
+            else:
+                self.send(addr, self.encode(addr, wire.PORT, meta, body, bufs))
         except SupervisionError:
             logger.debug("reply to dead peer %s dropped", addr)
 
