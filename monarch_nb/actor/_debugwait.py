@@ -41,7 +41,7 @@ _unseen: set[str] = set()
 #: adds to _unseen before it reads the slot)
 _main_wake: _Wake | None = None
 #: wake-ups of main-thread coroutines awaiting a Future
-_async_waiters: set[Callable[[], None]] = set()
+_async_waiters: set[Callable[[], object]] = set()
 #: notified on every change to _ours (consoles wait on it without polling)
 changed = threading.Condition(_lock)
 #: the main thread's ident, compared with the caller's on every blocking wait (cheaper than
