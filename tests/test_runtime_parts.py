@@ -21,7 +21,7 @@ from monarch_nb._runtime.sending import Sender, Target
 from monarch_nb._runtime.supervision import Supervision
 from monarch_nb._runtime.transport import Security, Transport
 from monarch_nb._wire import frames as wire
-from monarch_nb._wire.serialize import dumps, loads
+from monarch_nb._wire.serialize import dumps, dumps_call, loads
 from monarch_nb.config import Config
 from monarch_nb.errors import SupervisionError
 
@@ -142,6 +142,26 @@ def test_receiver_takes_a_one_frame_port_value_as_a_multipart_one(caplog) -> Non
     assert len(got) == 2 and rx.dropped == 1
     rx.dispatch(_actor_msg(4, 0, reply=B))  # any other message of one frame: the general way
     assert rx.system["rec"].seen == [4]
+
+
+def test_a_small_message_is_one_frame_the_general_decode_reads() -> None:
+    # the hot paths' shortcuts (a call's arguments, a one-frame message) make the same bytes
+    # as the general functions, and the pickler's shortcut takes only what it can write alike
+    import pickle
+
+    for args, kwargs in (((), {}), (("x", 1, 2.5, None, b"b"), {"k": [1, (2, 3)]}), ((list(range(17)),), {})):
+        body, bufs = dumps_call(args, kwargs)
+        assert (body, bufs) == dumps((args, kwargs)) and loads(body, bufs) == (args, kwargs)
+    assert dumps((("x", 1), {"k": {"n": 2}}))[0] == pickle.dumps((("x", 1), {"k": {"n": 2}}), protocol=5)
+    meta = ("a#1", "m", B, 3, 0, ((), ()), "c.1", "s.1", 7)
+    body = dumps(((1,), {}))[0]
+    one = wire.encode_one(wire.ACTOR, meta, body)
+    assert [one] == wire.encode(wire.ACTOR, meta, body)
+    kind, got, b, rest, table = wire.decode([one])
+    assert (kind, got, bytes(b), rest, table) == (wire.ACTOR, meta, body, [], [])
+    reply = wire.encode_one(wire.PORT, (5, 2, wire.OK), body)
+    assert wire.port_value(reply)[:3] == (5, 2, wire.OK) and bytes(wire.port_value(reply)[3]) == body
+    assert wire.port_value(one) is None and wire.port_value(reply[:9]) is None
 
 
 def test_receiver_fails_a_call_to_an_unknown_actor_and_drops_garbage() -> None:
