@@ -181,6 +181,8 @@ def decode(frames: list[Any]) -> tuple[int, tuple[Any, ...], Any, list[Any], lis
         raise ProtocolError("malformed header: meta is not a tuple")
     if len(meta) != _WANT[kind]:
         raise ProtocolError(f"malformed header: kind {kind} needs {_WANT[kind]} fields, got {len(meta)}")
+    if flags == INLINE and len(frames) == 1:
+        return kind, meta, memoryview(head)[end:], [], []  # a small message: the commonest
     rest = frames[1:] if len(frames) > 1 else []
     shm: list[tuple[int, str, int]] = []
     if flags & SHM:
