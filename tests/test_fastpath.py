@@ -42,7 +42,7 @@ def _wire_bytes(frames: list[bytes]) -> bytes:
     reader.start()
     with a, b:
         s = fastpath.Sender.__new__(fastpath.Sender)
-        s.sock = a
+        s.sock, s._q = a, None
         s.send(frames)  # blocks while the socket buffer is full: the reader drains it
         a.shutdown(socket.SHUT_WR)
         reader.join(10)

@@ -21,7 +21,7 @@ from monarch_nb._runtime.sending import Sender, Target
 from monarch_nb._runtime.supervision import Supervision
 from monarch_nb._runtime.transport import Security, Transport
 from monarch_nb._wire import frames as wire
-from monarch_nb._wire.serialize import dumps, loads
+from monarch_nb._wire.serialize import dumps, dumps_call, loads
 from monarch_nb.config import Config
 from monarch_nb.errors import SupervisionError
 
@@ -122,22 +122,46 @@ def test_receiver_answers_on_the_reply_port_and_routes_ports_to_handlers() -> No
     assert got == [(2, wire.OK, "v")]
 
 
-def test_receiver_takes_a_one_frame_port_value_as_dispatch_does(caplog) -> None:
-    # dispatch_one (the direct path's single frames) reads a reply's head itself: same result,
-    # and anything malformed still goes to dispatch, which drops it with a reason
+def test_receiver_takes_a_one_frame_port_value_as_a_multipart_one(caplog) -> None:
+    # a reply of one frame (the direct path's common case) is read without the general decode:
+    # same result as the same value in frames of its own, and anything malformed still goes
+    # to the general decode, which drops it with a reason
     rx, _, _ = _receiver()
     got: list[Any] = []
-    port = rx.open_port(lambda index, status, body, bufs: got.append((index, status, loads(body, bufs), bufs)))
+    port = rx.open_port(lambda index, status, body, bufs: got.append((index, status, loads(body, bufs), list(bufs))))
     body, bufs = dumps({"x": 1})
     [frame] = wire.encode(wire.PORT, (port, 7, wire.ERROR), body, bufs)
-    rx.dispatch_one(frame)
+    rx.dispatch([frame])
     assert got == [(7, wire.ERROR, {"x": 1}, [])]
-    rx.dispatch_one(frame[:12])  # truncated meta
-    bad = wire.encode(wire.PORT, ("p", 1, 0), body)[0]  # no such port: ignored, as by dispatch
-    rx.dispatch_one(bad)
-    assert len(got) == 1 and rx.dropped == 1
-    rx.dispatch_one(_actor_msg(4, 0, reply=B)[0])  # any other message: dispatch's way
+    big = b"y" * (wire.INLINE_MAX + 1)  # a payload frame of its own: the general decode
+    rx.dispatch(wire.encode(wire.PORT, (port, 8, wire.OK), *dumps(big)))
+    assert got[1][:3] == (8, wire.OK, big)
+    rx.dispatch([frame[:12]])  # truncated meta
+    bad = wire.encode(wire.PORT, ("p", 1, 0), body)[0]  # no such port: ignored
+    rx.dispatch([bad])
+    assert len(got) == 2 and rx.dropped == 1
+    rx.dispatch(_actor_msg(4, 0, reply=B))  # any other message of one frame: the general way
     assert rx.system["rec"].seen == [4]
+
+
+def test_a_small_message_is_one_frame_the_general_decode_reads() -> None:
+    # the hot paths' shortcuts (a call's arguments, a one-frame message) make the same bytes
+    # as the general functions, and the pickler's shortcut takes only what it can write alike
+    import pickle
+
+    for args, kwargs in (((), {}), (("x", 1, 2.5, None, b"b"), {"k": [1, (2, 3)]}), ((list(range(17)),), {})):
+        body, bufs = dumps_call(args, kwargs)
+        assert (body, bufs) == dumps((args, kwargs)) and loads(body, bufs) == (args, kwargs)
+    assert dumps((("x", 1), {"k": {"n": 2}}))[0] == pickle.dumps((("x", 1), {"k": {"n": 2}}), protocol=5)
+    meta = ("a#1", "m", B, 3, 0, ((), ()), "c.1", "s.1", 7)
+    body = dumps(((1,), {}))[0]
+    one = wire.encode_one(wire.ACTOR, meta, body)
+    assert [one] == wire.encode(wire.ACTOR, meta, body)
+    kind, got, b, rest, table = wire.decode([one])
+    assert (kind, got, bytes(b), rest, table) == (wire.ACTOR, meta, body, [], [])
+    reply = wire.encode_one(wire.PORT, (5, 2, wire.OK), body)
+    assert wire.port_value(reply)[:3] == (5, 2, wire.OK) and bytes(wire.port_value(reply)[3]) == body
+    assert wire.port_value(one) is None and wire.port_value(reply[:9]) is None
 
 
 def test_receiver_fails_a_call_to_an_unknown_actor_and_drops_garbage() -> None:

@@ -101,8 +101,7 @@ class Sender:
     def send(self, frames: list[Any]) -> None:
         n = len(frames)
         if n == 1 and type(frames[0]) is bytes:  # a small message: one frame, one write
-            f = frames[0]
-            self._write([b"\x01" + len(f).to_bytes(4, "little") + f])
+            self.send_one(frames[0])
             return
         if n > 255:
             raise ValueError(f"a message of {n} frames is more than the direct path carries (255)")
@@ -110,36 +109,49 @@ class Sender:
         parts = [f if type(f) is bytes else memoryview(f).cast("B") for f in frames]
         head = struct.pack(f"<B{n}I", n, *(len(p) for p in parts))
         parts.insert(0, head)
-        self._write(parts)
-
-    def send_framed(self, data: bytes) -> None:
-        """Send a message of one frame already laid out for the wire (:data:`ONE_FRAME`, its
-        length, the frame)."""
-        self._write([data])
-
-    def _write(self, parts: list[Any]) -> None:
-        q = getattr(self, "_q", None)
-        if q is not None:  # the receiver stalled earlier: keep the order, behind what is queued
-            if q.failed:
-                raise BrokenPipeError("the direct connection's writer failed: the peer is gone")
-            q.put(b"".join(bytes(p) for p in parts))
+        q = self._q
+        if q is not None:
+            self._queue(q, b"".join(bytes(p) for p in parts))
             return
-        one = len(parts) == 1
-        total = len(parts[0]) if one else sum(len(p) for p in parts)
-        sent = 0
+        total = sum(len(p) for p in parts)
+        try:
+            sent = self.sock.sendmsg(parts)
+        except BlockingIOError:
+            sent = 0
+        if sent < total:
+            self._finish(b"".join(bytes(p) for p in parts), sent)
+
+    def send_one(self, frame: bytes) -> None:
+        """Send a message of one frame (most of them: a call, a reply): one write."""
+        data = ONE_FRAME + len(frame).to_bytes(4, "little") + frame
+        q = self._q
+        if q is not None:
+            self._queue(q, data)
+            return
         try:
             # send() costs ~0.2 us less than sendmsg() (no iovec to build): one per rank of a call
-            sent = self.sock.send(parts[0]) if one else self.sock.sendmsg(parts)
-            if sent < total:  # a full buffer or a signal cut the write short: finish it in order
-                rest = memoryview(b"".join(bytes(p) for p in parts))[sent:]
-                while rest:
-                    k = self.sock.send(rest)
-                    sent += k
-                    rest = rest[k:]
+            sent = self.sock.send(data)
         except BlockingIOError:
-            # SO_SNDTIMEO passed without the receiver taking a byte: a writer thread takes over
+            sent = 0
+        if sent < len(data):
+            self._finish(data, sent)
+
+    def _queue(self, q: _Queue, data: bytes) -> None:
+        # the receiver stalled earlier: keep the order, behind what is queued
+        if q.failed:
+            raise BrokenPipeError("the direct connection's writer failed: the peer is gone")
+        q.put(data)
+
+    def _finish(self, data: bytes, sent: int) -> None:
+        """Write the rest of a message that a full buffer or a signal cut short, in order; once
+        SO_SNDTIMEO passes without the receiver taking a byte, a writer thread takes over."""
+        rest = memoryview(data)[sent:]
+        try:
+            while rest:
+                rest = rest[self.sock.send(rest) :]
+        except BlockingIOError:
             self._q = q = _Queue()
-            q.put(b"".join(bytes(p) for p in parts)[sent:])
+            q.put(bytes(rest))
             threading.Thread(target=_writer, args=(self.sock, q), name="monarch_nb-direct-writer", daemon=True).start()
 
     def close(self) -> None:
@@ -180,7 +192,6 @@ class Receiver:
     __slots__ = (
         "sock",
         "dispatch",
-        "dispatch_one",
         "max_bytes",
         "buf",
         "r",
@@ -201,7 +212,6 @@ class Receiver:
         dispatch: Callable[[list[Any]], None],
         max_bytes: int,
         label: str,
-        dispatch_one: Callable[[bytes], None] | None = None,
     ) -> None:
         try:
             sock.send(greeting())  # a fresh connection's buffer is empty: this never blocks
@@ -209,8 +219,6 @@ class Receiver:
             logger.debug("greeting a direct connection failed: %s", e)
         self.sock = sock
         self.dispatch = dispatch
-        #: a message of one frame (most of them), without a list around it
-        self.dispatch_one = dispatch_one or (lambda frame: dispatch([frame]))
         self.max_bytes = max_bytes
         self.label = label
         self.buf = bytearray(_READ)
@@ -292,7 +300,7 @@ class Receiver:
                     if need <= self.w - r and need <= self.max_bytes:
                         self.r = r + need
                         self.got += 1
-                        self.dispatch_one(bytes(mv[r : r + need]))
+                        self.dispatch([bytes(mv[r : r + need])])
                         continue
                 if avail < 1 + 4 * n:
                     return True

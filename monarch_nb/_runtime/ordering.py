@@ -63,6 +63,11 @@ class StreamOrder(Generic[M]):
         st = self._streams.get(stream)
         if st is None:
             st = self._streams[stream] = _Held()
+        if seq == st.next and not st.held:
+            # in order, nothing held: the commonest case, delivered without holding it
+            st.next = seq + 1
+            self._deliver(msg)
+            return True
         if seq < st.next or seq in st.held:
             return False
         if seq != st.next and not st.held:

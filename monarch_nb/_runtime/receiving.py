@@ -20,7 +20,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from .._wire import frames as wire
-from .._wire.frames import ACTOR_NAME, CALL_INDEX, PORT_INLINE_HEAD, REPLY_ADDR, REPLY_PORT, SEQ, STREAM, port_value
+from .._wire.frames import ACTOR_NAME, CALL_INDEX, REPLY_ADDR, REPLY_PORT, SEQ, STREAM, port_value
 from .._wire.serialize import loads
 from ..config import Config
 from ..errors import ActorError, ProtocolError, SupervisionError, VersionMismatchError, _safe_exc, format_exception
@@ -37,8 +37,6 @@ PortHandler = Callable[[int, int, Any, list[Any]], None]
 NO_REPLY = object()
 
 _Msg = tuple[tuple[Any, ...], Any, list[Any]]
-_PORT_HEAD = PORT_INLINE_HEAD
-assert len(_PORT_HEAD) == 6
 
 
 class Mailbox(Protocol):
@@ -111,7 +109,15 @@ class Receiver:
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, frames: list[Any], sock: Any = None, rid: bytes = b"") -> None:
         """Take one message's frames (``sock`` and ``rid``: where to refuse it, if anywhere)."""
-        if not frames:
+        if len(frames) == 1:
+            # the commonest message: a reply (one per rank of a call to many actors)
+            pv = port_value(frames[0])
+            if pv is not None:
+                h = self._ports.get(pv[0])
+                if h is not None:
+                    h(pv[1], pv[2], pv[3], [])
+                return
+        elif not frames:
             self.dropped += 1
             logger.warning("dropped an empty message")
             return
@@ -162,21 +168,6 @@ class Receiver:
                 logger.warning("dropped message %d of stream %s: already delivered (a replay?)", meta[SEQ], meta[STREAM])
         else:
             self._route(meta, body, bufs)
-
-    def dispatch_one(self, frame: bytes) -> None:
-        """Take a message of one frame (the direct path's common case). A port's value, one per
-        rank of a call to many actors, skips :meth:`dispatch`'s general decode."""
-        if frame[:6] == _PORT_HEAD:
-            try:
-                port, index, status, body = port_value(frame)
-            except Exception:
-                pass  # dispatch() says what is wrong with it
-            else:
-                h = self._ports.get(port)
-                if h is not None:
-                    h(index, status, body, [])
-                return
-        self.dispatch([frame])
 
     def skip_gaps(self, now: float) -> None:
         """Deliver messages held behind one that never came (lost with a failed relay) after a while."""

@@ -169,7 +169,7 @@ class Runtime:
 
     def _open(self, ready: concurrent.futures.Future[None]) -> None:
         try:
-            self.transport.open(self.receiver.dispatch, self.receiver.dispatch_one)
+            self.transport.open(self.receiver.dispatch)
             self._spawn(self._watch_loop())
             ready.set_result(None)
         except BaseException as e:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import pickle
-import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -22,13 +20,9 @@ from .._wire import frames as wire
 from .._wire.serialize import dumps, nbytes
 from ..config import Config
 from ..errors import ActorError, SupervisionError, format_exception, safe_str
-from . import fastpath
 from . import shm as _shm
 
 logger = logging.getLogger(__name__)
-
-_dumps = pickle.dumps
-_LEN = struct.Struct("<I").pack
 
 
 class Target(NamedTuple):
@@ -88,14 +82,18 @@ class Sender:
         except Exception as e:
             why, tb = f"the value could not be pickled to send back: {type(e).__name__}: {safe_str(e)}", format_exception(e)
         else:
-            if nbytes(body, bufs) > self.cfg.max_message_bytes:
+            if (nbytes(body, bufs) if bufs else len(body)) > self.cfg.max_message_bytes:
                 # the receiver would drop it, and its caller wait forever
                 why, tb = f"the value is too large to send back: {self._too_large(body, bufs)}", ""
         if why:
             status = wire.ERROR
             body, bufs = dumps(ActorError(TypeError(why), tb, host=self.hostname))
+        meta = (port, index, status)  # a PortMeta
         try:
-            self.send(addr, self.encode(addr, wire.PORT, (port, index, status), body, bufs))
+            if not bufs and len(body) <= wire.INLINE_MAX:  # a reply's commonest form: one small frame
+                self.send(addr, [wire.encode_one(wire.PORT, meta, body)])
+            else:
+                self.send(addr, self.encode(addr, wire.PORT, meta, body, bufs))
         except SupervisionError:
             logger.debug("reply to dead peer %s dropped", addr)
 
@@ -173,12 +171,11 @@ class Sender:
         shared: dict[int, Any] | None = {} if len(direct) > 1 and buffers else None
         # per target, what send(), encode() and the transport would do, without their calls and
         # checks (a call to many actors pays these per rank)
-        dead, send_frames, seqs_of, encode = self._dead, self._send_frames, self._seqs, wire.encode
+        dead, send_frames, seqs_of, encode_one = self._dead, self._send_frames, self._seqs, wire.encode_one
         small = not buffers and len(body) <= wire.INLINE_MAX
-        # a small message to a peer this thread already writes to directly is laid out for the
-        # wire in one join (head, meta, body and the direct path's length prefix)
+        # a small message to a peer this thread already writes to directly goes straight to that
+        # connection: one frame, one write
         conns = self._direct_conns() if small and self._direct_conns is not None else None
-        head, nhead = wire.ACTOR_INLINE_HEAD, len(wire.ACTOR_INLINE_HEAD) + 4
         for addr, _, index, reply in direct:
             st = seqs_of.get(addr) or self._stream(addr)
             # an ActorMeta (see frames.py): plain tuples are cheaper to pickle
@@ -188,23 +185,21 @@ class Sender:
                 if gone is not None:
                     raise gone
                 if conns is not None and (conn := conns.get(addr)) is not None:
-                    m = _dumps(meta, 5)
-                    n = nhead + len(m) + len(body)
-                    data = b"".join((fastpath.ONE_FRAME, n.to_bytes(4, "little"), head, _LEN(len(m)), m, body))
                     try:
-                        conn.send_framed(data)
+                        conn.send_one(encode_one(wire.ACTOR, meta, body))
                     except OSError as e:
                         # as Transport.send: the peer went away and the message with it (supervision
                         # reports the peer); this thread's later messages to it take zmq
                         logger.debug("direct send to %s failed (%s); dropped", addr, e)
                         conns[addr] = None
-                elif buffers:
-                    send_frames(addr, self.encode(addr, wire.ACTOR, meta, body, buffers, shared))
+                elif small:
+                    send_frames(addr, [encode_one(wire.ACTOR, meta, body)])
                 else:
-                    send_frames(addr, encode(wire.ACTOR, meta, body))
+                    send_frames(addr, self.encode(addr, wire.ACTOR, meta, body, buffers, shared))
             except BaseException as e:
                 failed.append((index, e))
-        self.unshare(shared)
+        if shared:
+            self.unshare(shared)
         for alloc, group in groups.items():
             dests = []
             for t in group:
@@ -259,7 +254,7 @@ class Sender:
                     self.shm.unlink(name)
 
     def check_size(self, body: bytes, buffers: list[Any]) -> None:
-        if nbytes(body, buffers) > self.cfg.max_message_bytes:
+        if (nbytes(body, buffers) if buffers else len(body)) > self.cfg.max_message_bytes:
             raise ValueError(self._too_large(body, buffers))
 
     def _too_large(self, body: bytes, buffers: list[Any]) -> str:

@@ -320,7 +320,6 @@ class Transport:
         #: the thread that reads the inboxes (set by its owner); it never sends directly
         self.io_ident = 0
         self.dispatch: Dispatch = _not_open
-        self._dispatch_one: Callable[[bytes], None] = lambda frame: self.dispatch([frame])
         #: connections refused here (wrong uid, failed handshakes)
         self.dropped = 0
         self._inboxes: list[zmq.Socket[bytes]] = []
@@ -339,11 +338,9 @@ class Transport:
         self._claims: dict[int, Claim] = {}
 
     # ---------------------------------------------------------------- inboxes
-    def open(self, dispatch: Dispatch, dispatch_one: Callable[[bytes], None] | None = None) -> None:
-        """Bind the inboxes and hand what they receive to ``dispatch`` (on the loop's thread);
-        ``dispatch_one``: a message of one frame off the direct path, if given."""
+    def open(self, dispatch: Dispatch) -> None:
+        """Bind the inboxes and hand what they receive to ``dispatch`` (on the loop's thread)."""
         self.dispatch = dispatch
-        self._dispatch_one = dispatch_one or (lambda frame: dispatch([frame]))
         self.ipc_addr = self._bind("ipc://" + ipc_path(self.runtime_dir, f"{self.name}.sock"))
         if self.cfg.direct_ipc:
             self._fast_listener = fastpath.listen(fastpath.path_for(self.ipc_addr))
@@ -450,7 +447,7 @@ class Transport:
                 conn.close()
                 continue
             conn.setblocking(False)
-            rx = fastpath.Receiver(conn, self._dispatch_direct, self.cfg.max_message_bytes, self.label, self._dispatch_direct_one)
+            rx = fastpath.Receiver(conn, self._dispatch_direct, self.cfg.max_message_bytes, self.label)
             self.fast_in.add(rx)
             self.loop.add_reader(conn.fileno(), self._read_direct, rx)
 
@@ -503,7 +500,6 @@ class Transport:
         self._claims.pop(fd, None)
         rx.claimed = False
         rx.dispatch = self._dispatch_direct
-        rx.dispatch_one = self._dispatch_direct_one
         if fd < 0 or rx not in self.fast_in:
             return  # closed meanwhile
         try:
@@ -518,12 +514,6 @@ class Transport:
     def _dispatch_direct(self, frames: list[Any]) -> None:
         try:
             self.dispatch(frames)
-        except Exception:
-            logger.exception("dropped a message whose handler failed")
-
-    def _dispatch_direct_one(self, frame: bytes) -> None:
-        try:
-            self._dispatch_one(frame)
         except Exception:
             logger.exception("dropped a message whose handler failed")
 
@@ -812,10 +802,6 @@ class Claim:
         #: what the actor's thread read off the connection and has not taken yet
         self.got: list[list[Any]] = []
         rx.dispatch = self.got.append
-        rx.dispatch_one = self._got_one
-
-    def _got_one(self, frame: bytes) -> None:
-        self.got.append([frame])
 
     def read(self) -> list[list[Any]] | None:
         """(The actor's thread, when the connection is readable.) The whole messages read, or

@@ -28,16 +28,32 @@ OOB_MIN = 1 << 16
 
 
 def _plain(obj: Any) -> bool:
+    # loops, not all() over a generator, and leaves checked in place: this runs on every
+    # call and reply, where a generator and a call per element cost more than the pickling
     t = type(obj)
     if t in _PLAIN:
         return True
     if t is bytes:
         return len(obj) < OOB_MIN
     if t is tuple or t is list:
-        return len(obj) <= 16 and all(_plain(x) for x in obj)
+        if len(obj) > 16:
+            return False
+        for x in obj:
+            if type(x) not in _PLAIN and not _plain(x):
+                return False
+        return True
     if t is dict:
-        return len(obj) <= 16 and all(type(k) is str and _plain(v) for k, v in obj.items())
+        if len(obj) > 16:
+            return False
+        for k, v in obj.items():
+            if type(k) is not str or (type(v) not in _PLAIN and not _plain(v)):
+                return False
+        return True
     return False
+
+
+#: the body of a call without arguments (``dumps(((), {}))``), the commonest one
+_NO_ARGS = pickle.dumps(((), {}), protocol=5)
 
 
 def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
@@ -172,6 +188,13 @@ def dumps_by_value(obj: Any) -> bytes:
     f = io.BytesIO()
     _Pickler(f, protocol=5).dump(obj)
     return f.getvalue()
+
+
+def dumps_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """``dumps((args, kwargs))``: the arguments of a call."""
+    if not args and not kwargs:
+        return _NO_ARGS, []
+    return dumps((args, kwargs))
 
 
 def loads(body: Any, buffers: Iterable[Any] = ()) -> Any:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import _thread
 import asyncio
 import contextlib
+import functools
 import importlib
 import threading
 import time
@@ -34,13 +35,18 @@ _lock = threading.Lock()
 _ours: dict[str, dict[str, Any]] = {}
 #: sids opened since a console last showed them
 _unseen: set[str] = set()
-#: wake-ups of the main thread blocked in Future.get()
-_waiters: set[_Wake] = set()
+#: the wake-up of the main thread blocked in Future.get(), if it is: only the main thread waits
+#: through this module, one wait at a time (waits inside the console are plain), so a slot
+#: set and cleared without the lock does (wait() sets it before it reads _unseen, on_event
+#: adds to _unseen before it reads the slot)
+_main_wake: _Wake | None = None
 #: wake-ups of main-thread coroutines awaiting a Future
-_async_waiters: set[Callable[[], None]] = set()
+_async_waiters: set[Callable[[], object]] = set()
 #: notified on every change to _ours (consoles wait on it without polling)
 changed = threading.Condition(_lock)
-_main = threading.main_thread()
+#: the main thread's ident, compared with the caller's on every blocking wait (cheaper than
+#: current_thread(); a forked child's thread keeps the ident of the thread that forked)
+_main_ident = threading.main_thread().ident
 _uid_prefix = ""
 _enabled = False
 _busy = threading.local()
@@ -85,10 +91,10 @@ def on_event(ev: tuple[Any, ...]) -> None:
             _ours.pop(sid, None)
             _unseen.discard(sid)
         changed.notify_all()
-        waiters = list(_waiters) if _unseen else []
+        waiter = _main_wake if _unseen else None
         wakes = list(_async_waiters) if _unseen else []
-    for w in waiters:
-        w.set()
+    if waiter is not None:
+        waiter.set()
     for wake in wakes:
         wake()
 
@@ -122,17 +128,18 @@ def wait_closed(sids: set[str], timeout: float) -> bool:
         return changed.wait_for(lambda: not any(s in _ours and _ours[s].get("state") != "gone" for s in sids), timeout)
 
 
-def wait(fut: Future[Any], timeout: float | None) -> bool:
+def wait(fut: Future[Any], timeout: float | None, tid: int = 0) -> bool:
     """Block until ``fut`` is done (True) or ``timeout`` passes (False), running the console
-    when a rank of ours stops meanwhile and this is the main thread."""
-    if not _enabled or threading.current_thread() is not _main or getattr(_busy, "on", False):
+    when a rank of ours stops meanwhile and this is the main thread (``tid``: the calling
+    thread's ident, if the caller has it)."""
+    if not _enabled or (tid or _thread.get_ident()) != _main_ident or getattr(_busy, "on", False):
         return fut._wait_plain(timeout)
+    global _main_wake
     deadline = None if timeout is None else time.monotonic() + timeout
     # woken by the future's completion or by a debug session of ours opening
     woken = _Wake()
     fut.add_done_callback(woken.set)
-    with _lock:
-        _waiters.add(woken)
+    outer, _main_wake = _main_wake, woken  # outer: a signal handler's wait inside this one
     try:
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -149,8 +156,7 @@ def wait(fut: Future[Any], timeout: float | None) -> bool:
             if deadline is not None and time.monotonic() >= deadline:
                 return False
     finally:
-        with _lock:
-            _waiters.discard(woken)
+        _main_wake = outer
 
 
 class _Wake:
@@ -175,7 +181,7 @@ class _Wake:
 
 def awaits_here() -> bool:
     """Should an ``await`` on this thread go through :func:`wait_async`?"""
-    return _enabled and threading.current_thread() is _main and not getattr(_busy, "on", False)
+    return _enabled and _thread.get_ident() == _main_ident and not getattr(_busy, "on", False)
 
 
 async def wait_async(fut: Future[Any]) -> None:
@@ -186,21 +192,25 @@ async def wait_async(fut: Future[Any]) -> None:
     loop = asyncio.get_running_loop()
     while fut._state == _PENDING:
         woken: asyncio.Future[None] = loop.create_future()
-
-        def wake(*_: Any, woken: asyncio.Future[None] = woken) -> None:
-            loop.call_soon_threadsafe(lambda: None if woken.done() else woken.set_result(None))
-
+        # C all the way from the I/O thread's completion (or on_event) to the loop's queue
+        wake = functools.partial(loop.call_soon_threadsafe, resolve_once, woken)
         fut.add_done_callback(wake)
-        with _lock:
-            _async_waiters.add(wake)
+        # the set's add and discard are atomic (on_event copies it under _lock, also atomic):
+        # added before _unseen is read, as on_event adds to _unseen before it copies the set
+        _async_waiters.add(wake)
         try:
             if not _unseen:
                 await woken
         finally:
-            with _lock:
-                _async_waiters.discard(wake)
+            _async_waiters.discard(wake)
         if fut._state == _PENDING and _unseen:
             _run_console(fut)
+
+
+def resolve_once(f: asyncio.Future[None], *_: Any) -> None:
+    """Wake an awaiting coroutine (on its loop; a second wake-up does nothing)."""
+    if not f.done():
+        f.set_result(None)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from .._runtime.runtime import ReplyPort
 from .._wire import frames as wire
-from .._wire.serialize import dumps, loads
+from .._wire.serialize import dumps_call, loads
 from ..errors import ActorError, MeshClosedError, NotAnEndpointError, SupervisionError
 from . import _context
 from ._future import Future
@@ -147,6 +147,7 @@ class Endpoint(Generic[R]):
         self._mesh = mesh
         self._name = name
         self._prop = prop
+        self._whats: dict[str, str] = {}
 
     def __repr__(self) -> str:
         return f"<Endpoint {self._mesh._label}.{self._name} over {self._mesh.extent}>"
@@ -168,30 +169,33 @@ class Endpoint(Generic[R]):
         port: ReplyPort | tuple[str, int] | None,
         on_fail: Callable[[int, BaseException], None] | None,
         ranks: list[int] | None = None,
+        checked: bool = False,
     ) -> int:
         """Send to every actor of the mesh (or ``ranks``, indices into its view); return how many.
-        Replies go to ``port`` (see :func:`multicast`)."""
+        Replies go to ``port`` (see :func:`multicast`). ``checked``: the caller found the mesh
+        open and not refused just now."""
         self._check(args, kwargs)
         mesh = self._mesh
-        if (refused := mesh._refusal()) is not None:
-            raise refused
-        if mesh._closed():
-            raise MeshClosedError(f"actor mesh {mesh._label!r} was stopped; spawn it again")
+        if not checked:
+            if (refused := mesh._refusal()) is not None:
+                raise refused
+            if mesh._closed():
+                raise MeshClosedError(f"actor mesh {mesh._label!r} was stopped; spawn it again")
         rt = _context.runtime()
         view = mesh._view
         procs = mesh._procs
         idx = range(len(view.ranks)) if ranks is None else ranks
-        if rt.transport.sockets.routes and len(idx):
+        if rt.transport.sockets.routes and len(idx) and (args or kwargs):
             # hosts behind a gateway reach a Port of ours in the arguments at its reply address
             with _context.pickling_for(rt, procs[view.ranks[idx[0]]].addr):
-                body, bufs = dumps((args, kwargs))
+                body, bufs = dumps_call(args, kwargs)
         else:
-            body, bufs = dumps((args, kwargs))
+            body, bufs = dumps_call(args, kwargs)
         rt.check_size(body, bufs)
         call_id = rt.next_call_id()
-        on_call = _context.client().on_call if _context._client is not None else None
-        if on_call is not None:
-            on_call(call_id, [(procs[view.ranks[i]].mesh, procs[view.ranks[i]].rank) for i in idx])
+        client = _context._client
+        if client is not None and client.on_call is not None:
+            client.on_call(call_id, [(procs[view.ranks[i]].mesh, procs[view.ranks[i]].rank) for i in idx])
         multicast(
             rt, [procs[view.ranks[i]] for i in idx], idx, mesh._name, self._name, body, bufs, port, on_fail,
             (view.labels, view.sizes), call_id,
@@ -218,14 +222,14 @@ class Endpoint(Generic[R]):
             fut: Future[Any] = Future._create(what)
             fut._set_exception(mesh._refusal() or _stopped_error(mesh))
             return fut
-        n = len(mesh._view.ranks) if ranks is None else len(ranks)
+        slots = len(mesh._view.ranks)
         return gather(
             _context.runtime(),
-            [mesh._procs[r] for r in mesh._view.ranks],
-            n,
+            slots,
+            slots if ranks is None else len(ranks),
             what,
             decode or _decode_all,
-            lambda port, on_fail: self._send(args, kwargs, port, on_fail, ranks),
+            lambda port, on_fail: self._send(args, kwargs, port, on_fail, ranks, True),
             order=order,
             endpoint=self,  # named only if the call fails: nothing to format on every call
         )
@@ -239,7 +243,7 @@ class Endpoint(Generic[R]):
             args,
             kwargs,
             None,
-            f"{self._mesh._label}.{self._name}.call()",
+            self._what("call"),
             lambda raws: ValueMesh._from_view(view, _decode_all(raws)),
         )
 
@@ -248,7 +252,15 @@ class Endpoint(Generic[R]):
         n = len(self._mesh._view.ranks)
         if n != 1:
             raise ValueError(f"call_one requires exactly 1 actor, but mesh has {n}")
-        return self._gather(args, kwargs, None, f"{self._mesh._label}.{self._name}.call_one()", _decode_first)
+        return self._gather(args, kwargs, None, self._what("call_one"), _decode_first)
+
+    def _what(self, adverb: str) -> str:
+        """``"label.method.adverb()"``, what a call's future is of (made once per adverb)."""
+        whats = self._whats
+        w = whats.get(adverb)
+        if w is None:
+            w = whats[adverb] = f"{self._mesh._label}.{self._name}.{adverb}()"
+        return w
 
     def call_ranks(self, ranks: Iterable[int] | None, *args: Any, **kwargs: Any) -> Future[list[R]]:
         """Call the actors at ``ranks`` (indices into this mesh's flattened ranks; all of them when
@@ -362,7 +374,8 @@ def multicast(
         raise ValueError("multicast: on_fail must be the ReplyPort's own failure callback")
     targets: list[tuple[str, str, int, str]] = []
     append = targets.append
-    raddr_cache: dict[bool, str] = {}
+    # our address as the call's ipc and tcp peers see it, asked once per call
+    via_ipc = via_tcp = ""
     # read now: a failure noted below may complete the call and close the port
     fails_there = replies is not None and replies.on_fail is not None
     if replies is not None:
@@ -371,19 +384,22 @@ def multicast(
         port_id = replies.port
         for i, p in zip(idx, procs):
             addr = p.addr
-            tcp = addr.startswith("tcp://")
-            append((addr, p.alloc, i, raddr_cache.get(tcp) or raddr_cache.setdefault(tcp, rt.addr_for(addr))))
+            if addr.startswith("tcp://"):
+                append((addr, p.alloc, i, via_tcp or (via_tcp := rt.addr_for(addr))))
+            else:
+                append((addr, p.alloc, i, via_ipc or (via_ipc := rt.addr_for(addr))))
     elif isinstance(port, tuple):
         raddr, port_id = port
         for i, p in zip(idx, procs):
             addr = p.addr
             if p.alloc:
                 rt.watch(p.alloc, addr, p.mesh, p.rank, p.host)
-            if not raddr:
-                tcp = addr.startswith("tcp://")
-                append((addr, p.alloc, i, raddr_cache.get(tcp) or raddr_cache.setdefault(tcp, rt.addr_for(addr))))
-            else:
+            if raddr:
                 append((addr, p.alloc, i, raddr))
+            elif addr.startswith("tcp://"):
+                append((addr, p.alloc, i, via_tcp or (via_tcp := rt.addr_for(addr))))
+            else:
+                append((addr, p.alloc, i, via_ipc or (via_ipc := rt.addr_for(addr))))
     else:
         port_id = 0
         for i, p in zip(idx, procs):
@@ -398,7 +414,7 @@ def multicast(
 
 def gather(
     rt: Runtime,
-    procs: list[ProcRef],
+    slots: int,
     n: int,
     what: str,
     decode: Callable[[list[Any]], Any],
@@ -408,9 +424,9 @@ def gather(
     keep_errors: bool = False,
     endpoint: Endpoint[Any] | str | None = None,
 ) -> Future[Any]:
-    """Open a :class:`ReplyPort`, ``send(port, on_fail)`` to ``n`` of ``procs`` (by index; see
-    :func:`multicast`), and collect the raw replies into a Future that ``decode`` turns into
-    its value on first read.
+    """Open a :class:`ReplyPort`, ``send(port, on_fail)`` to ``n`` procs (their indices below
+    ``slots``; see :func:`multicast`), and collect the raw replies into a Future that
+    ``decode`` turns into its value on first read (a list of ``slots``, by index).
 
     It completes once all ``n`` have answered, raising the lowest index's failure if any
     failed (as Monarch does, so a program sees the same error on every run); with
@@ -424,7 +440,7 @@ def gather(
     (``ActorError._set_group``).
     """
     fut: Future[Any] = Future._create(what)
-    raw: list[Any] = [None] * len(procs)
+    raw: list[Any] = [None] * slots
     errors: dict[int, Any] = {}
     left = [n]
     fut._progress = (left, n)

@@ -11,10 +11,11 @@ import functools
 import threading
 from _thread import LockType
 from _thread import allocate_lock as _allocate_lock
+from _thread import get_ident as _get_ident
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar
 
-from . import _debugwait
+from . import _context, _debugwait
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -197,15 +198,14 @@ class Future(Generic[R]):
         if self._state == _PENDING:
             if self._start is not None:
                 self._kick()
-            from ._context import _on_io_thread
-
-            if _on_io_thread():
+            tid = _get_ident()
+            rt = _context._runtime
+            if rt is not None and tid == rt.transport.io_ident:
                 raise RuntimeError("Future.get() on the monarch_nb I/O thread would deadlock; use a callback")
-            tid = threading.get_ident()
             blocked[tid] = self
             try:
                 # the wait lives in _debugwait: a rank of ours stopping at a breakpoint wakes the main thread
-                if not _debugwait.wait(self, timeout):
+                if not _debugwait.wait(self, timeout, tid):
                     raise TimeoutError(f"{self._what} not ready after {timeout} s (the future is still usable)")
                 # read while still listed as blocked: whoever watches ``blocked`` sees the error raised
                 return self._resolve()
@@ -233,11 +233,7 @@ class Future(Generic[R]):
         elif self._state == _PENDING:
             loop = asyncio.get_running_loop()
             af: asyncio.Future[None] = loop.create_future()
-
-            def wake(_: Future[R]) -> None:
-                loop.call_soon_threadsafe(lambda: None if af.done() else af.set_result(None))
-
-            self.add_done_callback(wake)
+            self.add_done_callback(functools.partial(loop.call_soon_threadsafe, _debugwait.resolve_once, af))
             yield from af.__await__()
         return self._resolve()
 

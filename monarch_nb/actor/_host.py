@@ -47,6 +47,9 @@ class ActorSlot:
         self.instance_info = info
         info._slot = self
         self.endpoints = endpoints_of(cls)
+        #: whether a method it runs is an ``async def`` (asked once per method: inspect's
+        #: answer costs more than a small endpoint's call)
+        self._is_coro: dict[Any, bool] = {}
         self.obj: Any = None
         self.init_error: ActorError | None = None
         #: the constructor's arguments, kept for `%mesh sync --recreate`
@@ -674,7 +677,13 @@ class ActorSlot:
         t0 = time.perf_counter()
         status = wire.ERROR
         try:
-            if inspect.iscoroutinefunction(fn):
+            try:
+                is_coro = self._is_coro[fn]
+            except KeyError:
+                is_coro = self._is_coro[fn] = inspect.iscoroutinefunction(fn)
+            except TypeError:  # an unhashable callable
+                is_coro = inspect.iscoroutinefunction(fn)
+            if is_coro:
                 # only as_endpoint reaches one: a sync actor's own endpoints are all `def`
                 raise TypeError(
                     f"{self.instance_info.name}.{method} is an async def method, but its actor's endpoints are all def, "

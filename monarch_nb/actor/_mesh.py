@@ -566,7 +566,7 @@ class ProcMesh(MeshTrait):
         rt.check_size(body, bufs)
         fut = gather(
             rt,
-            procs,
+            len(procs),
             len(procs),
             f"spawn {label!r}",
             list,
