@@ -98,6 +98,8 @@ class Instance:
         ``Instance.stop``); later calls to it fail instead of waiting on a dead mailbox."""
         slot = self._slot
         if slot is not None:
+            if not slot.is_async:
+                slot.leave_connection()
             # on the I/O thread, which delivers messages: once the proc no longer lists the
             # actor nothing more reaches its mailbox, and the stop queues after all that did
             slot.rt.call_soon(slot.retire)

@@ -95,6 +95,8 @@ class ActorSlot:
             #: the direct connection this actor's thread reads itself while idle (Transport.claim)
             self._claim: Any = None
             self._claim_pending = False
+            #: the actor stopped itself: its thread reads no more calls off its connection
+            self._leaving = False
             #: the thread waits on its connection: a put must wake it through ``_wake``
             self._polling = False
             self._wake = -1
@@ -118,7 +120,21 @@ class ActorSlot:
 
     def claims(self) -> bool:
         """(The I/O thread.) Whether this actor's thread would read its caller's connection."""
-        return not self.is_async and self._claim is None and not self._claim_pending and not self.stopping and self.failed is None
+        return (
+            not self.is_async
+            and self._claim is None
+            and not self._claim_pending
+            and not self.stopping
+            and not self._leaving
+            and self.failed is None
+        )
+
+    def leave_connection(self) -> None:
+        """(The actor's thread, in an endpoint that stops the actor.) Read no further call off
+        the caller's connection: one sent after this endpoint's answer is not "delivered
+        before" the stop, and must reach the I/O thread, which fails it once the actor is
+        unlisted (the I/O thread unlists it before it reads that connection again)."""
+        self._leaving = True
 
     def take_connection(self, claim: Any) -> None:
         """(The I/O thread, right after delivering a call that came alone on ``claim``'s
@@ -221,7 +237,10 @@ class ActorSlot:
                 # the I/O thread watches the connection while this one is busy
                 c.busy()
                 stop = self._handle_sync(item)
-                if not c.idle() and self._claim is c:
+                if self._leaving and self._claim is c:
+                    c.give_back()
+                    self._unclaim()
+                elif not c.idle() and self._claim is c:
                     self._unclaim()  # something came meanwhile: the I/O thread reads it from now on
                 if stop:
                     return
@@ -282,7 +301,7 @@ class ActorSlot:
     def _adopt(self, c: Any) -> None:
         """Read ``c``'s connection on this thread from now on (see :meth:`take_connection`)."""
         self._claim_pending = False
-        if self._claim is not None or self.stopping or self.failed is not None:
+        if self._claim is not None or self.stopping or self._leaving or self.failed is not None:
             c.give_back()
             return
         if not c.idle():
