@@ -13,6 +13,7 @@ import collections
 import inspect
 import logging
 import os
+import pickle
 import queue
 import select
 import sys
@@ -33,6 +34,9 @@ from ._endpoint import _NotAnEndpointMethod
 from ._shape import Extent, Point
 
 logger = logging.getLogger(__name__)
+
+#: serialize.loads, without its frame (a call's arguments are unpickled on every call)
+_pickle_loads = pickle.loads
 
 
 class ActorSlot:
@@ -64,6 +68,9 @@ class ActorSlot:
         self.caller = ""
         self._stopped = False
         self._points: dict[Any, Point] = {}
+        #: the span keys of this actor's calls, by method, that succeeded and that failed
+        self._ok_keys: dict[str, tuple[Any, ...]] = {}
+        self._err_keys: dict[str, tuple[Any, ...]] = {}
         #: control items (supervision) that go ahead of queued messages
         self._ctl: collections.deque[Any] = collections.deque()
         #: why this actor failed (Monarch's "actor explicitly aborted due to: ..."), once it has
@@ -315,7 +322,19 @@ class ActorSlot:
 
     def _handle_sync(self, item: Any) -> bool:
         """Handle one mailbox item on the actor's thread; True: the actor stopped."""
-        if item[0] == "claim":
+        kind = item[0]
+        if kind == "call" and not self._ctl and not self.stopping and self.failed is None and self.pending_failure is None:
+            # the commonest item, with nothing to do before it: what the general path below
+            # does for it, without its checks
+            try:
+                self._call_sync(*item[1:])
+                if self.abort_reason is not None:
+                    raise _Aborted(self.abort_reason)
+            except _ActorFailed as f:
+                self._fail(f)
+                self._cleanup_sync(f.cleanup_exc)
+            return False
+        if kind == "claim":
             self._adopt(item[1])
             return False
         while self._ctl:
@@ -602,7 +621,7 @@ class ActorSlot:
             self._reply(raddr, rport, index, wire.ERROR, self.init_error)
             return None
         try:
-            args, kwargs = loads(body, buffers)
+            args, kwargs = _pickle_loads(body, buffers=buffers)
         except BaseException as e:
             self._reply(raddr, rport, index, wire.ERROR, self._error(e, f"unpickling the arguments of {self.name}.{method}"))
             return None
@@ -627,17 +646,8 @@ class ActorSlot:
                 return None
             if isinstance(fn, _NotAnEndpointMethod):
                 fn = fn.fn
-        return (
-            fn,
-            args,
-            kwargs,
-            raddr,
-            rport,
-            index,
-            self._point(index, ext),
-            call_id,
-            method,
-        )
+        p = self._points.get((index, ext))
+        return (fn, args, kwargs, raddr, rport, index, self._point(index, ext) if p is None else p, call_id, method)
 
     def _point(self, index: int, ext: Any) -> Point:
         # the message rank of a call; the same few recur, and building one costs microseconds
@@ -656,25 +666,27 @@ class ActorSlot:
             # nobody is waiting: leave the failure in this proc's log where %mesh logs finds it
             print(f"monarch_nb: unobserved error in {self.name}: {value}", file=sys.stderr, flush=True)
 
-    def _mark(self, call_id: str) -> None:
-        if self.markers:
-            if not call_id:
-                # what the call printed leaves the proc before its reply does
-                for f in (sys.stdout, sys.stderr):
-                    if not isinstance(f, TaggedStream):  # one the user put in place of the proc's own
-                        try:
-                            f.flush()
-                        except (OSError, ValueError, AttributeError):
-                            pass
-                end_call()
-                return
-            set_call(call_id)
+    def _flush_out(self) -> None:
+        """What the call printed leaves the proc before its reply does."""
+        out, err = sys.stdout, sys.stderr
+        if not (isinstance(out, TaggedStream) and isinstance(err, TaggedStream)):
+            for f in (out, err):
+                if not isinstance(f, TaggedStream):  # one the user put in place of the proc's own
+                    try:
+                        f.flush()
+                    except (OSError, ValueError, AttributeError):
+                        pass
+        end_call()
 
     def _begin_call(self, mrank: Any, method: str, call_id: str, raddr: str) -> Any:
         """What a sync or async endpoint call sets while it runs; the token for _end_call."""
         tok = _context._message_rank.set(mrank)
         self.busy, self.call_id, self.caller = method, call_id, raddr
-        self._mark(call_id)
+        if self.markers:
+            if call_id:
+                set_call(call_id)
+            else:
+                self._flush_out()
         return tok
 
     def _end_call(self, method: str, t0: float, ok: bool, tok: Any) -> None:
@@ -682,8 +694,16 @@ class ActorSlot:
         t1 = time.perf_counter()
         self.busy_s += t1 - t0
         self.calls += 1
-        spans.record_call(self.instance_info.name, method, self.instance_info.rank.rank, t0, t1, ok)
-        self._mark("")
+        keys = self._ok_keys if ok else self._err_keys
+        k = keys.get(method)
+        if k is None:
+            if len(keys) > 1024:
+                keys.clear()
+            # made on this actor's thread, the one every call of it ends on
+            k = keys[method] = spans.call_key(self.instance_info.name, method, self.instance_info.rank.rank, ok)
+        spans.record(k, t0, t1)
+        if self.markers:
+            self._flush_out()
         self.busy = ""
         _context._message_rank.reset(tok)
 
