@@ -39,6 +39,39 @@ logger = logging.getLogger(__name__)
 _pickle_loads = pickle.loads
 
 
+class _LoopQueue:
+    """An async actor's mailbox, used on its loop only: asyncio.Queue without its size bound,
+    its getters' queue (there is one reader) and their bookkeeping (a quarter of the Python an
+    async actor's thread ran per small call)."""
+
+    __slots__ = ("_items", "_loop", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._items: collections.deque[Any] = collections.deque()
+        self._loop = loop
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    def get_nowait(self) -> Any:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    async def get(self) -> Any:
+        while not self._items:
+            # cancelled meanwhile (a stop), the next get makes a new one
+            self._waiter = self._loop.create_future()
+            await self._waiter
+        return self._items.popleft()
+
+
 class ActorSlot:
     """One actor in this process: its object, mailbox and thread (and loop, if async)."""
 
@@ -92,7 +125,7 @@ class ActorSlot:
             # uvloop's in a proc, which leaves by os._exit; a controller's interpreter finalizes
             # with this daemon thread still in its loop, and uvloop's callbacks then crash it
             self.loop = new_loop(fast=_context.proc_spec is not None)
-            self._aq: asyncio.Queue[Any] | None = None
+            self._aq: _LoopQueue | None = None
             ready = threading.Event()
             self.thread = threading.Thread(target=self._run_async, args=(ready,), name="monarch-actor-event-loop", daemon=True)
             self.thread.start()
@@ -379,7 +412,7 @@ class ActorSlot:
     def _run_async(self, ready: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
         _context._instance.set(self.instance_info)
-        self._aq = asyncio.Queue()
+        self._aq = _LoopQueue(self.loop)
         self._tasks: set[asyncio.Task[Any]] = set()
         ready.set()
         self.loop.run_until_complete(self._async_main())
