@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 #: serialize.loads, without its frame (a call's arguments are unpickled on every call)
 _pickle_loads = pickle.loads
+_OK, _ERROR = wire.OK, wire.ERROR
 
 
 class _LoopQueue:
@@ -135,6 +136,8 @@ class ActorSlot:
             #: the direct connection this actor's thread reads itself while idle (Transport.claim)
             self._claim: Any = None
             self._claim_pending = False
+            #: what the claim's idle() answered after the call in hand (None: not asked yet)
+            self._idled: bool | None = None
             #: the actor stopped itself: its thread reads no more calls off its connection
             self._leaving = False
             #: the thread waits on its connection: a put must wake it through ``_wake``
@@ -276,11 +279,12 @@ class ActorSlot:
                     continue
                 # the I/O thread watches the connection while this one is busy
                 c.busy()
+                self._idled = None
                 stop = self._handle_sync(item)
                 if self._leaving and self._claim is c:
                     c.give_back()
                     self._unclaim()
-                elif not c.idle() and self._claim is c:
+                elif self._claim is c and not (c.idle() if self._idled is None else self._idled):
                     self._unclaim()  # something came meanwhile: the I/O thread reads it from now on
                 if stop:
                     return
@@ -747,7 +751,7 @@ class ActorSlot:
         fn, args, kwargs, raddr, rport, index, mrank, call_id, method = prep
         tok = self._begin_call(mrank, method, call_id, raddr)
         t0 = time.perf_counter()
-        status = wire.ERROR
+        status = _ERROR
         try:
             try:
                 is_coro = self._is_coro[fn]
@@ -762,17 +766,17 @@ class ActorSlot:
                     "so it has no event loop to run on"
                 )
             result = fn(self.obj, *args, **kwargs)
-            status = wire.OK
+            status = _OK
         except Exception as e:
             if not raddr:
                 # nobody receives it (a broadcast, an explicit port): as in Monarch, the actor fails
                 raise _ActorFailed(e, _caller(meta)) from None
-            result, status = self._call_error(e, method), wire.ERROR
+            result, status = self._call_error(e, method), _ERROR
         except BaseException as e:
             # SystemExit, KeyboardInterrupt, ...: the actor fails, its process lives on
             raise _ActorFailed(e, _caller(meta)) from None
         finally:
-            self._end_call(method, t0, status == wire.OK, tok)
+            self._end_call(method, t0, status == _OK, tok)
         if self.stopping:
             # stopped while it ran: its caller gets no result, as in Monarch
             self._refuse(("call", meta))
@@ -784,8 +788,12 @@ class ActorSlot:
         if self._claim is not None:
             # read the connection here again before the caller can answer the reply: a call it
             # sends at once must not find the I/O thread watching, which would take it back
-            self._claim.idle()
-        self._reply(raddr, rport, index, status, result)
+            # (its answer stands until this thread changes the claim: the loop takes back only a busy one)
+            self._idled = self._claim.idle()
+        if raddr:
+            self.rt.send_port(raddr, rport, index, status, result)
+        else:
+            self._reply(raddr, rport, index, status, result)
 
     async def _call_async(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
         prep = self._prepare(meta, body, buffers)
@@ -794,17 +802,17 @@ class ActorSlot:
         fn, args, kwargs, raddr, rport, index, mrank, call_id, method = prep
         tok = self._begin_call(mrank, method, call_id, raddr)
         t0 = time.perf_counter()
-        status = wire.ERROR
+        status = _ERROR
         failure: _ActorFailed | None = None
         try:
             result = fn(self.obj, *args, **kwargs)
             if inspect.isawaitable(result):
                 result = await result
-            status = wire.OK
+            status = _OK
         except Exception as e:
             if not raddr:
                 failure = _ActorFailed(e, _caller(meta))
-            result, status = self._call_error(e, method), wire.ERROR
+            result, status = self._call_error(e, method), _ERROR
         except asyncio.CancelledError:
             if not self.stopping:
                 raise
@@ -813,9 +821,9 @@ class ActorSlot:
             raise
         except BaseException as e:
             failure = _ActorFailed(e, _caller(meta))
-            result, status = None, wire.ERROR
+            result, status = None, _ERROR
         finally:
-            self._end_call(method, t0, status == wire.OK, tok)
+            self._end_call(method, t0, status == _OK, tok)
         if failure is None and self.abort_reason is not None:
             self._reply(raddr, rport, index, status, result)
             # an explicit port's caller (raddr cleared) may never have been answered: tell it
