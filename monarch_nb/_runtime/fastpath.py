@@ -298,9 +298,17 @@ class Receiver:
                     r = self.r + 5
                     (need,) = _ONE.unpack_from(buf, r - 4)
                     if need <= self.w - r and need <= self.max_bytes:
-                        self.r = r + need
+                        end = r + need
+                        frame = bytes(mv[r:end])
                         self.got += 1
-                        self.dispatch([bytes(mv[r : r + need])])
+                        if end == self.w:
+                            # all read is parsed (a call, a reply): the next read starts at the
+                            # buffer's head, and no second pass finds nothing left
+                            self.r = self.w = 0
+                            self.dispatch([frame])
+                            return True
+                        self.r = end
+                        self.dispatch([frame])
                         continue
                 if avail < 1 + 4 * n:
                     return True

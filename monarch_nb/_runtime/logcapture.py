@@ -280,10 +280,14 @@ def end_call() -> None:
     """The running call ended: what it printed leaves the proc now (before its reply does)."""
     _current_call[0] = ""
     for s in _tagged:
-        try:
-            s.end_call()
-        except (OSError, ValueError):
-            pass
+        # a stream the call wrote to holds its tag (its first write set it; only end_call
+        # clears it): one it did not write to has none of its text to flush (most calls print
+        # nothing, and the flushes were a tenth of a small call's work in the proc)
+        if s._mnb_last:
+            try:
+                s.end_call()
+            except (OSError, ValueError):
+                pass
 
 
 class ProcLog:

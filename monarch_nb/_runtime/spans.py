@@ -62,6 +62,23 @@ def record_call(actor: str, method: str, rank: int, t0: float, t1: float, ok: bo
     _last[0] = i  # a hint for drain, which reads on past it
 
 
+def call_key(actor: str, method: str, rank: int, ok: bool) -> tuple[Any, ...]:
+    """The key of this thread's calls of ``actor.method`` (for :func:`record`): an actor's
+    thread keeps its own, so that a call's record is no lookup and no ``get_ident``."""
+    return ("call", method, actor, rank, ok, None, threading.get_ident())
+
+
+def record(key: tuple[Any, ...], t0: float, t1: float) -> None:
+    """One endpoint call under a key from :func:`call_key`, made on this thread."""
+    i = next(_seq)
+    j = i & _MASK
+    _t0s[j] = t0
+    _t1s[j] = t1
+    _keys[j] = key
+    _nums[j] = i
+    _last[0] = i
+
+
 def record_span(name: str, actor: str, rank: int, t0: float, t1: float, ok: bool, attrs: dict[str, Any] | None) -> None:
     """A user span (``telemetry.span``) in this process."""
     i = next(_seq)

@@ -113,6 +113,8 @@ _PREFIX = len(MAGIC) + 3
 _HEADS = {(kind, flags): MAGIC + bytes([VERSION, kind, flags]) for kind in (ACTOR, PORT, FANOUT) for flags in range(4)}
 _WANT = {ACTOR: len(ActorMeta._fields), PORT: len(PortMeta._fields), FANOUT: len(FanoutMeta._fields)}
 _KINDS = {h: kf for kf, h in _HEADS.items()}
+#: where a frame's pickled meta starts (after the prefix and its length)
+_META_AT = _PREFIX + 4
 
 
 def encode(
@@ -166,20 +168,19 @@ def decode(frames: list[Any]) -> tuple[int, tuple[Any, ...], Any, list[Any], lis
     # one slice and one lookup check magic, version, kind and flags of a well-formed head
     kf = _KINDS.get(head[:_PREFIX]) if type(head) is bytes else None
     kind, flags = _check_head(head) if kf is None else kf
-    if len(head) < _PREFIX + 4:
-        raise ProtocolError(f"truncated header ({len(head)} bytes)")
-    (n,) = _LEN.unpack_from(head, _PREFIX)
-    start = _PREFIX + 4
-    end = start + n
-    if end > len(head):
+    size = len(head)
+    if size < _META_AT:
+        raise ProtocolError(f"truncated header ({size} bytes)")
+    end = _META_AT + _LEN.unpack_from(head, _PREFIX)[0]
+    if end > size:
         raise ProtocolError("malformed header: meta runs past the frame")
     try:
-        meta = pickle.loads(head[start:end])
+        meta = pickle.loads(head[_META_AT:end])
     except Exception as e:
         raise ProtocolError(f"malformed header: {e}") from e
-    if not isinstance(meta, tuple):
-        raise ProtocolError("malformed header: meta is not a tuple")
-    if len(meta) != _WANT[kind]:
+    if not isinstance(meta, tuple) or len(meta) != _WANT[kind]:
+        if not isinstance(meta, tuple):
+            raise ProtocolError("malformed header: meta is not a tuple")
         raise ProtocolError(f"malformed header: kind {kind} needs {_WANT[kind]} fields, got {len(meta)}")
     if flags == INLINE and len(frames) == 1:
         return kind, meta, memoryview(head)[end:], [], []  # a small message: the commonest

@@ -13,6 +13,7 @@ import collections
 import inspect
 import logging
 import os
+import pickle
 import queue
 import select
 import sys
@@ -33,6 +34,43 @@ from ._endpoint import _NotAnEndpointMethod
 from ._shape import Extent, Point
 
 logger = logging.getLogger(__name__)
+
+#: serialize.loads, without its frame (a call's arguments are unpickled on every call)
+_pickle_loads = pickle.loads
+_OK, _ERROR = wire.OK, wire.ERROR
+
+
+class _LoopQueue:
+    """An async actor's mailbox, used on its loop only: asyncio.Queue without its size bound,
+    its getters' queue (there is one reader) and their bookkeeping (a quarter of the Python an
+    async actor's thread ran per small call)."""
+
+    __slots__ = ("_items", "_loop", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._items: collections.deque[Any] = collections.deque()
+        self._loop = loop
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    def get_nowait(self) -> Any:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    async def get(self) -> Any:
+        while not self._items:
+            # cancelled meanwhile (a stop), the next get makes a new one
+            self._waiter = self._loop.create_future()
+            await self._waiter
+        return self._items.popleft()
 
 
 class ActorSlot:
@@ -64,6 +102,9 @@ class ActorSlot:
         self.caller = ""
         self._stopped = False
         self._points: dict[Any, Point] = {}
+        #: the span keys of this actor's calls, by method, that succeeded and that failed
+        self._ok_keys: dict[str, tuple[Any, ...]] = {}
+        self._err_keys: dict[str, tuple[Any, ...]] = {}
         #: control items (supervision) that go ahead of queued messages
         self._ctl: collections.deque[Any] = collections.deque()
         #: why this actor failed (Monarch's "actor explicitly aborted due to: ..."), once it has
@@ -85,7 +126,7 @@ class ActorSlot:
             # uvloop's in a proc, which leaves by os._exit; a controller's interpreter finalizes
             # with this daemon thread still in its loop, and uvloop's callbacks then crash it
             self.loop = new_loop(fast=_context.proc_spec is not None)
-            self._aq: asyncio.Queue[Any] | None = None
+            self._aq: _LoopQueue | None = None
             ready = threading.Event()
             self.thread = threading.Thread(target=self._run_async, args=(ready,), name="monarch-actor-event-loop", daemon=True)
             self.thread.start()
@@ -95,6 +136,8 @@ class ActorSlot:
             #: the direct connection this actor's thread reads itself while idle (Transport.claim)
             self._claim: Any = None
             self._claim_pending = False
+            #: what the claim's idle() answered after the call in hand (None: not asked yet)
+            self._idled: bool | None = None
             #: the actor stopped itself: its thread reads no more calls off its connection
             self._leaving = False
             #: the thread waits on its connection: a put must wake it through ``_wake``
@@ -236,11 +279,12 @@ class ActorSlot:
                     continue
                 # the I/O thread watches the connection while this one is busy
                 c.busy()
+                self._idled = None
                 stop = self._handle_sync(item)
                 if self._leaving and self._claim is c:
                     c.give_back()
                     self._unclaim()
-                elif not c.idle() and self._claim is c:
+                elif self._claim is c and not (c.idle() if self._idled is None else self._idled):
                     self._unclaim()  # something came meanwhile: the I/O thread reads it from now on
                 if stop:
                     return
@@ -315,7 +359,19 @@ class ActorSlot:
 
     def _handle_sync(self, item: Any) -> bool:
         """Handle one mailbox item on the actor's thread; True: the actor stopped."""
-        if item[0] == "claim":
+        kind = item[0]
+        if kind == "call" and not self._ctl and not self.stopping and self.failed is None and self.pending_failure is None:
+            # the commonest item, with nothing to do before it: what the general path below
+            # does for it, without its checks
+            try:
+                self._call_sync(*item[1:])
+                if self.abort_reason is not None:
+                    raise _Aborted(self.abort_reason)
+            except _ActorFailed as f:
+                self._fail(f)
+                self._cleanup_sync(f.cleanup_exc)
+            return False
+        if kind == "claim":
             self._adopt(item[1])
             return False
         while self._ctl:
@@ -360,7 +416,7 @@ class ActorSlot:
     def _run_async(self, ready: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
         _context._instance.set(self.instance_info)
-        self._aq = asyncio.Queue()
+        self._aq = _LoopQueue(self.loop)
         self._tasks: set[asyncio.Task[Any]] = set()
         ready.set()
         self.loop.run_until_complete(self._async_main())
@@ -602,7 +658,7 @@ class ActorSlot:
             self._reply(raddr, rport, index, wire.ERROR, self.init_error)
             return None
         try:
-            args, kwargs = loads(body, buffers)
+            args, kwargs = _pickle_loads(body, buffers=buffers)
         except BaseException as e:
             self._reply(raddr, rport, index, wire.ERROR, self._error(e, f"unpickling the arguments of {self.name}.{method}"))
             return None
@@ -627,17 +683,8 @@ class ActorSlot:
                 return None
             if isinstance(fn, _NotAnEndpointMethod):
                 fn = fn.fn
-        return (
-            fn,
-            args,
-            kwargs,
-            raddr,
-            rport,
-            index,
-            self._point(index, ext),
-            call_id,
-            method,
-        )
+        p = self._points.get((index, ext))
+        return (fn, args, kwargs, raddr, rport, index, self._point(index, ext) if p is None else p, call_id, method)
 
     def _point(self, index: int, ext: Any) -> Point:
         # the message rank of a call; the same few recur, and building one costs microseconds
@@ -656,25 +703,27 @@ class ActorSlot:
             # nobody is waiting: leave the failure in this proc's log where %mesh logs finds it
             print(f"monarch_nb: unobserved error in {self.name}: {value}", file=sys.stderr, flush=True)
 
-    def _mark(self, call_id: str) -> None:
-        if self.markers:
-            if not call_id:
-                # what the call printed leaves the proc before its reply does
-                for f in (sys.stdout, sys.stderr):
-                    if not isinstance(f, TaggedStream):  # one the user put in place of the proc's own
-                        try:
-                            f.flush()
-                        except (OSError, ValueError, AttributeError):
-                            pass
-                end_call()
-                return
-            set_call(call_id)
+    def _flush_out(self) -> None:
+        """What the call printed leaves the proc before its reply does."""
+        out, err = sys.stdout, sys.stderr
+        if not (isinstance(out, TaggedStream) and isinstance(err, TaggedStream)):
+            for f in (out, err):
+                if not isinstance(f, TaggedStream):  # one the user put in place of the proc's own
+                    try:
+                        f.flush()
+                    except (OSError, ValueError, AttributeError):
+                        pass
+        end_call()
 
     def _begin_call(self, mrank: Any, method: str, call_id: str, raddr: str) -> Any:
         """What a sync or async endpoint call sets while it runs; the token for _end_call."""
         tok = _context._message_rank.set(mrank)
         self.busy, self.call_id, self.caller = method, call_id, raddr
-        self._mark(call_id)
+        if self.markers:
+            if call_id:
+                set_call(call_id)
+            else:
+                self._flush_out()
         return tok
 
     def _end_call(self, method: str, t0: float, ok: bool, tok: Any) -> None:
@@ -682,8 +731,16 @@ class ActorSlot:
         t1 = time.perf_counter()
         self.busy_s += t1 - t0
         self.calls += 1
-        spans.record_call(self.instance_info.name, method, self.instance_info.rank.rank, t0, t1, ok)
-        self._mark("")
+        keys = self._ok_keys if ok else self._err_keys
+        k = keys.get(method)
+        if k is None:
+            if len(keys) > 1024:
+                keys.clear()
+            # made on this actor's thread, the one every call of it ends on
+            k = keys[method] = spans.call_key(self.instance_info.name, method, self.instance_info.rank.rank, ok)
+        spans.record(k, t0, t1)
+        if self.markers:
+            self._flush_out()
         self.busy = ""
         _context._message_rank.reset(tok)
 
@@ -694,7 +751,7 @@ class ActorSlot:
         fn, args, kwargs, raddr, rport, index, mrank, call_id, method = prep
         tok = self._begin_call(mrank, method, call_id, raddr)
         t0 = time.perf_counter()
-        status = wire.ERROR
+        status = _ERROR
         try:
             try:
                 is_coro = self._is_coro[fn]
@@ -709,17 +766,17 @@ class ActorSlot:
                     "so it has no event loop to run on"
                 )
             result = fn(self.obj, *args, **kwargs)
-            status = wire.OK
+            status = _OK
         except Exception as e:
             if not raddr:
                 # nobody receives it (a broadcast, an explicit port): as in Monarch, the actor fails
                 raise _ActorFailed(e, _caller(meta)) from None
-            result, status = self._call_error(e, method), wire.ERROR
+            result, status = self._call_error(e, method), _ERROR
         except BaseException as e:
             # SystemExit, KeyboardInterrupt, ...: the actor fails, its process lives on
             raise _ActorFailed(e, _caller(meta)) from None
         finally:
-            self._end_call(method, t0, status == wire.OK, tok)
+            self._end_call(method, t0, status == _OK, tok)
         if self.stopping:
             # stopped while it ran: its caller gets no result, as in Monarch
             self._refuse(("call", meta))
@@ -731,8 +788,12 @@ class ActorSlot:
         if self._claim is not None:
             # read the connection here again before the caller can answer the reply: a call it
             # sends at once must not find the I/O thread watching, which would take it back
-            self._claim.idle()
-        self._reply(raddr, rport, index, status, result)
+            # (its answer stands until this thread changes the claim: the loop takes back only a busy one)
+            self._idled = self._claim.idle()
+        if raddr:
+            self.rt.send_port(raddr, rport, index, status, result)
+        else:
+            self._reply(raddr, rport, index, status, result)
 
     async def _call_async(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
         prep = self._prepare(meta, body, buffers)
@@ -741,17 +802,17 @@ class ActorSlot:
         fn, args, kwargs, raddr, rport, index, mrank, call_id, method = prep
         tok = self._begin_call(mrank, method, call_id, raddr)
         t0 = time.perf_counter()
-        status = wire.ERROR
+        status = _ERROR
         failure: _ActorFailed | None = None
         try:
             result = fn(self.obj, *args, **kwargs)
             if inspect.isawaitable(result):
                 result = await result
-            status = wire.OK
+            status = _OK
         except Exception as e:
             if not raddr:
                 failure = _ActorFailed(e, _caller(meta))
-            result, status = self._call_error(e, method), wire.ERROR
+            result, status = self._call_error(e, method), _ERROR
         except asyncio.CancelledError:
             if not self.stopping:
                 raise
@@ -760,9 +821,9 @@ class ActorSlot:
             raise
         except BaseException as e:
             failure = _ActorFailed(e, _caller(meta))
-            result, status = None, wire.ERROR
+            result, status = None, _ERROR
         finally:
-            self._end_call(method, t0, status == wire.OK, tok)
+            self._end_call(method, t0, status == _OK, tok)
         if failure is None and self.abort_reason is not None:
             self._reply(raddr, rport, index, status, result)
             # an explicit port's caller (raddr cleared) may never have been answered: tell it
