@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import pickle
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from .._wire import frames as wire
-from .._wire.serialize import _PLAIN, dumps, nbytes
+from .._wire.serialize import dumps, dumps_leaf, nbytes
 from ..config import Config
 from ..errors import ActorError, SupervisionError, format_exception, safe_str
 from . import shm as _shm
@@ -77,13 +76,13 @@ class Sender:
 
     def send_port(self, addr: str, port: int, index: int, status: int, value: Any) -> None:
         """Send ``value`` to a port; an unpicklable or oversized value becomes an error the receiver sees."""
-        if type(value) in _PLAIN:
+        leaf = dumps_leaf(value)
+        if leaf is not None:
             # a reply's commonest value (an int, None, a short str): one small frame, without
             # dumps' checks for buffers and size
-            body = pickle.dumps(value, protocol=5)
-            if len(body) <= wire.INLINE_MAX and len(body) <= self.cfg.max_message_bytes:
+            if len(leaf) <= wire.INLINE_MAX and len(leaf) <= self.cfg.max_message_bytes:
                 try:
-                    self.send(addr, [wire.encode_one(wire.PORT, (port, index, status), body)])
+                    self.send(addr, [wire.encode_one(wire.PORT, (port, index, status), leaf)])
                 except SupervisionError:
                     logger.debug("reply to dead peer %s dropped", addr)
                 return

@@ -197,8 +197,20 @@ def dumps_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bytes, li
     return dumps((args, kwargs))
 
 
+def dumps_leaf(value: Any) -> bytes | None:
+    """The body of a reply that is one int, float, str, bool or None (the commonest reply),
+    made without :func:`dumps`' look for buffers; None for any other value."""
+    if type(value) in _PLAIN:
+        return pickle.dumps(value, protocol=5)
+    return None
+
+
 def loads(body: Any, buffers: Iterable[Any] = ()) -> Any:
     return pickle.loads(body, buffers=buffers)
+
+
+#: :func:`loads` without its Python frame (``buffers`` by keyword): a proc's every call
+loads_fast = pickle.loads
 
 
 def nbytes(body: bytes, buffers: list[pickle.PickleBuffer]) -> int:

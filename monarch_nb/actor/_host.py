@@ -13,7 +13,6 @@ import collections
 import inspect
 import logging
 import os
-import pickle
 import queue
 import select
 import sys
@@ -26,7 +25,7 @@ from .._runtime import _dataplane, spans
 from .._runtime.logcapture import TaggedStream, end_call, set_call
 from .._runtime.runtime import NO_REPLY, Runtime, new_loop, system_method
 from .._wire import frames as wire
-from .._wire.serialize import loads
+from .._wire.serialize import loads, loads_fast
 from ..errors import ActorError, SupervisionError, _safe_exc, format_exception, safe_str
 from . import _context
 from ._actor import Instance, endpoints_of, is_async_actor
@@ -35,8 +34,6 @@ from ._shape import Extent, Point
 
 logger = logging.getLogger(__name__)
 
-#: serialize.loads, without its frame (a call's arguments are unpickled on every call)
-_pickle_loads = pickle.loads
 _OK, _ERROR = wire.OK, wire.ERROR
 
 
@@ -658,7 +655,7 @@ class ActorSlot:
             self._reply(raddr, rport, index, wire.ERROR, self.init_error)
             return None
         try:
-            args, kwargs = _pickle_loads(body, buffers=buffers)
+            args, kwargs = loads_fast(body, buffers=buffers)
         except BaseException as e:
             self._reply(raddr, rport, index, wire.ERROR, self._error(e, f"unpickling the arguments of {self.name}.{method}"))
             return None
