@@ -53,13 +53,7 @@ def record_call(actor: str, method: str, rank: int, t0: float, t1: float, ok: bo
         if len(_call_keys) > 4096:  # threads come and go: bounded
             _call_keys.clear()
         k = _call_keys[method, actor, rank, ok, tid] = ("call", method, actor, rank, ok, None, tid)
-    i = next(_seq)
-    j = i & _MASK
-    _t0s[j] = t0
-    _t1s[j] = t1
-    _keys[j] = k
-    _nums[j] = i
-    _last[0] = i  # a hint for drain, which reads on past it
+    record(k, t0, t1)
 
 
 def call_key(actor: str, method: str, rank: int, ok: bool) -> tuple[Any, ...]:
@@ -76,7 +70,7 @@ def record(key: tuple[Any, ...], t0: float, t1: float) -> None:
     _t1s[j] = t1
     _keys[j] = key
     _nums[j] = i
-    _last[0] = i
+    _last[0] = i  # a hint for drain, which reads on past it
 
 
 def record_span(name: str, actor: str, rank: int, t0: float, t1: float, ok: bool, attrs: dict[str, Any] | None) -> None:
@@ -87,7 +81,7 @@ def record_span(name: str, actor: str, rank: int, t0: float, t1: float, ok: bool
     _t1s[j] = t1
     _keys[j] = ("span", name, actor, rank, ok, attrs or None, threading.get_ident())
     _nums[j] = i
-    _last[0] = i
+    _last[0] = i  # a hint for drain, which reads on past it
 
 
 def record_metric(meter: str, name: str, kind: str, value: float, attrs: tuple[tuple[str, Any], ...]) -> None:
