@@ -357,52 +357,43 @@ class ActorSlot:
     def _handle_sync(self, item: Any) -> bool:
         """Handle one mailbox item on the actor's thread; True: the actor stopped."""
         kind = item[0]
-        if kind == "call" and not self._ctl and not self.stopping and self.failed is None and self.pending_failure is None:
-            # the commonest item, with nothing to do before it: what the general path below
-            # does for it, without its checks
-            try:
-                self._call_sync(*item[1:])
-                if self.abort_reason is not None:
-                    raise _Aborted(self.abort_reason)
-            except _ActorFailed as f:
-                self._fail(f)
-                self._cleanup_sync(f.cleanup_exc)
-            return False
         if kind == "claim":
             self._adopt(item[1])
             return False
-        while self._ctl:
-            ctl = self._ctl.popleft()
-            if self.stopping or self.failed is not None:
-                self._refuse(ctl)
-            else:
-                self._supervise_sync(*ctl[1:])
-        if item[0] == "ctl":
-            return False
-        if item[0] == "stop":
-            if self._claim is not None:
-                self._claim.give_back()
-                self._unclaim()
-            self._finish_stop()
-            if self.failed is None:
-                self._cleanup_sync()
-            self._signal_stopped()
-            return True
-        if self.stopping:
-            self._refuse(item)
-            return False
-        pf = self.pending_failure
-        if pf is not None and self.failed is None:
-            self._fail(pf)
-            self._cleanup_sync(pf.cleanup_exc)
-        if self.failed is not None:
-            self._refuse(item)
-            return False
+        # the commonest item, a call with nothing to do before it, skips the checks
+        if kind != "call" or self._ctl or self.stopping or self.failed is not None or self.pending_failure is not None:
+            while self._ctl:
+                ctl = self._ctl.popleft()
+                if self.stopping or self.failed is not None:
+                    self._refuse(ctl)
+                else:
+                    self._supervise_sync(*ctl[1:])
+            if kind == "ctl":
+                return False
+            if kind == "stop":
+                if self._claim is not None:
+                    self._claim.give_back()
+                    self._unclaim()
+                self._finish_stop()
+                if self.failed is None:
+                    self._cleanup_sync()
+                self._signal_stopped()
+                return True
+            if self.stopping:
+                self._refuse(item)
+                return False
+            pf = self.pending_failure
+            if pf is not None and self.failed is None:
+                self._fail(pf)
+                self._cleanup_sync(pf.cleanup_exc)
+            if self.failed is not None:
+                self._refuse(item)
+                return False
         try:
-            if item[0] == "init":
-                self._init(*item[1:])
-            elif item[0] == "call":
+            if kind == "call":
                 self._call_sync(*item[1:])
+            elif kind == "init":
+                self._init(*item[1:])
             if self.abort_reason is not None:
                 raise _Aborted(self.abort_reason)
         except _ActorFailed as f:
