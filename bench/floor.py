@@ -7,14 +7,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
+from collections.abc import Iterator
 
 MSG = 64
 
 
-def _recv_exact(sock: socket.socket, buf: bytearray, view: memoryview) -> bool:
+def recv_exact(sock: socket.socket, buf: bytearray, view: memoryview) -> bool:
     got = 0
     while got < MSG:
         k = sock.recv_into(view[got:], MSG - got)
@@ -24,7 +26,9 @@ def _recv_exact(sock: socket.socket, buf: bytearray, view: memoryview) -> bool:
     return True
 
 
-def roundtrip(n: int = 10_000) -> float:
+@contextlib.contextmanager
+def echo_peer() -> Iterator[socket.socket]:
+    """A forked process that echoes ``MSG``-byte messages; yields this side's blocking socket."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     pid = os.fork()
     if pid == 0:  # the echoing peer
@@ -32,26 +36,31 @@ def roundtrip(n: int = 10_000) -> float:
             a.close()
             buf = bytearray(MSG)
             view = memoryview(buf)
-            while _recv_exact(b, buf, view):
+            while recv_exact(b, buf, view):
                 b.sendall(view)
         finally:
             os._exit(0)
     b.close()
     try:
+        yield a
+    finally:
+        a.close()
+        os.waitpid(pid, 0)
+
+
+def roundtrip(n: int = 10_000) -> float:
+    with echo_peer() as a:
         msg = os.urandom(MSG)
         buf = bytearray(MSG)
         view = memoryview(buf)
         for _ in range(100):  # both sides running before the clock starts
             a.sendall(msg)
-            _recv_exact(a, buf, view)
+            recv_exact(a, buf, view)
         t0 = time.perf_counter()
         for _ in range(n):
             a.sendall(msg)
-            _recv_exact(a, buf, view)
+            recv_exact(a, buf, view)
         return (time.perf_counter() - t0) / n
-    finally:
-        a.close()
-        os.waitpid(pid, 0)
 
 
 def memcpy(nbytes: int, repeat: int = 3) -> float:

@@ -1,6 +1,9 @@
 """Where the time of one ``call_one`` goes, on monarch_nb (a breakdown for docs/performance.md).
 
-    python -m bench.profile_call [--calls 2000] [--async]
+    python -m bench.profile_call [--calls 2000] [--async] [--gap-ms G [--thrash]]
+
+With ``--gap-ms`` every call follows a pause of G ms (``--thrash``: another process walks
+48 MiB meanwhile, as the peer's round does in ``python -m bench``): the breakdown of a cold call.
 
 Timestamps come from ``time.perf_counter_ns`` (CLOCK_MONOTONIC, shared by every process of
 the host), taken by instrumenting the runtime objects in place: the controller's send and
@@ -69,6 +72,24 @@ def _instrument(rt: Any, log: list[tuple[str, int]], peer: str, what: Any) -> No
         rt.receiver.take_own = timed_take_own
 
 
+def _instrument_direct(log: list[tuple[str, int]]) -> None:
+    """Record this thread's writes on its direct connections (a call to one actor goes there)."""
+    import threading
+
+    from monarch_nb._runtime import fastpath
+
+    send_one, me = fastpath.Sender.send_one, threading.get_ident()
+
+    def timed_send_one(self: Any, frame: bytes) -> None:
+        t = T()
+        send_one(self, frame)
+        if threading.get_ident() == me:
+            log.append(("send0", t))
+            log.append(("send1", T()))
+
+    fastpath.Sender.send_one = timed_send_one  # type: ignore[method-assign]
+
+
 class Probe(Actor):
     def __init__(self) -> None:
         self.log: list[tuple[str, int]] = []
@@ -117,11 +138,51 @@ def _cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class _Gap:
+    """A pause before a call: a sleep, or another process walking memory (evicting caches)."""
+
+    _WALK = (
+        "import sys, time, numpy as np\n"
+        "a = np.ones(6 << 20); idx = np.random.permutation(len(a))[: 1 << 20]\n"
+        "for line in sys.stdin:\n"
+        "    t = time.perf_counter()\n"
+        "    while time.perf_counter() - t < float(line): a[idx] += 1.0\n"
+        "    print(flush=True)\n"
+    )
+
+    def __init__(self, seconds: float, thrash: bool) -> None:
+        import subprocess
+
+        self.seconds = seconds
+        self.walker = (
+            subprocess.Popen([sys.executable, "-c", self._WALK], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            if thrash
+            else None
+        )
+
+    def wait(self) -> None:
+        w = self.walker
+        if w is None or w.stdin is None or w.stdout is None:
+            time.sleep(self.seconds)
+            return
+        w.stdin.write(f"{self.seconds}\n")
+        w.stdin.flush()
+        w.stdout.readline()
+
+    def close(self) -> None:
+        if self.walker is not None:
+            self.walker.kill()
+            self.walker.wait()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.profile_call")
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--async", dest="use_async", action="store_true", help="an async actor")
+    ap.add_argument("--gap-ms", type=float, default=0.0, help="pause before each call (a cold call)")
+    ap.add_argument("--thrash", action="store_true", help="during the pause another process walks 48 MiB")
     a = ap.parse_args()
+    gap = _Gap(a.gap_ms / 1e3, a.thrash) if a.gap_ms > 0 else None
     from monarch_nb.actor import _context
     from monarch_nb.allocator import list_allocators, stop_allocator
 
@@ -139,10 +200,13 @@ def main() -> int:
         # replies come on fresh ports; heartbeats and logs on the watch/log ports
         quiet = {getattr(w, "event_port", -1) for w in rt.supervision.watches.values()} | {_context.client().log_port}
         _instrument(rt, ctl, proc_addr, lambda km: km[0] == 2 and km[1][0] not in quiet)
+        _instrument_direct(ctl)
         cpu0 = (time.process_time(), _cpu(proc_pid), _cpu(alloc_pid))
         w0 = time.perf_counter()
         starts, ends = [], []
         for _ in range(a.calls):
+            if gap is not None:
+                gap.wait()
             starts.append(T())
             am.ping.call_one().get()
             ends.append(T())
@@ -153,6 +217,8 @@ def main() -> int:
         proc_log = am.dump.call_one().get()
         pm.stop().get()
     finally:
+        if gap is not None:
+            gap.close()
         stop_allocator()
         shutil.rmtree(_RDIR, ignore_errors=True)
 
@@ -170,17 +236,21 @@ def main() -> int:
     p["send0"], p["send1"] = p["send0"][1:], p["send1"][1:]
     n = min(a.calls, *(len(v) for v in c.values()), *(len(v) for v in p.values()))
     phases = {
-        "controller: call_one() until its frames are sent": [c["send1"][i] - starts[i] for i in range(n)],
-        "wire out: sent until the proc has read it": [p["recv"][i] - c["send1"][i] for i in range(n)],
+        "controller: call_one() until its write": [c["send0"][i] - starts[i] for i in range(n)],
+        "controller: the write (it wakes the proc)": [c["send1"][i] - c["send0"][i] for i in range(n)],
+        "wire out: written until the proc has read it": [p["recv"][i] - c["send0"][i] for i in range(n)],
         "proc: read until endpoint body runs": [p["fn"][i] - p["recv"][i] for i in range(n)],
-        "proc: endpoint body until the reply is sent": [p["send1"][i] - p["fn"][i] for i in range(n)],
-        "wire back: sent until the controller's I/O thread has it": [c["recv"][i] - p["send1"][i] for i in range(n)],
+        # from the reply's write call: a cold write returns after the controller has read it
+        "proc: endpoint body until the reply is written": [p["send0"][i] - p["fn"][i] for i in range(n)],
+        "wire back: written until the controller's I/O thread has it": [c["recv"][i] - p["send0"][i] for i in range(n)],
         "controller: I/O thread until .get() returns": [ends[i] - c["recv"][i] for i in range(n)],
     }
     total = [ends[i] - starts[i] for i in range(n)]
     out = {
         "calls": n,
         "actor": "async" if a.use_async else "sync",
+        "gap_ms": a.gap_ms,
+        "thrash": a.thrash,
         "loadavg": os.getloadavg(),
         "round_trip_median_us": statistics.median(total) / 1e3,
         "round_trip_p99_us": sorted(total)[int(0.99 * (n - 1))] / 1e3,

@@ -162,6 +162,64 @@ def test_a_stalled_allocator_fails_what_was_pending_and_the_host_takes_new_spawn
     again.stop().get(timeout=10)
 
 
+def test_forgetting_an_allocator_fails_what_waits_on_it_before_it_returns(allocator):
+    # stop_allocator() and a job's kill forget the allocators they are about to stop, then
+    # stop them: once the loss was recorded later, on the I/O thread, the allocator's own
+    # "shutdown" event could come first and what was pending failed with its cause ("SIGTERM
+    # ... or the system") instead of the one the stopper gave (a CI run under load)
+    from monarch_nb.actor import _context
+
+    pm = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="forgotten")
+    w = pm.spawn("w", Worker)
+    w.pid.call().get(timeout=10)
+    fut = w.sleep.call_one(5)
+    client = _context.client()
+    client.rt.loop.call_soon_threadsafe(time.sleep, 0.3)  # an I/O thread busy when the stopper comes
+    client.forget_allocators([allocator.addr], "allocator {addr} stopped on purpose (mesh stopped)")
+    with pytest.raises(SupervisionError, match="stopped on purpose"):
+        fut.get(timeout=0)
+    assert stop_mesh("forgotten", allocator.addr) == 1
+    again = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="after_forgotten")
+    assert again.spawn("w", Worker).pid.call_one().get(timeout=10) != os.getpid()
+    again.stop().get(timeout=10)
+
+
+@pytest.mark.parametrize("how", ["computes", "hangs"])
+def test_a_controller_holding_the_gil_is_not_detached_unless_it_hangs(allocator, how):  # type: ignore[no-untyped-def]
+    # a script (or kernel) whose main thread holds the GIL in one long C call cannot ping: the
+    # allocator detached it after 5 s and stopped its meshes. Running, it is slow, not gone;
+    # asleep with the GIL held and no CPU spent, it is hung, and detached as before
+    code = f"""
+import ctypes, os, time
+from monarch_nb.actor import Actor, endpoint, attach_to_workers
+class P(Actor):
+    @endpoint
+    def pid(self): return os.getpid()
+hosts = attach_to_workers(workers=[{allocator.addr!r}], ca="trust_all_connections")
+p = hosts.spawn_procs(per_host={{"gpus": 1}}, name="holds-gil").spawn("p", P)
+p.pid.call_one().get(timeout=30)
+if {how!r} == "computes":
+    t0 = time.perf_counter(); sum(range(3 * 10**7)); rate = 3 * 10**7 / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    sum(range(int(rate * 9)))  # one C call of about 9 s (5.5 s even if measured 1.6x slow): the GIL is never let go
+else:
+    t0 = time.perf_counter()
+    ctypes.PyDLL(None).sleep(7)  # PyDLL: the GIL stays held
+print("HELD", time.perf_counter() - t0, flush=True)
+try:
+    print("AFTER", p.pid.call_one().get(timeout=30) > 0, flush=True)
+except Exception as e:
+    print("FAILED", e, flush=True)
+"""
+    r = run_script(code, timeout=90)
+    held = float(r.stdout.split("HELD ")[1].split()[0])
+    assert held > 5.5, f"the GIL was held {held:.1f} s, not past the allocator's 5 s: nothing tested"
+    if how == "computes":
+        assert "AFTER True" in r.stdout, r.stdout + r.stderr[-3000:]
+    else:
+        assert "FAILED" in r.stdout and "detached this controller" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
 def test_script_meshes_stop_at_exit_and_persistent_ones_are_reattached(allocator):
     code = f"""
 import os
@@ -447,6 +505,48 @@ def test_128_procs_on_one_host_spawn_answer_and_stop(tmp_path):  # type: ignore[
 
         wait_for(gone, 30, "the 128 procs to exit")
         assert "Errno 11" not in a.logtext()
+    finally:
+        a.stop()
+
+
+class Finalizes(Actor):
+    def __init__(self, path: str) -> None:
+        import weakref
+
+        self.token = type("Token", (), {})()
+        weakref.finalize(self.token, lambda: open(path, "a").write(f"{os.getpid()}\n"))
+
+    @endpoint
+    def pid(self) -> tuple[int, bool]:
+        return os.getpid(), "preload_fin" in sys.modules  # forked from a zygote that preloaded it
+
+
+def test_a_stopped_proc_runs_its_own_finalizers_and_not_the_preloads(tmp_path):  # type: ignore[no-untyped-def]
+    # what the zygote's preload registered (torch: 134 finalizers, 20 ms of CPU per proc) is
+    # the zygote's: run at every proc's exit it only cost time, or ran a file's removal once per proc
+    (tmp_path / "preload_fin.py").write_text(
+        "import os, weakref\n"
+        "class Registry: pass\n"
+        "REG = Registry()\n"
+        "weakref.finalize(REG, lambda p: open(p, 'a').write('preload\\n'), os.environ['FIN_MARKER'])\n"
+    )
+    env = {
+        "MONARCH_NB_ZYGOTE_PRELOAD": "preload_fin",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH", "")])),
+        "FIN_MARKER": str(tmp_path / "preload-ran"),
+    }
+    a = AllocatorProc(str(tmp_path), env=env)
+    try:
+        hosts = attach_to_workers(workers=[a.addr], ca="trust_all_connections")
+        pm = hosts.spawn_procs(per_host={"gpus": 2}, name="fin")
+        own = tmp_path / "own-ran"
+        got = pm.spawn("f", Finalizes, str(own)).pid.call().get(timeout=30).values()
+        assert all(preloaded for _, preloaded in got), got
+        pm.stop().get(timeout=30)
+        assert sorted(int(x) for x in own.read_text().split()) == sorted(p for p, _ in got), (
+            "a proc's own finalizers run at its exit"
+        )
+        assert not (tmp_path / "preload-ran").exists(), "the preload's finalizers are the zygote's"
     finally:
         a.stop()
 

@@ -266,7 +266,9 @@ def test_walltime_ends_the_allocators_and_the_notebook_is_told(slurm: SlurmClust
     assert res[0]["before"] == ["n1", "n2"]
     # 22.05 shows COMPLETING while the step is torn down, then TIMEOUT; the reason is TimeLimit
     assert res[1]["state"] in ("COMPLETING", "TIMEOUT") and res[1]["reason"] == "TimeLimit", res
-    assert res[2]["call"] and res[2]["call"].startswith("SupervisionError") and "lost" in res[2]["call"], res
+    # Slurm SIGTERMs the allocators (their controllers hear so); one that missed it goes silent
+    call = res[2]["call"]
+    assert call and call.startswith("SupervisionError") and ("was shut down (SIGTERM" in call or "lost" in call), res
     err = res[3]["state_error"]
     assert "TimeLimit: its time_limit ran out): its allocators are gone" in err and f"Slurm job {res[0]['job_id']} is" in err, res
     assert res[4]["failures"] and "failed" in res[4]["failures"][0], res

@@ -120,6 +120,17 @@ def _allocator_pids(rdir: str) -> list[int]:
     return out
 
 
+def _first_line(proc: subprocess.Popen[str], timeout: float, what: str) -> str:
+    """The first line ``proc`` prints, or an assertion error naming ``what`` it waited for."""
+    import selectors
+
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        assert sel.select(timeout=timeout), f"no line from the script within {timeout} s: {what}"
+    return proc.stdout.readline().strip()
+
+
 def test_concurrent_controllers_on_a_fresh_runtime_dir_share_one_allocator(rdir: str) -> None:
     go = os.path.join(rdir, "go")
     env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="")
@@ -165,3 +176,204 @@ def test_an_allocator_that_died_unreaped_is_not_taken_for_the_running_one(rdir: 
         dead.kill()
         dead.wait(10)
         log.close()
+
+
+_SCRIPT_PRELUDE = r"""
+import json, sys, threading, time
+import monarch_nb.actor as public
+from monarch_nb.actor import Actor, endpoint, this_host, _context
+from monarch_nb.allocator import list_allocators, stop_allocator
+
+failures = []
+public.unhandled_fault_hook = lambda f: failures.append(f.report())
+
+class Slow(Actor):
+    @endpoint
+    def wait(self) -> int:
+        threading.Event().wait(120)  # answers only if nothing stops it
+        return 1
+
+    @endpoint
+    def ping(self) -> int:
+        return 2
+
+def start_waiting():
+    return this_host().spawn_procs(per_host={"gpus": 1}).spawn("slow", Slow).wait.call_one()
+
+def error_of(fut, timeout=60):
+    try:
+        fut.get(timeout=timeout)
+        return "no error"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+"""
+
+_STOP_FROM_ITS_OWN_CONTROLLER = (
+    _SCRIPT_PRELUDE
+    + r"""
+pending = start_waiting()
+(alloc,) = list_allocators()
+t0 = time.monotonic()
+stopped = stop_allocator(timeout=60)
+took = time.monotonic() - t0
+err = error_of(pending, 30)
+print(json.dumps({"stopped": stopped, "pid": int(alloc["pid"]), "took": took, "err": err,
+                  "alive": [a["pid"] for a in list_allocators() if a["alive"]]}), flush=True)
+"""
+)
+
+
+def test_stop_allocator_from_the_controller_that_started_it_returns_at_once_without_an_alarm(rdir: str) -> None:
+    # the allocator a script starts is the script's child: once it exited it stayed a zombie, and
+    # stop_allocator waited its whole timeout for it, then "killed" it; the script's client then
+    # raised "allocator lost: no heartbeat" and spent 2 s more on a goodbye at exit
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="")
+    r = subprocess.run([PY, "-c", _STOP_FROM_ITS_OWN_CONTROLLER], env=env, capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["stopped"] == [out["pid"]] and out["alive"] == []
+    assert out["took"] < 30, out  # not the 60 s timeout
+    # the call pending on it fails, saying who stopped the allocator
+    assert "stopped by stop_allocator()" in out["err"], out
+    assert "no heartbeat" not in r.stderr, r.stderr[-3000:]
+    assert not _allocator_pids(rdir)
+
+
+_HELD_WHILE_STOPPED = (
+    _SCRIPT_PRELUDE
+    + r"""
+pending = start_waiting()
+print("ready", flush=True)
+err = error_of(pending)
+lost = [str(w.lost) for w in _context.client().rt.supervision.watches.values()]
+deadline = time.monotonic() + 30
+while not failures and time.monotonic() < deadline:  # the report comes on a thread of its own
+    time.sleep(0.05)
+# the kernel goes on: a new spawn starts a new allocator
+again = this_host().spawn_procs(per_host={"gpus": 1}).spawn("again", Slow).ping.call_one().get(timeout=60)
+print(json.dumps({"err": err, "lost": lost, "again": again, "failures": failures}), flush=True)
+"""
+)
+
+
+def test_an_allocator_stopped_from_outside_tells_its_controllers_why(rdir: str) -> None:
+    # `monarch-nb allocator stop` from a terminal while a script (a kernel) waits on a call:
+    # the call used to fail with "mesh stopped (process ... killed by SIGKILL)", which does
+    # not say who stopped it, and a heartbeat alarm ("allocator lost ... host down") followed
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="")
+    ctl = subprocess.Popen([PY, "-c", _HELD_WHILE_STOPPED], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _first_line(ctl, 60, "its mesh up") == "ready"
+        stop = subprocess.run([PY, "-m", "monarch_nb", "allocator", "stop"], env=env, capture_output=True, text=True, timeout=60)
+        assert stop.returncode == 0, stop.stderr
+        out, err = ctl.communicate(timeout=90)
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()
+            ctl.wait(10)
+    assert ctl.returncode == 0, err[-3000:]
+    res = json.loads(out.strip().splitlines()[-1])
+    assert "was shut down (SIGTERM" in res["err"] and "monarch-nb allocator stop" in res["err"], res
+    # for this controller its mesh failed (it did not stop it), as Monarch reports a killed host,
+    # with the same cause; the allocator counts as gone: no heartbeat check is left to alarm
+    assert res["failures"] and "was shut down (SIGTERM" in res["failures"][0], res
+    assert any("was shut down (SIGTERM" in c for c in res["lost"]), res
+    assert "no heartbeat" not in err, err[-3000:]
+    assert res["again"] == 2
+
+
+_SPAWN_AFTER_KILL = (
+    _SCRIPT_PRELUDE
+    + r"""
+this_host().spawn_procs(per_host={"gpus": 1}).spawn("first", Slow).ping.call_one().get(timeout=60)
+print(json.dumps({"pid": int(list_allocators()[0]["pid"])}), flush=True)
+sys.stdin.readline()  # the test killed that allocator
+try:
+    got = this_host().spawn_procs(per_host={"gpus": 1}).spawn("again", Slow).ping.call_one().get(timeout=60)
+except Exception as e:
+    got = f"{type(e).__name__}: {e}"
+print(json.dumps({"got": got, "pid": [int(a["pid"]) for a in list_allocators() if a["alive"]]}), flush=True)
+"""
+)
+
+
+def test_a_spawn_right_after_the_local_allocator_was_killed_starts_a_new_one(rdir: str) -> None:
+    # this_host() kept the dead allocator until a heartbeat timed out: a spawn in that window
+    # failed with "allocator ... lost: no heartbeat" although this host could start a new one
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="", MONARCH_NB_HEARTBEAT_TIMEOUT="30")
+    ctl = subprocess.Popen(
+        [PY, "-c", _SPAWN_AFTER_KILL], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        from conftest import wait_for
+
+        first = json.loads(_first_line(ctl, 60, "its mesh up"))
+        assert ctl.stdin is not None
+        os.kill(first["pid"], 9)
+        wait_for(lambda: not records.find_local_allocator(rdir), 10, "the killed allocator to be gone")
+        ctl.stdin.write("go\n")
+        ctl.stdin.flush()
+        out, err = ctl.communicate(timeout=90)
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()
+            ctl.wait(10)
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["got"] == 2, (res, err[-3000:])
+    assert len(res["pid"]) == 1 and res["pid"][0] != first["pid"]
+
+
+_SHUTDOWN_OWN_HOSTS = (
+    _SCRIPT_PRELUDE
+    + r"""
+pending = start_waiting()
+this_host().shutdown().get(timeout=30)
+err = error_of(pending)
+print(json.dumps({"err": err, "failures": failures}), flush=True)
+"""
+)
+
+
+def test_shutting_down_its_own_hosts_stops_a_controllers_meshes_without_a_failure(rdir: str) -> None:
+    # HostMesh.shutdown() (Monarch's) asked by this controller: its meshes there are stopped,
+    # not failed (a script is not ended by the unhandled-failure hook), and what waited on
+    # them fails saying why
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="")
+    r = subprocess.run([PY, "-c", _SHUTDOWN_OWN_HOSTS], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    # "(mesh stopped)": the cause the client reports no mesh failure for (no report thread starts)
+    assert "HostMesh.shutdown()" in res["err"] and res["err"].endswith("(mesh stopped)"), res
+    assert res["failures"] == [], res
+    assert "no heartbeat" not in r.stderr, r.stderr[-3000:]
+    from conftest import wait_for
+
+    # it stops its procs first (the busy one gets its __cleanup__ time), then exits
+    wait_for(lambda: not _allocator_pids(rdir), 30, "the allocator to exit")
+
+
+def test_terminate_reaps_a_child_that_exits_and_kills_one_that_ignores_sigterm() -> None:
+    from monarch_nb._runtime._pids import terminate
+
+    polite = subprocess.Popen([PY, "-c", "import time; time.sleep(60)"])
+    stubborn = subprocess.Popen(
+        [
+            PY,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert _first_line(stubborn, 30, "its SIGTERM ignored") == "ready"
+        left = terminate([polite.pid, stubborn.pid], timeout=1.0)
+        # the one that ignored SIGTERM was SIGKILLed; the one that exited was reaped, not left a zombie
+        assert left == [stubborn.pid]
+        assert not os.path.exists(f"/proc/{polite.pid}")
+        assert stubborn.wait(10) == -9
+    finally:
+        for p in (polite, stubborn):
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)

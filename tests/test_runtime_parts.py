@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import gc
 import logging
+import os
 import threading
 import weakref
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 from conftest import wait_for
 
+from monarch_nb._runtime._pids import activity
 from monarch_nb._runtime.receiving import Receiver
 from monarch_nb._runtime.runtime import ReplyPort, Runtime
 from monarch_nb._runtime.sending import Sender, Target
@@ -249,6 +251,56 @@ def test_supervision_declares_a_silent_allocator_and_its_procs_lost(caplog) -> N
     sup.check(now[0], starved=False)
     assert lost == [A, REMOTE]
     assert "no heartbeat for 5.5 s" in str(sup.peer_error(A))
+
+
+@pytest.mark.parametrize("doing", ["computes", "sleeps", "is stopped", "exited"])
+def test_a_silent_allocator_of_this_host_is_judged_by_its_process(doing: str) -> None:
+    # a loaded host (128 procs stopping on two cores) starved an allocator past the timeout,
+    # and calling it lost failed every mesh on it: one still running is given SLOW_FACTOR
+    # timeouts; one asleep with no CPU spent (hung), stopped or gone is lost after one
+    import signal
+    import subprocess
+    import sys
+
+    from monarch_nb._runtime.supervision import SLOW_FACTOR
+
+    code = {"computes": "print('computing', flush=True)\nwhile True: pass", "exited": "pass"}
+    child = subprocess.Popen([sys.executable, "-c", code.get(doing, "import time; time.sleep(60)")], stdout=subprocess.PIPE)
+    try:
+        if doing == "computes":
+            # in its loop from now on: its start-up may wait on the disk (the two looks below are
+            # microseconds apart in real time, so only its state can say it is at work)
+            assert child.stdout is not None and child.stdout.readline() == b"computing\n"
+        elif doing == "is stopped":
+            os.kill(child.pid, signal.SIGSTOP)
+            wait_for(lambda: activity(child.pid)[0] == "stopped", 30, "the child to stop")
+        elif doing == "exited":
+            child.wait(timeout=30)
+        elif doing == "sleeps":
+            # asleep from now on: its start-up's CPU is behind it
+            wait_for(lambda: activity(child.pid)[0] == "waiting", 30, "the child to sleep")
+        now = [0.0]
+        sup = Supervision(Config(heartbeat_interval=0.5, heartbeat_timeout=2.0), IO(), clock=lambda: now[0])
+        sup.watch_allocator(A, "here", child.pid)
+        lost: list[str] = []
+        sup.peer_failure_callbacks.append(lambda peer, e: lost.append(peer))
+        for t in (1.5, 2.5):
+            now[0] = t
+            sup.check(t, starved=False)
+        if doing != "computes":
+            assert lost == [A] and "no heartbeat for 2.5 s" in str(sup.peer_error(A))
+            return
+        assert not lost, "running: a slow host, not a lost allocator"
+        now[0] = SLOW_FACTOR * 2.0 - 0.5
+        sup.check(now[0], starved=False)
+        assert not lost
+        now[0] = SLOW_FACTOR * 2.0 + 0.5
+        sup.check(now[0], starved=False)
+        assert lost == [A], "a running allocator that never answers is lost in the end"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
 
 
 def test_a_reply_port_forgets_what_was_answered_or_closed(tmp_path) -> None:

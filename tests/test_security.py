@@ -947,6 +947,8 @@ def test_a_detached_controller_is_told_by_its_pongs(tmp_path) -> None:
         wait_for(lambda: _said(out, "ready"), 60, "the controller to spawn")
         os.kill(p.pid, signal.SIGSTOP)
         wait_for(lambda: "went silent; detaching it" in a.logtext(), 30, "the allocator to detach the stopped controller")
+        # the detach stops its mesh; a call reaching a proc before that stop ends is answered
+        wait_for(lambda: "mesh held stopped" in a.logtext(), 30, "the allocator to stop the detached controller's mesh")
         os.kill(p.pid, signal.SIGCONT)
         open(resume, "w").close()
         rc = p.wait(45)

@@ -208,7 +208,7 @@ def test_the_allocators_packed_drain_keeps_what_the_dicts_say() -> None:
     # finds more than the allocator keeps, and sends only the newest
     for n in (300, PER_PROC + 200):
         for i in range(n):
-            ring.record_call("a#1", "step", 3, t + i, t + i + 0.5, i % 7 != 0)
+            ring.record(ring.call_key("a#1", "step", 3, i % 7 != 0), t + i, t + i + 0.5)
         ring.record_span("user", "a#1", 3, t, t + 2.0, False, {"k": n})
         got = loads(*dumps(ring.drain_packed(kept.cursor, PER_PROC)))
         assert got["spans"] is None and got["dropped"] == 0
@@ -225,7 +225,7 @@ def test_the_allocators_packed_drain_keeps_what_the_dicts_say() -> None:
     # a record numbered but not stored yet (its writer lost the GIL in between): the dicts
     # take over, and read up to it
     last = ring.drain(0)["last"]
-    ring.record_call("a#1", "step", 3, t, t, True)
+    ring.record(ring.call_key("a#1", "step", 3, True), t, t)
     slot = (last + 1) & ring._MASK
     ring._nums[slot] = last + 1 - ring.RING
     try:

@@ -33,12 +33,14 @@ from .._wire.serialize import dumps
 from ..config import Config
 from ..errors import MeshError, SpawnError
 from . import records, shm
+from ._pids import SilentPeer
 from .codecache import CodeCache
 from .debugreg import DebugRegistry
 from .hostenv import HostEnv
 from .logcapture import LogItem, count_lines, line_text, rank_log_path, read_log, split_run
 from .procs import MeshRec, ProcRec, Procs, kill
 from .runtime import NO_REPLY, Runtime, pid_alive, system_method
+from .supervision import SLOW_FACTOR
 from .telemetry import Telemetry
 from .transport import Security
 
@@ -93,6 +95,9 @@ class Allocator(DebugRegistry):
         self.telemetry = Telemetry(self)
         #: a job's allocator leaves with its lease: nothing outlives a job nobody controls
         self.exit_on_lease = False
+        #: why this allocator is shutting down, told to its controllers (see :meth:`stop`)
+        self.shutdown_why = ""
+        self.shutdown_by = ""
         self._debug_init()
 
     # ------------------------------------------------------------ lifecycle
@@ -130,14 +135,23 @@ class Allocator(DebugRegistry):
         try:
             self.rt.submit(self.stopped.wait()).result()
         except KeyboardInterrupt:
-            pass
+            self.shutdown_why = self.shutdown_why or "interrupted"
         finally:
             self.close()
 
+    def stop(self, why: str, by: str = "") -> None:
+        """Shut down (on the loop's thread); ``why`` is what the controllers are told, ``by`` the
+        cid of the controller that asked (its meshes here are stopped, not failed)."""
+        if not self.shutdown_why:
+            self.shutdown_why, self.shutdown_by = why, by
+        self.stopped.set()
+
     def close(self) -> None:
         self.procs.closing = True  # the zygote's exit is expected now, not an error
+        why = self.shutdown_why or "closed"
+        logger.info("shutting down: %s", why)
         try:
-            self.rt.submit(self._stop_all("allocator shutting down")).result(timeout=15)
+            self.rt.submit(self._shut_down(why)).result(timeout=15)
         except Exception:
             logger.exception("stopping procs failed")
         self.procs.close()
@@ -626,8 +640,8 @@ class Allocator(DebugRegistry):
             since += received - sent
         return {**await self.telemetry.spans.summarize(mesh, since), "received": received}
 
-    def sys_shutdown(self) -> str:
-        self.rt.loop.call_later(0.05, self.stopped.set)
+    def sys_shutdown(self, cid: str = "") -> str:
+        self.rt.loop.call_later(0.05, self.stop, "a controller asked it to: HostMesh.shutdown()", cid)
         return "shutting down"
 
     # ------------------------------------------------------------ stopping and reaping
@@ -661,6 +675,7 @@ class Allocator(DebugRegistry):
             _unlink_ipc(r.local or r.addr)  # procs end with os._exit: their socket files stay behind
         self._debug_mesh_stopped(m.name)
         m.state = "stopped"
+        logger.info("mesh %s stopped (%d procs): %s", m.name, len(live), reason)
         self._publish(("mesh", m.name, "stopped", reason))
         return len(live)
 
@@ -690,6 +705,15 @@ class Allocator(DebugRegistry):
         killed.sort(key=lambda k: k["rank"])
         return killed
 
+    async def _shut_down(self, why: str) -> None:
+        # controllers hear why before their procs go: what they wait for fails saying so, and
+        # the silence that follows raises no "allocator lost ... no heartbeat" alarm. For them it
+        # is still a failure of their meshes (as Monarch's when a host's processes are killed):
+        # they did not stop them
+        cause = f"allocator {self.rt.hostname}:{os.getpid()} was shut down ({why}); its procs are gone"
+        self._publish(("shutdown", cause, self.shutdown_by))
+        await self._stop_all(f"allocator shutting down ({why})")
+
     async def _stop_all(self, reason: str) -> None:
         for m in list(self.meshes.values()):
             await self._stop_mesh(m, reason)
@@ -704,6 +728,21 @@ class Allocator(DebugRegistry):
                 self._detach(addr, "its process exited")
                 if c.get("pid"):
                     shm.sweep_dead(int(c["pid"]))  # its pooled and in-flight shared memory
+
+    def _controller_at_work(self, addr: str, c: dict[str, Any], silent: float, detach_after: float) -> bool:
+        """Whether a silent controller of this host (it reached us over ipc) is still at work
+        (:class:`~._pids.SilentPeer`): a kernel whose main thread holds the GIL in a long C
+        call, or one starved of CPU, pings late but is not gone. Up to SLOW_FACTOR detach
+        times; stopped (SIGSTOP), gone or asleep with no CPU spent, it is detached as before."""
+        pid = int(c.get("pid") or 0)
+        if not addr.startswith("ipc://") or not pid or silent > SLOW_FACTOR * detach_after:
+            return False
+        local = c.get("local") or c.setdefault("local", SilentPeer(pid))
+        if not local.at_work(c["last_seen"]):
+            return False
+        if silent > detach_after and local.tell_once():
+            logger.info("controller %s (pid %d) has not pinged for %.1f s but is running: not detached", c["cid"], pid, silent)
+        return True
 
     def _orphan(self, cid: str) -> int:
         n = 0
@@ -725,13 +764,17 @@ class Allocator(DebugRegistry):
             now = time.monotonic()
             self._detach_dead_local()
             for addr, c in list(self.controllers.items()):
-                if now - c["last_seen"] > detach_after:
+                silent = now - c["last_seen"]
+                if silent <= detach_after / 2:
+                    continue
+                # looked at from half the time on: "CPU spent since" needs a look before
+                if not self._controller_at_work(addr, c, silent, detach_after) and silent > detach_after:
                     logger.info("controller %s (pid %s) went silent; detaching it", c["cid"], c.get("pid"))
                     self._detach(
                         addr,
                         f"allocator {self.rt.hostname}:{os.getpid()} heard no ping from this controller for "
-                        f"{now - c['last_seen']:.1f} s (over {detach_after:.0f} s: a suspended or stalled process) and "
-                        "detached it: its meshes that were not persistent were stopped",
+                        f"{silent:.1f} s (over {detach_after:.0f} s: a suspended or stalled process) and "
+                        "detached it: its meshes that were not persistent are being stopped",
                     )
             for sub, seen in list(self.subscribers.items()):
                 if now - seen > detach_after and sub[0] not in self.controllers:
@@ -744,7 +787,7 @@ class Allocator(DebugRegistry):
                 self.idle_since = now
                 if self.exit_on_lease:
                     logger.info("started by a job with exit-on-lease: exiting")
-                    self.stopped.set()
+                    self.stop(f"its lease of {self.cfg.lease:.0f} s expired with no controller attached")
 
 
 _MESH_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")

@@ -81,7 +81,12 @@ def run_allocator(
         # the reverse listener binds the address the allocator serves at (a wildcard resolved)
         srv = GatewayServer((gw_host or "127.0.0.1", int(gw_port)), split_tcp(alloc.rt.tcp_addr)[0], key)
         logging.getLogger(__name__).info("gateway for controllers outside the cluster at %s:%d", *srv.addr[:2])
-    signal.signal(signal.SIGTERM, lambda *_: alloc.rt.loop.call_soon_threadsafe(alloc.stopped.set))
+    signal.signal(
+        signal.SIGTERM,
+        lambda *_: alloc.rt.loop.call_soon_threadsafe(
+            alloc.stop, "SIGTERM: from `monarch-nb allocator stop`, stop_allocator(), a scheduler ending the job, or the system"
+        ),
+    )
     if announce_dir:
         from .records import announce
 

@@ -90,6 +90,7 @@ class Runtime:
             tcp_port=tcp_port,
         )
         self.supervision = Supervision(cfg, self)
+        self.supervision.own_id = self.uid
         self.sender = Sender(
             cfg,
             self.transport.send,

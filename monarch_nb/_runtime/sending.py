@@ -76,28 +76,24 @@ class Sender:
 
     def send_port(self, addr: str, port: int, index: int, status: int, value: Any) -> None:
         """Send ``value`` to a port; an unpicklable or oversized value becomes an error the receiver sees."""
+        bufs: list[Any]
         leaf = dumps_leaf(value)
-        if leaf is not None:
-            # a reply's commonest value (an int, None, a short str): one small frame, without
-            # dumps' checks for buffers and size
-            if len(leaf) <= wire.INLINE_MAX and len(leaf) <= self.cfg.max_message_bytes:
-                try:
-                    self.send(addr, [wire.encode_one(wire.PORT, (port, index, status), leaf)])
-                except SupervisionError:
-                    logger.debug("reply to dead peer %s dropped", addr)
-                return
-        why = ""
-        try:
-            body, bufs = dumps(value)
-        except Exception as e:
-            why, tb = f"the value could not be pickled to send back: {type(e).__name__}: {safe_str(e)}", format_exception(e)
+        if leaf is not None and len(leaf) <= self.cfg.max_message_bytes:
+            # a reply's commonest value (an int, None, a short str), without dumps' checks
+            body, bufs = leaf, []
         else:
-            if (nbytes(body, bufs) if bufs else len(body)) > self.cfg.max_message_bytes:
-                # the receiver would drop it, and its caller wait forever
-                why, tb = f"the value is too large to send back: {self._too_large(body, bufs)}", ""
-        if why:
-            status = wire.ERROR
-            body, bufs = dumps(ActorError(TypeError(why), tb, host=self.hostname))
+            why = ""
+            try:
+                body, bufs = dumps(value)
+            except Exception as e:
+                why, tb = f"the value could not be pickled to send back: {type(e).__name__}: {safe_str(e)}", format_exception(e)
+            else:
+                if nbytes(body, bufs) > self.cfg.max_message_bytes:
+                    # the receiver would drop it, and its caller wait forever
+                    why, tb = f"the value is too large to send back: {self._too_large(body, bufs)}", ""
+            if why:
+                status = wire.ERROR
+                body, bufs = dumps(ActorError(TypeError(why), tb, host=self.hostname))
         meta = (port, index, status)  # a PortMeta
         try:
             if not bufs and len(body) <= wire.INLINE_MAX:  # a reply's commonest form: one small frame
@@ -264,7 +260,7 @@ class Sender:
                     self.shm.unlink(name)
 
     def check_size(self, body: bytes, buffers: list[Any]) -> None:
-        if (nbytes(body, buffers) if buffers else len(body)) > self.cfg.max_message_bytes:
+        if nbytes(body, buffers) > self.cfg.max_message_bytes:
             raise ValueError(self._too_large(body, buffers))
 
     def _too_large(self, body: bytes, buffers: list[Any]) -> str:

@@ -32,8 +32,6 @@ _t0s = array("d", bytes(8 * RING))
 _t1s = array("d", bytes(8 * RING))
 #: each slot's (kind, name, actor, rank, ok, attrs, thread)
 _keys: list[Any] = [None] * RING
-#: the keys of calls, shared by the records of one endpoint, actor, outcome and thread
-_call_keys: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 _seq = itertools.count(1)
 #: about the last sequence number stored (writers race to set it; drain reads on past it)
 _last = [0]
@@ -43,17 +41,6 @@ _BASE_WALL = time.time()
 
 _metrics: dict[tuple[Any, ...], list[float]] = {}
 _mlock = threading.Lock()
-
-
-def record_call(actor: str, method: str, rank: int, t0: float, t1: float, ok: bool) -> None:
-    """One endpoint call: ``t0``/``t1`` are the ``perf_counter()`` readings around it."""
-    tid = threading.get_ident()
-    k = _call_keys.get((method, actor, rank, ok, tid))
-    if k is None:
-        if len(_call_keys) > 4096:  # threads come and go: bounded
-            _call_keys.clear()
-        k = _call_keys[method, actor, rank, ok, tid] = ("call", method, actor, rank, ok, None, tid)
-    record(k, t0, t1)
 
 
 def call_key(actor: str, method: str, rank: int, ok: bool) -> tuple[Any, ...]:

@@ -23,8 +23,12 @@ from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
 from ..config import Config
 from ..errors import SupervisionError
+from ._pids import SilentPeer, pid_alive
 
 logger = logging.getLogger(__name__)
+
+#: a local allocator that is running but silent counts as lost after this many heartbeat timeouts
+SLOW_FACTOR = 10
 
 
 class SupervisionIO(Protocol):
@@ -50,6 +54,8 @@ class Watch:
         self.host = ""
         #: the port its events come to (0 until subscribed)
         self.event_port = 0
+        #: its process, when it runs on this host (reached over ipc)
+        self.local: SilentPeer | None = None
 
 
 class Supervision:
@@ -74,6 +80,8 @@ class Supervision:
         #: called on the I/O thread with every other event an allocator publishes (e.g. debug sessions)
         self.event_callbacks: list[Callable[[tuple[Any, ...]], None]] = []
         self._ping = dumps(((), {}))
+        #: this process's id as its allocators know it (its runtime's uid, a controller's cid)
+        self.own_id = ""
 
     def wait(self, key: int, on_peer_failed: Callable[[str, SupervisionError], None]) -> None:
         """Tell ``on_peer_failed`` of every peer that fails until :meth:`unwait` (it checks whether
@@ -116,9 +124,10 @@ class Supervision:
         if w.lost is not None:
             self.peer_failed(proc_addr, self._proc_error(w, proc_addr, w.lost.cause))
 
-    def watch_allocator(self, alloc_addr: str, host: str) -> Watch:
+    def watch_allocator(self, alloc_addr: str, host: str, pid: int = 0) -> Watch:
         """Ping and listen to the allocator at ``alloc_addr`` from now on, procs or not: an
-        allocator detaches a controller that stays silent, even one waiting for its first spawn."""
+        allocator detaches a controller that stays silent, even one waiting for its first spawn.
+        ``pid``: its process, if it runs on this host (see :meth:`_busy`)."""
         w = self.watches.get(alloc_addr)
         if w is None:
             with self._lock:
@@ -127,6 +136,8 @@ class Supervision:
                     w = self.watches[alloc_addr] = Watch(alloc_addr, self._clock())
                     w.host = host
                     self.io.call_soon(self._subscribe, w)
+        if pid:
+            w.local = SilentPeer(pid)
         return w
 
     def lose(self, alloc_addr: str, cause: str) -> None:
@@ -143,6 +154,12 @@ class Supervision:
     def is_lost(self, alloc_addr: str) -> bool:
         w = self.watches.get(alloc_addr)
         return w is not None and w.lost is not None
+
+    def local_gone(self, alloc_addr: str) -> bool:
+        """Whether the allocator at ``alloc_addr`` runs on this host and its process is gone
+        (known at once, before any heartbeat is missed)."""
+        w = self.watches.get(alloc_addr)
+        return w is not None and w.local is not None and not pid_alive(w.local.pid)
 
     def revive(self, alloc_addr: str) -> None:
         """The allocator at ``alloc_addr``, declared lost, answered a new hello: heartbeats and
@@ -196,6 +213,16 @@ class Supervision:
                     self._detached(w, str(ev[2]))
                 else:
                     w.last_pong = self._clock()
+            elif ev[0] == "shutdown":
+                # stopped on purpose: fail what waits on it with the reason instead of a heartbeat
+                # alarm later. Asked by this process (HostMesh.shutdown), its meshes there were
+                # stopped, not failed; asked by anyone else, say so once where it touches ours
+                cause = str(ev[1])
+                if len(ev) > 2 and ev[2] and ev[2] == self.own_id:
+                    cause += " (mesh stopped)"
+                elif w.procs and w.lost is None:
+                    logger.warning("%s", cause)
+                self.lose(w.addr, cause)
             else:
                 for cb in self.event_callbacks:
                     try:
@@ -210,6 +237,26 @@ class Supervision:
             self.io.send_actor(w.addr, "__allocator__", "subscribe", body, bufs, reply=(self.io.addr_for(w.addr), w.event_port))
         except Exception as e:
             logger.warning("could not subscribe to allocator %s: %s", w.addr, e)
+
+    def _busy(self, local: SilentPeer, w: Watch, silent: float) -> bool:
+        """Whether an allocator of this host whose pong is late is still at work
+        (:class:`~._pids.SilentPeer`). Stopping 128 procs on two cores, or a build beside a
+        notebook, starves an allocator past the heartbeat timeout, and calling it lost then
+        fails every mesh it has. Up to ``SLOW_FACTOR`` timeouts; one stopped (SIGSTOP), gone,
+        or asleep with no CPU spent (hung) is lost after one, as any other."""
+        cap = SLOW_FACTOR * self.cfg.heartbeat_timeout
+        if not local.at_work(w.last_pong) or silent > cap:
+            return False
+        if silent > self.cfg.heartbeat_timeout and local.tell_once():
+            logger.info(
+                "allocator %s (pid %d) has not answered heartbeats for %.1f s but is running: this host is "
+                "overloaded; it counts as lost after %.0f s",
+                w.addr,
+                local.pid,
+                silent,
+                cap,
+            )
+        return True
 
     def heard_from(self, alloc_addr: str) -> None:
         """Any message from an allocator counts as a heartbeat (its pongs may queue behind output)."""
@@ -230,9 +277,12 @@ class Supervision:
                 # evidence against the peer, which gets a whole timeout from now to answer this ping
                 # (a controller resumed after being detached hears so from the pong, not as a loss)
                 w.last_pong = max(w.last_pong, now)
-            if now - w.last_pong > self.cfg.heartbeat_timeout:
+            silent = now - w.last_pong
+            local = w.local
+            busy = local is not None and silent > 2 * self.cfg.heartbeat_interval and self._busy(local, w, silent)
+            if silent > self.cfg.heartbeat_timeout and not busy:
                 cause = (
-                    f"allocator {w.addr} lost: no heartbeat for {now - w.last_pong:.1f} s "
+                    f"allocator {w.addr} lost: no heartbeat for {silent:.1f} s "
                     "(host down, network partition, or allocator killed)"
                 )
                 w.lost = SupervisionError(cause, host=w.host)

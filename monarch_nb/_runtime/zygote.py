@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import time
+import weakref
 from typing import Any
 
 from ._prctl import die_with_parent
@@ -115,6 +116,16 @@ def _child(req: dict[str, Any], fds: list[int], sock: socket.socket, wake_r: int
             os._exit(code)
 
 
+def _keep_preload_finalizers_from_exit() -> None:
+    """A proc's normal exit runs ``weakref.finalize``'s pending finalizers; those the preload
+    registered are the zygote's, not the proc's. torch's (134, undoing its operator
+    registrations) took 20 ms of CPU per proc, copying the zygote's shared pages on the way
+    out, so stopping 128 procs pinned two cores for 2 s, long enough for heartbeats to miss;
+    and one that removes a file would remove it for every proc at its first exit."""
+    for f in list(weakref.finalize._registry):  # type: ignore[attr-defined]
+        f.atexit = False
+
+
 def main(sock_fd: int, preload: str) -> None:
     die_with_parent()
     sock = socket.socket(fileno=sock_fd)
@@ -131,6 +142,7 @@ def main(sock_fd: int, preload: str) -> None:
     # and do not write to, and so un-share, the pages procs inherit from the zygote
     gc.collect()
     gc.freeze()
+    _keep_preload_finalizers_from_exit()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)

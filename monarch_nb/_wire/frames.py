@@ -178,9 +178,9 @@ def decode(frames: list[Any]) -> tuple[int, tuple[Any, ...], Any, list[Any], lis
         meta = pickle.loads(head[_META_AT:end])
     except Exception as e:
         raise ProtocolError(f"malformed header: {e}") from e
-    if not isinstance(meta, tuple) or len(meta) != _WANT[kind]:
-        if not isinstance(meta, tuple):
-            raise ProtocolError("malformed header: meta is not a tuple")
+    if not isinstance(meta, tuple):
+        raise ProtocolError("malformed header: meta is not a tuple")
+    if len(meta) != _WANT[kind]:
         raise ProtocolError(f"malformed header: kind {kind} needs {_WANT[kind]} fields, got {len(meta)}")
     if flags == INLINE and len(frames) == 1:
         return kind, meta, memoryview(head)[end:], [], []  # a small message: the commonest

@@ -214,4 +214,6 @@ loads_fast = pickle.loads
 
 
 def nbytes(body: bytes, buffers: list[pickle.PickleBuffer]) -> int:
+    if not buffers:  # most messages: no generator to start
+        return len(body)
     return len(body) + sum(memoryview(b).nbytes for b in buffers)

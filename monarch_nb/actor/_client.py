@@ -18,6 +18,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from .._runtime._pids import pid_is
 from .._runtime.logcapture import expand, line_text
 from .._runtime.runtime import ReplyPort, Runtime
 from .._version import __version__
@@ -101,6 +102,36 @@ class Client:
     @on_raise.setter
     def on_raise(self, fn: Callable[[BaseException], None] | None) -> None:
         _future.raised_hook = fn
+
+    def forget_allocators(self, addrs: list[str], cause: str) -> None:
+        """Stop watching allocators about to be stopped on purpose (a job's kill, ``stop_allocator``):
+        what is still pending on them fails at once with ``cause``, no "allocator lost" alarm
+        follows, and this process says no goodbye to them at exit. ``cause`` should say "mesh
+        stopped": the client then reports no mesh failure for it. Returns once that is recorded:
+        call it before stopping them."""
+        if not addrs:
+            return
+        for a in addrs:
+            self.hellos.pop(a, None)
+        sup = self.rt.supervision
+        dropped = threading.Event()
+
+        def drop() -> None:
+            try:
+                for a in addrs:
+                    sup.lose(a, cause.format(addr=a))
+            finally:
+                dropped.set()
+
+        if threading.get_ident() == self.rt.transport.io_ident:
+            drop()
+            return
+        self.rt.loop.call_soon_threadsafe(drop)
+        # the caller stops them next: their own "shutdown" event, read by the I/O thread in the
+        # same turn as this callback (uvloop runs I/O before queued callbacks), must find them
+        # lost already, or what is pending fails with that event's cause instead of ``cause``
+        if not dropped.wait(_DROP_WAIT_S):
+            logger.debug("the I/O thread took over %.0f s to drop %s", _DROP_WAIT_S, addrs)
 
     # ------------------------------------------------------------ requests
     def request(self, addr: str, method: str, *args: Any, _actor: str = "__allocator__", **kwargs: Any) -> Future[Any]:
@@ -223,7 +254,11 @@ class Client:
         self._alloc_addr[info.get("alloc_id", "")] = addr
         self.rt.supervision.revive(addr)
         # heartbeats from now on: a controller silent until its first proc is detached
-        self.rt.supervision.watch_allocator(addr, str(info.get("host", "")))
+        # one on this host (a socket file) is judged by its process too when it goes silent
+        pid = int(info.get("pid") or 0) if addr.startswith("ipc://") else 0
+        if pid and not pid_is(pid, "monarch"):
+            pid = 0  # another pid namespace: its number names some other process here
+        self.rt.supervision.watch_allocator(addr, str(info.get("host", "")), pid)
         self._check_versions(addr, info)
         return info
 
@@ -361,6 +396,9 @@ class Client:
 
 #: how often a request to an allocator declared lost tries a new hello first (a spawn always does)
 REVIVE_EVERY_S = 10.0
+
+#: how long ``forget_allocators`` waits for the I/O thread to record the loss (it is never busy long)
+_DROP_WAIT_S = 5.0
 
 #: a line this long is written on its own, not joined with the others (one copy fewer of it)
 _BIG_LINE = 1 << 16

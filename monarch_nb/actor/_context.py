@@ -78,10 +78,6 @@ def controller_client() -> Client:
     return client()
 
 
-def _on_io_thread() -> bool:
-    return _runtime is not None and _runtime.in_io_thread()
-
-
 def in_ipython_kernel() -> bool:
     ip = sys.modules.get("IPython")
     if ip is None:

@@ -671,8 +671,7 @@ class ActorSlot:
                 return None
             if isinstance(fn, _NotAnEndpointMethod):
                 fn = fn.fn
-        p = self._points.get((index, ext))
-        return (fn, args, kwargs, raddr, rport, index, self._point(index, ext) if p is None else p, call_id, method)
+        return (fn, args, kwargs, raddr, rport, index, self._point(index, ext), call_id, method)
 
     def _point(self, index: int, ext: Any) -> Point:
         # the message rank of a call; the same few recur, and building one costs microseconds
@@ -693,14 +692,12 @@ class ActorSlot:
 
     def _flush_out(self) -> None:
         """What the call printed leaves the proc before its reply does."""
-        out, err = sys.stdout, sys.stderr
-        if not (isinstance(out, TaggedStream) and isinstance(err, TaggedStream)):
-            for f in (out, err):
-                if not isinstance(f, TaggedStream):  # one the user put in place of the proc's own
-                    try:
-                        f.flush()
-                    except (OSError, ValueError, AttributeError):
-                        pass
+        for f in (sys.stdout, sys.stderr):
+            if not isinstance(f, TaggedStream):  # one the user put in place of the proc's own
+                try:
+                    f.flush()
+                except (OSError, ValueError, AttributeError):
+                    pass
         end_call()
 
     def _begin_call(self, mrank: Any, method: str, call_id: str, raddr: str) -> Any:
@@ -778,10 +775,7 @@ class ActorSlot:
             # sends at once must not find the I/O thread watching, which would take it back
             # (its answer stands until this thread changes the claim: the loop takes back only a busy one)
             self._idled = self._claim.idle()
-        if raddr:
-            self.rt.send_port(raddr, rport, index, status, result)
-        else:
-            self._reply(raddr, rport, index, status, result)
+        self._reply(raddr, rport, index, status, result)
 
     async def _call_async(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
         prep = self._prepare(meta, body, buffers)

@@ -953,7 +953,8 @@ class HostMesh(MeshTrait):
     def shutdown(self) -> Future[None]:
         """Stop the allocators of these hosts (and every proc they own)."""
         client = _context.client()
-        return _all([client.request(h.alloc, "shutdown") for h in self._refs()], "shutdown hosts")
+        # with our cid: our meshes there count as stopped by us, not failed
+        return _all([client.request(h.alloc, "shutdown", client.cid) for h in self._refs()], "shutdown hosts")
 
     def stop(self) -> Future[None]:
         return Future._completed(None)
@@ -1002,11 +1003,13 @@ def this_host() -> HostMesh:
 
 
 def _local_allocator_lost(host: HostMesh) -> bool:
-    """A controller's local allocator went silent: it may have died and another been started
-    since (at another address), so ``this_host()`` looks again instead of keeping a dead one."""
-    if not getattr(host, "_controller_env", False):
+    """A controller's local allocator went silent or its process is gone: it may have died and
+    another been started since (at another address), so ``this_host()`` looks again instead of
+    keeping a dead one (and a spawn right after it died does not wait out a heartbeat)."""
+    if not host._controller_env:
         return False
-    return _context.client().rt.supervision.is_lost(host._hosts[0].alloc)
+    sup, addr = _context.client().rt.supervision, host._hosts[0].alloc
+    return sup.local_gone(addr) or sup.is_lost(addr)
 
 
 _this_proc: ProcMesh | None = None

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from .._runtime import records
+from .._runtime._pids import pid_is, terminate
 from .._runtime.transport import split_tcp
 from ..actor import HostMesh, attach_to_workers
 from ._job import JobError
@@ -116,52 +115,13 @@ def answering(addrs: list[str], key_file: str, timeout: float = 1.0) -> set[str]
         ctx.term()
 
 
-def pid_state(pid: int) -> str:
-    """A process's state letter ("" when gone; "Z" counts as gone for callers)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat.rsplit(")", 1)[1].split()[0]
-
-
-def pid_is(pid: int, marker: str) -> bool:
-    """Is ``pid`` alive and started with ``marker`` in its command line (still the process we
-    started, not a recycled pid)?"""
-    if pid <= 0 or pid_state(pid) in ("", "Z", "X"):
-        return False
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return marker.encode() in cmdline
-
-
 def stop_pids(pids: list[int], marker: str, timeout: float = 15.0) -> list[int]:
     """SIGTERM our daemons (checked by ``marker``), SIGKILL what is left at ``timeout``; returns
     the pids that were still alive afterwards."""
     from ._job import _children
 
     live = [p for p in pids if pid_is(p, marker)]
-    for p in live:
-        try:
-            os.kill(p, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for c in _children:
-            c.poll()
-        live = [p for p in live if pid_state(p) not in ("", "Z", "X")]
-        if not live:
-            return []
-        time.sleep(0.02)  # waiting for other processes to exit; no event to wait on
-    for p in live:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return live
+    return terminate(live, timeout, reap=lambda: [c.poll() for c in _children])
 
 
 def host_meshes(meshes: dict[str, list[str]], key_file: str | None = None) -> dict[str, HostMesh]:
@@ -222,20 +182,10 @@ def _expand_one(part: str) -> list[str]:
 
 
 def forget_hosts(addrs: list[str]) -> None:
-    """This controller stops watching allocators its job just stopped: what is still pending on
-    them fails at once, and no "allocator lost" alarm follows a deliberate kill()."""
+    """This controller stops watching allocators its job is about to stop: what is still pending
+    on them fails at once, and no "allocator lost" alarm follows a deliberate kill()."""
     from ..actor import _context
 
     client = _context._client
-    if client is None or not addrs:
-        return
-    rt = client.rt
-    for a in addrs:
-        client.hellos.pop(a, None)
-
-    def drop() -> None:
-        for a in addrs:
-            # "mesh stopped" in the cause: the client reports no mesh failure for it
-            rt.supervision.lose(a, f"allocator {a} stopped: its job was killed (mesh stopped)")
-
-    rt.loop.call_soon_threadsafe(drop)
+    if client is not None:
+        client.forget_allocators(addrs, "allocator {addr} stopped: its job was killed (mesh stopped)")
