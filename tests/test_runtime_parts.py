@@ -262,7 +262,7 @@ def test_a_silent_allocator_of_this_host_is_judged_by_its_process(doing: str) ->
     import subprocess
     import sys
 
-    from monarch_nb._runtime.supervision import SLOW_FACTOR
+    from monarch_nb._runtime._pids import SLOW_FACTOR
 
     code = {"computes": "print('computing', flush=True)\nwhile True: pass", "exited": "pass"}
     child = subprocess.Popen([sys.executable, "-c", code.get(doing, "import time; time.sleep(60)")], stdout=subprocess.PIPE)

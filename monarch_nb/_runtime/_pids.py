@@ -31,8 +31,17 @@ def pid_alive(pid: int) -> bool:
             stat = f.read()
     except OSError:
         return True  # no procfs here (or it just went): kill() said it exists
-    # the state follows the command name, which is in parentheses and may hold any byte
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
+    return _state(stat) not in _GONE
+
+
+_GONE = (b"Z", b"X")
+
+
+def _state(stat: bytes) -> bytes:
+    """The state letter of a ``/proc/.../stat`` line."""
+    # it follows the command name, which is in parentheses and may hold any byte
+    at = stat.rfind(b")") + 2
+    return stat[at : at + 1]
 
 
 def pid_is(pid: int, marker: str) -> bool:
@@ -53,24 +62,24 @@ def activity(pid: int) -> tuple[str, int]:
     (every thread stopped: SIGSTOP, a debugger), ``"runnable"`` (a thread running or waiting
     for a CPU) or ``"waiting"`` (every thread asleep); ``cpu_ns`` the CPU time its threads
     have had, in ns (``schedstat``; 0 where the kernel does not keep it)."""
-    if not pid_alive(pid):
-        return "gone", 0
-    states, cpu = [], 0
+    states, cpu, leader = [], 0, b"X"
     try:
-        tids = os.listdir(f"/proc/{pid}/task")
+        tids = os.listdir(f"/proc/{pid}/task") if pid > 0 else []
     except OSError:
         return "gone", 0
     for tid in tids:
         base = f"/proc/{pid}/task/{tid}/"
         try:
             with open(base + "stat", "rb") as f:
-                stat = f.read()
-            states.append(stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3])
+                states.append(_state(f.read()))
+            if tid == str(pid):
+                leader = states[-1]
             with open(base + "schedstat", "rb") as f:
                 cpu += int(f.read().split()[0])
         except (OSError, ValueError, IndexError):
             continue  # a thread that just ended
-    if not states:
+    # the main thread's state is the process's, as pid_alive reads it (a zombie: Z)
+    if leader in _GONE:
         return "gone", 0
     if all(s in (b"T", b"t") for s in states):
         return "stopped", cpu
@@ -80,6 +89,8 @@ def activity(pid: int) -> tuple[str, int]:
 #: the share of a CPU a sleeping process must have used since the last look to count as at
 #: work: threads waiting for a GIL that a sleeping thread holds wake every 5 ms, about 0.2%
 BUSY_SHARE = 0.01
+#: a silent peer still at work counts as gone after this many of its timeouts all the same
+SLOW_FACTOR = 10
 
 
 class SilentPeer:
@@ -105,10 +116,18 @@ class SilentPeer:
         self._cpu, self._at = cpu, now
         return state == "runnable" or (state == "waiting" and spent)
 
-    def tell_once(self) -> bool:
-        """True the first time in this silence: for the one line saying it is slow, not lost."""
-        told, self._told = self._told, True
-        return not told
+    def excused(self, heard: float, silent: float, timeout: float) -> bool:
+        """Whether the peer, last heard from at ``heard`` and silent for ``silent`` s, is let off
+        its ``timeout``: it is still at work, for up to ``SLOW_FACTOR`` timeouts."""
+        return silent <= SLOW_FACTOR * timeout and self.at_work(heard)
+
+    def first_late(self, silent: float, timeout: float) -> bool:
+        """True once in this silence, when it is past ``timeout``: for the one line saying the
+        peer is slow, not gone."""
+        if silent <= timeout or self._told:
+            return False
+        self._told = True
+        return True
 
 
 def terminate(pids: list[int], timeout: float, reap: Callable[[], object] | None = None) -> list[int]:

@@ -40,7 +40,6 @@ from .hostenv import HostEnv
 from .logcapture import LogItem, count_lines, line_text, rank_log_path, read_log, split_run
 from .procs import MeshRec, ProcRec, Procs, kill
 from .runtime import NO_REPLY, Runtime, pid_alive, system_method
-from .supervision import SLOW_FACTOR
 from .telemetry import Telemetry
 from .transport import Security
 
@@ -732,15 +731,15 @@ class Allocator(DebugRegistry):
     def _controller_at_work(self, addr: str, c: dict[str, Any], silent: float, detach_after: float) -> bool:
         """Whether a silent controller of this host (it reached us over ipc) is still at work
         (:class:`~._pids.SilentPeer`): a kernel whose main thread holds the GIL in a long C
-        call, or one starved of CPU, pings late but is not gone. Up to SLOW_FACTOR detach
+        call, or one starved of CPU, pings late but is not gone. Up to ``SLOW_FACTOR`` detach
         times; stopped (SIGSTOP), gone or asleep with no CPU spent, it is detached as before."""
         pid = int(c.get("pid") or 0)
-        if not addr.startswith("ipc://") or not pid or silent > SLOW_FACTOR * detach_after:
+        if not addr.startswith("ipc://") or not pid:
             return False
         local = c.get("local") or c.setdefault("local", SilentPeer(pid))
-        if not local.at_work(c["last_seen"]):
+        if not local.excused(c["last_seen"], silent, detach_after):
             return False
-        if silent > detach_after and local.tell_once():
+        if local.first_late(silent, detach_after):
             logger.info("controller %s (pid %d) has not pinged for %.1f s but is running: not detached", c["cid"], pid, silent)
         return True
 

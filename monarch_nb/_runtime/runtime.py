@@ -89,8 +89,7 @@ class Runtime:
             tcp_ip=tcp_ip,
             tcp_port=tcp_port,
         )
-        self.supervision = Supervision(cfg, self)
-        self.supervision.own_id = self.uid
+        self.supervision = Supervision(cfg, self, own_id=self.uid)
         self.sender = Sender(
             cfg,
             self.transport.send,

@@ -23,12 +23,9 @@ from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
 from ..config import Config
 from ..errors import SupervisionError
-from ._pids import SilentPeer, pid_alive
+from ._pids import SLOW_FACTOR, SilentPeer, pid_alive
 
 logger = logging.getLogger(__name__)
-
-#: a local allocator that is running but silent counts as lost after this many heartbeat timeouts
-SLOW_FACTOR = 10
 
 
 class SupervisionIO(Protocol):
@@ -61,7 +58,7 @@ class Watch:
 class Supervision:
     """Ports waiting for replies, known-dead peers, and the allocators watched; thread-safe."""
 
-    def __init__(self, cfg: Config, io: SupervisionIO, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, cfg: Config, io: SupervisionIO, clock: Callable[[], float] = time.monotonic, own_id: str = "") -> None:
         self.cfg = cfg
         self.io = io
         self._clock = clock
@@ -81,7 +78,7 @@ class Supervision:
         self.event_callbacks: list[Callable[[tuple[Any, ...]], None]] = []
         self._ping = dumps(((), {}))
         #: this process's id as its allocators know it (its runtime's uid, a controller's cid)
-        self.own_id = ""
+        self.own_id = own_id
 
     def wait(self, key: int, on_peer_failed: Callable[[str, SupervisionError], None]) -> None:
         """Tell ``on_peer_failed`` of every peer that fails until :meth:`unwait` (it checks whether
@@ -218,7 +215,7 @@ class Supervision:
                 # alarm later. Asked by this process (HostMesh.shutdown), its meshes there were
                 # stopped, not failed; asked by anyone else, say so once where it touches ours
                 cause = str(ev[1])
-                if len(ev) > 2 and ev[2] and ev[2] == self.own_id:
+                if self.own_id and len(ev) > 2 and ev[2] == self.own_id:
                     cause += " (mesh stopped)"
                 elif w.procs and w.lost is None:
                     logger.warning("%s", cause)
@@ -244,17 +241,17 @@ class Supervision:
         notebook, starves an allocator past the heartbeat timeout, and calling it lost then
         fails every mesh it has. Up to ``SLOW_FACTOR`` timeouts; one stopped (SIGSTOP), gone,
         or asleep with no CPU spent (hung) is lost after one, as any other."""
-        cap = SLOW_FACTOR * self.cfg.heartbeat_timeout
-        if not local.at_work(w.last_pong) or silent > cap:
+        timeout = self.cfg.heartbeat_timeout
+        if not local.excused(w.last_pong, silent, timeout):
             return False
-        if silent > self.cfg.heartbeat_timeout and local.tell_once():
+        if local.first_late(silent, timeout):
             logger.info(
                 "allocator %s (pid %d) has not answered heartbeats for %.1f s but is running: this host is "
                 "overloaded; it counts as lost after %.0f s",
                 w.addr,
                 local.pid,
                 silent,
-                cap,
+                SLOW_FACTOR * timeout,
             )
         return True
 
