@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 
 import numpy as np
 import pytest
@@ -58,6 +59,13 @@ class Echo(Actor):
     def pid(self) -> int:
         return os.getpid()
 
+    @endpoint
+    def reads_own_connection(self) -> bool:
+        from monarch_nb.actor import _context
+
+        # white-box: the actor's thread holds its caller's connection (Transport.claim)
+        return any(s.obj is self and s._claim is not None for s in _context.runtime().actors.values())  # type: ignore[attr-defined]
+
 
 def _digest(x) -> str:  # type: ignore[no-untyped-def]
     """The length, a byte of every 4 KiB page and the last 64 KiB (hashing all of a 64 MiB
@@ -76,6 +84,21 @@ def _pooled(*pids: int) -> list[str]:
     """Segments these processes keep for their next large ``bytes``."""
     prefixes = tuple(f"mnb-{p}-p" for p in pids)
     return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefixes) and n.endswith(shm.FREE))
+
+
+def _segments(*pids: int) -> set[str]:
+    """Every pooled segment of these processes, given back or not."""
+    prefixes = tuple(f"mnb-{p}-p" for p in pids)
+    return {n.removesuffix(shm.FREE) for n in os.listdir(shm.SHM_DIR) if n.startswith(prefixes)}
+
+
+def _all_given_back(echo, timeout: float = 10.0) -> list[str]:  # type: ignore[no-untyped-def]
+    """What is still out once both sides have had a look: a ``bytes`` laid over a segment gives
+    it back when its receiver next takes a message or sweeps (every heartbeat)."""
+    deadline = time.monotonic() + timeout
+    while (left := echo.leftovers.call_one(os.getpid()).get(timeout=30)) and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling for the receivers' sweeps
+    return left  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +134,33 @@ def test_received_buffers_are_writable_and_private(echo):
     assert echo.describe.call_one(t[: BIG // 8]).get(timeout=30) == f"Tensor torch.float32 ({BIG // 8},)"
 
 
+def test_a_large_call_to_an_actor_reading_its_own_connection_is_run_there_and_a_lost_segment_answered(echo, monkeypatch):
+    from monarch_nb.actor import _context
+
+    # called alone, an idle actor takes its caller's connection within a few calls
+    assert any(echo.reads_own_connection.call_one().get(timeout=10) for _ in range(40))
+    b = os.urandom(BIG)
+    assert echo.digest.call_one(b).get(timeout=30) == _digest(b)
+    assert echo.reads_own_connection.call_one().get(timeout=10), "a large call leaves the connection with the actor"
+
+    # a segment gone before the actor took it (its sender gave it up): that call fails with
+    # why, the actor keeps its connection, and the calls after it run in order
+    sender = _context.runtime().sender.shm
+    put = sender.put
+
+    def lost(buf, pooled=False):  # type: ignore[no-untyped-def]
+        name, n = put(buf, pooled=pooled)
+        os.unlink(os.path.join(shm.SHM_DIR, name))
+        return name, n
+
+    monkeypatch.setattr(sender, "put", lost)
+    with pytest.raises(Exception, match="is gone"):
+        echo.digest.call_one(b).get(timeout=30)
+    monkeypatch.setattr(sender, "put", put)
+    assert echo.digest.call_one(b).get(timeout=30) == _digest(b)
+    assert echo.reads_own_connection.call_one().get(timeout=10)
+
+
 def test_nothing_is_left_in_dev_shm(echo):
     for _ in range(3):
         echo.echo.call_one(np.ones(BIG, dtype=np.uint8)).get(timeout=30)
@@ -119,24 +169,28 @@ def test_nothing_is_left_in_dev_shm(echo):
 
 def test_large_bytes_reuse_their_shared_memory_and_what_arrived_stays_intact(echo):
     proc = echo.pid.call_one().get(timeout=30)
+    assert _all_given_back(echo) == []
+    before = _segments(os.getpid(), proc)
     first = os.urandom(BIG)
     got_first = echo.echo.call_one(first).get(timeout=30)
-    before = set(_pooled(os.getpid(), proc))
-    assert before, "each side keeps the segment it sent"
+    assert _segments(os.getpid(), proc), "each side keeps the segment it sent"
     # the same segments carry the next buffers, of the same size, a smaller and a larger one
-    sizes = [BIG, BIG, BIG - 4097, BIG + 12345, BIG]
+    sizes = [BIG, BIG, BIG - 4097, BIG + 12345, BIG, BIG, BIG]
     sent = [os.urandom(n) for n in sizes]
     for x in sent:
         assert echo.echo.call_one(x).get(timeout=30) == x
-    assert got_first == first, "a bytes object that arrived does not change when its segment is reused"
-    # only the larger buffer needed a new segment, one per direction
-    new = set(_pooled(os.getpid(), proc)) - before
-    assert len(new) <= 2, new
-    assert echo.leftovers.call_one(os.getpid()).get(timeout=30) == []
+    assert got_first == first, "a bytes object that arrived does not change while it is held"
+    # 16 buffers went by: each side used two segments in turn (a receiver gives one back on
+    # its next message), and the controller holds a third (got_first)
+    new = _segments(os.getpid(), proc) - before
+    assert len(new) <= 5, new
+    del got_first
+    assert _all_given_back(echo) == []
 
 
 def test_arrays_that_arrived_keep_their_memory_while_held_and_give_their_segment_back_after(echo):
     proc = echo.pid.call_one().get(timeout=30)
+    assert _all_given_back(echo) == [], "nothing of the tests before is still on its way back"
     first = np.frombuffer(os.urandom(BIG), dtype=np.uint8).copy()
     held = echo.echo.call_one(first).get(timeout=30)
     t_held = echo.echo.call_one(torch.from_numpy(first.copy())).get(timeout=30)
@@ -230,6 +284,101 @@ def test_a_huge_line_joined_from_pipe_reads_never_changes_when_the_next_one_reus
     _rawbuf.release_idle(-1.0)
 
 
+def _mapping_of(addr: int) -> str:
+    """The file mapped at ``addr`` in this process, "" for anonymous memory."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return line.split()[5] if len(line.split()) > 5 else ""
+    return ""
+
+
+def test_a_large_bytes_is_laid_over_its_segment_which_is_not_reused_while_held():
+    from monarch_nb._wire import _rawbuf
+    from monarch_nb._wire.serialize import _bytes_from
+
+    if not _rawbuf.IN_PLACE:
+        pytest.skip("this interpreter's bytes objects cannot be laid over shared memory")
+    sender = shm.ShmSender()
+    try:
+        data = os.urandom(3 << 20)
+        name, n = sender.put(data, pooled=True)
+        got = _bytes_from(shm.take(name, n))
+        assert type(got) is bytes and got == data and hash(got) == hash(data) and {data: 1}[got] == 1
+        assert _mapping_of(id(got)) == os.path.join(shm.SHM_DIR, name), "not a copy: the object is in the segment"
+        view = memoryview(got)[5:10]
+        del got
+        shm.sweep_mapped()
+        assert not os.path.exists(os.path.join(shm.SHM_DIR, name + shm.FREE)), "a view still holds it"
+        other, _ = sender.put(data[::-1], pooled=True)
+        assert other != name, "a held segment is not written again"
+        assert view == data[5:10]
+        del view
+        assert _bytes_from(shm.take(other, n)) == data[::-1]
+        shm.sweep_mapped()
+        assert sender.put(data, pooled=True)[0] in (name, other), "a segment nobody holds is reused"
+    finally:
+        sender.close()
+        shm.sweep_mapped(-1.0)
+
+
+def test_a_forked_child_keeps_its_laid_bytes_when_the_parent_gives_the_segment_back():
+    from monarch_nb._wire import _rawbuf
+    from monarch_nb._wire.serialize import _bytes_from
+
+    if not _rawbuf.IN_PLACE:
+        pytest.skip("this interpreter's bytes objects cannot be laid over shared memory")
+    sender = shm.ShmSender()
+    go_r, go_w = os.pipe()
+    try:
+        data = os.urandom(2 << 20)
+        name, n = sender.put(data, pooled=True)
+        got = _bytes_from(shm.take(name, n))
+        pid = os.fork()
+        if pid == 0:  # the child: holds, passes around and drops references to its copy
+            try:
+                os.close(go_w)
+                os.read(go_r, 1)  # the parent has given the segment back and it was written again
+                ok = got == data and [got, got][1] is got and hash(got) == hash(data)
+                del got
+                os._exit(0 if ok else 3)
+            except BaseException:
+                os._exit(4)
+        os.close(go_r)
+        del got  # the parent lets go: the segment goes back, and its sender reuses it
+        shm.sweep_mapped()
+        assert sender.put(os.urandom(n), pooled=True)[0] == name
+        os.write(go_w, b"x")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child's bytes changed, or it crashed"
+    finally:
+        os.close(go_w)
+        sender.close()
+        shm.sweep_mapped(-1.0)
+
+
+def test_a_process_exits_cleanly_holding_laid_bytes():
+    import subprocess
+    import sys
+
+    script = (
+        "import os\n"
+        "from monarch_nb._runtime import shm\n"
+        "from monarch_nb._wire.serialize import _bytes_from\n"
+        "sender = shm.ShmSender()\n"
+        "data = os.urandom(2 << 20)\n"
+        "name, n = sender.put(data, pooled=True)\n"
+        "kept = [_bytes_from(shm.take(name, n))]\n"
+        "alias = kept[0]\n"
+        "assert alias == data\n"
+        "sender.close()\n"
+        "print('held', flush=True)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == "held\n", (r.returncode, r.stderr[-2000:])
+
+
 def test_a_pooled_segment_goes_back_when_idle_or_never_returned():
     from monarch_nb._wire.serialize import _bytes_from
 
@@ -238,10 +387,12 @@ def test_a_pooled_segment_goes_back_when_idle_or_never_returned():
         data = os.urandom(2 << 20)
         name, n = sender.put(data, pooled=True)
         assert _bytes_from(shm.take(name, n)) == data
+        shm.sweep_mapped()  # the receiver's next look: nobody holds the bytes laid over it
         assert os.path.exists(os.path.join(shm.SHM_DIR, name + shm.FREE))
         again, _ = sender.put(data[::-1], pooled=True)
         assert again == name, "a given-back segment is reused"
         assert _bytes_from(shm.take(name, n)) == data[::-1]
+        shm.sweep_mapped()
         sender.sweep(idle=0.0)
         assert not os.path.exists(os.path.join(shm.SHM_DIR, name + shm.FREE)), "an idle segment is unlinked"
         lost, _ = sender.put(data, pooled=True)  # nobody takes this one
@@ -275,11 +426,11 @@ def test_a_killed_controllers_shared_memory_is_removed_by_its_allocator(echo):
     p = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         pid = int(p.stdout.readline())
-        assert _pooled(pid), "the script kept a segment for its next bytes"
+        assert _segments(pid), "the script kept a segment for its next bytes"
         p.send_signal(signal.SIGKILL)
         p.wait(timeout=10)
         deadline = time.monotonic() + 15
-        while _pooled(pid) and time.monotonic() < deadline:
+        while _segments(pid) and time.monotonic() < deadline:
             time.sleep(0.1)  # polling the directory the allocator cleans
         assert _pooled(pid) == [] and _ours(pid) == []
     finally:

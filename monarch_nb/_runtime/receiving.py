@@ -37,6 +37,8 @@ PortHandler = Callable[[int, int, Any, list[Any]], None]
 NO_REPLY = object()
 
 _Msg = tuple[tuple[Any, ...], Any, list[Any]]
+#: :meth:`Receiver.take_own`'s answer for a call it delivered and answered with an error itself
+REFUSED: _Msg = ((), b"", [])
 
 
 class Mailbox(Protocol):
@@ -145,11 +147,7 @@ class Receiver:
                 for i, name, n in table:
                     bufs[i] = _shm.take(name, n)
             except ProtocolError as e:
-                self.dropped += 1
-                logger.warning("dropped a message: %s", e)
-                if kind == wire.ACTOR and meta[REPLY_ADDR]:
-                    err = ActorError(e, host=self.hostname)
-                    self.sender.send_port(meta[REPLY_ADDR], meta[REPLY_PORT], meta[CALL_INDEX], wire.ERROR, err)
+                self._refuse_shm(meta if kind == wire.ACTOR else None, e)
                 return
         if kind == wire.PORT:
             port, index, status = meta
@@ -169,6 +167,15 @@ class Receiver:
         else:
             self._route(meta, body, bufs)
 
+    def _refuse_shm(self, meta: tuple[Any, ...] | None, e: ProtocolError) -> None:
+        """A message whose shared memory could not be taken is dropped; a call is answered
+        with the error."""
+        self.dropped += 1
+        logger.warning("dropped a message: %s", e)
+        if meta is not None and meta[REPLY_ADDR]:
+            err = ActorError(e, host=self.hostname)
+            self.sender.send_port(meta[REPLY_ADDR], meta[REPLY_PORT], meta[CALL_INDEX], wire.ERROR, err)
+
     def skip_gaps(self, now: float) -> None:
         """Deliver messages held behind one that never came (lost with a failed relay) after a while."""
         self.order.gap_timeout = self.cfg.order_gap_timeout
@@ -178,12 +185,15 @@ class Receiver:
     def take_own(self, frames: list[Any], actor: str) -> _Msg | None:
         """For an actor's thread that read ``frames`` off its own connection: the message, if
         it is a call to ``actor`` due now in its stream's order (then it counts as delivered);
-        else None, and the frames go to :meth:`dispatch` as usual."""
+        else None, and the frames go to :meth:`dispatch` as usual. :data:`REFUSED`: it was
+        delivered, but its shared memory could not be taken, and it was answered so."""
         try:
             kind, meta, body, bufs, table = wire.decode(frames)
         except ProtocolError:
             return None
-        if kind != wire.ACTOR or table or meta[ACTOR_NAME] != actor:
+        if kind != wire.ACTOR or meta[ACTOR_NAME] != actor or (table and any(not _shm.pooled(e[1]) for e in table)):
+            # a shared-memory file of its own (one buffer for several peers) is unlinked once
+            # taken: taken twice (here, then by dispatch after a refusal) it would read "gone"
             return None
         if meta[SEQ]:
             # never wait here: the loop's thread may hold it while it delivers
@@ -194,6 +204,14 @@ class Receiver:
                     return None
             finally:
                 self._order_lock.release()
+        if table:
+            try:
+                bufs = list(bufs)
+                for i, name, n in table:
+                    bufs[i] = _shm.take(name, n)
+            except ProtocolError as e:
+                self._refuse_shm(meta, e)
+                return REFUSED  # delivered (its place in the stream is taken), and answered
         return meta, body, bufs
 
     def _skipped(self, gap: Skipped) -> None:

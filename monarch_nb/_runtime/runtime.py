@@ -34,13 +34,13 @@ except ImportError:  # not installed (optional on platforms without wheels)
 
 from ..config import Config
 from ._pids import pid_alive
-from .receiving import NO_REPLY, Mailbox, PortHandler, Receiver, system_method
+from .receiving import NO_REPLY, REFUSED, Mailbox, PortHandler, Receiver, system_method
 from .sending import Sender, Target
 from .spans import SpanSource
 from .supervision import Supervision
 from .transport import Security, Transport
 
-__all__ = ["NO_REPLY", "Mailbox", "PortHandler", "ReplyPort", "Runtime", "Target", "pid_alive", "system_method"]
+__all__ = ["NO_REPLY", "REFUSED", "Mailbox", "PortHandler", "ReplyPort", "Runtime", "Target", "pid_alive", "system_method"]
 
 
 def new_loop(fast: bool = True) -> asyncio.AbstractEventLoop:

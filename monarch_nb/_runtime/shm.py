@@ -8,11 +8,14 @@ Filling fresh tmpfs pages costs seven times what copying into pages that exist d
 mapping them and giving them back again costs as much as the copy: so a buffer for one peer goes
 into a pooled segment (names ``mnb-<pid>-p<hex>``) that both sides keep mapped.
 
-* The receiver lends the segment out as the memory of what it unpickles (a ``bytes`` is copied
-  out at once; an array or a tensor is built on it, writable), through a lease object whose
-  last user gone renames the name to ``<name>.free``. Only then may the sender claim it back
-  (an atomic rename) and write into it again, so a segment belongs to one side at a time: what
-  the receiver's array holds is never overwritten while it is in use.
+* The receiver lends the segment out as the memory of what it unpickles: an array or a tensor
+  is built on it, writable, through a lease object whose last user gone renames the name to
+  ``<name>.free``; a ``bytes`` is laid over it (``_rawbuf.bytes_at``: its header goes in the
+  ``DATA_OFF`` bytes before the buffer), and the name goes back once the receiver sees that
+  nobody holds that object any more (it looks on its next shared-memory message and on every
+  sweep). Only then may the sender claim it back (an atomic rename) and write into it again,
+  so a segment belongs to one side at a time: what the receiver holds is never overwritten
+  while it is in use.
 * A buffer for several peers (one message to many procs of this host) is written once into a
   file of its own, each peer gets a hard link to it, maps it copy-on-write and unlinks its name
   at once: the mapping is the only thing left and goes with the last object using it. So are
@@ -55,6 +58,9 @@ GRACE_S = 60.0
 POOL_BYTES = 512 << 20
 POOL_IDLE_S = 30.0
 _GRAIN = 1 << 20
+#: where a pooled segment holds its buffer: cache-line aligned for arrays, with room before it
+#: for the header of a ``bytes`` laid over it, and a byte after it for that object's NUL
+DATA_OFF = 64
 
 
 class _Segment:
@@ -85,7 +91,8 @@ class ShmSender:
         """
         mv = memoryview(buf).cast("B")
         if pooled and _rawbuf.available() and mv.nbytes >= _GRAIN:
-            seg = self._claim(mv.nbytes) or self._new_segment(mv.nbytes)
+            room = DATA_OFF + mv.nbytes + 1
+            seg = self._claim(room) or self._new_segment(room)
             if seg is not None:
                 return self._fill(seg, mv)
         name = self.prefix + secrets.token_hex(16)
@@ -118,6 +125,7 @@ class ShmSender:
         self._unlink(name)
 
     def _claim(self, n: int) -> _Segment | None:
+        """A pooled segment of at least ``n`` bytes that its receiver gave back, now ours."""
         with self._lock:
             for seg in self._pool:
                 if seg.size < n:
@@ -161,7 +169,7 @@ class ShmSender:
         n = mv.nbytes
         try:
             with _rawbuf.pinned(seg.mm, writable=True) as (dst, _), _rawbuf.pinned(mv) as (src, _):
-                _rawbuf.copy(dst, src, n)  # GIL released: other threads go on meanwhile
+                _rawbuf.copy(dst + DATA_OFF, src, n)  # GIL released: other threads go on meanwhile
         except BaseException:
             self._drop(seg)
             raise
@@ -217,11 +225,19 @@ class ShmSender:
 class _Mapped:
     """A peer's pooled segment as this process maps it, kept for its next use."""
 
-    __slots__ = ("name", "key", "mm", "addr", "size", "busy", "used")
+    __slots__ = ("name", "key", "mm", "fd", "addr", "size", "busy", "used", "pid", "held", "path", "pinned", "private")
 
-    def __init__(self, name: str, key: tuple[int, int], mm: mmap.mmap, addr: int, size: int) -> None:
-        self.name, self.key, self.mm, self.addr, self.size = name, key, mm, addr, size
-        self.busy, self.used = False, time.monotonic()
+    def __init__(self, name: str, key: tuple[int, int], mm: mmap.mmap, fd: int, addr: int, size: int) -> None:
+        self.name, self.key, self.mm, self.fd, self.addr, self.size = name, key, mm, fd, addr, size
+        self.busy, self.used, self.pid = False, time.monotonic(), os.getpid()
+        #: the ``bytes`` laid over the segment now (its address and length), and the name to
+        #: give back once nobody holds it
+        self.held: tuple[int, int] | None = None
+        self.path = ""
+        #: the mapping carries a reference nobody owns: see :func:`_lay_bytes`
+        self.pinned = False
+        #: the laid-over object was moved to private memory before a fork (``_unlay_before_fork``)
+        self.private = False
 
 
 #: this process's mappings of its peers' pooled segments, by name (RLock: a lease's finalizer
@@ -231,9 +247,17 @@ _mapped_lock = threading.RLock()
 _mapped_pid = [0]
 
 
+def pooled(name: str) -> bool:
+    """Whether ``name`` is a pooled segment's (given back after use, not unlinked on taking)."""
+    m = _NAME.fullmatch(name) if isinstance(name, str) else None
+    return m is not None and bool(m.group(1))
+
+
 def take(name: str, nbytes: int) -> memoryview:
     """Map the file a peer wrote (unlinking it unless pooled); raise :class:`ProtocolError` if it
     is not ours."""
+    if _laid:
+        _release_laid()
     m = _NAME.fullmatch(name) if isinstance(name, str) else None
     if m is None or not isinstance(nbytes, int) or nbytes <= 0:
         raise ProtocolError(f"malformed shared-memory reference {name!r}")
@@ -270,6 +294,10 @@ def _map_pooled(name: str, fd: int, st: os.stat_result) -> _Mapped:
     key = (st.st_dev, st.st_ino)
     with _mapped_lock:
         if _mapped_pid[0] != os.getpid():  # a forked child starts with no leases of its own
+            for old in _mapped.values():
+                if old.fd >= 0:
+                    os.close(old.fd)
+                    old.fd = -1
             _mapped.clear()
             _mapped_pid[0] = os.getpid()
         seg = _mapped.get(name)
@@ -280,6 +308,8 @@ def _map_pooled(name: str, fd: int, st: os.stat_result) -> _Mapped:
             _unmap(seg)
             seg = None
         if seg is None:
+            if st.st_size < DATA_OFF + 1:
+                raise ProtocolError(f"refused shared-memory buffer {name}: {st.st_size} bytes is too small for a pooled segment")
             try:
                 mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError as e:  # out of address space or memory: this message is lost, not the loop
@@ -287,22 +317,71 @@ def _map_pooled(name: str, fd: int, st: os.stat_result) -> _Mapped:
             pin = ctypes.c_char.from_buffer(mm)
             addr = ctypes.addressof(pin)  # valid until _unmap, which only an unlent mapping gets
             del pin
-            seg = _mapped[name] = _Mapped(name, key, mm, addr, st.st_size)
+            # its own descriptor, for a fork's private copy of a bytes laid over it
+            seg = _mapped[name] = _Mapped(name, key, mm, os.dup(fd), addr, st.st_size)
         seg.busy = True
         return seg
 
 
 def _lend(seg: _Mapped, path: str, nbytes: int) -> memoryview:
+    if DATA_OFF + nbytes + 1 > seg.size:
+        seg.busy = False
+        raise ProtocolError(f"refused shared-memory buffer {seg.name}: {nbytes} bytes do not fit its {seg.size}")
     # the lease is the buffer's exporter: every view, array or tensor made from it holds it
     # (directly or through a memoryview's managed buffer), so it dies with the last of them
-    lease = (ctypes.c_ubyte * nbytes).from_address(seg.addr)
+    lease = (ctypes.c_ubyte * nbytes).from_address(seg.addr + DATA_OFF)
     done = weakref.finalize(lease, _give_back, seg, path)
     done.atexit = False
     lease.copied = done  # type: ignore[attr-defined]  # a bytes object, copied out, gives it back at once
+    if _rawbuf.IN_PLACE and _rawbuf.HEAD <= DATA_OFF and seg.size <= 2 * nbytes + _GRAIN:
+        # (a much larger segment, the sender's only free one, is not held for a small bytes)
+        lease.as_bytes = lambda: _lay_bytes(seg, path, nbytes, done)  # type: ignore[attr-defined]
     return memoryview(lease)
 
 
+#: segments with a ``bytes`` laid over them, until nobody holds it
+_laid: list[_Mapped] = []
+_PIN = ctypes.pythonapi.Py_IncRef
+_PIN.argtypes = (ctypes.py_object,)
+_UNPIN = ctypes.pythonapi.Py_DecRef
+_UNPIN.argtypes = (ctypes.py_object,)
+
+
+def _lay_bytes(seg: _Mapped, path: str, nbytes: int, done: weakref.finalize[Any, Any]) -> bytes | None:
+    """The lent buffer as a ``bytes`` object laid over the segment (no copy), the lease's
+    give-back left to :func:`_release_laid`; None if the lease was given back already."""
+    with _mapped_lock:
+        if done.detach() is None:
+            return None
+        if not seg.pinned:
+            # the object's header lives in this mapping: the mapping must outlive every holder
+            # of it, at interpreter exit too, where module globals (``_mapped``) go first. Only
+            # _unmap, once nobody holds the object, closes it
+            _PIN(seg.mm)
+            seg.pinned = True
+        addr = seg.addr + DATA_OFF - _rawbuf.HEAD
+        seg.held, seg.path = (addr, nbytes), path
+        _laid.append(seg)
+        return _rawbuf.bytes_at(addr, nbytes)
+
+
+def _release_laid() -> None:
+    """Give back the segments whose laid-over ``bytes`` nobody holds any more."""
+    with _mapped_lock:
+        free = [s for s in _laid if s.held is not None and not _rawbuf.in_use(s.held[0])]
+        for seg in free:
+            _laid.remove(seg)
+            seg.held = None
+    for seg in free:
+        if seg.private:
+            _unmap(seg)  # moved off its segment before a fork, which went back then
+        else:
+            _give_back(seg, seg.path)
+
+
 def _give_back(seg: _Mapped, path: str) -> None:
+    if seg.pid != os.getpid():
+        return  # a forked child's copy of a lease: the segment is its parent's to give back
     seg.used = time.monotonic()
     seg.busy = False  # before the rename: the name may come back to this process at once
     try:
@@ -318,13 +397,74 @@ def _unmap(seg: _Mapped) -> None:
     if _mapped.get(seg.name) is seg:
         del _mapped[seg.name]
     seg.mm.close()
+    if seg.fd >= 0:
+        os.close(seg.fd)
+        seg.fd = -1
+    if seg.pinned:
+        seg.pinned = False
+        _UNPIN(seg.mm)
+
+
+def _unlay_before_fork() -> None:
+    """A ``bytes`` laid over a segment would share its header, reference count included, with a
+    forked child, which counts on its own: before a fork, the pages of each one still held are
+    mapped again, privately, from the segment's file (one ``mmap``: a count another thread
+    changes meanwhile lands before or after, never lost), each page is written once so that
+    it is this process's own copy, and the segment goes back. The fork then copies them as any
+    other memory."""
+    if not _laid:
+        return
+    _release_laid()
+    with _mapped_lock:
+        for seg in _laid:
+            if seg.held is None or seg.private or seg.fd < 0:
+                continue
+            addr, n = seg.held
+            lo = addr & ~(mmap.PAGESIZE - 1)
+            hi = -(-(addr + _rawbuf.HEAD + n + 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+            if _remap_private(lo, hi - lo, seg.fd, lo - seg.addr) != lo:
+                raise OSError(ctypes.get_errno(), "could not give a received bytes object its own pages before a fork")
+            for page in range(hi - 1, lo, -mmap.PAGESIZE):
+                b = ctypes.c_ubyte.from_address(page)  # the last byte of each page: never a count
+                b.value = b.value
+            seg.private = True  # the rest of the mapping is unused: it goes when the object does
+            if _mapped.get(seg.name) is seg:
+                del _mapped[seg.name]
+            try:
+                os.rename(seg.path, seg.path + FREE)
+            except OSError:
+                pass  # its sender gave up on it already
+
+
+_MAP_FIXED = 0x10
+_libc_mmap: Any = None
+
+
+def _remap_private(addr: int, n: int, fd: int, off: int) -> int:
+    """Map ``n`` bytes of ``fd`` at ``off`` copy-on-write at exactly ``addr``, in place of what
+    was mapped there."""
+    global _libc_mmap
+    if _libc_mmap is None:
+        f = ctypes.CDLL(None, use_errno=True).mmap
+        f.restype = ctypes.c_void_p
+        f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+        _libc_mmap = f
+    flags = mmap.MAP_PRIVATE | _MAP_FIXED
+    got: int | None = _libc_mmap(addr, n, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, off)
+    return got or 0
+
+
+os.register_at_fork(before=_unlay_before_fork)
 
 
 def sweep_mapped(idle: float = POOL_IDLE_S) -> None:
     """Unmap peers' segments not lent out that their senders gave up, or unused for ``idle`` s
     (the sender gives those up too; until this process unmaps them their pages stay); forget a
-    received ``bytes`` kept for reuse after at most ``REUSE_IDLE_S``."""
+    received ``bytes`` kept for reuse after at most ``REUSE_IDLE_S``; give back the segments of
+    laid-over ``bytes`` nobody holds any more."""
     _rawbuf.release_idle(min(idle, _rawbuf.REUSE_IDLE_S))
+    if _laid:
+        _release_laid()
     now = time.monotonic()
     with _mapped_lock:
         idle_segs = [s for s in _mapped.values() if not s.busy]

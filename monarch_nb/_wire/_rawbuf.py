@@ -94,6 +94,56 @@ def _load() -> Any:
 _API = _load()
 
 
+def _header_layout() -> bool:
+    """Whether a ``bytes`` header is reference count, type, size, cached hash, in that order,
+    one word each, as :func:`bytes_at` writes it (CPython 3.11-3.13 with the GIL)."""
+    if _API is None or not _API[5] or _API[4] != 4 * ctypes.sizeof(ctypes.c_ssize_t):
+        return False
+    probe = b"mnb-layout-probe-%d" % id(_API)
+    word = ctypes.sizeof(ctypes.c_ssize_t)
+    before = ctypes.c_ssize_t.from_address(id(probe)).value
+    held = [probe]  # one more reference: the count must move by one
+    ok = (
+        ctypes.c_ssize_t.from_address(id(probe)).value == before + 1
+        and ctypes.c_void_p.from_address(id(probe) + word).value == id(bytes)
+        and ctypes.c_ssize_t.from_address(id(probe) + 2 * word).value == len(probe)
+        and _API[5] == 3 * word
+    )
+    del held
+    return ok
+
+
+#: bytes objects can be laid over memory of ours (:func:`bytes_at`)
+IN_PLACE = _header_layout()
+#: the room :func:`bytes_at` needs before the data for the object's header
+HEAD = _API[4] if IN_PLACE else 0
+
+
+def bytes_at(addr: int, n: int) -> bytes:
+    """A ``bytes`` object whose ``n`` bytes are the memory at ``addr + HEAD``, not a copy: its
+    header is written into the ``HEAD`` bytes before them, and a NUL after them (CPython's
+    terminator), so ``[addr, addr + HEAD + n + 1)`` must be the caller's, writable.
+
+    The object holds one reference nobody owns, so CPython never frees it (its memory is
+    not CPython's): :func:`in_use` says when nobody else holds it, and only then may the memory
+    be written again or unmapped. Only where :data:`IN_PLACE`."""
+    if not IN_PLACE:
+        raise BufferError("bytes objects cannot be laid over memory in this interpreter")
+    word = ctypes.sizeof(ctypes.c_ssize_t)
+    ctypes.memset(addr + HEAD + n, 0, 1)
+    ctypes.c_ssize_t.from_address(addr + 3 * word).value = -1  # no cached hash
+    ctypes.c_ssize_t.from_address(addr + 2 * word).value = n
+    ctypes.c_void_p.from_address(addr + word).value = id(bytes)
+    ctypes.c_ssize_t.from_address(addr).value = 1  # the reference nobody owns
+    out: bytes = ctypes.cast(ctypes.c_void_p(addr), ctypes.py_object).value
+    return out
+
+
+def in_use(addr: int) -> bool:
+    """Whether anyone holds the object :func:`bytes_at` made at ``addr``."""
+    return ctypes.c_ssize_t.from_address(addr).value > 1
+
+
 def available() -> bool:
     return _API is not None
 

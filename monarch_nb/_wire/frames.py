@@ -30,8 +30,9 @@ from typing import Any, NamedTuple
 from ..errors import ProtocolError, VersionMismatchError
 
 MAGIC = b"MNB"
-#: 4: rank output travels as runs of lines (``logcapture.LogRun``), not a tuple per line
-VERSION = 4
+#: 4: rank output travels as runs of lines (``logcapture.LogRun``), not a tuple per line;
+#: 5: a pooled shared-memory segment holds its buffer at ``shm.DATA_OFF``, not at its start
+VERSION = 5
 
 #: a message for an actor: meta is an :class:`ActorMeta`
 ACTOR = 1

@@ -81,10 +81,16 @@ class _OOBBytes:
 
 
 def _bytes_from(buf: Any) -> bytes:
-    # the one copy a bytes object needs to own its data; a shared-memory segment the sender
-    # may reuse says so (``copied``) and is handed back once its content is out
+    # a pooled shared-memory segment can carry the object itself (``as_bytes``: laid over it,
+    # no copy; the segment goes back once nobody holds it)
+    lease = memoryview(buf).obj
+    as_bytes = getattr(lease, "as_bytes", None)
+    if as_bytes is not None and (laid := as_bytes()) is not None:
+        return laid  # type: ignore[no-any-return]
+    # else the one copy a bytes object needs to own its data; a shared-memory segment the
+    # sender may reuse says so (``copied``) and is handed back once its content is out
     out = _rawbuf.to_bytes(buf)
-    copied = getattr(memoryview(buf).obj, "copied", None)
+    copied = getattr(lease, "copied", None)
     if copied is not None:
         copied()
     return out

@@ -23,7 +23,7 @@ from typing import Any
 
 from .._runtime import _dataplane, spans
 from .._runtime.logcapture import TaggedStream, end_call, set_call
-from .._runtime.runtime import NO_REPLY, Runtime, new_loop, system_method
+from .._runtime.runtime import NO_REPLY, REFUSED, Runtime, new_loop, system_method
 from .._wire import frames as wire
 from .._wire.serialize import loads, loads_fast
 from ..errors import ActorError, SupervisionError, _safe_exc, format_exception, safe_str
@@ -324,6 +324,8 @@ class ActorSlot:
             c.give_back(got, cooldown=0 if len(got) > 1 else 16)
             self._unclaim()
             return None
+        if own is REFUSED:
+            return None  # its shared memory was gone or not ours: answered with that error
         item = ("call", *own)
         if not q.empty():
             # earlier messages of its stream were delivered to the mailbox meanwhile: after them
