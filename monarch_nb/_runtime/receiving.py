@@ -41,6 +41,15 @@ _Msg = tuple[tuple[Any, ...], Any, list[Any]]
 REFUSED: _Msg = ((), b"", [])
 
 
+def _taken(bufs: list[Any], table: list[tuple[int, str, int]]) -> list[Any]:
+    """``bufs`` with the shared-memory buffers ``table`` names mapped in (:class:`ProtocolError`
+    if one cannot be)."""
+    out = list(bufs)
+    for i, name, n in table:
+        out[i] = _shm.take(name, n)
+    return out
+
+
 class Mailbox(Protocol):
     def deliver(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None: ...
 
@@ -143,9 +152,7 @@ class Receiver:
             return
         if table:
             try:
-                bufs = list(bufs)
-                for i, name, n in table:
-                    bufs[i] = _shm.take(name, n)
+                bufs = _taken(bufs, table)
             except ProtocolError as e:
                 self._refuse_shm(meta if kind == wire.ACTOR else None, e)
                 return
@@ -206,9 +213,7 @@ class Receiver:
                 self._order_lock.release()
         if table:
             try:
-                bufs = list(bufs)
-                for i, name, n in table:
-                    bufs[i] = _shm.take(name, n)
+                bufs = _taken(bufs, table)
             except ProtocolError as e:
                 self._refuse_shm(meta, e)
                 return REFUSED  # delivered (its place in the stream is taken), and answered
