@@ -323,6 +323,31 @@ def test_a_large_bytes_is_laid_over_its_segment_which_is_not_reused_while_held()
         shm.sweep_mapped(-1.0)
 
 
+def test_received_bytes_past_the_budget_for_shared_memory_are_copied_and_their_segments_go_back(monkeypatch):
+    from monarch_nb._wire import _rawbuf
+    from monarch_nb._wire.serialize import _bytes_from
+
+    if not _rawbuf.IN_PLACE:
+        pytest.skip("this interpreter's bytes objects cannot be laid over shared memory")
+    monkeypatch.setattr(shm, "LAID_MAX", 5 << 20)
+    sender = shm.ShmSender()
+    try:
+        held = []
+        for _ in range(3):  # 2 MiB each: the third goes past 5 MiB
+            data = os.urandom(2 << 20)
+            name, n = sender.put(data, pooled=True)
+            held.append((_bytes_from(shm.take(name, n)), data, name))
+        in_segment = [_mapping_of(id(b)) == os.path.join(shm.SHM_DIR, name) for b, _, name in held]
+        assert in_segment == [True, True, False]
+        assert all(b == data for b, data, _ in held)
+        free = [os.path.exists(os.path.join(shm.SHM_DIR, name + shm.FREE)) for _, _, name in held]
+        assert free == [False, False, True], "a copied bytes gives its segment back at once"
+    finally:
+        held.clear()
+        sender.close()
+        shm.sweep_mapped(-1.0)
+
+
 def test_a_forked_child_keeps_its_laid_bytes_when_the_parent_gives_the_segment_back():
     from monarch_nb._wire import _rawbuf
     from monarch_nb._wire.serialize import _bytes_from

@@ -341,6 +341,9 @@ def _lend(seg: _Mapped, path: str, nbytes: int) -> memoryview:
 
 #: segments with a ``bytes`` laid over them, until nobody holds it
 _laid: list[_Mapped] = []
+#: at most this much of /dev/shm held by ``bytes`` laid over segments in one process (a
+#: notebook collecting results would fill the tmpfs others use too): past it they are copied
+LAID_MAX = 512 << 20
 _PIN = ctypes.pythonapi.Py_IncRef
 _PIN.argtypes = (ctypes.py_object,)
 _UNPIN = ctypes.pythonapi.Py_DecRef
@@ -349,8 +352,11 @@ _UNPIN.argtypes = (ctypes.py_object,)
 
 def _lay_bytes(seg: _Mapped, path: str, nbytes: int, done: weakref.finalize[Any, Any]) -> bytes | None:
     """The lent buffer as a ``bytes`` object laid over the segment (no copy), the lease's
-    give-back left to :func:`_release_laid`; None if the lease was given back already."""
+    give-back left to :func:`_release_laid`; None (copy it) past ``LAID_MAX`` or if the lease
+    was given back already."""
     with _mapped_lock:
+        if sum(s.held[1] for s in _laid if s.held is not None) + nbytes > LAID_MAX:
+            return None  # copied out, and the segment goes back at once
         if done.detach() is None:
             return None
         if not seg.pinned:
