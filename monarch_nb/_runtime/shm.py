@@ -225,15 +225,14 @@ class ShmSender:
 class _Mapped:
     """A peer's pooled segment as this process maps it, kept for its next use."""
 
-    __slots__ = ("name", "key", "mm", "fd", "addr", "size", "busy", "used", "pid", "held", "path", "pinned", "private")
+    __slots__ = ("name", "key", "mm", "fd", "addr", "size", "busy", "used", "pid", "held", "pinned", "private")
 
     def __init__(self, name: str, key: tuple[int, int], mm: mmap.mmap, fd: int, addr: int, size: int) -> None:
         self.name, self.key, self.mm, self.fd, self.addr, self.size = name, key, mm, fd, addr, size
         self.busy, self.used, self.pid = False, time.monotonic(), os.getpid()
-        #: the ``bytes`` laid over the segment now (its address and length), and the name to
-        #: give back once nobody holds it
-        self.held: tuple[int, int] | None = None
-        self.path = ""
+        #: the length of the ``bytes`` laid over the segment now (0: none; it lies at
+        #: :func:`_laid_at`), given back once nobody holds it
+        self.held = 0
         #: the mapping carries a reference nobody owns: see :func:`_lay_bytes`
         self.pinned = False
         #: the laid-over object was moved to private memory before a fork (``_unlay_before_fork``)
@@ -335,7 +334,7 @@ def _lend(seg: _Mapped, path: str, nbytes: int) -> memoryview:
     lease.copied = done  # type: ignore[attr-defined]  # a bytes object, copied out, gives it back at once
     if _rawbuf.IN_PLACE and _rawbuf.HEAD <= DATA_OFF and seg.size <= 2 * nbytes + _GRAIN:
         # (a much larger segment, the sender's only free one, is not held for a small bytes)
-        lease.as_bytes = lambda: _lay_bytes(seg, path, nbytes, done)  # type: ignore[attr-defined]
+        lease.as_bytes = lambda: _lay_bytes(seg, nbytes, done)  # type: ignore[attr-defined]
     return memoryview(lease)
 
 
@@ -350,12 +349,17 @@ _UNPIN = ctypes.pythonapi.Py_DecRef
 _UNPIN.argtypes = (ctypes.py_object,)
 
 
-def _lay_bytes(seg: _Mapped, path: str, nbytes: int, done: weakref.finalize[Any, Any]) -> bytes | None:
+def _laid_at(seg: _Mapped) -> int:
+    """Where the header of a ``bytes`` laid over ``seg`` lies: just before its buffer."""
+    return seg.addr + DATA_OFF - _rawbuf.HEAD
+
+
+def _lay_bytes(seg: _Mapped, nbytes: int, done: weakref.finalize[Any, Any]) -> bytes | None:
     """The lent buffer as a ``bytes`` object laid over the segment (no copy), the lease's
     give-back left to :func:`_release_laid`; None (copy it) past ``LAID_MAX`` or if the lease
     was given back already."""
     with _mapped_lock:
-        if sum(s.held[1] for s in _laid if s.held is not None) + nbytes > LAID_MAX:
+        if sum(s.held for s in _laid) + nbytes > LAID_MAX:
             return None  # copied out, and the segment goes back at once
         if done.detach() is None:
             return None
@@ -365,24 +369,23 @@ def _lay_bytes(seg: _Mapped, path: str, nbytes: int, done: weakref.finalize[Any,
             # _unmap, once nobody holds the object, closes it
             _PIN(seg.mm)
             seg.pinned = True
-        addr = seg.addr + DATA_OFF - _rawbuf.HEAD
-        seg.held, seg.path = (addr, nbytes), path
+        seg.held = nbytes
         _laid.append(seg)
-        return _rawbuf.bytes_at(addr, nbytes)
+        return _rawbuf.bytes_at(_laid_at(seg), nbytes)
 
 
 def _release_laid() -> None:
     """Give back the segments whose laid-over ``bytes`` nobody holds any more."""
     with _mapped_lock:
-        free = [s for s in _laid if s.held is not None and not _rawbuf.in_use(s.held[0])]
+        free = [s for s in _laid if not _rawbuf.in_use(_laid_at(s))]
         for seg in free:
             _laid.remove(seg)
-            seg.held = None
+            seg.held = 0
     for seg in free:
         if seg.private:
             _unmap(seg)  # moved off its segment before a fork, which went back then
         else:
-            _give_back(seg, seg.path)
+            _give_back(seg, os.path.join(SHM_DIR, seg.name))
 
 
 def _give_back(seg: _Mapped, path: str) -> None:
@@ -423,11 +426,11 @@ def _unlay_before_fork() -> None:
     _release_laid()
     with _mapped_lock:
         for seg in _laid:
-            if seg.held is None or seg.private or seg.fd < 0:
+            if seg.private or seg.fd < 0:
                 continue
-            addr, n = seg.held
+            addr = _laid_at(seg)
             lo = addr & ~(mmap.PAGESIZE - 1)
-            hi = -(-(addr + _rawbuf.HEAD + n + 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+            hi = -(-(addr + _rawbuf.HEAD + seg.held + 1) // mmap.PAGESIZE) * mmap.PAGESIZE
             if _remap_private(lo, hi - lo, seg.fd, lo - seg.addr) != lo:
                 raise OSError(ctypes.get_errno(), "could not give a received bytes object its own pages before a fork")
             for page in range(hi - 1, lo, -mmap.PAGESIZE):
@@ -436,8 +439,9 @@ def _unlay_before_fork() -> None:
             seg.private = True  # the rest of the mapping is unused: it goes when the object does
             if _mapped.get(seg.name) is seg:
                 del _mapped[seg.name]
+            path = os.path.join(SHM_DIR, seg.name)
             try:
-                os.rename(seg.path, seg.path + FREE)
+                os.rename(path, path + FREE)
             except OSError:
                 pass  # its sender gave up on it already
 
