@@ -44,6 +44,15 @@ class Echo(Actor):
         return _digest(x)
 
     @endpoint
+    def keep_and_return(self, x):  # type: ignore[no-untyped-def]
+        self.kept = x
+        return x
+
+    @endpoint
+    def kept(self):  # type: ignore[no-untyped-def]
+        return self.kept
+
+    @endpoint
     def kept_digest(self) -> str:
         return _digest(self.kept)
 
@@ -77,19 +86,19 @@ def _digest(x) -> str:  # type: ignore[no-untyped-def]
 def _ours(*pids: int) -> list[str]:
     """Shared-memory files sent by these processes and not yet taken or given back."""
     prefixes = tuple(f"mnb-{p}-" for p in pids)
-    return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefixes) and not n.endswith(shm.FREE))
+    return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefixes) and not n.endswith((shm.FREE, shm.BACK)))
 
 
 def _pooled(*pids: int) -> list[str]:
     """Segments these processes keep for their next large ``bytes``."""
     prefixes = tuple(f"mnb-{p}-p" for p in pids)
-    return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefixes) and n.endswith(shm.FREE))
+    return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefixes) and n.endswith((shm.FREE, shm.BACK)))
 
 
 def _segments(*pids: int) -> set[str]:
     """Every pooled segment of these processes, given back or not."""
     prefixes = tuple(f"mnb-{p}-p" for p in pids)
-    return {n.removesuffix(shm.FREE) for n in os.listdir(shm.SHM_DIR) if n.startswith(prefixes)}
+    return {n.removesuffix(shm.FREE).removesuffix(shm.BACK) for n in os.listdir(shm.SHM_DIR) if n.startswith(prefixes)}
 
 
 def _all_given_back(echo, timeout: float = 10.0) -> list[str]:  # type: ignore[no-untyped-def]
@@ -213,9 +222,10 @@ def test_arrays_that_arrived_keep_their_memory_while_held_and_give_their_segment
     assert echo.leftovers.call_one(os.getpid()).get(timeout=30) == []
 
 
-def _mapped_here(name: str) -> bool:
+def _mapped_here(name: str) -> int:
+    """How many mappings of the segment ``name`` this process has."""
     with open("/proc/self/maps") as f:
-        return name in f.read()
+        return sum(name in line for line in f)
 
 
 def test_an_array_kept_past_the_senders_grace_stays_valid_and_its_memory_goes_with_it():
@@ -229,8 +239,10 @@ def test_an_array_kept_past_the_senders_grace_stays_valid_and_its_memory_goes_wi
         assert np.array_equal(got, data)
         got += 1
         assert np.array_equal(got - 1, data)
+        # the sender keeps its own mapping a while (a late reply may send the segment back)
+        assert _mapped_here(name) == 2
         del got
-        assert not _mapped_here(name), "the receiver unmaps a segment its sender gave up once unused"
+        assert _mapped_here(name) == 1, "the receiver unmaps a segment its sender gave up once unused"
 
         # given back and then unlinked by its idle sender: the receiver unmaps it on its sweep
         name, n = sender.put(data, pooled=True)
@@ -402,6 +414,203 @@ def test_a_process_exits_cleanly_holding_laid_bytes():
     )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout == "held\n", (r.returncode, r.stderr[-2000:])
+
+
+def _sent_back(data: bytes, origin: str = "caller") -> tuple[shm.ShmSender, str, bytes, bytes]:
+    """One process in both roles: ``data`` sent through a pooled segment, laid over it by its
+    receiver (``xp``), and sent back by name to its sender (``y``)."""
+    import pickle
+
+    from monarch_nb._wire.serialize import _bytes_from
+
+    sender = shm.ShmSender()
+    name, n = sender.put(data, pooled=True)
+    xp = _bytes_from(shm.take(name, n, origin))
+    ref = shm.returnable(pickle.PickleBuffer(xp), origin)
+    assert ref == (name + shm.BACK, n)
+    return sender, name, xp, _bytes_from(shm.take(*ref))
+
+
+def test_a_bytes_sent_back_to_its_sender_is_its_own_segment_not_reused_until_both_sides_let_go():
+    import pickle
+
+    from monarch_nb._wire import _rawbuf
+
+    if not _rawbuf.IN_PLACE:
+        pytest.skip("this interpreter's bytes objects cannot be laid over shared memory")
+    data = os.urandom(3 << 20)
+    sender, name, xp, y = _sent_back(data)
+    try:
+        path = os.path.join(shm.SHM_DIR, name)
+        assert type(y) is bytes and y == data and xp == data and hash(y) == hash(data) == hash(xp)
+        assert _mapping_of(id(y)) == _mapping_of(id(xp)) == path, "no copy on either side"
+        assert shm.returnable(pickle.PickleBuffer(xp), "caller") is None, "sent back once per message"
+        assert shm.returnable(pickle.PickleBuffer(bytes(xp)), "caller") is None, "only a laid-over bytes"
+        # the receiver lets go first: the segment waits for the sender's own object
+        del xp
+        shm.sweep_mapped()
+        assert os.path.exists(path + shm.BACK)
+        other, _ = sender.put(os.urandom(len(data)), pooled=True)
+        assert other != name and y == data
+        del y
+        assert sender.put(os.urandom(len(data)), pooled=True)[0] == name, "reused once neither side holds it"
+
+        # the sender lets go first: the segment waits for its receiver
+        data2 = os.urandom(len(data))
+        sender2, name2, xp2, y2 = _sent_back(data2)
+        try:
+            del y2
+            assert sender2.put(data2[::-1], pooled=True)[0] != name2
+            assert xp2 == data2
+            del xp2
+            shm.sweep_mapped()
+            assert sender2.put(data2[::-1], pooled=True)[0] == name2
+        finally:
+            sender2.close()
+    finally:
+        sender.close()
+        shm.sweep_mapped(-1.0)
+
+
+def test_a_bytes_sent_back_after_its_sender_gave_the_segment_up_still_arrives(monkeypatch):
+    import pickle
+
+    from monarch_nb._wire import _rawbuf
+    from monarch_nb._wire.serialize import _bytes_from
+
+    if not _rawbuf.IN_PLACE:
+        pytest.skip("this interpreter's bytes objects cannot be laid over shared memory")
+    sender = shm.ShmSender()
+    try:
+        data = os.urandom(2 << 20)
+        name, n = sender.put(data, pooled=True)
+        xp = _bytes_from(shm.take(name, n, "caller"))
+        sender.sweep(max_age=0.0)  # a slow call: the sender gives up the segment it lent
+        assert not os.path.exists(os.path.join(shm.SHM_DIR, name))
+        y = _bytes_from(shm.take(*shm.returnable(pickle.PickleBuffer(xp), "caller")))
+        assert y == data == xp
+        del xp
+        shm.sweep_mapped()
+        assert _mapped_here(name) == 1 and y == data, "the receiver's mapping is gone, the sender's kept"
+
+        class Later:  # the sender's lingering is over
+            @staticmethod
+            def monotonic() -> float:
+                return time.monotonic() + 2 * shm.GRACE_S
+
+        monkeypatch.setattr(shm, "time", Later)
+        shm.sweep_mapped()
+        assert _mapped_here(name) == 1 and y == data, "kept while the bytes sent back is held"
+        del y
+        shm.sweep_mapped()
+        assert _mapped_here(name) == 0
+    finally:
+        sender.close()
+        shm.sweep_mapped(-1.0)
+
+
+def test_a_reference_to_a_segment_not_sent_from_here_is_refused():
+    sender = shm.ShmSender()
+    try:
+        name, n = sender.put(os.urandom(2 << 20), pooled=True)
+        for bad, size in (
+            (f"mnb-1-p{'0' * 32}{shm.BACK}", n),  # not one of ours
+            (name + shm.BACK, 1 << 40),  # larger than the segment
+            (name + shm.BACK, -1),
+            ("../etc/passwd" + shm.BACK, n),
+        ):
+            with pytest.raises(ProtocolError):
+                shm.take(bad, size)
+    finally:
+        sender.close()
+
+
+def test_a_forked_child_keeps_what_was_sent_back_on_both_sides():
+    import sys
+
+    from monarch_nb._wire import _rawbuf
+
+    if not _rawbuf.IN_PLACE:
+        pytest.skip("this interpreter's bytes objects cannot be laid over shared memory")
+    data = os.urandom(2 << 20)
+    sender, name, xp, y = _sent_back(data)
+    more_of_y = [y] * 5  # the two headers' counts differ: each must stay its own
+    counts = sys.getrefcount(xp), sys.getrefcount(y)
+    go_r, go_w = os.pipe()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child holds both objects while the parent reuses the segment
+            try:
+                os.close(go_w)
+                os.read(go_r, 1)
+                ok = y == data and xp == data and hash(y) == hash(data) and (sys.getrefcount(xp), sys.getrefcount(y)) == counts
+                del y, xp
+                os._exit(0 if ok else 3)
+            except BaseException:
+                os._exit(4)
+        os.close(go_r)
+        assert (sys.getrefcount(xp), sys.getrefcount(y)) == counts
+        del xp, y, more_of_y
+        shm.sweep_mapped()
+        for _ in range(2):  # a segment of the fork's is never sent again: a new one
+            name2, n2 = sender.put(os.urandom(len(data)), pooled=True)
+            assert name2 != name
+            shm.take(name2, n2).release()
+            shm.sweep_mapped()
+        os.write(go_w, b"x")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child's bytes changed, or it crashed"
+    finally:
+        os.close(go_w)
+        sender.close()
+        shm.sweep_mapped(-1.0)
+
+
+def test_a_process_exits_cleanly_holding_a_bytes_sent_back() -> None:
+    import subprocess
+    import sys
+
+    script = (
+        "import os, pickle\n"
+        "from monarch_nb._runtime import shm\n"
+        "from monarch_nb._wire.serialize import _bytes_from\n"
+        "sender = shm.ShmSender()\n"
+        "data = os.urandom(2 << 20)\n"
+        "name, n = sender.put(data, pooled=True)\n"
+        "xp = _bytes_from(shm.take(name, n, 'me'))\n"
+        "kept = [_bytes_from(shm.take(*shm.returnable(pickle.PickleBuffer(xp), 'me')))]\n"
+        "assert kept[0] == data == xp\n"
+        "sender.close()\n"
+        "assert kept[0] == data\n"
+        "print('held', flush=True)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == "held\n", (r.returncode, r.stderr[-2000:])
+
+
+def test_an_actor_returning_the_bytes_it_was_sent_and_keeping_it_shares_one_segment_safely(echo):
+    assert _all_given_back(echo) == []
+    first = os.urandom(BIG)
+    got = echo.keep_and_return.call_one(first).get(timeout=30)
+    assert got == first
+    where = os.path.basename(_mapping_of(id(got)))
+    assert where.startswith(f"mnb-{os.getpid()}-p"), f"sent back by name, into the segment it came in, not {where!r}"
+    # the controller's segments go round with other content while both sides hold theirs
+    for i in range(4):
+        x = bytes([i]) * BIG
+        assert echo.echo.call_one(x).get(timeout=30) == x
+    assert got == first and echo.kept_digest.call_one().get(timeout=30) == _digest(first)
+    # the kept object again, in a later reply: the controller already holds one over that
+    # segment, so this one comes as a copy
+    again = echo.kept.call_one().get(timeout=30)
+    assert again == first and again is not got
+    del got, again
+    for i in range(3):
+        x = bytes([i + 10]) * BIG
+        assert echo.echo.call_one(x).get(timeout=30) == x
+    assert echo.kept_digest.call_one().get(timeout=30) == _digest(first)
+    echo.drop.call_one().get(timeout=30)
+    assert _all_given_back(echo) == []
 
 
 def test_a_pooled_segment_goes_back_when_idle_or_never_returned():

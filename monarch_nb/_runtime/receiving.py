@@ -41,12 +41,12 @@ _Msg = tuple[tuple[Any, ...], Any, list[Any]]
 REFUSED: _Msg = ((), b"", [])
 
 
-def _taken(bufs: list[Any], table: list[tuple[int, str, int]]) -> list[Any]:
+def _taken(bufs: list[Any], table: list[tuple[int, str, int]], origin: str) -> list[Any]:
     """``bufs`` with the shared-memory buffers ``table`` names mapped in (:class:`ProtocolError`
-    if one cannot be)."""
+    if one cannot be); ``origin``: where the message's reply goes."""
     out = list(bufs)
     for i, name, n in table:
-        out[i] = _shm.take(name, n)
+        out[i] = _shm.take(name, n, origin)
     return out
 
 
@@ -152,7 +152,7 @@ class Receiver:
             return
         if table:
             try:
-                bufs = _taken(bufs, table)
+                bufs = _taken(bufs, table, meta[REPLY_ADDR] if kind == wire.ACTOR else "")
             except ProtocolError as e:
                 self._refuse_shm(meta if kind == wire.ACTOR else None, e)
                 return
@@ -213,7 +213,7 @@ class Receiver:
                 self._order_lock.release()
         if table:
             try:
-                bufs = _taken(bufs, table)
+                bufs = _taken(bufs, table, meta[REPLY_ADDR])
             except ProtocolError as e:
                 self._refuse_shm(meta, e)
                 return REFUSED  # delivered (its place in the stream is taken), and answered

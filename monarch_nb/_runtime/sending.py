@@ -232,8 +232,11 @@ class Sender:
                 if memoryview(b).nbytes >= lim:
                     try:
                         if shared is None:
-                            # one receiver: it gives the segment back when done with it
-                            entry = (i, *self.shm.put(b, pooled=True))
+                            # one receiver: it gives the segment back when done with it; a
+                            # reply that is the bytes its caller sent over shared memory goes
+                            # back by name
+                            ref = _shm.returnable(b, addr) if kind == wire.PORT and _shm.has_laid() else None
+                            entry = (i, *(ref or self.shm.put(b, pooled=True)))
                         else:
                             src = shared.get(i)
                             if src is None:

@@ -16,6 +16,12 @@ into a pooled segment (names ``mnb-<pid>-p<hex>``) that both sides keep mapped.
   sweep). Only then may the sender claim it back (an atomic rename) and write into it again,
   so a segment belongs to one side at a time: what the receiver holds is never overwritten
   while it is in use.
+* A reply that is the very ``bytes`` laid over a segment its caller sent (an actor returning
+  what it was given) goes back by name (``<name>.back`` in the reply, :func:`returnable`), not
+  copied: the caller lays its own object over its own mapping of the segment. The receiver
+  first makes the segment's first page its own copy (its header stays there; the caller's
+  goes in the same place in the file), and gives the segment back as ``<name>.back``, which
+  only its sender claims, once it has read that reply and nobody holds its own object.
 * A buffer for several peers (one message to many procs of this host) is written once into a
   file of its own, each peer gets a hard link to it, maps it copy-on-write and unlinks its name
   at once: the mapping is the only thing left and goes with the last object using it. So are
@@ -50,8 +56,13 @@ from ._pids import pid_alive
 
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"mnb-[0-9]{1,10}-(p?)[0-9a-f]{32}")
-_LEFT = re.compile(r"mnb-[0-9]{1,10}-p?[0-9a-f]{32}(\.free)?")
+_LEFT = re.compile(r"mnb-[0-9]{1,10}-p?[0-9a-f]{32}(\.free|\.back)?")
 FREE = ".free"
+#: a pooled segment its receiver sent back to its sender as a ``bytes`` (by name: no copy)
+#: carries this name once the receiver no longer holds it; only that sender claims it, and
+#: only once it has taken the reply that named it (so no reply naming it is still on its way)
+BACK = ".back"
+_BACK_NAME = re.compile(r"mnb-[0-9]{1,10}-p[0-9a-f]{32}\.back")
 #: a receiver takes a name within milliseconds; this long without it means it never will
 GRACE_S = 60.0
 #: what one process keeps in pooled segments, and for how long one may sit unused
@@ -64,10 +75,33 @@ DATA_OFF = 64
 
 
 class _Segment:
-    __slots__ = ("name", "size", "mm", "used")
+    __slots__ = ("name", "size", "mm", "fd", "addr", "used", "pid", "laid", "back", "pinned", "private", "until")
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap) -> None:
-        self.name, self.size, self.mm, self.used = name, size, mm, time.monotonic()
+    def __init__(self, name: str, size: int, mm: mmap.mmap, fd: int) -> None:
+        self.name, self.size, self.mm, self.fd, self.used = name, size, mm, fd, time.monotonic()
+        self.addr, self.pid = _address(mm), os.getpid()
+        #: the length of a ``bytes`` its receiver sent back, laid over it here (0: none; its
+        #: header lies at ``addr + DATA_OFF - HEAD``): the segment is not written while held
+        self.laid = 0
+        #: its receiver sent it back: it comes free under ``BACK``, not ``FREE``
+        self.back = False
+        #: the mapping carries a reference nobody owns (as :attr:`_Mapped.pinned`)
+        self.pinned = False
+        #: the laid-over object was moved to private memory before a fork: never sent again
+        self.private = False
+        #: dropped while lent out: kept mapped until then for a reply that sends it back late
+        self.until = 0.0
+
+
+def _address(mm: mmap.mmap) -> int:
+    pin = ctypes.c_char.from_buffer(mm)
+    addr = ctypes.addressof(pin)  # valid until the mapping is closed
+    del pin
+    return addr
+
+
+#: this process's pooled segments (of every ShmSender), by name: a reply may send one back
+_own: dict[str, _Segment] = {}
 
 
 def available() -> bool:
@@ -126,16 +160,21 @@ class ShmSender:
 
     def _claim(self, n: int) -> _Segment | None:
         """A pooled segment of at least ``n`` bytes that its receiver gave back, now ours."""
-        with self._lock:
+        with self._lock, _mapped_lock:  # _mapped_lock: a reply may be laying a bytes over one
             for seg in self._pool:
-                if seg.size < n:
+                if seg.size < n or seg.private:
                     continue
+                if seg.laid:
+                    if _rawbuf.in_use(seg.addr + DATA_OFF - _rawbuf.HEAD):
+                        continue  # a bytes its receiver sent back is still held here
+                    seg.laid = 0
                 path = os.path.join(SHM_DIR, seg.name)
                 try:
-                    # only the receiver's rename, after its copy, makes the free name exist
-                    os.rename(path + FREE, path)
+                    # only the receiver's rename, once done with it, makes that name exist
+                    os.rename(path + (BACK if seg.back else FREE), path)
                 except FileNotFoundError:
                     continue  # still with a receiver
+                seg.back = False
                 return seg
         return None
 
@@ -156,13 +195,15 @@ class ShmSender:
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             os.unlink(path)
-            return None
-        finally:
             os.close(fd)
-        seg = _Segment(name, size, mm)
+            return None
+        # the descriptor stays: a fork's private copy of a bytes sent back over it needs it
+        seg = _Segment(name, size, mm, fd)
         with self._lock:
             self._pool.append(seg)
             self._pool.sort(key=lambda s: s.size)
+        with _mapped_lock:
+            _own[name] = seg
         return seg
 
     def _fill(self, seg: _Segment, mv: memoryview) -> tuple[str, int]:
@@ -176,16 +217,25 @@ class ShmSender:
         seg.used = time.monotonic()
         return seg.name, n
 
-    def _drop(self, seg: _Segment) -> None:
+    def _drop(self, seg: _Segment, lent: bool = False) -> None:
+        """Give up a segment. ``lent``: its receiver still has it, and may yet send it back
+        (:func:`returnable`): it stays mapped, out of the pool, for ``GRACE_S`` more."""
         with self._lock:
             if seg in self._pool:
                 self._pool.remove(seg)
-        self._unlink(seg.name)
-        self._unlink(seg.name + FREE)
-        try:
-            seg.mm.close()
-        except BufferError:
-            pass  # a copy into it is still running; the mapping goes with its last user
+        for suffix in ("", FREE, BACK):
+            self._unlink(seg.name + suffix)
+        with _mapped_lock:
+            if lent:
+                seg.until = time.monotonic() + GRACE_S
+                _orphans.append(seg)
+                return
+            if _own.get(seg.name) is seg:
+                del _own[seg.name]
+            if seg.laid and _rawbuf.in_use(seg.addr + DATA_OFF - _rawbuf.HEAD):
+                _orphans.append(seg)  # a bytes sent back is held: unmapped once it is not
+                return
+        _close_own(seg)
 
     def sweep(self, max_age: float = GRACE_S, idle: float = POOL_IDLE_S) -> None:
         """Unlink names handed out more than ``max_age`` ago that nobody took (taken ones are
@@ -197,7 +247,7 @@ class ShmSender:
         for n in old:
             self._unlink(n)
         for seg in pool:
-            free = os.path.join(SHM_DIR, seg.name + FREE)
+            free = os.path.join(SHM_DIR, seg.name + (BACK if seg.back else FREE))
             if os.path.exists(free):
                 if now - seg.used > idle:
                     try:
@@ -206,7 +256,8 @@ class ShmSender:
                         continue
                     self._drop(seg)
             elif now - seg.used > max_age:
-                self._drop(seg)  # the receiver never gave it back
+                self._drop(seg, lent=True)  # the receiver never gave it back
+        _close_orphans()
 
     def close(self) -> None:
         self.sweep(-1.0, -1.0)
@@ -225,7 +276,10 @@ class ShmSender:
 class _Mapped:
     """A peer's pooled segment as this process maps it, kept for its next use."""
 
-    __slots__ = ("name", "key", "mm", "fd", "addr", "size", "busy", "used", "pid", "held", "pinned", "private")
+    __slots__ = (
+        "name", "key", "mm", "fd", "addr", "size", "busy", "used", "pid", "held", "pinned", "private",
+        "origin", "returned", "page0",
+    )  # fmt: skip
 
     def __init__(self, name: str, key: tuple[int, int], mm: mmap.mmap, fd: int, addr: int, size: int) -> None:
         self.name, self.key, self.mm, self.fd, self.addr, self.size = name, key, mm, fd, addr, size
@@ -237,6 +291,14 @@ class _Mapped:
         self.pinned = False
         #: the laid-over object was moved to private memory before a fork (``_unlay_before_fork``)
         self.private = False
+        #: where replies to the message that brought it go (its sender, for an actor's call)
+        self.origin = ""
+        #: the laid-over object went back to ``origin`` by name (:func:`returnable`): the
+        #: segment goes back under ``BACK``
+        self.returned = False
+        #: its first page is this process's own copy (the object's header, out of the file,
+        #: where the sender lays its own): mapped shared again on the next take
+        self.page0 = False
 
 
 #: this process's mappings of its peers' pooled segments, by name (RLock: a lease's finalizer
@@ -252,11 +314,13 @@ def pooled(name: str) -> bool:
     return m is not None and bool(m.group(1))
 
 
-def take(name: str, nbytes: int) -> memoryview:
+def take(name: str, nbytes: int, origin: str = "") -> memoryview:
     """Map the file a peer wrote (unlinking it unless pooled); raise :class:`ProtocolError` if it
-    is not ours."""
+    is not ours. ``origin``: where replies to the message go (see :func:`returnable`)."""
     if _laid:
         _release_laid()
+    if isinstance(name, str) and name.endswith(BACK):
+        return _take_back(name, nbytes)
     m = _NAME.fullmatch(name) if isinstance(name, str) else None
     if m is None or not isinstance(nbytes, int) or nbytes <= 0:
         raise ProtocolError(f"malformed shared-memory reference {name!r}")
@@ -273,7 +337,7 @@ def take(name: str, nbytes: int) -> memoryview:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 or not size_ok:
             raise ProtocolError(f"refused shared-memory buffer {name}: not a 0600 file of ours of {nbytes} bytes")
         if pooled:
-            return _lend(_map_pooled(name, fd, st), path, nbytes)
+            return _lend(_map_pooled(name, fd, st, origin), path, nbytes)
         # private: writes by the receiver (arrays are writable) never reach the file
         try:
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -289,7 +353,7 @@ def take(name: str, nbytes: int) -> memoryview:
     return memoryview(mm)
 
 
-def _map_pooled(name: str, fd: int, st: os.stat_result) -> _Mapped:
+def _map_pooled(name: str, fd: int, st: os.stat_result, origin: str) -> _Mapped:
     key = (st.st_dev, st.st_ino)
     with _mapped_lock:
         if _mapped_pid[0] != os.getpid():  # a forked child starts with no leases of its own
@@ -313,12 +377,16 @@ def _map_pooled(name: str, fd: int, st: os.stat_result) -> _Mapped:
                 mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError as e:  # out of address space or memory: this message is lost, not the loop
                 raise ProtocolError(f"could not map shared-memory buffer {name}: {e.strerror}") from e
-            pin = ctypes.c_char.from_buffer(mm)
-            addr = ctypes.addressof(pin)  # valid until _unmap, which only an unlent mapping gets
-            del pin
-            # its own descriptor, for a fork's private copy of a bytes laid over it
-            seg = _mapped[name] = _Mapped(name, key, mm, os.dup(fd), addr, st.st_size)
-        seg.busy = True
+            # its own descriptor, for a fork's private copy of a bytes laid over it (the
+            # address is valid until _unmap, which only an unlent mapping gets)
+            seg = _mapped[name] = _Mapped(name, key, mm, os.dup(fd), _address(mm), st.st_size)
+        elif seg.page0:
+            # the sender has written it again since: its first page is the file's once more
+            if _remap(seg.addr, mmap.PAGESIZE, seg.fd, 0, mmap.MAP_SHARED) != seg.addr:
+                _unmap(seg)
+                raise ProtocolError(f"could not map shared-memory buffer {name} again: errno {ctypes.get_errno()}")
+            seg.page0 = False
+        seg.busy, seg.used, seg.origin, seg.returned = True, time.monotonic(), origin, False
         return seg
 
 
@@ -394,7 +462,7 @@ def _give_back(seg: _Mapped, path: str) -> None:
     seg.used = time.monotonic()
     seg.busy = False  # before the rename: the name may come back to this process at once
     try:
-        os.rename(path, path + FREE)
+        os.rename(path, path + (BACK if seg.returned else FREE))
     except OSError:
         # its sender gave up on it (kept too long) or is gone: nothing will reuse this mapping
         with _mapped_lock:
@@ -421,47 +489,149 @@ def _unlay_before_fork() -> None:
     changes meanwhile lands before or after, never lost), each page is written once so that
     it is this process's own copy, and the segment goes back. The fork then copies them as any
     other memory."""
-    if not _laid:
+    if not _laid and not _own:
         return
-    _release_laid()
+    if _laid:
+        _release_laid()
     with _mapped_lock:
         for seg in _laid:
             if seg.private or seg.fd < 0:
                 continue
-            addr = _laid_at(seg)
-            lo = addr & ~(mmap.PAGESIZE - 1)
-            hi = -(-(addr + _rawbuf.HEAD + seg.held + 1) // mmap.PAGESIZE) * mmap.PAGESIZE
-            if _remap_private(lo, hi - lo, seg.fd, lo - seg.addr) != lo:
-                raise OSError(ctypes.get_errno(), "could not give a received bytes object its own pages before a fork")
-            for page in range(hi - 1, lo, -mmap.PAGESIZE):
-                b = ctypes.c_ubyte.from_address(page)  # the last byte of each page: never a count
-                b.value = b.value
+            # a first page of its own already holds the header (the file's has the sender's)
+            _privatize(seg.addr, seg.fd, seg.held, mmap.PAGESIZE if seg.page0 else 0)
             seg.private = True  # the rest of the mapping is unused: it goes when the object does
             if _mapped.get(seg.name) is seg:
                 del _mapped[seg.name]
             path = os.path.join(SHM_DIR, seg.name)
             try:
-                os.rename(path, path + FREE)
+                os.rename(path, path + (BACK if seg.returned else FREE))
             except OSError:
                 pass  # its sender gave up on it already
+        for own in _own.values():
+            if own.laid and not own.private and own.pid == os.getpid():
+                if _rawbuf.in_use(own.addr + DATA_OFF - _rawbuf.HEAD):
+                    # its pages are this process's own now: it is never written to send again
+                    _privatize(own.addr, own.fd, own.laid, 0)
+                    own.private = True
+
+
+def _privatize(base: int, fd: int, nbytes: int, skip: int) -> None:
+    """Give the ``bytes`` laid at ``base + DATA_OFF`` over ``fd``'s mapping at ``base`` pages of
+    this process's own (past ``skip`` bytes of the mapping): mapped again copy-on-write, each
+    written once."""
+    lo = ((base + DATA_OFF - _rawbuf.HEAD) & ~(mmap.PAGESIZE - 1)) + skip
+    hi = -(-(base + DATA_OFF + nbytes + 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+    if _remap(lo, hi - lo, fd, lo - base, mmap.MAP_PRIVATE) != lo:
+        raise OSError(ctypes.get_errno(), "could not give a received bytes object its own pages before a fork")
+    _touch(lo, hi)
+
+
+def _touch(lo: int, hi: int) -> None:
+    """Write each page of ``[lo, hi)`` once (with what it holds), so each is copied now."""
+    for page in range(hi - 1, lo, -mmap.PAGESIZE):
+        b = ctypes.c_ubyte.from_address(page)  # the last byte of each page: never a count
+        b.value = b.value
 
 
 _MAP_FIXED = 0x10
 _libc_mmap: Any = None
 
 
-def _remap_private(addr: int, n: int, fd: int, off: int) -> int:
-    """Map ``n`` bytes of ``fd`` at ``off`` copy-on-write at exactly ``addr``, in place of what
-    was mapped there."""
+def _remap(addr: int, n: int, fd: int, off: int, flags: int) -> int:
+    """Map ``n`` bytes of ``fd`` at ``off`` (``MAP_SHARED``, or ``MAP_PRIVATE``: copy-on-write)
+    at exactly ``addr``, in place of what was mapped there; one ``mmap``, so a write to the
+    old pages by another thread meanwhile lands before (then the file has it) or after."""
     global _libc_mmap
     if _libc_mmap is None:
         f = ctypes.CDLL(None, use_errno=True).mmap
         f.restype = ctypes.c_void_p
         f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
         _libc_mmap = f
-    flags = mmap.MAP_PRIVATE | _MAP_FIXED
-    got: int | None = _libc_mmap(addr, n, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, off)
+    got: int | None = _libc_mmap(addr, n, mmap.PROT_READ | mmap.PROT_WRITE, flags | _MAP_FIXED, fd, off)
     return got or 0
+
+
+def has_laid() -> bool:
+    """Whether this process holds any ``bytes`` laid over a peer's segment."""
+    return bool(_laid)
+
+
+def returnable(buf: Any, addr: str) -> tuple[str, int] | None:
+    """The name to send back instead of ``buf``'s bytes, where ``buf`` is a ``bytes`` laid over
+    a segment from ``addr`` (a reply to its sender: an actor returning what it was given), else
+    None. Its sender then lays its own object over its own pages (:func:`_take_back`): no copy
+    either way. This process's header moves to a first page of its own, since the sender's
+    goes in the same place in the file; the segment goes back under ``BACK``."""
+    obj = memoryview(buf).obj
+    if type(obj) is not bytes:
+        return None
+    at = id(obj)
+    with _mapped_lock:
+        for seg in _laid:
+            if _laid_at(seg) != at or seg.held != len(obj):
+                continue
+            if seg.origin != addr or seg.returned or seg.private or seg.pid != os.getpid():
+                return None  # sent back once per message (the sender then holds it)
+            if time.monotonic() - seg.used > GRACE_S / 4:
+                return None  # its sender may give it up before this reply is read (_drop)
+            if not seg.page0:
+                if _remap(seg.addr, mmap.PAGESIZE, seg.fd, 0, mmap.MAP_PRIVATE) != seg.addr:
+                    raise OSError(ctypes.get_errno(), "could not map a shared-memory page")
+                _touch(seg.addr, seg.addr + mmap.PAGESIZE)  # ours before the sender writes its header
+                seg.page0 = True
+            seg.returned = True
+            return seg.name + BACK, seg.held
+    return None
+
+
+def _take_back(name: str, nbytes: int) -> memoryview:
+    """A ``bytes`` a peer sent back by name (:func:`returnable`) over this process's own
+    segment, laid over it (or, where that cannot be, copied out of it)."""
+    if not _BACK_NAME.fullmatch(name) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise ProtocolError(f"malformed shared-memory reference {name!r}")
+    with _mapped_lock:
+        seg = _own.get(name[: -len(BACK)])
+        if seg is None or seg.pid != os.getpid() or seg.private or DATA_OFF + nbytes + 1 > seg.size:
+            raise ProtocolError(f"refused shared-memory buffer {name}: not a segment this process sent")
+        seg.back, seg.used = True, time.monotonic()
+        at = seg.addr + DATA_OFF - _rawbuf.HEAD
+        if _rawbuf.IN_PLACE and _rawbuf.HEAD <= DATA_OFF and not (seg.laid and _rawbuf.in_use(at)):
+            if not seg.pinned:
+                _PIN(seg.mm)  # as _lay_bytes: the mapping outlives every holder of the object
+                seg.pinned = True
+            seg.laid = nbytes
+            return memoryview(_rawbuf.bytes_at(at, nbytes))
+        # copied while the lock keeps the segment from being claimed
+        return memoryview(_rawbuf.to_bytes(memoryview(seg.mm)[DATA_OFF : DATA_OFF + nbytes]))
+
+
+#: own segments dropped while a ``bytes`` sent back is laid over them: unmapped once not held
+_orphans: list[_Segment] = []
+
+
+def _close_own(seg: _Segment) -> None:
+    if seg.pinned:
+        seg.pinned = False
+        _UNPIN(seg.mm)
+    try:
+        seg.mm.close()
+    except BufferError:
+        pass  # a copy into it is still running; the mapping goes with its last user
+    if seg.fd >= 0:
+        os.close(seg.fd)
+        seg.fd = -1
+
+
+def _close_orphans() -> None:
+    now = time.monotonic()
+    with _mapped_lock:
+        done = [s for s in _orphans if s.until < now and not (s.laid and _rawbuf.in_use(s.addr + DATA_OFF - _rawbuf.HEAD))]
+        for seg in done:
+            _orphans.remove(seg)
+            if _own.get(seg.name) is seg:
+                del _own[seg.name]
+    for seg in done:
+        _close_own(seg)
 
 
 os.register_at_fork(before=_unlay_before_fork)
@@ -475,6 +645,8 @@ def sweep_mapped(idle: float = POOL_IDLE_S) -> None:
     _rawbuf.release_idle(min(idle, _rawbuf.REUSE_IDLE_S))
     if _laid:
         _release_laid()
+    if _orphans:
+        _close_orphans()
     now = time.monotonic()
     with _mapped_lock:
         idle_segs = [s for s in _mapped.values() if not s.busy]
@@ -482,13 +654,13 @@ def sweep_mapped(idle: float = POOL_IDLE_S) -> None:
         gone = now - seg.used > idle
         if not gone:
             path = os.path.join(SHM_DIR, seg.name)
-            try:
-                st = os.stat(path + FREE)
-            except OSError:
+            st = None
+            for suffix in (FREE, BACK, ""):  # "": claimed again by its sender, on its way to a receiver
                 try:
-                    st = os.stat(path)  # claimed again by its sender, on its way to a receiver
+                    st = os.stat(path + suffix)
+                    break
                 except OSError:
-                    st = None
+                    pass
             gone = st is None or (st.st_dev, st.st_ino) != seg.key
         if gone:
             with _mapped_lock:

@@ -8,7 +8,8 @@ A message is ``[head, *rest]``:
 * ``rest`` = the payload when it is large (its own frame, never copied), then its
   out-of-band pickle-5 buffers, each its own frame so large arrays are never copied into
   the body. With flag ``SHM`` a frame right after the head lists ``(index, name, nbytes)``
-  of buffers that travel through shared memory (their frames are empty).
+  of buffers that travel through shared memory (their frames are empty); a name ending in
+  ``.back`` is the receiver's own segment, sent back (see ``_runtime/shm``).
 
 A small message is one frame: every frame costs a send and a receive call (and a GIL
 round trip) on both sides, which dominated a small call.
@@ -31,8 +32,9 @@ from ..errors import ProtocolError, VersionMismatchError
 
 MAGIC = b"MNB"
 #: 4: rank output travels as runs of lines (``logcapture.LogRun``), not a tuple per line;
-#: 5: a pooled shared-memory segment holds its buffer at ``shm.DATA_OFF``, not at its start
-VERSION = 5
+#: 5: a pooled shared-memory segment holds its buffer at ``shm.DATA_OFF``, not at its start;
+#: 6: a reply may name its caller's own segment (``shm.BACK``), sending a ``bytes`` back uncopied
+VERSION = 6
 
 #: a message for an actor: meta is an :class:`ActorMeta`
 ACTOR = 1

@@ -83,7 +83,10 @@ class _OOBBytes:
 def _bytes_from(buf: Any) -> bytes:
     # a pooled shared-memory segment can carry the object itself (``as_bytes``: laid over it,
     # no copy; the segment goes back once nobody holds it)
-    lease = memoryview(buf).obj
+    mv = memoryview(buf)
+    lease = mv.obj
+    if type(lease) is bytes and len(lease) == mv.nbytes:
+        return lease  # the whole of an immutable bytes (one sent back, a frame): no copy needed
     as_bytes = getattr(lease, "as_bytes", None)
     if as_bytes is not None and (laid := as_bytes()) is not None:
         return laid  # type: ignore[no-any-return]
