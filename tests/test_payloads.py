@@ -613,6 +613,41 @@ def test_an_actor_returning_the_bytes_it_was_sent_and_keeping_it_shares_one_segm
     assert _all_given_back(echo) == []
 
 
+def test_threads_echoing_large_bytes_at_once_each_get_their_own_back_intact(echo):
+    import threading
+
+    from monarch_nb.actor import this_host
+
+    pm = this_host().spawn_procs(per_host={"gpus": 1}, name="payloads-2")
+    try:
+        other = pm.spawn("e", Echo)
+        held: list[tuple[bytes, bytes]] = []
+        errors: list[BaseException] = []
+
+        def run(actor, seed: int) -> None:  # type: ignore[no-untyped-def]
+            try:
+                for i in range(8):
+                    x = bytes([seed, i]) * (BIG // 2) + os.urandom(64)
+                    y = actor.echo.call_one(x).get(timeout=60)
+                    assert y == x
+                    if i % 3 == 0:
+                        held.append((x, y))  # some results stay held while the segments go round
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(a, k)) for k, a in enumerate((echo, echo, other, other))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        assert len(held) == 12 and all(x == y for x, y in held)
+    finally:
+        pm.stop().get(timeout=30)
+    held.clear()
+    assert _all_given_back(echo) == []
+
+
 def test_a_pooled_segment_goes_back_when_idle_or_never_returned():
     from monarch_nb._wire.serialize import _bytes_from
 

@@ -54,6 +54,9 @@ def main(spec: dict[str, Any]) -> int:
     _join_threads()
     gc.collect()
     atexit._run_exitfuncs()
+    # segments its senders lent it go back now (nothing here holds what lies on them any
+    # more), not a minute on when they would give them up
+    rt.release_shm()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
