@@ -12,10 +12,13 @@ import pytest
 import torch
 
 from monarch_nb._runtime import shm
+from monarch_nb._wire import _rawbuf
 from monarch_nb.actor import Actor, endpoint, this_host
 from monarch_nb.errors import ProtocolError
 
 pytestmark = pytest.mark.timeout(90)
+
+in_place = pytest.mark.skipif(not _rawbuf.IN_PLACE, reason="this interpreter's bytes objects cannot be laid over shared memory")
 
 BIG = 9 << 20  # above the default shared-memory threshold (8 MiB)
 
@@ -258,7 +261,6 @@ def test_an_array_kept_past_the_senders_grace_stays_valid_and_its_memory_goes_wi
 
 
 def test_large_bytes_that_arrived_never_change_and_hash_right_when_their_memory_is_reused():
-    from monarch_nb._wire import _rawbuf
     from monarch_nb._wire.serialize import _bytes_from
 
     def arrive(data: bytes) -> bytes:
@@ -281,7 +283,6 @@ def test_large_bytes_that_arrived_never_change_and_hash_right_when_their_memory_
 
 
 def test_a_huge_line_joined_from_pipe_reads_never_changes_when_the_next_one_reuses_memory() -> None:
-    from monarch_nb._wire import _rawbuf
 
     n = _rawbuf.MIN_BYTES + 4096
     pieces = [os.urandom(n // 4) for _ in range(4)]
@@ -306,12 +307,10 @@ def _mapping_of(addr: int) -> str:
     return ""
 
 
+@in_place
 def test_a_large_bytes_is_laid_over_its_segment_which_is_not_reused_while_held():
-    from monarch_nb._wire import _rawbuf
     from monarch_nb._wire.serialize import _bytes_from
 
-    if not _rawbuf.IN_PLACE:
-        pytest.skip("this interpreter's bytes objects cannot be laid over shared memory")
     sender = shm.ShmSender()
     try:
         data = os.urandom(3 << 20)
@@ -335,12 +334,10 @@ def test_a_large_bytes_is_laid_over_its_segment_which_is_not_reused_while_held()
         shm.sweep_mapped(-1.0)
 
 
+@in_place
 def test_received_bytes_past_the_budget_for_shared_memory_are_copied_and_their_segments_go_back(monkeypatch):
-    from monarch_nb._wire import _rawbuf
     from monarch_nb._wire.serialize import _bytes_from
 
-    if not _rawbuf.IN_PLACE:
-        pytest.skip("this interpreter's bytes objects cannot be laid over shared memory")
     monkeypatch.setattr(shm, "LAID_MAX", 5 << 20)
     sender = shm.ShmSender()
     try:
@@ -360,12 +357,17 @@ def test_received_bytes_past_the_budget_for_shared_memory_are_copied_and_their_s
         shm.sweep_mapped(-1.0)
 
 
+def _child_ok(pid: int, go: int) -> bool:
+    """Tell the forked child ``pid`` to check what it holds (a byte on ``go``); its verdict."""
+    os.write(go, b"x")
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+@in_place
 def test_a_forked_child_keeps_its_laid_bytes_when_the_parent_gives_the_segment_back():
-    from monarch_nb._wire import _rawbuf
     from monarch_nb._wire.serialize import _bytes_from
 
-    if not _rawbuf.IN_PLACE:
-        pytest.skip("this interpreter's bytes objects cannot be laid over shared memory")
     sender = shm.ShmSender()
     go_r, go_w = os.pipe()
     try:
@@ -386,30 +388,39 @@ def test_a_forked_child_keeps_its_laid_bytes_when_the_parent_gives_the_segment_b
         del got  # the parent lets go: the segment goes back, and its sender reuses it
         shm.sweep_mapped()
         assert sender.put(os.urandom(n), pooled=True)[0] == name
-        os.write(go_w, b"x")
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0, "the child's bytes changed, or it crashed"
+        assert _child_ok(pid, go_w), "the child's bytes changed, or it crashed"
     finally:
         os.close(go_w)
         sender.close()
         shm.sweep_mapped(-1.0)
 
 
-def test_a_process_exits_cleanly_holding_laid_bytes():
+@pytest.mark.parametrize(
+    "hold",
+    [
+        "kept = [_bytes_from(shm.take(name, n))]\n",
+        # a bytes sent back to its sender: the sender's own segment under the object
+        "xp = _bytes_from(shm.take(name, n, 'me'))\n"
+        "kept = [_bytes_from(shm.take(*shm.returnable(pickle.PickleBuffer(xp), 'me'))), xp]\n",
+    ],
+    ids=["received", "sent-back"],
+)
+def test_a_process_exits_cleanly_holding_laid_bytes(hold: str) -> None:
     import subprocess
     import sys
 
     script = (
-        "import os\n"
+        "import os, pickle\n"
         "from monarch_nb._runtime import shm\n"
         "from monarch_nb._wire.serialize import _bytes_from\n"
         "sender = shm.ShmSender()\n"
         "data = os.urandom(2 << 20)\n"
         "name, n = sender.put(data, pooled=True)\n"
-        "kept = [_bytes_from(shm.take(name, n))]\n"
+        f"{hold}"
         "alias = kept[0]\n"
         "assert alias == data\n"
         "sender.close()\n"
+        "assert alias == data\n"
         "print('held', flush=True)\n"
     )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
@@ -431,13 +442,10 @@ def _sent_back(data: bytes, origin: str = "caller") -> tuple[shm.ShmSender, str,
     return sender, name, xp, _bytes_from(shm.take(*ref))
 
 
+@in_place
 def test_a_bytes_sent_back_to_its_sender_is_its_own_segment_not_reused_until_both_sides_let_go():
     import pickle
 
-    from monarch_nb._wire import _rawbuf
-
-    if not _rawbuf.IN_PLACE:
-        pytest.skip("this interpreter's bytes objects cannot be laid over shared memory")
     data = os.urandom(3 << 20)
     sender, name, xp, y = _sent_back(data)
     try:
@@ -472,14 +480,12 @@ def test_a_bytes_sent_back_to_its_sender_is_its_own_segment_not_reused_until_bot
         shm.sweep_mapped(-1.0)
 
 
+@in_place
 def test_a_bytes_sent_back_after_its_sender_gave_the_segment_up_still_arrives(monkeypatch):
     import pickle
 
-    from monarch_nb._wire import _rawbuf
     from monarch_nb._wire.serialize import _bytes_from
 
-    if not _rawbuf.IN_PLACE:
-        pytest.skip("this interpreter's bytes objects cannot be laid over shared memory")
     sender = shm.ShmSender()
     try:
         data = os.urandom(2 << 20)
@@ -525,13 +531,10 @@ def test_a_reference_to_a_segment_not_sent_from_here_is_refused():
         sender.close()
 
 
+@in_place
 def test_a_forked_child_keeps_what_was_sent_back_on_both_sides():
     import sys
 
-    from monarch_nb._wire import _rawbuf
-
-    if not _rawbuf.IN_PLACE:
-        pytest.skip("this interpreter's bytes objects cannot be laid over shared memory")
     data = os.urandom(2 << 20)
     sender, name, xp, y = _sent_back(data)
     more_of_y = [y] * 5  # the two headers' counts differ: each must stay its own
@@ -557,37 +560,14 @@ def test_a_forked_child_keeps_what_was_sent_back_on_both_sides():
             assert name2 != name
             shm.take(name2, n2).release()
             shm.sweep_mapped()
-        os.write(go_w, b"x")
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0, "the child's bytes changed, or it crashed"
+        assert _child_ok(pid, go_w), "the child's bytes changed, or it crashed"
     finally:
         os.close(go_w)
         sender.close()
         shm.sweep_mapped(-1.0)
 
 
-def test_a_process_exits_cleanly_holding_a_bytes_sent_back() -> None:
-    import subprocess
-    import sys
-
-    script = (
-        "import os, pickle\n"
-        "from monarch_nb._runtime import shm\n"
-        "from monarch_nb._wire.serialize import _bytes_from\n"
-        "sender = shm.ShmSender()\n"
-        "data = os.urandom(2 << 20)\n"
-        "name, n = sender.put(data, pooled=True)\n"
-        "xp = _bytes_from(shm.take(name, n, 'me'))\n"
-        "kept = [_bytes_from(shm.take(*shm.returnable(pickle.PickleBuffer(xp), 'me')))]\n"
-        "assert kept[0] == data == xp\n"
-        "sender.close()\n"
-        "assert kept[0] == data\n"
-        "print('held', flush=True)\n"
-    )
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and r.stdout == "held\n", (r.returncode, r.stderr[-2000:])
-
-
+@in_place
 def test_an_actor_returning_the_bytes_it_was_sent_and_keeping_it_shares_one_segment_safely(echo):
     assert _all_given_back(echo) == []
     first = os.urandom(BIG)
