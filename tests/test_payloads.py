@@ -515,6 +515,24 @@ def test_a_bytes_sent_back_after_its_sender_gave_the_segment_up_still_arrives(mo
         shm.sweep_mapped(-1.0)
 
 
+@in_place
+def test_bytes_sent_back_count_against_the_budget_for_shared_memory(monkeypatch):
+    monkeypatch.setattr(shm, "LAID_MAX", 10 << 20)
+    data = os.urandom(3 << 20)
+    first = _sent_back(data)  # 6 MiB laid: the receiver's object and the sender's
+    second = _sent_back(data[::-1])  # the receiver's 3 MiB more fit; the sender's do not
+    try:
+        (_, name1, xp1, y1), (_, name2, xp2, y2) = first, second
+        assert y1 == xp1 == data and y2 == xp2 == data[::-1]
+        assert os.path.basename(_mapping_of(id(y1))) == name1
+        assert os.path.basename(_mapping_of(id(y2))) != name2, "over the budget: a copy"
+    finally:
+        for sender, *_ in (first, second):
+            sender.close()
+        del first, second
+        shm.sweep_mapped(-1.0)
+
+
 def test_a_reference_to_a_segment_not_sent_from_here_is_refused():
     sender = shm.ShmSender()
     try:

@@ -408,13 +408,26 @@ def _lend(seg: _Mapped, path: str, nbytes: int) -> memoryview:
 
 #: segments with a ``bytes`` laid over them, until nobody holds it
 _laid: list[_Mapped] = []
-#: at most this much of /dev/shm held by ``bytes`` laid over segments in one process (a
-#: notebook collecting results would fill the tmpfs others use too): past it they are copied
+#: at most this much of /dev/shm held by ``bytes`` laid over segments in one process, its
+#: peers' and its own sent back (a notebook collecting results would fill the tmpfs others
+#: use too): past it they are copied
 LAID_MAX = 512 << 20
 _PIN = ctypes.pythonapi.Py_IncRef
 _PIN.argtypes = (ctypes.py_object,)
 _UNPIN = ctypes.pythonapi.Py_DecRef
 _UNPIN.argtypes = (ctypes.py_object,)
+
+
+def _laid_total() -> int:
+    """The bytes of objects laid over segments that this process holds (with _mapped_lock)."""
+    total = sum(s.held for s in _laid)
+    for own in _own.values():
+        if own.laid:
+            if _rawbuf.in_use(own.addr + DATA_OFF - _rawbuf.HEAD):
+                total += own.laid
+            else:
+                own.laid = 0
+    return total
 
 
 def _laid_at(seg: _Mapped) -> int:
@@ -427,7 +440,7 @@ def _lay_bytes(seg: _Mapped, nbytes: int, done: weakref.finalize[Any, Any]) -> b
     give-back left to :func:`_release_laid`; None (copy it) past ``LAID_MAX`` or if the lease
     was given back already."""
     with _mapped_lock:
-        if sum(s.held for s in _laid) + nbytes > LAID_MAX:
+        if _laid_total() + nbytes > LAID_MAX:
             return None  # copied out, and the segment goes back at once
         if done.detach() is None:
             return None
@@ -595,7 +608,8 @@ def _take_back(name: str, nbytes: int) -> memoryview:
             raise ProtocolError(f"refused shared-memory buffer {name}: not a segment this process sent")
         seg.back, seg.used = True, time.monotonic()
         at = seg.addr + DATA_OFF - _rawbuf.HEAD
-        if _rawbuf.IN_PLACE and _rawbuf.HEAD <= DATA_OFF and not (seg.laid and _rawbuf.in_use(at)):
+        held = seg.laid and _rawbuf.in_use(at)
+        if _rawbuf.IN_PLACE and _rawbuf.HEAD <= DATA_OFF and not held and _laid_total() + nbytes <= LAID_MAX:
             if not seg.pinned:
                 _PIN(seg.mm)  # as _lay_bytes: the mapping outlives every holder of the object
                 seg.pinned = True
