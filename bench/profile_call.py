@@ -1,7 +1,9 @@
 """Where the time of one ``call_one`` goes, on monarch_nb (a breakdown for docs/performance.md).
 
-    python -m bench.profile_call [--calls 2000] [--async] [--gap-ms G [--thrash]]
+    python -m bench.profile_call [--calls 2000] [--async] [--gap-ms G [--thrash]] [--payload KIND:MIB]
 
+With ``--payload`` (``bytes:16``, ``numpy:16``, ``torch:64``) every call is an echo of that payload, as
+``python -m bench``'s payload rows (the copies into shared memory fall in the write phases).
 With ``--gap-ms`` every call follows a pause of G ms (``--thrash``: another process walks
 48 MiB meanwhile, as the peer's round does in ``python -m bench``): the breakdown of a cold call.
 
@@ -104,6 +106,11 @@ class Probe(Actor):
         return 0
 
     @endpoint
+    def echo(self, x: Any) -> Any:
+        self.log.append(("fn", T()))
+        return x
+
+    @endpoint
     def dump(self) -> list[tuple[str, int]]:
         out, self.log[:] = list(self.log), []
         return out
@@ -120,6 +127,11 @@ class AsyncProbe(Probe):
         return 0
 
     @endpoint
+    async def echo(self, x: Any) -> Any:  # type: ignore[override]
+        self.log.append(("fn", T()))
+        return x
+
+    @endpoint
     async def dump(self) -> list[tuple[str, int]]:  # type: ignore[override]
         out, self.log[:] = list(self.log), []
         return out
@@ -128,7 +140,7 @@ class AsyncProbe(Probe):
 def _install(log: list[tuple[str, int]], controller: str) -> int:
     from monarch_nb.actor import _context
 
-    _instrument(_context.runtime(), log, controller, lambda km: km[0] == 1 and km[1][1] == "ping")
+    _instrument(_context.runtime(), log, controller, lambda km: km[0] == 1 and km[1][1] in ("ping", "echo"))
     return os.getpid()
 
 
@@ -181,7 +193,15 @@ def main() -> int:
     ap.add_argument("--async", dest="use_async", action="store_true", help="an async actor")
     ap.add_argument("--gap-ms", type=float, default=0.0, help="pause before each call (a cold call)")
     ap.add_argument("--thrash", action="store_true", help="during the pause another process walks 48 MiB")
+    ap.add_argument("--payload", default="", help="KIND:MIB (bytes, numpy or torch): echo it instead of a ping")
     a = ap.parse_args()
+    if a.payload:
+        from .workloads import make_payload
+
+        kind, mib = a.payload.split(":")
+        x = make_payload(kind, int(mib) << 20)
+    else:
+        x = None
     gap = _Gap(a.gap_ms / 1e3, a.thrash) if a.gap_ms > 0 else None
     from monarch_nb.actor import _context
     from monarch_nb.allocator import list_allocators, stop_allocator
@@ -192,8 +212,9 @@ def main() -> int:
         rt = _context.runtime()
         proc_pid = am.install.call_one(rt.ipc_addr).get()
         alloc_pid = int(list_allocators()[0]["pid"])
-        for _ in range(200):
-            am.ping.call_one().get()
+        call = (lambda: am.echo.call_one(x)) if x is not None else am.ping.call_one
+        for _ in range(200 if x is None else 5):
+            call().get()
         am.dump.call_one().get()
         ctl: list[tuple[str, int]] = []
         proc_addr = am._procs[0].addr
@@ -208,8 +229,9 @@ def main() -> int:
             if gap is not None:
                 gap.wait()
             starts.append(T())
-            am.ping.call_one().get()
+            y = call().get()
             ends.append(T())
+            del y
         wall = time.perf_counter() - w0
         cpu1 = (time.process_time(), _cpu(proc_pid), _cpu(alloc_pid))
         ctl_log = list(ctl)
@@ -249,6 +271,7 @@ def main() -> int:
     out = {
         "calls": n,
         "actor": "async" if a.use_async else "sync",
+        "payload": a.payload or None,
         "gap_ms": a.gap_ms,
         "thrash": a.thrash,
         "loadavg": os.getloadavg(),
