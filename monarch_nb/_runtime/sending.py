@@ -235,7 +235,7 @@ class Sender:
                             # one receiver: it gives the segment back when done with it; a
                             # reply that is the bytes its caller sent over shared memory goes
                             # back by name
-                            ref = _shm.returnable(b, addr) if kind == wire.PORT and _shm.has_laid() else None
+                            ref = _shm.returnable(b, addr) if kind == wire.PORT else None
                             entry = (i, *(ref or self.shm.put(b, pooled=True)))
                         else:
                             src = shared.get(i)

@@ -164,10 +164,9 @@ class ShmSender:
             for seg in self._pool:
                 if seg.size < n or seg.private:
                     continue
-                if seg.laid:
-                    if _rawbuf.in_use(seg.addr + DATA_OFF - _rawbuf.HEAD):
-                        continue  # a bytes its receiver sent back is still held here
-                    seg.laid = 0
+                if _own_held(seg):
+                    continue  # a bytes its receiver sent back is still held here
+                seg.laid = 0
                 path = os.path.join(SHM_DIR, seg.name)
                 try:
                     # only the receiver's rename, once done with it, makes that name exist
@@ -232,10 +231,10 @@ class ShmSender:
                 return
             if _own.get(seg.name) is seg:
                 del _own[seg.name]
-            if seg.laid and _rawbuf.in_use(seg.addr + DATA_OFF - _rawbuf.HEAD):
+            if _own_held(seg):
                 _orphans.append(seg)  # a bytes sent back is held: unmapped once it is not
                 return
-        _close_own(seg)
+        _close(seg)
 
     def sweep(self, max_age: float = GRACE_S, idle: float = POOL_IDLE_S) -> None:
         """Unlink names handed out more than ``max_age`` ago that nobody took (taken ones are
@@ -420,19 +419,17 @@ _UNPIN.argtypes = (ctypes.py_object,)
 
 def _laid_total() -> int:
     """The bytes of objects laid over segments that this process holds (with _mapped_lock)."""
-    total = sum(s.held for s in _laid)
-    for own in _own.values():
-        if own.laid:
-            if _rawbuf.in_use(own.addr + DATA_OFF - _rawbuf.HEAD):
-                total += own.laid
-            else:
-                own.laid = 0
-    return total
+    return sum(s.held for s in _laid) + sum(s.laid for s in _own.values() if _own_held(s))
 
 
-def _laid_at(seg: _Mapped) -> int:
+def _laid_at(seg: _Mapped | _Segment) -> int:
     """Where the header of a ``bytes`` laid over ``seg`` lies: just before its buffer."""
     return seg.addr + DATA_OFF - _rawbuf.HEAD
+
+
+def _own_held(seg: _Segment) -> bool:
+    """Whether a ``bytes`` sent back is laid over this process's own ``seg`` and still held."""
+    return bool(seg.laid) and _rawbuf.in_use(_laid_at(seg))
 
 
 def _lay_bytes(seg: _Mapped, nbytes: int, done: weakref.finalize[Any, Any]) -> bytes | None:
@@ -486,13 +483,21 @@ def _give_back(seg: _Mapped, path: str) -> None:
 def _unmap(seg: _Mapped) -> None:
     if _mapped.get(seg.name) is seg:
         del _mapped[seg.name]
-    seg.mm.close()
-    if seg.fd >= 0:
-        os.close(seg.fd)
-        seg.fd = -1
+    _close(seg)
+
+
+def _close(seg: _Mapped | _Segment) -> None:
+    """Unmap a segment and close its descriptor, pinned or not (nothing laid over it is held)."""
     if seg.pinned:
         seg.pinned = False
         _UNPIN(seg.mm)
+    try:
+        seg.mm.close()
+    except BufferError:
+        pass  # a copy into it is still running; the mapping goes with its last user
+    if seg.fd >= 0:
+        os.close(seg.fd)
+        seg.fd = -1
 
 
 def _unlay_before_fork() -> None:
@@ -521,18 +526,17 @@ def _unlay_before_fork() -> None:
             except OSError:
                 pass  # its sender gave up on it already
         for own in _own.values():
-            if own.laid and not own.private and own.pid == os.getpid():
-                if _rawbuf.in_use(own.addr + DATA_OFF - _rawbuf.HEAD):
-                    # its pages are this process's own now: it is never written to send again
-                    _privatize(own.addr, own.fd, own.laid, 0)
-                    own.private = True
+            if not own.private and own.pid == os.getpid() and _own_held(own):
+                # its pages are this process's own now: it is never written to send again
+                _privatize(own.addr, own.fd, own.laid, 0)
+                own.private = True
 
 
 def _privatize(base: int, fd: int, nbytes: int, skip: int) -> None:
     """Give the ``bytes`` laid at ``base + DATA_OFF`` over ``fd``'s mapping at ``base`` pages of
     this process's own (past ``skip`` bytes of the mapping): mapped again copy-on-write, each
     written once."""
-    lo = ((base + DATA_OFF - _rawbuf.HEAD) & ~(mmap.PAGESIZE - 1)) + skip
+    lo = (base & ~(mmap.PAGESIZE - 1)) + skip  # the header's page: DATA_OFF is below a page
     hi = -(-(base + DATA_OFF + nbytes + 1) // mmap.PAGESIZE) * mmap.PAGESIZE
     if _remap(lo, hi - lo, fd, lo - base, mmap.MAP_PRIVATE) != lo:
         raise OSError(ctypes.get_errno(), "could not give a received bytes object its own pages before a fork")
@@ -564,17 +568,14 @@ def _remap(addr: int, n: int, fd: int, off: int, flags: int) -> int:
     return got or 0
 
 
-def has_laid() -> bool:
-    """Whether this process holds any ``bytes`` laid over a peer's segment."""
-    return bool(_laid)
-
-
 def returnable(buf: Any, addr: str) -> tuple[str, int] | None:
     """The name to send back instead of ``buf``'s bytes, where ``buf`` is a ``bytes`` laid over
     a segment from ``addr`` (a reply to its sender: an actor returning what it was given), else
     None. Its sender then lays its own object over its own pages (:func:`_take_back`): no copy
     either way. This process's header moves to a first page of its own, since the sender's
     goes in the same place in the file; the segment goes back under ``BACK``."""
+    if not _laid:
+        return None
     obj = memoryview(buf).obj
     if type(obj) is not bytes:
         return None
@@ -607,14 +608,12 @@ def _take_back(name: str, nbytes: int) -> memoryview:
         if seg is None or seg.pid != os.getpid() or seg.private or DATA_OFF + nbytes + 1 > seg.size:
             raise ProtocolError(f"refused shared-memory buffer {name}: not a segment this process sent")
         seg.back, seg.used = True, time.monotonic()
-        at = seg.addr + DATA_OFF - _rawbuf.HEAD
-        held = seg.laid and _rawbuf.in_use(at)
-        if _rawbuf.IN_PLACE and _rawbuf.HEAD <= DATA_OFF and not held and _laid_total() + nbytes <= LAID_MAX:
+        if _rawbuf.IN_PLACE and _rawbuf.HEAD <= DATA_OFF and not _own_held(seg) and _laid_total() + nbytes <= LAID_MAX:
             if not seg.pinned:
                 _PIN(seg.mm)  # as _lay_bytes: the mapping outlives every holder of the object
                 seg.pinned = True
             seg.laid = nbytes
-            return memoryview(_rawbuf.bytes_at(at, nbytes))
+            return memoryview(_rawbuf.bytes_at(_laid_at(seg), nbytes))
         # copied while the lock keeps the segment from being claimed
         return memoryview(_rawbuf.to_bytes(memoryview(seg.mm)[DATA_OFF : DATA_OFF + nbytes]))
 
@@ -623,29 +622,16 @@ def _take_back(name: str, nbytes: int) -> memoryview:
 _orphans: list[_Segment] = []
 
 
-def _close_own(seg: _Segment) -> None:
-    if seg.pinned:
-        seg.pinned = False
-        _UNPIN(seg.mm)
-    try:
-        seg.mm.close()
-    except BufferError:
-        pass  # a copy into it is still running; the mapping goes with its last user
-    if seg.fd >= 0:
-        os.close(seg.fd)
-        seg.fd = -1
-
-
 def _close_orphans() -> None:
     now = time.monotonic()
     with _mapped_lock:
-        done = [s for s in _orphans if s.until < now and not (s.laid and _rawbuf.in_use(s.addr + DATA_OFF - _rawbuf.HEAD))]
+        done = [s for s in _orphans if s.until < now and not _own_held(s)]
         for seg in done:
             _orphans.remove(seg)
             if _own.get(seg.name) is seg:
                 del _own[seg.name]
     for seg in done:
-        _close_own(seg)
+        _close(seg)
 
 
 os.register_at_fork(before=_unlay_before_fork)
