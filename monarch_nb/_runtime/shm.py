@@ -72,6 +72,9 @@ _GRAIN = 1 << 20
 #: where a pooled segment holds its buffer: cache-line aligned for arrays, with room before it
 #: for the header of a ``bytes`` laid over it, and a byte after it for that object's NUL
 DATA_OFF = 64
+#: a ``bytes`` can be laid over a pooled segment in this interpreter (its header fits before
+#: the buffer)
+_LAYABLE = _rawbuf.IN_PLACE and _rawbuf.HEAD <= DATA_OFF
 
 
 class _Segment:
@@ -399,7 +402,7 @@ def _lend(seg: _Mapped, path: str, nbytes: int) -> memoryview:
     done = weakref.finalize(lease, _give_back, seg, path)
     done.atexit = False
     lease.copied = done  # type: ignore[attr-defined]  # a bytes object, copied out, gives it back at once
-    if _rawbuf.IN_PLACE and _rawbuf.HEAD <= DATA_OFF and seg.size <= 2 * nbytes + _GRAIN:
+    if _LAYABLE and seg.size <= 2 * nbytes + _GRAIN:
         # (a much larger segment, the sender's only free one, is not held for a small bytes)
         lease.as_bytes = lambda: _lay_bytes(seg, nbytes, done)  # type: ignore[attr-defined]
     return memoryview(lease)
@@ -608,7 +611,7 @@ def _take_back(name: str, nbytes: int) -> memoryview:
         if seg is None or seg.pid != os.getpid() or seg.private or DATA_OFF + nbytes + 1 > seg.size:
             raise ProtocolError(f"refused shared-memory buffer {name}: not a segment this process sent")
         seg.back, seg.used = True, time.monotonic()
-        if _rawbuf.IN_PLACE and _rawbuf.HEAD <= DATA_OFF and not _own_held(seg) and _laid_total() + nbytes <= LAID_MAX:
+        if _LAYABLE and not _own_held(seg) and _laid_total() + nbytes <= LAID_MAX:
             if not seg.pinned:
                 _PIN(seg.mm)  # as _lay_bytes: the mapping outlives every holder of the object
                 seg.pinned = True
