@@ -544,15 +544,32 @@ class NetnsCluster:
         """Wait until host i's link carries traffic (or is partitioned as asked)."""
         want = "disabled" if i in self._partitioned else "forwarding"
         deadline = time.monotonic() + _SETUP_TIMEOUT
-        while True:
-            port = json.loads(_ip("-n", self.switch_netns, "-j", "-d", "link", "show", _port(i)).stdout)[0]
-            host = json.loads(_ip("-n", self.netns(i), "-j", "link", "show", HOST_IFACE).stdout)[0]
-            port_state = port.get("linkinfo", {}).get("info_slave_data", {}).get("state")
-            if port_state == want and "LOWER_UP" in host["flags"]:
-                return
-            if time.monotonic() > deadline:
-                raise NetnsError(f"host {i}: link not ready (port {port_state}, host flags {host['flags']})")
-            time.sleep(0.01)
+        # woken by the link events of both ends; a monitor that subscribes only after the check
+        # below has run misses an event, so the state is looked at again every quarter second too
+        monitors = [
+            subprocess.Popen([_tool("ip"), "-n", ns, "monitor", "link"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            for ns in (self.switch_netns, self.netns(i))
+        ]
+        outs = [m.stdout for m in monitors]
+        try:
+            while True:
+                port = json.loads(_ip("-n", self.switch_netns, "-j", "-d", "link", "show", _port(i)).stdout)[0]
+                host = json.loads(_ip("-n", self.netns(i), "-j", "link", "show", HOST_IFACE).stdout)[0]
+                port_state = port.get("linkinfo", {}).get("info_slave_data", {}).get("state")
+                if port_state == want and "LOWER_UP" in host["flags"]:
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise NetnsError(f"host {i}: link not ready (port {port_state}, host flags {host['flags']})")
+                ready, _, _ = select.select(outs, [], [], min(remaining, 0.25))
+                for out in ready:
+                    if not os.read(out.fileno(), 65536):
+                        outs.remove(out)  # that monitor ended: the quarter-second look remains
+        finally:
+            for m in monitors:
+                m.kill()
+                m.wait()
+                m.stdout.close()  # type: ignore[union-attr]
 
     def _check_host(self, i: int) -> None:
         if not (isinstance(i, int) and 0 <= i <= self.n_hosts):
@@ -661,24 +678,47 @@ def _kill_netns_processes(ns: str, deadline: float, reap: Callable[[], None] | N
         pids = _netns_pids(key)
         if not pids:
             return []
+        pidfds = []  # those killed, to wait on
         for pid in pids:
             try:
                 pidfd = os.pidfd_open(pid)
             except OSError:
-                continue
+                continue  # gone already
             try:
                 # Re-check after pinning the process, so a recycled pid is never hit.
                 if _pid_netns_key(pid) == key:
                     signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    pidfds.append(pidfd)
+                    continue
             except OSError:
                 pass
-            finally:
+            os.close(pidfd)
+        try:
+            _wait_pidfds(pidfds, deadline)
+        finally:
+            for pidfd in pidfds:
                 os.close(pidfd)
         if reap is not None:
             reap()
         if time.monotonic() > deadline:
             return _netns_pids(key)
-        time.sleep(0.01)
+        # a process may have forked into the namespace meanwhile: look again
+
+
+def _wait_pidfds(pidfds: list[int], deadline: float) -> None:
+    """Until every process behind ``pidfds`` has exited (a pidfd is readable from then on, reaped
+    or not) or the deadline passes."""
+    poller = select.poll()
+    for fd in pidfds:
+        poller.register(fd, select.POLLIN)
+    left = len(pidfds)
+    while left:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        for fd, _ in poller.poll(remaining * 1000):
+            poller.unregister(fd)
+            left -= 1
 
 
 def _signal_group(proc: subprocess.Popen[Any], sig: int) -> None:
@@ -693,13 +733,15 @@ def _signal_group(proc: subprocess.Popen[Any], sig: int) -> None:
 
 
 def _wait_exit_no_reap(pid: int, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        try:
-            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-                return
-        except ChildProcessError:
-            return
-        time.sleep(0.01)
+    """Until child ``pid`` has exited or the deadline passes, leaving it to be reaped by its Popen."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # reaped already
+    try:
+        _wait_pidfds([pidfd], deadline)
+    finally:
+        os.close(pidfd)
 
 
 def _read_line(fd: int, deadline: float) -> bytes:

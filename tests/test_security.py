@@ -6,18 +6,22 @@ port on loopback: the frame it sends would create a file if anything unpickled i
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import pickle
+import select
 import shutil
 import signal
 import stat
+import struct
 import subprocess
 import tempfile
 import textwrap
 import threading
 import time
 
+import _gate
 import psutil
 import pytest
 from conftest import PY, AllocatorProc, run_script, wait_for
@@ -97,11 +101,33 @@ def send_as_nobody(addr: str, frame: bytes) -> None:
     assert r.returncode == 0, r.stderr
 
 
+_IN_CREATE, _IN_MOVED_TO = 0x100, 0x80
+_INOTIFY_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then the name, NUL-padded)
+
+
 def assert_never_appears(path: str, seconds: float = 2.0) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert not os.path.exists(path), f"a frame from uid {NOBODY} ran code: {path} was created"
-        time.sleep(0.05)
+    """No file ``path`` for ``seconds``: its directory is watched (inotify), so a file made and
+    removed again in between is seen too."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    assert fd >= 0, os.strerror(ctypes.get_errno())
+    try:
+        parent, name = os.path.split(path)
+        assert libc.inotify_add_watch(fd, parent.encode(), _IN_CREATE | _IN_MOVED_TO) >= 0, os.strerror(ctypes.get_errno())
+        made = f"a frame from uid {NOBODY} ran code: {path} was created"
+        assert not os.path.exists(path), made
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([fd], [], [], left)[0]:
+                continue
+            data, off = os.read(fd, 65536), 0
+            while off < len(data):
+                _, _, _, n = _INOTIFY_EVENT.unpack_from(data, off)
+                off += _INOTIFY_EVENT.size
+                assert data[off : off + n].rstrip(b"\0").decode() != name, made
+                off += n
+    finally:
+        os.close(fd)
 
 
 def tcp_listeners(pid: int) -> list[str]:
@@ -520,14 +546,12 @@ def test_a_log_request_cannot_leave_the_log_directory(name: str) -> None:
 class Chatty(Actor):
     @endpoint
     def flood_when(self, flag: str, mb: int) -> None:
-        """Print ``mb`` MB on a thread of its own once ``flag`` exists."""
+        """Print ``mb`` MB on a thread of its own once the gate at ``flag`` opens."""
+        gate = _gate.Waiter(flag)  # before returning: the test opens it once this call is answered
 
         def run() -> None:
-            deadline = time.monotonic() + 120  # the test's own timeout is shorter
-            while not os.path.exists(flag):
-                if time.monotonic() > deadline:
-                    return
-                time.sleep(0.05)
+            if not gate.wait(120):  # the test's own timeout is shorter
+                return
             line = "y" * 999
             for _ in range(mb * 1000):
                 print(line)
@@ -543,7 +567,7 @@ class Chatty(Actor):
 
 def test_a_killed_controllers_log_subscription_does_not_grow_the_allocator(tmp_path) -> None:
     a = AllocatorProc(str(tmp_path), env=LIGHT)
-    flag = str(tmp_path / "go")
+    flag = _gate.make(str(tmp_path / "go"))
     script = textwrap.dedent(
         f"""
         import time
@@ -570,7 +594,7 @@ def test_a_killed_controllers_log_subscription_does_not_grow_the_allocator(tmp_p
         wait_for(lambda: "exited; detaching it" in a.logtext(), 15, "the allocator to detach the killed controller")
         alloc = psutil.Process(a.proc.pid)
         before = alloc.memory_info().rss
-        open(flag, "w").close()
+        _gate.open_gate(flag)
         log = next(iter(__import__("glob").glob(os.path.join(a.rdir, "mnb-logs-*", "chatty", "rank-0.jsonl"))))
 
         def done() -> bool:
@@ -835,10 +859,7 @@ def _controller(a: AllocatorProc, body: str, tmp_path, name: str) -> tuple[subpr
         import os, sys, time
         from monarch_nb.actor import _context, attach_to_workers
         from test_security import Chatty
-
-        def wait_file(path):
-            while not os.path.exists(path):
-                time.sleep(0.05)
+        from _gate import Waiter
 
         _context.controller_client().log_writer = lambda mesh, lines: None
         hosts = attach_to_workers(workers=[{a.addr!r}])
@@ -861,7 +882,7 @@ def test_a_stopped_log_subscriber_costs_the_allocator_a_bounded_queue(tmp_path) 
     disk) instead of growing, and the controller's calls work again once it reads again."""
     # heartbeats far longer than the test: only the full queue, not silence, may drop lines
     a = AllocatorProc(str(tmp_path), env=dict(LIGHT, MONARCH_NB_HEARTBEAT_TIMEOUT="120"))
-    flag, resume = str(tmp_path / "go"), str(tmp_path / "resume")
+    flag, resume = _gate.make(str(tmp_path / "go")), _gate.make(str(tmp_path / "resume"))
     p, out = _controller(
         a,
         f"""
@@ -869,8 +890,9 @@ def test_a_stopped_log_subscriber_costs_the_allocator_a_bounded_queue(tmp_path) 
         c = procs.spawn("c", Chatty)
         c.hello.call_one().get(timeout=30)
         c.flood_when.call_one({flag!r}, 50).get(timeout=30)
+        resume = Waiter({resume!r})
         print("armed", flush=True)
-        wait_file({resume!r})
+        resume.wait()
         print("after:", c.hello.call_one().get(timeout=60), flush=True)
         procs.stop().get(timeout=30)
         """,
@@ -882,7 +904,7 @@ def test_a_stopped_log_subscriber_costs_the_allocator_a_bounded_queue(tmp_path) 
         os.kill(p.pid, signal.SIGSTOP)
         alloc = psutil.Process(a.proc.pid)
         before = alloc.memory_info().rss
-        open(flag, "w").close()
+        _gate.open_gate(flag)
         log = next(iter(__import__("glob").glob(os.path.join(a.rdir, "mnb-logs-*", "chatty", "rank-0.jsonl"))))
 
         def done() -> bool:
@@ -903,7 +925,7 @@ def test_a_stopped_log_subscriber_costs_the_allocator_a_bounded_queue(tmp_path) 
 
         assert _context.client().request(a.addr, "status").get(timeout=10)["dropped_log_lines"] > 0
         os.kill(p.pid, signal.SIGCONT)
-        open(resume, "w").close()
+        _gate.open_gate(resume)
         wait_for(lambda: _said(out, "after: hi"), 60, "the controller's call after it reads again")
         assert p.wait(30) == 0
     finally:
@@ -918,7 +940,7 @@ def test_a_detached_controller_is_told_by_its_pongs(tmp_path) -> None:
     """A controller silent long enough to be detached (suspended) learns it when it pings again:
     its calls fail with a SupervisionError that says so, instead of waiting for ever."""
     a = AllocatorProc(str(tmp_path), env=LIGHT)
-    resume = str(tmp_path / "resume")
+    resume = _gate.make(str(tmp_path / "resume"))
     p, out = _controller(
         a,
         f"""
@@ -929,8 +951,9 @@ def test_a_detached_controller_is_told_by_its_pongs(tmp_path) -> None:
         procs = hosts.spawn_procs(per_host={{"gpus": 1}}, name="held")
         c = procs.spawn("c", Chatty)
         c.hello.call_one().get(timeout=30)
+        resume = Waiter({resume!r})
         print("ready", flush=True)
-        wait_file({resume!r})
+        resume.wait()
         try:
             c.hello.call_one().get(timeout=30)
             print("answered")
@@ -950,7 +973,7 @@ def test_a_detached_controller_is_told_by_its_pongs(tmp_path) -> None:
         # the detach stops its mesh; a call reaching a proc before that stop ends is answered
         wait_for(lambda: "mesh held stopped" in a.logtext(), 30, "the allocator to stop the detached controller's mesh")
         os.kill(p.pid, signal.SIGCONT)
-        open(resume, "w").close()
+        _gate.open_gate(resume)
         rc = p.wait(45)
         with open(out) as f:
             said = f.read()
