@@ -1,7 +1,8 @@
-"""A one-shot gate between processes, on a FIFO: a test lets a waiting rank or script go on.
+"""A gate between processes, on a FIFO: a test lets waiting ranks or scripts go on.
 
-The waiting side opens its end before it says it is ready, so the side that lets it through
-always finds it there: no file to poll for, and a gate opened early is not missed.
+The test makes the gate and holds it open (read and write) until it is done with it, so
+waiting and opening may come in either order: a waiter that comes after the gate opened finds
+it open. One opening lets up to 4096 waiters through at once.
 """
 
 from __future__ import annotations
@@ -9,33 +10,39 @@ from __future__ import annotations
 import os
 import select
 
-
-def make(path: str) -> str:
-    os.mkfifo(path, 0o600)
-    return path
+_TOKENS = 4096  # one byte per waiter, within a pipe's buffer
 
 
-class Waiter:
-    """The waiting end (open it before telling the other side you are ready)."""
+class Gate:
+    """The test's side. ``path`` is what the waiters are given."""
 
     def __init__(self, path: str) -> None:
-        # non-blocking: a FIFO's read end opens at once, and select() reports it only once a
-        # writer has come (Linux does not report a hang-up before any writer connected)
-        self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        self.path = path
+        os.mkfifo(path, 0o600)
+        # read and write: opens at once, and keeps what open() writes there for later waiters
+        self._fd: int | None = os.open(path, os.O_RDWR | os.O_NONBLOCK)
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Until the gate is opened (True) or ``timeout`` passes (False); closes this end."""
-        try:
-            ready, _, _ = select.select([self.fd], [], [], timeout)
-            return bool(ready)
-        finally:
-            os.close(self.fd)
+    def open(self) -> None:
+        if self._fd is not None:
+            os.write(self._fd, b"g" * _TOKENS)
+
+    def close(self) -> None:
+        """Done with it: a waiter still waiting is let go with False."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
-def open_gate(path: str) -> None:
-    """Let the waiter through; ENXIO (OSError) if nobody waits at ``path``."""
-    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+def wait(path: str, timeout: float | None = None) -> bool:
+    """Until the gate at ``path`` opens (True), or ``timeout`` passes or the gate is closed
+    unopened (False)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        os.write(fd, b"go\n")
+        if not select.select([fd], [], [], timeout)[0]:
+            return False
+        try:
+            return os.read(fd, 1) == b"g"  # b"": the test closed the gate without opening it
+        except BlockingIOError:
+            return False  # another waiter took the last byte (more than _TOKENS waiters)
     finally:
         os.close(fd)

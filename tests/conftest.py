@@ -71,6 +71,24 @@ class AllocatorProc:
 
 
 @pytest.fixture
+def gate(tmp_path):
+    """``gate(name)``: a :class:`_gate.Gate` at ``tmp_path/name`` that ranks or scripts wait on
+    (``_gate.wait(path)``) until the test opens it. What an opening let through stays for waiters
+    that come later, until the test ends; then every gate closes, letting go any still waiting."""
+    import _gate
+
+    made: list[_gate.Gate] = []
+
+    def make(name: str = "go") -> _gate.Gate:
+        made.append(_gate.Gate(str(tmp_path / name)))
+        return made[-1]
+
+    yield make
+    for g in made:
+        g.close()
+
+
+@pytest.fixture
 def allocator(tmp_path):
     """A private allocator; yields it with ``.hosts`` a HostMesh attached to it."""
     from monarch_nb.actor import attach_to_workers

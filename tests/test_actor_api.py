@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Any
 
+import _gate
 import pytest
 from conftest import run_script, wait_for
 
@@ -349,8 +350,8 @@ def test_failing_init_is_reported_through_supervision_and_fails_calls(fault_hook
 
 class _GivesUp(Actor):
     @endpoint
-    def give_up(self) -> None:
-        time.sleep(0.5)  # by then its owner has a backlog
+    def give_up(self, backlog: str) -> None:
+        _gate.wait(backlog, 60)  # the test opens it once its owner has a backlog
         raise SystemExit(3)  # fails this actor alone
 
 
@@ -362,8 +363,8 @@ class BusyOwner(Actor):
         self.child = this_proc().spawn("giver_upper", _GivesUp)
 
     @endpoint
-    def fail_child(self) -> None:
-        self.child.give_up.broadcast()
+    def fail_child(self, backlog: str) -> None:
+        self.child.give_up.broadcast(backlog)
 
     @endpoint
     def slow(self, i: int) -> None:
@@ -383,8 +384,8 @@ class AsyncBusyOwner(Actor):
         self.child = this_proc().spawn("giver_upper", _GivesUp)
 
     @endpoint
-    async def fail_child(self) -> None:
-        self.child.give_up.broadcast()
+    async def fail_child(self, backlog: str) -> None:
+        self.child.give_up.broadcast(backlog)
 
     @endpoint
     async def slow(self, i: int) -> None:
@@ -397,14 +398,16 @@ class AsyncBusyOwner(Actor):
 
 
 @pytest.mark.parametrize("owner_cls", [BusyOwner, AsyncBusyOwner], ids=["sync", "async"])
-def test_supervision_of_an_actor_goes_ahead_of_its_message_backlog(fault_hook, owner_cls):  # type: ignore[no-untyped-def]
+def test_supervision_of_an_actor_goes_ahead_of_its_message_backlog(fault_hook, owner_cls, gate):  # type: ignore[no-untyped-def]
     procs = this_host().spawn_procs(per_host={"gpus": 1})
+    backlog = gate("backlog")
     try:
         port, events = Channel.open()
         owner = procs.spawn("busy_owner", owner_cls, port)
-        owner.fail_child.call_one().get(timeout=20)
+        owner.fail_child.call_one(backlog.path).get(timeout=20)
         for i in range(60):
             owner.slow.broadcast(i)
+        backlog.open()  # the child fails now, 3 s of slow messages queued at its owner
         seen = [events.recv().get(timeout=20) for _ in range(61)]
         assert "supervised [0]" in seen
         assert seen.index("supervised [0]") < 50, seen  # not after the 3 s backlog

@@ -25,6 +25,7 @@ import time
 import urllib.parse
 from typing import Any
 
+import _inotify
 import psutil
 import pytest
 import zmq
@@ -772,11 +773,7 @@ def _as_nobody(kind: str, addr: str, frame: bytes) -> str:
 
 
 def _assert_none_made(markers: list[str], outcomes: list[str], seconds: float = 2.0) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        made = [m for m in markers if os.path.exists(m)]
-        assert not made, f"a frame from uid {NOBODY} ran code: {made}\n" + "\n".join(outcomes)
-        time.sleep(0.05)
+    _inotify.assert_none_appear(markers, seconds, "\n".join(outcomes) + f"\na frame from uid {NOBODY} ran code")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to send frames as uid 65534")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 
+import _gate
 import pytest
 from conftest import wait_for
 
@@ -38,7 +39,7 @@ def _tb(c) -> str:  # type: ignore[no-untyped-def]
 
 
 ACTOR = """\
-import os, time
+import os, select
 from monarch_nb.actor import Actor, endpoint, current_rank
 
 class Worker(Actor):
@@ -46,10 +47,10 @@ class Worker(Actor):
     def lookup(self, slow=-1, flag=""):
         r = current_rank().rank
         if r == slow:
-            # still running when the others have failed, until the test creates the flag file
-            deadline = time.monotonic() + 30
-            while not os.path.exists(flag) and time.monotonic() < deadline:
-                time.sleep(0.02)
+            # still running when the others have failed, until the test opens the gate at flag
+            gate = os.open(flag, os.O_RDONLY | os.O_NONBLOCK)
+            select.select([gate], [], [], 30)
+            os.close(gate)
         if r % 4 == 0:
             raise KeyError(f"shard {r}")
         return r
@@ -75,9 +76,9 @@ def workers(k: Kernel) -> str:
     return "workers"
 
 
-def test_an_error_on_4_of_16_ranks_is_grouped_under_monarch_s_headline(k: Kernel, workers: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    flag = tmp_path / "release"
-    c = k.run(f"workers.lookup.call(slow=5, flag={str(flag)!r}).get()")
+def test_an_error_on_4_of_16_ranks_is_grouped_under_monarch_s_headline(k: Kernel, workers: str, gate) -> None:  # type: ignore[no-untyped-def]
+    flag = gate("release")
+    c = k.run(f"workers.lookup.call(slow=5, flag={flag.path!r}).get()")
     tb = _tb(c)
     assert c.error["ename"] == "ActorError"
     lines = tb.splitlines()
@@ -96,7 +97,7 @@ def test_an_error_on_4_of_16_ranks_is_grouped_under_monarch_s_headline(k: Kernel
     assert 'raise KeyError(f"shard {r}")' in tb
     assert "monarch_nb" not in tb and "ipykernel_" not in tb and "_call_sync" not in tb, tb
     # rank 5 finishes its call: later calls need not wait behind it
-    flag.touch()
+    flag.open()
     # the value a program catches is still Monarch's: the lowest rank's ActorError
     c = _ok(
         k.run(
@@ -201,8 +202,11 @@ class Hang(Actor):
         return float(t.sum())
 
     @endpoint
-    def hold_gil(self, seconds):
-        import ctypes
+    def hold_gil(self, seconds, told):
+        import ctypes, os
+        fd = os.open(told, os.O_WRONLY | os.O_NONBLOCK)  # the test's gate: it waits for this
+        os.write(fd, b"g")
+        os.close(fd)
         ctypes.PyDLL(None).sleep(seconds)  # a C call that keeps the GIL
 
 setup_env_for_distributed(hung)
@@ -226,7 +230,7 @@ def _html(c) -> str:  # type: ignore[no-untyped-def]
     raise AssertionError(f"no HTML output: {c.msgs}")
 
 
-def test_stacks_of_a_hung_collective_merge_the_waiting_ranks(k: Kernel) -> None:
+def test_stacks_of_a_hung_collective_merge_the_waiting_ranks(k: Kernel, gate) -> None:  # type: ignore[no-untyped-def]
     _ok(k.run("%mesh spawn hung --per-host gpus=4", timeout=120))
     try:
         _ok(k.run(HANG, timeout=90))
@@ -246,7 +250,9 @@ def test_stacks_of_a_hung_collective_merge_the_waiting_ranks(k: Kernel) -> None:
         assert "[ranks 0-1 (2)]" in c.result and "rank 2" not in c.result.split("thread")[0]
         assert "native stack of ranks 0-1 (2) (py-spy)" in c.result and "c10d::Work::wait" in c.result, c.result
         # a rank whose I/O thread cannot get the GIL is shown as such, within the deadline
-        _ok(k.run("held = hangs.slice(gpus=3).hold_gil.call_one(4)\nimport time; time.sleep(0.5)"))
+        holding = gate("holding")
+        _ok(k.run(f"held = hangs.slice(gpus=3).hold_gil.call_one(4, {holding.path!r})"))
+        assert _gate.wait(holding.path, 30), "rank 3 never started to hold the GIL"
         c = _ok(k.run("%mesh stacks hung --ranks 3 --native --timeout 1", timeout=30))
         assert "rank 3 (" in c.result and "no answer within 1 s: its I/O thread could not get the GIL" in c.result
         assert "native stack of rank 3 (py-spy)" in c.result and "hold_gil" in c.result, c.result

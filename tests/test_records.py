@@ -91,13 +91,10 @@ def test_a_symlinked_connection_file_is_ignored(rdir: str) -> None:
 
 
 _RACER = """
-import json, os, sys, time
-go = sys.argv[1]
-deadline = time.monotonic() + 60
-while not os.path.exists(go):  # all racers released at once
-    if time.monotonic() > deadline:
-        sys.exit("never released")
-    time.sleep(0.002)
+import json, sys
+from _gate import wait
+if not wait(sys.argv[1], 60):  # all racers released at once
+    sys.exit("never released")
 from monarch_nb.actor import this_host
 host = this_host()
 pm = host.spawn_procs(per_host={"procs": 1})
@@ -131,15 +128,16 @@ def _first_line(proc: subprocess.Popen[str], timeout: float, what: str) -> str:
     return proc.stdout.readline().strip()
 
 
-def test_concurrent_controllers_on_a_fresh_runtime_dir_share_one_allocator(rdir: str) -> None:
-    go = os.path.join(rdir, "go")
-    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="")
+def test_concurrent_controllers_on_a_fresh_runtime_dir_share_one_allocator(rdir: str, gate) -> None:  # type: ignore[no-untyped-def]
+    go = gate()
+    path = os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))  # for _gate
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="", PYTHONPATH=path)
     racers = [
-        subprocess.Popen([PY, "-c", _RACER, go], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen([PY, "-c", _RACER, go.path], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(8)
     ]
     try:
-        open(go, "w").close()
+        go.open()
         outs = [r.communicate(timeout=100) for r in racers]
     finally:
         for r in racers:
@@ -185,7 +183,13 @@ from monarch_nb.actor import Actor, endpoint, this_host, _context
 from monarch_nb.allocator import list_allocators, stop_allocator
 
 failures = []
-public.unhandled_fault_hook = lambda f: failures.append(f.report())
+reported = threading.Event()  # the hook runs on a thread of its own
+
+def _hook(f):
+    failures.append(f.report())
+    reported.set()
+
+public.unhandled_fault_hook = _hook
 
 class Slow(Actor):
     @endpoint
@@ -246,9 +250,7 @@ pending = start_waiting()
 print("ready", flush=True)
 err = error_of(pending)
 lost = [str(w.lost) for w in _context.client().rt.supervision.watches.values()]
-deadline = time.monotonic() + 30
-while not failures and time.monotonic() < deadline:  # the report comes on a thread of its own
-    time.sleep(0.05)
+reported.wait(30)
 # the kernel goes on: a new spawn starts a new allocator
 again = this_host().spawn_procs(per_host={"gpus": 1}).spawn("again", Slow).ping.call_one().get(timeout=60)
 print(json.dumps({"err": err, "lost": lost, "again": again, "failures": failures}), flush=True)

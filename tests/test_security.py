@@ -6,15 +6,12 @@ port on loopback: the frame it sends would create a file if anything unpickled i
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import pickle
-import select
 import shutil
 import signal
 import stat
-import struct
 import subprocess
 import tempfile
 import textwrap
@@ -22,6 +19,7 @@ import threading
 import time
 
 import _gate
+import _inotify
 import psutil
 import pytest
 from conftest import PY, AllocatorProc, run_script, wait_for
@@ -101,33 +99,8 @@ def send_as_nobody(addr: str, frame: bytes) -> None:
     assert r.returncode == 0, r.stderr
 
 
-_IN_CREATE, _IN_MOVED_TO = 0x100, 0x80
-_INOTIFY_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then the name, NUL-padded)
-
-
 def assert_never_appears(path: str, seconds: float = 2.0) -> None:
-    """No file ``path`` for ``seconds``: its directory is watched (inotify), so a file made and
-    removed again in between is seen too."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-    assert fd >= 0, os.strerror(ctypes.get_errno())
-    try:
-        parent, name = os.path.split(path)
-        assert libc.inotify_add_watch(fd, parent.encode(), _IN_CREATE | _IN_MOVED_TO) >= 0, os.strerror(ctypes.get_errno())
-        made = f"a frame from uid {NOBODY} ran code: {path} was created"
-        assert not os.path.exists(path), made
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            if not select.select([fd], [], [], left)[0]:
-                continue
-            data, off = os.read(fd, 65536), 0
-            while off < len(data):
-                _, _, _, n = _INOTIFY_EVENT.unpack_from(data, off)
-                off += _INOTIFY_EVENT.size
-                assert data[off : off + n].rstrip(b"\0").decode() != name, made
-                off += n
-    finally:
-        os.close(fd)
+    _inotify.assert_none_appear([path], seconds, f"a frame from uid {NOBODY} ran code")
 
 
 def tcp_listeners(pid: int) -> list[str]:
@@ -547,10 +520,9 @@ class Chatty(Actor):
     @endpoint
     def flood_when(self, flag: str, mb: int) -> None:
         """Print ``mb`` MB on a thread of its own once the gate at ``flag`` opens."""
-        gate = _gate.Waiter(flag)  # before returning: the test opens it once this call is answered
 
         def run() -> None:
-            if not gate.wait(120):  # the test's own timeout is shorter
+            if not _gate.wait(flag, 120):  # the test's own timeout is shorter
                 return
             line = "y" * 999
             for _ in range(mb * 1000):
@@ -565,9 +537,9 @@ class Chatty(Actor):
         return "hi"
 
 
-def test_a_killed_controllers_log_subscription_does_not_grow_the_allocator(tmp_path) -> None:
+def test_a_killed_controllers_log_subscription_does_not_grow_the_allocator(tmp_path, gate) -> None:
     a = AllocatorProc(str(tmp_path), env=LIGHT)
-    flag = _gate.make(str(tmp_path / "go"))
+    flag = gate()
     script = textwrap.dedent(
         f"""
         import time
@@ -578,7 +550,7 @@ def test_a_killed_controllers_log_subscription_does_not_grow_the_allocator(tmp_p
         procs = hosts.spawn_procs(per_host={{"gpus": 1}}, name="chatty", persist=True)
         c = procs.spawn("c", Chatty)
         c.hello.call_one().get(timeout=30)
-        c.flood_when.call_one({flag!r}, 50).get(timeout=30)
+        c.flood_when.call_one({flag.path!r}, 50).get(timeout=30)
         print("armed", flush=True)
         time.sleep(600)  # killed by the test
         """
@@ -594,7 +566,7 @@ def test_a_killed_controllers_log_subscription_does_not_grow_the_allocator(tmp_p
         wait_for(lambda: "exited; detaching it" in a.logtext(), 15, "the allocator to detach the killed controller")
         alloc = psutil.Process(a.proc.pid)
         before = alloc.memory_info().rss
-        _gate.open_gate(flag)
+        flag.open()
         log = next(iter(__import__("glob").glob(os.path.join(a.rdir, "mnb-logs-*", "chatty", "rank-0.jsonl"))))
 
         def done() -> bool:
@@ -859,7 +831,7 @@ def _controller(a: AllocatorProc, body: str, tmp_path, name: str) -> tuple[subpr
         import os, sys, time
         from monarch_nb.actor import _context, attach_to_workers
         from test_security import Chatty
-        from _gate import Waiter
+        from _gate import wait as wait_gate
 
         _context.controller_client().log_writer = lambda mesh, lines: None
         hosts = attach_to_workers(workers=[{a.addr!r}])
@@ -876,23 +848,22 @@ def _said(out: str, what: str) -> bool:
         return what in f.read()
 
 
-def test_a_stopped_log_subscriber_costs_the_allocator_a_bounded_queue(tmp_path) -> None:
+def test_a_stopped_log_subscriber_costs_the_allocator_a_bounded_queue(tmp_path, gate) -> None:
     """A live controller that reads nothing (SIGSTOP) while its mesh prints 50 MB: the allocator
     drops that subscriber's log lines once its queue is full (counted, logged; every line is on
     disk) instead of growing, and the controller's calls work again once it reads again."""
     # heartbeats far longer than the test: only the full queue, not silence, may drop lines
     a = AllocatorProc(str(tmp_path), env=dict(LIGHT, MONARCH_NB_HEARTBEAT_TIMEOUT="120"))
-    flag, resume = _gate.make(str(tmp_path / "go")), _gate.make(str(tmp_path / "resume"))
+    flag, resume = gate("go"), gate("resume")
     p, out = _controller(
         a,
         f"""
         procs = hosts.spawn_procs(per_host={{"gpus": 1}}, name="chatty", persist=True)
         c = procs.spawn("c", Chatty)
         c.hello.call_one().get(timeout=30)
-        c.flood_when.call_one({flag!r}, 50).get(timeout=30)
-        resume = Waiter({resume!r})
+        c.flood_when.call_one({flag.path!r}, 50).get(timeout=30)
         print("armed", flush=True)
-        resume.wait()
+        wait_gate({resume.path!r})
         print("after:", c.hello.call_one().get(timeout=60), flush=True)
         procs.stop().get(timeout=30)
         """,
@@ -904,7 +875,7 @@ def test_a_stopped_log_subscriber_costs_the_allocator_a_bounded_queue(tmp_path) 
         os.kill(p.pid, signal.SIGSTOP)
         alloc = psutil.Process(a.proc.pid)
         before = alloc.memory_info().rss
-        _gate.open_gate(flag)
+        flag.open()
         log = next(iter(__import__("glob").glob(os.path.join(a.rdir, "mnb-logs-*", "chatty", "rank-0.jsonl"))))
 
         def done() -> bool:
@@ -925,7 +896,7 @@ def test_a_stopped_log_subscriber_costs_the_allocator_a_bounded_queue(tmp_path) 
 
         assert _context.client().request(a.addr, "status").get(timeout=10)["dropped_log_lines"] > 0
         os.kill(p.pid, signal.SIGCONT)
-        _gate.open_gate(resume)
+        resume.open()
         wait_for(lambda: _said(out, "after: hi"), 60, "the controller's call after it reads again")
         assert p.wait(30) == 0
     finally:
@@ -936,11 +907,11 @@ def test_a_stopped_log_subscriber_costs_the_allocator_a_bounded_queue(tmp_path) 
         a.stop()
 
 
-def test_a_detached_controller_is_told_by_its_pongs(tmp_path) -> None:
+def test_a_detached_controller_is_told_by_its_pongs(tmp_path, gate) -> None:
     """A controller silent long enough to be detached (suspended) learns it when it pings again:
     its calls fail with a SupervisionError that says so, instead of waiting for ever."""
     a = AllocatorProc(str(tmp_path), env=LIGHT)
-    resume = _gate.make(str(tmp_path / "resume"))
+    resume = gate("resume")
     p, out = _controller(
         a,
         f"""
@@ -951,9 +922,8 @@ def test_a_detached_controller_is_told_by_its_pongs(tmp_path) -> None:
         procs = hosts.spawn_procs(per_host={{"gpus": 1}}, name="held")
         c = procs.spawn("c", Chatty)
         c.hello.call_one().get(timeout=30)
-        resume = Waiter({resume!r})
         print("ready", flush=True)
-        resume.wait()
+        wait_gate({resume.path!r})
         try:
             c.hello.call_one().get(timeout=30)
             print("answered")
@@ -973,7 +943,7 @@ def test_a_detached_controller_is_told_by_its_pongs(tmp_path) -> None:
         # the detach stops its mesh; a call reaching a proc before that stop ends is answered
         wait_for(lambda: "mesh held stopped" in a.logtext(), 30, "the allocator to stop the detached controller's mesh")
         os.kill(p.pid, signal.SIGCONT)
-        _gate.open_gate(resume)
+        resume.open()
         rc = p.wait(45)
         with open(out) as f:
             said = f.read()

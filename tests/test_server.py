@@ -10,6 +10,7 @@ import subprocess
 import sys
 import uuid
 
+import _gate
 import psutil
 import pytest
 from conftest import PY, run_script, wait_for
@@ -173,25 +174,21 @@ def test_a_rank_whose_actor_failed_shows_failed_while_its_proc_lives_on(manager,
         procs.stop().get(timeout=15)
 
 
-def test_a_rank_in_a_call_is_busy_in_the_sidebar_as_in_the_dashboard(manager, tmp_path) -> None:
+def test_a_rank_in_a_call_is_busy_in_the_sidebar_as_in_the_dashboard(manager, gate) -> None:
     from monarch_nb.actor import Actor, endpoint
     from monarch_nb.widgets import _render
 
-    flag = tmp_path / "go"
+    flag = gate()
 
     class Waiter(Actor):
         @endpoint
         def wait(self, path: str) -> None:
-            import time
-
-            deadline = time.monotonic() + 30
-            while not os.path.exists(path) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _gate.wait(path, 30)
 
     name = f"busy-{uuid.uuid4().hex[:6]}"
     procs = _spawn(name, 2)
     try:
-        pending = procs.spawn("waiter", Waiter).slice(gpus=1).wait.call(str(flag))
+        pending = procs.spawn("waiter", Waiter).slice(gpus=1).wait.call(flag.path)
 
         def busy() -> dict | None:
             m = _mesh(manager.state(), name)
@@ -201,11 +198,11 @@ def test_a_rank_in_a_call_is_busy_in_the_sidebar_as_in_the_dashboard(manager, tm
         assert m["procs"][0]["state"] == "idle" and m["state"] == "busy" and "wait" in m["procs"][1]["activity"]
         # the dashboard draws the same record the same way
         assert _render.rank_state({"state": m["procs"][1]["proc_state"], "busy": ["waiter.wait"]})[0] == "busy"
-        flag.touch()
+        flag.open()
         pending.get(timeout=30)
         wait_for(lambda: _mesh(manager.state(), name)["procs"][1]["state"] == "idle", 15, "rank 1 idle again")
     finally:
-        flag.touch()
+        flag.open()  # a rank still waiting is let go
         procs.stop().get(timeout=15)
 
 

@@ -9,6 +9,7 @@ import math
 import os
 import time
 
+import _gate
 import pytest
 import torch
 import torch.nn.functional as F
@@ -245,23 +246,21 @@ def test_reduce_combines_local_tensors_across_named_dims(mesh2):  # type: ignore
 def _wait_for_flag(x: torch.Tensor, path: str) -> torch.Tensor:
     # on the controller's meta shadow this returns at once; on the ranks it blocks until released
     if x.device.type != "meta":
-        deadline = time.monotonic() + 60
-        while not os.path.exists(path) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _gate.wait(path, 60)
     return x
 
 
-def test_shapes_are_known_while_ranks_are_blocked(mesh1, tmp_path):  # type: ignore[no-untyped-def]
-    flag = str(tmp_path / "go")
+def test_shapes_are_known_while_ranks_are_blocked(mesh1, gate):  # type: ignore[no-untyped-def]
+    flag = gate()
     x = mt.distribute(gen(8, 6), mesh1, [Shard(0)])
-    blocked = mt.remote(_wait_for_flag)(x, flag)
+    blocked = mt.remote(_wait_for_flag)(x, flag.path)
     try:
         y = (blocked @ blocked.T).relu().sum(dim=1)  # sent while the ranks wait: answered here
         assert y.shape == (8,) and y.placements == (Shard(0),)
         fut = mt.fetch_shard(y, gpus=3)
         assert not fut.done()
     finally:
-        open(flag, "w").close()
+        flag.open()
     want = (gen(8, 6) @ gen(8, 6).T).relu().sum(dim=1)
     torch.testing.assert_close(fut.get(timeout=60), want[6:])
 
@@ -365,7 +364,7 @@ def test_setup_torch_elastic_env(mesh2):  # type: ignore[no-untyped-def]
     asyncio.run(setup_torch_elastic_env_async(mesh2))
 
 
-def test_a_dead_rank_fails_pending_reads_and_the_mesh_can_be_stopped_and_respawned(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+def test_a_dead_rank_fails_pending_reads_and_the_mesh_can_be_stopped_and_respawned(gate, monkeypatch):  # type: ignore[no-untyped-def]
     import signal
 
     monkeypatch.setattr(mt._engine, "COLLECTIVE_TIMEOUT_S", 5.0)
@@ -374,8 +373,8 @@ def test_a_dead_rank_fails_pending_reads_and_the_mesh_can_be_stopped_and_respawn
         x = mt.distribute(torch.arange(4.0), procs, [Shard(0)])
         pids = mt.remote(_pid)(x)
         pid = int(mt.fetch_shard(pids, gpus=1).get(timeout=30).item())
-        flag = str(tmp_path / "never")
-        y = mt.remote(_wait_for_flag)(x, flag).redistribute(placements=[Replicate()])
+        flag = gate("never")
+        y = mt.remote(_wait_for_flag)(x, flag.path).redistribute(placements=[Replicate()])
         pending = mt.fetch_shard(y, gpus=1)
         os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
@@ -386,7 +385,7 @@ def test_a_dead_rank_fails_pending_reads_and_the_mesh_can_be_stopped_and_respawn
             mt.fetch_shard(x, gpus=1).get(timeout=30)
         # the survivor, released into the collective, leaves it (peer gone or the 5 s timeout)
         # with an error stored on the result, and answers the next read
-        open(flag, "w").close()
+        flag.open()
         with pytest.raises(Exception, match="(?i)timed? ?out|closed|connection|peer|reset"):
             mt.fetch_shard(y, gpus=0).get(timeout=30)
         torch.testing.assert_close(mt.fetch_shard(x, gpus=0).get(timeout=30), torch.arange(2.0))
@@ -583,7 +582,7 @@ def test_large_shards_travel_by_the_data_plane(mesh2, monkeypatch):  # type: ign
             assert t.numel() * 8 <= got < t.numel() * 8 + 4096  # the values, and the buffers' small handles
 
 
-def test_fetch_shard_of_a_large_piece_reads_it_by_the_data_plane(mesh2, tmp_path):  # type: ignore[no-untyped-def]
+def test_fetch_shard_of_a_large_piece_reads_it_by_the_data_plane(mesh2, gate):  # type: ignore[no-untyped-def]
     """A local tensor of 1 MiB and more is lent by its rank as an RDMABuffer and read here:
     the right piece for every placement, its bytes counted once, the future still a future."""
     from monarch_nb.rdma import bytes_moved
@@ -601,14 +600,14 @@ def test_fetch_shard_of_a_large_piece_reads_it_by_the_data_plane(mesh2, tmp_path
         assert torch.equal(got, want), (pl, coords)
         assert bytes_moved()["read"] - read == want.numel() * 8
         assert want.numel() * 8 <= mt.stats(mesh2)["bytes_received"] - received < want.numel() * 8 + 4096
-    flag = str(tmp_path / "go")
+    flag = gate()
     x = mt.distribute(t, mesh2, [Shard(0), Shard(1)])
-    blocked = mt.remote(_wait_for_flag)(x, flag)
+    blocked = mt.remote(_wait_for_flag)(x, flag.path)
     try:
         pending = [mt.fetch_shard(blocked, hosts=1, gpus=1) for _ in range(2)]  # two reads of one piece
         assert not pending[0].done()
     finally:
-        open(flag, "w").close()
+        flag.open()
     for f in pending:
         torch.testing.assert_close(f.get(timeout=60), t[512:, 260:])
     small = mt.distribute(gen(8, 6), mesh2, [Shard(0), Shard(1)])
@@ -617,7 +616,7 @@ def test_fetch_shard_of_a_large_piece_reads_it_by_the_data_plane(mesh2, tmp_path
     assert bytes_moved()["read"] == read  # a small piece comes in its reply
 
 
-def test_to_mesh_moves_each_ranks_piece_to_the_same_coordinates(mesh1, mesh2, tmp_path):  # type: ignore[no-untyped-def]
+def test_to_mesh_moves_each_ranks_piece_to_the_same_coordinates(mesh1, mesh2, gate):  # type: ignore[no-untyped-def]
     other = this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2}, name="tensor2d_b")
     try:
         for pl in ([Shard(0), Shard(1)], [Replicate(), Shard(0)], [Partial(), Replicate()]):
@@ -639,14 +638,15 @@ def test_to_mesh_moves_each_ranks_piece_to_the_same_coordinates(mesh1, mesh2, tm
         # queued: the destination's ranks pull their pieces in its ordered stream, so neither
         # to_mesh nor the ops after it wait for the source here
         t = gen(8, 6)
-        blocked = mt.remote(_wait_for_flag)(mt.distribute(t, mesh2, [Shard(0), Shard(1)]), str(tmp_path / "go"))
+        flag = gate()
+        blocked = mt.remote(_wait_for_flag)(mt.distribute(t, mesh2, [Shard(0), Shard(1)]), flag.path)
         try:
             moved = blocked.to_mesh(other) + 1
             assert moved.shape == (8, 6)
             pending = mt.fetch_shard(moved, hosts=1, gpus=1)
             assert not pending.done()
         finally:
-            open(tmp_path / "go", "w").close()
+            flag.open()
         torch.testing.assert_close(pending.get(timeout=60), t[4:, 3:] + 1)
         bad = F.cross_entropy(mt.distribute(gen(8, 5), mesh2, [Shard(0), Replicate()]), torch.full((8,), 99))
         with pytest.raises(Exception, match="out of bounds"):  # the source's error, on the destination's tensor
@@ -675,7 +675,7 @@ def test_nccl_fully_shard_on_gpus():  # type: ignore[no-untyped-def]
         procs.stop().get(timeout=30)
 
 
-def test_tensors_on_slices_of_a_proc_mesh_and_between_them(mesh2, tmp_path):  # type: ignore[no-untyped-def]
+def test_tensors_on_slices_of_a_proc_mesh_and_between_them(mesh2, gate):  # type: ignore[no-untyped-def]
     """A slice of a proc mesh holds mesh tensors of its own (its device mesh named as the slice);
     to_mesh moves one from a slice to another, as pipeline stages do."""
     stage0, stage1 = mesh2.slice(hosts=0), mesh2.slice(hosts=1)
@@ -700,15 +700,15 @@ def test_tensors_on_slices_of_a_proc_mesh_and_between_them(mesh2, tmp_path):  # 
     with pytest.raises(ValueError, match="different proc meshes"):
         x + mt.distribute(t, stage1, [Shard(0)])
     # between slices of one mesh: point to point in the ordered stream, so no wait here
-    flag = str(tmp_path / "go")
-    blocked = mt.remote(_wait_for_flag)(x, flag)
+    flag = gate()
+    blocked = mt.remote(_wait_for_flag)(x, flag.path)
     try:
         moved = blocked.to_mesh(stage1)
         assert moved.shape == (8, 6)
         pending = mt.fetch_shard(moved, gpus=1)
         assert not pending.done()
     finally:
-        open(flag, "w").close()
+        flag.open()
     torch.testing.assert_close(pending.get(timeout=60), t[4:])
     bad = F.cross_entropy(mt.distribute(gen(8, 5), stage0, [Shard(0)]), torch.full((8,), 99)).reshape(1)
     with pytest.raises(Exception, match="to_mesh: the source tensor on rank 0 has no value"):
