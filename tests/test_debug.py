@@ -160,6 +160,44 @@ def test_blocked_get_is_the_debugger(kernel: Kernel) -> None:
     kernel.converse("procs.stop().get(timeout=30)")
 
 
+def test_a_get_reading_its_own_reply_still_becomes_the_debugger(kernel: Kernel) -> None:
+    """After a few calls to one actor the cell's thread reads that actor's replies itself
+    (actor/_replyread.py); a breakpoint in the actor still opens the console there."""
+    kernel.converse(
+        """
+from monarch_nb.actor import Actor, endpoint, this_host
+from monarch_nb.actor import _replyread
+
+class Dbg1(Actor):
+    @endpoint
+    def ping(self):
+        return 1
+
+    @endpoint
+    def go(self, x):
+        local = x * 10
+        breakpoint()
+        local += 1
+        return local
+
+procs1 = this_host().spawn_procs(per_host={'gpus': 1}, name='dbg-one')
+m1 = procs1.spawn('dbg1', Dbg1)
+
+def reads_itself():
+    f = m1.ping.call_one()
+    return f.get() == 1 and f._peer in _replyread._reader().claims
+"""
+    )
+    r = kernel.converse("print('reads itself', any(reads_itself() for _ in range(40)))")
+    assert "reads itself True" in r["stdout"], r
+    r = kernel.converse("print('value', m1.go.call_one(3).get())", Script("continue"))
+    assert r["error"] is None, r
+    assert "stopped at a breakpoint while waiting for" in r["prompts"][0][1], r["prompts"]
+    assert "value 31" in r["stdout"], r["stdout"]
+    r = kernel.converse("print('after', m1.ping.call_one().get())\nprocs1.stop().get(timeout=30)")
+    assert r["error"] is None and "after 1" in r["stdout"], r
+
+
 def test_interrupting_the_debugger_leaves_ranks_paused(kernel: Kernel) -> None:
     kernel.converse(
         DEFINE + "\nprocs = this_host().spawn_procs(per_host={'gpus': 2}, name='dbg-int')\nm = procs.spawn('dbgi', Dbg)\n"

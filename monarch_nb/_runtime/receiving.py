@@ -101,6 +101,11 @@ class Receiver:
         #: set by the runtime: the direct connection of the message being dispatched, for an
         #: idle sync actor to read itself (Transport.claim)
         self.claim: Callable[[], Any] | None = None
+        #: (a controller) port -> told the claim (or None) of the connection its reply came on
+        #: alone, before the reply is handled: a caller blocked on it reads the next ones itself
+        self.reply_claims: dict[int, Callable[[Any], None]] = {}
+        #: (a controller) Transport.claim, for reply_claims
+        self.claim_reply: Callable[[], Any] | None = None
         #: set by an allocator: its proc at a given address as it can reach it, or None
         self.resolve_proc: Callable[[str], str | None] | None = None
         #: messages dropped (malformed, foreign, replayed, for a proc not here)
@@ -126,6 +131,8 @@ class Receiver:
             if pv is not None:
                 h = self._ports.get(pv[0])
                 if h is not None:
+                    if self.reply_claims and (told := self.reply_claims.pop(pv[0], None)) is not None:
+                        told(self.claim_reply() if self.claim_reply is not None else None)
                     h(pv[1], pv[2], pv[3], [])
                 return
         elif not frames:

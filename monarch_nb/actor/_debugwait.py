@@ -35,11 +35,12 @@ _lock = threading.Lock()
 _ours: dict[str, dict[str, Any]] = {}
 #: sids opened since a console last showed them
 _unseen: set[str] = set()
-#: the wake-up of the main thread blocked in Future.get(), if it is: only the main thread waits
+#: the wake-up of the main thread blocked in Future.get(), if it is (a _Wake, or the
+#: _replyread reader of a thread reading its reply itself): only the main thread waits
 #: through this module, one wait at a time (waits inside the console are plain), so a slot
 #: set and cleared without the lock does (wait() sets it before it reads _unseen, on_event
 #: adds to _unseen before it reads the slot)
-_main_wake: _Wake | None = None
+_main_wake: Any = None
 #: wake-ups of main-thread coroutines awaiting a Future
 _async_waiters: set[Callable[[], object]] = set()
 #: notified on every change to _ours (consoles wait on it without polling)

@@ -249,10 +249,14 @@ class Endpoint(Generic[R]):
 
     def call_one(self, *args: Any, **kwargs: Any) -> Future[R]:
         """Call the single actor of a one-actor mesh; ValueError for any other size."""
-        n = len(self._mesh._view.ranks)
+        mesh = self._mesh
+        n = len(mesh._view.ranks)
         if n != 1:
             raise ValueError(f"call_one requires exactly 1 actor, but mesh has {n}")
-        return self._gather(args, kwargs, None, self._what("call_one"), _decode_first)
+        fut = self._gather(args, kwargs, None, self._what("call_one"), _decode_first)
+        # its reply may be read by the thread that waits for it (_replyread)
+        fut._peer = (mesh._procs[mesh._view.ranks[0]].addr, mesh._name)
+        return fut
 
     def _what(self, adverb: str) -> str:
         """``"label.method.adverb()"``, what a call's future is of (made once per adverb)."""
@@ -510,6 +514,7 @@ def gather(
         arrive(index, err, True, gone=True)
 
     replies = ReplyPort(rt, on_reply, on_fail)
+    fut._port = replies.port
     try:
         send(replies, on_fail)
     except BaseException:

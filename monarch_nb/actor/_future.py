@@ -15,7 +15,7 @@ from _thread import get_ident as _get_ident
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar
 
-from . import _context, _debugwait
+from . import _context, _debugwait, _replyread
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -49,6 +49,8 @@ class Future(Generic[R]):
         "_progress",
         "_unit",
         "_start",
+        "_peer",
+        "_port",
         "__weakref__",
     )
     _mutex: LockType
@@ -61,6 +63,10 @@ class Future(Generic[R]):
     _progress: tuple[list[int], int] | None
     _unit: str  # unset (read with a default) but where progress counts something other than replies
     _start: Callable[[], None] | None
+    #: a one-actor call's (proc address, actor name): get() may read its reply itself (_replyread)
+    _peer: tuple[str, str] | None
+    #: that call's reply port
+    _port: int
 
     def __init__(self, *_: Any, **__: Any) -> None:
         raise TypeError("Future cannot be constructed directly; endpoints and meshes return them")
@@ -80,6 +86,7 @@ class Future(Generic[R]):
         f._progress = None
         #: work that begins only once the future is first read or awaited (``PortReceiver.recv``)
         f._start = None
+        f._peer = None
         return f
 
     @classmethod
@@ -205,7 +212,12 @@ class Future(Generic[R]):
             blocked[tid] = self
             try:
                 # the wait lives in _debugwait: a rank of ours stopping at a breakpoint wakes the main thread
-                if not _debugwait.wait(self, timeout, tid):
+                peer = self._peer
+                if peer is not None and rt is not None:
+                    done = _replyread.wait(self, peer, timeout, rt, tid)
+                else:
+                    done = _debugwait.wait(self, timeout, tid)
+                if not done:
                     raise TimeoutError(f"{self._what} not ready after {timeout} s (the future is still usable)")
                 # read while still listed as blocked: whoever watches ``blocked`` sees the error raised
                 return self._resolve()

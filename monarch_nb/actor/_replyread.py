@@ -1,0 +1,160 @@
+"""A caller blocked on one actor's reply reads it off that actor's connection itself.
+
+A reply normally reaches a caller blocked in ``Future.get()`` in two steps: the runtime's I/O
+thread reads it and wakes the caller. That thread hop is about 50 µs of a warm ``call_one`` and
+over 100 µs of one made after a pause (docs/performance.md). So once a reply to a blocked
+caller has come alone on a direct connection, the I/O thread hands that connection to the
+caller's thread (``Transport.claim``, the mechanism a proc's idle sync actor reads its calls
+with). Its next ``get()`` on that actor's reply reads the connection itself: one wake-up. While
+the caller is elsewhere the I/O thread watches the connection and takes it back for good once
+a byte arrives, and anything but the awaited reply goes back to it with the connection, in
+order. A failure that completes the future elsewhere, or a rank of ours stopping at a
+breakpoint, wakes the read through an eventfd.
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import select
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from .._wire.frames import port_value
+from . import _debugwait
+
+if TYPE_CHECKING:
+    from .._runtime.runtime import Runtime
+    from ._future import Future
+
+_PENDING = 0
+_tls = threading.local()
+
+
+class _Reader:
+    """A thread's claimed reply connections (by actor) and the eventfd that wakes its reads."""
+
+    __slots__ = ("claims", "efd", "owner", "poller")
+
+    def __init__(self) -> None:
+        self.claims: dict[tuple[str, str], Any] = {}
+        self.efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.owner = _thread.get_ident()
+        self.poller: Any = None
+
+    def set(self, *_: Any) -> None:
+        """Wake this thread's read (from another thread: its own completions need no wake-up)."""
+        if _thread.get_ident() != self.owner:
+            try:
+                os.eventfd_write(self.efd, 1)
+            except OSError:
+                pass  # closed: the thread is gone
+
+    def __del__(self) -> None:
+        try:
+            for c in self.claims.values():
+                c.give_back()  # the thread ended: its connections go back to the I/O thread
+            os.close(self.efd)
+        except Exception:  # interpreter shutdown: nothing left to give back to
+            pass
+
+
+def _reader() -> _Reader:
+    r: _Reader | None = getattr(_tls, "r", None)
+    if r is None:
+        r = _tls.r = _Reader()
+    return r
+
+
+def _forget_in_child() -> None:
+    # a forked child shares its parent's sockets and epoll: it must never read or watch them
+    r: _Reader | None = getattr(_tls, "r", None)
+    if r is not None:
+        r.claims = {}
+        _tls.r = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def wait(fut: Future[Any], peer: tuple[str, str], timeout: float | None, rt: Runtime, tid: int) -> bool:
+    """``get()``'s wait for a one-actor call's future (``peer``: the actor's proc and name): on
+    its reply connection, if this thread holds it, else as usual, asking the I/O thread for that
+    connection. True: done; False: ``timeout`` passed."""
+    r = _reader()
+    c = r.claims.get(peer)
+    if c is not None:
+        done = _read(fut, c, r, timeout, rt, tid)
+        if done is not None:
+            return done
+        if c.state == c.GONE:
+            del r.claims[peer]
+    port = fut._port
+    asks = rt.receiver.reply_claims
+    claimed: list[Any] = []
+    asks[port] = claimed.append
+    try:
+        ok = _debugwait.wait(fut, timeout, tid)
+    finally:
+        asks.pop(port, None)
+    if claimed and claimed[0] is not None:
+        old = r.claims.get(peer)
+        if old is not None and old is not claimed[0]:
+            old.give_back()
+        r.claims[peer] = claimed[0]
+    return ok
+
+
+def _read(fut: Future[Any], c: Any, r: _Reader, timeout: float | None, rt: Runtime, tid: int) -> bool | None:
+    """Read ``fut``'s reply off claimed connection ``c``; None: not here after all (the I/O
+    thread has the connection back, or a debug session of ours opened), wait as usual."""
+    if c.t is not rt.transport or c.rx.sock.fileno() != c.fd or not c.idle():
+        return None
+    debug = _debugwait._enabled and tid == _debugwait._main_ident
+    if debug:
+        outer, _debugwait._main_wake = _debugwait._main_wake, r
+    fut.add_done_callback(r.set)  # completed elsewhere (a failure, the I/O thread): wake up
+    try:
+        poller = r.poller
+        if poller is None:
+            poller = r.poller = select.poll()
+            poller.register(r.efd, select.POLLIN)
+        poller.register(c.fd, select.POLLIN)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        port, dispatch = fut._port, rt.receiver.dispatch
+        while fut._state == _PENDING:
+            if debug and _debugwait._unseen:
+                return None  # the usual wait runs the console
+            ms = None if deadline is None else max(0.0, deadline - time.monotonic()) * 1e3
+            ready = poller.poll(ms)
+            if not ready:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                continue
+            for fd, _ in ready:
+                if fd == r.efd:
+                    try:
+                        os.eventfd_read(r.efd)
+                    except BlockingIOError:
+                        pass
+                    continue
+                got = c.read()
+                if got is None:
+                    return None  # the connection ended; the I/O thread has it back
+                for i, msg in enumerate(got):
+                    pv = port_value(msg[0]) if len(msg) == 1 else None
+                    if pv is None or pv[0] != port:
+                        # not the awaited reply: the I/O thread's, with the connection, in order
+                        c.give_back(got[i:], cooldown=16)
+                        return None
+                    dispatch(msg)
+        return True
+    finally:
+        try:
+            poller.unregister(c.fd)
+        except (KeyError, ValueError):
+            pass
+        c.busy()  # the I/O thread watches it again (False: it has it back already)
+        if debug:
+            _debugwait._main_wake = outer

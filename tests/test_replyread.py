@@ -1,0 +1,130 @@
+"""A caller blocked on one actor's reply reads it off that actor's connection itself
+(actor/_replyread.py): the replies, failures, timeouts and other messages it must not lose."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from monarch_nb.actor import Actor, Channel, Port, _replyread, endpoint
+from monarch_nb.errors import SupervisionError
+
+
+class _Echo(Actor):
+    @endpoint
+    def echo(self, x: Any) -> Any:
+        return x
+
+    @endpoint
+    def slow(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "done"
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def tell(self, port: Port[int], n: int) -> int:
+        for i in range(n):
+            port.send(i)  # on this actor's connection to the caller, before the reply
+        return n
+
+
+def _reads_itself(a: Any) -> bool:
+    """Within 40 calls this thread reads ``a``'s replies itself."""
+    for _ in range(40):
+        f = a.echo.call_one(1)
+        assert f.get(timeout=10) == 1
+        if f._peer in _replyread._reader().claims:
+            return True
+    return False
+
+
+@pytest.fixture
+def echo(allocator: Any) -> Any:
+    procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="replyread")
+    try:
+        yield procs.spawn("e", _Echo)
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_values_and_messages_before_a_reply_arrive_in_order(echo: Any) -> None:
+    assert _reads_itself(echo)
+    port, rx = Channel.open()
+    for k in range(20):
+        assert echo.echo.call_one(k).get(timeout=10) == k
+        # values for a port of ours on the claimed connection go to the I/O thread, in order
+        assert echo.tell.call_one(port, 3).get(timeout=10) == 3
+        assert [rx.recv().get(timeout=10) for _ in range(3)] == [0, 1, 2]
+    # and the caller reads its replies itself again afterwards
+    assert _reads_itself(echo)
+
+
+def test_a_timeout_while_reading_leaves_the_call_usable(echo: Any) -> None:
+    assert _reads_itself(echo)
+    f = echo.slow.call_one(1.0)
+    with pytest.raises(TimeoutError):
+        f.get(timeout=0.2)
+    assert f.get(timeout=10) == "done"
+    assert echo.echo.call_one("x").get(timeout=10) == "x"
+
+
+def test_a_reply_left_unread_does_not_reach_the_next_call(echo: Any) -> None:
+    assert _reads_itself(echo)
+    unread = echo.echo.call_one("first")  # never waited on before the next call
+    assert echo.echo.call_one("second").get(timeout=10) == "second"
+    assert unread.get(timeout=10) == "first"
+    assert _reads_itself(echo)
+
+
+def test_threads_calling_one_actor_each_get_their_own_replies(echo: Any) -> None:
+    errors: list[BaseException] = []
+
+    def run(t: int) -> None:
+        try:
+            for i in range(150):
+                v = (t, i)
+                assert echo.echo.call_one(v).get(timeout=20) == v
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads), "a caller hung"
+    assert errors == []
+
+
+def test_a_dead_actor_fails_a_caller_reading_its_reply(allocator: Any, fault_hook: list[Any]) -> None:
+    procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="replyread-dead")
+    try:
+        a = procs.spawn("e", _Echo)
+        assert _reads_itself(a)
+        pid = a.pid.call_one().get(timeout=10)
+        f = a.slow.call_one(60)
+        threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(SupervisionError):
+            f.get(timeout=30)
+        assert time.monotonic() - t0 < 15, "the failure woke the caller's read"
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_a_forked_child_never_reads_its_parents_connections(echo: Any) -> None:
+    assert _reads_itself(echo)
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's claimed connections are not its own
+        os._exit(0 if _replyread._reader().claims == {} else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _reads_itself(echo)  # the parent still reads its replies itself
