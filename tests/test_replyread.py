@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from monarch_nb.actor import Actor, Channel, Port, _replyread, endpoint
+from monarch_nb.actor import Actor, Channel, Port, _replyread, endpoint, this_host
 from monarch_nb.errors import SupervisionError
 
 
@@ -47,8 +47,10 @@ def _reads_itself(a: Any) -> bool:
 
 
 @pytest.fixture
-def echo(allocator: Any) -> Any:
-    procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="replyread")
+def echo() -> Any:
+    # this host's allocator: its procs hold the controller's key, so a Port handed to them
+    # reaches the controller whichever inbox its address names (the tcp one, once there is one)
+    procs = this_host().spawn_procs(per_host={"gpus": 1}, name="replyread")
     try:
         yield procs.spawn("e", _Echo)
     finally:
@@ -104,8 +106,8 @@ def test_threads_calling_one_actor_each_get_their_own_replies(echo: Any) -> None
     assert errors == []
 
 
-def test_a_dead_actor_fails_a_caller_reading_its_reply(allocator: Any, fault_hook: list[Any]) -> None:
-    procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="replyread-dead")
+def test_a_dead_actor_fails_a_caller_reading_its_reply(fault_hook: list[Any]) -> None:
+    procs = this_host().spawn_procs(per_host={"gpus": 1}, name="replyread-dead")
     try:
         a = procs.spawn("e", _Echo)
         assert _reads_itself(a)
