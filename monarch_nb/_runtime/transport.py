@@ -777,6 +777,15 @@ class Transport:
                     pass
 
 
+def drain_wake(fd: int) -> None:
+    """Consume the wake-ups an eventfd holds (a thread reading a claimed connection polls one
+    beside it); none there is fine."""
+    try:
+        os.eventfd_read(fd)
+    except BlockingIOError:
+        pass
+
+
 class Claim:
     """A direct connection read by an idle sync actor's own thread instead of the runtime loop.
 

@@ -24,6 +24,7 @@ from typing import Any
 from .._runtime import _dataplane, spans
 from .._runtime.logcapture import TaggedStream, end_call, set_call
 from .._runtime.runtime import NO_REPLY, REFUSED, Runtime, new_loop, system_method
+from .._runtime.transport import drain_wake
 from .._wire import frames as wire
 from .._wire.serialize import loads, loads_fast
 from ..errors import ActorError, SupervisionError, _safe_exc, format_exception, safe_str
@@ -305,10 +306,7 @@ class ActorSlot:
             self._polling = False
         for fd, _ in ready:
             if fd == self._wake:
-                try:
-                    os.eventfd_read(self._wake)
-                except BlockingIOError:
-                    pass
+                drain_wake(fd)
         if not q.empty():
             # the mailbox first; the connection is still readable next time (level-triggered)
             return q.get_nowait()

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from .._runtime.transport import drain_wake
 from .._wire.frames import port_value
 from . import _debugwait
 
@@ -134,10 +135,7 @@ def _read(fut: Future[Any], c: Any, r: _Reader, timeout: float | None, rt: Runti
                 continue
             for fd, _ in ready:
                 if fd == r.efd:
-                    try:
-                        os.eventfd_read(r.efd)
-                    except BlockingIOError:
-                        pass
+                    drain_wake(fd)
                     continue
                 got = c.read()
                 if got is None:
