@@ -187,7 +187,14 @@ def test_dashboard_shows_a_failed_spawn_at_once_and_another_kernels_exec_error()
         errors = wait_for(failure_listed, 30, "the failed spawn in the dashboard's errors")
         assert re.search(r"actor bad failed on ranks 0-3: ValueError: no shard for me", errors), errors
         assert "In[" not in errors, errors  # no cell raised it: the supervision event did
-        _ok(k.run("d.refresh()"))  # its __init__ span says it again: still listed once
+
+        # its __init__ span and, once its allocator has it, each rank's state say it again: still
+        # listed once
+        def ranks_failed() -> bool:
+            _ok(k.run("d.refresh()"))
+            return _value(k, "d.grid_view.value").count("mnb-state-failed") == 4
+
+        wait_for(ranks_failed, 30, "the allocator to report the four ranks failed")
         assert html_unescape(_value(k, "d.errors_view.value")).count("no shard for me") == 1
 
         # a %%mesh exec that fails in another kernel reaches this kernel's dashboard (through the spans)

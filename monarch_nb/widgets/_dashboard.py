@@ -178,7 +178,7 @@ class Dashboard(W.VBox):
         self._render_debug(snap["debug"])
         with self._lock:
             for r in snap["ranks"]:
-                if r["state"] == "failed":
+                if r["state"] == "failed" and not self._told_failure(r):
                     msg = f"rank {r['rank']} on {r['host']}: {r['reason']}"
                     if msg not in self._errors:
                         self._errors.append(msg)
@@ -270,6 +270,13 @@ class Dashboard(W.VBox):
         with self._lock:
             self._errors.append(f"{time.strftime('%H:%M:%S')} {where}: {type(err).__name__}: {head[:300]}")
             self.errors_view.value = _render.errors_html(self._errors)
+
+    def _told_failure(self, r: dict[str, Any]) -> bool:
+        """A rank the allocator reports failed by an actor failure supervision told us of (its
+        grouped line, from _on_failure, says it already)."""
+        return any(
+            r["rank"] in ranks and r.get("reason") == f"{what}: {why}" for (what, why), (_, _, ranks) in self._failures.items()
+        )
 
     def _on_failure(self, failure: Any) -> None:
         """An actor failure on this mesh's procs (a failed ``__init__``, an actor that died) joins the
