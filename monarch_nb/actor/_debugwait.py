@@ -129,18 +129,36 @@ def wait_closed(sids: set[str], timeout: float) -> bool:
         return changed.wait_for(lambda: not any(s in _ours and _ours[s].get("state") != "gone" for s in sids), timeout)
 
 
+def watches(tid: int) -> bool:
+    """Whether a wait on thread ``tid`` must wake for a debug session of ours: the main thread,
+    outside the console (its own waits are plain)."""
+    return _enabled and tid == _main_ident and not getattr(_busy, "on", False)
+
+
+def swap_main_wake(wake: Any) -> Any:
+    """Make ``wake.set()`` what a debug session of ours opening calls, for the main thread's
+    wait; returns the one before, to put back (a signal handler's wait may nest in another)."""
+    global _main_wake
+    outer, _main_wake = _main_wake, wake
+    return outer
+
+
+def unseen() -> bool:
+    """Whether a debug session of ours opened that no console has shown yet."""
+    return bool(_unseen)
+
+
 def wait(fut: Future[Any], timeout: float | None, tid: int = 0) -> bool:
     """Block until ``fut`` is done (True) or ``timeout`` passes (False), running the console
     when a rank of ours stops meanwhile and this is the main thread (``tid``: the calling
     thread's ident, if the caller has it)."""
-    if not _enabled or (tid or _thread.get_ident()) != _main_ident or getattr(_busy, "on", False):
+    if not watches(tid or _thread.get_ident()):
         return fut._wait_plain(timeout)
-    global _main_wake
     deadline = None if timeout is None else time.monotonic() + timeout
     # woken by the future's completion or by a debug session of ours opening
     woken = _Wake()
     fut.add_done_callback(woken.set)
-    outer, _main_wake = _main_wake, woken  # outer: a signal handler's wait inside this one
+    outer = swap_main_wake(woken)
     try:
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -157,7 +175,7 @@ def wait(fut: Future[Any], timeout: float | None, tid: int = 0) -> bool:
             if deadline is not None and time.monotonic() >= deadline:
                 return False
     finally:
-        _main_wake = outer
+        swap_main_wake(outer)
 
 
 class _Wake:

@@ -211,7 +211,8 @@ class Future(Generic[R]):
                 raise RuntimeError("Future.get() on the monarch_nb I/O thread would deadlock; use a callback")
             blocked[tid] = self
             try:
-                # the wait lives in _debugwait: a rank of ours stopping at a breakpoint wakes the main thread
+                # the wait lives in _replyread (a one-actor call's reply, read here) or _debugwait: a
+                # rank of ours stopping at a breakpoint wakes the main thread either way
                 peer = self._peer
                 if peer is not None and rt is not None:
                     done = _replyread.wait(self, peer, timeout, rt, tid)

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 from .._runtime.transport import drain_wake
 from .._wire.frames import port_value
 from . import _debugwait
+from ._debugwait import _PENDING
 
 if TYPE_CHECKING:
     from .._runtime.runtime import Runtime
     from ._future import Future
 
-_PENDING = 0
 _tls = threading.local()
 
 
@@ -42,7 +42,9 @@ class _Reader:
         self.claims: dict[tuple[str, str], Any] = {}
         self.efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.owner = _thread.get_ident()
-        self.poller: Any = None
+        #: the eventfd, and a claimed connection while a read waits on it
+        self.poller = select.poll()
+        self.poller.register(self.efd, select.POLLIN)
 
     def set(self, *_: Any) -> None:
         """Wake this thread's read (from another thread: its own completions need no wake-up)."""
@@ -112,20 +114,17 @@ def _read(fut: Future[Any], c: Any, r: _Reader, timeout: float | None, rt: Runti
     thread has the connection back, or a debug session of ours opened), wait as usual."""
     if c.t is not rt.transport or c.rx.sock.fileno() != c.fd or not c.idle():
         return None
-    debug = _debugwait._enabled and tid == _debugwait._main_ident
+    debug = _debugwait.watches(tid)
     if debug:
-        outer, _debugwait._main_wake = _debugwait._main_wake, r
+        outer = _debugwait.swap_main_wake(r)
     fut.add_done_callback(r.set)  # completed elsewhere (a failure, the I/O thread): wake up
+    poller = r.poller
     try:
-        poller = r.poller
-        if poller is None:
-            poller = r.poller = select.poll()
-            poller.register(r.efd, select.POLLIN)
         poller.register(c.fd, select.POLLIN)
         deadline = None if timeout is None else time.monotonic() + timeout
         port, dispatch = fut._port, rt.receiver.dispatch
         while fut._state == _PENDING:
-            if debug and _debugwait._unseen:
+            if debug and _debugwait.unseen():
                 return None  # the usual wait runs the console
             ms = None if deadline is None else max(0.0, deadline - time.monotonic()) * 1e3
             ready = poller.poll(ms)
@@ -155,4 +154,4 @@ def _read(fut: Future[Any], c: Any, r: _Reader, timeout: float | None, rt: Runti
             pass
         c.busy()  # the I/O thread watches it again (False: it has it back already)
         if debug:
-            _debugwait._main_wake = outer
+            _debugwait.swap_main_wake(outer)
