@@ -357,12 +357,12 @@ def test_shutting_down_its_own_hosts_stops_a_controllers_meshes_without_a_failur
 def test_terminate_reaps_a_child_that_exits_and_kills_one_that_ignores_sigterm() -> None:
     from monarch_nb._runtime._pids import terminate
 
-    polite = subprocess.Popen([PY, "-c", "import time; time.sleep(60)"])
+    polite = subprocess.Popen([PY, "-c", "import signal; signal.pause()"])  # until a signal ends it
     stubborn = subprocess.Popen(
         [
             PY,
             "-c",
-            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)",
+            "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); signal.pause()",
         ],
         stdout=subprocess.PIPE,
         text=True,
