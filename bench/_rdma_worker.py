@@ -22,11 +22,14 @@ else:
     from monarch_nb.rdma import RDMABuffer
 
 warnings.simplefilter("ignore")
+# where the owner's buffer and the reader's tensor live: "cuda" times CUDA IPC between the two
+# procs (and, ours only, the staging through pinned host memory a reader without IPC uses)
+DEVICE = os.environ.get("BENCH_DEVICE", "cpu")
 
 
 class Owner(Actor):
     def __init__(self, n: int) -> None:
-        self.t = torch.ones(n, dtype=torch.uint8)
+        self.t = torch.ones(n, dtype=torch.uint8, device=DEVICE)
         self.buf = RDMABuffer(self.t)
 
     @endpoint
@@ -102,8 +105,11 @@ class Reader(Actor):
 
     @endpoint
     def time_op(self, buf: RDMABuffer, n: int, reps: int, op: str) -> list[float]:
-        local = torch.zeros(n, dtype=torch.uint8)
+        local = torch.zeros(n, dtype=torch.uint8, device=DEVICE)
         local.fill_(2)  # touched: page faults are not part of a transfer
+        if op.endswith("_staged"):
+            buf._ipc = False  # as for a reader that cannot map the owner's GPU
+            op = op[: -len("_staged")]
         out = []
         for _ in range(reps + 1):  # the first one sets up connections and mappings
             t0 = time.perf_counter()
@@ -130,12 +136,16 @@ class Reader(Actor):
 
     @endpoint
     def memcpy(self, n: int, reps: int) -> list[float]:
-        a = torch.ones(n, dtype=torch.uint8)
-        b = torch.zeros(n, dtype=torch.uint8)
+        a = torch.ones(n, dtype=torch.uint8, device=DEVICE)
+        b = torch.zeros(n, dtype=torch.uint8, device=DEVICE)
         out = []
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            ctypes.memmove(b.data_ptr(), a.data_ptr(), n)
+            if DEVICE == "cuda":
+                b.copy_(a)
+                torch.cuda.synchronize()
+            else:
+                ctypes.memmove(b.data_ptr(), a.data_ptr(), n)
             out.append(time.perf_counter() - t0)
         return out[1:]
 
@@ -179,7 +189,8 @@ def main() -> None:
         for suffix, k in [("", 0), *rows]:
             if workers and not monarch:
                 reader.set_streams.call_one(k).get()
-            for op in ("read", "write"):
+            staged = ("read_staged", "write_staged") if DEVICE == "cuda" and not monarch and not workers else ()
+            for op in ("read", "write", *staged):
                 # the controller only waits for the reply: its CPU time over the transfers' wall time
                 c0, a0, w0 = time.process_time(), _cpu(helpers), time.perf_counter()
                 t = statistics.median(reader.time_op.call_one(buf, n, reps, op).get())

@@ -1,6 +1,7 @@
 """RDMABuffer reads and writes between two procs of one host: monarch_nb vs Monarch vs memcpy.
 
     python -m bench.rdma [--monarch-python PATH] [--sizes 1M,64M] [--big] [--hosts [--streams 1,2,4]] [--no-same-host]
+                         [--device cuda]
 
 Each system runs ``bench/_rdma_worker.py`` as its own controller (the same file, a different
 import), with its default configuration. ``memcpy`` is the floor: one ``memmove`` of the same
@@ -31,8 +32,8 @@ def _size(s: str) -> int:
     return int(s[:-1]) * _UNITS[s[-1]] if s[-1] in _UNITS else int(s)
 
 
-def run(impl: str, python: str, sizes: list[int], timeout: float) -> dict:
-    env = dict(os.environ, BENCH_IMPL=impl, BENCH_FLOOR="1" if impl == "nb" else "0")
+def run(impl: str, python: str, sizes: list[int], timeout: float, device: str = "cpu") -> dict:
+    env = dict(os.environ, BENCH_IMPL=impl, BENCH_FLOOR="1" if impl == "nb" else "0", BENCH_DEVICE=device)
     with tempfile.TemporaryDirectory(prefix="mnb-bench-") as rdir:
         env["MONARCH_NB_RUNTIME_DIR"] = rdir
         if impl == "nb":
@@ -160,6 +161,13 @@ def main() -> int:
     ap.add_argument("--hosts", action="store_true", help="also across two network-namespace hosts (root)")
     ap.add_argument("--streams", default="1,2,4", help="across hosts, also force these stream counts (ours)")
     ap.add_argument("--no-same-host", action="store_true", help="only the runs across hosts")
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: the buffers on the GPU, same host only (CUDA IPC; ours also staged through pinned memory; "
+        "the floor is a device-to-device copy)",
+    )
     a = ap.parse_args()
     sizes = [_size(s) for s in a.sizes.split(",")]
     if a.big:
@@ -167,12 +175,14 @@ def main() -> int:
     has_monarch = os.path.exists(a.monarch_python)
     out: dict = {"sizes": sizes}
     if not a.no_same_host:
-        nb = run("nb", sys.executable, sizes, a.timeout)
-        mon = run("monarch", a.monarch_python, sizes, a.timeout) if has_monarch else {"error": "no Monarch"}
+        nb = run("nb", sys.executable, sizes, a.timeout, a.device)
+        mon = run("monarch", a.monarch_python, sizes, a.timeout, a.device) if has_monarch else {"error": "no Monarch"}
         out["same_host"] = {}
         for n in sizes:
             row: dict = {"memcpy_GBps": nb.get(f"memcpy_{n}", {}).get("GBps")}
-            for op in ("read", "write"):
+            for op in ("read", "write", "read_staged", "write_staged"):
+                if f"{op}_{n}" not in nb and op.endswith("_staged"):
+                    continue
                 ours, theirs = nb.get(f"{op}_{n}", {}), mon.get(f"{op}_{n}", {})
                 row[op] = {
                     "monarch_nb_median_s": ours.get("median_s"),
