@@ -273,6 +273,42 @@ def test_ports_channels_send_and_explicit_response_port(counters):
     assert recv.recv().get(timeout=10) == "local"
 
 
+def test_a_port_reaches_this_hosts_procs_after_the_controller_joined_a_keyed_cluster(allocator, tmp_path):
+    # once a controller has a TCP inbox (it attached to a keyed cluster), a Port pickled for the
+    # procs of a trust-all allocator on this host must still carry the address they reach it at:
+    # they hold no cluster key and fail the TCP inbox's handshake, so the values were lost
+    from conftest import AllocatorProc
+
+    from monarch_nb._wire.keys import write_key_file
+
+    key = str(tmp_path / "cluster.key")
+    write_key_file(key)
+    keyed = AllocatorProc(str(tmp_path), "--bind", "tcp://127.0.0.1:0", "--key-file", key)
+    code = f"""
+from monarch_nb.actor import Actor, Channel, attach_to_workers, endpoint, _context
+class Sender(Actor):
+    @endpoint
+    def to(self, port, v) -> None:
+        port.send(v)
+cluster = attach_to_workers(workers=[{keyed.info["tcp"]!r}], ca={key!r})
+cluster.spawn_procs(per_host={{"gpus": 1}}).spawn("s", Sender).to.call_one(Channel.open()[0], 0).get(timeout=30)
+print("TCP", _context.runtime().tcp_addr)
+hosts = attach_to_workers(workers=[{allocator.addr!r}], ca="trust_all_connections")
+s = hosts.spawn_procs(per_host={{"gpus": 2}}).spawn("s", Sender)
+port, recv = Channel.open()
+s.slice(gpus=0).to.call_one(port, "one").get(timeout=30)  # pickled for one proc
+s.to.broadcast(port, "all")  # pickled once for the mesh
+print("GOT", sorted(recv.recv().get(timeout=30) for _ in range(3)))
+"""
+    try:
+        r = run_script(code, env={"MONARCH_NB_RUNTIME_DIR": allocator.rdir})
+    finally:
+        keyed.stop()
+    assert r.returncode == 0, r.stderr
+    assert "TCP tcp://127.0.0.1:" in r.stdout and "GOT ['all', 'all', 'one']" in r.stdout, r.stdout + r.stderr
+    assert "security handshake" not in r.stderr, r.stderr
+
+
 def test_non_endpoints_refuse_until_wrapped_with_as_endpoint(counters):
     with pytest.raises(RuntimeError, match="not annotated as an endpoint"):
         counters.plain.call()

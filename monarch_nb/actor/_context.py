@@ -172,22 +172,25 @@ def reachable_addr(rt: Runtime) -> str:
 
     A Port or controller reference travels in a message's arguments; once this process has a
     TCP inbox, procs on other hosts reach it there, except hosts behind a gateway (a notebook
-    outside Kubernetes): they reach it through the gateway's reply address."""
+    outside Kubernetes): they reach it through the gateway's reply address. Procs of this host
+    reach our unix socket: the procs of a trust-all allocator hold no cluster key and could not
+    pass the TCP inbox's handshake."""
     peer = _pickling_for.get()
-    if peer.startswith("tcp://") and rt.transport.sockets.routes:
+    if peer.startswith("ipc://") or (peer.startswith("tcp://") and rt.transport.sockets.routes):
         return rt.addr_for(peer)
     return rt.tcp_addr
 
 
 class pickling_for:
     """``with pickling_for(rt, peer):`` the addresses pickled inside are the ones ``peer``
-    reaches (a no-op unless a gateway route exists)."""
+    reaches (a no-op until this process has a TCP inbox or a gateway route: before, the one
+    address it has is the one every peer reaches)."""
 
     __slots__ = ("_token", "_peer", "_on")
 
     def __init__(self, rt: Runtime, peer: str) -> None:
         self._peer = peer
-        self._on = bool(rt.transport.sockets.routes)
+        self._on = bool(rt.transport.sockets.routes or rt.transport.tcp_addr)
 
     def __enter__(self) -> None:
         if self._on:

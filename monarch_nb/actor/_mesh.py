@@ -269,7 +269,7 @@ class ActorMesh(MeshTrait, Generic[T]):
     def __reduce__(self) -> tuple[Any, ...]:
         procs = self._procs
         if _context._pickling_for.get():
-            # to hosts behind a gateway: actors in this process are reached at its reply address
+            # actors in this process, at the address the recipient reaches it (_context.reachable_addr)
             rt = _context.runtime()
             if any(p.addr == rt.ipc_addr for p in procs):
                 reach = _context.reachable_addr(rt)
