@@ -440,6 +440,53 @@ def test_cuda_ipc_between_procs_of_one_host(pair: tuple[ProcMesh, ProcMesh]) -> 
     assert reader.error_of_read.call_one(buf).get(timeout=60) == "BufferDroppedError"
 
 
+def _seeded(n: int, seed: int, device: str) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+class CudaStagedOwner(Actor):
+    def __init__(self, n: int) -> None:
+        self.t = _seeded(n, 0, "cuda")
+        self.buf = RDMABuffer(self.t)
+
+    @endpoint
+    def get(self) -> RDMABuffer:
+        return self.buf
+
+    @endpoint
+    def holds(self, seed: int) -> bool:
+        return bool(torch.equal(self.t.cpu(), _seeded(self.t.numel(), seed, "cpu")))
+
+
+class CudaStagedReader(Actor):
+    @endpoint
+    def roundtrip(self, buf: RDMABuffer, n: int) -> dict:
+        buf._ipc = False  # staged both ways, as for a reader that does not see the owner's GPU
+        got = {}
+        for where in ("cuda", "cpu"):
+            dst = torch.zeros(n, dtype=torch.uint8, device=where)
+            buf.read_into(dst).get(timeout=60)
+            got[where] = bool(torch.equal(dst.cpu(), _seeded(n, 0, "cpu")))
+        buf.write_from(_seeded(n, 1, "cuda")).get(timeout=60)
+        return got
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_staging_of_many_pieces_keeps_every_byte(pair: tuple[ProcMesh, ProcMesh]) -> None:
+    # several 8 MiB pieces, the last one short: each side copies one piece to or from the GPU
+    # while the socket carries the other
+    from monarch_nb._runtime import _dataplane as dp
+
+    a, b = pair
+    n = 3 * dp.PIECE + 4097
+    owner = a.spawn("cuda_staged", CudaStagedOwner, n)
+    reader = b.spawn("cuda_staged_reader", CudaStagedReader)
+    buf = owner.get.call_one().get(timeout=60)
+    assert reader.roundtrip.call_one(buf, n).get(timeout=120) == {"cuda": True, "cpu": True}
+    assert owner.holds.call_one(1).get(timeout=60)
+
+
 def test_cuda_ipc_handles_are_only_for_cuda_buffers_on_their_host() -> None:
     # the request a reader of a CUDA buffer makes first (runs without a GPU): a CPU buffer has
     # no IPC handle, and none is given over TCP; the reader then streams
