@@ -70,6 +70,9 @@ def _instrument(rt: Any, log: list[tuple[str, int]], peer: str, what: Any) -> No
 
     # every send (one message, a reply, a call to many) ends in the sender's send_frames
     rt.transport.dispatch, rt.sender._send_frames = timed_dispatch, timed_send
+    # a caller blocked on its reply reads it itself (actor/_replyread.py), dispatching through
+    # the receiver, which the I/O thread reaches through its own reference
+    rt.receiver.dispatch = timed_dispatch
     if take_own is not None:
         rt.receiver.take_own = timed_take_own
 
@@ -264,8 +267,8 @@ def main() -> int:
         "proc: read until endpoint body runs": [p["fn"][i] - p["recv"][i] for i in range(n)],
         # from the reply's write call: a cold write returns after the controller has read it
         "proc: endpoint body until the reply is written": [p["send0"][i] - p["fn"][i] for i in range(n)],
-        "wire back: written until the controller's I/O thread has it": [c["recv"][i] - p["send0"][i] for i in range(n)],
-        "controller: I/O thread until .get() returns": [ends[i] - c["recv"][i] for i in range(n)],
+        "wire back: written until the controller has read it": [c["recv"][i] - p["send0"][i] for i in range(n)],
+        "controller: read until .get() returns": [ends[i] - c["recv"][i] for i in range(n)],
     }
     total = [ends[i] - starts[i] for i in range(n)]
     out = {

@@ -130,3 +130,96 @@ def test_a_forked_child_never_reads_its_parents_connections(echo: Any) -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert _reads_itself(echo)  # the parent still reads its replies itself
+
+
+# -- await: the user's event loop reads the reply itself (_replyread.awaitable)
+def _loop_reads(echo: Any, coro_fn: Any) -> tuple[Any, list[int]]:
+    """Run ``coro_fn()`` in a fresh event loop of this thread; also return the threads on which
+    replies were dispatched by a reader other than the I/O thread (which the loop is)."""
+    import asyncio
+
+    from monarch_nb.actor import _context
+
+    rt = _context.runtime()
+    seen: list[int] = []
+    plain = rt.receiver.dispatch  # the I/O thread holds its own reference to it
+
+    def counted(*a: Any) -> Any:
+        seen.append(threading.get_ident())
+        return plain(*a)
+
+    rt.receiver.dispatch = counted
+    try:
+        return asyncio.run(coro_fn()), seen
+    finally:
+        del rt.receiver.dispatch
+
+
+def test_an_await_reads_its_reply_on_the_event_loop(echo: Any) -> None:
+    async def main() -> list[int]:
+        return [await echo.echo.call_one(i) for i in range(60)]
+
+    got, seen = _loop_reads(echo, main)
+    assert got == list(range(60))
+    # after the first replies the I/O thread hands the connection over; then the loop reads
+    assert len(seen) >= 40 and set(seen) == {threading.get_ident()}, len(seen)
+
+
+def test_an_await_keeps_values_before_its_reply_in_order_and_mixes_with_get(echo: Any) -> None:
+    port, rx = Channel.open()
+
+    async def warm() -> None:
+        for i in range(40):
+            assert await echo.echo.call_one(i) == i
+
+    async def main() -> None:
+        await warm()
+        for k in range(20):
+            assert await echo.echo.call_one(k) == k
+            # values for a port of ours on the connection the loop reads go to the I/O thread, in order
+            assert await echo.tell.call_one(port, 3) == 3
+            assert [await rx.recv() for _ in range(3)] == [0, 1, 2]
+            assert echo.echo.call_one(-k).get(timeout=10) == -k  # the same thread, blocking
+
+    _loop_reads(echo, main)
+    _, seen = _loop_reads(echo, warm)
+    assert seen, "the loop does not read its replies itself again"
+
+
+def test_a_cancelled_await_leaves_the_call_usable(echo: Any) -> None:
+    import asyncio
+
+    async def main() -> tuple[str, str]:
+        for i in range(40):
+            assert await echo.echo.call_one(i) == i
+        f = echo.slow.call_one(1.0)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(f, 0.2)
+        return await f, await echo.echo.call_one("x")
+
+    got, seen = _loop_reads(echo, main)
+    assert got == ("done", "x") and seen
+
+
+def test_a_dead_actor_fails_an_await_on_the_loop(fault_hook: list[Any]) -> None:
+    procs = this_host().spawn_procs(per_host={"gpus": 1}, name="replyread-dead-await")
+    try:
+        a = procs.spawn("e", _Echo)
+
+        async def main() -> float:
+            for i in range(40):
+                assert await a.echo.call_one(i) == i
+            pid = await a.pid.call_one()
+            f = a.slow.call_one(60)
+            os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(SupervisionError):
+                await asyncio.wait_for(f, 30)
+            return time.monotonic() - t0
+
+        import asyncio
+
+        took, seen = _loop_reads(a, main)
+        assert seen and took < 15, took
+    finally:
+        procs.stop().get(timeout=30)

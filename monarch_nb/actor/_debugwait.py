@@ -203,17 +203,20 @@ def awaits_here() -> bool:
     return _enabled and _thread.get_ident() == _main_ident and not getattr(_busy, "on", False)
 
 
-async def wait_async(fut: Future[Any]) -> None:
+async def wait_async(fut: Future[Any], done: Callable[[], asyncio.Future[None]] | None = None) -> None:
     """``await fut`` on the main thread (an async cell): the console runs when a rank of ours stops.
 
     The console blocks this thread's loop while it reads input, as a blocked ``get()`` would.
+    ``done()``, if given, makes what to wait on instead of a plain wake-up on ``fut``'s
+    completion (``_replyread.awaitable``: the loop may read the reply itself).
     """
     loop = asyncio.get_running_loop()
     while fut._state == _PENDING:
-        woken: asyncio.Future[None] = loop.create_future()
+        woken: asyncio.Future[None] = loop.create_future() if done is None else done()
         # C all the way from the I/O thread's completion (or on_event) to the loop's queue
         wake = functools.partial(loop.call_soon_threadsafe, resolve_once, woken)
-        fut.add_done_callback(wake)
+        if done is None:
+            fut.add_done_callback(wake)
         # the set's add and discard are atomic (on_event copies it under _lock, also atomic):
         # added before _unseen is read, as on_event adds to _unseen before it copies the set
         _async_waiters.add(wake)

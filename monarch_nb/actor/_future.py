@@ -240,14 +240,21 @@ class Future(Generic[R]):
     def __await__(self) -> Generator[Any, None, R]:
         if self._start is not None:
             self._kick()
-        if self._state == _PENDING and _debugwait.awaits_here():
-            # an async cell: a rank of ours stopping at a breakpoint opens the console here
-            yield from _debugwait.wait_async(self).__await__()
-        elif self._state == _PENDING:
-            loop = asyncio.get_running_loop()
-            af: asyncio.Future[None] = loop.create_future()
-            self.add_done_callback(functools.partial(loop.call_soon_threadsafe, _debugwait.resolve_once, af))
-            yield from af.__await__()
+        if self._state == _PENDING:
+            rt, peer = _context._runtime, self._peer
+            # a one-actor call's reply: the loop may read it itself
+            own = None if peer is None or rt is None else functools.partial(_replyread.awaitable, self, peer, rt)
+            if _debugwait.awaits_here():
+                # an async cell: a rank of ours stopping at a breakpoint opens the console here
+                yield from _debugwait.wait_async(self, own).__await__()
+            else:
+                if own is not None:
+                    af = own()
+                else:
+                    loop = asyncio.get_running_loop()
+                    af = loop.create_future()
+                    self.add_done_callback(functools.partial(loop.call_soon_threadsafe, _debugwait.resolve_once, af))
+                yield from af.__await__()
         return self._resolve()
 
     def as_asyncio(self) -> asyncio.Future[R]:

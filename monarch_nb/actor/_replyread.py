@@ -10,11 +10,16 @@ the caller is elsewhere the I/O thread watches the connection and takes it back 
 a byte arrives, and anything but the awaited reply goes back to it with the connection, in
 order. A failure that completes the future elsewhere, or a rank of ours stopping at a
 breakpoint, wakes the read through an eventfd.
+
+A coroutine awaiting such a reply (:func:`awaitable`) has its event loop watch the claimed
+connection instead (``loop.add_reader``): the loop wakes on the reply itself, where it used to
+wake on its self-pipe, written by the I/O thread after its own wake-up.
 """
 
 from __future__ import annotations
 
 import _thread
+import asyncio
 import os
 import select
 import threading
@@ -155,3 +160,74 @@ def _read(fut: Future[Any], c: Any, r: _Reader, timeout: float | None, rt: Runti
         c.busy()  # the I/O thread watches it again (False: it has it back already)
         if debug:
             _debugwait.swap_main_wake(outer)
+
+
+def awaitable(fut: Future[Any], peer: tuple[str, str], rt: Runtime) -> asyncio.Future[None]:
+    """What ``await`` on a one-actor call's future waits on, on the running loop: done once
+    ``fut`` is. If this thread holds ``peer``'s reply connection, the loop reads it; else the
+    I/O thread wakes the loop, and is asked for the connection for the next ``await``."""
+    loop = asyncio.get_running_loop()
+    af: asyncio.Future[None] = loop.create_future()
+    tid = _thread.get_ident()
+
+    def wake(_: Any) -> None:
+        if _thread.get_ident() == tid:
+            _debugwait.resolve_once(af)  # read and completed right here, on the loop
+        else:
+            loop.call_soon_threadsafe(_debugwait.resolve_once, af)
+
+    r = _reader()
+    c = r.claims.get(peer)
+    if c is not None and c.t is rt.transport and c.rx.sock.fileno() == c.fd and c.idle():
+        port, dispatch = fut._port, rt.receiver.dispatch
+        watching = [True]
+
+        def stop(gone: bool) -> None:
+            if watching[0]:
+                watching[0] = False
+                loop.remove_reader(c.fd)
+                if gone:
+                    if r.claims.get(peer) is c:
+                        del r.claims[peer]
+                else:
+                    c.busy()  # the I/O thread watches it again
+
+        def readable() -> None:
+            if fut._state != _PENDING:
+                stop(False)  # done elsewhere: what follows is the I/O thread's
+                return
+            got = c.read()
+            if got is None:
+                stop(True)  # the connection ended; the I/O thread has it back
+                return
+            for i, msg in enumerate(got):
+                pv = port_value(msg[0]) if len(msg) == 1 else None
+                if pv is None or pv[0] != port:
+                    # not the awaited reply: the I/O thread's, with the connection, in order
+                    c.give_back(got[i:], cooldown=16)
+                    stop(True)
+                    return
+                dispatch(msg)
+
+        loop.add_reader(c.fd, readable)
+        af.add_done_callback(lambda _: stop(False))  # also when the awaiting task is cancelled
+        fut.add_done_callback(wake)
+        return af
+    if c is not None and c.state == c.GONE:
+        del r.claims[peer]
+    port = fut._port
+    asks = rt.receiver.reply_claims
+    claimed: list[Any] = []
+    asks[port] = claimed.append
+
+    def adopt(_: Any) -> None:
+        asks.pop(port, None)
+        if claimed and claimed[0] is not None:
+            old = r.claims.get(peer)
+            if old is not None and old is not claimed[0]:
+                old.give_back()
+            r.claims[peer] = claimed[0]
+
+    af.add_done_callback(adopt)
+    fut.add_done_callback(wake)
+    return af
