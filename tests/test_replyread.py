@@ -30,10 +30,32 @@ class _Echo(Actor):
         return os.getpid()
 
     @endpoint
+    def gated(self, path: str) -> str:
+        import _gate
+
+        return "in" if _gate.wait(path, 30) else "closed"
+
+    @endpoint
     def tell(self, port: Port[int], n: int) -> int:
         for i in range(n):
             port.send(i)  # on this actor's connection to the caller, before the reply
         return n
+
+
+def _open_when_read(c: Any, g: Any) -> threading.Thread:
+    """Open gate ``g`` once the caller reads claimed connection ``c`` itself (its reply then
+    comes to a caller already waiting)."""
+    from conftest import wait_for
+
+    def run() -> None:
+        try:
+            wait_for(lambda: c.state == c.IDLE, 20, "the caller reading its connection")
+        finally:
+            g.open()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
 
 
 def _reads_itself(a: Any) -> bool:
@@ -155,17 +177,23 @@ def _loop_reads(echo: Any, coro_fn: Any) -> tuple[Any, list[int]]:
         del rt.receiver.dispatch
 
 
-def test_an_await_reads_its_reply_on_the_event_loop(echo: Any) -> None:
-    async def main() -> list[int]:
-        return [await echo.echo.call_one(i) for i in range(60)]
+def test_an_await_reads_its_reply_on_the_event_loop(echo: Any, gate: Any) -> None:
+    async def main() -> list[Any]:
+        got: list[Any] = [await echo.echo.call_one(i) for i in range(40)]
+        c = _replyread._reader().claims[(echo._procs[0].addr, echo._name)]
+        for k in range(5):
+            g = gate(f"await{k}")
+            opener = _open_when_read(c, g)
+            got.append(await echo.gated.call_one(g.path))
+            opener.join()
+        return got
 
     got, seen = _loop_reads(echo, main)
-    assert got == list(range(60))
-    # after the first replies the I/O thread hands the connection over; then the loop reads.
-    # A reply that comes before the await begins is the I/O thread's (it watches the connection
-    # between awaits) and the next one hands it over again, so under load fewer are read here
-    # (33 of 60 once in CI on two busy cores)
-    assert len(seen) >= 10 and set(seen) == {threading.get_ident()}, len(seen)
+    assert got == [*range(40), *["in"] * 5]
+    # after the first replies the I/O thread hands the connection over; then the loop reads:
+    # every reply that comes while the await waits (a reply that comes before is the I/O
+    # thread's, which keeps the connection the loop's)
+    assert len(seen) >= 5 and set(seen) == {threading.get_ident()}, len(seen)
 
 
 def test_an_await_keeps_values_before_its_reply_in_order_and_mixes_with_get(echo: Any) -> None:
@@ -226,3 +254,49 @@ def test_a_dead_actor_fails_an_await_on_the_loop(fault_hook: list[Any]) -> None:
         assert seen and took < 15, took
     finally:
         procs.stop().get(timeout=30)
+
+
+def _dispatched_here(echo: Any, fn: Any) -> int:
+    """How many replies this thread dispatched itself while ``fn()`` ran."""
+    from monarch_nb.actor import _context
+
+    rt = _context.runtime()
+    me, seen = threading.get_ident(), [0]
+    plain = rt.receiver.dispatch
+
+    def counted(*a: Any) -> Any:
+        seen[0] += threading.get_ident() == me
+        return plain(*a)
+
+    rt.receiver.dispatch = counted
+    try:
+        fn()
+    finally:
+        del rt.receiver.dispatch
+    return seen[0]
+
+
+def test_a_reply_that_comes_before_its_caller_waits_keeps_the_connection_with_the_caller(echo: Any, gate: Any) -> None:
+    assert _reads_itself(echo)
+    for k in range(5):
+        came = threading.Event()
+        f = echo.echo.call_one(k)
+        f.add_done_callback(lambda _, came=came: came.set())
+        assert came.wait(10)  # the I/O thread read it: the caller was not waiting yet
+        assert f.get(timeout=10) == k
+        c = _replyread._reader().claims[f._peer]
+        assert c.state != c.GONE, "the connection went back to the I/O thread"
+        # the next reply is read by the caller itself, with no call through the I/O thread first
+        g = gate(f"next{k}")
+        opener = _open_when_read(c, g)
+        assert _dispatched_here(echo, lambda g=g: echo.gated.call_one(g.path).get(timeout=30)) == 1
+        opener.join()
+
+
+def test_a_stream_of_port_values_while_the_caller_is_elsewhere_arrives_whole_and_in_order(echo: Any) -> None:
+    assert _reads_itself(echo)
+    port, rx = Channel.open()
+    for _ in range(3):
+        echo.tell.broadcast(port, 40)  # nobody waits on a reply: the I/O thread takes them all
+        assert [rx.recv().get(timeout=10) for _ in range(40)] == list(range(40))
+    assert _reads_itself(echo)

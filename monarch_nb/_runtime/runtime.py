@@ -104,7 +104,7 @@ class Runtime:
             self.receiver.claim = self.transport.claim
         elif label == "controller":
             # and a controller's callers blocked on one actor's reply read it themselves
-            self.receiver.claim_reply = self.transport.claim
+            self.receiver.claim_reply = self.transport.claim_kept
         self._cfg = cfg
         # the parts' entry points as the runtime's own: bound methods, so no extra call per use
         t, s, r, v = self.transport, self.sender, self.receiver, self.supervision

@@ -462,10 +462,10 @@ class Transport:
             rx.sock.close()
             self.fast_in.discard(rx)
 
-    def claim(self) -> Claim | None:
+    def claim(self, keep: bool = False) -> Claim | None:
         """On the loop's thread, while it dispatches a message that came alone on a direct
         connection: hand that connection to the caller (an idle actor's thread, which reads it
-        itself from then on, see :class:`Claim`), or None."""
+        itself from then on, see :class:`Claim`), or None. ``keep``: see :attr:`Claim.keep`."""
         rx = self._reading
         if rx is None or rx.claimed or not rx.drained():
             return None
@@ -483,15 +483,22 @@ class Transport:
             return None
         self.loop.remove_reader(fd)
         rx.claimed = True
-        c = self._claims[fd] = Claim(self, rx)
+        c = self._claims[fd] = Claim(self, rx, keep)
         return c
+
+    def claim_kept(self) -> Claim | None:
+        """:meth:`claim` for a controller's caller waiting on replies (``Receiver.claim_reply``)."""
+        return self.claim(True)
 
     def _on_watch(self) -> None:
         assert self._watch is not None
         for fd, _ in self._watch.poll(0):
             c = self._claims.get(fd)
             if c is not None:
-                c.take_back()
+                if c.keep:
+                    c.serve()
+                else:
+                    c.take_back()
 
     def resume(self, rx: fastpath.Receiver, frames: list[list[Any]]) -> None:
         """On the loop's thread: read a claimed connection here again, after dispatching the
@@ -800,14 +807,22 @@ class Claim:
     """
 
     IDLE, BUSY, GONE = 0, 1, 2
-    __slots__ = ("t", "rx", "fd", "lock", "state", "got")
+    __slots__ = ("t", "rx", "fd", "lock", "state", "got", "keep", "served")
 
-    def __init__(self, t: Transport, rx: fastpath.Receiver) -> None:
+    def __init__(self, t: Transport, rx: fastpath.Receiver, keep: bool = False) -> None:
         self.t = t
         self.rx = rx
         self.fd = rx.sock.fileno()
         self.lock = threading.Lock()
         self.state = Claim.BUSY
+        #: what the loop does with a byte that comes while the claimant is elsewhere: read and
+        #: dispatch what came and watch again, the claim kept (a controller's caller, whose
+        #: reply often comes before it waits: a call's reply that wakes the proc on the
+        #: caller's own CPU is written before the caller is back); or take the connection back
+        #: for good (an actor's thread: a call read here would overtake those queued for it)
+        self.keep = keep
+        #: reads the loop made for it since the claimant last read (see :meth:`serve`)
+        self.served = 0
         #: what the actor's thread read off the connection and has not taken yet
         self.got: list[list[Any]] = []
         rx.dispatch = self.got.append
@@ -841,6 +856,7 @@ class Claim:
             if self.state != Claim.BUSY:
                 return self.state == Claim.IDLE
             self.state = Claim.IDLE
+            self.served = 0
             assert self.t._watch is not None
             try:
                 self.t._watch.modify(self.fd, select.EPOLLONESHOT)
@@ -860,6 +876,35 @@ class Claim:
             self.t.loop.call_soon_threadsafe(self.t.resume, self.rx, [*frames, *self.got])
         except RuntimeError:
             pass  # the loop is closed: so is the connection
+
+    def serve(self) -> None:
+        """(The loop, a byte arrived while the claimant was elsewhere; :attr:`keep`.) Read and
+        dispatch what came, in order, and watch the connection again; the claimant waits for
+        the lock meanwhile, so the two never read it at once."""
+        with self.lock:
+            if self.state != Claim.BUSY:
+                return  # idle again (it reads the bytes itself) or given back already
+            self.served += 1
+            if self.served > 16:
+                # the claimant no longer reads here (the stream is a port's values, or its
+                # thread calls elsewhere): the loop reads it as any other, at no extra cost
+                self.state = Claim.GONE
+                self.t.resume(self.rx, [])
+                return
+            if not self.rx.on_readable():
+                self.state = Claim.GONE  # the connection ended: the loop closes it
+                frames, self.got = self.got[:], []
+                self.t.resume(self.rx, frames)
+                return
+            frames = self.got[:]
+            self.got.clear()
+            for f in frames:
+                self.t._dispatch_direct(f)
+            assert self.t._watch is not None
+            try:
+                self.t._watch.modify(self.fd, select.EPOLLIN | select.EPOLLONESHOT)
+            except OSError:
+                pass  # closed meanwhile: the next read says so
 
     def take_back(self) -> None:
         """(The loop, a byte arrived while the actor was busy.) Read it on the loop again."""
