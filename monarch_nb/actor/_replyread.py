@@ -24,6 +24,7 @@ import os
 import select
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._runtime.transport import drain_wake
@@ -98,20 +99,29 @@ def wait(fut: Future[Any], peer: tuple[str, str], timeout: float | None, rt: Run
             return done
         if c.state == c.GONE:
             del r.claims[peer]
-    port = fut._port
+    adopt = _ask(r, peer, fut._port, rt)
+    try:
+        return _debugwait.wait(fut, timeout, tid)
+    finally:
+        adopt()
+
+
+def _ask(r: _Reader, peer: tuple[str, str], port: int, rt: Runtime) -> Callable[[], None]:
+    """Ask the I/O thread for the connection the reply on ``port`` comes on; the function
+    returned, called on this thread once the wait is over, takes it (if it came) as ``peer``'s."""
     asks = rt.receiver.reply_claims
     claimed: list[Any] = []
     asks[port] = claimed.append
-    try:
-        ok = _debugwait.wait(fut, timeout, tid)
-    finally:
+
+    def adopt() -> None:
         asks.pop(port, None)
-    if claimed and claimed[0] is not None:
-        old = r.claims.get(peer)
-        if old is not None and old is not claimed[0]:
-            old.give_back()
-        r.claims[peer] = claimed[0]
-    return ok
+        if claimed and claimed[0] is not None:
+            old = r.claims.get(peer)
+            if old is not None and old is not claimed[0]:
+                old.give_back()
+            r.claims[peer] = claimed[0]
+
+    return adopt
 
 
 def _read(fut: Future[Any], c: Any, r: _Reader, timeout: float | None, rt: Runtime, tid: int) -> bool | None:
@@ -215,19 +225,7 @@ def awaitable(fut: Future[Any], peer: tuple[str, str], rt: Runtime) -> asyncio.F
         return af
     if c is not None and c.state == c.GONE:
         del r.claims[peer]
-    port = fut._port
-    asks = rt.receiver.reply_claims
-    claimed: list[Any] = []
-    asks[port] = claimed.append
-
-    def adopt(_: Any) -> None:
-        asks.pop(port, None)
-        if claimed and claimed[0] is not None:
-            old = r.claims.get(peer)
-            if old is not None and old is not claimed[0]:
-                old.give_back()
-            r.claims[peer] = claimed[0]
-
-    af.add_done_callback(adopt)
+    adopt = _ask(r, peer, fut._port, rt)
+    af.add_done_callback(lambda _: adopt())
     fut.add_done_callback(wake)
     return af
