@@ -30,6 +30,14 @@ class _Echo(Actor):
         return os.getpid()
 
     @endpoint
+    def tell_gated(self, port: Port[int], paths: list[str]) -> None:
+        import _gate
+
+        for i, path in enumerate(paths):
+            port.send(i)  # each value alone: the next waits until the test has this one
+            _gate.wait(path, 30)
+
+    @endpoint
     def gated(self, path: str) -> str:
         import _gate
 
@@ -300,3 +308,20 @@ def test_a_stream_of_port_values_while_the_caller_is_elsewhere_arrives_whole_and
         echo.tell.broadcast(port, 40)  # nobody waits on a reply: the I/O thread takes them all
         assert [rx.recv().get(timeout=10) for _ in range(40)] == list(range(40))
     assert _reads_itself(echo)
+
+
+def test_a_connection_the_caller_no_longer_reads_goes_back_to_the_io_thread(echo: Any, gate: Any) -> None:
+    # values arriving one by one while the caller is elsewhere: the I/O thread reads each for
+    # the caller's claim, and after 16 lets the connection go for good
+    assert _reads_itself(echo)
+    f = echo.echo.call_one(0)
+    assert f.get(timeout=10) == 0
+    c = _replyread._reader().claims[f._peer]
+    port, rx = Channel.open()
+    gates = [gate(f"v{i}") for i in range(20)]
+    echo.tell_gated.broadcast(port, [g.path for g in gates])
+    for i, g in enumerate(gates):
+        assert rx.recv().get(timeout=10) == i
+        g.open()
+    assert c.state == c.GONE
+    assert _reads_itself(echo)  # and a later reply is handed over again
