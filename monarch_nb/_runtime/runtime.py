@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import os
 import secrets
 import socket
@@ -104,7 +105,7 @@ class Runtime:
             self.receiver.claim = self.transport.claim
         elif label == "controller":
             # and a controller's callers blocked on one actor's reply read it themselves
-            self.receiver.claim_reply = self.transport.claim_kept
+            self.receiver.claim_reply = functools.partial(self.transport.claim, True)
         self._cfg = cfg
         # the parts' entry points as the runtime's own: bound methods, so no extra call per use
         t, s, r, v = self.transport, self.sender, self.receiver, self.supervision

@@ -486,10 +486,6 @@ class Transport:
         c = self._claims[fd] = Claim(self, rx, keep)
         return c
 
-    def claim_kept(self) -> Claim | None:
-        """:meth:`claim` for a controller's caller waiting on replies (``Receiver.claim_reply``)."""
-        return self.claim(True)
-
     def _on_watch(self) -> None:
         assert self._watch is not None
         for fd, _ in self._watch.poll(0):
@@ -885,26 +881,22 @@ class Claim:
             if self.state != Claim.BUSY:
                 return  # idle again (it reads the bytes itself) or given back already
             self.served += 1
-            if self.served > 16:
-                # the claimant no longer reads here (the stream is a port's values, or its
-                # thread calls elsewhere): the loop reads it as any other, at no extra cost
-                self.state = Claim.GONE
-                self.t.resume(self.rx, [])
+            # past 16 the claimant no longer reads here (the stream is a port's values, or its
+            # thread calls elsewhere): the loop reads it as any other, at no extra cost
+            if self.served <= 16 and self.rx.on_readable():
+                frames = self.got[:]
+                self.got.clear()
+                for f in frames:
+                    self.t._dispatch_direct(f)
+                assert self.t._watch is not None
+                try:
+                    self.t._watch.modify(self.fd, select.EPOLLIN | select.EPOLLONESHOT)
+                except OSError:
+                    pass  # closed meanwhile: the next read says so
                 return
-            if not self.rx.on_readable():
-                self.state = Claim.GONE  # the connection ended: the loop closes it
-                frames, self.got = self.got[:], []
-                self.t.resume(self.rx, frames)
-                return
-            frames = self.got[:]
-            self.got.clear()
-            for f in frames:
-                self.t._dispatch_direct(f)
-            assert self.t._watch is not None
-            try:
-                self.t._watch.modify(self.fd, select.EPOLLIN | select.EPOLLONESHOT)
-            except OSError:
-                pass  # closed meanwhile: the next read says so
+            self.state = Claim.GONE  # given up, or the connection ended (the loop closes it)
+            frames, self.got = self.got[:], []
+        self.t.resume(self.rx, frames)
 
     def take_back(self) -> None:
         """(The loop, a byte arrived while the actor was busy.) Read it on the loop again."""

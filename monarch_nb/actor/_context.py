@@ -181,6 +181,12 @@ def reachable_addr(rt: Runtime) -> str:
     return rt.tcp_addr
 
 
+def addresses_vary(rt: Runtime) -> bool:
+    """Whether peers may reach this process at different addresses (it has a TCP inbox or a
+    gateway route): only then do pickled addresses of ours depend on the recipient."""
+    return bool(rt.transport.tcp_addr or rt.transport.sockets.routes)
+
+
 class pickling_for:
     """``with pickling_for(rt, peer):`` the addresses pickled inside are the ones ``peer``
     reaches (a no-op until this process has a TCP inbox or a gateway route: before, the one
@@ -190,7 +196,7 @@ class pickling_for:
 
     def __init__(self, rt: Runtime, peer: str) -> None:
         self._peer = peer
-        self._on = bool(rt.transport.sockets.routes or rt.transport.tcp_addr)
+        self._on = addresses_vary(rt)
 
     def __enter__(self) -> None:
         if self._on:

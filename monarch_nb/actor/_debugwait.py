@@ -200,7 +200,7 @@ class _Wake:
 
 def awaits_here() -> bool:
     """Should an ``await`` on this thread go through :func:`wait_async`?"""
-    return _enabled and _thread.get_ident() == _main_ident and not getattr(_busy, "on", False)
+    return watches(_thread.get_ident())
 
 
 async def wait_async(fut: Future[Any], done: Callable[[], asyncio.Future[None]] | None = None) -> None:

@@ -185,7 +185,7 @@ class Endpoint(Generic[R]):
         view = mesh._view
         procs = mesh._procs
         idx = range(len(view.ranks)) if ranks is None else ranks
-        if (rt.transport.tcp_addr or rt.transport.sockets.routes) and len(idx) and (args or kwargs):
+        if _context.addresses_vary(rt) and len(idx) and (args or kwargs):
             # a Port of ours in the arguments, as these procs reach us: at the unix socket (this
             # host), the TCP inbox, or a gateway's reply address (hosts behind one); a mesh's
             # procs are all on this host or all reached over TCP, so its first proc decides

@@ -124,10 +124,27 @@ def _ask(r: _Reader, peer: tuple[str, str], port: int, rt: Runtime) -> Callable[
     return adopt
 
 
+def _held(c: Any, rt: Runtime) -> bool:
+    """Whether claimed connection ``c`` is still this runtime's and now read here (``idle``)."""
+    return c.t is rt.transport and c.rx.sock.fileno() == c.fd and bool(c.idle())
+
+
+def _take(c: Any, got: list[Any], port: int, dispatch: Callable[[Any], None]) -> bool:
+    """Dispatch the replies on ``port`` among the messages ``got`` read off ``c``; at the first
+    other one, give it and the rest back to the I/O thread, in order, with the connection (False)."""
+    for i, msg in enumerate(got):
+        pv = port_value(msg[0]) if len(msg) == 1 else None
+        if pv is None or pv[0] != port:
+            c.give_back(got[i:], cooldown=16)
+            return False
+        dispatch(msg)
+    return True
+
+
 def _read(fut: Future[Any], c: Any, r: _Reader, timeout: float | None, rt: Runtime, tid: int) -> bool | None:
     """Read ``fut``'s reply off claimed connection ``c``; None: not here after all (the I/O
     thread has the connection back, or a debug session of ours opened), wait as usual."""
-    if c.t is not rt.transport or c.rx.sock.fileno() != c.fd or not c.idle():
+    if not _held(c, rt):
         return None
     debug = _debugwait.watches(tid)
     if debug:
@@ -152,15 +169,8 @@ def _read(fut: Future[Any], c: Any, r: _Reader, timeout: float | None, rt: Runti
                     drain_wake(fd)
                     continue
                 got = c.read()
-                if got is None:
-                    return None  # the connection ended; the I/O thread has it back
-                for i, msg in enumerate(got):
-                    pv = port_value(msg[0]) if len(msg) == 1 else None
-                    if pv is None or pv[0] != port:
-                        # not the awaited reply: the I/O thread's, with the connection, in order
-                        c.give_back(got[i:], cooldown=16)
-                        return None
-                    dispatch(msg)
+                if got is None or not _take(c, got, port, dispatch):
+                    return None  # the connection ended, or given back: the I/O thread has it
         return True
     finally:
         try:
@@ -188,7 +198,7 @@ def awaitable(fut: Future[Any], peer: tuple[str, str], rt: Runtime) -> asyncio.F
 
     r = _reader()
     c = r.claims.get(peer)
-    if c is not None and c.t is rt.transport and c.rx.sock.fileno() == c.fd and c.idle():
+    if c is not None and _held(c, rt):
         port, dispatch = fut._port, rt.receiver.dispatch
         watching = [True]
 
@@ -207,17 +217,8 @@ def awaitable(fut: Future[Any], peer: tuple[str, str], rt: Runtime) -> asyncio.F
                 stop(False)  # done elsewhere: what follows is the I/O thread's
                 return
             got = c.read()
-            if got is None:
-                stop(True)  # the connection ended; the I/O thread has it back
-                return
-            for i, msg in enumerate(got):
-                pv = port_value(msg[0]) if len(msg) == 1 else None
-                if pv is None or pv[0] != port:
-                    # not the awaited reply: the I/O thread's, with the connection, in order
-                    c.give_back(got[i:], cooldown=16)
-                    stop(True)
-                    return
-                dispatch(msg)
+            if got is None or not _take(c, got, port, dispatch):
+                stop(True)  # the connection ended, or given back: the I/O thread has it
 
         loop.add_reader(c.fd, readable)
         af.add_done_callback(lambda _: stop(False))  # also when the awaiting task is cancelled
