@@ -276,7 +276,7 @@ def test_a_forked_child_of_a_proc_still_gets_its_lines_flushed() -> None:
             s._mnb_flushed = time.monotonic() + 3600  # as if it had just written: these lines wait in the buffer
             print("child 1", file=s)
             print("child 2", file=s)
-            time.sleep(30)
+            signal.pause()  # until the test kills it
         finally:
             os._exit(0)
     try:

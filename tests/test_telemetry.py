@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import time
-
 from conftest import wait_for
 
 import monarch_nb
@@ -13,10 +10,10 @@ from monarch_nb.actor import Actor, endpoint, this_host
 
 class Worker(Actor):
     @endpoint
-    def hold(self, flag: str) -> str:
-        while not os.path.exists(flag):  # the test releases it by creating the file
-            time.sleep(0.01)
-        return "released"
+    def hold(self, gate: str) -> str:
+        import _gate
+
+        return "released" if _gate.wait(gate, 60) else "not released"
 
     @endpoint
     def chatter(self, n: int) -> None:
@@ -32,12 +29,12 @@ def _procs(name: str) -> list[dict]:
     return []
 
 
-def test_status_reports_activity_resources_and_rates(tmp_path) -> None:
-    flag = str(tmp_path / "release")
+def test_status_reports_activity_resources_and_rates(gate) -> None:  # type: ignore[no-untyped-def]
+    release = gate("release")
     pm = this_host().spawn_procs(per_host={"gpus": 2}, name="tele")
     try:
         w = pm.spawn("w", Worker)
-        held = w.slice(gpus=0).hold.call_one(flag)
+        held = w.slice(gpus=0).hold.call_one(release.path)
         # each proc's activity is its last answer to the allocator's poll: rank 1's may come later
         procs = wait_for(
             lambda: (ps := _procs("tele")) and ps[0].get("activity") == "busy in w.hold" and "activity" in ps[1] and ps,
@@ -49,7 +46,7 @@ def test_status_reports_activity_resources_and_rates(tmp_path) -> None:
         w.slice(gpus=1).chatter.call_one(500).get(timeout=30)
         procs = wait_for(lambda: (ps := _procs("tele")) and ps[1].get("lines_per_s", 0) > 0 and ps, 10, "a line rate")
         assert procs[1]["lines"] >= 500
-        open(flag, "w").close()
+        release.open()
         assert held.get(timeout=10) == "released"
         procs = wait_for(lambda: (ps := _procs("tele")) and ps[0].get("calls") == 1 and ps, 10, "the call counted")
         assert procs[0]["activity"] == "idle" and procs[0]["mean_call_ms"] > 0
