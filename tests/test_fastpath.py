@@ -264,11 +264,40 @@ class _Recorder(Actor):
         return any(s.obj is self and s._claim is not None for s in _context.runtime().actors.values())  # type: ignore[attr-defined]
 
 
-def test_an_idle_actor_reads_its_calls_itself_and_hands_back_the_rest(allocator: Any) -> None:
+class _AsyncRecorder(Actor):
+    """An async actor: its loop reads the caller's connection itself once idle. ``slow`` blocks
+    the loop (a blocking call in an ``async def``, as real code has), so only the I/O thread
+    can read the connection meanwhile."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    @endpoint
+    async def record(self, i: int) -> None:
+        self.seen.append(i)
+
+    @endpoint
+    async def get_seen(self) -> list[int]:
+        return self.seen
+
+    @endpoint
+    async def slow(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "done"
+
+    @endpoint
+    async def reads_own_connection(self) -> bool:
+        from monarch_nb.actor import _context
+
+        return any(s.obj is self and s._claim is not None for s in _context.runtime().actors.values())  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("cls", [_Recorder, _AsyncRecorder], ids=["sync", "async"])
+def test_an_idle_actor_reads_its_calls_itself_and_hands_back_the_rest(allocator: Any, cls: type) -> None:
     procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="claim")
     try:
-        a = procs.spawn("a", _Recorder)
-        b = procs.spawn("b", _Recorder)
+        a = procs.spawn("a", cls)
+        b = procs.spawn("b", cls)
         assert a.slow.call_one(0).get(timeout=10) == "done"
         # called alone, an idle actor takes its caller's connection within a few calls (when
         # the proc's I/O thread finds it idle: on a loaded machine not always by the third)

@@ -790,15 +790,16 @@ def drain_wake(fd: int) -> None:
 
 
 class Claim:
-    """A direct connection read by an idle sync actor's own thread instead of the runtime loop.
+    """A direct connection read by an idle actor's own thread (a sync actor's) or event loop (an
+    async one's) instead of the runtime loop.
 
     A call that comes alone on a direct connection wakes the loop's thread, which hands it to
     the actor's thread (a second wake-up, and a wait for the GIL the first one still holds).
     An actor that claimed the connection waits on it itself: a call to it costs one wake-up.
     Anything else it reads (another actor's call, a port's value, a message out of order) it
-    hands back with the connection, in order, to the loop (:meth:`give_back`). Until its
-    thread takes it, and while it runs an endpoint (:meth:`busy` .. :meth:`idle`), the loop
-    watches the connection, and takes it back for good once a byte arrives meanwhile, so
+    hands back with the connection, in order, to the runtime's loop (:meth:`give_back`). Until
+    the actor takes it, and while it runs an endpoint (:meth:`busy` .. :meth:`idle`), the
+    runtime's loop watches the connection, and takes it back for good once a byte arrives meanwhile, so
     pings, stacks and the debugger are served while the actor is busy, as on the loop.
     """
 

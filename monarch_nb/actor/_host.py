@@ -120,7 +120,19 @@ class ActorSlot:
         #: (async) the loop's main task, and whether it is inside a (non-concurrent) handler
         self._main: asyncio.Task[Any] | None = None
         self._handling = False
+        #: the direct connection this actor's thread (or loop) reads itself while idle (Transport.claim)
+        self._claim: Any = None
+        self._claim_pending = False
+        #: what the claim's idle() answered after the call in hand (None: not asked yet)
+        self._idled: bool | None = None
+        #: the actor stopped itself: its thread reads no more calls off its connection
+        self._leaving = False
         if self.is_async:
+            #: (async) the loop watches its claimed connection through this epoll (one-shot: a
+            #: call read there leaves it unwatched until the loop is idle again)
+            self._inner: Any = None
+            self._inner_armed = False
+            self._claim_busy = False
             # uvloop's in a proc, which leaves by os._exit; a controller's interpreter finalizes
             # with this daemon thread still in its loop, and uvloop's callbacks then crash it
             self.loop = new_loop(fast=_context.proc_spec is not None)
@@ -131,13 +143,6 @@ class ActorSlot:
             ready.wait()
         else:
             self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-            #: the direct connection this actor's thread reads itself while idle (Transport.claim)
-            self._claim: Any = None
-            self._claim_pending = False
-            #: what the claim's idle() answered after the call in hand (None: not asked yet)
-            self._idled: bool | None = None
-            #: the actor stopped itself: its thread reads no more calls off its connection
-            self._leaving = False
             #: the thread waits on its connection: a put must wake it through ``_wake``
             self._polling = False
             self._wake = -1
@@ -153,22 +158,19 @@ class ActorSlot:
     def _put(self, item: Any) -> None:
         if self.is_async:
             assert self._aq is not None
-            self.loop.call_soon_threadsafe(self._aq.put_nowait, item)
+            try:
+                self.loop.call_soon_threadsafe(self._aq.put_nowait, item)
+            except RuntimeError:
+                pass  # its loop ended (the actor stopped) and is closed: nobody reads it, as a stopped sync actor's queue
         else:
             self._q.put(item)
             if self._polling:
                 os.eventfd_write(self._wake, 1)
 
     def claims(self) -> bool:
-        """(The I/O thread.) Whether this actor's thread would read its caller's connection."""
-        return (
-            not self.is_async
-            and self._claim is None
-            and not self._claim_pending
-            and not self.stopping
-            and not self._leaving
-            and self.failed is None
-        )
+        """(The I/O thread.) Whether this actor's thread (an async one's loop) would read its
+        caller's connection."""
+        return self._claim is None and not self._claim_pending and not self.stopping and not self._leaving and self.failed is None
 
     def leave_connection(self) -> None:
         """(The actor's thread, in an endpoint that stops the actor.) Read no further call off
@@ -194,7 +196,10 @@ class ActorSlot:
         if not graceful:
             self.stopping = True
             if self.is_async:
-                self.loop.call_soon_threadsafe(self._cancel_for_stop)
+                try:
+                    self.loop.call_soon_threadsafe(self._cancel_for_stop)
+                except RuntimeError:
+                    pass  # stopped already: its loop is closed
         self._put(("stop",))
 
     def _cancel_for_stop(self) -> None:
@@ -407,13 +412,26 @@ class ActorSlot:
         self._aq = _LoopQueue(self.loop)
         self._tasks: set[asyncio.Task[Any]] = set()
         ready.set()
-        self.loop.run_until_complete(self._async_main())
+        try:
+            self.loop.run_until_complete(self._async_main())
+        finally:
+            # its descriptors go with it (a proc may spawn and stop many actors); a late put
+            # finds the loop closed (_put)
+            if self._inner is not None:
+                self.loop.remove_reader(self._inner.fileno())
+                self._inner.close()
+            self.loop.close()
 
     async def _async_main(self) -> None:
         assert self._aq is not None
         self._main = asyncio.current_task()
         while True:
             item = await self._aq.get()
+            if self._claim is not None and not self._claim_busy:
+                self._claim_to_io()
+            if item[0] == "claim":
+                self._adopt_async(item[1])
+                continue
             while self._ctl:
                 ctl = self._ctl.popleft()
                 if self.stopping or self.failed is not None:
@@ -426,6 +444,9 @@ class ActorSlot:
             if item[0] == "ctl":
                 continue
             if item[0] == "stop":
+                if self._claim is not None:
+                    self._claim.give_back()
+                    self._unclaim_async()
                 # concurrent tasks were cancelled (_cancel_for_stop): they end before __cleanup__
                 if self._tasks:
                     await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -468,6 +489,80 @@ class ActorSlot:
                     self._main.uncancel()
                 finally:
                     self._handling = False
+                if self._leaving and self._claim is not None:
+                    self._claim.give_back()
+                    self._unclaim_async()
+
+    # -- (async) the claimed connection, read on the loop while the actor is idle
+    def _adopt_async(self, c: Any) -> None:
+        """Read ``c``'s connection on this loop while idle (see :meth:`take_connection`)."""
+        self._claim_pending = False
+        if self._claim is not None or self.stopping or self._leaving or self.failed is not None or self._tasks:
+            c.give_back()
+            return
+        if not c.idle():
+            return  # something came while the loop was busy: the I/O thread read it
+        if self._inner is None:
+            self._inner = select.epoll()
+            self.loop.add_reader(self._inner.fileno(), self._on_claimed)
+        self._inner.register(c.fd, select.EPOLLIN | select.EPOLLONESHOT)
+        self._claim, self._claim_busy, self._inner_armed = c, False, True
+
+    def _claim_to_io(self) -> None:
+        """About to handle a message: the I/O thread watches the claimed connection meanwhile."""
+        c = self._claim
+        if self._inner_armed:
+            self._inner_armed = False
+            self._inner.modify(c.fd, 0)
+        if c.busy():
+            self._claim_busy = True
+        else:
+            self._unclaim_async()
+
+    def _claim_to_loop(self) -> None:
+        """The loop has nothing in hand: read the claimed connection here again (before the
+        reply goes, so a call its caller sends at once finds this loop watching)."""
+        c = self._claim
+        if not c.idle():
+            self._unclaim_async()
+            return
+        self._claim_busy = False
+        self._inner_armed = True
+        self._inner.modify(c.fd, select.EPOLLIN | select.EPOLLONESHOT)
+
+    def _on_claimed(self) -> None:
+        # the one-shot event: taken, so the connection is unwatched here until re-armed
+        self._inner.poll(0)
+        self._inner_armed = False
+        c = self._claim
+        if c is None or self._claim_busy:
+            return
+        got = c.read()
+        if got is None:  # the connection ended: the I/O thread has it back
+            self._unclaim_async()
+            return
+        own = self.rt.receiver.take_own(got[0], self.name) if len(got) == 1 else None
+        if own is REFUSED or not got:
+            self._inner_armed = True
+            self._inner.modify(c.fd, select.EPOLLIN | select.EPOLLONESHOT)
+            return
+        if own is None:
+            # another actor's, a port's, out of order, or several at once: the I/O thread's work
+            c.give_back(got, cooldown=0 if len(got) > 1 else 16)
+            self._unclaim_async()
+            return
+        self._claim_to_io()
+        assert self._aq is not None
+        self._aq.put_nowait(("call", *own))
+
+    def _unclaim_async(self) -> None:
+        c, self._claim = self._claim, None
+        self._claim_busy = self._inner_armed = False
+        if c is not None and self._inner is not None:
+            try:
+                self._inner.unregister(c.fd)
+            except (KeyError, ValueError, OSError):
+                pass
 
     # -- failure
     def _fail(self, f: _ActorFailed) -> None:
@@ -816,6 +911,10 @@ class ActorSlot:
         if self.stopping:
             self._refuse(("call", meta))
             return
+        if self._claim is not None and self._claim_busy and self._handling and not self._tasks and not self._ctl:
+            assert self._aq is not None
+            if not self._aq._items:
+                self._claim_to_loop()
         self._reply(raddr, rport, index, status, result)
 
     async def _fail_async(self, f: _ActorFailed) -> None:
