@@ -19,6 +19,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from typing import Any
 
 from .._runtime import _dataplane, spans
@@ -354,6 +355,9 @@ class ActorSlot:
             return  # something came while this thread was busy: the I/O thread read it
         if self._poller is None:
             self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            # closed with the slot, not when its thread ends: the I/O thread may be about to
+            # write to it (_put), and holds the slot while it does
+            weakref.finalize(self, os.close, self._wake)
             self._poller = select.poll()
             self._poller.register(self._wake, select.POLLIN)
         self._poller.register(c.fd, select.POLLIN)
