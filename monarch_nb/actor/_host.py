@@ -509,15 +509,18 @@ class ActorSlot:
         if self._inner is None:
             self._inner = select.epoll()
             self.loop.add_reader(self._inner.fileno(), self._on_claimed)
-        self._inner.register(c.fd, select.EPOLLIN | select.EPOLLONESHOT)
+        try:
+            self._inner.register(c.fd, select.EPOLLIN | select.EPOLLONESHOT)
+        except OSError:
+            c.give_back()  # closed meanwhile: the I/O thread finds it ended
+            return
         self._claim, self._claim_busy, self._inner_armed = c, False, True
 
     def _claim_to_io(self) -> None:
         """About to handle a message: the I/O thread watches the claimed connection meanwhile."""
         c = self._claim
         if self._inner_armed:
-            self._inner_armed = False
-            self._inner.modify(c.fd, 0)
+            self._watch_here(False)
         if c.busy():
             self._claim_busy = True
         else:
@@ -531,8 +534,15 @@ class ActorSlot:
             self._unclaim_async()
             return
         self._claim_busy = False
-        self._inner_armed = True
-        self._inner.modify(c.fd, select.EPOLLIN | select.EPOLLONESHOT)
+        self._watch_here(True)
+
+    def _watch_here(self, on: bool) -> None:
+        """Arm (or disarm) this loop's one-shot watch of the claimed connection."""
+        self._inner_armed = on
+        try:
+            self._inner.modify(self._claim.fd, select.EPOLLIN | select.EPOLLONESHOT if on else 0)
+        except OSError:
+            pass  # closed meanwhile (the process is ending): the next read says so
 
     def _on_claimed(self) -> None:
         # the one-shot event: taken, so the connection is unwatched here until re-armed
@@ -547,8 +557,7 @@ class ActorSlot:
             return
         own = self.rt.receiver.take_own(got[0], self.name) if len(got) == 1 else None
         if own is REFUSED or not got:
-            self._inner_armed = True
-            self._inner.modify(c.fd, select.EPOLLIN | select.EPOLLONESHOT)
+            self._watch_here(True)
             return
         if own is None:
             # another actor's, a port's, out of order, or several at once: the I/O thread's work
