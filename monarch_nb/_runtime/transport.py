@@ -799,8 +799,9 @@ class Claim:
     Anything else it reads (another actor's call, a port's value, a message out of order) it
     hands back with the connection, in order, to the runtime's loop (:meth:`give_back`). Until
     the actor takes it, and while it runs an endpoint (:meth:`busy` .. :meth:`idle`), the
-    runtime's loop watches the connection, and takes it back for good once a byte arrives meanwhile, so
-    pings, stacks and the debugger are served while the actor is busy, as on the loop.
+    runtime's loop watches the connection, and takes it back for good once a byte arrives
+    meanwhile, so pings, stacks and the debugger are served while the actor is busy, as on
+    the loop.
     """
 
     IDLE, BUSY, GONE = 0, 1, 2
