@@ -75,7 +75,7 @@ def _after_pauses(call: Callable[[], object]) -> dict[str, float]:
 def _raw() -> dict[str, float]:
     """The floor's round trip, the first after each pause (µs, medians)."""
     with floor.echo_peer() as a:
-        msg = os.urandom(floor.MSG)
+        msg = floor.message()
         buf = bytearray(floor.MSG)
         view = memoryview(buf)
 

@@ -3,17 +3,32 @@
 * ``roundtrip``: two processes, a blocking AF_UNIX SOCK_STREAM pair, 64-byte messages with
   ``send``/``recv_into``, ``n`` round trips; seconds per round trip.
 * ``memcpy``: one in-process copy of ``nbytes`` into memory that is already mapped; seconds.
+
+The round trip has two modes on a small VM: with the peer on the other CPU each message is a
+cross-CPU wake-up (45-55 us a round trip on the 2-vCPU machine of docs/performance.md), with
+both on one CPU a context switch (10-13 us, when the other CPU is busy). :func:`roundtrip_where`
+also says which one a round got.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import socket
 import time
 from collections.abc import Iterator
 
 MSG = 64
+#: a message that starts with this byte asks the peer for its CPU, which it writes into the echo
+_WHERE = 0xFF
+#: glibc's sched_getcpu(): the CPU the calling thread runs on
+_getcpu = ctypes.CDLL(None).sched_getcpu
+
+
+def message() -> bytes:
+    """A timed round trip's message (never the peer's CPU question)."""
+    return b"\0" + os.urandom(MSG - 1)
 
 
 def recv_exact(sock: socket.socket, buf: bytearray, view: memoryview) -> bool:
@@ -37,6 +52,8 @@ def echo_peer() -> Iterator[socket.socket]:
             buf = bytearray(MSG)
             view = memoryview(buf)
             while recv_exact(b, buf, view):
+                if buf[0] == _WHERE:
+                    buf[1:3] = _getcpu().to_bytes(2, "little")
                 b.sendall(view)
         finally:
             os._exit(0)
@@ -49,8 +66,14 @@ def echo_peer() -> Iterator[socket.socket]:
 
 
 def roundtrip(n: int = 10_000) -> float:
+    return roundtrip_where(n)[0]
+
+
+def roundtrip_where(n: int = 10_000, probes: int = 200) -> tuple[float, float]:
+    """Seconds per round trip, and in which share of ``probes`` more round trips (after the
+    timed ones, untimed) the peer ran on the caller's CPU."""
     with echo_peer() as a:
-        msg = os.urandom(MSG)
+        msg = message()
         buf = bytearray(MSG)
         view = memoryview(buf)
         for _ in range(100):  # both sides running before the clock starts
@@ -60,7 +83,15 @@ def roundtrip(n: int = 10_000) -> float:
         for _ in range(n):
             a.sendall(msg)
             recv_exact(a, buf, view)
-        return (time.perf_counter() - t0) / n
+        took = (time.perf_counter() - t0) / n
+        probe = bytes([_WHERE]) + bytes(MSG - 1)
+        same = 0
+        for _ in range(probes):
+            here = _getcpu()
+            a.sendall(probe)
+            recv_exact(a, buf, view)
+            same += int.from_bytes(buf[1:3], "little") == here
+        return took, same / probes
 
 
 def memcpy(nbytes: int, repeat: int = 3) -> float:

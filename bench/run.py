@@ -265,14 +265,20 @@ def measure_floor(specs: list[Spec], rounds: int) -> dict[str, Any]:
 
     sizes = sorted({s.floor[1] for s in specs if s.floor[0] == "memcpy"})
     rtt: list[float] = []
+    same_cpu: list[float] = []
     copies: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(max(3, rounds)):
-        rtt.append(floor.roundtrip(10_000))
+        took, same = floor.roundtrip_where(10_000)
+        rtt.append(took)
+        same_cpu.append(same)
         for n in sizes:
             copies[n].append(floor.memcpy(n))
     return {
         "roundtrip_s": percentile(rtt, 0.5),
         "roundtrip_rounds_s": rtt,
+        # per round, the share of round trips whose peer ran on the caller's CPU: near 1 is the
+        # one-CPU mode (a context switch, a few times faster than a cross-CPU wake-up)
+        "roundtrip_rounds_same_cpu": same_cpu,
         "memcpy_s": {str(n): percentile(xs, 0.5) for n, xs in copies.items()},
     }
 
@@ -378,7 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_floor:
         fl = result["floor"] = measure_floor(WORKLOADS if floor_only else specs, rounds)
         sizes = ", ".join(f"{int(n) >> 20} MiB {t * 1e3:.2f} ms" for n, t in fl["memcpy_s"].items())
-        print(f"bench: floor: round trip {fl['roundtrip_s'] * 1e6:.1f} us; memcpy {sizes}", file=sys.stderr, flush=True)
+        rounds_us = ", ".join(
+            f"{t * 1e6:.1f} ({same:.0%} on one CPU)" for t, same in zip(fl["roundtrip_rounds_s"], fl["roundtrip_rounds_same_cpu"])
+        )
+        print(
+            f"bench: floor: round trip {fl['roundtrip_s'] * 1e6:.1f} us (rounds: {rounds_us}); memcpy {sizes}",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         for w in workers:
             w.start()
