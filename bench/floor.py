@@ -1,13 +1,13 @@
 """What the machine itself costs: the floor every row of ``python -m bench`` is compared with.
 
-* ``roundtrip``: two processes, a blocking AF_UNIX SOCK_STREAM pair, 64-byte messages with
-  ``send``/``recv_into``, ``n`` round trips; seconds per round trip.
+* ``roundtrip_where``: two processes, a blocking AF_UNIX SOCK_STREAM pair, 64-byte messages
+  with ``send``/``recv_into``, ``n`` round trips; seconds per round trip.
 * ``memcpy``: one in-process copy of ``nbytes`` into memory that is already mapped; seconds.
 
 The round trip has two modes on a small VM: with the peer on the other CPU each message is a
 cross-CPU wake-up (45-55 us a round trip on the 2-vCPU machine of docs/performance.md), with
 both on one CPU a context switch (10-13 us, when the other CPU is busy). :func:`roundtrip_where`
-also says which one a round got.
+also says which one it got.
 """
 
 from __future__ import annotations
@@ -63,10 +63,6 @@ def echo_peer() -> Iterator[socket.socket]:
     finally:
         a.close()
         os.waitpid(pid, 0)
-
-
-def roundtrip(n: int = 10_000) -> float:
-    return roundtrip_where(n)[0]
 
 
 def roundtrip_where(n: int = 10_000, probes: int = 200) -> tuple[float, float]:
