@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import subprocess
 import sys
 import threading
 import uuid
@@ -20,7 +21,12 @@ def run_controller(net: Any, shared: str, code: str, env: dict[str, str], timeou
     """Run ``code`` as a controller script on host 0 and return the JSON objects it printed."""
     path = os.path.join(shared, f"ctl-{uuid.uuid4().hex[:8]}.py")
     Path(path).write_text(code)
-    cp = net.run(0, [PY, path], capture_output=True, text=True, env=env, timeout=timeout)
+    try:
+        cp = net.run(0, [PY, path], capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        # what it printed says how far it got
+        out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        raise AssertionError(f"controller script ran past {timeout} s:\n{out[-2000:]}\n{err[-4000:]}") from None
     out = [json.loads(line) for line in cp.stdout.splitlines() if line.startswith("{")]
     if cp.returncode != 0:
         raise AssertionError(f"controller script failed ({cp.returncode}):\n{cp.stdout[-2000:]}\n{cp.stderr[-4000:]}")
