@@ -20,13 +20,15 @@ PY = os.path.abspath(sys.executable)
 def run_controller(net: Any, shared: str, code: str, env: dict[str, str], timeout: float = 120) -> list[dict[str, Any]]:
     """Run ``code`` as a controller script on host 0 and return the JSON objects it printed."""
     path = os.path.join(shared, f"ctl-{uuid.uuid4().hex[:8]}.py")
-    Path(path).write_text(code)
+    # a script that hangs prints every thread's stack before it is killed: where it stopped
+    dump = f"import faulthandler\nfaulthandler.dump_traceback_later({max(timeout - 10, timeout * 0.9):.0f}, exit=False)\n"
+    Path(path).write_text(dump + code)
     try:
         cp = net.run(0, [PY, path], capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         # what it printed says how far it got
         out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
-        raise AssertionError(f"controller script ran past {timeout} s:\n{out[-2000:]}\n{err[-4000:]}") from None
+        raise AssertionError(f"controller script ran past {timeout} s:\n{out[-2000:]}\n{err[-12000:]}") from None
     out = [json.loads(line) for line in cp.stdout.splitlines() if line.startswith("{")]
     if cp.returncode != 0:
         raise AssertionError(f"controller script failed ({cp.returncode}):\n{cp.stdout[-2000:]}\n{cp.stderr[-4000:]}")
