@@ -7,6 +7,7 @@ from __future__ import annotations
 import secrets
 import socket
 import struct
+import threading
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -103,3 +104,130 @@ def test_a_dropped_tunnel_is_opened_again_with_the_same_reply_address(server: Ga
         gw.close()
         inbox.close()
         echo.close()
+
+
+def _stream(gw: GatewayClient, echo: socket.socket) -> tuple[socket.socket, socket.socket]:
+    """A stream through the gateway as zmq opens one: (the controller's end, the far end)."""
+    h, p = gw.proxy.rsplit(":", 1)
+    s = socket.create_connection((h, int(p)), timeout=20)
+    s.sendall(b"\x05\x01\x02")
+    assert s.recv(2) == b"\x05\x02"
+    s.sendall(bytes([1, 16]) + gw.username.encode() + bytes([32]) + gw.password.encode())
+    assert s.recv(2) == b"\x01\x00"
+    s.sendall(b"\x05\x01\x00\x01" + socket.inet_aton("127.0.0.1") + struct.pack("!H", echo.getsockname()[1]))
+    assert s.recv(10)[1] == 0
+    conn, _ = echo.accept()
+    conn.settimeout(20)
+    return s, conn
+
+
+def _pattern(n: int, seed: int) -> bytes:
+    return bytes((i * 7 + seed) % 251 for i in range(256)) * (n // 256)
+
+
+def test_a_tunnel_that_drops_mid_stream_loses_no_byte_either_way(server: GatewayServer) -> None:
+    # a port-forward drops while zmq has bytes in it, both ways: the next tunnel opens at once
+    # and each stream resumes where the far end stopped; neither local socket sees the drop
+    echo = socket.create_server(("127.0.0.1", 0))
+    gw = GatewayClient(_tunnel(server), KEY, ["127.0.0.1"], lambda: "")
+    s, conn = _stream(gw, echo)
+    out, back = _pattern(6 << 20, 1), _pattern(6 << 20, 2)
+    got: dict[str, bytearray] = {"out": bytearray(), "back": bytearray()}
+    progress = threading.Condition()
+
+    def read(sock: socket.socket, key: str, n: int) -> None:
+        while len(got[key]) < n:
+            b = sock.recv(1 << 16)
+            if not b:
+                return
+            with progress:
+                got[key] += b
+                progress.notify_all()
+
+    readers = [
+        threading.Thread(target=read, args=(conn, "out", len(out))),
+        threading.Thread(target=read, args=(s, "back", len(back))),
+    ]
+    writers = [threading.Thread(target=s.sendall, args=(out,)), threading.Thread(target=conn.sendall, args=(back,))]
+    try:
+        for t in readers + writers:
+            t.start()
+        for mb in (1, 2, 3):  # three drops, each with both directions in flight
+            with progress:
+                assert progress.wait_for(lambda mb=mb: min(len(v) for v in got.values()) >= mb << 20, timeout=30)
+            gw.mux.close()
+        for t in readers + writers:
+            t.join(30)
+        assert got["out"] == out and got["back"] == back
+        assert server.tunnels == 4
+        # the stream is still the one it was: it carries the next bytes too
+        s.sendall(b"after")
+        assert conn.recv(5) == b"after"
+    finally:
+        s.close()
+        conn.close()
+        gw.close()
+        echo.close()
+
+
+def test_a_message_sent_right_after_a_drop_arrives(server: GatewayServer) -> None:
+    # the k8s gateway test's call made just after the port-forward dropped: before, its bytes
+    # went into a connection the drop had closed and the call waited for ever
+    echo = socket.create_server(("127.0.0.1", 0))
+    gw = GatewayClient(_tunnel(server), KEY, ["127.0.0.1"], lambda: "")
+    s, conn = _stream(gw, echo)
+    try:
+        for i in range(20):
+            gw.mux.close()
+            s.sendall(b"call %02d" % i)
+            assert conn.recv(7) == b"call %02d" % i
+            conn.sendall(b"answer")
+            assert s.recv(6) == b"answer"
+        assert server.tunnels == 21
+    finally:
+        s.close()
+        conn.close()
+        gw.close()
+        echo.close()
+
+
+def test_streams_close_when_the_gateway_restarted(server: GatewayServer) -> None:
+    # a new gateway (rank 0's pod restarted) has none of the session's streams: they close at
+    # once, so zmq reconnects and the error says to re-attach
+    echo = socket.create_server(("127.0.0.1", 0))
+    target = [server]
+    gw = GatewayClient(lambda: _tunnel(target[0])(), KEY, ["127.0.0.1"], lambda: "")
+    s, conn = _stream(gw, echo)
+    target[0] = GatewayServer(("127.0.0.1", 0), "127.0.0.1", KEY)
+    try:
+        gw.mux.close()
+        s.settimeout(20)
+        assert s.recv(1) == b""  # closed, not left waiting
+        assert _socks_connect(gw.proxy, gw.username, gw.password, "127.0.0.1", echo.getsockname()[1]) != 0
+        with pytest.raises(GatewayError, match="restarted.*re-attach"):
+            gw._live()
+    finally:
+        s.close()
+        conn.close()
+        gw.close()
+        target[0].close()
+        echo.close()
+
+
+def test_a_gateway_of_another_protocol_version_is_named() -> None:
+    old = socket.create_server(("127.0.0.1", 0))
+
+    def greet() -> None:
+        c, _ = old.accept()
+        c.sendall(b"MNBGW1\n" + bytes(32))  # session 17's gateway
+        c.recv(1 << 16)
+        c.close()
+
+    t = threading.Thread(target=greet)
+    t.start()
+    try:
+        with pytest.raises(GatewayError, match="protocol 1, this controller 2: install the same monarch_nb"):
+            GatewayClient(lambda: socket.create_connection(old.getsockname(), timeout=10), KEY, ["127.0.0.1"], lambda: "")
+    finally:
+        t.join(10)
+        old.close()

@@ -23,7 +23,8 @@ Two ends, multiplexing streams over the tunnel:
   TCP inbox.
 
 The handshake proves both ends hold the cluster key (HMAC-SHA256 over both nonces), before any
-stream opens.
+stream opens. A session's streams outlive its tunnels: when one drops, the next resumes them
+without losing a byte (``_tunnel.py``, which owns the frames).
 """
 
 from __future__ import annotations
@@ -41,17 +42,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ._tunnel import ACCEPT, CLOSE, FAILED, OPENED, Mux, Streams, TunnelError, recv_exact
+
 logger = logging.getLogger(__name__)
 
-MAGIC = b"MNBGW1\n"
-OPEN, OPENED, FAILED, DATA, CLOSE, ACCEPT = range(1, 7)
-_HDR = struct.Struct("!BII")
-_CHUNK = 256 * 1024
+MAGIC = b"MNBGW2\n"
 #: largest handshake document
 _MAX_HELLO = 1 << 20
 #: seconds for a handshake, a stream to open, a SOCKS negotiation
 TIMEOUT = 15.0
-#: seconds a session's reverse listener waits for the controller's next tunnel
+#: seconds a session's reverse listener and streams wait for the controller's next tunnel
 SESSION_GRACE = 120.0
 #: seconds between attempts to open a tunnel that dropped
 RETRY_S = 1.0
@@ -59,6 +59,10 @@ RETRY_S = 1.0
 
 class GatewayError(RuntimeError):
     """The tunnel could not be set up (refused key, wrong port, closed)."""
+
+
+class _Gone(GatewayError):
+    """No tunnel of this session will open again (the gateway restarted, or this end closed)."""
 
 
 @dataclass(frozen=True)
@@ -74,13 +78,10 @@ class Route:
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise GatewayError("the tunnel closed during the handshake")
-        buf += chunk
-    return bytes(buf)
+    try:
+        return recv_exact(sock, n)
+    except TunnelError:
+        raise GatewayError("the tunnel closed during the handshake") from None
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
@@ -101,142 +102,37 @@ def _recv_doc(sock: socket.socket) -> tuple[dict[str, object], bytes]:
     return json.loads(raw), raw
 
 
-class _Mux:
-    """Streams over one tunnel: frames (type, stream id, length) + payload, written under a lock."""
-
-    def __init__(self, tunnel: socket.socket, first_sid: int) -> None:
-        self.tunnel = tunnel
-        self.wlock = threading.Lock()
-        self.streams: dict[int, socket.socket] = {}
-        #: what arrived for a stream before its socket was attached (a zmq peer greets at once)
-        self.pending: dict[int, list[bytes] | None] = {}
-        self.waiting: dict[int, tuple[threading.Event, list[str]]] = {}
-        self.lock = threading.Lock()
-        self.next_sid = first_sid  # the client's ids are odd, the server's even: no clash
-        self.closed = threading.Event()
-
-    def new_sid(self) -> int:
-        with self.lock:
-            sid, self.next_sid = self.next_sid, self.next_sid + 2
-            return sid
-
-    def send(self, t: int, sid: int, payload: bytes = b"") -> bool:
-        try:
-            with self.wlock:
-                self.tunnel.sendall(_HDR.pack(t, sid, len(payload)) + payload)
-            return True
-        except OSError:
-            self.close()
-            return False
-
-    def expect(self, sid: int) -> None:
-        """Hold what arrives for ``sid`` until :meth:`attach`."""
-        with self.lock:
-            self.pending[sid] = []
-
-    def attach(self, sid: int, sock: socket.socket) -> None:
-        with self.lock:
-            held = self.pending.pop(sid, [])
-            try:
-                for b in held or ():
-                    sock.sendall(b)  # under the lock: what arrives next goes after it
-            except OSError:
-                held = None
-            if held is None:  # closed by the other end meanwhile
-                sock.close()
-                return
-            self.streams[sid] = sock
-        threading.Thread(target=self._pump, args=(sid, sock), name=f"gateway-stream-{sid}", daemon=True).start()
-
-    def _pump(self, sid: int, sock: socket.socket) -> None:
-        """Local socket -> tunnel, until either ends."""
-        try:
-            while True:
-                data = sock.recv(_CHUNK)
-                if not data or not self.send(DATA, sid, data):
-                    break
-        except OSError:
-            pass
-        if self._drop(sid):
-            self.send(CLOSE, sid)
-
-    def _drop(self, sid: int) -> bool:
-        with self.lock:
-            sock = self.streams.pop(sid, None)
-        if sock is None:
-            return False
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        sock.close()
-        return True
-
-    def run(self, on_open: Callable[[int, str], None] | None, on_accept: Callable[[int], None] | None) -> None:
-        """Tunnel -> local sockets, until the tunnel ends."""
-        try:
-            while True:
-                t, sid, n = _HDR.unpack(_recv_exact(self.tunnel, _HDR.size))
-                payload = _recv_exact(self.tunnel, n) if n else b""
-                if t == DATA:
-                    with self.lock:
-                        sock = self.streams.get(sid)
-                        held = self.pending.get(sid)
-                        if sock is None and held is not None:
-                            held.append(payload)
-                    if sock is not None:
-                        try:
-                            sock.sendall(payload)
-                        except OSError:
-                            if self._drop(sid):
-                                self.send(CLOSE, sid)
-                elif t == CLOSE:
-                    with self.lock:
-                        if sid in self.pending:
-                            self.pending[sid] = None
-                    self._drop(sid)
-                elif t in (OPENED, FAILED):
-                    w = self.waiting.pop(sid, None)
-                    if w is not None:
-                        w[1].append(payload.decode() if t == FAILED else "")
-                        w[0].set()
-                elif t == OPEN and on_open is not None:
-                    threading.Thread(target=on_open, args=(sid, payload.decode()), daemon=True).start()
-                elif t == ACCEPT and on_accept is not None:
-                    on_accept(sid)
-        except (GatewayError, OSError, struct.error):
-            pass
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        if self.closed.is_set():
-            return
-        self.closed.set()
-        try:
-            self.tunnel.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.tunnel.close()
-        with self.lock:
-            sids = list(self.streams)
-        for sid in sids:
-            self._drop(sid)
-        for ev, why in list(self.waiting.values()):
-            why.append("the tunnel closed")
-            ev.set()
-
-
 # ------------------------------------------------------------------ the cluster's end
 
 
 class _Session:
-    """One controller's tunnels, one after another: its reverse listener outlives a tunnel
-    that drops, so the reply address the procs were given stays valid."""
+    """One controller's tunnels, one after another: its reverse listener and its streams outlive
+    a tunnel that drops, so the reply address the procs were given stays valid and the
+    connections riding the tunnel never notice."""
 
     def __init__(self, reverse: socket.socket) -> None:
         self.reverse = reverse
-        self.mux: _Mux | None = None
+        self.mux: Mux | None = None
+        self.gen = 0
+        #: the job's allocators, as the last handshake named them: where a stream may lead
+        self.allow: set[str] = set()
+        self.streams = Streams(first_sid=2, on_open=self._on_open)
+
+    def _on_open(self, mux: Mux, sid: int, dest: str) -> None:
+        host, _, port = dest.rpartition(":")
+        host = host.strip("[]")
+        if host not in self.allow:
+            mux.send(FAILED, sid, 0, f"{host} is not an allocator of this job".encode())
+            return
+        try:
+            s = socket.create_connection((host, int(port)), timeout=TIMEOUT)
+            s.settimeout(None)
+        except (OSError, ValueError) as e:
+            mux.send(FAILED, sid, 0, str(e).encode())
+            return
+        self.streams.expect(sid, mux)
+        mux.send(OPENED, sid)
+        self.streams.attach(sid, s)
 
 
 class GatewayServer:
@@ -282,10 +178,10 @@ class GatewayServer:
             if mux is None or mux.closed.is_set():
                 c.close()  # between tunnels: the peer's zmq connects again
                 continue
-            sid = mux.new_sid()
-            mux.expect(sid)
+            sid = sess.streams.new_sid()
+            sess.streams.expect(sid, mux)
             mux.send(ACCEPT, sid)
-            mux.attach(sid, c)
+            sess.streams.attach(sid, c)
 
     def _expire(self, name: str, sess: _Session) -> None:
         with self.lock:
@@ -293,6 +189,7 @@ class GatewayServer:
                 return
             del self.sessions[name]
         sess.reverse.close()
+        sess.streams.close_all()
         logger.info("gateway: session %s ended (no tunnel for %.0f s)", name[:8], SESSION_GRACE)
 
     def _serve(self, conn: socket.socket) -> None:
@@ -318,35 +215,22 @@ class GatewayServer:
             return
         conn.settimeout(None)
         self.tunnels += 1
-        mux = _Mux(conn, first_sid=2)
-        old, sess.mux = sess.mux, mux
+        with self.lock:
+            sess.gen += 1
+            mux = Mux(conn, sess.gen)
+            old, sess.mux, sess.allow = sess.mux, mux, allow
         if old is not None:
             old.close()
+        sess.streams.bind(mux)
         logger.info("gateway: tunnel open, %d hosts, answers at %s", len(allow), sess.reverse.getsockname())
-
-        def on_open(sid: int, dest: str) -> None:
-            host, _, port = dest.rpartition(":")
-            host = host.strip("[]")
-            if host not in allow:
-                mux.send(FAILED, sid, f"{host} is not an allocator of this job".encode())
-                return
-            try:
-                s = socket.create_connection((host, int(port)), timeout=TIMEOUT)
-                s.settimeout(None)
-            except (OSError, ValueError) as e:
-                mux.send(FAILED, sid, str(e).encode())
-                return
-            mux.expect(sid)
-            mux.send(OPENED, sid)
-            mux.attach(sid, s)
-
         try:
-            mux.run(on_open, None)
+            mux.run(sess.streams.on_frame)
         finally:
+            sess.streams.down(mux)
             with self.lock:
                 if sess.mux is mux:
                     sess.mux = None
-                    # the reply address stays valid a while, for the controller's next tunnel
+                    # the reply address and the streams stay a while, for the controller's next tunnel
                     t = threading.Timer(SESSION_GRACE, self._expire, args=(name, sess))
                     t.daemon = True
                     t.start()
@@ -360,6 +244,7 @@ class GatewayServer:
             sess.reverse.close()
             if sess.mux is not None:
                 sess.mux.close()
+            sess.streams.close_all()
 
 
 # ------------------------------------------------------------------ the controller's end
@@ -369,8 +254,9 @@ class GatewayClient:
     """The controller's end: ``connect`` opens a tunnel (a connected stream socket to a
     :class:`GatewayServer`), now and again whenever the last one dropped; ``hosts`` are the
     addresses to reach behind it; ``inbox`` returns the controller's TCP inbox address (streams
-    from the cluster connect there). The SOCKS5 end, its password and the reply address stay
-    the same across tunnels, so sockets already made keep working."""
+    from the cluster connect there). The SOCKS5 end, its password, the reply address and the
+    streams stay the same across tunnels, so connections already made keep working and lose
+    nothing when a tunnel drops: the next one opens at once and the streams resume on it."""
 
     def __init__(self, connect: Callable[[], socket.socket], key: bytes, hosts: list[str], inbox: Callable[[], str]) -> None:
         self._connect = connect
@@ -381,7 +267,13 @@ class GatewayClient:
         self._lock = threading.Lock()
         self._closed = False
         self._retry_at = 0.0
+        #: close() ends a wait between attempts to open a tunnel again
+        self._closing = threading.Event()
+        #: why no tunnel of this session opens again (the gateway restarted): said every time
+        self._gone = ""
+        self._gen = 0
         self.reverse = ""
+        self.streams = Streams(first_sid=1, on_accept=self._on_accept)
         self.mux = self._open()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.username = secrets.token_hex(8)
@@ -390,7 +282,7 @@ class GatewayClient:
         self.route = Route(frozenset(hosts), self.proxy, self.username, self.password, self.reverse)
         threading.Thread(target=self._accept, name="gateway-socks", daemon=True).start()
 
-    def _open(self) -> _Mux:
+    def _open(self) -> Mux:
         try:
             tunnel = self._connect()
         except Exception as e:  # whatever the way in raises (a refused port-forward, a closed port)
@@ -402,15 +294,40 @@ class GatewayClient:
             raise
         if self.reverse and reverse != self.reverse:
             tunnel.close()
-            raise GatewayError(
+            raise _Gone(
                 f"the gateway restarted (answers now at {reverse}, not {self.reverse}): re-attach with job.state() in a new kernel"
             )
         self.reverse = reverse
-        mux = _Mux(tunnel, first_sid=1)
-        threading.Thread(
-            target=mux.run, args=(None, lambda sid: self._on_accept(mux, sid)), name="gateway-tunnel", daemon=True
-        ).start()
+        self._gen += 1
+        mux = self.mux = Mux(tunnel, self._gen)
+        self.streams.bind(mux)
+        threading.Thread(target=self._run, args=(mux,), name="gateway-tunnel", daemon=True).start()
         return mux
+
+    def _run(self, mux: Mux) -> None:
+        try:
+            mux.run(self.streams.on_frame)
+        finally:
+            self.streams.down(mux)
+            if not self._closed and len(self.streams):
+                threading.Thread(target=self._reopen, name="gateway-reopen", daemon=True).start()
+
+    def _reopen(self) -> None:
+        """The tunnel dropped with streams on it: they wait for the next one, opened now rather
+        than at the next new connection (zmq's own connections never notice the drop)."""
+        deadline = time.monotonic() + SESSION_GRACE
+        while not self._closed:
+            try:
+                self._live()
+                return
+            except _Gone:
+                break
+            except GatewayError as e:
+                if time.monotonic() > deadline:
+                    logger.warning("gateway: no tunnel for %.0f s (%s); its connections are closed", SESSION_GRACE, e)
+                    break
+            self._closing.wait(RETRY_S)
+        self.streams.close_all()
 
     def _handshake(self, tunnel: socket.socket) -> str:
         tunnel.settimeout(TIMEOUT)
@@ -418,6 +335,11 @@ class GatewayClient:
             head = _recv_exact(tunnel, len(MAGIC) + 32)
         except OSError as e:
             raise GatewayError(f"no gateway answered on the tunnel ({e})") from None
+        if head.startswith(MAGIC[:5]) and not head.startswith(MAGIC):
+            raise GatewayError(
+                f"the gateway speaks tunnel protocol {head[5:6].decode(errors='replace')}, this controller "
+                f"{MAGIC[5:6].decode()}: install the same monarch_nb on the cluster's image and in the notebook"
+            )
         if not head.startswith(MAGIC):
             raise GatewayError("the tunnel does not lead to a monarch_nb gateway (is the allocator started with --gateway?)")
         nonce_s = head[len(MAGIC) :]
@@ -435,11 +357,13 @@ class GatewayClient:
         tunnel.settimeout(None)
         return str(doc["reverse"])
 
-    def _live(self) -> _Mux:
+    def _live(self) -> Mux:
         """The current tunnel, opened again if it dropped (at most once per RETRY_S)."""
         with self._lock:
             if self._closed:
-                raise GatewayError("the gateway is closed")
+                raise _Gone("the gateway is closed")
+            if self._gone:
+                raise _Gone(self._gone)
             if not self.mux.closed.is_set():
                 return self.mux
             now = time.monotonic()
@@ -447,26 +371,30 @@ class GatewayClient:
                 raise GatewayError("the tunnel dropped; opening it again failed a moment ago")
             logger.warning("gateway: the tunnel dropped; opening a new one")
             try:
-                self.mux = self._open()
+                return self._open()
+            except _Gone as e:
+                self._gone = str(e)
+                raise
             except GatewayError:
                 self._retry_at = now + RETRY_S
                 raise
-            return self.mux
 
     @property
     def alive(self) -> bool:
         return not self._closed
 
-    def _on_accept(self, mux: _Mux, sid: int) -> None:
+    def _on_accept(self, mux: Mux, sid: int) -> None:
         from .transport import split_tcp
 
+        self.streams.expect(sid, mux)  # before the reader's next frame: its bytes are held
         try:
             s = socket.create_connection(split_tcp(self.inbox()), timeout=TIMEOUT)
             s.settimeout(None)
         except OSError:
+            self.streams.forget(sid)
             mux.send(CLOSE, sid)
             return
-        mux.attach(sid, s)
+        self.streams.attach(sid, s)
 
     def _accept(self) -> None:
         while True:
@@ -511,18 +439,14 @@ class GatewayClient:
             except GatewayError:
                 conn.sendall(b"\x05\x01\x00\x01" + bytes(6))
                 raise
-            sid = mux.new_sid()
-            ev, why = threading.Event(), []  # type: ignore[var-annotated]
-            mux.waiting[sid] = (ev, why)
-            mux.expect(sid)
-            if not mux.send(OPEN, sid, f"{host}:{port}".encode()) or not ev.wait(TIMEOUT) or why[0]:
-                mux.waiting.pop(sid, None)
-                mux.pending.pop(sid, None)
+            try:
+                sid = self.streams.open(mux, f"{host}:{port}", TIMEOUT)
+            except TunnelError as e:
                 conn.sendall(b"\x05\x05\x00\x01" + bytes(6))
-                raise GatewayError(f"connect to {host}:{port} through the gateway failed: {why[0] if why else 'no answer'}")
+                raise GatewayError(f"connect to {host}:{port} through the gateway failed: {e}") from None
             conn.sendall(b"\x05\x00\x00\x01" + bytes(6))
             conn.settimeout(None)
-            mux.attach(sid, conn)
+            self.streams.attach(sid, conn)
         except (OSError, GatewayError, ValueError) as e:
             logger.debug("gateway: %s", e)
             conn.close()
@@ -530,8 +454,10 @@ class GatewayClient:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+        self._closing.set()
         self.listener.close()
         self.mux.close()
+        self.streams.close_all()
 
 
 __all__ = ["GatewayClient", "GatewayError", "GatewayServer", "Route"]
