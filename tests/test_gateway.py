@@ -131,7 +131,7 @@ def test_a_tunnel_that_drops_mid_stream_loses_no_byte_either_way(server: Gateway
     echo = socket.create_server(("127.0.0.1", 0))
     gw = GatewayClient(_tunnel(server), KEY, ["127.0.0.1"], lambda: "")
     s, conn = _stream(gw, echo)
-    out, back = _pattern(6 << 20, 1), _pattern(6 << 20, 2)
+    out, back = _pattern(16 << 20, 1), _pattern(16 << 20, 2)
     got: dict[str, bytearray] = {"out": bytearray(), "back": bytearray()}
     progress = threading.Condition()
 
@@ -152,10 +152,16 @@ def test_a_tunnel_that_drops_mid_stream_loses_no_byte_either_way(server: Gateway
     try:
         for t in readers + writers:
             t.start()
-        for mb in (1, 2, 3):  # three drops, each with both directions in flight
+        level, dropped = 0, None
+        for _ in range(3):  # three drops, each with both directions in flight
             with progress:
-                assert progress.wait_for(lambda mb=mb: min(len(v) for v in got.values()) >= mb << 20, timeout=30)
-            gw.mux.close()
+                # a MiB more each way since the last drop, and a new tunnel carries it
+                assert progress.wait_for(
+                    lambda lv=level, d=dropped: gw.mux is not d and min(len(v) for v in got.values()) >= lv + (1 << 20),
+                    timeout=30,
+                )
+                level, dropped = min(len(v) for v in got.values()), gw.mux
+            dropped.close()
         for t in readers + writers:
             t.join(30)
         assert got["out"] == out and got["back"] == back

@@ -34,6 +34,8 @@ ACK_EVERY = 64 * 1024
 #: unacknowledged bytes a stream keeps before it stops reading its local socket (a tunnel that
 #: is down: the local sender then sees TCP back-pressure, and zmq its high-water mark)
 HOLD_MAX = 8 * 1024 * 1024
+#: bytes of frames queued for a tunnel before a stream's next DATA waits
+QUEUE_MAX = 1024 * 1024
 
 
 class TunnelError(RuntimeError):
@@ -51,22 +53,47 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 class Mux:
-    """One tunnel: frames written under a lock; ``gen`` numbers the session's tunnels."""
+    """One tunnel; ``gen`` numbers the session's tunnels. Frames go out through a queue and a
+    writer thread of its own: a tunnel's reader never waits for the tunnel to take a write
+    (if both ends' readers were stuck writing, acknowledgements, say, through a tunnel full of
+    resent bytes, neither would read and the tunnel would stop)."""
 
     def __init__(self, tunnel: socket.socket, gen: int) -> None:
         self.tunnel = tunnel
         self.gen = gen
-        self.wlock = threading.Lock()
         self.closed = threading.Event()
+        self._q: list[bytes] = []
+        self._qbytes = 0
+        self._cond = threading.Condition()
+        threading.Thread(target=self._write, name="gateway-writer", daemon=True).start()
 
-    def send(self, t: int, sid: int, off: int = 0, payload: bytes = b"") -> bool:
+    def send(self, t: int, sid: int, off: int = 0, payload: bytes = b"", wait: bool = False) -> bool:
+        """Queue a frame; False: the tunnel is closed. ``wait`` (a stream's DATA): first until
+        the queue is under :data:`QUEUE_MAX` bytes."""
+        frame = HDR.pack(t, sid, off, len(payload)) + payload
+        with self._cond:
+            while wait and self._qbytes > QUEUE_MAX and not self.closed.is_set():
+                self._cond.wait()
+            if self.closed.is_set():
+                return False
+            self._q.append(frame)
+            self._qbytes += len(frame)
+            self._cond.notify_all()
+        return True
+
+    def _write(self) -> None:
         try:
-            with self.wlock:
-                self.tunnel.sendall(HDR.pack(t, sid, off, len(payload)) + payload)
-            return True
+            while True:
+                with self._cond:
+                    while not self._q and not self.closed.is_set():
+                        self._cond.wait()
+                    if self.closed.is_set():
+                        return
+                    frames, self._q, self._qbytes = self._q, [], 0
+                    self._cond.notify_all()
+                self.tunnel.sendall(b"".join(frames) if len(frames) > 1 else frames[0])
         except OSError:
             self.close()
-            return False
 
     def run(self, on_frame: Callable[[Mux, int, int, int, bytes], None]) -> None:
         """Tunnel -> ``on_frame``, until the tunnel ends."""
@@ -81,9 +108,11 @@ class Mux:
 
     def close(self) -> None:
         """The tunnel drops (its streams stay, for the next one)."""
-        if self.closed.is_set():
-            return
-        self.closed.set()
+        with self._cond:
+            if self.closed.is_set():
+                return
+            self.closed.set()
+            self._cond.notify_all()
         try:
             self.tunnel.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -248,7 +277,7 @@ class Streams:
                 with st.slock:
                     mux = self._live(st)
                     if mux is not None:
-                        mux.send(DATA, st.sid, off, data)  # lost with its tunnel: sent again on resume
+                        mux.send(DATA, st.sid, off, data, wait=True)  # lost with its tunnel: sent again on resume
         except OSError:
             pass
         with st.slock:
@@ -280,7 +309,7 @@ class Streams:
             with st.cond:
                 chunks, off = list(st.out), st.acked
             for c in chunks:
-                if not mux.send(DATA, st.sid, off, c):
+                if not mux.send(DATA, st.sid, off, c, wait=True):
                     return
                 off += len(c)
             st.gen = mux.gen
