@@ -237,3 +237,21 @@ def test_a_gateway_of_another_protocol_version_is_named() -> None:
     finally:
         t.join(10)
         old.close()
+
+
+def test_a_controller_that_closes_ends_its_streams_at_the_gateway(server: GatewayServer) -> None:
+    # a kernel that shuts down says so: the job's side of its connections closes now, not when
+    # the session's grace (120 s, for a dropped tunnel) runs out
+    echo = socket.create_server(("127.0.0.1", 0))
+    gw = GatewayClient(_tunnel(server), KEY, ["127.0.0.1"], lambda: "")
+    s, conn = _stream(gw, echo)
+    try:
+        s.sendall(b"last words")
+        assert conn.recv(10) == b"last words"
+        gw.close()
+        assert conn.recv(1) == b""  # within the recv timeout (20 s), not the session's grace
+        assert not server.sessions
+    finally:
+        s.close()
+        conn.close()
+        echo.close()

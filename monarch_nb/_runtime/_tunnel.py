@@ -12,7 +12,8 @@ local sockets stay open meanwhile: zmq never sees the drop.
 
 Frame: type (1 byte), stream id (4), offset (8), payload length (4), payload. The offset is the
 stream position of a DATA frame's first byte, the position received so far in ACK and RESUME,
-and 0 otherwise.
+and 0 otherwise. BYE: the controller is done with the session (its streams close at the
+gateway now, not when the session's grace runs out).
 """
 
 from __future__ import annotations
@@ -26,76 +27,82 @@ from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
-OPEN, OPENED, FAILED, DATA, CLOSE, ACCEPT, ACK, RESUME = range(1, 9)
+OPEN, OPENED, FAILED, DATA, CLOSE, ACCEPT, ACK, RESUME, BYE = range(1, 10)
 HDR = struct.Struct("!BIQI")
 CHUNK = 256 * 1024
 #: a receiver acknowledges after this many bytes (what a sender keeps in steady state)
-ACK_EVERY = 64 * 1024
+ACK_EVERY = 256 * 1024
 #: unacknowledged bytes a stream keeps before it stops reading its local socket (a tunnel that
 #: is down: the local sender then sees TCP back-pressure, and zmq its high-water mark)
 HOLD_MAX = 8 * 1024 * 1024
-#: bytes of frames queued for a tunnel before a stream's next DATA waits
-QUEUE_MAX = 1024 * 1024
 
 
 class TunnelError(RuntimeError):
     """The tunnel ended or spoke out of turn."""
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
             raise TunnelError("the tunnel closed")
-        buf += chunk
-    return bytes(buf)
+        got += k
+    return buf
 
 
 class Mux:
-    """One tunnel; ``gen`` numbers the session's tunnels. Frames go out through a queue and a
-    writer thread of its own: a tunnel's reader never waits for the tunnel to take a write
-    (if both ends' readers were stuck writing, acknowledgements, say, through a tunnel full of
-    resent bytes, neither would read and the tunnel would stop)."""
+    """One tunnel; ``gen`` numbers the session's tunnels. :meth:`send` writes a frame under a
+    lock, from a stream's pump or any thread but the reader; the reader's own frames (ACK, a
+    CLOSE) go through :meth:`post`, which never waits: if both ends' readers were stuck writing
+    into a tunnel full of resent bytes, neither would read and the tunnel would stop."""
 
     def __init__(self, tunnel: socket.socket, gen: int) -> None:
         self.tunnel = tunnel
         self.gen = gen
+        self.wlock = threading.Lock()
         self.closed = threading.Event()
-        self._q: list[bytes] = []
-        self._qbytes = 0
+        self._posted: list[bytes] = []
         self._cond = threading.Condition()
-        threading.Thread(target=self._write, name="gateway-writer", daemon=True).start()
+        self._writer: threading.Thread | None = None
 
-    def send(self, t: int, sid: int, off: int = 0, payload: bytes = b"", wait: bool = False) -> bool:
-        """Queue a frame; False: the tunnel is closed. ``wait`` (a stream's DATA): first until
-        the queue is under :data:`QUEUE_MAX` bytes."""
-        frame = HDR.pack(t, sid, off, len(payload)) + payload
-        with self._cond:
-            while wait and self._qbytes > QUEUE_MAX and not self.closed.is_set():
-                self._cond.wait()
-            if self.closed.is_set():
-                return False
-            self._q.append(frame)
-            self._qbytes += len(frame)
-            self._cond.notify_all()
-        return True
-
-    def _write(self) -> None:
+    def send(self, t: int, sid: int, off: int = 0, payload: bytes = b"") -> bool:
         try:
-            while True:
-                with self._cond:
-                    while not self._q and not self.closed.is_set():
-                        self._cond.wait()
-                    if self.closed.is_set():
-                        return
-                    frames, self._q, self._qbytes = self._q, [], 0
-                    self._cond.notify_all()
-                self.tunnel.sendall(b"".join(frames) if len(frames) > 1 else frames[0])
+            with self.wlock:
+                self.tunnel.sendall(HDR.pack(t, sid, off, len(payload)) + payload)
+            return True
         except OSError:
             self.close()
+            return False
 
-    def run(self, on_frame: Callable[[Mux, int, int, int, bytes], None]) -> None:
+    def post(self, t: int, sid: int, off: int = 0) -> None:
+        """(The reader.) A frame without payload, written by a thread of its own."""
+        with self._cond:
+            if self.closed.is_set():
+                return
+            self._posted.append(HDR.pack(t, sid, off, 0))
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_posted, name="gateway-post", daemon=True)
+                self._writer.start()
+            self._cond.notify()
+
+    def _write_posted(self) -> None:
+        while True:
+            with self._cond:
+                while not self._posted and not self.closed.is_set():
+                    self._cond.wait()
+                if self.closed.is_set():
+                    return
+                frames, self._posted = self._posted, []
+            try:
+                with self.wlock:
+                    self.tunnel.sendall(b"".join(frames))
+            except OSError:
+                self.close()
+                return
+
+    def run(self, on_frame: Callable[[Mux, int, int, int, bytes | bytearray], None]) -> None:
         """Tunnel -> ``on_frame``, until the tunnel ends."""
         try:
             while True:
@@ -127,7 +134,7 @@ class _Stream:
         self.sid = sid
         #: the local end, once attached; what arrives before is held
         self.sock: socket.socket | None = None
-        self.held: list[bytes] = []
+        self.held: list[bytes | bytearray] = []
         #: orders this stream's DATA on a tunnel: its pump's and a resume's
         self.slock = threading.Lock()
         #: guards ``out`` and ``acked``; a pump whose hold is full waits on it
@@ -155,6 +162,7 @@ class Streams:
         first_sid: int,
         on_open: Callable[[Mux, int, str], None] | None = None,
         on_accept: Callable[[Mux, int], None] | None = None,
+        on_bye: Callable[[], None] | None = None,
     ) -> None:
         self.lock = threading.Lock()
         self.streams: dict[int, _Stream] = {}
@@ -164,6 +172,7 @@ class Streams:
         self.mux: Mux | None = None
         self.on_open = on_open
         self.on_accept = on_accept
+        self.on_bye = on_bye
 
     def __len__(self) -> int:
         return len(self.streams)
@@ -277,7 +286,7 @@ class Streams:
                 with st.slock:
                     mux = self._live(st)
                     if mux is not None:
-                        mux.send(DATA, st.sid, off, data, wait=True)  # lost with its tunnel: sent again on resume
+                        mux.send(DATA, st.sid, off, data)  # lost with its tunnel: sent again on resume
         except OSError:
             pass
         with st.slock:
@@ -309,7 +318,7 @@ class Streams:
             with st.cond:
                 chunks, off = list(st.out), st.acked
             for c in chunks:
-                if not mux.send(DATA, st.sid, off, c, wait=True):
+                if not mux.send(DATA, st.sid, off, c):
                     return
                 off += len(c)
             st.gen = mux.gen
@@ -318,14 +327,14 @@ class Streams:
             mux.send(CLOSE, st.sid)
             self.forget(st.sid)
 
-    def _deliver(self, mux: Mux, st: _Stream, off: int, payload: bytes) -> None:
+    def _deliver(self, mux: Mux, st: _Stream, off: int, payload: bytes | bytearray) -> None:
         skip = st.recvd - off
         if skip >= len(payload):
             return  # sent again after a resume: here already
         if skip < 0:
             logger.warning("gateway: stream %d skipped %d bytes; closing it", st.sid, -skip)
             self.forget(st.sid)
-            mux.send(CLOSE, st.sid)
+            mux.post(CLOSE, st.sid)
             return
         if skip:
             payload = payload[skip:]
@@ -339,13 +348,13 @@ class Streams:
                 sock.sendall(payload)
             except OSError:
                 self.forget(st.sid)
-                mux.send(CLOSE, st.sid)
+                mux.post(CLOSE, st.sid)
                 return
         if st.recvd - st.reported >= ACK_EVERY:
             st.reported = st.recvd
-            mux.send(ACK, st.sid, st.recvd)
+            mux.post(ACK, st.sid, st.recvd)
 
-    def on_frame(self, mux: Mux, t: int, sid: int, off: int, payload: bytes) -> None:
+    def on_frame(self, mux: Mux, t: int, sid: int, off: int, payload: bytes | bytearray) -> None:
         """(The tunnel's reader.) One frame from the far end."""
         st = self.streams.get(sid)
         if t == DATA:
@@ -356,10 +365,10 @@ class Streams:
                 self._trim(st, off)
         elif t == RESUME:
             if st is None:
-                mux.send(CLOSE, sid)  # gone here: the far end drops it too
+                mux.post(CLOSE, sid)  # gone here: the far end drops it too
             elif not self._trim(st, off):
                 self.forget(sid)
-                mux.send(CLOSE, sid)
+                mux.post(CLOSE, sid)
             else:
                 # on a thread: both ends resending at once through a full tunnel, each from
                 # its reader, would wait for ever on the other's reader
@@ -376,3 +385,5 @@ class Streams:
             threading.Thread(target=self.on_open, args=(mux, sid, payload.decode()), daemon=True).start()
         elif t == ACCEPT and self.on_accept is not None:
             self.on_accept(mux, sid)
+        elif t == BYE and self.on_bye is not None:
+            self.on_bye()

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._tunnel import ACCEPT, CLOSE, FAILED, OPENED, Mux, Streams, TunnelError, recv_exact
+from ._tunnel import ACCEPT, BYE, CLOSE, FAILED, OPENED, Mux, Streams, TunnelError, recv_exact
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class Route:
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     try:
-        return recv_exact(sock, n)
+        return bytes(recv_exact(sock, n))
     except TunnelError:
         raise GatewayError("the tunnel closed during the handshake") from None
 
@@ -110,13 +110,13 @@ class _Session:
     a tunnel that drops, so the reply address the procs were given stays valid and the
     connections riding the tunnel never notice."""
 
-    def __init__(self, reverse: socket.socket) -> None:
+    def __init__(self, reverse: socket.socket, on_bye: Callable[[], None]) -> None:
         self.reverse = reverse
         self.mux: Mux | None = None
         self.gen = 0
         #: the job's allocators, as the last handshake named them: where a stream may lead
         self.allow: set[str] = set()
-        self.streams = Streams(first_sid=2, on_open=self._on_open)
+        self.streams = Streams(first_sid=2, on_open=self._on_open, on_bye=on_bye)
 
     def _on_open(self, mux: Mux, sid: int, dest: str) -> None:
         host, _, port = dest.rpartition(":")
@@ -164,7 +164,9 @@ class GatewayServer:
         with self.lock:
             sess = self.sessions.get(name)
             if sess is None:
-                sess = self.sessions[name] = _Session(socket.create_server((self.reverse_ip, 0)))
+                sess = self.sessions[name] = _Session(
+                    socket.create_server((self.reverse_ip, 0)), on_bye=lambda: self._end(name, "the controller closed it")
+                )
                 threading.Thread(target=self._accept_reverse, args=(sess,), name="gateway-reverse", daemon=True).start()
             return sess
 
@@ -184,13 +186,20 @@ class GatewayServer:
             sess.streams.attach(sid, c)
 
     def _expire(self, name: str, sess: _Session) -> None:
+        self._end(name, f"no tunnel for {SESSION_GRACE:.0f} s", idle=sess)
+
+    def _end(self, name: str, why: str, idle: _Session | None = None) -> None:
+        """End session ``name``; ``idle``: only if it is still that session, with no tunnel."""
         with self.lock:
-            if sess.mux is not None or self.sessions.get(name) is not sess:
+            sess = self.sessions.get(name)
+            if sess is None or (idle is not None and (sess is not idle or sess.mux is not None)):
                 return
             del self.sessions[name]
         sess.reverse.close()
         sess.streams.close_all()
-        logger.info("gateway: session %s ended (no tunnel for %.0f s)", name[:8], SESSION_GRACE)
+        if sess.mux is not None:
+            sess.mux.close()
+        logger.info("gateway: session %s ended (%s)", name[:8], why)
 
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(TIMEOUT)
@@ -392,7 +401,7 @@ class GatewayClient:
             s.settimeout(None)
         except OSError:
             self.streams.forget(sid)
-            mux.send(CLOSE, sid)
+            mux.post(CLOSE, sid)  # on the reader
             return
         self.streams.attach(sid, s)
 
@@ -456,6 +465,7 @@ class GatewayClient:
             self._closed = True
         self._closing.set()
         self.listener.close()
+        self.mux.send(BYE, 0)  # the gateway closes the session's streams now, not in 120 s
         self.mux.close()
         self.streams.close_all()
 
