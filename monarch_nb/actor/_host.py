@@ -133,7 +133,6 @@ class ActorSlot:
             #: call read there leaves it unwatched until the loop is idle again)
             self._inner: Any = None
             self._inner_armed = False
-            self._claim_busy = False
             # uvloop's in a proc, which leaves by os._exit; a controller's interpreter finalizes
             # with this daemon thread still in its loop, and uvloop's callbacks then crash it
             self.loop = new_loop(fast=_context.proc_spec is not None)
@@ -286,16 +285,14 @@ class ActorSlot:
                 self._idled = None
                 stop = self._handle_sync(item)
                 if self._leaving and self._claim is c:
-                    c.give_back()
-                    self._unclaim()
+                    self._let_go()
                 elif self._claim is c and not (c.idle() if self._idled is None else self._idled):
                     self._unclaim()  # something came meanwhile: the I/O thread reads it from now on
                 if stop:
                     return
         finally:
             if self._claim is not None:
-                self._claim.give_back()
-                self._unclaim()
+                self._let_go()
 
     def _next_claimed(self, c: Any) -> Any:
         """Wait for the next message, on the claimed connection or in the mailbox (which goes
@@ -316,6 +313,18 @@ class ActorSlot:
         if not q.empty():
             # the mailbox first; the connection is still readable next time (level-triggered)
             return q.get_nowait()
+        item = self._read_claimed(c)
+        if item is None:
+            return None
+        if not q.empty():
+            # earlier messages of its stream were delivered to the mailbox meanwhile: after them
+            q.put(item)
+            return q.get_nowait()
+        return item
+
+    def _read_claimed(self, c: Any) -> Any:
+        """Read the claimed connection ``c`` (readable): the call it brought for this actor, or
+        None: nothing yet, or it went back to the I/O thread (``_claim`` is None then)."""
         got = c.read()
         if got is None:  # the connection ended: the I/O thread has it back
             self._unclaim()
@@ -330,19 +339,22 @@ class ActorSlot:
             return None
         if own is REFUSED:
             return None  # its shared memory was gone or not ours: answered with that error
-        item = ("call", *own)
-        if not q.empty():
-            # earlier messages of its stream were delivered to the mailbox meanwhile: after them
-            q.put(item)
-            return q.get_nowait()
-        return item
+        return ("call", *own)
+
+    def _let_go(self) -> None:
+        """Hand the claimed connection back to the I/O thread for good."""
+        self._claim.give_back()
+        self._unclaim()
 
     def _unclaim(self) -> None:
         c, self._claim = self._claim, None
-        if c is not None and self._poller is not None:
+        watch = self._inner if self.is_async else self._poller
+        if self.is_async:
+            self._inner_armed = False
+        if c is not None and watch is not None:
             try:
-                self._poller.unregister(c.fd)
-            except (KeyError, ValueError):
+                watch.unregister(c.fd)
+            except (KeyError, ValueError, OSError):
                 pass
 
     def _adopt(self, c: Any) -> None:
@@ -381,8 +393,7 @@ class ActorSlot:
                 return False
             if kind == "stop":
                 if self._claim is not None:
-                    self._claim.give_back()
-                    self._unclaim()
+                    self._let_go()
                 self._finish_stop()
                 if self.failed is None:
                     self._cleanup_sync()
@@ -431,7 +442,7 @@ class ActorSlot:
         self._main = asyncio.current_task()
         while True:
             item = await self._aq.get()
-            if self._claim is not None and not self._claim_busy:
+            if self._claim is not None and self._claim.state == self._claim.IDLE:
                 self._claim_to_io()
             if item[0] == "claim":
                 self._adopt_async(item[1])
@@ -449,8 +460,7 @@ class ActorSlot:
                 continue
             if item[0] == "stop":
                 if self._claim is not None:
-                    self._claim.give_back()
-                    self._unclaim_async()
+                    self._let_go()
                 # concurrent tasks were cancelled (_cancel_for_stop): they end before __cleanup__
                 if self._tasks:
                     await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -494,8 +504,7 @@ class ActorSlot:
                 finally:
                     self._handling = False
                 if self._leaving and self._claim is not None:
-                    self._claim.give_back()
-                    self._unclaim_async()
+                    self._let_go()
 
     # -- (async) the claimed connection, read on the loop while the actor is idle
     def _adopt_async(self, c: Any) -> None:
@@ -514,27 +523,28 @@ class ActorSlot:
         except OSError:
             c.give_back()  # closed meanwhile: the I/O thread finds it ended
             return
-        self._claim, self._claim_busy, self._inner_armed = c, False, True
+        self._claim, self._inner_armed = c, True
 
     def _claim_to_io(self) -> None:
         """About to handle a message: the I/O thread watches the claimed connection meanwhile."""
         c = self._claim
         if self._inner_armed:
             self._watch_here(False)
-        if c.busy():
-            self._claim_busy = True
-        else:
-            self._unclaim_async()
+        if not c.busy():
+            self._unclaim()  # the I/O thread has it back already
 
     def _claim_to_loop(self) -> None:
-        """The loop has nothing in hand: read the claimed connection here again (before the
-        reply goes, so a call its caller sends at once finds this loop watching)."""
+        """A handler's call is answered next: if nothing else is in hand, read the claimed
+        connection on the loop again (before the reply goes, so a call its caller sends at once
+        finds this loop watching)."""
         c = self._claim
-        if not c.idle():
-            self._unclaim_async()
+        assert self._aq is not None
+        if c.state == c.IDLE or self._tasks or self._ctl or self._aq._items:
             return
-        self._claim_busy = False
-        self._watch_here(True)
+        if c.idle():
+            self._watch_here(True)
+        else:
+            self._unclaim()  # something came meanwhile: the I/O thread took it back
 
     def _watch_here(self, on: bool) -> None:
         """Arm (or disarm) this loop's one-shot watch of the claimed connection."""
@@ -549,33 +559,16 @@ class ActorSlot:
         self._inner.poll(0)
         self._inner_armed = False
         c = self._claim
-        if c is None or self._claim_busy:
+        if c is None or c.state != c.IDLE:
             return
-        got = c.read()
-        if got is None:  # the connection ended: the I/O thread has it back
-            self._unclaim_async()
-            return
-        own = self.rt.receiver.take_own(got[0], self.name) if len(got) == 1 else None
-        if own is REFUSED or not got:
-            self._watch_here(True)
-            return
-        if own is None:
-            # another actor's, a port's, out of order, or several at once: the I/O thread's work
-            c.give_back(got, cooldown=0 if len(got) > 1 else 16)
-            self._unclaim_async()
+        item = self._read_claimed(c)
+        if item is None:
+            if self._claim is c:
+                self._watch_here(True)  # part of a message, or a refused one: watch for the next
             return
         self._claim_to_io()
         assert self._aq is not None
-        self._aq.put_nowait(("call", *own))
-
-    def _unclaim_async(self) -> None:
-        c, self._claim = self._claim, None
-        self._claim_busy = self._inner_armed = False
-        if c is not None and self._inner is not None:
-            try:
-                self._inner.unregister(c.fd)
-            except (KeyError, ValueError, OSError):
-                pass
+        self._aq.put_nowait(item)
 
     # -- failure
     def _fail(self, f: _ActorFailed) -> None:
@@ -924,10 +917,8 @@ class ActorSlot:
         if self.stopping:
             self._refuse(("call", meta))
             return
-        if self._claim is not None and self._claim_busy and self._handling and not self._tasks and not self._ctl:
-            assert self._aq is not None
-            if not self._aq._items:
-                self._claim_to_loop()
+        if self._claim is not None and self._handling:
+            self._claim_to_loop()
         self._reply(raddr, rport, index, status, result)
 
     async def _fail_async(self, f: _ActorFailed) -> None:
