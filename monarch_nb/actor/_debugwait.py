@@ -235,6 +235,14 @@ def resolve_once(f: asyncio.Future[None], *_: Any) -> None:
         f.set_result(None)
 
 
+def woken_by(fut: Future[Any]) -> asyncio.Future[None]:
+    """A future of the running loop that ``fut``'s completion resolves (from any thread)."""
+    loop = asyncio.get_running_loop()
+    woken: asyncio.Future[None] = loop.create_future()
+    fut.add_done_callback(functools.partial(loop.call_soon_threadsafe, resolve_once, woken))
+    return woken
+
+
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """Waits in this block never open the console (the debug API's own requests)."""

@@ -248,13 +248,7 @@ class Future(Generic[R]):
                 # an async cell: a rank of ours stopping at a breakpoint opens the console here
                 yield from _debugwait.wait_async(self, own).__await__()
             else:
-                if own is not None:
-                    af = own()
-                else:
-                    loop = asyncio.get_running_loop()
-                    af = loop.create_future()
-                    self.add_done_callback(functools.partial(loop.call_soon_threadsafe, _debugwait.resolve_once, af))
-                yield from af.__await__()
+                yield from (own() if own is not None else _debugwait.woken_by(self)).__await__()
         return self._resolve()
 
     def as_asyncio(self) -> asyncio.Future[R]:
