@@ -125,12 +125,25 @@ def _pattern(n: int, seed: int) -> bytes:
     return bytes((i * 7 + seed) % 251 for i in range(256)) * (n // 256)
 
 
-def test_a_tunnel_that_drops_mid_stream_loses_no_byte_either_way(server: GatewayServer) -> None:
-    # a port-forward drops while zmq has bytes in it, both ways: the next tunnel opens at once
-    # and each stream resumes where the far end stopped; neither local socket sees the drop
+@pytest.fixture
+def link(server: GatewayServer) -> Iterator[tuple[GatewayClient, socket.socket, socket.socket]]:
+    """A controller's end on ``server`` and one stream through it: (client, our end, far end)."""
     echo = socket.create_server(("127.0.0.1", 0))
     gw = GatewayClient(_tunnel(server), KEY, ["127.0.0.1"], lambda: "")
     s, conn = _stream(gw, echo)
+    yield gw, s, conn
+    s.close()
+    conn.close()
+    gw.close()
+    echo.close()
+
+
+def test_a_tunnel_that_drops_mid_stream_loses_no_byte_either_way(
+    server: GatewayServer, link: tuple[GatewayClient, socket.socket, socket.socket]
+) -> None:
+    # a port-forward drops while zmq has bytes in it, both ways: the next tunnel opens at once
+    # and each stream resumes where the far end stopped; neither local socket sees the drop
+    gw, s, conn = link
     out, back = _pattern(16 << 20, 1), _pattern(16 << 20, 2)
     got: dict[str, bytearray] = {"out": bytearray(), "back": bytearray()}
     progress = threading.Condition()
@@ -149,52 +162,40 @@ def test_a_tunnel_that_drops_mid_stream_loses_no_byte_either_way(server: Gateway
         threading.Thread(target=read, args=(s, "back", len(back))),
     ]
     writers = [threading.Thread(target=s.sendall, args=(out,)), threading.Thread(target=conn.sendall, args=(back,))]
-    try:
-        for t in readers + writers:
-            t.start()
-        level, dropped = 0, None
-        for _ in range(3):  # three drops, each with both directions in flight
-            with progress:
-                # a MiB more each way since the last drop, and a new tunnel carries it
-                assert progress.wait_for(
-                    lambda lv=level, d=dropped: gw.mux is not d and min(len(v) for v in got.values()) >= lv + (1 << 20),
-                    timeout=30,
-                )
-                level, dropped = min(len(v) for v in got.values()), gw.mux
-            dropped.close()
-        for t in readers + writers:
-            t.join(30)
-        assert got["out"] == out and got["back"] == back
-        assert server.tunnels == 4
-        # the stream is still the one it was: it carries the next bytes too
-        s.sendall(b"after")
-        assert conn.recv(5) == b"after"
-    finally:
-        s.close()
-        conn.close()
-        gw.close()
-        echo.close()
+    for t in readers + writers:
+        t.start()
+    level, dropped = 0, None
+    for _ in range(3):  # three drops, each with both directions in flight
+        with progress:
+            # a MiB more each way since the last drop, and a new tunnel carries it
+            assert progress.wait_for(
+                lambda lv=level, d=dropped: gw.mux is not d and min(len(v) for v in got.values()) >= lv + (1 << 20),
+                timeout=30,
+            )
+            level, dropped = min(len(v) for v in got.values()), gw.mux
+        dropped.close()
+    for t in readers + writers:
+        t.join(30)
+    assert got["out"] == out and got["back"] == back
+    assert server.tunnels == 4
+    # the stream is still the one it was: it carries the next bytes too
+    s.sendall(b"after")
+    assert conn.recv(5) == b"after"
 
 
-def test_a_message_sent_right_after_a_drop_arrives(server: GatewayServer) -> None:
+def test_a_message_sent_right_after_a_drop_arrives(
+    server: GatewayServer, link: tuple[GatewayClient, socket.socket, socket.socket]
+) -> None:
     # the k8s gateway test's call made just after the port-forward dropped: before, its bytes
     # went into a connection the drop had closed and the call waited for ever
-    echo = socket.create_server(("127.0.0.1", 0))
-    gw = GatewayClient(_tunnel(server), KEY, ["127.0.0.1"], lambda: "")
-    s, conn = _stream(gw, echo)
-    try:
-        for i in range(20):
-            gw.mux.close()
-            s.sendall(b"call %02d" % i)
-            assert conn.recv(7) == b"call %02d" % i
-            conn.sendall(b"answer")
-            assert s.recv(6) == b"answer"
-        assert server.tunnels == 21
-    finally:
-        s.close()
-        conn.close()
-        gw.close()
-        echo.close()
+    gw, s, conn = link
+    for i in range(20):
+        gw.mux.close()
+        s.sendall(b"call %02d" % i)
+        assert conn.recv(7) == b"call %02d" % i
+        conn.sendall(b"answer")
+        assert s.recv(6) == b"answer"
+    assert server.tunnels == 21
 
 
 def test_streams_close_when_the_gateway_restarted(server: GatewayServer) -> None:
@@ -239,19 +240,14 @@ def test_a_gateway_of_another_protocol_version_is_named() -> None:
         old.close()
 
 
-def test_a_controller_that_closes_ends_its_streams_at_the_gateway(server: GatewayServer) -> None:
+def test_a_controller_that_closes_ends_its_streams_at_the_gateway(
+    server: GatewayServer, link: tuple[GatewayClient, socket.socket, socket.socket]
+) -> None:
     # a kernel that shuts down says so: the job's side of its connections closes now, not when
     # the session's grace (120 s, for a dropped tunnel) runs out
-    echo = socket.create_server(("127.0.0.1", 0))
-    gw = GatewayClient(_tunnel(server), KEY, ["127.0.0.1"], lambda: "")
-    s, conn = _stream(gw, echo)
-    try:
-        s.sendall(b"last words")
-        assert conn.recv(10) == b"last words"
-        gw.close()
-        assert conn.recv(1) == b""  # within the recv timeout (20 s), not the session's grace
-        assert not server.sessions
-    finally:
-        s.close()
-        conn.close()
-        echo.close()
+    gw, s, conn = link
+    s.sendall(b"last words")
+    assert conn.recv(10) == b"last words"
+    gw.close()
+    assert conn.recv(1) == b""  # within the recv timeout (20 s), not the session's grace
+    assert not server.sessions
