@@ -309,6 +309,12 @@ class Where(Actor):
         port.send(os.getpid())  # to a Port of the controller's, handed over as an argument
 
     @endpoint
+    def after(self, seconds):
+        import time
+        time.sleep(seconds)  # a call still running when the tunnel drops
+        return os.getpid()
+
+    @endpoint
     def tally(self, counter=None):
         counter = counter or get_or_spawn_controller("tally", Tally).get()
         return counter.add.call_one().get(timeout=20)
@@ -576,8 +582,13 @@ def test_gateway_reaches_pods_the_controller_cannot_route_to(k8s: Cluster) -> No
                 before, reverse = gw.mux, gw.reverse
                 before.close()
                 again = w.where.call().get()
+                # the tunnel drops again with calls in flight: their answers still come
+                slow = w.after.call(1.0)
+                gw.mux.close()
+                late = sorted(slow.get(timeout=30).values())
                 out(direct=direct, reverse=gw.reverse, where=[list(v) for v in got.values()], pushed=pushed, tallies=tallies,
                     reopened=gw.mux is not before and gw.reverse == reverse and sorted(again.values()) == sorted(got.values()),
+                    in_flight=late == sorted(v[0] for v in got.values()),
                     key=read_key_file(os.path.join(job._dir, "key")).hex())
             """,
                 MONARCH_NB_HEARTBEAT_TIMEOUT="20",
@@ -644,6 +655,7 @@ def test_gateway_reaches_pods_the_controller_cannot_route_to(k8s: Cluster) -> No
     print("gateway:", first["direct"], {k: again[k] for k in ("to_first_call_s", "call_s")})
     assert first["direct"] in ("TimeoutError", "OSError"), first
     assert first["reopened"], first
+    assert first["in_flight"], first
     # the answers come back through a reverse listener on rank 0's pod
     assert first["reverse"].startswith(f"tcp://{k8s.net.ip(1)}:") and again["reverse"].startswith(f"tcp://{k8s.net.ip(1)}:")
     where = first["where"]
