@@ -251,3 +251,37 @@ def test_a_controller_that_closes_ends_its_streams_at_the_gateway(
     gw.close()
     assert conn.recv(1) == b""  # within the recv timeout (20 s), not the session's grace
     assert not server.sessions
+
+
+def test_a_stream_without_a_tunnel_holds_a_bounded_amount_then_pushes_back(
+    link: tuple[GatewayClient, socket.socket, socket.socket],
+) -> None:
+    # the port-forward is gone for a while and the controller keeps writing: the stream keeps
+    # at most HOLD_MAX (8 MiB) for the next tunnel, then stops reading, so the writer blocks
+    # (zmq would reach its high-water mark) instead of the controller's memory growing
+    gw, s, conn = link
+    reconnect = threading.Event()
+    way_in = gw._connect
+
+    def connect() -> socket.socket:
+        if not reconnect.is_set():
+            raise OSError("the port-forward is gone")
+        return way_in()
+
+    gw._connect = connect
+    gw.mux.close()
+    data = _pattern(64 << 20, 3)
+    s.settimeout(5)  # no progress for 5 s: the writer is pushed back
+    accepted = 0
+    try:
+        while accepted < len(data):
+            accepted += s.send(data[accepted : accepted + (1 << 20)])
+    except TimeoutError:
+        pass
+    # the hold, plus what the two local socket buffers take
+    assert 8 << 20 <= accepted < 32 << 20, accepted
+    reconnect.set()  # the way in is back: the next attempt (within a second) opens a tunnel
+    got = bytearray()
+    while len(got) < accepted:
+        got += conn.recv(1 << 20)
+    assert got == data[:accepted]
