@@ -22,7 +22,11 @@ def run_controller(net: Any, shared: str, code: str, env: dict[str, str], timeou
     path = os.path.join(shared, f"ctl-{uuid.uuid4().hex[:8]}.py")
     # a script that hangs prints every thread's stack before it is killed: where it stopped
     dump = f"import faulthandler\nfaulthandler.dump_traceback_later({max(timeout - 10, timeout * 0.9):.0f}, exit=False)\n"
-    Path(path).write_text(dump + code)
+    head, rest = "", code
+    if code.lstrip().startswith("from __future__"):  # it must stay the script's first statement
+        first, _, rest = code.lstrip().partition("\n")
+        head = first + "\n"
+    Path(path).write_text(head + dump + rest)
     try:
         cp = net.run(0, [PY, path], capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as e:
