@@ -207,10 +207,10 @@ class Streams:
     def open(self, mux: Mux, dest: str, timeout: float) -> int:
         """Open a stream to ``dest`` at the far end over ``mux``; its id, to :meth:`attach`."""
         sid = self.new_sid()
-        ev, why = threading.Event(), []  # type: ignore[var-annotated]
+        ev, why = threading.Event(), list[str]()
         with self.lock:
             self.waiting[sid] = (ev, why, mux)
-            self.streams[sid] = _Stream(sid, mux.gen)
+        self.expect(sid, mux)
         sent = mux.send(OPEN, sid, 0, dest.encode())
         if not sent or not ev.wait(timeout) or why[0]:
             self.forget(sid)
@@ -257,6 +257,16 @@ class Streams:
                 pass
             st.sock.close()
 
+    def _end(self, mux: Mux, sid: int) -> None:
+        """The local end finished and everything it sent is on ``mux``: close both ends."""
+        mux.send(CLOSE, sid)
+        self.forget(sid)
+
+    def refuse(self, mux: Mux, sid: int) -> None:
+        """(The reader.) Drop stream ``sid`` here, if it is, and tell the far end to."""
+        self.forget(sid)
+        mux.post(CLOSE, sid)
+
     def close_all(self) -> None:
         with self.lock:
             sids = list(self.streams)
@@ -293,8 +303,7 @@ class Streams:
             st.eof = True
             mux = self._live(st)
         if mux is not None:
-            mux.send(CLOSE, st.sid)
-            self.forget(st.sid)
+            self._end(mux, st.sid)
         # else: a resume sends what is held, then the CLOSE
 
     def _trim(self, st: _Stream, upto: int) -> bool:
@@ -310,8 +319,8 @@ class Streams:
             st.cond.notify_all()
             return True
 
-    def _resume(self, mux: Mux, st: _Stream, upto: int) -> None:
-        """Send what the far end lacks (from ``upto``) over ``mux``; new DATA follows it."""
+    def _resume(self, mux: Mux, st: _Stream) -> None:
+        """Send what the far end lacks (all not acknowledged) over ``mux``; new DATA follows it."""
         with st.slock:
             if self.mux is not mux or mux.closed.is_set() or st.dead:
                 return  # a newer tunnel resumes it
@@ -324,8 +333,7 @@ class Streams:
             st.gen = mux.gen
             eof = st.eof
         if eof:
-            mux.send(CLOSE, st.sid)
-            self.forget(st.sid)
+            self._end(mux, st.sid)
 
     def _deliver(self, mux: Mux, st: _Stream, off: int, payload: bytes | bytearray) -> None:
         skip = st.recvd - off
@@ -333,8 +341,7 @@ class Streams:
             return  # sent again after a resume: here already
         if skip < 0:
             logger.warning("gateway: stream %d skipped %d bytes; closing it", st.sid, -skip)
-            self.forget(st.sid)
-            mux.post(CLOSE, st.sid)
+            self.refuse(mux, st.sid)
             return
         if skip:
             payload = payload[skip:]
@@ -347,8 +354,7 @@ class Streams:
             try:
                 sock.sendall(payload)
             except OSError:
-                self.forget(st.sid)
-                mux.post(CLOSE, st.sid)
+                self.refuse(mux, st.sid)
                 return
         if st.recvd - st.reported >= ACK_EVERY:
             st.reported = st.recvd
@@ -364,15 +370,12 @@ class Streams:
             if st is not None:
                 self._trim(st, off)
         elif t == RESUME:
-            if st is None:
-                mux.post(CLOSE, sid)  # gone here: the far end drops it too
-            elif not self._trim(st, off):
-                self.forget(sid)
-                mux.post(CLOSE, sid)
+            if st is None or not self._trim(st, off):
+                self.refuse(mux, sid)  # gone here, or it claims bytes never sent: closed both ends
             else:
                 # on a thread: both ends resending at once through a full tunnel, each from
                 # its reader, would wait for ever on the other's reader
-                threading.Thread(target=self._resume, args=(mux, st, off), name=f"gateway-resume-{sid}", daemon=True).start()
+                threading.Thread(target=self._resume, args=(mux, st), name=f"gateway-resume-{sid}", daemon=True).start()
         elif t == CLOSE:
             self.forget(sid)
         elif t in (OPENED, FAILED):

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._tunnel import ACCEPT, BYE, CLOSE, FAILED, OPENED, Mux, Streams, TunnelError, recv_exact
+from ._tunnel import ACCEPT, BYE, FAILED, OPENED, Mux, Streams, TunnelError, recv_exact
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +134,12 @@ class _Session:
         mux.send(OPENED, sid)
         self.streams.attach(sid, s)
 
+    def close(self) -> None:
+        self.reverse.close()
+        self.streams.close_all()
+        if self.mux is not None:
+            self.mux.close()
+
 
 class GatewayServer:
     """Serves tunnels on ``listen`` (loopback of the pod) for holders of ``key``; reverse
@@ -195,10 +201,7 @@ class GatewayServer:
             if sess is None or (idle is not None and (sess is not idle or sess.mux is not None)):
                 return
             del self.sessions[name]
-        sess.reverse.close()
-        sess.streams.close_all()
-        if sess.mux is not None:
-            sess.mux.close()
+        sess.close()
         logger.info("gateway: session %s ended (%s)", name[:8], why)
 
     def _serve(self, conn: socket.socket) -> None:
@@ -250,10 +253,7 @@ class GatewayServer:
         with self.lock:
             sessions, self.sessions = list(self.sessions.values()), {}
         for sess in sessions:
-            sess.reverse.close()
-            if sess.mux is not None:
-                sess.mux.close()
-            sess.streams.close_all()
+            sess.close()
 
 
 # ------------------------------------------------------------------ the controller's end
@@ -400,8 +400,7 @@ class GatewayClient:
             s = socket.create_connection(split_tcp(self.inbox()), timeout=TIMEOUT)
             s.settimeout(None)
         except OSError:
-            self.streams.forget(sid)
-            mux.post(CLOSE, sid)  # on the reader
+            self.streams.refuse(mux, sid)
             return
         self.streams.attach(sid, s)
 
