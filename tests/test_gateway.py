@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from monarch_nb._runtime._tunnel import CHUNK, HOLD_MAX, Mux, Streams
 from monarch_nb._runtime.gateway import GatewayClient, GatewayError, GatewayServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -285,3 +286,57 @@ def test_a_stream_without_a_tunnel_holds_a_bounded_amount_then_pushes_back(
     while len(got) < accepted:
         got += conn.recv(1 << 20)
     assert got == data[:accepted]
+
+
+def test_a_stream_not_yet_attached_holds_a_bounded_amount_then_gets_it_all() -> None:
+    # bytes for a stream this end is still setting up (its SOCKS reply is on the way) are held
+    # until it is attached; unacknowledged, so the far end's writer stops at its own HOLD_MAX
+    # instead of this end's memory growing with whatever the far end sends meanwhile
+    a_end, b_end = socket.socketpair()
+    a, b = Streams(first_sid=1), Streams(first_sid=2)
+    mux_a, mux_b = Mux(a_end, 1), Mux(b_end, 1)
+    a.bind(mux_a)
+    b.bind(mux_b)
+    readers = [threading.Thread(target=m.run, args=(s.on_frame,), daemon=True) for m, s in ((mux_a, a), (mux_b, b))]
+    for t in readers:
+        t.start()
+    writer, b_local = socket.socketpair()
+    reader, a_local = socket.socketpair()
+    try:
+        a.expect(5, mux_a)  # not attached yet
+        b.expect(5, mux_b)
+        b.attach(5, b_local)
+        data = _pattern(64 << 20, 5)
+        writer.settimeout(5)  # no progress for 5 s: the writer is pushed back
+        accepted = 0
+        try:
+            while accepted < len(data):
+                accepted += writer.send(data[accepted : accepted + (1 << 20)])
+        except TimeoutError:
+            pass
+        held = sum(len(x) for x in a.streams[5].held)
+        assert held <= HOLD_MAX + CHUNK, held
+        assert accepted < 32 << 20, accepted
+        writer.settimeout(20)
+        reader.settimeout(20)
+        got = bytearray()
+
+        def read() -> None:
+            while len(got) < len(data):
+                got.extend(reader.recv(1 << 20))
+
+        taker = threading.Thread(target=read, daemon=True)
+        taker.start()  # as zmq's I/O thread: reading before and while the held bytes go out
+        a.attach(5, a_local)
+        writer.sendall(data[accepted:])
+        taker.join(20)
+        assert got == data
+    finally:
+        a.close_all()
+        b.close_all()
+        mux_a.close()
+        mux_b.close()
+        for s in (writer, reader):
+            s.close()
+        for t in readers:
+            t.join(10)

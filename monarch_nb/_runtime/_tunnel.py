@@ -233,10 +233,14 @@ class Streams:
                     st.sock = sock
                 except OSError:
                     st = None
+            mux = self.mux
         if st is None:  # closed by the other end meanwhile
             self.forget(sid)
             sock.close()
             return
+        if mux is not None and st.recvd > st.reported:
+            st.reported = st.recvd
+            mux.post(ACK, st.sid, st.recvd)  # the held bytes: the far end may send more now
         threading.Thread(target=self._pump, args=(st,), name=f"gateway-stream-{sid}", daemon=True).start()
 
     def forget(self, sid: int) -> None:
@@ -349,13 +353,15 @@ class Streams:
         with self.lock:
             sock = st.sock
             if sock is None:
+                # not acknowledged until attached: the far end stops at its HOLD_MAX, so what
+                # is held here stays as bounded
                 st.held.append(payload)
-        if sock is not None:
-            try:
-                sock.sendall(payload)
-            except OSError:
-                self.refuse(mux, st.sid)
                 return
+        try:
+            sock.sendall(payload)
+        except OSError:
+            self.refuse(mux, st.sid)
+            return
         if st.recvd - st.reported >= ACK_EVERY:
             st.reported = st.recvd
             mux.post(ACK, st.sid, st.recvd)
