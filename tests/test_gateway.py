@@ -340,3 +340,169 @@ def test_a_stream_not_yet_attached_holds_a_bounded_amount_then_gets_it_all() -> 
             s.close()
         for t in readers:
             t.join(10)
+
+
+@pytest.fixture
+def thread_errors() -> Iterator[list[BaseException]]:
+    """Exceptions that ended any thread meanwhile (a reader killed by bad input)."""
+    seen: list[BaseException] = []
+    before = threading.excepthook
+    threading.excepthook = lambda a: seen.append(a.exc_value) if a.exc_value is not None else None
+    yield seen
+    threading.excepthook = before
+
+
+def _works(gw: GatewayClient) -> None:
+    echo = socket.create_server(("127.0.0.1", 0))
+    try:
+        s, conn = _stream(gw, echo)
+        s.sendall(b"ping")
+        assert conn.recv(4) == b"ping"
+        s.close()
+        conn.close()
+    finally:
+        echo.close()
+
+
+def _until_closed(c: socket.socket) -> bytes:
+    """What the other end said before it closed (a reset, if it left bytes of ours unread),
+    once it has all we sent."""
+    out = b""
+    try:
+        c.shutdown(socket.SHUT_WR)  # what was cut short stays so: no more is coming
+        while chunk := c.recv(1 << 16):
+            out += chunk
+    except OSError:
+        pass  # reset, or closed before our shutdown (ENOTCONN)
+    return out
+
+
+def _hello(doc: bytes, mac: bytes = bytes(32)) -> bytes:
+    return secrets.token_bytes(32) + struct.pack("!I", len(doc)) + doc + mac
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        bytes(range(256)) * 3,
+        secrets.token_bytes(32) + b"\xff\xff\xff\xff",  # a 4 GiB handshake document
+        _hello(b"not json at all"),
+        _hello(b"[1, 2, 3]"),
+        _hello(b'{"hosts": ["127.0.0.1"], "session": "s"}'),  # without the key's MAC
+        secrets.token_bytes(10),  # cut short
+    ],
+    ids=["http", "bytes", "huge-length", "not-json", "not-an-object", "wrong-mac", "short"],
+)
+def test_garbage_before_the_handshake_is_refused_and_the_gateway_serves_on(
+    server: GatewayServer, garbage: bytes, thread_errors: list[BaseException]
+) -> None:
+    with socket.create_connection(server.addr[:2], timeout=20) as c:
+        assert c.recv(len(b"MNBGW2\n") + 32).startswith(b"MNBGW2\n")
+        c.sendall(garbage)
+        assert _until_closed(c) == b""  # closed without a word: no session, no reply address
+    assert server.tunnels == 0 and not server.sessions
+    gw = GatewayClient(_tunnel(server), KEY, ["127.0.0.1"], lambda: "")
+    try:
+        _works(gw)
+    finally:
+        gw.close()
+    assert not thread_errors
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\x04\x01\x00\x50\x7f\x00\x00\x01\x00",  # SOCKS4
+        b"\x05\x01\x00",  # no authentication offered
+        b"\x05\x00",  # no method at all
+        bytes(range(256)),
+        "auth+\x05\x01\x00\x03\x04\xff\xfe\xfd\xfc\x00\x50",  # a host name that is not UTF-8
+        "auth+\x05\x02\x00\x01\x7f\x00\x00\x01\x00\x50",  # BIND, not CONNECT
+        "auth+\x05\x01\x00\x09",  # an unknown address type, cut short
+    ],
+    ids=["socks4", "no-auth", "no-method", "bytes", "host-not-utf8", "bind", "bad-atyp"],
+)
+def test_garbage_on_the_socks_end_is_refused_and_it_serves_on(
+    server: GatewayServer, garbage: bytes | str, thread_errors: list[BaseException]
+) -> None:
+    gw = GatewayClient(_tunnel(server), KEY, ["127.0.0.1"], lambda: "")
+    try:
+        h, p = gw.proxy.rsplit(":", 1)
+        with socket.create_connection((h, int(p)), timeout=20) as c:
+            if isinstance(garbage, str):
+                c.sendall(b"\x05\x01\x02")
+                assert c.recv(2) == b"\x05\x02"
+                c.sendall(bytes([1, 16]) + gw.username.encode() + bytes([32]) + gw.password.encode())
+                assert c.recv(2) == b"\x01\x00"
+                garbage = garbage.removeprefix("auth+").encode("latin-1")
+            c.sendall(garbage)
+            answer = _until_closed(c)
+            assert len(answer) < 64 and (not answer or answer[1] != 0), answer  # never "connected"
+        _works(gw)
+    finally:
+        gw.close()
+    assert not thread_errors
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        struct.pack("!BIQI", 4, 1, 0, 1 << 30),  # DATA of 1 GiB
+        struct.pack("!BIQI", 1, 7, 0, 4) + b"\xff\xfe:1",  # OPEN to an address that is not UTF-8
+    ],
+    ids=["huge-frame", "open-not-utf8"],
+)
+def test_a_tunnel_that_speaks_out_of_turn_is_closed_and_the_next_resumes(
+    server: GatewayServer,
+    link: tuple[GatewayClient, socket.socket, socket.socket],
+    frame: bytes,
+    thread_errors: list[BaseException],
+) -> None:
+    # an authenticated end that sends a frame no monarch_nb sends (a bug, a corrupted stream):
+    # the gateway closes that tunnel instead of sizing a buffer by it or losing its reader,
+    # and the streams go on over the next one
+    gw, s, conn = link
+    first = gw.mux
+    with first.wlock:
+        first.tunnel.sendall(frame)
+    assert first.closed.wait(20)
+    s.sendall(b"after")
+    assert conn.recv(5) == b"after"
+    assert server.tunnels == 2
+    assert not thread_errors
+
+
+def _fake_gateway(answer: Callable[[bytes, bytes], bytes]) -> tuple[socket.socket, threading.Thread]:
+    """A gateway that holds the key and answers the handshake with ``answer(nonce_c, nonce_s)``."""
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        c, _ = srv.accept()
+        with c:
+            nonce_s = secrets.token_bytes(32)
+            c.sendall(b"MNBGW2\n" + nonce_s)
+            nonce_c = c.recv(32)
+            c.sendall(answer(nonce_c, nonce_s))
+            c.recv(1 << 16)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    return srv, t
+
+
+@pytest.mark.parametrize(
+    ("doc", "says"),
+    [(b'"a string"', "not a JSON object"), (b'{"reverse": 5}', "gave no reply address"), (b"{]", "not a JSON object")],
+    ids=["string", "no-reverse", "not-json"],
+)
+def test_a_malformed_answer_from_the_gateway_is_named(doc: bytes, says: str) -> None:
+    from monarch_nb._runtime.gateway import _mac
+
+    srv, t = _fake_gateway(lambda nc, ns: struct.pack("!I", len(doc)) + doc + _mac(KEY, b"server", nc, ns, doc))
+    try:
+        with pytest.raises(GatewayError, match=says):
+            GatewayClient(lambda: socket.create_connection(srv.getsockname(), timeout=10), KEY, ["127.0.0.1"], lambda: "")
+    finally:
+        t.join(10)
+        srv.close()

@@ -41,13 +41,16 @@ class TunnelError(RuntimeError):
     """The tunnel ended or spoke out of turn."""
 
 
+_CLOSED = "the tunnel closed"
+
+
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
         k = sock.recv_into(view[got:])
         if not k:
-            raise TunnelError("the tunnel closed")
+            raise TunnelError(_CLOSED)
         got += k
     return buf
 
@@ -103,12 +106,21 @@ class Mux:
                 return
 
     def run(self, on_frame: Callable[[Mux, int, int, int, bytes | bytearray], None]) -> None:
-        """Tunnel -> ``on_frame``, until the tunnel ends."""
+        """Tunnel -> ``on_frame``, until the tunnel ends (or speaks out of turn: then it is
+        closed, and the streams wait for the next one as after a drop)."""
         try:
             while True:
                 t, sid, off, n = HDR.unpack(recv_exact(self.tunnel, HDR.size))
+                if n > CHUNK:
+                    # no frame carries more; a length from a broken peer must not size a buffer
+                    raise TunnelError(f"a frame of {n} bytes (at most {CHUNK})")
                 on_frame(self, t, sid, off, recv_exact(self.tunnel, n) if n else b"")
-        except (TunnelError, OSError, struct.error):
+        except TunnelError as e:
+            if str(e) != _CLOSED:
+                logger.warning("gateway: closing a tunnel that spoke out of turn: %s", e)
+        except UnicodeDecodeError:
+            logger.warning("gateway: closing a tunnel that sent an address or error that is not UTF-8")
+        except (OSError, struct.error):
             pass
         finally:
             self.close()

@@ -65,6 +65,10 @@ class _Gone(GatewayError):
     """No tunnel of this session will open again (the gateway restarted, or this end closed)."""
 
 
+class _Closed(GatewayError):
+    """The other end closed the tunnel during the handshake."""
+
+
 @dataclass(frozen=True)
 class Route:
     """Hosts behind a gateway, as the transport uses them: connect through ``proxy`` (SOCKS5 with
@@ -81,7 +85,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     try:
         return bytes(recv_exact(sock, n))
     except TunnelError:
-        raise GatewayError("the tunnel closed during the handshake") from None
+        raise _Closed("the tunnel closed during the handshake") from None
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
@@ -99,7 +103,15 @@ def _recv_doc(sock: socket.socket) -> tuple[dict[str, object], bytes]:
     if n > _MAX_HELLO:
         raise GatewayError("handshake document too large")
     raw = _recv_exact(sock, n)
-    return json.loads(raw), raw
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise GatewayError(
+            "the other end's handshake document is not a JSON object (is it a monarch_nb gateway of this version?)"
+        )
+    return doc, raw
 
 
 # ------------------------------------------------------------------ the cluster's end
@@ -359,12 +371,17 @@ class GatewayClient:
         try:
             doc, raw = _recv_doc(tunnel)
             mac = _recv_exact(tunnel, 32)
-        except GatewayError:
+        except _Closed:
             raise GatewayError("the gateway refused the tunnel: it holds another cluster key") from None
         if not hmac.compare_digest(mac, _mac(self.key, b"server", nonce_c, nonce_s, raw)):
             raise GatewayError("the gateway does not hold the cluster key: refused")
+        reverse = doc.get("reverse")
+        if not isinstance(reverse, str) or not reverse.startswith("tcp://"):
+            raise GatewayError(
+                f"the gateway gave no reply address (got {reverse!r}): install the same monarch_nb on the cluster's image and in the notebook"
+            )
         tunnel.settimeout(None)
-        return str(doc["reverse"])
+        return reverse
 
     def _live(self) -> Mux:
         """The current tunnel, opened again if it dropped (at most once per RETRY_S)."""
