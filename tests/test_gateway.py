@@ -254,6 +254,18 @@ def test_a_controller_that_closes_ends_its_streams_at_the_gateway(
     assert not server.sessions
 
 
+def _push_until_blocked(s: socket.socket, data: bytes) -> int:
+    """Write ``data`` until 5 s pass without progress (the writer is pushed back); how much went."""
+    s.settimeout(5)
+    accepted = 0
+    try:
+        while accepted < len(data):
+            accepted += s.send(data[accepted : accepted + (1 << 20)])
+    except TimeoutError:
+        pass
+    return accepted
+
+
 def test_a_stream_without_a_tunnel_holds_a_bounded_amount_then_pushes_back(
     link: tuple[GatewayClient, socket.socket, socket.socket],
 ) -> None:
@@ -272,13 +284,7 @@ def test_a_stream_without_a_tunnel_holds_a_bounded_amount_then_pushes_back(
     gw._connect = connect
     gw.mux.close()
     data = _pattern(64 << 20, 3)
-    s.settimeout(5)  # no progress for 5 s: the writer is pushed back
-    accepted = 0
-    try:
-        while accepted < len(data):
-            accepted += s.send(data[accepted : accepted + (1 << 20)])
-    except TimeoutError:
-        pass
+    accepted = _push_until_blocked(s, data)
     # the hold, plus what the two local socket buffers take
     assert 8 << 20 <= accepted < 32 << 20, accepted
     reconnect.set()  # the way in is back: the next attempt (within a second) opens a tunnel
@@ -307,13 +313,7 @@ def test_a_stream_not_yet_attached_holds_a_bounded_amount_then_gets_it_all() -> 
         b.expect(5, mux_b)
         b.attach(5, b_local)
         data = _pattern(64 << 20, 5)
-        writer.settimeout(5)  # no progress for 5 s: the writer is pushed back
-        accepted = 0
-        try:
-            while accepted < len(data):
-                accepted += writer.send(data[accepted : accepted + (1 << 20)])
-        except TimeoutError:
-            pass
+        accepted = _push_until_blocked(writer, data)
         held = sum(len(x) for x in a.streams[5].held)
         assert held <= HOLD_MAX + CHUNK, held
         assert accepted < 32 << 20, accepted
