@@ -32,7 +32,7 @@ from .._wire import frames as wire
 from .._wire.serialize import dumps
 from ..config import Config
 from ..errors import MeshError, SpawnError
-from . import records, shm
+from . import _fdlimit, records, shm
 from ._pids import SilentPeer
 from .codecache import CodeCache
 from .debugreg import DebugRegistry
@@ -378,6 +378,11 @@ class Allocator(DebugRegistry):
             )
         labels, sizes = list(spec["labels"]), list(spec["sizes"])
         n = math.prod(sizes)
+        # this daemon holds descriptors per proc it runs (its pipes, its connections): one
+        # spawn too many for its limit is refused here, whole, before any proc starts
+        _fdlimit.ensure_room(
+            n, f"spawning {n} procs ({name!r}) on host {self.rt.hostname}", "this host's allocator (monarch-nb allocator)"
+        )
         mesh = MeshRec(name, spec["owner"], bool(spec.get("persist")), labels, sizes, spec.get("rank_base", 0), [])
         mesh.info = {"extent": spec["extent"], "host_index": spec.get("host_index", 0)}
         self.meshes[name] = mesh

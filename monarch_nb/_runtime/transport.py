@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import ipaddress
 import logging
 import os
+import resource
 import select
 import socket
 import threading
@@ -39,7 +41,7 @@ from .._wire import frames as wire
 from .._wire.keys import curve_keypair, load_or_create_key
 from ..config import Config
 from ..errors import ConfigError, ConnectError
-from . import fastpath
+from . import _fdlimit, fastpath
 
 logger = logging.getLogger(__name__)
 
@@ -261,6 +263,8 @@ def refuse(sock: zmq.Socket[bytes] | None, rid: bytes, reason: str) -> None:
 
 #: a thread keeps at most this many peer connections; the least recently used go first
 MAX_PEER_SOCKETS = 256
+#: seconds a direct listener goes unwatched after an accept failed for want of descriptors
+ACCEPT_PAUSE_S = 0.5
 
 
 class _Outboxes:
@@ -297,6 +301,8 @@ class Transport:
         tcp_ip: str | None = None,
         tcp_port: int = 0,
     ) -> None:
+        # a process of the runtime holds descriptors per peer: the usual 1,024 is too few
+        _fdlimit.raise_soft_limit()
         self.cfg = cfg
         self.security = security
         self.runtime_dir = runtime_dir
@@ -336,6 +342,8 @@ class Transport:
         #: connections claimed by actor threads that this loop watches while their actor is busy
         self._watch: select.epoll | None = None
         self._claims: dict[int, Claim] = {}
+        #: when running out of descriptors was last logged
+        self._emfile_logged = -1e9
 
     # ---------------------------------------------------------------- inboxes
     def open(self, dispatch: Dispatch) -> None:
@@ -437,7 +445,10 @@ class Transport:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
-                logger.warning("accepting a direct connection failed: %s", e)
+                if e.errno in (errno.EMFILE, errno.ENFILE):
+                    self._pause_accepting(e)
+                else:
+                    logger.warning("accepting a direct connection failed: %s", e)
                 return
             uid = fastpath.peer_uid(conn)
             if uid not in (os.getuid(), 0):
@@ -450,6 +461,27 @@ class Transport:
             rx = fastpath.Receiver(conn, self._dispatch_direct, self.cfg.max_message_bytes, self.label)
             self.fast_in.add(rx)
             self.loop.add_reader(conn.fileno(), self._read_direct, rx)
+
+    def _pause_accepting(self, e: OSError) -> None:
+        """Out of descriptors: the pending connection stays queued, and the listener, readable
+        until it is taken, would wake this loop at once for ever. Stop watching it a while."""
+        assert self._fast_listener is not None
+        fd = self._fast_listener.fileno()
+        self.loop.remove_reader(fd)
+        self.loop.call_later(ACCEPT_PAUSE_S, self.loop.add_reader, fd, self._accept_direct)
+        now = time.monotonic()
+        if now - self._emfile_logged > 30:
+            self._emfile_logged = now
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            logger.warning(
+                "%s cannot accept a direct connection: %s (%d of %d descriptors open); retrying every %.1f s. "
+                "Raise `ulimit -n` where this process starts, or stop meshes",
+                self.label,
+                e.strerror,
+                _fdlimit.open_count(),
+                soft,
+                ACCEPT_PAUSE_S,
+            )
 
     def _read_direct(self, rx: fastpath.Receiver) -> None:
         self._reading = rx

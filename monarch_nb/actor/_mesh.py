@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
+from .._runtime import _fdlimit
 from .._wire import frames as wire
 from .._wire.serialize import dumps, dumps_by_value, loads
 from ..errors import MeshClosedError, MeshError, SpawnError, SupervisionError
@@ -866,6 +867,8 @@ class HostMesh(MeshTrait):
         # one future for the whole spawn, reporting procs up as the allocators tell of them: a
         # frontend shows its progress while a large mesh starts
         total = n_local * len(hosts)
+        # each proc takes this process descriptors; running out later would take the kernel down
+        _fdlimit.ensure_room(total, f"spawning {total} procs ({name!r})")
         whole: Future[None] = Future._create(f"spawn of {total} procs {name!r}")
         whole._progress = ([total], total)
         whole._unit = "procs up"

@@ -1,0 +1,70 @@
+"""File descriptors: how many a process may open, and room for more before it opens them.
+
+A controller holds about four descriptors per proc it talks to (its connection to the proc,
+the proc's connection back, a direct connection each way), an allocator a few per proc it
+runs. The usual soft limit is 1,024, which a controller reaches at about 250 procs; and libzmq
+aborts the whole process (the notebook's kernel) when its listener cannot accept a connection
+for want of a descriptor. So every process of the runtime raises its soft limit towards the
+hard one as it starts (procs inherit their allocator's), and a spawn first checks that the
+controller has room for the procs it asks for, failing with an error that says what to do
+rather than letting the kernel die later.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+
+#: the soft limit is raised to at most this: enough for thousands of procs, and low enough
+#: that code which closes every possible descriptor in a loop stays quick
+TARGET = 65536
+#: descriptors a controller needs per proc it spawns (see above), rounded up
+PER_PROC = 5
+#: left free for everything else the process does (files, pipes, libraries' own sockets)
+RESERVE = 64
+
+
+def raise_soft_limit() -> tuple[int, int]:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to ``min(hard, TARGET)`` if it is lower;
+    the limits then in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = TARGET if hard == resource.RLIM_INFINITY else min(hard, TARGET)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass  # a container that forbids it: the check below still says so before a spawn
+    return soft, hard
+
+
+def open_count() -> int:
+    """Descriptors this process has open (Linux: its ``/proc/self/fd``; else 0)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one the listing itself used
+    except OSError as e:
+        if e.errno == errno.EMFILE:  # not even one more: all of them
+            return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return 0
+
+
+def ensure_room(procs: int, what: str, starts: str = "Jupyter") -> None:
+    """Raise ``OSError(EMFILE)`` naming the limit if this process has no room for the
+    descriptors ``procs`` more procs would take, keeping :data:`RESERVE` free; ``starts``: what
+    the user restarts with a higher limit (this process)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return
+    need = procs * PER_PROC
+    used = open_count()
+    if used + need + RESERVE <= soft:
+        return
+    suggest = max(TARGET, used + need + RESERVE)
+    raise OSError(
+        errno.EMFILE,
+        f"{what} needs about {need} more file descriptors ({PER_PROC} per proc), but this process has "
+        f"{used} of its {soft} open (hard limit {hard}). Start {starts} from a shell with `ulimit -n {suggest}` "
+        "(above the hard limit that takes /etc/security/limits.conf, or LimitNOFILE= in a systemd unit), "
+        "or stop meshes you no longer use",
+    )
