@@ -5,56 +5,26 @@ process when a listener runs out of descriptors)."""
 
 from __future__ import annotations
 
-import json
-import os
 import resource
-import subprocess
-import textwrap
 from typing import Any
 
+import _ownctl
 import pytest
-from conftest import PY
 
 pytestmark = pytest.mark.timeout(180)
 
 _HARD = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
 
 
-def _controller(tmp_path: Any, code: str, soft: int, hard: int) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` as a controller whose descriptor limits are ``soft``/``hard``, with a runtime
-    directory of its own: the allocator it starts inherits those limits, as on a user's machine."""
+def _controller(tmp_path: Any, code: str, soft: int, hard: int) -> dict[str, Any]:
+    """Run ``code`` as a controller whose descriptor limits are ``soft``/``hard``."""
     rdir = tmp_path / "rt"
     rdir.mkdir(mode=0o700)
-    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=str(rdir), MONARCH_NB_ZYGOTE_PRELOAD="")
-    env.pop("PYTHONUNBUFFERED", None)
-    body = (
-        textwrap.dedent(
-            """
-        import errno, json, os, resource
-        from monarch_nb.actor import Actor, endpoint, this_host
-        from monarch_nb.allocator import stop_allocator
-
-        class E(Actor):
-            @endpoint
-            def soft_limit(self) -> int:
-                return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-        try:
-        """
-        )
-        + textwrap.indent(textwrap.dedent(code), "    ")
-        + "\nfinally:\n    stop_allocator()\n"
-    )
 
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
-    return subprocess.run([PY, "-c", body], capture_output=True, text=True, timeout=150, env=env, preexec_fn=limit)
-
-
-def _report(cp: subprocess.CompletedProcess[str]) -> dict[str, Any]:
-    assert cp.returncode == 0, f"controller failed ({cp.returncode}):\n{cp.stdout[-2000:]}\n{cp.stderr[-6000:]}"
-    return json.loads(next(ln for ln in cp.stdout.splitlines() if ln.startswith("{")))
+    return _ownctl.run(str(rdir), code, limit)
 
 
 @pytest.mark.skipif(
@@ -62,10 +32,9 @@ def _report(cp: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 )
 def test_a_controller_started_with_a_low_soft_limit_spawns_past_it(tmp_path: Any) -> None:
     # 80 procs take the controller about 3 descriptors each: more than the 192 it started with
-    got = _report(
-        _controller(
-            tmp_path,
-            """
+    got = _controller(
+        tmp_path,
+        """
             pm = this_host().spawn_procs(per_host={"gpus": 80})
             a = pm.spawn("e", E)
             limits = a.soft_limit.call().get(timeout=120).values()
@@ -76,9 +45,8 @@ def test_a_controller_started_with_a_low_soft_limit_spawns_past_it(tmp_path: Any
             }), flush=True)
             pm.stop().get(timeout=60)
             """,
-            192,
-            _HARD,
-        )
+        192,
+        _HARD,
     )
     raised = 65536 if _HARD == resource.RLIM_INFINITY else min(_HARD, 65536)
     assert got["controller"] == raised and got["procs"] == [raised], got
@@ -86,10 +54,9 @@ def test_a_controller_started_with_a_low_soft_limit_spawns_past_it(tmp_path: Any
 
 
 def test_a_spawn_the_hard_limit_cannot_hold_fails_first_and_says_what_to_do(tmp_path: Any) -> None:
-    got = _report(
-        _controller(
-            tmp_path,
-            """
+    got = _controller(
+        tmp_path,
+        """
             try:
                 this_host().spawn_procs(per_host={"gpus": 40})
                 print(json.dumps({"error": None}), flush=True)
@@ -101,9 +68,8 @@ def test_a_spawn_the_hard_limit_cannot_hold_fails_first_and_says_what_to_do(tmp_
                 print(json.dumps({"error": err, "after": a.soft_limit.call().get(timeout=60).values()}), flush=True)
                 pm.stop().get(timeout=60)
             """,
-            160,
-            160,
-        )
+        160,
+        160,
     )
     err = got["error"]
     assert err is not None and err["errno"] == 24, got
@@ -114,10 +80,9 @@ def test_a_spawn_the_hard_limit_cannot_hold_fails_first_and_says_what_to_do(tmp_
 def test_an_allocator_that_cannot_hold_a_spawn_refuses_it_whole(tmp_path: Any) -> None:
     # the controller has room, this host's allocator (started elsewhere, with a lower limit)
     # does not: the spawn fails at once with its limit named, and the allocator serves on
-    got = _report(
-        _controller(
-            tmp_path,
-            """
+    got = _controller(
+        tmp_path,
+        """
             from monarch_nb.allocator import list_allocators
             first = this_host().spawn_procs(per_host={"gpus": 1})  # starts this host's allocator
             (alloc,) = list_allocators()
@@ -133,9 +98,8 @@ def test_an_allocator_that_cannot_hold_a_spawn_refuses_it_whole(tmp_path: Any) -
             pm.stop().get(timeout=60)
             first.stop().get(timeout=60)
             """,
-            _HARD,
-            _HARD,
-        )
+        _HARD,
+        _HARD,
     )
     err = got["error"]
     assert err is not None and "spawning 30 procs" in err and "of its 120 open" in err, got

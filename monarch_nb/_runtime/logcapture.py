@@ -325,6 +325,13 @@ class ProcLog:
         self._call = {"stdout": "", "stderr": ""}
         self.tail: list[LogLine] = []
         self.nlines = 0
+        #: lines that could not be written to the file (a full disk) since the last that were,
+        #: and why: the next write that succeeds puts a note of the gap first
+        self.unwritten_lines = 0
+        self._lost_why = ""
+        self._warned_at = -1e9
+        #: close() was called: the file is not opened again
+        self._ended = False
 
     def feed(self, stream: str, data: bytes) -> None:
         if b"\n" not in data and b"\r" not in data:
@@ -470,6 +477,7 @@ class ProcLog:
             self._partial[stream] = b""
         if out:
             self._write(out)
+        self._ended = True  # a file closed by a failure from here on stays closed: the rank is done
         # the proc is gone: its last lines go to disk now. Lines the writer thread already has
         # are waited for, but not on an event loop (the allocator's: its heartbeats and spawns
         # would wait for the disk too); there, and if the disk stalls, the writer closes the file
@@ -484,7 +492,7 @@ class ProcLog:
                 if self._writing:
                     self._close_after = True
                     return
-        self._file.close()
+        self._close_file()
 
     def settle(self, timeout: float) -> bool:
         """Wait until every line taken so far is in the file (at most ``timeout`` seconds);
@@ -512,7 +520,7 @@ class ProcLog:
                 self._writing = start = True
                 self._unwritten = [lines]
             else:
-                self._write_file(lines)
+                self._store(lines)
         self._emit(lines)
         if start:
             try:
@@ -544,15 +552,58 @@ class ProcLog:
                     break
             for lines in batches:
                 try:
-                    self._write_file(lines)
+                    self._store(lines)
                 except Exception:  # whatever it was, the lines after these still get their turn
                     logger.warning("could not write %d lines to %s", count_lines(lines), self.path, exc_info=True)
         if close:
+            self._close_file()
+
+    def _store(self, lines: list[LogItem]) -> None:
+        """Write ``lines`` to the file; if the disk refuses (full, gone), count them and say so
+        (at most once a minute) instead of raising: they still go to the notebook, and the file
+        gets a note of how many it misses once it takes lines again."""
+        try:
+            if self.unwritten_lines:
+                # "up to": a batch that failed half-way may have left some of its lines here
+                note = f"[monarch_nb: up to {self.unwritten_lines} lines of this rank are missing here: {self._lost_why}]"
+                self._write_file([(self.rank, "stderr", time.time(), "", note)])
+                logger.warning(
+                    "rank %d's log %s takes lines again (%d were not written)", self.rank, self.path, self.unwritten_lines
+                )
+                self.unwritten_lines = 0
+            self._write_file(lines)
+        except OSError as e:
+            self.unwritten_lines += count_lines(lines)
+            self._lost_why = f"{e.strerror or e} writing {self.path}"
+            # what the file object still buffers would go out with the next write, notes and
+            # all: dropped with it (counted above); the next write opens the file again
+            self._close_file()
+            now = time.monotonic()
+            if now - self._warned_at > 60:
+                self._warned_at = now
+                logger.warning(
+                    "rank %d's log %s: %s; its lines still stream to the controller, but %d are missing from the file so far",
+                    self.rank,
+                    self.path,
+                    e.strerror or e,
+                    self.unwritten_lines,
+                )
+
+    def _close_file(self) -> None:
+        try:
             self._file.close()
+        except OSError:
+            pass  # what it still buffered could not be written: counted and said already
 
     def _write_file(self, lines: list[LogItem]) -> None:
         parts = _records(lines)
         n = sum(map(len, parts))
+        if self._file.closed and not self._ended:  # after a write or a rotation failed (a full disk)
+            self._file = open(self.path, "ab", buffering=1 << 16)
+            self._size = self._file.tell()
+            # a record the failure cut short ends here: read_log skips it, not the next one
+            parts.insert(0, b"\n")
+            n += 1
         if self._half and self._size + n > self._half:
             self._rotate()
         for p in parts:
@@ -561,7 +612,7 @@ class ProcLog:
         self._size += n
 
     def _rotate(self) -> None:
-        self._file.close()
+        self._close_file()
         os.replace(self.path, self.path + ROTATED)
         self._file = open(self.path, "ab", buffering=1 << 16)
         self._size = 0

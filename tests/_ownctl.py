@@ -1,0 +1,47 @@
+"""A controller script with a runtime directory of its own: the allocator it starts is its own
+child, and inherits what the test gave the script (resource limits, a small disk), as on a
+user's machine. The allocator is stopped when the script ends, whatever happened."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+from conftest import PY
+
+_HEAD = """
+import errno, json, os, resource, sys, time
+from monarch_nb.actor import Actor, endpoint, this_host
+from monarch_nb.allocator import stop_allocator
+
+class E(Actor):
+    @endpoint
+    def soft_limit(self) -> int:
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+    @endpoint
+    def say(self, text: str, n: int = 1) -> int:
+        for i in range(n):
+            print(text.format(i=i))
+        return n
+
+try:
+"""
+
+
+def run(rdir: str, code: str, preexec: Callable[[], None] | None = None, timeout: float = 150) -> dict[str, Any]:
+    """Run ``code`` (indented into a ``try`` whose ``finally`` stops the allocator; ``E`` is an
+    actor with ``soft_limit`` and ``say``) with ``MONARCH_NB_RUNTIME_DIR=rdir``; the last JSON
+    object it printed, and its whole stdout under ``"stdout"``."""
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="")
+    env.pop("PYTHONUNBUFFERED", None)
+    body = _HEAD + textwrap.indent(textwrap.dedent(code), "    ") + "\nfinally:\n    stop_allocator()\n"
+    cp = subprocess.run([PY, "-c", body], capture_output=True, text=True, timeout=timeout, env=env, preexec_fn=preexec)
+    assert cp.returncode == 0, f"controller failed ({cp.returncode}):\n{cp.stdout[-2000:]}\n{cp.stderr[-6000:]}"
+    got = json.loads([ln for ln in cp.stdout.splitlines() if ln.startswith("{")][-1])
+    got["stdout"] = cp.stdout
+    return dict(got)
