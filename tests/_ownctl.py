@@ -4,6 +4,7 @@ user's machine. The allocator is stopped when the script ends, whatever happened
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -38,6 +39,8 @@ def run(rdir: str, code: str, preexec: Callable[[], None] | None = None, timeout
     actor with ``soft_limit`` and ``say``) with ``MONARCH_NB_RUNTIME_DIR=rdir``; the last JSON
     object it printed, and its whole stdout under ``"stdout"``."""
     env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="")
+    # the script imports this module's helpers (fill) as the tests do
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH")) if p)
     env.pop("PYTHONUNBUFFERED", None)
     body = _HEAD + textwrap.indent(textwrap.dedent(code), "    ") + "\nfinally:\n    stop_allocator()\n"
     cp = subprocess.run([PY, "-c", body], capture_output=True, text=True, timeout=timeout, env=env, preexec_fn=preexec)
@@ -45,3 +48,15 @@ def run(rdir: str, code: str, preexec: Callable[[], None] | None = None, timeout
     got = json.loads([ln for ln in cp.stdout.splitlines() if ln.startswith("{")][-1])
     got["stdout"] = cp.stdout
     return dict(got)
+
+
+def fill(path: str) -> None:
+    """Write a file at ``path`` until its disk is full (ENOSPC)."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"x" * 65536)
+                f.flush()
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise

@@ -89,6 +89,18 @@ def gate(tmp_path):
 
 
 @pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs of its own (0700), unmounted afterwards: a disk that fills up."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    cmd = ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(disk)]
+    if subprocess.run(cmd, capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root?)")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+@pytest.fixture
 def allocator(tmp_path):
     """A private allocator; yields it with ``.hosts`` a HostMesh attached to it."""
     from monarch_nb.actor import attach_to_workers

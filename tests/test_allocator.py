@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
 import signal
 import stat
@@ -232,6 +233,7 @@ except Exception as e:
 def test_script_meshes_stop_at_exit_and_persistent_ones_are_reattached(allocator):
     code = f"""
 import os
+import pathlib
 from monarch_nb.actor import Actor, endpoint, attach_to_workers
 class Keeper(Actor):
     def __init__(self): self.v = 41
@@ -613,6 +615,7 @@ def test_a_worker_loop_serves_at_an_ipc_path_of_the_programs_choosing() -> None:
         assert stat.S_IMODE(os.stat(os.path.join(where, "worker.sock")).st_mode) == 0o600
         code = f"""
 import os
+import pathlib
 from monarch_nb.actor import Actor, attach_to_workers, endpoint
 class Pid(Actor):
     @endpoint
@@ -716,6 +719,7 @@ def test_procs_inherit_their_hosts_environment_not_the_controllers(tmp_path) -> 
     try:
         code = f"""
 import os
+import pathlib
 from monarch_nb.actor import Actor, attach_to_workers, default_bootstrap_cmd, endpoint, this_host
 os.environ["MNB_CONTROLLER_ONLY"] = "controller"
 os.environ.pop("MNB_HOST_ONLY", None)
@@ -823,3 +827,18 @@ pm.stop().get(timeout=20)
         assert burst == [f"[0] burst {i}" for i in range(2000)], (len(burst), r.stderr[-2000:])
     finally:
         a.stop()
+
+
+@pytest.mark.timeout(60)
+def test_an_allocator_that_cannot_start_on_a_full_disk_says_where_the_disk_is_full(small_disk: pathlib.Path) -> None:
+    # its start log is on that disk too, so it said nothing: the error named no cause at all
+    from _ownctl import fill
+
+    from monarch_nb._runtime.records import start_local_allocator
+    from monarch_nb.errors import ConnectError
+
+    rdir = small_disk / "rt"
+    rdir.mkdir(mode=0o700)
+    fill(str(small_disk / "filler"))
+    with pytest.raises(ConnectError, match=f"runtime directory {rdir} is on a full disk .*MONARCH_NB_RUNTIME_DIR"):
+        start_local_allocator(str(rdir), timeout=30)

@@ -175,6 +175,21 @@ def local_allocator(rdir: str, timeout: float = 60.0, extra_args: list[str] | No
         return find_local_allocator(rdir) or start_local_allocator(rdir, timeout, extra_args)
 
 
+def _full_disk(rdir: str) -> str:
+    """A sentence saying that ``rdir`` is on a (nearly) full disk, or ""."""
+    try:
+        st = os.statvfs(rdir)
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    if free >= 1 << 20:
+        return ""
+    return (
+        f" its runtime directory {rdir} is on a full disk ({free} bytes free): free space there, or set "
+        "MONARCH_NB_RUNTIME_DIR to a directory on a disk with room"
+    )
+
+
 def start_local_allocator(rdir: str, timeout: float = 60.0, extra_args: list[str] | None = None) -> dict[str, Any]:
     """Start a detached allocator daemon on this host and wait for its connection file.
 
@@ -200,7 +215,8 @@ def start_local_allocator(rdir: str, timeout: float = 60.0, extra_args: list[str
         if p.poll() is not None:
             with open(log.name, errors="replace") as f:
                 tail = f.read()[-2000:]
-            raise ConnectError(f"the local allocator exited with code {p.returncode} while starting:\n{tail}")
+            # on a full disk its log is empty too: the one thing left to say is where the disk is full
+            raise ConnectError(f"the local allocator exited with code {p.returncode} while starting:{_full_disk(rdir)}\n{tail}")
         time.sleep(0.02)  # polling a file the daemon writes; there is no event to wait on
     p.kill()
     raise ConnectError(f"the local allocator did not write its connection file within {timeout} s")
