@@ -1,8 +1,8 @@
 """File descriptors: how many a process may open, and room for more before it opens them.
 
-A controller holds about four descriptors per proc it talks to (its connection to the proc,
-the proc's connection back, a direct connection each way), an allocator a few per proc it
-runs. The usual soft limit is 1,024, which a controller reaches at about 250 procs; and libzmq
+A controller holds about three descriptors per proc it talks to (its connection to the proc,
+the proc's connection back, a direct connection) and one more per actor (the actor's thread
+connects to it directly), an allocator about four per proc it runs. The usual soft limit is 1,024, which a controller reaches at about 250 procs; and libzmq
 aborts the whole process (the notebook's kernel) when its listener cannot accept a connection
 for want of a descriptor. So every process of the runtime raises its soft limit towards the
 hard one as it starts (procs inherit their allocator's), and a spawn first checks that the
@@ -19,8 +19,12 @@ import resource
 #: the soft limit is raised to at most this: enough for thousands of procs, and low enough
 #: that code which closes every possible descriptor in a loop stays quick
 TARGET = 65536
-#: descriptors a controller needs per proc it spawns (see above), rounded up
+#: descriptors a controller (and an allocator) needs per proc it spawns (see above; measured
+#: 3 and 4), rounded up
 PER_PROC = 5
+#: descriptors a controller needs per actor it spawns (each actor's thread connects to it
+#: directly; measured 1)
+PER_ACTOR = 1
 #: left free for everything else the process does (files, pipes, libraries' own sockets)
 RESERVE = 64
 
@@ -49,21 +53,21 @@ def open_count() -> int:
         return 0
 
 
-def ensure_room(procs: int, what: str, starts: str = "Jupyter") -> None:
-    """Raise ``OSError(EMFILE)`` naming the limit if this process has no room for the
-    descriptors ``procs`` more procs would take, keeping :data:`RESERVE` free; ``starts``: what
-    the user restarts with a higher limit (this process)."""
+def ensure_room(need: int, what: str, starts: str = "Jupyter") -> None:
+    """Raise ``OSError(EMFILE)`` naming the limit if this process has no room for ``need``
+    more descriptors, keeping :data:`RESERVE` free; ``what`` takes them (``PER_PROC`` per proc
+    spawned, ``PER_ACTOR`` per actor); ``starts``: what the user restarts with a higher limit
+    (this process)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return
-    need = procs * PER_PROC
     used = open_count()
     if used + need + RESERVE <= soft:
         return
     suggest = max(TARGET, used + need + RESERVE)
     raise OSError(
         errno.EMFILE,
-        f"{what} needs about {need} more file descriptors ({PER_PROC} per proc), but this process has "
+        f"{what} needs about {need} more file descriptors, but this process has "
         f"{used} of its {soft} open (hard limit {hard}). Start {starts} from a shell with `ulimit -n {suggest}` "
         "(above the hard limit that takes /etc/security/limits.conf, or LimitNOFILE= in a systemd unit), "
         "or stop meshes you no longer use",

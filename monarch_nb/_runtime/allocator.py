@@ -381,7 +381,9 @@ class Allocator(DebugRegistry):
         # this daemon holds descriptors per proc it runs (its pipes, its connections): one
         # spawn too many for its limit is refused here, whole, before any proc starts
         _fdlimit.ensure_room(
-            n, f"spawning {n} procs ({name!r}) on host {self.rt.hostname}", "this host's allocator (monarch-nb allocator)"
+            n * _fdlimit.PER_PROC,
+            f"spawning {n} procs ({name!r}) on host {self.rt.hostname}",
+            "this host's allocator (monarch-nb allocator)",
         )
         mesh = MeshRec(name, spec["owner"], bool(spec.get("persist")), labels, sizes, spec.get("rank_base", 0), [])
         mesh.info = {"extent": spec["extent"], "host_index": spec.get("host_index", 0)}
