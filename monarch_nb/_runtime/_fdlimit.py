@@ -2,12 +2,12 @@
 
 A controller holds about three descriptors per proc it talks to (its connection to the proc,
 the proc's connection back, a direct connection) and one more per actor (the actor's thread
-connects to it directly), an allocator about four per proc it runs. The usual soft limit is 1,024, which a controller reaches at about 250 procs; and libzmq
-aborts the whole process (the notebook's kernel) when its listener cannot accept a connection
-for want of a descriptor. So every process of the runtime raises its soft limit towards the
-hard one as it starts (procs inherit their allocator's), and a spawn first checks that the
-controller has room for the procs it asks for, failing with an error that says what to do
-rather than letting the kernel die later.
+connects to it directly); an allocator about four per proc it runs. The usual soft limit is
+1,024, which a controller reaches at about 250 procs, and libzmq aborts the whole process (the
+notebook's kernel) when its listener cannot accept a connection for want of a descriptor. So
+every process of the runtime raises its soft limit towards the hard one as it starts (procs
+inherit their allocator's), and a spawn of procs or actors first checks that there is room,
+failing with an error that says what to do rather than letting the kernel die later.
 """
 
 from __future__ import annotations

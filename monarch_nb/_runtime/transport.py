@@ -468,7 +468,7 @@ class Transport:
         assert self._fast_listener is not None
         fd = self._fast_listener.fileno()
         self.loop.remove_reader(fd)
-        self.loop.call_later(ACCEPT_PAUSE_S, self.loop.add_reader, fd, self._accept_direct)
+        self.loop.call_later(ACCEPT_PAUSE_S, self._resume_accepting)
         now = time.monotonic()
         if now - self._emfile_logged > 30:
             self._emfile_logged = now
@@ -482,6 +482,11 @@ class Transport:
                 soft,
                 ACCEPT_PAUSE_S,
             )
+
+    def _resume_accepting(self) -> None:
+        lis = self._fast_listener
+        if lis is not None and lis.fileno() >= 0:  # not closed meanwhile
+            self.loop.add_reader(lis.fileno(), self._accept_direct)
 
     def _read_direct(self, rx: fastpath.Receiver) -> None:
         self._reading = rx
