@@ -316,6 +316,18 @@ def test_a_stream_not_yet_attached_holds_a_bounded_amount_then_gets_it_all() -> 
         accepted = _push_until_blocked(writer, data)
         held = sum(len(x) for x in a.streams[5].held)
         assert held <= HOLD_MAX + CHUNK, held
+        # the tunnel drops meanwhile and the next one resumes: still no more than that
+        for m in (mux_a, mux_b):
+            m.close()
+        a_end, b_end = socket.socketpair()
+        mux_a, mux_b = Mux(a_end, 2), Mux(b_end, 2)
+        for m, st in ((mux_a, a), (mux_b, b)):
+            st.bind(m)
+            readers.append(threading.Thread(target=m.run, args=(st.on_frame,), daemon=True))
+            readers[-1].start()
+        accepted += _push_until_blocked(writer, data[accepted:])
+        held = sum(len(x) for x in a.streams[5].held)
+        assert held <= HOLD_MAX + CHUNK, held
         assert accepted < 32 << 20, accepted
         writer.settimeout(20)
         reader.settimeout(20)

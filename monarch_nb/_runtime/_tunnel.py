@@ -199,9 +199,13 @@ class Streams:
         with self.lock:
             self.mux = mux
             older = [st for st in self.streams.values() if st.gen < mux.gen]
+            for st in older:
+                # a stream not attached yet asks again for what it only holds (skipped as it
+                # comes back): what the far end may have unacknowledged stays its HOLD_MAX
+                if st.sock is not None:
+                    st.reported = st.recvd
         for st in older:
-            st.reported = st.recvd
-            if not mux.send(RESUME, st.sid, st.recvd):
+            if not mux.send(RESUME, st.sid, st.reported):
                 return
         if older:
             logger.info("gateway: %d streams resume over the new tunnel", len(older))
