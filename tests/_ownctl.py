@@ -30,20 +30,33 @@ class E(Actor):
             print(text.format(i=i))
         return n
 
+    @endpoint
+    def echo(self, x):
+        return x
+
 try:
 """
 
 
-def run(rdir: str, code: str, preexec: Callable[[], None] | None = None, timeout: float = 150) -> dict[str, Any]:
+def run(
+    rdir: str,
+    code: str,
+    preexec: Callable[[], None] | None = None,
+    timeout: float = 150,
+    wrap: list[str] | None = None,
+) -> dict[str, Any]:
     """Run ``code`` (indented into a ``try`` whose ``finally`` stops the allocator; ``E`` is an
-    actor with ``soft_limit`` and ``say``) with ``MONARCH_NB_RUNTIME_DIR=rdir``; the last JSON
+    actor with ``soft_limit``, ``say`` and ``echo``) with ``MONARCH_NB_RUNTIME_DIR=rdir``,
+    behind the command ``wrap`` if given (which runs the rest of its arguments); the last JSON
     object it printed, and its whole stdout under ``"stdout"``."""
     env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="")
     # the script imports this module's helpers (fill) as the tests do
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH")) if p)
     env.pop("PYTHONUNBUFFERED", None)
     body = _HEAD + textwrap.indent(textwrap.dedent(code), "    ") + "\nfinally:\n    stop_allocator()\n"
-    cp = subprocess.run([PY, "-c", body], capture_output=True, text=True, timeout=timeout, env=env, preexec_fn=preexec)
+    cp = subprocess.run(
+        [*(wrap or []), PY, "-c", body], capture_output=True, text=True, timeout=timeout, env=env, preexec_fn=preexec
+    )
     assert cp.returncode == 0, f"controller failed ({cp.returncode}):\n{cp.stdout[-2000:]}\n{cp.stderr[-6000:]}"
     got = json.loads([ln for ln in cp.stdout.splitlines() if ln.startswith("{")][-1])
     got["stdout"] = cp.stdout

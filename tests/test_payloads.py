@@ -768,6 +768,52 @@ def test_when_shared_memory_fails_the_buffer_takes_the_socket(echo, monkeypatch)
     assert np.array_equal(echo.echo.call_one(arr).get(timeout=30), arr)
 
 
+def test_a_dev_shm_too_small_for_the_payloads_leaves_them_to_the_socket(tmp_path):  # type: ignore[no-untyped-def]
+    # a real /dev/shm of 1 MiB (a container's default is 64 MiB), in a mount namespace of the
+    # controller's own that the allocator and its procs it starts inherit: 16 MiB payloads there
+    # and back, in both directions, whole; nothing is left in it
+    import subprocess
+
+    import _ownctl
+
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("cannot make a mount namespace here (not root?)")
+    rdir = tmp_path / "rt"
+    rdir.mkdir(mode=0o700)
+    small_shm = [
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$0" "$@"',
+    ]
+    got = _ownctl.run(
+        str(rdir),
+        """
+        import shutil
+        import numpy as np, torch
+        pm = this_host().spawn_procs(per_host={"gpus": 1})
+        a = pm.spawn("e", E)
+        b = os.urandom(16 << 20)
+        arr = np.frombuffer(os.urandom(16 << 20), np.uint8)
+        t = torch.from_numpy(np.frombuffer(os.urandom(16 << 20), np.int32).copy())
+        ok = [
+            a.echo.call_one(b).get(timeout=60) == b,
+            bool((a.echo.call_one(arr).get(timeout=60) == arr).all()),
+            bool(torch.equal(a.echo.call_one(t).get(timeout=60), t)),
+        ]
+        print(json.dumps({"ok": ok, "shm_bytes": shutil.disk_usage("/dev/shm").total, "left": os.listdir("/dev/shm")}), flush=True)
+        pm.stop().get(timeout=60)
+        """,
+        wrap=small_shm,
+    )
+    assert got["shm_bytes"] == 1 << 20, got  # the small one, not the machine's
+    assert got["ok"] == [True, True, True], got
+    assert got["left"] == [], got
+
+
 def _rss_mib(field: str) -> float:
     with open("/proc/self/status") as f:
         for line in f:
