@@ -60,6 +60,10 @@ class Config:
     #: a rank's log on disk is kept under this size, in two files (``rank-N.jsonl`` and the
     #: previous ``rank-N.jsonl.1``): the oldest half goes when the newest half is full; 0: no limit
     log_max_rank_bytes: int = 256 << 20
+    #: a rank's line longer than this is cut there, and a note says so: the allocator holds a
+    #: line in memory until it ends, and a rank writing bytes with no newline for ever (binary
+    #: data to stdout) must not take the host's allocator down with it
+    log_max_line_bytes: int = 64 << 20
     #: ``monarch-nb gc`` removes the oldest logs of stopped meshes and allocators beyond this total
     log_max_total_bytes: int = 4 << 30
     #: ``monarch-nb gc`` removes logs of stopped meshes and allocators older than this (seconds)

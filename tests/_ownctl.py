@@ -34,6 +34,13 @@ class E(Actor):
     def echo(self, x):
         return x
 
+    @endpoint
+    def write(self, text: str, times: int) -> int:
+        for _ in range(times):
+            sys.stdout.write(text)  # no newline
+            sys.stdout.flush()
+        return times
+
 try:
 """
 
@@ -44,12 +51,15 @@ def run(
     preexec: Callable[[], None] | None = None,
     timeout: float = 150,
     wrap: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run ``code`` (indented into a ``try`` whose ``finally`` stops the allocator; ``E`` is an
     actor with ``soft_limit``, ``say`` and ``echo``) with ``MONARCH_NB_RUNTIME_DIR=rdir``,
-    behind the command ``wrap`` if given (which runs the rest of its arguments); the last JSON
+    behind the command ``wrap`` if given (which runs the rest of its arguments), with ``env``
+    added to the environment (the allocator it starts reads its configuration there); the last JSON
     object it printed, and its whole stdout under ``"stdout"``."""
-    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="")
+    extra = env or {}
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="", **extra)
     # the script imports this module's helpers (fill) as the tests do
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH")) if p)
     env.pop("PYTHONUNBUFFERED", None)

@@ -133,6 +133,65 @@ def test_a_huge_line_is_split_in_linear_time_and_kept_whole(tmp_path) -> None:  
     assert [r["line"] for r in rows] == ["before", big, "\rstep 2", "step 2"]
 
 
+def test_a_line_that_never_ends_is_cut_at_the_limit_and_nothing_is_lost(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # a rank writing bytes with no newline (binary data to stdout) held them all in the
+    # allocator until a newline came, if ever: now a line is cut at log_max_line_bytes
+    emitted: list[tuple[str, int]] = []
+
+    def emit(lines: list[tuple[int, str, float, str, str]]) -> None:
+        emitted.extend((line_text(item[4])[:12], len(line_text(item[4]))) for item in lines)
+
+    log = ProcLog(str(tmp_path / "rank-0.jsonl"), 0, emit, max_line=1 << 20)
+    log.feed("stdout", b"before\n")
+    piece = b"0123456789abcdef" * 4096  # 64 KiB, no newline
+    for _ in range(40):  # 2.5 MiB
+        log.feed("stdout", piece)
+        assert len(log._partial["stdout"]) + log._more_n["stdout"] < 1 << 20  # never more held than the limit
+    log.feed("stdout", b"tail\nafter\n")
+    log.close()
+    heads = [h for h, _ in emitted]
+    sizes = [n for _, n in emitted]
+    assert heads[0] == "before" and heads[-1] == "after"
+    cut = [i for i, h in enumerate(heads) if h.startswith("[monarch_nb:")]
+    assert len(cut) == 2 and all(sizes[i - 1] == 1 << 20 and heads[i - 1] == "0123456789ab" for i in cut), emitted
+    # every byte printed is in some line, in order: two cut lines of 1 MiB, then the rest
+    assert sizes[cut[1] + 1] == 40 * len(piece) - 2 * (1 << 20) + len("tail")
+    disk = [r["line"] for r in read_log(str(tmp_path / "rank-0.jsonl"))]
+    assert disk[0] == "before" and disk[-1] == "after" and len(disk) == len(emitted)
+    assert "".join(ln for ln in disk if not ln.startswith("[monarch_nb: "))[len("before") : -len("after")] == (
+        (piece * 40).decode() + "tail"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_writing_with_no_newline_reaches_the_notebook_in_cut_lines(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # end to end, with the limit set where users set it (the allocator's environment)
+    import _ownctl
+
+    rdir = tmp_path / "rt"
+    rdir.mkdir(mode=0o700)
+    got = _ownctl.run(
+        str(rdir),
+        """
+        pm = this_host().spawn_procs(per_host={"gpus": 1})
+        a = pm.spawn("e", E)
+        a.write.call_one("z" * 65536, 48).get(timeout=60)  # 3 MiB with no newline
+        a.say.call_one("").get(timeout=30)  # the newline that ends it
+        a.say.call_one("end").get(timeout=30)
+        pm.stop().get(timeout=60)
+        print(json.dumps({}), flush=True)
+        """,
+        env={"MONARCH_NB_LOG_MAX_LINE_BYTES": str(1 << 20)},
+    )
+    lines = [ln for ln in got["stdout"].splitlines() if ln.startswith("[0] ")]
+    zs = [ln[len("[0] ") :] for ln in lines if ln.startswith("[0] z")]
+    notes = [ln for ln in lines if "the line above was cut at " in ln and "(log_max_line_bytes)" in ln]
+    # cut once a line reached 1 MiB (after the read that took it there), the rest whole
+    assert sum(map(len, zs)) == 3 << 20 and len(notes) == len(zs) - 1 >= 1, [ln[:60] for ln in lines]
+    assert all(1 << 20 <= len(z) < 2 << 20 for z in zs[:-1]), [len(z) for z in zs]
+    assert lines[-1] == "[0] end"
+
+
 def test_a_huge_line_reaches_subscribers_before_the_log_file_and_the_file_keeps_order(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "rank-0.jsonl"
 

@@ -300,6 +300,7 @@ class ProcLog:
         emit: Callable[[list[LogItem]], None],
         max_bytes: int = 0,
         on_call_end: Callable[[], None] | None = None,
+        max_line: int = 64 << 20,
     ) -> None:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         self.path = path
@@ -313,6 +314,9 @@ class ProcLog:
         self._size = self._file.tell()
         self._partial = {"stdout": b"", "stderr": b""}
         self._more: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+        #: the bytes in ``_more``; a line that reaches ``_max_line`` is cut there
+        self._more_n = {"stdout": 0, "stderr": 0}
+        self._max_line = max_line
         #: batches on their way to the file after a huge one, written by :func:`_file_writer`
         #: while ``_writing`` (the file is then that thread's alone); both under ``_lock``
         self._unwritten: list[list[LogItem]] = []
@@ -344,7 +348,11 @@ class ProcLog:
             # the middle of a long line: keep the piece, join once the line ends (joining every
             # 64 KiB read made a 10 MiB line cost 160 copies of up to 10 MiB)
             self._more[stream].append(data)
+            self._more_n[stream] += len(data)
+            if self._max_line and len(self._partial[stream]) + self._more_n[stream] >= self._max_line:
+                self._cut(stream)
             return
+        self._more_n[stream] = 0
         more = self._more[stream]
         if more and self._whole_line(stream, data):
             return
@@ -394,6 +402,20 @@ class ProcLog:
             self._write(out, len(buf))
         if ended and self._on_call_end is not None:
             self._on_call_end()
+
+    def _cut(self, stream: str) -> None:
+        """A line that reached ``_max_line`` with no end: out as it is, with a note; what
+        the rank prints next starts a new line."""
+        line = join([self._partial[stream], *self._more[stream]])
+        self._more[stream].clear()
+        self._more_n[stream] = 0
+        self._partial[stream] = b""
+        now, call = time.time(), self._call[stream]
+        note = (
+            f"[monarch_nb: the line above was cut at {len(line)} bytes (log_max_line_bytes): "
+            "what this rank printed next starts a new line]"
+        )
+        self._write([(self.rank, stream, now, call, line), (self.rank, stream, now, call, note)], len(line))
 
     def _whole_line(self, stream: str, data: bytes) -> bool:
         """A huge line ending in ``data``, with no marker and no carriage return: its pieces

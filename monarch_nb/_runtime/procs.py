@@ -254,6 +254,7 @@ class Procs:
             functools.partial(self._on_lines, mesh.name),
             self.cfg.log_max_rank_bytes,
             functools.partial(self._on_call_end, mesh.name) if self._on_call_end is not None else None,
+            max_line=self.cfg.log_max_line_bytes,
         )
         # the controller's environment when it sent one (its this_host()), else this host's
         env = dict(spec["env"]) if spec.get("env") is not None else dict(os.environ)
