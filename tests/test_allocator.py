@@ -842,3 +842,60 @@ def test_an_allocator_that_cannot_start_on_a_full_disk_says_where_the_disk_is_fu
     fill(str(small_disk / "filler"))
     with pytest.raises(ConnectError, match=f"runtime directory {rdir} is on a full disk .*MONARCH_NB_RUNTIME_DIR"):
         start_local_allocator(str(rdir), timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_a_zygote_that_dies_fails_its_procs_at_once_and_the_next_spawn_starts_another(tmp_path: pathlib.Path) -> None:
+    # the zygote killed (as the OOM killer would: it holds torch): its procs die with it, and
+    # only it could report their exits. Before, calls to them waited for ever and every later
+    # spawn on the host failed with a BrokenPipeError until the allocator was restarted
+    import _ownctl
+
+    rdir = tmp_path / "rt"
+    rdir.mkdir(mode=0o700)
+    got = _ownctl.run(
+        str(rdir),
+        """
+        import psutil
+        import monarch_nb.actor as api
+        from monarch_nb.allocator import list_allocators
+        seen = []
+        api.unhandled_fault_hook = seen.append  # this program expects the failure
+
+        def zygote():
+            alloc = psutil.Process(int(list_allocators()[0]["pid"]))
+            (z,) = [c for c in alloc.children() if "monarch_nb._runtime.zygote" in " ".join(c.cmdline())]
+            return z
+
+        pm = this_host().spawn_procs(per_host={"gpus": 2})
+        a = pm.spawn("e", E)
+        a.soft_limit.call().get(timeout=30)
+        first = zygote()
+        procs = first.children()
+        first.kill()
+        deadline = time.monotonic() + 20  # their PDEATHSIG: gone (or zombies nobody reaps) soon
+
+        def alive(p):
+            try:
+                return p.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
+
+        while time.monotonic() < deadline and any(map(alive, procs)):
+            time.sleep(0.02)
+        try:
+            a.soft_limit.call().get(timeout=30)
+            err = None
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"
+        pm2 = this_host().spawn_procs(per_host={"gpus": 2})
+        b = pm2.spawn("e", E)
+        n = len(b.soft_limit.call().get(timeout=30).values())
+        print(json.dumps({"err": err, "n": n, "new_zygote": zygote().pid != first.pid}), flush=True)
+        pm2.stop().get(timeout=60)
+        """,
+    )
+    err = got["err"]
+    assert err is not None and err.startswith("SupervisionError"), got  # not a TimeoutError
+    assert "zygote" in err and "was killed by SIGKILL" in err and "died with it" in err, err
+    assert got["n"] == 2 and got["new_zygote"], got

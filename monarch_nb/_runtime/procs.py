@@ -149,10 +149,10 @@ class Procs:
                 self.rt.loop.remove_reader(self._zsock.fileno())
                 if self.closing:
                     logger.info("zygote stopped")
+                    if self._zygote_ready and not self._zygote_ready.done():
+                        self._zygote_ready.set_exception(SpawnError("the allocator's zygote exited while starting"))
                 else:
-                    logger.error("zygote exited; procs can no longer be forked")
-                if self._zygote_ready and not self._zygote_ready.done():
-                    self._zygote_ready.set_exception(SpawnError("the allocator's zygote exited while starting"))
+                    self._zygote_died()
                 return
             msg = pickle.loads(data)
             if msg[0] == "ready":
@@ -172,20 +172,50 @@ class Procs:
                 if rec is not None:
                     self._proc_exited(rec, msg[2])
 
-    def _proc_exited(self, rec: ProcRec, status: int) -> None:
+    def _zygote_died(self) -> None:
+        """The zygote is gone (killed, the OOM killer): the procs it forked died with it (their
+        PDEATHSIG), and nobody else can say so; they fail now, with the reason, and the next
+        spawn starts a new zygote."""
+        z, self._zygote = self._zygote, None
+        status = None
+        if z is not None:
+            if z.poll() is None:  # closed its end but lives on: it can fork nothing for us now
+                z.kill()
+            status = z.wait()
+        why = f"(pid {z.pid if z else '?'}) " + (
+            f"was killed by {_signame(-status)}" if status is not None and status < 0 else f"exited with code {status}"
+        )
+        if self._zsock is not None:
+            self._zsock.close()
+        self._zsock = self._zreq = None
+        ready, self._zygote_ready = self._zygote_ready, None
+        if ready is not None and not ready.done():
+            ready.set_exception(SpawnError(f"the allocator's zygote {why} while starting"))
+        forked = [
+            r
+            for r in self.by_token.values()
+            if r.popen is None and r.state not in ("stopped", "failed") and (r.exited is None or not r.exited.done())
+        ]
+        logger.error("the zygote %s; the %d procs forked from it died with it; the next spawn starts a new one", why, len(forked))
+        for rec in forked:
+            if rec.pid:
+                kill(rec.pid)  # their PDEATHSIG has done it; nothing here can watch them any more
+            self._proc_exited(rec, cause=f"this host's zygote {why}, and the procs forked from it died with it")
+
+    def _proc_exited(self, rec: ProcRec, status: int = 0, cause: str = "") -> None:
+        """``rec`` is gone: its wait ``status``, or ``cause`` where there is none to have."""
         self.by_pid.pop(rec.pid, None)
-        shm.sweep_dead(rec.pid)  # shared-memory buffers it sent that nobody took
+        if rec.pid:
+            shm.sweep_dead(rec.pid)  # shared-memory buffers it sent that nobody took
         for fd in list(rec.fds):
             self._drain(rec, fd, final=True)
-        if os.WIFSIGNALED(status):
-            sig = os.WTERMSIG(status)
-            try:
-                name = signal.Signals(sig).name
-            except ValueError:
-                name = str(sig)
-            cause = f"process {rec.pid} was killed by {name}"
-        else:
-            cause = f"process {rec.pid} exited with code {os.WEXITSTATUS(status)}"
+        if not cause:
+            how = (
+                f"was killed by {_signame(os.WTERMSIG(status))}"
+                if os.WIFSIGNALED(status)
+                else f"exited with code {os.WEXITSTATUS(status)}"
+            )
+            cause = f"process {rec.pid} {how}"
         if rec.state == "stopping":
             rec.state = "stopped"
             cause = f"mesh stopped ({cause})"
@@ -312,8 +342,12 @@ class Procs:
                 pidfd = os.pidfd_open(rec.pid)
                 self.rt.loop.add_reader(pidfd, self._on_exec_exit, rec, pidfd)
             else:
-                assert self._zygote_ready is not None and self._zreq is not None
-                await self._zygote_ready
+                if self._zygote is None and not self.closing:
+                    self.start_zygote()  # the last one died (see _zygote_died)
+                zreq, ready = self._zreq, self._zygote_ready
+                if zreq is None or ready is None:
+                    raise SpawnError("the allocator is shutting down")
+                await ready
                 req = {
                     "token": rec.token,
                     "env": env,
@@ -323,9 +357,11 @@ class Procs:
                     "spec": proc_spec,
                 }
                 try:
-                    await self._zreq.send(pickle.dumps(req), [out_w, err_w])
+                    await zreq.send(pickle.dumps(req), [out_w, err_w])
                 except TimeoutError as e:
                     raise SpawnError(str(e)) from None
+                except OSError as e:  # it died as this request went to it
+                    raise SpawnError(f"the allocator's zygote died while the spawn was sent to it ({e}); spawn again") from None
         finally:
             os.close(out_w)
             os.close(err_w)
@@ -358,6 +394,13 @@ class Procs:
 
 #: what a proc started with inherit_env=False still gets (Monarch's launch variables are always set)
 _PROC_ENV = frozenset({"PYTHONPATH", "CUDA_VISIBLE_DEVICES"})
+
+
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return str(sig)
 
 
 def _coords(index: int, sizes: list[int]) -> list[int]:
