@@ -197,9 +197,9 @@ class Procs:
             if r.popen is None and r.state not in ("stopped", "failed") and (r.exited is None or not r.exited.done())
         ]
         logger.error("the zygote %s; the %d procs forked from it died with it; the next spawn starts a new one", why, len(forked))
+        # no kill of our own: their PDEATHSIG did it, and their pids, no longer ours to reap,
+        # may be another process's by now
         for rec in forked:
-            if rec.pid:
-                kill(rec.pid)  # their PDEATHSIG has done it; nothing here can watch them any more
             self._proc_exited(rec, cause=f"this host's zygote {why}, and the procs forked from it died with it")
 
     def _proc_exited(self, rec: ProcRec, status: int = 0, cause: str = "") -> None:
