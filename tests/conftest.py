@@ -101,6 +101,52 @@ def small_disk(tmp_path):
 
 
 @pytest.fixture
+def memcg():
+    """``memcg(limit_bytes)``: a memory cgroup of that limit (no swap), v1 or v2, whose
+    ``cgroup.procs`` path it returns; removed afterwards (skips where none can be made)."""
+    import secrets
+
+    made: list[str] = []
+
+    def make(limit: int) -> str:
+        name = f"mnb-test-{secrets.token_hex(4)}"
+        v1, v2 = "/sys/fs/cgroup/memory", "/sys/fs/cgroup"
+        try:
+            if os.path.isfile(os.path.join(v1, "memory.limit_in_bytes")):
+                path = os.path.join(v1, name)
+                os.mkdir(path)
+                made.append(path)
+                with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+                    f.write(str(limit))
+                if os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
+                    with open(os.path.join(path, "memory.memsw.limit_in_bytes"), "w") as f:
+                        f.write(str(limit))
+            else:
+                path = os.path.join(v2, name)
+                os.mkdir(path)
+                made.append(path)
+                with open(os.path.join(path, "memory.max"), "w") as f:
+                    f.write(str(limit))
+                with open(os.path.join(path, "memory.swap.max"), "w") as f:
+                    f.write("0")
+        except OSError as e:
+            pytest.skip(f"cannot make a memory cgroup here: {e}")
+        return os.path.join(path, "cgroup.procs")
+
+    yield make
+    for path in made:
+        deadline = time.monotonic() + 10
+        while True:  # empty once the killed process is reaped
+            try:
+                os.rmdir(path)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+
+
+@pytest.fixture
 def allocator(tmp_path):
     """A private allocator; yields it with ``.hosts`` a HostMesh attached to it."""
     from monarch_nb.actor import attach_to_workers

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import pytest
 import zmq
@@ -899,3 +900,43 @@ def test_a_zygote_that_dies_fails_its_procs_at_once_and_the_next_spawn_starts_an
     assert err is not None and err.startswith("SupervisionError"), got  # not a TimeoutError
     assert "zygote" in err and "was killed by SIGKILL" in err and "died with it" in err, err
     assert got["n"] == 2 and got["new_zygote"], got
+
+
+@pytest.mark.timeout(120)
+def test_a_proc_the_oom_killer_took_is_reported_as_most_likely_out_of_memory(
+    tmp_path: pathlib.Path, memcg: Callable[[int], str]
+) -> None:
+    # a rank over its memory (here its cgroup's 160 MiB) is SIGKILLed by the kernel; before, the
+    # cause read "killed by SIGKILL" and nothing else
+    import _ownctl
+
+    procs = memcg(160 << 20)
+    rdir = tmp_path / "rt"
+    rdir.mkdir(mode=0o700)
+    got = _ownctl.run(
+        str(rdir),
+        f"""
+        import monarch_nb.actor as api
+        seen = []
+        api.unhandled_fault_hook = seen.append  # this program expects the failure
+
+        class Hog(Actor):
+            @endpoint
+            def hog(self, mib: int) -> int:
+                with open({procs!r}, "w") as f:
+                    f.write(str(os.getpid()))  # into the small cgroup
+                return len(bytearray(mib << 20))
+
+        pm = this_host().spawn_procs(per_host={{"gpus": 1}})
+        h = pm.spawn("hog", Hog)
+        try:
+            h.hog.call_one(1024).get(timeout=60)
+            err = None
+        except Exception as e:
+            err = f"{{type(e).__name__}}: {{e}}"
+        print(json.dumps({{"err": err}}), flush=True)
+        """,
+    )
+    err = got["err"]
+    assert err is not None and "was killed by SIGKILL" in err, got
+    assert "OOM killer" in err and "ran out of memory" in err, err

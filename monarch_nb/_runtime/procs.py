@@ -57,6 +57,9 @@ class ProcRec:
     exited: asyncio.Future[None] | None = None
     #: done once the proc says its actors' ``__cleanup__`` has finished (it is exiting)
     cleaned: asyncio.Future[None] | None = None
+    #: the host's count of OOM kills when it started (:func:`_oom_kills`): more at a SIGKILL
+    #: nobody here sent means the kernel's OOM killer most likely took it
+    oom_kills: int | None = None
     started: float = dataclasses.field(default_factory=time.time)
     #: cpu, rss, activity, call and line rates (see telemetry.py)
     tele: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -216,6 +219,8 @@ class Procs:
                 else f"exited with code {os.WEXITSTATUS(status)}"
             )
             cause = f"process {rec.pid} {how}"
+            if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL and rec.state != "stopping":
+                cause += _oom_hint(rec.oom_kills)
         if rec.state == "stopping":
             rec.state = "stopped"
             cause = f"mesh stopped ({cause})"
@@ -278,6 +283,7 @@ class Procs:
             os.set_blocking(fd, False)
             rec.fds[fd] = stream
             self.rt.loop.add_reader(fd, self._on_output, rec, fd)
+        rec.oom_kills = _oom_kills()
         rec.log = ProcLog(
             os.path.join(log_dir, mesh.name, f"rank-{rec.rank}.jsonl"),
             rec.rank,
@@ -394,6 +400,30 @@ class Procs:
 
 #: what a proc started with inherit_env=False still gets (Monarch's launch variables are always set)
 _PROC_ENV = frozenset({"PYTHONPATH", "CUDA_VISIBLE_DEVICES"})
+
+
+def _oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has killed on this host since boot (a cgroup's
+    limit included), or None where the kernel does not say (``/proc/vmstat``'s ``oom_kill``)."""
+    try:
+        with open("/proc/vmstat", "rb") as f:
+            for line in f:
+                if line.startswith(b"oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _oom_hint(before: int | None) -> str:
+    """What to add to a SIGKILL nobody here sent: the OOM killer, if it ran since ``before``."""
+    now = _oom_kills()
+    if before is None or now is None or now <= before:
+        return ""
+    return (
+        f" (the kernel's OOM killer killed {now - before} process(es) on this host since it started: most likely "
+        "it ran out of memory, its own or its cgroup's limit; `dmesg` says which)"
+    )
 
 
 def _signame(sig: int) -> str:
