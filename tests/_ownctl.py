@@ -12,7 +12,7 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
-from conftest import PY
+from conftest import PY, sweep
 
 _HEAD = """
 import errno, json, os, resource, sys, time
@@ -54,7 +54,7 @@ def run(
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run ``code`` (indented into a ``try`` whose ``finally`` stops the allocator; ``E`` is an
-    actor with ``soft_limit``, ``say`` and ``echo``) with ``MONARCH_NB_RUNTIME_DIR=rdir``,
+    actor with ``soft_limit``, ``say``, ``echo`` and ``write``) with ``MONARCH_NB_RUNTIME_DIR=rdir``,
     behind the command ``wrap`` if given (which runs the rest of its arguments), with ``env``
     added to the environment (the allocator it starts reads its configuration there); the last JSON
     object it printed, and its whole stdout under ``"stdout"``."""
@@ -64,9 +64,14 @@ def run(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH")) if p)
     env.pop("PYTHONUNBUFFERED", None)
     body = _HEAD + textwrap.indent(textwrap.dedent(code), "    ") + "\nfinally:\n    stop_allocator()\n"
-    cp = subprocess.run(
-        [*(wrap or []), PY, "-c", body], capture_output=True, text=True, timeout=timeout, env=env, preexec_fn=preexec
-    )
+    try:
+        cp = subprocess.run(
+            [*(wrap or []), PY, "-c", body], capture_output=True, text=True, timeout=timeout, env=env, preexec_fn=preexec
+        )
+    finally:
+        # a script that hung (or was killed) leaves its allocator, detached, under a runtime
+        # directory the session's own sweep does not look at
+        sweep(rdir)
     assert cp.returncode == 0, f"controller failed ({cp.returncode}):\n{cp.stdout[-2000:]}\n{cp.stderr[-6000:]}"
     got = json.loads([ln for ln in cp.stdout.splitlines() if ln.startswith("{")][-1])
     got["stdout"] = cp.stdout

@@ -169,7 +169,7 @@ def pytest_sessionfinish(session, exitstatus):
     from monarch_nb.allocator import stop_allocator
 
     stop_allocator()
-    _sweep(_RDIR)
+    sweep(_RDIR)
     if exitstatus not in (0, 5):
         _report_daemon_logs(_RDIR)
     shutil.rmtree(_RDIR, ignore_errors=True)
@@ -190,8 +190,8 @@ def _report_daemon_logs(rdir: str, lines: int = 40) -> None:
         sys.stderr.writelines(f"  {line[:300]}\n" for line in tail)
 
 
-def _sweep(rdir: str) -> None:
-    """Kill what still carries this session's runtime dir (say so: a test leaked it)."""
+def sweep(rdir: str) -> None:
+    """Kill what still carries the runtime dir ``rdir`` (say so: a test leaked it)."""
     import psutil
 
     me = os.getpid()
