@@ -286,9 +286,11 @@ def test_batch_mode_runs_the_client_inside_the_allocation(slurm: SlurmCluster) -
             job = SlurmJob(meshes={{"trainers": 2}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, exclusive=False)
             state = job.state()
             got = state.trainers.spawn_procs(per_host={{"gpus": 1}}).spawn("w", Where).where.call().get()
-            with open({str(result)!r}, "w") as f:
+            # written whole, then renamed: the test reads it as soon as the name exists
+            with open({str(result)!r} + ".tmp", "w") as f:
                 json.dump({{"where": sorted(h for h, _ in got.values()), "job": os.environ["SLURM_JOB_ID"],
                            "me": socket.gethostname()}}, f)
+            os.replace({str(result)!r} + ".tmp", {str(result)!r})
             job.kill()  # inside its own allocation: a no-op, the job ends with this script
             """
         )
