@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import subprocess
+import tempfile
 import textwrap
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,13 @@ _HEAD = """
 import errno, json, os, resource, sys, time
 from monarch_nb.actor import Actor, endpoint, this_host
 from monarch_nb.allocator import stop_allocator
+
+def report(obj):
+    # to a file of the test's, not stdout: rank output still arriving would land inside a line
+    path = os.environ["MNB_TEST_REPORT"]
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
 
 class E(Actor):
     @endpoint
@@ -56,10 +64,13 @@ def run(
     """Run ``code`` (indented into a ``try`` whose ``finally`` stops the allocator; ``E`` is an
     actor with ``soft_limit``, ``say``, ``echo`` and ``write``) with ``MONARCH_NB_RUNTIME_DIR=rdir``,
     behind the command ``wrap`` if given (which runs the rest of its arguments), with ``env``
-    added to the environment (the allocator it starts reads its configuration there); the last JSON
-    object it printed, and its whole stdout under ``"stdout"``."""
+    added to the environment (the allocator it starts reads its configuration there); what it
+    passed to ``report(obj)`` (a dict), and its whole stdout under ``"stdout"``."""
+    fd, report = tempfile.mkstemp(prefix="mnb-report-", dir="/tmp")  # not in rdir: its disk may be full
+    os.close(fd)
+    os.unlink(report)
     extra = env or {}
-    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="", **extra)
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="", MNB_TEST_REPORT=report, **extra)
     # the script imports this module's helpers (fill) as the tests do
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH")) if p)
     env.pop("PYTHONUNBUFFERED", None)
@@ -72,8 +83,15 @@ def run(
         # a script that hung (or was killed) leaves its allocator, detached, under a runtime
         # directory the session's own sweep does not look at
         sweep(rdir)
-    assert cp.returncode == 0, f"controller failed ({cp.returncode}):\n{cp.stdout[-2000:]}\n{cp.stderr[-6000:]}"
-    got = json.loads([ln for ln in cp.stdout.splitlines() if ln.startswith("{")][-1])
+    try:
+        assert cp.returncode == 0, f"controller failed ({cp.returncode}):\n{cp.stdout[-2000:]}\n{cp.stderr[-6000:]}"
+        assert os.path.exists(report), f"the controller reported nothing:\n{cp.stdout[-2000:]}\n{cp.stderr[-6000:]}"
+        with open(report) as f:
+            got = json.load(f)
+    finally:
+        for p in (report, report + ".tmp"):
+            if os.path.exists(p):
+                os.unlink(p)
     got["stdout"] = cp.stdout
     return dict(got)
 

@@ -892,7 +892,7 @@ def test_a_zygote_that_dies_fails_its_procs_at_once_and_the_next_spawn_starts_an
         pm2 = this_host().spawn_procs(per_host={"gpus": 2})
         b = pm2.spawn("e", E)
         n = len(b.soft_limit.call().get(timeout=30).values())
-        print(json.dumps({"err": err, "n": n, "new_zygote": zygote().pid != first.pid}), flush=True)
+        report({"err": err, "n": n, "new_zygote": zygote().pid != first.pid})
         pm2.stop().get(timeout=60)
         """,
     )
@@ -934,7 +934,7 @@ def test_a_proc_the_oom_killer_took_is_reported_as_most_likely_out_of_memory(
             err = None
         except Exception as e:
             err = f"{{type(e).__name__}}: {{e}}"
-        print(json.dumps({{"err": err}}), flush=True)
+        report({{"err": err}})
         """,
     )
     err = got["err"]

@@ -38,11 +38,11 @@ def test_a_controller_started_with_a_low_soft_limit_spawns_past_it(tmp_path: Any
             pm = this_host().spawn_procs(per_host={"gpus": 80})
             a = pm.spawn("e", E)
             limits = a.soft_limit.call().get(timeout=120).values()
-            print(json.dumps({
+            report({
                 "controller": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
                 "procs": sorted(set(limits)),
                 "open": len(os.listdir("/proc/self/fd")),
-            }), flush=True)
+            })
             pm.stop().get(timeout=60)
             """,
         192,
@@ -59,7 +59,7 @@ def test_a_spawn_the_hard_limit_cannot_hold_fails_first_and_says_what_to_do(tmp_
         """
             try:
                 this_host().spawn_procs(per_host={"gpus": 40})
-                print(json.dumps({"error": None}), flush=True)
+                report({"error": None})
             except OSError as e:
                 err = {"errno": e.errno, "text": str(e)}
                 # nothing was started: a spawn that fits goes on as usual
@@ -79,7 +79,7 @@ def test_a_spawn_the_hard_limit_cannot_hold_fails_first_and_says_what_to_do(tmp_
                     actor_err = str(e)
                 for h in hog:
                     h.close()
-                print(json.dumps({"error": err, "after": after, "actor": actor_err}), flush=True)
+                report({"error": err, "after": after, "actor": actor_err})
                 pm.stop().get(timeout=60)
             """,
         160,
@@ -109,7 +109,7 @@ def test_an_allocator_that_cannot_hold_a_spawn_refuses_it_whole(tmp_path: Any) -
                 err = f"{type(e).__name__}: {e}"
             pm = this_host().spawn_procs(per_host={"gpus": 2})
             a = pm.spawn("e", E)
-            print(json.dumps({"error": err, "after": len(a.soft_limit.call().get(timeout=60).values())}), flush=True)
+            report({"error": err, "after": len(a.soft_limit.call().get(timeout=60).values())})
             pm.stop().get(timeout=60)
             first.stop().get(timeout=60)
             """,

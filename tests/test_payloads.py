@@ -804,7 +804,7 @@ def test_a_dev_shm_too_small_for_the_payloads_leaves_them_to_the_socket(tmp_path
             bool((a.echo.call_one(arr).get(timeout=60) == arr).all()),
             bool(torch.equal(a.echo.call_one(t).get(timeout=60), t)),
         ]
-        print(json.dumps({"ok": ok, "shm_bytes": shutil.disk_usage("/dev/shm").total, "left": os.listdir("/dev/shm")}), flush=True)
+        report({"ok": ok, "shm_bytes": shutil.disk_usage("/dev/shm").total, "left": os.listdir("/dev/shm")})
         pm.stop().get(timeout=60)
         """,
         wrap=small_shm,
