@@ -41,7 +41,8 @@ class TunnelError(RuntimeError):
     """The tunnel ended or spoke out of turn."""
 
 
-_CLOSED = "the tunnel closed"
+class TunnelClosed(TunnelError):
+    """The tunnel ended (not a fault of what it carried)."""
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
@@ -50,7 +51,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray:
     while got < n:
         k = sock.recv_into(view[got:])
         if not k:
-            raise TunnelError(_CLOSED)
+            raise TunnelClosed("the tunnel closed")
         got += k
     return buf
 
@@ -115,13 +116,12 @@ class Mux:
                     # no frame carries more; a length from a broken peer must not size a buffer
                     raise TunnelError(f"a frame of {n} bytes (at most {CHUNK})")
                 on_frame(self, t, sid, off, recv_exact(self.tunnel, n) if n else b"")
+        except (TunnelClosed, OSError, struct.error):
+            pass
         except TunnelError as e:
-            if str(e) != _CLOSED:
-                logger.warning("gateway: closing a tunnel that spoke out of turn: %s", e)
+            logger.warning("gateway: closing a tunnel that spoke out of turn: %s", e)
         except UnicodeDecodeError:
             logger.warning("gateway: closing a tunnel that sent an address or error that is not UTF-8")
-        except (OSError, struct.error):
-            pass
         finally:
             self.close()
 
