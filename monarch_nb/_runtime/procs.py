@@ -57,8 +57,8 @@ class ProcRec:
     exited: asyncio.Future[None] | None = None
     #: done once the proc says its actors' ``__cleanup__`` has finished (it is exiting)
     cleaned: asyncio.Future[None] | None = None
-    #: the host's count of OOM kills when it started (:func:`_oom_kills`): more at a SIGKILL
-    #: nobody here sent means the kernel's OOM killer most likely took it
+    #: the host's count of OOM kills when its mesh started (:func:`_oom_kills`): more at a
+    #: SIGKILL nobody here sent means the kernel's OOM killer most likely took it
     oom_kills: int | None = None
     started: float = dataclasses.field(default_factory=time.time)
     #: cpu, rss, activity, call and line rates (see telemetry.py)
@@ -83,6 +83,8 @@ class MeshRec:
     log_subs: set[tuple[str, int]] = dataclasses.field(default_factory=set)
     #: procs the last stop had to kill: {rank, pid, host, why}
     killed: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: the host's count of OOM kills when its procs started (read once for all of them)
+    oom_kills: int | None = None
 
 
 def _gpu_count() -> int:
@@ -180,14 +182,10 @@ class Procs:
         PDEATHSIG), and nobody else can say so; they fail now, with the reason, and the next
         spawn starts a new zygote."""
         z, self._zygote = self._zygote, None
-        status = None
-        if z is not None:
-            if z.poll() is None:  # closed its end but lives on: it can fork nothing for us now
-                z.kill()
-            status = z.wait()
-        why = f"(pid {z.pid if z else '?'}) " + (
-            f"was killed by {_signame(-status)}" if status is not None and status < 0 else f"exited with code {status}"
-        )
+        assert z is not None  # started with the reader that saw it end
+        if z.poll() is None:  # closed its end but lives on: it can fork nothing for us now
+            z.kill()
+        why = f"(pid {z.pid}) {_how(z.wait())}"
         if self._zsock is not None:
             self._zsock.close()
         self._zsock = self._zreq = None
@@ -213,13 +211,9 @@ class Procs:
         for fd in list(rec.fds):
             self._drain(rec, fd, final=True)
         if not cause:
-            how = (
-                f"was killed by {_signame(os.WTERMSIG(status))}"
-                if os.WIFSIGNALED(status)
-                else f"exited with code {os.WEXITSTATUS(status)}"
-            )
-            cause = f"process {rec.pid} {how}"
-            if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL and rec.state != "stopping":
+            code = os.waitstatus_to_exitcode(status)
+            cause = f"process {rec.pid} {_how(code)}"
+            if code == -signal.SIGKILL and rec.state != "stopping":
                 cause += _oom_hint(rec.oom_kills)
         if rec.state == "stopping":
             rec.state = "stopped"
@@ -283,7 +277,9 @@ class Procs:
             os.set_blocking(fd, False)
             rec.fds[fd] = stream
             self.rt.loop.add_reader(fd, self._on_output, rec, fd)
-        rec.oom_kills = _oom_kills()
+        if rec.local_rank == 0:  # the mesh's first: /proc/vmstat once per spawn, not per proc
+            mesh.oom_kills = _oom_kills()
+        rec.oom_kills = mesh.oom_kills
         rec.log = ProcLog(
             os.path.join(log_dir, mesh.name, f"rank-{rec.rank}.jsonl"),
             rec.rank,
@@ -426,11 +422,15 @@ def _oom_hint(before: int | None) -> str:
     )
 
 
-def _signame(sig: int) -> str:
+def _how(code: int) -> str:
+    """How a process ended, from its exit code as ``subprocess`` gives it (-N: signal N)."""
+    if code >= 0:
+        return f"exited with code {code}"
     try:
-        return signal.Signals(sig).name
+        name = signal.Signals(-code).name
     except ValueError:
-        return str(sig)
+        name = str(-code)
+    return f"was killed by {name}"
 
 
 def _coords(index: int, sizes: list[int]) -> list[int]:
