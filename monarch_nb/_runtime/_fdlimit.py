@@ -29,18 +29,15 @@ PER_ACTOR = 1
 RESERVE = 64
 
 
-def raise_soft_limit() -> tuple[int, int]:
-    """Raise this process's soft ``RLIMIT_NOFILE`` to ``min(hard, TARGET)`` if it is lower;
-    the limits then in force."""
+def raise_soft_limit() -> None:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to ``min(hard, TARGET)`` if it is lower."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = TARGET if hard == resource.RLIM_INFINITY else min(hard, TARGET)
     if soft != resource.RLIM_INFINITY and soft < want:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            soft = want
         except (ValueError, OSError):
-            pass  # a container that forbids it: the check below still says so before a spawn
-    return soft, hard
+            pass  # a container that forbids it: ensure_room still says so before a spawn
 
 
 def open_count() -> int:
@@ -51,6 +48,16 @@ def open_count() -> int:
         if e.errno == errno.EMFILE:  # not even one more: all of them
             return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         return 0
+
+
+def usage() -> str:
+    """ "N of its M open (hard limit H)": where this process stands, for a message."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return _usage(open_count(), soft, hard)
+
+
+def _usage(used: int, soft: int, hard: int) -> str:
+    return f"{used} of its {soft} open (hard limit {hard})"
 
 
 def ensure_room(need: int, what: str, starts: str = "Jupyter") -> None:
@@ -67,8 +74,8 @@ def ensure_room(need: int, what: str, starts: str = "Jupyter") -> None:
     suggest = max(TARGET, used + need + RESERVE)
     raise OSError(
         errno.EMFILE,
-        f"{what} needs about {need} more file descriptors, but this process has "
-        f"{used} of its {soft} open (hard limit {hard}). Start {starts} from a shell with `ulimit -n {suggest}` "
+        f"{what} needs about {need} more file descriptors, but this process has {_usage(used, soft, hard)}. "
+        f"Start {starts} from a shell with `ulimit -n {suggest}` "
         "(above the hard limit that takes /etc/security/limits.conf, or LimitNOFILE= in a systemd unit), "
         "or stop meshes you no longer use",
     )

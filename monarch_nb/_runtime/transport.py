@@ -23,7 +23,6 @@ import errno
 import ipaddress
 import logging
 import os
-import resource
 import select
 import socket
 import threading
@@ -472,14 +471,12 @@ class Transport:
         now = time.monotonic()
         if now - self._emfile_logged > 30:
             self._emfile_logged = now
-            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
             logger.warning(
-                "%s cannot accept a direct connection: %s (%d of %d descriptors open); retrying every %.1f s. "
+                "%s cannot accept a direct connection: %s (descriptors: %s); retrying every %.1f s. "
                 "Raise `ulimit -n` where this process starts, or stop meshes",
                 self.label,
                 e.strerror,
-                _fdlimit.open_count(),
-                soft,
+                _fdlimit.usage(),
                 ACCEPT_PAUSE_S,
             )
 
