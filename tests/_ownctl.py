@@ -20,6 +20,12 @@ import errno, json, os, resource, sys, time
 from monarch_nb.actor import Actor, endpoint, this_host
 from monarch_nb.allocator import stop_allocator
 
+def wait_until(pred, timeout):
+    # the file a daemon writes has no event to wait on: poll it, against a deadline
+    deadline = time.monotonic() + timeout
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
 def report(obj):
     # to a file of the test's, not stdout: rank output still arriving would land inside a line
     path = os.environ["MNB_TEST_REPORT"]

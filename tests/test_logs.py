@@ -462,12 +462,16 @@ def test_a_full_disk_loses_no_line_on_its_way_to_the_controller_and_the_log_note
         from monarch_nb._runtime.logcapture import read_log
         rdir = os.environ["MONARCH_NB_RUNTIME_DIR"]
 
+        import threading
+
         class Seen:  # the rank lines this controller printed (it writes them through sys.stdout)
             def __init__(self, out):
-                self.out, self.n = out, 0
+                self.out, self.n, self.cond = out, 0, threading.Condition()
 
             def write(self, text):
-                self.n += text.count("] flooded ")
+                with self.cond:
+                    self.n += text.count("] flooded ")
+                    self.cond.notify_all()
                 return self.out.write(text)
 
             def __getattr__(self, name):
@@ -478,19 +482,18 @@ def test_a_full_disk_loses_no_line_on_its_way_to_the_controller_and_the_log_note
         a = pm.spawn("e", E)
         a.say.call_one("before").get(timeout=30)
         (path,) = glob.glob(os.path.join(rdir, "mnb-logs-*", "full", "rank-0.jsonl"))
-        deadline = time.monotonic() + 20  # on its way to the file still, maybe
-        while time.monotonic() < deadline and not any(r["line"] == "before" for r in read_log(path)):
-            time.sleep(0.05)
+
+        def on_disk(line):
+            return any(r["line"] == line for r in read_log(path))
+
+        wait_until(lambda: on_disk("before"), 20)  # on its way to the file still, maybe
         fill(os.path.join(rdir, "filler"))
         a.say.call_one("flooded {i:05d} " + "y" * 100, 20000).get(timeout=60)
         os.unlink(os.path.join(rdir, "filler"))
         a.say.call_one("after the gap").get(timeout=30)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not any(r["line"] == "after the gap" for r in read_log(path)):
-            time.sleep(0.05)
-        deadline = time.monotonic() + 30  # lines on their way to this controller still come
-        while time.monotonic() < deadline and seen.n < 20000:
-            time.sleep(0.05)
+        wait_until(lambda: on_disk("after the gap"), 20)
+        with seen.cond:  # lines on their way to this controller still come
+            seen.cond.wait_for(lambda: seen.n >= 20000, 30)
         report({"disk": [r["line"] for r in read_log(path)], "arrived": seen.n})
         pm.stop().get(timeout=60)
         """,
