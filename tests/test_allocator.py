@@ -940,3 +940,37 @@ def test_a_proc_the_oom_killer_took_is_reported_as_most_likely_out_of_memory(
     err = got["err"]
     assert err is not None and "was killed by SIGKILL" in err, got
     assert "OOM killer" in err and "ran out of memory" in err, err
+
+
+@pytest.mark.timeout(120)
+def test_a_sigterm_to_the_allocators_process_group_reports_a_shutdown_not_a_dead_zygote(tmp_path: pathlib.Path) -> None:
+    # what a scheduler does at a job's end: the whole group gets SIGTERM. The zygote (in the
+    # group) must not die first and be reported as crashed; the allocator's own shutdown is
+    import _ownctl
+
+    rdir = tmp_path / "rt"
+    rdir.mkdir(mode=0o700)
+    got = _ownctl.run(
+        str(rdir),
+        """
+        import signal
+        import monarch_nb.actor as api
+        from monarch_nb.allocator import list_allocators
+        seen = []
+        api.unhandled_fault_hook = seen.append  # this program expects the failure
+        pm = this_host().spawn_procs(per_host={"gpus": 2})
+        a = pm.spawn("e", E)
+        a.soft_limit.call().get(timeout=30)
+        os.killpg(os.getpgid(int(list_allocators()[0]["pid"])), signal.SIGTERM)
+        try:
+            a.soft_limit.call().get(timeout=30)
+            err = None
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"
+        report({"err": err})
+        """,
+    )
+    err = got["err"]
+    assert err is not None and err.startswith("SupervisionError"), got
+    # the allocator's shutdown, or the proc's own SIGTERM (it is in the group too): not the zygote's
+    assert "zygote" not in err and any(w in err for w in ("was shut down (SIGTERM", "lost", "killed by SIGTERM")), err

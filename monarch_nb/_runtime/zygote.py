@@ -128,6 +128,11 @@ def _keep_preload_finalizers_from_exit() -> None:
 
 def main(sock_fd: int, preload: str) -> None:
     die_with_parent()
+    # a scheduler ending the job (Slurm's walltime) or a Ctrl-C signals the whole process group:
+    # the allocator stops in order and then ends this one; it must not die first, which would
+    # fail its procs as if it had crashed. Its children take these back (_child)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=sock_fd)
     loaded, failed = [], []
     t0 = time.monotonic()
