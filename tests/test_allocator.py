@@ -958,18 +958,30 @@ def test_a_sigterm_to_the_allocators_process_group_reports_a_shutdown_not_a_dead
         from monarch_nb.allocator import list_allocators
         seen = []
         api.unhandled_fault_hook = seen.append  # this program expects the failure
+        import psutil
         pm = this_host().spawn_procs(per_host={"gpus": 2})
         a = pm.spawn("e", E)
         a.soft_limit.call().get(timeout=30)
-        os.killpg(os.getpgid(int(list_allocators()[0]["pid"])), signal.SIGTERM)
+        alloc = psutil.Process(int(list_allocators()[0]["pid"]))
+        (z,) = [c for c in alloc.children() if "monarch_nb._runtime.zygote" in " ".join(c.cmdline())]
+        # the signals alone first: a fatal one ends a process within kill(), so the spawn
+        # below is forked by this zygote only if it outlived them
+        os.kill(z.pid, signal.SIGTERM)
+        os.kill(z.pid, signal.SIGINT)
+        pm1 = this_host().spawn_procs(per_host={"gpus": 1})
+        pm1.spawn("e", E).soft_limit.call_one().get(timeout=30)
+        forked_by = [p.pid for p in z.children()]
+        a.soft_limit.call().get(timeout=30)
+        os.killpg(os.getpgid(alloc.pid), signal.SIGTERM)
         try:
             a.soft_limit.call().get(timeout=30)
             err = None
         except Exception as e:
             err = f"{type(e).__name__}: {e}"
-        report({"err": err})
+        report({"err": err, "zygote_forked": len(forked_by) == 3})
         """,
     )
+    assert got["zygote_forked"], got
     err = got["err"]
     assert err is not None and err.startswith("SupervisionError"), got
     # the allocator's shutdown, or the proc's own SIGTERM (it is in the group too): not the zygote's
