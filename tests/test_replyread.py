@@ -328,3 +328,54 @@ def test_a_connection_the_caller_no_longer_reads_goes_back_to_the_io_thread(echo
         g.open()
     assert c.state == c.GONE
     assert _reads_itself(echo)  # and a later reply is handed over again
+
+
+@pytest.fixture
+def replied_in_send(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``call_one`` as where the proc runs inside its caller's send (it wakes on the caller's
+    CPU, as on this two-CPU machine under load): the look for the reply right after the send
+    waits until the reply connection has bytes, so it finds them there every time."""
+    import select
+
+    real = _replyread.after_send
+
+    def after_the_proc_ran(fut: Any, c: Any, rt: Any, peer: Any) -> None:
+        select.select([c.fd], [], [], 10)
+        real(fut, c, rt, peer)
+
+    monkeypatch.setattr(_replyread, "after_send", after_the_proc_ran)
+
+
+def test_a_reply_written_during_the_send_is_read_there_and_the_io_thread_watches_again(echo: Any, replied_in_send: None) -> None:
+    assert _reads_itself(echo)
+    port, rx = Channel.open()
+    for k in range(5):
+        f: list[Any] = []
+        assert _dispatched_here(echo, lambda k=k, f=f: f.append(echo.echo.call_one(k))) == 1
+        assert f[0].done() and f[0].get(timeout=0) == k  # done before call_one returned
+        c = _replyread._reader().claims[f[0]._peer]
+        assert c.state == c.BUSY  # handed back to the I/O thread's watch, the claim kept
+        # so what comes while the caller is elsewhere still arrives
+        echo.tell.broadcast(port, 3)
+        assert [rx.recv().get(timeout=10) for _ in range(3)] == [0, 1, 2]
+
+
+def test_messages_before_a_reply_read_during_the_send_go_to_the_io_thread_in_order(echo: Any, replied_in_send: None) -> None:
+    assert _reads_itself(echo)
+    port, rx = Channel.open()
+    for k in range(10):
+        assert echo.tell.call_one(port, 3).get(timeout=10) == 3
+        assert [rx.recv().get(timeout=10) for _ in range(3)] == [0, 1, 2]
+        assert echo.echo.call_one(k).get(timeout=10) == k
+    assert _reads_itself(echo)
+
+
+def test_a_caller_whose_replies_never_come_during_the_send_stops_looking(echo: Any) -> None:
+    assert _reads_itself(echo)
+    peer = (echo._procs[0].addr, echo._name)
+    _replyread._reader().early.pop(peer, None)  # what the calls above found
+    for _ in range(_replyread._MISSES):
+        assert echo.slow.call_one(0.05).get(timeout=10) == "done"  # its reply comes later
+    assert _replyread._reader().early[peer] == -_replyread._SKIP
+    assert echo.echo.call_one("x").get(timeout=10) == "x"
+    assert _replyread._reader().early[peer] == 1 - _replyread._SKIP

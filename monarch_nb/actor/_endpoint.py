@@ -13,7 +13,7 @@ from .._runtime.runtime import ReplyPort
 from .._wire import frames as wire
 from .._wire.serialize import dumps_call, loads
 from ..errors import ActorError, MeshClosedError, NotAnEndpointError, SupervisionError
-from . import _context
+from . import _context, _replyread
 from ._future import Future
 
 if TYPE_CHECKING:
@@ -255,9 +255,20 @@ class Endpoint(Generic[R]):
         n = len(mesh._view.ranks)
         if n != 1:
             raise ValueError(f"call_one requires exactly 1 actor, but mesh has {n}")
-        fut = self._gather(args, kwargs, None, self._what("call_one"), _decode_first)
         # its reply may be read by the thread that waits for it (_replyread)
-        fut._peer = (mesh._procs[mesh._view.ranks[0]].addr, mesh._name)
+        peer = (mesh._procs[mesh._view.ranks[0]].addr, mesh._name)
+        rt = _context._runtime
+        c = _replyread.before_send(peer, rt)
+        if c is None or rt is None:
+            fut = self._gather(args, kwargs, None, self._what("call_one"), _decode_first)
+        else:
+            try:
+                fut = self._gather(args, kwargs, None, self._what("call_one"), _decode_first)
+            except BaseException:
+                c.busy()  # the I/O thread watches the connection again
+                raise
+            _replyread.after_send(fut, c, rt, peer)
+        fut._peer = peer
         return fut
 
     def _what(self, adverb: str) -> str:

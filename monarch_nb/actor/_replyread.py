@@ -42,10 +42,13 @@ _tls = threading.local()
 class _Reader:
     """A thread's claimed reply connections (by actor) and the eventfd that wakes its reads."""
 
-    __slots__ = ("claims", "efd", "owner", "poller")
+    __slots__ = ("claims", "early", "efd", "owner", "poller")
 
     def __init__(self) -> None:
         self.claims: dict[tuple[str, str], Any] = {}
+        #: by peer: replies looked for right after the send and not found, in a row (>= 0), or
+        #: calls left before looking again (< 0) (:func:`before_send`)
+        self.early: dict[tuple[str, str], int] = {}
         self.efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.owner = _thread.get_ident()
         #: the eventfd, and a claimed connection while a read waits on it
@@ -104,6 +107,56 @@ def wait(fut: Future[Any], peer: tuple[str, str], timeout: float | None, rt: Run
         return _debugwait.wait(fut, timeout, tid)
     finally:
         adopt()
+
+
+#: replies to look for right after the send that were not there yet, in a row, before a thread
+#: stops looking for that peer's (its proc runs on another CPU: each look costs three system
+#: calls) for :data:`_SKIP` calls
+_MISSES = 8
+_SKIP = 1024
+
+
+def before_send(peer: tuple[str, str], rt: Runtime | None) -> Any:
+    """(``call_one``, before it sends.) The claim on ``peer``'s reply connection this thread
+    holds, now read here (the I/O thread no longer watches it), or None.
+
+    Where a call's proc wakes on its caller's CPU (a machine with few CPUs), the scheduler runs
+    it at once, inside the caller's send, so its reply is written before the caller is back;
+    were the I/O thread watching, the reply would wake it on another CPU (a remote wake-up, in
+    the proc's write) only for the caller to read the reply itself, and an ``await`` would
+    take a turn of its event loop for it. :func:`after_send` reads what came and hands the
+    connection back to the I/O thread's watch."""
+    r: _Reader | None = getattr(_tls, "r", None)
+    if r is None or rt is None:
+        return None
+    c = r.claims.get(peer)
+    if c is None:
+        return None
+    misses = r.early.get(peer, 0)
+    if misses < 0:
+        r.early[peer] = misses + 1
+        return None
+    if not _held(c, rt):
+        return None
+    return c
+
+
+def after_send(fut: Future[Any], c: Any, rt: Runtime, peer: tuple[str, str]) -> None:
+    """(``call_one``, after its send.) Take the reply if it came already; the I/O thread
+    watches the connection again (what is not the reply goes back to it)."""
+    try:
+        if fut._state == _PENDING:
+            got = c.read()
+            if got is None or (got and not _take(c, got, fut._port, rt.receiver.dispatch)):
+                return  # the connection ended, or given back: the I/O thread has it
+            early = _tls.r.early
+            if fut._state == _PENDING:
+                misses = early.get(peer, 0) + 1
+                early[peer] = -_SKIP if misses >= _MISSES else misses
+            else:
+                early[peer] = 0
+    finally:
+        c.busy()
 
 
 def _ask(r: _Reader, peer: tuple[str, str], port: int, rt: Runtime) -> Callable[[], None]:
