@@ -379,3 +379,31 @@ def test_a_caller_whose_replies_never_come_during_the_send_stops_looking(echo: A
     assert _replyread._reader().early[peer] == -_replyread._SKIP
     assert echo.echo.call_one("x").get(timeout=10) == "x"
     assert _replyread._reader().early[peer] == 1 - _replyread._SKIP
+
+
+def test_a_call_made_while_an_await_of_the_same_loop_reads_the_connection_leaves_it_to_that_await(echo: Any, gate: Any) -> None:
+    import asyncio
+
+    async def main() -> tuple[str, str]:
+        assert await _await_read_on_loop(echo, gate("warm")) == "in"
+        c = _replyread._reader().claims[(echo._procs[0].addr, echo._name)]
+        g = gate("a")
+        pending = echo.gated.call_one(g.path)
+
+        async def first() -> str:
+            return str(await pending)
+
+        task = asyncio.ensure_future(first())
+        deadline = time.monotonic() + 20
+        while c.state != c.IDLE and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)  # until the task's await reads the connection on this loop
+        assert c.state == c.IDLE
+        second = echo.echo.call_one("b")  # queued behind the first in the actor
+        # the await still reads the connection: the I/O thread does not watch it beside the loop
+        assert c.state == c.IDLE
+        g.open()
+        return await task, await second
+
+    got, seen = _loop_reads(echo, main)
+    assert got == ("in", "b") and seen
+    assert echo.echo.call_one("c").get(timeout=10) == "c"

@@ -130,7 +130,8 @@ def before_send(peer: tuple[str, str], rt: Runtime | None) -> Any:
     if r is None or rt is None:
         return None
     c = r.claims.get(peer)
-    if c is None:
+    # idle already: an await of this thread's loop reads it now (a reply to come is its)
+    if c is None or c.state != c.BUSY:
         return None
     misses = r.early.get(peer, 0)
     if misses < 0:
