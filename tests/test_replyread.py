@@ -374,7 +374,7 @@ def test_a_caller_whose_replies_never_come_during_the_send_stops_looking(echo: A
     assert _reads_itself(echo)
     peer = (echo._procs[0].addr, echo._name)
     _replyread._reader().early.pop(peer, None)  # what the calls above found
-    for _ in range(_replyread._MISSES):
+    for _ in range(_replyread._START + 1):
         assert echo.slow.call_one(0.05).get(timeout=10) == "done"  # its reply comes later
     assert _replyread._reader().early[peer] == -_replyread._SKIP
     assert echo.echo.call_one("x").get(timeout=10) == "x"
