@@ -266,9 +266,12 @@ def test_walltime_ends_the_allocators_and_the_notebook_is_told(slurm: SlurmClust
     assert res[0]["before"] == ["n1", "n2"]
     # 22.05 shows COMPLETING while the step is torn down, then TIMEOUT; the reason is TimeLimit
     assert res[1]["state"] in ("COMPLETING", "TIMEOUT") and res[1]["reason"] == "TimeLimit", res
-    # Slurm SIGTERMs the allocators (their controllers hear so); one that missed it goes silent
+    # Slurm SIGTERMs every process of the step: the allocators (their controllers hear so) and
+    # the procs, whose own deaths the zygote (which outlives the signal) may report first; an
+    # allocator that missed it goes silent
     call = res[2]["call"]
-    assert call and call.startswith("SupervisionError") and ("was shut down (SIGTERM" in call or "lost" in call), res
+    assert call and call.startswith("SupervisionError"), res
+    assert any(w in call for w in ("was shut down (SIGTERM", "was killed by SIGTERM", "lost")), res
     err = res[3]["state_error"]
     assert "TimeLimit: its time_limit ran out): its allocators are gone" in err and f"Slurm job {res[0]['job_id']} is" in err, res
     assert res[4]["failures"] and "failed" in res[4]["failures"][0], res
