@@ -257,17 +257,9 @@ class Endpoint(Generic[R]):
             raise ValueError(f"call_one requires exactly 1 actor, but mesh has {n}")
         # its reply may be read by the thread that waits for it (_replyread)
         peer = (mesh._procs[mesh._view.ranks[0]].addr, mesh._name)
-        rt = _context._runtime
-        c = _replyread.before_send(peer, rt)
-        if c is None or rt is None:
-            fut = self._gather(args, kwargs, None, self._what("call_one"), _decode_first)
-        else:
-            try:
-                fut = self._gather(args, kwargs, None, self._what("call_one"), _decode_first)
-            except BaseException:
-                c.busy()  # the I/O thread watches the connection again
-                raise
-            _replyread.after_send(fut, c, rt, peer)
+        fut: Future[R] = _replyread.send(
+            peer, _context._runtime, self._gather, args, kwargs, None, self._what("call_one"), _decode_first
+        )
         fut._peer = peer
         return fut
 

@@ -47,7 +47,7 @@ class _Reader:
     def __init__(self) -> None:
         self.claims: dict[tuple[str, str], Any] = {}
         #: by peer: the weight of looking for its reply right after the send (>= 0), or calls
-        #: left before looking again (< 0) (:func:`before_send`)
+        #: left before looking again (< 0) (:func:`send`)
         self.early: dict[tuple[str, str], int] = {}
         self.efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.owner = _thread.get_ident()
@@ -109,16 +109,17 @@ def wait(fut: Future[Any], peer: tuple[str, str], timeout: float | None, rt: Run
         adopt()
 
 
-#: how a thread weighs looking for a peer's reply right after the send (:func:`before_send`):
+#: how a thread weighs looking for a peer's reply right after the send (:func:`send`):
 #: each reply found there adds _HIT (up to _MAX), each look that found nothing takes 1 away;
 #: at 0 a look that finds nothing stops it looking for _SKIP calls. A look that finds nothing
 #: costs 3 system calls, one that finds the reply saves 15-40 µs: worth it from 1 in 9 or so
 _START, _HIT, _MAX, _SKIP = 8, 8, 64, 256
 
 
-def before_send(peer: tuple[str, str], rt: Runtime | None) -> Any:
-    """(``call_one``, before it sends.) The claim on ``peer``'s reply connection this thread
-    holds, now read here (the I/O thread no longer watches it), or None.
+def send(peer: tuple[str, str], rt: Runtime | None, gather: Callable[..., Future[Any]], *args: Any) -> Future[Any]:
+    """(``call_one``.) ``gather(*args)``, which sends a call to ``peer``, with this thread's
+    claim on that actor's reply connection (if it holds one) read here meanwhile: its reply may
+    be complete when this returns.
 
     Where a call's proc wakes on its caller's CPU (a machine with few CPUs), the scheduler runs
     it at once, inside the caller's send, so its reply is written before the caller is back;
@@ -128,7 +129,22 @@ def before_send(peer: tuple[str, str], rt: Runtime | None) -> Any:
     connection back to the I/O thread's watch."""
     r: _Reader | None = getattr(_tls, "r", None)
     if r is None or rt is None:
-        return None
+        return gather(*args)
+    c = _claim_to_look(r, peer, rt)
+    if c is None:
+        return gather(*args)
+    try:
+        fut = gather(*args)
+    except BaseException:
+        c.busy()  # the I/O thread watches the connection again
+        raise
+    after_send(fut, c, rt, peer)
+    return fut
+
+
+def _claim_to_look(r: _Reader, peer: tuple[str, str], rt: Runtime) -> Any:
+    """The claim on ``peer``'s reply connection, now read here (the I/O thread no longer watches
+    it), if this thread holds it and looking for the reply after the send is worth it; or None."""
     c = r.claims.get(peer)
     # idle already: an await of this thread's loop reads it now (a reply to come is its)
     if c is None or c.state != c.BUSY:
@@ -143,7 +159,7 @@ def before_send(peer: tuple[str, str], rt: Runtime | None) -> Any:
 
 
 def after_send(fut: Future[Any], c: Any, rt: Runtime, peer: tuple[str, str]) -> None:
-    """(``call_one``, after its send.) Take the reply if it came already; the I/O thread
+    """(:func:`send`, after the send.) Take the reply if it came already; the I/O thread
     watches the connection again (what is not the reply goes back to it)."""
     try:
         if fut._state == _PENDING:
