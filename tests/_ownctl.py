@@ -18,7 +18,7 @@ from conftest import PY, sweep
 _HEAD = """
 import errno, json, os, resource, sys, time
 from monarch_nb.actor import Actor, endpoint, this_host
-from monarch_nb.allocator import stop_allocator
+from monarch_nb.allocator import list_allocators, stop_allocator
 
 def wait_until(pred, timeout):
     # the file a daemon writes has no event to wait on: poll it, against a deadline
@@ -32,6 +32,26 @@ def report(obj):
     with open(path + ".tmp", "w") as f:
         json.dump(obj, f)
     os.replace(path + ".tmp", path)
+
+def error_of(fn):
+    # what the call fn() makes raised, as "Type: text"; None if it raised nothing
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+def expect_faults():
+    # this program makes its meshes fail: not an unhandled fault to print
+    import monarch_nb.actor as api
+    api.unhandled_fault_hook = lambda failure: None
+
+def zygote():
+    # the zygote of this host's allocator (psutil.Process), which forks its procs
+    import psutil
+    alloc = psutil.Process(int(list_allocators()[0]["pid"]))
+    (z,) = [c for c in alloc.children() if "monarch_nb._runtime.zygote" in " ".join(c.cmdline())]
+    return z
 
 class E(Actor):
     @endpoint
@@ -68,7 +88,8 @@ def run(
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run ``code`` (indented into a ``try`` whose ``finally`` stops the allocator; ``E`` is an
-    actor with ``soft_limit``, ``say``, ``echo`` and ``write``) with ``MONARCH_NB_RUNTIME_DIR=rdir``,
+    actor with ``soft_limit``, ``say``, ``echo`` and ``write``; ``report``, ``wait_until``,
+    ``error_of``, ``expect_faults`` and ``zygote`` are helpers) with ``MONARCH_NB_RUNTIME_DIR=rdir``,
     behind the command ``wrap`` if given (which runs the rest of its arguments), with ``env``
     added to the environment (the allocator it starts reads its configuration there); what it
     passed to ``report(obj)`` (a dict), and its whole stdout under ``"stdout"``."""

@@ -109,26 +109,24 @@ def memcg():
     made: list[str] = []
 
     def make(limit: int) -> str:
-        name = f"mnb-test-{secrets.token_hex(4)}"
-        v1, v2 = "/sys/fs/cgroup/memory", "/sys/fs/cgroup"
+        v1 = os.path.isfile("/sys/fs/cgroup/memory/memory.limit_in_bytes")
+        if v1:
+            root, knob, swap_knob, swap = "/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.memsw.limit_in_bytes", limit
+        else:
+            root, knob, swap_knob, swap = "/sys/fs/cgroup", "memory.max", "memory.swap.max", 0
+        path = os.path.join(root, f"mnb-test-{secrets.token_hex(4)}")
+
+        def write(name: str, value: int) -> None:
+            with open(os.path.join(path, name), "w") as f:
+                f.write(str(value))
+
         try:
-            if os.path.isfile(os.path.join(v1, "memory.limit_in_bytes")):
-                path = os.path.join(v1, name)
-                os.mkdir(path)
-                made.append(path)
-                with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
-                    f.write(str(limit))
-                if os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
-                    with open(os.path.join(path, "memory.memsw.limit_in_bytes"), "w") as f:
-                        f.write(str(limit))
-            else:
-                path = os.path.join(v2, name)
-                os.mkdir(path)
-                made.append(path)
-                with open(os.path.join(path, "memory.max"), "w") as f:
-                    f.write(str(limit))
-                with open(os.path.join(path, "memory.swap.max"), "w") as f:
-                    f.write("0")
+            os.mkdir(path)
+            made.append(path)
+            write(knob, limit)
+            # v1's memory+swap limit exists only where swap accounting is on
+            if not v1 or os.path.exists(os.path.join(path, swap_knob)):
+                write(swap_knob, swap)
         except OSError as e:
             pytest.skip(f"cannot make a memory cgroup here: {e}")
         return os.path.join(path, "cgroup.procs")

@@ -858,16 +858,7 @@ def test_a_zygote_that_dies_fails_its_procs_at_once_and_the_next_spawn_starts_an
         str(rdir),
         """
         import psutil
-        import monarch_nb.actor as api
-        from monarch_nb.allocator import list_allocators
-        seen = []
-        api.unhandled_fault_hook = seen.append  # this program expects the failure
-
-        def zygote():
-            alloc = psutil.Process(int(list_allocators()[0]["pid"]))
-            (z,) = [c for c in alloc.children() if "monarch_nb._runtime.zygote" in " ".join(c.cmdline())]
-            return z
-
+        expect_faults()
         pm = this_host().spawn_procs(per_host={"gpus": 2})
         a = pm.spawn("e", E)
         a.soft_limit.call().get(timeout=30)
@@ -884,11 +875,7 @@ def test_a_zygote_that_dies_fails_its_procs_at_once_and_the_next_spawn_starts_an
 
         while time.monotonic() < deadline and any(map(alive, procs)):
             time.sleep(0.02)
-        try:
-            a.soft_limit.call().get(timeout=30)
-            err = None
-        except Exception as e:
-            err = f"{type(e).__name__}: {e}"
+        err = error_of(lambda: a.soft_limit.call().get(timeout=30))
         pm2 = this_host().spawn_procs(per_host={"gpus": 2})
         b = pm2.spawn("e", E)
         n = len(b.soft_limit.call().get(timeout=30).values())
@@ -916,9 +903,7 @@ def test_a_proc_the_oom_killer_took_is_reported_as_most_likely_out_of_memory(
     got = _ownctl.run(
         str(rdir),
         f"""
-        import monarch_nb.actor as api
-        seen = []
-        api.unhandled_fault_hook = seen.append  # this program expects the failure
+        expect_faults()
 
         class Hog(Actor):
             @endpoint
@@ -929,12 +914,7 @@ def test_a_proc_the_oom_killer_took_is_reported_as_most_likely_out_of_memory(
 
         pm = this_host().spawn_procs(per_host={{"gpus": 1}})
         h = pm.spawn("hog", Hog)
-        try:
-            h.hog.call_one(1024).get(timeout=60)
-            err = None
-        except Exception as e:
-            err = f"{{type(e).__name__}}: {{e}}"
-        report({{"err": err}})
+        report({{"err": error_of(lambda: h.hog.call_one(1024).get(timeout=60))}})
         """,
     )
     err = got["err"]
@@ -954,16 +934,11 @@ def test_a_sigterm_to_the_allocators_process_group_reports_a_shutdown_not_a_dead
         str(rdir),
         """
         import signal
-        import monarch_nb.actor as api
-        from monarch_nb.allocator import list_allocators
-        seen = []
-        api.unhandled_fault_hook = seen.append  # this program expects the failure
-        import psutil
+        expect_faults()
         pm = this_host().spawn_procs(per_host={"gpus": 2})
         a = pm.spawn("e", E)
         a.soft_limit.call().get(timeout=30)
-        alloc = psutil.Process(int(list_allocators()[0]["pid"]))
-        (z,) = [c for c in alloc.children() if "monarch_nb._runtime.zygote" in " ".join(c.cmdline())]
+        z = zygote()
         # the signals alone first: a fatal one ends a process within kill(), so the spawn
         # below is forked by this zygote only if it outlived them
         os.kill(z.pid, signal.SIGTERM)
@@ -972,12 +947,8 @@ def test_a_sigterm_to_the_allocators_process_group_reports_a_shutdown_not_a_dead
         pm1.spawn("e", E).soft_limit.call_one().get(timeout=30)
         forked_by = [p.pid for p in z.children()]
         a.soft_limit.call().get(timeout=30)
-        os.killpg(os.getpgid(alloc.pid), signal.SIGTERM)
-        try:
-            a.soft_limit.call().get(timeout=30)
-            err = None
-        except Exception as e:
-            err = f"{type(e).__name__}: {e}"
+        os.killpg(os.getpgid(z.ppid()), signal.SIGTERM)  # its allocator's group
+        err = error_of(lambda: a.soft_limit.call().get(timeout=30))
         report({"err": err, "zygote_forked": len(forked_by) == 3})
         """,
     )
