@@ -79,6 +79,13 @@ try:
 """
 
 
+def runtime_dir(base: Any) -> str:
+    """A fresh runtime directory (0700, as a user's is) under the directory ``base``."""
+    path = os.path.join(str(base), "rt")
+    os.mkdir(path, 0o700)
+    return path
+
+
 def run(
     rdir: str,
     code: str,

@@ -833,16 +833,15 @@ pm.stop().get(timeout=20)
 @pytest.mark.timeout(60)
 def test_an_allocator_that_cannot_start_on_a_full_disk_says_where_the_disk_is_full(small_disk: pathlib.Path) -> None:
     # its start log is on that disk too, so it said nothing: the error named no cause at all
-    from _ownctl import fill
+    from _ownctl import fill, runtime_dir
 
     from monarch_nb._runtime.records import start_local_allocator
     from monarch_nb.errors import ConnectError
 
-    rdir = small_disk / "rt"
-    rdir.mkdir(mode=0o700)
+    rdir = runtime_dir(small_disk)
     fill(str(small_disk / "filler"))
     with pytest.raises(ConnectError, match=f"runtime directory {rdir} is on a full disk .*MONARCH_NB_RUNTIME_DIR"):
-        start_local_allocator(str(rdir), timeout=30)
+        start_local_allocator(rdir, timeout=30)
 
 
 @pytest.mark.timeout(120)
@@ -852,10 +851,8 @@ def test_a_zygote_that_dies_fails_its_procs_at_once_and_the_next_spawn_starts_an
     # spawn on the host failed with a BrokenPipeError until the allocator was restarted
     import _ownctl
 
-    rdir = tmp_path / "rt"
-    rdir.mkdir(mode=0o700)
     got = _ownctl.run(
-        str(rdir),
+        _ownctl.runtime_dir(tmp_path),
         """
         import psutil
         expect_faults()
@@ -898,10 +895,8 @@ def test_a_proc_the_oom_killer_took_is_reported_as_most_likely_out_of_memory(
     import _ownctl
 
     procs = memcg(160 << 20)
-    rdir = tmp_path / "rt"
-    rdir.mkdir(mode=0o700)
     got = _ownctl.run(
-        str(rdir),
+        _ownctl.runtime_dir(tmp_path),
         f"""
         expect_faults()
 
@@ -928,10 +923,8 @@ def test_a_sigterm_to_the_allocators_process_group_reports_a_shutdown_not_a_dead
     # group) must not die first and be reported as crashed; the allocator's own shutdown is
     import _ownctl
 
-    rdir = tmp_path / "rt"
-    rdir.mkdir(mode=0o700)
     got = _ownctl.run(
-        str(rdir),
+        _ownctl.runtime_dir(tmp_path),
         """
         import signal
         expect_faults()

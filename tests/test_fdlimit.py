@@ -18,13 +18,11 @@ _HARD = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
 
 def _controller(tmp_path: Any, code: str, soft: int, hard: int) -> dict[str, Any]:
     """Run ``code`` as a controller whose descriptor limits are ``soft``/``hard``."""
-    rdir = tmp_path / "rt"
-    rdir.mkdir(mode=0o700)
 
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
-    return _ownctl.run(str(rdir), code, limit)
+    return _ownctl.run(_ownctl.runtime_dir(tmp_path), code, limit)
 
 
 @pytest.mark.skipif(

@@ -168,10 +168,8 @@ def test_a_rank_writing_with_no_newline_reaches_the_notebook_in_cut_lines(tmp_pa
     # end to end, with the limit set where users set it (the allocator's environment)
     import _ownctl
 
-    rdir = tmp_path / "rt"
-    rdir.mkdir(mode=0o700)
     got = _ownctl.run(
-        str(rdir),
+        _ownctl.runtime_dir(tmp_path),
         """
         pm = this_host().spawn_procs(per_host={"gpus": 1})
         a = pm.spawn("e", E)

@@ -778,8 +778,6 @@ def test_a_dev_shm_too_small_for_the_payloads_leaves_them_to_the_socket(tmp_path
 
     if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
         pytest.skip("cannot make a mount namespace here (not root?)")
-    rdir = tmp_path / "rt"
-    rdir.mkdir(mode=0o700)
     small_shm = [
         "unshare",
         "-m",
@@ -790,7 +788,7 @@ def test_a_dev_shm_too_small_for_the_payloads_leaves_them_to_the_socket(tmp_path
         'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$0" "$@"',
     ]
     got = _ownctl.run(
-        str(rdir),
+        _ownctl.runtime_dir(tmp_path),
         """
         import shutil
         import numpy as np, torch
