@@ -244,6 +244,23 @@ def test_a_cancelled_await_leaves_the_call_usable(echo: Any, gate: Any) -> None:
     assert got == ("done", "x") and seen
 
 
+def test_a_reply_to_an_await_whose_event_loop_has_ended_is_kept_for_the_next_reader(echo: Any, gate: Any, caplog: Any) -> None:
+    # asyncio.run ends (a timeout here; an interrupted cell ends the same way) before the reply
+    import asyncio
+
+    g = gate("late")
+    f = echo.gated.call_one(g.path)
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(asyncio.wait_for(f, 0.1))
+    later: list[Any] = []
+    f.add_done_callback(later.append)  # a waiter after the ended loop's, told too
+    g.open()
+    assert f.get(timeout=10) == "in"
+    assert echo.echo.call_one("x").get(timeout=10) == "x"
+    assert later == [f]
+    assert "handler failed" not in caplog.text
+
+
 def test_a_dead_actor_fails_an_await_on_the_loop(fault_hook: list[Any], gate: Any) -> None:
     procs = this_host().spawn_procs(per_host={"gpus": 1}, name="replyread-dead-await")
     try:

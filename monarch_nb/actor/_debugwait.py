@@ -17,7 +17,6 @@ from __future__ import annotations
 import _thread
 import asyncio
 import contextlib
-import functools
 import importlib
 import threading
 import time
@@ -213,8 +212,7 @@ async def wait_async(fut: Future[Any], done: Callable[[], asyncio.Future[None]] 
     loop = asyncio.get_running_loop()
     while fut._state == _PENDING:
         woken: asyncio.Future[None] = loop.create_future() if done is None else done()
-        # C all the way from the I/O thread's completion (or on_event) to the loop's queue
-        wake = functools.partial(loop.call_soon_threadsafe, resolve_once, woken)
+        wake = waker(loop, woken)
         if done is None:
             fut.add_done_callback(wake)
         # the set's add and discard are atomic (on_event copies it under _lock, also atomic):
@@ -229,6 +227,21 @@ async def wait_async(fut: Future[Any], done: Callable[[], asyncio.Future[None]] 
             _run_console(fut)
 
 
+def waker(loop: asyncio.AbstractEventLoop, woken: asyncio.Future[None]) -> Callable[..., None]:
+    """A callback for any thread that resolves ``woken`` on ``loop``; it does nothing once
+    ``loop`` has closed: the coroutine that awaited is gone (an ``asyncio.run`` ended by a
+    timeout or an interrupted cell), and the future it awaited keeps its value for a later read."""
+
+    def wake(*_: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(resolve_once, woken)
+        except RuntimeError:
+            if not loop.is_closed():
+                raise
+
+    return wake
+
+
 def resolve_once(f: asyncio.Future[None], *_: Any) -> None:
     """Wake an awaiting coroutine (on its loop; a second wake-up does nothing)."""
     if not f.done():
@@ -239,7 +252,7 @@ def woken_by(fut: Future[Any]) -> asyncio.Future[None]:
     """A future of the running loop that ``fut``'s completion resolves (from any thread)."""
     loop = asyncio.get_running_loop()
     woken: asyncio.Future[None] = loop.create_future()
-    fut.add_done_callback(functools.partial(loop.call_soon_threadsafe, resolve_once, woken))
+    fut.add_done_callback(waker(loop, woken))
     return woken
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import threading
 from _thread import LockType
 from _thread import allocate_lock as _allocate_lock
@@ -17,6 +18,7 @@ from typing import Any, Generic, TypeVar
 
 from . import _context, _debugwait, _replyread
 
+_log = logging.getLogger(__name__)
 R = TypeVar("R")
 T = TypeVar("T")
 
@@ -105,7 +107,12 @@ class Future(Generic[R]):
         self._done.release()
         if cbs:
             for cb in cbs:
-                cb(self)
+                try:
+                    cb(self)
+                except Exception:
+                    # as concurrent.futures does: the others are still told, and the completing
+                    # thread (the I/O thread, with more messages to dispatch) goes on
+                    _log.exception("a callback of %s failed", self._what)
         return True
 
     def _set_result(self, value: Any) -> bool:

@@ -264,7 +264,7 @@ def awaitable(fut: Future[Any], peer: tuple[str, str], rt: Runtime) -> asyncio.F
         if _thread.get_ident() == tid:
             _debugwait.resolve_once(af)  # read and completed right here, on the loop
         else:
-            loop.call_soon_threadsafe(_debugwait.resolve_once, af)
+            _debugwait.waker(loop, af)()
 
     r = _reader()
     c = r.claims.get(peer)
