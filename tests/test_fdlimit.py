@@ -113,3 +113,47 @@ def test_an_allocator_that_cannot_hold_a_spawn_refuses_it_whole(tmp_path: Any) -
     assert err is not None and "spawning 30 procs" in err and "of its 120 open" in err, got
     assert "this host's allocator" in err and "ulimit -n" in err, err
     assert got["after"] == 2, got
+
+
+def test_calls_once_the_program_holds_every_descriptor_go_on_or_say_what_to_do(tmp_path: Any) -> None:
+    # what needs no new descriptor goes on (a thread's first wait on one actor's reply among
+    # it); a thread's first message to a peer needs one, and fails saying so
+    got = _controller(
+        tmp_path,
+        """
+            import threading
+            pm = this_host().spawn_procs(per_host={"gpus": 2})
+            a = pm.spawn("e", E)
+            one = a.slice(gpus=0)
+            a.echo.call(1).get(timeout=60)  # this thread's connections to both procs
+            hog = []
+            try:
+                while True:
+                    hog.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                pass
+
+            def in_thread(fn):
+                out = []
+                t = threading.Thread(target=lambda: out.append(error_of(fn)))
+                t.start()
+                t.join()
+                return out[0]
+
+            first_wait = error_of(lambda: one.echo.call_one("x").get(timeout=60))
+            value = one.echo.call_one("y").get(timeout=60)
+            thread_call = in_thread(lambda: a.echo.call(2).get(timeout=60))
+            for fd in hog:
+                os.close(fd)
+            after = in_thread(lambda: a.echo.call(3).get(timeout=60))
+            report({"first_wait": first_wait, "value": value, "thread_call": thread_call, "after": after})
+            pm.stop().get(timeout=60)
+            """,
+        256,
+        256,
+    )
+    assert got["first_wait"] is None and got["value"] == "y", got
+    err = got["thread_call"]
+    assert err is not None and err.startswith("OSError: [Errno 24] connecting to"), got
+    assert "of its 256 open" in err and "ulimit -n" in err, err
+    assert got["after"] is None, got

@@ -65,16 +65,27 @@ def ensure_room(need: int, what: str, starts: str = "Jupyter") -> None:
     more descriptors, keeping :data:`RESERVE` free; ``what`` takes them (``PER_PROC`` per proc
     spawned, ``PER_ACTOR`` per actor); ``starts``: what the user restarts with a higher limit
     (this process)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
         return
     used = open_count()
     if used + need + RESERVE <= soft:
         return
+    raise _exhausted(f"{what} needs about {need} more file descriptors and leaves {RESERVE} free", used, need, starts)
+
+
+def out_of_descriptors(what: str, starts: str = "Jupyter") -> OSError:
+    """The ``OSError(EMFILE)`` for ``what`` (opening a connection, say) when the process has
+    no descriptor left, naming the limit and what to do."""
+    return _exhausted(f"{what} needs a file descriptor", open_count(), 1, starts)
+
+
+def _exhausted(need_text: str, used: int, need: int, starts: str) -> OSError:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     suggest = max(TARGET, used + need + RESERVE)
-    raise OSError(
+    return OSError(
         errno.EMFILE,
-        f"{what} needs about {need} more file descriptors, but this process has {_usage(used, soft, hard)}. "
+        f"{need_text}, but this process has {_usage(used, soft, hard)}. "
         f"Start {starts} from a shell with `ulimit -n {suggest}` "
         "(above the hard limit that takes /etc/security/limits.conf, or LimitNOFILE= in a systemd unit), "
         "or stop meshes you no longer use",

@@ -677,7 +677,14 @@ class Transport:
         )
 
     def _connect(self, ob: _Outboxes, addr: str) -> zmq.Socket[bytes]:
-        s = self.ctx.socket(zmq.DEALER)
+        try:
+            s = self.ctx.socket(zmq.DEALER)
+        except zmq.ZMQError as e:
+            if e.errno != errno.EMFILE:
+                raise
+            # the program holds every descriptor (a thread's first message to a peer opens one)
+            starts = "Jupyter" if self.label == "controller" else f"this {self.label}"
+            raise _fdlimit.out_of_descriptors(f"connecting to {addr}", starts) from None
         s.linger = 2000
         s.setsockopt(zmq.SNDHWM, self.cfg.send_hwm)
         self.sockets.secure_client(s, addr)

@@ -72,10 +72,15 @@ class _Reader:
             pass
 
 
-def _reader() -> _Reader:
+def _reader() -> _Reader | None:
+    """This thread's reader; None if the process has no descriptor left for its eventfd (its
+    waits then go the usual way, which needs none)."""
     r: _Reader | None = getattr(_tls, "r", None)
     if r is None:
-        r = _tls.r = _Reader()
+        try:
+            r = _tls.r = _Reader()
+        except OSError:
+            return None
     return r
 
 
@@ -95,6 +100,8 @@ def wait(fut: Future[Any], peer: tuple[str, str], timeout: float | None, rt: Run
     its reply connection, if this thread holds it, else as usual, asking the I/O thread for that
     connection. True: done; False: ``timeout`` passed."""
     r = _reader()
+    if r is None:
+        return _debugwait.wait(fut, timeout, tid)
     c = r.claims.get(peer)
     if c is not None:
         done = _read(fut, c, r, timeout, rt, tid)
@@ -267,6 +274,9 @@ def awaitable(fut: Future[Any], peer: tuple[str, str], rt: Runtime) -> asyncio.F
             _debugwait.waker(loop, af)()
 
     r = _reader()
+    if r is None:
+        fut.add_done_callback(wake)
+        return af
     c = r.claims.get(peer)
     if c is not None and _held(c, rt):
         port, dispatch = fut._port, rt.receiver.dispatch
