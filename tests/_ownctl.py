@@ -69,6 +69,15 @@ class E(Actor):
         return x
 
     @endpoint
+    def from_a_thread(self, port, n: int) -> int:
+        # values sent by a thread of its own: its own connection to the port's owner
+        import threading
+        t = threading.Thread(target=lambda: [port.send(i) for i in range(n)])
+        t.start()
+        t.join()
+        return n
+
+    @endpoint
     def write(self, text: str, times: int) -> int:
         for _ in range(times):
             sys.stdout.write(text)  # no newline

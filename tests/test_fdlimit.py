@@ -157,3 +157,35 @@ def test_calls_once_the_program_holds_every_descriptor_go_on_or_say_what_to_do(t
     assert err is not None and err.startswith("OSError: [Errno 24] connecting to"), got
     assert "of its 256 open" in err and "ulimit -n" in err, err
     assert got["after"] is None, got
+
+
+def test_a_rank_connecting_while_the_controller_holds_every_descriptor_waits_for_room(tmp_path: Any) -> None:
+    # a new thread of a rank opens a connection to the controller, which cannot accept it: the
+    # controller lives on (libzmq, had the rank gone that way, would have aborted it) and the
+    # thread's values arrive, in order, once the program gives descriptors back
+    got = _controller(
+        tmp_path,
+        """
+            from monarch_nb.actor import Channel
+            pm = this_host().spawn_procs(per_host={"gpus": 1})
+            a = pm.spawn("e", E)
+            a.echo.call_one(0).get(timeout=60)  # the actor's own connection here
+            port, rx = Channel.open()
+            hog = []
+            try:
+                while True:
+                    hog.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                pass
+            # the rank's thread waits out its greeting timeout, then queues its values
+            sent = a.from_a_thread.call_one(port, 5).get(timeout=30)
+            for fd in hog:
+                os.close(fd)
+            values = [rx.recv().get(timeout=30) for _ in range(5)]
+            report({"sent": sent, "values": values, "after": a.echo.call_one(7).get(timeout=30)})
+            pm.stop().get(timeout=60)
+            """,
+        256,
+        256,
+    )
+    assert (got["sent"], got["values"], got["after"]) == (5, [0, 1, 2, 3, 4], 7), got

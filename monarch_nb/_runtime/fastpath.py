@@ -75,28 +75,25 @@ class Sender:
 
     def __init__(self, path: str) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._q: _Queue | None = None
         try:
             s.connect(path)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(GREETING_S))
-            hello = b""
-            while len(hello) < 4:
-                b = s.recv(4 - len(hello))
-                if not b:
-                    raise ConnectionResetError(f"{path} closed the direct connection before greeting")
-                hello += b
-            if hello[:3] != wire.MAGIC:
-                raise ProtocolError(f"{path} is not a monarch_nb direct socket (it greeted with {hello!r})")
-            if hello[3] != wire.VERSION:
-                raise VersionMismatchError(
-                    f"the process at {path} speaks wire version {hello[3]}, this process speaks {wire.VERSION}: "
-                    "run the same monarch_nb version in every process of a host"
-                )
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(STALL_S))
+            try:
+                _await_greeting(s, path)
+            except (BlockingIOError, TimeoutError):
+                # connected, yet no greeting: the peer is there but does not accept (out of
+                # descriptors, or its loop held up). Another way in (zmq) would make its libzmq
+                # accept, which aborts that process for want of a descriptor; so this thread's
+                # messages queue, in order, for a writer that waits for the greeting
+                self._q = _Queue()
+                threading.Thread(target=_writer, args=(s, self._q, path), name="monarch_nb-direct-writer", daemon=True).start()
+            else:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(STALL_S))
         except BaseException:
             s.close()
             raise
         self.sock = s
-        self._q: _Queue | None = None
 
     def send(self, frames: list[Any]) -> None:
         n = len(frames)
@@ -173,15 +170,39 @@ class _Queue(queue.SimpleQueue):  # type: ignore[type-arg]
     failed = False
 
 
-def _writer(sock: socket.socket, q: _Queue) -> None:
-    """Write a stalled connection's messages in order, waiting as long as the receiver does."""
+def _await_greeting(s: socket.socket, path: str) -> None:
+    """Read the receiver's greeting off new connection ``s`` (within its SO_RCVTIMEO)."""
+    hello = b""
+    while len(hello) < 4:
+        b = s.recv(4 - len(hello))
+        if not b:
+            raise ConnectionResetError(f"{path} closed the direct connection before greeting")
+        hello += b
+    if hello[:3] != wire.MAGIC:
+        raise ProtocolError(f"{path} is not a monarch_nb direct socket (it greeted with {hello!r})")
+    if hello[3] != wire.VERSION:
+        raise VersionMismatchError(
+            f"the process at {path} speaks wire version {hello[3]}, this process speaks {wire.VERSION}: "
+            "run the same monarch_nb version in every process of a host"
+        )
+
+
+def _writer(sock: socket.socket, q: _Queue, greeted_by: str = "") -> None:
+    """Write a stalled connection's messages in order, waiting as long as the receiver does
+    (first for its greeting, if ``greeted_by`` names the receiver that has not greeted yet)."""
     try:
+        if greeted_by:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0))
+            _await_greeting(sock, greeted_by)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0))  # no limit here
         while (data := q.get()) is not None:
             sock.sendall(data)
     except OSError as e:
         q.failed = True
         logger.debug("a direct connection's writer failed: %s", e)
+    except ProtocolError as e:  # a late greeting that was not ours (or another version's)
+        q.failed = True
+        logger.warning("%s", e)
     finally:
         sock.close()
 
