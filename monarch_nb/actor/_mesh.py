@@ -485,6 +485,8 @@ class ProcMesh(MeshTrait):
         self._host_mesh = host_mesh
         self._persist = persist
         self._stopped = False
+        #: this mesh's stop (on its root: a slice stops the whole mesh), for a second stop()
+        self._stop_fut: Future[None] | None = None
         self._failed: str = ""
         #: why an actor this process spawned here failed (its procs refuse new spawns)
         self._actor_failed: str = ""
@@ -649,6 +651,11 @@ class ProcMesh(MeshTrait):
         self._stopped = True
         root = getattr(self, "_root", self)
         root._stopped = True
+        prev = root._stop_fut
+        if prev is not None and not force and not (prev.done() and prev.exception(timeout=0) is not None):
+            # as Monarch's: stopping a mesh again (or while it stops) is that same stop, not
+            # an error for a mesh its allocator no longer knows
+            return prev
         client.stopped_meshes.add(self._name)
         allocs = sorted({p.alloc for p in self._procs if p.alloc})
         futs = [client.request(a, "stop_mesh", self._name, client.cid, force, reason, True) for a in allocs]
@@ -665,6 +672,7 @@ class ProcMesh(MeshTrait):
                 warnings.warn(f"stopping proc mesh {name!r} killed {len(killed)} proc(s): {procs}", ProcsKilledWarning, 2)
 
         _all(futs, f"stop mesh {name}").add_done_callback(lambda _f: out._set_raw(futs, finish))
+        root._stop_fut = out
         return out
 
     async def logging_option(
