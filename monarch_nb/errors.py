@@ -21,6 +21,7 @@ Deadlines raise the builtin ``TimeoutError`` saying what was awaited and for how
 
 from __future__ import annotations
 
+import copy
 import traceback
 from typing import Any
 
@@ -233,6 +234,22 @@ def _rebuild_actor_error(cls, exc, tb, actor, rank, host, message):
 
 def _rebuild_supervision_error(cause, mesh, actor, rank, host, message=""):
     return SupervisionError(cause, mesh=mesh, actor=actor, rank=rank, host=host, message=message)
+
+
+def raised_again(err: BaseException) -> BaseException:
+    """``err``, to raise once more: a copy if it was raised before, so that the traceback its
+    reader sees is of this raise alone. An error kept and raised to many readers (a dead peer's,
+    a failed future read twice) would otherwise carry every earlier raise's frames, one more
+    set each time, and keep their frames' locals alive."""
+    if err.__traceback__ is None:
+        return err
+    try:
+        e = copy.copy(err)
+        e.__dict__.update(err.__dict__)  # what __reduce__ leaves out (an error's endpoint, its notes)
+    except Exception:
+        return err.with_traceback(None)
+    e.__cause__, e.__context__, e.__suppress_context__ = err.__cause__, err.__context__, err.__suppress_context__
+    return e
 
 
 def safe_str(exc: BaseException) -> str:

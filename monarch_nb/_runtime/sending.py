@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from .._wire import frames as wire
 from .._wire.serialize import dumps, dumps_leaf, nbytes
 from ..config import Config
-from ..errors import ActorError, SupervisionError, format_exception, safe_str
+from ..errors import ActorError, SupervisionError, format_exception, raised_again, safe_str
 from . import shm as _shm
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class Sender:
         """Send ``frames`` to ``addr``, or raise the peer's error if it is known to be gone."""
         dead = self._dead.get(addr)
         if dead is not None:
-            raise dead
+            raise raised_again(dead)
         self._send_frames(addr, frames)
 
     def send_port(self, addr: str, port: int, index: int, status: int, value: Any) -> None:
@@ -186,10 +186,11 @@ class Sender:
             st = seqs_of.get(addr) or self._stream(addr)
             # an ActorMeta (see frames.py): plain tuples are cheaper to pickle
             meta = (actor, method, reply, port if reply else 0, index, extent, call_id, st[0], next(st[1]))
+            gone = dead.get(addr)
+            if gone is not None:
+                failed.append((index, gone))  # not raised: it stays one error, however many sends it fails
+                continue
             try:
-                gone = dead.get(addr)
-                if gone is not None:
-                    raise gone
                 if conns is not None and (conn := conns.get(addr)) is not None:
                     try:
                         conn.send_one(encode_one(wire.ACTOR, meta, body))

@@ -16,6 +16,7 @@ from _thread import get_ident as _get_ident
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar
 
+from ..errors import raised_again
 from . import _context, _debugwait, _replyread
 
 _log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ class Future(Generic[R]):
         hook = raised_hook  # outside the mutex: the hook takes its frontend's locks
         if hook is not None:
             hook(err)
-        raise err
+        raise raised_again(err)
 
     def _wait_plain(self, timeout: float | None) -> bool:
         """Block until done (True) or ``timeout`` passes (False): one acquire of the done lock."""

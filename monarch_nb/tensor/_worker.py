@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils import _pytree as pytree
 
 from ..actor import Actor, current_rank, endpoint
+from ..errors import raised_again
 from ._ops import Factory, Lit, Ref, Via, WithMesh
 
 
@@ -86,7 +87,7 @@ class TensorWorker(Actor):
         if v is None:
             raise KeyError(f"mesh tensor {r.id} is not on rank {current_rank().rank} (freed?)")
         if isinstance(v, _Failed):
-            raise v.error
+            raise raised_again(v.error)
         return v
 
     def _mesh(self, key: Any) -> Any:
