@@ -646,10 +646,21 @@ class ProcMesh(MeshTrait):
         return _tensor_hooks["rank_tensor"](self, dim)
 
     def stop(self, reason: str = "stopped by client", *, force: bool = False) -> Future[None]:
-        """Stop every proc of this mesh (the whole mesh, also when called on a slice)."""
+        """Stop every proc of this mesh. A slice of some of its procs is not stopped on its own
+        (Monarch's ``ValueError``, when the future is read): stop the mesh it was sliced from.
+        (A view of all of them, flattened or renamed, stops the mesh.)"""
+        root = getattr(self, "_root", self)
+        if root is not self and set(self._view.ranks) != set(root._view.ranks):
+            refused: Future[None] = Future._create(f"stop mesh {self._name}")
+            refused._set_exception(
+                ValueError(
+                    "ProcMesh is not owned; must be stopped by an owner: this is a slice of proc mesh "
+                    f"{self._name!r}, whose procs stop together (stop the mesh it was sliced from)"
+                )
+            )
+            return refused
         client = _context.client()
         self._stopped = True
-        root = getattr(self, "_root", self)
         root._stopped = True
         prev = root._stop_fut
         if prev is not None and not force and not (prev.done() and prev.exception(timeout=0) is not None):

@@ -1,4 +1,5 @@
-"""Stopping again: a proc mesh or an actor mesh stopped twice stops quietly the second time.
+"""Stopping again: a proc mesh or an actor mesh stopped twice stops quietly the second time;
+a slice of a proc mesh is not stopped on its own (ValueError), and its procs live on.
 Failing again: each call to a dead actor raises an error whose traceback is its own raise's
 (not every earlier call's frames as well), in the client and in an actor that calls it."""
 
@@ -79,6 +80,13 @@ print("proc mesh:")
 procs = this_host().spawn_procs(per_host={"gpus": 1})
 print("  stop:", stopped(lambda: procs.stop().get(timeout=60)))
 print("  stop again:", stopped(lambda: procs.stop().get(timeout=60)))
+
+print("a slice of a proc mesh:")
+procs = this_host().spawn_procs(per_host={"gpus": 2})
+v = procs.spawn("v", Victim)
+print("  stop a slice:", stopped(lambda: procs.slice(gpus=1).stop().get(timeout=60)))
+print("  both still answer:", outcome(lambda: list(v.echo.call(2).get(timeout=60).values())))
+print("  stop:", stopped(lambda: procs.stop().get(timeout=60)))
 
 print("actor mesh:")
 procs = this_host().spawn_procs(per_host={"gpus": 1})
