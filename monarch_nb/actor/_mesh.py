@@ -292,6 +292,18 @@ class ActorMesh(MeshTrait, Generic[T]):
         )  # fmt: skip
 
     def stop(self, reason: str = "stopped by client") -> Future[None]:
+        sup = self._sup
+        if sup is not None and not set(self._view.ranks) >= sup.ranks:
+            # a slice of the mesh this process spawned: its actors stop together. Monarch's
+            # error (a slice there is an unowned ActorMeshRef), when the future is read
+            refused: Future[None] = Future._create(f"stop actor mesh {self._label}")
+            refused._set_exception(
+                NotImplementedError(
+                    "Cannot call stop on an ActorMeshRef, requires an owned ActorMesh: this is a slice of actor "
+                    f"mesh {self._label!r}, whose actors stop together (stop the mesh spawn() returned)"
+                )
+            )
+            return refused
         client = _context.client()
         # later calls fail when read, with a SupervisionError, as in Monarch (not with the
         # proc's "no such actor" error)
@@ -301,8 +313,7 @@ class ActorMesh(MeshTrait, Generic[T]):
         procs = {self._procs[r].addr: self._procs[r] for r in self._view.ranks}
         futs = [client.request(p.addr, "stop_actor", self._name, _actor="__sys__") for p in procs.values()]
         done = _all(futs, "stop actor mesh")
-        sup = self._sup
-        if sup is not None and sup.port is not None and set(self._view.ranks) >= sup.ranks:
+        if sup is not None and sup.port is not None:
             # the whole mesh is gone: no more failures to hear of
             done.add_done_callback(lambda _: sup.close(client.rt))
         return done

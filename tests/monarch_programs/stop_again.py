@@ -1,5 +1,6 @@
 """Stopping again: a proc mesh or an actor mesh stopped twice stops quietly the second time;
-a slice of a proc mesh is not stopped on its own (ValueError), and its procs live on.
+a slice of a proc mesh or of an actor mesh is not stopped on its own (ValueError,
+NotImplementedError), and its procs and actors live on.
 Failing again: each call to a dead actor raises an error whose traceback is its own raise's
 (not every earlier call's frames as well), in the client and in an actor that calls it."""
 
@@ -86,6 +87,8 @@ procs = this_host().spawn_procs(per_host={"gpus": 2})
 v = procs.spawn("v", Victim)
 print("  stop a slice:", stopped(lambda: procs.slice(gpus=1).stop().get(timeout=60)))
 print("  both still answer:", outcome(lambda: list(v.echo.call(2).get(timeout=60).values())))
+print("  stop a slice of the actor mesh:", stopped(lambda: v.slice(gpus=1).stop().get(timeout=60)))
+print("  both still answer:", outcome(lambda: list(v.echo.call(3).get(timeout=60).values())))
 print("  stop:", stopped(lambda: procs.stop().get(timeout=60)))
 
 print("actor mesh:")
