@@ -22,15 +22,26 @@ class Port(Generic[R]):
         self._port = port
         self._index = index
         self._once = once
+        #: a once port (``Channel.open(once=True)``) that has sent its value
+        self._spent = False
         self.return_undeliverable = True
 
     def send(self, obj: R) -> None:
+        if self._once:
+            self._spend()
         _context.runtime().send_port(self._addr, self._port, self._index, wire.ITEM, obj)
 
     def exception(self, exc: Exception) -> None:
         """Make the receiving end raise ``exc``: ``recv()`` (or the call an explicit response
         port answers) raises this exception itself, as in Monarch, not an ActorError around it."""
+        if self._once:
+            self._spend()
         _context.runtime().send_port(self._addr, self._port, self._index, wire.ERROR, _safe_exc(exc))
+
+    def _spend(self) -> None:
+        if self._spent:
+            raise RuntimeError("OncePortRef already used")  # Monarch's words: a once port sends one value
+        self._spent = True
 
     def __reduce__(self) -> tuple[Any, ...]:
         addr = self._addr
@@ -47,17 +58,19 @@ class Port(Generic[R]):
 class PortReceiver(Generic[R]):
     """The receiving end of a :class:`Channel`."""
 
-    def __init__(self, ranked: bool = False) -> None:
+    def __init__(self, ranked: bool = False, once: bool = False) -> None:
         self._q: queue.SimpleQueue[tuple[int, int, Any]] = queue.SimpleQueue()
         #: futures of recv() calls waiting for a value, each with whether it wants the rank
         self._waiters: list[tuple[Future[Any], bool]] = []
         self._ranked = ranked
         self._port = 0
+        #: a once channel's: whether a recv() has been read (shared with its ranked() view)
+        self._spent: list[bool] | None = [False] if once else None
 
     def ranked(self) -> PortReceiver[Any]:
         """The same channel received as ``(rank, value)`` pairs (Monarch's ``RankedPortReceiver``)."""
         other: PortReceiver[Any] = PortReceiver(True)
-        other._q, other._waiters, other._port = self._q, self._waiters, self._port
+        other._q, other._waiters, other._port, other._spent = self._q, self._waiters, self._port, self._spent
         return other
 
     def _on_value(self, index: int, status: int, body: Any, bufs: list[Any]) -> None:
@@ -94,9 +107,20 @@ class PortReceiver(Generic[R]):
                 return
             self._complete(f, self._ranked, index, status, raw)
 
+        spent = self._spent
+
+        def start() -> None:
+            if spent is not None:
+                if spent[0]:
+                    # Monarch's words: a once channel's receiver takes one value
+                    f._set_exception(ValueError("OncePort is already used"))
+                    return
+                spent[0] = True
+            rt.call_soon(take)
+
         # values arrive on the I/O thread; taking there too keeps their order. Only once the
         # future is first read or awaited, as Monarch's: an unobserved recv() consumes nothing
-        f._start = lambda: rt.call_soon(take)
+        f._start = start
         return f
 
     def close(self) -> None:
@@ -117,6 +141,6 @@ class Channel(Generic[R]):
     @staticmethod
     def _open(once: bool, ranked: bool) -> tuple[Port[Any], PortReceiver[Any]]:
         rt = _context.runtime()
-        recv: PortReceiver[Any] = PortReceiver(ranked)
+        recv: PortReceiver[Any] = PortReceiver(ranked, once)
         recv._port = rt.open_port(recv._on_value)
         return Port(rt.ipc_addr, recv._port, 0, once), recv
