@@ -496,7 +496,8 @@ class ProcMesh(MeshTrait):
         self._host_mesh = host_mesh
         self._persist = persist
         self._stopped = False
-        #: this mesh's stop (on its root: a slice stops the whole mesh), for a second stop()
+        #: this mesh's stop, for a second stop() (kept on the root, which a flattened or
+        #: renamed view of the whole mesh stops too)
         self._stop_fut: Future[None] | None = None
         self._failed: str = ""
         #: why an actor this process spawned here failed (its procs refuse new spawns)
