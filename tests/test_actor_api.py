@@ -110,6 +110,14 @@ class AsyncActor(Actor):
         self.active -= 1
         return self.peak
 
+    @endpoint
+    async def cancelled(self, how: str) -> None:
+        if how == "raise":
+            raise asyncio.CancelledError()
+        t = asyncio.ensure_future(asyncio.sleep(10))
+        t.cancel()
+        await t  # a task the endpoint awaits was cancelled
+
 
 @pytest.fixture(scope="module")
 def procs():
@@ -357,6 +365,16 @@ def test_sync_and_async_actors_and_mixing_is_rejected(procs):
 
     with pytest.raises(ValueError, match="mixes both async and sync endpoints"):
         procs.spawn("mixed", Mixed)
+
+
+def test_an_async_endpoint_that_raises_cancelled_error_fails_its_call_and_the_actor_serves_on(procs):
+    # (Monarch 0.7.0's actor loop ends there, and every later call to the actor hangs)
+    a = procs.spawn("cancels", AsyncActor).slice(hosts=0, gpus=0)
+    for how in ("raise", "await"):
+        with pytest.raises(ActorError) as ei:
+            a.cancelled.call_one(how).get(timeout=10)
+        assert isinstance(ei.value.exception, asyncio.CancelledError), ei.value
+        assert a.where.call_one().get(timeout=10) is True
 
 
 class _Fds(Actor):

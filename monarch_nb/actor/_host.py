@@ -896,12 +896,19 @@ class ActorSlot:
             if not raddr:
                 failure = _ActorFailed(e, _caller(meta))
             result, status = self._call_error(e, method), _ERROR
-        except asyncio.CancelledError:
-            if not self.stopping:
+        except asyncio.CancelledError as e:
+            if self.stopping:
+                # stop() cancelled it: its caller gets no result, as in Monarch
+                self._refuse(("call", meta))
                 raise
-            # stop() cancelled it: its caller gets no result, as in Monarch
-            self._refuse(("call", meta))
-            raise
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this loop's own task was cancelled, not by the endpoint
+            # the endpoint raised it (or awaited something cancelled): its error, as any other's,
+            # and the actor serves on. (Monarch's actor loop ends there, and every later call hangs)
+            if not raddr:
+                failure = _ActorFailed(e, _caller(meta))
+            result, status = self._call_error(e, method), _ERROR
         except BaseException as e:
             failure = _ActorFailed(e, _caller(meta))
             result, status = None, _ERROR
