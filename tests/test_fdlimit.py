@@ -126,12 +126,7 @@ def test_calls_once_the_program_holds_every_descriptor_go_on_or_say_what_to_do(t
             a = pm.spawn("e", E)
             one = a.slice(gpus=0)
             a.echo.call(1).get(timeout=60)  # this thread's connections to both procs
-            hog = []
-            try:
-                while True:
-                    hog.append(os.open(os.devnull, os.O_RDONLY))
-            except OSError:
-                pass
+            hog = take_every_descriptor()
 
             def in_thread(fn):
                 out = []
@@ -171,12 +166,7 @@ def test_a_rank_connecting_while_the_controller_holds_every_descriptor_waits_for
             a = pm.spawn("e", E)
             a.echo.call_one(0).get(timeout=60)  # the actor's own connection here
             port, rx = Channel.open()
-            hog = []
-            try:
-                while True:
-                    hog.append(os.open(os.devnull, os.O_RDONLY))
-            except OSError:
-                pass
+            hog = take_every_descriptor()
             # the rank's thread waits out its greeting timeout, then queues its values
             sent = a.from_a_thread.call_one(port, 5).get(timeout=30)
             for fd in hog:

@@ -221,9 +221,7 @@ class Endpoint(Generic[R]):
             self._check(args, kwargs)
             # Monarch's calls to a stopped mesh (or one its procs refused) fail when their future
             # is read, not when sent
-            fut: Future[Any] = Future._create(what)
-            fut._set_exception(mesh._refusal() or _stopped_error(mesh))
-            return fut
+            return Future._failed(mesh._refusal() or _stopped_error(mesh), what)
         slots = len(mesh._view.ranks)
         return gather(
             _context.runtime(),

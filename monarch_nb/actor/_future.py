@@ -98,6 +98,13 @@ class Future(Generic[R]):
         f._set_result(value)
         return f
 
+    @classmethod
+    def _failed(cls, exc: BaseException, what: str = "result") -> Future[R]:
+        """A future of ``what`` that raises ``exc`` when read (a refusal Monarch makes there)."""
+        f: Future[R] = cls._create(what)
+        f._set_exception(exc)
+        return f
+
     # -- completion (any thread)
     def _finish(self, state: int, value: Any, decode: Callable[[Any], Any] | None = None) -> bool:
         with self._mutex:

@@ -296,14 +296,13 @@ class ActorMesh(MeshTrait, Generic[T]):
         if sup is not None and not set(self._view.ranks) >= sup.ranks:
             # a slice of the mesh this process spawned: its actors stop together. Monarch's
             # error (a slice there is an unowned ActorMeshRef), when the future is read
-            refused: Future[None] = Future._create(f"stop actor mesh {self._label}")
-            refused._set_exception(
+            return Future._failed(
                 NotImplementedError(
                     "Cannot call stop on an ActorMeshRef, requires an owned ActorMesh: this is a slice of actor "
                     f"mesh {self._label!r}, whose actors stop together (stop the mesh spawn() returned)"
-                )
+                ),
+                f"stop actor mesh {self._label}",
             )
-            return refused
         client = _context.client()
         # later calls fail when read, with a SupervisionError, as in Monarch (not with the
         # proc's "no such actor" error)
@@ -663,14 +662,13 @@ class ProcMesh(MeshTrait):
         (A view of all of them, flattened or renamed, stops the mesh.)"""
         root = getattr(self, "_root", self)
         if root is not self and set(self._view.ranks) != set(root._view.ranks):
-            refused: Future[None] = Future._create(f"stop mesh {self._name}")
-            refused._set_exception(
+            return Future._failed(
                 ValueError(
                     "ProcMesh is not owned; must be stopped by an owner: this is a slice of proc mesh "
                     f"{self._name!r}, whose procs stop together (stop the mesh it was sliced from)"
-                )
+                ),
+                f"stop mesh {self._name}",
             )
-            return refused
         client = _context.client()
         self._stopped = True
         root._stopped = True
