@@ -62,7 +62,9 @@ def _kv(text: str) -> dict[str, int]:
         try:
             out[k] = int(v)
         except ValueError:
-            raise UsageError(f"--per-host size for {k!r} must be an integer, got {v!r}") from None
+            out[k] = 0
+        if out[k] < 1:
+            raise UsageError(f"--per-host size for {k!r} must be a positive integer, got {v!r}")
     return out
 
 
