@@ -60,11 +60,12 @@ def _kv(text: str) -> dict[str, int]:
         if not sep or not k.isidentifier():
             raise UsageError(f"--per-host wants NAME=SIZE pairs like gpus=8 or hosts=2,gpus=4, got {part!r}")
         try:
-            out[k] = int(v)
+            n = int(v)
         except ValueError:
-            out[k] = 0
-        if out[k] < 1:
+            n = 0
+        if n < 1:
             raise UsageError(f"--per-host size for {k!r} must be a positive integer, got {v!r}")
+        out[k] = n
     return out
 
 

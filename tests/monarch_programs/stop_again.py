@@ -47,20 +47,22 @@ class Caller(Actor):
         return self.other.echo.call_one(x).get(timeout=60)
 
 
-def outcome(fn) -> str:
+def outcome(fn, done: str = "") -> str:
+    # ``done``: what to print instead of the value (a stop's: Monarch's actor mesh stop gives ())
     try:
-        return f"returned {fn()}"
+        value = fn()
+        return done or f"returned {value}"
     except Exception as e:
         return type(e).__name__
 
 
 def stopped(fn) -> str:
-    # what a stop's future holds is not compared (Monarch's actor mesh stop gives ())
-    try:
-        fn()
-        return "stopped"
-    except Exception as e:
-        return type(e).__name__
+    return outcome(fn, "stopped")
+
+
+def heard_of_victim() -> bool:
+    with lock:
+        return any(str(f.mesh_name).startswith("victim") for f in failures)
 
 
 def own_frames(e: BaseException) -> list[str]:
@@ -73,7 +75,7 @@ def remote_frames(e: BaseException) -> list[str]:
     return [
         line.rsplit(" in ", 1)[1]
         for line in str(e).splitlines()
-        if line.strip().startswith("File ") and " in " in line and ("relay" in line)
+        if line.strip().startswith("File ") and " in " in line and "relay" in line
     ]
 
 
@@ -107,12 +109,9 @@ c = cprocs.spawn("caller", Caller, v)
 print("  relay:", outcome(lambda: c.relay.call_one(5).get(timeout=60)))
 v.die.broadcast()
 deadline = time.monotonic() + 60
-while time.monotonic() < deadline:
-    with lock:
-        if any(str(f.mesh_name).startswith("victim") for f in failures):
-            break
-    time.sleep(0.05)
-print("  hook heard of it:", any(str(f.mesh_name).startswith("victim") for f in failures))
+while not heard_of_victim() and time.monotonic() < deadline:
+    time.sleep(0.05)  # the hook's report has no event to wait on here: poll it, with a deadline
+print("  hook heard of it:", heard_of_victim())
 
 
 def first() -> None:
