@@ -152,6 +152,8 @@ def logs(
     from .actor import _context
     from .errors import MeshError, MonarchNBError
 
+    if tail is not None and (not isinstance(tail, int) or tail < 0):
+        raise ValueError(f"tail is a number of lines per rank, 0 or more, not {tail!r}")
     if isinstance(mesh, str):
         from ._registry import get
 
@@ -210,6 +212,8 @@ def _local_logs(name: str, rank: int | None, tail: int | None, start: dict[int, 
 
 def follow(mesh: Any, rank: int | None = None, tail: int = 10, poll: float = 0.25) -> Iterator[dict[str, Any]]:
     """Yield the last ``tail`` lines, then new lines as ranks write them (until the caller stops)."""
+    if not isinstance(tail, int) or tail < 0:
+        raise ValueError(f"tail is a number of lines per rank, 0 or more, not {tail!r}")
     seen: dict[int, int] = {}
     rows = logs(mesh, rank)
     for r in rows:

@@ -42,6 +42,17 @@ def test_help_and_clear_usage_errors(k: Kernel) -> None:
         c = k.run(code)
         assert c.reply["content"]["status"] == "error", code
         assert text in c.stream("stderr") and c.error is None, (code, c.msgs)
+    # the same for a rank the mesh lacks or a negative tail, on a mesh that exists
+    _ok(k.run("%mesh spawn lg --per-host gpus=2"))
+    for code, text in [
+        ("%mesh logs lg --rank 9", "has no rank 9 (ranks 0-1)"),
+        ("%mesh logs lg --tail -1", "0 or more, not -1"),
+        ("%mesh logs lg --follow --rank 5", "has no rank 5"),
+        ("%mesh logs lg --follow --tail -2", "0 or more, not -2"),
+    ]:
+        c = k.run(code)
+        assert c.reply["content"]["status"] == "error", code
+        assert text in c.stream("stderr") and c.error is None, (code, c.msgs)
 
 
 def test_spawn_binds_variable_and_exec_keeps_a_namespace_per_proc(k: Kernel) -> None:

@@ -226,14 +226,18 @@ class MeshMagics(Magics):
     def _do_logs(self, args: argparse.Namespace, cell: str | None) -> Any:
         # a name this kernel does not know may still have logs of an earlier allocator on this host
         pm = _mesh.meshes().get(args.name) or (_mesh.get(args.name) if args.follow else args.name)
-        if args.follow:
-            try:
-                for r in _logs.follow(pm, args.rank, tail=args.tail if args.tail is not None else 10):
-                    _print_row(r)
-            except KeyboardInterrupt:
-                pass
-            return None
-        rows = _logs.logs(pm, args.rank, args.tail)
+        try:
+            if args.follow:
+                try:
+                    for r in _logs.follow(pm, args.rank, tail=args.tail if args.tail is not None else 10):
+                        _print_row(r)
+                except KeyboardInterrupt:
+                    pass
+                return None
+            rows = _logs.logs(pm, args.rank, args.tail)
+        except ValueError as e:
+            # a rank the mesh lacks or a negative --tail: what the user typed, not a fault
+            raise UsageError(f"%mesh logs: {e}") from None
         for r in rows:
             _print_row(r)
         if not rows:
