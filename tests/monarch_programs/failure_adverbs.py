@@ -1,6 +1,7 @@
-"""The failure kinds through the adverbs failure_kinds leaves out: a BaseException (SystemExit)
-and abort() through call, stream and an explicit port, SystemExit through broadcast, a failing
-__init__ through stream and broadcast; for a sync and an async actor. The caller (if any) gets the
+"""The failure kinds through the adverbs failure_kinds leaves out: BaseExceptions (SystemExit,
+KeyboardInterrupt, a custom one) and abort() through call, stream, broadcast and an explicit
+port, a failing __init__ through stream, broadcast and an explicit port; for a sync and an async
+actor. The caller (if any) gets the
 error, later calls get SupervisionError, the hook hears of each failure once."""
 
 # every lambda here is called at once, inside its loop iteration
@@ -25,9 +26,17 @@ def hook(failure: MeshFailure) -> None:
 actor_api.unhandled_fault_hook = hook
 
 
+class Custom(BaseException):
+    pass
+
+
 def raise_kind(kind: str) -> None:
     if kind == "SystemExit":
         raise SystemExit(3)
+    if kind == "KeyboardInterrupt":
+        raise KeyboardInterrupt("interrupted")
+    if kind == "Custom":
+        raise Custom("a custom BaseException")
     if kind == "abort":
         context().actor_instance.abort("giving up")
 
@@ -102,11 +111,18 @@ CASES = [
     ("SystemExit", "stream"),
     ("SystemExit", "broadcast"),
     ("SystemExit", "port"),
+    ("KeyboardInterrupt", "call"),
+    ("KeyboardInterrupt", "stream"),
+    ("KeyboardInterrupt", "broadcast"),
+    ("KeyboardInterrupt", "port"),
+    ("Custom", "broadcast"),
+    ("Custom", "port"),
     ("abort", "call"),
     ("abort", "stream"),
     ("abort", "port"),
     ("init", "stream"),
     ("init", "broadcast"),
+    ("init", "port"),
 ]
 
 for cls in (SyncWorker, AsyncWorker):
