@@ -120,7 +120,8 @@ def test_dashboard_errors_log_stacks_failed_mesh_and_stop() -> None:
         # a spawn that fails joins the errors too
         assert k.run("pyapi.spawn('again', Steps)").error
         assert re.search(
-            r"In\[\d+\]: MeshClosedError: proc mesh &#x27;dashpy&#x27; was stopped", _value(k, "d.errors_view.value")
+            r"In\[\d+\]: MeshClosedError: `ProcMesh` has already been stopped: proc mesh &#x27;dashpy&#x27;",
+            _value(k, "d.errors_view.value"),
         )
         _ok(k.run("d.close()"))
     finally:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 from .._runtime.runtime import ReplyPort
 from .._wire import frames as wire
 from .._wire.serialize import dumps_call, loads
-from ..errors import ActorError, MeshClosedError, NotAnEndpointError, SupervisionError
+from ..errors import ActorError, MeshClosedError, NotAnEndpointError
 from . import _context, _replyread
 from ._future import Future
 
@@ -221,7 +221,7 @@ class Endpoint(Generic[R]):
             self._check(args, kwargs)
             # Monarch's calls to a stopped mesh (or one its procs refused) fail when their future
             # is read, not when sent
-            return Future._failed(mesh._refusal() or _stopped_error(mesh), what)
+            return Future._failed(mesh._refusal() or mesh._stopped_error(self._name), what)
         slots = len(mesh._view.ranks)
         return gather(
             _context.runtime(),
@@ -323,7 +323,7 @@ class Endpoint(Generic[R]):
         if self._mesh._closed() or self._mesh._refused is not None:
             # as for call(): the items fail when read
             for i in range(n):
-                on_fail(i, self._mesh._refusal() or _stopped_error(self._mesh))
+                on_fail(i, self._mesh._refusal() or self._mesh._stopped_error(self._name))
             return (q.get() for _ in range(n))
         replies = ReplyPort(_context.runtime(), on_reply, on_fail)
         self._send(args, kwargs, replies, on_fail)
@@ -524,11 +524,6 @@ def gather(
         replies.close()
         raise
     return fut
-
-
-def _stopped_error(mesh: ActorMesh[Any]) -> SupervisionError:
-    """What a call to a stopped mesh fails with (Monarch's is a SupervisionError too)."""
-    return SupervisionError(f"actor mesh {mesh._label!r} was stopped; spawn it again", actor=mesh._label)
 
 
 def _decode_one(raw: Any) -> Any:

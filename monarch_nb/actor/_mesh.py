@@ -180,27 +180,47 @@ class ActorMesh(MeshTrait, Generic[T]):
         mesh's actor there, its Monarch name, and Monarch's words for its failure followed by
         ours (host, proc mesh and rank, pid and signal by name). None for any other error, or
         when no actor of this mesh lived on that proc."""
-        if (
-            not isinstance(err, SupervisionError)
-            or err.actor
-            or not err.mesh
-            or self._origin is None
-            or err.cause.startswith("mesh stopped")
-        ):
+        if not isinstance(err, SupervisionError) or err.actor or not err.mesh or err.cause.startswith("mesh stopped"):
+            return None
+        named = self._monarch_name(proc)
+        if named is None:
+            return None
+        rank, actor = named
+        words = (
+            f"the process this actor was running on {_proc_status(err.cause)}\n"
+            f"  host {err.host}, proc mesh {err.mesh!r} rank {err.rank}: {err.cause}"
+        )
+        return rank, actor, words
+
+    def _monarch_name(self, proc: int) -> tuple[int, str] | None:
+        """The rank of this mesh's actor on ``self._procs[proc]`` and its name as Monarch's errors
+        write it (``<root>.<__main__.P p{'gpus': 1/2}>``); None for a mesh that does not know
+        its creator (one received in a message) or has no actor there."""
+        if self._origin is None:
             return None
         creator, (labels, sizes), ranks = self._origin
         try:
             rank = ranks.index(proc)
         except ValueError:
             return None
-        actor = _context.qualified_name(
-            _context.CreatorInstance(Point(rank, Extent(labels, sizes)), self._label, _class_name(self._class), creator)
+        point = Point(rank, Extent(labels, sizes))
+        return rank, _context.qualified_name(_context.CreatorInstance(point, self._label, _class_name(self._class), creator))
+
+    def _stopped_error(self, method: str) -> SupervisionError:
+        """What a call to ``method`` of this stopped mesh fails with: Monarch's words (its
+        SupervisionError names the first actor called), then ours."""
+        ours = f"actor mesh {self._label!r} was stopped; spawn it again"
+        named = self._monarch_name(self._view.ranks[0]) if self._view.ranks else None
+        if named is None:
+            return SupervisionError(ours, actor=self._label)
+        e = SupervisionError(
+            ours,
+            actor=self._label,
+            message=f"Endpoint call {self._label}.{method}() failed, Supervision event: actor {named[1]} has status:\n"
+            f"  stopped: stopped by client\n  {ours}",
         )
-        words = (
-            f"the process this actor was running on {_proc_status(err.cause)}\n"
-            f"  host {err.host}, proc mesh {err.mesh!r} rank {err.rank}: {err.cause}"
-        )
-        return rank, actor, words
+        e.endpoint = f"{self._label}.{method}"
+        return e
 
     def _dead_proc_error(self, method: str, index: int, err: BaseException) -> BaseException:
         """What a call to ``method`` gets from the actor at ``index`` (of this mesh's view) when
@@ -509,7 +529,16 @@ class ProcMesh(MeshTrait):
         #: as theirs)
         self._spawned: list[ActorMesh[Any]] = []
 
+    def _closed_error(self) -> MeshClosedError | None:
+        """Why this mesh (or the mesh it was sliced from) takes no more work, in Monarch's words."""
+        if self._stopped or getattr(self, "_root", self)._stopped:
+            return MeshClosedError(f"`ProcMesh` has already been stopped: proc mesh {self._name!r}; spawn new procs")
+        return None
+
     def _with_view(self, view: View) -> ProcMesh:
+        # Monarch refuses to slice, flatten, split or rename a stopped proc mesh
+        if (closed := self._closed_error()) is not None:
+            raise closed
         pm = ProcMesh(self._name, self._procs, view, self._host_mesh, self._persist)
         pm._root = getattr(self, "_root", self)  # type: ignore[attr-defined]
         return pm
@@ -550,8 +579,8 @@ class ProcMesh(MeshTrait):
         every proc has the actor queued, as Monarch's. A failing ``__init__`` fails its actor:
         the owner hears of it through supervision and calls to it raise ``SupervisionError``.
         """
-        if self._stopped:
-            raise MeshClosedError(f"proc mesh {self._name!r} was stopped; spawn new procs")
+        if (closed := self._closed_error()) is not None:
+            raise closed
         if not isinstance(Class, type):
             raise TypeError(f"spawn needs an Actor class, got {Class!r}")
         is_async_actor(Class)  # mixed sync/async endpoints is a ValueError here, before anything is sent
