@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import re
 import threading
 import time
 from typing import Any
@@ -511,8 +512,12 @@ def test_messages_from_one_sender_arrive_in_order(procs):
 def test_unpicklable_argument_and_result_give_clear_errors(counters):
     with pytest.raises(Exception, match="pickle"):
         counters.incr.call(threading.Lock())
-    with pytest.raises(ActorError, match="could not be pickled"):
+    with pytest.raises(ActorError, match="could not be pickled") as ei:
         counters.slice(hosts=0, gpus=0).unpicklable.call_one().get(timeout=10)
+    # headed as any failed call is (Monarch's words), and ending as Monarch's: the pickling error
+    lines = str(ei.value).strip().splitlines()
+    assert re.fullmatch(r"Actor call \S+\.unpicklable failed\.", lines[0]), lines
+    assert lines[-1].startswith("TypeError: cannot pickle"), lines
 
 
 def test_this_proc_spawns_in_the_controller_and_controllers_are_singletons():

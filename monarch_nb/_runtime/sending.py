@@ -74,8 +74,9 @@ class Sender:
             raise raised_again(dead)
         self._send_frames(addr, frames)
 
-    def send_port(self, addr: str, port: int, index: int, status: int, value: Any) -> None:
-        """Send ``value`` to a port; an unpicklable or oversized value becomes an error the receiver sees."""
+    def send_port(self, addr: str, port: int, index: int, status: int, value: Any, actor: str = "", method: str = "") -> None:
+        """Send ``value`` to a port; an unpicklable or oversized value becomes an error the receiver
+        sees (for the reply to a call of ``actor.method``, headed with Monarch's words for it)."""
         bufs: list[Any]
         leaf = dumps_leaf(value)
         if leaf is not None and len(leaf) <= self.cfg.max_message_bytes:
@@ -93,7 +94,8 @@ class Sender:
                     why, tb = f"the value is too large to send back: {self._too_large(body, bufs)}", ""
             if why:
                 status = wire.ERROR
-                body, bufs = dumps(ActorError(TypeError(why), tb, host=self.hostname))
+                message = f"Actor call {actor}.{method} failed.\n{why}" if method else ""
+                body, bufs = dumps(ActorError(TypeError(why), tb, host=self.hostname, message=message))
         meta = (port, index, status)  # a PortMeta
         try:
             if not bufs and len(body) <= wire.INLINE_MAX:  # a reply's commonest form: one small frame

@@ -784,9 +784,9 @@ class ActorSlot:
             p = self._points[key] = Point(index, Extent(*ext)) if ext[0] or ext[1] else Point(0, Extent([], []))
         return p
 
-    def _reply(self, raddr: str, rport: int, index: int, status: int, value: Any) -> None:
+    def _reply(self, raddr: str, rport: int, index: int, status: int, value: Any, method: str = "") -> None:
         if raddr:
-            self.rt.send_port(raddr, rport, index, status, value)
+            self.rt.send_port(raddr, rport, index, status, value, self.instance_info.name, method)
         elif status == wire.ERROR:
             # nobody is waiting: leave the failure in this proc's log where %mesh logs finds it
             print(f"monarch_nb: unobserved error in {self.name}: {value}", file=sys.stderr, flush=True)
@@ -876,7 +876,7 @@ class ActorSlot:
             # sends at once must not find the I/O thread watching, which would take it back
             # (its answer stands until this thread changes the claim: the loop takes back only a busy one)
             self._idled = self._claim.idle()
-        self._reply(raddr, rport, index, status, result)
+        self._reply(raddr, rport, index, status, result, method)
 
     async def _call_async(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
         prep = self._prepare(meta, body, buffers)
@@ -915,7 +915,7 @@ class ActorSlot:
         finally:
             self._end_call(method, t0, status == _OK, tok)
         if failure is None and self.abort_reason is not None:
-            self._reply(raddr, rport, index, status, result)
+            self._reply(raddr, rport, index, status, result, method)
             # an explicit port's caller (raddr cleared) may never have been answered: tell it
             failure = _Aborted(self.abort_reason, None if raddr else _caller(meta))
         if failure is not None:
@@ -926,7 +926,7 @@ class ActorSlot:
             return
         if self._claim is not None and self._handling:
             self._claim_to_loop()
-        self._reply(raddr, rport, index, status, result)
+        self._reply(raddr, rport, index, status, result, method)
 
     async def _fail_async(self, f: _ActorFailed) -> None:
         if self.failed is not None:

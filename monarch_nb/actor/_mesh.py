@@ -20,7 +20,7 @@ from .._wire import frames as wire
 from .._wire.serialize import dumps, dumps_by_value, loads
 from ..errors import MeshClosedError, MeshError, SpawnError, SupervisionError
 from . import _context
-from ._actor import endpoints_of, is_async_actor
+from ._actor import Actor, endpoints_of, is_async_actor
 from ._endpoint import Endpoint, EndpointProperty, RemoteFailure, _NotAnEndpointMethod, gather, multicast
 from ._future import Future
 from ._refs import HostRef, ProcRef
@@ -583,6 +583,9 @@ class ProcMesh(MeshTrait):
             raise closed
         if not isinstance(Class, type):
             raise TypeError(f"spawn needs an Actor class, got {Class!r}")
+        if not issubclass(Class, Actor):
+            # Monarch's ValueError, before anything is sent
+            raise ValueError(f"{Class} must subclass monarch_nb.actor.Actor to spawn it.")
         is_async_actor(Class)  # mixed sync/async endpoints is a ValueError here, before anything is sent
         client = _context.client()
         rt = client.rt

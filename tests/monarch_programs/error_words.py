@@ -1,8 +1,11 @@
 """Errors in Monarch's words: ActorError's message and text, and the programming errors
-caught before anything is sent, for a sync and an async actor."""
+caught before anything is sent, for a sync and an async actor; a return value that cannot be
+pickled, and a spawn of a class that is not an Actor."""
 
 # every lambda here is called at once, inside its loop iteration
 # ruff: noqa: B023
+
+import threading
 
 from monarch.actor import Actor, ActorError, as_endpoint, endpoint, this_host
 
@@ -26,6 +29,12 @@ class AsyncActor(Actor):
 
     def helper(self) -> int:
         return 1
+
+
+class Returns(Actor):
+    @endpoint
+    def lock(self) -> object:
+        return threading.Lock()
 
 
 class Mixed(Actor):
@@ -72,5 +81,15 @@ show(
     "as_endpoint of an async method on a sync actor", lambda: as_endpoint(procs.spawn("s2", SyncActor).async_helper).call().get()
 )
 show("mixed sync and async endpoints", lambda: procs.spawn("mixed", Mixed))
+try:
+    procs.spawn("returns", Returns).slice(gpus=0).lock.call_one().get()
+except ActorError as e:
+    lines = str(e).strip().splitlines()
+    print(f"unpicklable return: ActorError exception={type(e.exception).__name__} first={lines[0]!r} last={lines[-1]!r}")
+try:
+    procs.spawn("notactor", int)
+except Exception as e:
+    # (the message names the module Actor comes from)
+    print(f"spawn of a class that is not an Actor: {type(e).__name__}, says 'must subclass': {'must subclass' in str(e)}")
 procs.stop().get()
 print("done")
