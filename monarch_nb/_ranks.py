@@ -43,4 +43,7 @@ def parse_ranks(text: str, n: int) -> list[int]:
     bad = sorted(r for r in out if not 0 <= r < n)
     if bad:
         raise ValueError(f"rank {bad[0]} is out of range: the mesh has ranks 0-{n - 1}")
+    if not out:
+        # "3:1" or "3-1": a typo, not a wish to run nowhere
+        raise ValueError(f"rank set {text!r} selects no ranks: the mesh has ranks 0-{n - 1}")
     return sorted(out)

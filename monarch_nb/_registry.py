@@ -10,6 +10,7 @@ mesh over every attached host.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from typing import Any
 
@@ -34,7 +35,10 @@ def _read_target(target: str) -> str:
         return target
     path = os.path.expanduser(target)
     if not os.path.exists(path):
-        raise ConnectError(f"{target!r} is neither an allocator address (tcp://HOST:PORT, ipc://PATH) nor a connection file")
+        hint = f"; for a TCP address write tcp://{target}" if re.fullmatch(r"[\w.\-\[\]:]+:\d+", target) else ""
+        raise ConnectError(
+            f"{target!r} is neither an allocator address (tcp://HOST:PORT, ipc://PATH) nor a connection file{hint}"
+        )
     info = records.read_connection_file(path)
     import socket
 

@@ -240,6 +240,10 @@ class Watcher:
 
     def __init__(self, paths: list[str] | None, interval: float, kwargs: dict[str, Any]) -> None:
         self.roots = [os.path.abspath(p) for p in (paths or [os.getcwd()])]
+        for root in self.roots:
+            if not os.path.isdir(root):
+                # as sync() says it, not a watch that never fires
+                raise FileNotFoundError(f"cannot sync {root}: not a directory")
         self.interval = interval
         self.kwargs = kwargs
         self.reports: list[SyncReport] = []

@@ -210,6 +210,8 @@ def test_call_ranks_then_and_progress_for_frontends(procs):
         failing.get(timeout=10)
     with pytest.raises(ValueError, match=r"ranks \[4\] are out of range for actor mesh 'frontend_calls' of 4 actors"):
         h.rank.call_ranks([0, 4])
+    # no ranks: nothing to wait for (a %%mesh exec on no ranks hung)
+    assert h.rank.call_ranks([]).get(timeout=10) == []
     assert controller_client().cid == controller_client().rt.uid
 
 

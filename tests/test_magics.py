@@ -42,17 +42,29 @@ def test_help_and_clear_usage_errors(k: Kernel) -> None:
         c = k.run(code)
         assert c.reply["content"]["status"] == "error", code
         assert text in c.stream("stderr") and c.error is None, (code, c.msgs)
-    # the same for a rank the mesh lacks or a negative tail, on a mesh that exists
-    _ok(k.run("%mesh spawn lg --per-host gpus=2"))
+    # the same for what a mesh lacks (a rank, a name) or a value no command takes, on a mesh that exists
+    _ok(k.run("%mesh spawn ue --per-host gpus=2\n%mesh spawn gone --per-host gpus=1\n%mesh stop gone"))
     for code, text in [
-        ("%mesh logs lg --rank 9", "has no rank 9 (ranks 0-1)"),
-        ("%mesh logs lg --tail -1", "0 or more, not -1"),
-        ("%mesh logs lg --follow --rank 5", "has no rank 5"),
-        ("%mesh logs lg --follow --tail -2", "0 or more, not -2"),
+        ("%mesh logs ue --rank 9", "has no rank 9 (ranks 0-1)"),
+        ("%mesh logs ue --tail -1", "0 or more, not -1"),
+        ("%mesh logs ue --follow --rank 5", "has no rank 5"),
+        ("%mesh logs ue --follow --tail -2", "0 or more, not -2"),
+        ("%mesh spawn 'two words' --per-host gpus=1", "must be a Python identifier"),
+        ("%%mesh exec ue --ranks 9\n1", "rank 9 is out of range: the mesh has ranks 0-1"),
+        ("%%mesh exec ue --ranks abc\n1", "cannot read rank set 'abc'"),
+        # an empty rank set hung the cell
+        ("%%mesh exec ue --ranks 1:0\n1", "rank set '1:0' selects no ranks"),
+        ("%%mesh exec nosuch\n1", "no mesh named 'nosuch'"),
+        ("%%mesh exec gone\n1", "`ProcMesh` has already been stopped: proc mesh 'gone'"),
+        ("%mesh stacks ue --ranks 7", "rank 7 is out of range"),
+        ("%mesh sync /nonexistent", "cannot sync /nonexistent: not a directory"),
+        ("%mesh sync --watch /nonexistent", "cannot sync /nonexistent: not a directory"),
+        ("%mesh connect 10.0.0.1:5555", "for a TCP address write tcp://10.0.0.1:5555"),
     ]:
         c = k.run(code)
         assert c.reply["content"]["status"] == "error", code
         assert text in c.stream("stderr") and c.error is None, (code, c.msgs)
+    _ok(k.run("%mesh stop ue"))  # the kernel is the module's
 
 
 def test_spawn_binds_variable_and_exec_keeps_a_namespace_per_proc(k: Kernel) -> None:
@@ -228,7 +240,7 @@ def test_status_logs_of_a_crashed_proc_and_stop(k: Kernel) -> None:
     c = _ok(k.run("%mesh stop lg"))
     assert "stopped: lg" in c.stream()
     c = k.run("%%mesh exec lg\n1")
-    assert c.error and "stopped" in c.error["evalue"]
+    assert c.reply["content"]["status"] == "error" and "has already been stopped" in c.stream("stderr"), c.msgs
 
 
 def test_logs_follow_prints_new_lines_until_interrupted(k: Kernel, tmp_path) -> None:

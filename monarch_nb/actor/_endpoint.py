@@ -277,6 +277,9 @@ class Endpoint(Generic[R]):
         bad = [i for i in idx if not 0 <= i < n]
         if bad:
             raise ValueError(f"ranks {bad} are out of range for actor mesh {self._mesh._label!r} of {n} actors")
+        if not idx:
+            # no actor to hear from: nothing to wait for (a gather of none would never finish)
+            return Future._completed([])
         return self._gather(
             args,
             kwargs,

@@ -195,7 +195,11 @@ class MeshMagics(Magics):
 
     def _do_spawn(self, args: argparse.Namespace, cell: str | None) -> Any:
         per_host = _kv(args.per_host)
-        pm = _mesh.spawn(args.name, per_host, persist=False if args.no_persist else None)
+        try:
+            pm = _mesh.spawn(args.name, per_host, persist=False if args.no_persist else None)
+        except ValueError as e:
+            # a name that is no identifier, sizes the hosts cannot give: what was typed
+            raise UsageError(f"%mesh spawn: {e}") from None
         self._bind(args.name, pm)
         print(f"{args.name}: {len(pm._procs)} procs {pm.extent} on {len({p.host for p in pm._procs})} host(s)")
         return None
@@ -212,7 +216,12 @@ class MeshMagics(Magics):
             # and the label names it as IPython names cells: tracebacks read "Cell In[N], line L"
             n = _running_cell_number(self.shell)
             source, label = ("\n" + (cell or ""), f"In[{n}]") if n else (cell or "", "")
-            return _mesh.exec_cell(args.name, source, ranks=args.ranks, block=not args.no_block, label=label)
+            try:
+                return _mesh.exec_cell(args.name, source, ranks=args.ranks, block=not args.no_block, label=label)
+            except (MeshError, ValueError) as e:
+                # no such mesh, a stopped one, a rank set it lacks: the cell's own errors are an
+                # ExecError (every rank's traceback), never one of these
+                raise UsageError(f"%%mesh exec: {e}") from None
         finally:
             out = output()
             if out is not None and not args.no_block:
@@ -257,12 +266,15 @@ class MeshMagics(Magics):
         mode = "recreate" if args.recreate else "restart" if args.restart else None if args.no_reload else "inplace"
         meshes = [_mesh.get(n) for n in args.mesh] if args.mesh else None
         kw: dict[str, Any] = {"meshes": meshes, "excludes": args.exclude, "via": args.via, "reload": mode}
-        if args.watch:
-            if _watcher is not None:
-                _watcher.stop()
-            _watcher = _sync.watch(args.paths or None, **kw)
-            return _watcher
-        reports = _sync.sync(args.paths or None, **kw)
+        try:
+            if args.watch:
+                if _watcher is not None:
+                    _watcher.stop()
+                _watcher = _sync.watch(args.paths or None, **kw)
+                return _watcher
+            reports = _sync.sync(args.paths or None, **kw)
+        except (FileNotFoundError, ValueError) as e:
+            raise UsageError(f"%mesh sync: {e}") from None  # a path that is no folder, no hosts yet
         if mode == "restart":
             for name, pm in _mesh.meshes().items():
                 self._bind(name, pm)
@@ -338,7 +350,10 @@ class MeshMagics(Magics):
         target = self.shell.user_ns.get(args.name) if args.name else None  # type: ignore[union-attr]
         if not isinstance(target, (ProcMesh, ActorMesh)):
             target = _mesh._resolve(args.name)
-        return debug.stacks(target, args.ranks, native=args.native, timeout=args.timeout)
+        try:
+            return debug.stacks(target, args.ranks, native=args.native, timeout=args.timeout)
+        except ValueError as e:
+            raise UsageError(f"%mesh stacks: {e}") from None  # a rank set the mesh lacks
 
     def _do_trace(self, args: argparse.Namespace, cell: str | None) -> Any:
         from . import _trace
