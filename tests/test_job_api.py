@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -153,6 +154,27 @@ def test_unsupported_parameters_are_refused_by_name() -> None:
         SlurmJob({"a": 1})._create("nosuch.py")
     with pytest.raises(NotImplementedError, match="client_script"):
         ProcessJob({"a": 1})._create("train.py")
+
+
+def test_mesh_sizes_and_host_lists_are_checked_when_given() -> None:
+    """Refused at the constructor or add_mesh, not as sbatch's error or a TypeError at apply()."""
+    for bad in (0, -1, "two", 1.5, True):
+        with pytest.raises(ValueError, match=rf"SlurmJob: mesh 't' needs a positive number of nodes, got {re.escape(repr(bad))}"):
+            SlurmJob({"t": bad})
+        with pytest.raises(ValueError, match="ProcessJob: mesh 't' needs a positive number of hosts"):
+            ProcessJob({"t": bad})
+    with pytest.raises(ValueError, match="needs a positive number of nodes, got 0"):
+        SlurmJob({"a": 1}).add_mesh("t", 0)
+    with pytest.raises(ValueError, match="needs a positive number of hosts, got 0"):
+        ProcessJob({"a": 1}).add_mesh("t", 0)
+    # a string for a host list would be one host per letter
+    with pytest.raises(ValueError, match=r"got the string 'node1': write \['node1'\]"):
+        SSHJob(meshes={"w": "node1"})
+    with pytest.raises(ValueError, match="needs a non-empty list of host names, got \\[\\]"):
+        SSHJob().add_mesh("w", [])
+    with pytest.raises(ValueError, match="non-empty list of host names"):
+        SSHJob(meshes={"w": ["h1", ""]})
+    assert SSHJob(meshes={"w": ("h1", "h2")})._meshes == {"w": ["h1", "h2"]}
 
 
 def test_ssh_command_line_carries_no_secret() -> None:

@@ -26,6 +26,25 @@ def forwarded_config() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith("MONARCH_NB_") and k not in _NOT_FORWARDED}
 
 
+def mesh_size(job: str, name: str, n: Any, unit: str = "hosts") -> int:
+    """A mesh's size as the job was given it: a positive int, or an error saying so (at the
+    constructor, not as a scheduler's refusal or a TypeError at ``apply()``)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{job}: mesh {name!r} needs a positive number of {unit}, got {n!r}")
+    return n
+
+
+def mesh_hosts(job: str, name: str, hosts: Any) -> list[str]:
+    """A mesh's host names as the job was given them: a non-empty list of names."""
+    if isinstance(hosts, str):
+        # list("node1") would be five one-letter hosts
+        raise ValueError(f"{job}: mesh {name!r} needs a list of host names, got the string {hosts!r}: write [{hosts!r}]")
+    out = list(hosts) if isinstance(hosts, (list, tuple)) else None
+    if not out or not all(isinstance(h, str) and h for h in out):
+        raise ValueError(f"{job}: mesh {name!r} needs a non-empty list of host names, got {hosts!r}")
+    return out
+
+
 def wait_announced(
     directory: str,
     names: set[str] | int,

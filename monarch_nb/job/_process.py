@@ -16,7 +16,7 @@ from typing import Any
 from .._runtime import records
 from ..actor import HostMesh
 from ..config import get_config, runtime_dir
-from ._common import forwarded_config, host_meshes, pid_is, stop_pids, wait_announced
+from ._common import forwarded_config, host_meshes, mesh_size, pid_is, stop_pids, wait_announced
 from ._job import JobError, JobTrait, _children
 
 #: seconds an allocator may take from start to announcing itself (it imports the runtime and
@@ -34,10 +34,7 @@ class ProcessJob(JobTrait):
 
     def __init__(self, meshes: dict[str, int], env: dict[str, str] | None = None) -> None:
         super().__init__()
-        for name, n in meshes.items():
-            if not isinstance(n, int) or n < 1:
-                raise ValueError(f"meshes[{name!r}] must be a positive number of hosts, got {n!r}")
-        self._meshes = dict(meshes)
+        self._meshes = {name: mesh_size("ProcessJob", name, n) for name, n in meshes.items()}
         self._env = dict(env) if env else None
         self._dir = ""
         self._hosts: dict[str, dict[str, Any]] = {}
@@ -56,7 +53,7 @@ class ProcessJob(JobTrait):
         }
 
     def add_mesh(self, name: str, num_hosts: int) -> None:
-        self._meshes[name] = num_hosts
+        self._meshes[name] = mesh_size("ProcessJob", name, num_hosts)
 
     def _spec(self) -> dict[str, Any]:
         return {"meshes": dict(self._meshes), "env": self._env}

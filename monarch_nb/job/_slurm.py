@@ -32,7 +32,7 @@ from .._runtime import records
 from .._runtime.transport import route_ip
 from .._wire.keys import write_key_file
 from ..actor import HostMesh
-from ._common import answering, expand_hostlist, forwarded_config, host_meshes, wait_announced
+from ._common import answering, expand_hostlist, forwarded_config, host_meshes, mesh_size, wait_announced
 from ._job import JobError, JobTrait
 
 logger = logging.getLogger("monarch_nb.job")
@@ -166,7 +166,7 @@ class SlurmJob(JobTrait):
             if not str(arg).startswith("-"):
                 raise ValueError(f"slurm_args are sbatch options (starting with '-'), got {arg!r}")
         super().__init__()
-        self._meshes = dict(meshes)
+        self._meshes = {name: mesh_size("SlurmJob", name, n, "nodes") for name, n in meshes.items()}
         self._python_exe = python_exe
         self._slurm_args = list(slurm_args)
         self._port = int(monarch_port)
@@ -213,7 +213,7 @@ class SlurmJob(JobTrait):
         return row
 
     def add_mesh(self, name: str, num_nodes: int) -> None:
-        self._meshes[name] = num_nodes
+        self._meshes[name] = mesh_size("SlurmJob", name, num_nodes, "nodes")
 
     def _spec(self) -> dict[str, Any]:
         return {

@@ -22,7 +22,7 @@ from .._runtime import records
 from .._wire.keys import read_key_file, write_key_file
 from ..actor import HostMesh
 from ..config import runtime_dir
-from ._common import answering, forwarded_config, host_meshes, listening
+from ._common import answering, forwarded_config, host_meshes, listening, mesh_hosts
 from ._job import JobError, JobTrait
 
 #: ssh connect timeout, and how long a remote allocator may take to announce itself
@@ -113,7 +113,7 @@ class SSHJob(JobTrait):
         self._port = int(monarch_port)
         self._transport = transport
         self._key_file_arg = key_file
-        self._meshes: dict[str, list[str]] = {k: list(v) for k, v in (meshes or {}).items()}
+        self._meshes: dict[str, list[str]] = {k: mesh_hosts("SSHJob", k, v) for k, v in (meshes or {}).items()}
         self._dir = ""
         self._key_file = ""
         self._hosts: dict[str, dict[str, Any]] = {}
@@ -136,7 +136,7 @@ class SSHJob(JobTrait):
         }
 
     def add_mesh(self, name: str, hosts: list[str]) -> None:
-        self._meshes[name] = list(hosts)
+        self._meshes[name] = mesh_hosts("SSHJob", name, hosts)
 
     def _spec(self) -> dict[str, Any]:
         return {
