@@ -1,17 +1,105 @@
-"""Helpers for SPMD programs (torch.distributed) inside a proc mesh."""
+"""SPMD programs (torch.distributed, torchrun-style scripts) inside a proc mesh.
+
+:class:`SPMDActor` is Monarch's: each proc of a mesh gets torchrun's variables (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``…) and can run a training script or module as
+``torchrun`` would (``main``). :func:`setup_torch_elastic_env` sets the variables only, for
+code that then calls ``torch.distributed.init_process_group()`` itself.
+"""
 
 from __future__ import annotations
 
+import os
+import runpy
 import socket
+import sys
 from typing import Any
 
 from .actor import Actor, current_rank, endpoint
 from .actor._mesh import ProcMesh
 
-__all__ = ["setup_env_for_distributed", "setup_torch_elastic_env", "setup_torch_elastic_env_async"]
+__all__ = ["SPMDActor", "setup_env_for_distributed", "setup_torch_elastic_env", "setup_torch_elastic_env_async"]
+
+#: the dimensions that count hosts: the rest of a rank's coordinates are its place on its host
+_HOST_DIMS = ("hosts", "host")
 
 
-class _EnvSetter(Actor):
+def _place() -> tuple[int, int, int]:
+    """(rank, world size, ranks per host) of this actor in the mesh it was spawned on: ranks on
+    one host are the coordinates other than ``hosts``. Read at construction: in an endpoint,
+    ``current_rank()`` is the rank in the slice the call was sent to."""
+    p = current_rank()
+    per_host = 1
+    for label, size in zip(p.extent.labels, p.extent.sizes):
+        if label not in _HOST_DIMS:
+            per_host *= size
+    return p.rank, p.extent.nelements, per_host
+
+
+def _torchrun_env(place: tuple[int, int, int], master_addr: str, master_port: int) -> dict[str, str]:
+    """torchrun's variables for the proc at ``place`` (see :func:`_place`)."""
+    rank, world, per_host = place
+    return {
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank % per_host),
+        "LOCAL_WORLD_SIZE": str(per_host),
+        "GROUP_RANK": str(rank // per_host),
+        "GROUP_WORLD_SIZE": str(-(-world // per_host)),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world),
+        "ROLE_NAME": "rank",
+    }
+
+
+class SPMDActor(Actor):
+    """torchrun in an actor, as Monarch's: spawn it on a proc mesh, ask one rank for a
+    rendezvous address, then run a script (or ``-m module``) on every rank::
+
+        spmd = procs.spawn("_SPMDActor", SPMDActor)
+        addr, port = spmd.slice(hosts=0, gpus=0).get_host_port.call_one(None).get()
+        spmd.main.call(addr, port, ["-m", "train", "--lr", "0.001"]).get()
+
+    A script that ends with ``sys.exit(0)`` (or ``sys.exit()``) has succeeded; another exit
+    code fails its actor, as any ``SystemExit`` in an endpoint does.
+    """
+
+    def __init__(self) -> None:
+        self._place = _place()
+
+    @endpoint
+    def get_host_port(self, use_ipaddr: Any = None) -> tuple[str, int]:
+        """This host's name (or, with ``use_ipaddr``, the IP address its default route leaves
+        from) and a port free on it, for the rendezvous."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return (_ip_addr() if use_ipaddr else socket.gethostname()), port
+
+    @endpoint
+    def setup_env(self, master_addr: str, master_port: int) -> None:
+        os.environ.update(_torchrun_env(self._place, master_addr, master_port))
+
+    @endpoint
+    def main(self, master_addr: str, master_port: int, script_args: list[str]) -> bool:
+        """Set the variables, then run ``script_args``: ``["-m", "module", args...]`` or
+        ``["path/to/script.py", args...]``, as ``__main__`` with that ``sys.argv``."""
+        if not script_args or (script_args[0] == "-m" and len(script_args) < 2):
+            raise ValueError("No script or module specified: give ['-m', 'module', ...] or ['script.py', ...]")
+        os.environ.update(_torchrun_env(self._place, master_addr, master_port))
+        try:
+            if script_args[0] == "-m":
+                sys.argv = [script_args[1], *script_args[2:]]
+                runpy.run_module(script_args[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = list(script_args)
+                runpy.run_path(script_args[0], run_name="__main__")
+        except SystemExit as e:
+            if e.code not in (0, None):
+                raise
+        return True
+
     @endpoint
     def free_port(self) -> tuple[str, int]:
         with socket.socket() as s:
@@ -20,32 +108,17 @@ class _EnvSetter(Actor):
 
     @endpoint
     def ip_addr(self) -> str:
-        # the address other hosts reach: the one the default route leaves from
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                s.connect(("10.255.255.255", 1))
-                return str(s.getsockname()[0])
-            except OSError:
-                return socket.gethostbyname(socket.gethostname())
+        return _ip_addr()
 
-    @endpoint
-    def set_env(self, master_addr: str, master_port: int, local_size: int) -> dict[str, str]:
-        import os
 
-        p = current_rank()
-        rank, world = p.rank, p.extent.nelements
-        env = {
-            "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(master_port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank % local_size),
-            "LOCAL_WORLD_SIZE": str(local_size),
-            "GROUP_RANK": str(rank // local_size),
-            "GROUP_WORLD_SIZE": str(world // local_size),
-        }
-        os.environ.update(env)
-        return env
+def _ip_addr() -> str:
+    # the address other hosts reach: the one the default route leaves from
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return str(s.getsockname()[0])
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
 
 
 def setup_env_for_distributed(
@@ -58,7 +131,7 @@ def setup_env_for_distributed(
     do not resolve to a reachable address). Returns an awaitable that is already done, so
     both ``setup_env_for_distributed(pm)`` and ``await setup_env_for_distributed(pm)`` work.
     """
-    setter = proc_mesh.spawn(f"_spmd_env_{id(proc_mesh) & 0xFFFFFF:x}", _EnvSetter)
+    setter = proc_mesh.spawn(f"_spmd_env_{id(proc_mesh) & 0xFFFFFF:x}", SPMDActor)
     if master_addr is None or master_port is None:
         first = setter.slice(**{k: 0 for k in setter.extent}) if len(setter.extent) else setter
         addr, port = first.free_port.call_one().get()
@@ -66,9 +139,7 @@ def setup_env_for_distributed(
             addr = _tcp_host(proc_mesh) or first.ip_addr.call_one().get()
         master_addr = master_addr or addr
         master_port = master_port or port
-    hosts_dims = [d for d in proc_mesh.extent if d in ("hosts", "host")]
-    local = proc_mesh.size() // (proc_mesh.size(hosts_dims) if hosts_dims else 1)
-    setter.set_env.call(master_addr, master_port, local).get()
+    setter.setup_env.call(master_addr, master_port).get()
     setter.stop().get()
     return _Awaitable()
 

@@ -32,19 +32,19 @@ output = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(output)
 
 # the only lines a port to monarch_nb changes
-_IMPORT = re.compile(r"^(\s*)(from\s+monarch\.(actor|rdma)\s+import\b|import\s+monarch\.(actor|rdma)\s+as\b)")
+_IMPORT = re.compile(r"^(\s*)(from\s+monarch\.(actor|rdma|spmd)\s+import\b|import\s+monarch\.(actor|rdma|spmd)\s+as\b)")
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def port_to_monarch_nb(source: str) -> str:
-    """Rewrite the ``monarch.actor`` (and ``monarch.rdma``) import lines, refusing programs that touch
-    Monarch elsewhere."""
+    """Rewrite the ``monarch.actor`` (and ``monarch.rdma``, ``monarch.spmd``) import lines, refusing
+    programs that touch Monarch elsewhere."""
     out = []
     changed = 0
     for line in source.splitlines(keepends=True):
         if _IMPORT.match(line):
-            line = re.sub(r"\bmonarch\.(actor|rdma)\b", r"monarch_nb.\1", line, count=1)
+            line = re.sub(r"\bmonarch\.(actor|rdma|spmd)\b", r"monarch_nb.\1", line, count=1)
             changed += 1
         elif re.search(r"\bmonarch\b", line):
             raise AssertionError(f"Monarch used outside an import line: {line!r}")

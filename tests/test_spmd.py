@@ -103,3 +103,34 @@ def test_gpus_coordinate_maps_to_cuda_visible_devices_on_a_gpu_host(tmp_path):
         daemon.terminate()
         daemon.wait(30)
     assert not os.listdir("/proc/driver"), "the fake GPUs leaked out of the allocator's mount namespace"
+
+
+def test_spmd_actor_runs_a_script_that_exits_as_torchrun_scripts_do(tmp_path):
+    """``sys.exit(0)`` at a script's end is success (torchrun's too); another code fails the actor,
+    as a SystemExit in any endpoint does. (Programs `spmd_actor` compares the rest with Monarch.)"""
+    from monarch_nb.errors import SupervisionError
+    from monarch_nb.spmd import SPMDActor
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys\n"
+        "open(os.path.join(sys.argv[1], 'rank' + os.environ['RANK']), 'w').write(os.environ['LOCAL_RANK'])\n"
+        "sys.exit(int(sys.argv[2]))\n"
+    )
+    procs = this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2}, name="spmd_exit")
+    try:
+        spmd = procs.spawn("_SPMDActor", SPMDActor)
+        addr, port = spmd.slice(hosts=0, gpus=0).get_host_port.call_one(None).get(timeout=30)
+        assert spmd.main.call(addr, port, [str(script), str(tmp_path), "0"]).get(timeout=60).values() == [True] * 4
+        assert [(tmp_path / f"rank{r}").read_text() for r in range(4)] == ["0", "1", "0", "1"]
+        # a slice's call still runs with the ranks of the whole mesh
+        again = tmp_path / "again"
+        again.mkdir()
+        spmd.slice(hosts=1, gpus=1).main.call_one(addr, port, [str(script), str(again), "3"]).get(timeout=60)
+    except SupervisionError as e:
+        assert "SystemExit: 3" in str(e), e
+        assert [p.name for p in again.iterdir()] == ["rank3"] and (again / "rank3").read_text() == "1"
+    else:
+        raise AssertionError("sys.exit(3) did not fail the actor")
+    finally:
+        procs.stop().get(timeout=30)
