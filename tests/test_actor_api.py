@@ -352,6 +352,24 @@ def test_future_timeout_leaves_it_usable_and_await_works(counters):
         Future()
 
 
+def test_chained_endpoint_decorators_and_a_non_method_are_refused_where_written():
+    """``@endpoint`` twice ("chaining endpoints"): Monarch 0.7.0 takes the class and fails every
+    call with ``TypeError: <EndpointProperty> is not a callable object``; here the class
+    definition fails, naming the method."""
+    with pytest.raises(ValueError, match="f is already an endpoint: decorate it with @endpoint once"):
+
+        class Twice(Actor):
+            @endpoint
+            @endpoint
+            def f(self) -> int:
+                return 1
+
+    with pytest.raises(ValueError, match="already an endpoint"):
+        endpoint(explicit_response_port=True)(endpoint(lambda self: 1))
+    with pytest.raises(TypeError, match="@endpoint decorates a method, got 5"):
+        endpoint(5)
+
+
 def test_sync_and_async_actors_and_mixing_is_rejected(procs):
     a = procs.spawn("asyncs", AsyncActor)
     assert a.where.call().get(timeout=10).values() == [True] * 4

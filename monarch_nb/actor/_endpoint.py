@@ -72,7 +72,10 @@ def endpoint(
 
     def deco(fn: Callable[..., Any]) -> EndpointProperty[Any]:
         if isinstance(fn, EndpointProperty):
-            raise ValueError(f"{fn.name} is already an endpoint")
+            # Monarch takes it and fails each call with a TypeError; here it fails where it is written
+            raise ValueError(f"{fn.name} is already an endpoint: decorate it with @endpoint once")
+        if not callable(fn):
+            raise TypeError(f"@endpoint decorates a method, got {fn!r}")
         return EndpointProperty(fn, propagate=propagate, explicit_response_port=explicit_response_port, instrument=instrument)
 
     return deco(method) if method is not None else deco
