@@ -57,6 +57,13 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(s, indent=2, default=str))
         return 0
+    if not s["allocators"]:
+        from .config import runtime_dir
+
+        print(
+            f"no allocator running (runtime directory {runtime_dir()}): a notebook's first spawn starts one, "
+            "or `monarch-nb allocator start`"
+        )
     for a in s["allocators"]:
         print(f"allocator {a.get('alloc_id', '?')} on {a.get('host')} pid {a.get('pid')}: {a.get('error') or 'ok'}")
         for m in a.get("meshes", []):
@@ -121,6 +128,17 @@ def _fmt_s(v: float | None) -> str:
 
 
 def _job(args: argparse.Namespace) -> int:
+    from .job import JobError
+
+    try:
+        return _job_action(args)
+    except (JobError, ValueError, TypeError, AttributeError) as e:
+        # a spec that names nothing, a job that does not exist, a scheduler's refusal: one line
+        print(f"monarch-nb job {args.action}: {e}", file=sys.stderr)
+        return 1
+
+
+def _job_action(args: argparse.Namespace) -> int:
     from .job import apply_spec, kill_job, list_jobs
 
     if args.action == "apply":

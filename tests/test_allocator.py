@@ -360,6 +360,17 @@ def test_embedded_allocator_and_cli(tmp_path):
     assert "stopped 1" in r.stdout
     r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "status"], env=env, capture_output=True, text=True, timeout=60)
     assert "no allocators" in r.stdout
+    # with none running, `status` says so (it printed nothing), and job mistakes are one line each
+    r = subprocess.run([PY, "-m", "monarch_nb", "status"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith(f"no allocator running (runtime directory {rdir})"), r
+    for argv, words in [
+        (["job", "kill", "nosuch"], "monarch-nb job kill: no job named 'nosuch'"),
+        (["job", "apply", "train.py"], "monarch-nb job apply: a job spec is 'module.attr' (a JobTrait object in"),
+        (["job", "apply", "nosuchmod.job"], "monarch-nb job apply: cannot import 'nosuchmod' for the job spec"),
+        (["job", "apply", "os.sep"], "monarch-nb job apply: 'os.sep' must be a JobTrait, got str"),
+    ]:
+        r = subprocess.run([PY, "-m", "monarch_nb", *argv], env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and r.stderr.startswith(words) and "Traceback" not in r.stderr, (argv, r.stderr)
 
 
 def test_status_lists_meshes_and_proc_states(procs_for_status=None):

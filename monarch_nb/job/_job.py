@@ -385,8 +385,18 @@ def _split_spec(module_path: str) -> tuple[str, str]:
 
 def import_job(module_path: str) -> JobTrait:
     """The ``JobTrait`` at ``module.attr`` (or ``module:attr``)."""
+    if module_path.endswith(".py") or os.sep in module_path:
+        raise ValueError(f"a job spec is 'module.attr' (a JobTrait object in an importable module), not a file: {module_path!r}")
     mod_name, attr = _split_spec(module_path)
-    mod = importlib.import_module(mod_name)
+    try:
+        mod = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (mod_name == e.name or mod_name.startswith(e.name + ".")):
+            raise  # the module was found; something it imports was not
+        raise JobError(
+            f"cannot import {mod_name!r} for the job spec {module_path!r}: run from the folder that holds it "
+            "or put it on PYTHONPATH"
+        ) from None
     job = getattr(mod, attr, None)
     if job is None:
         raise AttributeError(f"module {mod_name!r} has no attribute {attr!r}")
