@@ -175,6 +175,15 @@ def test_mesh_sizes_and_host_lists_are_checked_when_given() -> None:
     with pytest.raises(ValueError, match="non-empty list of host names"):
         SSHJob(meshes={"w": ["h1", ""]})
     assert SSHJob(meshes={"w": ("h1", "h2")})._meshes == {"w": ["h1", "h2"]}
+    # %mesh launch's --hosts, through the public make_job
+    from monarch_nb.job._named import make_job
+
+    with pytest.raises(ValueError, match="hosts for a slurm job is a number of hosts, got 'two'"):
+        make_job("slurm", "t", "two")
+    with pytest.raises(ValueError, match="ProcessJob: mesh 't' needs a positive number of hosts, got 0"):
+        make_job("process", "t", "0")
+    with pytest.raises(ValueError, match="SSHJob: mesh 't' needs a non-empty list of host names"):
+        make_job("ssh", "t", ",")
 
 
 def test_ssh_command_line_carries_no_secret() -> None:

@@ -38,9 +38,9 @@ def make_job(scheduler: str, name: str, hosts: str | int, **options: Any) -> Job
     """A job spec whose one mesh is ``name``: ``hosts`` is a count (slurm, process, k8s) or a comma
     separated host list (ssh); ``options`` are the scheduler's constructor arguments."""
     if scheduler == "slurm":
-        return SlurmJob(meshes={name: int(hosts)}, **options)
+        return SlurmJob(meshes={name: _count(scheduler, hosts)}, **options)
     if scheduler == "process":
-        return ProcessJob({name: int(hosts)}, **options)
+        return ProcessJob({name: _count(scheduler, hosts)}, **options)
     if scheduler == "local":
         return LocalJob((name,), **options)
     if scheduler == "ssh":
@@ -50,8 +50,15 @@ def make_job(scheduler: str, name: str, hosts: str | int, **options: Any) -> Job
     if scheduler in ("k8s", "kubernetes"):
         from .kubernetes import make_job as make_k8s_job  # only here: the kubernetes client is optional
 
-        return make_k8s_job(name, int(hosts), **options)
+        return make_k8s_job(name, _count(scheduler, hosts), **options)
     raise ValueError(f"unknown scheduler {scheduler!r}; one of {', '.join(SCHEDULERS)}")
+
+
+def _count(scheduler: str, hosts: str | int) -> int:
+    try:
+        return int(hosts)
+    except ValueError:
+        raise ValueError(f"hosts for a {scheduler} job is a number of hosts, got {hosts!r}") from None
 
 
 def launch(scheduler: str, name: str, hosts: str | int, **options: Any) -> JobState:
