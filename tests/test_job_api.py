@@ -175,7 +175,7 @@ def test_mesh_sizes_and_host_lists_are_checked_when_given() -> None:
     with pytest.raises(ValueError, match="non-empty list of host names"):
         SSHJob(meshes={"w": ["h1", ""]})
     assert SSHJob(meshes={"w": ("h1", "h2")})._meshes == {"w": ["h1", "h2"]}
-    # %mesh launch's --hosts, through the public make_job
+    # %mesh launch's --hosts, through make_job, the first step of launch()
     from monarch_nb.job._named import make_job
 
     with pytest.raises(ValueError, match="hosts for a slurm job is a number of hosts, got 'two'"):
