@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import math
 import os
 import time
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 import monarch_nb.tensor as mt
 from monarch_nb.actor import this_host
-from monarch_nb.errors import SupervisionError
+from monarch_nb.errors import MeshClosedError, SupervisionError
 from monarch_nb.tensor import Partial, Replicate, Shard, TensorOpError
 
 pytestmark = pytest.mark.timeout(120)
@@ -277,11 +278,15 @@ def test_an_error_stays_on_the_handle_that_caused_it(mesh1):  # type: ignore[no-
     torch.testing.assert_close(mt.inspect(x + 1), gen(8, 5) + 1)  # the rest keeps working
 
 
-def test_an_op_dtensor_cannot_shard_fails_here_and_is_never_sent(mesh1):  # type: ignore[no-untyped-def]
+def test_an_op_dtensor_cannot_shard_fails_here_and_is_never_sent(mesh1, caplog):  # type: ignore[no-untyped-def]
     x = mt.distribute(gen(8, 6), mesh1, [Shard(0)])
     sent = mt.stats(mesh1)["messages_sent"]
     with pytest.raises(TensorOpError, match="nonzero"):
         torch.nonzero(x)
+    # a shape the meta kernel refuses: said once, as the TensorOpError (torch logged its traceback too)
+    with caplog.at_level(logging.DEBUG), pytest.raises(TensorOpError, match=r"same reduction dim, but got \[8, 6\] X \[3, 3\]"):
+        x @ torch.ones(3, 3)
+    assert not [r for r in caplog.records if "failed while attempting to run meta" in r.getMessage()]
     with pytest.raises(TypeError, match="truth value"):
         bool(x)
     assert mt.stats(mesh1)["messages_sent"] == sent
@@ -391,6 +396,9 @@ def test_a_dead_rank_fails_pending_reads_and_the_mesh_can_be_stopped_and_respawn
         torch.testing.assert_close(mt.fetch_shard(x, gpus=0).get(timeout=30), torch.arange(2.0))
     finally:
         procs.stop().get(timeout=60)
+    # its tensors are gone, said in tensor words (not as a hidden actor's stop)
+    with pytest.raises(MeshClosedError, match="the mesh tensors of proc mesh 'tensordead' are gone: it was stopped"):
+        mt.inspect(x + 1)
     # stopped, the mesh respawns under its name with a fresh process group and mesh tensors
     again = this_host().spawn_procs(per_host={"gpus": 2}, name="tensordead")
     try:

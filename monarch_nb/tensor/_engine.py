@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import math
 import pickle
 import threading
@@ -21,7 +22,7 @@ from torch.utils import _pytree as pytree
 from .._wire.serialize import loads, nbytes
 from ..actor import Future
 from ..actor._mesh import ProcMesh
-from ..errors import MonarchNBError
+from ..errors import MeshClosedError, MonarchNBError
 from ._ops import Attr, Factory, Lit, Method, Ref, Via, WithMesh, chunk_range, local_shape, local_view
 from ._worker import TensorWorker
 
@@ -110,6 +111,12 @@ class Engine:
         return next(self._ids)
 
     def start(self) -> Any:
+        if self.procs._closed_error() is not None:
+            # said in tensor words: the worker's own error would name a hidden actor
+            raise MeshClosedError(
+                f"the mesh tensors of proc mesh {self.procs._name!r} are gone: it was stopped "
+                "(distribute them again on new procs)"
+            )
         if self.root is not None:
             with self._start_lock:
                 if self.actor is None:
@@ -674,6 +681,17 @@ _portable_cache: dict[Any, Any] = {}
 
 #: set while this thread computes shadows or seeds: an active ActivateMode lets torch be torch
 _local = threading.local()
+
+
+class _QuietShadows(logging.Filter):
+    """torch logs a meta kernel's failure, with its traceback, at ERROR; on a shadow that failure
+    is the TensorOpError raised here, and is said once, there."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return getattr(_local, "depth", 0) == 0
+
+
+logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QuietShadows())
 
 
 class _Controller:
