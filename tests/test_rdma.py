@@ -163,8 +163,12 @@ def test_bad_memory_raises_value_error() -> None:
         RDMABuffer(torch.zeros(16)[::2])
     with pytest.raises(ValueError, match="1d"):
         RDMABuffer(memoryview(bytearray(8)).cast("B", (2, 4)))
-    with pytest.raises(TypeError, match="memoryview"):
+    # any other object: Monarch's ValueError (it was a TypeError here); a bytes-like one is told how to lend it
+    with pytest.raises(ValueError, match="1d c-contiguous memoryview. Got: list$"):
         RDMABuffer([1, 2, 3])
+    with pytest.raises(ValueError, match=r"Got: bytearray: wrap it, RDMABuffer\(memoryview\(x\)\)"):
+        RDMABuffer(bytearray(8))
+    assert RDMABuffer(memoryview(bytearray(8))).size() == 8
     buf = RDMABuffer(torch.zeros(16, dtype=torch.uint8))
     try:
         with pytest.raises(ValueError, match="smaller"):

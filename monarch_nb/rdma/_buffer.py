@@ -106,7 +106,15 @@ def _check(data: Any) -> int:
         if data.dim() != 1 or not data.is_contiguous():
             raise ValueError(f"RDMABuffer only supports 1d contiguous torch.Tensor or 1d c-contiguous memoryview. Got: {data!r}")
         return int(data.numel() * data.element_size())
-    raise TypeError(f"RDMABuffer takes a 1-D contiguous torch.Tensor or memoryview, not {type(data).__name__}")
+    try:
+        memoryview(data)
+        hint = f": wrap it, RDMABuffer(memoryview(x)), to lend a {type(data).__name__}'s bytes"
+    except TypeError:
+        hint = ""
+    # Monarch's type and words, for any object
+    raise ValueError(
+        f"RDMABuffer only supports 1d contiguous torch.Tensor or 1d c-contiguous memoryview. Got: {type(data).__name__}{hint}"
+    )
 
 
 def _cpu_view(data: Any, nbytes: int) -> memoryview:
