@@ -31,20 +31,14 @@ def test_help_and_clear_usage_errors(k: Kernel) -> None:
     assert "--per-host" in _ok(k.run("%mesh spawn --help")).stream()
     assert "--no-aggregate" in _ok(k.run("%mesh exec --help")).stream()
     # IPython shows a UsageError as one line on stderr and fails the cell
-    for code, text in [
+    mistakes = [
         ("%mesh frobnicate", "unknown subcommand 'frobnicate'"),
         ("%mesh spawn x --per-host gpus=two", "must be a positive integer, got 'two'"),
         ("%mesh spawn x --per-host gpus=-1", "must be a positive integer, got '-1'"),
         ("%mesh spawn x --per-host gpus=0", "must be a positive integer, got '0'"),
         ("%mesh exec", "cell magic"),
         ("%mesh logs nosuchmesh", "no mesh named 'nosuchmesh'"),
-    ]:
-        c = k.run(code)
-        assert c.reply["content"]["status"] == "error", code
-        assert text in c.stream("stderr") and c.error is None, (code, c.msgs)
-    # the same for what a mesh lacks (a rank, a name) or a value no command takes, on a mesh that exists
-    _ok(k.run("%mesh spawn ue --per-host gpus=2\n%mesh spawn gone --per-host gpus=1\n%mesh stop gone"))
-    for code, text in [
+        # what a mesh lacks (a rank, a name) or a value no command takes, on meshes spawned below
         ("%mesh logs ue --rank 9", "has no rank 9 (ranks 0-1)"),
         ("%mesh logs ue --tail -1", "0 or more, not -1"),
         ("%mesh logs ue --follow --rank 5", "has no rank 5"),
@@ -60,7 +54,9 @@ def test_help_and_clear_usage_errors(k: Kernel) -> None:
         ("%mesh sync /nonexistent", "cannot sync /nonexistent: not a directory"),
         ("%mesh sync --watch /nonexistent", "cannot sync /nonexistent: not a directory"),
         ("%mesh connect 10.0.0.1:5555", "for a TCP address write tcp://10.0.0.1:5555"),
-    ]:
+    ]
+    _ok(k.run("%mesh spawn ue --per-host gpus=2\n%mesh spawn gone --per-host gpus=1\n%mesh stop gone"))
+    for code, text in mistakes:
         c = k.run(code)
         assert c.reply["content"]["status"] == "error", code
         assert text in c.stream("stderr") and c.error is None, (code, c.msgs)
