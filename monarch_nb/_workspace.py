@@ -140,7 +140,10 @@ def scan(
             if hit is not None and hit[0] == st.st_mtime and hit[1] == st.st_size:
                 digest = hit[2]
             else:
-                digest = file_hash(path)
+                try:
+                    digest = file_hash(path)
+                except FileNotFoundError:
+                    continue  # removed since it was listed (an editor's temporary file): not in the tree now
                 if cache is not None:
                     cache[path] = (st.st_mtime, st.st_size, digest)
             out[rel] = (digest, st.st_size, st.st_mode & 0o777)

@@ -180,8 +180,11 @@ def _sync_root(
 
 
 def _read(root: str, rel: str) -> bytes:
-    with open(os.path.join(root, rel), "rb") as f:
-        return f.read()
+    try:
+        with open(os.path.join(root, rel), "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{rel} was removed from {root} while it was being synced: sync again") from None
 
 
 def _batches(root: str, by_digest: dict[str, str], digests: list[str]) -> Any:

@@ -62,6 +62,24 @@ def test_manifest_honours_gitignore_and_excludes(ws: Path) -> None:
     assert files == {"mymod.py", "helper.py", ".gitignore", "keep.log"}
 
 
+def test_a_file_removed_while_the_tree_is_scanned_is_left_out(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An editor's temporary file listed, then gone before it is read: not in the tree (the
+    scan raised FileNotFoundError, and the sync with it)."""
+    from monarch_nb import _workspace, sync
+
+    real = _workspace.file_hash
+
+    def vanishing(path: str) -> str:
+        if path.endswith("helper.py"):
+            os.remove(path)
+        return real(path)
+
+    monkeypatch.setattr(_workspace, "file_hash", vanishing)
+    assert set(scan(str(ws), excludes=["data/*"])) == {"mymod.py", ".gitignore", "keep.log"}
+    with pytest.raises(FileNotFoundError, match="helper.py was removed from .* while it was being synced: sync again"):
+        sync._read(str(ws), "helper.py")
+
+
 def test_sync_is_incremental_and_reload_keeps_pids_and_state(ws: Path) -> None:
     pm = M.spawn("syncmesh", {"gpus": 2})
     try:
