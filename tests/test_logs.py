@@ -158,6 +158,9 @@ def test_a_line_that_never_ends_is_cut_at_the_limit_and_nothing_is_lost(tmp_path
     assert sizes[cut[1] + 1] == 40 * len(piece) - 2 * (1 << 20) + len("tail")
     disk = [r["line"] for r in read_log(str(tmp_path / "rank-0.jsonl"))]
     assert disk[0] == "before" and disk[-1] == "after" and len(disk) == len(emitted)
+    # the file's owner refuses a negative tail from any caller (it read it as "all but the first")
+    with pytest.raises(ValueError, match="0 or more, not -1"):
+        read_log(str(tmp_path / "rank-0.jsonl"), tail=-1)
     assert "".join(ln for ln in disk if not ln.startswith("[monarch_nb: "))[len("before") : -len("after")] == (
         (piece * 40).decode() + "tail"
     )

@@ -746,6 +746,8 @@ def rank_log_path(log_dir: str, mesh: str, rank: int) -> str:
 def read_log(path: str, tail: int | None = None, start: int = 0) -> list[dict[str, Any]]:
     """Rows ``start:`` of a rank's log, or only its last ``tail`` rows (read from the end of
     the file: a tail of a huge log costs what the tail is, not what the log is)."""
+    if tail is not None and tail < 0:
+        raise ValueError(f"tail is a number of lines, 0 or more, not {tail}")
     rows: list[bytes] = []
     log = _open_logs.get(path)
     if log is not None:
