@@ -22,6 +22,7 @@ def hook(failure: MeshFailure) -> None:
         failures.append(failure)
 
 
+# Monarch's hook hears of each call to a stopped actor mesh (see the docstring): kept out of the output
 actor_api.unhandled_fault_hook = hook
 
 
