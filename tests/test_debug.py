@@ -541,6 +541,15 @@ def test_parse_ranks() -> None:
         debug.parse_ranks("ranks(x)")
 
 
+def test_arguments_that_name_no_mesh_or_rank_are_refused_by_name() -> None:
+    """Before anything is asked of an allocator (they were an AttributeError, an IndexError and
+    int()'s 'invalid literal')."""
+    with pytest.raises(TypeError, match="stacks\\(\\) takes a ProcMesh or an ActorMesh, got str"):
+        debug.stacks("trainers")
+    with pytest.raises(TypeError, match="rank is the rank's number, got 'x'"):
+        debug.attach("debugee", "x")  # type: ignore[arg-type]
+
+
 SCRIPT = """
 from monarch_nb.actor import Actor, endpoint, current_rank, this_host
 

@@ -260,6 +260,9 @@ def test_stacks_of_a_hung_collective_merge_the_waiting_ranks(k: Kernel, gate) ->
         # a variable holding a mesh spawned through the Python API works too
         c = _ok(k.run("%mesh stacks hangs --ranks 0-2 --timeout 10", timeout=60))
         assert "[ranks 0-2 (3)] thread monarch-actor-driver" in c.result, c.result
+        # a list of ranks the mesh lacks is refused by name (it was an IndexError)
+        c = k.run("from monarch_nb import debug\ndebug.stacks(hangs, [1, 9])")
+        assert c.error and c.error["evalue"] == "rank 9 is out of range: the mesh has ranks 0-3", c.error
     finally:
         k.run("%mesh stop hung", timeout=60)
 

@@ -328,6 +328,8 @@ def _send(session: Session, cmd: str) -> Future[dict[str, Any]]:
 
 def attach(actor: str | None, rank: int, *, addresses: Iterable[str] | None = None) -> DebugClient:
     """A :class:`DebugClient` on ``actor``'s paused ``rank`` (``actor=None``: whichever actor)."""
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"rank is the rank's number, got {rank!r}")
     found = [s for s in sessions(actor, [rank], addresses=addresses) if s.state != "gone"]
     if not found:
         gone = [s for s in sessions(actor, [rank], addresses=addresses) if s.state == "gone"]

@@ -227,11 +227,15 @@ def stacks(
     adds ``py-spy dump --native``; every rank answers within ``timeout`` seconds or is listed
     as not answering. ``internal`` shows monarch_nb's own frames (default: the
     ``traceback_internal_frames`` setting)."""
-    view = mesh._view
+    view = getattr(mesh, "_view", None)
+    if view is None or not hasattr(mesh, "_procs"):
+        raise TypeError(f"stacks() takes a ProcMesh or an ActorMesh, got {type(mesh).__name__} (%mesh stacks also takes a name)")
     procs = [mesh._procs[r] for r in view.ranks]
     idx = list(range(len(procs)))
     if ranks is not None:
         idx = parse_ranks(ranks, len(procs)) if isinstance(ranks, str) else sorted(ranks)
+        if bad := [i for i in idx if not 0 <= i < len(procs)]:
+            raise ValueError(f"rank {bad[0]} is out of range: the mesh has ranks 0-{len(procs) - 1}")
     client = _context.client()
     futs = {i: client.request(procs[i].addr, "stacks", _actor="__debug__") for i in idx}
     nfuts = {}
