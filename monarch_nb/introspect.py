@@ -62,6 +62,8 @@ def status(
         try:
             with _debugwait.quiet():  # a status query is not a wait that should open the debugger
                 out.append(f.get(timeout=timeout))
+        except TimeoutError:
+            out.append({**info, "error": f"no answer within {timeout:g} s: not running, or not reachable from here"})
         except Exception as e:
             out.append({**info, "error": f"{type(e).__name__}: {e}"})
     # paused ranks (breakpoint()), flattened for the dashboard and the sidebar

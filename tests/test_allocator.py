@@ -398,6 +398,23 @@ def test_unreachable_address_is_a_clear_error():
         _context.client().connect("tcp://127.0.0.1:1", timeout=1.0)
     with pytest.raises(ConfigError, match="unauthenticated TCP"):
         attach_to_workers(workers=["tcp://192.0.2.1:26600"], ca="trust_all_connections")
+    # a string for the list (Monarch makes a host of each character)
+    with pytest.raises(ValueError, match=r"workers is a list of addresses, got the string 'tcp://127.0.0.1:1': write \["):
+        attach_to_workers(workers="tcp://127.0.0.1:1", ca="trust_all_connections")  # type: ignore[arg-type]
+    # what is no address at all, asked of by the status and env queries: said so, not zmq's or unpacking's words
+    from monarch_nb import env
+    from monarch_nb.introspect import status
+
+    for bad in ("garbage", "tcp://host-without-port", "tcp://h:http", "ipc://"):
+        assert (
+            status([bad])["allocators"][-1]["error"]
+            == f"ValueError: {bad!r} is not an address: use tcp://HOST:PORT or ipc://PATH"
+        )
+        with pytest.raises(ValueError, match="is not an address: use tcp://HOST:PORT or ipc://PATH"):
+            env.diff([bad])
+    # and one where nobody answers, in status' words, not a future's
+    row = status(["tcp://127.0.0.1:1"], timeout=0.5)["allocators"][-1]
+    assert row["error"] == "no answer within 0.5 s: not running, or not reachable from here", row
     _ = run_script
 
 

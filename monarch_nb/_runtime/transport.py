@@ -240,6 +240,18 @@ def is_wildcard(host: str) -> bool:
     return host in ("0.0.0.0", "*", "::", "")
 
 
+def check_form(addr: str) -> None:
+    """Refuse what cannot be an address before zmq or the key exchange meets it (a typed
+    ``host:port``, ``garbage``) with the forms that are."""
+    if addr.startswith("ipc://") and len(addr) > len("ipc://"):
+        return
+    if addr.startswith("tcp://"):
+        host, sep, port = addr[len("tcp://") :].rpartition(":")
+        if sep and host and port.isdigit() and 0 < int(port) < 65536:
+            return
+    raise ValueError(f"{addr!r} is not an address: use tcp://HOST:PORT or ipc://PATH")
+
+
 def split_tcp(addr: str) -> tuple[str, int]:
     host, port = addr[len("tcp://") :].rsplit(":", 1)
     return host.strip("[]"), int(port)
@@ -600,6 +612,7 @@ class Transport:
         """Our inbox address as ``peer`` must see it."""
         if peer.startswith("ipc://"):
             return self.ipc_addr
+        check_form(peer)
         routes = self.sockets.routes
         if routes and peer.startswith("tcp://"):
             route = routes.get(split_tcp(peer)[0])
@@ -677,6 +690,7 @@ class Transport:
         )
 
     def _connect(self, ob: _Outboxes, addr: str) -> zmq.Socket[bytes]:
+        check_form(addr)
         try:
             s = self.ctx.socket(zmq.DEALER)
         except zmq.ZMQError as e:

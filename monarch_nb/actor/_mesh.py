@@ -1131,6 +1131,9 @@ def attach_to_workers(
     from .._runtime.transport import Security, worker_address
     from .._wire.keys import read_key_file
 
+    if isinstance(workers, str):
+        # Monarch makes a host of each character
+        raise ValueError(f"workers is a list of addresses, got the string {workers!r}: write [{workers!r}]")
     client = _context.client()
     path = key_file or (ca if isinstance(ca, (str, os.PathLike)) and ca != "trust_all_connections" else None)
     if path is None and private_key is None and ca is None:
