@@ -352,6 +352,13 @@ def test_future_timeout_leaves_it_usable_and_await_works(counters):
         Future()
 
 
+def test_an_empty_mesh_name_is_an_unnamed_mesh_that_stops():
+    """The allocator named it anon-…; the controller kept '' and its stop() found no such mesh."""
+    pm = this_host().spawn_procs(per_host={"gpus": 1}, name="")
+    assert pm.name.startswith("anon-"), pm
+    pm.stop().get(timeout=30)
+
+
 def test_chained_endpoint_decorators_and_a_non_method_are_refused_where_written():
     """``@endpoint`` twice ("chaining endpoints"): Monarch 0.7.0 takes the class and fails every
     call with ``TypeError: <EndpointProperty> is not a callable object``; here the class

@@ -912,7 +912,8 @@ class HostMesh(MeshTrait):
         client = _context.client()
         if persist is None:
             persist = client.kind == "ipython"
-        if name is None or name == "anon":
+        if not name or name == "anon":
+            # (an empty name too: the allocator names it so, and stop() must find it by that name)
             client._anon += 1
             name = f"anon-{client.cid[:6]}-{client._anon}"
         hosts = self._refs()
