@@ -581,6 +581,8 @@ class ProcMesh(MeshTrait):
         """
         if (closed := self._closed_error()) is not None:
             raise closed
+        if not isinstance(name, str):
+            raise TypeError(f"spawn(name, Class, ...) needs the actor mesh's name first, a str, got {name!r}")
         if not isinstance(Class, type):
             raise TypeError(f"spawn needs an Actor class, got {Class!r}")
         if not issubclass(Class, Actor):
