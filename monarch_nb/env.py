@@ -96,6 +96,13 @@ def compare(mine: dict[str, Any], theirs: dict[str, Any]) -> list[dict[str, str]
 
 def _allocators(addresses: list[str] | None) -> list[str]:
     if addresses:
+        from .actor import _context
+
+        client = _context.client()
+        for a in addresses:
+            # one typed by the user: a precise error (no such address, refused, unreachable, another
+            # cluster's key) within the connect timeout, not a request that waits three times that
+            client.connect(a)
         return list(addresses)
     from . import _registry
 

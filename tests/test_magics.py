@@ -54,6 +54,7 @@ def test_help_and_clear_usage_errors(k: Kernel) -> None:
         ("%mesh sync /nonexistent", "cannot sync /nonexistent: not a directory"),
         ("%mesh sync --watch /nonexistent", "cannot sync /nonexistent: not a directory"),
         ("%mesh connect 10.0.0.1:5555", "for a TCP address write tcp://10.0.0.1:5555"),
+        ("%mesh env diff garbage", "cannot parse allocator address 'garbage'"),
     ]
     _ok(k.run("%mesh spawn ue --per-host gpus=2\n%mesh spawn gone --per-host gpus=1\n%mesh stop gone"))
     for code, text in mistakes:

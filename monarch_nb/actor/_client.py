@@ -21,6 +21,7 @@ from zmq.utils.monitor import recv_monitor_message
 from .._runtime._pids import pid_is
 from .._runtime.logcapture import expand, line_text
 from .._runtime.runtime import ReplyPort, Runtime
+from .._runtime.transport import check_form
 from .._version import __version__
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
@@ -177,10 +178,12 @@ class Client:
             # says whether it is back, as after a stall of its host, or a restart at this address
             del self.hellos[addr]
         timeout = self.rt.cfg.connect_timeout if timeout is None else timeout
+        try:
+            check_form(addr)
+        except ValueError:
+            raise ConnectError(f"cannot parse allocator address {addr!r}: expected tcp://HOST:PORT or ipc://PATH") from None
         if addr.startswith("ipc://") and not os.path.exists(addr[len("ipc://") :]):
             raise ConnectError(f"no allocator listening at {addr}: the socket file does not exist")
-        if not addr.startswith(("ipc://", "tcp://")):
-            raise ConnectError(f"cannot parse allocator address {addr!r}: expected tcp://HOST:PORT or ipc://PATH")
         self.rt.sockets.security.check_address(addr)
         me = self.rt.addr_for(addr)
         # a probe socket with a monitor tells refused, unreachable and wrong-key apart

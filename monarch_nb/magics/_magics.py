@@ -283,9 +283,12 @@ class MeshMagics(Magics):
     def _do_env(self, args: argparse.Namespace, cell: str | None) -> Any:
         from .. import env
 
-        if args.action == "diff":
-            return env.diff(args.addresses or None)
-        done = env.sync(args.addresses or None, index=not args.no_index)
+        try:
+            if args.action == "diff":
+                return env.diff(args.addresses or None)
+            done = env.sync(args.addresses or None, index=not args.no_index)
+        except ValueError as e:
+            raise UsageError(f"%mesh env: {e}") from None  # what was typed is no address
         for alloc, acts in done.items():
             print(f"{alloc}: " + ("; ".join(acts) if acts else "already matches"))
         if any(done.values()):
