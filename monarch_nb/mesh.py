@@ -62,7 +62,11 @@ def _target_ranks(pm: ProcMesh, ranks: str | list[int] | None) -> list[int] | No
     if ranks is None:
         return None
     n = len(pm._view.ranks)
-    return parse_ranks(ranks, n) if isinstance(ranks, str) else sorted(ranks)
+    if isinstance(ranks, str):
+        return parse_ranks(ranks, n)
+    if bad := [r for r in ranks if not 0 <= r < n]:
+        raise ValueError(f"rank {bad[0]} is out of range: the mesh has ranks 0-{n - 1}")
+    return sorted(ranks)
 
 
 def exec_cell(

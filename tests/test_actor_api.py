@@ -356,6 +356,9 @@ def test_an_empty_mesh_name_is_an_unnamed_mesh_that_stops():
     """The allocator named it anon-…; the controller kept '' and its stop() found no such mesh."""
     pm = this_host().spawn_procs(per_host={"gpus": 1}, name="")
     assert pm.name.startswith("anon-"), pm
+    # per_host as something that is no mapping (it read "cannot convert dictionary update sequence element")
+    with pytest.raises(TypeError, match=r"per_host is a dict of dimension sizes, like \{'gpus': 8\}, got \[2\]"):
+        this_host().spawn_procs(per_host=[2])  # type: ignore[arg-type]
     # an actor mesh's name is asked for by name (it read "argument of type 'NoneType' is not iterable")
     with pytest.raises(TypeError, match="needs the actor mesh's name first, a str, got None"):
         pm.spawn(None, Counter)  # type: ignore[arg-type]

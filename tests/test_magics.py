@@ -76,6 +76,9 @@ def test_spawn_binds_variable_and_exec_keeps_a_namespace_per_proc(k: Kernel) -> 
     # the same Python value comes back through the public function too
     c = _ok(k.run("import monarch_nb.mesh as M\nM.exec_cell('ns', 'os.getpid()').values() == [p.pid for p in ns._procs]"))
     assert c.result == "True"
+    # a rank list the mesh lacks, in the mesh's words (it named the hidden exec actor)
+    c = k.run("M.exec_cell('ns', '1', ranks=[1, 7])")
+    assert c.error and c.error["evalue"] == "rank 7 is out of range: the mesh has ranks 0-3", c.error
 
 
 def test_errors_show_each_failing_rank_and_the_kernel_lives_on(k: Kernel) -> None:

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 from .._runtime import _fdlimit
@@ -907,6 +907,8 @@ class HostMesh(MeshTrait):
         ``persist=True`` (the default in a Jupyter kernel) keeps them after this
         controller exits, to be re-attached with ``ProcMesh.lookup(name)``.
         """
+        if per_host is not None and not isinstance(per_host, Mapping):
+            raise TypeError(f"per_host is a dict of dimension sizes, like {{'gpus': 8}}, got {per_host!r}")
         per_host = dict(per_host or {})
         for k, v in per_host.items():
             if not isinstance(v, int) or v < 1:
