@@ -183,3 +183,38 @@ def test_exec_command_runs_on_every_host_or_one(tmp_path: Path, capfd: pytest.Ca
         assert "only" not in capfd.readouterr().out  # it went to the file
     finally:
         job.kill()
+
+
+def test_a_controller_leaving_does_not_wait_on_allocators_it_lost(tmp_path: Path) -> None:
+    """At exit the controller flushes logs from and says goodbye to each allocator; one declared
+    lost got a hello first (2 s, the heartbeat timeout, each: 6 s for three lost hosts)."""
+    code = """
+import json, os, signal, time
+import monarch_nb.actor as A
+from monarch_nb.actor import _context
+from monarch_nb.job import ProcessJob
+A.unhandled_fault_hook = lambda f: None  # the loss is what this script is about
+job = ProcessJob({"w": 4}, env={"MONARCH_NB_ZYGOTE_PRELOAD": "", "MONARCH_NB_LEASE": "60"})
+job.state(cached_path=None).w.spawn_procs(per_host={"gpus": 1})
+client = _context.client()
+gone = []
+try:
+    for h in sorted(job._hosts)[1:]:
+        os.kill(int(job._hosts[h]["pid"]), signal.SIGKILL)
+        gone.append(h)
+    deadline = time.monotonic() + 30
+    lost = lambda: [a for a in client.hellos if client.rt.supervision.is_lost(a)]
+    while len(lost()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    asked = []
+    real_connect, real_request = client.connect, client.request
+    client.connect = lambda addr, *a, **k: (asked.append(addr), real_connect(addr, *a, **k))[1]
+    client.request = lambda addr, *a, **k: (asked.append(addr), real_request(addr, *a, **k))[1]
+    before = lost()
+    client.shutdown()
+    print(json.dumps({"lost": len(before), "asked_lost": sorted(set(asked) & set(before)), "asked": len(set(asked))}))
+finally:
+    job.kill()
+"""
+    out = _script(code)
+    assert out["lost"] == 3 and out["asked_lost"] == [] and out["asked"] == 1, out

@@ -361,7 +361,8 @@ class Client:
 
     def flush_logs(self, timeout: float = 2.0) -> None:
         """Make output the procs already wrote reach this client before returning."""
-        futs = [self.request(a, "flush_logs") for a in list(self.hellos)]
+        # one declared lost has nothing to flush here, and asking would cost a hello's wait each
+        futs = [self.request(a, "flush_logs") for a in list(self.hellos) if not self.rt.supervision.is_lost(a)]
         for f in futs:
             try:
                 f.get(timeout=timeout)
@@ -389,6 +390,8 @@ class Client:
         with _debugwait.quiet():  # at exit nobody is there to debug paused ranks
             self.flush_logs()
             for addr in list(self.hellos):
+                if self.rt.supervision.is_lost(addr):
+                    continue  # gone: no one to say goodbye to (its lease ends our meshes there)
                 try:
                     self.request(addr, "bye", self.rt.addr_for(addr)).get(timeout=2)
                 except Exception:
