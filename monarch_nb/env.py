@@ -100,9 +100,10 @@ def _allocators(addresses: list[str] | None) -> list[str]:
 
         client = _context.client()
         for a in addresses:
-            # one typed by the user: a precise error (no such address, refused, unreachable, another
-            # cluster's key) within the connect timeout, not a request that waits three times that
-            client.connect(a)
+            if a not in client.hellos:
+                # one typed by the user: a precise error (no such address, refused, unreachable, another
+                # cluster's key) within the connect timeout, not a request that waits three times that
+                client.connect(a)
         return list(addresses)
     from . import _registry
 
