@@ -362,12 +362,7 @@ class Client:
     def flush_logs(self, timeout: float = 2.0) -> None:
         """Make output the procs already wrote reach this client before returning."""
         # one declared lost has nothing to flush here, and asking would cost a hello's wait each
-        futs = [self.request(a, "flush_logs") for a in list(self.hellos) if not self.rt.supervision.is_lost(a)]
-        for f in futs:
-            try:
-                f.get(timeout=timeout)
-            except Exception:
-                pass
+        _wait_all([self.request(a, "flush_logs") for a in list(self.hellos) if not self.rt.supervision.is_lost(a)], timeout)
 
     def _at_exit(self) -> None:
         self.shutdown()
@@ -389,15 +384,28 @@ class Client:
 
         with _debugwait.quiet():  # at exit nobody is there to debug paused ranks
             self.flush_logs()
+            byes = []
             for addr in list(self.hellos):
                 if self.rt.supervision.is_lost(addr):
                     continue  # gone: no one to say goodbye to (its lease ends our meshes there)
                 try:
-                    self.request(addr, "bye", self.rt.addr_for(addr)).get(timeout=2)
+                    byes.append(self.request(addr, "bye", self.rt.addr_for(addr)))
                 except Exception:
                     pass
+            _wait_all(byes, 2.0)
         self.hellos.clear()
         self.rt.release_shm()
+
+
+def _wait_all(futs: list[Future[Any]], timeout: float) -> None:
+    """Wait for every future, ``timeout`` in all (one that does not answer costs its wait once,
+    not once per allocator after it); their errors are the caller's to ignore."""
+    deadline = time.monotonic() + timeout
+    for f in futs:
+        try:
+            f.get(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception:
+            pass
 
 
 #: how often a request to an allocator declared lost tries a new hello first (a spawn always does)
