@@ -55,13 +55,15 @@ def status(
     mine = set(addresses or [])
     futs = [(addr, info, None if refused and addr in mine else client.request(addr, "status")) for addr, info in targets]
     out = []
+    # one deadline for all: allocators that do not answer cost ``timeout`` once, not once each
+    deadline = time.monotonic() + timeout
     for _addr, info, f in futs:
         if f is None:
             out.append({**info, "error": refused})
             continue
         try:
             with _debugwait.quiet():  # a status query is not a wait that should open the debugger
-                out.append(f.get(timeout=timeout))
+                out.append(f.get(timeout=max(0.0, deadline - time.monotonic())))
         except TimeoutError:
             out.append({**info, "error": f"no answer within {timeout:g} s: not running, or not reachable from here"})
         except Exception as e:
