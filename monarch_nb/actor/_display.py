@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from .. import _meshhtml
@@ -17,10 +18,11 @@ def _statuses(allocs: set[str]) -> dict[str, dict[str, Any]]:
     client = _context.client()
     futs = {a: client.request(a, "status") for a in sorted(allocs) if a}
     out = {}
+    deadline = time.monotonic() + STATUS_TIMEOUT  # for all: dead hosts cost it once, not once each
     for a, f in futs.items():
         try:
             with _debugwait.quiet():  # a display is not a wait that should open the debugger
-                out[a] = f.get(timeout=STATUS_TIMEOUT)
+                out[a] = f.get(timeout=max(0.0, deadline - time.monotonic()))
         except Exception:
             continue
     return out

@@ -133,10 +133,11 @@ def sessions(
     futs = [(a, client.request(a, "debug_list")) for a in _allocators(addresses)]
     seen: set[str] = set()
     out = []
+    deadline = time.monotonic() + timeout  # for all: allocators that do not answer cost it once
     for a, f in futs:
         try:
             with _debugwait.quiet():
-                recs = f.get(timeout=timeout)
+                recs = f.get(timeout=max(0.0, deadline - time.monotonic()))
         except Exception:
             continue
         for rec in recs:
@@ -367,10 +368,12 @@ def cast(
     targets = [s for s in sessions(actor, ranks, addresses=addresses) if s.state != "gone"]
     futs = [(s, _send(s, cmd)) for s in targets]
     out: dict[int, str] = {}
+    # for all: ranks that do not answer cost it once (None: wait as long as they take)
+    deadline = None if timeout is None else time.monotonic() + timeout
     for s, f in futs:
         try:
             with _debugwait.quiet():
-                res = f.get(timeout=timeout)
+                res = f.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
             if res.get("state") != "paused":
                 _debugwait.forget(s.sid)
             out[s.rank] = str(res.get("output", ""))
