@@ -8,6 +8,17 @@ import sys
 
 
 def _allocator(args: argparse.Namespace) -> int:
+    from .errors import MonarchNBError
+
+    try:
+        return _allocator_action(args)
+    except (ValueError, MonarchNBError) as e:
+        # a bind address that is none, a key that is missing: what to fix, in one line
+        print(f"monarch-nb allocator {args.action or 'run'}: {e}", file=sys.stderr)
+        return 1
+
+
+def _allocator_action(args: argparse.Namespace) -> int:
     from .allocator import list_allocators, run_allocator, start_allocator, stop_allocator
 
     action = args.action or "run"
@@ -33,12 +44,29 @@ def _allocator(args: argparse.Namespace) -> int:
             extra += ["--trust-all"]
         if args.lease is not None:
             extra += ["--lease", str(args.lease)]
+        if args.gateway:
+            extra += ["--gateway", args.gateway]
+        running = {int(r["pid"]) for r in list_allocators() if r["alive"]}
         info = start_allocator(extra)
+        if extra and int(info["pid"]) in running:
+            # start returns the allocator already serving this runtime directory, as it is
+            print(
+                f"monarch-nb allocator start: allocator pid {info['pid']} already serves {info['addr']} with its own "
+                f"settings, not {' '.join(extra)}: `monarch-nb allocator stop` it first",
+                file=sys.stderr,
+            )
+            return 1
         print(f"allocator pid {info['pid']} at {info['addr']} {info.get('tcp') or ''}".rstrip())
         return 0
     if action == "stop":
         pids = stop_allocator(args.pid)
-        print(f"stopped {len(pids)} allocator(s): {pids}" if pids else "no allocator running on this host")
+        if pids:
+            print(f"stopped {len(pids)} allocator(s): {pids}")
+        elif args.pid is not None:
+            alive = [int(r["pid"]) for r in list_allocators() if r["alive"]]
+            print(f"no allocator with pid {args.pid} on this host (running: {', '.join(map(str, alive)) or 'none'})")
+        else:
+            print("no allocator running on this host")
         return 0
     if action == "status":
         rows = list_allocators()
@@ -168,6 +196,16 @@ def _job_action(args: argparse.Namespace) -> int:
     raise SystemExit(f"unknown job action {args.action!r}")
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of seconds, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"a number of seconds above 0, got {text!r}")
+    return v
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="monarch-nb", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -183,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="Monarch's trust_all_connections: loopback only, authenticated with the runtime directory's key",
     )
-    a.add_argument("--lease", type=float, help="seconds without any controller before meshes are reaped")
+    a.add_argument("--lease", type=_positive_seconds, help="seconds without any controller before meshes are reaped")
     a.add_argument("--pid", type=int, help="with stop: only this allocator")
     a.add_argument("--announce-dir", help="a job's directory: write this allocator's addresses there (0600) once serving")
     a.add_argument("--announce-name", help="the file name to announce under (default: this host's name)")

@@ -353,11 +353,24 @@ def test_embedded_allocator_and_cli(tmp_path):
     env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir)
     r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "start"], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "allocator pid" in r.stdout, r.stderr
-    files = [i["file"] for i in records.read_connection_files(rdir)]
-    assert len(files) == 1 and os.stat(files[0]).st_mode & 0o777 == 0o600
-    r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "status"], env=env, capture_output=True, text=True, timeout=60)
-    assert "alive" in r.stdout
-    r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "stop"], env=env, capture_output=True, text=True, timeout=60)
+    try:
+        files = [i["file"] for i in records.read_connection_files(rdir)]
+        assert len(files) == 1 and os.stat(files[0]).st_mode & 0o777 == 0o600
+        r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "status"], env=env, capture_output=True, text=True, timeout=60)
+        assert "alive" in r.stdout
+        # options for an allocator that is already running are not silently dropped; a pid that is
+        # none of them is named
+        pid = int(r.stdout.split()[0])
+        for argv, rc, words in [
+            (["start", "--lease", "5"], 1, f"allocator pid {pid} already serves"),
+            (["start", "--lease", "-5"], 2, "argument --lease: a number of seconds above 0, got '-5'"),
+            (["stop", "--pid", "1"], 0, f"no allocator with pid 1 on this host (running: {pid})"),
+        ]:
+            r = subprocess.run([PY, "-m", "monarch_nb", "allocator", *argv], env=env, capture_output=True, text=True, timeout=60)
+            assert r.returncode == rc and words in r.stdout + r.stderr and "Traceback" not in r.stderr, (argv, r)
+    finally:
+        # stopped here whatever failed above: no allocator outlives the test
+        r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "stop"], env=env, capture_output=True, text=True, timeout=60)
     assert "stopped 1" in r.stdout
     r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "status"], env=env, capture_output=True, text=True, timeout=60)
     assert "no allocators" in r.stdout
@@ -365,6 +378,7 @@ def test_embedded_allocator_and_cli(tmp_path):
     r = subprocess.run([PY, "-m", "monarch_nb", "status"], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith(f"no allocator running (runtime directory {rdir})"), r
     for argv, words in [
+        (["allocator", "run", "--bind", "garbage"], "monarch-nb allocator run: bad worker address 'garbage'"),
         (["job", "kill", "nosuch"], "monarch-nb job kill: no job named 'nosuch'"),
         (["job", "apply", "train.py"], "monarch-nb job apply: a job spec is 'module.attr' (a JobTrait object in"),
         (["job", "apply", "nosuchmod.job"], "monarch-nb job apply: cannot import 'nosuchmod' for the job spec"),
