@@ -127,13 +127,21 @@ def _coerce(field: dataclasses.Field[Any], raw: str) -> Any:
         raise ConfigError(f"MONARCH_NB_{field.name.upper()}={raw!r} is not a valid {kind.__name__}") from e
 
 
+def _check(name: str, value: Any, source: str) -> Any:
+    """Every number here is a duration, a size or a count: a negative one (or NaN) means nothing,
+    and a heartbeat timeout of -1 would declare every peer lost at once."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not value >= 0:
+        raise ConfigError(f"{source}={value!r}: {name} is seconds, bytes or a count, 0 or more")
+    return value
+
+
 def get_config() -> Config:
     """The configuration in force for this process."""
     values: dict[str, Any] = {}
     for f in dataclasses.fields(Config):
         raw = os.environ.get(f"MONARCH_NB_{f.name.upper()}")
         if raw is not None:
-            values[f.name] = _coerce(f, raw)
+            values[f.name] = _check(f.name, _coerce(f, raw), f"MONARCH_NB_{f.name.upper()}")
     with _lock:
         values.update(_overrides)
     return Config(**values)
@@ -145,6 +153,8 @@ def configure(**kw: Any) -> None:
     unknown = set(kw) - names
     if unknown:
         raise ConfigError(f"unknown configuration field(s) {sorted(unknown)}; known: {sorted(names)}")
+    for name, value in kw.items():
+        _check(name, value, f"configure({name})")
     with _lock:
         _overrides.update(kw)
 

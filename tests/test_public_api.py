@@ -1,3 +1,5 @@
+import pytest
+
 import monarch_nb.actor as api
 
 MONARCH_0_7_ALL = """Accumulator Actor ActorError current_actor_name as_endpoint current_rank current_size
@@ -39,3 +41,23 @@ def test_every_error_class_is_exported_and_drawn_in_the_tree():
     for mod in ("errors", "config", "introspect", "allocator", "spmd"):
         m = importlib.import_module(f"monarch_nb.{mod}")
         assert m.__all__ == sorted(m.__all__) and all(hasattr(m, n) for n in m.__all__), mod
+
+
+def test_settings_refuse_what_no_setting_means(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A negative duration, size or count (or NaN) from the environment or configure() is a
+    ConfigError naming it; a heartbeat timeout of -1 declared every peer lost at once."""
+    from monarch_nb.config import configure, get_config
+    from monarch_nb.errors import ConfigError
+
+    monkeypatch.setenv("MONARCH_NB_HEARTBEAT_TIMEOUT", "-1")
+    with pytest.raises(
+        ConfigError, match=r"MONARCH_NB_HEARTBEAT_TIMEOUT=-1.0: heartbeat_timeout is seconds, bytes or a count, 0 or more"
+    ):
+        get_config()
+    monkeypatch.setenv("MONARCH_NB_HEARTBEAT_TIMEOUT", "nan")
+    with pytest.raises(ConfigError, match="0 or more"):
+        get_config()
+    monkeypatch.setenv("MONARCH_NB_HEARTBEAT_TIMEOUT", "0.5")
+    assert get_config().heartbeat_timeout == 0.5
+    with pytest.raises(ConfigError, match=r"configure\(rdma_streams\)=-1: rdma_streams is"):
+        configure(rdma_streams=-1)

@@ -22,7 +22,7 @@ import torch
 from conftest import wait_for
 
 from monarch_nb.actor import Actor, ProcMesh, endpoint, this_host
-from monarch_nb.errors import SupervisionError
+from monarch_nb.errors import ConfigError, SupervisionError
 from monarch_nb.rdma import (
     BufferDroppedError,
     RDMAAction,
@@ -782,7 +782,8 @@ def test_a_transfer_split_over_several_streams_arrives_whole() -> None:
         with configured(rdma_streams=8):
             assert dp.streams_for(3 << 20) == 3  # never a range under 1 MiB
             assert dp.streams_for(1 << 20) == 1
-        with configured(rdma_streams=-1), pytest.raises(ValueError, match="rdma_streams must be >= 0"):
-            dp.streams_for(4 << 20)
+        with pytest.raises(ConfigError, match="rdma_streams is seconds, bytes or a count, 0 or more"):
+            with configured(rdma_streams=-1):
+                pass
     finally:
         srv.close()
