@@ -26,7 +26,7 @@ def _ok(c):
     return c
 
 
-def test_help_and_clear_usage_errors(k: Kernel) -> None:
+def test_help_and_clear_usage_errors(k: Kernel, tmp_path) -> None:
     assert "%mesh spawn NAME" in _ok(k.run("%mesh help")).stream()
     assert "--per-host" in _ok(k.run("%mesh spawn --help")).stream()
     assert "--no-aggregate" in _ok(k.run("%mesh exec --help")).stream()
@@ -51,8 +51,8 @@ def test_help_and_clear_usage_errors(k: Kernel) -> None:
         ("%%mesh exec nosuch\n1", "no mesh named 'nosuch'"),
         ("%%mesh exec gone\n1", "`ProcMesh` has already been stopped: proc mesh 'gone'"),
         ("%mesh stacks ue --ranks 7", "rank 7 is out of range"),
-        ("%mesh sync /nonexistent", "cannot sync /nonexistent: not a directory"),
-        ("%mesh sync --watch /nonexistent", "cannot sync /nonexistent: not a directory"),
+        (f"%mesh sync {tmp_path}/missing", f"cannot sync {tmp_path}/missing: not a directory"),
+        (f"%mesh sync --watch {tmp_path}/missing", f"cannot sync {tmp_path}/missing: not a directory"),
         ("%mesh connect 10.0.0.1:5555", "for a TCP address write tcp://10.0.0.1:5555"),
         ("%mesh env diff garbage", "cannot parse allocator address 'garbage'"),
     ]
