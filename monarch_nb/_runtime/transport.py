@@ -241,20 +241,25 @@ def is_wildcard(host: str) -> bool:
 
 
 def check_form(addr: str) -> None:
-    """Refuse what cannot be an address before zmq or the key exchange meets it (a typed
-    ``host:port``, ``garbage``) with the forms that are."""
+    """Refuse what cannot be an address to connect to before zmq or the key exchange meets it
+    (a typed ``host:port``, ``garbage``, port 0) with the forms that are."""
     if addr.startswith("ipc://") and len(addr) > len("ipc://"):
         return
-    if addr.startswith("tcp://"):
-        host, sep, port = addr[len("tcp://") :].rpartition(":")
-        if sep and host and port.isdigit() and 0 < int(port) < 65536:
-            return
-    raise ValueError(f"{addr!r} is not an address: use tcp://HOST:PORT or ipc://PATH")
+    if not 0 < split_tcp(addr)[1] < 65536:
+        raise ValueError(_not_an_address(addr))
 
 
 def split_tcp(addr: str) -> tuple[str, int]:
-    host, port = addr[len("tcp://") :].rsplit(":", 1)
+    """(host, port) of ``tcp://HOST:PORT`` (port 0 allowed: a bind to any port); anything else
+    is a ValueError saying which forms an address takes."""
+    host, sep, port = addr[len("tcp://") :].rpartition(":") if addr.startswith("tcp://") else ("", "", "")
+    if not (sep and host and port.isdigit()):
+        raise ValueError(_not_an_address(addr))
     return host.strip("[]"), int(port)
+
+
+def _not_an_address(addr: str) -> str:
+    return f"{addr!r} is not an address: use tcp://HOST:PORT or ipc://PATH"
 
 
 #: what a transport hands each message to: its frames, and the inbox socket and sender's
@@ -612,7 +617,6 @@ class Transport:
         """Our inbox address as ``peer`` must see it."""
         if peer.startswith("ipc://"):
             return self.ipc_addr
-        check_form(peer)
         routes = self.sockets.routes
         if routes and peer.startswith("tcp://"):
             route = routes.get(split_tcp(peer)[0])
