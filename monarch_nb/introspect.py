@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ._deadline import budget
 from ._runtime.records import read_connection_files
 from ._runtime.runtime import pid_alive
 from ._runtime.transport import Security
@@ -55,15 +56,14 @@ def status(
     mine = set(addresses or [])
     futs = [(addr, info, None if refused and addr in mine else client.request(addr, "status")) for addr, info in targets]
     out = []
-    # one deadline for all: allocators that do not answer cost ``timeout`` once, not once each
-    deadline = time.monotonic() + timeout
+    left = budget(timeout)
     for _addr, info, f in futs:
         if f is None:
             out.append({**info, "error": refused})
             continue
         try:
             with _debugwait.quiet():  # a status query is not a wait that should open the debugger
-                out.append(f.get(timeout=max(0.0, deadline - time.monotonic())))
+                out.append(f.get(timeout=left()))
         except TimeoutError:
             out.append({**info, "error": f"no answer within {timeout:g} s: not running, or not reachable from here"})
         except Exception as e:

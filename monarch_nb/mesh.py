@@ -11,10 +11,10 @@ controller owns.
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Any
 
 from . import _registry
+from ._deadline import budget
 from ._ranks import parse_ranks
 from ._registry import _resolve, connect, get, hosts, meshes, restart, spawn
 from .actor import Extent, Future, ProcMesh, ValueMesh, controller_client
@@ -129,10 +129,10 @@ def interrupt(mesh: ProcMesh | str | None, ranks: list[int] | None = None) -> in
         procs = [procs[i] for i in ranks]
     futs = [client.request(p.addr, "interrupt", _actor="__sys__") for p in procs]
     n = 0
-    deadline = time.monotonic() + 2  # for all: a rank that does not answer costs it once
+    left = budget(2.0)
     for f in futs:
         try:
-            n += bool(f.get(timeout=max(0.0, deadline - time.monotonic())))
+            n += bool(f.get(timeout=left()))
         except Exception:
             pass
     return n

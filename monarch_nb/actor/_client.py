@@ -18,6 +18,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from .._deadline import budget
 from .._runtime._pids import pid_is
 from .._runtime.logcapture import expand, line_text
 from .._runtime.runtime import ReplyPort, Runtime
@@ -398,12 +399,11 @@ class Client:
 
 
 def _wait_all(futs: list[Future[Any]], timeout: float) -> None:
-    """Wait for every future, ``timeout`` in all (one that does not answer costs its wait once,
-    not once per allocator after it); their errors are the caller's to ignore."""
-    deadline = time.monotonic() + timeout
+    """Wait for every future, ``timeout`` in all; their errors are the caller's to ignore."""
+    left = budget(timeout)
     for f in futs:
         try:
-            f.get(timeout=max(0.0, deadline - time.monotonic()))
+            f.get(timeout=left())
         except Exception:
             pass
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from .. import _meshhtml
+from .._deadline import budget
 from . import _context, _debugwait
 
 #: how long a mesh's display waits for its allocators' status before showing "unknown"
@@ -18,11 +18,11 @@ def _statuses(allocs: set[str]) -> dict[str, dict[str, Any]]:
     client = _context.client()
     futs = {a: client.request(a, "status") for a in sorted(allocs) if a}
     out = {}
-    deadline = time.monotonic() + STATUS_TIMEOUT  # for all: dead hosts cost it once, not once each
+    left = budget(STATUS_TIMEOUT)
     for a, f in futs.items():
         try:
             with _debugwait.quiet():  # a display is not a wait that should open the debugger
-                out[a] = f.get(timeout=max(0.0, deadline - time.monotonic()))
+                out[a] = f.get(timeout=left())
         except Exception:
             continue
     return out

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from .._deadline import budget
 from .._runtime.records import read_connection_files
 from .._runtime.runtime import pid_alive as _alive
 from ..actor import _context, _debugwait
@@ -133,11 +134,11 @@ def sessions(
     futs = [(a, client.request(a, "debug_list")) for a in _allocators(addresses)]
     seen: set[str] = set()
     out = []
-    deadline = time.monotonic() + timeout  # for all: allocators that do not answer cost it once
+    left = budget(timeout)
     for a, f in futs:
         try:
             with _debugwait.quiet():
-                recs = f.get(timeout=max(0.0, deadline - time.monotonic()))
+                recs = f.get(timeout=left())
         except Exception:
             continue
         for rec in recs:
@@ -368,12 +369,11 @@ def cast(
     targets = [s for s in sessions(actor, ranks, addresses=addresses) if s.state != "gone"]
     futs = [(s, _send(s, cmd)) for s in targets]
     out: dict[int, str] = {}
-    # for all: ranks that do not answer cost it once (None: wait as long as they take)
-    deadline = None if timeout is None else time.monotonic() + timeout
+    left = budget(timeout)
     for s, f in futs:
         try:
             with _debugwait.quiet():
-                res = f.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+                res = f.get(timeout=left())
             if res.get("state") != "paused":
                 _debugwait.forget(s.sid)
             out[s.rank] = str(res.get("output", ""))
