@@ -40,10 +40,21 @@ def parse_ranks(text: str, n: int) -> list[int]:
                 out.add(int(part))
         except ValueError:
             raise ValueError(f"cannot read rank set {text!r}: use forms like 0:4, 0-3, 1,3 or *") from None
-    bad = sorted(r for r in out if not 0 <= r < n)
-    if bad:
-        raise ValueError(f"rank {bad[0]} is out of range: the mesh has ranks 0-{n - 1}")
     if not out:
         # "3:1" or "3-1": a typo, not a wish to run nowhere
         raise ValueError(f"rank set {text!r} selects no ranks: the mesh has ranks 0-{n - 1}")
-    return sorted(out)
+    return _in_range(out, n)
+
+
+def select_ranks(ranks: str | Iterable[int], n: int) -> list[int]:
+    """The sorted ranks below ``n`` that ``ranks`` names: a rank-set text (see
+    :func:`parse_ranks`) or the ranks themselves; one out of range is a ValueError."""
+    return parse_ranks(ranks, n) if isinstance(ranks, str) else _in_range(ranks, n)
+
+
+def _in_range(ranks: Iterable[int], n: int) -> list[int]:
+    out = sorted(ranks)
+    bad = [r for r in out if not 0 <= r < n]
+    if bad:
+        raise ValueError(f"rank {bad[0]} is out of range: the mesh has ranks 0-{n - 1}")
+    return out

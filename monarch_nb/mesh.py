@@ -15,7 +15,7 @@ from typing import Any
 
 from . import _registry
 from ._deadline import budget
-from ._ranks import parse_ranks
+from ._ranks import select_ranks
 from ._registry import _resolve, connect, get, hosts, meshes, restart, spawn
 from .actor import Extent, Future, ProcMesh, ValueMesh, controller_client
 from .errors import ExecError, MeshError, SpawnError
@@ -62,12 +62,7 @@ def _exec_actors(pm: ProcMesh) -> Any:
 def _target_ranks(pm: ProcMesh, ranks: str | list[int] | None) -> list[int] | None:
     if ranks is None:
         return None
-    n = len(pm._view.ranks)
-    if isinstance(ranks, str):
-        return parse_ranks(ranks, n)
-    if bad := [r for r in ranks if not 0 <= r < n]:
-        raise ValueError(f"rank {bad[0]} is out of range: the mesh has ranks 0-{n - 1}")
-    return sorted(ranks)
+    return select_ranks(ranks, len(pm._view.ranks))
 
 
 def exec_cell(

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._errgroup import _internal, cell_number, show_internal_frames
-from .._ranks import format_ranks, parse_ranks
+from .._ranks import format_ranks, select_ranks
 from ..actor import _context, _debugwait
 
 __all__ = ["Stacks", "stacks"]
@@ -233,9 +233,7 @@ def stacks(
     procs = [mesh._procs[r] for r in view.ranks]
     idx = list(range(len(procs)))
     if ranks is not None:
-        idx = parse_ranks(ranks, len(procs)) if isinstance(ranks, str) else sorted(ranks)
-        if bad := [i for i in idx if not 0 <= i < len(procs)]:
-            raise ValueError(f"rank {bad[0]} is out of range: the mesh has ranks 0-{len(procs) - 1}")
+        idx = select_ranks(ranks, len(procs))
     client = _context.client()
     futs = {i: client.request(procs[i].addr, "stacks", _actor="__debug__") for i in idx}
     nfuts = {}
