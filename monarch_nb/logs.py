@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ._ranks import format_ranks
+from ._runtime.logcapture import check_tail
 
 __all__ = ["Aggregator", "follow", "format_line", "format_ranks", "logs"]
 
@@ -152,8 +153,8 @@ def logs(
     from .actor import _context
     from .errors import MeshError, MonarchNBError
 
-    if tail is not None and (not isinstance(tail, int) or tail < 0):
-        raise ValueError(f"tail is a number of lines per rank, 0 or more, not {tail!r}")
+    if tail is not None:
+        check_tail(tail)  # here too: before a request to every allocator
     if isinstance(mesh, str):
         from ._registry import get
 
@@ -212,8 +213,7 @@ def _local_logs(name: str, rank: int | None, tail: int | None, start: dict[int, 
 
 def follow(mesh: Any, rank: int | None = None, tail: int = 10, poll: float = 0.25) -> Iterator[dict[str, Any]]:
     """Yield the last ``tail`` lines, then new lines as ranks write them (until the caller stops)."""
-    if not isinstance(tail, int) or tail < 0:
-        raise ValueError(f"tail is a number of lines per rank, 0 or more, not {tail!r}")
+    check_tail(tail)
     seen: dict[int, int] = {}
     rows = logs(mesh, rank)
     for r in rows:

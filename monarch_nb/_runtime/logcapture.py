@@ -743,11 +743,18 @@ def rank_log_path(log_dir: str, mesh: str, rank: int) -> str:
     return os.path.join(log_dir, mesh, f"rank-{rank}.jsonl")
 
 
+def check_tail(tail: Any) -> None:
+    """A tail of a rank's log is a number of lines, 0 or more (a negative one read as "all but
+    the first lines")."""
+    if not isinstance(tail, int) or tail < 0:
+        raise ValueError(f"tail is a number of lines per rank, 0 or more, not {tail!r}")
+
+
 def read_log(path: str, tail: int | None = None, start: int = 0) -> list[dict[str, Any]]:
     """Rows ``start:`` of a rank's log, or only its last ``tail`` rows (read from the end of
     the file: a tail of a huge log costs what the tail is, not what the log is)."""
-    if tail is not None and tail < 0:
-        raise ValueError(f"tail is a number of lines, 0 or more, not {tail}")
+    if tail is not None:
+        check_tail(tail)
     rows: list[bytes] = []
     log = _open_logs.get(path)
     if log is not None:
