@@ -164,17 +164,20 @@ class MeshMagics(Magics):
         except _HelpShown:
             return None
         run = getattr(self, f"_do_{sub}")
-        if sub in ("exec", "attach", "debug"):
-            return run(args, cell)
-        # the other subcommands' waits are housekeeping: paused ranks must not open the debugger there
-        from ..debug import quiet
-
-        with quiet():
-            try:
+        try:
+            if sub in ("exec", "attach", "debug"):
                 return run(args, cell)
-            except _ONE_LINE as e:
-                # housekeeping failed: say why in one line, as IPython says a usage error
-                raise UsageError(f"%mesh {sub}: {e}") from None
+            # the other subcommands' waits are housekeeping: paused ranks must not open the debugger there
+            from ..debug import quiet
+
+            with quiet():
+                try:
+                    return run(args, cell)
+                except _ONE_LINE as e:
+                    # housekeeping failed: say why in one line, as IPython says a usage error
+                    raise UsageError(f"%mesh {sub}: {e}") from None
+        except _TYPED_WRONG.get(sub, ()) as e:
+            raise UsageError(f"{'%%' if cell is not None else '%'}mesh {sub}: {e}") from None
 
     # ------------------------------------------------------------ subcommands
     def _bind(self, name: str, value: Any) -> None:
@@ -195,11 +198,7 @@ class MeshMagics(Magics):
 
     def _do_spawn(self, args: argparse.Namespace, cell: str | None) -> Any:
         per_host = _kv(args.per_host)
-        try:
-            pm = _mesh.spawn(args.name, per_host, persist=False if args.no_persist else None)
-        except ValueError as e:
-            # a name that is no identifier, sizes the hosts cannot give: what was typed
-            raise UsageError(f"%mesh spawn: {e}") from None
+        pm = _mesh.spawn(args.name, per_host, persist=False if args.no_persist else None)
         self._bind(args.name, pm)
         print(f"{args.name}: {len(pm._procs)} procs {pm.extent} on {len({p.host for p in pm._procs})} host(s)")
         return None
@@ -216,12 +215,7 @@ class MeshMagics(Magics):
             # and the label names it as IPython names cells: tracebacks read "Cell In[N], line L"
             n = _running_cell_number(self.shell)
             source, label = ("\n" + (cell or ""), f"In[{n}]") if n else (cell or "", "")
-            try:
-                return _mesh.exec_cell(args.name, source, ranks=args.ranks, block=not args.no_block, label=label)
-            except (MeshError, ValueError) as e:
-                # no such mesh, a stopped one, a rank set it lacks: the cell's own errors are an
-                # ExecError (every rank's traceback), never one of these
-                raise UsageError(f"%%mesh exec: {e}") from None
+            return _mesh.exec_cell(args.name, source, ranks=args.ranks, block=not args.no_block, label=label)
         finally:
             out = output()
             if out is not None and not args.no_block:
@@ -235,18 +229,14 @@ class MeshMagics(Magics):
     def _do_logs(self, args: argparse.Namespace, cell: str | None) -> Any:
         # a name this kernel does not know may still have logs of an earlier allocator on this host
         pm = _mesh.meshes().get(args.name) or (_mesh.get(args.name) if args.follow else args.name)
-        try:
-            if args.follow:
-                try:
-                    for r in _logs.follow(pm, args.rank, tail=args.tail if args.tail is not None else 10):
-                        _print_row(r)
-                except KeyboardInterrupt:
-                    pass
-                return None
-            rows = _logs.logs(pm, args.rank, args.tail)
-        except ValueError as e:
-            # a rank the mesh lacks or a negative --tail: what the user typed, not a fault
-            raise UsageError(f"%mesh logs: {e}") from None
+        if args.follow:
+            try:
+                for r in _logs.follow(pm, args.rank, tail=args.tail if args.tail is not None else 10):
+                    _print_row(r)
+            except KeyboardInterrupt:
+                pass
+            return None
+        rows = _logs.logs(pm, args.rank, args.tail)
         for r in rows:
             _print_row(r)
         if not rows:
@@ -266,15 +256,12 @@ class MeshMagics(Magics):
         mode = "recreate" if args.recreate else "restart" if args.restart else None if args.no_reload else "inplace"
         meshes = [_mesh.get(n) for n in args.mesh] if args.mesh else None
         kw: dict[str, Any] = {"meshes": meshes, "excludes": args.exclude, "via": args.via, "reload": mode}
-        try:
-            if args.watch:
-                if _watcher is not None:
-                    _watcher.stop()
-                _watcher = _sync.watch(args.paths or None, **kw)
-                return _watcher
-            reports = _sync.sync(args.paths or None, **kw)
-        except (FileNotFoundError, ValueError) as e:
-            raise UsageError(f"%mesh sync: {e}") from None  # a path that is no folder, no hosts yet
+        if args.watch:
+            if _watcher is not None:
+                _watcher.stop()
+            _watcher = _sync.watch(args.paths or None, **kw)
+            return _watcher
+        reports = _sync.sync(args.paths or None, **kw)
         if mode == "restart":
             for name, pm in _mesh.meshes().items():
                 self._bind(name, pm)
@@ -283,12 +270,9 @@ class MeshMagics(Magics):
     def _do_env(self, args: argparse.Namespace, cell: str | None) -> Any:
         from .. import env
 
-        try:
-            if args.action == "diff":
-                return env.diff(args.addresses or None)
-            done = env.sync(args.addresses or None, index=not args.no_index)
-        except ValueError as e:
-            raise UsageError(f"%mesh env: {e}") from None  # what was typed is no address
+        if args.action == "diff":
+            return env.diff(args.addresses or None)
+        done = env.sync(args.addresses or None, index=not args.no_index)
         for alloc, acts in done.items():
             print(f"{alloc}: " + ("; ".join(acts) if acts else "already matches"))
         if any(done.values()):
@@ -353,18 +337,12 @@ class MeshMagics(Magics):
         target = self.shell.user_ns.get(args.name) if args.name else None  # type: ignore[union-attr]
         if not isinstance(target, (ProcMesh, ActorMesh)):
             target = _mesh._resolve(args.name)
-        try:
-            return debug.stacks(target, args.ranks, native=args.native, timeout=args.timeout)
-        except ValueError as e:
-            raise UsageError(f"%mesh stacks: {e}") from None  # a rank set the mesh lacks
+        return debug.stacks(target, args.ranks, native=args.native, timeout=args.timeout)
 
     def _do_trace(self, args: argparse.Namespace, cell: str | None) -> Any:
         from . import _trace
 
-        try:
-            return _trace.trace(args.name, args.last, args.out, args.factor)
-        except ValueError as e:
-            raise UsageError(f"%mesh trace: {e}") from None
+        return _trace.trace(args.name, args.last, args.out, args.factor)
 
     def _do_stop(self, args: argparse.Namespace, cell: str | None) -> Any:
         if not args.all and not args.name:
@@ -379,6 +357,19 @@ _watcher: Any = None
 #: errors a housekeeping subcommand reports as one line, not as a library traceback (a call's
 #: ActorError and SupervisionError keep theirs: that traceback is the user's code)
 _ONE_LINE = (MeshError, ConnectError, ConfigError, DebugError, ProtocolError, AuthenticationError)
+
+#: per subcommand, what its functions raise when the line names something that is not there (a
+#: mesh name that is no identifier, a rank set the mesh lacks, a folder that is none, an address
+#: that is none): said in one line as well. An exec cell's own errors are an ExecError, never these
+_TYPED_WRONG: dict[str, tuple[type[Exception], ...]] = {
+    "spawn": (ValueError,),
+    "exec": (MeshError, ValueError),
+    "logs": (ValueError,),
+    "sync": (FileNotFoundError, ValueError),
+    "env": (ValueError,),
+    "stacks": (ValueError,),
+    "trace": (ValueError,),
+}
 
 
 def _running_cell_number(shell: Any) -> int:
