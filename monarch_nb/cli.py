@@ -5,17 +5,26 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+
+
+def _in_one_line(
+    what: str, errors: tuple[type[Exception], ...], action: Callable[[argparse.Namespace], int], args: argparse.Namespace
+) -> int:
+    """``action(args)``, with ``errors`` (what the command line got wrong, or a refusal that says
+    what to fix) printed as one line and exit status 1, not a traceback."""
+    try:
+        return action(args)
+    except errors as e:
+        print(f"monarch-nb {what}: {e}", file=sys.stderr)
+        return 1
 
 
 def _allocator(args: argparse.Namespace) -> int:
     from .errors import MonarchNBError
 
-    try:
-        return _allocator_action(args)
-    except (ValueError, MonarchNBError) as e:
-        # a bind address that is none, a key that is missing: what to fix, in one line
-        print(f"monarch-nb allocator {args.action or 'run'}: {e}", file=sys.stderr)
-        return 1
+    # a bind address that is none, a key that is missing
+    return _in_one_line(f"allocator {args.action or 'run'}", (ValueError, MonarchNBError), _allocator_action, args)
 
 
 def _allocator_action(args: argparse.Namespace) -> int:
@@ -158,12 +167,8 @@ def _fmt_s(v: float | None) -> str:
 def _job(args: argparse.Namespace) -> int:
     from .job import JobError
 
-    try:
-        return _job_action(args)
-    except (JobError, ValueError, TypeError, AttributeError) as e:
-        # a spec that names nothing, a job that does not exist, a scheduler's refusal: one line
-        print(f"monarch-nb job {args.action}: {e}", file=sys.stderr)
-        return 1
+    # a spec that names nothing, a job that does not exist, a scheduler's refusal
+    return _in_one_line(f"job {args.action}", (JobError, ValueError, TypeError, AttributeError), _job_action, args)
 
 
 def _job_action(args: argparse.Namespace) -> int:
