@@ -72,10 +72,7 @@ class SPMDActor(Actor):
     def get_host_port(self, use_ipaddr: Any = None) -> tuple[str, int]:
         """This host's name (or, with ``use_ipaddr``, the IP address its default route leaves
         from) and a port free on it, for the rendezvous."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return (_ip_addr() if use_ipaddr else socket.gethostname()), port
+        return (_ip_addr() if use_ipaddr else socket.gethostname()), _free_port()
 
     @endpoint
     def setup_env(self, master_addr: str, master_port: int) -> None:
@@ -102,13 +99,17 @@ class SPMDActor(Actor):
 
     @endpoint
     def free_port(self) -> tuple[str, int]:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return socket.gethostbyname(socket.gethostname()), s.getsockname()[1]
+        return socket.gethostbyname(socket.gethostname()), _free_port()
 
     @endpoint
     def ip_addr(self) -> str:
         return _ip_addr()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
 
 
 def _ip_addr() -> str:
