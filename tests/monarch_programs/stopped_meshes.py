@@ -8,22 +8,13 @@ Monarch's fault hook hearing of each call to a stopped actor mesh ("undeliverabl
 ours tells the caller only."""
 
 import re
-import threading
 
 import monarch.actor as actor_api
-from monarch.actor import Actor, MeshFailure, endpoint, this_host
+from monarch.actor import Actor, endpoint, this_host
 
-failures: list[MeshFailure] = []
-lock = threading.Lock()
-
-
-def hook(failure: MeshFailure) -> None:
-    with lock:
-        failures.append(failure)
-
-
-# Monarch's hook hears of each call to a stopped actor mesh (see the docstring): kept out of the output
-actor_api.unhandled_fault_hook = hook
+# Monarch's hook hears of each call to a stopped actor mesh (see the docstring); its default
+# would end the program there. Nothing here is about the hook, so it ignores them
+actor_api.unhandled_fault_hook = lambda failure: None
 
 
 class P(Actor):
