@@ -110,8 +110,10 @@ def exec_cell(
         return out
     try:
         return out.get(timeout=timeout)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         interrupt(pm, sel)
+        # the ranks were interrupted too: the future's "only the wait was interrupted" is not so here
+        vars(e).pop("__notes__", None)
         raise
 
 

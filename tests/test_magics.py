@@ -722,3 +722,34 @@ def test_the_default_fault_hook_stays_quiet_about_a_failure_the_cell_already_rai
     _ok(k.run("class Pings(Actor):\n    @endpoint\n    def ping(self) -> int:\n        return 1"))
     assert _ok(k.run("quiet.spawn('p', Pings).ping.call().get(timeout=30).values()")).result == "[1, 1]"
     _ok(k.run("quiet.stop().get(timeout=30)"))
+
+
+def test_an_interrupted_get_says_the_call_runs_on_and_the_future_still_works(k: Kernel, tmp_path) -> None:
+    # a kernel interrupt stops the wait, not the endpoint (as in Monarch); the user is told so,
+    # and why a next call to those actors waits
+    go = tmp_path / "go"
+    _ok(
+        k.run(
+            "from monarch_nb.actor import Actor, endpoint, this_host\n"
+            "import os, time\n"
+            "class Slow(Actor):\n"
+            "    @endpoint\n"
+            "    def run(self, flag):\n"
+            "        while not os.path.exists(flag):\n"
+            "            time.sleep(0.02)\n"
+            "        return 'finished'\n"
+            "slow_procs = this_host().spawn_procs(per_host={'gpus': 2})\n"
+            "slow = slow_procs.spawn('slow', Slow)\n"
+            f"fut = slow.run.call({str(go)!r})"
+        )
+    )
+    cell = k.execute("print('waiting', flush=True)\nfut.get()")
+    k.wait_msg(lambda m: m["parent_header"].get("msg_id") == cell.msg_id and m["msg_type"] == "stream", 20, "the cell to wait")
+    k.interrupt()
+    c = k.wait(cell, 20)
+    assert c.error and c.error["ename"] == "KeyboardInterrupt", c.msgs
+    tb = "\n".join(c.error["traceback"])
+    assert "only the wait was interrupted: slow.run.call() still runs on 2 of 2 ranks" in tb, tb
+    go.touch()
+    assert _ok(k.run("[v for _, v in fut.get(timeout=20).items()]")).result == "['finished', 'finished']"
+    _ok(k.run("slow_procs.stop().get()"))

@@ -237,9 +237,26 @@ class Future(Generic[R]):
                     raise TimeoutError(f"{self._what} not ready after {timeout} s (the future is still usable)")
                 # read while still listed as blocked: whoever watches ``blocked`` sees the error raised
                 return self._resolve()
+            except KeyboardInterrupt as e:
+                if self._state == _PENDING:
+                    e.add_note(self._interrupted_note())
+                raise
             finally:
                 blocked.pop(tid, None)
         return self._resolve()
+
+    def _interrupted_note(self) -> str:
+        # a kernel interrupt looks as if it stopped the call; the next call to those actors then
+        # waits, unexplained, for this one to end
+        p = self.progress()
+        if p is None or self.progress_unit != "ranks replied":
+            return f"monarch_nb: only the wait was interrupted: {self._what} goes on, and .get() waits for it again."
+        done, n = p
+        return (
+            f"monarch_nb: only the wait was interrupted: {self._what} still runs on {n - done} of {n} ranks, "
+            "as in Monarch, and their actors take their next calls once it returns. .get() waits for it again; "
+            "stopping the mesh ends it now."
+        )
 
     result = get
 
