@@ -112,7 +112,7 @@ def exec_cell(
         return out.get(timeout=timeout)
     except KeyboardInterrupt as e:
         interrupt(pm, sel)
-        # the ranks were interrupted too: the future's "only the wait was interrupted" is not so here
+        # the ranks were interrupted too: the future's "only the wait stopped" is not so here
         vars(e).pop("__notes__", None)
         raise
 

@@ -255,6 +255,30 @@ def test_a_failed_rank_surfaces_while_the_others_still_block(procs):
     f.release.broadcast()
 
 
+def test_a_cancelled_await_says_the_call_runs_on_and_the_future_still_works(procs):
+    h = procs.spawn("held_await", Holder)
+    fut = h.hold.call()
+
+    async def give_up() -> None:
+        await asyncio.wait_for(_awaited(fut), 0.2)
+
+    with pytest.raises(asyncio.TimeoutError) as ei:
+        asyncio.run(give_up())
+    cancelled = ei.value.__cause__
+    assert isinstance(cancelled, asyncio.CancelledError), repr(cancelled)
+    assert cancelled.__notes__ == [
+        "monarch_nb: only the wait stopped: held_await.hold.call() still runs on 4 of 4 ranks, as in Monarch, and "
+        "their actors take their next calls once it returns. .get() or await waits for it again; stopping the mesh "
+        "ends it now."
+    ]
+    h.release.broadcast()
+    assert sorted(fut.get(timeout=20).values()) == [0, 1, 2, 3]
+
+
+async def _awaited(fut: Future[Any]) -> Any:
+    return await fut
+
+
 def test_choose_spreads_calls_over_the_least_busy_actors(procs):
     h = procs.spawn("holders", Holder)
     # one at a time: every actor is idle each time, so they take turns

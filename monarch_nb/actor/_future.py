@@ -250,12 +250,12 @@ class Future(Generic[R]):
         # waits, unexplained, for this one to end
         p = self.progress()
         if p is None or self.progress_unit != "ranks replied":
-            return f"monarch_nb: only the wait was interrupted: {self._what} goes on, and .get() waits for it again."
+            return f"monarch_nb: only the wait stopped: {self._what} goes on, and .get() or await waits for it again."
         done, n = p
         return (
-            f"monarch_nb: only the wait was interrupted: {self._what} still runs on {n - done} of {n} ranks, "
-            "as in Monarch, and their actors take their next calls once it returns. .get() waits for it again; "
-            "stopping the mesh ends it now."
+            f"monarch_nb: only the wait stopped: {self._what} still runs on {n - done} of {n} ranks, "
+            "as in Monarch, and their actors take their next calls once it returns. .get() or await waits for it "
+            "again; stopping the mesh ends it now."
         )
 
     result = get
@@ -276,11 +276,17 @@ class Future(Generic[R]):
             rt, peer = _context._runtime, self._peer
             # a one-actor call's reply: the loop may read it itself
             own = None if peer is None or rt is None else functools.partial(_replyread.awaitable, self, peer, rt)
-            if _debugwait.awaits_here():
-                # an async cell: a rank of ours stopping at a breakpoint opens the console here
-                yield from _debugwait.wait_async(self, own).__await__()
-            else:
-                yield from (own() if own is not None else _debugwait.woken_by(self)).__await__()
+            try:
+                if _debugwait.awaits_here():
+                    # an async cell: a rank of ours stopping at a breakpoint opens the console here
+                    yield from _debugwait.wait_async(self, own).__await__()
+                else:
+                    yield from (own() if own is not None else _debugwait.woken_by(self)).__await__()
+            except asyncio.CancelledError as e:
+                # a cancelled task, or a timeout around the await (asyncio.wait_for)
+                if self._state == _PENDING:
+                    e.add_note(self._interrupted_note())
+                raise
         return self._resolve()
 
     def as_asyncio(self) -> asyncio.Future[R]:
