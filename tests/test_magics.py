@@ -743,8 +743,18 @@ def test_an_interrupted_get_says_the_call_runs_on_and_the_future_still_works(k: 
             f"fut = slow.run.call({str(go)!r})"
         )
     )
-    cell = k.execute("print('waiting', flush=True)\nfut.get()")
-    k.wait_msg(lambda m: m["parent_header"].get("msg_id") == cell.msg_id and m["msg_type"] == "stream", 20, "the cell to wait")
+    cell = k.execute("fut.get()")
+    # the wait's progress bar (after 2 s) says the kernel is blocked in get(): a print before it
+    # would tell only that the print was sent, and the interrupt could land in its flush
+    k.wait_msg(
+        lambda m: (
+            m["parent_header"].get("msg_id") == cell.msg_id
+            and m["msg_type"] in ("display_data", "update_display_data")
+            and "waiting on slow.run.call()" in m["content"]["data"].get("text/plain", "")
+        ),
+        20,
+        "the cell's wait to show",
+    )
     k.interrupt()
     c = k.wait(cell, 20)
     assert c.error and c.error["ename"] == "KeyboardInterrupt", c.msgs
@@ -753,3 +763,45 @@ def test_an_interrupted_get_says_the_call_runs_on_and_the_future_still_works(k: 
     go.touch()
     assert _ok(k.run("[v for _, v in fut.get(timeout=20).items()]")).result == "['finished', 'finished']"
     _ok(k.run("slow_procs.stop().get()"))
+
+
+def test_an_async_cell_awaiting_a_call_is_interrupted_at_once(k: Kernel, tmp_path) -> None:
+    # ipykernel alone would act on the interrupt only once the awaited call returned: never, here
+    go = tmp_path / "go"
+    _ok(
+        k.run(
+            "from monarch_nb.actor import Actor, endpoint, this_host\n"
+            "import os, time\n"
+            "class Gated(Actor):\n"
+            "    @endpoint\n"
+            "    def run(self, flag):\n"
+            "        while not os.path.exists(flag):\n"
+            "            time.sleep(0.02)\n"
+            "        return 'finished'\n"
+            "gated_procs = this_host().spawn_procs(per_host={'gpus': 2})\n"
+            "gated = gated_procs.spawn('gated', Gated)\n"
+            f"afut = gated.run.call({str(go)!r})\n"
+            f"one = gated.slice(gpus=0).run.call_one({str(go)!r})"
+        )
+    )
+    for what, note in (
+        ("afut", "gated.run.call() still runs on 2 of 2 ranks"),
+        ("one", "run.call_one() still runs on 1 of 1 ranks"),
+    ):
+        cell = k.execute(f"print('waiting', flush=True)\nawait {what}")
+        k.wait_msg(
+            lambda m, cell=cell: m["parent_header"].get("msg_id") == cell.msg_id and m["msg_type"] == "stream",  # type: ignore[misc]
+            20,
+            "the cell to wait",
+        )
+        k.interrupt()
+        c = k.wait(cell, 20)
+        assert c.error and c.error["ename"] == "CancelledError", c.msgs
+        tb = "\n".join(c.error["traceback"])
+        assert "only the wait stopped: " in tb and note in tb, tb
+    go.touch()
+    assert (
+        _ok(k.run("[v for _, v in afut.get(timeout=20).items()], one.get(timeout=20)")).result
+        == "(['finished', 'finished'], 'finished')"
+    )
+    _ok(k.run("gated_procs.stop().get()"))

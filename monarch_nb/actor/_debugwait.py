@@ -18,6 +18,7 @@ import _thread
 import asyncio
 import contextlib
 import importlib
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -210,21 +211,57 @@ async def wait_async(fut: Future[Any], done: Callable[[], asyncio.Future[None]] 
     completion (``_replyread.awaitable``: the loop may read the reply itself).
     """
     loop = asyncio.get_running_loop()
-    while fut._state == _PENDING:
-        woken: asyncio.Future[None] = loop.create_future() if done is None else done()
-        wake = waker(loop, woken)
-        if done is None:
-            fut.add_done_callback(wake)
-        # the set's add and discard are atomic (on_event copies it under _lock, also atomic):
-        # added before _unseen is read, as on_event adds to _unseen before it copies the set
-        _async_waiters.add(wake)
-        try:
-            if not _unseen:
-                await woken
-        finally:
-            _async_waiters.discard(wake)
-        if fut._state == _PENDING and _unseen:
-            _run_console(fut)
+    _interruptible(loop, +1)
+    try:
+        while fut._state == _PENDING:
+            woken: asyncio.Future[None] = loop.create_future() if done is None else done()
+            wake = waker(loop, woken)
+            if done is None:
+                fut.add_done_callback(wake)
+            # the set's add and discard are atomic (on_event copies it under _lock, also atomic):
+            # added before _unseen is read, as on_event adds to _unseen before it copies the set
+            _async_waiters.add(wake)
+            try:
+                if not _unseen:
+                    await woken
+            finally:
+                _async_waiters.discard(wake)
+            if fut._state == _PENDING and _unseen:
+                _run_console(fut)
+    finally:
+        _interruptible(loop, -1)
+
+
+#: how often an async cell's loop wakes while it awaits one of our futures (see _interruptible)
+_TICK_S = 0.1
+#: the main thread's awaits of our futures under way, and the loop a tick is armed on
+_tick_waits = 0
+_tick_loop: asyncio.AbstractEventLoop | None = None
+
+
+def _interruptible(loop: asyncio.AbstractEventLoop, delta: int) -> None:
+    """(The main thread.) In an IPython kernel, keep ``loop`` waking every :data:`_TICK_S` while
+    an await of ours is under way (``delta`` +1 as one starts, -1 as it ends).
+
+    ipykernel's SIGINT handler for an async cell queues the cell's cancellation with
+    ``call_soon`` from inside the loop's ``epoll_wait``, which goes on waiting: an interrupt took
+    effect only once the awaited call completed (ipykernel issue 881; 5.6 s for an
+    ``await asyncio.sleep(6)``), never for a call that runs for hours. A loop that wakes runs
+    the queued cancellation within a tick. One timer serves all awaits and lapses after them,
+    so awaits in a row arm it once per tick, not once each."""
+    global _tick_waits, _tick_loop
+    _tick_waits += delta
+    if delta > 0 and _tick_loop is not loop and "ipykernel" in sys.modules:
+        _tick_loop = loop
+        loop.call_later(_TICK_S, _tick, loop)
+
+
+def _tick(loop: asyncio.AbstractEventLoop) -> None:
+    global _tick_loop
+    if _tick_waits > 0:
+        loop.call_later(_TICK_S, _tick, loop)
+    else:
+        _tick_loop = None
 
 
 def waker(loop: asyncio.AbstractEventLoop, woken: asyncio.Future[None]) -> Callable[..., None]:
