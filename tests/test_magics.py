@@ -788,11 +788,19 @@ def test_an_async_cell_awaiting_a_call_is_interrupted_at_once(k: Kernel, tmp_pat
         ("afut", "gated.run.call() still runs on 2 of 2 ranks"),
         ("one", "run.call_one() still runs on 1 of 1 ranks"),
     ):
-        cell = k.execute(f"print('waiting', flush=True)\nawait {what}")
+        cell = k.execute(f"await {what}")
+        # an await shows the wait's progress bar as a get() does (after 2 s)
         k.wait_msg(
-            lambda m, cell=cell: m["parent_header"].get("msg_id") == cell.msg_id and m["msg_type"] == "stream",  # type: ignore[misc]
+            lambda m, cell=cell, what=what: (
+                m["parent_header"].get("msg_id") == cell.msg_id  # type: ignore[misc]
+                and m["msg_type"] in ("display_data", "update_display_data")
+                and re.search(
+                    rf"waiting on .*run\.call(_one)?\(\): 0/{2 if what == 'afut' else 1} ranks replied",
+                    m["content"]["data"].get("text/plain", ""),
+                )
+            ),
             20,
-            "the cell to wait",
+            "the cell's wait to show",
         )
         k.interrupt()
         c = k.wait(cell, 20)

@@ -26,7 +26,8 @@ T = TypeVar("T")
 _PENDING, _RAW, _DONE, _FAILED = range(4)
 assert _debugwait._PENDING == _PENDING
 
-#: thread id -> the future that thread is blocked on in ``get()`` (what a frontend shows progress of)
+#: thread id -> the future that thread is blocked on in ``get()``, or its loop in an ``await`` (what a
+#: frontend shows progress of)
 blocked: dict[int, Future[Any]] = {}
 #: told of every error a future raises into the code reading it (set through ``Client.on_raise``)
 raised_hook: Callable[[BaseException], None] | None = None
@@ -278,8 +279,16 @@ class Future(Generic[R]):
             own = None if peer is None or rt is None else functools.partial(_replyread.awaitable, self, peer, rt)
             try:
                 if _debugwait.awaits_here():
-                    # an async cell: a rank of ours stopping at a breakpoint opens the console here
-                    yield from _debugwait.wait_async(self, own).__await__()
+                    # an async cell: a rank of ours stopping at a breakpoint opens the console here,
+                    # and the frontend shows the wait's progress, as for a get()
+                    tid = _get_ident()
+                    blocked[tid] = self
+                    try:
+                        yield from _debugwait.wait_async(self, own).__await__()
+                        return self._resolve()  # read while still listed, as get() does
+                    finally:
+                        if blocked.get(tid) is self:  # awaits gathered in one cell: the last one shows
+                            del blocked[tid]
                 else:
                     yield from (own() if own is not None else _debugwait.woken_by(self)).__await__()
             except asyncio.CancelledError as e:
@@ -301,7 +310,8 @@ class Future(Generic[R]):
 
 
 def blocked_on(thread_id: int) -> Future[Any] | None:
-    """The future thread ``thread_id`` is blocked on in ``get()``, if any (a frontend shows its progress)."""
+    """The future thread ``thread_id`` is blocked on in ``get()`` or awaits on its loop, if any (a frontend
+    shows its progress)."""
     return blocked.get(thread_id)
 
 
