@@ -8,22 +8,31 @@ this host; warm ``call_one().get()``s, then calls each made after a pause of 1 m
 300-iteration Python loop, first and second time after each pause: how much colder the
 machine makes any code, and the floor's raw round trip (two Python processes, a blocking
 AF_UNIX pair, 64 bytes each way: ``bench.floor``) after the same pauses: the least any call
-made from Python can cost there. Prints JSON: medians in µs per pause, per run, and ratios
-ours ÷ Monarch and ours ÷ raw of the medians over runs.
+made from Python can cost there; and a bare Python RPC (``python_rpc``: the call and its value
+pickled, one thread a side, with the system calls our proc makes per call): the least a call
+through Python objects costs. ``--walk-mib N`` copies N MiB before each pause, as the other
+system's round does before our first call in ``python -m bench``. Prints JSON: medians in µs
+per pause, per run, and ratios ours ÷ Monarch, ours ÷ raw and ours ÷ python_rpc of the medians
+over runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import pickle
+import select
 import shutil
+import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from bench import floor
@@ -57,12 +66,30 @@ def _machine() -> dict[str, Any]:
     return out
 
 
+#: MiB copied before each pause (``--walk-mib``; 0: none), as another system's round in
+#: ``python -m bench`` does to the caches before our round's first call
+_WALK_MIB = int(os.environ.get("BENCH_COLD_WALK_MIB", "0"))
+
+
+def _walker() -> Callable[[], None]:
+    if not _WALK_MIB:
+        return lambda: None
+    src, dst = bytearray(os.urandom(1 << 20)) * _WALK_MIB, bytearray(_WALK_MIB << 20)
+
+    def walk() -> None:
+        dst[:] = src
+
+    return walk
+
+
 def _after_pauses(call: Callable[[], object]) -> dict[str, float]:
     """``call``'s median time (µs), made after each pause in turn."""
     out: dict[str, float] = {}
+    walk = _walker()
     for ms in PAUSES_MS:
         xs = []
         for _ in range(15 if ms >= 200 else 40):
+            walk()
             if ms:
                 time.sleep(ms / 1e3)
             t0 = time.perf_counter()
@@ -82,6 +109,72 @@ def _raw() -> dict[str, float]:
         def once() -> None:
             a.sendall(msg)
             floor.recv_exact(a, buf, view)
+
+        for _ in range(300):
+            once()
+        return _after_pauses(once)
+
+
+class _Echo:
+    def ping(self) -> int:
+        return 1
+
+
+@contextlib.contextmanager
+def _rpc_peer() -> Iterator[socket.socket]:
+    """A forked process that serves pickled calls one at a time, on one thread, with the system
+    calls our proc makes for one (a poll wake-up, a read, two epoll_ctl, a write); yields this
+    side's socket."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            a.close()
+            obj, buf = _Echo(), bytearray(65536)
+            ep, p = select.epoll(), select.poll()
+            ep.register(b.fileno(), select.EPOLLONESHOT)
+            p.register(b.fileno(), select.POLLIN)
+            b.setblocking(False)
+            while True:
+                p.poll()
+                if not b.recv_into(buf):
+                    break
+                (n,) = _LEN.unpack_from(buf, 0)
+                method, args = pickle.loads(buf[4 : 4 + n])
+                ep.modify(b.fileno(), select.EPOLLIN | select.EPOLLONESHOT)  # watched while it runs
+                out = pickle.dumps(getattr(obj, method)(*args))
+                ep.modify(b.fileno(), select.EPOLLONESHOT)
+                b.send(_LEN.pack(len(out)) + out)
+        finally:
+            os._exit(0)
+    b.close()
+    try:
+        yield a
+    finally:
+        a.close()
+        os.waitpid(pid, 0)
+
+
+_LEN = struct.Struct("<I")
+
+
+def _python_rpc() -> dict[str, float]:
+    """A bare Python call's round trip, the first after each pause (µs, medians): the call and
+    its value pickled, one thread a side, no futures, no ordering, no supervision; the least a
+    call made through Python objects costs here."""
+    with _rpc_peer() as a:
+        poller, buf = select.poll(), bytearray(65536)
+        a.setblocking(False)
+
+        def once() -> object:
+            out = pickle.dumps(("ping", ()))
+            a.send(_LEN.pack(len(out)) + out)
+            poller.register(a.fileno(), select.POLLIN)
+            poller.poll()
+            poller.unregister(a.fileno())
+            a.recv_into(buf)
+            (n,) = _LEN.unpack_from(buf, 0)
+            return pickle.loads(buf[4 : 4 + n])
 
         for _ in range(300):
             once()
@@ -132,17 +225,24 @@ def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cold_call")
     ap.add_argument("--monarch-python", default="", help="an interpreter with torchmonarch (the peer)")
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--walk-mib", type=int, default=0, help="MiB to copy before each pause (evicts the caches)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.walk_mib:
+        # the children (each system's own process) read it from their environment
+        os.environ["BENCH_COLD_WALK_MIB"] = str(a.walk_mib)
+        global _WALK_MIB
+        _WALK_MIB = a.walk_mib
     if a.child:
         _child(a.child)
         return 0
-    runs: dict[str, list[dict[str, float]]] = {"monarch_nb": [], "raw": []}
+    runs: dict[str, list[dict[str, float]]] = {"monarch_nb": [], "raw": [], "python_rpc": []}
     if a.monarch_python:
         runs["monarch"] = []
     for _ in range(a.runs):
         runs["monarch_nb"].append(_run(sys.executable, "nb"))
         runs["raw"].append(_raw())
+        runs["python_rpc"].append(_python_rpc())
         if a.monarch_python:
             runs["monarch"].append(_run(a.monarch_python, "monarch"))
     med = {impl: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for impl, rs in runs.items()}
@@ -154,6 +254,7 @@ def main() -> int:
         "machine_loop_us": _machine(),
     }
     out["over_raw"] = {k: med["monarch_nb"][k] / med["raw"][k] for k in med["monarch_nb"]}
+    out["over_python_rpc"] = {k: med["monarch_nb"][k] / med["python_rpc"][k] for k in med["monarch_nb"]}
     if "monarch" in med:
         out["ratio"] = {k: med["monarch_nb"][k] / med["monarch"][k] for k in med["monarch_nb"]}
         out["raw_over_monarch"] = {k: med["raw"][k] / med["monarch"][k] for k in med["raw"]}
