@@ -186,6 +186,27 @@ def test_mesh_sizes_and_host_lists_are_checked_when_given() -> None:
         make_job("ssh", "t", ",")
 
 
+def test_command_arguments_ports_and_the_python_are_checked_when_given() -> None:
+    # the first positional parameter of Monarch's SSHJob is python_exe: the meshes there used to
+    # become "python" and the job "had no hosts" at apply()
+    with pytest.raises(ValueError, match=r"SSHJob\(python_exe=...\) is the Python .* hosts go in meshes="):
+        SSHJob({"w": ["h1"]})  # type: ignore[arg-type]
+    # a string was a list of one-character arguments
+    with pytest.raises(ValueError, match=re.escape("got the string '-p 2222': write ssh_args=['-p', '2222']")):
+        SSHJob(ssh_args="-p 2222")
+    with pytest.raises(ValueError, match=re.escape("write slurm_args=['--exclusive', '--qos=high']")):
+        SlurmJob({"w": 2}, slurm_args="--exclusive --qos=high")
+    with pytest.raises(ValueError, match="takes a list of strings, got"):
+        SlurmJob({"w": 2}, slurm_args=["--qos=x", 3])  # type: ignore[list-item]
+    for bad in (70000, -1, "x", 22.5, True):
+        with pytest.raises(ValueError, match=r"monarch_port=...\) needs a TCP port number from 1 to 65535 \(0: any free one\)"):
+            SSHJob(monarch_port=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"SlurmJob\(python_exe=...\) is the Python to run on the hosts, a path, got None"):
+        SlurmJob({"w": 2}, python_exe=None)  # type: ignore[arg-type]
+    assert SSHJob(monarch_port="2222", ssh_args=("-p", "22"))._port == 2222  # type: ignore[arg-type]
+    assert SlurmJob({"w": 2}, monarch_port=0)._port == 0
+
+
 def test_ssh_command_line_carries_no_secret() -> None:
     job = SSHJob(python_exe="/venv/bin/python", ssh_args=["-p", "2222", "-i", "/home/u/.ssh/id"], monarch_port=0)
     job.add_mesh("w", ["u@h1"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import socket
 import time
 from collections.abc import Callable
@@ -43,6 +44,35 @@ def mesh_hosts(job: str, name: str, hosts: Any) -> list[str]:
     if not out or not all(isinstance(h, str) and h for h in out):
         raise ValueError(f"{job}: mesh {name!r} needs a non-empty list of host names, got {hosts!r}")
     return out
+
+
+def command_args(job: str, param: str, args: Any) -> list[str]:
+    """Arguments a job hands to a command (ssh's, sbatch's): a list of strings."""
+    if isinstance(args, str):
+        # list("-p 2222") would be six one-character arguments
+        raise ValueError(
+            f"{job}({param}=...) takes a list of arguments, got the string {args!r}: write {param}={shlex.split(args)!r}"
+        )
+    out = list(args) if isinstance(args, (list, tuple)) else None
+    if out is None or not all(isinstance(a, str) for a in out):
+        raise ValueError(f"{job}({param}=...) takes a list of strings, got {args!r}")
+    return out
+
+
+def port_number(job: str, param: str, port: Any) -> int:
+    """A TCP port the job's allocators listen on: 1..65535, or 0 for any free one (a string of
+    digits is taken too)."""
+    n = int(port) if isinstance(port, str) and port.isdigit() else port
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 65535:
+        raise ValueError(f"{job}({param}=...) needs a TCP port number from 1 to 65535 (0: any free one), got {port!r}")
+    return n
+
+
+def python_path(job: str, exe: Any, hint: str = "") -> str:
+    """The remote hosts' Python, as a job was given it: a non-empty string."""
+    if not isinstance(exe, (str, os.PathLike)) or not str(exe):
+        raise ValueError(f"{job}(python_exe=...) is the Python to run on the hosts, a path, got {exe!r}{hint}")
+    return os.fspath(exe)
 
 
 def wait_announced(

@@ -32,7 +32,17 @@ from .._runtime import records
 from .._runtime.transport import route_ip
 from .._wire.keys import write_key_file
 from ..actor import HostMesh
-from ._common import answering, expand_hostlist, forwarded_config, host_meshes, mesh_size, wait_announced
+from ._common import (
+    answering,
+    command_args,
+    expand_hostlist,
+    forwarded_config,
+    host_meshes,
+    mesh_size,
+    port_number,
+    python_path,
+    wait_announced,
+)
 from ._job import JobError, JobTrait
 
 logger = logging.getLogger("monarch_nb.job")
@@ -162,14 +172,15 @@ class SlurmJob(JobTrait):
             )
         if ntasks_per_node < 1:
             raise ValueError(f"ntasks_per_node must be >= 1, got {ntasks_per_node}")
+        slurm_args = command_args("SlurmJob", "slurm_args", slurm_args)
         for arg in slurm_args:
-            if not str(arg).startswith("-"):
+            if not arg.startswith("-"):
                 raise ValueError(f"slurm_args are sbatch options (starting with '-'), got {arg!r}")
         super().__init__()
         self._meshes = {name: mesh_size("SlurmJob", name, n, "nodes") for name, n in meshes.items()}
-        self._python_exe = python_exe
-        self._slurm_args = list(slurm_args)
-        self._port = int(monarch_port)
+        self._python_exe = python_path("SlurmJob", python_exe)
+        self._slurm_args = slurm_args
+        self._port = port_number("SlurmJob", "monarch_port", monarch_port)
         self._job_name = job_name
         self._ntasks_per_node = ntasks_per_node
         self._time_limit = time_limit

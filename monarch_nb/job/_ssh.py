@@ -22,7 +22,7 @@ from .._runtime import records
 from .._wire.keys import read_key_file, write_key_file
 from ..actor import HostMesh
 from ..config import runtime_dir
-from ._common import answering, forwarded_config, host_meshes, listening, mesh_hosts
+from ._common import answering, command_args, forwarded_config, host_meshes, listening, mesh_hosts, port_number, python_path
 from ._job import JobError, JobTrait
 
 #: ssh connect timeout, and how long a remote allocator may take to announce itself
@@ -108,9 +108,11 @@ class SSHJob(JobTrait):
                 )
             raise ValueError(f"SSHJob supports transport='tcp', got {transport!r}")
         super().__init__()
-        self._python_exe = python_exe
-        self._ssh_args = list(ssh_args)
-        self._port = int(monarch_port)
+        # Monarch's SSHJob takes the hosts only from add_mesh: a dict first is the meshes misplaced
+        hint = ": hosts go in meshes={'name': ['host', ...]} or add_mesh(name, hosts)" if isinstance(python_exe, dict) else ""
+        self._python_exe = python_path("SSHJob", python_exe, hint)
+        self._ssh_args = command_args("SSHJob", "ssh_args", ssh_args)
+        self._port = port_number("SSHJob", "monarch_port", monarch_port)
         self._transport = transport
         self._key_file_arg = key_file
         self._meshes: dict[str, list[str]] = {k: mesh_hosts("SSHJob", k, v) for k, v in (meshes or {}).items()}
