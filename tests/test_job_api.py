@@ -8,6 +8,7 @@ import inspect
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -205,6 +206,20 @@ def test_command_arguments_ports_and_the_python_are_checked_when_given() -> None
         SlurmJob({"w": 2}, python_exe=None)  # type: ignore[arg-type]
     assert SSHJob(monarch_port="2222", ssh_args=("-p", "22"))._port == 2222  # type: ignore[arg-type]
     assert SlurmJob({"w": 2}, monarch_port=0)._port == 0
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs slurm-client's scontrol (.ci/setup installs it)")
+def test_a_machine_without_a_slurm_cluster_is_told_where_to_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from monarch_nb.job._slurm import controller_ip
+
+    # a slurm.conf naming no cluster fails at once (one that is missing makes scontrol retry for 60 s)
+    (tmp_path / "slurm.conf").write_text("")
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
+    with pytest.raises(
+        JobError,
+        match=r"not set up for a Slurm cluster \(`scontrol show config` failed: .*\): run the controller on a login node",
+    ):
+        controller_ip()
 
 
 def test_ssh_command_line_carries_no_secret() -> None:

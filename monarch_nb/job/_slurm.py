@@ -551,7 +551,21 @@ def controller_ip() -> str:
         cp = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=30)
     except FileNotFoundError:
         raise JobError("scontrol was not found: run this on a Slurm login node (slurm-client installed)") from None
+    except subprocess.TimeoutExpired:
+        # a slurm.conf that is missing makes scontrol retry for a minute
+        raise JobError(
+            "`scontrol show config` did not answer within 30 s (is SLURM_CONF a file that exists?): "
+            "run the controller on a login node of the cluster, where sbatch and squeue work"
+        ) from None
     m = re.search(r"^SlurmctldHost\[0\]\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", cp.stdout, re.M)
+    if m is None and cp.returncode != 0:
+        # slurm-client without a slurm.conf (or a DNS SRV record) for a cluster: a laptop, say
+        said = cp.stderr.strip().splitlines()
+        raise JobError(
+            "this machine is not set up for a Slurm cluster (`scontrol show config` failed: "
+            f"{said[-1] if said else f'exit code {cp.returncode}'}): run the controller on a login node of "
+            "the cluster, where sbatch and squeue work"
+        )
     if m is None:
         raise JobError(f"cannot find SlurmctldHost in `scontrol show config`: {cp.stderr.strip() or cp.stdout[:200]}")
     target = m.group(2) or m.group(1)
