@@ -1,4 +1,4 @@
-"""``monarch-nb``: allocator daemon, status, keys, debugger."""
+"""monarch-nb: allocator daemon, status, rank logs, keys, debugger."""
 
 from __future__ import annotations
 
@@ -108,6 +108,40 @@ def _status(args: argparse.Namespace) -> int:
             for p in m["procs"]:
                 states[p["state"]] = states.get(p["state"], 0) + 1
             print(f"  mesh {m['name']} {m['extent']} {m['state']} owner={m['owner']} procs={states}")
+    return 0
+
+
+def _logs(args: argparse.Namespace) -> int:
+    from .errors import MeshError
+
+    return _in_one_line("logs", (ValueError, MeshError), _logs_action, args)
+
+
+def _logs_action(args: argparse.Namespace) -> int:
+    """A mesh's rank logs as this host's allocators keep them: no controller or kernel needed,
+    also for a mesh whose kernel is gone (persistent procs) or whose allocator has stopped."""
+    from .config import runtime_dir
+    from .errors import MeshError
+    from .logs import follow, format_line, local_meshes, logs
+
+    if args.mesh not in local_meshes():
+        have = ", ".join(local_meshes()) or "none"
+        raise MeshError(
+            f"no logs of a mesh named {args.mesh!r} on this host (runtime directory {runtime_dir()}; meshes with "
+            f"logs here: {have}); a mesh on other hosts: %mesh logs in its notebook, or this command on each host"
+        )
+    rows = (
+        follow(args.mesh, args.rank, args.tail if args.tail is not None else 10)
+        if args.follow
+        else logs(args.mesh, args.rank, args.tail)
+    )
+    try:
+        for r in rows:
+            print(
+                format_line(r["rank"], r["line"]), file=sys.stderr if r["stream"] == "stderr" else sys.stdout, flush=args.follow
+            )
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 
@@ -240,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("status", help="allocators, meshes and procs")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=_status)
+    lg = sub.add_parser("logs", help="a mesh's rank logs on this host (also with no kernel, or its allocator stopped)")
+    lg.add_argument("mesh", help="the proc mesh's name, as `monarch-nb status` lists it")
+    lg.add_argument("--rank", type=int, help="only this rank")
+    lg.add_argument("--tail", type=int, help="the last N lines of each rank")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines (Ctrl-C stops)")
+    lg.set_defaults(fn=_logs)
     k = sub.add_parser("keygen", help="write a new cluster key file")
     k.add_argument("path")
     k.set_defaults(fn=_keygen)

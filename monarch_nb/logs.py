@@ -20,7 +20,7 @@ from typing import Any
 from ._ranks import format_ranks
 from ._runtime.logcapture import check_tail
 
-__all__ = ["Aggregator", "follow", "format_line", "format_ranks", "logs"]
+__all__ = ["Aggregator", "follow", "format_line", "format_ranks", "local_meshes", "logs"]
 
 #: (rank, stream, ts, call_id, line) as the allocator sends them
 LogLine = tuple[int, str, float, str, str]
@@ -161,7 +161,7 @@ def logs(
         try:
             mesh = get(mesh)
         except MeshError:
-            local = _local_logs(mesh, rank, tail, start)
+            local = _local_logs(mesh, rank, tail, start, name_given=True)
             if local is None:
                 raise
             return local
@@ -185,8 +185,22 @@ def logs(
     return rows
 
 
-def _local_logs(name: str, rank: int | None, tail: int | None, start: dict[int, int] | None) -> list[dict[str, Any]] | None:
-    """The newest logs of mesh ``name`` kept in this host's runtime directory, by any allocator."""
+def local_meshes() -> list[str]:
+    """The names of the meshes whose logs this host's runtime directory keeps (running or not)."""
+    import glob
+    import os
+
+    from .config import runtime_dir
+
+    found = glob.glob(os.path.join(glob.escape(runtime_dir()), "mnb-logs-*", "*", "rank-*.jsonl"))
+    return sorted({os.path.basename(os.path.dirname(f)) for f in found})
+
+
+def _local_logs(
+    name: str, rank: int | None, tail: int | None, start: dict[int, int] | None, name_given: bool = False
+) -> list[dict[str, Any]] | None:
+    """The newest logs of mesh ``name`` kept in this host's runtime directory, by any allocator;
+    None: none here (``name_given``: a rank the logs here lack is a ValueError naming those they have)."""
     import glob
     import os
     import re
@@ -202,6 +216,8 @@ def _local_logs(name: str, rank: int | None, tail: int | None, start: dict[int, 
     ranks = sorted(int(m.group(1)) for f in os.listdir(d) if (m := re.fullmatch(r"rank-(\d+)\.jsonl", f)))
     if rank is not None:
         if rank not in ranks:
+            if name_given:
+                raise ValueError(f"mesh {name!r} has no rank {rank} in its logs here (ranks {format_ranks(ranks)})")
             return None
         ranks = [rank]
     rows: list[dict[str, Any]] = []

@@ -402,6 +402,49 @@ def test_status_lists_meshes_and_proc_states(procs_for_status=None):
         pm.stop().get(timeout=20)
 
 
+class _Says(Actor):
+    @endpoint
+    def say(self) -> None:
+        for i in range(3):
+            print(f"step {i} on {current_rank().rank}", flush=True)
+        print("warned", file=sys.stderr, flush=True)
+
+
+def test_the_cli_prints_a_mesh_s_rank_logs_with_no_kernel_and_after_it_stopped():
+    from monarch_nb.logs import logs
+
+    pm = this_host().spawn_procs(per_host={"gpus": 2}, name="cli-logs")
+    try:
+        pm.spawn("says", _Says).say.call().get(timeout=20)
+        wait_for(lambda: len(logs(pm)) == 8, 10, "the ranks' lines in their logs")
+
+        def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([PY, "-m", "monarch_nb", "logs", *argv], capture_output=True, text=True, timeout=60)
+
+        r = cli("cli-logs")
+        assert r.returncode == 0, r.stderr
+        # each rank's lines in order, ranks interleaved by time; stderr lines on stderr
+        for rank in (0, 1):
+            mine = [ln for ln in r.stdout.splitlines() if ln.startswith(f"[{rank}] ")]
+            assert mine == [f"[{rank}] step {i} on {rank}" for i in range(3)], r.stdout
+        assert sorted(r.stderr.splitlines()) == ["[0] warned", "[1] warned"], r.stderr
+        r = cli("cli-logs", "--rank", "1", "--tail", "2")
+        assert (r.returncode, r.stdout, r.stderr) == (0, "[1] step 2 on 1\n", "[1] warned\n"), r
+        r = cli("cli-logs", "--rank", "7")
+        assert (
+            r.returncode == 1 and r.stderr == "monarch-nb logs: mesh 'cli-logs' has no rank 7 in its logs here (ranks 0-1)\n"
+        ), r
+        r = cli("no-such-mesh")
+        assert r.returncode == 1 and "no logs of a mesh named 'no-such-mesh' on this host" in r.stderr, r
+        assert re.search(r"meshes with logs here: .*\bcli-logs\b", r.stderr), r.stderr
+    finally:
+        pm.stop().get(timeout=20)
+    # its procs are gone; their logs are not
+    r = cli("cli-logs", "--tail", "1")
+    assert (r.returncode, r.stdout) == (0, ""), r
+    assert sorted(r.stderr.splitlines()) == ["[0] warned", "[1] warned"], r.stderr
+
+
 def test_unreachable_address_is_a_clear_error():
     from monarch_nb.errors import ConfigError, ConnectError
 
