@@ -196,6 +196,7 @@ def test_call_ranks_then_and_progress_for_frontends(procs):
     held = h.hold.call_ranks(None)
     derived = held.then(lambda ranks: sum(ranks), "sum of ranks")
     assert derived.description == "sum of ranks" and derived.progress() == (0, 4)
+    assert repr(held) == "<monarch_nb Future frontend_calls.hold.call_ranks() pending, 0/4 ranks replied>"
     seen: list[object] = []
     main = threading.get_ident()
     waiter = threading.Thread(target=lambda: seen.append(derived.get(timeout=20)))
@@ -205,6 +206,7 @@ def test_call_ranks_then_and_progress_for_frontends(procs):
     h.release.call().get(timeout=10)
     waiter.join(20)
     assert seen == [6] and derived.progress() == (4, 4)
+    assert repr(held) == "<monarch_nb Future frontend_calls.hold.call_ranks() done>"
     failing = h.rank.call_ranks([1]).then(lambda r: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         failing.get(timeout=10)

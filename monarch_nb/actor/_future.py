@@ -306,6 +306,10 @@ class Future(Generic[R]):
 
     def __repr__(self) -> str:
         state = {_PENDING: "pending", _RAW: "done", _DONE: "done", _FAILED: "failed"}[self._state]
+        p = self.progress() if self._state == _PENDING else None
+        if p is not None:
+            # a cell that shows a future it did not wait on: how far the call is
+            state += f", {p[0]}/{p[1]} {self.progress_unit}"
         return f"<monarch_nb Future {self._what} {state}>"
 
 
