@@ -331,6 +331,13 @@ def test_mesh_trace_magic_writes_a_trace_and_draws_the_timeline_also_after_a_ker
         assert "<svg" in svg and svg.count("class='mnb-span'") == len(xs) and "tr r1 (slow)" in svg
         bad = kern.run("%mesh trace tr --last soon")
         assert bad.reply["content"]["status"] == "error" and "--last 'soon'" in bad.stream("stderr") + str(bad.error)
+        # a mistyped name is said to be one, and leaves no empty trace behind
+        none = tmp_path / "none.json"
+        bad = kern.run(f"%mesh trace tx --out {none}")
+        said = bad.stream("stderr") + str(bad.error)
+        assert bad.reply["content"]["status"] == "error" and "no spans of a mesh named 'tx' in the last 30s" in said, said
+        assert re.search(r"no such mesh runs on the attached allocators \(meshes: [^)]*\btr\b", said), said
+        assert not none.exists()
         # a restarted kernel reads the spans of before the restart back from the allocator
         kern.km.restart_kernel(now=True)
         kern.kc.wait_for_ready(timeout=60)

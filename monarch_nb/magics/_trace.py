@@ -20,6 +20,18 @@ def trace(name: str | None, last: str, out: str | None, factor: float) -> TraceV
         rows = telemetry.query_records(name, since=last)
     except ValueError as e:
         raise ValueError(f"--last {last!r}: {e}") from None
+    if not rows:
+        # no file for nothing: a mistyped name used to leave an empty trace behind and say "0 spans"
+        if name is not None:
+            from .. import status
+
+            names = sorted({m["name"] for a in status()["allocators"] for m in a.get("meshes", [])})
+            if name not in names:
+                raise ValueError(
+                    f"no spans of a mesh named {name!r} in the last {last}, and no such mesh runs on the attached "
+                    f"allocators (meshes: {', '.join(names) or 'none'}): check the name"
+                )
+        return TraceView(rows, "", [], factor, name, last)
     if out is None:
         out = f"trace-{name or 'all'}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     telemetry.chrome_trace(rows, out, factor=factor)
@@ -35,6 +47,9 @@ class TraceView:
         self.rows, self.path, self.stragglers, self.factor, self.name, self.last = rows, path, slow, factor, name, last
 
     def _headline(self) -> str:
+        if not self.path:
+            of = f" of mesh {self.name!r}" if self.name else ""
+            return f"no spans{of} in the last {self.last}: no trace written (the ranks ran no calls or spans then)"
         ranks = {(r["mesh"], r["rank"]) for r in self.rows}
         return f"{len(self.rows)} spans of {len(ranks)} ranks in the last {self.last} written to {self.path} (open in ui.perfetto.dev)"
 
