@@ -23,7 +23,7 @@ def trace(name: str | None, last: str, out: str | None, factor: float) -> TraceV
     if not rows:
         # no file for nothing: a mistyped name used to leave an empty trace behind and say "0 spans"
         if name is not None:
-            from .. import status
+            from ..mesh import status
 
             names = sorted({m["name"] for a in status()["allocators"] for m in a.get("meshes", [])})
             if name not in names:
