@@ -19,7 +19,6 @@ over runs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import pickle
@@ -32,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from bench import floor
@@ -120,39 +119,24 @@ class _Echo:
         return 1
 
 
-@contextlib.contextmanager
-def _rpc_peer() -> Iterator[socket.socket]:
-    """A forked process that serves pickled calls one at a time, on one thread, with the system
-    calls our proc makes for one (a poll wake-up, a read, two epoll_ctl, a write); yields this
-    side's socket."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            a.close()
-            obj, buf = _Echo(), bytearray(65536)
-            ep, p = select.epoll(), select.poll()
-            ep.register(b.fileno(), select.EPOLLONESHOT)
-            p.register(b.fileno(), select.POLLIN)
-            b.setblocking(False)
-            while True:
-                p.poll()
-                if not b.recv_into(buf):
-                    break
-                (n,) = _LEN.unpack_from(buf, 0)
-                method, args = pickle.loads(buf[4 : 4 + n])
-                ep.modify(b.fileno(), select.EPOLLIN | select.EPOLLONESHOT)  # watched while it runs
-                out = pickle.dumps(getattr(obj, method)(*args))
-                ep.modify(b.fileno(), select.EPOLLONESHOT)
-                b.send(_LEN.pack(len(out)) + out)
-        finally:
-            os._exit(0)
-    b.close()
-    try:
-        yield a
-    finally:
-        a.close()
-        os.waitpid(pid, 0)
+def _serve_calls(b: socket.socket) -> None:
+    """(A forked peer.) Serve pickled calls one at a time, on one thread, with the system calls
+    our proc makes for one: a poll wake-up, a read, two epoll_ctl, a write."""
+    obj, buf = _Echo(), bytearray(65536)
+    ep, p = select.epoll(), select.poll()
+    ep.register(b.fileno(), select.EPOLLONESHOT)
+    p.register(b.fileno(), select.POLLIN)
+    b.setblocking(False)
+    while True:
+        p.poll()
+        if not b.recv_into(buf):
+            return
+        (n,) = _LEN.unpack_from(buf, 0)
+        method, args = pickle.loads(buf[4 : 4 + n])
+        ep.modify(b.fileno(), select.EPOLLIN | select.EPOLLONESHOT)  # watched while it runs
+        out = pickle.dumps(getattr(obj, method)(*args))
+        ep.modify(b.fileno(), select.EPOLLONESHOT)
+        b.send(_LEN.pack(len(out)) + out)
 
 
 _LEN = struct.Struct("<I")
@@ -162,7 +146,7 @@ def _python_rpc() -> dict[str, float]:
     """A bare Python call's round trip, the first after each pause (µs, medians): the call and
     its value pickled, one thread a side, no futures, no ordering, no supervision; the least a
     call made through Python objects costs here."""
-    with _rpc_peer() as a:
+    with floor.forked_peer(_serve_calls) as a:
         poller, buf = select.poll(), bytearray(65536)
         a.setblocking(False)
 

@@ -17,7 +17,7 @@ import ctypes
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 MSG = 64
 #: a message that starts with this byte asks the peer for its CPU, which it writes into the echo
@@ -42,19 +42,15 @@ def recv_exact(sock: socket.socket, buf: bytearray, view: memoryview) -> bool:
 
 
 @contextlib.contextmanager
-def echo_peer() -> Iterator[socket.socket]:
-    """A forked process that echoes ``MSG``-byte messages; yields this side's blocking socket."""
+def forked_peer(serve: Callable[[socket.socket], None]) -> Iterator[socket.socket]:
+    """A forked process that runs ``serve`` on its end of an AF_UNIX pair until it returns;
+    yields this side's blocking socket."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     pid = os.fork()
-    if pid == 0:  # the echoing peer
+    if pid == 0:
         try:
             a.close()
-            buf = bytearray(MSG)
-            view = memoryview(buf)
-            while recv_exact(b, buf, view):
-                if buf[0] == _WHERE:
-                    buf[1:3] = _getcpu().to_bytes(2, "little")
-                b.sendall(view)
+            serve(b)
         finally:
             os._exit(0)
     b.close()
@@ -63,6 +59,20 @@ def echo_peer() -> Iterator[socket.socket]:
     finally:
         a.close()
         os.waitpid(pid, 0)
+
+
+def _echo(b: socket.socket) -> None:
+    buf = bytearray(MSG)
+    view = memoryview(buf)
+    while recv_exact(b, buf, view):
+        if buf[0] == _WHERE:
+            buf[1:3] = _getcpu().to_bytes(2, "little")
+        b.sendall(view)
+
+
+def echo_peer() -> contextlib.AbstractContextManager[socket.socket]:
+    """A forked process that echoes ``MSG``-byte messages; yields this side's blocking socket."""
+    return forked_peer(_echo)
 
 
 def roundtrip_where(n: int = 10_000, probes: int = 200) -> tuple[float, float]:
