@@ -22,6 +22,9 @@ Deadlines raise the builtin ``TimeoutError`` saying what was awaited and for how
 from __future__ import annotations
 
 import copy
+import os
+import re
+import sys
 import traceback
 from typing import Any
 
@@ -250,6 +253,37 @@ def raised_again(err: BaseException) -> BaseException:
         return err.with_traceback(None)
     e.__cause__, e.__context__, e.__suppress_context__ = err.__cause__, err.__context__, err.__suppress_context__
     return e
+
+
+_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
+
+
+def note_missing_module(err: BaseException) -> None:
+    """Add a note to ``err`` (once) when it says a proc could not import a module this controller
+    imported from a folder of its own: the commonest failure of code that ran in the notebook's
+    folder and not on another host (no shared filesystem, or a path added after the spawn)."""
+    if getattr(err, "_module_noted", False):
+        return
+    names = set(_NO_MODULE.findall(safe_str(err)))
+    inner = getattr(err, "exception", None) or getattr(err, "error", None)
+    if isinstance(inner, ModuleNotFoundError) and inner.name:
+        names.add(inner.name)
+    for name in sorted(names):
+        top = name.partition(".")[0]
+        path = getattr(sys.modules.get(top), "__file__", None)
+        if not path:
+            continue  # nor here: the procs' error says all there is
+        # the sys.path folder it came from: what to put on the procs' path
+        root = os.path.dirname(os.path.dirname(path) if os.path.basename(path) == "__init__.py" else path)
+        err.add_note(
+            f"monarch_nb: {top!r} is a module of this controller ({path}) that the procs cannot import: "
+            f"`%mesh sync {root}` (monarch_nb.sync.sync({root!r})) puts that folder first on every proc's "
+            "sys.path; or install it on every host"
+        )
+    try:
+        err._module_noted = True  # type: ignore[attr-defined]
+    except AttributeError:
+        pass  # an exception type that takes no attributes: its note (if any) may come twice
 
 
 def safe_str(exc: BaseException) -> str:

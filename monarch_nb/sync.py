@@ -98,12 +98,20 @@ class SyncReport:
         )
 
 
-def _targets(meshes: list[ProcMesh] | None) -> tuple[dict[str, str], list[ProcMesh]]:
+def _targets(meshes: list[ProcMesh] | None, named_only: bool = False) -> tuple[dict[str, str], list[ProcMesh]]:
     """Allocator address -> host name, and the meshes whose procs reload."""
     from . import _registry
 
     if meshes is None:
-        meshes = [m for m in _registry.meshes().values() if not m._stopped]
+        # the named ones (%mesh spawn, re-attached) and every other live one this controller
+        # spawned (this_host().spawn_procs(...), Monarch's way), which used to get the files
+        # but not the reload: its running procs never saw the synced tree on their sys.path.
+        # A restart replaces a mesh under its %mesh name: a mesh the user holds only as a
+        # variable would be stopped under them, so a restart takes the named ones only
+        found = {id(m): m for m in _registry.meshes().values()}
+        if not named_only:
+            found.update((id(m), m) for m in list(_context.client().owned.values()))
+        meshes = [m for m in found.values() if not m._stopped]
         hm = _registry.hosts()
         allocs = {h.alloc: h.host for h in hm._refs()}
     else:
@@ -125,8 +133,8 @@ def sync(
 ) -> list[SyncReport]:
     """Sync each path (default: the current directory, a notebook's folder) to the hosts.
 
-    ``meshes`` (default: every mesh this controller knows, and the attached hosts) are the
-    procs that reload; ``via`` is an fsspec URL the hosts pull from instead of receiving the
+    ``meshes`` (default: every live mesh this controller spawned or re-attached, and the attached
+    hosts) are the procs that reload; ``via`` is an fsspec URL the hosts pull from instead of receiving the
     contents over their allocator connection; ``reload`` is ``"inplace"``, ``"recreate"``,
     ``"restart"`` or ``None``.
     """
@@ -135,7 +143,7 @@ def sync(
     roots = [paths] if isinstance(paths, str) else list(paths or [os.getcwd()])
     if isinstance(meshes, ProcMesh):
         meshes = [meshes]
-    allocs, target_meshes = _targets(meshes)
+    allocs, target_meshes = _targets(meshes, named_only=reload == "restart")
     if not allocs:
         raise ValueError("no hosts to sync to: `%mesh connect` first")
     reports = []

@@ -216,3 +216,55 @@ def test_a_proc_whose_working_directory_was_removed_still_reloads(ws: Path, tmp_
         assert [v[1] for v in w.hello.call().get().values()] == ["v2"]
     finally:
         M.stop("cwdgone")
+
+
+class _Takes(Actor):
+    @endpoint
+    def kind(self, obj: object) -> str:
+        return f"{type(obj).__module__}.{type(obj).__name__}"
+
+
+class _ImportsIt(Actor):
+    def __init__(self) -> None:
+        import onlyhere  # noqa: F401
+
+    @endpoint
+    def ok(self) -> bool:
+        return True
+
+
+def test_a_module_the_procs_cannot_import_is_named_with_the_sync_that_fixes_it(tmp_path: Path) -> None:
+    # procs spawned the Monarch way (no %mesh name) before the module's folder was on this
+    # controller's path: as on a host without the notebook's files
+    from monarch_nb.actor import this_host
+    from monarch_nb.errors import ActorError, SupervisionError
+
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "onlyhere.py").write_text("class Thing:\n    pass\n")
+    note = (
+        f"monarch_nb: 'onlyhere' is a module of this controller ({lib / 'onlyhere.py'}) that the procs cannot import: "
+        f"`%mesh sync {lib}` (monarch_nb.sync.sync({str(lib)!r})) puts that folder first on every proc's sys.path; "
+        "or install it on every host"
+    )
+    pm = this_host().spawn_procs(per_host={"gpus": 1})
+    sys.path.insert(0, str(lib))
+    try:
+        import onlyhere
+
+        t = pm.spawn("takes", _Takes)
+        with pytest.raises(ActorError, match="No module named 'onlyhere'") as call:
+            t.kind.call_one(onlyhere.Thing()).get(timeout=30)
+        assert call.value.__notes__ == [note]
+        # an actor whose __init__ imports it: its calls fail with the same note
+        with pytest.raises(SupervisionError, match="No module named 'onlyhere'") as init:
+            pm.spawn("imports", _ImportsIt).ok.call_one().get(timeout=30)
+        assert init.value.__notes__ == [note]
+        # what the note says to do works, also for procs of no %mesh name (a sync reloaded only
+        # the named meshes' procs, and these never saw the synced tree)
+        S.sync(str(lib))
+        assert t.kind.call_one(onlyhere.Thing()).get(timeout=30) == "onlyhere.Thing"
+    finally:
+        sys.path.remove(str(lib))
+        sys.modules.pop("onlyhere", None)
+        pm.stop().get(timeout=30)

@@ -16,7 +16,7 @@ from _thread import get_ident as _get_ident
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar
 
-from ..errors import raised_again
+from ..errors import note_missing_module, raised_again
 from . import _context, _debugwait, _replyread
 
 _log = logging.getLogger(__name__)
@@ -198,6 +198,7 @@ class Future(Generic[R]):
             if self._state != _FAILED:
                 return self._value
             err = self._value
+        note_missing_module(err)
         hook = raised_hook  # outside the mutex: the hook takes its frontend's locks
         if hook is not None:
             hook(err)

@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 from .._runtime import _fdlimit
 from .._wire import frames as wire
 from .._wire.serialize import dumps, dumps_by_value, loads
-from ..errors import MeshClosedError, MeshError, SpawnError, SupervisionError
+from ..errors import MeshClosedError, MeshError, SpawnError, SupervisionError, note_missing_module
 from . import _context
 from ._actor import Actor, endpoints_of, is_async_actor
 from ._endpoint import Endpoint, EndpointProperty, RemoteFailure, _NotAnEndpointMethod, gather, multicast
@@ -638,6 +638,7 @@ class ProcMesh(MeshTrait):
                 f"spawning {label!r} ({Class.__qualname__}) failed on {len(errors)} of {len(procs)} procs: {msg}", tb
             )
             err.error = e
+            note_missing_module(err)
             raise err from None
         mesh: ActorMesh[Any] = ActorMesh(Class, name, self._procs, view, self, label)
         if refused:
