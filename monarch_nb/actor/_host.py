@@ -749,7 +749,7 @@ class ActorSlot:
         try:
             args, kwargs = loads_fast(body, buffers=buffers)
         except BaseException as e:
-            self._reply(raddr, rport, index, wire.ERROR, self._error(e, f"unpickling the arguments of {self.name}.{method}"))
+            self._reply(raddr, rport, index, wire.ERROR, self._error(e, f"unpickling the arguments of {self.instance_info.name}.{method}"))
             return None
         ep = self.endpoints.get(method)
         if ep is not None:
