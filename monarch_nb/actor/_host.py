@@ -789,7 +789,7 @@ class ActorSlot:
             self.rt.send_port(raddr, rport, index, status, value, self.instance_info.name, method)
         elif status == wire.ERROR:
             # nobody is waiting: leave the failure in this proc's log where %mesh logs finds it
-            print(f"monarch_nb: unobserved error in {self.name}: {value}", file=sys.stderr, flush=True)
+            print(f"monarch_nb: unobserved error in {self.instance_info.name}.{method}: {value}", file=sys.stderr, flush=True)
 
     def _flush_out(self) -> None:
         """What the call printed leaves the proc before its reply does."""
