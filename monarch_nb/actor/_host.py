@@ -749,7 +749,9 @@ class ActorSlot:
         try:
             args, kwargs = loads_fast(body, buffers=buffers)
         except BaseException as e:
-            self._reply(raddr, rport, index, wire.ERROR, self._error(e, f"unpickling the arguments of {self.instance_info.name}.{method}"))
+            self._reply(
+                raddr, rport, index, wire.ERROR, self._error(e, f"unpickling the arguments of {self.instance_info.name}.{method}")
+            )
             return None
         ep = self.endpoints.get(method)
         if ep is not None:
@@ -789,7 +791,8 @@ class ActorSlot:
             self.rt.send_port(raddr, rport, index, status, value, self.instance_info.name, method)
         elif status == wire.ERROR:
             # nobody is waiting: leave the failure in this proc's log where %mesh logs finds it
-            print(f"monarch_nb: unobserved error in {self.instance_info.name}.{method}: {value}", file=sys.stderr, flush=True)
+            where = f"{self.instance_info.name}.{method}" if method else self.instance_info.name
+            print(f"monarch_nb: unobserved error in {where}: {value}", file=sys.stderr, flush=True)
 
     def _flush_out(self) -> None:
         """What the call printed leaves the proc before its reply does."""
