@@ -773,3 +773,33 @@ def test_an_interrupted_wait_says_the_call_runs_on_and_the_future_still_works(k:
         "(['finished', 'finished'], 'finished')"
     )
     _ok(k.run("gated_procs.stop().get()"))
+
+
+def test_the_subcommands_take_a_variable_holding_a_mesh_of_the_python_api(k: Kernel, tmp_path) -> None:
+    # procs = this_host().spawn_procs(...) (the README's and Monarch's way) has no %mesh name:
+    # `%%mesh exec procs` said "no mesh named 'procs'"
+    _ok(
+        k.run(
+            "from monarch_nb.actor import Actor, endpoint, this_host\n"
+            "api_procs = this_host().spawn_procs(per_host={'gpus': 2})\n"
+            "class Noop(Actor):\n"
+            "    @endpoint\n"
+            "    def ok(self) -> int:\n"
+            "        return 1\n"
+            "api_actors = api_procs.spawn('noop', Noop)"
+        )
+    )
+    _ok(k.run("%%mesh exec api_procs\nimport os\nprint('hello from exec', flush=True)\nos.getpid()"))
+    assert _ok(k.run("sorted(_.values()) == sorted(p.pid for p in api_procs._procs)")).result == "True"
+    # an actor mesh's variable: its procs
+    _ok(k.run("%%mesh exec api_actors\nos.getpid()"))
+    assert _ok(k.run("sorted(_.values()) == sorted(p.pid for p in api_procs._procs)")).result == "True"
+    logs = _ok(k.run("%mesh logs api_procs --tail 1")).stream()
+    assert logs.splitlines() == ["[0] hello from exec", "[1] hello from exec"], logs
+    (tmp_path / "synced_mod.py").write_text("X = 5\n")
+    _ok(k.run(f"%mesh sync {tmp_path} --mesh api_procs"))
+    _ok(k.run("%%mesh exec api_procs\nimport synced_mod\nsynced_mod.X"))
+    assert _ok(k.run("list(_.values())")).result == "[5, 5]"
+    c = _ok(k.run("%mesh stop api_procs"))
+    assert c.stream().startswith("stopped: api_procs (anon-"), c.stream()
+    assert _ok(k.run("api_procs._stopped")).result == "True"

@@ -31,12 +31,13 @@ _SUMMARY = """\
 %mesh debug continue                           resume every paused rank
 %mesh attach ACTOR RANK                        an interactive pdb on that rank, through this cell's input box
 %mesh dashboard [NAME]                         a live view: ranks by state, host resources, logs, errors
-%mesh stacks NAME [--ranks R] [--native]       every thread's stack on every rank (NAME: a mesh or a variable holding one)
+%mesh stacks NAME [--ranks R] [--native]       every thread's stack on every rank
 %mesh trace [NAME] [--last 30s] [--out PATH] [--factor 2]
                                                every rank's spans as a Chrome/Perfetto trace file and a timeline; stragglers named
 %mesh sync [PATH ...] [--recreate|--restart] [--watch|--stop-watch] [--via URL]
                                                send the workspace to the hosts, reload it in running procs
-%mesh help                                     this text; `%mesh SUBCOMMAND --help` for details"""
+%mesh help                                     this text; `%mesh SUBCOMMAND --help` for details
+NAME: a %mesh spawn name, or a notebook variable holding a mesh (procs = this_host().spawn_procs(...))"""
 _SUMMARY += "\n" + _jobs.SUMMARY
 
 
@@ -215,7 +216,7 @@ class MeshMagics(Magics):
             # and the label names it as IPython names cells: tracebacks read "Cell In[N], line L"
             n = _running_cell_number(self.shell)
             source, label = ("\n" + (cell or ""), f"In[{n}]") if n else (cell or "", "")
-            return _mesh.exec_cell(args.name, source, ranks=args.ranks, block=not args.no_block, label=label)
+            return _mesh.exec_cell(self._named(args.name), source, ranks=args.ranks, block=not args.no_block, label=label)
         finally:
             out = output()
             if out is not None and not args.no_block:
@@ -228,7 +229,9 @@ class MeshMagics(Magics):
 
     def _do_logs(self, args: argparse.Namespace, cell: str | None) -> Any:
         # a name this kernel does not know may still have logs of an earlier allocator on this host
-        pm = _mesh.meshes().get(args.name) or (_mesh.get(args.name) if args.follow else args.name)
+        pm = self._named(args.name)
+        if isinstance(pm, str):
+            pm = _mesh.meshes().get(pm) or (_mesh.get(pm) if args.follow else pm)
         if args.follow:
             try:
                 for r in _logs.follow(pm, args.rank, tail=args.tail if args.tail is not None else 10):
@@ -254,7 +257,7 @@ class MeshMagics(Magics):
             print("not watching")
             return None
         mode = "recreate" if args.recreate else "restart" if args.restart else None if args.no_reload else "inplace"
-        meshes = [_mesh.get(n) for n in args.mesh] if args.mesh else None
+        meshes = [m if not isinstance(m := self._named(n), str) else _mesh.get(m) for n in args.mesh] if args.mesh else None
         kw: dict[str, Any] = {"meshes": meshes, "excludes": args.exclude, "via": args.via, "reload": mode}
         if args.watch:
             if _watcher is not None:
@@ -308,19 +311,28 @@ class MeshMagics(Magics):
 
         return Dashboard(self._find_proc_mesh(args.name), interval=args.interval)
 
-    def _find_proc_mesh(self, name: str | None) -> Any:
-        """A named mesh: this controller's, a notebook variable (or the mesh a variable holds,
-        spawned through the Python API), else one running on this host's allocator."""
+    def _named(self, name: str | None) -> Any:
+        """``name`` as the subcommands take it: a ``%mesh`` name as it is, or the proc mesh of a
+        notebook variable holding a mesh spawned through the Python API (``procs =
+        this_host().spawn_procs(...)``, then ``%%mesh exec procs``)."""
         from ..actor import ActorMesh, ProcMesh
 
         if not name or name in _mesh.meshes():
-            return _mesh._resolve(name)
-        ns = self.shell.user_ns  # type: ignore[union-attr]
-        v = ns.get(name)
+            return name
+        v = self.shell.user_ns.get(name)  # type: ignore[union-attr]
         if isinstance(v, ActorMesh) and v._proc_mesh is not None:
             v = v._proc_mesh
-        if isinstance(v, ProcMesh):
-            return v
+        return v if isinstance(v, ProcMesh) else name
+
+    def _find_proc_mesh(self, name: str | None) -> Any:
+        """A named mesh: this controller's, a notebook variable (or the mesh a variable holds,
+        spawned through the Python API), else one running on this host's allocator."""
+        from ..actor import ProcMesh
+
+        found = self._named(name)
+        if not isinstance(found, str) or not name or name in _mesh.meshes():
+            return _mesh._resolve(found)
+        ns = self.shell.user_ns  # type: ignore[union-attr]
         for v in list(ns.values()):
             if isinstance(v, ProcMesh) and v.name == name and not v._stopped:
                 return v
@@ -342,11 +354,20 @@ class MeshMagics(Magics):
     def _do_trace(self, args: argparse.Namespace, cell: str | None) -> Any:
         from . import _trace
 
-        return _trace.trace(args.name, args.last, args.out, args.factor)
+        target = self._named(args.name)
+        return _trace.trace(
+            target if isinstance(target, str) or target is None else target.name, args.last, args.out, args.factor
+        )
 
     def _do_stop(self, args: argparse.Namespace, cell: str | None) -> Any:
         if not args.all and not args.name:
             raise UsageError("%mesh stop: name a mesh or pass --all")
+        target = None if args.all else self._named(args.name)
+        if target is not None and not isinstance(target, str):
+            # a mesh of the Python API, by the variable that holds it
+            target.stop(force=args.force).get(timeout=controller_client().rt.cfg.spawn_timeout)
+            print(f"stopped: {args.name} ({target.name})")
+            return None
         stopped = _mesh.stop(args.name, all=args.all, force=args.force)
         print(f"stopped: {', '.join(stopped) or 'nothing (no running mesh of yours)'}")
         return None
