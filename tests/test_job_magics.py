@@ -65,6 +65,13 @@ def _launch_jobs_restart_reattach_kill() -> None:
         assert again.result == pids
         out = subprocess.run([sys.executable, "-m", "monarch_nb", "job", "status"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and re.search(rf"work\s+process\s+{job_id}\s+running", out.stdout), out
+        # another shape under the same name replaces the job, and says so
+        c = _ok(k.run("%mesh launch process work --hosts 3"))
+        said = c.stream().splitlines()
+        assert said[0].startswith(f"work: replaced the ProcessJob {job_id} cached at ") and said[1].startswith(
+            "work: 3 host(s)"
+        ), said
+        assert "so it was stopped with every proc on its hosts" in said[0] and not c.stream("stderr"), c.msgs
         c = _ok(k.run("%mesh kill work"))
         assert "killed job work" in c.stream()
         assert "no jobs" in _ok(k.run("%mesh jobs")).result or "work" not in _ok(k.run("%mesh jobs")).result

@@ -75,6 +75,30 @@ def test_apply_spawn_call_kill_leaves_nothing(tmp_path: Path) -> None:
             job.kill()
 
 
+def test_a_job_relaunched_with_another_shape_says_it_replaced_the_running_one(tmp_path: Path) -> None:
+    # state() stops a cached job that cannot run the new spec, with every proc on its hosts; it
+    # did so with only an INFO log line
+    from monarch_nb.job import JobReplacedWarning
+
+    cache = os.path.join(os.environ["MONARCH_NB_RUNTIME_DIR"], f"js-{tmp_path.name}.json")
+    first, second = ProcessJob({"trainers": 2}, env=FAST), ProcessJob({"trainers": 3}, env=FAST)
+    try:
+        first.state(cached_path=cache)
+        old_id = first.describe()["id"]
+        old_allocs = [int(h["pid"]) for h in first._hosts.values()]
+        with pytest.warns(JobReplacedWarning) as said:
+            assert str(second.state(cached_path=cache).trainers.extent) == "{hosts: 3}"
+        assert [str(w.message) for w in said] == [
+            f"replaced the ProcessJob {old_id} cached at {cache} (2 host(s), running): it cannot run this spec (its "
+            "meshes or options changed), so it was stopped with every proc on its hosts"
+        ]
+        wait_for(lambda: not any(_alive(p) for p in old_allocs), 15, "the replaced job's allocators to exit")
+    finally:
+        for job in (second, first):
+            if job.active:
+                job.kill()
+
+
 _PHASE1 = """
 import json, os, sys
 sys.path.insert(0, {tests!r})

@@ -13,7 +13,18 @@ kubernetes client.
 """
 
 from ._exec import exec_command
-from ._job import DEFAULT_JOB_PATH, JobError, JobState, JobTrait, LocalJob, job_load, job_loads, load_current_job, set_current_job
+from ._job import (
+    DEFAULT_JOB_PATH,
+    JobError,
+    JobReplacedWarning,
+    JobState,
+    JobTrait,
+    LocalJob,
+    job_load,
+    job_loads,
+    load_current_job,
+    set_current_job,
+)
 from ._named import apply_spec, launch, named_job_path
 from ._named import jobs as list_jobs
 from ._named import kill as kill_job
@@ -24,6 +35,7 @@ from ._ssh import SSHJob
 __all__ = [
     "DEFAULT_JOB_PATH",
     "JobError",
+    "JobReplacedWarning",
     "JobState",
     "JobTrait",
     "LocalJob",

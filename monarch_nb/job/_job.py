@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -37,6 +38,11 @@ FORMAT = "monarch_nb.job/1"
 
 class JobError(MonarchNBError):
     """A job could not be applied, found, attached to or stopped; the message says why."""
+
+
+class JobReplacedWarning(RuntimeWarning):
+    """``state()`` stopped a running cached job that cannot run the spec it was given (its
+    meshes or options changed) and applied that spec instead: the procs on its hosts are gone."""
 
 
 def _default_job_path() -> str:
@@ -194,11 +200,26 @@ class JobTrait(ABC):
         if running is None:
             return None
         if not running.can_run(self):
+            try:
+                # this machine's LocalJob has nothing to stop; another job is said to be replaced
+                was = None if isinstance(running, LocalJob) else running.describe()
+            except Exception:
+                was = None
             logger.info("the job cached at %s cannot run this spec (changed, or no longer running): replacing it", cached_path)
             try:
                 running._kill()
             except Exception as e:  # a dead job's leftovers must not stop a new apply
                 logger.info("stopping the cached job failed: %s", e)
+            if was is not None:
+                # a relaunch with another size stops the running job and every proc on it: say so
+                ident = f" {was['id']}" if was.get("id") else ""
+                warnings.warn(
+                    f"replaced the {running._type_name}{ident} cached at {cached_path} ({was.get('hosts')} host(s), "
+                    f"{was.get('state')}): it cannot run this spec (its meshes or options changed), so it was stopped "
+                    "with every proc on its hosts",
+                    JobReplacedWarning,
+                    stacklevel=3,
+                )
             records.remove(os.path.realpath(cached_path))
             return None
         running._cached_path = cached_path

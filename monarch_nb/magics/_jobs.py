@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import html
+import warnings
 from typing import Any
 
 from IPython.core.error import UsageError
 
-from ..job import JobError, kill_job, launch, list_jobs
+from ..job import JobError, JobReplacedWarning, kill_job, launch, list_jobs
 
 SUMMARY = """\
 %mesh launch slurm|ssh|process|local|k8s NAME --hosts N|h1,h2 [--partition P] [--time T] [--gpus-per-node G] ...
@@ -79,9 +80,17 @@ def do_launch(self: Any, args: argparse.Namespace, cell: str | None) -> Any:
             raise UsageError("%mesh launch: --no-exclusive is a Slurm option")
         options["exclusive"] = False
     try:
-        state = launch(args.scheduler, args.name, args.hosts, **options)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always", JobReplacedWarning)
+            state = launch(args.scheduler, args.name, args.hosts, **options)
     except (JobError, NotImplementedError, ValueError) as e:
         raise UsageError(f"%mesh launch: {e}") from None
+    for w in said:
+        if issubclass(w.category, JobReplacedWarning):
+            # a relaunch with another shape stopped the job before it: one line, not a warning's frames
+            print(f"{args.name}: {w.message}")
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     hosts = getattr(state, args.name)
     self._bind(args.name, hosts)
     print(f"{args.name}: {len(hosts._refs())} host(s) {', '.join(h.host for h in hosts._refs())} ({args.scheduler})")
