@@ -795,11 +795,14 @@ def test_the_subcommands_take_a_variable_holding_a_mesh_of_the_python_api(k: Ker
     _ok(k.run("%%mesh exec api_actors\nos.getpid()"))
     assert _ok(k.run("sorted(_.values()) == sorted(p.pid for p in api_procs._procs)")).result == "True"
     logs = _ok(k.run("%mesh logs api_procs --tail 1")).stream()
-    assert logs.splitlines() == ["[0] hello from exec", "[1] hello from exec"], logs
+    assert sorted(logs.splitlines()) == ["[0] hello from exec", "[1] hello from exec"], logs
     (tmp_path / "synced_mod.py").write_text("X = 5\n")
     _ok(k.run(f"%mesh sync {tmp_path} --mesh api_procs"))
     _ok(k.run("%%mesh exec api_procs\nimport synced_mod\nsynced_mod.X"))
     assert _ok(k.run("list(_.values())")).result == "[5, 5]"
+    # an actor mesh's variable stops its actors, not the procs under them
+    assert _ok(k.run("%mesh stop api_actors")).stream() == "stopped: api_actors (actors 'noop'; their procs run on)\n"
+    assert _ok(k.run("api_actors._closed(), api_procs._stopped")).result == "(True, False)"
     c = _ok(k.run("%mesh stop api_procs"))
     assert c.stream().startswith("stopped: api_procs (anon-"), c.stream()
     assert _ok(k.run("api_procs._stopped")).result == "True"
