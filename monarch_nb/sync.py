@@ -19,6 +19,7 @@ from typing import Any
 
 from . import _workspace
 from .actor import ProcMesh, _context
+from .errors import SupervisionError, safe_str
 
 __all__ = ["HostSync", "SyncReport", "sync", "watch"]
 
@@ -49,6 +50,8 @@ class SyncReport:
     hosts: list[HostSync]
     reloads: list[dict[str, Any]] = field(default_factory=list)
     staged_bytes: int = 0
+    #: procs that could not reload because they are gone (a dead rank of a failed mesh): why
+    not_reloaded: list[str] = field(default_factory=list)
 
     @property
     def bytes_sent(self) -> int:
@@ -58,14 +61,17 @@ class SyncReport:
         return [(h.host, str(len(h.added)), str(len(h.changed)), str(len(h.removed)), f"{h.bytes_sent:,}") for h in self.hosts]
 
     def _reload_line(self) -> str:
-        if not self.reloads:
+        if not self.reloads and not self.not_reloaded:
             return ""
         mods = sorted({m for r in self.reloads for m in r.get("reloaded", [])})
         actors = sorted({a for r in self.reloads for a in (*r.get("updated", []), *r.get("recreated", []))})
         pids = len({r.get("pid") for r in self.reloads})
-        return (
+        line = (
             f"reloaded {', '.join(mods) or 'nothing'} in {pids} procs (same PIDs); actors updated: {', '.join(actors) or 'none'}"
         )
+        if self.not_reloaded:
+            line += f"; not reloaded, gone: {'; '.join(self.not_reloaded)}"
+        return line
 
     def __repr__(self) -> str:
         lines = [f"synced {self.root} -> {self.workspace}"]
@@ -242,8 +248,15 @@ def _reload(report: SyncReport, meshes: list[ProcMesh], mode: str) -> list[dict[
         for p in {p.addr: p for p in m._procs}.values():
             path, changed = changed_by_alloc.get(p.alloc, ("", []))
             if path:
-                futs.append(client.request(p.addr, "reload", path, changed, mode, _actor="__sys__"))
-    return [f.get(timeout=client.rt.cfg.spawn_timeout) for f in futs]
+                futs.append((m, p, client.request(p.addr, "reload", path, changed, mode, _actor="__sys__")))
+    out = []
+    for m, p, f in futs:
+        try:
+            out.append(f.get(timeout=client.rt.cfg.spawn_timeout))
+        except SupervisionError as e:
+            # a dead rank of a failed mesh: the other procs, and the sync itself, go on
+            report.not_reloaded.append((safe_str(e).splitlines() or [f"mesh {m.name!r} rank {p.rank}"])[0])
+    return out
 
 
 class Watcher:

@@ -271,3 +271,27 @@ def test_a_module_the_procs_cannot_import_is_named_with_the_sync_that_fixes_it(t
         sys.path.remove(str(lib))
         sys.modules.pop("onlyhere", None)
         pm.stop().get(timeout=30)
+
+
+def test_a_dead_rank_of_another_mesh_does_not_fail_the_sync(tmp_path: Path) -> None:
+    # every live mesh reloads by default now: one with a dead rank must not stop the others
+    import signal
+
+    from conftest import wait_for
+
+    from monarch_nb.actor import this_host
+
+    dying = this_host().spawn_procs(per_host={"gpus": 2})
+    fine = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        os.kill(dying._procs[1].pid, signal.SIGKILL)
+        wait_for(lambda: dying._failed, 15, "the mesh to hear of its dead rank")
+        (tmp_path / "after_death.py").write_text("X = 7\n")
+        rep = S.sync(str(tmp_path))[0]
+        assert len(rep.not_reloaded) == 1 and f"process {dying._procs[1].pid} was killed by SIGKILL" in rep.not_reloaded[0], rep
+        assert "not reloaded, gone: " in repr(rep)
+        pids = {r["pid"] for r in rep.reloads}
+        assert {dying._procs[0].pid, fine._procs[0].pid} <= pids and dying._procs[1].pid not in pids
+    finally:
+        fine.stop().get(timeout=30)
+        dying.stop().get(timeout=30)
