@@ -68,18 +68,32 @@ def connect(*targets: str, key_file: str | None = None) -> HostMesh:
 
 #: names that :func:`connect` found on several hosts as distinct meshes: name -> the candidates
 ambiguous: dict[str, str] = {}
+#: meshes without a ``%mesh`` name whose controller is gone (a kernel restarted since it ran
+#: ``this_host().spawn_procs(...)``), re-attached by the last :func:`connect`
+orphans: list[str] = []
 
 
 def _reattach(hm: HostMesh) -> None:
     client = controller_client()
     ambiguous.clear()
+    orphans.clear()
     refs = hm._refs()
     by_name: dict[str, list[HostRef]] = {}
     for h in refs:
         st = client.request(h.alloc, "status").get(timeout=client.rt.cfg.connect_timeout)
+        attached = {c["cid"] for c in st.get("controllers", [])}
         for m in st["meshes"]:
-            if m["state"] == "running" and not m["name"].startswith("anon-"):
+            if m["state"] != "running":
+                continue
+            if not m["name"].startswith("anon-"):
                 by_name.setdefault(m["name"], []).append(h)
+            elif m["owner"] not in attached:
+                # persistent procs nobody can reach by a name: found here, they can be used or
+                # stopped; left alone, they would hold their host (and its GPUs) until the
+                # allocator's lease, which never runs out while any controller is attached
+                by_name.setdefault(m["name"], []).append(h)
+                if m["name"] not in orphans:
+                    orphans.append(m["name"])
     for name, hs in by_name.items():
         if name in _meshes and not _meshes[name]._stopped:
             continue

@@ -28,11 +28,19 @@ __all__ = [
     "hosts",
     "interrupt",
     "meshes",
+    "orphaned_meshes",
     "restart",
     "spawn",
     "status",
     "stop",
 ]
+
+
+def orphaned_meshes() -> list[str]:
+    """Meshes without a ``%mesh`` name whose controller is gone (spawned with
+    ``this_host().spawn_procs(...)`` in a kernel since restarted), re-attached by the last
+    :func:`connect` under their ``anon-...`` names: use them, or stop them to free their procs."""
+    return list(_registry.orphans)
 
 
 def ambiguous_meshes() -> dict[str, str]:

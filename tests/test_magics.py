@@ -531,15 +531,29 @@ def test_connect_after_a_kernel_restart_finds_meshes_and_namespaces() -> None:
         _ok(a.run("%mesh connect"))
         _ok(a.run("%mesh spawn keep --per-host gpus=2"))
         pids = _ok(a.run("%%mesh exec keep\nimport os\nanswer = 42\nos.getpid()")).result
+        # procs of the Python API persist too, with no %mesh name to find them by
+        anon = _ok(
+            a.run("from monarch_nb.actor import this_host\nunnamed = this_host().spawn_procs(per_host={'gpus': 1})\nunnamed.name")
+        ).result.strip("'")
+        anon_pid = _ok(a.run("unnamed._procs[0].pid")).result
     finally:
         a.close()
     b = Kernel()
     try:
         c = _ok(b.run("%mesh connect"))
-        assert "keep {gpus: 2}" in c.stream()
+        assert "meshes: keep {gpus: 2}" in c.stream()
+        # they held their host (and its GPUs) with nothing to say so: %mesh stop --all left them,
+        # and the allocator's lease does not run out while a controller is attached
+        assert (
+            f"found {anon} {{gpus: 1}}: procs an earlier kernel spawned with no %mesh name; `%mesh stop {anon}` frees them"
+            in c.stream()
+        ), c.stream()
         assert _ok(b.run("%%mesh exec keep\nos.getpid()")).result == pids
         assert _ok(b.run("%%mesh exec keep\nanswer")).result.count("42") == 2
+        assert f", {anon_pid})" in _ok(b.run(f"%%mesh exec {anon}\nimport os\nos.getpid()")).result
+        _ok(b.run(f"%mesh stop {anon}"))
         _ok(b.run("%mesh stop keep"))
+        assert anon not in _ok(b.run("%mesh status")).result
     finally:
         b.close()
 

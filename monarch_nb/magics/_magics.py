@@ -187,12 +187,20 @@ class MeshMagics(Magics):
     def _do_connect(self, args: argparse.Namespace, cell: str | None) -> Any:
         hm = _mesh.connect(*args.targets, key_file=args.key_file)
         found = _mesh.meshes()
+        orphans = set(_mesh.orphaned_meshes())
         for name, pm in found.items():
-            if not pm._stopped:
+            if not pm._stopped and name not in orphans:
                 self._bind(name, pm)
         hosts = [h.host for h in hm._refs()]
-        names = ", ".join(f"{n} {pm.extent}" for n, pm in found.items() if not pm._stopped) or "none"
+        names = ", ".join(f"{n} {pm.extent}" for n, pm in found.items() if not pm._stopped and n not in orphans) or "none"
         print(f"connected to {len(hosts)} host(s): {', '.join(hosts)}; meshes: {names}")
+        for name in sorted(orphans):
+            orphan = found.get(name)
+            if orphan is not None and not orphan._stopped:
+                print(
+                    f"found {name} {orphan.extent}: procs an earlier kernel spawned with no %mesh name; "
+                    f"`%mesh stop {name}` frees them, `%%mesh exec {name}` or ProcMesh.lookup({name!r}) uses them"
+                )
         for _name, why in _mesh.ambiguous_meshes().items():
             print(f"not bound: {why}", file=sys.stderr)
         return None
