@@ -541,7 +541,7 @@ def test_connect_after_a_kernel_restart_finds_meshes_and_namespaces() -> None:
     b = Kernel()
     try:
         c = _ok(b.run("%mesh connect"))
-        assert "meshes: keep {gpus: 2}" in c.stream()
+        assert "keep {gpus: 2}" in c.stream()
         # they held their host (and its GPUs) with nothing to say so: %mesh stop --all left them,
         # and the allocator's lease does not run out while a controller is attached
         assert (
