@@ -19,7 +19,7 @@ from typing import Any
 
 from . import _workspace
 from .actor import ProcMesh, _context
-from .errors import SupervisionError, safe_str
+from .errors import MonarchNBError, SupervisionError, safe_str
 
 __all__ = ["HostSync", "SyncReport", "sync", "watch"]
 
@@ -104,8 +104,9 @@ class SyncReport:
         )
 
 
-def _targets(meshes: list[ProcMesh] | None, named_only: bool = False) -> tuple[dict[str, str], list[ProcMesh]]:
-    """Allocator address -> host name, and the meshes whose procs reload."""
+def _targets(meshes: list[ProcMesh] | None, named_only: bool = False) -> tuple[dict[str, str], list[ProcMesh], set[str]]:
+    """Allocator address -> host name, the meshes whose procs reload, and the allocators that
+    only an unnamed mesh brought in (one of those that is gone is skipped, not an error)."""
     from . import _registry
 
     if meshes is None:
@@ -114,19 +115,32 @@ def _targets(meshes: list[ProcMesh] | None, named_only: bool = False) -> tuple[d
         # but not the reload: its running procs never saw the synced tree on their sys.path.
         # A restart replaces a mesh under its %mesh name: a mesh the user holds only as a
         # variable would be stopped under them, so a restart takes the named ones only
-        found = {id(m): m for m in _registry.meshes().values()}
-        if not named_only:
-            found.update((id(m), m) for m in list(_context.client().owned.values()))
-        meshes = [m for m in found.values() if not m._stopped]
+        named = [m for m in _registry.meshes().values() if not m._stopped]
         hm = _registry.hosts()
         allocs = {h.alloc: h.host for h in hm._refs()}
-    else:
-        allocs = {}
+        for m in named:
+            for p in m._procs:
+                if p.alloc:
+                    allocs.setdefault(p.alloc, p.host)
+        unnamed: list[ProcMesh] = []
+        if not named_only:
+            seen = {id(m) for m in named}
+            for m in list(_context.client().owned.values()):
+                if id(m) not in seen and not m._stopped:
+                    seen.add(id(m))
+                    unnamed.append(m)
+        optional = {p.alloc for m in unnamed for p in m._procs if p.alloc and p.alloc not in allocs}
+        for m in unnamed:
+            for p in m._procs:
+                if p.alloc:
+                    allocs.setdefault(p.alloc, p.host)
+        return allocs, named + unnamed, optional
+    allocs = {}
     for m in meshes:
         for p in m._procs:
             if p.alloc:
                 allocs.setdefault(p.alloc, p.host)
-    return allocs, meshes
+    return allocs, meshes, set()
 
 
 def sync(
@@ -149,7 +163,7 @@ def sync(
     roots = [paths] if isinstance(paths, str) else list(paths or [os.getcwd()])
     if isinstance(meshes, ProcMesh):
         meshes = [meshes]
-    allocs, target_meshes = _targets(meshes, named_only=reload == "restart")
+    allocs, target_meshes, optional = _targets(meshes, named_only=reload == "restart")
     if not allocs:
         raise ValueError("no hosts to sync to: `%mesh connect` first")
     reports = []
@@ -157,12 +171,18 @@ def sync(
         root = os.path.abspath(root)
         if not os.path.isdir(root):
             raise FileNotFoundError(f"cannot sync {root}: not a directory")
-        reports.append(_sync_root(root, allocs, target_meshes, excludes, via, reload))
+        reports.append(_sync_root(root, allocs, target_meshes, excludes, via, reload, optional))
     return reports
 
 
 def _sync_root(
-    root: str, allocs: dict[str, str], meshes: list[ProcMesh], excludes: Any, via: str | None, reload: str | None
+    root: str,
+    allocs: dict[str, str],
+    meshes: list[ProcMesh],
+    excludes: Any,
+    via: str | None,
+    reload: str | None,
+    optional: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> SyncReport:
     client = _context.client()
     timeout = client.rt.cfg.spawn_timeout
@@ -172,7 +192,20 @@ def _sync_root(
     digests = list(by_digest)
     report = SyncReport(ws, root, [HostSync(host, alloc) for alloc, host in allocs.items()])
     missing = {hs.allocator: client.request(hs.allocator, "sync_missing", digests) for hs in report.hosts}
-    lacking = {a: f.get(timeout=timeout) for a, f in missing.items()}
+    lacking: dict[str, Any] = {}
+    gone: set[str] = set()
+    for a, f in missing.items():
+        try:
+            lacking[a] = f.get(timeout=timeout)
+        except MonarchNBError as e:
+            if a not in optional:
+                raise
+            # the allocator of an unnamed mesh that is gone (its host or job ended since)
+            gone.add(a)
+            report.not_reloaded.append(f"host {allocs[a]} ({a}): {(safe_str(e).splitlines() or ['gone'])[0]}")
+    if gone:
+        report.hosts = [hs for hs in report.hosts if hs.allocator not in gone]
+        meshes = [m for m in meshes if any(p.alloc not in gone for p in m._procs)]
     if via:
         report.staged_bytes = _stage(via, root, by_digest, sorted({d for ds in lacking.values() for d in ds}))
         pulls = [client.request(a, "sync_pull", via, ds) for a, ds in lacking.items() if ds]

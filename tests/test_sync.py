@@ -295,3 +295,26 @@ def test_a_dead_rank_of_another_mesh_does_not_fail_the_sync(tmp_path: Path) -> N
     finally:
         fine.stop().get(timeout=30)
         dying.stop().get(timeout=30)
+
+
+def test_a_mesh_whose_allocator_is_gone_is_skipped_not_an_error(tmp_path: Path) -> None:
+    # an unnamed mesh on a host (here a job) that ended since: nothing to send there, and the
+    # sync of every other host goes on
+    from monarch_nb.actor import this_host
+    from monarch_nb.job import ProcessJob
+
+    job = ProcessJob({"h": 1}, env={"MONARCH_NB_ZYGOTE_PRELOAD": "", "MONARCH_NB_LEASE": "60"})
+    here = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        there = job.state(cached_path=None).h.spawn_procs(per_host={"gpus": 1})
+        job.kill()
+        (tmp_path / "after_kill.py").write_text("X = 8\n")
+        rep = S.sync(str(tmp_path))[0]
+        gone = [h for h in rep.not_reloaded if there._procs[0].alloc in h]
+        assert len(gone) == 1 and gone[0].startswith("host "), rep.not_reloaded
+        assert here._procs[0].pid in {r["pid"] for r in rep.reloads}
+        assert there._procs[0].alloc not in {h.allocator for h in rep.hosts}
+    finally:
+        if job.active:
+            job.kill()
+        here.stop().get(timeout=30)

@@ -36,9 +36,9 @@ _SUMMARY = """\
                                                every rank's spans as a Chrome/Perfetto trace file and a timeline; stragglers named
 %mesh sync [PATH ...] [--recreate|--restart] [--watch|--stop-watch] [--via URL]
                                                send the workspace to the hosts, reload it in running procs
-%mesh help                                     this text; `%mesh SUBCOMMAND --help` for details
-NAME: a %mesh spawn name, or a notebook variable holding a mesh (procs = this_host().spawn_procs(...))"""
+%mesh help                                     this text; `%mesh SUBCOMMAND --help` for details"""
 _SUMMARY += "\n" + _jobs.SUMMARY
+_SUMMARY += "\nNAME of a mesh: a %mesh spawn name, or a notebook variable holding one (procs = this_host().spawn_procs(...))"
 
 
 class _Parser(argparse.ArgumentParser):
