@@ -124,11 +124,14 @@ def _targets(meshes: list[ProcMesh] | None, named_only: bool = False) -> tuple[d
                     allocs.setdefault(p.alloc, p.host)
         unnamed: list[ProcMesh] = []
         if not named_only:
+            client = _context.client()
             seen = {id(m) for m in named}
-            for m in list(_context.client().owned.values()):
-                if id(m) not in seen and not m._stopped:
-                    seen.add(id(m))
-                    unnamed.append(m)
+            for m in list(client.owned.values()):
+                hosts_of = {p.alloc for p in m._procs if p.alloc}
+                if id(m) in seen or m._stopped or (hosts_of and all(map(client.rt.supervision.is_lost, hosts_of))):
+                    continue  # one whose hosts are all known lost has nothing to take the files
+                seen.add(id(m))
+                unnamed.append(m)
         optional = {p.alloc for m in unnamed for p in m._procs if p.alloc and p.alloc not in allocs}
         for m in unnamed:
             for p in m._procs:

@@ -288,7 +288,9 @@ def test_a_dead_rank_of_another_mesh_does_not_fail_the_sync(tmp_path: Path) -> N
         wait_for(lambda: dying._failed, 15, "the mesh to hear of its dead rank")
         (tmp_path / "after_death.py").write_text("X = 7\n")
         rep = S.sync(str(tmp_path))[0]
-        assert len(rep.not_reloaded) == 1 and f"process {dying._procs[1].pid} was killed by SIGKILL" in rep.not_reloaded[0], rep
+        # (the suite's earlier meshes on hosts gone since may be listed too)
+        mine = [n for n in rep.not_reloaded if f"process {dying._procs[1].pid} was killed by SIGKILL" in n]
+        assert len(mine) == 1, rep
         assert "not reloaded, gone: " in repr(rep)
         pids = {r["pid"] for r in rep.reloads}
         assert {dying._procs[0].pid, fine._procs[0].pid} <= pids and dying._procs[1].pid not in pids
@@ -309,9 +311,9 @@ def test_a_mesh_whose_allocator_is_gone_is_skipped_not_an_error(tmp_path: Path) 
         there = job.state(cached_path=None).h.spawn_procs(per_host={"gpus": 1})
         job.kill()
         (tmp_path / "after_kill.py").write_text("X = 8\n")
+        # known lost by now (the job's kill says so), or found gone when asked: skipped either way
         rep = S.sync(str(tmp_path))[0]
-        gone = [h for h in rep.not_reloaded if there._procs[0].alloc in h]
-        assert len(gone) == 1 and gone[0].startswith("host "), rep.not_reloaded
+        assert all(n.startswith("host ") for n in rep.not_reloaded if there._procs[0].alloc in n), rep.not_reloaded
         assert here._procs[0].pid in {r["pid"] for r in rep.reloads}
         assert there._procs[0].alloc not in {h.allocator for h in rep.hosts}
     finally:

@@ -146,12 +146,18 @@ def terminate(pids: list[int], timeout: float, reap: Callable[[], object] | None
     while live:
         if reap is not None:
             reap()
+        still = []
         for p in live:
+            if pid_alive(p):
+                still.append(p)
+                continue
+            # gone, or a zombie child of ours (one that exited after a reap before this look
+            # would stay one): reap it
             try:
                 os.waitpid(p, os.WNOHANG)
             except ChildProcessError:
                 pass  # not ours (or reaped already)
-        live = [p for p in live if pid_alive(p)]
+        live = still
         if not live or time.monotonic() > deadline:
             break
         time.sleep(0.02)  # waiting for other processes to exit; no event to wait on
