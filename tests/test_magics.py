@@ -540,6 +540,9 @@ def test_connect_after_a_kernel_restart_finds_meshes_and_namespaces() -> None:
         a.close()
     b = Kernel()
     try:
+        # before a connect, the status table says whose they were: a controller that left
+        table = _ok(b.run("%mesh status")).result
+        assert re.search(rf"{anon} \(persistent\)\s+gone \([0-9a-f]{{8}}\)\s", table), table
         c = _ok(b.run("%mesh connect"))
         assert "keep {gpus: 2}" in c.stream()
         # they held their host (and its GPUs) with nothing to say so: %mesh stop --all left them,

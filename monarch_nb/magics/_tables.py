@@ -31,6 +31,7 @@ def status_rows(snapshot: dict[str, Any], my_cid: str = "") -> list[dict[str, st
         if not meshes:
             n = len(a.get("controllers", []))
             rows.append({"host": host, "allocator": alloc, "state": "idle", "detail": f"{n} controller(s) attached"})
+        attached = {c.get("cid") for c in a.get("controllers", [])}
         for m in meshes:
             by_state: dict[str, list[dict[str, Any]]] = {}
             for p in m["procs"]:
@@ -39,6 +40,9 @@ def status_rows(snapshot: dict[str, Any], my_cid: str = "") -> list[dict[str, st
                     state = "paused"
                 by_state.setdefault(state, []).append(p)
             owner = "this kernel" if my_cid and m["owner"] == my_cid else m["owner"][:8]
+            if owner != "this kernel" and m["owner"] not in attached:
+                # its controller left (a restarted kernel's): `%mesh connect` finds it again
+                owner = f"gone ({owner})"
             mesh_label = m["name"] + ("" if not m.get("persist") else " (persistent)")
             whole, label, hint = _meshhtml.mesh_state(list(by_state))
             if whole == "failed":
