@@ -220,6 +220,11 @@ def test_a_machine_without_a_slurm_cluster_is_told_where_to_run(tmp_path: Path, 
         match=r"not set up for a Slurm cluster \(`scontrol show config` failed: .*\): run the controller on a login node",
     ):
         controller_ip()
+    # and apply() leaves no job folder (with its cluster key) behind in the log folder
+    logs = tmp_path / "logs"
+    with pytest.raises(JobError, match="not set up for a Slurm cluster"):
+        SlurmJob({"w": 1}, log_dir=str(logs)).apply()
+    assert not (logs / ".monarch_nb-jobs").exists()
 
 
 def test_ssh_command_line_carries_no_secret() -> None:

@@ -351,6 +351,8 @@ class SlurmJob(JobTrait):
     def _create(self, client_script: str | None) -> None:
         if client_script is not None and not os.path.isfile(client_script):
             raise FileNotFoundError(f"client_script {client_script!r} does not exist")
+        # asked first: a machine with no Slurm cluster fails here, before a key is written to disk
+        ip = controller_ip()
         os.makedirs(self._log_dir, exist_ok=True)
         self._dir = records.make_private_dir(
             os.path.join(self._log_dir, ".monarch_nb-jobs", f"{self._job_name}-{self._apply_id[:8]}")  # type: ignore[index]
@@ -362,10 +364,11 @@ class SlurmJob(JobTrait):
             record = self._to_json()
             record.update(running=True, apply_id=self._apply_id, started=self._started, runtime=self._runtime())
             records.write_json(os.path.join(self._dir, "job.json"), record)
-        script = self.batch_script(self._dir, controller_ip(), client_script)
+        script = self.batch_script(self._dir, ip, client_script)
         try:
             cp = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True, timeout=60)
         except FileNotFoundError:
+            shutil.rmtree(self._dir, ignore_errors=True)
             raise JobError("sbatch was not found: run this on a Slurm login node (slurm-client installed)") from None
         if cp.returncode != 0:
             shutil.rmtree(self._dir, ignore_errors=True)
