@@ -65,15 +65,13 @@ def _machine() -> dict[str, Any]:
     return out
 
 
-#: MiB copied before each pause (``--walk-mib``; 0: none), as another system's round in
-#: ``python -m bench`` does to the caches before our round's first call
-_WALK_MIB = int(os.environ.get("BENCH_COLD_WALK_MIB", "0"))
-
-
 def _walker() -> Callable[[], None]:
-    if not _WALK_MIB:
+    """A copy of ``--walk-mib`` MiB (0: none; the children read it from their environment), as
+    another system's round in ``python -m bench`` does to the caches before our first call."""
+    mib = int(os.environ.get("BENCH_COLD_WALK_MIB", "0"))
+    if not mib:
         return lambda: None
-    src, dst = bytearray(os.urandom(1 << 20)) * _WALK_MIB, bytearray(_WALK_MIB << 20)
+    src, dst = bytearray(os.urandom(1 << 20)) * mib, bytearray(mib << 20)
 
     def walk() -> None:
         dst[:] = src
@@ -114,6 +112,10 @@ def _raw() -> dict[str, float]:
         return _after_pauses(once)
 
 
+#: a pickled call's or value's length prefix, in the bare Python RPC
+_LEN = struct.Struct("<I")
+
+
 class _Echo:
     def ping(self) -> int:
         return 1
@@ -137,9 +139,6 @@ def _serve_calls(b: socket.socket) -> None:
         out = pickle.dumps(getattr(obj, method)(*args))
         ep.modify(b.fileno(), select.EPOLLONESHOT)
         b.send(_LEN.pack(len(out)) + out)
-
-
-_LEN = struct.Struct("<I")
 
 
 def _python_rpc() -> dict[str, float]:
@@ -213,10 +212,7 @@ def main() -> int:
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.walk_mib:
-        # the children (each system's own process) read it from their environment
         os.environ["BENCH_COLD_WALK_MIB"] = str(a.walk_mib)
-        global _WALK_MIB
-        _WALK_MIB = a.walk_mib
     if a.child:
         _child(a.child)
         return 0

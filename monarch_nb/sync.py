@@ -104,46 +104,43 @@ class SyncReport:
         )
 
 
+def _add_hosts(allocs: dict[str, str], meshes: list[ProcMesh]) -> None:
+    for m in meshes:
+        for p in m._procs:
+            if p.alloc:
+                allocs.setdefault(p.alloc, p.host)
+
+
 def _targets(meshes: list[ProcMesh] | None, named_only: bool = False) -> tuple[dict[str, str], list[ProcMesh], set[str]]:
     """Allocator address -> host name, the meshes whose procs reload, and the allocators that
     only an unnamed mesh brought in (one of those that is gone is skipped, not an error)."""
     from . import _registry
 
-    if meshes is None:
-        # the named ones (%mesh spawn, re-attached) and every other live one this controller
-        # spawned (this_host().spawn_procs(...), Monarch's way), which used to get the files
-        # but not the reload: its running procs never saw the synced tree on their sys.path.
-        # A restart replaces a mesh under its %mesh name: a mesh the user holds only as a
-        # variable would be stopped under them, so a restart takes the named ones only
-        named = [m for m in _registry.meshes().values() if not m._stopped]
-        hm = _registry.hosts()
-        allocs = {h.alloc: h.host for h in hm._refs()}
-        for m in named:
-            for p in m._procs:
-                if p.alloc:
-                    allocs.setdefault(p.alloc, p.host)
-        unnamed: list[ProcMesh] = []
-        if not named_only:
-            client = _context.client()
-            seen = {id(m) for m in named}
-            for m in list(client.owned.values()):
-                hosts_of = {p.alloc for p in m._procs if p.alloc}
-                if id(m) in seen or m._stopped or (hosts_of and all(map(client.rt.supervision.is_lost, hosts_of))):
-                    continue  # one whose hosts are all known lost has nothing to take the files
-                seen.add(id(m))
-                unnamed.append(m)
-        optional = {p.alloc for m in unnamed for p in m._procs if p.alloc and p.alloc not in allocs}
-        for m in unnamed:
-            for p in m._procs:
-                if p.alloc:
-                    allocs.setdefault(p.alloc, p.host)
-        return allocs, named + unnamed, optional
-    allocs = {}
-    for m in meshes:
-        for p in m._procs:
-            if p.alloc:
-                allocs.setdefault(p.alloc, p.host)
-    return allocs, meshes, set()
+    if meshes is not None:
+        allocs: dict[str, str] = {}
+        _add_hosts(allocs, meshes)
+        return allocs, meshes, set()
+    # the named ones (%mesh spawn, re-attached) and every other live one this controller
+    # spawned (this_host().spawn_procs(...), Monarch's way), which used to get the files
+    # but not the reload: its running procs never saw the synced tree on their sys.path.
+    # A restart replaces a mesh under its %mesh name: a mesh the user holds only as a
+    # variable would be stopped under them, so a restart takes the named ones only
+    named = [m for m in _registry.meshes().values() if not m._stopped]
+    allocs = {h.alloc: h.host for h in _registry.hosts()._refs()}
+    _add_hosts(allocs, named)
+    required = set(allocs)
+    unnamed: list[ProcMesh] = []
+    if not named_only:
+        client = _context.client()
+        seen = {id(m) for m in named}
+        for m in list(client.owned.values()):
+            hosts_of = {p.alloc for p in m._procs if p.alloc}
+            if id(m) in seen or m._stopped or (hosts_of and all(map(client.rt.supervision.is_lost, hosts_of))):
+                continue  # one whose hosts are all known lost has nothing to take the files
+            seen.add(id(m))
+            unnamed.append(m)
+    _add_hosts(allocs, unnamed)
+    return allocs, named + unnamed, set(allocs) - required
 
 
 def sync(
@@ -185,7 +182,7 @@ def _sync_root(
     excludes: Any,
     via: str | None,
     reload: str | None,
-    optional: set[str] = frozenset(),  # type: ignore[assignment]
+    optional: set[str],
 ) -> SyncReport:
     client = _context.client()
     timeout = client.rt.cfg.spawn_timeout
@@ -205,7 +202,7 @@ def _sync_root(
                 raise
             # the allocator of an unnamed mesh that is gone (its host or job ended since)
             gone.add(a)
-            report.not_reloaded.append(f"host {allocs[a]} ({a}): {(safe_str(e).splitlines() or ['gone'])[0]}")
+            report.not_reloaded.append(f"host {allocs[a]} ({a}): {_first_line(e)}")
     if gone:
         report.hosts = [hs for hs in report.hosts if hs.allocator not in gone]
         meshes = [m for m in meshes if any(p.alloc not in gone for p in m._procs)]
@@ -227,6 +224,10 @@ def _sync_root(
     if reload is not None and meshes:
         report.reloads = _reload(report, meshes, reload)
     return report
+
+
+def _first_line(e: BaseException) -> str:
+    return (safe_str(e).splitlines() or [type(e).__name__])[0]
 
 
 def _read(root: str, rel: str) -> bytes:
@@ -284,14 +285,14 @@ def _reload(report: SyncReport, meshes: list[ProcMesh], mode: str) -> list[dict[
         for p in {p.addr: p for p in m._procs}.values():
             path, changed = changed_by_alloc.get(p.alloc, ("", []))
             if path:
-                futs.append((m, p, client.request(p.addr, "reload", path, changed, mode, _actor="__sys__")))
+                futs.append(client.request(p.addr, "reload", path, changed, mode, _actor="__sys__"))
     out = []
-    for m, p, f in futs:
+    for f in futs:
         try:
             out.append(f.get(timeout=client.rt.cfg.spawn_timeout))
         except SupervisionError as e:
             # a dead rank of a failed mesh: the other procs, and the sync itself, go on
-            report.not_reloaded.append((safe_str(e).splitlines() or [f"mesh {m.name!r} rank {p.rank}"])[0])
+            report.not_reloaded.append(_first_line(e))
     return out
 
 

@@ -240,21 +240,24 @@ class Future(Generic[R]):
                 # read while still listed as blocked: whoever watches ``blocked`` sees the error raised
                 return self._resolve()
             except KeyboardInterrupt as e:
-                if self._state == _PENDING:
-                    e.add_note(self._interrupted_note())
+                self._note_wait_stopped(e)
                 raise
             finally:
                 blocked.pop(tid, None)
         return self._resolve()
 
-    def _interrupted_note(self) -> str:
-        # a kernel interrupt looks as if it stopped the call; the next call to those actors then
-        # waits, unexplained, for this one to end
+    def _note_wait_stopped(self, e: BaseException) -> None:
+        """Tell the reader of an interrupted or cancelled wait that the work it waited for goes
+        on: a kernel interrupt looks as if it stopped the call, and the next call to those actors
+        then waits, unexplained, for this one to end."""
+        if self._state != _PENDING:
+            return
         p = self.progress()
         if p is None or self.progress_unit != "ranks replied":
-            return f"monarch_nb: only the wait stopped: {self._what} goes on, and .get() or await waits for it again."
+            e.add_note(f"monarch_nb: only the wait stopped: {self._what} goes on, and .get() or await waits for it again.")
+            return
         done, n = p
-        return (
+        e.add_note(
             f"monarch_nb: only the wait stopped: {self._what} still runs on {n - done} of {n} ranks, "
             "as in Monarch, and their actors take their next calls once it returns. .get() or await waits for it "
             "again; stopping the mesh ends it now."
@@ -294,8 +297,7 @@ class Future(Generic[R]):
                     yield from (own() if own is not None else _debugwait.woken_by(self)).__await__()
             except asyncio.CancelledError as e:
                 # a cancelled task, or a timeout around the await (asyncio.wait_for)
-                if self._state == _PENDING:
-                    e.add_note(self._interrupted_note())
+                self._note_wait_stopped(e)
                 raise
         return self._resolve()
 

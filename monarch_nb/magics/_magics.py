@@ -370,19 +370,18 @@ class MeshMagics(Magics):
     def _do_stop(self, args: argparse.Namespace, cell: str | None) -> Any:
         if not args.all and not args.name:
             raise UsageError("%mesh stop: name a mesh or pass --all")
-        from ..actor import ActorMesh
+        from ..actor import ActorMesh, ProcMesh
 
-        target = None if args.all else self._named(args.name)
+        # a mesh of the Python API, by the variable that holds it (a %mesh name wins, as in _named)
         held = None if args.all or args.name in _mesh.meshes() else self.shell.user_ns.get(args.name)  # type: ignore[union-attr]
         if isinstance(held, ActorMesh):
-            # an actor mesh's variable: its actors, not the procs they run on (as held.stop())
+            # its actors, not the procs they run on (as held.stop())
             held.stop().get(timeout=controller_client().rt.cfg.spawn_timeout)
             print(f"stopped: {args.name} (actors {held._label!r}; their procs run on)")
             return None
-        if target is not None and not isinstance(target, str):
-            # a proc mesh of the Python API, by the variable that holds it
-            target.stop(force=args.force).get(timeout=controller_client().rt.cfg.spawn_timeout)
-            print(f"stopped: {args.name} ({target.name})")
+        if isinstance(held, ProcMesh):
+            held.stop(force=args.force).get(timeout=controller_client().rt.cfg.spawn_timeout)
+            print(f"stopped: {args.name} ({held.name})")
             return None
         stopped = _mesh.stop(args.name, all=args.all, force=args.force)
         print(f"stopped: {', '.join(stopped) or 'nothing (no running mesh of yours)'}")
