@@ -48,6 +48,11 @@ def _load_jupyter_server_extension(server_app: Any) -> None:
 
 
 def __getattr__(name: str) -> Any:
+    if name == "configure":
+        # the documented spelling (docs/debugging.md, the notebooks): monarch_nb.configure(debug_no_input="wait")
+        from .config import configure
+
+        return configure
     if name in ("actor", "spmd", "introspect", "allocator", "config", "errors", "mesh", "logs", "sync", "server", "debug"):
         import importlib
 

@@ -61,3 +61,34 @@ def test_settings_refuse_what_no_setting_means(monkeypatch: pytest.MonkeyPatch) 
     assert get_config().heartbeat_timeout == 0.5
     with pytest.raises(ConfigError, match=r"configure\(rdma_streams\)=-1: rdma_streams is"):
         configure(rdma_streams=-1)
+
+
+def test_configure_is_where_the_docs_call_it() -> None:
+    """docs/debugging.md and the debugging notebook say ``monarch_nb.configure(debug_no_input=...)``."""
+    import monarch_nb
+    from monarch_nb import config
+
+    assert monarch_nb.configure is config.configure
+
+
+def test_every_setting_is_in_the_readme_and_every_documented_variable_is_read() -> None:
+    """The README's table is where a user looks for a MONARCH_NB_* variable: each Config field is
+    one (get_config reads MONARCH_NB_<FIELD>), and a variable the docs name that no code reads
+    would be a setting that silently does nothing."""
+    import dataclasses
+    import pathlib
+    import re
+
+    from monarch_nb.config import Config
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    table = set(re.findall(r"^\| `(MONARCH_NB_\w+)` \|", readme, re.M))
+    fields = {f"MONARCH_NB_{f.name.upper()}" for f in dataclasses.fields(Config)}
+    assert sorted(fields - table) == []
+    code = "\n".join(p.read_text() for p in (root / "monarch_nb").rglob("*.py"))
+    docs = readme + "".join(p.read_text() for p in (root / "docs").glob("*.md"))
+    named = set(re.findall(r"MONARCH_NB_[A-Z_]*[A-Z]", docs))
+    read = fields | set(re.findall(r"MONARCH_NB_[A-Z_]*[A-Z]", code))
+    # read by the test suite and .ci/setup, not by the package
+    assert sorted(named - read - {"MONARCH_NB_SKIP_BROWSER"}) == []
