@@ -178,6 +178,11 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _kernelspec(args: argparse.Namespace) -> int:
+    # an interpreter that is not there, --user with --prefix, a kernel name Jupyter refuses, a prefix not writable
+    return _in_one_line(f"kernelspec {args.action}", (OSError, ValueError), _kernelspec_action, args)
+
+
+def _kernelspec_action(args: argparse.Namespace) -> int:
     from .kernelspec import install
 
     path = install(python=args.python, name=args.name, user=args.user, prefix=args.prefix)
@@ -186,6 +191,13 @@ def _kernelspec(args: argparse.Namespace) -> int:
 
 
 def _debug(args: argparse.Namespace) -> int:
+    from .errors import MonarchNBError
+
+    # an --addr that does not answer or is no address, a key file that is missing or refused
+    return _in_one_line("debug", (MonarchNBError, ValueError), _debug_action, args)
+
+
+def _debug_action(args: argparse.Namespace) -> int:
     from .debug import run_cli
 
     return run_cli(args.addr or None, args.key_file, args.command or None)
@@ -309,7 +321,15 @@ def main(argv: list[str] | None = None) -> int:
     j.add_argument("--json", action="store_true", help="status: JSON rows")
     j.set_defaults(fn=_job)
     args = p.parse_args(argv)
-    return int(args.fn(args) or 0)
+    from .errors import ConfigError
+
+    try:
+        return int(args.fn(args) or 0)
+    except ConfigError as e:
+        # a MONARCH_NB_* variable no setting means, a runtime directory refused: every command
+        # reads them, and each says which in one line
+        print(f"monarch-nb {args.cmd}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

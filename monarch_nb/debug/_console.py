@@ -42,6 +42,9 @@ class Console:
         self.addresses = list(addresses or [])
         self.attached: DebugClient | None = None
         self.quit = False
+        #: commands that failed (an error, an unknown command, a usage message): ``monarch-nb
+        #: debug -c`` exits non-zero after one, so a script sees it
+        self.failures = 0
 
     @property
     def current_prompt(self) -> str:
@@ -102,6 +105,7 @@ class Console:
         except Exception as e:  # a console reports and goes on; only quit, EOF and interrupts leave it
             msg = str(e) if isinstance(e, (DebugError, ValueError)) else f"{type(e).__name__}: {e}"
             self.write(f"error: {msg}\n")
+            self.failures += 1
             return True
 
     def _pdb(self, line: str) -> bool:
@@ -116,6 +120,7 @@ class Console:
             out = client.send(line)
         except DebugError as e:
             self.write(f"error: {e}\n")
+            self.failures += 1
             self.attached = None
             return True
         self.write(out if not out or out.endswith("\n") else out + "\n")
@@ -151,6 +156,7 @@ class Console:
             return False
         else:
             self.write(f"unknown command {cmd!r}; type 'help'\n")
+            self.failures += 1
         return True
 
     def _attach(self, args: list[str]) -> None:
@@ -160,6 +166,7 @@ class Console:
             actor, rank = args[0], int(args[1])
         else:
             self.write("usage: attach [ACTOR] RANK\n")
+            self.failures += 1
             return
         client = attach(actor, rank, addresses=self.addresses)
         s = client.session
@@ -170,6 +177,7 @@ class Console:
         m = re.match(r"^\s*cast\s+(ranks\([^)]*\)|\S+)\s+(.+)$", line)
         if m is None:
             self.write("usage: cast [ACTOR] RANKS COMMAND\n")
+            self.failures += 1
             return
         actor: str | None = None
         ranks, cmd = m.group(1), m.group(2)
@@ -195,13 +203,18 @@ def run_cli(addresses: list[str] | None = None, key_file: str | None = None, com
         if _context._runtime is not None:
             raise ConfigError("set the key file before monarch_nb starts its runtime")
         os.environ["MONARCH_NB_KEY_FILE"] = key_file
+    client = _context.client()  # a key file that cannot be read is a ConfigError here, not a failed command
+    for a in addresses or []:
+        # listing skips allocators that do not answer: an address the user typed must answer, or
+        # a wrong one would read as "no debug sessions"
+        client.connect(a)
     con = Console(addresses=addresses)
     if commands:
         for c in commands:
             con.write(con.current_prompt + c + "\n")
             if not con.execute(c):
                 break
-        return 0
+        return 1 if con.failures else 0
     con.banner()
     try:
         con.interact(input)

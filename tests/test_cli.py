@@ -1,0 +1,66 @@
+"""The command line's answers to bad input: one line naming what is wrong, a non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+from conftest import PY
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _cli(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PY, "-m", "monarch_nb", *argv], env=dict(os.environ, **env), capture_output=True, text=True, timeout=60
+    )
+
+
+def _refused(r: subprocess.CompletedProcess[str], words: str) -> None:
+    assert r.returncode == 1 and r.stderr.startswith(words) and "Traceback" not in r.stderr, (r.args, r.stdout, r.stderr)
+
+
+def test_debug_says_an_address_does_not_answer_instead_of_listing_no_sessions(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # it printed "no debug sessions" and exited 0: a typo in --addr looked like an idle cluster
+    _refused(_cli("debug", "--addr", "garbage", "-c", "list"), "monarch-nb debug: cannot parse allocator address 'garbage'")
+    _refused(
+        _cli("debug", "--addr", f"ipc://{tmp_path}/nosuch.sock", "-c", "list"),
+        f"monarch-nb debug: no allocator listening at ipc://{tmp_path}/nosuch.sock: the socket file does not exist",
+    )
+    _refused(
+        _cli("debug", "--addr", "tcp://127.0.0.1:1", "-c", "list", MONARCH_NB_CONNECT_TIMEOUT="1"),
+        "monarch-nb debug: could not reach allocator at tcp://127.0.0.1:1 within 1.0 s: connection refused",
+    )
+    # "error: ConfigError: ..." as a command's output, exit 0
+    _refused(_cli("debug", "--key-file", str(tmp_path / "nokey"), "-c", "list"), "monarch-nb debug: cannot read cluster key file")
+
+
+def test_debug_commands_that_fail_make_a_non_zero_exit() -> None:
+    r = _cli("debug", "-c", "list")
+    assert r.returncode == 0 and "no debug sessions" in r.stdout, r
+    for cmd, words in [("attach debugee 13", "error: no paused session for debugee rank 13"), ("frob", "unknown command 'frob'")]:
+        r = _cli("debug", "-c", cmd)
+        assert r.returncode == 1 and words in r.stdout and "Traceback" not in r.stderr, (cmd, r)
+
+
+def test_kernelspec_install_refusals_are_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    prefix = str(tmp_path / "prefix")
+    _refused(
+        _cli("kernelspec", "install", "--python", str(tmp_path / "nopython"), "--prefix", prefix),
+        f"monarch-nb kernelspec install: no executable interpreter at {tmp_path}/nopython",
+    )
+    _refused(
+        _cli("kernelspec", "install", "--user", "--prefix", prefix),
+        "monarch-nb kernelspec install: Can't specify both user and prefix",
+    )
+    assert not os.path.exists(prefix)
+
+
+def test_a_bad_setting_in_the_environment_is_named_by_every_command() -> None:
+    for argv in (["status"], ["gc", "--dry-run"], ["logs", "m"], ["job", "status"], ["debug", "-c", "list"]):
+        _refused(
+            _cli(*argv, MONARCH_NB_HEARTBEAT_TIMEOUT="abc"),
+            f"monarch-nb {argv[0]}: MONARCH_NB_HEARTBEAT_TIMEOUT='abc' is not a valid float",
+        )
+    _refused(_cli("status", MONARCH_NB_RUNTIME_DIR="/tmp"), "monarch-nb status: the runtime directory /tmp is a shared directory")
