@@ -272,9 +272,31 @@ def test_spans_outlive_the_controller_that_made_them(tmp_path) -> None:  # type:
     assert sorted(df[df.name == "inner"]["rank"]) == [0, 1]
 
 
+def test_an_attached_allocator_s_spans_are_found_and_a_mesh_object_names_its_mesh(allocator) -> None:  # type: ignore[no-untyped-def]
+    """docs/telemetry.md: query() asks every attached allocator. One attached with
+    attach_to_workers (another host, a job's) has no connection file in this runtime directory,
+    and was never asked: %mesh trace of a cluster's mesh drew nothing. A ProcMesh or ActorMesh
+    given as ``mesh`` matched no span at all."""
+    pm = allocator.hosts.spawn_procs(per_host={"gpus": 2})
+    try:
+        am = pm.spawn("far", Traced)
+        am.step.call(5).get(timeout=30)
+        for mesh in (pm.name, pm, am, pm.slice(gpus=1)):
+            rows = telemetry.query_records(mesh)
+            assert sorted(r["rank"] for r in rows if r["name"] == "far.step") == [0, 1], mesh
+        assert sorted(r["rank"] for r in telemetry.latency_summary(am)["ranks"]) == [0, 1]
+        # attached, and named again in addresses: asked once, so no span is counted twice
+        rows = telemetry.query_records(addresses=[allocator.addr])
+        assert len([r for r in rows if r["mesh"] == pm.name and r["name"] == "far.step"]) == 2
+    finally:
+        pm.stop().get(timeout=30)
+
+
 def test_bad_input_says_what_to_do() -> None:
     with pytest.raises(ValueError, match="30s"):
         telemetry.query(since="yesterday")
+    with pytest.raises(TypeError, match="give a proc mesh's name, a ProcMesh or an ActorMesh"):
+        telemetry.query_records(3)
     with pytest.raises(ValueError, match="non-empty name"):
         with telemetry.span(""):
             pass

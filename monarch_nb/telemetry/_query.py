@@ -56,14 +56,39 @@ def parse_since(since: Any, now: float | None = None) -> float | None:
     raise ValueError(f"since={since!r}: give epoch seconds, a datetime, a timedelta or a duration such as '30s', '5m', '2h'")
 
 
+def _mesh_name(mesh: Any) -> str | None:
+    """``mesh`` as the allocators file spans: by proc mesh name. A ProcMesh or an ActorMesh
+    stands for the (whole) proc mesh it runs on, as in ``%mesh trace procs``; before, such an
+    object matched no span and every query of it came back empty."""
+    from ..actor import ActorMesh, ProcMesh
+
+    if mesh is None or isinstance(mesh, str):
+        return mesh
+    if isinstance(mesh, (ProcMesh, ActorMesh)) and mesh._procs:
+        return str(mesh._procs[0].mesh)
+    raise TypeError(f"mesh={mesh!r}: give a proc mesh's name, a ProcMesh or an ActorMesh")
+
+
 def _targets(addresses: list[str] | None) -> list[str]:
+    """This host's allocators (the runtime directory's connection files), those this process
+    attached to (``attach_to_workers``, a job's hosts, ``%mesh connect``) and ``addresses``; an
+    allocator reached by two addresses is asked once, so its spans are not counted twice."""
     host = socket.gethostname()
-    out: list[str] = []
+    out: dict[str, str] = {}
     for info in read_connection_files(runtime_dir()):
         if info.get("host") == host and not pid_alive(int(info.get("pid", 0))):
             continue
-        out.append(info["addr"])
-    return out + [a for a in addresses or [] if a not in out]
+        out[info["addr"]] = str(info.get("alloc_id", ""))
+    client = _context.client()
+    for a, info in list(client.hellos.items()):
+        gone = a.startswith("ipc://") and not os.path.exists(a[len("ipc://") :])
+        # one declared lost would only cost the whole timeout and land in ``unreachable``
+        if gone or client.rt.supervision.is_lost(a) or a in out:
+            continue
+        alloc_id = str(info.get("alloc_id", ""))
+        if not alloc_id or alloc_id not in out.values():
+            out[a] = alloc_id
+    return list(out) + [a for a in addresses or [] if a not in out]
 
 
 def _ask(
@@ -117,10 +142,10 @@ def _gather(
 
 
 def query_records(
-    mesh: str | None = None, since: Any = None, addresses: list[str] | None = None, timeout: float = 10.0
+    mesh: Any = None, since: Any = None, addresses: list[str] | None = None, timeout: float = 10.0
 ) -> list[dict[str, Any]]:
     """``query()`` as a list of dicts (no pandas needed)."""
-    spans, _, _ = _gather(mesh, parse_since(since), addresses, timeout)
+    spans, _, _ = _gather(_mesh_name(mesh), parse_since(since), addresses, timeout)
     return [{c: s.get("attrs") if c == "attributes" else s.get(c) for c in COLUMNS} for s in spans]
 
 
@@ -135,19 +160,19 @@ def _frame(rows: list[dict[str, Any]], columns: list[str]) -> Any:
     return pd.DataFrame(rows, columns=columns)
 
 
-def query(mesh: str | None = None, since: Any = None, addresses: list[str] | None = None, timeout: float = 10.0) -> Any:
-    """Spans of every rank (of ``mesh``) since ``since`` from every attached allocator (and
-    ``addresses``), as a pandas DataFrame sorted by start: columns ``mesh, rank, host, pid,
+def query(mesh: Any = None, since: Any = None, addresses: list[str] | None = None, timeout: float = 10.0) -> Any:
+    """Spans of every rank (of ``mesh``: a proc mesh's name, or a ProcMesh or ActorMesh for the
+    proc mesh it runs on) since ``since`` from every attached allocator (and ``addresses``), as a pandas DataFrame sorted by start: columns ``mesh, rank, host, pid,
     kind`` (``call`` or ``span``), ``name, actor, method, start`` (epoch seconds on this
     machine's clock: each host's offset is applied), ``duration`` (seconds), ``outcome``
     (``ok``/``error``), ``attributes`` and ``clock_offset``."""
     return _frame(query_records(mesh, since, addresses, timeout), COLUMNS)
 
 
-def metrics(mesh: str | None = None, addresses: list[str] | None = None, timeout: float = 10.0) -> Any:
+def metrics(mesh: Any = None, addresses: list[str] | None = None, timeout: float = 10.0) -> Any:
     """Every rank's instruments (``get_meter``): meter, name, kind, attrs, count, sum, min,
     max, last, with mesh, rank and host; a pandas DataFrame."""
-    _, mets, _ = _gather(mesh, None, addresses, timeout)
+    _, mets, _ = _gather(_mesh_name(mesh), None, addresses, timeout)
     cols = ["mesh", "rank", "host", "meter", "name", "kind", "attrs", "count", "sum", "min", "max", "last"]
     return _frame([{c: m.get(c) for c in cols} for m in mets], cols)
 
@@ -203,7 +228,7 @@ def _flag(
 
 
 def latency_summary(
-    mesh: str | None = None, since: Any = None, addresses: list[str] | None = None, timeout: float = 10.0, factor: float = 2.0
+    mesh: Any = None, since: Any = None, addresses: list[str] | None = None, timeout: float = 10.0, factor: float = 2.0
 ) -> dict[str, Any]:
     """What a dashboard shows of ``mesh``'s spans (None: every mesh's), reduced by each allocator rather than sent:
     ``ranks`` (per rank: mesh, rank, host, pid, calls, median, p95 of its endpoint calls),
@@ -213,7 +238,8 @@ def latency_summary(
     if factor <= 1:
         raise ValueError(f"factor={factor}: a straggler is slower than the median by a factor above 1 (e.g. 2.0)")
     t_since = parse_since(since)
-    answers, unreachable = _ask("span_summary", addresses, timeout, lambda t_send: (mesh, t_since, t_send))
+    name = _mesh_name(mesh)
+    answers, unreachable = _ask("span_summary", addresses, timeout, lambda t_send: (name, t_since, t_send))
     ranks: list[dict[str, Any]] = []
     medians: dict[tuple[str, str], dict[int, float]] = {}
     hosts: dict[tuple[str, int], str] = {}
