@@ -182,6 +182,7 @@ def runtime_dir(cfg: Config | None = None) -> str:
     """
     cfg = cfg or get_config()
     path = cfg.runtime_dir or os.environ.get("MONARCH_NB_RUNTIME_DIR", "")
+    chosen = bool(path)
     if not path:
         try:
             from jupyter_core.paths import jupyter_runtime_dir
@@ -193,11 +194,17 @@ def runtime_dir(cfg: Config | None = None) -> str:
             )
             path = base
     os.makedirs(path, mode=0o700, exist_ok=True)
-    _check_private_dir(path)
+    _check_private_dir(path, chosen)
     return path
 
 
-def _check_private_dir(path: str) -> None:
+def _holds_only_ours(path: str) -> bool:
+    """Empty, or already a runtime directory of monarch_nb's (its lock, sockets, logs)."""
+    names = os.listdir(path)
+    return not names or any(n == "allocator.lock" or n.startswith("mnb-") for n in names)
+
+
+def _check_private_dir(path: str, chosen: bool = True) -> None:
     st = os.stat(path)
     if st.st_uid != os.getuid():
         raise ConfigError(
@@ -210,6 +217,14 @@ def _check_private_dir(path: str) -> None:
             raise ConfigError(
                 f"the runtime directory {path} is a shared directory (mode {mode:o}); "
                 "set MONARCH_NB_RUNTIME_DIR to a private directory of your own"
+            )
+        if chosen and not _holds_only_ours(path):
+            # a directory others use (/, a home, /run: run as root, they are "ours" too) must
+            # never be closed to them; Jupyter's own runtime directory is meant to be private
+            raise ConfigError(
+                f"the runtime directory {path} is open to other users (mode {mode:o}) and holds files that are not "
+                "monarch_nb's; set MONARCH_NB_RUNTIME_DIR to a private directory of your own (mkdir -m 700 DIR), "
+                "or chmod 700 this one yourself if nobody else needs it"
             )
         os.chmod(path, 0o700)
         warnings.warn(

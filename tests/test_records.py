@@ -36,6 +36,22 @@ def test_our_runtime_dir_open_to_others_is_made_private_with_a_warning(rdir: str
     assert os.stat(rdir).st_mode & 0o777 == 0o700
 
 
+def test_a_directory_others_use_is_never_closed_to_them(rdir: str) -> None:
+    """MONARCH_NB_RUNTIME_DIR=/ (or a home, or /run), run as root, made / mode 700."""
+    os.chmod(rdir, 0o755)
+    with open(os.path.join(rdir, "notes.txt"), "w"):
+        pass
+    with pytest.raises(ConfigError, match=r"open to other users \(mode 755\) and holds files that are not monarch_nb's"):
+        runtime_dir(Config(runtime_dir=rdir))
+    assert os.stat(rdir).st_mode & 0o777 == 0o755
+    # one monarch_nb already used (its lock is there) is ours, and made private as before
+    with open(os.path.join(rdir, "allocator.lock"), "w"):
+        pass
+    with pytest.warns(RuntimeWarning, match="made it 0700"):
+        runtime_dir(Config(runtime_dir=rdir))
+    assert os.stat(rdir).st_mode & 0o777 == 0o700
+
+
 def test_a_runtime_dir_of_another_user_is_refused(rdir: str) -> None:
     assert os.geteuid() == 0, "needs root to give a directory to another user"
     os.chown(rdir, NOBODY, NOBODY)
