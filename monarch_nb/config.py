@@ -135,6 +135,22 @@ def _check(name: str, value: Any, source: str) -> Any:
     return value
 
 
+def env_int(name: str, default: int, lo: int, hi: int | None = None) -> int:
+    """An integer read from the environment apart from :class:`Config` (a module's size, fixed
+    at import): a value that is not an integer in ``[lo, hi]`` is a ConfigError naming it."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = lo - 1
+    if value < lo or (hi is not None and value > hi):
+        bounds = f"from {lo} to {hi}" if hi is not None else f"{lo} or more"
+        raise ConfigError(f"{name}={raw!r}: an integer {bounds} (default {default})")
+    return value
+
+
 def get_config() -> Config:
     """The configuration in force for this process."""
     values: dict[str, Any] = {}

@@ -63,4 +63,9 @@ def test_a_bad_setting_in_the_environment_is_named_by_every_command() -> None:
             _cli(*argv, MONARCH_NB_HEARTBEAT_TIMEOUT="abc"),
             f"monarch-nb {argv[0]}: MONARCH_NB_HEARTBEAT_TIMEOUT='abc' is not a valid float",
         )
+    # read apart from Config, at import: a ValueError traceback naming only the literal
+    _refused(
+        _cli("status", MONARCH_NB_SPAN_RING_BITS="x"),
+        "monarch-nb status: MONARCH_NB_SPAN_RING_BITS='x': an integer from 1 to 24 (default 13)",
+    )
     _refused(_cli("status", MONARCH_NB_RUNTIME_DIR="/tmp"), "monarch-nb status: the runtime directory /tmp is a shared directory")

@@ -21,8 +21,10 @@ import time
 from array import array
 from typing import Any
 
+from ..config import env_int
+
 #: records each process keeps between drains (a power of two)
-RING = 1 << int(os.environ.get("MONARCH_NB_SPAN_RING_BITS", "13"))
+RING = 1 << env_int("MONARCH_NB_SPAN_RING_BITS", 13, 1, 24)
 _MASK = RING - 1
 
 # the ring, as columns: a slot's number is stored last, so a slot that holds number ``s``

@@ -15,7 +15,6 @@ import asyncio
 import collections
 import itertools
 import operator
-import os
 import sys
 import time
 from array import array
@@ -23,14 +22,15 @@ from typing import TYPE_CHECKING, Any
 
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
+from ..config import env_int
 
 if TYPE_CHECKING:
     from .allocator import Allocator
     from .procs import ProcRec
 
-PER_PROC = int(os.environ.get("MONARCH_NB_SPANS_PER_PROC", "4096"))
-PROCS = int(os.environ.get("MONARCH_NB_SPAN_PROCS", "256"))
-TOTAL = int(os.environ.get("MONARCH_NB_SPANS_TOTAL", "262144"))
+PER_PROC = env_int("MONARCH_NB_SPANS_PER_PROC", 4096, 1)
+PROCS = env_int("MONARCH_NB_SPAN_PROCS", 256, 1)
+TOTAL = env_int("MONARCH_NB_SPANS_TOTAL", 262144, 1)
 
 #: what each kept span holds (the proc's mesh, rank, host and pid are kept once per proc)
 _FIELDS = ("seq", "kind", "name", "actor", "method", "actor_rank", "start", "duration", "outcome", "thread", "attrs")
