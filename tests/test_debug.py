@@ -587,6 +587,65 @@ def test_no_stdin_script(tmp_path: Any, policy: str) -> None:
         assert "DebugError" in r.stderr and "no input to debug it" in r.stderr
 
 
+LATE_RANK_SCRIPT = """
+import sys
+
+import _gate
+from monarch_nb import debug
+from monarch_nb.actor import Actor, current_rank, endpoint, this_host
+from monarch_nb.errors import DebugError
+
+
+class Dbg(Actor):
+    @endpoint
+    def go(self, gate):
+        if current_rank().rank == 1:
+            _gate.wait(gate, 60)
+        breakpoint()
+        return current_rank().rank
+
+    @endpoint
+    def ping(self):
+        return "pong"
+
+
+gate = _gate.Gate(sys.argv[1])
+procs = this_host().spawn_procs(per_host={"gpus": 2})
+other = procs.spawn("other", Dbg)
+fut = procs.spawn("dbg", Dbg).go.call(gate.path)
+try:
+    fut.get(timeout=60)
+except DebugError as e:
+    print("raised:", e, flush=True)
+gate.open()
+with debug.quiet():
+    while not any(s.rank == 1 and s.state == "paused" for s in debug.sessions("dbg")):
+        pass
+print(other.ping.call().get(timeout=60).values(), fut.get(timeout=60).values(), flush=True)
+procs.stop().get(timeout=60)
+"""
+
+
+def test_no_stdin_raise_raises_once_per_call_not_again_for_its_late_rank(tmp_path: Any) -> None:
+    """debug_no_input='raise': the call's DebugError came from rank 0; rank 1 stopping later was
+    raised again out of the next unrelated wait (another mesh's call, the script's stop())."""
+    path = tmp_path / "late.py"
+    path.write_text(LATE_RANK_SCRIPT)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run(
+        [PY, str(path), str(tmp_path / "gate")],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        stdin=subprocess.DEVNULL,
+        env=dict(os.environ, MONARCH_NB_DEBUG_NO_INPUT="raise", PYTHONPATH=tests),
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("raised:") == 1 and "on rank 0 with no input to debug it" in r.stdout, r.stdout
+    assert "['pong', 'pong'] [0, 1]" in r.stdout, r.stdout
+    assert re.search(r"breakpoint at \S+late.py:\d+ on rank 1 skipped \(no input\)", r.stderr), r.stderr
+
+
 class Pty:
     """A process on a pseudo-terminal: what a person sees in a terminal, and what they type."""
 

@@ -164,6 +164,12 @@ def _kernel_reader(done: Any, poll: float = 0.1) -> Any:
     return read
 
 
+#: calls a DebugError was raised for (debug_no_input='raise'): a rank of one of them that stops
+#: later is continued and said, not raised again out of whatever the program waits on by then
+#: (its stop(), a call to another mesh). Ids only, one per raise: it stays small.
+_raised_calls: set[str] = set()
+
+
 def _no_input() -> None:
     cfg = get_config()
     policy = cfg.debug_no_input
@@ -191,8 +197,10 @@ def _no_input() -> None:
             print(f"monarch_nb: could not continue rank {s.rank}: {e}", file=sys.stderr, flush=True)
         _debugwait.forget(s.sid)
         print(f"breakpoint at {s.bp_file}:{s.bp_line} on rank {s.rank} skipped (no input)", file=sys.stderr, flush=True)
-    if policy == "raise" and still:
-        where = ", ".join(f"{s.bp_file}:{s.bp_line} on rank {s.rank}" for s in still)
+    fresh = [s for s in still if not s.call_id or s.call_id not in _raised_calls]
+    if policy == "raise" and fresh:
+        _raised_calls.update(s.call_id for s in fresh if s.call_id)
+        where = ", ".join(f"{s.bp_file}:{s.bp_line} on rank {s.rank}" for s in fresh)
         raise DebugError(f"breakpoint at {where} with no input to debug it (debug_no_input='raise'); the ranks were continued")
 
 
