@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--key-file", help="cluster key file, for allocators on other hosts")
     d.add_argument("-c", "--command", action="append", help="run this command and exit (repeatable)")
     d.set_defaults(fn=_debug)
-    j = sub.add_parser("job", help="apply, list and kill jobs (Slurm, ssh, local processes)")
+    j = sub.add_parser("job", help="apply, list and kill jobs (Slurm, ssh, Kubernetes, local processes)")
     j.add_argument("action", choices=["apply", "status", "kill"])
     j.add_argument("target", nargs="?", help="apply: module.attr of a JobTrait; kill: a job name (default: the current job)")
     j.add_argument("--cached-path", help="apply: where to cache the job (default: the runtime directory)")
