@@ -47,13 +47,20 @@ def _load_jupyter_server_extension(server_app: Any) -> None:
     load(server_app)
 
 
+#: what ``monarch_nb.X`` imports on first use, as ``import monarch_nb.X`` would
+_SUBMODULES = frozenset(
+    ("actor", "allocator", "config", "debug", "env", "errors", "introspect", "job", "logs", "mesh", "rdma", "server",
+     "spmd", "sync", "telemetry", "tensor", "widgets")
+)  # fmt: skip
+
+
 def __getattr__(name: str) -> Any:
     if name == "configure":
         # the documented spelling (docs/debugging.md, the notebooks): monarch_nb.configure(debug_no_input="wait")
         from .config import configure
 
         return configure
-    if name in ("actor", "spmd", "introspect", "allocator", "config", "errors", "mesh", "logs", "sync", "server", "debug"):
+    if name in _SUBMODULES:
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")

@@ -71,6 +71,32 @@ def test_configure_is_where_the_docs_call_it() -> None:
     assert monarch_nb.configure is config.configure
 
 
+def test_every_public_subpackage_is_an_attribute_of_monarch_nb() -> None:
+    """``import monarch_nb; monarch_nb.telemetry.query(...)`` as the docs write it, without an
+    import of its own: each public subpackage is loaded on first use (not before: torch stays out
+    of a bare ``import monarch_nb``)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "monarch_nb"
+    public = sorted(
+        p.stem if p.suffix == ".py" else p.name
+        for p in root.iterdir()
+        if not p.name.startswith("_") and (p.suffix == ".py" or (p / "__init__.py").exists())
+    )
+    public = [n for n in public if n not in ("cli", "kernelspec", "magics")]  # entry points, not APIs
+    code = (
+        "import sys, monarch_nb\n"
+        "assert 'torch' not in sys.modules\n"
+        f"for n in {public!r}:\n"
+        "    assert getattr(monarch_nb, n).__name__ == 'monarch_nb.' + n, n\n"
+        "print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
 def test_every_setting_is_in_the_readme_and_every_documented_variable_is_read() -> None:
     """The README's table is where a user looks for a MONARCH_NB_* variable: each Config field is
     one (get_config reads MONARCH_NB_<FIELD>), and a variable the docs name that no code reads
