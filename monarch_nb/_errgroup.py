@@ -160,6 +160,18 @@ def running_line(running: list[int] | int, total: int) -> str:
     return f"{ranks_text(running)} ({len(running)} of {total}) {verb} still running when this was raised"
 
 
+#: a message in a group's list is clipped to this many characters: the group's traceback above
+#: shows its lowest rank's in full, and 16 ranks' megabyte messages would otherwise be 16 MB in
+#: one notebook output (a browser tab gives up on that)
+MESSAGE_MAX = 300
+
+
+def _clip(msg: str) -> str:
+    if len(msg) <= MESSAGE_MAX:
+        return msg
+    return f"{msg[:MESSAGE_MAX]}… ({len(msg):,} characters)"
+
+
 def group_lines(groups: list[Group], color: bool = False, internal: bool | None = None) -> list[str]:
     """Each group: a header with its ranks, its traceback once, and the messages that differ."""
     red, off = ("\x1b[0;31m", "\x1b[0m") if color else ("", "")
@@ -176,7 +188,7 @@ def group_lines(groups: list[Group], color: bool = False, internal: bool | None 
                 by_msg.setdefault(msg, []).append(r)
             shown = sorted(by_msg.items(), key=lambda kv: kv[1][0])
             for msg, ranks in shown[:20]:
-                out.append(f"  {ranks_text(ranks)}: {g.etype}: {msg}" if msg else f"  {ranks_text(ranks)}: {g.etype}")
+                out.append(f"  {ranks_text(ranks)}: {g.etype}: {_clip(msg)}" if msg else f"  {ranks_text(ranks)}: {g.etype}")
             if len(shown) > 20:
                 out.append(f"  … {len(shown) - 20} more")
     return out

@@ -101,12 +101,15 @@ class ActorError(MonarchNBError):
         last = next((ln for ln in reversed(self.remote_traceback.splitlines()) if ln.strip()), "")
         etype, sep, msg = last.partition(": ")
         tb = _remote_words(self.remote_traceback)
+        # safe_str: the exception's own __str__ may raise here (it did not in the proc, or it
+        # printed its placeholder there), and this runs inside IPython's error display
+        text = safe_str(self.exception)
         if not self.remote_traceback or not etype or " " in etype:
-            etype, msg = type(self.exception).__name__, str(self.exception)
-        elif str(self.exception) not in last:
+            etype, msg = type(self.exception).__name__, text
+        elif text not in last:
             # the error raised is not the one its traceback ends with (a reply that could not
             # be pickled, say): show both
-            etype, msg = type(self.exception).__name__, str(self.exception)
+            etype, msg = type(self.exception).__name__, text
             tb = f"{tb.rstrip()}\n{etype}: {msg}\n"
         elif not sep:
             msg = ""
@@ -157,7 +160,7 @@ class ActorError(MonarchNBError):
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             _rebuild_actor_error,
-            (type(self), _safe_exc(self.exception), self.remote_traceback, self.actor, self.rank, self.host, self.message),
+            (type(self), _exc_blob(self.exception), self.remote_traceback, self.actor, self.rank, self.host, self.message),
         )
 
     def _render_traceback_(self) -> list[str]:
@@ -232,6 +235,8 @@ def _remote_words(tb: str) -> str:
 
 
 def _rebuild_actor_error(cls, exc, tb, actor, rank, host, message):
+    if isinstance(exc, bytes):
+        exc = _load_exc(exc, tb, message)
     return cls(exc, tb, actor=actor, rank=rank, host=host, message=message)
 
 
@@ -297,15 +302,41 @@ def safe_str(exc: BaseException) -> str:
 def _safe_exc(exc: BaseException) -> BaseException:
     """``exc`` if it survives a pickle round trip (cloudpickle: classes defined in ``__main__``
     or a notebook travel by value and arrive as themselves), else a ``RuntimeError`` with its text."""
+    blob = _exc_blob(exc)
+    return exc if isinstance(blob, bytes) else blob
+
+
+def _exc_blob(exc: BaseException) -> bytes | BaseException:
+    """``exc`` pickled on its own (cloudpickle: classes defined in ``__main__`` or a notebook
+    travel by value and arrive as themselves) if it survives a round trip here, else a
+    ``RuntimeError`` with its text. Pickled apart so that the reader can fall back too: a class
+    the proc imports may not exist where the error is read (:func:`_load_exc`)."""
     import pickle
 
     import cloudpickle
 
     try:
-        pickle.loads(cloudpickle.dumps(exc))
-        return exc
+        blob = cloudpickle.dumps(exc)
+        pickle.loads(blob)
+        return blob
     except Exception:
         return RuntimeError(f"{type(exc).__name__}: {safe_str(exc)}")
+
+
+def _load_exc(blob: bytes, tb: str, message: str) -> BaseException:
+    """The remote exception, or, when it cannot be unpickled here (its module is on the procs'
+    path and not the controller's: a package installed only on the GPU hosts, a folder synced to
+    them), a ``RuntimeError`` with its text, so that the error still says what failed and where,
+    not ``No module named …``."""
+    import pickle
+
+    try:
+        return pickle.loads(blob)
+    except Exception as e:
+        last = next((ln for ln in reversed(tb.splitlines()) if ln.strip()), "") or message
+        err = RuntimeError(last)
+        err.add_note(f"(the remote exception could not be unpickled here: {type(e).__name__}: {safe_str(e)})")
+        return err
 
 
 def format_exception(exc: BaseException) -> str:

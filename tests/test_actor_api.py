@@ -37,6 +37,11 @@ from monarch_nb.errors import SupervisionError
 pytestmark = pytest.mark.timeout(90)
 
 
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no words for it")
+
+
 class Counter(Actor):
     def __init__(self, start: int = 0) -> None:
         self.n = start
@@ -88,6 +93,21 @@ class Counter(Actor):
     @endpoint
     def unpicklable(self) -> object:
         return threading.Lock()
+
+    @endpoint
+    def raise_odd(self, how: str, folder: str = "") -> None:
+        rank = current_rank().rank
+        if how == "unprintable":
+            raise Unprintable(rank)
+        if how == "long":
+            raise ValueError(f"rank {rank} " + "x" * 100_000)
+        # a class the procs import and the controller cannot (a package only the workers have)
+        import sys
+
+        sys.path.insert(0, folder)
+        import procs_only_errors
+
+        raise procs_only_errors.ProcsOnlyError(f"only the procs know this class (rank {rank})")
 
     def plain(self) -> str:
         return "plain"
@@ -577,6 +597,40 @@ def test_unpicklable_argument_and_result_give_clear_errors(counters):
     lines = str(ei.value).strip().splitlines()
     assert re.fullmatch(r"Actor call \S+\.unpicklable failed\.", lines[0]), lines
     assert lines[-1].startswith("TypeError: cannot pickle"), lines
+
+
+def test_a_remote_exception_whose_class_the_controller_lacks_keeps_its_words(counters, tmp_path):
+    # before: the call raised `ModuleNotFoundError: No module named 'procs_only_errors'`, and
+    # what failed, where and why was lost
+    (tmp_path / "procs_only_errors.py").write_text("class ProcsOnlyError(Exception):\n    pass\n")
+    with pytest.raises(ActorError) as ei:
+        counters.raise_odd.call("procs-only", str(tmp_path)).get(timeout=30)
+    e = ei.value
+    assert isinstance(e.exception, RuntimeError), repr(e.exception)
+    assert str(e.exception) == "procs_only_errors.ProcsOnlyError: only the procs know this class (rank 0)"
+    assert "No module named 'procs_only_errors'" in "".join(getattr(e.exception, "__notes__", []))
+    text = e.grouped_text()
+    assert "procs_only_errors.ProcsOnlyError on 4 of 4 ranks: 0-3" in text, text
+    assert 'raise procs_only_errors.ProcsOnlyError(f"only the procs know this class (rank {rank})")' in text, text
+    assert "rank 3: procs_only_errors.ProcsOnlyError: only the procs know this class (rank 3)" in text, text
+
+
+def test_a_notebook_shows_errors_whose_str_raises_and_clips_each_rank_s_long_message(counters):
+    # IPython calls _render_traceback_: before, an exception whose __str__ raises made it raise,
+    # and the notebook printed "Unexpected exception formatting exception" and our frames
+    with pytest.raises(ActorError) as ei:
+        counters.raise_odd.call("unprintable").get(timeout=30)
+    rendered = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(ei.value._render_traceback_()))
+    assert rendered.startswith("ActorError: Actor call counters.raise_odd failed.\nUnprintable on 4 of 4 ranks: 0-3"), rendered
+    assert "raise Unprintable(rank)" in rendered, rendered
+    # the lowest rank's message in full in its traceback; each rank's listed, clipped: 4 ranks'
+    # 100 kB messages were 500 kB of output, 128 ranks' megabyte ones more than a browser shows
+    with pytest.raises(ActorError) as ei:
+        counters.raise_odd.call("long").get(timeout=30)
+    rendered = "\n".join(ei.value._render_traceback_())
+    assert "ValueError: rank 0 " + "x" * 100_000 in rendered
+    assert len(rendered) < 110_000, len(rendered)
+    assert "rank 3: ValueError: rank 3 xxx" in rendered and "… (100,007 characters)" in rendered, rendered[-2000:]
 
 
 def test_this_proc_spawns_in_the_controller_and_controllers_are_singletons():
