@@ -731,9 +731,10 @@ t.talk.call("B").get(timeout=20)
 
 def test_stop_kills_a_proc_that_outlives_its_cleanup_and_says_so():
     # a normal exit waits for non-daemon threads, as Monarch's procs do; one that never ends
-    # keeps its proc alive past the grace period: stop() kills it and names it
+    # keeps its proc alive past the grace period: stop() kills it and names it. So is a proc
+    # whose actor is still in an endpoint after stop_cleanup_timeout
     code = """
-import os, threading, warnings
+import os, threading, time, warnings
 from monarch_nb.actor import Actor, endpoint, this_host
 class Lingers(Actor):
     @endpoint
@@ -743,32 +744,49 @@ class Lingers(Actor):
     @endpoint
     def pid(self):
         return os.getpid()
+    @endpoint
+    def busy(self):
+        time.sleep(60)
 procs = this_host().spawn_procs(per_host={"gpus": 2})
 m = procs.spawn("l", Lingers)
 stuck = m.slice(gpus=1).start.call_one().get(timeout=20)
-fine = m.slice(gpus=0).pid.call_one().get(timeout=20)
+busy = m.slice(gpus=0).pid.call_one().get(timeout=20)
+m.slice(gpus=0).busy.broadcast()
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
     procs.stop().get(timeout=60)
 print("WARN", [(x.category.__name__, str(x.message)) for x in w])
-for pid in (stuck, fine):
+print("WHERE", [(x.filename, x.lineno) for x in w])
+for pid in (stuck, busy):
     try:
         os.kill(pid, 0)
         print("ALIVE", pid)
     except ProcessLookupError:
         pass
-print("STUCK", stuck)
+print("STUCK", stuck, "BUSY", busy)
 """
     t0 = time.monotonic()
     r = run_script(code, timeout=90)
     assert r.returncode == 0, r.stderr
-    stuck = r.stdout.split("STUCK ")[1].split()[0]
+    stuck, busy = r.stdout.split("STUCK ")[1].split()[0], r.stdout.split("BUSY ")[1].split()[0]
     warned = r.stdout.split("WARN ")[1].splitlines()[0]
     assert "ProcsKilledWarning" in warned, r.stdout
-    assert f"killed 1 proc(s): rank 1 (pid {stuck} on " in warned, warned
-    assert "still running 3 s after its actors' __cleanup__" in warned, warned
+    assert "killed 2 proc(s): " in warned, warned
+    # different reasons: one entry each
+    # before: "its actors' __cleanup__ had not finished", of an actor that has no __cleanup__
+    assert f"rank 0 (pid {busy} on " in warned, warned
+    assert "its actors had not finished the message in hand and __cleanup__ after 2 s (stop_cleanup_timeout)" in warned
+    assert f"rank 1 (pid {stuck} on " in warned and "still running 3 s after its actors' __cleanup__" in warned, warned
+    # the warning names the program's line that stopped the mesh (before: monarch_nb's _future.py)
+    stop_line = code.splitlines().index("    procs.stop().get(timeout=60)") + 1
+    assert r.stdout.split("WHERE ")[1].splitlines()[0] == f"[('<string>', {stop_line})]", r.stdout
     assert "ALIVE" not in r.stdout, r.stdout
     assert time.monotonic() - t0 < 60
+    # 16 ranks killed for one reason are one entry, not 16 copies of it
+    from monarch_nb.actor._mesh import _killed_text
+
+    killed = [{"rank": r, "pid": 100 + r, "host": "h", "why": "hung"} for r in range(16)]
+    assert _killed_text(killed) == f"ranks 0-15 (pids {', '.join(str(100 + r) for r in range(16))} on h): hung"
 
 
 class SpawnsToo(Actor):

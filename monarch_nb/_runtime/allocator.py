@@ -698,7 +698,11 @@ class Allocator(DebugRegistry):
             await asyncio.wait([exited, r.cleaned], timeout=self.cfg.stop_cleanup_timeout, return_when=asyncio.FIRST_COMPLETED)
             if not exited.done():
                 if not r.cleaned.done():
-                    why = f"its actors' __cleanup__ had not finished after {self.cfg.stop_cleanup_timeout:g} s"
+                    # the message in hand comes first, then __cleanup__: either may be what ran on
+                    why = (
+                        f"its actors had not finished the message in hand and __cleanup__ after "
+                        f"{self.cfg.stop_cleanup_timeout:g} s (stop_cleanup_timeout)"
+                    )
                 else:
                     await asyncio.wait([exited], timeout=self.cfg.stop_grace)
                     why = f"still running {self.cfg.stop_grace:g} s after its actors' __cleanup__ (a non-daemon thread?)"

@@ -505,6 +505,41 @@ class ProcsKilledWarning(RuntimeWarning):
     """``ProcMesh.stop()`` had to kill procs that did not exit after their actors' ``__cleanup__``."""
 
 
+#: modules whose frames a warning about the program's own call skips: ours, and IPython's and
+#: ipykernel's (a magic's caller is the cell)
+_NOT_THE_CALLER = ("monarch_nb.", "IPython.", "ipykernel.")
+
+
+def _killed_text(killed: list[dict[str, Any]]) -> str:
+    """``rank 1 (pid 42 on vm): why``, ranks killed for the same reason on one host in one entry
+    (``ranks 0-15 (pids 40-55 on vm): why``): a hung call on 16 ranks is one reason, not 16."""
+    from .._ranks import format_ranks
+
+    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for k in killed:
+        by.setdefault((k["host"], k["why"]), []).append(k)
+    out = []
+    for (host, why), ks in by.items():
+        if len(ks) == 1:
+            out.append(f"rank {ks[0]['rank']} (pid {ks[0]['pid']} on {host}): {why}")
+        else:
+            pids = ", ".join(str(k["pid"]) for k in ks)
+            out.append(f"ranks {format_ranks(k['rank'] for k in ks)} (pids {pids} on {host}): {why}")
+    return "; ".join(out)
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` that makes a warning issued by this function's caller name the
+    program's line (the ``.get()``, ``await`` or ``%mesh stop`` that read the future), not ours:
+    the warning is issued where the future is first read, and how many of our frames lie between
+    depends on how it was read. 1 (the caller) when no frame of the program is on this thread."""
+    f: Any = sys._getframe(1)
+    level = 1
+    while f is not None and f.f_globals.get("__name__", "").startswith(_NOT_THE_CALLER):
+        f, level = f.f_back, level + 1
+    return level if f is not None else 1
+
+
 class ProcMesh(MeshTrait):
     """Processes on one or more hosts, shaped like ``{hosts: 2, gpus: 4}``."""
 
@@ -724,8 +759,10 @@ class ProcMesh(MeshTrait):
                 # stop finishes the job: what it had to kill is said where stop() was awaited
                 import warnings
 
-                procs = ", ".join(f"rank {k['rank']} (pid {k['pid']} on {k['host']}): {k['why']}" for k in killed)
-                warnings.warn(f"stopping proc mesh {name!r} killed {len(killed)} proc(s): {procs}", ProcsKilledWarning, 2)
+                procs = _killed_text(killed)
+                warnings.warn(
+                    f"stopping proc mesh {name!r} killed {len(killed)} proc(s): {procs}", ProcsKilledWarning, _callers_level()
+                )
 
         _all(futs, f"stop mesh {name}").add_done_callback(lambda _f: out._set_raw(futs, finish))
         root._stop_fut = out
