@@ -293,8 +293,12 @@ class Endpoint(Generic[R]):
 
     def choose(self, *args: Any, **kwargs: Any) -> Future[R]:
         """Call one actor, chosen to spread load: the one with the fewest of this process's
-        ``choose`` calls still running, taking turns among equals."""
-        i = _least_loaded(self._mesh)
+        ``choose`` calls still running, taking turns among equals. Once an actor of the mesh is
+        known to have failed, every call goes to it and fails with its error, as in Monarch
+        (a slice without it still chooses among the rest)."""
+        i = self._mesh._known_failed()
+        if i is None:
+            i = _least_loaded(self._mesh)
         fut = self._gather(args, kwargs, [i], f"{self._mesh._label}.{self._name}.choose()", lambda raws: loads(*raws[i]))
         _track_load(self._mesh, i, fut)
         return fut

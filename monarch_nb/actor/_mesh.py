@@ -168,6 +168,8 @@ class ActorMesh(MeshTrait, Generic[T]):
         )
         # what an owner that does not handle it fails with (see ActorSlot.fail_unsupervised)
         failure.actor, failure.reason = event["actor"], event["reason"]
+        if self._sup is not None and self._origin is not None and 0 <= event["rank"] < len(self._origin[2]):
+            self._sup.failed.add(self._origin[2][event["rank"]])
         pm = self._proc_mesh
         if pm is not None:
             # its procs take no new actors now: `%mesh spawn NAME` replaces them (_registry.spawn)
@@ -261,6 +263,21 @@ class ActorMesh(MeshTrait, Generic[T]):
         event = f"Supervision event: actor {actor} failed:\n  {words}"
         e = SupervisionError(err.cause, mesh=err.mesh, actor=self._label, rank=err.rank, host=err.host, message=event)
         return _supervision.MeshFailure(self._label, self, e, crashed_ranks=[rank], event=event)
+
+    def _known_failed(self) -> int | None:
+        """The index (in this view) of the first actor this process knows has failed, its
+        process dead or itself failed; None if none. ``choose`` calls it, as Monarch's fails
+        every ``choose`` on a mesh with a failed actor: picking the least loaded would send most
+        calls to it (it fails each at once, so it is never loaded) and let the rest work."""
+        sup = self._sup
+        failed = sup.failed if sup is not None else ()
+        dead = _context.runtime().supervision.dead
+        if not failed and not dead:
+            return None
+        for i, r in enumerate(self._view.ranks):
+            if r in failed or self._procs[r].addr in dead:
+                return i
+        return None
 
     def _key(self) -> tuple[str, str]:
         # an actor mesh is its name on its procs (slices and copies share it)
@@ -357,6 +374,9 @@ class _Supervised:
         self.port: int | None = None
         #: the ranks (of the proc mesh) the actors were spawned on
         self.ranks: set[int] = set()
+        #: indices into the mesh's procs whose actor failed (its process lives on); see
+        #: ActorMesh._known_failed
+        self.failed: set[int] = set()
 
     def close(self, rt: Any) -> None:
         if self.port is not None:
