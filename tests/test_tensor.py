@@ -278,6 +278,27 @@ def test_an_error_stays_on_the_handle_that_caused_it(mesh1):  # type: ignore[no-
     torch.testing.assert_close(mt.inspect(x + 1), gen(8, 5) + 1)  # the rest keeps working
 
 
+def _fails_on_rank_1(x: torch.Tensor) -> torch.Tensor:
+    # data that only one rank holds can fail there alone (a label out of range in its shard)
+    from monarch_nb.actor import current_rank
+
+    if x.device.type != "meta" and current_rank().rank == 1:
+        raise IndexError("index 99 is out of bounds (rank 1's shard only)")
+    return x * 2
+
+
+def test_an_error_on_one_rank_only_stays_on_its_handle(procs):  # type: ignore[no-untyped-def]
+    x = mt.distribute(gen(8, 6), procs, [Shard(0)] + [Replicate()] * (len(procs.extent) - 1))
+    bad = mt.remote(_fails_on_rank_1)(x)
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="rank 1's shard only"):
+        mt.inspect(bad)
+    # the healthy ranks did not wait in an all-gather rank 1 skipped (until the collective
+    # timeout, leaving the process group broken for every later tensor)
+    torch.testing.assert_close(mt.inspect(x + 1), gen(8, 6) + 1)
+    assert time.monotonic() - t0 < mt.COLLECTIVE_TIMEOUT_S / 2
+
+
 def test_an_op_dtensor_cannot_shard_fails_here_and_is_never_sent(mesh1, caplog):  # type: ignore[no-untyped-def]
     x = mt.distribute(gen(8, 6), mesh1, [Shard(0)])
     sent = mt.stats(mesh1)["messages_sent"]

@@ -372,7 +372,7 @@ class MeshTensor:
             out = self._engine.full_by_pieces(self)
             if out is not None:
                 return out
-        fut = self._engine.gather("full", ([], self._id), None, "full_tensor()")
+        fut = self._engine.gather("full", ([], self._id, self._engine.key), None, "full_tensor()")
         return fut.get(timeout=VALUE_TIMEOUT_S)[0]
 
     def item(self) -> Any:

@@ -192,13 +192,34 @@ class TensorWorker(Actor):
         return local.cpu().clone()
 
     @endpoint
-    def full(self, frees: list[int], id: int) -> torch.Tensor | None:
+    def full(self, frees: list[int], id: int, key: Any = None) -> torch.Tensor | None:
         """The global value (a collective: every rank must be asked); rank 0 returns it."""
         self._free(frees)
-        t = self._get(Ref(id))
+        try:
+            t, error = self._get(Ref(id)), None
+        except Exception as e:
+            t, error = None, e
+        # an op can fail on some ranks only (an index out of range in one shard): the ranks that
+        # have a value must not enter the all-gather the others skip, or they wait there until
+        # the collective timeout and leave the process group broken for every later tensor
+        if not self._all_have(error is None, key):
+            if error is not None:
+                raise error
+            return None  # the failing ranks' errors are the reply
         full = t.full_tensor().detach() if isinstance(t, DTensor) else t
         first = not isinstance(t, DTensor) or all(c == 0 for c in t.device_mesh.get_coordinate() or [1])
         return full.cpu() if first else None
+
+    def _all_have(self, mine: bool, key: Any) -> bool:
+        """Whether every rank of the mesh (of slice ``key``) has what it needs: a small
+        collective each rank joins whatever its own state, so all take the same branch after."""
+        mesh = self._mesh(key)
+        if mesh is None:
+            return mine
+        flag = torch.tensor([int(mine)], device=self.device)
+        for d in range(mesh.ndim):  # a MIN along each dimension in turn is the MIN over all
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=mesh.get_group(d))
+        return bool(flag.item())
 
     @endpoint
     def transfer(
