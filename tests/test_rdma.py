@@ -234,6 +234,46 @@ def test_read_from_a_dead_owner_is_a_supervision_error_and_leaves_no_segment(pai
     assert _leftovers(pid) == []
 
 
+ZOMBIE_OWNER = """
+import pickle, sys, torch
+from monarch_nb.rdma import RDMABuffer
+keep = torch.ones(4096, dtype=torch.uint8), bytearray(4096)
+bufs = RDMABuffer(keep[0]), RDMABuffer(memoryview(keep[1]))
+sys.stdout.write(pickle.dumps(bufs).hex() + "\\n")
+sys.stdout.flush()
+sys.stdin.read()
+"""
+
+
+def test_an_owner_killed_but_not_yet_reaped_is_gone_not_dropped() -> None:
+    # a reader sees the owner's sockets and files close as it dies, before its parent reaps it:
+    # in that moment (a zombie here, kept so by not waiting for it) the reader must say the
+    # owner is gone, not that somebody dropped the buffer
+    import pickle
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", ZOMBIE_OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None
+        shm_buf, stream_buf = pickle.loads(bytes.fromhex(child.stdout.readline().decode()))
+        assert "(shm)" in repr(shm_buf) and "(stream)" in repr(stream_buf)
+        stream_buf.read_into(memoryview(bytearray(4096))).get(timeout=30)  # a pooled connection too
+        os.kill(child.pid, signal.SIGKILL)
+
+        def zombie() -> bool:
+            with open(f"/proc/{child.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+        wait_for(zombie, 10, "the owner to be a zombie")
+        for buf in (shm_buf, stream_buf):
+            with pytest.raises(SupervisionError, match="owner of this RDMABuffer, .* is gone"):
+                buf.read_into(torch.zeros(4096, dtype=torch.uint8)).get(timeout=30)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+
+
 def test_drop_gc_and_reader_handles(pair: tuple[ProcMesh, ProcMesh]) -> None:
     a, b = pair
     owner = a.spawn("owner", Owner)

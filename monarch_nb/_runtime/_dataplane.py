@@ -89,12 +89,21 @@ def host_id() -> str:
 _HOST_ID: str | None = None
 
 
+#: the kernel's "this task is exiting" flag in /proc/<pid>/stat, set before its descriptors close
+_PF_EXITING = 0x4
+
+
 def start_time(pid: int) -> int:
-    """The kernel's start time of ``pid`` (0 if gone): with the pid, names one process for good."""
+    """The kernel's start time of ``pid`` (0 if gone): with the pid, names one process for good.
+    A process killed or exiting counts as gone at once: its sockets close before its parent
+    reaps it, and a reader that saw them close must not take it for alive (a zombie)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             s = f.read()
-        return int(s[s.rindex(b")") + 2 :].split()[19])
+        fields = s[s.rindex(b")") + 2 :].split()
+        if fields[0] in (b"Z", b"X") or int(fields[6]) & _PF_EXITING:
+            return 0
+        return int(fields[19])
     except (OSError, ValueError, IndexError):
         return 0
 
