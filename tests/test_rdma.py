@@ -175,6 +175,17 @@ def test_bad_memory_raises_value_error() -> None:
             buf.read_into(torch.zeros(8, dtype=torch.uint8))
         with pytest.raises(ValueError, match="exceeds"):
             buf.write_from(torch.zeros(32, dtype=torch.uint8))
+        # a meta tensor has no bytes to fill: refused, not a read that "succeeds" and keeps nothing
+        with pytest.raises(ValueError, match="CPU and CUDA tensors, not of a tensor on meta"):
+            buf.read_into(torch.empty(16, dtype=torch.uint8, device="meta"))
+        with pytest.raises(ValueError, match="not of a tensor on meta"):
+            RDMABuffer(torch.empty(16, dtype=torch.uint8, device="meta"))
+        # a negative timeout, as Monarch's: refused also where the copy would not need one
+        for call in (buf.read_into, buf.write_from):
+            with pytest.raises(OverflowError, match="timeout must be >= 0"):
+                call(torch.zeros(16, dtype=torch.uint8), timeout=-1)
+        with pytest.raises(OverflowError, match="timeout must be >= 0"):
+            RDMAAction().read_remote(torch.zeros(16, dtype=torch.uint8), buf).submit(timeout=-1)
     finally:
         buf.drop().get(timeout=10)
 

@@ -86,6 +86,14 @@ def get_rdma_backend() -> str:
     return BACKEND
 
 
+def _timeout(timeout: float) -> float:
+    """A transfer's timeout in seconds; a negative one is refused with Monarch's exception (on
+    every path: a copy out of shared memory too, which would finish before any timeout)."""
+    if timeout < 0:
+        raise OverflowError(f"timeout must be >= 0 seconds (Monarch's: fit in an unsigned 64-bit integer), not {timeout!r}")
+    return timeout
+
+
 # ------------------------------------------------------------------------------- local memory
 def _torch() -> Any:
     return sys.modules.get("torch")
@@ -105,6 +113,9 @@ def _check(data: Any) -> int:
     if _is_tensor(data):
         if data.dim() != 1 or not data.is_contiguous():
             raise ValueError(f"RDMABuffer only supports 1d contiguous torch.Tensor or 1d c-contiguous memoryview. Got: {data!r}")
+        if data.device.type not in ("cpu", "cuda"):
+            # a meta tensor has no bytes: a read into it would "succeed" and keep nothing
+            raise ValueError(f"RDMABuffer moves the bytes of CPU and CUDA tensors, not of a tensor on {data.device}")
         return int(data.numel() * data.element_size())
     try:
         memoryview(data)
@@ -310,8 +321,8 @@ class RDMABuffer:
         elif data.device.type == "cuda":
             entry = _CudaEntry(data, nbytes)
             token, extra = _token()
-        else:
-            raise ValueError(f"RDMABuffer supports CPU and CUDA tensors, not {data.device.type}")
+        else:  # _check refused any other device
+            raise AssertionError(data.device)
         for fd in extra:
             entry.extra.append(lambda fd=fd: os.close(fd))  # type: ignore[misc]
         self._id = srv.register(entry)
@@ -349,6 +360,7 @@ class RDMABuffer:
 
     def read_into(self, dst: Any, *, timeout: int = 60) -> Future[None]:
         """Copy this buffer into ``dst`` (1-D contiguous, at least ``size()`` bytes)."""
+        _timeout(timeout)
         if _is_tensor(dst) and self._in_shm(dst):
             # the common case, kept short: a 1 MiB copy takes tens of microseconds
             if _check(dst) < self._size:
@@ -358,6 +370,7 @@ class RDMABuffer:
 
     def write_from(self, src: Any, *, timeout: int = 60) -> Future[None]:
         """Copy ``src`` (1-D contiguous, at most ``size()`` bytes) into the owner's memory."""
+        _timeout(timeout)
         if _is_tensor(src) and self._in_shm(src):
             n = _check(src)
             if n > self._size:
@@ -580,8 +593,7 @@ class RDMAAction:
     def submit(self, *, timeout: int = 60) -> Future[None]:
         """Run the queued operations (concurrently); the future resolves when all are done, or
         fails with the first failure. Safe to call more than once."""
-        if timeout < 0:
-            raise ValueError("timeout must be >= 0")
+        _timeout(timeout)
         fut: Future[None] = Future._create("RDMAAction.submit")
         ops = list(self._ops)
         if not ops:
