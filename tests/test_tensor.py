@@ -704,6 +704,24 @@ def test_nccl_fully_shard_on_gpus():  # type: ignore[no-untyped-def]
         procs.stop().get(timeout=30)
 
 
+def test_wrong_input_is_refused_here_before_anything_is_sent(mesh1, mesh2):  # type: ignore[no-untyped-def]
+    x = mt.distribute(gen(4, 4), mesh1, [Shard(0)])
+    y = mt.distribute(gen(4, 4), mesh2, [Shard(0), Replicate()])
+    half = mt.distribute(gen(4, 4), mesh2.slice(hosts=0), [Shard(0)])
+    for p in (x, y, half):
+        p.requires_grad_()
+    sent = mt.stats(mesh1)["messages_sent"], mt.stats(mesh2)["messages_sent"]
+    # each proc mesh numbers its own tensors: mesh2's parameter would have named one of mesh1's
+    # (the optimizer stepped x twice and never y)
+    for a, b in ((x, y), (y, half)):
+        with pytest.raises(ValueError, match="Optimizer: its parameters live on different proc meshes"):
+            mt.Optimizer(torch.optim.SGD, [a, b], lr=0.1)
+    # a 0-d tensor has no dimension to shard (it was a ZeroDivisionError)
+    with pytest.raises(ValueError, match=r"S\(0\) is out of range for a tensor of 0 dimensions"):
+        mt.distribute(torch.tensor(3.0), mesh1, [Shard(0)])
+    assert (mt.stats(mesh1)["messages_sent"], mt.stats(mesh2)["messages_sent"]) == sent
+
+
 def test_tensors_on_slices_of_a_proc_mesh_and_between_them(mesh2, gate):  # type: ignore[no-untyped-def]
     """A slice of a proc mesh holds mesh tensors of its own (its device mesh named as the slice);
     to_mesh moves one from a slice to another, as pipeline stages do."""

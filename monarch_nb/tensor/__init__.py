@@ -128,7 +128,7 @@ def distribute(t: torch.Tensor, procs: ProcMesh, placements: Sequence[Placement]
     e = engine_for(procs)
     pl = _placements(procs, placements)
     for p in pl:
-        if isinstance(p, Shard) and not -t.ndim <= p.dim < max(t.ndim, 1):
+        if isinstance(p, Shard) and not -t.ndim <= p.dim < t.ndim:
             raise ValueError(f"{p} is out of range for a tensor of {t.ndim} dimensions")
     pl = tuple(Shard(p.dim % t.ndim) if isinstance(p, Shard) else p for p in pl)
     from torch.distributed.tensor import DTensor
@@ -344,6 +344,13 @@ class Optimizer:
         if not ps or not all(isinstance(p, MeshTensor) for p in ps):
             raise TypeError("Optimizer needs a non-empty list of MeshTensors")
         self._engine: Engine = ps[0]._engine
+        others = [p for p in ps if p._engine is not self._engine]
+        if others:
+            # ids are per proc mesh: another mesh's parameter would name a tensor of this one
+            raise ValueError(
+                f"Optimizer: its parameters live on different proc meshes ({self._engine.procs!r}, "
+                f"{others[0]._engine.procs!r}); make one optimizer per mesh"
+            )
         self._params = ps
         self._id = self._engine.new_id()
         self._engine.send([(_MakeOptimizer(cls, kwargs), ([_ref(p) for p in ps],), {}, [self._id], False)])
