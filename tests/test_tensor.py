@@ -719,6 +719,9 @@ def test_wrong_input_is_refused_here_before_anything_is_sent(mesh1, mesh2):  # t
     # a 0-d tensor has no dimension to shard (it was a ZeroDivisionError)
     with pytest.raises(ValueError, match=r"S\(0\) is out of range for a tensor of 0 dimensions"):
         mt.distribute(torch.tensor(3.0), mesh1, [Shard(0)])
+    for bad in ("1", 1.0):  # was torch's or Python's words about comparing and indexing
+        with pytest.raises(TypeError, match="a coordinate is an int from 0 to 3"):
+            mt.fetch_shard(x, gpus=bad)
     assert (mt.stats(mesh1)["messages_sent"], mt.stats(mesh2)["messages_sent"]) == sent
 
 

@@ -241,6 +241,8 @@ class Engine:
         r = 0
         for name, size in zip(self.labels, self.sizes):
             c = coords.get(name, 0)
+            if not isinstance(c, int):
+                raise TypeError(f"{name}={c!r}: a coordinate is an int from 0 to {size - 1}")
             if not 0 <= c < size:
                 raise ValueError(f"{name}={c} is out of range for a dimension of size {size}")
             r = r * size + c
