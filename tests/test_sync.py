@@ -320,3 +320,75 @@ def test_a_mesh_whose_allocator_is_gone_is_skipped_not_an_error(tmp_path: Path) 
         if job.active:
             job.kill()
         here.stop().get(timeout=30)
+
+
+class _Reads(Actor):
+    @endpoint
+    def read(self) -> int:
+        import other
+
+        return other.X
+
+
+def test_a_module_that_fails_to_reload_leaves_the_others_reloaded_and_is_retried(ws: Path) -> None:
+    from monarch_nb.errors import ActorError
+
+    pm = M.spawn("badreload", {"gpus": 1})
+    (ws / "other.py").write_text("X = 1\n")
+    try:
+        S.sync(str(ws), meshes=pm)
+        import mymod
+
+        w = pm.spawn("w", mymod.Worker, 0)
+        r = pm.spawn("r", _Reads)
+        assert w.hello.call_one().get()[:2] == ("hi", "v1") and r.read.call_one().get() == 1
+        # one sync: mymod now imports a module not written yet, and good edits of helper (which
+        # mymod imports) and of other (reloaded after mymod): the latter used to be dropped
+        # after mymod's failure, for good: the next sync did not list it as changed
+        (ws / "helper.py").write_text("GREETING = 'hello'\n")
+        (ws / "other.py").write_text("X = 2\n")
+        (ws / "mymod.py").write_text("import later  # noqa\n" + textwrap.dedent(MODULE.format(version="v2")))
+        with pytest.raises(ActorError, match=r"reload failed: mymod.py: ModuleNotFoundError: .*reloaded: helper, other") as e:
+            S.sync(str(ws), meshes=pm)
+        assert "import later" in str(e.value)  # the remote traceback points at the line
+        assert r.read.call_one().get() == 2  # the good edit is live
+        assert w.hello.call_one().get()[:2] == ("hi", "v1")  # the actor still runs its old code
+        # the sync that fixes it adds a file and changes none: what failed is retried
+        (ws / "later.py").write_text("")
+        rep = S.sync(str(ws), meshes=pm)[0]
+        assert rep.hosts[0].added == ["later.py"] and rep.hosts[0].changed == []
+        assert rep.reloads[0]["reloaded"] == ["mymod"]
+        assert w.hello.call_one().get()[:2] == ("hello", "v2")
+    finally:
+        M.stop("badreload")
+
+
+class _Imports(Actor):
+    @endpoint
+    def load(self, name: str) -> str:
+        import importlib
+
+        return importlib.import_module(name).__name__
+
+
+def test_a_removed_or_renamed_module_is_not_a_reload_failure(ws: Path) -> None:
+    pm = M.spawn("rmreload", {"gpus": 1})
+    try:
+        (ws / "pkg").mkdir()
+        (ws / "pkg" / "__init__.py").write_text("from .sub import f\n")
+        (ws / "pkg" / "sub.py").write_text("def f():\n    return 1\n")
+        S.sync(str(ws), meshes=pm)
+        import mymod
+
+        w = pm.spawn("w", mymod.Worker, 0)
+        w.hello.call_one().get()
+        pm.spawn("imp", _Imports).load.call_one("pkg").get()
+        # it read "reload failed: spec not found for the module 'pkg.sub'", and the other edit was lost
+        (ws / "pkg").rename(ws / "pkg2")
+        _write(ws, "v2")
+        rep = S.sync(str(ws), meshes=pm)[0]
+        assert sorted(rep.hosts[0].removed) == ["pkg/__init__.py", "pkg/sub.py"]
+        assert rep.reloads[0]["reloaded"] == ["mymod"]
+        assert w.hello.call_one().get()[1] == "v2"
+    finally:
+        M.stop("rmreload")

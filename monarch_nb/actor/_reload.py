@@ -16,6 +16,10 @@ import types
 from typing import Any
 
 
+class ReloadError(ImportError):
+    """Some synced modules could not be reloaded in a running proc."""
+
+
 def _modules_under(root: str) -> dict[str, types.ModuleType]:
     out = {}
     prefix = root.rstrip(os.sep) + os.sep
@@ -101,20 +105,35 @@ def _lookup(module: types.ModuleType, qualname: str) -> Any:
     return obj
 
 
+#: synced root -> files whose reload failed in this proc, retried by the next sync even if they
+#: did not change again (the fix may have been an environment sync, or another module)
+_failed: dict[str, set[str]] = {}
+
+
 def reload_changed(rt: Any, root: str, changed: list[str], mode: str = "inplace") -> dict[str, Any]:
-    """Reload the modules of ``changed`` files (paths relative to ``root``) in this proc."""
+    """Reload the modules of ``changed`` files (paths relative to ``root``) in this proc.
+
+    A module that fails to reload (a syntax error, an exception at import) does not stop the
+    others: each one that can be reloaded is, its actors get the new class, and then the
+    failures are raised together; the failed module keeps its previous code until a later
+    sync reloads it. A module whose file was removed (deleted, renamed) stays loaded as it
+    is, as in a local session: there is nothing to reload it from."""
     from ._actor import endpoints_of, is_async_actor
 
     if root not in sys.path:
         sys.path.insert(0, root)
     importlib.invalidate_caches()
-    wanted = set(changed)
+    wanted = set(changed) | _failed.pop(root, set())
     loaded = _modules_under(root)
-    order = _plan(loaded, {n for n, m in loaded.items() if _rel(root, m) in wanted})
-    mods = {n: loaded[n] for n in order}
+    present = {n for n, m in loaded.items() if os.path.exists(_absolute(m.__file__ or ""))}
+    order = _plan(loaded, {n for n in present if _rel(root, loaded[n]) in wanted})
+    mods = {n: loaded[n] for n in order if n in present}
     reloaded = []
+    failed: dict[str, BaseException] = {}
     for name in order:
-        m = mods[name]
+        m = loaded[name]
+        if name not in present:
+            continue
         cached = getattr(m, "__cached__", None)
         if cached:
             # a same-size edit within one second would pass the .pyc timestamp check
@@ -122,7 +141,12 @@ def reload_changed(rt: Any, root: str, changed: list[str], mode: str = "inplace"
                 os.unlink(cached)
             except OSError:
                 pass
-        importlib.reload(m)
+        try:
+            importlib.reload(m)
+        except Exception as e:
+            failed[name] = e
+            mods.pop(name)
+            continue
         reloaded.append(name)
     updated, recreated = [], []
     for aname, slot in list(rt.actors.items()):
@@ -145,4 +169,11 @@ def reload_changed(rt: Any, root: str, changed: list[str], mode: str = "inplace"
         elif slot.obj is not None:
             slot.obj.__class__ = new
             updated.append(aname)
+    if failed:
+        _failed[root] = {_rel(root, loaded[n]) for n in failed}
+        why = "; ".join(f"{_rel(root, loaded[n])}: {type(e).__name__}: {e}" for n, e in failed.items())
+        raise ReloadError(
+            f"{why}. What failed keeps its previous code in this proc (its actors too) until a sync "
+            f"reloads it; reloaded: {', '.join(reloaded) or 'nothing'}; actors updated: {', '.join(updated + recreated) or 'none'}"
+        ) from next(iter(failed.values()))
     return {"pid": os.getpid(), "reloaded": reloaded, "updated": updated, "recreated": recreated}
