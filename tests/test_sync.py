@@ -365,10 +365,15 @@ def test_a_module_that_fails_to_reload_leaves_the_others_reloaded_and_is_retried
 
 class _Imports(Actor):
     @endpoint
-    def load(self, name: str) -> str:
+    def load(self, name: str, fresh: bool = False) -> str:
         import importlib
 
-        return importlib.import_module(name).__name__
+        if fresh:  # as a proc spawned after the sync would
+            sys.modules.pop(name, None)
+        try:
+            return importlib.import_module(name).__name__
+        except ImportError as e:
+            return repr(e)
 
 
 def test_a_removed_or_renamed_module_is_not_a_reload_failure(ws: Path) -> None:
@@ -390,5 +395,27 @@ def test_a_removed_or_renamed_module_is_not_a_reload_failure(ws: Path) -> None:
         assert sorted(rep.hosts[0].removed) == ["pkg/__init__.py", "pkg/sub.py"]
         assert rep.reloads[0]["reloaded"] == ["mymod"]
         assert w.hello.call_one().get()[1] == "v2"
+        # the emptied folder used to stay on the host, and import as an empty namespace package
+        assert not os.path.exists(os.path.join(rep.hosts[0].path, "pkg"))
+        got = pm.spawn("imp2", _Imports).load.call_one("pkg", fresh=True).get()
+        assert got == "ModuleNotFoundError(\"No module named 'pkg'\")"
     finally:
         M.stop("rmreload")
+
+
+def test_an_executable_keeps_its_x_bits_on_the_host(tmp_path: Path) -> None:
+    (tmp_path / "run.sh").write_text("#!/bin/sh\necho ran\n")
+    (tmp_path / "run.sh").chmod(0o755)
+    (tmp_path / "same.txt").write_text("#!/bin/sh\necho ran\n")  # the same content, not executable
+    (tmp_path / "later.sh").write_text("#!/bin/sh\necho later\n")
+    pm = M.spawn("xbits", {"gpus": 1})
+    try:
+        path = S.sync(str(tmp_path), meshes=pm)[0].hosts[0].path
+        assert os.access(os.path.join(path, "run.sh"), os.X_OK)  # it was synced 0644
+        assert not os.access(os.path.join(path, "same.txt"), os.X_OK)
+        (tmp_path / "later.sh").chmod(0o755)  # a chmod alone is a change
+        rep = S.sync(str(tmp_path), meshes=pm)[0]
+        assert rep.hosts[0].changed == ["later.sh"]
+        assert os.access(os.path.join(path, "later.sh"), os.X_OK)
+    finally:
+        M.stop("xbits")

@@ -76,31 +76,51 @@ class CodeCache:
         added: list[str]
         changed: list[str]
         added, changed, removed = [], [], []
-        for rel, (digest, _size, _mode) in manifest.items():
+        for rel, (digest, _size, mode) in manifest.items():
             dest = self._dest(root, rel)
             prev = old.get(rel)
-            if prev is not None and prev[0] == digest and os.path.exists(dest):
+            exe = mode & 0o111
+            if prev is not None and prev[0] == digest and prev[2] & 0o111 == exe and os.path.exists(dest):
                 continue
             (changed if prev is not None else added).append(rel)
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             tmp = f"{dest}.mnb-tmp"
-            try:
-                os.link(self._blob(digest), tmp)
-            except OSError:
+            if exe:
+                # a script a proc runs keeps its x bits; a hard link would share its mode with
+                # the blob and every tree linking it, so it gets a copy of its own
                 shutil.copyfile(self._blob(digest), tmp)
+                os.chmod(tmp, (mode & 0o777) | 0o600)
+            else:
+                try:
+                    os.link(self._blob(digest), tmp)
+                except OSError:
+                    shutil.copyfile(self._blob(digest), tmp)
             os.replace(tmp, dest)
         for rel in old:
             if rel not in manifest:
                 removed.append(rel)
+                dest = self._dest(root, rel)
                 try:
-                    os.unlink(self._dest(root, rel))
+                    os.unlink(dest)
                 except FileNotFoundError:
                     pass
+                self._prune(root, os.path.dirname(dest))
         self.manifests.pop(ws, None)  # re-inserted last: the most recent sync wins on sys.path
         self.manifests[ws] = dict(manifest)
         os.utime(root)  # the tree's age, for gc, is the time since its last sync
         self._note_in_use()
         return {"path": root, "added": added, "changed": changed, "removed": removed}
+
+    @staticmethod
+    def _prune(root: str, d: str) -> None:
+        """Remove ``d`` and its parents up to ``root`` while empty: a folder left behind by a
+        removed or renamed package would still import, as an empty namespace package."""
+        while d.startswith(root + os.sep):
+            try:
+                os.rmdir(d)
+            except OSError:
+                return  # not empty
+            d = os.path.dirname(d)
 
     def _dest(self, root: str, rel: str) -> str:
         dest = os.path.normpath(os.path.join(root, rel))
