@@ -1,8 +1,8 @@
 """The local workspace as a content-addressed manifest: which files, what content.
 
 Honours ``.gitignore`` files (the common subset: globs, ``**``, anchored ``/x``, directory-only
-``x/``, negation ``!x``) and explicit excludes; always skips VCS folders, virtual environments,
-caches and notebook checkpoints.
+``x/``, negation ``!x``) and explicit excludes; always skips VCS folders, virtual and conda
+environments (by name or by their ``pyvenv.cfg``/``conda-meta``), caches and notebook checkpoints.
 """
 
 from __future__ import annotations
@@ -104,6 +104,12 @@ class Ignore:
         return out
 
 
+def _is_environment(path: str) -> bool:
+    """A virtual environment or conda environment by its marker, whatever its name (``env``,
+    ``.env-cuda``): hosts have their own (``%mesh env sync``), and it is often gigabytes."""
+    return os.path.isfile(os.path.join(path, "pyvenv.cfg")) or os.path.isdir(os.path.join(path, "conda-meta"))
+
+
 def file_hash(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -124,7 +130,11 @@ def scan(
         rel_dir = "" if rel_dir == "." else rel_dir
         if ".gitignore" in filenames:
             ig.add_gitignore(os.path.join(dirpath, ".gitignore"), rel_dir)
-        dirnames[:] = sorted(d for d in dirnames if not ig.ignored(f"{rel_dir}/{d}" if rel_dir else d, True))
+        dirnames[:] = sorted(
+            d
+            for d in dirnames
+            if not ig.ignored(f"{rel_dir}/{d}" if rel_dir else d, True) and not _is_environment(os.path.join(dirpath, d))
+        )
         for fn in sorted(filenames):
             rel = f"{rel_dir}/{fn}" if rel_dir else fn
             if ig.ignored(rel, False):

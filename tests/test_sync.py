@@ -419,3 +419,15 @@ def test_an_executable_keeps_its_x_bits_on_the_host(tmp_path: Path) -> None:
         assert os.access(os.path.join(path, "later.sh"), os.X_OK)
     finally:
         M.stop("xbits")
+
+
+def test_an_environment_in_the_workspace_is_not_synced_whatever_its_name(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("")
+    for env, marker in (("env", "pyvenv.cfg"), ("cuda-env", "conda-meta/history")):
+        (tmp_path / env / "lib").mkdir(parents=True)
+        (tmp_path / env / "lib" / "torch.so").write_bytes(b"\0" * 100)
+        (tmp_path / env / marker).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / env / marker).write_text("")
+    (tmp_path / "envs").mkdir()  # only the marker makes a folder an environment
+    (tmp_path / "envs" / "cfg.py").write_text("")
+    assert set(scan(str(tmp_path))) == {"train.py", "envs/cfg.py"}
