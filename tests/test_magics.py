@@ -161,6 +161,39 @@ def test_late_output_reaches_its_cell_after_another_cell_ran(k: Kernel, tmp_path
     assert "late from" not in b.stream()
 
 
+def test_late_output_reaches_its_cell_after_a_later_cell_called_the_same_ranks(k: Kernel, tmp_path) -> None:
+    # the cell's late output was aggregated but never shown once a later cell had called its
+    # ranks: only the ranks' newest cell, the running one and the last one were flushed
+    flag = tmp_path / "go"
+    _ok(k.run("%mesh spawn later --per-host gpus=2"))
+    _ok(k.run("%%mesh exec later\nimport os\nfrom monarch_nb.actor import current_rank\nr = current_rank().rank"))
+    a = _ok(k.run(f"%%mesh exec later --no-block\n{poll(f'os.path.exists({str(flag)!r})', 60)}print('first cell', r)"))
+    slot = next(d for d in a.display_ids() if d)
+    b = _ok(k.run("%%mesh exec later --no-block\nprint('second cell', r)"))  # runs after the first, on the same ranks
+    _ok(k.run("x = 'a third cell'"))
+    flag.touch()
+    upd = k.wait_msg(
+        lambda m: (
+            m["msg_type"] == "update_display_data"
+            and m["content"]["transient"]["display_id"] == slot
+            and "first cell" in m["content"]["data"]["text/plain"]
+        ),
+        15,
+        "the first cell's late output in its display",
+    )
+    assert "second cell" not in upd["content"]["data"]["text/plain"]
+    second = next(d for d in b.display_ids() if d)
+    k.wait_msg(
+        lambda m: (
+            m["msg_type"] == "update_display_data"
+            and m["content"]["transient"]["display_id"] == second
+            and "second cell" in m["content"]["data"]["text/plain"]
+        ),
+        15,
+        "the second cell's output in its display",
+    )
+
+
 def test_output_outside_a_call_goes_to_the_cell_of_the_last_call(k: Kernel, tmp_path) -> None:
     flag = tmp_path / "tick"
     _ok(k.run("%mesh spawn bg --per-host gpus=1"))

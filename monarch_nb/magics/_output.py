@@ -128,6 +128,9 @@ class KernelOutput:
         self._by_rank: dict[tuple[str, int], _Cell] = {}
         self.current: _Cell | None = None
         self.last: _Cell | None = None
+        #: cells holding output not shown yet: a cell whose ranks a later cell called is no
+        #: longer found through ``_by_rank``, and its late lines must still be flushed
+        self._pending: dict[int, _Cell] = {}
         self._numbers = itertools.count(1)
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -258,6 +261,7 @@ class KernelOutput:
                     continue
                 per_cell.setdefault(id(cell), (cell, []))[1].append(ln)
             for cell, ls in per_cell.values():
+                self._pending[id(cell)] = cell
                 self._feed(cell, mesh, ls)
 
     def notice(self, text: str, mesh: str = "", rank: int | None = None) -> None:
@@ -312,6 +316,7 @@ class KernelOutput:
         else:
             cell.late.extend(lines)
             cell.late_dirty = True
+            self._pending[id(cell)] = cell
             self._wake.set()
 
     def _window(self, cell: _Cell, mesh: str) -> float:
@@ -463,11 +468,13 @@ class KernelOutput:
     def _tick(self) -> None:
         with self._lock:
             cells = {id(c): c for c in (*self._by_rank.values(), self.current, self.last) if c is not None}
+            cells.update(self._pending)
             for cell in cells.values():
                 self._flush_cell(cell)
                 if cell.late_dirty and cell.late_id:
                     cell.late_dirty = False
                     self._send_display(cell, cell.late_id, "\n".join(cell.late), update=True)
+            self._pending = {i: c for i, c in self._pending.items() if len(c.agg) or c.progress_dirty or c.suppressed}
             cur = self.current
             if cur is not None:
                 self._show_wait(cur, self._wait_text(cur))
