@@ -558,6 +558,24 @@ def test_a_flood_is_thinned_and_the_kernel_stays_responsive(k: Kernel) -> None:
     assert int(c.result) == 100_000  # nothing lost from the logs
 
 
+def test_a_flood_of_one_rank_leaves_the_other_ranks_lines_in_the_cell(k: Kernel) -> None:
+    # the line budget went to the flooding rank: the other ranks' lines, and every rank's
+    # stderr at the end, were all counted as suppressed
+    _ok(k.run("%mesh spawn noisy --per-host gpus=3"))
+    code = (
+        "%%mesh exec noisy\nimport sys\nfrom monarch_nb.actor import current_rank\nr = current_rank().rank\n"
+        "if r == 0:\n    for i in range(30_000): print('noise', i)\nelse:\n    print('quiet rank', r)\n"
+        "print('finished on rank', r, file=sys.stderr)"
+    )
+    c = _ok(k.run(code, timeout=90))
+    out, err = c.stream(), c.stream("stderr")
+    assert "[ranks 1-2 ×2] quiet rank 1…2\n" in out, out[-2000:]
+    assert re.search(r"\[(ranks 0-2 ×3|0)\] finished on rank", err), err
+    assert "lines suppressed — %mesh logs noisy" in err, err
+    noise = [int(m) for m in re.findall(r"^\[0\] noise (\d+)$", out, re.M)]
+    assert 10_000 <= len(noise) < 30_000 and noise == sorted(noise), len(noise)  # thinned, in order
+
+
 def test_connect_after_a_kernel_restart_finds_meshes_and_namespaces() -> None:
     a = Kernel()
     try:

@@ -38,6 +38,10 @@ DEFAULT_WINDOW = 1.0
 #: flood control: output lines per second per cell, after a burst allowance
 RATE = 1000.0
 BURST = 10_000.0
+#: in a flood, what a source of lines (a rank or rank set, on one stream) that has not flooded
+#: yet may still show of each batch, and all of them together per cell, beyond the line budget
+QUIET_LINES = 100
+QUIET_BUDGET = 2_000
 #: lines kept in a cell's late-output display
 LATE_LINES = 500
 #: a call blocking the cell longer than this shows "ranks replied / total"
@@ -71,6 +75,8 @@ class _Cell:
         "tokens",
         "last_refill",
         "suppressed",
+        "flooders",
+        "quiet_left",
         "started",
         "wait_id",
         "wait_shown",
@@ -99,6 +105,10 @@ class _Cell:
         self.tokens = BURST
         self.last_refill = time.monotonic()
         self.suppressed: dict[str, int] = {}
+        #: the sources of lines (stream, rank tag) thinned in this cell, and what quiet ones
+        #: may still show beyond the budget
+        self.flooders: set[tuple[str, str]] = set()
+        self.quiet_left = QUIET_BUDGET
         self.started = time.monotonic()
         self.wait_id = ""
         self.wait_shown = ""
@@ -382,9 +392,7 @@ class KernelOutput:
         """``into``: the display of a provisional first line, which these lines replace."""
         k = self._admit(cell, len(items))
         if k < len(items):
-            for stream, _ in items[k:]:
-                cell.suppressed[stream] = cell.suppressed.get(stream, 0) + 1
-            items = items[:k]
+            items = _thin(cell, items, k)
         if into:
             # emptied, not filled: the group goes out as the stream every other window's does
             self._send_display(cell, into, "", update=True)
@@ -503,6 +511,41 @@ class KernelOutput:
             return None
         args = (fut.description, prog[0], prog[1], fut.progress_unit, elapsed)
         return progress_text(*args), progress_html(*args)
+
+
+def _thin(cell: _Cell, items: list[tuple[str, str]], k: int) -> list[tuple[str, str]]:
+    """``k`` of ``items`` (or a few more), in order, shared fairly among their sources: one rank
+    printing 100,000 lines must not take the whole budget, so that the few lines of the other
+    ranks (a warning, a traceback on stderr) never show. A source that has not flooded yet shows
+    up to QUIET_LINES lines a batch (QUIET_BUDGET a cell) beyond the budget; the budget is
+    then split evenly, a source taking less leaving the rest to the others."""
+    by_src: dict[tuple[str, str], list[int]] = {}
+    for i, (stream, text) in enumerate(items):
+        by_src.setdefault((stream, text[: text.find("] ") + 1]), []).append(i)
+    keep: list[int] = []
+    rest: dict[tuple[str, str], list[int]] = {}
+    for src, idx in by_src.items():
+        if src not in cell.flooders and cell.quiet_left > 0:
+            n = min(len(idx), QUIET_LINES, cell.quiet_left)
+            cell.quiet_left -= n
+            keep += idx[:n]
+            idx = idx[n:]
+        if idx:
+            rest[src] = idx
+    left = k
+    for src, idx in sorted(rest.items(), key=lambda kv: len(kv[1])):
+        share = left // len(rest) if left > 0 else 0
+        n = min(len(idx), share)
+        keep += idx[:n]
+        left -= n
+        del rest[src]
+        if n < len(idx):
+            cell.flooders.add(src)
+            for i in idx[n:]:
+                stream = items[i][0]
+                cell.suppressed[stream] = cell.suppressed.get(stream, 0) + 1
+    keep.sort()
+    return [items[i] for i in keep]
 
 
 def _names(err: BaseException | None) -> set[str]:
