@@ -326,6 +326,25 @@ def test_the_allocator_learns_that_a_burst_ended_from_the_proc_s_marker(tmp_path
     assert [(c, ln) for _, _, _, c, ln in got] == [("c1", "x"), ("c1", "y"), ("c1", "z"), ("c2", "w")]
 
 
+def test_a_line_a_call_left_open_ends_with_the_call(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # print(x, end="") at the end of a call was held until the rank's next newline
+    ends: list[int] = []
+    got: list[tuple[int, str, float, str, str]] = []
+    log = ProcLog(str(tmp_path / "r.jsonl"), 0, _into(got), on_call_end=lambda: ends.append(len(got)))
+    log.feed("stdout", marker("c1") + b"no newline" + marker(""))  # what end_call writes after it
+    assert [(c, ln) for _, _, _, c, ln in got] == [("c1", "no newline")] and ends == [1]
+    log.feed("stdout", marker("c2") + b"done\nleft")
+    log.feed("stdout", b" open")
+    log.feed("stdout", marker(""))  # the text was flushed before the call ended
+    assert [(c, ln) for _, _, _, c, ln in got[1:]] == [("c2", "done"), ("c2", "left open")] and ends == [1, 3]
+    # a progress bar stays open (the next call redraws it), and a call that ends its line adds none
+    log.feed("stdout", marker("c3") + b"\rbar 1\rbar 2" + marker(""))
+    log.feed("stdout", marker("c4") + b"whole\n" + marker(""))
+    log.close()
+    rest = [ln for _, _, _, _, ln in got[3:]]
+    assert len(rest) == 2 and rest[0].startswith("\r") and rest[0].endswith("bar 2") and rest[1] == "whole", rest
+
+
 def test_a_forked_child_of_a_proc_still_gets_its_lines_flushed() -> None:
     r, w = os.pipe()
     s = TaggedStream(open(w, "wb", closefd=False), encoding="utf-8", line_buffering=False)

@@ -232,6 +232,17 @@ def test_progress_bars_render_as_one_line_per_rank(k: Kernel) -> None:
     assert "step 0%" not in c.stream()
 
 
+def test_a_line_printed_without_a_newline_shows_in_its_cell_when_the_call_ends(k: Kernel) -> None:
+    # it waited in the allocator for the rank's next newline (maybe never), then went to a later cell
+    _ok(k.run("%mesh spawn open --per-host gpus=2"))
+    c = _ok(
+        k.run("%%mesh exec open\nfrom monarch_nb.actor import current_rank\nprint('no newline', current_rank().rank, end='')")
+    )
+    assert "[ranks 0-1 ×2] no newline 0…1\n" in c.stream(), c.msgs
+    c = _ok(k.run("%%mesh exec open\nprint('next')"))
+    assert c.stream() == "[ranks 0-1 ×2] next\n", c.stream()
+
+
 def test_interrupt_stops_remote_code_and_keeps_the_procs(k: Kernel) -> None:
     _ok(k.run("%mesh spawn intr --per-host gpus=2"))
     pids = _ok(k.run("%%mesh exec intr\nimport os, time\nos.getpid()")).result

@@ -338,6 +338,8 @@ class ProcLog:
         self._ended = False
 
     def feed(self, stream: str, data: bytes) -> None:
+        if data.endswith(_END):
+            data = self._end_open_line(stream, data)
         if b"\n" not in data and b"\r" not in data:
             if data.startswith(MARK_PREFIX) and not self._partial[stream] and not self._more[stream]:
                 data, ended = self._lead_marks(stream, data)  # a call's end, after its text went out
@@ -402,6 +404,27 @@ class ProcLog:
             self._write(out, len(buf))
         if ended and self._on_call_end is not None:
             self._on_call_end()
+
+    def _end_open_line(self, stream: str, data: bytes) -> bytes:
+        """``data`` ends with the end of a call: a line the call left open (``print(x, end="")``,
+        ``sys.stdout.write(x)``) ends there, a newline put before the marker (it was held until
+        the rank's next newline, maybe never: a notebook showed it cells later, if at all). A
+        progress bar (a carriage return in the line) stays open: the next call redraws it."""
+        head = data[: -len(_END)]
+        nl = head.rfind(b"\n")
+        seg = head[nl + 1 :]
+        if b"\x1b" in seg:
+            seg = _MARK.sub(b"", seg)
+        if nl < 0:  # the line began in earlier reads (pieces of a long line never hold a \r)
+            if b"\r" in self._partial[stream]:
+                return data
+            if not seg and not self._partial[stream] and not self._more[stream]:
+                return data
+        elif not seg:
+            return data
+        if b"\r" in seg:
+            return data
+        return head + b"\n" + _END
 
     def _cut(self, stream: str) -> None:
         """A line that reached ``_max_line`` with no end: out as it is, with a note; what
