@@ -56,7 +56,9 @@ def _exec_actors(pm: ProcMesh) -> Any:
     from ._exec import EXEC_ACTOR, ExecActor
 
     am = _registry._exec_meshes.get(pm.name)
-    if am is None:
+    # keyed by name: a mesh spawned again under the name of one stopped by its own stop() (not
+    # %mesh stop, which forgets its namespace) gets a namespace of its own (slices share procs)
+    if am is None or am._procs is not pm._procs:
         try:
             am = pm.spawn(EXEC_ACTOR, ExecActor)
         except SpawnError as e:

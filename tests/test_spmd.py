@@ -134,3 +134,14 @@ def test_spmd_actor_runs_a_script_that_exits_as_torchrun_scripts_do(tmp_path):
         raise AssertionError("sys.exit(3) did not fail the actor")
     finally:
         procs.stop().get(timeout=30)
+
+
+def test_mesh_exec_on_a_mesh_spawned_again_under_the_name_of_one_stopped_by_its_stop():
+    from monarch_nb.mesh import exec_cell
+
+    for _ in range(2):
+        procs = this_host().spawn_procs(per_host={"gpus": 2}, name="spmd_again")
+        try:
+            assert exec_cell(procs, "import os\nos.getpid()", timeout=60).values() == [p.pid for p in procs._procs]
+        finally:
+            procs.stop().get(timeout=30)
