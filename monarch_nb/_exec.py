@@ -37,6 +37,14 @@ class Unpicklable:
         return f"<unpicklable {self.text} ({self.reason})>"
 
 
+class CellFailed(Exception):
+    """A cell raised in a proc: ``args`` are its ``(type name, message, formatted traceback)``.
+
+    Raised out of :meth:`ExecActor.run` (not returned) so that the call fails fast as any
+    endpoint's does: the other ranks may be blocked for good in a collective waiting for this
+    one, and the notebook must hear of it now, not when their collective times out."""
+
+
 class ExecActor(Actor):
     def __init__(self) -> None:
         self.ns: dict[str, Any] = {"__name__": "__mnb_exec__", "__builtins__": builtins}
@@ -44,7 +52,7 @@ class ExecActor(Actor):
 
     @endpoint
     def run(self, source: str, label: str = "") -> tuple[bool, Any]:
-        """Run ``source``; ``(True, value of the last expression)`` or ``(False, (type, message, traceback))``."""
+        """Run ``source``; ``(True, value of the last expression)``, or raise :class:`CellFailed`."""
         self.count += 1
         filename = f"<mesh exec {label or self.count}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
@@ -59,8 +67,8 @@ class ExecActor(Actor):
             while tb is not None and tb.tb_frame.f_code.co_filename != filename:
                 tb = tb.tb_next
             text = "".join(traceback.format_exception(type(e), e, tb))
-            # the endpoint returns the error as a value, so its call span says ok: this span carries
-            # the failure to telemetry, and to every dashboard on the mesh, whichever kernel ran the cell
+            # this span carries the cell's own error (the call span only says the endpoint raised)
+            # to telemetry, and to every dashboard on the mesh, whichever kernel ran the cell
             actor, rank = _who()
             spans.record_span(
                 "mesh exec",
@@ -71,7 +79,7 @@ class ExecActor(Actor):
                 False,
                 {"cell": label, "error": f"{type(e).__name__}: {e}"[:300]},
             )
-            return False, (type(e).__name__, str(e), text)
+            raise CellFailed(type(e).__name__, str(e), text) from None
         if value is None:
             return True, None
         try:

@@ -354,10 +354,16 @@ class ExecError(MonarchNBError):
     the messages that differ.
     """
 
-    def __init__(self, failures: dict[int, tuple[str, str, str]], total: int, mesh: str = "") -> None:
+    def __init__(
+        self, failures: dict[int, tuple[str, str, str]], total: int, mesh: str = "", running: list[int] | int = 0
+    ) -> None:
         self.failures = dict(sorted(failures.items()))
         self.total = total
         self.mesh = mesh
+        #: the ranks (or how many, of a ``--ranks`` subset) whose cell was still running when this
+        #: was raised: the cell fails as soon as a rank raises, since the others may be blocked for
+        #: good in a collective waiting for it
+        self.running = running
         super().__init__(self._headline())
 
     def _headline(self) -> str:
@@ -372,7 +378,12 @@ class ExecError(MonarchNBError):
         from . import _errgroup
 
         groups = _errgroup.group((r, *f) for r, f in self.failures.items())
-        return [self._headline(), *_errgroup.summary_lines(groups, self.total), *_errgroup.group_lines(groups, color)]
+        lines = [self._headline(), *_errgroup.summary_lines(groups, self.total)]
+        running = _errgroup.running_line(self.running, self.total)
+        if running:
+            where = f"%mesh stop {self.mesh}" if self.mesh else "stopping the mesh"
+            lines.append(f"{running}; the next cell on this mesh waits for them ({where} ends them)")
+        return lines + _errgroup.group_lines(groups, color)
 
     def _render_traceback_(self) -> list[str]:
         lines = self._lines(color=True)

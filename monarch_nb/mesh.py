@@ -18,7 +18,7 @@ from ._deadline import budget
 from ._ranks import select_ranks
 from ._registry import _resolve, connect, get, hosts, meshes, restart, spawn
 from .actor import Extent, Future, ProcMesh, ValueMesh, controller_client
-from .errors import ExecError, MeshError, SpawnError
+from .errors import ActorError, ExecError, MeshError, SpawnError
 
 __all__ = [
     "ambiguous_meshes",
@@ -90,6 +90,8 @@ def exec_cell(
     :class:`~monarch_nb.errors.ExecError` shows every failing rank's remote traceback. With
     ``block=False`` returns a Future of that instead.
     """
+    from ._exec import CellFailed
+
     pm = _resolve(mesh)
     am = _exec_actors(pm)
     sel = _target_ranks(pm, ranks)
@@ -103,19 +105,31 @@ def exec_cell(
     idx = sel if sel is not None else list(range(len(pm._view.ranks)))
 
     def collect(raw: list[tuple[bool, Any]]) -> ValueMesh[Any]:
-        failures = {}
-        results = []
-        for i, (ok, v) in zip(idx, raw):
-            results.append(v if ok else None)
-            if not ok:
-                failures[i] = v
-        if failures:
-            raise ExecError(failures, len(idx), pm.name)
+        results = [v for _, v in raw]
         if sel is None:
             return ValueMesh._from_view(pm._view, results)
         return ValueMesh(Extent(["ranks"], [len(results)]), results)
 
-    out = am.run.call_ranks(sel, source, label).then(collect, what)
+    def failed(e: ActorError) -> ExecError:
+        """The ranks whose cell raised, as soon as one did (the call fails fast), and the ranks
+        still running then: blocked in a collective with a failed rank, perhaps, for good."""
+        errs = e.failures or {idx[0]: e}
+        failures = {i: f.exception.args for i, f in errs.items() if isinstance(f.exception, CellFailed)}
+        return ExecError(failures, len(idx), pm.name, running=e.running)
+
+    def result(call: Future[list[tuple[bool, Any]]]) -> ValueMesh[Any]:
+        try:
+            raw = call.get()
+        except ActorError as e:
+            if not isinstance(e.exception, CellFailed):
+                raise
+            raise failed(e) from None
+        return collect(raw)
+
+    call = am.run.call_ranks(sel, source, label)
+    out: Future[ValueMesh[Any]] = Future._create(what)
+    out._progress = call._progress
+    call.add_done_callback(lambda c: out._set_raw(c, result))
     if not block:
         return out
     try:

@@ -136,6 +136,43 @@ def test_spmd_actor_runs_a_script_that_exits_as_torchrun_scripts_do(tmp_path):
         procs.stop().get(timeout=30)
 
 
+def test_a_mesh_exec_cell_that_raises_on_one_rank_fails_while_the_others_wait_in_all_reduce():
+    """A researcher's cell: rank 2 raises, the other ranks wait for it in a gloo all_reduce (for
+    the process group's 30 minutes). The cell fails at once, naming the failing rank and the ranks
+    still running, and the mesh can be stopped and set up again."""
+    from monarch_nb.errors import ExecError
+    from monarch_nb.mesh import exec_cell
+
+    init = "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\ndist.get_rank()"
+    step = "if dist.get_rank() == 2:\n    raise RuntimeError('NaN loss')\nt = torch.ones(3)\ndist.all_reduce(t)\n"
+    procs = this_host().spawn_procs(per_host={"gpus": 4}, name="spmd_exec")
+    try:
+        setup_env_for_distributed(procs)
+        assert exec_cell(procs, init, timeout=60).values() == [0, 1, 2, 3]
+        with pytest.raises(ExecError) as info:
+            exec_cell(procs, step, timeout=30)
+        text = str(info.value)
+        assert "the cell failed on 1 of 4 ranks of mesh 'spmd_exec'" in text, text
+        assert "RuntimeError on 1 of 4 ranks: 2" in text, text
+        assert "ranks 0-1,3 (3 of 4) were still running when this was raised" in text, text
+        assert "%mesh stop spmd_exec ends them" in text and "RuntimeError: NaN loss" in text, text
+        assert info.value.running == [0, 1, 3] and list(info.value.failures) == [2]
+    finally:
+        procs.stop().get(timeout=30)
+    procs = this_host().spawn_procs(per_host={"gpus": 4}, name="spmd_exec2")
+    try:
+        setup_env_for_distributed(procs)
+        assert exec_cell(procs, init, timeout=60).values() == [0, 1, 2, 3]
+        # a subset of ranks: how many still run (the others were not called)
+        with pytest.raises(ExecError) as info:
+            exec_cell(
+                procs, "if dist.get_rank() == 1:\n    raise KeyError('x')\nimport time\ntime.sleep(30)", ranks="0:2", timeout=30
+            )
+        assert "KeyError on 1 of 2 ranks: 1" in str(info.value) and info.value.running == 1, str(info.value)
+    finally:
+        procs.stop().get(timeout=30)
+
+
 def test_mesh_exec_on_a_mesh_spawned_again_under_the_name_of_one_stopped_by_its_stop():
     from monarch_nb.mesh import exec_cell
 

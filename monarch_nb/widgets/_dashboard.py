@@ -12,6 +12,7 @@ from typing import Any
 import ipywidgets as W
 
 from .. import _meshhtml, introspect, telemetry
+from .._exec import EXEC_ACTOR
 from .._ranks import format_ranks, parse_ranks
 from ..actor import ProcMesh, controller_client
 from ..logs import Aggregator
@@ -216,6 +217,8 @@ class Dashboard(W.VBox):
                 self._error_spans.add(key)
                 if str(s.get("name")).endswith(".__init__") and (s.get("actor"), s.get("rank")) in self._failed_inits:
                     continue
+                if s.get("kind") == "call" and str(s.get("name")).startswith(f"{EXEC_ACTOR}."):
+                    continue  # a failed cell: its "mesh exec" span says what it raised
                 if s.get("kind") == "call":
                     what = f"endpoint {s.get('name')} raised"
                 else:
