@@ -176,7 +176,13 @@ async def setup_torch_elastic_env_async(
 
 
 class _Awaitable:
+    """What :func:`setup_env_for_distributed` returns: done already, awaited or not."""
+
     def __await__(self) -> Any:
         if False:
             yield
         return None
+
+    def _ipython_display_(self) -> None:
+        # a cell ending in the call without ``await`` shows nothing, as for a function returning None
+        pass

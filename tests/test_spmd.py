@@ -39,9 +39,13 @@ class Trainer(Actor):
 
 
 def test_gloo_all_reduce_across_a_proc_mesh():
+    from IPython.core.formatters import DisplayFormatter
+
     procs = this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2}, name="spmd")
     try:
-        setup_env_for_distributed(procs)
+        done = setup_env_for_distributed(procs)
+        # a notebook cell ending in the call (no await) shows nothing, not "<..._Awaitable at 0x…>"
+        assert DisplayFormatter().format(done) == ({}, {})
         trainers = procs.spawn("trainer", Trainer)
         envs = trainers.env.call().get(timeout=30).values()
         assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
