@@ -66,9 +66,12 @@ class Devices(Actor):
 
 
 @pytest.mark.timeout(120)
-def test_gpus_coordinate_maps_to_cuda_visible_devices_on_a_gpu_host(tmp_path):
+@pytest.mark.parametrize(("given", "expected"), [(None, ["0", "1", "2", "3"]), ("1, 3", ["1", "3", "1", "3"])])
+def test_gpus_coordinate_maps_to_cuda_visible_devices_on_a_gpu_host(tmp_path, given, expected):
     """The allocator counts a host's GPUs in /proc/driver/nvidia/gpus; this machine has none, so
-    the allocator runs in a mount namespace of its own where that directory lists four."""
+    the allocator runs in a mount namespace of its own where that directory lists four. With
+    ``CUDA_VISIBLE_DEVICES`` already set where it runs (a Slurm job given some of a node's
+    GPUs), the procs share out those devices, not the host's first ones."""
     import subprocess
     import sys
 
@@ -85,6 +88,8 @@ def test_gpus_coordinate_maps_to_cuda_visible_devices_on_a_gpu_host(tmp_path):
         'exec "$0" -m monarch_nb allocator'
     )
     env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="")
+    if given is not None:
+        env["CUDA_VISIBLE_DEVICES"] = given
     with open(tmp_path / "allocator.log", "wb") as log:
         daemon = subprocess.Popen(
             ["unshare", "-m", "--propagation", "private", "bash", "-c", boot, sys.executable], env=env, stdout=log, stderr=log
@@ -96,9 +101,9 @@ def test_gpus_coordinate_maps_to_cuda_visible_devices_on_a_gpu_host(tmp_path):
         cpu = hosts.spawn_procs(per_host={"workers": 2}, name="no-gpus")
         try:
             seen = procs.spawn("dev", Devices).visible.call().get(timeout=30)
-            assert [seen.item(hosts=0, replicas=r, gpus=g) for r in range(2) for g in range(4)] == ["0", "1", "2", "3"] * 2
-            # a mesh without a gpus dimension leaves the variable as the controller had it
-            mine = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+            assert [seen.item(hosts=0, replicas=r, gpus=g) for r in range(2) for g in range(4)] == expected * 2
+            # a mesh without a gpus dimension leaves the variable as it was where the procs start
+            mine = given if given is not None else os.environ.get("CUDA_VISIBLE_DEVICES", "")
             assert cpu.spawn("dev", Devices).visible.call().get(timeout=30).values() == [mine, mine]
         finally:
             procs.stop().get(timeout=30)

@@ -292,7 +292,11 @@ class Procs:
         env = dict(spec["env"]) if spec.get("env") is not None else dict(os.environ)
         coords = _coords(rec.local_rank, mesh.sizes)
         if self.gpus and "gpus" in mesh.labels:
-            env["CUDA_VISIBLE_DEVICES"] = str(coords[mesh.labels.index("gpus")] % self.gpus)
+            c = coords[mesh.labels.index("gpus")]
+            # devices a scheduler gave this job (Slurm's CUDA_VISIBLE_DEVICES=4,5,6,7 on a shared
+            # node) are the ones shared out, not the host's first: those may be another job's
+            given = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+            env["CUDA_VISIBLE_DEVICES"] = given[c % len(given)] if given else str(c % self.gpus)
         proc_spec = {
             "workspaces": workspaces(),
             "token": rec.token,
