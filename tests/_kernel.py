@@ -170,7 +170,7 @@ class Kernel:
                 continue
             if s["msg_type"] == "input_request":
                 # output printed before the prompt may still be in flight on iopub: drain it
-                self._drain_streams(msg_id, out)
+                idle = self._drain_streams(msg_id, out) or idle
                 text = out["stdout"][since:]
                 since = len(out["stdout"])
                 assert answer is not None, f"unexpected input request {s['content']['prompt']!r}"
@@ -180,11 +180,21 @@ class Kernel:
         self._drain_streams(msg_id, out)
         return out
 
-    def _drain_streams(self, msg_id: str, out: dict[str, Any]) -> None:
-        # the kernel flushes stdout before input_request and before idle; take what already arrived
+    def _drain_streams(self, msg_id: str, out: dict[str, Any]) -> bool:
+        """Take the cell's stream output that already arrived (the kernel flushes stdout before
+        input_request and before idle); True if the cell went idle meanwhile (a console that left
+        by itself, with the prompt unanswered): the caller must not wait for that idle again."""
+        idle = False
         while (m := self._pump(0.2)) is not None:
-            if m["parent_header"].get("msg_id") == msg_id and m["msg_type"] == "stream":
+            if m["parent_header"].get("msg_id") != msg_id:
+                continue
+            if m["msg_type"] == "stream":
                 out[m["content"]["name"]] += m["content"]["text"]
+            elif m["msg_type"] == "error":
+                out["error"] = m["content"]
+            elif m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
+                idle = True
+        return idle
 
     def interrupt(self) -> None:
         self.km.interrupt_kernel()

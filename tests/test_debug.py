@@ -224,6 +224,38 @@ procs.stop().get(timeout=30)
     assert "True" in r["stdout"]
 
 
+def test_quitting_pdb_on_one_rank_fails_the_call_and_says_so(kernel: Kernel) -> None:
+    """pdb's `q` raises BdbQuit into the endpoint (as in Monarch): the console must not call that
+    "continued", and once the call fails the console must not claim the ranks were resumed
+    elsewhere or that the call keeps waiting: it failed, and the other rank stays paused."""
+    kernel.converse(
+        DEFINE + "\nprocs = this_host().spawn_procs(per_host={'gpus': 2}, name='dbg-quit')\nm = procs.spawn('dbgq', Dbg)\n"
+    )
+    script = Script(
+        lambda p, t: "attach dbgq 0" if _rows(t) == 2 else None,
+        "q",
+        lambda p, t: None,  # `list` until the console leaves by itself (the call failed)
+    )
+    r = kernel.converse("m.go.call(6).get()", script)
+    answers = [a for _, _, a in r["prompts"]]
+    after_q = r["prompts"][answers.index("q") + 1][1]
+    assert "rank 0 quit pdb: its endpoint raises BdbQuit, so its call fails" in after_q, after_q
+    assert "continued" not in after_q, after_q
+    assert r["error"] is not None and r["error"]["ename"] == "ActorError", r
+    assert "BdbQuit" in r["error"]["evalue"] + "\n".join(r["error"]["traceback"]), r["error"]
+    assert "(dbgq.go.call() failed while 1 rank(s) of it stay paused)" in r["stdout"], r["stdout"]
+    assert "dbgq.go.call() failed; 1 rank(s) stay paused at their breakpoints" in r["stdout"], r["stdout"]
+    assert "resumed elsewhere" not in r["stdout"] and "keeps waiting" not in r["stdout"], r["stdout"]
+    r = kernel.converse(
+        """print(sorted(s.rank for s in debug.sessions("dbgq")))
+print(debug.continue_all("dbgq"))
+procs.stop().get(timeout=30)
+"""
+    )
+    assert r["error"] is None, r
+    assert "[1]" in r["stdout"] and "{1: ''}" in r["stdout"], r["stdout"]
+
+
 def test_awaiting_cell_is_the_debugger(kernel: Kernel) -> None:
     kernel.converse(
         DEFINE + "\nprocs = this_host().spawn_procs(per_host={'gpus': 2}, name='dbg-await')\nm = procs.spawn('dbg', Dbg)\n"

@@ -154,14 +154,18 @@ class RemotePdb(pdb.Pdb):
         except Exception as e:  # the allocator is gone: nobody can attach, so resume
             print(f"monarch_nb: cannot register a debug session ({e}); continuing", file=sys.stderr)
 
-    def _end(self) -> None:
-        """The actor resumes: answer the command that resumed it and close the session."""
+    def _end(self, aborted: bool = False) -> None:
+        """The actor resumes: answer the command that resumed it and close the session.
+
+        ``quit`` in the answer: the endpoint does not go on but raises (pdb's ``q`` raises
+        BdbQuit into it, as in Monarch; ``restart`` raises too), so its call fails; the
+        client says so rather than "continued"."""
         if not self.open:
             return
         self.open = False
         _sessions.pop(self.sid, None)
         _here.pdb = None
-        self._answer({"output": self.relay.take(), "state": "continued"})
+        self._answer({"output": self.relay.take(), "state": "continued", "quit": aborted or bool(self.quitting)})
         while True:  # commands queued behind the one that resumed us
             try:
                 _, reply = self.relay.lines.get_nowait()
@@ -180,7 +184,7 @@ class RemotePdb(pdb.Pdb):
         try:
             super().interaction(frame, traceback)
         except BaseException:  # e.g. pdb's `restart` raises into the endpoint: the session is over
-            self._end()
+            self._end(aborted=True)
             raise
         if self.last not in _STEPS:
             self._end()

@@ -66,7 +66,16 @@ def _blocked(fut: Future[Any]) -> None:
 
     # stop reading once the call completes or no rank of ours is paused, whoever resumed them
     done = lambda: fut.done() or not _debugwait.paused()  # noqa: E731
-    read: Any = _kernel_reader(done) if _context.in_ipython_kernel() else _terminal_reader(done)
+
+    def why() -> str:
+        # a call fails while ranks of it are still paused when another rank raised (pdb's `q`
+        # raises BdbQuit): nobody resumed those, and they stay paused
+        left = _debugwait.paused()
+        if fut.done() and left:
+            return f"({fut._what} {_ended(fut)} while {len(left)} rank(s) of it stay paused)"
+        return "(the ranks were resumed elsewhere)"
+
+    read: Any = _kernel_reader(done, why) if _context.in_ipython_kernel() else _terminal_reader(done, why)
     try:
         con.interact(read, until=until)
     except NotImplementedError:  # a frontend that says allow_stdin but cannot answer (StdinNotImplementedError)
@@ -75,7 +84,12 @@ def _blocked(fut: Future[Any]) -> None:
     finally:
         _debugwait.mark_seen(seen)
     left = _debugwait.paused()
-    if left:
+    if left and fut.done():
+        con.write(
+            f"{fut._what} {_ended(fut)}; {len(left)} rank(s) stay paused at their breakpoints "
+            "(attach or continue them with monarch_nb.debug or `monarch-nb debug`)\n"
+        )
+    elif left:
         con.write(
             f"left the debugger; {len(left)} rank(s) stay paused and this call keeps waiting "
             "(attach with monarch_nb.debug or `monarch-nb debug`, or interrupt to stop waiting)\n"
@@ -84,7 +98,11 @@ def _blocked(fut: Future[Any]) -> None:
         con.write("all ranks continued; waiting for the result\n")
 
 
-def _terminal_reader(done: Any, poll: float = 0.1) -> Any:
+def _ended(fut: Future[Any]) -> str:
+    return "failed" if fut.exception(timeout=0) is not None else "returned"
+
+
+def _terminal_reader(done: Any, why: Any, poll: float = 0.1) -> Any:
     """``input()`` for a TTY that gives up (EOFError: the console leaves) once ``done()``: the
     ranks were continued from elsewhere (``monarch-nb debug`` in another terminal) and the
     call completed, so the program goes on without waiting for a keystroke."""
@@ -103,7 +121,7 @@ def _terminal_reader(done: Any, poll: float = 0.1) -> Any:
                     raise EOFError
                 return data.rstrip("\r\n")
             if done():
-                sys.stdout.write("(the ranks were resumed elsewhere)\n")
+                sys.stdout.write(why() + "\n")
                 sys.stdout.flush()
                 raise EOFError
 
@@ -116,7 +134,7 @@ class _Resumed(BaseException):
     A BaseException: ipykernel's input loop swallows Exceptions (as invalid messages)."""
 
 
-def _kernel_reader(done: Any, poll: float = 0.1) -> Any:
+def _kernel_reader(done: Any, why: Any, poll: float = 0.1) -> Any:
     """``input()`` in a kernel that gives up (EOFError) once ``done()``.
 
     ipykernel's input() waits for the frontend's reply in a loop on the main thread, with no
@@ -158,7 +176,7 @@ def _kernel_reader(done: Any, poll: float = 0.1) -> Any:
                         set_async(None)  # not delivered yet: it must not land anywhere else
                 stop.set()
         except _Resumed:
-            print("(the ranks were resumed elsewhere)", flush=True)
+            print(why(), flush=True)
             raise EOFError from None
 
     return read

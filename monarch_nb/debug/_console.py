@@ -125,7 +125,7 @@ class Console:
             return True
         self.write(out if not out or out.endswith("\n") else out + "\n")
         if client.ended:
-            self.write(f"rank {client.session.rank} continued.\n")
+            self.write(ended_message(client))
             self.attached = None
         return True
 
@@ -189,6 +189,14 @@ class Console:
             self.write(f"no paused ranks match {ranks}\n")
         for rank, out in res.items():
             self.write(f"[{rank}] " + (out.rstrip().replace("\n", f"\n[{rank}] ") if out.strip() else "") + "\n")
+
+
+def ended_message(client: DebugClient) -> str:
+    """What to tell the user once a command ended ``client``'s session."""
+    rank = client.session.rank
+    if client.quit:
+        return f"rank {rank} quit pdb: its endpoint raises BdbQuit, so its call fails ('c' lets a rank go on).\n"
+    return f"rank {rank} continued.\n"
 
 
 def _stdout_write(text: str) -> None:

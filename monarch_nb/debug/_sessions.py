@@ -287,6 +287,9 @@ class DebugClient:
     def __init__(self, session: Session) -> None:
         self.session = session
         self.ended = False
+        #: the command that ended the session quit pdb (``q``): the endpoint raises BdbQuit
+        #: instead of going on, so the call it serves fails
+        self.quit = False
 
     @property
     def header(self) -> str:
@@ -313,6 +316,7 @@ class DebugClient:
             )
         else:
             self.ended = True
+            self.quit = bool(res.get("quit"))
             _debugwait.forget(self.session.sid)
         return str(res.get("output", ""))
 

@@ -379,7 +379,9 @@ class Dashboard(W.VBox):
             out = f"error: {e}"
         self._console_text += f"(Pdb) {cmd}\n{out}"
         if self._dbg.ended:
-            self._console_text += "(the rank continued)\n"
+            self._console_text += (
+                "(the rank quit pdb: its call fails with BdbQuit)\n" if self._dbg.quit else "(the rank continued)\n"
+            )
             self._dbg = None
         self.console_out.value = "<pre style='margin:0'>" + html.escape(self._console_text[-20000:]) + "</pre>"
 
