@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import textwrap
+import threading
 import time
 from typing import Any
 
@@ -507,6 +508,68 @@ def test_attaching_by_a_name_two_paused_meshes_share_lists_them(allocator: Any) 
             assert [s.actor_id for s in debug.sessions("twin")] == [a._name]
             assert debug.attach("twin", 0).send("c", timeout=10) == ""
             assert fa.get(timeout=10) == 0
+    finally:
+        procs.stop().get(timeout=30)
+
+
+class InThread(Actor):
+    @endpoint
+    def start(self) -> None:
+        def work() -> None:
+            here = 5
+            breakpoint()
+            del here
+
+        self.t = threading.Thread(target=work, name="worker")
+        self.t.start()
+
+    @endpoint
+    def join(self) -> None:
+        self.t.join()
+
+
+def test_cast_and_continue_over_two_actors_show_each_actor_s_rank(allocator: Any) -> None:
+    """Two actors paused at rank 0: `cast 0 CMD` (no actor) and `continue` show both answers,
+    each named by its actor, and count both ranks; none is dropped for sharing a rank number."""
+    procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="dbg-two")
+    try:
+        first, second = procs.spawn("first", Paused), procs.spawn("second", Paused)
+        with configured(debug_no_input="wait"):
+            fa, fb = first.go.call_one(True), second.go.call_one(True)
+            _wait_sessions(1, "first")
+            _wait_sessions(1, "second")
+            out: list[str] = []
+            con = debug.Console(out.append)
+            con.execute("cast 0 p type(self).__name__ + str(rank)")
+            assert "".join(out) == "[first 0] 'Paused0'\n[second 0] 'Paused0'\n", out
+            out.clear()
+            con.execute("cast first 0 p rank")  # one actor: plain rank tags, as before
+            assert "".join(out) == "[0] 0\n", out
+            out.clear()
+            con.execute("continue")
+            assert "".join(out) == "continued 2 rank(s)\n", out
+            assert fa.get(timeout=10) == 0 and fb.get(timeout=10) == 0
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_a_breakpoint_in_an_actor_s_thread_is_attached_by_rank_and_says_so(allocator: Any) -> None:
+    procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="dbg-thread")
+    try:
+        m = procs.spawn("threaded", InThread)
+        with configured(debug_no_input="wait"):
+            m.start.call_one().get(timeout=30)
+            (s,) = wait_for(lambda: debug.sessions(include_gone=False) or None, 30, "the thread's session")
+            assert (s.actor, s.rank, s.function) == ("", 0, "work")
+            with pytest.raises(DebugError) as e:
+                debug.attach("threaded", 0)
+            msg = str(e.value)
+            assert "paused: - 0 ('-': stopped outside an endpoint, e.g. in a thread an actor started" in msg, msg
+            assert "attach RANK" in msg, msg
+            c = debug.attach(None, 0)
+            assert c.send("p here", timeout=10).strip() == "5"
+            c.send("c", timeout=10)
+            m.join.call_one().get(timeout=30)
     finally:
         procs.stop().get(timeout=30)
 

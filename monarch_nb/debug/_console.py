@@ -12,7 +12,7 @@ from typing import Any
 
 from ..actor import _context
 from ..errors import ConfigError, DebugError
-from ._sessions import _INT, DebugClient, attach, cast, continue_all, format_table, parse_ranks, sessions
+from ._sessions import _INT, DebugClient, Session, attach, cast_sessions, format_table, parse_ranks, sessions
 
 _HELP = """\
 Commands:
@@ -146,11 +146,9 @@ class Console:
         elif cmd == "cast":
             self._cast(line)
         elif cmd in ("continue", "c", "cont"):
-            res = continue_all(addresses=self.addresses)
+            res = cast_sessions(None, None, "c", addresses=self.addresses)
             self.write(f"continued {len(res)} rank(s)\n" if res else "no paused ranks\n")
-            for rank, out in res.items():
-                if out.strip():
-                    self.write(f"[{rank}] {out.rstrip()}\n")
+            self._outputs(res, only_said=True)
         elif cmd in ("quit", "exit", "q"):
             self.quit = True
             return False
@@ -184,11 +182,19 @@ class Console:
         m2 = _RANKS_CMD.match(cmd)
         if m2 is not None and ranks in {s.actor for s in sessions(addresses=self.addresses)}:
             actor, ranks, cmd = ranks, m2.group(1), m2.group(2)  # the first word was an actor name
-        res = cast(actor, parse_ranks(ranks), cmd, addresses=self.addresses)
+        res = cast_sessions(actor, parse_ranks(ranks), cmd, addresses=self.addresses)
         if not res:
             self.write(f"no paused ranks match {ranks}\n")
-        for rank, out in res.items():
-            self.write(f"[{rank}] " + (out.rstrip().replace("\n", f"\n[{rank}] ") if out.strip() else "") + "\n")
+        self._outputs(res)
+
+    def _outputs(self, res: list[tuple[Session, str]], only_said: bool = False) -> None:
+        """One ``[rank]`` line per output line; ``[actor rank]`` when the ranks are of several actors."""
+        several = len({s.actor_id or s.actor for s, _ in res}) > 1
+        for s, out in sorted(res, key=lambda so: (so[0].rank, so[0].actor, so[0].actor_id)):
+            if only_said and not out.strip():
+                continue
+            tag = f"[{s.actor or '-'} {s.rank}]" if several else f"[{s.rank}]"
+            self.write(f"{tag} " + (out.rstrip().replace("\n", f"\n{tag} ") if out.strip() else "") + "\n")
 
 
 def ended_message(client: DebugClient) -> str:

@@ -341,7 +341,11 @@ def attach(actor: str | None, rank: int, *, addresses: Iterable[str] | None = No
         gone = [s for s in sessions(actor, [rank], addresses=addresses) if s.state == "gone"]
         if gone:
             raise DebugError(f"rank {rank} of {gone[0].actor} is gone: {gone[0].cause}")
-        have = ", ".join(f"{s.actor} {s.rank}" for s in sessions(include_gone=False, addresses=addresses)) or "none"
+        paused = sessions(include_gone=False, addresses=addresses)
+        have = ", ".join(f"{s.actor or '-'} {s.rank}" for s in paused) or "none"
+        if any(not s.actor for s in paused):
+            # breakpoint() outside any endpoint (a thread the actor started) has no actor to name
+            have += " ('-': stopped outside an endpoint, e.g. in a thread an actor started; attach it by rank alone: attach RANK)"
         raise DebugError(f"no paused session for {actor or 'any actor'} rank {rank}; paused: {have}")
     meshes = {s.actor_id for s in found if s.actor_id}
     if actor is not None and len(meshes) > 1:
@@ -370,9 +374,23 @@ def cast(
 
     A rank that is gone (or fails) maps to a line starting with ``error:``.
     """
+    return dict(sorted((s.rank, out) for s, out in cast_sessions(actor, ranks, cmd, timeout=timeout, addresses=addresses)))
+
+
+def cast_sessions(
+    actor: str | None,
+    ranks: str | Iterable[int] | RankSet | None,
+    cmd: str,
+    *,
+    timeout: float | None = 60.0,
+    addresses: Iterable[str] | None = None,
+) -> list[tuple[Session, str]]:
+    """:func:`cast`, one ``(session, output)`` per session: with no ``actor``, ranks of several
+    actors (two meshes each paused at rank 0) are each their own entry, where :func:`cast`'s
+    ``{rank: output}`` keeps one of them."""
     targets = [s for s in sessions(actor, ranks, addresses=addresses) if s.state != "gone"]
     futs = [(s, _send(s, cmd)) for s in targets]
-    out: dict[int, str] = {}
+    out: list[tuple[Session, str]] = []
     left = budget(timeout)
     for s, f in futs:
         try:
@@ -380,10 +398,10 @@ def cast(
                 res = f.get(timeout=left())
             if res.get("state") != "paused":
                 _debugwait.forget(s.sid)
-            out[s.rank] = str(res.get("output", ""))
+            out.append((s, str(res.get("output", ""))))
         except Exception as e:
-            out[s.rank] = f"error: {getattr(e, 'message', None) or e}"
-    return dict(sorted(out.items()))
+            out.append((s, f"error: {getattr(e, 'message', None) or e}"))
+    return out
 
 
 def continue_all(
