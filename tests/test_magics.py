@@ -735,6 +735,12 @@ def test_breakpoint_in_an_exec_cell_without_stdin_is_skipped_not_hung(k: Kernel)
 
 
 def test_debug_magics_list_cast_and_continue(k: Kernel) -> None:
+    # a mesh spawned through the Python API under a name: its stacks by that name, as the
+    # dashboard finds it (before any rank pauses: a wait then would open the debugger)
+    _ok(k.run("from monarch_nb.actor import this_host\napi_held = this_host().spawn_procs(per_host={'gpus': 1}, name='apistk')"))
+    st = _ok(k.run("%mesh stacks apistk")).result
+    assert "thread MainThread" in st, st
+    _ok(k.run("api_held.stop().get(timeout=30)"))
     _ok(k.run("%mesh spawn dbgm --per-host gpus=2"))
     code = (
         "from monarch_nb.actor import Actor, endpoint, current_rank\n"

@@ -353,10 +353,11 @@ class MeshMagics(Magics):
         from .. import debug
         from ..actor import ActorMesh, ProcMesh
 
-        # a notebook variable holding a mesh (spawned through the Python API), else a named mesh
+        # a notebook variable holding a mesh (spawned through the Python API; an actor mesh's
+        # stacks are its actors'), else a mesh by name, also one spawned with a name= there
         target = self.shell.user_ns.get(args.name) if args.name else None  # type: ignore[union-attr]
-        if not isinstance(target, (ProcMesh, ActorMesh)):
-            target = _mesh._resolve(args.name)
+        if not args.name or args.name in _mesh.meshes() or not isinstance(target, (ProcMesh, ActorMesh)):
+            target = self._find_proc_mesh(args.name)
         return debug.stacks(target, args.ranks, native=args.native, timeout=args.timeout)
 
     def _do_trace(self, args: argparse.Namespace, cell: str | None) -> Any:
