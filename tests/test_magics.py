@@ -55,6 +55,9 @@ def test_help_and_clear_usage_errors(k: Kernel, tmp_path) -> None:
         (f"%mesh sync --watch {tmp_path}/missing", f"cannot sync {tmp_path}/missing: not a directory"),
         ("%mesh connect 10.0.0.1:5555", "for a TCP address write tcp://10.0.0.1:5555"),
         ("%mesh env diff garbage", "cannot parse allocator address 'garbage'"),
+        # the debugger's commands failed the cell too, not only printed "error: ..." (Run all went on)
+        ("%mesh attach nosuch 0", "%mesh attach: no paused session for nosuch rank 0"),
+        ("%mesh debug cast ue abc p x", "%mesh debug cast: "),
     ]
     _ok(k.run("%mesh spawn ue --per-host gpus=2\n%mesh spawn gone --per-host gpus=1\n%mesh stop gone"))
     for code, text in mistakes:

@@ -37,7 +37,9 @@ class Console:
 
     prompt = "monarch_dbg> "
 
-    def __init__(self, write: Callable[[str], Any] | None = None, *, addresses: Iterable[str] | None = None) -> None:
+    def __init__(
+        self, write: Callable[[str], Any] | None = None, *, addresses: Iterable[str] | None = None, raise_errors: bool = False
+    ) -> None:
         self.write = write or _stdout_write
         self.addresses = list(addresses or [])
         self.attached: DebugClient | None = None
@@ -45,6 +47,9 @@ class Console:
         #: commands that failed (an error, an unknown command, a usage message): ``monarch-nb
         #: debug -c`` exits non-zero after one, so a script sees it
         self.failures = 0
+        #: ``raise_errors``: a failed command raises :class:`DebugError` with its message rather
+        #: than writing it (a magic, whose cell must fail: "Run all" stops there)
+        self.raise_errors = raise_errors
 
     @property
     def current_prompt(self) -> str:
@@ -82,12 +87,14 @@ class Console:
             read = builtins.input
         if first and not self.execute(first):
             return
+        been = self.attached is not None  # attached before the loop (first, or the caller)
         while True:
             if self.attached is None:
-                if leave_on_detach and first:
+                if leave_on_detach and (first or been):
                     return
                 if until is not None and until():
                     return
+            been = been or self.attached is not None
             try:
                 line = read(self.current_prompt)
             except EOFError:
@@ -103,10 +110,17 @@ class Console:
                 return self._pdb(line)
             return self._command(line)
         except Exception as e:  # a console reports and goes on; only quit, EOF and interrupts leave it
+            if self.raise_errors:
+                raise
             msg = str(e) if isinstance(e, (DebugError, ValueError)) else f"{type(e).__name__}: {e}"
-            self.write(f"error: {msg}\n")
-            self.failures += 1
+            self._fail(f"error: {msg}")
             return True
+
+    def _fail(self, text: str) -> None:
+        self.failures += 1
+        if self.raise_errors:
+            raise DebugError(text.removeprefix("error: "))
+        self.write(text + "\n")
 
     def _pdb(self, line: str) -> bool:
         client = self.attached
@@ -119,8 +133,7 @@ class Console:
         try:
             out = client.send(line)
         except DebugError as e:
-            self.write(f"error: {e}\n")
-            self.failures += 1
+            self._fail(f"error: {e}")
             self.attached = None
             return True
         self.write(out if not out or out.endswith("\n") else out + "\n")
@@ -153,8 +166,7 @@ class Console:
             self.quit = True
             return False
         else:
-            self.write(f"unknown command {cmd!r}; type 'help'\n")
-            self.failures += 1
+            self._fail(f"unknown command {cmd!r}; type 'help'")
         return True
 
     def _attach(self, args: list[str]) -> None:
@@ -163,8 +175,7 @@ class Console:
         elif len(args) == 2 and _INT.match(args[1]):
             actor, rank = args[0], int(args[1])
         else:
-            self.write("usage: attach [ACTOR] RANK\n")
-            self.failures += 1
+            self._fail("usage: attach [ACTOR] RANK")
             return
         client = attach(actor, rank, addresses=self.addresses)
         s = client.session
@@ -174,8 +185,7 @@ class Console:
     def _cast(self, line: str) -> None:
         m = re.match(r"^\s*cast\s+(ranks\([^)]*\)|\S+)\s+(.+)$", line)
         if m is None:
-            self.write("usage: cast [ACTOR] RANKS COMMAND\n")
-            self.failures += 1
+            self._fail("usage: cast [ACTOR] RANKS COMMAND")
             return
         actor: str | None = None
         ranks, cmd = m.group(1), m.group(2)

@@ -13,7 +13,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from .. import logs as _logs
 from .. import mesh as _mesh
 from ..actor import controller_client
-from ..errors import AuthenticationError, ConfigError, ConnectError, DebugError, MeshError, ProtocolError
+from ..errors import AuthenticationError, ConfigError, ConnectError, DebugError, MeshError, MonarchNBError, ProtocolError
 from . import _jobs
 
 _SUMMARY = """\
@@ -297,17 +297,21 @@ class MeshMagics(Magics):
             print(debug.format_table(debug.sessions()))
             return None
         if args.action == "continue":
-            debug.Console().execute("continue")
+            _console_command(debug.Console(raise_errors=True), "continue", "%mesh debug continue")
             return None
         if len(args.rest) < 3:
             raise UsageError("%mesh debug cast ACTOR RANKS COMMAND, e.g. %mesh debug cast debugee 0-3 p rank")
-        debug.Console().execute("cast " + " ".join(args.rest))
+        _console_command(debug.Console(raise_errors=True), "cast " + " ".join(args.rest), "%mesh debug cast")
         return None
 
     def _do_attach(self, args: argparse.Namespace, cell: str | None) -> Any:
         from .. import debug
 
-        debug.Console().interact(first=f"attach {args.actor} {args.rank}", leave_on_detach=True)
+        con = debug.Console(raise_errors=True)
+        _console_command(con, f"attach {args.actor} {args.rank}", "%mesh attach")
+        # attached: pdb's own errors are the user's to read and go on from, as at a terminal
+        con.raise_errors = False
+        con.interact(leave_on_detach=True)
         return None
 
     _do_launch = _jobs.do_launch
@@ -407,6 +411,15 @@ _TYPED_WRONG: dict[str, tuple[type[Exception], ...]] = {
     "stacks": (ValueError,),
     "trace": (ValueError,),
 }
+
+
+def _console_command(con: Any, line: str, what: str) -> None:
+    """Run one debugger console command for a magic: a command that fails (no such session, a
+    bad rank set) fails the cell with its message, so "Run all" stops there."""
+    try:
+        con.execute(line)
+    except (MonarchNBError, ValueError) as e:
+        raise UsageError(f"{what}: {e}") from None
 
 
 def _running_cell_number(shell: Any) -> int:
