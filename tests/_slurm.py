@@ -163,6 +163,25 @@ class SlurmCluster:
             )
         self._wait(lambda: self.sinfo() == f"idle {self.n_nodes}", f"{self.n_nodes} idle nodes", "slurm")
 
+    def stop_slurmctld(self) -> None:
+        """Stop slurmctld (SIGTERM; its state stays in the host's StateSaveLocation)."""
+        p = self.daemons.pop("slurmctld")
+        p.terminate()
+        p.wait(timeout=30)
+
+    def start_slurmctld(self) -> None:
+        """Start slurmctld again on its saved state (the jobs it knew go on); returns once it answers."""
+        assert self.net is not None
+        self.daemons["slurmctld"] = self.net.popen(
+            0,
+            [SLURMCTLD, "-D"],
+            env=self.env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=open(os.path.join(self.shared, "log", "slurmctld.out"), "ab"),
+        )
+        self._wait(lambda: bool(self.sinfo()), "slurmctld to answer", "slurmctld")
+
     def _wait(self, pred: Any, what: str, log: str) -> None:
         deadline = time.monotonic() + START_TIMEOUT
         while not pred():

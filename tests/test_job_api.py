@@ -271,6 +271,16 @@ def test_squeue_json_of_slurm_24_11() -> None:
     assert ended is not None and (ended.state, ended.reason) == ("TIMEOUT", "TimeLimit")
 
 
+def test_squeue_that_could_not_ask_slurmctld_is_not_a_job_gone() -> None:
+    # recorded from 22.05.8 with slurmctld stopped: exit code 0, an error, no jobs. Read as "not in
+    # the queue", a running job looked gone: state() dropped its cache and submitted another
+    text = (DATA / "squeue-22.05-no-controller.json").read_text()
+    with pytest.raises(
+        JobError, match=r"squeue could not tell the state of Slurm job 5 \(slurm_load_jobs: .*\): is slurmctld up\?"
+    ):
+        parse_squeue_json(text, "5")
+
+
 def test_squeue_text_fallback() -> None:
     text = (DATA / "squeue-22.05.txt").read_text()
     info = parse_squeue_text(text, "2")
@@ -283,6 +293,9 @@ def test_sinfo_names_the_nodes_slurm_lost() -> None:
     # `sinfo -h -N -o '%N|%T'`: '*' is "not responding"; drain, powered-down (~) and mixed still run work
     text = "n1|allocated\nn2|allocated*\nn3|down\nn4|mixed+drain\nn5|idle~\nn6|fail\nn7|down*\n"
     assert parse_sinfo_nodes(text) == {"n2": "allocated*", "n3": "down", "n6": "fail", "n7": "down*"}
+    # right after slurmctld restarts, every node is "unknown" until its slurmd registers: not lost
+    # (its allocator's answer tells); one that does not respond is "unknown*"
+    assert parse_sinfo_nodes("n1|unknown\nn2|unknown*\n") == {"n2": "unknown*"}
 
 
 def test_hostlists() -> None:
@@ -325,3 +338,17 @@ def test_a_record_not_ours_is_refused_unread(tmp_path: Path) -> None:
         job_load(str(path))
     with pytest.raises(JobError, match="unknown job type"):
         job_loads(json.dumps({"format": "monarch_nb.job/1", "type": "os.system", "spec": {}}))
+
+
+def test_an_ended_slurm_job_says_its_state_without_a_reason_of_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    # squeue's reason for a job cancelled with scancel is "None": "CANCELLED (None)" read as a bug
+    from monarch_nb.job._slurm import SlurmJobInfo
+
+    job = SlurmJob({"w": 1})
+    job._slurm_job_id = "5"
+    monkeypatch.setattr(SlurmJob, "query", lambda self: SlurmJobInfo("5", "CANCELLED", "None"))
+    with pytest.raises(JobError, match=r"^Slurm job 5 is CANCELLED: its allocators are gone; kill\(\) it and apply again$"):
+        job._state()
+    monkeypatch.setattr(SlurmJob, "query", lambda self: SlurmJobInfo("5", "TIMEOUT", "TimeLimit"))
+    with pytest.raises(JobError, match=r"^Slurm job 5 is TIMEOUT \(TimeLimit: its time_limit ran out\): its allocators"):
+        job._state()

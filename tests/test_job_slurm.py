@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -162,6 +163,23 @@ def test_pending_job_shows_its_reason_and_honours_job_start_timeout(slurm: Slurm
                 out(error=None)
             except JobError as e:
                 out(error=str(e), stderr=err.getvalue(), late=late.job_id)
+            # Ctrl-C in the cell while it waits: the job leaves the queue, and the cell says so
+            import _thread, subprocess
+            class Interrupting(io.StringIO):
+                def write(self, s):
+                    n = super().write(s)
+                    if "pending:" in s:
+                        _thread.interrupt_main()
+                    return n
+            cell = Interrupting()
+            stopped = SlurmJob(meshes={{"one": 1}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, job_name="stopped")
+            try:
+                with contextlib.redirect_stderr(cell):
+                    stopped.state(cached_path=None)
+                out(interrupted=False)
+            except KeyboardInterrupt:
+                queue = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True).stdout.split()
+                out(interrupted=True, cell=cell.getvalue(), queued=queue)
             # the default: no deadline. The reason shows in the cell while the job is still queued;
             # the nodes are freed only once it showed, and the job then starts
             shown = threading.Event()
@@ -188,12 +206,84 @@ def test_pending_job_shows_its_reason_and_honours_job_start_timeout(slurm: Slurm
         ),
         _env(slurm),
     )
-    res, waited = res[0], res[1]
+    res, stopped, waited = res
     assert res["error"] and "did not start within job_start_timeout=2 s" in res["error"], res
+    assert stopped["interrupted"] and "stopped" not in stopped["queued"], stopped
+    assert "(waiting for it to start; interrupt to cancel it)" in stopped["cell"], stopped
+    assert re.search(r"Slurm job \d+ cancelled: interrupted before it started", stopped["cell"]), stopped
     assert "pending: Resources" in res["stderr"] or "pending: Priority" in res["stderr"], res
     assert "PENDING" in res["error"]
     assert waited["started"] == 1 and waited["shown_before_start"], waited
     assert "pending: Resources" in waited["cell"] or "pending: Priority" in waited["cell"], waited
+    wait_for(lambda: not slurm.squeue().strip(), 30, "the queue to be empty")
+
+
+def test_a_slurmctld_restart_keeps_the_job_its_cache_and_its_procs(slurm: SlurmCluster) -> None:
+    # while slurmctld is down, 22.05's `squeue --json` exits 0 with an error and no jobs: that read
+    # as "job gone", so %mesh launch dropped the running job's cache and submitted another, and
+    # the job ran on unknown to monarch_nb (no %mesh jobs row, nothing to kill)
+    launch = """
+            from monarch_nb.job import launch
+            state = launch("slurm", "ctldjob", 2, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, exclusive=False)
+            """
+    first = run_controller(
+        slurm.net,
+        slurm.shared,
+        _code(
+            slurm,
+            launch
+            + """
+            procs = state.ctldjob.spawn_procs(per_host={{"gpus": 1}}, name="ctld", persist=True)
+            out(where=sorted(procs.spawn("w", Where).where.call().get().values()))
+            """,
+        ),
+        _env(slurm),
+    )[0]
+    slurm.stop_slurmctld()
+    try:
+        down = run_controller(
+            slurm.net,
+            slurm.shared,
+            _code(
+                slurm,
+                """
+                from monarch_nb.job import launch, list_jobs as jobs, named_job_path
+                try:
+                    launch("slurm", "ctldjob", 2, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, exclusive=False)
+                    out(error=None)
+                except JobError as e:
+                    out(error=str(e))
+                out(cached=os.path.exists(named_job_path("ctldjob")), rows=[r["state"] for r in jobs() if r["name"] == "ctldjob"])
+                """,
+            ),
+            _env(slurm),
+        )
+    finally:
+        slurm.start_slurmctld()
+    assert down[0]["error"] and "squeue could not tell the state of Slurm job" in down[0]["error"], down
+    assert "is slurmctld up?" in down[0]["error"], down
+    assert down[1]["cached"] and len(down[1]["rows"]) == 1 and "is slurmctld up?" in down[1]["rows"][0], down
+    assert slurm.squeue().count(" R ") == 1, slurm.squeue()  # no second job was submitted
+    back = run_controller(
+        slurm.net,
+        slurm.shared,
+        _code(
+            slurm,
+            launch
+            + """
+            from monarch_nb.job import kill_job as kill, list_jobs as jobs
+            procs = ProcMesh.lookup("ctld", state.ctldjob)
+            row = [r for r in jobs() if r["name"] == "ctldjob"][0]
+            out(where=sorted(procs.actor_mesh("w").where.call().get().values()), state=row["state"], lost=row["lost"])
+            kill("ctldjob")
+            """,
+        ),
+        _env(slurm),
+    )[0]
+    # the same procs on the same job; right after the restart Slurm shows the nodes "unknown"
+    # until their slurmd register, which is not lost
+    assert back["where"] == first["where"], (first, back)
+    assert back["state"] == "RUNNING" and back["lost"] == [], back
     wait_for(lambda: not slurm.squeue().strip(), 30, "the queue to be empty")
 
 

@@ -103,6 +103,16 @@ def parse_squeue_json(text: str, job_id: str) -> SlurmJobInfo | None:
             time_limit_min=_number(j.get("time_limit")),
             start_time=_number(j.get("start_time")),
         )
+    errors = data.get("errors") or []
+    if errors:
+        # squeue exits 0 with an empty job list when it could not ask slurmctld (22.05: down or
+        # restarting): "not in the queue" would make a running job look gone, and state()
+        # would drop its cache and submit another
+        said = "; ".join(
+            f"{e.get('source') or 'squeue'}: {e.get('description') or e.get('error') or e}" if isinstance(e, dict) else str(e)
+            for e in errors
+        )
+        raise JobError(f"squeue could not tell the state of Slurm job {job_id} ({said}): is slurmctld up?")
     return None
 
 
@@ -380,6 +390,12 @@ class SlurmJob(JobTrait):
             return
         try:
             self._wait_started()
+        except KeyboardInterrupt:
+            job_id = self._slurm_job_id
+            self._kill()
+            # the cell shows only "KeyboardInterrupt": say the job did not stay in the queue
+            print(f"Slurm job {job_id} cancelled: interrupted before it started", file=sys.stderr, flush=True)
+            raise
         except BaseException:
             self._kill()
             raise
@@ -389,8 +405,21 @@ class SlurmJob(JobTrait):
         start = time.monotonic()
         last_reason = None
         delay = 0.1
+        asked = ""
         while True:
-            info = self.query()
+            try:
+                info = self.query()
+            except JobError as e:
+                # slurmctld restarting (or busy) while the job waits: the job is still queued, so
+                # keep waiting, as for a pending job; say so once
+                if str(e) != asked:
+                    print(f"{e}; still waiting (interrupt to stop)", file=sys.stderr, flush=True)
+                    asked = str(e)
+                if self._job_start_timeout is not None and time.monotonic() - start > self._job_start_timeout:
+                    raise
+                time.sleep(delay)  # polling the scheduler
+                delay = min(delay * 1.5, 2.0)
+                continue
             if info is None:
                 raise JobError(f"Slurm job {job_id} disappeared from the queue before it started")
             if info.state == "RUNNING":
@@ -399,7 +428,11 @@ class SlurmJob(JobTrait):
                 raise JobError(f"Slurm job {job_id} ended ({info.state}, {info.reason}) before it started; {self._logs_hint()}")
             if info.state == "PENDING" and info.reason not in ("", "None") and info.reason != last_reason:
                 # shown live in the cell: why the allocation is not there yet
-                print(f"Slurm job {job_id} pending: {info.reason}", file=sys.stderr, flush=True)
+                print(
+                    f"Slurm job {job_id} pending: {info.reason} (waiting for it to start; interrupt to cancel it)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 last_reason = info.reason
             if self._job_start_timeout is not None and time.monotonic() - start > self._job_start_timeout:
                 raise JobError(
@@ -441,7 +474,10 @@ class SlurmJob(JobTrait):
     def _state(self) -> dict[str, HostMesh]:
         info = self.query()
         if info is None or info.state != "RUNNING":
-            state = f"{info.state} ({_explain(info.reason)})" if info else "no longer known to Slurm"
+            if info is None:
+                state = "no longer known to Slurm"
+            else:
+                state = info.state if info.reason in ("", "None") else f"{info.state} ({_explain(info.reason)})"
             raise JobError(f"Slurm job {self._slurm_job_id} is {state}: its allocators are gone; kill() it and apply again")
         out: dict[str, list[str]] = {}
         i = 0
@@ -517,7 +553,9 @@ def squeue(job_id: str) -> SlurmJobInfo | None:
 
 
 #: node states (sinfo's long names, lower case) in which a node no longer runs its jobs' work
-_LOST_STATES = {"down", "fail", "failing", "unknown", "not_responding", "no_respond"}
+#: ("unknown" is not one: every node is unknown for a moment after slurmctld restarts, until its
+#: slurmd registers again; the allocator's own answer then tells)
+_LOST_STATES = {"down", "fail", "failing", "not_responding", "no_respond"}
 
 
 def parse_sinfo_nodes(text: str) -> dict[str, str]:
@@ -561,6 +599,12 @@ def controller_ip() -> str:
             "run the controller on a login node of the cluster, where sbatch and squeue work"
         ) from None
     m = re.search(r"^SlurmctldHost\[0\]\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", cp.stdout, re.M)
+    if m is None and "Unable to contact slurm controller" in cp.stderr:
+        # a configured cluster whose slurmctld is down or restarting: not a laptop
+        raise JobError(
+            f"the Slurm controller did not answer (`scontrol show config`: {cp.stderr.strip().splitlines()[-1]}): "
+            "is slurmctld up? Try again once it answers"
+        )
     if m is None and cp.returncode != 0:
         # slurm-client without a slurm.conf (or a DNS SRV record) for a cluster: a laptop, say
         said = cp.stderr.strip().splitlines()
