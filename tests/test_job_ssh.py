@@ -7,6 +7,7 @@ run to completion and print JSON; host processes are polled with deadlines.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -223,3 +224,87 @@ def test_wrong_cluster_key_fails_clearly(ssh: SshCluster) -> None:
     )[0]
     assert res["error"] and "different cluster key" in res["error"], res
     wait_for(lambda: not _allocators_on(ssh, 1), 15, "s1's allocator to be stopped")
+
+
+def test_a_python_without_monarch_nb_fails_clearly_and_leaves_no_key(ssh: SshCluster) -> None:
+    assert ssh.net is not None
+    res = run_controller(
+        ssh.net,
+        ssh.shared,
+        _code(
+            """
+            job = SSHJob(python_exe="/usr/bin/python3", ssh_args={args!r}, monarch_port=0)
+            job.add_mesh("workers", ["root@s1", "root@s2"])
+            try:
+                job.state(cached_path=None)
+                out(error=None)
+            except JobError as e:
+                out(error=str(e))
+            """,
+            args=ssh.ssh_args(),
+        ),
+        _env(ssh),
+    )[0]
+    assert res["error"] and "starting on root@s1 failed" in res["error"] and "No module named monarch_nb" in res["error"], res
+    # the job's directory (with the cluster key in it) went with the allocator that never ran
+    for i in (1, 2):
+        assert not list(ssh.net.path(i, "/tmp").glob("mnb-job-*")), i
+
+
+def test_kill_with_a_host_cut_off_says_so_and_can_be_retried(ssh: SshCluster) -> None:
+    assert ssh.net is not None
+    ready, go = Path(ssh.shared, "cut-ready"), Path(ssh.shared, "cut-go")
+    path = Path(ssh.shared, "cut.py")
+    path.write_text(
+        _code(
+            """
+            import time
+            job = make_job({args!r}, extra=())
+            job.state(cached_path=None)
+            open({ready!r}, "w").close()
+            while not os.path.exists({go!r}):
+                time.sleep(0.05)  # the test pulls s2's cable, then says go
+            try:
+                job.kill()
+                out(error=None)
+            except JobError as e:
+                out(error=str(e), active=job.active)
+            while os.path.exists({go!r}):
+                time.sleep(0.05)  # the cable is back
+            job.kill()
+            out(killed=True, active=job.active)
+            """,
+            args=ssh.ssh_args(),
+            ready=str(ready),
+            go=str(go),
+        )
+    )
+    proc = ssh.net.popen(0, [PY, str(path)], env=_env(ssh), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: ready.exists() or proc.poll() is not None, 60, "the job to run")
+        assert proc.poll() is None, proc.communicate()
+        ssh.net.link_down(2)
+        go.touch()
+        line = b""
+        while not line.startswith(b"{"):
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            assert line, proc.communicate()
+        first = json.loads(line)
+        ssh.net.link_up(2)
+        go.unlink()
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err.decode()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for f in (ready, go):
+            if f.exists():
+                f.unlink()
+    assert first["error"] and "could not stop the allocators on: root@s2" in first["error"], first
+    assert "Call kill() again once they are reachable" in first["error"] and first["active"], first
+    assert b'"killed": true' in out and b'"active": false' in out, out
+    # the retry reached s2: nothing of the job is left on either host
+    for i in (1, 2):
+        wait_for(lambda i=i: not _allocators_on(ssh, i), 15, f"s{i}'s allocator to be stopped")
+        assert not list(ssh.net.path(i, "/tmp").glob("mnb-job-*")), i

@@ -39,7 +39,7 @@ mkdir -p "$d"; chmod 700 "$d"
 cat > "$d/key"
 for kv in "$@"; do export "$kv"; done
 conn="${SSH_CONNECTION:-}"
-[ -n "$conn" ] || { echo "monarch_nb: SSH_CONNECTION is not set: cannot tell which address the controller reached this host at" >&2; exit 4; }
+[ -n "$conn" ] || { echo "monarch_nb: SSH_CONNECTION is not set: cannot tell which address the controller reached this host at" >&2; rm -rf "$d"; exit 4; }
 set -- $conn
 ip=$3
 case $ip in *:*) ip="[$ip]";; esac
@@ -51,12 +51,13 @@ echo "pid $pid"
 i=0
 while [ ! -f "$d/host.json" ]; do
     if ! kill -0 "$pid" 2>/dev/null; then
-        echo "monarch_nb: the allocator exited while starting; its log:" >&2; tail -n 30 "$d/allocator.log" >&2; exit 3
+        echo "monarch_nb: the allocator exited while starting; its log:" >&2; tail -n 30 "$d/allocator.log" >&2
+        rm -rf "$d"; exit 3  # nothing runs here: leave no key behind
     fi
     i=$((i+1))
     if [ $i -gt $((START_TIMEOUT*10)) ]; then
         echo "monarch_nb: the allocator did not announce itself within ${START_TIMEOUT} s; its log:" >&2
-        tail -n 30 "$d/allocator.log" >&2; kill "$pid"; exit 3
+        tail -n 30 "$d/allocator.log" >&2; kill "$pid"; rm -rf "$d"; exit 3
     fi
     sleep 0.1
 done
@@ -285,8 +286,16 @@ class SSHJob(JobTrait):
                     f.result()
                 except Exception as e:
                     errors.append(f"{h}: {e}")
+        if errors:
+            # keep what could not be stopped (and the key that reaches it): kill() again stops it
+            # once the host answers; forgetting it would leave it running until its lease
+            self._hosts = {h: info for h, info in self._hosts.items() if any(e.startswith(f"{h}: ") for e in errors)}
+            raise JobError(
+                "kill() could not stop the allocators on: "
+                + "; ".join(errors)
+                + ". Call kill() again once they are reachable (they also exit by themselves after the lease, "
+                "MONARCH_NB_LEASE, with no controller)"
+            )
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
         self._hosts = {}
-        if errors:
-            raise JobError("kill() could not stop the allocators on: " + "; ".join(errors))
