@@ -308,3 +308,33 @@ def test_kill_with_a_host_cut_off_says_so_and_can_be_retried(ssh: SshCluster) ->
     for i in (1, 2):
         wait_for(lambda i=i: not _allocators_on(ssh, i), 15, f"s{i}'s allocator to be stopped")
         assert not list(ssh.net.path(i, "/tmp").glob("mnb-job-*")), i
+
+
+def test_a_second_job_in_the_same_kernel_after_the_first_was_killed(ssh: SshCluster) -> None:
+    # each job made its own key and a process holds one: the second job's hosts failed with
+    # "this process already uses another cluster key", its allocators left running
+    res = run_controller(
+        ssh.net,
+        ssh.shared,
+        _code(
+            """
+            first = make_job({args!r}, hosts=("root@s1",), extra=())
+            got = first.state(cached_path=None).workers.spawn_procs(per_host={{"gpus": 1}}).spawn("w", Where)
+            out(first=[h for h, _ in got.where.call().get().values()])
+            first.kill()
+            second = make_job({args!r}, hosts=("root@s2", "root@s3"), extra=())
+            try:
+                got = second.state(cached_path=None).workers.spawn_procs(per_host={{"gpus": 1}}).spawn("w", Where)
+                out(second=sorted(h for h, _ in got.where.call().get().values()))
+            except Exception as e:
+                out(second=f"{{type(e).__name__}}: {{e}}")
+            finally:
+                second.kill()
+            """,
+            args=ssh.ssh_args(),
+        ),
+        _env(ssh),
+    )
+    assert res == [{"first": ["s1"]}, {"second": ["s2", "s3"]}], res
+    for i in (1, 2, 3):
+        wait_for(lambda i=i: not _allocators_on(ssh, i), 15, f"s{i}'s allocator to be stopped")

@@ -230,6 +230,19 @@ def _expand_one(part: str) -> list[str]:
     return names
 
 
+def held_key() -> bytes | None:
+    """The cluster key this process already holds (an earlier job's), or None.
+
+    One process holds one cluster key: a job applied after another in the same kernel (the
+    first one ended, was killed, or still runs) gets the key already held, or attaching to it
+    would fail with "this process already uses another cluster key", its allocation left running.
+    """
+    from ..actor import _context
+
+    client = _context._client
+    return client.rt.sockets.security.key if client is not None else None
+
+
 def forget_hosts(addrs: list[str]) -> None:
     """This controller stops watching allocators its job is about to stop: what is still pending
     on them fails at once, and no "allocator lost" alarm follows a deliberate kill()."""

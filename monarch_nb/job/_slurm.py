@@ -37,6 +37,7 @@ from ._common import (
     command_args,
     expand_hostlist,
     forwarded_config,
+    held_key,
     host_meshes,
     mesh_size,
     port_number,
@@ -367,7 +368,7 @@ class SlurmJob(JobTrait):
         self._dir = records.make_private_dir(
             os.path.join(self._log_dir, ".monarch_nb-jobs", f"{self._job_name}-{self._apply_id[:8]}")  # type: ignore[index]
         )
-        write_key_file(os.path.join(self._dir, "key"))
+        write_key_file(os.path.join(self._dir, "key"), held_key())
         records.make_private_dir(os.path.join(self._dir, "announce"))
         if client_script is not None:
             # what the client, inside the allocation, attaches to (its job id comes from Slurm)

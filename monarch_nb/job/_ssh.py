@@ -22,7 +22,17 @@ from .._runtime import records
 from .._wire.keys import read_key_file, write_key_file
 from ..actor import HostMesh
 from ..config import runtime_dir
-from ._common import answering, command_args, forwarded_config, host_meshes, listening, mesh_hosts, port_number, python_path
+from ._common import (
+    answering,
+    command_args,
+    forwarded_config,
+    held_key,
+    host_meshes,
+    listening,
+    mesh_hosts,
+    port_number,
+    python_path,
+)
 from ._job import JobError, JobTrait
 
 #: ssh connect timeout, and how long a remote allocator may take to announce itself
@@ -240,7 +250,7 @@ class SSHJob(JobTrait):
             key = read_key_file(self._key_file)
         else:
             self._key_file = os.path.join(self._dir, "key")
-            key = write_key_file(self._key_file)
+            key = write_key_file(self._key_file, held_key())
         with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
             futs = {h: pool.submit(self._start_host, h, key) for h in hosts}
         errors = []
