@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -95,6 +96,27 @@ def test_a_job_relaunched_with_another_shape_says_it_replaced_the_running_one(tm
         wait_for(lambda: not any(_alive(p) for p in old_allocs), 15, "the replaced job's allocators to exit")
     finally:
         for job in (second, first):
+            if job.active:
+                job.kill()
+
+
+def test_a_job_replaced_because_it_ended_does_not_say_its_spec_changed(tmp_path: Path) -> None:
+    # the same spec, re-run after the job ended (here: an allocator died; on Slurm: walltime or
+    # scancel): the warning said "its meshes or options changed"
+    from monarch_nb.job import JobReplacedWarning
+
+    cache = os.path.join(os.environ["MONARCH_NB_RUNTIME_DIR"], f"je-{tmp_path.name}.json")
+    first, again = ProcessJob({"trainers": 2}, env=FAST), ProcessJob({"trainers": 2}, env=FAST)
+    try:
+        first.state(cached_path=cache)
+        allocs = [int(h["pid"]) for h in first._hosts.values()]
+        os.kill(allocs[0], signal.SIGKILL)
+        wait_for(lambda: not _alive(allocs[0]), 15, "the allocator to die")
+        with pytest.warns(JobReplacedWarning) as said:
+            again.state(cached_path=cache)
+        assert len(said) == 1 and "it cannot run this spec (it is no longer running)" in str(said[0].message), said
+    finally:
+        for job in (again, first):
             if job.active:
                 job.kill()
 

@@ -213,9 +213,11 @@ class JobTrait(ABC):
             if was is not None:
                 # a relaunch with another size stops the running job and every proc on it: say so
                 ident = f" {was['id']}" if was.get("id") else ""
+                # the same spec: the job ended (walltime, scancel, a host gone), nothing changed
+                why = "its meshes or options changed" if running._spec() != self._spec() else "it is no longer running"
                 warnings.warn(
                     f"replaced the {running._type_name}{ident} cached at {cached_path} ({was.get('hosts')} host(s), "
-                    f"{was.get('state')}): it cannot run this spec (its meshes or options changed), so it was stopped "
+                    f"{was.get('state')}): it cannot run this spec ({why}), so it was stopped "
                     "with every proc on its hosts",
                     JobReplacedWarning,
                     stacklevel=3,
