@@ -396,6 +396,13 @@ def test_whole_flow(k8s: Cluster) -> None:
             except JobError as e:
                 out(conflict=str(e))
             job.kill()
+            # a second job in the same process: it takes the key this process holds (a process
+            # joins one cluster; with a key of its own its pods could not be attached)
+            again = KubernetesJob(NS, timeout=90, kubeconfig=KubeConfig.from_path(kc("ctl")))
+            again.add_mesh("again", 1, image_spec=ImageSpec(IMAGE))
+            procs = again.state(cached_path=None).again.spawn_procs(per_host={"gpus": 1}, name="again")
+            out(again=len(procs.spawn("w", Where).where.call().get().values()))
+            again.kill()
             out(after=objects())
         """)
     first = out[0]
@@ -408,7 +415,8 @@ def test_whole_flow(k8s: Cluster) -> None:
     where = out[1]["where"]
     assert len(where) == 6 and {ip for _, ip in where} == {k8s.net.ip(i) for i in (1, 2, 3)}
     assert "already exists" in out[2]["conflict"] and "trainers" in out[2]["conflict"]
-    assert out[3]["after"] == EMPTY
+    assert out[3]["again"] == 1
+    assert out[4]["after"] == EMPTY
     # deleting the StatefulSet ended the allocators
     wait_for(lambda: not any(k8s.allocators_on(i) for i in (1, 2, 3)), timeout=30)
     leaks = watch.leaks(bytes.fromhex(first["key"]))

@@ -44,7 +44,7 @@ from .._wire.keys import write_key_file
 from ..actor import HostMesh
 from ..config import runtime_dir
 from . import _k8s_manifests as m
-from ._common import forwarded_config, host_meshes
+from ._common import forwarded_config, held_key, host_meshes
 from ._job import JobError, JobTrait
 
 logger = logging.getLogger("monarch_nb.job")
@@ -310,9 +310,10 @@ class KubernetesJob(JobTrait):
         core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
         key = b""
         if any(c["image"] for c in self._meshes.values()):
-            # a new cluster key for the pods we create; attach-only pods use the controller's own
+            # a cluster key for the pods we create (the one this process holds already, if an
+            # earlier job gave it one: a process joins one cluster); attach-only pods use the controller's own
             self._dir = records.make_private_dir(os.path.join(runtime_dir(), "jobs", f"k8s-{self._job_id}"))
-            write_key_file(os.path.join(self._dir, "key"))
+            write_key_file(os.path.join(self._dir, "key"), held_key())
             with open(os.path.join(self._dir, "key"), "rb") as f:
                 key = f.read()  # the file as the allocator reads it
         ns = self._namespace
