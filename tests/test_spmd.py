@@ -178,6 +178,11 @@ def test_a_mesh_exec_cell_that_raises_on_one_rank_fails_while_the_others_wait_in
                 procs, "if dist.get_rank() == 1:\n    raise KeyError('x')\nimport time\ntime.sleep(30)", ranks="0:2", timeout=30
             )
         assert "KeyError on 1 of 2 ranks: 1" in str(info.value) and info.value.running == 1, str(info.value)
+        from monarch_nb.actor import ProcsKilledWarning
+
+        # rank 0 is still in its 30 s sleep: stop() kills it after stop_cleanup_timeout, and says so
+        with pytest.warns(ProcsKilledWarning, match=r"killed 1 proc\(s\): rank 0 \(pid"):
+            procs.stop().get(timeout=30)
     finally:
         procs.stop().get(timeout=30)
 
