@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from ._numtext import merge, template
 from ._ranks import format_ranks
 
 # a frame line; ``ind``: the indent of a traceback quoted inside a longer text (a supervision
@@ -172,6 +173,23 @@ def _clip(msg: str) -> str:
     return f"{msg[:MESSAGE_MAX]}… ({len(msg):,} characters)"
 
 
+#: past this many distinct messages in a group, messages that differ only in their numbers
+#: are one line (``ranks 0-15: ValueError: shard 0…15 is empty``), as rank output is
+MERGE_OVER = 4
+
+
+def _merged(by_msg: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Messages (with their ranks) that differ only in numbers, merged into one each."""
+    by_template: dict[str, list[str]] = {}
+    for msg in by_msg:
+        by_template.setdefault(template(msg), []).append(msg)
+    out: dict[str, list[int]] = {}
+    for msgs in by_template.values():
+        ranks = sorted(r for m in msgs for r in by_msg[m])
+        out[merge(msgs) if len(msgs) > 1 else msgs[0]] = ranks
+    return out
+
+
 def group_lines(groups: list[Group], color: bool = False, internal: bool | None = None) -> list[str]:
     """Each group: a header with its ranks, its traceback once, and the messages that differ."""
     red, off = ("\x1b[0;31m", "\x1b[0m") if color else ("", "")
@@ -186,6 +204,8 @@ def group_lines(groups: list[Group], color: bool = False, internal: bool | None 
             by_msg: dict[str, list[int]] = {}
             for r, msg in g.messages.items():
                 by_msg.setdefault(msg, []).append(r)
+            if len(by_msg) > MERGE_OVER:
+                by_msg = _merged(by_msg)
             shown = sorted(by_msg.items(), key=lambda kv: kv[1][0])
             for msg, ranks in shown[:20]:
                 out.append(f"  {ranks_text(ranks)}: {g.etype}: {_clip(msg)}" if msg else f"  {ranks_text(ranks)}: {g.etype}")

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from ._numtext import NUM, summarise
 from ._ranks import format_ranks
 from ._runtime.logcapture import check_tail
 
@@ -25,7 +26,6 @@ __all__ = ["Aggregator", "follow", "format_line", "format_ranks", "local_meshes"
 #: (rank, stream, ts, call_id, line) as the allocator sends them
 LogLine = tuple[int, str, float, str, str]
 
-_NUM = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
 #: the point of Monarch's ``[actor=<root>.<__main__.T ts{'gpus': 1/4}>]`` log prefix: the
 #: rank tag already says it, so it is not part of the line's text (ranks' records collapse)
 _ACTOR_POINT = re.compile(r"(\[actor=[^\]]*?)\{[^{}]*\}>\]")
@@ -73,8 +73,8 @@ class Aggregator:
             n = seq[(mesh, rank)] = seq.get((mesh, rank), -1) + 1
             if "[actor=" in line:
                 line = _ACTOR_POINT.sub(r"\1>]", line, 1)
-            nums = _NUM.findall(line)
-            template = _NUM.sub("\0", line) if nums else line
+            nums = NUM.findall(line)
+            template = NUM.sub("\0", line) if nums else line
             okey = (mesh, rank, stream, template)
             k = occ[okey] = occ.get(okey, -1) + 1
             key = (mesh, stream, template, k)
@@ -105,7 +105,7 @@ class Aggregator:
             else:
                 pieces = [g.parts[0]]
                 for slot, part in zip(g.nums, g.parts[1:]):
-                    pieces.append(_summarise(slot))
+                    pieces.append(summarise(slot))
                     pieces.append(part)
                 text = "".join(pieces)
             who = f"{mesh} " if show_mesh else ""
@@ -121,15 +121,6 @@ class Aggregator:
         self._seq = {}
         self._occ = {}
         return out
-
-
-def _summarise(values: list[str]) -> str:
-    first = values[0]
-    if all(v == first for v in values):
-        return first
-    lo = min(values, key=float)
-    hi = max(values, key=float)
-    return f"{lo}…{hi}"
 
 
 # ---------------------------------------------------------------- the full logs

@@ -35,7 +35,8 @@ LAYERS: list[tuple[str, set[str]]] = [
 PLACED: dict[str, tuple[str, str]] = {
     "_pyenv": ("leaves", "stdlib-only description of this interpreter; allocators answer hello with it"),
     "_ranks": ("leaves", "rank-set text ('0-3,5'); errors' messages use it"),
-    "_errgroup": ("leaves", "groups and cleans remote tracebacks for errors' messages (stdlib and _ranks only)"),
+    "_errgroup": ("leaves", "groups and cleans remote tracebacks for errors' messages (stdlib, _ranks and _numtext only)"),
+    "_numtext": ("leaves", "stdlib-only: texts that differ only in numbers, as one (rank output, grouped errors)"),
     "_meshhtml": ("leaves", "HTML of value tables and rank grids, for the actor API's _repr_html_ (stdlib and _ranks only)"),
     "_workspace": ("leaves", "stdlib-only file manifest shared by the runtime's code cache and sync"),
     "_deadline": ("leaves", "stdlib-only time budget shared by the waits of a fan-out"),

@@ -1,0 +1,39 @@
+"""Text that differs only in its numbers: one template, the numbers summarised as ``lo…hi``.
+
+Rank output (``[ranks 0-7 ×8] loss=0.51…0.58``) and the messages of a grouped error (``ranks
+0-15: ValueError: shard 0…15 is empty``) collapse the same way. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import re
+
+#: a number as it is written in text: integers, decimals, exponents, a sign
+NUM = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
+
+
+def summarise(values: list[str]) -> str:
+    """One number slot's values: the value if all are equal, else ``lo…hi`` (as written)."""
+    first = values[0]
+    if all(v == first for v in values):
+        return first
+    lo = min(values, key=float)
+    hi = max(values, key=float)
+    return f"{lo}…{hi}"
+
+
+def merge(texts: list[str]) -> str:
+    """``texts`` of one template (the same text between their numbers) as one: each number slot
+    summarised, ``"rank 0 broke"``, ``"rank 7 broke"`` -> ``"rank 0…7 broke"``."""
+    parts = NUM.split(texts[0])
+    slots = [NUM.findall(t) for t in texts]
+    out = [parts[0]]
+    for i, part in enumerate(parts[1:]):
+        out.append(summarise([s[i] for s in slots]))
+        out.append(part)
+    return "".join(out)
+
+
+def template(text: str) -> str:
+    """``text`` with each number replaced by a NUL: texts that differ only in numbers share it."""
+    return NUM.sub("\0", text)
