@@ -323,18 +323,27 @@ class MeshMagics(Magics):
 
         return Dashboard(self._find_proc_mesh(args.name), interval=args.interval)
 
+    def _held(self, name: str | None) -> Any:
+        """The mesh of the Python API (a ProcMesh or an ActorMesh) that notebook variable
+        ``name`` holds (``procs = this_host().spawn_procs(...)``), or None: also when a ``%mesh``
+        name is ``name``, which wins."""
+        from ..actor import ActorMesh, ProcMesh
+
+        if not name or name in _mesh.meshes():
+            return None
+        v = self.shell.user_ns.get(name)  # type: ignore[union-attr]
+        return v if isinstance(v, (ProcMesh, ActorMesh)) else None
+
     def _named(self, name: str | None) -> Any:
         """``name`` as the subcommands take it: a ``%mesh`` name as it is, or the proc mesh of a
         notebook variable holding a mesh spawned through the Python API (``procs =
         this_host().spawn_procs(...)``, then ``%%mesh exec procs``)."""
-        from ..actor import ActorMesh, ProcMesh
+        from ..actor import ActorMesh
 
-        if not name or name in _mesh.meshes():
-            return name
-        v = self.shell.user_ns.get(name)  # type: ignore[union-attr]
-        if isinstance(v, ActorMesh) and v._proc_mesh is not None:
+        v = self._held(name)
+        if isinstance(v, ActorMesh):
             v = v._proc_mesh
-        return v if isinstance(v, ProcMesh) else name
+        return name if v is None else v
 
     def _find_proc_mesh(self, name: str | None) -> Any:
         """A named mesh: this controller's, a notebook variable (or the mesh a variable holds,
@@ -355,12 +364,11 @@ class MeshMagics(Magics):
 
     def _do_stacks(self, args: argparse.Namespace, cell: str | None) -> Any:
         from .. import debug
-        from ..actor import ActorMesh, ProcMesh
 
-        # a notebook variable holding a mesh (spawned through the Python API; an actor mesh's
-        # stacks are its actors'), else a mesh by name, also one spawned with a name= there
-        target = self.shell.user_ns.get(args.name) if args.name else None  # type: ignore[union-attr]
-        if not args.name or args.name in _mesh.meshes() or not isinstance(target, (ProcMesh, ActorMesh)):
+        # a notebook variable holding a mesh (an actor mesh's stacks are its actors'), else a
+        # mesh by name, also one spawned through the Python API with a name=
+        target = self._held(args.name)
+        if target is None:
             target = self._find_proc_mesh(args.name)
         return debug.stacks(target, args.ranks, native=args.native, timeout=args.timeout)
 
@@ -377,8 +385,8 @@ class MeshMagics(Magics):
             raise UsageError("%mesh stop: name a mesh or pass --all")
         from ..actor import ActorMesh, ProcMesh
 
-        # a mesh of the Python API, by the variable that holds it (a %mesh name wins, as in _named)
-        held = None if args.all or args.name in _mesh.meshes() else self.shell.user_ns.get(args.name)  # type: ignore[union-attr]
+        # a mesh of the Python API, by the variable that holds it
+        held = None if args.all else self._held(args.name)
         if isinstance(held, ActorMesh):
             # its actors, not the procs they run on (as held.stop())
             held.stop().get(timeout=controller_client().rt.cfg.spawn_timeout)
