@@ -204,8 +204,8 @@ def _sync_root(
             gone.add(a)
             report.not_reloaded.append(f"host {allocs[a]} ({a}): {_first_line(e)}")
     if gone:
+        # its procs get no reload: _reload asks only procs of the hosts left in the report
         report.hosts = [hs for hs in report.hosts if hs.allocator not in gone]
-        meshes = [m for m in meshes if any(p.alloc not in gone for p in m._procs)]
     if via:
         report.staged_bytes = _stage(via, root, by_digest, sorted({d for ds in lacking.values() for d in ds}))
         pulls = [client.request(a, "sync_pull", via, ds) for a, ds in lacking.items() if ds]
