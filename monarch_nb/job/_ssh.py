@@ -281,7 +281,7 @@ class SSHJob(JobTrait):
         )
 
     def _kill(self) -> None:
-        errors = []
+        errors: dict[str, str] = {}
         started = {h: info for h, info in self._hosts.items() if info.get("pid")}
         if started:
             with ThreadPoolExecutor(max_workers=min(32, len(started))) as pool:
@@ -295,14 +295,14 @@ class SSHJob(JobTrait):
                 try:
                     f.result()
                 except Exception as e:
-                    errors.append(f"{h}: {e}")
+                    errors[h] = f"{h}: {e}"
         if errors:
             # keep what could not be stopped (and the key that reaches it): kill() again stops it
             # once the host answers; forgetting it would leave it running until its lease
-            self._hosts = {h: info for h, info in self._hosts.items() if any(e.startswith(f"{h}: ") for e in errors)}
+            self._hosts = {h: info for h, info in self._hosts.items() if h in errors}
             raise JobError(
                 "kill() could not stop the allocators on: "
-                + "; ".join(errors)
+                + "; ".join(errors.values())
                 + ". Call kill() again once they are reachable (they also exit by themselves after the lease, "
                 "MONARCH_NB_LEASE, with no controller)"
             )
