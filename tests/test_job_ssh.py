@@ -253,54 +253,55 @@ def test_a_python_without_monarch_nb_fails_clearly_and_leaves_no_key(ssh: SshClu
 
 def test_kill_with_a_host_cut_off_says_so_and_can_be_retried(ssh: SshCluster) -> None:
     assert ssh.net is not None
-    ready, go = Path(ssh.shared, "cut-ready"), Path(ssh.shared, "cut-go")
+    ready = Path(ssh.shared, "cut-ready")
     path = Path(ssh.shared, "cut.py")
     path.write_text(
         _code(
             """
-            import time
+            import sys
             job = make_job({args!r}, extra=())
             job.state(cached_path=None)
             open({ready!r}, "w").close()
-            while not os.path.exists({go!r}):
-                time.sleep(0.05)  # the test pulls s2's cable, then says go
+            sys.stdin.readline()  # the test pulls s2's cable, then says go
             try:
                 job.kill()
                 out(error=None)
             except JobError as e:
                 out(error=str(e), active=job.active)
-            while os.path.exists({go!r}):
-                time.sleep(0.05)  # the cable is back
+            sys.stdin.readline()  # the cable is back
             job.kill()
             out(killed=True, active=job.active)
             """,
             args=ssh.ssh_args(),
             ready=str(ready),
-            go=str(go),
         )
     )
-    proc = ssh.net.popen(0, [PY, str(path)], env=_env(ssh), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = ssh.net.popen(0, [PY, str(path)], env=_env(ssh), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def say_go() -> None:
+        proc.stdin.write(b"go\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+
     try:
         wait_for(lambda: ready.exists() or proc.poll() is not None, 60, "the job to run")
         assert proc.poll() is None, proc.communicate()
         ssh.net.link_down(2)
-        go.touch()
+        say_go()
         line = b""
         while not line.startswith(b"{"):
             line = proc.stdout.readline()  # type: ignore[union-attr]
             assert line, proc.communicate()
         first = json.loads(line)
         ssh.net.link_up(2)
-        go.unlink()
+        say_go()
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err.decode()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        for f in (ready, go):
-            if f.exists():
-                f.unlink()
+        if ready.exists():
+            ready.unlink()
     assert first["error"] and "could not stop the allocators on: root@s2" in first["error"], first
     assert "Call kill() again once they are reachable" in first["error"] and first["active"], first
     assert b'"killed": true' in out and b'"active": false' in out, out
