@@ -86,12 +86,11 @@ def get_rdma_backend() -> str:
     return BACKEND
 
 
-def _timeout(timeout: float) -> float:
-    """A transfer's timeout in seconds; a negative one is refused with Monarch's exception (on
-    every path: a copy out of shared memory too, which would finish before any timeout)."""
+def _check_timeout(timeout: float) -> None:
+    """Refuse a negative transfer timeout with Monarch's exception, on every path (a copy out of
+    shared memory too, which would finish before any timeout)."""
     if timeout < 0:
         raise OverflowError(f"timeout must be >= 0 seconds (Monarch's: fit in an unsigned 64-bit integer), not {timeout!r}")
-    return timeout
 
 
 # ------------------------------------------------------------------------------- local memory
@@ -360,7 +359,7 @@ class RDMABuffer:
 
     def read_into(self, dst: Any, *, timeout: int = 60) -> Future[None]:
         """Copy this buffer into ``dst`` (1-D contiguous, at least ``size()`` bytes)."""
-        _timeout(timeout)
+        _check_timeout(timeout)
         if _is_tensor(dst) and self._in_shm(dst):
             # the common case, kept short: a 1 MiB copy takes tens of microseconds
             if _check(dst) < self._size:
@@ -370,7 +369,7 @@ class RDMABuffer:
 
     def write_from(self, src: Any, *, timeout: int = 60) -> Future[None]:
         """Copy ``src`` (1-D contiguous, at most ``size()`` bytes) into the owner's memory."""
-        _timeout(timeout)
+        _check_timeout(timeout)
         if _is_tensor(src) and self._in_shm(src):
             n = _check(src)
             if n > self._size:
@@ -593,7 +592,7 @@ class RDMAAction:
     def submit(self, *, timeout: int = 60) -> Future[None]:
         """Run the queued operations (concurrently); the future resolves when all are done, or
         fails with the first failure. Safe to call more than once."""
-        _timeout(timeout)
+        _check_timeout(timeout)
         fut: Future[None] = Future._create("RDMAAction.submit")
         ops = list(self._ops)
         if not ops:
