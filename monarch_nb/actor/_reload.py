@@ -127,8 +127,7 @@ def reload_changed(rt: Any, root: str, changed: list[str], mode: str = "inplace"
     loaded = _modules_under(root)
     present = {n for n, m in loaded.items() if os.path.exists(_absolute(m.__file__ or ""))}
     order = _plan(loaded, {n for n in present if _rel(root, loaded[n]) in wanted})
-    mods = {n: loaded[n] for n in order if n in present}
-    reloaded = []
+    reloaded: list[str] = []
     failed: dict[str, BaseException] = {}
     for name in order:
         m = loaded[name]
@@ -145,13 +144,13 @@ def reload_changed(rt: Any, root: str, changed: list[str], mode: str = "inplace"
             importlib.reload(m)
         except Exception as e:
             failed[name] = e
-            mods.pop(name)
             continue
         reloaded.append(name)
     updated, recreated = [], []
+    new_code = set(reloaded)
     for aname, slot in list(rt.actors.items()):
         cls = getattr(slot, "cls", None)
-        if cls is None or cls.__module__ not in mods:
+        if cls is None or cls.__module__ not in new_code:
             continue
         new = _lookup(sys.modules[cls.__module__], cls.__qualname__)
         if not isinstance(new, type) or new is cls:
