@@ -670,6 +670,45 @@ print("RESULT", toys.hello_world.call("hey").get(timeout=20).values(), flush=Tru
     assert "[1] Identity: 1, msg='hey'" in r.stdout
 
 
+def test_a_script_prints_what_a_call_printed_before_the_value_it_returned():
+    # Monarch's procs write to the script's own stdout, so a rank's line comes before the value
+    # the script prints next; here the line travels through the allocator, the reply straight
+    # from the proc, and the value used to win about half the time (and an error's traceback)
+    code = """
+import asyncio
+from monarch_nb.actor import Actor, ActorError, endpoint, this_host
+class Talker(Actor):
+    @endpoint
+    def say(self, i):
+        print(f"said {i}", flush=i % 2 == 0)
+        return i
+    @endpoint
+    def fail(self, i):
+        print(f"failing {i}")
+        raise ValueError(i)
+procs = this_host().spawn_procs(per_host={"gpus": 2})
+t = procs.spawn("t", Talker)
+one = t.slice(gpus=1)
+for i in range(20):
+    print("value", one.say.call_one(i).get(timeout=20), flush=True)
+print("values", t.say.call(20).get(timeout=20).values(), flush=True)
+async def main():
+    return await one.say.call_one(21)
+print("awaited", asyncio.run(main()), flush=True)
+try:
+    one.fail.call_one(22).get(timeout=20)
+except ActorError:
+    print("raised 22", flush=True)
+"""
+    r = run_script(code)
+    assert r.returncode == 0, r.stderr
+    got = r.stdout.splitlines()
+    assert got[:40] == [ln for i in range(20) for ln in (f"[1] said {i}", f"value {i}")], r.stdout
+    # two ranks' lines come in either order, both before the values
+    assert sorted(got[40:42]) == ["[0] said 20", "[1] said 20"], r.stdout
+    assert got[42:] == ["values [20, 20]", "[1] said 21", "awaited 21", "[1] failing 22", "raised 22"], r.stdout
+
+
 def test_code_from_main_keeps_its_file_name_in_the_proc(tmp_path):
     # cloudpickle 3.1.3 ships all by-value code as "<dynamic-code>": a remote traceback would
     # then name no file and the debugger could not fetch the cell's source

@@ -276,18 +276,22 @@ _open_logs: weakref.WeakValueDictionary[str, ProcLog] = weakref.WeakValueDiction
 _tagged: list[TaggedStream] = []
 
 
-def end_call() -> None:
-    """The running call ended: what it printed leaves the proc now (before its reply does)."""
+def end_call() -> bool:
+    """The running call ended: what it printed leaves the proc now (before its reply does).
+    True if it printed (its reply says so: a script's controller shows the text first)."""
     _current_call[0] = ""
+    printed = False
     for s in _tagged:
         # a stream the call wrote to holds its tag (its first write set it; only end_call
         # clears it): one it did not write to has none of its text to flush (most calls print
         # nothing, and the flushes were a tenth of a small call's work in the proc)
         if s._mnb_last:
+            printed = True
             try:
                 s.end_call()
             except (OSError, ValueError):
                 pass
+    return printed
 
 
 class ProcLog:

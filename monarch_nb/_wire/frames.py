@@ -69,7 +69,7 @@ class PortMeta(NamedTuple):
     port: int
     #: the index of the ActorMeta this answers
     call_index: int
-    #: OK, ERROR or ITEM
+    #: OK, ERROR, ITEM or PRINTED
     status: int
 
 
@@ -103,6 +103,9 @@ OK = 0
 ERROR = 1
 #: a stream/channel value that does not complete the port
 ITEM = 2
+#: an endpoint's value (as OK) from a call that printed: its text went to the proc's allocator
+#: first, and a script's controller shows it before the value (Client.after_output)
+PRINTED = 3
 
 #: flags: the payload follows the meta in the head frame
 INLINE = 1

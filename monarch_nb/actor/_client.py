@@ -365,6 +365,40 @@ class Client:
         # one declared lost has nothing to flush here, and asking would cost a hello's wait each
         _wait_all([self.request(a, "flush_logs") for a in list(self.hellos) if not self.rt.supervision.is_lost(a)], timeout)
 
+    def after_output(self, allocs: set[str], done: Callable[[], None]) -> bool:
+        """(A call whose procs of allocators ``allocs`` printed.) Call ``done`` once those
+        allocators sent what their procs wrote so far (on the I/O thread; at the latest after
+        :data:`AFTER_OUTPUT_WAIT_S`), so a script prints a call's output before its value, as
+        Monarch's procs, writing to its stdout, do. False: nothing to wait for here (a frontend
+        shows rank output in its own place, or output is off): call ``done`` now."""
+        if self.log_writer is not None or not self.log_enabled or self.kind == "proc":
+            return False
+        lost = self.rt.supervision.is_lost
+        targets = [a for a in allocs if a in self.hellos and not lost(a)]
+        if not targets:
+            return False
+        left = [len(targets)]
+        lock = threading.Lock()
+
+        def one(answer: Any = None) -> None:
+            # an allocator's answer (or failure), or None: the wait is over
+            with lock:
+                if left[0] <= 0:
+                    return
+                left[0] = left[0] - 1 if answer is not None else 0
+                if left[0]:
+                    return
+            done()
+
+        try:
+            self.rt.loop.call_soon_threadsafe(self.rt.loop.call_later, AFTER_OUTPUT_WAIT_S, one)
+        except RuntimeError:  # the runtime is closing: nothing to wait for
+            return False
+        for a in targets:
+            # answered after the logs, on the same link (allocator.sys_flush_logs)
+            self.request(a, "flush_logs").add_done_callback(one)
+        return True
+
     def _at_exit(self) -> None:
         self.shutdown()
         # nobody can reach this process once it exits: its socket files would only be litter
@@ -407,6 +441,9 @@ def _wait_all(futs: list[Future[Any]], timeout: float) -> None:
         except Exception:
             pass
 
+
+#: how long a script's call that printed waits at most for its output to be shown before its value
+AFTER_OUTPUT_WAIT_S = 1.0
 
 #: how often a request to an allocator declared lost tries a new hello first (a spawn always does)
 REVIVE_EVERY_S = 10.0

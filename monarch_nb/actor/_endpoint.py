@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 R = TypeVar("R")
 A = TypeVar("A")
 
-ERROR = wire.ERROR
+ERROR, PRINTED = wire.ERROR, wire.PRINTED
 
 
 class EndpointProperty(Generic[R]):
@@ -463,6 +463,8 @@ def gather(
     fut._progress = (left, n)
     closed = [False]
     lock = threading.Lock()  # replies come on the I/O thread, a failed send on the caller's
+    #: indices whose call printed (their reply's status PRINTED)
+    printed: list[int] = []
 
     def complete(gone: BaseException | None = None) -> None:
         with lock:
@@ -473,12 +475,17 @@ def gather(
         if gone is not None:
             fut._set_exception(gone)
         elif not errors:
+            if printed and _after_output(endpoint, printed, lambda: fut._set_raw(raw, decode)):
+                return
             fut._set_raw(raw, decode)
         elif isinstance(first := errors[min(errors)], BaseException):
             fut._set_exception(first)
         else:
             still = [i for i in range(n) if raw[i] is None and i not in errors] if n == len(raw) else left[0]
-            fut._set_raw((dict(errors), still, n, endpoint), _raise_grouped)
+            failure = (dict(errors), still, n, endpoint)
+            # what the failing ranks printed before they raised is shown before the error too
+            if not _after_output(endpoint, [*printed, *errors], lambda: fut._set_raw(failure, _raise_grouped)):
+                fut._set_raw(failure, _raise_grouped)
 
     def arrive(index: int, value: Any, failed: bool, gone: bool = False) -> None:
         with lock:
@@ -513,6 +520,8 @@ def gather(
             if closed[0] or raw[index] is not None or index in errors:
                 return
             raw[index] = (body, bufs)
+            if status == PRINTED:
+                printed.append(index)
             if order is not None:
                 order.append(index)
             left[0] -= 1
@@ -534,6 +543,19 @@ def gather(
         replies.close()
         raise
     return fut
+
+
+def _after_output(endpoint: Endpoint[Any] | str | None, printed: list[int], done: Callable[[], None]) -> bool:
+    """(A call whose actors at ``printed``, indices into its mesh's view, printed.) Have the
+    client call ``done`` once their output is shown, if it must wait for it (a script: the
+    text travels through the procs' allocators, the reply straight from the proc); False:
+    call ``done`` now."""
+    client = _context._client
+    if client is None or not isinstance(endpoint, Endpoint):
+        return False
+    mesh = endpoint._mesh
+    procs, ranks = mesh._procs, mesh._view.ranks
+    return client.after_output({procs[ranks[i]].alloc for i in printed if i < len(ranks)}, done)
 
 
 def _decode_one(raw: Any) -> Any:

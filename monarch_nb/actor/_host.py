@@ -36,7 +36,7 @@ from ._shape import Extent, Point
 
 logger = logging.getLogger(__name__)
 
-_OK, _ERROR = wire.OK, wire.ERROR
+_OK, _ERROR, _PRINTED = wire.OK, wire.ERROR, wire.PRINTED
 
 
 class _LoopQueue:
@@ -794,15 +794,15 @@ class ActorSlot:
             where = f"{self.instance_info.name}.{method}" if method else self.instance_info.name
             print(f"monarch_nb: unobserved error in {where}: {value}", file=sys.stderr, flush=True)
 
-    def _flush_out(self) -> None:
-        """What the call printed leaves the proc before its reply does."""
+    def _flush_out(self) -> bool:
+        """What the call printed leaves the proc before its reply does; True if it printed."""
         for f in (sys.stdout, sys.stderr):
             if not isinstance(f, TaggedStream):  # one the user put in place of the proc's own
                 try:
                     f.flush()
                 except (OSError, ValueError, AttributeError):
                     pass
-        end_call()
+        return end_call()
 
     def _begin_call(self, mrank: Any, method: str, call_id: str, raddr: str) -> Any:
         """What a sync or async endpoint call sets while it runs; the token for _end_call."""
@@ -815,9 +815,11 @@ class ActorSlot:
                 self._flush_out()
         return tok
 
-    def _end_call(self, method: str, t0: float, ok: bool, tok: Any) -> None:
-        """The call's accounting (busy time, count, span) and the state _begin_call set, undone."""
+    def _end_call(self, method: str, t0: float, status: int, tok: Any) -> int:
+        """The call's accounting (busy time, count, span) and the state _begin_call set, undone;
+        the reply's status: PRINTED for an OK call that printed."""
         t1 = time.perf_counter()
+        ok = status == _OK
         self.busy_s += t1 - t0
         self.calls += 1
         keys = self._ok_keys if ok else self._err_keys
@@ -828,10 +830,11 @@ class ActorSlot:
             # made on this actor's thread, the one every call of it ends on
             k = keys[method] = spans.call_key(self.instance_info.name, method, self.instance_info.rank.rank, ok)
         spans.record(k, t0, t1)
-        if self.markers:
-            self._flush_out()
+        if self.markers and self._flush_out() and ok:
+            status = _PRINTED
         self.busy = ""
         _context._message_rank.reset(tok)
+        return status
 
     def _call_sync(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
         prep = self._prepare(meta, body, buffers)
@@ -865,7 +868,7 @@ class ActorSlot:
             # SystemExit, KeyboardInterrupt, ...: the actor fails, its process lives on
             raise _ActorFailed(e, _caller(meta)) from None
         finally:
-            self._end_call(method, t0, status == _OK, tok)
+            status = self._end_call(method, t0, status, tok)
         if self.stopping:
             # stopped while it ran: its caller gets no result, as in Monarch
             self._refuse(("call", meta))
@@ -916,7 +919,7 @@ class ActorSlot:
             failure = _ActorFailed(e, _caller(meta))
             result, status = None, _ERROR
         finally:
-            self._end_call(method, t0, status == _OK, tok)
+            status = self._end_call(method, t0, status, tok)
         if failure is None and self.abort_reason is not None:
             self._reply(raddr, rport, index, status, result, method)
             # an explicit port's caller (raddr cleared) may never have been answered: tell it
