@@ -127,11 +127,20 @@ def _coerce(field: dataclasses.Field[Any], raw: str) -> Any:
         raise ConfigError(f"MONARCH_NB_{field.name.upper()}={raw!r} is not a valid {kind.__name__}") from e
 
 
+#: settings that take one of a few words: any other is refused where it is set, not found out
+#: at the first breakpoint hit with no input, hours into a run
+_CHOICES = {"debug_no_input": ("continue", "raise", "wait")}
+
+
 def _check(name: str, value: Any, source: str) -> Any:
     """Every number here is a duration, a size or a count: a negative one (or NaN) means nothing,
     and a heartbeat timeout of -1 would declare every peer lost at once."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and not value >= 0:
         raise ConfigError(f"{source}={value!r}: {name} is seconds, bytes or a count, 0 or more")
+    choices = _CHOICES.get(name)
+    if choices is not None and value not in choices:
+        words = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}"
+        raise ConfigError(f"{source}={value!r}: {name} is {words}")
     return value
 
 

@@ -63,6 +63,22 @@ def test_settings_refuse_what_no_setting_means(monkeypatch: pytest.MonkeyPatch) 
         configure(rdma_streams=-1)
 
 
+def test_a_word_no_setting_means_is_refused_where_it_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """debug_no_input takes continue, raise or wait (docs/debugging.md): any other word was
+    accepted by every command and configure(), and raised only at the first breakpoint hit with
+    no input, out of the wait of whatever call the program was making."""
+    from monarch_nb.config import configure, get_config
+    from monarch_nb.errors import ConfigError
+
+    monkeypatch.setenv("MONARCH_NB_DEBUG_NO_INPUT", "skip")
+    with pytest.raises(ConfigError, match=r"^MONARCH_NB_DEBUG_NO_INPUT='skip': debug_no_input is 'continue', 'raise' or 'wait'$"):
+        get_config()
+    monkeypatch.setenv("MONARCH_NB_DEBUG_NO_INPUT", "raise")
+    assert get_config().debug_no_input == "raise"
+    with pytest.raises(ConfigError, match=r"configure\(debug_no_input\)='Wait': debug_no_input is"):
+        configure(debug_no_input="Wait")
+
+
 def test_configure_is_where_the_docs_call_it() -> None:
     """docs/debugging.md and the debugging notebook say ``monarch_nb.configure(debug_no_input=...)``."""
     import monarch_nb
