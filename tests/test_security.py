@@ -807,6 +807,115 @@ def test_logs_of_a_previous_allocator_of_this_host(tmp_path) -> None:
         a.stop()
 
 
+#: opens a connection N times as fast as it can, to a TCP ``HOST:PORT`` or an abstract unix socket
+#: (the data plane's: its name is in /proc/net/unix for every user to read), each sent 10 bytes
+_CONNECT_MANY = """
+import socket, sys
+where, n = sys.argv[1], int(sys.argv[2])
+for _ in range(n):
+    if where.startswith("@"):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        addr = "\\0" + where[1:]
+    else:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        host, port = where.rsplit(":", 1)
+        addr = (host, int(port))
+    try:
+        s.connect(addr)
+        s.sendall(b"\\xff" + bytes(8) + b"\\x7f")
+    except OSError:
+        pass
+    s.close()
+"""
+
+
+def connect_many_as_nobody(where: str, n: int) -> None:
+    py = shutil.which("python3", path="/usr/bin:/bin") or PY
+    r = subprocess.run(
+        [py, "-c", _CONNECT_MANY, where, str(n)],
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+
+
+class _Holder(Actor):
+    """Holds a buffer, so its proc serves the data plane, and names the socket it serves at."""
+
+    def __init__(self) -> None:
+        from monarch_nb.rdma import RDMABuffer
+
+        self.raw = bytearray(b"abc" * 100)
+        self.buf = RDMABuffer(memoryview(self.raw))
+
+    @endpoint
+    def data_plane_socket(self) -> str:
+        from monarch_nb._runtime import _dataplane
+
+        srv = _dataplane.local_server()
+        assert srv is not None
+        return "@" + srv.unix[1:]
+
+    @endpoint
+    def ping(self) -> int:
+        return 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as uid 65534")
+def test_a_stranger_opening_connections_writes_one_line_not_one_per_connection(tmp_path) -> None:
+    """Any local user can open connections to a proc's data-plane socket as fast as it can; each
+    is refused, and the rank said so once per connection: its output streams into the notebook,
+    so a stranger filled the user's cell (and its log) without getting in. Once, then counted."""
+    from monarch_nb.logs import logs
+
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        h = procs.spawn("h", _Holder)
+        where = h.data_plane_socket.call_one().get(timeout=60)
+        connect_many_as_nobody(where, 200)
+        connect_many_as_nobody(where, 1)
+        assert h.ping.call_one().get(timeout=30) == 1  # the proc serves on
+        wait_for(lambda: any("refused a data-plane connection from uid" in r["line"] for r in logs(procs)), 10, "the refusal")
+        lines = [r["line"] for r in logs(procs) if "refused" in r["line"]]
+        assert len(lines) == 1, lines[:5]
+        assert lines[0].startswith(f"refused a data-plane connection from uid {NOBODY}"), lines
+        assert "logged at most once every 60 s" in lines[0]
+    finally:
+        procs.stop().get(timeout=30)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as uid 65534")
+def test_a_stranger_opening_connections_to_a_tcp_port_writes_one_line(tmp_path) -> None:
+    """The same on an allocator's TCP inbox (anyone on the network reaches it): one line that says
+    further refusals are counted, not a line per connection in the allocator's log."""
+    a = AllocatorProc(str(tmp_path), "--bind", "tcp://127.0.0.1:0", env=dict(LIGHT, MONARCH_NB_KEY_FILE=""))
+    try:
+        connect_many_as_nobody(a.info["tcp"][len("tcp://") :], 100)
+        wait_for(lambda: "security handshake" in a.logtext(), 30, "the refusal")
+        # a controller of the user still gets in (and its own ping flushes the allocator's log)
+        r = run_script(
+            "from monarch_nb.actor import attach_to_workers\n"
+            f"h = attach_to_workers(workers=[{a.info['tcp']!r}])\n"
+            "p = h.spawn_procs(per_host={'gpus': 1})\n"
+            "p.stop().get(timeout=30)\n"
+            "print('ok')\n",
+            env=dict(a.env, MONARCH_NB_KEY_FILE=""),
+        )
+        assert r.stdout.strip() == "ok", r.stderr
+        refused = [ln for ln in a.logtext().splitlines() if "refused a connection" in ln]
+        assert len(refused) == 1, refused[:5]
+        assert "logged at most once every 60 s" in refused[0]
+        assert a.proc.poll() is None
+    finally:
+        a.stop()
+
+
 def test_loopback_tcp_across_runtime_directories_says_why_it_is_refused(tmp_path) -> None:
     from monarch_nb.actor import _context
     from monarch_nb.errors import AuthenticationError

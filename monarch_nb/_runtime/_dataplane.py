@@ -41,6 +41,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ._refusals import Refusals
+
 logger = logging.getLogger(__name__)
 
 # request: op, buffer id, offset, length; reply: status, length of what follows
@@ -281,6 +283,7 @@ class DataServer:
         self._entries: dict[bytes, Entry] = {}
         self._lock = threading.Lock()
         self._listeners: list[socket.socket] = []
+        self.refusals = Refusals(logger)
         # abstract (no file to leave behind when the proc is killed); callers' uid is checked
         self.unix = f"\0monarch_nb-dp-{os.getuid()}-{os.getpid()}-{secrets.token_hex(8)}"
         self.tcp = ""
@@ -348,7 +351,7 @@ class DataServer:
                 assert key is not None
                 ch = _server_handshake(conn, key)
                 if ch is None:
-                    logger.warning("refused a data-plane connection: the peer does not hold the cluster key")
+                    self.refusals.refused("refused a data-plane connection: the peer does not hold the cluster key")
                     conn.close()
                     return
                 conn.settimeout(None)
@@ -356,7 +359,7 @@ class DataServer:
                 cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
                 uid = struct.unpack("3i", cred)[1]
                 if uid not in (os.getuid(), 0):
-                    logger.warning("refused a data-plane connection from uid %d", uid)
+                    self.refusals.refused("refused a data-plane connection from uid %d", uid)
                     conn.close()
                     return
                 ch = _Plain(conn)

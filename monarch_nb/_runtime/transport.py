@@ -41,6 +41,7 @@ from .._wire.keys import curve_keypair, load_or_create_key
 from ..config import Config
 from ..errors import ConfigError, ConnectError
 from . import _fdlimit, fastpath
+from ._refusals import Refusals
 
 logger = logging.getLogger(__name__)
 
@@ -92,13 +93,14 @@ def _is_loopback(host: str) -> bool:
 
 
 class _KeyProvider:
-    def __init__(self, public: bytes) -> None:
+    def __init__(self, public: bytes, refusals: Refusals) -> None:
         self.public = public
+        self.refusals = refusals
 
     def callback(self, domain: str, key: bytes) -> bool:
         ok = key == self.public
         if not ok:
-            logger.warning("refused a connection: the peer does not hold the cluster key")
+            self.refusals.refused("refused a connection: the peer does not hold the cluster key")
         return ok
 
 
@@ -115,6 +117,8 @@ class SocketFactory:
             self._keys = curve_keypair(security.key)
         #: host -> the gateway that reaches it (hosts the controller cannot route to: see gateway.py)
         self.routes: dict[str, Any] = {}
+        #: refused connections of this process's TCP inboxes (_refusals.py)
+        self.refusals = Refusals(logger)
 
     def set_security(self, security: Security) -> None:
         """Adopt a cluster key after start (before any TCP socket uses the old one)."""
@@ -127,7 +131,7 @@ class SocketFactory:
         if security.key is not None:
             self._keys = curve_keypair(security.key)
             if self._auth is not None:
-                self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_KeyProvider(self._keys[0]))
+                self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_KeyProvider(self._keys[0], self.refusals))
 
     def _tcp_keys(self, addr: str) -> tuple[bytes, bytes]:
         self.security.check_address(addr)
@@ -141,7 +145,7 @@ class SocketFactory:
         if self._auth is None:
             self._auth = zmq.auth.thread.ThreadAuthenticator(self.ctx, log=logger)
             self._auth.start()
-            self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_KeyProvider(public))
+            self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_KeyProvider(public, self.refusals))
 
     def secure_server(self, sock: zmq.Socket[bytes], addr: str) -> None:
         if addr.startswith("tcp://"):
@@ -470,7 +474,7 @@ class Transport:
             if uid not in (os.getuid(), 0):
                 # the socket is 0600 in a 0700 directory; this is a second line of defence
                 self.dropped += 1
-                logger.warning("refused a direct connection from uid %d", uid)
+                self.sockets.refusals.refused("refused a direct connection from uid %d", uid)
                 conn.close()
                 continue
             conn.setblocking(False)
@@ -580,7 +584,7 @@ class Transport:
             if ev["event"] in failures:
                 self.dropped += 1
                 # libzmq reports our own endpoint here, not the peer's, so it is not named
-                logger.warning(
+                self.sockets.refusals.refused(
                     "refused a connection on %s: the peer failed the security handshake (wrong cluster key or not monarch_nb)",
                     where,
                 )
