@@ -283,7 +283,8 @@ procs.stop().get(timeout=30)
     )
     assert r["error"] is None, r
     assert "[51, 52]" in r["stdout"]
-    skipped = re.findall(r"breakpoint at (\S+):(\d+) on rank (\d) skipped \(no input\)", r["stderr"])
+    # named as IPython names the cell, as the debugger's table does
+    skipped = re.findall(r"breakpoint at (Cell In\[\d+\]), line (\d+) on rank (\d) skipped \(no input\)", r["stderr"])
     assert sorted(int(x[2]) for x in skipped) == [0, 1], r["stderr"]
     # the breakpoint() line of Dbg.go in its cell (IPython drops the cell's leading blank line)
     bp_line = [ln.strip() for ln in DEFINE.lstrip("\n").splitlines()].index("breakpoint()") + 1

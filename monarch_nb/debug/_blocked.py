@@ -18,7 +18,7 @@ from ..actor._future import Future
 from ..config import get_config
 from ..errors import ConfigError, DebugError
 from ._console import Console
-from ._sessions import Session, _send
+from ._sessions import Session, _send, _where
 
 
 def _stdin_available() -> bool:
@@ -196,9 +196,9 @@ def _no_input() -> None:
     ours = _debugwait.paused()
     _debugwait.mark_seen(set(ours))
     if policy == "wait":
-        for r in ours.values():
+        for s in map(Session._from, ours.values()):
             print(
-                f"breakpoint at {r.get('bp_file')}:{r.get('bp_line')} on rank {r.get('rank')}: no input here; "
+                f"breakpoint at {_where(s.bp_file, s.bp_line)} on rank {s.rank}: no input here; "
                 "waiting for an attach (run `monarch-nb debug` in a terminal)",
                 file=sys.stderr,
                 flush=True,
@@ -214,11 +214,11 @@ def _no_input() -> None:
         except Exception as e:
             print(f"monarch_nb: could not continue rank {s.rank}: {e}", file=sys.stderr, flush=True)
         _debugwait.forget(s.sid)
-        print(f"breakpoint at {s.bp_file}:{s.bp_line} on rank {s.rank} skipped (no input)", file=sys.stderr, flush=True)
+        print(f"breakpoint at {_where(s.bp_file, s.bp_line)} on rank {s.rank} skipped (no input)", file=sys.stderr, flush=True)
     fresh = [s for s in still if not s.call_id or s.call_id not in _raised_calls]
     if policy == "raise" and fresh:
         _raised_calls.update(s.call_id for s in fresh if s.call_id)
-        where = ", ".join(f"{s.bp_file}:{s.bp_line} on rank {s.rank}" for s in fresh)
+        where = ", ".join(f"{_where(s.bp_file, s.bp_line)} on rank {s.rank}" for s in fresh)
         raise DebugError(f"breakpoint at {where} with no input to debug it (debug_no_input='raise'); the ranks were continued")
 
 
