@@ -179,3 +179,65 @@ def test_a_rank_connecting_while_the_controller_holds_every_descriptor_waits_for
         256,
     )
     assert (got["sent"], got["values"], got["after"]) == (5, [0, 1, 2, 3, 4], 7), got
+
+
+_DATA_PLANE_AT_THE_LIMIT = """
+import os, resource, socket, threading, time
+from monarch_nb._runtime import _dataplane as dp
+
+srv = dp.DataServer(lambda: None, lambda: "")
+raw = bytearray(b"z" * 64)
+bid = srv.register(dp.Entry(memoryview(raw), raw))
+
+
+def read(timeout):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(srv.unix)
+    s.sendall(dp._REQ.pack(dp.OP_READ, bid, 0, 8))
+    status, n = dp._RSP.unpack(s.recv(dp._RSP.size))
+    got = s.recv(n)
+    s.close()
+    return status, got
+
+
+assert read(10) == (dp.ST_OK, b"z" * 8)
+# the server closes its end of that connection when it sees ours go: then every descriptor is counted
+deadline = time.monotonic() + 10
+while any(t.name == "monarch_nb-dataplane" for t in threading.enumerate()) and time.monotonic() < deadline:
+    time.sleep(0.01)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
+held = []
+try:
+    while True:
+        held.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+except OSError:
+    pass
+# a reader connects while the server has no descriptor to accept it with
+held.pop().close()
+held.pop().close()
+c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+held.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+c.connect(srv.unix)
+deadline = time.monotonic() + 5  # until the server's accept has met EMFILE (it logs and counts it)
+while srv.refusals.count == 0 and time.monotonic() < deadline:
+    time.sleep(0.01)
+for s in held:
+    s.close()
+c.close()
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print("after", read(10))
+"""
+
+
+def test_the_data_plane_serves_again_after_running_out_of_descriptors() -> None:
+    """A process that ran out of descriptors for a moment (its own code, or connections a stranger
+    holds open on the data plane's TCP port) still serves its buffers once it has room again.
+    Its accept thread used to end at the first EMFILE: every later read of the process's
+    RDMABuffers waited for its timeout."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _DATA_PLANE_AT_THE_LIMIT], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "after (0, b'zzzzzzzz')", r.stdout + r.stderr
