@@ -759,6 +759,11 @@ def test_debug_magics_list_cast_and_continue(k: Kernel) -> None:
     _ok(k.run("from monarch_nb.actor import this_host\napi_held = this_host().spawn_procs(per_host={'gpus': 1}, name='apistk')"))
     st = _ok(k.run("%mesh stacks apistk")).result
     assert "thread MainThread" in st, st
+    # monarch_nb's own threads waiting in the standard library are its internals, as its frames
+    # are: shown only with them
+    assert "mnb-" not in st and "threading.py" not in st, st
+    st = _ok(k.run("from monarch_nb import debug\nprint(debug.stacks(api_held, internal=True))")).stream()
+    assert "thread mnb-stdout-flush" in st, st
     _ok(k.run("api_held.stop().get(timeout=30)"))
     _ok(k.run("%mesh spawn dbgm --per-host gpus=2"))
     code = (

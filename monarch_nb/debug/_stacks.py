@@ -25,6 +25,10 @@ __all__ = ["Stacks", "stacks"]
 _THREAD_SUFFIX = re.compile(r"\[\d+\]$")
 #: where every thread starts: not worth a line in each stack
 _BOOTSTRAP = {("threading.py", "_bootstrap"), ("threading.py", "_bootstrap_inner"), ("threading.py", "run")}
+#: names of the threads monarch_nb starts in a proc for itself (log flushing, the data plane)
+_OWN_THREAD = re.compile(r"^(?:mnb|monarch_nb)-")
+#: a standard-library file (not an installed package's)
+_STDLIB = re.compile(r"/lib/python3\.\d+/(?!(?:site|dist)-packages/)")
 
 
 @dataclass
@@ -69,11 +73,16 @@ class Stacks:
 
     def _add(self, rank: int, thread: dict[str, Any]) -> None:
         name = _THREAD_SUFFIX.sub("", thread["name"])
-        node = self.root.children.setdefault(("thread", name), _Node(f"thread {name}"))
-        node.ranks.add(rank)
         frames = [
             f for f in thread["frames"] if (f[0].rsplit("/", 1)[-1], f[2]) not in _BOOTSTRAP and not f[0].startswith("<frozen ")
         ]
+        if not self.internal and _OWN_THREAD.match(name) and all(_internal(f[0]) or _STDLIB.search(f[0]) for f in frames):
+            # monarch_nb's own thread waiting in the standard library (a Condition, a socket):
+            # a line in every stack that says nothing about the user's code; one running the
+            # user's code (a module reloading) is shown
+            return
+        node = self.root.children.setdefault(("thread", name), _Node(f"thread {name}"))
+        node.ranks.add(rank)
         shown = [f for f in frames if self.internal or not _internal(f[0])]
         if frames and not shown:
             shown = [("", 0, "(only monarch_nb frames: waiting for work)", "")]
