@@ -149,8 +149,15 @@ def _resolve(mesh: ProcMesh | str | None) -> ProcMesh:
         return mesh
     if mesh is None:
         live = [m for m in _meshes.values() if not m._stopped]
-        if len(live) != 1:
-            names = ", ".join(sorted(m.name for m in live)) or "none"
+        if not live:
+            # meshes of the Python API (procs = this_host().spawn_procs(...)) are not listed here:
+            # "0 are running" read as if the user's running mesh were gone
+            raise MeshError(
+                "no mesh named by %mesh spawn is running: name the mesh to use (a variable holding a proc or "
+                "actor mesh works too), or start one with %mesh spawn NAME --per-host gpus=N"
+            )
+        if len(live) > 1:
+            names = ", ".join(sorted(m.name for m in live))
             raise MeshError(f"name the mesh to use: {len(live)} are running ({names})")
         return live[0]
     return get(mesh)

@@ -59,6 +59,10 @@ def test_help_and_clear_usage_errors(k: Kernel, tmp_path) -> None:
         ("%mesh attach nosuch 0", "%mesh attach: no paused session for nosuch rank 0"),
         ("%mesh debug cast ue abc p x", "%mesh debug cast: "),
     ]
+    # no %mesh-named mesh yet (the module's first test): "0 are running (none)" read as if a mesh
+    # of the Python API, which an unnamed exec cannot see, were gone
+    c = k.run("%%mesh exec\n1")
+    assert "no mesh named by %mesh spawn is running: name the mesh to use" in c.stream("stderr"), c.msgs
     _ok(k.run("%mesh spawn ue --per-host gpus=2\n%mesh spawn gone --per-host gpus=1\n%mesh stop gone"))
     for code, text in mistakes:
         c = k.run(code)
