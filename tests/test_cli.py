@@ -69,3 +69,25 @@ def test_a_bad_setting_in_the_environment_is_named_by_every_command() -> None:
         "monarch-nb status: MONARCH_NB_SPAN_RING_BITS='x': an integer from 1 to 24 (default 13)",
     )
     _refused(_cli("status", MONARCH_NB_RUNTIME_DIR="/tmp"), "monarch-nb status: the runtime directory /tmp is a shared directory")
+
+
+def test_every_command_and_option_is_in_the_docs() -> None:
+    """The README's "Command line" block lists each command (it lacked `job`), and every option
+    a command takes is written down somewhere a user reads (the README or docs/)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    block = readme.split("## Command line", 1)[1].split("```", 2)[1]
+    docs = readme + "".join(p.read_text() for p in (root / "docs").glob("*.md"))
+    top = _cli("--help").stdout
+    commands = re.search(r"\{([a-z,]+)\}", top).group(1).split(",")  # type: ignore[union-attr]
+    missing = []
+    for cmd in commands:
+        if f"monarch-nb {cmd}" not in block:
+            missing.append(f"monarch-nb {cmd} (README's block)")
+        for opt in set(re.findall(r"(--[a-z][a-z-]+)", _cli(cmd, "--help").stdout)) - {"--help"}:
+            if not re.search(re.escape(opt) + r"\b", docs):
+                missing.append(f"monarch-nb {cmd} {opt}")
+    assert missing == []
