@@ -207,7 +207,7 @@ deadline = time.monotonic() + 10
 while any(t.name == "monarch_nb-dataplane" for t in threading.enumerate()) and time.monotonic() < deadline:
     time.sleep(0.01)
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(map(int, os.listdir("/proc/self/fd"))) + 4, hard))
 held = []
 try:
     while True:
@@ -241,3 +241,86 @@ def test_the_data_plane_serves_again_after_running_out_of_descriptors() -> None:
 
     r = subprocess.run([sys.executable, "-c", _DATA_PLANE_AT_THE_LIMIT], capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "after (0, b'zzzzzzzz')", r.stdout + r.stderr
+
+
+_GATEWAY_AT_THE_LIMIT = """
+import os, resource, secrets, socket, struct, time
+from monarch_nb._runtime.gateway import GatewayClient, GatewayServer
+
+KEY = secrets.token_bytes(32)
+srv = GatewayServer(("127.0.0.1", 0), "127.0.0.1", KEY)
+echo = socket.create_server(("127.0.0.1", 0))
+port = echo.getsockname()[1]
+
+
+def tunnel():
+    return socket.create_connection(srv.addr[:2], timeout=10)
+
+
+gw = GatewayClient(tunnel, KEY, ["127.0.0.1"], lambda: "")
+
+
+opened = []  # kept open: a stream that closes frees descriptors in the gateway's threads, late
+
+
+def socks():
+    h, p = gw.proxy.rsplit(":", 1)
+    s = socket.create_connection((h, int(p)), timeout=10)
+    s.sendall(b"\\x05\\x01\\x02")
+    s.recv(2)
+    s.sendall(bytes([1, 16]) + gw.username.encode() + bytes([32]) + gw.password.encode())
+    s.recv(2)
+    s.sendall(b"\\x05\\x01\\x00\\x01" + socket.inet_aton("127.0.0.1") + struct.pack("!H", port))
+    code = s.recv(10)[1]
+    opened.extend([s, echo.accept()[0]])
+    return code
+
+
+assert socks() == 0
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(map(int, os.listdir("/proc/self/fd"))) + 4, hard))
+held = []
+try:
+    while True:
+        held.append(socket.socket())
+except OSError:
+    pass
+for _ in range(3):
+    held.pop().close()
+c1, c2 = socket.socket(), socket.socket()
+
+
+def take_every_descriptor():
+    try:
+        while True:
+            held.append(socket.socket())
+    except OSError:
+        pass
+
+
+take_every_descriptor()
+# the controller's SOCKS5 end and the gateway are each connected to with no descriptor to accept with
+c1.connect(("127.0.0.1", int(gw.proxy.rsplit(":", 1)[1])))
+c2.connect(srv.addr[:2])
+deadline = time.monotonic() + 5  # until both accepts met EMFILE (each logs and counts it)
+while not all(getattr(getattr(o, "refusals", None), "count", 0) for o in (gw, srv)) and time.monotonic() < deadline:
+    take_every_descriptor()
+    time.sleep(0.01)
+for s in held + [c1, c2]:
+    s.close()
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print("socks", socks())
+GatewayClient(tunnel, KEY, ["127.0.0.1"], lambda: "").close()
+print("tunnels", srv.tunnels)
+"""
+
+
+def test_the_gateway_serves_again_after_running_out_of_descriptors() -> None:
+    """The same for both ends of the gateway: the controller's SOCKS5 end (every connection zmq
+    makes to the cluster goes through it) and the gateway's tunnel port. Their accept threads
+    ended at the first EMFILE: the notebook never reached the cluster again."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _GATEWAY_AT_THE_LIMIT], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["socks", "0", "tunnels", "2"], r.stdout + r.stderr

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import hashlib
 import hmac
 import logging
@@ -42,6 +41,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from . import _fdlimit
 from ._refusals import Refusals
 
 logger = logging.getLogger(__name__)
@@ -232,10 +232,6 @@ def _server_handshake(sock: socket.socket, key: bytes) -> _Sealed | None:
 
 
 # ----------------------------------------------------------------------------------- owner side
-#: accept() errors after which the listener still works: a pending connection aborted, or no
-#: descriptor or memory for it yet
-_ACCEPT_AGAIN = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO})
-_ACCEPT_PAUSE_S = 0.1
 
 
 class Entry:
@@ -341,20 +337,7 @@ class DataServer:
 
     # -- serving
     def _accept(self, lsock: socket.socket, sealed: bool) -> None:
-        while True:
-            try:
-                conn, _ = lsock.accept()
-            except OSError as e:
-                if self.closed or e.errno not in _ACCEPT_AGAIN:
-                    return  # closed
-                if e.errno in (errno.ECONNABORTED, errno.EPROTO):
-                    continue  # that peer gave up before we took it
-                # out of descriptors for now (this process's own code, or connections a stranger
-                # holds open): the connection waits queued and is served once one is free. This
-                # thread used to end here, and the buffers of the process were never read again.
-                self.refusals.refused("the data plane cannot accept a connection for now: %s; retrying", e.strerror)
-                time.sleep(_ACCEPT_PAUSE_S)
-                continue
+        while (conn := _fdlimit.accept(lsock, "the data plane", self.refusals.refused)) is not None:
             try:
                 threading.Thread(target=self._serve, args=(conn, sealed), name="monarch_nb-dataplane", daemon=True).start()
             except RuntimeError as e:  # no thread to serve it: that reader is refused, later ones are not

@@ -15,6 +15,9 @@ from __future__ import annotations
 import errno
 import os
 import resource
+import socket
+import time
+from collections.abc import Callable
 
 #: the soft limit is raised to at most this: enough for thousands of procs, and low enough
 #: that code which closes every possible descriptor in a loop stays quick
@@ -90,3 +93,27 @@ def _exhausted(need_text: str, used: int, need: int, starts: str) -> OSError:
         "(above the hard limit that takes /etc/security/limits.conf, or LimitNOFILE= in a systemd unit), "
         "or stop meshes you no longer use",
     )
+
+
+#: accept() errors after which a listener still works: a pending connection that was aborted,
+#: or no descriptor or memory for it yet
+_ACCEPT_AGAIN = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO})
+ACCEPT_PAUSE_S = 0.1
+
+
+def accept(lsock: socket.socket, what: str, warn: Callable[..., None]) -> socket.socket | None:
+    """The next connection for a thread that serves ``lsock`` until it is closed (then None).
+    Out of descriptors for now (this process's own code, or connections a stranger holds open),
+    it waits and tries again, the connection queued meanwhile, saying so through ``warn``
+    (a :meth:`Refusals.refused <._refusals.Refusals.refused>`); such a thread used to end at
+    the first ``EMFILE``, and ``what`` (the data plane, the gateway) never answered again."""
+    while True:
+        try:
+            return lsock.accept()[0]
+        except OSError as e:
+            if lsock.fileno() < 0 or e.errno not in _ACCEPT_AGAIN:
+                return None  # closed
+            if e.errno in (errno.ECONNABORTED, errno.EPROTO):
+                continue  # that peer gave up before we took it
+            warn("%s cannot accept a connection for now: %s (descriptors: %s); retrying", what, e.strerror, usage())
+            time.sleep(ACCEPT_PAUSE_S)

@@ -42,6 +42,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import _fdlimit
+from ._refusals import Refusals
 from ._tunnel import ACCEPT, BYE, FAILED, OPENED, Mux, Streams, TunnelError, recv_exact
 
 logger = logging.getLogger(__name__)
@@ -166,16 +168,13 @@ class GatewayServer:
         self.sock = socket.create_server(listen)
         self.addr = self.sock.getsockname()
         self.tunnels = 0
+        self.refusals = Refusals(logger)
         self.sessions: dict[str, _Session] = {}
         self.lock = threading.Lock()
         threading.Thread(target=self._accept, name="gateway", daemon=True).start()
 
     def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
+        while (conn := _fdlimit.accept(self.sock, "the gateway", self.refusals.refused)) is not None:
             threading.Thread(target=self._serve, args=(conn,), name="gateway-tunnel", daemon=True).start()
 
     def _session(self, name: str) -> _Session:
@@ -189,11 +188,7 @@ class GatewayServer:
             return sess
 
     def _accept_reverse(self, sess: _Session) -> None:
-        while True:
-            try:
-                c, _ = sess.reverse.accept()
-            except OSError:
-                return
+        while (c := _fdlimit.accept(sess.reverse, "the gateway's reverse listener", self.refusals.refused)) is not None:
             mux = sess.mux
             if mux is None or mux.closed.is_set():
                 c.close()  # between tunnels: the peer's zmq connects again
@@ -295,6 +290,7 @@ class GatewayClient:
         self._gen = 0
         self.reverse = ""
         self.streams = Streams(first_sid=1, on_accept=self._on_accept)
+        self.refusals = Refusals(logger)
         self.mux = self._open()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.username = secrets.token_hex(8)
@@ -422,11 +418,7 @@ class GatewayClient:
         self.streams.attach(sid, s)
 
     def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
+        while (conn := _fdlimit.accept(self.listener, "the gateway's SOCKS5 end", self.refusals.refused)) is not None:
             threading.Thread(target=self._socks, args=(conn,), name="gateway-socks-conn", daemon=True).start()
 
     def _socks(self, conn: socket.socket) -> None:
