@@ -131,3 +131,33 @@ def test_job_rows_in_the_sidebar_and_the_dashboard_with_a_lost_host(page, lab) -
     finally:
         if any(r["name"] == "bjob" for r in list_jobs()):
             subprocess.run([sys.executable, "-m", "monarch_nb", "job", "kill", "bjob"], capture_output=True, timeout=60)
+
+
+def test_a_dashboard_says_it_is_not_live_once_its_kernel_restarts(page, lab) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    _SPAWNED.add("stale")
+    cells = ["%load_ext monarch_nb\n%mesh spawn stale --per-host gpus=2", "%load_ext monarch_nb\nd = %mesh dashboard stale\nd"]
+    nb = run_notebook(page, lab, write_notebook(lab, "stale", cells))
+    dash = nb.locator(".jp-OutputArea-output .mnb-dash")
+    expect(dash.locator(".mnb-grid .mnb-rank")).to_have_count(2, timeout=90_000)
+    expect(dash.locator(".mnb-stale-note")).to_have_count(0)
+
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Kernel$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Restart Kernel…$")).click()
+    page.locator(".jp-Dialog button.jp-mod-accept").click()
+    # the last drawn view stays: it must not pass for live, and its buttons must not throw
+    # "Cannot send" into the console (the page fixture fails the test on a page error)
+    expect(dash.locator(".mnb-stale-note")).to_have_text(re.compile(r"^Not live: the kernel that drew this dashboard restarted"))
+    for label in ("refresh", "stacks", "stop mesh"):
+        expect(dash.locator("button", has_text=label)).to_be_disabled()
+    expect(dash.get_by_placeholder("ranks, e.g. 0-3")).to_be_disabled()
+    shot(page, "dashboard-stale-after-restart")
+
+    # run the dashboard's cell again (the named mesh outlived the kernel): the new one is live
+    expect(page.locator(".jp-StatusBar-Widget", has_text="| Idle").first).to_be_visible(timeout=60_000)
+    nb.locator(".jp-Cell").nth(1).locator(".jp-InputPrompt").click()
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run Selected Cell$")).click()
+    fresh = nb.locator(".jp-OutputArea-output .mnb-dash:not(.mnb-dash-stale)")
+    expect(fresh.locator(".mnb-grid .mnb-rank")).to_have_count(2, timeout=90_000)
+    expect(nb.locator(".mnb-stale-note")).to_have_count(0)
+    expect(fresh.locator("button", has_text="refresh")).to_be_enabled()

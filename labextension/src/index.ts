@@ -7,6 +7,7 @@ import { Widget } from '@lumino/widgets';
 import { ILogLine, IMesh, rankLog, startAllocator, stopMesh } from './api';
 import { meshIcon } from './icon';
 import { MeshSidebar } from './sidebar';
+import { endsWidgets, markDashboardsStale } from './stale';
 
 /** A main-area view of one rank's full log, as its allocator keeps it. */
 class RankLogView extends Widget {
@@ -128,6 +129,17 @@ const plugin: JupyterFrontEndPlugin<void> = {
     });
     sidebar.title.icon = meshIcon;
     app.shell.add(sidebar, 'left', { rank: 900 });
+
+    // dashboards drawn by a kernel that restarted or went away stop updating: say so
+    tracker?.widgetAdded.connect((_, panel) => {
+      const ctx = panel.sessionContext;
+      ctx.statusChanged.connect((_, status) => {
+        if (endsWidgets(status)) {
+          markDashboardsStale(panel.content.node);
+        }
+      });
+      ctx.kernelChanged.connect(() => markDashboardsStale(panel.content.node));
+    });
   }
 };
 
