@@ -692,6 +692,8 @@ one = t.slice(gpus=1)
 for i in range(20):
     print("value", one.say.call_one(i).get(timeout=20), flush=True)
 print("values", t.say.call(20).get(timeout=20).values(), flush=True)
+for f in one.say.stream(23):
+    print("streamed", f.get(timeout=20), flush=True)
 async def main():
     return await one.say.call_one(21)
 print("awaited", asyncio.run(main()), flush=True)
@@ -706,7 +708,15 @@ except ActorError:
     assert got[:40] == [ln for i in range(20) for ln in (f"[1] said {i}", f"value {i}")], r.stdout
     # two ranks' lines come in either order, both before the values
     assert sorted(got[40:42]) == ["[0] said 20", "[1] said 20"], r.stdout
-    assert got[42:] == ["values [20, 20]", "[1] said 21", "awaited 21", "[1] failing 22", "raised 22"], r.stdout
+    assert got[42:] == [
+        "values [20, 20]",
+        "[1] said 23",
+        "streamed 23",
+        "[1] said 21",
+        "awaited 21",
+        "[1] failing 22",
+        "raised 22",
+    ], r.stdout
 
 
 def test_code_from_main_keeps_its_file_name_in_the_proc(tmp_path):

@@ -322,7 +322,10 @@ class Endpoint(Generic[R]):
             assert replies is not None
             replies.answered(index)
             f: Future[R] = Future._create(f"{self._name}.stream() item")
-            f._set_raw((body, bufs), _raise_remote if status == wire.ERROR else _decode_one)
+            raw, decode = (body, bufs), _raise_remote if status == ERROR else _decode_one
+            # in a script, what the actor printed is shown before its item is read (gather's rule)
+            if status == wire.OK or not _after_output(self, [index], lambda: f._set_raw(raw, decode)):
+                f._set_raw(raw, decode)
             deliver(f)
 
         def on_fail(index: int, err: BaseException) -> None:
