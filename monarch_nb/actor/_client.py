@@ -365,7 +365,7 @@ class Client:
         # one declared lost has nothing to flush here, and asking would cost a hello's wait each
         _wait_all([self.request(a, "flush_logs") for a in list(self.hellos) if not self.rt.supervision.is_lost(a)], timeout)
 
-    def after_output(self, allocs: set[str], done: Callable[[], None]) -> bool:
+    def after_output(self, allocs: set[str], done: Callable[[], object]) -> bool:
         """(A call whose procs of allocators ``allocs`` printed.) Call ``done`` once those
         allocators sent what their procs wrote so far (on the I/O thread; at the latest after
         :data:`AFTER_OUTPUT_WAIT_S`), so a script prints a call's output before its value, as
@@ -391,7 +391,7 @@ class Client:
             done()
 
         try:
-            self.rt.loop.call_soon_threadsafe(self.rt.loop.call_later, AFTER_OUTPUT_WAIT_S, one)
+            self.rt.loop.call_soon_threadsafe(self.rt.loop.call_later, AFTER_OUTPUT_WAIT_S, one)  # type: ignore[arg-type]
         except RuntimeError:  # the runtime is closing: nothing to wait for
             return False
         for a in targets:

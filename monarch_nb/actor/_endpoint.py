@@ -548,7 +548,7 @@ def gather(
     return fut
 
 
-def _after_output(endpoint: Endpoint[Any] | str | None, printed: list[int], done: Callable[[], None]) -> bool:
+def _after_output(endpoint: Endpoint[Any] | str | None, printed: list[int], done: Callable[[], object]) -> bool:
     """(A call whose actors at ``printed``, indices into its mesh's view, printed.) Have the
     client call ``done`` once their output is shown, if it must wait for it (a script: the
     text travels through the procs' allocators, the reply straight from the proc); False:
