@@ -79,6 +79,10 @@ def _workloads() -> list[Spec]:
                     interleave=4,
                 )
             )
+    # a call that prints one line: in a script its value waits until the line was shown (the
+    # proc's allocator answered a flush), as on Monarch, whose local procs write to the script's
+    # stdout themselves (its log forwarding is left off here, its default)
+    w.append(Spec("callone_print_get", 200, interleave=4))
     for n in (4, 8, 16):
         w.append(Spec(f"call_{n}", 40, target="<= 0.2x" if n >= 8 else "", target_median=0.2 if n >= 8 else None, interleave=2))
     for n in (8, 16):
