@@ -29,6 +29,7 @@ import _inotify
 import psutil
 import pytest
 import zmq
+from _nobody import NOBODY, run_as_nobody
 from conftest import PY, AllocatorProc, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -39,7 +40,6 @@ from monarch_nb._wire.keys import curve_keypair, generate_key, read_key_file, wr
 
 pytestmark = pytest.mark.timeout(300)
 
-NOBODY = 65534
 #: every process of these tests gets this limit, so an "oversized" frame is cheap to make
 MAX_BYTES = 1 << 20
 ENV = {"MONARCH_NB_ZYGOTE_PRELOAD": "", "MONARCH_NB_MAX_MESSAGE_BYTES": str(MAX_BYTES), "MONARCH_NB_KEY_FILE": ""}
@@ -756,20 +756,7 @@ def entry_points(cluster: Cluster) -> list[tuple[str, str, str]]:
 
 
 def _as_nobody(kind: str, addr: str, frame: bytes) -> str:
-    py = shutil.which("python3", path="/usr/bin:/bin") or PY
-    r = subprocess.run(
-        [py, "-c", _NOBODY_CLIENT, kind, addr.encode().hex(), frame.hex()],
-        user=NOBODY,
-        group=NOBODY,
-        extra_groups=[],
-        cwd="/",
-        env={"PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert r.returncode == 0, r.stderr
-    return r.stdout.strip()
+    return run_as_nobody(_NOBODY_CLIENT, kind, addr.encode().hex(), frame.hex()).strip()
 
 
 def _assert_none_made(markers: list[str], outcomes: list[str], seconds: float = 2.0) -> None:

@@ -22,6 +22,7 @@ import _gate
 import _inotify
 import psutil
 import pytest
+from _nobody import NOBODY, run_as_nobody
 from conftest import PY, AllocatorProc, run_script, wait_for
 
 from monarch_nb._wire import frames
@@ -29,7 +30,6 @@ from monarch_nb.actor import Actor, ActorError, endpoint, this_host
 
 pytestmark = pytest.mark.timeout(240)
 
-NOBODY = 65534
 #: allocators of these tests run code that needs no torch: their zygote starts in a fraction of the time
 LIGHT = {"MONARCH_NB_ZYGOTE_PRELOAD": ""}
 
@@ -84,19 +84,7 @@ except OSError:
 
 def send_as_nobody(addr: str, frame: bytes) -> None:
     """Connect to ``addr`` as uid 65534 without a key and send ``frame`` (what any local user can do)."""
-    py = shutil.which("python3", path="/usr/bin:/bin") or PY
-    r = subprocess.run(
-        [py, "-c", _ZMTP_CLIENT, addr, frame.hex()],
-        user=NOBODY,
-        group=NOBODY,
-        extra_groups=[],
-        cwd="/",
-        env={"PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert r.returncode == 0, r.stderr
+    run_as_nobody(_ZMTP_CLIENT, addr, frame.hex())
 
 
 def assert_never_appears(path: str, seconds: float = 2.0) -> None:
@@ -830,19 +818,7 @@ for _ in range(n):
 
 
 def connect_many_as_nobody(where: str, n: int) -> None:
-    py = shutil.which("python3", path="/usr/bin:/bin") or PY
-    r = subprocess.run(
-        [py, "-c", _CONNECT_MANY, where, str(n)],
-        user=NOBODY,
-        group=NOBODY,
-        extra_groups=[],
-        cwd="/",
-        env={"PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert r.returncode == 0, r.stderr
+    run_as_nobody(_CONNECT_MANY, where, str(n), timeout=60)
 
 
 class _Holder(Actor):
