@@ -892,6 +892,47 @@ def test_a_stranger_opening_connections_to_a_tcp_port_writes_one_line(tmp_path) 
         a.stop()
 
 
+_SILENT_FLOOD = """
+import secrets, socket, threading, time
+from monarch_nb._runtime import _dataplane as dp
+
+KEY = secrets.token_bytes(32)
+srv = dp.DataServer(lambda: KEY, lambda: "127.0.0.1")
+raw = bytearray(b"z" * 64)
+bid = srv.register(dp.Entry(memoryview(raw), raw))
+ip, port = srv.address().tcp.rsplit(":", 1)
+# a stranger's connections that never greet, each held by the server for its handshake's 10 s
+silent = [socket.create_connection((ip, int(port)), timeout=10) for _ in range(300)]
+# the most threads serving at once until all were accepted (within the handshakes' 10 s)
+serving, deadline = 0, time.monotonic() + 5
+while srv.refusals.count < 300 - CAP and time.monotonic() < deadline:
+    serving = max(serving, sum(t.name == "monarch_nb-dataplane" for t in threading.enumerate()))
+    time.sleep(0.01)
+# a reader with the key, during the flood
+s = socket.create_connection((ip, int(port)), timeout=10)
+ch = dp._client_handshake(s, KEY)
+ch.send(dp._REQ.pack(dp.OP_READ, bid, 0, 8))
+rsp = bytearray(dp._RSP.size)
+ch.recv_into(memoryview(rsp))
+status, n = dp._RSP.unpack(rsp)
+got = bytearray(n)
+ch.recv_into(memoryview(got))
+print(serving, status, bytes(got))
+"""
+
+
+def test_silent_connections_to_a_data_plane_port_hold_a_bounded_number_of_threads() -> None:
+    """A keyed data-plane port took a thread per connection for its 10 s handshake, with no bound:
+    anyone who can reach it could start thousands of threads in a rank (its own code then finds
+    none to start). The oldest handshakes past GREETING_MAX are cut, and a reader with the key
+    arriving during the flood is still served."""
+    from monarch_nb._runtime._dataplane import GREETING_MAX
+
+    r = run_script(f"CAP = {GREETING_MAX}\n" + _SILENT_FLOOD)
+    serving, status, got = r.stdout.split()
+    assert int(serving) <= GREETING_MAX + 1 and (status, got) == ("0", "b'zzzzzzzz'"), r.stdout + r.stderr
+
+
 def test_loopback_tcp_across_runtime_directories_says_why_it_is_refused(tmp_path) -> None:
     from monarch_nb.actor import _context
     from monarch_nb.errors import AuthenticationError

@@ -279,12 +279,22 @@ class Address:
     tcp: str  # "ip:port" or ""
 
 
+#: keyed TCP connections in their handshake at once; past this the oldest is dropped. A reader
+#: with the key greets within milliseconds, while anyone who can reach the port could otherwise
+#: hold a thread of the rank per silent connection for the handshake's 10 s, thousands of them
+#: (and the user's own code would then find no thread to start): a flood is bounded, and a reader
+#: arriving during one is still served
+GREETING_MAX = 32
+
+
 class DataServer:
     def __init__(self, key: Callable[[], bytes | None], tcp_ip: Callable[[], str]) -> None:
         self._key = key  # asked on use: a controller adopts its cluster key when it attaches
         self._tcp_ip = tcp_ip
         self._entries: dict[bytes, Entry] = {}
         self._lock = threading.Lock()
+        #: keyed connections still in their handshake, oldest first
+        self._greeting: dict[socket.socket, None] = {}
         self._listeners: list[socket.socket] = []
         self.refusals = Refusals(logger)
         # abstract (no file to leave behind when the proc is killed); callers' uid is checked
@@ -338,11 +348,30 @@ class DataServer:
     # -- serving
     def _accept(self, lsock: socket.socket, sealed: bool) -> None:
         while (conn := _fdlimit.accept(lsock, "the data plane", self.refusals.refused)) is not None:
+            if sealed:
+                self._greets(conn)
             try:
                 threading.Thread(target=self._serve, args=(conn, sealed), name="monarch_nb-dataplane", daemon=True).start()
             except RuntimeError as e:  # no thread to serve it: that reader is refused, later ones are not
+                with self._lock:
+                    self._greeting.pop(conn, None)
                 conn.close()
                 self.refusals.refused("the data plane dropped a connection: %s", e)
+
+    def _greets(self, conn: socket.socket) -> None:
+        """``conn`` begins its handshake; past :data:`GREETING_MAX` the oldest one still in its
+        handshake is cut (its thread ends)."""
+        with self._lock:
+            self._greeting[conn] = None
+            oldest = next(iter(self._greeting)) if len(self._greeting) > GREETING_MAX else None
+            if oldest is not None:
+                del self._greeting[oldest]
+        if oldest is not None:
+            self.refusals.refused("the data plane cut a connection still in its handshake: more than %d at once", GREETING_MAX)
+            try:
+                oldest.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _serve(self, conn: socket.socket, sealed: bool) -> None:
         ch: _Plain | _Sealed | None
@@ -352,7 +381,11 @@ class DataServer:
                 conn.settimeout(10)
                 key = self._key()
                 assert key is not None
-                ch = _server_handshake(conn, key)
+                try:
+                    ch = _server_handshake(conn, key)
+                finally:
+                    with self._lock:
+                        self._greeting.pop(conn, None)
                 if ch is None:
                     self.refusals.refused("refused a data-plane connection: the peer does not hold the cluster key")
                     conn.close()
