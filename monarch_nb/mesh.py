@@ -164,11 +164,15 @@ def stop(name: str | None = None, *, all: bool = False, force: bool = False) -> 
     if (name is None) == (not all):
         raise ValueError("give a mesh name or all=True")
     with _registry._lock:
-        targets = [m for m in _registry._meshes.values() if not m._stopped] if all else [get(name)]  # type: ignore[arg-type]
         client = controller_client()
+        held = [m for m in _registry._meshes.values() if not m._stopped] + _spawned_here(client)
+        if all:
+            groups = _by_procs(held)
+        else:
+            groups = _by_procs([m for m in held if m.name == name]) or [[get(name)]]  # type: ignore[arg-type]
         stopped = []
         errors = []
-        for pm in targets:
+        for pm, *same in groups:
             if all and not force and not _owned(client, pm):
                 continue
             try:
@@ -176,10 +180,34 @@ def stop(name: str | None = None, *, all: bool = False, force: bool = False) -> 
                 stopped.append(pm.name)
             except Exception as e:
                 errors.append(f"{pm.name}: {e}")
+            for other in same:
+                other._stopped = True  # the same procs, held by another object: stopped too
             _registry._exec_meshes.pop(pm.name, None)
         if errors:
             raise MeshError("could not stop " + "; ".join(errors))
         return stopped
+
+
+def _spawned_here(client: Any) -> list[ProcMesh]:
+    """This controller's live proc meshes, also those of the Python API
+    (``procs = this_host().spawn_procs(..., name="train")``) that no ``%mesh`` name holds:
+    ``%mesh status`` lists them as this kernel's, so ``%mesh stop --all`` and ``%mesh stop
+    train`` must reach them too, or their persistent procs hold the host until the lease."""
+    with client._lock:
+        owned = list(client.owned.values())
+    return [m for m in owned if isinstance(m, ProcMesh) and not m._stopped]
+
+
+def _by_procs(pms: list[ProcMesh]) -> list[list[ProcMesh]]:
+    """The objects of each mesh, grouped: a mesh of the Python API that ``%mesh connect``
+    re-attached is held twice (the spawn's object and the registry's); stopping it twice would
+    fail, and an object left unstopped would claim its name."""
+    groups: dict[frozenset[str], list[ProcMesh]] = {}
+    for pm in pms:
+        group = groups.setdefault(frozenset(p.addr for p in pm._procs), [])
+        if all(pm is not g for g in group):
+            group.append(pm)
+    return list(groups.values())
 
 
 def _owned(client: Any, pm: ProcMesh) -> bool:

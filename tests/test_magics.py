@@ -919,3 +919,28 @@ def test_the_subcommands_take_a_variable_holding_a_mesh_of_the_python_api(k: Ker
     c = _ok(k.run("%mesh stop api_procs"))
     assert c.stream().startswith("stopped: api_procs (anon-"), c.stream()
     assert _ok(k.run("api_procs._stopped")).result == "True"
+
+
+def test_stop_by_name_and_stop_all_reach_meshes_of_the_python_api() -> None:
+    """`%mesh status` lists meshes spawned with `this_host().spawn_procs()` as this kernel's, but
+    `%mesh stop train` said "no mesh named 'train'" and `%mesh stop --all` "stopped: nothing (no
+    running mesh of yours)": their persistent procs held the host until the lease."""
+    kern = Kernel()
+    try:
+        _ok(
+            kern.run(
+                "from monarch_nb.actor import this_host\n"
+                "procs = this_host().spawn_procs(per_host={'gpus': 1}, name='train')\n"
+                "more = this_host().spawn_procs(per_host={'gpus': 2})\n"
+                "held = this_host().spawn_procs(per_host={'gpus': 1}, name='held')"
+            )
+        )
+        assert _ok(kern.run("%mesh stop train")).stream() == "stopped: train\n"
+        c = _ok(kern.run("%mesh stop --all"))
+        assert sorted(c.stream().removeprefix("stopped: ").strip().split(", ")) == sorted(
+            [_ok(kern.run("print(more.name)")).stream().strip(), "held"]
+        ), c.stream()
+        assert _ok(kern.run("procs._stopped, more._stopped, held._stopped")).result == "(True, True, True)"
+        assert "this kernel" not in _ok(kern.run("%mesh status")).result
+    finally:
+        kern.close()
