@@ -3,8 +3,10 @@ meshes, and what their ranks print reaches the cells of the new kernel."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
-from _kernel import Cell, Kernel
+from _kernel import Cell, Kernel, poll
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,5 +31,26 @@ def test_rank_output_reaches_the_cell_after_a_kernel_restart() -> None:
         assert c.result == pids.result  # the same processes
         assert "after the restart" in c.stream(), c.stream()
         _ok(k.run("%mesh stop survivor"))
+    finally:
+        k.close()
+
+
+def test_a_restarted_kernel_leaves_no_socket_files_behind() -> None:
+    """A restart kills the kernel (SIGKILL): it cannot remove its socket files as a controller
+    that exits does, and each restart left two more in the runtime directory."""
+    k = Kernel()
+    try:
+        _ok(k.run("%mesh connect"))
+        c = _ok(k.run("from monarch_nb.actor import controller_client\nprint(controller_client().rt.ipc_addr)"))
+        sock = c.stream().strip().removeprefix("ipc://")
+        fast = sock.removesuffix(".sock") + ".fast"
+        assert os.path.exists(sock) and os.path.exists(fast), (sock, fast)
+        k.km.restart_kernel(now=True)
+        k.kc.wait_for_ready(timeout=60)
+        _ok(k.run("%load_ext monarch_nb"))
+        _ok(k.run("%mesh connect"))
+        # the allocator notices the old kernel's process is gone within a heartbeat
+        gone = f"not os.path.exists({sock!r}) and not os.path.exists({fast!r})"
+        _ok(k.run("import os\n" + poll(gone, 20, "the killed kernel's socket files to be removed")))
     finally:
         k.close()

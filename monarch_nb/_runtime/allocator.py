@@ -738,6 +738,10 @@ class Allocator(DebugRegistry):
                 self._detach(addr, "its process exited")
                 if c.get("pid"):
                     shm.sweep_dead(int(c["pid"]))  # its pooled and in-flight shared memory
+                # a kernel killed (a restart, kill -9, the OOM killer) could not remove its socket
+                # files as a controller that exits does; nobody serves them now
+                if os.path.realpath(os.path.dirname(addr[len("ipc://") :])) == os.path.realpath(self.runtime_dir):
+                    _unlink_ipc(addr)
 
     def _controller_at_work(self, addr: str, c: dict[str, Any], silent: float, detach_after: float) -> bool:
         """Whether a silent controller of this host (it reached us over ipc) is still at work
