@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import textwrap
+import time
 
 import pytest
 from _kernel import Kernel, poll
@@ -942,5 +943,41 @@ def test_stop_by_name_and_stop_all_reach_meshes_of_the_python_api() -> None:
         ), c.stream()
         assert _ok(kern.run("procs._stopped, more._stopped, held._stopped")).result == "(True, True, True)"
         assert "this kernel" not in _ok(kern.run("%mesh status")).result
+    finally:
+        kern.close()
+
+
+def test_an_interrupted_spawn_says_how_to_reach_its_procs_and_stop_all_stops_them(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An interrupt during spawn_procs stops only the wait; the note said ".get() or await waits
+    for it again" with no future to call it on, and the procs, once up, were no mesh of this
+    kernel's: `%mesh stop --all` left them running."""
+    flag, waiting = tmp_path / "go", tmp_path / "waiting"
+    kern = Kernel()
+    try:
+        cell = kern.execute(
+            "import os\nfrom monarch_nb.actor import this_host\n"
+            "def waits():\n"
+            f"    open({str(waiting)!r}, 'w').close()\n"
+            + textwrap.indent(poll(f"os.path.exists({str(flag)!r})", 60), "    ")
+            + "cut = this_host().spawn_procs(per_host={'gpus': 2}, name='cut', bootstrap=waits)"
+        )
+        # the spawn is under way: a proc runs its bootstrap, and the cell waits for it
+        deadline = time.monotonic() + 60
+        while not waiting.exists():
+            assert time.monotonic() < deadline, "no proc of the spawn started within 60 s"
+            time.sleep(0.05)
+        kern.interrupt()
+        err = kern.wait(cell, 30).error
+        assert err is not None and err["ename"] == "KeyboardInterrupt", err
+        tb = "\n".join(err["traceback"])
+        assert "only the wait stopped: the spawn of 2 procs 'cut' goes on" in tb, tb
+        assert "ProcMesh.lookup('cut') returns them, `%mesh stop cut` stops them" in tb, tb
+        assert ".get() or await" not in tb, tb
+        flag.touch()
+        stopped = "import monarch_nb.mesh as M\nstopped = []\n" + poll(
+            "(stopped.extend(M.stop(all=True)) or 'cut' in stopped)", 30
+        )
+        _ok(kern.run(stopped))
+        assert "cut (persistent)" not in _ok(kern.run("%mesh status")).result
     finally:
         kern.close()

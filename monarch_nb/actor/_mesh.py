@@ -1043,40 +1043,56 @@ class HostMesh(MeshTrait):
             f.add_done_callback(host_done)
         if not futs:
             whole._set_result(None)
+        owner = _context.current_instance()
+
+        def finish() -> ProcMesh:
+            procs: list[ProcRef] = []
+            errors = []
+            for h, f in zip(hosts, futs):
+                try:
+                    info = f.get(timeout=0)
+                except Exception as e:
+                    errors.append((h, e))
+                    continue
+                for addr, pid, rank in info["procs"]:
+                    procs.append(ProcRef(addr, h.alloc, info["host"], pid, name, rank))
+            if errors:
+                for h, f in zip(hosts, futs):
+                    if f.exception(timeout=0) is None:
+                        client.request(h.alloc, "stop_mesh", name, client.cid, False, "spawn failed elsewhere")
+                h, err = errors[0]
+                if isinstance(err, SpawnError):
+                    raise err
+                raise SpawnError(f"spawning procs {name!r} on host {h.host} failed: {err}") from err
+            procs.sort(key=lambda p: p.rank)
+            pm = ProcMesh(name, procs, View(labels, sizes), self, persist)
+            # the actor spawning these procs owns them: their failures go to its __supervise__
+            pm._owner = owner
+            if pm._owner is not None:
+                pm._owner._owned.append(pm)  # stopped when its owner is
+            client.own(procs, pm)
+            for p in procs:
+                client.rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)
+            return pm
+
         try:
             whole.get(timeout=client.rt.cfg.spawn_timeout + 10)
         except TimeoutError:
             pass  # the hosts that did not answer are named below
+        except KeyboardInterrupt as e:
+            # an interrupt stops the wait, not the spawn; there is no future to wait on again,
+            # so the mesh is taken as this controller's once up (supervised, stopped by `%mesh
+            # stop --all`), and the user is told how to reach it
+            e.__notes__ = [n for n in getattr(e, "__notes__", []) if "only the wait stopped" not in n]
+            e.add_note(
+                f"monarch_nb: only the wait stopped: the spawn of {total} procs {name!r} goes on, and its procs are "
+                f"this controller's once up: ProcMesh.lookup({name!r}) returns them, `%mesh stop {name}` stops them"
+            )
+            threading.Thread(target=_adopt_spawned, args=(whole, finish, client.rt.cfg.spawn_timeout + 10), daemon=True).start()
+            raise
         finally:
             client.rt.close_port(progress_port)
-        procs: list[ProcRef] = []
-        errors = []
-        for h, f in zip(hosts, futs):
-            try:
-                info = f.get(timeout=0)
-            except Exception as e:
-                errors.append((h, e))
-                continue
-            for addr, pid, rank in info["procs"]:
-                procs.append(ProcRef(addr, h.alloc, info["host"], pid, name, rank))
-        if errors:
-            for h, f in zip(hosts, futs):
-                if f.exception(timeout=0) is None:
-                    client.request(h.alloc, "stop_mesh", name, client.cid, False, "spawn failed elsewhere")
-            h, err = errors[0]
-            if isinstance(err, SpawnError):
-                raise err
-            raise SpawnError(f"spawning procs {name!r} on host {h.host} failed: {err}") from err
-        procs.sort(key=lambda p: p.rank)
-        pm = ProcMesh(name, procs, View(labels, sizes), self, persist)
-        # the actor spawning these procs owns them: their failures go to its __supervise__
-        pm._owner = _context.current_instance()
-        if pm._owner is not None:
-            pm._owner._owned.append(pm)  # stopped when its owner is
-        client.own(procs, pm)
-        for p in procs:
-            client.rt.watch(p.alloc, p.addr, p.mesh, p.rank, p.host)
-        return pm
+        return finish()
 
     def shutdown(self) -> Future[None]:
         """Stop the allocators of these hosts (and every proc they own)."""
@@ -1086,6 +1102,15 @@ class HostMesh(MeshTrait):
 
     def stop(self) -> Future[None]:
         return Future._completed(None)
+
+
+def _adopt_spawned(whole: Future[None], finish: Callable[[], ProcMesh], timeout: float) -> None:
+    """A spawn whose wait was interrupted: its mesh becomes this controller's once up."""
+    try:
+        whole.get(timeout=timeout)
+        finish()
+    except Exception:
+        pass  # it failed or timed out: the allocators stopped what had started
 
 
 def _bootstrap_command(cmd: Any) -> tuple[Any, ...] | None:
