@@ -533,3 +533,18 @@ def test_a_full_disk_loses_no_line_on_its_way_to_the_controller_and_the_log_note
     assert written == sorted(set(written)) and all(ln == f"flooded {i:05d} " + "y" * 100 for i, ln in zip(written, flooded))
     assert 0 < missing and 20000 - missing <= len(written) < 20000, (missing, len(written))
     assert disk_lines[0] == "before" and disk_lines[-1] == "after the gap" and notes[0] < len(disk_lines) - 1
+
+
+def test_a_tail_skips_a_record_a_full_disk_cut_short(tmp_path: Any) -> None:
+    # ENOSPC leaves the rank's last record cut in half until there is room again: `logs(tail=1)`
+    # (`%mesh logs --tail 1`, `monarch-nb logs --tail 1`) showed nothing though 3 lines were whole
+    path = tmp_path / "rank-0.jsonl"
+    rows = [json.dumps({"ts": 1.0, "rank": 0, "stream": "stdout", "call": "", "line": f"line {i}"}) for i in range(3)]
+    path.write_text("".join(r + "\n" for r in rows) + rows[0][:20])
+    assert [r["line"] for r in read_log(str(path), tail=1)] == ["line 2"]
+    assert [r["line"] for r in read_log(str(path), tail=2)] == ["line 1", "line 2"]
+    assert read_log(str(path), tail=0) == []
+    # the writer goes on after a "\n" once it can: the cut record stays one bad row mid-file
+    with open(path, "a") as f:
+        f.write("\n" + rows[0].replace("line 0", "after") + "\n")
+    assert [r["line"] for r in read_log(str(path), tail=2)] == ["line 2", "after"]

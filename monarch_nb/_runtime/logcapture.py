@@ -783,22 +783,25 @@ def read_log(path: str, tail: int | None = None, start: int = 0) -> list[dict[st
     if tail is not None:
         check_tail(tail)
     rows: list[bytes] = []
+    # a record cut short (a full disk refused the rest, or the allocator is writing it now) is
+    # skipped below: a tail reads that many more rows, or `--tail 1` on a full disk shows nothing
+    want = tail + _CUT_ROWS if tail is not None and not start else tail
     log = _open_logs.get(path)
     if log is not None:
         log.settle(CLOSE_WAIT_S)  # a huge line read from its proc is on disk before this reads
     try:
         with open(path, "rb") as f:
-            if tail is not None and start == 0:
-                rows = _last_lines(f, tail)
+            if want is not None and start == 0:
+                rows = _last_lines(f, want)
             else:
                 rows = f.readlines()
     except FileNotFoundError:
         pass
-    if tail is None or start or len(rows) < tail:
+    if want is None or start or len(rows) < want:
         # the previous half of a rotated log comes first
         try:
             with open(path + ROTATED, "rb") as f:
-                old = _last_lines(f, tail - len(rows)) if tail is not None and not start else f.readlines()
+                old = _last_lines(f, want - len(rows)) if want is not None and not start else f.readlines()
             rows = old + rows
         except FileNotFoundError:
             pass
@@ -813,7 +816,13 @@ def read_log(path: str, tail: int | None = None, start: int = 0) -> list[dict[st
                 out.append(json.loads(r))
             except ValueError:
                 pass  # a line the allocator is still writing
+    if tail is not None and not start:
+        out = out[-tail:] if tail else []
     return out
+
+
+#: rows cut short a tail may meet: the one being written at the end, one a full disk cut
+_CUT_ROWS = 2
 
 
 def _last_lines(f: Any, n: int, block: int = 1 << 16) -> list[bytes]:
