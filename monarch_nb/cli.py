@@ -103,11 +103,16 @@ def _status(args: argparse.Namespace) -> int:
         )
     for a in s["allocators"]:
         print(f"allocator {a.get('alloc_id', '?')} on {a.get('host')} pid {a.get('pid')}: {a.get('error') or 'ok'}")
+        attached = {c.get("cid") for c in a.get("controllers", [])}
         for m in a.get("meshes", []):
             states: dict[str, int] = {}
             for p in m["procs"]:
                 states[p["state"]] = states.get(p["state"], 0) + 1
-            print(f"  mesh {m['name']} {m['extent']} {m['state']} owner={m['owner']} procs={states}")
+            labels, sizes = m.get("extent") or (m.get("labels", []), m.get("sizes", []))
+            shape = "{" + ", ".join(f"{k}: {v}" for k, v in zip(labels, sizes)) + "}"
+            # a persistent mesh whose kernel is gone holds its procs until someone stops it
+            gone = "" if m["owner"] in attached else " (gone)"
+            print(f"  mesh {m['name']} {shape} {m['state']} owner={m['owner']}{gone} procs={states}")
     return 0
 
 

@@ -91,3 +91,24 @@ def test_every_command_and_option_is_in_the_docs() -> None:
             if not re.search(re.escape(opt) + r"\b", docs):
                 missing.append(f"monarch-nb {cmd} {opt}")
     assert missing == []
+
+
+def test_status_shows_a_mesh_shape_and_an_owner_that_is_gone() -> None:
+    # it printed the extent's repr, "mesh kept (['gpus'], [2]) running owner=…", and no word
+    # that the controller owning the mesh had exited (%mesh status says "gone")
+    script = (
+        "from monarch_nb.actor import this_host\n"
+        "this_host().spawn_procs(per_host={'gpus': 2}, name='kept', persist=True)\n"
+        "from monarch_nb.actor import controller_client\n"
+        "print(controller_client().cid)\n"
+    )
+    spawned = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=60)
+    assert spawned.returncode == 0, spawned.stderr
+    cid = spawned.stdout.split()[-1]
+    try:
+        r = _cli("status")
+        assert r.returncode == 0, r.stderr
+        assert f"  mesh kept {{gpus: 2}} running owner={cid} (gone) procs={{'running': 2}}" in r.stdout, r.stdout
+    finally:
+        stop = "from monarch_nb.allocator import stop_mesh\nprint(stop_mesh('kept'))"
+        assert subprocess.run([PY, "-c", stop], capture_output=True, text=True, timeout=60).stdout.strip() == "2"
