@@ -109,6 +109,11 @@ def _reattach(hm: HostMesh) -> None:
 
 def hosts() -> HostMesh:
     """The hosts :func:`connect` attached to (connecting to the local allocator first if needed)."""
+    global _hosts
+    if _hosts is not None and _hosts._controller_env:
+        # the local allocator: one stopped or killed since is replaced, as this_host() replaces
+        # it, or `%mesh spawn` kept naming a socket file that no longer exists
+        _hosts = this_host()
     return _hosts if _hosts is not None else connect()
 
 

@@ -54,3 +54,40 @@ def test_a_restarted_kernel_leaves_no_socket_files_behind() -> None:
         _ok(k.run("import os\n" + poll(gone, 20, "the killed kernel's socket files to be removed")))
     finally:
         k.close()
+
+
+def test_mesh_spawn_after_the_local_allocator_was_stopped_starts_another() -> None:
+    """`this_host()` replaces a local allocator that was stopped or killed, but `%mesh spawn`
+    kept the one `%mesh connect` found: "no allocator listening at ipc://…: the socket file
+    does not exist", until the user thought of connecting again."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    rdir = tempfile.mkdtemp(prefix="mnb", dir="/tmp")  # short: ipc socket paths are limited
+    env = {"MONARCH_NB_RUNTIME_DIR": rdir}
+    k = Kernel(env=env)
+    try:
+        _ok(k.run("%mesh connect"))
+        _ok(k.run("%mesh spawn before --per-host gpus=1"))
+        stop = subprocess.run(
+            [sys.executable, "-m", "monarch_nb", "allocator", "stop"],
+            env=dict(os.environ, **env),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert stop.returncode == 0 and "stopped 1 allocator(s)" in stop.stdout, stop
+        c = _ok(k.run("%mesh spawn after --per-host gpus=1"))
+        assert "after: 1 procs {gpus: 1} on 1 host(s)" in c.stream(), c.stream()
+        assert "42)" in _ok(k.run("%%mesh exec after\n6 * 7")).result
+    finally:
+        k.close()
+        subprocess.run(
+            [sys.executable, "-m", "monarch_nb", "allocator", "stop"],
+            env=dict(os.environ, **env),
+            capture_output=True,
+            timeout=60,
+        )
+        shutil.rmtree(rdir, ignore_errors=True)
