@@ -1040,3 +1040,47 @@ def test_a_sigterm_to_the_allocators_process_group_reports_a_shutdown_not_a_dead
     assert err is not None and err.startswith("SupervisionError"), got
     # the allocator's shutdown, or the proc's own SIGTERM (it is in the group too): not the zygote's
     assert "zygote" not in err and any(w in err for w in ("was shut down (SIGTERM", "lost", "killed by SIGTERM")), err
+
+
+_ORPHANED_FORK = """
+import os, socket, sys, time
+from monarch_nb._runtime import zygote
+
+ran = sys.argv[1]
+zpid = os.getpid()
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    os.close(w)
+    os.read(r, 1)  # EOF: the zygote is exiting, as one does with its allocator killed
+    deadline = time.monotonic() + 10
+    while os.getppid() == zpid and time.monotonic() < deadline:
+        time.sleep(0.01)  # until it is reparented
+    sock, _peer = socket.socketpair()
+    wake_r, wake_w = os.pipe()
+    out = [os.open(os.devnull, os.O_WRONLY) for _ in range(2)]
+    req = {"env": dict(os.environ), "cwd": "", "sys_path": list(sys.path), "entry": "os:mkdir", "spec": ran}
+    zygote._child(req, out, sock, wake_r, wake_w, zpid)
+print(child, flush=True)
+"""
+
+
+def test_a_proc_forked_as_its_zygote_dies_does_not_run_on(tmp_path: pathlib.Path) -> None:
+    """kill -9 of an allocator during a spawn left a proc forked just then running for good
+    (ppid 1, its main loop waiting): the zygote died with the allocator before the new proc
+    had asked to die with the zygote, so no signal ever came. Here the zygote exits right
+    after the fork and the proc starts once it is gone; it must not run its entry point."""
+    ran = tmp_path / "ran"
+    r = subprocess.run([PY, "-c", _ORPHANED_FORK, str(ran)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    child = int(r.stdout.split()[-1])
+
+    def gone() -> bool:
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
+    wait_for(gone, 30, f"the orphaned proc {child} to exit")
+    assert not ran.exists(), "a proc whose zygote was gone ran its entry point"

@@ -77,7 +77,7 @@ def _send(sock: socket.socket, msg: Any) -> None:
     sock.send(pickle.dumps(msg))
 
 
-def _child(req: dict[str, Any], fds: list[int], sock: socket.socket, wake_r: int, wake_w: int) -> None:
+def _child(req: dict[str, Any], fds: list[int], sock: socket.socket, wake_r: int, wake_w: int, zygote: int) -> None:
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -85,6 +85,10 @@ def _child(req: dict[str, Any], fds: list[int], sock: socket.socket, wake_r: int
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         die_with_parent()
+        if os.getppid() != zygote:
+            # the zygote died (with its allocator: kill -9 mid-spawn) between the fork and the
+            # line above: the signal came too late for this proc, which would run on for good
+            os._exit(1)
         sock.close()
         os.close(wake_r)
         os.close(wake_w)
@@ -177,9 +181,10 @@ def main(sock_fd: int, preload: str) -> None:
             if not data:
                 os._exit(0)  # allocator gone; procs follow through PDEATHSIG
             req = pickle.loads(data)
+            me = os.getpid()
             pid = os.fork()
             if pid == 0:
-                _child(req, fds, sock, wake_r, wake_w)
+                _child(req, fds, sock, wake_r, wake_w, me)
             for fd in fds:
                 os.close(fd)
             _send(sock, ("spawned", req["token"], pid))
