@@ -510,6 +510,29 @@ def test_owner_actor_supervises_the_failure_of_a_mesh_it_spawned(allocator, faul
     pm.stop().get(timeout=20)
 
 
+class CarelessParent(Parent):
+    def __supervise__(self, failure) -> bool:
+        return False
+
+
+def test_an_owner_that_does_not_handle_a_dead_child_proc_fails_naming_the_child_actor(allocator, fault_hook):
+    pm = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="careless")
+    parent = pm.spawn("careless", CarelessParent)
+    os.kill(parent.spawn_child.call_one().get(timeout=30), signal.SIGKILL)
+    wait_for(lambda: fault_hook, 10, "the parent's failure to reach the hook")
+    with pytest.raises(SupervisionError) as e:
+        parent.seen.call_one().get(timeout=10)
+    # Monarch's words: the dead child actor by its full name, then why (before: "The actor w")
+    lines = str(e.value).splitlines()
+    assert lines[0] == (
+        "Endpoint call careless.seen() failed, The actor <root>.<test_allocator.CarelessParent careless{'hosts': 0/1, 'gpus': 0/1}>"
+        ".<test_allocator.Worker w{'gpus': 0/1}> and all its descendants have failed:"
+    ), lines
+    assert lines[1].strip() == "the process this actor was running on failed: Killed(sig=9)", lines
+    assert "proc mesh 'child-of-parent' rank 0: process" in lines[2], lines
+    pm.stop().get(timeout=20)
+
+
 class Tidy(Actor):
     def __init__(self, path: str) -> None:
         self.path = path

@@ -262,7 +262,11 @@ class ActorMesh(MeshTrait, Generic[T]):
         rank, actor, words = dead
         event = f"Supervision event: actor {actor} failed:\n  {words}"
         e = SupervisionError(err.cause, mesh=err.mesh, actor=self._label, rank=err.rank, host=err.host, message=event)
-        return _supervision.MeshFailure(self._label, self, e, crashed_ranks=[rank], event=event)
+        failure = _supervision.MeshFailure(self._label, self, e, crashed_ranks=[rank], event=event)
+        # an owner that does not handle it fails naming the dead actor, as for an actor's own
+        # failure (ActorSlot.fail_unsupervised), not the mesh's bare name
+        failure.actor, failure.reason = actor, words
+        return failure
 
     def _known_failed(self) -> int | None:
         """The index (in this view) of the first actor this process knows has failed, its
