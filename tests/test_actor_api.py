@@ -457,6 +457,29 @@ def test_an_async_endpoint_that_raises_cancelled_error_fails_its_call_and_the_ac
         assert a.where.call_one().get(timeout=10) is True
 
 
+class _Held(Actor):
+    @endpoint
+    async def hold(self, started: str) -> str:
+        open(started, "w").close()
+        await asyncio.Event().wait()  # until stop() cancels it
+        return "not reached"
+
+
+def test_a_call_in_hand_when_its_mesh_stops_fails_in_monarchs_words(procs, tmp_path):
+    held = procs.slice(hosts=0, gpus=slice(1, 2)).spawn("held", _Held)
+    started = tmp_path / "started"
+    call = held.hold.call_one(str(started))
+    wait_for(started.exists, 30, "the call to start")
+    held.stop().get(timeout=30)
+    with pytest.raises(SupervisionError) as e:
+        call.get(timeout=30)
+    # as a call sent after the stop reads (before: "..., the actor <...> was stopped")
+    assert str(e.value).splitlines()[:2] == [
+        "Endpoint call held.hold() failed, Supervision event: actor <root>.<test_actor_api._Held held{'gpus': 0/1}> has status:",
+        "  stopped: stopped by client",
+    ]
+
+
 class _Fds(Actor):
     @endpoint
     def count(self) -> int:

@@ -660,7 +660,9 @@ class ActorSlot:
                 actor=info.name,
                 rank=info.rank.rank,
                 host=self.rt.hostname,
-                message=f"Endpoint call {info.name}.{method}() failed, the actor {info!r} was stopped",
+                # Monarch's words, as for a call sent after the stop (ActorMesh._stopped_error)
+                message=f"Endpoint call {info.name}.{method}() failed, Supervision event: actor {info!r} has status:\n"
+                f"  stopped: stopped by client\n  actor mesh {info.name!r} was stopped; spawn it again",
             )
         reason = self.failed
         return SupervisionError(
