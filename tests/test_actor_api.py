@@ -480,6 +480,25 @@ def test_a_call_in_hand_when_its_mesh_stops_fails_in_monarchs_words(procs, tmp_p
     ]
 
 
+class _Stopper(Actor):
+    @endpoint
+    def stop_it(self, mesh: Any) -> str:
+        try:
+            mesh.stop().get(timeout=30)
+            return "stopped"
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+
+
+def test_an_actor_mesh_handed_to_an_actor_is_not_stopped_there(procs, counters):
+    # Monarch's words (what it hands over is an ActorMeshRef); before, the actor stopped the
+    # client's mesh, whose next call failed with "no actor named 'counters'"
+    stopper = procs.slice(hosts=0, gpus=0).spawn("stopper", _Stopper)
+    said = stopper.stop_it.call_one(counters).get(timeout=30)
+    assert said.startswith("NotImplementedError: Cannot call stop on an ActorMeshRef, requires an owned ActorMesh"), said
+    assert len(counters.value.call().get(timeout=30)) == 4
+
+
 class _Fds(Actor):
     @endpoint
     def count(self) -> int:

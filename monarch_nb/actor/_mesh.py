@@ -344,6 +344,16 @@ class ActorMesh(MeshTrait, Generic[T]):
                 ),
                 f"stop actor mesh {self._label}",
             )
+        if sup is None and self._proc_mesh is None:
+            # a reference handed over in a message (Monarch's ActorMeshRef): stopping it would
+            # take the actors from under their owner, whose calls then fail as "no actor named"
+            return Future._failed(
+                NotImplementedError(
+                    "Cannot call stop on an ActorMeshRef, requires an owned ActorMesh: actor mesh "
+                    f"{self._label!r} was handed to this process; stop it where it was spawned"
+                ),
+                f"stop actor mesh {self._label}",
+            )
         client = _context.client()
         # later calls fail when read, with a SupervisionError, as in Monarch (not with the
         # proc's "no such actor" error)
