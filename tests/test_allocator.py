@@ -577,6 +577,34 @@ print("NOT REACHED")
     assert "ATEXIT RAN" in r.stdout, "atexit handlers run before the exit, as in Monarch"
 
 
+@pytest.mark.parametrize("raising", ["sys.exit(3)", "raise RuntimeError('hook broke')"])
+def test_a_fault_hook_that_raises_leaves_the_failure_unhandled_and_the_script_ends(allocator, raising):
+    # Monarch's contract (its unhandled_fault_hook docstring): a hook that raises, sys.exit()
+    # included, leaves the fault unhandled. Before, the error was logged and the script ran on
+    code = f"""
+import atexit, os, signal, sys, threading
+import monarch_nb.actor as api
+from monarch_nb.actor import Actor, endpoint, attach_to_workers
+atexit.register(lambda: print("ATEXIT RAN"))
+def hook(failure):
+    {raising}
+api.unhandled_fault_hook = hook
+class P(Actor):
+    @endpoint
+    def pid(self): return os.getpid()
+hosts = attach_to_workers(workers=[{allocator.addr!r}], ca="trust_all_connections")
+pm = hosts.spawn_procs(per_host={{"gpus": 1}}, name="raising-hook")
+os.kill(pm.spawn("p", P).pid.call_one().get(timeout=10), signal.SIGKILL)
+threading.Event().wait(30)
+print("NOT REACHED")
+"""
+    r = run_script(code, timeout=60)
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    assert "NOT REACHED" not in r.stdout and "ATEXIT RAN" in r.stdout, r.stdout
+    assert "monarch_nb: unhandled mesh failure (unhandled_fault_hook raised" in r.stderr, r.stderr
+    assert "SIGKILL" in r.stderr, r.stderr
+
+
 class Printer(Actor):
     @endpoint
     def say(self, text: str) -> None:

@@ -67,6 +67,12 @@ def unhandled_fault_hook(failure: MeshFailure) -> None:
     if _context.in_ipython_kernel():
         # the kernel's output layer keeps the notice quiet when the cell already raised the failure
         return
+    _end_main_thread()
+
+
+def _end_main_thread() -> None:
+    """A script's fail-fast end: the main thread gets a KeyboardInterrupt (as in Monarch), and
+    the process exits with status 1 after its atexit handlers."""
     global _exit_requested
     _exit_requested = True
     _install_exit_hook()
@@ -163,8 +169,18 @@ def report(failure: MeshFailure) -> None:
 
         try:
             public.unhandled_fault_hook(failure)
-        except Exception:
+        except BaseException as e:
+            # Monarch's contract: a hook that raises (sys.exit() too) leaves the failure
+            # unhandled, and a script ends as with the default hook. A kernel lives on
             logger.exception("unhandled_fault_hook raised")
+            if not _context.in_ipython_kernel():
+                print(
+                    f"monarch_nb: unhandled mesh failure (unhandled_fault_hook raised {type(e).__name__}: {e}): "
+                    f"{failure.report()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                _end_main_thread()
 
 
 def _tap(failure: MeshFailure) -> None:
