@@ -425,12 +425,13 @@ def multicast(
         for i, p in zip(idx, procs):
             append((p.addr, p.alloc, i, ""))
     failed = rt.send_many(targets, actor, method, body, bufs, port=port_id, extent=extent, call_id=call_id)
-    addr_of = {t[2]: t[0] for t in targets} if failed and port is None else {}
+    addr_of = {t[2]: t[0] for t in targets} if failed and replies is None else {}
     for i, e in failed:
         if not fails_there:
             if i in addr_of and e is rt.supervision.peer_error(addr_of[i]):
-                # a broadcast to a proc supervision already reported dead: dropped, as in
-                # Monarch; raising would say the broadcast failed after the live ranks took it
+                # a broadcast (or send() to a port) reaching a proc supervision already reported
+                # dead: dropped there, as in Monarch; raising would say the send failed after
+                # the live ranks took it
                 continue
             raise e
         assert replies is not None

@@ -1,6 +1,7 @@
-"""A mesh with a dead rank (its process killed): every adverb on it and on its slices, a spawn on
-the live procs, stop; and an actor whose child mesh loses a proc: its __supervise__ handles it,
-the child's live rank answers, its dead one fails, current_rank() and context() in the child."""
+"""A mesh with a dead rank (its process killed): every adverb, and send() to a port, on it and
+on its slices, a spawn on the live procs, stop; and an actor whose child mesh loses a proc: its
+__supervise__ handles it, the child's live rank answers, its dead one fails, current_rank() and
+context() in the child."""
 
 import operator
 import os
@@ -10,7 +11,7 @@ import threading
 import time
 
 import monarch.actor as actor_api
-from monarch.actor import Accumulator, Actor, MeshFailure, context, current_rank, endpoint, this_host
+from monarch.actor import Accumulator, Actor, Channel, MeshFailure, context, current_rank, endpoint, send, this_host
 
 failures: list[MeshFailure] = []
 lock = threading.Lock()
@@ -105,6 +106,9 @@ wait_until(lambda: failures, "the failure")
 attempt("broadcast", lambda: w.val.broadcast())
 attempt("broadcast to the dead rank", lambda: w.slice(gpus=1).val.broadcast())
 attempt("broadcast to a live rank", lambda: w.slice(gpus=2).val.broadcast())
+port, receiver = Channel.open()
+attempt("send to a port", lambda: send(w.val, (), {}, port=port))
+print("the live ranks answered the port:", sorted(receiver.recv().get(timeout=30) for _ in range(2)))
 attempt("call", lambda: w.val.call().get(timeout=30).values())
 attempt("call_one rank 0", lambda: w.slice(gpus=0).val.call_one().get(timeout=30))
 attempt("call_one rank 1", lambda: w.slice(gpus=1).val.call_one().get(timeout=30))
