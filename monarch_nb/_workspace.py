@@ -3,6 +3,7 @@
 Honours ``.gitignore`` files (the common subset: globs, ``**``, anchored ``/x``, directory-only
 ``x/``, negation ``!x``) and explicit excludes; always skips VCS folders, virtual and conda
 environments (by name or by their ``pyvenv.cfg``/``conda-meta``), caches and notebook checkpoints.
+Symlinks are followed (files and folders), except a folder's link back into itself.
 """
 
 from __future__ import annotations
@@ -118,23 +119,49 @@ def file_hash(path: str) -> str:
     return h.hexdigest()
 
 
+def _loop(target: str, chain: list[str]) -> bool:
+    """Whether a link to ``target`` from the folders ``chain`` (real paths, the workspace's root
+    first) leads back into one of them: walking it would never end."""
+    return any(c == target or c.startswith(target.rstrip(os.sep) + os.sep) for c in chain)
+
+
 def scan(
-    root: str, excludes: tuple[str, ...] | list[str] = (), cache: dict[str, tuple[float, int, str]] | None = None
+    root: str,
+    excludes: tuple[str, ...] | list[str] = (),
+    cache: dict[str, tuple[float, int, str]] | None = None,
+    skipped: list[str] | None = None,
 ) -> Manifest:
-    """The manifest of ``root``. ``cache`` (path -> (mtime, size, hash)) skips re-hashing unchanged files."""
+    """The manifest of ``root``. ``cache`` (path -> (mtime, size, hash)) skips re-hashing unchanged files.
+
+    A symlinked file is its content and a symlinked folder is followed, wherever it points
+    (``ln -s ../common common`` in a notebook's folder imports there, so it must on the procs
+    too), except a link back into a folder it sits in (``..``, ``~``, a loop): that one is left
+    out, and ``skipped`` gets a line saying so."""
     root = os.path.abspath(root)
     ig = Ignore(excludes)
     out: Manifest = {}
-    for dirpath, dirnames, filenames in os.walk(root):
+    # rel folder -> real paths of it and the folders it sits in, for the loop check
+    chains: dict[str, list[str]] = {"": [os.path.realpath(root)]}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         rel_dir = os.path.relpath(dirpath, root).replace(os.sep, "/")
         rel_dir = "" if rel_dir == "." else rel_dir
         if ".gitignore" in filenames:
             ig.add_gitignore(os.path.join(dirpath, ".gitignore"), rel_dir)
-        dirnames[:] = sorted(
-            d
-            for d in dirnames
-            if not ig.ignored(f"{rel_dir}/{d}" if rel_dir else d, True) and not _is_environment(os.path.join(dirpath, d))
-        )
+        keep = []
+        chain = chains.pop(rel_dir, [])
+        for d in sorted(dirnames):
+            rel = f"{rel_dir}/{d}" if rel_dir else d
+            path = os.path.join(dirpath, d)
+            if ig.ignored(rel, True) or _is_environment(path):
+                continue
+            real = os.path.realpath(path)
+            if os.path.islink(path) and _loop(real, chain):
+                if skipped is not None:
+                    skipped.append(f"{rel} -> {os.readlink(path)}: a link to a folder it is in, not followed")
+                continue
+            chains[rel] = [*chain, real]
+            keep.append(d)
+        dirnames[:] = keep
         for fn in sorted(filenames):
             rel = f"{rel_dir}/{fn}" if rel_dir else fn
             if ig.ignored(rel, False):

@@ -52,6 +52,8 @@ class SyncReport:
     staged_bytes: int = 0
     #: procs that could not reload because they are gone (a dead rank of a failed mesh): why
     not_reloaded: list[str] = field(default_factory=list)
+    #: symlinked folders left out, and why (a link back into a folder it is in)
+    not_followed: list[str] = field(default_factory=list)
 
     @property
     def bytes_sent(self) -> int:
@@ -81,6 +83,7 @@ class SyncReport:
             for tag, files in (("+", h.added), ("~", h.changed), ("-", h.removed)):
                 lines.extend(f"    {tag} {f}" for f in files[:20])
             break  # every host got the same tree; list the files once
+        lines.extend(f"  not synced: {s}" for s in self.not_followed)
         if self._reload_line():
             lines.append(self._reload_line())
         return "\n".join(lines)
@@ -97,6 +100,7 @@ class SyncReport:
             items += [f"<li><code>~ {html.escape(f)}</code></li>" for f in h.changed[:20]]
             items += [f"<li><code>- {html.escape(f)}</code></li>" for f in h.removed[:20]]
             files = f"<ul>{''.join(items)}</ul>" if items else ""
+        files += "".join(f"<div>not synced: {html.escape(s)}</div>" for s in self.not_followed)
         return (
             f"<b>synced</b> <code>{html.escape(self.root)}</code>"
             f"<table><tr><th>host</th><th>added</th><th>changed</th><th>removed</th><th>bytes sent</th></tr>{rows}</table>"
@@ -186,11 +190,12 @@ def _sync_root(
 ) -> SyncReport:
     client = _context.client()
     timeout = client.rt.cfg.spawn_timeout
-    manifest = _workspace.scan(root, excludes, _hash_cache)
+    skipped: list[str] = []
+    manifest = _workspace.scan(root, excludes, _hash_cache, skipped)
     ws = _workspace.workspace_id(root)
     by_digest = {d: rel for rel, (d, _s, _m) in manifest.items()}
     digests = list(by_digest)
-    report = SyncReport(ws, root, [HostSync(host, alloc) for alloc, host in allocs.items()])
+    report = SyncReport(ws, root, [HostSync(host, alloc) for alloc, host in allocs.items()], not_followed=skipped)
     missing = {hs.allocator: client.request(hs.allocator, "sync_missing", digests) for hs in report.hosts}
     lacking: dict[str, Any] = {}
     gone: set[str] = set()

@@ -431,3 +431,40 @@ def test_an_environment_in_the_workspace_is_not_synced_whatever_its_name(tmp_pat
     (tmp_path / "envs").mkdir()  # only the marker makes a folder an environment
     (tmp_path / "envs" / "cfg.py").write_text("")
     assert set(scan(str(tmp_path))) == {"train.py", "envs/cfg.py"}
+
+
+def test_a_symlinked_folder_is_followed_and_a_link_back_into_the_tree_is_not(tmp_path: Path) -> None:
+    # `ln -s ../common common` in a notebook's folder: it imports there, so it must on the procs
+    # (the folder used to be left out: ModuleNotFoundError on every rank)
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "shared_lib.py").write_text("X = 5\n")
+    ws = tmp_path / "proj"
+    (ws / "src" / "pkg").mkdir(parents=True)
+    (ws / "src" / "pkg" / "__init__.py").write_text("Y = 6\n")
+    (ws / "common").symlink_to("../common")
+    (ws / "pkg").symlink_to("src/pkg")  # inside the tree: both names import
+    # loops, each of which walked forever (or through the whole file system) once links were followed
+    (ws / "src" / "pkg" / "back").symlink_to("..")
+    (ws / "up").symlink_to(tmp_path)
+    (ws / "root").symlink_to("/")
+    (ws / "self").symlink_to(".")
+    (ws / "common" / "again").symlink_to(ws)  # out through one link, back in through another
+    skipped: list[str] = []
+    assert set(scan(str(ws), skipped=skipped)) == {"common/shared_lib.py", "src/pkg/__init__.py", "pkg/__init__.py"}
+    assert sorted(skipped) == [
+        f"common/again -> {ws}: a link to a folder it is in, not followed",
+        "pkg/back -> ..: a link to a folder it is in, not followed",
+        "root -> /: a link to a folder it is in, not followed",
+        "self -> .: a link to a folder it is in, not followed",
+        "src/pkg/back -> ..: a link to a folder it is in, not followed",
+        f"up -> {tmp_path}: a link to a folder it is in, not followed",
+    ]
+    pm = M.spawn("links", {"gpus": 1})
+    try:
+        rep = S.sync(str(ws), meshes=pm)[0]
+        assert "  not synced: root -> /: a link to a folder it is in, not followed" in repr(rep).splitlines()
+        got = pm.spawn("imp", _Imports)
+        assert got.load.call_one("common.shared_lib").get(timeout=30) == "common.shared_lib"
+        assert got.load.call_one("pkg").get(timeout=30) == "pkg"
+    finally:
+        M.stop("links")
