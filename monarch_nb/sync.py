@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _workspace
+from ._ranks import format_ranks
 from .actor import ProcMesh, _context
-from .errors import MonarchNBError, SupervisionError, safe_str
+from .actor._reload import KEEPS
+from .errors import ActorError, MonarchNBError, SupervisionError, safe_str
 
-__all__ = ["HostSync", "SyncReport", "sync", "watch"]
+__all__ = ["HostSync", "SyncError", "SyncReport", "sync", "watch"]
 
 #: bytes per message when sending file contents to an allocator
 BATCH_BYTES = 16 << 20
@@ -54,6 +56,8 @@ class SyncReport:
     not_reloaded: list[str] = field(default_factory=list)
     #: symlinked folders left out, and why (a link back into a folder it is in)
     not_followed: list[str] = field(default_factory=list)
+    #: procs whose reload raised: mesh, rank, host, pid and the error (an ``ActorError``)
+    reload_failed: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def bytes_sent(self) -> int:
@@ -75,6 +79,24 @@ class SyncReport:
             line += f"; not reloaded, gone: {'; '.join(self.not_reloaded)}"
         return line
 
+    def _failed_lines(self) -> list[str]:
+        """One line per distinct reload error, with the procs that raised it."""
+        by_error: dict[str, list[dict[str, Any]]] = {}
+        for f in self.reload_failed:
+            # the error alone: what else reloaded in that proc differs from proc to proc
+            why = _first_line(f["error"]).removeprefix("reload failed: ").split(KEEPS, 1)[0]
+            by_error.setdefault(why, []).append(f)
+        lines = []
+        for err, fs in by_error.items():
+            where: dict[str, list[int]] = {}
+            for f in fs:
+                where.setdefault(f["mesh"], []).append(f["rank"])
+            places = "; ".join(f"mesh {m!r} rank{'s' if len(r) > 1 else ''} {format_ranks(r)}" for m, r in where.items())
+            lines.append(f"reload failed in {len(fs)} proc{'s' if len(fs) > 1 else ''} ({places}): {err}")
+        if lines:
+            lines.append("what failed keeps its previous code there (its actors too) until a sync reloads it")
+        return lines
+
     def __repr__(self) -> str:
         lines = [f"synced {self.root} -> {self.workspace}"]
         for host, a, c, r, b in self._rows():
@@ -86,6 +108,7 @@ class SyncReport:
         lines.extend(f"  not synced: {s}" for s in self.not_followed)
         if self._reload_line():
             lines.append(self._reload_line())
+        lines.extend(self._failed_lines())
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -105,7 +128,49 @@ class SyncReport:
             f"<b>synced</b> <code>{html.escape(self.root)}</code>"
             f"<table><tr><th>host</th><th>added</th><th>changed</th><th>removed</th><th>bytes sent</th></tr>{rows}</table>"
             f"{files}<div>{html.escape(self._reload_line())}</div>"
+            + "".join(f"<div><b>{html.escape(x)}</b></div>" for x in self._failed_lines())
         )
+
+
+class SyncError(ActorError):
+    """The files reached the hosts, but a synced module raised while reloading in some procs.
+
+    ``reports`` (one per synced path; ``report``, the first with a failure) say what was synced,
+    what reloaded, and which module failed on which ranks; the error itself is the first failing
+    proc's, with its remote traceback. What failed keeps its previous code until a sync reloads it.
+    """
+
+    reports: list[SyncReport]
+
+    @classmethod
+    def _of(cls, reports: list[SyncReport]) -> SyncError:
+        report = next(r for r in reports if r.reload_failed)
+        first = report.reload_failed[0]
+        e: ActorError = first["error"]
+        err = cls(e.exception, e.remote_traceback, rank=first["rank"], host=first["host"], message=e.message)
+        err.reports = reports
+        return err
+
+    @property
+    def report(self) -> SyncReport:
+        return next(r for r in self.reports if r.reload_failed)
+
+    def _summary(self) -> str:
+        first = self.report.reload_failed[0]
+        return "\n".join(map(repr, self.reports)) + f"\nRemote traceback of mesh {first['mesh']!r} rank {first['rank']}:"
+
+    def __str__(self) -> str:
+        if not getattr(self, "reports", None):
+            return super().__str__()
+        from ._errgroup import clean_traceback
+
+        return f"{self._headline()}\n{self._summary()}\n{clean_traceback(self.exception_formatted)}"
+
+    def _render_traceback_(self) -> list[str]:
+        lines = super()._render_traceback_()
+        if getattr(self, "reports", None) and len(lines) > 1 and lines[1] == "Remote traceback:":
+            lines[1:2] = self._summary().splitlines()
+        return lines
 
 
 def _add_hosts(allocs: dict[str, str], meshes: list[ProcMesh]) -> None:
@@ -176,6 +241,9 @@ def sync(
         if not os.path.isdir(root):
             raise FileNotFoundError(f"cannot sync {root}: not a directory")
         reports.append(_sync_root(root, allocs, target_meshes, excludes, via, reload, optional))
+    if any(r.reload_failed for r in reports):
+        # after every path was synced: the report says what did reach the hosts and reload
+        raise SyncError._of(reports)
     return reports
 
 
@@ -290,14 +358,17 @@ def _reload(report: SyncReport, meshes: list[ProcMesh], mode: str) -> list[dict[
         for p in {p.addr: p for p in m._procs}.values():
             path, changed = changed_by_alloc.get(p.alloc, ("", []))
             if path:
-                futs.append(client.request(p.addr, "reload", path, changed, mode, _actor="__sys__"))
+                futs.append((p, client.request(p.addr, "reload", path, changed, mode, _actor="__sys__")))
     out = []
-    for f in futs:
+    for p, f in futs:
         try:
             out.append(f.get(timeout=client.rt.cfg.spawn_timeout))
         except SupervisionError as e:
             # a dead rank of a failed mesh: the other procs, and the sync itself, go on
             report.not_reloaded.append(_first_line(e))
+        except ActorError as e:
+            # a module that raised at import: every proc is asked, and sync() raises with the report
+            report.reload_failed.append({"mesh": p.mesh, "rank": p.rank, "host": p.host, "pid": p.pid, "error": e})
     return out
 
 

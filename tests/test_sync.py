@@ -333,14 +333,14 @@ class _Reads(Actor):
 def test_a_module_that_fails_to_reload_leaves_the_others_reloaded_and_is_retried(ws: Path) -> None:
     from monarch_nb.errors import ActorError
 
-    pm = M.spawn("badreload", {"gpus": 1})
+    pm = M.spawn("badreload", {"gpus": 2})
     (ws / "other.py").write_text("X = 1\n")
     try:
         S.sync(str(ws), meshes=pm)
         import mymod
 
-        w = pm.spawn("w", mymod.Worker, 0)
-        r = pm.spawn("r", _Reads)
+        w = pm.spawn("w", mymod.Worker, 0).slice(gpus=0)  # on both ranks: both reload
+        r = pm.spawn("r", _Reads).slice(gpus=0)
         assert w.hello.call_one().get()[:2] == ("hi", "v1") and r.read.call_one().get() == 1
         # one sync: mymod now imports a module not written yet, and good edits of helper (which
         # mymod imports) and of other (reloaded after mymod): the latter used to be dropped
@@ -351,13 +351,27 @@ def test_a_module_that_fails_to_reload_leaves_the_others_reloaded_and_is_retried
         with pytest.raises(ActorError, match=r"reload failed: mymod.py: ModuleNotFoundError: .*reloaded: helper, other") as e:
             S.sync(str(ws), meshes=pm)
         assert "import later" in str(e.value)  # the remote traceback points at the line
+        # what was synced, and which procs failed: the error used to carry the first proc's
+        # words only, with no rank, and no report of what reached the hosts
+        assert isinstance(e.value, S.SyncError) and e.value.rank == 0
+        rep = e.value.report
+        assert sorted(rep.hosts[0].changed) == ["helper.py", "mymod.py", "other.py"]
+        assert [(f["mesh"], f["rank"]) for f in rep.reload_failed] == [("badreload", 0), ("badreload", 1)]
+        shown = str(e.value).splitlines()
+        assert "    ~ mymod.py" in shown and "Remote traceback of mesh 'badreload' rank 0:" in shown
+        line = "reload failed in 2 procs (mesh 'badreload' ranks 0-1): mymod.py: ModuleNotFoundError: No module named 'later'"
+        assert line in shown, "\n".join(shown)
+        # and in a notebook (IPython shows _render_traceback_, not str)
+        cell = e.value._render_traceback_()
+        assert "SyncError" in cell[0] and "(rank 0, host " in cell[0], cell
+        assert "    ~ mymod.py" in cell and line in cell, cell
         assert r.read.call_one().get() == 2  # the good edit is live
         assert w.hello.call_one().get()[:2] == ("hi", "v1")  # the actor still runs its old code
         # the sync that fixes it adds a file and changes none: what failed is retried
         (ws / "later.py").write_text("")
         rep = S.sync(str(ws), meshes=pm)[0]
         assert rep.hosts[0].added == ["later.py"] and rep.hosts[0].changed == []
-        assert rep.reloads[0]["reloaded"] == ["mymod"]
+        assert [r["reloaded"] for r in rep.reloads] == [["mymod"], ["mymod"]]
         assert w.hello.call_one().get()[:2] == ("hello", "v2")
     finally:
         M.stop("badreload")

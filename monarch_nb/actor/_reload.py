@@ -15,6 +15,9 @@ import sys
 import types
 from typing import Any
 
+#: where a ReloadError's message turns from what failed to what it means (sync groups by the former)
+KEEPS = ". What failed keeps its previous code"
+
 
 class ReloadError(ImportError):
     """Some synced modules could not be reloaded in a running proc."""
@@ -172,7 +175,7 @@ def reload_changed(rt: Any, root: str, changed: list[str], mode: str = "inplace"
         _failed[root] = {_rel(root, loaded[n]) for n in failed}
         why = "; ".join(f"{_rel(root, loaded[n])}: {type(e).__name__}: {e}" for n, e in failed.items())
         raise ReloadError(
-            f"{why}. What failed keeps its previous code in this proc (its actors too) until a sync "
+            f"{why}{KEEPS} in this proc (its actors too) until a sync "
             f"reloads it; reloaded: {', '.join(reloaded) or 'nothing'}; actors updated: {', '.join(updated + recreated) or 'none'}"
         ) from next(iter(failed.values()))
     return {"pid": os.getpid(), "reloaded": reloaded, "updated": updated, "recreated": recreated}
