@@ -121,6 +121,40 @@ def test_a_job_replaced_because_it_ended_does_not_say_its_spec_changed(tmp_path:
                 job.kill()
 
 
+def test_spawning_on_the_hosts_of_an_ended_job_says_which_job_ended_and_what_to_do(tmp_path: Path) -> None:
+    # it read "no allocator listening at ipc://...: the socket file does not exist" (killed), or
+    # "allocator ... lost: no heartbeat" (ended outside this process): nothing named the job
+    from monarch_nb.errors import ConnectError, SpawnError
+
+    killed, ended = ProcessJob({"h": 1}, env=FAST), ProcessJob({"h": 1}, env=FAST)
+    try:
+        hosts = killed.state(cached_path=None).h
+        ident = f"ProcessJob {killed.apply_id[:8]}"
+        killed.kill()
+        with pytest.raises(ConnectError) as e:
+            hosts.spawn_procs(per_host={"gpus": 1})
+        assert str(e.value).startswith(
+            f"cannot spawn procs on these hosts: {ident} was killed (kill()), and its allocators with it: apply it "
+            "again (job.state(), or the same `%mesh launch`) and spawn on its new hosts. (no allocator listening at "
+        ), e.value
+
+        hosts = ended.state(cached_path=None).h.slice(hosts=0)  # a slice knows its job too
+        ident = f"ProcessJob {ended.apply_id[:8]}"
+        alloc = int(ended._hosts["h_0"]["pid"])
+        os.kill(alloc, signal.SIGKILL)
+        wait_for(lambda: not _alive(alloc), 15, "the allocator to die")
+        with pytest.raises((ConnectError, SpawnError)) as e:
+            hosts.spawn_procs(per_host={"gpus": 1})
+        assert str(e.value).startswith(
+            f"cannot spawn procs on these hosts: {ident} is lost: h_0: its allocators are gone; kill() it and apply "
+            "it again (job.state(), or the same `%mesh launch`) and spawn on its new hosts. ("
+        ), e.value
+    finally:
+        for job in (killed, ended):
+            if job.active:
+                job.kill()
+
+
 _PHASE1 = """
 import json, os, sys
 sys.path.insert(0, {tests!r})

@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 from .._runtime import _fdlimit
 from .._wire import frames as wire
 from .._wire.serialize import dumps, dumps_by_value, loads
-from ..errors import MeshClosedError, MeshError, SpawnError, SupervisionError, note_missing_module
+from ..errors import ConnectError, MeshClosedError, MeshError, SpawnError, SupervisionError, note_missing_module
 from . import _context
 from ._actor import Actor, endpoints_of, is_async_actor
 from ._endpoint import Endpoint, EndpointProperty, RemoteFailure, _NotAnEndpointMethod, gather, multicast
@@ -921,10 +921,13 @@ class HostMesh(MeshTrait):
         #: procs start with this process's environment rather than their host's: only for a
         #: controller's this_host(), whose host Monarch runs inside the controller itself
         self._controller_env = False
+        #: set by the job that started these hosts: why they are gone ("SlurmJob 12 is
+        #: CANCELLED"), or None while it runs; asked only when a spawn on them fails
+        self._gone: Callable[[], str | None] | None = None
 
     def _with_view(self, view: View) -> HostMesh:
         hm = HostMesh(self._hosts, view)
-        hm._bootstrap_cmd, hm._controller_env = self._bootstrap_cmd, self._controller_env
+        hm._bootstrap_cmd, hm._controller_env, hm._gone = self._bootstrap_cmd, self._controller_env, self._gone
         return hm
 
     def with_python_executable(self, python_executable: str) -> HostMesh:
@@ -933,7 +936,7 @@ class HostMesh(MeshTrait):
 
         base = default_bootstrap_cmd()
         hm = HostMesh(self._hosts, self._view)
-        hm._controller_env = self._controller_env
+        hm._controller_env, hm._gone = self._controller_env, self._gone
         hm._bootstrap_cmd = type(base)(python_executable, None, base.args, base.env, base.inherit_env)
         return hm
 
@@ -979,6 +982,26 @@ class HostMesh(MeshTrait):
         ``persist=True`` (the default in a Jupyter kernel) keeps them after this
         controller exits, to be re-attached with ``ProcMesh.lookup(name)``.
         """
+        try:
+            return self._spawn_procs(per_host, bootstrap, name, proc_bind, bootstrap_command, persist=persist)
+        except (ConnectError, SpawnError) as e:
+            why = self._gone() if self._gone is not None else None
+            if why is None:
+                raise
+            # an allocator that is not there says only that: the job that ran it says why
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            raise type(e)(f"cannot spawn procs on these hosts: {why}. ({first})") from e
+
+    def _spawn_procs(
+        self,
+        per_host: dict[str, int] | None,
+        bootstrap: Callable[[], Any] | None,
+        name: str | None,
+        proc_bind: list[dict[str, str]] | None,
+        bootstrap_command: Any,
+        *,
+        persist: bool | None,
+    ) -> ProcMesh:
         if per_host is not None and not isinstance(per_host, Mapping):
             raise TypeError(f"per_host is a dict of dimension sizes, like {{'gpus': 8}}, got {per_host!r}")
         per_host = dict(per_host or {})

@@ -12,6 +12,7 @@ and lives under the runtime directory by default rather than in ``./.monarch``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import logging
@@ -173,7 +174,31 @@ class JobTrait(ABC):
                     # cached before attaching: a job whose attach fails is still there to kill
                     self.dump(cached_path)
                     self._cached_path = cached_path
-        return JobState(running._state())
+        hosts = running._state()
+        # named now: a killed Slurm job forgets its id
+        ident = f"{running._type_name} {getattr(running, 'job_id', None) or (running._apply_id or '')[:8]}"
+        for hm in hosts.values() if running._host_addrs() else ():
+            # a spawn on these hosts after the job ended says so, not "no allocator at ..."; not
+            # on this_host() (a LocalJob's), which no job ends
+            hm._gone = functools.partial(self._gone, running, ident)
+        return JobState(hosts)
+
+    def _gone(self, running: JobTrait, ident: str) -> str | None:
+        """Why the allocators of ``running`` (applied through this job) are gone, or None if
+        its scheduler says it runs."""
+        again = "(job.state(), or the same `%mesh launch`) and spawn on its new hosts"
+        if self._running is not running:
+            return f"{ident} was killed (kill()), and its allocators with it: apply it again {again}"
+        try:
+            row = running.describe()
+        except Exception:  # the scheduler cannot tell (slurmctld down): the error stands as it is
+            return None
+        state = str(row.get("state", ""))
+        if state in ("running", "RUNNING") and not row.get("lost"):
+            return None
+        return (
+            f"{ident} is {'gone' if state == 'running' else state}: its allocators are gone; kill() it and apply it again {again}"
+        )
 
     def kill(self) -> None:
         """Stop the job: every allocator and proc it started, on every host; forget its cache."""
