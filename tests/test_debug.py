@@ -257,6 +257,92 @@ procs.stop().get(timeout=30)
     assert "[1]" in r["stdout"] and "{1: ''}" in r["stdout"], r["stdout"]
 
 
+SLOW = """
+import os, time
+from monarch_nb.actor import Actor, endpoint, current_rank, this_host
+
+def wait_for_flag(flag):  # a step that does not return until the test says so
+    while not os.path.exists(flag):
+        time.sleep(0.02)
+
+class Slow(Actor):
+    @endpoint
+    def go(self, flag):
+        rank = current_rank().rank
+        breakpoint()
+        wait_for_flag(flag)
+        return rank
+"""
+
+
+def test_interrupting_a_command_that_runs_on_a_rank_returns_to_the_console(kernel: Kernel, tmp_path: Any) -> None:
+    """Ctrl-C while `n` runs on a rank (a step over a collective other ranks never join) says
+    the rank goes on and returns to the console; it used to unwind the cell through monarch_nb's
+    wait with 'only the wait stopped: debug_send on ipc://…'."""
+    flag = tmp_path / "go-on"
+    kernel.converse(
+        SLOW + "\nprocs = this_host().spawn_procs(per_host={'gpus': 2}, name='dbg-kbd')\nm = procs.spawn('dbgk', Slow)\n"
+    )
+
+    def step_then_interrupt(prompt: str, text: str) -> str:
+        def interrupt_once_running() -> None:
+            wait_for(lambda: any(s.rank == 0 and s.state == "running" for s in debug.sessions("dbgk")), 30, "rank 0 running `n`")
+            kernel.km.interrupt_kernel()
+
+        threading.Thread(target=interrupt_once_running, daemon=True).start()
+        return "n"
+
+    def release(prompt: str, text: str) -> str:
+        flag.touch()
+        return "continue"
+
+    script = Script(
+        lambda p, t: "attach dbgk 0" if _rows(t) == 2 else None,
+        step_then_interrupt,
+        "list",
+        release,
+    )
+    r = kernel.converse(f"print('VALUES', m.go.call({str(flag)!r}).get().values())", script)
+    answers = [a for _, _, a in r["prompts"]]
+    after = r["prompts"][answers.index("n") + 1]
+    assert after[0] == "monarch_dbg> ", r["prompts"]
+    assert "interrupted: rank 0 is still running 'n'; detached." in after[1], after[1]
+    assert "'attach dbgk 0' goes on" in after[1], after[1]
+    table = r["prompts"][answers.index("list") + 1][1]
+    assert re.search(r"dbgk\s+0 .*running", table) and re.search(r"dbgk\s+1 .*paused", table), table
+    assert r["error"] is None, r
+    assert "VALUES [0, 1]" in r["stdout"], r["stdout"]
+    assert "_debugwait" not in r["stdout"] + r["stderr"] and "debug_send" not in r["stdout"] + r["stderr"], r
+    kernel.converse("procs.stop().get(timeout=30)")
+
+
+def test_monarch_s_console_grammar_l_and_dimension_keyed_ranks(kernel: Kernel) -> None:
+    """Monarch's `l` (list), `ranks(1,3)` and ranks by dimension with a list of coordinates,
+    `ranks(gpus=(0,1))` / `ranks(hosts=1, gpus=(0,1))` (the inner comma and space used to cut
+    the rank set short: an unknown command and a bad rank set)."""
+    kernel.converse(
+        DEFINE
+        + "\nprocs = this_host().spawn_procs(per_host={'hosts': 2, 'gpus': 2}, name='dbg-gram')\nm = procs.spawn('dbgg', Dbg)\n"
+    )
+    script = Script(
+        lambda p, t: "l" if len(re.findall(r"^dbgg .*paused$", t, re.M)) == 4 else None,
+        "cast dbgg ranks(1,3) p rank",
+        "cast dbgg ranks(hosts=1, gpus=(0,1)) p local",
+        "cast ranks(gpus=(1,)) p rank * 10",
+        "continue",
+    )
+    r = kernel.converse("print('VALUES', m.go.call(3).get().values())", script)
+    assert r["error"] is None, r
+    answers = [a for _, _, a in r["prompts"]]
+    out = {a: r["prompts"][i + 1][1] for i, a in enumerate(answers[:-1])}
+    assert len(re.findall(r"^dbgg .*paused$", out["l"], re.M)) == 4 and "hosts=1,gpus=1" in out["l"], out["l"]
+    assert out["cast dbgg ranks(1,3) p rank"].split() == ["[1]", "1", "[3]", "3"], out
+    assert out["cast dbgg ranks(hosts=1, gpus=(0,1)) p local"].split() == ["[2]", "32", "[3]", "33"], out
+    assert out["cast ranks(gpus=(1,)) p rank * 10"].split() == ["[1]", "10", "[3]", "30"], out
+    assert "VALUES [31, 32, 33, 34]" in r["stdout"], r["stdout"]
+    kernel.converse("procs.stop().get(timeout=30)")
+
+
 def test_awaiting_cell_is_the_debugger(kernel: Kernel) -> None:
     kernel.converse(
         DEFINE + "\nprocs = this_host().spawn_procs(per_host={'gpus': 2}, name='dbg-await')\nm = procs.spawn('dbg', Dbg)\n"
@@ -635,6 +721,20 @@ def test_parse_ranks() -> None:
     assert not debug.parse_ranks("ranks(gpu=1)").matches(4, {"host": 1, "gpu": 0})
     with pytest.raises(ValueError, match="bad rank set"):
         debug.parse_ranks("ranks(x)")
+    # Monarch's forms: a list, a slice with parts left out, dimensions with a list of coordinates
+    points = [{"hosts": h, "gpus": g} for h in range(2) for g in range(4)]
+
+    def picked(spec: str) -> list[int]:
+        return [r for r, c in enumerate(points) if debug.parse_ranks(spec).matches(r, c)]
+
+    assert picked("ranks(1,3)") == [1, 3]
+    assert picked("ranks(::3)") == [0, 3, 6]
+    assert picked("ranks(gpus=(1,3))") == [1, 3, 5, 7]
+    assert picked("ranks(hosts=0, gpus=1:3)") == [1, 2]
+    assert picked("ranks(hosts=1,gpus=(0,3))") == [4, 7]
+    assert picked("ranks(dim=(0,1))") == []  # a dimension the ranks do not have matches none, as in Monarch
+    with pytest.raises(ValueError, match="unbalanced parentheses"):
+        debug.parse_ranks("ranks(gpus=(1,3)")
 
 
 def test_arguments_that_name_no_mesh_or_rank_are_refused_by_name() -> None:

@@ -4,7 +4,6 @@ blocked cell, the ``%mesh`` magics and ``monarch-nb debug``."""
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import sys
 from collections.abc import Callable, Iterable
@@ -16,16 +15,30 @@ from ._sessions import _INT, DebugClient, Session, attach, cast_sessions, format
 
 _HELP = """\
 Commands:
-  list                          the session table
+  list (l)                      the session table
   attach [ACTOR] RANK           a pdb on that rank (pdb commands: p, n, s, l, w, up, c, ...; 'detach' returns here)
-  cast [ACTOR] RANKS COMMAND    run a pdb command on a rank set: 0-3, 1,5, *, ranks(0:4), ranks(gpu=0)
+  cast [ACTOR] RANKS COMMAND    run a pdb command on a rank set: 0-3, 1,5, *, ranks(0:4), ranks(1,3),
+                                ranks(gpu=0), ranks(hosts=0, gpus=(1,3))
   continue                      resume every paused rank
   quit                          leave the debugger (paused ranks stay paused)
   help                          this text
 """
 
 
-_RANKS_CMD = re.compile(r"^(ranks\([^)]*\)|\S+)\s+(.+)$")
+def _split_ranks(text: str) -> tuple[str, str] | None:
+    """``text``'s first word and the rest; a ``ranks(...)`` first word may hold spaces and
+    parentheses (``ranks(hosts=0, gpus=(1,3))``)."""
+    text = text.lstrip()
+    if text.startswith("ranks("):
+        depth = 0
+        for i, ch in enumerate(text):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0 and ch == ")":
+                rest = text[i + 1 :].strip()
+                return (text[: i + 1], rest) if rest else None
+        return None
+    parts = text.split(None, 1)
+    return (parts[0], parts[1].strip()) if len(parts) == 2 else None
 
 
 class Console:
@@ -136,11 +149,28 @@ class Console:
             self._fail(f"error: {e}")
             self.attached = None
             return True
+        except KeyboardInterrupt:
+            # a command that does not return (`n` over a collective the other ranks never join):
+            # the rank cannot be interrupted from here, but the console can stop waiting for it
+            s = client.session
+            self.attached = None
+            self._interrupted(
+                f"rank {s.rank} is still running {line.strip()!r}; detached. It pauses again when that "
+                f"returns: 'list' shows it as running until then, 'attach {s.actor + ' ' if s.actor else ''}{s.rank}' goes on."
+            )
+            return True
         self.write(out if not out or out.endswith("\n") else out + "\n")
         if client.ended:
             self.write(ended_message(client))
             self.attached = None
         return True
+
+    def _interrupted(self, text: str) -> None:
+        """Ctrl-C while a command ran on ranks: say what goes on and stay in the console (a
+        second Ctrl-C, at the prompt, leaves it), rather than unwind through the wait."""
+        if self.raise_errors:
+            raise DebugError(f"interrupted: {text}") from None
+        self.write(f"\ninterrupted: {text}\n")
 
     def _command(self, line: str) -> bool:
         try:
@@ -149,10 +179,22 @@ class Console:
             words = line.split()
         if not words:
             return True
-        cmd, args = words[0].lower(), words[1:]
+        cmd = words[0].lower()
+        if cmd in ("cast", "continue", "c", "cont"):
+            try:
+                self._run(cmd, words[1:], line)
+            except KeyboardInterrupt:
+                self._interrupted(
+                    "ranks still running the command go on with it and pause again when it returns "
+                    "('list' shows them as running until then)."
+                )
+            return True
+        return self._run(cmd, words[1:], line)
+
+    def _run(self, cmd: str, args: list[str], line: str) -> bool:
         if cmd in ("help", "h", "?"):
             self.write(_HELP)
-        elif cmd in ("list", "ls", "sessions"):
+        elif cmd in ("list", "l", "ls", "sessions"):
             self.show_table()
         elif cmd in ("attach", "a"):
             self._attach(args)
@@ -183,15 +225,15 @@ class Console:
         self.write(f"Attached to debug session for rank {s.rank} ({s.host})\n{s.header}\n")
 
     def _cast(self, line: str) -> None:
-        m = re.match(r"^\s*cast\s+(ranks\([^)]*\)|\S+)\s+(.+)$", line)
-        if m is None:
+        first = _split_ranks(line.lstrip()[len("cast") :])
+        if first is None:
             self._fail("usage: cast [ACTOR] RANKS COMMAND")
             return
         actor: str | None = None
-        ranks, cmd = m.group(1), m.group(2)
-        m2 = _RANKS_CMD.match(cmd)
-        if m2 is not None and ranks in {s.actor for s in sessions(addresses=self.addresses)}:
-            actor, ranks, cmd = ranks, m2.group(1), m2.group(2)  # the first word was an actor name
+        ranks, cmd = first
+        second = _split_ranks(cmd)
+        if second is not None and ranks in {s.actor for s in sessions(addresses=self.addresses)}:
+            actor, (ranks, cmd) = ranks, second  # the first word was an actor name
         res = cast_sessions(actor, parse_ranks(ranks), cmd, addresses=self.addresses)
         if not res:
             self.write(f"no paused ranks match {ranks}\n")

@@ -247,13 +247,32 @@ def _one(sel: str, spec: str) -> Callable[[int], bool]:
         return lambda r: lo <= r <= hi
     raise ValueError(
         f"bad rank set {spec!r}: {sel!r} is not a rank, a range (0-3), a slice (0:4, 0:8:2) or '*'; "
-        "examples: '*', '0-3', '1,5', 'ranks(0:4)', 'ranks(gpu=0)'"
+        "examples: '*', '0-3', '1,5', 'ranks(0:4)', 'ranks(gpu=0)', 'ranks(hosts=0, gpus=(1,3))'"
     )
+
+
+def _top_level(text: str, spec: str) -> list[str]:
+    """``text`` split at the commas outside parentheses: ``hosts=0, gpu=(1,3)`` is two parts."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+            if depth < 0:
+                break
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth != 0:
+        raise ValueError(f"bad rank set {spec!r}: unbalanced parentheses")
+    return [*parts, text[start:]]
 
 
 def parse_ranks(spec: str | Iterable[int] | RankSet | None) -> RankSet:
     """``None``/``"*"`` (all), ``"3"``, ``"0-3"``, ``"1,5,7"``, ``"0:8:2"``, Monarch's ``"ranks(0:4)"``,
-    coordinates ``"ranks(host=1, gpu=0:2)"``, or an iterable of ints."""
+    ``"ranks(1,3)"``, coordinates ``"ranks(hosts=1, gpus=0:2)"``, ``"ranks(gpus=(1,3))"``, or an
+    iterable of ints."""
     if isinstance(spec, RankSet):
         return spec
     if spec is None:
@@ -270,10 +289,18 @@ def parse_ranks(spec: str | Iterable[int] | RankSet | None) -> RankSet:
         return RankSet(text=text)
     rank_preds: list[Callable[[int], bool]] = []
     coords: dict[str, list[Callable[[int], bool]]] = {}
-    for part in inner.split(","):
+    for part in _top_level(inner, spec):
         if "=" in part:
             label, _, sel = part.partition("=")
-            coords.setdefault(label.strip(), []).append(_one(sel, spec))
+            sel = sel.strip()
+            # Monarch's list of coordinates, ranks(gpu=(1,3)); a list reads the same
+            if sel[:1] + sel[-1:] in ("()", "[]"):
+                items = [x for x in sel[1:-1].split(",") if x.strip()]
+                if not items:
+                    raise ValueError(f"bad rank set {spec!r}: {label.strip()}={sel} lists no coordinate")
+                coords.setdefault(label.strip(), []).extend(_one(x, spec) for x in items)
+            else:
+                coords.setdefault(label.strip(), []).append(_one(sel, spec))
         else:
             rank_preds.append(_one(part, spec))
     ranks = (lambda r: any(p(r) for p in rank_preds)) if rank_preds else None
