@@ -711,6 +711,16 @@ def test_cli_through_a_pipe(allocator: Any) -> None:
         procs.stop().get(timeout=30)
 
 
+def test_cast_to_an_actor_with_no_paused_rank_says_so(allocator: Any) -> None:
+    """The actor's name was read as the rank set while no session of it was listed: "bad rank
+    set 'trainer'" for a well-formed command."""
+    out: list[str] = []
+    con = debug.Console(write=out.append)
+    con.execute("cast trainer ranks(gpus=(0,1)) p x")
+    assert "".join(out) == "no paused ranks match ranks(gpus=(0,1))\n"
+    assert con.failures == 0
+
+
 def test_parse_ranks() -> None:
     assert [r for r in range(10) if debug.parse_ranks("0-3").matches(r)] == [0, 1, 2, 3]
     assert [r for r in range(10) if debug.parse_ranks("ranks(0:4)").matches(r)] == [0, 1, 2, 3]

@@ -232,7 +232,7 @@ class Console:
         actor: str | None = None
         ranks, cmd = first
         second = _split_ranks(cmd)
-        if second is not None and ranks in {s.actor for s in sessions(addresses=self.addresses)}:
+        if second is not None and (not _is_rank_set(ranks) or ranks in {s.actor for s in sessions(addresses=self.addresses)}):
             actor, (ranks, cmd) = ranks, second  # the first word was an actor name
         res = cast_sessions(actor, parse_ranks(ranks), cmd, addresses=self.addresses)
         if not res:
@@ -247,6 +247,14 @@ class Console:
                 continue
             tag = f"[{s.actor or '-'} {s.rank}]" if several else f"[{s.rank}]"
             self.write(f"{tag} " + (out.rstrip().replace("\n", f"\n{tag} ") if out.strip() else "") + "\n")
+
+
+def _is_rank_set(word: str) -> bool:
+    try:
+        parse_ranks(word)
+    except ValueError:
+        return False
+    return True
 
 
 def ended_message(client: DebugClient) -> str:
