@@ -150,23 +150,36 @@ def test_late_output_reaches_its_cell_after_another_cell_ran(k: Kernel, tmp_path
     _ok(k.run("%mesh spawn late --per-host gpus=2"))
     _ok(k.run("%%mesh exec late\nimport os, time\nfrom monarch_nb.actor import current_rank\nr = current_rank().rank"))
     # the call returns at once; the ranks print when the test lets them, after another cell ran
-    a = _ok(k.run(f"%%mesh exec late --no-block\n{poll(f'os.path.exists({str(flag)!r})', 60)}print('late from', r)"))
-    slot = [d for d in a.display_ids() if d]
-    assert slot, "a cell that called ranks keeps a display for output that comes later"
+    flag2 = tmp_path / "again"
+    a = _ok(
+        k.run(
+            f"%%mesh exec late --no-block\n{poll(f'os.path.exists({str(flag)!r})', 60)}print('late from', r, flush=True)\n"
+            f"{poll(f'os.path.exists({str(flag2)!r})', 60)}print('later still', r)"
+        )
+    )
+    # no placeholder: it would be saved in the notebook as an empty output
+    assert a.displays() == [], a.displays()
     b = _ok(k.run("1 + 1"))
     assert b.result == "2"
     flag.touch()
-    upd = k.wait_msg(
-        lambda m: (
-            m["msg_type"] == "update_display_data"
-            and m["content"]["transient"]["display_id"] == slot[0]
-            and "late from" in m["content"]["data"]["text/plain"]
-        ),
+    late = k.wait_msg(
+        lambda m: m["msg_type"] == "display_data" and "late from" in m["content"]["data"]["text/plain"],
         15,
-        "late output in the first cell's display",
+        "late output in a display",
     )
-    assert "[ranks 0-1 ×2] late from 0…1" in upd["content"]["data"]["text/plain"]
+    # in the first cell (its request is its parent), in a display that more late output updates
+    assert late["parent_header"]["msg_id"] == a.msg_id
+    assert late["content"]["transient"]["display_id"]
+    assert "[ranks 0-1 ×2] late from 0…1" in late["content"]["data"]["text/plain"]
     assert "late from" not in b.stream()
+    flag2.touch()
+    upd = k.wait_msg(
+        lambda m: m["msg_type"] == "update_display_data" and "later still" in m["content"]["data"]["text/plain"],
+        15,
+        "more late output, updating that display",
+    )
+    assert upd["content"]["transient"]["display_id"] == late["content"]["transient"]["display_id"]
+    assert upd["content"]["data"]["text/plain"].splitlines() == ["[ranks 0-1 ×2] late from 0…1", "[ranks 0-1 ×2] later still 0…1"]
 
 
 def test_late_output_reaches_its_cell_after_a_later_cell_called_the_same_ranks(k: Kernel, tmp_path) -> None:
@@ -176,25 +189,23 @@ def test_late_output_reaches_its_cell_after_a_later_cell_called_the_same_ranks(k
     _ok(k.run("%mesh spawn later --per-host gpus=2"))
     _ok(k.run("%%mesh exec later\nimport os\nfrom monarch_nb.actor import current_rank\nr = current_rank().rank"))
     a = _ok(k.run(f"%%mesh exec later --no-block\n{poll(f'os.path.exists({str(flag)!r})', 60)}print('first cell', r)"))
-    slot = next(d for d in a.display_ids() if d)
     b = _ok(k.run("%%mesh exec later --no-block\nprint('second cell', r)"))  # runs after the first, on the same ranks
     _ok(k.run("x = 'a third cell'"))
     flag.touch()
     upd = k.wait_msg(
         lambda m: (
-            m["msg_type"] == "update_display_data"
-            and m["content"]["transient"]["display_id"] == slot
+            m["msg_type"] in ("display_data", "update_display_data")
+            and m["parent_header"].get("msg_id") == a.msg_id
             and "first cell" in m["content"]["data"]["text/plain"]
         ),
         15,
         "the first cell's late output in its display",
     )
     assert "second cell" not in upd["content"]["data"]["text/plain"]
-    second = next(d for d in b.display_ids() if d)
     k.wait_msg(
         lambda m: (
-            m["msg_type"] == "update_display_data"
-            and m["content"]["transient"]["display_id"] == second
+            m["msg_type"] in ("display_data", "update_display_data")
+            and m["parent_header"].get("msg_id") == b.msg_id
             and "second cell" in m["content"]["data"]["text/plain"]
         ),
         15,
@@ -211,13 +222,12 @@ def test_output_outside_a_call_goes_to_the_cell_of_the_last_call(k: Kernel, tmp_
         "threading.Thread(target=later).start()"
     )
     a = _ok(k.run(code))
-    slot = next(d for d in a.display_ids() if d)
     b = _ok(k.run("x = 'another cell'"))
     flag.touch()
     k.wait_msg(
         lambda m: (
-            m["msg_type"] == "update_display_data"
-            and m["content"]["transient"]["display_id"] == slot
+            m["msg_type"] in ("display_data", "update_display_data")
+            and m["parent_header"].get("msg_id") == a.msg_id
             and "background tick" in m["content"]["data"]["text/plain"]
         ),
         15,

@@ -3,9 +3,10 @@
 Every endpoint call is tagged with the cell that was executing when it was sent (the runtime
 tells us through ``Client.on_call``); every captured line carries the id of the call that was
 running when the rank printed it. While that cell runs, lines go out as ``stream`` messages
-with the cell's request as parent. When the cell ends (after the allocators flushed what
-ranks already wrote), a cell that made calls gets an empty display with a display id; output
-that arrives later, after other cells ran, updates that display, which JupyterLab finds by id.
+with the cell's request as parent. Output that arrives after the cell
+ended (after the allocators flushed what ranks already wrote), when other cells may have run,
+goes into a display of its own, sent with the cell's request as parent (JupyterLab keeps a
+finished cell's request open until it runs again) and updated by id as more arrives.
 Lines written outside any call go to the cell of the last call to that rank.
 
 Aggregation collects lines for a window (default 1 s in a kernel) and collapses them across
@@ -238,9 +239,6 @@ class KernelOutput:
             cell.caught = cell.raised | uncaught
             held, cell.held = cell.held, []
             self._show_notices(cell, [(t, m, r) for _at, t, m, r in held if not _seen(m, cell.caught)])
-            if cell.made_calls:
-                cell.late_id = uuid.uuid4().hex
-                self._send_display(cell, cell.late_id, "", update=False)
             cell.running = False
             self.last = cell
             self.current = None
@@ -479,9 +477,14 @@ class KernelOutput:
             cells.update(self._pending)
             for cell in cells.values():
                 self._flush_cell(cell)
-                if cell.late_dirty and cell.late_id:
+                if cell.late_dirty and not cell.running:
                     cell.late_dirty = False
-                    self._send_display(cell, cell.late_id, "\n".join(cell.late), update=True)
+                    # made at the first late line, not at the cell's end: a placeholder would be
+                    # saved in the notebook as an empty output for every cell that called ranks.
+                    # JupyterLab keeps a finished cell's request open, so the display lands in it
+                    update = bool(cell.late_id)
+                    cell.late_id = cell.late_id or uuid.uuid4().hex
+                    self._send_display(cell, cell.late_id, "\n".join(cell.late), update=update)
             self._pending = {i: c for i, c in self._pending.items() if len(c.agg) or c.progress_dirty or c.suppressed}
             cur = self.current
             if cur is not None:
