@@ -209,6 +209,9 @@ def test_sigkilled_proc_turns_red_in_the_sidebar_within_3s(page, lab) -> None:
     rank2 = panel.locator('.mnb-mesh[data-mesh="victim"] .mnb-rank[data-rank="2"]')
     expect(rank2).to_have_class(re.compile(r"\bmnb-state-(idle|busy)\b"))
     pid = mesh_pids("victim")[2]
+    # a keyboard user on rank 0: the mesh's section is rebuilt when rank 2 fails
+    rank0 = panel.locator('.mnb-mesh[data-mesh="victim"] .mnb-rank[data-rank="0"]')
+    rank0.focus()
 
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
@@ -217,6 +220,7 @@ def test_sigkilled_proc_turns_red_in_the_sidebar_within_3s(page, lab) -> None:
     expect(widget_rank2).to_have_class(re.compile(r"\bmnb-state-failed\b"), timeout=3000)
     seen_after = time.monotonic() - t0
     assert seen_after < 3.0
+    expect(rank0).to_be_focused()  # focus stayed on the rebuilt rank 0
     shot(page, "sidebar-rank-failed")
 
     # red, and the reason is there for the user
@@ -275,6 +279,11 @@ def test_rank_log_recent_logs_and_inserting_a_connect_cell(page, lab) -> None:
     expect(log.locator(".mnb-ranklog-lines")).not_to_contain_text("hello from rank 0")
     expect(page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current")).to_contain_text("talky rank 1 log")
     shot(page, "sidebar-rank-log")
+    # a rank square is a role=button: Space opens its log as Enter does
+    for key, rank in (("Enter", 2), ("Space", 3)):
+        panel.locator(f'.mnb-mesh[data-mesh="talky"] .mnb-rank[data-rank="{rank}"]').press(key)
+        expect(page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current")).to_contain_text(f"talky rank {rank} log")
+        expect(page.locator(".mnb-RankLogPanel:visible .mnb-ranklog-lines")).to_contain_text(f"hello from rank {rank}")
 
     # back to the notebook: the insert action puts a cell into the active notebook
     page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text="talky.ipynb").click()

@@ -50,6 +50,20 @@ function button(cls: string, label: string, title: string, onClick: () => void):
   return b;
 }
 
+/** What identifies a focusable element across a re-render: its classes and the data attributes of
+ * it and its ancestors (which mesh, which rank), less its state, which is what changed. */
+function focusKey(e: HTMLElement, root: HTMLElement): string {
+  const parts: string[] = [];
+  for (let n: HTMLElement | null = e; n && n !== root; n = n.parentElement) {
+    const attrs = Array.from(n.attributes)
+      .filter(a => a.name.startsWith('data-') && a.name !== 'data-state')
+      .map(a => `${a.name}=${a.value}`);
+    const cls = Array.from(n.classList).filter(c => !c.startsWith('mnb-state-'));
+    parts.push(`${n.tagName}.${cls.join('.')}[${attrs.join(',')}]`);
+  }
+  return parts.join('<');
+}
+
 /** 75 -> "1m15s", 4000 -> "1h06m" (as %mesh jobs writes them) */
 export function duration(seconds: number): string {
   const v = Math.max(0, Math.floor(seconds));
@@ -201,7 +215,18 @@ export class MeshSidebar extends Widget {
     }
     this._last.set(key, json);
     const body = this._bodies.get(key)!;
+    const active = document.activeElement;
+    const focused = active instanceof HTMLElement && body.contains(active) ? focusKey(active, body) : null;
     body.replaceChildren(...build());
+    // a keyboard user on rank 5 stays there when another rank changes state (the section is rebuilt)
+    if (focused !== null) {
+      for (const e of Array.from(body.querySelectorAll<HTMLElement>(active!.tagName))) {
+        if (focusKey(e, body) === focused) {
+          e.focus({ preventScroll: true });
+          break;
+        }
+      }
+    }
   }
 
   private _empty(text: string): HTMLElement[] {
@@ -289,8 +314,10 @@ export class MeshSidebar extends Widget {
           tabindex: '0'
         });
         cell.addEventListener('click', () => this.actions.openLog(m.name, p.rank));
+        // a role=button answers Enter and Space, as a <button> does (Space would scroll the panel)
         cell.addEventListener('keydown', ev => {
-          if (ev.key === 'Enter') {
+          if (ev.key === 'Enter' || ev.key === ' ') {
+            ev.preventDefault();
             this.actions.openLog(m.name, p.rank);
           }
         });
