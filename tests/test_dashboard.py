@@ -12,7 +12,7 @@ import sys
 from html import unescape as html_unescape
 
 import pytest
-from _kernel import Kernel
+from _kernel import Kernel, poll
 from conftest import wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -235,4 +235,40 @@ def test_dashboard_shows_a_failed_spawn_at_once_and_another_kernels_exec_error()
     finally:
         if other is not None:
             other.close()
+        k.close()
+
+
+def test_a_saved_dashboard_shows_the_mesh_where_the_widget_cannot_live(tmp_path) -> None:
+    # saved and opened without its kernel (nbconvert, GitHub), the output showed ipywidgets' repr
+    # of every child, CSS first: "Dashboard(children=(HTML(value='\n<style>\n.mnb-dash {…"
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    k = Kernel(env=FAST)
+    try:
+        _ok(k.run("%load_ext monarch_nb\n%mesh spawn saved --per-host gpus=2"))
+        pid = int(re.findall(r"\d+", _ok(k.run("%%mesh exec saved --ranks 1\nimport os\nos.getpid()")).result)[-1])
+        os.kill(pid, signal.SIGKILL)
+        _ok(k.run("d = %mesh dashboard saved\n" + poll("'data-state=\"failed\"' in d.header.value", 30, "rank 1 to fail")))
+        out = _ok(k.run("d"))
+        [res] = [m["content"] for m in out.msgs if m["msg_type"] == "execute_result"]
+        data = res["data"]
+        # the live widget is still what JupyterLab shows while the kernel runs
+        assert data["application/vnd.jupyter.widget-view+json"]["model_id"]
+        text = data["text/plain"]
+        assert text.startswith("Dashboard of mesh 'saved' {gpus: 2}: failed"), text
+        assert "  idle: rank 0" in text or "  busy: rank 0" in text, text
+        assert "  failed: rank 1\n" in text and re.search(r"rank 1 on \S+: .*SIGKILL", text), text
+        assert "children=" not in text and "<style>" not in text, text
+
+        # the notebook as JupyterLab saves it (no widget state): nbconvert shows the snapshot
+        nb = nbformat.v4.new_notebook()
+        cell = nbformat.v4.new_code_cell("%mesh dashboard saved", execution_count=1)
+        cell.outputs = [nbformat.v4.new_output("execute_result", data=data, execution_count=1)]
+        nb.cells.append(cell)
+        page, _ = HTMLExporter().from_notebook_node(nb)
+        assert 'class="mnb-rank mnb-state-failed" data-rank="1"' in page
+        assert "a snapshot as of" in page and "Dashboard(children" not in page
+        _ok(k.run("d.close()\n%mesh stop saved"))
+    finally:
         k.close()

@@ -56,6 +56,9 @@ class Dashboard(W.VBox):
         #: failures told by supervision: (what, why) -> (index in _errors, time, ranks)
         self._failures: dict[tuple[str, str], tuple[int, str, set[int]]] = {}
         self._jobs_at = -JOBS_EVERY
+        #: the saved notebook's view of the dashboard (see _repr_mimebundle_), as of the last refresh
+        self._saved_text = f"Dashboard of mesh {mesh.name!r}"
+        self._saved_html = ""
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.header = W.HTML()
@@ -153,6 +156,7 @@ class Dashboard(W.VBox):
             snap = self.snapshot()
         except Exception as e:  # the dashboard must never take the kernel down
             self.header.value = f'<b>{self.mesh.name}</b> <span class="mnb-errors">status unavailable: {e}</span>'
+            self._saved_text = f"Dashboard of mesh {self.mesh.name!r}: status unavailable: {e}"
             return
         pm = self.mesh
         labels, sizes = list(pm._view.labels), list(pm._view.sizes)
@@ -185,6 +189,39 @@ class Dashboard(W.VBox):
                         self._errors.append(msg)
             self.errors_view.value = _render.errors_html(self._errors)
         self._render_log()
+        self._saved_text, self._saved_html = self._saved_views(label, summary, snap["ranks"])
+
+    def _saved_views(self, label: str, summary: str, ranks: list[dict[str, Any]]) -> tuple[str, str]:
+        """Text and HTML of the mesh as it is now, for where the live widget cannot show."""
+        pm, when = self.mesh, time.strftime("%H:%M:%S")
+        lines = [f"Dashboard of mesh {pm.name!r} {pm.extent}: {label} · {summary} (as of {when})"]
+        by_state: dict[str, list[int]] = {}
+        for r in ranks:
+            by_state.setdefault(r["state"], []).append(r["rank"])
+        for st, rs in sorted(by_state.items()):
+            lines.append(f"  {st}: {'rank' if len(rs) == 1 else 'ranks'} {format_ranks(rs)}")
+        failed = [r for r in ranks if r["state"] == "failed"]
+        lines += [f"  rank {r['rank']} on {r['host']}: {r['reason']}" for r in failed[:8]]
+        if len(failed) > 8:
+            lines.append(f"  … and {len(failed) - 8} more failed ranks")
+        lines.append("  (a snapshot: the live dashboard needs the notebook's kernel running)")
+        with self._lock:
+            errors = self.errors_view.value
+        body = "".join((self.header.value, _render.legend_html(), self.grid_view.value, self.hosts_view.value, errors))
+        note = (
+            f'<div style="color:#57606a">a snapshot as of {when}: the live dashboard needs the notebook\'s kernel running</div>'
+        )
+        return "\n".join(lines), f'{_render.CSS}<div class="mnb-dash">{body}{note}</div>'
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        # beside the widget view, what shows where the widget cannot: a notebook saved and opened
+        # again without its kernel, nbconvert, GitHub (ipywidgets' own text/plain would be the
+        # repr of every child, CSS included). A live JupyterLab prefers the widget view.
+        data: dict[str, Any] = super()._repr_mimebundle_(**kwargs)
+        data["text/plain"] = self._saved_text
+        if self._saved_html:
+            data["text/html"] = self._saved_html
+        return data
 
     def _render_latency(self) -> None:
         pm = self.mesh
