@@ -386,7 +386,12 @@ class Allocator(DebugRegistry):
             "this host's allocator (monarch-nb allocator)",
         )
         mesh = MeshRec(name, spec["owner"], bool(spec.get("persist")), labels, sizes, spec.get("rank_base", 0), [])
-        mesh.info = {"extent": spec["extent"], "host_index": spec.get("host_index", 0)}
+        # (a controller that predates mesh ids: one of this host's own)
+        mesh.info = {
+            "extent": spec["extent"],
+            "host_index": spec.get("host_index", 0),
+            "mesh_id": spec.get("mesh_id") or secrets.token_hex(6),
+        }
         self.meshes[name] = mesh
         self._rotate_logs(name)
         loop = self.rt.loop
@@ -426,6 +431,7 @@ class Allocator(DebugRegistry):
             "name": name,
             "procs": [(r.addr, r.pid, r.rank) for r in mesh.procs],
             "host": self.rt.hostname,
+            "mesh_id": mesh.info["mesh_id"],
         }
 
     def _tell_procs_up(self, mesh: MeshRec, to: tuple[str, int], host_index: int) -> None:
@@ -555,6 +561,7 @@ class Allocator(DebugRegistry):
             raise MeshError(f"no mesh named {name!r} on host {self.rt.hostname}; known: {sorted(self.meshes) or 'none'}")
         return {
             "name": m.name,
+            "mesh_id": m.info.get("mesh_id", ""),
             "owner": m.owner,
             "created": m.created,
             "persist": m.persist,

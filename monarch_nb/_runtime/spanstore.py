@@ -101,7 +101,18 @@ class SpanStore:
             return None
         k = self.kept.get(rec.token)
         if k is None:
-            k = self.kept[rec.token] = _Kept({"mesh": rec.mesh, "rank": rec.rank, "host": self.alloc.rt.hostname})
+            m = self.alloc.meshes.get(rec.mesh)
+            k = self.kept[rec.token] = _Kept(
+                {
+                    "mesh": rec.mesh,
+                    "rank": rec.rank,
+                    "host": self.alloc.rt.hostname,
+                    # which incarnation of the name: a mesh stopped and spawned again under it is
+                    # another, and a query of the name means the newest (telemetry._query)
+                    "mesh_id": m.info.get("mesh_id", "") if m is not None else "",
+                    "mesh_started": m.created if m is not None else 0.0,
+                }
+            )
             while len(self.kept) > PROCS:
                 self.total -= len(self.kept.popitem(last=False)[1])
         self.kept.move_to_end(rec.token)
@@ -177,7 +188,22 @@ class SpanStore:
             metrics.extend(k.metrics)
             meta = k.meta
             spans.extend(dict(zip(_FIELDS, s), **meta) for s in k.spans if since is None or s[6] + s[7] >= since)
-        return {"now": time.time(), "host": self.alloc.rt.hostname, "spans": spans, "metrics": metrics, "dropped": dropped}
+        return {
+            "now": time.time(),
+            "host": self.alloc.rt.hostname,
+            "spans": spans,
+            "metrics": metrics,
+            "dropped": dropped,
+            "incarnations": self.incarnations(mesh),
+        }
+
+    def incarnations(self, mesh: str | None) -> list[tuple[str, str, float]]:
+        """``(name, mesh id, started)`` of every incarnation of ``mesh`` (None: of every name)
+        this allocator runs or keeps spans of: the caller picks the newest of each name from
+        these, also where the newest has no span in the window asked about yet."""
+        out = {(k.meta["mesh"], k.meta.get("mesh_id", ""), k.meta.get("mesh_started", 0.0)) for k in self.kept.values()}
+        out.update((m.name, m.info.get("mesh_id", ""), m.created) for m in self.alloc.meshes.values())
+        return sorted(i for i in out if mesh is None or i[0] == mesh)
 
     async def _drain(self, mesh: str | None, timeout: float) -> None:
         futs = [
@@ -204,12 +230,15 @@ class SpanStore:
             for sp in k.spans:
                 if since is not None and sp[6] + sp[7] < since:
                     continue
-                if sp[8] == "error":
-                    errors.append(dict(zip(_FIELDS, sp), **k.meta))
                 if sp[1] == "call":
                     calls.append(sp[7])
-                names.setdefault((sp[1], sp[2]), []).append(sp[7])
-            if not names:
+                if sp[8] == "error":
+                    errors.append(dict(zip(_FIELDS, sp), **k.meta))
+                else:
+                    # stragglers compare latencies of calls that completed: a call that raised
+                    # at once, or spent its time formatting a traceback, says nothing of the rank
+                    names.setdefault((sp[1], sp[2]), []).append(sp[7])
+            if not names and not calls:
                 continue
             calls.sort()
             procs.append(
@@ -219,7 +248,13 @@ class SpanStore:
                     "names": [(kind, name, *_stats(sorted(d))) for (kind, name), d in names.items()],
                 }
             )
-        return {"now": time.time(), "host": self.alloc.rt.hostname, "procs": procs, "errors": errors[-max_errors:]}
+        return {
+            "now": time.time(),
+            "host": self.alloc.rt.hostname,
+            "procs": procs,
+            "errors": errors[-max_errors:],
+            "incarnations": self.incarnations(mesh),
+        }
 
 
 _OUTCOME = {True: "ok", False: "error"}

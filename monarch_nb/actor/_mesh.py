@@ -1045,11 +1045,15 @@ class HostMesh(MeshTrait):
                 whole._progress[0][0] = total - sum(up_by_host.values())  # type: ignore[index]
 
         progress_port = client.rt.open_port(procs_up)
+        # this incarnation of the name, the same on every host: a mesh stopped and spawned again
+        # under its name is another one, and telemetry tells their spans apart by it
+        mesh_id = secrets.token_hex(6)
         futs = []
         for h_index, h in enumerate(hosts):
             client.connect(h.alloc)
             spec = {
                 "name": name,
+                "mesh_id": mesh_id,
                 "owner": client.cid,
                 "persist": persist,
                 "labels": list(per_host),

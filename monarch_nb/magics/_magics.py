@@ -32,7 +32,7 @@ _SUMMARY = """\
 %mesh attach ACTOR RANK                        an interactive pdb on that rank, through this cell's input box
 %mesh dashboard [NAME]                         a live view: ranks by state, host resources, logs, errors
 %mesh stacks NAME [--ranks R] [--native]       every thread's stack on every rank
-%mesh trace [NAME] [--last 30s] [--out PATH] [--factor 2]
+%mesh trace [NAME] [--last 30s] [--out PATH] [--factor 2] [--incarnation all|ID]
                                                every rank's spans as a Chrome/Perfetto trace file and a timeline; stragglers named
 %mesh sync [PATH ...] [--recreate|--restart] [--watch|--stop-watch] [--via URL]
                                                send the workspace to the hosts, reload it in running procs
@@ -133,6 +133,11 @@ def _parsers() -> dict[str, _Parser]:
     tr.add_argument("--last", default="30s", help="how far back: 30s, 5m, 2h (default 30s)")
     tr.add_argument("--out", help="trace file (default trace-NAME-TIME.json here)")
     tr.add_argument("--factor", type=float, default=2.0, help="a straggler is this many times slower than the others' median")
+    tr.add_argument(
+        "--incarnation",
+        default="latest",
+        help="a name reused after a stop: 'latest' (default, the newest mesh of that name), 'all', or a mesh id",
+    )
     _jobs.add_parsers(p, _Parser)
     return p
 
@@ -377,7 +382,11 @@ class MeshMagics(Magics):
 
         target = self._named(args.name)
         return _trace.trace(
-            target if isinstance(target, str) or target is None else target.name, args.last, args.out, args.factor
+            target if isinstance(target, str) or target is None else target.name,
+            args.last,
+            args.out,
+            args.factor,
+            args.incarnation,
         )
 
     def _do_stop(self, args: argparse.Namespace, cell: str | None) -> Any:

@@ -15,11 +15,15 @@ MAX_DRAWN = 4000
 _W, _LABEL, _ROW = 900, 150, 14
 
 
-def trace(name: str | None, last: str, out: str | None, factor: float) -> TraceView:
+def trace(name: str | None, last: str, out: str | None, factor: float, incarnation: str = "latest") -> TraceView:
     try:
-        rows = telemetry.query_records(name, since=last)
+        since = telemetry._query.parse_since(last)
     except ValueError as e:
         raise ValueError(f"--last {last!r}: {e}") from None
+    try:
+        rows = telemetry.query_records(name, since=since, incarnation=incarnation)
+    except ValueError as e:
+        raise ValueError(f"--incarnation {incarnation!r}: {e}") from None
     if not rows:
         # no file for nothing: a mistyped name used to leave an empty trace behind and say "0 spans"
         if name is not None:
@@ -50,15 +54,20 @@ class TraceView:
         if not self.path:
             of = f" of mesh {self.name!r}" if self.name else ""
             return f"no spans{of} in the last {self.last}: no trace written (the ranks ran no calls or spans then)"
-        ranks = {(r["mesh"], r["rank"]) for r in self.rows}
+        ranks = {(r["mesh"], r.get("mesh_id"), r["rank"]) for r in self.rows}
         return f"{len(self.rows)} spans of {len(ranks)} ranks in the last {self.last} written to {self.path} (open in ui.perfetto.dev)"
 
     def _straggler_lines(self) -> list[str]:
         return [
-            f"straggler: {d['mesh']} rank {d['rank']} ({d['host']}) {d['name']} median {d['median_s'] * 1e3:.2f} ms, "
+            f"straggler: {self._mesh(d)} rank {d['rank']} ({d['host']}) {d['name']} median {d['median_s'] * 1e3:.2f} ms, "
             f"{d['ratio']:.1f}x the other ranks' {d['typical_s'] * 1e3:.2f} ms"
             for d in self.stragglers
         ]
+
+    def _mesh(self, r: dict[str, Any]) -> str:
+        """A mesh's name, with its id where the rows hold several meshes of that name (--incarnation all)."""
+        several = len({x.get("mesh_id") for x in self.rows if x["mesh"] == r["mesh"]}) > 1
+        return f"{r['mesh']}[{r.get('mesh_id')}]" if several else str(r["mesh"])
 
     def __repr__(self) -> str:
         lines = [self._headline(), *self._straggler_lines()]
@@ -76,22 +85,23 @@ class TraceView:
         rows = self.rows[-MAX_DRAWN:]
         if not rows:
             return "<div><i>no spans in this window</i></div>"
-        tracks = sorted({(r["mesh"], r["rank"]) for r in rows}, key=lambda k: (str(k[0]), k[1]))
+        tracks = sorted({(r["mesh"], r.get("mesh_id"), r["rank"]) for r in rows}, key=lambda k: (str(k[0]), str(k[1]), k[2]))
+        names = {(r["mesh"], r.get("mesh_id")): self._mesh(r) for r in rows}
         y = {k: i for i, k in enumerate(tracks)}
         t0 = min(r["start"] for r in rows)
         t1 = max(r["start"] + r["duration"] for r in rows)
         scale = (_W - _LABEL - 10) / max(t1 - t0, 1e-6)
-        slow = {(d["mesh"], d["rank"]) for d in self.stragglers}
+        slow = {(d["mesh"], d.get("mesh_id"), d["rank"]) for d in self.stragglers}
         h = _ROW * len(tracks) + 20
         out = [
             f"<svg class='mnb-timeline' width='{_W}' height='{h}' xmlns='http://www.w3.org/2000/svg' font-size='10' font-family='monospace'>"
         ]
         for k, i in y.items():
             color = "#c62828" if k in slow else "#333"
-            label = html.escape(f"{k[0]} r{k[1]}" + (" (slow)" if k in slow else ""))
+            label = html.escape(f"{names[k[:2]]} r{k[2]}" + (" (slow)" if k in slow else ""))
             out.append(f"<text x='2' y='{i * _ROW + 11}' fill='{color}'>{label}</text>")
         for r in rows:
-            i = y[(r["mesh"], r["rank"])]
+            i = y[(r["mesh"], r.get("mesh_id"), r["rank"])]
             x = _LABEL + (r["start"] - t0) * scale
             w = max(r["duration"] * scale, 1.0)
             inner = r["kind"] != "call"

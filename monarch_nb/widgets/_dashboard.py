@@ -228,7 +228,7 @@ class Dashboard(W.VBox):
         try:
             # reduced by the allocators: a 128-rank mesh's calls are tens of thousands of spans a window
             got = telemetry.latency_summary(
-                pm._procs[0].mesh,
+                pm,  # this mesh's own spans, not those of an earlier mesh of its name
                 since=self.window,
                 addresses=sorted({p.alloc for p in pm._procs if p.alloc}),
                 timeout=2.0,
@@ -254,7 +254,7 @@ class Dashboard(W.VBox):
                 self._error_spans.add(key)
                 if str(s.get("name")).endswith(".__init__") and (s.get("actor"), s.get("rank")) in self._failed_inits:
                     continue
-                if s.get("kind") == "call" and str(s.get("name")).startswith(f"{EXEC_ACTOR}."):
+                if s.get("kind") == "call" and str(s.get("actor")).partition("#")[0] == EXEC_ACTOR:
                     continue  # a failed cell: its "mesh exec" span says what it raised
                 if s.get("kind") == "call":
                     what = f"endpoint {s.get('name')} raised"

@@ -160,19 +160,39 @@ def errors_html(errors: list[str]) -> str:
     return f'<div class="mnb-errors"><b>recent errors</b><ul>{items}</ul></div>'
 
 
-def latency_html(ranks: list[dict[str, Any]], slow: list[dict[str, Any]], factor: float, window: str, top: int = 16) -> str:
+def latency_html(
+    ranks: list[dict[str, Any]], slow: list[dict[str, Any]], factor: float, window: str, top: int = 16, min_calls: int = 3
+) -> str:
     """Per-rank endpoint latency over the window (the slowest ``top`` ranks) and the stragglers;
-    ``ranks`` are ``telemetry.latency_summary()``'s (rank, calls, median, p95)."""
+    ``ranks`` are ``telemetry.latency_summary()``'s (rank, calls, median, p95), ``slow`` its
+    stragglers (per endpoint)."""
     if not ranks:
         return f'<div class="mnb-latency">no endpoint calls in the last {html.escape(window)}</div>'
-    flagged = {d["rank"] for d in slow}
+    by_rank: dict[int, list[str]] = {}
+    for d in slow:
+        by_rank.setdefault(int(d["rank"]), []).append(str(d["name"]))
+    # each rank slowest at some other endpoint is no rank behind the others: the notes below
+    # say which endpoint is slow where, no row is singled out
+    if len(by_rank) >= len({int(r["rank"]) for r in ranks}):
+        by_rank = {}
     stats = sorted(((float(r["median"]), float(r["p95"]), int(r["calls"]), int(r["rank"])) for r in ranks), reverse=True)
     worst = stats[0][0] or 1e-9
     rows = "".join(
-        f'<tr class="mnb-lat-row{" mnb-straggler" if rank in flagged else ""}"><td>rank {rank}</td><td>{n}</td>'
+        f'<tr class="mnb-lat-row{" mnb-straggler" if rank in by_rank else ""}"><td>rank {rank}</td><td>{n}</td>'
         f"<td>{_bar(100 * med / worst)} {med * 1e3:.2f} ms</td><td>{p95 * 1e3:.2f} ms</td>"
-        f"<td>{'straggler' if rank in flagged else ''}</td></tr>"
+        f"<td>{'straggler in ' + html.escape(', '.join(by_rank[rank])) if rank in by_rank else ''}</td></tr>"
         for med, p95, n, rank in stats[:top]
+    )
+    notes = "".join(
+        f'<div class="mnb-errors">straggler: rank {d["rank"]} ({html.escape(str(d["host"]))}) {html.escape(d["name"])} '
+        f"median {d['median_s'] * 1e3:.2f} ms over {d.get('calls', '?')} calls, {d['ratio']:.1f}x the other ranks' median</div>"
+        for d in slow
+    )
+    more = f"<div>… {len(stats) - top} faster ranks not shown</div>" if len(stats) > top else ""
+    return (
+        f'<div class="mnb-latency"><b>endpoint latency, last {html.escape(window)}</b> '
+        f"(a straggler: median of at least {min_calls} completed calls of an endpoint over {factor:g}x the other ranks')"
+        f"<table><tr><th>rank</th><th>calls</th><th>median</th><th>p95</th><th></th></tr>{rows}</table>{more}{notes}</div>"
     )
     notes = "".join(
         f'<div class="mnb-errors">straggler: rank {d["rank"]} ({html.escape(str(d["host"]))}) {html.escape(d["name"])} '
