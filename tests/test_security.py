@@ -1161,3 +1161,43 @@ def test_a_full_queue_fails_a_send_with_an_error_and_drops_only_log_lines() -> N
         sink.close(0)
         ctx.term()
         shutil.rmtree(rdir, ignore_errors=True)
+
+
+def test_every_file_of_the_runtime_directory_is_private_whatever_the_umask() -> None:
+    """docs/security.md: the runtime directory's files are the user's alone. The detached
+    allocator's start log, each rank's log and the code cache's folder were made with the
+    umask's mode (0644, 0755): private only while the directory above them stayed 0700."""
+    rdir = tempfile.mkdtemp(prefix="mnbm-", dir="/tmp")
+    os.chmod(rdir, 0o700)
+    code = textwrap.dedent(
+        """
+        import os, stat
+        os.umask(0o022)
+        from monarch_nb.actor import Actor, endpoint, this_host
+        from monarch_nb.allocator import stop_allocator
+
+        class Talker(Actor):
+            @endpoint
+            def talk(self):
+                print("a line for the rank's log")
+
+        try:
+            procs = this_host().spawn_procs(per_host={"gpus": 2}, name="private")
+            procs.spawn("t", Talker).talk.call().get(timeout=60)
+            rdir = os.environ["MONARCH_NB_RUNTIME_DIR"]
+            for where, dirs, files in os.walk(rdir):
+                for n in dirs + files:
+                    st = os.lstat(os.path.join(where, n))
+                    print(oct(stat.S_IMODE(st.st_mode)), os.path.relpath(os.path.join(where, n), rdir))
+        finally:
+            stop_allocator()
+        """
+    )
+    try:
+        r = run_script(code, timeout=120, env=dict(LIGHT, MONARCH_NB_RUNTIME_DIR=rdir))
+        assert r.returncode == 0, r.stderr
+        modes = dict(reversed(line.split(" ", 1)) for line in r.stdout.splitlines() if line.startswith("0o"))
+        assert any(p.startswith("allocator-start-") for p in modes) and any(p.endswith("rank-1.jsonl") for p in modes), modes
+        assert {p: m for p, m in modes.items() if int(m, 8) & 0o077} == {}
+    finally:
+        shutil.rmtree(rdir, ignore_errors=True)

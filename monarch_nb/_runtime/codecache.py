@@ -23,11 +23,18 @@ from typing import Any
 from ..errors import ProtocolError
 
 
+def _private(path: str, flags: int) -> int:
+    """``open()``'s opener: 0600 whatever the umask, as every file of the runtime directory."""
+    return os.open(path, flags, 0o600)
+
+
 class CodeCache:
     def __init__(self, root: str, owner: str = "") -> None:
         self.root = root
         #: the allocator whose procs import from these trees (named in ``in-use-<owner>``)
         self.owner = owner
+        # makedirs gives only the leaf its mode: the cache's own folder is made 0700 first
+        os.makedirs(root, mode=0o700, exist_ok=True)
         os.makedirs(os.path.join(root, "blobs"), mode=0o700, exist_ok=True)
         os.makedirs(os.path.join(root, "ws"), mode=0o700, exist_ok=True)
         #: workspace id -> manifest of what is materialised
@@ -58,7 +65,7 @@ class CodeCache:
                 continue
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
+            with open(tmp, "wb", opener=_private) as f:
                 f.write(data)
             os.replace(tmp, path)
             n += len(data)
@@ -148,7 +155,7 @@ class CodeCache:
             return
         path = os.path.join(self.root, f"{IN_USE}{self.owner}")
         tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
+        with open(tmp, "w", opener=_private) as f:
             f.write("\n".join(self.manifests) + "\n")
         os.replace(tmp, path)
 

@@ -196,7 +196,11 @@ def start_local_allocator(rdir: str, timeout: float = 60.0, extra_args: list[str
     Always starts a new one; :func:`local_allocator` is the way to get "the" allocator.
     """
     before = {i["file"] for i in read_connection_files(rdir)}
-    log = open(os.path.join(rdir, f"allocator-start-{os.getpid()}.log"), "ab")
+    # 0600 whatever the umask, as every file of the runtime directory (docs/security.md)
+    fd = os.open(
+        os.path.join(rdir, f"allocator-start-{os.getpid()}.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600
+    )
+    log = os.fdopen(fd, "ab")
     env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir)
     p = subprocess.Popen(
         [sys.executable, "-m", "monarch_nb", "allocator", *(extra_args or [])],
