@@ -150,6 +150,54 @@ def _logs_action(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stop(args: argparse.Namespace) -> int:
+    from .errors import MeshError
+
+    # an unknown name, a mesh a running controller owns (without --force)
+    return _in_one_line("stop", (MeshError, PermissionError, ValueError), _stop_action, args)
+
+
+def _stop_action(args: argparse.Namespace) -> int:
+    """Stop proc meshes of this host's allocators, as ``%mesh stop`` does in their notebook: a
+    persistent mesh whose kernel is gone needs no Python, and no ``allocator stop`` of all of them."""
+    from .allocator import stop_mesh
+    from .config import get_config, runtime_dir
+    from .errors import MeshError
+    from .introspect import status
+
+    if (args.name is None) == (not args.all):
+        raise ValueError("name a mesh (as `monarch-nb status` lists it) or pass --all")
+    # name -> (allocators that run it, the owner, whether the owner is a running controller)
+    meshes: dict[str, tuple[list[str], str, bool]] = {}
+    for a in status()["allocators"]:
+        attached = {c.get("cid") for c in a.get("controllers", [])}
+        for m in a.get("meshes", []):
+            addrs, owner, live = meshes.get(m["name"], ([], m["owner"], False))
+            meshes[m["name"]] = ([*addrs, a["addr"]], owner, live or m["owner"] in attached)
+    if args.name is not None and args.name not in meshes:
+        raise MeshError(
+            f"no mesh named {args.name!r} on this host's allocators (runtime directory {runtime_dir()}; "
+            f"meshes: {', '.join(sorted(meshes)) or 'none'})"
+        )
+    todo = [args.name] if args.name is not None else sorted(meshes)
+    if not todo:
+        print("no meshes on this host's allocators")
+    timeout = get_config().spawn_timeout
+    for name in todo:
+        addrs, owner, live = meshes[name]
+        if live and not args.force:
+            # %mesh stop's rule: another controller's mesh only with --force
+            msg = f"mesh {name!r} is owned by controller {owner}, which is running: --force stops it anyway"
+            if args.name is not None:
+                raise PermissionError(msg)
+            print(f"left {msg}")
+            continue
+        reason = "stopped by `monarch-nb stop` on the command line"
+        n = sum(stop_mesh(name, a, force=args.force, reason=reason, timeout=timeout) for a in addrs)
+        print(f"stopped mesh {name!r} ({n} proc{'' if n == 1 else 's'})")
+    return 0
+
+
 def _keygen(args: argparse.Namespace) -> int:
     import os
     import stat
@@ -297,6 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     lg.add_argument("--tail", type=int, help="the last N lines of each rank")
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines (Ctrl-C stops)")
     lg.set_defaults(fn=_logs)
+    sp = sub.add_parser("stop", help="stop a proc mesh of this host's allocators (also one whose kernel is gone)")
+    sp.add_argument("name", nargs="?", help="the proc mesh's name, as `monarch-nb status` lists it")
+    sp.add_argument("--all", action="store_true", help="every mesh whose controller is gone (with --force: every mesh)")
+    sp.add_argument("--force", action="store_true", help="also meshes of a controller that is still running")
+    sp.set_defaults(fn=_stop)
     k = sub.add_parser("keygen", help="write a new cluster key file")
     k.add_argument("path")
     k.set_defaults(fn=_keygen)

@@ -112,3 +112,46 @@ def test_status_shows_a_mesh_shape_and_an_owner_that_is_gone() -> None:
     finally:
         stop = "from monarch_nb.allocator import stop_mesh\nprint(stop_mesh('kept'))"
         assert subprocess.run([PY, "-c", stop], capture_output=True, text=True, timeout=60).stdout.strip() == "2"
+
+
+def test_stop_a_mesh_by_name_as_mesh_stop_does() -> None:
+    """A persistent mesh whose kernel is gone could be stopped from a terminal only with
+    `allocator stop` (every mesh) or Python. `monarch-nb stop` follows %mesh stop's rule: a
+    running controller's mesh only with --force."""
+    import shutil
+    import tempfile
+
+    rdir = tempfile.mkdtemp(prefix="mnbc-", dir="/tmp")
+    os.chmod(rdir, 0o700)
+    env = {"MONARCH_NB_RUNTIME_DIR": rdir, "MONARCH_NB_ZYGOTE_PRELOAD": ""}
+    spawn = (
+        "from monarch_nb.actor import this_host\nthis_host().spawn_procs(per_host={{'gpus': {n}}}, name={name!r}, persist=True)\n"
+    )
+    # the owner of 'held' runs until its stdin closes
+    owner = subprocess.Popen(
+        [PY, "-c", spawn.format(n=1, name="held") + "print('ready', flush=True)\ninput()\n"],
+        env=dict(os.environ, **env),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert owner.stdout is not None and owner.stdout.readline() == "ready\n"
+        gone = subprocess.run([PY, "-c", spawn.format(n=2, name="orphan")], env=dict(os.environ, **env), timeout=60)
+        assert gone.returncode == 0
+        _refused(_cli("stop", "nosuch", **env), "monarch-nb stop: no mesh named 'nosuch' on this host's allocators")
+        _refused(_cli("stop", "held", **env), "monarch-nb stop: mesh 'held' is owned by controller ")
+        _refused(_cli("stop", **env), "monarch-nb stop: name a mesh")
+        r = _cli("stop", "--all", **env)
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[0].startswith("left mesh 'held' is owned by controller ") and lines[0].endswith("--force stops it anyway")
+        assert lines[1:] == ["stopped mesh 'orphan' (2 procs)"], r.stdout
+        r = _cli("stop", "held", "--force", **env)
+        assert (r.returncode, r.stdout) == (0, "stopped mesh 'held' (1 proc)\n"), r.stderr
+        assert "mesh " not in _cli("status", **env).stdout
+    finally:
+        owner.kill()
+        owner.wait(timeout=30)
+        _cli("allocator", "stop", **env)
+        shutil.rmtree(rdir, ignore_errors=True)
