@@ -68,9 +68,13 @@ def _allocator_action(args: argparse.Namespace) -> int:
         print(f"allocator pid {info['pid']} at {info['addr']} {info.get('tcp') or ''}".rstrip())
         return 0
     if action == "stop":
+        dead = {int(r["pid"]) for r in list_allocators() if not r["alive"]}
         pids = stop_allocator(args.pid)
-        if pids:
-            print(f"stopped {len(pids)} allocator(s): {pids}")
+        stopped, gone = [p for p in pids if p not in dead], [p for p in pids if p in dead]
+        if stopped:
+            print(f"stopped {len(stopped)} allocator(s): {stopped}")
+        if gone:
+            print(f"removed the record of {len(gone)} allocator(s) whose process had already exited: {gone}")
         elif args.pid is not None:
             alive = [int(r["pid"]) for r in list_allocators() if r["alive"]]
             print(f"no allocator with pid {args.pid} on this host (running: {', '.join(map(str, alive)) or 'none'})")
@@ -82,7 +86,15 @@ def _allocator_action(args: argparse.Namespace) -> int:
         if not rows:
             print("no allocators registered")
         for r in rows:
-            print(f"{r['pid']:>8} {'alive' if r['alive'] else 'dead ':5} {r['host']:20} {r['addr']} {r.get('tcp') or ''}")
+            line = f"{r['pid']:>8} {'alive' if r['alive'] else 'dead ':5} {r['host']:20} {r['addr']} {r.get('tcp') or ''}"
+            if not r["alive"]:
+                # killed (SIGKILL, the OOM killer) before it could remove its record: still listed,
+                # as the sidebar lists it, so that a user learns it died; the next spawn starts another
+                line = (
+                    f"{line.rstrip()}  (its process is gone: killed, or the host restarted; its meshes' procs "
+                    f"went with it. `monarch-nb allocator stop --pid {r['pid']}` removes this record)"
+                )
+            print(line.rstrip())
         return 0
     raise SystemExit(f"unknown allocator action {action!r}")
 

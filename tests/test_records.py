@@ -398,3 +398,34 @@ def test_terminate_reaps_a_child_that_exits_and_kills_one_that_ignores_sigterm()
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+def test_a_killed_allocator_is_listed_with_what_to_do_and_stop_removes_what_it_left(rdir: str) -> None:
+    """kill -9 leaves the connection file and socket files: `allocator status` said only
+    "dead", and `allocator stop` claimed it had "stopped" it and left the socket files."""
+    import signal
+
+    from conftest import wait_for
+
+    from monarch_nb._runtime._pids import pid_alive
+
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="")
+
+    def cli(*argv: str) -> str:
+        r = subprocess.run([PY, "-m", "monarch_nb", "allocator", *argv], env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r
+        return r.stdout
+
+    cli("start")
+    (info,) = records.read_connection_files(rdir)
+    pid = int(info["pid"])
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(pid), 30, "the allocator to die")
+    line = cli("status").rstrip("\n")
+    assert line.startswith(f"{pid:>8} dead ") and line.endswith(
+        f"(its process is gone: killed, or the host restarted; its meshes' procs went with it. "
+        f"`monarch-nb allocator stop --pid {pid}` removes this record)"
+    ), line
+    assert cli("stop", "--pid", str(pid)) == f"removed the record of 1 allocator(s) whose process had already exited: [{pid}]\n"
+    assert cli("status") == "no allocators registered\n"
+    assert [n for n in os.listdir(rdir) if n.endswith((".sock", ".fast", ".json"))] == []
