@@ -322,3 +322,39 @@ def test_an_idle_actor_reads_its_calls_itself_and_hands_back_the_rest(allocator:
         assert any(a.reads_own_connection.call_one().get(timeout=10) for _ in range(40))
     finally:
         procs.stop().get(timeout=30)
+
+
+def test_a_peer_that_does_not_accept_is_said_at_the_sender(tmp_path, caplog, monkeypatch) -> None:
+    """A rank at its descriptor limit cannot accept a second controller's connection: that
+    caller's call waited with no word at all (only the rank's log said why)."""
+    caplog.set_level(logging.WARNING, logger="monarch_nb._runtime.fastpath")
+    monkeypatch.setattr(fastpath, "GREETING_S", 0.2)
+    path = str(tmp_path / "full.fast")
+    lis = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lis.bind(path)
+    lis.listen(1)  # never accepted, as by a process with no descriptor to accept with
+    try:
+        conn = fastpath.Sender(path)
+        assert f"the process at {path} has not accepted a connection from this one within 0 s: it is out of file" in caplog.text
+        conn.send([b"queued for when it accepts"])  # the sending thread is free
+    finally:
+        lis.close()  # the connection it never accepted ends, and the writer with it
+
+
+def test_a_reply_that_finds_no_descriptor_is_said_once_and_leaves_the_actor_thread_alive(caplog) -> None:
+    """The actor's thread, out of descriptors to connect back to a new caller, raised in its
+    reply and died: every later call to that actor, from any controller, hung."""
+    from monarch_nb._runtime import _fdlimit
+    from monarch_nb._runtime.sending import Sender
+
+    def no_descriptor(addr: str, frames: list[Any]) -> None:
+        raise _fdlimit.out_of_descriptors(f"connecting to {addr}", "this rank")
+
+    caplog.set_level(logging.WARNING, logger="monarch_nb._runtime.sending")
+    s = Sender(Config(), no_descriptor, {}, uid="u", hostname="h")
+    addr = "ipc:///nowhere/controller.sock"
+    for _ in range(3):
+        s.send_port(addr, 7, 0, wire.OK, "answer", "h", "echo")
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith(f"the reply of h.echo to {addr} was not sent (nor any other until"), said
+    assert "[Errno 24] connecting to ipc:///nowhere/controller.sock needs a file descriptor" in said[0]

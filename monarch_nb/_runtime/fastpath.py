@@ -85,7 +85,14 @@ class Sender:
                 # connected, yet no greeting: the peer is there but does not accept (out of
                 # descriptors, or its loop held up). Another way in (zmq) would make its libzmq
                 # accept, which aborts that process for want of a descriptor; so this thread's
-                # messages queue, in order, for a writer that waits for the greeting
+                # messages queue, in order, for a writer that waits for the greeting. Said, or a
+                # call to it waits with no word at the caller (the peer's log says why)
+                logger.warning(
+                    "the process at %s has not accepted a connection from this one within %.0f s: it is out of "
+                    "file descriptors, or stuck (its rank log says which); messages to it wait until it accepts",
+                    path,
+                    GREETING_S,
+                )
                 self._q = _Queue()
                 threading.Thread(target=_writer, args=(s, self._q, path), name="monarch_nb-direct-writer", daemon=True).start()
             else:

@@ -11,8 +11,10 @@ through the transport's ``send``, handed in as a callable.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -23,6 +25,9 @@ from ..errors import ActorError, SupervisionError, format_exception, raised_agai
 from . import shm as _shm
 
 logger = logging.getLogger(__name__)
+
+#: when a reply to each address was last said to be lost for want of a descriptor (once in 30 s)
+_unsent_said: dict[str, float] = {}
 
 
 class Target(NamedTuple):
@@ -104,6 +109,19 @@ class Sender:
                 self.send(addr, self.encode(addr, wire.PORT, meta, body, bufs))
         except SupervisionError:
             logger.debug("reply to dead peer %s dropped", addr)
+        except OSError as e:
+            if e.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            # no descriptor left to reach the caller: its reply is lost (the caller's own
+            # connection warns it that this process does not accept), but the actor that
+            # answered lives on for the callers it still reaches, instead of its thread dying
+            now = time.monotonic()
+            if now - _unsent_said.get(addr, -60.0) > 30:
+                if len(_unsent_said) > 1024:
+                    _unsent_said.clear()
+                _unsent_said[addr] = now
+                what = f"the reply of {actor}.{method}" if method else "a reply"
+                logger.warning("%s to %s was not sent (nor any other until a descriptor is free): %s", what, addr, e)
 
     def send_actor(
         self,
