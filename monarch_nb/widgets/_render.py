@@ -194,14 +194,3 @@ def latency_html(
         f"(a straggler: median of at least {min_calls} completed calls of an endpoint over {factor:g}x the other ranks')"
         f"<table><tr><th>rank</th><th>calls</th><th>median</th><th>p95</th><th></th></tr>{rows}</table>{more}{notes}</div>"
     )
-    notes = "".join(
-        f'<div class="mnb-errors">straggler: rank {d["rank"]} ({html.escape(str(d["host"]))}) {html.escape(d["name"])} '
-        f"{d['ratio']:.1f}x the other ranks' median</div>"
-        for d in slow
-    )
-    more = f"<div>… {len(stats) - top} faster ranks not shown</div>" if len(stats) > top else ""
-    return (
-        f'<div class="mnb-latency"><b>endpoint latency, last {html.escape(window)}</b> '
-        f"(a straggler: median over {factor:g}x the other ranks')"
-        f"<table><tr><th>rank</th><th>calls</th><th>median</th><th>p95</th><th></th></tr>{rows}</table>{more}{notes}</div>"
-    )
