@@ -197,10 +197,8 @@ def start_local_allocator(rdir: str, timeout: float = 60.0, extra_args: list[str
     """
     before = {i["file"] for i in read_connection_files(rdir)}
     # 0600 whatever the umask, as every file of the runtime directory (docs/security.md)
-    fd = os.open(
-        os.path.join(rdir, f"allocator-start-{os.getpid()}.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600
-    )
-    log = os.fdopen(fd, "ab")
+    log_path = os.path.join(rdir, f"allocator-start-{os.getpid()}.log")
+    log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600), "ab")
     env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir)
     p = subprocess.Popen(
         [sys.executable, "-m", "monarch_nb", "allocator", *(extra_args or [])],
@@ -217,7 +215,7 @@ def start_local_allocator(rdir: str, timeout: float = 60.0, extra_args: list[str
             if info["file"] not in before and info.get("pid") == p.pid:
                 return info
         if p.poll() is not None:
-            with open(log.name, errors="replace") as f:
+            with open(log_path, errors="replace") as f:
                 tail = f.read()[-2000:]
             # on a full disk its log is empty too: the one thing left to say is where the disk is full
             raise ConnectError(f"the local allocator exited with code {p.returncode} while starting:{_full_disk(rdir)}\n{tail}")
