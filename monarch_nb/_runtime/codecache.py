@@ -21,11 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ProtocolError
-
-
-def _private(path: str, flags: int) -> int:
-    """``open()``'s opener: 0600 whatever the umask, as every file of the runtime directory."""
-    return os.open(path, flags, 0o600)
+from ._private import private
 
 
 class CodeCache:
@@ -65,7 +61,7 @@ class CodeCache:
                 continue
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "wb", opener=_private) as f:
+            with open(tmp, "wb", opener=private) as f:
                 f.write(data)
             os.replace(tmp, path)
             n += len(data)
@@ -155,7 +151,7 @@ class CodeCache:
             return
         path = os.path.join(self.root, f"{IN_USE}{self.owner}")
         tmp = f"{path}.tmp"
-        with open(tmp, "w", opener=_private) as f:
+        with open(tmp, "w", opener=private) as f:
             f.write("\n".join(self.manifests) + "\n")
         os.replace(tmp, path)
 

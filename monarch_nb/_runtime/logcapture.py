@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._wire._rawbuf import join, to_bytes
+from ._private import private
 
 logger = logging.getLogger(__name__)
 
@@ -314,7 +315,7 @@ class ProcLog:
         self._on_call_end = on_call_end
         #: the newest file holds at most half: with the previous one, the rank stays under max_bytes
         self._half = max_bytes // 2
-        self._file = open(path, "ab", buffering=1 << 16, opener=_private)
+        self._file = open(path, "ab", buffering=1 << 16, opener=private)
         self._size = self._file.tell()
         self._partial = {"stdout": b"", "stderr": b""}
         self._more: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
@@ -648,7 +649,7 @@ class ProcLog:
         parts = _records(lines)
         n = sum(map(len, parts))
         if self._file.closed and not self._ended:  # after a write or a rotation failed (a full disk)
-            self._file = open(self.path, "ab", buffering=1 << 16, opener=_private)
+            self._file = open(self.path, "ab", buffering=1 << 16, opener=private)
             self._size = self._file.tell()
             # a record the failure cut short ends here: read_log skips it, not the next one
             parts.insert(0, b"\n")
@@ -663,13 +664,8 @@ class ProcLog:
     def _rotate(self) -> None:
         self._close_file()
         os.replace(self.path, self.path + ROTATED)
-        self._file = open(self.path, "ab", buffering=1 << 16, opener=_private)
+        self._file = open(self.path, "ab", buffering=1 << 16, opener=private)
         self._size = 0
-
-
-def _private(path: str, flags: int) -> int:
-    """``open()``'s opener for a rank's log: mode 0600 whatever the umask (what a rank prints is its user's)."""
-    return os.open(path, flags, 0o600)
 
 
 _writer: list[concurrent.futures.ThreadPoolExecutor] = []

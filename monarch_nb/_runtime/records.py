@@ -26,6 +26,7 @@ from typing import Any
 
 from ..errors import ConfigError, ConnectError
 from ._pids import pid_alive
+from ._private import private
 
 __all__ = [
     "PREFIX",
@@ -196,9 +197,7 @@ def start_local_allocator(rdir: str, timeout: float = 60.0, extra_args: list[str
     Always starts a new one; :func:`local_allocator` is the way to get "the" allocator.
     """
     before = {i["file"] for i in read_connection_files(rdir)}
-    # 0600 whatever the umask, as every file of the runtime directory (docs/security.md)
-    log_path = os.path.join(rdir, f"allocator-start-{os.getpid()}.log")
-    log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600), "ab")
+    log = open(os.path.join(rdir, f"allocator-start-{os.getpid()}.log"), "ab", opener=private)
     env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir)
     p = subprocess.Popen(
         [sys.executable, "-m", "monarch_nb", "allocator", *(extra_args or [])],
@@ -215,7 +214,7 @@ def start_local_allocator(rdir: str, timeout: float = 60.0, extra_args: list[str
             if info["file"] not in before and info.get("pid") == p.pid:
                 return info
         if p.poll() is not None:
-            with open(log_path, errors="replace") as f:
+            with open(log.name, errors="replace") as f:
                 tail = f.read()[-2000:]
             # on a full disk its log is empty too: the one thing left to say is where the disk is full
             raise ConnectError(f"the local allocator exited with code {p.returncode} while starting:{_full_disk(rdir)}\n{tail}")
