@@ -1135,3 +1135,56 @@ def test_a_proc_forked_as_its_zygote_dies_does_not_run_on(tmp_path: pathlib.Path
 
     wait_for(gone, 30, f"the orphaned proc {child} to exit")
     assert not ran.exists(), "a proc whose zygote was gone ran its entry point"
+
+
+_STALLED_CALLER = """
+import sys, time
+from monarch_nb.actor import Actor, endpoint, attach_to_workers
+class Slow(Actor):
+    @endpoint
+    def nap(self, s):
+        time.sleep(s)
+        return s
+h = attach_to_workers(workers=[sys.argv[1]])
+p = h.spawn_procs(per_host={"gpus": 1}, name="kept", persist=True)
+a = p.spawn("slow", Slow)
+a.nap.call_one(0).get(timeout=30)
+futs = [a.nap.call_one(0.3) for _ in range(4)]
+print("sent", flush=True)
+sys.stdin.read()  # until the test kills this controller
+"""
+
+
+def test_an_actor_whose_caller_stopped_reading_serves_its_other_callers(tmp_path: pathlib.Path) -> None:
+    """A reply that cannot be sent (its caller's queue full: a caller killed before anyone
+    noticed, or stopped) raised ConnectError in the actor's thread, which died: every later call
+    to the actor, from any controller, waited for ever. The reply is now dropped with a warning
+    in the rank's log, and the actor serves on."""
+    env = {"MONARCH_NB_KEY_FILE": "", "MONARCH_NB_SEND_HWM": "1", "MONARCH_NB_SEND_TIMEOUT": "0.5"}
+    a = AllocatorProc(str(tmp_path), "--bind", "tcp://127.0.0.1:0", env=env)
+    first = subprocess.Popen(
+        [PY, "-c", _STALLED_CALLER, a.info["tcp"]], env=a.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert first.stdout is not None and first.stdout.readline().strip() == "sent"
+        first.kill()  # its four replies to come have nobody to read them
+        first.wait(30)
+        r = run_script(
+            "import sys\n"
+            "from monarch_nb.actor import ProcMesh, attach_to_workers\n"
+            f"attach_to_workers(workers=[{a.info['tcp']!r}])\n"
+            "print('got', ProcMesh.lookup('kept').actor_mesh('slow').nap.call_one(0).get(timeout=30))\n",
+            env=a.env,
+        )
+        assert r.stdout.strip() == "got 0", r.stdout + r.stderr
+
+        def logs() -> str:
+            return "".join(p.read_text() for p in pathlib.Path(a.rdir).glob("mnb-logs-*/kept/rank-0.jsonl"))
+
+        wait_for(lambda: "the reply of slow.nap was not sent" in logs(), 30, "the lost reply said in the rank's log")
+        assert "Exception in thread" not in logs(), logs()[-2000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(30)
+        a.stop()

@@ -28,7 +28,7 @@ from .._runtime.runtime import NO_REPLY, REFUSED, Runtime, new_loop, system_meth
 from .._runtime.transport import drain_wake
 from .._wire import frames as wire
 from .._wire.serialize import loads, loads_fast
-from ..errors import ActorError, SupervisionError, _safe_exc, format_exception, safe_str
+from ..errors import ActorError, ConnectError, SupervisionError, _safe_exc, format_exception, safe_str
 from . import _context
 from ._actor import Instance, endpoints_of, is_async_actor
 from ._endpoint import _NotAnEndpointMethod
@@ -92,6 +92,9 @@ class ActorSlot:
         #: the constructor's arguments, kept for `%mesh sync --recreate`
         self.init_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.markers = _context.proc_spec is not None
+        #: when a lost reply to each caller was last said (once in 30 s: a caller that stopped
+        #: reading would otherwise fill the rank's output with one line a call)
+        self._unsent_said: dict[str, float] = {}
         self.busy = ""
         #: calls served and seconds spent in them (telemetry)
         self.calls = 0
@@ -790,7 +793,18 @@ class ActorSlot:
 
     def _reply(self, raddr: str, rport: int, index: int, status: int, value: Any, method: str = "") -> None:
         if raddr:
-            self.rt.send_port(raddr, rport, index, status, value, self.instance_info.name, method)
+            try:
+                self.rt.send_port(raddr, rport, index, status, value, self.instance_info.name, method)
+            except ConnectError as e:
+                # the caller does not read (stopped, hung, its process gone unnoticed yet): its reply
+                # is lost, but this actor's thread lives on for its other callers; it used to die
+                # here, and every later call to the actor waited for ever
+                now = time.monotonic()
+                if now - self._unsent_said.get(raddr, -60.0) > 30:
+                    if len(self._unsent_said) > 1024:
+                        self._unsent_said.clear()
+                    self._unsent_said[raddr] = now
+                    logger.warning("the reply of %s.%s was not sent: %s", self.instance_info.name, method, e)
         elif status == wire.ERROR:
             # nobody is waiting: leave the failure in this proc's log where %mesh logs finds it
             where = f"{self.instance_info.name}.{method}" if method else self.instance_info.name
