@@ -17,13 +17,11 @@ _W, _LABEL, _ROW = 900, 150, 14
 
 def trace(name: str | None, last: str, out: str | None, factor: float, incarnation: str = "latest") -> TraceView:
     try:
-        since = telemetry._query.parse_since(last)
+        rows = telemetry.query_records(name, since=last, incarnation=incarnation)
     except ValueError as e:
-        raise ValueError(f"--last {last!r}: {e}") from None
-    try:
-        rows = telemetry.query_records(name, since=since, incarnation=incarnation)
-    except ValueError as e:
-        raise ValueError(f"--incarnation {incarnation!r}: {e}") from None
+        # the error names the argument it is about (since=…, incarnation=…): say which flag
+        flag = f"--incarnation {incarnation!r}" if str(e).startswith("incarnation=") else f"--last {last!r}"
+        raise ValueError(f"{flag}: {e}") from None
     if not rows:
         # no file for nothing: a mistyped name used to leave an empty trace behind and say "0 spans"
         if name is not None:
@@ -49,6 +47,10 @@ class TraceView:
         self, rows: list[dict[str, Any]], path: str, slow: list[dict[str, Any]], factor: float, name: str | None, last: str
     ) -> None:
         self.rows, self.path, self.stragglers, self.factor, self.name, self.last = rows, path, slow, factor, name, last
+        #: the mesh ids of each name among the rows (several with --incarnation all)
+        self._ids: dict[Any, set[Any]] = {}
+        for r in rows:
+            self._ids.setdefault(r["mesh"], set()).add(r.get("mesh_id"))
 
     def _headline(self) -> str:
         if not self.path:
@@ -66,8 +68,7 @@ class TraceView:
 
     def _mesh(self, r: dict[str, Any]) -> str:
         """A mesh's name, with its id where the rows hold several meshes of that name (--incarnation all)."""
-        several = len({x.get("mesh_id") for x in self.rows if x["mesh"] == r["mesh"]}) > 1
-        return f"{r['mesh']}[{r.get('mesh_id')}]" if several else str(r["mesh"])
+        return f"{r['mesh']}[{r.get('mesh_id')}]" if len(self._ids.get(r["mesh"], ())) > 1 else str(r["mesh"])
 
     def __repr__(self) -> str:
         lines = [self._headline(), *self._straggler_lines()]
