@@ -315,8 +315,7 @@ class ProcLog:
         self._on_call_end = on_call_end
         #: the newest file holds at most half: with the previous one, the rank stays under max_bytes
         self._half = max_bytes // 2
-        self._file = open(path, "ab", buffering=1 << 16, opener=private)
-        self._size = self._file.tell()
+        self._open()
         self._partial = {"stdout": b"", "stderr": b""}
         self._more: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
         #: the bytes in ``_more``; a line that reaches ``_max_line`` is cut there
@@ -649,8 +648,7 @@ class ProcLog:
         parts = _records(lines)
         n = sum(map(len, parts))
         if self._file.closed and not self._ended:  # after a write or a rotation failed (a full disk)
-            self._file = open(self.path, "ab", buffering=1 << 16, opener=private)
-            self._size = self._file.tell()
+            self._open()
             # a record the failure cut short ends here: read_log skips it, not the next one
             parts.insert(0, b"\n")
             n += 1
@@ -664,8 +662,12 @@ class ProcLog:
     def _rotate(self) -> None:
         self._close_file()
         os.replace(self.path, self.path + ROTATED)
+        self._open()
+
+    def _open(self) -> None:
+        """(Re)open the rank's log for appending: 0600 whatever the umask (what a rank prints is its user's)."""
         self._file = open(self.path, "ab", buffering=1 << 16, opener=private)
-        self._size = 0
+        self._size = self._file.tell()
 
 
 _writer: list[concurrent.futures.ThreadPoolExecutor] = []
