@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from ._runtime._pids import pid_alive, terminate
-from ._runtime.allocator import _unlink_ipc
+from ._runtime.allocator import unlink_ipc
 from ._runtime.daemon import run_allocator
 from ._runtime.records import local_allocator, read_connection_files
 from .config import get_config, runtime_dir
@@ -74,9 +74,9 @@ def stop_allocator(pid: int | None = None, timeout: float = 15.0) -> list[int]:
             client.forget_allocators([str(info["addr"])], "allocator {addr} stopped by stop_allocator() (mesh stopped)")
         if info["alive"]:
             terminate([p], timeout)
-        elif os.path.dirname(str(info.get("addr", ""))[len("ipc://") :]) == os.path.dirname(info["file"]):
+        else:
             # killed before it could remove its socket files (nobody serves them now)
-            _unlink_ipc(str(info["addr"]))
+            unlink_ipc(str(info.get("addr", "")), inside=os.path.dirname(info["file"]))
         try:
             os.unlink(info["file"])
         except OSError:

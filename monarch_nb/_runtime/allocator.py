@@ -46,9 +46,12 @@ from .transport import Security
 logger = logging.getLogger(__name__)
 
 
-def _unlink_ipc(addr: str) -> None:
-    """Remove the socket files of an ipc inbox (``…/x.sock``) and its direct socket (``…/x.fast``)."""
+def unlink_ipc(addr: str, inside: str | None = None) -> None:
+    """Remove the socket files of an ipc inbox (``…/x.sock``) and its direct socket (``…/x.fast``);
+    with ``inside``, only if they are in that folder (a runtime directory's own, nobody else's)."""
     if not addr.startswith("ipc://"):
+        return
+    if inside is not None and os.path.realpath(os.path.dirname(addr[len("ipc://") :])) != os.path.realpath(inside):
         return
     from .fastpath import path_for
 
@@ -685,7 +688,7 @@ class Allocator(DebugRegistry):
             self.by_token.pop(r.token, None)
             if self.by_addr.get(r.addr) is r:
                 del self.by_addr[r.addr]
-            _unlink_ipc(r.local or r.addr)  # procs end with os._exit: their socket files stay behind
+            unlink_ipc(r.local or r.addr)  # procs end with os._exit: their socket files stay behind
         self._debug_mesh_stopped(m.name)
         m.state = "stopped"
         logger.info("mesh %s stopped (%d procs): %s", m.name, len(live), reason)
@@ -747,8 +750,7 @@ class Allocator(DebugRegistry):
                     shm.sweep_dead(int(c["pid"]))  # its pooled and in-flight shared memory
                 # a kernel killed (a restart, kill -9, the OOM killer) could not remove its socket
                 # files as a controller that exits does; nobody serves them now
-                if os.path.realpath(os.path.dirname(addr[len("ipc://") :])) == os.path.realpath(self.runtime_dir):
-                    _unlink_ipc(addr)
+                unlink_ipc(addr, inside=self.runtime_dir)
 
     def _controller_at_work(self, addr: str, c: dict[str, Any], silent: float, detach_after: float) -> bool:
         """Whether a silent controller of this host (it reached us over ipc) is still at work
