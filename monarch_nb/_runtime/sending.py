@@ -26,8 +26,21 @@ from . import shm as _shm
 
 logger = logging.getLogger(__name__)
 
-#: when a reply to each address was last said to be lost for want of a descriptor (once in 30 s)
+#: when a lost reply to each address was last said (:func:`say_unsent`)
 _unsent_said: dict[str, float] = {}
+
+
+def say_unsent(addr: str) -> bool:
+    """Whether a reply lost on its way to ``addr`` is to be logged now: once in 30 s per
+    address, as a caller that cannot be reached would otherwise get a line a call in the
+    rank's output (which streams to the notebook)."""
+    now = time.monotonic()
+    if now - _unsent_said.get(addr, -60.0) <= 30:
+        return False
+    if len(_unsent_said) > 1024:
+        _unsent_said.clear()
+    _unsent_said[addr] = now
+    return True
 
 
 class Target(NamedTuple):
@@ -115,11 +128,7 @@ class Sender:
             # no descriptor left to reach the caller: its reply is lost (the caller's own
             # connection warns it that this process does not accept), but the actor that
             # answered lives on for the callers it still reaches, instead of its thread dying
-            now = time.monotonic()
-            if now - _unsent_said.get(addr, -60.0) > 30:
-                if len(_unsent_said) > 1024:
-                    _unsent_said.clear()
-                _unsent_said[addr] = now
+            if say_unsent(addr):
                 what = f"the reply of {actor}.{method}" if method else "a reply"
                 logger.warning("%s to %s was not sent (nor any other until a descriptor is free): %s", what, addr, e)
 

@@ -25,6 +25,7 @@ from typing import Any
 from .._runtime import _dataplane, spans
 from .._runtime.logcapture import TaggedStream, end_call, set_call
 from .._runtime.runtime import NO_REPLY, REFUSED, Runtime, new_loop, system_method
+from .._runtime.sending import say_unsent
 from .._runtime.transport import drain_wake
 from .._wire import frames as wire
 from .._wire.serialize import loads, loads_fast
@@ -92,9 +93,6 @@ class ActorSlot:
         #: the constructor's arguments, kept for `%mesh sync --recreate`
         self.init_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.markers = _context.proc_spec is not None
-        #: when a lost reply to each caller was last said (once in 30 s: a caller that stopped
-        #: reading would otherwise fill the rank's output with one line a call)
-        self._unsent_said: dict[str, float] = {}
         self.busy = ""
         #: calls served and seconds spent in them (telemetry)
         self.calls = 0
@@ -799,11 +797,7 @@ class ActorSlot:
                 # the caller does not read (stopped, hung, its process gone unnoticed yet): its reply
                 # is lost, but this actor's thread lives on for its other callers; it used to die
                 # here, and every later call to the actor waited for ever
-                now = time.monotonic()
-                if now - self._unsent_said.get(raddr, -60.0) > 30:
-                    if len(self._unsent_said) > 1024:
-                        self._unsent_said.clear()
-                    self._unsent_said[raddr] = now
+                if say_unsent(raddr):
                     logger.warning("the reply of %s.%s was not sent: %s", self.instance_info.name, method, e)
         elif status == wire.ERROR:
             # nobody is waiting: leave the failure in this proc's log where %mesh logs finds it
