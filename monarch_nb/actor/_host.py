@@ -34,6 +34,7 @@ from . import _context
 from ._actor import Instance, endpoints_of, is_async_actor
 from ._endpoint import _NotAnEndpointMethod
 from ._shape import Extent, Point
+from ._supervision import stopped_words
 
 logger = logging.getLogger(__name__)
 
@@ -661,9 +662,8 @@ class ActorSlot:
                 actor=info.name,
                 rank=info.rank.rank,
                 host=self.rt.hostname,
-                # Monarch's words, as for a call sent after the stop (ActorMesh._stopped_error)
-                message=f"Endpoint call {info.name}.{method}() failed, Supervision event: actor {info!r} has status:\n"
-                f"  stopped: stopped by client\n  actor mesh {info.name!r} was stopped; spawn it again",
+                # Monarch's words, as for a call sent after the stop
+                message=stopped_words(info.name, method, repr(info))[1],
             )
         reason = self.failed
         return SupervisionError(

@@ -211,16 +211,13 @@ class ActorMesh(MeshTrait, Generic[T]):
     def _stopped_error(self, method: str) -> SupervisionError:
         """What a call to ``method`` of this stopped mesh fails with: Monarch's words (its
         SupervisionError names the first actor called), then ours."""
-        ours = f"actor mesh {self._label!r} was stopped; spawn it again"
+        from ._supervision import stopped_words
+
         named = self._monarch_name(self._view.ranks[0]) if self._view.ranks else None
+        ours, words = stopped_words(self._label, method, named[1] if named is not None else "")
         if named is None:
             return SupervisionError(ours, actor=self._label)
-        e = SupervisionError(
-            ours,
-            actor=self._label,
-            message=f"Endpoint call {self._label}.{method}() failed, Supervision event: actor {named[1]} has status:\n"
-            f"  stopped: stopped by client\n  {ours}",
-        )
+        e = SupervisionError(ours, actor=self._label, message=words)
         e.endpoint = f"{self._label}.{method}"
         return e
 

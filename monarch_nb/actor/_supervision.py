@@ -48,6 +48,16 @@ _exit_requested = False
 _hook_calls = 0
 
 
+def stopped_words(mesh: str, method: str, actor: str) -> tuple[str, str]:
+    """A call to a stopped actor mesh: (ours, the whole message in Monarch's words then ours),
+    the same whether the call was in hand at the stop or sent after it."""
+    ours = f"actor mesh {mesh!r} was stopped; spawn it again"
+    return ours, (
+        f"Endpoint call {mesh}.{method}() failed, Supervision event: actor {actor} has status:\n"
+        f"  stopped: stopped by client\n  {ours}"
+    )
+
+
 def unhandled_fault_hook(failure: MeshFailure) -> None:
     """Default policy for a failure nobody supervised.
 
