@@ -1188,3 +1188,37 @@ def test_an_actor_whose_caller_stopped_reading_serves_its_other_callers(tmp_path
             first.kill()
             first.wait(30)
         a.stop()
+
+
+@pytest.mark.timeout(240)
+def test_a_notebook_run_alone_under_pytest_leaves_no_allocator_in_the_users_runtime_directory(tmp_path: pathlib.Path) -> None:
+    """``pytest notebooks/X.ipynb`` (not the whole suite, so not tests/conftest.py) used to start
+    a persistent allocator in the user's own Jupyter runtime directory, and leave it running."""
+    import psutil
+
+    user_rt = tmp_path / "rt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MONARCH_NB_")}
+    env["JUPYTER_RUNTIME_DIR"] = str(user_rt)
+    root = pathlib.Path(__file__).resolve().parent.parent
+    try:
+        r = subprocess.run(
+            [PY, "-m", "pytest", "notebooks/01_quickstart.ipynb", "-q", "-p", "no:cacheprovider"],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+        assert not list(user_rt.glob("allocator-*.json")), sorted(p.name for p in user_rt.iterdir())
+    finally:
+        left = []
+        for p in psutil.process_iter():
+            try:
+                if p.environ().get("JUPYTER_RUNTIME_DIR") == str(user_rt) and "allocator" in p.cmdline():
+                    left.append(p)
+            except (psutil.Error, OSError):
+                pass
+        for p in left:
+            p.kill()
+    assert not left, "an allocator was left running"
