@@ -324,19 +324,29 @@ def test_an_idle_actor_reads_its_calls_itself_and_hands_back_the_rest(allocator:
         procs.stop().get(timeout=30)
 
 
-def test_a_peer_that_does_not_accept_is_said_at_the_sender(tmp_path, caplog, monkeypatch) -> None:
+def test_a_peer_that_does_not_accept_is_said_at_the_sender_and_holds_up_no_call(tmp_path, caplog, monkeypatch) -> None:
     """A rank at its descriptor limit cannot accept a second controller's connection: that
-    caller's call waited with no word at all (only the rank's log said why)."""
+    caller's call waited with no word at all (only the rank's log said why). And the call that
+    opened the connection sat in ``call_one()`` for the whole 5 s greeting wait, so a
+    ``get(timeout=20)`` after it returned after 25 s."""
     caplog.set_level(logging.WARNING, logger="monarch_nb._runtime.fastpath")
-    monkeypatch.setattr(fastpath, "GREETING_S", 0.2)
+    monkeypatch.setattr(fastpath, "GREETING_S", 1.0)
     path = str(tmp_path / "full.fast")
     lis = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     lis.bind(path)
     lis.listen(1)  # never accepted, as by a process with no descriptor to accept with
     try:
+        t0 = time.monotonic()
         conn = fastpath.Sender(path)
-        assert f"the process at {path} has not accepted a connection from this one within 0 s: it is out of file" in caplog.text
         conn.send([b"queued for when it accepts"])  # the sending thread is free
+        assert time.monotonic() - t0 < fastpath.HANDOVER_S + 0.4  # not GREETING_S
+        wait_for(
+            lambda: (
+                f"the process at {path} has not accepted a connection from this one within 1 s: it is out of file" in caplog.text
+            ),
+            timeout=10,
+            what="the sender's warning",
+        )
     finally:
         lis.close()  # the connection it never accepted ends, and the writer with it
 

@@ -44,7 +44,11 @@ _PEERCRED = struct.Struct("3i")
 _ONE = struct.Struct("<I")
 #: a receiver that takes no byte for this long is treated as stuck (SO_SNDTIMEO: no cost per send)
 STALL_S = 1.0
-#: how long a new connection waits for the receiver's greeting
+#: how long a new connection's sending thread waits for the receiver's greeting before a writer
+#: thread takes the wait over: the call that opened the connection returns, so its own timeout
+#: (``get(timeout=)``) is what bounds the caller's wait (a receiver greets within milliseconds)
+HANDOVER_S = 0.5
+#: a receiver that has not greeted for this long is said at the sender (a warning)
 GREETING_S = 5.0
 _TIMEVAL = struct.Struct("ll")
 
@@ -78,21 +82,14 @@ class Sender:
         self._q: _Queue | None = None
         try:
             s.connect(path)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(GREETING_S))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(HANDOVER_S))
             try:
                 _await_greeting(s, path)
             except (BlockingIOError, TimeoutError):
                 # connected, yet no greeting: the peer is there but does not accept (out of
                 # descriptors, or its loop held up). Another way in (zmq) would make its libzmq
                 # accept, which aborts that process for want of a descriptor; so this thread's
-                # messages queue, in order, for a writer that waits for the greeting. Said, or a
-                # call to it waits with no word at the caller (the peer's log says why)
-                logger.warning(
-                    "the process at %s has not accepted a connection from this one within %.0f s: it is out of "
-                    "file descriptors, or stuck (its rank log says which); messages to it wait until it accepts",
-                    path,
-                    GREETING_S,
-                )
+                # messages queue, in order, for a writer that waits for the greeting
                 self._q = _Queue()
                 threading.Thread(target=_writer, args=(s, self._q, path), name="monarch_nb-direct-writer", daemon=True).start()
             else:
@@ -199,8 +196,19 @@ def _writer(sock: socket.socket, q: _Queue, greeted_by: str = "") -> None:
     (first for its greeting, if ``greeted_by`` names the receiver that has not greeted yet)."""
     try:
         if greeted_by:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0))
-            _await_greeting(sock, greeted_by)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(max(0.001, GREETING_S - HANDOVER_S)))
+            try:
+                _await_greeting(sock, greeted_by)
+            except (BlockingIOError, TimeoutError):
+                # said, or a call to it waits with no word at the caller (the peer's log says why)
+                logger.warning(
+                    "the process at %s has not accepted a connection from this one within %.0f s: it is out of "
+                    "file descriptors, or stuck (its rank log says which); messages to it wait until it accepts",
+                    greeted_by,
+                    GREETING_S,
+                )
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0))
+                _await_greeting(sock, greeted_by)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0))  # no limit here
         while (data := q.get()) is not None:
             sock.sendall(data)
