@@ -761,6 +761,65 @@ except ActorError:
     ], r.stdout
 
 
+class Talker(Actor):
+    @endpoint
+    def say(self, i: int) -> int:
+        print(f"said {i}")
+        return i
+
+
+def test_a_script_waits_for_the_end_of_a_calls_output_without_asking_its_allocator(allocator, monkeypatch, capfd):
+    # the allocator passes on where a call's output ends, behind its lines; the controller
+    # used to ask it for a flush (a round trip) after every call that printed
+    from monarch_nb.actor import _client, _context
+
+    asked: list[str] = []
+    request = _client.Client.request
+    monkeypatch.setattr(_client.Client, "request", lambda self, a, m, *r, **k: asked.append(m) or request(self, a, m, *r, **k))
+    t = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="ends").spawn("t", Talker)
+    for i in range(5):
+        print("value", t.say.call_one(i).get(timeout=20), flush=True)
+    assert "flush_logs" not in asked
+    got = [ln for ln in capfd.readouterr().out.splitlines() if "said" in ln or "value" in ln]
+    assert got == [ln for i in range(5) for ln in (f"[0] said {i}", f"value {i}")]
+    # an end that came before its reply (the allocator was quicker): nothing left to wait for
+    client, p = _context.client(), t._procs[0]
+    client._output_ended([(p.rank, "early.1")])
+    done: list[str] = []
+    assert client.after_output(lambda: done.append("early"), "early.1", [p], set()) is False
+    assert client.after_output(lambda: done.append("late"), "late.1", [p], set()) is True
+    assert done == []
+    client._output_ended([(p.rank, "late.1")])
+    assert done == ["late"]
+
+
+def test_a_printing_call_completes_when_the_end_of_its_output_never_comes(allocator, monkeypatch):
+    import os
+    import signal
+
+    from monarch_nb.actor import _client, _context
+
+    t = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="noend").spawn("t", Talker)
+    t.say.call_one(0).get(timeout=20)
+    monkeypatch.setattr(_client, "AFTER_OUTPUT_WAIT_S", 0.5)
+    os.kill(allocator.proc.pid, signal.SIGSTOP)  # its procs' output stays in their pipes
+    try:
+        t0 = time.monotonic()
+        assert t.say.call_one(1).get(timeout=20) == 1
+        took = time.monotonic() - t0
+        # the wait's bound, not a hang (nor the timeout above)
+        assert 0.4 < took < 5, took
+        # an allocator killed while a call waits for it: the call completes once it is known lost
+        monkeypatch.setattr(_client, "AFTER_OUTPUT_WAIT_S", 60.0)
+        fut = t.say.call_one(2)
+        client = _context.client()
+        wait_for(lambda: client._waits, 20, "the reply, waiting for the end of its output")
+        os.kill(allocator.proc.pid, signal.SIGKILL)
+        assert fut.get(timeout=30) == 2
+    finally:
+        os.kill(allocator.proc.pid, signal.SIGCONT)
+
+
 def test_code_from_main_keeps_its_file_name_in_the_proc(tmp_path):
     # cloudpickle 3.1.3 ships all by-value code as "<dynamic-code>": a remote traceback would
     # then name no file and the debugger could not fetch the cell's source

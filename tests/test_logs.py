@@ -17,10 +17,12 @@ import pytest
 from conftest import wait_for
 
 from monarch_nb._ranks import format_ranks, parse_ranks
+from monarch_nb._runtime import logcapture
 from monarch_nb._runtime.logcapture import (
     ProcLog,
     TaggedStream,
     _Flusher,
+    ended_marker,
     expand,
     line_text,
     marker,
@@ -314,7 +316,7 @@ def test_a_call_that_changes_in_a_burst_gets_its_marker_and_a_calls_end_marks_th
 def test_the_allocator_learns_that_a_burst_ended_from_the_proc_s_marker(tmp_path) -> None:  # type: ignore[no-untyped-def]
     ends: list[int] = []
     got: list[tuple[int, str, float, str, str]] = []
-    log = ProcLog(str(tmp_path / "r.jsonl"), 0, _into(got), on_call_end=lambda: ends.append(len(got)))
+    log = ProcLog(str(tmp_path / "r.jsonl"), 0, _into(got), on_call_end=lambda _ids: ends.append(len(got)))
     log.feed("stdout", marker("c1") + b"x\ny\n")
     assert ends == []
     log.feed("stdout", b"z\n" + marker(""))  # the end of a call after its last line
@@ -326,11 +328,58 @@ def test_the_allocator_learns_that_a_burst_ended_from_the_proc_s_marker(tmp_path
     assert [(c, ln) for _, _, _, c, ln in got] == [("c1", "x"), ("c1", "y"), ("c1", "z"), ("c2", "w")]
 
 
+def test_the_allocator_learns_which_call_ended_after_the_lines_it_printed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # a script's controller completes a call that printed once its end came: the end must
+    # follow every line of the call, wherever the allocator's reads cut the proc's writes
+    ends: list[tuple[list[str], int]] = []
+    got: list[tuple[int, str, float, str, str]] = []
+    log = ProcLog(str(tmp_path / "r.jsonl"), 0, _into(got), on_call_end=lambda ids: ends.append((ids, len(got))))
+    end = ended_marker
+    log.feed("stdout", marker("c1") + b"x\ny\n" + end("c1") + marker(""))  # the end, read with the text
+    assert ends == [(["c1"], 2)]
+    log.feed("stdout", marker("c2") + b"open" + end("c2") + marker(""))  # a line the call left open
+    assert ends[-1] == (["c2"], 3)
+    log.feed("stdout", marker("c3") + b"a\n")
+    log.feed("stdout", end("c3") + marker(""))  # on its own, after the text went out
+    assert ends[-1] == (["c3"], 4)
+    # read together with the next call's text (a busy allocator)
+    log.feed("stdout", marker("c4") + b"b\n" + end("c4") + marker("") + marker("c5") + b"c\n")
+    assert ends[-1] == (["c4"], 6)
+    log.feed("stdout", marker("c6") + b"\rbar 1\rbar 2" + end("c6") + marker(""))  # a progress bar stays open
+    assert ends[-1][0] == ["c6"]
+    log.feed("stdout", b"\n")
+    log.close()
+    assert len(ends) == 5  # each end passed on once
+    assert [(c, ln) for _, _, _, c, ln in got[:6]] == [
+        ("c1", "x"), ("c1", "y"), ("c2", "open"), ("c3", "a"), ("c4", "b"), ("c5", "c"),
+    ]  # fmt: skip
+    assert got[-1][4].endswith("bar 2")
+
+
+def test_a_call_that_printed_to_both_streams_is_named_on_the_last_one_it_ended() -> None:
+    out_pipe, out = _coalescing()
+    err_pipe = _Pipe()
+    err = TaggedStream(io.BufferedWriter(err_pipe), encoding="utf-8", line_buffering=True)
+    saved = list(logcapture._tagged)
+    logcapture._tagged[:] = [out, err]
+    set_call("c1")
+    try:
+        print("to out", file=out)
+        print("to err", file=err)
+        assert logcapture.end_call("c1") is True
+        assert b"".join(out_pipe.writes).endswith(b"to out\n" + marker(""))
+        assert b"".join(err_pipe.writes).endswith(b"to err\n" + ended_marker("c1") + marker(""))
+        assert logcapture.end_call("c2") is False  # printed nothing: no write
+    finally:
+        logcapture._tagged[:] = saved
+        set_call("")
+
+
 def test_a_line_a_call_left_open_ends_with_the_call(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # print(x, end="") at the end of a call was held until the rank's next newline
     ends: list[int] = []
     got: list[tuple[int, str, float, str, str]] = []
-    log = ProcLog(str(tmp_path / "r.jsonl"), 0, _into(got), on_call_end=lambda: ends.append(len(got)))
+    log = ProcLog(str(tmp_path / "r.jsonl"), 0, _into(got), on_call_end=lambda _ids: ends.append(len(got)))
     log.feed("stdout", marker("c1") + b"no newline" + marker(""))  # what end_call writes after it
     assert [(c, ln) for _, _, _, c, ln in got] == [("c1", "no newline")] and ends == [1]
     log.feed("stdout", marker("c2") + b"done\nleft")

@@ -37,7 +37,7 @@ from ._pids import SilentPeer
 from .codecache import CodeCache
 from .debugreg import DebugRegistry
 from .hostenv import HostEnv
-from .logcapture import LogItem, count_lines, line_text, rank_log_path, read_log, split_run
+from .logcapture import ENDED, ENDS_CALLS, LOGS, LogItem, count_lines, line_text, rank_log_path, read_log, split_run
 from .procs import MeshRec, ProcRec, Procs, kill
 from .runtime import NO_REPLY, Runtime, pid_alive, system_method
 from .telemetry import Telemetry
@@ -85,6 +85,8 @@ class Allocator(DebugRegistry):
         self.log_dir = ""
         self.connection_file = ""
         self._pending_logs: dict[tuple[tuple[str, int], str], list[Any]] = {}
+        #: (rank, call id) of calls that printed and ended, sent behind the pending lines
+        self._pending_ends: dict[tuple[tuple[str, int], str], list[tuple[int, str]]] = {}
         self._flush_timer: asyncio.Handle | None = None
         self._last_log_flush = 0.0
         #: log lines not sent to a subscriber that went silent (still on disk), by its address
@@ -188,8 +190,18 @@ class Allocator(DebugRegistry):
             else:
                 self._flush_timer = self.rt.loop.call_later(wait, self._flush_logs)
 
-    def _logs_now(self, mesh_name: str) -> None:
-        """A proc's call that printed ended: the end of its burst waits for no batch."""
+    def _logs_now(self, mesh_name: str, rank: int, ids: list[str]) -> None:
+        """A proc's call that printed ended: the end of its burst waits for no batch. ``ids``:
+        the calls that ended, for the subscribers to know that their lines are all there (a
+        script's controller shows them before the call's value)."""
+        if ids:
+            mesh = self.meshes.get(mesh_name)
+            if mesh is not None and mesh.log_subs:
+                ends = [(rank, i) for i in ids]
+                for sub in mesh.log_subs:
+                    self._pending_ends.setdefault((sub, mesh_name), []).extend(ends)
+                if self._flush_timer is None:
+                    self._flush_timer = self.rt.loop.call_soon(self._flush_logs)
         t = self._flush_timer
         if isinstance(t, asyncio.TimerHandle):
             t.cancel()
@@ -203,6 +215,17 @@ class Allocator(DebugRegistry):
         pending, self._pending_logs = self._pending_logs, {}
         for ((addr, port), mesh), lines in pending.items():
             self._send_logs(addr, port, mesh, lines)
+        if self._pending_ends:
+            ends, self._pending_ends = self._pending_ends, {}
+            for ((addr, port), mesh), calls in ends.items():
+                # behind the lines on the same link; like them, dropped for a silent or full subscriber
+                body, bufs = dumps((ENDED, calls, mesh, self.id))
+                try:
+                    self.rt.transport.send(
+                        addr, self.rt.sender.encode(addr, wire.PORT, (port, 0, wire.ITEM), body, bufs), droppable=True
+                    )
+                except Exception as e:
+                    logger.debug("ends of calls for %s not sent: %s", addr, e)
 
     def _send_logs(self, addr: str, port: int, mesh: str, lines: list[Any]) -> None:
         """Only log lines are ever dropped, counted and logged (they stay in the rank's log
@@ -225,7 +248,7 @@ class Allocator(DebugRegistry):
             j = max(i + 1, bisect.bisect_right(ends, base + LOG_CHUNK_CHARS, i))
             base = ends[j - 1]
             chunk = lines[i:j] if i or j < n else lines
-            body, bufs = dumps(("logs", chunk, mesh, self.id))
+            body, bufs = dumps((LOGS, chunk, mesh, self.id))
             frames = self.rt.sender.encode(addr, wire.PORT, (port, 0, wire.ITEM), body, bufs)
             try:
                 sent = self.rt.transport.send(addr, frames, droppable=True)
@@ -273,6 +296,7 @@ class Allocator(DebugRegistry):
             "tcp": self.rt.tcp_addr,
             "gpus": self.gpus,
             "versions": self.env.versions,
+            ENDS_CALLS: True,
         }
 
     # ------------------------------------------------------------ the host's environment

@@ -10,7 +10,11 @@ The markers are written lazily (:class:`TaggedStream`): a proc's ``sys.stdout``/
 put one in front of the first write after the running call changed, through the stream's own
 buffer, so a call that prints nothing costs no syscall and wakes nobody. A call that printed
 ends with the marker of no call behind its last text (the allocator then forwards its burst at
-once). C-level writes to fd 1/2 carry the tag of the last marker on that stream.
+once). The last stream a call wrote to also names the call that ended there
+(``ESC ] mnb;call=-ID BEL`` just before that marker, :func:`ended_marker`): the allocator passes
+it on to its controllers behind the call's lines (:data:`ENDED`), so a script's controller shows
+them before the value without asking the allocator. C-level writes to fd 1/2 carry the tag of
+the last marker on that stream.
 
 A line that starts with ``\r`` is the current state of a line still being redrawn (a progress
 bar), not a finished line.
@@ -40,6 +44,8 @@ logger = logging.getLogger(__name__)
 MARK_PREFIX = b"\x1b]mnb;call="
 MARK_END = b"\x07"
 _MARK = re.compile(rb"\x1b\]mnb;call=([^\x07]*)\x07")
+_ENDED_PREFIX = MARK_PREFIX + b"-"
+_ENDED_MARK = re.compile(rb"\x1b\]mnb;call=-([^\x07]*)\x07")
 
 #: characters in one batch of lines from which it reaches subscribers before the log file
 BIG_WRITE = 1 << 20
@@ -130,6 +136,23 @@ def marker(call_id: str) -> bytes:
     return MARK_PREFIX + call_id.encode() + MARK_END
 
 
+def ended_marker(call_id: str) -> bytes:
+    """The marker that says call ``call_id`` ended (it printed): no text is tagged with it, the
+    marker of no call always follows it."""
+    return MARK_PREFIX + b"-" + call_id.encode() + MARK_END
+
+
+#: the kind of a message on a controller's log port (``(kind, payload, mesh, alloc_id)``; its
+#: lines are ``(LOGS, items, ...)``) that lists calls whose output ended: ``(ENDED, [(rank,
+#: call_id), ...], mesh, alloc_id)``, sent behind the lines those calls printed. A controller
+#: of an older version ignores it (it reads only ``LOGS``)
+LOGS = "logs"
+ENDED = "ended"
+
+#: what an allocator's hello says when it sends :data:`ENDED` messages
+ENDS_CALLS = "ends_calls"
+
+
 #: the call this proc is running ("" between calls); stream-global, as the fd-level tags are
 _current_call = [""]
 
@@ -195,17 +218,19 @@ class TaggedStream(io.TextIOWrapper):
                 fl.arm()
         return n
 
-    def end_call(self) -> None:
+    def end_call(self, ended: str = "") -> None:
         """At the end of a call that printed: flush, with the marker of "no call" after its
-        text, which tells the allocator that this burst is over (it forwards it at once)."""
+        text, which tells the allocator that this burst is over (it forwards it at once);
+        ``ended``: the id of the call, named before that marker (the last stream it wrote to)."""
         self.__dict__.pop("write", None)
         if self._mnb_last:
             self._mnb_last = ""
+            end = ended_marker(ended) + _END if ended else _END
             if _END_TEXT.encode(self.encoding, "replace") == _END:
-                _text_write(self, _END_TEXT)  # behind the text in the buffer: one write for both
+                _text_write(self, end.decode("ascii", "replace"))  # behind the text in the buffer: one write for both
             else:
                 _text_flush(self)
-                self.buffer.write(_END)
+                self.buffer.write(end)
             self._mnb_flushed = time.monotonic()
         _text_flush(self)
 
@@ -277,22 +302,29 @@ _open_logs: weakref.WeakValueDictionary[str, ProcLog] = weakref.WeakValueDiction
 _tagged: list[TaggedStream] = []
 
 
-def end_call() -> bool:
-    """The running call ended: what it printed leaves the proc now (before its reply does).
-    True if it printed (its reply says so: a script's controller shows the text first)."""
+def end_call(call_id: str = "") -> bool:
+    """The running call (``call_id``) ended: what it printed leaves the proc now (before its
+    reply does). True if it printed (its reply says so: a script's controller shows the text
+    first, once the allocator passed on that ``call_id`` ended)."""
     _current_call[0] = ""
-    printed = False
+    # a stream the call wrote to holds its tag (its first write set it; only end_call clears
+    # it): one it did not write to has none of its text to flush (most calls print nothing, and
+    # the flushes were a tenth of a small call's work in the proc)
+    last = None
     for s in _tagged:
-        # a stream the call wrote to holds its tag (its first write set it; only end_call
-        # clears it): one it did not write to has none of its text to flush (most calls print
-        # nothing, and the flushes were a tenth of a small call's work in the proc)
         if s._mnb_last:
-            printed = True
+            last = s
+    if last is None:
+        return False
+    for s in _tagged:
+        if s._mnb_last:
             try:
-                s.end_call()
+                # the last one names the call: the others' text is in their pipes by then (these
+                # writes block), and the allocator reads those before it passes the end on
+                s.end_call(call_id if s is last else "")
             except (OSError, ValueError):
                 pass
-    return printed
+    return True
 
 
 class ProcLog:
@@ -304,15 +336,19 @@ class ProcLog:
         rank: int,
         emit: Callable[[list[LogItem]], None],
         max_bytes: int = 0,
-        on_call_end: Callable[[], None] | None = None,
+        on_call_end: Callable[[list[str]], None] | None = None,
         max_line: int = 64 << 20,
     ) -> None:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         self.path = path
         self.rank = rank
         self._emit = emit
-        #: called when the proc said that a call which printed is over (its burst is complete)
+        #: called when the proc said that a call which printed is over (its burst is complete),
+        #: with the ids of the calls that ended (after the lines they printed went to ``emit``)
         self._on_call_end = on_call_end
+        #: ids of calls that ended in what ``feed`` is reading, and whether a burst ended there
+        self._calls_ended: list[str] = []
+        self._burst_over = False
         #: the newest file holds at most half: with the previous one, the rank stays under max_bytes
         self._half = max_bytes // 2
         self._open()
@@ -342,13 +378,19 @@ class ProcLog:
         self._ended = False
 
     def feed(self, stream: str, data: bytes) -> None:
+        self._feed(stream, data)
+        if self._burst_over:
+            self._burst_over = False
+            ids, self._calls_ended = self._calls_ended, []
+            if self._on_call_end is not None:
+                self._on_call_end(ids)
+
+    def _feed(self, stream: str, data: bytes) -> None:
         if data.endswith(_END):
             data = self._end_open_line(stream, data)
         if b"\n" not in data and b"\r" not in data:
             if data.startswith(MARK_PREFIX) and not self._partial[stream] and not self._more[stream]:
-                data, ended = self._lead_marks(stream, data)  # a call's end, after its text went out
-                if ended and self._on_call_end is not None:
-                    self._on_call_end()
+                data = self._lead_marks(stream, data)  # a call's end, after its text went out
                 if not data:
                     return
             # the middle of a long line: keep the piece, join once the line ends (joining every
@@ -389,25 +431,29 @@ class ProcLog:
                 if b"\r" in buf:
                     text = "\n".join([_final_text(t) for t in text.split("\n")])
                 out = [(self.rank, stream, now, self._call[stream], text, text.count("\n") + 1)]
-        ended = False
         if rest.startswith(MARK_PREFIX):
             # the marker a call's end leaves after its last line: taken now, not with the next line
-            rest, ended = self._lead_marks(stream, rest)
+            rest = self._lead_marks(stream, rest)
             self._partial[stream] = rest
         cr = rest.rfind(b"\r")
         if cr >= 0 and cr + 1 < len(rest):
             # a progress bar redraws its line with \r and no newline: pass on its current state
             # (marked by a leading \r) instead of holding it until the bar ends
             cur = rest[cr + 1 :]
+            if _ENDED_PREFIX in cur:
+                # a call ended with its bar drawn (the line stays open): the end is passed on
+                # now, once (taken out of the line, which is read again with the next text)
+                self._calls_ended += [m.decode("ascii", "replace") for m in _ENDED_MARK.findall(cur)]
+                self._burst_over = True
+                self._partial[stream] = rest = _ENDED_MARK.sub(b"", rest)
+                cur = rest[cr + 1 :]
             if MARK_PREFIX not in cur:
                 for m in _MARK.finditer(rest, 0, cr):  # the call the bar is drawn in
-                    self._call[stream] = m.group(1).decode("ascii", "replace")
+                    self._tag(stream, m.group(1))
                 out.append((self.rank, stream, now, self._call[stream], "\r" + _decode(cur)))
                 self._partial[stream] = b"\r" + cur
         if out:
             self._write(out, len(buf))
-        if ended and self._on_call_end is not None:
-            self._on_call_end()
 
     def _end_open_line(self, stream: str, data: bytes) -> bytes:
         """``data`` ends with the end of a call: a line the call left open (``print(x, end="")``,
@@ -459,19 +505,29 @@ class ProcLog:
         self._partial[stream] = b""
         self._write([(self.rank, stream, time.time(), self._call[stream], line)], len(line))
         if nl + 1 < len(data):
-            self.feed(stream, data[nl + 1 :])
+            self._feed(stream, data[nl + 1 :])
         return True
 
-    def _lead_marks(self, stream: str, data: bytes) -> tuple[bytes, bool]:
-        """Take the whole markers at the start of ``data`` (the start of a line): the rest, and
-        whether the last was the marker of no call (a call that printed ended)."""
+    def _tag(self, stream: str, raw: bytes) -> None:
+        """A marker read (``raw``, what follows ``call=``): the call its stream's text is
+        tagged with from here, or a call that ended (noted for :meth:`feed` to pass on)."""
+        if raw.startswith(b"-"):
+            self._calls_ended.append(raw[1:].decode("ascii", "replace"))
+            self._burst_over = True
+            raw = b""
+        self._call[stream] = raw.decode("ascii", "replace")
+
+    def _lead_marks(self, stream: str, data: bytes) -> bytes:
+        """Take the whole markers at the start of ``data`` (the start of a line): the rest. The
+        last one the marker of no call: a call that printed ended, its burst is over."""
         ended = False
         while data.startswith(MARK_PREFIX) and (q := data.find(MARK_END)) >= 0:
-            call = data[len(MARK_PREFIX) : q].decode("ascii", "replace")
-            self._call[stream] = call
-            ended = not call
+            self._tag(stream, data[len(MARK_PREFIX) : q])
+            ended = not self._call[stream]
             data = data[q + 1 :]
-        return data, ended
+        if ended:
+            self._burst_over = True
+        return data
 
     def _big(self, stream: str, buf: bytes, now: float) -> tuple[list[LogItem], bytes]:
         """``feed`` for megabytes at once, as :meth:`_split` does it line by line, but each
@@ -484,7 +540,7 @@ class ProcLog:
             while (p := buf.find(MARK_PREFIX, pos, end)) >= 0 and (q := buf.find(MARK_END, p, end)) >= 0:
                 if p > pos:  # text before a marker on the same line belongs to the earlier call
                     out.append((self.rank, stream, now, self._call[stream], str(mv[pos:p], "utf-8", "replace")))
-                self._call[stream] = buf[p + len(MARK_PREFIX) : q].decode("ascii", "replace")
+                self._tag(stream, buf[p + len(MARK_PREFIX) : q])
                 pos = q + 1
             if pos < end or pos == start:
                 text: str | bytes
@@ -509,7 +565,7 @@ class ProcLog:
                 # text before a marker on the same line belongs to the earlier call
                 out.append((self.rank, stream, now, self._call[stream], _decode(text)))
                 text = b""
-            self._call[stream] = m.group(1).decode("ascii", "replace")
+            self._tag(stream, m.group(1))
         text += raw[pos:]
         if text or not pos:
             out.append((self.rank, stream, now, self._call[stream], _decode(_final(text))))

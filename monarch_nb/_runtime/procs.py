@@ -106,7 +106,7 @@ class Procs:
         *,
         on_exit: Callable[[ProcRec], None],
         on_lines: Callable[[str, list[LogItem]], None],
-        on_call_end: Callable[[str], None] | None = None,
+        on_call_end: Callable[[str, int, list[str]], None] | None = None,
     ) -> None:
         self.rt = rt
         self.cfg = cfg
@@ -236,6 +236,17 @@ class Procs:
     def _on_output(self, rec: ProcRec, fd: int) -> None:
         self._drain(rec, fd)
 
+    def _call_ended(self, rec: ProcRec, mesh: str, ids: list[str]) -> None:
+        """``rec``'s log read that calls ``ids`` (maybe none) that printed ended. The proc names
+        a call's end on the last stream it wrote to, after its text on the other one is in that
+        pipe: read that first, so its lines go out before the end does."""
+        assert self._on_call_end is not None
+        if ids:
+            # (the stream being read is read on after this, by the _drain that read it)
+            for fd in list(rec.fds):
+                self._drain(rec, fd)
+        self._on_call_end(mesh, rec.rank, ids)
+
     def _drain(self, rec: ProcRec, fd: int, final: bool = False) -> None:
         stream = rec.fds.get(fd)
         if stream is None:
@@ -256,6 +267,8 @@ class Procs:
                 return
             if rec.log is not None:
                 rec.log.feed(stream, data)
+                if fd not in rec.fds:
+                    return  # read to its end while the log was fed (_call_ended)
             if len(data) == _PIPE_READ and size == _PIPE_READ:
                 # a full read: the proc is writing faster than one pipe buffer per wake-up (a
                 # flood, a 10 MiB line); a wider pipe lets it go on with 16x fewer wake-ups of
@@ -285,7 +298,7 @@ class Procs:
             rec.rank,
             functools.partial(self._on_lines, mesh.name),
             self.cfg.log_max_rank_bytes,
-            functools.partial(self._on_call_end, mesh.name) if self._on_call_end is not None else None,
+            functools.partial(self._call_ended, rec, mesh.name) if self._on_call_end is not None else None,
             max_line=self.cfg.log_max_line_bytes,
         )
         # the controller's environment when it sent one (its this_host()), else this host's

@@ -20,7 +20,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from .._deadline import budget
 from .._runtime._pids import pid_is
-from .._runtime.logcapture import expand, line_text
+from .._runtime.logcapture import ENDED, ENDS_CALLS, LOGS, expand, line_text
 from .._runtime.runtime import ReplyPort, Runtime
 from .._runtime.transport import check_form
 from .._version import __version__
@@ -68,6 +68,14 @@ class Client:
         self.stopped_actor_meshes: set[tuple[str, str]] = set()
         self.log_port = rt.open_port(self._on_logs)
         self.log_enabled = True
+        #: names of the proc meshes whose output this process asked to be sent (their allocators
+        #: tell it where a call's output ends); a call to another one prints nothing here
+        self.log_meshes: set[str] = set()
+        #: (call id, rank) of the latest calls whose output ended here before their reply came
+        self._ended: dict[tuple[str, int], None] = {}
+        #: call id -> what waits for the end of its output (after_output); both under _ends_lock
+        self._waits: dict[str, _OutputWait] = {}
+        self._ends_lock = threading.Lock()
         self.log_level = logging.INFO
         #: proc mesh name -> aggregation window (s) chosen with ProcMesh.logging_option
         self.log_windows: dict[str, float] = {}
@@ -311,7 +319,9 @@ class Client:
         if status != wire.ITEM or not self.log_enabled:
             return
         kind, lines, mesh, alloc_id = loads(body, bufs)
-        if kind != "logs":
+        if kind != LOGS:
+            if kind == ENDED:
+                self._output_ended(lines)
             return
         addr = self._alloc_addr.get(alloc_id)
         if addr is not None:
@@ -355,6 +365,14 @@ class Client:
                 self.owned[p.addr] = mesh
 
     def _on_peer_failed(self, addr: str, err: SupervisionError) -> None:
+        if self._waits:
+            # an allocator lost sends no more ends: calls waiting on its procs' output wait no longer
+            with self._ends_lock:
+                hit = [(c, w) for c, w in self._waits.items() if addr in w.ranks.values()]
+                for _c, w in hit:
+                    w.ranks = {r: a for r, a in w.ranks.items() if a != addr}
+            for c, w in hit:
+                self._output_shown(c, w, 1)
         mesh = self.owned.get(addr)
         if mesh is None or mesh._name in self.stopped_meshes or "mesh stopped" in err.cause:
             return
@@ -365,39 +383,82 @@ class Client:
         # one declared lost has nothing to flush here, and asking would cost a hello's wait each
         _wait_all([self.request(a, "flush_logs") for a in list(self.hellos) if not self.rt.supervision.is_lost(a)], timeout)
 
-    def after_output(self, allocs: set[str], done: Callable[[], object]) -> bool:
-        """(A call whose procs of allocators ``allocs`` printed.) Call ``done`` once those
-        allocators sent what their procs wrote so far (on the I/O thread; at the latest after
-        :data:`AFTER_OUTPUT_WAIT_S`), so a script prints a call's output before its value, as
-        Monarch's procs, writing to its stdout, do. False: nothing to wait for here (a frontend
-        shows rank output in its own place, or output is off): call ``done`` now."""
+    def after_output(self, done: Callable[[], object], call_id: str, printed: list[ProcRef], failed: set[str]) -> bool:
+        """(Call ``call_id``, whose procs ``printed`` printed, and whose procs of allocators
+        ``failed`` raised.) Call ``done`` once what they printed is shown (on the I/O thread; at
+        the latest after :data:`AFTER_OUTPUT_WAIT_S`), so a script prints a call's output
+        before its value, as Monarch's procs, writing to its stdout, do. A proc's allocator
+        sends the end of a call's output behind its lines (:data:`ENDED`, maybe before the
+        reply came); an error's reply does not say whether its call printed, and an allocator
+        of an earlier version sends no ends: those allocators are asked to send what their
+        procs wrote so far (one round trip). False: nothing to wait for here (a frontend shows
+        rank output in its own place, or output is off): call ``done`` now."""
         if self.log_writer is not None or not self.log_enabled or self.kind == "proc":
             return False
         lost = self.rt.supervision.is_lost
-        targets = [a for a in allocs if a in self.hellos and not lost(a)]
-        if not targets:
-            return False
-        left = [len(targets)]
-        lock = threading.Lock()
+        hellos = self.hellos
+        flush = {a for a in failed if a in hellos and not lost(a)}
+        ranks: dict[int, str] = {}
+        for p in printed:
+            info = hellos.get(p.alloc)
+            if info is None or lost(p.alloc) or p.mesh not in self.log_meshes:
+                continue  # its output does not come here
+            if info.get(ENDS_CALLS) and call_id:
+                ranks[p.rank] = p.alloc
+            else:
+                flush.add(p.alloc)
+        with self._ends_lock:
+            for r in list(ranks):
+                if self._ended.pop((call_id, r), 0) is None:  # its end came before its reply
+                    del ranks[r]
+            if not ranks and not flush:
+                return False
+            w = _OutputWait(ranks, len(flush), done)
+            if ranks:
+                self._waits[call_id] = w
+        try:
+            self.rt.loop.call_soon_threadsafe(self.rt.loop.call_later, AFTER_OUTPUT_WAIT_S, self._output_shown, call_id, w, -1)  # type: ignore[arg-type]
+        except RuntimeError:  # the runtime is closing: nothing to wait for
+            self._output_shown(call_id, w, -1)
+            return True
+        for a in flush:
+            # answered after the logs, on the same link (allocator.sys_flush_logs)
+            self.request(a, "flush_logs").add_done_callback(lambda _f: self._output_shown(call_id, w, 0))
+        return True
 
-        def one(answer: Any = None) -> None:
-            # an allocator's answer (or failure), or None: the wait is over
-            with lock:
-                if left[0] <= 0:
-                    return
-                left[0] = left[0] - 1 if answer is not None else 0
-                if left[0]:
-                    return
+    def _output_ended(self, calls: list[tuple[int, str]]) -> None:
+        """(On the I/O thread, after the lines before them were shown.) The output of these
+        calls, (rank, call id), ended."""
+        ready = []
+        with self._ends_lock:
+            for rank, call_id in calls:
+                w = self._waits.get(call_id)
+                if w is not None and w.ranks.pop(rank, None) is not None:
+                    if w.over():
+                        del self._waits[call_id]
+                        ready.append(w.done)
+                    continue
+                ended = self._ended
+                ended[(call_id, rank)] = None
+                if len(ended) > _ENDED_KEEP:
+                    del ended[next(iter(ended))]  # the oldest: its reply came long ago, or never will
+        for done in ready:
             done()
 
-        try:
-            self.rt.loop.call_soon_threadsafe(self.rt.loop.call_later, AFTER_OUTPUT_WAIT_S, one)  # type: ignore[arg-type]
-        except RuntimeError:  # the runtime is closing: nothing to wait for
-            return False
-        for a in targets:
-            # answered after the logs, on the same link (allocator.sys_flush_logs)
-            self.request(a, "flush_logs").add_done_callback(one)
-        return True
+    def _output_shown(self, call_id: str, w: _OutputWait, what: int) -> None:
+        """A flush answered (``what`` 0), the wait's time is up (-1), or an allocator was lost
+        (1, its ranks taken out of ``w`` already): ``w.done`` if nothing is left to wait for."""
+        with self._ends_lock:
+            if w.finished:
+                return
+            if what == 0:
+                w.flushes -= 1
+            if what >= 0 and not w.over():
+                return
+            w.finished = True
+            if self._waits.get(call_id) is w:
+                del self._waits[call_id]
+        w.done()
 
     def _at_exit(self) -> None:
         self.shutdown()
@@ -444,6 +505,31 @@ def _wait_all(futs: list[Future[Any]], timeout: float) -> None:
 
 #: how long a script's call that printed waits at most for its output to be shown before its value
 AFTER_OUTPUT_WAIT_S = 1.0
+
+#: how many ends of calls' output, come before their replies, a client keeps (a reply comes
+#: within moments of its end, or, as for other controllers' calls, never)
+_ENDED_KEEP = 4096
+
+
+class _OutputWait:
+    """A call's wait for its output (:meth:`Client.after_output`), under the client's _ends_lock."""
+
+    __slots__ = ("ranks", "flushes", "done", "finished")
+
+    def __init__(self, ranks: dict[int, str], flushes: int, done: Callable[[], object]) -> None:
+        #: rank -> its allocator, of the ranks whose end is still to come
+        self.ranks = ranks
+        #: flush_logs requests not yet answered
+        self.flushes = flushes
+        self.done = done
+        self.finished = False
+
+    def over(self) -> bool:
+        if self.ranks or self.flushes > 0:
+            return False
+        self.finished = True
+        return True
+
 
 #: how often a request to an allocator declared lost tries a new hello first (a spawn always does)
 REVIVE_EVERY_S = 10.0

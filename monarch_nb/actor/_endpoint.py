@@ -173,10 +173,11 @@ class Endpoint(Generic[R]):
         on_fail: Callable[[int, BaseException], None] | None,
         ranks: list[int] | None = None,
         checked: bool = False,
+        call_id: str = "",
     ) -> int:
         """Send to every actor of the mesh (or ``ranks``, indices into its view); return how many.
         Replies go to ``port`` (see :func:`multicast`). ``checked``: the caller found the mesh
-        open and not refused just now."""
+        open and not refused just now. ``call_id``: the call's id, if the caller made it."""
         self._check(args, kwargs)
         mesh = self._mesh
         if not checked:
@@ -197,7 +198,7 @@ class Endpoint(Generic[R]):
         else:
             body, bufs = dumps_call(args, kwargs)
         rt.check_size(body, bufs)
-        call_id = rt.next_call_id()
+        call_id = call_id or rt.next_call_id()
         client = _context._client
         if client is not None and client.on_call is not None:
             client.on_call(call_id, [(procs[view.ranks[i]].mesh, procs[view.ranks[i]].rank) for i in idx])
@@ -226,15 +227,19 @@ class Endpoint(Generic[R]):
             # is read, not when sent
             return Future._failed(mesh._refusal() or mesh._stopped_error(self._name), what)
         slots = len(mesh._view.ranks)
+        rt = _context.runtime()
+        # made here, not in _send: a reply that says the call printed waits for its end by this id
+        call_id = rt.next_call_id()
         return gather(
-            _context.runtime(),
+            rt,
             slots,
             slots if ranks is None else len(ranks),
             what,
             decode or _decode_all,
-            lambda port, on_fail: self._send(args, kwargs, port, on_fail, ranks, True),
+            lambda port, on_fail: self._send(args, kwargs, port, on_fail, ranks, True, call_id),
             order=order,
             endpoint=self,  # named only if the call fails: nothing to format on every call
+            call_id=call_id,
         )
 
     def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[R]]:
@@ -324,8 +329,12 @@ class Endpoint(Generic[R]):
             f: Future[R] = Future._create(f"{self._name}.stream() item")
             raw, decode = (body, bufs), _raise_remote if status == ERROR else _decode_one
             # in a script, what the actor printed is shown before its item is read (gather's rule)
-            if status == wire.OK or not _after_output(self, [index], lambda: f._set_raw(raw, decode)):
+            if status == wire.OK:
                 f._set_raw(raw, decode)
+            else:
+                printed, failed = ([index], []) if status == PRINTED else ([], [index])
+                if not _after_output(self, printed, lambda: f._set_raw(raw, decode), call_id, failed):
+                    f._set_raw(raw, decode)
             deliver(f)
 
         def on_fail(index: int, err: BaseException) -> None:
@@ -338,8 +347,10 @@ class Endpoint(Generic[R]):
             for i in range(n):
                 on_fail(i, self._mesh._refusal() or self._mesh._stopped_error(self._name))
             return (q.get() for _ in range(n))
-        replies = ReplyPort(_context.runtime(), on_reply, on_fail)
-        self._send(args, kwargs, replies, on_fail)
+        rt = _context.runtime()
+        call_id = rt.next_call_id()
+        replies = ReplyPort(rt, on_reply, on_fail)
+        self._send(args, kwargs, replies, on_fail, call_id=call_id)
 
         def gen() -> Iterator[Future[R]]:
             for _ in range(n):
@@ -449,6 +460,7 @@ def gather(
     order: list[int] | None = None,
     keep_errors: bool = False,
     endpoint: Endpoint[Any] | str | None = None,
+    call_id: str = "",
 ) -> Future[Any]:
     """Open a :class:`ReplyPort`, ``send(port, on_fail)`` to ``n`` procs (their indices below
     ``slots``; see :func:`multicast`), and collect the raw replies into a Future that
@@ -463,7 +475,8 @@ def gather(
     (``on_fail``: supervision, a failed send) fails the call at once. ``order``, if given,
     receives the indices in arrival order. ``endpoint`` (an Endpoint, or "actor.method") names
     the call in the error, which carries every rank's failure and the ranks still running
-    (``ActorError._set_group``).
+    (``ActorError._set_group``). ``call_id``: the id ``send`` gives the call (an Endpoint's),
+    by which a script waits for what it printed.
     """
     fut: Future[Any] = Future._create(what)
     raw: list[Any] = [None] * slots
@@ -484,7 +497,7 @@ def gather(
         if gone is not None:
             fut._set_exception(gone)
         elif not errors:
-            if printed and _after_output(endpoint, printed, lambda: fut._set_raw(raw, decode)):
+            if printed and _after_output(endpoint, printed, lambda: fut._set_raw(raw, decode), call_id):
                 return
             fut._set_raw(raw, decode)
         elif isinstance(first := errors[min(errors)], BaseException):
@@ -493,7 +506,7 @@ def gather(
             still = [i for i in range(n) if raw[i] is None and i not in errors] if n == len(raw) else left[0]
             failure = (dict(errors), still, n, endpoint)
             # what the failing ranks printed before they raised is shown before the error too
-            if not _after_output(endpoint, [*printed, *errors], lambda: fut._set_raw(failure, _raise_grouped)):
+            if not _after_output(endpoint, printed, lambda: fut._set_raw(failure, _raise_grouped), call_id, list(errors)):
                 fut._set_raw(failure, _raise_grouped)
 
     def arrive(index: int, value: Any, failed: bool, gone: bool = False) -> None:
@@ -554,17 +567,30 @@ def gather(
     return fut
 
 
-def _after_output(endpoint: Endpoint[Any] | str | None, printed: list[int], done: Callable[[], object]) -> bool:
-    """(A call whose actors at ``printed``, indices into its mesh's view, printed.) Have the
-    client call ``done`` once their output is shown, if it must wait for it (a script: the
-    text travels through the procs' allocators, the reply straight from the proc); False:
-    call ``done`` now."""
+def _after_output(
+    endpoint: Endpoint[Any] | str | None,
+    printed: list[int],
+    done: Callable[[], object],
+    call_id: str,
+    failed: list[int] | tuple[()] = (),
+) -> bool:
+    """(Call ``call_id``, whose actors at ``printed``, indices into its mesh's view, printed,
+    and those at ``failed`` raised.) Have the client call ``done`` once their output is shown,
+    if it must wait for it (a script: the text travels through the procs' allocators, the
+    reply straight from the proc); False: call ``done`` now."""
     client = _context._client
     if client is None or not isinstance(endpoint, Endpoint):
         return False
     mesh = endpoint._mesh
     procs, ranks = mesh._procs, mesh._view.ranks
-    return client.after_output({procs[ranks[i]].alloc for i in printed if i < len(ranks)}, done)
+    n = len(ranks)
+    return client.after_output(
+        done,
+        call_id,
+        [procs[ranks[i]] for i in printed if i < n],
+        # an error's reply does not say whether its call printed: ask those allocators
+        {procs[ranks[i]].alloc for i in failed if i < n},
+    )
 
 
 def _decode_one(raw: Any) -> Any:

@@ -804,15 +804,16 @@ class ActorSlot:
             where = f"{self.instance_info.name}.{method}" if method else self.instance_info.name
             print(f"monarch_nb: unobserved error in {where}: {value}", file=sys.stderr, flush=True)
 
-    def _flush_out(self) -> bool:
-        """What the call printed leaves the proc before its reply does; True if it printed."""
+    def _flush_out(self, call_id: str = "") -> bool:
+        """What the call (``call_id``) printed leaves the proc before its reply does, the
+        call's end named behind it; True if it printed."""
         for f in (sys.stdout, sys.stderr):
             if not isinstance(f, TaggedStream):  # one the user put in place of the proc's own
                 try:
                     f.flush()
                 except (OSError, ValueError, AttributeError):
                     pass
-        return end_call()
+        return end_call(call_id)
 
     def _begin_call(self, mrank: Any, method: str, call_id: str, raddr: str) -> Any:
         """What a sync or async endpoint call sets while it runs; the token for _end_call."""
@@ -825,7 +826,7 @@ class ActorSlot:
                 self._flush_out()
         return tok
 
-    def _end_call(self, method: str, t0: float, status: int, tok: Any) -> int:
+    def _end_call(self, method: str, t0: float, status: int, tok: Any, call_id: str) -> int:
         """The call's accounting (busy time, count, span) and the state _begin_call set, undone;
         the reply's status: PRINTED for an OK call that printed."""
         t1 = time.perf_counter()
@@ -840,7 +841,7 @@ class ActorSlot:
             # made on this actor's thread, the one every call of it ends on
             k = keys[method] = spans.call_key(self.instance_info.name, method, self.instance_info.rank.rank, ok)
         spans.record(k, t0, t1)
-        if self.markers and self._flush_out() and ok:
+        if self.markers and self._flush_out(call_id) and ok:
             status = _PRINTED
         self.busy = ""
         _context._message_rank.reset(tok)
@@ -878,7 +879,7 @@ class ActorSlot:
             # SystemExit, KeyboardInterrupt, ...: the actor fails, its process lives on
             raise _ActorFailed(e, _caller(meta)) from None
         finally:
-            status = self._end_call(method, t0, status, tok)
+            status = self._end_call(method, t0, status, tok, call_id)
         if self.stopping:
             # stopped while it ran: its caller gets no result, as in Monarch
             self._refuse(("call", meta))
@@ -929,7 +930,7 @@ class ActorSlot:
             failure = _ActorFailed(e, _caller(meta))
             result, status = None, _ERROR
         finally:
-            status = self._end_call(method, t0, status, tok)
+            status = self._end_call(method, t0, status, tok, call_id)
         if failure is None and self.abort_reason is not None:
             self._reply(raddr, rport, index, status, result, method)
             # an explicit port's caller (raddr cleared) may never have been answered: tell it

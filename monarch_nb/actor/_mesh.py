@@ -818,6 +818,10 @@ class ProcMesh(MeshTrait):
             client.rt, list(self._procs), range(len(self._procs)), "__sys__", "set_log_level", body, bufs, None, None, ((), ())
         )
         port = client.log_port
+        if stream_to_client:
+            client.log_meshes.add(self._name)
+        else:
+            client.log_meshes.discard(self._name)
         for alloc in sorted({p.alloc for p in self._procs if p.alloc}):
             client.rt.send_actor(
                 alloc,
@@ -887,6 +891,7 @@ class ProcMesh(MeshTrait):
         client.own(procs, pm)
         if client.log_enabled:
             # what its ranks print reaches this controller too (a restarted kernel re-attaching)
+            client.log_meshes.add(name)
             for alloc in sorted({p.alloc for p in procs if p.alloc}):
                 client.rt.send_actor(
                     alloc,
@@ -1046,6 +1051,8 @@ class HostMesh(MeshTrait):
         # under its name is another one, and telemetry tells their spans apart by it
         mesh_id = secrets.token_hex(6)
         futs = []
+        if client.log_enabled:
+            client.log_meshes.add(name)  # stream_logs_to below
         for h_index, h in enumerate(hosts):
             client.connect(h.alloc)
             spec = {
