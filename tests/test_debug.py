@@ -356,6 +356,63 @@ def test_awaiting_cell_is_the_debugger(kernel: Kernel) -> None:
     kernel.converse("procs.stop().get(timeout=30)")
 
 
+@pytest.mark.parametrize("wait", ["get", "await"])
+def test_a_call_that_stopped_while_another_was_waited_on_opens_the_console_when_waited_on(
+    kernel: Kernel, tmp_path: Any, wait: str
+) -> None:
+    """A rank stops while the cell waits on another call: the console opens for that wait and
+    leaves when that call returns. Waiting on the stopped call afterwards (get(), or await on a
+    call_one, which may read its own reply) opens the console again; it used to wait silently
+    for ever, its ranks marked as shown."""
+    flag = tmp_path / "go-on"
+    kernel.converse(
+        DEFINE
+        + f"WAIT = {wait!r}\n"
+        + """
+import os, time
+
+class Other(Actor):
+    @endpoint
+    def until(self, path):
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path):
+            assert time.monotonic() < deadline, "the test never let this call return"
+            time.sleep(0.05)
+        return "other done"
+
+procs = this_host().spawn_procs(per_host={'gpus': 2}, name='dbg-other-' + WAIT)
+m = procs.spawn('dbgo', Dbg)
+o = procs.slice(gpus=0).spawn('other', Other)
+"""
+    )
+    try:
+        paused = 2 if wait == "get" else 1
+
+        def release(prompt: str, text: str) -> str:
+            if _rows(text) < paused:
+                return "list"
+            flag.touch()  # the other call returns: the console leaves by itself
+            return "list"
+
+        # a call_one's rank is its rank in the slice called (as Monarch's message_rank): 0
+        call = "m.go.call(1)" if wait == "get" else "m.slice(gpus=1).go.call_one(1)"
+        r = kernel.converse(f"fa = {call}\nprint('OTHER', o.until.call_one({str(flag)!r}).get())", release)
+        assert r["error"] is None, r
+        first = r["prompts"][0][1]
+        assert "of other calls stopped at a breakpoint while waiting for other.until.call_one()" in first, first
+        assert f"returned while {paused} rank(s) of other calls stay paused" in r["stdout"], r["stdout"]
+        assert "OTHER other done" in r["stdout"]
+
+        read = "fa.get(timeout=20).values()" if wait == "get" else "await fa"
+        r = kernel.converse(f"print('VALUES', {read})", Script("continue"), timeout=40)
+        assert r["error"] is None, r
+        assert "stopped at a breakpoint while waiting for dbgo.go.call" in r["prompts"][0][1], r["prompts"]
+        assert "VALUES " + ("[11, 12]" if wait == "get" else "11") in r["stdout"], r["stdout"]
+    finally:
+        flag.touch()
+        kernel.converse("debug.continue_all('dbgo')\nprocs.stop().get(timeout=30)")
+
+
 def test_no_stdin_in_kernel_skips_and_returns(kernel: Kernel) -> None:
     r = kernel.converse(
         DEFINE

@@ -148,6 +148,23 @@ def unseen() -> bool:
     return bool(_unseen)
 
 
+def stopped_in(fut: Future[Any]) -> list[dict[str, Any]]:
+    """Our sessions paused in the call ``fut`` is the result of (none for other futures)."""
+    call = getattr(fut, "_call", None)
+    if not call or not _ours:
+        return []
+    with _lock:
+        return [r for r in _ours.values() if r.get("call_id") == call and r.get("state") != "gone"]
+
+
+def due(fut: Future[Any]) -> bool:
+    """Must a wait on ``fut`` open the console before it blocks? Ranks of its call are paused
+    and a console already showed them, opened for another wait (another cell's ``get()``, or
+    this cell's on another future): no session opening is left to wake this wait, which would
+    otherwise block, silent, until someone resumes them from elsewhere."""
+    return bool(_ours) and bool(stopped_in(fut))
+
+
 def wait(fut: Future[Any], timeout: float | None, tid: int = 0) -> bool:
     """Block until ``fut`` is done (True) or ``timeout`` passes (False), running the console
     when a rank of ours stops meanwhile and this is the main thread (``tid``: the calling
@@ -159,14 +176,16 @@ def wait(fut: Future[Any], timeout: float | None, tid: int = 0) -> bool:
     woken = _Wake()
     fut.add_done_callback(woken.set)
     outer = swap_main_wake(woken)
+    again = due(fut)  # offered once per wait: a console left with the ranks still paused stays left
     try:
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not _unseen:
+            if not (_unseen or again):
                 woken.wait(left)
             if fut._state != _PENDING:
                 return True
-            if _unseen:
+            if _unseen or again:
+                again = False
                 t0 = time.monotonic()
                 _run_console(fut)
                 if deadline is not None:  # time spent debugging does not count against the caller's timeout
@@ -212,7 +231,10 @@ async def wait_async(fut: Future[Any], done: Callable[[], asyncio.Future[None]] 
     """
     loop = asyncio.get_running_loop()
     _interruptible(loop, +1)
+    again = due(fut)  # as in wait(): ranks of this call paused, and shown by a console already
     try:
+        if again:
+            _run_console(fut)
         while fut._state == _PENDING:
             woken: asyncio.Future[None] = loop.create_future() if done is None else done()
             wake = waker(loop, woken)

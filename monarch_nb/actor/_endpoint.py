@@ -559,6 +559,8 @@ def gather(
 
     replies = ReplyPort(rt, on_reply, on_fail)
     fut._port = replies.port
+    # an endpoint call's id: a wait on the future finds that call's paused ranks (_debugwait.due)
+    fut._call = call_id
     try:
         send(replies, on_fail)
     except BaseException:

@@ -55,6 +55,7 @@ class Future(Generic[R]):
         "_start",
         "_peer",
         "_port",
+        "_call",
         "__weakref__",
     )
     _mutex: LockType
@@ -71,6 +72,9 @@ class Future(Generic[R]):
     _peer: tuple[str, str] | None
     #: that call's reply port
     _port: int
+    #: an endpoint call's id (unset for other futures): a wait on it offers the debugger again
+    #: while ranks of that call stay paused (_debugwait.due)
+    _call: str | None
 
     def __init__(self, *_: Any, **__: Any) -> None:
         raise TypeError("Future cannot be constructed directly; endpoints and meshes return them")
@@ -169,6 +173,7 @@ class Future(Generic[R]):
         thread. The new future reports this one's progress."""
         out: Future[T] = Future._create(self._what if description is None else description)
         out._progress = self._progress
+        out._call = getattr(self, "_call", None)
         self.add_done_callback(lambda src: out._set_raw(src, lambda s: fn(s._resolve())))
         return out
 

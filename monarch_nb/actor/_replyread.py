@@ -221,9 +221,11 @@ def _take(c: Any, got: list[Any], port: int, dispatch: Callable[[Any], None]) ->
 def _read(fut: Future[Any], c: Any, r: _Reader, timeout: float | None, rt: Runtime, tid: int) -> bool | None:
     """Read ``fut``'s reply off claimed connection ``c``; None: not here after all (the I/O
     thread has the connection back, or a debug session of ours opened), wait as usual."""
+    debug = _debugwait.watches(tid)
+    if debug and _debugwait._ours and _debugwait.due(fut):
+        return None  # the usual wait offers the console again for this call's paused ranks
     if not _held(c, rt):
         return None
-    debug = _debugwait.watches(tid)
     if debug:
         outer = _debugwait.swap_main_wake(r)
     fut.add_done_callback(r.set)  # completed elsewhere (a failure, the I/O thread): wake up

@@ -54,7 +54,7 @@ def _blocked(fut: Future[Any]) -> None:
     seen = set(ours)
     con = Console()
     con.write(
-        f"\nmonarch_nb: {len(ours)} rank(s) stopped at a breakpoint while waiting for {fut._what}.\n"
+        f"\nmonarch_nb: {len(ours)} rank(s) {_whose(fut, ours)}stopped at a breakpoint while waiting for {fut._what}.\n"
         "Type 'attach ACTOR RANK' to debug one, 'continue' to resume all, 'help' for more.\n"
     )
     con.show_table()
@@ -72,7 +72,7 @@ def _blocked(fut: Future[Any]) -> None:
         # raises BdbQuit): nobody resumed those, and they stay paused
         left = _debugwait.paused()
         if fut.done() and left:
-            return f"({fut._what} {_ended(fut)} while {len(left)} rank(s) of it stay paused)"
+            return f"({fut._what} {_ended(fut)} while {len(left)} rank(s) {_whose(fut, left, 'of it ')}stay paused)"
         return "(the ranks were resumed elsewhere)"
 
     read: Any = _kernel_reader(done, why) if _context.in_ipython_kernel() else _terminal_reader(done, why)
@@ -87,7 +87,8 @@ def _blocked(fut: Future[Any]) -> None:
     if left and fut.done():
         con.write(
             f"{fut._what} {_ended(fut)}; {len(left)} rank(s) stay paused at their breakpoints "
-            "(attach or continue them with monarch_nb.debug or `monarch-nb debug`)\n"
+            "(waiting on their call opens this console again; or attach or continue them with "
+            "monarch_nb.debug or `monarch-nb debug`)\n"
         )
     elif left:
         con.write(
@@ -96,6 +97,15 @@ def _blocked(fut: Future[Any]) -> None:
         )
     else:
         con.write("all ranks continued; waiting for the result\n")
+
+
+def _whose(fut: Future[Any], recs: dict[str, Any], own: str = "") -> str:
+    """Words for whose ranks ``recs`` are: "of other calls " when none is of ``fut``'s call
+    (they stopped while another call was waited on), else ``own``."""
+    call = getattr(fut, "_call", None)
+    if call and recs and not any(r.get("call_id") == call for r in recs.values()):
+        return "of other calls "
+    return own
 
 
 def _ended(fut: Future[Any]) -> str:
