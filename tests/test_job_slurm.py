@@ -481,3 +481,66 @@ def test_a_node_whose_link_goes_down_fails_its_calls_by_name(slurm: SlurmCluster
     errs = list(Path(slurm.shared, "jobs").glob("slurm_*_link.err"))
     assert errs and not [f for f in errs if "security handshake" in f.read_text()], errs
     assert b'"killed": true' in out
+
+
+def test_spawning_on_the_hosts_of_a_job_scancelled_from_outside_names_the_job(slurm: SlurmCluster) -> None:
+    # scancel from a shell: the allocators, shutting down, still forked the procs of a spawn that
+    # arrived meanwhile, and spawn_procs returned a mesh whose procs were gone a moment later
+    # ("allocator ... lost: no heartbeat"), the job unnamed
+    res = run_controller(
+        slurm.net,
+        slurm.shared,
+        _code(
+            slurm,
+            """
+            import subprocess
+            import monarch_nb.actor as public
+            from monarch_nb.errors import ConnectError, SpawnError
+            public.unhandled_fault_hook = lambda f: None  # the scancel fails the first mesh: expected
+            import signal, threading
+
+            class Slow(Where):
+                def __cleanup__(self, exc):
+                    threading.Event().wait(30)  # holds the allocator's shutdown for stop_cleanup_timeout
+
+            def keep_on_sigterm():
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only the allocator stops this proc
+
+            job = SlurmJob(meshes={{"t": 2}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, exclusive=False, job_name="sc")
+            state = job.state(cached_path=None)
+            w = state.t.spawn_procs(per_host={{"gpus": 1}}, bootstrap=keep_on_sigterm).spawn("w", Slow)
+            w.where.call().get()
+            subprocess.run(["scancel", job.job_id], check=True)
+            import time
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    w.where.call().get(timeout=30)  # fails once the allocators say they shut down
+                except Exception as e:
+                    out(call=str(e))
+                    break
+                time.sleep(0.05)  # polling: the step's SIGTERM reaches the allocators soon after scancel
+            try:
+                state.t.spawn_procs(per_host={{"gpus": 1}})
+                out(spawn=None)
+            except (ConnectError, SpawnError) as e:
+                out(spawn=str(e))
+            try:
+                job.state(cached_path=None)
+            except JobError as e:
+                out(state=str(e))
+            job.kill()
+            out(job_id=job._slurm_job_id)
+            """,
+        ),
+        _env(slurm),
+    )
+    assert "was shut down (SIGTERM" in res[0]["call"], res
+    spawn = res[1]["spawn"]
+    assert spawn and spawn.startswith("cannot spawn procs on these hosts: SlurmJob "), res
+    assert "its allocators are gone; kill() it and apply it again (job.state()" in spawn, res
+    assert "its allocators are gone; kill() it and apply again" in res[2]["state"], res
+    assert res[3] == {"job_id": None}, res
+    for i in (1, 2, 3):
+        wait_for(lambda i=i: not _ours_on(slurm, i), 20, f"node n{i} to have no monarch_nb process")
+    wait_for(lambda: not slurm.squeue().strip(), 30, "the queue to be empty")

@@ -395,6 +395,13 @@ class Allocator(DebugRegistry):
         if not name or name == "anon":
             self._anon += 1
             name = f"anon-{self.id[:4]}-{self._anon}"
+        if self.stopped.is_set():
+            # stopping its meshes takes seconds (their __cleanup__): procs forked now would be
+            # dropped with the daemon, and their spawner would hear only "no heartbeat" later
+            raise SpawnError(
+                f"the allocator of host {self.rt.hostname} is shutting down ({self.shutdown_why or 'closed'}): "
+                "it starts no new procs"
+            )
         if not _MESH_NAME.fullmatch(name):
             raise MeshError(f"bad mesh name {name[:80]!r}: use letters, digits, '_', '-' and '.', not starting with '.'")
         if name in self.meshes:
