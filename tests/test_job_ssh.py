@@ -339,3 +339,46 @@ def test_a_second_job_in_the_same_kernel_after_the_first_was_killed(ssh: SshClus
     assert res == [{"first": ["s1"]}, {"second": ["s2", "s3"]}], res
     for i in (1, 2, 3):
         wait_for(lambda i=i: not _allocators_on(ssh, i), 15, f"s{i}'s allocator to be stopped")
+
+
+def test_a_job_killed_from_another_process_says_so_here(ssh: SshCluster) -> None:
+    # the notebook's job object, after `job_load(path).kill()` in another kernel: state() raised
+    # "ConfigError: cannot read cluster key file ...", and a spawn on its hosts named no job
+    res = run_controller(
+        ssh.net,
+        ssh.shared,
+        _code(
+            """
+            import subprocess
+            import monarch_nb.actor as public
+            from monarch_nb.errors import ConnectError, SpawnError
+            public.unhandled_fault_hook = lambda f: None  # the other kill fails the first mesh: expected
+            job = make_job({args!r}, hosts=("root@s1",), extra=())
+            state = job.state(cached_path=named_job_path("elsewhere"))
+            state.workers.spawn_procs(per_host={{"gpus": 1}}).spawn("w", Where).where.call().get()
+            other = "from monarch_nb.job import job_load, named_job_path; job_load(named_job_path('elsewhere')).kill()"
+            subprocess.run([sys.executable, "-c", other], check=True)
+            try:
+                state.workers.spawn_procs(per_host={{"gpus": 1}})
+                out(spawn=None)
+            except (ConnectError, SpawnError) as e:
+                out(spawn=str(e))
+            try:
+                job.state(cached_path=named_job_path("elsewhere"))
+                out(state=None)
+            except JobError as e:
+                out(state=str(e), active=job.active)
+            job.kill()
+            out(active=job.active)
+            """,
+            args=ssh.ssh_args(),
+        ),
+        _env(ssh),
+    )
+    spawn = res[0]["spawn"]
+    assert spawn and spawn.startswith("cannot spawn procs on these hosts: SSHJob "), res
+    assert "its allocators are gone; kill() it and apply it again" in spawn, res
+    state = res[1]["state"]
+    assert state and "was stopped elsewhere" in state and "kill() it and apply it again" in state, res
+    assert res[2] == {"active": False}, res
+    wait_for(lambda: not _allocators_on(ssh, 1), 15, "s1's allocator to be stopped")

@@ -266,6 +266,13 @@ class SSHJob(JobTrait):
                 raise JobError("SSHJob could not start: " + "; ".join(errors))
 
     def _state(self) -> dict[str, HostMesh]:
+        if self._key_file and not os.path.exists(self._key_file):
+            # kill() from another process (another kernel, `%mesh kill`) removed the job's key
+            # with its allocators; "cannot read cluster key file" would not say so
+            raise JobError(
+                f"SSHJob {(self._apply_id or '')[:8]} was stopped elsewhere (its key {self._key_file} is gone, as a "
+                "kill() from another process leaves it): its allocators are gone; kill() it and apply it again"
+            )
         return host_meshes({name: [self._hosts[h]["tcp"] for h in hosts] for name, hosts in self._meshes.items()}, self._key_file)
 
     def can_run(self, spec: JobTrait) -> bool:
