@@ -227,6 +227,16 @@ def test_a_machine_without_a_slurm_cluster_is_told_where_to_run(tmp_path: Path, 
     assert not (logs / ".monarch_nb-jobs").exists()
 
 
+def test_job_errors_are_caught_as_monarchs_runtime_errors(tmp_path: Path) -> None:
+    # monarch.job raises RuntimeError ("Failed to submit SLURM job", "SLURM job is no longer
+    # active"); code written for it with `except RuntimeError` let ours through
+    bad = tmp_path / "job.json"
+    bad.write_text("{}")
+    bad.chmod(0o600)
+    with pytest.raises(RuntimeError, match="not a monarch_nb job record"):
+        job_load(str(bad))
+
+
 def test_ssh_command_line_carries_no_secret() -> None:
     job = SSHJob(python_exe="/venv/bin/python", ssh_args=["-p", "2222", "-i", "/home/u/.ssh/id"], monarch_port=0)
     job.add_mesh("w", ["u@h1"])

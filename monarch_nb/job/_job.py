@@ -37,8 +37,13 @@ logger = logging.getLogger("monarch_nb.job")
 FORMAT = "monarch_nb.job/1"
 
 
-class JobError(MonarchNBError):
-    """A job could not be applied, found, attached to or stopped; the message says why."""
+class JobError(MonarchNBError, RuntimeError):
+    """A job could not be applied, found, attached to or stopped; the message says why.
+
+    Also a ``RuntimeError``: what Monarch's jobs raise for the same failures (sbatch refused,
+    the job ended before it started, it is no longer active), so ``except RuntimeError`` written
+    for ``monarch.job`` still catches them.
+    """
 
 
 class JobReplacedWarning(RuntimeWarning):
