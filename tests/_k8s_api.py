@@ -10,6 +10,8 @@ that runs a command on that host, and ``root`` the host's file system as seen fr
 What it enforces, as a real API server would:
 - every object it receives is validated in strict mode against Kubernetes 1.33's schema
   (kubernetes-validate): 422 with the first error;
+- a request with a token it does not know (expired, revoked, mistyped) is refused with 401
+  ``Unauthorized``, as a real server's authenticator does (anonymous is only a request without one);
 - requests with a service account's token are authorized by the Roles bound to it (RoleBindings in
   that namespace; no wildcards are honoured): 403 with the real message otherwise;
 - 409 on create of an existing name, 404 on a missing one;
@@ -19,6 +21,14 @@ What it enforces, as a real API server would:
   ``create`` on ``pods/portforward``), channel 0 data and 1 errors, each opened with the port in
   two little-endian bytes; the connection is made to ``127.0.0.1:P`` in the pod's network
   namespace (``setns``), as a kubelet does.
+
+Failures a real API server presents, on request of a test (``POST /_test/faults``, a list of
+``{method, path (a regex on the URL path), status, count, retry_after, body}``): the next
+``count`` matching requests get that answer instead. 429 is answered as kube-apiserver's
+max-in-flight and priority-and-fairness filters do (plain text "Too many requests, please try
+again later." with ``Retry-After``), other codes as a ``Status`` object (``InternalError`` for
+500). ``POST /_test/expire`` drops every kept watch event, so a watch from an older
+resourceVersion gets 410 Gone (etcd compacted it).
 
 The kubelet: a StatefulSet's pods are placed one per free host (none free: Pending,
 ``Unschedulable``); the Secret and emptyDir volumes are directories on the host, ``$(VAR)`` is
@@ -85,6 +95,8 @@ class Store:
         self.free = list(range(len(cfg["hosts"])))
         self.pods: dict[tuple[str, str], Kubelet] = {}
         self.log: list[str] = []  # requests, for the tests
+        self.faults: list[dict[str, Any]] = []  # answers to give instead (POST /_test/faults)
+        self.compacted = 0  # watches from before this resourceVersion get 410 (POST /_test/expire)
 
     def bump(self, obj: dict[str, Any], group: str, plural: str, etype: str) -> None:
         self.rv += 1
@@ -299,6 +311,51 @@ class Handler(BaseHTTPRequestHandler):
             },
         )
 
+    def fault(self, method: str) -> bool:
+        """Answer with a fault the test asked for, if one matches this request."""
+        path = urlparse(self.path).path
+        with self.store.lock:
+            f = next(
+                (f for f in self.store.faults if f["count"] > 0 and f["method"] == method and re.search(f["path"], path)),
+                None,
+            )
+            if f is None:
+                return False
+            f["count"] -= 1
+            self.store.log.append(f"fault {f['status']} {method} {path}")
+        code = f["status"]
+        if code == 429:
+            body = (f.get("body") or "Too many requests, please try again later.\n").encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.send_header("Retry-After", str(f.get("retry_after", 1)))
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return True
+        reason = {500: "InternalError", 503: "ServiceUnavailable", 504: "Timeout"}.get(code, "BadRequest")
+        self.status(code, reason, f.get("body") or f"Internal error occurred: {reason.lower()} (injected by the test)")
+        return True
+
+    def test_control(self, body: bytes) -> bool:
+        path = urlparse(self.path).path
+        if not path.startswith("/_test/"):
+            return False
+        st = self.store
+        with st.lock:
+            if path == "/_test/log":
+                self.send_json(200, list(st.log))
+                return True
+            if path == "/_test/faults":
+                st.faults.extend(json.loads(body))
+            elif path == "/_test/expire":
+                st.events.clear()
+                st.rv += 1  # resourceVersions are the whole cluster's: other objects changed meanwhile
+                st.compacted = st.rv
+        self.send_json(200, {"ok": True})
+        return True
+
     def parse(self) -> tuple[str, str, str, str | None, str | None, dict[str, list[str]]] | None:
         u = urlparse(self.path)
         mo = PATH_RE.match(u.path)
@@ -311,6 +368,10 @@ class Handler(BaseHTTPRequestHandler):
         token = (self.headers.get("Authorization") or "").removeprefix("Bearer ").strip()
         user = self.store.cfg["tokens"].get(token)
         self.store.log.append(f"{user} {verb} {group}/{plural}{'/' + sub if sub else ''} {ns}")
+        if token and user is None:
+            # the authenticator rejects a token before any authorizer sees the request
+            self.status(401, "Unauthorized", "Unauthorized")
+            return False
         if user == "admin":
             return True
         resource = plural + ("/" + sub if sub else "")
@@ -345,6 +406,8 @@ class Handler(BaseHTTPRequestHandler):
     # ------------------------------------------------------------ verbs
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.test_control(body) or self.fault("POST"):
+            return
         p = self.parse()
         if p is None:
             return
@@ -422,6 +485,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.fault("DELETE"):
+            return
         p = self.parse()
         if p is None:
             return
@@ -454,6 +519,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"})
 
     def do_GET(self) -> None:
+        if self.fault("GET"):
+            return
         p = self.parse()
         if p is None:
             return
@@ -596,7 +663,8 @@ class Handler(BaseHTTPRequestHandler):
 
         try:
             with st.lock:
-                if st.events and since and since < st.events[0][0] - 1:
+                if since and (since < st.compacted or (st.events and since < st.events[0][0] - 1)):
+                    st.log.append(f"410 watch {ns}/{plural} from {since}")
                     chunk(
                         {
                             "type": "ERROR",

@@ -363,6 +363,14 @@ def objects():
         services=sorted(s.metadata.name for s in core.list_namespaced_service(NS).items),
         secrets=sorted(s.metadata.name for s in core.list_namespaced_secret(NS).items),
     )
+
+
+def test_api(path, body=None):
+    # the test server's controls (faults to present, watch history to drop, its request log)
+    import urllib.request
+    port = open(os.path.join(SHARED, "port")).read()
+    req = urllib.request.Request(f"http://127.0.0.1:{{port}}/_test/{{path}}", data=json.dumps(body).encode(), method="POST")
+    return json.loads(urllib.request.urlopen(req, timeout=10).read())
 """
 
 EMPTY = {"pods": [], "statefulsets": [], "services": [], "secrets": []}
@@ -674,3 +682,150 @@ def test_gateway_reaches_pods_the_controller_cannot_route_to(k8s: Cluster) -> No
     assert out[2] == {"after": EMPTY, "gateway_closed": True}
     wait_for(lambda: not any(k8s.allocators_on(i) for i in (1, 2, 3)), timeout=30)
     assert not watch.leaks(bytes.fromhex(first["key"]))
+
+
+@pytest.mark.timeout(90)
+def test_api_server_unreachable_or_silent_fails_in_bounded_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # before: urllib3's MaxRetryError came out raw, and an API server that accepted the connection
+    # but never answered held state() for ever (the client has no timeout); the key's directory stayed
+    import socket
+    import time
+
+    from monarch_nb.config import runtime_dir
+    from monarch_nb.job import JobError
+    from monarch_nb.job import kubernetes as k
+    from monarch_nb.job.kubernetes import ImageSpec, KubeConfig, KubernetesJob
+
+    monkeypatch.setattr(k, "REQUEST_TIMEOUT", (2.0, 2.0))
+    silent = socket.create_server(("127.0.0.1", 0))
+    silent.listen(20)  # connections wait in its backlog, never answered
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    jobs = os.path.join(runtime_dir(), "jobs")
+    before = set(os.listdir(jobs)) if os.path.isdir(jobs) else set()
+    for port, why in ((closed.getsockname()[1], "Connection refused"), (silent.getsockname()[1], "timed out")):
+        kc = Path(tempfile.mkdtemp(prefix="mnb-kc-"), "config")
+        kc.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "t",
+                    "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+                    "users": [{"name": "u", "user": {"token": "t"}}],
+                    "contexts": [{"name": "t", "context": {"cluster": "t", "user": "u", "namespace": NS}}],
+                }
+            )
+        )
+        job = KubernetesJob(NS, timeout=None, kubeconfig=KubeConfig.from_path(str(kc)))
+        job.add_mesh("m", 1, image_spec=ImageSpec(IMAGE))
+        t0 = time.monotonic()
+        with pytest.raises(JobError) as ei:
+            job.state(cached_path=None)
+        err = str(ei.value)
+        assert f"cannot reach the Kubernetes API server at http://127.0.0.1:{port}" in err and why in err, err
+        assert str(kc) in err and "kubectl cluster-info" in err
+        assert time.monotonic() - t0 < 20
+        shutil.rmtree(kc.parent)
+    # the key written for the pods that were never created is gone with them
+    assert (set(os.listdir(jobs)) if os.path.isdir(jobs) else set()) == before
+    silent.close()
+    closed.close()
+
+
+def test_expired_token_says_401_and_what_to_do(k8s: Cluster) -> None:
+    out = k8s.run("""
+        bad = json.loads(open(kc("ctl")).read())
+        bad["users"][0]["user"]["token"] = "expired-token"
+        open("/tmp/expired.kubeconfig", "w").write(json.dumps(bad))
+        job = KubernetesJob(NS, timeout=30, kubeconfig=KubeConfig.from_path("/tmp/expired.kubeconfig"))
+        job.add_mesh("nokey", 1, image_spec=ImageSpec(IMAGE))
+        try:
+            job.state(cached_path=None)
+        except JobError as e:
+            out(error=str(e))
+        out(after=objects(), keys=os.listdir("/tmp/mnb/jobs") if os.path.isdir("/tmp/mnb/jobs") else [])
+    """)
+    err = out[0]["error"]
+    assert "401" in err and "Unauthorized" in err and "/tmp/expired.kubeconfig" in err and "expired" in err, err
+    assert out[1] == {"after": EMPTY, "keys": []}
+
+
+def test_throttled_requests_are_retried_and_failures_clean_up(k8s: Cluster) -> None:
+    out = k8s.run("""
+        grant("monarch-nb")
+        # kube-apiserver's priority-and-fairness answer: 429, plain text, Retry-After
+        test_api("faults", [
+            {"method": "POST", "path": "/secrets$", "status": 429, "count": 2, "retry_after": 1},
+            {"method": "GET", "path": "/pods$", "status": 429, "count": 2, "retry_after": 1},
+        ])
+        job = KubernetesJob(NS, timeout=90, kubeconfig=KubeConfig.from_path(kc("ctl")))
+        job.add_mesh("busy", 1, image_spec=ImageSpec(IMAGE))
+        n = len(job.state(cached_path=None).busy.spawn_procs(per_host={"gpus": 1}).spawn("w", Where).where.call().get())
+        job.kill()
+        out(n=n, after=objects(), faults=[x for x in test_api("log") if x.startswith("fault")])
+        # a 500 with no Retry-After is not retried: what was created before it is deleted again
+        test_api("faults", [{"method": "POST", "path": "/statefulsets$", "status": 500, "count": 1}])
+        job = KubernetesJob(NS, timeout=90, kubeconfig=KubeConfig.from_path(kc("ctl")))
+        job.add_mesh("busy", 1, image_spec=ImageSpec(IMAGE))
+        try:
+            job.state(cached_path=None)
+        except JobError as e:
+            out(error=str(e))
+        out(after=objects())
+        # the watch's history compacted while a mesh waits (410 Gone): listed again, still the scheduler's reason
+        import threading
+        done = threading.Event()
+        def expire():
+            while not done.wait(0.5):  # each re-opened watch starts from a compacted resourceVersion
+                test_api("expire")
+        threading.Thread(target=expire, daemon=True).start()
+        job = KubernetesJob(NS, timeout=8, kubeconfig=KubeConfig.from_path(kc("ctl")))
+        job.add_mesh("big", 4, image_spec=ImageSpec(IMAGE))
+        try:
+            job.state(cached_path=None)
+        except JobError as e:
+            out(error=str(e), gone=sum(x.startswith("410") for x in test_api("log")))
+        done.set()
+        out(after=objects())
+    """)
+    assert out[0]["n"] == 1 and out[0]["after"] == EMPTY, out[0]
+    assert len(out[0]["faults"]) == 4, out[0]
+    assert "500" in out[1]["error"] and "statefulsets" in out[1]["error"] and "try again later" in out[1]["error"]
+    assert out[2]["after"] == EMPTY
+    assert "Unschedulable" in out[3]["error"] and "timeout=8" in out[3]["error"] and out[3]["gone"] >= 1, out[3]
+    assert out[4]["after"] == EMPTY
+
+
+def test_reattach_after_the_job_was_deleted_outside(k8s: Cluster) -> None:
+    # before: the cached job was taken as running, and state() waited for pods nothing would
+    # create again: for ever with timeout=None, silently
+    k8s.run("""
+        grant("monarch-nb")
+        job = KubernetesJob(NS, timeout=90, kubeconfig=KubeConfig.from_path(kc("ctl")))
+        job.add_mesh("outside", 1, image_spec=ImageSpec(IMAGE))
+        job.state(cached_path="/tmp/outside.json")
+        api = admin()
+        # kubectl delete statefulset,service,secret -l monarch-nb.pytorch.org/job=...
+        client.AppsV1Api(api).delete_namespaced_stateful_set("outside", NS)
+        client.CoreV1Api(api).delete_namespaced_service("outside-svc", NS)
+        for s in client.CoreV1Api(api).list_namespaced_secret(NS).items:
+            client.CoreV1Api(api).delete_namespaced_secret(s.metadata.name, NS)
+    """)
+    out = k8s.run(
+        """
+        import warnings
+        job = KubernetesJob(NS, timeout=None, kubeconfig=KubeConfig.from_path(kc("ctl")))
+        job.add_mesh("outside", 1, image_spec=ImageSpec(IMAGE))
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            state = job.state(cached_path="/tmp/outside.json")
+        n = len(state.outside.spawn_procs(per_host={"gpus": 1}).spawn("w", Where).where.call().get())
+        out(n=n, warned=[str(w.message) for w in ws if "replaced" in str(w.message)])
+        job.kill()
+        out(after=objects())
+    """,
+        timeout=120,
+    )
+    assert out[0]["n"] == 1 and out[0]["warned"] and "no longer running" in out[0]["warned"][0], out[0]
+    assert out[1]["after"] == EMPTY

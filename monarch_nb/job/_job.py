@@ -243,7 +243,9 @@ class JobTrait(ABC):
             if was is not None:
                 # a relaunch with another size stops the running job and every proc on it: say so
                 ident = f" {was['id']}" if was.get("id") else ""
-                # the same spec: the job ended (walltime, scancel, a host gone), nothing changed
+                # the same spec: the job ended (walltime, scancel, a host gone), nothing changed;
+                # how this process connects to it (a kubeconfig, a timeout) is not a change of the job
+                running._rebind_connection_inputs(self)
                 why = "its meshes or options changed" if running._spec() != self._spec() else "it is no longer running"
                 warnings.warn(
                     f"replaced the {running._type_name}{ident} cached at {cached_path} ({was.get('hosts')} host(s), "

@@ -55,6 +55,13 @@ _RFC_1123_MAX_LEN = 63
 LOG_LINES = 20
 #: how long the first pod may take to accept a connection before the gateway is used instead
 GATEWAY_PROBE_S = 2.0
+#: (connect, read) seconds for one API request: the client's default is none, so an API server
+#: that stopped answering (a dead control plane, a VPN that dropped) held job.state() for ever
+REQUEST_TIMEOUT = (10.0, 30.0)
+#: how often a request the API server throttled (429, or a 5xx with Retry-After, as client-go
+#: retries them) is tried again, and the longest wait between tries
+RETRIES = 6
+RETRY_MAX_WAIT_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,18 +96,23 @@ class KubeConfig:
         client, config = _k8s()[:2]
         if self.remote is not None:
             return client.ApiClient(self.remote)
+        cfg = client.Configuration()
         if self.local is not None:
             try:
-                return config.new_client_from_config(config_file=str(self.local))
+                config.load_kube_config(config_file=str(self.local), client_configuration=cfg)
             except config.ConfigException as e:
                 raise JobError(f"cannot load kubeconfig {str(self.local)!r}: {e}") from e
-        try:
-            config.load_incluster_config()
-        except config.ConfigException as e:
-            raise JobError(
-                f"no kubeconfig given and not inside a pod ({e}): pass kubeconfig=KubeConfig.from_path('~/.kube/config')"
-            ) from e
-        return client.ApiClient()
+        else:
+            try:
+                config.load_incluster_config(client_configuration=cfg)
+            except config.ConfigException as e:
+                raise JobError(
+                    f"no kubeconfig given and not inside a pod ({e}): pass kubeconfig=KubeConfig.from_path('~/.kube/config')"
+                ) from e
+        # one more try after a refused or cut connection (a pooled connection the server closed),
+        # not urllib3's three: against an API server that does not answer, each would wait REQUEST_TIMEOUT
+        cfg.retries = 1
+        return client.ApiClient(cfg)
 
 
 def _k8s() -> tuple[Any, Any, Any, Any]:
@@ -281,23 +293,81 @@ class KubernetesJob(JobTrait):
             self._api = self._kubeconfig.api_client()
         return self._api
 
-    def _call(self, verb: str, resource: str, fn: Any, *args: Any, **kw: Any) -> Any:
+    def _call(self, verb: str, resource: str, fn: Any, *args: Any, absent_ok: bool = False, **kw: Any) -> Any:
+        """``fn(*args, **kw)``, bounded in time, a throttled request tried again; a JobError that
+        says what to do otherwise (None for a 404 with ``absent_ok``)."""
         ApiException = _k8s()[3]
+        kw.setdefault("_request_timeout", REQUEST_TIMEOUT)
+        for attempt in range(RETRIES + 1):
+            try:
+                return fn(*args, **kw)
+            except ApiException as e:
+                if absent_ok and e.status == 404:
+                    return None
+                wait = _retry_after(e)
+                if wait is None or attempt == RETRIES:
+                    raise self._error(verb, resource, e) from None
+                logger.info("the API server throttled %s %s (%s): again in %.1f s", verb, resource, e.status, wait)
+                time.sleep(wait)
+            except Exception as e:
+                if _unreachable(e):
+                    raise self._unreachable(verb, resource, e) from None
+                raise
+        raise AssertionError("unreachable")
+
+    def _error(self, verb: str, resource: str, e: Any) -> JobError:
+        ns = self._namespace
+        if e.status == 401:
+            return JobError(
+                f"the Kubernetes API server at {self._server()} did not accept this controller's credentials "
+                f"(401: {_reason(e)}) when asked to {verb} {resource}: the token of {self._credentials()} has expired "
+                "or is wrong; renew it (run any kubectl command with that kubeconfig, or get a new token) and try again"
+            )
+        if e.status == 403:
+            return JobError(
+                f"the Kubernetes API refused to {verb} {resource} in namespace {ns!r} (403: "
+                f"{_reason(e)}); the controller's account needs '{verb}' on '{resource}': apply "
+                f"KubernetesJob.rbac_manifests({ns!r}) and use that service account"
+            )
+        if e.status == 409:
+            return JobError(
+                f"{resource} already exists in namespace {ns!r} ({_reason(e)}): another job uses "
+                "this mesh name; kill() it or delete the object"
+            )
+        if e.status == 404 and verb == "create":
+            return JobError(
+                f"cannot {verb} {resource} in namespace {ns!r} (404: {_reason(e)}): does the namespace exist? "
+                f"(kubectl create namespace {ns})"
+            )
+        if e.status == 429 or e.status >= 500:
+            return JobError(
+                f"the Kubernetes API server failed to {verb} {resource} ({e.status} {_reason(e)}), "
+                f"{RETRIES + 1} tries: it is overloaded or unwell; try again later"
+                if _retry_after(e) is not None
+                else f"the Kubernetes API server failed to {verb} {resource} ({e.status} {_reason(e)}); try again later"
+            )
+        return JobError(f"Kubernetes API error on {verb} {resource}: {e.status} {_reason(e)}")
+
+    def _unreachable(self, verb: str, resource: str, e: BaseException) -> JobError:
+        why = getattr(e, "reason", None) or e
+        return JobError(
+            f"cannot reach the Kubernetes API server at {self._server()} to {verb} {resource} "
+            f"({type(why).__name__}: {why}); is the cluster up and this the right server? (kubectl cluster-info "
+            f"with {self._credentials()})"
+        )
+
+    def _server(self) -> str:
         try:
-            return fn(*args, **kw)
-        except ApiException as e:
-            if e.status == 403:
-                raise JobError(
-                    f"the Kubernetes API refused to {verb} {resource} in namespace {self._namespace!r} (403: "
-                    f"{_reason(e)}); the controller's account needs '{verb}' on '{resource}': apply "
-                    f"KubernetesJob.rbac_manifests({self._namespace!r}) and use that service account"
-                ) from None
-            if e.status == 409:
-                raise JobError(
-                    f"{resource} already exists in namespace {self._namespace!r} ({_reason(e)}): another job uses "
-                    "this mesh name; kill() it or delete the object"
-                ) from None
-            raise JobError(f"Kubernetes API error on {verb} {resource}: {e.status} {_reason(e)}") from None
+            return str(self._client().configuration.host)
+        except Exception:
+            return "(unknown)"
+
+    def _credentials(self) -> str:
+        if self._kubeconfig.local is not None:
+            return f"kubeconfig {str(self._kubeconfig.local)!r}"
+        if self._kubeconfig.remote is not None:
+            return "the given client Configuration"
+        return "the pod's service account"
 
     # ------------------------------------------------------------ the job
     def _create(self, client_script: str | None) -> None:
@@ -329,8 +399,11 @@ class KubernetesJob(JobTrait):
                 self._created.append([kind, name])
                 logger.info("created %s %s/%s", kind, ns, name)
             self._hosts = self._wait_ready()
-        except BaseException:
-            self._kill()
+        except BaseException as e:
+            try:
+                self._kill()
+            except Exception as k:  # the first error is the one to see; what is left over, next to it
+                e.add_note(f"and cleaning up after it failed: {k}")
             raise
 
     def _selector(self, name: str) -> str:
@@ -360,13 +433,16 @@ class KubernetesJob(JobTrait):
             if left is not None and left <= 0:
                 raise JobError(f"mesh {name!r}: {pending} within timeout={self._timeout} s (namespace {ns!r}, selector {sel!r})")
             w = watch.Watch()
+            span = max(1, int(min(left or 5, 5)))
             try:
                 for ev in w.stream(
                     core.list_namespaced_pod,
                     ns,
                     label_selector=sel,
                     resource_version=rv,
-                    timeout_seconds=max(1, int(min(left or 5, 5))),
+                    timeout_seconds=span,
+                    # the server ends the watch after span s; a silent one is dropped a little later
+                    _request_timeout=(REQUEST_TIMEOUT[0], span + REQUEST_TIMEOUT[0]),
                 ):
                     pod = ev["object"]
                     rv = pod.metadata.resource_version
@@ -381,7 +457,15 @@ class KubernetesJob(JobTrait):
                     pods = {p.metadata.name: p for p in lst.items}
                     rv = lst.metadata.resource_version
                     continue
-                self._call("watch", "pods", _raise, e)
+                wait = _retry_after(e)
+                if wait is None:
+                    raise self._error("watch", "pods", e) from None
+                logger.info("the API server throttled a watch of pods (%s): again in %.1f s", e.status, wait)
+                time.sleep(wait)
+            except Exception as e:
+                if _unreachable(e):
+                    raise self._unreachable("watch", "pods", e) from None
+                raise
             finally:
                 w.stop()
 
@@ -432,6 +516,13 @@ class KubernetesJob(JobTrait):
         if len(ready) == n:
             self._pods[name] = [names[i] for i in range(n)]
             return [ready[i] for i in range(n)], ""
+        if not pods and shown.get("") is None:
+            shown[""] = "none"
+            print(
+                f"mesh {name!r}: no pod matches {self._selector(name)!r} in namespace {self._namespace!r} yet",
+                file=sys.stderr,
+                flush=True,
+            )
         missing = [i for i in range(n) if i not in ready]
         what = "; ".join(waiting) or f"no pod with rank(s) {missing}"
         return None, f"{n - len(ready)} of {n} pods not Ready ({what})"
@@ -441,11 +532,17 @@ class KubernetesJob(JobTrait):
         core = client.CoreV1Api(self._client())
         for previous in (True, False):
             try:
-                text = core.read_namespaced_pod_log(pod, self._namespace, tail_lines=LOG_LINES, previous=previous)
+                text = core.read_namespaced_pod_log(
+                    pod, self._namespace, tail_lines=LOG_LINES, previous=previous, _request_timeout=REQUEST_TIMEOUT
+                )
             except ApiException as e:
                 if e.status == 403:
                     return "(cannot read its log: the controller's Role lacks 'get' on 'pods/log')"
                 continue
+            except Exception as e:
+                if _unreachable(e):
+                    return f"(cannot read its log: {type(e).__name__})"
+                raise
             if text:
                 return text.rstrip()
         return "(no log)"
@@ -568,39 +665,62 @@ class KubernetesJob(JobTrait):
             f.close()
 
     def can_run(self, spec: JobTrait) -> bool:
-        return (
+        if not (
             isinstance(spec, KubernetesJob)
             and spec._namespace == self._namespace
             and spec._meshes == self._meshes
             and bool(self._hosts)
-        )
+        ):
+            return False
+        if self._created:
+            # objects deleted from outside (kubectl delete, a namespace clean-up) leave no pod:
+            # re-attaching would wait for pods that nothing creates any more (for ever, timeout=None)
+            core = _k8s()[0].CoreV1Api(self._client())
+            for name, c in self._meshes.items():
+                if (
+                    c["image"]
+                    and not self._call(
+                        "list", "pods", core.list_namespaced_pod, self._namespace, label_selector=self._selector(name)
+                    ).items
+                ):
+                    logger.info("no pod of mesh %r of the cached job is left: it was deleted", name)
+                    return False
+        return True
 
     def _kill(self) -> None:
         """Delete what this job created (attach-only pods are not ours: they are left alone)."""
-        if not self._created:
-            return
-        client, _, _, ApiException = _k8s()
-        api = self._client()
-        core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
         errors = []
-        for kind, name in reversed(self._created):
-            fn, res = {
-                "Secret": (core.delete_namespaced_secret, "secrets"),
-                "Service": (core.delete_namespaced_service, "services"),
-                "StatefulSet": (apps.delete_namespaced_stateful_set, "statefulsets.apps"),
-            }[kind]
-            try:
-                fn(name, self._namespace, propagation_policy="Background")
-            except ApiException as e:
-                if e.status != 404:
-                    errors.append(f"delete {res} {name}: {e.status} {_reason(e)}")
+        if self._created:
+            client = _k8s()[0]
+            api = self._client()
+            core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
+            left = []
+            for kind, name in reversed(self._created):
+                fn, res = {
+                    "Secret": (core.delete_namespaced_secret, "secrets"),
+                    "Service": (core.delete_namespaced_service, "services"),
+                    "StatefulSet": (apps.delete_namespaced_stateful_set, "statefulsets.apps"),
+                }[kind]
+                try:
+                    # gone already is what kill() wants
+                    self._call("delete", res, fn, name, self._namespace, absent_ok=True, propagation_policy="Background")
+                except JobError as e:
+                    errors.append(f"{res} {name}: {e}")
+                    left.append([kind, name])
+            if errors:
+                # kept, so that a kill() once the API server answers again deletes the rest
+                self._created = left[::-1]
+                raise JobError(
+                    "could not delete every object of the job (kill() it again, or "
+                    f"kubectl -n {self._namespace} delete statefulset,service,secret -l {m.JOB_LABEL}={self._job_id}): "
+                    + "; ".join(errors)
+                )
         self._created = []
         self._hosts = {}
         self._close_gateway()
         if self._dir:
+            # the job's key, also when apply() failed before it created anything
             shutil.rmtree(self._dir, ignore_errors=True)
-        if errors:
-            raise JobError("could not delete every object of the job: " + "; ".join(errors))
 
     def _describe(self) -> dict[str, Any]:
         row: dict[str, Any] = {"id": self._job_id, "hosts": sum(len(v) for v in self._hosts.values())}
@@ -616,7 +736,10 @@ class KubernetesJob(JobTrait):
                     if any(x.type == "Ready" and x.status == "True" for x in (p.status.conditions or []))
                 }
                 lost += [f"{name}[{i}]" for i in range(c["num_replicas"]) if str(i) not in ready]
-        except (ApiException, JobError, OSError) as e:
+        except Exception as e:
+            if not isinstance(e, (ApiException, JobError)) and not _unreachable(e):
+                raise
+            # a job table must list the others when one API server does not answer
             row["state"] = f"unknown ({type(e).__name__}: {e})"[:120]
             return row
         row["state"] = f"lost: {', '.join(lost)}" if lost else "running"
@@ -658,8 +781,26 @@ def _template_image(t: dict[str, Any]) -> str:
     return str(c.get("image") or "")
 
 
-def _raise(e: BaseException) -> None:
-    raise e
+def _retry_after(e: Any) -> float | None:
+    """Seconds to wait before trying a refused request again, or None if it is not to be retried:
+    a 429 (the API server's max-in-flight or priority-and-fairness limit; the request was not
+    served), or a 5xx that says when to come back, as client-go retries them."""
+    status = getattr(e, "status", None) or 0
+    raw = (getattr(e, "headers", None) or {}).get("Retry-After")
+    if status != 429 and not (status >= 500 and raw is not None):
+        return None
+    try:
+        wait = float(raw) if raw is not None else 1.0
+    except ValueError:
+        wait = 1.0
+    return min(max(wait, 0.1), RETRY_MAX_WAIT_S)
+
+
+def _unreachable(e: BaseException) -> bool:
+    """The request did not get an answer: refused, timed out, cut (urllib3's errors or the OS's)."""
+    import urllib3
+
+    return isinstance(e, (urllib3.exceptions.HTTPError, OSError))
 
 
 def _reason(e: Any) -> str:
@@ -668,7 +809,9 @@ def _reason(e: Any) -> str:
     try:
         return str(json.loads(e.body).get("message") or e.reason)
     except Exception:
-        return str(e.reason)
+        # some refusals are plain text (the max-in-flight filter's 429): its line says more than the status
+        body = e.body.decode(errors="replace") if isinstance(e.body, bytes) else str(e.body or "")
+        return body.strip()[:200] if body.strip() and "\n" not in body.strip() else str(e.reason)
 
 
 __all__ = ["ImageSpec", "KubeConfig", "KubernetesJob"]
