@@ -400,6 +400,82 @@ def test_full_dev_shm_falls_back_to_the_stream_with_a_warning(pair: tuple[ProcMe
     assert reader.read_mv.call_one(buf).get(timeout=60) == b"\x05" * 8
 
 
+FD_STARVED = """
+import errno, os, pickle, resource, sys, torch, warnings
+from monarch_nb.actor import _context
+from monarch_nb.rdma import RDMABuffer
+bufs = pickle.loads(bytes.fromhex(sys.stdin.readline()))
+mode = sys.argv[1]
+_context.runtime()  # it raises the soft limit as it starts: lowered after
+if mode == "warm":  # this process has told its host already: the transfers' own descriptors run out
+    from monarch_nb._runtime import _dataplane as dp
+    dp.host_id()
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+hog = []
+with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no fall back "because /dev/shm is full"
+    try:
+        while True:
+            keep = torch.ones(4096, dtype=torch.uint8)
+            hog.append((keep, RDMABuffer(keep)))
+    except OSError as e:
+        print("make", e.errno, e)
+try:
+    while True:
+        hog.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+for b in bufs:
+    try:
+        b.read_into(torch.zeros(4096, dtype=torch.uint8), timeout=10).get(timeout=30)
+        print("read ok")
+    except Exception as e:
+        print("read", type(e).__name__, getattr(e, "errno", None), e)
+del hog
+import gc; gc.collect()
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+for b in bufs:  # descriptors free again: nothing remembered from the starved moment
+    dst = torch.zeros(4096, dtype=torch.uint8)
+    b.read_into(dst, timeout=10).get(timeout=30)
+    print("then", int(dst[0]))
+sys.stdout.flush()
+"""
+
+
+def test_out_of_descriptors_says_so_and_blames_neither_owner_nor_host() -> None:
+    # a process out of file descriptors was told the owner of a buffer "is gone" (a stream) or got
+    # a bare "Too many open files" (shared memory, making a buffer); and a first transfer in that
+    # state took this host for another one for good, so that later reads failed for ever
+    import pickle
+    import subprocess
+    import sys
+
+    raw = bytearray(b"\x03" * 4096)
+    keep = torch.full((4096,), 4, dtype=torch.uint8)
+    bufs = [RDMABuffer(memoryview(raw)), RDMABuffer(keep)]
+    try:
+        for mode in ("cold", "warm"):
+            out = subprocess.run(
+                [sys.executable, "-c", FD_STARVED, mode],
+                input=pickle.dumps(bufs).hex() + "\n",
+                capture_output=True,
+                text=True,
+                timeout=90,
+            )
+            lines = out.stdout.splitlines()
+            assert out.returncode == 0 and len(lines) == 5, (mode, out.stdout, out.stderr[-3000:])
+            make, reads, then = lines[0], lines[1:3], lines[3:]
+            assert make.startswith("make 24 ") and "holds two descriptors" in make and "ulimit -n" in make, make
+            for line in reads:
+                assert line.startswith("read OSError 24 "), (mode, line)
+                assert "needs a file descriptor" in line and "ulimit -n" in line and "RDMABuffer of" in line, line
+            assert then == ["then 3", "then 4"], (mode, out.stdout)
+    finally:
+        for b in bufs:
+            b.drop().get(timeout=10)
+
+
 class CudaOwner(Actor):
     def __init__(self) -> None:
         self.t = torch.arange(N, device="cuda", dtype=torch.uint8)

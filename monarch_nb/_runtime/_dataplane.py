@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import hmac
 import logging
@@ -73,6 +74,18 @@ class Stalled(TimeoutError):
     pass
 
 
+class OutOfDescriptors(OSError):
+    """This process has no file descriptor left for a transfer: its own state, not the owner's
+    (which must then not be called gone or dropped)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(errno.EMFILE, what)
+
+
+def _no_descriptor(e: OSError) -> bool:
+    return e.errno in (errno.EMFILE, errno.ENFILE)
+
+
 # ------------------------------------------------------------------------------------- identity
 def host_id() -> str:
     """What two processes share iff they share memory and /proc: the same kernel boot and the
@@ -83,7 +96,10 @@ def host_id() -> str:
             with open("/proc/sys/kernel/random/boot_id") as f:
                 boot = f.read().strip()
             net = os.stat("/proc/self/ns/net").st_ino
-        except OSError:
+        except OSError as e:
+            if _no_descriptor(e):
+                # not for good: remembered, it would make every owner of this host look remote
+                raise OutOfDescriptors("telling which host this process is on (/proc)") from e
             boot, net = secrets.token_hex(8), 0  # no /proc: never "the same host" as anyone
         _HOST_ID = f"{boot}:{net}"
     return _HOST_ID
@@ -107,7 +123,11 @@ def start_time(pid: int) -> int:
         if fields[0] in (b"Z", b"X") or int(fields[6]) & _PF_EXITING:
             return 0
         return int(fields[19])
-    except (OSError, ValueError, IndexError):
+    except OSError as e:
+        if _no_descriptor(e):
+            raise OutOfDescriptors(f"telling whether process {pid} is alive (/proc)") from e
+        return 0
+    except (ValueError, IndexError):
         return 0
 
 
@@ -719,6 +739,8 @@ def _stream(
     except TimeoutError as e:
         raise Stalled(f"the owner's side stalled: no connection to its data server at {where[1]} in time") from e
     except OSError as e:
+        if _no_descriptor(e):
+            raise OutOfDescriptors("connecting to the owner's data server") from e
         raise PeerGone(f"its data server at {where[1]} cannot be reached ({e.strerror or e})") from e
     ok = False
     try:
@@ -834,15 +856,24 @@ class _Maps:
         m = self._maps.get(key)
         if m is not None:
             return m
+        what = "mapping the owner's shared memory (each buffer of another process mapped here holds one until it is dropped)"
         try:
             fd = os.open(f"/proc/{pid}/fd/{shm.fd}", os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
+        except OSError as e:
+            if _no_descriptor(e):
+                raise OutOfDescriptors(what) from e
+            raise
         try:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != (shm.dev, shm.ino) or not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
                 return None
             mm = mmap.mmap(fd, shm.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            if _no_descriptor(e):  # mmap keeps a duplicate of the descriptor
+                raise OutOfDescriptors(what) from e
+            raise
         finally:
             os.close(fd)
         export = (ctypes.c_char * shm.size).from_buffer(mm)

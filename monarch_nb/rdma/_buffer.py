@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import errno
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .._runtime import _dataplane as dp
+from .._runtime import _fdlimit
 from ..actor import _context
 from ..actor._future import Future
 from ..errors import SupervisionError
@@ -91,6 +93,12 @@ def _check_timeout(timeout: float) -> None:
     shared memory too, which would finish before any timeout)."""
     if timeout < 0:
         raise OverflowError(f"timeout must be >= 0 seconds (Monarch's: fit in an unsigned 64-bit integer), not {timeout!r}")
+
+
+def _out_of_descriptors(what: str) -> OSError:
+    """``OSError(EMFILE)`` naming this process's limit and what to do (as a spawn says it)."""
+    label = _context.runtime().label
+    return _fdlimit.out_of_descriptors(what, "Jupyter" if label == "controller" else f"this {label}")
 
 
 # ------------------------------------------------------------------------------- local memory
@@ -223,8 +231,12 @@ def _share(data: Any, nbytes: int) -> tuple[dp.Shm | None, list[Any]]:
             for name in _torch_segments() - before:
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join("/dev/shm", name))
+            if "Too many open files" in str(e):
+                raise OSError(errno.EMFILE, str(e)) from e
             raise OSError(28, str(e)) from e
     except OSError as e:
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            raise dp.OutOfDescriptors(_FDS_PER_BUFFER) from e
         warnings.warn(
             f"RDMABuffer of {nbytes} bytes could not be placed in shared memory ({e.strerror or e}): "
             "readers on this host read it over its owner's stream instead (slower); if /dev/shm is full, free space there",
@@ -233,10 +245,18 @@ def _share(data: Any, nbytes: int) -> tuple[dp.Shm | None, list[Any]]:
         )
         return None, []
     # our own descriptor: closing it at drop is what readers see (torch's stays with the storage)
-    mine = os.dup(fd)
+    try:
+        mine = os.dup(fd)
+    except OSError as e:
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            raise dp.OutOfDescriptors(_FDS_PER_BUFFER) from e
+        raise
     st = os.fstat(mine)
     offset = data.data_ptr() - storage.data_ptr()
     return dp.Shm(mine, st.st_dev, st.st_ino, offset, size), [mine]
+
+
+_FDS_PER_BUFFER = "a CPU tensor's buffer holds two descriptors while registered: drop() the ones you no longer use"
 
 
 def _token() -> tuple[dp.Shm, list[int]]:
@@ -307,6 +327,16 @@ class RDMABuffer:
         nbytes = _check(data)
         if nbytes == 0:
             raise ValueError("Cannot create RDMABuffer with size 0.")
+        try:
+            self._register(data, nbytes)
+        except dp.OutOfDescriptors as e:
+            raise _out_of_descriptors(f"making an RDMABuffer ({e.strerror})") from e
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):  # the data server's first sockets, a CUDA memfd
+                raise _out_of_descriptors("making an RDMABuffer") from e
+            raise
+
+    def _register(self, data: Any, nbytes: int) -> None:
         srv = _server()
         shm: dp.Shm | None = None
         token: dp.Shm | None = None
@@ -324,9 +354,14 @@ class RDMABuffer:
             raise AssertionError(data.device)
         for fd in extra:
             entry.extra.append(lambda fd=fd: os.close(fd))  # type: ignore[misc]
+        try:
+            addr = srv.address()  # before registering: a failure here leaves nothing registered
+        except BaseException:
+            entry.release()
+            raise
         self._id = srv.register(entry)
         self._size = nbytes
-        self._addr = srv.address()
+        self._addr = addr
         self._shm = shm
         self._token = token
         self._ipc: Any = None
@@ -382,6 +417,8 @@ class RDMABuffer:
         try:
             self._shm_copy(write, local.data_ptr(), n)
             dp.count(write, "shm", n)
+        except dp.OutOfDescriptors as e:
+            fut._set_exception(self._no_descriptor(write, e))
         except BaseException as e:
             fut._set_exception(e)
         else:
@@ -429,19 +466,33 @@ class RDMABuffer:
             host=self._host,
         )
 
+    def _no_descriptor(self, write: bool, e: dp.OutOfDescriptors) -> OSError:
+        verb = "writing into" if write else "reading from"
+        return _out_of_descriptors(f"{verb} the RDMABuffer of {self._owner} ({e.strerror})")
+
     def _dropped_error(self) -> BufferDroppedError:
         return BufferDroppedError(f"RDMABuffer of {self._owner} ({self._size} bytes) was dropped; ask its owner for a new one")
 
     def _in_shm(self, local: Any) -> bool:
         """Whether a transfer with ``local`` is a plain copy out of (or into) shared memory."""
+        try:
+            here = dp.host_id()
+        except dp.OutOfDescriptors:
+            return False  # the transfer itself then fails saying so, through its future
         return (
             self._shm is not None
             and not self._dropped
-            and self._addr.host == dp.host_id()
+            and self._addr.host == here
             and (isinstance(local, memoryview) or local.device.type == "cpu")
         )
 
     def _transfer(self, write: bool, local: Any, nbytes: int, deadline: float) -> None:
+        try:
+            self._transfer_any(write, local, nbytes, deadline)
+        except dp.OutOfDescriptors as e:
+            raise self._no_descriptor(write, e) from e
+
+    def _transfer_any(self, write: bool, local: Any, nbytes: int, deadline: float) -> None:
         if self._dropped:
             raise self._dropped_error()
         if self._token is not None and self._addr.host == dp.host_id() and self._ipc_copy(write, local, nbytes, deadline):
