@@ -400,6 +400,47 @@ def test_full_dev_shm_falls_back_to_the_stream_with_a_warning(pair: tuple[ProcMe
     assert reader.read_mv.call_one(buf).get(timeout=60) == b"\x05" * 8
 
 
+class ForeignMemoryOwner(Actor):
+    """Tensors over memory torch does not own: a numpy array's, a bytearray's."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.arr = np.zeros(4096, dtype=np.uint8)
+        self.raw = bytearray(4096)
+        self.bufs = (RDMABuffer(torch.from_numpy(self.arr)), RDMABuffer(torch.frombuffer(self.raw, dtype=torch.uint8)))
+
+    @endpoint
+    def buffers(self) -> tuple[RDMABuffer, RDMABuffer]:
+        return self.bufs
+
+    @endpoint
+    def fill(self, value: int) -> None:
+        self.arr[:] = value  # through the array, not the tensor
+        self.raw[:] = bytes([value]) * 4096
+
+    @endpoint
+    def heads(self) -> tuple[int, int]:
+        return int(self.arr[0]), self.raw[0]
+
+
+def test_a_tensor_over_a_numpy_array_stays_aliased_to_it(pair: tuple[ProcMesh, ProcMesh]) -> None:
+    # a tensor of torch.from_numpy / torch.frombuffer was moved into shared memory like any CPU
+    # tensor: the array stayed where it was, reads missed the owner's changes to it and writes
+    # never reached it (Monarch registers the memory where it is: both are seen)
+    a, _ = pair
+    owner = a.spawn("owner", ForeignMemoryOwner)
+    bufs = owner.buffers.call_one().get(timeout=60)
+    owner.fill.call_one(5).get(timeout=30)
+    for buf in bufs:
+        dst = torch.zeros(4096, dtype=torch.uint8)
+        buf.read_into(dst).get(timeout=30)
+        assert int(dst[0]) == 5 and int(dst[-1]) == 5, repr(buf)
+    bufs[0].write_from(torch.full((4096,), 9, dtype=torch.uint8)).get(timeout=30)
+    bufs[1].write_from(torch.full((4096,), 8, dtype=torch.uint8)).get(timeout=30)
+    assert owner.heads.call_one().get(timeout=30) == (9, 8)
+
+
 FD_STARVED = """
 import errno, os, pickle, resource, sys, torch, warnings
 from monarch_nb.actor import _context

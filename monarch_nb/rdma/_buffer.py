@@ -219,6 +219,11 @@ def _share(data: Any, nbytes: int) -> tuple[dp.Shm | None, list[Any]]:
     """Move a CPU tensor's storage into shared memory in place (every tensor on that storage
     follows, same as ``Tensor.share_memory_()``); return where readers of this host find it."""
     storage = data.untyped_storage()
+    if not storage.resizable():
+        # memory torch does not own (``torch.from_numpy``, ``torch.frombuffer``): moved, the tensor
+        # would leave the array that owns it, and neither the owner's changes to the array nor
+        # writes into the buffer would be seen on the other side. Served where it is, over the stream
+        return None, []
     try:
         free = os.statvfs("/dev/shm")
         if free.f_bavail * free.f_frsize < storage.nbytes() + (1 << 20):
@@ -320,7 +325,8 @@ class RDMABuffer:
     place is seen by the next ``read_into``, and ``write_from`` changes the owner's tensor in
     place. CPU tensors are moved into shared memory on creation (same data, same tensor
     objects, as ``Tensor.share_memory_()`` does) so that readers on the owner's host copy
-    straight out of it.
+    straight out of it; a tensor over memory torch does not own (a numpy array's) stays where
+    it is and is served over the owner's stream.
     """
 
     def __init__(self, data: Any) -> None:
