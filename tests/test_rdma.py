@@ -186,6 +186,15 @@ def test_bad_memory_raises_value_error() -> None:
                 call(torch.zeros(16, dtype=torch.uint8), timeout=-1)
         with pytest.raises(OverflowError, match="timeout must be >= 0"):
             RDMAAction().read_remote(torch.zeros(16, dtype=torch.uint8), buf).submit(timeout=-1)
+        # no timeout is not "no limit": refused up front in words, on every path, as Monarch's TypeError
+        local = torch.zeros(16, dtype=torch.uint8)
+        for attempt in (
+            lambda: buf.read_into(local, timeout=None),  # type: ignore[arg-type]
+            lambda: buf.write_from(local, timeout=None),  # type: ignore[arg-type]
+            lambda: RDMAAction().read_remote(local, buf).submit(timeout=None),  # type: ignore[arg-type]
+        ):
+            with pytest.raises(TypeError, match="timeout must be a number of seconds .* not None"):
+                attempt()
     finally:
         buf.drop().get(timeout=10)
 

@@ -91,6 +91,9 @@ def get_rdma_backend() -> str:
 def _check_timeout(timeout: float) -> None:
     """Refuse a negative transfer timeout with Monarch's exception, on every path (a copy out of
     shared memory too, which would finish before any timeout)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        # ``timeout=None`` hoping for no limit failed deep inside with "'<' not supported"
+        raise TypeError(f"timeout must be a number of seconds (as Monarch's: an int), not {timeout!r}")
     if timeout < 0:
         raise OverflowError(f"timeout must be >= 0 seconds (Monarch's: fit in an unsigned 64-bit integer), not {timeout!r}")
 
