@@ -450,6 +450,36 @@ def test_a_tensor_over_a_numpy_array_stays_aliased_to_it(pair: tuple[ProcMesh, P
     assert owner.heads.call_one().get(timeout=30) == (9, 8)
 
 
+def test_a_buffer_dropped_and_freed_mid_read_still_sends_its_bytes() -> None:
+    # the owner drops a CPU buffer and lets go of its tensor while a stream read of it is under
+    # way (a reader on another host; the same here, over the unix socket): the bytes in flight
+    # came from freed memory (unmapped: the read broke; across hosts the sealing segfaulted the
+    # owner; reused: another tensor's bytes)
+    from monarch_nb._runtime import _dataplane as dp
+
+    n = 64 << 20
+    t = torch.ones(n, dtype=torch.uint8)
+    buf = RDMABuffer(t)
+    ch = dp._pool.take(("unix", buf._addr.unix), None, time.monotonic() + 30)
+    try:
+        ch.sock.settimeout(30)
+        ch.send(dp._REQ.pack(dp.OP_READ, buf._id, 0, n))
+        rsp = bytearray(dp._RSP.size)
+        ch.recv_into(memoryview(rsp))
+        assert dp._RSP.unpack(rsp) == (dp.ST_OK, n)
+        out = bytearray(n)
+        ch.recv_into(memoryview(out)[: 1 << 20])  # under way: the owner's thread is sending
+        buf.drop().get(timeout=10)
+        del t, buf
+        gc.collect()
+        reuse = torch.full((n,), 7, dtype=torch.uint8)  # what freed memory would be taken by
+        ch.recv_into(memoryview(out)[1 << 20 :])
+        assert out.count(1) == n, "the read sent bytes that were not the buffer's"
+        del reuse
+    finally:
+        ch.close()
+
+
 FD_STARVED = """
 import errno, os, pickle, resource, sys, torch, warnings
 from monarch_nb.actor import _context

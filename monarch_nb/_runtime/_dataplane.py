@@ -285,7 +285,8 @@ class Entry:
             except OSError:
                 pass
         self.extra = []
-        self.keep = None
+        # ``keep`` stays: a transfer under way holds this entry, and ``view`` may be a bare
+        # address into that memory (a CPU tensor's); it is let go with the entry's last user
 
 
 @dataclass(frozen=True)
