@@ -351,6 +351,27 @@ def test_a_stalled_owner_times_out_saying_so(pair: tuple[ProcMesh, ProcMesh]) ->
     assert reader.read_mv.call_one(mvbuf).get(timeout=60) == b"m" * 8
 
 
+def test_a_batch_with_a_failed_op_resolves_only_once_every_op_has_ended(pair: tuple[ProcMesh, ProcMesh]) -> None:
+    # a batch failed at its first failure while its other ops still wrote into the caller's
+    # memory (Monarch's resolves once every op completes or times out)
+    a, _ = pair
+    owner = a.spawn("owner", Owner)
+    _, mvbuf = owner.buffers.call_one().get(timeout=60)
+    pid = owner.info.call_one().get(timeout=30)["pid"]
+    gone = RDMABuffer(torch.ones(16, dtype=torch.uint8))
+    gone.drop().get(timeout=10)
+    dst = bytearray(4096)
+    os.kill(pid, signal.SIGSTOP)  # its stream read can only end at the deadline
+    try:
+        t0 = time.monotonic()
+        fut = RDMAAction().read_remote(memoryview(dst), mvbuf).read_remote(torch.zeros(16, dtype=torch.uint8), gone)
+        with pytest.raises(BufferDroppedError):
+            fut.submit(timeout=2).get(timeout=30)
+        assert time.monotonic() - t0 >= 1.9, "the batch failed while its stalled read was still under way"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_the_dashboard_shows_bytes_moved_per_proc() -> None:
     from monarch_nb import introspect
     from monarch_nb.widgets._render import grid_html

@@ -650,8 +650,8 @@ class RDMAAction:
         raise NotImplementedError("Not yet supported")
 
     def submit(self, *, timeout: int = 60) -> Future[None]:
-        """Run the queued operations (concurrently); the future resolves when all are done, or
-        fails with the first failure. Safe to call more than once."""
+        """Run the queued operations (concurrently); the future resolves when all have ended:
+        with None, or the first failure. Safe to call more than once."""
         _check_timeout(timeout)
         fut: Future[None] = Future._create("RDMAAction.submit")
         ops = list(self._ops)
@@ -660,20 +660,28 @@ class RDMAAction:
             return fut
         deadline = time.monotonic() + timeout
         left = [len(ops)]
+        failed: list[BaseException] = []
         lock = threading.Lock()
 
         def run(op: tuple[bool, RDMABuffer, Any, int]) -> None:
             write, buf, local, n = op
+            error: BaseException | None = None
             try:
                 buf._transfer(write, local, n, deadline)
             except BaseException as e:
-                fut._set_exception(e)
-                return
+                error = e
+            # resolved only once every op has ended (each by the deadline), as Monarch's: a caller
+            # that saw the first failure and reused its memory would race the others' bytes
             with lock:
+                if error is not None:
+                    failed.append(error)
                 left[0] -= 1
                 last = left[0] == 0
             if last:
-                fut._set_result(None)
+                if failed:
+                    fut._set_exception(failed[0])
+                else:
+                    fut._set_result(None)
 
         # a copy out of shared memory runs at memory speed: handing it to another thread would
         # cost more than the copy of a few MiB, so it runs here; streams go to the pool
