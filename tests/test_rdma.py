@@ -310,6 +310,8 @@ def test_drop_gc_and_reader_handles(pair: tuple[ProcMesh, ProcMesh]) -> None:
     assert owner.info.call_one().get(timeout=30)["registered"] == 2
     kind, msg = reader.error_of_read.call_one(tmp).get(timeout=30)
     assert kind == "BufferDroppedError", (kind, msg)
+    # nobody called drop() (Monarch's would still serve it): the words say what to keep
+    assert "kept no reference to it" in msg and "self.buf = RDMABuffer(" in msg, msg
     # drop() from any holder: the owner lets go at once (its descriptor of the shared file too)
     reader.drop.call_one(mvbuf).get(timeout=30)
     owner.drop_own.call_one().get(timeout=30)

@@ -480,7 +480,13 @@ class RDMABuffer:
         return _out_of_descriptors(f"{verb} the RDMABuffer of {self._owner} ({e.strerror})")
 
     def _dropped_error(self) -> BufferDroppedError:
-        return BufferDroppedError(f"RDMABuffer of {self._owner} ({self._size} bytes) was dropped; ask its owner for a new one")
+        # a buffer an endpoint returned without keeping is collected with its handle: say so,
+        # as Monarch's would still serve it (until drop())
+        return BufferDroppedError(
+            f"RDMABuffer of {self._owner} ({self._size} bytes) was dropped, or its owner kept no reference to it "
+            "(a buffer lives while its owner's handle does: keep it, e.g. self.buf = RDMABuffer(...)); "
+            "ask its owner for a new one"
+        )
 
     def _in_shm(self, local: Any) -> bool:
         """Whether a transfer with ``local`` is a plain copy out of (or into) shared memory."""
