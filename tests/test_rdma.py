@@ -374,6 +374,30 @@ def test_a_batch_with_a_failed_op_resolves_only_once_every_op_has_ended(pair: tu
         os.kill(pid, signal.SIGCONT)
 
 
+def test_transfers_stalled_on_one_owner_do_not_hold_up_another(pair: tuple[ProcMesh, ProcMesh]) -> None:
+    # transfers ran on a pool of 8 threads: 8 reads from a stalled owner made a read from a
+    # healthy one wait for their deadlines, well past its own timeout
+    from monarch_nb.rdma import _buffer
+
+    a, b = pair
+    stalled, healthy = a.spawn("stalled", Owner), b.spawn("healthy", Owner)
+    _, stuck_buf = stalled.buffers.call_one().get(timeout=60)
+    _, good_buf = healthy.buffers.call_one().get(timeout=60)
+    pid = stalled.info.call_one().get(timeout=30)["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        stuck = [stuck_buf.read_into(memoryview(bytearray(4096)), timeout=20) for _ in range(_buffer.POOL_SIZE + 2)]
+        out = bytearray(4096)
+        t0 = time.monotonic()
+        good_buf.read_into(memoryview(out), timeout=5).get(timeout=30)
+        assert time.monotonic() - t0 < 5, "the read waited for transfers to another owner"
+        assert out[:1] == b"m"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for f in stuck:
+        f.get(timeout=30)  # the owner answers again: they complete
+
+
 def test_the_dashboard_shows_bytes_moved_per_proc() -> None:
     from monarch_nb import introspect
     from monarch_nb.widgets._render import grid_html

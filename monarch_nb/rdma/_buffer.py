@@ -462,7 +462,7 @@ class RDMABuffer:
                 return
             fut._set_result(None)
 
-        _pool().submit(run)
+        _start(run)
         return fut
 
     # -- the transfers (on a pool thread)
@@ -614,6 +614,9 @@ def _rebuild(
 # ------------------------------------------------------------------------------------ batches
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
+#: pool threads; past that many transfers under way, each further one gets a thread of its own
+POOL_SIZE = 8
+_busy = 0
 
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
@@ -621,8 +624,35 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     if _executor is None:
         with _executor_lock:
             if _executor is None:
-                _executor = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="monarch_nb-rdma")
+                _executor = concurrent.futures.ThreadPoolExecutor(max_workers=POOL_SIZE, thread_name_prefix="monarch_nb-rdma")
     return _executor
+
+
+def _start(fn: Any, *args: Any) -> None:
+    """Run ``fn(*args)`` on a pool thread, or on a new thread when every pool thread is busy:
+    queued behind transfers to an owner that stalls, a transfer to a healthy one waited for
+    their deadlines, past its own timeout (every transfer ends by its deadline, so the threads
+    made here are few and short-lived)."""
+    global _busy
+
+    def task() -> None:
+        global _busy
+        try:
+            fn(*args)
+        finally:
+            with _executor_lock:
+                _busy -= 1
+
+    with _executor_lock:
+        overflow = _busy >= POOL_SIZE
+        _busy += 1
+    if overflow:
+        try:
+            threading.Thread(target=task, name="monarch_nb-rdma-extra", daemon=True).start()
+            return
+        except RuntimeError:  # no thread to be had: wait for a pool thread after all
+            pass
+    _pool().submit(task)
 
 
 class RDMAAction:
@@ -692,10 +722,9 @@ class RDMAAction:
         # a copy out of shared memory runs at memory speed: handing it to another thread would
         # cost more than the copy of a few MiB, so it runs here; streams go to the pool
         inline = [op for op in ops if op[1]._in_shm(op[2])]
-        ex = _pool()
         for op in ops:
             if not any(op is o for o in inline):
-                ex.submit(run, op)
+                _start(run, op)
         for op in inline:
             run(op)
         return fut
