@@ -417,7 +417,7 @@ class Client:
             if ranks:
                 self._waits[call_id] = w
         try:
-            self.rt.loop.call_soon_threadsafe(self.rt.loop.call_later, AFTER_OUTPUT_WAIT_S, self._output_shown, call_id, w, -1)  # type: ignore[arg-type]
+            self.rt.loop.call_soon_threadsafe(self.rt.loop.call_later, AFTER_OUTPUT_WAIT_S, self._output_shown, call_id, w, -1)
         except RuntimeError:  # the runtime is closing: nothing to wait for
             self._output_shown(call_id, w, -1)
             return True
