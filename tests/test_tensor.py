@@ -299,6 +299,25 @@ def test_an_error_on_one_rank_only_stays_on_its_handle(procs):  # type: ignore[n
     assert time.monotonic() - t0 < mt.COLLECTIVE_TIMEOUT_S / 2
 
 
+def test_an_error_on_the_ranks_shows_the_line_of_the_users_function_that_raised(mesh1):  # type: ignore[no-untyped-def]
+    # the error is kept on the rank and raised again to each reader: its traceback must still
+    # lead to the user's code, as an endpoint's does, however it is read
+    x = mt.distribute(gen(8, 6), mesh1, [Shard(0)])
+    bad = mt.remote(_fails_on_rank_1)(x)
+    frame = f'{__file__}", line {_fails_on_rank_1.__code__.co_firstlineno + 5}, in _fails_on_rank_1'
+    reads = {
+        "inspect": lambda: mt.inspect(bad),
+        "fetch_shard": lambda: mt.fetch_shard(bad, gpus=1).get(timeout=30),
+        "a later op": lambda: mt.inspect(bad + 1),
+    }
+    for how, read in reads.items():
+        with pytest.raises(Exception, match="rank 1's shard only") as err:
+            read()
+        text = str(err.value)
+        assert frame in text and 'raise IndexError("index 99' in text, f"{how}: {text}"
+        assert "torch/utils/_pytree.py" not in text, f"{how}: {text}"
+
+
 def test_an_op_dtensor_cannot_shard_fails_here_and_is_never_sent(mesh1, caplog):  # type: ignore[no-untyped-def]
     x = mt.distribute(gen(8, 6), mesh1, [Shard(0)])
     sent = mt.stats(mesh1)["messages_sent"]

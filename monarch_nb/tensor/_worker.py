@@ -87,7 +87,10 @@ class TensorWorker(Actor):
         if v is None:
             raise KeyError(f"mesh tensor {r.id} is not on rank {current_rank().rank} (freed?)")
         if isinstance(v, _Failed):
-            raise raised_again(v.error)
+            # a copy each time (its own frames, none piling up on the kept error) that still
+            # carries the failing op's frames: the caller's remote traceback shows the line of
+            # the user's function that raised, not only the error's last line
+            raise raised_again(v.error).with_traceback(v.error.__traceback__)
         return v
 
     def _mesh(self, key: Any) -> Any:
@@ -124,7 +127,9 @@ class TensorWorker(Actor):
                 return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
             return x
 
-        return pytree.tree_map(one, tree, is_leaf=lambda x: isinstance(x, (Ref, Lit)))
+        # a loop here, not tree_map: a failed input's error then carries no torch frames
+        leaves, spec = pytree.tree_flatten(tree, is_leaf=lambda x: isinstance(x, (Ref, Lit)))
+        return pytree.tree_unflatten([one(x) for x in leaves], spec)
 
     def _free(self, frees: list[int]) -> None:
         for i in frees:
