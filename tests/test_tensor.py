@@ -388,6 +388,28 @@ def test_a_collected_handle_frees_the_ranks_tensor(mesh1):  # type: ignore[no-un
     assert _table_size(mesh1) == base + 1
 
 
+def test_an_op_that_cannot_be_sent_says_so_and_keeps_the_frees(mesh1):  # type: ignore[no-untyped-def]
+    import threading
+
+    x = mt.distribute(gen(8, 6), mesh1, [Shard(0)])
+    gc.collect()
+    y = x * 1
+    mt.inspect(y)  # the message flushes what earlier tests dropped
+    base = _table_size(mesh1)
+    hs = [x + i for i in range(10)]
+    mt.inspect(hs[-1])
+    del hs
+    gc.collect()
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="pickle") as err:
+        mt.remote(lambda t: t + (1 if lock else 0))(x)  # a lock cannot travel
+    assert "could not be sent to the ranks" in "\n".join(getattr(err.value, "__notes__", []))
+    # the frees that message would have carried go with the next one
+    z = x * 1
+    mt.inspect(z)
+    assert _table_size(mesh1) == base + 1
+
+
 def _named_as_the_proc_mesh(x: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 

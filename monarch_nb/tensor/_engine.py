@@ -148,12 +148,29 @@ class Engine:
             except IndexError:
                 return out
 
+    def put_back_frees(self, frees: list[int]) -> None:
+        """Frees taken for a message that was not sent: they go with the next one (else the
+        ranks would keep those tensors for as long as the mesh lives)."""
+        self.frees.extendleft(reversed(frees))
+
     def send(self, records: list[tuple[Any, ...]]) -> None:
         actor = self.start()
-        if self.key is None:
-            actor.run.broadcast(self.take_frees(), records)
-        else:
-            actor.run.broadcast(self.take_frees(), records, self.key)
+        frees = self.take_frees()
+        try:
+            if self.key is None:
+                actor.run.broadcast(frees, records)
+            else:
+                actor.run.broadcast(frees, records, self.key)
+        except BaseException as e:
+            self.put_back_frees(frees)
+            if isinstance(e, (TypeError, pickle.PicklingError)):
+                # pickling refused a function or value: say which op, and that nothing ran
+                ops = ", ".join(_name(r[0]) for r in records)
+                e.add_note(
+                    f"mesh tensors: {ops} could not be sent to the ranks of {self.procs!r}, so nothing ran; "
+                    "the function and arguments of an op on mesh tensors must be picklable"
+                )
+            raise
         self.messages_sent += 1
 
     def put(self, rank: int, *args: Any) -> None:
