@@ -220,6 +220,20 @@ def test_factories_and_activate(mesh2):  # type: ignore[no-untyped-def]
     assert "hosts=1, gpus=1" in html and "(2, 3)" in html and "placements=(S(0), S(1))" in html
 
 
+def test_a_factorys_device_is_checked_not_ignored(mesh1):  # type: ignore[no-untyped-def]
+    # each rank makes its tensor on its own device: "cpu" (these ranks' kind) is fine, a typo
+    # or a GPU on a CPU mesh is refused before anything is sent, in the call and in activate()
+    torch.testing.assert_close(mt.inspect(mt.ones(2, procs=mesh1, device="cpu")), torch.ones(2))
+    sent = mt.stats(mesh1)["messages_sent"]
+    with pytest.raises(ValueError, match="'gpu' is not a torch device name"):
+        mt.zeros(2, 2, procs=mesh1, device="gpu")
+    with pytest.raises(ValueError, match="live on its ranks' cpu devices"):
+        mt.rand(2, 2, procs=mesh1, device="cuda")
+    with mesh1.activate(), pytest.raises(ValueError, match="live on its ranks' cpu devices"):
+        torch.zeros(2, device="cuda:0")
+    assert mt.stats(mesh1)["messages_sent"] == sent
+
+
 def test_rank_tensor_holds_each_ranks_coordinate(mesh2):  # type: ignore[no-untyped-def]
     g = mesh2.rank_tensor("gpus")
     assert g.shape == (2,) and g.placements == (Replicate(), Shard(0))

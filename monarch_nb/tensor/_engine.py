@@ -818,7 +818,9 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
 def make(engine: Engine, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], placements: Any, random: bool) -> MeshTensor:
     """A factory run on the ranks (no data sent): ``fn(*args, **kwargs)`` cut to ``placements``."""
     kwargs = dict(kwargs)
-    kwargs.pop("device", None)
+    device = kwargs.pop("device", None)
+    if device is not None:
+        _check_device(engine, device)
     if kwargs.pop("generator", None) is not None:
         raise ValueError(
             "mesh tensor factories seed their own generator: leave generator= out (torch.manual_seed here seeds them)"
@@ -840,6 +842,23 @@ def make(engine: Engine, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     h = MeshTensor(engine, engine.new_id(), shadow)
     engine.send([(fac, args, kwargs, [h._id], torch.is_grad_enabled())])
     return h
+
+
+def _check_device(engine: Engine, device: Any) -> None:
+    """A factory's ``device=``: each rank makes its tensor on its own device, so the name
+    only has to be a device of the ranks' kind; a typo or another kind is refused here rather
+    than ignored (a tensor on the CPU where the user asked for a GPU, or the reverse)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a torch device name ('cpu', 'cuda', 'cuda:0'…): {e}") from e
+    engine.start()  # the backend says which kind the ranks have
+    kind = "cuda" if engine.backend == "nccl" else "cpu"
+    if dev.type != kind:
+        raise ValueError(
+            f"device={device!r}: the mesh tensors of {engine.procs!r} live on its ranks' {kind} devices "
+            f"({engine.backend}); leave device= out (each rank uses its own) or give {kind!r}"
+        )
 
 
 _FLOAT_FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.rand, torch.randn, torch.eye, torch.linspace}
