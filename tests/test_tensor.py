@@ -100,6 +100,9 @@ OPS = {
     "slice_rows": (lambda a: a[2:6], [(8, 6)]),
     "slice_cols": (lambda a: a[:, 1:4], [(8, 6)]),
     "index": (lambda a: a[3], [(8, 6)]),
+    # Python's reflected and unary operators: a plain int or bool on the left, + on the handle
+    "reflected": (lambda a: 7 // (a.abs() + 1) + 5 % (a.abs() + 1) + (+a), [(8, 6)]),
+    "bitwise": (lambda a, b: ((a > 0) ^ (b > 0)) | (True & (a < b)), [(8, 6), (8, 6)]),
 }
 
 
@@ -115,6 +118,31 @@ def test_op_matches_local(procs, op, pl):  # type: ignore[no-untyped-def]
     assert isinstance(out, mt.MeshTensor)
     assert out.shape == want.shape and out.dtype == want.dtype
     torch.testing.assert_close(mt.inspect(out), want)
+
+
+def _in_place_and_shifts(a):  # type: ignore[no-untyped-def]
+    a = a * 1
+    a **= 2
+    a %= 3
+    b = a > 1
+    b ^= a > 0
+    b |= a < 0.5
+    b &= a < 2
+    c = b.int() + (a * 4).int()
+    c <<= 3
+    c >>= 1
+    # DTensor's own Tensor.__lshift__ / __rshift__ return their input unshifted (torch 2.13):
+    # the handle's must shift, as a plain tensor's do
+    return (c << 2) + (c >> 1) + (2 << c % 4) + (256 >> c % 4)
+
+
+@pytest.mark.parametrize("pl", ["S0", "S1", "R"])
+def test_in_place_and_shift_operators_run_on_the_ranks(procs, pl):  # type: ignore[no-untyped-def]
+    t = gen(8, 6)
+    h = mt.distribute(t, procs, PLACEMENTS[len(procs.extent)][pl])
+    out = _in_place_and_shifts(h)
+    assert isinstance(out, mt.MeshTensor)
+    torch.testing.assert_close(mt.inspect(out), _in_place_and_shifts(t))
 
 
 #: per mesh rank, the placements of the LocalTensorMode oracle (one set per mesh keeps it short;

@@ -688,9 +688,25 @@ def _binop(name: str) -> Any:
 for _dunder in (
     "__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__ __rtruediv__ "
     "__itruediv__ __floordiv__ __matmul__ __rmatmul__ __pow__ __rpow__ __neg__ __abs__ __getitem__ __setitem__ "
-    "__lt__ __le__ __gt__ __ge__ __eq__ __ne__ __and__ __or__ __invert__ __mod__"
+    "__lt__ __le__ __gt__ __ge__ __eq__ __ne__ __and__ __or__ __invert__ __mod__ __pos__ __rfloordiv__ "
+    "__ifloordiv__ __rmod__ __imod__ __ipow__ __rand__ __iand__ __ror__ __ior__ __xor__ __rxor__ __ixor__ "
+    "__lshift__ __rlshift__ __ilshift__ __rshift__ __rrshift__ __irshift__"
 ).split():
     setattr(MeshTensor, _dunder, _binop(_dunder))
+
+
+def _shift(fn: Any) -> Any:
+    def op(self: MeshTensor, other: Any) -> Any:
+        return dispatch(fn, (self, other), {})
+
+    op.__name__ = fn.__name__
+    return op
+
+
+# DTensor's Tensor.__lshift__/__rshift__ hand back their input unshifted (torch 2.13); torch's
+# functions for them shift (as do the in-place and reflected forms)
+MeshTensor.__lshift__ = _shift(torch.bitwise_left_shift)  # type: ignore[method-assign]
+MeshTensor.__rshift__ = _shift(torch.bitwise_right_shift)  # type: ignore[method-assign]
 MeshTensor.__hash__ = object.__hash__  # type: ignore[method-assign]
 
 
