@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import monarch_nb.tensor as mt
-from monarch_nb.actor import this_host
+from monarch_nb.actor import Actor, endpoint, this_host
 from monarch_nb.errors import MeshClosedError, SupervisionError
 from monarch_nb.tensor import Partial, Replicate, Shard, TensorOpError
 
@@ -358,6 +358,62 @@ def test_an_error_on_the_ranks_shows_the_line_of_the_users_function_that_raised(
         text = str(err.value)
         assert frame in text and 'raise IndexError("index 99' in text, f"{how}: {text}"
         assert "torch/utils/_pytree.py" not in text, f"{how}: {text}"
+
+
+class _Scales(Actor):
+    @endpoint
+    def scale(self, t: torch.Tensor, k: float) -> torch.Tensor:
+        assert type(t) is torch.Tensor  # the rank's local tensor, as Monarch's actors get it
+        return t * k
+
+    @endpoint
+    def hold(self, path: str) -> None:
+        _gate.wait(path, 60)
+
+
+def test_an_actor_endpoint_gets_each_ranks_local_tensor_of_a_mesh_tensor(mesh1, gate, monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(mt._engine, "VALUE_TIMEOUT_S", 20.0)  # how long an actor's call waits for its tensor
+    t = gen(8, 6)
+    x = mt.distribute(t, mesh1, [Shard(0)])
+    a = mesh1.spawn("scales", _Scales)
+    other = None
+    try:
+        got = a.scale.call(x, 2.0).get(timeout=30).values()
+        for g in range(4):
+            torch.testing.assert_close(got[g], t[2 * g : 2 * g + 2] * 2)
+        # the op making the tensor still runs on the ranks: the actor's call waits for it
+        flag = gate()
+        blocked = mt.remote(_wait_for_flag)(x, flag.path)
+        pending = a.scale.call(blocked + 1, 1.0)
+        try:
+            assert not pending.done()
+        finally:
+            flag.open()
+        torch.testing.assert_close(pending.get(timeout=60).values()[3], t[6:] + 1)
+        # the handle dropped, and its free run on the ranks, before the busy actor reads the call
+        busy = gate("busy")
+        held = a.hold.call(busy.path)
+        try:
+            pending = a.scale.call(x + 1, 3.0)
+            gc.collect()
+            mt.inspect(x * 2)  # carries the free of x + 1, and has run on every rank
+        finally:
+            busy.open()
+        held.get(timeout=30)
+        torch.testing.assert_close(pending.get(timeout=60).values()[1], (t[2:4] + 1) * 3)
+        # a tensor whose op failed there: the call fails with that error, and its frames
+        with pytest.raises(Exception, match="rank 1's shard only") as err:
+            a.scale.call(mt.remote(_fails_on_rank_1)(x), 1.0).get(timeout=30)
+        assert "in _fails_on_rank_1" in str(err.value)
+        # an actor on other procs has no local tensor of it: told so, not handed another's
+        other = this_host().spawn_procs(per_host={"gpus": 4}, name="tensor_other")
+        mt.inspect(mt.ones(2, procs=other))  # its own mesh tensors, ids like x's
+        with pytest.raises(Exception, match="passed to an actor on other procs"):
+            other.spawn("scales", _Scales).scale.call(x, 1.0).get(timeout=30)
+    finally:
+        a.stop().get(timeout=30)
+        if other is not None:
+            other.stop().get(timeout=30)
 
 
 def test_an_op_dtensor_cannot_shard_fails_here_and_is_never_sent(mesh1, caplog):  # type: ignore[no-untyped-def]

@@ -8,6 +8,7 @@ import collections
 import itertools
 import logging
 import math
+import os
 import pickle
 import threading
 import types
@@ -95,8 +96,13 @@ class Engine:
             self.ranks = [pos[g] for g in procs._view.ranks]
             self.key = tuple(self.ranks)
         self._ids: itertools.count[int] = root._ids if root is not None else itertools.count(1)
+        #: names this engine's worker on the ranks, for a handle passed to an actor there
+        self.token: str = root.token if root is not None else os.urandom(8).hex()
         #: ids of handles collected on the controller, sent with the next broadcast
-        self.frees: collections.deque[int] = root.frees if root is not None else collections.deque()
+        self.frees: collections.deque[Any] = root.frees if root is not None else collections.deque()
+        #: id -> how many times its handle was pickled into an actor call: its free then says so,
+        #: and each rank keeps the tensor until that many calls took it (or a timeout)
+        self.lends: dict[int, int] = root.lends if root is not None else {}
         self.actor: Any = None
         self._start_lock = threading.Lock()
         self.backend = ""
@@ -133,7 +139,7 @@ class Engine:
                 setup_torch_elastic_env(self.procs, use_ipaddr=bool(_tcp_host(self.procs)) or None)
                 actor = self.procs.spawn("_tensor_engine", TensorWorker)
                 self.backend = (
-                    actor.setup.call(list(self.labels), list(self.sizes), COLLECTIVE_TIMEOUT_S)
+                    actor.setup.call(list(self.labels), list(self.sizes), COLLECTIVE_TIMEOUT_S, self.token)
                     .get(timeout=VALUE_TIMEOUT_S)
                     .values()[0]
                 )
@@ -273,6 +279,12 @@ class Engine:
         return out[::-1]
 
 
+def _local_of(token: str, id: int, mesh: str, timeout_s: float) -> Any:
+    from ._worker import local_of
+
+    return local_of(token, id, mesh, timeout_s)
+
+
 def _dropper(buf: Any) -> Any:
     def drop(_: Any) -> None:
         buf.drop()
@@ -323,9 +335,19 @@ class MeshTensor:
 
     def __del__(self) -> None:
         try:
-            self._engine.frees.append(self._id)
+            lent = self._engine.lends.pop(self._id, 0)
+            # a handle pickled into actor calls: the calls may reach the rank after this free
+            self._engine.frees.append((self._id, lent) if lent else self._id)
         except AttributeError:  # a half-built handle
             pass
+
+    def __reduce__(self) -> Any:
+        # among an actor endpoint's arguments (Monarch's actors take its tensors): each rank's
+        # actor gets that rank's local tensor; the engine is started, so the op making it was sent
+        e = self._engine.root or self._engine
+        e.start()
+        e.lends[self._id] = e.lends.get(self._id, 0) + 1
+        return (_local_of, (e.token, self._id, e.procs._name, VALUE_TIMEOUT_S))
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
+import time
 from typing import Any
 
 import torch
@@ -48,9 +50,58 @@ class _Failed:
         self.error = error
 
 
+class _Table(dict):  # type: ignore[type-arg]
+    """id -> DTensor (or _Failed): wakes an actor's call whose arguments wait for an id here."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        if _waiting:
+            with _arrived:
+                _arrived.notify_all()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for k, v in dict(*args, **kwargs).items():
+            self[k] = v
+
+
+#: this process's tensor workers, by their engine's token (a proc serves one proc mesh, but a
+#: mesh spawned again under a name gets a new engine, and ids restart there)
+_workers: dict[str, TensorWorker] = {}
+_arrived = threading.Condition()
+_waiting = 0
+
+
+def local_of(token: str, id: int, mesh: str, timeout_s: float) -> Any:
+    """What an actor's endpoint gets for a mesh tensor among its arguments (as Monarch's actors
+    do): this rank's local tensor of it, once this rank's tensor worker has run the op making it
+    (the op went to the worker first, by another path, so it may be a moment behind)."""
+    global _waiting
+
+    worker = _workers.get(token)
+    if worker is None:
+        raise ValueError(
+            f"a mesh tensor of proc mesh {mesh!r} was passed to an actor on other procs: an actor gets each "
+            f"rank's local tensor only when it runs on that mesh's procs (else pass mt.fetch_shard(t, ...).get())"
+        )
+    deadline = time.monotonic() + timeout_s
+    with _arrived:
+        _waiting += 1
+        try:
+            while (v := worker.take(id)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"mesh tensor {id} of proc mesh {mesh!r} was not made on this rank within {timeout_s} s")
+                _arrived.wait(left)
+        finally:
+            _waiting -= 1
+    if isinstance(v, _Failed):
+        raise raised_again(v.error).with_traceback(v.error.__traceback__)
+    return (v.to_local() if isinstance(v, DTensor) else v).detach() if isinstance(v, torch.Tensor) else v
+
+
 class TensorWorker(Actor):
     def __init__(self) -> None:
-        self.table: dict[int, Any] = {}
+        self.table: dict[int, Any] = _Table()
         self.mesh: Any = None
         #: device meshes of slices of the proc mesh, by the slice's key (its ranks); a rank
         #: outside a slice holds it too (DeviceMesh is built by every rank), coordinate None
@@ -58,9 +109,27 @@ class TensorWorker(Actor):
         self.device = "cpu"
         #: RDMABuffers lent to the controller (full_tensor, fetch_shard), by id: kept alive until it drops them
         self.lent: dict[int, list[Any]] = {}
+        #: (under _arrived) tensors handed to actor calls: id -> calls here that took it, and
+        #: freed ones some call has not taken yet: id -> [value, calls still to come, deadline]
+        self.taken: dict[int, int] = {}
+        self.kept: dict[int, list[Any]] = {}
+
+    def take(self, id: int) -> Any:
+        """(under _arrived) ``id``'s entry for an actor call on this rank, or None: not made yet."""
+        v = self.table.get(id)
+        if v is not None:
+            self.taken[id] = self.taken.get(id, 0) + 1
+            return v
+        k = self.kept.get(id)
+        if k is None:
+            return None
+        k[1] -= 1
+        if k[1] <= 0:
+            del self.kept[id]
+        return k[0]
 
     @endpoint
-    def setup(self, labels: list[str], sizes: list[int], timeout_s: float) -> str:
+    def setup(self, labels: list[str], sizes: list[int], timeout_s: float, token: str = "") -> str:
         """Join (or reuse) the default process group and build the device mesh named as the
         proc mesh; collectives time out after ``timeout_s`` so a dead peer cannot hang a rank."""
         from torch.distributed.device_mesh import init_device_mesh
@@ -78,6 +147,8 @@ class TensorWorker(Actor):
                 timeout=datetime.timedelta(seconds=timeout_s),
                 device_id=torch.device(self.device) if cuda else None,
             )
+        if token:
+            _workers[token] = self
         names = tuple(labels) if labels else ("ranks",)
         self.mesh = init_device_mesh("cuda" if cuda else "cpu", tuple(sizes) or (1,), mesh_dim_names=names)
         return dist.get_backend()
@@ -131,10 +202,27 @@ class TensorWorker(Actor):
         leaves, spec = pytree.tree_flatten(tree, is_leaf=lambda x: isinstance(x, (Ref, Lit)))
         return pytree.tree_unflatten([one(x) for x in leaves], spec)
 
-    def _free(self, frees: list[int]) -> None:
+    def _free(self, frees: list[Any]) -> None:
         for i in frees:
+            if isinstance(i, tuple):
+                self._free_lent(*i)
+                continue
             self.table.pop(i, None)
             self.lent.pop(i, None)
+
+    def _free_lent(self, id: int, calls: int) -> None:
+        """Free a tensor whose handle went into ``calls`` actor calls: those that have not taken
+        it on this rank yet (their message may come after this free) still get it, until
+        VALUE_TIMEOUT_S (a call sent to a slice without this rank never takes it)."""
+        v = self.table.pop(id, None)
+        self.lent.pop(id, None)
+        now = time.monotonic()
+        with _arrived:
+            for k in [k for k, e in self.kept.items() if e[2] < now]:
+                del self.kept[k]
+            left = calls - self.taken.pop(id, 0)
+            if v is not None and left > 0:
+                self.kept[id] = [v, left, now + 300.0]
 
     @endpoint
     def run(self, frees: list[int], records: list[tuple[Any, ...]], key: Any = None) -> None:
