@@ -727,8 +727,8 @@ def _shift(fn: Any) -> Any:
 
 # DTensor's Tensor.__lshift__/__rshift__ hand back their input unshifted (torch 2.13); torch's
 # functions for them shift (as do the in-place and reflected forms)
-MeshTensor.__lshift__ = _shift(torch.bitwise_left_shift)  # type: ignore[method-assign]
-MeshTensor.__rshift__ = _shift(torch.bitwise_right_shift)  # type: ignore[method-assign]
+for _dunder, _fn in (("__lshift__", torch.bitwise_left_shift), ("__rshift__", torch.bitwise_right_shift)):
+    setattr(MeshTensor, _dunder, _shift(_fn))
 MeshTensor.__hash__ = object.__hash__  # type: ignore[method-assign]
 
 

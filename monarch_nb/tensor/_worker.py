@@ -50,7 +50,7 @@ class _Failed:
         self.error = error
 
 
-class _Table(dict):  # type: ignore[type-arg]
+class _Table(dict[int, Any]):
     """id -> DTensor (or _Failed): wakes an actor's call whose arguments wait for an id here."""
 
     def __setitem__(self, key: Any, value: Any) -> None:
