@@ -9,6 +9,8 @@ import json
 import os
 import select
 import signal
+import textwrap
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -373,6 +375,294 @@ def test_a_call_that_printed_to_both_streams_is_named_on_the_last_one_it_ended()
     finally:
         logcapture._tagged[:] = saved
         set_call("")
+
+
+def _tags(data: bytes, tmp_path: Any) -> list[tuple[str, str]]:
+    """(call, line) of what a proc wrote, as its allocator splits it."""
+    got: list[tuple[int, str, float, str, str]] = []
+    log = ProcLog(str(tmp_path / "r.jsonl"), 0, _into(got))
+    log.feed("stdout", data)
+    log.close()
+    return [(c, ln) for _, _, _, c, ln in got]
+
+
+def _take_turns(script: list[tuple[str, Callable[[], Any]]]) -> dict[str, list[Any]]:
+    """Run each ``(who, step)`` of ``script`` in order, each on ``who``'s own thread (a call of
+    its own, as two actors of one proc run theirs): what each step returned, by thread."""
+    turn = threading.Condition()
+    at = [0]
+    out: dict[str, list[Any]] = {}
+    errors: list[BaseException] = []
+
+    def run(me: str) -> None:
+        try:
+            while True:
+                with turn:
+                    turn.wait_for(lambda: at[0] >= len(script) or script[at[0]][0] == me, 10)
+                    if at[0] >= len(script):
+                        return
+                    assert script[at[0]][0] == me, f"{me} waited for its turn at step {at[0]}"
+                    out.setdefault(me, []).append(script[at[0]][1]())
+                    at[0] += 1
+                    turn.notify_all()
+        except BaseException as e:
+            errors.append(e)
+            with turn:
+                at[0] = len(script)
+                turn.notify_all()
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in sorted({w for w, _ in script})]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_two_calls_printing_at_once_from_two_threads_each_get_their_own_lines(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # two actors of one proc mesh, called from two cells: the earlier call's lines printed after
+    # the later one began went to the later one, and once the earlier one ended the later one's
+    # lines were tagged with no call and its reply said it had printed nothing
+    pipe, s = _coalescing()
+    saved = list(logcapture._tagged)
+    logcapture._tagged[:] = [s]
+
+    def say(*texts: str) -> Callable[[], None]:
+        return lambda: [print(t, file=s) for t in texts] and None
+
+    def burst_alone() -> bool:
+        # lines printed in a burst while another call runs: the C fast path (no markers) stays off
+        s._mnb_flushed = time.monotonic()
+        for i in range(50):
+            print(f"a burst {i}", file=s)
+        return "write" in s.__dict__
+
+    try:
+        out = _take_turns(
+            [
+                ("a", lambda: logcapture.begin_call("A")),
+                ("a", say("a 1")),
+                ("b", lambda: logcapture.begin_call("B")),
+                ("b", say("b 1")),
+                ("a", say("a 2")),
+                ("a", burst_alone),
+                ("b", say("b 2")),
+                ("a", lambda: logcapture.end_call("A")),
+                ("b", say("b 3")),
+                ("b", lambda: logcapture.end_call("B")),
+                ("a", lambda: logcapture.end_call("none")),  # nothing runs here any more
+            ]
+        )
+    finally:
+        logcapture._tagged[:] = saved
+    assert out["a"][3] is False, "the fast path was on while another call ran"
+    assert out["a"][4] is True and out["b"][4] is True, "each call printed, and its reply must say so"
+    assert out["a"][5] is False
+    data = b"".join(pipe.writes)
+    assert data.count(ended_marker("A")) == 1 and data.count(ended_marker("B")) == 1
+    assert data.index(ended_marker("A")) < data.index(b"b 3\n") < data.index(ended_marker("B"))
+    burst = [("A", f"a burst {i}") for i in range(50)]
+    assert _tags(data, tmp_path) == [("A", "a 1"), ("B", "b 1"), ("A", "a 2"), *burst, ("B", "b 2"), ("B", "b 3")]
+
+
+def test_two_concurrent_calls_of_an_async_actor_each_get_their_own_lines(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pipe, s = _coalescing()
+    saved = list(logcapture._tagged)
+    logcapture._tagged[:] = [s]
+    printed: dict[str, bool] = {}
+
+    async def run() -> None:
+        began, a_said, b_said, a_done = (asyncio.Event() for _ in range(4))
+
+        async def call_a() -> None:  # each call is a task of its own, as concurrent endpoints are
+            logcapture.begin_call("A")
+            print("a 1", file=s)
+            began.set()
+            await b_said.wait()
+            print("a 2", file=s)
+            a_said.set()
+            printed["A"] = logcapture.end_call("A")
+            a_done.set()
+
+        async def call_b() -> None:
+            logcapture.begin_call("B")
+            await began.wait()
+            print("b 1", file=s)
+            b_said.set()
+            await a_said.wait()
+            print("b 2", file=s)
+            await a_done.wait()
+            print("b 3 after a ended", file=s)
+            printed["B"] = logcapture.end_call("B")
+
+        await asyncio.wait_for(asyncio.gather(call_a(), call_b()), 30)
+
+    try:
+        asyncio.run(run())
+    finally:
+        logcapture._tagged[:] = saved
+    assert printed == {"A": True, "B": True}
+    assert _tags(b"".join(pipe.writes), tmp_path) == [
+        ("A", "a 1"), ("B", "b 1"), ("A", "a 2"), ("B", "b 2"), ("B", "b 3 after a ended"),
+    ]  # fmt: skip
+
+
+_TWO_CALLS_ACTORS = """
+import asyncio, sys, threading
+from monarch_nb.actor import concurrent_endpoint
+
+def ev(name):
+    # one proc's actors share it: two actors' threads take turns through these
+    return sys.__dict__.setdefault("_test_evs", {}).setdefault(name, threading.Event())
+
+class X(Actor):
+    @endpoint
+    def a(self):
+        print("a 1")
+        ev("a1").set()
+        ev("b1").wait(60)
+        print("a 2 after b began")
+        ev("a2").set()
+        ev("go").wait(60)
+        print("a 3 after b ended")
+        return "a"
+
+class Y(Actor):
+    @endpoint
+    def b(self):
+        ev("a1").wait(60)
+        print("b 1")
+        ev("b1").set()
+        ev("a2").wait(60)
+        print("b 2")
+        return "b"
+
+    @endpoint
+    def go(self):
+        ev("go").set()
+
+class C(Actor):
+    def __init__(self):
+        self.evs = {}
+
+    def ev(self, name):
+        return self.evs.setdefault(name, asyncio.Event())
+
+    @concurrent_endpoint
+    async def first(self):
+        print("f 1")
+        self.ev("f1").set()
+        await self.ev("s1").wait()
+        print("f 2 after s began")
+        self.ev("f2").set()
+        await self.ev("go").wait()
+        print("f 3 after s ended")
+        return "f"
+
+    @concurrent_endpoint
+    async def second(self):
+        await self.ev("f1").wait()
+        print("s 1")
+        self.ev("s1").set()
+        await self.ev("f2").wait()
+        print("s 2")
+        return "s"
+
+    @concurrent_endpoint
+    async def go(self):
+        self.ev("go").set()
+"""
+
+
+@pytest.mark.timeout(150)
+def test_two_calls_running_at_once_in_one_proc_each_show_their_own_lines_in_a_script(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # two actors of one proc (two threads) and an async actor's two concurrent endpoints (two
+    # tasks): each line goes with the call that printed it, also after the other call ended,
+    # and each call's lines come before its value
+    import _ownctl
+
+    got = _ownctl.run(
+        _ownctl.runtime_dir(tmp_path),
+        _TWO_CALLS_ACTORS
+        + textwrap.dedent(
+            """
+        from monarch_nb.logs import logs
+        pm = this_host().spawn_procs(per_host={"gpus": 1})
+        x, y, c = pm.spawn("x", X), pm.spawn("y", Y), pm.spawn("c", C)
+        fa = x.a.call_one()
+        print("got", y.b.call_one().get(timeout=60), flush=True)
+        y.go.call_one().get(timeout=30)
+        print("got", fa.get(timeout=60), flush=True)
+        ff = c.first.call_one()
+        print("got", c.second.call_one().get(timeout=60), flush=True)
+        c.go.call_one().get(timeout=30)
+        print("got", ff.get(timeout=60), flush=True)
+        report({"rows": [(r["call"], r["line"]) for r in logs(pm)]})
+        pm.stop().get(timeout=60)
+        """
+        ),
+    )
+    by_call: dict[str, list[str]] = {}
+    for call, line in got["rows"]:
+        by_call.setdefault(call, []).append(line)
+    assert sorted(by_call.values()) == [
+        ["a 1", "a 2 after b began", "a 3 after b ended"],
+        ["b 1", "b 2"],
+        ["f 1", "f 2 after s began", "f 3 after s ended"],
+        ["s 1", "s 2"],
+    ], got["rows"]
+    assert "" not in by_call
+    out = [ln for ln in got["stdout"].splitlines() if ln.startswith(("[0] ", "got "))]
+    assert out.index("[0] b 2") < out.index("got b") < out.index("[0] a 3 after b ended") < out.index("got a"), out
+    assert out.index("[0] s 2") < out.index("got s") < out.index("[0] f 3 after s ended") < out.index("got f"), out
+
+
+def _cell_text(k: Any, msg_id: str) -> str:
+    """All a cell showed: its streams, and its displays as they ended up (late output)."""
+    shown: dict[str, str] = {}
+    text = ""
+    for m in k.log:
+        if m["parent_header"].get("msg_id") != msg_id:
+            continue
+        c = m["content"]
+        if m["msg_type"] == "stream":
+            text += c["text"]
+        elif m["msg_type"] in ("display_data", "update_display_data"):
+            shown[c.get("transient", {}).get("display_id") or str(len(shown))] = c["data"].get("text/plain", "")
+    return text + "\n".join(shown.values())
+
+
+@pytest.mark.timeout(180)
+def test_two_cells_calling_two_actors_of_one_proc_at_once_each_show_their_own_lines() -> None:
+    from _kernel import Kernel
+
+    k = Kernel()
+    try:
+
+        def ok(code: str) -> Any:
+            c = k.run(code, timeout=90)
+            assert c.error is None, "\n".join(c.error["traceback"])
+            return c
+
+        ok("from monarch_nb.actor import Actor, endpoint, this_host\n" + _TWO_CALLS_ACTORS)
+        ok('pm = this_host().spawn_procs(per_host={"gpus": 1}, name="twocells")\nx, y = pm.spawn("x", X), pm.spawn("y", Y)')
+        a = ok("fa = x.a.call_one()")  # runs on after its cell ended
+        b = ok("y.b.call_one().get(timeout=60)")
+        c = ok("y.go.call_one().get(timeout=30)\nfa.get(timeout=60)")
+        k.wait_msg(
+            lambda m: m["parent_header"].get("msg_id") == a.msg_id and "a 3 after b ended" in str(m["content"]),
+            30,
+            "the first cell's last line, in that cell",
+        )
+        first, second, third = (_cell_text(k, cell.msg_id) for cell in (a, b, c))
+        assert all(t in first for t in ("a 1", "a 2 after b began", "a 3 after b ended")), first
+        assert "b 1" in second and "b 2" in second and "a 2" not in second, second
+        assert "b 1" not in first and "b 2" not in first and "a 3" not in third, (first, third)
+        ok("pm.stop().get(timeout=60)")
+    finally:
+        k.close()
 
 
 def test_a_line_a_call_left_open_ends_with_the_call(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -1,16 +1,18 @@
 """Per-proc log capture at the file-descriptor level.
 
 The allocator owns the read ends of each proc's stdout/stderr pipes. Lines are tagged with
-rank, stream, wall-clock time and the id of the call running in that proc, which the proc
-announces in-band with an OSC escape (``ESC ] mnb;call=ID BEL``, written just before and
-after each endpoint), so the tag is exact for Python output and never races the data.
-Every line goes to a JSONL file; subscribers get batches.
+rank, stream, wall-clock time and the id of the call that printed them, which the proc
+announces in-band with an OSC escape (``ESC ] mnb;call=ID BEL``) in front of that call's text,
+so the tag is exact for Python output and never races the data. Every line goes to a JSONL
+file; subscribers get batches.
 
 The markers are written lazily (:class:`TaggedStream`): a proc's ``sys.stdout``/``sys.stderr``
-put one in front of the first write after the running call changed, through the stream's own
-buffer, so a call that prints nothing costs no syscall and wakes nobody. A call that printed
-ends with the marker of no call behind its last text (the allocator then forwards its burst at
-once). The last stream a call wrote to also names the call that ended there
+put one in front of a write whose call (the writing thread's or asyncio task's, see
+:func:`begin_call`) is not the one its last marker named, through the stream's own buffer, so
+a call that prints nothing costs no syscall and wakes nobody, and two calls running at once in
+one proc (two actors, an async actor's concurrent endpoints) each get their own lines. A call
+that printed ends with the marker of no call behind its last text (the allocator then forwards
+its burst at once). The last stream a call wrote to also names the call that ended there
 (``ESC ] mnb;call=-ID BEL`` just before that marker, :func:`ended_marker`): the allocator passes
 it on to its controllers behind the call's lines (:data:`ENDED`), so a script's controller shows
 them before the value without asking the allocator. C-level writes to fd 1/2 carry the tag of
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import io
 import json
 import logging
@@ -153,18 +156,64 @@ ENDED = "ended"
 ENDS_CALLS = "ends_calls"
 
 
-#: the call this proc is running ("" between calls); stream-global, as the fd-level tags are
-_current_call = [""]
+class _Call:
+    """A call running in this proc, as its output sees it: its id and the streams it wrote
+    to (a marker with its id is in each), which its end flushes."""
 
-#: this proc's coalescing streams (their fast path ends when the running call changes)
+    __slots__ = ("id", "streams")
+
+    def __init__(self, call_id: str) -> None:
+        self.id = call_id
+        self.streams: list[TaggedStream] = []
+
+
+_NO_CALL = _Call("")
+
+#: the call of the thread or asyncio task that writes (each actor thread has its own context,
+#: each task a copy of its creator's): two calls running at once in one proc (two actors, an
+#: async actor's concurrent endpoints) each get their own text. None: the context runs no call
+_call_var: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("monarch_nb_call", default=None)
+
+#: the calls running in this proc, oldest first
+_running: list[_Call] = []
+
+#: what a thread with no call of its own (one the user started) prints is tagged with: the
+#: latest call begun that still runs, as before calls had contexts
+_latest = [_NO_CALL]
+
+#: this proc's coalescing streams (their fast path ends when the running calls change)
 _fast_streams: list[TaggedStream] = []
 
 
-def set_call(call_id: str) -> None:
-    """Tag what is printed from now on with ``call_id`` (markers follow lazily, in-band)."""
-    _current_call[0] = call_id
+def begin_call(call_id: str) -> None:
+    """Tag what this context (thread, task) prints from now on with ``call_id``, until
+    :func:`end_call` (markers follow lazily, in-band)."""
+    c = _Call(call_id)
+    _running.append(c)
+    _latest[0] = c
+    _call_var.set(c)
+    _end_fast_paths()
+
+
+def _end_fast_paths() -> None:
+    # after the change of the running calls (a writer that decided before it undoes its own
+    # fast path, see TaggedStream.write): the next write must see the change and write a marker
     for s in _fast_streams:
-        s.__dict__.pop("write", None)  # the next write must see the change and write the marker
+        s.__dict__.pop("write", None)
+
+
+def set_call(call_id: str) -> None:
+    """This context's call is ``call_id`` from now on ("": none), the previous one dropped
+    without its end (tests)."""
+    c = _call_var.get()
+    if c is not None and c in _running:
+        _running.remove(c)
+    if call_id:
+        begin_call(call_id)
+        return
+    _call_var.set(None)
+    _latest[0] = _running[-1] if _running else _NO_CALL
+    _end_fast_paths()
 
 
 #: a proc's stdout writes the lines printed this soon after its last write to the pipe
@@ -176,9 +225,17 @@ _END_TEXT = _END.decode("ascii")
 _text_write = io.TextIOWrapper.write
 _text_flush = io.TextIOWrapper.flush
 
+#: every tagged stream of this process (a forked child makes their locks anew)
+_all_streams: weakref.WeakSet[TaggedStream] = weakref.WeakSet()
+
 
 class TaggedStream(io.TextIOWrapper):
-    """A line-buffered text stream that announces the running call before its first write.
+    """A line-buffered text stream that announces the writer's call before its text.
+
+    Each write is tagged with the call of the context that writes (:func:`begin_call`): a
+    marker goes in front of it when that call is not the one the stream's last marker named,
+    marker and text together under the stream's lock, so two calls printing at once from two
+    threads or tasks each get their own lines.
 
     ``coalesce`` (stdout): a line goes to the pipe at once when the stream has not written for
     :data:`COALESCE_S`; lines printed sooner after (a loop of prints) wait in the buffer for at
@@ -186,11 +243,11 @@ class TaggedStream(io.TextIOWrapper):
     10,000. The first write of a call is flushed at once, so output written to the fd by C code
     after it still carries the call's tag; the end of a call flushes what is left.
 
-    Within a burst the writes skip this class's Python ``write``: the instance's ``write``
-    becomes the C one of :class:`io.TextIOWrapper` (what ``print`` looks up on every call)
-    until the flusher's next tick or a change of the running call puts the Python one back.
-    Nothing is decided per write inside that window: the markers (the call cannot change) and
-    the flush (the flusher is armed) are already taken care of.
+    Within a burst, while one call runs in the proc, the writes skip this class's Python
+    ``write``: the instance's ``write`` becomes the C one of :class:`io.TextIOWrapper` (what
+    ``print`` looks up on every call) until the flusher's next tick or a change of the running
+    calls puts the Python one back. Nothing is decided per write inside that window: the
+    markers (no other call can write) and the flush (the flusher is armed) are taken care of.
     """
 
     _mnb_last = ""
@@ -198,41 +255,69 @@ class TaggedStream(io.TextIOWrapper):
     _mnb_flushed = 0.0
     _mnb_flusher: _Flusher | None = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # reentrant: a signal handler that prints may run inside a write
+        self._mnb_lock = threading.RLock()
+        _all_streams.add(self)
+
     def write(self, s: str) -> int:
-        cid = _current_call[0]
-        if cid != self._mnb_last:
-            self._mnb_last = cid
-            # through the same buffer: the marker lands between earlier text and this text
-            _text_flush(self)
-            self.buffer.write(marker(cid))
-            self._mnb_flushed = 0.0
-        n = _text_write(self, s)
-        if self._mnb_coalesce and ("\n" in s or "\r" in s):
-            now = time.monotonic()
-            if now - self._mnb_flushed >= COALESCE_S:
-                self._mnb_flushed = now
+        c = _call_var.get() or _latest[0]
+        with self._mnb_lock:
+            if c.id != self._mnb_last:
+                self._mnb_last = c.id
+                # through the same buffer: the marker lands between earlier text and this text
                 _text_flush(self)
-            elif (fl := self._mnb_flusher) is not None:
-                # a burst: the next lines go straight into the buffer until the flusher's tick
-                self.__dict__["write"] = _text_write.__get__(self)
-                fl.arm()
+                self.buffer.write(marker(c.id))
+                self._mnb_flushed = 0.0
+                if c.id and self not in c.streams:
+                    c.streams.append(self)
+            n = _text_write(self, s)
+            if self._mnb_coalesce and ("\n" in s or "\r" in s):
+                now = time.monotonic()
+                if now - self._mnb_flushed >= COALESCE_S:
+                    self._mnb_flushed = now
+                    _text_flush(self)
+                elif (fl := self._mnb_flusher) is not None:
+                    if len(_running) <= 1 and c is _latest[0]:
+                        # a burst of the only call: the next lines go straight into the buffer
+                        # until the flusher's tick
+                        self.__dict__["write"] = _text_write.__get__(self)
+                        if len(_running) > 1 or c is not _latest[0]:
+                            # a call began meanwhile, after its begin_call ended fast paths
+                            self.__dict__.pop("write", None)
+                    fl.arm()
         return n
 
-    def end_call(self, ended: str = "") -> None:
-        """At the end of a call that printed: flush, with the marker of "no call" after its
-        text, which tells the allocator that this burst is over (it forwards it at once);
-        ``ended``: the id of the call, named before that marker (the last stream it wrote to)."""
-        self.__dict__.pop("write", None)
-        if self._mnb_last:
-            self._mnb_last = ""
-            end = ended_marker(ended) + _END if ended else _END
-            if _END_TEXT.encode(self.encoding, "replace") == _END:
-                _text_write(self, end.decode("ascii", "replace"))  # behind the text in the buffer: one write for both
-            else:
-                _text_flush(self)
-                self.buffer.write(end)
-            self._mnb_flushed = time.monotonic()
-        _text_flush(self)
+    def end_call(self, ended: str = "", call_id: str | None = None) -> None:
+        """At the end of a call that printed here: flush, with the marker of "no call" after
+        its text if it was the last to write here, which tells the allocator that this burst is
+        over (it forwards it at once); ``ended``: the id of the call, named before that marker
+        (on the last stream the call wrote to). ``call_id`` None: whichever call wrote last."""
+        with self._mnb_lock:
+            self.__dict__.pop("write", None)
+            last = self._mnb_last
+            if last and (ended or call_id is None or last == call_id):
+                # another call's text after this one's (it wrote last) is marked anew after this
+                self._mnb_last = ""
+                end = ended_marker(ended) + _END if ended else _END
+                if _END_TEXT.encode(self.encoding, "replace") == _END:
+                    _text_write(self, end.decode("ascii", "replace"))  # behind the text in the buffer: one write for both
+                else:
+                    _text_flush(self)
+                    self.buffer.write(end)
+                self._mnb_flushed = time.monotonic()
+            _text_flush(self)
+
+
+def _relock_after_fork() -> None:
+    # a thread of the parent may have held a lock when it forked: the child's only thread
+    # would wait for it for ever at its first print
+    for s in list(_all_streams):
+        s._mnb_lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_relock_after_fork)
 
 
 class _Flusher:
@@ -303,27 +388,30 @@ _tagged: list[TaggedStream] = []
 
 
 def end_call(call_id: str = "") -> bool:
-    """The running call (``call_id``) ended: what it printed leaves the proc now (before its
+    """This context's call (``call_id``) ended: what it printed leaves the proc now (before its
     reply does). True if it printed (its reply says so: a script's controller shows the text
     first, once the allocator passed on that ``call_id`` ended)."""
-    _current_call[0] = ""
-    # a stream the call wrote to holds its tag (its first write set it; only end_call clears
-    # it): one it did not write to has none of its text to flush (most calls print nothing, and
-    # the flushes were a tenth of a small call's work in the proc)
-    last = None
-    for s in _tagged:
-        if s._mnb_last:
-            last = s
-    if last is None:
+    c = _call_var.get()
+    if c is None:
         return False
-    for s in _tagged:
-        if s._mnb_last:
-            try:
-                # the last one names the call: the others' text is in their pipes by then (these
-                # writes block), and the allocator reads those before it passes the end on
-                s.end_call(call_id if s is last else "")
-            except (OSError, ValueError):
-                pass
+    _call_var.set(None)
+    if c in _running:
+        _running.remove(c)
+    _latest[0] = _running[-1] if _running else _NO_CALL
+    _end_fast_paths()
+    # the streams the call wrote to (its first write to each put a marker there): one it did
+    # not write to has none of its text to flush (most calls print nothing, and the flushes
+    # were a tenth of a small call's work in the proc)
+    if not c.streams:
+        return False
+    mine = [s for s in _tagged if s in c.streams] + [s for s in c.streams if s not in _tagged]
+    for s in mine:
+        try:
+            # the last one names the call: the others' text is in their pipes by then (these
+            # writes block), and the allocator reads those before it passes the end on
+            s.end_call(call_id if s is mine[-1] else "", c.id)
+        except (OSError, ValueError):
+            pass
     return True
 
 

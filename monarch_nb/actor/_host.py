@@ -23,7 +23,7 @@ import weakref
 from typing import Any
 
 from .._runtime import _dataplane, spans
-from .._runtime.logcapture import TaggedStream, end_call, set_call
+from .._runtime.logcapture import TaggedStream, begin_call, end_call
 from .._runtime.runtime import NO_REPLY, REFUSED, Runtime, new_loop, system_method
 from .._runtime.sending import say_unsent
 from .._runtime.transport import drain_wake
@@ -820,10 +820,9 @@ class ActorSlot:
         tok = _context._message_rank.set(mrank)
         self.busy, self.call_id, self.caller = method, call_id, raddr
         if self.markers:
-            if call_id:
-                set_call(call_id)
-            else:
-                self._flush_out()
+            # this thread's or task's call: another running at once in this proc keeps its own
+            # (a message with no call id tags its output with none)
+            begin_call(call_id)
         return tok
 
     def _end_call(self, method: str, t0: float, status: int, tok: Any, call_id: str) -> int:
