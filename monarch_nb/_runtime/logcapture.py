@@ -212,7 +212,7 @@ def set_call(call_id: str) -> None:
         begin_call(call_id)
         return
     _call_var.set(None)
-    _latest[0] = _running[-1] if _running else _NO_CALL
+    _latest[0] = (_running[-1:] or [_NO_CALL])[0]  # one read: another thread may empty the list between two
     _end_fast_paths()
 
 
@@ -397,7 +397,7 @@ def end_call(call_id: str = "") -> bool:
     _call_var.set(None)
     if c in _running:
         _running.remove(c)
-    _latest[0] = _running[-1] if _running else _NO_CALL
+    _latest[0] = (_running[-1:] or [_NO_CALL])[0]  # one read: another thread may empty the list between two
     _end_fast_paths()
     # the streams the call wrote to (its first write to each put a marker there): one it did
     # not write to has none of its text to flush (most calls print nothing, and the flushes
