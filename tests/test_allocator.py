@@ -144,6 +144,43 @@ def test_killed_allocator_fails_pending_calls_and_takes_its_procs(tmp_path):
         a.stop()
 
 
+def test_a_spawn_on_an_allocator_known_dead_fails_at_once_and_one_restarted_there_takes_it():
+    # a spawn on hosts the controller had already lost (its heartbeat gone, its "shutdown"
+    # heard) waited out the whole 10 s connect timeout before saying "could not reach"
+    from monarch_nb.errors import ConnectError
+
+    # at an address of the test's choosing, which a new allocator can take again (its socket
+    # file stays behind the killed one: a connection to it is refused, as a dead host's port)
+    where = tempfile.mkdtemp(prefix="mnbw-", dir="/tmp")
+    addr = f"ipc://{where}/w.sock"
+    a = AllocatorProc(where, "--bind", addr, "--trust-all")
+    again = None
+    try:
+        hosts = attach_to_workers(workers=[addr], ca="trust_all_connections")
+        w = hosts.spawn_procs(per_host={"gpus": 1}, name="dies").spawn("w", Worker)
+        w.pid.call().get(timeout=10)
+        fut = w.sleep.call(30)
+        a.proc.kill()
+        with pytest.raises(SupervisionError, match="allocator .* lost"):
+            fut.get(timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(ConnectError) as e:
+            hosts.spawn_procs(per_host={"gpus": 1}, name="on_dead")
+        assert time.monotonic() - t0 < 3, str(e.value)
+        assert str(e.value).startswith(f"could not reach allocator at {addr}: connection refused"), str(e.value)
+        assert f"it was lost before: allocator {addr} lost: no heartbeat" in str(e.value), str(e.value)
+        # an allocator started again at that address is reached as before
+        again = AllocatorProc(where, "--bind", addr, "--trust-all")
+        pm = hosts.spawn_procs(per_host={"gpus": 1}, name="on_new")
+        assert pm.spawn("w", Worker).pid.call_one().get(timeout=10) != os.getpid()
+        pm.stop().get(timeout=10)
+    finally:
+        a.stop()
+        if again is not None:
+            again.stop()
+        shutil.rmtree(where, ignore_errors=True)
+
+
 def test_a_stalled_allocator_fails_what_was_pending_and_the_host_takes_new_spawns_once_it_answers(allocator):
     # one stall of the allocator past the heartbeat timeout (a loaded CI machine) once failed
     # every later spawn of the controller with the same cached "lost" error

@@ -179,13 +179,19 @@ class Client:
     # ------------------------------------------------------------ connecting
     def connect(self, addr: str, timeout: float | None = None) -> dict[str, Any]:
         """Say hello to the allocator at ``addr``; raise a precise error if we cannot."""
+        sup = self.rt.supervision
         info = self.hellos.get(addr)
         if info is not None:
-            if not self.rt.supervision.is_lost(addr):
+            if not sup.is_lost(addr):
                 return info
             # declared lost (silent past the heartbeat timeout, or it detached us): a new hello
             # says whether it is back, as after a stall of its host, or a restart at this address
             del self.hellos[addr]
+        # one known gone (its "shutdown" heard, its heartbeat lost, a job's kill) whose address now
+        # refuses connections is not back: say so at once, not after the whole timeout. One
+        # that accepts, or does not answer yet (a stalled host), gets the whole timeout as before
+        w = sup.watches.get(addr)
+        lost = w.lost if w is not None else None
         timeout = self.rt.cfg.connect_timeout if timeout is None else timeout
         try:
             check_form(addr)
@@ -250,6 +256,8 @@ class Client:
                         )
                     elif e == zmq.EVENT_CONNECT_RETRIED:
                         last = "connection refused or host unreachable"
+                        if lost is not None and not connected:
+                            raise ConnectError(f"could not reach allocator at {addr}: {last}; it was lost before: {lost.cause}")
             if not fut.done():
                 if connected:
                     hint = "it accepted the connection but did not answer (not a monarch_nb allocator, or another wire version)"
