@@ -353,6 +353,32 @@ def test_a_stalled_owner_times_out_saying_so(pair: tuple[ProcMesh, ProcMesh]) ->
     assert reader.read_mv.call_one(mvbuf).get(timeout=60) == b"m" * 8
 
 
+def test_a_drop_waits_for_a_stalled_owner_only_as_long_as_its_timeout(pair: tuple[ProcMesh, ProcMesh]) -> None:
+    # drop() from another holder waited a fixed 30 s for a stalled owner, then raised the data
+    # plane's own Stalled, naming neither the buffer's owner nor what was left undone
+    a, _ = pair
+    owner = a.spawn("owner", Owner)
+    _, mvbuf = owner.buffers.call_one().get(timeout=60)
+    info = owner.info.call_one().get(timeout=30)
+    pid = info["pid"]
+    with pytest.raises(TypeError, match="timeout must be a number"):
+        mvbuf.drop(timeout=None)  # type: ignore[arg-type]
+    os.kill(pid, signal.SIGSTOP)  # its data server cannot answer, its process is alive
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError) as e:
+            mvbuf.drop(timeout=1).get(timeout=30)
+        assert time.monotonic() - t0 < 10
+        assert type(e.value) is TimeoutError, type(e.value)
+        msg = str(e.value)
+        assert msg.startswith(f"RDMABuffer drop at {mvbuf.owner} timed out after 1 s: the owner's side stalled"), msg
+        assert "drop it again once the owner answers" in msg, msg
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    mvbuf.drop(timeout=10).get(timeout=30)  # the owner answers again: done
+    assert owner.info.call_one().get(timeout=30)["registered"] == info["registered"] - 1
+
+
 def test_a_batch_with_a_failed_op_resolves_only_once_every_op_has_ended(pair: tuple[ProcMesh, ProcMesh]) -> None:
     # a batch failed at its first failure while its other ops still wrote into the caller's
     # memory (Monarch's resolves once every op completes or times out)

@@ -43,6 +43,8 @@ __all__ = [
 ]
 
 BACKEND = "shm+tcp"
+#: how long ``drop()`` from a holder other than the owner waits for the owner by default
+DROP_TIMEOUT_S = 30.0
 
 logger = logging.getLogger(__name__)
 
@@ -442,21 +444,33 @@ class RDMABuffer:
             raise self._gone(f"its process (pid {self._addr.pid}) exited")
         raise self._dropped_error()
 
-    def drop(self) -> Future[None]:
+    def drop(self, *, timeout: float = DROP_TIMEOUT_S) -> Future[None]:
         """Release the buffer: its owner stops serving it and lets go of its memory. Any holder
-        may drop it; reads and writes after that fail with :class:`BufferDroppedError`."""
+        may drop it; reads and writes after that fail with :class:`BufferDroppedError`. From
+        another holder it is one round trip to the owner, which fails with ``TimeoutError``
+        when the owner does not answer within ``timeout`` seconds (ours; Monarch's takes none)."""
+        _check_timeout(timeout)
         self._dropped = True
         if self._finalizer is not None:
             self._finalizer()
             return Future._completed(None)
         fut: Future[None] = Future._create("RDMABuffer.drop")
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + timeout
 
         def run() -> None:
             try:
                 dp.stream(self._addr, _key(), dp.OP_DROP, self._id, None, 0, 0, deadline)
             except dp.PeerGone:
                 pass  # nothing left to free
+            except dp.Stalled as e:
+                # not dp.Stalled itself: its words name neither the buffer nor what is left to do
+                fut._set_exception(
+                    TimeoutError(
+                        f"RDMABuffer drop at {self._owner} timed out after {timeout} s: {e}; it is dropped for "
+                        "this handle, but its owner may still hold its memory (drop it again once the owner answers)"
+                    )
+                )
+                return
             except BaseException as e:
                 fut._set_exception(e)
                 return
