@@ -28,7 +28,9 @@ Failures a real API server presents, on request of a test (``POST /_test/faults`
 max-in-flight and priority-and-fairness filters do (plain text "Too many requests, please try
 again later." with ``Retry-After``), other codes as a ``Status`` object (``InternalError`` for
 500). ``POST /_test/expire`` drops every kept watch event, so a watch from an older
-resourceVersion gets 410 Gone (etcd compacted it).
+resourceVersion gets 410 Gone (etcd compacted it). ``POST /_test/evict`` ({namespace, name,
+message}) evicts a running pod as a kubelet under node pressure does: its container is killed,
+the pod stays, ``Failed`` with ``reason: Evicted`` and the message.
 
 The kubelet: a StatefulSet's pods are placed one per free host (none free: Pending,
 ``Unschedulable``); the Secret and emptyDir volumes are directories on the host, ``$(VAR)`` is
@@ -252,6 +254,31 @@ class Kubelet:
         except OSError:
             return ""
 
+    def evict(self, message: str) -> None:
+        """As a kubelet under node pressure: the container is killed and the pod object stays,
+        Failed, with the eviction's reason and message (kubelet's eviction manager, 1.33)."""
+        self.stop()
+        t = now()
+        self.set_status(
+            phase="Failed",
+            reason="Evicted",
+            message=message,
+            conditions=[
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": "TerminationByKubelet",
+                    "message": message,
+                    "lastTransitionTime": t,
+                },
+                {"type": "PodScheduled", "status": "True", "lastTransitionTime": t},
+                {"type": "Ready", "status": "False", "reason": "PodFailed", "lastTransitionTime": t},
+            ],
+            containerStatuses=[
+                cstatus(self.restarts, {"terminated": {"exitCode": 137, "reason": "Error", "finishedAt": t}}, False)
+            ],
+        )
+
     def stop(self) -> None:
         self.stopped = True
         p = self.proc
@@ -343,6 +370,7 @@ class Handler(BaseHTTPRequestHandler):
         if not path.startswith("/_test/"):
             return False
         st = self.store
+        evicted, req = None, {}
         with st.lock:
             if path == "/_test/log":
                 self.send_json(200, list(st.log))
@@ -353,6 +381,14 @@ class Handler(BaseHTTPRequestHandler):
                 st.events.clear()
                 st.rv += 1  # resourceVersions are the whole cluster's: other objects changed meanwhile
                 st.compacted = st.rv
+            elif path == "/_test/evict":
+                req = json.loads(body)
+                evicted = st.pods.get((req["namespace"], req["name"]))
+                if evicted is None:
+                    self.send_json(404, {"ok": False})
+                    return True
+        if evicted is not None:
+            evicted.evict(req.get("message") or "The node was low on resource: memory.")
         self.send_json(200, {"ok": True})
         return True
 

@@ -528,6 +528,33 @@ def test_pending_pod_says_why(k8s: Cluster) -> None:
     assert out[1]["after"] == EMPTY
 
 
+def test_an_evicted_pod_says_why(k8s: Cluster) -> None:
+    # a pod the kubelet evicted read "pod ev-0 Failed, not Ready": the eviction and the node's
+    # shortage, in its status.reason and status.message, were not shown
+    out = k8s.run("""
+        grant("monarch-nb")
+        job = KubernetesJob(NS, timeout=90, kubeconfig=KubeConfig.from_path(kc("ctl")))
+        job.add_mesh("ev", 1, image_spec=ImageSpec(IMAGE))
+        job.state(cached_path=None)
+        test_api("evict", {"namespace": NS, "name": "ev-0", "message": "The node was low on resource: memory. "
+                 "Threshold quantity: 100Mi, available: 51200Ki."})
+        attach = KubernetesJob(NS, timeout=3, kubeconfig=KubeConfig.from_path(kc("ctl")))
+        attach.add_mesh("ev", 1)
+        try:
+            attach.state(cached_path=None)
+        except JobError as e:
+            out(error=str(e))
+        job.kill()
+        out(after=objects())
+    """)
+    err = out[0]["error"]
+    assert (
+        "1 of 1 pods not Ready (pod ev-0 Failed: Evicted: The node was low on resource: memory. Threshold quantity: "
+        "100Mi, available: 51200Ki.)" in err
+    ), err
+    assert out[1]["after"] == EMPTY
+
+
 def test_crashloop_shows_last_log_lines(k8s: Cluster) -> None:
     out = k8s.run("""
         grant("monarch-nb")

@@ -506,6 +506,10 @@ class KubernetesJob(JobTrait):
             sched = conds.get("PodScheduled")
             if sched is not None and sched.status == "False":
                 why = f"Pending: {sched.reason}: {sched.message}"
+            elif pod.status and (pod.status.reason or pod.status.message):
+                # the pod's own words for why it stopped: an eviction ("Evicted", "The node was
+                # low on resource: memory"), a node shutdown, a deadline; "Failed" alone says none
+                why = f"{pod.status.phase}: {pod.status.reason or 'no reason'}: {pod.status.message or 'no message'}"
             else:
                 why = f"{pod.status.phase if pod.status else 'unknown'}, not Ready"
             waiting.append(f"pod {pname} {why}")
