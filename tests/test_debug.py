@@ -8,6 +8,7 @@ printed before each prompt is kept, so assertions see exactly what the user woul
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -22,7 +23,7 @@ from _kernel import Kernel, poll
 from conftest import PY, wait_for
 
 from monarch_nb import debug, introspect
-from monarch_nb.actor import Actor, current_rank, endpoint
+from monarch_nb.actor import Actor, _debugwait, concurrent_endpoint, current_rank, endpoint
 from monarch_nb.config import configured
 from monarch_nb.errors import DebugError, SupervisionError
 
@@ -630,6 +631,54 @@ def test_rank_killed_while_paused_is_gone(allocator: Any, fault_hook: list[Any])
     finally:
         procs.stop().get(timeout=30)
     assert debug.sessions("paused") == []
+
+
+class Overlapping(Actor):
+    """An async actor whose calls overlap: ``stops`` stops at a breakpoint once released,
+    while ``waits`` (begun after it) still runs."""
+
+    def __init__(self) -> None:
+        self.evs: dict[str, asyncio.Event] = {}
+
+    def _ev(self, name: str) -> asyncio.Event:
+        return self.evs.setdefault(name, asyncio.Event())
+
+    @concurrent_endpoint
+    async def stops(self) -> str:
+        await self._ev("stops").wait()
+        breakpoint()
+        return "stopped"
+
+    @concurrent_endpoint
+    async def waits(self) -> str:
+        await self._ev("waits").wait()
+        return "waited"
+
+    @concurrent_endpoint
+    async def release(self, name: str) -> None:
+        self._ev(name).set()
+
+
+def test_a_breakpoint_in_one_of_two_concurrent_calls_names_its_own_call(allocator: Any) -> None:
+    # the session named the call begun last (or one that had ended): the wait on the stopped
+    # call did not open the console for it, and another controller's wait would have
+    procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="dbg-overlap")
+    try:
+        o = procs.spawn("overlap", Overlapping)
+        with configured(debug_no_input="wait"):
+            stops = o.stops.call_one()
+            waits = o.waits.call_one()
+            o.release.call_one("stops").get(timeout=10)
+            (s,) = _wait_sessions(1, "overlap")
+            assert (s.method, s.call_id, s.function) == ("stops", stops._call, "stops")
+            assert [r["sid"] for r in _debugwait.stopped_in(stops)] == [s.sid]
+            assert _debugwait.stopped_in(waits) == []
+            assert debug.attach("overlap", 0).send("c", timeout=10) == ""
+            assert stops.get(timeout=10) == "stopped"
+            o.release.call_one("waits").get(timeout=10)
+            assert waits.get(timeout=10) == "waited"
+    finally:
+        procs.stop().get(timeout=30)
 
 
 def test_attaching_by_a_name_two_paused_meshes_share_lists_them(allocator: Any) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from conftest import wait_for
 
 import monarch_nb
-from monarch_nb.actor import Actor, endpoint, this_host
+from monarch_nb.actor import Actor, concurrent_endpoint, endpoint, this_host
 
 
 class Worker(Actor):
@@ -54,3 +56,54 @@ def test_status_reports_activity_resources_and_rates(gate) -> None:  # type: ign
         assert stats["mem_total"] > stats["mem_used"] > 0 and stats["cpus"] >= 1 and stats["gpus"] == []
     finally:
         pm.stop().get(timeout=30)
+
+
+class Overlapping(Actor):
+    """An async actor whose calls overlap: each waits for its own event."""
+
+    def __init__(self) -> None:
+        self.evs: dict[str, asyncio.Event] = {}
+
+    def _ev(self, name: str) -> asyncio.Event:
+        return self.evs.setdefault(name, asyncio.Event())
+
+    @concurrent_endpoint
+    async def fetch(self, name: str) -> str:
+        await self._ev(name).wait()
+        return name
+
+    @concurrent_endpoint
+    async def train(self) -> str:
+        await self._ev("train").wait()
+        return "trained"
+
+    @concurrent_endpoint
+    async def release(self, name: str) -> None:
+        self._ev(name).set()
+
+
+def test_status_names_every_call_an_async_actor_runs_at_once() -> None:
+    # one busy field per actor showed only the call begun last, and the first call to end made
+    # the rank read idle while the others still ran
+    pm = this_host().spawn_procs(per_host={"gpus": 1}, name="tele-overlap")
+    try:
+        o = pm.spawn("o", Overlapping)
+        t = o.train.call_one()
+        f1, f2 = o.fetch.call_one("a"), o.fetch.call_one("b")
+        wait_for(lambda: _activity("tele-overlap") == "busy in o.train, o.fetch ×2", 10, "three calls shown")
+        o.release.call_one("a").get(timeout=10)
+        assert f1.get(timeout=10) == "a"
+        wait_for(lambda: _activity("tele-overlap") == "busy in o.train, o.fetch", 10, "the two still running")
+        o.release.call_one("train").get(timeout=10)
+        assert t.get(timeout=10) == "trained"
+        wait_for(lambda: _activity("tele-overlap") == "busy in o.fetch", 10, "the last one")
+        o.release.call_one("b").get(timeout=10)
+        assert f2.get(timeout=10) == "b"
+        wait_for(lambda: _activity("tele-overlap") == "idle", 10, "idle")
+    finally:
+        pm.stop().get(timeout=30)
+
+
+def _activity(name: str) -> str:
+    procs = _procs(name)
+    return procs[0].get("activity", "") if procs else ""

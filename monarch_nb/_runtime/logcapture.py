@@ -195,6 +195,12 @@ def begin_call(call_id: str) -> None:
     _end_fast_paths()
 
 
+def current_call() -> str | None:
+    """The id of the call this context (thread, task) runs; None: it runs none of its own."""
+    c = _call_var.get()
+    return None if c is None else c.id
+
+
 def _end_fast_paths() -> None:
     # after the change of the running calls (a writer that decided before it undoes its own
     # fast path, see TaggedStream.write): the next write must see the change and write a marker

@@ -146,7 +146,13 @@ def _absorb(rec: ProcRec, actors: dict[str, dict[str, Any]]) -> None:
     failures = actors.pop("__failures__", None)
     user = {n: a for n, a in actors.items() if not n.startswith("__")}
     # shown by the names actor meshes were spawned under, not their spawn ids (``name#spawn``)
-    busy = [f"{n.partition('#')[0]}.{a['busy']}" for n, a in actors.items() if a.get("busy")]
+    busy: list[str] = []
+    for n, a in actors.items():
+        ms = a.get("busy") or []
+        # every call running, an async actor's concurrent endpoints too: `fetch ×3` for three of one
+        for m in dict.fromkeys(ms):
+            k = ms.count(m)
+            busy.append(f"{n.partition('#')[0]}.{m}" + (f" ×{k}" if k > 1 else ""))
     calls = sum(int(a.get("calls", 0)) for a in actors.values())
     busy_s = sum(float(a.get("busy_s", 0.0)) for a in actors.values())
     t = rec.tele

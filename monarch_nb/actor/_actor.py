@@ -111,7 +111,7 @@ class Instance:
         if slot is None:
             return
         slot.abort_reason = reason or "aborted"
-        if not slot.busy:
+        if not slot.running:
             # between messages (a thread of the actor's own): the actor's loop acts on it next
             slot._put(("abort",))
 

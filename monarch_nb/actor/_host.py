@@ -23,7 +23,7 @@ import weakref
 from typing import Any
 
 from .._runtime import _dataplane, spans
-from .._runtime.logcapture import TaggedStream, begin_call, end_call
+from .._runtime.logcapture import TaggedStream, begin_call, current_call, end_call
 from .._runtime.runtime import NO_REPLY, REFUSED, Runtime, new_loop, system_method
 from .._runtime.sending import say_unsent
 from .._runtime.transport import drain_wake
@@ -94,13 +94,13 @@ class ActorSlot:
         #: the constructor's arguments, kept for `%mesh sync --recreate`
         self.init_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.markers = _context.proc_spec is not None
-        self.busy = ""
+        #: the calls running, oldest first: (method, call id, caller's address, start), by a key
+        #: of each call's own (an async actor's concurrent endpoints run at once: status, stacks
+        #: and a breakpoint's debug session each name their own call, not the latest one begun)
+        self.running: dict[int, tuple[str, str, str, float]] = {}
         #: calls served and seconds spent in them (telemetry)
         self.calls = 0
         self.busy_s = 0.0
-        #: the call being run and who waits for it (a breakpoint's debug session names them)
-        self.call_id = ""
-        self.caller = ""
         self._stopped = False
         self._points: dict[Any, Point] = {}
         #: the span keys of this actor's calls, by method, that succeeded and that failed
@@ -712,10 +712,10 @@ class ActorSlot:
         for it); otherwise (``spawn``, which returned at once, as Monarch's) a failing
         ``__init__`` fails the actor, and its owner hears of it through supervision."""
         tok = _context._message_rank.set(self.instance_info.rank)
-        # a breakpoint in __init__ belongs to the creator's spawn call (its call ids start with its uid)
-        self.busy, self.call_id, self.caller = "__init__", f"{self.instance_info._creator_uid}.spawn", reply[0]
         failure: _ActorFailed | None = None
         t0 = time.perf_counter()
+        # a breakpoint in __init__ belongs to the creator's spawn call (its call ids start with its uid)
+        self.running[id(tok)] = ("__init__", f"{self.instance_info._creator_uid}.spawn", reply[0], t0)
         try:
             obj = self.cls.__new__(self.cls)  # type: ignore[call-overload]
             obj.__init__(*args, **kwargs)
@@ -738,7 +738,7 @@ class ActorSlot:
             )
         finally:
             _context._message_rank.reset(tok)
-            self.busy = ""
+            self.running.pop(id(tok), None)
         if answer:
             self.rt.send_port(reply[0], reply[1], reply[2], status, value)
         elif failure is not None:
@@ -815,10 +815,30 @@ class ActorSlot:
                     pass
         return end_call(call_id)
 
-    def _begin_call(self, mrank: Any, method: str, call_id: str, raddr: str) -> Any:
+    @property
+    def busy(self) -> list[str]:
+        """The methods of the calls running, oldest first ([]: idle)."""
+        # a copy is one C call under the GIL: the actor's thread may begin or end a call meanwhile
+        return [r[0] for r in self.running.copy().values()]
+
+    def this_call(self) -> tuple[str, str, str, float] | None:
+        """The running call of the thread or asyncio task that asks (method, call id, caller's
+        address, start); for one the actor started itself, the latest call begun (as its
+        output is tagged)."""
+        running = list(self.running.copy().values())
+        if not running:
+            return None
+        mine = current_call()
+        for r in reversed(running):
+            if r[1] == mine:
+                return r
+        return running[-1]
+
+    def _begin_call(self, mrank: Any, method: str, call_id: str, raddr: str, t0: float) -> Any:
         """What a sync or async endpoint call sets while it runs; the token for _end_call."""
         tok = _context._message_rank.set(mrank)
-        self.busy, self.call_id, self.caller = method, call_id, raddr
+        # keyed by its token, unique while the call runs (two calls may carry one call id)
+        self.running[id(tok)] = (method, call_id, raddr, t0)
         if self.markers:
             # this thread's or task's call: another running at once in this proc keeps its own
             # (a message with no call id tags its output with none)
@@ -842,7 +862,7 @@ class ActorSlot:
         spans.record(k, t0, t1)
         if self.markers and self._flush_out(call_id) and ok:
             status = _PRINTED
-        self.busy = ""
+        self.running.pop(id(tok), None)
         _context._message_rank.reset(tok)
         return status
 
@@ -851,8 +871,8 @@ class ActorSlot:
         if prep is None:
             return
         fn, args, kwargs, raddr, rport, index, mrank, call_id, method = prep
-        tok = self._begin_call(mrank, method, call_id, raddr)
         t0 = time.perf_counter()
+        tok = self._begin_call(mrank, method, call_id, raddr, t0)
         status = _ERROR
         try:
             try:
@@ -899,8 +919,8 @@ class ActorSlot:
         if prep is None:
             return
         fn, args, kwargs, raddr, rport, index, mrank, call_id, method = prep
-        tok = self._begin_call(mrank, method, call_id, raddr)
         t0 = time.perf_counter()
+        tok = self._begin_call(mrank, method, call_id, raddr, t0)
         status = _ERROR
         failure: _ActorFailed | None = None
         try:
@@ -1198,7 +1218,7 @@ class ActorHost:
     def sys_state(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             n: {
-                "busy": getattr(s, "busy", ""),
+                "busy": getattr(s, "busy", []),
                 "async": getattr(s, "is_async", False),
                 "calls": getattr(s, "calls", 0),
                 "busy_s": getattr(s, "busy_s", 0.0),

@@ -96,7 +96,10 @@ class RemotePdb(pdb.Pdb):
         slot = getattr(inst, "_slot", None)
         point = inst.rank if inst is not None else _context.proc_point()
         self.alloc = spec.get("alloc_addr", "")
-        self.caller = getattr(slot, "caller", "")
+        # the call of this thread or task: another may run at once (an async actor's concurrent endpoints)
+        call = slot.this_call() if slot is not None else None
+        method, call_id, caller = call[:3] if call is not None else ("", "", "")
+        self.caller: str = caller
         self.info: dict[str, Any] = {
             "sid": self.sid,
             "token": spec.get("token", ""),
@@ -108,8 +111,8 @@ class RemotePdb(pdb.Pdb):
             "actor_id": getattr(slot, "name", "") if inst is not None else "",
             "rank": point.rank,
             "coords": dict(point.items()),
-            "call_id": getattr(slot, "call_id", ""),
-            "method": getattr(slot, "busy", ""),
+            "call_id": call_id,
+            "method": method,
             "caller": self.caller,
             # where breakpoint() was called (pdb stops on the line after it)
             "bp_file": frame.f_code.co_filename if frame is not None else "",

@@ -31,5 +31,5 @@ def collect(rt: Any) -> dict[str, Any]:
                 "frames": [(fs.filename, fs.lineno or 0, fs.name, (fs.line or "").strip()) for fs in stack],
             }
         )
-    actors = {n: getattr(s, "busy", "") for n, s in list(getattr(rt, "actors", {}).items())}
+    actors = {n: getattr(s, "busy", []) for n, s in list(getattr(rt, "actors", {}).items())}
     return {"pid": os.getpid(), "host": getattr(rt, "hostname", ""), "threads": threads, "actors": actors}
