@@ -684,6 +684,29 @@ def test_a_line_a_call_left_open_ends_with_the_call(tmp_path) -> None:  # type: 
     assert len(rest) == 2 and rest[0].startswith("\r") and rest[0].endswith("bar 2") and rest[1] == "whole", rest
 
 
+def test_a_call_that_ends_leaves_the_line_another_call_has_open_whole(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # two calls at once (an async actor's concurrent endpoints): B's print(x, end="") was cut in
+    # two rows when A ended, A's end closing the open line that was B's
+    ends: list[tuple[list[str], int]] = []
+    got: list[tuple[int, str, float, str, str]] = []
+    log = ProcLog(str(tmp_path / "r.jsonl"), 0, _into(got), on_call_end=lambda ids: ends.append((ids, len(got))))
+    log.feed("stdout", marker("A") + b"a\n" + marker("B") + b"b partial")
+    log.feed("stdout", ended_marker("A") + marker(""))  # A ends (it wrote here before B)
+    assert ends == [(["A"], 1)]  # its end is passed on at once, not when B's line ends
+    log.feed("stdout", marker("B") + b" rest\n")  # B goes on: its stream marks it anew
+    # the same, A's end read together with what B writes next
+    log.feed("stdout", marker("B") + b"c partial")
+    log.feed("stdout", ended_marker("A2") + marker("") + marker("B") + b" rest\n")
+    # the line is the ending call's own: it ends with the call, as before
+    log.feed("stdout", marker("B") + b"b" + marker("C") + b"c open")
+    log.feed("stdout", ended_marker("C") + marker(""))
+    log.close()
+    assert [(c, ln) for _, _, _, c, ln in got] == [
+        ("A", "a"), ("B", "b partial rest"), ("B", "c partial rest"), ("B", "b"), ("C", "c open"),
+    ]  # fmt: skip
+    assert [ids for ids, _ in ends] == [["A"], ["A2"], ["C"]]
+
+
 def test_a_forked_child_of_a_proc_still_gets_its_lines_flushed() -> None:
     r, w = os.pipe()
     s = TaggedStream(open(w, "wb", closefd=False), encoding="utf-8", line_buffering=False)

@@ -568,7 +568,35 @@ class ProcLog:
             return data
         if b"\r" in seg:
             return data
+        m = _ENDED_MARK.search(head, max(0, len(head) - 256))
+        if m is not None and m.end() == len(head) and m.group(1) not in self._open_line_calls(stream, head[: m.start()]):
+            # the call that ended left no text in the open line: another call running at once
+            # (an async actor's concurrent endpoint) is in the middle of it, and goes on with it
+            # (its next text is marked anew, the same call: the line stays whole). The end is
+            # taken now, not when that line ends
+            self._calls_ended.append(m.group(1).decode("ascii", "replace"))
+            self._burst_over = True
+            return head[: m.start()] + _END
         return head + b"\n" + _END
+
+    def _open_line_calls(self, stream: str, head: bytes) -> set[bytes]:
+        """The calls with text in the line left open at the end of ``head`` (read after what
+        ``stream`` holds already)."""
+        buf = b"".join([self._partial[stream], *self._more[stream], head])
+        start = buf.rfind(b"\n") + 1
+        call = self._call[stream].encode()
+        for m in _MARK.finditer(buf, 0, start):  # the call the open line begins in
+            call = b"" if m.group(1).startswith(b"-") else m.group(1)
+        calls: set[bytes] = set()
+        pos = start
+        for m in _MARK.finditer(buf, start):
+            if m.start() > pos:
+                calls.add(call)
+            call = b"" if m.group(1).startswith(b"-") else m.group(1)
+            pos = m.end()
+        if pos < len(buf):
+            calls.add(call)
+        return calls
 
     def _cut(self, stream: str) -> None:
         """A line that reached ``_max_line`` with no end: out as it is, with a note; what
@@ -652,17 +680,30 @@ class ProcLog:
         out: list[LogLine] = []
         pos = 0
         text = b""
+        call = self._call[stream]  # the call of ``text``
         for m in _MARK.finditer(raw):
-            text += raw[pos : m.start()]
+            piece = raw[pos : m.start()]
             pos = m.end()
-            if text:
-                # text before a marker on the same line belongs to the earlier call
-                out.append((self.rank, stream, now, self._call[stream], _decode(text)))
-                text = b""
+            if piece:
+                # text before a marker on the same line belongs to the earlier call; text after
+                # markers that name its call again (another call ended meanwhile) goes on its line
+                if text and self._call[stream] != call:
+                    out.append((self.rank, stream, now, call, _decode(text)))
+                    text = b""
+                if not text:
+                    call = self._call[stream]
+                text += piece
             self._tag(stream, m.group(1))
-        text += raw[pos:]
+        piece = raw[pos:]
+        if piece:
+            if text and self._call[stream] != call:
+                out.append((self.rank, stream, now, call, _decode(text)))
+                text = b""
+            if not text:
+                call = self._call[stream]
+            text += piece
         if text or not pos:
-            out.append((self.rank, stream, now, self._call[stream], _decode(_final(text))))
+            out.append((self.rank, stream, now, call if text else self._call[stream], _decode(_final(text))))
         return out
 
     def close(self) -> None:
