@@ -8,6 +8,7 @@ import itertools
 import logging
 import math
 import os
+import re
 import time
 
 import _gate
@@ -428,6 +429,27 @@ def test_an_op_dtensor_cannot_shard_fails_here_and_is_never_sent(mesh1, caplog):
     with pytest.raises(TypeError, match="truth value"):
         bool(x)
     assert mt.stats(mesh1)["messages_sent"] == sent
+
+
+def test_item_assignment_and_python_numbers_say_what_to_do_instead(mesh1):  # type: ignore[no-untyped-def]
+    # t[0] = 5.0 used to fail with DTensor's "mixed torch.Tensor and DTensor", or, on a sharded
+    # dim with a tensor value, to leave the ranks' tensor as it was without a word
+    ref = gen(4, 3)
+    x = mt.distribute(ref, mesh1, [Shard(0)])
+    one = x.sum()
+    sent = mt.stats(mesh1)["messages_sent"]
+    for key, value in [(0, 5.0), (1, torch.tensor(9.0)), (slice(0, 2), 5.0), (1, torch.arange(3.0))]:
+        with pytest.raises(TensorOpError, match=r"item assignment \(t\[...\] = value\) is not supported.*t.masked_fill"):
+            x[key] = value
+    for conv, word in [(float, "float()"), (int, "int()"), (complex, "complex()"), ([1, 2].__getitem__, "an index")]:
+        with pytest.raises(TypeError, match=rf"{re.escape(word)} of a mesh tensor|{word} needs its value") as err:
+            conv(one)
+        assert "use t.item()" in str(err.value)
+    assert mt.stats(mesh1)["messages_sent"] == sent  # refused here, nothing sent
+    # what the message offers does it, on the ranks
+    rows = torch.arange(4)[:, None].expand(4, 3)
+    torch.testing.assert_close(mt.inspect(x.masked_fill(rows == 1, 5.0)), ref.masked_fill(rows == 1, 5.0))
+    assert one.item() == pytest.approx(ref.sum().item())
 
 
 def test_training_moves_metadata_only_and_matches_local_training(mesh2):  # type: ignore[no-untyped-def]

@@ -425,6 +425,32 @@ class MeshTensor:
     def __bool__(self) -> bool:
         raise TypeError("the truth value of a mesh tensor needs its value: use inspect(t) or t.item()")
 
+    # Python's conversions would fail with "must be a real number, not 'MeshTensor'"; its value
+    # lives on the ranks, and reading it is a round trip the user should see (Monarch 0.7.0
+    # raises DataDependentOutputException here, and for item() too)
+    def __float__(self) -> float:
+        raise TypeError("float() of a mesh tensor needs its value, which is on the ranks: use t.item() or mt.inspect(t)")
+
+    def __int__(self) -> int:
+        raise TypeError("int() of a mesh tensor needs its value, which is on the ranks: use t.item() or mt.inspect(t)")
+
+    def __index__(self) -> int:
+        raise TypeError("a mesh tensor as an index needs its value, which is on the ranks: use t.item() or mt.inspect(t)")
+
+    def __complex__(self) -> complex:
+        raise TypeError("complex() of a mesh tensor needs its value, which is on the ranks: use t.item() or mt.inspect(t)")
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        # torch 2.13's DTensor refuses a plain value ("mixed torch.Tensor and DTensor") and, on a
+        # sharded dim, writes into a temporary copy, so the ranks' tensor stayed as it was without
+        # a word; the out-of-place ops below do it on every placement
+        raise TensorOpError(
+            "item assignment (t[...] = value) is not supported on mesh tensors (torch's DTensor cannot do it "
+            "in place on sharded placements); make the new tensor instead: t = torch.where(mask, value, t), "
+            "t = t.masked_fill(mask, value) (in place: t.masked_fill_(mask, value)), "
+            "t = t.index_fill(dim, index, value) or t = t.index_put(indices, values)"
+        )
+
     # ops with no torch function of their own
     @property
     def grad(self) -> MeshTensor | None:
@@ -709,7 +735,7 @@ def _binop(name: str) -> Any:
 
 for _dunder in (
     "__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__ __rtruediv__ "
-    "__itruediv__ __floordiv__ __matmul__ __rmatmul__ __pow__ __rpow__ __neg__ __abs__ __getitem__ __setitem__ "
+    "__itruediv__ __floordiv__ __matmul__ __rmatmul__ __pow__ __rpow__ __neg__ __abs__ __getitem__ "
     "__lt__ __le__ __gt__ __ge__ __eq__ __ne__ __and__ __or__ __invert__ __mod__ __pos__ __rfloordiv__ "
     "__ifloordiv__ __rmod__ __imod__ __ipow__ __rand__ __iand__ __ror__ __ior__ __xor__ __rxor__ __ixor__ "
     "__lshift__ __rlshift__ __ilshift__ __rshift__ __rrshift__ __irshift__"
