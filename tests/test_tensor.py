@@ -452,6 +452,24 @@ def test_item_assignment_and_python_numbers_say_what_to_do_instead(mesh1):  # ty
     assert one.item() == pytest.approx(ref.sum().item())
 
 
+def test_to_a_device_is_checked_against_the_ranks_not_this_controller(mesh1, monkeypatch):  # type: ignore[no-untyped-def]
+    x = mt.distribute(gen(4, 3), mesh1, [Shard(0)])
+    # the ranks' own kind: already there (it used to fail: "Cannot copy out of meta tensor")
+    assert x.to("cpu") is x and x.cpu() is x and x.to(device="cpu") is x
+    y = x.to("cpu", torch.float32)
+    assert y.dtype == torch.float32 and y.placements == x.placements
+    torch.testing.assert_close(mt.inspect(y), gen(4, 3).float())
+    # a GPU on a CPU mesh: said in the ranks' words, not "Torch not compiled with CUDA enabled"
+    for move in (lambda: x.to("cuda"), lambda: x.cuda(), lambda: x.to(torch.device("cuda", 0))):
+        with pytest.raises(ValueError, match=r"live on its ranks' cpu devices \(gloo\), which have no cuda device"):
+            move()
+    # ranks with GPUs, driven from a controller without CUDA: the ranks' kind is what counts
+    monkeypatch.setattr(mt._engine.engine_for(mesh1), "backend", "nccl")
+    assert x.to("cuda") is x and x.cuda() is x
+    with pytest.raises(ValueError, match="live on its ranks' cuda devices"):
+        x.to("cpu")
+
+
 def test_training_moves_metadata_only_and_matches_local_training(mesh2):  # type: ignore[no-untyped-def]
     """50 steps of an MLP, data parallel on hosts and tensor parallel on gpus, in float64."""
     X, Y = gen(16, 8, seed=1), torch.randint(0, 4, (16,), generator=torch.Generator().manual_seed(2))

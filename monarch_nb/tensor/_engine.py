@@ -451,6 +451,32 @@ class MeshTensor:
             "t = t.index_fill(dim, index, value) or t = t.index_put(indices, values)"
         )
 
+    def to(self, *args: Any, **kwargs: Any) -> MeshTensor:
+        """As ``Tensor.to``; a device names the ranks' kind of device (each rank's tensor is on
+        its own), so it is checked against the ranks, not against this controller's torch."""
+        try:
+            device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        except TypeError:  # another tensor's dtype and device (t.to(other)): torch says what is wrong
+            return dispatch(Method("to"), (self, *args), kwargs)
+        if device is not None:
+            _check_device(self._engine, device, f"t.to({str(device)!r})")
+        out: dict[str, Any] = {}
+        if dtype is not None and dtype != self.dtype:
+            out["dtype"] = dtype
+        if memory_format is not None and memory_format != torch.preserve_format:
+            out["memory_format"] = memory_format
+        if kwargs.get("copy"):
+            out["copy"] = True
+        if not out:
+            return self  # as torch's: already there
+        return dispatch(Method("to"), (self,), out)
+
+    def cuda(self, device: Any = None, non_blocking: bool = False) -> MeshTensor:
+        return self.to("cuda" if device is None else device)
+
+    def cpu(self) -> MeshTensor:
+        return self.to("cpu")
+
     # ops with no torch function of their own
     @property
     def grad(self) -> MeshTensor | None:
@@ -908,20 +934,23 @@ def make(engine: Engine, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     return h
 
 
-def _check_device(engine: Engine, device: Any) -> None:
-    """A factory's ``device=``: each rank makes its tensor on its own device, so the name
-    only has to be a device of the ranks' kind; a typo or another kind is refused here rather
-    than ignored (a tensor on the CPU where the user asked for a GPU, or the reverse)."""
+def _check_device(engine: Engine, device: Any, what: str = "") -> None:
+    """A factory's ``device=`` (or ``t.to(device)``, ``what``): each rank makes its tensor on
+    its own device, so the name only has to be a device of the ranks' kind; a typo or another
+    kind is refused here rather than ignored (a tensor on the CPU where the user asked for a
+    GPU, or the reverse). The ranks' kind, not this controller's: a CPU-only notebook drives GPUs."""
+    what = what or f"device={device!r}"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device={device!r} is not a torch device name ('cpu', 'cuda', 'cuda:0'…): {e}") from e
+        raise ValueError(f"{what}: {device!r} is not a torch device name ('cpu', 'cuda', 'cuda:0'…): {e}") from e
     engine.start()  # the backend says which kind the ranks have
     kind = "cuda" if engine.backend == "nccl" else "cpu"
     if dev.type != kind:
         raise ValueError(
-            f"device={device!r}: the mesh tensors of {engine.procs!r} live on its ranks' {kind} devices "
-            f"({engine.backend}); leave device= out (each rank uses its own) or give {kind!r}"
+            f"{what}: the mesh tensors of {engine.procs!r} live on its ranks' {kind} devices "
+            f"({engine.backend}), which have no {dev.type} device for them; leave the device out "
+            f"(each rank uses its own) or give {kind!r}"
         )
 
 
