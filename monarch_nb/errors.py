@@ -81,6 +81,9 @@ class ActorError(MonarchNBError):
     #: set by a call to several actors (``_set_group``): "actor.method", how many were called,
     #: every failure by rank (index in the call), and the ranks that had not answered
     endpoint: str = ""
+    #: the first line of the grouped view, where "Actor call {endpoint} failed." would say less
+    #: than the caller knows (a mesh tensor op's error read through its hidden actor)
+    headline: str = ""
     total: int = 0
     failures: dict[int, ActorError] | None = None
     running: list[int] | int = 0
@@ -118,7 +121,7 @@ class ActorError(MonarchNBError):
     def _grouped_lines(self, color: bool) -> list[str]:
         from . import _errgroup
 
-        lines = [f"Actor call {self.endpoint} failed."]
+        lines = [self.headline or f"Actor call {self.endpoint} failed."]
         failures = self.failures or {}
         if self.total <= 1 and len(failures) <= 1:
             tb = _errgroup.clean_traceback(self._failure_tuple(0)[3]).rstrip()

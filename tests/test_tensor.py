@@ -470,6 +470,22 @@ def test_to_a_device_is_checked_against_the_ranks_not_this_controller(mesh1, mon
         x.to("cpu")
 
 
+def test_an_ops_error_is_headed_with_the_op_not_the_hidden_actor(mesh1):  # type: ignore[no-untyped-def]
+    x = mt.distribute(gen(8, 6), mesh1, [Shard(0)])
+    bad = mt.remote(_fails_on_rank_1)(x)
+    reads = {
+        "inspect": lambda: mt.inspect(bad),
+        "fetch_shard": lambda: mt.fetch_shard(bad, gpus=1).get(timeout=30),
+        "a later op": lambda: mt.inspect(bad * 3),  # the op that failed first, not the later one
+    }
+    for how, read in reads.items():
+        with pytest.raises(Exception, match="rank 1's shard only") as err:
+            read()
+        for text in (str(err.value), err.value.grouped_text()):
+            assert text.splitlines()[0] == "Mesh tensor op test_tensor._fails_on_rank_1 failed.", f"{how}: {text}"
+            assert "_tensor_engine" not in text, f"{how}: {text}"
+
+
 def test_training_moves_metadata_only_and_matches_local_training(mesh2):  # type: ignore[no-untyped-def]
     """50 steps of an MLP, data parallel on hosts and tensor parallel on gpus, in float64."""
     X, Y = gen(16, 8, seed=1), torch.randint(0, 4, (16,), generator=torch.Generator().manual_seed(2))

@@ -23,9 +23,9 @@ from torch.utils import _pytree as pytree
 from .._wire.serialize import loads, nbytes
 from ..actor import Future
 from ..actor._mesh import ProcMesh
-from ..errors import MeshClosedError, MonarchNBError
-from ._ops import Attr, Factory, Lit, Method, Ref, Via, WithMesh, chunk_range, local_shape, local_view
-from ._worker import TensorWorker
+from ..errors import ActorError, MeshClosedError, MonarchNBError
+from ._ops import Attr, Factory, Lit, Method, Ref, Via, WithMesh, chunk_range, local_shape, local_view, op_name
+from ._worker import OP_ATTR, TensorWorker
 
 #: seconds a collective on the ranks may wait for a peer before it fails (a dead rank)
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -255,7 +255,10 @@ class Engine:
             return out if self.key is None else [out[i] for i in self.ranks]
 
         to = self.ranks if ranks is None else [self.ranks[r] for r in ranks]
-        return getattr(self.start(), method)._gather(args, {}, None if self.key is None and ranks is None else to, what, decode)
+        fut = getattr(self.start(), method)._gather(args, {}, None if self.key is None and ranks is None else to, what, decode)
+        out: Future[list[Any]] = Future._create(what)
+        fut.add_done_callback(lambda f: out._set_raw(f, lambda g: _said_as_op(g, what)))
+        return out
 
     def rank_of(self, coords: dict[str, int]) -> int:
         bad = set(coords) - set(self.labels)
@@ -277,6 +280,21 @@ class Engine:
             out.append(rank % size)
             rank //= size
         return out[::-1]
+
+
+def _said_as_op(fut: Future[Any], what: str) -> Any:
+    """``fut``'s result; its error headed with the op that failed on the ranks (or the read,
+    ``what``), not with the hidden actor's endpoint ("Actor call _tensor_engine.full failed.")."""
+    try:
+        return fut.get()
+    except ActorError as err:
+        for e in [err, *(err.failures or {}).values()]:
+            op = getattr(e.exception, OP_ATTR, None)
+            e.message = f"Mesh tensor op {op} failed." if op else f"{what} of a mesh tensor failed."
+            e.actor = ""  # the hidden worker's name says nothing to the user; rank and host stay
+            e.headline = e.message
+            e.args = (e._headline(),)
+        raise
 
 
 def _local_of(token: str, id: int, mesh: str, timeout_s: float) -> Any:
@@ -836,11 +854,7 @@ def _portable(func: Any) -> Any:
     return out
 
 
-def _name(func: Any) -> str:
-    if isinstance(func, (Method, Attr, Factory, WithMesh)):
-        return str(func)
-    mod = getattr(func, "__module__", None) or ""
-    return f"{mod + '.' if mod else ''}{getattr(func, '__qualname__', getattr(func, '__name__', repr(func)))}"
+_name = op_name
 
 
 def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = True) -> Any:

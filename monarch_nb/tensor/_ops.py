@@ -181,3 +181,11 @@ def local_shape(shape: list[int], coord: list[int], sizes: list[int], placements
             a, b = chunk_range(shape[p.dim], sizes[i], coord[i])
             shape[p.dim] = b - a
     return shape
+
+
+def op_name(func: Any) -> str:
+    """How an op is named to the user (in errors): ``Tensor.add``, ``torch.relu``, their function's name."""
+    if isinstance(func, (Method, Attr, Factory, WithMesh)):
+        return str(func)
+    mod = getattr(func, "__module__", None) or ""
+    return f"{mod + '.' if mod else ''}{getattr(func, '__qualname__', getattr(func, '__name__', repr(func)))}"

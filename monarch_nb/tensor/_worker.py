@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 from ..actor import Actor, current_rank, endpoint
 from ..errors import raised_again
-from ._ops import Factory, Lit, Ref, Via, WithMesh
+from ._ops import Factory, Lit, Ref, Via, WithMesh, op_name
 
 
 def _gloo_interface(master: str) -> None:
@@ -41,13 +41,24 @@ def _gloo_interface(master: str) -> None:
             return
 
 
+#: the attribute of an op's error naming that op
+OP_ATTR = "_mesh_tensor_op"
+
+
 class _Failed:
     """A table entry whose op failed: every op reading it fails with the same error."""
 
     __slots__ = ("error",)
 
-    def __init__(self, error: BaseException) -> None:
+    def __init__(self, error: BaseException, op: str) -> None:
         self.error = error
+        # the op whose error it is, for the controller's header (the error's copies keep it: an
+        # op failing on a failed input names the op that failed first)
+        if not hasattr(error, OP_ATTR):
+            try:
+                setattr(error, OP_ATTR, op)
+            except AttributeError:  # an exception without a __dict__: the header names the read
+                pass
 
 
 class _Table(dict[int, Any]):
@@ -232,8 +243,8 @@ class TensorWorker(Actor):
         try:
             mesh = self._mesh(key)
         except Exception as e:
-            for *_, out_ids, _ in records:
-                self.table.update((i, _Failed(e)) for i in out_ids if i is not None)
+            for fn, *_, out_ids, _ in records:
+                self.table.update((i, _Failed(e, op_name(fn))) for i in out_ids if i is not None)
             return
         if mesh is None:
             return
@@ -255,7 +266,7 @@ class TensorWorker(Actor):
             except Exception as e:  # the error belongs to the op's outputs
                 for i in out_ids:
                     if i is not None:
-                        self.table[i] = _Failed(e)
+                        self.table[i] = _Failed(e, op_name(fn))
 
     @endpoint
     def put(
@@ -271,7 +282,7 @@ class TensorWorker(Actor):
                 local.to(self.device), self._mesh(key), placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
             )
         except Exception as e:  # the error belongs to the tensor (a put without a reply would abort the actor)
-            self.table[id] = _Failed(e)
+            self.table[id] = _Failed(e, "distribute")
 
     @endpoint
     def fetch(self, frees: list[int], id: int, limit: int = -1) -> torch.Tensor:
@@ -328,7 +339,7 @@ class TensorWorker(Actor):
             self._transfer(src, dst, pairs, dtype, key, placements, shape, stride)
         except Exception as e:  # the error belongs to the destinations' tensor; the actor lives on
             if any(d == dist.get_rank() for _, d, _ in pairs):
-                self.table[dst] = _Failed(e)
+                self.table[dst] = _Failed(e, "to_mesh")
 
     def _transfer(
         self, src: int, dst: int, pairs: list[tuple[int, int, tuple[int, ...]]], dtype: torch.dtype,
@@ -376,7 +387,7 @@ class TensorWorker(Actor):
             piece = got.get(s)
             if piece is None:
                 why = f": {type(error).__name__}: {error}" if s == me and error is not None else ""
-                self.table[dst] = _Failed(RuntimeError(f"to_mesh: the source tensor on rank {s} has no value{why}"))
+                self.table[dst] = _Failed(RuntimeError(f"to_mesh: the source tensor on rank {s} has no value{why}"), "to_mesh")
             else:
                 self.table[dst] = DTensor.from_local(
                     piece, self._mesh(key), placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
@@ -443,7 +454,7 @@ class TensorWorker(Actor):
                 local.to(self.device), mesh, placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
             )
         except Exception as e:  # the error belongs to the tensor; the actor lives on
-            self.table[id] = _Failed(e)
+            self.table[id] = _Failed(e, "to_mesh")
 
     def _lend(self, id: int) -> Any:
         from ..rdma import RDMABuffer
