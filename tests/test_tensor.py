@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import monarch_nb.tensor as mt
-from monarch_nb.actor import Actor, endpoint, this_host
+from monarch_nb.actor import Actor, concurrent_endpoint, endpoint, this_host
 from monarch_nb.errors import MeshClosedError, SupervisionError
 from monarch_nb.tensor import Partial, Replicate, Shard, TensorOpError
 
@@ -415,6 +415,59 @@ def test_an_actor_endpoint_gets_each_ranks_local_tensor_of_a_mesh_tensor(mesh1, 
         a.stop().get(timeout=30)
         if other is not None:
             other.stop().get(timeout=30)
+
+
+class _AsyncScales(Actor):
+    @concurrent_endpoint
+    async def scale(self, t: torch.Tensor, k: float) -> torch.Tensor:
+        assert type(t) is torch.Tensor
+        return t * k
+
+    @concurrent_endpoint
+    async def ping(self) -> str:
+        return "pong"
+
+
+def test_an_async_actor_serves_on_while_its_calls_tensor_is_still_being_made(mesh1, gate, monkeypatch):  # type: ignore[no-untyped-def]
+    # its loop used to wait inside the call's unpickling for the tensor: every other task of
+    # the actor (a concurrent endpoint here) stood still until the op on the rank was done
+    monkeypatch.setattr(mt._engine, "VALUE_TIMEOUT_S", 20.0)
+    t = gen(8, 6)
+    x = mt.distribute(t, mesh1, [Shard(0)])
+    a = mesh1.spawn("async_scales", _AsyncScales)
+    try:
+        torch.testing.assert_close(a.scale.call(x, 2.0).get(timeout=30).values()[1], t[2:4] * 2)
+        flag = gate()
+        blocked = mt.remote(_wait_for_flag)(x, flag.path)
+        try:
+            pending = a.scale.call(blocked + 1, 3.0)
+            assert a.ping.call().get(timeout=20).values() == ["pong"] * 4
+            assert not pending.done()
+        finally:
+            flag.open()
+        torch.testing.assert_close(pending.get(timeout=60).values()[3], (t[6:] + 1) * 3)
+        # a tensor whose op fails while the call waits for it: the call fails with that error
+        flag2 = gate("second")
+        failing = mt.remote(_fails_on_rank_1)(mt.remote(_wait_for_flag)(x, flag2.path))
+        try:
+            pending = a.scale.call(failing, 1.0)
+            assert a.ping.call().get(timeout=20).values() == ["pong"] * 4
+        finally:
+            flag2.open()
+        with pytest.raises(Exception, match="rank 1's shard only") as err:
+            pending.get(timeout=30)
+        assert "in _fails_on_rank_1" in str(err.value)
+        # the wait is bounded: a tensor never made on the rank fails the call in words
+        monkeypatch.setattr(mt._engine, "VALUE_TIMEOUT_S", 1.0)
+        flag3 = gate("third")
+        slow = mt.remote(_wait_for_flag)(x, flag3.path) + 1
+        try:
+            with pytest.raises(Exception, match="was not made on this rank within 1.0 s"):
+                a.scale.call(slow, 1.0).get(timeout=30)
+        finally:
+            flag3.open()
+    finally:
+        a.stop().get(timeout=30)
 
 
 def test_an_op_dtensor_cannot_shard_fails_here_and_is_never_sent(mesh1, caplog):  # type: ignore[no-untyped-def]

@@ -41,6 +41,30 @@ logger = logging.getLogger(__name__)
 _OK, _ERROR, _PRINTED = wire.OK, wire.ERROR, wire.PRINTED
 
 
+class _ArgWaits(threading.local):
+    """(An async actor's loop thread) set while a call's arguments are unpickled there: waits an
+    argument asked for (:func:`wait_for_argument`), run off the loop before the call starts."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.waits: list[Any] = []
+
+
+_arg_waits = _ArgWaits()
+
+
+def wait_for_argument(wait: Any) -> bool:
+    """For what unpickles an endpoint's argument that this process makes a moment later (a mesh
+    tensor's local tensor, still being computed here): on an async actor's loop, ``wait()``
+    (which blocks until it has filled the argument in, or raises the call's error) runs in a
+    thread before the call starts, so the loop serves its other tasks meanwhile, and the call
+    still starts in its turn. Returns False elsewhere (a sync actor): the caller waits in place."""
+    if not _arg_waits.on:
+        return False
+    _arg_waits.waits.append(wait)
+    return True
+
+
 class _LoopQueue:
     """An async actor's mailbox, used on its loop only: asyncio.Queue without its size bound,
     its getters' queue (there is one reader) and their bookkeeping (a quarter of the Python an
@@ -915,7 +939,16 @@ class ActorSlot:
         self._reply(raddr, rport, index, status, result, method)
 
     async def _call_async(self, meta: tuple[Any, ...], body: Any, buffers: list[Any]) -> None:
-        prep = self._prepare(meta, body, buffers)
+        aw = _arg_waits
+        aw.on = True
+        try:
+            prep = self._prepare(meta, body, buffers)
+        finally:
+            aw.on = False
+        if aw.waits:
+            waits, aw.waits = aw.waits, []
+            if prep is not None and not await self._wait_for_arguments(meta, waits):
+                return
         if prep is None:
             return
         fn, args, kwargs, raddr, rport, index, mrank, call_id, method = prep
@@ -963,6 +996,28 @@ class ActorSlot:
         if self._claim is not None and self._handling:
             self._claim_to_loop()
         self._reply(raddr, rport, index, status, result, method)
+
+    async def _wait_for_arguments(self, meta: tuple[Any, ...], waits: list[Any]) -> bool:
+        """Run the arguments' waits in a thread (see :func:`wait_for_argument`); False when one
+        failed, and the caller has its error, as for any argument that cannot be unpickled."""
+        loop = asyncio.get_running_loop()
+        try:
+            for w in waits:
+                await loop.run_in_executor(None, w)
+        except asyncio.CancelledError:
+            if self.stopping:
+                self._refuse(("call", meta))
+            raise
+        except Exception as e:
+            self._reply(
+                meta[2],
+                meta[3],
+                meta[4],
+                wire.ERROR,
+                self._error(e, f"unpickling the arguments of {self.instance_info.name}.{meta[1]}"),
+            )
+            return False
+        return True
 
     async def _fail_async(self, f: _ActorFailed) -> None:
         if self.failed is not None:

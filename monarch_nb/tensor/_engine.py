@@ -297,10 +297,10 @@ def _said_as_op(fut: Future[Any], what: str) -> Any:
         raise
 
 
-def _local_of(token: str, id: int, mesh: str, timeout_s: float) -> Any:
+def _local_of(token: str, id: int, mesh: str, timeout_s: float, dtype: torch.dtype | None = None) -> Any:
     from ._worker import local_of
 
-    return local_of(token, id, mesh, timeout_s)
+    return local_of(token, id, mesh, timeout_s, dtype)
 
 
 def _dropper(buf: Any) -> Any:
@@ -365,7 +365,7 @@ class MeshTensor:
         e = self._engine.root or self._engine
         e.start()
         e.lends[self._id] = e.lends.get(self._id, 0) + 1
-        return (_local_of, (e.token, self._id, e.procs._name, VALUE_TIMEOUT_S))
+        return (_local_of, (e.token, self._id, e.procs._name, VALUE_TIMEOUT_S, self.dtype))
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -3,6 +3,7 @@ an op made, an optimizer say) and running the controller's op records in the ord
 
 from __future__ import annotations
 
+import collections
 import datetime
 import os
 import threading
@@ -82,11 +83,13 @@ _arrived = threading.Condition()
 _waiting = 0
 
 
-def local_of(token: str, id: int, mesh: str, timeout_s: float) -> Any:
+def local_of(token: str, id: int, mesh: str, timeout_s: float, dtype: torch.dtype | None = None) -> Any:
     """What an actor's endpoint gets for a mesh tensor among its arguments (as Monarch's actors
     do): this rank's local tensor of it, once this rank's tensor worker has run the op making it
-    (the op went to the worker first, by another path, so it may be a moment behind)."""
-    global _waiting
+    (the op went to the worker first, by another path, so it may be a moment behind, or still
+    running). An async actor's loop does not wait for it: the argument is filled in by a wait in
+    a thread before the call starts, so its other tasks go on meanwhile."""
+    from ..actor._host import wait_for_argument
 
     worker = _workers.get(token)
     if worker is None:
@@ -95,16 +98,47 @@ def local_of(token: str, id: int, mesh: str, timeout_s: float) -> Any:
             f"rank's local tensor only when it runs on that mesh's procs (else pass mt.fetch_shard(t, ...).get())"
         )
     deadline = time.monotonic() + timeout_s
+    if dtype is not None:
+        with _arrived:
+            v = worker.take(id)
+        if v is None:
+            out = torch.empty(0, dtype=dtype, device=worker.device)
+
+            def fill() -> None:
+                out.set_(_local(_wait_take(worker, id, mesh, deadline, timeout_s)))
+
+            if wait_for_argument(fill):
+                return out
+        else:
+            return _local(v)
+    return _local(_wait_take(worker, id, mesh, deadline, timeout_s))
+
+
+def _wait_take(worker: TensorWorker, id: int, mesh: str, deadline: float, timeout_s: float) -> Any:
+    global _waiting
+
     with _arrived:
         _waiting += 1
         try:
             while (v := worker.take(id)) is None:
+                if id in worker.expired:
+                    raise KeyError(
+                        f"mesh tensor {id} of proc mesh {mesh!r} was freed on this rank before this call read it "
+                        "(its handle was dropped, and the call came more than 300 s later)"
+                    )
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"mesh tensor {id} of proc mesh {mesh!r} was not made on this rank within {timeout_s} s")
+                    raise TimeoutError(
+                        f"mesh tensor {id} of proc mesh {mesh!r} was not made on this rank within {timeout_s} s "
+                        "(the op making it still runs there, or waits behind one that does)"
+                    )
                 _arrived.wait(left)
         finally:
             _waiting -= 1
+    return v
+
+
+def _local(v: Any) -> Any:
     if isinstance(v, _Failed):
         raise raised_again(v.error).with_traceback(v.error.__traceback__)
     return (v.to_local() if isinstance(v, DTensor) else v).detach() if isinstance(v, torch.Tensor) else v
@@ -124,6 +158,8 @@ class TensorWorker(Actor):
         #: freed ones some call has not taken yet: id -> [value, calls still to come, deadline]
         self.taken: dict[int, int] = {}
         self.kept: dict[int, list[Any]] = {}
+        #: (under _arrived) the last ids whose kept tensor expired unread: a call reading one is told so
+        self.expired: collections.deque[int] = collections.deque(maxlen=1024)
 
     def take(self, id: int) -> Any:
         """(under _arrived) ``id``'s entry for an actor call on this rank, or None: not made yet."""
@@ -231,6 +267,7 @@ class TensorWorker(Actor):
         with _arrived:
             for k in [k for k, e in self.kept.items() if e[2] < now]:
                 del self.kept[k]
+                self.expired.append(k)
             left = calls - self.taken.pop(id, 0)
             if v is not None and left > 0:
                 self.kept[id] = [v, left, now + 300.0]
