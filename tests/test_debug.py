@@ -862,6 +862,136 @@ def test_arguments_that_name_no_mesh_or_rank_are_refused_by_name() -> None:
         debug.attach("debugee", "x")  # type: ignore[arg-type]
 
 
+class Awaiting(Actor):
+    """A training loop suspended at awaits: a call on a queue, a task it started, many more calls."""
+
+    def __init__(self) -> None:
+        self.q: asyncio.Queue[int] = asyncio.Queue()
+
+    @endpoint
+    async def train(self, steps: int) -> None:
+        self.beat = asyncio.get_running_loop().create_task(self.heartbeat())
+        await self.next_batch()
+
+    async def next_batch(self) -> int:
+        return await self.q.get()
+
+    async def heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(3600)
+
+    @concurrent_endpoint
+    async def fetch(self, n: int) -> None:
+        await asyncio.gather(*[self.q.get() for _ in range(n)])
+
+
+def test_stacks_of_an_async_actor_show_each_running_call_and_where_it_awaits(allocator: Any) -> None:
+    # the loop thread was all stacks showed ("only monarch_nb frames: waiting for work"), though
+    # calls were running: they are coroutines suspended at awaits, on no thread's stack
+    procs = allocator.hosts.spawn_procs(per_host={"gpus": 2}, name="stk-async")
+    try:
+        a = procs.spawn("awaiting", Awaiting)
+        fetches = [a.fetch.call(2000) for _ in range(3)]  # concurrent: begun before train holds the loop
+        train = a.train.call(5)
+        idle = "[ranks 0-1 (2)] thread monarch-actor-event-loop (awaiting)\n    (event loop idle: its calls and tasks wait at awaits, listed below)"
+        got: list[Any] = []
+
+        # every rank's loop back in select, with train suspended (the fetches' 12,000 tasks start first)
+        def suspended() -> bool:
+            got.append(str(debug.stacks(a, timeout=10)))
+            return idle in got[-1] and "[ranks 0-1 (2)] call awaiting.train" in got[-1]
+
+        wait_for(suspended, 30, "train suspended on every rank")
+        st = debug.stacks(a, timeout=10)
+        text = str(st)
+        assert idle in text, text
+        assert "waiting for work" not in text.split("thread monarch-actor-event-loop (awaiting)")[1].split("thread")[0], text
+        # each call: which, for how long, who called it, and the await chain it is suspended in
+        m = re.search(
+            r"\[ranks 0-1 \(2\)\] call awaiting\.train · running for [\d.]+(-[\d.]+)? s · called by this controller\n((?:    .*\n)+)",
+            text + "\n",
+        )
+        assert m, text
+        block = m.group(2)
+        for want in (
+            "train (",
+            "await self.next_batch()",
+            "next_batch (",
+            "return await self.q.get()",
+            "get (asyncio/queues.py",
+            "(awaiting a Future)",
+        ):
+            assert want in block, block
+        assert "_host.py" not in text and "_call_async" not in text, text
+        assert "call awaiting.fetch ×6 · running for" in text and "(awaiting gather())" in text, text
+        # a task the actor started itself, and the gather's 12,000 children, counted not repeated
+        assert "task awaiting: Awaiting.heartbeat\n    heartbeat (" in text and "await asyncio.sleep(3600)" in text, text
+        assert "task awaiting: Queue.get ×12000" in text, text
+        assert len(text) < 4000 and len(st._repr_html_()) < 8000, text
+        html = st._repr_html_()
+        assert "call awaiting.train · running for" in html and "return await self.q.get()" in html
+        assert not any(f.done() for f in [train, *fetches])
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_a_stack_dump_of_a_loop_with_many_tasks_is_bounded_and_never_waits_for_the_loop() -> None:
+    from types import SimpleNamespace
+
+    from monarch_nb.actor import _stackdump
+    from monarch_nb.debug._stacks import RankStack, Stacks
+
+    loop = asyncio.new_event_loop()
+    ready, blocked, release = threading.Event(), threading.Event(), threading.Event()
+    # 10,000 tasks in 100 distinct stacks (a coroutine function each), then the loop stuck in a
+    # callback: the dump reads the suspended tasks without it
+    ns: dict[str, Any] = {"asyncio": asyncio}
+    exec("\n".join(f"async def wait_{i}(ev):\n    await ev.wait()" for i in range(100)), ns)
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        ev = asyncio.Event()
+        tasks.extend(loop.create_task(ns[f"wait_{i % 100}"](ev)) for i in range(10_000))
+        loop.call_soon(ready.set)
+        loop.call_soon(lambda: (blocked.set(), release.wait(60)))
+        loop.run_forever()
+
+    tasks: list[asyncio.Task[None]] = []
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    try:
+        assert ready.wait(30) and blocked.wait(30)
+        slot = SimpleNamespace(is_async=True, loop=loop, running={}, thread=th)
+        t0 = time.monotonic()
+        dump = _stackdump.collect(SimpleNamespace(actors={"tr#1.0": slot}, hostname="h"))
+        assert time.monotonic() - t0 < 10
+        got = dump["actors"]["tr#1.0"]
+        assert len(got["groups"]) == _stackdump.MAX_GROUPS and got["left_out"] == 10_000 - 100 * _stackdump.MAX_GROUPS, got[
+            "left_out"
+        ]
+        assert sum(g["count"] for g in got["groups"]) == 100 * _stackdump.MAX_GROUPS
+        import pickle
+
+        assert len(pickle.dumps(dump)) < 64_000
+        text = str(Stacks("tr", [RankStack(0, "h", 1, threads=dump["threads"], actors=dump["actors"])], internal=False))
+        assert (
+            f"rank 0: 6800 tasks of tr left out (each rank sends its first {_stackdump.MAX_GROUPS} distinct stacks per actor)"
+            in text
+        ), text
+        assert len(re.findall(r"task tr: (wait_\d+) ×100\n    \1 \(<string>:\d+\)\n    wait \(asyncio/locks.py", text)) == 32, (
+            text
+        )
+        assert len(text) < 40_000
+    finally:
+        release.set()
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(30)
+        for t in tasks:
+            t.cancel()
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        loop.close()
+
+
 SCRIPT = """
 from monarch_nb.actor import Actor, endpoint, current_rank, this_host
 

@@ -800,7 +800,7 @@ def test_debug_magics_list_cast_and_continue(k: Kernel) -> None:
     assert re.search(r"Cell In\[\d+\], line 7", table) and "ipykernel_" not in table, table
     # ranks paused in pdb still answer for their stacks (the I/O thread does)
     st = _ok(k.run("%mesh stacks dbgm")).result
-    assert re.search(r"\[ranks 0-1 \(2\)\] thread monarch-actor-driver\n\s+halt \(Cell In\[\d+\], line 7\)", st), st
+    assert re.search(r"\[ranks 0-1 \(2\)\] thread monarch-actor-driver \(halts\)\n\s+halt \(Cell In\[\d+\], line 7\)", st), st
     assert "no answer" not in st
     out = _ok(k.run("%mesh debug cast halts 0-1 p mine")).stream()
     assert "[0] 0" in out and "[1] 7" in out

@@ -17,7 +17,7 @@ from typing import Any
 
 from .._errgroup import _internal, cell_number, show_internal_frames
 from .._ranks import format_ranks, select_ranks
-from ..actor import _context, _debugwait
+from ..actor import _context, _debugwait, _stackdump
 
 __all__ = ["Stacks", "stacks"]
 
@@ -40,6 +40,8 @@ class RankStack:
     error: str = ""
     native: str = ""
     native_error: str = ""
+    #: each actor's running calls and asyncio tasks (``_stackdump.collect``'s ``actors``)
+    actors: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -49,30 +51,50 @@ class _Node:
     func: str = ""
     ranks: set[int] = field(default_factory=set)
     children: dict[Any, _Node] = field(default_factory=dict)
+    #: (a call's or task's top node) how long its calls have run, who called them, how many
+    ages: list[float] = field(default_factory=list)
+    callers: set[str] = field(default_factory=set)
+    count: int = 0
 
 
 class Stacks:
     """What :func:`stacks` returns: per-rank stacks and their merged tree (HTML in a notebook)."""
 
-    def __init__(self, mesh: str, ranks: list[RankStack], internal: bool) -> None:
+    def __init__(self, mesh: str, ranks: list[RankStack], internal: bool, callers: dict[str, str] | None = None) -> None:
         self.mesh = mesh
         self.ranks = ranks
         self.internal = internal
         self.root = _Node("")
+        #: caller address -> how to name it ("this controller", "rank 3")
+        self._callers = callers or {}
+        #: (actor, ranks) of tasks left out of a rank's answer (too many distinct stacks)
+        self.left_out: dict[str, dict[int, int]] = {}
         for rs in ranks:
             if rs.threads is None:
                 continue
+            waiting = {a for a, v in rs.actors.items() if any(self._shown(g) for g in v.get("groups", []))}
             for t in rs.threads:
                 if t.get("collector"):
                     continue  # the I/O thread that answered: its stack is this request
-                self._add(rs.rank, t)
+                self._add(rs.rank, t, t.get("actor") in waiting)
+            for a, v in rs.actors.items():
+                for g in v.get("groups", []):
+                    if self._shown(g):
+                        self._add_calls(rs.rank, a, g)
+                if v.get("left_out"):
+                    self.left_out.setdefault(_actor_name(a), {})[rs.rank] = v["left_out"]
+        for node in self.root.children.values():
+            if node.count:
+                node.label = self._call_label(node)
 
     @property
     def unanswered(self) -> list[RankStack]:
         return [r for r in self.ranks if r.threads is None]
 
-    def _add(self, rank: int, thread: dict[str, Any]) -> None:
+    def _add(self, rank: int, thread: dict[str, Any], tasks_below: bool = False) -> None:
         name = _THREAD_SUFFIX.sub("", thread["name"])
+        if thread.get("actor"):
+            name += f" ({_actor_name(thread['actor'])})"
         frames = [
             f for f in thread["frames"] if (f[0].rsplit("/", 1)[-1], f[2]) not in _BOOTSTRAP and not f[0].startswith("<frozen ")
         ]
@@ -85,7 +107,13 @@ class Stacks:
         node.ranks.add(rank)
         shown = [f for f in frames if self.internal or not _internal(f[0])]
         if frames and not shown:
-            shown = [("", 0, "(only monarch_nb frames: waiting for work)", "")]
+            # an async actor's loop thread waits in select while its calls are suspended at awaits
+            what = (
+                "(event loop idle: its calls and tasks wait at awaits, listed below)"
+                if tasks_below
+                else "(only monarch_nb frames: waiting for work)"
+            )
+            shown = [("", 0, what, "")]
         for file, line, func, src in shown:
             key = (file, line, func)
             child = node.children.get(key)
@@ -93,6 +121,54 @@ class Stacks:
                 child = node.children[key] = _Node(_frame_label(file, line, func), src or _local_source(file, line), func)
             child.ranks.add(rank)
             node = child
+
+    def _shown(self, g: dict[str, Any]) -> bool:
+        """A group worth a block: a call, or a task running code other than monarch_nb's own
+        (the actor's loop waiting for its next message is not)."""
+        return bool(g.get("method")) or self.internal or not all(_internal(f[0]) for f in g.get("frames", []))
+
+    def _add_calls(self, rank: int, actor: str, g: dict[str, Any]) -> None:
+        name = _actor_name(actor)
+        method = g.get("method")
+        key = ("call", name, method) if method else ("task", name, g.get("task"))
+        node = self.root.children.get(key)
+        if node is None:
+            node = self.root.children[key] = _Node(f"call {name}.{method}" if method else f"task {name}: {g.get('task')}")
+        node.ranks.add(rank)
+        node.count += g.get("count", 1)
+        for _call_id, caller, age in g.get("calls", []):
+            node.ages.append(age)
+            node.callers.add(self._callers.get(caller, caller or "nobody (no reply wanted)"))
+        frames = [f for f in g.get("frames", []) if not f[0].startswith("<frozen ")]
+        shown = [f for f in frames if self.internal or not _internal(f[0])]
+        if g.get("running"):
+            tail = (
+                "(running now on the event loop thread: its stack is above)"
+                if g.get("task")
+                else "(on the actor's thread: its stack is above)"
+            )
+        else:
+            tail = f"({g.get('awaiting') or 'ready to run: waiting for its turn on the event loop'})"
+        for file, line, func, src in [*shown, ("", 0, tail, "")]:
+            k = (file, line, func)
+            child = node.children.get(k)
+            if child is None:
+                child = node.children[k] = _Node(
+                    _frame_label(file, line, func), src or _local_source(file, line), func if file else ""
+                )
+            child.ranks.add(rank)
+            node = child
+
+    def _call_label(self, node: _Node) -> str:
+        n = len(node.ranks)
+        parts = [node.label + (f" ×{node.count}" if node.count != n else "")]
+        if node.ages:
+            lo, hi = min(node.ages), max(node.ages)
+            parts.append(f"running for {lo:.1f} s" if f"{lo:.1f}" == f"{hi:.1f}" else f"running for {lo:.1f}-{hi:.1f} s")
+        if node.callers:
+            shown = sorted(node.callers)
+            parts.append("called by " + ", ".join(shown[:4]) + (f" and {len(shown) - 4} more" if len(shown) > 4 else ""))
+        return " · ".join(parts)
 
     # ------------------------------------------------------------ text
     def __str__(self) -> str:
@@ -105,6 +181,7 @@ class Stacks:
         for r in self.ranks:
             if r.native_error:
                 out.append(f"  rank {r.rank}: native stack unavailable: {r.native_error}")
+        out.extend("  " + ln for ln in self._left_out_lines())
         for child in self.root.children.values():
             self._text(child, 1, out, True)
         return "\n".join(out)
@@ -143,6 +220,8 @@ class Stacks:
                 parts.append(
                     f'<div class="mnb-note">rank {r.rank}: native stack unavailable: {html.escape(r.native_error)}</div>'
                 )
+        for ln in self._left_out_lines():
+            parts.append(f'<div class="mnb-note">{html.escape(ln)}</div>')
         for child in self.root.children.values():
             parts.append(self._html(child, True))
         parts.append("</div>")
@@ -166,6 +245,16 @@ class Stacks:
             f"<summary>{html.escape(f'{_ranks(ranks)} · {head}')}</summary>"
             f'<div class="mnb-frames">{frames}</div>{kids}</details>'
         )
+
+    def _left_out_lines(self) -> list[str]:
+        out = []
+        for actor, by_rank in self.left_out.items():
+            ranks = sorted(by_rank)
+            out.append(
+                f"{_ranks(ranks)}: {sum(by_rank.values())} tasks of {actor} left out "
+                f"(each rank sends its first {_stackdump.MAX_GROUPS} distinct stacks per actor)"
+            )
+        return out
 
     def _native_groups(self) -> list[tuple[list[int], str]]:
         by: dict[str, list[int]] = {}
@@ -197,6 +286,11 @@ def _chain(node: _Node) -> list[_Node]:
             break
         chain.append(nxt)
     return chain
+
+
+def _actor_name(name: str) -> str:
+    """``trainer#1a2b.3`` -> ``trainer``: the same on every rank."""
+    return name.partition("#")[0]
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -257,6 +351,9 @@ def stacks(
             try:
                 got = futs[i].get(timeout=max(0.05, deadline - time.monotonic()))
                 rs.threads = got["threads"]
+                actors = got.get("actors")
+                # an older proc sends {actor: [methods]}: no calls to show
+                rs.actors = {a: v for a, v in actors.items() if isinstance(v, dict)} if isinstance(actors, dict) else {}
             except TimeoutError:
                 rs.error = (
                     f"no answer within {timeout:g} s: its I/O thread could not get the GIL "
@@ -278,4 +375,8 @@ def stacks(
             except Exception as e:
                 rs.native_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}"
     name = getattr(mesh, "_name", "?")
-    return Stacks(name, out, show_internal_frames() if internal is None else internal)
+    callers = {p.addr: f"rank {i}" for i, p in enumerate(procs)}
+    for a in (getattr(client.rt, "ipc_addr", ""), getattr(client.rt, "tcp_addr", "")):
+        if a:
+            callers[a] = "this controller"
+    return Stacks(name, out, show_internal_frames() if internal is None else internal, callers)
