@@ -74,8 +74,8 @@ class Config:
     #: ``monarch-nb gc`` removes the least recently synced workspaces beyond this total
     code_max_total_bytes: int = 2 << 30
     #: a breakpoint hit while the caller waits with no way to ask for input (nbval, nbconvert,
-    #: a script without a TTY): "continue" it after debug_no_input_timeout, "raise" in the
-    #: caller (after continuing it), or "wait" for an attach from a terminal (monarch-nb debug)
+    #: a script without a TTY): "continue" it after debug_no_input_timeout, "raise" DebugError
+    #: from a wait on the call that stopped (after continuing it), or "wait" for an attach from a terminal (monarch-nb debug)
     debug_no_input: str = "continue"
     #: seconds a breakpoint with no input waits for an attach from elsewhere before "continue"/"raise"
     debug_no_input_timeout: float = 0.0

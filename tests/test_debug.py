@@ -1063,7 +1063,11 @@ gate.open()
 with debug.quiet():
     while not any(s.rank == 1 and s.state == "paused" for s in debug.sessions("dbg")):
         pass
-print(other.ping.call().get(timeout=60).values(), fut.get(timeout=60).values(), flush=True)
+print(other.ping.call().get(timeout=60).values(), flush=True)
+try:
+    fut.get(timeout=60)
+except DebugError as e:  # the call keeps its error, as any failed future does
+    print("again:", e, flush=True)
 procs.stop().get(timeout=60)
 """
 
@@ -1084,8 +1088,91 @@ def test_no_stdin_raise_raises_once_per_call_not_again_for_its_late_rank(tmp_pat
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("raised:") == 1 and "on rank 0 with no input to debug it" in r.stdout, r.stdout
-    assert "['pong', 'pong'] [0, 1]" in r.stdout, r.stdout
+    assert "['pong', 'pong']" in r.stdout, r.stdout
+    assert "again: dbg.go.call(): breakpoint at" in r.stdout and "on rank 1" not in r.stdout, r.stdout
     assert re.search(r"breakpoint at \S+late.py:\d+ on rank 1 skipped \(no input\)", r.stderr), r.stderr
+
+
+OTHER_CALL_SCRIPT = """
+import asyncio
+import os
+import sys
+
+import _gate
+from monarch_nb.actor import Actor, endpoint, this_host
+from monarch_nb.errors import DebugError
+
+
+class Dbg(Actor):
+    @endpoint
+    def stops(self, gate):
+        breakpoint()
+        fd = os.open(gate, os.O_WRONLY | os.O_NONBLOCK)  # lets the other call return
+        os.write(fd, b"g")
+        os.close(fd)
+        return "a"
+
+    @endpoint
+    def waits(self, gate):
+        return "b" if _gate.wait(gate, 60) else "b: the stopped rank never went on"
+
+
+def outcome(read):
+    try:
+        return repr(read())
+    except DebugError as e:
+        return f"DebugError: {e}"
+
+
+gates = [_gate.Gate(f"{sys.argv[1]}{i}") for i in range(2)]
+procs = [this_host().spawn_procs(per_host={"gpus": 1}) for _ in range(2)]
+a, b = procs[0].spawn("a", Dbg), procs[1].spawn("b", Dbg)
+fa, fb = a.stops.call(gates[0].path), b.waits.call(gates[0].path)
+print("get B:", outcome(lambda: fb.get(timeout=60).values()), flush=True)
+print("get A:", outcome(lambda: fa.get(timeout=60).values()), flush=True)
+print("get A again:", outcome(lambda: fa.get(timeout=60).values()), flush=True)
+
+
+async def awaits():
+    fa, fb = a.stops.call_one(gates[1].path), b.waits.call_one(gates[1].path)
+    print("await B:", repr(await fb), flush=True)
+    try:
+        print("await A:", repr(await fa), flush=True)
+    except DebugError as e:
+        print(f"await A: DebugError: {e}", flush=True)
+
+
+asyncio.run(awaits())
+for p in procs:
+    p.stop().get(timeout=60)
+"""
+
+
+def test_no_stdin_raise_fails_the_call_that_stopped_not_the_one_waited_on(tmp_path: Any) -> None:
+    """debug_no_input='raise', a script waiting on call B when a rank of call A stops: B's wait
+    raised A's DebugError (B still running, later killed by stop()), and A returned normally.
+    Now B's wait continues A's rank at once (B returns only once it did) and returns B's value;
+    A's wait raises the DebugError, naming A and its breakpoint; get() and await alike."""
+    path = tmp_path / "other.py"
+    path.write_text(OTHER_CALL_SCRIPT)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run(
+        [PY, str(path), str(tmp_path / "gate")],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        stdin=subprocess.DEVNULL,
+        env=dict(os.environ, MONARCH_NB_DEBUG_NO_INPUT="raise", PYTHONPATH=tests),
+    )
+    assert r.returncode == 0, r.stderr
+    at = rf"breakpoint at {re.escape(str(path))}:14 on rank 0 with no input to debug it"
+    assert "get B: ['b']" in r.stdout, r.stdout
+    assert re.search(rf"get A: DebugError: a\.stops\.call\(\): {at}", r.stdout), r.stdout
+    assert re.search(rf"get A again: DebugError: a\.stops\.call\(\): {at}", r.stdout), r.stdout
+    assert "await B: 'b'" in r.stdout, r.stdout
+    assert re.search(rf"await A: DebugError: a\.stops\.call_one\(\): {at}", r.stdout), r.stdout
+    assert len(re.findall(rf"breakpoint at {re.escape(str(path))}:14 on rank 0 skipped \(no input\)", r.stderr)) == 2, r.stderr
+    assert "ProcsKilledWarning" not in r.stderr, r.stderr
 
 
 class Pty:

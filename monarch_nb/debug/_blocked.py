@@ -8,6 +8,7 @@ ranks after ``debug_no_input_timeout`` and say so, raise, or wait for an attach 
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
@@ -47,7 +48,7 @@ def _settle(quiet: float = 0.15, limit: float = 1.0) -> None:
 def _blocked(fut: Future[Any]) -> None:
     """The console of a main thread blocked on ``fut`` while ranks of its calls are paused."""
     if not _stdin_available():
-        _no_input()
+        _no_input(fut)
         return
     _settle()
     ours = _debugwait.paused()
@@ -79,7 +80,7 @@ def _blocked(fut: Future[Any]) -> None:
     try:
         con.interact(read, until=until)
     except NotImplementedError:  # a frontend that says allow_stdin but cannot answer (StdinNotImplementedError)
-        _no_input()
+        _no_input(fut)
         return
     finally:
         _debugwait.mark_seen(seen)
@@ -198,7 +199,7 @@ def _kernel_reader(done: Any, why: Any, poll: float = 0.1) -> Any:
 _raised_calls: set[str] = set()
 
 
-def _no_input() -> None:
+def _no_input(fut: Future[Any]) -> None:
     cfg = get_config()
     policy = cfg.debug_no_input
     if policy not in ("continue", "raise", "wait"):
@@ -217,6 +218,11 @@ def _no_input() -> None:
     if cfg.debug_no_input_timeout > 0:
         _debugwait.wait_closed(set(ours), cfg.debug_no_input_timeout)
     still = [Session._from(r) for s, r in _debugwait.paused().items() if s in ours]
+    here: list[Session] = []
+    if policy == "raise":
+        # Before the ranks continue (their replies would complete the call): the DebugError
+        # belongs to the call that stopped, not to whatever the program waits on now.
+        here = _fail_calls(fut, [s for s in still if not s.call_id or s.call_id not in _raised_calls])
     futs = [(s, _send(s, "c")) for s in still]
     for s, f in futs:
         try:
@@ -225,11 +231,48 @@ def _no_input() -> None:
             print(f"monarch_nb: could not continue rank {s.rank}: {e}", file=sys.stderr, flush=True)
         _debugwait.forget(s.sid)
         print(f"breakpoint at {_where(s.bp_file, s.bp_line)} on rank {s.rank} skipped (no input)", file=sys.stderr, flush=True)
-    fresh = [s for s in still if not s.call_id or s.call_id not in _raised_calls]
-    if policy == "raise" and fresh:
-        _raised_calls.update(s.call_id for s in fresh if s.call_id)
-        where = ", ".join(f"{_where(s.bp_file, s.bp_line)} on rank {s.rank}" for s in fresh)
-        raise DebugError(f"breakpoint at {where} with no input to debug it (debug_no_input='raise'); the ranks were continued")
+    if here:
+        raise DebugError(f"{_no_input_words(here)} (while waiting for {fut._what})")
+
+
+def _no_input_words(sessions: list[Session]) -> str:
+    where = ", ".join(f"{_where(s.bp_file, s.bp_line)} on rank {s.rank}" for s in sessions)
+    return f"breakpoint at {where} with no input to debug it (debug_no_input='raise'); the ranks were continued"
+
+
+def _fail_calls(fut: Future[Any], fresh: list[Session]) -> list[Session]:
+    """(debug_no_input='raise'.) Fail the futures of the calls whose ranks ``fresh`` stopped
+    with a DebugError naming those ranks, so that a wait on that call raises it, and one on
+    another call (``fut``, blocked when they stopped) returns its own result. Returns the
+    sessions whose call has no future left to carry the error (a breakpoint in ``__init__``,
+    a call whose future was dropped): the wait on ``fut`` raises for those."""
+    if not fresh:
+        return []
+    _raised_calls.update(s.call_id for s in fresh if s.call_id)
+    by_call: dict[str, list[Session]] = {}
+    for s in fresh:
+        by_call.setdefault(s.call_id, []).append(s)
+    # Futures keep no registry by call id (that would cost every call); a scan of the heap, on
+    # this rare path only, finds them, the user's own and those derived from it (call_one's).
+    holders: dict[str, list[Future[Any]]] = {}
+    for o in gc.get_objects():
+        # the state, not done(): that starts a lazy future's work
+        if isinstance(o, Future) and o._state == _debugwait._PENDING:
+            cid = getattr(o, "_call", None)
+            if cid in by_call:
+                holders.setdefault(cid, []).append(o)
+    own = getattr(fut, "_call", None)
+    if own in by_call and fut._state == _debugwait._PENDING and fut not in holders.get(own, []):
+        holders.setdefault(own, []).append(fut)
+    orphans: list[Session] = []
+    for cid, sessions in by_call.items():
+        held = holders.get(cid) if cid else None
+        if not held:
+            orphans += sessions
+            continue
+        for f in held:
+            f._set_exception(DebugError(f"{f._what}: {_no_input_words(sessions)}"))
+    return orphans
 
 
 _debugwait.set_console(_blocked)
