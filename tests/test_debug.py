@@ -1175,6 +1175,50 @@ def test_no_stdin_raise_fails_the_call_that_stopped_not_the_one_waited_on(tmp_pa
     assert "ProcsKilledWarning" not in r.stderr, r.stderr
 
 
+INIT_SCRIPT = """
+from monarch_nb.actor import Actor, endpoint, this_host
+from monarch_nb.errors import DebugError
+
+
+class Dbg(Actor):
+    def __init__(self):
+        breakpoint()
+
+    @endpoint
+    def ping(self):
+        return "pong"
+
+
+procs = this_host().spawn_procs(per_host={"gpus": 1})
+for name in ("first", "second"):
+    try:
+        print(name, "returned", procs.spawn(name, Dbg).ping.call().get(timeout=60).values(), flush=True)
+    except DebugError as e:
+        print(name, "raised:", e, flush=True)
+procs.stop().get(timeout=60)
+"""
+
+
+def test_no_stdin_raise_raises_for_each_mesh_s_init_breakpoint(tmp_path: Any) -> None:
+    """debug_no_input='raise' and breakpoint() in __init__: every spawn of a controller shares one
+    call id, so once the first mesh's DebugError was raised, a second mesh stopping in its
+    __init__ was only skipped and its call returned as if nothing had stopped."""
+    path = tmp_path / "init.py"
+    path.write_text(INIT_SCRIPT)
+    r = subprocess.run(
+        [PY, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        stdin=subprocess.DEVNULL,
+        env=dict(os.environ, MONARCH_NB_DEBUG_NO_INPUT="raise"),
+    )
+    assert r.returncode == 0, r.stderr
+    for name in ("first", "second"):
+        at = rf"{name} raised: breakpoint at {re.escape(str(path))}:8 on rank 0 with no input to debug it"
+        assert re.search(rf"{at} .*\(while waiting for {name}\.ping\.call\(\)\)", r.stdout), r.stdout
+
+
 class Pty:
     """A process on a pseudo-terminal: what a person sees in a terminal, and what they type."""
 

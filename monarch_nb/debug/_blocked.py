@@ -199,6 +199,12 @@ def _kernel_reader(done: Any, why: Any, poll: float = 0.1) -> Any:
 _raised_calls: set[str] = set()
 
 
+def _raise_key(s: Session) -> str:
+    """What one DebugError is raised for: a call, or one actor mesh's ``__init__`` (every spawn
+    of a controller shares one call id, and a second mesh's breakpoint was only skipped)."""
+    return f"{s.call_id} {s.actor_id}" if s.method == "__init__" else s.call_id
+
+
 def _no_input(fut: Future[Any]) -> None:
     cfg = get_config()
     policy = cfg.debug_no_input
@@ -222,7 +228,7 @@ def _no_input(fut: Future[Any]) -> None:
     if policy == "raise":
         # Before the ranks continue (their replies would complete the call): the DebugError
         # belongs to the call that stopped, not to whatever the program waits on now.
-        here = _fail_calls(fut, [s for s in still if not s.call_id or s.call_id not in _raised_calls])
+        here = _fail_calls(fut, [s for s in still if not s.call_id or _raise_key(s) not in _raised_calls])
     futs = [(s, _send(s, "c")) for s in still]
     for s, f in futs:
         try:
@@ -248,7 +254,7 @@ def _fail_calls(fut: Future[Any], fresh: list[Session]) -> list[Session]:
     a call whose future was dropped): the wait on ``fut`` raises for those."""
     if not fresh:
         return []
-    _raised_calls.update(s.call_id for s in fresh if s.call_id)
+    _raised_calls.update(_raise_key(s) for s in fresh if s.call_id)
     by_call: dict[str, list[Session]] = {}
     for s in fresh:
         by_call.setdefault(s.call_id, []).append(s)
