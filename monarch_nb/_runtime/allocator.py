@@ -154,16 +154,19 @@ class Allocator(DebugRegistry):
         self.procs.closing = True  # the zygote's exit is expected now, not an error
         why = self.shutdown_why or "closed"
         logger.info("shutting down: %s", why)
+        if self.connection_file:
+            # first: stopping the meshes takes seconds (their __cleanup__), and a controller told
+            # of this shutdown that spawns again meanwhile must start a new allocator, not find
+            # this one (which refuses spawns now)
+            try:
+                os.unlink(self.connection_file)
+            except OSError:
+                pass
         try:
             self.rt.submit(self._shut_down(why)).result(timeout=15)
         except Exception:
             logger.exception("stopping procs failed")
         self.procs.close()
-        if self.connection_file:
-            try:
-                os.unlink(self.connection_file)
-            except OSError:
-                pass
         self.rt.close()
 
     # ------------------------------------------------------------ procs and their output
