@@ -164,10 +164,12 @@ class _Call:
 
     def __init__(self, call_id: str) -> None:
         self.id = call_id
-        self.streams: list[TaggedStream] = []
+        #: made at its first marker (most calls print nothing)
+        self.streams: list[TaggedStream] | None = None
 
 
 _NO_CALL = _Call("")
+_new = object.__new__
 
 #: the call of the thread or asyncio task that writes (each actor thread has its own context,
 #: each task a copy of its creator's): two calls running at once in one proc (two actors, an
@@ -188,11 +190,14 @@ _fast_streams: list[TaggedStream] = []
 def begin_call(call_id: str) -> None:
     """Tag what this context (thread, task) prints from now on with ``call_id``, until
     :func:`end_call` (markers follow lazily, in-band)."""
-    c = _Call(call_id)
+    # on every call: no __init__ frame, no list until it prints, the fast-path loop inline
+    c = _new(_Call)
+    c.id, c.streams = call_id, None
     _running.append(c)
     _latest[0] = c
     _call_var.set(c)
-    _end_fast_paths()
+    for s in _fast_streams:  # _end_fast_paths()
+        s.__dict__.pop("write", None)
 
 
 def current_call() -> str | None:
@@ -276,8 +281,11 @@ class TaggedStream(io.TextIOWrapper):
                 _text_flush(self)
                 self.buffer.write(marker(c.id))
                 self._mnb_flushed = 0.0
-                if c.id and self not in c.streams:
-                    c.streams.append(self)
+                if c.id:
+                    if c.streams is None:
+                        c.streams = [self]
+                    elif self not in c.streams:
+                        c.streams.append(self)
             n = _text_write(self, s)
             if self._mnb_coalesce and ("\n" in s or "\r" in s):
                 now = time.monotonic()
@@ -401,16 +409,20 @@ def end_call(call_id: str = "") -> bool:
     if c is None:
         return False
     _call_var.set(None)
-    if c in _running:
+    try:
         _running.remove(c)
+    except ValueError:  # dropped by set_call
+        pass
     _latest[0] = (_running[-1:] or [_NO_CALL])[0]  # one read: another thread may empty the list between two
-    _end_fast_paths()
+    for s in _fast_streams:  # _end_fast_paths(), inline: this runs on every call
+        s.__dict__.pop("write", None)
     # the streams the call wrote to (its first write to each put a marker there): one it did
     # not write to has none of its text to flush (most calls print nothing, and the flushes
     # were a tenth of a small call's work in the proc)
-    if not c.streams:
+    streams = c.streams
+    if not streams:
         return False
-    mine = [s for s in _tagged if s in c.streams] + [s for s in c.streams if s not in _tagged]
+    mine = [s for s in _tagged if s in streams] + [s for s in streams if s not in _tagged]
     for s in mine:
         try:
             # the last one names the call: the others' text is in their pipes by then (these
