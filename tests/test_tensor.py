@@ -539,6 +539,58 @@ def test_an_ops_error_is_headed_with_the_op_not_the_hidden_actor(mesh1):  # type
             assert "_tensor_engine" not in text, f"{how}: {text}"
 
 
+class _BackwardFailsOnRank1(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        from monarch_nb.actor import current_rank
+
+        if grad.device.type != "meta" and current_rank().rank == 1:
+            raise RuntimeError("backward of rank 1's shard only")
+        return grad
+
+
+def _backward_fails_on_rank_1(x: torch.Tensor) -> torch.Tensor:
+    return _BackwardFailsOnRank1.apply(x)
+
+
+class _SGDFailsOnRank1(torch.optim.SGD):
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        from monarch_nb.actor import current_rank
+
+        if current_rank().rank == 1:
+            raise RuntimeError("step of rank 1 only")
+        return super().step(closure)
+
+
+def test_an_error_of_an_op_without_a_result_is_raised_at_the_next_read(mesh1):  # type: ignore[no-untyped-def]
+    # loss.backward() and an optimizer's step make no tensor to keep their error on: a failure
+    # on the ranks was lost without a word, and the loss read as if all went well
+    ref = gen(8, 6)
+    w = mt.distribute(ref, mesh1, [Replicate()]).requires_grad_()
+    loss = mt.remote(_backward_fails_on_rank_1)(w).sum()
+    loss.backward()
+    with pytest.raises(Exception, match="backward of rank 1's shard only") as err:
+        loss.item()
+    text = str(err.value)
+    assert text.splitlines()[0] == "Mesh tensor op Tensor.backward failed.", text
+    assert "made no mesh tensor to keep this error, so it is raised here, at the next read from rank 1" in text
+    assert loss.item() == pytest.approx(ref.sum().item())  # said once; the next read reads
+    # rank 1 has no gradient: said so, not "mesh tensor 5 is not on rank 1 (freed?)"
+    with pytest.raises(Exception, match="Tensor.grad gave None on rank 1 where the controller expected a tensor"):
+        mt.inspect(w.grad)
+    opt = mt.Optimizer(_SGDFailsOnRank1, [w], lr=0.1)
+    opt.step()
+    with pytest.raises(Exception, match="step of rank 1 only") as err:
+        mt.fetch_shard(w, gpus=1).get(timeout=30)
+    assert str(err.value).splitlines()[0] == "Mesh tensor op Optimizer.step failed."
+    torch.testing.assert_close(mt.inspect(w.detach(), gpus=1), ref)  # rank 1 did not step
+    torch.testing.assert_close(mt.inspect(mt.distribute(ref, mesh1, [Shard(0)]) + 1), ref + 1)  # the rest works
+
+
 def test_training_moves_metadata_only_and_matches_local_training(mesh2):  # type: ignore[no-untyped-def]
     """50 steps of an MLP, data parallel on hosts and tensor parallel on gpus, in float64."""
     X, Y = gen(16, 8, seed=1), torch.randint(0, 4, (16,), generator=torch.Generator().manual_seed(2))

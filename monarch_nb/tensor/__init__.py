@@ -374,10 +374,16 @@ class _Step:
     def __call__(self, opt: Any) -> None:
         opt.step()
 
+    def __str__(self) -> str:
+        return "Optimizer.step"
+
 
 class _ZeroGrad:
     def __call__(self, opt: Any) -> None:
         opt.zero_grad(set_to_none=True)
+
+    def __str__(self) -> str:
+        return "Optimizer.zero_grad"
 
 
 def _ref(p: MeshTensor) -> Any:

@@ -185,7 +185,7 @@ def local_shape(shape: list[int], coord: list[int], sizes: list[int], placements
 
 def op_name(func: Any) -> str:
     """How an op is named to the user (in errors): ``Tensor.add``, ``torch.relu``, their function's name."""
-    if isinstance(func, (Method, Attr, Factory, WithMesh)):
-        return str(func)
+    if isinstance(func, (Method, Attr, Factory, WithMesh)) or type(func).__str__ is not object.__str__:
+        return str(func)  # an op object naming itself (Optimizer.step); a function's str is its repr
     mod = getattr(func, "__module__", None) or ""
     return f"{mod + '.' if mod else ''}{getattr(func, '__qualname__', getattr(func, '__name__', repr(func)))}"

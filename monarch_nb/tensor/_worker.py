@@ -160,6 +160,10 @@ class TensorWorker(Actor):
         self.kept: dict[int, list[Any]] = {}
         #: (under _arrived) the last ids whose kept tensor expired unread: a call reading one is told so
         self.expired: collections.deque[int] = collections.deque(maxlen=1024)
+        #: errors of ops that made no tensor to keep them (loss.backward(), an optimizer's step),
+        #: the first kept and how many followed: the next read from this rank raises it
+        self.unread: _Failed | None = None
+        self.unread_more = 0
 
     def take(self, id: int) -> Any:
         """(under _arrived) ``id``'s entry for an actor call on this rank, or None: not made yet."""
@@ -199,6 +203,34 @@ class TensorWorker(Actor):
         names = tuple(labels) if labels else ("ranks",)
         self.mesh = init_device_mesh("cuda" if cuda else "cpu", tuple(sizes) or (1,), mesh_dim_names=names)
         return dist.get_backend()
+
+    def _keep_unread(self, failed: _Failed) -> None:
+        if self.unread is None:
+            self.unread = failed
+        else:
+            self.unread_more += 1
+
+    def _unread_error(self) -> BaseException | None:
+        """The error of an op that made no tensor, to raise at this read (once): without it,
+        a backward or an optimizer step failing here would be lost without a word."""
+        failed, more = self.unread, self.unread_more
+        if failed is None:
+            return None
+        self.unread, self.unread_more = None, 0
+        err = failed.error
+        op = getattr(err, OP_ATTR, "an op")
+        e = raised_again(err).with_traceback(err.__traceback__)
+        note = (
+            f"{op} made no mesh tensor to keep this error, so it is raised here, at the next read from "
+            f"rank {current_rank().rank}" + (f"; {more} more such op(s) failed after it there" if more else "")
+        )
+        e.__notes__ = [*getattr(err, "__notes__", []), note]  # a list of its own: err stays as it was
+        return e
+
+    def _raise_unread(self) -> None:
+        e = self._unread_error()
+        if e is not None:
+            raise e
 
     def _get(self, r: Ref) -> Any:
         v = self.table.get(r.id, None)
@@ -274,18 +306,20 @@ class TensorWorker(Actor):
 
     @endpoint
     def run(self, frees: list[int], records: list[tuple[Any, ...]], key: Any = None) -> None:
-        """Run op records in order; a failing one stores its error under its outputs' ids.
+        """Run op records in order; a failing one stores its error under its outputs' ids and
+        the inputs it changes in place (a record's optional sixth item), or, when it has
+        neither (loss.backward(), an optimizer's step), keeps it for the next read from this rank.
         Records for a slice (``key``) are sent to every rank; those outside it skip them."""
         self._free(frees)
         try:
             mesh = self._mesh(key)
         except Exception as e:
-            for fn, *_, out_ids, _ in records:
-                self.table.update((i, _Failed(e, op_name(fn))) for i in out_ids if i is not None)
+            for fn, _, _, out_ids, _, *mutates in records:
+                self._fail(_Failed(e, op_name(fn)), out_ids, mutates)
             return
         if mesh is None:
             return
-        for fn, args, kwargs, out_ids, grad in records:
+        for fn, args, kwargs, out_ids, grad, *mutates in records:
             try:
                 with torch.set_grad_enabled(grad):
                     if isinstance(fn, Factory):
@@ -297,13 +331,32 @@ class TensorWorker(Actor):
                         a, k = self._resolve((args, kwargs), mesh)
                         out = fn(*a, **k)
                 leaves = pytree.tree_leaves(out)
+                lost = [i for i in out_ids[len(leaves) :] if i is not None]
                 for i, v in zip(out_ids, leaves):
-                    if i is not None:
+                    if i is None:
+                        continue
+                    if v is None:
+                        lost.append(i)
+                    else:
                         self.table[i] = v
+                if lost:
+                    # a None here where the controller's shadow had a tensor (p.grad of a
+                    # backward that failed on this rank): the id would be missing, and its
+                    # read would say "freed?"
+                    missing = RuntimeError(
+                        f"{op_name(fn)} gave None on rank {current_rank().rank} where the controller expected a "
+                        "tensor (p.grad: no backward made one on this rank)"
+                    )
+                    self._fail(_Failed(missing, op_name(fn)), lost, [])
             except Exception as e:  # the error belongs to the op's outputs
-                for i in out_ids:
-                    if i is not None:
-                        self.table[i] = _Failed(e, op_name(fn))
+                self._fail(_Failed(e, op_name(fn)), out_ids, mutates)
+
+    def _fail(self, failed: _Failed, out_ids: list[int | None], mutates: list[Any]) -> None:
+        ids = [i for i in out_ids if i is not None] + [i for m in mutates for i in m]
+        for i in ids:
+            self.table[i] = failed
+        if not ids:
+            self._keep_unread(failed)
 
     @endpoint
     def put(
@@ -325,6 +378,7 @@ class TensorWorker(Actor):
     def fetch(self, frees: list[int], id: int, limit: int = -1) -> torch.Tensor:
         """This rank's local tensor (its first ``limit`` elements, flattened, when >= 0)."""
         self._free(frees)
+        self._raise_unread()
         t = self._get(Ref(id))
         local = t.to_local() if isinstance(t, DTensor) else t
         local = local.detach()
@@ -337,9 +391,9 @@ class TensorWorker(Actor):
         """The global value (a collective: every rank must be asked); rank 0 returns it."""
         self._free(frees)
         try:
-            t, error = self._get(Ref(id)), None
+            t, error = self._get(Ref(id)), self._unread_error()
         except Exception as e:
-            t, error = None, e
+            t, error = None, self._unread_error() or e
         # an op can fail on some ranks only (an index out of range in one shard): the ranks that
         # have a value must not enter the all-gather the others skip, or they wait there until
         # the collective timeout and leave the process group broken for every later tensor
@@ -435,6 +489,7 @@ class TensorWorker(Actor):
         """This rank's local tensor as an RDMABuffer, for the controller to read (full_tensor of
         a large tensor: each piece straight from its rank, no collective)."""
         self._free(frees)
+        self._raise_unread()
         return self._lend(id)
 
     @endpoint
