@@ -539,6 +539,42 @@ def test_an_ops_error_is_headed_with_the_op_not_the_hidden_actor(mesh1):  # type
             assert "_tensor_engine" not in text, f"{how}: {text}"
 
 
+def _checks_on_rank_1(x: torch.Tensor) -> torch.Tensor:
+    from monarch_nb.actor import current_rank
+
+    if x.device.type != "meta" and current_rank().rank == 1:
+        raise ValueError("rank 1's shard fails the check")
+    return x  # handed back unchanged
+
+
+def _doubles_in_place_then_fails_on_rank_1(x: torch.Tensor) -> None:
+    from monarch_nb.actor import current_rank
+
+    x.mul_(2)
+    if x.device.type != "meta" and current_rank().rank == 1:
+        raise ValueError("rank 1 failed after doubling in place")
+
+
+def test_a_remote_fn_handing_back_its_input_leaves_the_input_alone(mesh1):  # type: ignore[no-untyped-def]
+    # it was taken for an in-place op: the function's error then stuck to its input, so x
+    # itself could no longer be read (Monarch 0.7.0 fails only the results, and the inputs
+    # the function changes in place)
+    ref = gen(8, 6)
+    x = mt.distribute(ref, mesh1, [Shard(0)])
+    y = mt.remote(_checks_on_rank_1)(x)
+    assert y.shape == x.shape and y.placements == x.placements
+    with pytest.raises(Exception, match="rank 1's shard fails the check"):
+        mt.inspect(y)
+    torch.testing.assert_close(mt.inspect(x), ref)
+    torch.testing.assert_close(mt.inspect(x + 1), ref + 1)
+    assert y is not x
+    # changed in place: the input does hold the error, even though the function returned nothing
+    mt.remote(_doubles_in_place_then_fails_on_rank_1)(x)
+    with pytest.raises(Exception, match="rank 1 failed after doubling in place"):
+        mt.inspect(x)
+    torch.testing.assert_close(mt.fetch_shard(x, gpus=0).get(timeout=30), ref[:2] * 2)
+
+
 class _BackwardFailsOnRank1(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):  # type: ignore[no-untyped-def]

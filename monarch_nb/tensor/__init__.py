@@ -247,13 +247,16 @@ def reduce(t: MeshTensor, dims: str | Sequence[str], reduction: str = "sum", **_
 
 class remote:
     """``remote(fn)(*mesh_tensors)`` runs ``fn`` on every rank, on the DTensors; the controller
-    runs it on meta shadows for the result's shape, so ``fn`` must work on meta tensors."""
+    runs it on meta shadows for the result's shape, so ``fn`` must work on meta tensors. As in
+    Monarch, if ``fn`` fails on the ranks its results hold the error, and so do the inputs it
+    changes in place (``x.mul_(2)``); an input it hands back unchanged is a new handle, so the
+    error does not stick to the input."""
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return dispatch(self.fn, args, kwargs)
+        return dispatch(self.fn, args, kwargs, user_fn=True)
 
 
 class _DistributeModule:

@@ -857,9 +857,11 @@ def _portable(func: Any) -> Any:
 _name = op_name
 
 
-def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = True) -> Any:
+def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = True, user_fn: bool = False) -> Any:
     """Run ``func`` on the shadows here (shape, placements, errors at once), send it to the
-    ranks, and hand back handles for its tensor results."""
+    ranks, and hand back handles for its tensor results. An input the op changes in place
+    (its shadow's version moved) takes the op's error on the ranks, as in Monarch; one a
+    ``user_fn`` (``mt.remote``) hands back unchanged is a new handle of the same tensor."""
     leaves = pytree.tree_leaves((args, kwargs))
     handles = [x for x in leaves if isinstance(x, _HANDLES)]
     if not handles:
@@ -889,6 +891,7 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
         return x
 
     s_args, s_kwargs = pytree.tree_map(shadow, (args, kwargs))
+    versions = {h._id: h._shadow._version for h in handles if isinstance(h, MeshTensor)}
     try:
         with _Controller():
             out = func(*s_args, **s_kwargs)
@@ -897,14 +900,17 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
             f"{_name(func)} cannot run on mesh tensors with placements "
             f"{[tuple(map(str, h.placements)) for h in handles if isinstance(h, MeshTensor)]}: {type(e).__name__}: {e}"
         ) from e
+    changed = {h._id for h in handles if isinstance(h, MeshTensor) and h._shadow._version != versions[h._id]}
     flat, spec = pytree.tree_flatten(out)
     ids: list[int | None] = []
     results: list[Any] = []
     for v in flat:
-        if id(v) in by_shadow:  # an input handed back (an in-place op, Module.train())
-            h = by_shadow[id(v)]
-            ids.append(h._id)
-            results.append(h)
+        given = by_shadow.get(id(v))
+        if given is not None and not (user_fn and isinstance(given, MeshTensor) and given._id not in changed):
+            # an input handed back (an in-place op, requires_grad_(), Module.train()): the
+            # op's error on the ranks is that input's
+            ids.append(given._id)
+            results.append(given)
         elif isinstance(v, DTensor):
             h = MeshTensor(engine, engine.new_id(), v)
             ids.append(h._id)
@@ -915,7 +921,11 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
             ids.append(None)
             results.append(v)
     r_args, r_kwargs = pytree.tree_map(remote, (args, kwargs))
-    engine.send([(_portable(func), r_args, r_kwargs, ids, torch.is_grad_enabled())])
+    record: tuple[Any, ...] = (_portable(func), r_args, r_kwargs, ids, torch.is_grad_enabled())
+    mutates = sorted(changed - set(ids))
+    if mutates:  # changed in place and not handed back: the ranks fail them too if the op fails
+        record += (mutates,)
+    engine.send([record])
     return pytree.tree_unflatten(results, spec)
 
 
