@@ -417,6 +417,26 @@ def test_an_actor_endpoint_gets_each_ranks_local_tensor_of_a_mesh_tensor(mesh1, 
             other.stop().get(timeout=30)
 
 
+def test_a_slices_tensor_passed_to_an_actor_on_the_whole_mesh_says_so_at_once(mesh1, monkeypatch):  # type: ignore[no-untyped-def]
+    # the ranks outside the slice never make the tensor: their call waited for it until
+    # VALUE_TIMEOUT_S (300 s by default), then said the op "still runs there"
+    monkeypatch.setattr(mt._engine, "VALUE_TIMEOUT_S", 30.0)
+    t = gen(4, 6)
+    half = mesh1.slice(gpus=slice(0, 2))
+    x = mt.distribute(t, half, [Shard(0)])
+    a = mesh1.spawn("scales_of_a_slice", _Scales)
+    try:
+        got = a.slice(gpus=slice(0, 2)).scale.call(x, 2.0).get(timeout=30).values()
+        torch.testing.assert_close(got[1], t[2:] * 2)
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match=r"lives on a slice of proc mesh 'tensor1d' \(its ranks \[0, 1\]\)") as err:
+            a.scale.call(x, 2.0).get(timeout=60)
+        assert time.monotonic() - t0 < 10
+        assert "rank 2 of it, is not in the slice" in str(err.value) and "actor.slice(...)" in str(err.value)
+    finally:
+        a.stop().get(timeout=30)
+
+
 class _AsyncScales(Actor):
     @concurrent_endpoint
     async def scale(self, t: torch.Tensor, k: float) -> torch.Tensor:

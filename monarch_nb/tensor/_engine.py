@@ -297,10 +297,12 @@ def _said_as_op(fut: Future[Any], what: str) -> Any:
         raise
 
 
-def _local_of(token: str, id: int, mesh: str, timeout_s: float, dtype: torch.dtype | None = None) -> Any:
+def _local_of(
+    token: str, id: int, mesh: str, timeout_s: float, dtype: torch.dtype | None = None, ranks: list[int] | None = None
+) -> Any:
     from ._worker import local_of
 
-    return local_of(token, id, mesh, timeout_s, dtype)
+    return local_of(token, id, mesh, timeout_s, dtype, ranks)
 
 
 def _dropper(buf: Any) -> Any:
@@ -365,7 +367,9 @@ class MeshTensor:
         e = self._engine.root or self._engine
         e.start()
         e.lends[self._id] = e.lends.get(self._id, 0) + 1
-        return (_local_of, (e.token, self._id, e.procs._name, VALUE_TIMEOUT_S, self.dtype))
+        # a slice's tensor: the ranks outside it must say so at once, not wait for it
+        ranks = self._engine.ranks if self._engine.root is not None else None
+        return (_local_of, (e.token, self._id, e.procs._name, VALUE_TIMEOUT_S, self.dtype, ranks))
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

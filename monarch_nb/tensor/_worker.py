@@ -83,7 +83,9 @@ _arrived = threading.Condition()
 _waiting = 0
 
 
-def local_of(token: str, id: int, mesh: str, timeout_s: float, dtype: torch.dtype | None = None) -> Any:
+def local_of(
+    token: str, id: int, mesh: str, timeout_s: float, dtype: torch.dtype | None = None, ranks: list[int] | None = None
+) -> Any:
     """What an actor's endpoint gets for a mesh tensor among its arguments (as Monarch's actors
     do): this rank's local tensor of it, once this rank's tensor worker has run the op making it
     (the op went to the worker first, by another path, so it may be a moment behind, or still
@@ -96,6 +98,14 @@ def local_of(token: str, id: int, mesh: str, timeout_s: float, dtype: torch.dtyp
         raise ValueError(
             f"a mesh tensor of proc mesh {mesh!r} was passed to an actor on other procs: an actor gets each "
             f"rank's local tensor only when it runs on that mesh's procs (else pass mt.fetch_shard(t, ...).get())"
+        )
+    if ranks is not None and dist.get_rank() not in ranks:
+        # a tensor of a slice (``ranks``, of the whole mesh): this rank never makes it, and the
+        # call would wait for it until the timeout
+        raise ValueError(
+            f"mesh tensor {id} lives on a slice of proc mesh {mesh!r} (its ranks {ranks}) and this actor's proc, "
+            f"rank {dist.get_rank()} of it, is not in the slice, so it has no local tensor of it: call the actor's slice over the "
+            "tensor's procs (actor.slice(...) with the coordinates of procs.slice(...)), or pass a tensor of the whole mesh"
         )
     deadline = time.monotonic() + timeout_s
     if dtype is not None:
