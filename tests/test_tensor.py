@@ -647,6 +647,34 @@ def test_an_error_of_an_op_without_a_result_is_raised_at_the_next_read(mesh1):  
     torch.testing.assert_close(mt.inspect(mt.distribute(ref, mesh1, [Shard(0)]) + 1), ref + 1)  # the rest works
 
 
+class _SGDMadeOnRank0Only(torch.optim.SGD):
+    def __init__(self, params, **kwargs):  # type: ignore[no-untyped-def]
+        from monarch_nb.actor import current_rank
+
+        params = list(params)
+        if params[0].device.type != "meta" and current_rank().rank == 1:
+            raise RuntimeError("no optimizer on rank 1")
+        super().__init__(params, **kwargs)
+
+
+def test_an_optimizers_bad_argument_is_refused_at_once(mesh1):  # type: ignore[no-untyped-def]
+    # it used to be sent as is: the ranks' optimizer failed, and the error came back only at a
+    # read after a later step, headed "Mesh tensor op monarch_nb.tensor.<... object at 0x...>"
+    w = mt.distribute(gen(8, 6), mesh1, [Shard(0)]).requires_grad_()
+    sent = mt.stats(mesh1)["messages_sent"]
+    with pytest.raises(TensorOpError, match=r"Optimizer\(SGD\): ValueError: Invalid learning rate: -1"):
+        mt.Optimizer(torch.optim.SGD, [w], lr=-1)
+    assert mt.stats(mesh1)["messages_sent"] == sent
+    # one that fails on the ranks only: named as the optimizer, read after its step
+    opt = mt.Optimizer(_SGDMadeOnRank0Only, [w], lr=0.1)
+    opt.step()
+    with pytest.raises(Exception, match="no optimizer on rank 1") as err:
+        mt.inspect(w.detach())
+    text = str(err.value)
+    assert text.splitlines()[0] == "Mesh tensor op Optimizer(_SGDMadeOnRank0Only) failed.", text
+    assert "Optimizer.step made no mesh tensor to keep this error" in text
+
+
 def test_training_moves_metadata_only_and_matches_local_training(mesh2):  # type: ignore[no-untyped-def]
     """50 steps of an MLP, data parallel on hosts and tensor parallel on gpus, in float64."""
     X, Y = gen(16, 8, seed=1), torch.randint(0, 4, (16,), generator=torch.Generator().manual_seed(2))

@@ -337,6 +337,9 @@ class _MakeOptimizer:
     def __call__(self, params: list[Any]) -> Any:
         return self.cls(params, **self.kwargs)
 
+    def __str__(self) -> str:
+        return f"Optimizer({getattr(self.cls, '__name__', self.cls)})"
+
 
 class Optimizer:
     """A torch optimizer over mesh tensors, living on the ranks: ``step()`` and ``zero_grad()``
@@ -354,9 +357,17 @@ class Optimizer:
                 f"Optimizer: its parameters live on different proc meshes ({self._engine.procs!r}, "
                 f"{others[0]._engine.procs!r}); make one optimizer per mesh"
             )
+        make = _MakeOptimizer(cls, kwargs)
+        try:
+            # on the shadows first, as any op: a bad argument (lr=-1) is said here, at once,
+            # instead of failing the ranks' optimizer, read only by a later step
+            with _Controller():
+                make([p._shadow for p in ps])
+        except Exception as err:
+            raise TensorOpError(f"{make}: {type(err).__name__}: {err}") from err
         self._params = ps
         self._id = self._engine.new_id()
-        self._engine.send([(_MakeOptimizer(cls, kwargs), ([_ref(p) for p in ps],), {}, [self._id], False)])
+        self._engine.send([(make, ([_ref(p) for p in ps],), {}, [self._id], False)])
 
     def step(self) -> None:
         self._engine.send([(_Step(), (_ref_id(self._id),), {}, [], False)])

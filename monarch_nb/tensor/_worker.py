@@ -49,10 +49,11 @@ OP_ATTR = "_mesh_tensor_op"
 class _Failed:
     """A table entry whose op failed: every op reading it fails with the same error."""
 
-    __slots__ = ("error",)
+    __slots__ = ("error", "op")
 
     def __init__(self, error: BaseException, op: str) -> None:
         self.error = error
+        self.op = op  # the op that failed with it here (its input's op may have failed first)
         # the op whose error it is, for the controller's header (the error's copies keep it: an
         # op failing on a failed input names the op that failed first)
         if not hasattr(error, OP_ATTR):
@@ -228,10 +229,9 @@ class TensorWorker(Actor):
             return None
         self.unread, self.unread_more = None, 0
         err = failed.error
-        op = getattr(err, OP_ATTR, "an op")
         e = raised_again(err).with_traceback(err.__traceback__)
         note = (
-            f"{op} made no mesh tensor to keep this error, so it is raised here, at the next read from "
+            f"{failed.op} made no mesh tensor to keep this error, so it is raised here, at the next read from "
             f"rank {current_rank().rank}" + (f"; {more} more such op(s) failed after it there" if more else "")
         )
         e.__notes__ = [*getattr(err, "__notes__", []), note]  # a list of its own: err stays as it was
