@@ -675,6 +675,24 @@ def test_an_optimizers_bad_argument_is_refused_at_once(mesh1):  # type: ignore[n
     assert "Optimizer.step made no mesh tensor to keep this error" in text
 
 
+def test_a_gradient_can_be_set_to_none_or_another_mesh_tensor(mesh1):  # type: ignore[no-untyped-def]
+    # p.grad = None (torch's set-to-none zeroing) raised "property 'grad' of 'MeshTensor' object has no setter"
+    ref = gen(8, 6)
+    w = mt.distribute(ref, mesh1, [Shard(0)]).requires_grad_()
+    (w * 3).sum().backward()
+    torch.testing.assert_close(mt.inspect(w.grad), torch.full((8, 6), 3.0))
+    w.grad = None
+    assert w.grad is None
+    (w * 2).sum().backward()  # accumulates onto nothing: 2, not 3 + 2
+    torch.testing.assert_close(mt.inspect(w.grad), torch.full((8, 6), 2.0))
+    w.grad = w.detach() * 0 + 1
+    torch.testing.assert_close(mt.inspect(w.grad), torch.ones(8, 6))
+    with pytest.raises(TypeError, match="grad is None or a mesh tensor"):
+        w.grad = torch.ones(8, 6)
+    with pytest.raises(TensorOpError, match="Tensor.grad ="):
+        w.grad = mt.distribute(torch.ones(3), mesh1, [Replicate()])  # torch refuses another shape
+
+
 def test_training_moves_metadata_only_and_matches_local_training(mesh2):  # type: ignore[no-untyped-def]
     """50 steps of an MLP, data parallel on hosts and tensor parallel on gpus, in float64."""
     X, Y = gen(16, 8, seed=1), torch.randint(0, 4, (16,), generator=torch.Generator().manual_seed(2))

@@ -24,7 +24,7 @@ from .._wire.serialize import loads, nbytes
 from ..actor import Future
 from ..actor._mesh import ProcMesh
 from ..errors import ActorError, MeshClosedError, MonarchNBError
-from ._ops import Attr, Factory, Lit, Method, Ref, Via, WithMesh, chunk_range, local_shape, local_view, op_name
+from ._ops import Attr, Factory, Lit, Method, Ref, SetAttr, Via, WithMesh, chunk_range, local_shape, local_view, op_name
 from ._worker import OP_ATTR, TensorWorker
 
 #: seconds a collective on the ranks may wait for a peer before it fails (a dead rank)
@@ -505,6 +505,13 @@ class MeshTensor:
         if self._shadow.grad is None:
             return None
         return dispatch(Attr("grad"), (self,), {})
+
+    @grad.setter
+    def grad(self, value: MeshTensor | None) -> None:
+        # torch's way to drop a gradient (p.grad = None); without a setter it raised AttributeError
+        if value is not None and not isinstance(value, MeshTensor):
+            raise TypeError(f"a mesh tensor's grad is None or a mesh tensor of its mesh, not {type(value).__name__}")
+        dispatch(SetAttr("grad"), (self, value), {})
 
     @property
     def T(self) -> MeshTensor:

@@ -68,6 +68,19 @@ class Attr:
 
 
 @dataclass(frozen=True)
+class SetAttr:
+    """``x.name = value`` (``p.grad = None``, as torch's set-to-none zeroing does)."""
+
+    name: str
+
+    def __call__(self, obj: Any, value: Any) -> None:
+        setattr(obj, self.name, value)
+
+    def __str__(self) -> str:
+        return f"Tensor.{self.name} ="
+
+
+@dataclass(frozen=True)
 class Factory:
     """``fn(*args, **kwargs)`` made into a DTensor: ``placements`` (Replicate() everywhere when
     None); random factories draw from a generator seeded with ``seed`` on every rank, so the
@@ -185,7 +198,7 @@ def local_shape(shape: list[int], coord: list[int], sizes: list[int], placements
 
 def op_name(func: Any) -> str:
     """How an op is named to the user (in errors): ``Tensor.add``, ``torch.relu``, their function's name."""
-    if isinstance(func, (Method, Attr, Factory, WithMesh)) or type(func).__str__ is not object.__str__:
+    if isinstance(func, (Method, Attr, SetAttr, Factory, WithMesh)) or type(func).__str__ is not object.__str__:
         return str(func)  # an op object naming itself (Optimizer.step); a function's str is its repr
     mod = getattr(func, "__module__", None) or ""
     return f"{mod + '.' if mod else ''}{getattr(func, '__qualname__', getattr(func, '__name__', repr(func)))}"
