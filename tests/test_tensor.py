@@ -691,6 +691,13 @@ def test_a_gradient_can_be_set_to_none_or_another_mesh_tensor(mesh1):  # type: i
         w.grad = torch.ones(8, 6)
     with pytest.raises(TensorOpError, match="Tensor.grad ="):
         w.grad = mt.distribute(torch.ones(3), mesh1, [Replicate()])  # torch refuses another shape
+    # zero_grad(set_to_none=False) keeps zeroed gradients, as torch's (they were dropped: p.grad None)
+    opt = mt.Optimizer(torch.optim.SGD, [w], lr=0.1)
+    opt.zero_grad(set_to_none=False)
+    assert w.grad is not None
+    torch.testing.assert_close(mt.inspect(w.grad), torch.zeros(8, 6))
+    opt.zero_grad()
+    assert w.grad is None
 
 
 def test_training_moves_metadata_only_and_matches_local_training(mesh2):  # type: ignore[no-untyped-def]

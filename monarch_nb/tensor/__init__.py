@@ -373,9 +373,10 @@ class Optimizer:
         self._engine.send([(_Step(), (_ref_id(self._id),), {}, [], False)])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self._params:
-            p._shadow.grad = None
-        self._engine.send([(_ZeroGrad(), (_ref_id(self._id),), {}, [], False)])
+        if set_to_none:
+            for p in self._params:
+                p._shadow.grad = None
+        self._engine.send([(_ZeroGrad(set_to_none), (_ref_id(self._id),), {}, [], False)])
 
     def __del__(self) -> None:
         try:
@@ -393,8 +394,11 @@ class _Step:
 
 
 class _ZeroGrad:
+    def __init__(self, set_to_none: bool = True) -> None:
+        self.set_to_none = set_to_none
+
     def __call__(self, opt: Any) -> None:
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=self.set_to_none)
 
     def __str__(self) -> str:
         return "Optimizer.zero_grad"
