@@ -700,6 +700,26 @@ def test_a_gradient_can_be_set_to_none_or_another_mesh_tensor(mesh1):  # type: i
     assert w.grad is None
 
 
+def _clip(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.utils.clip_grad_norm_([a, b], 1.0)
+
+
+def test_clip_grad_norm_says_to_run_it_on_the_ranks_and_does_there(mesh1):  # type: ignore[no-untyped-def]
+    # it failed with a bare "'MeshTensor' object has no attribute 'device'"
+    W1, W2 = gen(8, 6, seed=1), gen(6, 3, seed=2)
+    w1 = mt.distribute(W1, mesh1, [Shard(1)]).requires_grad_()
+    w2 = mt.distribute(W2, mesh1, [Shard(0)]).requires_grad_()
+    l1, l2 = W1.clone().requires_grad_(), W2.clone().requires_grad_()
+    ((mt.distribute(torch.ones(4, 8), mesh1, [Replicate()]) @ w1) @ w2).pow(2).sum().backward()
+    ((torch.ones(4, 8) @ l1) @ l2).pow(2).sum().backward()
+    with pytest.raises(AttributeError, match=r"has no one device .* mt.remote\(lambda a, b: torch.nn.utils.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_([w1, w2], 1.0)
+    norm = mt.remote(_clip)(w1, w2)
+    torch.testing.assert_close(norm.item(), _clip(l1, l2).item())
+    torch.testing.assert_close(mt.inspect(w1.grad), l1.grad)
+    torch.testing.assert_close(mt.inspect(w2.grad), l2.grad)
+
+
 def test_training_moves_metadata_only_and_matches_local_training(mesh2):  # type: ignore[no-untyped-def]
     """50 steps of an MLP, data parallel on hosts and tensor parallel on gpus, in float64."""
     X, Y = gen(16, 8, seed=1), torch.randint(0, 4, (16,), generator=torch.Generator().manual_seed(2))

@@ -659,6 +659,13 @@ class MeshTensor:
         dispatch(Method("backward"), (self,), {"gradient": gradient, "retain_graph": retain_graph, "create_graph": create_graph})
 
     def __getattr__(self, name: str) -> Any:
+        if name == "device":
+            # torch's helpers over lists of tensors (clip_grad_norm_, foreach ops) read it first
+            # and would fail with a bare AttributeError: they run on the ranks' DTensors instead
+            raise AttributeError(
+                "a mesh tensor has no one device (each rank's piece is on that rank's): run a function that "
+                "needs one on the ranks, e.g. mt.remote(lambda a, b: torch.nn.utils.clip_grad_norm_([a, b], 1.0))(w1, w2)"
+            )
         if name.startswith("_") or not callable(getattr(torch.Tensor, name, None)):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         m = Method(name)
