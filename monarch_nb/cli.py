@@ -1,4 +1,4 @@
-"""monarch-nb: allocator daemon, status, rank logs, keys, debugger."""
+"""monarch-nb: allocator daemon, status, rank logs, stacks, keys, debugger."""
 
 from __future__ import annotations
 
@@ -210,6 +210,22 @@ def _stop_action(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stacks(args: argparse.Namespace) -> int:
+    from .errors import MeshError
+
+    # an unknown name, a --ranks that names no rank of the mesh
+    return _in_one_line("stacks", (MeshError, ValueError), _stacks_action, args)
+
+
+def _stacks_action(args: argparse.Namespace) -> int:
+    """Every thread's stack on a mesh's ranks, as ``%mesh stacks`` shows them: for a kernel stuck
+    in a cell or gone, asked from a terminal as another controller, its owner left as it is."""
+    from .debug import stacks
+
+    print(stacks(args.mesh, args.ranks, native=args.native, timeout=args.timeout))
+    return 0
+
+
 def _keygen(args: argparse.Namespace) -> int:
     import os
     import stat
@@ -362,6 +378,14 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--all", action="store_true", help="every mesh whose controller is gone (with --force: every mesh)")
     sp.add_argument("--force", action="store_true", help="also meshes of a controller that is still running")
     sp.set_defaults(fn=_stop)
+    sk = sub.add_parser(
+        "stacks", help="every thread's Python stack on a mesh's ranks, merged, as %%mesh stacks (also a hung kernel's mesh)"
+    )
+    sk.add_argument("mesh", help="the proc mesh's name, as `monarch-nb status` lists it")
+    sk.add_argument("--ranks", help="a subset of ranks: 0:4, 0-3, 1,3")
+    sk.add_argument("--native", action="store_true", help="add native frames (py-spy dump --native, if installed)")
+    sk.add_argument("--timeout", type=_positive_seconds, default=5.0, help="seconds every rank has to answer (default 5)")
+    sk.set_defaults(fn=_stacks)
     k = sub.add_parser("keygen", help="write a new cluster key file")
     k.add_argument("path")
     k.set_defaults(fn=_keygen)

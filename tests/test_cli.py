@@ -155,3 +155,59 @@ def test_stop_a_mesh_by_name_as_mesh_stop_does() -> None:
         owner.wait(timeout=30)
         _cli("allocator", "stop", **env)
         shutil.rmtree(rdir, ignore_errors=True)
+
+
+def test_stacks_of_a_mesh_whose_kernel_is_stuck_from_a_terminal(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A kernel stuck in a cell cannot run %mesh stacks: `monarch-nb stacks MESH` shows its
+    ranks' stacks from a terminal, as %mesh stacks renders them, and leaves the owner's mesh and
+    its calls as they are."""
+    import shutil
+    import tempfile
+
+    rdir = tempfile.mkdtemp(prefix="mnbs-", dir="/tmp")
+    os.chmod(rdir, 0o700)
+    env = {"MONARCH_NB_RUNTIME_DIR": rdir, "MONARCH_NB_ZYGOTE_PRELOAD": ""}
+    go = tmp_path / "go"
+    # the owner: its main thread waits in a call whose ranks wait until the file `go` exists
+    owner_code = (
+        "import os, sys, time\n"
+        "from monarch_nb.actor import Actor, controller_client, endpoint, this_host\n"
+        "class Stuck(Actor):\n"
+        "    @endpoint\n"
+        "    def wait_here_for_go(self, go):\n"
+        "        while not os.path.exists(go):\n"
+        "            time.sleep(0.05)\n"
+        "        return 'done'\n"
+        "m = this_host().spawn_procs(per_host={'gpus': 2}, name='hung').spawn('stuck', Stuck)\n"
+        "fut = m.wait_here_for_go.call(sys.argv[1])\n"
+        "print('ready', controller_client().cid, flush=True)\n"
+        "print(sorted(fut.get(timeout=60).values()), flush=True)\n"
+    )
+    script = tmp_path / "owner.py"
+    script.write_text(owner_code)
+    owner = subprocess.Popen([PY, str(script), str(go)], env=dict(os.environ, **env), stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        ready, cid = owner.stdout.readline().split()
+        assert ready == "ready"
+        r = _cli("stacks", "hung", **env)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+        assert r.stdout.startswith("stacks of mesh 'hung': 2 ranks\n"), r.stdout
+        # both ranks' stack in the endpoint, merged, with its source line, and whose call it is
+        assert "[ranks 0-1 (2)] thread monarch-actor-driver (stuck)\n" in r.stdout, r.stdout
+        assert f"wait_here_for_go ({script}:7)\n" in r.stdout and "time.sleep(0.05)" in r.stdout, r.stdout
+        assert "[ranks 0-1 (2)] call stuck.wait_here_for_go · running for " in r.stdout, r.stdout
+        assert f"called by controller {cid} (pid {owner.pid})" in r.stdout, r.stdout
+        r = _cli("stacks", "hung", "--ranks", "1", **env)
+        assert r.returncode == 0 and r.stdout.startswith("stacks of mesh 'hung': 1 ranks\n"), (r.stdout, r.stderr)
+        assert "[rank 1] call stuck.wait_here_for_go" in r.stdout, r.stdout
+        _refused(_cli("stacks", "nosuch", **env), "monarch-nb stacks: no mesh named 'nosuch' on this host's allocators")
+        # the owner's call goes on, and its mesh is still its own
+        go.touch()
+        assert owner.stdout.readline() == "['done', 'done']\n"
+        assert owner.wait(timeout=60) == 0
+    finally:
+        owner.kill()
+        owner.wait(timeout=30)
+        _cli("allocator", "stop", **env)
+        shutil.rmtree(rdir, ignore_errors=True)

@@ -632,8 +632,10 @@ class Allocator(DebugRegistry):
                     "pid": c.get("pid"),
                     "host": c.get("host"),
                     "idle_s": now - c["last_seen"],
+                    # the caller of a running call, as a proc's stacks name it
+                    "addr": addr,
                 }
-                for c in self.controllers.values()
+                for addr, c in self.controllers.items()
             ],
             "meshes": [
                 {

@@ -18,6 +18,7 @@ from typing import Any
 from .._errgroup import _internal, cell_number, show_internal_frames
 from .._ranks import format_ranks, select_ranks
 from ..actor import _context, _debugwait, _stackdump
+from ..actor._refs import ProcRef
 
 __all__ = ["Stacks", "stacks"]
 
@@ -325,15 +326,23 @@ def _local_source(file: str, line: int) -> str:
 def stacks(
     mesh: Any, ranks: str | list[int] | None = None, *, native: bool = False, timeout: float = 5.0, internal: bool | None = None
 ) -> Stacks:
-    """The Python stack of every thread of every rank of ``mesh`` (a ProcMesh or ActorMesh),
-    identical stacks merged with their rank sets. ``ranks`` picks some (``"0-3"``); ``native``
+    """The Python stack of every thread of every rank of ``mesh`` (a ProcMesh or ActorMesh, or
+    the name of a proc mesh of this host's allocators, as ``introspect.status()`` lists it: also
+    one another controller owns, or whose kernel is gone), identical stacks merged with their rank sets. ``ranks`` picks some (``"0-3"``); ``native``
     adds ``py-spy dump --native``; every rank answers within ``timeout`` seconds or is listed
     as not answering. ``internal`` shows monarch_nb's own frames (default: the
     ``traceback_internal_frames`` setting)."""
-    view = getattr(mesh, "_view", None)
-    if view is None or not hasattr(mesh, "_procs"):
-        raise TypeError(f"stacks() takes a ProcMesh or an ActorMesh, got {type(mesh).__name__} (%mesh stacks also takes a name)")
-    procs = [mesh._procs[r] for r in view.ranks]
+    callers: dict[str, str] = {}
+    if isinstance(mesh, str):
+        name, procs = mesh, _procs_named(mesh, timeout, callers)
+    else:
+        view = getattr(mesh, "_view", None)
+        if view is None or not hasattr(mesh, "_procs"):
+            raise TypeError(
+                f"stacks() takes a ProcMesh, an ActorMesh or a mesh's name, got {type(mesh).__name__} "
+                "(%mesh stacks also takes a name)"
+            )
+        name, procs = getattr(mesh, "_name", "?"), [mesh._procs[r] for r in view.ranks]
     idx = list(range(len(procs)))
     if ranks is not None:
         idx = select_ranks(ranks, len(procs))
@@ -374,9 +383,35 @@ def stacks(
                 rs.native, rs.native_error = got.get("text", ""), got.get("error", "")
             except Exception as e:
                 rs.native_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}"
-    name = getattr(mesh, "_name", "?")
-    callers = {p.addr: f"rank {i}" for i, p in enumerate(procs)}
+    callers.update({p.addr: f"rank {i}" for i, p in enumerate(procs)})
     for a in (getattr(client.rt, "ipc_addr", ""), getattr(client.rt, "tcp_addr", "")):
         if a:
             callers[a] = "this controller"
     return Stacks(name, out, show_internal_frames() if internal is None else internal, callers)
+
+
+def _procs_named(name: str, timeout: float, callers: dict[str, str]) -> list[ProcRef]:
+    """The procs of mesh ``name`` as this host's allocators list them, asked as any controller
+    asks: no lookup that would own them or subscribe to their output (`monarch-nb stacks` of a
+    hung kernel's mesh must leave its owner as it is). ``callers`` gets the name of each
+    controller attached there, by address: the owner's calls show who made them."""
+    from ..config import runtime_dir
+    from ..errors import MeshError
+    from ..introspect import status
+
+    procs: list[ProcRef] = []
+    names: set[str] = set()
+    for a in status(timeout=timeout)["allocators"]:
+        for c in a.get("controllers", []):
+            if c.get("addr"):
+                callers[c["addr"]] = f"controller {c.get('cid')} (pid {c.get('pid')})"
+        for m in a.get("meshes", []):
+            names.add(m["name"])
+            if m["name"] == name:
+                procs += [ProcRef(p["addr"], a["addr"], a.get("host", ""), p["pid"], name, p["rank"]) for p in m["procs"]]
+    if not procs:
+        raise MeshError(
+            f"no mesh named {name!r} on this host's allocators (runtime directory {runtime_dir()}; "
+            f"meshes: {', '.join(sorted(names)) or 'none'})"
+        )
+    return sorted(procs, key=lambda p: p.rank)
