@@ -259,6 +259,49 @@ def test_stop_allocator_from_the_controller_that_started_it_returns_at_once_with
     assert not _allocator_pids(rdir)
 
 
+_STOP_WHILE_PROCS_CALL_PROCS = (
+    _SCRIPT_PRELUDE
+    + r"""
+import asyncio
+
+class Relay(Actor):
+    @endpoint
+    async def slow(self) -> int:
+        await asyncio.sleep(120)  # answers only if nothing stops it
+        return 1
+
+    @endpoint
+    async def call_a_peer(self, other) -> int:
+        return sum((await other.ping.call()).values())
+
+pm = this_host().spawn_procs(per_host={"gpus": 2}, name="relaying")
+a, b = pm.spawn("a", Relay), pm.spawn("b", Slow)
+# each rank of `a` called `b`: each proc watches its allocator now (and hears it shut down)
+a.call_a_peer.call(b).get(timeout=60)
+pending = a.slow.call()
+stopped = stop_allocator(timeout=60)
+print(json.dumps({"stopped": stopped, "err": error_of(pending, 30)}), flush=True)
+"""
+)
+
+
+def test_stop_allocator_while_procs_call_procs_prints_no_traceback_from_the_procs(rdir: str) -> None:
+    # each proc that called a peer watched its allocator: it logged "[0] allocator ... was shut
+    # down" on hearing the shutdown it is part of, then its bootstrap's goodbye to that
+    # allocator raised, "[0] Traceback ... SupervisionError ... was shut down", on every rank
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="")
+    r = subprocess.run([PY, "-c", _STOP_WHILE_PROCS_CALL_PROCS], env=env, capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "stopped by stop_allocator()" in out["err"], out  # the controller hears why, in the call's error
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr[-3000:]
+    assert "] allocator " not in r.stderr + r.stdout, r.stderr[-3000:]
+    # and the ranks' logs, as the allocator kept them, hold neither
+    logs = subprocess.run([PY, "-m", "monarch_nb", "logs", "relaying"], env=env, capture_output=True, text=True, timeout=60)
+    assert logs.returncode == 0, logs.stderr
+    assert "Traceback" not in logs.stderr + logs.stdout and "was shut down" not in logs.stderr + logs.stdout, logs
+
+
 _HELD_WHILE_STOPPED = (
     _SCRIPT_PRELUDE
     + r"""

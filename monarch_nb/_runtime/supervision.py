@@ -53,6 +53,8 @@ class Watch:
         self.event_port = 0
         #: its process, when it runs on this host (reached over ipc)
         self.local: SilentPeer | None = None
+        #: it said it was shutting down (``lost`` is why), rather than going silent
+        self.shut_down = False
 
 
 class Supervision:
@@ -79,6 +81,9 @@ class Supervision:
         self._ping = dumps(((), {}))
         #: this process's id as its allocators know it (its runtime's uid, a controller's cid)
         self.own_id = own_id
+        #: (a proc's) the addresses of the allocator that owns this process: its shutdown is
+        #: this process's own end, which that allocator tells its controllers, not news to log
+        self.home: set[str] = set()
 
     def wait(self, key: int, on_peer_failed: Callable[[str, SupervisionError], None]) -> None:
         """Tell ``on_peer_failed`` of every peer that fails until :meth:`unwait` (it checks whether
@@ -152,6 +157,11 @@ class Supervision:
         w = self.watches.get(alloc_addr)
         return w is not None and w.lost is not None
 
+    def was_shut_down(self, alloc_addr: str) -> bool:
+        """Whether the allocator at ``alloc_addr`` was lost because it said it was shutting down."""
+        w = self.watches.get(alloc_addr)
+        return w is not None and w.lost is not None and w.shut_down
+
     def local_gone(self, alloc_addr: str) -> bool:
         """Whether the allocator at ``alloc_addr`` runs on this host and its process is gone
         (known at once, before any heartbeat is missed)."""
@@ -217,8 +227,9 @@ class Supervision:
                 cause = str(ev[1])
                 if self.own_id and len(ev) > 2 and ev[2] == self.own_id:
                     cause += " (mesh stopped)"
-                elif w.procs and w.lost is None:
+                elif w.procs and w.lost is None and w.addr not in self.home:
                     logger.warning("%s", cause)
+                w.shut_down = w.shut_down or w.lost is None
                 self.lose(w.addr, cause)
             else:
                 for cb in self.event_callbacks:

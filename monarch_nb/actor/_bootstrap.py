@@ -19,6 +19,7 @@ def main(spec: dict[str, Any]) -> int:
     from .._runtime.transport import Security
     from .._wire.serialize import dumps, loads
     from ..config import Config
+    from ..errors import SupervisionError
     from . import _context
     from ._host import ensure_actor_host
 
@@ -34,6 +35,7 @@ def main(spec: dict[str, Any]) -> int:
         tcp_ip=spec["tcp_ip"],
         label=f"{spec['mesh']}[{spec['rank']}]",
     ).start()
+    rt.supervision.home.update(a for a in (spec["alloc_addr"], spec.get("alloc_tcp")) if a)
     _context.install_runtime(rt, spec)
     _logprefix.install(False)
     _pdb.install(rt)
@@ -48,7 +50,14 @@ def main(spec: dict[str, Any]) -> int:
     host.main_loop()
     host.cleanup_all()
     # the allocator gives a proc a grace period from here, then kills it (and stop() says so)
-    rt.send_actor(spec["alloc_addr"], "__allocator__", "proc_cleaned", *dumps(((spec["token"],), {})))
+    try:
+        rt.send_actor(spec["alloc_addr"], "__allocator__", "proc_cleaned", *dumps(((spec["token"],), {})))
+    except SupervisionError:
+        # this proc heard its allocator shut down (it watches it once its actors call its
+        # peers): nobody is left to tell, and its controllers heard why from the allocator.
+        # An allocator lost otherwise (silent, crashed) stays an error worth its traceback
+        if not any(rt.supervision.was_shut_down(a) for a in rt.supervision.home):
+            raise
     # a normal exit, as Monarch's procs make: non-daemon threads are waited for, then
     # finalizers and atexit handlers run
     _join_threads()
