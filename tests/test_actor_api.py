@@ -946,6 +946,51 @@ class SpawnsToo(Actor):
         return sum(pm.spawn("w6", Counter, start).incr.call(1).get(timeout=20).values())
 
 
+def test_stopping_an_async_actor_cancels_its_background_tasks_and_lets_them_clean_up():
+    # tasks an actor made with asyncio.create_task and never awaited died with the closed loop:
+    # "[0] Task was destroyed but it is pending!" per rank, their `except CancelledError` and
+    # `finally` never ran. Now they are cancelled as asyncio.run (and Monarch) cancel them; one
+    # that ignores its cancellation is named, and its proc still exits rather than being killed
+    code = """
+import asyncio, warnings
+from monarch_nb.actor import Actor, endpoint, this_host
+class Background(Actor):
+    @endpoint
+    async def start(self, stubborn: bool) -> str:
+        async def ticking():
+            try:
+                while True:
+                    await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                print("cancelled, stubborn" if stubborn else "cancelled", flush=True)
+                if not stubborn:
+                    raise
+                while True:
+                    await asyncio.sleep(0.05)
+        self.task = asyncio.create_task(ticking(), name="ticking")
+        return "started"
+procs = this_host().spawn_procs(per_host={"gpus": 2})
+polite = procs.spawn("polite", Background)
+polite.start.call(False).get(timeout=30)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    polite.stop().get(timeout=30)
+    procs.stop().get(timeout=30)
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    procs.spawn("stubborn", Background).start.call(True).get(timeout=30)
+    procs.stop().get(timeout=30)
+print("WARN", [str(x.message) for x in w])
+"""
+    r = run_script(code, timeout=90)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout + r.stderr
+    assert "destroyed but it is pending" not in out, out
+    lines = sorted(ln for ln in r.stdout.splitlines() if "cancelled" in ln)
+    assert lines == ["[0] cancelled", "[0] cancelled, stubborn", "[1] cancelled"], r.stdout
+    assert "background task(s) still running" in out and "(ticking): left unfinished" in out, out
+    assert r.stdout.split("WARN ")[1].splitlines()[0] == "[]", r.stdout  # no proc killed
+
+
 def test_each_spawn_is_its_own_mesh_across_controllers_and_actors():
     pm = this_host().spawn_procs(per_host={"gpus": 2}, name="shared6", persist=True)
     try:

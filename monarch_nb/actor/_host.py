@@ -219,6 +219,7 @@ class ActorSlot:
         before is still handled and answered."""
         self._stop_done = done
         self._stop_owned = owned
+        self._stop_asked = time.monotonic()
         if not graceful:
             self.stopping = True
             if self.is_async:
@@ -456,12 +457,52 @@ class ActorSlot:
         try:
             self.loop.run_until_complete(self._async_main())
         finally:
+            self._end_leftover_tasks()
             # its descriptors go with it (a proc may spawn and stop many actors); a late put
             # finds the loop closed (_put)
             if self._inner is not None:
                 self.loop.remove_reader(self._inner.fileno())
                 self._inner.close()
             self.loop.close()
+
+    def _end_leftover_tasks(self) -> None:
+        """Cancel the tasks the actor started and never awaited (``asyncio.create_task``), and
+        let them run their ``except CancelledError``/``finally`` for the cleanup's grace, as
+        ``asyncio.run`` and Monarch do: closing the loop over them printed "Task was destroyed
+        but it is pending!" per rank, and their cleanup never ran."""
+        loop = self.loop
+        if loop.is_closed() or loop.is_running():
+            return
+        grace = self.rt.cfg.stop_cleanup_timeout
+        asked = getattr(self, "_stop_asked", None)
+        if asked is not None:
+            # within what the allocator gives a stopping proc for its cleanup (less a moment to
+            # say goodbye): a task that ignores its cancellation is named here, and its proc
+            # exits, rather than being killed as if __cleanup__ had hung
+            grace = max(0.0, asked + grace - 0.5 - time.monotonic())
+        try:
+            tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                _done, late = loop.run_until_complete(asyncio.wait(tasks, timeout=grace))
+                for t in tasks:
+                    if t.done() and not t.cancelled() and t.exception() is not None:
+                        logger.error("background task of actor %s raised on cancellation", self.name, exc_info=t.exception())
+                if late:
+                    names = ", ".join(sorted(t.get_name() for t in late))
+                    logger.warning(
+                        "actor %s: %d background task(s) still running %.1f s after being cancelled (%s): left unfinished",
+                        self.name,
+                        len(late),
+                        grace,
+                        names,
+                    )
+                    for t in late:
+                        t._log_destroy_pending = False  # type: ignore[attr-defined]  # said above, once
+            loop.run_until_complete(asyncio.wait_for(loop.shutdown_asyncgens(), grace))
+        except Exception:
+            logger.exception("ending the background tasks of actor %s", self.name)
 
     async def _async_main(self) -> None:
         assert self._aq is not None
