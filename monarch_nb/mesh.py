@@ -13,12 +13,12 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from . import _registry
+from . import _errgroup, _registry
 from ._deadline import budget
 from ._ranks import select_ranks
 from ._registry import _resolve, connect, get, hosts, meshes, restart, spawn
 from .actor import Extent, Future, ProcMesh, ValueMesh, controller_client
-from .errors import ActorError, ExecError, MeshError, SpawnError
+from .errors import ActorError, ExecError, MeshError, SpawnError, SupervisionError
 
 __all__ = [
     "ambiguous_meshes",
@@ -117,6 +117,27 @@ def exec_cell(
         failures = {i: f.exception.args for i, f in errs.items() if isinstance(f.exception, CellFailed)}
         return ExecError(failures, len(idx), pm.name, running=e.running)
 
+    def died(e: SupervisionError, call: Future[Any]) -> SupervisionError:
+        """A rank's process died in the cell (os._exit, a segfault, the OOM killer): the call
+        fails at once, and, as for a rank that raised, the ranks still running then are named:
+        blocked in a collective with the dead rank, perhaps, until the process group times out."""
+        if e.rank is None or not e.mesh or e.cause.startswith("mesh stopped"):
+            return e
+        dead = pm._view.ranks.index(e.rank) if e.rank in pm._view.ranks else e.rank
+        left = call._progress[0][0] if call._progress else 0
+        # the future counts the ranks that had not answered; when that is every rank but the dead
+        # one, they are known by name
+        others = [i for i in idx if i != dead]
+        running: list[int] | int = others if left == len(others) else left
+        host = f" (host {e.host})" if e.host else ""
+        lines = [f"the cell failed on mesh {pm.name!r}: the process of rank {dead} died{host}: {e.cause}"]
+        still = _errgroup.running_line(running, len(idx))
+        if still:
+            lines.append(f"{still}; the next cell on this mesh waits for them (%mesh stop {pm.name} ends them)")
+        out = SupervisionError(e.cause, mesh=e.mesh, actor=e.actor, rank=e.rank, host=e.host, message="\n".join(lines))
+        out.endpoint = e.endpoint
+        return out
+
     def result(call: Future[list[tuple[bool, Any]]]) -> ValueMesh[Any]:
         try:
             raw = call.get()
@@ -124,6 +145,8 @@ def exec_cell(
             if not isinstance(e.exception, CellFailed):
                 raise
             raise failed(e) from None
+        except SupervisionError as e:
+            raise died(e, call) from None
         return collect(raw)
 
     call = am.run.call_ranks(sel, source, label)

@@ -196,3 +196,38 @@ def test_mesh_exec_on_a_mesh_spawned_again_under_the_name_of_one_stopped_by_its_
             assert exec_cell(procs, "import os\nos.getpid()", timeout=60).values() == [p.pid for p in procs._procs]
         finally:
             procs.stop().get(timeout=30)
+
+
+def test_a_mesh_exec_cell_whose_rank_dies_names_it_and_the_ranks_left_waiting_in_the_collective():
+    """A rank's process dies in the cell (os._exit, as the OOM killer or a segfault would end it)
+    while the others wait for it in a store barrier, which no process group timeout ends. The
+    cell fails at once in the cell's words (not those of the hidden exec actor), naming the dead
+    rank and the ranks left waiting; stop() ends them and the name can be set up again."""
+    from monarch_nb.actor import ProcsKilledWarning
+    from monarch_nb.errors import SupervisionError
+    from monarch_nb.mesh import exec_cell
+
+    init = "import os, torch, torch.distributed as dist\ndist.init_process_group('gloo')\ndist.get_rank()"
+    step = (
+        "t = torch.ones(3)\ndist.all_reduce(t)\nif dist.get_rank() == 2:\n    os._exit(1)\n"
+        "dist.distributed_c10d._get_default_store().wait(['never'])\n"
+    )
+    for again in range(2):
+        procs = this_host().spawn_procs(per_host={"gpus": 4}, name="spmd_die")
+        try:
+            setup_env_for_distributed(procs)
+            assert exec_cell(procs, init, timeout=60).values() == [0, 1, 2, 3]
+            if again:
+                break
+            with pytest.raises(SupervisionError) as info:
+                exec_cell(procs, step, timeout=30)
+            text = str(info.value)
+            assert text.startswith("the cell failed on mesh 'spmd_die': the process of rank 2 died (host "), text
+            assert "process " in text and "exited with code 1" in text, text
+            assert "ranks 0-1,3 (3 of 4) were still running when this was raised" in text, text
+            assert "%mesh stop spmd_die ends them" in text and "__mnb_exec__" not in text, text
+            assert info.value.rank == 2 and info.value.mesh == "spmd_die"
+            with pytest.warns(ProcsKilledWarning, match=r"killed 3 proc\(s\): ranks 0-1,3 \(pids"):
+                procs.stop().get(timeout=30)
+        finally:
+            procs.stop().get(timeout=30)
