@@ -231,3 +231,61 @@ def test_a_mesh_exec_cell_whose_rank_dies_names_it_and_the_ranks_left_waiting_in
                 procs.stop().get(timeout=30)
         finally:
             procs.stop().get(timeout=30)
+
+
+class Stuck(Actor):
+    @endpoint
+    def init(self) -> int:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        return dist.get_rank()
+
+    @endpoint
+    def total(self) -> float:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        return float(t.sum())
+
+    @endpoint
+    def step(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        dist.all_reduce(torch.ones(2))
+        if dist.get_rank() == 2:
+            os._exit(1)
+        # a barrier no process group timeout ends: the survivors wait for rank 2 for good
+        dist.distributed_c10d._get_default_store().wait(["never"])
+
+
+def test_stopping_an_actor_mesh_whose_ranks_wait_for_a_dead_one_in_a_collective_returns_and_says_so():
+    """Rank 2 dies while the other ranks wait for it. The actor mesh's stop() cannot end their
+    calls (a thread blocked in C), and waited for them for good; now it returns after
+    stop_cleanup_timeout with the dead rank's error and a warning naming the ranks left running,
+    and the proc mesh's stop() ends them. The same name is then set up and trained again."""
+    import time
+
+    from monarch_nb.errors import SupervisionError
+
+    for again in range(2):
+        procs = this_host().spawn_procs(per_host={"gpus": 4}, name="spmd_stuck")
+        try:
+            setup_env_for_distributed(procs)
+            stuck = procs.spawn("stuck", Stuck)
+            assert stuck.init.call().get(timeout=60).values() == [0, 1, 2, 3]
+            if again:
+                assert stuck.total.call().get(timeout=60).values() == [8.0] * 4
+                break
+            with pytest.raises(SupervisionError, match="rank 2"):
+                stuck.step.call().get(timeout=30)
+            start = time.monotonic()
+            with pytest.warns(RuntimeWarning, match=r"actors on ranks 0-1,3 had not finished the message in hand"):
+                with pytest.raises(SupervisionError, match="process \\d+ exited with code 1"):
+                    stuck.stop().get(timeout=30)
+            assert time.monotonic() - start < 10
+        finally:
+            procs.stop().get(timeout=30)

@@ -359,7 +359,8 @@ class ActorMesh(MeshTrait, Generic[T]):
         # must not reach (and fail on a dead) proc outside it
         procs = {self._procs[r].addr: self._procs[r] for r in self._view.ranks}
         futs = [client.request(p.addr, "stop_actor", self._name, _actor="__sys__") for p in procs.values()]
-        done = _all(futs, "stop actor mesh")
+        ranks = {a: [i for i, r in enumerate(self._view.ranks) if self._procs[r].addr == a] for a in procs}
+        done = _stop_actors(futs, [ranks[a] for a in procs], self._label, client.rt)
         if sup is not None and sup.port is not None:
             # the whole mesh is gone: no more failures to hear of
             done.add_done_callback(lambda _: sup.close(client.rt))
@@ -448,6 +449,56 @@ def _all(futs: list[Future[Any]], what: str) -> Future[None]:
 
     for f in futs:
         f.add_done_callback(done)
+    return out
+
+
+def _stop_actors(futs: list[Future[Any]], ranks: list[list[int]], label: str, rt: Any) -> Future[None]:
+    """An actor mesh's stop: done when every proc has stopped its actor (raising the first
+    failure, a dead proc's), or ``stop_cleanup_timeout`` after it was asked, when some actor is
+    still in the message in hand. A thread blocked in a collective with a dead or hung rank
+    cannot be stopped inside its live proc, and a stop that waited for it would hang the cell
+    for good; those actors take no more calls, and the proc mesh's stop kills their procs."""
+    out: Future[None] = Future._create(f"stop actor mesh {label}")
+    timeout = float(rt.cfg.stop_cleanup_timeout)
+    lock = threading.Lock()
+    settled = [False]
+
+    def finish(fs: list[Future[Any]]) -> None:
+        busy = sorted(r for f, rs in zip(fs, ranks) if not f.done() for r in rs)
+        if busy:
+            import warnings
+
+            from .._errgroup import ranks_text
+
+            warnings.warn(
+                f"stopping actor mesh {label!r}: its actors on {ranks_text(busy)} had not finished the message "
+                f"in hand and __cleanup__ after {timeout:g} s (stop_cleanup_timeout), blocked in a collective "
+                "with a failed or hung rank, perhaps; they take no more calls, but run on until their procs "
+                "stop (stopping the proc mesh kills them)",
+                RuntimeWarning,
+                _callers_level(),
+            )
+        for f in fs:
+            if f.done():
+                f.get()
+
+    def settle(at_deadline: bool) -> None:
+        with lock:
+            if settled[0] or not (at_deadline or all(f.done() for f in futs)):
+                return
+            settled[0] = True
+        out._set_raw(futs, finish)
+
+    for f in futs:
+        f.add_done_callback(lambda _f: settle(False))
+    if not futs:
+        settle(True)
+    else:
+        try:
+            # slack for the replies' trip
+            rt.loop.call_soon_threadsafe(rt.loop.call_later, timeout + 0.5, settle, True)
+        except RuntimeError:  # the runtime is closing
+            pass
     return out
 
 
