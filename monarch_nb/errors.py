@@ -230,7 +230,8 @@ class SupervisionError(MonarchNBError, RuntimeError):
     def _render_traceback_(self) -> list[str]:
         # IPython calls this instead of printing our local frames, which say nothing about the failure
         lines = str(self).splitlines() or [""]
-        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}", *lines[1:]]
+        notes = [str(n) for n in getattr(self, "__notes__", ())]
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}", *lines[1:], *notes]
 
 
 def _remote_words(tb: str) -> str:

@@ -263,7 +263,8 @@ class Stuck(Actor):
 
 
 def test_stopping_an_actor_mesh_whose_ranks_wait_for_a_dead_one_in_a_collective_returns_and_says_so():
-    """Rank 2 dies while the other ranks wait for it. The actor mesh's stop() cannot end their
+    """Rank 2 dies while the other ranks wait for it: the call fails at once, naming the ranks
+    left waiting. The actor mesh's stop() cannot end their
     calls (a thread blocked in C), and waited for them for good; now it returns after
     stop_cleanup_timeout with the dead rank's error and a warning naming the ranks left running,
     and the proc mesh's stop() ends them. The same name is then set up and trained again."""
@@ -280,8 +281,12 @@ def test_stopping_an_actor_mesh_whose_ranks_wait_for_a_dead_one_in_a_collective_
             if again:
                 assert stuck.total.call().get(timeout=60).values() == [8.0] * 4
                 break
-            with pytest.raises(SupervisionError, match="rank 2"):
+            with pytest.raises(SupervisionError, match="rank 2") as info:
                 stuck.step.call().get(timeout=30)
+            # the ranks left waiting are named, in a script's traceback and a notebook's alike
+            running = "ranks 0-1,3 (3 of 4) were still running when this was raised (waiting for the dead rank"
+            assert any(n.startswith(running) for n in info.value.__notes__), info.value.__notes__
+            assert any(line.startswith(running) for line in info.value._render_traceback_())
             start = time.monotonic()
             with pytest.warns(RuntimeWarning, match=r"actors on ranks 0-1,3 had not finished the message in hand"):
                 with pytest.raises(SupervisionError, match="process \\d+ exited with code 1"):

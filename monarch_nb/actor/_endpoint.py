@@ -495,6 +495,8 @@ def gather(
             closed[0] = True
         replies.close()  # a failed send, or ranks not heard from, left expectations behind
         if gone is not None:
+            if isinstance(endpoint, Endpoint) and n > 1:
+                gone = _with_running(gone, raw, errors, n, left[0])
             fut._set_exception(gone)
         elif not errors:
             if printed and _after_output(endpoint, printed, lambda: fut._set_raw(raw, decode), call_id):
@@ -567,6 +569,28 @@ def gather(
         replies.close()
         raise
     return fut
+
+
+def _with_running(err: BaseException, raw: list[Any], errors: dict[int, Any], n: int, left: int) -> BaseException:
+    """A dead proc fails a call at once: ``err`` with a note of the ranks that had not answered
+    then, as a call that raised names them. With a dead rank they may wait for it in a
+    collective until its timeout. A copy: the runtime's error for the proc is shared by calls."""
+    import copy
+
+    from .. import _errgroup
+
+    still = [i for i in range(n) if raw[i] is None and i not in errors] if n == len(raw) else left
+    line = _errgroup.running_line(still, n)
+    if not line:
+        return err
+    try:
+        e = copy.copy(err)
+        e.__dict__.update(err.__dict__)
+    except Exception:
+        return err
+    note = f"{line} (waiting for the dead rank in a collective, perhaps: stopping the proc mesh ends them)"
+    e.__notes__ = [*getattr(err, "__notes__", ()), note]
+    return e
 
 
 def _after_output(
