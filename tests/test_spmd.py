@@ -267,7 +267,8 @@ def test_stopping_an_actor_mesh_whose_ranks_wait_for_a_dead_one_in_a_collective_
     left waiting. The actor mesh's stop() cannot end their
     calls (a thread blocked in C), and waited for them for good; now it returns after
     stop_cleanup_timeout with the dead rank's error and a warning naming the ranks left running,
-    and the proc mesh's stop() ends them. The same name is then set up and trained again."""
+    and the proc mesh's stop() ends them. The same name is then set up and runs again; a call
+    that hangs there (no rank died) times out saying how many ranks replied."""
     import time
 
     from monarch_nb.errors import SupervisionError
@@ -280,6 +281,12 @@ def test_stopping_an_actor_mesh_whose_ranks_wait_for_a_dead_one_in_a_collective_
             assert stuck.init.call().get(timeout=60).values() == [0, 1, 2, 3]
             if again:
                 assert stuck.total.call().get(timeout=60).values() == [8.0] * 4
+                # three ranks enter an all_reduce the fourth never joins: the timeout says none
+                # of them replied, and where to look
+                with pytest.raises(TimeoutError) as hung:
+                    stuck.slice(gpus=slice(0, 3)).total.call().get(timeout=1)
+                assert str(hung.value).startswith("stuck.total.call() not ready after 1 s: 0 of 3 ranks replied, 3 still running")
+                assert "monarch_nb.debug.stacks(mesh)" in str(hung.value), hung.value
                 break
             with pytest.raises(SupervisionError, match="rank 2") as info:
                 stuck.step.call().get(timeout=30)

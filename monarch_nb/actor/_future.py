@@ -241,7 +241,7 @@ class Future(Generic[R]):
                 else:
                     done = _debugwait.wait(self, timeout, tid)
                 if not done:
-                    raise TimeoutError(f"{self._what} not ready after {timeout} s (the future is still usable)")
+                    raise TimeoutError(self._not_ready(timeout))
                 # read while still listed as blocked: whoever watches ``blocked`` sees the error raised
                 return self._resolve()
             except KeyboardInterrupt as e:
@@ -250,6 +250,19 @@ class Future(Generic[R]):
             finally:
                 blocked.pop(tid, None)
         return self._resolve()
+
+    def _not_ready(self, timeout: float | None) -> str:
+        """A timed-out wait's words; for a call to several ranks, how many replied: a rank hung or
+        dead leaves the others waiting in a collective, and the count tells which case it is."""
+        text = f"{self._what} not ready after {timeout} s"
+        p = self.progress()
+        if p is not None and p[1] > 1 and self.progress_unit == "ranks replied":
+            done, n = p
+            return (
+                f"{text}: {done} of {n} ranks replied, {n - done} still running (the future is still usable; "
+                "monarch_nb.debug.stacks(mesh), or %mesh stacks NAME, shows where they are)"
+            )
+        return f"{text} (the future is still usable)"
 
     def _note_wait_stopped(self, e: BaseException) -> None:
         """Tell the reader of an interrupted or cancelled wait that the work it waited for goes
