@@ -360,7 +360,7 @@ class ActorMesh(MeshTrait, Generic[T]):
         procs = {self._procs[r].addr: self._procs[r] for r in self._view.ranks}
         futs = [client.request(p.addr, "stop_actor", self._name, _actor="__sys__") for p in procs.values()]
         ranks = {a: [i for i, r in enumerate(self._view.ranks) if self._procs[r].addr == a] for a in procs}
-        done = _stop_actors(futs, [ranks[a] for a in procs], self._label, client.rt)
+        done = _stop_actors(futs, [ranks[a] for a in procs], self, client.rt)
         if sup is not None and sup.port is not None:
             # the whole mesh is gone: no more failures to hear of
             done.add_done_callback(lambda _: sup.close(client.rt))
@@ -452,12 +452,13 @@ def _all(futs: list[Future[Any]], what: str) -> Future[None]:
     return out
 
 
-def _stop_actors(futs: list[Future[Any]], ranks: list[list[int]], label: str, rt: Any) -> Future[None]:
+def _stop_actors(futs: list[Future[Any]], ranks: list[list[int]], mesh: ActorMesh[Any], rt: Any) -> Future[None]:
     """An actor mesh's stop: done when every proc has stopped its actor (raising the first
     failure, a dead proc's), or ``stop_cleanup_timeout`` after it was asked, when some actor is
     still in the message in hand. A thread blocked in a collective with a dead or hung rank
     cannot be stopped inside its live proc, and a stop that waited for it would hang the cell
     for good; those actors take no more calls, and the proc mesh's stop kills their procs."""
+    label = mesh._label
     out: Future[None] = Future._create(f"stop actor mesh {label}")
     timeout = float(rt.cfg.stop_cleanup_timeout)
     lock = threading.Lock()
@@ -478,9 +479,27 @@ def _stop_actors(futs: list[Future[Any]], ranks: list[list[int]], label: str, rt
                 RuntimeWarning,
                 _callers_level(),
             )
-        for f in fs:
-            if f.done():
-                f.get()
+        failed: dict[str, list[int]] = {}
+        for f, rs in zip(fs, ranks):
+            if not f.done():
+                continue
+            err = f.exception(timeout=0)
+            dead = mesh._dead_actor(err, mesh._view.ranks[rs[0]]) if err is not None and rs else None
+            if dead is None:
+                f.get()  # any other failure, as it is
+                continue
+            _, actor, words = dead
+            failed.setdefault(f"Failed(Supervision event: actor {actor} failed:\n  {words})", []).extend(rs)
+        if failed:
+            # Monarch's error for an actor mesh with a dead proc (its ranks as half-open ranges)
+            gone = {r for rs in failed.values() for r in rs}
+            statuses = (
+                [f"Running={_ranges(sorted(set(range(len(mesh._view.ranks))) - gone))}"]
+                if len(gone) < len(mesh._view.ranks)
+                else []
+            )
+            statuses += [f"{k}={_ranges(sorted(v))}" for k, v in failed.items()]
+            raise ValueError(f"error stopping actor mesh: statuses: {';'.join(statuses)}")
 
     def settle(at_deadline: bool) -> None:
         with lock:
@@ -500,6 +519,17 @@ def _stop_actors(futs: list[Future[Any]], ranks: list[list[int]], label: str, rt
         except RuntimeError:  # the runtime is closing
             pass
     return out
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``0..2,3..4`` for ranks 0, 1 and 3: Monarch's half-open ranges in a mesh's statuses."""
+    out: list[str] = []
+    for r in ranks:
+        if out and int(out[-1].split("..")[1]) == r:
+            out[-1] = f"{out[-1].split('..')[0]}..{r + 1}"
+        else:
+            out.append(f"{r}..{r + 1}")
+    return ",".join(out)
 
 
 #: this process's part of the spawn ids it makes (see ProcMesh._unique_actor_name)

@@ -1,5 +1,5 @@
 """A mesh with a dead rank (its process killed): every adverb, and send() to a port, on it and
-on its slices, a spawn on the live procs, stop; and an actor whose child mesh loses a proc: its
+on its slices, a spawn on the live procs, stopping its actor mesh, stop; and an actor whose child mesh loses a proc: its
 __supervise__ handles it, the child's live rank answers, its dead one fails, current_rank() and
 context() in the child."""
 
@@ -119,6 +119,12 @@ attempt("accumulate a slice without it", lambda: Accumulator(w.slice(gpus=0).val
 attempt("choose", lambda: w.val.choose().get(timeout=30))
 attempt("choose in a slice without it", lambda: w.slice(gpus=2).val.choose().get(timeout=30))
 attempt("spawn on a live proc", lambda: procs.slice(gpus=0).spawn("again", W).where.call().get(timeout=30).values())
+try:
+    w.stop().get(timeout=60)
+    print("stop the actor mesh: returned")
+except Exception as e:
+    # the statuses that follow are listed in no fixed order
+    print(f"stop the actor mesh: {type(e).__name__}: {first_line(e).split(' statuses:')[0]}")
 attempt("stop", lambda: procs.stop().get(timeout=60))
 attempt("stop again", lambda: procs.stop().get(timeout=60))
 
