@@ -161,7 +161,32 @@ def exec_cell(
         interrupt(pm, sel)
         # the ranks were interrupted too: the future's "only the wait stopped" is not so here
         vars(e).pop("__notes__", None)
+        _note_not_interrupted(e, out, pm.name)
         raise
+
+
+#: how long an interrupted cell waits for its ranks to stop before saying which did not
+INTERRUPT_GRACE = 1.0
+
+
+def _note_not_interrupted(e: BaseException, out: Future[Any], name: str) -> None:
+    """A SIGINT ends Python code, not a C call: ranks blocked in a collective (waiting for a
+    rank the interrupt stopped, or a dead one) run on, and the next cell would wait on them
+    unexplained. Say how many had not stopped shortly after the interrupt."""
+    import threading
+
+    settled = threading.Event()
+    out.add_done_callback(lambda _f: settled.set())
+    settled.wait(INTERRUPT_GRACE)
+    p = out.progress()
+    if p is None or p[0] >= p[1]:
+        return
+    done, n = p
+    e.add_note(
+        f"monarch_nb: {n - done} of {n} ranks had not stopped {INTERRUPT_GRACE:g} s after the interrupt: blocked "
+        "in a C call (a collective waiting for another rank, perhaps), which an interrupt does not end; "
+        f"the next cell on this mesh waits for them (%mesh stop {name} ends them)"
+    )
 
 
 def interrupt(mesh: ProcMesh | str | None, ranks: list[int] | None = None) -> int:

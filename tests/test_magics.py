@@ -272,6 +272,27 @@ def test_interrupt_stops_remote_code_and_keeps_the_procs(k: Kernel) -> None:
     assert _ok(k.run("%%mesh exec intr\nos.getpid()")).result == pids
 
 
+@pytest.mark.timeout(60)
+def test_an_interrupt_that_leaves_ranks_blocked_in_a_collective_says_so(k: Kernel) -> None:
+    # rank 1 sleeps (Python: the interrupt ends it), rank 0 waits for it in a gloo all_reduce (a C
+    # call the interrupt does not end): the KeyboardInterrupt says rank 0 runs on, and what ends it
+    _ok(k.run("%mesh spawn intcoll --per-host gpus=2"))
+    _ok(k.run("from monarch_nb.spmd import setup_torch_elastic_env\nsetup_torch_elastic_env(intcoll)"))
+    _ok(k.run("%%mesh exec intcoll\nimport time, torch, torch.distributed as dist\ndist.init_process_group('gloo')"))
+    cell = k.execute(
+        "%%mesh exec intcoll\nprint('in', flush=True)\nif dist.get_rank() == 1:\n    time.sleep(600)\n"
+        "dist.all_reduce(torch.ones(1))"
+    )
+    k.wait_msg(lambda m: m["parent_header"].get("msg_id") == cell.msg_id and m["msg_type"] == "stream", 20, "the ranks to start")
+    k.interrupt()
+    c = k.wait(cell, 20)
+    assert c.error and c.error["ename"] == "KeyboardInterrupt", c.error
+    text = "\n".join(c.error["traceback"])
+    assert "1 of 2 ranks had not stopped 1 s after the interrupt" in text, text
+    assert "%mesh stop intcoll ends them" in text, text
+    _ok(k.run("%mesh stop intcoll"))
+
+
 def test_status_logs_of_a_crashed_proc_and_stop(k: Kernel) -> None:
     _ok(k.run("%mesh spawn lg --per-host gpus=2"))
     _ok(k.run("%%mesh exec lg\nimport os\nprint('before the crash', os.getpid())"))
