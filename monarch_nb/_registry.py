@@ -124,7 +124,7 @@ def spawn(name: str, per_host: dict[str, int] | None = None, *, persist: bool | 
     with _lock:
         old = _meshes.get(name)
         if old is not None and not old._stopped:
-            if not (old._failed or old._actor_failed):
+            if not (old._failed or old._actor_failed or _a_proc_died(old)):
                 raise MeshError(f"a mesh named {name!r} is already running; `%mesh stop {name}` first or choose another name")
             # respawn after a failure (a dead proc, or an actor's: its procs take no new actors):
             # the failed mesh's remaining procs go first
@@ -133,6 +133,14 @@ def spawn(name: str, per_host: dict[str, int] | None = None, *, persist: bool | 
         _meshes[name] = pm
         _exec_meshes.pop(name, None)
         return pm
+
+
+def _a_proc_died(pm: ProcMesh) -> bool:
+    """A proc of ``pm`` is known dead: the calls to it have failed already, though the mesh is
+    marked failed only once that failure has been reported (after the fault hook has run), and
+    a script that respawns as soon as its call fails must not hear "already running"."""
+    rt = controller_client().rt
+    return any(rt.peer_error(p.addr) is not None for p in pm._procs)
 
 
 def get(name: str) -> ProcMesh:

@@ -304,3 +304,27 @@ def test_stopping_an_actor_mesh_whose_ranks_wait_for_a_dead_one_in_a_collective_
             assert time.monotonic() - start < 10
         finally:
             procs.stop().get(timeout=30)
+
+
+def test_a_named_mesh_whose_rank_died_is_spawned_again_as_soon_as_the_call_fails():
+    """A script's retry loop: the call fails on a dead rank and the mesh is spawned again under
+    its name at once. The mesh is marked failed only once the failure's report (the fault hook,
+    held here) has run; the respawn did not wait for that and said "already running"."""
+    import threading
+
+    import monarch_nb.actor as api
+    from monarch_nb.errors import SupervisionError
+    from monarch_nb.mesh import exec_cell, spawn
+
+    gate = threading.Event()
+    api.unhandled_fault_hook = lambda failure: gate.wait(30)
+    pm = spawn("spmd_redo", {"gpus": 2})
+    try:
+        with pytest.raises(SupervisionError, match="the process of rank 1 died"):
+            exec_cell(pm, "import os\nos._exit(1)", ranks="1", timeout=30)
+        pm = spawn("spmd_redo", {"gpus": 2})
+        gate.set()
+        assert exec_cell(pm, "import os\nos.getpid()", timeout=30).values() == [p.pid for p in pm._procs]
+    finally:
+        gate.set()
+        pm.stop().get(timeout=30)
