@@ -700,6 +700,32 @@ def test_a_gradient_can_be_set_to_none_or_another_mesh_tensor(mesh1):  # type: i
     assert w.grad is None
 
 
+def _with_rank(t):  # type: ignore[no-untyped-def]
+    from monarch_nb.actor import current_rank
+
+    return t * 1, current_rank().rank + 5
+
+
+def _double_in_place(t):  # type: ignore[no-untyped-def]
+    t.mul_(2)
+
+
+def test_a_remote_fn_returning_a_plain_value_is_refused_at_once(mesh1):  # type: ignore[no-untyped-def]
+    # it handed back the value fn gave here on meta shadows (rank 0's, 5 on every rank), silently
+    x = mt.distribute(gen(8, 6), mesh1, [Shard(0)])
+    sent = mt.stats(mesh1)["messages_sent"]
+    with pytest.raises(TensorOpError, match=r"returns a plain int, not a tensor: .* not the ranks'.* actor endpoint"):
+        mt.remote(_with_rank)(x)
+    with pytest.raises(TensorOpError, match=r"returns a plain tuple|returns a plain int"):
+        mt.remote(lambda t: (3, 4.5))(x)
+    with pytest.raises(TensorOpError, match=r"item\(\) cannot be called on meta tensors.*\n.*must work on them"):
+        mt.remote(lambda t: int(t.sum().item()))(x)
+    assert mt.stats(mesh1)["messages_sent"] == sent  # nothing sent
+    # None (a fn changing its input in place) is still fine
+    assert mt.remote(_double_in_place)(x) is None
+    torch.testing.assert_close(mt.inspect(x), gen(8, 6) * 2)
+
+
 def _clip(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.utils.clip_grad_norm_([a, b], 1.0)
 

@@ -250,7 +250,9 @@ class remote:
     runs it on meta shadows for the result's shape, so ``fn`` must work on meta tensors. As in
     Monarch, if ``fn`` fails on the ranks its results hold the error, and so do the inputs it
     changes in place (``x.mul_(2)``); an input it hands back unchanged is a new handle, so the
-    error does not stick to the input."""
+    error does not stick to the input. ``fn`` returns tensors (or None): a plain value (an int)
+    is refused at once, since only its value on the meta shadows here would be known, not the
+    ranks'."""
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn

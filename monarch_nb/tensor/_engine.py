@@ -917,6 +917,12 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
         raise TensorOpError(
             f"{_name(func)} cannot run on mesh tensors with placements "
             f"{[tuple(map(str, h.placements)) for h in handles if isinstance(h, MeshTensor)]}: {type(e).__name__}: {e}"
+            + (
+                "\n(mt.remote(fn) runs fn here on meta tensors first, for its results' shapes: fn must work on "
+                "them, so no .item() or other reads of values)"
+                if user_fn
+                else ""
+            )
         ) from e
     changed = {h._id for h in handles if isinstance(h, MeshTensor) and h._shadow._version != versions[h._id]}
     flat, spec = pytree.tree_flatten(out)
@@ -935,6 +941,16 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
             results.append(h)
         elif isinstance(v, torch.Tensor):
             raise TensorOpError(f"{_name(func)} returns a plain tensor, not a DTensor; mesh tensors cannot hold it")
+        elif user_fn and v is not None:
+            # the value here is fn's on meta shadows, not the ranks' (which may differ by rank):
+            # handing it back would be a silent wrong answer
+            raise TensorOpError(
+                f"mt.remote({_name(func)}) returns a plain {type(v).__name__}, not a tensor: only its value "
+                "computed here on meta tensors is known, not the ranks'. Return it as a mesh tensor "
+                "(e.g. DTensor.from_local(torch.tensor([v]), t.device_mesh, [Shard(0)] * t.device_mesh.ndim), "
+                "read with mt.inspect), or pass the mesh tensor to an actor endpoint, which gets each rank's "
+                "local tensor and returns each rank's value"
+            )
         else:
             ids.append(None)
             results.append(v)
