@@ -726,6 +726,89 @@ def test_a_remote_fn_returning_a_plain_value_is_refused_at_once(mesh1):  # type:
     torch.testing.assert_close(mt.inspect(x), gen(8, 6) * 2)
 
 
+def test_an_optimizers_learning_rate_can_be_scheduled_and_keeps_its_momentum(mesh2):  # type: ignore[no-untyped-def]
+    # mt.Optimizer had no param_groups, and lr_scheduler refused it ("Optimizer is not an
+    # Optimizer"): a new learning rate needed a new optimizer, which lost the momentum
+    X, W = gen(8, 6, seed=1), gen(6, 3, seed=2)
+    wl = W.clone().requires_grad_()
+    opt_l = torch.optim.SGD([wl], lr=0.1, momentum=0.9)
+    sched_l = torch.optim.lr_scheduler.StepLR(opt_l, step_size=2, gamma=0.5)
+    x = mt.distribute(X, mesh2, [Shard(0), Replicate()])
+    w = mt.distribute(W, mesh2, [Replicate(), Shard(1)]).requires_grad_()
+    opt = mt.Optimizer(torch.optim.SGD, [w], lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    assert opt.param_groups[0]["params"] == [w] and opt.param_groups[0]["momentum"] == 0.9
+    for i in range(6):
+        if i == 3:
+            for o in (opt, opt_l):
+                for g in o.param_groups:
+                    g["lr"] = 0.3
+        for o, s, xx, ww in ((opt_l, sched_l, X, wl), (opt, sched, x, w)):
+            o.zero_grad()
+            (xx @ ww).pow(2).mean().backward()
+            o.step()
+            s.step()
+    assert opt.param_groups[0]["lr"] == opt_l.param_groups[0]["lr"]
+    torch.testing.assert_close(mt.inspect(w.detach()), wl.detach())
+    # the momentum buffers, as the ranks hold them
+    sd = opt.state_dict()
+    assert sd["param_groups"][0]["lr"] == opt_l.param_groups[0]["lr"] and sd["param_groups"][0]["params"] == [0]
+    buf = sd["state"][0]["momentum_buffer"]
+    assert isinstance(buf, mt.MeshTensor) and buf.shape == w.shape
+    torch.testing.assert_close(mt.inspect(buf), opt_l.state_dict()["state"][0]["momentum_buffer"])
+
+
+def _step(opt, x, w) -> None:  # type: ignore[no-untyped-def]
+    opt.zero_grad()
+    (x @ w).pow(2).mean().backward()
+    opt.step()
+
+
+def test_an_optimizers_state_dict_checkpoints_and_restores_its_state(mesh2):  # type: ignore[no-untyped-def]
+    X, W = gen(8, 6, seed=1), gen(6, 3, seed=2)
+    wl = W.clone().requires_grad_()
+    opt_l = torch.optim.Adam([wl], lr=0.05)
+    x = mt.distribute(X, mesh2, [Shard(0), Replicate()])
+    w = mt.distribute(W, mesh2, [Replicate(), Shard(1)]).requires_grad_()
+    opt = mt.Optimizer(torch.optim.Adam, [w], lr=0.05)
+    for _ in range(3):
+        _step(opt_l, X, wl)
+        _step(opt, x, w)
+    sd = opt.state_dict()
+    want = opt_l.state_dict()["state"][0]
+    assert set(sd["state"][0]) == set(want) == {"step", "exp_avg", "exp_avg_sq"}
+    # a plain value, fetched (float32: the ranks keep torch's default dtype, float64 only here)
+    torch.testing.assert_close(sd["state"][0]["step"], want["step"], check_dtype=False)
+    assert isinstance(sd["state"][0]["exp_avg"], mt.MeshTensor)
+    # a checkpoint: every state tensor read back here
+    ckpt = {
+        "state": {
+            i: {k: mt.inspect(v) if isinstance(v, mt.MeshTensor) else v for k, v in st.items()} for i, st in sd["state"].items()
+        },
+        "param_groups": sd["param_groups"],
+    }
+    for k in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(ckpt["state"][0][k], want[k])
+    w_ckpt = mt.inspect(w.detach())
+    for _ in range(2):
+        _step(opt, x, w)
+    torch.testing.assert_close(
+        mt.inspect(sd["state"][0]["exp_avg"]), ckpt["state"][0]["exp_avg"]
+    )  # a copy, not moved by the steps
+    # restored into a new optimizer (another lr given, the checkpoint's wins), it steps as the first one did
+    w2 = mt.distribute(w_ckpt, mesh2, [Replicate(), Shard(1)]).requires_grad_()
+    opt2 = mt.Optimizer(torch.optim.Adam, [w2], lr=0.5)
+    opt2.load_state_dict(ckpt)
+    assert opt2.param_groups[0]["lr"] == 0.05
+    for _ in range(2):
+        _step(opt2, x, w2)
+        _step(opt_l, X, wl)
+    torch.testing.assert_close(mt.inspect(w2.detach()), mt.inspect(w.detach()))
+    torch.testing.assert_close(mt.inspect(w2.detach()), wl.detach())
+    with pytest.raises(ValueError, match="parameter groups do not match"):
+        opt2.load_state_dict({"state": {}, "param_groups": [{"params": [0, 1]}]})
+
+
 def _clip(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.utils.clip_grad_norm_([a, b], 1.0)
 

@@ -26,12 +26,14 @@ on every dimension and ``reduce`` makes the reduced dimensions ``Replicate()``.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.utils import _pytree as pytree
 
 from ..actor import Future
 from ..actor._mesh import ProcMesh, set_tensor_hooks
@@ -48,7 +50,7 @@ from ._engine import (
     engine_for,
     make,
 )
-from ._ops import REDUCE_OPS, Reduce, local_shape, local_slice
+from ._ops import REDUCE_OPS, Reduce, Ref, local_shape, local_slice
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_S",
@@ -343,11 +345,18 @@ class _MakeOptimizer:
         return f"Optimizer({getattr(self.cls, '__name__', self.cls)})"
 
 
-class Optimizer:
+class Optimizer(torch.optim.Optimizer):
     """A torch optimizer over mesh tensors, living on the ranks: ``step()`` and ``zero_grad()``
-    are one message each. ``Optimizer(torch.optim.SGD, [w1, w2], lr=0.1)``."""
+    are one message each. ``Optimizer(torch.optim.SGD, [w1, w2], lr=0.1)``.
+
+    ``param_groups`` holds the hyperparameters here, as torch's does: change them
+    (``g["lr"] = 0.01``, or a ``torch.optim.lr_scheduler`` over this optimizer) and the next
+    ``step()`` carries the new values to the ranks' optimizer, whose state (momentum, Adam's
+    moments) stays as it was. Its ``params`` are the mesh tensors."""
 
     def __init__(self, cls: type, params: Iterable[MeshTensor], **kwargs: Any) -> None:
+        # torch.optim.Optimizer's __init__ is not run: it would hold the parameters here; this
+        # class subclasses it so that lr schedulers (which check isinstance) take it
         ps = list(params)
         if not ps or not all(isinstance(p, MeshTensor) for p in ps):
             raise TypeError("Optimizer needs a non-empty list of MeshTensors")
@@ -364,21 +373,107 @@ class Optimizer:
             # on the shadows first, as any op: a bad argument (lr=-1) is said here, at once,
             # instead of failing the ranks' optimizer, read only by a later step
             with _Controller():
-                make([p._shadow for p in ps])
+                shadow = make([p._shadow for p in ps])
         except Exception as err:
             raise TensorOpError(f"{make}: {type(err).__name__}: {err}") from err
+        self._cls = cls
+        self.defaults = dict(shadow.defaults)
+        self.param_groups = [{**g, "params": ps} for g in shadow.param_groups]
+        self.state: Any = {}
+        self._sent = _hyper(self.param_groups)
         self._params = ps
         self._id = self._engine.new_id()
         self._engine.send([(make, ([_ref(p) for p in ps],), {}, [self._id], False)])
 
-    def step(self) -> None:
-        self._engine.send([(_Step(), (_ref_id(self._id),), {}, [], False)])
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise TypeError("Optimizer.step(closure) is not supported on mesh tensors: compute the loss before step()")
+        hyper = _hyper(self.param_groups)
+        try:
+            changed = bool(hyper != self._sent)
+        except RuntimeError:  # a tensor lr compares elementwise: send it
+            changed = True
+        self._sent = hyper
+        self._engine.send([(_Step(hyper if changed else None), (_ref_id(self._id),), {}, [], False)])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if set_to_none:
             for p in self._params:
                 p._shadow.grad = None
         self._engine.send([(_ZeroGrad(set_to_none), (_ref_id(self._id),), {}, [], False)])
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's form, ``{"state": {i: {...}}, "param_groups": [...]}``, with each state
+        tensor sharded as the ranks hold it (momentum buffers, Adam's moments) a mesh tensor: a
+        copy taken now, kept on the ranks (read with ``mt.inspect`` to save it); other values
+        (Adam's step count) are fetched. One round trip."""
+        from ._ops import Spec
+
+        e = self._engine
+        sid = e.new_id()
+        e.send([(_StateDict(), (_ref_id(self._id),), {}, [sid], False)])
+        try:
+            desc = e.gather("describe", ([], sid), [0], "Optimizer.state_dict()").get()[0]
+            specs = [x for x in pytree.tree_leaves(desc) if isinstance(x, Spec)]
+            handles = [_handle_of(e, x) for x in specs]
+            if handles:
+                e.send([(_Unbox(), (Ref(sid),), {}, [h._id for h in handles], False)])
+        finally:
+            # after the unbox: frees ride on the next message and are done before its records
+            e.frees.append(sid)
+        it = iter(handles)
+        out = pytree.tree_map(lambda x: next(it) if isinstance(x, Spec) else x, desc)
+        # the hyperparameters are this controller's (newer than the ranks' until the next step)
+        out["param_groups"] = [{**h, "params": g["params"]} for h, g in zip(_hyper(self.param_groups), out["param_groups"])]
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`: its state tensors mesh tensors (of this optimizer's mesh) or
+        plain tensors (from ``mt.inspect``, a checkpoint), which are sent to the ranks sharded as
+        their parameter; the hyperparameters go with it."""
+        groups = state_dict.get("param_groups")
+        state = state_dict.get("state")
+        if not isinstance(groups, list) or not isinstance(state, dict):
+            raise ValueError("Optimizer.load_state_dict needs a dict with 'state' and 'param_groups', as state_dict() gives")
+        if len(groups) != len(self.param_groups) or any(
+            len(g.get("params", ())) != len(mine["params"]) for g, mine in zip(groups, self.param_groups)
+        ):
+            raise ValueError(
+                "Optimizer.load_state_dict: its parameter groups do not match this optimizer's "
+                f"({[len(g.get('params', ())) for g in groups]} parameters, here {[len(g['params']) for g in self.param_groups]})"
+            )
+        index = {i: p for g, mine in zip(groups, self.param_groups) for i, p in zip(g["params"], mine["params"])}
+
+        keep: list[MeshTensor] = []
+
+        def remote(i: Any, x: Any) -> Any:
+            if isinstance(x, MeshTensor):
+                if x._engine is not self._engine:
+                    raise ValueError(f"Optimizer.load_state_dict: state of parameter {i} lives on another proc mesh ({x.mesh!r})")
+                return Ref(x._id)
+            p = index.get(i)
+            if isinstance(x, torch.Tensor) and p is not None and tuple(x.shape) == tuple(p.shape) and x.ndim:
+                # a tensor of its parameter's shape (a momentum buffer read back): sharded as that parameter
+                h = distribute(x, p.mesh, p.placements)
+                keep.append(h)  # until sent: a collected handle's free would go first, in the same message
+                return Ref(h._id)
+            return x
+
+        remote_state = {i: pytree.tree_map(lambda x, i=i: remote(i, x), v) for i, v in state.items()}
+        for g, mine in zip(groups, self.param_groups):
+            mine.update({k: v for k, v in g.items() if k != "params"})
+        hyper = _hyper(self.param_groups)
+        self._sent = hyper
+        self._engine.send([(_LoadState(hyper), (_ref_id(self._id), remote_state), {}, [], False)])
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError("Optimizer.add_param_group() of mesh tensors: make another mt.Optimizer")
+
+    def __repr__(self) -> str:
+        return f"mt.Optimizer({getattr(self._cls, '__name__', self._cls)}, {len(self._params)} params)"
+
+    def __getstate__(self) -> Any:
+        raise TypeError("an mt.Optimizer lives on the ranks and cannot be pickled")
 
     def __del__(self) -> None:
         try:
@@ -387,8 +482,69 @@ class Optimizer:
             pass
 
 
+def _hyper(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each group's hyperparameters (everything but its params), copied."""
+    return [{k: copy.copy(v) for k, v in g.items() if k != "params"} for g in groups]
+
+
+def _handle_of(e: Engine, spec: Any) -> MeshTensor:
+    """A handle for a DTensor the ranks made, known here by its spec."""
+    from torch.distributed.tensor import DTensor
+
+    pl = tuple(spec.placements)
+    with _Controller():
+        shadow = DTensor.from_local(
+            local_slice(torch.empty(spec.shape, dtype=spec.dtype, device="meta"), [0] * len(e.sizes), list(e.sizes), pl),
+            e.shadow_mesh, pl, run_check=False, shape=torch.Size(spec.shape), stride=spec.stride,
+        )  # fmt: skip
+    return MeshTensor(e, e.new_id(), shadow)
+
+
+class _StateDict:
+    def __call__(self, opt: Any) -> Any:
+        from ._ops import Box
+
+        # a copy: the next step changes the optimizer's tensors in place
+        sd = opt.state_dict()
+        return Box({"state": pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, sd["state"]),
+                    "param_groups": sd["param_groups"]})  # fmt: skip
+
+    def __str__(self) -> str:
+        return "Optimizer.state_dict"
+
+
+class _Unbox:
+    def __call__(self, box: Any) -> list[Any]:
+        from torch.distributed.tensor import DTensor
+
+        return [x for x in pytree.tree_leaves(box.value) if isinstance(x, DTensor)]
+
+    def __str__(self) -> str:
+        return "Optimizer.state_dict"
+
+
+class _LoadState:
+    def __init__(self, hyper: list[dict[str, Any]]) -> None:
+        self.hyper = hyper
+
+    def __call__(self, opt: Any, state: dict[Any, Any]) -> None:
+        groups = [{**h, "params": g["params"]} for h, g in zip(self.hyper, opt.state_dict()["param_groups"])]
+        # copies: torch keeps the loaded tensors, and a handle the user holds must not change with the steps
+        state = pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, state)
+        opt.load_state_dict({"state": state, "param_groups": groups})
+
+    def __str__(self) -> str:
+        return "Optimizer.load_state_dict"
+
+
 class _Step:
+    def __init__(self, hyper: list[dict[str, Any]] | None = None) -> None:
+        self.hyper = hyper
+
     def __call__(self, opt: Any) -> None:
+        if self.hyper is not None:
+            for g, h in zip(opt.param_groups, self.hyper):
+                g.update(h)
         opt.step()
 
     def __str__(self) -> str:

@@ -42,6 +42,23 @@ class Via:
 
 
 @dataclass(frozen=True)
+class Spec:
+    """What the controller needs to know of a DTensor on the ranks to make a handle of it."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    placements: tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class Box:
+    """A tree kept as one table entry (a run record stores one object per output id)."""
+
+    value: Any
+
+
+@dataclass(frozen=True)
 class Method:
     """``x.name(*args, **kwargs)``: picklable where a method descriptor may not be."""
 

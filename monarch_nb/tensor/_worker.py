@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from ..actor import Actor, current_rank, endpoint
 from ..errors import raised_again
-from ._ops import Factory, Lit, Ref, Via, WithMesh, op_name
+from ._ops import Factory, Lit, Ref, Spec, Via, WithMesh, op_name
 
 
 def _gloo_interface(master: str) -> None:
@@ -493,6 +493,22 @@ class TensorWorker(Actor):
                 self.table[dst] = DTensor.from_local(
                     piece, self._mesh(key), placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
                 )
+
+    @endpoint
+    def describe(self, frees: list[int], id: int) -> Any:
+        """The object under ``id`` (an optimizer's state) with each DTensor in it as its
+        :class:`Spec`, other tensors as their values: what the controller makes handles from."""
+        self._free(frees)
+        self._raise_unread()
+
+        def one(x: Any) -> Any:
+            if isinstance(x, DTensor):
+                return Spec(tuple(x.shape), tuple(x.stride()), x.dtype, tuple(x.placements))
+            if isinstance(x, torch.Tensor):
+                return x.detach().cpu().clone()
+            return x
+
+        return pytree.tree_map(one, self._get(Ref(id)).value)
 
     @endpoint
     def share(self, frees: list[int], id: int) -> Any:
