@@ -51,6 +51,11 @@ __all__ = [
 class MonarchNBError(Exception):
     """Base class of every error monarch_nb raises itself."""
 
+    def _note_lines(self) -> list[str]:
+        # IPython shows only what a _render_traceback_ returns: without these, the notes added on
+        # purpose (what to do, what still runs) never reach a notebook; Python prints them last
+        return [line for n in getattr(self, "__notes__", ()) for line in str(n).splitlines()]
+
 
 class ActorError(MonarchNBError):
     """An endpoint raised on a remote actor.
@@ -171,14 +176,14 @@ class ActorError(MonarchNBError):
         if self.endpoint:
             lines = self._grouped_lines(color=True)
             lines[0] = f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}"
-            return lines
+            return lines + self._note_lines()
         lines = [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self._headline()}"]
         if self.remote_traceback:
             from ._errgroup import clean_traceback
 
             lines.append("Remote traceback:")
             lines.extend(clean_traceback(self.remote_traceback).rstrip().splitlines())
-        return lines
+        return lines + self._note_lines()
 
 
 class SupervisionError(MonarchNBError, RuntimeError):
@@ -230,8 +235,7 @@ class SupervisionError(MonarchNBError, RuntimeError):
     def _render_traceback_(self) -> list[str]:
         # IPython calls this instead of printing our local frames, which say nothing about the failure
         lines = str(self).splitlines() or [""]
-        notes = [str(n) for n in getattr(self, "__notes__", ())]
-        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}", *lines[1:], *notes]
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}", *lines[1:], *self._note_lines()]
 
 
 def _remote_words(tb: str) -> str:
@@ -392,7 +396,7 @@ class ExecError(MonarchNBError):
     def _render_traceback_(self) -> list[str]:
         lines = self._lines(color=True)
         lines[0] = f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}"
-        return lines
+        return lines + self._note_lines()
 
 
 class MeshError(MonarchNBError):
@@ -413,8 +417,8 @@ class SpawnError(MeshError):
 
     def _render_traceback_(self) -> list[str]:
         # the local frames (spawn's) say nothing about the user's bug: the remote traceback does
-        lines = str(self).splitlines()
-        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}", *lines[1:]]
+        lines = str(self).splitlines() or [""]
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}", *lines[1:], *self._note_lines()]
 
 
 class MeshClosedError(MeshError, RuntimeError):

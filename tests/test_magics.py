@@ -293,6 +293,28 @@ def test_an_interrupt_that_leaves_ranks_blocked_in_a_collective_says_so(k: Kerne
     _ok(k.run("%mesh stop intcoll"))
 
 
+@pytest.mark.timeout(60)
+def test_notes_on_our_errors_show_in_the_notebook(k: Kernel) -> None:
+    # IPython shows only what _render_traceback_ returns: the notes we add (what still runs,
+    # what to do) must be in it, after the message, as Python prints them
+    made = {  # what to raise: what its message says
+        "ActorError(ValueError('boom'), 'Traceback (most recent call last):\\nValueError: boom\\n', rank=0)": "boom",
+        "ActorError(ValueError('boom'), rank=1)._set_group('A.f', 2, {1: ActorError(ValueError('boom'), rank=1)})": (
+            "--- rank 1: ValueError"
+        ),
+        "SupervisionError('process 7 was killed by SIGKILL', mesh='m', rank=1)": "killed by SIGKILL",
+        "ExecError({0: ('ValueError', 'boom', 'ValueError: boom')}, 2, mesh='m', running=[1])": "failed on 1 of 2 ranks",
+        "SpawnError('actor __init__ raised', 'Traceback (most recent call last):\\nValueError: boom\\n')": "init__ raised",
+    }
+    _ok(k.run("from monarch_nb.errors import ActorError, ExecError, SpawnError, SupervisionError"))
+    for expr, says in made.items():
+        c = k.run(f"e = {expr}\ne.add_note('first note\\nsecond line')\ne.add_note('last note')\nraise e")
+        assert c.error and expr.startswith(c.error["ename"]), (expr, c.error)
+        tb = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(c.error["traceback"])).splitlines()
+        assert tb[-3:] == ["first note", "second line", "last note"], (expr, tb)
+        assert says in "\n".join(tb[:-3]), (expr, tb)
+
+
 def test_status_logs_of_a_crashed_proc_and_stop(k: Kernel) -> None:
     _ok(k.run("%mesh spawn lg --per-host gpus=2"))
     _ok(k.run("%%mesh exec lg\nimport os\nprint('before the crash', os.getpid())"))
