@@ -811,6 +811,31 @@ def test_breakpoint_in_an_exec_cell_without_stdin_is_skipped_not_hung(k: Kernel)
     assert "ipykernel_" not in said, said
 
 
+@pytest.mark.timeout(90)
+def test_stacks_of_a_mesh_the_notebook_does_not_hold_leaves_it_to_its_owner(k: Kernel) -> None:
+    # another controller's mesh (this test process's): %mesh stacks looks at it as `monarch-nb
+    # stacks` does, without adopting its procs into the kernel or taking their output
+    from monarch_nb.actor import this_host
+
+    pm = this_host().spawn_procs(per_host={"gpus": 2}, name="notmine")
+    try:
+        st = _ok(k.run("%mesh stacks notmine")).result
+        assert st.startswith("stacks of mesh 'notmine': 2 ranks"), st
+        assert "thread MainThread" in st, st
+        held = _ok(
+            k.run(
+                "from monarch_nb.actor import _context\n_c = _context.client()\n"
+                "print('notmine' in _c.log_meshes, sorted({getattr(m, 'name', '') for m in _c.owned.values()}))"
+            )
+        ).stream()
+        assert held.startswith("False ") and "'notmine'" not in held, held
+        c = k.run("%mesh stacks nosuch")
+        assert c.reply["content"]["status"] == "error", c.msgs
+        assert "%mesh stacks: no mesh named 'nosuch' on this host's allocators" in c.stream("stderr"), c.msgs
+    finally:
+        pm.stop().get(timeout=30)
+
+
 def test_debug_magics_list_cast_and_continue(k: Kernel) -> None:
     # a mesh spawned through the Python API under a name: its stacks by that name, as the
     # dashboard finds it (before any rank pauses: a wait then would open the debugger)

@@ -350,9 +350,11 @@ class MeshMagics(Magics):
             v = v._proc_mesh
         return name if v is None else v
 
-    def _find_proc_mesh(self, name: str | None) -> Any:
+    def _find_proc_mesh(self, name: str | None, adopt: bool = True) -> Any:
         """A named mesh: this controller's, a notebook variable (or the mesh a variable holds,
-        spawned through the Python API), else one running on this host's allocator."""
+        spawned through the Python API), else one running on this host's allocator: adopted
+        into this kernel (ProcMesh.lookup), or with ``adopt=False`` its name, for a read-only
+        look (``debug.stacks(name)``) that leaves its owner's mesh and output as they are."""
         from ..actor import ProcMesh
 
         found = self._named(name)
@@ -362,6 +364,8 @@ class MeshMagics(Magics):
         for v in list(ns.values()):
             if isinstance(v, ProcMesh) and v.name == name and not v._stopped:
                 return v
+        if not adopt:
+            return name
         try:
             return ProcMesh.lookup(name)
         except Exception:
@@ -374,7 +378,7 @@ class MeshMagics(Magics):
         # mesh by name, also one spawned through the Python API with a name=
         target = self._held(args.name)
         if target is None:
-            target = self._find_proc_mesh(args.name)
+            target = self._find_proc_mesh(args.name, adopt=False)
         return debug.stacks(target, args.ranks, native=args.native, timeout=args.timeout)
 
     def _do_trace(self, args: argparse.Namespace, cell: str | None) -> Any:
