@@ -29,8 +29,9 @@ max-in-flight and priority-and-fairness filters do (plain text "Too many request
 again later." with ``Retry-After``), other codes as a ``Status`` object (``InternalError`` for
 500). ``POST /_test/expire`` drops every kept watch event, so a watch from an older
 resourceVersion gets 410 Gone (etcd compacted it). ``POST /_test/evict`` ({namespace, name,
-message}) evicts a running pod as a kubelet under node pressure does: its container is killed,
-the pod stays, ``Failed`` with ``reason: Evicted`` and the message.
+message, bare}) evicts a running pod as a kubelet under node pressure does: its container is killed,
+the pod stays, ``Failed`` with ``reason: Evicted`` and the message (this server's StatefulSets do
+not replace it; with ``bare`` the pod has no owner, as one started by hand, which nothing would).
 
 The kubelet: a StatefulSet's pods are placed one per free host (none free: Pending,
 ``Unschedulable``); the Secret and emptyDir volumes are directories on the host, ``$(VAR)`` is
@@ -387,6 +388,8 @@ class Handler(BaseHTTPRequestHandler):
                 if evicted is None:
                     self.send_json(404, {"ok": False})
                     return True
+                if req.get("bare"):
+                    evicted.pod["metadata"].pop("ownerReferences", None)
         if evicted is not None:
             evicted.evict(req.get("message") or "The node was low on resource: memory.")
         self.send_json(200, {"ok": True})
@@ -536,6 +539,8 @@ class Handler(BaseHTTPRequestHandler):
                 return self.status(404, "NotFound", f'{plural} "{name}" not found')
             st.bump(obj, group, plural, "DELETED")
             kubelets = []
+            if (group, plural) == ("", "pods") and (ns, name) in st.pods:
+                kubelets.append(st.pods.pop((ns, name)))  # a pod deleted by itself (one no StatefulSet owns)
             if (group, plural) == ("apps", "statefulsets"):
                 for (g, pl, n, pname), pod in list(st.objects.items()):
                     refs = pod["metadata"].get("ownerReferences", [])
@@ -550,7 +555,7 @@ class Handler(BaseHTTPRequestHandler):
             with st.lock:
                 st.free.append(k.host)
                 st.free.sort()
-        if plural == "services":  # as the real server: a deleted Service comes back as itself
+        if plural in ("services", "pods"):  # as the real server: a deleted Service or Pod comes back as itself
             return self.send_json(200, obj)
         self.send_json(200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"})
 

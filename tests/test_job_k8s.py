@@ -555,6 +555,40 @@ def test_an_evicted_pod_says_why(k8s: Cluster) -> None:
     assert out[1]["after"] == EMPTY
 
 
+def test_an_evicted_pod_that_nothing_replaces_fails_the_attach_at_once_and_its_row_says_why(k8s: Cluster) -> None:
+    # an attach-only mesh whose pod was evicted, with no controller to make it again: the wait
+    # ran on until timeout (for ever with none) for a pod that never runs again, and the job's
+    # row read only "lost: evb[0]", not why
+    out = k8s.run("""
+        import time
+        from monarch_nb.job import kill_job, launch, list_jobs
+        grant("monarch-nb")
+        launch("k8s", "evb", 1, namespace=NS, image=IMAGE, kubeconfig=kc("ctl"), timeout=90)
+        test_api("evict", {"namespace": NS, "name": "evb-0", "bare": True,
+                 "message": "The node was low on resource: memory."})
+        out(state=next(r for r in list_jobs() if r["name"] == "evb")["state"])
+        attach = KubernetesJob(NS, timeout=120, kubeconfig=KubeConfig.from_path(kc("ctl")))
+        attach.add_mesh("evb", 1)
+        t0 = time.monotonic()
+        try:
+            attach.state(cached_path=None)
+        except JobError as e:
+            out(error=str(e), took=time.monotonic() - t0)
+        kill_job("evb")
+        client.CoreV1Api(admin()).delete_namespaced_pod("evb-0", NS)  # no longer the StatefulSet's
+        out(after=objects())
+    """)
+    assert out[0]["state"] == "lost: evb[0] (Evicted: The node was low on resource: memory.)", out[0]
+    err = out[1]["error"]
+    assert err.startswith(
+        "mesh 'evb': pod evb-0 Failed: Evicted: The node was low on resource: memory.: a pod that ended never runs "
+        "again and no controller owns it to replace it; start a new pod running the allocator"
+    ), err
+    assert "kubectl delete pod -n mnb NAME" in err and "within timeout" not in err, err
+    assert out[1]["took"] < 60, out[1]  # at once, not after the 120 s timeout
+    assert out[2]["after"] == EMPTY
+
+
 def test_crashloop_shows_last_log_lines(k8s: Cluster) -> None:
     out = k8s.run("""
         grant("monarch-nb")

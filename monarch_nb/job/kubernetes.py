@@ -477,6 +477,8 @@ class KubernetesJob(JobTrait):
         ready: dict[int, str] = {}
         names: dict[int, str] = {}
         waiting = []
+        #: rank -> why its pod will never be Ready (an attach-only pod that failed, with no owner)
+        dead: dict[int, str] = {}
         for pname, pod in sorted(pods.items()):
             for cs in (pod.status.container_statuses or []) if pod.status else []:
                 w = cs.state.waiting if cs.state else None
@@ -512,6 +514,10 @@ class KubernetesJob(JobTrait):
                 why = f"{pod.status.phase}: {pod.status.reason or 'no reason'}: {pod.status.message or 'no message'}"
             else:
                 why = f"{pod.status.phase if pod.status else 'unknown'}, not Ready"
+            if not c["image"] and pod.status and pod.status.phase in ("Failed", "Succeeded") and not _controller(pod):
+                # a pod that ended never runs again, and with no controller nothing replaces it
+                # (a StatefulSet's evicted pod is deleted and made again: that one is waited for)
+                dead.setdefault(rank, f"pod {pname} {why}")
             waiting.append(f"pod {pname} {why}")
             if shown.get(pname) != why:
                 shown[pname] = why
@@ -526,6 +532,14 @@ class KubernetesJob(JobTrait):
                 f"mesh {name!r}: no pod matches {self._selector(name)!r} in namespace {self._namespace!r} yet",
                 file=sys.stderr,
                 flush=True,
+            )
+        gone = [why for r, why in sorted(dead.items()) if r not in ready]
+        if gone:
+            raise JobError(
+                f"mesh {name!r}: {'; '.join(gone)}: a pod that ended never runs again and no controller owns it "
+                "to replace it; start a new pod running the allocator (with the mesh's labels: "
+                f"{self._selector(name)!r}, and its rank in {c['pod_rank_label']!r}), delete the old one "
+                f"(kubectl delete pod -n {self._namespace} NAME), then call state() again"
             )
         missing = [i for i in range(n) if i not in ready]
         what = "; ".join(waiting) or f"no pod with rank(s) {missing}"
@@ -731,7 +745,8 @@ class KubernetesJob(JobTrait):
         client, _, _, ApiException = _k8s()
         try:
             core = client.CoreV1Api(self._client())
-            lost = []
+            lost: list[str] = []
+            shown: list[str] = []
             for name, c in self._meshes.items():
                 pods = core.list_namespaced_pod(self._namespace, label_selector=self._selector(name), _request_timeout=10).items
                 ready = {
@@ -739,14 +754,21 @@ class KubernetesJob(JobTrait):
                     for p in pods
                     if any(x.type == "Ready" and x.status == "True" for x in (p.status.conditions or []))
                 }
-                lost += [f"{name}[{i}]" for i in range(c["num_replicas"]) if str(i) not in ready]
+                # the pod's own words for why it is gone (an eviction, a node shutdown), where it has them
+                why = {
+                    (p.metadata.labels or {}).get(c["pod_rank_label"]): _ended(p) for p in pods if p.status and p.status.reason
+                }
+                for i in range(c["num_replicas"]):
+                    if str(i) not in ready:
+                        lost.append(f"{name}[{i}]")
+                        shown.append(f"{name}[{i}]" + (f" ({why[str(i)]})" if why.get(str(i)) else ""))
         except Exception as e:
             if not isinstance(e, (ApiException, JobError)) and not _unreachable(e):
                 raise
             # a job table must list the others when one API server does not answer
             row["state"] = f"unknown ({type(e).__name__}: {e})"[:120]
             return row
-        row["state"] = f"lost: {', '.join(lost)}" if lost else "running"
+        row["state"] = f"lost: {', '.join(shown)}" if lost else "running"
         row["lost"] = lost
         return row
 
@@ -766,6 +788,22 @@ def make_job(
     job = KubernetesJob(namespace, timeout=timeout, kubeconfig=KubeConfig.from_path(kubeconfig) if kubeconfig else None)
     job.add_mesh(name, hosts, image_spec=ImageSpec(image) if image else None, port=monarch_port)
     return job
+
+
+def _controller(pod: Any) -> str:
+    """The kind and name of what manages ``pod`` (and would make it again), or ""."""
+    for r in pod.metadata.owner_references or []:
+        if r.controller:
+            return f"{r.kind} {r.name}"
+    return ""
+
+
+def _ended(pod: Any) -> str:
+    """Why a pod stopped, in its own words (``Evicted: The node was low on resource: memory.``)."""
+    msg = (pod.status.message or "").strip()
+    if len(msg) > 100:
+        msg = msg[:99] + "…"
+    return f"{pod.status.reason}: {msg}" if msg else str(pod.status.reason)
 
 
 def _template_dict(t: Any) -> dict[str, Any]:
