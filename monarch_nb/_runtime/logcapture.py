@@ -693,9 +693,10 @@ class ProcLog:
         pos = 0
         text = b""
         call = self._call[stream]  # the call of ``text``
-        for m in _MARK.finditer(raw):
-            piece = raw[pos : m.start()]
-            pos = m.end()
+        marks = list(_MARK.finditer(raw))
+        for i in range(len(marks) + 1):
+            m = marks[i] if i < len(marks) else None
+            piece = raw[pos : m.start() if m is not None else len(raw)]
             if piece:
                 # text before a marker on the same line belongs to the earlier call; text after
                 # markers that name its call again (another call ended meanwhile) goes on its line
@@ -705,15 +706,9 @@ class ProcLog:
                 if not text:
                     call = self._call[stream]
                 text += piece
-            self._tag(stream, m.group(1))
-        piece = raw[pos:]
-        if piece:
-            if text and self._call[stream] != call:
-                out.append((self.rank, stream, now, call, _decode(text)))
-                text = b""
-            if not text:
-                call = self._call[stream]
-            text += piece
+            if m is not None:
+                pos = m.end()
+                self._tag(stream, m.group(1))
         if text or not pos:
             out.append((self.rank, stream, now, call if text else self._call[stream], _decode(_final(text))))
         return out
