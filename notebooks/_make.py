@@ -939,7 +939,7 @@ while "wait_for_go" not in str(debug.stacks(observe, "1-3")) and time.monotonic(
     code("""
 lines = str(debug.stacks(observe)).splitlines()
 for above, line in itertools.pairwise(lines):
-    if "wait_for_go" in line:
+    if line.strip().startswith("wait_for_go"):  # its frame, not the call's line
         print(above.strip(), line.split(" (")[0].strip())
 """),
     code("""
