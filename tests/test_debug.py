@@ -25,7 +25,7 @@ from conftest import PY, wait_for
 from monarch_nb import debug, introspect
 from monarch_nb.actor import Actor, _debugwait, concurrent_endpoint, current_rank, endpoint
 from monarch_nb.config import configured
-from monarch_nb.errors import DebugError, SupervisionError
+from monarch_nb.errors import DebugError, MeshError, SupervisionError
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -856,7 +856,10 @@ def test_parse_ranks() -> None:
 def test_arguments_that_name_no_mesh_or_rank_are_refused_by_name() -> None:
     """Before anything is asked of an allocator (they were an AttributeError, an IndexError and
     int()'s 'invalid literal')."""
-    with pytest.raises(TypeError, match="stacks\\(\\) takes a ProcMesh or an ActorMesh, got str"):
+    with pytest.raises(TypeError, match="stacks\\(\\) takes a ProcMesh, an ActorMesh or a mesh's name, got int"):
+        debug.stacks(7)  # type: ignore[arg-type]
+    # a name is looked up on this host's allocators (monarch-nb stacks MESH)
+    with pytest.raises(MeshError, match="no mesh named 'trainers' on this host's allocators"):
         debug.stacks("trainers")
     with pytest.raises(TypeError, match="rank is the rank's number, got 'x'"):
         debug.attach("debugee", "x")  # type: ignore[arg-type]
