@@ -817,9 +817,7 @@ class ActorSlot:
         try:
             args, kwargs = loads_fast(body, buffers=buffers)
         except BaseException as e:
-            self._reply(
-                raddr, rport, index, wire.ERROR, self._error(e, f"unpickling the arguments of {self.instance_info.name}.{method}")
-            )
+            self._arguments_failed(meta, e)
             return None
         ep = self.endpoints.get(method)
         if ep is not None:
@@ -1050,15 +1048,16 @@ class ActorSlot:
                 self._refuse(("call", meta))
             raise
         except Exception as e:
-            self._reply(
-                meta[2],
-                meta[3],
-                meta[4],
-                wire.ERROR,
-                self._error(e, f"unpickling the arguments of {self.instance_info.name}.{meta[1]}"),
-            )
+            self._arguments_failed(meta, e)
             return False
         return True
+
+    def _arguments_failed(self, meta: tuple[Any, ...], e: BaseException) -> None:
+        """Answer call ``meta`` with the error that its arguments could not be had."""
+        _, method, raddr, rport, index = meta[:5]
+        self._reply(
+            raddr, rport, index, wire.ERROR, self._error(e, f"unpickling the arguments of {self.instance_info.name}.{method}")
+        )
 
     async def _fail_async(self, f: _ActorFailed) -> None:
         if self.failed is not None:
