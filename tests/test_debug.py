@@ -1009,18 +1009,25 @@ print(procs.spawn("dbg", Dbg).go.call().get(timeout=60).values(), flush=True)
 """
 
 
-@pytest.mark.parametrize("policy", ["continue", "raise"])
-def test_no_stdin_script(tmp_path: Any, policy: str) -> None:
-    path = tmp_path / "bp.py"
-    path.write_text(SCRIPT)
-    r = subprocess.run(
-        [PY, str(path)],
+def _run_without_stdin(path: Any, policy: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run script ``path`` as a batch job would: stdin from /dev/null, ``debug_no_input=policy``
+    (the tests' folder on its path, for the modules its actors come from)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    return subprocess.run(
+        [PY, str(path), *args],
         capture_output=True,
         text=True,
         timeout=90,
         stdin=subprocess.DEVNULL,
-        env=dict(os.environ, MONARCH_NB_DEBUG_NO_INPUT=policy),
+        env=dict(os.environ, MONARCH_NB_DEBUG_NO_INPUT=policy, PYTHONPATH=tests),
     )
+
+
+@pytest.mark.parametrize("policy", ["continue", "raise"])
+def test_no_stdin_script(tmp_path: Any, policy: str) -> None:
+    path = tmp_path / "bp.py"
+    path.write_text(SCRIPT)
+    r = _run_without_stdin(path, policy)
     skipped = re.findall(r"breakpoint at (\S+):(\d+) on rank (\d) skipped \(no input\)", r.stderr)
     assert skipped and all(f == str(path) and line == "7" for f, line, _ in skipped), r.stderr
     if policy == "continue":
@@ -1080,15 +1087,7 @@ def test_no_stdin_raise_raises_once_per_call_not_again_for_its_late_rank(tmp_pat
     raised again out of the next unrelated wait (another mesh's call, the script's stop())."""
     path = tmp_path / "late.py"
     path.write_text(LATE_RANK_SCRIPT)
-    tests = os.path.dirname(os.path.abspath(__file__))
-    r = subprocess.run(
-        [PY, str(path), str(tmp_path / "gate")],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        stdin=subprocess.DEVNULL,
-        env=dict(os.environ, MONARCH_NB_DEBUG_NO_INPUT="raise", PYTHONPATH=tests),
-    )
+    r = _run_without_stdin(path, "raise", str(tmp_path / "gate"))
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("raised:") == 1 and "on rank 0 with no input to debug it" in r.stdout, r.stdout
     assert "['pong', 'pong']" in r.stdout, r.stdout
@@ -1158,15 +1157,7 @@ def test_no_stdin_raise_fails_the_call_that_stopped_not_the_one_waited_on(tmp_pa
     A's wait raises the DebugError, naming A and its breakpoint; get() and await alike."""
     path = tmp_path / "other.py"
     path.write_text(OTHER_CALL_SCRIPT)
-    tests = os.path.dirname(os.path.abspath(__file__))
-    r = subprocess.run(
-        [PY, str(path), str(tmp_path / "gate")],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        stdin=subprocess.DEVNULL,
-        env=dict(os.environ, MONARCH_NB_DEBUG_NO_INPUT="raise", PYTHONPATH=tests),
-    )
+    r = _run_without_stdin(path, "raise", str(tmp_path / "gate"))
     assert r.returncode == 0, r.stderr
     at = rf"breakpoint at {re.escape(str(path))}:14 on rank 0 with no input to debug it"
     assert "get B: ['b']" in r.stdout, r.stdout
@@ -1208,14 +1199,7 @@ def test_no_stdin_raise_raises_for_each_mesh_s_init_breakpoint(tmp_path: Any) ->
     __init__ was only skipped and its call returned as if nothing had stopped."""
     path = tmp_path / "init.py"
     path.write_text(INIT_SCRIPT)
-    r = subprocess.run(
-        [PY, str(path)],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        stdin=subprocess.DEVNULL,
-        env=dict(os.environ, MONARCH_NB_DEBUG_NO_INPUT="raise"),
-    )
+    r = _run_without_stdin(path, "raise")
     assert r.returncode == 0, r.stderr
     for name in ("first", "second"):
         at = rf"{name} raised: breakpoint at {re.escape(str(path))}:8 on rank 0 with no input to debug it"
