@@ -197,17 +197,18 @@ class Allocator(DebugRegistry):
         """A proc's call that printed ended: the end of its burst waits for no batch. ``ids``:
         the calls that ended, for the subscribers to know that their lines are all there (a
         script's controller shows them before the call's value)."""
-        if ids:
-            mesh = self.meshes.get(mesh_name)
-            if mesh is not None and mesh.log_subs:
-                ends = [(rank, i) for i in ids]
-                for sub in mesh.log_subs:
-                    self._pending_ends.setdefault((sub, mesh_name), []).extend(ends)
-                if self._flush_timer is None:
-                    self._flush_timer = self.rt.loop.call_soon(self._flush_logs)
+        queued = False
+        mesh = self.meshes.get(mesh_name) if ids else None
+        if mesh is not None and mesh.log_subs:
+            ends = [(rank, i) for i in ids]
+            for sub in mesh.log_subs:
+                self._pending_ends.setdefault((sub, mesh_name), []).extend(ends)
+            queued = True
         t = self._flush_timer
-        if isinstance(t, asyncio.TimerHandle):
-            t.cancel()
+        # a batch's later flush (a TimerHandle) comes now; none scheduled: now if ends wait
+        if isinstance(t, asyncio.TimerHandle) or (t is None and queued):
+            if t is not None:
+                t.cancel()
             self._flush_timer = self.rt.loop.call_soon(self._flush_logs)
 
     def _flush_logs(self) -> None:
@@ -222,11 +223,8 @@ class Allocator(DebugRegistry):
             ends, self._pending_ends = self._pending_ends, {}
             for ((addr, port), mesh), calls in ends.items():
                 # behind the lines on the same link; like them, dropped for a silent or full subscriber
-                body, bufs = dumps((ENDED, calls, mesh, self.id))
                 try:
-                    self.rt.transport.send(
-                        addr, self.rt.sender.encode(addr, wire.PORT, (port, 0, wire.ITEM), body, bufs), droppable=True
-                    )
+                    self._to_subscriber(addr, port, (ENDED, calls, mesh, self.id))
                 except Exception as e:
                     logger.debug("ends of calls for %s not sent: %s", addr, e)
 
@@ -251,10 +249,8 @@ class Allocator(DebugRegistry):
             j = max(i + 1, bisect.bisect_right(ends, base + LOG_CHUNK_CHARS, i))
             base = ends[j - 1]
             chunk = lines[i:j] if i or j < n else lines
-            body, bufs = dumps((LOGS, chunk, mesh, self.id))
-            frames = self.rt.sender.encode(addr, wire.PORT, (port, 0, wire.ITEM), body, bufs)
             try:
-                sent = self.rt.transport.send(addr, frames, droppable=True)
+                sent = self._to_subscriber(addr, port, (LOGS, chunk, mesh, self.id))
             except Exception as e:  # an address that cannot be reached at all
                 logger.debug("log lines for %s not sent: %s", addr, e)
                 sent = False
@@ -265,6 +261,13 @@ class Allocator(DebugRegistry):
         dropped = self.dropped_log_lines.pop(addr, 0)
         if dropped:
             logger.warning("controller %s keeps up again; %d log lines were not sent to it (see the logs on disk)", addr, dropped)
+
+    def _to_subscriber(self, addr: str, port: int, item: tuple[Any, ...]) -> bool:
+        """One item on a log subscriber's port (False: its queue is full, the item dropped)."""
+        body, bufs = dumps(item)
+        return bool(
+            self.rt.transport.send(addr, self.rt.sender.encode(addr, wire.PORT, (port, 0, wire.ITEM), body, bufs), droppable=True)
+        )
 
     def _drop_logs(self, addr: str, n: int, why: str) -> None:
         before = self.dropped_log_lines.get(addr, 0)
