@@ -122,6 +122,15 @@ class Receiver:
     def close_port(self, port: int) -> None:
         self._ports.pop(port, None)
 
+    def port_reply(self, pv: tuple[int, int, int, Any]) -> None:
+        """Deliver a reply already read by :func:`~.._wire.frames.port_value` (a caller that
+        reads its own reply connection: :meth:`dispatch` would parse it again)."""
+        h = self._ports.get(pv[0])
+        if h is not None:
+            if self.reply_claims and (told := self.reply_claims.pop(pv[0], None)) is not None:
+                told(self.claim_reply() if self.claim_reply is not None else None)
+            h(pv[1], pv[2], pv[3], [])
+
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, frames: list[Any], sock: Any = None, rid: bytes = b"") -> None:
         """Take one message's frames (``sock`` and ``rid``: where to refuse it, if anywhere)."""

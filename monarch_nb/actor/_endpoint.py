@@ -13,7 +13,7 @@ from .._runtime.runtime import ReplyPort
 from .._wire import frames as wire
 from .._wire.serialize import dumps_call, loads
 from ..errors import ActorError, MeshClosedError, NotAnEndpointError
-from . import _context, _replyread
+from . import _context, _onecall, _replyread
 from ._future import Future
 
 if TYPE_CHECKING:
@@ -174,10 +174,13 @@ class Endpoint(Generic[R]):
         ranks: list[int] | None = None,
         checked: bool = False,
         call_id: str = "",
+        pickled: tuple[bytes, list[Any]] | None = None,
     ) -> int:
         """Send to every actor of the mesh (or ``ranks``, indices into its view); return how many.
         Replies go to ``port`` (see :func:`multicast`). ``checked``: the caller found the mesh
-        open and not refused just now. ``call_id``: the call's id, if the caller made it."""
+        open and not refused just now. ``call_id``: the call's id, if the caller made it.
+        ``pickled``: the arguments' ``dumps_call``, if the caller made it (never where our
+        address in them depends on the peer)."""
         self._check(args, kwargs)
         mesh = self._mesh
         if not checked:
@@ -189,7 +192,9 @@ class Endpoint(Generic[R]):
         view = mesh._view
         procs = mesh._procs
         idx = range(len(view.ranks)) if ranks is None else ranks
-        if _context.addresses_vary(rt) and len(idx) and (args or kwargs):
+        if pickled is not None:
+            body, bufs = pickled
+        elif _context.addresses_vary(rt) and len(idx) and (args or kwargs):
             # a Port of ours in the arguments, as these procs reach us: at the unix socket (this
             # host), the TCP inbox, or a gateway's reply address (hosts behind one); a mesh's
             # procs are all on this host or all reached over TCP, so its first proc decides
@@ -216,10 +221,11 @@ class Endpoint(Generic[R]):
         what: str,
         decode: Callable[[list[Any]], Any] | None = None,
         order: list[int] | None = None,
+        pickled: tuple[bytes, list[Any]] | None = None,
     ) -> Future[Any]:
         """Send and collect raw replies (see :func:`gather`), decoded by ``decode`` on first
         read; ``order`` receives the indices in arrival order (Accumulator folds in that order,
-        as Monarch's does)."""
+        as Monarch's does); ``pickled``: the arguments' ``dumps_call``, made already."""
         mesh = self._mesh
         if mesh._closed() or mesh._refused is not None:
             self._check(args, kwargs)
@@ -236,7 +242,7 @@ class Endpoint(Generic[R]):
             slots if ranks is None else len(ranks),
             what,
             decode or _decode_all,
-            lambda port, on_fail: self._send(args, kwargs, port, on_fail, ranks, True, call_id),
+            lambda port, on_fail: self._send(args, kwargs, port, on_fail, ranks, True, call_id, pickled),
             order=order,
             endpoint=self,  # named only if the call fails: nothing to format on every call
             call_id=call_id,
@@ -261,13 +267,28 @@ class Endpoint(Generic[R]):
         n = len(mesh._view.ranks)
         if n != 1:
             raise ValueError(f"call_one requires exactly 1 actor, but mesh has {n}")
+        proc = mesh._procs[mesh._view.ranks[0]]
         # its reply may be read by the thread that waits for it (_replyread)
-        peer = (mesh._procs[mesh._view.ranks[0]].addr, mesh._name)
-        fut: Future[R] = _replyread.send(
-            peer, _context._runtime, self._gather, args, kwargs, None, self._what("call_one"), _decode_first
-        )
+        peer = (proc.addr, mesh._name)
+        rt = _context._runtime
+        fut: Future[R] = _replyread.send(peer, rt, self._call_one, rt, proc, args, kwargs)
         fut._peer = peer
         return fut
+
+    def _call_one(self, rt: Runtime | None, proc: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Future[Any]:
+        what = self._what("call_one")
+        if rt is not None:
+            fut = _onecall.call_one(self, rt, proc, args, kwargs, what)
+            if fut is not None:
+                return fut
+        return self._gather(args, kwargs, None, what, _decode_first)
+
+    def _call_one_pickled(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], what: str, pickled: tuple[bytes, list[Any]]
+    ) -> Future[Any]:
+        """(_onecall, for arguments too large for its path.) The general path, with the arguments
+        already pickled."""
+        return self._gather(args, kwargs, None, what, _decode_first, pickled=pickled)
 
     def _what(self, adverb: str) -> str:
         """``"label.method.adverb()"``, what a call's future is of (made once per adverb)."""

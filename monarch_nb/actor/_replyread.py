@@ -171,7 +171,7 @@ def after_send(fut: Future[Any], c: Any, rt: Runtime, peer: tuple[str, str]) -> 
     try:
         if fut._state == _PENDING:
             got = c.read()
-            if got is None or (got and not _take(c, got, fut._port, rt.receiver.dispatch)):
+            if got is None or (got and not _take(c, got, fut._port, rt.receiver.port_reply)):
                 return  # the connection ended, or given back: the I/O thread has it
             early = _tls.r.early
             score = early.get(peer, _START)
@@ -206,15 +206,16 @@ def _held(c: Any, rt: Runtime) -> bool:
     return c.t is rt.transport and c.rx.sock.fileno() == c.fd and bool(c.idle())
 
 
-def _take(c: Any, got: list[Any], port: int, dispatch: Callable[[Any], None]) -> bool:
-    """Dispatch the replies on ``port`` among the messages ``got`` read off ``c``; at the first
-    other one, give it and the rest back to the I/O thread, in order, with the connection (False)."""
+def _take(c: Any, got: list[Any], port: int, deliver: Callable[[Any], None]) -> bool:
+    """Deliver (``Receiver.port_reply``) the replies on ``port`` among the messages ``got`` read
+    off ``c``; at the first other one, give it and the rest back to the I/O thread, in order,
+    with the connection (False)."""
     for i, msg in enumerate(got):
         pv = port_value(msg[0]) if len(msg) == 1 else None
         if pv is None or pv[0] != port:
             c.give_back(got[i:], cooldown=16)
             return False
-        dispatch(msg)
+        deliver(pv)
     return True
 
 
@@ -233,7 +234,7 @@ def _read(fut: Future[Any], c: Any, r: _Reader, timeout: float | None, rt: Runti
     try:
         poller.register(c.fd, select.POLLIN)
         deadline = None if timeout is None else time.monotonic() + timeout
-        port, dispatch = fut._port, rt.receiver.dispatch
+        port, deliver = fut._port, rt.receiver.port_reply
         while fut._state == _PENDING:
             if debug and _debugwait.unseen():
                 return None  # the usual wait runs the console
@@ -248,7 +249,7 @@ def _read(fut: Future[Any], c: Any, r: _Reader, timeout: float | None, rt: Runti
                     drain_wake(fd)
                     continue
                 got = c.read()
-                if got is None or not _take(c, got, port, dispatch):
+                if got is None or not _take(c, got, port, deliver):
                     return None  # the connection ended, or given back: the I/O thread has it
         return True
     finally:
@@ -281,7 +282,7 @@ def awaitable(fut: Future[Any], peer: tuple[str, str], rt: Runtime) -> asyncio.F
         return af
     c = r.claims.get(peer)
     if c is not None and _held(c, rt):
-        port, dispatch = fut._port, rt.receiver.dispatch
+        port, deliver = fut._port, rt.receiver.port_reply
         watching = [True]
 
         def stop(gone: bool) -> None:
@@ -299,7 +300,7 @@ def awaitable(fut: Future[Any], peer: tuple[str, str], rt: Runtime) -> asyncio.F
                 stop(False)  # done elsewhere: what follows is the I/O thread's
                 return
             got = c.read()
-            if got is None or not _take(c, got, port, dispatch):
+            if got is None or not _take(c, got, port, deliver):
                 stop(True)  # the connection ended, or given back: the I/O thread has it
 
         loop.add_reader(c.fd, readable)
