@@ -39,9 +39,10 @@ class Future(Generic[R]):
     Not constructed directly; endpoints and meshes return them.
     """
 
-    # two raw locks instead of a threading.Condition: ``_mutex`` guards the state, ``_done``
-    # is held from creation until completion, so waiting is one acquire and creating costs
-    # a fraction of a Condition (this is on every call's path)
+    # raw locks instead of a threading.Condition: ``_mutex`` guards the state; ``_done``, made
+    # by the first plain wait (most futures have none: their caller reads its reply itself, or
+    # an event loop awaits it), is held until completion, so waiting is one acquire and
+    # creating costs a fraction of a Condition (this is on every call's path)
     __slots__ = (
         "_mutex",
         "_done",
@@ -59,7 +60,7 @@ class Future(Generic[R]):
         "__weakref__",
     )
     _mutex: LockType
-    _done: LockType
+    _done: LockType | None
     _state: int
     _value: Any
     _decode: Callable[[Any], Any] | None
@@ -83,8 +84,7 @@ class Future(Generic[R]):
     def _create(cls, what: str = "result") -> Future[R]:
         f = object.__new__(cls)
         f._mutex = _allocate_lock()
-        f._done = _allocate_lock()
-        f._done.acquire()
+        f._done = None
         f._state = _PENDING
         f._value = None
         f._decode = None
@@ -117,7 +117,9 @@ class Future(Generic[R]):
                 return False
             self._state, self._value, self._decode = state, value, decode
             cbs, self._callbacks = self._callbacks, None
-        self._done.release()
+            done = self._done
+        if done is not None:
+            done.release()
         if cbs:
             for cb in cbs:
                 try:
@@ -211,7 +213,13 @@ class Future(Generic[R]):
 
     def _wait_plain(self, timeout: float | None) -> bool:
         """Block until done (True) or ``timeout`` passes (False): one acquire of the done lock."""
-        done = self._done
+        with self._mutex:
+            if self._state != _PENDING:
+                return True
+            done = self._done
+            if done is None:
+                done = self._done = _allocate_lock()
+                done.acquire()  # released by _finish
         if timeout is None:
             ok = done.acquire()
         elif timeout <= 0:
