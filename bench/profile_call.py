@@ -68,11 +68,24 @@ def _instrument(rt: Any, log: list[tuple[str, int]], peer: str, what: Any) -> No
             log.append(("recv", t))
         return r
 
-    # every send (one message, a reply, a call to many) ends in the sender's send_frames
+    port_reply = getattr(rt.receiver, "port_reply", None)
+
+    def timed_port_reply(pv: Any) -> None:
+        # a reply its caller read itself, parsed already (_replyread)
+        t = T()
+        if what((wire.PORT, tuple(pv[:3]))):
+            log.append(("recv", t))
+        port_reply(pv)  # type: ignore[misc]
+
+    # every send through the runtime (a call to many, a call whose thread has no connection to
+    # its proc yet) ends in the sender's send_frames; a call to one actor and an actor's small
+    # reply go straight to the thread's direct connection (_instrument_direct)
     rt.transport.dispatch, rt.sender._send_frames = timed_dispatch, timed_send
-    # a caller blocked on its reply reads it itself (actor/_replyread.py), dispatching through
+    # a caller blocked on its reply reads it itself (actor/_replyread.py), delivering it through
     # the receiver, which the I/O thread reaches through its own reference
     rt.receiver.dispatch = timed_dispatch
+    if port_reply is not None:
+        rt.receiver.port_reply = timed_port_reply
     if take_own is not None:
         rt.receiver.take_own = timed_take_own
 
@@ -144,6 +157,8 @@ def _install(log: list[tuple[str, int]], controller: str) -> int:
     from monarch_nb.actor import _context
 
     _instrument(_context.runtime(), log, controller, lambda km: km[0] == 1 and km[1][1] in ("ping", "echo"))
+    # the actor's thread (or loop) writes its small replies on its own connection to the caller
+    _instrument_direct(log)
     return os.getpid()
 
 
