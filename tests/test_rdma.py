@@ -629,6 +629,65 @@ def test_out_of_descriptors_says_so_and_blames_neither_owner_nor_host() -> None:
             b.drop().get(timeout=10)
 
 
+class ManyReader(Actor):
+    @endpoint
+    def read_all(self, bufs: list[RDMABuffer], headroom: int, maps_max: int) -> dict:
+        import resource
+
+        from monarch_nb._runtime import _dataplane as dp
+
+        dp.MAPS_MAX = maps_max
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + headroom, hard))
+        try:
+            dst = torch.zeros(64, dtype=torch.uint8)
+            heads = []
+            for b in bufs:
+                b.read_into(dst).get(timeout=30)
+                heads.append(int(dst[0]))
+            # the first ones were let go to stay under maps_max: mapped again when needed
+            again = []
+            for b in bufs[:3]:
+                b.read_into(dst).get(timeout=30)
+                again.append(int(dst[0]))
+            bufs[1].write_from(torch.full((64,), 250, dtype=torch.uint8)).get(timeout=30)
+            return dict(heads=heads, again=again, fds=len(os.listdir("/proc/self/fd")), maps=dp.maps.count())
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    @endpoint
+    def error_of_read(self, buf: RDMABuffer) -> str:
+        try:
+            buf.read_into(torch.zeros(64, dtype=torch.uint8)).get(timeout=30)
+        except Exception as e:
+            return type(e).__name__
+        return ""
+
+
+def test_a_reader_of_more_buffers_than_its_descriptor_limit() -> None:
+    # a reader kept a descriptor per owner's buffer it had mapped (mmap.mmap keeps a duplicate),
+    # so a training loop reading one buffer per parameter shard, or a new buffer per step, failed
+    # with EMFILE once it had read as many buffers as its soft limit (often 1,024)
+    n = 400
+    keep = [torch.full((64,), i % 200, dtype=torch.uint8) for i in range(n)]
+    bufs = [RDMABuffer(t) for t in keep]
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        reader = procs.spawn("many", ManyReader)
+        got = reader.read_all.call_one(bufs, 64, 100).get(timeout=90)
+        assert got["heads"] == [i % 200 for i in range(n)]
+        assert got["again"] == [0, 1, 2]
+        assert int(keep[1][0]) == 250 and int(keep[1][-1]) == 250  # written in place, after being let go
+        assert got["maps"] <= 100, got
+        # a buffer dropped after its mapping was let go is still seen as dropped, not read
+        bufs[0].drop().get(timeout=10)
+        assert reader.error_of_read.call_one(bufs[0]).get(timeout=30) == "BufferDroppedError"
+    finally:
+        for b in bufs:
+            b.drop().get(timeout=10)
+        procs.stop().get(timeout=30)
+
+
 class CudaOwner(Actor):
     def __init__(self) -> None:
         self.t = torch.arange(N, device="cuda", dtype=torch.uint8)

@@ -38,6 +38,7 @@ import stat
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -827,16 +828,64 @@ class Shm:
     size: int  # of the file
 
 
+class _Mapping:
+    """An owner's shared file mapped here without a descriptor: a mapping stays valid once the
+    descriptor it was made from is closed, while ``mmap.mmap`` (before Python 3.13's
+    ``trackfd=False``) keeps a duplicate for the mapping's life, so a reader that read from
+    thousands of buffers ran out of descriptors. Unmapped when the last reference goes."""
+
+    __slots__ = ("addr", "size", "_munmap")
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.addr = 0
+        self.size = size
+        libc_mmap, self._munmap = _libc()
+        got = libc_mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if got is None or got == _MAP_FAILED:
+            e = ctypes.get_errno()
+            raise OSError(e, f"mmap of {size} bytes: {os.strerror(e)}")
+        self.addr = got
+
+    def __del__(self) -> None:
+        if self.addr:
+            self._munmap(self.addr, self.size)
+            self.addr = 0
+
+
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_libc_fns: list[Any] = []
+
+
+def _libc() -> tuple[Any, Any]:
+    """libc's ``mmap`` and ``munmap``."""
+    if not _libc_fns:
+        libc = ctypes.CDLL(None, use_errno=True)
+        f, g = libc.mmap, libc.munmap
+        f.restype = ctypes.c_void_p
+        f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+        g.restype = ctypes.c_int
+        g.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        _libc_fns[:] = [f, g]
+    return _libc_fns[0], _libc_fns[1]
+
+
+#: owners' shared files a reader keeps mapped at once; past this the least recently used is let
+#: go (and mapped again, through the owner's descriptor, if it is read again). Each costs no
+#: descriptor but one of the kernel's ``vm.max_map_count`` (65530 by default) areas, and one
+#: ``stat`` per sweep
+MAPS_MAX = 16384
+
+
 class _Maps:
     """Mappings of owners' shared files, kept for the next copy and let go once the owner closed
-    its descriptor (dropped the buffer) or died: checked on every use and by a slow sweep.
+    its descriptor (dropped the buffer) or died: checked on every use and by a slow sweep; or
+    once :data:`MAPS_MAX` others were used since.
 
-    A mapping is never closed explicitly: each entry holds a buffer export giving its address,
-    and a copy holds the entry while it runs, so the memory is unmapped only once neither the
-    table nor any copy refers to it."""
+    A mapping is never unmapped explicitly: a copy holds its :class:`_Mapping` while it runs, so
+    the memory is unmapped only once neither the table nor any copy refers to it."""
 
     def __init__(self) -> None:
-        self._maps: dict[tuple[int, int, int, int], tuple[mmap.mmap, Any, int]] = {}
+        self._maps: OrderedDict[tuple[int, int, int, int], _Mapping] = OrderedDict()
         self._lock = threading.Lock()
         self._sweeper: threading.Thread | None = None
 
@@ -848,16 +897,20 @@ class _Maps:
             return False
         return (st.st_dev, st.st_ino) == (shm.dev, shm.ino)
 
-    def get(self, pid: int, shm: Shm) -> tuple[mmap.mmap, Any, int] | None:
-        """(mapping, export, address) of the file (None: the owner let go of it, or died)."""
+    def get(self, pid: int, shm: Shm) -> _Mapping | None:
+        """The mapping of the file (None: the owner let go of it, or died)."""
         key = (pid, shm.fd, shm.dev, shm.ino)
         if not self.alive(pid, shm):
             self._forget(key)
             return None
         m = self._maps.get(key)
         if m is not None:
+            try:
+                self._maps.move_to_end(key)
+            except KeyError:
+                pass  # forgotten meanwhile: this copy still holds it
             return m
-        what = "mapping the owner's shared memory (each buffer of another process mapped here holds one until it is dropped)"
+        what = "mapping the owner's shared memory (one descriptor, only while it maps it)"
         try:
             fd = os.open(f"/proc/{pid}/fd/{shm.fd}", os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -870,17 +923,13 @@ class _Maps:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != (shm.dev, shm.ino) or not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
                 return None
-            mm = mmap.mmap(fd, shm.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as e:
-            if _no_descriptor(e):  # mmap keeps a duplicate of the descriptor
-                raise OutOfDescriptors(what) from e
-            raise
+            m = _Mapping(fd, shm.size)
         finally:
             os.close(fd)
-        export = (ctypes.c_char * shm.size).from_buffer(mm)
-        m = (mm, export, ctypes.addressof(export))
         with self._lock:
             m = self._maps.setdefault(key, m)
+            while len(self._maps) > MAPS_MAX:
+                self._maps.popitem(last=False)
             if self._sweeper is None:
                 self._sweeper = threading.Thread(target=self._sweep, name="monarch_nb-dataplane-maps", daemon=True)
                 self._sweeper.start()
@@ -914,7 +963,7 @@ def shm_copy(addr: Address, shm: Shm, write: bool, local_addr: int, off: int, n:
     m = maps.get(addr.pid, shm)
     if m is None:
         return False
-    src, dst = m[2] + shm.offset + off, local_addr
+    src, dst = m.addr + shm.offset + off, local_addr
     if write:
         src, dst = dst, src
     ctypes.memmove(dst, src, n)  # GIL released; ``m`` keeps the mapping alive meanwhile
