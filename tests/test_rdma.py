@@ -688,6 +688,46 @@ def test_a_reader_of_more_buffers_than_its_descriptor_limit() -> None:
         procs.stop().get(timeout=30)
 
 
+def test_idle_connections_to_owners_that_went_away_are_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a reader kept its idle stream connection to every owner it had read from, also once that
+    # owner's process had exited: a descriptor per short-lived owner, for the reader's life
+    from monarch_nb._runtime import _dataplane as dp
+
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    owner = procs.spawn("owner", Owner)
+    _, mvbuf = owner.buffers.call_one().get(timeout=60)
+    out = bytearray(4096)
+    mvbuf.read_into(memoryview(out)).get(timeout=30)
+    assert bytes(out[:2]) == b"mm"
+    gone = ("unix", mvbuf._addr.unix)
+    assert gone in dp._pool._idle
+    procs.stop().get(timeout=30)
+    raw = bytearray(4096)
+    mine = RDMABuffer(memoryview(raw))  # read over this process's own stream: gives a connection back
+    try:
+        wait_for(
+            lambda: mine.read_into(memoryview(out)).get(timeout=30) is None and gone not in dp._pool._idle,
+            timeout=30,
+            what="the idle connection to the exited owner to be closed",
+        )
+    finally:
+        mine.drop().get(timeout=10)
+    # and a reader of many live owners keeps at most POOL_MAX idle connections, oldest closed first
+    monkeypatch.setattr(dp, "POOL_MAX", 2)
+    pool = dp._Pool()
+    pairs = [socket.socketpair() for _ in range(5)]
+    try:
+        chans = [dp._Plain(a) for a, _ in pairs]
+        for i, ch in enumerate(chans):
+            pool.give(("unix", f"owner{i}"), ch)
+        assert [c.sock.fileno() == -1 for c in chans] == [True, True, True, False, False]
+        assert sorted(pool._idle) == [("unix", "owner3"), ("unix", "owner4")]
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
 class CudaOwner(Actor):
     def __init__(self) -> None:
         self.t = torch.arange(N, device="cuda", dtype=torch.uint8)

@@ -33,6 +33,7 @@ import logging
 import mmap
 import os
 import secrets
+import select
 import socket
 import stat
 import struct
@@ -559,11 +560,22 @@ def counters() -> dict[str, int] | None:
 
 
 # ---------------------------------------------------------------------------------- reader side
+#: idle data connections a process keeps at most (a descriptor each); past this the least
+#: recently used is closed, and a later transfer to its owner connects again
+POOL_MAX = 64
+#: how often giving a connection back also closes the idle ones whose owner went away (its
+#: process exited): nothing else would, and a reader of many short-lived owners kept a
+#: descriptor per owner for good
+PRUNE_S = 1.0
+
+
 class _Pool:
     """Idle connections to data servers, reused across transfers (one transfer per connection)."""
 
     def __init__(self) -> None:
-        self._idle: dict[tuple[str, ...], list[_Plain | _Sealed]] = {}
+        self._idle: OrderedDict[tuple[str, ...], list[_Plain | _Sealed]] = OrderedDict()
+        self._n = 0
+        self._pruned = 0.0
         self._lock = threading.Lock()
 
     def take(self, where: tuple[str, ...], key: bytes | None, deadline: float, fresh: bool = False) -> _Plain | _Sealed:
@@ -572,6 +584,9 @@ class _Pool:
             idle = self._idle.get(where)
             if idle and not fresh:
                 ch = idle.pop()
+                if not idle:
+                    del self._idle[where]
+                self._n -= 1
                 ch.reused = True
                 return ch
         kind, addr = where[0], where[1]
@@ -593,8 +608,43 @@ class _Pool:
             raise
 
     def give(self, where: tuple[str, ...], ch: _Plain | _Sealed) -> None:
+        shut: list[_Plain | _Sealed] = []
+        now = time.monotonic()
         with self._lock:
             self._idle.setdefault(where, []).append(ch)
+            self._idle.move_to_end(where)
+            self._n += 1
+            if now - self._pruned >= PRUNE_S:
+                self._pruned = now
+                shut += self._broken()
+            while self._n > POOL_MAX:
+                oldest, lst = next(iter(self._idle.items()))
+                shut.append(lst.pop(0))
+                if not lst:
+                    del self._idle[oldest]
+                self._n -= 1
+        for c in shut:
+            c.close()
+
+    def _broken(self) -> list[_Plain | _Sealed]:
+        """Take out the idle connections the other end closed (or broke): an owner never sends
+        on an idle one, so any that can be read from is one (under the lock)."""
+        every = [c for lst in self._idle.values() for c in lst]
+        poller = select.poll()
+        for c in every:
+            poller.register(c.sock, select.POLLIN)
+        ready = {fd for fd, _ in poller.poll(0)}
+        if not ready:
+            return []
+        out = [c for c in every if c.sock.fileno() in ready]
+        for where in list(self._idle):
+            keep = [c for c in self._idle[where] if c.sock.fileno() not in ready]
+            if keep:
+                self._idle[where] = keep
+            else:
+                del self._idle[where]
+        self._n -= len(out)
+        return out
 
     def connections(self) -> list[socket.socket]:
         with self._lock:
