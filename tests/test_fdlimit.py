@@ -154,6 +154,31 @@ def test_calls_once_the_program_holds_every_descriptor_go_on_or_say_what_to_do(t
     assert got["after"] is None, got
 
 
+def test_a_controller_that_spawns_and_stops_meshes_keeps_no_descriptor_per_gone_actor(tmp_path: Any) -> None:
+    # a notebook that spawns a mesh, calls it and stops it, again and again, kept its thread's
+    # direct connection to every stopped proc open: one more descriptor per mesh, for good
+    got = _controller(
+        tmp_path,
+        """
+            from monarch_nb._runtime import transport
+            transport.DIRECT_PRUNE_MIN = 4  # (64 by default) so that a few meshes show it
+            def cycle():
+                pm = this_host().spawn_procs(per_host={"gpus": 1})
+                pm.spawn("e", E).echo.call_one(1).get(timeout=60)
+                pm.stop().get(timeout=60)
+            cycle()
+            cycle()
+            before = len(os.listdir("/proc/self/fd"))
+            for _ in range(16):
+                cycle()
+            report({"grown": len(os.listdir("/proc/self/fd")) - before})
+            """,
+        4096,
+        _HARD,
+    )
+    assert got["grown"] <= 6, got  # without closing them: 16
+
+
 def test_a_rank_connecting_while_the_controller_holds_every_descriptor_waits_for_room(tmp_path: Any) -> None:
     # a new thread of a rank opens a connection to the controller, which cannot accept it: the
     # controller lives on (libzmq, had the rank gone that way, would have aborted it) and the

@@ -285,6 +285,10 @@ def refuse(sock: zmq.Socket[bytes] | None, rid: bytes, reason: str) -> None:
 MAX_PEER_SOCKETS = 256
 #: seconds a direct listener goes unwatched after an accept failed for want of descriptors
 ACCEPT_PAUSE_S = 0.5
+#: a thread looks for direct connections whose peer went away once it holds this many, and
+#: again each time it holds twice as many as it kept (a sweep per new connection would cost a
+#: thread that connects to a thousand procs a million polls)
+DIRECT_PRUNE_MIN = 64
 
 
 class _Outboxes:
@@ -785,6 +789,8 @@ class Transport:
             return conns[addr]
         except KeyError:
             pass
+        if len(conns) >= getattr(self._tls, "prune_at", DIRECT_PRUNE_MIN):
+            self._prune_direct(conns)
         try:
             conn: fastpath.Sender | None = fastpath.Sender(fastpath.path_for(addr))
         except OSError:
@@ -794,6 +800,26 @@ class Transport:
             with self._lock:
                 self.fast_out.add(conn)
         return conn
+
+    def _prune_direct(self, conns: dict[str, fastpath.Sender | None]) -> None:
+        """Close this thread's direct connections whose peer closed its end (its process
+        exited): nothing else does while the thread lives, and a notebook that spawns and stops
+        meshes kept a descriptor per actor it had called, for the kernel's life. A receiver
+        writes only its greeting, read before the connection is used, so one that can be read
+        from has gone (a connection still waiting for its greeting, ``_q`` set, is left be)."""
+        live = {addr: c for addr, c in conns.items() if c is not None and c._q is None}
+        if live:
+            poller = select.poll()
+            for c in live.values():
+                poller.register(c.sock, select.POLLIN)
+            ready = {fd for fd, _ in poller.poll(0)}
+            for addr, c in live.items():
+                if c.sock.fileno() in ready:
+                    del conns[addr]  # a later message to it connects again, or takes zmq
+                    with self._lock:
+                        self.fast_out.discard(c)
+                    c.close()
+        self._tls.prune_at = max(DIRECT_PRUNE_MIN, 2 * len(conns))
 
     # ---------------------------------------------------------------- closing
     def close_inboxes(self) -> None:
