@@ -995,6 +995,154 @@ def test_a_stack_dump_of_a_loop_with_many_tasks_is_bounded_and_never_waits_for_t
         loop.close()
 
 
+class Held(Actor):
+    """A long call (until the test opens its gate), and a short one that queues behind it."""
+
+    @endpoint
+    def train(self, gate: str) -> str:
+        import _gate
+
+        return "trained" if _gate.wait(gate, 60) else "not released"
+
+    @endpoint
+    def step(self, i: int) -> int:
+        return i
+
+
+class HeldAsync(Actor):
+    """The same in an async actor: ``hold_loop`` keeps the loop itself busy (what the I/O thread
+    hands over then waits in the loop's ready queue, not in the actor's mailbox)."""
+
+    @endpoint
+    async def train(self, gate: str, hold_loop: bool) -> str:
+        import _gate
+
+        if hold_loop:
+            return "trained" if _gate.wait(gate, 60) else "not released"
+        ok = await asyncio.get_running_loop().run_in_executor(None, _gate.wait, gate, 60)
+        return "trained" if ok else "not released"
+
+    @endpoint
+    async def step(self, i: int) -> int:
+        return i
+
+
+def test_stacks_name_the_calls_queued_behind_a_running_one(allocator: Any, gate: Any) -> None:
+    # a cell waiting on step() while another cell's train() ran saw train and nothing about its
+    # own call: "queued behind train" could not be told from "lost"
+    release = gate("release")
+    procs = allocator.hosts.spawn_procs(per_host={"gpus": 2}, name="stk-queued")
+    try:
+        actors = {
+            "held": (procs.spawn("held", Held), ()),
+            "awaits": (procs.spawn("awaits", HeldAsync), (False,)),
+            "blocks": (procs.spawn("blocks", HeldAsync), (True,)),
+        }
+        trains = [a.train.call(release.path, *extra) for a, extra in actors.values()]
+        steps: list[Any] = []
+
+        def queue_steps() -> None:  # from another thread, as another cell's calls
+            for a, _ in actors.values():
+                steps.extend([a.step.call(1), a.step.call(2)])
+
+        t = threading.Thread(target=queue_steps)
+        t.start()
+        t.join(30)
+        texts: list[str] = []
+
+        def shown(pattern: str) -> bool:
+            texts.append(str(debug.stacks(procs, timeout=10)) + "\n")
+            return all(re.search(pattern.format(name=n), texts[-1]) for n in actors)
+
+        block = (
+            r"\[ranks 0-1 \(2\)\] queued for {name}: 4 calls \(each starts when the one before it has ended\)\n"
+            r"    {name}\.step ×4 · called by this controller"
+        )
+        try:
+            waited = r" · queued for at least [\d.]+(-[\d.]+)? s\n"
+            wait_for(lambda: shown(block + f"(\\n|{waited})"), 30, "both steps queued on every rank")
+            # a later dump says how long a call it saw before has waited at least
+            wait_for(lambda: shown(block + waited), 30, "how long they waited")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the last dump:\n{texts[-1] if texts else ''}") from None
+        text = texts[-1]
+        for n in actors:
+            assert f"call {n}.train · running for" in text, text
+        html = debug.stacks(procs, timeout=10)._repr_html_()
+        assert "queued for held: 4 calls" in html and "held.step ×4 · called by this controller" in html, html
+        assert not any(f.done() for f in [*trains, *steps])
+        release.open()
+        assert [f.get(timeout=30).values() for f in trains] == [["trained", "trained"]] * 3
+        assert [f.get(timeout=30).values() for f in steps] == [[1, 1], [2, 2]] * 3
+        assert "queued for" not in str(debug.stacks(procs, timeout=10))
+    finally:
+        procs.stop().get(timeout=30)
+
+
+class _Slot:
+    """A stand-in actor slot that, as a real one, is hashed by identity and weakly referable."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+
+
+@pytest.mark.parametrize("kind", ["sync", "asyncio", "uvloop"])
+def test_the_mailbox_is_read_in_place_with_the_calls_a_busy_loop_has_not_taken(kind: str) -> None:
+    import queue
+    from types import SimpleNamespace
+
+    from monarch_nb.actor import _stackdump
+    from monarch_nb.actor._host import ActorSlot, _LoopQueue
+
+    calls = [("call", ("a", f"step{i}", "ipc://caller", 1, 0, ((), ()), f"c.{i}", "", 0), b"", []) for i in range(12)]
+    if kind == "sync":
+        q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for c in [("claim", None), *calls]:
+            q.put(c)
+        assert q.get() == ("claim", None)  # a taken item is not listed
+        slot = _Slot(is_async=False, _q=q, running={})  # a dump remembers what it saw of a real slot
+        slot.queued = lambda: ActorSlot.queued(slot)  # type: ignore[attr-defined]
+        assert slot.queued() == calls  # type: ignore[attr-defined]
+        loop = None
+    else:
+        loop = pytest.importorskip("uvloop").new_event_loop() if kind == "uvloop" else asyncio.new_event_loop()
+        aq = _LoopQueue(loop)
+        slot = SimpleNamespace(is_async=True, _aq=aq, loop=loop, running={})
+        slot.queued = lambda: ActorSlot.queued(slot)  # type: ignore[attr-defined]
+        # two in the mailbox; the rest handed to a loop that has not run since (a handler's code holds it)
+        for c in calls[:2]:
+            aq.put_nowait(c)
+        loop.call_soon_threadsafe(print, "not a call")
+        for c in calls[2:]:
+            loop.call_soon_threadsafe(aq.put_nowait, c)
+        assert slot.queued() == calls  # type: ignore[attr-defined]
+    try:
+        got = _stackdump._queued(slot)
+        assert got[0] == 12 and [c[:3] for c in got[1]] == [
+            (f"step{i}", f"c.{i}", "ipc://caller") for i in range(_stackdump.MAX_QUEUED)
+        ]
+        assert all(c[3] is None for c in got[1])  # the first dump cannot know how long
+        if kind == "sync":
+            q.get()  # the first call starts: the next dump names one more, new to it
+            again = _stackdump._queued(slot)
+            assert again[0] == 11 and [c[0] for c in again[1]] == [f"step{i}" for i in range(1, 9)]
+            assert all(c[3] is not None and c[3] >= 0 for c in again[1][:-1]) and again[1][-1][3] is None, again
+        from monarch_nb.debug._stacks import RankStack, Stacks
+
+        actors = {"a#1.0": {"async": kind != "sync", "groups": [], "left_out": 0, "queued": got[0], "queued_calls": got[1]}}
+        text = str(
+            Stacks("m", [RankStack(0, "h", 1, threads=[], actors=actors)], internal=False, callers={"ipc://caller": "rank 3"})
+        )
+        assert text.startswith(
+            "stacks of mesh 'm': 1 ranks\n  [rank 0] queued for a: 12 calls (each starts when the one before it has ended)\n"
+            "    [rank 0]\n      a.step0 · called by rank 3\n"
+        ), text
+        assert text.endswith("      a.step7 · called by rank 3\n    [rank 0]\n      and 4 calls more behind them"), text
+    finally:
+        if loop is not None:
+            loop.close()
+
+
 SCRIPT = """
 from monarch_nb.actor import Actor, endpoint, current_rank, this_host
 

@@ -58,6 +58,25 @@ def test_status_reports_activity_resources_and_rates(gate) -> None:  # type: ign
         pm.stop().get(timeout=30)
 
 
+def test_status_counts_the_calls_queued_behind_a_running_one(gate) -> None:  # type: ignore[no-untyped-def]
+    # a rank read "busy in w.hold" whatever waited behind it: a caller whose call hangs could not
+    # tell it was in line
+    release = gate("release")
+    pm = this_host().spawn_procs(per_host={"gpus": 1}, name="tele-queued")
+    try:
+        w = pm.spawn("w", Worker)
+        held = w.hold.call_one(release.path)
+        queued = [w.chatter.call_one(0), w.chatter.call_one(0)]
+        wait_for(lambda: _activity("tele-queued") == "busy in w.hold (2 queued)", 10, "the queued calls counted")
+        assert _procs("tele-queued")[0]["queued"] == 2 and _procs("tele-queued")[0]["busy"] == ["w.hold"]
+        release.open()
+        assert held.get(timeout=10) == "released" and [f.get(timeout=10) for f in queued] == [None, None]
+        wait_for(lambda: _activity("tele-queued") == "idle", 10, "idle")
+        assert _procs("tele-queued")[0]["queued"] == 0
+    finally:
+        pm.stop().get(timeout=30)
+
+
 class Overlapping(Actor):
     """An async actor whose calls overlap: each waits for its own event."""
 

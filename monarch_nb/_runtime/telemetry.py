@@ -147,12 +147,20 @@ def _absorb(rec: ProcRec, actors: dict[str, dict[str, Any]]) -> None:
     user = {n: a for n, a in actors.items() if not n.startswith("__")}
     # shown by the names actor meshes were spawned under, not their spawn ids (``name#spawn``)
     busy: list[str] = []
+    doing: list[str] = []
+    queued = 0
     for n, a in actors.items():
         ms = a.get("busy") or []
         # every call running, an async actor's concurrent endpoints too: `fetch ×3` for three of one
         for m in dict.fromkeys(ms):
             k = ms.count(m)
             busy.append(f"{n.partition('#')[0]}.{m}" + (f" ×{k}" if k > 1 else ""))
+            doing.append(busy[-1])
+        q = int(a.get("queued", 0) or 0)
+        if q and ms:
+            # the calls waiting behind this actor's: a caller whose call hangs sees it is in line
+            doing[-1] += f" ({q} queued)"
+            queued += q
     calls = sum(int(a.get("calls", 0)) for a in actors.values())
     busy_s = sum(float(a.get("busy_s", 0.0)) for a in actors.values())
     t = rec.tele
@@ -163,7 +171,8 @@ def _absorb(rec: ProcRec, actors: dict[str, dict[str, Any]]) -> None:
         t["actor_failed"] = f"actor {first.get('actor')} failed: {why[-1] if why else 'no reason given'}"
     t["actors"] = sorted({n.partition("#")[0] for n in user})
     t["busy"] = busy
-    t["activity"] = ("busy in " + ", ".join(busy)) if busy else "idle"
+    t["queued"] = queued
+    t["activity"] = ("busy in " + ", ".join(doing)) if doing else "idle"
     t["calls"] = calls
     t["mean_call_ms"] = round(1000 * busy_s / calls, 3) if calls else 0.0
     if moved:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import inspect
 import logging
 import os
@@ -192,6 +193,41 @@ class ActorSlot:
             self._q.put(item)
             if self._polling:
                 os.eventfd_write(self._wake, 1)
+
+    def queued(self) -> list[Any]:
+        """(Any thread; ``debug.stacks`` and the status poll.) The mailbox items not taken yet,
+        oldest first, read in place: the calls waiting behind the one in hand. Read through the
+        collector's view of the queues, so that no call pays for it (a SimpleQueue has no peek),
+        and, for an async actor, the loop's ready queue too: what the I/O thread handed to a
+        loop that runs a handler's own code waits there, as put_nowait callbacks."""
+        if not self.is_async:
+            items: list[Any] = []
+            for r in gc.get_referents(self._q):
+                if isinstance(r, list):
+                    items += [i for i in r.copy() if i is not None]  # its list: taken items are None
+                elif isinstance(r, tuple):
+                    items.append(r)  # a queue that names each item
+            return items
+        aq = self._aq
+        if aq is None:
+            return []
+        # copies are single C calls under the GIL: the loop may take an item meanwhile
+        items = list(aq._items.copy())
+        ready = getattr(self.loop, "_ready", None)  # asyncio's; uvloop's is on no attribute
+        if ready is None:
+            ready = next((r for r in gc.get_referents(self.loop) if isinstance(r, collections.deque)), None)
+        for h in ready.copy() if ready is not None else ():
+            cb, args = getattr(h, "_callback", None), getattr(h, "_args", None)
+            if cb is None:
+                refs = gc.get_referents(h)
+                at = next((i for i, r in enumerate(refs) if getattr(r, "__self__", None) is aq), -1)
+                if at < 0 or at + 1 >= len(refs):
+                    continue
+                cb, args = refs[at], refs[at + 1]
+            if getattr(cb, "__self__", None) is aq and getattr(cb, "__func__", None) is _LoopQueue.put_nowait:
+                if isinstance(args, tuple) and len(args) == 1:
+                    items.append(args[0])
+        return items
 
     def claims(self) -> bool:
         """(The I/O thread.) Whether this actor's thread (an async one's loop) would read its
@@ -1311,15 +1347,17 @@ class ActorHost:
         return NO_REPLY
 
     def sys_state(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            n: {
-                "busy": getattr(s, "busy", []),
+        out: dict[str, Any] = {}
+        for n, s in list(self.rt.actors.items()):
+            busy = getattr(s, "busy", [])
+            out[n] = {
+                "busy": busy,
                 "async": getattr(s, "is_async", False),
                 "calls": getattr(s, "calls", 0),
                 "busy_s": getattr(s, "busy_s", 0.0),
+                # read only behind a running call: an idle actor's mailbox is empty but for a moment
+                "queued": _queued_calls(s) if busy else 0,
             }
-            for n, s in self.rt.actors.items()
-        }
         if self.actor_failures:  # the dashboard shows this proc's rank failed
             out["__failures__"] = {"actors": [{"actor": a, "reason": r} for a, r in self.actor_failures]}
         moved = _dataplane.counters()
@@ -1343,6 +1381,14 @@ class ActorHost:
         for s in slots:
             s.obj = None  # type: ignore[attr-defined]
         self.rt.actors.clear()
+
+
+def _queued_calls(slot: Any) -> int:
+    try:
+        return sum(1 for i in slot.queued() if i and i[0] == "call")
+    except Exception:  # the status of the other actors matters more than this count
+        logger.debug("reading the mailbox of %s", getattr(slot, "name", slot), exc_info=True)
+        return 0
 
 
 def ensure_actor_host(rt: Runtime) -> ActorHost:

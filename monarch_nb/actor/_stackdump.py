@@ -1,4 +1,4 @@
-"""Every thread's Python stack in this process, and its actors' running calls, taken on the I/O thread.
+"""Every thread's Python stack in this process, and its actors' running and queued calls, taken on the I/O thread.
 
 The I/O thread answers while an actor thread is blocked in a collective or a C call that
 released the GIL; one that holds the GIL stops this answer too, which the caller reports.
@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from typing import Any
 
 #: distinct task stacks kept per actor (tasks alike are counted, not repeated): a rank with
@@ -27,12 +28,21 @@ MAX_GROUPS = 32
 MAX_CALLS = 4
 MAX_FRAMES = 64
 MAX_TASKS = 20_000
+#: queued calls named per actor (the first in line; the rest are counted)
+MAX_QUEUED = 8
+
+#: per actor slot, the queued calls an earlier dump saw and when, by their meta's id (the meta
+#: kept, to tell a new call from one at a reused id): a mailbox keeps no arrival times (every call
+#: would pay for them), so a later dump says how long a call has been queued at least
+_seen_queued: weakref.WeakKeyDictionary[Any, dict[int, tuple[Any, float]]] = weakref.WeakKeyDictionary()
 
 
 def collect(rt: Any) -> dict[str, Any]:
     """``{"pid", "host", "threads": [{"name", "ident", "collector", "frames": [(file, line, func, source)], "actor"?}],
-    "actors": {name: {"async", "groups": [...], "left_out"}}}``; a group is calls or tasks
-    alike: ``{"method", "task", "count", "calls": [(call id, caller, seconds)], "frames", "awaiting", "running"}``."""
+    "actors": {name: {"async", "groups": [...], "left_out", "queued", "queued_calls"}}}``; a group is calls or tasks
+    alike: ``{"method", "task", "count", "calls": [(call id, caller, seconds)], "frames", "awaiting", "running"}``;
+    ``queued`` counts the calls in the actor's mailbox, ``queued_calls`` names the first in line:
+    ``(method, call id, caller, seconds queued at least or None: first seen now)``."""
     me = threading.get_ident()
     names = {t.ident: t.name for t in threading.enumerate()}
     slots = list(getattr(rt, "actors", {}).items())
@@ -110,7 +120,35 @@ def _actor(slot: Any) -> dict[str, Any]:
         add(("call", method), entry, (call_id, caller, max(0.0, now - t0)))
     # the longest-running calls first, then tasks the actor started itself
     out = sorted(groups.values(), key=lambda g: (not g["calls"], -max((c[2] for c in g["calls"]), default=0.0)))
-    return {"async": is_async, "groups": out, "left_out": left_out}
+    try:
+        n, first = _queued(slot)
+    except Exception:  # the running calls are worth the answer without the queued ones
+        n, first = 0, []
+    return {"async": is_async, "groups": out, "left_out": left_out, "queued": n, "queued_calls": first}
+
+
+def _queued(slot: Any) -> tuple[int, list[tuple[str, str, str, float | None]]]:
+    """How many calls wait in ``slot``'s mailbox, and the first :data:`MAX_QUEUED` of them."""
+    read = getattr(slot, "queued", None)
+    if not callable(read):
+        return 0, []
+    calls = [i[1] for i in read() if i and i[0] == "call"]
+    now = time.monotonic()
+    try:
+        seen = _seen_queued.setdefault(slot, {})
+    except TypeError:  # not weakly referable (a stand-in slot): no ages
+        seen = {}
+    first = []
+    kept: dict[int, tuple[Any, float]] = {}
+    for meta in calls[:MAX_QUEUED]:
+        was = seen.get(id(meta))
+        since = was[1] if was is not None and was[0] is meta else now
+        kept[id(meta)] = (meta, since)
+        # an explicit response port's call has its caller's address too; a broadcast has none
+        first.append((str(meta[1]), str(meta[6]), str(meta[2]), now - since if was is not None and was[0] is meta else None))
+    seen.clear()
+    seen.update(kept)
+    return len(calls), first
 
 
 def _tasks(loop: asyncio.AbstractEventLoop) -> list[asyncio.Task[Any]]:

@@ -84,8 +84,14 @@ class Stacks:
                         self._add_calls(rs.rank, a, g)
                 if v.get("left_out"):
                     self.left_out.setdefault(_actor_name(a), {})[rs.rank] = v["left_out"]
-        for node in self.root.children.values():
-            if node.count:
+                if v.get("queued"):
+                    self._add_queued(rs.rank, a, v)
+        for key, node in self.root.children.items():
+            if key[0] == "queued":
+                node.label = f"queued for {key[1]}: {_calls(node.count)} (each starts when the one before it has ended)"
+                for child in node.children.values():
+                    child.label = self._queued_label(child)
+            elif node.count:
                 node.label = self._call_label(node)
 
     @property
@@ -159,6 +165,45 @@ class Stacks:
                 )
             child.ranks.add(rank)
             node = child
+
+    def _add_queued(self, rank: int, actor: str, v: dict[str, Any]) -> None:
+        """The calls waiting in an actor's mailbox behind its running ones: one block per
+        actor, a line per method and caller, the rest (past the first few) counted."""
+        name = _actor_name(actor)
+        node = self.root.children.setdefault(("queued", name), _Node(f"queued for {name}"))
+        node.ranks.add(rank)
+        node.count += int(v["queued"])
+        named = v.get("queued_calls") or []
+        for method, _call_id, caller, age in named:
+            who = self._callers.get(caller, caller or "nobody (no reply wanted)")
+            child = node.children.setdefault((method, who), _Node(f"{name}.{method}"))
+            child.ranks.add(rank)
+            child.count += 1
+            child.callers.add(who)
+            if age is not None:
+                child.ages.append(age)
+        rest = int(v["queued"]) - len(named)
+        if rest > 0:
+            child = node.children.setdefault(("", ""), _Node("more"))
+            child.ranks.add(rank)
+            child.count += rest
+
+    def _queued_label(self, node: _Node) -> str:
+        if node.label == "more":
+            return f"and {_calls(node.count)} more behind them"
+        n = len(node.ranks)
+        parts = [node.label + (f" ×{node.count}" if node.count != n else "")]
+        if node.callers:
+            parts.append("called by " + ", ".join(sorted(node.callers)))
+        # a mailbox keeps no arrival times: what an earlier dump saw queued is at least that old
+        lo, hi = min(node.ages, default=0.0), max(node.ages, default=0.0)
+        if node.ages and len(node.ages) < node.count:
+            parts.append(f"the first queued for at least {hi:.1f} s")  # the others came since the last dump
+        elif node.ages:
+            parts.append(
+                f"queued for at least {lo:.1f} s" if f"{lo:.1f}" == f"{hi:.1f}" else f"queued for at least {lo:.1f}-{hi:.1f} s"
+            )
+        return " · ".join(parts)
 
     def _call_label(self, node: _Node) -> str:
         n = len(node.ranks)
@@ -287,6 +332,10 @@ def _chain(node: _Node) -> list[_Node]:
             break
         chain.append(nxt)
     return chain
+
+
+def _calls(n: int) -> str:
+    return f"{n} call" + ("" if n == 1 else "s")
 
 
 def _actor_name(name: str) -> str:
