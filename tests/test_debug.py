@@ -907,6 +907,8 @@ def test_stacks_of_an_async_actor_show_each_running_call_and_where_it_awaits(all
         wait_for(suspended, 30, "train suspended on every rank")
         st = debug.stacks(a, timeout=10)
         text = str(st)
+        # the mesh the user named, not the actor mesh's spawn id (`awaiting#1a2b.3`)
+        assert text.startswith("stacks of mesh 'stk-async': 2 ranks\n"), text
         assert idle in text, text
         assert "waiting for work" not in text.split("thread monarch-actor-event-loop (awaiting)")[1].split("thread")[0], text
         # each call: which, for how long, who called it, and the await chain it is suspended in

@@ -391,7 +391,9 @@ def stacks(
                 f"stacks() takes a ProcMesh, an ActorMesh or a mesh's name, got {type(mesh).__name__} "
                 "(%mesh stacks also takes a name)"
             )
-        name, procs = getattr(mesh, "_name", "?"), [mesh._procs[r] for r in view.ranks]
+        # an actor mesh by its procs' mesh, whose threads these are (its own name is a spawn id, `trainer#1a2b.3`)
+        name = str(getattr(getattr(mesh, "_proc_mesh", None), "_name", None) or getattr(mesh, "_name", "?"))
+        procs = [mesh._procs[r] for r in view.ranks]
     idx = list(range(len(procs)))
     if ranks is not None:
         idx = select_ranks(ranks, len(procs))
