@@ -347,15 +347,14 @@ def test_the_allocator_learns_which_call_ended_after_the_lines_it_printed(tmp_pa
     # read together with the next call's text (a busy allocator)
     log.feed("stdout", marker("c4") + b"b\n" + end("c4") + marker("") + marker("c5") + b"c\n")
     assert ends[-1] == (["c4"], 6)
-    log.feed("stdout", marker("c6") + b"\rbar 1\rbar 2" + end("c6") + marker(""))  # a progress bar stays open
-    assert ends[-1][0] == ["c6"]
-    log.feed("stdout", b"\n")
+    # a progress bar the call left drawn: its last state goes out before the call's end
+    log.feed("stdout", marker("c6") + b"\rbar 1\rbar 2" + end("c6") + marker(""))
+    assert ends[-1] == (["c6"], 7)
     log.close()
     assert len(ends) == 5  # each end passed on once
-    assert [(c, ln) for _, _, _, c, ln in got[:6]] == [
-        ("c1", "x"), ("c1", "y"), ("c2", "open"), ("c3", "a"), ("c4", "b"), ("c5", "c"),
+    assert [(c, ln) for _, _, _, c, ln in got] == [
+        ("c1", "x"), ("c1", "y"), ("c2", "open"), ("c3", "a"), ("c4", "b"), ("c5", "c"), ("c6", "\rbar 2"),
     ]  # fmt: skip
-    assert got[-1][4].endswith("bar 2")
 
 
 def test_a_call_that_printed_to_both_streams_is_named_on_the_last_one_it_ended() -> None:
@@ -697,14 +696,200 @@ def test_a_call_that_ends_leaves_the_line_another_call_has_open_whole(tmp_path) 
     # the same, A's end read together with what B writes next
     log.feed("stdout", marker("B") + b"c partial")
     log.feed("stdout", ended_marker("A2") + marker("") + marker("B") + b" rest\n")
-    # the line is the ending call's own: it ends with the call, as before
+    # C's own text ends with C; B's stays open (here until the proc ends)
     log.feed("stdout", marker("B") + b"b" + marker("C") + b"c open")
     log.feed("stdout", ended_marker("C") + marker(""))
     log.close()
     assert [(c, ln) for _, _, _, c, ln in got] == [
-        ("A", "a"), ("B", "b partial rest"), ("B", "c partial rest"), ("B", "b"), ("C", "c open"),
+        ("A", "a"), ("B", "b partial rest"), ("B", "c partial rest"), ("C", "c open"), ("B", "b"),
     ]  # fmt: skip
     assert [ids for ids, _ in ends] == [["A"], ["A2"], ["C"]]
+
+
+def test_two_calls_leaving_lines_open_at_once_each_get_their_own_whole_lines(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # two actors of one proc (two threads), each printing a line in pieces
+    # (print("step 3 ...", end="")), the other's text in between: each line was cut in two rows
+    # (and a notebook showed "step 3 ..." and "done" as two lines), or glued to the other's
+    pipe, s = _coalescing()
+    saved = list(logcapture._tagged)
+    logcapture._tagged[:] = [s]
+
+    def say(text: str, end: str = "\n") -> Callable[[], None]:
+        return lambda: print(text, end=end, file=s)
+
+    try:
+        _take_turns(
+            [
+                ("a", lambda: logcapture.begin_call("A")),
+                ("a", say("a step 3 ...", end="")),
+                ("b", lambda: logcapture.begin_call("B")),
+                ("b", say("b partial", end="")),
+                ("a", say("done")),
+                ("b", say(" rest")),
+                ("a", say("a open at its end", end="")),
+                ("b", say("b open", end="")),
+                ("a", lambda: logcapture.end_call("A")),
+                ("b", say(" at its end", end="")),
+                ("b", lambda: logcapture.end_call("B")),
+            ]
+        )
+    finally:
+        logcapture._tagged[:] = saved
+    data = b"".join(pipe.writes)
+    want = [("A", "a step 3 ...done"), ("B", "b partial rest"), ("A", "a open at its end"), ("B", "b open at its end")]
+    for piece in (len(data), 7, 1):  # however the allocator's reads cut the pipe
+        got: list[tuple[int, str, float, str, str]] = []
+        path = tmp_path / f"r{piece}.jsonl"
+        log = ProcLog(str(path), 0, _into(got))
+        _feed(log, data, piece)
+        log.close()
+        assert [(c, ln) for _, _, _, c, ln in got] == want, piece
+        assert [(r["call"], r["line"]) for r in read_log(str(path))] == want, piece  # %mesh logs
+
+
+def test_a_line_left_open_on_a_stream_the_call_did_not_end_on_ends_with_the_call(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # a call's end is named on the last stream it wrote to: its line left open on the other
+    # stream, with another call's text after it, ends there too, whichever stream is read first
+    got: list[tuple[int, str, float, str, str]] = []
+    log = ProcLog(str(tmp_path / "r.jsonl"), 0, _into(got))
+    log.feed("stdout", marker("A") + b"a out" + marker("B") + b"b")
+    log.feed("stderr", marker("A") + b"a err\n" + ended_marker("A") + marker(""))
+    log.feed("stderr", marker("C") + b"c err\n" + ended_marker("C") + marker(""))
+    log.feed("stdout", marker("C") + b"c out" + marker("B") + b" rest\n")  # C's text read after its end
+    assert [(s, c, ln) for _, s, _, c, ln in got] == [
+        ("stderr", "A", "a err"), ("stdout", "A", "a out"), ("stderr", "C", "c err"),
+        ("stdout", "C", "c out"), ("stdout", "B", "b rest"),
+    ]  # fmt: skip
+    log.close()
+
+
+_OPEN_LINE_ACTORS = """
+import asyncio, sys, threading
+from monarch_nb.actor import concurrent_endpoint
+
+def ev(name):
+    return sys.__dict__.setdefault("_test_evs", {}).setdefault(name, threading.Event())
+
+class P(Actor):
+    @endpoint
+    def a(self):
+        print("a step 3 ...", end="", flush=True)
+        ev("a1").set()
+        ev("b1").wait(60)
+        print("done")
+        ev("a2").set()
+        ev("go").wait(60)
+        print("a left open", end="")
+        return "a"
+
+class Q(Actor):
+    @endpoint
+    def b(self):
+        ev("a1").wait(60)
+        print("b partial", end="", flush=True)
+        ev("b1").set()
+        ev("a2").wait(60)
+        print(" b rest")
+        return "b"
+
+    @endpoint
+    def go(self):
+        ev("go").set()
+
+class R(Actor):
+    def __init__(self):
+        self.evs = {}
+
+    def ev(self, name):
+        return self.evs.setdefault(name, asyncio.Event())
+
+    @concurrent_endpoint
+    async def first(self):
+        print("f loading ...", end="", flush=True)
+        self.ev("f1").set()
+        await self.ev("s1").wait()
+        print(" ok")
+        return "f"
+
+    @concurrent_endpoint
+    async def second(self):
+        await self.ev("f1").wait()
+        print("s line")
+        self.ev("s1").set()
+        return "s"
+"""
+
+
+@pytest.mark.timeout(150)
+def test_lines_two_calls_in_one_proc_print_in_pieces_at_once_stay_whole_in_a_script(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # print("step 3 ...", end="") then "done" later, another call of the proc printing in
+    # between (two actors' threads, an async actor's two tasks): each line was cut in two
+    import _ownctl
+
+    got = _ownctl.run(
+        _ownctl.runtime_dir(tmp_path),
+        _OPEN_LINE_ACTORS
+        + textwrap.dedent(
+            """
+        from monarch_nb.logs import logs
+        pm = this_host().spawn_procs(per_host={"gpus": 1})
+        p, q, r = pm.spawn("p", P), pm.spawn("q", Q), pm.spawn("r", R)
+        fa = p.a.call_one()
+        print("got", q.b.call_one().get(timeout=60), flush=True)
+        q.go.call_one().get(timeout=30)
+        print("got", fa.get(timeout=60), flush=True)
+        ff = r.first.call_one()
+        print("got", r.second.call_one().get(timeout=60), flush=True)
+        print("got", ff.get(timeout=60), flush=True)
+        report({"rows": [(r["call"], r["line"]) for r in logs(pm)]})
+        pm.stop().get(timeout=60)
+        """
+        ),
+    )
+    by_call: dict[str, list[str]] = {}
+    for call, line in got["rows"]:
+        by_call.setdefault(call, []).append(line)
+    assert sorted(by_call.values()) == [
+        ["a step 3 ...done", "a left open"], ["b partial b rest"], ["f loading ... ok"], ["s line"],
+    ], got["rows"]  # fmt: skip
+    out = [ln for ln in got["stdout"].splitlines() if ln.startswith(("[0] ", "got "))]
+    for line in ("[0] a step 3 ...done", "[0] b partial b rest", "[0] f loading ... ok", "[0] s line"):
+        assert line in out, out
+    assert out.index("[0] a left open") < out.index("got a"), out
+
+
+@pytest.mark.timeout(180)
+def test_lines_two_cells_print_in_pieces_at_once_stay_whole_in_their_cells_and_in_mesh_logs() -> None:
+    from _kernel import Kernel
+
+    k = Kernel()
+    try:
+
+        def ok(code: str) -> Any:
+            c = k.run(code, timeout=90)
+            assert c.error is None, "\n".join(c.error["traceback"])
+            return c
+
+        ok("from monarch_nb.actor import Actor, endpoint, this_host\n" + _OPEN_LINE_ACTORS)
+        ok('pm = this_host().spawn_procs(per_host={"gpus": 1}, name="openlines")\np, q = pm.spawn("p", P), pm.spawn("q", Q)')
+        a = ok("fa = p.a.call_one()")  # runs on after its cell ended
+        b = ok("q.b.call_one().get(timeout=60)")
+        c = ok("q.go.call_one().get(timeout=30)\nfa.get(timeout=60)")
+        k.wait_msg(
+            lambda m: m["parent_header"].get("msg_id") == a.msg_id and "a left open" in str(m["content"]),
+            30,
+            "the first cell's last line, in that cell",
+        )
+        first, second, third = (_cell_text(k, cell.msg_id).splitlines() for cell in (a, b, c))
+        assert "[0] a step 3 ...done" in first and "[0] a left open" in first, first
+        assert "[0] b partial b rest" in second, second
+        assert not any("b partial" in t for t in first + third) and not any("done" in t for t in second + third)
+        shown = ok("%mesh logs openlines").stream().splitlines()
+        for line in ("[0] a step 3 ...done", "[0] b partial b rest", "[0] a left open"):
+            assert line in shown, shown
+        ok("pm.stop().get(timeout=60)")
+    finally:
+        k.close()
 
 
 def test_a_forked_child_of_a_proc_still_gets_its_lines_flushed() -> None:

@@ -18,6 +18,11 @@ it on to its controllers behind the call's lines (:data:`ENDED`), so a script's 
 them before the value without asking the allocator. C-level writes to fd 1/2 carry the tag of
 the last marker on that stream.
 
+The allocator keeps each call's line apart (:meth:`ProcLog._demux`): text a call leaves open
+(``print(x, end="")``) when another call's text follows goes on when that call writes again, and
+ends with its own newline or with the call, so two calls printing at once never cut or glue
+each other's lines; a line is passed on when it is whole.
+
 A line that starts with ``\r`` is the current state of a line still being redrawn (a progress
 bar), not a finished line.
 """
@@ -47,8 +52,6 @@ logger = logging.getLogger(__name__)
 MARK_PREFIX = b"\x1b]mnb;call="
 MARK_END = b"\x07"
 _MARK = re.compile(rb"\x1b\]mnb;call=([^\x07]*)\x07")
-_ENDED_PREFIX = MARK_PREFIX + b"-"
-_ENDED_MARK = re.compile(rb"\x1b\]mnb;call=-([^\x07]*)\x07")
 
 #: characters in one batch of lines from which it reaches subscribers before the log file
 BIG_WRITE = 1 << 20
@@ -473,6 +476,13 @@ class ProcLog:
         self._lock = threading.Condition(threading.Lock())
         _open_logs[path] = self
         self._call = {"stdout": "", "stderr": ""}
+        #: per stream, the text of lines calls left open when another call's text came in (two
+        #: calls printing at once in one proc): each call's line goes on when its text does, and
+        #: ends with a newline of its own or with the call, never glued to or cut by the other's
+        self._held: dict[str, dict[str, bytes]] = {"stdout": {}, "stderr": {}}
+        #: the latest calls whose end was read (as keys): text of theirs read after it (on the
+        #: other stream) is a line of its own at once, not held for an end already passed
+        self._ended_ids: dict[str, None] = {}
         self.tail: list[LogLine] = []
         self.nlines = 0
         #: lines that could not be written to the file (a full disk) since the last that were,
@@ -492,11 +502,14 @@ class ProcLog:
                 self._on_call_end(ids)
 
     def _feed(self, stream: str, data: bytes) -> None:
-        if data.endswith(_END):
-            data = self._end_open_line(stream, data)
-        if b"\n" not in data and b"\r" not in data:
+        # the end of the call that wrote here last: the line it left open ends there
+        ends = data.endswith(_END)
+        if not ends and b"\n" not in data and b"\r" not in data:
             if data.startswith(MARK_PREFIX) and not self._partial[stream] and not self._more[stream]:
-                data = self._lead_marks(stream, data)  # a call's end, after its text went out
+                out: list[LogItem] = []
+                data = self._reopen(stream, data, time.time(), out, False)
+                if out:
+                    self._write(out)
                 if not data:
                     return
             # the middle of a long line: keep the piece, join once the line ends (joining every
@@ -516,17 +529,15 @@ class ProcLog:
         else:
             buf = self._partial[stream] + data
         now = time.time()
-        out: list[LogItem]
+        out = []
         if len(buf) >= BIG_WRITE:
             out, rest = self._big(stream, buf, now)
-            self._partial[stream] = rest
         else:
             end = buf.rfind(b"\n")
-            rest = self._partial[stream] = buf[end + 1 :]
+            rest = buf[end + 1 :]
             if end < 0:
-                out = []  # only a carriage return: a progress bar's state, below
+                pass  # only a carriage return or a call's end: below
             elif buf.find(MARK_PREFIX, 0, end) >= 0:
-                out = []
                 for raw in buf[:end].split(b"\n"):
                     out.extend(self._split(stream, raw, now))
             else:
@@ -537,78 +548,89 @@ class ProcLog:
                 if b"\r" in buf:
                     text = "\n".join([_final_text(t) for t in text.split("\n")])
                 out = [(self.rank, stream, now, self._call[stream], text, text.count("\n") + 1)]
-        if rest.startswith(MARK_PREFIX):
-            # the marker a call's end leaves after its last line: taken now, not with the next line
-            rest = self._lead_marks(stream, rest)
-            self._partial[stream] = rest
+        if MARK_PREFIX in rest:
+            # the open line holds only its call's text from here (the markers taken now: a
+            # call's end after its last line is passed on now, not with the next line)
+            rest = self._reopen(stream, rest, now, out, ends)
+        self._partial[stream] = rest
         cr = rest.rfind(b"\r")
-        if cr >= 0 and cr + 1 < len(rest):
+        if cr >= 0 and cr + 1 < len(rest) and MARK_PREFIX not in (cur := rest[cr + 1 :]):
             # a progress bar redraws its line with \r and no newline: pass on its current state
-            # (marked by a leading \r) instead of holding it until the bar ends
-            cur = rest[cr + 1 :]
-            if _ENDED_PREFIX in cur:
-                # a call ended with its bar drawn (the line stays open): the end is passed on
-                # now, once (taken out of the line, which is read again with the next text)
-                self._calls_ended += [m.decode("ascii", "replace") for m in _ENDED_MARK.findall(cur)]
-                self._burst_over = True
-                self._partial[stream] = rest = _ENDED_MARK.sub(b"", rest)
-                cur = rest[cr + 1 :]
-            if MARK_PREFIX not in cur:
-                for m in _MARK.finditer(rest, 0, cr):  # the call the bar is drawn in
-                    self._tag(stream, m.group(1))
-                out.append((self.rank, stream, now, self._call[stream], "\r" + _decode(cur)))
-                self._partial[stream] = b"\r" + cur
+            # (marked by a leading \r) instead of holding it until the bar ends (a marker the
+            # read cut in two stays in the line until the rest of it comes)
+            out.append((self.rank, stream, now, self._call[stream], "\r" + _decode(cur)))
+            self._partial[stream] = b"\r" + cur
         if out:
             self._write(out, len(buf))
 
-    def _end_open_line(self, stream: str, data: bytes) -> bytes:
-        """``data`` ends with the end of a call: a line the call left open (``print(x, end="")``,
-        ``sys.stdout.write(x)``) ends there, a newline put before the marker (it was held until
-        the rank's next newline, maybe never: a notebook showed it cells later, if at all). A
-        progress bar (a carriage return in the line) stays open: the next call redraws it."""
-        head = data[: -len(_END)]
-        nl = head.rfind(b"\n")
-        seg = head[nl + 1 :]
-        if b"\x1b" in seg:
-            seg = _MARK.sub(b"", seg)
-        if nl < 0:  # the line began in earlier reads (pieces of a long line never hold a \r)
-            if b"\r" in self._partial[stream]:
-                return data
-            if not seg and not self._partial[stream] and not self._more[stream]:
-                return data
-        elif not seg:
-            return data
-        if b"\r" in seg:
-            return data
-        m = _ENDED_MARK.search(head, max(0, len(head) - 256))
-        if m is not None and m.end() == len(head) and m.group(1) not in self._open_line_calls(stream, head[: m.start()]):
-            # the call that ended left no text in the open line: another call running at once
-            # (an async actor's concurrent endpoint) is in the middle of it, and goes on with it
-            # (its next text is marked anew, the same call: the line stays whole). The end is
-            # taken now, not when that line ends
-            self._calls_ended.append(m.group(1).decode("ascii", "replace"))
+    def _reopen(self, stream: str, rest: bytes, now: float, out: list[LogItem], ends: bool) -> bytes:
+        """The open line after the last newline read (``rest``), with its markers taken
+        (:meth:`_demux`): the text of the stream's call. Markers at its start ending in the
+        marker of no call, or the end of a call at its end: a call's burst is over."""
+        i = 0
+        while rest.startswith(MARK_PREFIX, i) and (q := rest.find(MARK_END, i)) >= 0:
+            i = q + 1
+        if ends or (i and rest[:i].endswith(_END)):
             self._burst_over = True
-            return head[: m.start()] + _END
-        return head + b"\n" + _END
+        return self._demux(stream, rest, now, out, ends)
 
-    def _open_line_calls(self, stream: str, head: bytes) -> set[bytes]:
-        """The calls with text in the line left open at the end of ``head`` (read after what
-        ``stream`` holds already)."""
-        buf = b"".join([self._partial[stream], *self._more[stream], head])
-        start = buf.rfind(b"\n") + 1
-        call = self._call[stream].encode()
-        for m in _MARK.finditer(buf, 0, start):  # the call the open line begins in
-            call = b"" if m.group(1).startswith(b"-") else m.group(1)
-        calls: set[bytes] = set()
-        pos = start
-        for m in _MARK.finditer(buf, start):
+    def _demux(self, stream: str, raw: bytes, now: float, out: list[LogItem], ends: bool = False) -> bytes:
+        """Take the markers in ``raw`` (read after the open line ``stream`` holds): the text of
+        the stream's call at its end (what it had held in front). Each call's text goes on
+        its own line: the text of a call that another call's text follows is held until the
+        call writes again (its line goes on) or ends (``out`` gets its line). ``ends``:
+        ``raw`` ends with the end of the call that wrote here last, which ends its line."""
+        held = self._held[stream]
+        call = self._call[stream]
+        parts: list[bytes] = []
+        pos = 0
+        last = len(raw) - len(_END)
+        for m in _MARK.finditer(raw):
             if m.start() > pos:
-                calls.add(call)
-            call = b"" if m.group(1).startswith(b"-") else m.group(1)
+                parts.append(raw[pos : m.start()])
             pos = m.end()
-        if pos < len(buf):
-            calls.add(call)
-        return calls
+            mark = m.group(1)
+            self._tag(stream, mark)
+            new = self._call[stream]
+            if mark.startswith(b"-"):
+                self._hold(stream, call, parts, now, out)
+                ended = mark[1:].decode("ascii", "replace")
+                self._ended_ids[ended] = None
+                if len(self._ended_ids) > 256:
+                    del self._ended_ids[next(iter(self._ended_ids))]
+                for s, h in self._held.items():  # its last stream names it: its lines end on both
+                    text = h.pop(ended, b"")
+                    if text:
+                        out.append(self._left_open(s, ended, text, now))
+            elif new == call:
+                continue  # named again (another call ended meanwhile): its line goes on
+            elif ends and m.start() == last:
+                text = b"".join(parts)
+                if text:
+                    out.append(self._left_open(stream, call, text, now))
+            else:
+                self._hold(stream, call, parts, now, out)
+            call = new
+            parts = [held.pop(call)] if call in held else []
+        parts.append(raw[pos:])
+        return b"".join(parts)
+
+    def _hold(self, stream: str, call: str, parts: list[bytes], now: float, out: list[LogItem]) -> None:
+        """Keep ``call``'s text (``parts``) of a line it has not ended, until it goes on."""
+        text = b"".join(parts)
+        if not text:
+            return
+        if call in self._ended_ids:  # the call's end was read on its other stream already
+            out.append(self._left_open(stream, call, text, now))
+            return
+        held = self._held[stream]
+        held[call] = held.get(call, b"") + text
+
+    def _left_open(self, stream: str, call: str, text: bytes, now: float) -> LogLine:
+        """The line ``call`` left open when it ended: a line, or a progress bar's last state."""
+        if b"\r" in text:
+            return (self.rank, stream, now, call, "\r" + _decode(_final(text)))
+        return (self.rank, stream, now, call, _decode(text))
 
     def _cut(self, stream: str) -> None:
         """A line that reached ``_max_line`` with no end: out as it is, with a note; what
@@ -617,12 +639,16 @@ class ProcLog:
         self._more[stream].clear()
         self._more_n[stream] = 0
         self._partial[stream] = b""
-        now, call = time.time(), self._call[stream]
+        now = time.time()
+        out: list[LogItem] = []
+        if line.find(MARK_PREFIX) >= 0:
+            line = self._demux(stream, line, now, out)
+        call = self._call[stream]
         note = (
             f"[monarch_nb: the line above was cut at {len(line)} bytes (log_max_line_bytes): "
             "what this rank printed next starts a new line]"
         )
-        self._write([(self.rank, stream, now, call, line), (self.rank, stream, now, call, note)], len(line))
+        self._write([*out, (self.rank, stream, now, call, line), (self.rank, stream, now, call, note)], len(line))
 
     def _whole_line(self, stream: str, data: bytes) -> bool:
         """A huge line ending in ``data``, with no marker and no carriage return: its pieces
@@ -651,18 +677,6 @@ class ProcLog:
             raw = b""
         self._call[stream] = raw.decode("ascii", "replace")
 
-    def _lead_marks(self, stream: str, data: bytes) -> bytes:
-        """Take the whole markers at the start of ``data`` (the start of a line): the rest. The
-        last one the marker of no call: a call that printed ended, its burst is over."""
-        ended = False
-        while data.startswith(MARK_PREFIX) and (q := data.find(MARK_END)) >= 0:
-            self._tag(stream, data[len(MARK_PREFIX) : q])
-            ended = not self._call[stream]
-            data = data[q + 1 :]
-        if ended:
-            self._burst_over = True
-        return data
-
     def _big(self, stream: str, buf: bytes, now: float) -> tuple[list[LogItem], bytes]:
         """``feed`` for megabytes at once, as :meth:`_split` does it line by line, but each
         piece decoded straight out of ``buf`` (splitting first would copy it once more)."""
@@ -671,12 +685,9 @@ class ProcLog:
         start = 0
         while (end := buf.find(b"\n", start)) >= 0:
             pos = start
-            while (p := buf.find(MARK_PREFIX, pos, end)) >= 0 and (q := buf.find(MARK_END, p, end)) >= 0:
-                if p > pos:  # text before a marker on the same line belongs to the earlier call
-                    out.append((self.rank, stream, now, self._call[stream], str(mv[pos:p], "utf-8", "replace")))
-                self._tag(stream, buf[p + len(MARK_PREFIX) : q])
-                pos = q + 1
-            if pos < end or pos == start:
+            if buf.find(MARK_PREFIX, pos, end) >= 0:
+                out.extend(self._split(stream, buf[pos:end], now))
+            else:
                 text: str | bytes
                 if buf.find(b"\r", pos, end) >= 0:
                     text = _decode(_final(buf[pos:end]))
@@ -688,29 +699,13 @@ class ProcLog:
             start = end + 1
         return out, buf[start:]
 
-    def _split(self, stream: str, raw: bytes, now: float) -> list[LogLine]:
-        out: list[LogLine] = []
-        pos = 0
-        text = b""
-        call = self._call[stream]  # the call of ``text``
-        marks = list(_MARK.finditer(raw))
-        for i in range(len(marks) + 1):
-            m = marks[i] if i < len(marks) else None
-            piece = raw[pos : m.start() if m is not None else len(raw)]
-            if piece:
-                # text before a marker on the same line belongs to the earlier call; text after
-                # markers that name its call again (another call ended meanwhile) goes on its line
-                if text and self._call[stream] != call:
-                    out.append((self.rank, stream, now, call, _decode(text)))
-                    text = b""
-                if not text:
-                    call = self._call[stream]
-                text += piece
-            if m is not None:
-                pos = m.end()
-                self._tag(stream, m.group(1))
-        if text or not pos:
-            out.append((self.rank, stream, now, call if text else self._call[stream], _decode(_final(text))))
+    def _split(self, stream: str, raw: bytes, now: float, whole: bool = True) -> list[LogItem]:
+        """The line ``raw`` ends (``whole``: with a newline), for the call that ends it; the
+        calls whose text it holds besides go on with their own lines."""
+        out: list[LogItem] = []
+        text = self._demux(stream, raw, now, out)
+        if text or whole:
+            out.append((self.rank, stream, now, self._call[stream], _decode(_final(text))))
         return out
 
     def close(self) -> None:
@@ -720,8 +715,10 @@ class ProcLog:
             rest = b"".join([rest, *self._more[stream]])
             self._more[stream].clear()
             if rest:
-                out.extend(self._split(stream, rest, now))
+                out.extend(self._split(stream, rest, now, whole=False))
             self._partial[stream] = b""
+            held, self._held[stream] = self._held[stream], {}
+            out += [(self.rank, stream, now, call, _decode(_final(text))) for call, text in held.items()]
         if out:
             self._write(out)
         self._ended = True  # a file closed by a failure from here on stays closed: the rank is done
