@@ -892,6 +892,27 @@ def test_lines_two_cells_print_in_pieces_at_once_stay_whole_in_their_cells_and_i
         k.close()
 
 
+def test_an_empty_line_a_call_prints_first_is_kept(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # print() as a call's first output (a separator, a blank line before a table) was dropped:
+    # a line holding only the call's marker was taken for no line at all
+    pipe, s = _coalescing()
+    saved = list(logcapture._tagged)
+    logcapture._tagged[:] = [s]
+    try:
+        logcapture.begin_call("c1")
+        print(file=s)
+        print("table", file=s)
+        logcapture.end_call("c1")
+        logcapture.begin_call("c2")
+        print("\n", end="", file=s)
+        logcapture.end_call("c2")
+    finally:
+        logcapture._tagged[:] = saved
+        set_call("")
+    got = _tags(b"".join(pipe.writes), tmp_path)
+    assert got == [("c1", ""), ("c1", "table"), ("c2", "")], got
+
+
 def test_a_forked_child_of_a_proc_still_gets_its_lines_flushed() -> None:
     r, w = os.pipe()
     s = TaggedStream(open(w, "wb", closefd=False), encoding="utf-8", line_buffering=False)
