@@ -755,10 +755,11 @@ def test_a_line_left_open_on_a_stream_the_call_did_not_end_on_ends_with_the_call
     log.feed("stdout", marker("A") + b"a out" + marker("B") + b"b")
     log.feed("stderr", marker("A") + b"a err\n" + ended_marker("A") + marker(""))
     log.feed("stderr", marker("C") + b"c err\n" + ended_marker("C") + marker(""))
-    log.feed("stdout", marker("C") + b"c out" + marker("B") + b" rest\n")  # C's text read after its end
+    # C's text read after its end (the allocator read stderr first): whole, with that read
+    log.feed("stdout", marker("C") + b"c out" + marker("B") + b" rest\n" + marker("C") + b" more" + marker("B") + b"b2\n")
     assert [(s, c, ln) for _, s, _, c, ln in got] == [
         ("stderr", "A", "a err"), ("stdout", "A", "a out"), ("stderr", "C", "c err"),
-        ("stdout", "C", "c out"), ("stdout", "B", "b rest"),
+        ("stdout", "B", "b rest"), ("stdout", "B", "b2"), ("stdout", "C", "c out more"),
     ]  # fmt: skip
     log.close()
 

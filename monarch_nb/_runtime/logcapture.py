@@ -481,8 +481,10 @@ class ProcLog:
         #: ends with a newline of its own or with the call, never glued to or cut by the other's
         self._held: dict[str, dict[str, bytes]] = {"stdout": {}, "stderr": {}}
         #: the latest calls whose end was read (as keys): text of theirs read after it (on the
-        #: other stream) is a line of its own at once, not held for an end already passed
+        #: other stream, read late) ends its line with the read that holds it, not held for an
+        #: end already passed; ``_late``: such text is held now
         self._ended_ids: dict[str, None] = {}
+        self._late = False
         self.tail: list[LogLine] = []
         self.nlines = 0
         #: lines that could not be written to the file (a full disk) since the last that were,
@@ -495,6 +497,12 @@ class ProcLog:
 
     def feed(self, stream: str, data: bytes) -> None:
         self._feed(stream, data)
+        if self._late:
+            self._late = False
+            held, now = self._held[stream], time.time()
+            late: list[LogItem] = [self._left_open(stream, c, held.pop(c), now) for c in list(held) if c in self._ended_ids]
+            if late:
+                self._write(late)
         if self._burst_over:
             self._burst_over = False
             ids, self._calls_ended = self._calls_ended, []
@@ -593,7 +601,7 @@ class ProcLog:
             self._tag(stream, mark)
             new = self._call[stream]
             if mark.startswith(b"-"):
-                self._hold(stream, call, parts, now, out)
+                self._hold(stream, call, parts)
                 ended = mark[1:].decode("ascii", "replace")
                 self._ended_ids[ended] = None
                 if len(self._ended_ids) > 256:
@@ -609,20 +617,19 @@ class ProcLog:
                 if text:
                     out.append(self._left_open(stream, call, text, now))
             else:
-                self._hold(stream, call, parts, now, out)
+                self._hold(stream, call, parts)
             call = new
             parts = [held.pop(call)] if call in held else []
         parts.append(raw[pos:])
         return b"".join(parts)
 
-    def _hold(self, stream: str, call: str, parts: list[bytes], now: float, out: list[LogItem]) -> None:
+    def _hold(self, stream: str, call: str, parts: list[bytes]) -> None:
         """Keep ``call``'s text (``parts``) of a line it has not ended, until it goes on."""
         text = b"".join(parts)
         if not text:
             return
-        if call in self._ended_ids:  # the call's end was read on its other stream already
-            out.append(self._left_open(stream, call, text, now))
-            return
+        if call in self._ended_ids:  # its end was read on its other stream already: see feed
+            self._late = True
         held = self._held[stream]
         held[call] = held.get(call, b"") + text
 
