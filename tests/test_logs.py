@@ -893,6 +893,21 @@ def test_lines_two_cells_print_in_pieces_at_once_stay_whole_in_their_cells_and_i
         k.close()
 
 
+def test_a_progress_bar_another_call_s_text_follows_in_the_same_read_still_shows_its_state(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # an actor drawing a bar while another actor of its proc prints: a state the other call's
+    # text followed in one read was not passed on (the bar froze), and one read with a marker
+    # cut in two showed the marker's first bytes
+    got: list[tuple[int, str, float, str, str]] = []
+    log = ProcLog(str(tmp_path / "r.jsonl"), 0, _into(got))
+    log.feed("stdout", marker("A") + b"\rA 1" + marker("B") + b"line 1\n" + marker("A") + b"\rA 2" + marker("B") + b"li")
+    log.feed("stdout", b"ne 2\n" + marker("A") + b"\rA 3" + marker("B")[:7])
+    log.feed("stdout", marker("B")[7:] + b"line 3\n" + marker("A") + b"\rA 4\n")
+    log.close()
+    assert [(c, ln) for _, _, _, c, ln in got] == [
+        ("A", "\rA 1"), ("B", "line 1"), ("A", "\rA 2"), ("B", "line 2"), ("A", "\rA 3"), ("B", "line 3"), ("A", "A 4"),
+    ]  # fmt: skip
+
+
 def test_an_empty_line_a_call_prints_first_is_kept(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # print() as a call's first output (a separator, a blank line before a table) was dropped:
     # a line holding only the call's marker was taken for no line at all

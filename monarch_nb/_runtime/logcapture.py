@@ -485,6 +485,8 @@ class ProcLog:
         #: end already passed; ``_late``: such text is held now
         self._ended_ids: dict[str, None] = {}
         self._late = False
+        #: per stream, the open line whose progress state went out last (not sent twice)
+        self._drawn = {"stdout": b"", "stderr": b""}
         self.tail: list[LogLine] = []
         self.nlines = 0
         #: lines that could not be written to the file (a full disk) since the last that were,
@@ -562,12 +564,21 @@ class ProcLog:
             rest = self._reopen(stream, rest, now, out, ends)
         self._partial[stream] = rest
         cr = rest.rfind(b"\r")
-        if cr >= 0 and cr + 1 < len(rest) and MARK_PREFIX not in (cur := rest[cr + 1 :]):
+        if cr >= 0 and cr + 1 < len(rest):
             # a progress bar redraws its line with \r and no newline: pass on its current state
-            # (marked by a leading \r) instead of holding it until the bar ends (a marker the
-            # read cut in two stays in the line until the rest of it comes)
-            out.append((self.rank, stream, now, self._call[stream], "\r" + _decode(cur)))
+            # (marked by a leading \r) instead of holding it until the bar ends
+            cur = rest[cr + 1 :]
             self._partial[stream] = b"\r" + cur
+            esc = cur.rfind(b"\x1b")
+            if (
+                esc >= 0
+                and MARK_END not in cur[esc:]
+                and (cur[esc:].startswith(MARK_PREFIX) or MARK_PREFIX.startswith(cur[esc:]))
+            ):
+                cur = cur[:esc]  # a marker the read cut in two: in the line until the rest of it comes
+            if cur:
+                out.append((self.rank, stream, now, self._call[stream], "\r" + _decode(cur)))
+                self._drawn[stream] = b"\r" + cur
         if out:
             self._write(out, len(buf))
 
@@ -601,8 +612,13 @@ class ProcLog:
             self._tag(stream, mark)
             new = self._call[stream]
             if mark.startswith(b"-"):
-                self._hold(stream, call, parts)
                 ended = mark[1:].decode("ascii", "replace")
+                if call == ended:
+                    text = b"".join(parts)
+                    if text:
+                        out.append(self._left_open(stream, call, text, now))
+                else:
+                    self._hold(stream, call, parts, now, out)
                 self._ended_ids[ended] = None
                 if len(self._ended_ids) > 256:
                     del self._ended_ids[next(iter(self._ended_ids))]
@@ -617,17 +633,21 @@ class ProcLog:
                 if text:
                     out.append(self._left_open(stream, call, text, now))
             else:
-                self._hold(stream, call, parts)
+                self._hold(stream, call, parts, now, out)
             call = new
             parts = [held.pop(call)] if call in held else []
         parts.append(raw[pos:])
         return b"".join(parts)
 
-    def _hold(self, stream: str, call: str, parts: list[bytes]) -> None:
-        """Keep ``call``'s text (``parts``) of a line it has not ended, until it goes on."""
+    def _hold(self, stream: str, call: str, parts: list[bytes], now: float, out: list[LogItem]) -> None:
+        """Keep ``call``'s text (``parts``) of a line it has not ended, until it goes on; a
+        progress bar's state drawn there goes out now (``out``)."""
         text = b"".join(parts)
         if not text:
             return
+        cr = text.rfind(b"\r")
+        if cr >= 0 and cr + 1 < len(text) and text != self._drawn[stream]:
+            out.append((self.rank, stream, now, call, "\r" + _decode(text[cr + 1 :])))
         if call in self._ended_ids:  # its end was read on its other stream already: see feed
             self._late = True
         held = self._held[stream]
