@@ -818,6 +818,34 @@ class R(Actor):
         print("s line")
         self.ev("s1").set()
         return "s"
+
+class Bar(Actor):
+    @endpoint
+    def draw(self, stream, own_lines, tag):
+        out = getattr(sys, stream)
+        for i in range(3):
+            out.write(f"\\rA {i}")
+            out.flush()
+            if own_lines:
+                print(f"own {i}", flush=True)
+            ev(f"{tag}bar{i}").set()
+            ev(f"{tag}line{i}").wait(60)
+        ev(f"{tag}go").wait(60)
+        out.write("\\rA done\\n")
+        return "bar"
+
+class Lines(Actor):
+    @endpoint
+    def say(self, lines, tag):
+        for i in range(3):
+            ev(f"{tag}bar{i}").wait(60)
+            if lines:
+                print(f"line {i}", flush=True)
+            ev(f"{tag}line{i}").set()
+
+    @endpoint
+    def go(self, tag):
+        ev(f"{tag}go").set()
 """
 
 
@@ -906,6 +934,53 @@ def test_a_progress_bar_another_call_s_text_follows_in_the_same_read_still_shows
     assert [(c, ln) for _, _, _, c, ln in got] == [
         ("A", "\rA 1"), ("B", "line 1"), ("A", "\rA 2"), ("B", "line 2"), ("A", "\rA 3"), ("B", "line 3"), ("A", "A 4"),
     ]  # fmt: skip
+
+
+def _display_states(k: Any, msg_id: str) -> dict[str, list[str]]:
+    """Each display of a cell (by id): the texts it showed, in order."""
+    out: dict[str, list[str]] = {}
+    for m in k.log:
+        if m["parent_header"].get("msg_id") == msg_id and m["msg_type"] in ("display_data", "update_display_data"):
+            c = m["content"]
+            out.setdefault(c.get("transient", {}).get("display_id", ""), []).append(c["data"].get("text/plain", ""))
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_progress_bar_stays_drawn_while_another_call_or_stream_of_its_rank_prints() -> None:
+    # a line another call of the proc printed (or the rank printed on its other stream: tqdm on
+    # stderr, a loss on stdout) was taken for the bar's end: the bar blanked at every such line
+    from _kernel import Kernel
+
+    k = Kernel()
+    try:
+
+        def ok(code: str) -> Any:
+            c = k.run(code, timeout=90)
+            assert c.error is None, "\n".join(c.error["traceback"])
+            return c
+
+        ok("from monarch_nb.actor import Actor, endpoint, this_host\n" + _OPEN_LINE_ACTORS)
+        ok('pm = this_host().spawn_procs(per_host={"gpus": 1}, name="barlines")\nb, w = pm.spawn("b", Bar), pm.spawn("w", Lines)')
+        # the other call's lines on the bar's stream; the bar's own call's lines on its other stream
+        for stream, own_lines, tag in (("stdout", False, "calls"), ("stderr", True, "streams")):
+            c = ok(
+                f"fb = b.draw.call_one({stream!r}, {own_lines}, {tag!r})\nw.say.call_one({not own_lines}, {tag!r}).get(timeout=60)"
+            )
+            shown = "line" if not own_lines else "own"
+            assert all(f"[0] {shown} {i}" in c.stream() for i in range(3)), c.stream()
+            states = _display_states(k, c.msg_id)
+            (bar,) = [texts for texts in states.values() if any(t.startswith("[0] A ") and not t.endswith(" …") for t in texts)]
+            assert bar[-1] == "[0] A 2" and "" not in bar, (bar, states)
+            ok(f"w.go.call_one({tag!r}).get(timeout=30)\nfb.get(timeout=60)")
+            k.wait_msg(
+                lambda m, c=c: m["parent_header"].get("msg_id") == c.msg_id and "[0] A done" in str(m["content"]),
+                30,
+                "the bar's last line, in its cell",
+            )
+        ok("pm.stop().get(timeout=60)")
+    finally:
+        k.close()
 
 
 def test_an_empty_line_a_call_prints_first_is_kept(tmp_path) -> None:  # type: ignore[no-untyped-def]

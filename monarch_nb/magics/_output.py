@@ -97,7 +97,8 @@ class _Cell:
         self.made_calls = False
         self.agg = Aggregator()
         self.window = window  # None: each mesh's own setting
-        self.progress: dict[tuple[str, int], str] = {}
+        #: the progress bars drawn in this cell: (mesh, rank, stream) -> (the call drawing it, its state)
+        self.progress: dict[tuple[str, int, str], tuple[str, str]] = {}
         self.progress_id = ""
         self.progress_dirty = False
         self.late_id = ""
@@ -337,11 +338,15 @@ class KernelOutput:
         plain: list[LogLine] = []
         for ln in lines:
             text = ln[4]
-            key = (mesh, ln[0])
-            if "\r" in text or key in cell.progress:
+            key = (mesh, ln[0], ln[1])
+            bar = cell.progress.get(key)
+            # a line of the call drawing the bar ends it: not a line the rank printed on its other
+            # stream (tqdm on stderr, a print on stdout) nor another call's (two actors of one
+            # proc), which blanked the bar until its next redraw
+            if "\r" in text or (bar is not None and bar[0] == ln[3]):
                 # a redrawn line: only its latest state matters; a newline ends it
                 cur = text.rstrip("\r").rsplit("\r", 1)[-1]
-                cell.progress[key] = cur
+                cell.progress[key] = (ln[3], cur)
                 cell.progress_dirty = True
                 if not text.startswith("\r"):
                     del cell.progress[key]
@@ -419,7 +424,7 @@ class KernelOutput:
 
     def _show_progress(self, cell: _Cell) -> None:
         cell.progress_dirty = False
-        text = "\n".join(f"[{r}] {t}" for (_m, r), t in sorted(cell.progress.items()))
+        text = "\n".join(f"[{r}] {t}" for (_m, r, _s), (_c, t) in sorted(cell.progress.items()))
         if cell.running or not cell.late_id:
             if not cell.progress_id:
                 if not cell.running:
