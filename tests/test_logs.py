@@ -633,33 +633,46 @@ def _cell_text(k: Any, msg_id: str) -> str:
     return text + "\n".join(shown.values())
 
 
+def _ok(k: Any, code: str) -> Any:
+    """Run ``code`` in kernel ``k``; it must not raise."""
+    c = k.run(code, timeout=90)
+    assert c.error is None, "\n".join(c.error["traceback"])
+    return c
+
+
+def _three_cells(k: Any, actors: str, mesh: str, names: tuple[str, str], last: str) -> tuple[Any, Any, Any]:
+    """In kernel ``k``: actors ``names`` (classes the upper-case names, from ``actors``) of one
+    proc of mesh ``mesh``; a cell calls the first's ``a`` and ends while it runs on, a second
+    calls the second's ``b``, a third lets both go on (the second's ``go``) and waits for ``a``.
+    Returns the three cells, once the first cell's text ``last`` came."""
+
+    x, y = names
+    _ok(k, "from monarch_nb.actor import Actor, endpoint, this_host\n" + actors)
+    spawn = f'{x}, {y} = pm.spawn("{x}", {x.upper()}), pm.spawn("{y}", {y.upper()})'
+    _ok(k, f'pm = this_host().spawn_procs(per_host={{"gpus": 1}}, name="{mesh}")\n{spawn}')
+    a = _ok(k, f"fa = {x}.a.call_one()")  # runs on after its cell ended
+    b = _ok(k, f"{y}.b.call_one().get(timeout=60)")
+    c = _ok(k, f"{y}.go.call_one().get(timeout=30)\nfa.get(timeout=60)")
+    k.wait_msg(
+        lambda m: m["parent_header"].get("msg_id") == a.msg_id and last in str(m["content"]),
+        30,
+        "the first cell's last line, in that cell",
+    )
+    return a, b, c
+
+
 @pytest.mark.timeout(180)
 def test_two_cells_calling_two_actors_of_one_proc_at_once_each_show_their_own_lines() -> None:
     from _kernel import Kernel
 
     k = Kernel()
     try:
-
-        def ok(code: str) -> Any:
-            c = k.run(code, timeout=90)
-            assert c.error is None, "\n".join(c.error["traceback"])
-            return c
-
-        ok("from monarch_nb.actor import Actor, endpoint, this_host\n" + _TWO_CALLS_ACTORS)
-        ok('pm = this_host().spawn_procs(per_host={"gpus": 1}, name="twocells")\nx, y = pm.spawn("x", X), pm.spawn("y", Y)')
-        a = ok("fa = x.a.call_one()")  # runs on after its cell ended
-        b = ok("y.b.call_one().get(timeout=60)")
-        c = ok("y.go.call_one().get(timeout=30)\nfa.get(timeout=60)")
-        k.wait_msg(
-            lambda m: m["parent_header"].get("msg_id") == a.msg_id and "a 3 after b ended" in str(m["content"]),
-            30,
-            "the first cell's last line, in that cell",
-        )
+        a, b, c = _three_cells(k, _TWO_CALLS_ACTORS, "twocells", ("x", "y"), "a 3 after b ended")
         first, second, third = (_cell_text(k, cell.msg_id) for cell in (a, b, c))
         assert all(t in first for t in ("a 1", "a 2 after b began", "a 3 after b ended")), first
         assert "b 1" in second and "b 2" in second and "a 2" not in second, second
         assert "b 1" not in first and "b 2" not in first and "a 3" not in third, (first, third)
-        ok("pm.stop().get(timeout=60)")
+        _ok(k, "pm.stop().get(timeout=60)")
     finally:
         k.close()
 
@@ -893,30 +906,15 @@ def test_lines_two_cells_print_in_pieces_at_once_stay_whole_in_their_cells_and_i
 
     k = Kernel()
     try:
-
-        def ok(code: str) -> Any:
-            c = k.run(code, timeout=90)
-            assert c.error is None, "\n".join(c.error["traceback"])
-            return c
-
-        ok("from monarch_nb.actor import Actor, endpoint, this_host\n" + _OPEN_LINE_ACTORS)
-        ok('pm = this_host().spawn_procs(per_host={"gpus": 1}, name="openlines")\np, q = pm.spawn("p", P), pm.spawn("q", Q)')
-        a = ok("fa = p.a.call_one()")  # runs on after its cell ended
-        b = ok("q.b.call_one().get(timeout=60)")
-        c = ok("q.go.call_one().get(timeout=30)\nfa.get(timeout=60)")
-        k.wait_msg(
-            lambda m: m["parent_header"].get("msg_id") == a.msg_id and "a left open" in str(m["content"]),
-            30,
-            "the first cell's last line, in that cell",
-        )
+        a, b, c = _three_cells(k, _OPEN_LINE_ACTORS, "openlines", ("p", "q"), "a left open")
         first, second, third = (_cell_text(k, cell.msg_id).splitlines() for cell in (a, b, c))
         assert "[0] a step 3 ...done" in first and "[0] a left open" in first, first
         assert "[0] b partial b rest" in second, second
         assert not any("b partial" in t for t in first + third) and not any("done" in t for t in second + third)
-        shown = ok("%mesh logs openlines").stream().splitlines()
+        shown = _ok(k, "%mesh logs openlines").stream().splitlines()
         for line in ("[0] a step 3 ...done", "[0] b partial b rest", "[0] a left open"):
             assert line in shown, shown
-        ok("pm.stop().get(timeout=60)")
+        _ok(k, "pm.stop().get(timeout=60)")
     finally:
         k.close()
 
