@@ -575,30 +575,34 @@ class C(Actor):
 """
 
 
-@pytest.mark.timeout(150)
-def test_two_calls_running_at_once_in_one_proc_each_show_their_own_lines_in_a_script(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    # two actors of one proc (two threads) and an async actor's two concurrent endpoints (two
-    # tasks): each line goes with the call that printed it, also after the other call ended,
-    # and each call's lines come before its value
+def _two_calls_in_a_script(
+    tmp_path: Any, actors: str, names: tuple[str, str, str], third_goes: bool
+) -> tuple[dict[str, list[str]], list[str]]:
+    """A script: of three actors ``names`` of one proc (classes the upper-case names, from
+    ``actors``), the first's ``a`` runs while the second's ``b`` runs and ends (the second's
+    ``go`` lets ``a`` end); then the third's ``first`` while its ``second`` runs (and, if
+    ``third_goes``, its ``go``). Returns the rank's lines by call (``%mesh logs``' records) and
+    the script's output lines from the rank and its own ``got`` lines, in order."""
     import _ownctl
 
+    x, y, z = names
     got = _ownctl.run(
         _ownctl.runtime_dir(tmp_path),
-        _TWO_CALLS_ACTORS
+        actors
         + textwrap.dedent(
-            """
+            f"""
         from monarch_nb.logs import logs
-        pm = this_host().spawn_procs(per_host={"gpus": 1})
-        x, y, c = pm.spawn("x", X), pm.spawn("y", Y), pm.spawn("c", C)
-        fa = x.a.call_one()
-        print("got", y.b.call_one().get(timeout=60), flush=True)
-        y.go.call_one().get(timeout=30)
+        pm = this_host().spawn_procs(per_host={{"gpus": 1}})
+        {x}, {y}, {z} = pm.spawn("{x}", {x.upper()}), pm.spawn("{y}", {y.upper()}), pm.spawn("{z}", {z.upper()})
+        fa = {x}.a.call_one()
+        print("got", {y}.b.call_one().get(timeout=60), flush=True)
+        {y}.go.call_one().get(timeout=30)
         print("got", fa.get(timeout=60), flush=True)
-        ff = c.first.call_one()
-        print("got", c.second.call_one().get(timeout=60), flush=True)
-        c.go.call_one().get(timeout=30)
+        ff = {z}.first.call_one()
+        print("got", {z}.second.call_one().get(timeout=60), flush=True)
+        {f"{z}.go.call_one().get(timeout=30)" if third_goes else ""}
         print("got", ff.get(timeout=60), flush=True)
-        report({"rows": [(r["call"], r["line"]) for r in logs(pm)]})
+        report({{"rows": [(r["call"], r["line"]) for r in logs(pm)]}})
         pm.stop().get(timeout=60)
         """
         ),
@@ -606,14 +610,22 @@ def test_two_calls_running_at_once_in_one_proc_each_show_their_own_lines_in_a_sc
     by_call: dict[str, list[str]] = {}
     for call, line in got["rows"]:
         by_call.setdefault(call, []).append(line)
+    return by_call, [ln for ln in got["stdout"].splitlines() if ln.startswith(("[0] ", "got "))]
+
+
+@pytest.mark.timeout(150)
+def test_two_calls_running_at_once_in_one_proc_each_show_their_own_lines_in_a_script(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # two actors of one proc (two threads) and an async actor's two concurrent endpoints (two
+    # tasks): each line goes with the call that printed it, also after the other call ended,
+    # and each call's lines come before its value
+    by_call, out = _two_calls_in_a_script(tmp_path, _TWO_CALLS_ACTORS, ("x", "y", "c"), third_goes=True)
     assert sorted(by_call.values()) == [
         ["a 1", "a 2 after b began", "a 3 after b ended"],
         ["b 1", "b 2"],
         ["f 1", "f 2 after s began", "f 3 after s ended"],
         ["s 1", "s 2"],
-    ], got["rows"]
+    ], by_call
     assert "" not in by_call
-    out = [ln for ln in got["stdout"].splitlines() if ln.startswith(("[0] ", "got "))]
     assert out.index("[0] b 2") < out.index("got b") < out.index("[0] a 3 after b ended") < out.index("got a"), out
     assert out.index("[0] s 2") < out.index("got s") < out.index("[0] f 3 after s ended") < out.index("got f"), out
 
@@ -866,35 +878,10 @@ class Lines(Actor):
 def test_lines_two_calls_in_one_proc_print_in_pieces_at_once_stay_whole_in_a_script(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # print("step 3 ...", end="") then "done" later, another call of the proc printing in
     # between (two actors' threads, an async actor's two tasks): each line was cut in two
-    import _ownctl
-
-    got = _ownctl.run(
-        _ownctl.runtime_dir(tmp_path),
-        _OPEN_LINE_ACTORS
-        + textwrap.dedent(
-            """
-        from monarch_nb.logs import logs
-        pm = this_host().spawn_procs(per_host={"gpus": 1})
-        p, q, r = pm.spawn("p", P), pm.spawn("q", Q), pm.spawn("r", R)
-        fa = p.a.call_one()
-        print("got", q.b.call_one().get(timeout=60), flush=True)
-        q.go.call_one().get(timeout=30)
-        print("got", fa.get(timeout=60), flush=True)
-        ff = r.first.call_one()
-        print("got", r.second.call_one().get(timeout=60), flush=True)
-        print("got", ff.get(timeout=60), flush=True)
-        report({"rows": [(r["call"], r["line"]) for r in logs(pm)]})
-        pm.stop().get(timeout=60)
-        """
-        ),
-    )
-    by_call: dict[str, list[str]] = {}
-    for call, line in got["rows"]:
-        by_call.setdefault(call, []).append(line)
+    by_call, out = _two_calls_in_a_script(tmp_path, _OPEN_LINE_ACTORS, ("p", "q", "r"), third_goes=False)
     assert sorted(by_call.values()) == [
         ["a step 3 ...done", "a left open"], ["b partial b rest"], ["f loading ... ok"], ["s line"],
-    ], got["rows"]  # fmt: skip
-    out = [ln for ln in got["stdout"].splitlines() if ln.startswith(("[0] ", "got "))]
+    ], by_call  # fmt: skip
     for line in ("[0] a step 3 ...done", "[0] b partial b rest", "[0] f loading ... ok", "[0] s line"):
         assert line in out, out
     assert out.index("[0] a left open") < out.index("got a"), out
