@@ -350,6 +350,40 @@ def test_a_record_not_ours_is_refused_unread(tmp_path: Path) -> None:
         job_loads(json.dumps({"format": "monarch_nb.job/1", "type": "os.system", "spec": {}}))
 
 
+def test_a_record_written_in_a_shared_directory_goes_through_no_file_or_link_of_another_user(tmp_path: Path) -> None:
+    # a cached_path in a directory others write (/tmp, a group's project folder): another user
+    # pre-creates the temporary name of our pid, or plants a link at the record's name
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    path = shared / "state.json"
+    planted = shared / f"state.json.{os.getpid()}.tmp"
+    planted.touch()
+    os.chown(planted, 65534, 65534)
+    os.chmod(planted, 0o666)
+    job = ProcessJob({"a": 1})
+    job.dump(str(path))
+    st = path.stat()
+    # before: the record went into the planted file (readable by its owner) and became theirs
+    assert (st.st_uid, st.st_mode & 0o777) == (os.geteuid(), 0o600)
+    assert planted.read_bytes() == b"" and planted.stat().st_uid == 65534
+    assert isinstance(job_load(str(path)), ProcessJob)
+
+    victim = tmp_path / "victim"
+    victim.write_text("the user's own file\n")
+    link = shared / "linked.json"
+    link.symlink_to(victim)
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(JobError, match="symbolic link of uid 65534"):
+        job.dump(str(link))
+    assert victim.read_text() == "the user's own file\n"
+    # a link of the user's own is followed, as before
+    mine = tmp_path / "mine.json"
+    mine.symlink_to(path)
+    job.dump(str(mine))
+    assert mine.is_symlink() and isinstance(job_load(str(path)), ProcessJob)
+
+
 def test_an_ended_slurm_job_says_its_state_without_a_reason_of_none(monkeypatch: pytest.MonkeyPatch) -> None:
     # squeue's reason for a job cancelled with scancel is "None": "CANCELLED (None)" read as a bug
     from monarch_nb.job._slurm import SlurmJobInfo

@@ -16,6 +16,7 @@ import fcntl
 import json
 import logging
 import os
+import secrets
 import socket
 import stat
 import subprocess
@@ -251,8 +252,11 @@ def make_private_dir(path: str) -> str:
 
 def write_private(path: str, data: bytes) -> None:
     """Atomically write ``data`` to ``path`` with mode 0600 (never readable by others, even briefly)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+    # a fresh name nobody can guess, O_EXCL: ``path`` may be in a directory others write (a
+    # cached_path a user chose), where a name of our pid could be pre-created by another user,
+    # and O_TRUNC would write the record into their file and rename it into place as theirs
+    tmp = f"{path}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

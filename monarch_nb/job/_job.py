@@ -299,7 +299,18 @@ class JobTrait(ABC):
     # ------------------------------------------------------------ serialization
     def dump(self, filename: str) -> None:
         """Write this job (spec and running state) to ``filename``: JSON, mode 0600."""
-        path = os.path.realpath(filename) if os.path.islink(filename) else filename
+        path = filename
+        if os.path.islink(filename):
+            # followed (Monarch's contexts link job_state to a file), but only a link of ours: one
+            # another user planted in a shared directory would choose which of our files the
+            # record replaces (as the kernel's protected_symlinks refuses in sticky directories)
+            owner = os.lstat(filename).st_uid
+            if owner != os.geteuid():
+                raise JobError(
+                    f"refusing to write the job record through {filename!r}: it is a symbolic link of uid {owner}, "
+                    f"not of this user ({os.geteuid()}); remove it or choose another cached_path"
+                )
+            path = os.path.realpath(filename)
         records.write_json(path, self._to_json())
 
     def dumps(self) -> bytes:
