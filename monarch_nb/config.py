@@ -218,9 +218,57 @@ def runtime_dir(cfg: Config | None = None) -> str:
                 os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "jupyter", "runtime"
             )
             path = base
+    _check_path_to(path)
     os.makedirs(path, mode=0o700, exist_ok=True)
     _check_private_dir(path, chosen)
     return path
+
+
+def _check_path_to(path: str) -> None:
+    """Refuse a runtime directory another user can swap for one of theirs after it was checked.
+
+    Every later bind, connect and open resolves the path again: a symbolic link on it that
+    another user owns (``MONARCH_NB_RUNTIME_DIR=/tmp/rt``, planted before the user made it),
+    or a directory above it that another user owns or anyone may write (not sticky), lets them
+    point it at their own directory once the checks passed, with sockets of the names
+    ``/proc/net/unix`` shows: our processes would connect to theirs and unpickle what they send.
+    """
+    uid = os.getuid()
+    here = "/"
+    for part in os.path.abspath(path).split("/"):
+        if not part:
+            continue
+        here = os.path.join(here, part)
+        try:
+            st = os.lstat(here)
+        except FileNotFoundError:
+            break
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (uid, 0):
+            raise ConfigError(
+                f"the runtime directory {path} goes through {here}, a symbolic link of uid {st.st_uid}, not yours "
+                f"(uid {uid}): they can point it elsewhere; set MONARCH_NB_RUNTIME_DIR to a directory of your own"
+            )
+    real = os.path.realpath(path)
+    above = os.path.dirname(real)
+    while True:
+        try:
+            st = os.stat(above)
+        except FileNotFoundError:  # made below, by us
+            above = os.path.dirname(above)
+            continue
+        if st.st_uid not in (uid, 0) or (st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX):
+            why = (
+                f"belongs to uid {st.st_uid}"
+                if st.st_uid not in (uid, 0)
+                else f"anyone may write (mode {stat.S_IMODE(st.st_mode):o})"
+            )
+            raise ConfigError(
+                f"the runtime directory {path} is inside {above}, which {why}: they can replace it with a directory "
+                "of theirs; set MONARCH_NB_RUNTIME_DIR to a directory of your own"
+            )
+        if above == "/":
+            break
+        above = os.path.dirname(above)
 
 
 def _holds_only_ours(path: str) -> bool:

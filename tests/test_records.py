@@ -63,6 +63,41 @@ def test_a_runtime_dir_of_another_user_is_refused(rdir: str) -> None:
     assert records.read_connection_files(rdir) == [] and not any(n.startswith("allocator-start") for n in os.listdir(rdir))
 
 
+def test_a_runtime_dir_another_user_could_swap_is_refused(rdir: str) -> None:
+    """MONARCH_NB_RUNTIME_DIR=/tmp/rt: another user planted /tmp/rt as a link to the user's own
+    private directory, passing every check, to point it at theirs once our processes use it."""
+    assert os.geteuid() == 0, "needs root to give a link or directory to another user"
+    shared = tempfile.mkdtemp(prefix="mnbs-", dir="/tmp")
+    try:
+        os.chmod(shared, 0o1777)
+        link = os.path.join(shared, "rt")
+        os.symlink(rdir, link)
+        os.lchown(link, NOBODY, NOBODY)
+        with pytest.raises(ConfigError, match=f"goes through {link}, a symbolic link of uid {NOBODY}"):
+            runtime_dir(Config(runtime_dir=link))
+        env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=link)
+        r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "start"], env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and f"a symbolic link of uid {NOBODY}" in r.stderr, r.stderr
+        assert os.listdir(rdir) == []
+        # a link of the user's own is followed, as before
+        os.lchown(link, 0, 0)
+        assert runtime_dir(Config(runtime_dir=link)) == link
+
+        # a directory of the user's inside one another user owns: they can rename it away
+        theirs = os.path.join(shared, "theirs")
+        os.mkdir(theirs)
+        os.chown(theirs, NOBODY, NOBODY)
+        with pytest.raises(ConfigError, match=f"is inside {theirs}, which belongs to uid {NOBODY}"):
+            runtime_dir(Config(runtime_dir=os.path.join(theirs, "rt")))
+        open_dir = os.path.join(shared, "open")
+        os.mkdir(open_dir)
+        os.chmod(open_dir, 0o777)
+        with pytest.raises(ConfigError, match=r"which anyone may write \(mode 777\)"):
+            runtime_dir(Config(runtime_dir=os.path.join(open_dir, "rt")))
+    finally:
+        subprocess.run(["rm", "-rf", shared], check=False)
+
+
 def test_a_shared_sticky_dir_is_never_taken_over(rdir: str) -> None:
     os.chmod(rdir, 0o1777)
     with pytest.raises(ConfigError, match="shared directory"):
