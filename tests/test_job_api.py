@@ -251,6 +251,50 @@ def test_ssh_command_line_carries_no_secret() -> None:
     assert argv[10] == "sh -c 'echo hi' sh arg1"
 
 
+def test_the_remote_start_script_puts_the_key_in_no_directory_another_user_made(tmp_path: Path) -> None:
+    """The script's folder is ``$TMPDIR/mnb-job-<id>``, in a directory every user of that host
+    writes: another user who made that name first (a link to a folder of ours, a folder of
+    theirs) must get neither the key nor the allocator's runtime directory."""
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    job = SSHJob(python_exe="/nonexistent/python", monarch_port=0)
+    job.add_mesh("w", ["u@h1"])
+    job._apply_id = "feedc0de"
+    remote = job.start_command("u@h1")[-1]
+    env = {"PATH": os.environ["PATH"], "TMPDIR": str(shared), "SSH_CONNECTION": "10.0.0.1 4000 10.0.0.2 22"}
+    planted = shared / "mnb-job-feedc0de"
+
+    def start() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["sh", "-c", remote], input="00" * 32 + "\n", env=env, capture_output=True, text=True, timeout=60)
+
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o755)
+    os.chmod(victim, 0o755)
+    planted.symlink_to(victim)
+    os.lchown(planted, 65534, 65534)
+    r = start()
+    # before: the link was followed, the user's folder made 0700 and the key written into it
+    assert r.returncode == 5 and "is not this user's own directory" in r.stderr, r.stderr
+    assert os.listdir(victim) == [] and victim.stat().st_mode & 0o777 == 0o755
+
+    planted.unlink()
+    planted.mkdir()
+    os.chown(planted, 65534, 65534)
+    os.chmod(planted, 0o777)
+    r = start()
+    assert r.returncode == 5 and "is not this user's own directory" in r.stderr, r.stderr
+    assert os.listdir(planted) == []
+
+    # the user's own folder of that name (a second start on this host) is used, as before
+    os.rmdir(planted)
+    planted.mkdir()
+    os.chmod(planted, 0o755)
+    r = start()
+    assert r.returncode == 3 and "the allocator exited while starting" in r.stderr, r.stderr
+    assert not planted.exists()  # and removed with its key
+
+
 def test_squeue_json_of_slurm_22_05() -> None:
     # recorded from Debian's slurmctld 22.05.8 (tests/_slurm.py): plain strings and ints
     text = (DATA / "squeue-22.05.json").read_text()

@@ -45,7 +45,14 @@ set -e
 umask 077
 job=$1; port=$2; py=$3; shift 3
 d="${TMPDIR:-/tmp}/mnb-job-$job"
-mkdir -p "$d"; chmod 700 "$d"
+# /tmp is every user's: a name another user made first (a link to one of ours, a folder of
+# theirs) must not receive the key, nor be the allocator's runtime directory
+if ! mkdir -m 700 "$d" 2>/dev/null; then
+    if [ -L "$d" ] || [ ! -d "$d" ] || [ ! -O "$d" ]; then
+        echo "monarch_nb: $d exists and is not this user's own directory: refusing to put the cluster key there" >&2; exit 5
+    fi
+    chmod 700 "$d"
+fi
 cat > "$d/key"
 for kv in "$@"; do export "$kv"; done
 conn="${SSH_CONNECTION:-}"
