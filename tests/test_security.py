@@ -196,6 +196,26 @@ def test_keygen_leaves_no_readable_secret(tmp_path, kind: str) -> None:
     assert len(read_key_file(str(path))) == 32
 
 
+def test_a_key_path_that_is_not_a_file_is_refused_at_once(tmp_path) -> None:
+    """A FIFO at the key's path (one another user made where the key was to be) blocked the
+    open, and the kernel or allocator reading it with it, until someone wrote to it."""
+    from monarch_nb._wire.keys import read_key_file
+    from monarch_nb.errors import ConfigError
+
+    fifo = tmp_path / "cluster.key"
+    os.mkfifo(fifo, 0o600)
+    r = subprocess.run(
+        [PY, "-m", "monarch_nb", "allocator", "start", "--bind", "tcp://127.0.0.1:0", "--key-file", str(fifo)],
+        env=dict(os.environ, MONARCH_NB_RUNTIME_DIR=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode != 0 and "is not a regular file" in r.stderr, r.stderr
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        read_key_file(str(tmp_path))
+
+
 # ---------------------------------------------------------------- unlucky exceptions (item 3)
 
 

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import os
 import secrets
+import stat
 
 import zmq
 import zmq.utils.z85  # not imported by `import zmq`: curve_keypair may run before anything else imports it
@@ -69,12 +70,17 @@ def load_or_create_key(path: str) -> bytes:
 
 def read_key_file(path: str) -> bytes:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        # O_NONBLOCK: a FIFO planted at the path would block the open (and the kernel or the
+        # allocator with it) until someone writes to it
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
         raise ConfigError(f"cannot read cluster key file {path!r}: {e.strerror}") from e
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ConfigError(f"cluster key file {path!r} is not a regular file; make one with monarch-nb keygen")
     with os.fdopen(fd) as f:
-        st = os.fstat(f.fileno())
-        text = f.read().strip()
+        text = f.read(4096).strip()
     if st.st_mode & 0o077:
         raise ConfigError(f"cluster key file {path!r} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it")
     if st.st_uid != os.geteuid():
