@@ -426,6 +426,11 @@ def test_a_record_written_in_a_shared_directory_goes_through_no_file_or_link_of_
     mine.symlink_to(path)
     job.dump(str(mine))
     assert mine.is_symlink() and isinstance(job_load(str(path)), ProcessJob)
+    # a FIFO at the name blocked the kernel in open() until its maker wrote to it
+    fifo = shared / "fifo.json"
+    os.mkfifo(fifo, 0o600)
+    with pytest.raises(JobError, match="not a regular file"):
+        job_load(str(fifo))
 
 
 def test_an_ended_slurm_job_says_its_state_without_a_reason_of_none(monkeypatch: pytest.MonkeyPatch) -> None:

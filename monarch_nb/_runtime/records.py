@@ -278,9 +278,12 @@ def read_private(path: str) -> bytes:
     """
     # a symlink is followed (Monarch's contexts link job_state to a file); the checks below are
     # on the file actually opened
-    fd = os.open(path, os.O_RDONLY)
+    # O_NONBLOCK: a FIFO another user made at the path would block the open until they write
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise PermissionError(f"refusing job record {path!r}: it is not a regular file")
         if st.st_uid != os.geteuid():
             raise PermissionError(
                 f"refusing job record {path!r}: it belongs to uid {st.st_uid}, not to this user ({os.geteuid()}); "
