@@ -482,3 +482,27 @@ def test_a_symlinked_folder_is_followed_and_a_link_back_into_the_tree_is_not(tmp
         assert got.load.call_one("pkg").get(timeout=30) == "pkg"
     finally:
         M.stop("links")
+
+
+def test_a_file_that_becomes_a_folder_and_back_syncs(tmp_path: Path) -> None:
+    # the new file was written before the old one was removed: "FileExistsError: ... cfg" from
+    # the allocator, and every later sync failed the same way until the tree was deleted by hand
+    (tmp_path / "cfg").write_text("plain file\n")
+    pm = M.spawn("filedir", {"gpus": 1})
+    try:
+        S.sync(str(tmp_path), meshes=pm)
+        (tmp_path / "cfg").unlink()
+        (tmp_path / "cfg").mkdir()
+        (tmp_path / "cfg" / "settings.py").write_text("LR = 0.1\n")
+        rep = S.sync(str(tmp_path), meshes=pm)[0]
+        assert (rep.hosts[0].added, rep.hosts[0].removed) == (["cfg/settings.py"], ["cfg"])
+        assert pm.spawn("imp", _Imports).load.call_one("cfg.settings").get(timeout=30) == "cfg.settings"
+        (tmp_path / "cfg" / "settings.py").unlink()
+        (tmp_path / "cfg").rmdir()
+        (tmp_path / "cfg").write_text("a file again\n")
+        rep = S.sync(str(tmp_path), meshes=pm)[0]
+        assert (rep.hosts[0].added, rep.hosts[0].removed) == (["cfg"], ["cfg/settings.py"])
+        with open(os.path.join(rep.hosts[0].path, "cfg")) as f:
+            assert f.read() == "a file again\n"
+    finally:
+        M.stop("filedir")

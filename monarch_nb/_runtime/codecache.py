@@ -79,6 +79,17 @@ class CodeCache:
         added: list[str]
         changed: list[str]
         added, changed, removed = [], [], []
+        # removals first: a file that became a folder (``cfg`` -> ``cfg/a.py``), or a folder
+        # that became a file, takes the place of what it replaces
+        for rel in old:
+            if rel not in manifest:
+                removed.append(rel)
+                dest = self._dest(root, rel)
+                try:
+                    os.unlink(dest)
+                except FileNotFoundError:
+                    pass
+                self._prune(root, os.path.dirname(dest))
         for rel, (digest, _size, mode) in manifest.items():
             dest = self._dest(root, rel)
             prev = old.get(rel)
@@ -86,6 +97,9 @@ class CodeCache:
             if prev is not None and prev[0] == digest and prev[2] & 0o111 == exe and os.path.exists(dest):
                 continue
             (changed if prev is not None else added).append(rel)
+            if os.path.isdir(dest) and not os.path.islink(dest):
+                # what is left of a folder whose files were all removed above (a proc's __pycache__)
+                shutil.rmtree(dest)
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             tmp = f"{dest}.mnb-tmp"
             if exe:
@@ -99,15 +113,6 @@ class CodeCache:
                 except OSError:
                     shutil.copyfile(self._blob(digest), tmp)
             os.replace(tmp, dest)
-        for rel in old:
-            if rel not in manifest:
-                removed.append(rel)
-                dest = self._dest(root, rel)
-                try:
-                    os.unlink(dest)
-                except FileNotFoundError:
-                    pass
-                self._prune(root, os.path.dirname(dest))
         self.manifests.pop(ws, None)  # re-inserted last: the most recent sync wins on sys.path
         self.manifests[ws] = dict(manifest)
         os.utime(root)  # the tree's age, for gc, is the time since its last sync
