@@ -286,10 +286,16 @@ def _sync_root(
             f.get(timeout=timeout)
     else:
         for hs in report.hosts:
-            for batch in _batches(root, by_digest, lacking[hs.allocator]):
+            small = [d for d in lacking[hs.allocator] if manifest[by_digest[d]][1] < BATCH_BYTES]
+            for batch in _batches(root, by_digest, small):
                 client.request(hs.allocator, "sync_put", batch).get(timeout=timeout)
                 hs.bytes_sent += sum(len(b) for b in batch.values())
                 hs.files_sent += len(batch)
+            for d in lacking[hs.allocator]:
+                if manifest[by_digest[d]][1] >= BATCH_BYTES:
+                    rel = by_digest[d]
+                    hs.bytes_sent += _put_parts(client, hs.allocator, root, rel, d, manifest[rel][1], timeout)
+                    hs.files_sent += 1
     commits = {hs.allocator: client.request(hs.allocator, "sync_commit", ws, manifest) for hs in report.hosts}
     for hs in report.hosts:
         diff = commits[hs.allocator].get(timeout=timeout)
@@ -323,6 +329,26 @@ def _batches(root: str, by_digest: dict[str, str], digests: list[str]) -> Any:
             batch, size = {}, 0
     if batch:
         yield batch
+
+
+def _put_parts(client: Any, alloc: str, root: str, rel: str, digest: str, size: int, timeout: float) -> int:
+    """Send one large file in parts of ``BATCH_BYTES``: as one message, hundreds of MiB kept
+    the host's allocator from answering heartbeats for seconds (a remote host is lost after
+    ``heartbeat_timeout``, and every mesh on it with it). Returns bytes sent."""
+    token = os.urandom(8).hex()  # this upload's, should another controller send the same file
+    try:
+        f = open(os.path.join(root, rel), "rb")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{rel} was removed from {root} while it was being synced: sync again") from None
+    offset = 0
+    with f:
+        while offset < size:
+            data = f.read(min(BATCH_BYTES, size - offset))
+            if not data:
+                raise RuntimeError(f"{rel} was truncated in {root} while it was being synced: sync again")
+            client.request(alloc, "sync_put_part", digest, token, offset, data, size).get(timeout=timeout)
+            offset += len(data)
+    return offset
 
 
 def _stage(url: str, root: str, by_digest: dict[str, str], digests: list[str]) -> int:

@@ -541,8 +541,13 @@ class Allocator(DebugRegistry):
         """Which of these blobs this host lacks (so only those cross the network)."""
         return self.code.missing(digests)
 
-    def sys_sync_put(self, blobs: dict[str, Any]) -> int:
-        return self.code.put(blobs)
+    async def sys_sync_put(self, blobs: dict[str, Any]) -> int:
+        # hashing and writing a large file takes seconds: off the I/O thread, which answers
+        # heartbeats (a remote host silent for heartbeat_timeout is lost, and its meshes fail)
+        return await asyncio.to_thread(self.code.put, blobs)
+
+    async def sys_sync_put_part(self, digest: str, token: str, offset: int, data: Any, size: int) -> int:
+        return await asyncio.to_thread(self.code.put_part, digest, token, offset, data, size)
 
     async def sys_sync_pull(self, url: str, digests: list[str]) -> int:
         # network and disk: off the I/O thread, which answers heartbeats
@@ -552,8 +557,9 @@ class Allocator(DebugRegistry):
         """Fetch blobs from a staging area (any fsspec URL this host can reach)."""
         return self.env.sync_pull(url, digests)
 
-    def sys_sync_commit(self, ws: str, manifest: dict[str, tuple[str, int, int]]) -> dict[str, Any]:
-        return self.code.commit(ws, manifest)
+    async def sys_sync_commit(self, ws: str, manifest: dict[str, tuple[str, int, int]]) -> dict[str, Any]:
+        # a large tree (or one an earlier allocator left, hashed here) is as slow as a put
+        return await asyncio.to_thread(self.code.commit, ws, manifest)
 
     def sys_note_actor(self, mesh: str, actor: str, cls_blob: bytes, owner: str = "", label: str = "") -> None:
         """Actor mesh ``actor`` (a spawn's id) was spawned on ``mesh`` as ``label`` by controller

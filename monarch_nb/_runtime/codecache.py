@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,8 @@ class CodeCache:
         os.makedirs(os.path.join(root, "ws"), mode=0o700, exist_ok=True)
         #: workspace id -> manifest of what is materialised
         self.manifests: dict[str, dict[str, tuple[str, int, int]]] = {}
+        # commits run on worker threads (two controllers may sync at once), spawns read the trees
+        self._lock = threading.Lock()
 
     def _blob(self, digest: str) -> str:
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
@@ -60,15 +63,45 @@ class CodeCache:
             if os.path.exists(path):
                 continue
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
+            # puts run on worker threads, the same blob perhaps on two at once
+            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
             with open(tmp, "wb", opener=private) as f:
                 f.write(data)
             os.replace(tmp, path)
             n += len(data)
         return n
 
+    def put_part(self, digest: str, token: str, offset: int, data: Any, size: int) -> int:
+        """Store ``data`` at ``offset`` of blob ``digest`` (``size`` bytes in all), sent in parts:
+        one message of a whole large file kept this host's I/O thread from answering heartbeats
+        for seconds. ``token`` names one sender's upload; the last part checks the digest and
+        publishes the blob. Returns bytes written."""
+        from .._workspace import file_hash
+
+        path = self._blob(digest)
+        if not token.isalnum() or len(token) > 32 or offset < 0 or size < 0:
+            raise ProtocolError(f"bad part of blob {digest[:12]}…: token {token[:40]!r}, offset {offset}, size {size}")
+        if os.path.exists(path):
+            return 0
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        part = f"{path}.{token}.part"
+        with open(part, "r+b" if offset else "wb", opener=private) as f:
+            f.seek(offset)
+            f.write(data)
+        if offset + len(data) < size:
+            return len(data)
+        if os.path.getsize(part) != size or file_hash(part) != digest:
+            os.unlink(part)
+            raise ProtocolError(f"blob {digest[:12]}… does not match its content; refusing it")
+        os.replace(part, path)
+        return len(data)
+
     def commit(self, ws: str, manifest: dict[str, tuple[str, int, int]]) -> dict[str, Any]:
         """Make the workspace tree match ``manifest``; returns what changed."""
+        with self._lock:
+            return self._commit(ws, manifest)
+
+    def _commit(self, ws: str, manifest: dict[str, tuple[str, int, int]]) -> dict[str, Any]:
         root = self.ws_path(ws)
         old = self.manifests.get(ws)
         if old is None:
@@ -162,7 +195,8 @@ class CodeCache:
 
     def workspaces(self) -> list[str]:
         """Synced trees, most recently synced first (a module name in two of them comes from the newer)."""
-        return [self.ws_path(ws) for ws in reversed(self.manifests)]
+        with self._lock:
+            return [self.ws_path(ws) for ws in reversed(self.manifests)]
 
 
 #: ``in-use-<allocator id>``: the workspaces a running allocator's procs import from
