@@ -561,3 +561,59 @@ def test_a_part_that_does_not_match_its_digest_is_refused(tmp_path: Path) -> Non
     cache.put_part(digest, "b2", 500, data[500:], 1000)
     assert cache.missing([digest]) == []
     assert not [p for p in os.listdir(os.path.dirname(cache._blob(digest))) if p.endswith(".part")]
+
+
+RECREATED = """
+from monarch_nb.actor import Actor, endpoint
+
+VERSION = {v}
+
+
+class Counter(Actor):
+    def __init__(self):
+        {init}
+        self.n = 0
+
+    @endpoint
+    def bump(self):
+        self.n += 1
+        return VERSION, self.n, type(self).__name__
+
+
+class Other(Actor):
+    @endpoint
+    def version(self):
+        return VERSION
+"""
+
+
+def test_a_constructor_that_raises_on_recreate_fails_the_sync_with_its_report(tmp_path: Path) -> None:
+    # it came out of S.sync as a bare "ValueError: bad init" (no report, no rank), and the
+    # actors after it in the proc were left with their previous class
+    (tmp_path / "recmod.py").write_text(textwrap.dedent(RECREATED.format(v=1, init="pass")))
+    sys.path.insert(0, str(tmp_path))
+    pm = M.spawn("recreate", {"gpus": 2})
+    try:
+        S.sync(str(tmp_path), meshes=pm)
+        import recmod
+
+        c = pm.spawn("counter", recmod.Counter)
+        o = pm.spawn("other", recmod.Other)
+        assert c.bump.call().get().values() == [(1, 1, "Counter")] * 2
+        (tmp_path / "recmod.py").write_text(textwrap.dedent(RECREATED.format(v=2, init="raise ValueError('bad init')")))
+        with pytest.raises(S.SyncError) as err:
+            S.sync(str(tmp_path), meshes=pm, reload="recreate")
+        lines = repr(err.value.report).splitlines()
+        assert (
+            "reload failed in 2 procs (mesh 'recreate' ranks 0-1): actor counter (Counter.__init__): ValueError: bad init"
+            in lines
+        )
+        assert err.value.report.reloads == []  # every proc failed; what did reload is in the error
+        assert "reloaded: recmod; actors updated: other" in str(err.value)
+        assert o.version.call().get().values() == [2, 2]
+        # the actor whose constructor raised is the object it was, state kept
+        assert c.bump.call().get().values() == [(2, 2, "Counter")] * 2
+    finally:
+        M.stop("recreate")
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("recmod", None)

@@ -150,6 +150,8 @@ def reload_changed(rt: Any, root: str, changed: list[str], mode: str = "inplace"
             continue
         reloaded.append(name)
     updated, recreated = [], []
+    #: actor (as its program names it) -> why it kept its previous class and object
+    actors_failed: dict[str, BaseException] = {}
     new_code = set(reloaded)
     for aname, slot in list(rt.actors.items()):
         cls = getattr(slot, "cls", None)
@@ -158,24 +160,38 @@ def reload_changed(rt: Any, root: str, changed: list[str], mode: str = "inplace"
         new = _lookup(sys.modules[cls.__module__], cls.__qualname__)
         if not isinstance(new, type) or new is cls:
             continue
+        # the spawn's id (``name#<process>.<n>``) is internal: the report names the actor mesh
+        shown = aname.split("#", 1)[0]
         if is_async_actor(new) != slot.is_async:
-            raise TypeError(f"{cls.__qualname__} changed between sync and async endpoints; use --restart")
-        slot.cls = new
-        slot.endpoints = endpoints_of(new)
+            # one actor that cannot be updated used to stop the update of all the others
+            actors_failed[shown] = TypeError(f"{cls.__qualname__} changed between sync and async endpoints; use --restart")
+            continue
         if mode == "recreate" and slot.init_args is not None:
             args, kwargs = slot.init_args
             obj = new.__new__(new)  # type: ignore[call-overload]
-            obj.__init__(*args, **kwargs)
-            slot.obj = obj
-            recreated.append(aname)
-        elif slot.obj is not None:
-            slot.obj.__class__ = new
-            updated.append(aname)
-    if failed:
+            try:
+                obj.__init__(*args, **kwargs)
+            except Exception as e:
+                # it raised out of the reload as itself ("ValueError: bad init", no report, the
+                # other actors not updated): the actor keeps its previous class and object
+                actors_failed[f"{shown} ({cls.__qualname__}.__init__)"] = e
+                continue
+            slot.cls, slot.endpoints, slot.obj = new, endpoints_of(new), obj
+            recreated.append(shown)
+        else:
+            slot.cls = new
+            slot.endpoints = endpoints_of(new)
+            if slot.obj is not None:
+                slot.obj.__class__ = new
+                updated.append(shown)
+    if failed or actors_failed:
         _failed[root] = {_rel(root, loaded[n]) for n in failed}
-        why = "; ".join(f"{_rel(root, loaded[n])}: {type(e).__name__}: {e}" for n, e in failed.items())
+        why = "; ".join(
+            [f"{_rel(root, loaded[n])}: {type(e).__name__}: {e}" for n, e in failed.items()]
+            + [f"actor {a}: {type(e).__name__}: {e}" for a, e in actors_failed.items()]
+        )
         raise ReloadError(
             f"{why}{KEEPS} in this proc (its actors too) until a sync "
             f"reloads it; reloaded: {', '.join(reloaded) or 'nothing'}; actors updated: {', '.join(updated + recreated) or 'none'}"
-        ) from next(iter(failed.values()))
+        ) from next(iter([*failed.values(), *actors_failed.values()]))
     return {"pid": os.getpid(), "reloaded": reloaded, "updated": updated, "recreated": recreated}
