@@ -170,6 +170,9 @@ def scan(
             try:
                 st = os.stat(path)
             except OSError:
+                if skipped is not None and os.path.islink(path):
+                    # left out silently, the procs' FileNotFoundError was the first anyone heard of it
+                    skipped.append(f"{rel} -> {os.readlink(path)}: a link to nothing, not followed")
                 continue
             if not os.path.isfile(path):
                 continue

@@ -617,3 +617,11 @@ def test_a_constructor_that_raises_on_recreate_fails_the_sync_with_its_report(tm
         M.stop("recreate")
         sys.path.remove(str(tmp_path))
         sys.modules.pop("recmod", None)
+
+
+def test_a_dangling_symlink_is_listed_as_not_synced(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "ckpt").symlink_to("/nonexistent/ckpt")  # a mount this machine does not have
+    skipped: list[str] = []
+    assert set(scan(str(tmp_path), skipped=skipped)) == {"train.py"}
+    assert skipped == ["ckpt -> /nonexistent/ckpt: a link to nothing, not followed"]
