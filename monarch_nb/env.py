@@ -181,7 +181,9 @@ def sync(addresses: list[str] | None = None, *, index: bool = True) -> dict[str,
             files, blobs = _dist_files(mine["name"])
             missing = client.request(alloc, "sync_missing", list(blobs)).get(timeout=60)
             if missing:
-                client.request(alloc, "sync_put", {k: blobs[k] for k in missing}).get(timeout=600)
+                from . import sync as _sync
+
+                _sync.put_blobs(client, alloc, {k: blobs[k] for k in missing}, 600)
             remove = d.hosts[alloc]["dists"].get(key, {}).get("name", "")
             client.request(alloc, "env_install_files", mine["name"], files, remove).get(timeout=600)
             acts.append(f"{spec}: shipped {len(files)} installed files ({sum(len(b) for b in blobs.values()):,} bytes)")

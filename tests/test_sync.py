@@ -625,3 +625,34 @@ def test_a_dangling_symlink_is_listed_as_not_synced(tmp_path: Path) -> None:
     skipped: list[str] = []
     assert set(scan(str(tmp_path), skipped=skipped)) == {"train.py"}
     assert skipped == ["ckpt -> /nonexistent/ckpt: a link to nothing, not followed"]
+
+
+def test_env_sync_ships_contents_in_batches_and_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # %mesh env sync sent all of a distribution's files in one sync_put (torch: gigabytes in
+    # one message, the host's heartbeats held up behind it)
+    import hashlib
+
+    from monarch_nb.actor import _context
+
+    monkeypatch.setattr(S, "BATCH_BYTES", 64 << 10)
+    blobs = {hashlib.sha256(b).hexdigest(): b for b in [os.urandom(200 << 10), *(os.urandom(20 << 10) for _ in range(7))]}
+    pm = M.spawn("envparts", {"gpus": 1})
+    client = _context.client()
+    sizes: list[int] = []
+    real = client.request
+
+    def request(addr: str, method: str, *args, **kwargs):
+        if method == "sync_put_part":
+            sizes.append(len(args[3]))
+        elif method == "sync_put":
+            sizes.append(sum(map(len, args[0].values())))
+        return real(addr, method, *args, **kwargs)
+
+    monkeypatch.setattr(client, "request", request)
+    try:
+        alloc = pm._procs[0].alloc
+        assert S.put_blobs(client, alloc, blobs, 30) == sum(map(len, blobs.values()))
+        assert max(sizes) < 2 * (64 << 10) and len(sizes) > 4
+        assert client.request(alloc, "sync_missing", list(blobs)).get(timeout=30) == []
+    finally:
+        M.stop("envparts")
