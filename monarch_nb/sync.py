@@ -410,7 +410,7 @@ def _reload(report: SyncReport, meshes: list[ProcMesh], mode: str) -> list[dict[
         for p in {p.addr: p for p in m._procs}.values():
             path, changed = changed_by_alloc.get(p.alloc, ("", []))
             if path:
-                futs.append((p, client.request(p.addr, "reload", path, changed, mode, _actor="__sys__")))
+                futs.append((p, client.request(p.addr, "reload", path, changed, mode, report.root, _actor="__sys__")))
     out = []
     for p, f in futs:
         try:

@@ -656,3 +656,31 @@ def test_env_sync_ships_contents_in_batches_and_parts(monkeypatch: pytest.Monkey
         assert client.request(alloc, "sync_missing", list(blobs)).get(timeout=30) == []
     finally:
         M.stop("envparts")
+
+
+def test_a_module_the_procs_imported_from_the_notebooks_folder_reloads_on_the_first_sync(tmp_path: Path) -> None:
+    # on the notebook's own host a proc imports from the notebook's folder before any sync; its
+    # modules were not under the synced tree, so sync after sync said "reloaded nothing" and the
+    # actors ran the code they started with
+    (tmp_path / "localmod.py").write_text(textwrap.dedent(MODULE.format(version="v1")))
+    (tmp_path / "helper.py").write_text("GREETING = 'hi'\n")
+    sys.path.insert(0, str(tmp_path))
+    pm = M.spawn("localfirst", {"gpus": 1})
+    try:
+        import localmod
+
+        w = pm.spawn("w", localmod.Worker, 0)
+        first = w.hello.call_one().get(timeout=30)
+        assert first[1] == "v1" and first[4] == str(tmp_path / "localmod.py")
+        (tmp_path / "localmod.py").write_text(textwrap.dedent(MODULE.format(version="v2")))
+        rep = S.sync(str(tmp_path), meshes=pm)[0]
+        assert rep.reloads[0]["reloaded"] == ["localmod"]  # helper.py did not change since
+        assert "reloaded localmod in 1 procs (same PIDs); actors updated: w" in repr(rep).splitlines()
+        after = w.hello.call_one().get(timeout=30)
+        assert after[:4] == ("hi", "v2", 2, first[3])  # new code, same object, same proc
+        assert after[4].startswith(rep.hosts[0].path)  # from the synced tree from now on
+    finally:
+        M.stop("localfirst")
+        sys.path.remove(str(tmp_path))
+        for m in ("localmod", "helper"):
+            sys.modules.pop(m, None)

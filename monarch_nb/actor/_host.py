@@ -1330,14 +1330,16 @@ class ActorHost:
         root.setLevel(level)
 
     @system_method(wants_reply=True)
-    def sys_reload(self, root: str, changed: list[str], mode: str = "inplace", *, _reply: tuple[str, int, int]) -> Any:
+    def sys_reload(
+        self, root: str, changed: list[str], mode: str = "inplace", local: str = "", *, _reply: tuple[str, int, int]
+    ) -> Any:
         """Reload synced modules that changed (on a thread of its own: imports may be slow)."""
 
         def run() -> None:
             from ._reload import reload_changed
 
             try:
-                value: Any = reload_changed(self.rt, root, changed, mode)
+                value: Any = reload_changed(self.rt, root, changed, mode, local)
                 status = wire.OK
             except BaseException as e:
                 value, status = ActorError(_safe_exc(e), format_exception(e), message=f"reload failed: {safe_str(e)}"), wire.ERROR

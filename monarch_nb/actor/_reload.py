@@ -113,7 +113,36 @@ def _lookup(module: types.ModuleType, qualname: str) -> Any:
 _failed: dict[str, set[str]] = {}
 
 
-def reload_changed(rt: Any, root: str, changed: list[str], mode: str = "inplace") -> dict[str, Any]:
+def _started() -> float:
+    """When this process started (0 if unknown: then every module of the local folder is stale)."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:
+        return 0.0
+
+
+def _stale_local(local: str, root: str, loaded: dict[str, types.ModuleType]) -> dict[str, types.ModuleType]:
+    """Modules this proc imported from ``local``, the controller's own folder of the synced tree
+    (a proc on the notebook's host finds it on its ``sys.path`` before any sync), whose file
+    changed since this proc started. They are not under ``root``: a sync reloaded nothing and the
+    actors ran the code they started with, sync after sync, with "reloaded nothing" reported."""
+    if not local or local == root or not os.path.isdir(local):
+        return {}
+    started = _started()
+    out = {}
+    for name, m in _modules_under(local).items():
+        try:
+            edited = os.stat(_absolute(m.__file__ or "")).st_mtime >= started
+        except OSError:
+            continue  # removed here: nothing to reload it from, as for a synced one
+        if name not in loaded and edited:
+            out[name] = m
+    return out
+
+
+def reload_changed(rt: Any, root: str, changed: list[str], mode: str = "inplace", local: str = "") -> dict[str, Any]:
     """Reload the modules of ``changed`` files (paths relative to ``root``) in this proc.
 
     A module that fails to reload (a syntax error, an exception at import) does not stop the
@@ -129,7 +158,11 @@ def reload_changed(rt: Any, root: str, changed: list[str], mode: str = "inplace"
     wanted = set(changed) | _failed.pop(root, set())
     loaded = _modules_under(root)
     present = {n for n, m in loaded.items() if os.path.exists(_absolute(m.__file__ or ""))}
-    order = _plan(loaded, {n for n in present if _rel(root, loaded[n]) in wanted})
+    stale = _stale_local(local, root, loaded)
+    # reloaded by name, they are found in the synced tree, first on sys.path, from now on
+    loaded.update(stale)
+    present |= set(stale)
+    order = _plan(loaded, {n for n in present if n in stale or _rel(root, loaded[n]) in wanted})
     reloaded: list[str] = []
     failed: dict[str, BaseException] = {}
     for name in order:
