@@ -11,6 +11,7 @@ environment change to a compiled package).
 
 from __future__ import annotations
 
+import hashlib
 import html
 import os
 import threading
@@ -309,19 +310,28 @@ def _first_line(e: BaseException) -> str:
     return (safe_str(e).splitlines() or [type(e).__name__])[0]
 
 
-def _read(root: str, rel: str) -> bytes:
+def _changed(root: str, rel: str) -> RuntimeError:
+    # the host refused it as "blob … does not match its content", naming neither the file nor
+    # the cause (an editor saving, or a watch firing, in the middle of a sync)
+    return RuntimeError(f"{rel} changed in {root} while it was being synced: sync again")
+
+
+def _read(root: str, rel: str, digest: str = "") -> bytes:
     try:
         with open(os.path.join(root, rel), "rb") as f:
-            return f.read()
+            data = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"{rel} was removed from {root} while it was being synced: sync again") from None
+    if digest and hashlib.sha256(data).hexdigest() != digest:
+        raise _changed(root, rel)
+    return data
 
 
 def _batches(root: str, by_digest: dict[str, str], digests: list[str]) -> Any:
     batch: dict[str, bytes] = {}
     size = 0
     for d in digests:
-        data = _read(root, by_digest[d])
+        data = _read(root, by_digest[d], d)
         batch[d] = data
         size += len(data)
         if size >= BATCH_BYTES:
@@ -341,11 +351,13 @@ def _put_parts(client: Any, alloc: str, root: str, rel: str, digest: str, size: 
     except FileNotFoundError:
         raise FileNotFoundError(f"{rel} was removed from {root} while it was being synced: sync again") from None
     offset = 0
+    h = hashlib.sha256()
     with f:
         while offset < size:
             data = f.read(min(BATCH_BYTES, size - offset))
-            if not data:
-                raise RuntimeError(f"{rel} was truncated in {root} while it was being synced: sync again")
+            h.update(data)
+            if not data or (offset + len(data) == size and h.hexdigest() != digest):
+                raise _changed(root, rel)
             client.request(alloc, "sync_put_part", digest, token, offset, data, size).get(timeout=timeout)
             offset += len(data)
     return offset
@@ -389,7 +401,7 @@ def _stage(url: str, root: str, by_digest: dict[str, str], digests: list[str]) -
         path = f"{base}/blobs/{d}"
         if fs.exists(path):
             continue
-        data = _read(root, by_digest[d])
+        data = _read(root, by_digest[d], d)
         fs.pipe_file(path, data)
         n += len(data)
     return n

@@ -684,3 +684,33 @@ def test_a_module_the_procs_imported_from_the_notebooks_folder_reloads_on_the_fi
         sys.path.remove(str(tmp_path))
         for m in ("localmod", "helper"):
             sys.modules.pop(m, None)
+
+
+@pytest.mark.parametrize("size", [10, 200 << 10], ids=["whole", "in-parts"])
+def test_a_file_saved_again_during_the_sync_is_named_with_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    # the host refused it as "ProtocolError: blob d2102092… does not match its content; refusing
+    # it": no file named, and it read as corruption (and a staging area kept the wrong blob)
+    from monarch_nb import _workspace
+
+    monkeypatch.setattr(S, "BATCH_BYTES", 64 << 10)
+    (tmp_path / "train.py").write_bytes(os.urandom(size))
+    real = _workspace.scan
+
+    def scan_then_save(root: str, *args, **kwargs):
+        manifest = real(root, *args, **kwargs)
+        (tmp_path / "train.py").write_bytes(os.urandom(size))  # the editor saves again
+        return manifest
+
+    pm = M.spawn("saved", {"gpus": 1})
+    try:
+        monkeypatch.setattr(_workspace, "scan", scan_then_save)
+        with pytest.raises(RuntimeError, match=f"^train.py changed in {tmp_path} while it was being synced: sync again$"):
+            S.sync(str(tmp_path), meshes=pm)
+        monkeypatch.setattr(_workspace, "scan", real)
+        rep = S.sync(str(tmp_path), meshes=pm)[0]  # as it says
+        with open(os.path.join(rep.hosts[0].path, "train.py"), "rb") as f:
+            assert f.read() == (tmp_path / "train.py").read_bytes()
+    finally:
+        M.stop("saved")
