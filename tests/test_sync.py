@@ -714,3 +714,32 @@ def test_a_file_saved_again_during_the_sync_is_named_with_what_to_do(
             assert f.read() == (tmp_path / "train.py").read_bytes()
     finally:
         M.stop("saved")
+
+
+class _Overwrites(Actor):
+    @endpoint
+    def overwrite(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write("results of run 1\n")
+
+
+def test_a_rank_rewriting_a_synced_file_does_not_change_what_later_syncs_deliver(tmp_path: Path) -> None:
+    # a tree's files are hard links to the host's content store: the rank's bytes became the
+    # content of every later sync of that file, in any workspace, and re-syncing did not repair it
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "results.json").write_text(f'{{"baseline": "{tmp_path.name}"}}\n')
+    pm = M.spawn("rewrite", {"gpus": 1})
+    try:
+        first = S.sync(str(a), meshes=pm)[0]
+        pm.spawn("w", _Overwrites).overwrite.call_one(os.path.join(first.hosts[0].path, "results.json")).get(timeout=30)
+        other = S.sync(str(b), meshes=pm)[0]
+        with open(os.path.join(other.hosts[0].path, "results.json")) as f:
+            assert f.read() == (b / "results.json").read_text()
+        again = S.sync(str(a), meshes=pm)[0]
+        assert again.hosts[0].changed == ["results.json"]  # the host's copy is put back
+        with open(os.path.join(again.hosts[0].path, "results.json")) as f:
+            assert f.read() == (a / "results.json").read_text()
+    finally:
+        M.stop("rewrite")

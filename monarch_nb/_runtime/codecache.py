@@ -38,6 +38,41 @@ class CodeCache:
         self.manifests: dict[str, dict[str, tuple[str, int, int]]] = {}
         # commits run on worker threads (two controllers may sync at once), spawns read the trees
         self._lock = threading.Lock()
+        self._stamps = self._keeps_stamps()
+
+    def _keeps_stamps(self) -> bool:
+        """Whether this file system keeps the nanoseconds of an mtime (a stamp; not on coarse ones)."""
+        probe = os.path.join(self.root, "blobs", f".stamp-{os.getpid()}-{threading.get_ident()}")
+        try:
+            with open(probe, "wb", opener=private):
+                pass
+            os.utime(probe, ns=(0, 5 * NS + 123456789))
+            return os.stat(probe).st_mtime_ns == 5 * NS + 123456789
+        except OSError:
+            return False
+        finally:
+            try:
+                os.unlink(probe)
+            except OSError:
+                pass
+
+    def _stamp(self, path: str, digest: str) -> None:
+        """Mark ``path`` (a blob, or a copy of one) as holding ``digest``'s content: the nanoseconds
+        of its mtime encode the digest, and any write through any of its links sets the mtime anew."""
+        if self._stamps:
+            st = os.stat(path)
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns - st.st_mtime_ns % NS + _mark(digest)))
+
+    def _intact(self, path: str, digest: str) -> bool:
+        """Whether ``path`` still holds what it was stored with. A tree's files are hard links to
+        the blobs: a rank that rewrote a synced file in place (a results file kept in the repo)
+        changed the blob, and every later sync of that content, in any workspace, got the
+        rank's bytes, and re-syncing did not repair it (the host "had" the blob)."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return False
+        return not self._stamps or st.st_mtime_ns % NS == _mark(digest)
 
     def _blob(self, digest: str) -> str:
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
@@ -50,7 +85,7 @@ class CodeCache:
         return os.path.join(self.root, "ws", ws)
 
     def missing(self, digests: list[str]) -> list[str]:
-        return [d for d in dict.fromkeys(digests) if not os.path.exists(self._blob(d))]
+        return [d for d in dict.fromkeys(digests) if not self._intact(self._blob(d), d)]
 
     def put(self, blobs: dict[str, Any]) -> int:
         """Store blobs (digest -> bytes); each is checked against its digest. Returns bytes written."""
@@ -60,13 +95,14 @@ class CodeCache:
             if hashlib.sha256(data).hexdigest() != digest:
                 raise ProtocolError(f"blob {digest[:12]}… does not match its content; refusing it")
             path = self._blob(digest)
-            if os.path.exists(path):
+            if self._intact(path, digest):
                 continue
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
             # puts run on worker threads, the same blob perhaps on two at once
             tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
             with open(tmp, "wb", opener=private) as f:
                 f.write(data)
+            self._stamp(tmp, digest)
             os.replace(tmp, path)
             n += len(data)
         return n
@@ -81,7 +117,7 @@ class CodeCache:
         path = self._blob(digest)
         if not token.isalnum() or len(token) > 32 or offset < 0 or size < 0:
             raise ProtocolError(f"bad part of blob {digest[:12]}…: token {token[:40]!r}, offset {offset}, size {size}")
-        if os.path.exists(path):
+        if self._intact(path, digest):
             return 0
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         part = f"{path}.{token}.part"
@@ -93,6 +129,7 @@ class CodeCache:
         if os.path.getsize(part) != size or file_hash(part) != digest:
             os.unlink(part)
             raise ProtocolError(f"blob {digest[:12]}… does not match its content; refusing it")
+        self._stamp(part, digest)
         os.replace(part, path)
         return len(data)
 
@@ -127,7 +164,7 @@ class CodeCache:
             dest = self._dest(root, rel)
             prev = old.get(rel)
             exe = mode & 0o111
-            if prev is not None and prev[0] == digest and prev[2] & 0o111 == exe and os.path.exists(dest):
+            if prev is not None and prev[0] == digest and prev[2] & 0o111 == exe and self._intact(dest, digest):
                 continue
             (changed if prev is not None else added).append(rel)
             if os.path.isdir(dest) and not os.path.islink(dest):
@@ -140,11 +177,13 @@ class CodeCache:
                 # the blob and every tree linking it, so it gets a copy of its own
                 shutil.copyfile(self._blob(digest), tmp)
                 os.chmod(tmp, (mode & 0o777) | 0o600)
+                self._stamp(tmp, digest)
             else:
                 try:
                     os.link(self._blob(digest), tmp)
                 except OSError:
                     shutil.copyfile(self._blob(digest), tmp)
+                    self._stamp(tmp, digest)
             os.replace(tmp, dest)
         self.manifests.pop(ws, None)  # re-inserted last: the most recent sync wins on sys.path
         self.manifests[ws] = dict(manifest)
@@ -197,6 +236,14 @@ class CodeCache:
         """Synced trees, most recently synced first (a module name in two of them comes from the newer)."""
         with self._lock:
             return [self.ws_path(ws) for ws in reversed(self.manifests)]
+
+
+NS = 1_000_000_000
+
+
+def _mark(digest: str) -> int:
+    """The nanoseconds of a stored file's mtime that say it holds ``digest``'s content."""
+    return int(digest[:8], 16) % NS
 
 
 #: ``in-use-<allocator id>``: the workspaces a running allocator's procs import from
