@@ -743,3 +743,21 @@ def test_a_rank_rewriting_a_synced_file_does_not_change_what_later_syncs_deliver
             assert f.read() == (a / "results.json").read_text()
     finally:
         M.stop("rewrite")
+
+
+def test_a_module_of_an_environment_inside_the_notebooks_folder_is_not_reloaded(tmp_path: Path) -> None:
+    # the folder's .venv is not synced: its modules are not the sync's to reload, edited or not
+    (tmp_path / ".venv" / "lib").mkdir(parents=True)
+    (tmp_path / ".venv" / "lib" / "venvmod.py").write_text("X = 1\n")
+    (tmp_path / "train.py").write_text("")
+    sys.path.insert(0, str(tmp_path / ".venv" / "lib"))
+    pm = M.spawn("venvlocal", {"gpus": 1})
+    try:
+        assert pm.spawn("imp", _Imports).load.call_one("venvmod").get(timeout=30) == "venvmod"
+        (tmp_path / ".venv" / "lib" / "venvmod.py").write_text("X = 2\n")  # a pip install since
+        rep = S.sync(str(tmp_path), meshes=pm)[0]
+        assert rep.reloads[0]["reloaded"] == []
+    finally:
+        M.stop("venvlocal")
+        sys.path.remove(str(tmp_path / ".venv" / "lib"))
+        sys.modules.pop("venvmod", None)

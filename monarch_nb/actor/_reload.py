@@ -133,11 +133,14 @@ def _stale_local(local: str, root: str, loaded: dict[str, types.ModuleType]) -> 
     started = _started()
     out = {}
     for name, m in _modules_under(local).items():
+        path = _absolute(m.__file__ or "")
+        if name in loaded or not os.path.exists(os.path.join(root, os.path.relpath(path, local))):
+            continue  # not synced (a .venv in the folder, an excluded file): not ours to reload
         try:
-            edited = os.stat(_absolute(m.__file__ or "")).st_mtime >= started
+            edited = os.stat(path).st_mtime >= started
         except OSError:
             continue  # removed here: nothing to reload it from, as for a synced one
-        if name not in loaded and edited:
+        if edited:
             out[name] = m
     return out
 
