@@ -63,6 +63,10 @@ class SPMDActor(Actor):
 
     A script that ends with ``sys.exit(0)`` (or ``sys.exit()``) has succeeded; another exit
     code fails its actor, as any ``SystemExit`` in an endpoint does.
+
+    As under torchrun, the script's folder is on ``sys.path`` while it runs; a default process
+    group the script started is destroyed when it ends (succeeded or not), so the same mesh can
+    run it again (0.7.0 leaves both as they are: docs/monarch-compat.md).
     """
 
     def __init__(self) -> None:
@@ -85,16 +89,32 @@ class SPMDActor(Actor):
         if not script_args or (script_args[0] == "-m" and len(script_args) < 2):
             raise ValueError("No script or module specified: give ['-m', 'module', ...] or ['script.py', ...]")
         os.environ.update(_torchrun_env(self._place, master_addr, master_port))
+        # torchrun runs each script in a fresh process; this proc outlives the script, so what a
+        # script leaves behind must not break its next run here: the default process group it
+        # started (init_process_group again raises "initialize the default process group
+        # twice", after a failure or from a script that never destroys it) and the script's
+        # folder on sys.path
+        had_group = _default_group_initialized()
+        folder = ""
         try:
             if script_args[0] == "-m":
                 sys.argv = [script_args[1], *script_args[2:]]
                 runpy.run_module(script_args[1], run_name="__main__", alter_sys=True)
             else:
                 sys.argv = list(script_args)
+                if os.path.isfile(script_args[0]):
+                    # `python train.py` (torchrun) imports the modules next to train.py
+                    folder = os.path.dirname(os.path.realpath(script_args[0]))
+                    sys.path.insert(0, folder)
                 runpy.run_path(script_args[0], run_name="__main__")
         except SystemExit as e:
             if e.code not in (0, None):
                 raise
+        finally:
+            if folder and folder in sys.path:
+                sys.path.remove(folder)
+            if not had_group:
+                _destroy_default_group()
         return True
 
     @endpoint
@@ -104,6 +124,23 @@ class SPMDActor(Actor):
     @endpoint
     def ip_addr(self) -> str:
         return _ip_addr()
+
+
+def _default_group_initialized() -> bool:
+    # a script that never imported torch.distributed started no group: torch is not imported for it
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
+
+
+def _destroy_default_group() -> None:
+    if not _default_group_initialized():
+        return
+    import torch.distributed as dist
+
+    try:
+        dist.destroy_process_group()
+    except Exception as e:  # the script's own outcome is what the caller must see
+        print(f"SPMDActor: could not destroy the process group the script left: {e!r}", file=sys.stderr)
 
 
 def _free_port() -> int:

@@ -328,3 +328,39 @@ def test_a_named_mesh_whose_rank_died_is_spawned_again_as_soon_as_the_call_fails
     finally:
         gate.set()
         pm.stop().get(timeout=30)
+
+
+def test_spmd_actor_runs_a_script_again_after_it_failed_as_torchrun_would(tmp_path):
+    """torchrun runs a script in a fresh process, with its folder on sys.path; SPMDActor's procs
+    outlive it. A script that imports a module next to it ran into ModuleNotFoundError, and one
+    that failed (or never destroyed its process group) could not run again on the same mesh:
+    "trying to initialize the default process group twice!"."""
+    from monarch_nb.actor import ActorError
+    from monarch_nb.spmd import SPMDActor
+
+    (tmp_path / "model.py").write_text("SCALE = 10.0\n")
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch, torch.distributed as dist\n"
+        "from model import SCALE\n"
+        "dist.init_process_group('gloo')\n"
+        "t = torch.full((1,), SCALE)\n"
+        "dist.all_reduce(t)\n"
+        "if sys.argv[1] == 'fail':\n"
+        "    raise RuntimeError('diverged at step 1')\n"
+        "open(sys.argv[2] + str(dist.get_rank()), 'w').write(str(t.item()))\n"
+    )
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, name="spmd_rerun")
+    try:
+        spmd = procs.spawn("_SPMDActor", SPMDActor)
+        for mode in ("fail", "ok", "ok"):
+            addr, port = spmd.slice(gpus=0).get_host_port.call_one(None).get(timeout=30)
+            args = [str(script), mode, str(tmp_path / f"{mode}-")]
+            if mode == "fail":
+                with pytest.raises(ActorError, match="diverged at step 1"):
+                    spmd.main.call(addr, port, args).get(timeout=60)
+            else:
+                assert spmd.main.call(addr, port, args).get(timeout=60).values() == [True, True]
+        assert [(tmp_path / f"ok-{r}").read_text() for r in range(2)] == ["20.0", "20.0"]
+    finally:
+        procs.stop().get(timeout=30)
