@@ -112,9 +112,11 @@ class ActorError(MonarchNBError):
         # safe_str: the exception's own __str__ may raise here (it did not in the proc, or it
         # printed its placeholder there), and this runs inside IPython's error display
         text = safe_str(self.exception)
+        # a SyntaxError's str() adds "(file, line N)", which its traceback shows above its last line
+        said = getattr(self.exception, "msg", None) if isinstance(self.exception, SyntaxError) else None
         if not self.remote_traceback or not etype or " " in etype:
             etype, msg = type(self.exception).__name__, text
-        elif text not in last:
+        elif text not in last and not (isinstance(said, str) and said and said in last):
             # the error raised is not the one its traceback ends with (a reply that could not
             # be pickled, say): show both
             etype, msg = type(self.exception).__name__, text
@@ -135,7 +137,11 @@ class ActorError(MonarchNBError):
         lines.extend(_errgroup.summary_lines(groups, self.total))
         running = _errgroup.running_line(self.running, self.total)
         if running:
-            lines.append(running)
+            # their actors take no other call until it returns: a collective waiting for the rank
+            # that raised (an SPMD script) waits until its timeout, 30 minutes for gloo
+            one = (self.running if isinstance(self.running, int) else len(self.running)) == 1
+            whose = "its actor takes its" if one else "their actors take their"
+            lines.append(f"{running}; {whose} next calls once it returns (stopping the proc mesh ends it)")
         lines.extend(_errgroup.group_lines(groups, color))
         return lines
 

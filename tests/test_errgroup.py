@@ -31,3 +31,28 @@ def test_a_few_messages_keep_a_line_each() -> None:
         "  rank 4: KeyError: 'shard 4'",
         "  rank 8: KeyError: 'shard 8'",
     ]
+
+
+def test_an_spmd_script_error_says_the_ranks_left_running_wait_and_shows_its_syntax_error_once() -> None:
+    """What a notebook shows for ``spmd.main.call(...)``: a rank that raised while the others wait
+    for it in a collective says that their actors take no other call until then (a cell run again
+    waited for gloo's 30 minutes without a word); a script's SyntaxError on every rank showed its
+    last line twice, once from the traceback and once from ``str()`` ("(train.py, line 1)")."""
+    from monarch_nb.errors import ActorError
+
+    tb = 'Traceback (most recent call last):\n  File "train.py", line 16, in <module>\nRuntimeError: NaN loss\n'
+    raised = ActorError(RuntimeError("NaN loss"), tb, rank=2)
+    e = ActorError(RuntimeError("NaN loss"), tb, rank=2)._set_group("_SPMDActor.main", 4, {2: raised}, [0, 1, 3])
+    assert (
+        "ranks 0-1,3 (3 of 4) were still running when this was raised; their actors take their next "
+        "calls once it returns (stopping the proc mesh ends it)"
+    ) in e.grouped_text().splitlines(), e.grouped_text()
+
+    tb = (
+        'Traceback (most recent call last):\n  File "<frozen runpy>", line 259, in _get_code_from_file\n'
+        '  File "/w/train.py", line 1\n    def f(:\n          ^\nSyntaxError: invalid syntax\n'
+    )
+    errs = {r: ActorError(SyntaxError("invalid syntax", ("/w/train.py", 1, 7, "def f(:\n")), tb, rank=r) for r in range(4)}
+    text = ActorError(errs[0].exception, tb, rank=0)._set_group("_SPMDActor.main", 4, errs).grouped_text()
+    assert "SyntaxError on 4 of 4 ranks: 0-3" in text, text
+    assert text.count("SyntaxError: invalid syntax") == 1, text
