@@ -66,7 +66,8 @@ class SPMDActor(Actor):
 
     As under torchrun, the script's folder is on ``sys.path`` while it runs; a default process
     group the script started is destroyed when it ends (succeeded or not), so the same mesh can
-    run it again (0.7.0 leaves both as they are: docs/monarch-compat.md).
+    run it again; numbers in ``script_args`` are passed as strings (0.7.0 leaves all of this as
+    it is: docs/monarch-compat.md).
     """
 
     def __init__(self) -> None:
@@ -86,6 +87,7 @@ class SPMDActor(Actor):
     def main(self, master_addr: str, master_port: int, script_args: list[str]) -> bool:
         """Set the variables, then run ``script_args``: ``["-m", "module", args...]`` or
         ``["path/to/script.py", args...]``, as ``__main__`` with that ``sys.argv``."""
+        script_args = _argv(script_args)
         if not script_args or (script_args[0] == "-m" and len(script_args) < 2):
             raise ValueError("No script or module specified: give ['-m', 'module', ...] or ['script.py', ...]")
         os.environ.update(_torchrun_env(self._place, master_addr, master_port))
@@ -124,6 +126,27 @@ class SPMDActor(Actor):
     @endpoint
     def ip_addr(self) -> str:
         return _ip_addr()
+
+
+def _argv(script_args: Any) -> list[str]:
+    """``script_args`` as the command line torchrun would give the script. A bare string ran
+    its first character as the script ("can't find '__main__' module in '/'") and a number
+    reached the script's argparse as an int ("'int' object is not subscriptable")."""
+    if isinstance(script_args, (str, bytes, os.PathLike)):
+        raise TypeError(
+            f"script_args is a list of command-line words, not {type(script_args).__name__} {script_args!r}: "
+            f"give [{os.fsdecode(script_args)!r}, ...] or ['-m', 'module', ...]"
+        )
+    out = []
+    for a in script_args:
+        if isinstance(a, (int, float)) and not isinstance(a, bool):
+            a = str(a)
+        elif isinstance(a, os.PathLike):
+            a = os.fsdecode(a)
+        if not isinstance(a, str):
+            raise TypeError(f"script_args holds {type(a).__name__} {a!r}: a command line has only strings (and numbers)")
+        out.append(a)
+    return out
 
 
 def _default_group_initialized() -> bool:

@@ -334,7 +334,8 @@ def test_spmd_actor_runs_a_script_again_after_it_failed_as_torchrun_would(tmp_pa
     """torchrun runs a script in a fresh process, with its folder on sys.path; SPMDActor's procs
     outlive it. A script that imports a module next to it ran into ModuleNotFoundError, and one
     that failed (or never destroyed its process group) could not run again on the same mesh:
-    "trying to initialize the default process group twice!"."""
+    "trying to initialize the default process group twice!". A number in the command line reached
+    the script as an int, and a bare string ran "/" (its first character) as the script."""
     from monarch_nb.actor import ActorError
     from monarch_nb.spmd import SPMDActor
 
@@ -344,7 +345,7 @@ def test_spmd_actor_runs_a_script_again_after_it_failed_as_torchrun_would(tmp_pa
         "import sys, torch, torch.distributed as dist\n"
         "from model import SCALE\n"
         "dist.init_process_group('gloo')\n"
-        "t = torch.full((1,), SCALE)\n"
+        "t = torch.full((1,), SCALE * float(sys.argv[3].strip()))\n"
         "dist.all_reduce(t)\n"
         "if sys.argv[1] == 'fail':\n"
         "    raise RuntimeError('diverged at step 1')\n"
@@ -355,12 +356,14 @@ def test_spmd_actor_runs_a_script_again_after_it_failed_as_torchrun_would(tmp_pa
         spmd = procs.spawn("_SPMDActor", SPMDActor)
         for mode in ("fail", "ok", "ok"):
             addr, port = spmd.slice(gpus=0).get_host_port.call_one(None).get(timeout=30)
-            args = [str(script), mode, str(tmp_path / f"{mode}-")]
+            args = [str(script), mode, str(tmp_path / f"{mode}-"), 2]
             if mode == "fail":
                 with pytest.raises(ActorError, match="diverged at step 1"):
                     spmd.main.call(addr, port, args).get(timeout=60)
             else:
                 assert spmd.main.call(addr, port, args).get(timeout=60).values() == [True, True]
-        assert [(tmp_path / f"ok-{r}").read_text() for r in range(2)] == ["20.0", "20.0"]
+        assert [(tmp_path / f"ok-{r}").read_text() for r in range(2)] == ["40.0", "40.0"]
+        with pytest.raises(ActorError, match=r"script_args is a list of command-line words, not str 'train.py'"):
+            spmd.main.call(addr, port, "train.py").get(timeout=30)
     finally:
         procs.stop().get(timeout=30)
