@@ -155,15 +155,35 @@ def _default_group_initialized() -> bool:
     return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 
+#: how long main() waits for the script's process group to be destroyed before it reports the
+#: script's outcome anyway
+_DESTROY_WAIT = 10.0
+
+
 def _destroy_default_group() -> None:
     if not _default_group_initialized():
         return
+    import threading
+
     import torch.distributed as dist
 
-    try:
-        dist.destroy_process_group()
-    except Exception as e:  # the script's own outcome is what the caller must see
-        print(f"SPMDActor: could not destroy the process group the script left: {e!r}", file=sys.stderr)
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # the script's own outcome is what the caller must see
+            print(f"SPMDActor: could not destroy the process group the script left: {e!r}", file=sys.stderr)
+
+    # gloo's is at once; NCCL's shutdown can wait for a collective in flight whose peers are
+    # gone, and the caller would not hear of the script's error meanwhile
+    t = threading.Thread(target=destroy, name="spmd-destroy-group", daemon=True)
+    t.start()
+    t.join(_DESTROY_WAIT)
+    if t.is_alive():
+        print(
+            f"SPMDActor: the process group the script left is not destroyed after {_DESTROY_WAIT:g} s "
+            "(a collective in flight?); reporting the script's outcome now",
+            file=sys.stderr,
+        )
 
 
 def _free_port() -> int:
