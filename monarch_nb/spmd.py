@@ -64,7 +64,8 @@ class SPMDActor(Actor):
     A script that ends with ``sys.exit(0)`` (or ``sys.exit()``) has succeeded; another exit
     code fails its actor, as any ``SystemExit`` in an endpoint does.
 
-    As under torchrun, the script's folder is on ``sys.path`` while it runs; a default process
+    As under torchrun, the script's folder is on ``sys.path`` while it runs (the modules it
+    imports from there are imported afresh by the next run); a default process
     group the script started is destroyed when it ends (succeeded or not), so the same mesh can
     run it again; numbers in ``script_args`` are passed as strings (0.7.0 leaves all of this as
     it is: docs/monarch-compat.md).
@@ -98,6 +99,7 @@ class SPMDActor(Actor):
         # folder on sys.path
         had_group = _default_group_initialized()
         folder = ""
+        before = set(sys.modules)
         try:
             if script_args[0] == "-m":
                 sys.argv = [script_args[1], *script_args[2:]]
@@ -115,6 +117,13 @@ class SPMDActor(Actor):
         finally:
             if folder and folder in sys.path:
                 sys.path.remove(folder)
+            if folder:
+                # the next run imports them afresh, as torchrun's new process would: an edited
+                # model.py next to train.py is what the next run gets
+                for name in set(sys.modules) - before:
+                    where = getattr(sys.modules[name], "__file__", None) or ""
+                    if where.startswith(folder + os.sep):
+                        del sys.modules[name]
             if not had_group:
                 _destroy_default_group()
         return True

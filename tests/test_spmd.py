@@ -335,7 +335,8 @@ def test_spmd_actor_runs_a_script_again_after_it_failed_as_torchrun_would(tmp_pa
     outlive it. A script that imports a module next to it ran into ModuleNotFoundError, and one
     that failed (or never destroyed its process group) could not run again on the same mesh:
     "trying to initialize the default process group twice!". A number in the command line reached
-    the script as an int, and a bare string ran "/" (its first character) as the script."""
+    the script as an int, and a bare string ran "/" (its first character) as the script. An edit to
+    the module next to the script did not reach its next run, as it would under torchrun."""
     from monarch_nb.actor import ActorError
     from monarch_nb.spmd import SPMDActor
 
@@ -355,6 +356,9 @@ def test_spmd_actor_runs_a_script_again_after_it_failed_as_torchrun_would(tmp_pa
     try:
         spmd = procs.spawn("_SPMDActor", SPMDActor)
         for mode in ("fail", "ok", "ok"):
+            if mode == "ok":
+                # an edit to the module next to the script is what its next run imports
+                (tmp_path / "model.py").write_text("SCALE = 20.0\n")
             addr, port = spmd.slice(gpus=0).get_host_port.call_one(None).get(timeout=30)
             args = [str(script), mode, str(tmp_path / f"{mode}-"), 2]
             if mode == "fail":
@@ -362,7 +366,7 @@ def test_spmd_actor_runs_a_script_again_after_it_failed_as_torchrun_would(tmp_pa
                     spmd.main.call(addr, port, args).get(timeout=60)
             else:
                 assert spmd.main.call(addr, port, args).get(timeout=60).values() == [True, True]
-        assert [(tmp_path / f"ok-{r}").read_text() for r in range(2)] == ["40.0", "40.0"]
+        assert [(tmp_path / f"ok-{r}").read_text() for r in range(2)] == ["80.0", "80.0"]
         with pytest.raises(ActorError, match=r"script_args is a list of command-line words, not str 'train.py'"):
             spmd.main.call(addr, port, "train.py").get(timeout=30)
     finally:
