@@ -52,14 +52,19 @@ def test_a_directory_others_use_is_never_closed_to_them(rdir: str) -> None:
     assert os.stat(rdir).st_mode & 0o777 == 0o700
 
 
+def _allocator_start_refused(rdir: str, words: str) -> None:
+    """``monarch-nb allocator start`` with runtime dir ``rdir`` fails, saying ``words``."""
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir)
+    r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "start"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and words in r.stderr, r.stderr
+
+
 def test_a_runtime_dir_of_another_user_is_refused(rdir: str) -> None:
     assert os.geteuid() == 0, "needs root to give a directory to another user"
     os.chown(rdir, NOBODY, NOBODY)
     with pytest.raises(ConfigError, match=f"belongs to uid {NOBODY}, not to you.*MONARCH_NB_RUNTIME_DIR"):
         runtime_dir(Config(runtime_dir=rdir))
-    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir)
-    r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "start"], env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0 and f"belongs to uid {NOBODY}" in r.stderr, r.stderr
+    _allocator_start_refused(rdir, f"belongs to uid {NOBODY}")
     assert records.read_connection_files(rdir) == [] and not any(n.startswith("allocator-start") for n in os.listdir(rdir))
 
 
@@ -75,9 +80,7 @@ def test_a_runtime_dir_another_user_could_swap_is_refused(rdir: str) -> None:
         os.lchown(link, NOBODY, NOBODY)
         with pytest.raises(ConfigError, match=f"goes through {link}, a symbolic link of uid {NOBODY}"):
             runtime_dir(Config(runtime_dir=link))
-        env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=link)
-        r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "start"], env=env, capture_output=True, text=True, timeout=60)
-        assert r.returncode != 0 and f"a symbolic link of uid {NOBODY}" in r.stderr, r.stderr
+        _allocator_start_refused(link, f"a symbolic link of uid {NOBODY}")
         assert os.listdir(rdir) == []
         # a link of the user's own is followed, as before
         os.lchown(link, 0, 0)
