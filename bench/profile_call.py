@@ -77,9 +77,9 @@ def _instrument(rt: Any, log: list[tuple[str, int]], peer: str, what: Any) -> No
             log.append(("recv", t))
         port_reply(pv)  # type: ignore[misc]
 
-    # every send through the runtime (a call to many, a call whose thread has no connection to
-    # its proc yet) ends in the sender's send_frames; a call to one actor and an actor's small
-    # reply go straight to the thread's direct connection (_instrument_direct)
+    # every send through the runtime (a reply, a call to many, a call whose thread has no
+    # connection to its proc yet) ends in the sender's send_frames; a call to one actor goes
+    # straight to the thread's direct connection (_instrument_direct)
     rt.transport.dispatch, rt.sender._send_frames = timed_dispatch, timed_send
     # a caller blocked on its reply reads it itself (actor/_replyread.py), delivering it through
     # the receiver, which the I/O thread reaches through its own reference
@@ -157,8 +157,6 @@ def _install(log: list[tuple[str, int]], controller: str) -> int:
     from monarch_nb.actor import _context
 
     _instrument(_context.runtime(), log, controller, lambda km: km[0] == 1 and km[1][1] in ("ping", "echo"))
-    # the actor's thread (or loop) writes its small replies on its own connection to the caller
-    _instrument_direct(log)
     return os.getpid()
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from .actor import Actor, current_rank, endpoint
 from .actor._mesh import ProcMesh
+from .actor._reload import modules_under
 
 __all__ = ["SPMDActor", "setup_env_for_distributed", "setup_torch_elastic_env", "setup_torch_elastic_env_async"]
 
@@ -120,10 +121,8 @@ class SPMDActor(Actor):
             if folder:
                 # the next run imports them afresh, as torchrun's new process would: an edited
                 # model.py next to train.py is what the next run gets
-                for name in set(sys.modules) - before:
-                    where = getattr(sys.modules[name], "__file__", None) or ""
-                    if where.startswith(folder + os.sep):
-                        del sys.modules[name]
+                for name in modules_under(folder).keys() - before:
+                    del sys.modules[name]
             if not had_group:
                 _destroy_default_group()
         return True

@@ -33,7 +33,6 @@ import logging
 import mmap
 import os
 import secrets
-import select
 import socket
 import stat
 import struct
@@ -44,7 +43,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import _fdlimit
+from . import _fdlimit, _libc
+from ._hangup import hung_up
 from ._refusals import Refusals
 
 logger = logging.getLogger(__name__)
@@ -630,10 +630,7 @@ class _Pool:
         """Take out the idle connections the other end closed (or broke): an owner never sends
         on an idle one, so any that can be read from is one (under the lock)."""
         every = [c for lst in self._idle.values() for c in lst]
-        poller = select.poll()
-        for c in every:
-            poller.register(c.sock, select.POLLIN)
-        ready = {fd for fd, _ in poller.poll(0)}
+        ready = hung_up(c.sock for c in every)
         if not ready:
             return []
         out = [c for c in every if c.sock.fileno() in ready]
@@ -889,9 +886,9 @@ class _Mapping:
     def __init__(self, fd: int, size: int) -> None:
         self.addr = 0
         self.size = size
-        libc_mmap, self._munmap = _libc()
-        got = libc_mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-        if got is None or got == _MAP_FAILED:
+        self._munmap = _libc.munmap()
+        got = _libc.mmap()(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if got is None or got == _libc.MAP_FAILED:
             e = ctypes.get_errno()
             raise OSError(e, f"mmap of {size} bytes: {os.strerror(e)}")
         self.addr = got
@@ -900,23 +897,6 @@ class _Mapping:
         if self.addr:
             self._munmap(self.addr, self.size)
             self.addr = 0
-
-
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_libc_fns: list[Any] = []
-
-
-def _libc() -> tuple[Any, Any]:
-    """libc's ``mmap`` and ``munmap``."""
-    if not _libc_fns:
-        libc = ctypes.CDLL(None, use_errno=True)
-        f, g = libc.mmap, libc.munmap
-        f.restype = ctypes.c_void_p
-        f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
-        g.restype = ctypes.c_int
-        g.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-        _libc_fns[:] = [f, g]
-    return _libc_fns[0], _libc_fns[1]
 
 
 #: owners' shared files a reader keeps mapped at once; past this the least recently used is let

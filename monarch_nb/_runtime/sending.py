@@ -117,22 +117,7 @@ class Sender:
         meta = (port, index, status)  # a PortMeta
         try:
             if not bufs and len(body) <= wire.INLINE_MAX:  # a reply's commonest form: one small frame
-                frame = wire.encode_one(wire.PORT, meta, body)
-                # straight to this thread's connection to the caller, if it has one (an actor's
-                # thread answering its caller again), without send()'s layers
-                direct = self._direct_conns
-                conns = direct() if direct is not None else None
-                conn = conns.get(addr) if conns else None
-                if conn is None or addr in self._dead:
-                    self.send(addr, [frame])
-                    return
-                try:
-                    conn.send_one(frame)
-                except OSError as e:
-                    # as Transport.send: the peer went away, and the reply with it (supervision
-                    # reports the peer); this thread's later messages to it take zmq
-                    logger.debug("direct send to %s failed (%s); dropped", addr, e)
-                    conns[addr] = None  # type: ignore[index]
+                self.send(addr, [wire.encode_one(wire.PORT, meta, body)])
             else:
                 self.send(addr, self.encode(addr, wire.PORT, meta, body, bufs))
         except SupervisionError:

@@ -52,6 +52,7 @@ from typing import Any
 
 from .._wire import _rawbuf
 from ..errors import ProtocolError
+from . import _libc
 from ._pids import pid_alive
 
 SHM_DIR = "/dev/shm"
@@ -554,20 +555,13 @@ def _touch(lo: int, hi: int) -> None:
 
 
 _MAP_FIXED = 0x10
-_libc_mmap: Any = None
 
 
 def _remap(addr: int, n: int, fd: int, off: int, flags: int) -> int:
     """Map ``n`` bytes of ``fd`` at ``off`` (``MAP_SHARED``, or ``MAP_PRIVATE``: copy-on-write)
     at exactly ``addr``, in place of what was mapped there; one ``mmap``, so a write to the
     old pages by another thread meanwhile lands before (then the file has it) or after."""
-    global _libc_mmap
-    if _libc_mmap is None:
-        f = ctypes.CDLL(None, use_errno=True).mmap
-        f.restype = ctypes.c_void_p
-        f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
-        _libc_mmap = f
-    got: int | None = _libc_mmap(addr, n, mmap.PROT_READ | mmap.PROT_WRITE, flags | _MAP_FIXED, fd, off)
+    got: int | None = _libc.mmap()(addr, n, mmap.PROT_READ | mmap.PROT_WRITE, flags | _MAP_FIXED, fd, off)
     return got or 0
 
 

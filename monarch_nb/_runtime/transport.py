@@ -41,6 +41,7 @@ from .._wire.keys import curve_keypair, load_or_create_key
 from ..config import Config
 from ..errors import ConfigError, ConnectError
 from . import _fdlimit, fastpath
+from ._hangup import hung_up
 from ._refusals import Refusals
 
 logger = logging.getLogger(__name__)
@@ -809,10 +810,7 @@ class Transport:
         from has gone (a connection still waiting for its greeting, ``_q`` set, is left be)."""
         live = {addr: c for addr, c in conns.items() if c is not None and c._q is None}
         if live:
-            poller = select.poll()
-            for c in live.values():
-                poller.register(c.sock, select.POLLIN)
-            ready = {fd for fd, _ in poller.poll(0)}
+            ready = hung_up(c.sock for c in live.values())
             for addr, c in live.items():
                 if c.sock.fileno() in ready:
                     del conns[addr]  # a later message to it connects again, or takes zmq

@@ -283,13 +283,6 @@ class Endpoint(Generic[R]):
                 return fut
         return self._gather(args, kwargs, None, what, _decode_first)
 
-    def _call_one_pickled(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], what: str, pickled: tuple[bytes, list[Any]]
-    ) -> Future[Any]:
-        """(_onecall, for arguments too large for its path.) The general path, with the arguments
-        already pickled."""
-        return self._gather(args, kwargs, None, what, _decode_first, pickled=pickled)
-
     def _what(self, adverb: str) -> str:
         """``"label.method.adverb()"``, what a call's future is of (made once per adverb)."""
         whats = self._whats
@@ -520,17 +513,17 @@ def gather(
                 gone = _with_running(gone, raw, errors, n, left[0])
             fut._set_exception(gone)
         elif not errors:
-            if printed and _after_output(endpoint, printed, lambda: fut._set_raw(raw, decode), call_id):
-                return
-            fut._set_raw(raw, decode)
+            if printed:
+                _set_raw_after_output(fut, raw, decode, endpoint, call_id, printed)
+            else:
+                fut._set_raw(raw, decode)
         elif isinstance(first := errors[min(errors)], BaseException):
             fut._set_exception(first)
         else:
             still = [i for i in range(n) if raw[i] is None and i not in errors] if n == len(raw) else left[0]
             failure = (dict(errors), still, n, endpoint)
             # what the failing ranks printed before they raised is shown before the error too
-            if not _after_output(endpoint, printed, lambda: fut._set_raw(failure, _raise_grouped), call_id, list(errors)):
-                fut._set_raw(failure, _raise_grouped)
+            _set_raw_after_output(fut, failure, _raise_grouped, endpoint, call_id, printed, list(errors))
 
     def arrive(index: int, value: Any, failed: bool, gone: bool = False) -> None:
         with lock:
@@ -638,6 +631,21 @@ def _after_output(
         # an error's reply does not say whether its call printed: ask those allocators
         {procs[ranks[i]].alloc for i in failed if i < n},
     )
+
+
+def _set_raw_after_output(
+    fut: Future[Any],
+    raw: Any,
+    decode: Callable[[Any], Any],
+    endpoint: Endpoint[Any] | str | None,
+    call_id: str,
+    printed: list[int],
+    failed: list[int] | tuple[()] = (),
+) -> None:
+    """Complete ``fut`` with ``raw`` once what the call's ranks at ``printed`` printed (and those
+    at ``failed`` raised after) is shown (:func:`_after_output`), or now."""
+    if not _after_output(endpoint, printed, lambda: fut._set_raw(raw, decode), call_id, failed):
+        fut._set_raw(raw, decode)
 
 
 def _decode_one(raw: Any) -> Any:

@@ -17,17 +17,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .._wire.frames import ACTOR, ERROR, INLINE_MAX, PRINTED, encode_one
-from .._wire.serialize import dumps_call, loads
+from .._wire.serialize import dumps_call
 from . import _context
+from . import _endpoint as _ep  # its attributes read at call time: it imports this module
 from ._future import _RAW, Future
 
 if TYPE_CHECKING:
     from .._runtime.runtime import Runtime
     from ._endpoint import Endpoint
-
-
-def _decode(raw: Any) -> Any:
-    return loads(*raw)
 
 
 class _Reply:
@@ -40,28 +37,23 @@ class _Reply:
         self.fut, self.rt, self.ep, self.addr = fut, rt, ep, addr
 
     def _close(self) -> None:
-        self.rt.receiver._ports.pop(self.port, None)
-        self.rt.supervision._waiters.pop(self.port, None)
+        # what ReplyPort.close does
+        self.rt.close_port(self.port)
+        self.rt.supervision.unwait(self.port)
 
     def on_reply(self, index: int, status: int, body: Any, bufs: list[Any]) -> None:
         self._close()
         fut = self.fut
         fut._progress[0][0] = 0  # type: ignore[index]
         if status != ERROR and status != PRINTED:  # OK, or ITEM: a Port's value (an explicit response port)
-            fut._finish(_RAW, (body, bufs), _decode)
-            return
-        from ._endpoint import _after_output, _decode_first, _raise_grouped
-
-        if status == PRINTED:
-            raw = [(body, bufs)]
-            if not _after_output(self.ep, [0], lambda: fut._set_raw(raw, _decode_first), fut._call or ""):
-                fut._set_raw(raw, _decode_first)
-            return
-        # an error, grouped as a call to many ranks' is (its rank named, and what it printed
-        # shown before it)
-        failure: tuple[Any, ...] = ({0: (body, bufs)}, [], 1, self.ep)
-        if not _after_output(self.ep, [], lambda: fut._set_raw(failure, _raise_grouped), fut._call or "", [0]):
-            fut._set_raw(failure, _raise_grouped)
+            fut._finish(_RAW, (body, bufs), _ep._decode_one)
+        elif status == PRINTED:
+            _ep._set_raw_after_output(fut, [(body, bufs)], _ep._decode_first, self.ep, fut._call or "", [0])
+        else:
+            # an error, grouped as a call to many ranks' is (its rank named, and what it printed
+            # shown before it)
+            failure: tuple[Any, ...] = ({0: (body, bufs)}, [], 1, self.ep)
+            _ep._set_raw_after_output(fut, failure, _ep._raise_grouped, self.ep, fut._call or "", [], [0])
 
     def peer_failed(self, peer: str, err: BaseException) -> None:
         if peer != self.addr:
@@ -98,7 +90,7 @@ def call_one(
     ep._check(args, kwargs)
     body, bufs = dumps_call(args, kwargs)
     if bufs or len(body) > INLINE_MAX or len(body) > rt.cfg.max_message_bytes:
-        return ep._call_one_pickled(args, kwargs, what, (body, bufs))
+        return ep._gather(args, kwargs, None, what, _ep._decode_first, pickled=(body, bufs))
     call_id = sender.next_call_id()
     client = _context._client
     if client is not None and client.on_call is not None:
@@ -108,7 +100,7 @@ def call_one(
     fut._call = call_id
     reply = _Reply(fut, rt, ep, addr)
     port = reply.port = fut._port = rt.receiver.open_port(reply.on_reply)
-    sup._waiters[port] = reply.peer_failed
+    sup.wait(port, reply.peer_failed)
     st = sender._seqs.get(addr) or sender._stream(addr)
     view = mesh._view
     # an ActorMeta (see frames.py)

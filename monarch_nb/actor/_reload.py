@@ -23,7 +23,8 @@ class ReloadError(ImportError):
     """Some synced modules could not be reloaded in a running proc."""
 
 
-def _modules_under(root: str) -> dict[str, types.ModuleType]:
+def modules_under(root: str) -> dict[str, types.ModuleType]:
+    """The loaded modules whose files are under ``root``, by name."""
     out = {}
     prefix = root.rstrip(os.sep) + os.sep
     for name, m in list(sys.modules.items()):
@@ -132,7 +133,7 @@ def _stale_local(local: str, root: str, loaded: dict[str, types.ModuleType]) -> 
         return {}
     started = _started()
     out = {}
-    for name, m in _modules_under(local).items():
+    for name, m in modules_under(local).items():
         path = _absolute(m.__file__ or "")
         if name in loaded or not os.path.exists(os.path.join(root, os.path.relpath(path, local))):
             continue  # not synced (a .venv in the folder, an excluded file): not ours to reload
@@ -159,7 +160,7 @@ def reload_changed(rt: Any, root: str, changed: list[str], mode: str = "inplace"
         sys.path.insert(0, root)
     importlib.invalidate_caches()
     wanted = set(changed) | _failed.pop(root, set())
-    loaded = _modules_under(root)
+    loaded = modules_under(root)
     present = {n for n, m in loaded.items() if os.path.exists(_absolute(m.__file__ or ""))}
     stale = _stale_local(local, root, loaded)
     # reloaded by name, they are found in the synced tree, first on sys.path, from now on
