@@ -306,6 +306,13 @@ def _select(patterns: str, quick: bool) -> list[Spec]:
     return chosen
 
 
+def _append_samples(path: str, workload: str, impl: str, rnd: int, after_other: bool, samples: list[float]) -> None:
+    """One round's samples, in the order taken, as a JSON line (``--samples-out``)."""
+    row = {"w": workload, "impl": impl, "round": rnd, "after_other": after_other, "samples": samples}
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -337,6 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-floor", action="store_true", help="skip measuring the machine's floor (bench/floor.py)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds one worker request may take")
     ap.add_argument("--out", default="", help="also write the JSON here")
+    ap.add_argument(
+        "--samples-out",
+        default="",
+        metavar="FILE",
+        help="also write every sample, per workload, side and round in order (JSON lines): where a p99 comes from",
+    )
     ap.add_argument("--list", action="store_true", help="list the workloads and exit")
     a = ap.parse_args(argv)
     if a.list:
@@ -438,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
                     ans = w.ask(op="run", w=spec.name, n=n)
                     if ans.get("ok"):
                         samples[w.impl].extend(ans["samples"])
+                        if a.samples_out:
+                            _append_samples(a.samples_out, spec.name, w.impl, r, prev != w.impl, ans["samples"])
                         later[w.impl].extend(ans["samples"][1:])
                         if prev != w.impl and ans["samples"]:
                             cold[w.impl].append(ans["samples"][0])
