@@ -134,7 +134,15 @@ class ActorError(MonarchNBError):
             tb = _errgroup.clean_traceback(self._failure_tuple(0)[3]).rstrip()
             return lines + (tb.splitlines() if tb else [self.message])
         groups = _errgroup.group(e._failure_tuple(r) for r, e in failures.items())
-        lines.extend(_errgroup.summary_lines(groups, self.total))
+        lines.extend(self._rank_lines(groups))
+        lines.extend(_errgroup.group_lines(groups, color))
+        return lines
+
+    def _rank_lines(self, groups: list[Any]) -> list[str]:
+        """Which ranks of the call failed, by type, and which were still running."""
+        from . import _errgroup
+
+        lines = _errgroup.summary_lines(groups, self.total)
         running = _errgroup.running_line(self.running, self.total)
         if running:
             # their actors take no other call until it returns: a collective waiting for the rank
@@ -142,8 +150,21 @@ class ActorError(MonarchNBError):
             one = (self.running if isinstance(self.running, int) else len(self.running)) == 1
             whose = "its actor takes its" if one else "their actors take their"
             lines.append(f"{running}; {whose} next calls once it returns (stopping the proc mesh ends it)")
-        lines.extend(_errgroup.group_lines(groups, color))
         return lines
+
+    def _plain_rank_lines(self) -> str:
+        """The rank lines of the grouped view, for plain text: a script's traceback named no rank
+        at all, so a failure on ranks 0-3 and 7 of 8 read as rank 0's alone."""
+        failures = self.failures or {}
+        if not self.endpoint or (self.total <= 1 and len(failures) <= 1):
+            return ""
+        from . import _errgroup
+
+        lines = self._rank_lines(_errgroup.group(e._failure_tuple(r) for r, e in failures.items()))
+        if len(failures) > 1:
+            first = min(failures)
+            lines.append(f"the traceback below is rank {first}'s; .grouped_text() shows every rank's")
+        return "\n".join(lines) + "\n"
 
     def _headline(self) -> str:
         where = []
@@ -161,9 +182,10 @@ class ActorError(MonarchNBError):
         if self.remote_traceback:
             from ._errgroup import clean_traceback
 
-            # runtime frames hidden (unless traceback_internal_frames), cell frames named Cell In[N]
-            return f"{self.message}\n {clean_traceback(self.exception_formatted)}"
-        return self.message
+            # runtime frames hidden (unless traceback_internal_frames), cell frames named Cell In[N];
+            # the first line stays Monarch's headline, which code matches on
+            return f"{self.message}\n{self._plain_rank_lines()} {clean_traceback(self.exception_formatted)}"
+        return self.message + (f"\n{self._plain_rank_lines()}".rstrip("\n") if self.endpoint else "")
 
     def grouped_text(self) -> str:
         """Every failing rank of the call, grouped (what a notebook shows for this error)."""

@@ -56,3 +56,36 @@ def test_an_spmd_script_error_says_the_ranks_left_running_wait_and_shows_its_syn
     text = ActorError(errs[0].exception, tb, rank=0)._set_group("_SPMDActor.main", 4, errs).grouped_text()
     assert "SyntaxError on 4 of 4 ranks: 0-3" in text, text
     assert text.count("SyntaxError: invalid syntax") == 1, text
+
+
+def test_a_script_s_error_names_the_ranks_that_failed_under_monarch_s_headline() -> None:
+    """``str()`` of a call that failed on ranks 0-3 and 7 of 8 (what a plain script prints, uncaught
+    or logged) showed rank 0's traceback alone: nothing said seven other ranks were called, nor
+    which of them failed. The notebook's grouped view said it; the script's text now says it in
+    the same words, under Monarch's unchanged first line, with the lowest rank's traceback."""
+    from monarch_nb.errors import ActorError
+
+    def tb(r: int) -> str:
+        return f'Traceback (most recent call last):\n  File "train.py", line 9, in boom\nValueError: bad shard {r}\n'
+
+    errs = {r: ActorError(ValueError(f"bad shard {r}"), tb(r), message="Actor call w.boom failed.") for r in (0, 1, 2, 3, 7)}
+    e = ActorError(errs[0].exception, tb(0), rank=0, message="Actor call w.boom failed.")._set_group("w.boom", 8, errs, [5])
+    lines = str(e).splitlines()
+    assert lines[:4] == [
+        "Actor call w.boom failed.",
+        "ValueError on 5 of 8 ranks: 0-3,7",
+        "rank 5 (1 of 8) was still running when this was raised; its actor takes its next calls once it returns"
+        " (stopping the proc mesh ends it)",
+        "the traceback below is rank 0's; .grouped_text() shows every rank's",
+    ], str(e)
+    assert lines[4] == " Traceback of where the remote call failed (most recent call last):", str(e)
+    assert lines[-1] == "ValueError: bad shard 0", str(e)
+    # the same words as the notebook's grouped view
+    assert e.grouped_text().splitlines()[1:3] == lines[1:3]
+
+    # one rank of one: Monarch's text, unchanged
+    one = ActorError(errs[3].exception, tb(3), message="Actor call w.boom failed.")._set_group("w.boom", 1, {0: errs[3]})
+    assert str(one).splitlines()[:2] == [
+        "Actor call w.boom failed.",
+        " Traceback of where the remote call failed (most recent call last):",
+    ]

@@ -53,9 +53,12 @@ def show(label: str, fn) -> None:
         print(f"{label}: returned {type(r).__name__}")
     except ActorError as e:
         lines = str(e).splitlines()
+        # the headline, the remote traceback's first line and its last (the lines between the
+        # headline and the traceback, naming the ranks that failed, are ours: a documented addition)
+        header = next((ln.strip() for ln in lines[1:] if ln.strip().startswith("Traceback")), lines[1].strip())
         print(f"{label}: ActorError message={e.message!r}")
         print(f"  exception: {type(e.exception).__name__}: {e.exception}")
-        print(f"  str: {lines[0]!r} / {lines[1].strip()!r} ... {lines[-1]!r}")
+        print(f"  str: {lines[0]!r} / {header!r} ... {lines[-1]!r}")
     except Exception as e:
         print(f"{label}: {type(e).__name__}: {e}")
 
