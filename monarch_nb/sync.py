@@ -31,6 +31,9 @@ BATCH_BYTES = 16 << 20
 
 _hash_cache: dict[str, tuple[float, int, str]] = {}
 
+#: files of each kind (added, changed, removed) a report lists by name
+FILES_SHOWN = 20
+
 
 @dataclass
 class HostSync:
@@ -98,14 +101,24 @@ class SyncReport:
             lines.append("what failed keeps its previous code there (its actors too) until a sync reloads it")
         return lines
 
+    def _file_lines(self) -> list[str]:
+        """The files added, changed and removed, at most ``FILES_SHOWN`` of each, then how many
+        more: a list cut at 20 without a word read as all there was."""
+        if not self.hosts:
+            return []
+        h = self.hosts[0]  # every host got the same tree; list the files once
+        out: list[str] = []
+        for tag, what, files in (("+", "added", h.added), ("~", "changed", h.changed), ("-", "removed", h.removed)):
+            out.extend(f"{tag} {f}" for f in files[:FILES_SHOWN])
+            if len(files) > FILES_SHOWN:
+                out.append(f"{tag} … and {len(files) - FILES_SHOWN} more {what} (.hosts[0].{what} lists them all)")
+        return out
+
     def __repr__(self) -> str:
         lines = [f"synced {self.root} -> {self.workspace}"]
         for host, a, c, r, b in self._rows():
             lines.append(f"  {host}: +{a} added, ~{c} changed, -{r} removed, {b} bytes")
-        for h in self.hosts:
-            for tag, files in (("+", h.added), ("~", h.changed), ("-", h.removed)):
-                lines.extend(f"    {tag} {f}" for f in files[:20])
-            break  # every host got the same tree; list the files once
+        lines.extend(f"    {f}" for f in self._file_lines())
         lines.extend(f"  not synced: {s}" for s in self.not_followed)
         if self._reload_line():
             lines.append(self._reload_line())
@@ -117,13 +130,8 @@ class SyncReport:
             f"<tr><td>{html.escape(h)}</td><td>{a}</td><td>{c}</td><td>{r}</td><td>{b}</td></tr>"
             for h, a, c, r, b in self._rows()
         )
-        files = ""
-        if self.hosts:
-            h = self.hosts[0]
-            items = [f"<li><code>+ {html.escape(f)}</code></li>" for f in h.added[:20]]
-            items += [f"<li><code>~ {html.escape(f)}</code></li>" for f in h.changed[:20]]
-            items += [f"<li><code>- {html.escape(f)}</code></li>" for f in h.removed[:20]]
-            files = f"<ul>{''.join(items)}</ul>" if items else ""
+        items = [f"<li><code>{html.escape(f)}</code></li>" for f in self._file_lines()]
+        files = f"<ul>{''.join(items)}</ul>" if items else ""
         files += "".join(f"<div>not synced: {html.escape(s)}</div>" for s in self.not_followed)
         return (
             f"<b>synced</b> <code>{html.escape(self.root)}</code>"

@@ -761,3 +761,27 @@ def test_a_module_of_an_environment_inside_the_notebooks_folder_is_not_reloaded(
         M.stop("venvlocal")
         sys.path.remove(str(tmp_path / ".venv" / "lib"))
         sys.modules.pop("venvmod", None)
+
+
+def test_a_report_of_more_files_than_it_lists_says_how_many_more(tmp_path: Path) -> None:
+    # the list stopped at 20 files without a word: 25 added read as these 20, in the text a
+    # script prints (and %mesh sync --watch) and in the cell's HTML
+    for i in range(25):
+        (tmp_path / f"m{i:02}.py").write_text(f"x = {i}\n")
+    pm = M.spawn("many", {"gpus": 1})
+    try:
+        rep = S.sync(str(tmp_path), meshes=pm, reload=None)[0]
+        text = repr(rep)
+        assert "    + m19.py" in text and "m20.py" not in text, text
+        assert "    + … and 5 more added (.hosts[0].added lists them all)" in text.splitlines(), text
+        assert "<li><code>+ … and 5 more added (.hosts[0].added lists them all)</code></li>" in rep._repr_html_()
+        for i in range(21):
+            (tmp_path / f"m{i:02}.py").write_text(f"x = {i + 1}\n")
+        (tmp_path / "m24.py").unlink()
+        rep = S.sync(str(tmp_path), meshes=pm, reload=None)[0]
+        lines = repr(rep).splitlines()
+        assert "    ~ … and 1 more changed (.hosts[0].changed lists them all)" in lines, lines
+        assert "    - m24.py" in lines and not any("more removed" in ln for ln in lines), lines
+        assert len(rep.hosts[0].changed) == 21
+    finally:
+        M.stop("many")
