@@ -125,6 +125,41 @@ def _loop(target: str, chain: list[str]) -> bool:
     return any(c == target or c.startswith(target.rstrip(os.sep) + os.sep) for c in chain)
 
 
+#: unreadable files a scan names one by one; past it, how many more
+UNREADABLE_SHOWN = 10
+
+
+def _describe(path: str) -> str:
+    """``mode 000, owner uid 0``: what makes a file unreadable to this user."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "in a folder this user cannot enter: it lacks x"
+    return f"mode {st.st_mode & 0o777:03o}, owner uid {st.st_uid}"
+
+
+def unreadable_error(root: str, rels: list[str], after: str = "nothing was sent") -> PermissionError:
+    """What a sync raises for files (or folders, ``rel/``) of ``root`` this user cannot read:
+    which, why, and the two ways out. It was open()'s ``[Errno 13] Permission denied`` from
+    deep inside the scan, naming the file and neither the cause nor what to do."""
+    rels = sorted(rels)
+    who = f"this user (uid {os.getuid()})"
+    if "./" in rels:
+        return PermissionError(f"cannot sync {root}: {who} cannot read that folder ({_describe(root)}); {after}")
+    shown = [f"{r} ({_describe(os.path.join(root, r))})" for r in rels[:UNREADABLE_SHOWN]]
+    if len(rels) > UNREADABLE_SHOWN:
+        shown.append(f"and {len(rels) - UNREADABLE_SHOWN} more")
+    one = len(rels) == 1
+    what = ("a folder" if rels[0].endswith("/") else "a file") if one else f"{len(rels)} files and folders"
+    it = "it" if one else "them"
+    pattern = rels[0].rstrip("/")
+    return PermissionError(
+        f"cannot sync {root}: {what} {who} cannot read: {'; '.join(shown)}. Make {it} readable "
+        f"(chmod u+r, or chown), or leave {it} out: excludes=[{pattern!r}] (`%mesh sync --exclude {pattern}`) "
+        f"or a line in .gitignore; {after}"
+    )
+
+
 def scan(
     root: str,
     excludes: tuple[str, ...] | list[str] = (),
@@ -136,13 +171,23 @@ def scan(
     A symlinked file is its content and a symlinked folder is followed, wherever it points
     (``ln -s ../common common`` in a notebook's folder imports there, so it must on the procs
     too), except a link back into a folder it sits in (``..``, ``~``, a loop): that one is left
-    out, and ``skipped`` gets a line saying so."""
+    out, and ``skipped`` gets a line saying so. Files and folders this user cannot read raise
+    :func:`unreadable_error`, a ``PermissionError`` naming them all."""
     root = os.path.abspath(root)
     ig = Ignore(excludes)
     out: Manifest = {}
+    # left out silently, they were: an unreadable folder (os.walk skips it) and a file in a
+    # folder without x; an unreadable file raised open()'s bare PermissionError
+    unreadable: list[str] = []
+
+    def walk_error(e: OSError) -> None:
+        if isinstance(e, PermissionError) and e.filename:
+            rel = os.path.relpath(e.filename, root).replace(os.sep, "/")
+            unreadable.append("./" if rel == "." else f"{rel}/")
+
     # rel folder -> real paths of it and the folders it sits in, for the loop check
     chains: dict[str, list[str]] = {"": [os.path.realpath(root)]}
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True, onerror=walk_error):
         rel_dir = os.path.relpath(dirpath, root).replace(os.sep, "/")
         rel_dir = "" if rel_dir == "." else rel_dir
         if ".gitignore" in filenames:
@@ -169,6 +214,9 @@ def scan(
             path = os.path.join(dirpath, fn)
             try:
                 st = os.stat(path)
+            except PermissionError:
+                unreadable.append(rel)
+                continue
             except OSError:
                 if skipped is not None and os.path.islink(path):
                     # left out silently, the procs' FileNotFoundError was the first anyone heard of it
@@ -184,9 +232,15 @@ def scan(
                     digest = file_hash(path)
                 except FileNotFoundError:
                     continue  # removed since it was listed (an editor's temporary file): not in the tree now
+                except PermissionError:
+                    unreadable.append(rel)
+                    continue
                 if cache is not None:
                     cache[path] = (st.st_mtime, st.st_size, digest)
             out[rel] = (digest, st.st_size, st.st_mode & 0o777)
+    if unreadable:
+        # before anything is sent: the hosts keep the tree the last sync left, whole
+        raise unreadable_error(root, unreadable)
     return out
 
 

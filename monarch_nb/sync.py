@@ -235,6 +235,9 @@ def sync(
     hosts) are the procs that reload; ``via`` is an fsspec URL the hosts pull from instead of receiving the
     contents over their allocator connection; ``reload`` is ``"inplace"``, ``"recreate"``,
     ``"restart"`` or ``None``.
+
+    Raises ``SyncError`` when a synced module failed to reload, and ``PermissionError`` naming
+    every file or folder of the paths this user cannot read (before anything is sent).
     """
     if reload not in ("inplace", "recreate", "restart", None):
         raise ValueError(f"reload must be 'inplace', 'recreate', 'restart' or None, not {reload!r}")
@@ -244,12 +247,18 @@ def sync(
     allocs, target_meshes, optional = _targets(meshes, named_only=reload == "restart")
     if not allocs:
         raise ValueError("no hosts to sync to: `%mesh connect` first")
-    reports = []
+    scanned = []
     for root in roots:
         root = os.path.abspath(root)
         if not os.path.isdir(root):
             raise FileNotFoundError(f"cannot sync {root}: not a directory")
-        reports.append(_sync_root(root, allocs, target_meshes, excludes, via, reload, optional))
+        skipped: list[str] = []
+        # every path before any is sent: an unreadable file in the second one raised after the
+        # first was synced and reloaded, and its report was lost with the error
+        scanned.append((root, _workspace.scan(root, excludes, _hash_cache, skipped), skipped))
+    reports = []
+    for root, manifest, skipped in scanned:
+        reports.append(_sync_root(root, manifest, skipped, allocs, target_meshes, via, reload, optional))
     if any(r.reload_failed for r in reports):
         # after every path was synced: the report says what did reach the hosts and reload
         raise SyncError._of(reports)
@@ -258,17 +267,16 @@ def sync(
 
 def _sync_root(
     root: str,
+    manifest: _workspace.Manifest,
+    skipped: list[str],
     allocs: dict[str, str],
     meshes: list[ProcMesh],
-    excludes: Any,
     via: str | None,
     reload: str | None,
     optional: set[str],
 ) -> SyncReport:
     client = _context.client()
     timeout = client.rt.cfg.spawn_timeout
-    skipped: list[str] = []
-    manifest = _workspace.scan(root, excludes, _hash_cache, skipped)
     ws = _workspace.workspace_id(root)
     by_digest = {d: rel for rel, (d, _s, _m) in manifest.items()}
     digests = list(by_digest)
@@ -324,12 +332,20 @@ def _changed(root: str, rel: str) -> RuntimeError:
     return RuntimeError(f"{rel} changed in {root} while it was being synced: sync again")
 
 
+def _unreadable(root: str, rel: str) -> PermissionError:
+    # read for a host that lacks it, after a scan that took its hash from the cache (a chmod
+    # leaves the mtime as it was): nothing of this path is committed until every file is sent
+    return _workspace.unreadable_error(root, [rel], after=f"the hosts keep the tree of {root} the last sync left")
+
+
 def _read(root: str, rel: str, digest: str = "") -> bytes:
     try:
         with open(os.path.join(root, rel), "rb") as f:
             data = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"{rel} was removed from {root} while it was being synced: sync again") from None
+    except PermissionError:
+        raise _unreadable(root, rel) from None
     if digest and hashlib.sha256(data).hexdigest() != digest:
         raise _changed(root, rel)
     return data
@@ -358,6 +374,8 @@ def _put_parts(client: Any, alloc: str, root: str, rel: str, digest: str, size: 
         f = open(os.path.join(root, rel), "rb")
     except FileNotFoundError:
         raise FileNotFoundError(f"{rel} was removed from {root} while it was being synced: sync again") from None
+    except PermissionError:
+        raise _unreadable(root, rel) from None
     offset = 0
     h = hashlib.sha256()
     with f:
@@ -463,9 +481,20 @@ class Watcher:
         self._thread.start()
 
     def _run(self) -> None:
+        failing: dict[str, str] = {}  # root -> why its last scan failed, said once
         while not self._stop.wait(self.interval):
             for r in self.roots:
-                now = _workspace.scan(r, self.kwargs.get("excludes", ()), _hash_cache)
+                try:
+                    now = _workspace.scan(r, self.kwargs.get("excludes", ()), _hash_cache)
+                except Exception as e:
+                    # it ended the watch's thread (an unreadable file saved into the tree): the
+                    # watch still said "watching" and never synced again
+                    if failing.get(r) != str(e):
+                        failing[r] = str(e)
+                        self.errors.append(str(e))
+                        print(f"monarch_nb: sync of {r} failed: {e}", flush=True)
+                    continue
+                failing.pop(r, None)
                 if now == self._last[r]:
                     continue
                 self._last[r] = now

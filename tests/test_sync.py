@@ -785,3 +785,147 @@ def test_a_report_of_more_files_than_it_lists_says_how_many_more(tmp_path: Path)
         assert len(rep.hosts[0].changed) == 21
     finally:
         M.stop("many")
+
+
+_SCAN_AS_NOBODY = """
+import sys, types
+m = types.ModuleType("_ws")
+sys.modules["_ws"] = m
+exec(compile(sys.argv[1], "_workspace.py", "exec"), m.__dict__)
+for excludes in (["skip.key"], ["skip.key", "secret.key", "locked", "noexec"]):
+    try:
+        print("synced", sorted(m.scan(sys.argv[2], excludes)))
+    except PermissionError as e:
+        print("PermissionError:", e)
+"""
+
+
+def test_files_another_user_cannot_read_are_named_with_what_to_do() -> None:
+    """As a user without root's reach (uid 65534, with the scan's own source): a file of mode 000
+    raised open()'s bare ``[Errno 13] Permission denied`` from deep inside the scan, and a folder
+    it cannot read or enter was left out of the sync without a word."""
+    import shutil
+    import tempfile
+
+    from _nobody import NOBODY, run_as_nobody
+
+    from monarch_nb import _workspace
+
+    root = tempfile.mkdtemp(prefix="mnb-unreadable-", dir="/tmp")
+    try:
+        for rel, mode in (("ok.py", 0o644), ("secret.key", 0o000), ("skip.key", 0o000), ("locked/m.py", 0o644)):
+            os.makedirs(os.path.join(root, os.path.dirname(rel)), exist_ok=True)
+            with open(os.path.join(root, rel), "w") as f:
+                f.write("x = 1\n")
+            os.chmod(os.path.join(root, rel), mode)
+        os.makedirs(os.path.join(root, "noexec"))
+        open(os.path.join(root, "noexec", "b.py"), "w").close()
+        os.makedirs(os.path.join(root, ".git"))  # never synced: unreadable, and not a word about it
+        for dirpath, _dirs, files in os.walk(root):
+            for n in [dirpath, *(os.path.join(dirpath, f) for f in files)]:
+                os.chown(n, NOBODY, NOBODY)
+        os.chmod(root, 0o755)
+        os.chmod(os.path.join(root, "locked"), 0o000)
+        os.chmod(os.path.join(root, "noexec"), 0o644)  # listed, never entered
+        os.chmod(os.path.join(root, ".git"), 0o000)
+        with open(_workspace.__file__) as f:
+            out = run_as_nobody(_SCAN_AS_NOBODY, f.read(), root).splitlines()
+        assert out[0] == (
+            f"PermissionError: cannot sync {root}: 3 files and folders this user (uid {NOBODY}) cannot read: "
+            f"locked/ (mode 000, owner uid {NOBODY}); "
+            "noexec/b.py (in a folder this user cannot enter: it lacks x); "
+            f"secret.key (mode 000, owner uid {NOBODY}). Make them readable (chmod u+r, or chown), or leave them out: "
+            "excludes=['locked'] (`%mesh sync --exclude locked`) or a line in .gitignore; nothing was sent"
+        ), out
+        assert out[1] == "synced ['ok.py']", out  # as it says
+    finally:
+        shutil.rmtree(root)
+
+
+def test_an_unreadable_file_fails_the_sync_before_anything_changes_on_the_hosts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # root reads every file: the scan is given open()'s error for one, as another user gets it
+    # (test_files_another_user_cannot_read_are_named_with_what_to_do reads as that user)
+    from monarch_nb import _workspace
+
+    ws, other = tmp_path / "ws", tmp_path / "other"
+    for d in (ws, other):
+        d.mkdir()
+    (ws / "unread_mod.py").write_text("V = 1\n")
+    (other / "unread_other.py").write_text("W = 1\n")
+    real = _workspace.file_hash
+
+    def as_another_user(path: str) -> str:
+        if path.endswith("secret.key"):
+            raise PermissionError(13, "Permission denied", path)
+        return real(path)
+
+    monkeypatch.setattr(_workspace, "file_hash", as_another_user)
+    pm = M.spawn("unread", {"gpus": 1})
+    try:
+        tree = S.sync(str(ws), meshes=pm)[0].hosts[0].path
+        (ws / "unread_mod.py").write_text("V = 2\n")
+        (ws / "secret.key").write_text("")
+        # the other path comes first: it was synced (and reloaded) before the error, its report lost
+        with pytest.raises(PermissionError) as e:
+            S.sync([str(other), str(ws)], meshes=pm)
+        assert str(e.value) == (
+            f"cannot sync {ws}: a file this user (uid {os.getuid()}) cannot read: secret.key (mode 644, owner uid "
+            f"{os.getuid()}). Make it readable (chmod u+r, or chown), or leave it out: excludes=['secret.key'] "
+            "(`%mesh sync --exclude secret.key`) or a line in .gitignore; nothing was sent"
+        )
+        assert (Path(tree) / "unread_mod.py").read_text() == "V = 1\n"  # the tree the last sync left
+        assert not os.path.exists(os.path.join(os.path.dirname(tree), _workspace.workspace_id(str(other))))
+        reps = S.sync([str(other), str(ws)], meshes=pm, excludes=["secret.key"])  # as it says
+        assert reps[1].hosts[0].changed == ["unread_mod.py"] and (Path(tree) / "unread_mod.py").read_text() == "V = 2\n"
+        assert reps[0].hosts[0].path == os.path.join(os.path.dirname(tree), _workspace.workspace_id(str(other)))
+    finally:
+        M.stop("unread")
+
+
+def test_a_watch_says_a_file_it_cannot_read_and_keeps_watching(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the scan's error ended the watch's thread: it still said "watching" and never synced again
+    from conftest import wait_for
+
+    from monarch_nb import _workspace
+
+    (tmp_path / "a.py").write_text("")
+    real_hash, real_scan = _workspace.file_hash, _workspace.scan
+    scans = []
+
+    def as_another_user(path: str) -> str:
+        if path.endswith("secret.key"):
+            raise PermissionError(13, "Permission denied", path)
+        return real_hash(path)
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        scans.append(1)
+        return real_scan(*args, **kwargs)
+
+    monkeypatch.setattr(_workspace, "file_hash", as_another_user)
+    monkeypatch.setattr(_workspace, "scan", counted)
+    watcher = S.watch([str(tmp_path)], interval=0.02, meshes=[])
+    try:
+        (tmp_path / "secret.key").write_text("")
+        wait_for(lambda: watcher.errors, 20, "the watch to say why it cannot sync")
+        n = len(scans)
+        wait_for(lambda: len(scans) > n + 3, 20, "the watch to scan again")
+        assert watcher.errors == [str(_workspace.unreadable_error(str(tmp_path), ["secret.key"]))]  # said once
+        assert watcher._thread.is_alive()
+    finally:
+        watcher.stop()
+
+
+def test_a_file_unreadable_by_the_time_it_is_sent_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # its hash came from the cache (a chmod leaves the mtime), and a new host lacks it
+    def as_another_user(path: str, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise PermissionError(13, "Permission denied", path)
+
+    (tmp_path / "big.bin").write_bytes(b"x")
+    monkeypatch.setattr(S, "open", as_another_user, raising=False)
+    keeps = f"the hosts keep the tree of {tmp_path} the last sync left$"
+    with pytest.raises(PermissionError, match=f"^cannot sync {tmp_path}: a file .* cannot read: big.bin .*; {keeps}"):
+        S._read(str(tmp_path), "big.bin")
+    with pytest.raises(PermissionError, match=f"^cannot sync {tmp_path}: a file .* cannot read: big.bin .*; {keeps}"):
+        S._put_parts(None, "", str(tmp_path), "big.bin", "", 1, 1)
