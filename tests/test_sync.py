@@ -929,3 +929,96 @@ def test_a_file_unreadable_by_the_time_it_is_sent_is_named(tmp_path: Path, monke
         S._read(str(tmp_path), "big.bin")
     with pytest.raises(PermissionError, match=f"^cannot sync {tmp_path}: a file .* cannot read: big.bin .*; {keeps}"):
         S._put_parts(None, "", str(tmp_path), "big.bin", "", 1, 1)
+
+
+_CONC = """
+from monarch_nb.actor import Actor, endpoint
+{wait}
+VERSION = "{v}"
+
+
+class W(Actor):
+    @endpoint
+    def version(self):
+        return VERSION
+"""
+
+# the first sync's import, held in the proc until the test opens the gate
+_CONC_WAIT = """
+import os, select
+open({started!r}, "w").close()
+fd = os.open({gate!r}, os.O_RDONLY | os.O_NONBLOCK)
+select.select([fd], [], [], 60)
+os.close(fd)
+"""
+
+
+class _CountsReloads(Actor):
+    @endpoint
+    def install(self, entered: str) -> None:
+        from monarch_nb.actor import _reload
+
+        real = _reload.reload_changed
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            with open(entered, "a") as f:
+                f.write("entered\n")
+            return real(*args, **kwargs)
+
+        _reload.reload_changed = counted
+
+
+def test_two_syncs_at_once_reload_one_after_the_other(tmp_path: Path, gate) -> None:  # type: ignore[no-untyped-def]
+    # a second sync (another thread, a watch) while the first one's reload was importing: the
+    # second's reload got the half-run module back from importlib.reload and reported it
+    # reloaded; the procs kept the first sync's code, and later syncs saw nothing to reload
+    import threading
+
+    from conftest import wait_for
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    started, entered, g = tmp_path / "started", tmp_path / "entered", gate("import")
+
+    def write(v: str, wait: bool = False) -> None:
+        held = _CONC_WAIT.format(started=str(started), gate=g.path) if wait else ""
+        (ws / "concmod.py").write_text(_CONC.format(v=v, wait=held))
+
+    write("v1")
+    sys.path.insert(0, str(ws))
+    pm = M.spawn("conc", {"gpus": 1})
+    try:
+        S.sync(str(ws), meshes=pm)
+        import concmod
+
+        w = pm.spawn("w", concmod.W)
+        assert w.version.call_one().get(timeout=30) == "v1"
+        pm.spawn("counts", _CountsReloads).install.call_one(str(entered)).get(timeout=30)
+        out: dict[str, object] = {}
+
+        def run(tag: str) -> None:
+            try:
+                out[tag] = S.sync(str(ws), meshes=pm)[0]
+            except BaseException as e:
+                out[tag] = e
+
+        write("v2", wait=True)
+        first = threading.Thread(target=run, args=("first",))
+        first.start()
+        wait_for(started.exists, 30, "the proc to run the first sync's import")
+        write("v3")
+        second = threading.Thread(target=run, args=("second",))
+        second.start()
+        wait_for(lambda: entered.read_text().count("entered") == 2, 30, "the second sync's reload to reach the proc")
+        g.open()
+        first.join(60)
+        second.join(60)
+        reports = [out["first"], out["second"]]
+        assert all(isinstance(r, S.SyncReport) for r in reports), reports
+        assert [r.reloads[0]["reloaded"] for r in reports] == [["concmod"], ["concmod"]]  # type: ignore[attr-defined]
+        assert w.version.call_one().get(timeout=30) == "v3"
+    finally:
+        g.open()
+        M.stop("conc")
+        sys.path.remove(str(ws))
+        sys.modules.pop("concmod", None)

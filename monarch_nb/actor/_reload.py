@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import threading
 import types
 from typing import Any
 
@@ -146,7 +147,21 @@ def _stale_local(local: str, root: str, loaded: dict[str, types.ModuleType]) -> 
     return out
 
 
+#: one reload at a time in a proc: each sync's runs on a thread of its own, and two syncs at once
+#: (a cell's and a watch's, or two threads') overlapped. importlib.reload of a module that is
+#: still being reloaded returns it half-run: the second sync said it reloaded the module, whose
+#: file it had just changed, and the procs kept the first sync's code, sync after sync
+_one_at_a_time = threading.Lock()
+
+
 def reload_changed(rt: Any, root: str, changed: list[str], mode: str = "inplace", local: str = "") -> dict[str, Any]:
+    """Reload the modules of ``changed`` files (paths relative to ``root``) in this proc,
+    after any reload already running here (see :func:`_reload_changed`)."""
+    with _one_at_a_time:
+        return _reload_changed(rt, root, changed, mode, local)
+
+
+def _reload_changed(rt: Any, root: str, changed: list[str], mode: str = "inplace", local: str = "") -> dict[str, Any]:
     """Reload the modules of ``changed`` files (paths relative to ``root``) in this proc.
 
     A module that fails to reload (a syntax error, an exception at import) does not stop the
