@@ -6,6 +6,7 @@ port on loopback: the frame it sends would create a file if anything unpickled i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -1221,3 +1222,28 @@ def test_every_file_of_the_runtime_directory_is_private_whatever_the_umask() -> 
         assert {p: m for p, m in modes.items() if int(m, 8) & 0o077} == {}
     finally:
         shutil.rmtree(rdir, ignore_errors=True)
+
+
+def test_sweeping_a_dead_procs_shared_memory_leaves_another_users_files() -> None:
+    """An allocator unlinks what a dead proc left in /dev/shm by its pid's names. The name says
+    nothing of whose a file is (another user's process of that pid in another pid namespace,
+    or one who made the name): run as root, or on a /dev/shm without the sticky bit, it
+    unlinked another user's segments too."""
+    from monarch_nb._runtime import shm
+
+    pid = 4_000_000 + os.getpid() % 100_000  # above pid_max: no process of ours had it
+    theirs = [f"mnb-{pid}-{'a' * 32}", f"mnb-{pid}-p{'b' * 32}.free", f"torch_{pid}_1"]
+    ours = f"torch_{pid}_2"
+    run_as_nobody(
+        "import os, sys\nfor n in sys.argv[1:]: os.close(os.open('/dev/shm/' + n, os.O_CREAT | os.O_WRONLY, 0o600))",
+        *theirs,
+    )
+    os.close(os.open(f"/dev/shm/{ours}", os.O_CREAT | os.O_WRONLY, 0o600))
+    try:
+        assert shm.sweep_dead(pid) == 1
+        assert not os.path.exists(f"/dev/shm/{ours}")
+        assert all(os.stat(f"/dev/shm/{n}").st_uid == NOBODY for n in theirs)
+    finally:
+        for n in [*theirs, ours]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{n}")

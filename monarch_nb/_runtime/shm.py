@@ -673,11 +673,18 @@ def sweep_dead(pid: int) -> int:
         names = os.listdir(SHM_DIR)
     except OSError:
         return 0
+    uid = os.geteuid()
     for name in names:
         # torch_<pid>_*: an RDMABuffer's storage is unlinked once made; a kill right then leaves it
         if (name.startswith(prefix) and _LEFT.fullmatch(name)) or name.startswith(f"torch_{pid}_"):
+            path = os.path.join(SHM_DIR, name)
             try:
-                os.unlink(os.path.join(SHM_DIR, name))
+                # only our own: the name says nothing of whose it is (another user's process of
+                # that pid in another pid namespace, or one who made the name), and an allocator
+                # run as root, or a /dev/shm without the sticky bit, would unlink theirs too
+                if os.lstat(path).st_uid != uid:
+                    continue
+                os.unlink(path)
                 n += 1
             except OSError:
                 pass
