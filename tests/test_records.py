@@ -144,6 +144,47 @@ def test_a_symlinked_connection_file_is_ignored(rdir: str) -> None:
         subprocess.run(["rm", "-rf", other], check=False)
 
 
+def test_a_connection_file_another_user_wrote_is_refused_when_named(rdir: str) -> None:
+    """`%mesh connect FILE` believed any file: one another user wrote (in /tmp, a shared folder)
+    named their socket, and the controller connected to it, sent its hello and would have
+    unpickled their answer. Now refused as :func:`records.read_connection_files` ignores it,
+    with what to do; the user's own 0600 file (a symlink to it too) is read as before."""
+    from _nobody import run_as_nobody
+
+    from monarch_nb import mesh
+    from monarch_nb.config import configured
+    from monarch_nb.errors import ConnectError
+
+    theirs = tempfile.mkdtemp(prefix="mnbr-", dir="/tmp")
+    os.chown(theirs, NOBODY, NOBODY)
+    sock_path = os.path.join(theirs, "a.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(sock_path)
+    listener.listen()
+    listener.setblocking(False)
+    info = {"alloc_id": "decoy", "pid": os.getpid(), "host": socket.gethostname(), "addr": f"ipc://{sock_path}"}
+    planted = os.path.join(theirs, "conn.json")
+    try:
+        run_as_nobody("import sys; open(sys.argv[1], 'w').write(sys.argv[2])", planted, json.dumps(info))
+        with configured(connect_timeout=2), pytest.raises(ConnectError, match=f"owned by uid {NOBODY}.*chmod 600"):
+            mesh.connect(planted)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # the controller never connected to their socket
+
+        mine = os.path.join(rdir, "copied.json")
+        with open(mine, "w") as f:
+            json.dump(info, f)
+        os.chmod(mine, 0o664)
+        with pytest.raises(ConnectError, match="other users may write it"):
+            records.read_connection_file(mine)
+        os.chmod(mine, 0o600)
+        os.symlink(mine, os.path.join(rdir, "link.json"))
+        assert records.read_connection_file(os.path.join(rdir, "link.json"))["addr"] == info["addr"]
+    finally:
+        listener.close()
+        subprocess.run(["rm", "-rf", theirs], check=False)
+
+
 _RACER = """
 import json, sys
 from _gate import wait

@@ -117,9 +117,22 @@ def read_connection_files(rdir: str) -> list[dict[str, Any]]:
 
 
 def read_connection_file(path: str) -> dict[str, Any]:
-    """The connection info in the file at ``path`` (one a user names, say, copied from another host)."""
+    """The connection info in the file at ``path`` (one a user names, say, copied from another host).
+
+    Refused, as :func:`read_connection_files` ignores it, when another user owns it or may
+    write it: they would choose the address, and over ipc the controller connects to their
+    socket, sends its hello and unpickles what comes back. A link is followed (the checks are
+    on the file opened).
+    """
     try:
-        with open(path) as f:
+        # O_NONBLOCK: a FIFO at the path would block the open until someone writes to it
+        with open(path, opener=lambda p, fl: os.open(p, fl | os.O_NONBLOCK)) as f:
+            why = _untrusted(path, os.fstat(f.fileno()))
+            if why:
+                raise ConnectError(
+                    f"refusing connection file {path}: {why}, so it may name anyone's allocator; "
+                    "use one your allocator wrote, or copy it yourself (cp, then chmod 600) if you trust what it says"
+                )
             info = json.load(f)
     except (OSError, ValueError) as e:
         raise ConnectError(f"cannot read connection file {path}: {e}") from None
