@@ -51,6 +51,7 @@ def _procs_mentioning(marker: str) -> list[int]:
 def test_apply_spawn_call_kill_leaves_nothing(tmp_path: Path) -> None:
     cache = os.path.join(os.environ["MONARCH_NB_RUNTIME_DIR"], f"js-{tmp_path.name}.json")
     job = ProcessJob({"trainers": 2, "dataloaders": 1}, env=FAST)
+    umask = os.umask(0o022)
     try:
         state = job.state(cached_path=cache)
         assert Path(cache).stat().st_mode & 0o777 == 0o600
@@ -62,6 +63,15 @@ def test_apply_spawn_call_kill_leaves_nothing(tmp_path: Path) -> None:
         assert len(pids) == 4 and len(set(pids)) == 4
         alloc_pids = [int(h["pid"]) for h in job._hosts.values()]
         job_dir = job._dir
+        # the job's files are the user's alone whatever the umask (the allocators' logs hold
+        # what their ranks print): allocator.log was 0644 under the usual umask 022
+        loose = {
+            os.path.relpath(os.path.join(d, n), job_dir): oct(os.lstat(os.path.join(d, n)).st_mode & 0o777)
+            for d, dirs, files in os.walk(job_dir)
+            for n in dirs + files
+            if os.lstat(os.path.join(d, n)).st_mode & 0o077
+        }
+        assert loose == {}
         # a second state() on the running job attaches again, it does not apply again
         assert str(job.state(cached_path=cache).trainers.extent) == "{hosts: 2}" and job._dir == job_dir
 
@@ -72,6 +82,7 @@ def test_apply_spawn_call_kill_leaves_nothing(tmp_path: Path) -> None:
         assert _procs_mentioning(job_dir) == []
 
     finally:
+        os.umask(umask)
         if job.active:  # the test failed before kill(): leave nothing behind anyway
             job.kill()
 

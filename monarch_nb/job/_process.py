@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from .._runtime import records
+from .._runtime._private import private
 from ..actor import HostMesh
 from ..config import get_config, runtime_dir
 from ._common import forwarded_config, host_meshes, mesh_size, pid_is, stop_pids, wait_announced
@@ -86,7 +87,8 @@ class ProcessJob(JobTrait):
         try:
             for index, (_mesh, slot) in enumerate(self._slots()):
                 hdir = records.make_private_dir(os.path.join(self._dir, str(index)))
-                with open(os.path.join(hdir, "allocator.log"), "wb") as log:
+                # 0600 whatever the umask, as every file of the runtime directory (docs/security.md)
+                with open(os.path.join(hdir, "allocator.log"), "wb", opener=private) as log:
                     p = subprocess.Popen(
                         [
                             sys.executable,
