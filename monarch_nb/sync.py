@@ -14,12 +14,14 @@ from __future__ import annotations
 import hashlib
 import html
 import os
+import stat
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import _workspace
 from ._ranks import format_ranks
+from ._runtime._private import private
 from .actor import ProcMesh, _context
 from .actor._reload import KEEPS
 from .errors import ActorError, MonarchNBError, SupervisionError, safe_str
@@ -418,19 +420,51 @@ def put_blobs(client: Any, alloc: str, blobs: dict[str, bytes], timeout: float) 
 def _stage(url: str, root: str, by_digest: dict[str, str], digests: list[str]) -> int:
     """Put contents the hosts lack into the staging area; returns bytes uploaded."""
     import fsspec
+    from fsspec.implementations.local import LocalFileSystem
 
     fs, base = fsspec.core.url_to_fs(url)
     base = base.rstrip("/")
-    fs.makedirs(f"{base}/blobs", exist_ok=True)
+    local = isinstance(fs, LocalFileSystem)
+    if local:
+        _private_staging(f"{base}/blobs")
+    else:  # an object store's permissions are its bucket's
+        fs.makedirs(f"{base}/blobs", exist_ok=True)
     n = 0
     for d in digests:
         path = f"{base}/blobs/{d}"
         if fs.exists(path):
             continue
         data = _read(root, by_digest[d], d)
-        fs.pipe_file(path, data)
+        if local:
+            # 0600 whatever the umask, through a fresh name (O_EXCL follows no link)
+            tmp = f"{path}.{os.urandom(8).hex()}.tmp"
+            with open(tmp, "xb", opener=private) as f:
+                f.write(data)
+            os.replace(tmp, path)
+        else:
+            fs.pipe_file(path, data)
         n += len(data)
     return n
+
+
+def _private_staging(blobs: str) -> None:
+    """The staging area's ``blobs`` folder on a file system (shared with the hosts, and so with
+    other users of them): made 0700 whatever the umask, and refused unless it is ours. With the
+    umask's 0755 and 0644 every user of the file system could read the synced code."""
+    os.makedirs(os.path.dirname(blobs), exist_ok=True)  # the folder the user named: its mode is theirs
+    try:
+        os.mkdir(blobs, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(blobs)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else f"owned by uid {st.st_uid}"
+        raise PermissionError(
+            f"cannot stage in {blobs}: it is {what}, not a folder of this user's (uid {os.geteuid()}); "
+            "pass sync(via=...) a staging folder of your own"
+        )
+    if st.st_mode & 0o077:
+        os.chmod(blobs, 0o700)  # staged before session 28, with the umask's mode
 
 
 def _reload(report: SyncReport, meshes: list[ProcMesh], mode: str) -> list[dict[str, Any]]:

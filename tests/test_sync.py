@@ -1022,3 +1022,80 @@ def test_two_syncs_at_once_reload_one_after_the_other(tmp_path: Path, gate) -> N
         M.stop("conc")
         sys.path.remove(str(ws))
         sys.modules.pop("concmod", None)
+
+
+_READ_ALL = """
+import os, sys
+for d, dirs, files in os.walk(sys.argv[1]):
+    for n in files:
+        try:
+            open(os.path.join(d, n), "rb").read()
+            print(os.path.relpath(os.path.join(d, n), sys.argv[1]))
+        except OSError:
+            pass
+"""
+
+
+@pytest.mark.timeout(60)
+def test_staged_and_cached_code_is_private_whatever_the_umask(ws: Path) -> None:
+    """docs/security.md: ``sync(via=a folder on a shared file system)`` staged the code with
+    the umask's modes (a 0755 folder of 0644 files): every user of that file system read it. The
+    host's synced tree had 0755 folders and scripts too, private only while the runtime
+    directory above stayed 0700."""
+    import shutil
+    import tempfile
+
+    from _nobody import run_as_nobody
+
+    from monarch_nb._runtime.codecache import CodeCache
+
+    (ws / "pkg" / "sub").mkdir(parents=True)
+    (ws / "pkg" / "sub" / "secret.py").write_text("TOKEN = 'hunter2'\n")
+    (ws / "run.sh").write_text("#!/bin/sh\necho ran\n")
+    (ws / "run.sh").chmod(0o755)
+    shared = tempfile.mkdtemp(prefix="mnbs-", dir="/tmp")
+    os.chmod(shared, 0o755)  # a folder of a file system other users reach
+    umask = os.umask(0o022)
+    try:
+        man = scan(str(ws))
+        by_digest = {d: rel for rel, (d, _s, _m) in man.items()}
+        assert S._stage(f"file://{shared}/stage", str(ws), by_digest, list(by_digest)) > 0
+        cache = CodeCache(f"{shared}/code")
+        cache.put({d: (ws / rel).read_bytes() for d, rel in by_digest.items()})
+        tree = cache.commit("proj-1", man)["path"]
+        assert os.access(os.path.join(tree, "run.sh"), os.X_OK)
+        loose = {
+            os.path.relpath(os.path.join(d, n), shared): oct(os.lstat(os.path.join(d, n)).st_mode & 0o777)
+            for d, dirs, files in os.walk(shared)
+            for n in dirs + files
+            if os.lstat(os.path.join(d, n)).st_mode & 0o077
+        }
+        assert loose == {"stage": "0o755"}  # the folder the user named keeps the mode they gave it
+        assert run_as_nobody(_READ_ALL, shared) == ""
+        # staged before, with the umask's modes: the folder is closed on the next sync
+        os.chmod(f"{shared}/stage/blobs", 0o755)
+        S._stage(f"file://{shared}/stage", str(ws), by_digest, list(by_digest))
+        assert os.stat(f"{shared}/stage/blobs").st_mode & 0o777 == 0o700
+    finally:
+        os.umask(umask)
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_staging_folder_another_user_made_is_refused(ws: Path) -> None:
+    """Another user who made ``<via>/blobs`` first (a shared scratch folder) would have the
+    code written into their folder, where a link of theirs could name any file of ours."""
+    import shutil
+    import tempfile
+
+    shared = tempfile.mkdtemp(prefix="mnbs-", dir="/tmp")
+    try:
+        os.mkdir(f"{shared}/blobs", 0o777)
+        os.chown(f"{shared}/blobs", 65534, 65534)
+        man = scan(str(ws))
+        by_digest = {d: rel for rel, (d, _s, _m) in man.items()}
+        with pytest.raises(PermissionError, match="owned by uid 65534.*a staging folder of your own"):
+            S._stage(shared, str(ws), by_digest, list(by_digest))
+        assert os.listdir(f"{shared}/blobs") == []
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

@@ -25,6 +25,26 @@ from ..errors import ProtocolError
 from ._private import private
 
 
+def _private_dirs(path: str) -> None:
+    """``os.makedirs(path)``, each folder it makes 0700 (makedirs gives the umask's mode to all
+    but the last): a workspace's folders are as private as the cache's own, whatever the umask."""
+    if os.path.isdir(path):
+        return
+    _private_dirs(os.path.dirname(path))
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+
+
+def _copy_private(src: str, dst: str, mode: int) -> None:
+    """Copy ``src`` to ``dst`` with ``mode`` (the user's bits only): ``shutil.copyfile`` gives
+    the umask's (0644), and a file left by a crash keeps its own."""
+    with open(src, "rb") as f, open(dst, "wb", opener=private) as g:
+        os.fchmod(g.fileno(), mode)
+        shutil.copyfileobj(f, g)
+
+
 class CodeCache:
     def __init__(self, root: str, owner: str = "") -> None:
         self.root = root
@@ -163,26 +183,27 @@ class CodeCache:
         for rel, (digest, _size, mode) in manifest.items():
             dest = self._dest(root, rel)
             prev = old.get(rel)
-            exe = mode & 0o111
-            if prev is not None and prev[0] == digest and prev[2] & 0o111 == exe and self._intact(dest, digest):
+            exe = bool(mode & 0o111)
+            # bool: the tree keeps only the owner's x bit (a tree an earlier allocator left is read
+            # back with it), the manifest has the workspace's
+            if prev is not None and prev[0] == digest and bool(prev[2] & 0o111) == exe and self._intact(dest, digest):
                 continue
             (changed if prev is not None else added).append(rel)
             if os.path.isdir(dest) and not os.path.islink(dest):
                 # what is left of a folder whose files were all removed above (a proc's __pycache__)
                 shutil.rmtree(dest)
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            _private_dirs(os.path.dirname(dest))
             tmp = f"{dest}.mnb-tmp"
             if exe:
-                # a script a proc runs keeps its x bits; a hard link would share its mode with
+                # a script a proc runs keeps its x bit; a hard link would share its mode with
                 # the blob and every tree linking it, so it gets a copy of its own
-                shutil.copyfile(self._blob(digest), tmp)
-                os.chmod(tmp, (mode & 0o777) | 0o600)
+                _copy_private(self._blob(digest), tmp, 0o700)
                 self._stamp(tmp, digest)
             else:
                 try:
                     os.link(self._blob(digest), tmp)
                 except OSError:
-                    shutil.copyfile(self._blob(digest), tmp)
+                    _copy_private(self._blob(digest), tmp, 0o600)
                     self._stamp(tmp, digest)
             os.replace(tmp, dest)
         self.manifests.pop(ws, None)  # re-inserted last: the most recent sync wins on sys.path
