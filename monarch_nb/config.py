@@ -218,20 +218,28 @@ def runtime_dir(cfg: Config | None = None) -> str:
                 os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "jupyter", "runtime"
             )
             path = base
-    _check_path_to(path)
+    check_path_to(path)
     os.makedirs(path, mode=0o700, exist_ok=True)
     _check_private_dir(path, chosen)
     return path
 
 
-def _check_path_to(path: str) -> None:
-    """Refuse a runtime directory another user can swap for one of theirs after it was checked.
+def check_path_to(
+    path: str,
+    what: str = "the runtime directory",
+    fix: str = "set MONARCH_NB_RUNTIME_DIR to a directory of your own",
+    trusted: str = "",
+) -> None:
+    """Refuse a directory another user can swap for one of theirs after it was checked.
 
     Every later bind, connect and open resolves the path again: a symbolic link on it that
     another user owns (``MONARCH_NB_RUNTIME_DIR=/tmp/rt``, planted before the user made it),
     or a directory above it that another user owns or anyone may write (not sticky), lets them
     point it at their own directory once the checks passed, with sockets of the names
     ``/proc/net/unix`` shows: our processes would connect to theirs and unpickle what they send.
+    ``what`` and ``fix`` name the directory and the way out in the error; the directories above
+    are checked up to ``trusted`` (not included; default: all of them, ``/`` too), the folder
+    the user chose for it (a job's ``log_dir``).
     """
     uid = os.getuid()
     here = "/"
@@ -245,12 +253,13 @@ def _check_path_to(path: str) -> None:
             break
         if stat.S_ISLNK(st.st_mode) and st.st_uid not in (uid, 0):
             raise ConfigError(
-                f"the runtime directory {path} goes through {here}, a symbolic link of uid {st.st_uid}, not yours "
-                f"(uid {uid}): they can point it elsewhere; set MONARCH_NB_RUNTIME_DIR to a directory of your own"
+                f"{what} {path} goes through {here}, a symbolic link of uid {st.st_uid}, not yours "
+                f"(uid {uid}): they can point it elsewhere; {fix}"
             )
     real = os.path.realpath(path)
     above = os.path.dirname(real)
-    while True:
+    stop = os.path.realpath(trusted) if trusted else None
+    while above != stop:
         try:
             st = os.stat(above)
         except FileNotFoundError:  # made below, by us
@@ -263,8 +272,7 @@ def _check_path_to(path: str) -> None:
                 else f"anyone may write (mode {stat.S_IMODE(st.st_mode):o})"
             )
             raise ConfigError(
-                f"the runtime directory {path} is inside {above}, which {why}: they can replace it with a directory "
-                "of theirs; set MONARCH_NB_RUNTIME_DIR to a directory of your own"
+                f"{what} {path} is inside {above}, which {why}: they can replace it with a directory of theirs; {fix}"
             )
         if above == "/":
             break

@@ -433,6 +433,52 @@ def test_a_record_written_in_a_shared_directory_goes_through_no_file_or_link_of_
         job_load(str(fifo))
 
 
+def test_a_slurm_job_folder_another_user_could_move_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """log_dir is shared with the nodes, often with other users too: a ``.monarch_nb-jobs``
+    another user made there first, or a link of theirs, held the job's folder (its key, its
+    announcements) where they could move it or point it elsewhere; and the folder was made
+    with the umask's mode (0755). Refused before anything is written; our own is 0700."""
+    from monarch_nb.errors import ConfigError
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'test: no cluster' >&2\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setattr("monarch_nb.job._slurm.controller_ip", lambda: "127.0.0.1")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    os.chmod(logs, 0o1777)  # a shared folder
+    jobs = logs / ".monarch_nb-jobs"
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+
+    jobs.mkdir()
+    os.chown(jobs, 65534, 65534)
+    with pytest.raises(
+        ConfigError, match=r"inside .*\.monarch_nb-jobs, which belongs to uid 65534.*log_dir=\.\.\.\) a folder of your own"
+    ):
+        SlurmJob({"w": 1}, log_dir=str(logs)).apply()
+    assert list(jobs.iterdir()) == []
+    jobs.rmdir()
+
+    jobs.symlink_to(theirs)
+    os.lchown(jobs, 65534, 65534)
+    with pytest.raises(ConfigError, match="symbolic link of uid 65534"):
+        SlurmJob({"w": 1}, log_dir=str(logs)).apply()
+    assert list(theirs.iterdir()) == []
+    jobs.unlink()
+
+    umask = os.umask(0o022)
+    try:
+        with pytest.raises(JobError, match="sbatch refused the job: test: no cluster"):  # past the checks
+            SlurmJob({"w": 1}, log_dir=str(logs)).apply()
+    finally:
+        os.umask(umask)
+    assert jobs.stat().st_mode & 0o777 == 0o700 and list(jobs.iterdir()) == []
+
+
 def test_an_ended_slurm_job_says_its_state_without_a_reason_of_none(monkeypatch: pytest.MonkeyPatch) -> None:
     # squeue's reason for a job cancelled with scancel is "None": "CANCELLED (None)" read as a bug
     from monarch_nb.job._slurm import SlurmJobInfo

@@ -32,6 +32,7 @@ from .._runtime import records
 from .._runtime.transport import route_ip
 from .._wire.keys import write_key_file
 from ..actor import HostMesh
+from ..config import check_path_to
 from ._common import (
     answering,
     command_args,
@@ -365,9 +366,19 @@ class SlurmJob(JobTrait):
         # asked first: a machine with no Slurm cluster fails here, before a key is written to disk
         ip = controller_ip()
         os.makedirs(self._log_dir, exist_ok=True)
-        self._dir = records.make_private_dir(
-            os.path.join(self._log_dir, ".monarch_nb-jobs", f"{self._job_name}-{self._apply_id[:8]}")  # type: ignore[index]
+        jobs = os.path.join(self._log_dir, ".monarch_nb-jobs")
+        job_dir = os.path.join(jobs, f"{self._job_name}-{self._apply_id[:8]}")  # type: ignore[index]
+        # log_dir is shared (with the nodes, so often with other users): a .monarch_nb-jobs
+        # another user made first, or a link of theirs there, would let them move the job's
+        # folder (its key, its announcements) or point it elsewhere after it was made
+        check_path_to(
+            job_dir,
+            "the job's folder",
+            f"it holds the job's cluster key; pass SlurmJob(log_dir=...) a folder of your own, or remove {jobs}",
+            trusted=self._log_dir,
         )
+        records.make_private_dir(jobs)  # 0700 whatever the umask: job names are nobody else's business
+        self._dir = records.make_private_dir(job_dir)
         write_key_file(os.path.join(self._dir, "key"), held_key())
         records.make_private_dir(os.path.join(self._dir, "announce"))
         if client_script is not None:
