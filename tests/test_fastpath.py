@@ -257,6 +257,12 @@ class _Recorder(Actor):
         return "done"
 
     @endpoint
+    def gated(self, path: str) -> str:
+        import _gate
+
+        return "done" if _gate.wait(path, 30) else "the test never opened the gate"
+
+    @endpoint
     def reads_own_connection(self) -> bool:
         from monarch_nb.actor import _context
 
@@ -286,6 +292,12 @@ class _AsyncRecorder(Actor):
         return "done"
 
     @endpoint
+    async def gated(self, path: str) -> str:
+        import _gate
+
+        return "done" if _gate.wait(path, 30) else "the test never opened the gate"
+
+    @endpoint
     async def reads_own_connection(self) -> bool:
         from monarch_nb.actor import _context
 
@@ -293,7 +305,7 @@ class _AsyncRecorder(Actor):
 
 
 @pytest.mark.parametrize("cls", [_Recorder, _AsyncRecorder], ids=["sync", "async"])
-def test_an_idle_actor_reads_its_calls_itself_and_hands_back_the_rest(allocator: Any, cls: type) -> None:
+def test_an_idle_actor_reads_its_calls_itself_and_hands_back_the_rest(allocator: Any, cls: type, gate: Any) -> None:
     procs = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="claim")
     try:
         a = procs.spawn("a", cls)
@@ -311,10 +323,12 @@ def test_an_idle_actor_reads_its_calls_itself_and_hands_back_the_rest(allocator:
         assert b.get_seen.call_one().get(timeout=10) == [i for i in range(200) if not i % 3]
         # while a runs a long endpoint, the proc's I/O thread takes the connection back: b answers
         a.slow.call_one(0).get(timeout=10)
-        slow = a.slow.call_one(3)
+        held = gate("held")
+        slow = a.gated.call_one(held.path)
         assert b.slow.call_one(0).get(timeout=10) == "done"
-        assert not slow.done()  # b answered while a was still in its 3 s call
+        assert not slow.done()  # b answered while a was still in its call
         a.record.broadcast(-1)  # queued behind the slow call, in order
+        held.open()
         assert slow.get(timeout=10) == "done"
         assert a.get_seen.call_one().get(timeout=10)[-1] == -1
         # and an idle actor takes its connection again (b may hold it for a while, and one that
