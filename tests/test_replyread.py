@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -64,6 +65,25 @@ def _open_when_read(c: Any, g: Any) -> threading.Thread:
     t = threading.Thread(target=run)
     t.start()
     return t
+
+
+def _open_when_waiting(c: Any, g: Any, tid: int) -> None:
+    """Open gate ``g`` once thread ``tid`` waits in a future's get() reading claimed connection
+    ``c`` itself (not in the look right after its send, which the reply must miss)."""
+    from conftest import wait_for
+
+    def in_get() -> bool:
+        frame = sys._current_frames().get(tid)
+        while frame is not None:
+            if frame.f_code.co_name == "_read" and frame.f_code.co_filename.endswith("_replyread.py"):
+                return True
+            frame = frame.f_back
+        return False
+
+    try:
+        wait_for(lambda: c.state == c.IDLE and in_get(), 20, "the caller waiting in get() on its connection")
+    finally:
+        g.open()
 
 
 async def _await_read_on_loop(echo: Any, g: Any) -> str:
@@ -389,12 +409,21 @@ def test_messages_before_a_reply_read_during_the_send_go_to_the_io_thread_in_ord
     assert _reads_itself(echo)
 
 
-def test_a_caller_whose_replies_never_come_during_the_send_stops_looking(echo: Any) -> None:
+def test_a_caller_whose_replies_never_come_during_the_send_stops_looking(echo: Any, gate: Any) -> None:
     assert _reads_itself(echo)
     peer = (echo._procs[0].addr, echo._name)
     _replyread._reader().early.pop(peer, None)  # what the calls above found
-    for _ in range(_replyread._START + 1):
-        assert echo.slow.call_one(0.05).get(timeout=10) == "done"  # its reply comes later
+    me = threading.get_ident()
+    for i in range(_replyread._START + 1):
+        # each reply comes once this thread waits for it in get(), never during its send
+        g = gate(f"later-{i}")
+        c = _replyread._reader().claims[peer]
+        waiting = threading.Thread(target=_open_when_waiting, args=(c, g, me))
+        waiting.start()
+        try:
+            assert echo.gated.call_one(g.path).get(timeout=30) == "in"
+        finally:
+            waiting.join()
     assert _replyread._reader().early[peer] == -_replyread._SKIP
     assert echo.echo.call_one("x").get(timeout=10) == "x"
     assert _replyread._reader().early[peer] == 1 - _replyread._SKIP
