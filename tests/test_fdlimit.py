@@ -229,7 +229,8 @@ def read(timeout):
 assert read(10) == (dp.ST_OK, b"z" * 8)
 # the server closes its end of that connection when it sees ours go: then every descriptor is counted
 deadline = time.monotonic() + 10
-while any(t.name == "monarch_nb-dataplane" for t in threading.enumerate()) and time.monotonic() < deadline:
+while any(t.name == "monarch_nb-dataplane" for t in threading.enumerate()):
+    assert time.monotonic() < deadline, "the server still served a closed connection after 10 s"
     time.sleep(0.01)
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (max(map(int, os.listdir("/proc/self/fd"))) + 4, hard))
@@ -252,6 +253,7 @@ for s in held:
     s.close()
 c.close()
 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+assert srv.refusals.count, "the server's accept did not meet EMFILE within 5 s: nothing was tested"
 print("after", read(10))
 """
 
@@ -334,6 +336,8 @@ while not all(getattr(getattr(o, "refusals", None), "count", 0) for o in (gw, sr
 for s in held + [c1, c2]:
     s.close()
 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+for o in (gw, srv):  # else the test below would pass without either accept having met EMFILE
+    assert o.refusals.count, f"{type(o).__name__}'s accept did not meet EMFILE within 5 s"
 print("socks", socks())
 GatewayClient(tunnel, KEY, ["127.0.0.1"], lambda: "").close()
 print("tunnels", srv.tunnels)
