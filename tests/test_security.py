@@ -926,7 +926,9 @@ ip, port = srv.address().tcp.rsplit(":", 1)
 silent = [socket.create_connection((ip, int(port)), timeout=10) for _ in range(300)]
 # the most threads serving at once until all were accepted (within the handshakes' 10 s)
 serving, deadline = 0, time.monotonic() + 5
-while srv.refusals.count < 300 - CAP and time.monotonic() < deadline:
+while srv.refusals.count < 300 - CAP:
+    # else the bound below would hold only because the flood had not been taken in yet
+    assert time.monotonic() < deadline, f"{srv.refusals.count} of {300 - CAP} silent connections cut in 5 s"
     serving = max(serving, sum(t.name == "monarch_nb-dataplane" for t in threading.enumerate()))
     time.sleep(0.01)
 # a reader with the key, during the flood
@@ -950,8 +952,11 @@ def test_silent_connections_to_a_data_plane_port_hold_a_bounded_number_of_thread
     from monarch_nb._runtime._dataplane import GREETING_MAX
 
     r = run_script(f"CAP = {GREETING_MAX}\n" + _SILENT_FLOOD)
+    assert r.returncode == 0, r.stderr
     serving, status, got = r.stdout.split()
-    assert int(serving) <= GREETING_MAX + 1 and (status, got) == ("0", "b'zzzzzzzz'"), r.stdout + r.stderr
+    # a cut handshake's thread ends a moment after its socket is shut: one, or on a loaded
+    # machine a few (34 threads seen), are counted still unwinding; unbounded it is 300
+    assert int(serving) <= GREETING_MAX + 8 and (status, got) == ("0", "b'zzzzzzzz'"), r.stdout + r.stderr
 
 
 def test_loopback_tcp_across_runtime_directories_says_why_it_is_refused(tmp_path) -> None:
