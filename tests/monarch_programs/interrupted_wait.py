@@ -6,6 +6,7 @@ ValueError "PythonTask already consumed", monarch_nb gives its value.)"""
 import asyncio
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -13,24 +14,31 @@ import time
 from monarch.actor import Actor, endpoint, this_host
 
 
+def wait_for_file(path: str) -> None:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 class Worker(Actor):
     def __init__(self) -> None:
         self.log: list[str] = []
 
     @endpoint
-    def long(self, flag: str) -> str:
+    def long(self, d: str) -> str:
         self.log.append("long started")
-        time.sleep(0.3)  # the controller is in get() by now
-        open(flag, "w").close()
-        time.sleep(1.0)
+        open(os.path.join(d, "started"), "w").close()
+        wait_for_file(os.path.join(d, "caught"))  # ends once the controller's wait has ended
         self.log.append("long finished")
+        open(os.path.join(d, "ended"), "w").close()
         return "long"
 
     @endpoint
-    def slow(self) -> str:
+    def slow(self, d: str) -> str:
         self.log.append("slow started")
-        time.sleep(1.0)
+        wait_for_file(os.path.join(d, "caught"))
         self.log.append("slow finished")
+        open(os.path.join(d, "ended"), "w").close()
         return "slow"
 
     @endpoint
@@ -40,41 +48,52 @@ class Worker(Actor):
 
 
 def main() -> None:
-    flag = os.path.join(tempfile.mkdtemp(), "started")
+    d = tempfile.mkdtemp()
     procs = this_host().spawn_procs(per_host={"gpus": 1})
     w = procs.spawn("w", Worker)
+    main_thread = threading.get_ident()
+
+    def in_get() -> bool:
+        frame = sys._current_frames().get(main_thread)
+        while frame is not None and frame.f_code.co_name != "get":
+            frame = frame.f_back
+        return frame is not None
 
     def interrupt_once_started() -> None:
-        while not os.path.exists(flag):
+        # the endpoint runs and the main thread waits in get(): a SIGINT sooner would land elsewhere
+        deadline = time.monotonic() + 60
+        while not (os.path.exists(os.path.join(d, "started")) and in_get()) and time.monotonic() < deadline:
             time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=interrupt_once_started, daemon=True).start()
-    fut = w.long.call_one(flag)
-    t0 = time.monotonic()
+    fut = w.long.call_one(d)
     try:
         fut.get()
         print("get() returned: not interrupted")
     except KeyboardInterrupt:
-        print("KeyboardInterrupt in get(), before the endpoint ended:", time.monotonic() - t0 < 1.0)
+        ended = os.path.exists(os.path.join(d, "ended"))
+        print("KeyboardInterrupt in get(), before the endpoint ended:", not ended)
+    open(os.path.join(d, "caught"), "w").close()
     print("the next call sees:", w.quick.call_one().get())
-    asyncio.run(timed_out_await(procs.spawn("w2", Worker)))
+    asyncio.run(timed_out_await(procs.spawn("w2", Worker), tempfile.mkdtemp()))
     procs.stop().get()
     print("done")
 
 
-async def timed_out_await(w: Worker) -> None:
-    fut = w.slow.call_one()
+async def timed_out_await(w: Worker, d: str) -> None:
+    fut = w.slow.call_one(d)
 
     async def wait() -> str:
         return await fut
 
-    t0 = time.monotonic()
     try:
         await asyncio.wait_for(wait(), 0.2)
         print("await returned: not timed out")
     except TimeoutError:
-        print("TimeoutError around the await, before the endpoint ended:", time.monotonic() - t0 < 1.0)
+        ended = os.path.exists(os.path.join(d, "ended"))
+        print("TimeoutError around the await, before the endpoint ended:", not ended)
+    open(os.path.join(d, "caught"), "w").close()
     print("the next call sees:", await w.quick.call_one())
     print("the timed-out future gives:", await fut)
 
