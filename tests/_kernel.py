@@ -70,13 +70,17 @@ class Kernel:
             self.km = jupyter_client.KernelManager(kernel_name="python3", transport="ipc")
         self.km.start_kernel(env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
         self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=60)
         #: every iopub message seen, in arrival order
         self.log: list[dict[str, Any]] = []
-        if load_ext:
-            c = self.run("%load_ext monarch_nb")
-            assert c.error is None, c.error
+        try:
+            self.kc.start_channels()
+            self.kc.wait_for_ready(timeout=60)
+            if load_ext:
+                c = self.run("%load_ext monarch_nb")
+                assert c.error is None, c.error
+        except BaseException:
+            self.close()  # the caller never gets this kernel to close: it would outlive the test
+            raise
 
     def _pump(self, timeout: float) -> dict[str, Any] | None:
         try:

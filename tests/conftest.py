@@ -52,7 +52,15 @@ class AllocatorProc:
             self.proc = subprocess.Popen([PY, "-m", "monarch_nb", "allocator", *args], env=self.env, stdout=f, stderr=f)
         from monarch_nb._runtime.records import read_connection_files
 
-        self.info = wait_for(lambda: next(iter(read_connection_files(self.rdir)), None), 30, "allocator connection file")
+        try:
+            self.info = wait_for(lambda: next(iter(read_connection_files(self.rdir)), None), 30, "allocator connection file")
+        except AssertionError as e:
+            log = self.logtext()
+            self.stop()  # a daemon that never got ready would outlive the test
+            raise AssertionError(f"{e}; its log:\n{log}") from None
+        except BaseException:
+            self.stop()
+            raise
         self.addr = self.info["addr"]
 
     def logtext(self) -> str:
@@ -150,9 +158,11 @@ def allocator(tmp_path):
     from monarch_nb.actor import attach_to_workers
 
     a = AllocatorProc(str(tmp_path))
-    a.hosts = attach_to_workers(workers=[a.addr], ca="trust_all_connections")
-    yield a
-    a.stop()
+    try:
+        a.hosts = attach_to_workers(workers=[a.addr], ca="trust_all_connections")
+        yield a
+    finally:
+        a.stop()
 
 
 def run_script(code: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -52,9 +52,11 @@ def lab():
     from _jupyter import JupyterServer
 
     s = JupyterServer("lab")
-    yield s
-    s.shutdown_kernels()
-    s.stop()
+    try:
+        yield s
+        s.shutdown_kernels()
+    finally:
+        s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +94,16 @@ def page(browser, lab, request):
     errors: list[str] = []
     pg.on("pageerror", lambda e: errors.append(str(e)))
     yield pg
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    pg.screenshot(path=str(ARTIFACTS / f"{request.node.name}-end.png"))
-    pg.close()
-    lab.shutdown_kernels()
-    _stop_spawned()
+    try:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        pg.screenshot(path=str(ARTIFACTS / f"{request.node.name}-end.png"))
+    finally:
+        try:
+            pg.close()
+        finally:
+            # the page's kernels and the meshes they spawned go even if the screenshot failed
+            lab.shutdown_kernels()
+            _stop_spawned()
     assert not errors, errors
 
 

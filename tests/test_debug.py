@@ -773,8 +773,10 @@ def test_listing_skips_an_allocator_of_this_host_that_stopped(tmp_path: Any) -> 
     from monarch_nb.actor import attach_to_workers
 
     gone = AllocatorProc(str(tmp_path))
-    attach_to_workers(workers=[gone.addr], ca="trust_all_connections")  # connected, nothing spawned
-    gone.stop()
+    try:
+        attach_to_workers(workers=[gone.addr], ca="trust_all_connections")  # connected, nothing spawned
+    finally:
+        gone.stop()
     t0 = time.monotonic()
     debug.sessions(timeout=30)
     assert time.monotonic() - t0 < 10, "the listing waited for an allocator that had stopped"

@@ -15,11 +15,13 @@ from _kernel import Kernel, poll
 @pytest.fixture(scope="module")
 def k():
     kern = Kernel()
-    c = kern.run("%mesh connect")
-    assert "connected to 1 host" in c.stream(), c.msgs
-    yield kern
-    kern.run("%mesh stop --all", timeout=60)
-    kern.close()
+    try:
+        c = kern.run("%mesh connect")
+        assert "connected to 1 host" in c.stream(), c.msgs
+        yield kern
+        kern.run("%mesh stop --all", timeout=60)
+    finally:
+        kern.close()
 
 
 def _ok(c):

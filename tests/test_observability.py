@@ -16,13 +16,15 @@ from tests._kernel import Kernel
 @pytest.fixture(scope="module")
 def k():  # type: ignore[no-untyped-def]
     kern = Kernel()
-    c = kern.run("%mesh connect")
-    assert "connected to 1 host" in c.stream(), c.msgs
-    c = kern.run("%mesh spawn obs --per-host gpus=16", timeout=120)
-    assert c.error is None, c.error
-    yield kern
-    kern.run("%mesh stop --all", timeout=60)
-    kern.close()
+    try:
+        c = kern.run("%mesh connect")
+        assert "connected to 1 host" in c.stream(), c.msgs
+        c = kern.run("%mesh spawn obs --per-host gpus=16", timeout=120)
+        assert c.error is None, c.error
+        yield kern
+        kern.run("%mesh stop --all", timeout=60)
+    finally:
+        kern.close()
 
 
 def _ok(c):  # type: ignore[no-untyped-def]
