@@ -116,8 +116,10 @@ def _all_given_back(echo, timeout: float = 10.0) -> list[str]:  # type: ignore[n
 @pytest.fixture(scope="module")
 def echo():
     pm = this_host().spawn_procs(per_host={"gpus": 1}, name="payloads")
-    yield pm.spawn("e", Echo)
-    pm.stop().get(timeout=30)
+    try:
+        yield pm.spawn("e", Echo)
+    finally:
+        pm.stop().get(timeout=30)
 
 
 def test_large_bytes_arrays_and_tensors_round_trip_intact(echo):

@@ -277,8 +277,10 @@ class Raiser(Actor):
 @pytest.fixture(scope="module")
 def raiser():
     procs = this_host().spawn_procs(per_host={"gpus": 1}, name="raiser")
-    yield procs.spawn("raiser", Raiser)
-    procs.stop().get(timeout=30)
+    try:
+        yield procs.spawn("raiser", Raiser)
+    finally:
+        procs.stop().get(timeout=30)
 
 
 @pytest.mark.parametrize("kind", ["str", "unpicklable", "two"])
