@@ -285,6 +285,17 @@ def test_reduce_combines_local_tensors_across_named_dims(mesh2):  # type: ignore
     torch.testing.assert_close(mt.fetch_shard(a, gpus=1).get(timeout=30), (locals_[0, 1] + locals_[1, 1]) / 2)
     with pytest.raises(ValueError, match="not dimensions"):
         mt.reduce(h, "nodes")
+    # Monarch's signature: a pytree of tensors is reduced leaf by leaf; its scatter, mesh and
+    # _inplace were swallowed by **_ (scatter=True gave an all-reduce), now refused with the way
+    both = mt.reduce({"a": h, "b": [h]}, "gpus")
+    torch.testing.assert_close(mt.inspect(both["b"][0]), mt.inspect(r))
+    sent = mt.stats(mesh2)["messages_sent"]
+    for kw, words in [("scatter", r"redistribute\(placements"), ("mesh", "to_mesh"), ("_inplace", r"t = mt.reduce")]:
+        with pytest.raises(NotImplementedError, match=words):
+            mt.reduce(h, "gpus", **{kw: True})
+    with pytest.raises(NotImplementedError, match="scatter=True"):
+        mt.reduce(h, "gpus", "sum", True)
+    assert mt.stats(mesh2)["messages_sent"] == sent
 
 
 def _wait_for_flag(x: torch.Tensor, path: str) -> torch.Tensor:

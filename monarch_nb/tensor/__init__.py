@@ -233,18 +233,42 @@ def full_tensor(t: MeshTensor) -> torch.Tensor:
     return t.full_tensor()
 
 
-def reduce(t: MeshTensor, dims: str | Sequence[str], reduction: str = "sum", **_: Any) -> MeshTensor:
+def reduce(
+    tensors: Any,
+    dims: str | Sequence[str],
+    reduction: str = "sum",
+    scatter: bool = False,
+    mesh: Any = None,
+    _inplace: bool = False,
+) -> Any:
     """Monarch's ``reduce``: combine every rank's local tensor across the mesh dims ``dims`` with
-    ``reduction`` (sum, avg, max, min, product); those dims become Replicate()."""
-    if not isinstance(t, MeshTensor):
-        raise TypeError(f"reduce needs a MeshTensor, got {type(t).__name__}")
+    ``reduction`` (sum, avg, max, min, product); those dims become Replicate(). ``tensors`` is a
+    mesh tensor or a pytree of them (each reduced). Monarch's ``scatter``, ``mesh`` and
+    ``_inplace`` are refused with the way to get the same here, never ignored."""
+    if scatter:
+        raise NotImplementedError(
+            "reduce(..., scatter=True) (a reduce-scatter) is not supported on mesh tensors: reduce, then shard "
+            "the result over those dims, e.g. mt.reduce(t, 'gpus').redistribute(placements=[Shard(0)])"
+        )
+    if mesh is not None:
+        raise NotImplementedError(
+            "reduce(..., mesh=...) is not supported on mesh tensors: reduce, then move the result with "
+            "mt.reduce(t, dims).slice_mesh(...) or .to_mesh(procs)"
+        )
+    if _inplace:
+        raise NotImplementedError("reduce(..., _inplace=True) is not supported on mesh tensors: t = mt.reduce(t, dims)")
     names = (dims,) if isinstance(dims, str) else tuple(dims)
-    bad = [d for d in names if d not in t._engine.labels]
-    if bad:
-        raise ValueError(f"{bad} are not dimensions of {t.mesh!r}; its dimensions are {list(t._engine.labels)}")
     if reduction not in REDUCE_OPS:
         raise ValueError(f"reduction must be one of {REDUCE_OPS}, got {reduction!r}")
-    return dispatch(Reduce(names, reduction), (t,), {})
+    leaves = pytree.tree_leaves(tensors)
+    if not leaves or not all(isinstance(t, MeshTensor) for t in leaves):
+        got = next((type(t).__name__ for t in leaves if not isinstance(t, MeshTensor)), "nothing")
+        raise TypeError(f"reduce needs a MeshTensor (or a pytree of them), got {got}")
+    for t in leaves:
+        bad = [d for d in names if d not in t._engine.labels]
+        if bad:
+            raise ValueError(f"{bad} are not dimensions of {t.mesh!r}; its dimensions are {list(t._engine.labels)}")
+    return pytree.tree_map(lambda t: dispatch(Reduce(names, reduction), (t,), {}), tensors)
 
 
 class remote:
