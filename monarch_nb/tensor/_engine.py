@@ -909,6 +909,7 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
         return x
 
     s_args, s_kwargs = pytree.tree_map(shadow, (args, kwargs))
+    _check_in_place_cast(func, s_args, s_kwargs)
     versions = {h._id: h._shadow._version for h in handles if isinstance(h, MeshTensor)}
     try:
         with _Controller():
@@ -961,6 +962,36 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
         record += (mutates,)
     engine.send([record])
     return pytree.tree_unflatten(results, spec)
+
+
+#: in-place binary ops whose meta kernels (the shadows') skip torch's check that the result's
+#: dtype can be cast to the changed tensor's (``i64.mul_(f64)``, ``f32.add_(c64)``): the ranks
+#: then failed, and the changed tensor took that error for good, its value unreadable
+_IN_PLACE_BINARY = frozenset(
+    "add_ sub_ subtract_ mul_ multiply_ div_ divide_ true_divide_ floor_divide_ remainder_ fmod_ pow_ "
+    "atan2_ arctan2_ hypot_ copysign_ bitwise_and_ bitwise_or_ bitwise_xor_ __iadd__ __isub__ __imul__ "
+    "__itruediv__ __ifloordiv__ __imod__ __ipow__ __iand__ __ior__ __ixor__".split()
+)
+
+
+def _check_in_place_cast(func: Any, s_args: Any, s_kwargs: dict[str, Any]) -> None:
+    name = func.name if isinstance(func, Method) else getattr(func, "__name__", "")
+    if name not in _IN_PLACE_BINARY or not s_args or not isinstance(s_args[0], DTensor):
+        return
+    other = s_args[1] if len(s_args) > 1 else s_kwargs.get("other", s_kwargs.get("exponent"))
+    if other is None:
+        return
+    mine = s_args[0]._local_tensor
+    try:
+        rt = torch.result_type(mine, other._local_tensor if isinstance(other, DTensor) else other)
+    except Exception:  # not a tensor or number: the shadow run says what is wrong
+        return
+    if not torch.can_cast(rt, mine.dtype):
+        raise TensorOpError(
+            f"{_name(func)}: result type {rt} can't be cast to the desired output type {mine.dtype} of the mesh "
+            f"tensor it changes in place (as torch refuses); nothing was sent and the tensor is unchanged. "
+            f"Cast the other operand first (x.to({mine.dtype})) or make a new tensor (t = t.to({rt}) then the op)"
+        )
 
 
 def make(engine: Engine, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], placements: Any, random: bool) -> MeshTensor:
