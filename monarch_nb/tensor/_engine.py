@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from .._wire.serialize import loads, nbytes
 from ..actor import Future
 from ..actor._mesh import ProcMesh
-from ..errors import ActorError, MeshClosedError, MonarchNBError
+from ..errors import ActorError, MeshClosedError, MonarchNBError, SupervisionError
 from ._ops import Attr, Factory, Lit, Method, Ref, SetAttr, Via, WithMesh, chunk_range, local_shape, local_view, op_name
 from ._worker import OP_ATTR, TensorWorker
 
@@ -257,7 +257,8 @@ class Engine:
         to = self.ranks if ranks is None else [self.ranks[r] for r in ranks]
         fut = getattr(self.start(), method)._gather(args, {}, None if self.key is None and ranks is None else to, what, decode)
         out: Future[list[Any]] = Future._create(what)
-        fut.add_done_callback(lambda f: out._set_raw(f, lambda g: _said_as_op(g, what)))
+        mesh = (self.root or self).procs._name
+        fut.add_done_callback(lambda f: out._set_raw(f, lambda g: _said_as_op(g, what, mesh)))
         return out
 
     def rank_of(self, coords: dict[str, int]) -> int:
@@ -282,7 +283,7 @@ class Engine:
         return out[::-1]
 
 
-def _said_as_op(fut: Future[Any], what: str) -> Any:
+def _said_as_op(fut: Future[Any], what: str, mesh: str = "") -> Any:
     """``fut``'s result; its error headed with the op that failed on the ranks (or the read,
     ``what``), not with the hidden actor's endpoint ("Actor call _tensor_engine.full failed.")."""
     try:
@@ -294,6 +295,21 @@ def _said_as_op(fut: Future[Any], what: str) -> Any:
             e.actor = ""  # the hidden worker's name says nothing to the user; rank and host stay
             e.headline = e.message
             e.args = (e._headline(),)
+        raise
+    except SupervisionError as err:
+        # the first line named the hidden worker's endpoint ("Endpoint call _tensor_engine.full()
+        # failed, The actor ... TensorWorker ...") and said nothing of the tensors or what to do
+        if getattr(err, "_said_as_op", False):  # one error read again
+            raise
+        err._said_as_op = True  # type: ignore[attr-defined]
+        mesh = mesh or err.mesh
+        words = "\n".join(err.message.splitlines()[1:]) or err.cause
+        err.message = (
+            f"{what} of a mesh tensor failed: a process of proc mesh {mesh!r} is gone, and with it its pieces "
+            f"of every mesh tensor there (the other ranks' pieces stay readable with fetch_shard):\n{words}\n"
+            f"To go on: stop the proc mesh (procs.stop()), spawn it again and distribute the tensors again."
+        )
+        err.args = (err.message,)
         raise
 
 
