@@ -151,7 +151,8 @@ def distribute(t: torch.Tensor, procs: ProcMesh, placements: Sequence[Placement]
         c = e.coords_of(r)
         key = tuple(c[i] if isinstance(p, Shard) else (c[i] != 0 if isinstance(p, Partial) else None) for i, p in enumerate(pl))
         if key not in made:
-            made[key] = local_slice(src, c, list(e.sizes), pl)
+            big = math.prod(local_shape(list(src.shape), c, list(e.sizes), pl)) * src.element_size()
+            made[key] = local_slice(src, c, list(e.sizes), pl, shared=big >= _engine.DISTRIBUTE_DATA_PLANE_BYTES)
         pieces[r] = made[key]
     e.put_pieces(h._id, pieces, pl, tuple(src.shape), src.stride())
     if t.requires_grad:

@@ -179,9 +179,11 @@ def chunk_range(length: int, n: int, k: int) -> tuple[int, int]:
     return start, min(start + size, length)
 
 
-def local_slice(t: torch.Tensor, coord: list[int], sizes: list[int], placements: Any) -> torch.Tensor:
+def local_slice(t: torch.Tensor, coord: list[int], sizes: list[int], placements: Any, shared: bool = False) -> torch.Tensor:
     """The local tensor of the rank at ``coord`` for a global ``t`` (a fresh tensor, so that
-    pickling it sends this piece only, not the storage it was cut from)."""
+    pickling it sends this piece only, not the storage it was cut from); ``shared``: made in
+    shared memory where there is room (a piece an RDMABuffer lends, which would otherwise copy
+    the fresh tensor there: a second copy of it on the controller while it waits to be read)."""
     out = t
     for i, p in enumerate(placements):
         if isinstance(p, Shard):
@@ -190,7 +192,16 @@ def local_slice(t: torch.Tensor, coord: list[int], sizes: list[int], placements:
         elif isinstance(p, Partial):
             if coord[i] != 0:
                 out = torch.zeros_like(out)
-    return out.clone() if out.device.type != "meta" else out.contiguous()
+    if out.device.type == "meta":
+        return out.contiguous()
+    if shared:
+        dst = torch.empty(out.shape, dtype=out.dtype)
+        try:
+            dst.share_memory_()  # its pages were never touched: moving them costs no memory
+        except RuntimeError:  # /dev/shm full: the buffer serves it over its stream, with a warning
+            return out.clone()
+        return dst.copy_(out)
+    return out.clone()
 
 
 def local_view(t: torch.Tensor, coord: list[int], sizes: list[int], placements: Any) -> torch.Tensor:
