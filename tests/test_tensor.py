@@ -295,6 +295,8 @@ def test_reduce_combines_local_tensors_across_named_dims(mesh2):  # type: ignore
             mt.reduce(h, "gpus", **{kw: True})
     with pytest.raises(NotImplementedError, match="scatter=True"):
         mt.reduce(h, "gpus", "sum", True)
+    with pytest.raises(ValueError, match=r"'stack'.*redistribute"):
+        mt.reduce(h, "gpus", "stack")
     assert mt.stats(mesh2)["messages_sent"] == sent
 
 

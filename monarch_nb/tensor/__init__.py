@@ -260,7 +260,11 @@ def reduce(
         raise NotImplementedError("reduce(..., _inplace=True) is not supported on mesh tensors: t = mt.reduce(t, dims)")
     names = (dims,) if isinstance(dims, str) else tuple(dims)
     if reduction not in REDUCE_OPS:
-        raise ValueError(f"reduction must be one of {REDUCE_OPS}, got {reduction!r}")
+        raise ValueError(
+            f"reduction must be one of {REDUCE_OPS}, got {reduction!r} (Monarch's 'stack', 'band', 'bor' and "
+            "'bxor' are not here: to gather a sharded tensor, t.redistribute(placements=[Replicate(), ...]); "
+            "each rank's piece, mt.fetch_shard(t, dim=i))"
+        )
     leaves = pytree.tree_leaves(tensors)
     if not leaves or not all(isinstance(t, MeshTensor) for t in leaves):
         got = next((type(t).__name__ for t in leaves if not isinstance(t, MeshTensor)), "nothing")
