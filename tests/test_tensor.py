@@ -322,6 +322,26 @@ def test_shapes_are_known_while_ranks_are_blocked(mesh1, gate):  # type: ignore[
     torch.testing.assert_close(fut.get(timeout=60), want[6:])
 
 
+def test_showing_a_tensor_whose_ops_still_run_waits_once_and_says_so(mesh1, gate, monkeypatch):  # type: ignore[no-untyped-def]
+    # a cell's display asks text/plain and text/html in turn: each waited PREVIEW_WAIT_S (10 s)
+    # for the values, 20 s of a blocked cell, then showed a bare TimeoutError
+    from IPython.core.formatters import DisplayFormatter
+
+    monkeypatch.setattr(mt._engine, "PREVIEW_WAIT_S", 2.0)
+    flag = gate()
+    y = mt.remote(_wait_for_flag)(mt.distribute(gen(8, 6), mesh1, [Shard(0)]), flag.path)
+    try:
+        t0 = time.monotonic()
+        shown, _ = DisplayFormatter().format(y)
+        took = time.monotonic() - t0
+    finally:
+        flag.open()
+    assert took < 3.5, "one wait for both formatters"
+    for text in (shown["text/plain"], shown["text/html"]):
+        assert "(not computed after 2 s: the ranks are still busy with earlier ops; mt.inspect(t) waits" in text
+    assert "not computed" not in DisplayFormatter().format(y * 1)[0]["text/html"]
+
+
 def test_an_error_stays_on_the_handle_that_caused_it(mesh1):  # type: ignore[no-untyped-def]
     x = mt.distribute(gen(8, 5), mesh1, [Shard(0)])
     bad = F.cross_entropy(x, torch.full((8,), 99))  # class 99 of 5: only the ranks can tell
