@@ -1268,6 +1268,8 @@ def test_to_mesh_moves_each_ranks_piece_to_the_same_coordinates(mesh1, mesh2, ga
             y = h.to_mesh(other)
             assert y.mesh is not h.mesh and (y.shape, y.placements) == (t.shape, tuple(pl))
             torch.testing.assert_close(mt.inspect(y + 1), t * 2 + 1)
+            with pytest.raises(ValueError, match=r"different proc meshes .*; move one to the other's first, e.g. t.to_mesh"):
+                y + h
             for i, j in itertools.product(range(2), range(2)):
                 mine = mt.fetch_shard(y, hosts=i, gpus=j).get(timeout=30)
                 assert torch.equal(mine, mt.fetch_shard(h, hosts=i, gpus=j).get(timeout=30))

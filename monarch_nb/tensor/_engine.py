@@ -922,7 +922,8 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
     for h in handles:
         if h._engine is not engine:
             raise ValueError(
-                f"{_name(func)}: its mesh tensors live on different proc meshes ({engine.procs!r}, {h._engine.procs!r})"
+                f"{_name(func)}: its mesh tensors live on different proc meshes ({engine.procs!r}, {h._engine.procs!r}); "
+                f"move one to the other's first, e.g. t.to_mesh(procs) (nothing was sent)"
             )
     by_shadow = {id(h._shadow): h for h in handles}
 
