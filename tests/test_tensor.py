@@ -937,6 +937,23 @@ def test_a_collected_handle_frees_the_ranks_tensor(mesh1):  # type: ignore[no-un
     z = x * 1  # the frees ride on the next message
     mt.inspect(z)
     assert _table_size(mesh1) == base + 1
+    # Monarch's t.drop(): freed now, while a reference lives on (a notebook's Out) and with no
+    # later op; was AttributeError. The handle then says so
+    out = [z]
+    z.drop()
+    mt.inspect(x)
+    assert z.dropped and _table_size(mesh1) == base
+    with pytest.raises(TensorOpError, match=r"Tensor.__add__: this mesh tensor was dropped \(t.drop\(\)\)"):
+        z + 1
+    with pytest.raises(TensorOpError, match="fetch_shard.*dropped"):
+        mt.fetch_shard(z)
+    z.drop()
+    assert "(dropped)" in z._repr_html_()
+    del out, z
+    gc.collect()
+    w = x * 1
+    mt.inspect(w)
+    assert _table_size(mesh1) == base + 1  # w; z collected after its drop sent no second free
 
 
 def test_an_op_that_cannot_be_sent_says_so_and_keeps_the_frees(mesh1):  # type: ignore[no-untyped-def]

@@ -199,6 +199,7 @@ def fetch_shard(t: MeshTensor, shard: dict[str, int] | None = None, **kwargs: in
     """A Future of the local tensor of the rank at ``shard`` (dims not named: coordinate 0)."""
     if not isinstance(t, MeshTensor):
         raise TypeError(f"fetch_shard needs a MeshTensor, got {type(t).__name__}")
+    t._check_live("fetch_shard()")
     r = _shard_index(t, shard, kwargs)
     e = t._engine
     out: Future[torch.Tensor] = Future._create("fetch_shard()")

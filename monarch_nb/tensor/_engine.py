@@ -364,7 +364,7 @@ class MeshTensor:
     ``full_tensor()``, :func:`fetch_shard`, :func:`inspect` and :func:`reduce`.
     """
 
-    __slots__ = ("_engine", "_id", "_shadow", "_keep", "_shown", "__weakref__")
+    __slots__ = ("_engine", "_id", "_shadow", "_keep", "_shown", "_dropped", "__weakref__")
     _keep: MeshTensor
     #: the last previews: (shadow version, when, rows), for the other formatters of one display
     _shown: tuple[int, float, list[str]]
@@ -376,15 +376,41 @@ class MeshTensor:
 
     def __del__(self) -> None:
         try:
+            if getattr(self, "_dropped", False):
+                return
             lent = self._engine.lends.pop(self._id, 0)
             # a handle pickled into actor calls: the calls may reach the rank after this free
             self._engine.frees.append((self._id, lent) if lent else self._id)
         except AttributeError:  # a half-built handle
             pass
 
+    def drop(self) -> None:
+        """Monarch's ``drop()``: free this tensor on the ranks now (its memory goes once no other
+        mesh tensor is a view of it), where ``del t`` waits for the handle to be collected, which
+        a notebook's ``Out`` or a traceback can put off for long. Using it afterwards raises."""
+        if getattr(self, "_dropped", False):
+            return
+        self.__del__()
+        self._dropped = True
+        e = self._engine.root or self._engine
+        if e.actor is not None and e.procs._closed_error() is None:
+            e.send([])  # the free goes now, not with the next op
+
+    @property
+    def dropped(self) -> bool:
+        return getattr(self, "_dropped", False)
+
+    def _check_live(self, what: str) -> None:
+        if getattr(self, "_dropped", False):
+            raise TensorOpError(
+                f"{what}: this mesh tensor was dropped (t.drop()), and its value freed on the ranks; "
+                "make it again (or keep a handle and drop it later)"
+            )
+
     def __reduce__(self) -> Any:
         # among an actor endpoint's arguments (Monarch's actors take its tensors): each rank's
         # actor gets that rank's local tensor; the engine is started, so the op making it was sent
+        self._check_live("an actor call's argument")
         e = self._engine.root or self._engine
         e.start()
         e.lends[self._id] = e.lends.get(self._id, 0) + 1
@@ -452,6 +478,7 @@ class MeshTensor:
         """The global value, as a plain tensor here: a large one read piece by piece from the
         ranks holding them (the data plane), a small one gathered on the ranks (a collective)
         and sent by rank 0."""
+        self._check_live("full_tensor()")
         if self.numel() * self.dtype.itemsize >= DATA_PLANE_BYTES:
             out = self._engine.full_by_pieces(self)
             if out is not None:
@@ -562,6 +589,7 @@ class MeshTensor:
         point over its process group, in the ordered stream; between two proc meshes each
         destination rank, in its mesh's ordered stream, asks the source rank for its piece
         (until the source has made it, within ``VALUE_TIMEOUT_S``) and reads it by the data plane."""
+        self._check_live("to_mesh()")
         src, dst = self._engine, engine_for(procs)
         if dst is src:
             return self
@@ -624,6 +652,7 @@ class MeshTensor:
         (``gpus=slice(1, 3)``) keeps it; a dimension sharded here keeps the pieces of the ranks
         chosen (so the slice's tensor is their concatenation, which must be cut as DTensor cuts
         it: ``torch.chunk``); one ``Partial()`` here must be redistributed first unless kept whole."""
+        self._check_live("slice_mesh()")
         e = self._engine
         if not coords or any(not isinstance(v, (int, slice)) for v in coords.values()):
             raise ValueError(
@@ -698,6 +727,8 @@ class MeshTensor:
         return f"MeshTensor(shape={tuple(self.shape)}, dtype={self.dtype}, placements=({pl}), mesh={dict(zip(self._engine.labels, self._engine.sizes))}{grad})"
 
     def _previews(self, k: int = 6) -> list[str]:
+        if self.dropped:
+            return ["(dropped)"] * self._engine.size
         # a notebook's display asks for text/plain and text/html in turn: each fetched on its
         # own, and a tensor whose ops were still running held the cell for twice PREVIEW_WAIT_S
         version = self._shadow._version  # an in-place op here moves it: values seen are stale
@@ -925,6 +956,9 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
                 f"{_name(func)}: its mesh tensors live on different proc meshes ({engine.procs!r}, {h._engine.procs!r}); "
                 f"move one to the other's first, e.g. t.to_mesh(procs) (nothing was sent)"
             )
+    for h in handles:
+        if isinstance(h, MeshTensor):
+            h._check_live(_name(func))
     by_shadow = {id(h._shadow): h for h in handles}
 
     def shadow(x: Any) -> Any:
