@@ -10,6 +10,7 @@ import gc
 import logging
 import os
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -459,3 +460,32 @@ def test_a_transport_carries_frames_to_another_inbox(tmp_path, direct: bool) -> 
             t.close_connections()
             t.terminate()
         loop.close()
+
+
+def test_an_idle_runtime_wakes_seldom_and_heartbeats_again_once_it_watches(tmp_path, monkeypatch) -> None:
+    # every wake-up of an idle proc is CPU its host's training does not get (16 procs a host):
+    # with no allocator to ping and no message held it sweeps every IDLE_WATCH_S, and a watch
+    # brings its heartbeats back at once, with their timeout as before
+    from monarch_nb._runtime import runtime
+
+    monkeypatch.setattr(runtime, "IDLE_WATCH_S", 1.0, raising=False)
+    rt = Runtime(Config(heartbeat_interval=0.05, heartbeat_timeout=0.5), Security(), str(tmp_path)).start()
+    ticks: list[float] = []
+    sweep = rt.sender.sweep_shm
+
+    def counted() -> None:
+        ticks.append(time.monotonic())
+        sweep()
+
+    rt.sender.sweep_shm = counted  # type: ignore[method-assign]
+    try:
+        wait_for(lambda: len(ticks) >= 2, 5, "two idle sweeps")
+        assert ticks[1] - ticks[0] > 0.8  # not every heartbeat_interval
+        t0 = time.monotonic()
+        alloc = "ipc://" + str(tmp_path / "nobody")
+        rt.call_soon(rt.supervision.watch_allocator, alloc, "h")
+        wait_for(lambda: rt.peer_error(alloc) is not None, 5, "the silent allocator declared lost")
+        assert time.monotonic() - t0 < 0.5 + 0.4  # heartbeat_timeout, plus a tick or so, not IDLE_WATCH_S
+        assert "no heartbeat" in str(rt.peer_error(alloc))
+    finally:
+        rt.close()

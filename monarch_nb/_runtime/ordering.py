@@ -55,6 +55,13 @@ class StreamOrder(Generic[M]):
         #: told of each gap given up on, before the messages behind it are delivered
         self._on_skip = on_skip
         self._streams: dict[str, _Held[M]] = {}
+        #: told when a stream starts holding messages behind a gap (on the caller's thread):
+        #: whoever calls :meth:`skip_gaps` may look less often while nothing is held
+        self.on_gap: Callable[[], None] | None = None
+
+    def holding(self) -> bool:
+        """Whether any stream holds messages behind a gap."""
+        return any(st.held for st in self._streams.values())
 
     def accept(self, stream: str, seq: int, msg: M) -> bool:
         """Take message ``seq`` of ``stream``: deliver it and every held one it unblocks, or hold
@@ -70,10 +77,13 @@ class StreamOrder(Generic[M]):
             return True
         if seq < st.next or seq in st.held:
             return False
-        if seq != st.next and not st.held:
+        gap = seq != st.next and not st.held
+        if gap:
             st.since = self._clock()  # a gap opens
         st.held[seq] = msg
         self._release(st)
+        if gap and self.on_gap is not None:
+            self.on_gap()
         return True
 
     def take_next(self, stream: str, seq: int) -> bool:

@@ -44,6 +44,11 @@ from .transport import Security, Transport
 __all__ = ["NO_REPLY", "REFUSED", "Mailbox", "PortHandler", "ReplyPort", "Runtime", "Target", "pid_alive", "system_method"]
 
 
+#: seconds between the watch loop's sweeps while it has no heartbeat to send and no held
+#: message to look at (see Runtime._watch_loop)
+IDLE_WATCH_S = 2.0
+
+
 def new_loop(fast: bool = True) -> asyncio.AbstractEventLoop:
     """An event loop for an I/O or actor thread: uvloop's where it is installed and ``fast``.
 
@@ -79,6 +84,8 @@ class Runtime:
         self._thread = threading.Thread(target=self._run_loop, name=f"monarch_nb-io-{label}", daemon=True)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
+        #: what the watch loop awaits between ticks (see _watch_loop)
+        self._watch_fut: asyncio.Future[None] | None = None
         self.transport = Transport(
             cfg,
             security,
@@ -246,10 +253,27 @@ class Runtime:
             self.loop.call_soon_threadsafe(self._spawn, coro)
 
     async def _watch_loop(self) -> None:
-        interval = self.cfg.heartbeat_interval
+        # Heartbeats are due every heartbeat_interval while an allocator is watched, and held
+        # messages are looked at as often; the sweeps have timeouts of seconds to minutes
+        # (shm.POOL_IDLE_S, peer_idle_close). An idle proc or allocator watches nobody: it
+        # wakes every IDLE_WATCH_S, not twice a second, until a watch or a held message wakes
+        # it (each wake-up is CPU its host's training does not get, and the GIL for a moment)
+        self.supervision.on_watch = self._wake_watch_now
+        self.receiver.order.on_gap = self._wake_watch
+        loop = self.loop
         woke = time.monotonic()
         while True:
-            await asyncio.sleep(interval)
+            cfg = self.cfg
+            interval = cfg.heartbeat_interval
+            if not self.supervision.pinging() and not self.receiver.order.holding():
+                interval = max(interval, min(IDLE_WATCH_S, cfg.peer_idle_close / 4))
+            fut = self._watch_fut = loop.create_future()
+            timer = loop.call_later(interval, _wake, fut)
+            try:
+                await fut
+            finally:
+                timer.cancel()
+                self._watch_fut = None
             self.sender.sweep_shm()
             now = time.monotonic()
             self.transport.sweep_idle(now)
@@ -259,6 +283,23 @@ class Runtime:
             starved = now - woke > interval + max(0.25, interval)
             woke = now
             self.supervision.check(now, starved)
+
+    def _wake_watch_now(self) -> None:
+        # on the I/O thread
+        fut = self._watch_fut
+        if fut is not None:
+            _wake(fut)
+
+    def _wake_watch(self) -> None:
+        if self.in_io_thread():
+            self._wake_watch_now()
+        else:
+            self.loop.call_soon_threadsafe(self._wake_watch_now)
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class ReplyPort:

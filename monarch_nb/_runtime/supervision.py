@@ -84,6 +84,13 @@ class Supervision:
         #: (a proc's) the addresses of the allocator that owns this process: its shutdown is
         #: this process's own end, which that allocator tells its controllers, not news to log
         self.home: set[str] = set()
+        #: told (on the I/O thread) when an allocator is watched from now on: heartbeats are
+        #: due every ``heartbeat_interval`` from then, however long :meth:`check` was idle
+        self.on_watch: Callable[[], None] | None = None
+
+    def pinging(self) -> bool:
+        """Whether :meth:`check` has an allocator to ping and time out."""
+        return any(w.lost is None for w in self.watches.values())
 
     def wait(self, key: int, on_peer_failed: Callable[[str, SupervisionError], None]) -> None:
         """Tell ``on_peer_failed`` of every peer that fails until :meth:`unwait` (it checks whether
@@ -240,6 +247,8 @@ class Supervision:
 
         if not w.event_port:  # a revived allocator's events come to the port they came to before
             w.event_port = self.io.open_port(on_event)
+        if self.on_watch is not None:
+            self.on_watch()
         body, bufs = dumps(((), {}))
         try:
             self.io.send_actor(w.addr, "__allocator__", "subscribe", body, bufs, reply=(self.io.addr_for(w.addr), w.event_port))
