@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import textwrap
+import threading
 import time
 from typing import Any
 
@@ -477,3 +478,52 @@ def test_a_mesh_exec_cell_shows_as_such_and_one_failed_cell_makes_no_straggler(t
     html = _render.latency_html(got["ranks"], got["stragglers"], 2.0, "30s")
     assert got["stragglers"] == [] and "mnb_exec" not in html and "mnb-straggler" not in html, html
     assert "straggler:" not in html.split("</table>")[1], html
+
+
+class Asked(Actor):
+    """Counts what its proc's allocator asks of it: state samples and span drains."""
+
+    def __init__(self) -> None:
+        from monarch_nb.actor._context import runtime
+
+        self.asked = {"state": 0, "drain": 0}
+        self.cond = threading.Condition()
+        rt = runtime()
+        for name, obj, method in (("state", rt.system["__sys__"], "sys_state"), ("drain", rt.system["__spans__"], "sys_drain")):
+
+            def counted(*a: Any, _fn: Any = getattr(obj, method), _name: str = name, **k: Any) -> Any:
+                with self.cond:
+                    self.asked[_name] += 1
+                    self.cond.notify_all()
+                return _fn(*a, **k)
+
+            setattr(obj, method, counted)
+
+    @endpoint
+    def over(self, states: int) -> int:
+        """The drains asked for while ``states`` state samples came (no span is recorded meanwhile)."""
+        with self.cond:
+            s0, d0 = self.asked["state"], self.asked["drain"]
+            assert self.cond.wait_for(lambda: self.asked["state"] >= s0 + states, timeout=30)
+            return self.asked["drain"] - d0
+
+    @endpoint
+    def work(self) -> None:
+        with telemetry.span("work"):
+            pass
+
+
+def test_an_idle_proc_is_not_drained_every_second_and_a_busy_one_is() -> None:
+    # a drain that finds nothing costs the proc a wake-up and its GIL every second (16 procs a
+    # host); its state, sampled each second anyway, says whether there is anything to drain
+    pm = this_host().spawn_procs(per_host={"gpus": 1}, name="asked")
+    try:
+        am = pm.spawn("a", Asked)
+        am.over.call_one(1).get(timeout=30)  # what the spawn recorded is drained
+        assert am.over.call_one(3).get(timeout=30) <= 1  # the last call's span, at most
+        am.work.call_one().get(timeout=30)
+        assert am.over.call_one(2).get(timeout=30) >= 1  # drained with no query asking
+        spans = telemetry.query(mesh="asked")
+        assert "work" in set(spans["name"])
+    finally:
+        pm.stop().get(timeout=30)

@@ -43,6 +43,8 @@ _BASE_WALL = time.time()
 
 _metrics: dict[tuple[Any, ...], list[float]] = {}
 _mlock = threading.Lock()
+#: values folded into ``_metrics`` so far: with ``_last``, whether a drain would find anything new
+_mcount = [0]
 
 
 def call_key(actor: str, method: str, rank: int, ok: bool) -> tuple[Any, ...]:
@@ -77,6 +79,7 @@ def record_metric(meter: str, name: str, kind: str, value: float, attrs: tuple[t
     """Fold ``value`` into the aggregate (count, sum, min, max, last) of one instrument and attribute set."""
     key = (meter, name, kind, attrs)
     with _mlock:
+        _mcount[0] += 1
         m = _metrics.get(key)
         if m is None:
             _metrics[key] = [1, value, value, value, value]
@@ -88,6 +91,13 @@ def record_metric(meter: str, name: str, kind: str, value: float, attrs: tuple[t
             if value > m[3]:
                 m[3] = value
             m[4] = value
+
+
+def version() -> tuple[int, int]:
+    """``(last, metric values)``: a drain after ``last`` (the ``last`` a drain returned) finds
+    nothing new while this stays the same. A proc's ``__sys__`` state carries it, and its
+    allocator drains only a proc that changed (see telemetry.py)."""
+    return _last[0], _mcount[0]
 
 
 def drain(after: int) -> dict[str, Any]:
@@ -127,7 +137,16 @@ def drain(after: int) -> dict[str, Any]:
         if attrs:
             d["attrs"] = attrs
         out.append(d)
-    return {"last": last, "dropped": dropped, "spans": out, "metrics": _metrics_now(), "now": time.time(), "pid": os.getpid()}
+    mcount = _mcount[0]  # read before the metrics: a value folded in between is drained again
+    return {
+        "last": last,
+        "dropped": dropped,
+        "spans": out,
+        "mcount": mcount,
+        "metrics": _metrics_now(),
+        "now": time.time(),
+        "pid": os.getpid(),
+    }
 
 
 def _metrics_now() -> list[dict[str, Any]]:
@@ -172,12 +191,14 @@ def drain_packed(after: int, limit: int = RING) -> dict[str, Any]:
         d = drain(lo)
         d["dropped"] = max(d["dropped"], last - RING - after, 0)
         return d
+    mcount = _mcount[0]
     return {
         "last": last,
         "dropped": max(0, last - RING - after),
         "spans": None,
         "cols": (lo + 1, keys, t0s.tobytes(), t1s.tobytes()),
         "off": _BASE_WALL - _BASE_PERF,
+        "mcount": mcount,
         "metrics": _metrics_now(),
         "now": time.time(),
         "pid": os.getpid(),

@@ -1,6 +1,7 @@
 """The allocator's copy of its procs' spans: drained from each proc's ring, kept with a bound.
 
-Every proc's ring (spans.py) is drained about once a second and on every query, so spans
+Every proc's ring (spans.py) is drained about once a second while it records (its state,
+sampled each second, says so) and on every query, so spans
 outlive the proc that recorded them and the controller (a restarted kernel reads them back
 from here). Bounds: the last ``PER_PROC`` spans of each proc, for the ``PROCS`` procs seen
 most recently, and ``TOTAL`` in all (the procs polled longest ago go first); spans a proc
@@ -42,10 +43,12 @@ class _Kept:
     every proc every second, on cores it shares with the procs it serves, and a busy proc's
     4096 records take it about 1 ms to unpack; most of them are never read."""
 
-    __slots__ = ("_npacked", "_packed", "_spans", "cursor", "dropped", "meta", "metrics")
+    __slots__ = ("_npacked", "_packed", "_spans", "cursor", "dropped", "mcount", "meta", "metrics")
 
     def __init__(self, meta: dict[str, Any]) -> None:
         self.cursor = 0
+        #: the proc's count of metric values as of the last drain (-1: none yet)
+        self.mcount = -1
         self.dropped = 0
         self.meta = meta
         self._spans: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=PER_PROC)
@@ -94,6 +97,16 @@ class SpanStore:
         if not self._port:
             self._port = self.alloc.rt.open_port(self._on_drain)
         return self._port
+
+    def stale(self, rec: ProcRec, version: tuple[int, int]) -> bool:
+        """Whether a drain of ``rec``, whose ring and metrics stand at ``version``
+        (``spans.version()`` in the proc), would find anything not kept here yet."""
+        k = self.kept.get(rec.token)
+        if k is None:
+            return True
+        self.kept.move_to_end(rec.token)  # seen now, though not drained: kept as long as the others
+        last, mcount = version
+        return last > k.cursor or mcount != k.mcount
 
     def poll(self, rec: ProcRec) -> asyncio.Future[None] | None:
         """Ask one running proc for the spans it recorded since the last drain."""
@@ -169,6 +182,7 @@ class SpanStore:
             self.total += len(k) - before
             k.dropped += got["dropped"]
             k.cursor = max(k.cursor, got["last"])
+            k.mcount = got.get("mcount", -1)
             k.metrics = [dict(m, **meta) for m in got["metrics"]]
             while self.total > TOTAL and len(self.kept) > 1:
                 _, old = self.kept.popitem(last=False)

@@ -90,7 +90,7 @@ class Telemetry:
                 t["calls_per_s"] = round((calls - prev[2]) / dt, 1)
             self._prev[rec.token] = (now, lines, calls)
             if rec.addr:
-                self.spans.poll(rec)
+                # its spans are drained when its state says there are new ones (_on_state)
                 i = self._index.get(rec.token, -1)
                 if i < 0:
                     i = self._index[rec.token] = self._next
@@ -112,6 +112,11 @@ class Telemetry:
         actors = loads(body, bufs)
         rec = self.alloc.by_token.get(self._token.get(index, ""))
         if rec is not None and rec.state == "running":
+            # An idle proc is not asked for spans it does not have: a drain that finds none costs
+            # it a wake-up and the GIL every second, and the allocator a message each way per proc
+            version = actors.pop("__spans__", None)
+            if version is None or self.spans.stale(rec, version):
+                self.spans.poll(rec)
             _absorb(rec, actors)
 
     def _gpus(self) -> list[dict[str, Any]]:

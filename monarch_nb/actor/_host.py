@@ -1365,6 +1365,7 @@ class ActorHost:
         moved = _dataplane.counters()
         if moved is not None:  # bytes moved through RDMABuffers, for the dashboard
             out["__dataplane__"] = moved
+        out["__spans__"] = spans.version()  # the allocator drains this proc's spans when it moves
         return out
 
     def sys_shutdown(self) -> Any:
