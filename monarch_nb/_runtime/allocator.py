@@ -39,7 +39,7 @@ from .debugreg import DebugRegistry
 from .hostenv import HostEnv
 from .logcapture import ENDED, ENDS_CALLS, LOGS, LogItem, count_lines, line_text, rank_log_path, read_log, split_run
 from .procs import MeshRec, ProcRec, Procs, kill
-from .runtime import NO_REPLY, Runtime, pid_alive, system_method
+from .runtime import NO_REPLY, Runtime, pid_alive, sleep_to_tick, system_method
 from .telemetry import Telemetry
 from .transport import Security
 
@@ -828,7 +828,7 @@ class Allocator(DebugRegistry):
     async def _reaper(self) -> None:
         detach_after = max(5.0, 3 * self.cfg.heartbeat_timeout)
         while True:
-            await asyncio.sleep(min(self.cfg.heartbeat_interval, self.cfg.lease / 4 or 0.1))
+            await sleep_to_tick(self.rt.loop, min(self.cfg.heartbeat_interval, self.cfg.lease / 4 or 0.1))
             now = time.monotonic()
             self._detach_dead_local()
             for addr, c in list(self.controllers.items()):

@@ -8,7 +8,6 @@ GPU utilisation and memory come from NVML when a GPU and ``pynvml`` are present.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -17,6 +16,7 @@ import psutil
 
 from .._wire import frames as wire
 from .._wire.serialize import dumps, loads
+from .runtime import sleep_to_tick
 from .spanstore import SpanStore
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class Telemetry:
                 self.sample()
             except Exception:
                 logger.exception("telemetry sample failed")
-            await asyncio.sleep(INTERVAL)
+            await sleep_to_tick(self.alloc.rt.loop, INTERVAL)
 
     def sample(self) -> None:
         vm = psutil.virtual_memory()
