@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import gc
 import logging
+import math
 import os
 import threading
 import time
@@ -489,3 +490,26 @@ def test_an_idle_runtime_wakes_seldom_and_heartbeats_again_once_it_watches(tmp_p
         assert "no heartbeat" in str(rt.peer_error(alloc))
     finally:
         rt.close()
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["uvloop", "asyncio"])
+def test_ticks_on_the_grid_come_once_a_period(fast: bool) -> None:
+    # libuv's timers run up to a millisecond early: a tick must not take the grid point it was
+    # set for as the next one and run again at once (a burst of sweeps each tick)
+    from monarch_nb._runtime.runtime import new_loop, sleep_to_tick
+
+    loop = new_loop(fast)
+    times: list[float] = []
+
+    async def tick() -> None:
+        for _ in range(10):
+            await sleep_to_tick(loop, 0.1)
+            times.append(loop.time())
+
+    try:
+        loop.run_until_complete(tick())
+    finally:
+        loop.close()
+    # each on a grid point of its own (a tick runs at most a millisecond early, or late under load)
+    points = [math.floor((t + 0.002) / 0.1) for t in times]
+    assert len(set(points)) == len(points), [round(t % 0.1, 4) for t in times]

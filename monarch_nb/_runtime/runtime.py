@@ -302,12 +302,17 @@ def _wake(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+_TICK_SLACK = 0.002
+
+
 def next_tick(loop: asyncio.AbstractEventLoop, period: float) -> float:
     """The loop time of the next multiple of ``period``. A process's periodic tasks that wait
     for their ticks on this one grid (the allocator's watch loop, reaper and telemetry, at
     multiples of half a second) run in one wake-up of its I/O thread, not one each."""
-    now = loop.time()
-    return now + period - now % period
+    # libuv counts whole milliseconds: a timer may run up to one early, and the grid point
+    # it was set for must not be taken for the next one (it would run again at once)
+    t = loop.time() + _TICK_SLACK
+    return t + period - t % period
 
 
 async def sleep_to_tick(loop: asyncio.AbstractEventLoop, period: float) -> None:
