@@ -32,6 +32,12 @@ class Actor:
     def _handle_undeliverable_message(self, message: Any) -> bool:
         return False
 
+    def __cleanup__(self, exc: Exception | None) -> None:
+        """Called when the actor stops (``exc`` is None) or fails (the error); override it to
+        release what the actor holds. As Monarch's, this one does nothing, so an override may
+        call ``super().__cleanup__(exc)``."""
+        return None
+
 
 def endpoints_of(cls: type) -> dict[str, EndpointProperty]:
     out: dict[str, EndpointProperty] = {}

@@ -715,6 +715,21 @@ class ProcMesh(MeshTrait):
     def initialized(self) -> Future[bool]:
         return Future._completed(True)
 
+    async def __aenter__(self) -> ProcMesh:
+        # Monarch's: ``async with host.spawn_procs(...) as procs:`` stops the procs at the end
+        if (closed := self._closed_error()) is not None:
+            raise closed
+        return self
+
+    async def __aexit__(self, exc_type: object, exc_val: object, exc_tb: object) -> None:
+        # nested blocks on one mesh stop it once
+        if not (self._stopped or getattr(self, "_root", self)._stopped):
+            await self.stop()
+
+    def rank_tensors(self) -> dict[str, Any]:
+        """Monarch's: ``{dim: self.rank_tensor(dim)}`` for every dimension (``monarch_nb.tensor``)."""
+        return {dim: self.rank_tensor(dim) for dim in self._view.labels}
+
     @property
     def host_mesh(self) -> HostMesh:
         if self._host_mesh is None:

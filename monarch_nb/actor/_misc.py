@@ -127,8 +127,8 @@ class Uid:
         return Uid(label or "")
 
     @staticmethod
-    def from_string(s: str) -> Uid:
-        label, _, value = s.rpartition("<")
+    def from_string(uid: str) -> Uid:
+        label, _, value = uid.rpartition("<")
         return Uid(label, value.rstrip(">"))
 
     def __str__(self) -> str:
@@ -144,8 +144,8 @@ class ProcId:
         return self.uid.label
 
     @staticmethod
-    def from_string(s: str) -> ProcId:
-        return ProcId(Uid.from_string(s))
+    def from_string(proc_id: str) -> ProcId:
+        return ProcId(Uid.from_string(proc_id))
 
     def __str__(self) -> str:
         return str(self.uid)
