@@ -1458,3 +1458,16 @@ def test_slice_mesh_with_ranges_keeps_the_chosen_ranks_pieces(mesh1, mesh2):  # 
         p.slice_mesh(hosts=slice(0, 1))
     with pytest.raises(ValueError, match="an int, which drops the dimension. or a range"):
         h.slice_mesh(gpus="0")
+
+
+def test_monarchs_method_forms_reduce_and_rank_tensors(mesh2):  # type: ignore[no-untyped-def]
+    # 0.7.0's ``t.reduce(dims, reduction)`` and ``procs.rank_tensors()``: an AttributeError here
+    h = mt.distribute(gen(8, 6), mesh2, [Shard(0), Shard(1)])
+    torch.testing.assert_close(mt.inspect(h.reduce("gpus", "avg")), mt.inspect(mt.reduce(h, "gpus", "avg")))
+    with pytest.raises(NotImplementedError, match=r"out = t.reduce\(dims\)"):
+        h.reduce("gpus", out=h)
+    with pytest.raises(NotImplementedError, match="scatter=True"):
+        h.reduce("gpus", "sum", True)
+    ranks = mesh2.rank_tensors()
+    assert list(ranks) == ["hosts", "gpus"]
+    assert [int(mt.fetch_shard(ranks["hosts"], hosts=1, gpus=c).get(timeout=30).item()) for c in range(2)] == [1, 1]

@@ -13,6 +13,7 @@ import pickle
 import threading
 import time
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -395,6 +396,23 @@ class MeshTensor:
         e = self._engine.root or self._engine
         if e.actor is not None and e.procs._closed_error() is None:
             e.send([])  # the free goes now, not with the next op
+
+    def reduce(
+        self,
+        dims: str | Sequence[str],
+        reduction: str = "sum",
+        scatter: bool = False,
+        mesh: Any = None,
+        _inplace: bool = False,
+        out: Any = None,
+    ) -> MeshTensor:
+        """Monarch's ``t.reduce(dims, reduction)``: ``monarch_nb.tensor.reduce(t, ...)``."""
+        if out is not None:
+            raise NotImplementedError("t.reduce(..., out=...) is not supported on mesh tensors: out = t.reduce(dims)")
+        from . import reduce
+
+        result: MeshTensor = reduce(self, dims, reduction, scatter, mesh, _inplace)
+        return result
 
     @property
     def dropped(self) -> bool:
