@@ -1460,7 +1460,7 @@ def test_slice_mesh_with_ranges_keeps_the_chosen_ranks_pieces(mesh1, mesh2):  # 
         h.slice_mesh(gpus="0")
 
 
-def test_monarchs_method_forms_reduce_and_rank_tensors(mesh2):  # type: ignore[no-untyped-def]
+def test_monarchs_method_forms_reduce_rank_tensors_and_slice_mesh(mesh2):  # type: ignore[no-untyped-def]
     # 0.7.0's ``t.reduce(dims, reduction)`` and ``procs.rank_tensors()``: an AttributeError here
     h = mt.distribute(gen(8, 6), mesh2, [Shard(0), Shard(1)])
     torch.testing.assert_close(mt.inspect(h.reduce("gpus", "avg")), mt.inspect(mt.reduce(h, "gpus", "avg")))
@@ -1468,6 +1468,10 @@ def test_monarchs_method_forms_reduce_and_rank_tensors(mesh2):  # type: ignore[n
         h.reduce("gpus", out=h)
     with pytest.raises(NotImplementedError, match="scatter=True"):
         h.reduce("gpus", "sum", True)
+    # and the module's slice_mesh over a pytree, as its to_mesh
+    pieces = mt.slice_mesh({"h": [h], "n": 3}, hosts=1)
+    assert pieces["n"] == 3 and pieces["h"][0].placements == (Shard(1),)
+    torch.testing.assert_close(mt.inspect(pieces["h"][0]), gen(8, 6)[4:])
     ranks = mesh2.rank_tensors()
     assert list(ranks) == ["hosts", "gpus"]
     assert [int(mt.fetch_shard(ranks["hosts"], hosts=1, gpus=c).get(timeout=30).item()) for c in range(2)] == [1, 1]

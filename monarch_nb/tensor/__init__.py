@@ -75,6 +75,7 @@ __all__ = [
     "reduce",
     "remote",
     "setup",
+    "slice_mesh",
     "stats",
     "to_mesh",
     "zeros",
@@ -229,6 +230,12 @@ def to_mesh(tensors: Any, procs: ProcMesh) -> Any:
     from torch.utils import _pytree as pytree
 
     return pytree.tree_map(lambda x: x.to_mesh(procs) if isinstance(x, MeshTensor) else x, tensors)
+
+
+def slice_mesh(tensors: Any, **coords: int | slice) -> Any:
+    """Monarch's ``slice_mesh``: every mesh tensor in ``tensors`` (a pytree) as the ranks of that
+    slice hold it (see :meth:`MeshTensor.slice_mesh`)."""
+    return pytree.tree_map(lambda x: x.slice_mesh(**coords) if isinstance(x, MeshTensor) else x, tensors)
 
 
 def full_tensor(t: MeshTensor) -> torch.Tensor:
