@@ -491,3 +491,18 @@ def test_an_ended_slurm_job_says_its_state_without_a_reason_of_none(monkeypatch:
     monkeypatch.setattr(SlurmJob, "query", lambda self: SlurmJobInfo("5", "TIMEOUT", "TimeLimit"))
     with pytest.raises(JobError, match=r"^Slurm job 5 is TIMEOUT \(TimeLimit: its time_limit ran out\): its allocators"):
         job._state()
+
+
+def test_a_local_batch_jobs_client_script_is_its_process(tmp_path: Path) -> None:
+    """0.7.0's ``LocalJob.process``: the client script ``apply(client_script=...)`` started (an
+    AttributeError here before), and ``ValueError('no local batch job')`` when there is none."""
+    script = tmp_path / "client.py"
+    script.write_text("import os, sys; sys.exit(0 if os.environ.get('MONARCH_BATCH_JOB') == '1' else 3)\n")
+    with pytest.raises(ValueError, match="no local batch job"):
+        _ = LocalJob().process
+    job = LocalJob()
+    job.apply(client_script=str(script))
+    try:
+        assert job.process.wait(timeout=30) == 0
+    finally:
+        job.kill()

@@ -482,7 +482,17 @@ class LocalJob(JobTrait):
         self._host_names = list(hosts)
         self._client_pid = 0
         self._log_dir = ""
+        #: the client script apply(client_script=...) started from this object (not cached)
+        self._proc: subprocess.Popen[bytes] | None = None
         super().__init__()
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        """Monarch's: the client script ``apply(client_script=...)`` started (its logs are in
+        the job's folder), to ``wait()`` for or ``poll()``."""
+        if self._proc is None:
+            raise ValueError("no local batch job")
+        return self._proc
 
     def _spec(self) -> dict[str, Any]:
         return {"hosts": list(self._host_names)}
@@ -518,6 +528,7 @@ class LocalJob(JobTrait):
                 env=dict(os.environ, MONARCH_BATCH_JOB="1"),
             )
         self._client_pid = p.pid
+        self._proc = p
         _children.append(p)
         logger.info("started client script %s as pid %d; logs in %s", client_script, p.pid, self._log_dir)
 
