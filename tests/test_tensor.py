@@ -1475,3 +1475,14 @@ def test_monarchs_method_forms_reduce_rank_tensors_and_slice_mesh(mesh2):  # typ
     ranks = mesh2.rank_tensors()
     assert list(ranks) == ["hosts", "gpus"]
     assert [int(mt.fetch_shard(ranks["hosts"], hosts=1, gpus=c).get(timeout=30).item()) for c in range(2)] == [1, 1]
+
+
+def test_backward_takes_torchs_inputs_to_accumulate_into_only_those(mesh1):  # type: ignore[no-untyped-def]
+    # torch's (and so 0.7.0's) backward(inputs=...): a TypeError here before
+    w = mt.distribute(torch.ones(8, 2), mesh1, [Shard(0)]).requires_grad_()
+    v = mt.distribute(torch.ones(8, 2), mesh1, [Shard(0)]).requires_grad_()
+    (w * 3 + v * 5).sum().backward(inputs=[w])
+    torch.testing.assert_close(mt.inspect(w.grad), torch.full((8, 2), 3.0))
+    assert v.grad is None
+    (w * 3 + v * 5).sum().backward(inputs=v)
+    torch.testing.assert_close(mt.inspect(v.grad), torch.full((8, 2), 5.0))

@@ -723,8 +723,11 @@ class MeshTensor:
         d.send([(fn, (Ref(self._id),), {}, [h._id], torch.is_grad_enabled())])
         return h
 
-    def backward(self, gradient: Any = None, retain_graph: Any = None, create_graph: bool = False) -> None:
-        dispatch(Method("backward"), (self,), {"gradient": gradient, "retain_graph": retain_graph, "create_graph": create_graph})
+    def backward(self, gradient: Any = None, retain_graph: Any = None, create_graph: bool = False, inputs: Any = None) -> None:
+        kw = {"gradient": gradient, "retain_graph": retain_graph, "create_graph": create_graph}
+        if inputs is not None:
+            kw["inputs"] = inputs
+        dispatch(Method("backward"), (self,), kw)
 
     def __getattr__(self, name: str) -> Any:
         if name == "device":
