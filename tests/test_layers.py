@@ -61,6 +61,7 @@ DYNAMIC = {
     "monarch_nb": "the facade's __getattr__ imports the submodule named (it sits above every layer)",
     "monarch_nb._runtime.zygote": "imports the modules its allocator names (preloads, the proc entry point)",
     "monarch_nb.job._job": "imports the user's module of `monarch-nb job apply module:attr`",
+    "monarch_nb.tensor": "imports the user's function of `mt.remote('pkg.fn')` (Monarch's dotted-name form)",
 }
 
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)} | {"entry": len(LAYERS)}

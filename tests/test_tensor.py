@@ -1486,3 +1486,21 @@ def test_backward_takes_torchs_inputs_to_accumulate_into_only_those(mesh1):  # t
     assert v.grad is None
     (w * 3 + v * 5).sum().backward(inputs=v)
     torch.testing.assert_close(mt.inspect(v.grad), torch.full((8, 2), 5.0))
+
+
+def _double(t: torch.Tensor) -> torch.Tensor:
+    return t * 2
+
+
+def test_remote_takes_monarchs_dotted_name_and_decorator_call(mesh1):  # type: ignore[no-untyped-def]
+    # 0.7.0's remote("pkg.fn") and @remote(): a TypeError and a call of None here before
+    x = mt.distribute(gen(8, 6), mesh1, [Shard(0)])
+    relu = mt.remote("torch.nn.functional.relu")
+    torch.testing.assert_close(mt.inspect(relu(x - 0.5)), F.relu(gen(8, 6) - 0.5))
+    torch.testing.assert_close(mt.inspect(mt.remote()(_double)(x)), gen(8, 6) * 2)
+    sent = mt.stats(mesh1)["messages_sent"]
+    with pytest.raises(NotImplementedError, match="propagate=.*pass fn alone"):
+        mt.remote(_double, propagate=lambda t: t)
+    with pytest.raises(ValueError, match=r"remote\('no_such_module_x.fn'\): cannot import it here"):
+        mt.remote("no_such_module_x.fn")
+    assert mt.stats(mesh1)["messages_sent"] == sent

@@ -291,12 +291,36 @@ class remote:
     changes in place (``x.mul_(2)``); an input it hands back unchanged is a new handle, so the
     error does not stick to the input. ``fn`` returns tensors (or None): a plain value (an int)
     is refused at once, since only its value on the meta shadows here would be known, not the
-    ranks'."""
+    ranks'.
 
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
+    As Monarch's, ``fn`` may be a dotted name (``remote("torch.nn.functional.relu")``), imported
+    here, and ``@remote()`` decorates as ``@remote`` does. Monarch's ``propagate=`` (the shape
+    function its controller runs instead of ``fn``) is refused: here the shapes come from ``fn``
+    itself on meta tensors, global DTensors rather than Monarch's local shards."""
+
+    def __init__(self, function: Any = None, *, propagate: Any = None) -> None:
+        if propagate is not None:
+            raise NotImplementedError(
+                "remote(..., propagate=...) is not supported on mesh tensors: the controller runs fn itself on "
+                "meta tensors for its results' shapes, so pass fn alone (it must work on meta tensors: no .item() "
+                "or other reads of values)"
+            )
+        if isinstance(function, str):
+            import importlib
+
+            module, _, name = function.rpartition(".")
+            try:
+                function = getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError, ValueError) as e:
+                raise ValueError(
+                    f"remote({function!r}): cannot import it here ({type(e).__name__}: {e}); the controller "
+                    "runs fn on meta tensors for its results' shapes, so it must import"
+                ) from e
+        self.fn = function
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fn is None:  # @remote(): this call is the decoration
+            return remote(*args, **kwargs)
         return dispatch(self.fn, args, kwargs, user_fn=True)
 
 
