@@ -75,10 +75,10 @@ def _allocator_action(args: argparse.Namespace) -> int:
             print(f"stopped {len(stopped)} allocator(s): {stopped}")
         if gone:
             print(f"removed the record of {len(gone)} allocator(s) whose process had already exited: {gone}")
-        elif args.pid is not None:
+        if not pids and args.pid is not None:
             alive = [int(r["pid"]) for r in list_allocators() if r["alive"]]
             print(f"no allocator with pid {args.pid} on this host (running: {', '.join(map(str, alive)) or 'none'})")
-        else:
+        elif not pids:
             print("no allocator running on this host")
         return 0
     if action == "status":

@@ -409,7 +409,8 @@ def test_embedded_allocator_and_cli(tmp_path):
     finally:
         # stopped here whatever failed above: no allocator outlives the test
         r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "stop"], env=env, capture_output=True, text=True, timeout=60)
-    assert "stopped 1" in r.stdout
+    # one line, not also "no allocator running on this host" after it
+    assert r.returncode == 0 and r.stdout == f"stopped 1 allocator(s): [{pid}]\n", r
     r = subprocess.run([PY, "-m", "monarch_nb", "allocator", "status"], env=env, capture_output=True, text=True, timeout=60)
     assert "no allocators" in r.stdout
     # with none running, `status` says so (it printed nothing), and job mistakes are one line each
