@@ -493,7 +493,11 @@ def test_unreachable_address_is_a_clear_error():
         from monarch_nb.actor import _context
 
         _context.client().connect("tcp://127.0.0.1:1", timeout=1.0)
-    with pytest.raises(ConfigError, match="unauthenticated TCP"):
+    # it said "authenticated with one", naming no key
+    with pytest.raises(
+        ConfigError,
+        match="unauthenticated TCP to tcp://192.0.2.1:26600: off loopback every connection is authenticated with a cluster key. Make one with `monarch-nb keygen KEYFILE`",
+    ):
         attach_to_workers(workers=["tcp://192.0.2.1:26600"], ca="trust_all_connections")
     # a string for the list (Monarch makes a host of each character)
     with pytest.raises(ValueError, match=r"workers is a list of addresses, got the string 'tcp://127.0.0.1:1': write \["):

@@ -75,7 +75,7 @@ class Security:
         if not _is_loopback(host):
             raise ConfigError(
                 f"refusing unauthenticated TCP to {addr}: off loopback every connection is authenticated "
-                "with one. Make one with `monarch-nb keygen KEYFILE`, copy it to every host, and pass it "
+                "with a cluster key. Make one with `monarch-nb keygen KEYFILE`, copy it to every host, and pass it "
                 "(--key-file KEYFILE, key_file=/ca=KEYFILE, or MONARCH_NB_KEY_FILE=KEYFILE); "
                 "ca='trust_all_connections' / --trust-all only serve loopback"
             )
