@@ -114,17 +114,40 @@ _overrides: dict[str, Any] = {}
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
-def _coerce(field: dataclasses.Field[Any], raw: str) -> Any:
-    kind = field.type if isinstance(field.type, type) else {"float": float, "int": int, "str": str, "bool": bool}[str(field.type)]
+def _kind(field: dataclasses.Field[Any]) -> type:
+    return field.type if isinstance(field.type, type) else {"float": float, "int": int, "str": str, "bool": bool}[str(field.type)]
+
+
+def _coerce(field: dataclasses.Field[Any], raw: str, source: str = "") -> Any:
+    kind = _kind(field)
+    source = source or f"MONARCH_NB_{field.name.upper()}"
     if kind is bool:
         try:
             return _BOOLS[raw.strip().lower()]
         except KeyError:
-            raise ConfigError(f"MONARCH_NB_{field.name.upper()}={raw!r} is not a valid bool (1/0, true/false)") from None
+            raise ConfigError(f"{source}={raw!r} is not a valid bool (1/0, true/false, yes/no, on/off)") from None
     try:
         return kind(raw)
     except ValueError as e:
-        raise ConfigError(f"MONARCH_NB_{field.name.upper()}={raw!r} is not a valid {kind.__name__}") from e
+        raise ConfigError(f"{source}={raw!r} is not a valid {kind.__name__}") from e
+
+
+def _typed(field: dataclasses.Field[Any], value: Any, source: str) -> Any:
+    """A configure() value as its field's type: configure(fanout_local="no") stored the string,
+    which is true, and configure(heartbeat_timeout="2") failed later, deep in the runtime."""
+    kind = _kind(field)
+    if isinstance(value, str) and kind is not str:
+        return _coerce(field, value, source)
+    if kind is bool and (isinstance(value, bool) or (type(value) is int and value in (0, 1))):
+        return bool(value)
+    if kind is str and isinstance(value, (str, os.PathLike)):
+        return os.fspath(value)
+    if kind in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ConfigError(f"{source}={value!r}: {field.name} is a whole number")
+        return kind(value)
+    words = {bool: "True or False", int: "a whole number", float: "a number of seconds", str: "a string"}
+    raise ConfigError(f"{source}={value!r}: {field.name} is {words[kind]}, not {type(value).__name__}")
 
 
 #: settings that take one of a few words: any other is refused where it is set, not found out
@@ -174,12 +197,13 @@ def get_config() -> Config:
 
 def configure(**kw: Any) -> None:
     """Set configuration values for this process (they win over the environment)."""
-    names = {f.name for f in dataclasses.fields(Config)}
-    unknown = set(kw) - names
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    unknown = set(kw) - set(fields)
     if unknown:
-        raise ConfigError(f"unknown configuration field(s) {sorted(unknown)}; known: {sorted(names)}")
-    for name, value in kw.items():
-        _check(name, value, f"configure({name})")
+        raise ConfigError(f"unknown configuration field(s) {sorted(unknown)}; known: {sorted(fields)}")
+    kw = {
+        name: _check(name, _typed(fields[name], value, f"configure({name})"), f"configure({name})") for name, value in kw.items()
+    }
     with _lock:
         _overrides.update(kw)
 

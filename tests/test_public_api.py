@@ -79,6 +79,31 @@ def test_a_word_no_setting_means_is_refused_where_it_is_set(monkeypatch: pytest.
         configure(debug_no_input="Wait")
 
 
+def test_configure_refuses_or_converts_a_value_of_the_wrong_type() -> None:
+    """README: a value that is not a number, or a word the setting does not take, is a
+    ConfigError naming it. configure() stored any value as given: fanout_local="no" (a true
+    string) turned relaying on, and heartbeat_timeout="2" failed later, deep in the runtime."""
+    from monarch_nb.config import configured
+    from monarch_nb.errors import ConfigError
+
+    with configured(fanout_local="no", heartbeat_timeout="2", direct_ipc=0, send_hwm=2.0) as cfg:
+        assert (cfg.fanout_local, cfg.heartbeat_timeout, cfg.direct_ipc, cfg.send_hwm) == (False, 2.0, False, 2)
+    for kw, words in [
+        ({"heartbeat_timeout": "abc"}, "configure(heartbeat_timeout)='abc' is not a valid float"),
+        (
+            {"heartbeat_timeout": None},
+            "configure(heartbeat_timeout)=None: heartbeat_timeout is a number of seconds, not NoneType",
+        ),
+        ({"send_hwm": 1.5}, "configure(send_hwm)=1.5: send_hwm is a whole number"),
+        ({"direct_ipc": 2}, "configure(direct_ipc)=2: direct_ipc is True or False, not int"),
+        ({"fanout_local": "maybe"}, "configure(fanout_local)='maybe' is not a valid bool (1/0, true/false, yes/no, on/off)"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            with configured(**kw):
+                pass
+        assert str(e.value) == words
+
+
 def test_configure_is_where_the_docs_call_it() -> None:
     """docs/debugging.md and the debugging notebook say ``monarch_nb.configure(debug_no_input=...)``."""
     import monarch_nb
