@@ -1191,6 +1191,21 @@ def test_no_stdin_script(tmp_path: Any, policy: str) -> None:
         assert "DebugError" in r.stderr and "no input to debug it" in r.stderr
 
 
+def test_a_debug_error_names_each_breakpoint_once_with_its_ranks() -> None:
+    """debug_no_input='raise' on many ranks stopped at one line: the DebugError repeated the
+    line's path once per rank ("bp.py:7 on rank 1, bp.py:7 on rank 0, ..."), in arrival order."""
+    from types import SimpleNamespace
+
+    from monarch_nb.debug._blocked import _no_input_words
+
+    stopped = [SimpleNamespace(bp_file="/w/bp.py", bp_line=7, rank=r) for r in (3, 1, 0, 2, 5)]
+    stopped.append(SimpleNamespace(bp_file="/w/other.py", bp_line=2, rank=4))
+    assert _no_input_words(stopped) == (
+        "breakpoint at /w/bp.py:7 on ranks 0-3,5, /w/other.py:2 on rank 4 with no input to debug it "
+        "(debug_no_input='raise'); the ranks were continued"
+    )
+
+
 LATE_RANK_SCRIPT = """
 import sys
 

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+from .._ranks import format_ranks
 from ..actor import _context, _debugwait
 from ..actor._future import Future
 from ..config import get_config
@@ -242,7 +243,13 @@ def _no_input(fut: Future[Any]) -> None:
 
 
 def _no_input_words(sessions: list[Session]) -> str:
-    where = ", ".join(f"{_where(s.bp_file, s.bp_line)} on rank {s.rank}" for s in sessions)
+    # one entry per breakpoint with its rank set: 16 ranks at one line were 16 copies of its path
+    by_line: dict[str, list[int]] = {}
+    for s in sessions:
+        by_line.setdefault(_where(s.bp_file, s.bp_line), []).append(s.rank)
+    where = ", ".join(
+        f"{at} on rank{'s' if len(ranks) > 1 else ''} {format_ranks(sorted(ranks))}" for at, ranks in by_line.items()
+    )
     return f"breakpoint at {where} with no input to debug it (debug_no_input='raise'); the ranks were continued"
 
 
