@@ -30,11 +30,13 @@ def gc_logs(dry_run: bool = False) -> list[dict[str, Any]]:
     """Remove logs of stopped allocators and earlier meshes older than ``log_max_age``, oldest
     first, and more of them while all logs together exceed ``log_max_total_bytes``. Running
     allocators' current meshes keep theirs. Returns what was (with ``dry_run``: would be) removed."""
-    from ._runtime.logfiles import collect
+    from ._runtime.logfiles import collect, held_open
 
     cfg = get_config()
-    live = {str(a.get("alloc_id", "")) for a in list_allocators() if a["alive"]}
-    gone = collect(runtime_dir(cfg), live, cfg.log_max_total_bytes, cfg.log_max_age, dry_run)
+    alive = [a for a in list_allocators() if a["alive"]]
+    live = {str(a.get("alloc_id", "")) for a in alive}
+    held = held_open({int(a["pid"]) for a in alive})
+    gone = collect(runtime_dir(cfg), live, cfg.log_max_total_bytes, cfg.log_max_age, dry_run, held)
     return [{"path": r.path, "bytes": r.nbytes, "age_days": r.age / 86400} for r in gone]
 
 

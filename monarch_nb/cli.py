@@ -248,7 +248,7 @@ def _gc(args: argparse.Namespace) -> int:
 
     verb = "would remove" if args.dry_run else "removed"
     for what, gone, unit in (
-        ("log", gc_logs(dry_run=args.dry_run), ("directory", "directories")),
+        ("log", gc_logs(dry_run=args.dry_run), ("directory or file", "directories and files")),
         ("code cache", gc_code(dry_run=args.dry_run), ("entry", "entries")),
     ):
         for g in gone:

@@ -715,6 +715,9 @@ def test_gc_removes_old_logs_of_stopped_allocators_and_meshes(tmp_path) -> None:
 
     rank_log("mnb-logs-0123456789ab/train/rank-0.jsonl", old)  # an allocator long gone
     rank_log("mnb-logs-ba9876543210/train/rank-0.jsonl", time.time())  # gone, but recent
+    # a detached allocator's own output, one file per process that started one: nothing removed them
+    rank_log("allocator-start-4242.log", old)
+    rank_log("allocator-start-4343.log", time.time())
     env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=str(rdir))
     r = subprocess.run([PY, "-m", "monarch_nb", "gc", "--dry-run"], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -724,6 +727,15 @@ def test_gc_removes_old_logs_of_stopped_allocators_and_meshes(tmp_path) -> None:
     assert r.returncode == 0, r.stderr
     assert not (rdir / "mnb-logs-0123456789ab").exists()
     assert (rdir / "mnb-logs-ba9876543210" / "train" / "rank-0.jsonl").exists()
+    assert f"removed {rdir}/allocator-start-4242.log" in r.stdout and "4343" not in r.stdout, r.stdout
+    assert not (rdir / "allocator-start-4242.log").exists() and (rdir / "allocator-start-4343.log").exists()
+    # a running allocator's start log (its stdout) stays, whatever its age
+    from monarch_nb._runtime.logfiles import plan
+
+    os.utime(rdir / "allocator-start-4343.log", (old, old))
+    held = {str(rdir / "allocator-start-4343.log")}
+    assert [r.path for r in plan(str(rdir), set(), 0, 86400, held)] == []
+    assert [r.path for r in plan(str(rdir), set(), 0, 86400)] == [str(rdir / "allocator-start-4343.log")]
     # over the total, the oldest go first even when young
     env["MONARCH_NB_LOG_MAX_TOTAL_BYTES"] = "1"
     r = subprocess.run([PY, "-m", "monarch_nb", "gc"], env=env, capture_output=True, text=True, timeout=60)
