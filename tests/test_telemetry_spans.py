@@ -295,6 +295,20 @@ def test_an_attached_allocator_s_spans_are_found_and_a_mesh_object_names_its_mes
         pm.stop().get(timeout=30)
 
 
+def test_a_name_no_proc_mesh_has_says_so_instead_of_finding_nothing(traced) -> None:  # type: ignore[no-untyped-def]
+    """docs/telemetry.md's example queried "trainers", its actor mesh's name: an empty frame, no
+    word of why. The actor mesh here is "t" on proc mesh "spans"."""
+    import warnings
+
+    traced.step.call(1).get(timeout=30)
+    with pytest.warns(UserWarning, match=r"no proc mesh named 't' on the allocators asked \(proc meshes: [^)]*\bspans\b") as w:
+        assert telemetry.query_records("t") == []
+    assert "for an actor mesh, pass the ActorMesh itself" in str(w[0].message) and w[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert telemetry.query_records("spans") and telemetry.query_records(traced)
+
+
 def test_bad_input_says_what_to_do() -> None:
     with pytest.raises(ValueError, match="30s"):
         telemetry.query(since="yesterday")

@@ -8,7 +8,9 @@ import os
 import re
 import socket
 import statistics
+import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -175,6 +177,8 @@ def _gather(
             spans.append(_shown(s))
         mets.extend(got["metrics"])
         incs.extend(tuple(i) for i in got.get("incarnations", ()))
+    if name is not None and procs is None and not incs and not errors:
+        _warn_unknown(name, addresses, timeout)
     keep = _incarnation_filter(incarnation, incs, spans, procs)
     if keep is not None:
         spans = [s for s in spans if keep(s)]
@@ -189,6 +193,22 @@ def _gather(
         spans = [s for s in spans if s["start"] + s["duration"] >= since]
     spans.sort(key=lambda s: s["start"])
     return spans, mets, errors
+
+
+def _warn_unknown(name: str, addresses: list[str] | None, timeout: float) -> None:
+    """A name no allocator has a proc mesh of found nothing, silently: an actor mesh's name
+    (``query("trainers")`` for ``procs.spawn("trainers", ...)``) or a typo read as an idle mesh."""
+    answers, _ = _ask("spans", addresses, timeout, lambda t: (None, t + 3600.0))
+    known = sorted({str(i[0]) for got, _ in answers for i in got.get("incarnations", ())})
+    # the warning points at the caller's line, whichever public function it called
+    here, level, frame = os.path.dirname(__file__), 1, sys._getframe(0)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(here):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"telemetry: no proc mesh named {name!r} on the allocators asked (proc meshes: {', '.join(known) or 'none'}); "
+        "mesh is a proc mesh's name: for an actor mesh, pass the ActorMesh itself",
+        stacklevel=level,
+    )
 
 
 def query_records(
