@@ -377,6 +377,7 @@ def test_mesh_trace_magic_writes_a_trace_and_draws_the_timeline_also_after_a_ker
         said = bad.stream("stderr") + str(bad.error)
         assert bad.reply["content"]["status"] == "error" and "no spans of a mesh named 'tx' in the last 30s" in said, said
         assert re.search(r"no such mesh runs on the attached allocators \(meshes: [^)]*\btr\b", said), said
+        assert "UserWarning" not in said, said  # said once, in the magic's words
         assert not none.exists()
         # a restarted kernel reads the spans of before the restart back from the allocator
         kern.km.restart_kernel(now=True)

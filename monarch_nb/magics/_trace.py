@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 import os
 import time
+import warnings
 from typing import Any
 
 from .. import telemetry
@@ -17,7 +18,10 @@ _W, _LABEL, _ROW = 900, 150, 14
 
 def trace(name: str | None, last: str, out: str | None, factor: float, incarnation: str = "latest") -> TraceView:
     try:
-        rows = telemetry.query_records(name, since=last, incarnation=incarnation)
+        with warnings.catch_warnings():
+            # an unknown name is this function's own error below, in the magic's words
+            warnings.filterwarnings("ignore", message="telemetry: no proc mesh named", category=UserWarning)
+            rows = telemetry.query_records(name, since=last, incarnation=incarnation)
     except ValueError as e:
         # the error names the argument it is about (since=…, incarnation=…): say which flag
         flag = f"--incarnation {incarnation!r}" if str(e).startswith("incarnation=") else f"--last {last!r}"
