@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import re
 
-#: a number as it is written in text: integers, decimals, exponents, a sign
-NUM = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
+#: a number as it is written in text: integers, decimals, exponents, a sign. A sign or a
+#: leading dot right after a word is punctuation, not part of the number (``shard-3``,
+#: ``layer.3.weight``: read as signed or decimal, ranks 0-15's ``shard-0``…``shard-15`` became
+#: ``shard-15…-0``), and so is a trailing dot (``layer.1.`` would keep it in the slot)
+NUM = re.compile(r"(?:(?<![\w.])[-+])?(?:\d+\.\d+|(?<![\w.])\.\d+|\d+)(?:[eE][-+]?\d+)?")
 
 
 def summarise(values: list[str]) -> str:

@@ -23,6 +23,19 @@ def test_messages_that_differ_only_in_numbers_are_one_line_past_a_few() -> None:
     assert text.count("ValueError: shard") == 1, text
 
 
+def test_numbers_after_a_hyphen_or_a_dot_merge_as_the_numbers_the_user_wrote() -> None:
+    # a KeyError of f"shard-{rank}" on 16 ranks read as signed numbers: 'shard-15…-0'
+    failures = {r: ("KeyError", f"'shard-{r}'", TB) for r in range(16)}
+    text = str(ExecError(failures, 16, "train"))
+    assert "  ranks 0-15: KeyError: 'shard-0…15'" in text, text
+    failures = {r: ("KeyError", f"'layer.{r}.weight'", TB) for r in range(8)}
+    text = str(ExecError(failures, 8, "train"))
+    assert "  ranks 0-7: KeyError: 'layer.0…7.weight'" in text, text
+    # a sign after "=" or a space is still a sign
+    failures = {r: ("ValueError", f"loss=-{r}.5 is negative", TB) for r in range(8)}
+    assert "  ranks 0-7: ValueError: loss=-7.5…-0.5 is negative" in str(ExecError(failures, 8)), str(ExecError(failures, 8))
+
+
 def test_a_few_messages_keep_a_line_each() -> None:
     failures = {r: ("KeyError", f"'shard {r}'", TB) for r in (0, 4, 8)}
     lines = _errgroup.group_lines(_errgroup.group((r, *f) for r, f in failures.items()))
