@@ -15,7 +15,7 @@ from typing import Any
 
 from . import _errgroup, _registry
 from ._deadline import budget
-from ._ranks import select_ranks
+from ._ranks import format_ranks, select_ranks
 from ._registry import _resolve, connect, get, hosts, meshes, restart, spawn
 from .actor import Extent, Future, ProcMesh, ValueMesh, controller_client
 from .errors import ActorError, ExecError, MeshError, SpawnError, SupervisionError
@@ -130,10 +130,21 @@ def exec_cell(
         others = [i for i in idx if i != dead]
         running: list[int] | int = others if left == len(others) else left
         host = f" (host {e.host})" if e.host else ""
-        lines = [f"the cell failed on mesh {pm.name!r}: the process of rank {dead} died{host}: {e.cause}"]
+        if dead_before is None:
+            lines = [f"the cell failed on mesh {pm.name!r}: the process of rank {dead} died{host}: {e.cause}"]
+        else:
+            # every later cell fails with the same death: read as news, it sent the user looking
+            # for what this cell did to rank 3, and it said nothing of how to go on
+            lines = [f"the cell failed on mesh {pm.name!r}: the process of rank {dead} had died before it ran{host}: {e.cause}"]
         still = _errgroup.running_line(running, len(idx))
         if still:
             lines.append(f"{still}; the next cell on this mesh waits for them (%mesh stop {pm.name} ends them)")
+        if dead_before is not None:
+            live = format_ranks([i for i in idx if i != dead])
+            lines.append(
+                f"every cell on all of this mesh's ranks fails so: %%mesh exec {pm.name} --ranks {live} runs one on the "
+                f"live ranks; %mesh stop {pm.name} ends the mesh (spawn a new one to use every rank again)"
+            )
         out = SupervisionError(e.cause, mesh=e.mesh, actor=e.actor, rank=e.rank, host=e.host, message="\n".join(lines))
         out.endpoint = e.endpoint
         return out
@@ -149,6 +160,8 @@ def exec_cell(
             raise died(e, call) from None
         return collect(raw)
 
+    # a rank whose process died in an earlier cell fails this one at once, as it did that one
+    dead_before = am._known_failed()
     call = am.run.call_ranks(sel, source, label)
     out: Future[ValueMesh[Any]] = Future._create(what)
     out._progress = call._progress

@@ -234,6 +234,31 @@ def test_a_mesh_exec_cell_whose_rank_dies_names_it_and_the_ranks_left_waiting_in
             procs.stop().get(timeout=30)
 
 
+def test_a_mesh_exec_cell_after_a_rank_died_says_it_died_before_and_how_to_go_on():
+    """The cell after the one in which a rank died fails with that same death: it says the rank
+    had died before it ran (not that this cell killed it) and how to run on the live ranks."""
+    from monarch_nb.errors import SupervisionError
+    from monarch_nb.mesh import exec_cell
+
+    procs = this_host().spawn_procs(per_host={"gpus": 3}, name="exec_dead")
+    try:
+        kill = "import os, signal\nfrom monarch_nb.actor import current_rank\nif current_rank().rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)"
+        with pytest.raises(SupervisionError) as first:
+            exec_cell(procs, kill, timeout=30)
+        assert str(first.value).startswith("the cell failed on mesh 'exec_dead': the process of rank 1 died ("), first.value
+        assert "before it ran" not in str(first.value) and "--ranks" not in str(first.value)
+        with pytest.raises(SupervisionError) as later:
+            exec_cell(procs, "1", timeout=30)
+        text = str(later.value)
+        assert text.startswith("the cell failed on mesh 'exec_dead': the process of rank 1 had died before it ran ("), text
+        assert "was killed by SIGKILL" in text, text
+        assert "%%mesh exec exec_dead --ranks 0,2 runs one on the live ranks; %mesh stop exec_dead ends the mesh" in text, text
+        # and the advice works
+        assert exec_cell(procs, "2", ranks="0,2", timeout=30).values() == [2, 2]
+    finally:
+        procs.stop().get(timeout=30)
+
+
 class Stuck(Actor):
     @endpoint
     def init(self) -> int:
