@@ -175,6 +175,7 @@ def exec_cell(
         # the ranks were interrupted too: the future's "only the wait stopped" is not so here
         vars(e).pop("__notes__", None)
         _note_not_interrupted(e, out, pm.name)
+        _note_where_interrupted(e, out)
         raise
 
 
@@ -200,6 +201,21 @@ def _note_not_interrupted(e: BaseException, out: Future[Any], name: str) -> None
         "in a C call (a collective waiting for another rank, perhaps), which an interrupt does not end; "
         f"the next cell on this mesh waits for them (%mesh stop {name} ends them)"
     )
+
+
+def _note_where_interrupted(e: BaseException, out: Future[Any]) -> None:
+    """The ranks' own interrupts, grouped: where each rank's code was, which is what a user
+    interrupting a cell that seems stuck wants to know (the local traceback shows only the
+    cell's wait). Only when every rank has stopped (``_note_not_interrupted`` waited)."""
+    if not out.done():
+        return
+    try:
+        out.get(timeout=0)
+    except ExecError as x:
+        lines = str(x).splitlines()[1:]
+        e.add_note("\n".join(["monarch_nb: the interrupt stopped the cell on the ranks too; where they were:", *lines]))
+    except BaseException:
+        pass  # a rank died meanwhile, say: the interrupt is the news, not that
 
 
 def interrupt(mesh: ProcMesh | str | None, ranks: list[int] | None = None) -> int:

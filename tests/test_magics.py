@@ -271,6 +271,14 @@ def test_interrupt_stops_remote_code_and_keeps_the_procs(k: Kernel) -> None:
     k.interrupt()
     c = k.wait(cell, 20)
     assert c.error and c.error["ename"] == "KeyboardInterrupt"
+    # the kernel's own traceback is the cell's wait: the user's cell line, none of the runtime's
+    # frames (six, a screenful, before); then where the ranks were, grouped
+    tb = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(c.error["traceback"]))
+    assert "monarch_nb/" not in tb and "_debugwait" not in tb, tb
+    assert "run_cell_magic('mesh', 'exec intr'" in tb, tb
+    assert "monarch_nb: the interrupt stopped the cell on the ranks too; where they were:" in tb, tb
+    assert "KeyboardInterrupt on 2 of 2 ranks: 0-1" in tb and "--- ranks 0-1: KeyboardInterrupt" in tb, tb
+    assert re.search(r"Cell In\[\d+\], line 3, in <module>\n    time\.sleep\(600\)", tb), tb
     assert _ok(k.run("%%mesh exec intr\nos.getpid()")).result == pids
 
 
@@ -962,6 +970,9 @@ def test_an_interrupted_wait_says_the_call_runs_on_and_the_future_still_works(k:
         assert c.error and c.error["ename"] == error, (code, c.msgs)
         tb = "\n".join(c.error["traceback"])
         assert f"only the wait stopped: {what} still runs on {ranks} of {ranks} ranks" in tb, (code, tb)
+        if error == "KeyboardInterrupt":
+            # the cell's line, not the runtime's lock the interrupt landed in
+            assert "fut.get()" in tb and "monarch_nb/" not in tb and "_debugwait" not in tb, tb
     go.touch()
     assert _ok(k.run("[v for _, v in fut.get(timeout=20).items()], one.get(timeout=20)")).result == (
         "(['finished', 'finished'], 'finished')"

@@ -33,6 +33,7 @@ from ..actor import blocked_on
 from ..debug import quiet
 from ..errors import ActorError, ExecError, SupervisionError
 from ..logs import Aggregator, LogLine, format_line
+from . import _interrupt
 
 #: a kernel's default aggregation window, in seconds (as in Monarch's notebook default)
 DEFAULT_WINDOW = 1.0
@@ -159,6 +160,7 @@ class KernelOutput:
         self.shell.events.register("pre_run_cell", self.pre_run_cell)
         self.shell.events.register("post_run_cell", self.post_run_cell)
         self._hook_display()
+        _interrupt.install(self.shell)
         threading.Thread(target=self._ticker, name="monarch_nb-output", daemon=True).start()
 
     def _hook_display(self) -> None:
@@ -186,6 +188,7 @@ class KernelOutput:
         trap = getattr(self.shell, "display_trap", None)
         if trap is not None and getattr(trap.hook, "_mnb_flush", False):
             trap.hook = trap.hook._mnb_original
+        _interrupt.uninstall(self.shell)
         self._stop.set()
         self._wake.set()
         if self.client.log_writer == self.on_lines:

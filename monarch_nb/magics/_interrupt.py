@@ -1,0 +1,59 @@
+"""A ``KeyboardInterrupt`` in a cell shown without monarch_nb's own frames.
+
+An interrupt lands wherever the kernel's main thread was: in a cell blocked on ``.get()``
+that is a lock inside the runtime, three to six frames (``Future.get``, ``_debugwait.wait``,
+``%%mesh exec``'s plumbing) that say nothing about the user's code and push the note that
+says what still runs below a screenful. Remote tracebacks already hide runtime frames
+(``_errgroup.clean_traceback``); this does the same for the local one. Other exceptions keep
+IPython's view: ours carry ``_render_traceback_``, and the user's own are not ours to trim.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from .._errgroup import _internal, show_internal_frames
+
+
+def user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` without the frames of monarch_nb's own files; ``tb`` itself when it has none."""
+    frames: list[types.TracebackType] = []
+    t = tb
+    while t is not None:
+        frames.append(t)
+        t = t.tb_next
+    kept = [t for t in frames if not _internal(t.tb_frame.f_code.co_filename)]
+    if len(kept) == len(frames) or not kept:
+        return tb
+    out: types.TracebackType | None = None
+    for t in reversed(kept):
+        out = types.TracebackType(out, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    return out
+
+
+def _show(shell: Any, etype: type[BaseException], value: BaseException, tb: Any, tb_offset: Any = None) -> list[str]:
+    if not show_internal_frames():
+        tb = user_frames(tb)
+    stb = shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
+    # IPython's run_code calls a custom handler and shows nothing itself
+    shell._showtraceback(etype, value, stb)
+    return stb
+
+
+def install(shell: Any) -> bool:
+    """Show a cell's ``KeyboardInterrupt`` through :func:`_show`, unless the shell already has
+    a custom exception handler (another extension's, or the user's: theirs wins)."""
+    if getattr(shell, "custom_exceptions", None) != ():
+        return False
+    shell.set_custom_exc((KeyboardInterrupt,), _show)
+    return True
+
+
+def uninstall(shell: Any) -> None:
+    if getattr(shell, "custom_exceptions", None) == (KeyboardInterrupt,):
+        handler = getattr(shell.CustomTB, "__func__", None)
+        # IPython wraps the handler: ours is the one whose closure holds _show
+        cells = getattr(handler, "__closure__", None) or ()
+        if any(c.cell_contents is _show for c in cells):
+            shell.set_custom_exc((), None)
