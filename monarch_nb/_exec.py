@@ -24,6 +24,8 @@ from .actor._spans import _who
 
 #: the actor name every proc mesh uses for its exec namespace
 EXEC_ACTOR = "__mnb_exec__"
+#: the ``__name__`` of a mesh's exec namespace (the module of the classes its cells define)
+EXEC_NS = "__mnb_exec__"
 
 
 class Unpicklable:
@@ -47,7 +49,7 @@ class CellFailed(Exception):
 
 class ExecActor(Actor):
     def __init__(self) -> None:
-        self.ns: dict[str, Any] = {"__name__": "__mnb_exec__", "__builtins__": builtins}
+        self.ns: dict[str, Any] = {"__name__": EXEC_NS, "__builtins__": builtins}
         self.count = 0
 
     @endpoint
@@ -67,6 +69,9 @@ class ExecActor(Actor):
             while tb is not None and tb.tb_frame.f_code.co_filename != filename:
                 tb = tb.tb_next
             text = "".join(traceback.format_exception(type(e), e, tb))
+            # a class the cell defined reads as a notebook cell's does (``ShardError: …``), not
+            # qualified by this namespace's internal module name (``__mnb_exec__.ShardError``)
+            text = text.replace(f"{EXEC_NS}.", "")
             # this span carries the cell's own error (the call span only says the endpoint raised)
             # to telemetry, and to every dashboard on the mesh, whichever kernel ran the cell
             actor, rank = _who()

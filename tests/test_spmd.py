@@ -259,6 +259,23 @@ def test_a_mesh_exec_cell_after_a_rank_died_says_it_died_before_and_how_to_go_on
         procs.stop().get(timeout=30)
 
 
+def test_an_exception_class_a_mesh_exec_cell_defines_reads_as_a_notebook_cell_s():
+    # "__mnb_exec__.ShardError: bad shard 0" was the last line of the grouped traceback
+    from monarch_nb.errors import ExecError
+    from monarch_nb.mesh import exec_cell
+
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, name="exec_cls")
+    try:
+        cell = "from monarch_nb.actor import current_rank\nclass ShardError(Exception):\n    pass\nraise ShardError(f'bad shard {current_rank().rank}')"
+        with pytest.raises(ExecError) as info:
+            exec_cell(procs, cell, timeout=30)
+        text = str(info.value)
+        assert "ShardError on 2 of 2 ranks: 0-1" in text, text
+        assert "\nShardError: bad shard 0\n" in text and "__mnb_exec__" not in text, text
+    finally:
+        procs.stop().get(timeout=30)
+
+
 class Stuck(Actor):
     @endpoint
     def init(self) -> int:
