@@ -1,4 +1,5 @@
-"""A ``KeyboardInterrupt`` in a cell shown without monarch_nb's own frames.
+"""A ``KeyboardInterrupt`` in a cell (a ``CancelledError`` in an async one) shown without
+monarch_nb's own frames.
 
 An interrupt lands wherever the kernel's main thread was: in a cell blocked on ``.get()``
 that is a lock inside the runtime, three to six frames (``Future.get``, ``_debugwait.wait``,
@@ -10,10 +11,14 @@ IPython's view: ours carry ``_render_traceback_``, and the user's own are not ou
 
 from __future__ import annotations
 
+import asyncio
 import types
 from typing import Any
 
 from .._errgroup import _internal, show_internal_frames
+
+#: an interrupted wait: ``.get()`` raises KeyboardInterrupt, an async cell's ``await`` CancelledError
+INTERRUPTS = (KeyboardInterrupt, asyncio.CancelledError)
 
 
 def user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
@@ -42,16 +47,16 @@ def _show(shell: Any, etype: type[BaseException], value: BaseException, tb: Any,
 
 
 def install(shell: Any) -> bool:
-    """Show a cell's ``KeyboardInterrupt`` through :func:`_show`, unless the shell already has
+    """Show a cell's :data:`INTERRUPTS` through :func:`_show`, unless the shell already has
     a custom exception handler (another extension's, or the user's: theirs wins)."""
     if getattr(shell, "custom_exceptions", None) != ():
         return False
-    shell.set_custom_exc((KeyboardInterrupt,), _show)
+    shell.set_custom_exc(INTERRUPTS, _show)
     return True
 
 
 def uninstall(shell: Any) -> None:
-    if getattr(shell, "custom_exceptions", None) == (KeyboardInterrupt,):
+    if getattr(shell, "custom_exceptions", None) == INTERRUPTS:
         handler = getattr(shell.CustomTB, "__func__", None)
         # IPython wraps the handler: ours is the one whose closure holds _show
         cells = getattr(handler, "__closure__", None) or ()
