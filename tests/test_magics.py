@@ -437,6 +437,36 @@ def _of(k: Kernel, cell) -> list[dict]:  # type: ignore[no-untyped-def,type-arg]
     return [m for m in k.log if m["parent_header"].get("msg_id") == cell.msg_id]
 
 
+def test_a_broadcast_failing_with_different_errors_shows_each_kind_once(k: Kernel) -> None:
+    # nobody receives a broadcast's errors: the notice is all the user sees of them. It showed
+    # the first failure and "3 more failures …, as above": the KeyError and the CUDA error unseen
+    _ok(k.run("%mesh spawn bmix --per-host gpus=4"))
+    _ok(k.run(COUNT_FAULTS))
+    cell = k.execute(
+        "from monarch_nb.actor import Actor, endpoint, current_rank\n"
+        "class Mixed(Actor):\n"
+        "    @endpoint\n"
+        "    def step(self) -> None:\n"
+        "        r = current_rank().rank\n"
+        "        if r % 2 == 0:\n"
+        "            raise ValueError(f'bad shape for shard {r}')\n"
+        "        if r == 1:\n"
+        "            raise KeyError('layer.1.weight')\n"
+        "        raise RuntimeError('CUDA error: an illegal memory access was encountered')\n"
+        "mixed = bmix.spawn('mixed', Mixed)\n"
+        "mixed.step.broadcast()\n" + poll("faults.count('mixed') == 4", 30, "the four ranks' failures")
+    )
+    _ok(k.wait(cell))
+    notices = "".join(_text(m) for m in _of(k, cell) if "mesh 'mixed'" in _text(m))
+    assert notices.count("unhandled mesh failure: mesh 'mixed'") == 3, notices
+    assert "KeyError: 'layer.1.weight'" in notices, notices
+    assert "RuntimeError: CUDA error: an illegal memory access was encountered" in notices, notices
+    # the two ValueErrors differ only in their numbers: one is shown, the other counted
+    assert notices.count("ValueError: bad shape for shard") == 1, notices
+    assert re.search(r"1 more failure of mesh 'mixed' \(rank [02]\), as above", notices), notices
+    _ok(k.run("%mesh stop bmix"))
+
+
 def test_a_failing_init_shows_a_notice_in_the_cell_that_spawned(k: Kernel) -> None:
     # spawn returns at once (as Monarch's); the failure comes through supervision, and the
     # kernel's default unhandled_fault_hook shows it in the running cell

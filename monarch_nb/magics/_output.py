@@ -28,6 +28,7 @@ import time
 import uuid
 from typing import Any
 
+from .._numtext import template
 from .._ranks import format_ranks
 from ..actor import blocked_on
 from ..debug import quiet
@@ -57,6 +58,8 @@ SPAWN_PROGRESS_MIN = 16
 #: failure concerns fails at once and the cell's code sees it as soon as it wakes
 NOTICE_HOLD = 5.0
 NOTICE_HOLD_MAX = 60.0
+#: the failures of one mesh told in full in a cell, one of each kind: past these, a count
+NOTICE_KINDS = 5
 _TICK = 0.05
 
 
@@ -124,8 +127,9 @@ class _Cell:
         self.raised: set[str] = set()
         #: once the cell ended: those of them it caught (it did not end with their error)
         self.caught: set[str] = set()
-        #: meshes whose failure this cell has told of (later ones get one short line)
-        self.noticed: set[str] = set()
+        #: meshes whose failure this cell has told of, with the kinds told (later failures of a
+        #: kind told get one short line)
+        self.noticed: dict[str, set[str]] = {}
 
 
 class KernelOutput:
@@ -306,21 +310,31 @@ class KernelOutput:
                 cell.raised |= names
 
     def _show_notices(self, cell: _Cell, items: list[tuple[str, str, int | None]]) -> None:
-        """Each mesh's first failure in full, later ones of the same mesh in one short line."""
+        """Each mesh's first failure of each kind in full, later ones of a kind told in one short
+        line. A kind: the text with its numbers blanked (the rank's point, a pid, a shard number):
+        a broadcast that failed with a ValueError on 8 ranks, a KeyError on 3 and a CUDA error on
+        one showed the ValueError alone, the other two "as above"."""
         later: dict[str, list[int | None]] = {}
+        other: dict[str, list[int | None]] = {}
         lines = []
         for text, mesh, rank in items:
-            if mesh and mesh in cell.noticed:
+            kind = template(text)
+            kinds = cell.noticed.setdefault(mesh, set())
+            if mesh and kind in kinds:
                 later.setdefault(mesh, []).append(rank)
                 continue
-            cell.noticed.add(mesh)
+            if mesh and len(kinds) >= NOTICE_KINDS:
+                other.setdefault(mesh, []).append(rank)
+                continue
+            kinds.add(kind)
             lines.append(text.rstrip("\n"))
-        for mesh, ranks in later.items():
-            known = sorted({r for r in ranks if r is not None})
-            unit = "rank" if len(known) == 1 else "ranks"
-            which = f" ({unit} {format_ranks(known)})" if known else ""
-            n = len(ranks)
-            lines.append(f"monarch_nb: {n} more failure{'s' if n > 1 else ''} of mesh {mesh!r}{which}, as above")
+        for how, groups in (("as above", later), ("each unlike those above, not shown", other)):
+            for mesh, ranks in groups.items():
+                known = sorted({r for r in ranks if r is not None})
+                unit = "rank" if len(known) == 1 else "ranks"
+                which = f" ({unit} {format_ranks(known)})" if known else ""
+                n = len(ranks)
+                lines.append(f"monarch_nb: {n} more failure{'s' if n > 1 else ''} of mesh {mesh!r}{which}, {how}")
         if not lines:
             return
         if cell.running:
