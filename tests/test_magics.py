@@ -1003,6 +1003,8 @@ def test_an_interrupted_wait_says_the_call_runs_on_and_the_future_still_works(k:
         # the cell's line, not the runtime's lock the interrupt landed in
         plain = re.sub(r"\x1b\[[0-9;]*m", "", tb)
         assert f"----> 1 {code}" in plain and "monarch_nb/" not in plain and "_debugwait" not in plain, plain
+        # and %tb / %debug still find it (IPython records it only on its own display path)
+        assert _ok(k.run("import sys as _sys\ntype(_sys.last_value).__name__")).result == repr(error)
     go.touch()
     assert _ok(k.run("[v for _, v in fut.get(timeout=20).items()], one.get(timeout=20)")).result == (
         "(['finished', 'finished'], 'finished')"

@@ -12,6 +12,7 @@ IPython's view: ours carry ``_render_traceback_``, and the user's own are not ou
 from __future__ import annotations
 
 import asyncio
+import sys
 import types
 from typing import Any
 
@@ -38,6 +39,9 @@ def user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
 
 
 def _show(shell: Any, etype: type[BaseException], value: BaseException, tb: Any, tb_offset: Any = None) -> list[str]:
+    # what IPython's showtraceback records and its custom-handler path does not: %tb and %debug
+    # read them (the whole traceback: a debugger may go into our frames)
+    sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb
     if not show_internal_frames():
         tb = user_frames(tb)
     stb = shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
