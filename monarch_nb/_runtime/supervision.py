@@ -110,16 +110,19 @@ class Supervision:
                 return
             self.dead[peer] = err
             waiters = list(self._waiters.values())
-        for on_peer_failed in waiters:
-            try:
-                on_peer_failed(peer, err)
-            except Exception:
-                logger.exception("failure callback raised")
+        # the callbacks first: they decide what the failure is reported as (the client's, by the
+        # meshes' state), which must be the state before any caller, failed below, acts on it
+        # (stops the mesh at once, say)
         for cb in list(self.peer_failure_callbacks):
             try:
                 cb(peer, err)
             except Exception:
                 logger.exception("peer failure callback raised")
+        for on_peer_failed in waiters:
+            try:
+                on_peer_failed(peer, err)
+            except Exception:
+                logger.exception("failure callback raised")
 
     def watch(self, alloc_addr: str, proc_addr: str, mesh: str, rank: int, host: str) -> None:
         """Supervise ``proc_addr`` through the allocator that owns it."""

@@ -384,7 +384,11 @@ class Client:
         mesh = self.owned.get(addr)
         if mesh is None or mesh._name in self.stopped_meshes or "mesh stopped" in err.cause:
             return
-        threading.Thread(target=mesh._report_failure, args=(err,), daemon=True).start()
+        # what it is reported as is decided now, before the callers waiting on the proc hear
+        # of it: one that stops the mesh at once must not turn its actor meshes' failures into
+        # the proc mesh's (Monarch's names the actor mesh); the hooks run on a thread of their own
+        failures = mesh._failures_for(err)
+        threading.Thread(target=mesh._report_failure, args=(err, failures), daemon=True).start()
 
     def flush_logs(self, timeout: float = 2.0) -> None:
         """Make output the procs already wrote reach this client before returning."""

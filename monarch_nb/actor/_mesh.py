@@ -927,14 +927,19 @@ class ProcMesh(MeshTrait):
                 reply=(client.rt.addr_for(alloc), port),
             )
 
-    def _report_failure(self, err: Exception) -> None:
+    def _failures_for(self, err: Exception) -> list[Any]:
+        """The ``MeshFailure``s a dead proc (``err``) is reported as, as Monarch's: one per actor
+        mesh that had an actor on it, named after it; the proc mesh's own only when none had."""
+        from . import _supervision
+
+        failures = [f for m in list(self._spawned) if (f := m._proc_failure(err)) is not None]
+        return failures or [_supervision.MeshFailure(self._name, self, err)]
+
+    def _report_failure(self, err: Exception, failures: list[Any] | None = None) -> None:
         from . import _supervision
 
         try:
-            # as Monarch's: one failure per actor mesh that had an actor on the dead proc, named
-            # after it; the proc mesh's own only when none had
-            failures = [f for m in list(self._spawned) if (f := m._proc_failure(err)) is not None]
-            for f in failures or [_supervision.MeshFailure(self._name, self, err)]:
+            for f in self._failures_for(err) if failures is None else failures:
                 _supervision.report(f)
         finally:
             # marked after the report, so code that waits for the mark has seen the report
