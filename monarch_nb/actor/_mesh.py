@@ -10,6 +10,7 @@ import re
 import secrets
 import signal
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -170,6 +171,7 @@ class ActorMesh(MeshTrait, Generic[T]):
         failure.actor, failure.reason = event["actor"], event["reason"]
         if self._sup is not None and self._origin is not None and 0 <= event["rank"] < len(self._origin[2]):
             self._sup.failed.add(self._origin[2][event["rank"]])
+            self._sup.events.setdefault(self._origin[2][event["rank"]], event)
         pm = self._proc_mesh
         if pm is not None:
             # its procs take no new actors now: `%mesh spawn NAME` replaces them (_registry.spawn)
@@ -210,9 +212,13 @@ class ActorMesh(MeshTrait, Generic[T]):
 
     def _stopped_error(self, method: str) -> SupervisionError:
         """What a call to ``method`` of this stopped mesh fails with: Monarch's words (its
-        SupervisionError names the first actor called), then ours."""
+        SupervisionError names the first actor called), then ours. A mesh one of whose actors
+        failed before the stop (its process dead, or itself) fails with that failure, as
+        Monarch's does: the stop that followed is not what went wrong."""
         from ._supervision import stopped_words
 
+        if (failed := self._failure_before_stop(method)) is not None:
+            return failed
         named = self._monarch_name(self._view.ranks[0]) if self._view.ranks else None
         ours, words = stopped_words(self._label, method, named[1] if named is not None else "")
         if named is None:
@@ -220,6 +226,32 @@ class ActorMesh(MeshTrait, Generic[T]):
         e = SupervisionError(ours, actor=self._label, message=words)
         e.endpoint = f"{self._label}.{method}"
         return e
+
+    def _failure_before_stop(self, method: str) -> SupervisionError | None:
+        """The error a call to ``method`` got before this mesh stopped from the first actor in
+        this view that had failed, its process dead or itself; None when none had."""
+        sup = self._sup
+        dead = _context.runtime().supervision.dead
+        for i, r in enumerate(self._view.ranks):
+            err = dead.get(self._procs[r].addr)
+            if err is not None and self._dead_actor(err, r) is not None:
+                e = self._dead_proc_error(method, i, err)
+                return e if isinstance(e, SupervisionError) else None
+            event = sup.events.get(r) if sup is not None else None
+            if event is not None:
+                reason = event["reason"]
+                e = SupervisionError(
+                    reason,
+                    actor=self._label,
+                    rank=event["rank"],
+                    message=(
+                        f"Endpoint call {self._label}.{method}() failed, The actor {event['actor']} and all its "
+                        "descendants have failed:\n" + textwrap.indent(reason, "  ")
+                    ),
+                )
+                e.endpoint = f"{self._label}.{method}"
+                return e
+        return None
 
     def _dead_proc_error(self, method: str, index: int, err: BaseException) -> BaseException:
         """What a call to ``method`` gets from the actor at ``index`` (of this mesh's view) when
@@ -389,6 +421,9 @@ class _Supervised:
         #: indices into the mesh's procs whose actor failed (its process lives on); see
         #: ActorMesh._known_failed
         self.failed: set[int] = set()
+        #: index -> the first failure event of the actor there: what calls fail with once the
+        #: mesh is stopped (its process, which said so, is gone)
+        self.events: dict[int, dict[str, Any]] = {}
 
     def close(self, rt: Any) -> None:
         if self.port is not None:
