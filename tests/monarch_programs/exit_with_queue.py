@@ -1,0 +1,76 @@
+"""An endpoint that ends its own process (os._exit, SIGKILL) while other calls to that actor are
+queued behind it, sync and async actor: every queued caller gets the dead process's
+SupervisionError, within seconds; the other rank answers on; the hook hears of it once."""
+
+import os
+import re
+import signal
+import threading
+import time
+
+import monarch.actor as actor_api
+from monarch.actor import Actor, MeshFailure, current_rank, endpoint, this_host
+
+failures: list[MeshFailure] = []
+lock = threading.Lock()
+
+
+def hook(failure: MeshFailure) -> None:
+    with lock:
+        failures.append(failure)
+
+
+actor_api.unhandled_fault_hook = hook
+
+
+def lines(e: object) -> str:
+    ls = [line.strip() for line in str(e).strip().splitlines()]
+    return " | ".join(ls[:2])
+
+
+class W(Actor):
+    @endpoint
+    def die(self, how: str) -> None:
+        time.sleep(0.5)
+        if how == "exit":
+            os._exit(7)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    @endpoint
+    def val(self) -> int:
+        return current_rank().rank
+
+
+class AW(Actor):
+    @endpoint
+    async def die(self, how: str) -> None:
+        time.sleep(0.5)
+        if how == "exit":
+            os._exit(7)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    @endpoint
+    async def val(self) -> int:
+        return current_rank().rank
+
+
+for cls, how in [(W, "exit"), (AW, "kill")]:
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    m = procs.spawn("w", cls)
+    m.val.call().get()
+    t0 = time.monotonic()
+    dying = m.slice(gpus=1).die.call_one(how)
+    queued = [m.slice(gpus=1).val.call_one() for _ in range(3)]
+    queued_all = m.val.call()
+    for label, fut in [("dying", dying)] + [(f"queued {i}", f) for i, f in enumerate(queued)] + [("queued call", queued_all)]:
+        try:
+            print(f"{cls.__name__} {how} {label}: returned {fut.get(timeout=60)}")
+        except Exception as e:
+            print(f"{cls.__name__} {how} {label}: {type(e).__name__}: {lines(e)}")
+    print(f"{cls.__name__} {how} within 10 s:", time.monotonic() - t0 < 10)
+    print(f"{cls.__name__} {how} rank 0 still answers:", m.slice(gpus=0).val.call_one().get(timeout=30))
+    procs.stop().get()
+    with lock:
+        print("hook:", sorted({re.sub(r"-\w+$", "", f.mesh_name) for f in failures if not f.mesh_name.startswith("logger")}))
+        failures.clear()
+print("done")
