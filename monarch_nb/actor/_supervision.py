@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -34,6 +35,17 @@ class MeshFailure:
         self.reason = ""
 
     def report(self) -> str:
+        """Monarch's words for an actor's failure (``The actor <…> and all its descendants have
+        failed:`` and why, as its errors say), what a hook written for Monarch logs; else (a
+        proc mesh with no actor on it) the mesh and the event."""
+        first, sep, rest = self.event.partition("\n")
+        m = re.fullmatch(r"Supervision event: actor (.+) failed:", first)
+        if m is not None:
+            return f"The actor {m.group(1)} and all its descendants have failed:{sep}{rest}"
+        return self._ours()
+
+    def _ours(self) -> str:
+        # what this process says of it (notices, logs): the mesh by name, as the notebook shows it
         return f"mesh {self.mesh_name!r} failed: {self.event}"
 
     def __repr__(self) -> str:
@@ -68,7 +80,7 @@ def unhandled_fault_hook(failure: MeshFailure) -> None:
     global _hook_calls
     _hook_calls += 1
     # the failure's remote traceback (a failed __init__) as errors show theirs: cells named
-    text = clean_traceback(f"monarch_nb: unhandled mesh failure: {failure.report()}")
+    text = clean_traceback(f"monarch_nb: unhandled mesh failure: {failure._ours()}")
     notice = _context.client().notice if _context._client is not None else None
     if notice is not None:
         notice(text, failure.mesh_name, getattr(failure.error, "rank", None))
@@ -186,7 +198,7 @@ def report(failure: MeshFailure) -> None:
             if not _context.in_ipython_kernel():
                 print(
                     f"monarch_nb: unhandled mesh failure (unhandled_fault_hook raised {type(e).__name__}: {e}): "
-                    f"{failure.report()}",
+                    f"{failure._ours()}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -207,7 +219,7 @@ def _escalate(failure: MeshFailure) -> None:
     actor fails, so its creator sees its mesh fail (and so on up to the controller's
     ``unhandled_fault_hook``). Here the proc exits, which its owner observes as exactly that.
     """
-    print(f"monarch_nb: unhandled mesh failure, this proc exits: {failure.report()}", file=sys.stderr, flush=True)
+    print(f"monarch_nb: unhandled mesh failure, this proc exits: {failure._ours()}", file=sys.stderr, flush=True)
     try:
         sys.stdout.flush()
     except (OSError, ValueError):

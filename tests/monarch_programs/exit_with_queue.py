@@ -1,6 +1,7 @@
 """An endpoint that ends its own process (os._exit, SIGKILL) while other calls to that actor are
 queued behind it, sync and async actor: every queued caller gets the dead process's
-SupervisionError, within seconds; the other rank answers on; the hook hears of it once."""
+SupervisionError (how soon is left out: 0.7.0 took over 10 s on a loaded machine); the other
+rank answers on; the hook hears of it once, and its report()."""
 
 import os
 import re
@@ -58,7 +59,6 @@ for cls, how in [(W, "exit"), (AW, "kill")]:
     procs = this_host().spawn_procs(per_host={"gpus": 2})
     m = procs.spawn("w", cls)
     m.val.call().get()
-    t0 = time.monotonic()
     dying = m.slice(gpus=1).die.call_one(how)
     queued = [m.slice(gpus=1).val.call_one() for _ in range(3)]
     queued_all = m.val.call()
@@ -67,10 +67,13 @@ for cls, how in [(W, "exit"), (AW, "kill")]:
             print(f"{cls.__name__} {how} {label}: returned {fut.get(timeout=60)}")
         except Exception as e:
             print(f"{cls.__name__} {how} {label}: {type(e).__name__}: {lines(e)}")
-    print(f"{cls.__name__} {how} within 10 s:", time.monotonic() - t0 < 10)
     print(f"{cls.__name__} {how} rank 0 still answers:", m.slice(gpus=0).val.call_one().get(timeout=30))
     procs.stop().get()
     with lock:
         print("hook:", sorted({re.sub(r"-\w+$", "", f.mesh_name) for f in failures if not f.mesh_name.startswith("logger")}))
+        for f in failures:
+            if not f.mesh_name.startswith("logger"):
+                # Monarch's two lines (ours adds a third: host, proc mesh, pid)
+                print("its report:", " | ".join(line.strip() for line in f.report().splitlines()[:2]))
         failures.clear()
 print("done")

@@ -1,4 +1,4 @@
-"""An __init__ that fails on one rank of three, sync and async actor: the hook's one report, a call
+"""An __init__ that fails on one rank of three, sync and async actor: the hook's one report (and its report()), a call
 to the mesh fails, the other ranks and a slice without the failed one answer, broadcast returns.
 (stream differs on purpose and Monarch's hook also hears of each undeliverable message: both are
 left out, see the compatibility notes.)"""
@@ -64,6 +64,10 @@ for cls in (Half, AsyncHalf):
         time.sleep(0.05)
     with lock:
         print("hook:", [first_line(f) for f in failures if not f.mesh_name.startswith("logger")])
+        for f in failures:
+            if not f.mesh_name.startswith("logger"):
+                report = f.report().strip().splitlines()
+                print("its report:", report[0], "...", report[-1].strip())
         failures.clear()
     attempt("call", lambda: m.val.call().get(timeout=30).values())
     attempt("call_one rank 0", lambda: m.slice(gpus=0).val.call_one().get(timeout=30))
