@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import wait_for
@@ -309,3 +310,49 @@ finally:
 """
     out = _script(code)
     assert out["lost"] == 3 and out["asked_lost"] == [] and out["asked"] == 1, out
+
+
+_GATED = """
+import json, sys
+from monarch_nb.job import ProcessJob
+
+class Gated(ProcessJob):
+    def _create(self, client_script):
+        print("creating", flush=True)
+        sys.stdin.readline()  # the test says when this apply may go on
+        super()._create(client_script)
+
+job = Gated({{"w": 1}}, env={{"MONARCH_NB_ZYGOTE_PRELOAD": "", "MONARCH_NB_LEASE": "60"}})
+job.state(cached_path={cache!r})
+print(json.dumps({{"apply_id": job.apply_id}}), flush=True)
+"""
+
+
+class Gated(ProcessJob):
+    """The job type the scripts above cache (so that this process can load and kill it)."""
+
+
+def test_two_kernels_applying_the_same_job_at_once_share_one_job(tmp_path: Path) -> None:
+    cache = os.path.join(os.environ["MONARCH_NB_RUNTIME_DIR"], f"jr-{tmp_path.name}.json")
+    code = textwrap.dedent(_GATED.format(cache=cache))
+    kw: dict[str, Any] = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen([sys.executable, "-c", code], **kw)
+    second = None
+    try:
+        assert first.stdout is not None and first.stdout.readline().strip() == "creating"
+        second = subprocess.Popen([sys.executable, "-c", code], **kw)
+        # the second waits for the first instead of submitting a job of its own
+        assert second.stdout is not None
+        said = second.stdout.readline()
+        assert f"is applying the job cached at {cache}; waiting for it" in said, said
+        assert f"process {first.pid} " in said
+        out1, _ = first.communicate("go\n", timeout=90)
+        out2, _ = second.communicate("go\n", timeout=90)
+        ids = [json.loads(out.strip().splitlines()[-1])["apply_id"] for out in (out1, out2)]
+        assert ids[0] == ids[1] == json.loads(Path(cache).read_text())["apply_id"], (out1, out2)
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.kill()
+        if os.path.exists(cache):
+            job_load(cache).kill()

@@ -316,6 +316,34 @@ def write_json(path: str, obj: Any) -> None:
     write_private(path, json.dumps(obj, indent=1, sort_keys=True).encode())
 
 
+@contextlib.contextmanager
+def job_lock(path: str) -> Iterator[None]:
+    """Exclusive right to read, apply and write the job record at ``path`` (released if the
+    holder dies): two kernels applying the same job at once would each submit one, and the
+    record would keep only the second, leaving the first running unseen."""
+    lock = os.path.realpath(path) + ".lock"
+    os.makedirs(os.path.dirname(lock), mode=DIR_MODE, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            # the holder may wait for hours in a queue: say who, and that this cell waits for it
+            print(
+                f"process {holder} (another kernel or script) is applying the job cached at {path}; "
+                "waiting for it, then re-attaching to its job (interrupt to stop waiting)",
+                file=sys.stderr,
+                flush=True,
+            )
+            fcntl.flock(fd, fcntl.LOCK_EX)  # interruptible: Ctrl-C raises KeyboardInterrupt here
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
 def read_json(path: str) -> Any:
     raw = read_private(path)
     try:

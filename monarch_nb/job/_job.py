@@ -12,6 +12,7 @@ and lives under the runtime directory by default rather than in ``./.monarch``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
@@ -165,20 +166,23 @@ class JobTrait(ABC):
             job._enter_batch()
             self._cached = running = job
         if running is None:
-            cached = self._load_cached(cached_path)
-            if cached is not None:
-                logger.info("re-attaching to the cached %s job at %s", cached._type_name, cached_path)
-                cached._rebind_connection_inputs(self)
-                self._cached = cached
-                self._cached_path = cached_path
-                running = cached
-            else:
-                self.apply()
-                running = self
-                if cached_path is not None:
-                    # cached before attaching: a job whose attach fails is still there to kill
-                    self.dump(cached_path)
+            # one process at a time reads, applies and caches the job: another kernel applying
+            # the same job now is waited for, and then re-attached to
+            with records.job_lock(cached_path) if cached_path is not None else contextlib.nullcontext():
+                cached = self._load_cached(cached_path)
+                if cached is not None:
+                    logger.info("re-attaching to the cached %s job at %s", cached._type_name, cached_path)
+                    cached._rebind_connection_inputs(self)
+                    self._cached = cached
                     self._cached_path = cached_path
+                    running = cached
+                else:
+                    self.apply()
+                    running = self
+                    if cached_path is not None:
+                        # cached before attaching: a job whose attach fails is still there to kill
+                        self.dump(cached_path)
+                        self._cached_path = cached_path
         hosts = running._state()
         # named now: a killed Slurm job forgets its id
         ident = f"{running._type_name} {getattr(running, 'job_id', None) or (running._apply_id or '')[:8]}"
