@@ -544,3 +544,38 @@ def test_spawning_on_the_hosts_of_a_job_scancelled_from_outside_names_the_job(sl
     for i in (1, 2, 3):
         wait_for(lambda i=i: not _ours_on(slurm, i), 20, f"node n{i} to have no monarch_nb process")
     wait_for(lambda: not slurm.squeue().strip(), 30, "the queue to be empty")
+
+
+def test_a_kernel_killed_while_its_job_is_queued_leaves_a_job_the_next_one_finds(slurm: SlurmCluster) -> None:
+    (res,) = run_controller(
+        slurm.net,
+        slurm.shared,
+        _code(
+            slurm,
+            """
+            import subprocess
+            from monarch_nb.job import kill_job, launch, list_jobs
+            hog = SlurmJob(meshes={{"all": 3}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, job_name="hog")
+            hog.apply()
+            LATE = "from monarch_nb.job import launch; launch('slurm', 'late', 1, python_exe=%r, log_dir=%r, monarch_port=0)"
+            kernel = subprocess.Popen([sys.executable, "-c", LATE % (PY, LOG_DIR)], stderr=subprocess.PIPE, text=True)
+            said = kernel.stderr.readline()
+            kernel.kill()  # a kernel restart or the OOM killer while its job waits in the queue
+            kernel.wait()
+            queued = [(r["name"], r["id"], r["state"]) for r in list_jobs()]
+            hog.kill()
+            state = launch("slurm", "late", 1, python_exe=PY, log_dir=LOG_DIR, monarch_port=0)
+            answered = len(state.late.spawn_procs(per_host={{"gpus": 1}}).spawn("w", Where).where.call().get())
+            after = [(r["name"], r["id"], r["state"]) for r in list_jobs()]
+            kill_job("late")
+            out(said=said, queued=queued, after=after, answered=answered)
+            """,
+        ),
+        _env(slurm),
+    )
+    assert "pending: " in res["said"], res
+    job_id = re.search(r"Slurm job (\d+) pending", res["said"]).group(1)  # type: ignore[union-attr]
+    # the killed kernel's job is known (not queued unseen), and the next launch waits for it
+    assert len(res["queued"]) == 1 and res["queued"][0][:2] == ["late", job_id] and "PENDING" in res["queued"][0][2], res
+    assert res["after"] == [["late", job_id, "RUNNING"]] and res["answered"] == 1, res
+    wait_for(lambda: not slurm.squeue().strip(), 30, "the queue to be empty")

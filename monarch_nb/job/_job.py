@@ -119,6 +119,8 @@ class JobTrait(ABC):
         self._apply_id: str | None = None
         self._cached_path: str | None = None
         self._started: float = 0.0
+        #: where state() caches this job while apply() runs (for _submitted)
+        self._record_at: str | None = None
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -177,13 +179,27 @@ class JobTrait(ABC):
                     self._cached_path = cached_path
                     running = cached
                 else:
-                    self.apply()
+                    self._record_at = cached_path
+                    try:
+                        self.apply()
+                    except BaseException:
+                        if cached_path is not None:
+                            # _submitted recorded a job that apply() then cancelled
+                            _forget_cache(cached_path, self._apply_id)
+                        raise
+                    finally:
+                        self._record_at = None
                     running = self
                     if cached_path is not None:
                         # cached before attaching: a job whose attach fails is still there to kill
                         self.dump(cached_path)
                         self._cached_path = cached_path
+        path = running._cached_path
+        before = running._runtime() if path is not None else None
         hosts = running._state()
+        if path is not None and running._runtime() != before:
+            # re-attached to a job recorded while it was queued: record where its hosts are
+            running.dump(path)
         # named now: a killed Slurm job forgets its id
         ident = f"{running._type_name} {getattr(running, 'job_id', None) or (running._apply_id or '')[:8]}"
         for hm in hosts.values() if running._host_addrs() else ():
@@ -191,6 +207,17 @@ class JobTrait(ABC):
             # on this_host() (a LocalJob's), which no job ends
             hm._gone = functools.partial(self._gone, running, ident)
         return JobState(hosts)
+
+    def _submitted(self) -> None:
+        """The scheduler holds the job now: record it before waiting for it to start, so that a
+        kernel killed meanwhile (a restart, the OOM killer) leaves a job the next kernel finds,
+        re-attaches to or kills, not one nobody knows that holds nodes once it starts."""
+        if self._record_at is not None:
+            status, self._status = self._status, "running"
+            try:
+                self.dump(self._record_at)
+            finally:
+                self._status = status
 
     def _gone(self, running: JobTrait, ident: str) -> str | None:
         """Why the allocators of ``running`` (applied through this job) are gone, or None if

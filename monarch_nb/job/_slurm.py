@@ -400,6 +400,10 @@ class SlurmJob(JobTrait):
         if client_script is not None:
             logger.info("batch mode: %s runs inside job %s; %s", client_script, self._slurm_job_id, self._logs_hint())
             return
+        self._submitted()
+        self._wait_or_cancel()
+
+    def _wait_or_cancel(self) -> None:
         try:
             self._wait_started()
         except KeyboardInterrupt:
@@ -484,6 +488,11 @@ class SlurmJob(JobTrait):
         return f"see {os.path.join(self._log_dir, f'slurm_{self._slurm_job_id}_{self._job_name}.err')}"
 
     def _state(self) -> dict[str, HostMesh]:
+        if not self._hosts and not self._in_own_batch():
+            # recorded while queued by a kernel that then went away: wait for it here
+            info = self.query()
+            if info is not None and info.state in ("PENDING", "CONFIGURING", "RUNNING"):
+                self._wait_or_cancel()
         info = self.query()
         if info is None or info.state != "RUNNING":
             if info is None:
@@ -502,10 +511,11 @@ class SlurmJob(JobTrait):
         # where logs go and how long to wait do not change what the allocation is
         loose = ("log_dir", "announce_timeout", "job_start_timeout")
         mine = {k: v for k, v in self._spec().items() if k not in loose}
-        if not isinstance(spec, SlurmJob) or {k: v for k, v in spec._spec().items() if k not in loose} != mine or not self._hosts:
+        if not isinstance(spec, SlurmJob) or {k: v for k, v in spec._spec().items() if k not in loose} != mine:
             return False
         info = self.query()
-        return info is not None and info.state == "RUNNING"
+        # a job recorded while queued (no hosts yet) is waited for, not replaced
+        return info is not None and (info.state == "RUNNING" or (not self._hosts and info.state in ("PENDING", "CONFIGURING")))
 
     def _kill(self) -> None:
         if self._in_own_batch():
