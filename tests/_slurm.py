@@ -182,6 +182,26 @@ class SlurmCluster:
         )
         self._wait(lambda: bool(self.sinfo()), "slurmctld to answer", "slurmctld")
 
+    def kill_slurmd(self, name: str) -> None:
+        """SIGKILL one node's slurmd (its job steps' processes live on, as on a real node whose
+        slurmd crashed); start_slurmd brings it back."""
+        p = self.daemons.pop(f"slurmd-{name}")
+        p.kill()
+        p.wait(timeout=30)
+
+    def start_slurmd(self, name: str) -> None:
+        """Start a node's slurmd again; returns once every node is idle."""
+        assert self.net is not None
+        self.daemons[f"slurmd-{name}"] = self.net.popen(
+            self.nodes.index(name) + 1,
+            [SLURMD, "-D"],
+            env=self.env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=open(os.path.join(self.shared, "log", f"slurmd-{name}.out"), "ab"),
+        )
+        self._wait(lambda: self.sinfo() == f"idle {self.n_nodes}", f"{self.n_nodes} idle nodes", "slurm")
+
     def _wait(self, pred: Any, what: str, log: str) -> None:
         deadline = time.monotonic() + START_TIMEOUT
         while not pred():

@@ -579,3 +579,44 @@ def test_a_kernel_killed_while_its_job_is_queued_leaves_a_job_the_next_one_finds
     assert len(res["queued"]) == 1 and res["queued"][0][:2] == ["late", job_id] and "PENDING" in res["queued"][0][2], res
     assert res["after"] == [["late", job_id, "RUNNING"]] and res["answered"] == 1, res
     wait_for(lambda: not slurm.squeue().strip(), 30, "the queue to be empty")
+
+
+def test_kill_stops_the_allocator_of_a_node_whose_slurmd_died(slurm: SlurmCluster) -> None:
+    # Slurm marks the node down after SlurmdTimeout (30 s) and cannot signal its step there:
+    # scancel leaves that allocator and its procs running
+    code = _code(
+        slurm,
+        """
+        import subprocess, time
+        import monarch_nb.actor
+        monarch_nb.actor.unhandled_fault_hook = lambda failure: None  # Slurm requeues the job: its meshes fail
+        job = SlurmJob(meshes={{"all": 3}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0)
+        state = job.state(cached_path=None)
+        pids = state.all.spawn_procs(per_host={{"gpus": 1}}).spawn("w", Where).where.call().get()
+        out(ready=True)
+        sys.stdin.readline()  # the test kills n3's slurmd
+        deadline = time.monotonic() + 90
+        while "down" not in subprocess.run(["sinfo", "-h", "-n", "n3", "-o", "%T"], capture_output=True, text=True).stdout:
+            assert time.monotonic() < deadline, "n3 never went down"
+            time.sleep(0.5)  # polling the scheduler: it has no way to wait
+        job.kill()
+        out(killed=True)
+        """,
+    )
+    path = os.path.join(slurm.shared, "kill-down.py")
+    Path(path).write_text(code)
+    assert slurm.net is not None
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    ctl = slurm.net.popen(0, [PY, path], env=_env(slurm), text=True, **pipes)
+    try:
+        assert ctl.stdout is not None and json.loads(ctl.stdout.readline()) == {"ready": True}
+        assert _ours_on(slurm, 3)
+        slurm.kill_slurmd("n3")
+        out, err = ctl.communicate("go\n", timeout=150)
+        assert ctl.returncode == 0 and '"killed": true' in out, err[-3000:]
+        wait_for(lambda: _ours_on(slurm, 3) == [], 30, "n3's allocator and procs to exit")
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()
+        if "slurmd-n3" not in slurm.daemons:
+            slurm.start_slurmd("n3")

@@ -537,10 +537,34 @@ class SlurmJob(JobTrait):
                 time.sleep(0.1)  # polling the scheduler
             else:
                 raise JobError(f"Slurm job {job_id} did not end within 60 s of scancel")
+            self._stop_unreached()
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
         self._slurm_job_id = None
         self._hosts = []
+
+    def _stop_unreached(self) -> None:
+        """Stop the allocators scancel could not reach: on a node whose slurmd died (Slurm marks
+        it down) the step's processes live on after the job ended, holding the node's procs (and
+        GPUs) until their lease; the allocator itself still answers, so it is asked to stop."""
+        down = nodes_down([h["name"] for h in self._hosts])
+        if not down:
+            return
+        addrs = answering([h["tcp"] for h in self._hosts if h["name"] in down], self._key_path())
+        left = [h for h in self._hosts if h["tcp"] in addrs]
+        if not left:
+            return
+        names = ", ".join(f"{h['name']} ({down[h['name']]}, allocator pid {h['pid']})" for h in left)
+        logger.info("Slurm job %s ended, but its allocators on %s did not: stopping them", self._slurm_job_id, names)
+        try:
+            hosts = host_meshes({"unreached": [h["tcp"] for h in left]}, self._key_path())["unreached"]
+            hosts.shutdown().get(timeout=30)
+        except Exception as e:
+            raise JobError(
+                f"Slurm job {self._slurm_job_id} ended, but Slurm could not stop its allocators on {names}, "
+                f"and asking them failed ({e}); kill those pids on their nodes, or they exit after their lease "
+                "(MONARCH_NB_LEASE); kill() again retries"
+            ) from None
 
 
 _REASONS = {
