@@ -620,3 +620,27 @@ def test_kill_stops_the_allocator_of_a_node_whose_slurmd_died(slurm: SlurmCluste
             ctl.kill()
         if "slurmd-n3" not in slurm.daemons:
             slurm.start_slurmd("n3")
+
+
+def test_a_job_larger_than_its_partition_says_it_may_never_start(slurm: SlurmCluster) -> None:
+    (res,) = run_controller(
+        slurm.net,
+        slurm.shared,
+        _code(
+            slurm,
+            """
+            job = SlurmJob(meshes={{"all": 4}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, job_start_timeout=10)
+            err = io.StringIO()
+            try:
+                with contextlib.redirect_stderr(err):
+                    job.state(cached_path=None)
+            except JobError as e:
+                out(error=str(e), cell=err.getvalue())
+            """,
+        ),
+        _env(slurm),
+    )
+    # Slurm (EnforcePartLimits=NO, its default) queues it for good: the cell says why, and what to do
+    assert "pending: PartitionNodeLimit: more nodes than the partition allows or has up; it may never start" in res["cell"], res
+    assert "ask for fewer nodes or another partition" in res["cell"]
+    wait_for(lambda: not slurm.squeue().strip(), 30, "the queue to be empty")

@@ -445,7 +445,7 @@ class SlurmJob(JobTrait):
             if info.state == "PENDING" and info.reason not in ("", "None") and info.reason != last_reason:
                 # shown live in the cell: why the allocation is not there yet
                 print(
-                    f"Slurm job {job_id} pending: {info.reason} (waiting for it to start; interrupt to cancel it)",
+                    f"Slurm job {job_id} pending: {_explain(info.reason)} (waiting for it to start; interrupt to cancel it)",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -567,10 +567,17 @@ class SlurmJob(JobTrait):
             ) from None
 
 
+_NEVER = "it may never start as asked: interrupt, and ask for"
 _REASONS = {
     "TimeLimit": "TimeLimit: its time_limit ran out",
     "NodeDown": "NodeDown: a node of the job failed",
     "NodeFail": "NodeFail: a node of the job failed",
+    # pending reasons Slurm keeps for good unless the partition changes (EnforcePartLimits=NO,
+    # Slurm's default, queues such a job instead of refusing it at sbatch)
+    "PartitionNodeLimit": f"PartitionNodeLimit: more nodes than the partition allows or has up; {_NEVER} fewer nodes or another partition",
+    "PartitionTimeLimit": f"PartitionTimeLimit: a time_limit over the partition's MaxTime; {_NEVER} less time or another partition",
+    "PartitionConfig": "PartitionConfig: the request does not fit the partition's limits (nodes, time, account)",
+    "BeginTime": "BeginTime: Slurm requeued it after a node failure, or it has a start time",
 }
 
 
