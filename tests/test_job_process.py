@@ -356,3 +356,23 @@ def test_two_kernels_applying_the_same_job_at_once_share_one_job(tmp_path: Path)
                 p.kill()
         if os.path.exists(cache):
             job_load(cache).kill()
+
+
+def test_monarch_nb_job_apply_twice_keeps_the_running_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from monarch_nb.job import apply_spec
+
+    cache = os.path.join(os.environ["MONARCH_NB_RUNTIME_DIR"], f"ja-{tmp_path.name}.json")
+    (tmp_path / "myjobs_twice.py").write_text(
+        f"from monarch_nb.job import ProcessJob\njob = ProcessJob({{'w': 1}}, env={FAST!r})\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    first = apply_spec("myjobs_twice.job", cache)
+    try:
+        # `monarch-nb job apply` again (a new process imports the module again): the same job,
+        # not a second one that the record keeps while the first runs on unseen
+        sys.modules.pop("myjobs_twice", None)
+        again = apply_spec("myjobs_twice.job", cache)
+        assert again.apply_id == first.apply_id == json.loads(Path(cache).read_text())["apply_id"]
+    finally:
+        job_load(cache).kill()
+        first.kill()

@@ -168,32 +168,7 @@ class JobTrait(ABC):
             job._enter_batch()
             self._cached = running = job
         if running is None:
-            # one process at a time reads, applies and caches the job: another kernel applying
-            # the same job now is waited for, and then re-attached to
-            with records.job_lock(cached_path) if cached_path is not None else contextlib.nullcontext():
-                cached = self._load_cached(cached_path)
-                if cached is not None:
-                    logger.info("re-attaching to the cached %s job at %s", cached._type_name, cached_path)
-                    cached._rebind_connection_inputs(self)
-                    self._cached = cached
-                    self._cached_path = cached_path
-                    running = cached
-                else:
-                    self._record_at = cached_path
-                    try:
-                        self.apply()
-                    except BaseException:
-                        if cached_path is not None:
-                            # _submitted recorded a job that apply() then cancelled
-                            _forget_cache(cached_path, self._apply_id)
-                        raise
-                    finally:
-                        self._record_at = None
-                    running = self
-                    if cached_path is not None:
-                        # cached before attaching: a job whose attach fails is still there to kill
-                        self.dump(cached_path)
-                        self._cached_path = cached_path
+            running = self._apply_cached(cached_path)
         path = running._cached_path
         before = running._runtime() if path is not None else None
         hosts = running._state()
@@ -207,6 +182,37 @@ class JobTrait(ABC):
             # on this_host() (a LocalJob's), which no job ends
             hm._gone = functools.partial(self._gone, running, ident)
         return JobState(hosts)
+
+    def _apply_cached(self, cached_path: str | None) -> JobTrait:
+        """Re-attach to the job cached at ``cached_path`` if it can run this spec, else apply this
+        one (and cache it there): the running job."""
+        # one process at a time reads, applies and caches the job: another kernel applying
+        # the same job now is waited for, and then re-attached to
+        with records.job_lock(cached_path) if cached_path is not None else contextlib.nullcontext():
+            cached = self._load_cached(cached_path)
+            if cached is not None:
+                logger.info("re-attaching to the cached %s job at %s", cached._type_name, cached_path)
+                cached._rebind_connection_inputs(self)
+                self._cached = cached
+                self._cached_path = cached_path
+                running = cached
+            else:
+                self._record_at = cached_path
+                try:
+                    self.apply()
+                except BaseException:
+                    if cached_path is not None:
+                        # _submitted recorded a job that apply() then cancelled
+                        _forget_cache(cached_path, self._apply_id)
+                    raise
+                finally:
+                    self._record_at = None
+                running = self
+                if cached_path is not None:
+                    # cached before attaching: a job whose attach fails is still there to kill
+                    self.dump(cached_path)
+                    self._cached_path = cached_path
+        return running
 
     def _submitted(self) -> None:
         """The scheduler holds the job now: record it before waiting for it to start, so that a

@@ -129,8 +129,9 @@ def apply_spec(spec: str, cached_path: str | None = None) -> JobTrait:
         sys.path.insert(0, os.getcwd())
     job = import_job(spec)
     set_current_job(spec)
-    job.apply()
-    job.dump(cached_path or _default_job_path())
+    # as state() does, without attaching: a job already cached there that can run this spec is
+    # kept (applying again submitted a second one and the record forgot the first)
+    job._apply_cached(cached_path or _default_job_path())
     return job
 
 
