@@ -301,11 +301,12 @@ class Dashboard(W.VBox):
         if err is None or not isinstance(err, MonarchNBError):
             return
         n = getattr(result, "execution_count", None)
-        # Monarch's headline and the rank count ("KeyError on 4 of 16 ranks: 0,4,8,12") or else the
-        # exception's own last line; the traceback is in the cell
+        # Monarch's headline, the rank count ("KeyError on 4 of 16 ranks: 0,4,8,12") if any, and
+        # the exception's own last line (what it said); the traceback is in the cell
         lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()] or [""]
-        ranks = [ln for ln in lines[1:] if _RANKS_LINE.search(ln)]
-        head = " ".join([lines[0], *(ranks[:1] or lines[-1:] if len(lines) > 1 else [])])
+        ranks = [ln for ln in lines[1:] if _RANKS_LINE.search(ln)][:1]
+        said = lines[-1:] if len(lines) > 1 and lines[-1] not in ranks else []
+        head = " ".join([lines[0], *ranks, *said])
         where = f"In[{n}]" if n else "a cell"
         with self._lock:
             self._errors.append(f"{time.strftime('%H:%M:%S')} {where}: {type(err).__name__}: {head[:300]}")
