@@ -57,6 +57,11 @@ class MonarchNBError(Exception):
         return [line for n in getattr(self, "__notes__", ()) for line in str(n).splitlines()]
 
 
+#: an attribute set (True) on an exception raised in a collective only because a peer's script
+#: failed first (monarch_nb.spmd): a grouped call raises and shows another rank's error first
+PEER_GONE_MARK = "_mnb_peer_gone"
+
+
 class ActorError(MonarchNBError):
     """An endpoint raised on a remote actor.
 
@@ -125,6 +130,17 @@ class ActorError(MonarchNBError):
             msg = ""
         return (rank, etype, msg, tb)
 
+    def _cause(self) -> int:
+        """The rank whose traceback is shown: the lowest (Monarch's), except a rank whose
+        collective only failed because another rank's script failed first (SPMDActor marks
+        those: ``PEER_GONE_MARK``), which would show gloo's "Connection closed by peer" for
+        the cause."""
+        failures = self.failures or {}
+        return min(
+            (r for r, e in failures.items() if not getattr(e.exception, PEER_GONE_MARK, False)),
+            default=min(failures, default=0),
+        )
+
     def _grouped_lines(self, color: bool) -> list[str]:
         from . import _errgroup
 
@@ -134,6 +150,8 @@ class ActorError(MonarchNBError):
             tb = _errgroup.clean_traceback(self._failure_tuple(0)[3]).rstrip()
             return lines + (tb.splitlines() if tb else [self.message])
         groups = _errgroup.group(e._failure_tuple(r) for r, e in failures.items())
+        cause = self._cause()
+        groups.sort(key=lambda g: cause not in g.ranks)
         lines.extend(self._rank_lines(groups))
         lines.extend(_errgroup.group_lines(groups, color))
         return lines
@@ -162,7 +180,7 @@ class ActorError(MonarchNBError):
 
         lines = self._rank_lines(_errgroup.group(e._failure_tuple(r) for r, e in failures.items()))
         if len(failures) > 1:
-            first = min(failures)
+            first = self._cause()
             lines.append(f"the traceback below is rank {first}'s; .grouped_text() shows every rank's")
         return "\n".join(lines) + "\n"
 

@@ -17,6 +17,7 @@ from typing import Any
 from .actor import Actor, current_rank, endpoint
 from .actor._mesh import ProcMesh
 from .actor._reload import modules_under
+from .errors import PEER_GONE_MARK
 
 __all__ = ["SPMDActor", "setup_env_for_distributed", "setup_torch_elastic_env", "setup_torch_elastic_env_async"]
 
@@ -68,7 +69,9 @@ class SPMDActor(Actor):
     As under torchrun, the script's folder is on ``sys.path`` while it runs (the modules it
     imports from there are imported afresh by the next run); a default process
     group the script started is destroyed when it ends (succeeded or not), so the same mesh can
-    run it again; numbers in ``script_args`` are passed as strings (0.7.0 leaves all of this as
+    run it again; numbers in ``script_args`` are passed as strings. When the script fails on a
+    rank, what its globals hold (a DeviceMesh) is dropped too, so the ranks waiting for it in a
+    collective fail at once, and the error raised is that rank's (0.7.0 leaves all of this as
     it is: docs/monarch-compat.md).
     """
 
@@ -115,6 +118,15 @@ class SPMDActor(Actor):
         except SystemExit as e:
             if e.code not in (0, None):
                 raise
+        except Exception as e:
+            if _peer_gone(e):
+                # the grouped error raises and shows first the rank whose own script failed: the
+                # lowest rank's was a survivor's "Connection closed by peer", the cause a line below
+                e.add_note(PEER_GONE_NOTE)
+                e.__dict__[PEER_GONE_MARK] = True
+            if not had_group:
+                _drop_script_objects(e)
+            raise
         finally:
             if folder and folder in sys.path:
                 sys.path.remove(folder)
@@ -155,6 +167,47 @@ def _argv(script_args: Any) -> list[str]:
             raise TypeError(f"script_args holds {type(a).__name__} {a!r}: a command line has only strings (and numbers)")
         out.append(a)
     return out
+
+
+PEER_GONE_NOTE = (
+    "this rank's collective failed because another rank's script failed first (or its process died) "
+    "and closed its connections; that rank's error is the cause"
+)
+#: gloo's words when a peer closes its connections mid-collective (its script ended: its process
+#: group is destroyed; or its process died)
+_PEER_GONE_WORDS = ("Connection closed by peer", "Connection reset by peer")
+
+
+def _peer_gone(e: BaseException) -> bool:
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(w in text for w in _PEER_GONE_WORDS)
+
+
+#: what a failed script's globals keep (its exception's class and methods may read them):
+#: none of these holds a process group
+_KEPT = (type(sys), type, type(_place), type(len), str, bytes, int, float, bool, type(None))
+
+
+def _drop_script_objects(e: BaseException) -> None:
+    """Drop what the failed script's globals hold besides modules, classes, functions and
+    constants. Its traceback keeps those globals, and a ``pg = dist.group.WORLD`` or a DDP model
+    there kept its gloo group, so destroying the group did not close its connections: the ranks
+    waiting for this one in a collective stayed blocked until the proc mesh stopped (torchrun's
+    process would have exited and closed them). gloo's ``abort()`` does not close them."""
+    import gc
+
+    mine = getattr(sys.modules.get("__main__"), "__dict__", None)
+    tb = e.__traceback__
+    seen: set[int] = set()
+    while tb is not None:
+        g = tb.tb_frame.f_globals
+        if g.get("__name__") == "__main__" and g is not mine and id(g) not in seen:
+            seen.add(id(g))
+            for k in [k for k, v in g.items() if not k.startswith("__") and not isinstance(v, _KEPT)]:
+                del g[k]
+        tb = tb.tb_next
+    if seen:
+        gc.collect()  # a DDP model's hooks are reference cycles
 
 
 def _default_group_initialized() -> bool:

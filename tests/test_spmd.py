@@ -413,3 +413,72 @@ def test_spmd_actor_runs_a_script_again_after_it_failed_as_torchrun_would(tmp_pa
             spmd.main.call(addr, port, "train.py").get(timeout=30)
     finally:
         procs.stop().get(timeout=30)
+
+
+def test_spmd_script_failing_on_one_rank_shows_that_rank_s_error_not_the_survivors_closed_connection(tmp_path):
+    """Rank 1's script raises while ranks 0 and 2 wait for it in an all_reduce: its process group,
+    destroyed as the script ends, closes its connections, and the others fail at once with gloo's
+    "Connection closed by peer". The error raised was rank 0's (the lowest), so the cause stood
+    one group below; now the rank whose own script failed is the one raised and shown first."""
+    from monarch_nb.actor import ActorError
+    from monarch_nb.spmd import SPMDActor
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "t = torch.ones(2)\n"
+        "dist.all_reduce(t)\n"
+        "if dist.get_rank() == 1:\n"
+        "    raise RuntimeError('diverged at step 1')\n"
+        "dist.all_reduce(t)\n"
+    )
+    procs = this_host().spawn_procs(per_host={"gpus": 3}, name="spmd_cause")
+    try:
+        spmd = procs.spawn("_SPMDActor", SPMDActor)
+        addr, port = spmd.slice(gpus=0).get_host_port.call_one(None).get(timeout=30)
+        with pytest.raises(ActorError) as info:
+            spmd.main.call(addr, port, [str(script)]).get(timeout=60)
+        text = str(info.value)
+        assert "the traceback below is rank 1's" in text and text.rstrip().endswith("RuntimeError: diverged at step 1"), text
+        grouped = info.value.grouped_text()
+        assert grouped.index("--- rank 1: RuntimeError") < grouped.index("--- ranks 0,2: RuntimeError"), grouped
+        assert "another rank's script failed first" in grouped, grouped
+        # the survivors are free: the mesh runs the script again at once
+        script.write_text(script.read_text().replace("get_rank() == 1", "get_rank() == 9"))
+        addr, port = spmd.slice(gpus=0).get_host_port.call_one(None).get(timeout=30)
+        assert spmd.main.call(addr, port, [str(script)]).get(timeout=60).values() == [True] * 3
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_spmd_script_whose_device_mesh_holds_the_group_frees_the_ranks_waiting_for_it_when_it_fails(tmp_path):
+    """A DeviceMesh (FSDP2's, DTensor's) in the failed script's globals, kept by its traceback,
+    held the gloo group, so destroying it closed nothing: ranks 0 and 2 stayed in their
+    all_reduce until the proc mesh stopped, and the mesh took no other call. Now they fail at
+    once and the mesh runs again."""
+    from monarch_nb.actor import ActorError
+    from monarch_nb.spmd import SPMDActor
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch, torch.distributed as dist\n"
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "mesh = init_device_mesh('cpu', (3,), mesh_dim_names=('dp',))\n"
+        "for step in range(2):\n"
+        "    dist.all_reduce(torch.ones(2), group=mesh.get_group('dp'))\n"
+        "    if sys.argv[1] == 'fail' and dist.get_rank() == 1:\n"
+        "        raise RuntimeError('diverged at step 0')\n"
+    )
+    procs = this_host().spawn_procs(per_host={"gpus": 3}, name="spmd_dmesh")
+    try:
+        spmd = procs.spawn("_SPMDActor", SPMDActor)
+        addr, port = spmd.slice(gpus=0).get_host_port.call_one(None).get(timeout=30)
+        with pytest.raises(ActorError, match="diverged at step 0"):
+            spmd.main.call(addr, port, [str(script), "fail"]).get(timeout=60)
+        # rank 0 takes the next call: it is out of its all_reduce
+        addr, port = spmd.slice(gpus=0).get_host_port.call_one(None).get(timeout=30)
+        assert spmd.main.call(addr, port, [str(script), "ok"]).get(timeout=60).values() == [True] * 3
+    finally:
+        procs.stop().get(timeout=30)
+

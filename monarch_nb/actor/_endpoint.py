@@ -682,6 +682,10 @@ def _raise_grouped(raw: Any) -> Any:
                 if isinstance(e, ActorError):
                     failures[i] = e
         err._set_group(endpoint, n, failures, still)
+        cause = failures[err._cause()]
+        if cause is not err:
+            # the rank whose script failed first, not a survivor that only saw its connection close
+            err = cause._set_group(endpoint, n, failures, still)
     raise err
 
 
