@@ -3,7 +3,8 @@
 #
 #   bash bench/gpu_check.sh prepare [BASELINE]   # here: wheels the device image lacks (Python
 #                                                # 3.12) into .whl/, and BASELINE's tree to compare
-#   bash bench/gpu_check.sh                      # there, with `.whl` carried: the `cuda` tests,
+#   bash bench/gpu_check.sh                      # there, with `.whl` carried: the `cuda` tests
+#                                                # (test_spmd.py's NCCL one too),
 #                                                # then bench.rdma --device cuda (twice, and the
 #                                                # baseline's too when prepared); results in $OUT
 #
@@ -29,7 +30,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1
 { nvidia-smi -L; nproc; python3 -c "import torch; print('torch', torch.__version__, torch.cuda.device_count())"; } 2>&1 | tee "$OUT/env.txt"
 PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -p no:cacheprovider -o addopts="" -ra -v -m cuda --timeout 150 \
-    tests/test_rdma.py tests/test_tensor.py 2>&1 | tee "$OUT/cuda_tests.log" | grep -E "PASS|FAIL|ERROR|SKIP|passed|failed"
+    tests/test_rdma.py tests/test_tensor.py tests/test_spmd.py 2>&1 | tee "$OUT/cuda_tests.log" | grep -E "PASS|FAIL|ERROR|SKIP|passed|failed"
 rc=${PIPESTATUS[0]}
 if [ -f .whl/old_tree.tar ]; then mkdir -p /tmp/old && tar -xf .whl/old_tree.tar -C /tmp/old; fi
 for i in 1 2; do

@@ -482,3 +482,46 @@ def test_spmd_script_whose_device_mesh_holds_the_group_frees_the_ranks_waiting_f
     finally:
         procs.stop().get(timeout=30)
 
+
+@pytest.mark.cuda
+@pytest.mark.timeout(150)
+def test_spmd_script_s_nccl_group_is_destroyed_within_its_bound_so_the_script_runs_again(tmp_path):
+    """The NCCL path of destroying the process group a script left (bounded by _DESTROY_WAIT):
+    a script that fails after an NCCL all_reduce, then runs again on the same proc (one rank:
+    NCCL refuses two ranks on one GPU, and bench/gpu_check.sh's machine has one)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from monarch_nb.actor import ActorError
+    from monarch_nb.spmd import _DESTROY_WAIT, SPMDActor
+
+    if not (dist.is_nccl_available() and torch.cuda.is_available()):
+        pytest.skip("needs CUDA and a torch built with NCCL (runs in bench/gpu_check.sh)")
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch, torch.distributed as dist\n"
+        "dist.init_process_group('nccl', device_id=torch.device('cuda', 0))\n"
+        "t = torch.ones(4, device='cuda')\n"
+        "dist.all_reduce(t)\n"
+        "torch.cuda.synchronize()\n"
+        "if sys.argv[1] == 'fail':\n"
+        "    raise RuntimeError('diverged at step 1')\n"
+        "assert dist.get_backend() == 'nccl'\n"
+    )
+    procs = this_host().spawn_procs(per_host={"gpus": 1}, name="spmd_nccl")
+    try:
+        spmd = procs.spawn("_SPMDActor", SPMDActor)
+        for mode in ("fail", "ok", "ok"):
+            addr, port = spmd.get_host_port.call_one(None).get(timeout=30)
+            start = time.monotonic()
+            if mode == "fail":
+                with pytest.raises(ActorError, match="diverged at step 1"):
+                    spmd.main.call_one(addr, port, [str(script), mode]).get(timeout=60)
+            else:
+                # "initialize the default process group twice" if the failed run's group stayed
+                assert spmd.main.call_one(addr, port, [str(script), mode]).get(timeout=60) is True
+            assert time.monotonic() - start < _DESTROY_WAIT + 30
+    finally:
+        procs.stop().get(timeout=30)
