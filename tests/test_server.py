@@ -206,6 +206,45 @@ def test_a_rank_in_a_call_is_busy_in_the_sidebar_as_in_the_dashboard(manager, ga
         procs.stop().get(timeout=15)
 
 
+@pytest.mark.timeout(90)
+def test_debug_rows_say_where_each_rank_stopped_and_attach_to_that_very_session(manager, fault_hook) -> None:
+    # two actor meshes named alike, each with rank 0 at a breakpoint: "%mesh attach trainer 0"
+    # is refused as ambiguous, so each row's button must name its own session
+    import shlex
+
+    from monarch_nb import debug
+    from monarch_nb.actor import Actor, endpoint
+    from monarch_nb.config import configured
+
+    class Stopper(Actor):
+        @endpoint
+        def go(self) -> int:
+            breakpoint()  # the line the rows point at
+            return 1
+
+    names = [f"dbg{c}-{uuid.uuid4().hex[:6]}" for c in "ab"]
+    meshes = [_spawn(n, 1) for n in names]
+
+    def rows() -> list[dict]:
+        got = [d for d in manager.state()["debug_sessions"] if d.get("mesh") in names]
+        return got if len(got) == 2 else []
+
+    try:
+        with configured(debug_no_input="wait"):  # pytest has no stdin: leave the ranks paused
+            for m in meshes:
+                m.spawn("trainer", Stopper).go.broadcast()
+            found = wait_for(rows, 30, "both ranks to stop at their breakpoint")
+            assert len({d["attach"] for d in found}) == 2, found
+            for d in found:
+                assert re.fullmatch(r".*test_server\.py:\d+ in go", d["where"]), d
+                argv = shlex.split(d["attach"])
+                assert argv[:2] == ["%mesh", "attach"] and argv[3] == "0", d
+                assert debug.attach(argv[2], 0).session.mesh == d["mesh"]
+    finally:
+        for m in meshes:
+            m.stop().get(timeout=15)
+
+
 def test_stop_mesh_refuses_an_attached_owners_mesh_unless_forced() -> None:
     from monarch_nb.allocator import stop_mesh
 

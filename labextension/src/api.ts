@@ -55,9 +55,13 @@ export interface IHost {
 export interface IDebugSession {
   mesh?: string;
   actor?: string;
+  actor_id?: string;
   rank?: number;
   host?: string;
+  /** file:line in function, where the rank stopped */
   where?: string;
+  /** the %mesh attach line that reaches this session (by actor id when two actor meshes share its name) */
+  attach?: string;
   [key: string]: unknown;
 }
 

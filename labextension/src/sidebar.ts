@@ -364,18 +364,21 @@ export class MeshSidebar extends Widget {
       return this._empty('No rank is stopped in a debugger.');
     }
     return sessions.map(s => {
-      const row = el('div', 'mnb-debug');
-      const actor = String(s.actor ?? s.mesh ?? '?');
       const rank = s.rank ?? 0;
-      row.appendChild(el('span', 'mnb-name', `${actor} rank ${rank}`));
+      const row = el('div', 'mnb-debug', '', { 'data-mesh': String(s.mesh ?? ''), 'data-rank': String(rank) });
+      // two actor meshes may share a name: the proc mesh tells their rows apart
+      row.appendChild(el('span', 'mnb-name', `${s.actor || '-'} rank ${rank}${s.mesh ? ` of ${s.mesh}` : ''}`));
       if (s.where) {
-        row.appendChild(el('span', 'mnb-detail', String(s.where)));
+        row.appendChild(el('span', 'mnb-detail', ` at ${s.where}`));
       }
-      row.appendChild(
-        button('mnb-insert-attach', 'Insert %mesh attach', 'Insert a cell that attaches a debugger console to this rank', () =>
-          this.actions.insertCell(`%mesh attach ${actor} ${rank}`)
-        )
-      );
+      const attach = s.attach;
+      if (attach) {
+        row.appendChild(
+          button('mnb-insert-attach', 'Insert %mesh attach', 'Insert a cell that attaches a debugger console to this rank', () =>
+            this.actions.insertCell(attach)
+          )
+        );
+      }
       return row;
     });
   }

@@ -121,6 +121,7 @@ class MeshManager:
                         "meshes": [],
                     }
                 )
+        debug = _debug_rows(debug)
         paused = {(str(d.get("mesh", "")), int(d.get("rank", -1))) for d in debug if d.get("state", "paused") == "paused"}
         mesh_list = sorted(meshes.values(), key=lambda m: m["name"])
         alive = {a["addr"] for a in allocators if a["alive"]}
@@ -296,6 +297,28 @@ def _merge_mesh(meshes: dict[str, dict[str, Any]], m: dict[str, Any], addr: str,
                 "log": p.get("log") or "",
             }
         )
+
+
+def _debug_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Debug sessions with where each rank stopped and the ``%mesh attach`` line that reaches
+    exactly that session: by actor name when it is the only actor mesh of that name paused there,
+    else by actor id (``%mesh attach NAME RANK`` refuses a name two actor meshes share)."""
+    import shlex
+
+    ids: dict[tuple[str, int], set[str]] = {}
+    for d in rows:
+        ids.setdefault((str(d.get("actor") or ""), int(d.get("rank", -1))), set()).add(str(d.get("actor_id") or ""))
+    out = []
+    for d in rows:
+        actor, rank, actor_id = str(d.get("actor") or ""), int(d.get("rank", -1)), str(d.get("actor_id") or "")
+        target = actor if actor and len(ids[(actor, rank)]) == 1 else actor_id or actor
+        where = f"{d['file']}:{d.get('line', 0)}" if d.get("file") else ""
+        if where and d.get("function"):
+            where += f" in {d['function']}"
+        out.append(
+            {**d, "where": d.get("where") or where, "attach": f"%mesh attach {shlex.quote(target)} {rank}" if target else ""}
+        )
+    return out
 
 
 def job_row(r: dict[str, Any]) -> dict[str, Any]:
