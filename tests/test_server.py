@@ -245,6 +245,35 @@ def test_debug_rows_say_where_each_rank_stopped_and_attach_to_that_very_session(
             m.stop().get(timeout=15)
 
 
+@pytest.mark.timeout(120)
+def test_a_jobs_mesh_can_be_stopped_and_its_full_rank_log_read_from_the_sidebar(manager, fault_hook) -> None:
+    # a ProcessJob's allocators keep their connection files in the job's directory: the sidebar
+    # lists their meshes, and its Stop and rank log (no allocator named) must reach them too
+    from monarch_nb.actor import Actor, endpoint
+    from monarch_nb.job import ProcessJob
+
+    class Chatty(Actor):
+        @endpoint
+        def talk(self) -> None:
+            for i in range(8):
+                print(f"line {i}", flush=True)
+
+    name = f"jobm-{uuid.uuid4().hex[:6]}"
+    job = ProcessJob({"workers": 2}, env={"MONARCH_NB_ZYGOTE_PRELOAD": "", "MONARCH_NB_LEASE": "60"})
+    try:
+        procs = job.state().workers.spawn_procs(per_host={"gpus": 1}, name=name)
+        procs.spawn("chatty", Chatty).talk.call().get(timeout=30)
+        m = wait_for(lambda: _mesh(manager.state(), name), 15, "the job's mesh in the sidebar")
+        assert len(set(m["allocators"])) == 2 and len(m["procs"]) == 2
+        # its whole log, as its allocator keeps it (not only the last lines the poll saw)
+        log = manager.rank_log(name, 1)
+        assert [r["line"] for r in log["lines"]] == [f"line {i}" for i in range(8)], log
+        assert manager.stop_mesh(name) == {"mesh": name, "stopped_procs": 2}
+        wait_for(lambda: _mesh(manager.state(), name) is None, 15, "the stopped mesh to leave the sidebar")
+    finally:
+        job.kill()
+
+
 def test_stop_mesh_refuses_an_attached_owners_mesh_unless_forced() -> None:
     from monarch_nb.allocator import stop_mesh
 

@@ -213,9 +213,17 @@ class MeshManager:
         if not name:
             raise ValueError("a mesh name is required")
         self._check_alloc(alloc)
-        n = stop_mesh(name, alloc or None, force=True, reason="stopped from the JupyterLab sidebar")
+        # the allocators the sidebar shows it on: a job's (ProcessJob, SSH, Slurm) keep their
+        # connection files apart, where stop_mesh's own search (this runtime dir) never looks
+        addrs: list[str | None] = [alloc] if alloc else [*self._mesh_allocators(name)] or [None]
+        reason = "stopped from the JupyterLab sidebar"
+        n = sum(stop_mesh(name, a, force=True, reason=reason) for a in addrs)
         self._invalidate()
         return {"mesh": name, "stopped_procs": n}
+
+    def _mesh_allocators(self, name: str) -> list[str]:
+        m = next((m for m in self.state()["meshes"] if m["name"] == name), None)
+        return list(dict.fromkeys(m["allocators"])) if m else []
 
     def rank_log(self, mesh: str, rank: int, tail: int | None = 500, alloc: str | None = None) -> dict[str, Any]:
         """The captured output of one rank, kept by its allocator (also after it crashed)."""
@@ -225,6 +233,11 @@ class MeshManager:
         if tail is not None and tail < 0:
             raise ValueError(f"tail must be >= 0, got {tail}")
         self._check_alloc(alloc)
+        if not alloc:
+            # the allocator the sidebar shows the rank on (a job's too: see stop_mesh)
+            alloc = next(
+                (p["alloc"] for m in self.state()["meshes"] if m["name"] == mesh for p in m["procs"] if p["rank"] == rank), None
+            )
         try:
             lines = logs(mesh, rank, tail=tail, addr=alloc or None)
         except MeshError:
