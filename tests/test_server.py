@@ -274,6 +274,38 @@ def test_a_jobs_mesh_can_be_stopped_and_its_full_rank_log_read_from_the_sidebar(
         job.kill()
 
 
+@pytest.mark.timeout(120)
+def test_a_mesh_spawned_again_under_its_name_does_not_inherit_a_lost_hosts_ranks(manager, fault_hook) -> None:
+    # "train" on hosts A and B; B dies (its ranks show failed: lost); the user stops "train" and
+    # spawns it again on A alone before the sidebar polls again (it polls only while shown)
+    from monarch_nb.allocator import stop_mesh
+    from monarch_nb.job import ProcessJob
+
+    name = f"again-{uuid.uuid4().hex[:6]}"
+    job = ProcessJob({"workers": 2}, env={"MONARCH_NB_ZYGOTE_PRELOAD": "", "MONARCH_NB_LEASE": "60"})
+    try:
+        hosts = job.state().workers
+        hosts.spawn_procs(per_host={"gpus": 1}, name=name)
+        assert [p["state"] for p in wait_for(lambda: _mesh(manager.state(), name), 15, "the mesh")["procs"]] == ["idle"] * 2
+        a, b = job._hosts.values()
+        os.kill(int(b["pid"]), signal.SIGKILL)
+
+        def lost() -> bool:
+            manager._invalidate()
+            m = _mesh(manager.state(), name)
+            return bool(m and [p["state"] for p in m["procs"]] == ["idle", "failed"])
+
+        wait_for(lost, 15, "host B's rank to show failed")
+        assert stop_mesh(name, a["addr"]) == 1
+        hosts.slice(hosts=0).spawn_procs(per_host={"gpus": 1}, name=name)
+        manager._invalidate()
+        m = _mesh(manager.state(), name)
+        assert m is not None and [(p["rank"], p["state"]) for p in m["procs"]] == [(0, "idle")], m
+        assert m["state"] == "idle"
+    finally:
+        job.kill()
+
+
 def test_stop_mesh_refuses_an_attached_owners_mesh_unless_forced() -> None:
     from monarch_nb.allocator import stop_mesh
 

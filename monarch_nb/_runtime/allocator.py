@@ -655,6 +655,8 @@ class Allocator(DebugRegistry):
                     "labels": m.labels,
                     "sizes": m.sizes,
                     "extent": m.info.get("extent"),
+                    # one spawn's id on every host: a later mesh of the same name is another mesh
+                    "mesh_id": m.info.get("mesh_id", ""),
                     "actors": sorted({m.actor_info.get(a, {}).get("label", a) for a in m.actors}),
                     "procs": [
                         {

@@ -137,6 +137,7 @@ class MeshManager:
             for p in m["procs"]:
                 self._seen.pop((m["name"], p["rank"]), None)  # newest last: the oldest go first
                 self._seen[(m["name"], p["rank"])] = {k: p.get(k) for k in ("host", "pid", "state", "cause", "alloc")}
+                self._seen[(m["name"], p["rank"])]["mesh_id"] = m["mesh_id"]
         # a mesh no longer listed was stopped: its ranks are history, never a later same-named mesh's lost ranks
         listed = {m["name"] for m in mesh_list}
         for (name, _rank), seen in self._seen.items():
@@ -167,7 +168,10 @@ class MeshManager:
         is failed, as the dashboard draws it: its allocator cannot list it any more."""
         have = {p["rank"] for p in m["procs"]}
         for (name, rank), seen in list(self._seen.items()):
-            if name == m["name"] and rank not in have and not seen.get("gone") and seen.get("alloc") not in alive:
+            # a rank of an earlier mesh of this name (stopped, then spawned again between two
+            # polls) is not one of this mesh's: it would fail it for good
+            other = bool(seen.get("mesh_id") and m["mesh_id"] and seen["mesh_id"] != m["mesh_id"])
+            if name == m["name"] and rank not in have and not other and not seen.get("gone") and seen.get("alloc") not in alive:
                 cause = f"its host {seen.get('host')} does not answer (allocator {seen.get('alloc')})"
                 m["procs"].append(
                     {**seen, "rank": rank, "state": "failed", "proc_state": "unknown", "activity": "", "cause": cause, "log": ""}
@@ -249,7 +253,7 @@ class MeshManager:
         if proc is not None:
             info = {k: proc.get(k) for k in ("host", "pid", "state", "cause")}
         elif (mesh, rank) in self._seen:
-            info = {k: v for k, v in self._seen[(mesh, rank)].items() if k != "gone"}
+            info = {k: v for k, v in self._seen[(mesh, rank)].items() if k not in ("gone", "mesh_id")}
             info["state"] = "stopped"
             info["cause"] = info.get("cause") or "its mesh was stopped"
         else:
@@ -281,6 +285,7 @@ def _merge_mesh(meshes: dict[str, dict[str, Any]], m: dict[str, Any], addr: str,
             "labels": list(m.get("labels") or []),
             "sizes": list(m.get("sizes") or []),
             "extent": m.get("extent"),
+            "mesh_id": m.get("mesh_id", ""),
             "actors": list(m.get("actors") or []),
             "allocators": [],
             "hosts": [],
