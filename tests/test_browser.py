@@ -302,6 +302,39 @@ def test_rank_log_recent_logs_and_inserting_a_connect_cell(page, lab) -> None:
     shot(page, "sidebar-insert-connect")
 
 
+PAUSE_TWO = """
+from monarch_nb.actor import Actor, endpoint, this_host
+
+class Trainer(Actor):
+    @endpoint
+    def step(self):
+        breakpoint()
+        return 1
+
+for name in ("dbg-m1", "dbg-m2"):
+    this_host().spawn_procs(per_host={"gpus": 1}, name=name).spawn("trainer", Trainer).step.broadcast()
+print("paused both", flush=True)
+"""
+
+
+def test_each_debug_row_inserts_an_attach_that_reaches_its_own_rank(page, lab) -> None:
+    # two actor meshes named "trainer", rank 0 of each at a breakpoint: "%mesh attach trainer 0"
+    # is refused as ambiguous, so each row names its own session
+    _SPAWNED.update(("dbg-m1", "dbg-m2"))
+    nb = run_notebook(page, lab, write_notebook(lab, "dbgrows", [PAUSE_TWO]))
+    expect(nb.locator(".jp-OutputArea-output", has_text="paused both")).to_be_visible(timeout=90_000)
+    panel = open_sidebar(page)
+    rows = panel.locator(".mnb-section-debug .mnb-debug")
+    expect(rows).to_have_count(2, timeout=30_000)
+    row = panel.locator('.mnb-debug[data-mesh="dbg-m2"]')
+    expect(row).to_contain_text(re.compile(r"trainer rank 0 of dbg-m2 at .*:\d+ in step"))
+    row.locator(".mnb-insert-attach").click()
+    expect(nb.locator(".jp-Cell")).to_have_count(2)
+    text = nb.locator(".jp-Cell.jp-mod-active .cm-content").inner_text()
+    (sid,) = [d["actor_id"] for d in lab.request("GET", "/monarch-nb/api/state")[1]["debug_sessions"] if d["mesh"] == "dbg-m2"]
+    assert text == f"%mesh attach '{sid}' 0", text
+
+
 FLOOD = """
 import sys
 import monarch_nb.actor as api
