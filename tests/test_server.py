@@ -296,6 +296,9 @@ def test_a_mesh_spawned_again_under_its_name_does_not_inherit_a_lost_hosts_ranks
             return bool(m and [p["state"] for p in m["procs"]] == ["idle", "failed"])
 
         wait_for(lost, 15, "host B's rank to show failed")
+        # its log view still opens: what the server kept, and why the rank is failed
+        log = manager.rank_log(name, 1)
+        assert log["proc"]["state"] == "failed" and "does not answer" in log["proc"]["cause"], log
         assert stop_mesh(name, a["addr"]) == 1
         hosts.slice(hosts=0).spawn_procs(per_host={"gpus": 1}, name=name)
         manager._invalidate()

@@ -231,12 +231,13 @@ class MeshManager:
 
     def rank_log(self, mesh: str, rank: int, tail: int | None = 500, alloc: str | None = None) -> dict[str, Any]:
         """The captured output of one rank, kept by its allocator (also after it crashed)."""
-        from monarch_nb.errors import MeshError
+        from monarch_nb.errors import MeshError, MonarchNBError
         from monarch_nb.introspect import logs
 
         if tail is not None and tail < 0:
             raise ValueError(f"tail must be >= 0, got {tail}")
         self._check_alloc(alloc)
+        asked = alloc
         if not alloc:
             # the allocator the sidebar shows the rank on (a job's too: see stop_mesh)
             alloc = next(
@@ -244,10 +245,11 @@ class MeshManager:
             )
         try:
             lines = logs(mesh, rank, tail=tail, addr=alloc or None)
-        except MeshError:
-            if (mesh, rank) not in self._seen:
+        except MonarchNBError as e:
+            # (an allocator this server chose that no longer answers: a rank whose host died)
+            if (mesh, rank) not in self._seen or not (isinstance(e, MeshError) or not asked):
                 raise
-            # its allocator dropped a stopped mesh's logs: what this server kept of them
+            # its allocator dropped a stopped mesh's logs, or is gone: what this server kept of them
             lines = [r for r in self._recent.values() if r["mesh"] == mesh and r["rank"] == rank]
         proc = next((p for m in self.state()["meshes"] if m["name"] == mesh for p in m["procs"] if p["rank"] == rank), None)
         if proc is not None:
