@@ -77,6 +77,10 @@ class Dbg(Actor):
         breakpoint()
         local += 1
         return local
+
+    @endpoint
+    def ping(self):
+        return "pong"
 """
 
 
@@ -456,6 +460,11 @@ fut = procs.spawn("dbgr", Dbg).go.call(2)
 from monarch_nb import debug, introspect
 from monarch_nb.actor import ProcMesh
 print(debug.format_table(debug.sessions("dbgr")))
+# a call of this kernel queues behind the old kernel's breakpoint: its wait says why
+try:
+    ProcMesh.lookup("dbg-restart").actor_mesh("dbgr").ping.call().get(timeout=2)
+except TimeoutError as e:
+    print("WAIT", e)
 c = debug.attach("dbgr", 1)
 print("P", c.send("p local", timeout=30))
 print("CONT", debug.continue_all("dbgr"))
@@ -465,6 +474,10 @@ print("LEFT", debug.sessions("dbgr"))
         )
         assert r["error"] is None, r
         assert _rows(r["stdout"]) == 2, r["stdout"]
+        assert (
+            "WAIT dbgr.ping.call() not ready after 2 s: rank(s) 0, 1 of dbgr are stopped at a breakpoint in a call another controller made"
+            in r["stdout"]
+        )
         assert "P 21" in r["stdout"]
         assert "CONT {0: '', 1: ''}" in r["stdout"]
         assert "LEFT []" in r["stdout"]

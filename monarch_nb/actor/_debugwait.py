@@ -35,6 +35,11 @@ _lock = threading.Lock()
 _ours: dict[str, dict[str, Any]] = {}
 #: sids opened since a console last showed them
 _unseen: set[str] = set()
+#: sid -> record, for sessions paused in calls of *other* controllers (a kernel since restarted,
+#: another notebook; an allocator replays them to a new subscriber): no console of ours shows
+#: them, but a call of ours to their actors queues behind them, so a wait on it that times out
+#: or is interrupted names them rather than leaving the user to guess why it never returns
+_theirs: dict[str, dict[str, Any]] = {}
 #: the wake-up of the main thread blocked in Future.get(), if it is (a _Wake, or the
 #: _replyread reader of a thread reading its reply itself): only the main thread waits
 #: through this module, one wait at a time (waits inside the console are plain), so a slot
@@ -76,6 +81,11 @@ def on_event(ev: tuple[Any, ...]) -> None:
         return
     _, kind, rec = ev
     if not str(rec.get("call_id", "")).startswith(_uid_prefix):
+        with _lock:
+            if kind in ("open", "update"):
+                _theirs[rec["sid"]] = rec
+            else:
+                _theirs.pop(rec["sid"], None)
         return
     sid = rec["sid"]
     with _lock:
@@ -155,6 +165,27 @@ def stopped_in(fut: Future[Any]) -> list[dict[str, Any]]:
         return []
     with _lock:
         return [r for r in _ours.values() if r.get("call_id") == call and r.get("state") != "gone"]
+
+
+def paused_elsewhere(fut: Future[Any]) -> str:
+    """A line naming the ranks of ``fut``'s actor paused at a breakpoint in another controller's
+    call ("" if none): ``fut``'s call waits behind them, and only an attach resumes them."""
+    what = getattr(fut, "_what", "")
+    with _lock:
+        recs = [
+            r
+            for r in _theirs.values()
+            if r.get("actor") and r.get("state") != "gone" and what.startswith((r["actor"] + ".", r["actor"] + "["))
+        ]
+    if not recs:
+        return ""
+    actor = recs[0]["actor"]
+    ranks = ", ".join(str(r) for r in sorted({int(r.get("rank", 0)) for r in recs}))
+    return (
+        f"rank(s) {ranks} of {actor} are stopped at a breakpoint in a call another controller made "
+        "(a kernel since restarted, another notebook), and calls to them wait behind it: "
+        "%mesh debug, monarch_nb.debug or `monarch-nb debug` attaches or continues them."
+    )
 
 
 def due(fut: Future[Any]) -> bool:

@@ -263,6 +263,9 @@ class Future(Generic[R]):
         """A timed-out wait's words; for a call to several ranks, how many replied: a rank hung or
         dead leaves the others waiting in a collective, and the count tells which case it is."""
         text = f"{self._what} not ready after {timeout} s"
+        elsewhere = _debugwait.paused_elsewhere(self)
+        if elsewhere:
+            return f"{text}: {elsewhere} (the future is still usable)"
         p = self.progress()
         if p is not None and p[1] > 1 and self.progress_unit == "ranks replied":
             done, n = p
@@ -277,6 +280,10 @@ class Future(Generic[R]):
         on: a kernel interrupt looks as if it stopped the call, and the next call to those actors
         then waits, unexplained, for this one to end."""
         if self._state != _PENDING:
+            return
+        elsewhere = _debugwait.paused_elsewhere(self)
+        if elsewhere:
+            e.add_note(f"monarch_nb: only the wait stopped: {self._what} goes on once it can; {elsewhere}")
             return
         p = self.progress()
         if p is None or self.progress_unit != "ranks replied":
