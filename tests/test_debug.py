@@ -204,7 +204,8 @@ def reads_itself():
     assert r["error"] is None and "after 1" in r["stdout"], r
 
 
-def test_interrupting_the_debugger_leaves_ranks_paused(kernel: Kernel) -> None:
+@pytest.mark.parametrize("wait", ["get", "await"])
+def test_interrupting_the_debugger_leaves_ranks_paused(kernel: Kernel, wait: str) -> None:
     kernel.converse(
         DEFINE + "\nprocs = this_host().spawn_procs(per_host={'gpus': 2}, name='dbg-int')\nm = procs.spawn('dbgi', Dbg)\n"
     )
@@ -213,7 +214,9 @@ def test_interrupting_the_debugger_leaves_ranks_paused(kernel: Kernel) -> None:
         kernel.km.interrupt_kernel()  # the user presses "interrupt" instead of answering
         return ""
 
-    r = kernel.converse("m.go.call(1).get()", interrupt)
+    # in an async cell the console blocks the loop that ipykernel's SIGINT handler would cancel
+    # the cell on: without Python's own handler there, Ctrl-C left the prompt waiting
+    r = kernel.converse("m.go.call(1).get()" if wait == "get" else "await m.go.call(1)", interrupt, timeout=30)
     assert r["error"] is not None and r["error"]["ename"] == "KeyboardInterrupt", r
     r = kernel.converse(
         poll('len(debug.sessions("dbgi")) == 2')

@@ -18,6 +18,7 @@ import _thread
 import asyncio
 import contextlib
 import importlib
+import signal
 import sys
 import threading
 import time
@@ -265,7 +266,7 @@ async def wait_async(fut: Future[Any], done: Callable[[], asyncio.Future[None]] 
     again = due(fut)  # as in wait(): ranks of this call paused, and shown by a console already
     try:
         if again:
-            _run_console(fut)
+            _console_in_loop(fut)
         while fut._state == _PENDING:
             woken: asyncio.Future[None] = loop.create_future() if done is None else done()
             wake = waker(loop, woken)
@@ -280,9 +281,28 @@ async def wait_async(fut: Future[Any], done: Callable[[], asyncio.Future[None]] 
             finally:
                 _async_waiters.discard(wake)
             if fut._state == _PENDING and _unseen:
-                _run_console(fut)
+                _console_in_loop(fut)
     finally:
         _interruptible(loop, -1)
+
+
+def _console_in_loop(fut: Future[Any]) -> None:
+    """:func:`_run_console` from a coroutine of the main thread, with Ctrl-C raising in it.
+
+    The console blocks the loop in ``input()``; ipykernel's SIGINT handler for an async cell
+    (and ``asyncio.run``'s) only schedules the cell's cancellation on that loop, which would run
+    once the console returns: Ctrl-C at its prompt, or during a command a rank runs, did
+    nothing, and the cell stayed at the prompt. Python's own handler raises
+    KeyboardInterrupt in ``input()``, as in a ``get()`` cell."""
+    try:
+        outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    except ValueError:  # not the main thread after all: nothing to swap
+        outer = None
+    try:
+        _run_console(fut)
+    finally:
+        if outer is not None:
+            signal.signal(signal.SIGINT, outer)
 
 
 #: how often an async cell's loop wakes while it awaits one of our futures (see _interruptible)
