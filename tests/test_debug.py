@@ -364,6 +364,32 @@ def test_awaiting_cell_is_the_debugger(kernel: Kernel) -> None:
     kernel.converse("procs.stop().get(timeout=30)")
 
 
+def test_a_cell_s_continue_leaves_another_controller_s_ranks_paused(kernel: Kernel) -> None:
+    # this test process is the other controller (another notebook on the same allocator)
+    from monarch_nb.actor import this_host
+
+    theirs_procs = this_host().spawn_procs(per_host={"gpus": 2}, name="dbg-theirs")
+    try:
+        fut = theirs_procs.spawn("theirs", Paused).go.call(True)
+        _wait_sessions(2, "theirs")
+        kernel.converse(
+            DEFINE + "\nprocs = this_host().spawn_procs(per_host={'gpus': 2}, name='dbg-mine')\nm = procs.spawn('mine', Dbg)\n"
+        )
+        r = kernel.converse(
+            "print(m.go.call(1).get(timeout=60).values())", Script(lambda p, t: "continue" if _rows(t) == 4 else None)
+        )
+        assert r["error"] is None, r
+        assert "continued 2 rank(s)" in r["stdout"], r["stdout"]
+        assert "2 rank(s) stopped in other controllers' calls stay paused" in r["stdout"]
+        assert "[11, 12]" in r["stdout"]
+        assert sorted(s.rank for s in debug.sessions("theirs") if s.state == "paused") == [0, 1]
+        assert debug.continue_all("theirs") == {0: "", 1: ""}
+        assert fut.get(timeout=30).values() == [0, 1]
+        kernel.converse("procs.stop().get(timeout=30)")
+    finally:
+        theirs_procs.stop().get(timeout=30)
+
+
 @pytest.mark.parametrize("wait", ["get", "await"])
 def test_a_call_that_stopped_while_another_was_waited_on_opens_the_console_when_waited_on(
     kernel: Kernel, tmp_path: Any, wait: str

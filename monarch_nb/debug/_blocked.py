@@ -54,10 +54,10 @@ def _blocked(fut: Future[Any]) -> None:
     _settle()
     ours = _debugwait.paused()
     seen = set(ours)
-    con = Console()
+    con = Console(own=lambda: _debugwait.paused().keys())
     con.write(
         f"\nmonarch_nb: {len(ours)} rank(s) {_whose(fut, ours)}stopped at a breakpoint while waiting for {fut._what}.\n"
-        "Type 'attach ACTOR RANK' to debug one, 'continue' to resume all, 'help' for more.\n"
+        "Type 'attach ACTOR RANK' to debug one, 'continue' to resume them, 'help' for more.\n"
     )
     con.show_table()
 

@@ -19,7 +19,7 @@ Commands:
   attach [ACTOR] RANK           a pdb on that rank (pdb commands: p, n, s, l, w, up, c, ...; 'detach' returns here)
   cast [ACTOR] RANKS COMMAND    run a pdb command on a rank set: 0-3, 1,5, *, ranks(0:4), ranks(1,3),
                                 ranks(gpu=0), ranks(hosts=0, gpus=(1,3))
-  continue                      resume every paused rank
+  continue                      resume every paused rank (in a waiting cell: its controller's)
   quit                          leave the debugger (paused ranks stay paused)
   help                          this text
 """
@@ -51,10 +51,19 @@ class Console:
     prompt = "monarch_dbg> "
 
     def __init__(
-        self, write: Callable[[str], Any] | None = None, *, addresses: Iterable[str] | None = None, raise_errors: bool = False
+        self,
+        write: Callable[[str], Any] | None = None,
+        *,
+        addresses: Iterable[str] | None = None,
+        raise_errors: bool = False,
+        own: Callable[[], Iterable[str]] | None = None,
     ) -> None:
         self.write = write or _stdout_write
         self.addresses = list(addresses or [])
+        #: the sids ``continue`` resumes (None: every paused rank). A blocked cell's console
+        #: passes its controller's own: the table lists every controller's paused ranks, and
+        #: another notebook's user may be in the middle of debugging theirs
+        self.own = own
         self.attached: DebugClient | None = None
         self.quit = False
         #: commands that failed (an error, an unknown command, a usage message): ``monarch-nb
@@ -201,9 +210,17 @@ class Console:
         elif cmd == "cast":
             self._cast(line)
         elif cmd in ("continue", "c", "cont"):
-            res = cast_sessions(None, None, "c", addresses=self.addresses)
+            res = cast_sessions(None, None, "c", addresses=self.addresses, sids=None if self.own is None else set(self.own()))
             self.write(f"continued {len(res)} rank(s)\n" if res else "no paused ranks\n")
             self._outputs(res, only_said=True)
+            if self.own is not None:
+                others = [
+                    t for t in sessions(include_gone=False, addresses=self.addresses) if t.sid not in {r.sid for r, _ in res}
+                ]
+                if others:
+                    self.write(
+                        f"{len(others)} rank(s) stopped in other controllers' calls stay paused ('cast * c' resumes them too)\n"
+                    )
         elif cmd in ("quit", "exit", "q"):
             self.quit = True
             return False

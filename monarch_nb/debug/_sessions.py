@@ -411,11 +411,12 @@ def cast_sessions(
     *,
     timeout: float | None = 60.0,
     addresses: Iterable[str] | None = None,
+    sids: set[str] | None = None,
 ) -> list[tuple[Session, str]]:
     """:func:`cast`, one ``(session, output)`` per session: with no ``actor``, ranks of several
     actors (two meshes each paused at rank 0) are each their own entry, where :func:`cast`'s
-    ``{rank: output}`` keeps one of them."""
-    targets = [s for s in sessions(actor, ranks, addresses=addresses) if s.state != "gone"]
+    ``{rank: output}`` keeps one of them. ``sids``: only those sessions."""
+    targets = [s for s in sessions(actor, ranks, addresses=addresses) if s.state != "gone" and (sids is None or s.sid in sids)]
     futs = [(s, _send(s, cmd)) for s in targets]
     out: list[tuple[Session, str]] = []
     left = budget(timeout)
