@@ -320,27 +320,49 @@ def write_json(path: str, obj: Any) -> None:
 def job_lock(path: str) -> Iterator[None]:
     """Exclusive right to read, apply and write the job record at ``path`` (released if the
     holder dies): two kernels applying the same job at once would each submit one, and the
-    record would keep only the second, leaving the first running unseen."""
+    record would keep only the second, leaving the first running unseen.
+
+    The lock file goes when its holder is done (nothing is left beside the records): a waiter
+    that then holds the lock of a file no longer at the path takes the path's new one."""
     lock = os.path.realpath(path) + ".lock"
     os.makedirs(os.path.dirname(lock), mode=DIR_MODE, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
-    try:
+    told = False
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            # the holder may wait for hours in a queue: say who, and that this cell waits for it
-            print(
-                f"process {holder} (another kernel or script) is applying the job cached at {path}; "
-                "waiting for it, then re-attaching to its job (interrupt to stop waiting)",
-                file=sys.stderr,
-                flush=True,
-            )
-            fcntl.flock(fd, fcntl.LOCK_EX)  # interruptible: Ctrl-C raises KeyboardInterrupt here
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not told:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                    # the holder may wait for hours in a queue: say who, and that this cell waits for it
+                    print(
+                        f"process {holder} (another kernel or script) is applying the job cached at {path}; "
+                        "waiting for it, then re-attaching to its job (interrupt to stop waiting)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    told = True
+                fcntl.flock(fd, fcntl.LOCK_EX)  # interruptible: Ctrl-C raises KeyboardInterrupt here
+            try:
+                same = os.stat(lock, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if same:
+            break
+        os.close(fd)  # its holder removed it on release: lock the one at the path now
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
     finally:
+        try:
+            os.unlink(lock)  # while still holding it: a waiter on it then finds it gone
+        except FileNotFoundError:
+            pass
         os.close(fd)
 
 
