@@ -943,13 +943,16 @@ def test_stacks_of_an_async_actor_show_each_running_call_and_where_it_awaits(all
         idle = "[ranks 0-1 (2)] thread monarch-actor-event-loop (awaiting)\n    (event loop idle: its calls and tasks wait at awaits, listed below)"
         got: list[Any] = []
 
-        # every rank's loop back in select, with train suspended (the fetches' 12,000 tasks start first)
+        # every rank's loop back in select, with train and all 12,000 of the fetches' tasks
+        # suspended; the dump read then is the one checked (a later one could find a loop that
+        # is still starting tasks, as one in CI did)
         def suspended() -> bool:
-            got.append(str(debug.stacks(a, timeout=10)))
-            return idle in got[-1] and "[ranks 0-1 (2)] call awaiting.train" in got[-1]
+            got.append(debug.stacks(a, timeout=10))
+            text = str(got[-1])
+            return idle in text and "[ranks 0-1 (2)] call awaiting.train" in text and "Queue.get ×12000" in text
 
-        wait_for(suspended, 30, "train suspended on every rank")
-        st = debug.stacks(a, timeout=10)
+        wait_for(suspended, 30, "train and the fetches' tasks suspended on every rank")
+        st = got[-1]
         text = str(st)
         # the mesh the user named, not the actor mesh's spawn id (`awaiting#1a2b.3`)
         assert text.startswith("stacks of mesh 'stk-async': 2 ranks\n"), text
