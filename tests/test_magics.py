@@ -7,6 +7,7 @@ import re
 import signal
 import textwrap
 import time
+import warnings
 
 import pytest
 from _kernel import Kernel, poll
@@ -18,6 +19,11 @@ def k():
     try:
         c = kern.run("%mesh connect")
         assert "connected to 1 host" in c.stream(), c.msgs
+        if "; meshes: none" not in c.stream():
+            # a named mesh an earlier test of the run left on the shared allocator (once in CI,
+            # not reproduced): this module's first test needs none; said, then stopped
+            warnings.warn(f"test_magics found meshes left running by earlier tests: {c.stream().strip()}", stacklevel=1)
+            kern.run("%mesh stop --all", timeout=60)
         yield kern
         kern.run("%mesh stop --all", timeout=60)
     finally:
