@@ -23,14 +23,7 @@ from collections import defaultdict
 from typing import Any
 
 from bench import floor
-
-
-def _percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+from bench.run import percentile
 
 
 def rows(path: str, top: int = 12) -> dict[str, Any]:
@@ -46,7 +39,7 @@ def rows(path: str, top: int = 12) -> dict[str, Any]:
                 by[(r["w"], r["impl"])].append((x * 1e6, kind))
     out: dict[str, Any] = {}
     for (w, impl), xs in sorted(by.items()):
-        p99 = _percentile([x for x, _ in xs], 0.99)
+        p99 = percentile([x for x, _ in xs], 0.99)
         xs.sort(reverse=True)
         out.setdefault(w, {})[impl] = {
             "n": len(xs),
@@ -76,7 +69,7 @@ def stalls(seconds: float, over_us: float = 300.0) -> dict[str, Any]:
     return {
         "seconds": seconds,
         "round_trips": len(xs),
-        "median_us": round(_percentile(xs, 0.5), 1),
+        "median_us": round(percentile(xs, 0.5), 1),
         f"over_{over_us:.0f}us_per_s": round(sum(x > over_us for x in xs) / seconds, 1),
         f"over_{2 * over_us:.0f}us_per_s": round(sum(x > 2 * over_us for x in xs) / seconds, 1),
         "largest_us": [round(x) for x in sorted(xs, reverse=True)[:8]],
