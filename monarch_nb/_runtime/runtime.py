@@ -267,12 +267,10 @@ class Runtime:
             interval = cfg.heartbeat_interval
             if not self.supervision.pinging() and not self.receiver.order.holding():
                 interval = max(interval, min(IDLE_WATCH_S, cfg.peer_idle_close / 4))
-            fut = self._watch_fut = loop.create_future()
-            timer = loop.call_at(next_tick(loop, interval), _wake, fut)
+            self._watch_fut = loop.create_future()
             try:
-                await fut
+                await sleep_to_tick(loop, interval, self._watch_fut)
             finally:
-                timer.cancel()
                 self._watch_fut = None
             self.sender.sweep_shm()
             now = time.monotonic()
@@ -315,9 +313,11 @@ def next_tick(loop: asyncio.AbstractEventLoop, period: float) -> float:
     return t + period - t % period
 
 
-async def sleep_to_tick(loop: asyncio.AbstractEventLoop, period: float) -> None:
-    """Sleep until :func:`next_tick` (at most ``period``)."""
-    fut = loop.create_future()
+async def sleep_to_tick(loop: asyncio.AbstractEventLoop, period: float, fut: asyncio.Future[None] | None = None) -> None:
+    """Sleep until :func:`next_tick` (at most ``period``), or until ``fut`` is done first (the
+    watch loop's, which a new watch or a held message wakes)."""
+    if fut is None:
+        fut = loop.create_future()
     timer = loop.call_at(next_tick(loop, period), _wake, fut)
     try:
         await fut
