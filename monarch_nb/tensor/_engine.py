@@ -377,7 +377,7 @@ class MeshTensor:
 
     def __del__(self) -> None:
         try:
-            if getattr(self, "_dropped", False):
+            if self.dropped:
                 return
             lent = self._engine.lends.pop(self._id, 0)
             # a handle pickled into actor calls: the calls may reach the rank after this free
@@ -389,7 +389,7 @@ class MeshTensor:
         """Monarch's ``drop()``: free this tensor on the ranks now (its memory goes once no other
         mesh tensor is a view of it), where ``del t`` waits for the handle to be collected, which
         a notebook's ``Out`` or a traceback can put off for long. Using it afterwards raises."""
-        if getattr(self, "_dropped", False):
+        if self.dropped:
             return
         self.__del__()
         self._dropped = True
@@ -416,10 +416,11 @@ class MeshTensor:
 
     @property
     def dropped(self) -> bool:
+        # a slot set only by drop() (and absent on a half-built handle)
         return getattr(self, "_dropped", False)
 
     def _check_live(self, what: str) -> None:
-        if getattr(self, "_dropped", False):
+        if self.dropped:
             raise TensorOpError(
                 f"{what}: this mesh tensor was dropped (t.drop()), and its value freed on the ranks; "
                 "make it again (or keep a handle and drop it later)"
