@@ -40,3 +40,9 @@ def merge(texts: list[str]) -> str:
 def template(text: str) -> str:
     """``text`` with each number replaced by a NUL: texts that differ only in numbers share it."""
     return NUM.sub("\0", text)
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``n`` and its noun, singular for one: ``plural(1, "rank")`` is ``"1 rank"``, ``plural(2,
+    "rank")`` ``"2 ranks"`` (``nouns``: an irregular plural, ``plural(n, "mesh", "meshes")``)."""
+    return f"{n} {noun if n == 1 else nouns or noun + 's'}"

@@ -7,6 +7,8 @@ import json
 import sys
 from collections.abc import Callable
 
+from ._numtext import plural
+
 
 def _in_one_line(
     what: str, errors: tuple[type[Exception], ...], action: Callable[[argparse.Namespace], int], args: argparse.Namespace
@@ -206,7 +208,7 @@ def _stop_action(args: argparse.Namespace) -> int:
             continue
         reason = "stopped by `monarch-nb stop` on the command line"
         n = sum(stop_mesh(name, a, force=args.force, reason=reason, timeout=timeout) for a in addrs)
-        print(f"stopped mesh {name!r} ({n} proc{'' if n == 1 else 's'})")
+        print(f"stopped mesh {name!r} ({plural(n, 'proc')})")
     return 0
 
 

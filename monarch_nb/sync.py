@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _workspace
+from ._numtext import plural
 from ._ranks import format_ranks
 from ._runtime._private import private
 from .actor import ProcMesh, _context
@@ -78,9 +79,7 @@ class SyncReport:
         mods = sorted({m for r in self.reloads for m in r.get("reloaded", [])})
         actors = sorted({a for r in self.reloads for a in (*r.get("updated", []), *r.get("recreated", []))})
         pids = len({r.get("pid") for r in self.reloads})
-        line = (
-            f"reloaded {', '.join(mods) or 'nothing'} in {pids} procs (same PIDs); actors updated: {', '.join(actors) or 'none'}"
-        )
+        line = f"reloaded {', '.join(mods) or 'nothing'} in {plural(pids, 'proc')} (same PIDs); actors updated: {', '.join(actors) or 'none'}"
         if self.not_reloaded:
             line += f"; not reloaded, gone: {'; '.join(self.not_reloaded)}"
         return line

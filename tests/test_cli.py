@@ -199,7 +199,7 @@ def test_stacks_of_a_mesh_whose_kernel_is_stuck_from_a_terminal(tmp_path) -> Non
         assert "[ranks 0-1 (2)] call stuck.wait_here_for_go · running for " in r.stdout, r.stdout
         assert f"called by controller {cid} (pid {owner.pid})" in r.stdout, r.stdout
         r = _cli("stacks", "hung", "--ranks", "1", **env)
-        assert r.returncode == 0 and r.stdout.startswith("stacks of mesh 'hung': 1 ranks\n"), (r.stdout, r.stderr)
+        assert r.returncode == 0 and r.stdout.startswith("stacks of mesh 'hung': 1 rank\n"), (r.stdout, r.stderr)
         assert "[rank 1] call stuck.wait_here_for_go" in r.stdout, r.stdout
         _refused(_cli("stacks", "nosuch", **env), "monarch-nb stacks: no mesh named 'nosuch' on this host's allocators")
         # the owner's call goes on, and its mesh is still its own

@@ -1183,7 +1183,7 @@ def test_the_mailbox_is_read_in_place_with_the_calls_a_busy_loop_has_not_taken(k
             Stacks("m", [RankStack(0, "h", 1, threads=[], actors=actors)], internal=False, callers={"ipc://caller": "rank 3"})
         )
         assert text.startswith(
-            "stacks of mesh 'm': 1 ranks\n  [rank 0] queued for a: 12 calls (each starts when the one before it has ended)\n"
+            "stacks of mesh 'm': 1 rank\n  [rank 0] queued for a: 12 calls (each starts when the one before it has ended)\n"
             "    [rank 0]\n      a.step0 · called by rank 3\n"
         ), text
         assert text.endswith("      a.step7 · called by rank 3\n    [rank 0]\n      and 4 calls more behind them"), text

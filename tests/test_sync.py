@@ -675,7 +675,7 @@ def test_a_module_the_procs_imported_from_the_notebooks_folder_reloads_on_the_fi
         (tmp_path / "localmod.py").write_text(textwrap.dedent(MODULE.format(version="v2")))
         rep = S.sync(str(tmp_path), meshes=pm)[0]
         assert rep.reloads[0]["reloaded"] == ["localmod"]  # helper.py did not change since
-        assert "reloaded localmod in 1 procs (same PIDs); actors updated: w" in repr(rep).splitlines()
+        assert "reloaded localmod in 1 proc (same PIDs); actors updated: w" in repr(rep).splitlines()
         after = w.hello.call_one().get(timeout=30)
         assert after[:4] == ("hi", "v2", 2, first[3])  # new code, same object, same proc
         assert after[4].startswith(rep.hosts[0].path)  # from the synced tree from now on

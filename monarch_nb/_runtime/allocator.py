@@ -27,6 +27,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+from .._numtext import plural
 from .._version import __version__
 from .._wire import frames as wire
 from .._wire.serialize import dumps
@@ -422,7 +423,7 @@ class Allocator(DebugRegistry):
         # spawn too many for its limit is refused here, whole, before any proc starts
         _fdlimit.ensure_room(
             n * _fdlimit.PER_PROC,
-            f"spawning {n} procs ({name!r}) on host {self.rt.hostname}",
+            f"spawning {plural(n, 'proc')} ({name!r}) on host {self.rt.hostname}",
             "this host's allocator (monarch-nb allocator)",
         )
         mesh = MeshRec(name, spec["owner"], bool(spec.get("persist")), labels, sizes, spec.get("rank_base", 0), [])

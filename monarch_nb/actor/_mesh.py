@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
+from .._numtext import plural
 from .._runtime import _fdlimit
 from .._wire import frames as wire
 from .._wire.serialize import dumps, dumps_by_value, loads
@@ -791,7 +792,7 @@ class ProcMesh(MeshTrait):
         view = self._view
         ext = (list(view.labels), list(view.sizes))
         procs = [self._procs[r] for r in view.ranks]
-        _fdlimit.ensure_room(len(procs) * _fdlimit.PER_ACTOR, f"spawning actor {name!r} on {len(procs)} procs")
+        _fdlimit.ensure_room(len(procs) * _fdlimit.PER_ACTOR, f"spawning actor {name!r} on {plural(len(procs), 'proc')}")
         label, name = name, self._unique_actor_name(name)
         # each actor tells this process of its own failure on this port (Monarch's supervision
         # events), whose handler hands it to the mesh once spawn has made it
@@ -1168,7 +1169,7 @@ class HostMesh(MeshTrait):
         # frontend shows its progress while a large mesh starts
         total = n_local * len(hosts)
         # each proc takes this process descriptors; running out later would take the kernel down
-        _fdlimit.ensure_room(total * _fdlimit.PER_PROC, f"spawning {total} procs ({name!r})")
+        _fdlimit.ensure_room(total * _fdlimit.PER_PROC, f"spawning {plural(total, 'proc')} ({name!r})")
         whole: Future[None] = Future._create(f"spawn of {total} procs {name!r}")
         whole._progress = ([total], total)
         whole._unit = "procs up"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._errgroup import _internal, cell_number, show_internal_frames
+from .._numtext import plural
 from .._ranks import format_ranks, select_ranks
 from ..actor import _context, _debugwait, _stackdump
 from ..actor._refs import ProcRef
@@ -218,7 +219,7 @@ class Stacks:
 
     # ------------------------------------------------------------ text
     def __str__(self) -> str:
-        out = [f"stacks of mesh {self.mesh!r}: {len(self.ranks)} ranks"]
+        out = [f"stacks of mesh {self.mesh!r}: {plural(len(self.ranks), 'rank')}"]
         for r in self.unanswered:
             out.append(f"  rank {r.rank} ({r.host} pid {r.pid}): {r.error}")
         for group, text in self._native_groups():
@@ -249,7 +250,7 @@ class Stacks:
     def _repr_html_(self) -> str:
         parts = [
             _CSS,
-            f'<div class="mnb-stacks"><div><b>stacks</b> of mesh {html.escape(self.mesh)}: {len(self.ranks)} ranks</div>',
+            f'<div class="mnb-stacks"><div><b>stacks</b> of mesh {html.escape(self.mesh)}: {plural(len(self.ranks), "rank")}</div>',
         ]
         for r in self.unanswered:
             parts.append(
@@ -297,7 +298,7 @@ class Stacks:
         for actor, by_rank in self.left_out.items():
             ranks = sorted(by_rank)
             out.append(
-                f"{_ranks(ranks)}: {sum(by_rank.values())} tasks of {actor} left out "
+                f"{_ranks(ranks)}: {plural(sum(by_rank.values()), 'task')} of {actor} left out "
                 f"(each rank sends its first {_stackdump.MAX_GROUPS} distinct stacks per actor)"
             )
         return out

@@ -12,6 +12,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from .. import logs as _logs
 from .. import mesh as _mesh
+from .._numtext import plural
 from ..actor import controller_client
 from ..errors import AuthenticationError, ConfigError, ConnectError, DebugError, MeshError, MonarchNBError, ProtocolError
 from . import _jobs
@@ -214,7 +215,7 @@ class MeshMagics(Magics):
         per_host = _kv(args.per_host)
         pm = _mesh.spawn(args.name, per_host, persist=False if args.no_persist else None)
         self._bind(args.name, pm)
-        print(f"{args.name}: {len(pm._procs)} procs {pm.extent} on {len({p.host for p in pm._procs})} host(s)")
+        print(f"{args.name}: {plural(len(pm._procs), 'proc')} {pm.extent} on {len({p.host for p in pm._procs})} host(s)")
         return None
 
     def _do_exec(self, args: argparse.Namespace, cell: str | None) -> Any:

@@ -28,7 +28,7 @@ import time
 import uuid
 from typing import Any
 
-from .._numtext import template
+from .._numtext import plural, template
 from .._ranks import format_ranks
 from ..actor import blocked_on
 from ..debug import quiet
@@ -334,7 +334,7 @@ class KernelOutput:
                 unit = "rank" if len(known) == 1 else "ranks"
                 which = f" ({unit} {format_ranks(known)})" if known else ""
                 n = len(ranks)
-                lines.append(f"monarch_nb: {n} more failure{'s' if n > 1 else ''} of mesh {mesh!r}{which}, {how}")
+                lines.append(f"monarch_nb: {plural(n, 'more failure', 'more failures')} of mesh {mesh!r}{which}, {how}")
         if not lines:
             return
         if cell.running:
@@ -432,7 +432,7 @@ class KernelOutput:
         meshes = sorted({m for (m, _r) in self._by_rank if self._by_rank[(m, _r)] is cell}) or ["NAME"]
         n = sum(cell.suppressed.values())
         cell.suppressed.clear()
-        text = f"[{n} lines suppressed — %mesh logs {meshes[0]} for every line]"
+        text = f"[{plural(n, 'line')} suppressed — %mesh logs {meshes[0]} for every line]"
         if cell.running:
             self._send(cell, "stream", {"name": "stderr", "text": text + "\n"})
         else:

@@ -10,6 +10,7 @@ import warnings
 from typing import Any
 
 from .. import telemetry
+from .._numtext import plural
 
 #: the most spans drawn in the cell (the newest); the trace file holds them all
 MAX_DRAWN = 4000
@@ -61,7 +62,7 @@ class TraceView:
             of = f" of mesh {self.name!r}" if self.name else ""
             return f"no spans{of} in the last {self.last}: no trace written (the ranks ran no calls or spans then)"
         ranks = {(r["mesh"], r.get("mesh_id"), r["rank"]) for r in self.rows}
-        return f"{len(self.rows)} spans of {len(ranks)} ranks in the last {self.last} written to {self.path} (open in ui.perfetto.dev)"
+        return f"{plural(len(self.rows), 'span')} of {plural(len(ranks), 'rank')} in the last {self.last} written to {self.path} (open in ui.perfetto.dev)"
 
     def _straggler_lines(self) -> list[str]:
         return [
