@@ -176,6 +176,14 @@ def test_mesh_sizes_and_host_lists_are_checked_when_given() -> None:
     with pytest.raises(ValueError, match="non-empty list of host names"):
         SSHJob(meshes={"w": ["h1", ""]})
     assert SSHJob(meshes={"w": ("h1", "h2")})._meshes == {"w": ["h1", "h2"]}
+    # a host twice in one mesh got one allocator, a {hosts: 2} mesh over it, and its first
+    # spawn_procs failed with "a mesh named ... already exists on host"
+    with pytest.raises(ValueError, match=r"SSHJob: mesh 'w' lists host 'h1' more than once: a job runs one allocator per host"):
+        SSHJob().add_mesh("w", ["h1", "h2", "h1"])
+    with pytest.raises(ValueError, match=r"lists host 'h1' more than once.*per_host=\{'gpus': N\}"):
+        SSHJob(meshes={"w": ["h1", "h1"]})
+    # two meshes may share a host (and its allocator), as in Monarch
+    assert SSHJob(meshes={"a": ["h1"], "b": ["h1", "h2"]})._all_hosts() == ["h1", "h2"]
     # %mesh launch's --hosts, through make_job, the first step of launch()
     from monarch_nb.job._named import make_job
 
@@ -286,10 +294,15 @@ def test_the_remote_start_script_puts_the_key_in_no_directory_another_user_made(
     assert r.returncode == 5 and "is not this user's own directory" in r.stderr, r.stderr
     assert os.listdir(planted) == []
 
-    # the user's own folder of that name (a second start on this host) is used, as before
+    # the user's own folder of that name: job ids are new at each apply, so the job already
+    # started here under another host name (the controller says which); that start's folder stays
     os.rmdir(planted)
     planted.mkdir()
-    os.chmod(planted, 0o755)
+    os.chmod(planted, 0o700)
+    r = start()
+    assert r.returncode == 6 and r.stderr == f"monarch_nb: same machine: {os.uname().nodename}\n", r.stderr
+    assert planted.is_dir() and os.listdir(planted) == []
+    os.rmdir(planted)
     r = start()
     assert r.returncode == 3 and "the allocator exited while starting" in r.stderr, r.stderr
     assert not planted.exists()  # and removed with its key

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -248,6 +249,38 @@ def test_a_python_without_monarch_nb_fails_clearly_and_leaves_no_key(ssh: SshClu
     assert res["error"] and "starting on root@s1 failed" in res["error"] and "No module named monarch_nb" in res["error"], res
     # the job's directory (with the cluster key in it) went with the allocator that never ran
     for i in (1, 2):
+        assert not list(ssh.net.path(i, "/tmp").glob("mnb-job-*")), i
+
+
+def test_one_machine_under_two_names_is_refused_naming_both(ssh: SshCluster) -> None:
+    """A host name and its address (or two aliases) started two allocators on one machine in
+    the job's one directory there: the second took over the first's key file and announcement,
+    and the job ran with a stray allocator. Refused, naming both, and nothing is left running."""
+    assert ssh.net is not None
+    ip = ssh.net.ip(1)
+    res = run_controller(
+        ssh.net,
+        ssh.shared,
+        _code(
+            """
+            job = make_job({args!r}, hosts=("root@s1", "root@s2"), extra=("root@{ip}",))
+            try:
+                job.state(cached_path=None)
+                out(error=None)
+            except JobError as e:
+                out(error=str(e))
+            """,
+            args=ssh.ssh_args(),
+            ip=ip,
+        ),
+        _env(ssh),
+    )[0]
+    names = f"('root@s1' and 'root@{ip}'|'root@{ip}' and 'root@s1')"  # whichever reached it first
+    assert res["error"] and re.search(
+        names + r" are the same machine \(s1\) under two names: a job runs one allocator per host", res["error"]
+    ), res
+    for i in (1, 2):
+        wait_for(lambda i=i: not _allocators_on(ssh, i), 15, f"the allocators started on s{i} to be stopped")
         assert not list(ssh.net.path(i, "/tmp").glob("mnb-job-*")), i
 
 

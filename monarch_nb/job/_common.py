@@ -43,6 +43,15 @@ def mesh_hosts(job: str, name: str, hosts: Any) -> list[str]:
     out = list(hosts) if isinstance(hosts, (list, tuple)) else None
     if not out or not all(isinstance(h, str) and h for h in out):
         raise ValueError(f"{job}: mesh {name!r} needs a non-empty list of host names, got {hosts!r}")
+    twice = sorted({h for h in out if out.count(h) > 1})
+    if twice:
+        # one allocator serves a host: the mesh would list it twice and its first spawn_procs
+        # fail with "a mesh named ... already exists on host"
+        raise ValueError(
+            f"{job}: mesh {name!r} lists host {', '.join(map(repr, twice))} more than once: a job runs one allocator "
+            "per host and a host mesh has one rank per host; for more procs on a host, spawn them per host "
+            "(spawn_procs(per_host={'gpus': N}))"
+        )
     return out
 
 

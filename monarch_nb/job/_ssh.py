@@ -51,7 +51,9 @@ if ! mkdir -m 700 "$d" 2>/dev/null; then
     if [ -L "$d" ] || [ ! -d "$d" ] || [ ! -O "$d" ]; then
         echo "monarch_nb: $d exists and is not this user's own directory: refusing to put the cluster key there" >&2; exit 5
     fi
-    chmod 700 "$d"
+    # job ids are new at each apply: another of the job's host names reached this same machine
+    # (a name and its address, two aliases), whose allocator and announcement this would clobber
+    echo "monarch_nb: same machine: $(uname -n)" >&2; exit 6
 fi
 cat > "$d/key"
 for kv in "$@"; do export "$kv"; done
@@ -97,6 +99,14 @@ fi
 case "$d" in */mnb-job-*) rm -rf "$d";; esac
 echo stopped
 """
+
+
+class _SameMachine(JobError):
+    """The start script found the job already started on that machine, under another name."""
+
+    def __init__(self, host: str, machine: str) -> None:
+        super().__init__(f"{host} is a machine ({machine}) this job already starts on under another name")
+        self.machine = machine
 
 
 class SSHJob(JobTrait):
@@ -207,6 +217,9 @@ class SSHJob(JobTrait):
             if "Permission denied" in err:
                 raise JobError(f"ssh to {host} was refused (the host does not accept our ssh key): {err}")
             raise JobError(f"ssh could not reach {host}: {err or 'connection failed'}")
+        said = err.splitlines()[-1] if err else ""
+        if cp.returncode == 6 and said.startswith("monarch_nb: same machine: "):
+            raise _SameMachine(host, said.rpartition(": ")[2])
         if cp.returncode != 0:
             raise JobError(f"starting on {host} failed (exit {cp.returncode}): {err}")
         return out
@@ -261,11 +274,22 @@ class SSHJob(JobTrait):
         with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
             futs = {h: pool.submit(self._start_host, h, key) for h in hosts}
         errors = []
+        same: dict[str, str] = {}
         for h, f in futs.items():
             try:
                 self._hosts[h] = f.result()
+            except _SameMachine as e:
+                same[h] = e.machine
             except Exception as e:
                 errors.append(str(e))
+        for h, machine in same.items():
+            # named by the host entry that did start there (it announced the machine's name)
+            first = [o for o, info in self._hosts.items() if info.get("hostname") == machine]
+            which = f"{first[0]!r} and {h!r} are" if first else f"{h!r} is"
+            errors.append(
+                f"{which} the same machine ({machine}) under two names: a job runs one allocator per host, so "
+                "name each host once, and by one name (meshes that share a host give the same name)"
+            )
         if errors:
             try:
                 self._kill()
