@@ -11,7 +11,16 @@ from ._runtime.daemon import run_allocator
 from ._runtime.records import local_allocator, read_connection_files
 from .config import get_config, runtime_dir
 
-__all__ = ["gc_code", "gc_logs", "list_allocators", "run_allocator", "start_allocator", "stop_allocator", "stop_mesh"]
+__all__ = [
+    "gc_code",
+    "gc_logs",
+    "known_status",
+    "list_allocators",
+    "run_allocator",
+    "start_allocator",
+    "stop_allocator",
+    "stop_mesh",
+]
 
 
 def list_allocators() -> list[dict[str, Any]]:
@@ -24,6 +33,31 @@ def list_allocators() -> list[dict[str, Any]]:
             info["alive"] = False
         out.append(info)
     return out
+
+
+def known_status(jobs: list[dict[str, Any]] | None = None, timeout: float = 2.0) -> dict[str, Any]:
+    """``introspect.status()`` of every allocator known here: this runtime directory's, and
+    those of the jobs on record (``monarch_nb.job.list_jobs()``, or its rows ``jobs``).
+
+    A job's allocators keep their connection files in the job's own directory (on another host,
+    for SSH and Slurm), so they are asked by address, with the job's own cluster key.
+    """
+    from .introspect import status
+
+    if jobs is None:
+        from .job import list_jobs
+
+        jobs = list_jobs()
+    by_key: dict[str, set[str]] = {}
+    for j in jobs:
+        by_key.setdefault(str(j.get("key_file") or ""), set()).update(str(a) for a in j.get("addrs") or [])
+    raw = status(sorted(by_key.pop("", set())) or None, timeout)
+    for key_file, addrs in sorted(by_key.items()):
+        if addrs:
+            more = status(sorted(addrs), timeout, key_file=key_file, local=False)
+            raw["allocators"] += more["allocators"]
+            raw["debug_sessions"] += more["debug_sessions"]
+    return raw
 
 
 def gc_logs(dry_run: bool = False) -> list[dict[str, Any]]:
@@ -95,7 +129,8 @@ def stop_mesh(
     reason: str = "stopped from outside its controller",
     timeout: float = 15.0,
 ) -> int:
-    """Stop the mesh ``name`` on the allocator at ``addr`` (default: every known allocator that has it).
+    """Stop the mesh ``name`` on the allocator at ``addr`` (default: every known allocator that
+    has it: this runtime directory's and those of the jobs on record, see ``known_status``).
 
     This is for tools that do not own the mesh (a CLI, the JupyterLab sidebar): with ``force``
     it stops a mesh even while its owning controller is attached; without, an attached owner's
@@ -103,12 +138,12 @@ def stop_mesh(
     """
     from .actor import _context
     from .errors import MeshError
-    from .introspect import status
 
     if addr is None:
-        addrs = [a["addr"] for a in status()["allocators"] if any(m["name"] == name for m in a.get("meshes", []))]
+        found = known_status()["allocators"]
+        addrs = [a["addr"] for a in found if any(m["name"] == name for m in a.get("meshes", []))]
         if not addrs:
-            raise MeshError(f"no mesh named {name!r} on any known allocator")
+            raise MeshError(f"no mesh named {name!r} on any known allocator ({_where(found)})")
     else:
         addrs = [addr]
     client = _context.client()
@@ -116,3 +151,10 @@ def stop_mesh(
     cid = "" if force else client.cid
     futs = [client.request(a, "stop_mesh", name, cid, force, reason) for a in addrs]
     return sum(int(f.get(timeout=timeout) or 0) for f in futs)
+
+
+def _where(allocators: list[dict[str, Any]]) -> str:
+    """Where a name was looked for, for a "no mesh named" error: the runtime directory (the jobs
+    on record live under it) and the meshes that are there."""
+    names = sorted({m["name"] for a in allocators for m in a.get("meshes", [])})
+    return f"runtime directory {runtime_dir()} and its jobs; meshes: {', '.join(names) or 'none'}"

@@ -174,23 +174,23 @@ def _stop(args: argparse.Namespace) -> int:
 def _stop_action(args: argparse.Namespace) -> int:
     """Stop proc meshes of this host's allocators, as ``%mesh stop`` does in their notebook: a
     persistent mesh whose kernel is gone needs no Python, and no ``allocator stop`` of all of them."""
-    from .allocator import stop_mesh
+    from .allocator import known_status, stop_mesh
     from .config import get_config, runtime_dir
     from .errors import MeshError
-    from .introspect import status
 
     if (args.name is None) == (not args.all):
         raise ValueError("name a mesh (as `monarch-nb status` lists it) or pass --all")
-    # name -> (allocators that run it, the owner, whether the owner is a running controller)
+    # name -> (allocators that run it, the owner, whether the owner is a running controller);
+    # the jobs' allocators too (ProcessJob, SSHJob, SlurmJob keep their records apart)
     meshes: dict[str, tuple[list[str], str, bool]] = {}
-    for a in status()["allocators"]:
+    for a in known_status()["allocators"]:
         attached = {c.get("cid") for c in a.get("controllers", [])}
         for m in a.get("meshes", []):
             addrs, owner, live = meshes.get(m["name"], ([], m["owner"], False))
             meshes[m["name"]] = ([*addrs, a["addr"]], owner, live or m["owner"] in attached)
     if args.name is not None and args.name not in meshes:
         raise MeshError(
-            f"no mesh named {args.name!r} on this host's allocators (runtime directory {runtime_dir()}; "
+            f"no mesh named {args.name!r} on this host's allocators or its jobs' (runtime directory {runtime_dir()}; "
             f"meshes: {', '.join(sorted(meshes)) or 'none'})"
         )
     todo = [args.name] if args.name is not None else sorted(meshes)

@@ -376,3 +376,31 @@ def test_monarch_nb_job_apply_twice_keeps_the_running_job(tmp_path: Path, monkey
     finally:
         job_load(cache).kill()
         first.kill()
+
+
+def test_a_jobs_mesh_is_stopped_by_name_from_a_script_the_cli_and_the_sidebar() -> None:
+    """``stop_mesh(name)`` looked for the mesh in this runtime directory's allocators only: a
+    job's (their records are in the job's own directory) were not searched, so a mesh on a job's
+    hosts was "no mesh named" from a script and from `monarch-nb stop`; the sidebar worked around
+    it by passing the allocators it had found itself."""
+    from monarch_nb.job import named_job_path
+    from monarch_nb.server.manager import MeshManager
+
+    job = ProcessJob({"w": 2}, env=FAST)
+    try:
+        state = job.state(cached_path=named_job_path("jobstop"))
+        for name in ("js1", "js2", "js3"):
+            state.w.spawn_procs(per_host={"gpus": 1}, name=name, persist=True)
+        # from a script that never saw the job
+        assert _script("import json\nfrom monarch_nb.allocator import stop_mesh\nprint(json.dumps(stop_mesh('js1')))") == 2
+        # from the command line (this test's process owns the mesh and runs: --force)
+        cli = subprocess.run(
+            [sys.executable, "-m", "monarch_nb", "stop", "js2", "--force"], capture_output=True, text=True, timeout=60
+        )
+        assert cli.returncode == 0 and cli.stdout == "stopped mesh 'js2' (2 procs)\n", (cli.stdout, cli.stderr)
+        # the sidebar's Stop (POST /monarch-nb/api/meshes/NAME/stop)
+        assert MeshManager().stop_mesh("js3") == {"mesh": "js3", "stopped_procs": 2}
+        left = {n for a in MeshManager().state()["allocators"] for n in a["meshes"]}
+        assert not left & {"js1", "js2", "js3"}, left
+    finally:
+        job.kill()

@@ -61,21 +61,11 @@ class MeshManager:
             self._snap = None
 
     def _build(self) -> dict[str, Any]:
-        from monarch_nb.allocator import list_allocators
+        from monarch_nb.allocator import known_status, list_allocators
         from monarch_nb.config import runtime_dir
-        from monarch_nb.introspect import status
 
         jobs = self._job_rows()
-        # a job's allocators keep their connection files in the job's own directory: ask them by
-        # address, with the job's own cluster key (SSH, Slurm and Kubernetes jobs make one each)
-        by_key: dict[str, set[str]] = {}
-        for j in jobs:
-            by_key.setdefault(j["key_file"], set()).update(j["addrs"])
-        raw = status(sorted(by_key.pop("", set())) or None)
-        for key_file, addrs in sorted(by_key.items()):
-            more = status(sorted(addrs), key_file=key_file, local=False)
-            raw["allocators"] += more["allocators"]
-            raw["debug_sessions"] += more["debug_sessions"]
+        raw = known_status(jobs)
         allocators: list[dict[str, Any]] = []
         meshes: dict[str, dict[str, Any]] = {}
         debug: list[dict[str, Any]] = []
@@ -217,17 +207,10 @@ class MeshManager:
         if not name:
             raise ValueError("a mesh name is required")
         self._check_alloc(alloc)
-        # the allocators the sidebar shows it on: a job's (ProcessJob, SSH, Slurm) keep their
-        # connection files apart, where stop_mesh's own search (this runtime dir) never looks
-        addrs: list[str | None] = [alloc] if alloc else [*self._mesh_allocators(name)] or [None]
-        reason = "stopped from the JupyterLab sidebar"
-        n = sum(stop_mesh(name, a, force=True, reason=reason) for a in addrs)
+        # without alloc, stop_mesh finds it on the jobs' allocators too
+        n = stop_mesh(name, alloc or None, force=True, reason="stopped from the JupyterLab sidebar")
         self._invalidate()
         return {"mesh": name, "stopped_procs": n}
-
-    def _mesh_allocators(self, name: str) -> list[str]:
-        m = next((m for m in self.state()["meshes"] if m["name"] == name), None)
-        return list(dict.fromkeys(m["allocators"])) if m else []
 
     def rank_log(self, mesh: str, rank: int, tail: int | None = 500, alloc: str | None = None) -> dict[str, Any]:
         """The captured output of one rank, kept by its allocator (also after it crashed)."""
@@ -239,7 +222,7 @@ class MeshManager:
         self._check_alloc(alloc)
         asked = alloc
         if not alloc:
-            # the allocator the sidebar shows the rank on (a job's too: see stop_mesh)
+            # the allocator the sidebar shows the rank on (a job's too: introspect.logs looks in this runtime dir only)
             alloc = next(
                 (p["alloc"] for m in self.state()["meshes"] if m["name"] == mesh for p in m["procs"] if p["rank"] == rank), None
             )
