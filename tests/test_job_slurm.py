@@ -546,6 +546,54 @@ def test_spawning_on_the_hosts_of_a_job_scancelled_from_outside_names_the_job(sl
     wait_for(lambda: not slurm.squeue().strip(), 30, "the queue to be empty")
 
 
+def test_a_job_slurm_requeued_is_replaced_saying_so_with_both_ids(slurm: SlurmCluster) -> None:
+    # a node failure requeues the job (scontrol requeue does the same, at once): its allocators
+    # are killed and it waits to run its batch script again. state() replaced it saying only
+    # "it cannot run this spec (it is no longer running)": not that Slurm requeued it, nor the
+    # new job's id, nor that the procs must be spawned again
+    (res,) = run_controller(
+        slurm.net,
+        slurm.shared,
+        _code(
+            slurm,
+            """
+            import subprocess, time, warnings
+            import monarch_nb.actor as public
+            from monarch_nb.job import JobReplacedWarning
+            public.unhandled_fault_hook = lambda f: None  # the requeue fails the mesh: expected
+
+            def make():
+                return SlurmJob(meshes={{"t": 2}}, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, exclusive=False, job_name="rq")
+
+            job = make()
+            job.state(cached_path="/tmp/rq.json").t.spawn_procs(per_host={{"gpus": 1}}, name="rq")
+            old = job.job_id
+            subprocess.run(["scontrol", "requeue", old], check=True)
+            deadline = time.monotonic() + 60
+            while job.query().state != "PENDING":
+                assert time.monotonic() < deadline, job.query()
+                time.sleep(0.2)  # polling the scheduler: it has no way to wait
+            again = make()
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                again.state(cached_path="/tmp/rq.json")
+            out(old=old, new=again.job_id, said=[str(w.message) for w in said if w.category is JobReplacedWarning])
+            again.kill()
+            """,
+        ),
+        _env(slurm),
+    )
+    old, new = res["old"], res["new"]
+    assert new and new != old, res
+    (said,) = res["said"]
+    assert said.startswith(f"Slurm requeued job {old} (restart 1, now PENDING"), said
+    assert "a node of it failed (or someone ran `scontrol requeue`); its allocators and every proc on n" in said, said
+    assert (
+        f"the job cached at /tmp/rq.json was cancelled and job {new} submitted in its place. Spawn your proc meshes again" in said
+    )
+    wait_for(lambda: not slurm.squeue().strip(), 30, "the queue to be empty")
+
+
 def test_a_kernel_killed_while_its_job_is_queued_leaves_a_job_the_next_one_finds(slurm: SlurmCluster) -> None:
     (res,) = run_controller(
         slurm.net,

@@ -207,6 +207,7 @@ class JobTrait(ABC):
                     raise
                 finally:
                     self._record_at = None
+                    self._warn_replaced()
                 running = self
                 if cached_path is not None:
                     # cached before attaching: a job whose attach fails is still there to kill
@@ -256,6 +257,23 @@ class JobTrait(ABC):
         self._status = "not_running"
         self._cached = None
 
+    #: what state() says once it applied this job in place of a cached one it stopped
+    _replaced: str | None = None
+
+    def _replaced_why(self, was: dict[str, Any], cached_path: str) -> str | None:
+        """The scheduler's own words for why this cached job was replaced though its spec is the
+        same (``was``: its ``describe()`` then; ``{new}`` in them: the id of the job applied in its
+        place); None: the general ones."""
+        return None
+
+    def _warn_replaced(self) -> None:
+        note, self._replaced = self._replaced, None
+        if note is None:
+            return
+        applied = self._running is self
+        new = (getattr(self, "job_id", None) or (self._apply_id or "")[:8]) if applied else ""
+        warnings.warn(note.replace("{new}", str(new) or "(none: applying it failed)"), JobReplacedWarning, stacklevel=4)
+
     def _load_cached(self, cached_path: str | None) -> JobTrait | None:
         if cached_path is None:
             return None
@@ -272,6 +290,11 @@ class JobTrait(ABC):
                 was = None if isinstance(running, LocalJob) else running.describe()
             except Exception:
                 was = None
+            try:
+                # asked before the kill below: what the scheduler did to it, in its own words
+                said = None if was is None else running._replaced_why(was, cached_path)
+            except Exception:
+                said = None
             logger.info("the job cached at %s cannot run this spec (changed, or no longer running): replacing it", cached_path)
             try:
                 running._kill()
@@ -283,13 +306,13 @@ class JobTrait(ABC):
                 # the same spec: the job ended (walltime, scancel, a host gone), nothing changed;
                 # how this process connects to it (a kubeconfig, a timeout) is not a change of the job
                 running._rebind_connection_inputs(self)
-                why = "its meshes or options changed" if running._spec() != self._spec() else "it is no longer running"
-                warnings.warn(
+                changed = running._spec() != self._spec()
+                why = "its meshes or options changed" if changed else "it is no longer running"
+                # said once the new job is applied, with its id: the user's hosts and ids changed
+                self._replaced = (None if changed else said) or (
                     f"replaced the {running._type_name}{ident} cached at {cached_path} ({was.get('hosts')} host(s), "
                     f"{was.get('state')}): it cannot run this spec ({why}), so it was stopped "
-                    "with every proc on its hosts",
-                    JobReplacedWarning,
-                    stacklevel=3,
+                    "with every proc on its hosts"
                 )
             records.remove(os.path.realpath(cached_path))
             return None

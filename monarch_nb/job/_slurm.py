@@ -68,6 +68,8 @@ class SlurmJobInfo:
     nodes: str = ""
     time_limit_min: int | None = None
     start_time: int | None = None
+    #: how many times Slurm requeued it (a node failure, `scontrol requeue`); JSON only
+    restarts: int = 0
 
     @property
     def node_names(self) -> list[str]:
@@ -104,6 +106,7 @@ def parse_squeue_json(text: str, job_id: str) -> SlurmJobInfo | None:
             nodes=str(j.get("nodes") or ""),
             time_limit_min=_number(j.get("time_limit")),
             start_time=_number(j.get("start_time")),
+            restarts=_number(j.get("restart_cnt")) or 0,
         )
     errors = data.get("errors") or []
     if errors:
@@ -516,6 +519,27 @@ class SlurmJob(JobTrait):
         info = self.query()
         # a job recorded while queued (no hosts yet) is waited for, not replaced
         return info is not None and (info.state == "RUNNING" or (not self._hosts and info.state in ("PENDING", "CONFIGURING")))
+
+    def _replaced_why(self, was: dict[str, Any], cached_path: str) -> str | None:
+        info = self.query()
+        if info is None or not self._hosts:
+            return None
+        nodes = ", ".join(h["name"] for h in self._hosts)
+        if info.state == "NODE_FAIL":
+            what = f"Slurm job {self._slurm_job_id} ended when a node of it failed (NODE_FAIL)"
+        elif info.state in ACTIVE and info.state != "RUNNING" and (info.restarts or info.state == "REQUEUED"):
+            # its batch script would run again with new allocators, announced to nobody
+            what = (
+                f"Slurm requeued job {self._slurm_job_id} (restart {info.restarts}, now {was.get('state')}): a node of it "
+                "failed (or someone ran `scontrol requeue`)"
+            )
+        else:
+            return None
+        return (
+            f"{what}; its allocators and every proc on {nodes} were gone with it, so the job cached at {cached_path} "
+            "was cancelled and job {new} submitted in its place. Spawn your proc meshes again on the new job's hosts "
+            "(state.<mesh>.spawn_procs(...)): what the old procs held in memory is lost (resume from a checkpoint)"
+        )
 
     def _kill(self) -> None:
         if self._in_own_batch():
