@@ -22,7 +22,7 @@ from typing import Any
 from . import _workspace
 from ._numtext import plural
 from ._ranks import format_ranks
-from ._runtime._private import private
+from ._runtime import records
 from .actor import ProcMesh, _context
 from .actor._reload import KEEPS
 from .errors import ActorError, MonarchNBError, SupervisionError, safe_str
@@ -435,11 +435,9 @@ def _stage(url: str, root: str, by_digest: dict[str, str], digests: list[str]) -
             continue
         data = _read(root, by_digest[d], d)
         if local:
-            # 0600 whatever the umask, through a fresh name (O_EXCL follows no link)
-            tmp = f"{path}.{os.urandom(8).hex()}.tmp"
-            with open(tmp, "xb", opener=private) as f:
-                f.write(data)
-            os.replace(tmp, path)
+            # 0600 whatever the umask, through a fresh name (O_EXCL follows no link), removed if
+            # the write fails; a blob can be staged again, so no fsync
+            records.write_private(path, data, fsync=False)
         else:
             fs.pipe_file(path, data)
         n += len(data)

@@ -1081,6 +1081,35 @@ def test_staged_and_cached_code_is_private_whatever_the_umask(ws: Path) -> None:
         shutil.rmtree(shared, ignore_errors=True)
 
 
+_STAGE_FULL = """
+import resource, signal, sys
+import monarch_nb.sync as S
+from monarch_nb._workspace import scan
+ws, stage = sys.argv[1:3]
+by_digest = {d: rel for rel, (d, _s, _m) in scan(ws).items()}
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))  # a full disk, in effect
+try:
+    S._stage("file://" + stage, ws, by_digest, list(by_digest))
+except OSError as e:
+    print(e.errno)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_blob_whose_staging_write_fails_leaves_no_partial_file(ws: Path, tmp_path: Path) -> None:
+    # the half-written temporary file of a failed write (a full disk) stayed in the shared
+    # staging folder, one per failed sync
+    import errno
+    import subprocess
+
+    (ws / "data" / "big.bin").write_bytes(os.urandom(64 << 10))
+    stage = tmp_path / "stage"
+    r = subprocess.run([sys.executable, "-c", _STAGE_FULL, str(ws), str(stage)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout.strip() == str(errno.EFBIG), (r.stdout, r.stderr)
+    assert [p.name for p in (stage / "blobs").iterdir() if not p.name.isalnum()] == []
+
+
 @pytest.mark.timeout(60)
 def test_a_staging_folder_another_user_made_is_refused(ws: Path) -> None:
     """Another user who made ``<via>/blobs`` first (a shared scratch folder) would have the

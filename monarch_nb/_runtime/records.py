@@ -263,8 +263,11 @@ def make_private_dir(path: str) -> str:
     return path
 
 
-def write_private(path: str, data: bytes) -> None:
-    """Atomically write ``data`` to ``path`` with mode 0600 (never readable by others, even briefly)."""
+def write_private(path: str, data: bytes, fsync: bool = True) -> None:
+    """Atomically write ``data`` to ``path`` with mode 0600 (never readable by others, even briefly).
+
+    ``fsync=False``: for what can be written again (content-addressed blobs), not records.
+    """
     # a fresh name nobody can guess, O_EXCL: ``path`` may be in a directory others write (a
     # cached_path a user chose), where a name of our pid could be pre-created by another user,
     # and O_TRUNC would write the record into their file and rename it into place as theirs
@@ -273,8 +276,9 @@ def write_private(path: str, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
