@@ -70,9 +70,9 @@ class SPMDActor(Actor):
     imports from there are imported afresh by the next run); a default process
     group the script started is destroyed when it ends (succeeded or not), so the same mesh can
     run it again; numbers in ``script_args`` are passed as strings. When the script fails on a
-    rank, what its globals hold (a DeviceMesh) is dropped too, so the ranks waiting for it in a
-    collective fail at once, and the error raised is that rank's (0.7.0 leaves all of this as
-    it is: docs/monarch-compat.md).
+    rank, what its globals hold (a DeviceMesh, a DDP model) is dropped too, so the ranks waiting
+    for it in a collective fail at once, and the error raised is that rank's (0.7.0 leaves all
+    of this as it is: docs/monarch-compat.md).
     """
 
     def __init__(self) -> None:
@@ -231,6 +231,7 @@ def _destroy_default_group() -> None:
     def destroy() -> None:
         try:
             dist.destroy_process_group()
+            _forget_destroyed_groups()
         except Exception as e:  # the script's own outcome is what the caller must see
             print(f"SPMDActor: could not destroy the process group the script left: {e!r}", file=sys.stderr)
 
@@ -245,6 +246,39 @@ def _destroy_default_group() -> None:
             "(a collective in flight?); reporting the script's outcome now",
             file=sys.stderr,
         )
+
+
+def _forget_destroyed_groups() -> None:
+    """Take the destroyed process groups out of torch.distributed's default arguments.
+
+    ``torch.distributed.nn.functional``'s collectives (and ZeroRedundancyOptimizer's helpers)
+    take ``group=group.WORLD``, read once, when the module is imported: imported while a
+    script's group exists (DDP's constructor imports ``torch._dynamo``, which imports it), they
+    kept that group, its gloo connections and threads, after ``destroy_process_group()``: the
+    ranks waiting for a failed one in a collective stayed blocked until the proc mesh stopped,
+    and every later run of the script left one more group open. ``None`` is what they read as
+    the default group now."""
+    import types
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return  # every group goes with the default one: none is destroyed while it lives
+
+    def dead(d: Any) -> bool:
+        # type(), not isinstance(): that reads __class__, and a deprecated alias warns on it
+        return issubclass(type(d), dist.ProcessGroup)
+
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("torch.distributed") or mod is None:
+            continue
+        for f in list(vars(mod).values()):
+            if type(f) is not types.FunctionType:
+                continue
+            if f.__defaults__ and any(map(dead, f.__defaults__)):
+                f.__defaults__ = tuple(None if dead(d) else d for d in f.__defaults__)
+            if f.__kwdefaults__ and any(map(dead, f.__kwdefaults__.values())):
+                f.__kwdefaults__ = {k: None if dead(d) else d for k, d in f.__kwdefaults__.items()}
 
 
 def _free_port() -> int:

@@ -483,6 +483,41 @@ def test_spmd_script_whose_device_mesh_holds_the_group_frees_the_ranks_waiting_f
         procs.stop().get(timeout=30)
 
 
+def test_spmd_script_with_a_ddp_model_frees_the_rank_waiting_for_it_when_it_fails(tmp_path):
+    """DDP's constructor imports torch.distributed.nn, whose collectives read ``group.WORLD``
+    into their default arguments then: they kept the script's gloo group after it was destroyed,
+    so rank 0, waiting for the failed rank 1 in an all_reduce, stayed there until the proc mesh
+    stopped ("rank 0 was still running when this was raised"), and the mesh took no other call.
+    Now it fails at once and the mesh runs the script again."""
+    from monarch_nb.actor import ActorError
+    from monarch_nb.spmd import SPMDActor
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
+        "model(torch.ones(1, 2)).sum().backward()\n"
+        "if sys.argv[1] == 'fail' and dist.get_rank() == 1:\n"
+        "    raise RuntimeError('diverged at step 0')\n"
+        "dist.all_reduce(torch.ones(2))\n"
+    )
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, name="spmd_ddp")
+    try:
+        spmd = procs.spawn("_SPMDActor", SPMDActor)
+        addr, port = spmd.slice(gpus=0).get_host_port.call_one(None).get(timeout=30)
+        with pytest.raises(ActorError) as info:
+            spmd.main.call(addr, port, [str(script), "fail"]).get(timeout=60)
+        text = str(info.value)
+        assert "RuntimeError on 2 of 2 ranks" in text and "still running" not in text, text
+        assert text.rstrip().endswith("RuntimeError: diverged at step 0"), text
+        # rank 0 takes the next call: it is out of its all_reduce
+        addr, port = spmd.slice(gpus=0).get_host_port.call_one(None).get(timeout=20)
+        assert spmd.main.call(addr, port, [str(script), "ok"]).get(timeout=60).values() == [True] * 2
+    finally:
+        procs.stop().get(timeout=30)
+
+
 @pytest.mark.cuda
 @pytest.mark.timeout(150)
 def test_spmd_script_s_nccl_group_is_destroyed_within_its_bound_so_the_script_runs_again(tmp_path):
