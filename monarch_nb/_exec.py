@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import builtins
 import contextvars
+import gc
 import linecache
 import time
 import traceback
@@ -21,6 +22,7 @@ from .actor import Actor, endpoint
 from .actor._context import runtime
 from .actor._host import ensure_actor_host
 from .actor._spans import _who
+from .spmd import _default_group_initialized, _forget_destroyed_groups
 
 #: the actor name every proc mesh uses for its exec namespace
 EXEC_ACTOR = "__mnb_exec__"
@@ -46,6 +48,9 @@ class CellFailed(Exception):
     endpoint's does: the other ranks may be blocked for good in a collective waiting for this
     one, and the notebook must hear of it now, not when their collective times out."""
 
+    #: whether torch.distributed's default process group was initialized in the proc
+    holds_group = False
+
 
 class ExecActor(Actor):
     def __init__(self) -> None:
@@ -61,6 +66,7 @@ class ExecActor(Actor):
         ctx = contextvars.copy_context()
         host = ensure_actor_host(runtime())
         t0 = time.perf_counter()
+        had_group = _default_group_initialized()
         try:
             value = host.run_on_main(lambda: ctx.run(self._exec, source, filename))
         except BaseException as e:  # KeyboardInterrupt too: it is the cell's result, not the actor's end
@@ -84,7 +90,17 @@ class ExecActor(Actor):
                 False,
                 {"cell": label, "error": f"{type(e).__name__}: {e}"[:300]},
             )
-            raise CellFailed(type(e).__name__, str(e), text) from None
+            failed = CellFailed(type(e).__name__, str(e), text)
+            # the ranks waiting for this one in a collective of its process group are freed by
+            # destroying that group here (its connections close): the error says so
+            failed.holds_group = _default_group_initialized()
+            raise failed from None
+        finally:
+            if had_group and not _default_group_initialized():
+                # the cell destroyed the group (the error's advice): what torch itself still
+                # holds of it kept its connections open, and the ranks it was to free blocked
+                _forget_destroyed_groups()
+                gc.collect()  # a deleted DDP model's hooks are reference cycles
         if value is None:
             return True, None
         try:

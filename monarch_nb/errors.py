@@ -409,9 +409,17 @@ class ExecError(MonarchNBError):
     """
 
     def __init__(
-        self, failures: dict[int, tuple[str, str, str]], total: int, mesh: str = "", running: list[int] | int = 0
+        self,
+        failures: dict[int, tuple[str, str, str]],
+        total: int,
+        mesh: str = "",
+        running: list[int] | int = 0,
+        group_ranks: list[int] | None = None,
     ) -> None:
         self.failures = dict(sorted(failures.items()))
+        #: the failed ranks (of the mesh) with a torch.distributed process group: destroying it
+        #: there frees the ranks that wait for them in its collectives
+        self.group_ranks = sorted(group_ranks or [])
         self.total = total
         self.mesh = mesh
         #: the ranks (or how many, of a ``--ranks`` subset) whose cell was still running when this
@@ -437,6 +445,16 @@ class ExecError(MonarchNBError):
         if running:
             where = f"%mesh stop {self.mesh}" if self.mesh else "stopping the mesh"
             lines.append(f"{running}; the next cell on this mesh waits for them ({where} ends them)")
+            if self.group_ranks and self.mesh:
+                # stopping the mesh loses every proc's state; destroying the failed ranks' group
+                # closes its connections, so the collective the others wait in fails instead
+                failed = ",".join(map(str, self.group_ranks))
+                who = f"rank{'s' if len(self.group_ranks) > 1 else ''} {failed}"
+                lines.append(
+                    f"if they wait for {who} in a collective, destroying its process group frees them "
+                    f"and keeps every proc's other state: in %%mesh exec {self.mesh} --ranks {failed}, "
+                    "del what holds its groups there (a DDP model, a DeviceMesh, a new_group()), then dist.destroy_process_group()"
+                )
         return lines + _errgroup.group_lines(groups, color)
 
     def _render_traceback_(self) -> list[str]:

@@ -115,7 +115,8 @@ def exec_cell(
         still running then: blocked in a collective with a failed rank, perhaps, for good."""
         errs = e.failures or {idx[0]: e}
         failures = {i: f.exception.args for i, f in errs.items() if isinstance(f.exception, CellFailed)}
-        return ExecError(failures, len(idx), pm.name, running=e.running)
+        groups = [i for i, f in errs.items() if getattr(f.exception, "holds_group", False)]
+        return ExecError(failures, len(idx), pm.name, running=e.running, group_ranks=groups)
 
     def died(e: SupervisionError, call: Future[Any]) -> SupervisionError:
         """A rank's process died in the cell (os._exit, a segfault, the OOM killer): the call

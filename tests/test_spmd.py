@@ -167,6 +167,7 @@ def test_a_mesh_exec_cell_that_raises_on_one_rank_fails_while_the_others_wait_in
         assert "ranks 0-1,3 (3 of 4) were still running when this was raised" in text, text
         assert "%mesh stop spmd_exec ends them" in text and "RuntimeError: NaN loss" in text, text
         assert info.value.running == [0, 1, 3] and list(info.value.failures) == [2]
+        assert "if they wait for rank 2 in a collective, destroying its process group frees them" in text, text
     finally:
         procs.stop().get(timeout=30)
     procs = this_host().spawn_procs(per_host={"gpus": 4}, name="spmd_exec2")
@@ -184,6 +185,44 @@ def test_a_mesh_exec_cell_that_raises_on_one_rank_fails_while_the_others_wait_in
         # rank 0 is still in its 30 s sleep: stop() kills it after stop_cleanup_timeout, and says so
         with pytest.warns(ProcsKilledWarning, match=r"killed 1 proc\(s\): rank 0 \(pid"):
             procs.stop().get(timeout=30)
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_a_mesh_exec_cell_s_advice_frees_the_rank_waiting_for_the_failed_one_and_keeps_its_state():
+    """Rank 1 raises while rank 0 waits for it in an all_reduce. The error said only that
+    stopping the mesh ends rank 0, losing every proc's state (the model); it now says how to free
+    it instead, and the advice works: a DDP model kept the destroyed group alive through torch's
+    own default arguments (torch.distributed.nn.functional's ``group=group.WORLD``), so rank 0
+    stayed blocked even after ``del model`` and ``dist.destroy_process_group()`` on rank 1."""
+    from monarch_nb.errors import ExecError
+    from monarch_nb.mesh import exec_cell
+
+    init = (
+        "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+        "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\ndist.get_rank()"
+    )
+    step = "t = torch.ones(3)\nif dist.get_rank() == 1:\n    raise RuntimeError('NaN loss')\ndist.all_reduce(t)\n"
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, name="spmd_exec_free")
+    try:
+        setup_env_for_distributed(procs)
+        assert exec_cell(procs, init, timeout=60).values() == [0, 1]
+        with pytest.raises(ExecError) as info:
+            exec_cell(procs, step, timeout=30)
+        text = str(info.value)
+        assert "rank 0 (1 of 2) was still running when this was raised" in text, text
+        advice = (
+            "if they wait for rank 1 in a collective, destroying its process group frees them and keeps every proc's "
+            "other state: in %%mesh exec spmd_exec_free --ranks 1, del what holds its groups there (a DDP model, "
+            "a DeviceMesh, a new_group()), then dist.destroy_process_group()"
+        )
+        assert advice in text, text
+        exec_cell(procs, "del model\ndist.destroy_process_group()", ranks="1", timeout=30)
+        # rank 0's all_reduce failed, so it takes this cell; what both defined is still there
+        assert exec_cell(procs, "dist.is_initialized(), type(t).__name__", timeout=20).values() == [
+            (True, "Tensor"),
+            (False, "Tensor"),
+        ]
     finally:
         procs.stop().get(timeout=30)
 
