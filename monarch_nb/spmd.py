@@ -190,24 +190,36 @@ _KEPT = (type(sys), type, type(_place), type(len), str, bytes, int, float, bool,
 
 def _drop_script_objects(e: BaseException) -> None:
     """Drop what the failed script's globals hold besides modules, classes, functions and
-    constants. Its traceback keeps those globals, and a ``pg = dist.group.WORLD`` or a DDP model
-    there kept its gloo group, so destroying the group did not close its connections: the ranks
-    waiting for this one in a collective stayed blocked until the proc mesh stopped (torchrun's
-    process would have exited and closed them). gloo's ``abort()`` does not close them."""
+    constants, and the locals of the frames it failed in. Its traceback keeps those frames, and
+    a ``pg = dist.group.WORLD`` or a DDP model there (a global, or a local of the ``main()``
+    most scripts have) kept its gloo group, so destroying the group did not close its
+    connections: the ranks waiting for this one in a collective stayed blocked until the proc
+    mesh stopped (torchrun's process would have exited and closed them). gloo's ``abort()``
+    does not close them."""
     import gc
+    import traceback
 
     mine = getattr(sys.modules.get("__main__"), "__dict__", None)
-    tb = e.__traceback__
     seen: set[int] = set()
-    while tb is not None:
-        g = tb.tb_frame.f_globals
-        if g.get("__name__") == "__main__" and g is not mine and id(g) not in seen:
-            seen.add(id(g))
-            for k in [k for k, v in g.items() if not k.startswith("__") and not isinstance(v, _KEPT)]:
-                del g[k]
-        tb = tb.tb_next
-    if seen:
-        gc.collect()  # a DDP model's hooks are reference cycles
+    chain: list[BaseException] = []
+    err: BaseException | None = e
+    while err is not None and all(err is not c for c in chain):  # an error raised while handling another
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    for err in chain:
+        tb = err.__traceback__
+        while tb is not None:
+            g = tb.tb_frame.f_globals
+            if g.get("__name__") == "__main__" and g is not mine and id(g) not in seen:
+                seen.add(id(g))
+                for k in [k for k, v in g.items() if not k.startswith("__") and not isinstance(v, _KEPT)]:
+                    del g[k]
+            tb = tb.tb_next
+        # the frames that finished (the script's, and those it called); the ones still running
+        # (this endpoint's) are left as they are. The error's text is made from the traceback's
+        # code and line numbers, which stay
+        traceback.clear_frames(err.__traceback__)
+    gc.collect()  # a DDP model's hooks are reference cycles
 
 
 def _default_group_initialized() -> bool:

@@ -525,21 +525,25 @@ def test_spmd_script_whose_device_mesh_holds_the_group_frees_the_ranks_waiting_f
 def test_spmd_script_with_a_ddp_model_frees_the_rank_waiting_for_it_when_it_fails(tmp_path):
     """DDP's constructor imports torch.distributed.nn, whose collectives read ``group.WORLD``
     into their default arguments then: they kept the script's gloo group after it was destroyed,
-    so rank 0, waiting for the failed rank 1 in an all_reduce, stayed there until the proc mesh
-    stopped ("rank 0 was still running when this was raised"), and the mesh took no other call.
-    Now it fails at once and the mesh runs the script again."""
+    and so did the locals of main() in the failed script's traceback, so rank 0, waiting for the
+    failed rank 1 in an all_reduce, stayed there until the proc mesh stopped, and the mesh took
+    no other call. Now it fails at once and the mesh runs the script again."""
     from monarch_nb.actor import ActorError
     from monarch_nb.spmd import SPMDActor
 
     script = tmp_path / "train.py"
+    # the shape of most training scripts: the model is a local of main(), which the failed
+    # script's traceback kept as well
     script.write_text(
         "import sys, torch, torch.distributed as dist\n"
-        "dist.init_process_group('gloo')\n"
-        "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
-        "model(torch.ones(1, 2)).sum().backward()\n"
-        "if sys.argv[1] == 'fail' and dist.get_rank() == 1:\n"
-        "    raise RuntimeError('diverged at step 0')\n"
-        "dist.all_reduce(torch.ones(2))\n"
+        "def main():\n"
+        "    dist.init_process_group('gloo')\n"
+        "    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
+        "    model(torch.ones(1, 2)).sum().backward()\n"
+        "    if sys.argv[1] == 'fail' and dist.get_rank() == 1:\n"
+        "        raise RuntimeError('diverged at step 0')\n"
+        "    dist.all_reduce(torch.ones(2))\n"
+        "main()\n"
     )
     procs = this_host().spawn_procs(per_host={"gpus": 2}, name="spmd_ddp")
     try:
