@@ -22,6 +22,8 @@ from ._ranks import format_ranks
 # a frame line; ``ind``: the indent of a traceback quoted inside a longer text (a supervision
 # failure's reason, indented under its headline)
 _FRAME = re.compile(r'^(?P<ind> *)  File "(?P<file>[^"]*)", line (?P<line>\d+), in (?P<func>.*)$')
+#: a frame of a notebook cell as clean_traceback names it
+_CELL_FRAME = re.compile(r"^(?P<ind> *)  Cell In\[\d+\], line \d+, in .*$")
 _MESH_EXEC = re.compile(r"^<mesh exec In\[(\d+)\]>$")
 _PKG = os.path.dirname(os.path.abspath(__file__))
 
@@ -108,6 +110,63 @@ def clean_traceback(text: str, internal: bool | None = None) -> str:
     return "\n".join(out) + ("\n" if text.endswith("\n") else "")
 
 
+def _exception_start(lines: list[str]) -> int:
+    """Index of the final exception's ``Type: message`` line in a formatted traceback's lines:
+    past the last frame and a SyntaxError's indented file, source and caret lines."""
+    start = i = 0
+    while i < len(lines):
+        m = _FRAME.match(lines[i]) or _CELL_FRAME.match(lines[i])
+        i += 1
+        if m is not None:
+            while i < len(lines) and lines[i].startswith(m.group("ind") + "    "):
+                i += 1
+            start = i
+    if start == 0 and lines and lines[0].startswith("Traceback ("):
+        start = 1  # no frame: the header alone
+    while start < len(lines) and lines[start][:1].isspace():
+        start += 1
+    return start
+
+
+def exception_text(tb: str) -> str:
+    """The final exception of a formatted traceback as it printed: ``Type: message`` and every
+    further line of the message (a message may span many lines, its traceback's last line is
+    only the last of them)."""
+    lines = tb.rstrip("\n").splitlines()
+    return "\n".join(lines[_exception_start(lines) :])
+
+
+#: a notebook's view of an error shortens a message longer than this many characters or lines
+#: (a 10 KB message, a tensor's repr): the traceback above it says where, the head says what,
+#: and the whole text stays one call away (the hint the view names)
+SHOWN_CHARS = 2000
+SHOWN_LINES = 30
+
+
+def shorten_message(tb: str, hint: str) -> str:
+    """``tb`` (a formatted traceback) with its final exception's message cut to about
+    ``SHOWN_CHARS`` characters and ``SHOWN_LINES`` lines, followed by how long it was and ``hint``
+    (where the whole of it is)."""
+    lines = tb.rstrip("\n").splitlines()
+    start = _exception_start(lines)
+    tail = lines[start:]
+    text = "\n".join(tail)
+    etype, sep, said = text.partition(": ")
+    size = len(said) if sep and " " not in etype else len(text)  # the message's, less "Type: "
+    if size <= SHOWN_CHARS and len(tail) <= SHOWN_LINES:
+        return tb
+    kept: list[str] = []
+    budget = SHOWN_CHARS + len(text) - size
+    for ln in tail[:SHOWN_LINES]:
+        if budget <= 0:
+            break
+        kept.append(ln[:budget])
+        budget -= len(ln) + 1
+    more = f", {len(tail):,} lines" if len(tail) > 1 else ""
+    note = f"… (the message is {size:,} characters{more}; {hint})"
+    return "\n".join([*lines[:start], *kept, note]) + ("\n" if tb.endswith("\n") else "")
+
+
 def frames_of(text: str) -> tuple[str, ...]:
     """The frame lines of a traceback: what two failures must share to be grouped."""
     return tuple(ln for ln in text.splitlines() if _FRAME.match(ln))
@@ -167,10 +226,14 @@ def running_line(running: list[int] | int, total: int) -> str:
 MESSAGE_MAX = 300
 
 
-def _clip(msg: str) -> str:
-    if len(msg) <= MESSAGE_MAX:
+def clip(msg: str) -> str:
+    """``msg`` as one line of a list (or a headline): its first line, at most ``MESSAGE_MAX`` characters."""
+    # one line each in the list: a message of many lines shows its first
+    first, nl, _ = msg.partition("\n")
+    if len(msg) <= MESSAGE_MAX and not nl:
         return msg
-    return f"{msg[:MESSAGE_MAX]}… ({len(msg):,} characters)"
+    lines = f", {msg.count(chr(10)) + 1:,} lines" if nl else ""
+    return f"{first[:MESSAGE_MAX]}… ({len(msg):,} characters{lines})"
 
 
 #: past this many distinct messages in a group, messages that differ only in their numbers
@@ -190,14 +253,16 @@ def _merged(by_msg: dict[str, list[int]]) -> dict[str, list[int]]:
     return out
 
 
-def group_lines(groups: list[Group], color: bool = False, internal: bool | None = None) -> list[str]:
-    """Each group: a header with its ranks, its traceback once, and the messages that differ."""
+def group_lines(groups: list[Group], color: bool = False, internal: bool | None = None, shorten: str = "") -> list[str]:
+    """Each group: a header with its ranks, its traceback once, and the messages that differ.
+    ``shorten``: where the whole text is, for a view that shortens long messages (a notebook's)."""
     red, off = ("\x1b[0;31m", "\x1b[0m") if color else ("", "")
     out: list[str] = []
     for g in groups:
         out.append("")
         out.append(f"{red}--- {ranks_text(g.ranks)}: {g.etype}{off}")
-        out.extend(clean_traceback(g.traceback, internal).rstrip().splitlines())
+        tb = clean_traceback(g.traceback, internal)
+        out.extend((shorten_message(tb, shorten) if shorten else tb).rstrip().splitlines())
         distinct = set(g.messages.values())
         if len(distinct) > 1:
             out.append(f"messages ({len(distinct)} distinct):")
@@ -208,7 +273,7 @@ def group_lines(groups: list[Group], color: bool = False, internal: bool | None 
                 by_msg = _merged(by_msg)
             shown = sorted(by_msg.items(), key=lambda kv: kv[1][0])
             for msg, ranks in shown[:20]:
-                out.append(f"  {ranks_text(ranks)}: {g.etype}: {_clip(msg)}" if msg else f"  {ranks_text(ranks)}: {g.etype}")
+                out.append(f"  {ranks_text(ranks)}: {g.etype}: {clip(msg)}" if msg else f"  {ranks_text(ranks)}: {g.etype}")
             if len(shown) > 20:
                 out.append(f"  … {len(shown) - 20} more")
     return out

@@ -111,8 +111,14 @@ class ActorError(MonarchNBError):
 
     def _failure_tuple(self, rank: int) -> tuple[int, str, str, str]:
         """(rank, exception type, message, traceback) for grouping."""
-        last = next((ln for ln in reversed(self.remote_traceback.splitlines()) if ln.strip()), "")
-        etype, sep, msg = last.partition(": ")
+        from ._errgroup import exception_text
+
+        # the final exception as it printed, all of it: a message of many lines ends the
+        # traceback with its own last line, which alone matched nothing and showed it twice
+        last = exception_text(self.remote_traceback)
+        first, _, rest = last.partition("\n")
+        etype, sep, msg = first.partition(": ")
+        msg = f"{msg}\n{rest}" if rest else msg
         tb = _remote_words(self.remote_traceback)
         # safe_str: the exception's own __str__ may raise here (it did not in the proc, or it
         # printed its placeholder there), and this runs inside IPython's error display
@@ -141,19 +147,25 @@ class ActorError(MonarchNBError):
             default=min(failures, default=0),
         )
 
+    #: where a notebook's view of this error, which shortens long messages, says the whole is
+    _WHOLE = "print(sys.last_value.grouped_text()) shows all of it"
+
     def _grouped_lines(self, color: bool) -> list[str]:
         from . import _errgroup
 
+        # the notebook's view (color) shortens long messages: the text (grouped_text) does not
+        shorten = self._WHOLE if color else ""
         lines = [self.headline or f"Actor call {self.endpoint} failed."]
         failures = self.failures or {}
         if self.total <= 1 and len(failures) <= 1:
-            tb = _errgroup.clean_traceback(self._failure_tuple(0)[3]).rstrip()
+            tb = _errgroup.clean_traceback(self._failure_tuple(0)[3])
+            tb = (_errgroup.shorten_message(tb, shorten) if shorten else tb).rstrip()
             return lines + (tb.splitlines() if tb else [self.message])
         groups = _errgroup.group(e._failure_tuple(r) for r, e in failures.items())
         cause = self._cause()
         groups.sort(key=lambda g: cause not in g.ranks)
         lines.extend(self._rank_lines(groups))
-        lines.extend(_errgroup.group_lines(groups, color))
+        lines.extend(_errgroup.group_lines(groups, color, shorten=shorten))
         return lines
 
     def _rank_lines(self, groups: list[Any]) -> list[str]:
@@ -184,7 +196,8 @@ class ActorError(MonarchNBError):
             lines.append(f"the traceback below is rank {first}'s; .grouped_text() shows every rank's")
         return "\n".join(lines) + "\n"
 
-    def _headline(self) -> str:
+    def _headline(self, message: str = "") -> str:
+        message = message or self.message
         where = []
         if self.actor:
             where.append(f"actor {self.actor!r}")
@@ -192,7 +205,7 @@ class ActorError(MonarchNBError):
             where.append(f"rank {self.rank}")
         if self.host:
             where.append(f"host {self.host}")
-        return f"{self.message} ({', '.join(where)})" if where else self.message
+        return f"{message} ({', '.join(where)})" if where else message
 
     def __str__(self) -> str:
         # Monarch's: the message, then the remote traceback (of the lowest failing rank); the
@@ -223,12 +236,15 @@ class ActorError(MonarchNBError):
             lines = self._grouped_lines(color=True)
             lines[0] = f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}"
             return lines + self._note_lines()
-        lines = [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self._headline()}"]
-        if self.remote_traceback:
-            from ._errgroup import clean_traceback
+        from ._errgroup import clean_traceback, clip, shorten_message
 
+        # the traceback below ends with the message: the headline's copy is only its start
+        head = self._headline(clip(self.message) if self.remote_traceback else "")
+        lines = [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {head}"]
+        if self.remote_traceback:
             lines.append("Remote traceback:")
-            lines.extend(clean_traceback(self.remote_traceback).rstrip().splitlines())
+            tb = shorten_message(clean_traceback(self.remote_traceback), "print(sys.last_value) shows all of it")
+            lines.extend(tb.rstrip().splitlines())
         return lines + self._note_lines()
 
 
@@ -455,7 +471,9 @@ class ExecError(MonarchNBError):
                     f"and keeps every proc's other state: in %%mesh exec {self.mesh} --ranks {failed}, "
                     "del what holds its groups there (a DDP model, a DeviceMesh, a new_group()), then dist.destroy_process_group()"
                 )
-        return lines + _errgroup.group_lines(groups, color)
+        # the notebook's view (color) shortens long messages: str() does not
+        shorten = "print(sys.last_value) shows all of it" if color else ""
+        return lines + _errgroup.group_lines(groups, color, shorten=shorten)
 
     def _render_traceback_(self) -> list[str]:
         lines = self._lines(color=True)

@@ -665,13 +665,16 @@ def test_a_notebook_shows_errors_whose_str_raises_and_clips_each_rank_s_long_mes
     rendered = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(ei.value._render_traceback_()))
     assert rendered.startswith("ActorError: Actor call counters.raise_odd failed.\nUnprintable on 4 of 4 ranks: 0-3"), rendered
     assert "raise Unprintable(rank)" in rendered, rendered
-    # the lowest rank's message in full in its traceback; each rank's listed, clipped: 4 ranks'
-    # 100 kB messages were 500 kB of output, 128 ranks' megabyte ones more than a browser shows
+    # the lowest rank's message shortened in its traceback, saying where the whole is; each rank's
+    # listed, clipped: 4 ranks' 100 kB messages were 500 kB of output, 128 ranks' megabyte ones
+    # more than a browser shows
     with pytest.raises(ActorError) as ei:
         counters.raise_odd.call("long").get(timeout=30)
     rendered = "\n".join(ei.value._render_traceback_())
-    assert "ValueError: rank 0 " + "x" * 100_000 in rendered
-    assert len(rendered) < 110_000, len(rendered)
+    assert "ValueError: rank 0 " + "x" * 1_900 in rendered
+    assert "… (the message is 100,007 characters; print(sys.last_value.grouped_text()) shows all of it)" in rendered
+    assert len(rendered) < 5_000, len(rendered)
+    assert "rank 0 " + "x" * 100_000 in ei.value.grouped_text()
     assert "rank 3: ValueError: rank 3 xxx" in rendered and "… (100,007 characters)" in rendered, rendered[-2000:]
 
 

@@ -102,3 +102,48 @@ def test_a_script_s_error_names_the_ranks_that_failed_under_monarch_s_headline()
         "Actor call w.boom failed.",
         " Traceback of where the remote call failed (most recent call last):",
     ]
+
+
+def test_a_long_message_of_many_lines_is_shown_once_shortened_with_where_the_whole_is() -> None:
+    """A 10 KB message spanning many lines (a config dump, a tensor's repr) was shown twice in the
+    cell, all of it each time: its traceback ends with the message's last line only, which did not
+    match the exception's text, so the view added "ValueError: <message>" again below it."""
+    from monarch_nb.errors import ActorError
+
+    msg = "bad config:\n" + "".join(f"  key{i} = {'v' * 40}\n" for i in range(200)) + "end of config"
+    tb = f'Traceback (most recent call last):\n  File "train.py", line 9, in boom\nValueError: {msg}\n'
+
+    def err(total: int) -> ActorError:
+        errs = {r: ActorError(ValueError(msg), tb, message="Actor call w.boom failed.") for r in range(total)}
+        return ActorError(errs[0].exception, tb, rank=0, message="Actor call w.boom failed.")._set_group("w.boom", total, errs)
+
+    for total in (1, 4):
+        e = err(total)
+        shown = "\n".join(e._render_traceback_())
+        assert shown.count("bad config:") == 1 and shown.count("key0 =") == 1, shown
+        assert "end of config" not in shown and len(shown) < 3000, shown  # shortened, with where the rest is
+        assert (
+            f"… (the message is {len(msg):,} characters, 202 lines; print(sys.last_value.grouped_text()) shows all of it)"
+            in shown
+        )
+        # the text keeps all of it, once
+        whole = e.grouped_text()
+        assert whole.count("bad config:") == 1 and whole.count("end of config") == 1, whole
+        assert str(e).count("end of config") == 1, str(e)
+
+    # a single line of 10 KB: its head, then how long it was
+    tb = 'Traceback (most recent call last):\n  File "train.py", line 9, in boom\nValueError: ' + "x" * 10_000 + "\n"
+    shown = "\n".join(ActorError(ValueError("x" * 10_000), tb)._render_traceback_())
+    assert "x" * _errgroup.SHOWN_CHARS in shown and "x" * 3000 not in shown, len(shown)
+    assert "(the message is 10,000 characters; print(sys.last_value) shows all of it)" in shown, shown[-300:]
+    assert len(shown.splitlines()[0]) < 400, shown  # the headline: only its start (the traceback ends with it)
+
+    # a notebook cell's frame (as clean_traceback names it) ends the frames as a file's does
+    cell = "Traceback (most recent call last):\n  Cell In[5], line 3, in boom\n    raise ValueError(s)\nValueError: " + "x" * 3000
+    assert _errgroup.shorten_message(cell, "hint").endswith("\n… (the message is 3,000 characters; hint)")
+
+    # %%mesh exec: shortened in the cell, whole in str()
+    failures = {r: ("ValueError", msg, tb) for r in range(2)}
+    shown = "\n".join(ExecError(failures, 2, "train")._render_traceback_())
+    assert "print(sys.last_value) shows all of it" in shown and len(shown) < 3000, shown
+    assert "x" * 10_000 in str(ExecError(failures, 2, "train"))
