@@ -243,20 +243,42 @@ def test_sigkilled_proc_turns_red_in_the_sidebar_within_3s(page, lab) -> None:
         )
 
 
+NAP = """from monarch_nb.actor import Actor, endpoint
+import time
+
+class Napper(Actor):
+    @endpoint
+    def nap(self, s):
+        time.sleep(s)
+
+naps = procs.spawn("napper", Napper).nap.call(120)
+print("napping")"""
+
+
 def test_stop_mesh_from_the_sidebar(page, lab) -> None:
-    spawn_from_notebook(page, lab, "stopme")
+    spawn_from_notebook(page, lab, "stopme", NAP)
     panel = open_sidebar(page)
     mesh = panel.locator('.mnb-mesh[data-mesh="stopme"]')
-    expect(mesh.locator(".mnb-rank:is(.mnb-state-idle, .mnb-state-busy)")).to_have_count(4)
+    expect(mesh.locator(".mnb-rank.mnb-state-busy")).to_have_count(4, timeout=30_000)
     pids = mesh_pids("stopme")
     assert len(pids) == 4
+    # a busy rank's tooltip says what it does once: it said "(busy: busy in napper.nap)"
+    rank0 = mesh.locator('.mnb-rank[data-rank="0"]')
+    expect(rank0).to_have_attribute("title", re.compile(r"^rank 0 \(busy in [^)]*nap\)\nhost "))
 
-    mesh.locator(".mnb-stop-mesh").click()
+    # a double-click asks once, and stops once: its second click opened a second dialog which,
+    # confirmed, reached the server after the mesh was gone (a 404 toast)
+    mesh.locator(".mnb-stop-mesh").dblclick()
     dialog = page.locator(".jp-Dialog")
+    expect(dialog).to_have_count(1)
     expect(dialog).to_contain_text("Stop mesh stopme?")
     dialog.locator("button.jp-mod-accept").click()
+    # its ranks are in a call: the stop takes the cleanup timeout, with the button disabled
+    expect(mesh.locator(".mnb-stop-mesh")).to_be_disabled()
 
     expect(mesh).to_have_count(0, timeout=15_000)
+    expect(page.locator(".jp-Dialog")).to_have_count(0)
+    expect(page.get_by_text("Could not stop mesh")).to_have_count(0)
     shot(page, "sidebar-mesh-stopped")
     wait_for(lambda: all(_gone(p) for p in pids.values()), 15, "the stopped mesh's procs to exit")
     assert mesh_pids("stopme") == {}

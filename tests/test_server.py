@@ -3,6 +3,7 @@ jupyter_server, with Jupyter's authentication on every route."""
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import signal
@@ -198,6 +199,14 @@ def test_a_rank_in_a_call_is_busy_in_the_sidebar_as_in_the_dashboard(manager, ga
         assert m["procs"][0]["state"] == "idle" and m["state"] == "busy" and "wait" in m["procs"][1]["activity"]
         # the dashboard draws the same record the same way
         assert _render.rank_state({"state": m["procs"][1]["proc_state"], "busy": ["waiter.wait"]})[0] == "busy"
+        # and its tooltip says what the rank does once ("busy in waiter.wait", not twice: the
+        # dashboard's reason for a busy rank is that same activity)
+        doing = m["procs"][1]["activity"]
+        assert doing.startswith("busy in ") and "wait" in doing, doing
+        rec = {"state": "running", "busy": ["waiter.wait"], "activity": doing}
+        state, reason = _render.rank_state(rec)
+        grid = _render.grid_html([{**rec, "rank": 1, "host": "h", "pid": 7, "state": state, "reason": reason}], ["gpus"], [2])
+        assert html.unescape(grid).count(doing) == 1, grid
         flag.open()
         pending.get(timeout=30)
         wait_for(lambda: _mesh(manager.state(), name)["procs"][1]["state"] == "idle", 15, "rank 1 idle again")

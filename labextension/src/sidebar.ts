@@ -283,10 +283,33 @@ export class MeshSidebar extends Widget {
       const dims = m.labels.map((l, i) => `${l}=${m.sizes[i]}`).join(' ');
       head.appendChild(el('span', 'mnb-detail', `${dims} on ${Array.from(new Set(m.hosts)).join(', ')}`));
       const stop = button('mnb-stop-mesh', 'Stop', `Stop mesh ${m.name} and its ${m.procs.length} proc(s)`, () => {
-        void this.actions.stopMesh(m);
+        // one stop at a time: a double-click's second click asked again (a second dialog) and,
+        // confirmed, reached the server after the mesh was gone (a 404 toast)
+        if (this._stopping.has(m.name)) {
+          return;
+        }
+        this._stopping.add(m.name);
+        stop.disabled = true;
+        // the second click of a double-click lands on the dialog the first one opened, whose
+        // backdrop takes a click for Cancel: it is swallowed, so a double-click asks once as a click does
+        const swallow = (ev: MouseEvent) => {
+          if (ev.detail > 1) {
+            ev.stopPropagation();
+            ev.preventDefault();
+          }
+          window.removeEventListener('click', swallow, true);
+        };
+        window.addEventListener('click', swallow, true);
+        void this.actions.stopMesh(m).finally(() => {
+          window.removeEventListener('click', swallow, true);
+          this._stopping.delete(m.name);
+          // redrawn even if the state did not change (a cancelled dialog): its button is live again
+          this._last.delete('meshes');
+          void this.refresh();
+        });
       });
-      // nothing left to stop
-      stop.disabled = m.state === 'stopped';
+      // nothing left to stop, or a stop of it is under way
+      stop.disabled = m.state === 'stopped' || this._stopping.has(m.name);
       head.appendChild(stop);
       box.appendChild(head);
       if (m.hint) {
@@ -298,8 +321,11 @@ export class MeshSidebar extends Widget {
       const cols = m.sizes.length ? m.sizes[m.sizes.length - 1] : m.procs.length;
       grid.style.gridTemplateColumns = `repeat(${Math.max(1, Math.min(cols, 16))}, 1.6em)`;
       for (const p of m.procs) {
+        // the allocator's activity says the state itself ("busy in steps.train"): not "busy: busy in"
+        const doing = p.state === 'busy' && p.activity && p.activity !== 'busy' ? p.activity : '';
+        const what = !doing ? p.state : doing.startsWith(p.state) ? doing : `${p.state}: ${doing}`;
         const tip = [
-          `rank ${p.rank} (${p.state}${p.state === 'busy' && p.activity && p.activity !== 'busy' ? ': ' + p.activity : ''})`,
+          `rank ${p.rank} (${what})`,
           `host ${p.host}, pid ${p.pid ?? '?'}`,
           p.cause,
           'click: open its log'
@@ -409,6 +435,8 @@ export class MeshSidebar extends Widget {
   private _legendJson = '';
   private _bodies = new Map<Section, HTMLElement>();
   private _last = new Map<Section, string>();
+  /** meshes whose Stop was clicked and has not finished (its dialog, then its request) */
+  private _stopping = new Set<string>();
   private _timer: number | null = null;
   private _inflight = false;
   private _again = false;

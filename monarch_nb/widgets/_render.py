@@ -68,7 +68,8 @@ def grid_html(ranks: list[dict[str, Any]], labels: list[str], sizes: list[int]) 
                 f"host {r.get('host', '?')}",
                 f"pid {r.get('pid', '?')}",
                 r.get("activity") or "",
-                r.get("reason") or "",
+                # a busy rank's reason is its activity ("busy in steps.train"): said once
+                r.get("reason") if r.get("reason") != r.get("activity") else "",
                 f"cpu {r['cpu_percent']:.0f}%" if r.get("cpu_percent") is not None else "",
                 f"rss {r['rss'] / 2**20:.0f} MiB" if r.get("rss") else "",
                 f"moved {_bytes(r['bytes_moved'])}" if r.get("bytes_moved") else "",
