@@ -56,6 +56,11 @@ class MonarchNBError(Exception):
         # purpose (what to do, what still runs) never reach a notebook; Python prints them last
         return [line for n in getattr(self, "__notes__", ()) for line in str(n).splitlines()]
 
+    def _rank_summary(self) -> list[str]:
+        """Which ranks failed, one line per exception type (``KeyError on 4 of 16 ranks: 0,4,8,12``),
+        for a one-line view of the error (the dashboard's errors); none for an error of no ranks."""
+        return []
+
 
 #: an attribute set (True) on an exception raised in a collective only because a peer's script
 #: failed first (monarch_nb.spmd): a grouped call raises and shows another rank's error first
@@ -181,6 +186,14 @@ class ActorError(MonarchNBError):
             whose = "its actor takes its" if one else "their actors take their"
             lines.append(f"{running}; {whose} next calls once it returns (stopping the proc mesh ends it)")
         return lines
+
+    def _rank_summary(self) -> list[str]:
+        failures = self.failures or {}
+        if not self.endpoint or (self.total <= 1 and len(failures) <= 1):
+            return []
+        from . import _errgroup
+
+        return _errgroup.summary_lines(_errgroup.group(e._failure_tuple(r) for r, e in failures.items()), self.total)
 
     def _plain_rank_lines(self) -> str:
         """The rank lines of the grouped view, for plain text: a script's traceback named no rank
@@ -451,6 +464,11 @@ class ExecError(MonarchNBError):
 
     def __str__(self) -> str:
         return "\n".join(self._lines(color=False))
+
+    def _rank_summary(self) -> list[str]:
+        from . import _errgroup
+
+        return _errgroup.summary_lines(_errgroup.group((r, *f) for r, f in self.failures.items()), self.total)
 
     def _lines(self, color: bool) -> list[str]:
         from . import _errgroup

@@ -275,3 +275,37 @@ def test_a_saved_dashboard_shows_the_mesh_where_the_widget_cannot_live(tmp_path)
         _ok(k.run("d.close()\n%mesh stop saved"))
     finally:
         k.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_cell_s_error_line_asks_the_error_for_its_ranks_not_its_str(monkeypatch) -> None:
+    """The errors list named a cell's failing ranks by finding "on N of M ranks" in ``str(err)``:
+    str() is worded as Monarch's, and a change of its words (it had no rank line before session
+    28) left the dashboard's line without them. It asks the error (``_rank_summary``) now."""
+    import threading
+    from types import SimpleNamespace
+
+    from monarch_nb.errors import ActorError, ExecError
+    from monarch_nb.widgets._dashboard import Dashboard
+
+    tb = "Traceback (most recent call last):\n  File \"train.py\", line 9, in lookup\nKeyError: 'shard 1'\n"
+    raised = ActorError(KeyError("shard 1"), tb, message="Actor call steps.lookup failed.")
+    err = ActorError(raised.exception, tb, rank=1, message="Actor call steps.lookup failed.")._set_group(
+        "steps.lookup", 4, {1: raised}
+    )
+    # str() worded otherwise: no rank line in it
+    monkeypatch.setattr(ActorError, "_plain_rank_lines", lambda self: "")
+    monkeypatch.setattr(ExecError, "__str__", lambda self: "the cell failed\nZeroDivisionError: division by zero")
+    cell_tb = 'Traceback (most recent call last):\n  File "<mesh exec In[3]>", line 1, in <module>\nZeroDivisionError: division by zero\n'
+    failed = ExecError({r: ("ZeroDivisionError", "division by zero", cell_tb) for r in range(4)}, 4, "dashpy")
+
+    view = SimpleNamespace(_lock=threading.Lock(), _errors=[], errors_view=SimpleNamespace(value=""))
+    Dashboard._on_cell(view, SimpleNamespace(error_in_exec=err, execution_count=7))  # type: ignore[arg-type]
+    Dashboard._on_cell(view, SimpleNamespace(error_in_exec=failed, execution_count=8))  # type: ignore[arg-type]
+    assert view._errors[0].endswith(
+        "In[7]: ActorError: Actor call steps.lookup failed. KeyError on 1 of 4 ranks: 1 KeyError: 'shard 1'"
+    )
+    assert view._errors[1].endswith(
+        "In[8]: ExecError: the cell failed ZeroDivisionError on 4 of 4 ranks: 0-3 ZeroDivisionError: division by zero"
+    ), view._errors
+    assert "KeyError on 1 of 4 ranks: 1" in html_unescape(view.errors_view.value)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import html
-import re
 import threading
 import time
 from typing import Any
@@ -19,7 +18,6 @@ from ..logs import Aggregator
 from . import _render
 
 #: the line of a many-rank error that says which ranks failed
-_RANKS_LINE = re.compile(r" on \d+ of \d+ ranks")
 
 #: jobs are asked of their schedulers (squeue, ssh probes) at most this often
 JOBS_EVERY = 5.0
@@ -302,9 +300,10 @@ class Dashboard(W.VBox):
             return
         n = getattr(result, "execution_count", None)
         # Monarch's headline, the rank count ("KeyError on 4 of 16 ranks: 0,4,8,12") if any, and
-        # the exception's own last line (what it said); the traceback is in the cell
+        # the exception's own last line (what it said); the traceback is in the cell. The ranks
+        # come from the error itself: str()'s wording is Monarch's and may change
         lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()] or [""]
-        ranks = [ln for ln in lines[1:] if _RANKS_LINE.search(ln)][:1]
+        ranks = err._rank_summary()
         said = lines[-1:] if len(lines) > 1 and lines[-1] not in ranks else []
         head = " ".join([lines[0], *ranks, *said])
         where = f"In[{n}]" if n else "a cell"
