@@ -220,10 +220,13 @@ def test_debug_rows_say_where_each_rank_stopped_and_attach_to_that_very_session(
     # two actor meshes named alike, each with rank 0 at a breakpoint: "%mesh attach trainer 0"
     # is refused as ambiguous, so each row's button must name its own session
     import shlex
+    import time
+    import warnings
 
     from monarch_nb import debug
-    from monarch_nb.actor import Actor, endpoint
+    from monarch_nb.actor import Actor, ProcsKilledWarning, endpoint
     from monarch_nb.config import configured
+    from monarch_nb.introspect import status
 
     class Stopper(Actor):
         @endpoint
@@ -249,6 +252,18 @@ def test_debug_rows_say_where_each_rank_stopped_and_attach_to_that_very_session(
                 argv = shlex.split(d["attach"])
                 assert argv[:2] == ["%mesh", "attach"] and argv[3] == "0", d
                 assert debug.attach(argv[2], 0).session.mesh == d["mesh"]
+
+            # stopping meshes whose ranks are still paused (no input to skip them here) quits
+            # their breakpoints: each actor ends its call and cleans up, nothing waits out the
+            # 2 s stop_cleanup_timeout for a `c` nobody can type, nothing is killed
+            start = time.monotonic()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", ProcsKilledWarning)
+                for m in meshes:
+                    m.stop().get(timeout=15)
+            took = time.monotonic() - start
+            assert took < 1.5, f"stopping two meshes paused at a breakpoint took {took:.1f} s"
+            assert not [d for d in status()["debug_sessions"] if d.get("mesh") in names]
     finally:
         for m in meshes:
             m.stop().get(timeout=15)

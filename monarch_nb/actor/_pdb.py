@@ -48,7 +48,8 @@ class _Relay:
 
     def __init__(self, owner: RemotePdb) -> None:
         self.owner = owner
-        self.lines: queue.SimpleQueue[tuple[str, tuple[str, int, int]]] = queue.SimpleQueue()
+        #: (command, where its answer goes: None for a command nobody waits on)
+        self.lines: queue.SimpleQueue[tuple[str, tuple[str, int, int] | None]] = queue.SimpleQueue()
         self.out: list[str] = []
         self.reply: tuple[str, int, int] | None = None
 
@@ -174,6 +175,8 @@ class RemotePdb(pdb.Pdb):
                 _, reply = self.relay.lines.get_nowait()
             except queue.Empty:
                 break
+            if reply is None:
+                continue
             self.rt.send_port(reply[0], reply[1], reply[2], wire.OK, {"output": "", "state": "continued"})
         self._tell("debug_close", self.sid)
 
@@ -245,6 +248,15 @@ def breakpoint_hook(*args: Any, **kwargs: Any) -> None:
     RemotePdb(rt, frame).set_trace(frame)
 
 
+def quit_sessions() -> None:
+    """The proc is stopping: each actor paused here at a breakpoint quits it (pdb's ``q``, which
+    raises BdbQuit into its endpoint), so it ends its message and runs ``__cleanup__``. Nobody
+    can type ``c`` into a stopping proc: waiting for it only wasted ``stop_cleanup_timeout``
+    before the proc was killed."""
+    for s in list(_sessions.values()):
+        s.relay.lines.put(("q", None))
+
+
 class DebugService:
     """The ``__debug__`` system actor: commands for paused actors (procs), sources (controllers)."""
 
@@ -281,4 +293,4 @@ def install(rt: Runtime) -> None:
         pdb.set_trace = breakpoint_hook
 
 
-__all__ = ["DebugService", "RemotePdb", "breakpoint_hook", "install"]
+__all__ = ["DebugService", "RemotePdb", "breakpoint_hook", "install", "quit_sessions"]
