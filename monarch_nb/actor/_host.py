@@ -247,14 +247,16 @@ class ActorSlot:
         self._claim_pending = True
         self._put(("claim", claim))
 
-    def stop(self, done: Any = None, owned: bool = True, graceful: bool = False) -> None:
+    def stop(self, done: Any = None, owned: bool = True, graceful: bool = False, tell_owner: bool = True) -> None:
         """Stop this actor as Monarch does: the message in hand finishes (an async actor's is
         cancelled, with its concurrent tasks) but its caller gets no result, queued ones are
         refused, the meshes it spawned stop (``owned``), ``__cleanup__`` runs, then ``done()``
         is called (on its thread). ``graceful`` (an actor stopping itself): what was delivered
-        before is still handled and answered."""
+        before is still handled and answered. ``tell_owner``: a ``__cleanup__`` that raises is
+        a failure of the actor its owner hears of (see :meth:`_cleanup_failed`)."""
         self._stop_done = done
         self._stop_owned = owned
+        self._stop_tells_owner = tell_owner
         self._stop_asked = time.monotonic()
         if not graceful:
             self.stopping = True
@@ -459,7 +461,7 @@ class ActorSlot:
                     self._let_go()
                 self._finish_stop()
                 if self.failed is None:
-                    self._cleanup_sync()
+                    self._cleanup_sync(stopping=True)
                 self._signal_stopped()
                 return True
             if self.stopping:
@@ -569,7 +571,7 @@ class ActorSlot:
                     await asyncio.gather(*self._tasks, return_exceptions=True)
                 self._finish_stop()
                 if self.failed is None:
-                    await self._cleanup_async()
+                    await self._cleanup_async(stopping=True)
                 self._signal_stopped()
                 return
             if self.stopping:
@@ -680,9 +682,7 @@ class ActorSlot:
         refused the same way (``_refuse``); the caller runs ``__cleanup__``."""
         info = self.instance_info
         self.failed = f.reason
-        host = self.rt.system.get("__sys__")
-        if host is not None:
-            host.actor_failures.append((info.name, f.reason))
+        self._note_failure(f.reason)
         self.failed_actor = f.actor or repr(info)
         f.cleanup_exc = Exception(f"serving {info.actor_id.replace(' ', '')}: {f.reason}")
         if f.caller is not None:
@@ -692,15 +692,27 @@ class ActorSlot:
             self._refuse(item)
         while self._ctl:
             self._refuse(self._ctl.popleft())
+        self._tell_owner(f.reason, f.event)
+
+    def _note_failure(self, reason: str) -> None:
+        # the dashboard shows this proc's rank failed (sys_state)
+        host = self.rt.system.get("__sys__")
+        if host is not None:
+            host.actor_failures.append((self.instance_info.name, reason))
+
+    def _tell_owner(self, reason: str, event: str = "") -> None:
+        """The owner of this actor's mesh hears that it failed, for ``reason`` (Monarch's
+        supervision event)."""
+        info = self.instance_info
         if self.supervisor is not None:
-            event = {
+            ev = {
                 "rank": info.rank.rank,
-                "actor": self.failed_actor,
-                "reason": f.reason,
-                "event": f.event or f"Supervision event: actor {info!r} failed:\n" + textwrap.indent(f.reason, "  "),
+                "actor": self.failed_actor or repr(info),
+                "reason": reason,
+                "event": event or f"Supervision event: actor {info!r} failed:\n" + textwrap.indent(reason, "  "),
             }
             try:
-                self.rt.send_port(self.supervisor[0], self.supervisor[1], info.rank.rank, wire.OK, event)
+                self.rt.send_port(self.supervisor[0], self.supervisor[1], info.rank.rank, wire.OK, ev)
             except Exception:
                 logger.warning("could not tell the owner of %s that it failed", self.name, exc_info=True)
 
@@ -1104,23 +1116,40 @@ class ActorSlot:
         if not isinstance(f.error, (SystemExit, KeyboardInterrupt)):
             await self._cleanup_async(f.cleanup_exc)
 
-    def _cleanup_sync(self, exc: Exception | None = None) -> None:
+    def _cleanup_sync(self, exc: Exception | None = None, stopping: bool = False) -> None:
         fn = getattr(self.obj, "__cleanup__", None)
         if fn is not None:
             try:
                 fn(exc)
-            except Exception:
+            except Exception as e:
                 logger.exception("__cleanup__ of %s raised", self.name)
+                if stopping:
+                    self._cleanup_failed(e)
 
-    async def _cleanup_async(self, exc: Exception | None = None) -> None:
+    async def _cleanup_async(self, exc: Exception | None = None, stopping: bool = False) -> None:
         fn = getattr(self.obj, "__cleanup__", None)
         if fn is not None:
             try:
                 r = fn(exc)
                 if inspect.isawaitable(r):
                     await r
-            except Exception:
+            except Exception as e:
                 logger.exception("__cleanup__ of %s raised", self.name)
+                if stopping:
+                    self._cleanup_failed(e)
+
+    def _cleanup_failed(self, e: Exception) -> None:
+        """``__cleanup__`` raised ``e`` as this actor stopped. As in Monarch 0.7.0 that is a
+        failure of the actor (``cleanup error: ValueError: …``) its owner hears of: the client's
+        fault hook at a proc mesh's stop, or when the actor stopped itself; later calls to its
+        mesh fail with it. Not at its actor mesh's own stop: Monarch's owner is no longer
+        listening there, and its hook hears nothing. (After a failure, already reported,
+        ``__cleanup__``'s error is only logged, as there.)"""
+        if not getattr(self, "_stop_tells_owner", False) or self.failed is not None:
+            return
+        self.failed = f"cleanup error: {type(e).__name__}: {safe_str(e)}"
+        self._note_failure(self.failed)
+        self._tell_owner(self.failed)
 
 
 class _ActorFailed(Exception):
@@ -1313,7 +1342,8 @@ class ActorHost:
             if _reply[0]:
                 self.rt.send_port(_reply[0], _reply[1], _reply[2], wire.OK, True)
 
-        slot.stop(done)  # type: ignore[attr-defined]
+        # its actor mesh's own stop: Monarch's hook hears nothing of a __cleanup__ that raises
+        slot.stop(done, tell_owner=False)  # type: ignore[attr-defined]
         return NO_REPLY
 
     def sys_ping(self) -> str:
