@@ -35,7 +35,9 @@ class Actor:
     def __cleanup__(self, exc: Exception | None) -> None:
         """Called when the actor stops (``exc`` is None) or fails (the error); override it to
         release what the actor holds. As Monarch's, this one does nothing, so an override may
-        call ``super().__cleanup__(exc)``."""
+        call ``super().__cleanup__(exc)``. One that raises as the actor stops fails the actor,
+        as in Monarch: the owner of its mesh hears of it (``cleanup error: …``; the client's
+        ``unhandled_fault_hook``), except at its actor mesh's own ``stop()``."""
         return None
 
 
