@@ -220,6 +220,20 @@ def running_line(running: list[int] | int, total: int) -> str:
     return f"{ranks_text(running)} ({len(running)} of {total}) {verb} still running when this was raised"
 
 
+def sent_after_line(others: list[int] | int, total: int, dead: list[int]) -> str:
+    """The note for the other ranks of a call that failed as it was sent, because the process
+    of ``dead`` had died before: they get the call after this was raised, and run it."""
+    k = others if isinstance(others, int) else len(others)
+    if not k:
+        return ""
+    who = f"{k} of {total} ranks" if isinstance(others, int) else f"{ranks_text(others)} ({k} of {total})"
+    of = f"{ranks_text(dead)}'s process" if dead else "a process of the mesh"
+    return (
+        f"{who} had not answered: the call failed as it was sent, {of} having died before it; "
+        "they get the call all the same and run it, and their replies are not waited for"
+    )
+
+
 #: a message in a group's list is clipped to this many characters: the group's traceback above
 #: shows its lowest rank's in full, and 16 ranks' megabyte messages would otherwise be 16 MB in
 #: one notebook output (a browser tab gives up on that)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -114,6 +115,35 @@ def test_sigkilled_proc_fails_pending_calls_within_3s_and_respawn_works(allocato
     pm2 = allocator.hosts.spawn_procs(per_host={"gpus": 2}, name="victim")
     assert len(pm2.spawn("w", Worker).pid.call().get(timeout=10).values()) == 2
     pm2.stop().get(timeout=20)
+
+
+def test_the_note_on_ranks_that_had_not_answered_says_whether_they_ever_ran_the_call(allocator, fault_hook):
+    """A proc that dies during a call: the other ranks were running it (perhaps in a collective
+    with the dead one). A call made after the death fails as it is sent: the others only get it
+    then, and the note must not say they were still running it, waiting for the dead rank."""
+    pm = allocator.hosts.spawn_procs(per_host={"gpus": 3}, name="notes")
+    w = pm.spawn("w", Worker)
+    pids = w.pid.call().get(timeout=10).values()
+    fut = w.sleep.call(3)
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(SupervisionError) as during:
+        fut.get(timeout=10)
+    assert [n for n in during.value.__notes__ if "ranks 0,2" in n] == [
+        "ranks 0,2 (2 of 3) were still running when this was raised "
+        "(waiting for the dead rank in a collective, perhaps: stopping the proc mesh ends them)"
+    ], during.value.__notes__
+    with pytest.raises(SupervisionError) as after:
+        w.pid.call().get(timeout=10)
+    note = (
+        "ranks 0,2 (2 of 3) had not answered: the call failed as it was sent, rank 1's process having "
+        "died before it; they get the call all the same and run it, and their replies are not waited for"
+    )
+    assert after.value.__notes__ == [note], after.value.__notes__
+    # what a notebook shows
+    assert note in after.value._render_traceback_(), after.value._render_traceback_()
+    with warnings.catch_warnings():  # rank 0 may still sleep: its proc is killed, and that is said
+        warnings.simplefilter("ignore")
+        pm.stop().get(timeout=20)
 
 
 def test_killed_allocator_fails_pending_calls_and_takes_its_procs(tmp_path):

@@ -497,7 +497,9 @@ def gather(
     errors: dict[int, Any] = {}
     left = [n]
     fut._progress = (left, n)
-    closed = [False]
+    # [the future completed, send() returned]: a proc known dead fails the call inside send(),
+    # before the live ranks were even sent it (_with_running words their note by which)
+    closed = [False, False]
     lock = threading.Lock()  # replies come on the I/O thread, a failed send on the caller's
     #: indices whose call printed (their reply's status PRINTED)
     printed: list[int] = []
@@ -510,7 +512,7 @@ def gather(
         replies.close()  # a failed send, or ranks not heard from, left expectations behind
         if gone is not None:
             if isinstance(endpoint, Endpoint) and n > 1:
-                gone = _with_running(gone, raw, errors, n, left[0])
+                gone = _with_running(gone, raw, errors, n, left[0], sent=closed[1])
             fut._set_exception(gone)
         elif not errors:
             if printed:
@@ -582,19 +584,30 @@ def gather(
     except BaseException:
         replies.close()
         raise
+    closed[1] = True
     return fut
 
 
-def _with_running(err: BaseException, raw: list[Any], errors: dict[int, Any], n: int, left: int) -> BaseException:
+def _with_running(
+    err: BaseException, raw: list[Any], errors: dict[int, Any], n: int, left: int, sent: bool = True
+) -> BaseException:
     """A dead proc fails a call at once: ``err`` with a note of the ranks that had not answered
     then, as a call that raised names them. With a dead rank they may wait for it in a
-    collective until its timeout. A copy: the runtime's error for the proc is shared by calls."""
+    collective until its timeout. ``sent``: the call had gone out before the death was known;
+    otherwise (a proc that died before the call) the call failed as it was sent, and the others
+    get it after that, so they are not "still running" it, let alone waiting in a collective.
+    A copy: the runtime's error for the proc is shared by calls."""
     import copy
 
     from .. import _errgroup
 
     still = [i for i in range(n) if raw[i] is None and i not in errors] if n == len(raw) else left
-    line = _errgroup.running_line(still, n)
+    if sent:
+        line = _errgroup.running_line(still, n)
+        note = f"{line} (waiting for the dead rank in a collective, perhaps: stopping the proc mesh ends them)"
+    else:
+        line = _errgroup.sent_after_line(still, n, sorted(errors))
+        note = line
     if not line:
         return err
     try:
@@ -602,7 +615,6 @@ def _with_running(err: BaseException, raw: list[Any], errors: dict[int, Any], n:
         e.__dict__.update(err.__dict__)
     except Exception:
         return err
-    note = f"{line} (waiting for the dead rank in a collective, perhaps: stopping the proc mesh ends them)"
     e.__notes__ = [*getattr(err, "__notes__", ()), note]
     return e
 
