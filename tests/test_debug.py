@@ -265,6 +265,124 @@ procs.stop().get(timeout=30)
     assert "[1]" in r["stdout"] and "{1: ''}" in r["stdout"], r["stdout"]
 
 
+# an endpoint that raises after its breakpoint: Monarch 0.7.0 stops the rank again, post-mortem
+POST_MORTEM = """
+from monarch_nb.actor import Actor, endpoint, current_rank, this_host
+from monarch_nb import debug
+
+class Pm(Actor):
+    @endpoint
+    KIND go(self, x):
+        local = x * 10 + current_rank().rank
+        breakpoint()
+        local += 1
+        raise ValueError(f"bad {local}")
+
+    @endpoint
+    KIND plain(self):
+        raise KeyError("plain")
+"""
+
+
+@pytest.mark.parametrize("kind", ["def", "async def"])
+def test_a_call_that_raises_after_its_breakpoint_stops_post_mortem_then_fails(kernel: Kernel, kind: str) -> None:
+    """After 'continue' at a breakpoint the endpoint raises: the cell's console opens again on
+    that rank, post-mortem, at the frame that raised (pdb's locals there); 'c' or 'continue' then
+    lets the error reach the cell as it would have without the debugger."""
+    kernel.converse(
+        POST_MORTEM.replace("KIND", kind)
+        + "\nprocs = this_host().spawn_procs(per_host={'gpus': 2}, name='dbg-pm')\nm = procs.spawn('pm', Pm)\n"
+    )
+    pm_rows = lambda t: len(re.findall(r"go \(post-mortem\).*paused", t))  # noqa: E731
+    script = Script(
+        lambda p, t: "continue" if _rows(t) == 2 and not pm_rows(t) else None,
+        # the console comes back by itself (or, if the ranks stopped again before it left, stays)
+        lambda p, t: "attach pm 1" if pm_rows(t) == 2 else None,
+        "p local",
+        "w",
+        "c",
+        "ls",  # 'list' is what the steps above answer while they wait
+        "continue",
+    )
+    r = kernel.converse("m.go.call(3).get()", script)
+    prompts, answers = r["prompts"], [a for _, _, a in r["prompts"]]
+    attach = prompts[answers.index("attach pm 1") + 1]
+    assert attach[0] == "(Pdb pm 1) ", attach
+    assert "post-mortem: the call raised ValueError: bad 32 ('c' lets it reach the caller)" in attach[1], attach[1]
+    assert '-> raise ValueError(f"bad {local}")' in attach[1], attach[1]
+    assert prompts[answers.index("p local") + 1][1].strip() == "32"
+    where = prompts[answers.index("w") + 1][1]
+    # the stack starts at the endpoint, not in monarch_nb's dispatch
+    assert where.lstrip().startswith("> ") and "go()" in where and "_host.py" not in where, where
+    after_c = prompts[answers.index("c") + 1]
+    assert "rank 1 left post-mortem: its call fails with ValueError: bad 32." in after_c[1], after_c
+    assert after_c[0] == "monarch_dbg> "
+    table = prompts[answers.index("ls") + 1][1]
+    assert pm_rows(table) == 1 and "pm     0" in table, table
+    # the error reaches the cell as without the debugger: the lowest rank's
+    assert r["error"] is not None and r["error"]["ename"] == "ActorError", r["error"]
+    assert "bad 31" in "\n".join(r["error"]["traceback"]), r["error"]
+    # the ranks stopped again before the console left (it says so) or after (it opens again, saying so)
+    said = re.findall(r"\d rank\(s\) stopped post-mortem[^\n]*", r["stdout"])
+    assert said and all(
+        s.endswith("(their call raised after the breakpoint): 'list' shows them, 'continue' resumes them")
+        or s.endswith("('continue' lets the error reach the caller) while waiting for pm.go.call().")
+        for s in said
+    ), r["stdout"]
+    assert "other controllers' calls" not in r["stdout"], r["stdout"]
+    r = kernel.converse("print(sorted(s.rank for s in debug.sessions('pm')))\nm.plain.call().get()", Script())
+    assert r["prompts"] == [] and "[]" in r["stdout"], r
+    # no breakpoint in this call: it fails at once, as in Monarch
+    assert r["error"] is not None and "KeyError" in "\n".join(r["error"]["traceback"]), r["error"]
+    kernel.converse("procs.stop().get(timeout=30)")
+
+
+def test_waiting_on_a_call_resumed_from_code_that_then_raised_opens_the_console_post_mortem(kernel: Kernel) -> None:
+    """A breakpoint resumed with ``debug.continue_all`` (the call not waited on then), and the
+    endpoint raises: the rank waits post-mortem, and the cell's later wait on the call opens
+    the console saying so, rather than waiting silently for a rank nobody resumes."""
+    kernel.converse(
+        POST_MORTEM.replace("KIND", "def")
+        + "\nprocs = this_host().spawn_procs(per_host={'gpus': 1}, name='dbg-pm1')\nm = procs.spawn('pm1', Pm)\n"
+        + "fut = m.go.call(4)\n"
+        + poll('len(debug.sessions("pm1")) == 1')
+        + 'print(debug.continue_all("pm1"))\n'
+    )
+    r = kernel.converse("fut.get()", Script("continue"))
+    banner = r["prompts"][0][1]
+    assert (
+        "monarch_nb: 1 rank(s) stopped post-mortem after ValueError: bad 41 ('continue' lets the error reach the caller) "
+        "while waiting for pm1.go.call()." in banner
+    ), banner
+    assert "go (post-mortem)" in banner, banner
+    assert r["error"] is not None and r["error"]["ename"] == "ActorError", r
+    assert "bad 41" in "\n".join(r["error"]["traceback"]), r["error"]
+    kernel.converse("procs.stop().get(timeout=30)")
+
+
+def test_no_post_mortem_after_a_breakpoint_skipped_for_no_input(kernel: Kernel) -> None:
+    """With nobody to type (nbval), the breakpoint is skipped and the error raises at once: the
+    rank must not stop again post-mortem, for nobody."""
+    r = kernel.converse(
+        POST_MORTEM.replace("KIND", "def")
+        + """
+procs = this_host().spawn_procs(per_host={"gpus": 2}, name="dbg-pm-nostdin")
+m = procs.spawn("pmn", Pm)
+try:
+    m.go.call(5).get(timeout=60)
+except Exception as e:
+    print("RAISED", type(e).__name__, e)
+print("LEFT", debug.sessions("pmn"))
+procs.stop().get(timeout=30)
+""",
+        allow_stdin=False,
+    )
+    assert r["error"] is None, r
+    assert "RAISED ActorError" in r["stdout"] and "LEFT []" in r["stdout"], r["stdout"]
+    assert len(re.findall(r"breakpoint at .* on rank \d skipped \(no input\)", r["stderr"])) == 2, r["stderr"]
+    assert "post-mortem" not in r["stderr"] + r["stdout"], r
+
+
 SLOW = """
 import os, time
 from monarch_nb.actor import Actor, endpoint, current_rank, this_host
@@ -563,9 +681,17 @@ def test_seed_debugee_16_ranks(kernel: Kernel) -> None:
         "n",  # it raises
         "c",
         "continue",
+        # the ranks that raise after their breakpoint (2, 6, 10, 14) stop again, post-mortem, as
+        # on 0.7.0; the call fails with rank 2's error meanwhile, and the console leaves (when,
+        # depends on which comes first)
+        *["continue"] * 4,
     )
     r = kernel.converse("print(debugee_mesh.to_debug.call().get())", script, timeout=150)
     prompts = r["prompts"]
+    seen = r["stdout"] + "".join(t for _, t, _ in prompts)
+    pm_ranks = {int(x) for x in re.findall(r"^debugee\s+(\d+)\s.*\(post-mortem\)", seen, re.M)}
+    assert pm_ranks <= {2, 6, 10, 14} and "post-mortem" in seen, seen
+    assert "at their breakpoints" not in seen, seen
     table = next(t for p, t, a in prompts if a == "attach debugee 13")
     assert "host=3,gpu=1" in table and "_debugee_actor_internal" in table
     attach13 = prompts[[a for _, _, a in prompts].index("attach debugee 13") + 1][1]
@@ -578,7 +704,7 @@ def test_seed_debugee_16_ranks(kernel: Kernel) -> None:
     err = r["error"]
     assert err is not None and err["ename"] == "ActorError", r
     assert "bad rank" in err["evalue"]
-    kernel.converse("process_mesh.stop().get(timeout=30)")
+    kernel.converse("from monarch_nb import debug\ndebug.continue_all('debugee')\nprocess_mesh.stop().get(timeout=30)")
 
 
 # ---------------------------------------------------------------------------- in this process

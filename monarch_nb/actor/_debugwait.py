@@ -111,6 +111,11 @@ def on_event(ev: tuple[Any, ...]) -> None:
         wake()
 
 
+def is_ours(call_id: str) -> bool:
+    """Whether a session's call is one this controller made."""
+    return _enabled and call_id.startswith(_uid_prefix)
+
+
 def paused() -> dict[str, dict[str, Any]]:
     """Our sessions still paused (or running a step), by sid."""
     with _lock:

@@ -31,7 +31,7 @@ from .._runtime.transport import drain_wake
 from .._wire import frames as wire
 from .._wire.serialize import loads, loads_fast
 from ..errors import ActorError, ConnectError, SupervisionError, _safe_exc, format_exception, safe_str
-from . import _context
+from . import _context, _pdb
 from ._actor import Instance, endpoints_of, is_async_actor
 from ._endpoint import _NotAnEndpointMethod
 from ._shape import Extent, Point
@@ -836,6 +836,8 @@ class ActorSlot:
             self.init_args = (args, kwargs)
             status, value = wire.OK, None
         except BaseException as e:
+            if isinstance(e, Exception) and _pdb._debugged.get() is not None:
+                _pdb.post_mortem(self.running.get(id(tok)), e)
             self.init_error = self._error(e, f"{self.cls.__qualname__}.__init__ on rank {self.instance_info.rank.rank}")
             status, value = wire.ERROR, self.init_error
             failure = _ActorFailed(e, None)
@@ -1001,6 +1003,8 @@ class ActorSlot:
             result = fn(self.obj, *args, **kwargs)
             status = _OK
         except Exception as e:
+            if _pdb._debugged.get() is not None:  # this thread's calls stopped at a breakpoint
+                _pdb.post_mortem(self.running.get(id(tok)), e)
             if not raddr:
                 # nobody receives it (a broadcast, an explicit port): as in Monarch, the actor fails
                 raise _ActorFailed(e, _caller(meta)) from None
@@ -1049,6 +1053,8 @@ class ActorSlot:
                 result = await result
             status = _OK
         except Exception as e:
+            if _pdb._debugged.get() is not None:  # this task's call stopped at a breakpoint
+                _pdb.post_mortem(self.running.get(id(tok)), e)
             if not raddr:
                 failure = _ActorFailed(e, _caller(meta))
             result, status = self._call_error(e, method), _ERROR

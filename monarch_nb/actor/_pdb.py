@@ -17,6 +17,8 @@ Code defined in a notebook cell has no file on the proc's host; the Pdb asks the
 
 from __future__ import annotations
 
+import bdb
+import contextvars
 import linecache
 import os
 import pdb
@@ -31,6 +33,7 @@ from typing import Any, cast
 from .._runtime.runtime import NO_REPLY, Runtime, system_method
 from .._wire import frames as wire
 from .._wire.serialize import dumps
+from ..errors import safe_str
 from . import _context
 
 #: commands after which the Pdb stops again soon (the session stays open)
@@ -41,6 +44,14 @@ _PROMPT = "(Pdb) "
 _sessions: dict[str, RemotePdb] = {}
 #: the session open on this thread, if any (``breakpoint()`` while stepping through it is a no-op)
 _here = threading.local()
+#: the call (its ``ActorSlot.running`` entry, compared by identity) whose rank a person resumed
+#: from a breakpoint in this thread or task: if that call then raises, the rank stops again,
+#: post-mortem (:func:`post_mortem`). A context variable, as Monarch's ``DebugContext``: an
+#: async actor's concurrent calls each have their own
+_debugged: contextvars.ContextVar[Any] = contextvars.ContextVar("monarch_nb_debugged", default=None)
+#: the pdb command the debugger sends to a breakpoint nobody can attend (``debug_no_input``):
+#: ``c``, except that the call is not counted as debugged, so its error does not stop it again
+NO_INPUT_CONTINUE = "continue_unattended"
 
 
 class _Relay:
@@ -82,7 +93,7 @@ class _Relay:
 class RemotePdb(pdb.Pdb):
     """A Pdb whose console is the allocator relay; one per ``breakpoint()`` call."""
 
-    def __init__(self, rt: Runtime, frame: Any = None) -> None:
+    def __init__(self, rt: Runtime, frame: Any = None, post_mortem: BaseException | None = None) -> None:
         self.relay = _Relay(self)
         super().__init__(stdin=self.relay, stdout=self.relay, nosigint=True, readrc=False)  # type: ignore[arg-type]
         self.use_rawinput = False
@@ -91,6 +102,10 @@ class RemotePdb(pdb.Pdb):
         self.sid = f"{os.getpid()}-{secrets.token_hex(3)}"
         self.open = False
         self.last = ""
+        #: resumed by the debugger without a person (``debug_no_input``): the call was not debugged
+        self.unattended = False
+        #: "Type: message" of the exception a post-mortem session inspects ("" at a breakpoint)
+        self.post_mortem = "" if post_mortem is None else _exc_line(post_mortem)
         self._no_source: set[str] = set()
         spec = _context.proc_spec or {}
         inst = _context.current_instance()
@@ -99,6 +114,7 @@ class RemotePdb(pdb.Pdb):
         self.alloc = spec.get("alloc_addr", "")
         # the call of this thread or task: another may run at once (an async actor's concurrent endpoints)
         call = slot.this_call() if slot is not None else None
+        self.call = call
         method, call_id, caller = call[:3] if call is not None else ("", "", "")
         self.caller: str = caller
         self.info: dict[str, Any] = {
@@ -118,17 +134,22 @@ class RemotePdb(pdb.Pdb):
             # where breakpoint() was called (pdb stops on the line after it)
             "bp_file": frame.f_code.co_filename if frame is not None else "",
             "bp_line": frame.f_lineno if frame is not None else 0,
+            "post_mortem": self.post_mortem,
         }
 
     # -- the relay's view of the prompt loop
     def _location(self) -> dict[str, Any]:
         frame = cast("FrameType", self.curframe)  # the prompt loop runs at a frame
         entry = self.stack[self.curindex] if self.stack else (frame, frame.f_lineno)
+        header = "> " + self.format_stack_entry(entry, "\n-> ")
+        if self.post_mortem:
+            # pdb's own post-mortem prints no exception: say which one, and that it goes on to the caller
+            header = f"post-mortem: the call raised {self.post_mortem} ('c' lets it reach the caller)\n{header}"
         return {
             "function": frame.f_code.co_name,
             "file": frame.f_code.co_filename,
             "line": entry[1],
-            "header": "> " + self.format_stack_entry(entry, "\n-> "),
+            "header": header,
         }
 
     def _on_prompt(self) -> None:
@@ -169,7 +190,11 @@ class RemotePdb(pdb.Pdb):
         self.open = False
         _sessions.pop(self.sid, None)
         _here.pdb = None
-        self._answer({"output": self.relay.take(), "state": "continued", "quit": aborted or bool(self.quitting)})
+        if not self.unattended and self.call is not None and not self.post_mortem:
+            _debugged.set(self.call)
+        # ``q`` in a post-mortem only ends it: the call fails with its own error either way
+        quits = not self.post_mortem and (aborted or bool(self.quitting))
+        self._answer({"output": self.relay.take(), "state": "continued", "quit": quits, "post_mortem": self.post_mortem})
         while True:  # commands queued behind the one that resumed us
             try:
                 _, reply = self.relay.lines.get_nowait()
@@ -185,14 +210,20 @@ class RemotePdb(pdb.Pdb):
         self.last = (line.strip() or self.lastcmd or "").split(" ", 1)[0].split(";", 1)[0]
         return super().precmd(line)
 
+    def do_continue_unattended(self, arg: str) -> Any:
+        """``c`` sent by the debugger for a breakpoint nobody can attend (``debug_no_input``)."""
+        self.unattended = True
+        return self.do_continue(arg)
+
     def interaction(self, frame: Any, traceback: Any) -> None:
-        self._fetch_sources(frame)
+        self._fetch_sources(frame if frame is not None or traceback is None else _innermost(traceback))
         try:
             super().interaction(frame, traceback)
         except BaseException:  # e.g. pdb's `restart` raises into the endpoint: the session is over
             self._end(aborted=True)
             raise
-        if self.last not in _STEPS:
+        # a post-mortem has nothing to step through: any command that leaves the prompt ends it
+        if self.last not in _STEPS or self.post_mortem:
             self._end()
 
     def trace_dispatch(self, frame: Any, event: str, arg: Any) -> Any:
@@ -219,6 +250,41 @@ class RemotePdb(pdb.Pdb):
                     # mtime None: linecache.checkcache keeps the entry (there is no file to compare with)
                     linecache.cache[fn] = (sum(map(len, lines)), None, list(lines), fn)
             frame = frame.f_back
+
+
+def _exc_line(e: BaseException) -> str:
+    msg = safe_str(e)
+    text = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+    return text if len(text) <= 200 else text[:200] + "…"
+
+
+def _innermost(tb: Any) -> Any:
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame
+
+
+def post_mortem(call: Any, exc: BaseException) -> None:
+    """(The thread or task of ``call``, which raised ``exc``.) If a person resumed this call from
+    a ``breakpoint()``, stop its rank again in pdb at the frame that raised, as Monarch 0.7.0
+    does, before the error goes to the caller. Only such a call: a rank that never stopped does
+    not wait for a debugger nobody runs; nor one resumed for nobody (``debug_no_input``), nor
+    pdb's ``q`` (its BdbQuit is the person asking to leave)."""
+    if call is None or _debugged.get() is not call:
+        return
+    _debugged.set(None)
+    rt = _context._runtime
+    tb = exc.__traceback__
+    if rt is None or tb is None or isinstance(exc, bdb.BdbQuit) or rt.in_io_thread():
+        return
+    # the first entry is the actor's dispatch frame that caught it: the stack starts at the endpoint
+    tb = tb.tb_next or tb
+    p = RemotePdb(rt, _innermost(tb), post_mortem=exc)
+    p.reset()
+    try:
+        p.interaction(None, tb)
+    except Exception:  # pdb's `restart` raises: the call still fails with its own error, as without it
+        pass
 
 
 _codes: frozenset[Any] | None = None
@@ -293,4 +359,4 @@ def install(rt: Runtime) -> None:
         pdb.set_trace = breakpoint_hook
 
 
-__all__ = ["DebugService", "RemotePdb", "breakpoint_hook", "install", "quit_sessions"]
+__all__ = ["NO_INPUT_CONTINUE", "DebugService", "RemotePdb", "breakpoint_hook", "install", "post_mortem", "quit_sessions"]

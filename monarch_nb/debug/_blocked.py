@@ -17,6 +17,7 @@ from typing import Any
 from .._ranks import format_ranks
 from ..actor import _context, _debugwait
 from ..actor._future import Future
+from ..actor._pdb import NO_INPUT_CONTINUE
 from ..config import get_config
 from ..errors import ConfigError, DebugError
 from ._console import Console
@@ -56,7 +57,7 @@ def _blocked(fut: Future[Any]) -> None:
     seen = set(ours)
     con = Console(own=lambda: _debugwait.paused().keys())
     con.write(
-        f"\nmonarch_nb: {len(ours)} rank(s) {_whose(fut, ours)}stopped at a breakpoint while waiting for {fut._what}.\n"
+        f"\nmonarch_nb: {len(ours)} rank(s) {_whose(fut, ours)}stopped {_how(ours)} while waiting for {fut._what}.\n"
         "Type 'attach ACTOR RANK' to debug one, 'continue' to resume them, 'help' for more.\n"
     )
     con.show_table()
@@ -88,7 +89,7 @@ def _blocked(fut: Future[Any]) -> None:
     left = _debugwait.paused()
     if left and fut.done():
         con.write(
-            f"{fut._what} {_ended(fut)}; {len(left)} rank(s) stay paused at their breakpoints "
+            f"{fut._what} {_ended(fut)}; {len(left)} rank(s) stay paused {_where_paused(left)} "
             "(waiting on their call opens this console again; or attach or continue them with "
             "monarch_nb.debug or `monarch-nb debug`)\n"
         )
@@ -99,6 +100,22 @@ def _blocked(fut: Future[Any]) -> None:
         )
     else:
         con.write("all ranks continued; waiting for the result\n")
+
+
+def _how(recs: dict[str, Any]) -> str:
+    """Where the ranks stopped: at a breakpoint, or post-mortem in a call that raised after one."""
+    pm = sorted({r["post_mortem"] for r in recs.values() if r.get("post_mortem")})
+    if not pm:
+        return "at a breakpoint"
+    what = f"post-mortem after {pm[0]}" if len(pm) == 1 else f"post-mortem after {len(pm)} different errors"
+    if all(r.get("post_mortem") for r in recs.values()):
+        return f"{what} ('continue' lets the error reach the caller)"
+    return f"at a breakpoint or {what}"
+
+
+def _where_paused(recs: dict[str, Any]) -> str:
+    pm = sum(1 for r in recs.values() if r.get("post_mortem"))
+    return "at their breakpoints" if not pm else "post-mortem" if pm == len(recs) else "at breakpoints or post-mortem"
 
 
 def _whose(fut: Future[Any], recs: dict[str, Any], own: str = "") -> str:
@@ -230,14 +247,17 @@ def _no_input(fut: Future[Any]) -> None:
         # Before the ranks continue (their replies would complete the call): the DebugError
         # belongs to the call that stopped, not to whatever the program waits on now.
         here = _fail_calls(fut, [s for s in still if not s.call_id or _raise_key(s) not in _raised_calls])
-    futs = [(s, _send(s, "c")) for s in still]
+    # not a plain "c": a call resumed with nobody at the keyboard was not debugged, so its error
+    # must not stop the rank again, post-mortem, for nobody
+    futs = [(s, _send(s, NO_INPUT_CONTINUE)) for s in still]
     for s, f in futs:
         try:
             f.get(timeout=30)
         except Exception as e:
             print(f"monarch_nb: could not continue rank {s.rank}: {e}", file=sys.stderr, flush=True)
         _debugwait.forget(s.sid)
-        print(f"breakpoint at {_where(s.bp_file, s.bp_line)} on rank {s.rank} skipped (no input)", file=sys.stderr, flush=True)
+        what = f"post-mortem of {s.post_mortem}" if s.post_mortem else "breakpoint"
+        print(f"{what} at {_where(s.bp_file, s.bp_line)} on rank {s.rank} skipped (no input)", file=sys.stderr, flush=True)
     if here:
         raise DebugError(f"{_no_input_words(here)} (while waiting for {fut._what})")
 

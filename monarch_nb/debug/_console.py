@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..actor import _context
+from ..actor import _context, _debugwait
 from ..errors import ConfigError, DebugError
 from ._sessions import _INT, DebugClient, Session, attach, cast_sessions, format_table, parse_ranks, sessions
 
@@ -214,9 +214,15 @@ class Console:
             self.write(f"continued {len(res)} rank(s)\n" if res else "no paused ranks\n")
             self._outputs(res, only_said=True)
             if self.own is not None:
-                others = [
-                    t for t in sessions(include_gone=False, addresses=self.addresses) if t.sid not in {r.sid for r, _ in res}
-                ]
+                done = {r.sid for r, _ in res}
+                left = [t for t in sessions(include_gone=False, addresses=self.addresses) if t.sid not in done]
+                # a rank of ours listed again stopped since (post-mortem: its call raised after the breakpoint)
+                again = [t for t in left if _debugwait.is_ours(t.call_id)]
+                others = [t for t in left if not _debugwait.is_ours(t.call_id)]
+                if again:
+                    pm = [t for t in again if t.post_mortem]
+                    how = "post-mortem (their call raised after the breakpoint)" if len(pm) == len(again) else "again"
+                    self.write(f"{len(again)} rank(s) stopped {how}: 'list' shows them, 'continue' resumes them\n")
                 if others:
                     self.write(
                         f"{len(others)} rank(s) stopped in other controllers' calls stay paused ('cast * c' resumes them too)\n"
@@ -277,6 +283,8 @@ def _is_rank_set(word: str) -> bool:
 def ended_message(client: DebugClient) -> str:
     """What to tell the user once a command ended ``client``'s session."""
     rank = client.session.rank
+    if client.session.post_mortem:
+        return f"rank {rank} left post-mortem: its call fails with {client.session.post_mortem}.\n"
     if client.quit:
         return f"rank {rank} quit pdb: its endpoint raises BdbQuit, so its call fails ('c' lets a rank go on).\n"
     return f"rank {rank} continued.\n"

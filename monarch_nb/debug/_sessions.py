@@ -52,6 +52,9 @@ class Session:
     #: the actor mesh's own id (each spawn is its own mesh; ``actor`` is the name it was given)
     actor_id: str = ""
     bp_line: int = 0
+    #: a post-mortem session: the exception its call raised ("Type: message"), which reaches the
+    #: caller once the rank continues; "" for a breakpoint
+    post_mortem: str = ""
 
     @property
     def waiting_s(self) -> float:
@@ -88,6 +91,7 @@ class Session:
             bp_file=rec.get("bp_file") or rec.get("file", ""),
             bp_line=int(rec.get("bp_line") or rec.get("line", 0)),
             actor_id=rec.get("actor_id") or "",
+            post_mortem=rec.get("post_mortem") or "",
         )
 
 
@@ -168,7 +172,7 @@ def format_table(rows: Iterable[Session]) -> str:
             ",".join(f"{k}={v}" for k, v in s.coords.items()) or "-",
             s.host,
             str(s.pid),
-            s.function,
+            f"{s.function} (post-mortem)" if s.post_mortem else s.function,
             _where(s.file, s.line),
             _dur(s.waiting_s),
             s.state if s.state != "gone" else f"gone ({s.cause})",
