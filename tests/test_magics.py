@@ -810,6 +810,47 @@ def test_dashboard_lists_paused_ranks_and_its_console_drives_pdb(k: Kernel) -> N
     assert c.stream().strip() == "40"
 
 
+def test_the_dashboard_shows_a_rank_stopped_post_mortem_and_its_console_lets_the_error_go_on(k: Kernel) -> None:
+    """A rank resumed from its breakpoint whose endpoint then raises stops again, post-mortem:
+    the dashboard lists it as such, and its console inspects the frame that raised and ends it."""
+    _ok(k.run("%mesh spawn dbgpm --per-host gpus=1"))
+    code = (
+        "from monarch_nb.actor import Actor, endpoint\n"
+        "class Raiser(Actor):\n"
+        "    @endpoint\n"
+        "    def go(self):\n"
+        "        n = 7\n"
+        "        breakpoint()\n"
+        "        raise ValueError(f'n is {n}')\n"
+        "raisers = dbgpm.spawn('raisers', Raiser)\n"
+        "pending = raisers.go.call_one()\n"
+        "pm_view = %mesh dashboard dbgpm\n"
+        "pm_view"
+    )
+    _ok(k.run(code))
+    _ok(k.run(poll("pm_view._sids", 15, "the dashboard to list the paused session")))
+    _ok(k.run("pm_view._attach('raisers', 0)\npm_view.console_in.value = 'c'\npm_view._console_send()"))
+    # the dashboard's own thread redraws the list (a cell's wait would skip the session: no stdin)
+    labels = "[getattr(w, 'value', '') for row in pm_view.debug_view.children for w in getattr(row, 'children', ())]"
+    _ok(k.run(poll(f"any('post-mortem after ValueError: n is 7' in t for t in {labels})", 15, "the post-mortem listed")))
+    c = _ok(
+        k.run(
+            "pm_view._attach('raisers', 0)\npm_view.console_in.value = 'p n'\npm_view._console_send()\npm_view.console_out.value"
+        )
+    )
+    assert "post-mortem: the call raised ValueError: n is 7" in c.result and "(Pdb) p n\\n7" in c.result, c.result
+    c = _ok(
+        k.run(
+            "pm_view.console_in.value = 'c'\npm_view._console_send()\nprint(pm_view.console_out.value)\n"
+            "try:\n    pending.get(timeout=30)\nexcept Exception as e:\n    print('RAISED', type(e).__name__, e)\n"
+            "pm_view.close()"
+        )
+    )
+    out = c.stream()
+    assert "(the rank left post-mortem: its call fails with ValueError: n is 7)" in out, out
+    assert "RAISED ActorError" in out and "n is 7" in out, out
+
+
 def test_synced_code_survives_a_kernel_restart(tmp_path) -> None:
     proj = tmp_path / "proj"
     proj.mkdir()

@@ -143,10 +143,11 @@ class Dashboard(W.VBox):
             hosts.setdefault(p.host, a or {"host": p.host, "error": "no answer"})
         names = {p.mesh for p in pm._procs}
         sessions = [d for d in st.get("debug_sessions", []) if d.get("mesh") in names and d.get("state") != "gone"]
-        paused = {int(d.get("rank", -1)) for d in sessions}
+        paused = {int(d.get("rank", -1)): d.get("post_mortem") or "" for d in sessions}
         for r in ranks:
             if r["rank"] in paused and r["state"] in ("idle", "busy"):
-                r["state"], r["reason"] = "paused", "paused at a breakpoint"
+                after = paused[r["rank"]]
+                r["state"], r["reason"] = "paused", f"paused post-mortem after {after}" if after else "paused at a breakpoint"
         return {"ranks": ranks, "hosts": list(hosts.values()), "time": st["time"], "debug": sessions}
 
     def refresh(self) -> None:
@@ -386,6 +387,8 @@ class Dashboard(W.VBox):
             rows.append(W.HTML(f"<b>paused at breakpoints</b> ({len(sessions)})"))
         for d in sorted(sessions, key=lambda d: (str(d.get("actor")), int(d.get("rank", 0)))):
             where = f"{d.get('file', '?')}:{d.get('line', '?')} in {d.get('function', '?')}"
+            if d.get("post_mortem"):
+                where += f" · post-mortem after {html.escape(str(d['post_mortem']))}"
             label = W.HTML(f"<code>{d.get('actor')}</code> rank {d.get('rank')} on {d.get('host')} · {where}")
             b = W.Button(description="attach", tooltip=BUSY_NOTE, layout=W.Layout(width="80px"))
             b.on_click(lambda _b, a=d.get("actor"), r=int(d.get("rank", 0)): self._attach(a, r))
@@ -416,8 +419,13 @@ class Dashboard(W.VBox):
             out = f"error: {e}"
         self._console_text += f"(Pdb) {cmd}\n{out}"
         if self._dbg.ended:
+            pm = self._dbg.session.post_mortem
             self._console_text += (
-                "(the rank quit pdb: its call fails with BdbQuit)\n" if self._dbg.quit else "(the rank continued)\n"
+                f"(the rank left post-mortem: its call fails with {pm})\n"
+                if pm
+                else "(the rank quit pdb: its call fails with BdbQuit)\n"
+                if self._dbg.quit
+                else "(the rank continued)\n"
             )
             self._dbg = None
         self.console_out.value = "<pre style='margin:0'>" + html.escape(self._console_text[-20000:]) + "</pre>"
