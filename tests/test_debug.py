@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import select
 import signal
 import subprocess
 import textwrap
@@ -1644,6 +1645,67 @@ def test_no_stdin_waits_for_an_attach_within_the_timeout(tmp_path: Any) -> None:
     assert proc.returncode == 0, err
     assert "[0, 1]" in out
     assert "skipped" not in err, err
+
+
+PM_SCRIPT = """
+from monarch_nb.actor import Actor, endpoint, current_rank, this_host
+
+class Dbg(Actor):
+    @endpoint
+    def go(self):
+        n = current_rank().rank + 40
+        breakpoint()
+        raise ValueError(f"n is {n}")
+
+procs = this_host().spawn_procs(per_host={"gpus": 1})
+try:
+    procs.spawn("dbgpmw", Dbg).go.call().get(timeout=60)
+except Exception as e:
+    print("RAISED", type(e).__name__, "ValueError: n is 40" in str(e), flush=True)
+"""
+
+
+def test_a_script_waiting_for_an_attach_stops_post_mortem_for_the_terminal_that_resumed_it(tmp_path: Any) -> None:
+    """debug_no_input='wait': a terminal (this test) continues the breakpoint, the endpoint
+    raises, and the rank waits post-mortem for that terminal; the script says so, and gets the
+    error once the terminal lets it go."""
+    path = tmp_path / "pm.py"
+    path.write_text(PM_SCRIPT)
+    proc = subprocess.Popen(
+        [PY, str(path)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, MONARCH_NB_DEBUG_NO_INPUT="wait"),
+    )
+    said: list[str] = []
+
+    def wait_said(pattern: str) -> None:
+        # the script's stderr, line by line: it says what it waits for once its wait has seen the session
+        deadline = time.monotonic() + 30
+        while not any(re.search(pattern, ln) for ln in said):
+            assert proc.stderr is not None and time.monotonic() < deadline, said
+            if select.select([proc.stderr], [], [], 1)[0]:
+                said.append(proc.stderr.readline())
+
+    try:
+        wait_said(r"^breakpoint at \S+pm\.py:8 on rank 0: no input here; waiting for an attach")
+        assert debug.continue_all("dbgpmw", timeout=10) == {0: ""}
+        wait_said(r"^post-mortem of ValueError: n is 40 at \S+pm\.py:9 on rank 0: no input here; waiting for an attach")
+        c = debug.attach("dbgpmw", 0)
+        assert c.header.startswith("post-mortem: the call raised ValueError: n is 40"), c.header
+        assert c.send("p n", timeout=10) == "40\n"
+        c.send("c", timeout=10)
+        assert c.ended and not c.quit
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "RAISED ActorError True" in out, (out, err)
+    assert "skipped" not in "".join(said) + err, (said, err)
 
 
 def test_breakpoint_in_init_belongs_to_the_spawn(tmp_path: Any) -> None:

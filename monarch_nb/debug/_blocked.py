@@ -233,7 +233,7 @@ def _no_input(fut: Future[Any]) -> None:
     if policy == "wait":
         for s in map(Session._from, ours.values()):
             print(
-                f"breakpoint at {_where(s.bp_file, s.bp_line)} on rank {s.rank}: no input here; "
+                f"{_what(s)} at {_where(s.bp_file, s.bp_line)} on rank {s.rank}: no input here; "
                 "waiting for an attach (run `monarch-nb debug` in a terminal)",
                 file=sys.stderr,
                 flush=True,
@@ -256,10 +256,13 @@ def _no_input(fut: Future[Any]) -> None:
         except Exception as e:
             print(f"monarch_nb: could not continue rank {s.rank}: {e}", file=sys.stderr, flush=True)
         _debugwait.forget(s.sid)
-        what = f"post-mortem of {s.post_mortem}" if s.post_mortem else "breakpoint"
-        print(f"{what} at {_where(s.bp_file, s.bp_line)} on rank {s.rank} skipped (no input)", file=sys.stderr, flush=True)
+        print(f"{_what(s)} at {_where(s.bp_file, s.bp_line)} on rank {s.rank} skipped (no input)", file=sys.stderr, flush=True)
     if here:
         raise DebugError(f"{_no_input_words(here)} (while waiting for {fut._what})")
+
+
+def _what(s: Session) -> str:
+    return f"post-mortem of {s.post_mortem}" if s.post_mortem else "breakpoint"
 
 
 def _no_input_words(sessions: list[Session]) -> str:
