@@ -361,6 +361,36 @@ def test_waiting_on_a_call_resumed_from_code_that_then_raised_opens_the_console_
     kernel.converse("procs.stop().get(timeout=30)")
 
 
+def test_continue_does_not_call_a_rank_of_this_call_that_stopped_again_another_controller_s(kernel: Kernel) -> None:
+    """A breakpoint in a loop: after 'continue' the rank stops again in the same call, often
+    before the console lists what is left. It is this cell's own call, not one of "other
+    controllers' calls" (which 'continue' would leave paused on purpose)."""
+    kernel.converse(
+        """
+from monarch_nb.actor import Actor, endpoint, this_host
+
+class Looper(Actor):
+    @endpoint
+    def go(self):
+        for i in range(2):
+            breakpoint()
+        return i
+procs = this_host().spawn_procs(per_host={'gpus': 1}, name='dbg-loop')
+lm = procs.spawn('looper', Looper)
+"""
+    )
+    r = kernel.converse("print('value', lm.go.call_one().get())", Script("continue", "continue"))
+    assert r["error"] is None and "value 1" in r["stdout"], r
+    seen = r["stdout"] + "".join(t for _, t, _ in r["prompts"])
+    assert "other controllers' calls" not in seen, seen
+    # it stopped again before the console left (said), or after (the console opened again)
+    assert (
+        "1 rank(s) stopped again: 'list' shows them, 'continue' resumes them" in seen
+        or seen.count("stopped at a breakpoint while waiting for looper.go.call_one()") == 2
+    ), seen
+    kernel.converse("procs.stop().get(timeout=30)")
+
+
 def test_no_post_mortem_after_a_breakpoint_skipped_for_no_input(kernel: Kernel) -> None:
     """With nobody to type (nbval), the breakpoint is skipped and the error raises at once: the
     rank must not stop again post-mortem, for nobody."""
