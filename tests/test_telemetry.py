@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import Any
 
 from conftest import wait_for
 
@@ -126,3 +128,59 @@ def test_status_names_every_call_an_async_actor_runs_at_once() -> None:
 def _activity(name: str) -> str:
     procs = _procs(name)
     return procs[0].get("activity", "") if procs else ""
+
+
+class Watched(Actor):
+    """Notes when its proc's allocator asks the proc for its state, on the proc's clock."""
+
+    def __init__(self) -> None:
+        from monarch_nb.actor._context import runtime
+
+        self.asked: list[float] = []
+        sys_actor = runtime().system["__sys__"]
+        state = sys_actor.sys_state
+
+        def noted() -> Any:
+            self.asked.append(time.monotonic())
+            return state()
+
+        sys_actor.sys_state = noted
+
+    @endpoint
+    def asks(self) -> tuple[float, list[float]]:
+        return time.monotonic(), list(self.asked)
+
+    @endpoint
+    def hold(self, started: str, gate: str) -> float:
+        import _gate
+
+        t = time.monotonic()
+        open(started, "w").close()
+        assert _gate.wait(gate, 60)
+        return t
+
+
+def test_an_idle_proc_is_not_woken_each_second_for_its_state_and_a_look_sees_it_now(tmp_path, gate) -> None:  # type: ignore[no-untyped-def]
+    # each ask wakes the proc and holds its GIL for the length of the wake-up: a call that comes
+    # meanwhile is slow (a call_one p99). It is asked only while somebody looks or it works, and
+    # a look after a quiet spell asks it at once rather than showing its state of seconds ago
+    release = gate("release")
+    started = tmp_path / "started"
+    pm = this_host().spawn_procs(per_host={"gpus": 1}, name="tele-quiet")
+    try:
+        w = pm.spawn("w", Watched)
+        t0, _ = w.asks.call_one().get(timeout=30)
+        # a span of seconds measured, not waited on: nobody looks, and the proc does nothing
+        time.sleep(9.5)
+        held = w.hold.call_one(str(started), release.path)
+        wait_for(started.exists, 10, "the call to start")
+        assert _activity("tele-quiet") == "busy in w.hold"
+        release.open()
+        t1 = held.get(timeout=10)
+        _, asked = w.asks.call_one().get(timeout=30)
+        # from 5 s on: asked while its first call ran, and for a few seconds after another
+        # test's look; an ask when its CPU time moved on a clock tick is allowed
+        quiet = [t for t in asked if t0 + 5.0 <= t < t1]
+        assert t1 - t0 >= 9.5 and len(quiet) <= 1, (t1 - t0, [round(t - t0, 2) for t in asked])
+    finally:
+        pm.stop().get(timeout=30)

@@ -622,7 +622,9 @@ class Allocator(DebugRegistry):
             "host": self.rt.hostname,
         }
 
-    def sys_status(self) -> dict[str, Any]:
+    async def sys_status(self) -> dict[str, Any]:
+        # somebody looks: the procs' states are sampled from now on, fresh ones first
+        await self.telemetry.fresh()
         now = time.monotonic()
         return {
             "alloc_id": self.id,

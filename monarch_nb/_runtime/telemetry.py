@@ -4,11 +4,21 @@ CPU and RSS per proc and for the host come from the OS (psutil), without asking 
 what a proc is doing (idle, or busy in which endpoint; calls served, time spent) comes from
 its ``__sys__`` actor, answered by its I/O thread, so a busy or paused actor still answers.
 GPU utilisation and memory come from NVML when a GPU and ``pynvml`` are present.
+
+Asking a proc wakes it (its I/O thread takes the GIL, and a call it serves meanwhile waits),
+so a proc is asked each second only while somebody looks (a status request in the last
+``LOOK_S``: a dashboard, the sidebar, ``%mesh status``) or while it works (its last answer
+said busy or new calls or spans, or the OS says it spent CPU since); an idle proc nobody looks
+at is asked every ``IDLE_ASK_S``. A look that finds states older than a tick asks for them at
+once and waits up to ``FIRST_LOOK_S`` for the answers (:meth:`Telemetry.fresh`). A proc's
+death is not seen here: the zygote's exit message or a pidfd says so (procs.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +36,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 INTERVAL = 1.0
+#: how long after a status request the procs are asked each second (a consumer polls more often)
+LOOK_S = 5.0
+#: how often an idle proc nobody looks at is asked anyway (its few spans drained, a change seen)
+IDLE_ASK_S = 10.0
+#: how long a first look waits for the states it asked for (a proc's I/O thread answers in ms;
+#: one whose actor holds the GIL in a long C call shows its last state)
+FIRST_LOOK_S = 0.5
 
 
 class Telemetry:
@@ -33,11 +50,21 @@ class Telemetry:
         self.alloc = alloc
         self.host: dict[str, Any] = {}
         self._procs: dict[int, psutil.Process] = {}
-        self._prev: dict[str, tuple[float, int, int]] = {}  # token -> (time, lines, calls)
+        self._prev: dict[str, tuple[float, int]] = {}  # token -> (time, log lines)
         self._port = 0
         self._index: dict[str, int] = {}  # proc token -> the reply index its state comes back with
         self._token: dict[int, str] = {}
         self._next = 0
+        #: when a status request last came (``LOOK_S``)
+        self._looked = -math.inf
+        #: per proc token: when its state was last asked for and came back, its CPU time then
+        self._asked: dict[str, float] = {}
+        self._answered: dict[str, float] = {}
+        self._cpu: dict[str, float] = {}
+        #: procs whose last answer said they work (busy, or calls or spans since the one before)
+        self._working: set[str] = set()
+        #: (tokens a first look waits for, woken when none is left)
+        self._first_look: tuple[set[str], asyncio.Future[None]] | None = None
         self._nvml: Any = None
         self._nvml_tried = False
         #: spans drained from the procs (spanstore.py)
@@ -65,7 +92,7 @@ class Telemetry:
             "time": time.time(),
         }
         now = time.monotonic()
-        args = dumps(((), {}))
+        looking = now - self._looked < LOOK_S
         for rec in list(self.alloc.by_token.values()):
             if rec.state != "running" or not rec.pid:
                 self._procs.pop(rec.pid, None)
@@ -76,48 +103,124 @@ class Telemetry:
                 if p is None:
                     p = self._procs[rec.pid] = psutil.Process(rec.pid)
                     p.cpu_percent(None)
-                t["cpu_percent"] = p.cpu_percent(None)
-                t["rss"] = p.memory_info().rss
+                with p.oneshot():
+                    t["cpu_percent"] = p.cpu_percent(None)
+                    times = p.cpu_times()
+                    t["rss"] = p.memory_info().rss
             except psutil.Error:
                 self._procs.pop(rec.pid, None)
                 continue
             lines = rec.log.nlines if rec.log else 0
-            calls = int(t.get("calls", 0))
             prev = self._prev.get(rec.token)
             if prev is not None and now > prev[0]:
-                dt = now - prev[0]
-                t["lines_per_s"] = round((lines - prev[1]) / dt, 1)
-                t["calls_per_s"] = round((calls - prev[2]) / dt, 1)
-            self._prev[rec.token] = (now, lines, calls)
-            if rec.addr:
-                # its spans are drained when its state says there are new ones (_on_state)
-                i = self._index.get(rec.token, -1)
-                if i < 0:
-                    i = self._index[rec.token] = self._next
-                    self._token[i] = rec.token
-                    self._next += 1
-                try:
-                    self.alloc.rt.send_actor(
-                        rec.addr, "__sys__", "state", args[0], args[1], reply=(self.alloc.rt.ipc_addr, self._port), index=i
-                    )
-                except Exception:
-                    pass
+                t["lines_per_s"] = round((lines - prev[1]) / (now - prev[0]), 1)
+            self._prev[rec.token] = (now, lines)
+            tok = rec.token
+            # CPU time moves in clock ticks (10 ms): an idle proc's own wake-ups add one about
+            # once a minute, a proc serving calls at once
+            cpu = times.user + times.system
+            if (
+                looking
+                or tok in self._working
+                or cpu != self._cpu.get(tok)
+                or now - self._asked.get(tok, -math.inf) >= IDLE_ASK_S
+            ):
+                self._cpu[tok] = cpu
+                self._ask(rec, now)
         for tok in set(self._prev) - set(self.alloc.by_token):
             del self._prev[tok]
             self._token.pop(self._index.pop(tok, -1), None)
+            for d in (self._asked, self._answered, self._cpu):
+                d.pop(tok, None)
+            self._working.discard(tok)
+
+    def _ask(self, rec: ProcRec, now: float) -> None:
+        """Ask a proc for its state (answered to ``_on_state``)."""
+        if not rec.addr:
+            return
+        # its spans are drained when its state says there are new ones (_on_state)
+        i = self._index.get(rec.token, -1)
+        if i < 0:
+            i = self._index[rec.token] = self._next
+            self._token[i] = rec.token
+            self._next += 1
+        self._asked[rec.token] = now
+        try:
+            self.alloc.rt.send_actor(
+                rec.addr, "__sys__", "state", *_EMPTY_ARGS, reply=(self.alloc.rt.ipc_addr, self._port), index=i
+            )
+        except Exception:
+            pass
+
+    async def fresh(self) -> None:
+        """A status request: the procs are asked each second from now on for ``LOOK_S``, and
+        those whose last state is older than a tick are asked now, waited for up to
+        ``FIRST_LOOK_S`` (what a look shows is no staler than while somebody keeps looking)."""
+        now = time.monotonic()
+        self._looked = now
+        if not self._port:
+            return
+        stale = []
+        for r in list(self.alloc.by_token.values()):
+            if r.state != "running" or not r.addr:
+                continue
+            asked, answered = self._asked.get(r.token, -math.inf), self._answered.get(r.token, -math.inf)
+            if now - answered <= 1.5 * INTERVAL:
+                continue
+            if asked > answered and now - asked > FIRST_LOOK_S:
+                # it left an earlier ask unanswered (an actor holding the GIL in a C call): every
+                # look would wait for it in vain; its last state is shown
+                continue
+            stale.append((r, asked <= answered))
+        if not stale:
+            return
+        if self._first_look is None:
+            self._first_look = (set(), self.alloc.rt.loop.create_future())
+        waiting, fut = self._first_look
+        for r, ask in stale:
+            waiting.add(r.token)
+            if ask:  # else asked a moment ago (at this tick, by another look): waited for
+                self._ask(r, now)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), FIRST_LOOK_S)
+        except TimeoutError:
+            pass
+        finally:
+            # answers that did not come in time are shown by the next look, not waited for again
+            if self._first_look is not None and self._first_look[1] is fut:
+                self._first_look = None
 
     def _on_state(self, index: int, status: int, body: Any, bufs: list[Any]) -> None:
+        tok = self._token.get(index, "")
+        look = self._first_look
+        if look is not None:
+            look[0].discard(tok)
+            if not look[0] and not look[1].done():
+                look[1].set_result(None)
         if status != wire.OK:
             return
         actors = loads(body, bufs)
-        rec = self.alloc.by_token.get(self._token.get(index, ""))
+        rec = self.alloc.by_token.get(tok)
         if rec is not None and rec.state == "running":
+            now = time.monotonic()
             # An idle proc is not asked for spans it does not have: a drain that finds none costs
             # it a wake-up and the GIL every second, and the allocator a message each way per proc
             version = actors.pop("__spans__", None)
-            if version is None or self.spans.stale(rec, version):
+            new_spans = version is None or self.spans.stale(rec, version)
+            if new_spans:
                 self.spans.poll(rec)
+            t = rec.tele
+            calls0, then = int(t.get("calls", 0)), self._answered.get(tok)
             _absorb(rec, actors)
+            calls = int(t["calls"])
+            if then is not None and now > then:
+                # over the time since its last answer: an idle proc is asked seldom, and served none
+                t["calls_per_s"] = round((calls - calls0) / (now - then), 1)
+            self._answered[tok] = now
+            if t["busy"] or calls != calls0 or new_spans:
+                self._working.add(tok)
+            else:
+                self._working.discard(tok)
 
     def _gpus(self) -> list[dict[str, Any]]:
         if not self._nvml_tried:
@@ -182,3 +285,6 @@ def _absorb(rec: ProcRec, actors: dict[str, dict[str, Any]]) -> None:
     t["mean_call_ms"] = round(1000 * busy_s / calls, 3) if calls else 0.0
     if moved:
         t["bytes_moved"] = int(moved.get("total", 0))
+
+
+_EMPTY_ARGS = dumps(((), {}))
