@@ -184,3 +184,24 @@ def test_an_idle_proc_is_not_woken_each_second_for_its_state_and_a_look_sees_it_
         assert t1 - t0 >= 9.5 and len(quiet) <= 1, (t1 - t0, [round(t - t0, 2) for t in asked])
     finally:
         pm.stop().get(timeout=30)
+
+
+def test_host_memory_load_and_gpus_are_read_for_a_look_not_every_second(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # readings of the moment, shown only when somebody looks: read then, not each second for nobody
+    import types
+
+    import psutil
+
+    from monarch_nb._runtime import telemetry
+
+    reads = []
+    real = psutil.virtual_memory
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: reads.append(1) or real())
+    tel = telemetry.Telemetry(types.SimpleNamespace(by_token={}, by_pid={}))  # type: ignore[arg-type]
+    for _ in range(3):
+        tel.sample()
+    assert reads == [] and set(tel.host) == {"cpu_percent"}
+    asyncio.run(tel.fresh())
+    assert reads == [1] and tel.host["mem_total"] >= tel.host["mem_used"] > 0 and len(tel.host["load"]) == 3
+    tel.sample()  # somebody looks: each tick reads them
+    assert reads == [1, 1]

@@ -1,12 +1,13 @@
 """The allocator's copy of its procs' spans: drained from each proc's ring, kept with a bound.
 
 Every proc's ring (spans.py) is drained about once a second while it records (its state,
-sampled each second, says so) and on every query, so spans
+sampled each second while it works, says so) and on every query, so spans
 outlive the proc that recorded them and the controller (a restarted kernel reads them back
 from here). Bounds: the last ``PER_PROC`` spans of each proc, for the ``PROCS`` procs seen
 most recently, and ``TOTAL`` in all (the procs polled longest ago go first); spans a proc
-recorded in its last second before it died are lost with it (those of a stopped mesh are not:
-its procs are drained as they are told to stop). Spans are kept as tuples with interned
+recorded in its last second before it died are lost with it, in its last ``IDLE_ASK_S`` (10 s)
+if it recorded so few that its CPU time did not move a clock tick (telemetry.py); those of a
+stopped mesh are not: its procs are drained as they are told to stop. Spans are kept as tuples with interned
 names, about 250 bytes each, so the bounds cost at most about 64 MiB (attributes extra).
 """
 

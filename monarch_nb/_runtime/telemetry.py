@@ -49,7 +49,10 @@ class Telemetry:
     def __init__(self, alloc: Allocator) -> None:
         self.alloc = alloc
         self.host: dict[str, Any] = {}
-        self._procs: dict[int, psutil.Process] = {}
+        #: per proc pid: its process, and when its CPU time was read and what it was (-1: not yet)
+        self._procs: dict[int, tuple[psutil.Process, list[float]]] = {}
+        #: when memory, load and GPUs were read (each look's, not each tick's)
+        self._host_read = -math.inf
         self._prev: dict[str, tuple[float, int]] = {}  # token -> (time, log lines)
         self._port = 0
         self._index: dict[str, int] = {}  # proc token -> the reply index its state comes back with
@@ -81,18 +84,14 @@ class Telemetry:
             await sleep_to_tick(self.alloc.rt.loop, INTERVAL)
 
     def sample(self) -> None:
-        vm = psutil.virtual_memory()
-        self.host = {
-            "cpu_percent": psutil.cpu_percent(None),
-            "cpus": psutil.cpu_count() or 1,
-            "mem_used": vm.total - vm.available,
-            "mem_total": vm.total,
-            "load": list(psutil.getloadavg()),
-            "gpus": self._gpus(),
-            "time": time.time(),
-        }
         now = time.monotonic()
         looking = now - self._looked < LOOK_S
+        # CPU time is read every tick, looked at or not: it is what a look's CPU% is measured
+        # from, and how a proc that starts working is noticed without asking it. What is read at
+        # the moment it is shown (memory, load, GPUs, RSS) is read only for a look
+        self.host["cpu_percent"] = psutil.cpu_percent(None)
+        if looking:
+            self._read_host(now)
         for rec in list(self.alloc.by_token.values()):
             if rec.state != "running" or not rec.pid:
                 self._procs.pop(rec.pid, None)
@@ -101,24 +100,25 @@ class Telemetry:
             p = self._procs.get(rec.pid)
             try:
                 if p is None:
-                    p = self._procs[rec.pid] = psutil.Process(rec.pid)
-                    p.cpu_percent(None)
-                with p.oneshot():
-                    t["cpu_percent"] = p.cpu_percent(None)
-                    times = p.cpu_times()
-                    t["rss"] = p.memory_info().rss
+                    p = self._procs[rec.pid] = (psutil.Process(rec.pid), [now, -1.0])
+                times = p[0].cpu_times()
+                if looking:
+                    t["rss"] = p[0].memory_info().rss
             except psutil.Error:
                 self._procs.pop(rec.pid, None)
                 continue
+            # CPU time moves in clock ticks (10 ms): an idle proc's own wake-ups add one about
+            # once a minute, a proc serving calls at once
+            cpu = times.user + times.system
+            then, cpu0 = p[1]
+            t["cpu_percent"] = round(100 * (cpu - cpu0) / (now - then), 1) if cpu0 >= 0 and now > then else 0.0
+            p[1][:] = [now, cpu]
             lines = rec.log.nlines if rec.log else 0
             prev = self._prev.get(rec.token)
             if prev is not None and now > prev[0]:
                 t["lines_per_s"] = round((lines - prev[1]) / (now - prev[0]), 1)
             self._prev[rec.token] = (now, lines)
             tok = rec.token
-            # CPU time moves in clock ticks (10 ms): an idle proc's own wake-ups add one about
-            # once a minute, a proc serving calls at once
-            cpu = times.user + times.system
             if (
                 looking
                 or tok in self._working
@@ -133,6 +133,20 @@ class Telemetry:
             for d in (self._asked, self._answered, self._cpu):
                 d.pop(tok, None)
             self._working.discard(tok)
+
+    def _read_host(self, now: float) -> None:
+        vm = psutil.virtual_memory()
+        self.host.update(
+            {
+                "cpus": psutil.cpu_count() or 1,
+                "mem_used": vm.total - vm.available,
+                "mem_total": vm.total,
+                "load": list(psutil.getloadavg()),
+                "gpus": self._gpus(),
+                "time": time.time(),
+            }
+        )
+        self._host_read = now
 
     def _ask(self, rec: ProcRec, now: float) -> None:
         """Ask a proc for its state (answered to ``_on_state``)."""
@@ -158,6 +172,22 @@ class Telemetry:
         ``FIRST_LOOK_S`` (what a look shows is no staler than while somebody keeps looking)."""
         now = time.monotonic()
         self._looked = now
+        # read at the moment shown, as every tick reads them while somebody looks
+        stale_host = now - self._host_read > 1.5 * INTERVAL
+        if stale_host:
+            self._read_host(now)
+        for rec in list(self.alloc.by_token.values()):
+            if rec.state == "running" and rec.pid and (stale_host or "rss" not in rec.tele):
+                try:
+                    p = self._procs.get(rec.pid)
+                    if p is None:
+                        p = self._procs[rec.pid] = (psutil.Process(rec.pid), [now, -1.0])
+                    rec.tele["rss"] = p[0].memory_info().rss
+                    rec.tele.setdefault("cpu_percent", 0.0)  # measured from the next tick on
+                except psutil.Error:
+                    pass
+                # a rate's start: the next tick's rate covers what it printed from now on
+                self._prev.setdefault(rec.token, (now, rec.log.nlines if rec.log else 0))
         if not self._port:
             return
         stale = []
