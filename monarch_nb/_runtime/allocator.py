@@ -624,7 +624,10 @@ class Allocator(DebugRegistry):
 
     async def sys_status(self) -> dict[str, Any]:
         # somebody looks: the procs' states are sampled from now on, fresh ones first
-        await self.telemetry.fresh()
+        try:
+            await self.telemetry.fresh()
+        except Exception:  # the status itself matters more: its last readings are shown
+            logger.exception("telemetry refresh failed")
         now = time.monotonic()
         return {
             "alloc_id": self.id,
