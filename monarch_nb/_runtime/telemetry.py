@@ -66,8 +66,10 @@ class Telemetry:
         self._cpu: dict[str, float] = {}
         #: procs whose last answer said they work (busy, or calls or spans since the one before)
         self._working: set[str] = set()
-        #: (tokens a first look waits for, woken when none is left)
-        self._first_look: tuple[set[str], asyncio.Future[None]] | None = None
+        #: (answer indexes a look waits for, woken when none is left)
+        self._first_look: tuple[set[int], asyncio.Future[None]] | None = None
+        #: the procs a look's asks went to, by their answers' indexes
+        self._looks: dict[int, str] = {}
         self._nvml: Any = None
         self._nvml_tried = False
         #: spans drained from the procs (spanstore.py)
@@ -133,6 +135,11 @@ class Telemetry:
             for d in (self._asked, self._answered, self._cpu):
                 d.pop(tok, None)
             self._working.discard(tok)
+        if self._looks:
+            # asks of looks that a proc gone since never answered
+            for i, tok in list(self._looks.items()):
+                if tok not in self.alloc.by_token:
+                    del self._looks[i]
 
     def _read_host(self, now: float) -> None:
         vm = psutil.virtual_memory()
@@ -148,13 +155,18 @@ class Telemetry:
         )
         self._host_read = now
 
-    def _ask(self, rec: ProcRec, now: float) -> None:
-        """Ask a proc for its state (answered to ``_on_state``)."""
+    def _ask(self, rec: ProcRec, now: float, look: bool = False) -> int:
+        """Ask a proc for its state (answered to ``_on_state``); returns the answer's index. A
+        look's ask has an index of its own: an answer to an earlier ask is not the one it waits for."""
         if not rec.addr:
-            return
+            return -1
         # its spans are drained when its state says there are new ones (_on_state)
         i = self._index.get(rec.token, -1)
-        if i < 0:
+        if look:
+            i = self._next
+            self._looks[i] = rec.token
+            self._next += 1
+        elif i < 0:
             i = self._index[rec.token] = self._next
             self._token[i] = rec.token
             self._next += 1
@@ -165,12 +177,17 @@ class Telemetry:
             )
         except Exception:
             pass
+        return i
 
     async def fresh(self) -> None:
         """A status request: the procs are asked each second from now on for ``LOOK_S``, and
-        those whose last state is older than a tick are asked now, waited for up to
-        ``FIRST_LOOK_S`` (what a look shows is no staler than while somebody keeps looking)."""
+        those whose last state is older than a tick (every one, at the first look in a while)
+        are asked now, waited for up to ``FIRST_LOOK_S`` (what a look shows is no staler than
+        while somebody keeps looking)."""
         now = time.monotonic()
+        # the first look in a while asks every proc: one asked a moment ago because its CPU time
+        # moved may have started a call since (later looks show what the ticks bring, as before)
+        first = now - self._looked >= LOOK_S
         self._looked = now
         # read at the moment shown, as every tick reads them while somebody looks
         stale_host = now - self._host_read > 1.5 * INTERVAL
@@ -195,22 +212,20 @@ class Telemetry:
             if r.state != "running" or not r.addr:
                 continue
             asked, answered = self._asked.get(r.token, -math.inf), self._answered.get(r.token, -math.inf)
-            if now - answered <= 1.5 * INTERVAL:
+            if now - answered <= (0.0 if first else 1.5 * INTERVAL):
                 continue
             if asked > answered and now - asked > FIRST_LOOK_S:
                 # it left an earlier ask unanswered (an actor holding the GIL in a C call): every
                 # look would wait for it in vain; its last state is shown
                 continue
-            stale.append((r, asked <= answered))
+            stale.append(r)
         if not stale:
             return
         if self._first_look is None:
             self._first_look = (set(), self.alloc.rt.loop.create_future())
         waiting, fut = self._first_look
-        for r, ask in stale:
-            waiting.add(r.token)
-            if ask:  # else asked a moment ago (at this tick, by another look): waited for
-                self._ask(r, now)
+        for r in stale:
+            waiting.add(self._ask(r, now, look=True))
         try:
             await asyncio.wait_for(asyncio.shield(fut), FIRST_LOOK_S)
         except TimeoutError:
@@ -221,10 +236,10 @@ class Telemetry:
                 self._first_look = None
 
     def _on_state(self, index: int, status: int, body: Any, bufs: list[Any]) -> None:
-        tok = self._token.get(index, "")
+        tok = self._token.get(index) or self._looks.pop(index, "")
         look = self._first_look
         if look is not None:
-            look[0].discard(tok)
+            look[0].discard(index)
             if not look[0] and not look[1].done():
                 look[1].set_result(None)
         if status != wire.OK:
