@@ -454,6 +454,13 @@ def test_spmd_actor_runs_a_script_again_after_it_failed_as_torchrun_would(tmp_pa
         procs.stop().get(timeout=30)
 
 
+def _run(spmd, script, *args):
+    """One run of ``script`` by the SPMDActor mesh ``spmd``, with rank 0 of its first slice as the
+    rendezvous, as torchrun's ``--rdzv-endpoint``."""
+    addr, port = spmd.slice(gpus=0).get_host_port.call_one(None).get(timeout=30)
+    return spmd.main.call(addr, port, [str(script), *args]).get(timeout=60)
+
+
 def test_spmd_script_failing_on_one_rank_shows_that_rank_s_error_not_the_survivors_closed_connection(tmp_path):
     """Rank 1's script raises while ranks 0 and 2 wait for it in an all_reduce: its process group,
     destroyed as the script ends, closes its connections, and the others fail at once with gloo's
@@ -475,9 +482,8 @@ def test_spmd_script_failing_on_one_rank_shows_that_rank_s_error_not_the_survivo
     procs = this_host().spawn_procs(per_host={"gpus": 3}, name="spmd_cause")
     try:
         spmd = procs.spawn("_SPMDActor", SPMDActor)
-        addr, port = spmd.slice(gpus=0).get_host_port.call_one(None).get(timeout=30)
         with pytest.raises(ActorError) as info:
-            spmd.main.call(addr, port, [str(script)]).get(timeout=60)
+            _run(spmd, script)
         text = str(info.value)
         assert "the traceback below is rank 1's" in text and text.rstrip().endswith("RuntimeError: diverged at step 1"), text
         grouped = info.value.grouped_text()
@@ -485,8 +491,7 @@ def test_spmd_script_failing_on_one_rank_shows_that_rank_s_error_not_the_survivo
         assert "another rank's script failed first" in grouped, grouped
         # the survivors are free: the mesh runs the script again at once
         script.write_text(script.read_text().replace("get_rank() == 1", "get_rank() == 9"))
-        addr, port = spmd.slice(gpus=0).get_host_port.call_one(None).get(timeout=30)
-        assert spmd.main.call(addr, port, [str(script)]).get(timeout=60).values() == [True] * 3
+        assert _run(spmd, script).values() == [True] * 3
     finally:
         procs.stop().get(timeout=30)
 
@@ -512,12 +517,10 @@ def test_spmd_script_whose_device_mesh_holds_the_group_frees_the_ranks_waiting_f
     procs = this_host().spawn_procs(per_host={"gpus": 3}, name="spmd_dmesh")
     try:
         spmd = procs.spawn("_SPMDActor", SPMDActor)
-        addr, port = spmd.slice(gpus=0).get_host_port.call_one(None).get(timeout=30)
         with pytest.raises(ActorError, match="diverged at step 0"):
-            spmd.main.call(addr, port, [str(script), "fail"]).get(timeout=60)
+            _run(spmd, script, "fail")
         # rank 0 takes the next call: it is out of its all_reduce
-        addr, port = spmd.slice(gpus=0).get_host_port.call_one(None).get(timeout=30)
-        assert spmd.main.call(addr, port, [str(script), "ok"]).get(timeout=60).values() == [True] * 3
+        assert _run(spmd, script, "ok").values() == [True] * 3
     finally:
         procs.stop().get(timeout=30)
 
@@ -548,15 +551,13 @@ def test_spmd_script_with_a_ddp_model_frees_the_rank_waiting_for_it_when_it_fail
     procs = this_host().spawn_procs(per_host={"gpus": 2}, name="spmd_ddp")
     try:
         spmd = procs.spawn("_SPMDActor", SPMDActor)
-        addr, port = spmd.slice(gpus=0).get_host_port.call_one(None).get(timeout=30)
         with pytest.raises(ActorError) as info:
-            spmd.main.call(addr, port, [str(script), "fail"]).get(timeout=60)
+            _run(spmd, script, "fail")
         text = str(info.value)
         assert "RuntimeError on 2 of 2 ranks" in text and "still running" not in text, text
         assert text.rstrip().endswith("RuntimeError: diverged at step 0"), text
         # rank 0 takes the next call: it is out of its all_reduce
-        addr, port = spmd.slice(gpus=0).get_host_port.call_one(None).get(timeout=20)
-        assert spmd.main.call(addr, port, [str(script), "ok"]).get(timeout=60).values() == [True] * 2
+        assert _run(spmd, script, "ok").values() == [True] * 2
     finally:
         procs.stop().get(timeout=30)
 
