@@ -6,9 +6,11 @@ from __future__ import annotations
 import html
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 
 import _gate
@@ -358,6 +360,68 @@ def test_stop_mesh_refuses_an_attached_owners_mesh_unless_forced() -> None:
             stop_mesh(name)
     finally:
         owner.communicate("", timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_stop_mesh_asks_an_allocator_too_busy_to_list_its_meshes() -> None:
+    """status() gives an allocator 2 s to list its meshes: one busier than that (a flood of rank
+    output, a loaded machine) read as "no mesh named 'kept' on any known allocator", and the
+    mesh kept running (the browser tests' cleanup, which stops by name and passes over a missing
+    mesh, would leave it to later tests)."""
+    rdir = tempfile.mkdtemp(prefix="mnbs-", dir="/tmp")  # short: ipc socket paths are limited
+    code = """
+import os, signal
+import monarch_nb.introspect as introspect
+from monarch_nb.actor import this_host
+from monarch_nb.allocator import list_allocators, stop_allocator, stop_mesh
+
+try:
+    this_host().spawn_procs(per_host={"gpus": 1}, name="kept")
+    this_host().spawn_procs(per_host={"gpus": 1}, name="other")
+    pid = int(list_allocators()[0]["pid"])
+    search = introspect.status
+
+    def busy_while_searched(*args, **kwargs):
+        os.kill(pid, signal.SIGSTOP)  # it hears nothing while stopped: the search times out
+        try:
+            return search(*args, **kwargs)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    introspect.status = busy_while_searched
+    print("STOPPED", stop_mesh("kept"))
+    try:
+        stop_mesh("nosuch")
+    except Exception as e:
+        print("NOSUCH", type(e).__name__, e)
+    # one that does not answer at all: said so, not "no mesh"
+    introspect.status = search
+    os.kill(pid, signal.SIGSTOP)
+    introspect.status = lambda addresses=None, timeout=2.0, **k: search(addresses, 0.5, **k)
+    try:
+        stop_mesh("other", timeout=1)
+    except Exception as e:
+        print("SILENT", type(e).__name__, e)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    introspect.status = search
+    print("LEFT", sorted(m["name"] for a in search()["allocators"] for m in a.get("meshes", [])))
+finally:
+    stop_allocator()
+"""
+    # heartbeats that outlast the stops: the allocator and its controller keep each other
+    env = {"MONARCH_NB_RUNTIME_DIR": rdir, "MONARCH_NB_HEARTBEAT_TIMEOUT": "30"}
+    try:
+        r = run_script(code, timeout=90, env=env)
+    finally:
+        shutil.rmtree(rdir, ignore_errors=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "STOPPED 1" in r.stdout, r.stdout + r.stderr
+    assert "NOSUCH MeshError no mesh named 'nosuch' on any known allocator" in r.stdout, r.stdout
+    assert re.search(
+        r"SILENT TimeoutError mesh 'other' was found on no allocator that answered, and \S+ did not answer", r.stdout
+    ), r.stdout
+    assert "LEFT ['other']" in r.stdout, r.stdout
 
 
 def test_a_stale_connection_file_is_listed_as_a_dead_allocator(manager) -> None:
