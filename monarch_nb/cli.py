@@ -183,15 +183,18 @@ def _stop_action(args: argparse.Namespace) -> int:
     # name -> (allocators that run it, the owner, whether the owner is a running controller);
     # the jobs' allocators too (ProcessJob, SSHJob, SlurmJob keep their records apart)
     meshes: dict[str, tuple[list[str], str, bool]] = {}
-    for a in known_status()["allocators"]:
+    allocators = known_status()["allocators"]
+    for a in allocators:
         attached = {c.get("cid") for c in a.get("controllers", [])}
         for m in a.get("meshes", []):
             addrs, owner, live = meshes.get(m["name"], ([], m["owner"], False))
             meshes[m["name"]] = ([*addrs, a["addr"]], owner, live or m["owner"] in attached)
     if args.name is not None and args.name not in meshes:
+        # one too busy to list its meshes in time may run it: "no mesh" alone sent the user away
+        silent = "".join(f"; {a.get('addr')} did not answer: {a['error']}" for a in allocators if a.get("error"))
         raise MeshError(
             f"no mesh named {args.name!r} on this host's allocators or its jobs' (runtime directory {runtime_dir()}; "
-            f"meshes: {', '.join(sorted(meshes)) or 'none'})"
+            f"meshes: {', '.join(sorted(meshes)) or 'none'}{silent})"
         )
     todo = [args.name] if args.name is not None else sorted(meshes)
     if not todo:

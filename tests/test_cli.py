@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 
 import pytest
@@ -123,7 +124,8 @@ def test_stop_a_mesh_by_name_as_mesh_stop_does() -> None:
 
     rdir = tempfile.mkdtemp(prefix="mnbc-", dir="/tmp")
     os.chmod(rdir, 0o700)
-    env = {"MONARCH_NB_RUNTIME_DIR": rdir, "MONARCH_NB_ZYGOTE_PRELOAD": ""}
+    # heartbeats that outlast the allocator's stop below: it and its controllers keep each other
+    env = {"MONARCH_NB_RUNTIME_DIR": rdir, "MONARCH_NB_ZYGOTE_PRELOAD": "", "MONARCH_NB_HEARTBEAT_TIMEOUT": "30"}
     spawn = (
         "from monarch_nb.actor import this_host\nthis_host().spawn_procs(per_host={{'gpus': {n}}}, name={name!r}, persist=True)\n"
     )
@@ -142,6 +144,17 @@ def test_stop_a_mesh_by_name_as_mesh_stop_does() -> None:
         _refused(_cli("stop", "nosuch", **env), "monarch-nb stop: no mesh named 'nosuch' on this host's allocators")
         _refused(_cli("stop", "held", **env), "monarch-nb stop: mesh 'held' is owned by controller ")
         _refused(_cli("stop", **env), "monarch-nb stop: name a mesh")
+        # an allocator too busy to list its meshes in time is named, not read as having none
+        from monarch_nb._runtime.records import read_connection_files
+
+        (info,) = read_connection_files(rdir)
+        os.kill(int(info["pid"]), signal.SIGSTOP)
+        try:
+            busy = _cli("stop", "orphan", **env)
+        finally:
+            os.kill(int(info["pid"]), signal.SIGCONT)
+        assert busy.returncode == 1 and busy.stderr.startswith("monarch-nb stop: no mesh named 'orphan'"), busy.stderr
+        assert f"meshes: none; {info['addr']} did not answer: no answer within 2 s" in busy.stderr, busy.stderr
         r = _cli("stop", "--all", **env)
         assert r.returncode == 0, r.stderr
         lines = r.stdout.splitlines()
