@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 # must happen before monarch_nb is imported anywhere: the runtime reads these once. Procs,
 # scripts and kernels the session starts import this module too (with a test module whose
@@ -218,6 +219,99 @@ def sweep(rdir: str) -> None:
             except psutil.Error:
                 pass
         psutil.wait_procs(left, timeout=10)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def leaves_nothing_behind(request):
+    """After each test module: the meshes it left on the session's allocator, which a later
+    module's ``%mesh connect`` re-attaches (test_magics' first cell then ran on one), and the
+    processes of the session it left running (kernels, servers, allocators of its own); named in
+    a warning, then stopped, so that the next module starts clean and the warning names the
+    module that leaked, not the one that tripped over it."""
+    yield
+    where = request.node.nodeid
+    meshes = _left_meshes(_RDIR)
+    if meshes:
+        warnings.warn(f"{where} left meshes running on the session's allocator (stopped now): {', '.join(meshes)}", stacklevel=1)
+        for name in meshes:
+            _cli("stop", "--force", name)
+    strays = _strays(_RDIR)
+    if strays:
+        warnings.warn(f"{where} left processes running (killed now): {strays}", stacklevel=1)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    # a process of its own: a client in pytest's process would attach it to the allocator from
+    # then on, which tests of an unattached pytest process do not expect
+    return subprocess.run([PY, "-m", "monarch_nb", *args], capture_output=True, text=True, timeout=90)
+
+
+def _live_allocators(rdir: str) -> list[int]:
+    from monarch_nb._runtime._pids import pid_alive
+    from monarch_nb._runtime.records import read_connection_files
+
+    pids = []
+    for info in read_connection_files(rdir):
+        try:
+            if pid_alive(int(info["pid"])):
+                pids.append(int(info["pid"]))
+        except (KeyError, ValueError):
+            pass
+    return pids
+
+
+def _left_meshes(rdir: str) -> list[str]:
+    """The running meshes of ``rdir``'s allocators that ``%mesh connect`` would re-attach: named
+    ones, and unnamed ones whose controller is gone."""
+    import json
+
+    if not _live_allocators(rdir):
+        return []
+    r = _cli("status", "--json")
+    try:
+        allocators = json.loads(r.stdout)["allocators"]
+    except (ValueError, KeyError):
+        return [f"(status failed: {r.stderr.strip()[-300:]})"]
+    left = []
+    for a in allocators:
+        attached = {c.get("cid") for c in a.get("controllers", [])}
+        for m in a.get("meshes", []):
+            if m.get("state") == "running" and (not m["name"].startswith("anon-") or m.get("owner") not in attached):
+                left.append(m["name"])
+    return sorted(set(left))
+
+
+def _strays(rdir: str) -> list[str]:
+    """Processes of this session other than pytest and its allocator's tree, killed (after a grace
+    period for those on their way out); their command lines."""
+    import psutil
+
+    me = os.getpid()
+    keep = {me}
+    for pid in _live_allocators(rdir):
+        try:
+            keep.update([pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))])
+        except psutil.Error:
+            pass
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid not in keep and p.environ().get("MONARCH_NB_TEST_SESSION_DIR") == rdir:
+                found.append(p)
+        except (psutil.Error, OSError):
+            pass
+    if not found:
+        return []
+    _, alive = psutil.wait_procs(found, timeout=5)
+    out = []
+    for p in alive:
+        try:
+            out.append(" ".join(p.cmdline())[:120])
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+    return out
 
 
 @pytest.fixture(autouse=True)

@@ -20,8 +20,9 @@ def k():
         c = kern.run("%mesh connect")
         assert "connected to 1 host" in c.stream(), c.msgs
         if "; meshes: none" not in c.stream():
-            # a named mesh an earlier test of the run left on the shared allocator (once in CI,
-            # not reproduced): this module's first test needs none; said, then stopped
+            # a named mesh left on the shared allocator (once in CI): conftest's
+            # leaves_nothing_behind stops what each module leaves and names it, so this is only
+            # a mesh that appeared since; this module's first test needs none: said, then stopped
             warnings.warn(f"test_magics found meshes left running by earlier tests: {c.stream().strip()}", stacklevel=1)
             kern.run("%mesh stop --all", timeout=60)
         yield kern
