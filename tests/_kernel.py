@@ -203,8 +203,22 @@ class Kernel:
     def interrupt(self) -> None:
         self.km.interrupt_kernel()
 
-    def close(self) -> None:
+    def close(self, *meshes: str) -> None:
+        """Shut the kernel down, then stop ``meshes`` if still running: spawned in a kernel, a
+        named mesh persists, and a later module's ``%mesh connect`` would re-attach one that a
+        failed test never reached its stop for (test_magics' first cell ran on one)."""
         try:
-            self.kc.stop_channels()
+            try:
+                self.kc.stop_channels()
+            finally:
+                self.km.shutdown_kernel(now=True)
         finally:
-            self.km.shutdown_kernel(now=True)
+            if meshes:
+                from monarch_nb.allocator import stop_mesh
+                from monarch_nb.errors import MeshError
+
+                for name in meshes:
+                    try:
+                        stop_mesh(name)
+                    except MeshError:
+                        pass  # the test stopped it

@@ -128,7 +128,7 @@ def test_dashboard_errors_log_stacks_failed_mesh_and_stop() -> None:
         )
         _ok(k.run("d.close()"))
     finally:
-        k.close()
+        k.close("dashpy")
 
 
 def test_dashboard_and_sidebar_list_jobs_and_a_lost_host() -> None:
@@ -238,7 +238,7 @@ def test_dashboard_shows_a_failed_spawn_at_once_and_another_kernels_exec_error()
     finally:
         if other is not None:
             other.close()
-        k.close()
+        k.close("dashfail", "dashfail2")
 
 
 def test_a_saved_dashboard_shows_the_mesh_where_the_widget_cannot_live(tmp_path) -> None:
@@ -274,7 +274,7 @@ def test_a_saved_dashboard_shows_the_mesh_where_the_widget_cannot_live(tmp_path)
         assert "a snapshot as of" in page and "Dashboard(children" not in page
         _ok(k.run("d.close()\n%mesh stop saved"))
     finally:
-        k.close()
+        k.close("saved")
 
 
 @pytest.mark.timeout(30)

@@ -32,7 +32,7 @@ def test_rank_output_reaches_the_cell_after_a_kernel_restart() -> None:
         assert "after the restart" in c.stream(), c.stream()
         _ok(k.run("%mesh stop survivor"))
     finally:
-        k.close()
+        k.close("survivor")
 
 
 def test_a_restarted_kernel_leaves_no_socket_files_behind() -> None:

@@ -652,21 +652,6 @@ def _ok(k: Any, code: str) -> Any:
     return c
 
 
-def _close(k: Any, mesh: str) -> None:
-    """Close kernel ``k``, and stop its mesh ``mesh`` if the test failed before it did: spawned
-    in a kernel, a mesh persists, and the next module's ``%mesh connect`` (test_magics') re-attached it."""
-    from monarch_nb.allocator import stop_mesh
-    from monarch_nb.errors import MeshError
-
-    try:
-        k.close()
-    finally:
-        try:
-            stop_mesh(mesh)
-        except MeshError:
-            pass  # the test stopped it
-
-
 def _three_cells(k: Any, actors: str, mesh: str, names: tuple[str, str], last: str) -> tuple[Any, Any, Any]:
     """In kernel ``k``: actors ``names`` (classes the upper-case names, from ``actors``) of one
     proc of mesh ``mesh``; a cell calls the first's ``a`` and ends while it runs on, a second
@@ -701,7 +686,7 @@ def test_two_cells_calling_two_actors_of_one_proc_at_once_each_show_their_own_li
         assert "b 1" not in first and "b 2" not in first and "a 3" not in third, (first, third)
         _ok(k, "pm.stop().get(timeout=60)")
     finally:
-        _close(k, "twocells")
+        k.close("twocells")
 
 
 def test_a_line_a_call_left_open_ends_with_the_call(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -918,7 +903,7 @@ def test_lines_two_cells_print_in_pieces_at_once_stay_whole_in_their_cells_and_i
             assert line in shown, shown
         _ok(k, "pm.stop().get(timeout=60)")
     finally:
-        _close(k, "openlines")
+        k.close("openlines")
 
 
 def test_a_progress_bar_another_call_s_text_follows_in_the_same_read_still_shows_its_state(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -980,7 +965,7 @@ def test_a_progress_bar_stays_drawn_while_another_call_or_stream_of_its_rank_pri
             )
         ok("pm.stop().get(timeout=60)")
     finally:
-        _close(k, "barlines")
+        k.close("barlines")
 
 
 def test_an_empty_line_a_call_prints_first_is_kept(tmp_path) -> None:  # type: ignore[no-untyped-def]
