@@ -80,7 +80,7 @@ def test_mesh_spawn_after_the_local_allocator_was_stopped_starts_another() -> No
         )
         assert stop.returncode == 0 and "stopped 1 allocator(s)" in stop.stdout, stop
         c = _ok(k.run("%mesh spawn after --per-host gpus=1"))
-        assert "after: 1 procs {gpus: 1} on 1 host(s)" in c.stream(), c.stream()
+        assert "after: 1 proc {gpus: 1} on 1 host(s)" in c.stream(), c.stream()
         assert "42)" in _ok(k.run("%%mesh exec after\n6 * 7")).result
     finally:
         k.close()
