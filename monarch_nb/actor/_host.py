@@ -1407,9 +1407,7 @@ class ActorHost:
     def sys_shutdown(self) -> Any:
         self.shutdown_requested.set()
         self._main_jobs.put(None)
-        from ._pdb import quit_sessions
-
-        quit_sessions()  # an actor paused at a breakpoint would hold the stop until it is killed
+        _pdb.quit_sessions()  # an actor paused at a breakpoint would hold the stop until it is killed
         return NO_REPLY
 
     def cleanup_all(self, timeout: float = 5.0) -> None:
