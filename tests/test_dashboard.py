@@ -309,3 +309,52 @@ def test_a_cell_s_error_line_asks_the_error_for_its_ranks_not_its_str(monkeypatc
         "In[8]: ExecError: the cell failed ZeroDivisionError on 4 of 4 ranks: 0-3 ZeroDivisionError: division by zero"
     ), view._errors
     assert "KeyError on 1 of 4 ranks: 1" in html_unescape(view.errors_view.value)
+
+
+EVIL = "<img src=x onerror=alert(1)>"
+
+
+def test_names_in_the_dashboard_are_escaped_and_a_cell_s_code_is_named_by_its_cell(monkeypatch) -> None:
+    """The debug sessions' labels put the user's file, function, actor and host names into HTML
+    as they were (a function named in a notebook cell ran as markup), the header the mesh's
+    name, an error and the extent's labels; and a cell's file read ``/tmp/ipykernel_…/….py:10``
+    where the sessions table says ``Cell In[1], line 10``."""
+    import threading
+    from types import SimpleNamespace
+
+    import monarch_nb._errgroup as eg
+    from monarch_nb.actor import Extent
+    from monarch_nb.widgets._dashboard import Dashboard
+
+    monkeypatch.setattr(eg, "cell_number", lambda f: 1 if f == "/tmp/ipykernel_9/123.py" else None)
+    session = {
+        "sid": "s1", "actor": EVIL, "rank": 0, "host": '"\'><b>x</b>', "file": "/tmp/ipykernel_9/123.py",
+        "line": 10, "function": EVIL, "post_mortem": f"ValueError: {EVIL}",
+    }  # fmt: skip
+    view = SimpleNamespace(_sids=(), debug_view=SimpleNamespace(children=[]), _attach=lambda a, r: None)
+    Dashboard._render_debug(view, [session])  # type: ignore[arg-type]
+    label = view.debug_view.children[1].children[1].value
+    assert "<img" not in label and "<b>x" not in label, label
+    assert html_unescape(label) == (
+        f"<code>{EVIL}</code> rank 0 on \"'><b>x</b> · Cell In[1], line 10 in {EVIL} · post-mortem after ValueError: {EVIL}"
+    ), label
+
+    def fail() -> None:
+        raise RuntimeError(EVIL)
+
+    view = SimpleNamespace(snapshot=fail, mesh=SimpleNamespace(name=EVIL), header=SimpleNamespace(value=""))
+    Dashboard.refresh(view)  # type: ignore[arg-type]
+    assert "<img" not in view.header.value and html_unescape(view.header.value).count(EVIL) == 2, view.header.value
+
+    # the extent's labels are the user's too
+    mesh = SimpleNamespace(name="m", _view=SimpleNamespace(labels=[EVIL], sizes=[1]), _stopped=False, extent=Extent([EVIL], [1]))
+    snap = {"ranks": [], "hosts": [], "time": 0.0, "debug": []}
+    noop = lambda *a: None  # noqa: E731
+    w = SimpleNamespace  # every view the refresh sets
+    view = SimpleNamespace(
+        snapshot=lambda: snap, mesh=mesh, header=w(value=""), stop_button=w(), stacks_button=w(), grid_view=w(),
+        hosts_view=w(), errors_view=w(), _render_latency=noop, _render_jobs=noop, _render_debug=noop, _render_log=noop,
+        _lock=threading.Lock(), _errors=[], _saved_views=lambda *a: ("", ""),
+    )  # fmt: skip
+    Dashboard.refresh(view)  # type: ignore[arg-type]
+    assert "<img" not in view.header.value and EVIL in html_unescape(view.header.value), view.header.value

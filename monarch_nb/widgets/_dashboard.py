@@ -11,6 +11,7 @@ from typing import Any
 import ipywidgets as W
 
 from .. import _meshhtml, introspect, telemetry
+from .._errgroup import cell_location
 from .._exec import EXEC_ACTOR
 from .._ranks import format_ranks, parse_ranks
 from ..actor import ProcMesh, controller_client
@@ -154,7 +155,9 @@ class Dashboard(W.VBox):
         try:
             snap = self.snapshot()
         except Exception as e:  # the dashboard must never take the kernel down
-            self.header.value = f'<b>{self.mesh.name}</b> <span class="mnb-errors">status unavailable: {e}</span>'
+            self.header.value = (
+                f'<b>{html.escape(self.mesh.name)}</b> <span class="mnb-errors">status unavailable: {html.escape(str(e))}</span>'
+            )
             self._saved_text = f"Dashboard of mesh {self.mesh.name!r}: status unavailable: {e}"
             return
         pm = self.mesh
@@ -168,7 +171,8 @@ class Dashboard(W.VBox):
         colour = _meshhtml.STATE_COLOURS.get(state, _meshhtml.STATE_COLOURS["unknown"])
         hint_html = f' <span class="mnb-hint">{html.escape(hint.replace("NAME", pm.name))}</span>' if hint else ""
         self.header.value = (
-            f"<b>mesh {html.escape(pm.name)}</b> {pm.extent} · "
+            # the extent's labels are the user's (per_host={...}), as free as the mesh's name
+            f"<b>mesh {html.escape(pm.name)}</b> {html.escape(str(pm.extent))} · "
             f'<span class="mnb-mesh-state mnb-state-{state}" data-state="{state}" style="color:{colour};font-weight:600">'
             f"{html.escape(label)}</span> · {summary} · {time.strftime('%H:%M:%S')}{hint_html}"
         )
@@ -386,10 +390,15 @@ class Dashboard(W.VBox):
         if sessions:
             rows.append(W.HTML(f"<b>paused at breakpoints</b> ({len(sessions)})"))
         for d in sorted(sessions, key=lambda d: (str(d.get("actor")), int(d.get("rank", 0)))):
-            where = f"{d.get('file', '?')}:{d.get('line', '?')} in {d.get('function', '?')}"
+            # every field is the user's text (their file, function, actor and host names)
+            # a notebook cell's code by its cell (Cell In[N], line L), as the sessions table names it
+            where = f"{cell_location(str(d.get('file', '?')), d.get('line', '?'))} in {d.get('function', '?')}"
             if d.get("post_mortem"):
-                where += f" · post-mortem after {html.escape(str(d['post_mortem']))}"
-            label = W.HTML(f"<code>{d.get('actor')}</code> rank {d.get('rank')} on {d.get('host')} · {where}")
+                where += f" · post-mortem after {d['post_mortem']}"
+            label = W.HTML(
+                f"<code>{html.escape(str(d.get('actor')))}</code> rank {html.escape(str(d.get('rank')))}"
+                f" on {html.escape(str(d.get('host')))} · {html.escape(where)}"
+            )
             b = W.Button(description="attach", tooltip=BUSY_NOTE, layout=W.Layout(width="80px"))
             b.on_click(lambda _b, a=d.get("actor"), r=int(d.get("rank", 0)): self._attach(a, r))
             rows.append(W.HBox([b, label]))
