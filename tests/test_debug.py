@@ -109,6 +109,7 @@ s = debug.attach("dbg", 2)
 print("HEADER", s.header)
 print("P", s.send("p local"))
 print("N", s.send("n"))
+print("HEADER2", s.header, repr(s))
 print("L", s.send("l"))
 print("C", repr(s.send("c")), s.ended)
 print("LEFT", sorted(x.rank for x in debug.sessions("dbg")))
@@ -121,6 +122,11 @@ procs.stop().get(timeout=30)
     out = r["stdout"]
     assert "{0: '0\\n', 1: '1\\n'}" in out
     assert "-> local += 1" in out  # the header shows the remote source line (fetched from the kernel)
+    # a cell's code by its cell, as the sessions table and tracebacks name it (not /tmp/ipykernel_…)
+    assert re.search(r"^HEADER > Cell In\[\d+\], line 10, in go\(\)$", out, re.M), out
+    assert re.search(r"^N > Cell In\[\d+\], line 11, in go\(\)$", out, re.M), out  # a step's output too
+    assert re.search(r"^HEADER2 > Cell In\[\d+\], line 11, in go\(\)\n-> return local <DebugClient dbg\[2\] Cell In", out, re.M)
+    assert "ipykernel_" not in out, out
     assert "P 72" in out
     assert "-> return local" in out.split("N ", 1)[1]
     listing = out.split("L ", 1)[1].split("C ", 1)[0]

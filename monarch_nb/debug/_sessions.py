@@ -62,7 +62,7 @@ class Session:
 
     @property
     def where(self) -> str:
-        return f"{self.file}:{self.line}"
+        return _where(self.file, self.line)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for frontends (JSON-able), with ``waiting_s`` computed now."""
@@ -87,7 +87,7 @@ class Session:
             state=rec.get("state", "paused"),
             cause=rec.get("cause", ""),
             alloc=alloc or _reach(rec),
-            header=rec.get("header", ""),
+            header=_cell_header(rec.get("header", "")),
             bp_file=rec.get("bp_file") or rec.get("file", ""),
             bp_line=int(rec.get("bp_line") or rec.get("line", 0)),
             actor_id=rec.get("actor_id") or "",
@@ -190,6 +190,26 @@ def _where(path: str, line: int) -> str:
 
     n = cell_number(path)
     return f"Cell In[{n}], line {line}" if n is not None else f"{_short(path)}:{line}"
+
+
+#: a frame's location as pdb prints it: ``> /tmp/ipykernel_1/2.py(10)go()`` (where it stops),
+#: ``  file(10)go()`` (``w``'s other frames)
+_PDB_LOC = re.compile(r"^(?P<lead>> |  )(?P<path>[^\s(][^(\n]*)\((?P<line>\d+)\)(?P<func>[^\n]*)$", re.M)
+
+
+def _cell_header(text: str) -> str:
+    """pdb's ``> /tmp/ipykernel_…/….py(10)train()`` lines as ``> Cell In[1], line 10, in train()``:
+    the rank formats them, but only this kernel knows which cell compiled that file (the
+    sessions table's and the tracebacks' name for it)."""
+    from .._errgroup import cell_number
+
+    def named(m: re.Match[str]) -> str:
+        n = cell_number(m.group("path"))
+        if n is None:
+            return m.group(0)
+        return f"{m.group('lead')}Cell In[{n}], line {m.group('line')}, in {m.group('func')}"
+
+    return _PDB_LOC.sub(named, text) if text else text
 
 
 def _short(path: str) -> str:
@@ -342,14 +362,15 @@ class DebugClient:
             self.ended = True
             raise
         if res.get("state") == "paused":
-            self.session = dataclasses.replace(
-                self.session, **{k: res[k] for k in ("function", "file", "line", "header") if k in res}, state="paused"
-            )
+            moved = {k: res[k] for k in ("function", "file", "line", "header") if k in res}
+            if "header" in moved:
+                moved["header"] = _cell_header(moved["header"])
+            self.session = dataclasses.replace(self.session, **moved, state="paused")
         else:
             self.ended = True
             self.quit = bool(res.get("quit"))
             _debugwait.forget(self.session.sid)
-        return str(res.get("output", ""))
+        return _cell_header(str(res.get("output", "")))
 
     def detach(self) -> None:
         """Stop driving this session; the rank stays paused for a later attach."""
@@ -430,7 +451,7 @@ def cast_sessions(
                 res = f.get(timeout=left())
             if res.get("state") != "paused":
                 _debugwait.forget(s.sid)
-            out.append((s, str(res.get("output", ""))))
+            out.append((s, _cell_header(str(res.get("output", "")))))
         except Exception as e:
             out.append((s, f"error: {getattr(e, 'message', None) or e}"))
     return out
