@@ -114,16 +114,20 @@ def _exception_start(lines: list[str]) -> int:
     """Index of the final exception's ``Type: message`` line in a formatted traceback's lines:
     past the last frame and a SyntaxError's indented file, source and caret lines."""
     start = i = 0
+    ind = ""
     while i < len(lines):
         m = _FRAME.match(lines[i]) or _CELL_FRAME.match(lines[i])
         i += 1
         if m is not None:
-            while i < len(lines) and lines[i].startswith(m.group("ind") + "    "):
+            ind = m.group("ind")
+            while i < len(lines) and lines[i].startswith(ind + "    "):
                 i += 1
             start = i
     if start == 0 and lines and lines[0].startswith("Traceback ("):
         start = 1  # no frame: the header alone
-    while start < len(lines) and lines[start][:1].isspace():
+    # a traceback indented inside a message (a SupervisionError's "aborted due to: Traceback…")
+    # ends with its exception at its frames' indent: only what is deeper is a SyntaxError's
+    while start < len(lines) and lines[start].startswith(ind) and lines[start][len(ind) : len(ind) + 1].isspace():
         start += 1
     return start
 
@@ -152,7 +156,7 @@ def shorten_message(tb: str, hint: str) -> str:
     tail = lines[start:]
     text = "\n".join(tail)
     etype, sep, said = text.partition(": ")
-    size = len(said) if sep and " " not in etype else len(text)  # the message's, less "Type: "
+    size = len(said) if sep and " " not in etype.strip() else len(text)  # the message's, less "Type: "
     if size <= SHOWN_CHARS and len(tail) <= SHOWN_LINES:
         return tb
     kept: list[str] = []

@@ -308,8 +308,11 @@ class SupervisionError(MonarchNBError, RuntimeError):
         return (_rebuild_supervision_error, (self.cause, self.mesh, self.actor, self.rank, self.host, self.message))
 
     def _render_traceback_(self) -> list[str]:
-        # IPython calls this instead of printing our local frames, which say nothing about the failure
-        lines = str(self).splitlines() or [""]
+        # IPython calls this instead of printing our local frames, which say nothing about the failure.
+        # A long message is shortened as an ActorError's is (str() keeps all of it)
+        from ._errgroup import shorten_message
+
+        lines = shorten_message(str(self), "print(sys.last_value) shows all of it").splitlines() or [""]
         return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}", *lines[1:], *self._note_lines()]
 
 

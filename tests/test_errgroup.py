@@ -147,3 +147,44 @@ def test_a_long_message_of_many_lines_is_shown_once_shortened_with_where_the_who
     shown = "\n".join(ExecError(failures, 2, "train")._render_traceback_())
     assert "print(sys.last_value) shows all of it" in shown and len(shown) < 3000, shown
     assert "x" * 10_000 in str(ExecError(failures, 2, "train"))
+
+
+def test_a_long_supervision_error_and_unhandled_notice_are_shortened_in_a_notebook(monkeypatch) -> None:
+    """An actor whose ``__init__`` or broadcast endpoint raised a 10 KB message: the cell's
+    SupervisionError and the "unhandled mesh failure" notice printed all 10 KB (their traceback
+    is indented inside the message, which shorten_message did not look into). They are shortened
+    as an ActorError is, and say where the whole text is."""
+    from types import SimpleNamespace
+
+    from monarch_nb.actor import _context, _supervision, unhandled_failures
+    from monarch_nb.actor._supervision import MeshFailure
+    from monarch_nb.errors import SupervisionError
+
+    event = (
+        "Supervision event: actor <root>.<__main__.B b{'gpus': 0/1}> failed:\n"
+        "  actor explicitly aborted due to: Traceback (most recent call last):\n"
+        '    File "train.py", line 8, in __init__\n'
+        '      raise ValueError("y" * 10000)\n'
+        "  ValueError: " + "y" * 10_000
+    )
+    e = SupervisionError(event, message=f"Endpoint call b.f() failed, {event}")
+    shown = "\n".join(e._render_traceback_())
+    assert 'raise ValueError("y" * 10000)' in shown and "y" * _errgroup.SHOWN_CHARS in shown, shown
+    assert "y" * 3000 not in shown and shown.rstrip().endswith(
+        "… (the message is 10,000 characters; print(sys.last_value) shows all of it)"
+    ), shown[-300:]
+    assert "y" * 10_000 in str(e)  # str() keeps all of it
+
+    notices: list[str] = []
+    client = SimpleNamespace(notice=lambda text, mesh, rank: notices.append(text))
+    monkeypatch.setattr(_context, "_client", client)
+    monkeypatch.setattr(_context, "client", lambda: client)
+    monkeypatch.setattr(_context, "in_ipython_kernel", lambda: True)
+    _supervision.unhandled_fault_hook(MeshFailure("b", None, e, crashed_ranks=[0], event=event))
+    (notice,) = notices
+    n = _supervision._hook_calls
+    assert notice.startswith("monarch_nb: unhandled mesh failure: mesh 'b' failed:") and len(notice) < 3000, notice
+    assert notice.endswith(
+        f"… (the message is 10,000 characters; print(monarch_nb.actor.unhandled_failures[{n}]) shows all of it)"
+    ), notice[-300:]
+    assert "y" * 10_000 in unhandled_failures[n]

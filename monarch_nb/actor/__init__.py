@@ -58,7 +58,7 @@ from ._misc import (
 from ._port import Channel, Port, PortReceiver
 from ._shape import Extent, Point
 from ._spans import get_meter, span, traced
-from ._supervision import MeshFailure, unhandled_fault_hook
+from ._supervision import MeshFailure, unhandled_failures, unhandled_fault_hook
 
 __all__ = [
     "Accumulator",
@@ -111,5 +111,6 @@ __all__ = [
     "this_host",
     "this_proc",
     "traced",
+    "unhandled_failures",
     "unhandled_fault_hook",
 ]

@@ -11,7 +11,7 @@ import sys
 import threading
 from typing import Any
 
-from .._errgroup import clean_traceback
+from .._errgroup import clean_traceback, shorten_message
 from . import _context
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,10 @@ class MeshFailure:
 _exit_requested = False
 #: how many failures the default hook has dealt with in a kernel (tests wait on it)
 _hook_calls = 0
+#: the whole text of the default hook's notices in a notebook, by number, the latest
+#: ``_NOTICES_KEPT``: a notice there shortens a long message (as errors do) and names its entry
+unhandled_failures: dict[int, str] = {}
+_NOTICES_KEPT = 64
 
 
 def stopped_words(mesh: str, method: str, actor: str) -> tuple[str, str]:
@@ -83,7 +87,13 @@ def unhandled_fault_hook(failure: MeshFailure) -> None:
     text = clean_traceback(f"monarch_nb: unhandled mesh failure: {failure._ours()}")
     notice = _context.client().notice if _context._client is not None else None
     if notice is not None:
-        notice(text, failure.mesh_name, getattr(failure.error, "rank", None))
+        # a 10 KB message would bury the cell: shortened as the notebook's errors are, the
+        # whole of it kept where the notice says
+        unhandled_failures[_hook_calls] = text
+        for n in list(unhandled_failures)[:-_NOTICES_KEPT]:
+            del unhandled_failures[n]
+        hint = f"print(monarch_nb.actor.unhandled_failures[{_hook_calls}]) shows all of it"
+        notice(shorten_message(text, hint), failure.mesh_name, getattr(failure.error, "rank", None))
     else:
         print(text, file=sys.stderr, flush=True)
     if _context.in_ipython_kernel():
