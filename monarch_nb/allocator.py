@@ -36,28 +36,11 @@ def list_allocators() -> list[dict[str, Any]]:
 
 
 def known_status(jobs: list[dict[str, Any]] | None = None, timeout: float = 2.0) -> dict[str, Any]:
-    """``introspect.status()`` of every allocator known here: this runtime directory's, and
-    those of the jobs on record (``monarch_nb.job.list_jobs()``, or its rows ``jobs``).
+    """Every allocator known here, the jobs' too: :func:`monarch_nb.introspect.known_status`."""
+    # imported when asked: `monarch-nb allocator run` needs no controller side
+    from .introspect import known_status
 
-    A job's allocators keep their connection files in the job's own directory (on another host,
-    for SSH and Slurm), so they are asked by address, with the job's own cluster key.
-    """
-    from .introspect import status
-
-    if jobs is None:
-        from .job import list_jobs
-
-        jobs = list_jobs()
-    by_key: dict[str, set[str]] = {}
-    for j in jobs:
-        by_key.setdefault(str(j.get("key_file") or ""), set()).update(str(a) for a in j.get("addrs") or [])
-    raw = status(sorted(by_key.pop("", set())) or None, timeout)
-    for key_file, addrs in sorted(by_key.items()):
-        if addrs:
-            more = status(sorted(addrs), timeout, key_file=key_file, local=False)
-            raw["allocators"] += more["allocators"]
-            raw["debug_sessions"] += more["debug_sessions"]
-    return raw
+    return known_status(jobs, timeout)
 
 
 def gc_logs(dry_run: bool = False) -> list[dict[str, Any]]:

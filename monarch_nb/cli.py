@@ -138,29 +138,36 @@ def _logs(args: argparse.Namespace) -> int:
 
 def _logs_action(args: argparse.Namespace) -> int:
     """A mesh's rank logs as this host's allocators keep them: no controller or kernel needed,
-    also for a mesh whose kernel is gone (persistent procs) or whose allocator has stopped."""
+    also for a mesh whose kernel is gone (persistent procs) or whose allocator has stopped; a
+    running mesh of a job's allocators (their logs are in the job's directory) is asked of them."""
     from .config import runtime_dir
     from .errors import MeshError
     from .logs import follow, format_line, local_meshes, logs
 
-    if args.mesh not in local_meshes():
-        have = ", ".join(local_meshes()) or "none"
-        raise MeshError(
-            f"no logs of a mesh named {args.mesh!r} on this host (runtime directory {runtime_dir()}; meshes with "
-            f"logs here: {have}); a mesh on other hosts: %mesh logs in its notebook, or this command on each host"
-        )
-    rows = (
-        follow(args.mesh, args.rank, args.tail if args.tail is not None else 10)
-        if args.follow
-        else logs(args.mesh, args.rank, args.tail)
-    )
+    here = local_meshes()
+    printed = False
     try:
+        rows = (
+            follow(args.mesh, args.rank, args.tail if args.tail is not None else 10)
+            if args.follow
+            else logs(args.mesh, args.rank, args.tail)
+        )
         for r in rows:
+            printed = True
             print(
                 format_line(r["rank"], r["line"]), file=sys.stderr if r["stream"] == "stderr" else sys.stdout, flush=args.follow
             )
     except KeyboardInterrupt:
         return 130
+    except MeshError:
+        if printed or args.mesh in here:
+            raise
+        # the name is known nowhere: say where it was looked for (not the notebook's "spawn it")
+        raise MeshError(
+            f"no logs of a mesh named {args.mesh!r} on this host (runtime directory {runtime_dir()}; meshes with "
+            f"logs here: {', '.join(here) or 'none'}), nor a running one on its allocators or its jobs'; "
+            "a mesh on other hosts: %mesh logs in its notebook, or this command on each host"
+        ) from None
     return 0
 
 

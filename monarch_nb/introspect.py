@@ -20,7 +20,7 @@ from ._wire.keys import read_key_file
 from .actor import _context, _debugwait
 from .config import runtime_dir
 
-__all__ = ["logs", "on_state_change", "status"]
+__all__ = ["known_status", "logs", "on_state_change", "status"]
 
 
 def status(
@@ -73,14 +73,48 @@ def status(
     return {"time": time.time(), "allocators": out, "debug_sessions": debug}
 
 
+def known_status(jobs: list[dict[str, Any]] | None = None, timeout: float = 2.0) -> dict[str, Any]:
+    """:func:`status` of every allocator known here: this runtime directory's, and those of the
+    jobs on record (``monarch_nb.job.list_jobs()``, or its rows ``jobs``). A job's allocators
+    carry ``job``: its row's name, type, scheduler, id and state.
+
+    A job's allocators keep their connection files in the job's own directory (on another host,
+    for SSH and Slurm), so they are asked by address, with the job's own cluster key. With no
+    job on record nothing is asked of a scheduler: this is :func:`status`.
+    """
+    if jobs is None:
+        from .job import list_jobs
+
+        jobs = list_jobs()
+    by_key: dict[str, set[str]] = {}
+    owner: dict[str, dict[str, Any]] = {}
+    for j in jobs:
+        addrs = [str(a) for a in j.get("addrs") or []]
+        by_key.setdefault(str(j.get("key_file") or ""), set()).update(addrs)
+        tag = {k: j.get(k, "") for k in ("name", "type", "scheduler", "id", "state")}
+        owner.update((a, tag) for a in addrs)
+    raw = status(sorted(by_key.pop("", set())) or None, timeout)
+    for key_file, asked in sorted(by_key.items()):
+        if asked:
+            more = status(sorted(asked), timeout, key_file=key_file, local=False)
+            raw["allocators"] += more["allocators"]
+            raw["debug_sessions"] += more["debug_sessions"]
+    for a in raw["allocators"]:
+        # asked by its ipc address or its tcp one; one that did not answer has the one asked
+        job = owner.get(str(a.get("addr") or "")) or owner.get(str(a.get("tcp") or ""))
+        if job is not None:
+            a["job"] = job
+    return raw
+
+
 def logs(mesh: str, rank: int, tail: int | None = None, addr: str | None = None, timeout: float = 5.0) -> list[dict[str, Any]]:
     """The captured output of one rank (``tail``: only the last lines), as dicts with ``ts``,
     ``rank``, ``stream``, ``call`` and ``line``. ``addr`` is the allocator that runs that rank
-    (default: found among the known allocators)."""
+    (default: found among the known allocators, the jobs' too: see :func:`known_status`)."""
     from .errors import MeshError
 
     if addr is None:
-        for a in status()["allocators"]:
+        for a in known_status()["allocators"]:
             for m in a.get("meshes", []):
                 if m["name"] == mesh and any(p["rank"] == rank for p in m["procs"]):
                     addr = a["addr"]

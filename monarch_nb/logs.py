@@ -139,7 +139,8 @@ def logs(
     each row has ``ts``, ``rank``, ``stream``, ``call`` and ``line``. ``tail`` keeps the last N
     lines per rank; ``start`` skips the first N lines of each rank. Works for procs that have
     exited or crashed, and, on this host, for meshes of an allocator that has stopped since
-    (a name this controller does not know is looked up in the runtime directory's logs).
+    (a name this controller does not know is looked up in the runtime directory's logs, then
+    on the running allocators of this host and of the jobs on record).
     """
     from .actor import _context
     from .errors import MeshError, MonarchNBError
@@ -153,6 +154,9 @@ def logs(
             mesh = get(mesh)
         except MeshError:
             local = _local_logs(mesh, rank, tail, start, name_given=True)
+            if local is None:
+                # a job's mesh: its allocators keep their logs in the job's directory, not here
+                local = _job_logs(mesh, rank, tail, start)
             if local is None:
                 raise
             return local
@@ -218,17 +222,75 @@ def _local_logs(
     return rows
 
 
+def _named_here(name: str) -> bool:
+    """Whether this controller knows mesh ``name``, or this host's runtime directory keeps its logs."""
+    from ._registry import get
+    from .errors import MeshError
+
+    try:
+        get(name)
+    except MeshError:
+        return name in local_meshes()
+    return True
+
+
+def _job_ranks(name: str) -> dict[int, str]:
+    """Rank -> allocator of the running mesh ``name`` as the allocators list it, the jobs' too
+    (:func:`monarch_nb.introspect.known_status`)."""
+    from .introspect import known_status
+
+    return {
+        p["rank"]: a["addr"]
+        for a in known_status()["allocators"]
+        for m in a.get("meshes", [])
+        if m["name"] == name
+        for p in m["procs"]
+    }
+
+
+def _job_logs(
+    name: str, rank: int | None, tail: int | None, start: dict[int, int] | None, where: dict[int, str] | None = None
+) -> list[dict[str, Any]] | None:
+    """The logs of the running mesh ``name`` from the allocators ``where`` its ranks are
+    (default: :func:`_job_ranks`); None: no allocator lists it."""
+    from .actor import _context
+
+    where = _job_ranks(name) if where is None else where
+    if not where:
+        return None
+    if rank is not None and rank not in where:
+        raise ValueError(f"mesh {name!r} has no rank {rank} (ranks {format_ranks(where)})")
+    ranks = sorted(where) if rank is None else [rank]
+    client = _context.client()
+    futs = [client.request(where[r], "logs", name, r, tail, start.get(r, 0) if start else 0) for r in ranks]
+    rows = [row for f in futs for row in f.get(timeout=client.rt.cfg.connect_timeout)]
+    rows.sort(key=lambda row: (row["ts"], row["rank"]))
+    return rows
+
+
 def follow(mesh: Any, rank: int | None = None, tail: int = 10, poll: float = 0.25) -> Iterator[dict[str, Any]]:
     """Yield the last ``tail`` lines, then new lines as ranks write them (until the caller stops)."""
     check_tail(tail)
     seen: dict[int, int] = {}
-    rows = logs(mesh, rank)
+
+    def fetch(start: dict[int, int] | None) -> list[dict[str, Any]]:
+        return logs(mesh, rank, start=start)
+
+    if isinstance(mesh, str) and not _named_here(mesh):
+        # a job's mesh, found once: no scheduler (squeue, ssh) asked again at every poll
+        where = _job_ranks(mesh)
+        if where:
+
+            def fetch(start: dict[int, int] | None) -> list[dict[str, Any]]:
+                return _job_logs(mesh, rank, None, start, where) or []
+
+    rows = fetch(None)
     for r in rows:
         seen[r["rank"]] = seen.get(r["rank"], 0) + 1
     yield from rows[-tail:] if tail else []
     while True:
         time.sleep(poll)  # the allocator keeps files, not subscriptions, for ranks' past output
-        rows = logs(mesh, rank, start=seen)
+        rows = fetch(seen)
         for r in rows:
             seen[r["rank"]] = seen.get(r["rank"], 0) + 1
         yield from rows

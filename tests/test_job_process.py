@@ -404,3 +404,45 @@ def test_a_jobs_mesh_is_stopped_by_name_from_a_script_the_cli_and_the_sidebar() 
         assert not left & {"js1", "js2", "js3"}, left
     finally:
         job.kill()
+
+
+class Say(Actor):
+    @endpoint
+    def say(self, text: str) -> None:
+        from monarch_nb.actor import current_rank
+
+        print(f"{text} from {current_rank().rank}", flush=True)
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "monarch_nb", *argv], capture_output=True, text=True, timeout=60)
+
+
+def test_a_jobs_mesh_has_logs_and_stacks_from_a_script_the_cli_and_the_sidebar() -> None:
+    """A job's allocators keep their records in the job's own directory: `introspect.logs()`,
+    `monarch-nb logs` and `monarch-nb stacks` of a job's mesh said "no mesh named" / "no logs",
+    and the sidebar's rank log found the rank only through its own snapshot."""
+    from monarch_nb.job import named_job_path
+    from monarch_nb.server.manager import MeshManager
+
+    job = ProcessJob({"w": 2}, env=FAST)
+    try:
+        state = job.state(cached_path=named_job_path("jobviews"))
+        procs = state.w.spawn_procs(per_host={"gpus": 1}, name="jv", persist=True)
+        procs.spawn("s", Say).say.call("hello").get(timeout=30)
+        # from a script that never saw the job
+        code = "import json\nfrom monarch_nb.introspect import logs\nprint(json.dumps([r['line'] for r in logs('jv', 1)]))"
+        assert wait_for(lambda: _script(code) == ["hello from 1"], 30, "rank 1's line from a script")
+        # from the command line
+        r = _cli("logs", "jv", "--rank", "1")
+        assert (r.returncode, r.stdout) == (0, "[1] hello from 1\n"), (r.stdout, r.stderr)
+        r = _cli("logs", "jv")
+        assert (r.returncode, sorted(r.stdout.splitlines())) == (0, ["[0] hello from 0", "[1] hello from 1"]), r.stderr
+        r = _cli("logs", "jv", "--rank", "5")
+        assert (r.returncode, r.stderr) == (1, "monarch-nb logs: mesh 'jv' has no rank 5 (ranks 0-1)\n"), r.stderr
+        r = _cli("stacks", "jv")
+        assert r.returncode == 0 and r.stdout.startswith("stacks of mesh 'jv': 2 ranks"), (r.stdout, r.stderr)
+        # the sidebar's log view
+        assert [x["line"] for x in MeshManager().rank_log("jv", 0)["lines"]] == ["hello from 0"]
+    finally:
+        job.kill()

@@ -377,7 +377,7 @@ def stacks(
     mesh: Any, ranks: str | list[int] | None = None, *, native: bool = False, timeout: float = 5.0, internal: bool | None = None
 ) -> Stacks:
     """The Python stack of every thread of every rank of ``mesh`` (a ProcMesh or ActorMesh, or
-    the name of a proc mesh of this host's allocators, as ``introspect.status()`` lists it: also
+    the name of a proc mesh of this host's allocators or its jobs', as ``introspect.known_status()`` lists it: also
     one another controller owns, or whose kernel is gone), identical stacks merged with their rank sets. ``ranks`` picks some (``"0-3"``); ``native``
     adds ``py-spy dump --native``; every rank answers within ``timeout`` seconds or is listed
     as not answering. ``internal`` shows monarch_nb's own frames (default: the
@@ -443,17 +443,18 @@ def stacks(
 
 
 def _procs_named(name: str, timeout: float, callers: dict[str, str]) -> list[ProcRef]:
-    """The procs of mesh ``name`` as this host's allocators list them, asked as any controller
+    """The procs of mesh ``name`` as this host's allocators (and its jobs') list them, asked as any controller
     asks: no lookup that would own them or subscribe to their output (`monarch-nb stacks` of a
     hung kernel's mesh must leave its owner as it is). ``callers`` gets the name of each
     controller attached there, by address: the owner's calls show who made them."""
     from ..config import runtime_dir
     from ..errors import MeshError
-    from ..introspect import status
+    from ..introspect import known_status
 
     procs: list[ProcRef] = []
     names: set[str] = set()
-    for a in status(timeout=timeout)["allocators"]:
+    # the jobs' allocators too: a ProcessJob's, SSHJob's or SlurmJob's records are in the job's directory
+    for a in known_status(timeout=timeout)["allocators"]:
         for c in a.get("controllers", []):
             if c.get("addr"):
                 callers[c["addr"]] = f"controller {c.get('cid')} (pid {c.get('pid')})"
@@ -463,7 +464,7 @@ def _procs_named(name: str, timeout: float, callers: dict[str, str]) -> list[Pro
                 procs += [ProcRef(p["addr"], a["addr"], a.get("host", ""), p["pid"], name, p["rank"]) for p in m["procs"]]
     if not procs:
         raise MeshError(
-            f"no mesh named {name!r} on this host's allocators (runtime directory {runtime_dir()}; "
+            f"no mesh named {name!r} on this host's allocators or its jobs' (runtime directory {runtime_dir()}; "
             f"meshes: {', '.join(sorted(names)) or 'none'})"
         )
     return sorted(procs, key=lambda p: p.rank)

@@ -220,17 +220,12 @@ class MeshManager:
         if tail is not None and tail < 0:
             raise ValueError(f"tail must be >= 0, got {tail}")
         self._check_alloc(alloc)
-        asked = alloc
-        if not alloc:
-            # the allocator the sidebar shows the rank on (a job's too: introspect.logs looks in this runtime dir only)
-            alloc = next(
-                (p["alloc"] for m in self.state()["meshes"] if m["name"] == mesh for p in m["procs"] if p["rank"] == rank), None
-            )
         try:
+            # without alloc, logs() finds the rank on the jobs' allocators too
             lines = logs(mesh, rank, tail=tail, addr=alloc or None)
         except MonarchNBError as e:
-            # (an allocator this server chose that no longer answers: a rank whose host died)
-            if (mesh, rank) not in self._seen or not (isinstance(e, MeshError) or not asked):
+            # (an allocator logs() chose that no longer answers: a rank whose host died)
+            if (mesh, rank) not in self._seen or not (isinstance(e, MeshError) or not alloc):
                 raise
             # its allocator dropped a stopped mesh's logs, or is gone: what this server kept of them
             lines = [r for r in self._recent.values() if r["mesh"] == mesh and r["rank"] == rank]
