@@ -102,12 +102,19 @@ def _allocator_action(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .introspect import status
+    from .introspect import known_status
 
-    s = status()
+    # the jobs' allocators too: ProcessJob, SSHJob and SlurmJob keep their records in the job's directory
+    s = known_status()
     if args.json:
         print(json.dumps(s, indent=2, default=str))
         return 0
+    mine = [a for a in s["allocators"] if "job" not in a]
+    jobs: dict[tuple[str, ...], list[dict]] = {}
+    for a in s["allocators"]:
+        if "job" in a:
+            j = a["job"]
+            jobs.setdefault(tuple(str(j.get(k) or "") for k in ("name", "type", "scheduler", "id", "state")), []).append(a)
     if not s["allocators"]:
         from .config import runtime_dir
 
@@ -115,19 +122,27 @@ def _status(args: argparse.Namespace) -> int:
             f"no allocator running (runtime directory {runtime_dir()}): a notebook's first spawn starts one, "
             "or `monarch-nb allocator start`"
         )
-    for a in s["allocators"]:
-        print(f"allocator {a.get('alloc_id', '?')} on {a.get('host')} pid {a.get('pid')}: {a.get('error') or 'ok'}")
-        attached = {c.get("cid") for c in a.get("controllers", [])}
-        for m in a.get("meshes", []):
-            states: dict[str, int] = {}
-            for p in m["procs"]:
-                states[p["state"]] = states.get(p["state"], 0) + 1
-            labels, sizes = m.get("extent") or (m.get("labels", []), m.get("sizes", []))
-            shape = "{" + ", ".join(f"{k}: {v}" for k, v in zip(labels, sizes)) + "}"
-            # a persistent mesh whose kernel is gone holds its procs until someone stops it
-            gone = "" if m["owner"] in attached else " (gone)"
-            print(f"  mesh {m['name']} {shape} {m['state']} owner={m['owner']}{gone} procs={states}")
+    for a in mine:
+        _print_allocator(a, "")
+    for (name, kind, scheduler, ident, state), allocs in jobs.items():
+        print(f"job {name} ({kind}, {scheduler}{' ' + ident if ident else ''}): {state}")
+        for a in allocs:
+            _print_allocator(a, "  ")
     return 0
+
+
+def _print_allocator(a: dict, indent: str) -> None:
+    print(f"{indent}allocator {a.get('alloc_id', '?')} on {a.get('host')} pid {a.get('pid')}: {a.get('error') or 'ok'}")
+    attached = {c.get("cid") for c in a.get("controllers", [])}
+    for m in a.get("meshes", []):
+        states: dict[str, int] = {}
+        for p in m["procs"]:
+            states[p["state"]] = states.get(p["state"], 0) + 1
+        labels, sizes = m.get("extent") or (m.get("labels", []), m.get("sizes", []))
+        shape = "{" + ", ".join(f"{k}: {v}" for k, v in zip(labels, sizes)) + "}"
+        # a persistent mesh whose kernel is gone holds its procs until someone stops it
+        gone = "" if m["owner"] in attached else " (gone)"
+        print(f"{indent}  mesh {m['name']} {shape} {m['state']} owner={m['owner']}{gone} procs={states}")
 
 
 def _logs(args: argparse.Namespace) -> int:
@@ -376,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         help="serve a tunnel for a controller outside the cluster (reached by port-forward; loopback only, needs --key-file)",
     )
     a.set_defaults(fn=_allocator)
-    s = sub.add_parser("status", help="allocators, meshes and procs")
+    s = sub.add_parser("status", help="allocators (this host's and its jobs'), meshes and procs")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=_status)
     lg = sub.add_parser("logs", help="a mesh's rank logs on this host (also with no kernel, or its allocator stopped)")

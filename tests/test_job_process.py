@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -418,11 +419,12 @@ def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "monarch_nb", *argv], capture_output=True, text=True, timeout=60)
 
 
-def test_a_jobs_mesh_has_logs_and_stacks_from_a_script_the_cli_and_the_sidebar() -> None:
+def test_a_jobs_mesh_has_logs_stacks_and_a_status_from_a_script_the_cli_and_the_sidebar() -> None:
     """A job's allocators keep their records in the job's own directory: `introspect.logs()`,
     `monarch-nb logs` and `monarch-nb stacks` of a job's mesh said "no mesh named" / "no logs",
-    and the sidebar's rank log found the rank only through its own snapshot."""
-    from monarch_nb.job import named_job_path
+    `monarch-nb status` did not list the job's allocators at all, and the sidebar's rank log
+    found the rank only through its own snapshot."""
+    from monarch_nb.job import list_jobs, named_job_path
     from monarch_nb.server.manager import MeshManager
 
     job = ProcessJob({"w": 2}, env=FAST)
@@ -442,6 +444,15 @@ def test_a_jobs_mesh_has_logs_and_stacks_from_a_script_the_cli_and_the_sidebar()
         assert (r.returncode, r.stderr) == (1, "monarch-nb logs: mesh 'jv' has no rank 5 (ranks 0-1)\n"), r.stderr
         r = _cli("stacks", "jv")
         assert r.returncode == 0 and r.stdout.startswith("stacks of mesh 'jv': 2 ranks"), (r.stdout, r.stderr)
+        # status: the job's allocators, under the job
+        row = next(j for j in list_jobs() if j["name"] == "jobviews")
+        r = _cli("status")
+        assert r.returncode == 0, r.stderr
+        out = r.stdout.splitlines()
+        head = out.index(f"job jobviews (ProcessJob, {row['scheduler']} {row['id']}): {row['state']}")
+        mine = out[head + 1 :]
+        assert sum(bool(re.fullmatch(r"  allocator \w+ on \S+ pid \d+: ok", ln)) for ln in mine) == 2, r.stdout
+        assert sum(ln.startswith("    mesh jv {hosts: 2, gpus: 1} running ") for ln in mine) == 2, r.stdout
         # the sidebar's log view
         assert [x["line"] for x in MeshManager().rank_log("jv", 0)["lines"]] == ["hello from 0"]
     finally:
