@@ -277,6 +277,44 @@ def test_a_failed_rank_surfaces_while_the_others_still_block(procs):
     f.release.broadcast()
 
 
+def test_a_rank_whose_actor_exits_fails_the_call_ahead_of_a_lower_rank_that_raised():
+    # rank 1's script calls sys.exit(3); rank 0 raises (gloo's "Connection closed by peer" once
+    # rank 1's process group is gone). As on 0.7.0 the call fails with rank 1's actor failure.
+    # Before: "RuntimeError on 1 of 2 ranks: 0" alone, rank 1's failure dropped from the group.
+    # A long call_error_window: both answers are in whatever order they come (the call
+    # completes once the last has)
+    code = """
+import sys
+import monarch_nb
+import monarch_nb.actor as api
+from monarch_nb.actor import Actor, current_rank, endpoint, this_host
+monarch_nb.configure(call_error_window=60)
+api.unhandled_fault_hook = lambda failure: None
+class Step(Actor):
+    @endpoint
+    def step(self):
+        if current_rank().rank == 1:
+            sys.exit(3)
+        raise RuntimeError("Connection closed by peer")
+procs = this_host().spawn_procs(per_host={"gpus": 2})
+try:
+    procs.spawn("s", Step).step.call().get(timeout=30)
+except Exception as e:
+    print("RAISED", type(e).__name__)
+    print(e)
+    print("NOTES", getattr(e, "__notes__", None))
+procs.stop().get(timeout=30)
+"""
+    r = run_script(code, timeout=90)
+    assert r.returncode == 0, r.stderr
+    assert "RAISED SupervisionError" in r.stdout, r.stdout
+    assert "Endpoint call s.step() failed, The actor <root>.<__main__.Step s{'gpus': 1/2}> and all its descendants" in r.stdout
+    assert "SystemExit: 3" in r.stdout, r.stdout
+    # what rank 0 raised is not lost
+    notes = r.stdout.split("NOTES ")[1]
+    assert "in the same call rank 0 (1 of 2) raised RuntimeError: Connection closed by peer" in notes, r.stdout
+
+
 def test_a_cancelled_await_says_the_call_runs_on_and_the_future_still_works(procs):
     h = procs.spawn("held_await", Holder)
     fut = h.hold.call()

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 from .._runtime.runtime import ReplyPort
 from .._wire import frames as wire
 from .._wire.serialize import dumps_call, loads
-from ..errors import ActorError, MeshClosedError, NotAnEndpointError
+from ..errors import ActorError, MeshClosedError, NotAnEndpointError, SupervisionError
 from . import _context, _onecall, _replyread
 from ._future import Future
 
@@ -683,22 +683,46 @@ def _raise_grouped(raw: Any) -> Any:
     err = loads(*errors[first])
     if isinstance(endpoint, Endpoint):
         endpoint = f"{endpoint._mesh._label}.{endpoint._name}"
+    loaded: dict[int, BaseException] = {first: err}
+    for i, r in errors.items():
+        if i != first and not isinstance(r, BaseException):
+            try:
+                loaded[i] = loads(*r)
+            except Exception:
+                continue
+    failures = {i: e for i, e in loaded.items() if isinstance(e, ActorError)}
+    failed = next((i for i in sorted(loaded) if isinstance(loaded[i], SupervisionError)), None)
+    if failed is not None:
+        # an actor that failed (a SystemExit in its script, an abort) fails the call, as in
+        # Monarch, ahead of lower ranks that raised: most often because of it (gloo's
+        # "Connection closed by peer" once its process group went away). Before, such a
+        # rank's failure was dropped from the group and a survivor's error read as the cause
+        raise _with_raised(loaded[failed], failures, n)
     if isinstance(err, ActorError) and endpoint:
-        failures: dict[int, ActorError] = {first: err}
-        for i, r in errors.items():
-            if i != first and not isinstance(r, BaseException):
-                try:
-                    e = loads(*r)
-                except Exception:
-                    continue
-                if isinstance(e, ActorError):
-                    failures[i] = e
         err._set_group(endpoint, n, failures, still)
         cause = failures[err._cause()]
         if cause is not err:
             # the rank whose script failed first, not a survivor that only saw its connection close
             err = cause._set_group(endpoint, n, failures, still)
     raise err
+
+
+def _with_raised(err: BaseException, failures: dict[int, ActorError], n: int) -> BaseException:
+    """``err`` (a rank's actor failure) with a note of what the ranks that raised in the same
+    call raised, one line per kind: their errors are not the call's, yet say how it ended there."""
+    if not failures:
+        return err
+    from .. import _errgroup
+
+    groups = _errgroup.group(e._failure_tuple(r) for r, e in failures.items())
+    said = [
+        f"{_errgroup.ranks_text(g.ranks)} ({len(g.ranks)} of {n}) raised {g.etype}: {_errgroup.clip(g.messages[g.ranks[0]])}"
+        if g.messages[g.ranks[0]]
+        else f"{_errgroup.ranks_text(g.ranks)} ({len(g.ranks)} of {n}) raised {g.etype}"
+        for g in groups
+    ]
+    err.add_note("in the same call " + "; ".join(said) + " (perhaps because of this failure)")
+    return err
 
 
 #: proc address -> ``choose`` calls this process has running there (under _load_lock: callers'
