@@ -980,6 +980,52 @@ print("STUCK", stuck, "BUSY", busy)
     assert _killed_text(killed) == f"ranks 0-15 (pids {', '.join(str(100 + r) for r in range(16))} on h): hung"
 
 
+def test_a_call_in_hand_when_its_proc_is_killed_at_stop_names_the_endpoint_and_actor(tmp_path):
+    # the proc mesh's stop kills a proc whose handler runs past stop_cleanup_timeout. Its
+    # caller got "Supervision failure: mesh 'anon-…' rank 0 host …: mesh stopped (process N
+    # was killed by SIGKILL)", naming the proc mesh, where every other dead-proc error (and
+    # 0.7.0's, whose words here are "cleanup error: deadline has elapsed") names the endpoint
+    # and the actor
+    started = tmp_path / "started"
+    code = f"""
+import os, time
+import monarch_nb
+from monarch_nb.actor import Actor, endpoint, this_host
+monarch_nb.configure(stop_cleanup_timeout=0.5)
+class C(Actor):
+    @endpoint
+    def slow(self):
+        open({str(started)!r}, "w").close()
+        time.sleep(60)
+procs = this_host().spawn_procs(per_host={{"gpus": 1}})
+fut = procs.spawn("c", C).slow.call_one()
+deadline = time.monotonic() + 30
+while not os.path.exists({str(started)!r}) and time.monotonic() < deadline:
+    time.sleep(0.01)
+procs.stop().get(timeout=30)
+try:
+    fut.get(timeout=30)
+except Exception as e:
+    print("RAISED", type(e).__name__)
+    print(e)
+"""
+    r = run_script(code, timeout=90)
+    assert r.returncode == 0, r.stderr
+    assert "RAISED SupervisionError" in r.stdout, r.stdout
+    lines = r.stdout.split("RAISED SupervisionError\n")[1].splitlines()
+    assert (
+        lines[0]
+        == "Endpoint call c.slow() failed, The actor <root>.<__main__.C c{'gpus': 0/1}> and all its descendants have failed:"
+    )
+    assert lines[1] == (
+        "  the process this actor was running on was killed as its proc mesh stopped: "
+        "the message in hand or __cleanup__ had not finished after stop_cleanup_timeout"
+    ), r.stdout
+    assert re.fullmatch(
+        r"  host \S+, proc mesh 'anon-\S+' rank 0: mesh stopped \(process \d+ was killed by SIGKILL\)", lines[2]
+    ), r.stdout
+
+
 class SpawnsToo(Actor):
     @endpoint
     def spawn_counter(self, pm: Any, start: int) -> int:

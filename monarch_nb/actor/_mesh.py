@@ -197,6 +197,29 @@ class ActorMesh(MeshTrait, Generic[T]):
         )
         return rank, actor, words
 
+    def _killed_at_stop(self, err: BaseException, proc: int) -> tuple[int, str, str] | None:
+        """``_dead_actor`` for a process that ended while its proc mesh stopped (killed there
+        once its message in hand or ``__cleanup__`` ran past ``stop_cleanup_timeout``): for the
+        call it had in hand only. Not a failure for the hook (the user asked for the stop), but
+        the call failed all the same, and says which actor's, as every dead-proc call error does."""
+        if not isinstance(err, SupervisionError) or err.actor or not err.mesh:
+            return None
+        inner = err.cause[len("mesh stopped (") : -1] if err.cause.startswith("mesh stopped (") else ""
+        if not inner.startswith("process "):
+            return None
+        named = self._monarch_name(proc)
+        if named is None:
+            return None
+        rank, actor = named
+        if _KILLED.match(inner):
+            how = "was killed as its proc mesh stopped: the message in hand or __cleanup__ had not finished after stop_cleanup_timeout"
+        else:
+            how = f"ended as its proc mesh stopped ({_proc_status(inner)})"
+        words = (
+            f"the process this actor was running on {how}\n  host {err.host}, proc mesh {err.mesh!r} rank {err.rank}: {err.cause}"
+        )
+        return rank, actor, words
+
     def _monarch_name(self, proc: int) -> tuple[int, str] | None:
         """The rank of this mesh's actor on ``self._procs[proc]`` and its name as Monarch's errors
         write it (``<root>.<__main__.P p{'gpus': 1/2}>``); None for a mesh that does not know
@@ -259,9 +282,10 @@ class ActorMesh(MeshTrait, Generic[T]):
         its process died (``err``, the runtime's): Monarch's words, naming the actor, then ours.
         Any other error is returned as it is."""
         try:
-            dead = self._dead_actor(err, self._view.ranks[index])
+            proc = self._view.ranks[index]
         except IndexError:
-            dead = None
+            return err
+        dead = self._dead_actor(err, proc) or self._killed_at_stop(err, proc)
         if dead is None:
             return err
         assert isinstance(err, SupervisionError)
