@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 import re
 import threading
@@ -311,6 +312,50 @@ procs.stop().get(timeout=30)
     assert "Endpoint call s.step() failed, The actor <root>.<__main__.Step s{'gpus': 1/2}> and all its descendants" in r.stdout
     assert "SystemExit: 3" in r.stdout, r.stdout
     # what rank 0 raised is not lost
+    notes = r.stdout.split("NOTES ")[1]
+    assert "in the same call rank 0 (1 of 2) raised RuntimeError: Connection closed by peer" in notes, r.stdout
+
+
+def test_a_rank_that_raised_before_another_s_process_died_is_noted_on_the_death(tmp_path):
+    # rank 0 raises, then rank 1's process exits (os._exit(3)) within call_error_window: the
+    # call fails with rank 1's death, as on 0.7.0. What rank 0 raised was dropped; it is a note
+    code = f"""
+import os, time
+import monarch_nb
+import monarch_nb.actor as api
+import _gate
+from monarch_nb.actor import Actor, current_rank, endpoint, this_host
+monarch_nb.configure(call_error_window=60)
+api.unhandled_fault_hook = lambda failure: None
+go = _gate.Gate({str(tmp_path / "exit")!r})
+class Step(Actor):
+    @endpoint
+    def step(self):
+        if current_rank().rank == 1:
+            _gate.wait(go.path, 60)
+            os._exit(3)
+        raise RuntimeError("Connection closed by peer")
+procs = this_host().spawn_procs(per_host={{"gpus": 2}})
+fut = procs.spawn("s", Step).step.call()
+deadline = time.monotonic() + 30
+while fut._progress[0][0] != 1 and time.monotonic() < deadline:
+    time.sleep(0.01)
+go.open()  # rank 0's error is in: now rank 1 exits
+try:
+    fut.get(timeout=30)
+except Exception as e:
+    print("RAISED", type(e).__name__)
+    print(e)
+    print("NOTES", getattr(e, "__notes__", None))
+procs.stop().get(timeout=30)
+go.close()
+"""
+    tests = os.path.dirname(os.path.abspath(__file__))  # for _gate, here and in the procs
+    r = run_script(code, timeout=90, env={"PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))})
+    assert r.returncode == 0, r.stderr
+    assert "RAISED SupervisionError" in r.stdout, r.stdout
+    assert "The actor <root>.<__main__.Step s{'gpus': 1/2}> and all its descendants have failed:" in r.stdout, r.stdout
+    assert "exited with non-zero code 3" in r.stdout, r.stdout
     notes = r.stdout.split("NOTES ")[1]
     assert "in the same call rank 0 (1 of 2) raised RuntimeError: Connection closed by peer" in notes, r.stdout
 

@@ -513,7 +513,13 @@ def gather(
         if gone is not None:
             if isinstance(endpoint, Endpoint) and n > 1:
                 gone = _with_running(gone, raw, errors, n, left[0], sent=closed[1])
-            fut._set_exception(gone)
+            raised = {i: r for i, r in errors.items() if not isinstance(r, BaseException)}
+            if raised:
+                # ranks that raised before the process died: their errors (unpickled when read,
+                # not here on the I/O thread) are a note, as beside an actor that failed
+                fut._set_raw((gone, raised, n), _raise_gone)
+            else:
+                fut._set_exception(gone)
         elif not errors:
             if printed:
                 _set_raw_after_output(fut, raw, decode, endpoint, call_id, printed)
@@ -707,13 +713,37 @@ def _raise_grouped(raw: Any) -> Any:
     raise err
 
 
+def _raise_gone(raw: Any) -> Any:
+    """Raise a dead proc's error, with a note of what the ranks that had raised raised."""
+    gone, raised, n = raw
+    failures: dict[int, ActorError] = {}
+    for i, r in raised.items():
+        try:
+            e = loads(*r)
+        except Exception:
+            continue
+        if isinstance(e, ActorError):
+            failures[i] = e
+    raise _with_raised(gone, failures, n)
+
+
 def _with_raised(err: BaseException, failures: dict[int, ActorError], n: int) -> BaseException:
     """``err`` (a rank's actor failure) with a note of what the ranks that raised in the same
-    call raised, one line per kind: their errors are not the call's, yet say how it ended there."""
+    call raised, one line per kind: their errors are not the call's, yet say how it ended there.
+    A copy: ``err`` may be the runtime's error for a dead proc, shared by calls and reads."""
     if not failures:
         return err
+    import copy
+
     from .. import _errgroup
 
+    try:
+        copied = copy.copy(err)
+        copied.__dict__.update(err.__dict__)
+        copied.__notes__ = list(getattr(err, "__notes__", ()))
+    except Exception:
+        return err
+    err = copied
     groups = _errgroup.group(e._failure_tuple(r) for r, e in failures.items())
     said = [
         f"{_errgroup.ranks_text(g.ranks)} ({len(g.ranks)} of {n}) raised {g.etype}: {_errgroup.clip(g.messages[g.ranks[0]])}"
