@@ -50,7 +50,8 @@ class EnvDiff:
                 for r in rows
             )
             parts.append(
-                f"<b>{html.escape(alloc)}</b> ({h['kind']}, python {h['python']})"
+                # what a host reports about itself is text, not markup
+                f"<b>{html.escape(alloc)}</b> ({html.escape(str(h['kind']))}, python {html.escape(str(h['python']))})"
                 "<table><tr><th>distribution</th><th>controller</th><th>host</th><th>installer</th><th>status</th></tr>"
                 f"{body or '<tr><td colspan=5>same as the controller</td></tr>'}</table>"
             )

@@ -128,3 +128,12 @@ def test_critical_mismatches_name_the_fix() -> None:
     probs = env.critical_mismatches({"python": "3.11.7", "torch": "2.13.0"}, {"python": "3.12.1", "torch": "2.12.0"})
     assert "same Python minor version" in probs[0]
     assert "pip install torch==2.13.0" in probs[1]
+
+
+def test_the_html_of_an_env_diff_escapes_what_a_host_reports() -> None:
+    """A host's own description (its environment kind, its Python version string) went into the
+    notebook's HTML as markup: an image tag there ran its onerror."""
+    bad = "<img src=x onerror=alert(1)>"
+    d = env.EnvDiff(controller={}, hosts={"a<b>": {"kind": bad, "prefix": "/p", "python": bad}}, rows={"a<b>": []})
+    out = d._repr_html_()
+    assert "<img" not in out and "&lt;img src=x onerror=alert(1)&gt;" in out and "a&lt;b&gt;" in out, out
