@@ -445,6 +445,35 @@ def test_a_stale_connection_file_is_listed_as_a_dead_allocator(manager) -> None:
         os.unlink(path)
 
 
+def test_a_rank_log_click_does_not_list_the_jobs_again(manager, monkeypatch) -> None:
+    """The sidebar's rank log searched every allocator for the rank, and so listed the jobs on
+    record on each click (an squeue per Slurm job); the manager's state already knows the rank's
+    allocator, with the job rows it keeps for a few seconds."""
+    import monarch_nb.job as job
+    from monarch_nb.actor import Actor, endpoint
+
+    class Printer(Actor):
+        @endpoint
+        def hello(self) -> None:
+            print("hello", flush=True)
+
+    name = f"mgr-{uuid.uuid4().hex[:6]}"
+    procs = _spawn(name, 1)
+    listed = []
+    real = job.list_jobs
+    monkeypatch.setattr(job, "list_jobs", lambda *a, **k: listed.append(1) or real(*a, **k))
+    try:
+        procs.spawn("printer", Printer).hello.call().get(timeout=30)
+        wait_for(lambda: manager.rank_log(name, 0)["lines"], 10, "the rank's line in its log")
+        before = len(listed)
+        for _ in range(3):
+            assert [ln["line"] for ln in manager.rank_log(name, 0)["lines"]] == ["hello"]
+        # (one, should the manager's few seconds of job rows run out meanwhile)
+        assert len(listed) - before <= 1, f"{len(listed) - before} job listings for three clicks"
+    finally:
+        procs.stop().get(timeout=30)
+
+
 def test_rank_log_of_an_unknown_mesh_is_a_clear_error(manager) -> None:
     with pytest.raises(MeshError, match="no rank 0 of a mesh named 'no-such-mesh'"):
         manager.rank_log("no-such-mesh", 0)

@@ -220,16 +220,22 @@ class MeshManager:
         if tail is not None and tail < 0:
             raise ValueError(f"tail must be >= 0, got {tail}")
         self._check_alloc(alloc)
+        st = self.state()
+        proc = next((p for m in st["meshes"] if m["name"] == mesh for p in m["procs"] if p["rank"] == rank), None)
+        addr = alloc or None
+        if addr is None and proc is not None and any(a["alive"] and a["addr"] == proc.get("alloc") for a in st["allocators"]):
+            # the rank's allocator as this server's state has it: its job rows are cached, and a
+            # search through logs() would list the jobs again (one squeue per Slurm job) per click
+            addr = proc["alloc"]
         try:
-            # without alloc, logs() finds the rank on the jobs' allocators too
-            lines = logs(mesh, rank, tail=tail, addr=alloc or None)
+            # without an allocator, logs() finds the rank on the jobs' allocators too
+            lines = logs(mesh, rank, tail=tail, addr=addr)
         except MonarchNBError as e:
             # (an allocator logs() chose that no longer answers: a rank whose host died)
             if (mesh, rank) not in self._seen or not (isinstance(e, MeshError) or not alloc):
                 raise
             # its allocator dropped a stopped mesh's logs, or is gone: what this server kept of them
             lines = [r for r in self._recent.values() if r["mesh"] == mesh and r["rank"] == rank]
-        proc = next((p for m in self.state()["meshes"] if m["name"] == mesh for p in m["procs"] if p["rank"] == rank), None)
         if proc is not None:
             info = {k: proc.get(k) for k in ("host", "pid", "state", "cause")}
         elif (mesh, rank) in self._seen:
