@@ -14,7 +14,6 @@ from .config import get_config, runtime_dir
 __all__ = [
     "gc_code",
     "gc_logs",
-    "known_status",
     "list_allocators",
     "run_allocator",
     "start_allocator",
@@ -33,14 +32,6 @@ def list_allocators() -> list[dict[str, Any]]:
             info["alive"] = False
         out.append(info)
     return out
-
-
-def known_status(jobs: list[dict[str, Any]] | None = None, timeout: float = 2.0) -> dict[str, Any]:
-    """Every allocator known here, the jobs' too: :func:`monarch_nb.introspect.known_status`."""
-    # imported when asked: `monarch-nb allocator run` needs no controller side
-    from .introspect import known_status
-
-    return known_status(jobs, timeout)
 
 
 def gc_logs(dry_run: bool = False) -> list[dict[str, Any]]:
@@ -113,7 +104,7 @@ def stop_mesh(
     timeout: float = 15.0,
 ) -> int:
     """Stop the mesh ``name`` on the allocator at ``addr`` (default: every known allocator that
-    has it: this runtime directory's and those of the jobs on record, see ``known_status``).
+    has it: this runtime directory's and those of the jobs on record, see ``introspect.known_status``).
 
     This is for tools that do not own the mesh (a CLI, the JupyterLab sidebar): with ``force``
     it stops a mesh even while its owning controller is attached; without, an attached owner's
@@ -123,6 +114,7 @@ def stop_mesh(
     """
     from .actor import _context
     from .errors import MeshError
+    from .introspect import known_status
 
     silent: list[str] = []
     if addr is None:

@@ -196,9 +196,10 @@ def _stop(args: argparse.Namespace) -> int:
 def _stop_action(args: argparse.Namespace) -> int:
     """Stop proc meshes of this host's allocators, as ``%mesh stop`` does in their notebook: a
     persistent mesh whose kernel is gone needs no Python, and no ``allocator stop`` of all of them."""
-    from .allocator import known_status, stop_mesh
+    from .allocator import stop_mesh
     from .config import get_config, runtime_dir
     from .errors import MeshError
+    from .introspect import known_status
 
     if (args.name is None) == (not args.all):
         raise ValueError("name a mesh (as `monarch-nb status` lists it) or pass --all")

@@ -61,8 +61,9 @@ class MeshManager:
             self._snap = None
 
     def _build(self) -> dict[str, Any]:
-        from monarch_nb.allocator import known_status, list_allocators
+        from monarch_nb.allocator import list_allocators
         from monarch_nb.config import runtime_dir
+        from monarch_nb.introspect import known_status
 
         jobs = self._job_rows()
         raw = known_status(jobs)
