@@ -513,3 +513,25 @@ def test_ticks_on_the_grid_come_once_a_period(fast: bool) -> None:
     # each on a grid point of its own (a tick runs at most a millisecond early, or late under load)
     points = [math.floor((t + 0.002) / 0.1) for t in times]
     assert len(set(points)) == len(points), [round(t % 0.1, 4) for t in times]
+
+
+def test_a_runtime_without_a_client_stops_its_io_thread_before_the_interpreter_exits(tmp_path) -> None:
+    # a process that used only the runtime (an RDMABuffer read, no actor call) finalized with
+    # uvloop still running in the I/O thread: a timer firing then took the GIL of an interpreter
+    # that was gone (SIGSEGV at exit, now and then). An exit hook registered before monarch_nb
+    # is imported runs after monarch_nb's own, so it sees what finalization will see.
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit, threading\n"
+        "atexit.register(lambda: print('io alive', any("
+        "t.name.startswith('monarch_nb-io') and t.is_alive() for t in threading.enumerate())))\n"
+        "from monarch_nb.actor import _context\n"
+        "rt = _context.runtime()\n"
+        "print('started', rt._thread.is_alive())\n"
+    )
+    env = {**os.environ, "MONARCH_NB_RUNTIME_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=8, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["started True", "io alive False"], out.stdout

@@ -16,6 +16,7 @@ so callers need not know which part does what, at no cost on the hot path.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import functools
 import os
@@ -23,6 +24,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
@@ -171,6 +173,7 @@ class Runtime:
         self._thread.start()
         self.loop.call_soon_threadsafe(self._open, ready)
         ready.result(timeout=30)
+        _running.add(self)
         return self
 
     def _run_loop(self) -> None:
@@ -420,3 +423,15 @@ class ReplyPort:
         # the callbacks are closures that hold this port (and the call's replies): without them
         # the call's memory goes back at once, not at the next cyclic collection
         self.on_fail = self._fail_one = None
+
+
+#: runtimes whose I/O thread may still run when the interpreter exits
+_running: weakref.WeakSet[Runtime] = weakref.WeakSet()
+
+
+@atexit.register
+def _halt_all() -> None:
+    # a process that used a runtime without a Client (which halts its own at exit) would
+    # otherwise finalize under a uvloop timer firing in the daemon I/O thread: SIGSEGV at exit
+    for rt in list(_running):
+        rt.halt()
