@@ -57,13 +57,16 @@ def status(
     futs = [(addr, info, None if refused and addr in mine else client.request(addr, "status")) for addr, info in targets]
     out = []
     left = budget(timeout)
-    for _addr, info, f in futs:
+    for addr, info, f in futs:
         if f is None:
             out.append({**info, "error": refused})
             continue
         try:
             with _debugwait.quiet():  # a status query is not a wait that should open the debugger
-                out.append(f.get(timeout=left()))
+                # ``addr`` is where this process reaches it: an allocator of another host (a job's)
+                # answers with its own ipc address, a socket file there, and a stop or a logs
+                # request sent to that waited out its whole timeout
+                out.append({**f.get(timeout=left()), "addr": addr})
         except TimeoutError:
             out.append({**info, "error": f"no answer within {timeout:g} s: not running, or not reachable from here"})
         except Exception as e:

@@ -415,3 +415,47 @@ def test_a_job_killed_from_another_process_says_so_here(ssh: SshCluster) -> None
     assert state and "was stopped elsewhere" in state and "kill() it and apply it again" in state, res
     assert res[2] == {"active": False}, res
     wait_for(lambda: not _allocators_on(ssh, 1), 15, "s1's allocator to be stopped")
+
+
+@pytest.mark.timeout(120)
+def test_a_jobs_mesh_on_other_hosts_is_read_and_stopped_by_name(ssh: SshCluster) -> None:
+    """An allocator of another host answers status with its own ipc address (a socket file on
+    that host): ``known_status()`` listed it under that, and ``stop_mesh(name)``, ``monarch-nb
+    stop``, the sidebar's Stop and ``introspect.logs`` sent their request there and waited out
+    their whole timeout (15 s: ``TimeoutError: stop_mesh on ipc:///tmp/mnb-job-.../rt/mnb-....sock``)."""
+    res = run_controller(
+        ssh.net,
+        ssh.shared,
+        _code(
+            """
+            import subprocess, time
+            from monarch_nb.allocator import stop_mesh
+            from monarch_nb.introspect import logs
+            job = make_job({args!r}, extra=())
+            try:
+                state = job.state(cached_path=named_job_path("byname"))
+                pm = state.workers.spawn_procs(per_host={{"gpus": 1}}, name="far", persist=True)
+                pm.spawn("w", Where).where.call().get()
+                state.workers.spawn_procs(per_host={{"gpus": 1}}, name="far2", persist=True)
+                code = "import json, time, sys; t0 = time.monotonic(); r = " + "{{}}" + "; print(json.dumps([r, time.monotonic() - t0]))"
+                def script(expr):
+                    cp = subprocess.run([sys.executable, "-c", code.format(expr)], capture_output=True, text=True, timeout=60)
+                    return cp.stdout.strip() or cp.stderr[-800:]
+                # from processes that never saw the job, as a terminal or the sidebar would
+                out(logs=script("__import__('monarch_nb.introspect').introspect.logs('far', 1)"))
+                out(stop=script("__import__('monarch_nb.allocator').allocator.stop_mesh('far')"))
+                t0 = time.monotonic()
+                cp = subprocess.run([sys.executable, "-m", "monarch_nb", "stop", "far2", "--force"], capture_output=True, text=True, timeout=60)
+                out(cli=[cp.returncode, cp.stdout, cp.stderr[-800:], time.monotonic() - t0])
+            finally:
+                job.kill()
+            """,
+            args=ssh.ssh_args(),
+        ),
+        _env(ssh),
+    )
+    logs, elapsed = json.loads(res[0]["logs"])
+    assert elapsed < 5 and isinstance(logs, list), res[0]
+    assert json.loads(res[1]["stop"])[0] == 2, res[1]
+    rc, stdout, _stderr, elapsed = res[2]["cli"]
+    assert (rc, stdout) == (0, "stopped mesh 'far2' (2 procs)\n") and elapsed < 10, res[2]
