@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ._deadline import budget
+from ._numtext import plural
 from ._runtime._pids import pid_alive, terminate
 from ._runtime.allocator import unlink_ipc
 from ._runtime.daemon import run_allocator
@@ -110,46 +112,54 @@ def stop_mesh(
     it stops a mesh even while its owning controller is attached; without, an attached owner's
     mesh is refused with ``PermissionError``. Returns the number of procs that were stopped.
     Found on no allocator that answered, it is asked of those that did not answer the search
-    (busy, say): ``MeshError`` when none has it, ``TimeoutError`` naming those still silent.
+    (busy, say): ``MeshError`` when none has it. Where ranks of the mesh may be on an allocator
+    that cannot be reached (a job's host that is lost, one still silent after ``timeout``), the
+    others are stopped and then ``ConnectError`` names it and says what became of its procs; it
+    has ``stopped`` (the procs stopped) and ``unreached`` (the allocators, as ``known_status``
+    lists them). A job's lost host is not waited for.
     """
     from .actor import _context
-    from .errors import MeshError
-    from .introspect import known_status
+    from .errors import ConnectError, MeshError
+    from .introspect import _unreached_note, known_status
 
-    silent: list[str] = []
-    if addr is None:
-        found = known_status()["allocators"]
-        addrs = [a["addr"] for a in found if any(m["name"] == name for m in a.get("meshes", []))]
-        if not addrs:
-            # an allocator too busy to list its meshes within known_status()'s 2 s may run it: read as
-            # "no mesh", the mesh kept running (a test's cleanup passed over it, a CLI said no such mesh)
-            silent = [a["addr"] for a in found if a.get("error") and a.get("addr")]
-            if not silent:
-                raise MeshError(f"no mesh named {name!r} on any known allocator ({_where(found)})")
-            addrs = silent
-    else:
-        addrs = [addr]
     client = _context.client()
     # an empty cid skips the owner check on the allocator; our own cid is never an owner, so it triggers it
     cid = "" if force else client.cid
-    futs = [client.request(a, "stop_mesh", name, cid, force, reason) for a in addrs]
-    if not silent:
-        return sum(int(f.get(timeout=timeout) or 0) for f in futs)
-    stopped, late, found_it = 0, [], False
-    for a, f in zip(addrs, futs, strict=True):
+    if addr is not None:
+        return int(client.request(addr, "stop_mesh", name, cid, force, reason).get(timeout=timeout) or 0)
+    found = known_status()["allocators"]
+    having = [a["addr"] for a in found if not a.get("error") and any(m["name"] == name for m in a.get("meshes", []))]
+    # an allocator too busy to list its meshes within known_status()'s 2 s may run (part of) it: read as
+    # "no mesh", the mesh kept running (a test's cleanup passed over it, a CLI said no such mesh)
+    maybe_there = bool(_unreached_note(name, found))  # not every rank found, and someone did not answer
+    silent = [a for a in found if a.get("error") and a.get("addr") and not a.get("lost")] if maybe_there else []
+    if not having and not maybe_there:
+        raise MeshError(f"no mesh named {name!r} on any known allocator ({_where(found)})")
+    futs = [client.request(a, "stop_mesh", name, cid, force, reason) for a in having]
+    asked = [(a, client.request(a["addr"], "stop_mesh", name, cid, force, reason)) for a in silent]
+    left = budget(timeout)
+    stopped = sum(int(f.get(timeout=left()) or 0) for f in futs)
+    found_it = bool(having)
+    late = []
+    for a, f in asked:
         try:
-            stopped += int(f.get(timeout=timeout) or 0)
+            stopped += int(f.get(timeout=left()) or 0)
             found_it = True
         except MeshError as e:
             if "no mesh named" not in str(e):
                 raise
         except TimeoutError:
-            late.append(a)
-    if late:
-        raise TimeoutError(
-            f"mesh {name!r} was found on no allocator that answered, and {', '.join(late)} did not answer "
-            f"within {timeout:g} s: it may still run there" + (f" ({stopped} procs stopped elsewhere)" if found_it else "")
-        )
+            late.append({**a, "error": f"{a['error']}; no answer to the stop either, within {timeout:g} s"})
+    asked_addrs = {a["addr"] for a, _ in asked}
+    # still unreached: those that did not answer the stop, the jobs' lost hosts, and any other that
+    # could not be asked (another cluster's key)
+    unreached = late + [a for a in found if a.get("error") and a.get("addr") not in asked_addrs]
+    note = _unreached_note(name, [a for a in found if not a.get("error")] + unreached, found_it=found_it)
+    if note:
+        head = f"{plural(stopped, 'proc')} of mesh {name!r} stopped on the allocators that answered; " if found_it else ""
+        err = ConnectError(head + note)
+        err.stopped, err.unreached = stopped, unreached  # type: ignore[attr-defined]
+        raise err
     if not found_it:
         raise MeshError(f"no mesh named {name!r} on any known allocator ({_where(found)})")
     return stopped

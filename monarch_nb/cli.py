@@ -132,6 +132,9 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _print_allocator(a: dict, indent: str) -> None:
+    if a.get("lost"):  # a job's host whose allocator did not answer the job: never asked, so no id or pid
+        print(f"{indent}allocator on {a.get('host')} ({a.get('addr') or 'address unknown'}): {a['error']}")
+        return
     print(f"{indent}allocator {a.get('alloc_id', '?')} on {a.get('host')} pid {a.get('pid')}: {a.get('error') or 'ok'}")
     attached = {c.get("cid") for c in a.get("controllers", [])}
     for m in a.get("meshes", []):
@@ -187,10 +190,10 @@ def _logs_action(args: argparse.Namespace) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    from .errors import MeshError
+    from .errors import ConnectError, MeshError
 
-    # an unknown name, a mesh a running controller owns (without --force)
-    return _in_one_line("stop", (MeshError, PermissionError, ValueError), _stop_action, args)
+    # an unknown name, a mesh a running controller owns (without --force), ranks on a host that is lost
+    return _in_one_line("stop", (MeshError, PermissionError, ValueError, ConnectError), _stop_action, args)
 
 
 def _stop_action(args: argparse.Namespace) -> int:
@@ -198,8 +201,8 @@ def _stop_action(args: argparse.Namespace) -> int:
     persistent mesh whose kernel is gone needs no Python, and no ``allocator stop`` of all of them."""
     from .allocator import stop_mesh
     from .config import get_config, runtime_dir
-    from .errors import MeshError
-    from .introspect import known_status
+    from .errors import ConnectError, MeshError
+    from .introspect import _unreached_note, known_status
 
     if (args.name is None) == (not args.all):
         raise ValueError("name a mesh (as `monarch-nb status` lists it) or pass --all")
@@ -214,7 +217,7 @@ def _stop_action(args: argparse.Namespace) -> int:
             meshes[m["name"]] = ([*addrs, a["addr"]], owner, live or m["owner"] in attached)
     if args.name is not None and args.name not in meshes:
         # one too busy to list its meshes in time may run it: "no mesh" alone sent the user away
-        silent = "".join(f"; {a.get('addr')} did not answer: {a['error']}" for a in allocators if a.get("error"))
+        silent = "".join(f"; {a.get('addr') or a.get('host')} did not answer: {a['error']}" for a in allocators if a.get("error"))
         raise MeshError(
             f"no mesh named {args.name!r} on this host's allocators or its jobs' (runtime directory {runtime_dir()}; "
             f"meshes: {', '.join(sorted(meshes)) or 'none'}{silent})"
@@ -223,6 +226,7 @@ def _stop_action(args: argparse.Namespace) -> int:
     if not todo:
         print("no meshes on this host's allocators")
     timeout = get_config().spawn_timeout
+    rc = 0
     for name in todo:
         addrs, owner, live = meshes[name]
         if live and not args.force:
@@ -234,8 +238,16 @@ def _stop_action(args: argparse.Namespace) -> int:
             continue
         reason = "stopped by `monarch-nb stop` on the command line"
         n = sum(stop_mesh(name, a, force=args.force, reason=reason, timeout=timeout) for a in addrs)
-        print(f"stopped mesh {name!r} ({plural(n, 'proc')})")
-    return 0
+        print(f"stopped mesh {name!r} ({plural(n, 'proc')})", flush=True)
+        # ranks on a host that did not answer (a job's lost host): said, and the exit status says
+        # not everything was stopped, as ssh/pdsh report a host they could not reach
+        note = _unreached_note(name, allocators)
+        if note and args.name is not None:
+            raise ConnectError(note)
+        if note:
+            print(f"monarch-nb stop: {note}", file=sys.stderr)
+            rc = 1
+    return rc
 
 
 def _stacks(args: argparse.Namespace) -> int:

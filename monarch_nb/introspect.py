@@ -6,6 +6,7 @@ snapshot. It registers no controller, so it holds no lease and keeps nothing ali
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._deadline import budget
+from ._ranks import format_ranks
 from ._runtime.records import read_connection_files
 from ._runtime.runtime import pid_alive
 from ._runtime.transport import Security
@@ -82,7 +84,9 @@ def known_status(jobs: list[dict[str, Any]] | None = None, timeout: float = 2.0)
     carry ``job``: its row's name, type, scheduler, id and state.
 
     A job's allocators keep their connection files in the job's own directory (on another host,
-    for SSH and Slurm), so they are asked by address, with the job's own cluster key. With no
+    for SSH and Slurm), so they are asked by address, with the job's own cluster key. A job's
+    host that the job lists as lost (its allocator does not answer) is not asked: it is listed
+    with ``lost: True``, its ``host``, its ``addr`` where the job knows it, and ``error``. With no
     job on record nothing is asked of a scheduler: this is :func:`status`.
     """
     if jobs is None:
@@ -91,11 +95,19 @@ def known_status(jobs: list[dict[str, Any]] | None = None, timeout: float = 2.0)
         jobs = list_jobs()
     by_key: dict[str, set[str]] = {}
     owner: dict[str, dict[str, Any]] = {}
+    lost: list[dict[str, Any]] = []
     for j in jobs:
         addrs = [str(a) for a in j.get("addrs") or []]
         by_key.setdefault(str(j.get("key_file") or ""), set()).update(addrs)
         tag = {k: j.get(k, "") for k in ("name", "type", "scheduler", "id", "state")}
         owner.update((a, tag) for a in addrs)
+        # listed, not asked: the job found them silent already (a stop or a logs request that
+        # waited on one waited out its whole timeout), and left out, a stop of a mesh with ranks
+        # there said nothing of them
+        where = j.get("lost_addrs") or {}
+        for h in j.get("lost") or []:
+            error = "lost: its allocator does not answer"
+            lost.append({"addr": str(where.get(h) or ""), "host": str(h), "error": error, "lost": True, "job": tag})
     raw = status(sorted(by_key.pop("", set())) or None, timeout)
     for key_file, asked in sorted(by_key.items()):
         if asked:
@@ -107,7 +119,65 @@ def known_status(jobs: list[dict[str, Any]] | None = None, timeout: float = 2.0)
         job = owner.get(str(a.get("addr") or "")) or owner.get(str(a.get("tcp") or ""))
         if job is not None:
             a["job"] = job
+    raw["allocators"] += lost
     return raw
+
+
+def _missing_ranks(name: str, allocators: list[dict[str, Any]]) -> tuple[int, list[int]]:
+    """The size of mesh ``name`` as the allocators that answered list it (0: none lists it), and
+    its ranks that none of them runs."""
+    ranks: set[int] = set()
+    size = 0
+    for a in allocators:
+        for m in a.get("meshes", []) if not a.get("error") else []:
+            if m["name"] == name:
+                _labels, sizes = m.get("extent") or (m.get("labels", []), m.get("sizes", []))
+                size = max(size, math.prod(sizes))
+                ranks.update(p["rank"] for p in m["procs"])
+    return size, sorted(set(range(size)) - ranks)
+
+
+def _unreached_where(allocators: list[dict[str, Any]]) -> str:
+    """The allocators of ``allocators`` that did not answer, each with its host, address, job and why."""
+    return "; ".join(
+        f"{a.get('host') or '?'} ({a.get('addr') or 'address unknown'}"
+        + (f", job {a['job'].get('name')}" if a.get("job") else "")
+        + f"): {a['error']}"
+        for a in allocators
+        if a.get("error")
+    )
+
+
+def _unreached_note(name: str, allocators: list[dict[str, Any]], found_it: bool | None = None) -> str:
+    """What a user stopping mesh ``name`` must know when some of ``allocators`` (as
+    :func:`known_status` lists them) did not answer: which ranks may be there, which hosts, and
+    what became of their procs. Empty when none is missing: every rank of the mesh was found
+    on one that answered, or every allocator answered. ``found_it``: the mesh was found (default:
+    listed by one that answered)."""
+    gone = [a for a in allocators if a.get("error")]
+    if not gone:
+        return ""
+    size, missing = _missing_ranks(name, allocators)
+    if found_it is None:
+        found_it = bool(size)
+    if found_it and size and not missing:
+        return ""
+    what = (
+        f"{'rank' if len(missing) == 1 else 'ranks'} {format_ranks(missing)} of mesh {name!r} "
+        f"{'is' if len(missing) == 1 else 'are'} on no allocator that answered"
+        if missing
+        else f"no allocator that answered has a mesh named {name!r}"
+    )
+    jobs = sorted({str(a["job"].get("name")) for a in gone if a.get("job")})
+    # who could tell which: a killed allocator's zygote and procs die with it (PDEATHSIG); a cut
+    # link leaves all of them running on the far side
+    return (
+        f"{what}, and these could not be reached: {_unreached_where(gone)}. "
+        "What ran there was not stopped: if the allocator died (killed, or its host went down), its procs "
+        "died with it; if the host is only cut off, they run on until you stop the mesh again once the host "
+        "answers, or until that allocator's lease (MONARCH_NB_LEASE) passes with no controller attached"
+        + (f"; `monarch-nb job kill {jobs[0]}` stops the job's allocators, these too once they answer" if len(jobs) == 1 else "")
+    )
 
 
 def logs(mesh: str, rank: int, tail: int | None = None, addr: str | None = None, timeout: float = 5.0) -> list[dict[str, Any]]:

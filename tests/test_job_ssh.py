@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -459,3 +460,68 @@ def test_a_jobs_mesh_on_other_hosts_is_read_and_stopped_by_name(ssh: SshCluster)
     assert json.loads(res[1]["stop"])[0] == 2, res[1]
     rc, stdout, _stderr, elapsed = res[2]["cli"]
     assert (rc, stdout) == (0, "stopped mesh 'far2' (2 procs)\n") and elapsed < 10, res[2]
+
+
+@pytest.mark.timeout(120)
+def test_stop_and_status_with_a_dead_host_name_it_at_once(ssh: SshCluster) -> None:
+    """A job's host whose allocator died: ``stop_mesh(name)`` stopped the ranks on the live
+    hosts and returned as if that was all of the mesh (or, found nowhere else, "no mesh named");
+    the dead host was not named. Now the live ranks stop at once, and a ConnectError names the
+    host, the ranks there and what became of them, within the dead-host promise (3 s)."""
+    _code_spawn = """
+        job = make_job({args!r}, extra=())
+        state = job.state(cached_path=named_job_path("deadhost"))
+        state.workers.spawn_procs(per_host={{"gpus": 1}}, name="dm", persist=True)
+        state.workers.spawn_procs(per_host={{"gpus": 1}}, name="dm2", persist=True)
+        state.workers.slice(hosts=1).spawn_procs(per_host={{"gpus": 1}}, name="only2", persist=True)
+        os._exit(0)  # the notebook is gone; its persistent meshes stay
+        """
+    run_controller(ssh.net, ssh.shared, _code(_code_spawn, args=ssh.ssh_args()), _env(ssh))
+    try:
+        (victim,) = [pid for pid, cmd in _allocators_on(ssh, 2) if " allocator " in cmd]
+        os.kill(victim, signal.SIGKILL)
+        # what the error says of them: its zygote and procs die with it
+        wait_for(lambda: not _allocators_on(ssh, 2), 15, "s2's procs to die with their allocator")
+        res = run_controller(
+            ssh.net,
+            ssh.shared,
+            _code(
+                """
+                import subprocess, time
+                from monarch_nb.allocator import stop_mesh
+                from monarch_nb.errors import ConnectError
+                from monarch_nb.introspect import known_status
+                t0 = time.monotonic()
+                try:
+                    out(stopped=stop_mesh("dm"))
+                except ConnectError as e:
+                    out(error=str(e), stopped=e.stopped, elapsed=time.monotonic() - t0)
+                out(left=sorted(m["name"] for a in known_status()["allocators"] for m in a.get("meshes", [])))
+                for argv in (["stop", "dm2", "--force"], ["stop", "only2", "--force"], ["status"]):
+                    t0 = time.monotonic()
+                    cp = subprocess.run([sys.executable, "-m", "monarch_nb", *argv], capture_output=True, text=True, timeout=60)
+                    out(rc=cp.returncode, stdout=cp.stdout, stderr=cp.stderr, elapsed=time.monotonic() - t0)
+                """
+            ),
+            _env(ssh),
+        )
+    finally:
+        run_controller(ssh.net, ssh.shared, _code("from monarch_nb.job import kill_job\nkill_job('deadhost')\n"), _env(ssh))
+    stop, left, cli_part, cli_stop, status = res
+    assert stop["stopped"] == 1 and stop["elapsed"] < 3, stop
+    assert stop["error"].startswith("1 proc of mesh 'dm' stopped on the allocators that answered; rank 1 of mesh 'dm' is "), stop
+    assert re.search(r"root@s2 \(tcp://[\d.]+:\d+, job deadhost\): lost: its allocator does not answer", stop["error"]), stop
+    assert "if the allocator died (killed, or its host went down), its procs died with it" in stop["error"], stop
+    assert "`monarch-nb job kill deadhost`" in stop["error"], stop
+    assert left == {"left": ["dm2"]}, left
+    # the command line: the live part stopped and said so, then the dead host named, exit status 1
+    assert (cli_part["rc"], cli_part["stdout"]) == (1, "stopped mesh 'dm2' (1 proc)\n") and cli_part["elapsed"] < 3, cli_part
+    assert cli_part["stderr"].startswith("monarch-nb stop: rank 1 of mesh 'dm2' is on no allocator that answered"), cli_part
+    # found nowhere that answered: the lost host is named, not "no mesh" alone
+    assert cli_stop["rc"] == 1 and cli_stop["elapsed"] < 3, cli_stop
+    assert cli_stop["stderr"].startswith("monarch-nb stop: no mesh named 'only2'"), cli_stop
+    assert "did not answer: lost: its allocator does not answer" in cli_stop["stderr"], cli_stop
+    assert status["rc"] == 0 and status["elapsed"] < 3, status
+    assert re.search(r"\n  allocator on root@s2 \(tcp://[\d.]+:\d+\): lost: its allocator does not answer\n", status["stdout"]), (
+        status
+    )

@@ -50,6 +50,7 @@ class ProcessJob(JobTrait):
             "hosts": len(self._hosts),
             "state": f"lost: {', '.join(lost)}" if lost else "running",
             "lost": lost,
+            "lost_addrs": {s: self._hosts[s]["addr"] for s in lost},
             "addrs": addrs,
         }
 

@@ -232,6 +232,7 @@ class SlurmJob(JobTrait):
             live = answering([h["tcp"] for h in self._hosts], self._key_path())
             lost = sorted(h["name"] for h in self._hosts if h["name"] in down or h["tcp"] not in live)
             row["lost"] = lost
+            row["lost_addrs"] = {h["name"]: h["tcp"] for h in self._hosts if h["name"] in lost}
             # the sidebar asks the live allocators only: a dead one would make every poll wait for it
             row["addrs"] = [h["tcp"] for h in self._hosts if h["name"] not in lost]
             if lost:

@@ -162,6 +162,7 @@ class SSHJob(JobTrait):
             "hosts": len(self._hosts),
             "state": f"lost: {', '.join(lost)}" if lost else "running",
             "lost": lost,
+            "lost_addrs": {h: self._hosts[h]["tcp"] for h in lost if self._hosts[h].get("tcp")},
             "addrs": addrs,
         }
 

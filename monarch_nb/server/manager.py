@@ -209,8 +209,11 @@ class MeshManager:
             raise ValueError("a mesh name is required")
         self._check_alloc(alloc)
         # without alloc, stop_mesh finds it on the jobs' allocators too
-        n = stop_mesh(name, alloc or None, force=True, reason="stopped from the JupyterLab sidebar")
-        self._invalidate()
+        try:
+            n = stop_mesh(name, alloc or None, force=True, reason="stopped from the JupyterLab sidebar")
+        finally:
+            # also when ranks on a lost host were left (ConnectError): the others did stop
+            self._invalidate()
         return {"mesh": name, "stopped_procs": n}
 
     def rank_log(self, mesh: str, rank: int, tail: int | None = 500, alloc: str | None = None) -> dict[str, Any]:
