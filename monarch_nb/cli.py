@@ -149,9 +149,14 @@ def _print_allocator(a: dict, indent: str) -> None:
 
 
 def _logs(args: argparse.Namespace) -> int:
-    from .errors import MeshError
+    import warnings
 
-    return _in_one_line("logs", (ValueError, MeshError), _logs_action, args)
+    from .errors import ConnectError, MeshError
+
+    with warnings.catch_warnings():
+        # ranks on a job's host that does not answer: one line, as the errors are
+        warnings.showwarning = lambda message, *_a, **_k: print(f"monarch-nb logs: {message}", file=sys.stderr)
+        return _in_one_line("logs", (ValueError, MeshError, ConnectError), _logs_action, args)
 
 
 def _logs_action(args: argparse.Namespace) -> int:

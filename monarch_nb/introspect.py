@@ -187,12 +187,17 @@ def logs(mesh: str, rank: int, tail: int | None = None, addr: str | None = None,
     from .errors import MeshError
 
     if addr is None:
-        for a in known_status()["allocators"]:
+        found = known_status()["allocators"]
+        for a in found:
             for m in a.get("meshes", []):
                 if m["name"] == mesh and any(p["rank"] == rank for p in m["procs"]):
                     addr = a["addr"]
         if addr is None:
-            raise MeshError(f"no rank {rank} of a mesh named {mesh!r} on any known allocator")
+            gone = _unreached_where(found)
+            raise MeshError(
+                f"no rank {rank} of a mesh named {mesh!r} on any known allocator"
+                + (f" that answered, and these could not be reached: {gone}" if gone else "")
+            )
     return _context.client().request(addr, "logs", mesh, rank, tail).get(timeout=timeout)
 
 

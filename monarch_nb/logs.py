@@ -234,16 +234,32 @@ def _named_here(name: str) -> bool:
     return True
 
 
-def _job_ranks(name: str) -> dict[int, str]:
+def _job_ranks(name: str, unreached: list[str] | None = None) -> dict[int, str]:
     """Rank -> allocator of the running mesh ``name`` as the allocators list it, the jobs' too
-    (:func:`monarch_nb.introspect.known_status`)."""
-    from .introspect import known_status
+    (:func:`monarch_nb.introspect.known_status`). ``unreached`` gets what to say of the ranks
+    that may be on an allocator that did not answer (a job's lost host), if any."""
+    from .introspect import _missing_ranks, _unreached_where, known_status
 
+    found = known_status()["allocators"]
+    gone = _unreached_where(found)
+    if unreached is not None and gone:
+        size, missing = _missing_ranks(name, found)
+        if missing or not size:
+            what = (
+                f"{'rank' if len(missing) == 1 else 'ranks'} {format_ranks(missing)} of mesh {name!r} "
+                f"{'is' if len(missing) == 1 else 'are'} on no allocator that answered"
+                if missing
+                else f"no allocator that answered has a mesh named {name!r}"
+            )
+            unreached.append(
+                f"{what}, and these could not be reached: {gone} (an allocator keeps its ranks' logs "
+                "on its host: `monarch-nb logs` there, or here once it answers)"
+            )
     return {
         p["rank"]: a["addr"]
-        for a in known_status()["allocators"]
+        for a in found
         for m in a.get("meshes", [])
-        if m["name"] == name
+        if m["name"] == name and not a.get("error")
         for p in m["procs"]
     }
 
@@ -252,14 +268,26 @@ def _job_logs(
     name: str, rank: int | None, tail: int | None, start: dict[int, int] | None, where: dict[int, str] | None = None
 ) -> list[dict[str, Any]] | None:
     """The logs of the running mesh ``name`` from the allocators ``where`` its ranks are
-    (default: :func:`_job_ranks`); None: no allocator lists it."""
-    from .actor import _context
+    (default: :func:`_job_ranks`); None: no allocator lists it. Ranks on a job's host that does
+    not answer: ``ConnectError`` for one asked by number, a ``RuntimeWarning`` when all are."""
+    import warnings
 
-    where = _job_ranks(name) if where is None else where
+    from .actor import _context
+    from .errors import ConnectError
+
+    unreached: list[str] = []
+    where = _job_ranks(name, unreached) if where is None else where
     if not where:
+        if unreached:
+            # a mesh on a lost host only: "no such mesh" alone sent the user looking elsewhere
+            raise ConnectError(unreached[0])
         return None
     if rank is not None and rank not in where:
+        if unreached:
+            raise ConnectError(unreached[0])
         raise ValueError(f"mesh {name!r} has no rank {rank} (ranks {format_ranks(where)})")
+    if rank is None and unreached:
+        warnings.warn(unreached[0], RuntimeWarning, stacklevel=3)
     ranks = sorted(where) if rank is None else [rank]
     client = _context.client()
     futs = [client.request(where[r], "logs", name, r, tail, start.get(r, 0) if start else 0) for r in ranks]

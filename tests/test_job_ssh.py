@@ -525,3 +525,66 @@ def test_stop_and_status_with_a_dead_host_name_it_at_once(ssh: SshCluster) -> No
     assert re.search(r"\n  allocator on root@s2 \(tcp://[\d.]+:\d+\): lost: its allocator does not answer\n", status["stdout"]), (
         status
     )
+
+
+@pytest.mark.timeout(120)
+def test_logs_and_stacks_with_a_dead_host_name_it(ssh: SshCluster) -> None:
+    """A job's host whose allocator died: ``stacks(name)`` showed the live ranks alone, numbered
+    from 0 (rank 1 shown as rank 0), ``monarch-nb logs M --rank R``
+    said "mesh 'M' has no rank R (ranks 1)" and ``introspect.logs`` "no rank R ... on any known
+    allocator". Each now names the host that could not be reached, at once."""
+    spawn = """
+        class Hello(Actor):
+            @endpoint
+            def hello(self):
+                print("hello", flush=True)
+
+        job = make_job({args!r}, extra=())
+        state = job.state(cached_path=named_job_path("deadlogs"))
+        state.workers.spawn_procs(per_host={{"gpus": 1}}, name="lm", persist=True).spawn("h", Hello).hello.call().get()
+        os._exit(0)
+        """
+    run_controller(ssh.net, ssh.shared, _code(spawn, args=ssh.ssh_args()), _env(ssh))
+    try:
+        (victim,) = [pid for pid, cmd in _allocators_on(ssh, 1) if " allocator " in cmd]
+        os.kill(victim, signal.SIGKILL)
+        res = run_controller(
+            ssh.net,
+            ssh.shared,
+            _code(
+                """
+                import subprocess, time
+                from monarch_nb.debug import stacks
+                from monarch_nb.errors import MeshError
+                from monarch_nb.introspect import logs
+                t0 = time.monotonic()
+                out(stacks=str(stacks("lm")), elapsed=time.monotonic() - t0)
+                t0 = time.monotonic()
+                try:
+                    logs("lm", 0)
+                except MeshError as e:
+                    out(error=str(e), elapsed=time.monotonic() - t0)
+                for argv in (["logs", "lm", "--rank", "0"], ["logs", "lm"]):
+                    t0 = time.monotonic()
+                    cp = subprocess.run([sys.executable, "-m", "monarch_nb", *argv], capture_output=True, text=True, timeout=60)
+                    out(rc=cp.returncode, stdout=cp.stdout, stderr=cp.stderr, elapsed=time.monotonic() - t0)
+                """
+            ),
+            _env(ssh),
+        )
+    finally:
+        run_controller(ssh.net, ssh.shared, _code("from monarch_nb.job import kill_job\nkill_job('deadlogs')\n"), _env(ssh))
+    st, lg, one, every = res
+    unreached = r"these could not be reached: root@s1 \(tcp://[\d.]+:\d+, job deadlogs\): lost: its allocator does not answer"
+    assert st["elapsed"] < 3 and st["stacks"].startswith("stacks of mesh 'lm': 2 ranks\n"), st
+    assert re.search(r"\n  rank 0 \(root@s1\): on no allocator that answered, and " + unreached, st["stacks"]), st
+    # the live rank keeps its number
+    assert "\n  [rank 1] thread MainThread\n" in st["stacks"] and "[rank 0] thread" not in st["stacks"], st
+    assert lg["elapsed"] < 3 and lg["error"].startswith("no rank 0 of a mesh named 'lm' on any known allocator that answered"), lg
+    assert re.search(unreached, lg["error"]), lg
+    assert one["rc"] == 1 and one["elapsed"] < 3, one
+    assert one["stderr"].startswith("monarch-nb logs: rank 0 of mesh 'lm' is on no allocator that answered, and "), one
+    assert re.search(unreached, one["stderr"]), one
+    # all ranks: what can be read is printed, and the rest is named
+    assert (every["rc"], every["stdout"]) == (0, "[1] hello\n") and every["elapsed"] < 3, every
+    assert every["stderr"].startswith("monarch-nb logs: rank 0 of mesh 'lm' is on no allocator that answered"), every

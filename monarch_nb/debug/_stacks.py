@@ -221,7 +221,7 @@ class Stacks:
     def __str__(self) -> str:
         out = [f"stacks of mesh {self.mesh!r}: {plural(len(self.ranks), 'rank')}"]
         for r in self.unanswered:
-            out.append(f"  rank {r.rank} ({r.host} pid {r.pid}): {r.error}")
+            out.append(f"  rank {r.rank} ({r.host}{f' pid {r.pid}' if r.pid else ''}): {r.error}")
         for group, text in self._native_groups():
             out.append(f"  native stack of {_ranks(group)} (py-spy):")
             out.extend("    " + ln for ln in text.splitlines())
@@ -254,7 +254,8 @@ class Stacks:
         ]
         for r in self.unanswered:
             parts.append(
-                f'<div class="mnb-stack-missing" data-rank="{r.rank}">rank {r.rank} ({html.escape(r.host)} pid {r.pid}): '
+                f'<div class="mnb-stack-missing" data-rank="{r.rank}">rank {r.rank} '
+                f"({html.escape(r.host)}{f' pid {r.pid}' if r.pid else ''}): "
                 f"{html.escape(r.error)}</div>"
             )
         for group, text in self._native_groups():
@@ -383,8 +384,11 @@ def stacks(
     as not answering. ``internal`` shows monarch_nb's own frames (default: the
     ``traceback_internal_frames`` setting)."""
     callers: dict[str, str] = {}
+    procs: list[ProcRef | None]
+    unreached: tuple[str, str] = ("", "")
     if isinstance(mesh, str):
-        name, procs = mesh, _procs_named(mesh, timeout, callers)
+        # by rank: a rank on a host that does not answer has no proc here (None), and is listed as such
+        name, procs, unreached = mesh, *_procs_named(mesh, timeout, callers)
     else:
         view = getattr(mesh, "_view", None)
         if view is None or not hasattr(mesh, "_procs"):
@@ -399,15 +403,20 @@ def stacks(
     if ranks is not None:
         idx = select_ranks(ranks, len(procs))
     client = _context.client()
-    futs = {i: client.request(procs[i].addr, "stacks", _actor="__debug__") for i in idx}
+    futs = {i: client.request(p.addr, "stacks", _actor="__debug__") for i in idx if (p := procs[i]) is not None}
     nfuts = {}
     if native:
-        nfuts = {i: client.request(procs[i].alloc, "native_stack", procs[i].pid, timeout) for i in idx if procs[i].alloc}
+        nfuts = {
+            i: client.request(p.alloc, "native_stack", p.pid, timeout) for i in idx if (p := procs[i]) is not None and p.alloc
+        }
     deadline = time.monotonic() + timeout
     out = []
     with _debugwait.quiet():  # a housekeeping wait: paused ranks are what we are looking at
         for i in idx:
             p = procs[i]
+            if p is None:
+                out.append(RankStack(i, unreached[0], 0, error=unreached[1]))
+                continue
             rs = RankStack(i, p.host, p.pid)
             try:
                 got = futs[i].get(timeout=max(0.05, deadline - time.monotonic()))
@@ -427,7 +436,7 @@ def stacks(
         for rs in out:
             f = nfuts.get(rs.rank)
             if f is None:
-                if native:
+                if native and not rs.error:
                     rs.native_error = "not a proc of an allocator"
                 continue
             try:
@@ -435,26 +444,30 @@ def stacks(
                 rs.native, rs.native_error = got.get("text", ""), got.get("error", "")
             except Exception as e:
                 rs.native_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}"
-    callers.update({p.addr: f"rank {i}" for i, p in enumerate(procs)})
+    callers.update({p.addr: f"rank {i}" for i, p in enumerate(procs) if p is not None})
     for a in (getattr(client.rt, "ipc_addr", ""), getattr(client.rt, "tcp_addr", "")):
         if a:
             callers[a] = "this controller"
     return Stacks(name, out, show_internal_frames() if internal is None else internal, callers)
 
 
-def _procs_named(name: str, timeout: float, callers: dict[str, str]) -> list[ProcRef]:
+def _procs_named(name: str, timeout: float, callers: dict[str, str]) -> tuple[list[ProcRef | None], tuple[str, str]]:
     """The procs of mesh ``name`` as this host's allocators (and its jobs') list them, asked as any controller
     asks: no lookup that would own them or subscribe to their output (`monarch-nb stacks` of a
     hung kernel's mesh must leave its owner as it is). ``callers`` gets the name of each
-    controller attached there, by address: the owner's calls show who made them."""
+    controller attached there, by address: the owner's calls show who made them.
+
+    By rank, over the mesh's extent: None for a rank no allocator that answered runs (a job's lost
+    host), with the host and the words for those."""
     from ..config import runtime_dir
     from ..errors import MeshError
-    from ..introspect import known_status
+    from ..introspect import _missing_ranks, _unreached_where, known_status
 
     procs: list[ProcRef] = []
     names: set[str] = set()
     # the jobs' allocators too: a ProcessJob's, SSHJob's or SlurmJob's records are in the job's directory
-    for a in known_status(timeout=timeout)["allocators"]:
+    found = known_status(timeout=timeout)["allocators"]
+    for a in found:
         for c in a.get("controllers", []):
             if c.get("addr"):
                 callers[c["addr"]] = f"controller {c.get('cid')} (pid {c.get('pid')})"
@@ -462,9 +475,21 @@ def _procs_named(name: str, timeout: float, callers: dict[str, str]) -> list[Pro
             names.add(m["name"])
             if m["name"] == name:
                 procs += [ProcRef(p["addr"], a["addr"], a.get("host", ""), p["pid"], name, p["rank"]) for p in m["procs"]]
+    gone = _unreached_where(found)
     if not procs:
         raise MeshError(
             f"no mesh named {name!r} on this host's allocators or its jobs' (runtime directory {runtime_dir()}; "
-            f"meshes: {', '.join(sorted(names)) or 'none'})"
+            f"meshes: {', '.join(sorted(names)) or 'none'}" + (f"), and these could not be reached: {gone}" if gone else ")")
         )
-    return sorted(procs, key=lambda p: p.rank)
+    size, missing = _missing_ranks(name, found)
+    by_rank: list[ProcRef | None] = [None] * max(size, 1 + max(p.rank for p in procs))
+    for p in procs:
+        by_rank[p.rank] = p
+    lost = [a for a in found if a.get("error")]
+    host = str(lost[0].get("host") or "?") if len(lost) == 1 else "host not known"
+    why = (
+        f"on no allocator that answered, and these could not be reached: {gone}"
+        if missing and gone
+        else "not listed by its allocator"
+    )
+    return by_rank, (host, why)
