@@ -207,7 +207,7 @@ def _stop_action(args: argparse.Namespace) -> int:
     from .allocator import stop_mesh
     from .config import get_config, runtime_dir
     from .errors import ConnectError, MeshError
-    from .introspect import _unreached_note, known_status
+    from .introspect import _unreached_note, _unreached_where, known_status
 
     if (args.name is None) == (not args.all):
         raise ValueError("name a mesh (as `monarch-nb status` lists it) or pass --all")
@@ -252,6 +252,11 @@ def _stop_action(args: argparse.Namespace) -> int:
         if note:
             print(f"monarch-nb stop: {note}", file=sys.stderr)
             rc = 1
+    gone = _unreached_where(allocators)
+    if args.all and gone and not rc:
+        # their meshes are listed nowhere: "no meshes" alone read as "nothing left running"
+        print(f"monarch-nb stop: these could not be reached, and no mesh of theirs was stopped: {gone}", file=sys.stderr)
+        rc = 1
     return rc
 
 

@@ -497,7 +497,7 @@ def test_stop_and_status_with_a_dead_host_name_it_at_once(ssh: SshCluster) -> No
                 except ConnectError as e:
                     out(error=str(e), stopped=e.stopped, elapsed=time.monotonic() - t0)
                 out(left=sorted(m["name"] for a in known_status()["allocators"] for m in a.get("meshes", [])))
-                for argv in (["stop", "dm2", "--force"], ["stop", "only2", "--force"], ["status"]):
+                for argv in (["stop", "dm2", "--force"], ["stop", "only2", "--force"], ["status"], ["stop", "--all", "--force"]):
                     t0 = time.monotonic()
                     cp = subprocess.run([sys.executable, "-m", "monarch_nb", *argv], capture_output=True, text=True, timeout=60)
                     out(rc=cp.returncode, stdout=cp.stdout, stderr=cp.stderr, elapsed=time.monotonic() - t0)
@@ -507,7 +507,7 @@ def test_stop_and_status_with_a_dead_host_name_it_at_once(ssh: SshCluster) -> No
         )
     finally:
         run_controller(ssh.net, ssh.shared, _code("from monarch_nb.job import kill_job\nkill_job('deadhost')\n"), _env(ssh))
-    stop, left, cli_part, cli_stop, status = res
+    stop, left, cli_part, cli_stop, status, cli_all = res
     assert stop["stopped"] == 1 and stop["elapsed"] < 3, stop
     assert stop["error"].startswith("1 proc of mesh 'dm' stopped on the allocators that answered; rank 1 of mesh 'dm' is "), stop
     assert re.search(r"root@s2 \(tcp://[\d.]+:\d+, job deadhost\): lost: its allocator does not answer", stop["error"]), stop
@@ -525,6 +525,11 @@ def test_stop_and_status_with_a_dead_host_name_it_at_once(ssh: SshCluster) -> No
     assert re.search(r"\n  allocator on root@s2 \(tcp://[\d.]+:\d+\): lost: its allocator does not answer\n", status["stdout"]), (
         status
     )
+    # --all: nothing left where it could look, and the host it could not is named
+    assert (cli_all["rc"], cli_all["stdout"]) == (1, "no meshes on this host's allocators\n"), cli_all
+    assert cli_all["stderr"].startswith(
+        "monarch-nb stop: these could not be reached, and no mesh of theirs was stopped: root@s2"
+    ), cli_all
 
 
 @pytest.mark.timeout(120)
