@@ -297,7 +297,12 @@ def _job_logs(
 
 
 def follow(mesh: Any, rank: int | None = None, tail: int = 10, poll: float = 0.25) -> Iterator[dict[str, Any]]:
-    """Yield the last ``tail`` lines, then new lines as ranks write them (until the caller stops)."""
+    """Yield the last ``tail`` lines, then new lines as ranks write them (until the caller stops).
+    Ranks on a job's host that does not answer: as :func:`logs`."""
+    import warnings
+
+    from .errors import ConnectError
+
     check_tail(tail)
     seen: dict[int, int] = {}
 
@@ -306,7 +311,12 @@ def follow(mesh: Any, rank: int | None = None, tail: int = 10, poll: float = 0.2
 
     if isinstance(mesh, str) and not _named_here(mesh):
         # a job's mesh, found once: no scheduler (squeue, ssh) asked again at every poll
-        where = _job_ranks(mesh)
+        unreached: list[str] = []
+        where = _job_ranks(mesh, unreached)
+        if unreached and (not where or (rank is not None and rank not in where)):
+            raise ConnectError(unreached[0])
+        if unreached:
+            warnings.warn(unreached[0], RuntimeWarning, stacklevel=2)
         if where:
 
             def fetch(start: dict[int, int] | None) -> list[dict[str, Any]]:

@@ -569,7 +569,13 @@ def test_logs_and_stacks_with_a_dead_host_name_it(ssh: SshCluster) -> None:
                     logs("lm", 0)
                 except MeshError as e:
                     out(error=str(e), elapsed=time.monotonic() - t0)
-                for argv in (["logs", "lm", "--rank", "0"], ["logs", "lm"]):
+                from monarch_nb.errors import ConnectError
+                from monarch_nb.logs import follow
+                try:
+                    next(follow("lm", 0))
+                except ConnectError as e:
+                    out(follow=str(e))
+                for argv in (["logs", "lm", "--rank", "0"], ["logs", "lm"], ["logs", "lm", "-f", "--rank", "0"]):
                     t0 = time.monotonic()
                     cp = subprocess.run([sys.executable, "-m", "monarch_nb", *argv], capture_output=True, text=True, timeout=60)
                     out(rc=cp.returncode, stdout=cp.stdout, stderr=cp.stderr, elapsed=time.monotonic() - t0)
@@ -579,7 +585,7 @@ def test_logs_and_stacks_with_a_dead_host_name_it(ssh: SshCluster) -> None:
         )
     finally:
         run_controller(ssh.net, ssh.shared, _code("from monarch_nb.job import kill_job\nkill_job('deadlogs')\n"), _env(ssh))
-    st, lg, one, every = res
+    st, lg, fol, one, every, following = res
     unreached = r"these could not be reached: root@s1 \(tcp://[\d.]+:\d+, job deadlogs\): lost: its allocator does not answer"
     assert st["elapsed"] < 3 and st["stacks"].startswith("stacks of mesh 'lm': 2 ranks\n"), st
     assert re.search(r"\n  rank 0 \(root@s1\): on no allocator that answered, and " + unreached, st["stacks"]), st
@@ -593,3 +599,6 @@ def test_logs_and_stacks_with_a_dead_host_name_it(ssh: SshCluster) -> None:
     # all ranks: what can be read is printed, and the rest is named
     assert (every["rc"], every["stdout"]) == (0, "[1] hello\n") and every["elapsed"] < 3, every
     assert every["stderr"].startswith("monarch-nb logs: rank 0 of mesh 'lm' is on no allocator that answered"), every
+    assert fol["follow"].startswith("rank 0 of mesh 'lm' is on no allocator that answered, and "), fol
+    assert following["rc"] == 1 and following["elapsed"] < 3, following
+    assert following["stderr"].startswith("monarch-nb logs: rank 0 of mesh 'lm' is on no allocator that answered"), following
