@@ -28,6 +28,8 @@ from .spmd import _default_group_initialized, _forget_destroyed_groups
 EXEC_ACTOR = "__mnb_exec__"
 #: the ``__name__`` of a mesh's exec namespace (the module of the classes its cells define)
 EXEC_NS = "__mnb_exec__"
+#: how many cells' outcomes a proc remembers for :meth:`ExecActor.outcome`
+OUTCOMES_KEPT = 64
 
 
 class Unpicklable:
@@ -56,6 +58,22 @@ class ExecActor(Actor):
     def __init__(self) -> None:
         self.ns: dict[str, Any] = {"__name__": EXEC_NS, "__builtins__": builtins}
         self.count = 0
+        #: label -> how the cell ended here: ``(type name, message, holds a process group)``,
+        #: type and message empty when it succeeded
+        self.outcomes: dict[str, tuple[str, str, bool]] = {}
+
+    @endpoint
+    def outcome(self, label: str) -> tuple[str, str, bool] | None:
+        """How cell ``label`` ended in this proc (None: not run here). A cell fails fast, so its
+        call does not wait for the ranks still running when one raised (in a collective with
+        it, perhaps): asked after it, this answers once they have ended it (calls to one actor
+        run in order), and the notebook says how (``mesh.exec_cell``)."""
+        return self.outcomes.get(label)
+
+    def _ended(self, label: str, error: tuple[str, str]) -> None:
+        if len(self.outcomes) >= OUTCOMES_KEPT:
+            del self.outcomes[next(iter(self.outcomes))]
+        self.outcomes[label] = (*error, _default_group_initialized())
 
     @endpoint
     def run(self, source: str, label: str = "") -> tuple[bool, Any]:
@@ -69,6 +87,7 @@ class ExecActor(Actor):
         had_group = _default_group_initialized()
         try:
             value = host.run_on_main(lambda: ctx.run(self._exec, source, filename))
+            self._ended(label or str(self.count), ("", ""))
         except BaseException as e:  # KeyboardInterrupt too: it is the cell's result, not the actor's end
             tb = e.__traceback__
             # drop our own frames: the user wants their cell's lines
@@ -94,6 +113,7 @@ class ExecActor(Actor):
             # the ranks waiting for this one in a collective of its process group are freed by
             # destroying that group here (its connections close): the error says so
             failed.holds_group = _default_group_initialized()
+            self._ended(label or str(self.count), (type(e).__name__, str(e)))
             raise failed from None
         finally:
             if had_group and not _default_group_initialized():

@@ -490,8 +490,12 @@ class ExecError(MonarchNBError):
                 lines.append(
                     f"if they wait for {who} in a collective, destroying its process group frees them "
                     f"and keeps every proc's other state: in %%mesh exec {self.mesh} --ranks {failed}, "
-                    "del what holds its groups there (a DDP model, a DeviceMesh, a new_group()), then dist.destroy_process_group()"
+                    "drop what holds its groups there (a DDP model: model = model.module keeps the module and its "
+                    "weights; a DeviceMesh, a new_group(): del it), then dist.destroy_process_group()"
                 )
+                # the freed ranks' group stays initialized but broken (its peer is gone)
+                others = "the others" if isinstance(self.running, int) else _errgroup.ranks_text(self.running)
+                lines.append(regroup_advice(self.mesh, others + " too"))
         # the notebook's view (color) shortens long messages: str() does not
         shorten = "print(sys.last_value) shows all of it" if color else ""
         return lines + _errgroup.group_lines(groups, color, shorten=shorten)
@@ -500,6 +504,18 @@ class ExecError(MonarchNBError):
         lines = self._lines(color=True)
         lines[0] = f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}"
         return lines + self._note_lines()
+
+
+def regroup_advice(mesh: str, where: str) -> str:
+    """How to get a working torch.distributed process group again on every rank of ``mesh``,
+    once a failed rank's group was destroyed to free the ranks waiting for it (theirs stays
+    initialized, and broken: every collective on it fails, and ``init_process_group`` refuses
+    another while it is). The rendezvous is new: the old one's store may still be open."""
+    return (
+        f"to use a process group again: on {where}, model = model.module and dist.destroy_process_group(); "
+        f"then monarch_nb.spmd.setup_torch_elastic_env({mesh}) (a new rendezvous); then on every rank "
+        "dist.init_process_group() and model = DDP(model)"
+    )
 
 
 class MeshError(MonarchNBError):

@@ -11,6 +11,7 @@ controller owns.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 from . import _errgroup, _registry
@@ -18,9 +19,10 @@ from ._deadline import budget
 from ._ranks import format_ranks, select_ranks
 from ._registry import _resolve, connect, get, hosts, meshes, restart, spawn
 from .actor import Extent, Future, ProcMesh, ValueMesh, controller_client
-from .errors import ActorError, ExecError, MeshError, SpawnError, SupervisionError
+from .errors import ActorError, ExecError, MeshError, SpawnError, SupervisionError, regroup_advice
 
 __all__ = [
+    "CellEndedWarning",
     "ambiguous_meshes",
     "connect",
     "exec_cell",
@@ -34,6 +36,12 @@ __all__ = [
     "status",
     "stop",
 ]
+
+
+class CellEndedWarning(RuntimeWarning):
+    """A ``%%mesh exec`` cell that failed while other ranks still ran it has ended on those ranks:
+    a later cell on the mesh tells what they raised then (their collective's error, once the
+    failed rank's process group was destroyed, as the cell's error advised)."""
 
 
 def orphaned_meshes() -> list[str]:
@@ -116,7 +124,10 @@ def exec_cell(
         errs = e.failures or {idx[0]: e}
         failures = {i: f.exception.args for i, f in errs.items() if isinstance(f.exception, CellFailed)}
         groups = [i for i, f in errs.items() if getattr(f.exception, "holds_group", False)]
-        return ExecError(failures, len(idx), pm.name, running=e.running, group_ranks=groups)
+        err = ExecError(failures, len(idx), pm.name, running=e.running, group_ranks=groups)
+        if e.running:
+            _left[pm.name] = _LeftRunning(am, label, sel, idx, err)
+        return err
 
     def died(e: SupervisionError, call: Future[Any]) -> SupervisionError:
         """A rank's process died in the cell (os._exit, a segfault, the OOM killer): the call
@@ -163,14 +174,33 @@ def exec_cell(
 
     # a rank whose process died in an earlier cell fails this one at once, as it did that one
     dead_before = am._known_failed()
+    left = _left.get(pm.name)
+    if left is not None and left.am is not am:
+        del _left[pm.name]  # a namespace gone since (the mesh was spawned again)
+        left = None
+    if left is not None and left.query is None:
+        # sent ahead of this cell, it is answered on each rank once that rank has ended the cell
+        # left running there: before this one runs there, or when this one frees them
+        left.query = am.outcome.call_ranks(left.sel, left.label)
     call = am.run.call_ranks(sel, source, label)
     out: Future[ValueMesh[Any]] = Future._create(what)
     out._progress = call._progress
     call.add_done_callback(lambda c: out._set_raw(c, result))
     if not block:
         return out
+    # a cell on the ranks left running comes after the old one there (its query is answered), and
+    # one on the failed ranks may have freed them (destroyed the group they wait on): those wait
+    wait = 0.0
+    if left is not None and not left.waited and set(idx) & ({*left.idx} - {*left.err.failures} | {*left.err.group_ranks}):
+        wait = LEFT_WAIT
     try:
-        return out.get(timeout=timeout)
+        value = out.get(timeout=timeout)
+    except ExecError as e:
+        if left is not None:
+            text = _left_text(pm.name, left, wait)
+            if text:
+                e.add_note(text)
+        raise
     except KeyboardInterrupt as e:
         interrupt(pm, sel)
         # the ranks were interrupted too: the future's "only the wait stopped" is not so here
@@ -178,6 +208,86 @@ def exec_cell(
         _note_not_interrupted(e, out, pm.name)
         _note_where_interrupted(e, out)
         raise
+    if left is not None:
+        text = _left_text(pm.name, left, wait)
+        if text:
+            import warnings
+
+            from .actor._mesh import _callers_level
+
+            warnings.warn(text, CellEndedWarning, _callers_level())
+    return value
+
+
+@dataclass
+class _LeftRunning:
+    """A cell that failed while some of its ranks still ran it: blocked in a collective with
+    the failed rank, perhaps, until the user frees them (the ExecError's advice). What they
+    raised then came back to no one: the next cell on the mesh asks them (``query``), and says."""
+
+    am: Any
+    label: str
+    sel: list[int] | None
+    idx: list[int]
+    err: ExecError
+    query: Future[list[Any]] | None = None
+    waited: bool = False
+
+
+#: mesh name -> its cell whose failure left ranks running, until what they did is told
+_left: dict[str, _LeftRunning] = {}
+#: how long a cell that may have freed the ranks an earlier cell left running waits, once, for
+#: them to answer how it ended there: one that freed them (destroying the failed rank's process
+#: group) is answered within milliseconds, as their collective fails
+LEFT_WAIT = 2.0
+
+
+def _left_text(name: str, left: _LeftRunning, wait: float) -> str:
+    """How the cell ``left`` failed (its error's ranks first, as raised), then what each group
+    of the ranks it left running did once they ended it; "" while they still run it."""
+    from ._errgroup import clip, ranks_text
+    from ._numtext import merge, template
+
+    q = left.query
+    if q is None:
+        return ""
+    try:
+        answers = q.get(timeout=wait)
+    except TimeoutError:
+        left.waited = left.waited or wait > 0
+        return ""
+    except Exception:
+        answers = None  # a rank's process died since: the cell's end there is that death
+    if _left.get(name) is left:
+        del _left[name]
+    if answers is None:
+        return ""
+    err, n = left.err, len(left.idx)
+    lines = [f"cell {left.label} on mesh {name!r} has now ended on the ranks still running it when it failed:"]
+    for g in _errgroup.group((r, *f) for r, f in err.failures.items()):
+        said = clip(g.messages[g.ranks[0]])
+        lines.append(f"  {ranks_text(g.ranks)} ({len(g.ranks)} of {n}) raised {g.etype}: {said} (the cell's error)")
+    # the others, grouped by what they raised (messages differing only in numbers, gloo's ports
+    # say, are one group)
+    ended: dict[tuple[str, str], list[tuple[int, str]]] = {}
+    broken: list[int] = []
+    for i, a in zip(left.idx, answers):
+        if a is None or i in err.failures:
+            continue
+        etype, msg, holds_group = a
+        ended.setdefault((etype, template(clip(msg))), []).append((i, clip(msg)))
+        if etype and holds_group:
+            broken.append(i)
+    if not ended:
+        return ""
+    for (etype, _), got in sorted(ended.items(), key=lambda kv: kv[1][0][0]):
+        ranks = [i for i, _ in got]
+        who = f"  {ranks_text(ranks)} ({len(ranks)} of {n})"
+        lines.append(f"{who} then raised {etype}: {merge([m for _, m in got])}" if etype else f"{who} then finished it")
+    if broken and err.group_ranks:
+        holds = "holds its" if len(broken) == 1 else "hold their"
+        lines.append(f"{ranks_text(broken)} still {holds} process group, broken now; {regroup_advice(name, ranks_text(broken))}")
+    return "\n".join(lines)
 
 
 #: how long an interrupted cell waits for its ranks to stop before saying which did not
@@ -261,6 +371,7 @@ def stop(name: str | None = None, *, all: bool = False, force: bool = False) -> 
             for other in same:
                 other._stopped = True  # the same procs, held by another object: stopped too
             _registry._exec_meshes.pop(pm.name, None)
+            _left.pop(pm.name, None)
         if errors:
             raise MeshError("could not stop " + "; ".join(errors))
         return stopped

@@ -196,7 +196,7 @@ def test_a_mesh_exec_cell_s_advice_frees_the_rank_waiting_for_the_failed_one_and
     own default arguments (torch.distributed.nn.functional's ``group=group.WORLD``), so rank 0
     stayed blocked even after ``del model`` and ``dist.destroy_process_group()`` on rank 1."""
     from monarch_nb.errors import ExecError
-    from monarch_nb.mesh import exec_cell
+    from monarch_nb.mesh import CellEndedWarning, exec_cell
 
     init = (
         "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
@@ -213,16 +213,86 @@ def test_a_mesh_exec_cell_s_advice_frees_the_rank_waiting_for_the_failed_one_and
         assert "rank 0 (1 of 2) was still running when this was raised" in text, text
         advice = (
             "if they wait for rank 1 in a collective, destroying its process group frees them and keeps every proc's "
-            "other state: in %%mesh exec spmd_exec_free --ranks 1, del what holds its groups there (a DDP model, "
-            "a DeviceMesh, a new_group()), then dist.destroy_process_group()"
+            "other state: in %%mesh exec spmd_exec_free --ranks 1, drop what holds its groups there (a DDP model: "
+            "model = model.module keeps the module and its weights; a DeviceMesh, a new_group(): del it), then "
+            "dist.destroy_process_group()"
         )
         assert advice in text, text
-        exec_cell(procs, "del model\ndist.destroy_process_group()", ranks="1", timeout=30)
+        with pytest.warns(CellEndedWarning, match="rank 0 .* then raised RuntimeError: .*Connection closed by peer"):
+            exec_cell(procs, "del model\ndist.destroy_process_group()", ranks="1", timeout=30)
         # rank 0's all_reduce failed, so it takes this cell; what both defined is still there
         assert exec_cell(procs, "dist.is_initialized(), type(t).__name__", timeout=20).values() == [
             (True, "Tensor"),
             (False, "Tensor"),
         ]
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_a_ddp_step_failing_on_one_rank_in_mesh_exec_tells_what_the_freed_rank_raised_and_regroups_as_advised():
+    """Rank 1 raises in a DDP step while rank 0 waits for it in the gradients' all_reduce. Once
+    the advice freed rank 0, what its collective raised ("Connection closed by peer") came back
+    to no one, and its process group stayed initialized but broken, with no word on how to set
+    one up again. Now the cell that freed it says how the failed cell ended there, after the
+    failed rank's own error, and the advice to set the group up again works on the same procs,
+    their state kept."""
+    import warnings
+
+    from monarch_nb.errors import ExecError
+    from monarch_nb.mesh import CellEndedWarning, exec_cell
+    from monarch_nb.spmd import setup_torch_elastic_env
+
+    init = (
+        "import torch, torch.distributed as dist\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "dist.init_process_group('gloo')\ntorch.manual_seed(dist.get_rank())\nmodel = DDP(torch.nn.Linear(2, 2))\n"
+        "steps = 0\ndef step():\n    global steps\n    model(torch.ones(1, 2)).sum().backward()\n    steps += 1\n"
+        "step()\ndist.get_rank()"
+    )
+    fail = "if dist.get_rank() == 1:\n    raise RuntimeError('NaN loss')\nstep()"
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, name="spmd_regroup")
+    try:
+        setup_torch_elastic_env(procs)
+        assert exec_cell(procs, init, timeout=60, label="In[1]").values() == [0, 1]
+        with pytest.raises(ExecError) as info:
+            exec_cell(procs, fail, timeout=30, label="In[2]")
+        regroup = (
+            "to use a process group again: on rank 0 too, model = model.module and dist.destroy_process_group(); "
+            "then monarch_nb.spmd.setup_torch_elastic_env(spmd_regroup) (a new rendezvous); then on every rank "
+            "dist.init_process_group() and model = DDP(model)"
+        )
+        assert regroup in str(info.value), str(info.value)
+        # the advice, on the failed rank: rank 0's collective fails, and this cell says so
+        with pytest.warns(CellEndedWarning) as told:
+            exec_cell(procs, "model = model.module\ndist.destroy_process_group()", ranks="1", timeout=30)
+        text = str(told[0].message)
+        lines = text.splitlines()
+        assert lines[:2] == [
+            "cell In[2] on mesh 'spmd_regroup' has now ended on the ranks still running it when it failed:",
+            "  rank 1 (1 of 2) raised RuntimeError: NaN loss (the cell's error)",
+        ], text
+        assert re.match(r"  rank 0 \(1 of 2\) then raised RuntimeError: .*Connection closed by peer", lines[2]), text
+        assert lines[3].startswith(
+            "rank 0 still holds its process group, broken now; to use a process group again: on rank 0, "
+        ), text
+        assert len(lines) == 4, text
+        # said once: the next cell has nothing to add
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CellEndedWarning)
+            assert exec_cell(procs, "dist.is_initialized(), steps", timeout=20).values() == [(True, 1), (False, 1)]
+        # the advice to set the group up again, as given
+        exec_cell(procs, "model = model.module\ndist.destroy_process_group()", ranks="0", timeout=30)
+        setup_torch_elastic_env(procs)
+        again = "dist.init_process_group()\nmodel = DDP(model)\nstep()\nsteps, [p.grad.sum().item() for p in model.parameters()]"
+        got = exec_cell(procs, again, timeout=60).values()
+        # the state kept: each rank's step count, and its gradients summed over both steps
+        assert got[0] == got[1] and got[0][0] == 2, got
+        # DDP broadcast rank 0's weights: both ranks hold the same model again
+        same = exec_cell(
+            procs,
+            "t = model.module.weight.detach().clone()\ndist.all_reduce(t)\n(t / 2 - model.module.weight).abs().max().item()",
+            timeout=30,
+        )
+        assert same.values() == [0.0, 0.0]
     finally:
         procs.stop().get(timeout=30)
 
