@@ -58,12 +58,12 @@ class ExecActor(Actor):
     def __init__(self) -> None:
         self.ns: dict[str, Any] = {"__name__": EXEC_NS, "__builtins__": builtins}
         self.count = 0
-        #: label -> how the cell ended here: ``(type name, message, holds a process group)``,
-        #: type and message empty when it succeeded
-        self.outcomes: dict[str, tuple[str, str, bool]] = {}
+        #: label -> how the cell ended here: ``(type name, message)`` it raised, both empty when
+        #: it succeeded
+        self.outcomes: dict[str, tuple[str, str]] = {}
 
     @endpoint
-    def outcome(self, label: str) -> tuple[str, str, bool] | None:
+    def outcome(self, label: str) -> tuple[str, str] | None:
         """How cell ``label`` ended in this proc (None: not run here). A cell fails fast, so its
         call does not wait for the ranks still running when one raised (in a collective with
         it, perhaps): asked after it, this answers once they have ended it (calls to one actor
@@ -73,7 +73,7 @@ class ExecActor(Actor):
     def _ended(self, label: str, error: tuple[str, str]) -> None:
         if len(self.outcomes) >= OUTCOMES_KEPT:
             del self.outcomes[next(iter(self.outcomes))]
-        self.outcomes[label] = (*error, _default_group_initialized())
+        self.outcomes[label] = error
 
     @endpoint
     def run(self, source: str, label: str = "") -> tuple[bool, Any]:

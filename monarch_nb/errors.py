@@ -447,8 +447,11 @@ class ExecError(MonarchNBError):
         mesh: str = "",
         running: list[int] | int = 0,
         group_ranks: list[int] | None = None,
+        cell_ranks: str = "",
     ) -> None:
         self.failures = dict(sorted(failures.items()))
+        #: the ``--ranks`` the cell ran on ("": every rank of the mesh)
+        self.cell_ranks = cell_ranks
         #: the failed ranks (of the mesh) with a torch.distributed process group: destroying it
         #: there frees the ranks that wait for them in its collectives
         self.group_ranks = sorted(group_ranks or [])
@@ -487,15 +490,22 @@ class ExecError(MonarchNBError):
                 # closes its connections, so the collective the others wait in fails instead
                 failed = ",".join(map(str, self.group_ranks))
                 who = f"rank{'s' if len(self.group_ranks) > 1 else ''} {failed}"
+                # on every rank of the cell: rank R runs it at once and frees the ranks waiting for
+                # it, they free the ranks waiting for them (gloo's ring: with 4 ranks, one waits
+                # for the failed rank's neighbours, whose groups stay open), and each one's group,
+                # broken now, is gone, ready for a new one
+                on = f"{self.mesh} --ranks {self.cell_ranks}" if self.cell_ranks else self.mesh
                 lines.append(
-                    f"if they wait for {who} in a collective, destroying its process group frees them "
-                    f"and keeps every proc's other state: in %%mesh exec {self.mesh} --ranks {failed}, "
-                    "drop what holds its groups there (a DDP model: model = model.module keeps the module and its "
-                    "weights; a DeviceMesh, a new_group(): del it), then dist.destroy_process_group()"
+                    f"if they wait for {who} in a collective, destroying the process group frees them and keeps "
+                    f"every proc's other state: in %%mesh exec {on} (every rank: {who} runs it at once and frees "
+                    "the ranks waiting for it, they those waiting for them), drop what holds the group (a DDP "
+                    "model: model = model.module keeps the module and its weights; a DeviceMesh, a new_group(): "
+                    "del it), then dist.destroy_process_group()"
                 )
-                # the freed ranks' group stays initialized but broken (its peer is gone)
-                others = "the others" if isinstance(self.running, int) else _errgroup.ranks_text(self.running)
-                lines.append(regroup_advice(self.mesh, others + " too"))
+                lines.append(
+                    f"to use a process group again after: monarch_nb.spmd.setup_torch_elastic_env({self.mesh}) (a new "
+                    "rendezvous), then on every rank dist.init_process_group() and model = DDP(model)"
+                )
         # the notebook's view (color) shortens long messages: str() does not
         shorten = "print(sys.last_value) shows all of it" if color else ""
         return lines + _errgroup.group_lines(groups, color, shorten=shorten)
@@ -504,18 +514,6 @@ class ExecError(MonarchNBError):
         lines = self._lines(color=True)
         lines[0] = f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}"
         return lines + self._note_lines()
-
-
-def regroup_advice(mesh: str, where: str) -> str:
-    """How to get a working torch.distributed process group again on every rank of ``mesh``,
-    once a failed rank's group was destroyed to free the ranks waiting for it (theirs stays
-    initialized, and broken: every collective on it fails, and ``init_process_group`` refuses
-    another while it is). The rendezvous is new: the old one's store may still be open."""
-    return (
-        f"to use a process group again: on {where}, model = model.module and dist.destroy_process_group(); "
-        f"then monarch_nb.spmd.setup_torch_elastic_env({mesh}) (a new rendezvous); then on every rank "
-        "dist.init_process_group() and model = DDP(model)"
-    )
 
 
 class MeshError(MonarchNBError):

@@ -11,7 +11,7 @@ controller owns.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import _errgroup, _registry
@@ -19,7 +19,7 @@ from ._deadline import budget
 from ._ranks import format_ranks, select_ranks
 from ._registry import _resolve, connect, get, hosts, meshes, restart, spawn
 from .actor import Extent, Future, ProcMesh, ValueMesh, controller_client
-from .errors import ActorError, ExecError, MeshError, SpawnError, SupervisionError, regroup_advice
+from .errors import ActorError, ExecError, MeshError, SpawnError, SupervisionError
 
 __all__ = [
     "CellEndedWarning",
@@ -124,9 +124,11 @@ def exec_cell(
         errs = e.failures or {idx[0]: e}
         failures = {i: f.exception.args for i, f in errs.items() if isinstance(f.exception, CellFailed)}
         groups = [i for i, f in errs.items() if getattr(f.exception, "holds_group", False)]
-        err = ExecError(failures, len(idx), pm.name, running=e.running, group_ranks=groups)
+        on = format_ranks(idx) if sel is not None else ""
+        err = ExecError(failures, len(idx), pm.name, running=e.running, group_ranks=groups, cell_ranks=on)
         if e.running:
-            _left[pm.name] = _LeftRunning(am, label, sel, idx, err)
+            waiting = e.running if isinstance(e.running, list) else [i for i in idx if i not in failures]
+            _left[pm.name] = _LeftRunning(am, label, idx, err, waiting)
         return err
 
     def died(e: SupervisionError, call: Future[Any]) -> SupervisionError:
@@ -178,21 +180,19 @@ def exec_cell(
     if left is not None and left.am is not am:
         del _left[pm.name]  # a namespace gone since (the mesh was spawned again)
         left = None
-    if left is not None and left.query is None:
-        # sent ahead of this cell, it is answered on each rank once that rank has ended the cell
-        # left running there: before this one runs there, or when this one frees them
-        left.query = am.outcome.call_ranks(left.sel, left.label)
     call = am.run.call_ranks(sel, source, label)
+    if left is not None and not left.asked:
+        # answered by each rank once it has ended the cell left running there (calls to an actor
+        # run in order): at once if it had, else when this cell or a later one frees it
+        left.asked = {i: am.outcome.call_ranks([i], left.label) for i in left.waiting}
     out: Future[ValueMesh[Any]] = Future._create(what)
     out._progress = call._progress
     call.add_done_callback(lambda c: out._set_raw(c, result))
     if not block:
         return out
-    # a cell on the ranks left running comes after the old one there (its query is answered), and
-    # one on the failed ranks may have freed them (destroyed the group they wait on): those wait
-    wait = 0.0
-    if left is not None and not left.waited and set(idx) & ({*left.idx} - {*left.err.failures} | {*left.err.group_ranks}):
-        wait = LEFT_WAIT
+    # a cell on the ranks left running is answered right after it there, and one on the others may
+    # have freed them (destroyed the group they wait on): those wait for the answers, a while
+    wait = LEFT_WAIT if left is not None and not left.waited and set(idx) & set(left.ranks) else 0.0
     try:
         value = out.get(timeout=timeout)
     except ExecError as e:
@@ -223,70 +223,93 @@ def exec_cell(
 class _LeftRunning:
     """A cell that failed while some of its ranks still ran it: blocked in a collective with
     the failed rank, perhaps, until the user frees them (the ExecError's advice). What they
-    raised then came back to no one: the next cell on the mesh asks them (``query``), and says."""
+    raised then came back to no one: the next cell on the mesh asks them, and says."""
 
     am: Any
     label: str
-    sel: list[int] | None
-    idx: list[int]
+    #: the ranks the cell ran on
+    ranks: list[int]
     err: ExecError
-    query: Future[list[Any]] | None = None
+    #: the ranks not yet heard from (a ``--ranks`` cell's running ranks are not known by name:
+    #: every rank of it that did not fail)
+    waiting: list[int]
+    #: rank -> its answer to ``ExecActor.outcome``, once asked
+    asked: dict[int, Future[list[Any]]] = field(default_factory=dict)
+    #: a cell waited LEFT_WAIT and heard from none: later cells do not wait
     waited: bool = False
 
 
 #: mesh name -> its cell whose failure left ranks running, until what they did is told
 _left: dict[str, _LeftRunning] = {}
-#: how long a cell that may have freed the ranks an earlier cell left running waits, once, for
-#: them to answer how it ended there: one that freed them (destroying the failed rank's process
-#: group) is answered within milliseconds, as their collective fails
+#: how long a cell that may have freed the ranks an earlier cell left running waits for them to
+#: answer how it ended there: one that freed them (destroying the process group they wait on) is
+#: answered within milliseconds, as their collective fails
 LEFT_WAIT = 2.0
+#: once a rank has answered, how long the others get to
+LEFT_MORE = 0.5
 
 
 def _left_text(name: str, left: _LeftRunning, wait: float) -> str:
-    """How the cell ``left`` failed (its error's ranks first, as raised), then what each group
-    of the ranks it left running did once they ended it; "" while they still run it."""
+    """What the ranks ``left`` still waits for did with its cell, for those that have ended it
+    since (one line per group of them, after the cell's own error), and which still run it;
+    "" when none has."""
+    import time
+
     from ._errgroup import clip, ranks_text
     from ._numtext import merge, template
 
-    q = left.query
-    if q is None:
-        return ""
-    try:
-        answers = q.get(timeout=wait)
-    except TimeoutError:
+    deadline = time.monotonic() + wait
+    for q in left.asked.values():
+        try:
+            q.get(timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            break
+        except Exception:
+            pass
+        # the ranks one freed free theirs within milliseconds: past that, the rest wait on
+        # something else (a rank not freed yet), and this cell has waited enough
+        deadline = min(deadline, time.monotonic() + LEFT_MORE)
+    answered = {i: q for i, q in left.asked.items() if q.done()}
+    if not answered:
         left.waited = left.waited or wait > 0
         return ""
-    except Exception:
-        answers = None  # a rank's process died since: the cell's end there is that death
-    if _left.get(name) is left:
-        del _left[name]
-    if answers is None:
-        return ""
-    err, n = left.err, len(left.idx)
-    lines = [f"cell {left.label} on mesh {name!r} has now ended on the ranks still running it when it failed:"]
-    for g in _errgroup.group((r, *f) for r, f in err.failures.items()):
-        said = clip(g.messages[g.ranks[0]])
-        lines.append(f"  {ranks_text(g.ranks)} ({len(g.ranks)} of {n}) raised {g.etype}: {said} (the cell's error)")
-    # the others, grouped by what they raised (messages differing only in numbers, gloo's ports
-    # say, are one group)
+    left.waited = False
     ended: dict[tuple[str, str], list[tuple[int, str]]] = {}
-    broken: list[int] = []
-    for i, a in zip(left.idx, answers):
-        if a is None or i in err.failures:
-            continue
-        etype, msg, holds_group = a
-        ended.setdefault((etype, template(clip(msg))), []).append((i, clip(msg)))
-        if etype and holds_group:
-            broken.append(i)
+    for i, q in answered.items():
+        del left.asked[i]
+        left.waiting.remove(i)
+        try:
+            got = q.get(timeout=0)[0]
+        except Exception:
+            continue  # its process died since: that death is told as such
+        if got is not None:
+            etype, msg = got
+            ended.setdefault((etype, template(clip(msg))), []).append((i, clip(msg)))
+    if not left.waiting and _left.get(name) is left:
+        del _left[name]
     if not ended:
         return ""
+    n = len(left.ranks)
+    some = " some of" if left.waiting else ""
+    lines = [f"cell {left.label} on mesh {name!r} has now ended on{some} the ranks still running it when it failed:"]
+    for g in _errgroup.group((r, *f) for r, f in left.err.failures.items()):
+        said = clip(g.messages[g.ranks[0]])
+        lines.append(f"  {ranks_text(g.ranks)} ({len(g.ranks)} of {n}) raised {g.etype}: {said} (the cell's error)")
+    # grouped by what they raised (messages differing only in numbers, gloo's ports say, are one)
     for (etype, _), got in sorted(ended.items(), key=lambda kv: kv[1][0][0]):
-        ranks = [i for i, _ in got]
+        ranks = sorted(i for i, _ in got)
         who = f"  {ranks_text(ranks)} ({len(ranks)} of {n})"
         lines.append(f"{who} then raised {etype}: {merge([m for _, m in got])}" if etype else f"{who} then finished it")
-    if broken and err.group_ranks:
-        holds = "holds its" if len(broken) == 1 else "hold their"
-        lines.append(f"{ranks_text(broken)} still {holds} process group, broken now; {regroup_advice(name, ranks_text(broken))}")
+    if left.waiting:
+        # in a collective with ranks that are out of theirs, perhaps (gloo's ring: the failed rank's
+        # neighbours are), whose groups stay open until dropped and destroyed there too
+        still = left.waiting
+        freed = [i for i in left.ranks if i not in still and i not in left.err.failures]
+        runs, it = ("runs", "it") if len(still) == 1 else ("run", "them")
+        lines.append(
+            f"  {ranks_text(still)} ({len(still)} of {n}) still {runs} it: waiting, perhaps, for {ranks_text(freed)} "
+            f"in a collective, whose process group is broken there but open: the same cell on {ranks_text(freed)} frees {it}"
+        )
     return "\n".join(lines)
 
 

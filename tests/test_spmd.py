@@ -167,7 +167,7 @@ def test_a_mesh_exec_cell_that_raises_on_one_rank_fails_while_the_others_wait_in
         assert "ranks 0-1,3 (3 of 4) were still running when this was raised" in text, text
         assert "%mesh stop spmd_exec ends them" in text and "RuntimeError: NaN loss" in text, text
         assert info.value.running == [0, 1, 3] and list(info.value.failures) == [2]
-        assert "if they wait for rank 2 in a collective, destroying its process group frees them" in text, text
+        assert "if they wait for rank 2 in a collective, destroying the process group frees them" in text, text
     finally:
         procs.stop().get(timeout=30)
     procs = this_host().spawn_procs(per_host={"gpus": 4}, name="spmd_exec2")
@@ -180,6 +180,8 @@ def test_a_mesh_exec_cell_that_raises_on_one_rank_fails_while_the_others_wait_in
                 procs, "if dist.get_rank() == 1:\n    raise KeyError('x')\nimport time\ntime.sleep(30)", ranks="0:2", timeout=30
             )
         assert "KeyError on 1 of 2 ranks: 1" in str(info.value) and info.value.running == 1, str(info.value)
+        # the advice runs on the cell's ranks, not the mesh's (the others are in no collective with it)
+        assert "in %%mesh exec spmd_exec2 --ranks 0-1 (every rank: rank 1 runs it at once" in str(info.value), str(info.value)
         from monarch_nb.actor import ProcsKilledWarning
 
         # rank 0 is still in its 30 s sleep: stop() kills it after stop_cleanup_timeout, and says so
@@ -212,9 +214,10 @@ def test_a_mesh_exec_cell_s_advice_frees_the_rank_waiting_for_the_failed_one_and
         text = str(info.value)
         assert "rank 0 (1 of 2) was still running when this was raised" in text, text
         advice = (
-            "if they wait for rank 1 in a collective, destroying its process group frees them and keeps every proc's "
-            "other state: in %%mesh exec spmd_exec_free --ranks 1, drop what holds its groups there (a DDP model: "
-            "model = model.module keeps the module and its weights; a DeviceMesh, a new_group(): del it), then "
+            "if they wait for rank 1 in a collective, destroying the process group frees them and keeps every proc's "
+            "other state: in %%mesh exec spmd_exec_free (every rank: rank 1 runs it at once and frees the ranks "
+            "waiting for it, they those waiting for them), drop what holds the group (a DDP model: model = "
+            "model.module keeps the module and its weights; a DeviceMesh, a new_group(): del it), then "
             "dist.destroy_process_group()"
         )
         assert advice in text, text
@@ -229,11 +232,23 @@ def test_a_mesh_exec_cell_s_advice_frees_the_rank_waiting_for_the_failed_one_and
         procs.stop().get(timeout=30)
 
 
+_DDP_INIT = (
+    "import torch, torch.distributed as dist\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+    "dist.init_process_group('gloo')\ntorch.manual_seed(dist.get_rank())\nmodel = DDP(torch.nn.Linear(2, 2))\n"
+    "steps = 0\ndef step():\n    global steps\n    model(torch.ones(1, 2)).sum().backward()\n    steps += 1\n"
+    "step()\ndist.get_rank()"
+)
+#: the DDP step that fails on rank 1, the others waiting for it in the gradients' all_reduce
+_DDP_FAIL = "if dist.get_rank() == 1:\n    raise RuntimeError('NaN loss')\nstep()"
+#: what the error's advice says to run to free them
+_FREE = "model = model.module\ndist.destroy_process_group()"
+
+
 def test_a_ddp_step_failing_on_one_rank_in_mesh_exec_tells_what_the_freed_rank_raised_and_regroups_as_advised():
     """Rank 1 raises in a DDP step while rank 0 waits for it in the gradients' all_reduce. Once
     the advice freed rank 0, what its collective raised ("Connection closed by peer") came back
     to no one, and its process group stayed initialized but broken, with no word on how to set
-    one up again. Now the cell that freed it says how the failed cell ended there, after the
+    one up again. Now the cell that frees it says how the failed cell ended there, after the
     failed rank's own error, and the advice to set the group up again works on the same procs,
     their state kept."""
     import warnings
@@ -242,57 +257,79 @@ def test_a_ddp_step_failing_on_one_rank_in_mesh_exec_tells_what_the_freed_rank_r
     from monarch_nb.mesh import CellEndedWarning, exec_cell
     from monarch_nb.spmd import setup_torch_elastic_env
 
-    init = (
-        "import torch, torch.distributed as dist\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
-        "dist.init_process_group('gloo')\ntorch.manual_seed(dist.get_rank())\nmodel = DDP(torch.nn.Linear(2, 2))\n"
-        "steps = 0\ndef step():\n    global steps\n    model(torch.ones(1, 2)).sum().backward()\n    steps += 1\n"
-        "step()\ndist.get_rank()"
-    )
-    fail = "if dist.get_rank() == 1:\n    raise RuntimeError('NaN loss')\nstep()"
     procs = this_host().spawn_procs(per_host={"gpus": 2}, name="spmd_regroup")
     try:
         setup_torch_elastic_env(procs)
-        assert exec_cell(procs, init, timeout=60, label="In[1]").values() == [0, 1]
+        assert exec_cell(procs, _DDP_INIT, timeout=60, label="In[1]").values() == [0, 1]
         with pytest.raises(ExecError) as info:
-            exec_cell(procs, fail, timeout=30, label="In[2]")
+            exec_cell(procs, _DDP_FAIL, timeout=30, label="In[2]")
         regroup = (
-            "to use a process group again: on rank 0 too, model = model.module and dist.destroy_process_group(); "
-            "then monarch_nb.spmd.setup_torch_elastic_env(spmd_regroup) (a new rendezvous); then on every rank "
-            "dist.init_process_group() and model = DDP(model)"
+            "to use a process group again after: monarch_nb.spmd.setup_torch_elastic_env(spmd_regroup) (a new "
+            "rendezvous), then on every rank dist.init_process_group() and model = DDP(model)"
         )
-        assert regroup in str(info.value), str(info.value)
-        # the advice, on the failed rank: rank 0's collective fails, and this cell says so
+        assert "in %%mesh exec spmd_regroup (every rank: " in str(info.value) and regroup in str(info.value), str(info.value)
+        # the advice, on every rank: rank 1 frees rank 0, whose collective fails, and this cell says so
         with pytest.warns(CellEndedWarning) as told:
-            exec_cell(procs, "model = model.module\ndist.destroy_process_group()", ranks="1", timeout=30)
-        text = str(told[0].message)
-        lines = text.splitlines()
+            assert exec_cell(procs, _FREE + "\ndist.is_initialized(), steps", timeout=30).values() == [(False, 1)] * 2
+        lines = str(told[0].message).splitlines()
         assert lines[:2] == [
             "cell In[2] on mesh 'spmd_regroup' has now ended on the ranks still running it when it failed:",
             "  rank 1 (1 of 2) raised RuntimeError: NaN loss (the cell's error)",
-        ], text
-        assert re.match(r"  rank 0 \(1 of 2\) then raised RuntimeError: .*Connection closed by peer", lines[2]), text
-        assert lines[3].startswith(
-            "rank 0 still holds its process group, broken now; to use a process group again: on rank 0, "
-        ), text
-        assert len(lines) == 4, text
+        ], lines
+        assert re.match(r"  rank 0 \(1 of 2\) then raised RuntimeError: .*Connection closed by peer", lines[2]), lines
+        assert len(lines) == 3, lines
         # said once: the next cell has nothing to add
         with warnings.catch_warnings():
             warnings.simplefilter("error", CellEndedWarning)
-            assert exec_cell(procs, "dist.is_initialized(), steps", timeout=20).values() == [(True, 1), (False, 1)]
-        # the advice to set the group up again, as given
-        exec_cell(procs, "model = model.module\ndist.destroy_process_group()", ranks="0", timeout=30)
+            assert exec_cell(procs, "type(model).__name__", timeout=20).values() == ["Linear"] * 2
         setup_torch_elastic_env(procs)
         again = "dist.init_process_group()\nmodel = DDP(model)\nstep()\nsteps, [p.grad.sum().item() for p in model.parameters()]"
         got = exec_cell(procs, again, timeout=60).values()
         # the state kept: each rank's step count, and its gradients summed over both steps
         assert got[0] == got[1] and got[0][0] == 2, got
         # DDP broadcast rank 0's weights: both ranks hold the same model again
-        same = exec_cell(
-            procs,
-            "t = model.module.weight.detach().clone()\ndist.all_reduce(t)\n(t / 2 - model.module.weight).abs().max().item()",
-            timeout=30,
-        )
-        assert same.values() == [0.0, 0.0]
+        same = "w = model.module.weight.detach().clone()\ndist.all_reduce(w)\n(w / 2 - model.module.weight).abs().max().item()"
+        assert exec_cell(procs, same, timeout=30).values() == [0.0, 0.0]
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_freeing_only_the_failed_rank_of_four_says_which_still_wait_and_for_whom():
+    """gloo on 4 ranks: destroying the failed rank 1's group frees the two ranks it exchanges with,
+    whose groups stay open, so the fourth waits on for them. The advice said to run the cell on
+    rank 1 alone, and that rank stayed blocked for the group's 30 minutes; it now says every rank
+    (each freed rank frees the next), and a cell on rank 1 alone says which rank still waits and
+    what frees it."""
+    from monarch_nb.errors import ExecError
+    from monarch_nb.mesh import CellEndedWarning, exec_cell
+    from monarch_nb.spmd import setup_torch_elastic_env
+
+    procs = this_host().spawn_procs(per_host={"gpus": 4}, name="spmd_ring")
+    try:
+        setup_torch_elastic_env(procs)
+        assert exec_cell(procs, _DDP_INIT, timeout=60).values() == [0, 1, 2, 3]
+        with pytest.raises(ExecError, match=r"in %%mesh exec spmd_ring \(every rank: rank 1 runs it at once"):
+            exec_cell(procs, _DDP_FAIL, timeout=30, label="In[2]")
+        with pytest.warns(CellEndedWarning) as told:
+            exec_cell(procs, _FREE, ranks="1", timeout=30)
+        lines = str(told[0].message).splitlines()
+        assert lines[0] == "cell In[2] on mesh 'spmd_ring' has now ended on some of the ranks still running it when it failed:"
+        # which two ranks are rank 1's neighbours is gloo's choice (the ring's order, the algorithm)
+        freed = re.match(r"  ranks (\d),(\d) \(2 of 4\) then raised RuntimeError: .*Connection closed by peer", lines[2])
+        assert freed and len(lines) == 4, lines
+        a, b = freed.groups()
+        (last,) = {"0", "2", "3"} - {a, b}
+        assert lines[3] == (
+            f"  rank {last} (1 of 4) still runs it: waiting, perhaps, for ranks {a},{b} in a collective, whose process "
+            f"group is broken there but open: the same cell on ranks {a},{b} frees it"
+        ), lines
+        with pytest.warns(CellEndedWarning, match=rf"\n  rank {last} \(1 of 4\) then raised RuntimeError: .*Connection closed"):
+            exec_cell(procs, _FREE, ranks=f"{a},{b}", timeout=30)
+        exec_cell(procs, _FREE, ranks=last, timeout=30)
+        setup_torch_elastic_env(procs)
+        # a working group again on the same procs, each rank's step count kept
+        again = exec_cell(procs, "dist.init_process_group()\nmodel = DDP(model)\nstep()\nsteps", timeout=60)
+        assert again.values() == [2] * 4
     finally:
         procs.stop().get(timeout=30)
 
