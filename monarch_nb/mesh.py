@@ -16,6 +16,7 @@ from typing import Any
 
 from . import _errgroup, _registry
 from ._deadline import budget
+from ._errgroup import clip, ranks_text
 from ._ranks import format_ranks, select_ranks
 from ._registry import _resolve, connect, get, hosts, meshes, restart, spawn
 from .actor import Extent, Future, ProcMesh, ValueMesh, controller_client
@@ -128,7 +129,12 @@ def exec_cell(
         err = ExecError(failures, len(idx), pm.name, running=e.running, group_ranks=groups, cell_ranks=on)
         if e.running:
             waiting = e.running if isinstance(e.running, list) else [i for i in idx if i not in failures]
-            _left[pm.name] = _LeftRunning(am, label, idx, err, waiting)
+            said = [
+                f"{ranks_text(g.ranks)} ({len(g.ranks)} of {len(idx)}) raised {g.etype}: {clip(g.messages[g.ranks[0]])} "
+                "(the cell's error)"
+                for g in _errgroup.group((r, *f) for r, f in failures.items())
+            ]
+            _left[pm.name] = _LeftRunning(am, label, idx, said, [*failures], waiting)
         return err
 
     def died(e: SupervisionError, call: Future[Any]) -> SupervisionError:
@@ -159,6 +165,12 @@ def exec_cell(
                 f"every cell on all of this mesh's ranks fails so: %%mesh exec {pm.name} --ranks {live} runs one on the "
                 f"live ranks; %mesh stop {pm.name} ends the mesh (spawn a new one to use every rank again)"
             )
+        if dead_before is None and others:
+            # its connections closed with it: the ranks waiting for it in a collective fail (often
+            # before the death is known here: their errors were dropped), and this error or a later
+            # cell says what they raised (a rank waiting for one of them, not for it, waits on)
+            said = [f"rank {dead} (1 of {len(idx)})'s process died{host}: {clip(e.cause)}"]
+            _left[pm.name] = _LeftRunning(am, label, idx, said, [dead], others)
         out = SupervisionError(e.cause, mesh=e.mesh, actor=e.actor, rank=e.rank, host=e.host, message="\n".join(lines))
         out.endpoint = e.endpoint
         return out
@@ -195,9 +207,21 @@ def exec_cell(
     wait = LEFT_WAIT if left is not None and not left.waited and set(idx) & set(left.ranks) else 0.0
     try:
         value = out.get(timeout=timeout)
-    except ExecError as e:
+    except (ExecError, TimeoutError) as e:
+        # a cell waiting on ranks the failed one left running: which of them are out, and on whom
+        # the others wait
         if left is not None:
             text = _left_text(pm.name, left, wait)
+            if text:
+                e.add_note(text)
+        raise
+    except SupervisionError as e:
+        now = _left.get(pm.name)
+        if now is not None and now.label == label and not now.asked:
+            # the live ranks: those that raised have answered, those freed by the death answer
+            # within milliseconds
+            now.asked = {i: am.outcome.call_ranks([i], label) for i in now.waiting}
+            text = _left_text(pm.name, now, LEFT_MORE)
             if text:
                 e.add_note(text)
         raise
@@ -229,7 +253,10 @@ class _LeftRunning:
     label: str
     #: the ranks the cell ran on
     ranks: list[int]
-    err: ExecError
+    #: how the cell failed, a line per kind (the ranks that raised alike, or the rank that died)
+    cause: list[str]
+    #: the ranks it failed on
+    failed: list[int]
     #: the ranks not yet heard from (a ``--ranks`` cell's running ranks are not known by name:
     #: every rank of it that did not fail)
     waiting: list[int]
@@ -255,7 +282,6 @@ def _left_text(name: str, left: _LeftRunning, wait: float) -> str:
     "" when none has."""
     import time
 
-    from ._errgroup import clip, ranks_text
     from ._numtext import merge, template
 
     deadline = time.monotonic() + wait
@@ -291,10 +317,8 @@ def _left_text(name: str, left: _LeftRunning, wait: float) -> str:
         return ""
     n = len(left.ranks)
     some = " some of" if left.waiting else ""
-    lines = [f"cell {left.label} on mesh {name!r} has now ended on{some} the ranks still running it when it failed:"]
-    for g in _errgroup.group((r, *f) for r, f in left.err.failures.items()):
-        said = clip(g.messages[g.ranks[0]])
-        lines.append(f"  {ranks_text(g.ranks)} ({len(g.ranks)} of {n}) raised {g.etype}: {said} (the cell's error)")
+    lines = [f"cell {left.label} on mesh {name!r} has now ended on{some} the other ranks:"]
+    lines.extend(f"  {c}" for c in left.cause)
     # grouped by what they raised (messages differing only in numbers, gloo's ports say, are one)
     for (etype, _), got in sorted(ended.items(), key=lambda kv: kv[1][0][0]):
         ranks = sorted(i for i, _ in got)
@@ -304,11 +328,12 @@ def _left_text(name: str, left: _LeftRunning, wait: float) -> str:
         # in a collective with ranks that are out of theirs, perhaps (gloo's ring: the failed rank's
         # neighbours are), whose groups stay open until dropped and destroyed there too
         still = left.waiting
-        freed = [i for i in left.ranks if i not in still and i not in left.err.failures]
+        freed = ranks_text([i for i in left.ranks if i not in still and i not in left.failed])
         runs, it = ("runs", "it") if len(still) == 1 else ("run", "them")
         lines.append(
-            f"  {ranks_text(still)} ({len(still)} of {n}) still {runs} it: waiting, perhaps, for {ranks_text(freed)} "
-            f"in a collective, whose process group is broken there but open: the same cell on {ranks_text(freed)} frees {it}"
+            f"  {ranks_text(still)} ({len(still)} of {n}) still {runs} it: waiting, perhaps, for {freed} in a "
+            f"collective, whose process group is broken there but open: dropping it on {freed} (model = model.module, "
+            f"dist.destroy_process_group()) frees {it}"
         )
     return "\n".join(lines)
 

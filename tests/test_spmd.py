@@ -273,7 +273,7 @@ def test_a_ddp_step_failing_on_one_rank_in_mesh_exec_tells_what_the_freed_rank_r
             assert exec_cell(procs, _FREE + "\ndist.is_initialized(), steps", timeout=30).values() == [(False, 1)] * 2
         lines = str(told[0].message).splitlines()
         assert lines[:2] == [
-            "cell In[2] on mesh 'spmd_regroup' has now ended on the ranks still running it when it failed:",
+            "cell In[2] on mesh 'spmd_regroup' has now ended on the other ranks:",
             "  rank 1 (1 of 2) raised RuntimeError: NaN loss (the cell's error)",
         ], lines
         assert re.match(r"  rank 0 \(1 of 2\) then raised RuntimeError: .*Connection closed by peer", lines[2]), lines
@@ -313,7 +313,7 @@ def test_freeing_only_the_failed_rank_of_four_says_which_still_wait_and_for_whom
         with pytest.warns(CellEndedWarning) as told:
             exec_cell(procs, _FREE, ranks="1", timeout=30)
         lines = str(told[0].message).splitlines()
-        assert lines[0] == "cell In[2] on mesh 'spmd_ring' has now ended on some of the ranks still running it when it failed:"
+        assert lines[0] == "cell In[2] on mesh 'spmd_ring' has now ended on some of the other ranks:"
         # which two ranks are rank 1's neighbours is gloo's choice (the ring's order, the algorithm)
         freed = re.match(r"  ranks (\d),(\d) \(2 of 4\) then raised RuntimeError: .*Connection closed by peer", lines[2])
         assert freed and len(lines) == 4, lines
@@ -321,7 +321,8 @@ def test_freeing_only_the_failed_rank_of_four_says_which_still_wait_and_for_whom
         (last,) = {"0", "2", "3"} - {a, b}
         assert lines[3] == (
             f"  rank {last} (1 of 4) still runs it: waiting, perhaps, for ranks {a},{b} in a collective, whose process "
-            f"group is broken there but open: the same cell on ranks {a},{b} frees it"
+            f"group is broken there but open: dropping it on ranks {a},{b} (model = model.module, "
+            "dist.destroy_process_group()) frees it"
         ), lines
         with pytest.warns(CellEndedWarning, match=rf"\n  rank {last} \(1 of 4\) then raised RuntimeError: .*Connection closed"):
             exec_cell(procs, _FREE, ranks=f"{a},{b}", timeout=30)
@@ -330,6 +331,38 @@ def test_freeing_only_the_failed_rank_of_four_says_which_still_wait_and_for_whom
         # a working group again on the same procs, each rank's step count kept
         again = exec_cell(procs, "dist.init_process_group()\nmodel = DDP(model)\nstep()\nsteps", timeout=60)
         assert again.values() == [2] * 4
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_a_rank_dying_in_a_ddp_step_says_what_the_live_ranks_collective_raised():
+    """Rank 1's process dies in a DDP step: its connections close, and rank 0's all_reduce fails
+    with gloo's "Connection reset by peer". That error came back to no one: most often it
+    arrived before the death was known, and the cell's error, rebuilt in the cell's words, lost
+    the note that named it (which read "raised monarch_nb._exec.CellFailed: ('RuntimeError',
+    …)"); else rank 0 was still running, and the cell failed without waiting for it."""
+    import warnings
+
+    from monarch_nb.errors import SupervisionError
+    from monarch_nb.mesh import CellEndedWarning, exec_cell
+    from monarch_nb.spmd import setup_torch_elastic_env
+
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, name="spmd_ddp_dies")
+    try:
+        setup_torch_elastic_env(procs)
+        assert exec_cell(procs, _DDP_INIT, timeout=60).values() == [0, 1]
+        with pytest.raises(SupervisionError, match="the process of rank 1 died") as info:
+            exec_cell(procs, "import os\nif dist.get_rank() == 1:\n    os._exit(1)\nstep()", timeout=30, label="In[2]")
+        (note,) = info.value.__notes__
+        lines = note.splitlines()
+        assert lines[0] == "cell In[2] on mesh 'spmd_ddp_dies' has now ended on the other ranks:", lines
+        assert re.match(r"  rank 1 \(1 of 2\)'s process died \(host .*\): process \d+ exited with code 1$", lines[1]), lines
+        assert re.match(r"  rank 0 \(1 of 2\) then raised RuntimeError: .*Connection (reset|closed) by peer", lines[2]), lines
+        assert len(lines) == 3 and "CellFailed" not in note, lines
+        # told once: the cell on the live ranks the error points to has nothing to add
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CellEndedWarning)
+            assert exec_cell(procs, "steps", ranks="0", timeout=30).values() == [1]
     finally:
         procs.stop().get(timeout=30)
 
