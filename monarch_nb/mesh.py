@@ -194,8 +194,8 @@ def exec_cell(
         left = None
     call = am.run.call_ranks(sel, source, label)
     if left is not None and not left.asked:
-        # answered by each rank once it has ended the cell left running there (calls to an actor
-        # run in order): at once if it had, else when this cell or a later one frees it
+        # answered by each rank once it has ended the cell left running there, and this one if it
+        # runs there (calls to an actor run in order): when this cell or a later one frees it
         left.asked = {i: am.outcome.call_ranks([i], left.label) for i in left.waiting}
     out: Future[ValueMesh[Any]] = Future._create(what)
     out._progress = call._progress
