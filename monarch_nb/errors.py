@@ -495,10 +495,11 @@ class ExecError(MonarchNBError):
                 # for the failed rank's neighbours, whose groups stay open), and each one's group,
                 # broken now, is gone, ready for a new one
                 on = f"{self.mesh} --ranks {self.cell_ranks}" if self.cell_ranks else self.mesh
+                runs, frees, it = ("runs", "frees", "it") if len(self.group_ranks) == 1 else ("run", "free", "them")
                 lines.append(
                     f"if they wait for {who} in a collective, destroying the process group frees them and keeps "
-                    f"every proc's other state: in %%mesh exec {on} (every rank: {who} runs it at once and frees "
-                    "the ranks waiting for it, they those waiting for them), drop what holds the group (a DDP "
+                    f"every proc's other state: in %%mesh exec {on} (every rank: {who} {runs} it at once and {frees} "
+                    f"the ranks waiting for {it}, they those waiting for them), drop what holds the group (a DDP "
                     "model: model = model.module keeps the module and its weights; a DeviceMesh, a new_group(): "
                     "del it), then dist.destroy_process_group()"
                 )
