@@ -11,6 +11,10 @@ from monarch.actor import Actor, Channel, MeshFailure, Port, endpoint, this_host
 unhandled: list[MeshFailure] = []
 actor_api.unhandled_fault_hook = unhandled.append
 
+# a report to the hook has no event ordered after it (it comes from the runtime's supervision on
+# its own, not from any call's reply): its absence is checked by waiting this long for one
+HOOK_WINDOW_S = 1.0
+
 
 class Custom(BaseException):
     pass
@@ -40,6 +44,9 @@ class SyncOwner(Actor):
         self.events.send("supervise finished")
         return True
 
+    def __cleanup__(self, exc: Exception | None) -> None:
+        self.events.send("cleanup")
+
 
 class AsyncOwner(Actor):
     def __init__(self, events: Port[str]) -> None:
@@ -59,6 +66,18 @@ class AsyncOwner(Actor):
         self.events.send("supervise finished")
         return True
 
+    async def __cleanup__(self, exc: Exception | None) -> None:
+        self.events.send("cleanup")
+
+
+def until_cleanup(events) -> list[str]:  # type: ignore[no-untyped-def]
+    """The owner's events up to its __cleanup__'s: a __supervise__ that ran at all came before
+    that (one actor's sends to one port arrive in order), so none can come later."""
+    out = []
+    while (event := events.recv().get(timeout=60)) != "cleanup":
+        out.append(event)
+    return out
+
 
 for cls in (SyncOwner, AsyncOwner):
     procs = this_host().spawn_procs(per_host={"gpus": 1})
@@ -69,14 +88,8 @@ for cls in (SyncOwner, AsyncOwner):
     print("  first event:", first)
     procs.stop().get(timeout=60)
     print("  stopped")
-    time.sleep(4)  # a late __supervise__ or hook call would come within this
-    later = []
-    while True:
-        try:
-            later.append(events.recv().get(timeout=0.5))
-        except Exception:
-            break
-    print("  events after stop:", later)
+    print("  events after stop:", until_cleanup(events))
+    time.sleep(HOOK_WINDOW_S)
     print("  hook calls:", len([f for f in unhandled if "crashed_ranks=[]" not in repr(f)]))
     unhandled.clear()
 print("done")
