@@ -23,6 +23,11 @@ def hook(failure: MeshFailure) -> None:
 
 actor_api.unhandled_fault_hook = hook
 
+# a second report of a failure to the hook, or one of a handled failure, has no event ordered
+# after it (the hook is called by the runtime's supervision on its own, not from any call's
+# reply): its absence is checked by waiting this long for one
+HOOK_WINDOW_S = 1.0
+
 
 class Custom(BaseException):
     pass
@@ -141,7 +146,7 @@ def hook_reports(n: int) -> list[str]:
         if len(mine) >= n or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    time.sleep(1)  # a second report of the same failure would come within this
+    time.sleep(HOOK_WINDOW_S)
     with lock:
         mine = [f for f in failures if "crashed_ranks=[]" not in repr(f)]
         failures.clear()
