@@ -6,6 +6,7 @@ rank answers on; the hook hears of it once, and its report()."""
 import os
 import re
 import signal
+import tempfile
 import threading
 import time
 
@@ -29,10 +30,16 @@ def lines(e: object) -> str:
     return " | ".join(ls[:2])
 
 
+def wait_for_file(path: str) -> None:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 class W(Actor):
     @endpoint
-    def die(self, how: str) -> None:
-        time.sleep(0.5)
+    def die(self, how: str, go: str) -> None:
+        wait_for_file(go)  # made once the client sent the calls to queue behind this one
         if how == "exit":
             os._exit(7)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -44,8 +51,8 @@ class W(Actor):
 
 class AW(Actor):
     @endpoint
-    async def die(self, how: str) -> None:
-        time.sleep(0.5)
+    async def die(self, how: str, go: str) -> None:
+        wait_for_file(go)  # made once the client sent the calls to queue behind this one
         if how == "exit":
             os._exit(7)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -59,9 +66,13 @@ for cls, how in [(W, "exit"), (AW, "kill")]:
     procs = this_host().spawn_procs(per_host={"gpus": 2})
     m = procs.spawn("w", cls)
     m.val.call().get()
-    dying = m.slice(gpus=1).die.call_one(how)
+    go = os.path.join(tempfile.mkdtemp(), "go")
+    dying = m.slice(gpus=1).die.call_one(how, go)
     queued = [m.slice(gpus=1).val.call_one() for _ in range(3)]
     queued_all = m.val.call()
+    # (sent, they may still be on their way when it dies: then they reach a dead process, whose
+    # callers get the same error)
+    open(go, "w").close()
     for label, fut in [("dying", dying)] + [(f"queued {i}", f) for i, f in enumerate(queued)] + [("queued call", queued_all)]:
         try:
             print(f"{cls.__name__} {how} {label}: returned {fut.get(timeout=60)}")

@@ -6,7 +6,9 @@ client's unhandled_fault_hook hears of the failure."""
 # every lambda here is called at once, inside its loop iteration
 # ruff: noqa: B023
 
+import os
 import re
+import tempfile
 import threading
 import time
 
@@ -23,6 +25,12 @@ def hook(failure: MeshFailure) -> None:
 
 
 actor_api.unhandled_fault_hook = hook
+
+
+def wait_for_file(path: str) -> None:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class Custom(BaseException):
@@ -53,8 +61,8 @@ class SyncWorker(Actor):
         return "survived"
 
     @endpoint
-    def slow_fail(self, kind: str) -> str:
-        time.sleep(0.5)
+    def slow_fail(self, kind: str, go: str) -> str:
+        wait_for_file(go)  # made once the client sent the calls to queue behind this one
         raise_kind(kind)
         return "survived"
 
@@ -77,8 +85,8 @@ class AsyncWorker(Actor):
         return "survived"
 
     @endpoint
-    async def slow_fail(self, kind: str) -> str:
-        time.sleep(0.5)
+    async def slow_fail(self, kind: str, go: str) -> str:
+        wait_for_file(go)  # made once the client sent the calls to queue behind this one
         raise_kind(kind)
         return "survived"
 
@@ -172,8 +180,12 @@ for cls in (SyncWorker, AsyncWorker):
     procs = this_host().spawn_procs(per_host={"gpus": 1})
     mesh = procs.spawn(name, cls)
     print(f"{cls.__name__} queued behind a failure:")
-    failing = mesh.slow_fail.call_one("Custom")
+    go = os.path.join(tempfile.mkdtemp(), "go")
+    failing = mesh.slow_fail.call_one("Custom", go)
     queued = [mesh.ping.call_one() for _ in range(3)]
+    # (sent, they may still be on their way when it fails: then they reach a failed actor, whose
+    # callers get the same error)
+    open(go, "w").close()
     attempt("failing", lambda: failing.get(timeout=60))
     for i, q in enumerate(queued):
         attempt(f"queued {i}", lambda: q.get(timeout=60))
