@@ -24,6 +24,18 @@ def hook(failure: MeshFailure) -> None:
 actor_api.unhandled_fault_hook = hook
 
 
+def heard() -> list[str]:
+    """The actor meshes the hook heard of, once it heard of one (or 60 s went by): the report
+    may come after the call failed, and after the stop."""
+    deadline = time.monotonic() + 60
+    while True:
+        with lock:
+            names = {re.sub(r"-\w+$", "", f.mesh_name) for f in failures if not f.mesh_name.startswith("logger")}
+        if names or time.monotonic() > deadline:
+            return sorted(names)
+        time.sleep(0.05)
+
+
 def lines(e: object) -> str:
     ls = [line.strip() for line in str(e).strip().splitlines()]
     return " | ".join(ls[:2])
@@ -72,7 +84,7 @@ for cls in (W, AW):
             except Exception as e:
                 print(f"{cls.__name__} {adverb}: {type(e).__name__}: {lines(e)}")
         procs.stop().get()
+        print("hook:", heard())
         with lock:
-            print("hook:", sorted({re.sub(r"-\w+$", "", f.mesh_name) for f in failures if not f.mesh_name.startswith("logger")}))
             failures.clear()
 print("done")

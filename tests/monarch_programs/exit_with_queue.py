@@ -25,6 +25,18 @@ def hook(failure: MeshFailure) -> None:
 actor_api.unhandled_fault_hook = hook
 
 
+def heard() -> list[str]:
+    """The actor meshes the hook heard of, once it heard of one (or 60 s went by): the report
+    may come after the call failed, and after the stop."""
+    deadline = time.monotonic() + 60
+    while True:
+        with lock:
+            names = {re.sub(r"-\w+$", "", f.mesh_name) for f in failures if not f.mesh_name.startswith("logger")}
+        if names or time.monotonic() > deadline:
+            return sorted(names)
+        time.sleep(0.05)
+
+
 def lines(e: object) -> str:
     ls = [line.strip() for line in str(e).strip().splitlines()]
     return " | ".join(ls[:2])
@@ -80,8 +92,8 @@ for cls, how in [(W, "exit"), (AW, "kill")]:
             print(f"{cls.__name__} {how} {label}: {type(e).__name__}: {lines(e)}")
     print(f"{cls.__name__} {how} rank 0 still answers:", m.slice(gpus=0).val.call_one().get(timeout=30))
     procs.stop().get()
+    print("hook:", heard())
     with lock:
-        print("hook:", sorted({re.sub(r"-\w+$", "", f.mesh_name) for f in failures if not f.mesh_name.startswith("logger")}))
         for f in failures:
             if not f.mesh_name.startswith("logger"):
                 # Monarch's two lines (ours adds a third: host, proc mesh, pid)
