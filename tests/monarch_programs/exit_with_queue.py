@@ -42,6 +42,10 @@ def lines(e: object) -> str:
     return " | ".join(ls[:2])
 
 
+# the files the client makes for its actors to wait on; removed at exit
+scratch = tempfile.TemporaryDirectory()
+
+
 def wait_for_file(path: str) -> None:
     deadline = time.monotonic() + 60
     while not os.path.exists(path) and time.monotonic() < deadline:
@@ -78,7 +82,7 @@ for cls, how in [(W, "exit"), (AW, "kill")]:
     procs = this_host().spawn_procs(per_host={"gpus": 2})
     m = procs.spawn("w", cls)
     m.val.call().get()
-    go = os.path.join(tempfile.mkdtemp(), "go")
+    go = os.path.join(scratch.name, f"go-{how}")
     dying = m.slice(gpus=1).die.call_one(how, go)
     queued = [m.slice(gpus=1).val.call_one() for _ in range(3)]
     queued_all = m.val.call()

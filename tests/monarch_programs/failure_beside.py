@@ -52,6 +52,10 @@ def hooked(n: int) -> list[str]:
     return heard
 
 
+# the files the client makes for its actors to wait on; removed at exit
+scratch = tempfile.TemporaryDirectory()
+
+
 def wait_for_file(path: str) -> None:
     deadline = time.monotonic() + 60
     while not os.path.exists(path) and time.monotonic() < deadline:
@@ -89,7 +93,7 @@ for slow_cls in (Slow, AsyncSlow):
         bad = procs.spawn("bad", Bad)
         result: list[str] = []
         port, started = Channel.open()
-        release = os.path.join(tempfile.mkdtemp(), "release")
+        release = os.path.join(scratch.name, f"release-{slow_cls.__name__}-{how}")
 
         def waiter() -> None:
             try:

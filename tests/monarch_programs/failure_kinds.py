@@ -27,6 +27,10 @@ def hook(failure: MeshFailure) -> None:
 actor_api.unhandled_fault_hook = hook
 
 
+# the files the client makes for its actors to wait on; removed at exit
+scratch = tempfile.TemporaryDirectory()
+
+
 def wait_for_file(path: str) -> None:
     deadline = time.monotonic() + 60
     while not os.path.exists(path) and time.monotonic() < deadline:
@@ -180,7 +184,7 @@ for cls in (SyncWorker, AsyncWorker):
     procs = this_host().spawn_procs(per_host={"gpus": 1})
     mesh = procs.spawn(name, cls)
     print(f"{cls.__name__} queued behind a failure:")
-    go = os.path.join(tempfile.mkdtemp(), "go")
+    go = os.path.join(scratch.name, f"go-{name}")
     failing = mesh.slow_fail.call_one("Custom", go)
     queued = [mesh.ping.call_one() for _ in range(3)]
     # (sent, they may still be on their way when it fails: then they reach a failed actor, whose
