@@ -13,6 +13,9 @@ import time
 
 from monarch.actor import Actor, endpoint, this_host
 
+# the files the client and its actors wait on; removed at exit
+scratch = tempfile.TemporaryDirectory()
+
 
 def wait_for_file(path: str) -> None:
     deadline = time.monotonic() + 60
@@ -48,7 +51,7 @@ class Worker(Actor):
 
 
 def main() -> None:
-    d = tempfile.mkdtemp()
+    d = tempfile.mkdtemp(dir=scratch.name)
     procs = this_host().spawn_procs(per_host={"gpus": 1})
     w = procs.spawn("w", Worker)
     main_thread = threading.get_ident()
@@ -76,7 +79,7 @@ def main() -> None:
         print("KeyboardInterrupt in get(), before the endpoint ended:", not ended)
     open(os.path.join(d, "caught"), "w").close()
     print("the next call sees:", w.quick.call_one().get())
-    asyncio.run(timed_out_await(procs.spawn("w2", Worker), tempfile.mkdtemp()))
+    asyncio.run(timed_out_await(procs.spawn("w2", Worker), tempfile.mkdtemp(dir=scratch.name)))
     procs.stop().get()
     print("done")
 
