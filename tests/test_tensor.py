@@ -300,6 +300,27 @@ def test_reduce_combines_local_tensors_across_named_dims(mesh2):  # type: ignore
     assert mt.stats(mesh2)["messages_sent"] == sent
 
 
+def test_reduce_of_pieces_of_different_shapes_is_refused_before_sending(mesh2):  # type: ignore[no-untyped-def]
+    # 5 rows over hosts=2 are pieces of 3 and 2 rows: their all-reduce waited
+    # COLLECTIVE_TIMEOUT_S (60 s) and left the process group broken for every tensor of the mesh
+    t = gen(5, 4)
+    h = mt.distribute(t, mesh2, [Shard(0), Shard(1)])
+    ints = mt.distribute(torch.arange(8).reshape(4, 2), mesh2, [Shard(0), Replicate()])
+    sent = mt.stats(mesh2)["messages_sent"]
+    with pytest.raises(ValueError, match=r"differ in shape.*hosts=0, gpus=0 holds \[3, 2\], hosts=1, gpus=0 holds \[2, 2\].*pad"):
+        mt.reduce(h, "hosts")
+    with pytest.raises(ValueError, match="differ in shape"):
+        h.reduce(["hosts", "gpus"], "max")
+    # an average of integers cannot be kept in their dtype: said here, as torch says it, not on the ranks
+    with pytest.raises(TensorOpError, match="can't be cast"):
+        mt.reduce(ints, "gpus", "avg")
+    assert mt.stats(mesh2)["messages_sent"] == sent
+    # the 4 columns split evenly over gpus: reduced as before, and the mesh still works
+    r = mt.reduce(h, "gpus")
+    torch.testing.assert_close(mt.fetch_shard(r, hosts=1).get(timeout=30), t[3:, :2] + t[3:, 2:])
+    torch.testing.assert_close(mt.inspect(h * 2), t * 2)
+
+
 def _wait_for_flag(x: torch.Tensor, path: str) -> torch.Tensor:
     # on the controller's meta shadow this returns at once; on the ranks it blocks until released
     if x.device.type != "meta":

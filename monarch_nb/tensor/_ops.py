@@ -160,8 +160,9 @@ class Reduce:
             }[self.op]
             for d in self.dims:
                 dist.all_reduce(local, red, group=mesh.get_group(d))
-            if self.op == "avg":
-                local /= math.prod(mesh.size(names.index(d)) for d in self.dims)
+        if self.op == "avg":
+            # on the meta shadow too: an integer tensor is refused here, before anything is sent
+            local /= math.prod(mesh.size(names.index(d)) for d in self.dims)
         placements = [Replicate() if n in self.dims else p for n, p in zip(names, x.placements)]
         return DTensor.from_local(local, mesh, placements, run_check=False)
 
