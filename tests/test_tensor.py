@@ -1498,6 +1498,28 @@ def test_monarchs_method_forms_reduce_rank_tensors_and_slice_mesh(mesh2):  # typ
     assert [int(mt.fetch_shard(ranks["hosts"], hosts=1, gpus=c).get(timeout=30).item()) for c in range(2)] == [1, 1]
 
 
+def test_fetch_shard_and_inspect_take_a_pytree_as_monarchs(mesh2, monkeypatch):  # type: ignore[no-untyped-def]
+    # 0.7.0's fetch_shard(obj, ...) and inspect(obj, ...) take a pytree; here a tuple was a
+    # TypeError and inspect of a dict an AttributeError ('dict' object has no attribute 'full_tensor')
+    monkeypatch.setattr(mt._engine, "DATA_PLANE_BYTES", 100)  # b's pieces (192 B) by the data plane, a's (96 B) in replies
+    t = gen(8, 6)
+    a = mt.distribute(t, mesh2, [Shard(0), Shard(1)])
+    b = mt.distribute(t * 2, mesh2, [Replicate(), Shard(0)])
+    got = mt.fetch_shard({"a": a, "rest": (b, "step", 3)}, hosts=1, gpus=1).get(timeout=30)
+    assert got["rest"][1:] == ("step", 3)
+    torch.testing.assert_close(got["a"], t[4:, 3:])
+    torch.testing.assert_close(got["rest"][0], t[4:] * 2)
+    x, y = mt.inspect((a, b))
+    torch.testing.assert_close(x, t)
+    torch.testing.assert_close(y, t * 2)
+    torch.testing.assert_close(mt.inspect([a], gpus=1)[0], t[:4, 3:])
+    for fn in (mt.fetch_shard, mt.inspect):
+        with pytest.raises(TypeError, match=r"a MeshTensor \(or a pytree of them\), got tuple"):
+            fn((t, 1))
+    with pytest.raises(ValueError, match="out of range"):  # checked before anything is read
+        mt.fetch_shard((a, b), gpus=2)
+
+
 def test_backward_takes_torchs_inputs_to_accumulate_into_only_those(mesh1):  # type: ignore[no-untyped-def]
     # torch's (and so 0.7.0's) backward(inputs=...): a TypeError here before
     w = mt.distribute(torch.ones(8, 2), mesh1, [Shard(0)]).requires_grad_()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -196,10 +197,38 @@ def _shard_index(t: MeshTensor, shard: dict[str, int] | None, kwargs: dict[str, 
     return t._engine.rank_of(coords)
 
 
-def fetch_shard(t: MeshTensor, shard: dict[str, int] | None = None, **kwargs: int) -> Future[torch.Tensor]:
-    """A Future of the local tensor of the rank at ``shard`` (dims not named: coordinate 0)."""
-    if not isinstance(t, MeshTensor):
-        raise TypeError(f"fetch_shard needs a MeshTensor, got {type(t).__name__}")
+def fetch_shard(t: Any, shard: dict[str, int] | None = None, **kwargs: int) -> Future[Any]:
+    """A Future of the local tensor of the rank at ``shard`` (dims not named: coordinate 0). As
+    Monarch's, ``t`` may be a pytree (``fetch_shard((loss, acc), gpus=1)``): the Future holds the
+    same tree with each mesh tensor's piece in its place (other leaves kept as they are)."""
+    if isinstance(t, MeshTensor):
+        return _fetch_one(t, shard, kwargs)
+    leaves, spec = pytree.tree_flatten(t)
+    if not any(isinstance(x, MeshTensor) for x in leaves):
+        raise TypeError(f"fetch_shard needs a MeshTensor (or a pytree of them), got {type(t).__name__}")
+    # every leaf's coordinates checked (and its read started) before any wait
+    futs = [_fetch_one(x, shard, kwargs) if isinstance(x, MeshTensor) else None for x in leaves]
+    out: Future[Any] = Future._create("fetch_shard()")
+    left = [sum(f is not None for f in futs)]
+    lock = threading.Lock()
+
+    def one_done(_: Any) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            # each piece is read (a large one by the data plane) in the thread reading ``out``
+            out._set_raw(
+                futs, lambda fs: pytree.tree_unflatten([f.get() if f is not None else x for f, x in zip(fs, leaves)], spec)
+            )
+
+    for f in futs:
+        if f is not None:
+            f.add_done_callback(one_done)
+    return out
+
+
+def _fetch_one(t: MeshTensor, shard: dict[str, int] | None, kwargs: dict[str, int]) -> Future[torch.Tensor]:
     t._check_live("fetch_shard()")
     r = _shard_index(t, shard, kwargs)
     e = t._engine
@@ -216,12 +245,17 @@ def fetch_shard(t: MeshTensor, shard: dict[str, int] | None = None, **kwargs: in
     return out
 
 
-def inspect(t: MeshTensor, shard: dict[str, int] | None = None, **kwargs: int) -> torch.Tensor:
+def inspect(t: Any, shard: dict[str, int] | None = None, **kwargs: int) -> Any:
     """The global value of ``t`` (Monarch's returns a shard: name one, ``inspect(t, gpus=1)``,
-    for that rank's local tensor)."""
+    for that rank's local tensor). As Monarch's, ``t`` may be a pytree of mesh tensors
+    (``loss, acc = mt.inspect((loss, acc))``)."""
     if shard or kwargs:
         return fetch_shard(t, shard, **kwargs).get()
-    return t.full_tensor()
+    if isinstance(t, MeshTensor):
+        return t.full_tensor()
+    if not any(isinstance(x, MeshTensor) for x in pytree.tree_leaves(t)):
+        raise TypeError(f"inspect needs a MeshTensor (or a pytree of them), got {type(t).__name__}")
+    return pytree.tree_map(lambda x: x.full_tensor() if isinstance(x, MeshTensor) else x, t)
 
 
 def to_mesh(tensors: Any, procs: ProcMesh) -> Any:
