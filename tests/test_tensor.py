@@ -1058,7 +1058,13 @@ def test_a_dead_rank_fails_pending_reads_and_the_mesh_can_be_stopped_and_respawn
     # stopped, the mesh respawns under its name with a fresh process group and mesh tensors
     again = this_host().spawn_procs(per_host={"gpus": 2}, name="tensordead")
     try:
-        torch.testing.assert_close(mt.inspect(mt.distribute(torch.arange(4.0), again, [Shard(0)]) + 1), torch.arange(1.0, 5.0))
+        z = mt.distribute(torch.arange(4.0), again, [Shard(0)])
+        torch.testing.assert_close(mt.inspect(z + 1), torch.arange(1.0, 5.0))
+        # an old tensor with a new one (a notebook's spawn cell rerun): the old mesh was stopped,
+        # not "different proc meshes ('tensordead', 'tensordead'): move one by to_mesh"
+        for a, b in ((x, z), (z, x)):
+            with pytest.raises(MeshClosedError, match="proc mesh 'tensordead' are gone: it was stopped"):
+                a + b
     finally:
         again.stop().get(timeout=60)
 

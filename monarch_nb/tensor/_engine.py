@@ -120,13 +120,16 @@ class Engine:
     def new_id(self) -> int:
         return next(self._ids)
 
-    def start(self) -> Any:
+    def check_open(self) -> None:
         if self.procs._closed_error() is not None:
             # said in tensor words: the worker's own error would name a hidden actor
             raise MeshClosedError(
                 f"the mesh tensors of proc mesh {self.procs._name!r} are gone: it was stopped "
                 "(distribute them again on new procs)"
             )
+
+    def start(self) -> Any:
+        self.check_open()
         if self.root is not None:
             with self._start_lock:
                 if self.actor is None:
@@ -971,6 +974,11 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
     handles = [x for x in leaves if isinstance(x, _HANDLES)]
     if not handles:
         return func(*args, **kwargs)
+    for h in handles:
+        # first: a tensor of a mesh stopped and spawned again under its name (a notebook's
+        # spawn cell rerun) was said to live on "different proc meshes" named alike, to move by
+        # to_mesh, which cannot read a stopped mesh
+        h._engine.check_open()
     engine = handles[0]._engine
     for h in handles:
         if h._engine is not engine:
