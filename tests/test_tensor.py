@@ -593,6 +593,11 @@ def test_item_assignment_and_python_numbers_say_what_to_do_instead(mesh1):  # ty
         with pytest.raises(TypeError, match=rf"{re.escape(word)} of a mesh tensor|{word} needs its value") as err:
             conv(one)
         assert "use t.item()" in str(err.value)
+    # item() of more than one element: torch's error, before the whole tensor is read back
+    got = mt.stats(mesh1)["bytes_received"]
+    with pytest.raises(RuntimeError, match="a Tensor with 12 elements cannot be converted to Scalar"):
+        x.item()
+    assert mt.stats(mesh1)["bytes_received"] == got
     assert mt.stats(mesh1)["messages_sent"] == sent  # refused here, nothing sent
     # what the message offers does it, on the ranks
     rows = torch.arange(4)[:, None].expand(4, 3)

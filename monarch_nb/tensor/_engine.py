@@ -509,6 +509,9 @@ class MeshTensor:
         return fut.get(timeout=VALUE_TIMEOUT_S)[0]
 
     def item(self) -> Any:
+        if self.numel() != 1:
+            # torch's words, said before reading back what may be gigabytes only to refuse them
+            raise RuntimeError(f"a Tensor with {self.numel()} elements cannot be converted to Scalar")
         return self.full_tensor().item()
 
     def tolist(self) -> Any:
