@@ -1434,6 +1434,28 @@ def test_tensors_on_slices_of_a_proc_mesh_and_between_them(mesh2, gate):  # type
     torch.testing.assert_close(mt.inspect(c.sum(dim=1)), t.sum(dim=1))
 
 
+def test_a_slice_dropping_a_dimension_of_size_one_holds_tensors_of_its_own_dimensions():  # type: ignore[no-untyped-def]
+    # pipeline code written for N hosts, run on one: procs.slice(hosts=0) has every rank of the
+    # mesh, and was taken for the whole mesh ("placements must be 2 ..., one per dimension
+    # ['hosts', 'gpus'] of ProcMesh(extent={gpus: 2})")
+    procs = this_host().spawn_procs(per_host={"hosts": 1, "gpus": 2}, name="tensorone")
+    try:
+        stage = procs.slice(hosts=0)
+        t = gen(5, 3)
+        h = mt.distribute(t, stage, [Shard(0)])
+        assert h.placements == (Shard(0),)
+        torch.testing.assert_close(mt.inspect(h), t)
+        torch.testing.assert_close(mt.fetch_shard(h, gpus=1).get(timeout=30), t[3:])
+        torch.testing.assert_close(mt.inspect(torch.relu(h).sum(0)), torch.relu(t).sum(0))
+        # and to the whole mesh, broadcast over its hosts dimension
+        w = h.to_mesh(procs)
+        assert w.placements == (Replicate(), Shard(0))
+        torch.testing.assert_close(mt.inspect(w), t)
+        torch.testing.assert_close(mt.inspect(mt.distribute(t, procs, [Replicate(), Shard(1)]) * 2), t * 2)
+    finally:
+        procs.stop().get(timeout=60)
+
+
 def test_slice_mesh_then_to_mesh_broadcasts_over_the_missing_dimension(mesh1, mesh2):  # type: ignore[no-untyped-def]
     """Monarch's ``t.slice_mesh(hosts=1).to_mesh(mesh)``: host 1's piece, copied to every host."""
     t = gen(8, 6)

@@ -347,8 +347,12 @@ def engine_for(procs: ProcMesh) -> Engine:
         e = _engines.get(procs.name)
         if e is None or e.procs._stopped:
             e = _engines[procs.name] = Engine(root)
-        if root is procs or list(procs._view.ranks) == list(root._view.ranks):
+        if root is procs or (
+            list(procs._view.ranks) == list(root._view.ranks) and tuple(procs.extent.items()) == tuple(root.extent.items())
+        ):
             return e
+        # (a slice of every rank that drops a dimension of size 1, procs.slice(hosts=0) on one
+        # host, is a slice too: its tensors have its dimensions, not the whole mesh's)
         # a slice: its own device mesh (named as the slice) over the whole mesh's worker
         key = (tuple(procs._view.ranks), tuple(procs.extent.items()))
         s = e.slices.get(key)
