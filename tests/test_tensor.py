@@ -565,6 +565,28 @@ def test_an_in_place_op_whose_result_type_cannot_be_cast_is_refused_at_once(mesh
     torch.testing.assert_close(mt.inspect(f), torch.arange(8.0) * 3)
 
 
+def test_ops_promote_to_the_controllers_default_dtype_on_the_ranks(mesh1):  # type: ignore[no-untyped-def]
+    # this module's default dtype is float64: the shadows promoted with it, the ranks with theirs
+    # (float32), so a handle saying float64 held float32, and a view of it had another shape
+    i = mt.distribute(torch.arange(4), mesh1, [Shard(0)])
+    y = i / 3
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(mt.inspect(y), torch.arange(4) / 3)
+    torch.testing.assert_close(mt.inspect(torch.sigmoid(i)), torch.sigmoid(torch.arange(4)))
+    assert mt.inspect(y.view(torch.int64)).shape == y.view(torch.int64).shape == (4,)
+    with mesh1.activate():
+        f = torch.full((4,), 1 / 3)
+        r = torch.arange(0.0, 4.0)
+    torch.testing.assert_close(mt.inspect(f), torch.full((4,), 1 / 3))
+    torch.testing.assert_close(mt.inspect(r), torch.arange(0.0, 4.0))
+    # and back to float32 here: so on the ranks (their default was restored after each message)
+    torch.set_default_dtype(torch.float32)
+    try:
+        torch.testing.assert_close(mt.inspect(i / 3), torch.arange(4) / 3)
+    finally:
+        torch.set_default_dtype(torch.float64)
+
+
 def test_an_op_dtensor_cannot_shard_fails_here_and_is_never_sent(mesh1, caplog):  # type: ignore[no-untyped-def]
     x = mt.distribute(gen(8, 6), mesh1, [Shard(0)])
     sent = mt.stats(mesh1)["messages_sent"]

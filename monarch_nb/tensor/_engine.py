@@ -169,8 +169,13 @@ class Engine:
     def send(self, records: list[tuple[Any, ...]]) -> None:
         actor = self.start()
         frees = self.take_frees()
+        # ops promote to the default dtype (int / 2, torch.full(..., 1.5)), on the shadows here
+        # with this controller's: the ranks are told it where it is not torch's float32
+        dtype = torch.get_default_dtype()
         try:
-            if self.key is None:
+            if dtype != torch.float32:
+                actor.run.broadcast(frees, records, self.key, dtype)
+            elif self.key is None:
                 actor.run.broadcast(frees, records)
             else:
                 actor.run.broadcast(frees, records, self.key)

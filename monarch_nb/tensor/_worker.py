@@ -315,11 +315,26 @@ class TensorWorker(Actor):
                 self.kept[id] = [v, left, now + 300.0]
 
     @endpoint
-    def run(self, frees: list[int], records: list[tuple[Any, ...]], key: Any = None) -> None:
+    def run(self, frees: list[int], records: list[tuple[Any, ...]], key: Any = None, dtype: Any = None) -> None:
         """Run op records in order; a failing one stores its error under its outputs' ids and
         the inputs it changes in place (a record's optional sixth item), or, when it has
         neither (loss.backward(), an optimizer's step), keeps it for the next read from this rank.
-        Records for a slice (``key``) are sent to every rank; those outside it skip them."""
+        Records for a slice (``key``) are sent to every rank; those outside it skip them.
+        ``dtype``: the controller's default dtype where it is not float32, in force while they run."""
+        dtype = dtype or torch.float32
+        if dtype == torch.get_default_dtype():
+            self._run(frees, records, key)
+            return
+        # the controller's shadows promote with its default (int / 2 is float64 there): the
+        # ranks must too, or a handle saying float64 held float32 (and a view of it another shape)
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            self._run(frees, records, key)
+        finally:
+            torch.set_default_dtype(old)
+
+    def _run(self, frees: list[int], records: list[tuple[Any, ...]], key: Any) -> None:
         self._free(frees)
         try:
             mesh = self._mesh(key)
