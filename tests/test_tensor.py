@@ -220,6 +220,19 @@ def test_distribute_sends_each_rank_its_shard_even_when_uneven(mesh1):  # type: 
     torch.testing.assert_close(mt.inspect(rows[6]), t[6])
 
 
+def test_partial_placements_of_every_reduction_hold_the_value(procs):  # type: ignore[no-untyped-def]
+    # the ranks past 0 of a Partial() dim held zeros whatever its reduction: right for a sum,
+    # but Partial("max") gave max(t, 0), Partial("min") min(t, 0) and Partial("avg") t / n
+    t = gen(4, 3)
+    n = len(procs.extent)
+    for op in ("sum", "avg", "max", "min"):
+        pl = [Partial(op)] + [Replicate()] * (n - 1)
+        h = mt.distribute(t, procs, pl)
+        torch.testing.assert_close(mt.inspect(h), t, msg=lambda m, op=op: f"Partial({op!r}): {m}")
+        torch.testing.assert_close(mt.inspect(h.redistribute(placements=[Replicate()] * n)), t)
+        torch.testing.assert_close(mt.inspect(mt.ones(4, 3, procs=procs, placements=pl)), torch.ones(4, 3))
+
+
 def test_factories_and_activate(mesh2):  # type: ignore[no-untyped-def]
     z = mt.zeros(4, 6, procs=mesh2, placements=[Shard(0), Shard(1)])
     assert z.shape == (4, 6) and z.placements == (Shard(0), Shard(1))

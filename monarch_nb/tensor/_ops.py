@@ -190,9 +190,14 @@ def local_slice(t: torch.Tensor, coord: list[int], sizes: list[int], placements:
         if isinstance(p, Shard):
             a, b = chunk_range(out.shape[p.dim], sizes[i], coord[i])
             out = out.narrow(p.dim, a, b - a)
-        elif isinstance(p, Partial):
-            if coord[i] != 0:
+        elif isinstance(p, Partial) and coord[i] != 0:
+            # the other ranks' pieces reduce with rank 0's to the value: the identity of a sum
+            # (or product), the value itself for avg, max and min (zeros made max(t, 0), avg t / n)
+            op = p.reduce_op
+            if op in ("sum", "bxor"):
                 out = torch.zeros_like(out)
+            elif op in ("product", "prod"):
+                out = torch.ones_like(out)
     if out.device.type == "meta":
         return out.contiguous()
     if shared:
