@@ -174,6 +174,24 @@ def test_each_ranks_piece_matches_local_tensor_mode(procs, op):  # type: ignore[
         torch.testing.assert_close(f.get(timeout=30), pieces[r], msg=lambda m, r=r: f"rank {r}: {m}")
 
 
+def test_a_mean_loss_over_pieces_of_different_sizes_is_refused_not_biased(mesh1):  # type: ignore[no-untyped-def]
+    # torch's DTensor makes F.mse_loss (and smooth_l1, huber, bce_with_logits) Partial("avg") of
+    # each rank's own mean: 7 rows over 4 ranks (2, 2, 2, 1) gave 1.112 for 1.138, without a word
+    x, y = gen(7, 5), gen(7, 5, seed=1)
+    a, b = mt.distribute(x, mesh1, [Shard(0)]), mt.distribute(y, mesh1, [Shard(0)])
+    sent = mt.stats(mesh1)["messages_sent"]
+    for loss in (F.mse_loss, F.smooth_l1_loss, F.huber_loss):
+        with pytest.raises(
+            TensorOpError, match=r"differ in size \(gpus=0 holds \[2, 5\], gpus=3 holds \[1, 5\].*biased mean.*reduction='sum'"
+        ):
+            loss(a, b)
+    assert mt.stats(mesh1)["messages_sent"] == sent
+    # what it says to do gives the mean; even pieces are averaged as before
+    torch.testing.assert_close(mt.inspect(F.mse_loss(a, b, reduction="sum") / x.numel()), F.mse_loss(x, y))
+    even = mt.distribute(gen(8, 5), mesh1, [Shard(0)])
+    torch.testing.assert_close(mt.inspect(F.mse_loss(even, even * 2)), F.mse_loss(gen(8, 5), gen(8, 5) * 2))
+
+
 def test_cross_entropy_with_a_local_target(procs):  # type: ignore[no-untyped-def]
     logits, target = gen(8, 5), torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
     for pl in PLACEMENTS[len(procs.extent)].values():

@@ -324,20 +324,14 @@ def _check_equal_pieces(t: MeshTensor, names: tuple[str, ...]) -> None:
     along ``names`` (a dim sharded unevenly): their all-reduce would wait until
     ``COLLECTIVE_TIMEOUT_S`` and leave the mesh's process group broken for every tensor."""
     e = t._engine
-    at = [e.labels.index(d) for d in names]
-    first: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}
-    for r in range(e.size):
-        c = e.coords_of(r)
-        shape = local_shape(list(t.shape), c, list(e.sizes), t.placements)
-        c0, shape0 = first.setdefault(tuple(x for i, x in enumerate(c) if i not in at), (c, shape))
-        if shape != shape0:
-            where = lambda c: ", ".join(f"{n}={x}" for n, x in zip(e.labels, c))  # noqa: E731
-            raise ValueError(
-                f"reduce over {list(names)}: the ranks' local tensors differ in shape there ({where(c0)} holds "
-                f"{shape0}, {where(c)} holds {shape}): a tensor of shape {tuple(t.shape)} with placements "
-                f"{tuple(map(str, t.placements))} is not split evenly over those dims, and reduce combines the local "
-                "tensors element by element. Nothing was sent: pad the tensor to a multiple of those dims' sizes"
-            )
+    uneven = _engine.uneven_pieces(t, [e.labels.index(d) for d in names])
+    if uneven:
+        raise ValueError(
+            f"reduce over {list(names)}: the ranks' local tensors differ in shape there ({uneven}): a tensor of "
+            f"shape {tuple(t.shape)} with placements {tuple(map(str, t.placements))} is not split evenly over those "
+            "dims, and reduce combines the local tensors element by element. Nothing was sent: pad the tensor to "
+            "a multiple of those dims' sizes"
+        )
 
 
 class remote:

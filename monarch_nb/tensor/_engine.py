@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
@@ -1066,6 +1066,7 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
         else:
             ids.append(None)
             results.append(v)
+    _check_biased_mean(func, handles, results)
     r_args, r_kwargs = pytree.tree_map(remote, (args, kwargs))
     record: tuple[Any, ...] = (_portable(func), r_args, r_kwargs, ids, torch.is_grad_enabled())
     mutates = sorted(changed - set(ids))
@@ -1073,6 +1074,42 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
         record += (mutates,)
     engine.send([record])
     return pytree.tree_unflatten(results, spec)
+
+
+def uneven_pieces(h: MeshTensor, dims: list[int]) -> str:
+    """Two ranks differing only along mesh dims ``dims`` whose local tensors of ``h`` differ in
+    shape (a dim sharded unevenly there), said as "gpus=0 holds [2, 5], gpus=3 holds [1, 5]";
+    "" when there are none."""
+    e = h._engine
+    first: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}
+    for r in range(e.size):
+        c = e.coords_of(r)
+        shape = local_shape(list(h.shape), c, list(e.sizes), h.placements)
+        c0, shape0 = first.setdefault(tuple(x for i, x in enumerate(c) if i not in dims), (c, shape))
+        if shape != shape0:
+            where = lambda c: ", ".join(f"{n}={x}" for n, x in zip(e.labels, c))  # noqa: E731
+            return f"{where(c0)} holds {shape0}, {where(c)} holds {shape}"
+    return ""
+
+
+def _check_biased_mean(func: Any, handles: list[Any], results: list[Any]) -> None:
+    """torch's DTensor makes a mean-reduced loss (mse_loss, smooth_l1_loss, huber_loss,
+    binary_cross_entropy_with_logits) Partial("avg") of each rank's own mean: over pieces of
+    different sizes that is not the mean, and nothing said so (its nll_loss refuses the same)."""
+    avg = {i for r in results if isinstance(r, MeshTensor) for i, p in enumerate(r.placements) if p == Partial("avg")}
+    if not avg:
+        return
+    for h in handles:
+        if isinstance(h, MeshTensor):
+            uneven = uneven_pieces(h, sorted(avg))
+            if uneven:
+                raise TensorOpError(
+                    f"{_name(func)} would average each rank's own mean, but the pieces of an input differ in size "
+                    f"({uneven}: shape {tuple(h.shape)}, placements {tuple(map(str, h.placements))}), so the "
+                    "result would be a biased mean (torch's DTensor gives it without a word). Nothing was sent: "
+                    "pad the batch to a multiple of the mesh's size, or use reduction='sum' and divide by the "
+                    "number of elements"
+                )
 
 
 #: in-place binary ops whose meta kernels (the shadows') skip torch's check that the result's
