@@ -1435,6 +1435,12 @@ def test_wrong_input_is_refused_here_before_anything_is_sent(mesh1, mesh2):  # t
     for a, b in ((x, y), (y, half)):
         with pytest.raises(ValueError, match="Optimizer: its parameters live on different proc meshes"):
             mt.Optimizer(torch.optim.SGD, [a, b], lr=0.1)
+    # one placement where a list is wanted: said as a wrong placements argument, not "'Shard' object is not iterable"
+    for make in (lambda: mt.distribute(gen(4, 4), mesh1, Shard(0)), lambda: mt.zeros(4, procs=mesh1, placements=Shard(0))):
+        with pytest.raises(
+            ValueError, match=r"placements must be 1 DTensor placements .* one per dimension \['gpus'\].*got Shard\(dim=0\)"
+        ):
+            make()
     # a 0-d tensor has no dimension to shard (it was a ZeroDivisionError)
     with pytest.raises(ValueError, match=r"S\(0\) is out of range for a tensor of 0 dimensions"):
         mt.distribute(torch.tensor(3.0), mesh1, [Shard(0)])

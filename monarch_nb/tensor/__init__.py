@@ -115,7 +115,8 @@ def _placements(procs: ProcMesh, placements: Sequence[Placement] | None) -> tupl
     e = engine_for(procs)
     if placements is None:
         return tuple(Replicate() for _ in e.sizes)
-    pl = tuple(placements)
+    # one placement alone (Shard(0), not [Shard(0)]) was "TypeError: 'Shard' object is not iterable"
+    pl = tuple(placements) if isinstance(placements, Iterable) else (placements,) * (len(e.sizes) + 1)
     if len(pl) != len(e.sizes) or not all(isinstance(p, Placement) for p in pl):
         raise ValueError(
             f"placements must be {len(e.sizes)} DTensor placements (Shard(d), Replicate(), Partial()), one per "
