@@ -153,10 +153,13 @@ def logs(
         try:
             mesh = get(mesh)
         except MeshError:
-            local = _local_logs(mesh, rank, tail, start, name_given=True)
+            # a running mesh of that name first (a job's keeps its logs in the job's directory on
+            # its hosts): the files here may be an earlier, stopped mesh's of the same name
+            unreached: list[str] = []
+            where = _job_ranks(mesh, unreached)
+            local = None if where else _local_logs(mesh, rank, tail, start, name_given=True)
             if local is None:
-                # a job's mesh: its allocators keep their logs in the job's directory, not here
-                local = _job_logs(mesh, rank, tail, start)
+                local = _job_logs(mesh, rank, tail, start, where, unreached)
             if local is None:
                 raise
             return local
@@ -222,15 +225,15 @@ def _local_logs(
     return rows
 
 
-def _named_here(name: str) -> bool:
-    """Whether this controller knows mesh ``name``, or this host's runtime directory keeps its logs."""
+def _registered(name: str) -> bool:
+    """Whether this controller knows mesh ``name``."""
     from ._registry import get
     from .errors import MeshError
 
     try:
         get(name)
     except MeshError:
-        return name in local_meshes()
+        return False
     return True
 
 
@@ -265,18 +268,26 @@ def _job_ranks(name: str, unreached: list[str] | None = None) -> dict[int, str]:
 
 
 def _job_logs(
-    name: str, rank: int | None, tail: int | None, start: dict[int, int] | None, where: dict[int, str] | None = None
+    name: str,
+    rank: int | None,
+    tail: int | None,
+    start: dict[int, int] | None,
+    where: dict[int, str] | None = None,
+    unreached: list[str] | None = None,
 ) -> list[dict[str, Any]] | None:
     """The logs of the running mesh ``name`` from the allocators ``where`` its ranks are
-    (default: :func:`_job_ranks`); None: no allocator lists it. Ranks on a job's host that does
-    not answer: ``ConnectError`` for one asked by number, a ``RuntimeWarning`` when all are."""
+    (default: :func:`_job_ranks`, which also fills ``unreached``); None: no allocator lists it.
+    Ranks on a job's host that does not answer: ``ConnectError`` for one asked by number, a
+    ``RuntimeWarning`` when all are."""
     import warnings
 
     from .actor import _context
     from .errors import ConnectError
 
-    unreached: list[str] = []
-    where = _job_ranks(name, unreached) if where is None else where
+    if where is None:
+        unreached = []
+        where = _job_ranks(name, unreached)
+    unreached = unreached or []
     if not where:
         if unreached:
             # a mesh on a lost host only: "no such mesh" alone sent the user looking elsewhere
@@ -309,18 +320,22 @@ def follow(mesh: Any, rank: int | None = None, tail: int = 10, poll: float = 0.2
     def fetch(start: dict[int, int] | None) -> list[dict[str, Any]]:
         return logs(mesh, rank, start=start)
 
-    if isinstance(mesh, str) and not _named_here(mesh):
-        # a job's mesh, found once: no scheduler (squeue, ssh) asked again at every poll
+    if isinstance(mesh, str) and not _registered(mesh):
+        # a running mesh (a job's), found once: no scheduler (squeue, ssh) asked again at every
+        # poll; the files here (an earlier mesh's of that name) only when none runs it
         unreached: list[str] = []
         where = _job_ranks(mesh, unreached)
-        if unreached and (not where or (rank is not None and rank not in where)):
+        files = not where and mesh in local_meshes()
+        if unreached and not files and (not where or (rank is not None and rank not in where)):
             raise ConnectError(unreached[0])
         if unreached:
             warnings.warn(unreached[0], RuntimeWarning, stacklevel=2)
-        if where:
 
-            def fetch(start: dict[int, int] | None) -> list[dict[str, Any]]:
+        def fetch(start: dict[int, int] | None) -> list[dict[str, Any]]:
+            if where:
                 return _job_logs(mesh, rank, None, start, where) or []
+            got = _local_logs(mesh, rank, None, start, name_given=True)
+            return logs(mesh, rank, start=start) if got is None else got  # (its error: no such mesh)
 
     rows = fetch(None)
     for r in rows:

@@ -499,10 +499,9 @@ def test_the_cli_prints_a_mesh_s_rank_logs_with_no_kernel_and_after_it_stopped()
         assert sorted(r.stderr.splitlines()) == ["[0] warned", "[1] warned"], r.stderr
         r = cli("cli-logs", "--rank", "1", "--tail", "2")
         assert (r.returncode, r.stdout, r.stderr) == (0, "[1] step 2 on 1\n", "[1] warned\n"), r
+        # asked of its allocator, which runs it
         r = cli("cli-logs", "--rank", "7")
-        assert (
-            r.returncode == 1 and r.stderr == "monarch-nb logs: mesh 'cli-logs' has no rank 7 in its logs here (ranks 0-1)\n"
-        ), r
+        assert r.returncode == 1 and r.stderr == "monarch-nb logs: mesh 'cli-logs' has no rank 7 (ranks 0-1)\n", r
         r = cli("no-such-mesh")
         assert r.returncode == 1 and "no logs of a mesh named 'no-such-mesh' on this host" in r.stderr, r
         assert re.search(r"meshes with logs here: .*\bcli-logs\b", r.stderr), r.stderr
@@ -512,6 +511,8 @@ def test_the_cli_prints_a_mesh_s_rank_logs_with_no_kernel_and_after_it_stopped()
     r = cli("cli-logs", "--tail", "1")
     assert (r.returncode, r.stdout) == (0, ""), r
     assert sorted(r.stderr.splitlines()) == ["[0] warned", "[1] warned"], r.stderr
+    r = cli("cli-logs", "--rank", "7")
+    assert r.returncode == 1 and r.stderr == "monarch-nb logs: mesh 'cli-logs' has no rank 7 in its logs here (ranks 0-1)\n", r
 
 
 def test_unreachable_address_is_a_clear_error():

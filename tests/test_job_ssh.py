@@ -112,16 +112,22 @@ def test_launch_survive_reattach_kill(ssh: SshCluster) -> None:
             _code(
                 """
                 from monarch_nb.server.manager import MeshManager
-                s = MeshManager().state()
+                m = MeshManager()
+                s = m.state()
+                # a rank's log, as the sidebar's rank view asks it of the rank's allocator
+                log = m.rank_log("kept", 3)
                 out(jobs=s["jobs"], allocators=[[a["addr"], a["alive"], a["error"]] for a in s["allocators"]],
-                    meshes={{m["name"]: [[p["host"], p["pid"], p["state"]] for p in m["procs"]] for m in s["meshes"]}})
+                    meshes={{m["name"]: [[p["host"], p["pid"], p["state"]] for p in m["procs"]] for m in s["meshes"]}},
+                    log=[log["proc"]["host"], log["lines"]])
                 """
             ),
             _env(ssh),
         )[0]
         (row,) = side["jobs"]
         assert row["name"] == "ssh1" and row["scheduler"] == "ssh" and row["state"] == "running" and not row["lost"], row
-        assert len(row["addrs"]) == 3 and all(alive for addr, alive, _ in side["allocators"] if addr in row["addrs"]), side
+        # each allocator is listed at the address the job reaches it by (its own ipc one is on its host)
+        assert len(row["addrs"]) == 3 and {addr for addr, alive, _ in side["allocators"] if alive} >= set(row["addrs"]), side
+        assert side["log"] == ["s2", []], side
         assert sorted((h, pid) for h, pid, _ in side["meshes"]["kept"]) == sorted(tuple(w) for w in first["where"]), side
         assert {st for _, _, st in side["meshes"]["kept"]} == {"idle"}, side
 
@@ -602,3 +608,89 @@ def test_logs_and_stacks_with_a_dead_host_name_it(ssh: SshCluster) -> None:
     assert fol["follow"].startswith("rank 0 of mesh 'lm' is on no allocator that answered, and "), fol
     assert following["rc"] == 1 and following["elapsed"] < 3, following
     assert following["stderr"].startswith("monarch-nb logs: rank 0 of mesh 'lm' is on no allocator that answered"), following
+
+
+def _cli(ssh: SshCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    assert ssh.net is not None
+    return ssh.net.run(0, [PY, "-m", "monarch_nb", *args], capture_output=True, text=True, env=_env(ssh), timeout=60)
+
+
+@pytest.mark.timeout(60)
+def test_the_cli_lists_logs_and_stops_a_mesh_of_the_job_from_another_process(ssh: SshCluster) -> None:
+    """`monarch-nb status/logs/stacks/stop` on the login host, from a process that never saw the
+    job, find a mesh on the job's allocators; logs show the running mesh's lines, not those an
+    earlier mesh of the name left in this host's runtime directory."""
+    first = run_controller(
+        ssh.net,
+        ssh.shared,
+        _code(
+            """
+            from monarch_nb.actor import current_rank
+            class Talk(Actor):
+                @endpoint
+                def talk(self):
+                    print(f"jobmatch hello from rank {{current_rank().rank}}", flush=True)
+                    return socket.gethostname(), os.getpid()
+            from monarch_nb.actor import this_host
+            # an earlier mesh of that name on this host: its logs stay in the runtime directory
+            earlier = this_host().spawn_procs(per_host={{"gpus": 1}}, name="sshmesh")
+            earlier.spawn("t", Talk).talk.call().get()
+            earlier.stop().get()
+            job = make_job({args!r}, extra=())
+            state = job.state(cached_path=named_job_path("sshcli"))
+            procs = state.workers.spawn_procs(per_host={{"gpus": 1}}, name="sshmesh", persist=True)
+            out(where=sorted(procs.spawn("t", Talk).talk.call().get().values()))
+            """,
+            args=ssh.ssh_args(),
+        ),
+        _env(ssh),
+    )[0]
+    try:
+        where = [tuple(w) for w in first["where"]]
+        assert sorted(h for h, _ in where) == ["s1", "s2"], first
+        st = _cli(ssh, "status")
+        assert st.returncode == 0, st.stderr
+        # the job's line, then each of its two allocators with the mesh under it
+        job_line = re.search(r"^job sshcli \(SSHJob, ssh \w+\): running$", st.stdout, re.M)
+        assert job_line, st.stdout
+        under = st.stdout[job_line.end() :]
+        for host in ("s1", "s2"):
+            assert re.search(rf"^  allocator \w+ on {host} pid \d+: ok\n    mesh sshmesh \{{hosts: 2, gpus: 1\}}", under, re.M), (
+                st.stdout
+            )
+        # the running mesh's logs, not the earlier one's (rank 0 alone, on this host)
+        lg = _cli(ssh, "logs", "sshmesh")
+        assert (lg.returncode, lg.stderr) == (0, ""), lg
+        # ordered by when each rank wrote its line
+        assert sorted(lg.stdout.splitlines()) == ["[0] jobmatch hello from rank 0", "[1] jobmatch hello from rank 1"], lg
+        lg = _cli(ssh, "logs", "sshmesh", "--rank", "1")
+        assert (lg.returncode, lg.stdout, lg.stderr) == (0, "[1] jobmatch hello from rank 1\n", ""), lg
+        sk = _cli(ssh, "stacks", "sshmesh")
+        assert sk.returncode == 0 and "stacks of mesh 'sshmesh': 2 ranks\n  [ranks 0-1 (2)]" in sk.stdout, (sk.stdout, sk.stderr)
+        # s2 cut off: its rank is not reached, and the command says so
+        assert ssh.net is not None
+        ssh.net.link_down(2)
+        try:
+            sp = _cli(ssh, "stop", "sshmesh")
+        finally:
+            ssh.net.link_up(2)
+        assert (sp.returncode, sp.stdout.strip()) == (1, "stopped mesh 'sshmesh' (1 proc)"), (sp.stdout, sp.stderr)
+        assert sp.stderr.startswith(
+            "monarch-nb stop: rank 1 of mesh 'sshmesh' is on no allocator that answered, and these could not be reached: root@s2 ("
+        ), sp
+        # a cut link, not a dead host: its proc runs on, and a second stop once it answers reaches it
+        assert where[1][1] in [p for p, _ in ssh.host_pids(2)], ssh.host_pids(2)
+        sp = _cli(ssh, "stop", "sshmesh")
+        assert (sp.returncode, sp.stdout.strip(), sp.stderr) == (0, "stopped mesh 'sshmesh' (1 proc)", ""), sp
+        # its procs are gone from both hosts; the job's allocators stay
+        for i, (host, pid) in enumerate(where, 1):
+            wait_for(lambda i=i, pid=pid: pid not in [p for p, _ in ssh.host_pids(i)], 15, f"proc {pid} on {host} to exit")
+            assert _allocators_on(ssh, i), ssh.host_pids(i)
+    finally:
+        run_controller(
+            ssh.net,
+            ssh.shared,
+            _code("from monarch_nb.job import kill_job\nkill_job('sshcli')\n"),
+            _env(ssh),
+        )
+        _cli(ssh, "allocator", "stop")  # the earlier mesh's, on this host
