@@ -692,3 +692,72 @@ def test_a_job_larger_than_its_partition_says_it_may_never_start(slurm: SlurmClu
     assert "pending: PartitionNodeLimit: more nodes than the partition allows or has up; it may never start" in res["cell"], res
     assert "ask for fewer nodes or another partition" in res["cell"]
     wait_for(lambda: not slurm.squeue().strip(), 30, "the queue to be empty")
+
+
+def _cli(c: SlurmCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    assert c.net is not None
+    return c.net.run(0, [PY, "-m", "monarch_nb", *args], capture_output=True, text=True, env=_env(c), timeout=60)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_the_cli_lists_logs_and_stops_a_mesh_of_the_job_from_another_process(slurm: SlurmCluster) -> None:
+    """`monarch-nb status/logs/stop` on the login node find a mesh on the job's allocators: they
+    answer with their own addresses (an ipc socket in their node's /tmp), not the ones asked."""
+    first = run_controller(
+        slurm.net,
+        slurm.shared,
+        _code(
+            slurm,
+            """
+            from monarch_nb.actor import current_rank
+            from monarch_nb.job import launch
+            class Talk(Actor):
+                @endpoint
+                def talk(self):
+                    print(f"jobmatch hello from rank {{current_rank().rank}}", flush=True)
+                    return socket.gethostname(), os.getpid()
+            state = launch("slurm", "slurmcli", 2, python_exe=PY, log_dir=LOG_DIR, monarch_port=0, exclusive=False)
+            procs = state.slurmcli.spawn_procs(per_host={{"gpus": 1}}, name="slurmmesh", persist=True)
+            out(where=sorted(procs.spawn("t", Talk).talk.call().get().values()))
+            """,
+        ),
+        _env(slurm),
+    )[0]
+    try:
+        where = [tuple(w) for w in first["where"]]
+        hosts = sorted(h for h, _ in where)
+        assert len(set(hosts)) == 2, first
+        st = _cli(slurm, "status")
+        assert st.returncode == 0, st.stderr
+        job_line = re.search(r"^job slurmcli \(SlurmJob, slurm \d+\): RUNNING$", st.stdout, re.M)
+        assert job_line, st.stdout
+        under = st.stdout[job_line.end() :]
+        for host in hosts:
+            assert re.search(
+                rf"^  allocator \w+ on {host} pid \d+: ok\n    mesh slurmmesh \{{hosts: 2, gpus: 1\}}", under, re.M
+            ), st.stdout
+        lg = _cli(slurm, "logs", "slurmmesh")
+        assert lg.returncode == 0, lg.stderr
+        assert "jobmatch hello from rank 0" in lg.stdout and "jobmatch hello from rank 1" in lg.stdout, (lg.stdout, lg.stderr)
+        sk = _cli(slurm, "stacks", "slurmmesh")
+        assert sk.returncode == 0 and "stacks of mesh 'slurmmesh': 2 ranks\n  [ranks 0-1 (2)]" in sk.stdout, (
+            sk.stdout,
+            sk.stderr,
+        )
+        sp = _cli(slurm, "stop", "slurmmesh")
+        assert (sp.returncode, sp.stdout.strip()) == (0, "stopped mesh 'slurmmesh' (2 procs)"), (sp.stdout, sp.stderr)
+        for host, pid in where:
+            wait_for(lambda pid=pid: not _running(pid), 15, f"proc {pid} on {host} to exit")
+        assert slurm.squeue().count(" R ") == 1, slurm.squeue()  # the job and its allocators stay
+    finally:
+        run_controller(
+            slurm.net, slurm.shared, _code(slurm, "from monarch_nb.job import kill_job\nkill_job('slurmcli')\n"), _env(slurm)
+        )
+    wait_for(lambda: not slurm.squeue().strip(), 30, "the queue to be empty")
