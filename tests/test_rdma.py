@@ -1166,3 +1166,20 @@ def test_a_transfer_split_over_several_streams_arrives_whole() -> None:
                 pass
     finally:
         srv.close()
+
+
+def test_out_of_descriptors_at_any_step_of_making_a_buffer_says_buffers_hold_them(monkeypatch) -> None:
+    # which step of making a CPU buffer meets the limit depends on what else holds a descriptor at
+    # that moment: out at its /proc read, the error named only that read, not the buffers made
+    # so far that hold the descriptors
+    from monarch_nb._runtime import _dataplane as dp
+
+    def starved(pid: int) -> int:
+        raise dp.OutOfDescriptors(f"telling whether process {pid} is alive (/proc)")
+
+    monkeypatch.setattr(dp, "start_time", starved)
+    with pytest.raises(OSError) as e:
+        RDMABuffer(torch.ones(16, dtype=torch.uint8))
+    msg = str(e.value)
+    assert e.value.errno == 24 and "alive (/proc)" in msg, msg
+    assert "holds two descriptors" in msg and "ulimit -n" in msg, msg

@@ -340,12 +340,15 @@ class RDMABuffer:
             raise ValueError("Cannot create RDMABuffer with size 0.")
         try:
             self._register(data, nbytes)
-        except dp.OutOfDescriptors as e:
-            raise _out_of_descriptors(f"making an RDMABuffer ({e.strerror})") from e
         except OSError as e:
-            if e.errno in (errno.EMFILE, errno.ENFILE):  # the data server's first sockets, a CUDA memfd
-                raise _out_of_descriptors("making an RDMABuffer") from e
-            raise
+            if e.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            # the data server's first sockets, a CUDA memfd, or our own steps (which say which)
+            what = [str(e.strerror)] if isinstance(e, dp.OutOfDescriptors) else []
+            if _is_tensor(data) and data.device.type == "cpu" and _FDS_PER_BUFFER not in what:
+                # whichever step ran out (its /proc read, say), the buffers made so far hold them
+                what.append(_FDS_PER_BUFFER)
+            raise _out_of_descriptors("making an RDMABuffer" + (f" ({'; '.join(what)})" if what else "")) from e
 
     def _register(self, data: Any, nbytes: int) -> None:
         srv = _server()
