@@ -12,10 +12,17 @@ from ._version import __version__ as __version__
 
 
 def status(**kwargs: Any) -> dict[str, Any]:
-    """A snapshot of allocators, hosts, meshes and procs (see :func:`monarch_nb.introspect.status`)."""
+    """A snapshot of allocators, hosts, meshes and procs: this machine's and its jobs' (see
+    :func:`monarch_nb.introspect.known_status`); with ``key_file`` or ``local``, only those of
+    :func:`monarch_nb.introspect.status`."""
+    from .introspect import known_status
     from .introspect import status as _status
 
-    return _status(**kwargs)
+    if "key_file" in kwargs or "local" in kwargs:
+        return _status(**kwargs)
+    # a job's allocators keep their records in the job's directory: a notebook's status that read
+    # this runtime directory alone listed none of the meshes `monarch-nb status` lists under the job
+    return known_status(addresses=kwargs.pop("addresses", None), **kwargs)
 
 
 def load_ipython_extension(ip: Any) -> None:

@@ -78,10 +78,12 @@ def status(
     return {"time": time.time(), "allocators": out, "debug_sessions": debug}
 
 
-def known_status(jobs: list[dict[str, Any]] | None = None, timeout: float = 2.0) -> dict[str, Any]:
-    """:func:`status` of every allocator known here: this runtime directory's, and those of the
-    jobs on record (``monarch_nb.job.list_jobs()``, or its rows ``jobs``). A job's allocators
-    carry ``job``: its row's name, type, scheduler, id and state.
+def known_status(
+    jobs: list[dict[str, Any]] | None = None, timeout: float = 2.0, *, addresses: list[str] | None = None
+) -> dict[str, Any]:
+    """:func:`status` of every allocator known here: this runtime directory's, ``addresses``, and
+    those of the jobs on record (``monarch_nb.job.list_jobs()``, or its rows ``jobs``). A job's
+    allocators carry ``job``: its row's name, type, scheduler, id and state.
 
     A job's allocators keep their connection files in the job's own directory (on another host,
     for SSH and Slurm), so they are asked by address, with the job's own cluster key. A job's
@@ -108,7 +110,7 @@ def known_status(jobs: list[dict[str, Any]] | None = None, timeout: float = 2.0)
         for h in j.get("lost") or []:
             error = "lost: its allocator does not answer"
             lost.append({"addr": str(where.get(h) or ""), "host": str(h), "error": error, "lost": True, "job": tag})
-    raw = status(sorted(by_key.pop("", set())) or None, timeout)
+    raw = status(sorted(by_key.pop("", set()) | set(addresses or [])) or None, timeout)
     for key_file, asked in sorted(by_key.items()):
         if asked:
             more = status(sorted(asked), timeout, key_file=key_file, local=False)

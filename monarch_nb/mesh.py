@@ -396,12 +396,24 @@ def interrupt(mesh: ProcMesh | str | None, ranks: list[int] | None = None) -> in
 
 
 def stop(name: str | None = None, *, all: bool = False, force: bool = False) -> list[str]:
-    """Stop the named mesh (or every mesh with ``all=True``); only this controller's unless ``force``."""
+    """Stop the named mesh (or every mesh with ``all=True``); only this controller's unless ``force``.
+
+    A name this controller does not hold (a mesh of a job's hosts spawned by another kernel or a
+    script, or of a kernel gone) is stopped where :func:`status` lists it, as ``monarch-nb stop``
+    does: refused with ``PermissionError`` while its owner runs, unless ``force``; with ranks on a
+    host that does not answer, the others are stopped and ``ConnectError`` names that host."""
     if (name is None) == (not all):
         raise ValueError("give a mesh name or all=True")
     with _registry._lock:
         client = controller_client()
         held = [m for m in _registry._meshes.values() if not m._stopped] + _spawned_here(client)
+        if not all and name not in _registry._meshes and not any(m.name == name for m in held):
+            from .allocator import stop_mesh
+
+            # read here, a mesh on a job's allocators (their records are in the job's directory) was
+            # "no mesh named" though %mesh status listed it
+            stop_mesh(str(name), force=force, reason="stopped by %mesh stop in another controller")
+            return [str(name)]
         if all:
             groups = _by_procs(held)
         else:
@@ -452,7 +464,9 @@ def _owned(client: Any, pm: ProcMesh) -> bool:
 
 
 def status(addresses: list[str] | None = None) -> dict[str, Any]:
-    """Allocators, meshes, procs and their states (``monarch_nb.status()``)."""
-    from .introspect import status as _status
+    """Allocators, meshes, procs and their states (``monarch_nb.status()``): this machine's, those
+    at ``addresses``, and the jobs' (their allocators carry ``job``; a job's lost host is listed
+    with ``lost`` and ``error``), as ``monarch-nb status`` lists them."""
+    from .introspect import known_status
 
-    return _status(addresses)
+    return known_status(addresses=addresses)

@@ -24,8 +24,10 @@ def status_rows(snapshot: dict[str, Any], my_cid: str = "") -> list[dict[str, st
     for a in snapshot.get("allocators", []):
         host = str(a.get("host", "?"))
         alloc = str(a.get("tcp") or a.get("addr", ""))
+        first = len(rows)
         if "error" in a:
             rows.append({"host": host, "allocator": alloc, "state": "unreachable", "detail": str(a["error"])})
+            _job_of(a, rows[first:])
             continue
         meshes = a.get("meshes", [])
         if not meshes:
@@ -71,16 +73,35 @@ def status_rows(snapshot: dict[str, Any], my_cid: str = "") -> list[dict[str, st
                         "detail": "; ".join(causes),
                     }
                 )
+        _job_of(a, rows[first:])
     return rows
+
+
+def _job_of(allocator: dict[str, Any], rows: list[dict[str, str]]) -> None:
+    """Name the job an allocator belongs to (``known_status``'s ``job``) in its rows, as
+    ``monarch-nb status`` lists it under its job: its name, and its state where not running."""
+    job = allocator.get("job")
+    if not job:
+        return
+    state = str(job.get("state") or "")
+    label = str(job.get("name") or "?") + ("" if state.lower() == "running" else f" ({state})")
+    for r in rows:
+        r["job"] = label
+
+
+def _columns(rows: list[dict[str, str]]) -> tuple[str, ...]:
+    # the job column only where a job's allocator is listed: a single-machine notebook's table stays as it was
+    return ("job", *_COLUMNS) if any("job" in r for r in rows) else _COLUMNS
 
 
 def status_text(rows: list[dict[str, str]]) -> str:
     if not rows:
         return "no allocators known (start one with `%mesh connect`)"
-    widths = {c: max(len(c), *(len(r.get(c, "")) for r in rows)) for c in _COLUMNS}
-    lines = ["  ".join(c.ljust(widths[c]) for c in _COLUMNS).rstrip()]
+    columns = _columns(rows)
+    widths = {c: max(len(c), *(len(r.get(c, "")) for r in rows)) for c in columns}
+    lines = ["  ".join(c.ljust(widths[c]) for c in columns).rstrip()]
     for r in rows:
-        lines.append("  ".join(r.get(c, "").ljust(widths[c]) for c in _COLUMNS).rstrip())
+        lines.append("  ".join(r.get(c, "").ljust(widths[c]) for c in columns).rstrip())
     return "\n".join(lines)
 
 
@@ -91,11 +112,12 @@ _STATE_COLOURS = {**_meshhtml.STATE_COLOURS, "unreachable": _meshhtml.STATE_COLO
 def status_html(rows: list[dict[str, str]]) -> str:
     if not rows:
         return "<p>no allocators known (start one with <code>%mesh connect</code>)</p>"
-    head = "".join(f"<th>{c}</th>" for c in _COLUMNS)
+    columns = _columns(rows)
+    head = "".join(f"<th>{c}</th>" for c in columns)
     body = []
     for r in rows:
         cells = []
-        for c in _COLUMNS:
+        for c in columns:
             v = html.escape(r.get(c, ""))
             if c == "state":
                 # the whole-mesh row's label ("failed (healthy ranks ...)") takes its first word's colour
