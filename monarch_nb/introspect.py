@@ -150,19 +150,25 @@ def _unreached_where(allocators: list[dict[str, Any]]) -> str:
     )
 
 
-def _unreached_note(name: str, allocators: list[dict[str, Any]], found_it: bool | None = None) -> str:
+def _unreached_note(
+    name: str, allocators: list[dict[str, Any]], found_it: bool | None = None, missing: list[int] | None = None
+) -> str:
     """What a user stopping mesh ``name`` must know when some of ``allocators`` (as
     :func:`known_status` lists them) did not answer: which ranks may be there, which hosts, and
     what became of their procs. Empty when none is missing: every rank of the mesh was found
     on one that answered, or every allocator answered. ``found_it``: the mesh was found (default:
-    listed by one that answered)."""
+    listed by one that answered). ``missing``: its ranks there, where the caller knows them (its
+    controller, from the mesh's procs; default: those no allocator that answered lists)."""
     gone = [a for a in allocators if a.get("error")]
     if not gone:
         return ""
-    size, missing = _missing_ranks(name, allocators)
-    if found_it is None:
-        found_it = bool(size)
-    if found_it and size and not missing:
+    if missing is None:
+        size, missing = _missing_ranks(name, allocators)
+        if found_it is None:
+            found_it = bool(size)
+        if found_it and size and not missing:
+            return ""
+    elif not missing:
         return ""
     what = (
         f"{'rank' if len(missing) == 1 else 'ranks'} {format_ranks(missing)} of mesh {name!r} "

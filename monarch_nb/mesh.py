@@ -20,7 +20,7 @@ from ._errgroup import clip, ranks_text
 from ._ranks import format_ranks, select_ranks
 from ._registry import _resolve, connect, get, hosts, meshes, restart, spawn
 from .actor import Extent, Future, ProcMesh, ValueMesh, controller_client
-from .errors import ActorError, ExecError, MeshError, SpawnError, SupervisionError
+from .errors import ActorError, ConnectError, ExecError, MeshError, SpawnError, SupervisionError
 
 __all__ = [
     "CellEndedWarning",
@@ -424,8 +424,12 @@ def stop(name: str | None = None, *, all: bool = False, force: bool = False) -> 
             if all and not force and not _owned(client, pm):
                 continue
             try:
-                pm.stop(force=force).get(timeout=client.rt.cfg.spawn_timeout)
+                _stop_proc_mesh(pm, force)
                 stopped.append(pm.name)
+            except ConnectError as e:
+                if not all:
+                    raise  # it says what was stopped, and what could not be
+                errors.append(f"{pm.name}: {e}")
             except Exception as e:
                 errors.append(f"{pm.name}: {e}")
             for other in same:
@@ -435,6 +439,30 @@ def stop(name: str | None = None, *, all: bool = False, force: bool = False) -> 
         if errors:
             raise MeshError("could not stop " + "; ".join(errors))
         return stopped
+
+
+def _stop_proc_mesh(pm: ProcMesh, force: bool = False) -> None:
+    """Stop a proc mesh this controller holds. With ranks on a host that does not answer (a
+    job's lost host), the ranks elsewhere are stopped and ``ConnectError`` says so, naming that
+    host and the job, as ``monarch-nb stop`` and ``stop_mesh`` do; not the heartbeat's bare
+    "allocator ... lost" of one socket address, which read as if nothing had been stopped."""
+    from ._numtext import plural
+    from .introspect import _unreached_note, known_status
+
+    try:
+        pm.stop(force=force).get(timeout=controller_client().rt.cfg.spawn_timeout)
+    except Exception as e:
+        # its allocators that did not answer, matched by the address this controller reaches them
+        # at (a job's host is listed so, by the job, also once lost)
+        allocs = {pm._procs[r].alloc for r in pm._view.ranks}
+        there = [a for a in known_status()["allocators"] if a.get("error") and {a.get("addr"), a.get("tcp")} & allocs]
+        addrs = {a.get(k) for a in there for k in ("addr", "tcp")}
+        missing = [i for i, r in enumerate(pm._view.ranks) if pm._procs[r].alloc in addrs]
+        note = _unreached_note(pm.name, there, missing=missing)
+        if not note:
+            raise
+        n = len(pm._view.ranks) - len(missing)
+        raise ConnectError(f"{plural(n, 'proc')} of mesh {pm.name!r} stopped on the allocators that answered; {note}") from e
 
 
 def _spawned_here(client: Any) -> list[ProcMesh]:

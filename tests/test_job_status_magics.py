@@ -89,3 +89,45 @@ def test_another_kernel_lists_and_stops_a_jobs_mesh_and_names_its_lost_host() ->
         if k is not None:
             k.close()
         _kill_job("nbother")
+
+
+def test_the_kernel_that_made_a_jobs_mesh_lists_it_and_its_stop_names_the_lost_host() -> None:
+    """The kernel that launched the job and spawned on it: `%mesh status` listed none of it, and
+    `%mesh stop` of a mesh with a rank on a lost host said "could not stop M: Supervision failure:
+    host vm: allocator ipc://... lost: no heartbeat ...": not which host of the job that was,
+    nor that the live ranks were stopped, as `monarch-nb stop` says."""
+    k = None
+    try:
+        k = Kernel(env=FAST)
+        _ok(k.run("%mesh launch process nbsame --hosts 2"))
+        _ok(
+            k.run(
+                "a = nbsame.spawn_procs(per_host={'gpus': 1}, name='nbs1')\nb = nbsame.spawn_procs(per_host={'gpus': 1}, name='nbs2')"
+            )
+        )
+        table = _ok(k.run("%mesh status")).result
+        for name in ("nbs1", "nbs2"):
+            rows = [ln for ln in table.splitlines() if f" {name} (persistent) " in ln]
+            assert len(rows) == 2 and all(re.match(r"nbsame +\S+ +\S+ +\S+ \(persistent\) +this kernel ", ln) for ln in rows), (
+                table
+            )
+
+        host = _kill_host("nbsame")
+        table = _ok(k.run("%mesh status")).result
+        assert re.search(rf"\nnbsame \(lost: {host}\) +{host} +\S+ +{LOST}", table), table
+        # by the variable that holds it, and by its name
+        for line, name in (("%mesh stop a", "nbs1"), ("%mesh stop nbs2", "nbs2")):
+            t0 = time.monotonic()
+            said = k.run(line).stream("stderr")
+            assert time.monotonic() - t0 < 5, "the heartbeat's timeout (2 s), not the spawn timeout"
+            assert said.startswith(
+                f"UsageError: %mesh stop: 1 proc of mesh {name!r} stopped on the allocators that answered; rank 1 of mesh "
+                f"{name!r} is on no allocator that answered, and these could not be reached: {host} ("
+            ), said
+            assert "job nbsame): lost: its allocator does not answer" in said, said
+        table = _ok(k.run("%mesh status")).result
+        assert " nbs1 " not in table and " nbs2 " not in table, table
+    finally:
+        if k is not None:
+            k.close()
+        _kill_job("nbsame")

@@ -407,7 +407,7 @@ class MeshMagics(Magics):
             print(f"stopped: {args.name} (actors {held._label!r}; their procs run on)")
             return None
         if isinstance(held, ProcMesh):
-            held.stop(force=args.force).get(timeout=controller_client().rt.cfg.spawn_timeout)
+            _mesh._stop_proc_mesh(held, args.force)
             print(f"stopped: {args.name} ({held.name})")
             return None
         stopped = _mesh.stop(args.name, all=args.all, force=args.force)
