@@ -694,3 +694,52 @@ def test_the_cli_lists_logs_and_stops_a_mesh_of_the_job_from_another_process(ssh
             _env(ssh),
         )
         _cli(ssh, "allocator", "stop")  # the earlier mesh's, on this host
+
+
+@pytest.mark.timeout(120)
+def test_a_notebooks_status_and_stop_list_a_jobs_mesh_and_name_its_dead_host(ssh: SshCluster) -> None:
+    """What `%mesh status` and `%mesh stop NAME` run (monarch_nb.mesh.status/stop), in a
+    controller that did not spawn the job's meshes: they listed none of them (this runtime
+    directory's allocators only), and a stop said "no mesh named". Now the job's allocators are
+    asked with its key, by their tcp address, and its dead host is named at once."""
+    spawn = """
+        job = make_job({args!r}, extra=())
+        state = job.state(cached_path=named_job_path("nbssh"))
+        for name in ("na", "nb"):
+            state.workers.spawn_procs(per_host={{"gpus": 1}}, name=name, persist=True)
+        os._exit(0)  # the notebook is gone; its persistent meshes stay
+        """
+    look = """
+        import time
+        from monarch_nb import mesh
+        from monarch_nb.errors import ConnectError
+        from monarch_nb.magics._tables import StatusTable
+        t0 = time.monotonic()
+        rows = StatusTable(mesh.status()).rows
+        out(rows=sorted((r.get("job"), r["host"], r.get("mesh"), r["state"]) for r in rows if r.get("job")), elapsed=time.monotonic() - t0)
+        try:
+            out(stopped=mesh.stop({name!r}, force=True))  # the gone script may still read as attached for a heartbeat
+        except ConnectError as e:
+            out(error=str(e), elapsed=time.monotonic() - t0)
+        """
+    run_controller(ssh.net, ssh.shared, _code(spawn, args=ssh.ssh_args()), _env(ssh))
+    try:
+        healthy = run_controller(ssh.net, ssh.shared, _code(look, name="na"), _env(ssh))
+        (victim,) = [pid for pid, cmd in _allocators_on(ssh, 2) if " allocator " in cmd]
+        os.kill(victim, signal.SIGKILL)
+        dead = run_controller(ssh.net, ssh.shared, _code(look, name="nb"), _env(ssh))
+    finally:
+        run_controller(ssh.net, ssh.shared, _code("from monarch_nb.job import kill_job\nkill_job('nbssh')\n"), _env(ssh))
+    listed, stopped = healthy
+    every = [["nbssh", h, f"{m} (persistent)", "idle"] for h in ("s1", "s2") for m in ("na", "nb")]
+    assert listed["rows"] == every and listed["elapsed"] < 3, listed
+    assert stopped == {"stopped": ["na"]}, stopped
+    listed, stopped = dead
+    lost = ["nbssh (lost: root@s2)", "root@s2", None, "unreachable"]
+    assert listed["rows"] == [lost, ["nbssh (lost: root@s2)", "s1", "nb (persistent)", "idle"]], listed
+    assert listed["elapsed"] < 3, listed
+    assert stopped["error"].startswith("1 proc of mesh 'nb' stopped on the allocators that answered; rank 1 of mesh 'nb' is "), (
+        stopped
+    )
+    assert re.search(r"root@s2 \(tcp://[\d.]+:\d+, job nbssh\): lost: its allocator does not answer", stopped["error"]), stopped
+    assert stopped["elapsed"] < 3, stopped
