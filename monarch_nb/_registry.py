@@ -148,8 +148,30 @@ def get(name: str) -> ProcMesh:
     pm = _meshes.get(name)
     if pm is None:
         known = ", ".join(sorted(_meshes)) or "none"
+        job = _job_running(name)
+        if job:
+            # `%mesh connect` attaches this host's allocator, not a job's: its advice found nothing
+            raise MeshError(
+                f"no mesh named {name!r} in this kernel (known: {known}); it runs on the hosts of job {job!r}: "
+                f"re-attach to the job (`state = job_load(named_job_path({job!r})).state()`, from monarch_nb.job), "
+                f"then `procs = ProcMesh.lookup({name!r}, state.<its host mesh>)` and use `procs`"
+            )
         raise MeshError(f"no mesh named {name!r} (known: {known}); spawn it or `%mesh connect` to re-attach")
     return pm
+
+
+def _job_running(name: str) -> str:
+    """The job on record whose allocators run a mesh named ``name``, or ""."""
+    from .introspect import known_status
+
+    try:
+        found = known_status()["allocators"]
+    except Exception:
+        return ""  # only an error's advice: the error itself is the news
+    for a in found:
+        if a.get("job") and any(m["name"] == name for m in a.get("meshes", [])):
+            return str(a["job"].get("name") or "")
+    return ""
 
 
 def meshes() -> dict[str, ProcMesh]:

@@ -436,9 +436,32 @@ def stop(name: str | None = None, *, all: bool = False, force: bool = False) -> 
                 other._stopped = True  # the same procs, held by another object: stopped too
             _registry._exec_meshes.pop(pm.name, None)
             _left.pop(pm.name, None)
+        gone = _stop_the_others({pm.name for g in groups for pm in g}, stopped, errors) if all and force else ""
         if errors:
             raise MeshError("could not stop " + "; ".join(errors))
+        if gone:
+            # their meshes are listed nowhere: what was stopped alone read as "nothing left running"
+            done = ", ".join(stopped) or "nothing"
+            raise ConnectError(f"stopped: {done}; these could not be reached, and no mesh of theirs was stopped: {gone}")
         return stopped
+
+
+def _stop_the_others(done: set[str], stopped: list[str], errors: list[str]) -> str:
+    """``stop(all=True, force=True)``: every other mesh :func:`status` lists, also another
+    controller's and a job's, as ``monarch-nb stop --all --force`` stops them (it stopped this
+    controller's alone, and said "nothing" beside a status table listing meshes). Returns the
+    allocators that could not be asked, named, or ""."""
+    from .allocator import stop_mesh
+    from .introspect import _unreached_where, known_status
+
+    found = known_status()["allocators"]
+    for name in sorted({m["name"] for a in found if not a.get("error") for m in a.get("meshes", [])} - done):
+        try:
+            stop_mesh(name, force=True, reason="stopped by %mesh stop --all --force in another controller")
+            stopped.append(name)
+        except Exception as e:
+            errors.append(f"{name}: {e}")
+    return _unreached_where(found)
 
 
 def _stop_proc_mesh(pm: ProcMesh, force: bool = False) -> None:

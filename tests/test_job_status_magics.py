@@ -131,3 +131,27 @@ def test_the_kernel_that_made_a_jobs_mesh_lists_it_and_its_stop_names_the_lost_h
         if k is not None:
             k.close()
         _kill_job("nbsame")
+
+
+def test_another_kernel_is_told_where_a_jobs_mesh_runs_and_stop_all_force_stops_it() -> None:
+    """In a kernel that did not spawn it, `%%mesh exec NAME` and `%mesh dashboard NAME` of a job's
+    mesh said "spawn it or `%mesh connect` to re-attach", and `%mesh connect` (this host's
+    allocator) found nothing; `%mesh stop --all --force` said "stopped: nothing" beside a
+    `%mesh status` that listed the job's meshes, which `monarch-nb stop --all --force` stops."""
+    subprocess.run([sys.executable, "-c", (_SPAWN % FAST).replace("nbother", "nbadvice")], check=True, timeout=60)
+    k = None
+    try:
+        k = Kernel(env=FAST)
+        for cell in ("%%mesh exec nbo1\nprint(1)", "%mesh dashboard nbo1"):
+            said = k.run(cell).stream("stderr")
+            assert "no mesh named 'nbo1' in this kernel (known: none); it runs on the hosts of job 'nbadvice': " in said, said
+            assert "`state = job_load(named_job_path('nbadvice')).state()`" in said, said
+        # yours only, without --force
+        assert _ok(k.run("%mesh stop --all")).stream() == "stopped: nothing (no running mesh of yours)\n"
+        assert _ok(k.run("%mesh stop --all --force")).stream() == "stopped: nbo1, nbo2\n"
+        table = _ok(k.run("%mesh status")).result
+        assert " nbo1 " not in table and " nbo2 " not in table, table
+    finally:
+        if k is not None:
+            k.close()
+        _kill_job("nbadvice")

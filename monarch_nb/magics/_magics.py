@@ -92,9 +92,14 @@ def _parsers() -> dict[str, _Parser]:
     lg.add_argument("--rank", type=int, help="only this rank")
     lg.add_argument("--tail", type=int, help="only the last N lines per rank")
     lg.add_argument("--follow", action="store_true", help="keep printing new lines (interrupt the kernel to stop)")
-    sp = p["stop"] = _Parser(prog="%mesh stop", description="Stop meshes this kernel owns.")
+    sp = p["stop"] = _Parser(
+        prog="%mesh stop",
+        description="Stop meshes this kernel owns; by name, also one it does not hold (a job's, a kernel's gone).",
+    )
     sp.add_argument("name", nargs="?", help="mesh name")
-    sp.add_argument("--all", action="store_true", help="every mesh this kernel owns")
+    sp.add_argument(
+        "--all", action="store_true", help="every mesh this kernel owns (with --force: every mesh %%mesh status lists)"
+    )
     sp.add_argument("--force", action="store_true", help="also meshes owned by other controllers")
     sy = p["sync"] = _Parser(prog="%mesh sync", description="Send the workspace to the hosts and reload it in running procs.")
     sy.add_argument("paths", nargs="*", help="folders to sync (default: the notebook's folder)")
