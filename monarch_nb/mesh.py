@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _errgroup, _registry
+from ._callers import callers_level
 from ._deadline import budget
 from ._errgroup import clip, ranks_text
 from ._ranks import format_ranks, select_ranks
@@ -237,9 +238,7 @@ def exec_cell(
         if text:
             import warnings
 
-            from .actor._mesh import _callers_level
-
-            warnings.warn(text, CellEndedWarning, _callers_level())
+            warnings.warn(text, CellEndedWarning, callers_level())
     return value
 
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
+from .._callers import callers_level
 from .._numtext import plural
 from .._runtime import _fdlimit
 from .._wire import frames as wire
@@ -537,7 +538,7 @@ def _stop_actors(futs: list[Future[Any]], ranks: list[list[int]], mesh: ActorMes
                 "with a failed or hung rank, perhaps; they take no more calls, but run on until their procs "
                 "stop (stopping the proc mesh kills them)",
                 RuntimeWarning,
-                _callers_level(),
+                callers_level(),
             )
         failed: dict[str, list[int]] = {}
         for f, rs in zip(fs, ranks):
@@ -677,11 +678,6 @@ class ProcsKilledWarning(RuntimeWarning):
     """``ProcMesh.stop()`` had to kill procs that did not exit after their actors' ``__cleanup__``."""
 
 
-#: modules whose frames a warning about the program's own call skips: ours, and IPython's and
-#: ipykernel's (a magic's caller is the cell)
-_NOT_THE_CALLER = ("monarch_nb.", "IPython.", "ipykernel.")
-
-
 def _killed_text(killed: list[dict[str, Any]]) -> str:
     """``rank 1 (pid 42 on vm): why``, ranks killed for the same reason on one host in one entry
     (``ranks 0-15 (pids 40-55 on vm): why``): a hung call on 16 ranks is one reason, not 16."""
@@ -698,18 +694,6 @@ def _killed_text(killed: list[dict[str, Any]]) -> str:
             pids = ", ".join(str(k["pid"]) for k in ks)
             out.append(f"ranks {format_ranks(k['rank'] for k in ks)} (pids {pids} on {host}): {why}")
     return "; ".join(out)
-
-
-def _callers_level() -> int:
-    """The ``stacklevel`` that makes a warning issued by this function's caller name the
-    program's line (the ``.get()``, ``await`` or ``%mesh stop`` that read the future), not ours:
-    the warning is issued where the future is first read, and how many of our frames lie between
-    depends on how it was read. 1 (the caller) when no frame of the program is on this thread."""
-    f: Any = sys._getframe(1)
-    level = 1
-    while f is not None and f.f_globals.get("__name__", "").startswith(_NOT_THE_CALLER):
-        f, level = f.f_back, level + 1
-    return level if f is not None else 1
 
 
 class ProcMesh(MeshTrait):
@@ -948,7 +932,7 @@ class ProcMesh(MeshTrait):
 
                 procs = _killed_text(killed)
                 warnings.warn(
-                    f"stopping proc mesh {name!r} killed {len(killed)} proc(s): {procs}", ProcsKilledWarning, _callers_level()
+                    f"stopping proc mesh {name!r} killed {len(killed)} proc(s): {procs}", ProcsKilledWarning, callers_level()
                 )
 
         _all(futs, f"stop mesh {name}").add_done_callback(lambda _f: out._set_raw(futs, finish))
