@@ -65,6 +65,9 @@ class MonarchNBError(Exception):
 #: an attribute set (True) on an exception raised in a collective only because a peer's script
 #: failed first (monarch_nb.spmd): a grouped call raises and shows another rank's error first
 PEER_GONE_MARK = "_mnb_peer_gone"
+#: gloo's words when a peer closes its connections mid-collective (its script ended: its process
+#: group is destroyed; or its process died)
+PEER_GONE_WORDS = ("Connection closed by peer", "Connection reset by peer")
 
 
 class ActorError(MonarchNBError):
@@ -166,18 +169,58 @@ class ActorError(MonarchNBError):
             tb = _errgroup.clean_traceback(self._failure_tuple(0)[3])
             tb = (_errgroup.shorten_message(tb, shorten) if shorten else tb).rstrip()
             return lines + (tb.splitlines() if tb else [self.message])
-        groups = _errgroup.group(e._failure_tuple(r) for r, e in failures.items())
+        groups, waited = self._groups()
         cause = self._cause()
         groups.sort(key=lambda g: cause not in g.ranks)
-        lines.extend(self._rank_lines(groups))
+        lines.extend(self._rank_lines(groups, waited))
+        if color and waited:
+            # their traceback is torch's own (~25 lines of DDP and gloo frames) and says nothing
+            # of the bug: one line each above, the whole one call away
+            lines.append("print(sys.last_value.grouped_text()) shows their tracebacks too")
+        else:
+            groups = groups + waited
         lines.extend(_errgroup.group_lines(groups, color, shorten=shorten))
         return lines
 
-    def _rank_lines(self, groups: list[Any]) -> list[str]:
-        """Which ranks of the call failed, by type, and which were still running."""
+    def _groups(self) -> tuple[list[Any], list[Any]]:
+        """The failures grouped: those of the ranks that failed on their own, and those of the
+        ranks whose collective failed only because one of those failed first (SPMDActor marks
+        them: ``PEER_GONE_MARK``). No second list when every rank is marked: a rank's own failure
+        is then not among the call's, and the survivors' are all there is to show."""
+        from . import _errgroup
+
+        failures = self.failures or {}
+        gone = {r for r, e in failures.items() if getattr(e.exception, PEER_GONE_MARK, False)}
+        if len(gone) == len(failures):
+            gone = set()
+        own = _errgroup.group(e._failure_tuple(r) for r, e in failures.items() if r not in gone)
+        return own, _errgroup.group(e._failure_tuple(r) for r, e in failures.items() if r in gone)
+
+    def _waited_lines(self, own: list[Any], waited: list[Any]) -> list[str]:
+        """One line per kind of failure of the ranks that failed waiting in a collective for a
+        rank whose script failed (``ranks 0,2-15 (15 of 16): RuntimeError: [gloo] Connection
+        closed by peer … (waiting for rank 1 in a collective)``): 15 copies of gloo's error and
+        torch's frames, each telling only that rank 1 went away, hid the one that says why."""
+        from . import _errgroup
+
+        for_whom = _errgroup.ranks_text(sorted(r for g in own for r in g.ranks))
+        by_text: dict[tuple[str, str], list[int]] = {}
+        for g in waited:
+            by_text.setdefault((g.etype, _peer_gone_words(g.messages[g.ranks[0]])), []).extend(g.ranks)
+        return [
+            f"{_errgroup.ranks_text(sorted(ranks))} ({len(ranks)} of {self.total}): {etype}: {said} "
+            f"(waiting for {for_whom} in a collective)"
+            for (etype, said), ranks in by_text.items()
+        ]
+
+    def _rank_lines(self, groups: list[Any], waited: list[Any] | None = None) -> list[str]:
+        """Which ranks of the call failed, by type, which failed only waiting for them in a
+        collective, and which were still running."""
         from . import _errgroup
 
         lines = _errgroup.summary_lines(groups, self.total)
+        if waited:
+            lines.extend(self._waited_lines(groups, waited))
         running = _errgroup.running_line(self.running, self.total)
         if running:
             # their actors take no other call until it returns: a collective waiting for the rank
@@ -201,9 +244,7 @@ class ActorError(MonarchNBError):
         failures = self.failures or {}
         if not self.endpoint or (self.total <= 1 and len(failures) <= 1):
             return ""
-        from . import _errgroup
-
-        lines = self._rank_lines(_errgroup.group(e._failure_tuple(r) for r, e in failures.items()))
+        lines = self._rank_lines(*self._groups())
         if len(failures) > 1:
             first = self._cause()
             lines.append(f"the traceback below is rank {first}'s; .grouped_text() shows every rank's")
@@ -314,6 +355,19 @@ class SupervisionError(MonarchNBError, RuntimeError):
 
         lines = shorten_message(str(self), "print(sys.last_value) shows all of it").splitlines() or [""]
         return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}", *lines[1:], *self._note_lines()]
+
+
+def _peer_gone_words(message: str) -> str:
+    """gloo's "[/__w/pytorch/…/gloo/transport/tcp/pair.cc:553] Connection closed by peer
+    [127.0.0.1]:38528. This is typically caused by a remote worker crashing. …" as one short line:
+    its words, which say what happened; the rest is the same on every rank but the port."""
+    from ._errgroup import clip
+
+    at = min((i for i in (message.find(w) for w in PEER_GONE_WORDS) if i >= 0), default=-1)
+    if at < 0:
+        return clip(message)
+    word = next(w for w in PEER_GONE_WORDS if message.startswith(w, at))
+    return ("[gloo] " if "gloo" in message[:at] else "") + word + " …"
 
 
 def _remote_words(tb: str) -> str:

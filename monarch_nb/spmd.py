@@ -17,7 +17,7 @@ from typing import Any
 from .actor import Actor, current_rank, endpoint
 from .actor._mesh import ProcMesh
 from .actor._reload import modules_under
-from .errors import PEER_GONE_MARK
+from .errors import PEER_GONE_MARK, PEER_GONE_WORDS
 
 __all__ = ["SPMDActor", "setup_env_for_distributed", "setup_torch_elastic_env", "setup_torch_elastic_env_async"]
 
@@ -173,14 +173,11 @@ PEER_GONE_NOTE = (
     "this rank's collective failed because another rank's script failed first (or its process died) "
     "and closed its connections; that rank's error is the cause"
 )
-#: gloo's words when a peer closes its connections mid-collective (its script ended: its process
-#: group is destroyed; or its process died)
-_PEER_GONE_WORDS = ("Connection closed by peer", "Connection reset by peer")
 
 
 def _peer_gone(e: BaseException) -> bool:
     text = str(e)
-    return isinstance(e, RuntimeError) and any(w in text for w in _PEER_GONE_WORDS)
+    return isinstance(e, RuntimeError) and any(w in text for w in PEER_GONE_WORDS)
 
 
 #: what a failed script's globals keep (its exception's class and methods may read them):

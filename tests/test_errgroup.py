@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from monarch_nb import _errgroup
@@ -102,6 +104,52 @@ def test_a_script_s_error_names_the_ranks_that_failed_under_monarch_s_headline()
         "Actor call w.boom failed.",
         " Traceback of where the remote call failed (most recent call last):",
     ]
+
+
+def test_a_16_rank_spmd_failure_shows_the_failed_rank_s_traceback_and_one_line_for_those_waiting_for_it() -> None:
+    """Rank 1's script raised while the 15 others waited for it in DDP's backward: a notebook
+    showed, under rank 1's traceback, the 15 survivors' ~25 lines of torch frames ending in gloo's
+    "Connection closed by peer" and a list of 15 messages differing only in a port, and ``str()``
+    counted them with rank 1 ("RuntimeError on 16 of 16 ranks"). Now they are one line, saying
+    whom they waited for, and their tracebacks are one call away."""
+    from monarch_nb.errors import PEER_GONE_MARK, ActorError
+
+    head = 'Traceback (most recent call last):\n  File "/w/train.py", line 20, in <module>\n    main()\n'
+    own_tb = head + '  File "/w/train.py", line 14, in main\n    raise RuntimeError("NaN loss")\nRuntimeError: NaN loss\n'
+    torch_frames = "".join(
+        f'  File "/venv/torch/nn/parallel/distributed.py", line {1700 + i}, in _pre_forward\n    step{i}()\n' for i in range(10)
+    )
+
+    def gloo(r: int) -> str:
+        return (
+            "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+            f"[127.0.0.1]:{38000 + r}. This is typically caused by a remote worker crashing. GLHF!"
+        )
+
+    def survivor(r: int) -> ActorError:
+        exc = RuntimeError(gloo(r))
+        exc.__dict__[PEER_GONE_MARK] = True
+        tb = f'{head}  File "/w/train.py", line 15, in main\n    loss.backward()\n{torch_frames}RuntimeError: {gloo(r)}\n'
+        return ActorError(exc, tb, message="Actor call _SPMDActor.main failed.")
+
+    errs = {r: survivor(r) for r in range(16) if r != 1}
+    errs[1] = ActorError(RuntimeError("NaN loss"), own_tb, message="Actor call _SPMDActor.main failed.")
+    e = errs[1]._set_group("_SPMDActor.main", 16, errs)
+    one_line = "ranks 0,2-15 (15 of 16): RuntimeError: [gloo] Connection closed by peer … (waiting for rank 1 in a collective)"
+    shown = [re.sub(r"\x1b\[[0-9;]*m", "", ln) for ln in e._render_traceback_()]
+    assert shown[1:4] == [
+        "RuntimeError on 1 of 16 ranks: 1",
+        one_line,
+        "print(sys.last_value.grouped_text()) shows their tracebacks too",
+    ], shown
+    assert "--- rank 1: RuntimeError" in shown and shown[-1] == "RuntimeError: NaN loss", shown
+    assert not any("distributed.py" in ln or "pair.cc" in ln for ln in shown) and len(shown) < 20, shown
+    # a script's text says it in the same words, with rank 1's traceback
+    text = str(e)
+    assert text.splitlines()[1:3] == shown[1:3] and text.rstrip().endswith("RuntimeError: NaN loss"), text
+    # the whole: every rank's traceback
+    whole = e.grouped_text()
+    assert one_line in whole and "--- ranks 0,2-15: RuntimeError" in whole and whole.count("distributed.py") == 10, whole
 
 
 def test_a_long_message_of_many_lines_is_shown_once_shortened_with_where_the_whole_is() -> None:

@@ -332,6 +332,46 @@ def test_notes_on_our_errors_show_in_the_notebook(k: Kernel) -> None:
         assert says in "\n".join(tb[:-3]), (expr, tb)
 
 
+@pytest.mark.timeout(60)
+def test_an_spmd_script_failing_on_one_rank_shows_its_traceback_and_one_line_for_the_ranks_waiting_for_it(
+    k: Kernel, tmp_path
+) -> None:
+    # rank 1's script raises while rank 0 waits for it in DDP's next forward: the cell showed
+    # rank 0's ~25 lines of torch frames ending in gloo's "Connection closed by peer" under rank
+    # 1's error; they are one line now, and print(sys.last_value.grouped_text()) shows them
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "def main():\n"
+        "    dist.init_process_group('gloo')\n"
+        "    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
+        "    model(torch.ones(1, 2)).sum().backward()\n"
+        "    if dist.get_rank() == 1:\n"
+        "        raise RuntimeError('diverged at step 0')\n"
+        "    model(torch.ones(1, 2)).sum().backward()\n"
+        "main()\n"
+    )
+    _ok(k.run("%mesh spawn spmdtb --per-host gpus=2"))
+    _ok(k.run("from monarch_nb.spmd import SPMDActor\nspmd = spmdtb.spawn('_SPMDActor', SPMDActor)"))
+    c = k.run(
+        "addr, port = spmd.slice(gpus=0).get_host_port.call_one(None).get(timeout=30)\n"
+        f"spmd.main.call(addr, port, [{str(script)!r}]).get(timeout=60)",
+        timeout=90,
+    )
+    assert c.error and c.error["ename"] == "ActorError", c.error
+    tb = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(c.error["traceback"])).splitlines()
+    assert tb[1:4] == [
+        "RuntimeError on 1 of 2 ranks: 1",
+        "rank 0 (1 of 2): RuntimeError: [gloo] Connection closed by peer … (waiting for rank 1 in a collective)",
+        "print(sys.last_value.grouped_text()) shows their tracebacks too",
+    ], tb
+    assert "--- rank 1: RuntimeError" in tb and tb[-1] == "RuntimeError: diverged at step 0", tb
+    assert not any("distributed.py" in ln for ln in tb), tb
+    whole = _ok(k.run("import sys\nprint(sys.last_value.grouped_text())")).stream()
+    assert "--- rank 0: RuntimeError" in whole and "distributed.py" in whole, whole
+    _ok(k.run("%mesh stop spmdtb"))
+
+
 def test_status_logs_of_a_crashed_proc_and_stop(k: Kernel) -> None:
     _ok(k.run("%mesh spawn lg --per-host gpus=2"))
     _ok(k.run("%%mesh exec lg\nimport os\nprint('before the crash', os.getpid())"))

@@ -628,6 +628,10 @@ def test_spmd_script_failing_on_one_rank_shows_that_rank_s_error_not_the_survivo
         assert "the traceback below is rank 1's" in text and text.rstrip().endswith("RuntimeError: diverged at step 1"), text
         grouped = info.value.grouped_text()
         assert grouped.index("--- rank 1: RuntimeError") < grouped.index("--- ranks 0,2: RuntimeError"), grouped
+        # the notebook: rank 1's traceback, one line for the ranks that waited for it
+        shown = "\n".join(info.value._render_traceback_())
+        waited = "ranks 0,2 (2 of 3): RuntimeError: [gloo] Connection closed by peer … (waiting for rank 1 in a collective)"
+        assert waited in shown and waited in text and "pair.cc" not in shown, shown
         assert "another rank's script failed first" in grouped, grouped
         # the survivors are free: the mesh runs the script again at once
         script.write_text(script.read_text().replace("get_rank() == 1", "get_rank() == 9"))
@@ -694,8 +698,12 @@ def test_spmd_script_with_a_ddp_model_frees_the_rank_waiting_for_it_when_it_fail
         with pytest.raises(ActorError) as info:
             _run(spmd, script, "fail")
         text = str(info.value)
-        assert "RuntimeError on 2 of 2 ranks" in text and "still running" not in text, text
+        assert "RuntimeError on 1 of 2 ranks: 1" in text and "still running" not in text, text
+        assert "rank 0 (1 of 2): RuntimeError: [gloo] Connection closed by peer … (waiting for rank 1" in text, text
         assert text.rstrip().endswith("RuntimeError: diverged at step 0"), text
+        # the notebook shows rank 1's traceback, not rank 0's ~25 lines of DDP's frames
+        shown = "\n".join(info.value._render_traceback_())
+        assert "distributed.py" not in shown and shown.rstrip().endswith("RuntimeError: diverged at step 0"), shown
         # rank 0 takes the next call: it is out of its all_reduce
         assert _run(spmd, script, "ok").values() == [True] * 2
     finally:
