@@ -172,12 +172,8 @@ class ActorError(MonarchNBError):
         groups, waited = self._groups()
         cause = self._cause()
         groups.sort(key=lambda g: cause not in g.ranks)
-        lines.extend(self._rank_lines(groups, waited))
-        if color and waited:
-            # their traceback is torch's own (~25 lines of DDP and gloo frames) and says nothing
-            # of the bug: one line each above, the whole one call away
-            lines.append("print(sys.last_value.grouped_text()) shows their tracebacks too")
-        else:
+        lines.extend(self._rank_lines(groups, waited, color))
+        if not color:
             groups = groups + waited
         lines.extend(_errgroup.group_lines(groups, color, shorten=shorten))
         return lines
@@ -196,31 +192,16 @@ class ActorError(MonarchNBError):
         own = _errgroup.group(e._failure_tuple(r) for r, e in failures.items() if r not in gone)
         return own, _errgroup.group(e._failure_tuple(r) for r, e in failures.items() if r in gone)
 
-    def _waited_lines(self, own: list[Any], waited: list[Any]) -> list[str]:
-        """One line per kind of failure of the ranks that failed waiting in a collective for a
-        rank whose script failed (``ranks 0,2-15 (15 of 16): RuntimeError: [gloo] Connection
-        closed by peer … (waiting for rank 1 in a collective)``): 15 copies of gloo's error and
-        torch's frames, each telling only that rank 1 went away, hid the one that says why."""
-        from . import _errgroup
-
-        for_whom = _errgroup.ranks_text(sorted(r for g in own for r in g.ranks))
-        by_text: dict[tuple[str, str], list[int]] = {}
-        for g in waited:
-            by_text.setdefault((g.etype, _peer_gone_words(g.messages[g.ranks[0]])), []).extend(g.ranks)
-        return [
-            f"{_errgroup.ranks_text(sorted(ranks))} ({len(ranks)} of {self.total}): {etype}: {said} "
-            f"(waiting for {for_whom} in a collective)"
-            for (etype, said), ranks in by_text.items()
-        ]
-
-    def _rank_lines(self, groups: list[Any], waited: list[Any] | None = None) -> list[str]:
+    def _rank_lines(self, groups: list[Any], waited: list[Any] | None = None, color: bool = False) -> list[str]:
         """Which ranks of the call failed, by type, which failed only waiting for them in a
-        collective, and which were still running."""
+        collective, and which were still running. The notebook's view (color) leaves out the
+        tracebacks of those waiting: torch's own (~25 lines of DDP and gloo frames), which say
+        nothing of the bug; one line each here, the whole one call away."""
         from . import _errgroup
 
         lines = _errgroup.summary_lines(groups, self.total)
         if waited:
-            lines.extend(self._waited_lines(groups, waited))
+            lines.extend(_waited_lines(groups, waited, self.total, "print(sys.last_value.grouped_text())" if color else ""))
         running = _errgroup.running_line(self.running, self.total)
         if running:
             # their actors take no other call until it returns: a collective waiting for the rank
@@ -355,6 +336,25 @@ class SupervisionError(MonarchNBError, RuntimeError):
 
         lines = shorten_message(str(self), "print(sys.last_value) shows all of it").splitlines() or [""]
         return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}", *lines[1:], *self._note_lines()]
+
+
+def _waited_lines(own: list[Any], waited: list[Any], total: int, whole: str = "") -> list[str]:
+    """One line per kind of failure of the ranks (``waited``, groups) that failed waiting in a
+    collective for the ranks of ``own`` (``ranks 0,2-15 (15 of 16): RuntimeError: [gloo]
+    Connection closed by peer … (waiting for rank 1 in a collective)``): 15 copies of gloo's error
+    and torch's frames, each telling only that rank 1 went away, hid the one that says why.
+    ``whole``: where their tracebacks are, for a view that leaves them out (a notebook's)."""
+    from . import _errgroup
+
+    for_whom = _errgroup.ranks_text(sorted(r for g in own for r in g.ranks))
+    by_text: dict[tuple[str, str], list[int]] = {}
+    for g in waited:
+        by_text.setdefault((g.etype, _peer_gone_words(g.messages[g.ranks[0]])), []).extend(g.ranks)
+    lines = [
+        f"{_errgroup.ranks_text(sorted(ranks))} ({len(ranks)} of {total}): {etype}: {said} (waiting for {for_whom} in a collective)"
+        for (etype, said), ranks in by_text.items()
+    ]
+    return [*lines, f"{whole} shows their tracebacks too"] if lines and whole else lines
 
 
 def _peer_gone_words(message: str) -> str:
@@ -530,11 +530,31 @@ class ExecError(MonarchNBError):
 
         return _errgroup.summary_lines(_errgroup.group((r, *f) for r, f in self.failures.items()), self.total)
 
+    def _groups(self) -> tuple[list[Any], list[Any]]:
+        """The failures grouped: those of the ranks that failed on their own, and those of the
+        ranks whose collective failed only because one of those went away first (gloo's
+        "Connection closed by peer": a cell whose ``finally`` destroys the process group, as
+        many training scripts' do). No second list when every failure is gloo's."""
+        from . import _errgroup
+
+        gone = {r for r, (_, msg, _) in self.failures.items() if any(w in msg for w in PEER_GONE_WORDS)}
+        if len(gone) == len(self.failures):
+            gone = set()
+        own = _errgroup.group((r, *f) for r, f in self.failures.items() if r not in gone)
+        return own, _errgroup.group((r, *f) for r, f in self.failures.items() if r in gone)
+
     def _lines(self, color: bool) -> list[str]:
         from . import _errgroup
 
-        groups = _errgroup.group((r, *f) for r, f in self.failures.items())
-        lines = [self._headline(), *_errgroup.summary_lines(groups, self.total)]
+        groups, waited = self._groups()
+        # the notebook's view (color) leaves out the tracebacks of those waiting (torch's frames
+        # and gloo's words, which say nothing of the bug): one line each, the whole one call away
+        whole = "print(sys.last_value)" if color else ""
+        lines = [
+            self._headline(),
+            *_errgroup.summary_lines(groups, self.total),
+            *_waited_lines(groups, waited, self.total, whole),
+        ]
         running = _errgroup.running_line(self.running, self.total)
         if running:
             where = f"%mesh stop {self.mesh}" if self.mesh else "stopping the mesh"
@@ -563,6 +583,8 @@ class ExecError(MonarchNBError):
                 )
         # the notebook's view (color) shortens long messages: str() does not
         shorten = "print(sys.last_value) shows all of it" if color else ""
+        if not color:
+            groups = groups + waited
         return lines + _errgroup.group_lines(groups, color, shorten=shorten)
 
     def _render_traceback_(self) -> list[str]:

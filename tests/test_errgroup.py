@@ -152,6 +152,40 @@ def test_a_16_rank_spmd_failure_shows_the_failed_rank_s_traceback_and_one_line_f
     assert one_line in whole and "--- ranks 0,2-15: RuntimeError" in whole and whole.count("distributed.py") == 10, whole
 
 
+def test_a_mesh_exec_cell_s_ranks_failing_only_waiting_for_the_failed_rank_are_one_line_each() -> None:
+    """A cell pasted from a training script (``try: train() finally: dist.destroy_process_group()``)
+    raised on rank 1 and closed its group, so ranks 0 and 3, waiting for it in DDP's forward,
+    failed with gloo's "Connection closed by peer": their ~20 lines of torch frames came first
+    (the larger group), rank 1's error that says why last, and all three counted alike."""
+    gloo = (
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:14504. This is typically caused by a remote worker crashing. GLHF!"
+    )
+    frames = "".join(
+        f'  File "/venv/torch/nn/parallel/distributed.py", line {1700 + i}, in forward\n    f{i}()\n' for i in range(8)
+    )
+    waited = f'Traceback (most recent call last):\n  File "<mesh exec 2>", line 4, in <module>\n{frames}RuntimeError: {gloo}\n'
+    own = 'Traceback (most recent call last):\n  File "<mesh exec 2>", line 3, in <module>\nRuntimeError: diverged\n'
+    failures = {0: ("RuntimeError", gloo, waited), 1: ("RuntimeError", "diverged", own), 3: ("RuntimeError", gloo, waited)}
+    e = ExecError(failures, 4, "train", running=[2])
+    one_line = "ranks 0,3 (2 of 4): RuntimeError: [gloo] Connection closed by peer … (waiting for rank 1 in a collective)"
+    shown = [re.sub(r"\x1b\[[0-9;]*m", "", ln) for ln in e._render_traceback_()]
+    assert shown[1:4] == [
+        "RuntimeError on 1 of 4 ranks: 1",
+        one_line,
+        "print(sys.last_value) shows their tracebacks too",
+    ], shown
+    assert "--- rank 1: RuntimeError" in shown and shown[-1] == "RuntimeError: diverged", shown
+    assert not any("distributed.py" in ln or "pair.cc" in ln for ln in shown), shown
+    # str(): the same lines, rank 1's traceback first, then theirs
+    text = str(e)
+    assert text.splitlines()[1:3] == shown[1:3], text
+    assert text.index("--- rank 1: RuntimeError") < text.index("--- ranks 0,3: RuntimeError") and "distributed.py" in text, text
+    # a cell failing with gloo's error alone (a rank whose process died) shows it as before
+    alone = str(ExecError({r: ("RuntimeError", gloo, waited) for r in (0, 3)}, 4, "train"))
+    assert "RuntimeError on 2 of 4 ranks: 0,3" in alone and "waiting for" not in alone, alone
+
+
 def test_a_long_message_of_many_lines_is_shown_once_shortened_with_where_the_whole_is() -> None:
     """A 10 KB message spanning many lines (a config dump, a tensor's repr) was shown twice in the
     cell, all of it each time: its traceback ends with the message's last line only, which did not
