@@ -710,6 +710,40 @@ def test_spmd_script_with_a_ddp_model_frees_the_rank_waiting_for_it_when_it_fail
         procs.stop().get(timeout=30)
 
 
+def test_spmd_script_exiting_on_one_rank_says_in_one_line_that_the_others_failed_waiting_for_it(tmp_path):
+    """Rank 1's script calls ``sys.exit(3)`` while rank 0 waits for it in DDP's forward: the call
+    fails with rank 1's actor failure, and its note of what rank 0 raised was gloo's 400
+    characters (a build path, a port, "GLHF!") "perhaps because of this failure"; now one line
+    saying rank 0 failed waiting for it."""
+    from monarch_nb.config import configured
+    from monarch_nb.errors import SupervisionError
+    from monarch_nb.spmd import SPMDActor
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch, torch.distributed as dist\n"
+        "def main():\n"
+        "    dist.init_process_group('gloo')\n"
+        "    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
+        "    model(torch.ones(1, 2)).sum().backward()\n"
+        "    if dist.get_rank() == 1:\n"
+        "        sys.exit(3)\n"
+        "    model(torch.ones(1, 2)).sum().backward()\n"
+        "main()\n"
+    )
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, name="spmd_exit3")
+    try:
+        spmd = procs.spawn("_SPMDActor", SPMDActor)
+        # a long window: the call raises once rank 0 has answered too, whichever comes first
+        with configured(call_error_window=30), pytest.raises(SupervisionError, match="SystemExit: 3") as info:
+            _run(spmd, script)
+        notes = getattr(info.value, "__notes__", [])
+        said = r"in the same call rank 0 \(1 of 2\) raised RuntimeError: \[gloo\] Connection (closed|reset) by peer … \(waiting for it in a collective\)"
+        assert len(notes) == 1 and re.fullmatch(said, notes[0]), notes
+    finally:
+        procs.stop().get(timeout=30)
+
+
 @pytest.mark.cuda
 @pytest.mark.timeout(150)
 def test_spmd_script_s_nccl_group_is_destroyed_within_its_bound_so_the_script_runs_again(tmp_path):

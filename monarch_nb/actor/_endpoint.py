@@ -744,14 +744,21 @@ def _with_raised(err: BaseException, failures: dict[int, ActorError], n: int) ->
     except Exception:
         return err
     err = copied
+    from ..errors import PEER_GONE_MARK, _peer_gone_words
+
     groups = _errgroup.group(e._failure_tuple(r) for r, e in failures.items())
-    said = [
-        f"{_errgroup.ranks_text(g.ranks)} ({len(g.ranks)} of {n}) raised {g.etype}: {_errgroup.clip(g.messages[g.ranks[0]])}"
-        if g.messages[g.ranks[0]]
-        else f"{_errgroup.ranks_text(g.ranks)} ({len(g.ranks)} of {n}) raised {g.etype}"
-        for g in groups
-    ]
-    err.add_note("in the same call " + "; ".join(said) + " (perhaps because of this failure)")
+    said = []
+    unsure = False
+    for g in groups:
+        who, msg = f"{_errgroup.ranks_text(g.ranks)} ({len(g.ranks)} of {n}) raised {g.etype}", g.messages[g.ranks[0]]
+        if all(getattr(failures[r].exception, PEER_GONE_MARK, False) for r in g.ranks):
+            # SPMDActor's survivors: gloo's 400 characters (a path, a port, advice) said only
+            # that this rank went away, which the error above says
+            said.append(f"{who}: {_peer_gone_words(msg)} (waiting for it in a collective)")
+        else:
+            unsure = True
+            said.append(f"{who}: {_errgroup.clip(msg)}" if msg else who)
+    err.add_note("in the same call " + "; ".join(said) + (" (perhaps because of this failure)" if unsure else ""))
     return err
 
 
