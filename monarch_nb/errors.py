@@ -217,7 +217,10 @@ class ActorError(MonarchNBError):
             return []
         from . import _errgroup
 
-        return _errgroup.summary_lines(_errgroup.group(e._failure_tuple(r) for r, e in failures.items()), self.total)
+        # as str() counts them: "RuntimeError on 16 of 16 ranks" beside rank 1's message read as
+        # 16 ranks raising it
+        own, waited = self._groups()
+        return _errgroup.summary_lines(own, self.total) + _waited_lines(own, waited, self.total)
 
     def _plain_rank_lines(self) -> str:
         """The rank lines of the grouped view, for plain text: a script's traceback named no rank
@@ -528,7 +531,8 @@ class ExecError(MonarchNBError):
     def _rank_summary(self) -> list[str]:
         from . import _errgroup
 
-        return _errgroup.summary_lines(_errgroup.group((r, *f) for r, f in self.failures.items()), self.total)
+        own, waited = self._groups()
+        return _errgroup.summary_lines(own, self.total) + _waited_lines(own, waited, self.total)
 
     def _groups(self) -> tuple[list[Any], list[Any]]:
         """The failures grouped: those of the ranks that failed on their own, and those of the

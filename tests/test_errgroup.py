@@ -147,6 +147,8 @@ def test_a_16_rank_spmd_failure_shows_the_failed_rank_s_traceback_and_one_line_f
     # a script's text says it in the same words, with rank 1's traceback
     text = str(e)
     assert text.splitlines()[1:3] == shown[1:3] and text.rstrip().endswith("RuntimeError: NaN loss"), text
+    # and the dashboard's line of the error
+    assert e._rank_summary() == shown[1:3], e._rank_summary()
     # the whole: every rank's traceback
     whole = e.grouped_text()
     assert one_line in whole and "--- ranks 0,2-15: RuntimeError" in whole and whole.count("distributed.py") == 10, whole
@@ -180,6 +182,7 @@ def test_a_mesh_exec_cell_s_ranks_failing_only_waiting_for_the_failed_rank_are_o
     # str(): the same lines, rank 1's traceback first, then theirs
     text = str(e)
     assert text.splitlines()[1:3] == shown[1:3], text
+    assert e._rank_summary() == shown[1:3], e._rank_summary()
     assert text.index("--- rank 1: RuntimeError") < text.index("--- ranks 0,3: RuntimeError") and "distributed.py" in text, text
     # a cell failing with gloo's error alone (a rank whose process died) shows it as before
     alone = str(ExecError({r: ("RuntimeError", gloo, waited) for r in (0, 3)}, 4, "train"))
