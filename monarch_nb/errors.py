@@ -541,7 +541,13 @@ class ExecError(MonarchNBError):
         many training scripts' do). No second list when every failure is gloo's."""
         from . import _errgroup
 
-        gone = {r for r, (_, msg, _) in self.failures.items() if any(w in msg for w in PEER_GONE_WORDS)}
+        # torch's RuntimeError (DistBackendError, a RuntimeError, in later versions), not a
+        # socket's own ConnectionResetError ("[Errno 104] Connection reset by peer")
+        gone = {
+            r
+            for r, (etype, msg, _) in self.failures.items()
+            if etype.rpartition(".")[2] in ("RuntimeError", "DistBackendError") and any(w in msg for w in PEER_GONE_WORDS)
+        }
         if len(gone) == len(self.failures):
             gone = set()
         own = _errgroup.group((r, *f) for r, f in self.failures.items() if r not in gone)

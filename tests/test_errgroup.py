@@ -187,6 +187,9 @@ def test_a_mesh_exec_cell_s_ranks_failing_only_waiting_for_the_failed_rank_are_o
     # a cell failing with gloo's error alone (a rank whose process died) shows it as before
     alone = str(ExecError({r: ("RuntimeError", gloo, waited) for r in (0, 3)}, 4, "train"))
     assert "RuntimeError on 2 of 4 ranks: 0,3" in alone and "waiting for" not in alone, alone
+    # nor a socket's error of the same words beside another rank's
+    sock = {0: ("ConnectionResetError", "[Errno 104] Connection reset by peer", own), 1: ("RuntimeError", "diverged", own)}
+    assert "waiting for" not in str(ExecError(sock, 2, "train")), str(ExecError(sock, 2, "train"))
 
 
 def test_a_long_message_of_many_lines_is_shown_once_shortened_with_where_the_whole_is() -> None:
