@@ -83,7 +83,7 @@ def test_dashboard_errors_log_stacks_failed_mesh_and_stop() -> None:
         # an endpoint error raised in a cell, and the rank's span, in the errors list
         failing = k.run("steps.lookup.call().get()")
         assert failing.error and failing.error["ename"] == "ActorError"
-        _ok(k.run("d.refresh()"))
+        _ok(k.run("d.refresh(timeout=60)"))
         errors = _value(k, "d.errors_view.value")
         assert re.search(r"In\[\d+\]: ActorError: Actor call steps.lookup failed", errors), errors
         assert re.search(r"rank 1 on \S+: endpoint steps.lookup raised", errors), errors
@@ -100,7 +100,7 @@ def test_dashboard_errors_log_stacks_failed_mesh_and_stop() -> None:
         # a %%mesh exec that raises on the ranks
         _ok(k.run("%mesh connect"))  # re-attaches dashpy by name, for %%mesh exec
         assert k.run("%%mesh exec dashpy\n1 / 0").error
-        _ok(k.run("d.refresh()"))
+        _ok(k.run("d.refresh(timeout=60)"))
         errors = _value(k, "d.errors_view.value")
         assert re.search(r"In\[\d+\]: ExecError: .*ZeroDivisionError on 4 of 4 ranks", errors), errors
         assert errors.count("endpoint steps.lookup raised") == 1, errors  # once, however often it is asked
@@ -119,7 +119,8 @@ def test_dashboard_errors_log_stacks_failed_mesh_and_stop() -> None:
         # stopping it from the dashboard disables its stop (and stacks) buttons
         _ok(k.run("d.stop_button.click()"))
         assert _value(k, "d.stop_button.disabled, d.stacks_button.disabled").strip() == "True True"
-        assert 'data-state="stopped"' in _value(k, "d.header.value")
+        # redrawn by the dashboard's own thread: the click does not hold the kernel for it
+        wait_for(lambda: 'data-state="stopped"' in _value(k, "d.header.value"), 15, "the header to say stopped")
         # a spawn that fails joins the errors too
         assert k.run("pyapi.spawn('again', Steps)").error
         assert re.search(
@@ -140,7 +141,7 @@ def test_dashboard_and_sidebar_list_jobs_and_a_lost_host() -> None:
     try:
         _ok(k.run("%load_ext monarch_nb\n%mesh launch process dashjob --hosts 2"))
         _ok(k.run("procs = dashjob.spawn_procs(per_host={'gpus': 1}, name='dj')\nd = %mesh dashboard procs"))
-        _ok(k.run("d._jobs_at = -1e9; d.refresh()"))
+        _ok(k.run("d._jobs_at = -1e9; d.refresh(timeout=60)"))
         jobs = _value(k, "d.jobs_view.value")
         assert re.search(r'data-job="dashjob" data-state="running"><td>dashjob</td><td>process</td><td>[0-9a-f]{8}</td>', jobs), (
             jobs
@@ -153,7 +154,7 @@ def test_dashboard_and_sidebar_list_jobs_and_a_lost_host() -> None:
         hosts = job_load(named_job_path("dashjob"))._hosts
         slot, info = sorted(hosts.items())[1]
         os.kill(int(info["pid"]), signal.SIGKILL)
-        _ok(k.run("d._jobs_at = -1e9; d.refresh()"))
+        _ok(k.run("d._jobs_at = -1e9; d.refresh(timeout=60)"))
         jobs = _value(k, "d.jobs_view.value")
         assert 'data-job="dashjob" data-state="lost"' in jobs and f"({slot} lost)" in jobs, jobs
         manager._jobs_at = -1e9
@@ -195,7 +196,7 @@ def test_dashboard_shows_a_failed_spawn_at_once_and_another_kernels_exec_error()
         # its __init__ span and, once its allocator has it, each rank's state say it again: still
         # listed once
         def ranks_failed() -> bool:
-            _ok(k.run("d.refresh()"))
+            _ok(k.run("d.refresh(timeout=60)"))
             return _value(k, "d.grid_view.value").count("mnb-state-failed") == 4
 
         wait_for(ranks_failed, 30, "the allocator to report the four ranks failed")
@@ -207,7 +208,7 @@ def test_dashboard_shows_a_failed_spawn_at_once_and_another_kernels_exec_error()
         assert other.run("%%mesh exec dashfail\nx = 1\n1 / 0").error
 
         def exec_listed() -> str | None:
-            _ok(k.run("d.refresh()"))
+            _ok(k.run("d.refresh(timeout=60)"))
             errors = html_unescape(_value(k, "d.errors_view.value"))
             return errors if "mesh exec raised" in errors else None
 
@@ -228,7 +229,7 @@ def test_dashboard_shows_a_failed_spawn_at_once_and_another_kernels_exec_error()
         assert spawned.error is None, spawned.msgs
 
         def init_listed() -> str | None:
-            _ok(k.run("d2.refresh()"))
+            _ok(k.run("d2.refresh(timeout=60)"))
             errors = html_unescape(_value(k, "d2.errors_view.value"))
             return errors if "elsewhere" in errors else None
 
@@ -343,7 +344,7 @@ def test_names_in_the_dashboard_are_escaped_and_a_cell_s_code_is_named_by_its_ce
         raise RuntimeError(EVIL)
 
     view = SimpleNamespace(snapshot=fail, mesh=SimpleNamespace(name=EVIL), header=SimpleNamespace(value=""))
-    Dashboard.refresh(view)  # type: ignore[arg-type]
+    Dashboard._refresh_now(view)  # type: ignore[arg-type]
     assert "<img" not in view.header.value and html_unescape(view.header.value).count(EVIL) == 2, view.header.value
 
     # the extent's labels are the user's too
@@ -353,8 +354,55 @@ def test_names_in_the_dashboard_are_escaped_and_a_cell_s_code_is_named_by_its_ce
     w = SimpleNamespace  # every view the refresh sets
     view = SimpleNamespace(
         snapshot=lambda: snap, mesh=mesh, header=w(value=""), stop_button=w(), stacks_button=w(), grid_view=w(),
-        hosts_view=w(), errors_view=w(), _render_latency=noop, _render_jobs=noop, _render_debug=noop, _render_log=noop,
+        hosts_view=w(), errors_view=w(), _render_latency=noop, _render_debug=noop, _render_log=noop,
         _lock=threading.Lock(), _errors=[], _saved_views=lambda *a: ("", ""),
     )  # fmt: skip
-    Dashboard.refresh(view)  # type: ignore[arg-type]
+    Dashboard._refresh_now(view)  # type: ignore[arg-type]
     assert "<img" not in view.header.value and EVIL in html_unescape(view.header.value), view.header.value
+
+
+@pytest.mark.timeout(60)
+def test_a_job_host_that_died_is_named_with_its_job_and_a_refresh_never_holds_the_kernel() -> None:
+    # a job's allocator SIGKILLed: the refresh in the kernel (refresh(), the button, the first
+    # one) waited ~2 s for the heartbeat to declare it lost, and then said "host vm unreachable:
+    # ... allocator ipc://.../mnb-….sock lost", neither the job's host nor the job
+    import time
+
+    import monarch_nb.actor
+    from monarch_nb.job import ProcessJob
+    from monarch_nb.job._named import named_job_path
+    from monarch_nb.widgets import Dashboard
+
+    job = ProcessJob({"hosts": 2}, env=FAST)
+    old_hook = monarch_nb.actor.unhandled_fault_hook
+    monarch_nb.actor.unhandled_fault_hook = lambda failure: None  # the lost host's rank fails the mesh
+    d = None
+    try:
+        procs = job.state(cached_path=named_job_path("deadjob")).hosts.spawn_procs(per_host={"gpus": 1}, name="deadmesh")
+        d = Dashboard(procs, interval=60)
+        assert d.refresh(timeout=60)
+        slot, info = sorted(job._hosts.items())[1]
+        os.kill(int(info["pid"]), signal.SIGKILL)
+        held = []
+        for _ in range(3):
+            t = time.monotonic()
+            d.refresh()
+            held.append(time.monotonic() - t)
+        assert max(held) < 0.5, held  # the issue's rule is 100 ms; a loaded machine's scheduling aside
+
+        def told() -> str | None:
+            errors = html_unescape(d.errors_view.value) if d is not None else ""
+            return errors if f"rank 1 on {slot} of job deadjob: its host was lost" in errors else None
+
+        errors = wait_for(told, 20, "the dashboard to name the lost host and its job")
+        assert "rank 1 of mesh 'deadmesh' is on no allocator that answered" in errors, errors
+        assert "its procs died with it" in errors and "`monarch-nb job kill deadjob`" in errors, errors
+        assert "unreachable: SupervisionError" not in errors, errors
+        assert f"<b>{slot} of job deadjob</b>: unreachable (lost: its allocator does not answer)" in d.hosts_view.value
+        assert "1 failed, 1 idle" in d._saved_text and f"rank 1 on {slot} of job deadjob: its host was lost" in d._saved_text
+    finally:
+        monarch_nb.actor.unhandled_fault_hook = old_hook
+        if d is not None:
+            d.close()
+        if job.active:
+            job.kill()

@@ -804,6 +804,8 @@ def test_dashboard_shows_every_rank_and_turns_a_killed_one_red(k: Kernel) -> Non
         "application/vnd.jupyter.widget-view+json"
         in next(m for m in c.msgs if m["msg_type"] == "execute_result")["content"]["data"]
     )
+    # drawn by the dashboard's own thread: the cell does not wait for its first refresh
+    k.wait_msg(lambda m: 'class="mnb-grid"' in str(m["content"].get("data", {})), 15, "the grid drawn")
     grid = next(v for v in reversed(_widget_values(k)) if 'class="mnb-grid"' in v)
     assert len(re.findall(r'class="mnb-rank mnb-state-(?:idle|busy|starting)"', grid)) == 4, re.findall(r'title="([^"]*)"', grid)
     pid = int(_ok(k.run("dash._procs[2].pid")).result)

@@ -175,6 +175,7 @@ def test_dashboard_shows_latency_per_rank_and_the_straggler(traced) -> None:  # 
         traced.lag.call(0).get(timeout=30)
     d = Dashboard(_PROCS["spans"], interval=60, straggler_factor=2.0, window="60s")
     try:
+        assert d.refresh(timeout=60)  # the first one runs on the dashboard's thread
         html = d.latency_view.value
         assert "endpoint latency" in html and html.count("mnb-lat-row") == 2, html
         # (other endpoints of earlier tests may have stragglers of their own on a loaded machine)

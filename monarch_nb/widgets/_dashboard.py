@@ -34,7 +34,10 @@ class Dashboard(W.VBox):
 
     ``Dashboard(mesh)`` takes a :class:`~monarch_nb.actor.ProcMesh` or the name of one known to
     ``monarch_nb.mesh``. It refreshes every ``interval`` seconds on a background thread, so it
-    stays live while cells run; :meth:`close` stops it.
+    stays live while cells run; :meth:`close` stops it. Every refresh runs on that thread, the
+    first one and a button's too, never in the kernel: an allocator that died answers nothing
+    until the heartbeat declares it lost (seconds), and the kernel (cells, the widgets' events)
+    would wait that long.
     """
 
     def __init__(
@@ -55,11 +58,16 @@ class Dashboard(W.VBox):
         #: failures told by supervision: (what, why) -> (index in _errors, time, ranks)
         self._failures: dict[tuple[str, str], tuple[int, str, set[int]]] = {}
         self._jobs_at = -JOBS_EVERY
+        self._jobs: list[dict[str, Any]] = []
         #: the saved notebook's view of the dashboard (see _repr_mimebundle_), as of the last refresh
         self._saved_text = f"Dashboard of mesh {mesh.name!r}"
         self._saved_html = ""
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        #: a refresh asked of the thread, and the refreshes it started and finished (see refresh)
+        self._kick = threading.Event()
+        self._done = threading.Condition()
+        self._started = self._finished = 0
         self.header = W.HTML()
         self.grid_view = W.HTML()
         self.hosts_view = W.HTML()
@@ -110,15 +118,23 @@ class Dashboard(W.VBox):
         self._client.log_taps.append(self._on_lines)
         self._client.failure_taps.append(self._on_failure)
         self._watch_cells()
-        self.refresh()
+        self.header.value = f"<b>mesh {html.escape(mesh.name)}</b> · <i>asking its allocators…</i>"
         self._thread = threading.Thread(target=self._loop, name="monarch_nb-dashboard", daemon=True)
         self._thread.start()
+        self.refresh()
 
     # ------------------------------------------------------------ data
     def snapshot(self) -> dict[str, Any]:
         """The ranks of the mesh with their state, from one introspection snapshot."""
         pm = self.mesh
-        st = introspect.status(sorted({p.alloc for p in pm._procs if p.alloc}))
+        allocs = sorted({p.alloc for p in pm._procs if p.alloc})
+        st = self._known_status(allocs)
+        lost = [a for a in st["allocators"] if a.get("error") and {a.get("addr"), a.get("tcp")} & set(allocs)]
+        if any(not a.get("lost") for a in lost):
+            # an allocator of ours did not answer: the jobs may know it lost, by its host's and
+            # the job's name (the address alone is a socket path), so they are asked again now
+            self._jobs_at = -JOBS_EVERY
+            st = self._known_status(allocs)
         by_alloc: dict[str, dict[str, Any]] = {}
         for a in st["allocators"]:
             for key in ("addr", "tcp"):
@@ -128,20 +144,35 @@ class Dashboard(W.VBox):
         recs: dict[int, dict[tuple[str, int], dict[str, Any]]] = {}
         ranks = []
         hosts: dict[str, dict[str, Any]] = {}
+        unreached: dict[str, dict[str, Any]] = {}
         for p in pm._procs:
             a = by_alloc.get(p.alloc)
             unreachable = ""
             rec = None
+            host = p.host
+            if a is not None and a.get("job"):
+                # a job's host by its name in the job (a lost one answers no hostname)
+                host = f"{a.get('host') or p.host} of job {a['job'].get('name')}"
             if a is None or a.get("error"):
-                unreachable = f"host {p.host} unreachable" + (f": {a['error']}" if a and a.get("error") else "")
+                # the rank's host is listed beside it (grid, errors): its job's word for what became of it
+                unreachable = (
+                    f"its host was {a['error']}"
+                    if a and a.get("lost")
+                    else f"host {host} unreachable" + (f": {a['error']}" if a and a.get("error") else "")
+                )
+                unreached[p.alloc] = a or {"addr": p.alloc, "host": p.host, "error": "no answer"}
             else:
                 index = recs.get(id(a))
                 if index is None:
                     index = recs[id(a)] = {(m["name"], r["rank"]): r for m in a.get("meshes", []) for r in m["procs"]}
                 rec = index.get((p.mesh, p.rank))
             state, reason = _render.rank_state(rec, unreachable)
-            ranks.append({**(rec or {}), "rank": p.rank, "host": p.host, "pid": p.pid, "state": state, "reason": reason})
-            hosts.setdefault(p.host, a or {"host": p.host, "error": "no answer"})
+            ranks.append({**(rec or {}), "rank": p.rank, "host": host, "pid": p.pid, "state": state, "reason": reason})
+            # by allocator: a job's hosts on one machine share its hostname
+            hosts.setdefault(p.alloc, {**a, "host": host} if a else {"host": host, "error": "no answer"})
+        missing = [p.rank for p in pm._procs if p.alloc in unreached]
+        # the mesh's ranks there and what became of them, in the words of %mesh status and stop
+        note = introspect._unreached_note(pm.name, list(unreached.values()), missing=missing) if unreached else ""
         names = {p.mesh for p in pm._procs}
         sessions = [d for d in st.get("debug_sessions", []) if d.get("mesh") in names and d.get("state") != "gone"]
         paused = {int(d.get("rank", -1)): d.get("post_mortem") or "" for d in sessions}
@@ -149,9 +180,53 @@ class Dashboard(W.VBox):
             if r["rank"] in paused and r["state"] in ("idle", "busy"):
                 after = paused[r["rank"]]
                 r["state"], r["reason"] = "paused", f"paused post-mortem after {after}" if after else "paused at a breakpoint"
-        return {"ranks": ranks, "hosts": list(hosts.values()), "time": st["time"], "debug": sessions}
+        return {
+            "ranks": ranks,
+            "hosts": list(hosts.values()),
+            "time": st["time"],
+            "debug": sessions,
+            "unreached": note,
+            "unreached_allocs": sorted(unreached),
+        }
 
-    def refresh(self) -> None:
+    def _known_status(self, allocs: list[str]) -> dict[str, Any]:
+        """``introspect.known_status`` of the jobs on record and ``allocs``: a job's host it lists
+        as lost is named (host, job) and not asked; the jobs are read at most every JOBS_EVERY s."""
+        if time.monotonic() - self._jobs_at >= JOBS_EVERY:
+            self._jobs_at = time.monotonic()
+            try:
+                from ..job import list_jobs
+
+                self._jobs = list_jobs()
+                self.jobs_view.value = _render.jobs_html(self._jobs)
+            except Exception as e:  # jobs are extra: the rest of the dashboard stays live
+                self._jobs = []
+                self.jobs_view.value = f'<span class="mnb-errors">jobs unavailable: {html.escape(str(e))}</span>'
+
+        # the jobs that run this mesh alone: another job's key would be adopted by this process
+        # (one process holds one cluster key) and its allocators asked at every refresh
+        jobs = [
+            j
+            for j in self._jobs
+            if ({str(a) for a in j.get("addrs") or []} | {str(a) for a in (j.get("lost_addrs") or {}).values()}) & set(allocs)
+        ]
+        # asked by the jobs' rows with their keys; a lost one is not asked (its whole timeout)
+        theirs = {str(a) for j in jobs for a in [*(j.get("addrs") or []), *(j.get("lost_addrs") or {}).values()]}
+        return introspect.known_status(jobs, addresses=[a for a in allocs if a not in theirs])
+
+    def refresh(self, timeout: float = 0.1) -> bool:
+        """Refresh now, on the dashboard's thread; wait at most ``timeout`` seconds for it (the
+        kernel is not held longer: the views update when it ends). True: the views are current."""
+        if threading.current_thread() is getattr(self, "_thread", None):
+            self._refresh_now()
+            return True
+        with self._done:
+            # a refresh that starts after this call: one under way may have read the state before it
+            want = self._started + 1
+            self._kick.set()
+            return self._done.wait_for(lambda: self._finished >= want or self._stop.is_set(), timeout)
+
+    def _refresh_now(self) -> None:
         try:
             snap = self.snapshot()
         except Exception as e:  # the dashboard must never take the kernel down
@@ -181,8 +256,7 @@ class Dashboard(W.VBox):
         self.stacks_button.disabled = state == "stopped"
         self.grid_view.value = _render.grid_html(snap["ranks"], labels, sizes)
         self.hosts_view.value = _render.hosts_html(snap["hosts"])
-        self._render_latency()
-        self._render_jobs()
+        self._render_latency(snap.get("unreached_allocs", []))
         self._render_debug(snap["debug"])
         with self._lock:
             for r in snap["ranks"]:
@@ -190,6 +264,8 @@ class Dashboard(W.VBox):
                     msg = f"rank {r['rank']} on {r['host']}: {r['reason']}"
                     if msg not in self._errors:
                         self._errors.append(msg)
+            if snap.get("unreached") and snap["unreached"] not in self._errors:
+                self._errors.append(snap["unreached"])
             self.errors_view.value = _render.errors_html(self._errors)
         self._render_log()
         self._saved_text, self._saved_html = self._saved_views(label, summary, snap["ranks"])
@@ -226,14 +302,15 @@ class Dashboard(W.VBox):
             data["text/html"] = self._saved_html
         return data
 
-    def _render_latency(self) -> None:
+    def _render_latency(self, unreached: list[str]) -> None:
         pm = self.mesh
         try:
             # reduced by the allocators: a 128-rank mesh's calls are tens of thousands of spans a window
             got = telemetry.latency_summary(
                 pm,  # this mesh's own spans, not those of an earlier mesh of its name
                 since=self.window,
-                addresses=sorted({p.alloc for p in pm._procs if p.alloc}),
+                # one that did not answer the status query would cost the whole timeout again
+                addresses=sorted({p.alloc for p in pm._procs if p.alloc} - set(unreached)),
                 timeout=2.0,
                 factor=self.straggler_factor,
             )
@@ -273,17 +350,6 @@ class Dashboard(W.VBox):
                 who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
                 where = ", ".join(sorted(hosts)[:3]) + (f" (+{len(hosts) - 3})" if len(hosts) > 3 else "")
                 self._errors.append(f"{at} {who} on {where}: {what}")
-
-    def _render_jobs(self) -> None:
-        if time.monotonic() - self._jobs_at < JOBS_EVERY:
-            return
-        self._jobs_at = time.monotonic()
-        try:
-            from ..job import list_jobs
-
-            self.jobs_view.value = _render.jobs_html(list_jobs())
-        except Exception as e:  # jobs are extra: the rest of the dashboard stays live
-            self.jobs_view.value = f'<span class="mnb-errors">jobs unavailable: {html.escape(str(e))}</span>'
 
     def _watch_cells(self) -> None:
         """Errors raised by this notebook's cells (a call, ``%%mesh exec``, a spawn) join the errors."""
@@ -443,17 +509,31 @@ class Dashboard(W.VBox):
     def _stop_mesh(self) -> None:
         try:
             self.mesh.stop().get(timeout=60)
+            # nothing left to stop, said at once: the refresh that draws it runs on the dashboard's thread
+            self.stop_button.disabled = self.stacks_button.disabled = True
         except Exception as e:
             with self._lock:
                 self._errors.append(f"stop failed: {e}")
         self.refresh()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.refresh()
+        while True:
+            self._kick.wait(self.interval)
+            self._kick.clear()
+            if self._stop.is_set():
+                return
+            with self._done:
+                self._started += 1
+            try:
+                self._refresh_now()
+            finally:
+                with self._done:
+                    self._finished += 1
+                    self._done.notify_all()
 
     def close(self) -> None:
         self._stop.set()
+        self._kick.set()
         shell = getattr(self, "_shell", None)
         if shell is not None:
             try:
