@@ -430,7 +430,13 @@ def stop(name: str | None = None, *, all: bool = False, force: bool = False) -> 
                     raise  # it says what was stopped, and what could not be
                 errors.append(f"{pm.name}: {e}")
             except Exception as e:
-                errors.append(f"{pm.name}: {e}")
+                gone = _stopped_elsewhere(client, pm, e)
+                if gone is None:
+                    errors.append(f"{pm.name}: {e}")
+                else:
+                    # stopped already (`monarch-nb stop --force` from a shell): what was asked
+                    # for is done, and this kernel's handle goes as after its own stop
+                    print(gone, flush=True)
             for other in same:
                 other._stopped = True  # the same procs, held by another object: stopped too
             _registry._exec_meshes.pop(pm.name, None)
@@ -461,6 +467,22 @@ def _stop_the_others(done: set[str], stopped: list[str], errors: list[str]) -> s
         except Exception as e:
             errors.append(f"{name}: {e}")
     return _unreached_where(found)
+
+
+def _stopped_elsewhere(client: Any, pm: ProcMesh, err: Exception) -> str | None:
+    """What to say when stopping ``pm`` failed with ``err`` because someone else had stopped it
+    (its allocators know no such mesh, and told this controller of that stop or of its procs'
+    exits as a mesh's stop); None for any other failure."""
+    if not isinstance(err, MeshError) or "no mesh named" not in str(err):
+        return None
+    why = client.stop_reasons.get(pm._name, "")
+    if not why:
+        causes = [client.rt.peer_error(pm._procs[r].addr) for r in pm._view.ranks]
+        if not all(c is not None and c.cause.startswith("mesh stopped") for c in causes):
+            return None
+    if why.startswith("stopped by "):
+        return f"mesh {pm.name!r} was already stopped ({why[len('stopped ') :]})"
+    return f"mesh {pm.name!r} was already stopped ({why or 'by whom is not known'})"
 
 
 def _stop_proc_mesh(pm: ProcMesh, force: bool = False) -> None:

@@ -170,6 +170,52 @@ def test_stop_a_mesh_by_name_as_mesh_stop_does() -> None:
         shutil.rmtree(rdir, ignore_errors=True)
 
 
+def test_mesh_stop_of_a_mesh_stopped_from_a_shell_says_so_and_drops_the_handle() -> None:
+    """The kernel that spawned a mesh someone then stopped with `monarch-nb stop --force` said
+    "could not stop held: no mesh named 'held' on host ..." at `%mesh stop held`, and kept saying
+    it: a failure for what had been done, by someone it did not name."""
+    import shutil
+    import tempfile
+
+    rdir = tempfile.mkdtemp(prefix="mnbc-", dir="/tmp")
+    os.chmod(rdir, 0o700)
+    env = {"MONARCH_NB_RUNTIME_DIR": rdir, "MONARCH_NB_ZYGOTE_PRELOAD": ""}
+    # the kernel: it spawns 'held', and once told (a line on stdin) stops it as %mesh stop does
+    kernel = subprocess.Popen(
+        [
+            PY,
+            "-c",
+            "import json\n"
+            "from monarch_nb import mesh\n"
+            "mesh.spawn('held', per_host={'gpus': 1})\n"
+            "print('ready', flush=True)\n"
+            "input()\n"
+            "print(json.dumps(mesh.stop('held')), flush=True)\n"
+            "print(json.dumps(mesh.stop('held')), flush=True)\n"
+            "print(json.dumps([mesh.get('held')._stopped, mesh.status()['allocators'][0]['meshes']]), flush=True)\n",
+        ],
+        env=dict(os.environ, **env),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert kernel.stdout is not None and kernel.stdout.readline() == "ready\n"
+        r = _cli("stop", "held", "--force", **env)
+        assert (r.returncode, r.stdout) == (0, "stopped mesh 'held' (1 proc)\n"), r.stderr
+        out, err = kernel.communicate("\n", timeout=60)
+        said = "mesh 'held' was already stopped (by `monarch-nb stop` on the command line)"
+        # not an error, and again if asked again; the kernel's handle is a stopped mesh's
+        assert out.splitlines() == [said, "[]", said, "[]", "[true, []]"], (out, err)
+        assert kernel.returncode == 0, err
+    finally:
+        kernel.kill()
+        kernel.wait(timeout=30)
+        _cli("allocator", "stop", **env)
+        shutil.rmtree(rdir, ignore_errors=True)
+
+
 def test_stacks_of_a_mesh_whose_kernel_is_stuck_from_a_terminal(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A kernel stuck in a cell cannot run %mesh stacks: `monarch-nb stacks MESH` shows its
     ranks' stacks from a terminal, as %mesh stacks renders them, and leaves the owner's mesh and

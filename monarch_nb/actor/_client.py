@@ -64,6 +64,9 @@ class Client:
         #: proc addr -> mesh name, for meshes this process owns
         self.owned: dict[str, Any] = {}
         self.stopped_meshes: set[str] = set()
+        #: proc mesh name -> why an allocator of ours stopped it (its "mesh stopped" event), the
+        #: latest few: a later stop here of a mesh stopped from elsewhere says by whom (mesh.stop)
+        self.stop_reasons: dict[str, str] = {}
         #: (actor mesh name, address of its first proc) of actor meshes this process stopped
         self.stopped_actor_meshes: set[tuple[str, str]] = set()
         self.log_port = rt.open_port(self._on_logs)
@@ -101,6 +104,15 @@ class Client:
             _pdb.install(rt)
             _debugwait.enable(rt.uid)
             rt.event_callbacks.append(_debugwait.on_event)
+            rt.event_callbacks.append(self._on_alloc_event)
+
+    def _on_alloc_event(self, ev: tuple[Any, ...]) -> None:
+        """An allocator event (I/O thread): keep why meshes were stopped."""
+        if len(ev) == 4 and ev[0] == "mesh" and ev[2] == "stopped":
+            self.stop_reasons.pop(ev[1], None)
+            self.stop_reasons[ev[1]] = str(ev[3])
+            while len(self.stop_reasons) > 256:  # a long-lived kernel's many spawns and stops
+                del self.stop_reasons[next(iter(self.stop_reasons))]
 
     @property
     def on_raise(self) -> Callable[[BaseException], None] | None:

@@ -412,11 +412,19 @@ class MeshMagics(Magics):
             print(f"stopped: {args.name} (actors {held._label!r}; their procs run on)")
             return None
         if isinstance(held, ProcMesh):
-            _mesh._stop_proc_mesh(held, args.force)
+            try:
+                _mesh._stop_proc_mesh(held, args.force)
+            except Exception as e:
+                gone = _mesh._stopped_elsewhere(controller_client(), held, e)
+                if gone is None:
+                    raise
+                print(gone)
+                return None
             print(f"stopped: {args.name} ({held.name})")
             return None
         stopped = _mesh.stop(args.name, all=args.all, force=args.force)
-        print(f"stopped: {', '.join(stopped) or 'nothing (no running mesh of yours)'}")
+        if stopped or args.all:  # else it was stopped already, and mesh.stop said by whom
+            print(f"stopped: {', '.join(stopped) or 'nothing (no running mesh of yours)'}")
         return None
 
 
