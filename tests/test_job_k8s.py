@@ -309,9 +309,12 @@ class Where(Actor):
         port.send(os.getpid())  # to a Port of the controller's, handed over as an argument
 
     @endpoint
-    def after(self, seconds):
-        import time
-        time.sleep(seconds)  # a call still running when the tunnel drops
+    def after(self, started):
+        # a call still running when the tunnel drops: it says it started, with a Port of its own,
+        # and ends only once the controller sends to that Port (after the drop)
+        port, release = Channel.open()
+        started.send(port)
+        release.recv().get(timeout=60)
         return os.getpid()
 
     @endpoint
@@ -660,12 +663,17 @@ def test_gateway_reaches_pods_the_controller_cannot_route_to(k8s: Cluster) -> No
                 before.close()
                 again = w.where.call().get()
                 # the tunnel drops again with calls in flight: their answers still come
-                slow = w.after.call(1.0)
+                started, starts = Channel.open()
+                slow = w.after.call(started)
+                releases = [starts.recv().get(timeout=20) for _ in range(6)]
+                running = not slow.done()  # each rank waits for its release: not done before the drop
                 gw.mux.close()
+                for r in releases:
+                    r.send(None)
                 late = sorted(slow.get(timeout=30).values())
                 out(direct=direct, reverse=gw.reverse, where=[list(v) for v in got.values()], pushed=pushed, tallies=tallies,
                     reopened=gw.mux is not before and gw.reverse == reverse and sorted(again.values()) == sorted(got.values()),
-                    in_flight=late == sorted(v[0] for v in got.values()),
+                    running_at_drop=running, in_flight=late == sorted(v[0] for v in got.values()),
                     key=read_key_file(os.path.join(job._dir, "key")).hex())
             """,
                 MONARCH_NB_HEARTBEAT_TIMEOUT="20",
@@ -732,7 +740,7 @@ def test_gateway_reaches_pods_the_controller_cannot_route_to(k8s: Cluster) -> No
     print("gateway:", first["direct"], {k: again[k] for k in ("to_first_call_s", "call_s")})
     assert first["direct"] in ("TimeoutError", "OSError"), first
     assert first["reopened"], first
-    assert first["in_flight"], first
+    assert first["running_at_drop"] and first["in_flight"], first
     # the answers come back through a reverse listener on rank 0's pod
     assert first["reverse"].startswith(f"tcp://{k8s.net.ip(1)}:") and again["reverse"].startswith(f"tcp://{k8s.net.ip(1)}:")
     where = first["where"]
