@@ -372,6 +372,28 @@ def test_an_spmd_script_failing_on_one_rank_shows_its_traceback_and_one_line_for
     _ok(k.run("%mesh stop spmdtb"))
 
 
+def test_stop_of_a_mesh_stopped_from_a_shell_says_by_whom(k: Kernel) -> None:
+    # before: "could not stop shstop: no mesh named 'shstop' on host ...", an error, at every try
+    _ok(k.run("%mesh spawn shstop --per-host gpus=1"))
+    c = _ok(
+        k.run(
+            "import subprocess, sys\n"
+            "r = subprocess.run([sys.executable, '-m', 'monarch_nb', 'stop', '--force', 'shstop'], "
+            "capture_output=True, text=True, timeout=60)\n"
+            "print(r.returncode, r.stdout, r.stderr)"
+        )
+    )
+    assert "0 stopped mesh 'shstop' (1 proc)" in c.stream(), c.msgs
+    for _ in range(2):
+        c = _ok(k.run("%mesh stop shstop"))
+        assert (
+            c.reply["content"]["status"] == "ok"
+            and c.stream() == "mesh 'shstop' was already stopped (by `monarch-nb stop` on the command line)\n"
+        ), c.msgs
+    c = k.run("%%mesh exec shstop\n1")
+    assert c.reply["content"]["status"] == "error" and "has already been stopped" in c.stream("stderr"), c.msgs
+
+
 def test_status_logs_of_a_crashed_proc_and_stop(k: Kernel) -> None:
     _ok(k.run("%mesh spawn lg --per-host gpus=2"))
     _ok(k.run("%%mesh exec lg\nimport os\nprint('before the crash', os.getpid())"))
