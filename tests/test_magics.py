@@ -33,6 +33,9 @@ def k():
 
 def _ok(c):
     assert c.error is None, "\n".join(c.error["traceback"]) if c.error else ""
+    # a UsageError fails the cell with one line on stderr and no error message: the reply says so
+    status = c.reply["content"]["status"] if c.reply else "ok"
+    assert status == "ok", f"cell {status}: {c.stream('stderr')}"
     return c
 
 
