@@ -205,13 +205,14 @@ class Dashboard(W.VBox):
 
         # the jobs that run this mesh alone: another job's key would be adopted by this process
         # (one process holds one cluster key) and its allocators asked at every refresh
-        jobs = [
-            j
-            for j in self._jobs
-            if ({str(a) for a in j.get("addrs") or []} | {str(a) for a in (j.get("lost_addrs") or {}).values()}) & set(allocs)
-        ]
-        # asked by the jobs' rows with their keys; a lost one is not asked (its whole timeout)
-        theirs = {str(a) for j in jobs for a in [*(j.get("addrs") or []), *(j.get("lost_addrs") or {}).values()]}
+        mine = set(allocs)
+        jobs, theirs = [], set()
+        for j in self._jobs:
+            addrs = {str(a) for a in [*(j.get("addrs") or []), *(j.get("lost_addrs") or {}).values()]}
+            if addrs & mine:
+                jobs.append(j)
+                # asked by the jobs' rows with their keys; a lost one is not asked (its whole timeout)
+                theirs |= addrs
         return introspect.known_status(jobs, addresses=[a for a in allocs if a not in theirs])
 
     def refresh(self, timeout: float = 0.1) -> bool:
