@@ -496,7 +496,7 @@ class Client:
                     os.unlink(path)
                 except OSError:
                     pass
-        self.rt.halt()
+        # the runtime's I/O thread is halted by runtime._halt_all, which runs after this hook
 
     def shutdown(self) -> None:
         """Detach from every allocator (a script's meshes stop; persistent ones stay)."""
