@@ -1,6 +1,7 @@
 """The dashboard tells the sidebar's story, through a real kernel (jupyter_client): one legend,
 a mesh with a failed rank failed as a whole, the calls' errors, an aggregated log in order, a
-stacks action, stop disabled once stopped, and jobs with a host the scheduler lost."""
+stacks action, stop disabled once stopped, buttons whose actions never hold the kernel, and jobs
+with a host the scheduler lost."""
 
 from __future__ import annotations
 
@@ -92,8 +93,8 @@ def test_dashboard_errors_log_stacks_failed_mesh_and_stop() -> None:
         assert "steps.lookup failed. KeyError on 1 of 4 ranks: 1 KeyError: 'shard 1'" in said, errors
         assert "Traceback" not in errors, errors
 
-        # the stacks action: every rank's stack, merged
-        _ok(k.run("d.stacks_button.click()"))
+        # the stacks action: every rank's stack, merged (collected on a thread of its own)
+        _ok(k.run("d.stacks_button.click()\n" + poll("'mnb-stacks' in d.stacks_view.value", 30, "the stacks")))
         stacks = _value(k, "d.stacks_view.value")
         assert "mnb-stacks" in stacks and 'data-ranks="0-3"' in stacks, stacks[:2000]
 
@@ -116,8 +117,10 @@ def test_dashboard_errors_log_stacks_failed_mesh_and_stop() -> None:
         assert "rank 2 on" in _value(k, "d.errors_view.value")
         assert _value(k, "d.stop_button.disabled").strip() == "False"
 
-        # stopping it from the dashboard disables its stop (and stacks) buttons
+        # stopping it from the dashboard disables its stop (and stacks) buttons, at once
         _ok(k.run("d.stop_button.click()"))
+        assert _value(k, "d.stop_button.disabled, d.stacks_button.disabled").strip() == "True True"
+        wait_for(lambda: "stopped at" in _value(k, "d.stop_view.value"), 30, "the stop's result")
         assert _value(k, "d.stop_button.disabled, d.stacks_button.disabled").strip() == "True True"
         # redrawn by the dashboard's own thread: the click does not hold the kernel for it
         wait_for(lambda: 'data-state="stopped"' in _value(k, "d.header.value"), 15, "the header to say stopped")
@@ -355,7 +358,8 @@ def test_names_in_the_dashboard_are_escaped_and_a_cell_s_code_is_named_by_its_ce
     view = SimpleNamespace(
         snapshot=lambda: snap, mesh=mesh, header=w(value=""), stop_button=w(), stacks_button=w(), grid_view=w(),
         hosts_view=w(), errors_view=w(), _render_latency=noop, _render_debug=noop, _render_log=noop,
-        _lock=threading.Lock(), _errors=[], _saved_views=lambda *a: ("", ""),
+        _lock=threading.Lock(), _errors=[], _saved_views=lambda *a: ("", ""), _running=lambda what: None,
+        _stop_error="",
     )  # fmt: skip
     Dashboard._refresh_now(view)  # type: ignore[arg-type]
     assert "<img" not in view.header.value and EVIL in html_unescape(view.header.value), view.header.value
@@ -406,3 +410,161 @@ def test_a_job_host_that_died_is_named_with_its_job_and_a_refresh_never_holds_th
             d.close()
         if job.active:
             job.kill()
+
+
+# a job of its own: its allocator stops a proc only once the message in hand is done (the
+# session's allocator kills it after 2 s), so a stop lasts until the test lets it end
+HOLDING = """from monarch_nb.actor import Actor, endpoint
+from monarch_nb.job import ProcessJob
+from monarch_nb.job._named import named_job_path
+from monarch_nb.widgets import Dashboard
+
+class Holder(Actor):
+    @endpoint
+    def hold(self, flag):
+{wait}
+job = ProcessJob({{"hosts": {hosts}}}, env={env!r})
+procs = job.state(cached_path=named_job_path({job!r})).hosts.spawn_procs(per_host={{"gpus": 2}}, name={mesh!r})
+holders = procs.spawn("holders", Holder)
+d = Dashboard(procs, interval=60)
+"""
+
+
+def _holding(job: str, mesh: str, hosts: int, flag: str) -> str:
+    import textwrap
+
+    env = {**FAST, "MONARCH_NB_STOP_CLEANUP_TIMEOUT": "60"}
+    wait = textwrap.indent(poll(f"os.path.exists({flag!r})", 60, "the test's flag"), "        ")
+    return HOLDING.format(wait="        import os\n" + wait, hosts=hosts, env=env, job=job, mesh=mesh)
+
+
+def _answered(k: Kernel, code: str, within: float = 1.5) -> str:
+    """Run ``code``, failing unless the kernel answered within ``within`` seconds: the lag a
+    user sees (the bound is loose for a loaded machine; the actions it guards take 5-60 s)."""
+    import time
+
+    t = time.monotonic()
+    out = _ok(k.run(code, timeout=30)).stream()
+    took = time.monotonic() - t
+    assert took < within, f"the kernel took {took:.2f} s to answer {code!r}: {out}"
+    return out
+
+
+def _kill_job(k: Kernel, name: str) -> None:
+    from monarch_nb.job import list_jobs
+
+    k.close()
+    if any(r["name"] == name for r in list_jobs()):
+        subprocess.run([sys.executable, "-m", "monarch_nb", "job", "kill", name], capture_output=True, timeout=60)
+
+
+@pytest.mark.timeout(150)
+def test_the_stacks_and_stop_buttons_leave_the_kernel_free_while_they_run(tmp_path) -> None:
+    # ipywidgets runs a click's callback in the kernel's shell handler: stacks on a mesh with a
+    # stopped rank held the kernel 5 s a click (two clicks, 10 s), and stop mesh until the rank's
+    # message in hand was done (stop_cleanup_timeout, up to 60 s here): no cell ran meanwhile
+    import time
+
+    flag = tmp_path / "go"
+    k = Kernel(env=FAST)
+    stopped_pid = 0
+    try:
+        _ok(k.run(_holding("btnjob", "btnmesh", 1, str(flag)), timeout=120))
+        _ok(k.run("d.refresh(timeout=60)"))
+        stopped_pid = int(_value(k, "procs._procs[1].pid"))
+        os.kill(stopped_pid, signal.SIGSTOP)  # rank 1 answers nothing: stacks waits out its 5 s
+
+        said = _answered(k, "d.stacks_button.click()\nd.stacks_button.click()\nprint(d.stacks_view.value)")
+        assert said.startswith("<i>collecting the stacks of every rank… (since "), said
+        assert "already running: the stacks show here when it ends" in said, said
+        # a cell runs while the stacks are collected
+        said = _answered(k, "print(d.stacks_view.value)")
+        assert "collecting the stacks" in said, said
+
+        def stacks() -> str | None:
+            got = html_unescape(_value(k, "d.stacks_view.value"))
+            return got if "mnb-stacks" in got else None
+
+        got = wait_for(stacks, 30, "the stacks in the view")
+        assert "no answer within 5 s" in got and "the process is stopped" in got, got[:3000]
+        # a dashboard closed while its stacks are collected: close() does not wait for them, and
+        # what they find later is dropped (its views are gone)
+        _answered(k, "d2 = Dashboard(procs, interval=60)\nd2.stacks_button.click()\nd2.close()")
+        _ok(k.run(poll("d2._running('stacks') is None", 30, "d2's stacks to end")))
+        assert "collecting the stacks" in _value(k, "d2.stacks_view.value")
+        os.kill(stopped_pid, signal.SIGCONT)
+        stopped_pid = 0
+
+        # the stop waits for rank 0's call (its message in hand) to end: until the flag
+        _ok(k.run("held = holders.slice(gpus=0).hold.call_one(" + repr(str(flag)) + ")"))
+        clicked = time.monotonic()
+        said = _answered(
+            k,
+            "d.stop_button.click()\nd.stop_button.click()\nprint(d.stop_view.value)\nprint(d.stop_button.disabled, d.stacks_button.disabled)",
+        )
+        view, buttons = said.strip().splitlines()
+        assert re.fullmatch(r"<i>stopping mesh btnmesh… \(since \d\d:\d\d:\d\d\)</i> · already running", view), said
+        assert buttons == "True True", said
+        for _ in range(3):  # the kernel answers cells while the stop runs, and the view still says so
+            said = _answered(k, "print(d.stop_view.value, d.stop_button.disabled, d.stacks_button.disabled)")
+            assert said.startswith("<i>stopping mesh btnmesh…") and said.strip().endswith("True True"), said
+        # a refresh meanwhile leaves them disabled
+        _ok(k.run("d.refresh(timeout=60)"))
+        assert _value(k, "d.stop_button.disabled, d.stacks_button.disabled").strip() == "True True"
+        held_for = time.monotonic() - clicked
+        flag.touch()
+
+        def stopped() -> str | None:
+            got = _value(k, "d.stop_view.value")
+            return got if "stopped at" in got else None
+
+        got = wait_for(stopped, 30, "the stop's result in the view")
+        assert re.fullmatch(r"mesh btnmesh stopped at \d\d:\d\d:\d\d \(took \d+\.\d s\)\n", got), got
+        assert float(re.findall(r"took (\S+) s", got)[0]) >= held_for - 0.1, (got, held_for)  # it waited for the flag
+        wait_for(lambda: 'data-state="stopped"' in _value(k, "d.header.value"), 15, "the header to say stopped")
+        assert _value(k, "d.stop_button.disabled, d.stacks_button.disabled").strip() == "True True"
+        assert "stop failed" not in _value(k, "d.errors_view.value")
+        _ok(k.run("d.close()\njob.kill()"))
+    finally:
+        if stopped_pid:
+            os.kill(stopped_pid, signal.SIGCONT)
+        flag.touch()
+        _kill_job(k, "btnjob")
+
+
+@pytest.mark.timeout(150)
+def test_a_stop_that_fails_on_a_lost_host_says_why_and_leaves_the_buttons_enabled() -> None:
+    # a job's host SIGKILLed: stop waited in the kernel until the heartbeat declared it lost
+    # (heartbeat_timeout, 5 s here), then said "stop failed: allocator ipc://... lost"
+    k = Kernel(env={**FAST, "MONARCH_NB_HEARTBEAT_TIMEOUT": "5"})
+    try:
+        _ok(k.run(_holding("btnlost", "btnlostm", 2, "/nonexistent"), timeout=120))
+        _ok(k.run("d.refresh(timeout=60)\nslot, info = sorted(job._hosts.items())[1]"))
+        slot = _value(k, "slot").strip()
+        os.kill(int(_value(k, "info['pid']")), signal.SIGKILL)
+        said = _answered(
+            k, "d.stop_button.click()\nprint(d.stop_view.value)\nprint(d.stop_button.disabled, d.stacks_button.disabled)"
+        )
+        assert said.startswith("<i>stopping mesh btnlostm… (since ") and said.strip().endswith("True True"), said
+        said = _answered(k, "print(d.stop_view.value)")
+        assert said.startswith("<i>stopping mesh btnlostm…"), said
+
+        def failed() -> str | None:
+            got = html_unescape(_value(k, "d.stop_view.value"))
+            return got if "stop failed" in got else None
+
+        got = wait_for(failed, 30, "the failed stop in the view")
+        # in %mesh stop's words: what was stopped, the host and its job
+        assert "stop failed: 2 procs of mesh 'btnlostm' stopped on the allocators that answered" in got, got
+        assert re.search(rf"could not be reached: {slot} \(\S+, job btnlost\): lost", got), got
+        assert "ranks 2-3 of mesh 'btnlostm' are on no allocator that answered" in got, got
+        assert "`monarch-nb job kill btnlost`" in got, got
+        assert "stop failed: 2 procs of mesh" in html_unescape(_value(k, "d.errors_view.value"))
+        # the mesh may be stopped again: both buttons are enabled, and a refresh leaves them so
+        _ok(k.run(poll("not d.stop_button.disabled", 15, "the stop button enabled again")))
+        _ok(k.run("d.refresh(timeout=60)"))
+        assert _value(k, "d.stop_button.disabled, d.stacks_button.disabled").strip() == "False False"
+        assert 'data-state="stopped"' not in _value(k, "d.header.value")
+        _ok(k.run("d.close()\njob.kill()"))
+    finally:
+        _kill_job(k, "btnlost")

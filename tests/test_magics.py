@@ -868,14 +868,77 @@ def test_dashboard_lists_paused_ranks_and_its_console_drives_pdb(k: Kernel) -> N
         "rank 1 drawn as paused",
     )
     _ok(k.run(poll("view._sids", 15, "the dashboard to list the paused session")))
-    # what the attach button and the console's send button do
-    c = _ok(
-        k.run("view._attach('stoppers', 1)\nview.console_in.value = 'p secret'\nview._console_send()\nview.console_out.value")
-    )
+    # what the attach button and the console's send button do (each on a thread of its own: the
+    # kernel runs cells meanwhile; the console says when the rank answered)
+    answered = poll("view._running('pdb') is None", 30, "the rank to answer")
+    _ok(k.run("view._attach('stoppers', 1)\n" + answered))
+    c = _ok(k.run("view.console_in.value = 'p secret'\nview._console_send()\n" + answered + "view.console_out.value"))
     # (current_rank() is the rank within the called slice, as in Monarch: 0 here)
     assert "(Pdb) p secret\\n40" in c.result, c.result
-    c = _ok(k.run("view.console_in.value = 'c'\nview._console_send()\nprint(pending.get(timeout=30))\nview.close()"))
+    c = _ok(
+        k.run("view.console_in.value = 'c'\nview._console_send()\n" + answered + "print(pending.get(timeout=30))\nview.close()")
+    )
     assert c.stream().strip() == "40"
+
+
+def test_a_pdb_command_sent_from_the_dashboard_leaves_the_kernel_free(k: Kernel, tmp_path) -> None:
+    # the console's send ran pdb's command in the click's callback: an "n" over a line that
+    # takes long held the kernel (no cell, no interrupt) until the rank stopped again, up to 60 s
+    flag = tmp_path / "go"
+    code = (
+        "import os\nfrom monarch_nb.actor import Actor, endpoint\n"
+        "def wait_for_flag(flag):\n" + textwrap.indent(poll("os.path.exists(flag)", 60, "the test's flag"), "    ") + "\n"
+        "class Stepper(Actor):\n"
+        "    @endpoint\n"
+        "    def go(self, flag):\n"
+        "        breakpoint()\n"
+        "        wait_for_flag(flag)\n"
+        "        return 'went on'\n"
+        "%mesh spawn dbgslow --per-host gpus=1\n"
+        "steppers = dbgslow.spawn('steppers', Stepper)\n"
+        f"pending = steppers.go.call_one({str(flag)!r})\n"
+        "slow_view = %mesh dashboard dbgslow\n"
+    )
+    _ok(k.run(code))
+    try:
+        _ok(k.run(poll("slow_view._sids", 15, "the dashboard to list the paused session")))
+        answered = poll("slow_view._running('pdb') is None", 30, "the rank to answer")
+        _ok(k.run("slow_view._attach('steppers', 0)\n" + answered))
+        t = time.monotonic()
+        c = _ok(
+            k.run(
+                "slow_view.console_in.value = 'n'\nslow_view._console_send()\n"
+                # a second command while the first runs: refused, and left typed
+                "slow_view.console_in.value = 'p flag'\nslow_view._console_send()\n"
+                "print(slow_view.console_out.value)\nprint(repr(slow_view.console_in.value))",
+                timeout=30,
+            )
+        )
+        assert time.monotonic() - t < 1.5, time.monotonic() - t
+        out = c.stream()
+        assert (
+            "(Pdb) n\n… (the rank runs it; since " in out
+            and "(the rank has not answered yet, asked at " in out
+            and "one command at a time" in out
+        ), out
+        assert out.strip().endswith("'p flag'"), out
+        # a cell runs meanwhile, and the console still waits for the rank
+        t = time.monotonic()
+        c = _ok(k.run("print(slow_view.console_out.value)", timeout=30))
+        assert time.monotonic() - t < 1.5 and "(the rank runs it; since " in c.stream(), c.stream()
+        flag.touch()
+        c = _ok(k.run(answered + "print(slow_view.console_out.value)"))
+        assert "(Pdb) n\n" in c.stream() and "-&gt; return &#x27;went on&#x27;" in c.stream(), c.stream()
+        assert "the rank runs it" not in c.stream(), c.stream()
+        c = _ok(k.run("slow_view._console_send()\n" + answered + "print(slow_view.console_out.value)"))
+        assert "(Pdb) p flag\n" in c.stream() and str(flag) in c.stream(), c.stream()
+        c = _ok(
+            k.run("slow_view.console_in.value = 'c'\nslow_view._console_send()\n" + answered + "print(pending.get(timeout=30))")
+        )
+        assert c.stream().strip().endswith("went on"), c.stream()
+    finally:
+        flag.touch()
+        _ok(k.run("slow_view.close()\n%mesh stop dbgslow"))
 
 
 def test_the_dashboard_shows_a_rank_stopped_post_mortem_and_its_console_lets_the_error_go_on(k: Kernel) -> None:
@@ -897,19 +960,28 @@ def test_the_dashboard_shows_a_rank_stopped_post_mortem_and_its_console_lets_the
     )
     _ok(k.run(code))
     _ok(k.run(poll("pm_view._sids", 15, "the dashboard to list the paused session")))
-    _ok(k.run("pm_view._attach('raisers', 0)\npm_view.console_in.value = 'c'\npm_view._console_send()"))
+    answered = poll("pm_view._running('pdb') is None", 30, "the rank to answer")
+    _ok(
+        k.run(
+            "pm_view._attach('raisers', 0)\n" + answered + "pm_view.console_in.value = 'c'\npm_view._console_send()\n" + answered
+        )
+    )
     # the dashboard's own thread redraws the list (a cell's wait would skip the session: no stdin)
     labels = "[getattr(w, 'value', '') for row in pm_view.debug_view.children for w in getattr(row, 'children', ())]"
     _ok(k.run(poll(f"any('post-mortem after ValueError: n is 7' in t for t in {labels})", 15, "the post-mortem listed")))
     c = _ok(
         k.run(
-            "pm_view._attach('raisers', 0)\npm_view.console_in.value = 'p n'\npm_view._console_send()\npm_view.console_out.value"
+            "pm_view._attach('raisers', 0)\n"
+            + answered
+            + "pm_view.console_in.value = 'p n'\npm_view._console_send()\n"
+            + answered
+            + "pm_view.console_out.value"
         )
     )
     assert "post-mortem: the call raised ValueError: n is 7" in c.result and "(Pdb) p n\\n7" in c.result, c.result
     c = _ok(
         k.run(
-            "pm_view.console_in.value = 'c'\npm_view._console_send()\nprint(pm_view.console_out.value)\n"
+            "pm_view.console_in.value = 'c'\npm_view._console_send()\n" + answered + "print(pm_view.console_out.value)\n"
             "try:\n    pending.get(timeout=30)\nexcept Exception as e:\n    print('RAISED', type(e).__name__, e)\n"
             "pm_view.close()"
         )

@@ -6,6 +6,7 @@ import collections
 import html
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ipywidgets as W
@@ -37,7 +38,9 @@ class Dashboard(W.VBox):
     stays live while cells run; :meth:`close` stops it. Every refresh runs on that thread, the
     first one and a button's too, never in the kernel: an allocator that died answers nothing
     until the heartbeat declares it lost (seconds), and the kernel (cells, the widgets' events)
-    would wait that long.
+    would wait that long. The buttons' actions (stop, stacks, attach, a pdb command) run on
+    threads of their own for the same reason (see :meth:`_start`): the view says at once that
+    one runs, and what came of it when it ends.
     """
 
     def __init__(
@@ -68,6 +71,10 @@ class Dashboard(W.VBox):
         self._kick = threading.Event()
         self._done = threading.Condition()
         self._started = self._finished = 0
+        #: the buttons' actions running now, by name (see _start), and when each started
+        self._actions: dict[str, tuple[threading.Thread, float]] = {}
+        #: what the dashboard's last stop raised ("" while none failed): the mesh may be stopped again
+        self._stop_error = ""
         self.header = W.HTML()
         self.grid_view = W.HTML()
         self.hosts_view = W.HTML()
@@ -79,6 +86,9 @@ class Dashboard(W.VBox):
         self.errors_view = W.HTML()
         self.debug_view = W.VBox()
         self.console_out = W.HTML(layout=W.Layout(max_height="240px", overflow="auto"))
+        self._console_text = ""
+        #: the pdb command the rank has not answered yet, as the console shows it
+        self._console_pending = ""
         self.console_in = W.Text(placeholder="pdb command (p x, n, s, l, w, c)", layout=W.Layout(width="360px"))
         self.console_send = W.Button(description="send", tooltip=BUSY_NOTE)
         self.console_send.on_click(lambda _b: self._console_send())
@@ -90,6 +100,8 @@ class Dashboard(W.VBox):
         self.refresh_button = W.Button(description="refresh", tooltip=BUSY_NOTE)
         self.stacks_button = W.Button(description="stacks", tooltip="the Python stack of every rank, merged. " + BUSY_NOTE)
         self.stacks_button.on_click(lambda _b: self._show_stacks())
+        #: what the stop button is doing, or what came of it
+        self.stop_view = W.HTML()
         note = W.HTML(f'<span style="color:#57606a">{BUSY_NOTE}</span>')
         self.stop_button.on_click(lambda _b: self._stop_mesh())
         self.refresh_button.on_click(lambda _b: self.refresh())
@@ -104,6 +116,7 @@ class Dashboard(W.VBox):
                 self.jobs_view,
                 self.latency_view,
                 W.HBox([self.refresh_button, self.stacks_button, self.stop_button]),
+                self.stop_view,
                 note,
                 self.stacks_view,
                 self.rank_filter,
@@ -242,7 +255,9 @@ class Dashboard(W.VBox):
         summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
         # the mesh as a whole, in the sidebar's and %mesh status's words
         state, label, hint = _meshhtml.mesh_state([r["state"] for r in snap["ranks"]])
-        if pm._stopped:
+        stopping = self._running("stop") is not None
+        # a stop that failed leaves the mesh to stop again: its ranks are drawn as they are
+        if pm._stopped and not stopping and not self._stop_error:
             state, label, hint = "stopped", "stopped", ""
         colour = _meshhtml.STATE_COLOURS.get(state, _meshhtml.STATE_COLOURS["unknown"])
         hint_html = f' <span class="mnb-hint">{html.escape(hint.replace("NAME", pm.name))}</span>' if hint else ""
@@ -252,9 +267,8 @@ class Dashboard(W.VBox):
             f'<span class="mnb-mesh-state mnb-state-{state}" data-state="{state}" style="color:{colour};font-weight:600">'
             f"{html.escape(label)}</span> · {summary} · {time.strftime('%H:%M:%S')}{hint_html}"
         )
-        # nothing left to stop
-        self.stop_button.disabled = state == "stopped"
-        self.stacks_button.disabled = state == "stopped"
+        # nothing left to stop, or a stop under way
+        self.stop_button.disabled = self.stacks_button.disabled = stopping or state == "stopped"
         self.grid_view.value = _render.grid_html(snap["ranks"], labels, sizes)
         self.hosts_view.value = _render.hosts_html(snap["hosts"])
         self._render_latency(snap.get("unreached_allocs", []))
@@ -418,11 +432,28 @@ class Dashboard(W.VBox):
     def _show_stacks(self) -> None:
         from .. import debug
 
-        self.stacks_view.value = "<i>collecting the stacks of every rank…</i>"
-        try:
-            self.stacks_view.value = debug.stacks(self.mesh, timeout=5.0)._repr_html_()
-        except Exception as e:
-            self.stacks_view.value = f'<span class="mnb-errors">stacks failed: {html.escape(str(e))}</span>'
+        started = time.strftime("%H:%M:%S")
+
+        def work() -> None:
+            # a rank that does not answer (stopped, a C call holding its GIL) costs the whole timeout
+            try:
+                got = debug.stacks(self.mesh, timeout=5.0)._repr_html_()
+            except Exception as e:
+                got = f'<span class="mnb-errors">stacks failed: {html.escape(str(e))}</span>'
+            self._show(self.stacks_view, got)
+
+        if self._running("stop") is not None:
+            self.stacks_view.value = "<i>the mesh is being stopped: no stacks to collect</i>"
+            return
+
+        def begin() -> None:
+            self.stacks_view.value = f"<i>collecting the stacks of every rank… (since {started})</i>"
+
+        if not self._start("stacks", work, begin=begin):
+            self.stacks_view.value = (
+                f"<i>collecting the stacks of every rank… (since {self._since('stacks')})</i>"
+                " · already running: the stacks show here when it ends"
+            )
 
     def _on_lines(self, mesh: str, lines: list[tuple[int, str, float, str, str]]) -> None:
         if mesh != self.mesh.name:
@@ -474,48 +505,143 @@ class Dashboard(W.VBox):
     def _attach(self, actor: str, rank: int) -> None:
         from .. import debug
 
-        try:
-            self._dbg = debug.attach(actor, rank)
-        except Exception as e:
-            self.console_out.value = f'<span class="mnb-errors">{html.escape(str(e))}</span>'
-            self.console.layout.display = ""
-            return
-        self._console_text = f"attached to {actor} rank {rank}\n{self._dbg.header}\n"
-        self.console_out.value = "<pre style='margin:0'>" + html.escape(self._console_text) + "</pre>"
+        def work() -> None:
+            try:
+                dbg = debug.attach(actor, rank)
+            except Exception as e:
+                self._show(self.console_out, f'<span class="mnb-errors">{html.escape(str(e))}</span>')
+                return
+            self._dbg = dbg
+            self._console_text = f"attached to {actor} rank {rank}\n{dbg.header}\n"
+            self._show(self.console_out, self._console_html())
+
+        def begin() -> None:
+            self.console_out.value = f"<i>attaching to {html.escape(str(actor))} rank {rank}…</i>"
+
         self.console.layout.display = ""
+        if not self._start("pdb", work, begin=begin):
+            self._pdb_busy()
 
     def _console_send(self) -> None:
         cmd = self.console_in.value.strip()
-        if not cmd or self._dbg is None:
+        dbg = self._dbg
+        if not cmd or dbg is None:
             return
-        self.console_in.value = ""
-        try:
-            out = self._dbg.send(cmd, timeout=60)
-        except Exception as e:
-            out = f"error: {e}"
-        self._console_text += f"(Pdb) {cmd}\n{out}"
-        if self._dbg.ended:
-            pm = self._dbg.session.post_mortem
-            self._console_text += (
-                f"(the rank left post-mortem: its call fails with {pm})\n"
-                if pm
-                else "(the rank quit pdb: its call fails with BdbQuit)\n"
-                if self._dbg.quit
-                else "(the rank continued)\n"
-            )
-            self._dbg = None
-        self.console_out.value = "<pre style='margin:0'>" + html.escape(self._console_text[-20000:]) + "</pre>"
+
+        def work() -> None:
+            try:
+                # a step over a long line ("n", "c" to the next breakpoint) answers when the rank stops again
+                out = dbg.send(cmd, timeout=60)
+            except Exception as e:
+                out = f"error: {e}\n"
+            self._console_text += f"(Pdb) {cmd}\n{out}"
+            self._console_pending = ""
+            if dbg.ended:
+                pm = dbg.session.post_mortem
+                self._console_text += (
+                    f"(the rank left post-mortem: its call fails with {pm})\n"
+                    if pm
+                    else "(the rank quit pdb: its call fails with BdbQuit)\n"
+                    if dbg.quit
+                    else "(the rank continued)\n"
+                )
+                self._dbg = None
+            self._show(self.console_out, self._console_html())
+
+        def begin() -> None:
+            self.console_in.value = ""
+            self._console_pending = f"(Pdb) {cmd}\n… (the rank runs it; since {time.strftime('%H:%M:%S')})\n"
+            self.console_out.value = self._console_html()
+
+        if not self._start("pdb", work, begin=begin):
+            self._pdb_busy()  # the command stays typed, to send once the rank answers
+
+    def _console_html(self, note: str = "") -> str:
+        return "<pre style='margin:0'>" + html.escape((self._console_text + self._console_pending + note)[-20000:]) + "</pre>"
+
+    def _pdb_busy(self) -> None:
+        self.console_out.value = self._console_html(
+            f"(the rank has not answered yet, asked at {self._since('pdb')}: one command at a time)\n"
+        )
 
     # ------------------------------------------------------------ actions and lifetime
     def _stop_mesh(self) -> None:
-        try:
-            self.mesh.stop().get(timeout=60)
-            # nothing left to stop, said at once: the refresh that draws it runs on the dashboard's thread
+        from ..mesh import _stop_proc_mesh
+
+        name = self.mesh.name
+        t0 = time.monotonic()
+
+        def work() -> None:
+            try:
+                # the words of %mesh stop: a host that did not answer is named, with its job
+                _stop_proc_mesh(self.mesh)
+            except Exception as e:
+                self._stop_error = str(e) or type(e).__name__
+                with self._lock:
+                    self._errors.append(f"{time.strftime('%H:%M:%S')} stop failed: {self._stop_error}")
+                said = f'<span class="mnb-errors">stop failed: {html.escape(self._stop_error)}</span>'
+            else:
+                said = f"mesh {html.escape(name)} stopped at {time.strftime('%H:%M:%S')} (took {time.monotonic() - t0:.1f} s)"
+            self._show(self.stop_view, said)
+
+        def begin() -> None:
+            self._stop_error = ""
+            # at once, not at the next refresh: a second click would stop it again
             self.stop_button.disabled = self.stacks_button.disabled = True
-        except Exception as e:
+            self.stop_view.value = f"<i>stopping mesh {html.escape(name)}… (since {time.strftime('%H:%M:%S')})</i>"
+
+        if not self._start("stop", work, begin=begin, then=self.refresh):
+            self.stop_view.value = f"<i>stopping mesh {html.escape(name)}… (since {self._since('stop')})</i> · already running"
+
+    def _start(
+        self, what: str, work: Callable[[], None], *, begin: Callable[[], None], then: Callable[[], Any] | None = None
+    ) -> bool:
+        """Say it started (``begin``, here), then run ``work`` and ``then`` on a thread of their
+        own, unless an action named ``what`` still runs (False: the caller says so). ipywidgets
+        runs a click's callback in the kernel's shell handler: an action that waited there (a
+        stop on a host that does not answer, the stacks of a stopped rank, a pdb ``n`` over a
+        long line) held every cell, and an interrupt, until it ended. One of each at a time:
+        ten clicks are one stop."""
+        with self._lock:
+            if what in self._actions:
+                return False
+            t = threading.Thread(target=self._act, args=(what, work, then), name=f"monarch_nb-dashboard-{what}", daemon=True)
+            self._actions[what] = (t, time.time())
+        try:
+            begin()  # before the thread: its result, however soon, is drawn after this
+        except BaseException:
             with self._lock:
-                self._errors.append(f"stop failed: {e}")
-        self.refresh()
+                del self._actions[what]
+            raise
+        t.start()
+        return True
+
+    def _act(self, what: str, work: Callable[[], None], then: Callable[[], Any] | None) -> None:
+        try:
+            work()
+        except Exception as e:  # an action must never take the dashboard down: said in its errors
+            with self._lock:
+                self._errors.append(f"{time.strftime('%H:%M:%S')} {what} failed: {type(e).__name__}: {e}")
+        finally:
+            with self._lock:
+                self._actions.pop(what, None)
+        if then is not None and not self._stop.is_set():
+            then()
+
+    def _running(self, what: str) -> float | None:
+        """When the action ``what`` started (time.time()), or None if it does not run."""
+        with self._lock:
+            got = self._actions.get(what)
+        return got[1] if got else None
+
+    def _since(self, what: str) -> str:
+        at = self._running(what)
+        return time.strftime("%H:%M:%S", time.localtime(at)) if at is not None else "just now"
+
+    def _show(self, view: W.HTML, value: str) -> None:
+        """An action's result, unless the dashboard was closed meanwhile (its views are gone)."""
+        if not self._stop.is_set():
+            view.value = value
 
     def _loop(self) -> None:
         while True:
@@ -533,6 +659,8 @@ class Dashboard(W.VBox):
                     self._done.notify_all()
 
     def close(self) -> None:
+        """Stop refreshing. An action under way (a stop) is not waited for: it ends on its own
+        thread, and its result is dropped."""
         self._stop.set()
         self._kick.set()
         shell = getattr(self, "_shell", None)
