@@ -24,7 +24,7 @@ from conftest import PY, AllocatorProc, run_script, wait_for
 from monarch_nb._runtime import records
 from monarch_nb.actor import Actor, ProcMesh, attach_to_workers, current_rank, endpoint, this_host
 from monarch_nb.allocator import stop_mesh
-from monarch_nb.errors import SupervisionError
+from monarch_nb.errors import MeshError, SupervisionError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -328,6 +328,16 @@ print("BUMP", pm.spawn("keeper", Keeper).bump.call().get(timeout=10).values(), f
         }
 
     wait_for(lambda: meshes() == {"kept"}, 15, "the script's own mesh to be stopped")
+    # a later run looking up the mesh that was not persistent is told why it is gone and what
+    # keeps one (it was "no mesh named 'temp' ...; known: ['kept']" alone, docs/clusters.md's
+    # re-attach copied into two scripts)
+    with pytest.raises(MeshError) as gone:
+        ProcMesh.lookup("temp", hosts=allocator.hosts)
+    assert re.search(
+        r"^no mesh named 'temp' on host \S+; known: \['kept'\]; a mesh 'temp' was stopped here \d+ s ago as its controller "
+        r"went away and it was not persistent: only a mesh spawned with persist=True \(spawn_procs\(\.\.\., persist=True\)",
+        str(gone.value),
+    ), gone.value
     pm = ProcMesh.lookup("kept", hosts=allocator.hosts)
     assert repr(pm.extent) == "{hosts: 1, gpus: 2}"
     keeper = pm.actor_mesh("keeper")
@@ -366,6 +376,11 @@ print("OK", flush=True)
         r = run_script(code)
         assert "OK" in r.stdout, r.stderr
         wait_for(lambda: "lease of 1 s expired" in a.logtext(), 20, "the lease to expire")
+        with pytest.raises(
+            MeshError,
+            match=r"'orphan' was stopped here \d+ s ago as its lease \(1 s, MONARCH_NB_LEASE\) passed .*: spawn it again",
+        ):
+            ProcMesh.lookup("orphan", hosts=attach_to_workers(workers=[a.addr], ca="trust_all_connections"))
     finally:
         a.stop()
 

@@ -63,6 +63,10 @@ def unlink_ipc(addr: str, inside: str | None = None) -> None:
             pass
 
 
+#: names of meshes stopped on the allocator's own account that a lookup can still explain
+REAPED_KEPT = 256
+
+
 class Allocator(DebugRegistry):
     def __init__(
         self, cfg: Config, security: Security, runtime_dir: str, *, tcp_ip: str | None = None, tcp_port: int = 0
@@ -82,6 +86,10 @@ class Allocator(DebugRegistry):
         self.subscribers: dict[tuple[str, int], float] = {}
         #: controllers detached without a bye (silent, exited), by address: why, for their next pings
         self.detached: dict[str, str] = {}
+        #: meshes this allocator stopped on its own (their controller went away, the lease), by
+        #: name: why and when, so that a lookup of one says so, not "no mesh named" alone (a
+        #: script re-attaching to what its last run spawned without persist=True); the newest kept
+        self.reaped: dict[str, tuple[str, str, float]] = {}
         self.idle_since = time.monotonic()
         self.log_dir = ""
         self.connection_file = ""
@@ -427,6 +435,7 @@ class Allocator(DebugRegistry):
             "this host's allocator (monarch-nb allocator)",
         )
         mesh = MeshRec(name, spec["owner"], bool(spec.get("persist")), labels, sizes, spec.get("rank_base", 0), [])
+        self.reaped.pop(name, None)  # what a lookup says of the name now is this mesh
         # (a controller that predates mesh ids: one of this host's own)
         mesh.info = {
             "extent": spec["extent"],
@@ -605,7 +614,11 @@ class Allocator(DebugRegistry):
     def sys_lookup(self, name: str) -> dict[str, Any]:
         m = self.meshes.get(name)
         if m is None:
-            raise MeshError(f"no mesh named {name!r} on host {self.rt.hostname}; known: {sorted(self.meshes) or 'none'}")
+            why = ""
+            if name in self.reaped:
+                reason, advice, when = self.reaped[name]
+                why = f"; a mesh {name!r} was stopped here {time.monotonic() - when:.0f} s ago as {reason}: {advice}"
+            raise MeshError(f"no mesh named {name!r} on host {self.rt.hostname}; known: {sorted(self.meshes) or 'none'}{why}")
         return {
             "name": m.name,
             "mesh_id": m.info.get("mesh_id", ""),
@@ -790,7 +803,19 @@ class Allocator(DebugRegistry):
     async def _stop_all(self, reason: str) -> None:
         for m in list(self.meshes.values()):
             await self._stop_mesh(m, reason)
+            if reason == "lease expired":
+                self._reaped(
+                    m.name,
+                    f"its lease ({self.cfg.lease:.0f} s, MONARCH_NB_LEASE) passed with no controller attached",
+                    "spawn it again (a longer MONARCH_NB_LEASE for the allocator keeps persistent meshes longer)",
+                )
         self.meshes.clear()
+
+    def _reaped(self, name: str, why: str, advice: str) -> None:
+        self.reaped.pop(name, None)
+        self.reaped[name] = (why, advice, time.monotonic())
+        while len(self.reaped) > REAPED_KEPT:
+            del self.reaped[next(iter(self.reaped))]
 
     def _detach_dead_local(self) -> None:
         """A controller on this host (it reached us over ipc) whose process is gone has detached,
@@ -832,6 +857,12 @@ class Allocator(DebugRegistry):
         await self._stop_mesh(m, reason)
         if self.meshes.get(m.name) is m:
             del self.meshes[m.name]
+            self._reaped(
+                m.name,
+                f"{reason} and it was not persistent",
+                "only a mesh spawned with persist=True (spawn_procs(..., persist=True), the default in a Jupyter "
+                "kernel) outlives its controller; spawn it again",
+            )
 
     async def _reaper(self) -> None:
         detach_after = max(5.0, 3 * self.cfg.heartbeat_timeout)
