@@ -1161,6 +1161,9 @@ def test_a_transfer_split_over_several_streams_arrives_whole() -> None:
         with configured(rdma_streams=8):
             assert dp.streams_for(3 << 20) == 3  # never a range under 1 MiB
             assert dp.streams_for(1 << 20) == 1
+            # nor a byte short of whole MiBs (rounded up, it was 3 ranges of 1 MiB less a third of a byte each, and 2 of half a MiB)
+            assert dp.streams_for((3 << 20) - 1) == 2
+            assert dp.streams_for((1 << 20) + 1) == 1
         with pytest.raises(ConfigError, match="rdma_streams is seconds, bytes or a count, 0 or more"):
             with configured(rdma_streams=-1):
                 pass

@@ -731,7 +731,7 @@ def streams_for(n: int) -> int:
     if forced < 0:
         raise ValueError(f"rdma_streams must be >= 0 (0 chooses by size), not {forced}")
     if forced:
-        return max(1, min(forced, -(-n // (1 << 20))))  # no range under 1 MiB
+        return max(1, min(forced, n >> 20))  # no range under 1 MiB: whole MiBs per range, rounded down
     if not SPLIT_MIN or n < 2 * SPLIT_MIN:
         return 1
     return min(SPLIT_MAX, n // SPLIT_MIN)
