@@ -342,10 +342,15 @@ def _fmt_s(v: float | None) -> str:
 
 
 def _job(args: argparse.Namespace) -> int:
+    import warnings
+
     from .job import JobError
 
-    # a spec that names nothing, a job that does not exist, a scheduler's refusal
-    return _in_one_line(f"job {args.action}", (JobError, ValueError, TypeError, AttributeError), _job_action, args)
+    with warnings.catch_warnings():
+        # a cached job replaced (JobReplacedWarning): one line, not this file's name and source line
+        warnings.showwarning = lambda message, *_a, **_k: print(f"monarch-nb job {args.action}: {message}", file=sys.stderr)
+        # a spec that names nothing, a job that does not exist, a scheduler's refusal
+        return _in_one_line(f"job {args.action}", (JobError, ValueError, TypeError, AttributeError), _job_action, args)
 
 
 def _job_action(args: argparse.Namespace) -> int:

@@ -379,6 +379,34 @@ def test_monarch_nb_job_apply_twice_keeps_the_running_job(tmp_path: Path, monkey
         first.kill()
 
 
+def test_monarch_nb_job_apply_of_a_changed_spec_says_it_replaced_the_job_in_one_line(tmp_path: Path) -> None:
+    # it printed the warning as Python shows one: cli.py's path and line number, then the
+    # source line `job = apply_spec(args.target, args.cached_path)`
+    cache = os.path.join(os.environ["MONARCH_NB_RUNTIME_DIR"], f"jr-{tmp_path.name}.json")
+    spec = tmp_path / "myjobs_changed.py"
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+
+    def apply(hosts: int) -> subprocess.CompletedProcess[str]:
+        spec.write_text(f"from monarch_nb.job import ProcessJob\njob = ProcessJob({{'w': {hosts}}}, env={FAST!r})\n")
+        cmd = [sys.executable, "-m", "monarch_nb", "job", "apply", "myjobs_changed.job", "--cached-path", cache]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=env, cwd=tmp_path)
+
+    try:
+        first = apply(1)
+        assert first.returncode == 0 and first.stderr == "", first
+        second = apply(2)
+        assert second.returncode == 0, second
+        assert second.stdout.startswith("applied myjobs_changed.job: ProcessJob process "), second
+        assert re.fullmatch(
+            r"monarch-nb job apply: replaced the ProcessJob \w+ cached at \S+ \(1 host\(s\), running\): it cannot run this "
+            r"spec \(its meshes or options changed\), so it was stopped with every proc on its hosts\n",
+            second.stderr,
+        ), second.stderr
+    finally:
+        if os.path.exists(cache):
+            job_load(cache).kill()
+
+
 def test_a_jobs_mesh_is_stopped_by_name_from_a_script_the_cli_and_the_sidebar() -> None:
     """``stop_mesh(name)`` looked for the mesh in this runtime directory's allocators only: a
     job's (their records are in the job's own directory) were not searched, so a mesh on a job's
