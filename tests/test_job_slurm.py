@@ -336,6 +336,11 @@ def test_walltime_ends_the_allocators_and_the_notebook_is_told(slurm: SlurmClust
                 time.sleep(0.5)  # polling the scheduler until the walltime passes
                 info = job.query()
             out(state=info.state if info else None, reason=info.reason if info else None)
+            # COMPLETING comes before slurmd has signalled the step (a call made at once, on a
+            # loaded machine, was still answered): wait until Slurm has ended it
+            while info is not None and info.state == "COMPLETING" and time.time() < deadline:
+                time.sleep(0.5)
+                info = job.query()
             try:
                 w.where.call().get(timeout=30)
                 out(call=None)
