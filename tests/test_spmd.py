@@ -60,6 +60,29 @@ def test_gloo_all_reduce_across_a_proc_mesh():
         procs.stop().get(timeout=30)
 
 
+def test_setup_torch_elastic_env_with_an_explicit_master_address_and_port():
+    """The address and port a user gives are where the ranks meet (every other test takes the
+    defaults: docs/tensors.md listed this as not exercised by a rendezvous)."""
+    import socket
+
+    from monarch_nb.spmd import setup_torch_elastic_env
+
+    with socket.socket() as s:  # a port free now; the rendezvous binds it at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = this_host().spawn_procs(per_host={"gpus": 3})
+    try:
+        setup_torch_elastic_env(procs, "127.0.0.1", port)
+        trainers = procs.spawn("trainer", Trainer)
+        envs = trainers.env.call().get(timeout=30).values()
+        assert {(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs} == {("127.0.0.1", str(port))}
+        assert [e["RANK"] for e in envs] == ["0", "1", "2"] and {e["WORLD_SIZE"] for e in envs} == {"3"}
+        # mean gradient (1+2+3)/3 = 2 per element, 2 steps of lr 0.1 over 4 elements
+        assert trainers.train.call(2).get(timeout=60).values() == pytest.approx([-1.6] * 3)
+    finally:
+        procs.stop().get(timeout=30)
+
+
 class Devices(Actor):
     @endpoint
     def visible(self) -> str:
