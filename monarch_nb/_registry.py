@@ -18,7 +18,7 @@ from ._runtime import records
 from .actor import HostMesh, ProcMesh, attach_to_workers, controller_client, this_host
 from .actor._mesh import View
 from .actor._refs import HostRef
-from .errors import ConnectError, MeshError
+from .errors import ConnectError, MeshError, MeshNotFoundError
 
 __all__ = ["connect", "get", "hosts", "meshes", "restart", "spawn"]
 
@@ -151,12 +151,13 @@ def get(name: str) -> ProcMesh:
         job = _job_running(name)
         if job:
             # `%mesh connect` attaches this host's allocator, not a job's: its advice found nothing
-            raise MeshError(
+            raise MeshNotFoundError(
                 f"no mesh named {name!r} in this kernel (known: {known}); it runs on the hosts of job {job!r}: "
                 f"re-attach to the job (`state = job_load(named_job_path({job!r})).state()`, from monarch_nb.job), "
-                f"then `procs = ProcMesh.lookup({name!r}, state.<its host mesh>)` and use `procs`"
+                f"then `procs = ProcMesh.lookup({name!r}, state.<its host mesh>)` and use `procs`",
+                name,
             )
-        raise MeshError(f"no mesh named {name!r} (known: {known}); spawn it or `%mesh connect` to re-attach")
+        raise MeshNotFoundError(f"no mesh named {name!r} (known: {known}); spawn it or `%mesh connect` to re-attach", name)
     return pm
 
 

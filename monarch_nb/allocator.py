@@ -112,14 +112,14 @@ def stop_mesh(
     it stops a mesh even while its owning controller is attached; without, an attached owner's
     mesh is refused with ``PermissionError``. Returns the number of procs that were stopped.
     Found on no allocator that answered, it is asked of those that did not answer the search
-    (busy, say): ``MeshError`` when none has it. Where ranks of the mesh may be on an allocator
-    that cannot be reached (a job's host that is lost, one still silent after ``timeout``), the
-    others are stopped and then ``ConnectError`` names it and says what became of its procs; it
-    has ``stopped`` (the procs stopped) and ``unreached`` (the allocators, as ``known_status``
-    lists them). A job's lost host is not waited for.
+    (busy, say): ``MeshNotFoundError`` (a ``MeshError``) when none has it. Where ranks of the
+    mesh may be on an allocator that cannot be reached (a job's host that is lost, one still
+    silent after ``timeout``), the others are stopped and then ``ConnectError`` names it and
+    says what became of its procs; it has ``stopped`` (the procs stopped) and ``unreached``
+    (the allocators, as ``known_status`` lists them). A job's lost host is not waited for.
     """
     from .actor import _context
-    from .errors import ConnectError, MeshError
+    from .errors import ConnectError, MeshNotFoundError
     from .introspect import _unreached_note, known_status
 
     client = _context.client()
@@ -134,7 +134,7 @@ def stop_mesh(
     maybe_there = bool(_unreached_note(name, found))  # not every rank found, and someone did not answer
     silent = [a for a in found if a.get("error") and a.get("addr") and not a.get("lost")] if maybe_there else []
     if not having and not maybe_there:
-        raise MeshError(f"no mesh named {name!r} on any known allocator ({_where(found)})")
+        raise MeshNotFoundError(f"no mesh named {name!r} on any known allocator ({_where(found)})", name)
     futs = [client.request(a, "stop_mesh", name, cid, force, reason) for a in having]
     asked = [(a, client.request(a["addr"], "stop_mesh", name, cid, force, reason)) for a in silent]
     left = budget(timeout)
@@ -145,9 +145,8 @@ def stop_mesh(
         try:
             stopped += int(f.get(timeout=left()) or 0)
             found_it = True
-        except MeshError as e:
-            if "no mesh named" not in str(e):
-                raise
+        except MeshNotFoundError:
+            pass  # not there either: the search was right about it
         except TimeoutError:
             late.append({**a, "error": f"{a['error']}; no answer to the stop either, within {timeout:g} s"})
     asked_addrs = {a["addr"] for a, _ in asked}
@@ -161,7 +160,7 @@ def stop_mesh(
         err.stopped, err.unreached = stopped, unreached  # type: ignore[attr-defined]
         raise err
     if not found_it:
-        raise MeshError(f"no mesh named {name!r} on any known allocator ({_where(found)})")
+        raise MeshNotFoundError(f"no mesh named {name!r} on any known allocator ({_where(found)})", name)
     return stopped
 
 

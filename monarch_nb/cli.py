@@ -164,7 +164,7 @@ def _logs_action(args: argparse.Namespace) -> int:
     also for a mesh whose kernel is gone (persistent procs) or whose allocator has stopped; a
     running mesh of a job's allocators (their logs are in the job's directory) is asked of them."""
     from .config import runtime_dir
-    from .errors import MeshError
+    from .errors import MeshError, MeshNotFoundError
     from .logs import follow, format_line, local_meshes, logs
 
     here = local_meshes()
@@ -186,10 +186,11 @@ def _logs_action(args: argparse.Namespace) -> int:
         if printed or args.mesh in here:
             raise
         # the name is known nowhere: say where it was looked for (not the notebook's "spawn it")
-        raise MeshError(
+        raise MeshNotFoundError(
             f"no logs of a mesh named {args.mesh!r} on this host (runtime directory {runtime_dir()}; meshes with "
             f"logs here: {', '.join(here) or 'none'}), nor a running one on its allocators or its jobs'; "
-            "a mesh on other hosts: %mesh logs in its notebook, or this command on each host"
+            "a mesh on other hosts: %mesh logs in its notebook, or this command on each host",
+            args.mesh,
         ) from None
     return 0
 
@@ -206,7 +207,7 @@ def _stop_action(args: argparse.Namespace) -> int:
     persistent mesh whose kernel is gone needs no Python, and no ``allocator stop`` of all of them."""
     from .allocator import stop_mesh
     from .config import get_config, runtime_dir
-    from .errors import ConnectError, MeshError
+    from .errors import ConnectError, MeshNotFoundError
     from .introspect import _unreached_note, _unreached_where, known_status
 
     if (args.name is None) == (not args.all):
@@ -223,9 +224,10 @@ def _stop_action(args: argparse.Namespace) -> int:
     if args.name is not None and args.name not in meshes:
         # one too busy to list its meshes in time may run it: "no mesh" alone sent the user away
         silent = "".join(f"; {a.get('addr') or a.get('host')} did not answer: {a['error']}" for a in allocators if a.get("error"))
-        raise MeshError(
+        raise MeshNotFoundError(
             f"no mesh named {args.name!r} on this host's allocators or its jobs' (runtime directory {runtime_dir()}; "
-            f"meshes: {', '.join(sorted(meshes)) or 'none'}{silent})"
+            f"meshes: {', '.join(sorted(meshes)) or 'none'}{silent})",
+            args.name,
         )
     todo = [args.name] if args.name is not None else sorted(meshes)
     if not todo:

@@ -6,6 +6,7 @@
   + MeshError
     - SpawnError          an allocator could not start a proc or construct an actor
     - MeshClosedError     a mesh used after stop() (also a RuntimeError)
+    - MeshNotFoundError   no mesh of that name where it was looked for (.name; also a LookupError)
   + ProtocolError         malformed, oversized, replayed or foreign frame
     - VersionMismatchError
   + AuthenticationError   the peer refused our key (or we refused theirs)
@@ -38,6 +39,7 @@ __all__ = [
     "ExecError",
     "MeshClosedError",
     "MeshError",
+    "MeshNotFoundError",
     "MonarchNBError",
     "NotAnEndpointError",
     "ProtocolError",
@@ -630,6 +632,19 @@ class MeshClosedError(MeshError, RuntimeError):
 
     Also a ``RuntimeError``: that is what Monarch raises for a spawn on a stopped proc mesh.
     """
+
+
+class MeshNotFoundError(MeshError, LookupError):
+    """No mesh of that name where it was looked for: an allocator (stopped there, or never
+    spawned), the allocators this host and its jobs know, or this kernel's registry.
+
+    Also a ``LookupError``, what Python raises for a name that is not there; ``name`` is the
+    name looked for. An allocator raises it too: it reaches its caller as itself.
+    """
+
+    def __init__(self, message: str, name: str = "") -> None:
+        super().__init__(message)
+        self.name = name
 
 
 class ProtocolError(MonarchNBError):

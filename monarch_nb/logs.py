@@ -143,7 +143,7 @@ def logs(
     on the running allocators of this host and of the jobs on record).
     """
     from .actor import _context
-    from .errors import MeshError, MonarchNBError
+    from .errors import MeshNotFoundError, MonarchNBError
 
     if tail is not None:
         check_tail(tail)  # here too: before a request to every allocator
@@ -152,7 +152,7 @@ def logs(
 
         try:
             mesh = get(mesh)
-        except MeshError:
+        except MeshNotFoundError:
             # a running mesh of that name first (a job's keeps its logs in the job's directory on
             # its hosts): the files here may be an earlier, stopped mesh's of the same name
             unreached: list[str] = []
@@ -228,11 +228,11 @@ def _local_logs(
 def _registered(name: str) -> bool:
     """Whether this controller knows mesh ``name``."""
     from ._registry import get
-    from .errors import MeshError
+    from .errors import MeshNotFoundError
 
     try:
         get(name)
-    except MeshError:
+    except MeshNotFoundError:
         return False
     return True
 

@@ -21,7 +21,7 @@ from ._errgroup import clip, ranks_text
 from ._ranks import format_ranks, select_ranks
 from ._registry import _resolve, connect, get, hosts, meshes, restart, spawn
 from .actor import Extent, Future, ProcMesh, ValueMesh, controller_client
-from .errors import ActorError, ConnectError, ExecError, MeshError, SpawnError, SupervisionError
+from .errors import ActorError, ConnectError, ExecError, MeshError, MeshNotFoundError, SpawnError, SupervisionError
 
 __all__ = [
     "CellEndedWarning",
@@ -473,7 +473,7 @@ def _stopped_elsewhere(client: Any, pm: ProcMesh, err: Exception) -> str | None:
     """What to say when stopping ``pm`` failed with ``err`` because someone else had stopped it
     (its allocators know no such mesh, and told this controller of that stop or of its procs'
     exits as a mesh's stop); None for any other failure."""
-    if not isinstance(err, MeshError) or "no mesh named" not in str(err):
+    if not isinstance(err, MeshNotFoundError):
         return None
     why = client.stop_reasons.get(pm._name, "")
     if not why:

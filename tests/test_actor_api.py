@@ -494,6 +494,23 @@ def test_an_empty_mesh_name_is_an_unnamed_mesh_that_stops():
     pm.stop().get(timeout=30)
 
 
+def test_a_mesh_no_allocator_knows_is_a_lookup_error_and_still_a_mesh_error():
+    """A name no allocator knows was told apart from other MeshErrors by its words ("no mesh
+    named"); it is a type now, also from an allocator across the wire, and ``except MeshError``
+    catches it as before."""
+    from monarch_nb.allocator import list_allocators, stop_mesh
+    from monarch_nb.errors import MeshError, MeshNotFoundError
+
+    this_host().spawn_procs(per_host={"gpus": 1}, name="known").stop().get(timeout=30)  # the allocator runs
+    addr = next(a["addr"] for a in list_allocators() if a["alive"])
+    with pytest.raises(MeshError, match=r"^no mesh named 'nope' on host ") as there:
+        stop_mesh("nope", addr)  # asked of the allocator itself: its error, unpickled here
+    with pytest.raises(MeshError, match=r"^no mesh named 'nope' on any known allocator ") as anywhere:
+        stop_mesh("nope")
+    for e in (there.value, anywhere.value):
+        assert isinstance(e, MeshNotFoundError) and isinstance(e, LookupError) and e.name == "nope", repr(e)
+
+
 def test_chained_endpoint_decorators_and_a_non_method_are_refused_where_written():
     """``@endpoint`` twice ("chaining endpoints"): Monarch 0.7.0 takes the class and fails every
     call with ``TypeError: <EndpointProperty> is not a callable object``; here the class

@@ -32,7 +32,7 @@ from .._version import __version__
 from .._wire import frames as wire
 from .._wire.serialize import dumps
 from ..config import Config
-from ..errors import MeshError, SpawnError
+from ..errors import MeshError, MeshNotFoundError, SpawnError
 from . import _fdlimit, records, shm
 from ._pids import SilentPeer
 from .codecache import CodeCache
@@ -584,7 +584,7 @@ class Allocator(DebugRegistry):
     def sys_stream_logs(self, mesh: str, on: bool = True, *, _reply: tuple[str, int, int]) -> Any:
         m = self.meshes.get(mesh)
         if m is None:
-            raise MeshError(f"no mesh named {mesh!r} on host {self.rt.hostname}")
+            raise MeshNotFoundError(f"no mesh named {mesh!r} on host {self.rt.hostname}", mesh)
         sub = (_reply[0], _reply[1])
         if on:
             m.log_subs.add(sub)
@@ -599,7 +599,7 @@ class Allocator(DebugRegistry):
         had to be killed (``{"stopped": n, "killed": [{rank, pid, host, why}]}``)."""
         m = self.meshes.get(name)
         if m is None:
-            raise MeshError(f"no mesh named {name!r} on host {self.rt.hostname}")
+            raise MeshNotFoundError(f"no mesh named {name!r} on host {self.rt.hostname}", name)
         self._detach_dead_local()
         owner_attached = any(c.get("cid") == m.owner for c in self.controllers.values())
         # an owner that is gone (kernel restarted, script exited) hands its meshes to whoever re-attached
@@ -618,7 +618,9 @@ class Allocator(DebugRegistry):
             if name in self.reaped:
                 reason, advice, when = self.reaped[name]
                 why = f"; a mesh {name!r} was stopped here {time.monotonic() - when:.0f} s ago as {reason}: {advice}"
-            raise MeshError(f"no mesh named {name!r} on host {self.rt.hostname}; known: {sorted(self.meshes) or 'none'}{why}")
+            raise MeshNotFoundError(
+                f"no mesh named {name!r} on host {self.rt.hostname}; known: {sorted(self.meshes) or 'none'}{why}", name
+            )
         return {
             "name": m.name,
             "mesh_id": m.info.get("mesh_id", ""),

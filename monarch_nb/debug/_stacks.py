@@ -460,7 +460,7 @@ def _procs_named(name: str, timeout: float, callers: dict[str, str]) -> tuple[li
     By rank, over the mesh's extent: None for a rank no allocator that answered runs (a job's lost
     host), with the host and the words for those."""
     from ..config import runtime_dir
-    from ..errors import MeshError
+    from ..errors import MeshNotFoundError
     from ..introspect import _missing_ranks, _unreached_where, known_status
 
     procs: list[ProcRef] = []
@@ -477,9 +477,10 @@ def _procs_named(name: str, timeout: float, callers: dict[str, str]) -> tuple[li
                 procs += [ProcRef(p["addr"], a["addr"], a.get("host", ""), p["pid"], name, p["rank"]) for p in m["procs"]]
     gone = _unreached_where(found)
     if not procs:
-        raise MeshError(
+        raise MeshNotFoundError(
             f"no mesh named {name!r} on this host's allocators or its jobs' (runtime directory {runtime_dir()}; "
-            f"meshes: {', '.join(sorted(names)) or 'none'}" + (f"), and these could not be reached: {gone}" if gone else ")")
+            f"meshes: {', '.join(sorted(names)) or 'none'}" + (f"), and these could not be reached: {gone}" if gone else ")"),
+            name,
         )
     size, missing = _missing_ranks(name, found)
     by_rank: list[ProcRef | None] = [None] * max(size, 1 + max(p.rank for p in procs))
