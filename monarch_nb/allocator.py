@@ -102,7 +102,7 @@ def stop_mesh(
     addr: str | None = None,
     *,
     force: bool = True,
-    reason: str = "stopped from outside its controller",
+    reason: str | None = None,
     timeout: float = 15.0,
 ) -> int:
     """Stop the mesh ``name`` on the allocator at ``addr`` (default: every known allocator that
@@ -117,11 +117,17 @@ def stop_mesh(
     silent after ``timeout``), the others are stopped and then ``ConnectError`` names it and
     says what became of its procs; it has ``stopped`` (the procs stopped) and ``unreached``
     (the allocators, as ``known_status`` lists them). A job's lost host is not waited for.
+    ``reason`` is what its owner's calls and stop then say stopped it (default: this function,
+    in this process, on this host).
     """
     from .actor import _context
     from .errors import ConnectError, MeshNotFoundError
     from .introspect import _unreached_note, known_status
 
+    if reason is None:
+        import socket
+
+        reason = f"stopped by monarch_nb.allocator.stop_mesh() in process {os.getpid()} on host {socket.gethostname()}"
     client = _context.client()
     # an empty cid skips the owner check on the allocator; our own cid is never an owner, so it triggers it
     cid = "" if force else client.cid

@@ -21,7 +21,7 @@ from ._errgroup import clip, ranks_text
 from ._ranks import format_ranks, select_ranks
 from ._registry import _resolve, connect, get, hosts, meshes, restart, spawn
 from .actor import Extent, Future, ProcMesh, ValueMesh, controller_client
-from .errors import ActorError, ConnectError, ExecError, MeshError, MeshNotFoundError, SpawnError, SupervisionError
+from .errors import ActorError, ConnectError, ExecError, MeshError, SpawnError, SupervisionError
 
 __all__ = [
     "CellEndedWarning",
@@ -424,15 +424,16 @@ def stop(name: str | None = None, *, all: bool = False, force: bool = False) -> 
                 continue
             try:
                 _stop_proc_mesh(pm, force)
-                stopped.append(pm.name)
             except ConnectError as e:
                 if not all:
                     raise  # it says what was stopped, and what could not be
                 errors.append(f"{pm.name}: {e}")
             except Exception as e:
-                gone = _stopped_elsewhere(client, pm, e)
+                errors.append(f"{pm.name}: {e}")
+            else:
+                gone = _stopped_elsewhere(pm)
                 if gone is None:
-                    errors.append(f"{pm.name}: {e}")
+                    stopped.append(pm.name)
                 else:
                     # stopped already (`monarch-nb stop --force` from a shell): what was asked
                     # for is done, and this kernel's handle goes as after its own stop
@@ -469,17 +470,15 @@ def _stop_the_others(done: set[str], stopped: list[str], errors: list[str]) -> s
     return _unreached_where(found)
 
 
-def _stopped_elsewhere(client: Any, pm: ProcMesh, err: Exception) -> str | None:
-    """What to say when stopping ``pm`` failed with ``err`` because someone else had stopped it
-    (its allocators know no such mesh, and told this controller of that stop or of its procs'
-    exits as a mesh's stop); None for any other failure."""
-    if not isinstance(err, MeshNotFoundError):
+def _stopped_elsewhere(pm: ProcMesh) -> str | None:
+    """What to say when ``pm``'s stop found it stopped already by someone else (its allocators
+    knew no such mesh, and had told this controller of that stop or of its procs' exits as a
+    mesh's stop: ``ProcMesh.stop`` resolves then, as a second stop does); None when this stop
+    did it."""
+    root = getattr(pm, "_root", pm)
+    if not root._stopped_outside:
         return None
-    why = client.stop_reasons.get(pm._name, "")
-    if not why:
-        causes = [client.rt.peer_error(pm._procs[r].addr) for r in pm._view.ranks]
-        if not all(c is not None and c.cause.startswith("mesh stopped") for c in causes):
-            return None
+    why = root._stop_reason
     if why.startswith("stopped by "):
         return f"mesh {pm.name!r} was already stopped ({why[len('stopped ') :]})"
     return f"mesh {pm.name!r} was already stopped ({why or 'by whom is not known'})"

@@ -494,6 +494,31 @@ def test_an_empty_mesh_name_is_an_unnamed_mesh_that_stops():
     pm.stop().get(timeout=30)
 
 
+def test_a_proc_mesh_stopped_by_another_process_stops_again_quietly_and_calls_say_by_whom():
+    """Another process stopped the mesh (`monarch-nb stop --force` from a shell, a script's
+    stop_mesh): its owner's ``stop().get()`` raised "MeshError: no mesh named 'NAME' on host ...",
+    as if the stop had failed, at every try, and its calls said "stopped: stopped by client",
+    naming the wrong stopper. Now the stop resolves as a second stop does (Monarch's), and calls
+    say who stopped it."""
+    import socket
+
+    pm = this_host().spawn_procs(per_host={"gpus": 2}, name="outstopped")
+    c = pm.spawn("outc", Counter)
+    assert c.incr.call().get(timeout=30).values() == [1, 1]
+    r = run_script("import os\nfrom monarch_nb.allocator import stop_mesh\nprint(stop_mesh('outstopped'), os.getpid())")
+    assert r.returncode == 0, r.stderr
+    n, pid = r.stdout.split()
+    assert n == "2", r.stdout
+    assert pm.stop().get(timeout=30) is None
+    assert pm.stop().get(timeout=30) is None
+    with pytest.raises(SupervisionError) as e:
+        c.incr.call().get(timeout=30)
+    assert str(e.value).splitlines()[1:] == [
+        f"  stopped: stopped by monarch_nb.allocator.stop_mesh() in process {pid} on host {socket.gethostname()}",
+        "  actor mesh 'outc' was stopped; spawn it again",
+    ], str(e.value)
+
+
 def test_a_mesh_no_allocator_knows_is_a_lookup_error_and_still_a_mesh_error():
     """A name no allocator knows was told apart from other MeshErrors by its words ("no mesh
     named"); it is a type now, also from an allocator across the wire, and ``except MeshError``

@@ -21,7 +21,15 @@ from .._numtext import plural
 from .._runtime import _fdlimit
 from .._wire import frames as wire
 from .._wire.serialize import dumps, dumps_by_value, loads
-from ..errors import ConnectError, MeshClosedError, MeshError, SpawnError, SupervisionError, note_missing_module
+from ..errors import (
+    ConnectError,
+    MeshClosedError,
+    MeshError,
+    MeshNotFoundError,
+    SpawnError,
+    SupervisionError,
+    note_missing_module,
+)
 from . import _context
 from ._actor import Actor, endpoints_of, is_async_actor
 from ._endpoint import Endpoint, EndpointProperty, RemoteFailure, _NotAnEndpointMethod, gather, multicast
@@ -216,6 +224,12 @@ class ActorMesh(MeshTrait, Generic[T]):
             how = "was killed as its proc mesh stopped: the message in hand or __cleanup__ had not finished after stop_cleanup_timeout"
         else:
             how = f"ended as its proc mesh stopped ({_proc_status(inner)})"
+        pm = self._proc_mesh
+        root = getattr(pm, "_root", pm) if pm is not None else None
+        why = _context.client().stop_reasons.get(err.mesh, "") if root is not None and not root._stopped else ""
+        if why:
+            # not this process's stop: who stopped it (`monarch-nb stop --force` from a shell, say)
+            how += f"; {why}" if why.startswith("stopped ") else f"; stopped from outside this process ({why})"
         words = (
             f"the process this actor was running on {how}\n  host {err.host}, proc mesh {err.mesh!r} rank {err.rank}: {err.cause}"
         )
@@ -245,12 +259,26 @@ class ActorMesh(MeshTrait, Generic[T]):
         if (failed := self._failure_before_stop(method)) is not None:
             return failed
         named = self._monarch_name(self._view.ranks[0]) if self._view.ranks else None
-        ours, words = stopped_words(self._label, method, named[1] if named is not None else "")
+        ours, words = stopped_words(self._label, method, named[1] if named is not None else "", self._stop_reason())
         if named is None:
             return SupervisionError(ours, actor=self._label)
         e = SupervisionError(ours, actor=self._label, message=words)
         e.endpoint = f"{self._label}.{method}"
         return e
+
+    def _stop_reason(self) -> str:
+        """Why this mesh takes no more calls, as a stopped actor's status says it: its proc mesh's
+        stop's reason (Monarch's: ``stop("why")``'s), also one from outside this process."""
+        pm = self._proc_mesh
+        root = getattr(pm, "_root", pm) if pm is not None else None
+        client = _context._client
+        if client is not None and self._key() in client.stopped_actor_meshes:
+            return "stopped by client"  # the actor mesh's own stop
+        if root is None or not root._stopped:
+            return "stopped by client"
+        if root._stopped_outside:
+            return root._stop_reason or "stopped from outside this process (by whom is not known)"
+        return root._stop_reason or "stopped by client"  # marked stopped with another object's stop
 
     def _failure_before_stop(self, method: str) -> SupervisionError | None:
         """The error a call to ``method`` got before this mesh stopped from the first actor in
@@ -709,6 +737,12 @@ class ProcMesh(MeshTrait):
         #: this mesh's stop, for a second stop() (kept on the root, which a flattened or
         #: renamed view of the whole mesh stops too)
         self._stop_fut: Future[None] | None = None
+        #: the reason of the stop that ended this mesh (kept on the root): this process's own
+        #: stop's, or, when that stop found it stopped already from outside (`monarch-nb stop
+        #: --force`, another process's stop_mesh), the allocators' ("" when they never said)
+        self._stop_reason = ""
+        #: that stop found the mesh stopped already by someone else
+        self._stopped_outside = False
         self._failed: str = ""
         #: why an actor this process spawned here failed (its procs refuse new spawns)
         self._actor_failed: str = ""
@@ -719,6 +753,18 @@ class ProcMesh(MeshTrait):
         #: the actor meshes spawned here by this process, in spawn order (a dead proc is reported
         #: as theirs)
         self._spawned: list[ActorMesh[Any]] = []
+
+    def _outside_stop(self) -> str | None:
+        """Why this mesh's allocators no longer know it, when another process stopped it: their
+        "mesh stopped" reason (which reaches this client before their answer to a later request),
+        or "" when every proc of it ended as a mesh's stop and the reason never came; None when
+        nothing says it was stopped."""
+        client = _context.client()
+        why = client.stop_reasons.get(self._name)
+        if why:
+            return why
+        causes = [client.rt.peer_error(self._procs[r].addr) for r in self._view.ranks]
+        return "" if all(c is not None and c.cause.startswith("mesh stopped") for c in causes) else None
 
     def _closed_error(self) -> MeshClosedError | None:
         """Why this mesh (or the mesh it was sliced from) takes no more work, in Monarch's words."""
@@ -919,13 +965,28 @@ class ProcMesh(MeshTrait):
             # an error for a mesh its allocator no longer knows
             return prev
         client.stopped_meshes.add(self._name)
+        root._stop_reason, root._stopped_outside = reason, False
         allocs = sorted({p.alloc for p in self._procs if p.alloc})
         futs = [client.request(a, "stop_mesh", self._name, client.cid, force, reason, True) for a in allocs]
         out: Future[None] = Future._create(f"stop mesh {self._name}")
         name = self._name
 
         def finish(fs: list[Future[Any]]) -> None:
-            killed = [k for f in fs for k in (f.get() or {}).get("killed", ())]
+            killed = []
+            gone = 0
+            for f in fs:
+                try:
+                    killed.extend((f.get() or {}).get("killed", ()))
+                except MeshNotFoundError:
+                    # stopped there already, from outside this controller (`monarch-nb stop --force`,
+                    # another process's stop_mesh): what was asked is done, as for a second stop
+                    why = root._outside_stop()
+                    if why is None:
+                        raise  # nothing says it was stopped: that the allocator lost it is the news
+                    gone += 1
+            if fs and gone == len(fs):
+                # all of it: later calls say who stopped it, not this process's reason
+                root._stop_reason, root._stopped_outside = root._outside_stop() or "", True
             if killed:
                 # stop finishes the job: what it had to kill is said where stop() was awaited
                 import warnings
@@ -1195,6 +1256,8 @@ class HostMesh(MeshTrait):
         # this incarnation of the name, the same on every host: a mesh stopped and spawned again
         # under its name is another one, and telemetry tells their spans apart by it
         mesh_id = secrets.token_hex(6)
+        # and an earlier incarnation's stop is not this one's (who stopped it, as calls tell)
+        client.stop_reasons.pop(name, None)
         futs = []
         if client.log_enabled:
             client.log_meshes.add(name)  # stream_logs_to below

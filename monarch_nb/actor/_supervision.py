@@ -64,13 +64,13 @@ unhandled_failures: dict[int, str] = {}
 _NOTICES_KEPT = 64
 
 
-def stopped_words(mesh: str, method: str, actor: str) -> tuple[str, str]:
+def stopped_words(mesh: str, method: str, actor: str, reason: str = "stopped by client") -> tuple[str, str]:
     """A call to a stopped actor mesh: (ours, the whole message in Monarch's words then ours),
-    the same whether the call was in hand at the stop or sent after it."""
+    the same whether the call was in hand at the stop or sent after it. ``reason``: the stop's,
+    as Monarch's status line gives it (``stop("why")``'s, or who stopped it from outside)."""
     ours = f"actor mesh {mesh!r} was stopped; spawn it again"
     return ours, (
-        f"Endpoint call {mesh}.{method}() failed, Supervision event: actor {actor} has status:\n"
-        f"  stopped: stopped by client\n  {ours}"
+        f"Endpoint call {mesh}.{method}() failed, Supervision event: actor {actor} has status:\n  stopped: {reason}\n  {ours}"
     )
 
 

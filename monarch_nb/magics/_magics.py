@@ -412,15 +412,9 @@ class MeshMagics(Magics):
             print(f"stopped: {args.name} (actors {held._label!r}; their procs run on)")
             return None
         if isinstance(held, ProcMesh):
-            try:
-                _mesh._stop_proc_mesh(held, args.force)
-            except Exception as e:
-                gone = _mesh._stopped_elsewhere(controller_client(), held, e)
-                if gone is None:
-                    raise
-                print(gone)
-                return None
-            print(f"stopped: {args.name} ({held.name})")
+            _mesh._stop_proc_mesh(held, args.force)
+            gone = _mesh._stopped_elsewhere(held)
+            print(gone or f"stopped: {args.name} ({held.name})")
             return None
         stopped = _mesh.stop(args.name, all=args.all, force=args.force)
         if stopped or args.all:  # else it was stopped already, and mesh.stop said by whom
