@@ -72,6 +72,21 @@ PEER_GONE_MARK = "_mnb_peer_gone"
 PEER_GONE_WORDS = ("Connection closed by peer", "Connection reset by peer")
 
 
+def peer_gone(etype: type[BaseException] | str, message: str) -> bool:
+    """Whether an error is a rank's collective failing only because a peer went away first (the
+    peer's script failed, and its process group was destroyed, or its process died): torch's
+    ``RuntimeError`` (``DistBackendError``, a ``RuntimeError``, in later versions) in gloo's words
+    for it; not a socket's own ``ConnectionResetError`` ("[Errno 104] Connection reset by peer").
+    ``etype`` is the error's type, or its name where only that came back (a ``%%mesh exec``
+    cell's failure). The one test of it: SPMDActor marks such errors (``PEER_GONE_MARK``), and
+    ExecError groups such ranks apart."""
+    if isinstance(etype, str):
+        torch_error = etype.rpartition(".")[2] in ("RuntimeError", "DistBackendError")
+    else:
+        torch_error = issubclass(etype, RuntimeError)
+    return torch_error and any(w in message for w in PEER_GONE_WORDS)
+
+
 class ActorError(MonarchNBError):
     """An endpoint raised on a remote actor.
 
@@ -543,13 +558,7 @@ class ExecError(MonarchNBError):
         many training scripts' do). No second list when every failure is gloo's."""
         from . import _errgroup
 
-        # torch's RuntimeError (DistBackendError, a RuntimeError, in later versions), not a
-        # socket's own ConnectionResetError ("[Errno 104] Connection reset by peer")
-        gone = {
-            r
-            for r, (etype, msg, _) in self.failures.items()
-            if etype.rpartition(".")[2] in ("RuntimeError", "DistBackendError") and any(w in msg for w in PEER_GONE_WORDS)
-        }
+        gone = {r for r, (etype, msg, _) in self.failures.items() if peer_gone(etype, msg)}
         if len(gone) == len(self.failures):
             gone = set()
         own = _errgroup.group((r, *f) for r, f in self.failures.items() if r not in gone)

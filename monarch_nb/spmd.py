@@ -17,7 +17,7 @@ from typing import Any
 from .actor import Actor, current_rank, endpoint
 from .actor._mesh import ProcMesh
 from .actor._reload import modules_under
-from .errors import PEER_GONE_MARK, PEER_GONE_WORDS
+from .errors import PEER_GONE_MARK, peer_gone
 
 __all__ = ["SPMDActor", "setup_env_for_distributed", "setup_torch_elastic_env", "setup_torch_elastic_env_async"]
 
@@ -119,7 +119,7 @@ class SPMDActor(Actor):
             if e.code not in (0, None):
                 raise
         except Exception as e:
-            if _peer_gone(e):
+            if peer_gone(type(e), str(e)):
                 # the grouped error raises and shows first the rank whose own script failed: the
                 # lowest rank's was a survivor's "Connection closed by peer", the cause a line below
                 e.add_note(PEER_GONE_NOTE)
@@ -173,11 +173,6 @@ PEER_GONE_NOTE = (
     "this rank's collective failed because another rank's script failed first (or its process died) "
     "and closed its connections; that rank's error is the cause"
 )
-
-
-def _peer_gone(e: BaseException) -> bool:
-    text = str(e)
-    return isinstance(e, RuntimeError) and any(w in text for w in PEER_GONE_WORDS)
 
 
 #: what a failed script's globals keep (its exception's class and methods may read them):

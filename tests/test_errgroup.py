@@ -192,6 +192,24 @@ def test_a_mesh_exec_cell_s_ranks_failing_only_waiting_for_the_failed_rank_are_o
     assert "waiting for" not in str(ExecError(sock, 2, "train")), str(ExecError(sock, 2, "train"))
 
 
+def test_one_rule_tells_a_rank_that_failed_only_because_a_collective_peer_went_away() -> None:
+    """SPMDActor (which has the exception) and ExecError (which has its type's name, all a cell's
+    failure brings back) each had a copy of this rule; both ask errors.peer_gone now."""
+    from monarch_nb.errors import peer_gone
+
+    gloo = "[/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:14504. This is typically caused by ..."
+
+    class DistBackendError(RuntimeError):  # torch's, in later versions
+        pass
+
+    assert peer_gone(RuntimeError, gloo) and peer_gone(DistBackendError, gloo)
+    assert peer_gone("RuntimeError", gloo) and peer_gone("torch.distributed.DistBackendError", gloo)
+    # a socket's own error in the same words, and torch's error in others, are not
+    sock = "[Errno 104] Connection reset by peer"
+    assert not peer_gone(ConnectionResetError, sock) and not peer_gone("ConnectionResetError", sock)
+    assert not peer_gone(RuntimeError, "diverged") and not peer_gone("RuntimeError", "diverged")
+
+
 def test_a_long_message_of_many_lines_is_shown_once_shortened_with_where_the_whole_is() -> None:
     """A 10 KB message spanning many lines (a config dump, a tensor's repr) was shown twice in the
     cell, all of it each time: its traceback ends with the message's last line only, which did not
