@@ -11,13 +11,13 @@ controller owns.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 from typing import Any
 
 from . import _errgroup, _registry
 from ._callers import callers_level
 from ._deadline import budget
 from ._errgroup import clip, ranks_text
+from ._leftrunning import LEFT_MORE, LEFT_WAIT, LeftRunning, left_by_mesh, left_text
 from ._ranks import format_ranks, select_ranks
 from ._registry import _resolve, connect, get, hosts, meshes, restart, spawn
 from .actor import Extent, Future, ProcMesh, ValueMesh, controller_client
@@ -135,7 +135,7 @@ def exec_cell(
                 "(the cell's error)"
                 for g in _errgroup.group((r, *f) for r, f in failures.items())
             ]
-            _left[pm.name] = _LeftRunning(am, label, idx, said, [*failures], waiting)
+            left_by_mesh[pm.name] = LeftRunning(am, label, idx, said, [*failures], waiting)
         return err
 
     def died(e: SupervisionError, call: Future[Any]) -> SupervisionError:
@@ -171,7 +171,7 @@ def exec_cell(
             # before the death is known here: their errors were dropped), and this error or a later
             # cell says what they raised (a rank waiting for one of them, not for it, waits on)
             said = [f"rank {dead} (1 of {len(idx)})'s process died{host}: {clip(e.cause)}"]
-            _left[pm.name] = _LeftRunning(am, label, idx, said, [dead], others)
+            left_by_mesh[pm.name] = LeftRunning(am, label, idx, said, [dead], others)
         out = SupervisionError(e.cause, mesh=e.mesh, actor=e.actor, rank=e.rank, host=e.host, message="\n".join(lines))
         out.endpoint = e.endpoint
         return out
@@ -189,9 +189,9 @@ def exec_cell(
 
     # a rank whose process died in an earlier cell fails this one at once, as it did that one
     dead_before = am._known_failed()
-    left = _left.get(pm.name)
+    left = left_by_mesh.get(pm.name)
     if left is not None and left.am is not am:
-        del _left[pm.name]  # a namespace gone since (the mesh was spawned again)
+        del left_by_mesh[pm.name]  # a namespace gone since (the mesh was spawned again)
         left = None
     call = am.run.call_ranks(sel, source, label)
     if left is not None and not left.asked:
@@ -212,17 +212,17 @@ def exec_cell(
         # a cell waiting on ranks the failed one left running: which of them are out, and on whom
         # the others wait
         if left is not None:
-            text = _left_text(pm.name, left, wait)
+            text = left_text(pm.name, left, wait)
             if text:
                 e.add_note(text)
         raise
     except SupervisionError as e:
-        now = _left.get(pm.name)
+        now = left_by_mesh.get(pm.name)
         if now is not None and now.label == label and not now.asked:
             # the live ranks: those that raised have answered, those freed by the death answer
             # within milliseconds
             now.asked = {i: am.outcome.call_ranks([i], label) for i in now.waiting}
-            text = _left_text(pm.name, now, LEFT_MORE)
+            text = left_text(pm.name, now, LEFT_MORE)
             if text:
                 e.add_note(text)
         raise
@@ -234,107 +234,12 @@ def exec_cell(
         _note_where_interrupted(e, out)
         raise
     if left is not None:
-        text = _left_text(pm.name, left, wait)
+        text = left_text(pm.name, left, wait)
         if text:
             import warnings
 
             warnings.warn(text, CellEndedWarning, callers_level())
     return value
-
-
-@dataclass
-class _LeftRunning:
-    """A cell that failed while some of its ranks still ran it: blocked in a collective with
-    the failed rank, perhaps, until the user frees them (the ExecError's advice). What they
-    raised then came back to no one: the next cell on the mesh asks them, and says."""
-
-    am: Any
-    label: str
-    #: the ranks the cell ran on
-    ranks: list[int]
-    #: how the cell failed, a line per kind (the ranks that raised alike, or the rank that died)
-    cause: list[str]
-    #: the ranks it failed on
-    failed: list[int]
-    #: the ranks not yet heard from (a ``--ranks`` cell's running ranks are not known by name:
-    #: every rank of it that did not fail)
-    waiting: list[int]
-    #: rank -> its answer to ``ExecActor.outcome``, once asked
-    asked: dict[int, Future[list[Any]]] = field(default_factory=dict)
-    #: a cell waited LEFT_WAIT and heard from none: later cells do not wait
-    waited: bool = False
-
-
-#: mesh name -> its cell whose failure left ranks running, until what they did is told
-_left: dict[str, _LeftRunning] = {}
-#: how long a cell that may have freed the ranks an earlier cell left running waits for them to
-#: answer how it ended there: one that freed them (destroying the process group they wait on) is
-#: answered within milliseconds, as their collective fails
-LEFT_WAIT = 2.0
-#: once a rank has answered, how long the others get to
-LEFT_MORE = 0.5
-
-
-def _left_text(name: str, left: _LeftRunning, wait: float) -> str:
-    """What the ranks ``left`` still waits for did with its cell, for those that have ended it
-    since (one line per group of them, after the cell's own error), and which still run it;
-    "" when none has."""
-    import time
-
-    from ._numtext import merge, template
-
-    deadline = time.monotonic() + wait
-    for q in left.asked.values():
-        try:
-            q.get(timeout=max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            break
-        except Exception:
-            pass
-        # the ranks one freed free theirs within milliseconds: past that, the rest wait on
-        # something else (a rank not freed yet), and this cell has waited enough
-        deadline = min(deadline, time.monotonic() + LEFT_MORE)
-    answered = {i: q for i, q in left.asked.items() if q.done()}
-    if not answered:
-        left.waited = left.waited or wait > 0
-        return ""
-    left.waited = False
-    ended: dict[tuple[str, str], list[tuple[int, str]]] = {}
-    for i, q in answered.items():
-        del left.asked[i]
-        left.waiting.remove(i)
-        try:
-            got = q.get(timeout=0)[0]
-        except Exception:
-            continue  # its process died since: that death is told as such
-        if got is not None:
-            etype, msg = got
-            ended.setdefault((etype, template(clip(msg))), []).append((i, clip(msg)))
-    if not left.waiting and _left.get(name) is left:
-        del _left[name]
-    if not ended:
-        return ""
-    n = len(left.ranks)
-    some = " some of" if left.waiting else ""
-    lines = [f"cell {left.label} on mesh {name!r} has now ended on{some} the other ranks:"]
-    lines.extend(f"  {c}" for c in left.cause)
-    # grouped by what they raised (messages differing only in numbers, gloo's ports say, are one)
-    for (etype, _), got in sorted(ended.items(), key=lambda kv: kv[1][0][0]):
-        ranks = sorted(i for i, _ in got)
-        who = f"  {ranks_text(ranks)} ({len(ranks)} of {n})"
-        lines.append(f"{who} then raised {etype}: {merge([m for _, m in got])}" if etype else f"{who} then finished it")
-    if left.waiting:
-        # in a collective with ranks that are out of theirs, perhaps (gloo's ring: the failed rank's
-        # neighbours are), whose groups stay open until dropped and destroyed there too
-        still = left.waiting
-        freed = ranks_text([i for i in left.ranks if i not in still and i not in left.failed])
-        runs, it = ("runs", "it") if len(still) == 1 else ("run", "them")
-        lines.append(
-            f"  {ranks_text(still)} ({len(still)} of {n}) still {runs} it: waiting, perhaps, for {freed} in a "
-            f"collective, whose process group is broken there but open: dropping it on {freed} (model = model.module, "
-            f"dist.destroy_process_group()) frees {it}"
-        )
-    return "\n".join(lines)
 
 
 #: how long an interrupted cell waits for its ranks to stop before saying which did not
@@ -441,7 +346,7 @@ def stop(name: str | None = None, *, all: bool = False, force: bool = False) -> 
             for other in same:
                 other._stopped = True  # the same procs, held by another object: stopped too
             _registry._exec_meshes.pop(pm.name, None)
-            _left.pop(pm.name, None)
+            left_by_mesh.pop(pm.name, None)
         gone = _stop_the_others({pm.name for g in groups for pm in g}, stopped, errors) if all and force else ""
         if errors:
             raise MeshError("could not stop " + "; ".join(errors))

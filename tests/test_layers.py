@@ -43,6 +43,7 @@ PLACED: dict[str, tuple[str, str]] = {
     "_callers": ("leaves", "stdlib-only: the stacklevel that makes a warning name the program's line, not ours"),
     "_exec": ("features", "the actor behind %%mesh exec, built on the actor API"),
     "_registry": ("features", "the controller's named meshes, shared by sync/logs/env and mesh"),
+    "_leftrunning": ("features", "mesh's bookkeeping of %%mesh exec cells a failure left running on some ranks"),
     "allocator": ("features", "run, find and stop daemons through the records; the CLI and sidebar call it"),
     "kernelspec": ("frontends", "installs the notebook kernel; only the CLI calls it"),
     "__main__": ("entry", "python -m monarch_nb runs the CLI"),
