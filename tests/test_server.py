@@ -417,7 +417,7 @@ finally:
         shutil.rmtree(rdir, ignore_errors=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "STOPPED 1" in r.stdout, r.stdout + r.stderr
-    assert "NOSUCH MeshError no mesh named 'nosuch' on any known allocator" in r.stdout, r.stdout
+    assert "NOSUCH MeshNotFoundError no mesh named 'nosuch' on any known allocator" in r.stdout, r.stdout
     assert re.search(
         r"SILENT ConnectError no allocator that answered has a mesh named 'other', and these could not be reached: "
         r".+no answer to the stop either, within 1 s\. What ran there was not stopped",
