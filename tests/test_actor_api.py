@@ -519,6 +519,25 @@ def test_a_proc_mesh_stopped_by_another_process_stops_again_quietly_and_calls_sa
     ], str(e.value)
 
 
+class _Dies(Actor):
+    @endpoint
+    def die(self) -> None:
+        os._exit(3)
+
+
+def test_a_mesh_spawned_again_under_the_name_of_one_stopped_reports_its_dead_proc(fault_hook):  # type: ignore[no-untyped-def]
+    """The client kept the name of a proc mesh it had stopped as a mesh whose procs' deaths are
+    no failure: a mesh spawned again under that name lost a proc and nobody was told (no
+    unhandled_fault_hook, no __supervise__), though its calls failed."""
+    this_host().spawn_procs(per_host={"gpus": 1}, name="again").stop().get(timeout=30)
+    pm = this_host().spawn_procs(per_host={"gpus": 1}, name="again")
+    try:
+        pm.spawn("dies", _Dies).die.broadcast()
+        wait_for(lambda: [f for f in fault_hook if f.mesh_name == "dies"], 30, "the hook to hear of the dead proc")
+    finally:
+        pm.stop().get(timeout=30)
+
+
 def test_a_mesh_no_allocator_knows_is_a_lookup_error_and_still_a_mesh_error():
     """A name no allocator knows was told apart from other MeshErrors by its words ("no mesh
     named"); it is a type now, also from an allocator across the wire, and ``except MeshError``

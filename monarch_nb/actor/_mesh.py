@@ -1256,8 +1256,10 @@ class HostMesh(MeshTrait):
         # this incarnation of the name, the same on every host: a mesh stopped and spawned again
         # under its name is another one, and telemetry tells their spans apart by it
         mesh_id = secrets.token_hex(6)
-        # and an earlier incarnation's stop is not this one's (who stopped it, as calls tell)
+        # and an earlier incarnation's stop is not this one's: not who stopped it (as calls tell),
+        # nor that its procs' deaths are no failure (the client's supervision kept quiet for good)
         client.stop_reasons.pop(name, None)
+        client.stopped_meshes.discard(name)
         futs = []
         if client.log_enabled:
             client.log_meshes.add(name)  # stream_logs_to below
