@@ -4,6 +4,7 @@ allocator left behind."""
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -45,12 +46,20 @@ def wait_for(pred, timeout: float = 10.0, what: str = "condition"):
 class AllocatorProc:
     """A dedicated allocator daemon with its own runtime dir (for tests that kill it)."""
 
-    def __init__(self, tmp: str, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, tmp: str, *args: str, env: dict[str, str] | None = None, nofile: int = 0) -> None:
+        """``nofile``: the daemon's hard ``RLIMIT_NOFILE`` (0: this process's)."""
         self.rdir = tempfile.mkdtemp(prefix="mnba-", dir="/tmp")
         self.env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=self.rdir, **(env or {}))
         self.log = os.path.join(self.rdir, "allocator.log")
+
+        def limit() -> None:
+            if nofile:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
         with open(self.log, "wb") as f:
-            self.proc = subprocess.Popen([PY, "-m", "monarch_nb", "allocator", *args], env=self.env, stdout=f, stderr=f)
+            self.proc = subprocess.Popen(
+                [PY, "-m", "monarch_nb", "allocator", *args], env=self.env, stdout=f, stderr=f, preexec_fn=limit
+            )
         from monarch_nb._runtime.records import read_connection_files
 
         try:

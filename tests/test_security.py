@@ -1266,3 +1266,132 @@ def test_sweeping_a_dead_procs_shared_memory_leaves_another_users_files() -> Non
         for n in [*theirs, ours]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"/dev/shm/{n}")
+
+
+#: as uid 65534: open N connections to HOST:PORT, say how many, and hold them until killed
+_HOLD_SILENT = """
+import socket, sys, time
+held = []
+for _ in range(int(sys.argv[3])):
+    try:
+        held.append(socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5))
+    except OSError:
+        break  # the backlog is full: as many as the allocator lets in
+print(len(held), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as uid 65534")
+def test_silent_connections_from_another_user_leave_the_allocator_up_for_its_user(tmp_path) -> None:
+    """libzmq keeps a connection that never speaks until its handshake's deadline, and aborts its
+    process when its IPC listener finds no descriptor to accept with. A stranger holding a few
+    hundred silent connections to an allocator's TCP port (anyone on the network reaches one)
+    took every descriptor of one that had 300, and the next controller to attach over ipc killed
+    it (SIGABRT, every mesh lost). The oldest handshakes past PENDING_MAX are cut, said once."""
+    from monarch_nb._runtime._preauth import PENDING_MAX
+
+    a = AllocatorProc(str(tmp_path), "--bind", "tcp://127.0.0.1:0", env=dict(LIGHT, MONARCH_NB_KEY_FILE=""), nofile=300)
+    host, port = a.info["tcp"][len("tcp://") :].rsplit(":", 1)
+    py = shutil.which("python3", path="/usr/bin:/bin") or PY
+    holder = subprocess.Popen(
+        [py, "-c", _HOLD_SILENT, host, port, "400"],
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert int(holder.stdout.readline()) > 300  # more than the allocator has descriptors
+        r = run_script(
+            "from monarch_nb.actor import Actor, endpoint, attach_to_workers\n"
+            "class _E(Actor):\n"
+            "    @endpoint\n"
+            "    def hi(self):\n"
+            "        return 'hi'\n"
+            f"h = attach_to_workers(workers=[{a.addr!r}])\n"
+            "p = h.spawn_procs(per_host={'gpus': 1})\n"
+            "print(p.spawn('e', _E).hi.call_one().get(timeout=30))\n"
+            "p.stop().get(timeout=30)\n",
+            env=dict(a.env, MONARCH_NB_KEY_FILE=""),
+        )
+        assert r.stdout.strip() == "hi", r.stderr[-3000:]
+        assert a.proc.poll() is None, a.logtext()[-3000:]
+        assert psutil.Process(a.proc.pid).num_fds() < 50 + PENDING_MAX
+        cut = [ln for ln in a.logtext().splitlines() if "in its security handshake" in ln]
+        assert len(cut) == 1 and f"more than {PENDING_MAX} connections were in their handshake at once" in cut[0], cut[:5]
+    finally:
+        holder.kill()
+        holder.wait()
+        a.stop()
+
+
+#: as uid 65534: two ZMTP 3 connections claiming CurveZMQ to HOST:PORT, one that announces a
+#: 6 GiB command and streams it as fast as it can (up to 768 MiB), one that sends its greeting a
+#: byte every half second; prints how much the first sent and how long the second lasted
+_STREAM_AND_TRICKLE = """
+import socket, struct, sys, threading, time
+addr = (sys.argv[1], int(sys.argv[2]))
+greeting = b"\\xff" + bytes(8) + b"\\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\\0") + bytes(32)
+out = {}
+def stream():
+    s = socket.create_connection(addr, timeout=30)
+    s.sendall(greeting)
+    sent, chunk = 0, bytes(1 << 20)
+    try:
+        s.sendall(bytes([0x06]) + struct.pack(">Q", 6 << 30))
+        while sent < 768 << 20:
+            s.sendall(chunk)
+            sent += len(chunk)
+    except OSError:
+        pass
+    out["sent"] = sent
+def trickle():
+    s = socket.create_connection(addr, timeout=30)
+    t0 = time.monotonic()
+    try:
+        for b in greeting:
+            s.sendall(bytes([b]))
+            time.sleep(0.5)
+            if time.monotonic() - t0 > 16:
+                break
+    except OSError:
+        pass
+    s.settimeout(1)
+    try:
+        while s.recv(4096):
+            pass
+    except OSError:
+        pass
+    out["lasted"] = time.monotonic() - t0
+ts = [threading.Thread(target=f) for f in (stream, trickle)]
+for t in ts: t.start()
+for t in ts: t.join()
+print(out["sent"], out["lasted"])
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as uid 65534")
+def test_a_strangers_handshake_may_be_neither_large_nor_slow(tmp_path) -> None:
+    """libzmq reads a handshake command as any message, up to MAXMSGSIZE (8 GiB): a stranger
+    announcing one on an allocator's TCP port made it hold everything it sent until the
+    handshake's deadline (2.6 GB after 8 s on loopback), and one trickling its greeting a byte at
+    a time kept its connection for libzmq's 30 s. A connection is cut once it has sent more than
+    a handshake's bytes, or after HANDSHAKE_S, and the owner's log says why (once)."""
+    from monarch_nb._runtime._preauth import HANDSHAKE_BYTES, HANDSHAKE_S
+
+    a = AllocatorProc(str(tmp_path), "--bind", "tcp://127.0.0.1:0", env=dict(LIGHT, MONARCH_NB_KEY_FILE=""))
+    try:
+        host, port = a.info["tcp"][len("tcp://") :].rsplit(":", 1)
+        sent, lasted = run_as_nobody(_STREAM_AND_TRICKLE, host, port, timeout=60).split()
+        # what the kernels buffer, and what arrives while the cut is on its way (a look every 50 ms)
+        assert int(sent) < 192 << 20, f"the stranger sent {int(sent) >> 20} MiB before its connection was cut"
+        assert float(lasted) < HANDSHAKE_S + 3
+        wait_for(lambda: f"sent more than {HANDSHAKE_BYTES >> 10} KiB before proving the key" in a.logtext(), 10, "the cut")
+        assert a.proc.poll() is None
+    finally:
+        a.stop()

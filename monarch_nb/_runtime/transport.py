@@ -40,7 +40,7 @@ from .._wire import frames as wire
 from .._wire.keys import curve_keypair, load_or_create_key
 from ..config import Config
 from ..errors import ConfigError, ConnectError
-from . import _fdlimit, fastpath
+from . import _fdlimit, _preauth, fastpath
 from ._hangup import hung_up
 from ._refusals import Refusals
 
@@ -354,6 +354,8 @@ class Transport:
         #: connections refused here (wrong uid, failed handshakes)
         self.dropped = 0
         self._inboxes: list[zmq.Socket[bytes]] = []
+        #: the TCP inboxes' connections in their handshake (tests read how many were cut)
+        self._handshakes: list[_preauth.Handshakes] = []
         self._all_out: set[zmq.Socket[bytes]] = set()
         self._tls = threading.local()
         self._lock = threading.Lock()
@@ -410,6 +412,8 @@ class Transport:
         sock.setsockopt(zmq.RCVHWM, 0)
         self.sockets.secure_server(sock, addr)
         if addr.startswith("tcp://"):
+            # a stranger's connection is cut after this long (libzmq's default: 30 s)
+            sock.setsockopt(zmq.HANDSHAKE_IVL, int(_preauth.HANDSHAKE_S * 1000))
             host, port = split_tcp(addr)
             if port == 0:
                 port = sock.bind_to_random_port(f"tcp://{host}")
@@ -428,8 +432,7 @@ class Transport:
         self.loop.add_reader(sock.FD, self._drain_inbox, sock)
         self.loop.call_soon(self._drain_inbox, sock)
         if addr.startswith("tcp://"):
-            mon = zmq.asyncio.Socket.shadow(sock.get_monitor_socket().underlying)
-            self._spawn(self._log_handshake_failures(mon, bound))
+            self._guard_handshakes(sock, bound, split_tcp(bound)[1])
         return bound
 
     def _drain_inbox(self, sock: zmq.Socket[bytes]) -> None:
@@ -580,19 +583,42 @@ class Transport:
         except Exception:
             logger.exception("dropped a message whose handler failed")
 
-    async def _log_handshake_failures(self, mon: zmq.asyncio.Socket, where: str) -> None:
+    def _guard_handshakes(self, sock: zmq.Socket[bytes], where: str, port: int) -> None:
+        """Log refused handshakes of TCP inbox ``sock`` and keep the connections still in their
+        handshake few and small (``_preauth.py``), from its monitor's events, on the loop's thread."""
         from zmq.utils.monitor import parse_monitor_message
 
+        mon = sock.get_monitor_socket()
         failures = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-        while True:
-            ev = parse_monitor_message(await mon.recv_multipart())
-            if ev["event"] in failures:
-                self.dropped += 1
-                # libzmq reports our own endpoint here, not the peer's, so it is not named
-                self.sockets.refusals.refused(
-                    "refused a connection on %s: the peer failed the security handshake (wrong cluster key or not monarch_nb)",
-                    where,
-                )
+        checking: list[asyncio.TimerHandle] = []
+
+        def on_events() -> None:
+            # edge-triggered FD, as for an inbox: read while EVENTS says so
+            while not mon.closed and mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator, arg-type]
+                ev = parse_monitor_message(mon.recv_multipart())
+                if ev["event"] in failures:
+                    self.dropped += 1
+                    # libzmq reports our own endpoint here, not the peer's, so it is not named
+                    self.sockets.refusals.refused(
+                        "refused a connection on %s: the peer failed the security handshake (wrong cluster key or not monarch_nb)",
+                        where,
+                    )
+                guard.event(int(ev["event"]), int(ev["value"]))
+            if len(guard.pending) > _preauth.PENDING_MAX:
+                guard.check()
+            if guard.pending and not checking:
+                checking.append(self.loop.call_later(_preauth.CHECK_S, check))
+
+        def check() -> None:
+            checking.clear()
+            if not mon.closed:
+                guard.check()
+                on_events()
+
+        guard = _preauth.Handshakes(port, where, self.sockets.refusals)
+        self._handshakes.append(guard)
+        self.loop.add_reader(mon.FD, on_events)
+        self.loop.call_soon(on_events)
 
     def ensure_tcp(self, ip: str) -> str:
         """Bind a TCP inbox on ``ip`` (once) so peers on other hosts can reach us."""
@@ -828,6 +854,7 @@ class Transport:
             mon = s._monitor_socket
             s.close(linger=0)
             if mon is not None:
+                self.loop.remove_reader(mon.FD)
                 mon.close(linger=0)
 
     def close_connections(self) -> None:
