@@ -243,9 +243,25 @@ def runtime_dir(cfg: Config | None = None) -> str:
             )
             path = base
     check_path_to(path)
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    _make_dirs(os.path.abspath(path), 0o700)
     _check_private_dir(path, chosen)
     return path
+
+
+def _make_dirs(path: str, mode: int) -> None:
+    """``os.makedirs(path, mode, exist_ok=True)``, except that each directory it makes above
+    ``path`` is ``0755`` at most. makedirs gives those ``0777`` less the umask: under ``umask 000``
+    anyone could rename the runtime directory away and put one of theirs in its place (its
+    checks passed before the directories above it existed), and every later start was refused
+    for a directory that monarch_nb had made."""
+    above = os.path.dirname(path)
+    if above != path and not os.path.isdir(above):
+        _make_dirs(above, 0o755)
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
 
 
 def check_path_to(

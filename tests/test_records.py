@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import subprocess
 import tempfile
 
 import pytest
+from _nobody import run_as_nobody
 from conftest import PY
 
 from monarch_nb._runtime import records
@@ -99,6 +101,29 @@ def test_a_runtime_dir_another_user_could_swap_is_refused(rdir: str) -> None:
             runtime_dir(Config(runtime_dir=os.path.join(open_dir, "rt")))
     finally:
         subprocess.run(["rm", "-rf", shared], check=False)
+
+
+def test_the_directories_made_above_a_runtime_dir_are_not_others_to_write_whatever_the_umask(rdir: str) -> None:
+    """MONARCH_NB_RUNTIME_DIR=/data/me/new/rt under ``umask 000``: the checks passed (nothing
+    above rt existed yet), then makedirs made ``new`` 0777, and any other user could rename rt
+    away and put a directory of theirs in its place while our processes used it; every later start
+    was refused for a directory monarch_nb itself had made."""
+    assert os.geteuid() == 0, "needs root to act as another user"
+    os.chmod(rdir, 0o755)
+    path = os.path.join(rdir, "new", "deeper", "rt")
+    old = os.umask(0)
+    try:
+        assert runtime_dir(Config(runtime_dir=path)) == path
+    finally:
+        os.umask(old)
+    moved = run_as_nobody(
+        "import os, sys\ntry:\n    os.rename(sys.argv[1], sys.argv[1] + '.theirs')\n    print('moved')\n"
+        "except PermissionError:\n    print('refused')",
+        path,
+    )
+    assert moved.strip() == "refused"
+    assert [stat.S_IMODE(os.stat(os.path.join(rdir, *p)).st_mode) for p in (["new"], ["new", "deeper"])] == [0o755, 0o755]
+    assert runtime_dir(Config(runtime_dir=path)) == path  # and the next start takes it
 
 
 def test_a_shared_sticky_dir_is_never_taken_over(rdir: str) -> None:
