@@ -4,13 +4,19 @@ cut off from the pods, is tests/test_job_k8s.py's gateway test."""
 
 from __future__ import annotations
 
+import os
 import secrets
+import shutil
 import socket
 import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
 import pytest
+from _nobody import NOBODY
+from conftest import wait_for
 
 from monarch_nb._runtime._tunnel import CHUNK, HOLD_MAX, Mux, Streams
 from monarch_nb._runtime.gateway import GatewayClient, GatewayError, GatewayServer
@@ -518,3 +524,51 @@ def test_a_malformed_answer_from_the_gateway_is_named(doc: bytes, says: str) -> 
     finally:
         t.join(10)
         srv.close()
+
+
+#: as uid 65534: open N connections to HOST:PORT and hold them, silent, until killed
+_HOLD_SILENT = """
+import socket, sys, time
+held = [socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5) for _ in range(int(sys.argv[3]))]
+print(len(held), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as uid 65534")
+def test_silent_connections_to_the_socks_end_hold_a_bounded_number_of_threads(server: GatewayServer) -> None:
+    """The controller's SOCKS5 end listens on 127.0.0.1, where every local user can connect: each
+    connection took a thread (and a descriptor) of the notebook's kernel for up to 15 s a byte,
+    with no bound, so a stranger could fill the kernel with threads until its own code found
+    none to start. Past SOCKS_GREETING_MAX the oldest negotiation is cut, and the
+    controller's own streams still open during the flood."""
+    from monarch_nb._runtime.gateway import SOCKS_GREETING_MAX
+
+    gw = GatewayClient(_tunnel(server), KEY, ["127.0.0.1"], lambda: "")
+    host, port = gw.proxy.rsplit(":", 1)
+    py = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+    holder = subprocess.Popen(
+        [py, "-c", _HOLD_SILENT, host, port, "300"],
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "300"
+
+        def negotiating() -> int:
+            return sum(t.name == "gateway-socks-conn" for t in threading.enumerate())
+
+        # a cut negotiation's thread ends a moment after its socket is shut; unbounded, 300 stay
+        wait_for(lambda: negotiating() <= SOCKS_GREETING_MAX, 10, f"at most {SOCKS_GREETING_MAX} threads negotiating")
+        _works(gw)
+        assert gw.refusals.count >= 300 - SOCKS_GREETING_MAX
+    finally:
+        holder.kill()
+        holder.wait()
+        gw.close()

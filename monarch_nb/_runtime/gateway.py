@@ -29,6 +29,7 @@ without losing a byte (``_tunnel.py``, which owns the frames).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -53,6 +54,9 @@ MAGIC = b"MNBGW2\n"
 _MAX_HELLO = 1 << 20
 #: seconds for a handshake, a stream to open, a SOCKS negotiation
 TIMEOUT = 15.0
+#: SOCKS5 negotiations at once (the controller's own: one per connection zmq opens to a pod);
+#: past it the oldest is cut. Its port is on 127.0.0.1, where every local user can connect
+SOCKS_GREETING_MAX = 32
 #: seconds a session's reverse listener and streams wait for the controller's next tunnel
 SESSION_GRACE = 120.0
 #: seconds between attempts to open a tunnel that dropped
@@ -291,6 +295,9 @@ class GatewayClient:
         self.reverse = ""
         self.streams = Streams(first_sid=1, on_accept=self._on_accept)
         self.refusals = Refusals(logger)
+        #: SOCKS5 connections still negotiating, oldest first
+        self._greeting: dict[socket.socket, None] = {}
+        self._greeting_lock = threading.Lock()  # not _lock: that one is held while a tunnel opens
         self.mux = self._open()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.username = secrets.token_hex(8)
@@ -419,6 +426,19 @@ class GatewayClient:
 
     def _accept(self) -> None:
         while (conn := _fdlimit.accept(self.listener, "the gateway's SOCKS5 end", self.refusals.refused)) is not None:
+            with self._greeting_lock:
+                self._greeting[conn] = None
+                oldest = next(iter(self._greeting)) if len(self._greeting) > SOCKS_GREETING_MAX else None
+                if oldest is not None:
+                    del self._greeting[oldest]
+            if oldest is not None:
+                # each negotiation holds a thread of the kernel for up to TIMEOUT a byte: a local
+                # user's silent connections, unbounded, left its own code no thread to start
+                self.refusals.refused(
+                    "the gateway's SOCKS5 end cut a connection still negotiating: more than %d at once", SOCKS_GREETING_MAX
+                )
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)
             threading.Thread(target=self._socks, args=(conn,), name="gateway-socks-conn", daemon=True).start()
 
     def _socks(self, conn: socket.socket) -> None:
@@ -467,6 +487,9 @@ class GatewayClient:
         except (OSError, GatewayError, ValueError) as e:
             logger.debug("gateway: %s", e)
             conn.close()
+        finally:
+            with self._greeting_lock:
+                self._greeting.pop(conn, None)
 
     def close(self) -> None:
         with self._lock:
