@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,42 @@ def test_every_slurm_parameter_shows_in_the_sbatch_script(tmp_path: Path) -> Non
     batch = job.batch_script("/shared/job", "10.0.0.1", "/home/u/train.py").splitlines()
     assert batch[-7].startswith("srun --nodes=3 ") and batch[-7].endswith(" &")
     assert batch[-5:-3] == ["export MONARCH_NB_BATCH_JOB=/shared/job/job.json", "/opt/py/bin/python3 /home/u/train.py"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_another_user_who_knows_the_slurm_job_id_cannot_take_its_runtime_directory(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Each node's allocator ran in ``$TMPDIR/mnb-slurm-$SLURM_JOB_ID``: squeue shows every
+    user the job ids, so anyone on a node could make that folder first (the next ids, ahead of
+    time), and the allocator refused it as another user's: the job never started there. The name
+    now has 64 random bits from the script, which only the job's owner can read."""
+    from _nobody import run_as_nobody
+
+    job = SlurmJob({"a": 1}, log_dir=str(tmp_path))
+    export = next(ln for ln in job.batch_script().splitlines() if "MONARCH_NB_RUNTIME_DIR=" in ln)
+    job_id = str(4_000_000 + os.getpid() % 100_000)
+    node_tmp = Path(tempfile.mkdtemp(prefix="mnbn-", dir="/tmp"))  # /tmp/pytest-of-root: not for nobody
+    request.addfinalizer(lambda: shutil.rmtree(node_tmp, ignore_errors=True))
+    os.chmod(node_tmp, 0o1777)  # a node's /tmp
+    # what another user can make ahead of time: the names that follow from what squeue shows
+    for name in (f"mnb-slurm-{job_id}", f"mnb-slurm-{job_id}-0"):
+        run_as_nobody("import os, sys\nos.mkdir(sys.argv[1])", str(node_tmp / name))
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": job_id, "TMPDIR": str(node_tmp)}
+    rdir = subprocess.run(
+        ["bash", "-c", f'{export}\necho "$MONARCH_NB_RUNTIME_DIR"'], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert rdir.startswith(f"{node_tmp}/mnb-slurm-{job_id}")
+    r = subprocess.run(
+        [sys.executable, "-c", "from monarch_nb.config import runtime_dir; print(runtime_dir())"],
+        env=dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir),
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == rdir, r.stderr[-2000:]
+    assert os.stat(rdir).st_uid == os.geteuid()
+    other = next(ln for ln in SlurmJob({"a": 1}, log_dir=str(tmp_path)).batch_script().splitlines() if "RUNTIME_DIR" in ln)
+    assert other != export  # nor can another job's name be told from this one's
 
 
 def test_unsupported_parameters_are_refused_by_name() -> None:

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -323,8 +324,10 @@ class SlurmJob(JobTrait):
             lines.append(f"#SBATCH --qos={self._qos}")
         lines += [f"#SBATCH {a}" for a in self._slurm_args]
         lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(forwarded_config().items())]
-        # node-local: ipc sockets and proc logs of each node's allocator
-        lines.append('export MONARCH_NB_RUNTIME_DIR="${TMPDIR:-/tmp}/mnb-slurm-$SLURM_JOB_ID"')
+        # node-local: ipc sockets and proc logs of each node's allocator. Its name is not the job
+        # id's alone: squeue shows that to every user, who could make the folder on a node first
+        # and have the allocator there refuse to start (a folder of another uid)
+        lines.append(f'export MONARCH_NB_RUNTIME_DIR="${{TMPDIR:-/tmp}}/mnb-slurm-$SLURM_JOB_ID-{secrets.token_hex(8)}"')
         allocator = [
             self._python_exe,
             "-m",
