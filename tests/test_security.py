@@ -1287,15 +1287,15 @@ def test_silent_connections_from_another_user_leave_the_allocator_up_for_its_use
     """libzmq keeps a connection that never speaks until its handshake's deadline, and aborts its
     process when its IPC listener finds no descriptor to accept with. A stranger holding a few
     hundred silent connections to an allocator's TCP port (anyone on the network reaches one)
-    took every descriptor of one that had 300, and the next controller to attach over ipc killed
+    took every descriptor of one that had 400, and the next controller to attach over ipc killed
     it (SIGABRT, every mesh lost). The oldest handshakes past PENDING_MAX are cut, said once."""
     from monarch_nb._runtime._preauth import PENDING_MAX
 
-    a = AllocatorProc(str(tmp_path), "--bind", "tcp://127.0.0.1:0", env=dict(LIGHT, MONARCH_NB_KEY_FILE=""), nofile=300)
+    a = AllocatorProc(str(tmp_path), "--bind", "tcp://127.0.0.1:0", env=dict(LIGHT, MONARCH_NB_KEY_FILE=""), nofile=400)
     host, port = a.info["tcp"][len("tcp://") :].rsplit(":", 1)
     py = shutil.which("python3", path="/usr/bin:/bin") or PY
     holder = subprocess.Popen(
-        [py, "-c", _HOLD_SILENT, host, port, "400"],
+        [py, "-c", _HOLD_SILENT, host, port, "600"],
         user=NOBODY,
         group=NOBODY,
         extra_groups=[],
@@ -1306,7 +1306,7 @@ def test_silent_connections_from_another_user_leave_the_allocator_up_for_its_use
     )
     try:
         assert holder.stdout is not None
-        assert int(holder.stdout.readline()) > 300  # more than the allocator has descriptors
+        assert int(holder.stdout.readline()) > 400  # more than the allocator has descriptors
         r = run_script(
             "from monarch_nb.actor import Actor, endpoint, attach_to_workers\n"
             "class _E(Actor):\n"

@@ -11,8 +11,9 @@ allocator and every mesh on it. libzmq has no limit of its own for either, so th
 monitor, whose ACCEPTED events carry each connection's descriptor, keeps a list of the
 connections in their handshake; a look at each (``TCP_INFO``) every :data:`CHECK_S` drops those
 that proved the key (:data:`PROVEN`) and cuts (``shutdown``) any that sent more than
-:data:`HANDSHAKE_BYTES` (a whole handshake is under 1 KiB), then the oldest past
-:data:`PENDING_MAX`. The handshake itself must end within :data:`HANDSHAKE_S`. What a stranger
+:data:`HANDSHAKE_BYTES` (a whole handshake is under 1 KiB), then the oldest of those whose
+peer has not said a valid HELLO past :data:`PENDING_MAX` (after :data:`MIN_AGE_S`, or at once
+while descriptors run short). The handshake itself must end within :data:`HANDSHAKE_S`. What a stranger
 holds is then at most what it sends in :data:`CHECK_S`, on at most :data:`PENDING_MAX`
 descriptors.
 
@@ -23,16 +24,25 @@ descriptor again before anything is done to it, so nothing else that took the nu
 
 from __future__ import annotations
 
+import resource
 import socket
 import struct
+import time
 from typing import Any, NamedTuple
 
 import zmq
 
+from . import _fdlimit
 from ._refusals import Refusals
 
-#: connections in their handshake at once; past it the oldest is cut
-PENDING_MAX = 64
+#: connections whose peer has not yet said a valid HELLO, at once; past it the oldest of those
+#: waiting for longer than :data:`MIN_AGE_S` is cut, or, while the process has used more than half
+#: its descriptors, the oldest whatever their age
+PENDING_MAX = 128
+#: an honest peer says its HELLO within a round trip; in a burst of hundreds connecting at once
+#: (procs of other hosts replying to a controller) libzmq answers them one by one, all within a
+#: few hundred ms: 300 at once lost half of theirs to the cut without this grace
+MIN_AGE_S = 1.0
 #: bytes a connection may send before its handshake is done (greeting 64, HELLO 200, INITIATE
 #: ~300 with its metadata)
 HANDSHAKE_BYTES = 64 << 10
@@ -45,6 +55,10 @@ CHECK_S = 0.05
 #: only once its INITIATE proved the key (libzmq's HANDSHAKE_SUCCEEDED event does not say
 #: which connection it is about); an honest peer sends its first message only after the READY
 PROVEN = 64 + 2 + 168
+#: our greeting: a peer that acknowledged more has had the WELCOME, which answers only a HELLO
+#: made with the inbox's public key (derived from the cluster key, never sent): it is not cut to
+#: make room for others
+GREETED = 64
 # offsets in struct tcp_info (linux/tcp.h, Linux 4.1 and later)
 _BYTES_ACKED, _BYTES_RECEIVED = 120, 128
 
@@ -84,12 +98,18 @@ def _look(fd: int, known: Identity | None) -> _State | None:
         s.detach()  # libzmq's descriptor: never closed here
 
 
-def _shutdown(fd: int) -> None:
-    s = socket.socket(fileno=fd)
+def _shutdown(fd: int, known: Identity) -> bool:
     try:
-        s.shutdown(socket.SHUT_RDWR)  # libzmq reads the end and closes the connection itself
+        s = socket.socket(fileno=fd)
     except OSError:
-        pass
+        return False
+    try:
+        if (s.getsockname(), s.getpeername()) != known:
+            return False  # no longer that connection
+        s.shutdown(socket.SHUT_RDWR)  # libzmq reads the end and closes the connection itself
+        return True
+    except OSError:
+        return False
     finally:
         s.detach()
 
@@ -104,6 +124,8 @@ class Handshakes:
         self._refusals = refusals
         #: descriptor -> its addresses, oldest first
         self.pending: dict[int, Identity] = {}
+        #: descriptor -> when it was accepted
+        self._since: dict[int, float] = {}
         #: connections cut
         self.cut = 0
 
@@ -115,12 +137,15 @@ class Handshakes:
             # DISCONNECTED event is still queued): only a connection to this port is listed
             if got is not None and got.ident[0][1] == self._port:
                 self.pending[fd] = got.ident
+                self._since[fd] = time.monotonic()
         elif kind in _ENDED:
             self.pending.pop(fd, None)
 
     def check(self) -> None:
         """Drop from the list the connections that proved the key or are gone; cut those that
-        sent more than a handshake's bytes, then the oldest past :data:`PENDING_MAX`."""
+        sent more than a handshake's bytes, then the oldest of those without a WELCOME past
+        :data:`PENDING_MAX`."""
+        states: dict[int, _State] = {}
         for fd, ident in list(self.pending.items()):
             st = _look(fd, ident)
             if st is None or st.acked > PROVEN:
@@ -128,14 +153,26 @@ class Handshakes:
             elif st.received > HANDSHAKE_BYTES:
                 del self.pending[fd]
                 self._cut(fd, st, f"it sent more than {HANDSHAKE_BYTES >> 10} KiB before proving the key")
-        while len(self.pending) > PENDING_MAX:
-            fd = next(iter(self.pending))
-            st = _look(fd, self.pending.pop(fd))
-            if st is not None and st.acked <= PROVEN:
-                self._cut(fd, st, f"more than {PENDING_MAX} connections were in their handshake at once")
+            else:
+                states[fd] = st
+        for fd in list(self._since):
+            if fd not in self.pending:
+                del self._since[fd]
+        unanswered = [fd for fd, st in states.items() if st.acked <= GREETED]
+        excess = len(unanswered) - PENDING_MAX
+        if excess <= 0:
+            return
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        scarce = soft != resource.RLIM_INFINITY and _fdlimit.open_count() > soft // 2
+        old = time.monotonic() - MIN_AGE_S
+        for fd in unanswered[:excess]:  # oldest first
+            if scarce or self._since.get(fd, 0.0) < old:
+                del self.pending[fd]
+                self._cut(fd, states[fd], f"more than {PENDING_MAX} connections were in their handshake at once")
 
     def _cut(self, fd: int, st: _State, why: str) -> None:
-        _shutdown(fd)
+        if not _shutdown(fd, st.ident):
+            return
         self.cut += 1
         # said once a minute at most, whatever the peer (_refusals.py): not a line per connection
         self._refusals.refused("cut a connection to %s from %s in its security handshake: %s", self._where, st.ident[1][0], why)
