@@ -1395,3 +1395,42 @@ def test_a_strangers_handshake_may_be_neither_large_nor_slow(tmp_path) -> None:
         assert a.proc.poll() is None
     finally:
         a.stop()
+
+
+def test_hundreds_of_keyed_peers_connecting_at_once_all_get_in(tmp_path) -> None:
+    """The cap on handshakes in flight must not cut honest ones: procs of other hosts replying to a
+    controller connect in a burst, and libzmq answers their HELLOs one by one. 300 connecting at
+    once lost 151 handshakes to a cap on the oldest without a grace period."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    from monarch_nb._runtime.transport import local_key
+    from monarch_nb._wire.keys import curve_keypair
+
+    a = AllocatorProc(str(tmp_path), "--bind", "tcp://127.0.0.1:0", env=dict(LIGHT, MONARCH_NB_KEY_FILE=""))
+    ctx = zmq.Context()
+    try:
+        public, secret = curve_keypair(local_key(a.rdir))
+        socks = [ctx.socket(zmq.DEALER) for _ in range(300)]
+        mons = []
+        for s in socks:
+            s.linger = 0
+            s.curve_serverkey, s.curve_publickey, s.curve_secretkey = public, public, secret
+            mons.append(s.get_monitor_socket())
+        for s in socks:
+            s.connect(a.info["tcp"])
+        failed = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH}
+        events: list[list[int]] = [[] for _ in mons]
+
+        def settled() -> bool:
+            for m, seen in zip(mons, events):
+                while m.poll(0):
+                    seen.append(recv_monitor_message(m)["event"])
+            return all(zmq.EVENT_HANDSHAKE_SUCCEEDED in seen for seen in events)
+
+        wait_for(settled, 30, "300 handshakes")
+        assert not [seen for seen in events if failed & set(seen)][:3]
+        assert "in its security handshake" not in a.logtext()
+    finally:
+        ctx.destroy(linger=0)
+        a.stop()
