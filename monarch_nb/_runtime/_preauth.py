@@ -5,7 +5,7 @@ announce one of up to ``MAXMSGSIZE`` (8 GiB, what an authenticated message may b
 inbox holds every byte it sends until the handshake's deadline (30 s by default). It also keeps
 every connection that says nothing until then. Before session 31 a stranger streaming into an
 allocator's TCP port made it hold 2.6 GB after 8 s, and one holding a few hundred silent
-connections took every descriptor of an allocator that had 300: libzmq's IPC listener aborts its
+connections took every descriptor of an allocator that had 400: libzmq's IPC listener aborts its
 process when an accept finds no descriptor, so the next controller to attach killed the
 allocator and every mesh on it. libzmq has no limit of its own for either, so the inbox's
 monitor, whose ACCEPTED events carry each connection's descriptor, keeps a list of the
@@ -13,9 +13,9 @@ connections in their handshake; a look at each (``TCP_INFO``) every :data:`CHECK
 that proved the key (:data:`PROVEN`) and cuts (``shutdown``) any that sent more than
 :data:`HANDSHAKE_BYTES` (a whole handshake is under 1 KiB), then the oldest of those whose
 peer has not said a valid HELLO past :data:`PENDING_MAX` (after :data:`MIN_AGE_S`, or at once
-while descriptors run short). The handshake itself must end within :data:`HANDSHAKE_S`. What a stranger
-holds is then at most what it sends in :data:`CHECK_S`, on at most :data:`PENDING_MAX`
-descriptors.
+while they hold a quarter of the descriptors). The handshake itself must end within
+:data:`HANDSHAKE_S`. What a stranger holds is then what it sends in :data:`CHECK_S`, and a
+quarter of the descriptors at most.
 
 A descriptor number is reused as soon as libzmq closes it, and its events reach us later: a
 connection is known by its addresses (unique among open TCP connections), compared on the
@@ -32,12 +32,11 @@ from typing import Any, NamedTuple
 
 import zmq
 
-from . import _fdlimit
 from ._refusals import Refusals
 
 #: connections whose peer has not yet said a valid HELLO, at once; past it the oldest of those
-#: waiting for longer than :data:`MIN_AGE_S` is cut, or, while the process has used more than half
-#: its descriptors, the oldest whatever their age
+#: waiting for longer than :data:`MIN_AGE_S` is cut, or, while the connections in their handshake
+#: hold a quarter of the descriptors the process may open, the oldest whatever their age
 PENDING_MAX = 128
 #: an honest peer says its HELLO within a round trip; in a burst of hundreds connecting at once
 #: (procs of other hosts replying to a controller) libzmq answers them one by one, all within a
@@ -126,6 +125,8 @@ class Handshakes:
         self.pending: dict[int, Identity] = {}
         #: descriptor -> when it was accepted
         self._since: dict[int, float] = {}
+        #: when :meth:`check` last ran
+        self.checked = 0.0
         #: connections cut
         self.cut = 0
 
@@ -141,10 +142,26 @@ class Handshakes:
         elif kind in _ENDED:
             self.pending.pop(fd, None)
 
+    def scarce(self) -> bool:
+        """Whether the connections in their handshake hold a quarter of the descriptors this
+        process may open: the grace of :data:`MIN_AGE_S` ends (libzmq aborts the process when
+        its IPC listener finds none)."""
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return soft != resource.RLIM_INFINITY and len(self.pending) > soft // 4
+
+    def due(self) -> bool:
+        """Whether the monitor's events should be followed by a :meth:`check` now rather than at
+        the next look: past :data:`PENDING_MAX`, once per :data:`CHECK_S` (each is a few system
+        calls per connection) or at once when descriptors run short."""
+        if len(self.pending) <= PENDING_MAX:
+            return False
+        return self.scarce() or time.monotonic() - self.checked >= CHECK_S
+
     def check(self) -> None:
         """Drop from the list the connections that proved the key or are gone; cut those that
         sent more than a handshake's bytes, then the oldest of those without a WELCOME past
         :data:`PENDING_MAX`."""
+        self.checked = time.monotonic()
         states: dict[int, _State] = {}
         for fd, ident in list(self.pending.items()):
             st = _look(fd, ident)
@@ -162,8 +179,7 @@ class Handshakes:
         excess = len(unanswered) - PENDING_MAX
         if excess <= 0:
             return
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        scarce = soft != resource.RLIM_INFINITY and _fdlimit.open_count() > soft // 2
+        scarce = self.scarce()
         old = time.monotonic() - MIN_AGE_S
         for fd in unanswered[:excess]:  # oldest first
             if scarce or self._since.get(fd, 0.0) < old:

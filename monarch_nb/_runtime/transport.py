@@ -604,7 +604,7 @@ class Transport:
                         where,
                     )
                 guard.event(int(ev["event"]), int(ev["value"]))
-            if len(guard.pending) > _preauth.PENDING_MAX:
+            if guard.due():
                 guard.check()
             if guard.pending and not checking:
                 checking.append(self.loop.call_later(_preauth.CHECK_S, check))
