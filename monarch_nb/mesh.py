@@ -18,6 +18,7 @@ from ._callers import callers_level
 from ._deadline import budget
 from ._errgroup import clip, ranks_text
 from ._leftrunning import LEFT_MORE, LEFT_WAIT, LeftRunning, left_by_mesh, left_text
+from ._meshstop import stop_proc_mesh, stopped_elsewhere
 from ._ranks import format_ranks, select_ranks
 from ._registry import _resolve, connect, get, hosts, meshes, restart, spawn
 from .actor import Extent, Future, ProcMesh, ValueMesh, controller_client
@@ -328,7 +329,7 @@ def stop(name: str | None = None, *, all: bool = False, force: bool = False) -> 
             if all and not force and not _owned(client, pm):
                 continue
             try:
-                _stop_proc_mesh(pm, force)
+                stop_proc_mesh(pm, force)
             except ConnectError as e:
                 if not all:
                     raise  # it says what was stopped, and what could not be
@@ -336,7 +337,7 @@ def stop(name: str | None = None, *, all: bool = False, force: bool = False) -> 
             except Exception as e:
                 errors.append(f"{pm.name}: {e}")
             else:
-                gone = _stopped_elsewhere(pm)
+                gone = stopped_elsewhere(pm)
                 if gone is None:
                     stopped.append(pm.name)
                 else:
@@ -373,44 +374,6 @@ def _stop_the_others(done: set[str], stopped: list[str], errors: list[str]) -> s
         except Exception as e:
             errors.append(f"{name}: {e}")
     return _unreached_where(found)
-
-
-def _stopped_elsewhere(pm: ProcMesh) -> str | None:
-    """What to say when ``pm``'s stop found it stopped already by someone else (its allocators
-    knew no such mesh, and had told this controller of that stop or of its procs' exits as a
-    mesh's stop: ``ProcMesh.stop`` resolves then, as a second stop does); None when this stop
-    did it."""
-    root = getattr(pm, "_root", pm)
-    if not root._stopped_outside:
-        return None
-    why = root._stop_reason
-    if why.startswith("stopped by "):
-        return f"mesh {pm.name!r} was already stopped ({why[len('stopped ') :]})"
-    return f"mesh {pm.name!r} was already stopped ({why or 'by whom is not known'})"
-
-
-def _stop_proc_mesh(pm: ProcMesh, force: bool = False) -> None:
-    """Stop a proc mesh this controller holds. With ranks on a host that does not answer (a
-    job's lost host), the ranks elsewhere are stopped and ``ConnectError`` says so, naming that
-    host and the job, as ``monarch-nb stop`` and ``stop_mesh`` do; not the heartbeat's bare
-    "allocator ... lost" of one socket address, which read as if nothing had been stopped."""
-    from ._numtext import plural
-    from .introspect import _unreached_note, known_status
-
-    try:
-        pm.stop(force=force).get(timeout=controller_client().rt.cfg.spawn_timeout)
-    except Exception as e:
-        # its allocators that did not answer, matched by the address this controller reaches them
-        # at (a job's host is listed so, by the job, also once lost)
-        allocs = {pm._procs[r].alloc for r in pm._view.ranks}
-        there = [a for a in known_status()["allocators"] if a.get("error") and {a.get("addr"), a.get("tcp")} & allocs]
-        addrs = {a.get(k) for a in there for k in ("addr", "tcp")}
-        missing = [i for i, r in enumerate(pm._view.ranks) if pm._procs[r].alloc in addrs]
-        note = _unreached_note(pm.name, there, missing=missing)
-        if not note:
-            raise
-        n = len(pm._view.ranks) - len(missing)
-        raise ConnectError(f"{plural(n, 'proc')} of mesh {pm.name!r} stopped on the allocators that answered; {note}") from e
 
 
 def _spawned_here(client: Any) -> list[ProcMesh]:

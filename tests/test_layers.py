@@ -44,6 +44,7 @@ PLACED: dict[str, tuple[str, str]] = {
     "_exec": ("features", "the actor behind %%mesh exec, built on the actor API"),
     "_registry": ("features", "the controller's named meshes, shared by sync/logs/env and mesh"),
     "_leftrunning": ("features", "mesh's bookkeeping of %%mesh exec cells a failure left running on some ranks"),
+    "_meshstop": ("features", "a held proc mesh's stop in %mesh stop's words; mesh, the magics and the dashboard share it"),
     "allocator": ("features", "run, find and stop daemons through the records; the CLI and sidebar call it"),
     "kernelspec": ("frontends", "installs the notebook kernel; only the CLI calls it"),
     "__main__": ("entry", "python -m monarch_nb runs the CLI"),

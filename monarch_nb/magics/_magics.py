@@ -12,6 +12,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from .. import logs as _logs
 from .. import mesh as _mesh
+from .._meshstop import stop_proc_mesh, stopped_elsewhere
 from .._numtext import plural
 from ..actor import controller_client
 from ..errors import AuthenticationError, ConfigError, ConnectError, DebugError, MeshError, MonarchNBError, ProtocolError
@@ -412,8 +413,8 @@ class MeshMagics(Magics):
             print(f"stopped: {args.name} (actors {held._label!r}; their procs run on)")
             return None
         if isinstance(held, ProcMesh):
-            _mesh._stop_proc_mesh(held, args.force)
-            gone = _mesh._stopped_elsewhere(held)
+            stop_proc_mesh(held, args.force)
+            gone = stopped_elsewhere(held)
             print(gone or f"stopped: {args.name} ({held.name})")
             return None
         stopped = _mesh.stop(args.name, all=args.all, force=args.force)

@@ -14,6 +14,7 @@ import ipywidgets as W
 from .. import _meshhtml, introspect, telemetry
 from .._errgroup import cell_location
 from .._exec import EXEC_ACTOR
+from .._meshstop import stop_proc_mesh
 from .._ranks import format_ranks, parse_ranks
 from ..actor import ProcMesh, controller_client
 from ..logs import Aggregator
@@ -566,15 +567,13 @@ class Dashboard(W.VBox):
 
     # ------------------------------------------------------------ actions and lifetime
     def _stop_mesh(self) -> None:
-        from ..mesh import _stop_proc_mesh
-
         name = self.mesh.name
         t0 = time.monotonic()
 
         def work() -> None:
             try:
                 # the words of %mesh stop: a host that did not answer is named, with its job
-                _stop_proc_mesh(self.mesh)
+                stop_proc_mesh(self.mesh)
             except Exception as e:
                 self._stop_error = str(e) or type(e).__name__
                 with self._lock:
