@@ -323,24 +323,29 @@ class Endpoint(Generic[R]):
         return fut
 
     def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[R]]:
-        """Call every actor; yield a future per reply, in arrival order."""
-        import queue
+        """Call every actor; yield a future per reply, in arrival order.
 
+        As Monarch's, the iterator never blocks: the k-th future it yields is pending until the
+        k-th reply arrives, so ``get(timeout=...)`` on it bounds the wait for a rank that hangs."""
         n = len(self._mesh._view.ranks)
-        q: queue.SimpleQueue[Future[R]] = queue.SimpleQueue()
-        left = [n]
+        what = f"{self._what('stream')} item"
+        slots: list[Future[R]] = [Future._create(what) for _ in range(n)]
+        # the I/O thread's replies and the sending thread's failures (a dead proc) both take the
+        # next slot: next() on a count is atomic, so no two take the same one
+        taken = itertools.count()
         replies: ReplyPort | None = None
 
-        def deliver(f: Future[R]) -> None:
-            left[0] -= 1
-            if left[0] == 0 and replies is not None:
+        def next_slot() -> Future[R]:
+            k = next(taken)
+            if k == n - 1 and replies is not None:
                 replies.close()
-            q.put(f)
+            # (a rank answered twice, which nothing should do: its extra answer goes nowhere)
+            return slots[k] if k < n else Future._create(what)
 
         def on_reply(index: int, status: int, body: Any, bufs: list[Any]) -> None:
             assert replies is not None
             replies.answered(index)
-            f: Future[R] = Future._create(f"{self._name}.stream() item")
+            f = next_slot()
             raw, decode = (body, bufs), _raise_remote if status == ERROR else _decode_one
             # in a script, what the actor printed is shown before its item is read (gather's rule)
             if status == wire.OK:
@@ -349,28 +354,20 @@ class Endpoint(Generic[R]):
                 printed, failed = ([index], []) if status == PRINTED else ([], [index])
                 if not _after_output(self, printed, lambda: f._set_raw(raw, decode), call_id, failed):
                     f._set_raw(raw, decode)
-            deliver(f)
 
         def on_fail(index: int, err: BaseException) -> None:
-            f: Future[R] = Future._create(f"{self._name}.stream() item")
-            f._set_exception(self._mesh._dead_proc_error(self._name, index, err))
-            deliver(f)
+            next_slot()._set_exception(self._mesh._dead_proc_error(self._name, index, err))
 
         if self._mesh._closed() or self._mesh._refused is not None:
             # as for call(): the items fail when read
             for i in range(n):
                 on_fail(i, self._mesh._refusal() or self._mesh._stopped_error(self._name))
-            return (q.get() for _ in range(n))
+            return iter(slots)
         rt = _context.runtime()
         call_id = rt.next_call_id()
         replies = ReplyPort(rt, on_reply, on_fail)
         self._send(args, kwargs, replies, on_fail, call_id=call_id)
-
-        def gen() -> Iterator[Future[R]]:
-            for _ in range(n):
-                yield q.get()
-
-        return gen()
+        return iter(slots)
 
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
         """Send to every actor without waiting for (or receiving) results."""
