@@ -296,7 +296,7 @@ def test_endpoint_exception_that_resists_formatting_or_pickling(raiser, kind: st
 
 @pytest.mark.parametrize("arg", [BadArg(), BadArgStrRaises()], ids=["raises", "raises-str-raises"])
 def test_arguments_that_fail_to_unpickle_in_the_actor(raiser, arg: object) -> None:
-    with pytest.raises(ActorError, match="unpickling the arguments"):
+    with pytest.raises(ActorError, match="unpickling its arguments"):
         raiser.take.call_one(arg).get(timeout=10)
     assert raiser.ping.call_one().get(timeout=10) == "pong"
 

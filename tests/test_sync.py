@@ -255,7 +255,7 @@ def test_a_module_the_procs_cannot_import_is_named_with_the_sync_that_fixes_it(t
         t = pm.spawn("takes", _Takes)
         # named as the program named the mesh (it read 'takes#3f2a1c.1.kind', an internal name)
         with pytest.raises(
-            ActorError, match="^unpickling the arguments of takes.kind failed: .*No module named 'onlyhere'"
+            ActorError, match=r"^Actor call takes\.kind failed\.\nunpickling its arguments failed: .*No module named 'onlyhere'"
         ) as call:
             t.kind.call_one(onlyhere.Thing()).get(timeout=30)
         assert call.value.__notes__ == [note]

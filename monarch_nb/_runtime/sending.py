@@ -92,9 +92,21 @@ class Sender:
             raise raised_again(dead)
         self._send_frames(addr, frames)
 
-    def send_port(self, addr: str, port: int, index: int, status: int, value: Any, actor: str = "", method: str = "") -> None:
+    def send_port(
+        self,
+        addr: str,
+        port: int,
+        index: int,
+        status: int,
+        value: Any,
+        actor: str = "",
+        method: str = "",
+        *,
+        strict: bool = False,
+    ) -> None:
         """Send ``value`` to a port; an unpicklable or oversized value becomes an error the receiver
-        sees (for the reply to a call of ``actor.method``, headed with Monarch's words for it)."""
+        sees (for the reply to a call of ``actor.method``, headed with Monarch's words for it).
+        ``strict``: raise the pickling error to the sender instead (a user's ``Port.send``)."""
         bufs: list[Any]
         leaf = dumps_leaf(value)
         if leaf is not None and len(leaf) <= self.cfg.max_message_bytes:
@@ -105,6 +117,8 @@ class Sender:
             try:
                 body, bufs = dumps(value)
             except Exception as e:
+                if strict:
+                    raise
                 why, tb = f"the value could not be pickled to send back: {type(e).__name__}: {safe_str(e)}", format_exception(e)
             else:
                 if nbytes(body, bufs) > self.cfg.max_message_bytes:

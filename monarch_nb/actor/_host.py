@@ -809,15 +809,16 @@ class ActorSlot:
             message=f"{what} failed: {type(e).__name__}: {safe_str(e)}",
         )
 
-    def _call_error(self, e: BaseException, method: str) -> ActorError:
-        # Monarch's words, with the name the program gave the mesh
+    def _call_error(self, e: BaseException, method: str, detail: str = "") -> ActorError:
+        # Monarch's words, with the name the program gave the mesh; ``detail``: what failed, where
+        # it was not the endpoint's own code
         return ActorError(
             _safe_exc(e),
             format_exception(e),
             actor=self.instance_info.name,
             rank=self.instance_info.rank.rank,
             host=self.rt.hostname,
-            message=f"Actor call {self.instance_info.name}.{method} failed.",
+            message=f"Actor call {self.instance_info.name}.{method} failed." + (f"\n{detail}" if detail else ""),
         )
 
     def _init(self, args: tuple[Any, ...], kwargs: dict[str, Any], reply: tuple[str, int, int], answer: bool = True) -> None:
@@ -1109,9 +1110,10 @@ class ActorSlot:
     def _arguments_failed(self, meta: tuple[Any, ...], e: BaseException) -> None:
         """Answer call ``meta`` with the error that its arguments could not be had."""
         _, method, raddr, rport, index = meta[:5]
-        self._reply(
-            raddr, rport, index, wire.ERROR, self._error(e, f"unpickling the arguments of {self.instance_info.name}.{method}")
-        )
+        # under Monarch's headline for a failed call, as 0.7.0 raises it (a return value that
+        # cannot be pickled reads the same way)
+        detail = f"unpickling its arguments failed: {type(e).__name__}: {safe_str(e)}"
+        self._reply(raddr, rport, index, wire.ERROR, self._call_error(e, method, detail))
 
     async def _fail_async(self, f: _ActorFailed) -> None:
         if self.failed is not None:

@@ -27,9 +27,13 @@ class Port(Generic[R]):
         self.return_undeliverable = True
 
     def send(self, obj: R) -> None:
-        if self._once:
-            self._spend()
-        _context.runtime().send_port(self._addr, self._port, self._index, wire.ITEM, obj)
+        if self._once and self._spent:
+            self._spend()  # raises
+        # a value that cannot be pickled raises here, in the sender's code, as in Monarch (and as
+        # an endpoint's arguments do): the receiver would otherwise get an error it cannot act
+        # on. Nothing was sent then, so a once port is spent only after
+        _context.runtime().send_port(self._addr, self._port, self._index, wire.ITEM, obj, strict=True)
+        self._spent = self._once
 
     def exception(self, exc: Exception) -> None:
         """Make the receiving end raise ``exc``: ``recv()`` (or the call an explicit response
