@@ -299,11 +299,14 @@ class Future(Generic[R]):
     result = get
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The call's exception, or None. A wait that times out raises ``TimeoutError`` (as
+        ``concurrent.futures``; Monarch returns it), and one the user interrupts raises
+        ``KeyboardInterrupt`` (as Monarch): neither is the call's."""
         try:
             self.get(timeout)
         except TimeoutError:
             raise
-        except BaseException as e:
+        except Exception as e:
             return e
         return None
 

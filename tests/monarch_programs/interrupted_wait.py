@@ -1,7 +1,8 @@
 """A wait interrupted by Ctrl-C (SIGINT in the controller), and an await that times out: the wait
 ends at once, the endpoint runs on, and the actor's next call waits for it; the timed-out
-future still gives its value. (Reading the Ctrl-C'd future again differs: 0.7.0 raises
-ValueError "PythonTask already consumed", monarch_nb gives its value.)"""
+future still gives its value; Ctrl-C in Future.exception() raises KeyboardInterrupt. (Reading
+the Ctrl-C'd future again differs: 0.7.0 raises ValueError "PythonTask already consumed",
+monarch_nb gives its value.)"""
 
 import asyncio
 import os
@@ -62,14 +63,14 @@ def main() -> None:
             frame = frame.f_back
         return frame is not None
 
-    def interrupt_once_started() -> None:
+    def interrupt_once_started(d: str) -> None:
         # the endpoint runs and the main thread waits in get(): a SIGINT sooner would land elsewhere
         deadline = time.monotonic() + 60
         while not (os.path.exists(os.path.join(d, "started")) and in_get()) and time.monotonic() < deadline:
             time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGINT)
 
-    threading.Thread(target=interrupt_once_started, daemon=True).start()
+    threading.Thread(target=interrupt_once_started, args=(d,), daemon=True).start()
     fut = w.long.call_one(d)
     try:
         fut.get()
@@ -80,6 +81,19 @@ def main() -> None:
     open(os.path.join(d, "caught"), "w").close()
     print("the next call sees:", w.quick.call_one().get())
     asyncio.run(timed_out_await(procs.spawn("w2", Worker), tempfile.mkdtemp(dir=scratch.name)))
+
+    # Future.exception() waits as get() does (it reads the future through get()): Ctrl-C ends
+    # that wait too, with KeyboardInterrupt, which is not the call's exception
+    d = tempfile.mkdtemp(dir=scratch.name)
+    threading.Thread(target=interrupt_once_started, args=(d,), daemon=True).start()
+    w3 = procs.spawn("w3", Worker)
+    fut = w3.long.call_one(d)
+    try:
+        print("exception() returned:", type(fut.exception()).__name__)
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt in exception()")
+    open(os.path.join(d, "caught"), "w").close()
+    print("the next call sees:", w3.quick.call_one().get())
     procs.stop().get()
     print("done")
 
