@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import threading
 from _thread import LockType
 from _thread import allocate_lock as _allocate_lock
@@ -31,6 +32,17 @@ assert _debugwait._PENDING == _PENDING
 blocked: dict[int, Future[Any]] = {}
 #: told of every error a future raises into the code reading it (set through ``Client.on_raise``)
 raised_hook: Callable[[BaseException], None] | None = None
+
+
+def _check_timeout(timeout: Any) -> None:
+    """Refuse a timeout that is not a number of seconds to wait, in Monarch's words: a negative
+    one read as "not ready" though the wait never began."""
+    try:
+        ok = 0 <= timeout < math.inf  # False for a NaN too
+    except TypeError:
+        raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__}") from None
+    if not ok:
+        raise ValueError(f"invalid timeout {timeout}: expected a non-negative, finite number of seconds")
 
 
 class Future(Generic[R]):
@@ -232,6 +244,8 @@ class Future(Generic[R]):
 
     def get(self, timeout: float | None = None) -> R:
         """Block until the result is ready; on timeout raise ``TimeoutError`` (the future stays usable)."""
+        if timeout is not None:
+            _check_timeout(timeout)
         if self._state == _PENDING:
             if self._start is not None:
                 self._kick()

@@ -3,7 +3,8 @@ choose, an Accumulator) raises TimeoutError once the timeout has passed, again w
 and gives the value once the endpoint returns; stream() hands out its futures at once, so a
 rank that hangs does not hold up the loop over them; the actor takes its next call. A receiver's
 recv() that timed out takes the next value sent; one whose await was cancelled by
-asyncio.wait_for takes it too, so the value is lost to the next recv(). Sync and async actor.
+asyncio.wait_for takes it too, so the value is lost to the next recv(). A negative, infinite or
+NaN timeout is refused (ValueError), a non-number too (TypeError). Sync and async actor.
 (Left out, as they differ; see the compatibility page in docs/: a timed-out Accumulator future
 raises TimeoutError for good on 0.7.0 and gives its value here; Future.exception(timeout=...)
 returns the TimeoutError there and raises it here, as concurrent.futures does; monarch_nb's
@@ -123,5 +124,15 @@ async def cancelled_recv() -> None:
 
 
 asyncio.run(cancelled_recv())
+
+print("a timeout that is not a number of seconds to wait:")
+m = procs.spawn("plain", Held)
+for bad in (-1, float("nan"), float("inf"), "1"):
+    try:
+        m.ping.call().get(timeout=bad)  # type: ignore[arg-type]
+        print(f"  {bad!r}: returned")
+    except (TypeError, ValueError) as e:
+        # (the words for a value that is not a number differ: Python's in each)
+        print(f"  {bad!r}: {type(e).__name__}" + (f": {e}" if isinstance(e, ValueError) else ""))
 procs.stop().get(timeout=60)
 print("done")
