@@ -278,11 +278,14 @@ class ActorSlot:
         """The meshes this actor spawned stop before it (their ``__cleanup__`` first)."""
         if not getattr(self, "_stop_owned", False):
             return
+        self._stop_owned_meshes(logging.WARNING)
+
+    def _stop_owned_meshes(self, level: int) -> None:
         for mesh in reversed(self.instance_info._owned):
             try:
                 mesh.stop().get(timeout=self.rt.cfg.spawn_timeout)
             except Exception as e:
-                logger.warning("stopping %r, spawned by %s: %s", mesh, self.name, e)
+                logger.log(level, "stopping %r, spawned by %s: %s", mesh, self.name, e)
 
     def _signal_stopped(self) -> None:
         done = getattr(self, "_stop_done", None)
@@ -693,6 +696,10 @@ class ActorSlot:
         while self._ctl:
             self._refuse(self._ctl.popleft())
         self._tell_owner(f.reason, f.event)
+        # "… and all its descendants have failed": as in Monarch the meshes it spawned stop (their
+        # __cleanup__ runs), rather than run on, holding their procs, for an owner that is gone.
+        # Quietly: one of them may be the failed child this actor did not handle
+        self._stop_owned_meshes(logging.DEBUG)
 
     def _note_failure(self, reason: str) -> None:
         # the dashboard shows this proc's rank failed (sys_state)
