@@ -4,11 +4,11 @@ pickle's TypeError, nothing sent; an argument that fails to unpickle in the acto
 with an ActorError under Monarch's headline, and the actor lives on; a return value that fails to
 unpickle in the client raises its unpickling error there; an actor's port.send() of a value that
 cannot be pickled raises in the actor (uncaught, the call fails with an ActorError around the
-TypeError), and the port, a once port too, takes another value. Sync and async actor.
+TypeError), and the port, a once port too, takes another value; through an explicit response
+port the endpoint raises it, which fails the actor (SupervisionError). Sync and async actor.
 (Left out, as they differ; see the compatibility page in docs/: an exception that cannot be
-pickled, its class or its arguments, or an explicit response port's send() of such a value, which
-fail the actor on 0.7.0, and 0.7.0's fault hook hearing that its client actor failed for each
-reply it could not unpickle.)"""
+pickled, its class or its arguments, which fails the actor on 0.7.0, and 0.7.0's fault hook
+hearing that its client actor failed for each reply it could not unpickle.)"""
 
 # every lambda here is called at once, inside its loop iteration
 # ruff: noqa: B023
@@ -61,6 +61,10 @@ class W(Actor):
             port.send("instead")
         return "sent"
 
+    @endpoint(explicit_response_port=True)
+    def answer_lock(self, port: Port[object]) -> None:
+        port.send(threading.Lock())
+
 
 class AsyncW(Actor):
     @endpoint
@@ -88,6 +92,10 @@ class AsyncW(Actor):
             port.send("instead")
         return "sent"
 
+    @endpoint(explicit_response_port=True)
+    async def answer_lock(self, port: Port[object]) -> None:
+        port.send(threading.Lock())
+
 
 def attempt(label: str, fn) -> None:  # type: ignore[no-untyped-def]
     try:
@@ -97,7 +105,7 @@ def attempt(label: str, fn) -> None:  # type: ignore[no-untyped-def]
         print(f"  {label}: ActorError {type(e.exception).__name__}: {e.exception}")
         print(f"    first line {lines[0]!r}, last {lines[-1].strip()!r}")
     except Exception as e:
-        print(f"  {label}: {type(e).__name__}: {e}")
+        print(f"  {label}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
 
 
 def values(f):  # type: ignore[no-untyped-def]
@@ -106,8 +114,9 @@ def values(f):  # type: ignore[no-untyped-def]
 
 
 lock = threading.Lock()
-procs = this_host().spawn_procs(per_host={"gpus": 2})
 for cls in (W, AsyncW):
+    # procs of its own: the last case fails an actor, and a failed actor's procs take no new one
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
     m = procs.spawn(cls.__name__.lower(), cls)
     one = m.slice(gpus=0)
     print(f"{cls.__name__}: an argument that cannot be pickled")
@@ -143,5 +152,8 @@ for cls in (W, AsyncW):
     attempt("caught, then another value, once port", lambda: values(one.send_lock_then.call_one(once)))
     attempt("the once port's value", lambda: once_receiver.recv().get(timeout=60))
     attempt("the next call", lambda: values(m.ping.call()))
-procs.stop().get(timeout=60)
+    # last: an endpoint with an explicit response port that raises fails its actor
+    attempt("explicit response port", lambda: values(one.answer_lock.call_one()))
+    attempt("the next call to it", lambda: values(one.ping.call_one()))
+    procs.stop().get(timeout=60)
 print("done")
