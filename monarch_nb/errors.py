@@ -119,6 +119,10 @@ class ActorError(MonarchNBError):
     #: the first line of the grouped view, where "Actor call {endpoint} failed." would say less
     #: than the caller knows (a mesh tensor op's error read through its hidden actor)
     headline: str = ""
+    #: a line under the headline saying where the caller's code issued what failed (a mesh
+    #: tensor op's: its error is read later, by another line, and the ranks' traceback of it
+    #: has torch's frames only)
+    origin: str = ""
     total: int = 0
     failures: dict[int, ActorError] | None = None
     running: list[int] | int = 0
@@ -181,6 +185,8 @@ class ActorError(MonarchNBError):
         # the notebook's view (color) shortens long messages: the text (grouped_text) does not
         shorten = self._WHOLE if color else ""
         lines = [self.headline or f"Actor call {self.endpoint} failed."]
+        if self.origin:
+            lines.append(self.origin)
         failures = self.failures or {}
         if self.total <= 1 and len(failures) <= 1:
             tb = _errgroup.clean_traceback(self._failure_tuple(0)[3])
@@ -270,8 +276,11 @@ class ActorError(MonarchNBError):
 
             # runtime frames hidden (unless traceback_internal_frames), cell frames named Cell In[N];
             # the first line stays Monarch's headline, which code matches on
-            return f"{self.message}\n{self._plain_rank_lines()} {clean_traceback(self.exception_formatted)}"
-        return self.message + (f"\n{self._plain_rank_lines()}".rstrip("\n") if self.endpoint else "")
+            return f"{self._message_lines()}\n{self._plain_rank_lines()} {clean_traceback(self.exception_formatted)}"
+        return self._message_lines() + (f"\n{self._plain_rank_lines()}".rstrip("\n") if self.endpoint else "")
+
+    def _message_lines(self) -> str:
+        return f"{self.message}\n{self.origin}" if self.origin else self.message
 
     def grouped_text(self) -> str:
         """Every failing rank of the call, grouped (what a notebook shows for this error)."""
@@ -295,7 +304,7 @@ class ActorError(MonarchNBError):
 
         # the traceback below ends with the message: the headline's copy is only its start
         head = self._headline(clip(self.message) if self.remote_traceback else "")
-        lines = [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {head}"]
+        lines = [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {head}", *([self.origin] if self.origin else [])]
         if self.remote_traceback:
             lines.append("Remote traceback:")
             tb = shorten_message(clean_traceback(self.remote_traceback), "print(sys.last_value) shows all of it")

@@ -4,6 +4,7 @@ tensor, on a 1-D {gpus: 4} and a 2-D {hosts: 2, gpus: 2} mesh of real procs (glo
 from __future__ import annotations
 
 import gc
+import inspect
 import itertools
 import logging
 import math
@@ -679,6 +680,7 @@ def test_to_a_device_is_checked_against_the_ranks_not_this_controller(mesh1, mon
 def test_an_ops_error_is_headed_with_the_op_not_the_hidden_actor(mesh1):  # type: ignore[no-untyped-def]
     x = mt.distribute(gen(8, 6), mesh1, [Shard(0)])
     bad = mt.remote(_fails_on_rank_1)(x)
+    issued = f"issued by {__file__}:{inspect.currentframe().f_lineno - 1}: bad = mt.remote(_fails_on_rank_1)(x)"  # type: ignore[union-attr]
     reads = {
         "inspect": lambda: mt.inspect(bad),
         "fetch_shard": lambda: mt.fetch_shard(bad, gpus=1).get(timeout=30),
@@ -689,6 +691,8 @@ def test_an_ops_error_is_headed_with_the_op_not_the_hidden_actor(mesh1):  # type
             read()
         for text in (str(err.value), err.value.grouped_text()):
             assert text.splitlines()[0] == "Mesh tensor op test_tensor._fails_on_rank_1 failed.", f"{how}: {text}"
+            # the read raised it, another line: the line that issued the op is the user's bug
+            assert text.splitlines()[1] == issued, f"{how}: {text}"
             assert "_tensor_engine" not in text, f"{how}: {text}"
 
 
@@ -1177,6 +1181,88 @@ def test_a_handle_dropped_in_a_kernel_frees_the_ranks_tensor():  # type: ignore[
         ok("procs.stop().get(timeout=30)")
     finally:
         k.close()
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_op_reads_as_a_grouped_error_in_a_kernel():  # type: ignore[no-untyped-def]
+    """A notebook's view of an op that failed on the ranks: the grouped error's header, the line
+    of the cell that issued the op (the error is raised by a later read, and the ranks' traceback
+    has torch's frames only); an op DTensor refuses here: the cell's line, not 140 lines of
+    torch's sharding propagation and the engine."""
+    from _kernel import Kernel
+
+    k = Kernel(load_ext=False)
+    try:
+
+        def run(code: str) -> list[str]:
+            c = k.run(code, timeout=120)
+            return _ANSI.sub("", "\n".join(c.error["traceback"])).splitlines() if c.error else []
+
+        assert not run(
+            "import torch\nimport monarch_nb.tensor as mt\nfrom monarch_nb.actor import this_host\n"
+            "procs = this_host().spawn_procs(per_host={'gpus': 4}, name='tensorerrk')\n"
+            "x = mt.distribute(torch.randn(8, 6), procs, [mt.Shard(0)])"
+        )
+        assert not run("y = torch.nn.functional.cross_entropy(x, torch.full((8,), 99))  # class 99 of 6")  # In[2]
+        shown = run("z = y * 2\nmt.inspect(z)")  # In[3]
+        text = "\n".join(shown)
+        assert shown[:3] == [
+            "ActorError: Mesh tensor op torch.nn.functional.cross_entropy failed.",
+            "issued by Cell In[2], line 1: y = torch.nn.functional.cross_entropy(x, torch.full((8,), 99))  # class 99 of 6",
+            "IndexError on 4 of 4 ranks: 0-3",
+        ], text
+        assert text.count("Traceback") == 1 and "IndexError: Target 99 is out of bounds." in text, text
+        assert "[rank" not in text and "monarch_nb/" not in text, text
+
+        shown = run("w = mt.distribute(torch.randn(5, 3), procs, [mt.Replicate()])\nh = x @ w")  # In[4]
+        text = "\n".join(shown)
+        assert shown[0].startswith("TensorOpError: Tensor.__matmul__ cannot run on mesh tensors"), text
+        assert "a and b must have same reduction dim" in shown[0], text
+        assert shown[-4:] == [
+            "Traceback (most recent call last):",
+            "  Cell In[4], line 2, in <module>",
+            "    h = x @ w",
+            "        ~~^~~",
+        ], text
+        assert len(shown) < 10 and "torch/" not in text and "monarch_nb/" not in text, text
+        # the type users catch is kept
+        assert k.run("try:\n    x @ w\nexcept RuntimeError as e:\n    print(type(e).__name__)").stream() == "TensorOpError\n"
+        assert not run("procs.stop().get(timeout=30)")
+    finally:
+        k.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_op_in_a_script_is_not_said_to_be_rank_0s(tmp_path):  # type: ignore[no-untyped-def]
+    """An uncaught error in a script: the controller's traceback as Python prints it, without the
+    "[rank0]: " torch put before every line (its excepthook, set by the controller's fake
+    process group), and the line of the script that issued the op."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "fails.py"
+    script.write_text(
+        "import torch\nimport monarch_nb.tensor as mt\nfrom monarch_nb.actor import this_host\n"
+        "procs = this_host().spawn_procs(per_host={'gpus': 2}, name='tensorerrs')\n"
+        "try:\n"
+        "    x = mt.distribute(torch.randn(8, 6), procs, [mt.Shard(0)])\n"
+        "    y = torch.nn.functional.cross_entropy(x, torch.full((8,), 99))\n"
+        "    mt.inspect(y)\n"
+        "finally:\n"
+        "    procs.stop().get(timeout=30)\n"
+    )
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150)
+    assert p.returncode == 1, p.stderr
+    assert "[rank0]" not in p.stderr, p.stderr
+    lines = p.stderr.splitlines()
+    head = lines.index("monarch_nb.errors.ActorError: Mesh tensor op torch.nn.functional.cross_entropy failed.")
+    assert lines[head + 1 : head + 3] == [
+        f"issued by {script}:7: y = torch.nn.functional.cross_entropy(x, torch.full((8,), 99))",
+        "IndexError on 2 of 2 ranks: 0-1",
+    ], p.stderr
 
 
 def _shard_linears(name, mod, mesh):  # type: ignore[no-untyped-def]

@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import pickle
+import sys
 import threading
 import time
 import types
@@ -27,7 +28,7 @@ from ..actor import Future
 from ..actor._mesh import ProcMesh
 from ..errors import ActorError, MeshClosedError, MonarchNBError, SupervisionError
 from ._ops import Attr, Factory, Lit, Method, Ref, SetAttr, Via, WithMesh, chunk_range, local_shape, local_view, op_name
-from ._worker import OP_ATTR, TensorWorker
+from ._worker import OP_ATTR, OP_ID_ATTR, TensorWorker
 
 #: seconds a collective on the ranks may wait for a peer before it fails (a dead rank)
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -48,7 +49,54 @@ DISTRIBUTE_DATA_PLANE_BYTES = 32 << 20
 
 class TensorOpError(MonarchNBError, RuntimeError):
     """An op that DTensor cannot run on these placements; raised on the controller before
-    anything is sent (nothing is computed on the controller)."""
+    anything is sent (nothing is computed on the controller).
+
+    ``error``: torch's own error, when the op's dry run on meta tensors raised one (its text is
+    in this one's message; its traceback, torch's sharding propagation and fake tensors, is not
+    shown: the user's frames of it are, see ``_render_traceback_``).
+    """
+
+    error: BaseException | None = None
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing the chain: torch's error (~20 frames of sharding
+        # propagation and fake tensors) then ours through the engine, 140 lines whose message
+        # was already in ours. What the user wrote is what locates the bug: the cell's line that
+        # issued the op, and a mesh.remote fn's own line where its dry run failed
+        import traceback
+
+        from .._errgroup import cell_number, clean_traceback
+
+        frames = [f for f in traceback.extract_tb(self.__traceback__) if _users(f.filename)]
+        if self.error is not None:
+            frames += [f for f in traceback.extract_tb(self.error.__traceback__) if _users(f.filename)]
+        cells = [i for i, f in enumerate(frames) if cell_number(f.filename) is not None]
+        frames = frames[cells[0] :] if cells else frames  # not IPython's own, which ran the cell
+        lines = (str(self) or type(self).__name__).splitlines()
+        out = [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}", *lines[1:]]
+        if frames:
+            tb = clean_traceback("".join(traceback.format_list(frames)), internal=False)
+            out += ["Traceback (most recent call last):", *tb.rstrip("\n").splitlines()]
+        return out + self._note_lines()
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _users(path: str) -> bool:
+    """A frame of the user's code: neither monarch_nb's (the engine) nor torch's (DTensor's
+    dispatch, fake tensors), where a mesh tensor op's dry run fails."""
+    from .._errgroup import _internal
+
+    return not path.startswith(_TORCH_DIR) and not _internal(path)
+
+
+def _op_error(message: str, error: BaseException) -> TensorOpError:
+    """A TensorOpError for ``error`` (torch's, from an op's dry run), raised ``from None``: its text
+    is in ``message``, and its chained traceback (torch's frames) would bury the user's line."""
+    err = TensorOpError(message)
+    err.error = error
+    return err
 
 
 _shadow_lock = threading.Lock()
@@ -67,7 +115,12 @@ def _shadow_mesh(labels: tuple[str, ...], sizes: tuple[int, ...]) -> Any:
         if not dist.is_initialized():
             from torch.testing._internal.distributed.fake_pg import FakeStore
 
+            hook = sys.excepthook
             dist.init_process_group("fake", rank=0, world_size=1 << 16, store=FakeStore())
+            # torch prefixes every line of an uncaught error's traceback with "[rank0]: " (its
+            # hook, set by init_process_group): this process is the controller, rank 0 of nothing,
+            # and a script's failed op read as rank 0's, its controller frames included
+            sys.excepthook = hook
         elif dist.get_backend() != "fake":
             raise TensorOpError(
                 "this controller already has a torch.distributed process group; mesh tensors need "
@@ -107,6 +160,9 @@ class Engine:
         #: id -> how many times its handle was pickled into an actor call: its free then says so,
         #: and each rank keeps the tensor until that many calls took it (or a timeout)
         self.lends: dict[int, int] = root.lends if root is not None else {}
+        #: id -> where the user's code issued the op making it (file, line): an op's error on the
+        #: ranks is read later, by another line, and its traceback there has torch's frames only
+        self.sites: dict[int, tuple[str, int]] = root.sites if root is not None else {}
         self.actor: Any = None
         self._start_lock = threading.Lock()
         self.backend = ""
@@ -154,12 +210,14 @@ class Engine:
         return self.actor
 
     def take_frees(self) -> list[int]:
-        out = []
+        out: list[Any] = []
         while True:
             try:
-                out.append(self.frees.popleft())
+                f = self.frees.popleft()
             except IndexError:
                 return out
+            out.append(f)
+            self.sites.pop(f if isinstance(f, int) else f[0], None)
 
     def put_back_frees(self, frees: list[int]) -> None:
         """Frees taken for a message that was not sent: they go with the next one (else the
@@ -190,6 +248,12 @@ class Engine:
                 )
             raise
         self.messages_sent += 1
+        site = _call_site() if records else None
+        if site is not None:
+            for r in records:
+                made = next((i for i in r[3] if i is not None), None)
+                if made is not None:
+                    self.sites[made] = site
 
     def put(self, rank: int, *args: Any) -> None:
         self.start().put._send(([], *args, self.key), {}, None, None, [self.ranks[rank]])
@@ -270,7 +334,8 @@ class Engine:
         fut = getattr(self.start(), method)._gather(args, {}, None if self.key is None and ranks is None else to, what, decode)
         out: Future[list[Any]] = Future._create(what)
         mesh = (self.root or self).procs._name
-        fut.add_done_callback(lambda f: out._set_raw(f, lambda g: _said_as_op(g, what, mesh)))
+        sites = self.sites
+        fut.add_done_callback(lambda f: out._set_raw(f, lambda g: _said_as_op(g, what, mesh, sites)))
         return out
 
     def rank_of(self, coords: dict[str, int]) -> int:
@@ -295,9 +360,10 @@ class Engine:
         return out[::-1]
 
 
-def _said_as_op(fut: Future[Any], what: str, mesh: str = "") -> Any:
+def _said_as_op(fut: Future[Any], what: str, mesh: str = "", sites: dict[int, tuple[str, int]] | None = None) -> Any:
     """``fut``'s result; its error headed with the op that failed on the ranks (or the read,
-    ``what``), not with the hidden actor's endpoint ("Actor call _tensor_engine.full failed.")."""
+    ``what``), not with the hidden actor's endpoint ("Actor call _tensor_engine.full failed."),
+    and the line of the user's code that issued it (``sites``: the engine's)."""
     try:
         return fut.get()
     except ActorError as err:
@@ -307,6 +373,9 @@ def _said_as_op(fut: Future[Any], what: str, mesh: str = "") -> Any:
             e.actor = ""  # the hidden worker's name says nothing to the user; rank and host stay
             e.headline = e.message
             e.args = (e._headline(),)
+            site = (sites or {}).get(getattr(e.exception, OP_ID_ATTR, None))  # type: ignore[arg-type]
+            if site is not None:
+                e.origin = _site_text(*site)
         raise
     except SupervisionError as err:
         # the first line named the hidden worker's endpoint ("Endpoint call _tensor_engine.full()
@@ -323,6 +392,27 @@ def _said_as_op(fut: Future[Any], what: str, mesh: str = "") -> Any:
         )
         err.args = (err.message,)
         raise
+
+
+def _call_site() -> tuple[str, int] | None:
+    """Where the user's code called into the engine: the innermost frame neither monarch_nb's
+    nor torch's (``F.cross_entropy(x, t)`` goes through torch's function before it gets here)."""
+    f = sys._getframe(1)
+    while f is not None:
+        if _users(f.f_code.co_filename):
+            return f.f_code.co_filename, f.f_lineno
+        f = f.f_back  # type: ignore[assignment]
+    return None
+
+
+def _site_text(filename: str, line: int) -> str:
+    """``issued by Cell In[4], line 1: y = x @ w`` (``file:line`` outside a notebook)."""
+    import linecache
+
+    from .._errgroup import cell_location, clip
+
+    src = linecache.getline(filename, line).strip()
+    return f"issued by {cell_location(filename, line)}" + (f": {clip(src)}" if src else "")
 
 
 def _local_of(
@@ -1026,7 +1116,7 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
         with _Controller():
             out = func(*s_args, **s_kwargs)
     except Exception as e:
-        raise TensorOpError(
+        raise _op_error(
             f"{_name(func)} cannot run on mesh tensors with placements "
             f"{[tuple(map(str, h.placements)) for h in handles if isinstance(h, MeshTensor)]}: {type(e).__name__}: {e}"
             + (
@@ -1034,8 +1124,9 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
                 "them, so no .item() or other reads of values)"
                 if user_fn
                 else ""
-            )
-        ) from e
+            ),
+            e,
+        ) from (e if user_fn else None)  # a script's traceback: the chain has the line of fn that failed
     changed = {h._id for h in handles if isinstance(h, MeshTensor) and h._shadow._version != versions[h._id]}
     flat, spec = pytree.tree_flatten(out)
     ids: list[int | None] = []
@@ -1165,7 +1256,7 @@ def make(engine: Engine, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         with _Controller():
             shadow = Factory(fn, pl, None)(engine.shadow_mesh, "meta", *args, **kwargs)
     except Exception as e:
-        raise TensorOpError(f"{fac}: {type(e).__name__}: {e}") from e
+        raise _op_error(f"{fac}: {type(e).__name__}: {e}", e) from None
     h = MeshTensor(engine, engine.new_id(), shadow)
     engine.send([(fac, args, kwargs, [h._id], torch.is_grad_enabled())])
     return h

@@ -44,19 +44,24 @@ def _gloo_interface(master: str) -> None:
 
 #: the attribute of an op's error naming that op
 OP_ATTR = "_mesh_tensor_op"
+#: the attribute of an op's error holding the id of the op's first result: the controller knows
+#: where the user's code issued that op
+OP_ID_ATTR = "_mesh_tensor_op_id"
 
 
 class _Failed:
     """A table entry whose op failed: every op reading it fails with the same error."""
 
-    __slots__ = ("error", "op")
+    __slots__ = ("error", "first", "op")
 
     def __init__(self, error: BaseException, op: str) -> None:
         self.error = error
         self.op = op  # the op that failed with it here (its input's op may have failed first)
+        #: whether this op is the one that raised it (not an op reading a failed input)
+        self.first = not hasattr(error, OP_ATTR)
         # the op whose error it is, for the controller's header (the error's copies keep it: an
         # op failing on a failed input names the op that failed first)
-        if not hasattr(error, OP_ATTR):
+        if self.first:
             try:
                 setattr(error, OP_ATTR, op)
             except AttributeError:  # an exception without a __dict__: the header names the read
@@ -377,7 +382,13 @@ class TensorWorker(Actor):
                 self._fail(_Failed(e, op_name(fn)), out_ids, mutates)
 
     def _fail(self, failed: _Failed, out_ids: list[int | None], mutates: list[Any]) -> None:
-        ids = [i for i in out_ids if i is not None] + [i for m in mutates for i in m]
+        made = [i for i in out_ids if i is not None]
+        if failed.first and made and not hasattr(failed.error, OP_ID_ATTR):
+            try:
+                setattr(failed.error, OP_ID_ATTR, made[0])
+            except AttributeError:  # no __dict__: the header names no line
+                pass
+        ids = made + [i for m in mutates for i in m]
         for i in ids:
             self.table[i] = failed
         if not ids:
