@@ -694,6 +694,14 @@ def test_an_ops_error_is_headed_with_the_op_not_the_hidden_actor(mesh1):  # type
             # the read raised it, another line: the line that issued the op is the user's bug
             assert text.splitlines()[1] == issued, f"{how}: {text}"
             assert "_tensor_engine" not in text, f"{how}: {text}"
+    # shown in a cell: each rank's row says what went wrong there (each said "ActorError: Mesh
+    # tensor op … failed.", as if all 4 ranks had failed)
+    from IPython.lib.pretty import pretty
+
+    rows = pretty(bad).splitlines()[1:]
+    assert rows[1] == "  gpus=1: local (2, 6): [(IndexError: index 99 is out of bounds (rank 1's shard only))]", rows
+    others = "[(not fetched: the op failed on rank 1; mt.inspect(t) raises its error)]"
+    assert [r.endswith(others) for r in rows] == [True, False, True, True], rows
 
 
 def _checks_on_rank_1(x: torch.Tensor) -> torch.Tensor:

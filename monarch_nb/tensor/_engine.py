@@ -394,6 +394,23 @@ def _said_as_op(fut: Future[Any], what: str, mesh: str = "", sites: dict[int, tu
         raise
 
 
+def _failed_rows(err: ActorError, size: int) -> list[str]:
+    """A failed tensor's preview rows: each failing rank's own error (``IndexError: index 99 is
+    out of bounds``), and for the others which ranks failed (every row said "ActorError: Mesh
+    tensor op f failed.", as if every rank had, when one had)."""
+    from .._errgroup import clip, ranks_text
+
+    failures = err.failures or {}
+    if not failures:
+        return [f"({clip(err.message)})"] * size
+    said = {}
+    for r, f in failures.items():
+        _, etype, msg, _ = f._failure_tuple(r)
+        said[r] = f"({etype}: {clip(msg)})" if msg else f"({etype})"
+    others = f"(not fetched: the op failed on {ranks_text(sorted(failures))}; mt.inspect(t) raises its error)"
+    return [said.get(r, others) for r in range(size)]
+
+
 def _call_site() -> tuple[str, int] | None:
     """Where the user's code called into the engine: the innermost frame neither monarch_nb's
     nor torch's (``F.cross_entropy(x, t)`` goes through torch's function before it gets here)."""
@@ -870,6 +887,8 @@ class MeshTensor:
                 f"(not computed after {PREVIEW_WAIT_S:g} s: the ranks are still busy with earlier ops; "
                 "mt.inspect(t) waits for the value)"
             ] * self._engine.size
+        except ActorError as e:  # each rank's row says what went wrong there
+            rows = _failed_rows(e, self._engine.size)
         except Exception as e:  # a preview shows what went wrong instead
             rows = [f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"] * self._engine.size
         self._shown = (version, time.monotonic(), rows)
