@@ -1238,6 +1238,17 @@ def test_a_failed_op_reads_as_a_grouped_error_in_a_kernel():  # type: ignore[no-
         assert len(shown) < 10 and "torch/" not in text and "monarch_nb/" not in text, text
         # the type users catch is kept
         assert k.run("try:\n    x @ w\nexcept RuntimeError as e:\n    print(type(e).__name__)").stream() == "TensorOpError\n"
+        # mt.remote(fn)'s dry run on meta tensors: the line of fn that failed, past torch's frames
+        assert not run("def g(t):\n    return (t * 2).reshape(7, 7)")  # In[6]
+        shown = run("mt.remote(g)(x)")  # In[7]
+        assert shown[0].startswith("TensorOpError: __main__.g cannot run on mesh tensors"), shown
+        assert shown[-6:-1] == [
+            "Traceback (most recent call last):",
+            "  Cell In[7], line 1, in <module>",
+            "    mt.remote(g)(x)",
+            "  Cell In[6], line 2, in g",
+            "    return (t * 2).reshape(7, 7)",
+        ], shown
         assert not run("procs.stop().get(timeout=30)")
     finally:
         k.close()
