@@ -5,6 +5,7 @@ op records to the ranks in one ordered stream."""
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import math
@@ -83,9 +84,11 @@ class TensorOpError(MonarchNBError, RuntimeError):
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
+@functools.lru_cache(maxsize=1024)
 def _users(path: str) -> bool:
     """A frame of the user's code: neither monarch_nb's (the engine) nor torch's (DTensor's
-    dispatch, fake tensors), where a mesh tensor op's dry run fails."""
+    dispatch, fake tensors), where a mesh tensor op's dry run fails. Cached: every op walks its
+    caller's frames through here, and ``_internal`` stats a file per frame."""
     from .._errgroup import _internal
 
     return not path.startswith(_TORCH_DIR) and not _internal(path)
