@@ -197,7 +197,7 @@ def test_pending_job_shows_its_reason_and_honours_job_start_timeout(slurm: Slurm
             shown = threading.Event()
             class Cell(io.StringIO):
                 def write(self, s):
-                    if "pending:" in s:
+                    if "pending: Resources" in s or "pending: Priority" in s:
                         shown.set()
                     return super().write(s)
             def free_nodes():

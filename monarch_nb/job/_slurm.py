@@ -449,10 +449,13 @@ class SlurmJob(JobTrait):
                 break
             if info.state in TERMINAL:
                 raise JobError(f"Slurm job {job_id} ended ({info.state}, {info.reason}) before it started; {self._logs_hint()}")
-            if info.state == "PENDING" and info.reason not in ("", "None") and info.reason != last_reason:
-                # shown live in the cell: why the allocation is not there yet
+            if info.state == "PENDING" and info.reason != last_reason:
+                # shown live in the cell: why the allocation is not there yet. At once, also before
+                # Slurm gives a reason: on a busy slurmctld "None" lasted the whole of a 110 s wait,
+                # and the cell said nothing of the job it waited for
+                why = _explain(info.reason) if info.reason not in ("", "None") else _NO_REASON_YET
                 print(
-                    f"Slurm job {job_id} pending: {_explain(info.reason)} (waiting for it to start; interrupt to cancel it)",
+                    f"Slurm job {job_id} pending: {why} (waiting for it to start; interrupt to cancel it)",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -607,6 +610,10 @@ _REASONS = {
     "PartitionConfig": "PartitionConfig: the request does not fit the partition's limits (nodes, time, account)",
     "BeginTime": "BeginTime: Slurm requeued it after a node failure, or it has a start time",
 }
+
+
+#: a pending job's reason before the scheduler has looked at it (squeue's "None")
+_NO_REASON_YET = "no reason from Slurm yet (its scheduler has not looked at the job)"
 
 
 def _explain(reason: str) -> str:
