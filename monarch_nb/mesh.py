@@ -228,10 +228,18 @@ def exec_cell(
                 e.add_note(text)
         raise
     except KeyboardInterrupt as e:
-        interrupt(pm, sel)
         # the ranks were interrupted too: the future's "only the wait stopped" is not so here
         vars(e).pop("__notes__", None)
-        _note_not_interrupted(e, out, pm.name)
+        grace = INTERRUPT_GRACE
+        try:
+            interrupt(pm, sel)
+            _wait_settled(out, INTERRUPT_GRACE)
+        except KeyboardInterrupt:
+            # an impatient user's next interrupt: it ended the wait for the ranks, not the cell's
+            # notes (which ranks still run it, what ends them); raised, it showed a traceback of
+            # our waits chained to the first, without them
+            grace = -1.0
+        _note_not_interrupted(e, out, pm.name, grace)
         _note_where_interrupted(e, out)
         raise
     if left is not None:
@@ -247,21 +255,26 @@ def exec_cell(
 INTERRUPT_GRACE = 1.0
 
 
-def _note_not_interrupted(e: BaseException, out: Future[Any], name: str) -> None:
-    """A SIGINT ends Python code, not a C call: ranks blocked in a collective (waiting for a
-    rank the interrupt stopped, or a dead one) run on, and the next cell would wait on them
-    unexplained. Say how many had not stopped shortly after the interrupt."""
+def _wait_settled(out: Future[Any], timeout: float) -> None:
     import threading
 
     settled = threading.Event()
     out.add_done_callback(lambda _f: settled.set())
-    settled.wait(INTERRUPT_GRACE)
+    settled.wait(timeout)
+
+
+def _note_not_interrupted(e: BaseException, out: Future[Any], name: str, grace: float) -> None:
+    """A SIGINT ends Python code, not a C call: ranks blocked in a collective (waiting for a
+    rank the interrupt stopped, or a dead one) run on, and the next cell would wait on them
+    unexplained. Say how many had not stopped ``grace`` s after the interrupt (or when the user
+    interrupted again, for a negative ``grace``)."""
     p = out.progress()
     if p is None or p[0] >= p[1]:
         return
     done, n = p
+    when = "when you interrupted again" if grace < 0 else f"{grace:g} s after the interrupt"
     e.add_note(
-        f"monarch_nb: {n - done} of {n} ranks had not stopped {INTERRUPT_GRACE:g} s after the interrupt: blocked "
+        f"monarch_nb: {n - done} of {n} ranks had not stopped {when}: blocked "
         "in a C call (a collective waiting for another rank, perhaps), which an interrupt does not end; "
         f"the next cell on this mesh waits for them (%mesh stop {name} ends them)"
     )
@@ -270,7 +283,7 @@ def _note_not_interrupted(e: BaseException, out: Future[Any], name: str) -> None
 def _note_where_interrupted(e: BaseException, out: Future[Any]) -> None:
     """The ranks' own interrupts, grouped: where each rank's code was, which is what a user
     interrupting a cell that seems stuck wants to know (the local traceback shows only the
-    cell's wait). Only when every rank has stopped (``_note_not_interrupted`` waited)."""
+    cell's wait). Only when every rank has stopped (``_wait_settled`` waited)."""
     if not out.done():
         return
     try:

@@ -314,6 +314,40 @@ def test_an_interrupt_that_leaves_ranks_blocked_in_a_collective_says_so(k: Kerne
 
 
 @pytest.mark.timeout(60)
+def test_a_second_interrupt_while_the_ranks_stop_still_says_which_run_on(k: Kernel, tmp_path) -> None:
+    # an impatient user interrupts again while the cell waits for its ranks to stop (rank 3 is in
+    # a C call, SIGINT held off as by one): that interrupt showed our waits' frames chained to the
+    # first, and lost the note on which rank still runs the cell and what ends it
+    _ok(k.run("%mesh spawn twice --per-host gpus=4\nimport monarch_nb.mesh as _M\n_M.INTERRUPT_GRACE = 60"))
+    try:
+        cell = k.execute(
+            "%%mesh exec twice\nimport os, signal, time\nfrom monarch_nb.actor import current_rank\n"
+            "if current_rank().rank == 3:\n    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n"
+            "print('in', flush=True)\ntry:\n    time.sleep(600)\nexcept KeyboardInterrupt:\n"
+            f"    open(os.path.join({str(tmp_path)!r}, str(current_rank().rank)), 'w').close()\n    raise"
+        )
+        k.wait_msg(
+            lambda m: m["parent_header"].get("msg_id") == cell.msg_id and m["msg_type"] == "stream", 20, "the ranks to start"
+        )
+        k.interrupt()
+        # ranks 0-2 stopped: the cell now waits (60 s) for rank 3 to
+        deadline = time.monotonic() + 20
+        while len(os.listdir(tmp_path)) < 3:
+            assert time.monotonic() < deadline, f"ranks stopped: {os.listdir(tmp_path)}"
+            time.sleep(0.05)
+        k.interrupt()
+        c = k.wait(cell, 20)
+        assert c.error and c.error["ename"] == "KeyboardInterrupt", c.error
+        tb = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(c.error["traceback"]))
+        assert "1 of 4 ranks had not stopped when you interrupted again" in tb, tb
+        assert "%mesh stop twice ends them" in tb, tb
+        assert "During handling" not in tb and "monarch_nb/" not in tb, tb
+    finally:
+        _ok(k.run("_M.INTERRUPT_GRACE = 1.0"))
+        _ok(k.run("%mesh stop twice"))
+
+
+@pytest.mark.timeout(60)
 def test_notes_on_our_errors_show_in_the_notebook(k: Kernel) -> None:
     # IPython shows only what _render_traceback_ returns: the notes we add (what still runs,
     # what to do) must be in it, after the message, as Python prints them
