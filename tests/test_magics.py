@@ -348,6 +348,38 @@ def test_a_second_interrupt_while_the_ranks_stop_still_says_which_run_on(k: Kern
 
 
 @pytest.mark.timeout(60)
+def test_an_interrupt_while_the_interrupted_cell_is_shown_keeps_the_short_view(k: Kernel, tmp_path) -> None:
+    # the user interrupts again while IPython formats the first interrupt's traceback (seconds on
+    # a busy machine): IPython dropped our handler ("Custom TB Handler failed, unregistering"),
+    # printed its own formatting frames, and every later interrupt showed the runtime's frames.
+    # The second interrupt here is the kernel's own SIGINT, sent when the formatting starts
+    _ok(
+        k.run(
+            "import os, signal\n_tb = get_ipython().InteractiveTB\n_fmt = _tb.structured_traceback\n"
+            "def _again(*a, **kw):\n    os.kill(os.getpid(), signal.SIGINT)\n    return _fmt(*a, **kw)\n"
+            "_tb.structured_traceback = _again"
+        )
+    )
+    try:
+        # the cell is in its sleep once the file exists (a print's flush could take the interrupt)
+        flag = tmp_path / "in"
+        cell = k.execute(f"import time\nopen({str(flag)!r}, 'w').close()\ntime.sleep(600)")
+        deadline = time.monotonic() + 20
+        while not flag.exists():
+            assert time.monotonic() < deadline, "the cell did not start within 20 s"
+            time.sleep(0.05)
+        k.interrupt()
+        c = k.wait(cell, 20)
+        assert "Custom TB Handler failed" not in c.stream("stderr") + c.stream(), c.msgs
+        assert c.error and c.error["ename"] == "KeyboardInterrupt", c.msgs
+        tb = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(c.error["traceback"]))
+        assert "time.sleep(600)" in tb and "stack_data" not in tb and "iostream" not in tb, tb
+    finally:
+        _ok(k.run("del _tb.structured_traceback"))
+    assert _ok(k.run("get_ipython().custom_exceptions")).result == "(KeyboardInterrupt, asyncio.exceptions.CancelledError)"
+
+
+@pytest.mark.timeout(60)
 def test_notes_on_our_errors_show_in_the_notebook(k: Kernel) -> None:
     # IPython shows only what _render_traceback_ returns: the notes we add (what still runs,
     # what to do) must be in it, after the message, as Python prints them

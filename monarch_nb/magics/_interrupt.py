@@ -12,8 +12,12 @@ IPython's view: ours carry ``_render_traceback_``, and the user's own are not ou
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import sys
+import threading
 import types
+from collections.abc import Iterator
 from typing import Any
 
 from .._errgroup import _internal, show_internal_frames
@@ -44,10 +48,27 @@ def _show(shell: Any, etype: type[BaseException], value: BaseException, tb: Any,
     sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb
     if not show_internal_frames():
         tb = user_frames(tb)
-    stb = shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
-    # IPython's run_code calls a custom handler and shows nothing itself
-    shell._showtraceback(etype, value, stb)
+    with _held_off():
+        stb = shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
+        # IPython's run_code calls a custom handler and shows nothing itself
+        shell._showtraceback(etype, value, stb)
     return stb
+
+
+@contextlib.contextmanager
+def _held_off() -> Iterator[None]:
+    """Ignore SIGINT meanwhile: the cell is already interrupted, and formatting its traceback
+    takes seconds on a busy machine, when an impatient user interrupts again. Raised in a custom
+    handler, that interrupt made IPython unregister it for good ("Custom TB Handler failed") and
+    print its own formatting frames instead of the cell's."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    outer = signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, outer)
 
 
 def install(shell: Any) -> bool:
