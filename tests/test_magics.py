@@ -1265,6 +1265,39 @@ def test_an_interrupted_wait_says_the_call_runs_on_and_the_future_still_works(k:
     _ok(k.run("gated_procs.stop().get()"))
 
 
+def test_an_interrupted_stream_says_the_call_runs_on(k: Kernel, tmp_path) -> None:
+    # a loop over stream() interrupted while rank 1 still runs: a bare KeyboardInterrupt, where an
+    # interrupted get() says the call goes on and why a next call to those actors waits
+    go = tmp_path / "go"
+    _ok(
+        k.run(
+            "from monarch_nb.actor import Actor, current_rank, endpoint, this_host\n"
+            "import os, time\n"
+            "class Streams(Actor):\n"
+            "    @endpoint\n"
+            "    def run(self, flag):\n"
+            "        while current_rank().rank and not os.path.exists(flag):\n"
+            "            time.sleep(0.02)\n"
+            "        return current_rank().rank\n"
+            "streams_procs = this_host().spawn_procs(per_host={'gpus': 2})\n"
+            "streams = streams_procs.spawn('streams', Streams)"
+        )
+    )
+    # no flush: the print is out (ipykernel's output thread sends it) while the loop waits
+    cell = k.execute(f"for f in streams.run.stream({str(go)!r}):\n    print('got', f.get())")
+    k.wait_msg(lambda m: m["parent_header"].get("msg_id") == cell.msg_id and m["msg_type"] == "stream", 20, "the first item")
+    k.interrupt()
+    c = k.wait(cell, 20)
+    assert c.error and c.error["ename"] == "KeyboardInterrupt", c.msgs
+    tb = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(c.error["traceback"]))
+    assert "only the wait stopped: streams.run.stream() still runs on 1 of 2 ranks" in tb, tb
+    assert "This stream has ended" in tb and "monarch_nb/" not in tb, tb
+    go.touch()
+    # the interrupted call ends, and the actors take the next
+    assert _ok(k.run(f"sorted(streams.run.call({str(go)!r}).get(timeout=20).values())")).result == "[0, 1]"
+    _ok(k.run("streams_procs.stop().get()"))
+
+
 def test_the_subcommands_take_a_variable_holding_a_mesh_of_the_python_api(k: Kernel, tmp_path) -> None:
     # procs = this_host().spawn_procs(...) (the README's and Monarch's way) has no %mesh name:
     # `%%mesh exec procs` said "no mesh named 'procs'"
