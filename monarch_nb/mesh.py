@@ -338,11 +338,20 @@ def stop(name: str | None = None, *, all: bool = False, force: bool = False) -> 
             groups = _by_procs([m for m in held if m.name == name]) or [[get(name)]]  # type: ignore[arg-type]
         stopped = []
         errors = []
-        for pm, *same in groups:
+        for at, (pm, *same) in enumerate(groups):
             if all and not force and not _owned(client, pm):
                 continue
             try:
                 stop_proc_mesh(pm, force)
+            except KeyboardInterrupt as e:
+                # the stop goes on at the allocators; this kernel's handles must not outlive it: a
+                # next `%%mesh exec` on the name failed with "actor mesh '__mnb_exec__' was stopped"
+                for other in same:
+                    other._stopped = True
+                _registry._exec_meshes.pop(pm.name, None)
+                left_by_mesh.pop(pm.name, None)
+                _note_stop_interrupted(e, pm, [g[0].name for g in groups[at + 1 :]] if all else [])
+                raise
             except ConnectError as e:
                 if not all:
                     raise  # it says what was stopped, and what could not be
@@ -369,6 +378,19 @@ def stop(name: str | None = None, *, all: bool = False, force: bool = False) -> 
             done = ", ".join(stopped) or "nothing"
             raise ConnectError(f"stopped: {done}; these could not be reached, and no mesh of theirs was stopped: {gone}")
         return stopped
+
+
+def _note_stop_interrupted(e: BaseException, pm: ProcMesh, after: list[str]) -> None:
+    """The future's "only the wait stopped: stop mesh X goes on, and .get() or await waits for it
+    again" named a future the user does not have; say what goes on, and what was not asked."""
+    e.__notes__ = [n for n in getattr(e, "__notes__", []) if "only the wait stopped" not in n]
+    text = (
+        f"monarch_nb: only the wait stopped: the stop of mesh {pm.name!r} goes on (its allocators kill the procs that "
+        "do not end by themselves within seconds); `%mesh status` shows when they are gone."
+    )
+    if after:
+        text += f" Not stopped: {', '.join(after)} (`%mesh stop --all` again stops them)."
+    e.add_note(text)
 
 
 def _stop_the_others(done: set[str], stopped: list[str], errors: list[str]) -> str:

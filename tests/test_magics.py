@@ -380,6 +380,35 @@ def test_an_interrupt_while_the_interrupted_cell_is_shown_keeps_the_short_view(k
 
 
 @pytest.mark.timeout(60)
+def test_an_interrupted_stop_says_it_goes_on_and_the_mesh_reads_as_stopped(k: Kernel, tmp_path) -> None:
+    # the impatient user interrupts `%mesh stop` of a mesh whose rank will not end by itself: the
+    # note offered ".get() or await" on a future the user never had, and a next `%%mesh exec` on
+    # the name said "actor mesh '__mnb_exec__' was stopped; spawn it again"
+    _ok(k.run("%mesh spawn halting --per-host gpus=1"))
+    cell = k.execute(
+        "%%mesh exec halting\nimport signal, time\nsignal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n"
+        "print('in', flush=True)\ntime.sleep(600)"
+    )
+    k.wait_msg(lambda m: m["parent_header"].get("msg_id") == cell.msg_id and m["msg_type"] == "stream", 20, "the rank to start")
+    k.interrupt()
+    assert k.wait(cell, 20).error is not None
+    # the stop waits 2 s for the rank's cleanup, then kills it: the interrupt comes in that wait
+    cell = k.execute(f"open({str(tmp_path / 'stopping')!r}, 'w').close()\n%mesh stop halting")
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "stopping").exists():
+        assert time.monotonic() < deadline, "the stop did not start within 20 s"
+        time.sleep(0.05)
+    k.interrupt()
+    c = k.wait(cell, 20)
+    assert c.error and c.error["ename"] == "KeyboardInterrupt", c.msgs
+    tb = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(c.error["traceback"]))
+    assert "only the wait stopped: the stop of mesh 'halting' goes on" in tb and ".get() or await" not in tb, tb
+    c = k.run("%%mesh exec halting\n1")
+    assert "`ProcMesh` has already been stopped: proc mesh 'halting'" in c.stream("stderr"), c.msgs
+    _ok(k.run(poll("'halting' not in str(get_ipython().run_line_magic('mesh', 'status'))", 20, "the stop to finish")))
+
+
+@pytest.mark.timeout(60)
 def test_notes_on_our_errors_show_in_the_notebook(k: Kernel) -> None:
     # IPython shows only what _render_traceback_ returns: the notes we add (what still runs,
     # what to do) must be in it, after the message, as Python prints them
