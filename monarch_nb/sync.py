@@ -277,11 +277,34 @@ def _sync_root(
     optional: set[str],
 ) -> SyncReport:
     client = _context.client()
-    timeout = client.rt.cfg.spawn_timeout
     ws = _workspace.workspace_id(root)
+    report = SyncReport(ws, root, [HostSync(host, alloc) for alloc, host in allocs.items()], not_followed=skipped)
+    #: how far it got ("send", "commit", "reload") and the hosts' commit futures: an interrupt's note
+    state: dict[str, Any] = {"stage": "send"}
+    try:
+        _sync_steps(client, report, root, manifest, allocs, meshes, via, reload, optional, state)
+    except KeyboardInterrupt as e:
+        _note_interrupted(e, report, root, meshes, reload, state)
+        raise
+    return report
+
+
+def _sync_steps(
+    client: Any,
+    report: SyncReport,
+    root: str,
+    manifest: _workspace.Manifest,
+    allocs: dict[str, str],
+    meshes: list[ProcMesh],
+    via: str | None,
+    reload: str | None,
+    optional: set[str],
+    state: dict[str, Any],
+) -> None:
+    timeout = client.rt.cfg.spawn_timeout
+    ws = report.workspace
     by_digest = {d: rel for rel, (d, _s, _m) in manifest.items()}
     digests = list(by_digest)
-    report = SyncReport(ws, root, [HostSync(host, alloc) for alloc, host in allocs.items()], not_followed=skipped)
     missing = {hs.allocator: client.request(hs.allocator, "sync_missing", digests) for hs in report.hosts}
     lacking: dict[str, Any] = {}
     gone: set[str] = set()
@@ -314,13 +337,81 @@ def _sync_root(
                     rel = by_digest[d]
                     hs.bytes_sent += _put_parts(client, hs.allocator, root, rel, d, manifest[rel][1], timeout)
                     hs.files_sent += 1
-    commits = {hs.allocator: client.request(hs.allocator, "sync_commit", ws, manifest) for hs in report.hosts}
+    state["stage"] = "commit"
+    commits = state["commits"] = {hs.allocator: client.request(hs.allocator, "sync_commit", ws, manifest) for hs in report.hosts}
     for hs in report.hosts:
-        diff = commits[hs.allocator].get(timeout=timeout)
-        hs.path, hs.added, hs.changed, hs.removed = diff["path"], diff["added"], diff["changed"], diff["removed"]
+        _committed(hs, commits[hs.allocator].get(timeout=timeout))
+    state["stage"] = "reload"
     if reload is not None and meshes:
         report.reloads = _reload(report, meshes, reload)
-    return report
+
+
+def _committed(hs: HostSync, diff: dict[str, Any]) -> None:
+    hs.path, hs.added, hs.changed, hs.removed = diff["path"], diff["added"], diff["changed"], diff["removed"]
+
+
+#: how long an interrupted sync waits for the hosts to answer the commit they were sent
+COMMIT_WAIT = 2.0
+
+
+def _note_interrupted(
+    e: BaseException,
+    report: SyncReport,
+    root: str,
+    meshes: list[ProcMesh],
+    reload: str | None,
+    state: dict[str, Any],
+) -> None:
+    """What an interrupted sync left: the future's "only the wait stopped: reload on ipc://…
+    goes on, and .get() or await waits for it again" named a socket, and a future the user does
+    not have. An interrupt between the hosts' commit and the reloads left the procs on the old
+    code for good: a second sync found nothing changed, and reloaded nothing. That step is
+    finished here instead (the commit is a quick answer; the reloads are sent, not waited for)."""
+    e.__notes__ = [n for n in getattr(e, "__notes__", []) if "only the wait stopped" not in n]
+    stage = state["stage"]
+    if stage == "send":
+        e.add_note(
+            f"monarch_nb: the sync of {root} stopped before the hosts took the new files: the procs run the code "
+            "they had; syncing again sends what is still missing."
+        )
+        return
+    if stage == "commit":
+        from ._deadline import budget
+
+        left = budget(COMMIT_WAIT)
+        try:
+            for hs in report.hosts:
+                # no commit future: the interrupt came while they were being sent
+                f = state.get("commits", {}).get(hs.allocator)
+                if not hs.path and f is not None:
+                    _committed(hs, f.get(timeout=left()))
+        except (KeyboardInterrupt, Exception):
+            pass  # interrupted again, or a host that failed to answer: told as not known to have taken them
+        if not all(hs.path for hs in report.hosts):
+            e.add_note(
+                f"monarch_nb: the sync of {root} stopped while the hosts took the new files; if they did, the procs "
+                "did not reload them, and syncing again finds nothing changed: %mesh sync --restart restarts them."
+            )
+            return
+        if reload in (None, "restart") or not meshes:
+            what = "no reload was asked" if reload is None or not meshes else "`%mesh sync --restart` restarts the procs"
+            e.add_note(f"monarch_nb: only the wait stopped: the hosts took the new files of {root}; {what}.")
+            return
+        _reload_requests(report, meshes, reload)
+    n = sum(len({p.addr for p in m._procs}) for m in meshes)
+    names = ("mesh " if len(meshes) == 1 else "meshes ") + ", ".join(repr(m.name) for m in meshes)
+    if reload is None or not meshes:
+        e.add_note(f"monarch_nb: only the wait stopped: the hosts took the new files of {root}; no reload was asked.")
+    elif reload == "restart":
+        e.add_note(
+            f"monarch_nb: the hosts took the new files of {root}; the restart of {names} was interrupted: "
+            "`%mesh status` shows which procs are up, `%mesh sync --restart` restarts them again."
+        )
+    else:
+        e.add_note(
+            f"monarch_nb: only the wait stopped: the hosts took the new files of {root}, and {plural(n, 'proc')} of "
+            f"{names} reload them on: the wait for them stopped, not the reload."
+        )
 
 
 def _first_line(e: BaseException) -> str:
@@ -464,9 +555,21 @@ def _private_staging(blobs: str) -> None:
         os.chmod(blobs, 0o700)  # staged before session 28, with the umask's mode
 
 
-def _reload(report: SyncReport, meshes: list[ProcMesh], mode: str) -> list[dict[str, Any]]:
+def _reload_requests(report: SyncReport, meshes: list[ProcMesh], mode: str) -> list[tuple[Any, Any]]:
+    """Ask every proc of ``meshes`` to reload what changed on its host: ``(proc, future)`` pairs."""
     client = _context.client()
     changed_by_alloc = {hs.allocator: (hs.path, hs.changed + hs.removed) for hs in report.hosts}
+    futs = []
+    for m in meshes:
+        for p in {p.addr: p for p in m._procs}.values():
+            path, changed = changed_by_alloc.get(p.alloc, ("", []))
+            if path:
+                futs.append((p, client.request(p.addr, "reload", path, changed, mode, report.root, _actor="__sys__")))
+    return futs
+
+
+def _reload(report: SyncReport, meshes: list[ProcMesh], mode: str) -> list[dict[str, Any]]:
+    client = _context.client()
     if mode == "restart":
         from . import _registry
 
@@ -474,12 +577,7 @@ def _reload(report: SyncReport, meshes: list[ProcMesh], mode: str) -> list[dict[
         for m in meshes:
             out.append({"restarted": m.name, **_registry.restart(m)})
         return out
-    futs = []
-    for m in meshes:
-        for p in {p.addr: p for p in m._procs}.values():
-            path, changed = changed_by_alloc.get(p.alloc, ("", []))
-            if path:
-                futs.append((p, client.request(p.addr, "reload", path, changed, mode, report.root, _actor="__sys__")))
+    futs = _reload_requests(report, meshes, mode)
     out = []
     for p, f in futs:
         try:

@@ -1128,3 +1128,104 @@ def test_a_staging_folder_another_user_made_is_refused(ws: Path) -> None:
         assert os.listdir(f"{shared}/blobs") == []
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_an_interrupted_reload_says_it_goes_on_and_it_does(tmp_path: Path, gate) -> None:  # type: ignore[no-untyped-def]
+    # a kernel interrupt while the procs import a slow module: the note named the proc's socket
+    # ("reload on ipc://… goes on") and a future the user does not have (".get() or await")
+    import signal
+    import threading
+
+    from conftest import wait_for
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    started, g = tmp_path / "started", gate("import")
+
+    def write(v: str, wait: bool = False) -> None:
+        held = _CONC_WAIT.format(started=str(started), gate=g.path) if wait else ""
+        (ws / "intrmod.py").write_text(_CONC.format(v=v, wait=held))
+
+    write("v1")
+    sys.path.insert(0, str(ws))
+    pm = M.spawn("intrsync", {"gpus": 2})
+    try:
+        S.sync(str(ws), meshes=pm)
+        import intrmod
+
+        w = pm.spawn("w", intrmod.W)
+        write("v2", wait=True)
+        main = threading.main_thread().ident or 0
+
+        def interrupt_once_importing() -> None:
+            wait_for(started.exists, 30, "a proc to import the new module")
+            signal.pthread_kill(main, signal.SIGINT)  # the kernel's interrupt
+
+        threading.Thread(target=interrupt_once_importing, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt) as ei:
+            S.sync(str(ws), meshes=pm)
+        notes = "\n".join(getattr(ei.value, "__notes__", []))
+        assert (
+            f"only the wait stopped: the hosts took the new files of {ws}, and 2 procs of mesh 'intrsync' reload them on" in notes
+        ), notes
+        assert "ipc://" not in notes and ".get() or await" not in notes, notes
+        g.open()
+        wait_for(lambda: set(w.version.call().get(timeout=30).values()) == {"v2"}, 30, "the procs to run v2")
+    finally:
+        sys.path.remove(str(ws))
+        sys.modules.pop("intrmod", None)
+        M.stop("intrsync")
+
+
+class _InterruptsItsWait:
+    """A host's commit future whose first wait is interrupted (SIGINT, as a kernel's): the
+    moment between the hosts taking the files and the procs being asked to reload them."""
+
+    def __init__(self, fut: object) -> None:
+        self.fut, self.fired = fut, False
+
+    def get(self, timeout: float | None = None) -> object:
+        import signal
+
+        if not self.fired:
+            self.fired = True
+            signal.raise_signal(signal.SIGINT)
+        return self.fut.get(timeout)  # type: ignore[attr-defined]
+
+
+def test_an_interrupt_between_the_commit_and_the_reload_still_reloads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the host took the files, the procs were never asked to reload them, and a second sync found
+    # nothing changed: the procs ran the old code until restarted, with nothing said
+    from conftest import wait_for
+
+    from monarch_nb.actor import _context
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "commitmod.py").write_text(_CONC.format(v="v1", wait=""))
+    sys.path.insert(0, str(ws))
+    pm = M.spawn("commitint", {"gpus": 1})
+    try:
+        S.sync(str(ws), meshes=pm)
+        import commitmod
+
+        w = pm.spawn("w", commitmod.W)
+        (ws / "commitmod.py").write_text(_CONC.format(v="v2", wait=""))
+        client = _context.client()
+        real = client.request
+
+        def request(addr: str, method: str, *args: object, **kwargs: object) -> object:
+            f = real(addr, method, *args, **kwargs)
+            return _InterruptsItsWait(f) if method == "sync_commit" else f
+
+        monkeypatch.setattr(client, "request", request)
+        with pytest.raises(KeyboardInterrupt) as ei:
+            S.sync(str(ws), meshes=pm)
+        monkeypatch.undo()
+        notes = "\n".join(getattr(ei.value, "__notes__", []))
+        assert "and 1 proc of mesh 'commitint' reload them on" in notes, notes
+        wait_for(lambda: w.version.call_one().get(timeout=30) == "v2", 30, "the proc to run v2")
+    finally:
+        sys.path.remove(str(ws))
+        sys.modules.pop("commitmod", None)
+        M.stop("commitint")
