@@ -375,6 +375,34 @@ def test_shapes_are_known_while_ranks_are_blocked(mesh1, gate):  # type: ignore[
     torch.testing.assert_close(fut.get(timeout=60), want[6:])
 
 
+def test_an_interrupted_inspect_says_the_read_goes_on_without_offering_a_future(mesh1, gate):  # type: ignore[no-untyped-def]
+    # the note said "full_tensor() goes on, and .get() or await waits for it again": mt.inspect
+    # returns a tensor, and gives the user no future to wait on
+    import signal
+    import threading
+
+    from monarch_nb.actor._future import blocked
+
+    flag = gate()
+    y = mt.remote(_wait_for_flag)(mt.distribute(gen(8, 6), mesh1, [Shard(0)]), flag.path)
+    main = threading.main_thread().ident or 0
+
+    def interrupt_once_waiting() -> None:
+        deadline = time.monotonic() + 30
+        while main not in blocked and time.monotonic() < deadline:
+            time.sleep(0.01)
+        signal.pthread_kill(main, signal.SIGINT)  # a kernel's interrupt
+
+    threading.Thread(target=interrupt_once_waiting, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt) as ei:
+            mt.inspect(y)
+    finally:
+        flag.open()
+    assert getattr(ei.value, "__notes__", []) == ["monarch_nb: only the wait stopped: full_tensor() goes on."]
+    torch.testing.assert_close(mt.inspect(y), gen(8, 6))
+
+
 def test_showing_a_tensor_whose_ops_still_run_waits_once_and_says_so(mesh1, gate, monkeypatch):  # type: ignore[no-untyped-def]
     # a cell's display asks text/plain and text/html in turn: each waited PREVIEW_WAIT_S (10 s)
     # for the values, 20 s of a blocked cell, then showed a bare TimeoutError

@@ -10,6 +10,8 @@ import asyncio
 import functools
 import logging
 import math
+import os
+import sys
 import threading
 from _thread import LockType
 from _thread import allocate_lock as _allocate_lock
@@ -21,6 +23,14 @@ from ..errors import note_missing_module, raised_again
 from . import _context, _debugwait, _replyread
 
 _log = logging.getLogger(__name__)
+#: monarch_nb's own files: a wait in them is for a future the user was never given
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _ours(filename: str) -> bool:
+    return filename.startswith(_PKG)
+
+
 R = TypeVar("R")
 T = TypeVar("T")
 
@@ -267,7 +277,9 @@ class Future(Generic[R]):
                 # read while still listed as blocked: whoever watches ``blocked`` sees the error raised
                 return self._resolve()
             except KeyboardInterrupt as e:
-                self._note_wait_stopped(e)
+                # waited for inside a function of ours (mt.inspect, %mesh stop): the user holds no
+                # future to call .get() on again
+                self._note_wait_stopped(e, held=not _ours(sys._getframe(1).f_code.co_filename))
                 raise
             finally:
                 blocked.pop(tid, None)
@@ -289,7 +301,7 @@ class Future(Generic[R]):
             )
         return f"{text} (the future is still usable)"
 
-    def _note_wait_stopped(self, e: BaseException) -> None:
+    def _note_wait_stopped(self, e: BaseException, held: bool = True) -> None:
         """Tell the reader of an interrupted or cancelled wait that the work it waited for goes
         on: a kernel interrupt looks as if it stopped the call, and the next call to those actors
         then waits, unexplained, for this one to end."""
@@ -301,13 +313,14 @@ class Future(Generic[R]):
             return
         p = self.progress()
         if p is None or self.progress_unit != "ranks replied":
-            e.add_note(f"monarch_nb: only the wait stopped: {self._what} goes on, and .get() or await waits for it again.")
+            again = ", and .get() or await waits for it again" if held else ""
+            e.add_note(f"monarch_nb: only the wait stopped: {self._what} goes on{again}.")
             return
         done, n = p
+        again = ".get() or await waits for it again; stopping" if held else "Stopping"
         e.add_note(
             f"monarch_nb: only the wait stopped: {self._what} still runs on {n - done} of {n} ranks, "
-            "as in Monarch, and their actors take their next calls once it returns. .get() or await waits for it "
-            "again; stopping the mesh ends it now."
+            f"as in Monarch, and their actors take their next calls once it returns. {again} the mesh ends it now."
         )
 
     result = get
