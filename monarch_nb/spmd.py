@@ -312,14 +312,25 @@ def setup_env_for_distributed(
     both ``setup_env_for_distributed(pm)`` and ``await setup_env_for_distributed(pm)`` work.
     """
     setter = proc_mesh.spawn(f"_spmd_env_{id(proc_mesh) & 0xFFFFFF:x}", SPMDActor)
-    if master_addr is None or master_port is None:
-        first = setter.slice(**{k: 0 for k in setter.extent}) if len(setter.extent) else setter
-        addr, port = first.free_port.call_one().get()
-        if use_ipaddr and master_addr is None:
-            addr = _tcp_host(proc_mesh) or first.ip_addr.call_one().get()
-        master_addr = master_addr or addr
-        master_port = master_port or port
-    setter.setup_env.call(master_addr, master_port).get()
+    try:
+        if master_addr is None or master_port is None:
+            first = setter.slice(**{k: 0 for k in setter.extent}) if len(setter.extent) else setter
+            addr, port = first.free_port.call_one().get()
+            if use_ipaddr and master_addr is None:
+                addr = _tcp_host(proc_mesh) or first.ip_addr.call_one().get()
+            master_addr = master_addr or addr
+            master_port = master_port or port
+        setter.setup_env.call(master_addr, master_port).get()
+    except KeyboardInterrupt as e:
+        # its helper actors go once they have done what they were sent (an actor takes its messages
+        # in order); the note named them ("_spmd_env_3fa2c1.setup_env.call() still runs ...")
+        setter.stop()
+        e.__notes__ = [n for n in getattr(e, "__notes__", []) if "only the wait stopped" not in n]
+        e.add_note(
+            f"monarch_nb: the setup of torch.distributed's environment on proc mesh {proc_mesh._name!r} was "
+            "interrupted: calling it again sets every variable anew."
+        )
+        raise
     setter.stop().get()
     return _Awaitable()
 

@@ -167,6 +167,8 @@ class Engine:
         #: ranks is read later, by another line, and its traceback there has torch's frames only
         self.sites: dict[int, tuple[str, int]] = root.sites if root is not None else {}
         self.actor: Any = None
+        #: the worker and its setup call, while a setup whose wait was interrupted goes on
+        self._setting_up: tuple[Any, Any] | None = None
         self._start_lock = threading.Lock()
         self.backend = ""
         self.bytes_received = 0
@@ -199,18 +201,42 @@ class Engine:
             return self.actor
         with self._start_lock:
             if self.actor is None:
-                from ..spmd import _tcp_host, setup_torch_elastic_env
-
-                # procs on other hosts: rendezvous at the address the runtime reaches rank 0 at
-                setup_torch_elastic_env(self.procs, use_ipaddr=bool(_tcp_host(self.procs)) or None)
-                actor = self.procs.spawn("_tensor_engine", TensorWorker)
-                self.backend = (
-                    actor.setup.call(list(self.labels), list(self.sizes), COLLECTIVE_TIMEOUT_S, self.token)
-                    .get(timeout=VALUE_TIMEOUT_S)
-                    .values()[0]
-                )
-                self.actor = actor
+                try:
+                    self._set_up()
+                except KeyboardInterrupt as e:
+                    # the notes named our hidden actors ("_tensor_engine.setup.call() still runs on
+                    # 2 of 2 ranks ... stopping the mesh ends it now") and a future the user never had
+                    e.__notes__ = [n for n in getattr(e, "__notes__", []) if not n.startswith("monarch_nb:")]
+                    name = self.procs._name
+                    e.add_note(
+                        f"monarch_nb: only the wait stopped: the ranks of proc mesh {name!r} still set up their "
+                        "process group for mesh tensors, and the next op waits for that."
+                        if self._setting_up is not None
+                        else f"monarch_nb: the setup of mesh tensors on proc mesh {name!r} was interrupted; the next "
+                        "op sets them up again."
+                    )
+                    raise
         return self.actor
+
+    def _set_up(self) -> None:
+        if self._setting_up is None:
+            from ..spmd import _tcp_host, setup_torch_elastic_env
+
+            # procs on other hosts: rendezvous at the address the runtime reaches rank 0 at
+            setup_torch_elastic_env(self.procs, use_ipaddr=bool(_tcp_host(self.procs)) or None)
+            actor = self.procs.spawn("_tensor_engine", TensorWorker)
+            call = actor.setup.call(list(self.labels), list(self.sizes), COLLECTIVE_TIMEOUT_S, self.token)
+            self._setting_up = (actor, call)
+        actor, call = self._setting_up
+        try:
+            self.backend = call.get(timeout=VALUE_TIMEOUT_S).values()[0]
+        except KeyboardInterrupt:
+            raise  # the setup goes on: the next op waits for it, not for a second one
+        except BaseException:
+            self._setting_up = None
+            raise
+        self._setting_up = None
+        self.actor = actor
 
     def take_frees(self) -> list[int]:
         out: list[Any] = []
