@@ -1847,3 +1847,35 @@ def test_source_service_serves_cells_and_modules_only(tmp_path: Any) -> None:
     finally:
         del linecache.cache["<cell-7>"]
     assert "def test_source_service_serves_cells_and_modules_only" in "".join(svc.sys_source(__file__))
+
+
+def test_an_interrupted_stacks_names_the_ranks_that_had_not_answered() -> None:
+    # a rank that does not answer makes stacks wait its 5 s; the user interrupts, and was told
+    # "only the wait stopped: stacks on ipc:///…/mnb-25942e9b2ae0.sock goes on"
+    from monarch_nb.actor import this_host
+    from monarch_nb.actor._future import blocked
+
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    stopped = procs._procs[1].pid
+    main = threading.main_thread().ident or 0
+
+    def interrupt_once_waiting() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            f = blocked.get(main)
+            if f is not None and f._what.startswith("stacks on"):
+                break
+            time.sleep(0.01)
+        signal.pthread_kill(main, signal.SIGINT)  # a kernel's interrupt
+
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        threading.Thread(target=interrupt_once_waiting, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt) as ei:
+            debug.stacks(procs, timeout=30)
+        notes = "\n".join(getattr(ei.value, "__notes__", []))
+        assert f"interrupted while waiting for the stacks of mesh {procs._name!r}: rank 1 (pid {stopped} on " in notes, notes
+        assert "ipc://" not in notes, notes
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+        procs.stop().get(timeout=30)

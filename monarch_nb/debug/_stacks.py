@@ -411,39 +411,52 @@ def stacks(
         }
     deadline = time.monotonic() + timeout
     out = []
-    with _debugwait.quiet():  # a housekeeping wait: paused ranks are what we are looking at
-        for i in idx:
-            p = procs[i]
-            if p is None:
-                out.append(RankStack(i, unreached[0], 0, error=unreached[1]))
-                continue
-            rs = RankStack(i, p.host, p.pid)
-            try:
-                got = futs[i].get(timeout=max(0.05, deadline - time.monotonic()))
-                rs.threads = got["threads"]
-                actors = got.get("actors")
-                # an older proc sends {actor: [methods]}: no calls to show
-                rs.actors = {a: v for a, v in actors.items() if isinstance(v, dict)} if isinstance(actors, dict) else {}
-            except TimeoutError:
-                rs.error = (
-                    f"no answer within {timeout:g} s: its I/O thread could not get the GIL "
-                    "(a C call holding it) or the process is stopped"
-                )
-            except Exception as e:
-                rs.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}"
-            out.append(rs)
-        ndeadline = time.monotonic() + timeout + 5.0  # py-spy itself has `timeout`
-        for rs in out:
-            f = nfuts.get(rs.rank)
-            if f is None:
-                if native and not rs.error:
-                    rs.native_error = "not a proc of an allocator"
-                continue
-            try:
-                got = f.get(timeout=max(0.05, ndeadline - time.monotonic()))
-                rs.native, rs.native_error = got.get("text", ""), got.get("error", "")
-            except Exception as e:
-                rs.native_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}"
+    try:
+        with _debugwait.quiet():  # a housekeeping wait: paused ranks are what we are looking at
+            for i in idx:
+                p = procs[i]
+                if p is None:
+                    out.append(RankStack(i, unreached[0], 0, error=unreached[1]))
+                    continue
+                rs = RankStack(i, p.host, p.pid)
+                try:
+                    got = futs[i].get(timeout=max(0.05, deadline - time.monotonic()))
+                    rs.threads = got["threads"]
+                    actors = got.get("actors")
+                    # an older proc sends {actor: [methods]}: no calls to show
+                    rs.actors = {a: v for a, v in actors.items() if isinstance(v, dict)} if isinstance(actors, dict) else {}
+                except TimeoutError:
+                    rs.error = (
+                        f"no answer within {timeout:g} s: its I/O thread could not get the GIL "
+                        "(a C call holding it) or the process is stopped"
+                    )
+                except Exception as e:
+                    rs.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}"
+                out.append(rs)
+            ndeadline = time.monotonic() + timeout + 5.0  # py-spy itself has `timeout`
+            for rs in out:
+                f = nfuts.get(rs.rank)
+                if f is None:
+                    if native and not rs.error:
+                        rs.native_error = "not a proc of an allocator"
+                    continue
+                try:
+                    got = f.get(timeout=max(0.05, ndeadline - time.monotonic()))
+                    rs.native, rs.native_error = got.get("text", ""), got.get("error", "")
+                except Exception as e:
+                    rs.native_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}"
+    except KeyboardInterrupt as e:
+        # the note was "only the wait stopped: stacks on ipc:///…/mnb-25942e9b2ae0.sock goes on"
+        e.__notes__ = [n for n in getattr(e, "__notes__", []) if "only the wait stopped" not in n]
+        late = [i for i, f in futs.items() if not f.done()]
+        who = ", ".join(f"{i} (pid {p.pid} on {p.host})" for i in late if (p := procs[i]) is not None)
+        if who:
+            e.add_note(
+                f"monarch_nb: interrupted while waiting for the stacks of mesh {name!r}: "
+                f"rank{'s' if len(late) > 1 else ''} {who} had not answered (a C call holding the GIL, or a "
+                f"stopped process); `%mesh stacks {name} --native` adds their native stacks (py-spy)"
+            )
+        raise
     callers.update({p.addr: f"rank {i}" for i, p in enumerate(procs) if p is not None})
     for a in (getattr(client.rt, "ipc_addr", ""), getattr(client.rt, "tcp_addr", "")):
         if a:
