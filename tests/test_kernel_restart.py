@@ -4,6 +4,7 @@ meshes, and what their ranks print reaches the cells of the new kernel."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 from _kernel import Cell, Kernel, poll
@@ -91,3 +92,41 @@ def test_mesh_spawn_after_the_local_allocator_was_stopped_starts_another() -> No
             timeout=60,
         )
         shutil.rmtree(rdir, ignore_errors=True)
+
+
+def test_an_interrupted_connect_shows_the_cell_and_says_what_it_waited_for(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An interrupt in `%mesh connect` to an allocator that does not answer (stopped) landed in
+    pyzmq's poll: a screenful of its frames ("Could not get source") and nothing on what the
+    cell waited for. The kernel interrupts itself once its main thread is in that poll."""
+    import signal
+
+    from conftest import AllocatorProc
+
+    a = AllocatorProc(str(tmp_path))
+    k = Kernel()
+    try:
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        _ok(
+            k.run(
+                "import os, signal, sys, threading, time\n"
+                "def _interrupt_in_the_poll(main=threading.main_thread().ident):\n"
+                "    while True:\n"
+                "        f, names = sys._current_frames().get(main), set()\n"
+                "        while f is not None:\n"
+                "            names.add(f.f_code.co_name)\n"
+                "            f = f.f_back\n"
+                "        if {'connect', 'poll'} <= names:\n"
+                "            return os.kill(os.getpid(), signal.SIGINT)\n"
+                "        time.sleep(0.01)\n"
+                "threading.Thread(target=_interrupt_in_the_poll, daemon=True).start()"
+            )
+        )
+        c = k.run(f"%mesh connect {a.addr}", 60)
+        assert c.error is not None and c.error["ename"] == "KeyboardInterrupt", c.msgs
+        tb = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(c.error["traceback"]))
+        assert "zmq" not in tb and "Could not get source" not in tb, tb
+        assert f"interrupted while connecting to the allocator at {a.addr}: " in tb, tb
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
+        k.close()
+        a.stop()

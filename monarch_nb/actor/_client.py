@@ -277,6 +277,11 @@ class Client:
                     hint = last
                 raise ConnectError(f"could not reach allocator at {addr} within {timeout:.1f} s: {hint}")
             info = fut.get()
+        except KeyboardInterrupt as e:
+            waited = timeout - (deadline - time.monotonic())
+            why = "it accepted the connection but had not answered" if connected else last
+            e.add_note(f"monarch_nb: interrupted while connecting to the allocator at {addr}: {why} after {waited:.1f} s")
+            raise
         finally:
             self.rt.close_port(port)
             probe.disable_monitor()

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
+import sysconfig
 import threading
 import types
 from collections.abc import Iterator
@@ -26,14 +28,34 @@ from .._errgroup import _internal, show_internal_frames
 INTERRUPTS = (KeyboardInterrupt, asyncio.CancelledError)
 
 
+def _library(path: str) -> bool:
+    """A file of Python's or of an installed package (or a compiled module's relative name, as
+    pyzmq's ``zmq/backend/cython/_zmq.py``): not code the user wrote."""
+    if not os.path.isabs(path):
+        return not path.startswith("<")  # "<ipython-input-…>", "<mesh exec In[3]>": a cell's
+    return path.startswith(_LIBS) or f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
+
+
+_LIBS = tuple({sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
 def user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """``tb`` without the frames of monarch_nb's own files; ``tb`` itself when it has none."""
+    """``tb`` without the frames of monarch_nb's own files, nor those of the libraries they
+    called (an interrupt in our zmq poll showed pyzmq's frames, "Could not get source");
+    ``tb`` itself when it has none."""
     frames: list[types.TracebackType] = []
     t = tb
     while t is not None:
         frames.append(t)
         t = t.tb_next
-    kept = [t for t in frames if not _internal(t.tb_frame.f_code.co_filename)]
+    kept = []
+    ours = False
+    for t in frames:
+        path = t.tb_frame.f_code.co_filename
+        if _internal(path):
+            ours = True
+        elif not (ours and _library(path)):
+            kept.append(t)
     if len(kept) == len(frames) or not kept:
         return tb
     out: types.TracebackType | None = None
