@@ -355,15 +355,20 @@ def test_an_interrupt_while_the_interrupted_cell_is_shown_keeps_the_short_view(k
     # The second interrupt here is the kernel's own SIGINT, sent when the formatting starts
     _ok(
         k.run(
-            "import os, signal\n_tb = get_ipython().InteractiveTB\n_fmt = _tb.structured_traceback\n"
-            "def _again(*a, **kw):\n    os.kill(os.getpid(), signal.SIGINT)\n    return _fmt(*a, **kw)\n"
+            "import os, signal\n_tb = get_ipython().InteractiveTB\n_fmt = _tb.structured_traceback\n_fired = []\n"
+            # once, for the cell's interrupt (not any other traceback IPython formats meanwhile)
+            "def _again(etype, *a, **kw):\n"
+            "    if etype is KeyboardInterrupt and not _fired:\n"
+            "        _fired.append(1)\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "    return _fmt(etype, *a, **kw)\n"
             "_tb.structured_traceback = _again"
         )
     )
     try:
         # the cell is in its sleep once the file exists (a print's flush could take the interrupt)
         flag = tmp_path / "in"
-        cell = k.execute(f"import time\nopen({str(flag)!r}, 'w').close()\ntime.sleep(600)")
+        cell = k.execute(f"import pathlib, time\npathlib.Path({str(flag)!r}).touch()\ntime.sleep(600)")
         deadline = time.monotonic() + 20
         while not flag.exists():
             assert time.monotonic() < deadline, "the cell did not start within 20 s"
@@ -376,6 +381,7 @@ def test_an_interrupt_while_the_interrupted_cell_is_shown_keeps_the_short_view(k
         assert "time.sleep(600)" in tb and "stack_data" not in tb and "iostream" not in tb, tb
     finally:
         _ok(k.run("del _tb.structured_traceback"))
+    assert _ok(k.run("_fired")).result == "[1]"
     assert _ok(k.run("get_ipython().custom_exceptions")).result == "(KeyboardInterrupt, asyncio.exceptions.CancelledError)"
 
 
@@ -393,7 +399,7 @@ def test_an_interrupted_stop_says_it_goes_on_and_the_mesh_reads_as_stopped(k: Ke
     k.interrupt()
     assert k.wait(cell, 20).error is not None
     # the stop waits 2 s for the rank's cleanup, then kills it: the interrupt comes in that wait
-    cell = k.execute(f"open({str(tmp_path / 'stopping')!r}, 'w').close()\n%mesh stop halting")
+    cell = k.execute(f"import pathlib\npathlib.Path({str(tmp_path / 'stopping')!r}).touch()\n%mesh stop halting")
     deadline = time.monotonic() + 20
     while not (tmp_path / "stopping").exists():
         assert time.monotonic() < deadline, "the stop did not start within 20 s"
