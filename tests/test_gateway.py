@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import socket
 import struct
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 
 import pytest
-from _nobody import NOBODY
+from _nobody import hold_silent_as_nobody
 from conftest import wait_for
 
 from monarch_nb._runtime._tunnel import CHUNK, HOLD_MAX, Mux, Streams
@@ -526,15 +523,6 @@ def test_a_malformed_answer_from_the_gateway_is_named(doc: bytes, says: str) -> 
         srv.close()
 
 
-#: as uid 65534: open N connections to HOST:PORT and hold them, silent, until killed
-_HOLD_SILENT = """
-import socket, sys, time
-held = [socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5) for _ in range(int(sys.argv[3]))]
-print(len(held), flush=True)
-time.sleep(120)
-"""
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as uid 65534")
 def test_silent_connections_to_the_socks_end_hold_a_bounded_number_of_threads(server: GatewayServer) -> None:
     """The controller's SOCKS5 end listens on 127.0.0.1, where every local user can connect: each
@@ -546,20 +534,13 @@ def test_silent_connections_to_the_socks_end_hold_a_bounded_number_of_threads(se
 
     gw = GatewayClient(_tunnel(server), KEY, ["127.0.0.1"], lambda: "")
     host, port = gw.proxy.rsplit(":", 1)
-    py = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
-    holder = subprocess.Popen(
-        [py, "-c", _HOLD_SILENT, host, port, "300"],
-        user=NOBODY,
-        group=NOBODY,
-        extra_groups=[],
-        cwd="/",
-        env={"PATH": "/usr/bin:/bin"},
-        stdout=subprocess.PIPE,
-        text=True,
-    )
     try:
-        assert holder.stdout is not None
-        assert holder.stdout.readline().strip() == "300"
+        holder, opened = hold_silent_as_nobody(host, port, 300)
+    except BaseException:
+        gw.close()
+        raise
+    try:
+        assert opened == 300
 
         def negotiating() -> int:
             return sum(t.name == "gateway-socks-conn" for t in threading.enumerate())

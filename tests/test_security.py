@@ -23,7 +23,7 @@ import _gate
 import _inotify
 import psutil
 import pytest
-from _nobody import NOBODY, run_as_nobody
+from _nobody import NOBODY, hold_silent_as_nobody, run_as_nobody
 from conftest import PY, AllocatorProc, run_script, wait_for
 
 from monarch_nb._wire import frames
@@ -1268,20 +1268,6 @@ def test_sweeping_a_dead_procs_shared_memory_leaves_another_users_files() -> Non
                 os.unlink(f"/dev/shm/{n}")
 
 
-#: as uid 65534: open N connections to HOST:PORT, say how many, and hold them until killed
-_HOLD_SILENT = """
-import socket, sys, time
-held = []
-for _ in range(int(sys.argv[3])):
-    try:
-        held.append(socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5))
-    except OSError:
-        break  # the backlog is full: as many as the allocator lets in
-print(len(held), flush=True)
-time.sleep(120)
-"""
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as uid 65534")
 def test_silent_connections_from_another_user_leave_the_allocator_up_for_its_user(tmp_path) -> None:
     """libzmq keeps a connection that never speaks until its handshake's deadline, and aborts its
@@ -1293,20 +1279,13 @@ def test_silent_connections_from_another_user_leave_the_allocator_up_for_its_use
 
     a = AllocatorProc(str(tmp_path), "--bind", "tcp://127.0.0.1:0", env=dict(LIGHT, MONARCH_NB_KEY_FILE=""), nofile=400)
     host, port = a.info["tcp"][len("tcp://") :].rsplit(":", 1)
-    py = shutil.which("python3", path="/usr/bin:/bin") or PY
-    holder = subprocess.Popen(
-        [py, "-c", _HOLD_SILENT, host, port, "600"],
-        user=NOBODY,
-        group=NOBODY,
-        extra_groups=[],
-        cwd="/",
-        env={"PATH": "/usr/bin:/bin"},
-        stdout=subprocess.PIPE,
-        text=True,
-    )
     try:
-        assert holder.stdout is not None
-        assert int(holder.stdout.readline()) > 400  # more than the allocator has descriptors
+        holder, opened = hold_silent_as_nobody(host, port, 600)
+    except BaseException:
+        a.stop()
+        raise
+    try:
+        assert opened > 400  # more than the allocator has descriptors
         r = run_script(
             "from monarch_nb.actor import Actor, endpoint, attach_to_workers\n"
             "class _E(Actor):\n"
