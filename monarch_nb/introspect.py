@@ -191,8 +191,11 @@ def _unreached_note(
 def logs(mesh: str, rank: int, tail: int | None = None, addr: str | None = None, timeout: float = 5.0) -> list[dict[str, Any]]:
     """The captured output of one rank (``tail``: only the last lines), as dicts with ``ts``,
     ``rank``, ``stream``, ``call`` and ``line``. ``addr`` is the allocator that runs that rank
-    (default: found among the known allocators, the jobs' too: see :func:`known_status`)."""
-    from .errors import MeshError
+    (default: found among the known allocators, the jobs' too: see :func:`known_status`).
+
+    ``MeshNotFoundError`` when no allocator runs that rank; ``ConnectError`` when it may be on
+    one that did not answer (a lost host, a busy allocator)."""
+    from .errors import ConnectError, MeshNotFoundError
 
     if addr is None:
         found = known_status()["allocators"]
@@ -202,10 +205,14 @@ def logs(mesh: str, rank: int, tail: int | None = None, addr: str | None = None,
                     addr = a["addr"]
         if addr is None:
             gone = _unreached_where(found)
-            raise MeshError(
-                f"no rank {rank} of a mesh named {mesh!r} on any known allocator"
-                + (f" that answered, and these could not be reached: {gone}" if gone else "")
+            said = f"no rank {rank} of a mesh named {mesh!r} on any known allocator" + (
+                f" that answered, and these could not be reached: {gone}" if gone else ""
             )
+            size, missing = _missing_ranks(mesh, found)
+            # a rank the mesh's listed extent leaves out is not there, whoever did not answer
+            if gone and (size == 0 or rank in missing):
+                raise ConnectError(said)
+            raise MeshNotFoundError(said, mesh)
     return _context.client().request(addr, "logs", mesh, rank, tail).get(timeout=timeout)
 
 

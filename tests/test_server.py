@@ -19,7 +19,7 @@ import pytest
 from conftest import PY, run_script, wait_for
 
 from monarch_nb._meshhtml import STATE_COLOURS
-from monarch_nb.errors import MeshError
+from monarch_nb.errors import ConnectError, MeshClosedError, MeshError, MeshNotFoundError, SpawnError
 
 
 def _gone(pid: int) -> bool:
@@ -548,6 +548,74 @@ def test_rest_api_lists_starts_stops_and_reads_logs(server, fault_hook) -> None:
         except Exception:
             pass
     assert "Traceback" not in server.logtext()
+
+
+@pytest.mark.timeout(120)
+def test_rest_api_says_an_allocator_did_not_answer_not_that_the_mesh_is_not_found(tmp_path) -> None:
+    """A running mesh whose allocator did not answer (stopped, busy, its host lost): a rank's log
+    was a 404 "no rank 0 of a mesh named ...", or a 500 with a traceback in the server's log (asked
+    of that allocator), or "stopped: its mesh was stopped" (a rank seen before): the user read the
+    mesh as gone. Now a 504 naming the allocator, and a rank seen before is failed as the
+    dashboard draws it, with what this server kept of its lines."""
+    from _jupyter import JupyterServer
+    from conftest import AllocatorProc
+
+    from monarch_nb.actor import attach_to_workers
+
+    a = AllocatorProc(str(tmp_path))
+    s = None
+    try:
+        attach_to_workers(workers=[a.addr]).spawn_procs(per_host={"gpus": 1}, name="quiet")
+        # this allocator is the only one this server knows
+        s = JupyterServer("server", extra_env={"MONARCH_NB_RUNTIME_DIR": a.rdir})
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        try:
+            status, err = s.request("GET", "/monarch-nb/api/meshes/quiet/ranks/0/log")
+            assert status == 504, (status, err)
+            assert err["message"].startswith("ConnectError: no rank 0 of a mesh named 'quiet' on any known allocator that")
+            assert f"these could not be reached: {a.info['host']} ({a.addr}): no answer within 2 s" in err["message"], err
+        finally:
+            os.kill(a.proc.pid, signal.SIGCONT)
+        status, state = s.request("GET", "/monarch-nb/api/state")
+        assert status == 200 and _mesh(state, "quiet") is not None, state
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        try:
+            status, err = s.request("GET", f"/monarch-nb/api/meshes/quiet/ranks/0/log?alloc={a.addr}")
+            assert status == 504 and err["message"].startswith("TimeoutError: logs on "), (status, err)
+            # (the server's snapshot in which it answered has expired by now)
+            status, log = s.request("GET", "/monarch-nb/api/meshes/quiet/ranks/0/log")
+            assert status == 200, (status, log)
+            assert log["proc"]["state"] == "failed", log
+            assert log["proc"]["cause"] == f"its host {a.info['host']} does not answer (allocator {a.addr})", log
+        finally:
+            os.kill(a.proc.pid, signal.SIGCONT)
+        status, err = s.request("GET", "/monarch-nb/api/meshes/quiet/ranks/5/log")
+        assert status == 404 and "no rank 5 of a mesh named 'quiet'" in err["message"], (status, err)
+        assert "Traceback" not in s.logtext()
+    finally:
+        if s is not None:
+            s.stop()
+        a.stop()  # and its procs with it
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (MeshNotFoundError("no mesh named 'x'", "x"), 404),
+        (MeshClosedError("mesh 'x' has already been stopped"), 409),
+        (MeshError("a mesh named 'x' already exists on host h; stop it first or choose another name"), 409),
+        (SpawnError("the allocator of host h is shutting down"), 502),
+        (ConnectError("h (tcp://10.0.0.2:1): no answer within 2 s"), 504),
+        (TimeoutError("stop_mesh on tcp://10.0.0.2:1: no reply within 15 s"), 504),
+        (PermissionError("'tcp://x' is not an allocator this server knows"), 400),
+        (KeyError("a bug"), None),
+    ],
+)
+def test_rest_errors_say_not_found_only_for_a_name_that_is_not_there(error, status) -> None:
+    """Every MeshError was a 404: a mesh that is there (stopped, a name taken) read as gone."""
+    from monarch_nb.server.handlers import _error_status
+
+    assert _error_status(error) == status
 
 
 def test_install_enables_the_server_extension_labextension_and_kernel_spec() -> None:

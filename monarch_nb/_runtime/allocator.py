@@ -704,7 +704,7 @@ class Allocator(DebugRegistry):
     async def sys_logs(self, mesh: str, rank: int, tail: int | None = None, start: int = 0) -> list[dict[str, Any]]:
         path = rank_log_path(self.log_dir, mesh, rank)
         if not os.path.exists(path):
-            raise MeshError(f"no log for mesh {mesh!r} rank {rank} on host {self.rt.hostname}")
+            raise MeshNotFoundError(f"no log for mesh {mesh!r} rank {rank} on host {self.rt.hostname}", mesh)
         return await asyncio.to_thread(read_log, path, tail, start)
 
     async def sys_spans(self, mesh: str | None = None, since: float | None = None) -> dict[str, Any]:

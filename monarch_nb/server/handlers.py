@@ -5,6 +5,10 @@ cookie authentication (and its XSRF check on POST) guards them, as it does the k
 ``@authorized`` asks the server's ``Authorizer`` (resource ``monarch_nb``; GET is "read", POST
 is "write"), so a deployment can give some users a read-only sidebar. The manager's calls
 block on allocator round trips, so they run on a worker thread.
+
+An error's status says whose move it is: 404 no mesh (or rank) of that name, 400 a request to
+fix, 409 a mesh whose state refuses it (stopped, a name taken), 504 an allocator that did not
+answer in time, 502 one that answered with a failure.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
-from ..errors import MeshError, MonarchNBError
+from ..errors import ConnectError, MeshError, MeshNotFoundError, MonarchNBError, SpawnError
 from .manager import MeshManager
 
 
@@ -33,12 +37,11 @@ class _Base(APIHandler):
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         try:
             result = await asyncio.to_thread(fn, *args, **kwargs)
-        except (MeshError, LookupError) as e:
-            return self._fail(404, _reason(e))
-        except (ValueError, TypeError, PermissionError) as e:
-            return self._fail(400, _reason(e))
-        except MonarchNBError as e:
-            return self._fail(502, _reason(e))
+        except Exception as e:
+            status = _error_status(e)
+            if status is None:
+                raise  # a bug here: tornado's 500, with the traceback in the server's log
+            return self._fail(status, _reason(e))
         self.finish(json.dumps(result, default=str))
 
     def _fail(self, status: int, message: str) -> None:
@@ -62,6 +65,27 @@ class _Base(APIHandler):
 
 class _BadRequest(Exception):
     pass
+
+
+def _error_status(e: BaseException) -> int | None:
+    """The HTTP status of an error a manager call raised (None: not one it means to raise)."""
+    if isinstance(e, MeshNotFoundError):
+        return 404
+    if isinstance(e, (ValueError, TypeError, PermissionError)):
+        return 400
+    # a lost host, a busy or stopped (SIGSTOP) allocator: the mesh may well be there
+    if isinstance(e, (ConnectError, TimeoutError)):
+        return 504
+    # the allocator tried and could not: its procs did not start, it is shutting down
+    if isinstance(e, SpawnError):
+        return 502
+    # stopped, a name already taken, a name several meshes answer to: the mesh is there, in a
+    # state that refuses the request
+    if isinstance(e, MeshError):
+        return 409
+    if isinstance(e, MonarchNBError):
+        return 502
+    return None
 
 
 def _reason(e: BaseException) -> str:

@@ -129,10 +129,11 @@ class MeshManager:
                 self._seen.pop((m["name"], p["rank"]), None)  # newest last: the oldest go first
                 self._seen[(m["name"], p["rank"])] = {k: p.get(k) for k in ("host", "pid", "state", "cause", "alloc")}
                 self._seen[(m["name"], p["rank"])]["mesh_id"] = m["mesh_id"]
-        # a mesh no longer listed was stopped: its ranks are history, never a later same-named mesh's lost ranks
+        # a mesh no longer listed was stopped: its ranks are history, never a later same-named mesh's lost ranks.
+        # Not listed by an allocator that did not answer (busy, its host lost) says nothing of it
         listed = {m["name"] for m in mesh_list}
         for (name, _rank), seen in self._seen.items():
-            if name not in listed:
+            if name not in listed and seen.get("alloc") in alive:
                 seen["gone"] = True
         while len(self._seen) > _SEEN_MAX:
             del self._seen[next(iter(self._seen))]
@@ -243,9 +244,15 @@ class MeshManager:
         if proc is not None:
             info = {k: proc.get(k) for k in ("host", "pid", "state", "cause")}
         elif (mesh, rank) in self._seen:
-            info = {k: v for k, v in self._seen[(mesh, rank)].items() if k not in ("gone", "mesh_id")}
-            info["state"] = "stopped"
-            info["cause"] = info.get("cause") or "its mesh was stopped"
+            seen = self._seen[(mesh, rank)]
+            info = {k: v for k, v in seen.items() if k not in ("gone", "mesh_id")}
+            if seen.get("gone") or any(a["alive"] and a["addr"] == seen.get("alloc") for a in st["allocators"]):
+                info["state"] = "stopped"
+                info["cause"] = info.get("cause") or "its mesh was stopped"
+            else:
+                # as the dashboard draws a rank its allocator no longer lists: it may run on
+                info["state"] = "failed"
+                info["cause"] = f"its host {seen.get('host')} does not answer (allocator {seen.get('alloc')})"
         else:
             info = {"host": "", "pid": None, "state": "stopped", "cause": "not running"}
         # how it died, in the words of the rank's state ("killed by SIGKILL", "exited with code 3")
