@@ -979,10 +979,54 @@ def test_loopback_tcp_across_runtime_directories_says_why_it_is_refused(tmp_path
 
     a = AllocatorProc(str(tmp_path), "--bind", "tcp://127.0.0.1:0", env=dict(LIGHT, MONARCH_NB_KEY_FILE=""))
     try:
-        with pytest.raises(AuthenticationError, match="another MONARCH_NB_RUNTIME_DIR needs a shared key file"):
+        with pytest.raises(AuthenticationError, match="another MONARCH_NB_RUNTIME_DIR needs a shared key file") as ei:
             _context.client().connect(a.info["tcp"], timeout=10)
+        # its reconnect was dropped too: it lives, and holds another key
+        assert "the allocator there is running and holds a different cluster key" in str(ei.value)
     finally:
         a.stop()
+
+
+@pytest.mark.timeout(120)
+def test_an_allocator_that_dies_while_we_connect_is_not_called_a_key_mismatch(tmp_path) -> None:
+    """An allocator killed while a controller's security handshake with it was under way was
+    "the peer holds a different cluster key": the user went looking for a key problem. Its
+    reconnect is refused, so it is gone, and the error says so and what to do (the wrong key, the
+    test above, is still a key problem: its reconnect is dropped again)."""
+    a = AllocatorProc(str(tmp_path), "--bind", "tcp://127.0.0.1:0", env=dict(LIGHT, MONARCH_NB_KEY_FILE=""))
+    tcp = a.info["tcp"]
+    port = int(tcp.rsplit(":", 1)[1])
+    script = f"""
+from monarch_nb.actor import attach_to_workers
+try:
+    attach_to_workers(workers=[{tcp!r}])
+    print("attached")
+except Exception as e:
+    print(type(e).__name__ + ":", e)
+"""
+    os.kill(a.proc.pid, signal.SIGSTOP)  # the kernel accepts its connections; nothing answers them
+    p = subprocess.Popen(
+        [PY, "-c", script], env=dict(a.env, MONARCH_NB_KEY_FILE=""), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+
+        def in_handshake() -> bool:
+            conns = psutil.Process(p.pid).net_connections("tcp")
+            return any(c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED for c in conns)
+
+        wait_for(in_handshake, 60, "the controller's connection to the stopped allocator")
+        os.kill(a.proc.pid, signal.SIGKILL)  # its connections are reset mid-handshake
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(a.proc.pid, signal.SIGCONT)
+        a.stop()
+    assert out.startswith(f"ConnectError: allocator at {tcp} closed our connection during the security handshake ("), out + err
+    assert "and now refuses connections: it exited while we connected" in out, out
+    assert "start it again" in out and "cluster key" not in out, out
 
 
 # ---------------------------------------------------------------- bounded queues, detaching, sockets (item 4 and after)

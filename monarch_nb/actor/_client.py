@@ -242,6 +242,10 @@ class Client:
         deadline = time.monotonic() + timeout
         connected = False
         last = "no answer"
+        # A peer that drops our handshake holds another key, or died while we connected: libzmq
+        # says the same of both (the connection closed, "no detail"). Its reconnect, a moment
+        # later, tells them apart: accepted and dropped again, or refused.
+        dropped = ""
         try:
             while not fut.done():
                 left = deadline - time.monotonic()
@@ -261,18 +265,36 @@ class Client:
                             f"allocator at {addr} refused our key: controller and allocator must use the same cluster key file"
                             + self._local_key_hint()
                         )
-                    elif e in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                    elif e == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL or (e == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and dropped):
                         raise AuthenticationError(
-                            f"security handshake with {addr} failed: the peer holds a different cluster key, "
-                            "or is not a monarch_nb allocator" + self._local_key_hint()
+                            f"security handshake with {addr} failed: the allocator there is running and holds a different "
+                            "cluster key, or is not a monarch_nb allocator; connect with the key file it was started with "
+                            "(its --key-file; attach_to_workers(..., ca=KEY_FILE) or MONARCH_NB_KEY_FILE here)"
+                            + self._local_key_hint()
                         )
-                    elif e == zmq.EVENT_CONNECT_RETRIED:
+                    elif e == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                        dropped = os.strerror(int(ev["value"])) if ev["value"] else "closed"
+                        connected = False
+                    elif e == zmq.EVENT_CLOSED and dropped:
+                        raise ConnectError(
+                            f"allocator at {addr} closed our connection during the security handshake ({dropped}) and now "
+                            "refuses connections: it exited while we connected (crashed, killed or shut down), which is not "
+                            "a key problem; see its log on its host, start it again (`monarch-nb allocator start`, or a "
+                            "job's state()) and connect again"
+                            + (f"; it was lost before: {lost.cause}" if lost is not None else "")
+                        )
+                    elif e == zmq.EVENT_CONNECT_RETRIED and not dropped:
                         last = "connection refused or host unreachable"
                         if lost is not None and not connected:
                             raise ConnectError(f"could not reach allocator at {addr}: {last}; it was lost before: {lost.cause}")
             if not fut.done():
                 if connected:
                     hint = "it accepted the connection but did not answer (not a monarch_nb allocator, or another wire version)"
+                elif dropped:
+                    hint = (
+                        f"it closed our connection during the security handshake ({dropped}) and has not answered since: "
+                        "it may have exited, or its host be gone"
+                    )
                 else:
                     hint = last
                 raise ConnectError(f"could not reach allocator at {addr} within {timeout:.1f} s: {hint}")
