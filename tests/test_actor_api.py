@@ -519,6 +519,34 @@ def test_a_proc_mesh_stopped_by_another_process_stops_again_quietly_and_calls_sa
     ], str(e.value)
 
 
+def test_a_spawn_on_a_proc_mesh_stopped_by_another_process_says_by_whom():
+    """`monarch-nb stop --force NAME` from a shell: a spawn on the owner's handle then failed as
+    "SpawnError: spawning 'again' (Counter) failed on 2 of 2 procs: Supervision failure: ... mesh
+    stopped (process N exited with code 0)", as if the spawn had gone wrong, and after the owner's
+    stop() as "`ProcMesh` has already been stopped" with no word of who, though calls said it."""
+    import subprocess
+    import sys
+
+    from monarch_nb.errors import MeshClosedError
+
+    pm = this_host().spawn_procs(per_host={"gpus": 2}, name="outspawn")
+    assert pm.spawn("c", Counter).incr.call().get(timeout=30).values() == [1, 1]
+    r = subprocess.run(
+        [sys.executable, "-m", "monarch_nb", "stop", "outspawn", "--force"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    said = (
+        "`ProcMesh` has already been stopped: proc mesh 'outspawn' (stopped by `monarch-nb stop` on the command line); "
+        "spawn new procs"
+    )
+    with pytest.raises(MeshClosedError) as before:
+        pm.spawn("again", Counter)
+    assert pm.stop().get(timeout=30) is None  # stopped already: done, as a second stop
+    with pytest.raises(MeshClosedError) as after:
+        pm.spawn("again", Counter)
+    assert (str(before.value), str(after.value)) == (said, said)
+
+
 class _Dies(Actor):
     @endpoint
     def die(self) -> None:

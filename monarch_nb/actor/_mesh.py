@@ -724,6 +724,13 @@ def _killed_text(killed: list[dict[str, Any]]) -> str:
     return "; ".join(out)
 
 
+def _stopped_by(why: str) -> str:
+    """Who stopped a proc mesh from outside this process, as its calls say it ("": not known)."""
+    if why.startswith("stopped "):
+        return why
+    return f"stopped from outside this process ({why or 'by whom is not known'})"
+
+
 class ProcMesh(MeshTrait):
     """Processes on one or more hosts, shaped like ``{hosts: 2, gpus: 4}``."""
 
@@ -766,11 +773,27 @@ class ProcMesh(MeshTrait):
         causes = [client.rt.peer_error(self._procs[r].addr) for r in self._view.ranks]
         return "" if all(c is not None and c.cause.startswith("mesh stopped") for c in causes) else None
 
-    def _closed_error(self) -> MeshClosedError | None:
-        """Why this mesh (or the mesh it was sliced from) takes no more work, in Monarch's words."""
-        if self._stopped or getattr(self, "_root", self)._stopped:
-            return MeshClosedError(f"`ProcMesh` has already been stopped: proc mesh {self._name!r}; spawn new procs")
-        return None
+    def _closed_error(self, outside: bool = False) -> MeshClosedError | None:
+        """Why this mesh (or the mesh it was sliced from) takes no more work, in Monarch's words,
+        then who stopped it when that was not this process (as its calls say). ``outside``: also
+        when this process never stopped it but every proc of it ended as a mesh's stop
+        (`monarch-nb stop --force` from a shell, another process's ``stop_mesh``)."""
+        root = getattr(self, "_root", self)
+        if self._stopped or root._stopped:
+            who = _stopped_by(root._stop_reason) if root._stopped_outside else ""
+        elif outside and self._ended_as_a_stop():
+            who = _stopped_by(_context.client().stop_reasons.get(self._name, ""))
+        else:
+            return None
+        return MeshClosedError(
+            f"`ProcMesh` has already been stopped: proc mesh {self._name!r}" + (f" ({who})" if who else "") + "; spawn new procs"
+        )
+
+    def _ended_as_a_stop(self) -> bool:
+        """Every proc of this view is known dead, each as its mesh stopped (not a crash)."""
+        rt = _context.client().rt
+        causes = [rt.peer_error(self._procs[r].addr) for r in self._view.ranks]
+        return bool(causes) and all(c is not None and c.cause.startswith("mesh stopped") for c in causes)
 
     def _with_view(self, view: View) -> ProcMesh:
         # Monarch refuses to slice, flatten, split or rename a stopped proc mesh
@@ -831,7 +854,7 @@ class ProcMesh(MeshTrait):
         every proc has the actor queued, as Monarch's. A failing ``__init__`` fails its actor:
         the owner hears of it through supervision and calls to it raise ``SupervisionError``.
         """
-        if (closed := self._closed_error()) is not None:
+        if (closed := self._closed_error(outside=True)) is not None:
             raise closed
         if not isinstance(name, str):
             raise TypeError(f"spawn(name, Class, ...) needs the actor mesh's name first, a str, got {name!r}")
@@ -881,6 +904,10 @@ class ProcMesh(MeshTrait):
         refused = _refused_ranks(results) if errors else {}
         if errors and len(refused) < len(errors):
             rt.close_port(sup_port)
+            # its procs ended as a stop from outside while the spawn was on its way, or before
+            # this process heard of it: that, not a failed spawn
+            if (closed := self._closed_error(outside=True)) is not None:
+                raise closed from None
             e = errors[0]
             tb = getattr(e, "remote_traceback", "")
             # the user's error is the headline; its traceback is shown once, by SpawnError (not
