@@ -437,6 +437,13 @@ def _owned(client: Any, pm: ProcMesh) -> bool:
     return any(client.owned.get(p.addr) is not None for p in pm._procs)
 
 
+def _held_procs() -> set[str]:
+    """The addresses of the procs of the meshes this controller holds and has not stopped
+    (spawned, or re-attached by :func:`connect`): ``stop`` stops them as its own."""
+    owned = dict(controller_client().owned)
+    return {a for a, pm in owned.items() if not pm._stopped and not getattr(pm, "_root", pm)._stopped}
+
+
 def status(addresses: list[str] | None = None) -> dict[str, Any]:
     """Allocators, meshes, procs and their states (``monarch_nb.status()``): this machine's, those
     at ``addresses``, and the jobs' (their allocators carry ``job``; a job's lost host is listed

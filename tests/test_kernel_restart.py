@@ -36,6 +36,29 @@ def test_rank_output_reaches_the_cell_after_a_kernel_restart() -> None:
         k.close("survivor")
 
 
+def test_status_after_a_restart_shows_a_reattached_mesh_as_this_kernels() -> None:
+    """`%mesh status` said "gone (<old cid>)" of a mesh `%mesh connect` had re-attached, while
+    `%mesh stop` stopped it as this kernel's; now status says so too."""
+    k = Kernel()
+    try:
+        _ok(k.run("%mesh connect"))
+        _ok(k.run("%mesh spawn kept --per-host gpus=1"))
+        k.km.restart_kernel(now=True)
+        k.kc.wait_for_ready(timeout=60)
+        _ok(k.run("%load_ext monarch_nb"))
+        _ok(k.run("%mesh connect"))
+        # until the allocator has noticed the old kernel is gone, it lists it as attached: its owner then
+        owners = (
+            "{r['owner'] for r in get_ipython().run_line_magic('mesh', 'status').rows if r.get('mesh') == 'kept (persistent)'}"
+        )
+        settled = f"(_owners := {owners}) and all(o.startswith(('this kernel', 'gone')) for o in _owners)"
+        c = _ok(k.run(poll(settled, 20, "the old kernel to be detached") + "sorted(_owners)"))
+        assert c.result == "['this kernel (re-attached)']", c.result
+        assert "stopped: kept" in _ok(k.run("%mesh stop kept")).stream()
+    finally:
+        k.close("kept")
+
+
 def test_a_restarted_kernel_leaves_no_socket_files_behind() -> None:
     """A restart kills the kernel (SIGKILL): it cannot remove its socket files as a controller
     that exits does, and each restart left two more in the runtime directory."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+from collections.abc import Collection
 from typing import Any
 
 from .. import _meshhtml
@@ -11,10 +12,11 @@ from .._ranks import format_ranks
 _COLUMNS = ("host", "allocator", "mesh", "owner", "ranks", "state", "pids", "detail")
 
 
-def status_rows(snapshot: dict[str, Any], my_cid: str = "") -> list[dict[str, str]]:
+def status_rows(snapshot: dict[str, Any], my_cid: str = "", held: Collection[str] = ()) -> list[dict[str, str]]:
     """One row per (allocator, mesh, state): ranks that share a state are grouped. The states
     are the sidebar's and the dashboard's (idle, busy, paused, failed, stopped); a mesh with a
-    failed rank gets a first row saying what the mesh as a whole is, and what to do."""
+    failed rank gets a first row saying what the mesh as a whole is, and what to do. ``held``:
+    the addresses of the procs this controller holds (spawned or re-attached)."""
     rows: list[dict[str, str]] = []
     paused = {
         (str(d.get("mesh", "")), int(d.get("rank", -1)))
@@ -43,8 +45,13 @@ def status_rows(snapshot: dict[str, Any], my_cid: str = "") -> list[dict[str, st
                 by_state.setdefault(state, []).append(p)
             owner = "this kernel" if my_cid and m["owner"] == my_cid else m["owner"][:8]
             if owner != "this kernel" and m["owner"] not in attached:
-                # its controller left (a restarted kernel's): `%mesh connect` finds it again
-                owner = f"gone ({owner})"
+                if any(p.get("addr") in held for p in m["procs"]):
+                    # its controller left and this kernel re-attached it (`%mesh connect` after a
+                    # restart): the allocator hands it to us, and `%mesh stop` stops it as ours
+                    owner = "this kernel (re-attached)"
+                else:
+                    # its controller left (a restarted kernel's): `%mesh connect` finds it again
+                    owner = f"gone ({owner})"
             mesh_label = m["name"] + ("" if not m.get("persist") else " (persistent)")
             whole, label, hint = _meshhtml.mesh_state(list(by_state))
             if whole == "failed":
@@ -132,9 +139,9 @@ def status_html(rows: list[dict[str, str]]) -> str:
 class StatusTable:
     """What ``%mesh status`` returns: renders as HTML in a notebook and as text elsewhere."""
 
-    def __init__(self, snapshot: dict[str, Any], my_cid: str = "") -> None:
+    def __init__(self, snapshot: dict[str, Any], my_cid: str = "", held: Collection[str] = ()) -> None:
         self.snapshot = snapshot
-        self.rows = status_rows(snapshot, my_cid)
+        self.rows = status_rows(snapshot, my_cid, held)
 
     def _repr_html_(self) -> str:
         return status_html(self.rows)
