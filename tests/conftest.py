@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,14 @@ if not _RDIR:
     os.environ.setdefault("MONARCH_NB_HEARTBEAT_TIMEOUT", "1.5")
     # a process of the suite that crashes (SIGSEGV, abort) prints every thread's Python stack
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
+# A suite started in the background of a script (`bash .ci/run &` in a non-interactive shell)
+# inherits SIGINT ignored; Python then leaves it ignored (no KeyboardInterrupt, and
+# `_thread.interrupt_main()` does nothing), and so does every kernel, program and controller the
+# tests start: each test of an interrupt failed in session 31's two CI runs started so. A handler
+# here is reset to the default in the children at exec, where Python installs its own again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest  # noqa: E402
 
