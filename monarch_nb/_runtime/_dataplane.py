@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _fdlimit, _libc
+from ._greeting import Greeting
 from ._hangup import hung_up
 from ._refusals import Refusals
 
@@ -316,10 +317,12 @@ class DataServer:
         self._tcp_ip = tcp_ip
         self._entries: dict[bytes, Entry] = {}
         self._lock = threading.Lock()
-        #: keyed connections still in their handshake, oldest first
-        self._greeting: dict[socket.socket, None] = {}
         self._listeners: list[socket.socket] = []
         self.refusals = Refusals(logger)
+        #: keyed connections still in their handshake
+        self._greeting = Greeting(
+            GREETING_MAX, self.refusals, "the data plane cut a connection still in its handshake: more than %d at once"
+        )
         # abstract (no file to leave behind when the proc is killed); callers' uid is checked
         self.unix = f"\0monarch_nb-dp-{os.getuid()}-{os.getpid()}-{secrets.token_hex(8)}"
         self.tcp = ""
@@ -372,29 +375,13 @@ class DataServer:
     def _accept(self, lsock: socket.socket, sealed: bool) -> None:
         while (conn := _fdlimit.accept(lsock, "the data plane", self.refusals.refused)) is not None:
             if sealed:
-                self._greets(conn)
+                self._greeting.begin(conn)
             try:
                 threading.Thread(target=self._serve, args=(conn, sealed), name="monarch_nb-dataplane", daemon=True).start()
             except RuntimeError as e:  # no thread to serve it: that reader is refused, later ones are not
-                with self._lock:
-                    self._greeting.pop(conn, None)
+                self._greeting.done(conn)
                 conn.close()
                 self.refusals.refused("the data plane dropped a connection: %s", e)
-
-    def _greets(self, conn: socket.socket) -> None:
-        """``conn`` begins its handshake; past :data:`GREETING_MAX` the oldest one still in its
-        handshake is cut (its thread ends)."""
-        with self._lock:
-            self._greeting[conn] = None
-            oldest = next(iter(self._greeting)) if len(self._greeting) > GREETING_MAX else None
-            if oldest is not None:
-                del self._greeting[oldest]
-        if oldest is not None:
-            self.refusals.refused("the data plane cut a connection still in its handshake: more than %d at once", GREETING_MAX)
-            try:
-                oldest.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     def _serve(self, conn: socket.socket, sealed: bool) -> None:
         ch: _Plain | _Sealed | None
@@ -407,8 +394,7 @@ class DataServer:
                 try:
                     ch = _server_handshake(conn, key)
                 finally:
-                    with self._lock:
-                        self._greeting.pop(conn, None)
+                    self._greeting.done(conn)
                 if ch is None:
                     self.refusals.refused("refused a data-plane connection: the peer does not hold the cluster key")
                     conn.close()

@@ -29,7 +29,6 @@ without losing a byte (``_tunnel.py``, which owns the frames).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -44,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import _fdlimit
+from ._greeting import Greeting
 from ._refusals import Refusals
 from ._tunnel import ACCEPT, BYE, FAILED, OPENED, Mux, Streams, TunnelError, recv_exact
 
@@ -295,9 +295,11 @@ class GatewayClient:
         self.reverse = ""
         self.streams = Streams(first_sid=1, on_accept=self._on_accept)
         self.refusals = Refusals(logger)
-        #: SOCKS5 connections still negotiating, oldest first
-        self._greeting: dict[socket.socket, None] = {}
-        self._greeting_lock = threading.Lock()  # not _lock: that one is held while a tunnel opens
+        #: SOCKS5 connections still negotiating: each holds a thread of the kernel for up to
+        #: TIMEOUT a byte, and every local user can connect
+        self._greeting = Greeting(
+            SOCKS_GREETING_MAX, self.refusals, "the gateway's SOCKS5 end cut a connection still negotiating: more than %d at once"
+        )
         self.mux = self._open()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.username = secrets.token_hex(8)
@@ -426,19 +428,7 @@ class GatewayClient:
 
     def _accept(self) -> None:
         while (conn := _fdlimit.accept(self.listener, "the gateway's SOCKS5 end", self.refusals.refused)) is not None:
-            with self._greeting_lock:
-                self._greeting[conn] = None
-                oldest = next(iter(self._greeting)) if len(self._greeting) > SOCKS_GREETING_MAX else None
-                if oldest is not None:
-                    del self._greeting[oldest]
-            if oldest is not None:
-                # each negotiation holds a thread of the kernel for up to TIMEOUT a byte: a local
-                # user's silent connections, unbounded, left its own code no thread to start
-                self.refusals.refused(
-                    "the gateway's SOCKS5 end cut a connection still negotiating: more than %d at once", SOCKS_GREETING_MAX
-                )
-                with contextlib.suppress(OSError):
-                    oldest.shutdown(socket.SHUT_RDWR)
+            self._greeting.begin(conn)
             threading.Thread(target=self._socks, args=(conn,), name="gateway-socks-conn", daemon=True).start()
 
     def _socks(self, conn: socket.socket) -> None:
@@ -488,8 +478,7 @@ class GatewayClient:
             logger.debug("gateway: %s", e)
             conn.close()
         finally:
-            with self._greeting_lock:
-                self._greeting.pop(conn, None)
+            self._greeting.done(conn)
 
     def close(self) -> None:
         with self._lock:
