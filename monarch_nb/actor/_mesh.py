@@ -229,7 +229,7 @@ class ActorMesh(MeshTrait, Generic[T]):
         why = _context.client().stop_reasons.get(err.mesh, "") if root is not None and not root._stopped else ""
         if why:
             # not this process's stop: who stopped it (`monarch-nb stop --force` from a shell, say)
-            how += f"; {why}" if why.startswith("stopped ") else f"; stopped from outside this process ({why})"
+            how += f"; {_stopped_by(why)}"
         words = (
             f"the process this actor was running on {how}\n  host {err.host}, proc mesh {err.mesh!r} rank {err.rank}: {err.cause}"
         )
@@ -766,12 +766,10 @@ class ProcMesh(MeshTrait):
         "mesh stopped" reason (which reaches this client before their answer to a later request),
         or "" when every proc of it ended as a mesh's stop and the reason never came; None when
         nothing says it was stopped."""
-        client = _context.client()
-        why = client.stop_reasons.get(self._name)
+        why = _context.client().stop_reasons.get(self._name)
         if why:
             return why
-        causes = [client.rt.peer_error(self._procs[r].addr) for r in self._view.ranks]
-        return "" if all(c is not None and c.cause.startswith("mesh stopped") for c in causes) else None
+        return "" if self._ended_as_a_stop() else None
 
     def _closed_error(self, outside: bool = False) -> MeshClosedError | None:
         """Why this mesh (or the mesh it was sliced from) takes no more work, in Monarch's words,
