@@ -854,7 +854,7 @@ def test_stacks_of_ranks_on_other_hosts(cluster: NetnsCluster, workers: list[All
         deadline = time.monotonic() + 20
         while True:  # until every rank is in its sleep
             st = debug.stacks(procs, native=True, timeout=10)
-            if "[ranks 0-3 (4)] thread monarch-actor-driver" in str(st) or time.monotonic() > deadline:
+            if "[ranks 0-3 (4)] call s.sleep" in str(st) or time.monotonic() > deadline:
                 break
         emit(
             "stacks",

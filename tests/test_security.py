@@ -1330,6 +1330,15 @@ def test_silent_connections_from_another_user_leave_the_allocator_up_for_its_use
         raise
     try:
         assert opened > 400  # more than the allocator has descriptors
+        # the user attaches once the flood is held and cut back: while a stranger is still
+        # opening connections faster than they are cut, the allocator can be out of descriptors
+        # for a moment, and an attach then aborts it (docs/security.md, "not (yet) covered")
+        wait_for(
+            lambda: a.proc.poll() is not None or psutil.Process(a.proc.pid).num_fds() < 50 + PENDING_MAX,
+            timeout=15,
+            what="the allocator to cut the flood back to its handshake limit",
+        )
+        assert a.proc.poll() is None, a.logtext()[-3000:]
         r = run_script(
             "from monarch_nb.actor import Actor, endpoint, attach_to_workers\n"
             "class _E(Actor):\n"
@@ -1342,7 +1351,7 @@ def test_silent_connections_from_another_user_leave_the_allocator_up_for_its_use
             "p.stop().get(timeout=30)\n",
             env=dict(a.env, MONARCH_NB_KEY_FILE=""),
         )
-        assert r.stdout.strip() == "hi", r.stderr[-3000:]
+        assert r.stdout.strip() == "hi", r.stderr[-3000:] + f"\nallocator (exit {a.proc.poll()}):\n" + a.logtext()[-3000:]
         assert a.proc.poll() is None, a.logtext()[-3000:]
         assert psutil.Process(a.proc.pid).num_fds() < 50 + PENDING_MAX
         cut = [ln for ln in a.logtext().splitlines() if "in its security handshake" in ln]
