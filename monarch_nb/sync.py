@@ -17,7 +17,7 @@ import os
 import stat
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from . import _workspace
 from ._numtext import plural
@@ -279,8 +279,7 @@ def _sync_root(
     client = _context.client()
     ws = _workspace.workspace_id(root)
     report = SyncReport(ws, root, [HostSync(host, alloc) for alloc, host in allocs.items()], not_followed=skipped)
-    #: how far it got ("send", "commit", "reload") and the hosts' commit futures: an interrupt's note
-    state: dict[str, Any] = {"stage": "send"}
+    state = _Progress()
     try:
         _sync_steps(client, report, root, manifest, allocs, meshes, via, reload, optional, state)
     except KeyboardInterrupt as e:
@@ -299,7 +298,7 @@ def _sync_steps(
     via: str | None,
     reload: str | None,
     optional: set[str],
-    state: dict[str, Any],
+    state: _Progress,
 ) -> None:
     timeout = client.rt.cfg.spawn_timeout
     ws = report.workspace
@@ -337,11 +336,12 @@ def _sync_steps(
                     rel = by_digest[d]
                     hs.bytes_sent += _put_parts(client, hs.allocator, root, rel, d, manifest[rel][1], timeout)
                     hs.files_sent += 1
-    state["stage"] = "commit"
-    commits = state["commits"] = {hs.allocator: client.request(hs.allocator, "sync_commit", ws, manifest) for hs in report.hosts}
+    state.stage = "commit"
     for hs in report.hosts:
-        _committed(hs, commits[hs.allocator].get(timeout=timeout))
-    state["stage"] = "reload"
+        state.commits[hs.allocator] = client.request(hs.allocator, "sync_commit", ws, manifest)
+    for hs in report.hosts:
+        _committed(hs, state.commits[hs.allocator].get(timeout=timeout))
+    state.stage = "reload"
     if reload is not None and meshes:
         report.reloads = _reload(report, meshes, reload)
 
@@ -354,13 +354,22 @@ def _committed(hs: HostSync, diff: dict[str, Any]) -> None:
 COMMIT_WAIT = 2.0
 
 
+@dataclass
+class _Progress:
+    """How far a sync got, for an interrupt's note: sending the files, the hosts' commit (whose
+    futures are kept), or the reloads."""
+
+    stage: Literal["send", "commit", "reload"] = "send"
+    commits: dict[str, Any] = field(default_factory=dict)
+
+
 def _note_interrupted(
     e: BaseException,
     report: SyncReport,
     root: str,
     meshes: list[ProcMesh],
     reload: str | None,
-    state: dict[str, Any],
+    state: _Progress,
 ) -> None:
     """What an interrupted sync left: the future's "only the wait stopped: reload on ipc://…
     goes on, and .get() or await waits for it again" named a socket, and a future the user does
@@ -368,7 +377,7 @@ def _note_interrupted(
     code for good: a second sync found nothing changed, and reloaded nothing. That step is
     finished here instead (the commit is a quick answer; the reloads are sent, not waited for)."""
     e.__notes__ = [n for n in getattr(e, "__notes__", []) if "only the wait stopped" not in n]
-    stage = state["stage"]
+    stage = state.stage
     if stage == "send":
         e.add_note(
             f"monarch_nb: the sync of {root} stopped before the hosts took the new files: the procs run the code "
@@ -382,7 +391,7 @@ def _note_interrupted(
         try:
             for hs in report.hosts:
                 # no commit future: the interrupt came while they were being sent
-                f = state.get("commits", {}).get(hs.allocator)
+                f = state.commits.get(hs.allocator)
                 if not hs.path and f is not None:
                     _committed(hs, f.get(timeout=left()))
         except (KeyboardInterrupt, Exception):
@@ -393,11 +402,14 @@ def _note_interrupted(
                 "did not reload them, and syncing again finds nothing changed: %mesh sync --restart restarts them."
             )
             return
-        if reload in (None, "restart") or not meshes:
-            what = "no reload was asked" if reload is None or not meshes else "`%mesh sync --restart` restarts the procs"
-            e.add_note(f"monarch_nb: only the wait stopped: the hosts took the new files of {root}; {what}.")
+        if reload == "restart" and meshes:
+            e.add_note(
+                f"monarch_nb: only the wait stopped: the hosts took the new files of {root}; "
+                "`%mesh sync --restart` restarts the procs."
+            )
             return
-        _reload_requests(report, meshes, reload)
+        if reload is not None and meshes:
+            _reload_requests(report, meshes, reload)
     n = sum(len({p.addr for p in m._procs}) for m in meshes)
     names = ("mesh " if len(meshes) == 1 else "meshes ") + ", ".join(repr(m.name) for m in meshes)
     if reload is None or not meshes:
