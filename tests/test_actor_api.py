@@ -96,6 +96,15 @@ class Counter(Actor):
         return threading.Lock()
 
     @endpoint
+    def fail_to(self, port: Port[int], v: object) -> str:
+        try:
+            port.exception(v)  # type: ignore[arg-type]
+        except TypeError as e:
+            port.exception(ValueError("the right way"))
+            return str(e)
+        return "sent"
+
+    @endpoint
     def raise_odd(self, how: str, folder: str = "") -> None:
         rank = current_rank().rank
         if how == "unprintable":
@@ -411,6 +420,32 @@ def test_ports_channels_send_and_explicit_response_port(counters):
     assert len(vals) == 4
     port.send("local")
     assert recv.recv().get(timeout=10) == "local"
+
+
+def test_port_exception_of_a_non_exception_raises_in_the_sender_and_leaves_a_once_port_unspent(counters):
+    # Monarch sends it and the receiver's recv() raises Python's bare "exceptions must derive
+    # from BaseException", which says nothing of who sent what
+    port, recv = Channel.open(once=True)
+    with pytest.raises(TypeError) as info:
+        port.exception("just words")  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "port.exception() takes an exception, such as ValueError('what went wrong'), "
+        "not str 'just words': to send a value, use port.send()"
+    )
+    port.exception(KeyError("k"))  # the once port was not spent by the refused one
+    with pytest.raises(KeyError, match="k"):
+        recv.recv().get(timeout=10)
+    # an exception class is what `raise` takes too, as on Monarch
+    port, recv = Channel.open()
+    port.exception(ValueError)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        recv.recv().get(timeout=10)
+    # in an actor the endpoint can catch it and send what it meant
+    port, recv = Channel.open(once=True)
+    words = counters.slice(hosts=0, gpus=0).fail_to.call_one(port, 3).get(timeout=10)
+    assert words.startswith("port.exception() takes an exception") and "not int 3" in words
+    with pytest.raises(ValueError, match="the right way"):
+        recv.recv().get(timeout=10)
 
 
 def test_a_port_reaches_this_hosts_procs_after_the_controller_joined_a_keyed_cluster(allocator, tmp_path):

@@ -38,6 +38,14 @@ class Port(Generic[R]):
     def exception(self, exc: Exception) -> None:
         """Make the receiving end raise ``exc``: ``recv()`` (or the call an explicit response
         port answers) raises this exception itself, as in Monarch, not an ActorError around it."""
+        if not (isinstance(exc, BaseException) or (isinstance(exc, type) and issubclass(exc, BaseException))):
+            # Monarch sends it, and the receiver gets Python's bare "exceptions must derive from
+            # BaseException" with no word of who sent what; say it here, where the mistake is.
+            # Nothing is sent, so a once port stays unspent. A class is what `raise` takes too
+            raise TypeError(
+                f"port.exception() takes an exception, such as ValueError('what went wrong'), "
+                f"not {type(exc).__name__} {_short_repr(exc)}: to send a value, use port.send()"
+            )
         if self._once:
             self._spend()
         _context.runtime().send_port(self._addr, self._port, self._index, wire.ERROR, _safe_exc(exc))
@@ -57,6 +65,14 @@ class Port(Generic[R]):
 
     def __repr__(self) -> str:
         return f"Port({self._addr}#{self._port})"
+
+
+def _short_repr(obj: object) -> str:
+    try:
+        r = repr(obj)
+    except Exception:
+        return f"<{type(obj).__name__}>"
+    return r if len(r) <= 80 else r[:77] + "..."
 
 
 class PortReceiver(Generic[R]):
