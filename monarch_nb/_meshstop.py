@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ._numtext import plural
 from .actor import ProcMesh, controller_client
+from .actor._mesh import kills_noted as kills_noted
 from .errors import ConnectError
 from .introspect import _unreached_note, known_status
 

@@ -568,3 +568,91 @@ def test_a_stop_that_fails_on_a_lost_host_says_why_and_leaves_the_buttons_enable
         _ok(k.run("d.close()\njob.kill()"))
     finally:
         _kill_job(k, "btnlost")
+
+
+KILLING = """import os, threading
+from monarch_nb.actor import Actor, endpoint, this_host
+from monarch_nb.widgets import Dashboard
+
+class Holder(Actor):
+    @endpoint
+    def hold(self, flag):
+        open(flag, "w").close()
+        threading.Event().wait()  # past the stop's stop_cleanup_timeout (2 s): it kills the proc
+
+def holding(name, flag):
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, name=name)
+    held = procs.spawn("holders", Holder).slice(gpus=0).hold.call_one(flag)
+    return procs, held
+"""
+
+
+@pytest.mark.timeout(150)
+def test_what_a_dashboard_stop_killed_is_said_in_its_result_and_a_cell_s_stop_warns(tmp_path) -> None:
+    # the dashboard stops on a thread of its own since session 31: its ProcsKilledWarning printed
+    # in whatever cell ran then (or after it), and the stop's result did not say it
+    k = Kernel(env=FAST)
+    try:
+        _ok(k.run(KILLING))
+        for name in ("killdash", "killcell"):
+            flag = str(tmp_path / name)
+            _ok(
+                k.run(
+                    f"{name}, held_{name} = holding({name!r}, {flag!r})\n"
+                    + poll(f"os.path.exists({flag!r})", 60, "rank 0 in its call")
+                )
+            )
+        _ok(k.run("d = Dashboard(killdash, interval=60)\nd.refresh(timeout=60)"))
+        _answered(k, "d.stop_button.click()")
+
+        def stopped() -> str | None:
+            got = html_unescape(_value(k, "d.stop_view.value"))
+            return got if "stopped at" in got else None
+
+        got = wait_for(stopped, 60, "the stop's result in the view")
+        assert re.fullmatch(
+            r"mesh killdash stopped at \d\d:\d\d:\d\d \(took \d+\.\d s\)<br><span class=\"mnb-errors\">stopping proc mesh "
+            r"'killdash' killed 1 proc\(s\): rank 0 \(pid \d+ on \S+\): its actors had not finished the message in hand "
+            r"and __cleanup__ after 2 s \(stop_cleanup_timeout\)</span>\n",
+            got,
+        ), got
+        # a cell's own stop still warns, in that cell
+        cell = _ok(k.run("killcell.stop().get(timeout=60)"))
+        assert "ProcsKilledWarning: stopping proc mesh 'killcell' killed 1 proc(s): rank 0 (pid" in cell.stream("stderr")
+        _ok(k.run("d.close()"))
+        # and the dashboard's warned nowhere: no cell, not even one run after its stop, has it
+        warned = "".join(m["content"]["text"] for m in k.log if m["msg_type"] == "stream" and m["content"]["name"] == "stderr")
+        assert "killdash" not in warned, warned
+    finally:
+        k.close()
+
+
+@pytest.mark.timeout(150)
+def test_a_dashboard_whose_stop_failed_shows_the_mesh_stopped_once_a_cell_stopped_it(tmp_path) -> None:
+    # before, it drew the mesh running (its ranks as they were) until stop was clicked again
+    flag = tmp_path / "go"
+    k = Kernel(env=FAST)
+    try:
+        _ok(k.run(_holding("failjob", "failmesh", 1, str(flag)), timeout=120))
+        _ok(k.run("held = holders.slice(gpus=0).hold.call_one(" + repr(str(flag)) + ")\nd.refresh(timeout=60)"))
+        # a stop that fails: the rank holds its call past the time this controller waits for it
+        _ok(
+            k.run(
+                "import dataclasses\nfrom monarch_nb.actor import controller_client\n"
+                "rt = controller_client().rt\nsaved = rt.cfg\nrt.cfg = dataclasses.replace(saved, spawn_timeout=0.5)\n"
+                "d.stop_button.click()\n"
+                + poll("d._running('stop') is None", 30, "the dashboard's stop to end")
+                + "rt.cfg = saved\n"
+            )
+        )
+        assert "stop failed" in _value(k, "d.stop_view.value")
+        flag.touch()
+        _ok(k.run("procs.stop().get(timeout=60)"))
+        _ok(k.run("d.refresh(timeout=60)"))
+        assert 'data-state="stopped"' in _value(k, "d.header.value")
+        assert re.fullmatch(r"mesh failmesh stopped \(seen at \d\d:\d\d:\d\d\)\n", _value(k, "d.stop_view.value"))
+        assert _value(k, "d.stop_button.disabled, d.stacks_button.disabled").strip() == "True True"
+        _ok(k.run("d.close()\njob.kill()"))
+    finally:
+        flag.touch()
+        _kill_job(k, "failjob")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -706,6 +707,25 @@ class ProcsKilledWarning(RuntimeWarning):
     """``ProcMesh.stop()`` had to kill procs that did not exit after their actors' ``__cleanup__``."""
 
 
+#: ``notes``: where a stop read on this thread puts what it killed instead of warning (see
+#: :func:`kills_noted`)
+_noting = threading.local()
+
+
+@contextlib.contextmanager
+def kills_noted() -> Iterator[list[str]]:
+    """Stops whose futures are read on this thread inside the block append what they killed to the
+    list it yields instead of warning ``ProcsKilledWarning``. For a thread of our own (the
+    dashboard's stop button): a warning there prints in whatever cell happens to run."""
+    notes: list[str] = []
+    prev = getattr(_noting, "notes", None)
+    _noting.notes = notes
+    try:
+        yield notes
+    finally:
+        _noting.notes = prev
+
+
 def _killed_text(killed: list[dict[str, Any]]) -> str:
     """``rank 1 (pid 42 on vm): why``, ranks killed for the same reason on one host in one entry
     (``ranks 0-15 (pids 40-55 on vm): why``): a hung call on 16 ranks is one reason, not 16."""
@@ -1016,10 +1036,12 @@ class ProcMesh(MeshTrait):
                 # stop finishes the job: what it had to kill is said where stop() was awaited
                 import warnings
 
-                procs = _killed_text(killed)
-                warnings.warn(
-                    f"stopping proc mesh {name!r} killed {len(killed)} proc(s): {procs}", ProcsKilledWarning, callers_level()
-                )
+                said = f"stopping proc mesh {name!r} killed {len(killed)} proc(s): {_killed_text(killed)}"
+                notes = getattr(_noting, "notes", None)
+                if notes is not None:
+                    notes.append(said)
+                else:
+                    warnings.warn(said, ProcsKilledWarning, callers_level())
 
         _all(futs, f"stop mesh {name}").add_done_callback(lambda _f: out._set_raw(futs, finish))
         root._stop_fut = out

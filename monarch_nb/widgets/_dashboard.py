@@ -14,7 +14,7 @@ import ipywidgets as W
 from .. import _meshhtml, introspect, telemetry
 from .._errgroup import cell_location
 from .._exec import EXEC_ACTOR
-from .._meshstop import stop_proc_mesh
+from .._meshstop import kills_noted, stop_proc_mesh
 from .._ranks import format_ranks, parse_ranks
 from ..actor import ProcMesh, controller_client
 from ..logs import Aggregator
@@ -29,6 +29,11 @@ BUSY_NOTE = (
     "Buttons act only while the kernel is idle: a running cell holds the kernel. "
     "Use the JupyterLab sidebar (monarch_nb panel) to act while a cell runs."
 )
+
+
+def _killed_html(killed: list[str]) -> str:
+    """What a stop had to kill (``ProcsKilledWarning``'s words), a line each."""
+    return "".join(f'<br><span class="mnb-errors">{html.escape(k)}</span>' for k in killed)
 
 
 class Dashboard(W.VBox):
@@ -257,6 +262,8 @@ class Dashboard(W.VBox):
         # the mesh as a whole, in the sidebar's and %mesh status's words
         state, label, hint = _meshhtml.mesh_state([r["state"] for r in snap["ranks"]])
         stopping = self._running("stop") is not None
+        if pm._stopped and not stopping and self._stop_error:
+            self._see_a_later_stop()
         # a stop that failed leaves the mesh to stop again: its ranks are drawn as they are
         if pm._stopped and not stopping and not self._stop_error:
             state, label, hint = "stopped", "stopped", ""
@@ -565,6 +572,24 @@ class Dashboard(W.VBox):
             f"(the rank has not answered yet, asked at {self._since('pdb')}: one command at a time)\n"
         )
 
+    def _see_a_later_stop(self) -> None:
+        """After this dashboard's stop failed: if a stop since has stopped the mesh (a cell's
+        ``procs.stop()`` or ``%mesh stop``, or the failed one, which ran on past its timeout), say
+        so, as the stop button would have: until then its result still read "stop failed", and
+        the mesh was drawn only as its ranks' records had it."""
+        root = getattr(self.mesh, "_root", self.mesh)
+        fut = root._stop_fut
+        if fut is None or not fut.done():
+            return
+        # if no cell has read it yet, what it killed is said here, not in whichever cell runs
+        with kills_noted() as killed:
+            failed = fut.exception(timeout=0) is not None
+        if failed:
+            return
+        self._stop_error = ""
+        when = time.strftime("%H:%M:%S")
+        self._show(self.stop_view, f"mesh {html.escape(self.mesh.name)} stopped (seen at {when}){_killed_html(killed)}")
+
     # ------------------------------------------------------------ actions and lifetime
     def _stop_mesh(self) -> None:
         name = self.mesh.name
@@ -572,8 +597,11 @@ class Dashboard(W.VBox):
 
         def work() -> None:
             try:
-                # the words of %mesh stop: a host that did not answer is named, with its job
-                stop_proc_mesh(self.mesh)
+                # the words of %mesh stop: a host that did not answer is named, with its job. What
+                # it killed is said here, in this stop's result: a warning from this thread would
+                # print in whatever cell happens to run
+                with kills_noted() as killed:
+                    stop_proc_mesh(self.mesh)
             except Exception as e:
                 self._stop_error = str(e) or type(e).__name__
                 with self._lock:
@@ -581,6 +609,7 @@ class Dashboard(W.VBox):
                 said = f'<span class="mnb-errors">stop failed: {html.escape(self._stop_error)}</span>'
             else:
                 said = f"mesh {html.escape(name)} stopped at {time.strftime('%H:%M:%S')} (took {time.monotonic() - t0:.1f} s)"
+                said += _killed_html(killed)
             self._show(self.stop_view, said)
 
         def begin() -> None:
