@@ -54,6 +54,43 @@ def test_default_job_path_is_under_the_runtime_dir() -> None:
     assert DEFAULT_JOB_PATH.startswith(os.environ["MONARCH_NB_RUNTIME_DIR"])
 
 
+def test_the_default_job_path_follows_the_runtime_dir_configured_after_import(tmp_path: Path) -> None:
+    # DEFAULT_JOB_PATH was computed (and the runtime dir made) when monarch_nb.job was imported:
+    # configure(runtime_dir=...) afterwards left it, and job_load()'s default, in the old one
+    first, second = tmp_path / "first", tmp_path / "second"
+    code = f"""
+import os
+import monarch_nb.job as job
+from monarch_nb.config import configure
+from monarch_nb.job import LocalJob, job_load, kill_job, list_jobs
+print("made at import:", os.path.exists({str(first)!r}))
+configure(runtime_dir={str(second)!r})
+print("attribute:", job.DEFAULT_JOB_PATH)
+from monarch_nb.job import DEFAULT_JOB_PATH
+print("imported:", DEFAULT_JOB_PATH)
+LocalJob(("hosts",)).dump(DEFAULT_JOB_PATH)
+print("loaded:", type(job_load()).__name__)
+print("listed:", [(r["name"], r["path"]) for r in list_jobs()])
+kill_job()
+try:
+    job_load()
+except FileNotFoundError as e:
+    print("after kill:", e.filename)
+"""
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=str(first))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    path = str(second / "jobs" / "job_state.json")
+    assert out.stdout.splitlines() == [
+        "made at import: False",
+        f"attribute: {path}",
+        f"imported: {path}",
+        "loaded: LocalJob",
+        f"listed: [('(current)', {path!r})]",
+        f"after kill: {path}",
+    ], out.stdout
+
+
 def test_constructors_keep_monarchs_parameter_names() -> None:
     want = {
         SlurmJob: [

@@ -12,9 +12,9 @@ job.kill()                          # scancel: nothing is left on any node
 kubernetes client.
 """
 
+from . import _job
 from ._exec import exec_command
 from ._job import (
-    DEFAULT_JOB_PATH,
     JobError,
     JobReplacedWarning,
     JobState,
@@ -31,6 +31,14 @@ from ._named import kill as kill_job
 from ._process import ProcessJob
 from ._slurm import SlurmJob
 from ._ssh import SSHJob
+
+
+def __getattr__(name: str) -> str:
+    # DEFAULT_JOB_PATH (Monarch's name) is read when asked, under the runtime dir as configured now
+    if name == "DEFAULT_JOB_PATH":
+        return _job._default_job_path()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_JOB_PATH",

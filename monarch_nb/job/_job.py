@@ -53,18 +53,24 @@ class JobReplacedWarning(RuntimeWarning):
 
 
 def _default_job_path() -> str:
+    """Where ``state()`` caches a job unless told otherwise (under the runtime directory, 0600)."""
     return os.path.join(runtime_dir(), "jobs", "job_state.json")
 
 
-#: where ``state()`` caches a job unless told otherwise (under the runtime directory, 0600)
-DEFAULT_JOB_PATH: str = _default_job_path()
+def __getattr__(name: str) -> str:
+    # DEFAULT_JOB_PATH, Monarch's name, is read when asked: a constant computed at import kept the
+    # runtime dir of that moment (and made it), though configure(runtime_dir=...) or
+    # MONARCH_NB_RUNTIME_DIR set later moves where state(), jobs and kill look
+    if name == "DEFAULT_JOB_PATH":
+        return _default_job_path()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _Default(str):
     """The ``cached_path`` default: resolved when called, so a changed runtime dir is honoured."""
 
 
-_DEFAULT = _Default(DEFAULT_JOB_PATH)
+_DEFAULT = _Default("<runtime dir>/jobs/job_state.json")
 
 
 class JobState:
@@ -467,8 +473,11 @@ def job_loads(data: bytes | str) -> JobTrait:
     return job
 
 
-def job_load(filename: str = DEFAULT_JOB_PATH) -> JobTrait:
-    """A job from a file written by ``dump()``; a file that is not ours is refused unread."""
+def job_load(filename: str = _DEFAULT) -> JobTrait:
+    """A job from a file written by ``dump()`` (by default the one ``state()`` caches, under the
+    runtime directory as it is now); a file that is not ours is refused unread."""
+    if isinstance(filename, _Default):
+        filename = _default_job_path()
     try:
         raw = records.read_private(filename)
     except PermissionError as e:

@@ -10,7 +10,6 @@ from typing import Any
 
 from ..config import runtime_dir
 from ._job import (
-    DEFAULT_JOB_PATH,
     JobError,
     JobState,
     JobTrait,
@@ -111,7 +110,7 @@ def jobs() -> list[dict[str, Any]]:
 
 
 def kill(name: str | None = None) -> None:
-    """Kill the named job (default: the current one, at ``DEFAULT_JOB_PATH``)."""
+    """Kill the named job (default: the current one, at ``DEFAULT_JOB_PATH`` as it is now)."""
     path = named_job_path(name) if name and name != "(current)" else _default_job_path()
     try:
         job = job_load(path)
@@ -135,4 +134,4 @@ def apply_spec(spec: str, cached_path: str | None = None) -> JobTrait:
     return job
 
 
-__all__ = ["DEFAULT_JOB_PATH", "apply_spec", "jobs", "kill", "launch", "make_job", "named_job_path"]
+__all__ = ["apply_spec", "jobs", "kill", "launch", "make_job", "named_job_path"]
