@@ -11,15 +11,17 @@ import contextlib
 import ctypes
 import gc
 import os
+import shutil
 import signal
 import socket
+import sys
 import time
 import warnings
 from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import wait_for
+from conftest import run_script, wait_for
 
 from monarch_nb.actor import Actor, ProcMesh, endpoint, this_host
 from monarch_nb.errors import ConfigError, SupervisionError
@@ -480,6 +482,56 @@ def test_full_dev_shm_falls_back_to_the_stream_with_a_warning(pair: tuple[ProcMe
     assert len(seen) == 1 and seen[0].startswith("RDMAShmFallbackWarning") and "shared memory" in seen[0], seen
     assert "stream" in repr(buf)
     assert reader.read_mv.call_one(buf).get(timeout=60) == b"\x05" * 8
+
+
+_PLANTED = """
+import os, resource, signal, subprocess, sys, warnings
+import torch
+from monarch_nb.rdma._buffer import _share
+
+pid = os.getpid()
+theirs, link, ours = f"/dev/shm/torch_{pid}_theirs", f"/dev/shm/torch_{pid}_link", os.environ["OURS"]
+PLANT = "import os, sys; open(sys.argv[1], 'x').close(); os.symlink(sys.argv[3], sys.argv[2])"
+
+
+def plant(signum, frame):
+    # torch could not size its file (the file size limit below): another user makes files under
+    # this process's torch names now, before the failed share cleans up what torch left
+    if not os.path.lexists(theirs):
+        argv = [os.environ["NOBODY_PY"], "-c", PLANT, theirs, link, ours]
+        subprocess.run(argv, user=65534, group=65534, extra_groups=[], cwd="/", env={}, check=True)
+
+
+open(ours, "w").close()
+signal.signal(signal.SIGXFSZ, plant)
+t = torch.ones(1 << 20, dtype=torch.uint8)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        shm, fds = _share(t, t.numel())
+    print("shared:", shm, [type(x.message).__name__ for x in w])
+finally:
+    for n in sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"torch_{pid}_")):
+        print("left:", n.split("_", 2)[2], os.lstat("/dev/shm/" + n).st_uid)
+        os.unlink("/dev/shm/" + n)
+print("ours:", os.path.exists(ours))
+"""
+
+
+def test_a_failed_move_to_shared_memory_removes_only_what_torch_left_not_another_user_s_files(tmp_path) -> None:
+    # torch leaves the file it could not size in /dev/shm, and the move removed every new
+    # torch_<pid>_* name: as root, also a file or link another user had made under one (the pid
+    # is no secret and /dev/shm is everyone's). torch fails here on RLIMIT_FSIZE, a real failure
+    py = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+    r = run_script(_PLANTED, env={"OURS": str(tmp_path / "ours"), "NOBODY_PY": py})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        "shared: None ['RDMAShmFallbackWarning']",  # served over the stream, as when /dev/shm is full
+        "left: link 65534",  # another user's link to a file of ours: judged as itself, kept
+        "left: theirs 65534",
+        "ours: True",
+    ], r.stdout
 
 
 class ForeignMemoryOwner(Actor):

@@ -14,6 +14,7 @@ import errno
 import json
 import logging
 import os
+import stat
 import sys
 import threading
 import time
@@ -237,10 +238,7 @@ def _share(data: Any, nbytes: int) -> tuple[dp.Shm | None, list[Any]]:
         try:
             fd, size = storage._share_fd_cpu_()
         except RuntimeError as e:
-            # torch leaves the file it could not fill behind
-            for name in _torch_segments() - before:
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join("/dev/shm", name))
+            _remove_left_behind(before)
             if "Too many open files" in str(e):
                 raise OSError(errno.EMFILE, str(e)) from e
             raise OSError(28, str(e)) from e
@@ -283,6 +281,22 @@ def _torch_segments() -> set[str]:
         return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
     except OSError:
         return set()
+
+
+def _remove_left_behind(before: set[str]) -> None:
+    """Unlink the file torch leaves behind when it cannot fill one: a ``torch_<pid>_*`` name not
+    in ``before`` that is a regular file of this process's user. /dev/shm is writable by every
+    user and the pid is no secret: as root, a bare unlink of each new name would remove a file
+    another user made under it. ``lstat``: a link is judged as itself, never by its target. (No
+    one else can swap a file of ours for theirs between the check and the unlink: /dev/shm is
+    sticky.)"""
+    me = os.geteuid()
+    for name in _torch_segments() - before:
+        path = os.path.join("/dev/shm", name)
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == me:
+                os.unlink(path)
 
 
 def _owner_identity() -> tuple[str, str, int | None, str]:
