@@ -20,8 +20,6 @@ from ..actor import ProcMesh, controller_client
 from ..logs import Aggregator
 from . import _render
 
-#: the line of a many-rank error that says which ranks failed
-
 #: jobs are asked of their schedulers (squeue, ssh probes) at most this often
 JOBS_EVERY = 5.0
 
