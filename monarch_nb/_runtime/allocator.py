@@ -611,6 +611,26 @@ class Allocator(DebugRegistry):
             return {"stopped": n, "killed": m.killed}
         return n
 
+    def sys_adopt(self, name: str, cid: str, seen_owner: str) -> str:
+        """Controller ``cid`` re-attached mesh ``name`` (a restarted kernel's ``connect()``),
+        which it saw owned by ``seen_owner``: if that owner is gone, ``cid`` owns it now, so that
+        ``monarch-nb stop --all`` ("whose controller is gone") leaves it alone and every status
+        names the live kernel. A mesh whose owner is still attached (a second kernel re-attaching
+        what another runs) keeps its owner. Returns the owner it has after."""
+        m = self.meshes.get(name)
+        if m is None:
+            raise MeshNotFoundError(f"no mesh named {name!r} on host {self.rt.hostname}", name)
+        # a kernel restarted on this host: its old process is gone now, not after its heartbeats
+        self._detach_dead_local()
+        attached = {c.get("cid") for c in self.controllers.values()}
+        # seen_owner: the lookup's owner; one that changed since (another controller re-attached
+        # it first) is not taken from it
+        if m.owner == seen_owner and m.owner != cid and m.owner not in attached and cid in attached:
+            logger.info("mesh %s: re-attached by controller %s, its owner now (was %s, gone)", name, cid, m.owner)
+            m.info["reattached_from"] = m.owner
+            m.owner = cid
+        return m.owner
+
     def sys_lookup(self, name: str) -> dict[str, Any]:
         m = self.meshes.get(name)
         if m is None:
@@ -678,6 +698,8 @@ class Allocator(DebugRegistry):
                     "extent": m.info.get("extent"),
                     # one spawn's id on every host: a later mesh of the same name is another mesh
                     "mesh_id": m.info.get("mesh_id", ""),
+                    # the gone controller whose mesh the owner re-attached (a restarted kernel's)
+                    "reattached_from": m.info.get("reattached_from", ""),
                     "actors": sorted({m.actor_info.get(a, {}).get("label", a) for a in m.actors}),
                     "procs": [
                         {

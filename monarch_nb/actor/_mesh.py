@@ -1133,6 +1133,11 @@ class ProcMesh(MeshTrait):
         kinds = {(i.get("owner"), repr(i.get("extent"))) for i in infos}
         if len(kinds) > 1:
             raise MeshError(_ambiguous_procs(name, refs, infos, client.cid))
+        # a mesh whose controller is gone (a restarted kernel's) is this controller's now, on every
+        # host at once; one whose owner still runs stays that owner's
+        adopts = [client.request(h.alloc, "adopt", name, client.cid, i.get("owner", "")) for h, i in zip(refs, infos)]
+        for f, info in zip(adopts, infos):
+            info["owner"] = f.get(timeout=client.rt.cfg.connect_timeout)
         for h, info in zip(refs, infos):
             extent = info["extent"]
             persist = info["persist"]

@@ -44,6 +44,9 @@ def status_rows(snapshot: dict[str, Any], my_cid: str = "", held: Collection[str
                     state = "paused"
                 by_state.setdefault(state, []).append(p)
             owner = "this kernel" if my_cid and m["owner"] == my_cid else m["owner"][:8]
+            if owner == "this kernel" and m.get("reattached_from"):
+                # the allocator handed it to this kernel when `%mesh connect` re-attached it
+                owner = "this kernel (re-attached)"
             if owner != "this kernel" and m["owner"] not in attached:
                 if any(p.get("addr") in held for p in m["procs"]):
                     # its controller left and this kernel re-attached it (`%mesh connect` after a
