@@ -586,11 +586,70 @@ def test_rest_api_says_an_allocator_did_not_answer_not_that_the_mesh_is_not_foun
             status, log = s.request("GET", "/monarch-nb/api/meshes/quiet/ranks/0/log")
             assert status == 200, (status, log)
             assert log["proc"]["state"] == "failed", log
-            assert log["proc"]["cause"] == f"its host {a.info['host']} does not answer (allocator {a.addr})", log
+            assert log["proc"]["cause"] == (
+                f"its host {a.info['host']} does not answer (allocator {a.addr}: no answer within 2 s: not running, "
+                "or not reachable from here)"
+            ), log
         finally:
             os.kill(a.proc.pid, signal.SIGCONT)
         status, err = s.request("GET", "/monarch-nb/api/meshes/quiet/ranks/5/log")
         assert status == 404 and "no rank 5 of a mesh named 'quiet'" in err["message"], (status, err)
+        assert "Traceback" not in s.logtext()
+    finally:
+        if s is not None:
+            s.stop()
+        a.stop()  # and its procs with it
+
+
+def test_a_mesh_whose_only_allocator_does_not_answer_stays_in_the_list_saying_why(tmp_path) -> None:
+    """The sidebar's list of meshes dropped a mesh whose only allocator did not answer (busy,
+    stopped, its host cut off): the user read it as gone. Now it stays, its ranks failed with
+    their state unknown, and the mesh says which allocator did not answer and in how long."""
+    from _jupyter import JupyterServer
+    from conftest import AllocatorProc
+
+    from monarch_nb.actor import attach_to_workers
+
+    a = AllocatorProc(str(tmp_path))
+    s = None
+    try:
+        attach_to_workers(workers=[a.addr]).spawn_procs(per_host={"gpus": 2}, name="quiet")
+        s = JupyterServer("server", extra_env={"MONARCH_NB_RUNTIME_DIR": a.rdir})
+        status, state = s.request("GET", "/monarch-nb/api/state")
+        assert status == 200 and [p["state"] for p in _mesh(state, "quiet")["procs"]] == ["idle", "idle"], state
+        host = a.info["host"]
+
+        def quiet() -> dict:
+            status, state = s.request("GET", "/monarch-nb/api/state")
+            assert status == 200, state
+            m = _mesh(state, "quiet")
+            assert m is not None, f"the mesh dropped out of the list: {state['meshes']}"
+            return m if m["label"] == "unreachable" else {}
+
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        try:
+            # (a snapshot from before the stop is served for a moment)
+            m = wait_for(quiet, 20, "the mesh to show its allocator did not answer")
+        finally:
+            os.kill(a.proc.pid, signal.SIGCONT)
+        assert m["state"] == "failed" and m["allocators"] == [a.addr], m
+        assert m["hint"].startswith(f"allocator at {a.addr} ({host}) did not answer: no answer within 2 s"), m["hint"]
+        cause = (
+            f"its host {host} does not answer (allocator {a.addr}: no answer within 2 s: not running, or not reachable from here)"
+        )
+        assert [(p["rank"], p["state"], p["proc_state"], p["cause"]) for p in m["procs"]] == [
+            (0, "failed", "unknown", cause),
+            (1, "failed", "unknown", cause),
+        ], m["procs"]
+        # answering again, it is the mesh it was
+        wait_for(
+            lambda: (
+                [p["state"] for p in (_mesh(s.request("GET", "/monarch-nb/api/state")[1], "quiet") or {"procs": []})["procs"]]
+                == ["idle", "idle"]
+            ),
+            20,
+            "the ranks idle again",
+        )
         assert "Traceback" not in s.logtext()
     finally:
         if s is not None:

@@ -43,6 +43,9 @@ class MeshManager:
         self._jobs_at = -_JOBS_TTL
         #: (mesh, rank) -> host, pid, state and cause when last seen, for a log view after the mesh stopped
         self._seen: dict[tuple[str, int], dict[str, Any]] = {}
+        #: mesh name -> what it was when last listed (owner, shape, allocators; no procs): a mesh
+        #: whose every allocator stops answering is still shown, not dropped from the list
+        self._seen_meshes: dict[str, dict[str, Any]] = {}
         #: recent log lines seen in earlier polls: they outlive the mesh that printed them
         self._recent: collections.OrderedDict[tuple[Any, ...], dict[str, Any]] = collections.OrderedDict()
 
@@ -114,17 +117,35 @@ class MeshManager:
                 )
         debug = _debug_rows(debug)
         paused = {(str(d.get("mesh", "")), int(d.get("rank", -1))) for d in debug if d.get("state", "paused") == "paused"}
-        mesh_list = sorted(meshes.values(), key=lambda m: m["name"])
         alive = {a["addr"] for a in allocators if a["alive"]}
+        # allocators asked that did not answer (busy, stopped, their host cut off), not those known
+        # gone (a stale connection file: its meshes went with it)
+        silent = {str(a["addr"]): str(a["error"]) for a in raw["allocators"] if "error" in a and a.get("addr")}
+        for m in meshes.values():
+            self._seen_meshes.pop(m["name"], None)  # newest last: the oldest go first
+            self._seen_meshes[m["name"]] = {k: v for k, v in m.items() if k not in ("procs", "states")}
+        for name, last in self._seen_meshes.items():
+            # listed before, by allocators none of which answers now: its ranks may run on there
+            if name not in meshes and last["allocators"] and set(last["allocators"]) <= set(silent):
+                meshes[name] = {**last, "procs": [], "states": [], "unreachable": True}
+        mesh_list = sorted(meshes.values(), key=lambda m: m["name"])
         for m in mesh_list:
             m.pop("states")
-            self._add_lost_ranks(m, alive)
+            self._add_lost_ranks(m, alive, silent)
             m["procs"].sort(key=lambda p: p["rank"])
             for p in m["procs"]:
                 if p["state"] in ("idle", "busy") and (m["name"], p["rank"]) in paused:
                     p["state"], p["reason"] = "paused", "paused at a breakpoint"
             # the dashboard's and %mesh status's words for the mesh as a whole
             m["state"], m["label"], m["hint"] = _meshhtml.mesh_state([p["state"] for p in m["procs"]])
+            if m.pop("unreachable", False):
+                # "stop it and spawn it again" would be wrong: nothing says it failed, only that
+                # its host does not answer
+                m["label"] = "unreachable"
+                m["hint"] = (
+                    "; ".join(f"allocator at {a} ({h}) did not answer: {silent[a]}" for a, h in zip(m["allocators"], m["hosts"]))
+                    + ": its ranks' state is unknown; the mesh is still there if the host comes back"
+                )
             for p in m["procs"]:
                 self._seen.pop((m["name"], p["rank"]), None)  # newest last: the oldest go first
                 self._seen[(m["name"], p["rank"])] = {k: p.get(k) for k in ("host", "pid", "state", "cause", "alloc")}
@@ -135,6 +156,10 @@ class MeshManager:
         for (name, _rank), seen in self._seen.items():
             if name not in listed and seen.get("alloc") in alive:
                 seen["gone"] = True
+        for name in [n for n, last in self._seen_meshes.items() if n not in listed and set(last["allocators"]) & alive]:
+            del self._seen_meshes[name]
+        while len(self._seen_meshes) > _SEEN_MAX:
+            del self._seen_meshes[next(iter(self._seen_meshes))]
         while len(self._seen) > _SEEN_MAX:
             del self._seen[next(iter(self._seen))]
         me = socket.gethostname()
@@ -155,7 +180,7 @@ class MeshManager:
             "jobs": jobs,
         }
 
-    def _add_lost_ranks(self, m: dict[str, Any], alive: set[str]) -> None:
+    def _add_lost_ranks(self, m: dict[str, Any], alive: set[str], silent: dict[str, str]) -> None:
         """A rank seen before whose allocator no longer answers (its host died, or is cut off)
         is failed, as the dashboard draws it: its allocator cannot list it any more."""
         have = {p["rank"] for p in m["procs"]}
@@ -164,7 +189,10 @@ class MeshManager:
             # polls) is not one of this mesh's: it would fail it for good
             other = bool(seen.get("mesh_id") and m["mesh_id"] and seen["mesh_id"] != m["mesh_id"])
             if name == m["name"] and rank not in have and not other and not seen.get("gone") and seen.get("alloc") not in alive:
-                cause = f"its host {seen.get('host')} does not answer (allocator {seen.get('alloc')})"
+                why = silent.get(str(seen.get("alloc")))
+                cause = f"its host {seen.get('host')} does not answer (allocator {seen.get('alloc')}" + (
+                    f": {why})" if why else ")"
+                )
                 m["procs"].append(
                     {**seen, "rank": rank, "state": "failed", "proc_state": "unknown", "activity": "", "cause": cause, "log": ""}
                 )
