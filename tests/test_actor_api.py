@@ -1295,3 +1295,68 @@ print("THEIRS", theirs.incr.call().get(timeout=20).values(), repr(theirs))
         assert pm.actor_mesh("spawner")._name == sp._name  # a name spawned once is found by it
     finally:
         pm.stop().get(timeout=30)
+
+
+def test_a_call_to_a_child_mesh_of_an_actor_that_failed_says_that_actor_failed() -> None:
+    """An actor that fails stops the meshes it spawned (as 0.7.0 does). A call to one of them,
+    handed out before, said "mesh stopped (process N exited with code 0)", or "no actor named
+    'kids' ... (stopped, or never spawned there)" where only its actors stopped: the proc mesh's
+    exit, not why. Now it names the actor that spawned it and its error's first line, for a
+    mesh on the owner's own procs and on procs it was handed."""
+    code = """
+import time
+import monarch_nb.actor as api
+from monarch_nb.actor import Actor, current_rank, endpoint, this_host
+api.unhandled_fault_hook = lambda failure: None
+
+class Kid(Actor):
+    @endpoint
+    def ping(self) -> int:
+        return current_rank().rank
+
+class Owner(Actor):
+    @endpoint
+    def start(self, procs):
+        self.kids = (procs or this_host().spawn_procs(per_host={"gpus": 2})).spawn("kids", Kid)
+        self.kids.ping.call().get()
+        return self.kids
+
+    @endpoint
+    def exit(self) -> None:
+        raise SystemExit(5)
+
+for where in ("own", "handed"):
+    handed = this_host().spawn_procs(per_host={"gpus": 2}) if where == "handed" else None
+    home = this_host().spawn_procs(per_host={"gpus": 1})
+    owner = home.spawn("owner", Owner)
+    kids = owner.start.call_one(handed).get(timeout=60)
+    try:
+        owner.exit.call_one().get(timeout=60)
+    except Exception:
+        pass
+    # the owner's caller hears of its failure before the owner has stopped its meshes: calls
+    # answer until the stop reaches them, then fail as its actors stopped, then (its own procs)
+    # as their procs ended
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            kids.ping.call().get(timeout=30)
+        except Exception as e:
+            print(where, type(e).__name__, str(e).replace("\\n", " | "))
+            if where == "handed" or "mesh stopped (" in str(e):
+                break
+        assert time.monotonic() < deadline, "the kids still answer, or their procs did not end"
+    home.stop().get(timeout=60)
+    if handed is not None:
+        handed.stop().get(timeout=60)
+"""
+    r = run_script(code, timeout=120)
+    assert r.returncode == 0, r.stderr
+    why = "that spawned it failed: SystemExit: 5"
+    owner = "the actor <root>.<__main__.Owner owner{'gpus': 0/1}>"
+    errors = [ln for ln in r.stdout.splitlines() if ln.startswith(("own ", "handed "))]
+    # every call that failed said why, the last of the own procs' as their procs ended
+    assert errors and all(f"{owner} {why}" in ln for ln in errors), r.stdout
+    assert errors[-1].startswith("handed SupervisionError "), r.stdout
+    last_own = [ln for ln in errors if ln.startswith("own ")][-1]
+    assert re.search(r"mesh stopped \(process \d+ exited with code 0\) because ", last_own), r.stdout

@@ -593,10 +593,18 @@ class Allocator(DebugRegistry):
         return NO_REPLY
 
     async def sys_stop_mesh(
-        self, name: str, cid: str = "", force: bool = False, reason: str = "stopped by client", detail: bool = False
+        self,
+        name: str,
+        cid: str = "",
+        force: bool = False,
+        reason: str = "stopped by client",
+        detail: bool = False,
+        because: str = "",
     ) -> int | dict[str, Any]:
         """Stop mesh ``name``: the number of procs stopped, or with ``detail`` also the ones that
-        had to be killed (``{"stopped": n, "killed": [{rank, pid, host, why}]}``)."""
+        had to be killed (``{"stopped": n, "killed": [{rank, pid, host, why}]}``). ``because``:
+        the cause of its procs' ends says it ("mesh stopped (process N exited with code 0)
+        because the actor ... that spawned it failed: ...")."""
         m = self.meshes.get(name)
         if m is None:
             raise MeshNotFoundError(f"no mesh named {name!r} on host {self.rt.hostname}", name)
@@ -605,7 +613,7 @@ class Allocator(DebugRegistry):
         # an owner that is gone (kernel restarted, script exited) hands its meshes to whoever re-attached
         if cid and m.owner != cid and owner_attached and not force:
             raise PermissionError(f"mesh {name!r} is owned by another controller ({m.owner}); pass force=True to stop it anyway")
-        n = await self._stop_mesh(m, reason)
+        n = await self._stop_mesh(m, reason, because)
         self.meshes.pop(name, None)
         if detail:
             return {"stopped": n, "killed": m.killed}
@@ -751,7 +759,7 @@ class Allocator(DebugRegistry):
         return "shutting down"
 
     # ------------------------------------------------------------ stopping and reaping
-    async def _stop_mesh(self, m: MeshRec, reason: str) -> int:
+    async def _stop_mesh(self, m: MeshRec, reason: str, because: str = "") -> int:
         m.state = "stopping"
         live = [r for r in m.procs if r.state in ("starting", "running")]
         # their last spans first: a proc may exit before its answer to a drain sent just ahead
@@ -762,6 +770,7 @@ class Allocator(DebugRegistry):
         loop = self.rt.loop
         for r in live:
             r.state = "stopping"
+            r.stop_because = because
             r.cleaned = loop.create_future()
             if r.addr:
                 try:

@@ -48,6 +48,9 @@ class ProcRec:
     #: where this allocator reaches the proc (its ipc inbox; ``addr`` may be its TCP one)
     local: str = ""
     cause: str = ""
+    #: why its mesh was stopped, for its cause, where the stop's caller said (an actor that
+    #: failed stops the meshes it spawned): what a call to it then fails with names that
+    stop_because: str = ""
     log: ProcLog | None = None
     fds: dict[int, str] = dataclasses.field(default_factory=dict)
     #: output pipes widened to _WIDE_PIPE
@@ -217,7 +220,7 @@ class Procs:
                 cause += _oom_hint(rec.oom_kills)
         if rec.state == "stopping":
             rec.state = "stopped"
-            cause = f"mesh stopped ({cause})"
+            cause = f"mesh stopped ({cause})" + (f" because {rec.stop_because}" if rec.stop_because else "")
         else:
             rec.state = "failed"
             if rec.log is not None:

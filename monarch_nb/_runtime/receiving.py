@@ -93,6 +93,9 @@ class Receiver:
         self._ports: dict[int, PortHandler] = {}
         self._port_ids = itertools.count(1)
         self.actors: dict[str, Mailbox] = {}
+        #: actor -> why it was stopped, where its stop said (its owner actor failed): what a
+        #: message for it is then refused with; the latest few
+        self.stopped_because: dict[str, str] = {}
         self.system: dict[str, Any] = {}
         #: receiving side of ordered streams; the lock: actor threads that read their own
         #: connections (take_own) check the order too
@@ -289,9 +292,12 @@ class Receiver:
         # the actor was stopped (by the client, or by itself): as in Monarch, a supervision error
         # an actor mesh's id is ``name#spawn``: the name is what the program knows it by
         name, _, spawn = actor.partition("#")
+        because = self.stopped_because.get(actor)
+        where = f"{name!r}{f' (spawn {spawn})' if spawn else ''} in {self.label} pid {self.pid}"
         err = SupervisionError(
-            f"no actor named {name!r}{f' (spawn {spawn})' if spawn else ''} in {self.label} pid {self.pid} "
-            "(stopped, or never spawned there)",
+            f"actor {where} was stopped because {because}"
+            if because
+            else f"no actor named {where} (stopped, or never spawned there)",
             actor=name,
             host=self.hostname,
         )

@@ -143,6 +143,9 @@ class ActorSlot:
         self.pending_failure: _ActorFailed | None = None
         #: the actor that calls to this failed one name (itself, or the child whose failure it did not handle)
         self.failed_actor = ""
+        #: why its stop came, where the stop said (its owner actor failed): the status a call
+        #: refused at the stop gives, instead of "stopped by client"
+        self.stop_because = ""
         #: stop() was called: what is queued is refused, the call in hand gets no result
         self.stopping = False
         #: (async) the loop's main task, and whether it is inside a (non-concurrent) handler
@@ -280,10 +283,10 @@ class ActorSlot:
             return
         self._stop_owned_meshes(logging.WARNING)
 
-    def _stop_owned_meshes(self, level: int) -> None:
+    def _stop_owned_meshes(self, level: int, because: str = "") -> None:
         for mesh in reversed(self.instance_info._owned):
             try:
-                mesh.stop().get(timeout=self.rt.cfg.spawn_timeout)
+                mesh._stop(because=because).get(timeout=self.rt.cfg.spawn_timeout)
             except Exception as e:
                 logger.log(level, "stopping %r, spawned by %s: %s", mesh, self.name, e)
 
@@ -698,8 +701,12 @@ class ActorSlot:
         self._tell_owner(f.reason, f.event)
         # "… and all its descendants have failed": as in Monarch the meshes it spawned stop (their
         # __cleanup__ runs), rather than run on, holding their procs, for an owner that is gone.
-        # Quietly: one of them may be the failed child this actor did not handle
-        self._stop_owned_meshes(logging.DEBUG)
+        # Quietly: one of them may be the failed child this actor did not handle. A call to one of
+        # them then says why its procs ended: this actor failed, not "process N exited with code 0"
+        err = f.error
+        first = (f"{type(err).__name__}: {err}" if err is not None else f.reason).strip().splitlines() or [""]
+        # (this actor: failed_actor may name the child whose failure it did not handle)
+        self._stop_owned_meshes(logging.DEBUG, f"the actor {info!r} that spawned it failed: {first[0]}")
 
     def _note_failure(self, reason: str) -> None:
         # the dashboard shows this proc's rank failed (sys_state)
@@ -783,7 +790,7 @@ class ActorSlot:
                 rank=info.rank.rank,
                 host=self.rt.hostname,
                 # Monarch's words, as for a call sent after the stop
-                message=stopped_words(info.name, method, repr(info))[1],
+                message=stopped_words(info.name, method, repr(info), self.stop_because or "stopped by client")[1],
             )
         reason = self.failed
         return SupervisionError(
@@ -1347,11 +1354,18 @@ class ActorHost:
         return NO_REPLY
 
     @system_method(wants_reply=True)
-    def sys_stop_actor(self, name: str, *, _reply: tuple[str, int, int]) -> Any:
-        """Stop actor ``name``; answered once its ``__cleanup__`` has finished."""
+    def sys_stop_actor(self, name: str, because: str = "", *, _reply: tuple[str, int, int]) -> Any:
+        """Stop actor ``name``; answered once its ``__cleanup__`` has finished. ``because``: what
+        a message for it says from now on (see ``ActorMesh._stop``)."""
         slot = self.rt.actors.pop(name, None)
         if slot is None:
             return False
+        if because:
+            slot.stop_because = because  # type: ignore[attr-defined]
+            why = self.rt.receiver.stopped_because
+            why[name] = because
+            while len(why) > 256:
+                del why[next(iter(why))]
 
         def done() -> None:
             if _reply[0]:

@@ -214,9 +214,11 @@ class ActorMesh(MeshTrait, Generic[T]):
         the call failed all the same, and says which actor's, as every dead-proc call error does."""
         if not isinstance(err, SupervisionError) or err.actor or not err.mesh:
             return None
-        inner = err.cause[len("mesh stopped (") : -1] if err.cause.startswith("mesh stopped (") else ""
-        if not inner.startswith("process "):
+        # "mesh stopped (process N ...)", and why where the stop said ("... because the actor ...")
+        m = _STOPPED_PROC.match(err.cause)
+        if m is None:
             return None
+        inner = m.group(1)
         named = self._monarch_name(proc)
         if named is None:
             return None
@@ -417,6 +419,11 @@ class ActorMesh(MeshTrait, Generic[T]):
         )  # fmt: skip
 
     def stop(self, reason: str = "stopped by client") -> Future[None]:
+        return self._stop(reason)
+
+    def _stop(self, reason: str = "stopped by client", *, because: str = "") -> Future[None]:
+        """:meth:`stop`; ``because``: what a later call to its actors says (an actor that failed
+        stops the meshes it spawned), where this process's own ``reason`` would not."""
         sup = self._sup
         if sup is not None and not set(self._view.ranks) >= sup.ranks:
             # a slice of the mesh this process spawned: its actors stop together. Monarch's
@@ -445,7 +452,7 @@ class ActorMesh(MeshTrait, Generic[T]):
         # only the procs this mesh's actors live on: a mesh spawned on a slice of a proc mesh
         # must not reach (and fail on a dead) proc outside it
         procs = {self._procs[r].addr: self._procs[r] for r in self._view.ranks}
-        futs = [client.request(p.addr, "stop_actor", self._name, _actor="__sys__") for p in procs.values()]
+        futs = [client.request(p.addr, "stop_actor", self._name, because, _actor="__sys__") for p in procs.values()]
         ranks = {a: [i for i, r in enumerate(self._view.ranks) if self._procs[r].addr == a] for a in procs}
         done = _stop_actors(futs, [ranks[a] for a in procs], self, client.rt)
         if sup is not None and sup.port is not None:
@@ -992,6 +999,12 @@ class ProcMesh(MeshTrait):
         """Stop every proc of this mesh. A slice of some of its procs is not stopped on its own
         (Monarch's ``ValueError``, when the future is read): stop the mesh it was sliced from.
         (A view of all of them, flattened or renamed, stops the mesh.)"""
+        return self._stop(reason, force=force)
+
+    def _stop(self, reason: str = "stopped by client", *, force: bool = False, because: str = "") -> Future[None]:
+        """:meth:`stop`; ``because``: what the causes of its procs' ends say (a call to one then
+        fails naming it), where this process's own ``reason`` would not (an actor that failed
+        stops the meshes it spawned)."""
         root = getattr(self, "_root", self)
         if root is not self and set(self._view.ranks) != set(root._view.ranks):
             return Future._failed(
@@ -1012,7 +1025,7 @@ class ProcMesh(MeshTrait):
         client.stopped_meshes.add(self._name)
         root._stop_reason, root._stopped_outside = reason, False
         allocs = sorted({p.alloc for p in self._procs if p.alloc})
-        futs = [client.request(a, "stop_mesh", self._name, client.cid, force, reason, True) for a in allocs]
+        futs = [client.request(a, "stop_mesh", self._name, client.cid, force, reason, True, because) for a in allocs]
         out: Future[None] = Future._create(f"stop mesh {self._name}")
         name = self._name
 
@@ -1571,6 +1584,8 @@ def _class_name(cls: type | None) -> str | None:
 
 _KILLED = re.compile(r"process \d+ was killed by (\w+)")
 _EXITED = re.compile(r"process \d+ exited with code (\d+)")
+#: a proc's cause when its mesh stopped: how it ended (then, where the stop said, why)
+_STOPPED_PROC = re.compile(r"mesh stopped \((process \d+ (?:exited with code -?\d+|was killed by \w+))\)")
 
 
 def _proc_status(cause: str) -> str:
