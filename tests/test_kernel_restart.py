@@ -90,6 +90,45 @@ def test_a_reattached_mesh_is_owned_by_the_restarted_kernel_in_every_status_and_
         k.close("kept")
 
 
+def test_a_kernel_restarted_on_another_host_than_its_allocator_owns_what_it_reattached(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Over TCP (the allocator on another host) the old kernel's process is not known gone until
+    its heartbeats time out: the re-attach left the mesh to it, and once it was detached
+    `monarch-nb stop --all` stopped the mesh under the kernel using it. The allocator now knows
+    the new process is the same Jupyter kernel restarted (its connection file)."""
+    import subprocess
+
+    from conftest import PY, AllocatorProc
+
+    from monarch_nb._wire.keys import write_key_file
+
+    key = str(tmp_path / "cluster.key")
+    write_key_file(key)
+    a = AllocatorProc(str(tmp_path), "--bind", "tcp://127.0.0.1:0", "--key-file", key)
+    tcp = a.info["tcp"]
+    connect = f"from monarch_nb import mesh\nmesh.connect({tcp!r}, key_file={key!r})\n"
+    cid = "from monarch_nb.actor._context import controller_client; controller_client().cid"
+    k = Kernel()
+    try:
+        _ok(k.run(connect + "mesh.spawn('far', per_host={'gpus': 1})"))
+        old = _ok(k.run(cid)).result.strip("'")
+        k.km.restart_kernel(now=True)
+        k.kc.wait_for_ready(timeout=60)
+        _ok(k.run(connect + "sorted(mesh.meshes())"))
+        new = _ok(k.run(cid)).result.strip("'")
+        st = subprocess.run(
+            [PY, "-m", "monarch_nb", "status"],
+            env=dict(os.environ, MONARCH_NB_RUNTIME_DIR=a.rdir),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        (line,) = [ln for ln in st.stdout.splitlines() if " mesh far " in ln]
+        assert f"owner={new} " in line and old not in st.stdout, st.stdout
+    finally:
+        k.close()
+        a.stop()  # and its procs with it
+
+
 def test_a_second_kernel_does_not_take_a_running_kernels_meshes() -> None:
     """Re-attaching is not taking: a second kernel's `%mesh connect` finds the first kernel's
     persistent mesh, and the first kernel stays its owner (`monarch-nb stop` still refuses it)."""

@@ -630,6 +630,19 @@ class Allocator(DebugRegistry):
             raise MeshNotFoundError(f"no mesh named {name!r} on host {self.rt.hostname}", name)
         # a kernel restarted on this host: its old process is gone now, not after its heartbeats
         self._detach_dead_local()
+        me = next((c for c in self.controllers.values() if c.get("cid") == cid), None)
+        for addr, c in list(self.controllers.items()):
+            # a kernel restarted on another host: its old process, still attached until its
+            # heartbeats time out, is the same Jupyter kernel (one process at a time)
+            if (
+                me is not None
+                and c is not me
+                and c.get("cid") == seen_owner
+                and me.get("session")
+                and (c.get("session"), c.get("host")) == (me.get("session"), me.get("host"))
+            ):
+                logger.info("controller %s (pid %s) was restarted as %s; detaching it", c["cid"], c.get("pid"), cid)
+                self._detach(addr, f"this kernel was restarted (its new process is controller {cid})")
         attached = {c.get("cid") for c in self.controllers.values()}
         # seen_owner: the lookup's owner; one that changed since (another controller re-attached
         # it first) is not taken from it

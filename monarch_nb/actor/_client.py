@@ -51,11 +51,13 @@ def _decode_sys_error(raw: Any) -> Any:
 
 class Client:
     def __init__(self, rt: Runtime) -> None:
-        from ._context import in_ipython_kernel, proc_spec
+        from ._context import in_ipython_kernel, kernel_session, proc_spec
 
         self.rt = rt
         self.cid = rt.uid
         self.kind = "proc" if proc_spec is not None else ("ipython" if in_ipython_kernel() else "script")
+        #: which Jupyter kernel this is, across its restarts (see ``sys_adopt``)
+        self.session = kernel_session() if self.kind == "ipython" else ""
         self.hellos: dict[str, dict[str, Any]] = {}
         #: when a request last tried to revive an allocator declared lost, by address
         self._revive_tried: dict[str, float] = {}
@@ -232,6 +234,7 @@ class Client:
         hello = {
             "cid": self.cid,
             "kind": self.kind,
+            "session": self.session,
             "pid": os.getpid(),
             "host": self.rt.hostname,
             "addr": me,

@@ -89,6 +89,19 @@ def in_ipython_kernel() -> bool:
     return shell is not None and "ipykernel" in sys.modules
 
 
+def kernel_session() -> str:
+    """The connection file of the Jupyter kernel this process is ("" in none): a restart of
+    the kernel keeps it, so the allocators tell a restarted kernel from another one."""
+    if not in_ipython_kernel():
+        return ""
+    try:
+        from ipykernel.connect import get_connection_file
+
+        return str(get_connection_file())
+    except Exception:  # an embedded kernel without a connection file
+        return ""
+
+
 def proc_point() -> Point:
     """Where this process sits in its proc mesh ({} in a controller)."""
     if proc_spec is None:
