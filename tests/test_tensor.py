@@ -193,6 +193,44 @@ def test_a_mean_loss_over_pieces_of_different_sizes_is_refused_not_biased(mesh1)
     torch.testing.assert_close(mt.inspect(F.mse_loss(even, even * 2)), F.mse_loss(gen(8, 5), gen(8, 5) * 2))
 
 
+def test_an_argmax_over_an_empty_piece_is_refused_before_it_hangs(mesh1):  # type: ignore[no-untyped-def]
+    # torch 2.13's DTensor argmax/argmin fail on a rank whose piece is empty while the other
+    # ranks wait for it in the op's all-gather: reading the result took COLLECTIVE_TIMEOUT_S and
+    # broke the mesh's process group for every tensor
+    cols, rows = gen(3, 5), gen(3, 4)
+    t = mt.distribute(cols, mesh1, [Shard(1)])  # pieces of 2, 2, 1, 0 columns
+    r = mt.distribute(rows, mesh1, [Shard(0)])  # 1, 1, 1, 0 rows
+    sent = mt.stats(mesh1)["messages_sent"]
+    line = inspect.currentframe().f_lineno  # type: ignore[union-attr]
+    refused = {
+        "t.argmax()": (lambda: t.argmax(), "5 along dim 1 sharded over the 4 ranks of 'gpus' makes pieces of 2, 2, 1, 0"),
+        "t.argmin()": (lambda: torch.argmin(t), "5 along dim 1"),
+        "t.argmax(1)": (lambda: t.argmax(-1, keepdim=True), "5 along dim 1"),
+        "t.argmin(0)": (lambda: r.argmin(0), "3 along dim 0 sharded over the 4 ranks of 'gpus' makes pieces of 1, 1, 1, 0"),
+    }
+    for i, (what, (op, why)) in enumerate(refused.items()):
+        with pytest.raises(TensorOpError) as err:
+            op()
+        text = str(err.value)
+        assert text.startswith(f"{what} of a mesh tensor of shape"), text
+        assert "refused, nothing sent: the piece of gpus=3 is empty (" + why in text, text
+        assert "wait for it in the op's all-gather, for mt.COLLECTIVE_TIMEOUT_S" in text, text
+        assert "Redistribute it first (t.redistribute(placements=[Replicate()])." in text, text
+        assert text.splitlines()[-1].startswith(f"issued by {__file__}:{line + 2 + i}: "), text
+    assert mt.stats(mesh1)["messages_sent"] == sent
+    # the tensors and the mesh's process group stay usable; what it says to do gives torch's answer
+    start = time.monotonic()
+    assert mt.inspect(t.redistribute(placements=[Replicate()]).argmax()).item() == cols.argmax().item()
+    torch.testing.assert_close(mt.inspect(t.argmax(0)), cols.argmax(0))  # not along the sharded dim: runs
+    torch.testing.assert_close(mt.inspect(r.argmax(1)), rows.argmax(1))
+    assert time.monotonic() - start < mt.COLLECTIVE_TIMEOUT_S
+    # a reduction failing on the empty rank alone stays that rank's readable error
+    with pytest.raises(Exception, match=r"amax\(\): Expected reduction dim to be specified") as err:
+        mt.inspect(t.amax())
+    assert str(err.value).splitlines()[0] == "Mesh tensor op Tensor.amax failed."
+    torch.testing.assert_close(mt.inspect(t * 2), cols * 2)
+
+
 def test_cross_entropy_with_a_local_target(procs):  # type: ignore[no-untyped-def]
     logits, target = gen(8, 5), torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
     for pl in PLACEMENTS[len(procs.extent)].values():

@@ -1163,6 +1163,8 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
     try:
         with _Controller():
             out = func(*s_args, **s_kwargs)
+    except _EmptyPieceError:
+        raise
     except Exception as e:
         raise _op_error(
             f"{_name(func)} cannot run on mesh tensors with placements "
@@ -1249,6 +1251,86 @@ def _check_biased_mean(func: Any, handles: list[Any], results: list[Any]) -> Non
                     "pad the batch to a multiple of the mesh's size, or use reduction='sum' and divide by the "
                     "number of elements"
                 )
+
+
+class _EmptyPieceError(TensorOpError):
+    """An op refused in its dry run here because some rank's piece is empty (said whole: not
+    wrapped in the "cannot run on mesh tensors with placements" of torch's own errors)."""
+
+
+def _empty_piece(
+    shape: list[int], coord: list[int], sizes: list[int], placements: Any, dim: int | None
+) -> tuple[int, int, int] | None:
+    """Where the rank at ``coord`` gets an empty piece of a tensor of ``shape``, for a reduction
+    over ``dim`` (every dim when None): (the length cut, its tensor dim, the mesh dim cutting
+    it into an empty chunk); None when its piece is not empty there."""
+    shape = list(shape)
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard) and (dim is None or p.dim == dim):
+            a, b = chunk_range(shape[p.dim], sizes[i], coord[i])
+            if b == a and shape[p.dim]:
+                return shape[p.dim], p.dim, i
+            shape[p.dim] = b - a
+    return None
+
+
+def _argminmax_checked(handler: Any, op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """torch 2.13's DTensor argmax/argmin (``argminmax_handler``) reduces each rank's piece, then
+    all-gathers the ranks' results: a rank whose piece is empty along the reduction fails before
+    the all-gather (``max(): Expected reduction dim to be specified for input.numel() == 0``) while
+    the others wait in it until ``COLLECTIVE_TIMEOUT_S``, and the mesh's process group is broken
+    for every tensor after that. The shadow's dry run here knows every rank's piece: such an op
+    is refused before it is sent. Every other reduction tried on empty pieces (max, amax,
+    aminmax, sort, topk, median, ...) fails on the empty rank alone, or not at all, and stays a
+    readable error of that rank."""
+    x = args[0] if args else None
+    if getattr(_local, "depth", 0) and isinstance(x, DTensor) and x._local_tensor.device.type == "meta":
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        shape = list(x.shape)
+        if dim is not None:
+            dim = dim % max(len(shape), 1)
+        mesh = x.device_mesh
+        sizes = list(mesh.shape)
+        labels = list(mesh.mesh_dim_names or [f"dim{i}" for i in range(len(sizes))])
+        empty: list[str] = []
+        cut: tuple[int, int, int] | None = None
+        for coord in itertools.product(*(range(n) for n in sizes)):
+            why = _empty_piece(shape, list(coord), sizes, x.placements, dim)
+            if why is not None:
+                cut = cut or why
+                where = ", ".join(f"{n}={c}" for n, c in zip(labels, coord))
+                empty.append(where if len(sizes) == 1 else f"({where})")
+        if cut is not None and len(empty) < math.prod(sizes):
+            n, d, i = cut
+            pieces = ", ".join(str(b - a) for a, b in (chunk_range(n, sizes[i], k) for k in range(sizes[i])))
+            fix = [Replicate() if isinstance(p, Shard) and (dim is None or p.dim == dim) else p for p in x.placements]
+            name = op_call._schema.name.split("::")[-1]
+            what = f"t.{name}()" if dim is None else f"t.{name}({dim})"
+            site = _call_site()
+            raise _EmptyPieceError(
+                f"{what} of a mesh tensor of shape {tuple(shape)} with placements {tuple(map(str, x.placements))} "
+                f"was refused, nothing sent: "
+                + (f"the piece of {empty[0]} is" if len(empty) == 1 else f"the pieces of {', '.join(empty[:4])}")
+                + (", ... are" if len(empty) > 4 else " are" if len(empty) > 1 else "")
+                + f" empty ({n} along dim {d} sharded over the {sizes[i]} ranks of {labels[i]!r} makes pieces of "
+                f"{pieces}). torch's DTensor fails the {name} there while the other ranks wait for it in the op's "
+                f"all-gather, for mt.COLLECTIVE_TIMEOUT_S, and the mesh's process group is broken after that. "
+                f"Redistribute it first (t.redistribute(placements=[{', '.join(map(repr, fix))}]).{name}"
+                f"({'' if dim is None else dim})), or give dim {d} a size that {sizes[i]} divides"
+                + (f"\n{_site_text(*site)}" if site is not None else "")
+            )
+    return handler(op_call, args, kwargs)
+
+
+def _guard_argminmax() -> None:
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op in (torch.ops.aten.argmax.default, torch.ops.aten.argmin.default):
+        handler = handlers.get(op)
+        if handler is not None and not isinstance(handler, functools.partial):
+            handlers[op] = functools.partial(_argminmax_checked, handler)
+
+
+_guard_argminmax()
 
 
 #: in-place binary ops whose meta kernels (the shadows') skip torch's check that the result's
