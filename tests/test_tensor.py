@@ -878,10 +878,13 @@ def test_an_error_of_an_op_without_a_result_is_raised_at_the_next_read(mesh1):  
     w = mt.distribute(ref, mesh1, [Replicate()]).requires_grad_()
     loss = mt.remote(_backward_fails_on_rank_1)(w).sum()
     loss.backward()
+    backward = inspect.currentframe().f_lineno - 1  # type: ignore[union-attr]
     with pytest.raises(Exception, match="backward of rank 1's shard only") as err:
         loss.item()
     text = str(err.value)
     assert text.splitlines()[0] == "Mesh tensor op Tensor.backward failed.", text
+    # the line that issued it, as an op with a result has (the read raising it is another line)
+    assert text.splitlines()[1] == f"issued by {__file__}:{backward}: loss.backward()", text
     assert "made no mesh tensor to keep this error, so it is raised here, at the next read from rank 1" in text
     assert loss.item() == pytest.approx(ref.sum().item())  # said once; the next read reads
     # rank 1 has no gradient: said so, not "mesh tensor 5 is not on rank 1 (freed?)"
@@ -891,7 +894,8 @@ def test_an_error_of_an_op_without_a_result_is_raised_at_the_next_read(mesh1):  
     opt.step()
     with pytest.raises(Exception, match="step of rank 1 only") as err:
         mt.fetch_shard(w, gpus=1).get(timeout=30)
-    assert str(err.value).splitlines()[0] == "Mesh tensor op Optimizer.step failed."
+    step = f"issued by {__file__}:{inspect.currentframe().f_lineno - 3}: opt.step()"  # type: ignore[union-attr]
+    assert str(err.value).splitlines()[:2] == ["Mesh tensor op Optimizer.step failed.", step]
     torch.testing.assert_close(mt.inspect(w.detach(), gpus=1), ref)  # rank 1 did not step
     torch.testing.assert_close(mt.inspect(mt.distribute(ref, mesh1, [Shard(0)]) + 1), ref + 1)  # the rest works
 

@@ -29,7 +29,7 @@ from ..actor import Future
 from ..actor._mesh import ProcMesh
 from ..errors import ActorError, MeshClosedError, MonarchNBError, SupervisionError
 from ._ops import Attr, Factory, Lit, Method, Ref, SetAttr, Via, WithMesh, chunk_range, local_shape, local_view, op_name
-from ._worker import OP_ATTR, OP_ID_ATTR, TensorWorker
+from ._worker import OP_ATTR, OP_ID_ATTR, OP_SITE_ATTR, TensorWorker
 
 #: seconds a collective on the ranks may wait for a peer before it fails (a dead rank)
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -255,6 +255,11 @@ class Engine:
 
     def send(self, records: list[tuple[Any, ...]]) -> None:
         actor = self.start()
+        site = _call_site() if records else None
+        if site is not None:
+            # an op making no tensor (loss.backward(), an optimizer's step) has no result id to
+            # look its line up by when its error is read: the line travels with it
+            records = [r if _made(r) is not None else (*r[:5], r[5] if len(r) > 5 else [], site) for r in records]
         frees = self.take_frees()
         # ops promote to the default dtype (int / 2, torch.full(..., 1.5)), on the shadows here
         # with this controller's: the ranks are told it where it is not torch's float32
@@ -277,10 +282,9 @@ class Engine:
                 )
             raise
         self.messages_sent += 1
-        site = _call_site() if records else None
         if site is not None:
             for r in records:
-                made = next((i for i in r[3] if i is not None), None)
+                made = _made(r)
                 if made is not None:
                     self.sites[made] = site
 
@@ -389,6 +393,11 @@ class Engine:
         return out[::-1]
 
 
+def _made(record: tuple[Any, ...]) -> int | None:
+    """The id of an op record's first result: the controller keeps its op's line under it."""
+    return next((i for i in record[3] if i is not None), None)
+
+
 def _said_as_op(fut: Future[Any], what: str, mesh: str = "", sites: dict[int, tuple[str, int]] | None = None) -> Any:
     """``fut``'s result; its error headed with the op that failed on the ranks (or the read,
     ``what``), not with the hidden actor's endpoint ("Actor call _tensor_engine.full failed."),
@@ -402,7 +411,9 @@ def _said_as_op(fut: Future[Any], what: str, mesh: str = "", sites: dict[int, tu
             e.actor = ""  # the hidden worker's name says nothing to the user; rank and host stay
             e.headline = e.message
             e.args = (e._headline(),)
-            site = (sites or {}).get(getattr(e.exception, OP_ID_ATTR, None))  # type: ignore[arg-type]
+            site = (sites or {}).get(getattr(e.exception, OP_ID_ATTR, None)) or getattr(  # type: ignore[arg-type]
+                e.exception, OP_SITE_ATTR, None
+            )
             if site is not None:
                 e.origin = _site_text(*site)
         raise

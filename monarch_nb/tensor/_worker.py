@@ -47,6 +47,9 @@ OP_ATTR = "_mesh_tensor_op"
 #: the attribute of an op's error holding the id of the op's first result: the controller knows
 #: where the user's code issued that op
 OP_ID_ATTR = "_mesh_tensor_op_id"
+#: the attribute of the error of an op that made no tensor (loss.backward(), an optimizer's
+#: step) holding where the user's code issued it, (file, line): no result id names that op
+OP_SITE_ATTR = "_mesh_tensor_op_site"
 
 
 class _Failed:
@@ -344,12 +347,14 @@ class TensorWorker(Actor):
         try:
             mesh = self._mesh(key)
         except Exception as e:
-            for fn, _, _, out_ids, _, *mutates in records:
-                self._fail(_Failed(e, op_name(fn)), out_ids, mutates)
+            for fn, _, _, out_ids, _, *rest in records:
+                self._fail(_Failed(e, op_name(fn)), out_ids, rest[:1], rest[1] if len(rest) > 1 else None)
             return
         if mesh is None:
             return
-        for fn, args, kwargs, out_ids, grad, *mutates in records:
+        for fn, args, kwargs, out_ids, grad, *rest in records:
+            # optional: the ids it changes in place, then where an op making no tensor was issued
+            mutates, site = rest[:1], rest[1] if len(rest) > 1 else None
             try:
                 with torch.set_grad_enabled(grad):
                     if isinstance(fn, Factory):
@@ -379,13 +384,16 @@ class TensorWorker(Actor):
                     )
                     self._fail(_Failed(missing, op_name(fn)), lost, [])
             except Exception as e:  # the error belongs to the op's outputs
-                self._fail(_Failed(e, op_name(fn)), out_ids, mutates)
+                self._fail(_Failed(e, op_name(fn)), out_ids, mutates, site)
 
-    def _fail(self, failed: _Failed, out_ids: list[int | None], mutates: list[Any]) -> None:
+    def _fail(self, failed: _Failed, out_ids: list[int | None], mutates: list[Any], site: Any = None) -> None:
         made = [i for i in out_ids if i is not None]
-        if failed.first and made and not hasattr(failed.error, OP_ID_ATTR):
+        if failed.first and not hasattr(failed.error, OP_ID_ATTR) and not hasattr(failed.error, OP_SITE_ATTR):
             try:
-                setattr(failed.error, OP_ID_ATTR, made[0])
+                if made:
+                    setattr(failed.error, OP_ID_ATTR, made[0])
+                elif site is not None:
+                    setattr(failed.error, OP_SITE_ATTR, site)
             except AttributeError:  # no __dict__: the header names no line
                 pass
         ids = made + [i for m in mutates for i in m]
