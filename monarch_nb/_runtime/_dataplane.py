@@ -24,6 +24,7 @@ actor thread is busy in a long endpoint.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import errno
@@ -563,6 +564,7 @@ class _Pool:
         self._n = 0
         self._pruned = 0.0
         self._lock = threading.Lock()
+        self._closed = False
 
     def take(self, where: tuple[str, ...], key: bytes | None, deadline: float, fresh: bool = False) -> _Plain | _Sealed:
         """An idle connection (its ``reused`` set) or, with ``fresh`` or none idle, a new one."""
@@ -597,9 +599,12 @@ class _Pool:
         shut: list[_Plain | _Sealed] = []
         now = time.monotonic()
         with self._lock:
-            self._idle.setdefault(where, []).append(ch)
-            self._idle.move_to_end(where)
-            self._n += 1
+            if self._closed:  # a transfer ending while the process exits: nobody will reuse it
+                shut.append(ch)
+            else:
+                self._idle.setdefault(where, []).append(ch)
+                self._idle.move_to_end(where)
+                self._n += 1
             if now - self._pruned >= PRUNE_S:
                 self._pruned = now
                 shut += self._broken()
@@ -633,8 +638,20 @@ class _Pool:
         with self._lock:
             return [c.sock for lst in self._idle.values() for c in lst]
 
+    def close(self) -> None:
+        """Close every idle connection, and each one given back from now on: at exit, where
+        Python's finalizer would otherwise find them open (a ResourceWarning per connection)."""
+        with self._lock:
+            self._closed = True
+            idle = [c for lst in self._idle.values() for c in lst]
+            self._idle.clear()
+            self._n = 0
+        for c in idle:
+            c.close()
+
 
 _pool = _Pool()
+atexit.register(_pool.close)
 
 
 def pool_sockets() -> list[socket.socket]:
