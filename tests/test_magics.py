@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -841,6 +842,22 @@ def test_a_flood_is_thinned_and_the_kernel_stays_responsive(k: Kernel) -> None:
     assert marker
     c = _ok(k.run("sum(len(L.logs(flood, rank=r)) for r in range(16))"))
     assert int(c.result) == 100_000  # nothing lost from the logs
+
+
+def test_unaggregated_lines_go_out_at_once_then_at_most_five_times_a_second(k: Kernel) -> None:
+    # a stream message per arrival (two dozen in the first 0.4 s of a flood) made JupyterLab
+    # render the cell's whole output again each time: the page answered after 2-3 s
+    _ok(k.run("%mesh spawn burst --per-host gpus=4"))
+    # about a second of output (the ranks' own pace), so that several batches go out
+    code = "%%mesh exec burst --no-aggregate\nimport time\nfor i in range(3000):\n    print('burst line', i)\n"
+    c = _ok(k.run(code + "    if i % 300 == 299: time.sleep(0.1)", timeout=90))
+    sent = [m["header"]["date"].timestamp() for m in c.msgs if m["msg_type"] == "stream" and "burst line" in m["content"]["text"]]
+    assert len(sent) >= 3, f"{len(sent)} stream messages for a second of output"
+    # the last is the cell's end, which sends what is held at once
+    gaps = [b - a for a, b in itertools.pairwise(sent[:-1])]
+    assert min(gaps) >= 0.1, f"{len(sent)} stream messages, {min(gaps) * 1000:.0f} ms apart at the least"
+    assert c.stream().count("burst line") >= 3000  # none lost to the spacing (the budget is 10,000)
+    _ok(k.run("%mesh stop burst"))
 
 
 def test_a_flood_of_one_rank_leaves_the_other_ranks_lines_in_the_cell(k: Kernel) -> None:
