@@ -1348,3 +1348,26 @@ def test_an_allocator_s_periodic_tasks_share_its_wake_ups(tmp_path, monkeypatch)
         assert rate < 12.0, f"{rate:.1f} wake-ups a second for 10 reaper ticks"
     finally:
         a.rt.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_starts_the_local_allocator_exits_without_a_resource_warning() -> None:
+    """The embedded allocator outlives the script that started it, on purpose; its Popen was
+    dropped while it ran, and Python warned at the script's exit (``python -X dev``, pytest)
+    ``ResourceWarning: subprocess N is still running``."""
+    rdir = tempfile.mkdtemp(prefix="mnbw-", dir="/tmp")
+    env = dict(os.environ, MONARCH_NB_RUNTIME_DIR=rdir, MONARCH_NB_ZYGOTE_PRELOAD="")
+    code = (
+        "from monarch_nb.actor import this_host\n"
+        "procs = this_host().spawn_procs(per_host={'gpus': 1})\n"
+        "procs.stop().get(timeout=30)\n"
+        "print('stopped')\n"
+    )
+    try:
+        p = subprocess.run([PY, "-X", "dev", "-c", code], capture_output=True, text=True, timeout=90, env=env)
+        assert p.returncode == 0 and p.stdout.strip() == "stopped", p.stderr[-3000:]
+        assert records.read_connection_files(rdir), "the script did not start an allocator of its own"
+        assert "ResourceWarning" not in p.stderr, p.stderr[-3000:]
+    finally:
+        subprocess.run([PY, "-m", "monarch_nb", "allocator", "stop"], env=env, capture_output=True, timeout=60)
+        shutil.rmtree(rdir, ignore_errors=True)

@@ -21,6 +21,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -226,6 +227,10 @@ def start_local_allocator(rdir: str, timeout: float = 60.0, extra_args: list[str
     while time.monotonic() < deadline:
         for info in read_connection_files(rdir):
             if info["file"] not in before and info.get("pid") == p.pid:
+                # the daemon outlives this process on purpose; while this one runs, a thread
+                # reaps it when it ends (no zombie), and keeps the Popen from being collected
+                # while it runs, which warned "subprocess N is still running" at a script's exit
+                threading.Thread(target=p.wait, name="mnb-allocator-reaper", daemon=True).start()
                 return info
         if p.poll() is not None:
             with open(log.name, errors="replace") as f:
