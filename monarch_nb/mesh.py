@@ -444,6 +444,20 @@ def _held_procs() -> set[str]:
     return {a for a, pm in owned.items() if not pm._stopped and not getattr(pm, "_root", pm)._stopped}
 
 
+def _held_ranks() -> dict[str, dict[str, list[int]]]:
+    """The ranks of the meshes this controller holds and has not stopped, by the address of
+    their allocator and their mesh's name: ``%mesh status`` lists them under an allocator that
+    does not answer, whose own list of meshes it cannot read."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for pm in {id(pm): pm for pm in dict(controller_client().owned).values()}.values():
+        if pm._stopped or getattr(pm, "_root", pm)._stopped:
+            continue
+        for p in pm._procs:
+            if p.alloc:
+                out.setdefault(p.alloc, {}).setdefault(p.mesh, []).append(p.rank)
+    return out
+
+
 def status(addresses: list[str] | None = None) -> dict[str, Any]:
     """Allocators, meshes, procs and their states (``monarch_nb.status()``): this machine's, those
     at ``addresses``, and the jobs' (their allocators carry ``job``; a job's lost host is listed

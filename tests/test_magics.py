@@ -1443,3 +1443,29 @@ def test_an_interrupted_spawn_says_how_to_reach_its_procs_and_stop_all_stops_the
         assert "cut (persistent)" not in _ok(kern.run("%mesh status")).result
     finally:
         kern.close()
+
+
+@pytest.mark.timeout(120)
+def test_status_lists_this_kernels_meshes_under_an_allocator_that_does_not_answer(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An allocator that does not answer (stopped, busy, its host cut off) was one "unreachable"
+    row: the meshes this kernel holds there dropped out of the table, read as gone."""
+    from conftest import AllocatorProc
+
+    a = AllocatorProc(str(tmp_path), env={"MONARCH_NB_ZYGOTE_PRELOAD": ""})
+    k = Kernel(env={"MONARCH_NB_RUNTIME_DIR": a.rdir})
+    try:
+        _ok(k.run("%mesh spawn held --per-host gpus=2"))
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        try:
+            table = _ok(k.run("t = %mesh status\nprint(repr(t))", timeout=60)).stream()
+        finally:
+            os.kill(a.proc.pid, signal.SIGCONT)
+        rows = [ln.split() for ln in table.splitlines()]
+        assert any("unreachable" in r and "held" not in r for r in rows), table  # the allocator's own row
+        mine = [r for r in rows if "held" in r]
+        assert len(mine) == 1 and {"this", "kernel", "0-1", "unreachable"} <= set(mine[0]), table
+        assert "state unknown: its allocator did not answer" in table, table
+        _ok(k.run("%mesh stop held", timeout=60))
+    finally:
+        k.close()
+        a.stop()

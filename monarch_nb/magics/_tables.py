@@ -12,11 +12,17 @@ from .._ranks import format_ranks
 _COLUMNS = ("host", "allocator", "mesh", "owner", "ranks", "state", "pids", "detail")
 
 
-def status_rows(snapshot: dict[str, Any], my_cid: str = "", held: Collection[str] = ()) -> list[dict[str, str]]:
+def status_rows(
+    snapshot: dict[str, Any],
+    my_cid: str = "",
+    held: Collection[str] = (),
+    held_ranks: dict[str, dict[str, list[int]]] | None = None,
+) -> list[dict[str, str]]:
     """One row per (allocator, mesh, state): ranks that share a state are grouped. The states
     are the sidebar's and the dashboard's (idle, busy, paused, failed, stopped); a mesh with a
     failed rank gets a first row saying what the mesh as a whole is, and what to do. ``held``:
-    the addresses of the procs this controller holds (spawned or re-attached)."""
+    the addresses of the procs this controller holds (spawned or re-attached); ``held_ranks``:
+    their ranks by allocator address and mesh, listed under an allocator that does not answer."""
     rows: list[dict[str, str]] = []
     paused = {
         (str(d.get("mesh", "")), int(d.get("rank", -1)))
@@ -29,6 +35,24 @@ def status_rows(snapshot: dict[str, Any], my_cid: str = "", held: Collection[str
         first = len(rows)
         if "error" in a:
             rows.append({"host": host, "allocator": alloc, "state": "unreachable", "detail": str(a["error"])})
+            # its own list of meshes cannot be read: those this kernel holds there are still its
+            # (they dropped out of the table, read as gone)
+            mine: dict[str, list[int]] = {}
+            for addr in {a.get("addr"), a.get("tcp")} - {None, ""}:
+                for name, ranks in (held_ranks or {}).get(str(addr), {}).items():
+                    mine.setdefault(name, []).extend(ranks)
+            for name, ranks in sorted(mine.items()):
+                rows.append(
+                    {
+                        "host": host,
+                        "allocator": alloc,
+                        "mesh": name,
+                        "owner": "this kernel",
+                        "ranks": format_ranks(sorted(set(ranks))),
+                        "state": "unreachable",
+                        "detail": "state unknown: its allocator did not answer",
+                    }
+                )
             _job_of(a, rows[first:])
             continue
         meshes = a.get("meshes", [])
@@ -142,9 +166,15 @@ def status_html(rows: list[dict[str, str]]) -> str:
 class StatusTable:
     """What ``%mesh status`` returns: renders as HTML in a notebook and as text elsewhere."""
 
-    def __init__(self, snapshot: dict[str, Any], my_cid: str = "", held: Collection[str] = ()) -> None:
+    def __init__(
+        self,
+        snapshot: dict[str, Any],
+        my_cid: str = "",
+        held: Collection[str] = (),
+        held_ranks: dict[str, dict[str, list[int]]] | None = None,
+    ) -> None:
         self.snapshot = snapshot
-        self.rows = status_rows(snapshot, my_cid, held)
+        self.rows = status_rows(snapshot, my_cid, held, held_ranks)
 
     def _repr_html_(self) -> str:
         return status_html(self.rows)
