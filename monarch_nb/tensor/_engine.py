@@ -256,10 +256,11 @@ class Engine:
     def send(self, records: list[tuple[Any, ...]]) -> None:
         actor = self.start()
         site = _call_site() if records else None
+        made = [_made(r) for r in records] if site is not None else []
         if site is not None:
             # an op making no tensor (loss.backward(), an optimizer's step) has no result id to
             # look its line up by when its error is read: the line travels with it
-            records = [r if _made(r) is not None else (*r[:5], r[5] if len(r) > 5 else [], site) for r in records]
+            records = [r if m is not None else (*r[:5], r[5] if len(r) > 5 else [], site) for r, m in zip(records, made)]
         frees = self.take_frees()
         # ops promote to the default dtype (int / 2, torch.full(..., 1.5)), on the shadows here
         # with this controller's: the ranks are told it where it is not torch's float32
@@ -283,10 +284,9 @@ class Engine:
             raise
         self.messages_sent += 1
         if site is not None:
-            for r in records:
-                made = _made(r)
-                if made is not None:
-                    self.sites[made] = site
+            for m in made:
+                if m is not None:
+                    self.sites[m] = site
 
     def put(self, rank: int, *args: Any) -> None:
         self.start().put._send(([], *args, self.key), {}, None, None, [self.ranks[rank]])
