@@ -437,25 +437,17 @@ def _owned(client: Any, pm: ProcMesh) -> bool:
     return any(client.owned.get(p.addr) is not None for p in pm._procs)
 
 
-def _held_procs() -> set[str]:
-    """The addresses of the procs of the meshes this controller holds and has not stopped
-    (spawned, or re-attached by :func:`connect`): ``stop`` stops them as its own."""
+def _held_procs() -> list[Any]:
+    """The procs of the meshes this controller holds and has not stopped (spawned, or
+    re-attached by :func:`connect`): ``stop`` stops them as its own, and ``%mesh status`` lists
+    them under an allocator that does not answer, whose own list of meshes it cannot read."""
     owned = dict(controller_client().owned)
-    return {a for a, pm in owned.items() if not pm._stopped and not getattr(pm, "_root", pm)._stopped}
-
-
-def _held_ranks() -> dict[str, dict[str, list[int]]]:
-    """The ranks of the meshes this controller holds and has not stopped, by the address of
-    their allocator and their mesh's name: ``%mesh status`` lists them under an allocator that
-    does not answer, whose own list of meshes it cannot read."""
-    out: dict[str, dict[str, list[int]]] = {}
-    for pm in {id(pm): pm for pm in dict(controller_client().owned).values()}.values():
-        if pm._stopped or getattr(pm, "_root", pm)._stopped:
-            continue
-        for p in pm._procs:
-            if p.alloc:
-                out.setdefault(p.alloc, {}).setdefault(p.mesh, []).append(p.rank)
-    return out
+    return [
+        p
+        for pm in {id(pm): pm for pm in owned.values()}.values()
+        if not pm._stopped and not getattr(pm, "_root", pm)._stopped
+        for p in pm._procs
+    ]
 
 
 def status(addresses: list[str] | None = None) -> dict[str, Any]:

@@ -245,9 +245,7 @@ class MeshMagics(Magics):
     def _do_status(self, args: argparse.Namespace, cell: str | None) -> Any:
         from ._tables import StatusTable
 
-        return StatusTable(
-            _mesh.status(args.addresses or None), controller_client().cid, _mesh._held_procs(), _mesh._held_ranks()
-        )
+        return StatusTable(_mesh.status(args.addresses or None), controller_client().cid, _mesh._held_procs())
 
     def _do_logs(self, args: argparse.Namespace, cell: str | None) -> Any:
         # a name this kernel does not know may still have logs of an earlier allocator on this host

@@ -12,18 +12,14 @@ from .._ranks import format_ranks
 _COLUMNS = ("host", "allocator", "mesh", "owner", "ranks", "state", "pids", "detail")
 
 
-def status_rows(
-    snapshot: dict[str, Any],
-    my_cid: str = "",
-    held: Collection[str] = (),
-    held_ranks: dict[str, dict[str, list[int]]] | None = None,
-) -> list[dict[str, str]]:
+def status_rows(snapshot: dict[str, Any], my_cid: str = "", held: Collection[Any] = ()) -> list[dict[str, str]]:
     """One row per (allocator, mesh, state): ranks that share a state are grouped. The states
     are the sidebar's and the dashboard's (idle, busy, paused, failed, stopped); a mesh with a
     failed rank gets a first row saying what the mesh as a whole is, and what to do. ``held``:
-    the addresses of the procs this controller holds (spawned or re-attached); ``held_ranks``:
-    their ranks by allocator address and mesh, listed under an allocator that does not answer."""
+    the procs this controller holds (spawned or re-attached: their ``addr``, ``alloc``, ``mesh``
+    and ``rank``), also listed under an allocator that does not answer."""
     rows: list[dict[str, str]] = []
+    held_addrs = {p.addr for p in held}
     paused = {
         (str(d.get("mesh", "")), int(d.get("rank", -1)))
         for d in snapshot.get("debug_sessions", [])
@@ -38,9 +34,9 @@ def status_rows(
             # its own list of meshes cannot be read: those this kernel holds there are still its
             # (they dropped out of the table, read as gone)
             mine: dict[str, list[int]] = {}
-            for addr in {a.get("addr"), a.get("tcp")} - {None, ""}:
-                for name, ranks in (held_ranks or {}).get(str(addr), {}).items():
-                    mine.setdefault(name, []).extend(ranks)
+            for p in held:
+                if p.alloc and p.alloc in (a.get("addr"), a.get("tcp")):
+                    mine.setdefault(p.mesh, []).append(p.rank)
             for name, ranks in sorted(mine.items()):
                 rows.append(
                     {
@@ -72,7 +68,7 @@ def status_rows(
                 # the allocator handed it to this kernel when `%mesh connect` re-attached it
                 owner = "this kernel (re-attached)"
             if owner != "this kernel" and m["owner"] not in attached:
-                if any(p.get("addr") in held for p in m["procs"]):
+                if any(p.get("addr") in held_addrs for p in m["procs"]):
                     # its controller left and this kernel re-attached it (`%mesh connect` after a
                     # restart): the allocator hands it to us, and `%mesh stop` stops it as ours
                     owner = "this kernel (re-attached)"
@@ -170,11 +166,10 @@ class StatusTable:
         self,
         snapshot: dict[str, Any],
         my_cid: str = "",
-        held: Collection[str] = (),
-        held_ranks: dict[str, dict[str, list[int]]] | None = None,
+        held: Collection[Any] = (),
     ) -> None:
         self.snapshot = snapshot
-        self.rows = status_rows(snapshot, my_cid, held, held_ranks)
+        self.rows = status_rows(snapshot, my_cid, held)
 
     def _repr_html_(self) -> str:
         return status_html(self.rows)
