@@ -386,14 +386,9 @@ class KernelOutput:
             return
         window = self._window(cell, mesh)
         if window <= 0:
-            items = [(ln[1], format_line(ln[0], ln[4])) for ln in plain]
-            now = time.monotonic()
-            if cell.running and (cell.stream_held or now - cell.stream_sent < STREAM_EMIT_S):
-                cell.stream_held += items  # the ticker sends them (_flush_cell)
-                self._wake.set()
-            else:
-                cell.stream_sent = now
-                self._emit(cell, items)
+            cell.stream_held += [(ln[1], format_line(ln[0], ln[4])) for ln in plain]
+            if not self._send_held(cell):
+                self._wake.set()  # the ticker sends them (_flush_cell)
         else:
             end = time.monotonic() + window
             cell.deadline = min(cell.deadline, end) if len(cell.agg) else end
@@ -413,14 +408,24 @@ class KernelOutput:
         if len(cell.agg) and (force or time.monotonic() >= cell.deadline):
             first, cell.first_id = cell.first_id, ""
             self._emit(cell, cell.agg.flush(), into=first)
-        if cell.stream_held and (force or not cell.running or time.monotonic() - cell.stream_sent >= STREAM_EMIT_S):
-            held, cell.stream_held = cell.stream_held, []
-            cell.stream_sent = time.monotonic()
-            self._emit(cell, held)
+        self._send_held(cell, force)
         if cell.progress_dirty:
             self._show_progress(cell)
         if cell.suppressed and ((force and marker) or time.monotonic() - cell.last_refill > 1.0):
             self._emit_marker(cell)
+
+    def _send_held(self, cell: _Cell, force: bool = False) -> bool:
+        """Send a cell's unaggregated lines held so far if it is time (STREAM_EMIT_S since the
+        last ones, or the cell ended); whether nothing is left held."""
+        if not cell.stream_held:
+            return True
+        now = time.monotonic()
+        if not (force or not cell.running or now - cell.stream_sent >= STREAM_EMIT_S):
+            return False
+        held, cell.stream_held = cell.stream_held, []
+        cell.stream_sent = now
+        self._emit(cell, held)
+        return True
 
     def _admit(self, cell: _Cell, n: int) -> int:
         now = time.monotonic()
