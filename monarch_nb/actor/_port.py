@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import reprlib
 from typing import Any, Generic, TypeVar
 
 from .._wire import frames as wire
@@ -44,7 +45,7 @@ class Port(Generic[R]):
             # Nothing is sent, so a once port stays unspent. A class is what `raise` takes too
             raise TypeError(
                 f"port.exception() takes an exception, such as ValueError('what went wrong'), "
-                f"not {type(exc).__name__} {_short_repr(exc)}: to send a value, use port.send()"
+                f"not {type(exc).__name__} {reprlib.repr(exc)}: to send a value, use port.send()"
             )
         if self._once:
             self._spend()
@@ -65,14 +66,6 @@ class Port(Generic[R]):
 
     def __repr__(self) -> str:
         return f"Port({self._addr}#{self._port})"
-
-
-def _short_repr(obj: object) -> str:
-    try:
-        r = repr(obj)
-    except Exception:
-        return f"<{type(obj).__name__}>"
-    return r if len(r) <= 80 else r[:77] + "..."
 
 
 class PortReceiver(Generic[R]):

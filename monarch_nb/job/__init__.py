@@ -34,7 +34,9 @@ from ._ssh import SSHJob
 
 
 def __getattr__(name: str) -> str:
-    # DEFAULT_JOB_PATH (Monarch's name) is read when asked, under the runtime dir as configured now
+    # DEFAULT_JOB_PATH, Monarch's name, is read when asked: a constant computed at import kept the
+    # runtime dir of that moment (and made it), though configure(runtime_dir=...) or
+    # MONARCH_NB_RUNTIME_DIR set later moves where state(), jobs and kill look
     if name == "DEFAULT_JOB_PATH":
         return _job._default_job_path()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -57,15 +57,6 @@ def _default_job_path() -> str:
     return os.path.join(runtime_dir(), "jobs", "job_state.json")
 
 
-def __getattr__(name: str) -> str:
-    # DEFAULT_JOB_PATH, Monarch's name, is read when asked: a constant computed at import kept the
-    # runtime dir of that moment (and made it), though configure(runtime_dir=...) or
-    # MONARCH_NB_RUNTIME_DIR set later moves where state(), jobs and kill look
-    if name == "DEFAULT_JOB_PATH":
-        return _default_job_path()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 class _Default(str):
     """The ``cached_path`` default: resolved when called, so a changed runtime dir is honoured."""
 
