@@ -1148,8 +1148,13 @@ class ProcMesh(MeshTrait):
             raise MeshError(_ambiguous_procs(name, refs, infos, client.cid))
         # a mesh whose controller is gone (a restarted kernel's) is this controller's now, on every
         # host at once; one whose owner still runs stays that owner's
-        adopts = [client.request(h.alloc, "adopt", name, client.cid, i.get("owner", "")) for h, i in zip(refs, infos)]
-        for f, info in zip(adopts, infos):
+        # (a round trip per host only for a mesh this controller does not own already)
+        adopts = [
+            (client.request(h.alloc, "adopt", name, client.cid, i.get("owner", "")), i)
+            for h, i in zip(refs, infos)
+            if i.get("owner") != client.cid
+        ]
+        for f, info in adopts:
             info["owner"] = f.get(timeout=client.rt.cfg.connect_timeout)
         for h, info in zip(refs, infos):
             extent = info["extent"]
