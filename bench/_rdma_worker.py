@@ -41,16 +41,22 @@ class Owner(Actor):
         return _ancestors(os.getpid())
 
     @endpoint
-    def raw_server(self, ip: str) -> int:
+    def raw_server(self, ip: str) -> int | str:
         """A plain TCP sender of this buffer's bytes (no authentication, no encryption): the
-        link's own speed, the baseline across hosts."""
+        link's own speed, the baseline across hosts. ``ip`` empty: an AF_UNIX one (its path), the
+        socket a staged CUDA transfer between two procs of a host goes through."""
         import socket
         import threading
 
-        ls = socket.socket()
-        ls.bind((ip, 0))
+        if ip:
+            ls = socket.socket()
+            ls.bind((ip, 0))
+        else:
+            ls = socket.socket(socket.AF_UNIX)
+            ls.bind(f"\0mnb-bench-raw-{os.getpid()}-{id(self)}")
         ls.listen(4)
-        data = memoryview(self.t.numpy())
+        # host bytes of the same size (a CUDA buffer's would need a copy first: that is timed apart)
+        data = memoryview(self.t.numpy() if DEVICE == "cpu" else bytearray(self.t.numel()))
 
         def serve() -> None:
             while True:
@@ -59,7 +65,7 @@ class Owner(Actor):
                     c.sendall(data)
 
         threading.Thread(target=serve, daemon=True).start()
-        return ls.getsockname()[1]
+        return ls.getsockname()[1] if ip else ls.getsockname()
 
 
 def _ancestors(pid: int) -> list[int]:
@@ -118,13 +124,18 @@ class Reader(Actor):
         return out[1:]
 
     @endpoint
-    def raw_read(self, ip: str, port: int, n: int, reps: int) -> list[float]:
+    def raw_read(self, ip: str, port: int | str, n: int, reps: int) -> list[float]:
         import socket
 
         buf = bytearray(n)
         mv = memoryview(buf)
         out = []
-        with socket.create_connection((ip, port)) as c:
+        if ip:
+            conn = socket.create_connection((ip, port))
+        else:
+            conn = socket.socket(socket.AF_UNIX)
+            conn.connect(port)
+        with conn as c:
             for _ in range(reps + 1):
                 t0 = time.perf_counter()
                 c.sendall(b"x")
@@ -133,6 +144,20 @@ class Reader(Actor):
                     got += c.recv_into(mv[got:])
                 out.append(time.perf_counter() - t0)
         return out[1:]
+
+    @endpoint
+    def pinned_copies(self, n: int, reps: int) -> dict[str, list[float]]:
+        """Device to pinned host memory and back, ``n`` bytes: what staging adds to the stream."""
+        dev = torch.ones(n, dtype=torch.uint8, device=DEVICE)
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        out: dict[str, list[float]] = {"d2h": [], "h2d": []}
+        for _ in range(reps + 1):
+            for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                torch.cuda.synchronize()
+                out[name].append(time.perf_counter() - t0)
+        return {k: v[1:] for k, v in out.items()}
 
     @endpoint
     def memcpy(self, n: int, reps: int) -> list[float]:
@@ -209,6 +234,15 @@ def main() -> None:
         if floor:
             t = statistics.median(reader.memcpy.call_one(n, reps).get())
             res[f"memcpy_{n}"] = {"median_s": t, "GBps": n / t / 1e9}
+            if DEVICE == "cuda" and not workers:
+                # a staged transfer's floors: the bytes over a plain AF_UNIX stream between the
+                # same two procs, and one pinned copy each way
+                path = owner.raw_server.call_one("").get()
+                t = statistics.median(reader.raw_read.call_one("", path, n, max(reps, 5)).get())
+                res[f"unixstream_{n}"] = {"median_s": t, "GBps": n / t / 1e9}
+                for k, ts in reader.pinned_copies.call_one(n, max(reps, 5)).get().items():
+                    t = statistics.median(ts)
+                    res[f"{k}_{n}"] = {"median_s": t, "GBps": n / t / 1e9}
     names = {}
     for pid in helpers:
         try:

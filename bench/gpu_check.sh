@@ -55,7 +55,8 @@ for f in sorted(os.listdir(out)):
             if n.isdigit():
                 ops = ("read", "write", "read_staged", "write_staged")
                 print(f, n, {op: round(row[op]["monarch_nb_GBps"] or 0, 2) for op in ops if op in row},
-                      "floor", round(row["memcpy_GBps"] or 0, 1))
+                      "floor", round(row["memcpy_GBps"] or 0, 1),
+                      "staged floors", {k: round(row.get(f"{k}_GBps") or 0, 1) for k in ("unixstream", "d2h", "h2d")})
         if "monarch_nb_error" in d:
             print(f, d["monarch_nb_error"][-1500:])
 PY

@@ -180,6 +180,11 @@ def main() -> int:
         out["same_host"] = {}
         for n in sizes:
             row: dict = {"memcpy_GBps": nb.get(f"memcpy_{n}", {}).get("GBps")}
+            # --device cuda: the floors of a staged transfer (a plain AF_UNIX stream between the
+            # two procs; a pinned copy each way)
+            for floor in ("unixstream", "d2h", "h2d"):
+                if f"{floor}_{n}" in nb:
+                    row[f"{floor}_GBps"] = nb[f"{floor}_{n}"]["GBps"]
             for op in ("read", "write", "read_staged", "write_staged"):
                 if f"{op}_{n}" not in nb and op.endswith("_staged"):
                     continue
@@ -194,6 +199,8 @@ def main() -> int:
                     "controller_cpu_fraction": ours.get("controller_cpu_fraction"),
                     "allocators_cpu_fraction": ours.get("allocators_cpu_fraction"),
                 }
+                if op.endswith("_staged") and "unixstream_GBps" in row:
+                    row[op]["vs_unix_stream"] = _ratio(ours.get("GBps"), row["unixstream_GBps"])
             out["same_host"][str(n)] = row
         out["same_host"]["cpu_counted_for"] = {"monarch_nb": nb.get("helpers"), "monarch": mon.get("helpers")}
         for name, r in (("monarch_nb", nb), ("monarch", mon)):
