@@ -910,11 +910,12 @@ class CudaStagedReader(Actor):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_staging_of_many_pieces_keeps_every_byte(pair: tuple[ProcMesh, ProcMesh]) -> None:
     # several 8 MiB pieces, the last one short: each side copies one piece to or from the GPU
-    # while the socket carries the other
+    # while the socket carries another, so each of the owner's two pinned pieces is used again
+    # three times (a piece reused before its copy ended would show as wrong bytes)
     from monarch_nb._runtime import _dataplane as dp
 
     a, b = pair
-    n = 3 * dp.PIECE + 4097
+    n = 6 * dp.PIECE + 4097
     owner = a.spawn("cuda_staged", CudaStagedOwner, n)
     reader = b.spawn("cuda_staged_reader", CudaStagedReader)
     buf = owner.get.call_one().get(timeout=60)

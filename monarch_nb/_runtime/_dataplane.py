@@ -267,16 +267,19 @@ class Entry:
         self.keep = keep  # what keeps the memory alive while registered
         self.extra: list[Callable[[], None]] = []  # run at release (closing the shm descriptor)
 
-    def source(self, off: int, n: int) -> memoryview:
-        """Bytes ``off:off+n`` to send (a piece at most :data:`PIECE` long)."""
-        return self.view[off : off + n]
+    def sources(self, off: int, n: int) -> Iterator[memoryview]:
+        """Bytes ``off:off+n`` to send, in pieces of at most :data:`PIECE`: the next is asked
+        for once the last has been sent."""
+        for p in range(off, off + n, PIECE):
+            yield self.view[p : min(p + PIECE, off + n)]
 
-    @contextlib.contextmanager
-    def target(self, off: int, n: int) -> Iterator[memoryview]:
-        """Where bytes ``off:off+n`` of a write land."""
+    def targets(self, off: int, n: int) -> Iterator[memoryview]:
+        """Where bytes ``off:off+n`` of a write land, in pieces of at most :data:`PIECE`: each
+        is filled before the next is asked for, and the write is in place once this ends."""
         if self.view.readonly:
             raise BufferError("this RDMABuffer was made from read-only memory")
-        yield self.view[off : off + n]
+        for p in range(off, off + n, PIECE):
+            yield self.view[p : min(p + PIECE, off + n)]
 
     def ipc(self) -> bytes:
         """A CUDA IPC handle of this buffer for one reader of this host (CUDA buffers only)."""
@@ -464,23 +467,21 @@ class DataServer:
             with self._lock:  # counted first: the reader may look before this thread goes on
                 self.bytes_out += n
             ch.send(_RSP.pack(ST_OK, n))
-            for p in range(off, off + n, PIECE):
-                ch.send(entry.source(p, min(PIECE, off + n - p)))
+            for piece in entry.sources(off, n):
+                ch.send(piece)
         elif op == OP_WRITE:
             # the payload follows the request: take it all (into the buffer, or away) to stay in step
-            p = off
-            while p < off + n:
-                k = min(PIECE, off + n - p)
-                if entry is not None and status == ST_OK:
+            pieces = entry.targets(off, n) if entry is not None and status == ST_OK else None
+            for p in range(off, off + n, PIECE):
+                dst = None
+                if pieces is not None:
                     try:
-                        with entry.target(p, k) as dst:
-                            ch.recv_into(dst)
+                        dst = next(pieces)
                     except BufferError as e:
-                        status, bad, entry = ST_BAD, str(e), None
-                        ch.recv_into(memoryview(bytearray(k)))
-                else:
-                    ch.recv_into(memoryview(bytearray(k)))
-                p += k
+                        status, bad, pieces = ST_BAD, str(e), None
+                ch.recv_into(dst if dst is not None else memoryview(bytearray(min(PIECE, off + n - p))))
+            if pieces is not None:
+                next(pieces, None)  # its end: the last piece is in place (a staged one copied in)
             if status == ST_OK:
                 with self._lock:
                     self.bytes_in += n
@@ -672,17 +673,19 @@ def stream(
     off: int,
     n: int,
     deadline: float,
+    piece: Callable[[int, int], None] | None = None,
 ) -> bytes:
     """One read (into ``local``), write (from ``local``), drop, or request for a CUDA IPC handle
     (returned) over direct connections: one, or across hosts for a large transfer several, each
-    carrying a byte range (:func:`streams_for`).
+    carrying a byte range (:func:`streams_for`). ``piece(p, k)``, when given, is called with
+    each piece's place in ``local`` before it is sent, or once it has arrived.
 
     Raises :class:`PeerGone`, :class:`BufferGone`, :class:`Stalled` (saying who stalled),
     ``ValueError`` for a bad range, ``PermissionError`` when keys differ.
     """
     k = 1 if op in (OP_DROP, OP_IPC) or addr.host == host_id() else streams_for(n)
     if k <= 1:
-        return _one(addr, key, op, bid, local, off, n, deadline)
+        return _one(addr, key, op, bid, local, off, n, deadline, piece=piece)
     assert local is not None
     # equal byte ranges (page-aligned, the last one shorter), each on a connection of its own
     step = -(-n // k)
@@ -695,8 +698,9 @@ def stream(
 
     def part(i: int) -> None:
         a, b = ranges[i]
+        at = None if piece is None else (lambda p, k: piece(a + p, k))
         try:
-            _one(addr, key, op, bid, local[a:b], off + a, b - a, deadline, held)
+            _one(addr, key, op, bid, local[a:b], off + a, b - a, deadline, held, at)
         except BaseException as e:
             errors[i] = e
 
@@ -750,13 +754,14 @@ def _one(
     n: int,
     deadline: float,
     held: list[tuple[tuple[str, ...], _Plain | _Sealed]] | None = None,
+    piece: Callable[[int, int], None] | None = None,
 ) -> bytes:
     try:
-        return _stream(addr, key, op, bid, local, off, n, deadline, fresh=False, held=held)
+        return _stream(addr, key, op, bid, local, off, n, deadline, fresh=False, held=held, piece=piece)
     except _StaleConnection:
         # an idle connection that broke meanwhile (the peer restarted its side, a network blip):
         # nothing moved on it, and every op may be repeated, so once more on a new one
-        return _stream(addr, key, op, bid, local, off, n, deadline, fresh=True, held=held)
+        return _stream(addr, key, op, bid, local, off, n, deadline, fresh=True, held=held, piece=piece)
 
 
 def _stream(
@@ -770,6 +775,7 @@ def _stream(
     deadline: float,
     fresh: bool,
     held: list[tuple[tuple[str, ...], _Plain | _Sealed]] | None = None,
+    piece: Callable[[int, int], None] | None = None,
 ) -> bytes:
     same = addr.host == host_id()
     # pooled by key too: a connection proves one key, never another
@@ -811,11 +817,15 @@ def _stream(
                 ch.sock.settimeout(max(0.001, deadline - time.monotonic()))
                 ch.recv_into(local[p : p + k])
                 got = p + k
+                if piece is not None:
+                    piece(p, k)
         elif op == OP_WRITE:
             assert local is not None
             phase = "waiting for the owner to take the data"
             ch.send(_REQ.pack(op, bid, off, n))
             for p in range(0, n, PIECE):
+                if piece is not None:
+                    piece(p, min(PIECE, n - p))
                 ch.sock.settimeout(max(0.001, deadline - time.monotonic()))
                 ch.send(local[p : min(n, p + PIECE)])
                 got = min(n, p + PIECE)

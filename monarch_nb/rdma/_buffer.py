@@ -148,23 +148,61 @@ def _cpu_view(data: Any, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(data.data_ptr())).cast("B")
 
 
+class _Staged:
+    """A CUDA tensor's bytes in pinned host memory for one transfer, copied a piece at a time as
+    the stream moves them: a write's pieces leave the device ahead of the socket, a read's go to
+    it as each arrives, so the copies overlap the stream rather than following it."""
+
+    def __init__(self, flat: Any, nbytes: int, fill: bool) -> None:
+        t = _torch()
+        self.flat, self.fill = flat, fill
+        self.stage = t.empty(nbytes, dtype=t.uint8, pin_memory=True)
+        self.stream = t.cuda.current_stream(flat.device)
+        self.moved = 0  # bytes a read has copied to the device (pieces of several streams add up)
+        self.lock = threading.Lock()
+        self.ready: list[Any] = []  # a write's: each PIECE's copy from the device
+        if fill:
+            for p in range(0, nbytes, dp.PIECE):
+                self.stage[p : p + dp.PIECE].copy_(flat[p : p + dp.PIECE], non_blocking=True)
+                event = t.cuda.Event()
+                event.record(self.stream)
+                self.ready.append(event)
+
+    def piece(self, p: int, k: int) -> None:
+        """Called by the stream before it sends bytes ``p:p+k`` (a write) or after they arrived (a read)."""
+        if self.fill:
+            for i in range(p // dp.PIECE, (p + k - 1) // dp.PIECE + 1):
+                self.ready[i].synchronize()
+        else:
+            self.flat[p : p + k].copy_(self.stage[p : p + k], non_blocking=True)
+            with self.lock:
+                self.moved += k
+
+    def finish(self) -> None:
+        """A read's end: every byte on the device (copied whole where no stream moved it: shm)."""
+        if self.fill:
+            return
+        if self.moved < self.stage.numel():
+            self.flat.copy_(self.stage)
+        else:
+            self.stream.synchronize()
+
+
 @contextlib.contextmanager
-def _host_view(data: Any, nbytes: int, fill: bool) -> Iterator[memoryview]:
-    """Host bytes for ``data``: its own memory, or for CUDA a pinned staging copy (``fill``: load
-    it from the device first; a writable staging buffer goes back to the device afterwards)."""
+def _host_view(data: Any, nbytes: int, fill: bool) -> Iterator[tuple[memoryview, Any]]:
+    """Host bytes for ``data``, and what the stream calls for each piece it moves (None: nothing
+    to do): its own memory, or for CUDA a pinned staging copy (``fill``: a write's, loaded from
+    the device first; a read's goes to the device afterwards: :class:`_Staged`)."""
     if isinstance(data, memoryview):
-        yield data.cast("B")
+        yield data.cast("B"), None
     elif data.device.type == "cpu":
-        yield _cpu_view(data, nbytes)
+        yield _cpu_view(data, nbytes), None
     else:
         t = _torch()
         flat = (data.view(t.uint8) if data.dtype != t.uint8 else data)[:nbytes]
-        stage = t.empty(nbytes, dtype=t.uint8, pin_memory=True)
-        if fill:
-            stage.copy_(flat)
-        yield _cpu_view(stage, nbytes)
-        if not fill:
-            flat.copy_(stage)
+        staged = _Staged(flat, nbytes, fill)
+        yield _cpu_view(staged.stage, nbytes), staged.piece
+        staged.finish()
 
 
 def _address(mv: memoryview) -> Any:
@@ -175,8 +213,9 @@ def _address(mv: memoryview) -> Any:
 
 # ------------------------------------------------------------------------------- owner's side
 class _CudaEntry(dp.Entry):
-    """A CUDA buffer: served through pinned host memory, one piece at a time. Each serving thread
-    has its own staging buffer: a piece is sent whole before that thread asks for the next."""
+    """A CUDA buffer: served through pinned host memory, a piece at a time. Each serving thread
+    has two pinned pieces, so that the copy of one between the device and the host runs while
+    the other crosses the socket (the copies are the current stream's, as the user's work)."""
 
     def __init__(self, tensor: Any, nbytes: int) -> None:
         t = _torch()
@@ -185,23 +224,53 @@ class _CudaEntry(dp.Entry):
         self.flat = tensor.view(t.uint8) if tensor.dtype != t.uint8 else tensor
         self._tls = threading.local()
 
-    def _stage(self, n: int) -> Any:
-        stage = getattr(self._tls, "stage", None)
-        if stage is None:
+    def _stages(self) -> tuple[list[Any], list[Any]]:
+        """This thread's two pinned pieces, and the last copy of each (None, or its event, waited
+        for before the piece is used again: a transfer that broke off can leave one running)."""
+        tls = self._tls
+        if getattr(tls, "stages", None) is None:
             t = _torch()
-            stage = self._tls.stage = t.empty(min(self.nbytes, dp.PIECE), dtype=t.uint8, pin_memory=True)
-        return stage[:n]
+            tls.stages = [t.empty(min(self.nbytes, dp.PIECE), dtype=t.uint8, pin_memory=True) for _ in range(2)]
+            tls.copies = [None, None]
+        return tls.stages, tls.copies
 
-    def source(self, off: int, n: int) -> memoryview:
-        stage = self._stage(n)
-        stage.copy_(self.flat[off : off + n])
-        return _cpu_view(stage, n)
+    def _copied(self, copies: list[Any], i: int) -> None:
+        t = _torch()
+        event = t.cuda.Event()
+        event.record(t.cuda.current_stream(self.flat.device))
+        copies[i] = event
 
-    @contextlib.contextmanager
-    def target(self, off: int, n: int) -> Iterator[memoryview]:
-        stage = self._stage(n)
-        yield _cpu_view(stage, n)
-        self.flat[off : off + n].copy_(stage)
+    def sources(self, off: int, n: int) -> Iterator[memoryview]:
+        stages, copies = self._stages()
+        pieces = [(p, min(dp.PIECE, off + n - p)) for p in range(off, off + n, dp.PIECE)]
+
+        def load(i: int) -> None:
+            p, k = pieces[i]
+            if copies[i % 2] is not None:
+                copies[i % 2].synchronize()
+            stages[i % 2][:k].copy_(self.flat[p : p + k], non_blocking=True)
+            self._copied(copies, i % 2)
+
+        if pieces:
+            load(0)
+        for i, (_, k) in enumerate(pieces):
+            if i + 1 < len(pieces):
+                load(i + 1)  # into the piece sent before this one: the caller has sent it
+            copies[i % 2].synchronize()
+            yield _cpu_view(stages[i % 2], k)
+
+    def targets(self, off: int, n: int) -> Iterator[memoryview]:
+        stages, copies = self._stages()
+        for i, p in enumerate(range(off, off + n, dp.PIECE)):
+            k = min(dp.PIECE, off + n - p)
+            if copies[i % 2] is not None:
+                copies[i % 2].synchronize()  # its copy to the device has read it
+            yield _cpu_view(stages[i % 2], k)
+            self.flat[p : p + k].copy_(stages[i % 2][:k], non_blocking=True)
+            self._copied(copies, i % 2)
+        for c in copies:
+            if c is not None:
+                c.synchronize()  # the write is on the device before its writer hears so
 
     def ipc(self) -> bytes:
         """A fresh CUDA IPC handle of the memory for one reader of this host: torch counts one
@@ -602,14 +671,17 @@ class RDMABuffer:
             return False
 
     def _transfer_path(self, write: bool, local: Any, nbytes: int, deadline: float) -> str:
-        with _host_view(local, nbytes, fill=write) as mv:
+        with _host_view(local, nbytes, fill=write) as (mv, piece):
             mv = mv[:nbytes]
             if self._shm is not None and self._addr.host == dp.host_id():
+                if piece is not None and write:
+                    piece(0, nbytes)
                 with _address(mv) as (addr, _):
                     self._shm_copy(write, addr, nbytes)
                 return "shm"
             try:
-                dp.stream(self._addr, _key(), dp.OP_WRITE if write else dp.OP_READ, self._id, mv, 0, nbytes, deadline)
+                op = dp.OP_WRITE if write else dp.OP_READ
+                dp.stream(self._addr, _key(), op, self._id, mv, 0, nbytes, deadline, piece)
             except dp.PeerGone as e:
                 if dp.owner_alive(self._addr):
                     raise self._dropped_error() from e
