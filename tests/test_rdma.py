@@ -945,6 +945,27 @@ def test_cuda_ipc_handles_are_only_for_cuda_buffers_on_their_host() -> None:
         srv.close()
 
 
+def test_a_write_into_read_only_memory_is_refused_and_its_connection_stays_in_step() -> None:
+    # the owner takes a refused write's whole payload off the connection (over several pieces),
+    # so the reader's next request on the same pooled connection is answered, not misread
+    from monarch_nb._runtime import _dataplane as dp
+
+    srv = dp.DataServer(lambda: b"k" * 32, lambda: "127.0.0.1")
+    try:
+        data = bytes(range(256)) * (dp.PIECE // 128 + 1)  # two pieces and a bit
+        bid = srv.register(dp.Entry(memoryview(data), data))
+        addr = srv.address()
+        payload = memoryview(bytearray(len(data)))
+        with pytest.raises(ValueError, match="read-only memory"):
+            dp.stream(addr, None, dp.OP_WRITE, bid, payload, 0, len(data), time.monotonic() + 30)
+        back = bytearray(len(data))
+        dp.stream(addr, None, dp.OP_READ, bid, memoryview(back), 0, len(data), time.monotonic() + 30)
+        assert back == data
+        assert srv.bytes_in == 0 and srv.bytes_out == len(data)
+    finally:
+        srv.close()
+
+
 # -- two hosts -----------------------------------------------------------------------------
 
 CROSS_HOST_BODY = """
