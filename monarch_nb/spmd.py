@@ -12,6 +12,7 @@ import os
 import runpy
 import socket
 import sys
+import warnings
 from typing import Any
 
 from .actor import Actor, current_rank, endpoint
@@ -55,6 +56,31 @@ def _torchrun_env(place: tuple[int, int, int], master_addr: str, master_port: in
     }
 
 
+def _torchrun_devices(local_rank: int) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` as a torchrun script expects it: every GPU the allocator shares out
+    on this host (``MONARCH_NB_HOST_GPUS``), so that ``torch.cuda.set_device(LOCAL_RANK)``
+    finds this proc's device. The allocator gave the proc its own device alone; CUDA reads the
+    variable once, when it starts, so it can be widened only while the proc has not used CUDA."""
+    devices = os.environ.get("MONARCH_NB_HOST_GPUS", "")
+    if not devices or os.environ.get("CUDA_VISIBLE_DEVICES") == devices:
+        return {}
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        seen = torch.cuda.device_count()
+        if local_rank >= seen:
+            warnings.warn(
+                f"CUDA started in this proc before torch.distributed's variables were set (an earlier "
+                f"actor used it), seeing {seen} device(s) (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES')}): torch.cuda.set_device(LOCAL_RANK={local_rank}) "
+                "fails here. Use torch.cuda.set_device(0) (this proc's own GPU), or run SPMDActor on "
+                "procs where nothing has used CUDA yet",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": devices}
+
+
 class SPMDActor(Actor):
     """torchrun in an actor, as Monarch's: spawn it on a proc mesh, ask one rank for a
     rendezvous address, then run a script (or ``-m module``) on every rank::
@@ -86,7 +112,8 @@ class SPMDActor(Actor):
 
     @endpoint
     def setup_env(self, master_addr: str, master_port: int) -> None:
-        os.environ.update(_torchrun_env(self._place, master_addr, master_port))
+        env = _torchrun_env(self._place, master_addr, master_port)
+        os.environ.update(env | _torchrun_devices(int(env["LOCAL_RANK"])))
 
     @endpoint
     def main(self, master_addr: str, master_port: int, script_args: list[str]) -> bool:
@@ -95,7 +122,8 @@ class SPMDActor(Actor):
         script_args = _argv(script_args)
         if not script_args or (script_args[0] == "-m" and len(script_args) < 2):
             raise ValueError("No script or module specified: give ['-m', 'module', ...] or ['script.py', ...]")
-        os.environ.update(_torchrun_env(self._place, master_addr, master_port))
+        env = _torchrun_env(self._place, master_addr, master_port)
+        os.environ.update(env | _torchrun_devices(int(env["LOCAL_RANK"])))
         # torchrun runs each script in a fresh process; this proc outlives the script, so what a
         # script leaves behind must not break its next run here: the default process group it
         # started (init_process_group again raises "initialize the default process group

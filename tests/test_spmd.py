@@ -103,6 +103,7 @@ def test_gpus_coordinate_maps_to_cuda_visible_devices_on_a_gpu_host(tmp_path, gi
 
     from monarch_nb._runtime.records import read_connection_files
     from monarch_nb.actor import attach_to_workers
+    from monarch_nb.spmd import SPMDActor
 
     assert os.geteuid() == 0, "needs root for a private mount namespace"
     rdir = str(tmp_path / "rt")
@@ -126,6 +127,29 @@ def test_gpus_coordinate_maps_to_cuda_visible_devices_on_a_gpu_host(tmp_path, gi
         try:
             seen = procs.spawn("dev", Devices).visible.call().get(timeout=30)
             assert [seen.item(hosts=0, replicas=r, gpus=g) for r in range(2) for g in range(4)] == expected * 2
+            # a torchrun script's torch.cuda.set_device(LOCAL_RANK) picks, out of the devices its
+            # run makes visible, the same one the allocator gave its proc (as under torchrun, which
+            # shows every local rank all of them)
+            shared = sorted(set(expected))
+            per_host = hosts.spawn_procs(per_host={"gpus": len(shared)}, name="torchrun")
+            try:
+                own = per_host.spawn("dev", Devices).visible.call().get(timeout=30).values()
+                assert own == shared
+                script = tmp_path / "train.py"
+                script.write_text(
+                    "import os, sys\n"
+                    "devices = os.environ['CUDA_VISIBLE_DEVICES'].split(',')\n"
+                    "picked = devices[int(os.environ['LOCAL_RANK'])]  # torch.cuda.set_device(LOCAL_RANK)\n"
+                    "open(os.path.join(sys.argv[1], 'rank' + os.environ['RANK']), 'w').write(picked)\n"
+                )
+                out = tmp_path / "picked"
+                out.mkdir()
+                spmd = per_host.spawn("spmd", SPMDActor)
+                spmd.main.call("127.0.0.1", 29500, [str(script), str(out)]).get(timeout=60)
+                assert [(out / f"rank{r}").read_text() for r in range(len(shared))] == own
+                assert set(per_host.spawn("dev2", Devices).visible.call().get(timeout=30).values()) == {",".join(shared)}
+            finally:
+                per_host.stop().get(timeout=30)
             # a mesh without a gpus dimension leaves the variable as it was where the procs start
             mine = given if given is not None else os.environ.get("CUDA_VISIBLE_DEVICES", "")
             assert cpu.spawn("dev", Devices).visible.call().get(timeout=30).values() == [mine, mine]

@@ -312,7 +312,10 @@ class Procs:
             # devices a scheduler gave this job (Slurm's CUDA_VISIBLE_DEVICES=4,5,6,7 on a shared
             # node) are the ones shared out, not the host's first: those may be another job's
             given = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-            env["CUDA_VISIBLE_DEVICES"] = given[c % len(given)] if given else str(c % self.gpus)
+            shared = given or [str(i) for i in range(self.gpus)]
+            env["CUDA_VISIBLE_DEVICES"] = shared[c % len(shared)]
+            # all of them, for torchrun's scripts (spmd.py): their LOCAL_RANK indexes this list
+            env["MONARCH_NB_HOST_GPUS"] = ",".join(shared)
         proc_spec = {
             "workspaces": workspaces(),
             "token": rec.token,
