@@ -56,18 +56,20 @@ def _torchrun_env(place: tuple[int, int, int], master_addr: str, master_port: in
     }
 
 
-def _torchrun_devices(local_rank: int) -> dict[str, str]:
+def _torchrun_devices(local_rank: int, script: bool) -> dict[str, str]:
     """``CUDA_VISIBLE_DEVICES`` as a torchrun script expects it: every GPU the allocator shares out
     on this host (``MONARCH_NB_HOST_GPUS``), so that ``torch.cuda.set_device(LOCAL_RANK)``
     finds this proc's device. The allocator gave the proc its own device alone; CUDA reads the
-    variable once, when it starts, so it can be widened only while the proc has not used CUDA."""
+    variable once, when it starts, so it can be widened only while the proc has not used CUDA;
+    a ``script`` whose ``LOCAL_RANK`` is then out of sight is warned (the tensor engine, also set
+    up through here, takes ``LOCAL_RANK`` modulo the devices it sees)."""
     devices = os.environ.get("MONARCH_NB_HOST_GPUS", "")
     if not devices or os.environ.get("CUDA_VISIBLE_DEVICES") == devices:
         return {}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         seen = torch.cuda.device_count()
-        if local_rank >= seen:
+        if script and local_rank >= seen:
             warnings.warn(
                 f"CUDA started in this proc before torch.distributed's variables were set (an earlier "
                 f"actor used it), seeing {seen} device(s) (CUDA_VISIBLE_DEVICES="
@@ -113,7 +115,7 @@ class SPMDActor(Actor):
     @endpoint
     def setup_env(self, master_addr: str, master_port: int) -> None:
         env = _torchrun_env(self._place, master_addr, master_port)
-        os.environ.update(env | _torchrun_devices(int(env["LOCAL_RANK"])))
+        os.environ.update(env | _torchrun_devices(int(env["LOCAL_RANK"]), script=False))
 
     @endpoint
     def main(self, master_addr: str, master_port: int, script_args: list[str]) -> bool:
@@ -123,7 +125,7 @@ class SPMDActor(Actor):
         if not script_args or (script_args[0] == "-m" and len(script_args) < 2):
             raise ValueError("No script or module specified: give ['-m', 'module', ...] or ['script.py', ...]")
         env = _torchrun_env(self._place, master_addr, master_port)
-        os.environ.update(env | _torchrun_devices(int(env["LOCAL_RANK"])))
+        os.environ.update(env | _torchrun_devices(int(env["LOCAL_RANK"]), script=True))
         # torchrun runs each script in a fresh process; this proc outlives the script, so what a
         # script leaves behind must not break its next run here: the default process group it
         # started (init_process_group again raises "initialize the default process group
