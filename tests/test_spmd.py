@@ -809,8 +809,9 @@ def test_spmd_script_s_nccl_group_is_destroyed_within_its_bound_so_the_script_ru
         pytest.skip("needs CUDA and a torch built with NCCL (runs in bench/gpu_check.sh)")
     script = tmp_path / "train.py"
     script.write_text(
-        "import sys, torch, torch.distributed as dist\n"
-        "dist.init_process_group('nccl', device_id=torch.device('cuda', 0))\n"
+        "import os, sys, torch, torch.distributed as dist\n"
+        "torch.cuda.set_device(int(os.environ['LOCAL_RANK']))  # as torchrun scripts do\n"
+        "dist.init_process_group('nccl', device_id=torch.device('cuda', int(os.environ['LOCAL_RANK'])))\n"
         "t = torch.ones(4, device='cuda')\n"
         "dist.all_reduce(t)\n"
         "torch.cuda.synchronize()\n"
