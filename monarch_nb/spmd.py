@@ -13,6 +13,7 @@ import runpy
 import socket
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from .actor import Actor, current_rank, endpoint
@@ -116,6 +117,7 @@ class SPMDActor(Actor):
     def setup_env(self, master_addr: str, master_port: int) -> None:
         env = _torchrun_env(self._place, master_addr, master_port)
         os.environ.update(env | _torchrun_devices(int(env["LOCAL_RANK"]), script=False))
+        _serve_env_rendezvous(master_addr, master_port)
 
     @endpoint
     def main(self, master_addr: str, master_port: int, script_args: list[str]) -> bool:
@@ -126,6 +128,7 @@ class SPMDActor(Actor):
             raise ValueError("No script or module specified: give ['-m', 'module', ...] or ['script.py', ...]")
         env = _torchrun_env(self._place, master_addr, master_port)
         os.environ.update(env | _torchrun_devices(int(env["LOCAL_RANK"]), script=True))
+        _serve_env_rendezvous(master_addr, master_port)
         # torchrun runs each script in a fresh process; this proc outlives the script, so what a
         # script leaves behind must not break its next run here: the default process group it
         # started (init_process_group again raises "initialize the default process group
@@ -321,6 +324,85 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _rendezvous_store(addr: str, port: int, rank: int, world_size: int, timeout: Any) -> Any:
+    """The TCPStore of a process group's rendezvous at ``addr``:``port``: rank 0 hosts it,
+    listening on ``addr``'s IP address alone, the other ranks connect to it.
+
+    torch's own (env://) listens on every interface (``::``) whatever MASTER_ADDR says, so
+    anyone reaching that port while the group lives reads and writes its keys. Its
+    ``master_listen_fd`` takes a socket bound where we choose (libuv's backend and the old one
+    alike); the store owns a duplicate of it and closes it when it goes."""
+    from torch.distributed import TCPStore
+
+    if rank != 0:
+        return TCPStore(addr, port, world_size, False, timeout=timeout)
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+        ip = str(sockaddr[0])
+    except OSError as e:
+        raise ValueError(
+            f"the rendezvous address {addr!r} (MASTER_ADDR) does not resolve on rank 0's host "
+            f"{socket.gethostname()!r} ({e.strerror}): give master_addr an address or name of that host"
+        ) from None
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(sockaddr)
+        except OSError as e:
+            raise ValueError(
+                f"rank 0 cannot host the rendezvous at {addr!r} port {port} ({ip}): {e.strerror}. "
+                f"MASTER_ADDR must be an address of rank 0's host {socket.gethostname()!r} and the port free "
+                "there: give master_addr/master_port that are, or leave them out to have them chosen"
+            ) from None
+        sock.listen(socket.SOMAXCONN)
+        # a duplicate: the store closes the fd it is given, also when its constructor fails
+        # (and a second close of that number could hit a file opened meanwhile)
+        return TCPStore(ip, port, world_size, True, timeout=timeout, master_listen_fd=os.dup(sock.fileno()))
+
+
+#: (MASTER_ADDR, MASTER_PORT) this proc's env:// rendezvous serves with :func:`_rendezvous_store`,
+#: as SPMDActor set them; torch's own handler for any other
+_served: tuple[str, str] | None = None
+#: torch's env:// handler, for a rendezvous at an address we did not set
+_torch_env_handler: Any = None
+
+
+def _serve_env_rendezvous(master_addr: str, master_port: int) -> None:
+    """Have an unchanged script's ``init_process_group()`` (env://) meet at a store listening
+    on MASTER_ADDR alone. A fresh store for each group, as torch's own: one kept for as long as
+    the variables are set (torchrun's agent store, TORCHELASTIC_USE_AGENT_STORE) kept the last
+    group's keys, and a second init_process_group's gloo read a gone rank's address from them
+    ("Gloo connectFullMesh failed ... Connection refused") about one time in two."""
+    global _served, _torch_env_handler
+    import importlib
+
+    # the module: torch.distributed's attribute of that name is its function
+    handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+    if _torch_env_handler is None:
+        _torch_env_handler = handlers["env"]
+        handlers["env"] = _env_rendezvous_handler
+    _served = (master_addr, str(master_port))
+
+
+def _env_rendezvous_handler(url: str, timeout: Any = None, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
+    from urllib.parse import parse_qsl, urlparse
+
+    from torch.distributed.constants import default_pg_timeout
+
+    served = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+    if served != _served:
+        yield from _torch_env_handler(url, timeout=timeout or default_pg_timeout, **kwargs)
+        return
+    # what torch's handler reads: rank and world_size from the url (init_process_group puts
+    # them there when given), else from the environment
+    query = dict(parse_qsl(urlparse(url).query))
+    rank = int(query.get("rank", os.environ.get("RANK", "-1")))
+    world = int(query.get("world_size", os.environ.get("WORLD_SIZE", "-1")))
+    addr, port = served
+    yield _rendezvous_store(str(addr), int(str(port)), rank, world, timeout or default_pg_timeout), rank, world
+    raise RuntimeError("Unable to perform re-rendezvous using env:// method")
+
+
 def _ip_addr() -> str:
     # the address other hosts reach: the one the default route leaves from
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -336,9 +418,9 @@ def setup_env_for_distributed(
 ) -> Any:
     """Set MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK… in every proc of ``proc_mesh``.
 
-    Rank 0 of the mesh hosts the rendezvous, at its host name's address, or with
-    ``use_ipaddr=True`` at the IP address its default route leaves from (for hosts whose names
-    do not resolve to a reachable address). Returns an awaitable that is already done, so
+    Rank 0 of the mesh hosts the rendezvous, listening on MASTER_ADDR alone: its host name's
+    address, or with ``use_ipaddr=True`` the IP address its default route leaves from (for
+    hosts whose names do not resolve to a reachable address); or the ``master_addr`` given. Returns an awaitable that is already done, so
     both ``setup_env_for_distributed(pm)`` and ``await setup_env_for_distributed(pm)`` work.
     """
     setter = proc_mesh.spawn(f"_spmd_env_{id(proc_mesh) & 0xFFFFFF:x}", SPMDActor)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 
@@ -37,6 +38,101 @@ class Trainer(Actor):
             return float(w.sum())
         finally:
             dist.destroy_process_group()
+
+
+def listening(pid: int, port: int) -> list[str]:
+    """The addresses process ``pid`` listens on at ``port``."""
+    import psutil
+
+    conns = psutil.Process(pid).net_connections("tcp")
+    return sorted(c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN and c.laddr.port == port)
+
+
+def refused_from_elsewhere(port: int) -> dict[str, bool]:
+    """Whether a connection to ``port`` at another address of this host than 127.0.0.1 is
+    refused, by address: 127.0.0.2 (loopback too, a host always has it) and the host's others."""
+    import socket
+
+    import psutil
+
+    others = ["127.0.0.2"] + [
+        a.address
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+        if a.family == socket.AF_INET and not a.address.startswith("127.")
+    ]
+    out = {}
+    for ip in others:
+        with socket.socket() as s:
+            s.settimeout(5)
+            try:
+                s.connect((ip, port))
+            except ConnectionRefusedError:
+                out[ip] = True
+            else:
+                out[ip] = False
+    return out
+
+
+class StoreProbe(Actor):
+    @endpoint
+    def store_while_the_group_lives(self) -> dict | None:
+        """On rank 0: MASTER_ADDR, where this proc's rendezvous store listens and which other
+        addresses refuse it, while the group made by an unchanged ``init_process_group()`` lives."""
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        try:
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            out = None
+            if dist.get_rank() == 0:
+                port = int(os.environ["MASTER_PORT"])
+                out = {
+                    "addr": os.environ["MASTER_ADDR"],
+                    "listening": listening(os.getpid(), port),
+                    "refused": refused_from_elsewhere(port),
+                    "sum": t.item(),
+                }
+            dist.barrier()
+            return out
+        finally:
+            dist.destroy_process_group()
+
+
+def test_the_rendezvous_store_listens_on_loopback_alone_on_one_host():
+    """torch's env:// store listened on every interface (``::``), even with MASTER_ADDR on
+    loopback: anyone reaching the port read and wrote the group's keys. On one host the
+    rendezvous is 127.0.0.1 and the store listens there alone; each init_process_group gets a
+    fresh store (a kept one made a second group's gloo read the first one's gone addresses)."""
+    procs = this_host().spawn_procs(per_host={"gpus": 3}, name="spmd_store")
+    try:
+        setup_env_for_distributed(procs)
+        probe = procs.spawn("probe", StoreProbe)
+        for _ in range(3):
+            out = probe.store_while_the_group_lives.call().get(timeout=60).values()
+            assert out[1:] == [None, None]
+            got = out[0]
+            assert got["addr"] == "127.0.0.1" and got["sum"] == 3.0, got
+            assert got["listening"] == ["127.0.0.1"], got
+            assert got["refused"] and all(got["refused"].values()), got
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_a_rendezvous_address_rank_0_s_host_does_not_have_says_what_to_give():
+    """Rank 0 binds the address it is given: one of another host (or none) is refused at once
+    with what to do, where torch's store listened anyway and the other ranks waited for it."""
+    import datetime
+
+    from monarch_nb.spmd import _rendezvous_store
+
+    t = datetime.timedelta(seconds=5)
+    with pytest.raises(ValueError, match=r"rank 0 cannot host the rendezvous at '203.0.113.7' .*address of rank 0's host"):
+        _rendezvous_store("203.0.113.7", 29500, 0, 2, t)
+    with pytest.raises(ValueError, match=r"'no-such-host.invalid' \(MASTER_ADDR\) does not resolve .* give master_addr"):
+        _rendezvous_store("no-such-host.invalid", 29500, 0, 2, t)
 
 
 def test_gloo_all_reduce_across_a_proc_mesh():
@@ -637,6 +733,43 @@ def test_spmd_actor_runs_a_script_again_after_it_failed_as_torchrun_would(tmp_pa
         assert [(tmp_path / f"ok-{r}").read_text() for r in range(2)] == ["80.0", "80.0"]
         with pytest.raises(ActorError, match=r"script_args is a list of command-line words, not str 'train.py'"):
             spmd.main.call(addr, port, "train.py").get(timeout=30)
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_spmd_script_s_rendezvous_store_listens_only_on_the_address_it_was_given(tmp_path):
+    """An unchanged torchrun script under SPMDActor.main: rank 0's store listens on the
+    address get_host_port gave (the host name's) alone, not on every interface, run after run."""
+    import json
+    import socket
+
+    from monarch_nb.spmd import SPMDActor
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        inspect.getsource(listening)
+        + inspect.getsource(refused_from_elsewhere)
+        + "import json, os, sys, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "t = torch.ones(1)\n"
+        "dist.all_reduce(t)\n"
+        "if dist.get_rank() == 0:\n"
+        "    port = int(os.environ['MASTER_PORT'])\n"
+        "    out = {'listening': listening(os.getpid(), port), 'refused': refused_from_elsewhere(port), 'sum': t.item()}\n"
+        "    open(sys.argv[1], 'w').write(json.dumps(out))\n"
+        "dist.barrier()\n"
+    )
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, name="spmd_store_main")
+    try:
+        spmd = procs.spawn("_SPMDActor", SPMDActor)
+        addr, port = spmd.slice(gpus=0).get_host_port.call_one(None).get(timeout=30)
+        ip = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][4][0]
+        for run in range(2):
+            out = tmp_path / f"out{run}"
+            assert spmd.main.call(addr, port, [str(script), str(out)]).get(timeout=60).values() == [True, True]
+            got = json.loads(out.read_text())
+            assert got["sum"] == 2.0 and got["listening"] == [ip], (ip, got)
+            assert all(v for k, v in got["refused"].items() if k != ip), got
     finally:
         procs.stop().get(timeout=30)
 

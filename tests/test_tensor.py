@@ -1198,6 +1198,42 @@ def test_setup_torch_elastic_env(mesh2):  # type: ignore[no-untyped-def]
     asyncio.run(setup_torch_elastic_env_async(mesh2))
 
 
+class _StoreProbe(Actor):
+    @endpoint
+    def store(self) -> dict:
+        """MASTER_ADDR and where this proc listens at MASTER_PORT, and whether another address
+        of the host (127.0.0.2, loopback too) is refused there."""
+        import socket
+
+        import psutil
+
+        port = int(os.environ["MASTER_PORT"])
+        conns = psutil.Process(os.getpid()).net_connections("tcp")
+        with socket.socket() as s:
+            s.settimeout(5)
+            refused = s.connect_ex(("127.0.0.2", port)) != 0
+        return {
+            "addr": os.environ["MASTER_ADDR"],
+            "listening": sorted(c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN and c.laddr.port == port),
+            "refused": refused,
+        }
+
+
+def test_the_engine_s_rendezvous_store_listens_on_loopback_alone_on_one_host():  # type: ignore[no-untyped-def]
+    """The engine's process group kept rank 0's store listening on every interface (``::``)
+    for as long as it lived, though the ranks met at a loopback address: anyone reaching the
+    port read and wrote its keys. It listens on 127.0.0.1 alone now."""
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, name="tensorstore")
+    try:
+        x = mt.ones(2, procs=procs)  # starts the engine: its group lives from here on
+        got = procs.spawn("probe", _StoreProbe).store.call().get(timeout=30).values()
+        assert got[0] == {"addr": "127.0.0.1", "listening": ["127.0.0.1"], "refused": True}, got
+        assert got[1]["listening"] == [] and got[1]["addr"] == "127.0.0.1", got
+        assert mt.inspect(x.sum()).item() == 2.0  # the group still works
+    finally:
+        procs.stop().get(timeout=30)
+
+
 def test_a_dead_rank_fails_pending_reads_and_the_mesh_can_be_stopped_and_respawned(gate, monkeypatch):  # type: ignore[no-untyped-def]
     import signal
 

@@ -212,9 +212,18 @@ class TensorWorker(Actor):
         if not cuda and "GLOO_SOCKET_IFNAME" not in os.environ:
             _gloo_interface(os.environ.get("MASTER_ADDR", ""))
         if not dist.is_initialized():
+            from ..spmd import _rendezvous_store
+
+            # our store, not env://'s: rank 0's listens on MASTER_ADDR alone, not on every interface
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            timeout = datetime.timedelta(seconds=timeout_s)
+            store = _rendezvous_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world, timeout)
             dist.init_process_group(
                 "nccl" if cuda else "gloo",
-                timeout=datetime.timedelta(seconds=timeout_s),
+                store=store,
+                rank=rank,
+                world_size=world,
+                timeout=timeout,
                 device_id=torch.device(self.device) if cuda else None,
             )
         if token:
