@@ -418,9 +418,10 @@ def setup_env_for_distributed(
 ) -> Any:
     """Set MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK… in every proc of ``proc_mesh``.
 
-    Rank 0 of the mesh hosts the rendezvous, listening on MASTER_ADDR alone: its host name's
-    address, or with ``use_ipaddr=True`` the IP address its default route leaves from (for
-    hosts whose names do not resolve to a reachable address); or the ``master_addr`` given. Returns an awaitable that is already done, so
+    Rank 0 of the mesh hosts the rendezvous, listening on MASTER_ADDR alone: 127.0.0.1 when
+    every proc is on one host; else its host name's address, or with ``use_ipaddr=True`` the IP
+    address its default route leaves from (for hosts whose names do not resolve to a reachable
+    address); or the ``master_addr`` given. Returns an awaitable that is already done, so
     both ``setup_env_for_distributed(pm)`` and ``await setup_env_for_distributed(pm)`` work.
     """
     setter = proc_mesh.spawn(f"_spmd_env_{id(proc_mesh) & 0xFFFFFF:x}", SPMDActor)
@@ -428,7 +429,10 @@ def setup_env_for_distributed(
         if master_addr is None or master_port is None:
             first = setter.slice(**{k: 0 for k in setter.extent}) if len(setter.extent) else setter
             addr, port = first.free_port.call_one().get()
-            if use_ipaddr and master_addr is None:
+            if _one_host(proc_mesh):
+                # no other host has to reach it: nothing outside this one can
+                addr = "127.0.0.1"
+            elif use_ipaddr and master_addr is None:
                 addr = _tcp_host(proc_mesh) or first.ip_addr.call_one().get()
             master_addr = master_addr or addr
             master_port = master_port or port
@@ -455,6 +459,16 @@ def _tcp_host(proc_mesh: ProcMesh) -> str:
         if host and not host.startswith("127.") and host != "0.0.0.0":
             return host
     return ""
+
+
+def _one_host(proc_mesh: ProcMesh) -> bool:
+    """Whether every proc of ``proc_mesh`` is on one host: those of this host's allocator are
+    reached over ipc, another host's at its TCP address."""
+    hosts = set()
+    for r in proc_mesh._view.ranks:
+        addr = proc_mesh._procs[r].addr
+        hosts.add(addr[len("tcp://") :].rsplit(":", 1)[0] if addr.startswith("tcp://") else "")
+    return len(hosts) == 1
 
 
 def setup_torch_elastic_env(

@@ -1,7 +1,8 @@
 """An unchanged torchrun script under SPMDActor across two simulated hosts (network namespaces,
 each with its host name in every host's /etc/hosts, as on a real cluster): the script's
 all_reduce spans both hosts, and rank 0's rendezvous store listens on the cluster-facing
-address its host name resolves to, not on every interface."""
+address its host name resolves to, not on every interface. setup_torch_elastic_env's default
+address is that one, or loopback when the mesh is on one host."""
 
 from __future__ import annotations
 
@@ -71,6 +72,19 @@ def test_spmd_script_across_two_hosts_meets_at_a_store_on_the_cluster_address_al
         emit("rendezvous", addr=addr)
         ok = spmd.main.call(addr, port, ["/tmp/train.py", "/tmp/out"]).get(timeout=120).values()
         emit("ran", ok=ok)
+        from monarch_nb.spmd import setup_env_for_distributed
+
+        class Master(Actor):
+            @endpoint
+            def addr(self):
+                return os.environ["MASTER_ADDR"]
+
+        setup_env_for_distributed(procs)
+        emit("two hosts", addrs=procs.spawn("m", Master).addr.call().get(timeout=30).values())
+        one = hosts.slice(hosts=1).spawn_procs(per_host={"gpus": 2}, name="one")
+        setup_env_for_distributed(one)
+        emit("one host", addrs=one.spawn("m", Master).addr.call().get(timeout=30).values())
+        one.stop().get(timeout=30)
         procs.stop().get(timeout=30)
         emit("stopped")
         """,
@@ -82,5 +96,9 @@ def test_spmd_script_across_two_hosts_meets_at_a_store_on_the_cluster_address_al
     # (1+2+3+4) on every rank, two on each host
     sums = [cluster.path(h, f"/tmp/out{r}").read_text() for h, r in ((1, 0), (1, 1), (2, 2), (2, 3))]
     assert sums == ["10.0"] * 4
+    # setup_torch_elastic_env's default: the address the other hosts reach rank 0's at (its
+    # name's), and loopback when every proc is on one host, though a remote one
+    assert ctl.expect("two hosts")["addrs"] == [cluster.ip(1)] * 4
+    assert ctl.expect("one host")["addrs"] == ["127.0.0.1"] * 2
     ctl.expect("stopped")
     ctl.finish()
