@@ -66,7 +66,7 @@ def _torchrun_devices(local_rank: int, script: bool) -> dict[str, str]:
     a ``script`` whose ``LOCAL_RANK`` is then out of sight is warned (the tensor engine, also set
     up through here, takes ``LOCAL_RANK`` modulo the devices it sees)."""
     devices = os.environ.get("MONARCH_NB_HOST_GPUS", "")
-    if not devices or os.environ.get("CUDA_VISIBLE_DEVICES") == devices:
+    if not devices:
         return {}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
@@ -82,7 +82,7 @@ def _torchrun_devices(local_rank: int, script: bool) -> dict[str, str]:
                 stacklevel=3,
             )
         return {}
-    return {"CUDA_VISIBLE_DEVICES": devices}
+    return {} if os.environ.get("CUDA_VISIBLE_DEVICES") == devices else {"CUDA_VISIBLE_DEVICES": devices}
 
 
 class SPMDActor(Actor):

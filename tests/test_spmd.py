@@ -1008,3 +1008,43 @@ def test_spmd_script_s_nccl_group_is_destroyed_within_its_bound_so_the_script_ru
             assert time.monotonic() - start < _DESTROY_WAIT + 30
     finally:
         procs.stop().get(timeout=30)
+
+
+class CudaFirst(Actor):
+    @endpoint
+    def devices_for_a_script(self) -> tuple[str, list[str]]:
+        """What SPMDActor.main would widen CUDA_VISIBLE_DEVICES to once this proc has used
+        CUDA, and what it warns."""
+        import warnings
+
+        import torch
+
+        from monarch_nb.spmd import _torchrun_devices
+
+        torch.zeros(1, device="cuda")  # CUDA starts here, seeing the proc's one device
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            widened = _torchrun_devices(current_rank().rank, script=True)
+        return widened.get("CUDA_VISIBLE_DEVICES", ""), [str(w.message) for w in seen]
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(150)
+def test_a_script_s_local_rank_that_cuda_already_cannot_see_is_warned_about():
+    """Where CUDA has started in a proc (an earlier actor used it), the devices it sees are
+    fixed: a torchrun script's set_device(LOCAL_RANK) would fail on local ranks past them, and
+    SPMDActor says why and what to do rather than leave 'invalid device ordinal' alone."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (runs in bench/gpu_check.sh)")
+    n = torch.cuda.device_count() + 1  # one local rank more than the host's GPUs
+    procs = this_host().spawn_procs(per_host={"gpus": n}, name="cuda_first")
+    try:
+        got = procs.spawn("first", CudaFirst).devices_for_a_script.call().get(timeout=120).values()
+        assert [widened for widened, _ in got] == [""] * n, got
+        assert not got[0][1], got
+        warned = got[-1][1]
+        assert len(warned) == 1 and "torch.cuda.set_device(0)" in warned[0] and f"LOCAL_RANK={n - 1}" in warned[0], got
+    finally:
+        procs.stop().get(timeout=30)
