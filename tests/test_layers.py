@@ -40,6 +40,10 @@ PLACED: dict[str, tuple[str, str]] = {
     "_meshhtml": ("leaves", "HTML of value tables and rank grids, for the actor API's _repr_html_ (stdlib and _ranks only)"),
     "_workspace": ("leaves", "stdlib-only file manifest shared by the runtime's code cache and sync"),
     "_deadline": ("leaves", "stdlib-only time budget shared by the waits of a fan-out"),
+    "_newest": (
+        "leaves",
+        "stdlib-only dict of the last N entries; runtime, actor API and frontends keep their bounded records in it",
+    ),
     "_callers": ("leaves", "stdlib-only: the stacklevel that makes a warning name the program's line, not ours"),
     "_exec": ("features", "the actor behind %%mesh exec, built on the actor API"),
     "_registry": ("features", "the controller's named meshes, shared by sync/logs/env and mesh"),
