@@ -23,7 +23,8 @@ class Newest(OrderedDict[K, V], Generic[K, V]):
     ``refresh``: whether setting a key already held makes it the newest (a mesh stopped again is
     the latest stop) or leaves it where its first write put it (a dict's own order). Every insert
     — ``d[k] = v``, ``setdefault``, ``update`` — goes through :meth:`__setitem__`, so the bound
-    holds whichever is used. Reads, ``pop`` and ``move_to_end`` are the OrderedDict's own."""
+    holds whichever is used. Reads, ``pop`` and ``move_to_end`` are the OrderedDict's own.
+    ``most`` may be lowered later: the next insert forgets down to it."""
 
     __slots__ = ("most", "refresh")
 

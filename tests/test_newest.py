@@ -96,3 +96,13 @@ def test_a_copy_keeps_the_bound_and_the_order(how: str) -> None:
 def test_a_bound_below_one_is_refused_saying_so(most: int) -> None:
     with pytest.raises(ValueError, match="keeps at least one entry"):
         Newest(most, refresh=False)
+
+
+def test_a_bound_lowered_later_holds_from_the_next_insert() -> None:
+    d: Newest[int, int] = Newest(4, refresh=False)
+    for i in range(4):
+        d[i] = i
+    d.most = 2
+    assert len(d) == 4  # nothing is forgotten until something is put in
+    d[9] = 9
+    assert list(d) == [3, 9]

@@ -688,7 +688,7 @@ class ManyReader(Actor):
 
         from monarch_nb._runtime import _dataplane as dp
 
-        dp.MAPS_MAX = maps_max
+        dp.maps._maps.most = maps_max  # MAPS_MAX, lowered for this process: the next mapping lets go down to it
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + headroom, hard))
         try:

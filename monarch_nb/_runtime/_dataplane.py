@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .._newest import Newest
 from . import _fdlimit, _libc
 from ._greeting import Greeting
 from ._hangup import hung_up
@@ -928,7 +929,8 @@ class _Maps:
     the memory is unmapped only once neither the table nor any copy refers to it."""
 
     def __init__(self) -> None:
-        self._maps: OrderedDict[tuple[int, int, int, int], _Mapping] = OrderedDict()
+        #: least recently used first (``get`` moves a mapping it hands out to the end)
+        self._maps: Newest[tuple[int, int, int, int], _Mapping] = Newest(MAPS_MAX, refresh=False)
         self._lock = threading.Lock()
         self._sweeper: threading.Thread | None = None
 
@@ -971,8 +973,6 @@ class _Maps:
             os.close(fd)
         with self._lock:
             m = self._maps.setdefault(key, m)
-            while len(self._maps) > MAPS_MAX:
-                self._maps.popitem(last=False)
             if self._sweeper is None:
                 self._sweeper = threading.Thread(target=self._sweep, name="monarch_nb-dataplane-maps", daemon=True)
                 self._sweeper.start()

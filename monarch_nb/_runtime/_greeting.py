@@ -11,6 +11,7 @@ import contextlib
 import socket
 import threading
 
+from .._newest import Newest
 from ._refusals import Refusals
 
 
@@ -19,20 +20,16 @@ class Greeting:
     is shut down (its thread ends) and ``cut`` (a message template taking ``most``) is said."""
 
     def __init__(self, most: int, refusals: Refusals, cut: str) -> None:
-        self._most = most
         self._refusals = refusals
         self._cut = cut
         self._lock = threading.Lock()
-        self._conns: dict[socket.socket, None] = {}
+        self._conns: Newest[socket.socket, None] = Newest(most, refresh=False)
 
     def begin(self, conn: socket.socket) -> None:
         with self._lock:
-            self._conns[conn] = None
-            oldest = next(iter(self._conns)) if len(self._conns) > self._most else None
-            if oldest is not None:
-                del self._conns[oldest]
-        if oldest is not None:
-            self._refusals.refused(self._cut, self._most)
+            cut = self._conns.push(conn, None)
+        for oldest, _ in cut:
+            self._refusals.refused(self._cut, self._conns.most)
             with contextlib.suppress(OSError):
                 oldest.shutdown(socket.SHUT_RDWR)
 

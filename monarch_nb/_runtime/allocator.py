@@ -27,6 +27,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+from .._newest import Newest
 from .._numtext import plural
 from .._version import __version__
 from .._wire import frames as wire
@@ -65,6 +66,8 @@ def unlink_ipc(addr: str, inside: str | None = None) -> None:
 
 #: names of meshes stopped on the allocator's own account that a lookup can still explain
 REAPED_KEPT = 256
+#: controllers detached without a bye whose later pings are still told why
+DETACHED_KEPT = 1024
 
 
 class Allocator(DebugRegistry):
@@ -85,11 +88,11 @@ class Allocator(DebugRegistry):
         self.controllers: dict[str, dict[str, Any]] = {}  # reply addr -> info
         self.subscribers: dict[tuple[str, int], float] = {}
         #: controllers detached without a bye (silent, exited), by address: why, for their next pings
-        self.detached: dict[str, str] = {}
+        self.detached: Newest[str, str] = Newest(DETACHED_KEPT, refresh=False)
         #: meshes this allocator stopped on its own (their controller went away, the lease), by
         #: name: why and when, so that a lookup of one says so, not "no mesh named" alone (a
         #: script re-attaching to what its last run spawned without persist=True); the newest kept
-        self.reaped: dict[str, tuple[str, str, float]] = {}
+        self.reaped: Newest[str, tuple[str, str, float]] = Newest(REAPED_KEPT, refresh=True)
         self.idle_since = time.monotonic()
         self.log_dir = ""
         self.connection_file = ""
@@ -389,8 +392,6 @@ class Allocator(DebugRegistry):
         c = self.controllers.pop(addr, None)
         self._forget_subscriber(addr)
         self.detached[addr] = why
-        while len(self.detached) > 1024:
-            del self.detached[next(iter(self.detached))]
         if c is not None:
             self._orphan(c["cid"])
         # its connection: closed once the last messages had a moment to leave
@@ -858,10 +859,7 @@ class Allocator(DebugRegistry):
         self.meshes.clear()
 
     def _reaped(self, name: str, why: str, advice: str) -> None:
-        self.reaped.pop(name, None)
         self.reaped[name] = (why, advice, time.monotonic())
-        while len(self.reaped) > REAPED_KEPT:
-            del self.reaped[next(iter(self.reaped))]
 
     def _detach_dead_local(self) -> None:
         """A controller on this host (it reached us over ipc) whose process is gone has detached,

@@ -44,6 +44,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from .._newest import Newest
 from .._wire._rawbuf import join, to_bytes
 from ._private import private
 
@@ -397,6 +398,8 @@ def install_tagged_streams() -> None:
 
 #: how long a reader of a rank's log waits for a huge line still on its way to the file
 CLOSE_WAIT_S = 2.0
+#: calls whose end a proc's capture remembers (see ``_ended_ids``)
+ENDED_IDS_KEPT = 256
 #: this process's rank logs still being written to, by path (:func:`read_log` waits for them)
 _open_logs: weakref.WeakValueDictionary[str, ProcLog] = weakref.WeakValueDictionary()
 
@@ -483,7 +486,7 @@ class ProcLog:
         #: the latest calls whose end was read (as keys): text of theirs read after it (on the
         #: other stream, read late) ends its line with the read that holds it, not held for an
         #: end already passed; ``_late``: such text is held now
-        self._ended_ids: dict[str, None] = {}
+        self._ended_ids: Newest[str, None] = Newest(ENDED_IDS_KEPT, refresh=False)
         self._late = False
         #: per stream, the open line whose progress state went out last (not sent twice)
         self._drawn = {"stdout": b"", "stderr": b""}
@@ -620,8 +623,6 @@ class ProcLog:
                 else:
                     self._hold(stream, call, parts, now, out)
                 self._ended_ids[ended] = None
-                if len(self._ended_ids) > 256:
-                    del self._ended_ids[next(iter(self._ended_ids))]
                 for s, h in self._held.items():  # its last stream names it: its lines end on both
                     text = h.pop(ended, b"")
                     if text:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
+from .._newest import Newest
 from .._wire import frames as wire
 from .._wire.frames import ACTOR_NAME, CALL_INDEX, REPLY_ADDR, REPLY_PORT, SEQ, STREAM, port_value
 from .._wire.serialize import loads
@@ -35,6 +36,8 @@ PortHandler = Callable[[int, int, Any, list[Any]], None]
 
 #: returned by a system method that answers through its reply port itself (or never)
 NO_REPLY = object()
+#: stopped actors whose stop reason a message for them is still refused with
+STOPPED_KEPT = 256
 
 _Msg = tuple[tuple[Any, ...], Any, list[Any]]
 #: :meth:`Receiver.take_own`'s answer for a call it delivered and answered with an error itself
@@ -95,7 +98,7 @@ class Receiver:
         self.actors: dict[str, Mailbox] = {}
         #: actor -> why it was stopped, where its stop said (its owner actor failed): what a
         #: message for it is then refused with; the latest few
-        self.stopped_because: dict[str, str] = {}
+        self.stopped_because: Newest[str, str] = Newest(STOPPED_KEPT, refresh=False)
         self.system: dict[str, Any] = {}
         #: receiving side of ordered streams; the lock: actor threads that read their own
         #: connections (take_own) check the order too

@@ -1362,10 +1362,7 @@ class ActorHost:
             return False
         if because:
             slot.stop_because = because  # type: ignore[attr-defined]
-            why = self.rt.receiver.stopped_because
-            why[name] = because
-            while len(why) > 256:
-                del why[next(iter(why))]
+            self.rt.receiver.stopped_because[name] = because
 
         def done() -> None:
             if _reply[0]:
