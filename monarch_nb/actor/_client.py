@@ -19,6 +19,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .._deadline import budget
+from .._newest import Newest
 from .._runtime._pids import pid_is
 from .._runtime.logcapture import ENDED, ENDS_CALLS, LOGS, expand, line_text
 from .._runtime.runtime import ReplyPort, Runtime
@@ -68,7 +69,7 @@ class Client:
         self.stopped_meshes: set[str] = set()
         #: proc mesh name -> why an allocator of ours stopped it (its "mesh stopped" event), the
         #: latest few: a later stop here of a mesh stopped from elsewhere says by whom (mesh.stop)
-        self.stop_reasons: dict[str, str] = {}
+        self.stop_reasons: Newest[str, str] = Newest(STOP_REASONS_KEPT, refresh=True)
         #: (actor mesh name, address of its first proc) of actor meshes this process stopped
         self.stopped_actor_meshes: set[tuple[str, str]] = set()
         self.log_port = rt.open_port(self._on_logs)
@@ -111,10 +112,7 @@ class Client:
     def _on_alloc_event(self, ev: tuple[Any, ...]) -> None:
         """An allocator event (I/O thread): keep why meshes were stopped."""
         if len(ev) == 4 and ev[0] == "mesh" and ev[2] == "stopped":
-            self.stop_reasons.pop(ev[1], None)
             self.stop_reasons[ev[1]] = str(ev[3])
-            while len(self.stop_reasons) > 256:  # a long-lived kernel's many spawns and stops
-                del self.stop_reasons[next(iter(self.stop_reasons))]
 
     @property
     def on_raise(self) -> Callable[[BaseException], None] | None:
@@ -559,6 +557,9 @@ def _wait_all(futs: list[Future[Any]], timeout: float) -> None:
 
 #: how long a script's call that printed waits at most for its output to be shown before its value
 AFTER_OUTPUT_WAIT_S = 1.0
+
+#: stop reasons a client keeps (a long-lived kernel's many spawns and stops)
+STOP_REASONS_KEPT = 256
 
 #: how many ends of calls' output, come before their replies, a client keeps (a reply comes
 #: within moments of its end, or, as for other controllers' calls, never)
