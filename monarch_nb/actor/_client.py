@@ -78,7 +78,7 @@ class Client:
         #: tell it where a call's output ends); a call to another one prints nothing here
         self.log_meshes: set[str] = set()
         #: (call id, rank) of the latest calls whose output ended here before their reply came
-        self._ended: dict[tuple[str, int], None] = {}
+        self._ended: Newest[tuple[str, int], None] = Newest(_ENDED_KEEP, refresh=False)
         #: call id -> what waits for the end of its output (after_output); both under _ends_lock
         self._waits: dict[str, _OutputWait] = {}
         self._ends_lock = threading.Lock()
@@ -490,10 +490,8 @@ class Client:
                         del self._waits[call_id]
                         ready.append(w.done)
                     continue
-                ended = self._ended
-                ended[(call_id, rank)] = None
-                if len(ended) > _ENDED_KEEP:
-                    del ended[next(iter(ended))]  # the oldest: its reply came long ago, or never will
+                # past _ENDED_KEEP the oldest goes: its reply came long ago, or never will
+                self._ended[(call_id, rank)] = None
         for done in ready:
             done()
 
