@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import cloudpickle
 
+from ._newest import Newest
 from ._runtime import spans
 from .actor import Actor, endpoint
 from .actor._context import runtime
@@ -60,7 +61,7 @@ class ExecActor(Actor):
         self.count = 0
         #: label -> how the cell ended here: ``(type name, message)`` it raised, both empty when
         #: it succeeded
-        self.outcomes: dict[str, tuple[str, str]] = {}
+        self.outcomes: Newest[str, tuple[str, str]] = Newest(OUTCOMES_KEPT, refresh=False)
 
     @endpoint
     def outcome(self, label: str) -> tuple[str, str] | None:
@@ -71,8 +72,6 @@ class ExecActor(Actor):
         return self.outcomes.get(label)
 
     def _ended(self, label: str, error: tuple[str, str]) -> None:
-        if len(self.outcomes) >= OUTCOMES_KEPT:
-            del self.outcomes[next(iter(self.outcomes))]
         self.outcomes[label] = error
 
     @endpoint
