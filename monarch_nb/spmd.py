@@ -398,8 +398,11 @@ def _serve_env_rendezvous(master_addr: str, master_port: int) -> None:
     global _served, _torch_env_handler
     import importlib
 
-    # the module: torch.distributed's attribute of that name is its function
-    handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+    try:
+        # the module: torch.distributed's attribute of that name is its function
+        handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+    except ImportError:
+        return  # no torch.distributed here: the variables alone, for whatever reads them
     if _torch_env_handler is None:
         _torch_env_handler = handlers["env"]
         handlers["env"] = _env_rendezvous_handler
