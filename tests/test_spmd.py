@@ -240,7 +240,7 @@ def test_gpus_coordinate_maps_to_cuda_visible_devices_on_a_gpu_host(tmp_path, gi
 
     from monarch_nb._runtime.records import read_connection_files
     from monarch_nb.actor import attach_to_workers
-    from monarch_nb.spmd import SPMDActor
+    from monarch_nb.spmd import SPMDActor, _free_port
 
     assert os.geteuid() == 0, "needs root for a private mount namespace"
     rdir = str(tmp_path / "rt")
@@ -282,7 +282,7 @@ def test_gpus_coordinate_maps_to_cuda_visible_devices_on_a_gpu_host(tmp_path, gi
                 out = tmp_path / "picked"
                 out.mkdir()
                 spmd = per_host.spawn("spmd", SPMDActor)
-                spmd.main.call("127.0.0.1", 29500, [str(script), str(out)]).get(timeout=60)
+                spmd.main.call("127.0.0.1", _free_port(), [str(script), str(out)]).get(timeout=60)
                 assert [(out / f"rank{r}").read_text() for r in range(len(shared))] == own
                 assert set(per_host.spawn("dev2", Devices).visible.call().get(timeout=30).values()) == {",".join(shared)}
             finally:
