@@ -8,7 +8,6 @@ code that then calls ``torch.distributed.init_process_group()`` itself.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import runpy
 import socket
@@ -325,19 +324,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rendezvous_store(addr: str, port: int, rank: int, world_size: int, timeout: Any, spans_hosts: bool = False) -> Any:
+def _rendezvous_store(addr: str, port: int, rank: int, world_size: int, timeout: Any) -> Any:
     """The TCPStore of a process group's rendezvous at ``addr``:``port``: rank 0 hosts it,
     listening on ``addr``'s IP address alone, the other ranks connect to it.
 
     torch's own (env://) listens on every interface (``::``) whatever MASTER_ADDR says, so
     anyone reaching that port while the group lives reads and writes its keys. Its
     ``master_listen_fd`` takes a socket bound where we choose (libuv's backend and the old one
-    alike); the store owns a duplicate of it and closes it when it goes.
-
-    ``spans_hosts``: some ranks are on other hosts. A host *name* that resolves to loopback on
-    rank 0's host (Debian's ``127.0.1.1 <hostname>`` line) while the others resolve it to a real
-    address then gets torch's every-interface listener, with a warning: one on loopback alone
-    would be out of their reach."""
+    alike); the store owns a duplicate of it and closes it when it goes."""
     from torch.distributed import TCPStore
 
     if rank != 0:
@@ -350,22 +344,6 @@ def _rendezvous_store(addr: str, port: int, rank: int, world_size: int, timeout:
             f"the rendezvous address {addr!r} (MASTER_ADDR) does not resolve on rank 0's host "
             f"{socket.gethostname()!r} ({e.strerror}): give master_addr an address or name of that host"
         ) from None
-    if spans_hosts and ipaddress.ip_address(ip).is_loopback:
-        if ip == addr:
-            raise ValueError(
-                f"the rendezvous address {addr!r} (MASTER_ADDR) is a loopback address, but the group's "
-                "ranks span several hosts, and those on other hosts cannot reach it: give master_addr an "
-                "address of rank 0's host that they reach, or use_ipaddr=True"
-            )
-        warnings.warn(
-            f"the rendezvous host name {addr!r} resolves to loopback ({ip}) on rank 0's host "
-            f"{socket.gethostname()!r} while the group spans several hosts: its store listens on every "
-            "interface, as torch's does, so that the others reach it. Give master_addr an address "
-            "(or use_ipaddr=True) to have it listen there alone",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return TCPStore(addr, port, world_size, True, timeout=timeout)
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -424,9 +402,7 @@ def _env_rendezvous_handler(url: str, timeout: Any = None, **kwargs: Any) -> Ite
     rank = int(query.get("rank", os.environ.get("RANK", "-1")))
     world = int(query.get("world_size", os.environ.get("WORLD_SIZE", "-1")))
     addr, port = served
-    hosts = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
-    store = _rendezvous_store(str(addr), int(str(port)), rank, world, timeout or default_pg_timeout, hosts > 1)
-    yield store, rank, world
+    yield _rendezvous_store(str(addr), int(str(port)), rank, world, timeout or default_pg_timeout), rank, world
     raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 
 

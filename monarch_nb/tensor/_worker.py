@@ -217,9 +217,7 @@ class TensorWorker(Actor):
             # our store, not env://'s: rank 0's listens on MASTER_ADDR alone, not on every interface
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             timeout = datetime.timedelta(seconds=timeout_s)
-            hosts = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
-            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-            store = _rendezvous_store(addr, port, rank, world, timeout, hosts > 1)
+            store = _rendezvous_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world, timeout)
             dist.init_process_group(
                 "nccl" if cuda else "gloo",
                 store=store,
