@@ -543,3 +543,21 @@ def test_an_idle_proc_is_not_drained_every_second_and_a_busy_one_is() -> None:
         assert "work" in set(spans["name"])
     finally:
         pm.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(30)
+def test_a_span_reads_as_now_after_the_wall_clock_was_stepped(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The wall clock stepped (NTP, or a VM resumed: its monotonic clock stood still, the wall
+    clock did not) after this process started: a span recorded now reads as now, so
+    ``query(since=...)`` still finds it. The conversion used a base read once, when the zygote
+    imported the ring, and a whole CI run's spans fell before their test's start."""
+    import types
+
+    before = ring.drain(0)["last"]
+    # the ring's clocks alone (the process's other threads keep the real ones)
+    stepped = types.SimpleNamespace(time=lambda: time.time() + 3600.0, perf_counter=time.perf_counter)
+    monkeypatch.setattr(ring, "time", stepped)  # a step of an hour forward
+    t = time.perf_counter()
+    ring.record_span("after-step", "", 0, t, t + 0.001, True, None)
+    got = [s for s in ring.drain(before)["spans"] if s["name"] == "after-step"]
+    assert len(got) == 1 and abs(got[0]["start"] - stepped.time()) < 5, (got, stepped.time())

@@ -37,9 +37,15 @@ _keys: list[Any] = [None] * RING
 _seq = itertools.count(1)
 #: about the last sequence number stored (writers race to set it; drain reads on past it)
 _last = [0]
-#: perf_counter and wall clock read together once: converts recorded times at drain
-_BASE_PERF = time.perf_counter()
-_BASE_WALL = time.time()
+
+
+def _wall_offset() -> float:
+    """What turns a ``perf_counter`` time into wall-clock time, read at each drain: a base read
+    once (when the zygote imported this) went stale for good when the wall clock was stepped or
+    the machine suspended (the monotonic clock stops, the wall clock does not), and every span
+    after that fell outside ``query(since=...)``."""
+    return time.time() - time.perf_counter()
+
 
 _metrics: dict[tuple[Any, ...], list[float]] = {}
 _mlock = threading.Lock()
@@ -107,7 +113,7 @@ def drain(after: int) -> dict[str, Any]:
     lo = max(after, last - RING)
     out = []
     dropped = max(0, last - RING - after)
-    off = _BASE_WALL - _BASE_PERF
+    off = _wall_offset()
     last = lo
     # up to the first slot not yet stored: _last may lag (or, set by a slower writer, trail)
     # the newest record, and a numbered record may not be stored yet (its writer lost the GIL
@@ -197,7 +203,7 @@ def drain_packed(after: int, limit: int = RING) -> dict[str, Any]:
         "dropped": max(0, last - RING - after),
         "spans": None,
         "cols": (lo + 1, keys, t0s.tobytes(), t1s.tobytes()),
-        "off": _BASE_WALL - _BASE_PERF,
+        "off": _wall_offset(),
         "mcount": mcount,
         "metrics": _metrics_now(),
         "now": time.time(),
