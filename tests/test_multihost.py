@@ -339,20 +339,25 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     return out
 
 
-@pytest.fixture
-def cluster(keys: dict[str, bytes]) -> Iterator[NetnsCluster]:
-    """Controller host 0 and worker hosts 1, 2, each holding the cluster key at /tmp/key."""
+def keyed_cluster(keys: dict[str, bytes], hostnames: list[str] | None = None) -> Iterator[NetnsCluster]:
+    """Controller host 0 and worker hosts 1, 2, each holding the cluster key at /tmp/key
+    (``hostnames``: a UTS name each, in every host's /etc/hosts)."""
     assert os.geteuid() == 0, "multi-host tests need root (network and mount namespaces)"
     project = str(Path(__file__).resolve().parent.parent)
     # the harness keeps the checkout (and its .venv) visible in every host, also under /tmp
     assert not PY.startswith(("/tmp/", "/dev/shm/")) or PY.startswith(project + "/"), f"{PY} would be invisible inside the hosts"
-    c = NetnsCluster(2)
+    c = NetnsCluster(2, hostnames=hostnames) if hostnames else NetnsCluster(2)
     try:
         for i in c.hosts:
             plant_key(c, i, keys["good"])
         yield c
     finally:
         c.close()
+
+
+@pytest.fixture
+def cluster(keys: dict[str, bytes]) -> Iterator[NetnsCluster]:
+    yield from keyed_cluster(keys)
 
 
 @pytest.fixture

@@ -7,12 +7,11 @@ address is that one, or loopback when the mesh is on one host."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 
 import pytest
 from _netns import NetnsCluster
-from test_multihost import KEY, Allocator, Controller, keys, plant_key  # noqa: F401 - fixtures
+from test_multihost import KEY, Allocator, Controller, keyed_cluster, keys  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.multihost
 
@@ -45,14 +44,7 @@ with open(sys.argv[1] + str(dist.get_rank()), "w") as f:
 @pytest.fixture
 def cluster(keys: dict[str, bytes]) -> Iterator[NetnsCluster]:  # noqa: F811
     """Controller host 0 ("ctl") and worker hosts 1, 2 ("h1", "h2") holding the cluster key."""
-    assert os.geteuid() == 0, "multi-host tests need root (network and mount namespaces)"
-    c = NetnsCluster(2, hostnames=["ctl", "h1", "h2"])
-    try:
-        for i in c.hosts:
-            plant_key(c, i, keys["good"])
-        yield c
-    finally:
-        c.close()
+    yield from keyed_cluster(keys, ["ctl", "h1", "h2"])
 
 
 @pytest.mark.timeout(180)
