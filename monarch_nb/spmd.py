@@ -454,24 +454,23 @@ def setup_env_for_distributed(
     return _Awaitable()
 
 
+def _proc_host(proc_mesh: ProcMesh, rank: int) -> str:
+    """The host part of the TCP address the runtime reaches ``rank``'s proc at; "" for a proc
+    of this host's allocator (reached over ipc)."""
+    addr = proc_mesh._procs[rank].addr
+    return addr[len("tcp://") :].rsplit(":", 1)[0].strip("[]") if addr.startswith("tcp://") else ""
+
+
 def _tcp_host(proc_mesh: ProcMesh) -> str:
     """The IP address the runtime reaches rank 0 at, when it is a TCP one (procs on other hosts)."""
-    addr = proc_mesh._procs[proc_mesh._view.ranks[0]].addr
-    if addr.startswith("tcp://"):
-        host = addr[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-        if host and not host.startswith("127.") and host != "0.0.0.0":
-            return host
-    return ""
+    host = _proc_host(proc_mesh, proc_mesh._view.ranks[0])
+    return host if host and not host.startswith("127.") and host != "0.0.0.0" else ""
 
 
 def _one_host(proc_mesh: ProcMesh) -> bool:
     """Whether every proc of ``proc_mesh`` is on one host: those of this host's allocator are
     reached over ipc, another host's at its TCP address."""
-    hosts = set()
-    for r in proc_mesh._view.ranks:
-        addr = proc_mesh._procs[r].addr
-        hosts.add(addr[len("tcp://") :].rsplit(":", 1)[0] if addr.startswith("tcp://") else "")
-    return len(hosts) == 1
+    return len({_proc_host(proc_mesh, r) for r in proc_mesh._view.ranks}) == 1
 
 
 def setup_torch_elastic_env(
