@@ -3,6 +3,10 @@
 * ``roundtrip_where``: two processes, a blocking AF_UNIX SOCK_STREAM pair, 64-byte messages
   with ``send``/``recv_into``, ``n`` round trips; seconds per round trip.
 * ``memcpy``: one in-process copy of ``nbytes`` into memory that is already mapped; seconds.
+* ``fanout``: one process, ``k`` forked echo peers (an AF_UNIX pair each), a 64-byte message
+  written to every peer, then every echo read as epoll reports it; seconds until the last
+  echo. The shape of a ``call`` to ``k`` actors with nothing of a call in it: ``k`` wake-ups
+  shared by the machine's CPUs, and the caller's ``k`` writes and reads.
 
 The round trip has two modes on a small VM: with the peer on the other CPU each message is a
 cross-CPU wake-up (45-55 us a round trip on the 2-vCPU machine of docs/performance.md), with
@@ -15,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import select
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -98,6 +103,35 @@ def roundtrip_where(n: int = 10_000, probes: int = 200) -> tuple[float, float]:
             recv_exact(a, buf, view)
             same += int.from_bytes(buf[1:3], "little") == here
         return took, same / probes
+
+
+def fanout(k: int, n: int = 2_000) -> float:
+    """Median seconds of ``n`` fan-outs of a 64-byte message to ``k`` echo peers until every
+    echo is back (see the module's docstring)."""
+    with contextlib.ExitStack() as peers:
+        socks = [peers.enter_context(echo_peer()) for _ in range(k)]
+        by_fd = {s.fileno(): s for s in socks}
+        poller = select.epoll()
+        peers.callback(poller.close)
+        for s in socks:
+            poller.register(s.fileno(), select.EPOLLIN)
+        msg = message()
+        buf = bytearray(MSG)
+        view = memoryview(buf)
+        times: list[float] = []
+        for i in range(n + 20):  # the first 20: every peer running before the clock starts
+            t0 = time.perf_counter()
+            for s in socks:
+                s.sendall(msg)
+            left = k
+            while left:
+                for fd, _ in poller.poll():
+                    recv_exact(by_fd[fd], buf, view)
+                    left -= 1
+            if i >= 20:
+                times.append(time.perf_counter() - t0)
+        times.sort()
+        return times[len(times) // 2]
 
 
 def memcpy(nbytes: int, repeat: int = 3) -> float:

@@ -50,7 +50,7 @@ class Spec:
     target_p99: float | None = None  # max nb/monarch ratio of p99 (time)
     quick: bool = True
     #: the row's floor (bench/floor.py): ("rtt", k) is k raw round trips, ("memcpy", nbytes, k)
-    #: k copies of nbytes
+    #: k copies of nbytes, ("fanout", k) one raw message to k peers until every echo is back
     floor: tuple[Any, ...] = ("rtt", 1)
     #: (metric, bound): a figure the workload reports beside its times (max over samples), or
     #: ``x_floor`` (the median as a multiple of the floor), whose monarch_nb value must stay at
@@ -84,7 +84,16 @@ def _workloads() -> list[Spec]:
     # stdout themselves (its log forwarding is left off here, its default)
     w.append(Spec("callone_print_get", 200, interleave=4))
     for n in (4, 8, 16):
-        w.append(Spec(f"call_{n}", 40, target="<= 0.2x" if n >= 8 else "", target_median=0.2 if n >= 8 else None, interleave=2))
+        w.append(
+            Spec(
+                f"call_{n}",
+                40,
+                target="<= 0.2x" if n >= 8 else "",
+                target_median=0.2 if n >= 8 else None,
+                interleave=2,
+                floor=("fanout", n),
+            )
+        )
     for n in (8, 16):
         # one 64 MiB bytes argument to n actors (each answers its length); the row also gives
         # the controller's peak memory over the payload (``peak_over_payload``, target <= 2)
@@ -267,19 +276,24 @@ def _reap(run_id: str, var: str = "BENCH_RUN_ID") -> list[int]:
 
 
 def measure_floor(specs: list[Spec], rounds: int) -> dict[str, Any]:
-    """The raw AF_UNIX round trip and a memcpy of each payload size, medians of ``rounds``."""
+    """The raw AF_UNIX round trip, a memcpy of each payload size and a fan-out to each number
+    of peers a row calls, medians of ``rounds``."""
     from bench import floor
 
     sizes = sorted({s.floor[1] for s in specs if s.floor[0] == "memcpy"})
+    widths = sorted({s.floor[1] for s in specs if s.floor[0] == "fanout"})
     rtt: list[float] = []
     same_cpu: list[float] = []
     copies: dict[int, list[float]] = {n: [] for n in sizes}
+    fanouts: dict[int, list[float]] = {k: [] for k in widths}
     for _ in range(max(3, rounds)):
         took, same = floor.roundtrip_where(10_000)
         rtt.append(took)
         same_cpu.append(same)
         for n in sizes:
             copies[n].append(floor.memcpy(n))
+        for k in widths:
+            fanouts[k].append(floor.fanout(k))
     return {
         "roundtrip_s": percentile(rtt, 0.5),
         "roundtrip_rounds_s": rtt,
@@ -287,12 +301,15 @@ def measure_floor(specs: list[Spec], rounds: int) -> dict[str, Any]:
         # one-CPU mode (a context switch, a few times faster than a cross-CPU wake-up)
         "roundtrip_rounds_same_cpu": same_cpu,
         "memcpy_s": {str(n): percentile(xs, 0.5) for n, xs in copies.items()},
+        "fanout_s": {str(k): percentile(xs, 0.5) for k, xs in fanouts.items()},
     }
 
 
 def floor_of(spec: Spec, fl: dict[str, Any]) -> float:
     if spec.floor[0] == "memcpy":
         return float(fl["memcpy_s"][str(spec.floor[1])] * spec.floor[2])
+    if spec.floor[0] == "fanout":
+        return float(fl["fanout_s"][str(spec.floor[1])])
     return float(fl["roundtrip_s"] * spec.floor[1])
 
 
@@ -404,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_floor:
         fl = result["floor"] = measure_floor(WORKLOADS if floor_only else specs, rounds)
         sizes = ", ".join(f"{int(n) >> 20} MiB {t * 1e3:.2f} ms" for n, t in fl["memcpy_s"].items())
+        if fl["fanout_s"]:
+            sizes += "; fan-out to " + ", ".join(f"{k} {t * 1e6:.0f} us" for k, t in fl["fanout_s"].items())
         rounds_us = ", ".join(
             f"{t * 1e6:.1f} ({same:.0%} on one CPU)" for t, same in zip(fl["roundtrip_rounds_s"], fl["roundtrip_rounds_same_cpu"])
         )
