@@ -224,11 +224,54 @@ def test_an_argmax_over_an_empty_piece_is_refused_before_it_hangs(mesh1):  # typ
     torch.testing.assert_close(mt.inspect(t.argmax(0)), cols.argmax(0))  # not along the sharded dim: runs
     torch.testing.assert_close(mt.inspect(r.argmax(1)), rows.argmax(1))
     assert time.monotonic() - start < mt.COLLECTIVE_TIMEOUT_S
-    # a reduction failing on the empty rank alone stays that rank's readable error
-    with pytest.raises(Exception, match=r"amax\(\): Expected reduction dim to be specified") as err:
-        mt.inspect(t.amax())
-    assert str(err.value).splitlines()[0] == "Mesh tensor op Tensor.amax failed."
     torch.testing.assert_close(mt.inspect(t * 2), cols * 2)
+
+
+def _clamp_to_max(x):  # type: ignore[no-untyped-def]
+    return x.clamp(max=x.amax())
+
+
+@pytest.mark.timeout(20)  # well under COLLECTIVE_TIMEOUT_S (60 s), which is what it waited
+def test_a_max_over_an_empty_piece_is_refused_before_an_op_on_it_hangs(mesh1):  # type: ignore[no-untyped-def]
+    # max(), amax(), aminmax() ... over the sharded dim failed on the empty rank alone; an op
+    # with a collective on that result (clamp all-reduces the Partial max) had the other ranks
+    # wait for it until COLLECTIVE_TIMEOUT_S, the empty rank's next collective paired with theirs
+    # (a garbled error, or gloo aborting a rank), and the mesh's process group was broken
+    cols, rows = gen(3, 5), gen(3, 4)
+    t = mt.distribute(cols, mesh1, [Shard(1)])  # pieces of 2, 2, 1, 0 columns
+    r = mt.distribute(rows, mesh1, [Shard(0)])  # 1, 1, 1, 0 rows
+    sent = mt.stats(mesh1)["messages_sent"]
+    cut_cols = "5 along dim 1 sharded over the 4 ranks of 'gpus' makes pieces of 2, 2, 1, 0"
+    cut_rows = "3 along dim 0 sharded over the 4 ranks of 'gpus' makes pieces of 1, 1, 1, 0"
+    refused = {
+        "t.max()": (lambda: mt.inspect(t.clamp(max=t.max())), cut_cols),
+        "t.aminmax(dim=0)": (lambda: mt.inspect(r - torch.aminmax(r, dim=0).min), cut_rows),
+        "t.amin((0, 1))": (lambda: mt.inspect(t / t.amin((1, -2), keepdim=True)), cut_cols),
+        "t.amax()": (lambda: mt.inspect(mt.remote(_clamp_to_max)(t)), cut_cols),
+    }
+    for what, (op, why) in refused.items():
+        start = time.monotonic()
+        with pytest.raises(TensorOpError) as err:
+            op()
+        assert time.monotonic() - start < 5
+        text = str(err.value)
+        assert text.startswith(f"{what} of a mesh tensor of shape"), text
+        assert "refused, nothing sent: the piece of gpus=3 is empty (" + why in text, text
+        assert "an op with a collective on its result (t.clamp(max=t.max()), a redistribute" in text, text
+        assert f"Redistribute it first (t.redistribute(placements=[Replicate()]).{what[2:]})" in text, text
+        # the user's line, also for an op inside an mt.remote fn
+        fn = _clamp_to_max if what == "t.amax()" else op
+        at = fn.__code__.co_firstlineno + (fn is _clamp_to_max)
+        assert text.splitlines()[-1].startswith(f"issued by {__file__}:{at}: "), text
+    assert mt.stats(mesh1)["messages_sent"] == sent
+    # the mesh's process group still works; what it says to do, and a dim not sharded, give torch's values
+    start = time.monotonic()
+    whole = t.redistribute(placements=[Replicate()])
+    torch.testing.assert_close(mt.inspect(t.clamp(max=whole.max())), cols.clamp(max=cols.max()))
+    torch.testing.assert_close(mt.inspect(t - t.amax(0)), cols - cols.amax(0))
+    lo, hi = torch.aminmax(r, dim=1)
+    torch.testing.assert_close((mt.inspect(lo), mt.inspect(hi)), tuple(torch.aminmax(rows, dim=1)))
+    assert time.monotonic() - start < 10
 
 
 def test_cross_entropy_with_a_local_target(procs):  # type: ignore[no-untyped-def]

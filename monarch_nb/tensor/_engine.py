@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
@@ -1174,9 +1175,10 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
     try:
         with _Controller():
             out = func(*s_args, **s_kwargs)
-    except _EmptyPieceError:
-        raise
     except Exception as e:
+        refused = _chained(e, _EmptyPieceError)
+        if refused is not None:  # said whole, wherever in torch's dispatch it was raised
+            raise refused from None
         raise _op_error(
             f"{_name(func)} cannot run on mesh tensors with placements "
             f"{[tuple(map(str, h.placements)) for h in handles if isinstance(h, MeshTensor)]}: {type(e).__name__}: {e}"
@@ -1269,20 +1271,68 @@ class _EmptyPieceError(TensorOpError):
     wrapped in the "cannot run on mesh tensors with placements" of torch's own errors)."""
 
 
+def _chained(e: BaseException | None, kind: type[BaseException]) -> BaseException | None:
+    """The first ``kind`` in ``e``'s chain of causes (torch's sharding propagation wraps what
+    it raises in a RuntimeError or NotImplementedError of its own)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, kind):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _empty_piece(
-    shape: list[int], coord: list[int], sizes: list[int], placements: Any, dim: int | None
+    shape: list[int], coord: list[int], sizes: list[int], placements: Any, dims: Sequence[int] | None
 ) -> tuple[int, int, int] | None:
     """Where the rank at ``coord`` gets an empty piece of a tensor of ``shape``, for a reduction
-    over ``dim`` (every dim when None): (the length cut, its tensor dim, the mesh dim cutting
+    over ``dims`` (every dim when None): (the length cut, its tensor dim, the mesh dim cutting
     it into an empty chunk); None when its piece is not empty there."""
     shape = list(shape)
     for i, p in enumerate(placements):
-        if isinstance(p, Shard) and (dim is None or p.dim == dim):
+        if isinstance(p, Shard) and (dims is None or p.dim in dims):
             a, b = chunk_range(shape[p.dim], sizes[i], coord[i])
             if b == a and shape[p.dim]:
                 return shape[p.dim], p.dim, i
             shape[p.dim] = b - a
     return None
+
+
+def _refuse_empty_pieces(
+    name: str, shape: list[int], placements: Any, mesh: Any, dims: Sequence[int] | None, args: str, why: str
+) -> None:
+    """Refuse, before it is sent, ``t.name(args)`` reducing ``dims`` (every dim when None) of a
+    tensor of ``shape`` cut by ``placements`` over ``mesh`` where some rank's piece is empty
+    along the reduction and another's is not: torch's DTensor fails it on the empty ranks alone,
+    ``why`` says what the other ranks then do. Every rank empty is the whole tensor empty, and
+    torch's own error on every rank."""
+    sizes = list(mesh.shape)
+    labels = list(mesh.mesh_dim_names or [f"dim{i}" for i in range(len(sizes))])
+    empty: list[str] = []
+    cut: tuple[int, int, int] | None = None
+    for coord in itertools.product(*(range(n) for n in sizes)):
+        found = _empty_piece(shape, list(coord), sizes, placements, dims)
+        if found is not None:
+            cut = cut or found
+            where = ", ".join(f"{n}={c}" for n, c in zip(labels, coord))
+            empty.append(where if len(sizes) == 1 else f"({where})")
+    if cut is None or len(empty) == math.prod(sizes):
+        return
+    n, d, i = cut
+    pieces = ", ".join(str(b - a) for a, b in (chunk_range(n, sizes[i], k) for k in range(sizes[i])))
+    fix = [Replicate() if isinstance(p, Shard) and (dims is None or p.dim in dims) else p for p in placements]
+    site = _call_site()
+    raise _EmptyPieceError(
+        f"t.{name}({args}) of a mesh tensor of shape {tuple(shape)} with placements {tuple(map(str, placements))} "
+        f"was refused, nothing sent: "
+        + (f"the piece of {empty[0]} is" if len(empty) == 1 else f"the pieces of {', '.join(empty[:4])}")
+        + (", ... are" if len(empty) > 4 else " are" if len(empty) > 1 else "")
+        + f" empty ({n} along dim {d} sharded over the {sizes[i]} ranks of {labels[i]!r} makes pieces of "
+        f"{pieces}). {why}, for mt.COLLECTIVE_TIMEOUT_S, and the mesh's process group is broken after that. "
+        f"Redistribute it first (t.redistribute(placements=[{', '.join(map(repr, fix))}]).{name}({args})), "
+        f"or give dim {d} a size that {sizes[i]} divides" + (f"\n{_site_text(*site)}" if site is not None else "")
+    )
 
 
 def _argminmax_checked(handler: Any, op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -1291,45 +1341,23 @@ def _argminmax_checked(handler: Any, op_call: Any, args: tuple[Any, ...], kwargs
     the all-gather (``max(): Expected reduction dim to be specified for input.numel() == 0``) while
     the others wait in it until ``COLLECTIVE_TIMEOUT_S``, and the mesh's process group is broken
     for every tensor after that. The shadow's dry run here knows every rank's piece: such an op
-    is refused before it is sent. Every other reduction tried on empty pieces (max, amax,
-    aminmax, sort, topk, median, ...) fails on the empty rank alone, or not at all, and stays a
-    readable error of that rank."""
+    is refused before it is sent (the reductions with no identity that fail on the empty rank
+    alone are :func:`_no_identity_checked`'s)."""
     x = args[0] if args else None
     if getattr(_local, "depth", 0) and isinstance(x, DTensor) and x._local_tensor.device.type == "meta":
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
-        shape = list(x.shape)
         if dim is not None:
-            dim = dim % max(len(shape), 1)
-        mesh = x.device_mesh
-        sizes = list(mesh.shape)
-        labels = list(mesh.mesh_dim_names or [f"dim{i}" for i in range(len(sizes))])
-        empty: list[str] = []
-        cut: tuple[int, int, int] | None = None
-        for coord in itertools.product(*(range(n) for n in sizes)):
-            why = _empty_piece(shape, list(coord), sizes, x.placements, dim)
-            if why is not None:
-                cut = cut or why
-                where = ", ".join(f"{n}={c}" for n, c in zip(labels, coord))
-                empty.append(where if len(sizes) == 1 else f"({where})")
-        if cut is not None and len(empty) < math.prod(sizes):
-            n, d, i = cut
-            pieces = ", ".join(str(b - a) for a, b in (chunk_range(n, sizes[i], k) for k in range(sizes[i])))
-            fix = [Replicate() if isinstance(p, Shard) and (dim is None or p.dim == dim) else p for p in x.placements]
-            name = op_call._schema.name.split("::")[-1]
-            what = f"t.{name}()" if dim is None else f"t.{name}({dim})"
-            site = _call_site()
-            raise _EmptyPieceError(
-                f"{what} of a mesh tensor of shape {tuple(shape)} with placements {tuple(map(str, x.placements))} "
-                f"was refused, nothing sent: "
-                + (f"the piece of {empty[0]} is" if len(empty) == 1 else f"the pieces of {', '.join(empty[:4])}")
-                + (", ... are" if len(empty) > 4 else " are" if len(empty) > 1 else "")
-                + f" empty ({n} along dim {d} sharded over the {sizes[i]} ranks of {labels[i]!r} makes pieces of "
-                f"{pieces}). torch's DTensor fails the {name} there while the other ranks wait for it in the op's "
-                f"all-gather, for mt.COLLECTIVE_TIMEOUT_S, and the mesh's process group is broken after that. "
-                f"Redistribute it first (t.redistribute(placements=[{', '.join(map(repr, fix))}]).{name}"
-                f"({'' if dim is None else dim})), or give dim {d} a size that {sizes[i]} divides"
-                + (f"\n{_site_text(*site)}" if site is not None else "")
-            )
+            dim = dim % max(x.ndim, 1)
+        name = op_call._schema.name.split("::")[-1]
+        _refuse_empty_pieces(
+            name,
+            list(x.shape),
+            x.placements,
+            x.device_mesh,
+            None if dim is None else [dim],
+            "" if dim is None else str(dim),
+            f"torch's DTensor fails the {name} there while the other ranks wait for it in the op's all-gather",
+        )
     return handler(op_call, args, kwargs)
 
 
@@ -1342,6 +1370,73 @@ def _guard_argminmax() -> None:
 
 
 _guard_argminmax()
+
+#: reductions with no identity (torch fails them on an empty tensor) that torch 2.13's DTensor
+#: runs on each rank's piece, making a Partial("max"/"min") of the results; where their dims are
+#: (argument index, keyword), (None, None) for every dim
+_NO_IDENTITY: dict[Any, tuple[int | None, str | None]] = {
+    torch.ops.aten.max.default: (None, None),
+    torch.ops.aten.min.default: (None, None),
+    torch.ops.aten.amax.default: (1, "dim"),
+    torch.ops.aten.amin.default: (1, "dim"),
+    torch.ops.aten.aminmax.default: (None, "dim"),
+}
+
+
+def _no_identity_checked(propagate: Any, op_schema: Any) -> Any:
+    """``max()``, ``min()``, ``amax()``, ``amin()``, ``aminmax()`` over all dims or along a
+    sharded dim fail on a rank whose piece is empty there, alone: its result is that rank's
+    error, and an op with a collective on it (``t.clamp(max=t.max())``, a redistribute) had the
+    other ranks wait in the collective until ``COLLECTIVE_TIMEOUT_S``, the mesh's process group
+    broken after that. Checked where DTensor propagates an op's shapes, on a shadow mesh only, so
+    in the dry run here, for a user's line, an ``mt.remote`` fn or a module alike. A refusal is
+    never cached, and whether an op is refused depends only on its schema (shapes, placements,
+    mesh, dims), which keys torch's caches: a cached op is one that passed."""
+    where = _NO_IDENTITY.get(op_schema.op)
+    x: Any = op_schema.args_schema[0] if op_schema.args_schema else None
+    if where is not None and isinstance(x, DTensorSpec) and _is_shadow(x.mesh):
+        i, key = where
+        dim = op_schema.args_schema[i] if i is not None and len(op_schema.args_schema) > i else None
+        if key is not None:
+            dim = op_schema.kwargs_schema.get(key, dim)
+        n = max(len(x.shape), 1)
+        dims = None if dim is None or dim == [] else sorted({d % n for d in ([dim] if isinstance(dim, int) else dim)})
+        name = op_schema.op._schema.name.split("::")[-1]
+        if dims is None:
+            args = ""
+        elif key == "dim" and i is None:  # aminmax's dim is keyword-only
+            args = f"dim={dims[0]}"
+        else:
+            args = str(dims[0]) if len(dims) == 1 else str(tuple(dims))
+        _refuse_empty_pieces(
+            name,
+            list(x.shape),
+            x.placements,
+            x.mesh,
+            dims,
+            args,
+            f"torch's DTensor fails the {name} there, on that rank alone ({name} of an empty piece has no value), "
+            f"and an op with a collective on its result (t.clamp(max=t.max()), a redistribute, a sharded matmul) "
+            f"has the other ranks wait for it",
+        )
+    return propagate(op_schema)
+
+
+def _is_shadow(mesh: Any) -> bool:
+    return any(m is mesh for m in list(_shadow_meshes.values()))  # list: another thread may add one
+
+
+def _guard_no_identity() -> None:
+    # not the ops' strategy functions: aminmax has none (DTensor decomposes it, trying
+    # placements it does not have on a mesh of its own); every op's shapes pass through here,
+    # with the op's own schema, before any strategy runs
+    prop = DTensor._op_dispatcher.sharding_propagator
+    meta = prop._propagate_tensor_meta_non_cached
+    if not isinstance(meta, functools.partial):
+        prop._propagate_tensor_meta_non_cached = functools.partial(_no_identity_checked, meta)  # type: ignore[method-assign]
+
+
+_guard_no_identity()
 
 
 #: in-place binary ops whose meta kernels (the shadows') skip torch's check that the result's
