@@ -248,6 +248,7 @@ def test_a_max_over_an_empty_piece_is_refused_before_an_op_on_it_hangs(mesh1):  
         "t.aminmax(dim=0)": (lambda: mt.inspect(r - torch.aminmax(r, dim=0).min), cut_rows),
         "t.amin((0, 1))": (lambda: mt.inspect(t / t.amin((1, -2), keepdim=True)), cut_cols),
         "t.amax()": (lambda: mt.inspect(mt.remote(_clamp_to_max)(t)), cut_cols),
+        "t.norm(float('inf'))": (lambda: mt.inspect(t / t.norm(float("inf"))), cut_cols),
     }
     for what, (op, why) in refused.items():
         start = time.monotonic()
@@ -269,6 +270,8 @@ def test_a_max_over_an_empty_piece_is_refused_before_an_op_on_it_hangs(mesh1):  
     whole = t.redistribute(placements=[Replicate()])
     torch.testing.assert_close(mt.inspect(t.clamp(max=whole.max())), cols.clamp(max=cols.max()))
     torch.testing.assert_close(mt.inspect(t - t.amax(0)), cols - cols.amax(0))
+    torch.testing.assert_close(mt.inspect(t / t.norm(float("inf"), dim=0)), cols / cols.norm(float("inf"), dim=0))
+    torch.testing.assert_close(mt.inspect(t / t.norm()), cols / cols.norm())
     lo, hi = torch.aminmax(r, dim=1)
     torch.testing.assert_close((mt.inspect(lo), mt.inspect(hi)), tuple(torch.aminmax(rows, dim=1)))
     assert time.monotonic() - start < 10

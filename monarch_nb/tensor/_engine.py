@@ -1372,23 +1372,24 @@ def _guard_argminmax() -> None:
 _guard_argminmax()
 
 #: reductions with no identity (torch fails them on an empty tensor) that torch 2.13's DTensor
-#: runs on each rank's piece, making a Partial("max"/"min") of the results; where their dims are
-#: (argument index, keyword), (None, None) for every dim
+#: runs on each rank's piece, making a Partial("max"/"min") of the results (the vector norm for
+#: an infinite ord only); where their dims are (argument index, keyword), (None, None) for every dim
 _NO_IDENTITY: dict[Any, tuple[int | None, str | None]] = {
     torch.ops.aten.max.default: (None, None),
     torch.ops.aten.min.default: (None, None),
     torch.ops.aten.amax.default: (1, "dim"),
     torch.ops.aten.amin.default: (1, "dim"),
     torch.ops.aten.aminmax.default: (None, "dim"),
+    torch.ops.aten.linalg_vector_norm.default: (2, "dim"),
 }
 
 
 def _no_identity_checked(propagate: Any, op_schema: Any) -> Any:
-    """``max()``, ``min()``, ``amax()``, ``amin()``, ``aminmax()`` over all dims or along a
-    sharded dim fail on a rank whose piece is empty there, alone: its result is that rank's
-    error, and an op with a collective on it (``t.clamp(max=t.max())``, a redistribute) had the
-    other ranks wait in the collective until ``COLLECTIVE_TIMEOUT_S``, the mesh's process group
-    broken after that. Checked where DTensor propagates an op's shapes, on a shadow mesh only, so
+    """``max()``, ``min()``, ``amax()``, ``amin()``, ``aminmax()``, ``norm(float('inf'))`` over
+    all dims or along a sharded dim fail on a rank whose piece is empty there, alone: its result
+    is that rank's error, and an op with a collective on it (``t.clamp(max=t.max())``, a
+    redistribute) had the other ranks wait in the collective until ``COLLECTIVE_TIMEOUT_S``, the
+    mesh's process group broken after that. Checked where DTensor propagates an op's shapes, on a shadow mesh only, so
     in the dry run here, for a user's line, an ``mt.remote`` fn or a module alike. A refusal is
     never cached, and whether an op is refused depends only on its schema (shapes, placements,
     mesh, dims), which keys torch's caches: a cached op is one that passed."""
@@ -1408,6 +1409,11 @@ def _no_identity_checked(propagate: Any, op_schema: Any) -> Any:
             args = f"dim={dims[0]}"
         else:
             args = str(dims[0]) if len(dims) == 1 else str(tuple(dims))
+        if op_schema.op is torch.ops.aten.linalg_vector_norm.default:
+            p = op_schema.args_schema[1] if len(op_schema.args_schema) > 1 else op_schema.kwargs_schema.get("ord", 2)
+            if not (isinstance(p, (int, float)) and math.isinf(p)):  # a sum of powers: 0 on an empty piece
+                return propagate(op_schema)
+            name, args = "norm", ", ".join(a for a in (f"float({str(float(p))!r})", args) if a)
         _refuse_empty_pieces(
             name,
             list(x.shape),
