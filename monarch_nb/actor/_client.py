@@ -156,9 +156,14 @@ class Client:
             logger.debug("the I/O thread took over %.0f s to drop %s", _DROP_WAIT_S, addrs)
 
     # ------------------------------------------------------------ requests
-    def request(self, addr: str, method: str, *args: Any, _actor: str = "__allocator__", **kwargs: Any) -> Future[Any]:
+    def request(
+        self, addr: str, method: str, *args: Any, _actor: str = "__allocator__", _revive: bool = True, **kwargs: Any
+    ) -> Future[Any]:
+        """Call ``method`` of the allocator at ``addr``. One declared lost gets a quick hello
+        first (see :meth:`_try_revive`), which blocks the caller up to ``heartbeat_timeout`` when
+        it stays silent; ``_revive=False``: no hello, the request fails at once with its loss."""
         rt = self.rt
-        if rt.supervision.is_lost(addr):
+        if _revive and rt.supervision.is_lost(addr):
             self._try_revive(addr)
         fut: Future[Any] = Future._create(f"{method} on {addr}")
         body, bufs = dumps((args, kwargs))

@@ -1025,7 +1025,14 @@ class ProcMesh(MeshTrait):
         client.stopped_meshes.add(self._name)
         root._stop_reason, root._stopped_outside = reason, False
         allocs = sorted({p.alloc for p in self._procs if p.alloc})
-        futs = [client.request(a, "stop_mesh", self._name, client.cid, force, reason, True, because) for a in allocs]
+        # an allocator this process has declared lost is not waited on: its part fails at once
+        # with that loss. A hello to it first (what a request does) held this call, and the
+        # allocators after it, for the whole heartbeat_timeout of a host that is gone; one that
+        # only stalled reaps the mesh itself once it finds its controller silent (non-persistent
+        # meshes), and `monarch-nb stop` or stop_mesh() still find it
+        futs = [
+            client.request(a, "stop_mesh", self._name, client.cid, force, reason, True, because, _revive=False) for a in allocs
+        ]
         out: Future[None] = Future._create(f"stop mesh {self._name}")
         name = self._name
 
