@@ -714,8 +714,8 @@ def test_stop_after_host_loss(cluster: NetnsCluster, workers: list[Allocator]) -
     assert result["returned"] < 1.0, result
     assert result["type"] == "SupervisionError" and workers[1].addr in result["msg"], result
     # what it waits for is host 1: its Sleeper, still in its 30 s call, gets stop_cleanup_timeout
-    # (2 s) to finish it and is then killed
-    assert result["elapsed"] < 5, result
+    # (2 s) to finish it and is then killed (its allocator's log says what took longer)
+    assert result["elapsed"] < 5, f"{result}\n{workers[0].describe()}"
     wait_for(lambda: len(zygote_processes(cluster, 1)) == 1, 10, "procs on host 1 to exit")
 
 

@@ -774,6 +774,7 @@ class Allocator(DebugRegistry):
 
     # ------------------------------------------------------------ stopping and reaping
     async def _stop_mesh(self, m: MeshRec, reason: str, because: str = "") -> int:
+        t0 = time.monotonic()
         m.state = "stopping"
         live = [r for r in m.procs if r.state in ("starting", "running")]
         # their last spans first: a proc may exit before its answer to a drain sent just ahead
@@ -804,7 +805,7 @@ class Allocator(DebugRegistry):
             unlink_ipc(r.local or r.addr)  # procs end with os._exit: their socket files stay behind
         self._debug_mesh_stopped(m.name)
         m.state = "stopped"
-        logger.info("mesh %s stopped (%d procs): %s", m.name, len(live), reason)
+        logger.info("mesh %s stopped (%d procs) in %.2f s: %s", m.name, len(live), time.monotonic() - t0, reason)
         self._publish(("mesh", m.name, "stopped", reason))
         return len(live)
 
@@ -832,7 +833,16 @@ class Allocator(DebugRegistry):
             if not exited.done():
                 kill(r.pid)
                 killed.append({"rank": r.rank, "pid": r.pid, "host": self.rt.hostname, "why": why})
-                await asyncio.wait([exited], timeout=5.0)
+                await asyncio.wait([exited], timeout=_KILLED_EXIT_WAIT_S)
+                if not exited.done():
+                    # the stop goes on without it; said, since this wait held the stop and its caller that long
+                    logger.warning(
+                        "proc rank %d (pid %d) of mesh %s: no exit seen %g s after SIGKILL; its stop answers without it",
+                        r.rank,
+                        r.pid,
+                        r.mesh,
+                        _KILLED_EXIT_WAIT_S,
+                    )
 
         await asyncio.gather(*(one(r) for r in live))
         killed.sort(key=lambda k: k["rank"])
@@ -943,6 +953,8 @@ class Allocator(DebugRegistry):
 
 _MESH_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 _PONG = dumps(("pong",))
+#: how long a stop waits for a proc it killed to be reported gone (its zygote reaps it)
+_KILLED_EXIT_WAIT_S = 5.0
 #: characters of log lines in one message to a subscriber (see ``_send_logs``)
 LOG_CHUNK_CHARS = 8 << 10
 _LINE_TEXT = operator.itemgetter(4)
