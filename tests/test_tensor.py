@@ -578,6 +578,68 @@ def test_an_error_on_one_rank_only_stays_on_its_handle(procs):  # type: ignore[n
     assert time.monotonic() - t0 < mt.COLLECTIVE_TIMEOUT_S / 2
 
 
+def _redistributed(x: torch.Tensor) -> torch.Tensor:
+    return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim) + 0
+
+
+def _over_piece_max(x: torch.Tensor) -> torch.Tensor:
+    # a user's fn on each rank's piece: the max of an empty piece fails on its rank alone
+    from torch.distributed.tensor import DTensor
+
+    local = x.to_local()  # type: ignore[attr-defined]
+    return DTensor.from_local(local / local.max(), x.device_mesh, x.placements, shape=x.shape, stride=x.stride())  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(60)  # each read well under COLLECTIVE_TIMEOUT_S (60 s), which is what the others waited
+def test_an_op_with_a_collective_on_a_tensor_failed_on_one_rank_raises_that_error(procs):  # type: ignore[no-untyped-def]
+    # a tensor whose op failed on one rank alone, then an op with a collective on it: the other
+    # ranks entered the collective that rank skipped, waited there until COLLECTIVE_TIMEOUT_S,
+    # its next collective (a read's) paired with theirs (an AttributeError from inspect, or
+    # gloo aborting a rank: "collective mismatch"), and the mesh's process group was broken
+    n = len(procs.extent)
+    rest = [Replicate()] * (n - 1)
+    t, cols = gen(8, 6), gen(3, 5)
+    x = mt.distribute(t, procs, [Shard(0), *rest])
+    at = "gpus=1" if n == 1 else "hosts=0, gpus=1"
+    failed = {
+        at: (mt.remote(_fails_on_rank_1)(x), "rank 1's shard only", "test_tensor._fails_on_rank_1"),
+    }
+    if n == 1:  # 5 columns over 4 ranks: pieces of 2, 2, 1, 0; max() of the empty one fails
+        failed["gpus=3"] = (
+            mt.remote(_over_piece_max)(mt.distribute(cols, procs, [Shard(1)])),
+            "max\\(\\): Expected reduction dim",
+            "test_tensor._over_piece_max",
+        )
+    for where, (bad, said, op) in failed.items():
+        after = {
+            "the read": lambda b: b,
+            "a redistribute": lambda b: b.redistribute(placements=[Replicate()] * n),
+            "clamp to its sum (an all-reduce)": lambda b: b.clamp(max=b.sum()),
+            "a sharded matmul": lambda b: b @ b.T,
+            "an op without a collective, then one with": lambda b: (b * 2).redistribute(placements=[Replicate()] * n),
+            "two ops with collectives": lambda b: (b @ b.T).sum() + x.sum(),
+            "a redistribute in an mt.remote fn": lambda b: mt.remote(_redistributed)(b),
+        }
+        if where == at:  # reduce refuses pieces of different shapes before sending
+            after["mt.reduce"] = lambda b: mt.reduce(b, tuple(procs.extent))
+        for what, make in after.items():
+            start = time.monotonic()
+            with pytest.raises(Exception, match=said) as err:
+                mt.inspect(make(bad))
+            text = str(err.value)
+            assert f"Mesh tensor op {op} failed" in text, f"{what}: {text}"
+            assert "AttributeError" not in text and "did not run" not in text, f"{what}: {text}"
+            assert time.monotonic() - start < 10, what
+        # a rank where the op did not run (its input failed on the other) says so when read alone
+        with pytest.raises(Exception, match=f"did not run on this rank: an input of it failed on the rank at {where} "):
+            mt.fetch_shard(bad.clamp(max=bad.sum()), {k: 0 for k in procs.extent}).get(timeout=10)
+    # the mesh's process group still works
+    start = time.monotonic()
+    torch.testing.assert_close(mt.inspect(x.redistribute(placements=[Replicate()] * n)), t)
+    torch.testing.assert_close(mt.inspect(x.clamp(max=x.sum()) @ x.T), t.clamp(max=t.sum()) @ t.T)
+    assert time.monotonic() - start < 10
+
+
 def test_an_error_on_the_ranks_shows_the_line_of_the_users_function_that_raised(mesh1):  # type: ignore[no-untyped-def]
     # the error is kept on the rank and raised again to each reader: its traceback must still
     # lead to the user's code, as an endpoint's does, however it is read

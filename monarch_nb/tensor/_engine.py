@@ -29,7 +29,21 @@ from .._wire.serialize import loads, nbytes
 from ..actor import Future
 from ..actor._mesh import ProcMesh
 from ..errors import ActorError, MeshClosedError, MonarchNBError, SupervisionError
-from ._ops import Attr, Factory, Lit, Method, Ref, SetAttr, Via, WithMesh, chunk_range, local_shape, local_view, op_name
+from ._ops import (
+    Agree,
+    Attr,
+    Factory,
+    Lit,
+    Method,
+    Ref,
+    SetAttr,
+    Via,
+    WithMesh,
+    chunk_range,
+    local_shape,
+    local_view,
+    op_name,
+)
 from ._worker import OP_ATTR, OP_ID_ATTR, OP_SITE_ATTR, TensorWorker
 
 #: seconds a collective on the ranks may wait for a peer before it fails (a dead rank)
@@ -1017,6 +1031,9 @@ class _Restrict:
 
 
 class _CallModule:
+    #: a module's forward is large and its hooks run user code (distribute_module's input_fn)
+    has_collectives = True
+
     def __call__(self, module: Any, *args: Any, **kwargs: Any) -> Any:
         return module(*args, **kwargs)
 
@@ -1172,6 +1189,7 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
     s_args, s_kwargs = pytree.tree_map(shadow, (args, kwargs))
     _check_in_place_cast(func, s_args, s_kwargs)
     versions = {h._id: h._shadow._version for h in handles if isinstance(h, MeshTensor)}
+    _local.collective = False
     try:
         with _Controller():
             out = func(*s_args, **s_kwargs)
@@ -1222,7 +1240,12 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
             results.append(v)
     _check_biased_mean(func, handles, results)
     r_args, r_kwargs = pytree.tree_map(remote, (args, kwargs))
-    record: tuple[Any, ...] = (_portable(func), r_args, r_kwargs, ids, torch.is_grad_enabled())
+    portable = _portable(func)
+    # an op with a collective on the ranks: DTensor redistributed its inputs in the dry run, or
+    # it may have one that the dry run does not show (reduce's, an FSDP forward's, a user's fn)
+    if _local.collective or user_fn or getattr(func, "has_collectives", False) or func in _COLLECTIVE_METHODS:
+        portable = Agree(portable)
+    record: tuple[Any, ...] = (portable, r_args, r_kwargs, ids, torch.is_grad_enabled())
     mutates = sorted(changed - set(ids))
     if mutates:  # changed in place and not handed back: the ranks fail them too if the op fails
         record += (mutates,)
@@ -1443,6 +1466,37 @@ def _guard_no_identity() -> None:
 
 
 _guard_no_identity()
+
+#: methods with a collective on the ranks that DTensor's dispatcher does not run here (an explicit
+#: redistribute; backward, whose ops autograd runs on the shadows' graph)
+_COLLECTIVE_METHODS = frozenset({Method("redistribute"), Method("full_tensor"), Method("backward")})
+
+
+def _noted(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        _local.collective = True
+        return fn(*args, **kwargs)
+
+    noted._mnb_noted = True  # type: ignore[attr-defined]
+    return noted
+
+
+def _watch_collectives() -> None:
+    """Note (on this thread, for the dry run in progress) where DTensor's dispatcher runs a
+    collective: when it redistributes an op's inputs (a sharded matmul, clamp of a Partial) and
+    in its own handlers (argmax's all-gather). Both are off the common path, so an op without
+    one pays nothing to be watched (a TorchDispatchMode seeing every op doubled a dry run)."""
+    d = DTensor._op_dispatcher
+    if not getattr(d.redistribute_local_args, "_mnb_noted", False):
+        d.redistribute_local_args = _noted(d.redistribute_local_args)  # type: ignore[method-assign]
+    local_only = {torch.ops.aten.is_same_size.default, torch.ops.aten.is_pinned.default}
+    for op, handler in list(d._custom_op_handlers.items()):
+        if op not in local_only and not getattr(handler, "_mnb_noted", False):
+            d._custom_op_handlers[op] = _noted(handler)
+
+
+_watch_collectives()
 
 
 #: in-place binary ops whose meta kernels (the shadows') skip torch's check that the result's

@@ -106,6 +106,9 @@ class FSDPCall:
     on every mesh dimension: data parallel over all ranks) are run as each rank's local batch;
     tensor outputs come back as DTensors split the same way (their first dimension the batch)."""
 
+    #: FSDP's all-gathers run on the ranks only (the shadow's forward is a plain meta module)
+    has_collectives = True
+
     def __call__(self, module: Any, *args: Any, **kwargs: Any) -> Any:
         mesh: list[Any] = []
         batch: list[int] = []

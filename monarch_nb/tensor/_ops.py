@@ -137,12 +137,27 @@ class WithMesh:
 
 
 @dataclass(frozen=True)
+class Agree:
+    """``fn``, an op with a collective (the controller saw one in its dry run): before it the
+    ranks agree whether each has its inputs, so none enters a collective that a rank whose
+    input failed there alone would skip (they would wait in it until the collective timeout)."""
+
+    fn: Any
+
+    def __str__(self) -> str:
+        return op_name(self.fn)
+
+
+@dataclass(frozen=True)
 class Reduce:
     """Monarch's ``reduce``: combine each rank's local tensor across the named mesh dims; the
     result is the same on every rank of those dims, so they become Replicate()."""
 
     dims: tuple[str, ...]
     op: str
+
+    #: its all-reduce runs on the ranks only, not on the meta shadows
+    has_collectives = True
 
     def __call__(self, x: DTensor) -> DTensor:
         import torch.distributed as dist

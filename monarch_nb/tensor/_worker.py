@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from ..actor import Actor, current_rank, endpoint
 from ..errors import raised_again
-from ._ops import Factory, Lit, Ref, Spec, Via, WithMesh, op_name
+from ._ops import Agree, Factory, Lit, Ref, Spec, Via, WithMesh, op_name
 
 
 def _gloo_interface(master: str) -> None:
@@ -41,6 +41,9 @@ def _gloo_interface(master: str) -> None:
             os.environ["GLOO_SOCKET_IFNAME"] = name
             return
 
+
+#: a rank's state of an op's inputs (or of a tensor read whole), as the ranks agree on it
+_OK, _SKIPPED, _FAILED = 0, 1, 2
 
 #: the attribute of an op's error naming that op
 OP_ATTR = "_mesh_tensor_op"
@@ -69,6 +72,33 @@ class _Failed:
                 setattr(error, OP_ATTR, op)
             except AttributeError:  # an exception without a __dict__: the header names the read
                 pass
+
+
+class _Skipped:
+    """A table entry of a rank where an op with a collective did not run because an input of it
+    failed on other ranks (``where``): every rank skips such an op alike, or the others would
+    wait in a collective the failed ranks skip. A read of the whole tensor raises their error."""
+
+    __slots__ = ("op", "where")
+
+    def __init__(self, op: str, where: str) -> None:
+        self.op = op
+        self.where = where
+
+    def error(self) -> SkippedError:
+        e = SkippedError(
+            f"{self.op} did not run on this rank: an input of it failed on the rank at {self.where} "
+            "(an op with a collective runs on every rank or on none); read the tensor whole (mt.inspect, "
+            "full_tensor) for that rank's error"
+        )
+        e.where = self.where
+        return e
+
+
+class SkippedError(RuntimeError):
+    """Reading a :class:`_Skipped` entry on its rank: an op on it there is skipped too."""
+
+    where = ""
 
 
 class _Table(dict[int, Any]):
@@ -160,6 +190,8 @@ def _wait_take(worker: TensorWorker, id: int, mesh: str, deadline: float, timeou
 def _local(v: Any) -> Any:
     if isinstance(v, _Failed):
         raise raised_again(v.error).with_traceback(v.error.__traceback__)
+    if isinstance(v, _Skipped):
+        raise v.error()
     return (v.to_local() if isinstance(v, DTensor) else v).detach() if isinstance(v, torch.Tensor) else v
 
 
@@ -268,6 +300,8 @@ class TensorWorker(Actor):
             # carries the failing op's frames: the caller's remote traceback shows the line of
             # the user's function that raised, not only the error's last line
             raise raised_again(v.error).with_traceback(v.error.__traceback__)
+        if isinstance(v, _Skipped):
+            raise v.error()
         return v
 
     def _mesh(self, key: Any) -> Any:
@@ -364,7 +398,17 @@ class TensorWorker(Actor):
         for fn, args, kwargs, out_ids, grad, *rest in records:
             # optional: the ids it changes in place, then where an op making no tensor was issued
             mutates, site = rest[:1], rest[1] if len(rest) > 1 else None
+            agree = isinstance(fn, Agree)
+            fn = fn.fn if agree else fn
             try:
+                if agree:
+                    mine = self._inputs_state((args, kwargs))
+                    where = self._agree(mine, mesh)  # a dead peer fails it: the op's error, as its own collective's
+                    if where is not None and mine == _OK:
+                        # some rank's input failed: none enters the op's collective; the failed
+                        # ranks keep their error (below, reading it), the others this skip
+                        self._skip(_Skipped(op_name(fn), where), out_ids, mutates)
+                        continue
                 with torch.set_grad_enabled(grad):
                     if isinstance(fn, Factory):
                         out = fn(mesh, self.device, *args, **kwargs)
@@ -392,8 +436,60 @@ class TensorWorker(Actor):
                         "tensor (p.grad: no backward made one on this rank)"
                     )
                     self._fail(_Failed(missing, op_name(fn)), lost, [])
+            except SkippedError as e:  # an input skipped here: so is this op, whose error is another rank's
+                self._skip(_Skipped(op_name(fn), e.where), out_ids, mutates)
             except Exception as e:  # the error belongs to the op's outputs
                 self._fail(_Failed(e, op_name(fn)), out_ids, mutates, site)
+
+    def _skip(self, skipped: _Skipped, out_ids: list[int | None], mutates: list[Any]) -> None:
+        for i in [i for i in out_ids if i is not None] + [i for m in mutates for i in m]:
+            self.table[i] = skipped
+
+    def _inputs_state(self, tree: Any) -> int:
+        """_OK when every input of an op is here, _SKIPPED when one was skipped here (its op's
+        input failed on another rank), _FAILED when one failed here (or is missing)."""
+        state = _OK
+        for x in pytree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, (Ref, Lit))):
+            if isinstance(x, Ref):
+                v = self.table.get(x.id)
+                if v is None or isinstance(v, _Failed):
+                    return _FAILED
+                if isinstance(v, _Skipped):
+                    state = _SKIPPED
+        return state
+
+    def _agree(self, mine: int, mesh: Any) -> str | None:
+        """Where (mesh coordinates) some rank's state is not _OK, the failed ranks' first, or None
+        when none: a small all-reduce every rank of ``mesh`` joins whatever its own state, in the
+        same place of the ordered stream, so all take the same branch after it."""
+        states = self._states(mine, mesh)
+        bad = [i for i, s in enumerate(states) if s == _FAILED] or [i for i, s in enumerate(states) if s != _OK]
+        if not bad:
+            return None
+        names = mesh.mesh_dim_names or ()
+        shape = list(mesh.shape)
+
+        def coords(i: int) -> str:
+            out = []
+            for n, size in zip(reversed(names), reversed(shape)):
+                out.append(f"{n}={i % size}")
+                i //= size
+            return ", ".join(reversed(out))
+
+        return "; ".join(coords(i) for i in bad)
+
+    def _states(self, mine: int, mesh: Any) -> list[int]:
+        """Every rank of ``mesh``'s state, in its flat order: one-hot vectors summed along each
+        mesh dimension in turn (ndim tiny all-reduces)."""
+        coord = mesh.get_coordinate()
+        flat = 0
+        for c, size in zip(coord, mesh.shape):
+            flat = flat * size + c
+        vec = torch.zeros(mesh.size(), dtype=torch.int32, device=self.device)
+        vec[flat] = mine
+        for d in range(mesh.ndim):
+            dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=mesh.get_group(d))
+        return vec.tolist()
 
     def _fail(self, failed: _Failed, out_ids: list[int | None], mutates: list[Any], site: Any = None) -> None:
         made = [i for i in out_ids if i is not None]
@@ -443,31 +539,24 @@ class TensorWorker(Actor):
     def full(self, frees: list[int], id: int, key: Any = None) -> torch.Tensor | None:
         """The global value (a collective: every rank must be asked); rank 0 returns it."""
         self._free(frees)
+        entry = self.table.get(id)
         try:
             t, error = self._get(Ref(id)), self._unread_error()
         except Exception as e:
             t, error = None, self._unread_error() or e
+        mine = _OK if error is None else _SKIPPED if isinstance(entry, _Skipped) and isinstance(error, SkippedError) else _FAILED
         # an op can fail on some ranks only (an index out of range in one shard): the ranks that
         # have a value must not enter the all-gather the others skip, or they wait there until
         # the collective timeout and leave the process group broken for every later tensor
-        if not self._all_have(error is None, key):
-            if error is not None:
-                raise error
+        mesh = self._mesh(key)
+        states = self._states(mine, mesh) if mesh is not None else [mine]
+        if any(s != _OK for s in states):
+            if mine == _FAILED or (mine == _SKIPPED and _FAILED not in states):
+                raise error  # type: ignore[misc]
             return None  # the failing ranks' errors are the reply
         full = t.full_tensor().detach() if isinstance(t, DTensor) else t
         first = not isinstance(t, DTensor) or all(c == 0 for c in t.device_mesh.get_coordinate() or [1])
         return full.cpu() if first else None
-
-    def _all_have(self, mine: bool, key: Any) -> bool:
-        """Whether every rank of the mesh (of slice ``key``) has what it needs: a small
-        collective each rank joins whatever its own state, so all take the same branch after."""
-        mesh = self._mesh(key)
-        if mesh is None:
-            return mine
-        flag = torch.tensor([int(mine)], device=self.device)
-        for d in range(mesh.ndim):  # a MIN along each dimension in turn is the MIN over all
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=mesh.get_group(d))
-        return bool(flag.item())
 
     @endpoint
     def transfer(
@@ -571,6 +660,8 @@ class TensorWorker(Actor):
             return ("wait", None)
         if isinstance(v, _Failed):
             return ("error", v.error)
+        if isinstance(v, _Skipped):
+            return ("error", v.error())
         return ("ok", self._lend(id))
 
     @endpoint
