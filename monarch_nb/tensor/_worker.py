@@ -42,6 +42,12 @@ def _gloo_interface(master: str) -> None:
             return
 
 
+def _agreement_group(mesh: Any, timeout: datetime.timedelta) -> Any:
+    """A gloo group of ``mesh``'s ranks (made by every rank of the process group, as a device
+    mesh is): where they agree on an op's inputs (:meth:`TensorWorker._states`)."""
+    return dist.new_group(sorted(mesh.mesh.flatten().tolist()), timeout=timeout, backend="gloo")
+
+
 #: a rank's state of an op's inputs (or of a tensor read whole), as the ranks agree on it
 _OK, _SKIPPED, _FAILED = 0, 1, 2
 
@@ -202,6 +208,8 @@ class TensorWorker(Actor):
         #: device meshes of slices of the proc mesh, by the slice's key (its ranks); a rank
         #: outside a slice holds it too (DeviceMesh is built by every rank), coordinate None
         self.meshes: dict[Any, Any] = {}
+        #: id of a device mesh -> its ranks' gloo group for agreeing on op inputs (_states)
+        self._agreeing: dict[int, Any] = {}
         self.device = "cpu"
         #: RDMABuffers lent to the controller (full_tensor, fetch_shard), by id: kept alive until it drops them
         self.lent: dict[int, list[Any]] = {}
@@ -241,14 +249,14 @@ class TensorWorker(Actor):
             local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
             torch.cuda.set_device(local)
             self.device = f"cuda:{local}"
-        if not cuda and "GLOO_SOCKET_IFNAME" not in os.environ:
+        if "GLOO_SOCKET_IFNAME" not in os.environ:  # under NCCL too: the ranks agree on a gloo group (_states)
             _gloo_interface(os.environ.get("MASTER_ADDR", ""))
+        timeout = self._timeout = datetime.timedelta(seconds=timeout_s)
         if not dist.is_initialized():
             from ..spmd import _rendezvous_store
 
             # our store, not env://'s: rank 0's listens on MASTER_ADDR alone, not on every interface
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            timeout = datetime.timedelta(seconds=timeout_s)
             store = _rendezvous_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world, timeout)
             dist.init_process_group(
                 "nccl" if cuda else "gloo",
@@ -262,6 +270,7 @@ class TensorWorker(Actor):
             _workers[token] = self
         names = tuple(labels) if labels else ("ranks",)
         self.mesh = init_device_mesh("cuda" if cuda else "cpu", tuple(sizes) or (1,), mesh_dim_names=names)
+        self._agreeing[id(self.mesh)] = _agreement_group(self.mesh, timeout)
         return dist.get_backend()
 
     def _keep_unread(self, failed: _Failed) -> None:
@@ -323,7 +332,8 @@ class TensorWorker(Actor):
             mesh = torch.tensor(ranks, dtype=torch.int).reshape(tuple(sizes) or (1,))
             names = tuple(labels) if labels else ("ranks",)
             try:
-                self.meshes[key] = DeviceMesh(self.mesh.device_type, mesh, mesh_dim_names=names)
+                m = self.meshes[key] = DeviceMesh(self.mesh.device_type, mesh, mesh_dim_names=names)
+                self._agreeing[id(m)] = _agreement_group(m, self._timeout)
             except Exception as e:  # every op on the slice fails with it; the actor lives on
                 self.meshes[key] = e
 
@@ -479,16 +489,17 @@ class TensorWorker(Actor):
         return "; ".join(coords(i) for i in bad)
 
     def _states(self, mine: int, mesh: Any) -> list[int]:
-        """Every rank of ``mesh``'s state, in its flat order: one-hot vectors summed along each
-        mesh dimension in turn (ndim tiny all-reduces)."""
+        """Every rank of ``mesh``'s state, in its flat order: one-hot vectors summed in one
+        all-reduce on the mesh's gloo group of its own, on the CPU (on the device, under NCCL,
+        reading the sum would wait for every op queued on the GPU, before every op with a
+        collective)."""
         coord = mesh.get_coordinate()
         flat = 0
         for c, size in zip(coord, mesh.shape):
             flat = flat * size + c
-        vec = torch.zeros(mesh.size(), dtype=torch.int32, device=self.device)
+        vec = torch.zeros(mesh.size(), dtype=torch.int32)
         vec[flat] = mine
-        for d in range(mesh.ndim):
-            dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=mesh.get_group(d))
+        dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self._agreeing[id(mesh)])
         return vec.tolist()
 
     def _fail(self, failed: _Failed, out_ids: list[int | None], mutates: list[Any], site: Any = None) -> None:
