@@ -687,15 +687,21 @@ def test_link_down_mid_call(cluster: NetnsCluster, workers: list[Allocator]) -> 
 
 # Stops a mesh and says how long `stop()` itself took to return its future ("returned") and how
 # long until that future failed or resolved ("elapsed").
+# "killed": the ProcsKilledWarnings that reading it showed.
 TIMED_STOP = """
+import warnings
 t0 = time.monotonic()
 fut = procs.stop()
 returned = time.monotonic() - t0
-try:
-    fut.get(timeout=20)
-    emit("stop", ok=True, returned=returned, elapsed=time.monotonic() - t0)
-except Exception as e:
-    emit("stop", ok=False, returned=returned, elapsed=time.monotonic() - t0, **describe(e))
+with warnings.catch_warnings(record=True) as shown:
+    warnings.simplefilter("always")
+    try:
+        fut.get(timeout=20)
+        outcome = dict(ok=True)
+    except Exception as e:
+        outcome = dict(ok=False, **describe(e))
+killed = [str(w.message) for w in shown if w.category is monarch_actor.ProcsKilledWarning]
+emit("stop", returned=returned, elapsed=time.monotonic() - t0, killed=killed, **outcome)
 """
 
 
@@ -716,6 +722,8 @@ def test_stop_after_host_loss(cluster: NetnsCluster, workers: list[Allocator]) -
     # what it waits for is host 1: its Sleeper, still in its 30 s call, gets stop_cleanup_timeout
     # (2 s) to finish it and is then killed (its allocator's log says what took longer)
     assert result["elapsed"] < 5, f"{result}\n{workers[0].describe()}"
+    # and the user is told so, next to host 2's failure (the failure alone hid it)
+    assert len(result["killed"]) == 1 and "killed 2 proc(s)" in result["killed"][0], result
     wait_for(lambda: len(zygote_processes(cluster, 1)) == 1, 10, "procs on host 1 to exit")
 
 

@@ -1039,16 +1039,21 @@ class ProcMesh(MeshTrait):
         def finish(fs: list[Future[Any]]) -> None:
             killed = []
             gone = 0
+            failed: BaseException | None = None
             for f in fs:
                 try:
                     killed.extend((f.get() or {}).get("killed", ()))
-                except MeshNotFoundError:
+                except MeshNotFoundError as e:
                     # stopped there already, from outside this controller (`monarch-nb stop --force`,
                     # another process's stop_mesh): what was asked is done, as for a second stop
-                    why = root._outside_stop()
-                    if why is None:
-                        raise  # nothing says it was stopped: that the allocator lost it is the news
-                    gone += 1
+                    if root._outside_stop() is None:
+                        failed = failed or e  # nothing says it was stopped: that the allocator lost it is the news
+                    else:
+                        gone += 1
+                except Exception as e:
+                    # one host's part failed (a lost host): the others' parts are still read, so
+                    # what they had to kill is said before the failure is raised
+                    failed = failed or e
             if fs and gone == len(fs):
                 # all of it: later calls say who stopped it, not this process's reason
                 root._stop_reason, root._stopped_outside = root._outside_stop() or "", True
@@ -1062,6 +1067,8 @@ class ProcMesh(MeshTrait):
                     notes.append(said)
                 else:
                     warnings.warn(said, ProcsKilledWarning, callers_level())
+            if failed is not None:
+                raise failed
 
         _all(futs, f"stop mesh {name}").add_done_callback(lambda _f: out._set_raw(futs, finish))
         root._stop_fut = out
