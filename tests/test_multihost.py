@@ -727,23 +727,26 @@ def test_stop_after_host_loss(cluster: NetnsCluster, workers: list[Allocator]) -
     wait_for(lambda: len(zygote_processes(cluster, 1)) == 1, 10, "procs on host 1 to exit")
 
 
+# Idle procs on hosts 1 and 2; after "go", a call to host 2's waits for its loss ("lost").
+IDLE_BODY = """
+hosts = attach_to_workers(workers=WORKERS, ca="/tmp/key")
+procs = hosts.spawn_procs(per_host={"gpus": 2}, name="m6")
+actors = procs.spawn("a", A)
+emit("ready", where=actors.where.call().get(timeout=30).values())
+sys.stdin.readline()
+try:
+    actors.slice(hosts=1).where.call().get(timeout=30)
+    raise AssertionError("host 2 answered with its link down")
+except SupervisionError as e:
+    emit("lost", **describe(e))
+"""
+
+
 @pytest.mark.timeout(120)
 def test_stop_of_idle_procs_after_host_loss_is_quick(cluster: NetnsCluster, workers: list[Allocator]) -> None:
     # the controller gives up on a silent host after 4 s here, which a stop that waited on the
     # lost host (a hello to it, for that long) could not hide behind host 1's quick stop
-    body = """
-        hosts = attach_to_workers(workers=WORKERS, ca="/tmp/key")
-        procs = hosts.spawn_procs(per_host={"gpus": 2}, name="m6")
-        actors = procs.spawn("a", A)
-        emit("ready", where=actors.where.call().get(timeout=30).values())
-        sys.stdin.readline()
-        try:
-            actors.slice(hosts=1).where.call().get(timeout=30)
-            raise AssertionError("host 2 answered with its link down")
-        except SupervisionError as e:
-            emit("lost", **describe(e))
-        """
-    ctl = Controller(cluster, textwrap.dedent(body) + TIMED_STOP, MONARCH_NB_HEARTBEAT_TIMEOUT="4")
+    ctl = Controller(cluster, IDLE_BODY + TIMED_STOP, MONARCH_NB_HEARTBEAT_TIMEOUT="4")
     ctl.expect("ready")
     cluster.link_down(2)
     ctl.send("go\n")
@@ -756,6 +759,40 @@ def test_stop_of_idle_procs_after_host_loss_is_quick(cluster: NetnsCluster, work
     assert result["elapsed"] < 2.5, result
     assert result["type"] == "SupervisionError" and workers[1].addr in result["msg"], result
     wait_for(lambda: len(zygote_processes(cluster, 1)) == 1, 10, "procs on host 1 to exit")
+
+
+@pytest.mark.timeout(120)
+def test_shutdown_of_hosts_after_host_loss_is_quick(cluster: NetnsCluster, workers: list[Allocator]) -> None:
+    # HostMesh.shutdown() after host 2 is lost, with a 4 s heartbeat timeout: a hello to the
+    # lost allocator first held it that long (each lost host in turn)
+    timed_shutdown = """
+        t0 = time.monotonic()
+        fut = hosts.shutdown()
+        returned = time.monotonic() - t0
+        try:
+            fut.get(timeout=20)
+            emit("shutdown", ok=True, returned=returned, elapsed=time.monotonic() - t0)
+        except Exception as e:
+            emit("shutdown", ok=False, returned=returned, elapsed=time.monotonic() - t0, **describe(e))
+        """
+    ctl = Controller(cluster, IDLE_BODY + textwrap.dedent(timed_shutdown), MONARCH_NB_HEARTBEAT_TIMEOUT="4")
+    ctl.expect("ready")
+    cluster.link_down(2)
+    ctl.send("go\n")
+    assert workers[1].addr in ctl.expect("lost", timeout=30)["msg"]
+    result = ctl.expect("shutdown", timeout=30)
+    ctl.finish()
+    assert result["returned"] < 1.0, result
+    # host 1 is shut down in a moment, and the shutdown says host 2's part failed, naming it,
+    # and what became of its allocator
+    assert result["elapsed"] < 2.5, result
+    assert result["type"] == "SupervisionError" and workers[1].addr in result["msg"], result
+    assert "no heartbeat" in result["msg"] and "not asked to shut down" in result["msg"], result
+    try:
+        workers[0].popen.wait(15)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"host 1's allocator did not exit after the shutdown\n{workers[0].describe()}")
+    assert workers[1].popen.poll() is None  # host 2's, cut off, never heard it
 
 
 @pytest.mark.timeout(120)

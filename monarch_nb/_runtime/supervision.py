@@ -55,6 +55,8 @@ class Watch:
         self.local: SilentPeer | None = None
         #: it said it was shutting down (``lost`` is why), rather than going silent
         self.shut_down = False
+        #: ``lost`` because it went silent: a new hello may get no answer for heartbeat_timeout
+        self.silent = False
 
 
 class Supervision:
@@ -167,6 +169,13 @@ class Supervision:
         w = self.watches.get(alloc_addr)
         return w is not None and w.lost is not None
 
+    def lost_silent(self, alloc_addr: str) -> SupervisionError | None:
+        """Its loss, when the allocator at ``alloc_addr`` was declared lost for its silence (not
+        one that said it shut down or detached us, nor one stopped on purpose): a hello to it
+        may wait the whole heartbeat_timeout for a host that is gone."""
+        w = self.watches.get(alloc_addr)
+        return w.lost if w is not None and w.silent else None
+
     def was_shut_down(self, alloc_addr: str) -> bool:
         """Whether the allocator at ``alloc_addr`` was lost because it said it was shutting down."""
         w = self.watches.get(alloc_addr)
@@ -195,7 +204,7 @@ class Supervision:
                     del self.dead[addr]
             self.watched.difference_update(w.procs)
             w.procs.clear()
-            w.lost = None
+            w.lost, w.silent = None, False
             w.last_pong = self._clock()
         self.io.call_soon(self._subscribe, w)
 
@@ -305,7 +314,7 @@ class Supervision:
                     f"allocator {w.addr} lost: no heartbeat for {silent:.1f} s "
                     "(host down, network partition, or allocator killed)"
                 )
-                w.lost = SupervisionError(cause, host=w.host)
+                w.lost, w.silent = SupervisionError(cause, host=w.host), True
                 logger.warning("%s", cause)
                 for addr in list(w.procs):
                     self.peer_failed(addr, self._proc_error(w, addr, cause))

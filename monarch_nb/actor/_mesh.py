@@ -1436,8 +1436,25 @@ class HostMesh(MeshTrait):
     def shutdown(self) -> Future[None]:
         """Stop the allocators of these hosts (and every proc they own)."""
         client = _context.client()
-        # with our cid: our meshes there count as stopped by us, not failed
-        return _all([client.request(h.alloc, "shutdown", client.cid) for h in self._refs()], "shutdown hosts")
+        sup = client.rt.supervision
+        futs: list[Future[Any]] = []
+        for h in self._refs():
+            lost = sup.lost_silent(h.alloc)
+            if lost is not None:
+                # declared lost for its silence: not waited on, its part fails at once (a hello
+                # to it first held this call for its heartbeat_timeout, host after host); one
+                # that only stalled would still run, which the user is told. Any other loss (it
+                # detached us, it shut down) keeps a request's hello, which it answers at once
+                err = SupervisionError(
+                    f"HostMesh.shutdown(): {lost.cause}, so it was not asked to shut down; if its host only "
+                    "stalled, the allocator still runs there: `monarch-nb allocator stop` on that host stops it",
+                    host=lost.host,
+                )
+                futs.append(Future._failed(err, f"shutdown on {h.alloc}"))
+            else:
+                # with our cid: our meshes there count as stopped by us, not failed
+                futs.append(client.request(h.alloc, "shutdown", client.cid))
+        return _all(futs, "shutdown hosts")
 
     def stop(self) -> Future[None]:
         return Future._completed(None)
