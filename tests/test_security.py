@@ -1167,6 +1167,62 @@ def test_a_detached_controller_is_told_by_its_pongs(tmp_path, gate) -> None:
         a.stop()
 
 
+@pytest.mark.parametrize("how", ["stop", "shutdown"])
+def test_a_detached_controller_still_stops_its_mesh_and_shuts_down_its_hosts(tmp_path, gate, how) -> None:
+    """Detached after a stall of its own, a controller's ProcMesh.stop() of a persistent mesh
+    (which the detach leaves running) and HostMesh.shutdown() still reach the allocator, which
+    answers: they are not failed at once like those of a host lost for its silence."""
+    a = AllocatorProc(str(tmp_path), env=LIGHT)
+    resume = gate("resume")
+    ask = "procs.stop()" if how == "stop" else "hosts.shutdown()"
+    p, out = _controller(
+        a,
+        f"""
+        import threading
+        import monarch_nb.actor
+        # the mesh's failure, once this controller hears it was detached (its next pong)
+        failed = threading.Event()
+        monarch_nb.actor.unhandled_fault_hook = lambda failure: failed.set()
+        procs = hosts.spawn_procs(per_host={{"gpus": 1}}, name="kept", persist=True)
+        c = procs.spawn("c", Chatty)
+        c.hello.call_one().get(timeout=30)
+        print("ready", flush=True)
+        wait_gate({resume.path!r})
+        print("told" if failed.wait(30) else "never told", flush=True)
+        try:
+            {ask}.get(timeout=30)
+            print("done", flush=True)
+        except Exception as e:
+            print("not done:", type(e).__name__, e, flush=True)
+        os._exit(0)
+        """,
+        tmp_path,
+        "detached-" + how,
+    )
+    try:
+        wait_for(lambda: _said(out, "ready"), 60, "the controller to spawn")
+        os.kill(p.pid, signal.SIGSTOP)
+        wait_for(lambda: "went silent; detaching it" in a.logtext(), 30, "the allocator to detach the stopped controller")
+        os.kill(p.pid, signal.SIGCONT)
+        resume.open()
+        rc = p.wait(45)
+        with open(out) as f:
+            said = f.read()
+        assert rc == 0, (rc, said)
+        assert "detached this controller" in said and "\ntold\n" in said, said
+        assert "\ndone\n" in said and "not done:" not in said, said
+        if how == "stop":
+            wait_for(lambda: "mesh kept stopped" in a.logtext(), 30, "the allocator to stop the mesh")
+        else:
+            assert a.proc.wait(30) is not None
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+            p.wait()
+        a.stop()
+
+
 def test_short_lived_controllers_do_not_pile_up_sockets_in_the_allocator(tmp_path) -> None:
     """Controllers that come and go (each with its own address), and requests whose answers go
     to addresses nobody serves: the allocator closes those connections; its fds stay bounded."""

@@ -1029,9 +1029,12 @@ class ProcMesh(MeshTrait):
         # with that loss. A hello to it first (what a request does) held this call, and the
         # allocators after it, for the whole heartbeat_timeout of a host that is gone; one that
         # only stalled reaps the mesh itself once it finds its controller silent (non-persistent
-        # meshes), and `monarch-nb stop` or stop_mesh() still find it
+        # meshes), and `monarch-nb stop` or stop_mesh() still find it. One that detached us (a
+        # stall of ours) answers at once: it gets the hello, and stops a persistent mesh too
+        sup = client.rt.supervision
         futs = [
-            client.request(a, "stop_mesh", self._name, client.cid, force, reason, True, because, _revive=False) for a in allocs
+            client.request(a, "stop_mesh", self._name, client.cid, force, reason, True, because, _revive=sup.detached_us(a))
+            for a in allocs
         ]
         out: Future[None] = Future._create(f"stop mesh {self._name}")
         name = self._name
@@ -1443,8 +1446,7 @@ class HostMesh(MeshTrait):
             if lost is not None:
                 # declared lost for its silence: not waited on, its part fails at once (a hello
                 # to it first held this call for its heartbeat_timeout, host after host); one
-                # that only stalled would still run, which the user is told. Any other loss (it
-                # detached us, it shut down) keeps a request's hello, which it answers at once
+                # that only stalled would still run, which the user is told
                 err = SupervisionError(
                     f"HostMesh.shutdown(): {lost.cause}, so it was not asked to shut down; if its host only "
                     "stalled, the allocator still runs there: `monarch-nb allocator stop` on that host stops it",
@@ -1452,8 +1454,10 @@ class HostMesh(MeshTrait):
                 )
                 futs.append(Future._failed(err, f"shutdown on {h.alloc}"))
             else:
-                # with our cid: our meshes there count as stopped by us, not failed
-                futs.append(client.request(h.alloc, "shutdown", client.cid))
+                # with our cid: our meshes there count as stopped by us, not failed. Lost
+                # otherwise, it gets a hello only if it detached us (it answers at once); one that
+                # shut down or was stopped on purpose fails at once with that
+                futs.append(client.request(h.alloc, "shutdown", client.cid, _revive=sup.detached_us(h.alloc)))
         return _all(futs, "shutdown hosts")
 
     def stop(self) -> Future[None]:
