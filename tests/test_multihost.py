@@ -796,6 +796,45 @@ def test_shutdown_of_hosts_after_host_loss_is_quick(cluster: NetnsCluster, worke
 
 
 @pytest.mark.timeout(120)
+def test_spawn_failing_after_another_host_is_lost_fails_at_once(cluster: NetnsCluster, workers: list[Allocator]) -> None:
+    # host 2's proc is up, host 1's waits in its bootstrap; host 2 is lost (a 4 s heartbeat
+    # timeout), then host 1's bootstrap fails: the spawn's cleanup of host 2's part sent it a
+    # hello first, which held the SpawnError that long
+    body = """
+        def boot():
+            if os.path.exists("/tmp/hold"):  # host 1 only: each host has its own /tmp
+                deadline = time.monotonic() + 60
+                while not os.path.exists("/tmp/fail") and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                raise RuntimeError("bootstrap failed on purpose")
+            open("/tmp/booted", "w").close()
+
+        hosts = attach_to_workers(workers=WORKERS, ca="/tmp/key")
+        emit("spawning")
+        try:
+            hosts.spawn_procs(per_host={"gpus": 1}, bootstrap=boot, name="m7")
+            emit("spawned")
+        except Exception as e:
+            emit("spawn", t=time.time(), **describe(e))
+        """
+    cluster.path(1, "/tmp/hold").write_text("")
+    ctl = Controller(cluster, body, MONARCH_NB_HEARTBEAT_TIMEOUT="4")
+    ctl.expect("spawning")
+    # (its spawn's answer follows within moments: one cut off before it only makes this pass)
+    wait_for(lambda: cluster.path(2, "/tmp/booted").exists(), 30, "host 2's proc to start")
+    cluster.link_down(2)
+    lost = ctl.err.wait_for(lambda s: f"allocator {workers[1].addr} lost: no heartbeat" in s, 30)
+    assert lost is not None, ctl.describe()
+    released = time.time()
+    cluster.path(1, "/tmp/fail").write_text("")
+    result = ctl.expect("spawn", timeout=30)
+    ctl.finish()
+    assert result["type"] == "SpawnError" and "bootstrap failed on purpose" in result["msg"], result
+    assert result["t"] - released < 2.5, result
+    wait_for(lambda: len(zygote_processes(cluster, 1)) == 1, 10, "procs on host 1 to exit")
+
+
+@pytest.mark.timeout(120)
 def test_second_controller_reattaches(cluster: NetnsCluster, workers: list[Allocator]) -> None:
     first = Controller(
         cluster,

@@ -1401,7 +1401,20 @@ class HostMesh(MeshTrait):
             if errors:
                 for h, f in zip(hosts, futs):
                     if f.exception(timeout=0) is None:
-                        client.request(h.alloc, "stop_mesh", name, client.cid, False, "spawn failed elsewhere")
+                        # nobody reads this reply: a hello to a host lost since its spawn would
+                        # only hold the spawn's error for its heartbeat_timeout, host after host
+                        # (one that only stalled reaps a non-persistent mesh itself, its controller
+                        # silent; `monarch-nb stop` finds a persistent one); one that detached us
+                        # answers the hello at once
+                        client.request(
+                            h.alloc,
+                            "stop_mesh",
+                            name,
+                            client.cid,
+                            False,
+                            "spawn failed elsewhere",
+                            _revive=client.rt.supervision.detached_us(h.alloc),
+                        )
                 h, err = errors[0]
                 if isinstance(err, SpawnError):
                     raise err
