@@ -118,7 +118,9 @@ def diff(addresses: list[str] | None = None) -> EnvDiff:
     client = _context.client()
     mine = describe()
     out = EnvDiff(mine)
-    futs = {a: client.request(a, "env") for a in _allocators(addresses)}
+    allocs = _allocators(addresses)
+    client.revive_lost(allocs)  # the hellos to those declared lost: at once, not one after another
+    futs = {a: client.request(a, "env") for a in allocs}
     for a, f in futs.items():
         theirs = f.get(timeout=client.rt.cfg.connect_timeout * 3)
         out.hosts[a] = theirs

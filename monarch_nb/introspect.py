@@ -56,6 +56,8 @@ def status(
             known.add(a)
             targets.append((a, {"addr": a}))
     mine = set(addresses or [])
+    # one this process declared lost gets a hello first: all at once, within this query's timeout
+    client.revive_lost([addr for addr, _info in targets if not (refused and addr in mine)], timeout)
     futs = [(addr, info, None if refused and addr in mine else client.request(addr, "status")) for addr, info in targets]
     out = []
     left = budget(timeout)

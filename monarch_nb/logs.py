@@ -168,6 +168,7 @@ def logs(
     ranks = sorted(known) if rank is None else [rank]
     if rank is not None and rank not in known:
         raise ValueError(f"mesh {mesh._name!r} has no rank {rank} (ranks {format_ranks(known)})")
+    client.revive_lost(known[r].alloc for r in ranks)  # those declared lost: their hellos at once
     futs = [client.request(known[r].alloc, "logs", known[r].mesh, r, tail, start.get(r, 0) if start else 0) for r in ranks]
     rows: list[dict[str, Any]] = []
     for r, f in zip(ranks, futs):
@@ -301,6 +302,7 @@ def _job_logs(
         warnings.warn(unreached[0], RuntimeWarning, stacklevel=3)
     ranks = sorted(where) if rank is None else [rank]
     client = _context.client()
+    client.revive_lost(where[r] for r in ranks)  # those declared lost: their hellos at once
     futs = [client.request(where[r], "logs", name, r, tail, start.get(r, 0) if start else 0) for r in ranks]
     rows = [row for f in futs for row in f.get(timeout=client.rt.cfg.connect_timeout)]
     rows.sort(key=lambda row: (row["ts"], row["rank"]))

@@ -835,6 +835,43 @@ def test_spawn_failing_after_another_host_is_lost_fails_at_once(cluster: NetnsCl
 
 
 @pytest.mark.timeout(120)
+def test_status_of_hosts_all_lost_takes_its_timeout_not_a_hello_each(cluster: NetnsCluster, workers: list[Allocator]) -> None:
+    # both hosts lost (a 4 s heartbeat timeout): introspect.status() gave each a hello first,
+    # one after another (8 s, past its own 2 s timeout); now together, within that timeout
+    body = """
+        import monarch_nb.introspect
+        hosts = attach_to_workers(workers=WORKERS, ca="/tmp/key")
+        procs = hosts.spawn_procs(per_host={"gpus": 1}, name="m8")
+        actors = procs.spawn("a", A)
+        emit("ready", where=actors.where.call().get(timeout=30).values())
+        sys.stdin.readline()
+        for h in (0, 1):
+            try:
+                actors.slice(hosts=h).where.call().get(timeout=30)
+                raise AssertionError(f"host {h + 1} answered with its link down")
+            except SupervisionError:
+                pass
+        emit("lost")
+        t0 = time.monotonic()
+        st = monarch_nb.introspect.status(addresses=WORKERS, timeout=2, local=False)
+        emit("status", elapsed=time.monotonic() - t0, errors={a["addr"]: a.get("error") for a in st["allocators"]})
+        """
+    ctl = Controller(cluster, body, MONARCH_NB_HEARTBEAT_TIMEOUT="4")
+    ctl.expect("ready")
+    cluster.link_down(1)
+    cluster.link_down(2)
+    ctl.send("go\n")
+    ctl.expect("lost", timeout=30)
+    result = ctl.expect("status", timeout=30)
+    ctl.finish()
+    assert result["elapsed"] < 4, result
+    # each says it is lost, and why
+    assert sorted(result["errors"]) == sorted(w.addr for w in workers), result
+    for w in workers:
+        assert f"allocator {w.addr} lost: no heartbeat" in result["errors"][w.addr], result
+
+
+@pytest.mark.timeout(120)
 def test_second_controller_reattaches(cluster: NetnsCluster, workers: list[Allocator]) -> None:
     first = Controller(
         cluster,

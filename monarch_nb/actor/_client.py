@@ -12,7 +12,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import zmq
@@ -343,6 +343,23 @@ class Client:
             self.connect(addr, timeout=self.rt.cfg.heartbeat_timeout)
         except Exception as e:
             logger.debug("allocator %s, lost, did not answer a new hello: %s", addr, e)
+
+    def revive_lost(self, addrs: Iterable[str], timeout: float | None = None) -> None:
+        """Before requests to many allocators: the hellos to those declared lost (see
+        :meth:`_try_revive`) all at once, rather than one request after another, each holding
+        the caller up to ``heartbeat_timeout``. Waits for them ``timeout`` at most (default:
+        ``heartbeat_timeout``); one still silent then stays lost, and a request to it fails at
+        once (its hello, already tried, is not tried again for a while)."""
+        sup = self.rt.supervision
+        lost = [a for a in dict.fromkeys(addrs) if a and sup.is_lost(a)]
+        if not lost or threading.get_ident() == self.rt.transport.io_ident:
+            return
+        hellos = [threading.Thread(target=self._try_revive, args=(a,), name="monarch-nb-revive", daemon=True) for a in lost]
+        for t in hellos:
+            t.start()
+        left = budget(self.rt.cfg.heartbeat_timeout if timeout is None else timeout)
+        for t in hellos:
+            t.join(left())
 
     def _local_key_hint(self) -> str:
         if self.rt.sockets.security.key is not None:

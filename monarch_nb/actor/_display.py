@@ -16,6 +16,8 @@ def _statuses(allocs: set[str]) -> dict[str, dict[str, Any]]:
     if _context._client is None:
         return {}
     client = _context.client()
+    # a display waits STATUS_TIMEOUT in all: the hellos to allocators declared lost too
+    client.revive_lost(allocs, STATUS_TIMEOUT)
     futs = {a: client.request(a, "status") for a in sorted(allocs) if a}
     out = {}
     left = budget(STATUS_TIMEOUT)

@@ -135,7 +135,9 @@ def sessions(
     """
     client = _context.client()
     sel = parse_ranks(ranks)
-    futs = [(a, client.request(a, "debug_list")) for a in _allocators(addresses)]
+    allocs = _allocators(addresses)
+    client.revive_lost(allocs, timeout)  # the hellos to those declared lost: at once, in the timeout
+    futs = [(a, client.request(a, "debug_list")) for a in allocs]
     seen: set[str] = set()
     out = []
     left = budget(timeout)

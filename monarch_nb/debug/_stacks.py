@@ -406,6 +406,7 @@ def stacks(
     futs = {i: client.request(p.addr, "stacks", _actor="__debug__") for i in idx if (p := procs[i]) is not None}
     nfuts = {}
     if native:
+        client.revive_lost((p.alloc for i in idx if (p := procs[i]) is not None), timeout)
         nfuts = {
             i: client.request(p.alloc, "native_stack", p.pid, timeout) for i in idx if (p := procs[i]) is not None and p.alloc
         }

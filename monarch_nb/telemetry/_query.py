@@ -143,7 +143,9 @@ def _ask(
     offset, and the allocators that did not answer (``addr: error``)."""
     client = _context.client()
     asked = []
-    for a in _targets(addresses):
+    targets = _targets(addresses)
+    client.revive_lost(targets, timeout)  # the hellos to those declared lost: at once, in the timeout
+    for a in targets:
         t_send = time.time()
         asked.append((a, t_send, client.request(a, method, *args(t_send))))
     answers: list[tuple[dict[str, Any], float]] = []
