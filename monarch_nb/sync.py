@@ -304,6 +304,7 @@ def _sync_steps(
     ws = report.workspace
     by_digest = {d: rel for rel, (d, _s, _m) in manifest.items()}
     digests = list(by_digest)
+    client.revive_lost(hs.allocator for hs in report.hosts)  # those declared lost: their hellos at once
     missing = {hs.allocator: client.request(hs.allocator, "sync_missing", digests) for hs in report.hosts}
     lacking: dict[str, Any] = {}
     gone: set[str] = set()

@@ -1156,6 +1156,8 @@ class ProcMesh(MeshTrait):
         extent = None
         persist = False
         refs = hosts._refs()
+        # a host declared lost may have only stalled: the hellos that find out, at once
+        client.revive_lost(h.alloc for h in refs)
         futs = [client.request(h.alloc, "lookup", name) for h in refs]
         infos = [f.get(timeout=client.rt.cfg.connect_timeout) for f in futs]
         # one mesh spans hosts under one owner and extent; meshes that only share the name
