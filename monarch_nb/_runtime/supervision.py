@@ -227,7 +227,7 @@ class Supervision:
             "and finds persistent meshes by name"
         )
         logger.warning("%s", cause)
-        w.detached = True  # before what its loss fails hears of it, a stop of its meshes say
+        w.detached = True  # set before lose(): what its loss fails (a stop of its meshes) reads it
         self.lose(w.addr, cause)
 
     def _proc_error(self, w: Watch, proc_addr: str, cause: str) -> SupervisionError:
