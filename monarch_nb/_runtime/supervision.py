@@ -57,8 +57,6 @@ class Watch:
         self.shut_down = False
         #: ``lost`` because it went silent: a new hello may get no answer for heartbeat_timeout
         self.silent = False
-        #: ``lost`` because it said it no longer counts us as attached: it answers a new hello
-        self.detached = False
 
 
 class Supervision:
@@ -178,12 +176,6 @@ class Supervision:
         w = self.watches.get(alloc_addr)
         return w.lost if w is not None and w.silent else None
 
-    def detached_us(self, alloc_addr: str) -> bool:
-        """Whether the allocator at ``alloc_addr`` was lost because it detached this process (it
-        found us silent, a stall of ours): it answers, and a new hello revives it at once."""
-        w = self.watches.get(alloc_addr)
-        return w is not None and w.lost is not None and w.detached
-
     def was_shut_down(self, alloc_addr: str) -> bool:
         """Whether the allocator at ``alloc_addr`` was lost because it said it was shutting down."""
         w = self.watches.get(alloc_addr)
@@ -212,7 +204,7 @@ class Supervision:
                     del self.dead[addr]
             self.watched.difference_update(w.procs)
             w.procs.clear()
-            w.lost, w.silent, w.detached = None, False, False
+            w.lost, w.silent = None, False
             w.last_pong = self._clock()
         self.io.call_soon(self._subscribe, w)
 
@@ -227,7 +219,6 @@ class Supervision:
             "and finds persistent meshes by name"
         )
         logger.warning("%s", cause)
-        w.detached = True  # set before lose(): what its loss fails (a stop of its meshes) reads it
         self.lose(w.addr, cause)
 
     def _proc_error(self, w: Watch, proc_addr: str, cause: str) -> SupervisionError:

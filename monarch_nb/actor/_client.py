@@ -608,6 +608,10 @@ class _OutputWait:
 
 #: how often a request to an allocator declared lost tries a new hello first (a spawn always does)
 REVIVE_EVERY_S = 10.0
+#: how long a stop or a shutdown waits for the hellos to allocators declared lost: one whose host
+#: recovered answers in milliseconds; one still silent fails its part (not waited on for its
+#: heartbeat_timeout)
+QUICK_HELLO_S = 0.5
 
 #: how long ``forget_allocators`` waits for the I/O thread to record the loss (it is never busy long)
 _DROP_WAIT_S = 5.0

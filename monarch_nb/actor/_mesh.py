@@ -33,6 +33,7 @@ from ..errors import (
 )
 from . import _context
 from ._actor import Actor, endpoints_of, is_async_actor
+from ._client import QUICK_HELLO_S
 from ._endpoint import Endpoint, EndpointProperty, RemoteFailure, _NotAnEndpointMethod, gather, multicast
 from ._future import Future
 from ._refs import HostRef, ProcRef
@@ -1025,16 +1026,15 @@ class ProcMesh(MeshTrait):
         client.stopped_meshes.add(self._name)
         root._stop_reason, root._stopped_outside = reason, False
         allocs = sorted({p.alloc for p in self._procs if p.alloc})
-        # an allocator this process has declared lost is not waited on: its part fails at once
-        # with that loss. A hello to it first (what a request does) held this call, and the
-        # allocators after it, for the whole heartbeat_timeout of a host that is gone; one that
-        # only stalled reaps the mesh itself once it finds its controller silent (non-persistent
-        # meshes), and `monarch-nb stop` or stop_mesh() still find it. One that detached us (a
-        # stall of ours) answers at once: it gets the hello, and stops a persistent mesh too
-        sup = client.rt.supervision
+        # an allocator this process has declared lost gets a hello, all of them at once and for
+        # QUICK_HELLO_S: one whose host recovered (a stall, a healed link, a SIGCONT) answers in
+        # that, and is stopped; one still silent fails its part at once with its loss. A hello
+        # each, one after another and for the whole heartbeat_timeout, held this call that long
+        # per host gone; one that stalled longer reaps a non-persistent mesh itself once it finds
+        # its controller silent, and `monarch-nb stop` or stop_mesh() still find it
+        client.revive_lost(allocs, QUICK_HELLO_S)
         futs = [
-            client.request(a, "stop_mesh", self._name, client.cid, force, reason, True, because, _revive=sup.detached_us(a))
-            for a in allocs
+            client.request(a, "stop_mesh", self._name, client.cid, force, reason, True, because, _revive=False) for a in allocs
         ]
         out: Future[None] = Future._create(f"stop mesh {self._name}")
         name = self._name
@@ -1401,22 +1401,14 @@ class HostMesh(MeshTrait):
                 for addr, pid, rank in info["procs"]:
                     procs.append(ProcRef(addr, h.alloc, info["host"], pid, name, rank))
             if errors:
-                for h, f in zip(hosts, futs):
-                    if f.exception(timeout=0) is None:
-                        # nobody reads this reply: a hello to a host lost since its spawn would
-                        # only hold the spawn's error for its heartbeat_timeout, host after host
-                        # (one that only stalled reaps a non-persistent mesh itself, its controller
-                        # silent; `monarch-nb stop` finds a persistent one); one that detached us
-                        # answers the hello at once
-                        client.request(
-                            h.alloc,
-                            "stop_mesh",
-                            name,
-                            client.cid,
-                            False,
-                            "spawn failed elsewhere",
-                            _revive=client.rt.supervision.detached_us(h.alloc),
-                        )
+                spawned = [h for h, f in zip(hosts, futs) if f.exception(timeout=0) is None]
+                # nobody reads these replies: a host lost since its spawn gets a short hello (as
+                # a stop's), not one each for its heartbeat_timeout, holding the spawn's error
+                # host after host (one that stalled longer reaps a non-persistent mesh itself, its
+                # controller silent; `monarch-nb stop` finds a persistent one)
+                client.revive_lost((h.alloc for h in spawned), QUICK_HELLO_S)
+                for h in spawned:
+                    client.request(h.alloc, "stop_mesh", name, client.cid, False, "spawn failed elsewhere", _revive=False)
                 h, err = errors[0]
                 if isinstance(err, SpawnError):
                     raise err
@@ -1455,13 +1447,15 @@ class HostMesh(MeshTrait):
         """Stop the allocators of these hosts (and every proc they own)."""
         client = _context.client()
         sup = client.rt.supervision
+        refs = self._refs()
+        # the hellos to those declared lost, at once and for QUICK_HELLO_S (see ProcMesh._stop)
+        client.revive_lost((h.alloc for h in refs), QUICK_HELLO_S)
         futs: list[Future[Any]] = []
-        for h in self._refs():
+        for h in refs:
             lost = sup.lost_silent(h.alloc)
             if lost is not None:
-                # declared lost for its silence: not waited on, its part fails at once (a hello
-                # to it first held this call for its heartbeat_timeout, host after host); one
-                # that only stalled would still run, which the user is told
+                # still silent: not waited on, its part fails at once; one that only stalled
+                # longer would still run, which the user is told
                 err = SupervisionError(
                     f"HostMesh.shutdown(): {lost.cause}, so it was not asked to shut down; if its host only "
                     "stalled, the allocator still runs there: `monarch-nb allocator stop` on that host stops it",
@@ -1469,10 +1463,9 @@ class HostMesh(MeshTrait):
                 )
                 futs.append(Future._failed(err, f"shutdown on {h.alloc}"))
             else:
-                # with our cid: our meshes there count as stopped by us, not failed. Lost
-                # otherwise, it gets a hello only if it detached us (it answers at once); one that
-                # shut down or was stopped on purpose fails at once with that
-                futs.append(client.request(h.alloc, "shutdown", client.cid, _revive=sup.detached_us(h.alloc)))
+                # with our cid: our meshes there count as stopped by us, not failed (one lost
+                # otherwise, shut down or stopped on purpose, fails at once with that)
+                futs.append(client.request(h.alloc, "shutdown", client.cid, _revive=False))
         return _all(futs, "shutdown hosts")
 
     def stop(self) -> Future[None]:
