@@ -1171,7 +1171,7 @@ def test_a_detached_controller_is_told_by_its_pongs(tmp_path, gate) -> None:
 def test_a_detached_controller_still_stops_its_mesh_and_shuts_down_its_hosts(tmp_path, gate, how) -> None:
     """Detached after a stall of its own, a controller's ProcMesh.stop() of a persistent mesh
     (which the detach leaves running) and HostMesh.shutdown() still reach the allocator, which
-    answers: they are not failed at once like those of a host lost for its silence."""
+    answers their hello: they are not failed as those of a host still silent are."""
     a = AllocatorProc(str(tmp_path), env=LIGHT)
     resume = gate("resume")
     ask = "procs.stop()" if how == "stop" else "hosts.shutdown()"
