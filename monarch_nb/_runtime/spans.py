@@ -39,12 +39,22 @@ _seq = itertools.count(1)
 _last = [0]
 
 
+_offset = [time.time() - time.perf_counter()]
+#: how far a newly read offset must move to replace the last one (a wall-clock step)
+_OFFSET_STEP_S = 1e-3
+
+
 def _wall_offset() -> float:
     """What turns a ``perf_counter`` time into wall-clock time, read at each drain: a base read
     once (when the zygote imported this) went stale for good when the wall clock was stepped or
     the machine suspended (the monotonic clock stops, the wall clock does not), and every span
-    after that fell outside ``query(since=...)``."""
-    return time.time() - time.perf_counter()
+    after that fell outside ``query(since=...)``. Two reads differ by microseconds (the clocks
+    are read one after the other), so the last one stands until the wall clock moved: a span's
+    times are the same in every drain that carries it."""
+    off = time.time() - time.perf_counter()
+    if abs(off - _offset[0]) > _OFFSET_STEP_S:
+        _offset[0] = off
+    return _offset[0]
 
 
 _metrics: dict[tuple[Any, ...], list[float]] = {}

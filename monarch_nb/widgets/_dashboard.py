@@ -604,6 +604,9 @@ class Dashboard(W.VBox):
                 self._stop_error = str(e) or type(e).__name__
                 with self._lock:
                     self._errors.append(f"{time.strftime('%H:%M:%S')} stop failed: {self._stop_error}")
+                    # shown with the stop's result, not at the refresh after it (which waits on
+                    # the hosts: a page showed "stop failed" with the errors list still without it)
+                    self.errors_view.value = _render.errors_html(self._errors)
                 said = f'<span class="mnb-errors">stop failed: {html.escape(self._stop_error)}</span>'
             else:
                 said = f"mesh {html.escape(name)} stopped at {time.strftime('%H:%M:%S')} (took {time.monotonic() - t0:.1f} s)"
