@@ -1148,16 +1148,8 @@ def test_a_detached_controller_is_told_by_its_pongs(tmp_path, gate) -> None:
     )
     try:
         wait_for(lambda: _said(out, "ready"), 60, "the controller to spawn")
-        os.kill(p.pid, signal.SIGSTOP)
-        wait_for(lambda: "went silent; detaching it" in a.logtext(), 30, "the allocator to detach the stopped controller")
         # the detach stops its mesh; a call reaching a proc before that stop ends is answered
-        wait_for(lambda: "mesh held stopped" in a.logtext(), 30, "the allocator to stop the detached controller's mesh")
-        os.kill(p.pid, signal.SIGCONT)
-        resume.open()
-        rc = p.wait(45)
-        with open(out) as f:
-            said = f.read()
-        assert rc == 0, (rc, said)
+        said = _stalled_until_detached(p, a, resume, out, then="mesh held stopped")
         assert "failed:" in said and "detached this controller" in said, said
     finally:
         if p.poll() is None:
@@ -1165,6 +1157,22 @@ def test_a_detached_controller_is_told_by_its_pongs(tmp_path, gate) -> None:
             p.kill()
             p.wait()
         a.stop()
+
+
+def _stalled_until_detached(p, a, resume, out: str, then: str = "") -> str:  # type: ignore[no-untyped-def]
+    """SIGSTOP controller ``p`` until allocator ``a`` detaches it (and logs ``then``, if given),
+    resume it, and return what it printed by its exit (0)."""
+    os.kill(p.pid, signal.SIGSTOP)
+    wait_for(lambda: "went silent; detaching it" in a.logtext(), 30, "the allocator to detach the stopped controller")
+    if then:
+        wait_for(lambda: then in a.logtext(), 30, repr(then))
+    os.kill(p.pid, signal.SIGCONT)
+    resume.open()
+    rc = p.wait(45)
+    with open(out) as f:
+        said = f.read()
+    assert rc == 0, (rc, said)
+    return said
 
 
 @pytest.mark.parametrize("how", ["stop", "shutdown"])
@@ -1201,14 +1209,7 @@ def test_a_detached_controller_still_stops_its_mesh_and_shuts_down_its_hosts(tmp
     )
     try:
         wait_for(lambda: _said(out, "ready"), 60, "the controller to spawn")
-        os.kill(p.pid, signal.SIGSTOP)
-        wait_for(lambda: "went silent; detaching it" in a.logtext(), 30, "the allocator to detach the stopped controller")
-        os.kill(p.pid, signal.SIGCONT)
-        resume.open()
-        rc = p.wait(45)
-        with open(out) as f:
-            said = f.read()
-        assert rc == 0, (rc, said)
+        said = _stalled_until_detached(p, a, resume, out)
         assert "detached this controller" in said and "\ntold\n" in said, said
         assert "\ndone\n" in said and "not done:" not in said, said
         if how == "stop":
