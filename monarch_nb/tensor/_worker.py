@@ -18,6 +18,11 @@ from torch.utils import _pytree as pytree
 from ..actor import Actor, current_rank, endpoint
 from ..errors import raised_again
 from ._ops import Agree, Factory, Lit, Ref, Spec, Via, WithMesh, op_name
+from ._strategies import install as _install_strategies
+
+# before any DTensor op here; the controller's engine imports this module, so its dry run picks
+# the same placements as the ranks
+_install_strategies()
 
 
 def _gloo_interface(master: str) -> None:

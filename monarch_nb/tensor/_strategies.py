@@ -1,0 +1,80 @@
+"""Mends to torch's DTensor sharding strategies, installed alike on the controller (its dry run
+on meta shadows) and on the ranks, so both pick the same placements.
+
+torch 2.13's ``aten.gather`` strategy offers placements that give wrong values or fail, where
+a replicated gather (the strategy it always also offers) gives torch's:
+
+- ``Shard(d)`` of input, index and output along a dim ``d`` other than ``dim`` is offered
+  whatever the sizes there, but the pieces line up only when input and index have the same
+  size on ``d`` (the scatter strategies check it; gather does not): ``t.gather(1, idx)`` with
+  ``idx`` of fewer rows than ``t`` gathered a row from the wrong one, without a word;
+- the input sharded along ``dim`` with the index masked (``_MaskPartial``) fails on a rank
+  whose piece of ``dim`` is empty (``index 0 is out of bounds``), and mixed with the index
+  sharded on another mesh dim, or the input sharded along ``dim`` on two, fails or is wrong
+  (a mask of another piece's shape; offsets of one mesh dim's piece).
+
+Those are dropped from what the strategy offers; DTensor then redistributes to one that holds.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._op_schema import OpStrategy
+from torch.distributed.tensor.placement_types import _MaskPartial
+
+aten = torch.ops.aten
+
+
+def _holds(spec: Any, dim: int, input_shape: Any, index_shape: Any, index_now: Any, mesh: Any) -> bool:
+    """Whether one of gather's offered placements (``spec``: output, then input and index) gives
+    torch's values; ``index_now``: the index's placements before the op."""
+    inp, index = spec.input_specs[0].placements, spec.input_specs[1].placements
+    for p in index:
+        if isinstance(p, Shard) and p.dim != dim and input_shape[p.dim] != index_shape[p.dim]:
+            return False
+    masked = [m for m, p in enumerate(index) if isinstance(p, _MaskPartial)]
+    if not masked:
+        return True
+    # the mask is made from the index's piece when it is redistributed to _MaskPartial: a piece
+    # of a sharded index (or one sharded after) is masked with another shape than the output's;
+    # and the mask's offsets are those of the input's piece along one mesh dim alone
+    if len(masked) > 1 or any(not p.is_replicate() for p in index_now):
+        return False
+    for m, (p, q) in enumerate(zip(inp, index, strict=True)):
+        if m not in masked and (not q.is_replicate() or (isinstance(p, Shard) and p.dim == dim)):
+            return False
+    for m in masked:
+        n = mesh.size(m)
+        if any(Shard.local_shard_size_and_offset(input_shape[dim], n, c)[0] == 0 for c in range(n)):
+            return False
+    return True
+
+
+def _gather_strategy(strategy: Any, op_schema: Any) -> Any:
+    out = strategy(op_schema)
+    input_strategy, dim, index_strategy = op_schema.args_schema[:3]
+    dim %= max(1, input_strategy.ndim)
+    mesh = op_schema.get_mesh_from_args()
+    index_now = index_strategy.strategies[0].output_spec.placements
+    kept = [s for s in out.strategies if _holds(s, dim, input_strategy.shape, index_strategy.shape, index_now, mesh)]
+    # all-replicate is always offered and always holds, so something is always kept
+    return OpStrategy(kept) if kept and len(kept) != len(out.strategies) else out
+
+
+def install() -> None:
+    """Replace the strategies mended here in DTensor's registry (once; idempotent)."""
+    prop = DTensor._op_dispatcher.sharding_propagator
+    funcs = prop.op_strategy_funcs
+    op = aten.gather.default
+    current = funcs.get(op)
+    if current is None or isinstance(current, functools.partial):
+        return
+    funcs[op] = functools.partial(_gather_strategy, current)
+    # placements already decided for gather's shapes were decided by the old strategy
+    clear = getattr(prop.propagate_op_sharding, "cache_clear", None)
+    if clear is not None:
+        clear()
