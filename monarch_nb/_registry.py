@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 from typing import Any
 
 from ._runtime import records
@@ -79,8 +80,12 @@ def _reattach(hm: HostMesh) -> None:
     orphans.clear()
     refs = hm._refs()
     by_name: dict[str, list[HostRef]] = {}
-    for h in refs:
-        st = client.request(h.alloc, "status").get(timeout=client.rt.cfg.connect_timeout)
+    # asked together: a host that is slow to answer costs its wait once, not once per host before it
+    timeout = client.rt.cfg.connect_timeout
+    asked = [(h, client.request(h.alloc, "status")) for h in refs]
+    deadline = time.monotonic() + timeout
+    for h, fut in asked:
+        st = fut.get(timeout=max(0.0, deadline - time.monotonic()))
         attached = {c["cid"] for c in st.get("controllers", [])}
         for m in st["meshes"]:
             if m["state"] != "running":
