@@ -497,7 +497,8 @@ class Client:
             return True
         for a in flush:
             # answered after the logs, on the same link (allocator.sys_flush_logs)
-            self.request(a, "flush_logs").add_done_callback(lambda _f: self._output_shown(call_id, w, 0))
+            # no hello to one lost since the check above: this may run on the I/O thread
+            self.request(a, "flush_logs", _revive=False).add_done_callback(lambda _f: self._output_shown(call_id, w, 0))
         return True
 
     def _output_ended(self, calls: list[tuple[int, str]]) -> None:
