@@ -17,14 +17,15 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import _gate
 import pytest
 import zmq
 from conftest import PY, AllocatorProc, run_script, wait_for
 
 from monarch_nb._runtime import records
-from monarch_nb.actor import Actor, ProcMesh, attach_to_workers, current_rank, endpoint, this_host
+from monarch_nb.actor import Actor, ProcMesh, attach_to_workers, controller_client, current_rank, endpoint, this_host
 from monarch_nb.allocator import stop_mesh
-from monarch_nb.errors import MeshError, SupervisionError
+from monarch_nb.errors import MeshError, MeshNotFoundError, SupervisionError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -644,6 +645,40 @@ def test_cleanup_runs_when_the_mesh_is_stopped(allocator, tmp_path):
     assert t.ping.call().get(timeout=10).values() == [0, 1]
     pm.stop().get(timeout=20)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["done.0", "done.1"]
+
+
+class HeldAtCleanup(Actor):
+    def __init__(self, gate: str) -> None:
+        self.gate = gate
+
+    @endpoint
+    def ping(self) -> int:
+        return current_rank().rank
+
+    def __cleanup__(self, exc) -> None:
+        _gate.wait(self.gate, timeout=30)
+
+
+def test_a_mesh_being_stopped_is_not_attached_to(allocator, tmp_path):
+    # a lookup while the stop ran attached to the mesh: every call to it then failed as its procs
+    # went, and the reattach after a kernel restart found it (the lease test saw it, session 34)
+    gate = _gate.Gate(str(tmp_path / "gate"))
+    try:
+        pm = allocator.hosts.spawn_procs(per_host={"gpus": 1}, name="going", persist=True)
+        assert pm.spawn("h", HeldAtCleanup, gate.path).ping.call_one().get(timeout=10) == 0
+        stopped = pm.stop()
+        client = controller_client()
+
+        def state() -> str:
+            return client.request(allocator.addr, "lookup", "going").get(timeout=10)["state"]
+
+        wait_for(lambda: state() == "stopping", 10, "the mesh to be stopping")
+        with pytest.raises(MeshNotFoundError, match=r"mesh 'going' is stopping on host .*: .*wait for its stop to finish"):
+            ProcMesh.lookup("going", hosts=allocator.hosts)
+        gate.open()
+        stopped.get(timeout=20)
+    finally:
+        gate.close()
 
 
 def test_unhandled_failure_in_a_script_reports_and_exits_non_zero(allocator):

@@ -1160,6 +1160,15 @@ class ProcMesh(MeshTrait):
         client.revive_lost(h.alloc for h in refs)
         futs = [client.request(h.alloc, "lookup", name) for h in refs]
         infos = [f.get(timeout=client.rt.cfg.connect_timeout) for f in futs]
+        going = [(h, i) for h, i in zip(refs, infos) if i.get("state") in ("stopping", "stopped")]
+        if going:
+            # its procs are exiting: attached, every call to it would fail as they go
+            h, i = going[0]
+            raise MeshNotFoundError(
+                f"mesh {name!r} is {i['state']} on host {i.get('host', h.alloc)}: it cannot be attached to; "
+                f"wait for its stop to finish, then spawn it again",
+                name,
+            )
         # one mesh spans hosts under one owner and extent; meshes that only share the name
         # (spawned apart, by other controllers) are not merged into one
         kinds = {(i.get("owner"), repr(i.get("extent"))) for i in infos}
