@@ -86,6 +86,26 @@ def run(mib: int, nops: int, reps: int = 3) -> dict[str, object]:
             mt.fetch_shard(y).get(timeout=120)
             rates.append(nops / (time.perf_counter() - t0))
         out["pipelined_ops_per_s_median"] = round(statistics.median(rates), 1)
+        # ops with a collective on the ranks (an all-reduce of x.sum()'s Partial; a sharded
+        # matmul's all-gather): since session 34 each is preceded by the ranks' agreement on
+        # their inputs, one more small all-reduce (docs/tensors.md)
+        w = mt.distribute(torch.ones(16, 16), procs, [Shard(0)])
+        for name, op in (("clamp_max_sum", lambda y: y.clamp(max=x.sum())), ("sharded_matmul", lambda y: y @ w)):
+            rtt = []
+            for _ in range(100):
+                t0 = time.perf_counter()
+                mt.fetch_shard(op(x)).get(timeout=60)
+                rtt.append(time.perf_counter() - t0)
+            out[f"{name}_plus_fetch_ms_median"] = round(statistics.median(rtt) * 1e3, 3)
+            rates = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                y = x
+                for _ in range(nops // 5):
+                    y = op(y) / 16
+                mt.fetch_shard(y).get(timeout=120)
+                rates.append(nops // 5 / (time.perf_counter() - t0))
+            out[f"{name}_pipelined_per_s_median"] = round(statistics.median(rates), 1)
 
         big = torch.randn(mib * 2**20 // 4 // 1024, 1024)
         # both paths, warm (the first data-plane use starts each proc's data server), medians
