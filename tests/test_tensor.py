@@ -255,6 +255,29 @@ def test_gather_gives_torchs_values_whatever_the_placements(procs):  # type: ign
     assert torch.equal(got, torch.take_along_dim(x, i, 1))
 
 
+#: F.embedding's weight placements where torch 2.13's DTensor masks the indices into a weight
+#: sharded by rows and fails: an empty piece (5 rows on 4 ranks), masked on two mesh dims, the
+#: indices sharded on the other mesh dim; and a few that held
+EMBEDDING_PLACEMENTS = {
+    1: [[Shard(0)], [Shard(1)], [Replicate()]],
+    2: [[Shard(0), Shard(0)], [Shard(0), Replicate()], [Shard(1), Shard(0)], [Replicate(), Shard(1)]],
+}
+
+
+def test_embedding_gives_torchs_values_whatever_the_placements(procs):  # type: ignore[no-untyped-def]
+    # without the mend (tensor/_strategies.py) rows of the weight on 4 ranks failed with
+    # "index_select(): self indexing axis dim should be positive" on the empty piece's rank
+    g = torch.Generator().manual_seed(4)
+    pls = EMBEDDING_PLACEMENTS[len(procs.extent)]
+    index_pls = [pls[-1], [Shard(0)] + [Replicate()] * (len(pls[0]) - 1), [Replicate()] * len(pls[0])]
+    for rows, cols in [(5, 6), (3, 7)]:
+        w, i = torch.randn(rows, cols, generator=g), torch.randint(0, rows, (2, 5), generator=g)
+        want = F.embedding(i, w)
+        for a, b in itertools.product(pls, index_pls):
+            got = mt.inspect(F.embedding(mt.distribute(i, procs, b), mt.distribute(w, procs, a)))
+            assert torch.equal(got, want), f"embedding of {(rows, cols)} with {a} and {b}:\n{got}\n{want}"
+
+
 def _clamp_to_max(x):  # type: ignore[no-untyped-def]
     return x.clamp(max=x.amax())
 

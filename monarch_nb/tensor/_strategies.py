@@ -14,6 +14,9 @@ a replicated gather (the strategy it always also offers) gives torch's:
   (a mask of another piece's shape; offsets of one mesh dim's piece).
 
 Those are dropped from what the strategy offers; DTensor then redistributes to one that holds.
+
+``aten.embedding`` (``F.embedding`` of a weight sharded by rows) has the same masked strategy,
+expanded over the mesh's dims from one dim's (``_embedding_holds``), and the same faults.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import functools
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, _sharding_prop
 from torch.distributed.tensor._op_schema import OpStrategy
 from torch.distributed.tensor.placement_types import _MaskPartial
 
@@ -60,9 +63,57 @@ def _gather_strategy(strategy: Any, op_schema: Any) -> Any:
     dim %= max(1, input_strategy.ndim)
     mesh = op_schema.get_mesh_from_args()
     index_now = index_strategy.strategies[0].output_spec.placements
-    kept = [s for s in out.strategies if _holds(s, dim, input_strategy.shape, index_strategy.shape, index_now, mesh)]
+    return _kept(out, lambda s: _holds(s, dim, input_strategy.shape, index_strategy.shape, index_now, mesh))
+
+
+def _embedding_holds(spec: Any, weight_shape: Any, index_now: Any, mesh: Any) -> bool:
+    """Whether one of embedding's offered placements (output, then weight and indices) gives
+    torch's values. torch offers the weight ``Shard(0)`` with the indices masked
+    (``_MaskPartial``) on any mesh dims, whatever else: it fails on a rank whose weight piece is
+    empty (``index_select(): self indexing axis dim should be positive``), masked on two mesh dims
+    (``MaskBuffer has been materialized with conflicting data``), or with the indices sharded on
+    another mesh dim, before or after (a mask of another piece's shape)."""
+    weight, index = spec.input_specs[0].placements, spec.input_specs[1].placements
+    masked = [m for m, p in enumerate(index) if isinstance(p, _MaskPartial)]
+    if not masked:
+        return True
+    if len(masked) > 1 or any(not p.is_replicate() for p in index_now):
+        return False
+    for m, (p, q) in enumerate(zip(weight, index, strict=True)):
+        if m not in masked and (not q.is_replicate() or (isinstance(p, Shard) and p.dim == 0)):
+            return False
+    n = mesh.size(masked[0])
+    return all(Shard.local_shard_size_and_offset(weight_shape[0], n, c)[0] for c in range(n))
+
+
+def _embedding_kept(out: Any, op_schema: Any, mesh: Any) -> Any:
+    weight_strategy, index_strategy = op_schema.args_schema[:2]
+    index_now = index_strategy.strategies[0].output_spec.placements
+    return _kept(out, lambda s: _embedding_holds(s, weight_strategy.shape, index_now, mesh))
+
+
+def _kept(out: Any, holds: Any) -> Any:
+    kept = [s for s in out.strategies if holds(s)]
     # all-replicate is always offered and always holds, so something is always kept
     return OpStrategy(kept) if kept and len(kept) != len(out.strategies) else out
+
+
+#: ops whose strategy torch writes for one mesh dim (expanded over the mesh's dims by
+#: ``_expand_single_dim_strategy_to_mesh``): what filters the expanded strategy
+_SINGLE_DIM_MENDS: dict[Any, Any] = {aten.embedding.default: _embedding_kept}
+
+
+def _expand_mended(expand: Any, mesh: Any, op_schema: Any, info: Any, out_meta: Any) -> Any:
+    expanded = expand(mesh, op_schema, info, out_meta)
+    mend = _SINGLE_DIM_MENDS.get(op_schema.op)
+    if mend is None:
+        return expanded
+
+    def mended(op: Any, args: Any, kwargs: Any) -> Any:
+        out = expanded(op, args, kwargs)
+        return mend(out, op_schema, mesh) if isinstance(out, OpStrategy) else out
+
+    return mended
 
 
 def install() -> None:
@@ -71,9 +122,11 @@ def install() -> None:
     funcs = prop.op_strategy_funcs
     op = aten.gather.default
     current = funcs.get(op)
-    if current is None or isinstance(current, functools.partial):
-        return
-    funcs[op] = functools.partial(_gather_strategy, current)
+    if current is not None and not isinstance(current, functools.partial):
+        funcs[op] = functools.partial(_gather_strategy, current)
+    expand = _sharding_prop._expand_single_dim_strategy_to_mesh
+    if not isinstance(expand, functools.partial):
+        _sharding_prop._expand_single_dim_strategy_to_mesh = functools.partial(_expand_mended, expand)
     # placements already decided for gather's shapes were decided by the old strategy
     clear = getattr(prop.propagate_op_sharding, "cache_clear", None)
     if clear is not None:
