@@ -896,6 +896,21 @@ def test_an_op_dtensor_cannot_shard_fails_here_and_is_never_sent(mesh1, caplog):
     assert mt.stats(mesh1)["messages_sent"] == sent
 
 
+def test_quantile_says_what_to_do_instead_and_what_it_says_works(mesh1):  # type: ignore[no-untyped-def]
+    # torch's DTensor fails quantile inside on every placement ("mixed torch.Tensor and
+    # DTensor"), which said nothing a user could do
+    t = gen(6, 5)
+    x = mt.distribute(t, mesh1, [Shard(1)])
+    for call in (lambda: torch.quantile(x, 0.3, dim=1), lambda: x.quantile(0.3, dim=1)):
+        with pytest.raises(TensorOpError, match=r"quantile[\s\S]*t\.nanquantile\(q, dim=d\)[\s\S]*mt\.inspect\(t\)"):
+            call()
+    want = torch.quantile(t, 0.3, dim=1)
+    for pl in ([Shard(0)], [Shard(1)], [Replicate()]):
+        x = mt.distribute(t, mesh1, pl)
+        torch.testing.assert_close(mt.inspect(x.nanquantile(0.3, dim=1)), want)
+    torch.testing.assert_close(torch.quantile(mt.inspect(x), 0.3, dim=1), want)
+
+
 def test_item_assignment_and_python_numbers_say_what_to_do_instead(mesh1):  # type: ignore[no-untyped-def]
     # t[0] = 5.0 used to fail with DTensor's "mixed torch.Tensor and DTensor", or, on a sharded
     # dim with a tensor value, to leave the ranks' tensor as it was without a word

@@ -1144,6 +1144,15 @@ def _portable(func: Any) -> Any:
 _name = op_name
 
 
+#: ops torch 2.13's DTensor fails inside whatever the placements (``quantile`` makes a plain
+#: tensor in its decomposition: "mixed torch.Tensor and DTensor"): what to do instead
+_INSTEAD = {
+    "quantile": "torch's DTensor cannot run quantile on any placements. t.nanquantile(q, dim=d) gives the same "
+    "value where t has no NaN (with a float q and a dim it runs on every placement), or read t and run it "
+    "here: torch.quantile(mt.inspect(t), q, dim=d)",
+}
+
+
 def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = True, user_fn: bool = False) -> Any:
     """Run ``func`` on the shadows here (shape, placements, errors at once), send it to the
     ranks, and hand back handles for its tensor results. An input the op changes in place
@@ -1197,9 +1206,11 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
         refused = _chained(e, _EmptyPieceError)
         if refused is not None:  # said whole, wherever in torch's dispatch it was raised
             raise refused from None
+        instead = _INSTEAD.get(_name(func).rsplit(".", 1)[-1])
         raise _op_error(
             f"{_name(func)} cannot run on mesh tensors with placements "
             f"{[tuple(map(str, h.placements)) for h in handles if isinstance(h, MeshTensor)]}: {type(e).__name__}: {e}"
+            + (f"\n{instead}" if instead else "")
             + (
                 "\n(mt.remote(fn) runs fn here on meta tensors first, for its results' shapes: fn must work on "
                 "them, so no .item() or other reads of values)"
