@@ -255,6 +255,38 @@ def test_gather_gives_torchs_values_whatever_the_placements(procs):  # type: ign
     assert torch.equal(got, torch.take_along_dim(x, i, 1))
 
 
+#: ops that docs/tensors.md says give torch's value on a tensor with an empty piece
+EMPTY_PIECE_OPS = {
+    "sort": lambda t, d: tuple(t.sort(d)),
+    "argsort": lambda t, d: t.argsort(d),
+    "topk": lambda t, d: tuple(t.topk(2, d)),
+    "median": lambda t, d: tuple(t.median(d)),
+    "nanmedian": lambda t, d: tuple(t.nanmedian(d)),
+    "mode": lambda t, d: tuple(t.round().mode(d)),
+    "kthvalue": lambda t, d: tuple(t.kthvalue(2, d)),
+    "max(dim)": lambda t, d: tuple(t.max(d)),
+    "min(dim)": lambda t, d: tuple(t.min(d)),
+    "cumsum": lambda t, d: t.cumsum(d),
+    "cummax": lambda t, d: tuple(t.cummax(d)),
+    "softmax": lambda t, d: t.softmax(d),
+    "logsumexp": lambda t, d: t.logsumexp(d),
+    "norm(3)": lambda t, d: t.norm(3, d),
+    "std": lambda t, d: t.std(d),
+    "var": lambda t, d: t.var(d),
+}
+
+
+def test_ops_over_a_tensor_with_an_empty_piece_give_torchs_values(mesh1):  # type: ignore[no-untyped-def]
+    # 5 columns on 4 ranks: pieces of 2, 2, 1 and 0 columns; along the sharded dim and the other
+    t = gen(6, 5) * 3
+    x = mt.distribute(t, mesh1, [Shard(1)])
+    for name, fn in EMPTY_PIECE_OPS.items():
+        for d in (1, 0):
+            got = fn(x, d)
+            got = tuple(map(mt.inspect, got)) if isinstance(got, tuple) else mt.inspect(got)
+            torch.testing.assert_close(got, fn(t, d), msg=lambda m, name=name, d=d: f"{name} along dim {d}: {m}")
+
+
 #: F.embedding's weight placements where torch 2.13's DTensor masks the indices into a weight
 #: sharded by rows and fails: an empty piece (5 rows on 4 ranks), masked on two mesh dims, the
 #: indices sharded on the other mesh dim; and a few that held
