@@ -255,6 +255,24 @@ def test_gather_gives_torchs_values_whatever_the_placements(procs):  # type: ign
     assert torch.equal(got, torch.take_along_dim(x, i, 1))
 
 
+def test_a_mean_cross_entropy_with_ignored_targets_or_class_weights_gives_torchs_value(procs):  # type: ignore[no-untyped-def]
+    # torch 2.13's DTensor averaged the pieces' means of a batch-sharded loss: with targets
+    # ignored (-100 labels padding) or class weights that is not the mean, and nan where a
+    # piece is all ignored, without a word
+    x = gen(8, 3)
+    y = torch.tensor([-100, -100, -100, -100, 2, 1, 2, 1])
+    w = torch.tensor([0.2, 1.0, 3.0])
+    n = len(procs.extent)
+    for pl in ([Shard(0)] + [Replicate()] * (n - 1), [Replicate()] * (n - 1) + [Shard(0)], [Shard(1)] * n):
+        xs = mt.distribute(x, procs, pl)
+        ys = mt.distribute(y, procs, [Shard(0)] + [Replicate()] * (n - 1))
+        for kw in ({}, {"label_smoothing": 0.1}, {"weight": w}):
+            yy = y.clamp(min=0) if kw.get("weight") is not None else y
+            want = F.cross_entropy(x, yy, **kw)
+            got = F.cross_entropy(xs, ys.clamp(min=0) if "weight" in kw else ys, **kw)
+            torch.testing.assert_close(mt.inspect(got), want, msg=lambda m, pl=pl, kw=kw: f"{pl} {kw}: {m}")
+
+
 #: ops that docs/tensors.md says give torch's value on a tensor with an empty piece
 EMPTY_PIECE_OPS = {
     "sort": lambda t, d: tuple(t.sort(d)),

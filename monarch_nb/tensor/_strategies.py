@@ -17,6 +17,8 @@ Those are dropped from what the strategy offers; DTensor then redistributes to o
 
 ``aten.embedding`` (``F.embedding`` of a weight sharded by rows) has the same masked strategy,
 expanded over the mesh's dims from one dim's (``_embedding_holds``), and the same faults.
+``aten.nll_loss_forward`` (``F.cross_entropy``, ``F.nll_loss``) averages the pieces' means
+(``_nll_loss_strategy``).
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ import functools
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Shard, _sharding_prop
-from torch.distributed.tensor._op_schema import OpStrategy
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, _sharding_prop
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
+from torch.distributed.tensor._ops.utils import generate_redistribute_costs
 from torch.distributed.tensor.placement_types import _MaskPartial
 
 aten = torch.ops.aten
@@ -98,6 +102,35 @@ def _kept(out: Any, holds: Any) -> Any:
     return OpStrategy(kept) if kept and len(kept) != len(out.strategies) else out
 
 
+def _nll_loss_strategy(strategy: Any, op_schema: Any) -> Any:
+    """torch offers the mean loss of a batch-sharded input as ``Partial("avg")`` of the pieces'
+    means, which is torch's mean only where every piece has the same total weight: with
+    ``ignore_index`` hit (-100, the default, is how padding is labelled) or class weights, it is
+    the mean of the pieces' means (nan where a piece is all ignored), without a word. The mean
+    is taken over the whole batch instead (inputs replicated; ``reduction="sum"`` divided by
+    the count keeps the batch sharded)."""
+    out = strategy(op_schema)
+    if op_schema.args_schema[3] != 1:  # Reduction.MEAN
+        return out
+    mesh = op_schema.get_mesh_from_args()
+    tensors = [a for a in op_schema.args_schema[:3] if isinstance(a, OpStrategy)]
+    whole = tuple(Replicate() for _ in range(mesh.ndim))
+    specs = []
+    for spec in out.strategies:
+        if not any(isinstance(p, Partial) and p.reduce_op == "avg" for p in spec.output_specs[0].placements):
+            specs.append(spec)
+            continue
+        inputs = [DTensorSpec(mesh, whole, tensor_meta=i.tensor_meta) for i in spec.input_specs]
+        specs.append(
+            OpSpec(
+                output_specs=tuple(DTensorSpec(mesh, whole, tensor_meta=o.tensor_meta) for o in spec.output_specs),
+                input_specs=inputs,
+                redistribute_cost=[generate_redistribute_costs(t, i) for t, i in zip(tensors, inputs, strict=True)],
+            )
+        )
+    return OpStrategy(specs)
+
+
 #: ops whose strategy torch writes for one mesh dim (expanded over the mesh's dims by
 #: ``_expand_single_dim_strategy_to_mesh``): what filters the expanded strategy
 _SINGLE_DIM_MENDS: dict[Any, Any] = {aten.embedding.default: _embedding_kept}
@@ -124,6 +157,10 @@ def install() -> None:
     current = funcs.get(op)
     if current is not None and not isinstance(current, functools.partial):
         funcs[op] = functools.partial(_gather_strategy, current)
+    for op in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default):
+        current = funcs.get(op)
+        if current is not None and not isinstance(current, functools.partial):
+            funcs[op] = functools.partial(_nll_loss_strategy, current)
     expand = _sharding_prop._expand_single_dim_strategy_to_mesh
     if not isinstance(expand, functools.partial):
         _sharding_prop._expand_single_dim_strategy_to_mesh = functools.partial(_expand_mended, expand)
