@@ -961,6 +961,16 @@ def test_quantile_says_what_to_do_instead_and_what_it_says_works(mesh1):  # type
     torch.testing.assert_close(torch.quantile(mt.inspect(x), 0.3, dim=1), want)
 
 
+def test_a_view_of_a_dim_sharded_unevenly_on_two_mesh_dims_says_what_to_do(mesh2):  # type: ignore[no-untyped-def]
+    # [Shard(0), Shard(0)] of 6 rows: 3 and 3, then 2 and 1; torch's DTensor views each piece
+    # with the first split's shape and said only "shape '[3]' is invalid for input of size 4"
+    t = gen(6, 2)
+    x = mt.distribute(t, mesh2, [Shard(0), Shard(0)])
+    with pytest.raises(TensorOpError, match=r"invalid[\s\S]*t\.redistribute\(placements=\[Replicate\(\), Replicate\(\)\]\)"):
+        x.flatten()
+    torch.testing.assert_close(mt.inspect(x.redistribute(placements=[Replicate(), Replicate()]).flatten()), t.flatten())
+
+
 def test_item_assignment_and_python_numbers_say_what_to_do_instead(mesh1):  # type: ignore[no-untyped-def]
     # t[0] = 5.0 used to fail with DTensor's "mixed torch.Tensor and DTensor", or, on a sharded
     # dim with a tensor value, to leave the ranks' tensor as it was without a word

@@ -1153,6 +1153,26 @@ _INSTEAD = {
 }
 
 
+def _nested_view_hint(e: BaseException, handles: Any) -> str | None:
+    """What to do where torch 2.13's DTensor views a dim sharded on two mesh dims whose pieces
+    split again unevenly (``[Shard(0), Shard(0)]`` of 6 rows: 3 and 3, then 2 and 1): it views
+    each piece with the first split's shape, and the view fails ("shape '[3]' is invalid for
+    input of size 4")."""
+    if "is invalid for input of size" not in str(e):
+        return None
+    for h in handles:
+        shards = [p.dim for p in getattr(h, "placements", ()) if isinstance(p, Shard)]
+        nested = {d for d in shards if shards.count(d) > 1}
+        if nested:
+            fix = ", ".join(repr(Replicate() if isinstance(p, Shard) and p.dim in nested else p) for p in h.placements)
+            return (
+                f"dim {min(nested)} of a tensor of shape {tuple(h.shape)} is sharded on {len(h.placements)} mesh dims "
+                f"into pieces that do not split evenly, which torch's DTensor cannot view or reshape: redistribute "
+                f"it first, e.g. t.redistribute(placements=[{fix}])"
+            )
+    return None
+
+
 def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = True, user_fn: bool = False) -> Any:
     """Run ``func`` on the shadows here (shape, placements, errors at once), send it to the
     ranks, and hand back handles for its tensor results. An input the op changes in place
@@ -1206,7 +1226,7 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], run_shadow: bool = Tr
         refused = _chained(e, _EmptyPieceError)
         if refused is not None:  # said whole, wherever in torch's dispatch it was raised
             raise refused from None
-        instead = _INSTEAD.get(_name(func).rsplit(".", 1)[-1])
+        instead = _INSTEAD.get(_name(func).rsplit(".", 1)[-1]) or _nested_view_hint(e, handles)
         raise _op_error(
             f"{_name(func)} cannot run on mesh tensors with placements "
             f"{[tuple(map(str, h.placements)) for h in handles if isinstance(h, MeshTensor)]}: {type(e).__name__}: {e}"
