@@ -36,29 +36,33 @@ from torch.distributed.tensor.placement_types import _MaskPartial
 aten = torch.ops.aten
 
 
-def _holds(spec: Any, dim: int, input_shape: Any, index_shape: Any, index_now: Any, mesh: Any) -> bool:
-    """Whether one of gather's offered placements (``spec``: output, then input and index) gives
-    torch's values; ``index_now``: the index's placements before the op."""
+def _masked_holds(spec: Any, dim: int, size: int, index_now: Any, mesh: Any) -> bool:
+    """Whether ``spec`` (output, then a tensor indexed along ``dim`` of ``size``, then the index)
+    holds where the index is masked (``_MaskPartial``) on some mesh dim. The mask is made from the
+    index's piece when it is redistributed to it: a piece of a sharded index (or one sharded
+    after) is masked with another shape than the output's; the mask's offsets are those of the
+    indexed tensor's piece along one mesh dim alone; a rank whose piece is empty has nothing to
+    index."""
     inp, index = spec.input_specs[0].placements, spec.input_specs[1].placements
-    for p in index:
-        if isinstance(p, Shard) and p.dim != dim and input_shape[p.dim] != index_shape[p.dim]:
-            return False
     masked = [m for m, p in enumerate(index) if isinstance(p, _MaskPartial)]
     if not masked:
         return True
-    # the mask is made from the index's piece when it is redistributed to _MaskPartial: a piece
-    # of a sharded index (or one sharded after) is masked with another shape than the output's;
-    # and the mask's offsets are those of the input's piece along one mesh dim alone
     if len(masked) > 1 or any(not p.is_replicate() for p in index_now):
         return False
     for m, (p, q) in enumerate(zip(inp, index, strict=True)):
         if m not in masked and (not q.is_replicate() or (isinstance(p, Shard) and p.dim == dim)):
             return False
-    for m in masked:
-        n = mesh.size(m)
-        if any(Shard.local_shard_size_and_offset(input_shape[dim], n, c)[0] == 0 for c in range(n)):
+    n = mesh.size(masked[0])
+    return all(Shard.local_shard_size_and_offset(size, n, c)[0] for c in range(n))
+
+
+def _holds(spec: Any, dim: int, input_shape: Any, index_shape: Any, index_now: Any, mesh: Any) -> bool:
+    """Whether one of gather's offered placements (``spec``: output, then input and index) gives
+    torch's values; ``index_now``: the index's placements before the op."""
+    for p in spec.input_specs[1].placements:
+        if isinstance(p, Shard) and p.dim != dim and input_shape[p.dim] != index_shape[p.dim]:
             return False
-    return True
+    return _masked_holds(spec, dim, input_shape[dim], index_now, mesh)
 
 
 def _gather_strategy(strategy: Any, op_schema: Any) -> Any:
@@ -77,17 +81,7 @@ def _embedding_holds(spec: Any, weight_shape: Any, index_now: Any, mesh: Any) ->
     empty (``index_select(): self indexing axis dim should be positive``), masked on two mesh dims
     (``MaskBuffer has been materialized with conflicting data``), or with the indices sharded on
     another mesh dim, before or after (a mask of another piece's shape)."""
-    weight, index = spec.input_specs[0].placements, spec.input_specs[1].placements
-    masked = [m for m, p in enumerate(index) if isinstance(p, _MaskPartial)]
-    if not masked:
-        return True
-    if len(masked) > 1 or any(not p.is_replicate() for p in index_now):
-        return False
-    for m, (p, q) in enumerate(zip(weight, index, strict=True)):
-        if m not in masked and (not q.is_replicate() or (isinstance(p, Shard) and p.dim == 0)):
-            return False
-    n = mesh.size(masked[0])
-    return all(Shard.local_shard_size_and_offset(weight_shape[0], n, c)[0] for c in range(n))
+    return _masked_holds(spec, 0, weight_shape[0], index_now, mesh)
 
 
 def _embedding_kept(out: Any, op_schema: Any, mesh: Any) -> Any:
