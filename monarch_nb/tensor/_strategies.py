@@ -147,14 +147,15 @@ def install() -> None:
     """Replace the strategies mended here in DTensor's registry (once; idempotent)."""
     prop = DTensor._op_dispatcher.sharding_propagator
     funcs = prop.op_strategy_funcs
-    op = aten.gather.default
-    current = funcs.get(op)
-    if current is not None and not isinstance(current, functools.partial):
-        funcs[op] = functools.partial(_gather_strategy, current)
-    for op in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default):
+    mends = {
+        aten.gather.default: _gather_strategy,
+        aten.nll_loss_forward.default: _nll_loss_strategy,
+        aten.nll_loss2d_forward.default: _nll_loss_strategy,
+    }
+    for op, mend in mends.items():
         current = funcs.get(op)
         if current is not None and not isinstance(current, functools.partial):
-            funcs[op] = functools.partial(_nll_loss_strategy, current)
+            funcs[op] = functools.partial(mend, current)
     expand = _sharding_prop._expand_single_dim_strategy_to_mesh
     if not isinstance(expand, functools.partial):
         _sharding_prop._expand_single_dim_strategy_to_mesh = functools.partial(_expand_mended, expand)
