@@ -273,6 +273,30 @@ def test_a_mean_cross_entropy_with_ignored_targets_or_class_weights_gives_torchs
             torch.testing.assert_close(mt.inspect(got), want, msg=lambda m, pl=pl, kw=kw: f"{pl} {kw}: {m}")
 
 
+def test_a_mean_cross_entropy_of_a_batch_sharded_input_keeps_the_logits_sharded(procs):  # type: ignore[no-untyped-def]
+    # its mean was taken over the input replicated (all-gathered logits: a batch x 128k-vocab
+    # piece per rank onto every rank, every step); the batch's sums are all-reduced instead.
+    # Batches that split unevenly (7 or 3 rows on 4 ranks) were refused; now they give torch's
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    n = len(procs.extent)
+    for rows in (8, 7, 3):
+        x, y = gen(rows, 50, seed=rows), torch.randint(0, 50, (rows,), generator=torch.Generator().manual_seed(rows))
+        y[0] = -100
+        xs = mt.distribute(x, procs, [Shard(0)] + [Replicate()] * (n - 1)).requires_grad_()
+        ys = mt.distribute(y, procs, [Shard(0)] + [Replicate()] * (n - 1))
+        with CommDebugMode() as comms:  # the controller plans each rank's collectives on its shadows
+            loss = F.cross_entropy(xs, ys)
+        assert {str(op) for op in comms.get_comm_counts()} == {"c10d_functional.all_reduce"}, (rows, comms.get_comm_counts())
+        loss.backward()
+        xl = x.clone().requires_grad_()
+        want = F.cross_entropy(xl, y)
+        want.backward()
+        torch.testing.assert_close(mt.inspect(loss), want.detach(), msg=lambda m, r=rows: f"{r} rows: {m}")
+        torch.testing.assert_close(mt.inspect(xs.grad), xl.grad, msg=lambda m, r=rows: f"{r} rows, gradient: {m}")
+        assert xs.grad.placements == xs.placements
+
+
 #: ops that docs/tensors.md says give torch's value on a tensor with an empty piece
 EMPTY_PIECE_OPS = {
     "sort": lambda t, d: tuple(t.sort(d)),

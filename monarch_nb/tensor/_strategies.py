@@ -17,8 +17,8 @@ Those are dropped from what the strategy offers; DTensor then redistributes to o
 
 ``aten.embedding`` (``F.embedding`` of a weight sharded by rows) has the same masked strategy,
 expanded over the mesh's dims from one dim's (``_embedding_holds``), and the same faults.
-``aten.nll_loss_forward`` (``F.cross_entropy``, ``F.nll_loss``) averages the pieces' means
-(``_nll_loss_strategy``).
+``aten.nll_loss_forward`` (``F.cross_entropy``, ``F.nll_loss``) averages the pieces' means;
+its handler (``_nll_loss_forward``) divides the batch's sums instead.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import functools
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, _sharding_prop
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
-from torch.distributed.tensor._ops.utils import generate_redistribute_costs
+from torch.distributed.tensor import DTensor, Replicate, Shard, _sharding_prop
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpStrategy
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import _MaskPartial
 
 aten = torch.ops.aten
@@ -96,33 +96,51 @@ def _kept(out: Any, holds: Any) -> Any:
     return OpStrategy(kept) if kept and len(kept) != len(out.strategies) else out
 
 
-def _nll_loss_strategy(strategy: Any, op_schema: Any) -> Any:
-    """torch offers the mean loss of a batch-sharded input as ``Partial("avg")`` of the pieces'
-    means, which is torch's mean only where every piece has the same total weight: with
-    ``ignore_index`` hit (-100, the default, is how padding is labelled) or class weights, it is
-    the mean of the pieces' means (nan where a piece is all ignored), without a word. The mean
-    is taken over the whole batch instead (inputs replicated; ``reduction="sum"`` divided by
-    the count keeps the batch sharded)."""
-    out = strategy(op_schema)
-    if op_schema.args_schema[3] != 1:  # Reduction.MEAN
-        return out
-    mesh = op_schema.get_mesh_from_args()
-    tensors = [a for a in op_schema.args_schema[:3] if isinstance(a, OpStrategy)]
+#: ``reduction`` of ``aten.nll_loss_forward`` (``at::Reduction``)
+_MEAN, _SUM = 1, 2
+
+
+def _nll_loss_forward(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """DTensor's handler of ``aten.nll_loss_forward`` (and ``_2d``): a mean loss is the sum of
+    the losses over the sum of the weights of the whole batch, both summed across the pieces
+    (one all-reduce of two scalars) and divided on each rank.
+
+    torch offers the mean of a batch-sharded input as ``Partial("avg")`` of the pieces' means,
+    which is torch's mean only where every piece has the same total weight: with
+    ``ignore_index`` hit (-100, the default, is how padding is labelled) or class weights, it
+    was the mean of the pieces' means (nan where a piece is all ignored), without a word, and
+    a batch that does not split evenly was refused. The batch stays sharded; the total weight
+    handed back (autograd keeps it for the backward, which divides by it) is the whole
+    batch's, so each piece's gradient is torch's too."""
+    disp = DTensor._op_dispatcher
+    names = [a.name for a in op_call._schema.arguments]
+    full = [*args, *(kwargs[n] for n in names[len(args) :])]
+    mean = full[3] == _MEAN
+    if mean:
+        full[3] = _SUM
+    op_info = disp.unwrap_to_op_info(op_call, tuple(full), {})
+    disp.sharding_propagator.propagate(op_info)
+    sharding = op_info.output_sharding
+    assert sharding is not None
+    local: Any = disp._dispatch_get_local_results_slow_path(op_call, tuple(full), op_info)
+    if not mean:
+        return disp.wrap(local, sharding.output_spec)
+    loss: torch.Tensor = local[0]
+    total: torch.Tensor = local[1]
+    spec: Any = sharding.output_spec[0]  # type: ignore[index]
+    mesh = spec.mesh
     whole = tuple(Replicate() for _ in range(mesh.ndim))
-    specs = []
-    for spec in out.strategies:
-        if not any(isinstance(p, Partial) and p.reduce_op == "avg" for p in spec.output_specs[0].placements):
-            specs.append(spec)
-            continue
-        inputs = [DTensorSpec(mesh, whole, tensor_meta=i.tensor_meta) for i in spec.input_specs]
-        specs.append(
-            OpSpec(
-                output_specs=tuple(DTensorSpec(mesh, whole, tensor_meta=o.tensor_meta) for o in spec.output_specs),
-                input_specs=inputs,
-                redistribute_cost=[generate_redistribute_costs(t, i) for t, i in zip(tensors, inputs, strict=True)],
-            )
+    if any(p.is_partial() for p in spec.placements):
+        both = torch.stack([loss, total.to(loss.dtype)])
+        meta = TensorMeta(both.shape, both.stride(), both.dtype)
+        both = redistribute_local_tensor(
+            both, DTensorSpec(mesh, spec.placements, tensor_meta=meta), DTensorSpec(mesh, whole, tensor_meta=meta)
         )
-    return OpStrategy(specs)
+        loss, total = both[0], both[1].to(total.dtype)
+    loss = loss / total
+    return tuple(
+        disp.wrap(t, DTensorSpec(mesh, whole, tensor_meta=TensorMeta(t.shape, t.stride(), t.dtype))) for t in (loss, total)
+    )
 
 
 #: ops whose strategy torch writes for one mesh dim (expanded over the mesh's dims by
@@ -147,15 +165,12 @@ def install() -> None:
     """Replace the strategies mended here in DTensor's registry (once; idempotent)."""
     prop = DTensor._op_dispatcher.sharding_propagator
     funcs = prop.op_strategy_funcs
-    mends = {
-        aten.gather.default: _gather_strategy,
-        aten.nll_loss_forward.default: _nll_loss_strategy,
-        aten.nll_loss2d_forward.default: _nll_loss_strategy,
-    }
-    for op, mend in mends.items():
-        current = funcs.get(op)
-        if current is not None and not isinstance(current, functools.partial):
-            funcs[op] = functools.partial(mend, current)
+    current = funcs.get(aten.gather.default)
+    if current is not None and not isinstance(current, functools.partial):
+        funcs[aten.gather.default] = functools.partial(_gather_strategy, current)
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default):
+        handlers.setdefault(op, _nll_loss_forward)
     expand = _sharding_prop._expand_single_dim_strategy_to_mesh
     if not isinstance(expand, functools.partial):
         _sharding_prop._expand_single_dim_strategy_to_mesh = functools.partial(_expand_mended, expand)
