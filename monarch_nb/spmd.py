@@ -23,31 +23,38 @@ from .errors import PEER_GONE_MARK, peer_gone
 
 __all__ = ["SPMDActor", "setup_env_for_distributed", "setup_torch_elastic_env", "setup_torch_elastic_env_async"]
 
-#: the dimensions that count hosts: the rest of a rank's coordinates are its place on its host
+#: the dimensions that count hosts: never a host's local one
 _HOST_DIMS = ("hosts", "host")
+#: the dimensions that count a host's devices: the allocator gives each proc the device of its
+#: coordinate there (``CUDA_VISIBLE_DEVICES``)
+_DEVICE_DIMS = ("gpus", "gpu")
 
 
-def _place() -> tuple[int, int, int]:
-    """(rank, world size, ranks per host) of this actor in the mesh it was spawned on: ranks on
-    one host are the coordinates other than ``hosts``. Read at construction: in an endpoint,
+def _place() -> tuple[int, int, int, int]:
+    """(rank, world size, local rank, local world size) of this actor in the mesh it was
+    spawned on. The local dimension is the devices' (``gpus``) where the mesh has one, else its
+    last, as Monarch 0.7.0's ``SPMDActor`` takes it (on ``{"replicas": 2, "gpus": 4}`` the
+    ``gpus`` coordinate, so ``torch.cuda.set_device(LOCAL_RANK)`` picks the device the allocator
+    gave the proc); a last dimension that counts hosts is not local (one proc per host: 0.7.0
+    makes ``{"hosts": 2}`` two local ranks of one host). Read at construction: in an endpoint,
     ``current_rank()`` is the rank in the slice the call was sent to."""
     p = current_rank()
-    per_host = 1
-    for label, size in zip(p.extent.labels, p.extent.sizes):
-        if label not in _HOST_DIMS:
-            per_host *= size
-    return p.rank, p.extent.nelements, per_host
+    labels, sizes = list(p.extent.labels), list(p.extent.sizes)
+    local = next((label for label in labels if label in _DEVICE_DIMS), labels[-1] if labels else None)
+    if local is None or local in _HOST_DIMS:
+        return p.rank, p.extent.nelements, 0, 1
+    return p.rank, p.extent.nelements, p[local], sizes[labels.index(local)]
 
 
-def _torchrun_env(place: tuple[int, int, int], master_addr: str, master_port: int) -> dict[str, str]:
+def _torchrun_env(place: tuple[int, int, int, int], master_addr: str, master_port: int) -> dict[str, str]:
     """torchrun's variables for the proc at ``place`` (see :func:`_place`)."""
-    rank, world, per_host = place
+    rank, world, local_rank, per_host = place
     return {
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
         "RANK": str(rank),
         "WORLD_SIZE": str(world),
-        "LOCAL_RANK": str(rank % per_host),
+        "LOCAL_RANK": str(local_rank),
         "LOCAL_WORLD_SIZE": str(per_host),
         "GROUP_RANK": str(rank // per_host),
         "GROUP_WORLD_SIZE": str(-(-world // per_host)),

@@ -179,6 +179,35 @@ def test_setup_torch_elastic_env_with_an_explicit_master_address_and_port():
         procs.stop().get(timeout=30)
 
 
+class Torchrun(Actor):
+    @endpoint
+    def env(self) -> tuple[str, ...]:
+        return tuple(os.environ[k] for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"))
+
+
+def test_torchruns_local_dimension_is_gpus_and_never_one_that_counts_hosts():
+    """The local dimension is ``gpus`` (the devices the allocator shares out by its coordinate);
+    one proc on each of two hosts (a ``gpus`` slice) is two nodes of one local rank each.
+    Monarch 0.7.0 takes the last dimension whatever it counts: the same on ``replicas x gpus``
+    (program ``spmd_actor``), two local ranks of one node on the slice (docs/monarch-compat.md, 14)."""
+    from monarch_nb.spmd import setup_torch_elastic_env
+
+    procs = this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2}, name="spmd-slice")
+    grid = this_host().spawn_procs(per_host={"replicas": 2, "gpus": 2}, name="spmd-grid")
+    try:
+        part = procs.slice(gpus=1)
+        setup_torch_elastic_env(part)
+        got = part.spawn("env", Torchrun).env.call().get(timeout=30).values()
+        assert got == [("0", "0", "1", "0", "2"), ("1", "0", "1", "1", "2")]
+        setup_torch_elastic_env(grid)
+        got = grid.spawn("env", Torchrun).env.call().get(timeout=30).values()
+        # rank, the gpus coordinate of 2, the replica of 2
+        assert got == [(str(r), str(r % 2), "2", str(r // 2), "2") for r in range(4)]
+    finally:
+        procs.stop().get(timeout=30)
+        grid.stop().get(timeout=30)
+
+
 class Devices(Actor):
     @endpoint
     def visible(self) -> str:

@@ -1,7 +1,7 @@
 """torchrun in an actor: SPMDActor as its docstring uses it (a rendezvous address from the first
 rank, then a script, or a module with -m, on every rank), the variables each rank gets, a
 script that raises, no script at all; and setup_torch_elastic_env for code that starts
-torch.distributed itself."""
+torch.distributed itself, on a mesh of gpus alone and on one of replicas x gpus."""
 
 import json
 import os
@@ -83,6 +83,13 @@ procs = this_host().spawn_procs(per_host={"gpus": 3})
 setup_torch_elastic_env(procs)
 for env in procs.spawn("helper", Helper).env.call().get(timeout=60).values():
     print("setup_torch_elastic_env:", env)
+procs.stop().get(timeout=60)
+
+# a mesh with a dimension besides gpus on one host: gpus is the local one
+procs = this_host().spawn_procs(per_host={"replicas": 2, "gpus": 3})
+setup_torch_elastic_env(procs)
+for env in procs.spawn("helper", Helper).env.call().get(timeout=60).values():
+    print("replicas x gpus:", env)
 procs.stop().get(timeout=60)
 shutil.rmtree(d)
 print("done")
