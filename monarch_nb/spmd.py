@@ -39,11 +39,11 @@ def _place() -> tuple[int, int, int, int]:
     makes ``{"hosts": 2}`` two local ranks of one host). Read at construction: in an endpoint,
     ``current_rank()`` is the rank in the slice the call was sent to."""
     p = current_rank()
-    labels, sizes = list(p.extent.labels), list(p.extent.sizes)
+    labels = list(p.extent.labels)
     local = next((label for label in labels if label in _DEVICE_DIMS), labels[-1] if labels else None)
     if local is None or local in _HOST_DIMS:
         return p.rank, p.extent.nelements, 0, 1
-    return p.rank, p.extent.nelements, p[local], sizes[labels.index(local)]
+    return p.rank, p.extent.nelements, p[local], p.size(local)
 
 
 def _torchrun_env(place: tuple[int, int, int, int], master_addr: str, master_port: int) -> dict[str, str]:

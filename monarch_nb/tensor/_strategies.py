@@ -30,6 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, _sharding_prop
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpStrategy
+from torch.distributed.tensor._ops._math_ops import Reduction
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import _MaskPartial
 
@@ -96,8 +97,8 @@ def _kept(out: Any, holds: Any) -> Any:
     return OpStrategy(kept) if kept and len(kept) != len(out.strategies) else out
 
 
-#: ``reduction`` of ``aten.nll_loss_forward`` (``at::Reduction``)
-_MEAN, _SUM = 1, 2
+def _spec(mesh: Any, placements: Any, t: torch.Tensor) -> DTensorSpec:
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(t.shape, t.stride(), t.dtype))
 
 
 def _nll_loss_forward(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -115,9 +116,9 @@ def _nll_loss_forward(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any
     disp = DTensor._op_dispatcher
     names = [a.name for a in op_call._schema.arguments]
     full = [*args, *(kwargs[n] for n in names[len(args) :])]
-    mean = full[3] == _MEAN
+    mean = full[3] == Reduction.MEAN.value
     if mean:
-        full[3] = _SUM
+        full[3] = Reduction.SUM.value
     op_info = disp.unwrap_to_op_info(op_call, tuple(full), {})
     disp.sharding_propagator.propagate(op_info)
     sharding = op_info.output_sharding
@@ -132,15 +133,10 @@ def _nll_loss_forward(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any
     whole = tuple(Replicate() for _ in range(mesh.ndim))
     if any(p.is_partial() for p in spec.placements):
         both = torch.stack([loss, total.to(loss.dtype)])
-        meta = TensorMeta(both.shape, both.stride(), both.dtype)
-        both = redistribute_local_tensor(
-            both, DTensorSpec(mesh, spec.placements, tensor_meta=meta), DTensorSpec(mesh, whole, tensor_meta=meta)
-        )
+        both = redistribute_local_tensor(both, _spec(mesh, spec.placements, both), _spec(mesh, whole, both))
         loss, total = both[0], both[1].to(total.dtype)
     loss = loss / total
-    return tuple(
-        disp.wrap(t, DTensorSpec(mesh, whole, tensor_meta=TensorMeta(t.shape, t.stride(), t.dtype))) for t in (loss, total)
-    )
+    return tuple(disp.wrap(t, _spec(mesh, whole, t)) for t in (loss, total))
 
 
 #: ops whose strategy torch writes for one mesh dim (expanded over the mesh's dims by
