@@ -65,6 +65,8 @@ Identity = tuple[Any, Any]
 
 #: the events after which a connection is gone
 _ENDED = frozenset({zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED})
+#: the monitor's events :meth:`Handshakes.event` follows
+FOLLOWED = frozenset({zmq.EVENT_ACCEPTED, *_ENDED})
 
 
 class _State(NamedTuple):

@@ -78,11 +78,18 @@ class Telemetry:
     async def run(self) -> None:
         psutil.cpu_percent(None)  # the first reading only starts the measurement
         self._port = self.alloc.rt.open_port(self._on_state)
+        failing = ""  # the failure last logged: said once, not every tick (out of descriptors, say)
         while True:
             try:
                 self.sample()
-            except Exception:
-                logger.exception("telemetry sample failed")
+            except Exception as e:
+                if repr(e) != failing:
+                    failing = repr(e)
+                    logger.exception("telemetry sample failed (logged again only when the failure changes)")
+            else:
+                if failing:
+                    failing = ""
+                    logger.info("telemetry samples again")
             await sleep_to_tick(self.alloc.rt.loop, INTERVAL)
 
     def sample(self) -> None:

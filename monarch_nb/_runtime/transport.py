@@ -20,8 +20,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
+import functools
 import ipaddress
 import logging
+import operator
 import os
 import select
 import socket
@@ -286,6 +288,8 @@ def refuse(sock: zmq.Socket[bytes] | None, rid: bytes, reason: str) -> None:
 MAX_PEER_SOCKETS = 256
 #: seconds a direct listener goes unwatched after an accept failed for want of descriptors
 ACCEPT_PAUSE_S = 0.5
+#: monitor events read in one turn of the loop before it serves its other readers
+_MONITOR_BATCH = 256
 #: a thread looks for direct connections whose peer went away once it holds this many, and
 #: again each time it holds twice as many as it kept (a sweep per new connection would cost a
 #: thread that connects to a thousand procs a million polls)
@@ -588,13 +592,21 @@ class Transport:
         handshake few and small (``_preauth.py``), from its monitor's events, on the loop's thread."""
         from zmq.utils.monitor import parse_monitor_message
 
-        mon = sock.get_monitor_socket()
         failures = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        # not ACCEPT_FAILED: out of descriptors, libzmq's listener retries its accept in a busy
+        # loop, a failure event each time (400,000 in 5 s here), and reading those held the
+        # loop's thread until the flood's handshakes timed out, its cut never made
+        mon = sock.get_monitor_socket(events=functools.reduce(operator.or_, (*failures, *_preauth.FOLLOWED)))
         checking: list[asyncio.TimerHandle] = []
 
         def on_events() -> None:
-            # edge-triggered FD, as for an inbox: read while EVENTS says so
-            while not mon.closed and mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator, arg-type]
+            # edge-triggered FD, as for an inbox: read while EVENTS says so, and cut as the flood
+            # comes: a flood accepted faster than this thread reads its events would otherwise
+            # take every descriptor before the first look. Then let the loop serve the rest
+            # (the zygote, controllers) before reading on.
+            for _ in range(_MONITOR_BATCH):
+                if mon.closed or not mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator, arg-type]
+                    break
                 ev = parse_monitor_message(mon.recv_multipart())
                 if ev["event"] in failures:
                     self.dropped += 1
@@ -604,8 +616,10 @@ class Transport:
                         where,
                     )
                 guard.event(int(ev["event"]), int(ev["value"]))
-            if guard.due():
-                guard.check()
+                if guard.due():
+                    guard.check()
+            else:
+                self.loop.call_soon(on_events)
             if guard.pending and not checking:
                 checking.append(self.loop.call_later(_preauth.CHECK_S, check))
 
