@@ -1272,11 +1272,19 @@ class Slow(Actor):
     def nap(self, s):
         time.sleep(s)
         return s
+class Probe(Actor):
+    @endpoint
+    def ping(self):
+        return "pong"
 h = attach_to_workers(workers=[sys.argv[1]])
 p = h.spawn_procs(per_host={"gpus": 1}, name="kept", persist=True)
 a = p.spawn("slow", Slow)
+probe = p.spawn("probe", Probe)
 a.nap.call_one(0).get(timeout=30)
-futs = [a.nap.call_one(0.3) for _ in range(4)]
+futs = [a.nap.call_one(0.5) for _ in range(5)]
+# the probe's reply (its own thread, the proc's same inbox) says the five calls reached the proc:
+# killed before its sends were flushed, this controller had left fewer than two replies to come
+probe.ping.call_one().get(timeout=30)
 print("sent", flush=True)
 sys.stdin.read()  # until the test kills this controller
 """
@@ -1294,7 +1302,7 @@ def test_an_actor_whose_caller_stopped_reading_serves_its_other_callers(tmp_path
     )
     try:
         assert first.stdout is not None and first.stdout.readline().strip() == "sent"
-        first.kill()  # its four replies to come have nobody to read them
+        first.kill()  # the replies still to come have nobody to read them
         first.wait(30)
         r = run_script(
             "import sys\n"
