@@ -807,9 +807,22 @@ def test_spawn_failing_after_another_host_is_lost_fails_at_once(cluster: NetnsCl
                 while not os.path.exists("/tmp/fail") and time.monotonic() < deadline:
                     time.sleep(0.05)
                 raise RuntimeError("bootstrap failed on purpose")
-            open("/tmp/booted", "w").close()
+
+        from monarch_nb.actor import _context
 
         hosts = attach_to_workers(workers=WORKERS, ca="/tmp/key")
+        # the test cuts host 2 once its spawn's answer is here: only then does the failed
+        # spawn have host 2's part to clean up (the path under test)
+        client = _context.client()
+        request = client.request
+
+        def told(alloc, kind, *args, **kwargs):
+            fut = request(alloc, kind, *args, **kwargs)
+            if kind == "spawn" and alloc == WORKERS[1]:
+                fut.add_done_callback(lambda f: emit("host 2 spawned", ok=f.exception(timeout=0) is None))
+            return fut
+
+        client.request = told
         emit("spawning")
         try:
             hosts.spawn_procs(per_host={"gpus": 1}, bootstrap=boot, name="m7")
@@ -820,8 +833,7 @@ def test_spawn_failing_after_another_host_is_lost_fails_at_once(cluster: NetnsCl
     cluster.path(1, "/tmp/hold").write_text("")
     ctl = Controller(cluster, body, MONARCH_NB_HEARTBEAT_TIMEOUT="4")
     ctl.expect("spawning")
-    # (its spawn's answer follows within moments: one cut off before it only makes this pass)
-    wait_for(lambda: cluster.path(2, "/tmp/booted").exists(), 30, "host 2's proc to start")
+    assert ctl.expect("host 2 spawned", timeout=30)["ok"], ctl.describe()
     cluster.link_down(2)
     lost = ctl.err.wait_for(lambda s: f"allocator {workers[1].addr} lost: no heartbeat" in s, 30)
     assert lost is not None, ctl.describe()
