@@ -908,6 +908,22 @@ def test_this_proc_spawns_in_the_controller_and_controllers_are_singletons():
     assert c2.value.call_one().get(timeout=10) == 3
 
 
+class _FailsToStart(Actor):
+    def __init__(self, kind: type[Exception]) -> None:
+        raise kind("controller cannot start")
+
+
+@pytest.mark.parametrize("kind", [ValueError, RuntimeError])
+def test_a_controller_whose_init_raises_fails_each_request_with_an_actor_error(kind: type[Exception]) -> None:
+    # as on Monarch, whose controller's spawn runs in an actor: code catching ActorError for it
+    # must catch it whatever the __init__ raised (a ValueError or TypeError came out bare, as
+    # our own daemons' errors do)
+    for _ in range(2):
+        with pytest.raises(ActorError, match="controller cannot start") as ei:
+            get_or_spawn_controller(f"fails_{kind.__name__}", _FailsToStart, kind).get(timeout=30)
+        assert type(ei.value.exception) is kind
+
+
 def test_classes_defined_in_main_travel_by_value():
     code = """
 from monarch_nb.actor import Actor, endpoint, this_host, current_rank

@@ -23,6 +23,7 @@ from .._runtime import _fdlimit
 from .._wire import frames as wire
 from .._wire.serialize import dumps, dumps_by_value, loads
 from ..errors import (
+    ActorError,
     ConnectError,
     MeshClosedError,
     MeshError,
@@ -1565,7 +1566,18 @@ def get_or_spawn_controller(name: str, Class: type[T], *args: Any, **kwargs: Any
     As in Monarch, controllers live in the root controller's process and are shared by the
     whole tree: the client and every actor it spawned (and theirs), on any proc, get the
     same actor for the same name. Later requests ignore ``Class`` and the arguments.
+    A class that cannot be spawned, or a failing ``__init__``, fails the future with an
+    ``ActorError``, as Monarch's (whose spawn runs in an actor of its own).
     """
+    try:
+        if not isinstance(Class, type) or not issubclass(Class, Actor):
+            raise ValueError(f"{Class} must subclass monarch_nb.actor.Actor to spawn it.")
+        is_async_actor(Class)
+    except ValueError as e:
+        # nothing sent: the name is not taken by a controller that could never answer
+        refused: Future[Any] = Future._create(f"get_or_spawn_controller({name!r})")
+        refused._set_exception(ActorError(e, message=f"get_or_spawn_controller({name!r}) failed: {e}"))
+        return refused
     inst = _context.current_instance()
     root = inst._controllers if inst is not None and inst._controllers is not None else _context.controllers_proc()
     client = _context.client()
