@@ -324,14 +324,15 @@ class ActorMesh(MeshTrait, Generic[T]):
             return err
         assert isinstance(err, SupervisionError)
         _, actor, words = dead
-        e = SupervisionError(
-            err.cause,
-            mesh=err.mesh,
-            actor=self._label,
-            rank=err.rank,
-            host=err.host,
-            message=f"Endpoint call {self._label}.{method}() failed, The actor {actor} and all its descendants have failed:\n  {words}",
-        )
+        if _exited_cleanly(err.cause):
+            # Monarch's: a process that exited with status 0 stopped its actors, it failed nothing
+            message = (
+                f"Endpoint call {self._label}.{method}() failed, Supervision event: actor {actor} has status:\n"
+                f"  stopped: process exited cleanly\n  host {err.host}, proc mesh {err.mesh!r} rank {err.rank}: {err.cause}"
+            )
+        else:
+            message = f"Endpoint call {self._label}.{method}() failed, The actor {actor} and all its descendants have failed:\n  {words}"
+        e = SupervisionError(err.cause, mesh=err.mesh, actor=self._label, rank=err.rank, host=err.host, message=message)
         e.endpoint = f"{self._label}.{method}"
         return e
 
@@ -1115,6 +1116,10 @@ class ProcMesh(MeshTrait):
         mesh that had an actor on it, named after it; the proc mesh's own only when none had."""
         from . import _supervision
 
+        if isinstance(err, SupervisionError) and _exited_cleanly(err.cause):
+            # no failure, as on Monarch: a script whose proc ended its work with os._exit(0) goes
+            # on (the default hook would end it); calls to its actors say it stopped
+            return []
         failures = [f for m in list(self._spawned) if (f := m._proc_failure(err)) is not None]
         return failures or [_supervision.MeshFailure(self._name, self, err)]
 
@@ -1655,6 +1660,10 @@ _KILLED = re.compile(r"process \d+ was killed by (\w+)")
 _EXITED = re.compile(r"process \d+ exited with code (\d+)")
 #: a proc's cause when its mesh stopped: how it ended (then, where the stop said, why)
 _STOPPED_PROC = re.compile(r"mesh stopped \((process \d+ (?:exited with code -?\d+|was killed by \w+))\)")
+
+
+def _exited_cleanly(cause: str) -> bool:
+    return (m := _EXITED.match(cause)) is not None and m.group(1) == "0"
 
 
 def _proc_status(cause: str) -> str:
