@@ -584,6 +584,8 @@ def _stop_actors(futs: list[Future[Any]], ranks: list[list[int]], mesh: ActorMes
             if not f.done():
                 continue
             err = f.exception(timeout=0)
+            if isinstance(err, SupervisionError) and _exited_cleanly(err.cause):
+                continue  # stopped already: its process exited with status 0
             dead = mesh._dead_actor(err, mesh._view.ranks[rs[0]]) if err is not None and rs else None
             if dead is None:
                 f.get()  # any other failure, as it is
