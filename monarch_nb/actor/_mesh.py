@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import math
 import os
@@ -894,6 +895,7 @@ class ProcMesh(MeshTrait):
             # Monarch's ValueError, before anything is sent
             raise ValueError(f"{Class} must subclass monarch_nb.actor.Actor to spawn it.")
         is_async_actor(Class)  # mixed sync/async endpoints is a ValueError here, before anything is sent
+        _check_init_args(Class, args, kwargs)
         client = _context.client()
         rt = client.rt
         view = self._view
@@ -1662,6 +1664,20 @@ _KILLED = re.compile(r"process \d+ was killed by (\w+)")
 _EXITED = re.compile(r"process \d+ exited with code (\d+)")
 #: a proc's cause when its mesh stopped: how it ended (then, where the stop said, why)
 _STOPPED_PROC = re.compile(r"mesh stopped \((process \d+ (?:exited with code -?\d+|was killed by \w+))\)")
+
+
+def _check_init_args(Class: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Arguments ``Class.__init__`` cannot take raise ``TypeError`` at the spawn, nothing sent,
+    as Monarch's spawn binds them: not a failed actor (and a script's fault hook) later."""
+    try:
+        sig = inspect.signature(Class.__init__)
+    except (TypeError, ValueError):
+        return  # a constructor without a signature to read (a builtin's): it tells for itself
+    try:
+        sig.bind(None, *args, **kwargs)
+    except TypeError as e:
+        # an __init__'s "-> None" says nothing here
+        raise TypeError(f"{Class.__qualname__}.__init__{sig.replace(return_annotation=sig.empty)}: {e}") from None
 
 
 def _exited_cleanly(cause: str) -> bool:
