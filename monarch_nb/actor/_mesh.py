@@ -1670,7 +1670,7 @@ def _check_init_args(Class: type, args: tuple[Any, ...], kwargs: dict[str, Any])
     """Arguments ``Class.__init__`` cannot take raise ``TypeError`` at the spawn, nothing sent,
     as Monarch's spawn binds them: not a failed actor (and a script's fault hook) later."""
     try:
-        sig = inspect.signature(Class.__init__)
+        sig = inspect.signature(Class.__init__)  # type: ignore[misc]
     except (TypeError, ValueError):
         return  # a constructor without a signature to read (a builtin's): it tells for itself
     try:
