@@ -1582,7 +1582,8 @@ def get_or_spawn_controller(name: str, Class: type[T], *args: Any, **kwargs: Any
         if not isinstance(Class, type) or not issubclass(Class, Actor):
             raise ValueError(f"{Class} must subclass monarch_nb.actor.Actor to spawn it.")
         is_async_actor(Class)
-    except ValueError as e:
+        _check_init_args(Class, args, kwargs)
+    except (TypeError, ValueError) as e:
         # nothing sent: the name is not taken by a controller that could never answer
         refused: Future[Any] = Future._create(f"get_or_spawn_controller({name!r})")
         refused._set_exception(ActorError(e, message=f"get_or_spawn_controller({name!r}) failed: {e}"))

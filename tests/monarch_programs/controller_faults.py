@@ -1,9 +1,10 @@
 """get_or_spawn_controller's failure paths: a class that is not an Actor, or mixes sync and async
-endpoints, fails the future with an ActorError around spawn's ValueError (the controller is
-spawned by an actor of Monarch's), from the client and from an actor, and leaves the name free
-for a class that works; a controller's endpoint that raises fails that call alone, and the
-controller serves on, the same one to the next request. (Left out, as they differ: a controller
-whose __init__ raises; see the compatibility page in docs/.)"""
+endpoints, or arguments its __init__ cannot take, fail the future with an ActorError around
+spawn's ValueError or TypeError (the controller is spawned by an actor of Monarch's), from the
+client and from an actor, and leave the name free for a class that works; a controller's
+endpoint that raises fails that call alone, and the controller serves on, the same one to the
+next request. (Left out, as they differ: a controller whose __init__ raises; see the
+compatibility page in docs/.)"""
 
 import re
 
@@ -56,6 +57,8 @@ def describe(e: BaseException) -> str:
         e = e.exception
     # the Actor class is named by its module, which the port to another system changes
     words = re.sub(r"must subclass \S+ to spawn", "must subclass Actor to spawn", str(e))
+    # and bind()'s words may follow the signature
+    words = words.rsplit("): ", 1)[-1]
     return f"{' > '.join([*kinds, type(e).__name__])}: {(words.strip().splitlines() or [''])[0]}"
 
 
@@ -70,6 +73,7 @@ def attempt(label: str, fn) -> None:  # type: ignore[no-untyped-def]
 
 attempt("not an actor", lambda: get_or_spawn_controller("reg", NotAnActor).get(timeout=60))
 attempt("mixed endpoints", lambda: get_or_spawn_controller("reg", Mixed).get(timeout=60))
+attempt("arguments its __init__ cannot take", lambda: get_or_spawn_controller("reg", Registry, 5).get(timeout=60))
 attempt("the name, then", lambda: get_or_spawn_controller("reg", Registry).get(timeout=60).add.call_one().get(timeout=60))
 procs = this_host().spawn_procs(per_host={"gpus": 1})
 asker = procs.spawn("asker", Asker)
