@@ -601,6 +601,33 @@ def test_a_mesh_spawned_again_under_the_name_of_one_stopped_reports_its_dead_pro
         pm.stop().get(timeout=30)
 
 
+class _Leaves(Actor):
+    @endpoint
+    def leave(self) -> None:
+        os._exit(0)
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+
+def test_an_actor_mesh_whose_proc_exited_cleanly_stops_quietly(fault_hook):  # type: ignore[no-untyped-def]
+    """A proc that exited with status 0 stopped its actor (program clean_exit): its mesh's stop()
+    raised Monarch's dead-rank ValueError, saying the actor failed. (0.7.0's stop() never
+    returns there.)"""
+    pm = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        m = pm.spawn("leaves", _Leaves)
+        with pytest.raises(SupervisionError, match="stopped: process exited cleanly"):
+            m.slice(gpus=1).leave.call_one().get(timeout=30)
+        m.stop().get(timeout=30)
+        with pytest.raises(SupervisionError):
+            m.slice(gpus=0).ping.call_one().get(timeout=30)
+        assert not fault_hook
+    finally:
+        pm.stop().get(timeout=30)
+
+
 def test_a_mesh_no_allocator_knows_is_a_lookup_error_and_still_a_mesh_error():
     """A name no allocator knows was told apart from other MeshErrors by its words ("no mesh
     named"); it is a type now, also from an allocator across the wire, and ``except MeshError``
@@ -906,6 +933,22 @@ def test_this_proc_spawns_in_the_controller_and_controllers_are_singletons():
     c2 = get_or_spawn_controller("ctl", Counter).get(timeout=10)
     c1.incr.call_one(3).get(timeout=10)
     assert c2.value.call_one().get(timeout=10) == 3
+
+
+class _FailsToStart(Actor):
+    def __init__(self, kind: type[Exception]) -> None:
+        raise kind("controller cannot start")
+
+
+@pytest.mark.parametrize("kind", [ValueError, RuntimeError])
+def test_a_controller_whose_init_raises_fails_each_request_with_an_actor_error(kind: type[Exception]) -> None:
+    # as on Monarch, whose controller's spawn runs in an actor: code catching ActorError for it
+    # must catch it whatever the __init__ raised (a ValueError or TypeError came out bare, as
+    # our own daemons' errors do)
+    for _ in range(2):
+        with pytest.raises(ActorError, match="controller cannot start") as ei:
+            get_or_spawn_controller(f"fails_{kind.__name__}", _FailsToStart, kind).get(timeout=30)
+        assert type(ei.value.exception) is kind
 
 
 def test_classes_defined_in_main_travel_by_value():

@@ -44,8 +44,13 @@ logger = logging.getLogger(__name__)
 
 def _decode_sys_error(raw: Any) -> Any:
     err = loads(*raw)
-    # our own daemons' errors are clearer as themselves than wrapped as a remote actor failure
-    if isinstance(err, ActorError) and isinstance(err.exception, (MonarchNBError, PermissionError, ValueError, TypeError)):
+    # our own daemons' errors are clearer as themselves than wrapped as a remote actor failure;
+    # a user actor's (get_or_spawn_controller's __init__) stays an ActorError, as any actor's
+    if (
+        isinstance(err, ActorError)
+        and not err.actor
+        and isinstance(err.exception, (MonarchNBError, PermissionError, ValueError, TypeError))
+    ):
         raise err.exception
     raise err
 

@@ -1143,7 +1143,8 @@ class ActorSlot:
         if fn is not None:
             try:
                 fn(exc)
-            except Exception as e:
+            except BaseException as e:
+                # a SystemExit too: Monarch reports it as any cleanup error, and the proc lives on
                 logger.exception("__cleanup__ of %s raised", self.name)
                 if stopping:
                     self._cleanup_failed(e)
@@ -1155,12 +1156,14 @@ class ActorSlot:
                 r = fn(exc)
                 if inspect.isawaitable(r):
                     await r
-            except Exception as e:
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:
                 logger.exception("__cleanup__ of %s raised", self.name)
                 if stopping:
                     self._cleanup_failed(e)
 
-    def _cleanup_failed(self, e: Exception) -> None:
+    def _cleanup_failed(self, e: BaseException) -> None:
         """``__cleanup__`` raised ``e`` as this actor stopped. As in Monarch 0.7.0 that is a
         failure of the actor (``cleanup error: ValueError: …``) its owner hears of: the client's
         fault hook at a proc mesh's stop, or when the actor stopped itself; later calls to its

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import math
 import os
@@ -23,6 +24,7 @@ from .._runtime import _fdlimit
 from .._wire import frames as wire
 from .._wire.serialize import dumps, dumps_by_value, loads
 from ..errors import (
+    ActorError,
     ConnectError,
     MeshClosedError,
     MeshError,
@@ -323,14 +325,15 @@ class ActorMesh(MeshTrait, Generic[T]):
             return err
         assert isinstance(err, SupervisionError)
         _, actor, words = dead
-        e = SupervisionError(
-            err.cause,
-            mesh=err.mesh,
-            actor=self._label,
-            rank=err.rank,
-            host=err.host,
-            message=f"Endpoint call {self._label}.{method}() failed, The actor {actor} and all its descendants have failed:\n  {words}",
-        )
+        if _exited_cleanly(err.cause):
+            # Monarch's: a process that exited with status 0 stopped its actors, it failed nothing
+            message = (
+                f"Endpoint call {self._label}.{method}() failed, Supervision event: actor {actor} has status:\n"
+                f"  stopped: process exited cleanly\n  host {err.host}, proc mesh {err.mesh!r} rank {err.rank}: {err.cause}"
+            )
+        else:
+            message = f"Endpoint call {self._label}.{method}() failed, The actor {actor} and all its descendants have failed:\n  {words}"
+        e = SupervisionError(err.cause, mesh=err.mesh, actor=self._label, rank=err.rank, host=err.host, message=message)
         e.endpoint = f"{self._label}.{method}"
         return e
 
@@ -582,6 +585,8 @@ def _stop_actors(futs: list[Future[Any]], ranks: list[list[int]], mesh: ActorMes
             if not f.done():
                 continue
             err = f.exception(timeout=0)
+            if isinstance(err, SupervisionError) and _exited_cleanly(err.cause):
+                continue  # stopped already: its process exited with status 0
             dead = mesh._dead_actor(err, mesh._view.ranks[rs[0]]) if err is not None and rs else None
             if dead is None:
                 f.get()  # any other failure, as it is
@@ -890,6 +895,7 @@ class ProcMesh(MeshTrait):
             # Monarch's ValueError, before anything is sent
             raise ValueError(f"{Class} must subclass monarch_nb.actor.Actor to spawn it.")
         is_async_actor(Class)  # mixed sync/async endpoints is a ValueError here, before anything is sent
+        _check_init_args(Class, args, kwargs)
         client = _context.client()
         rt = client.rt
         view = self._view
@@ -1114,6 +1120,10 @@ class ProcMesh(MeshTrait):
         mesh that had an actor on it, named after it; the proc mesh's own only when none had."""
         from . import _supervision
 
+        if isinstance(err, SupervisionError) and _exited_cleanly(err.cause):
+            # no failure, as on Monarch: a script whose proc ended its work with os._exit(0) goes
+            # on (the default hook would end it); calls to its actors say it stopped
+            return []
         failures = [f for m in list(self._spawned) if (f := m._proc_failure(err)) is not None]
         return failures or [_supervision.MeshFailure(self._name, self, err)]
 
@@ -1565,7 +1575,19 @@ def get_or_spawn_controller(name: str, Class: type[T], *args: Any, **kwargs: Any
     As in Monarch, controllers live in the root controller's process and are shared by the
     whole tree: the client and every actor it spawned (and theirs), on any proc, get the
     same actor for the same name. Later requests ignore ``Class`` and the arguments.
+    A class that cannot be spawned, or a failing ``__init__``, fails the future with an
+    ``ActorError``, as Monarch's (whose spawn runs in an actor of its own).
     """
+    try:
+        if not isinstance(Class, type) or not issubclass(Class, Actor):
+            raise ValueError(f"{Class} must subclass monarch_nb.actor.Actor to spawn it.")
+        is_async_actor(Class)
+        _check_init_args(Class, args, kwargs)
+    except (TypeError, ValueError) as e:
+        # nothing sent: the name is not taken by a controller that could never answer
+        refused: Future[Any] = Future._create(f"get_or_spawn_controller({name!r})")
+        refused._set_exception(ActorError(e, message=f"get_or_spawn_controller({name!r}) failed: {e}"))
+        return refused
     inst = _context.current_instance()
     root = inst._controllers if inst is not None and inst._controllers is not None else _context.controllers_proc()
     client = _context.client()
@@ -1643,6 +1665,24 @@ _KILLED = re.compile(r"process \d+ was killed by (\w+)")
 _EXITED = re.compile(r"process \d+ exited with code (\d+)")
 #: a proc's cause when its mesh stopped: how it ended (then, where the stop said, why)
 _STOPPED_PROC = re.compile(r"mesh stopped \((process \d+ (?:exited with code -?\d+|was killed by \w+))\)")
+
+
+def _check_init_args(Class: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Arguments ``Class.__init__`` cannot take raise ``TypeError`` at the spawn, nothing sent,
+    as Monarch's spawn binds them: not a failed actor (and a script's fault hook) later."""
+    try:
+        sig = inspect.signature(Class.__init__)  # type: ignore[misc]
+    except (TypeError, ValueError):
+        return  # a constructor without a signature to read (a builtin's): it tells for itself
+    try:
+        sig.bind(None, *args, **kwargs)
+    except TypeError as e:
+        # an __init__'s "-> None" says nothing here
+        raise TypeError(f"{Class.__qualname__}.__init__{sig.replace(return_annotation=sig.empty)}: {e}") from None
+
+
+def _exited_cleanly(cause: str) -> bool:
+    return (m := _EXITED.match(cause)) is not None and m.group(1) == "0"
 
 
 def _proc_status(cause: str) -> str:
