@@ -72,6 +72,22 @@ def test_a_bad_setting_in_the_environment_is_named_by_every_command() -> None:
     _refused(_cli("status", MONARCH_NB_RUNTIME_DIR="/tmp"), "monarch-nb status: the runtime directory /tmp is a shared directory")
 
 
+def test_a_runtime_directory_that_cannot_be_made_is_named(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # an OSError traceback from config.runtime_dir, naming neither the setting nor the way out
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    _refused(
+        _cli("status", MONARCH_NB_RUNTIME_DIR=str(afile)),
+        f"monarch-nb status: cannot make the runtime directory {afile}: {afile} is a file; "
+        "set MONARCH_NB_RUNTIME_DIR to a directory you can write",
+    )
+    _refused(
+        _cli("allocator", "start", MONARCH_NB_RUNTIME_DIR=f"{afile}/rt"),
+        f"monarch-nb allocator start: cannot make the runtime directory {afile}/rt: Not a directory ({afile}/rt); ",
+    )
+    _refused(_cli("logs", "m", MONARCH_NB_RUNTIME_DIR="/proc/nosuch"), "monarch-nb logs: cannot make the runtime directory")
+
+
 def test_every_command_and_option_is_in_the_docs() -> None:
     """The README's "Command line" block lists each command (it lacked `job`), and every option
     a command takes is written down somewhere a user reads (the README or docs/)."""
