@@ -88,6 +88,34 @@ def test_a_runtime_directory_that_cannot_be_made_is_named(tmp_path) -> None:  # 
     _refused(_cli("logs", "m", MONARCH_NB_RUNTIME_DIR="/proc/nosuch"), "monarch-nb logs: cannot make the runtime directory")
 
 
+def test_allocator_start_refuses_a_port_past_65535_and_a_gateway_it_cannot_open(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """zmq took tcp://127.0.0.1:99999 as port 34463 and the allocator advertised 99999; a
+    --gateway that was no 127.0.0.1:PORT killed the allocator after `allocator start` had said
+    it ran (exit 0), its record left behind as a dead allocator."""
+    import shutil
+    import tempfile
+
+    rdir = tempfile.mkdtemp(prefix="mnbp-", dir="/tmp")
+    os.chmod(rdir, 0o700)
+    env = {"MONARCH_NB_RUNTIME_DIR": rdir, "MONARCH_NB_ZYGOTE_PRELOAD": ""}
+    key = str(tmp_path / "key")
+    try:
+        assert _cli("keygen", key).returncode == 0
+        starting = "monarch-nb allocator start: the local allocator exited with code 1 while starting:\n"
+        for bind in ("tcp://127.0.0.1:99999", "tcp://127.0.0.1:99999@tcp://127.0.0.1:0"):
+            r = _cli("allocator", "start", "--bind", bind, **env)
+            _refused(r, starting)
+            assert "monarch-nb allocator run: 'tcp://127.0.0.1:99999' is not an address: port 99999 is over 65535" in r.stderr
+        for gateway in ("garbage", "10.0.0.1:5000", "127.0.0.1:70000"):
+            r = _cli("allocator", "start", "--key-file", key, "--bind", "tcp://127.0.0.1:0", "--gateway", gateway, **env)
+            _refused(r, starting)
+            assert f"monarch-nb allocator run: --gateway {gateway!r}: expected 127.0.0.1:PORT" in r.stderr, r.stderr
+        assert _cli("allocator", "status", **env).stdout == "no allocators registered\n"
+    finally:
+        _cli("allocator", "stop", **env)
+        shutil.rmtree(rdir, ignore_errors=True)
+
+
 def test_every_command_and_option_is_in_the_docs() -> None:
     """The README's "Command line" block lists each command (it lacked `job`), and every option
     a command takes is written down somewhere a user reads (the README or docs/)."""
