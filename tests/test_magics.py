@@ -72,12 +72,36 @@ def test_help_and_clear_usage_errors(k: Kernel, tmp_path) -> None:
         # the debugger's commands failed the cell too, not only printed "error: ..." (Run all went on)
         ("%mesh attach nosuch 0", "%mesh attach: no paused session for nosuch rank 0"),
         ("%mesh debug cast ue abc p x", "%mesh debug cast: "),
+        # the last size won: a mesh of 2 procs, a shape the line did not say
+        ("%mesh spawn x --per-host gpus=1,gpus=2", "--per-host names 'gpus' twice ('gpus=1,gpus=2')"),
+        # bound to a variable no cell can name
+        ("%mesh spawn def --per-host gpus=1", "mesh name 'def' must be a Python identifier, not a keyword"),
+        # taken as they were: a dashboard refreshing without pause, a timeout that was none
+        ("%mesh stacks ue --timeout 0", "argument --timeout: a number of seconds above 0, got '0'"),
+        ("%mesh dashboard ue --interval -1", "argument --interval: a number of seconds above 0, got '-1'"),
+        # a ValueError traceback from mesh.stop
+        ("%mesh stop ue --all", "%mesh stop: name a mesh or pass --all, not both: `%mesh stop ue` stops only it"),
+        # "connected", the key file never read: a wrong path went unnoticed
+        ("%mesh connect --key-file nokey", "%mesh connect: --key-file is for the tcp:// allocators named with it"),
+        # a FileNotFoundError traceback (the spans are still the allocators')
+        (
+            f"%mesh trace ue --out {tmp_path}/no/such/t.json",
+            f"%mesh trace: --out '{tmp_path}/no/such/t.json': cannot write the trace file: No such file or directory",
+        ),
     ]
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 10**8:
+        # an OSError traceback, though its message said what to do (an unlimited kernel would try)
+        mistakes.append(
+            ("%mesh spawn huge --per-host gpus=99999999", "%mesh spawn: [Errno 24] spawning 99999999 procs ('huge') needs")
+        )
     # no %mesh-named mesh yet (the module's first test): "0 are running (none)" read as if a mesh
     # of the Python API, which an unnamed exec cannot see, were gone
     c = k.run("%%mesh exec\n1")
     assert "no mesh named by %mesh spawn is running: name the mesh to use" in c.stream("stderr"), c.msgs
     _ok(k.run("%mesh spawn ue --per-host gpus=2\n%mesh spawn gone --per-host gpus=1\n%mesh stop gone"))
+    _ok(k.run("%%mesh exec ue\n1"))  # spans for %mesh trace to write
     for code, text in mistakes:
         c = k.run(code)
         assert c.reply["content"]["status"] == "error", code

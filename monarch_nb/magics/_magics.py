@@ -68,8 +68,21 @@ def _kv(text: str) -> dict[str, int]:
             n = 0
         if n < 1:
             raise UsageError(f"--per-host size for {k!r} must be a positive integer, got {v!r}")
+        if k in out:
+            # the last one won: gpus=1,gpus=2 spawned 2 procs, a shape the line did not say
+            raise UsageError(f"--per-host names {k!r} twice ({text!r}): give each dimension once, e.g. hosts=2,gpus=4")
         out[k] = n
     return out
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of seconds, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"a number of seconds above 0, got {text!r}")
+    return v
 
 
 def _parsers() -> dict[str, _Parser]:
@@ -127,12 +140,12 @@ def _parsers() -> dict[str, _Parser]:
     at.add_argument("rank", type=int)
     d = p["dashboard"] = _Parser(prog="%mesh dashboard", description="A live dashboard of a mesh (ipywidgets).")
     d.add_argument("name", nargs="?", help="mesh name (optional when one mesh runs)")
-    d.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    d.add_argument("--interval", type=_positive_seconds, default=1.0, help="seconds between refreshes")
     sk = p["stacks"] = _Parser(prog="%mesh stacks", description="Every thread's Python stack on every rank, merged.")
     sk.add_argument("name", nargs="?", help="mesh name, or a variable holding a proc or actor mesh (optional when one mesh runs)")
     sk.add_argument("--ranks", help="a subset of ranks: 0:4, 0-3, 1,3")
     sk.add_argument("--native", action="store_true", help="add native frames (py-spy dump --native, if installed)")
-    sk.add_argument("--timeout", type=float, default=5.0, help="seconds every rank has to answer")
+    sk.add_argument("--timeout", type=_positive_seconds, default=5.0, help="seconds every rank has to answer")
     tr = p["trace"] = _Parser(
         prog="%mesh trace", description="Every rank's spans of the last while: a trace file and a timeline."
     )
@@ -197,6 +210,12 @@ class MeshMagics(Magics):
         self.shell.user_ns[name] = value  # type: ignore[union-attr]
 
     def _do_connect(self, args: argparse.Namespace, cell: str | None) -> Any:
+        if args.key_file and not args.targets:
+            # the local allocator takes no key: the file went unread, a wrong path unnoticed
+            raise UsageError(
+                "%mesh connect: --key-file is for the tcp:// allocators named with it: "
+                "%mesh connect tcp://HOST:PORT --key-file KEYFILE (the local allocator needs none)"
+            )
         hm = _mesh.connect(*args.targets, key_file=args.key_file)
         found = _mesh.meshes()
         orphans = set(_mesh.orphaned_meshes())
@@ -403,6 +422,8 @@ class MeshMagics(Magics):
     def _do_stop(self, args: argparse.Namespace, cell: str | None) -> Any:
         if not args.all and not args.name:
             raise UsageError("%mesh stop: name a mesh or pass --all")
+        if args.all and args.name:
+            raise UsageError(f"%mesh stop: name a mesh or pass --all, not both: `%mesh stop {args.name}` stops only it")
         from ..actor import ActorMesh, ProcMesh
 
         # a mesh of the Python API, by the variable that holds it
@@ -433,7 +454,8 @@ _ONE_LINE = (MeshError, ConnectError, ConfigError, DebugError, ProtocolError, Au
 #: mesh name that is no identifier, a rank set the mesh lacks, a folder that is none, an address
 #: that is none): said in one line as well. An exec cell's own errors are an ExecError, never these
 _TYPED_WRONG: dict[str, tuple[type[Exception], ...]] = {
-    "spawn": (ValueError,),
+    # OSError: too few file descriptors for the procs asked for (it says what to raise the limit to)
+    "spawn": (ValueError, OSError),
     "exec": (MeshError, ValueError),
     "logs": (ValueError,),
     "sync": (FileNotFoundError, ValueError),
