@@ -88,6 +88,9 @@ def test_help_and_clear_usage_errors(k: Kernel, tmp_path) -> None:
             f"%mesh trace ue --out {tmp_path}/no/such/t.json",
             f"%mesh trace: --out '{tmp_path}/no/such/t.json': cannot write the trace file: No such file or directory",
         ),
+        # the default --hosts 1 for ssh: it waited for ssh to time out reaching a host named "1"
+        ("%mesh launch ssh job1", "%mesh launch: an ssh job needs its hosts' names, comma-separated (--hosts h1,h2), got ''"),
+        ("%mesh launch ssh job1 --hosts 2", "an ssh job needs its hosts' names, comma-separated (--hosts h1,h2), got '2'"),
     ]
     import resource
 
