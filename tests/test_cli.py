@@ -88,6 +88,13 @@ def test_a_runtime_directory_that_cannot_be_made_is_named(tmp_path) -> None:  # 
     _refused(_cli("logs", "m", MONARCH_NB_RUNTIME_DIR="/proc/nosuch"), "monarch-nb logs: cannot make the runtime directory")
 
 
+def test_keygen_with_an_empty_path_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # `monarch-nb keygen "$KEYFILE"` with the variable unset: a FileNotFoundError traceback
+    r = subprocess.run([PY, "-m", "monarch_nb", "keygen", ""], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    _refused(r, "monarch-nb keygen: no path given; give keygen the path of the key file to write")
+    assert os.listdir(tmp_path) == []  # nor its temporary file
+
+
 def test_allocator_start_refuses_a_port_past_65535_and_a_gateway_it_cannot_open(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """zmq took tcp://127.0.0.1:99999 as port 34463 and the allocator advertised 99999; a
     --gateway that was no 127.0.0.1:PORT killed the allocator after `allocator start` had said
