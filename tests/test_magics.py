@@ -112,6 +112,24 @@ def test_help_and_clear_usage_errors(k: Kernel, tmp_path) -> None:
     _ok(k.run("%mesh stop ue"))  # the kernel is the module's
 
 
+def test_a_setting_that_is_wrong_fails_load_ext_in_one_line_and_load_ext_again_works(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # ten frames of monarch_nb ending in the ConfigError
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    kern = Kernel(env={"MONARCH_NB_RUNTIME_DIR": str(afile / "rt")}, load_ext=False)
+    try:
+        said = f"cannot make the runtime directory {afile}/rt: Not a directory ({afile}/rt); set MONARCH_NB_RUNTIME_DIR"
+        for code, words in [("%load_ext monarch_nb", "UsageError: monarch_nb: "), ("%mesh status", "UsageError: %mesh status: ")]:
+            c = kern.run(code)
+            assert c.reply["content"]["status"] == "error" and c.error is None, (code, c.msgs)
+            assert c.stream("stderr").startswith(words + said), (code, c.stream("stderr"))
+        rdir = tmp_path / "rt"
+        _ok(kern.run(f"import os\nos.environ['MONARCH_NB_RUNTIME_DIR'] = {str(rdir)!r}\n%load_ext monarch_nb"))
+        assert "no allocators known" in _ok(kern.run("%mesh status")).result
+    finally:
+        kern.close()
+
+
 def test_spawn_binds_variable_and_exec_keeps_a_namespace_per_proc(k: Kernel) -> None:
     c = _ok(k.run("%mesh spawn ns --per-host gpus=4"))
     assert "ns: 4 procs {gpus: 4}" in c.stream()
