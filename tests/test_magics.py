@@ -631,6 +631,41 @@ def test_a_dead_proc_fails_the_mesh_loudly_and_the_next_cell_respawns(k: Kernel)
     assert _ok(k.run("%%mesh exec frail\n7")).result.count("7") == 2
 
 
+def test_a_cell_on_a_mesh_whose_allocator_stopped_names_no_rank_as_live() -> None:
+    """Every proc went with its allocator (`monarch-nb allocator stop`): the next cell said
+    "rank 1 (1 of 2) was still running" and to go on with `--ranks 1`, which failed alike."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from conftest import PY
+
+    rdir = tempfile.mkdtemp(prefix="mnbx-", dir="/tmp")
+    os.chmod(rdir, 0o700)
+    env = {"MONARCH_NB_RUNTIME_DIR": rdir, "MONARCH_NB_ZYGOTE_PRELOAD": ""}
+    kern = Kernel(env=env)
+    try:
+        _ok(kern.run("%mesh spawn lost --per-host gpus=2"))
+        _ok(kern.run("%%mesh exec lost\n1"))
+        stop = subprocess.run(
+            [PY, "-m", "monarch_nb", "allocator", "stop"], env=dict(os.environ, **env), capture_output=True, text=True, timeout=60
+        )
+        assert stop.returncode == 0 and stop.stdout.startswith("stopped 1 allocator"), (stop.stdout, stop.stderr)
+        dead = "all(p.addr in controller_client().rt.supervision.dead for p in lost._procs)"
+        _ok(kern.run("from monarch_nb.actor import controller_client\n" + poll(dead, 30, "both procs known dead")))
+        c = kern.run("%%mesh exec lost\n1")
+        assert c.error is not None, c.msgs
+        text = c.error["evalue"]
+        assert "had died before it ran" in text and "still running" not in text and "--ranks" not in text, text
+        assert "every rank of this mesh had died (0-1): %mesh stop lost ends the mesh; spawn a new one to go on" in text, text
+    finally:
+        kern.close()
+        subprocess.run(
+            [PY, "-m", "monarch_nb", "allocator", "stop"], env=dict(os.environ, **env), capture_output=True, timeout=60
+        )
+        shutil.rmtree(rdir, ignore_errors=True)
+
+
 # counts the failures the kernel's unhandled_fault_hook was given, after it showed them: a cell
 # can wait for the notice to have been issued (while it still runs) instead of sleeping
 COUNT_FAULTS = """\
