@@ -631,9 +631,10 @@ def test_a_dead_proc_fails_the_mesh_loudly_and_the_next_cell_respawns(k: Kernel)
     assert _ok(k.run("%%mesh exec frail\n7")).result.count("7") == 2
 
 
-def test_a_cell_on_a_mesh_whose_allocator_stopped_names_no_rank_as_live() -> None:
+def test_a_mesh_whose_allocator_stopped_names_no_rank_as_live_and_stops() -> None:
     """Every proc went with its allocator (`monarch-nb allocator stop`): the next cell said
-    "rank 1 (1 of 2) was still running" and to go on with `--ranks 1`, which failed alike."""
+    "rank 1 (1 of 2) was still running" and to go on with `--ranks 1`, which failed alike; and
+    `%mesh stop` of that mesh failed, saying its procs were gone."""
     import shutil
     import subprocess
     import tempfile
@@ -658,6 +659,10 @@ def test_a_cell_on_a_mesh_whose_allocator_stopped_names_no_rank_as_live() -> Non
         text = c.error["evalue"]
         assert "had died before it ran" in text and "still running" not in text and "--ranks" not in text, text
         assert "every rank of this mesh had died (0-1): %mesh stop lost ends the mesh; spawn a new one to go on" in text, text
+        # as advised: it failed the cell with "could not stop lost: ... its procs are gone", at every try
+        for _ in range(2):
+            said = _ok(kern.run("%mesh stop lost")).stream()
+            assert said.startswith("mesh 'lost' was already stopped (allocator ") and said.endswith("its procs are gone)\n"), said
     finally:
         kern.close()
         subprocess.run(
