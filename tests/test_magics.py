@@ -88,6 +88,14 @@ def test_help_and_clear_usage_errors(k: Kernel, tmp_path) -> None:
             f"%mesh trace ue --out {tmp_path}/no/such/t.json",
             f"%mesh trace: --out '{tmp_path}/no/such/t.json': cannot write the trace file: No such file or directory",
         ),
+        # the user's value replaced by the mesh, a builtin hidden (every print() then failed)
+        (
+            "%mesh spawn kept_list --per-host gpus=1",
+            "%mesh spawn: the notebook variable 'kept_list' holds a list, which the mesh's variable would replace: "
+            "choose another name or `del kept_list` first",
+        ),
+        ("%mesh spawn print --per-host gpus=1", "%mesh spawn: 'print' is a Python builtin, which the mesh's variable"),
+        ("%mesh launch process kept_list", "%mesh launch: the notebook variable 'kept_list' holds a list"),
         # the default --hosts 1 for ssh: it waited for ssh to time out reaching a host named "1"
         ("%mesh launch ssh job1", "%mesh launch: an ssh job needs its hosts' names, comma-separated (--hosts h1,h2), got ''"),
         ("%mesh launch ssh job1 --hosts 2", "an ssh job needs its hosts' names, comma-separated (--hosts h1,h2), got '2'"),
@@ -105,10 +113,16 @@ def test_help_and_clear_usage_errors(k: Kernel, tmp_path) -> None:
     assert "no mesh named by %mesh spawn is running: name the mesh to use" in c.stream("stderr"), c.msgs
     _ok(k.run("%mesh spawn ue --per-host gpus=2\n%mesh spawn gone --per-host gpus=1\n%mesh stop gone"))
     _ok(k.run("%%mesh exec ue\n1"))  # spans for %mesh trace to write
+    _ok(k.run("kept_list = [1, 2, 3]"))
     for code, text in mistakes:
         c = k.run(code)
         assert c.reply["content"]["status"] == "error", code
         assert text in c.stream("stderr") and c.error is None, (code, c.msgs)
+    assert _ok(k.run("print(kept_list)")).stream() == "[1, 2, 3]\n"
+    # %mesh connect binds the meshes it finds: not over a value the user put there since
+    c = _ok(k.run("ue = 'mine'\n%mesh connect\nprint(ue)"))
+    assert c.stream().endswith("\nmine\n"), c.stream()
+    assert "not bound: the notebook variable 'ue' holds a str; ProcMesh.lookup('ue') gives the mesh\n" in c.stream("stderr")
     _ok(k.run("%mesh stop ue"))  # the kernel is the module's
 
 
@@ -310,12 +324,12 @@ def test_progress_bars_render_as_one_line_per_rank(k: Kernel) -> None:
 
 def test_a_line_printed_without_a_newline_shows_in_its_cell_when_the_call_ends(k: Kernel) -> None:
     # it waited in the allocator for the rank's next newline (maybe never), then went to a later cell
-    _ok(k.run("%mesh spawn open --per-host gpus=2"))
+    _ok(k.run("%mesh spawn unended --per-host gpus=2"))
     c = _ok(
-        k.run("%%mesh exec open\nfrom monarch_nb.actor import current_rank\nprint('no newline', current_rank().rank, end='')")
+        k.run("%%mesh exec unended\nfrom monarch_nb.actor import current_rank\nprint('no newline', current_rank().rank, end='')")
     )
     assert "[ranks 0-1 ×2] no newline 0…1\n" in c.stream(), c.msgs
-    c = _ok(k.run("%%mesh exec open\nprint('next')"))
+    c = _ok(k.run("%%mesh exec unended\nprint('next')"))
     assert c.stream() == "[ranks 0-1 ×2] next\n", c.stream()
 
 

@@ -79,6 +79,7 @@ def do_launch(self: Any, args: argparse.Namespace, cell: str | None) -> Any:
         if args.scheduler != "slurm":
             raise UsageError("%mesh launch: --no-exclusive is a Slurm option")
         options["exclusive"] = False
+    self._refuse_taken("%mesh launch", args.name)
     try:
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always", JobReplacedWarning)

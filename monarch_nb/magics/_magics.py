@@ -209,6 +209,39 @@ class MeshMagics(Magics):
     def _bind(self, name: str, value: Any) -> None:
         self.shell.user_ns[name] = value  # type: ignore[union-attr]
 
+    def _taken(self, name: str) -> str | None:
+        """What binding a mesh to the notebook variable ``name`` would lose (a value of the
+        user's that is no mesh, or a builtin it would hide), in words; None when nothing."""
+        import builtins
+
+        from ..actor import ActorMesh, HostMesh, ProcMesh
+
+        ns = self.shell.user_ns  # type: ignore[union-attr]
+        if name in ns:
+            v = ns[name]
+            return (
+                None
+                if isinstance(v, (ProcMesh, ActorMesh, HostMesh))
+                else f"the notebook variable {name!r} holds a {type(v).__name__}"
+            )
+        return f"{name!r} is a Python builtin" if hasattr(builtins, name) else None
+
+    def _refuse_taken(self, what: str, name: str) -> None:
+        # binding over it silently replaced the user's value (`data = load()`, then `%mesh spawn
+        # data`) or hid a builtin (`%mesh spawn print`: every print() then failed)
+        taken = self._taken(name)
+        if taken is not None:
+            undo = f" or `del {name}` first" if name in self.shell.user_ns else ""  # type: ignore[union-attr]
+            raise UsageError(f"{what}: {taken}, which the mesh's variable would replace: choose another name{undo}")
+
+    def _bind_found(self, name: str, pm: Any) -> None:
+        """Bind a mesh found on the allocators (re-attached, restarted), unless that loses a value."""
+        taken = self._taken(name)
+        if taken is None:
+            self._bind(name, pm)
+        else:
+            print(f"not bound: {taken}; ProcMesh.lookup({name!r}) gives the mesh", file=sys.stderr)
+
     def _do_connect(self, args: argparse.Namespace, cell: str | None) -> Any:
         if args.key_file and not args.targets:
             # the local allocator takes no key: the file went unread, a wrong path unnoticed
@@ -221,7 +254,7 @@ class MeshMagics(Magics):
         orphans = set(_mesh.orphaned_meshes())
         for name, pm in found.items():
             if not pm._stopped and name not in orphans:
-                self._bind(name, pm)
+                self._bind_found(name, pm)
         hosts = [h.host for h in hm._refs()]
         names = ", ".join(f"{n} {pm.extent}" for n, pm in found.items() if not pm._stopped and n not in orphans) or "none"
         print(f"connected to {len(hosts)} host(s): {', '.join(hosts)}; meshes: {names}")
@@ -238,6 +271,7 @@ class MeshMagics(Magics):
 
     def _do_spawn(self, args: argparse.Namespace, cell: str | None) -> Any:
         per_host = _kv(args.per_host)
+        self._refuse_taken("%mesh spawn", args.name)
         pm = _mesh.spawn(args.name, per_host, persist=False if args.no_persist else None)
         self._bind(args.name, pm)
         print(f"{args.name}: {plural(len(pm._procs), 'proc')} {pm.extent} on {len({p.host for p in pm._procs})} host(s)")
@@ -306,7 +340,7 @@ class MeshMagics(Magics):
         reports = _sync.sync(args.paths or None, **kw)
         if mode == "restart":
             for name, pm in _mesh.meshes().items():
-                self._bind(name, pm)
+                self._bind_found(name, pm)
         return reports[0] if len(reports) == 1 else reports
 
     def _do_env(self, args: argparse.Namespace, cell: str | None) -> Any:
