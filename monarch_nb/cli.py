@@ -476,6 +476,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(args.fn(args) or 0)
+    except BrokenPipeError:
+        # `monarch-nb logs NAME | head`: the reader has what it wanted. Python's traceback, and
+        # its second complaint at exit when it flushes stdout again, were all the user saw
+        import os
+        import signal
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except ConfigError as e:
         # a MONARCH_NB_* variable no setting means, a runtime directory refused: every command
         # reads them, and each says which in one line

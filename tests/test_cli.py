@@ -95,6 +95,26 @@ def test_keygen_with_an_empty_path_is_refused(tmp_path) -> None:  # type: ignore
     assert os.listdir(tmp_path) == []  # nor its temporary file
 
 
+def test_a_reader_that_closed_the_pipe_gets_no_traceback(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # `monarch-nb logs NAME | head`: a BrokenPipeError traceback, and Python's second complaint at exit
+    rdir = tmp_path / "rt"
+    rdir.mkdir(mode=0o700)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written: every write fails with EPIPE
+    try:
+        r = subprocess.run(
+            [PY, "-m", "monarch_nb", "status"],
+            env=dict(os.environ, MONARCH_NB_RUNTIME_DIR=str(rdir)),
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+    assert (r.returncode, r.stderr) == (128 + signal.SIGPIPE, ""), r
+
+
 def test_allocator_start_refuses_a_port_past_65535_and_a_gateway_it_cannot_open(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """zmq took tcp://127.0.0.1:99999 as port 34463 and the allocator advertised 99999; a
     --gateway that was no 127.0.0.1:PORT killed the allocator after `allocator start` had said
