@@ -210,6 +210,9 @@ def _stop_action(args: argparse.Namespace) -> int:
     from .errors import ConnectError, MeshNotFoundError
     from .introspect import _unreached_note, _unreached_where, known_status
 
+    if args.name is not None and args.all:
+        # "name a mesh or pass --all" alone read as if neither had been given
+        raise ValueError(f"name a mesh or pass --all, not both: `monarch-nb stop {args.name}` stops only it")
     if (args.name is None) == (not args.all):
         raise ValueError("name a mesh (as `monarch-nb status` lists it) or pass --all")
     # name -> (allocators that run it, the owner, whether the owner is a running controller);

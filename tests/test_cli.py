@@ -215,6 +215,7 @@ def test_stop_a_mesh_by_name_as_mesh_stop_does() -> None:
         _refused(_cli("stop", "nosuch", **env), "monarch-nb stop: no mesh named 'nosuch' on this host's allocators")
         _refused(_cli("stop", "held", **env), "monarch-nb stop: mesh 'held' is owned by controller ")
         _refused(_cli("stop", **env), "monarch-nb stop: name a mesh")
+        _refused(_cli("stop", "orphan", "--all", **env), "monarch-nb stop: name a mesh or pass --all, not both: ")
         # an allocator too busy to list its meshes in time is named, not read as having none
         from monarch_nb._runtime.records import read_connection_files
 
