@@ -333,6 +333,8 @@ def test_stacks_of_a_mesh_whose_kernel_is_stuck_from_a_terminal(tmp_path) -> Non
         assert r.returncode == 0 and r.stdout.startswith("stacks of mesh 'hung': 1 rank\n"), (r.stdout, r.stderr)
         assert "[rank 1] call stuck.wait_here_for_go" in r.stdout, r.stdout
         _refused(_cli("stacks", "nosuch", **env), "monarch-nb stacks: no mesh named 'nosuch' on this host's allocators")
+        # built the ranks 0 to 10^11 before looking at any
+        _refused(_cli("stacks", "hung", "--ranks", "0-99999999999", **env), "monarch-nb stacks: rank 2 is out of range")
         # the owner's call goes on, and its mesh is still its own
         go.touch()
         assert owner.stdout.readline() == "['done', 'done']\n"

@@ -65,6 +65,9 @@ def test_help_and_clear_usage_errors(k: Kernel, tmp_path) -> None:
         ("%%mesh exec nosuch\n1", "no mesh named 'nosuch'"),
         ("%%mesh exec gone\n1", "`ProcMesh` has already been stopped: proc mesh 'gone'"),
         ("%mesh stacks ue --ranks 7", "rank 7 is out of range"),
+        # the ranks 0 to 10^11 were built first: the kernel held for good, its memory filling
+        ("%mesh stacks ue --ranks 0-99999999999", "%mesh stacks: rank 2 is out of range: the mesh has ranks 0-1"),
+        ("%%mesh exec ue --ranks 0-99999999999\n1", "%%mesh exec: rank 2 is out of range: the mesh has ranks 0-1"),
         (f"%mesh sync {tmp_path}/missing", f"cannot sync {tmp_path}/missing: not a directory"),
         (f"%mesh sync --watch {tmp_path}/missing", f"cannot sync {tmp_path}/missing: not a directory"),
         ("%mesh connect 10.0.0.1:5555", "for a TCP address write tcp://10.0.0.1:5555"),
