@@ -99,6 +99,12 @@ def test_help_and_clear_usage_errors(k: Kernel, tmp_path) -> None:
         ),
         ("%mesh spawn print --per-host gpus=1", "%mesh spawn: 'print' is a Python builtin, which the mesh's variable"),
         ("%mesh launch process kept_list", "%mesh launch: the notebook variable 'kept_list' holds a list"),
+        # a TypeError and an IsADirectoryError traceback from the kubernetes client
+        (
+            f"%mesh launch k8s kj --kubeconfig {tmp_path}/word.yaml",
+            f"%mesh launch: cannot load kubeconfig '{tmp_path}/word.yaml': not a kubeconfig (YAML with clusters",
+        ),
+        (f"%mesh launch k8s kj --kubeconfig {tmp_path}", f"%mesh launch: cannot load kubeconfig '{tmp_path}': Is a directory"),
         # the default --hosts 1 for ssh: it waited for ssh to time out reaching a host named "1"
         ("%mesh launch ssh job1", "%mesh launch: an ssh job needs its hosts' names, comma-separated (--hosts h1,h2), got ''"),
         ("%mesh launch ssh job1 --hosts 2", "an ssh job needs its hosts' names, comma-separated (--hosts h1,h2), got '2'"),
@@ -117,6 +123,7 @@ def test_help_and_clear_usage_errors(k: Kernel, tmp_path) -> None:
     _ok(k.run("%mesh spawn ue --per-host gpus=2\n%mesh spawn gone --per-host gpus=1\n%mesh stop gone"))
     _ok(k.run("%%mesh exec ue\n1"))  # spans for %mesh trace to write
     _ok(k.run("kept_list = [1, 2, 3]"))
+    (tmp_path / "word.yaml").write_text("hostname\n")
     for code, text in mistakes:
         c = k.run(code)
         assert c.reply["content"]["status"] == "error", code
