@@ -105,6 +105,9 @@ def test_help_and_clear_usage_errors(k: Kernel, tmp_path) -> None:
             f"%mesh launch: cannot load kubeconfig '{tmp_path}/word.yaml': not a kubeconfig (YAML with clusters",
         ),
         (f"%mesh launch k8s kj --kubeconfig {tmp_path}", f"%mesh launch: cannot load kubeconfig '{tmp_path}': Is a directory"),
+        # it named --monarch-port and --python-exe, which are no options
+        ("%mesh launch process pj --port 5", "%mesh launch process: --port does not apply to process"),
+        ("%mesh launch ssh pj --hosts h1 --time 1:00", "%mesh launch ssh: --time does not apply to ssh"),
         # the default --hosts 1 for ssh: it waited for ssh to time out reaching a host named "1"
         ("%mesh launch ssh job1", "%mesh launch: an ssh job needs its hosts' names, comma-separated (--hosts h1,h2), got ''"),
         ("%mesh launch ssh job1 --hosts 2", "an ssh job needs its hosts' names, comma-separated (--hosts h1,h2), got '2'"),

@@ -65,6 +65,16 @@ _BY_SCHEDULER = {
 }
 
 
+#: the options whose argument name is not the flag: an error named --monarch-port, which is no option
+_FLAGS = {
+    "time_limit": "--time",
+    "python_exe": "--python",
+    "monarch_port": "--port",
+    "ssh_args": "--ssh-arg",
+    "slurm_args": "--slurm-arg",
+}
+
+
 def do_launch(self: Any, args: argparse.Namespace, cell: str | None) -> Any:
     allowed = _BY_SCHEDULER[args.scheduler]
     options = {}
@@ -73,7 +83,8 @@ def do_launch(self: Any, args: argparse.Namespace, cell: str | None) -> Any:
         if value is None:
             continue
         if key not in allowed:
-            raise UsageError(f"%mesh launch {args.scheduler}: --{key.replace('_', '-')} does not apply to {args.scheduler}")
+            flag = _FLAGS.get(key, "--" + key.replace("_", "-"))
+            raise UsageError(f"%mesh launch {args.scheduler}: {flag} does not apply to {args.scheduler}")
         options[key] = value
     if args.no_exclusive:
         if args.scheduler != "slurm":
