@@ -95,6 +95,17 @@ def test_keygen_with_an_empty_path_is_refused(tmp_path) -> None:  # type: ignore
     assert os.listdir(tmp_path) == []  # nor its temporary file
 
 
+def test_job_kill_with_no_name_and_no_current_job_says_so(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # "no job named '(current)'": a job nobody had called so
+    rdir = tmp_path / "rt"
+    rdir.mkdir(mode=0o700)
+    _refused(
+        _cli("job", "kill", MONARCH_NB_RUNTIME_DIR=str(rdir)),
+        f"monarch-nb job kill: no current job (none applied with `monarch-nb job apply`: no {rdir}/jobs/job_state.json); "
+        "name one to kill (known: none)",
+    )
+
+
 def test_a_reader_that_closed_the_pipe_gets_no_traceback(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # `monarch-nb logs NAME | head`: a BrokenPipeError traceback, and Python's second complaint at exit
     rdir = tmp_path / "rt"

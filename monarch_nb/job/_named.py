@@ -120,7 +120,12 @@ def kill(name: str | None = None) -> None:
         job = job_load(path)
     except FileNotFoundError:
         known = ", ".join(_job_files()) or "none"
-        raise JobError(f"no job named {name or '(current)'!r} (no {path}); known: {known}") from None
+        if not name or name == "(current)":
+            # "no job named '(current)'" named a job nobody had called so
+            raise JobError(
+                f"no current job (none applied with `monarch-nb job apply`: no {path}); name one to kill (known: {known})"
+            ) from None
+        raise JobError(f"no job named {name!r} (no {path}); known: {known}") from None
     job.kill()
     if os.path.exists(path):
         os.unlink(path)
