@@ -632,6 +632,16 @@ def test_logs_follow_prints_new_lines_until_interrupted(k: Kernel, tmp_path) -> 
     _ok(k.run("%mesh stop fo"))
 
 
+@pytest.mark.timeout(60)
+def test_logs_follow_of_a_stopped_mesh_prints_its_last_lines_and_ends(k: Kernel) -> None:
+    # it waited for lines a stopped mesh never writes: the kernel held until interrupted
+    _ok(k.run("%mesh spawn fstop --per-host gpus=1"))
+    _ok(k.run("%%mesh exec fstop\nprint('last words', flush=True)"))
+    _ok(k.run("%mesh stop fstop"))
+    c = _ok(k.run("%mesh logs fstop --follow", timeout=30))
+    assert c.stream() == "[0] last words\n(mesh fstop is stopped: no more lines will come)\n", c.stream()
+
+
 def test_logging_option_sets_the_window_of_a_mesh(k: Kernel) -> None:
     _ok(k.run("%mesh spawn lo --per-host gpus=3"))
     _ok(k.run("await lo.logging_option(stream_to_client=True, aggregate_window_sec=0)"))

@@ -310,7 +310,8 @@ class MeshMagics(Magics):
                 for r in _logs.follow(pm, args.rank, tail=args.tail if args.tail is not None else 10):
                     _print_row(r)
             except KeyboardInterrupt:
-                pass
+                return None
+            print(f"(mesh {args.name} is stopped: no more lines will come)")
             return None
         rows = _logs.logs(pm, args.rank, args.tail)
         for r in rows:
