@@ -43,12 +43,12 @@ def make_job(scheduler: str, name: str, hosts: str | int, **options: Any) -> Job
     if scheduler == "local":
         return LocalJob((name,), **options)
     if scheduler == "ssh":
-        names = [h.strip() for h in str(hosts).split(",") if h.strip()]
-        if not names or str(hosts).isdigit():
-            # a count, as the other schedulers take: ssh tried to reach a host named "1" (0.0.0.1)
+        if str(hosts).isdigit() or not str(hosts).strip():
+            # a count, as the other schedulers take, or none (%mesh launch ssh NAME without --hosts):
+            # ssh tried to reach a host named "1" (0.0.0.1)
             raise ValueError(f"an ssh job needs its hosts' names, comma-separated (--hosts h1,h2), got {hosts!r}")
         job = SSHJob(**options)
-        job.add_mesh(name, names)
+        job.add_mesh(name, [h for h in str(hosts).split(",") if h])
         return job
     if scheduler in ("k8s", "kubernetes"):
         from .kubernetes import make_job as make_k8s_job  # only here: the kubernetes client is optional
