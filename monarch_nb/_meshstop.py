@@ -33,9 +33,17 @@ def stop_proc_mesh(pm: ProcMesh, force: bool = False) -> None:
     try:
         pm.stop(force=force).get(timeout=controller_client().rt.cfg.spawn_timeout)
     except Exception as e:
+        allocs = {pm._procs[r].alloc for r in pm._view.ranks}
+        sup = controller_client().rt.supervision
+        if allocs and all(sup.was_shut_down(a) or sup.local_gone(a) for a in allocs):
+            # its allocators shut down (`monarch-nb allocator stop`) or their processes are gone,
+            # and the procs went with them: what was asked is done. "could not stop" said at every
+            # try failed the cell (Run all stopped there) for a mesh with nothing left to stop
+            root = getattr(pm, "_root", pm)
+            root._stop_reason, root._stopped_outside = str(getattr(e, "cause", "") or e), True
+            return
         # its allocators that did not answer, matched by the address this controller reaches them
         # at (a job's host is listed so, by the job, also once lost)
-        allocs = {pm._procs[r].alloc for r in pm._view.ranks}
         there = [a for a in known_status()["allocators"] if a.get("error") and {a.get("addr"), a.get("tcp")} & allocs]
         addrs = {a.get(k) for a in there for k in ("addr", "tcp")}
         missing = [i for i, r in enumerate(pm._view.ranks) if pm._procs[r].alloc in addrs]

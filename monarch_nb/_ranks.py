@@ -35,7 +35,10 @@ def parse_ranks(text: str, n: int) -> list[int]:
                 out.update(range(*slice(int(a) if a else None, int(b) if b else None).indices(n)))
             elif "-" in part[1:]:
                 a, _, b = part.partition("-")
-                out.update(range(int(a), int(b) + 1))
+                lo, hi = int(a), int(b)
+                # past the mesh, only its first rank out of range is kept (refused below): 0-99999999999
+                # built 10^11 ranks first, and held the kernel until it was killed
+                out.update(range(lo, min(hi, max(lo, n)) + 1))
             else:
                 out.add(int(part))
         except ValueError:

@@ -9,6 +9,7 @@ mesh over every attached host.
 
 from __future__ import annotations
 
+import keyword
 import os
 import re
 import threading
@@ -124,8 +125,8 @@ def hosts() -> HostMesh:
 
 def spawn(name: str, per_host: dict[str, int] | None = None, *, persist: bool | None = None, **kwargs: Any) -> ProcMesh:
     """A named proc mesh over every attached host, shaped ``per_host`` on each."""
-    if not name.isidentifier():
-        raise ValueError(f"mesh name {name!r} must be a Python identifier (the notebook binds a variable to it)")
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise ValueError(f"mesh name {name!r} must be a Python identifier, not a keyword (the notebook binds a variable to it)")
     with _lock:
         old = _meshes.get(name)
         if old is not None and not old._stopped:

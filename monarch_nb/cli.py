@@ -210,6 +210,9 @@ def _stop_action(args: argparse.Namespace) -> int:
     from .errors import ConnectError, MeshNotFoundError
     from .introspect import _unreached_note, _unreached_where, known_status
 
+    if args.name is not None and args.all:
+        # "name a mesh or pass --all" alone read as if neither had been given
+        raise ValueError(f"name a mesh or pass --all, not both: `monarch-nb stop {args.name}` stops only it")
     if (args.name is None) == (not args.all):
         raise ValueError("name a mesh (as `monarch-nb status` lists it) or pass --all")
     # name -> (allocators that run it, the owner, whether the owner is a running controller);
@@ -476,6 +479,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(args.fn(args) or 0)
+    except BrokenPipeError:
+        # `monarch-nb logs NAME | head`: the reader has what it wanted. Python's traceback, and
+        # its second complaint at exit when it flushes stdout again, were all the user saw
+        import os
+        import signal
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except ConfigError as e:
         # a MONARCH_NB_* variable no setting means, a runtime directory refused: every command
         # reads them, and each says which in one line

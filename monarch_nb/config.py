@@ -242,8 +242,16 @@ def runtime_dir(cfg: Config | None = None) -> str:
                 os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "jupyter", "runtime"
             )
             path = base
-    check_path_to(path)
-    _make_dirs(os.path.abspath(path), 0o700)
+    try:
+        check_path_to(path)
+        _make_dirs(os.path.abspath(path), 0o700)
+    except OSError as e:
+        # a file on the path, a read-only or pseudo file system: every command and magic reads
+        # this first, and an OSError's traceback named neither the setting nor the way out
+        why = f"{e.filename} is a file" if isinstance(e, FileExistsError) else f"{e.strerror} ({e.filename or path})"
+        raise ConfigError(
+            f"cannot make the runtime directory {path}: {why}; set MONARCH_NB_RUNTIME_DIR to a directory you can write"
+        ) from None
     _check_private_dir(path, chosen)
     return path
 

@@ -310,8 +310,9 @@ def _job_logs(
 
 
 def follow(mesh: Any, rank: int | None = None, tail: int = 10, poll: float = 0.25) -> Iterator[dict[str, Any]]:
-    """Yield the last ``tail`` lines, then new lines as ranks write them (until the caller stops).
-    Ranks on a job's host that does not answer: as :func:`logs`."""
+    """Yield the last ``tail`` lines, then new lines as ranks write them (until the caller stops,
+    or, for a proc mesh this process knows is stopped, until its last lines are read). Ranks on
+    a job's host that does not answer: as :func:`logs`."""
     import warnings
 
     from .errors import ConnectError
@@ -344,8 +345,13 @@ def follow(mesh: Any, rank: int | None = None, tail: int = 10, poll: float = 0.2
         seen[r["rank"]] = seen.get(r["rank"], 0) + 1
     yield from rows[-tail:] if tail else []
     while True:
+        # a mesh this process knows is stopped writes no more: following it waited until the
+        # caller gave up (`%mesh logs NAME --follow` held the kernel until interrupted)
+        stopped = bool(getattr(mesh, "_stopped", False))
         time.sleep(poll)  # the allocator keeps files, not subscriptions, for ranks' past output
         rows = fetch(seen)
         for r in rows:
             seen[r["rank"]] = seen.get(r["rank"], 0) + 1
         yield from rows
+        if stopped and not rows:
+            return

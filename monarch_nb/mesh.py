@@ -148,9 +148,11 @@ def exec_cell(
         dead = pm._view.ranks.index(e.rank) if e.rank in pm._view.ranks else e.rank
         left = call._progress[0][0] if call._progress else 0
         # the future counts the ranks that had not answered; when that is every rank but the dead
-        # one, they are known by name
-        others = [i for i in idx if i != dead]
-        running: list[int] | int = others if left == len(others) else left
+        # one, they are known by name. Ranks known dead too (their allocator stopped with them)
+        # run nothing: they were named as running, and as the live ranks to go on with
+        gone = {dead, *am._known_failed_all()}
+        others = [i for i in idx if i not in gone]
+        running: list[int] | int = others if left == len(others) or not others else min(left, len(others))
         host = f" (host {e.host})" if e.host else ""
         if dead_before is None:
             lines = [f"the cell failed on mesh {pm.name!r}: the process of rank {dead} died{host}: {e.cause}"]
@@ -161,8 +163,13 @@ def exec_cell(
         still = _errgroup.running_line(running, len(idx))
         if still:
             lines.append(f"{still}; the next cell on this mesh waits for them (%mesh stop {pm.name} ends them)")
-        if dead_before is not None:
-            live = format_ranks([i for i in idx if i != dead])
+        if dead_before is not None and not others:
+            lines.append(
+                f"every rank of this mesh had died ({format_ranks(sorted(gone & set(idx)))}): %mesh stop {pm.name} ends "
+                f"the mesh; spawn a new one to go on"
+            )
+        elif dead_before is not None:
+            live = format_ranks(others)
             lines.append(
                 f"every cell on all of this mesh's ranks fails so: %%mesh exec {pm.name} --ranks {live} runs one on the "
                 f"live ranks; %mesh stop {pm.name} ends the mesh (spawn a new one to use every rank again)"

@@ -72,6 +72,88 @@ def test_a_bad_setting_in_the_environment_is_named_by_every_command() -> None:
     _refused(_cli("status", MONARCH_NB_RUNTIME_DIR="/tmp"), "monarch-nb status: the runtime directory /tmp is a shared directory")
 
 
+def test_a_runtime_directory_that_cannot_be_made_is_named(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # an OSError traceback from config.runtime_dir, naming neither the setting nor the way out
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    _refused(
+        _cli("status", MONARCH_NB_RUNTIME_DIR=str(afile)),
+        f"monarch-nb status: cannot make the runtime directory {afile}: {afile} is a file; "
+        "set MONARCH_NB_RUNTIME_DIR to a directory you can write",
+    )
+    _refused(
+        _cli("allocator", "start", MONARCH_NB_RUNTIME_DIR=f"{afile}/rt"),
+        f"monarch-nb allocator start: cannot make the runtime directory {afile}/rt: Not a directory ({afile}/rt); ",
+    )
+    _refused(_cli("logs", "m", MONARCH_NB_RUNTIME_DIR="/proc/nosuch"), "monarch-nb logs: cannot make the runtime directory")
+
+
+def test_keygen_with_an_empty_path_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # `monarch-nb keygen "$KEYFILE"` with the variable unset: a FileNotFoundError traceback
+    r = subprocess.run([PY, "-m", "monarch_nb", "keygen", ""], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    _refused(r, "monarch-nb keygen: no path given; give keygen the path of the key file to write")
+    assert os.listdir(tmp_path) == []  # nor its temporary file
+
+
+def test_job_kill_with_no_name_and_no_current_job_says_so(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # "no job named '(current)'": a job nobody had called so
+    rdir = tmp_path / "rt"
+    rdir.mkdir(mode=0o700)
+    _refused(
+        _cli("job", "kill", MONARCH_NB_RUNTIME_DIR=str(rdir)),
+        f"monarch-nb job kill: no current job (none applied with `monarch-nb job apply`: no {rdir}/jobs/job_state.json); "
+        "name one to kill (known: none)",
+    )
+
+
+def test_a_reader_that_closed_the_pipe_gets_no_traceback(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # `monarch-nb logs NAME | head`: a BrokenPipeError traceback, and Python's second complaint at exit
+    rdir = tmp_path / "rt"
+    rdir.mkdir(mode=0o700)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written: every write fails with EPIPE
+    try:
+        r = subprocess.run(
+            [PY, "-m", "monarch_nb", "status"],
+            env=dict(os.environ, MONARCH_NB_RUNTIME_DIR=str(rdir)),
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+    assert (r.returncode, r.stderr) == (128 + signal.SIGPIPE, ""), r
+
+
+def test_allocator_start_refuses_a_port_past_65535_and_a_gateway_it_cannot_open(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """zmq took tcp://127.0.0.1:99999 as port 34463 and the allocator advertised 99999; a
+    --gateway that was no 127.0.0.1:PORT killed the allocator after `allocator start` had said
+    it ran (exit 0), its record left behind as a dead allocator."""
+    import shutil
+    import tempfile
+
+    rdir = tempfile.mkdtemp(prefix="mnbp-", dir="/tmp")
+    os.chmod(rdir, 0o700)
+    env = {"MONARCH_NB_RUNTIME_DIR": rdir, "MONARCH_NB_ZYGOTE_PRELOAD": ""}
+    key = str(tmp_path / "key")
+    try:
+        assert _cli("keygen", key).returncode == 0
+        starting = "monarch-nb allocator start: the local allocator exited with code 1 while starting:\n"
+        for bind in ("tcp://127.0.0.1:99999", "tcp://127.0.0.1:99999@tcp://127.0.0.1:0"):
+            r = _cli("allocator", "start", "--bind", bind, **env)
+            _refused(r, starting)
+            assert "monarch-nb allocator run: 'tcp://127.0.0.1:99999' is not an address: port 99999 is over 65535" in r.stderr
+        for gateway in ("garbage", "10.0.0.1:5000", "127.0.0.1:70000"):
+            r = _cli("allocator", "start", "--key-file", key, "--bind", "tcp://127.0.0.1:0", "--gateway", gateway, **env)
+            _refused(r, starting)
+            assert f"monarch-nb allocator run: --gateway {gateway!r}: expected 127.0.0.1:PORT" in r.stderr, r.stderr
+        assert _cli("allocator", "status", **env).stdout == "no allocators registered\n"
+    finally:
+        _cli("allocator", "stop", **env)
+        shutil.rmtree(rdir, ignore_errors=True)
+
+
 def test_every_command_and_option_is_in_the_docs() -> None:
     """The README's "Command line" block lists each command (it lacked `job`), and every option
     a command takes is written down somewhere a user reads (the README or docs/)."""
@@ -144,6 +226,7 @@ def test_stop_a_mesh_by_name_as_mesh_stop_does() -> None:
         _refused(_cli("stop", "nosuch", **env), "monarch-nb stop: no mesh named 'nosuch' on this host's allocators")
         _refused(_cli("stop", "held", **env), "monarch-nb stop: mesh 'held' is owned by controller ")
         _refused(_cli("stop", **env), "monarch-nb stop: name a mesh")
+        _refused(_cli("stop", "orphan", "--all", **env), "monarch-nb stop: name a mesh or pass --all, not both: ")
         # an allocator too busy to list its meshes in time is named, not read as having none
         from monarch_nb._runtime.records import read_connection_files
 
@@ -261,6 +344,8 @@ def test_stacks_of_a_mesh_whose_kernel_is_stuck_from_a_terminal(tmp_path) -> Non
         assert r.returncode == 0 and r.stdout.startswith("stacks of mesh 'hung': 1 rank\n"), (r.stdout, r.stderr)
         assert "[rank 1] call stuck.wait_here_for_go" in r.stdout, r.stdout
         _refused(_cli("stacks", "nosuch", **env), "monarch-nb stacks: no mesh named 'nosuch' on this host's allocators")
+        # built the ranks 0 to 10^11 before looking at any
+        _refused(_cli("stacks", "hung", "--ranks", "0-99999999999", **env), "monarch-nb stacks: rank 2 is out of range")
         # the owner's call goes on, and its mesh is still its own
         go.touch()
         assert owner.stdout.readline() == "['done', 'done']\n"

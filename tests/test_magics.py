@@ -65,6 +65,9 @@ def test_help_and_clear_usage_errors(k: Kernel, tmp_path) -> None:
         ("%%mesh exec nosuch\n1", "no mesh named 'nosuch'"),
         ("%%mesh exec gone\n1", "`ProcMesh` has already been stopped: proc mesh 'gone'"),
         ("%mesh stacks ue --ranks 7", "rank 7 is out of range"),
+        # the ranks 0 to 10^11 were built first: the kernel held for good, its memory filling
+        ("%mesh stacks ue --ranks 0-99999999999", "%mesh stacks: rank 2 is out of range: the mesh has ranks 0-1"),
+        ("%%mesh exec ue --ranks 0-99999999999\n1", "%%mesh exec: rank 2 is out of range: the mesh has ranks 0-1"),
         (f"%mesh sync {tmp_path}/missing", f"cannot sync {tmp_path}/missing: not a directory"),
         (f"%mesh sync --watch {tmp_path}/missing", f"cannot sync {tmp_path}/missing: not a directory"),
         ("%mesh connect 10.0.0.1:5555", "for a TCP address write tcp://10.0.0.1:5555"),
@@ -72,17 +75,86 @@ def test_help_and_clear_usage_errors(k: Kernel, tmp_path) -> None:
         # the debugger's commands failed the cell too, not only printed "error: ..." (Run all went on)
         ("%mesh attach nosuch 0", "%mesh attach: no paused session for nosuch rank 0"),
         ("%mesh debug cast ue abc p x", "%mesh debug cast: "),
+        # the last size won: a mesh of 2 procs, a shape the line did not say
+        ("%mesh spawn x --per-host gpus=1,gpus=2", "--per-host names 'gpus' twice ('gpus=1,gpus=2')"),
+        # bound to a variable no cell can name
+        ("%mesh spawn def --per-host gpus=1", "mesh name 'def' must be a Python identifier, not a keyword"),
+        # taken as they were: a dashboard refreshing without pause, a timeout that was none
+        ("%mesh stacks ue --timeout 0", "argument --timeout: a number of seconds above 0, got '0'"),
+        ("%mesh dashboard ue --interval -1", "argument --interval: a number of seconds above 0, got '-1'"),
+        # a ValueError traceback from mesh.stop
+        ("%mesh stop ue --all", "%mesh stop: name a mesh or pass --all, not both: `%mesh stop ue` stops only it"),
+        # "connected", the key file never read: a wrong path went unnoticed
+        ("%mesh connect --key-file nokey", "%mesh connect: --key-file is for the tcp:// allocators named with it"),
+        # a FileNotFoundError traceback (the spans are still the allocators')
+        (
+            f"%mesh trace ue --out {tmp_path}/no/such/t.json",
+            f"%mesh trace: --out '{tmp_path}/no/such/t.json': cannot write the trace file: No such file or directory",
+        ),
+        # the user's value replaced by the mesh, a builtin hidden (every print() then failed)
+        (
+            "%mesh spawn kept_list --per-host gpus=1",
+            "%mesh spawn: the notebook variable 'kept_list' holds a list, which the mesh's variable would replace: "
+            "choose another name or `del kept_list` first",
+        ),
+        ("%mesh spawn print --per-host gpus=1", "%mesh spawn: 'print' is a Python builtin, which the mesh's variable"),
+        ("%mesh launch process kept_list", "%mesh launch: the notebook variable 'kept_list' holds a list"),
+        # a TypeError and an IsADirectoryError traceback from the kubernetes client
+        (
+            f"%mesh launch k8s kj --kubeconfig {tmp_path}/word.yaml",
+            f"%mesh launch: cannot load kubeconfig '{tmp_path}/word.yaml': not a kubeconfig (YAML with clusters",
+        ),
+        (f"%mesh launch k8s kj --kubeconfig {tmp_path}", f"%mesh launch: cannot load kubeconfig '{tmp_path}': Is a directory"),
+        # it named --monarch-port and --python-exe, which are no options
+        ("%mesh launch process pj --port 5", "%mesh launch process: --port does not apply to process"),
+        ("%mesh launch ssh pj --hosts h1 --time 1:00", "%mesh launch ssh: --time does not apply to ssh"),
+        # the default --hosts 1 for ssh: it waited for ssh to time out reaching a host named "1"
+        ("%mesh launch ssh job1", "%mesh launch: an ssh job needs its hosts' names, comma-separated (--hosts h1,h2), got ''"),
+        ("%mesh launch ssh job1 --hosts 2", "an ssh job needs its hosts' names, comma-separated (--hosts h1,h2), got '2'"),
     ]
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 10**8:
+        # an OSError traceback, though its message said what to do (an unlimited kernel would try)
+        mistakes.append(
+            ("%mesh spawn huge --per-host gpus=99999999", "%mesh spawn: [Errno 24] spawning 99999999 procs ('huge') needs")
+        )
     # no %mesh-named mesh yet (the module's first test): "0 are running (none)" read as if a mesh
     # of the Python API, which an unnamed exec cannot see, were gone
     c = k.run("%%mesh exec\n1")
     assert "no mesh named by %mesh spawn is running: name the mesh to use" in c.stream("stderr"), c.msgs
     _ok(k.run("%mesh spawn ue --per-host gpus=2\n%mesh spawn gone --per-host gpus=1\n%mesh stop gone"))
+    _ok(k.run("%%mesh exec ue\n1"))  # spans for %mesh trace to write
+    _ok(k.run("kept_list = [1, 2, 3]"))
+    (tmp_path / "word.yaml").write_text("hostname\n")
     for code, text in mistakes:
         c = k.run(code)
         assert c.reply["content"]["status"] == "error", code
         assert text in c.stream("stderr") and c.error is None, (code, c.msgs)
+    assert _ok(k.run("print(kept_list)")).stream() == "[1, 2, 3]\n"
+    # %mesh connect binds the meshes it finds: not over a value the user put there since
+    c = _ok(k.run("ue = 'mine'\n%mesh connect\nprint(ue)"))
+    assert c.stream().endswith("\nmine\n"), c.stream()
+    assert "not bound: the notebook variable 'ue' holds a str; ProcMesh.lookup('ue') gives the mesh\n" in c.stream("stderr")
     _ok(k.run("%mesh stop ue"))  # the kernel is the module's
+
+
+def test_a_setting_that_is_wrong_fails_load_ext_in_one_line_and_load_ext_again_works(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # ten frames of monarch_nb ending in the ConfigError
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    kern = Kernel(env={"MONARCH_NB_RUNTIME_DIR": str(afile / "rt")}, load_ext=False)
+    try:
+        said = f"cannot make the runtime directory {afile}/rt: Not a directory ({afile}/rt); set MONARCH_NB_RUNTIME_DIR"
+        for code, words in [("%load_ext monarch_nb", "UsageError: monarch_nb: "), ("%mesh status", "UsageError: %mesh status: ")]:
+            c = kern.run(code)
+            assert c.reply["content"]["status"] == "error" and c.error is None, (code, c.msgs)
+            assert c.stream("stderr").startswith(words + said), (code, c.stream("stderr"))
+        rdir = tmp_path / "rt"
+        _ok(kern.run(f"import os\nos.environ['MONARCH_NB_RUNTIME_DIR'] = {str(rdir)!r}\n%load_ext monarch_nb"))
+        assert "no allocators known" in _ok(kern.run("%mesh status")).result
+    finally:
+        kern.close()
 
 
 def test_spawn_binds_variable_and_exec_keeps_a_namespace_per_proc(k: Kernel) -> None:
@@ -265,12 +337,12 @@ def test_progress_bars_render_as_one_line_per_rank(k: Kernel) -> None:
 
 def test_a_line_printed_without_a_newline_shows_in_its_cell_when_the_call_ends(k: Kernel) -> None:
     # it waited in the allocator for the rank's next newline (maybe never), then went to a later cell
-    _ok(k.run("%mesh spawn open --per-host gpus=2"))
+    _ok(k.run("%mesh spawn unended --per-host gpus=2"))
     c = _ok(
-        k.run("%%mesh exec open\nfrom monarch_nb.actor import current_rank\nprint('no newline', current_rank().rank, end='')")
+        k.run("%%mesh exec unended\nfrom monarch_nb.actor import current_rank\nprint('no newline', current_rank().rank, end='')")
     )
     assert "[ranks 0-1 ×2] no newline 0…1\n" in c.stream(), c.msgs
-    c = _ok(k.run("%%mesh exec open\nprint('next')"))
+    c = _ok(k.run("%%mesh exec unended\nprint('next')"))
     assert c.stream() == "[ranks 0-1 ×2] next\n", c.stream()
 
 
@@ -560,6 +632,16 @@ def test_logs_follow_prints_new_lines_until_interrupted(k: Kernel, tmp_path) -> 
     _ok(k.run("%mesh stop fo"))
 
 
+@pytest.mark.timeout(60)
+def test_logs_follow_of_a_stopped_mesh_prints_its_last_lines_and_ends(k: Kernel) -> None:
+    # it waited for lines a stopped mesh never writes: the kernel held until interrupted
+    _ok(k.run("%mesh spawn fstop --per-host gpus=1"))
+    _ok(k.run("%%mesh exec fstop\nprint('last words', flush=True)"))
+    _ok(k.run("%mesh stop fstop"))
+    c = _ok(k.run("%mesh logs fstop --follow", timeout=30))
+    assert c.stream() == "[0] last words\n(mesh fstop is stopped: no more lines will come)\n", c.stream()
+
+
 def test_logging_option_sets_the_window_of_a_mesh(k: Kernel) -> None:
     _ok(k.run("%mesh spawn lo --per-host gpus=3"))
     _ok(k.run("await lo.logging_option(stream_to_client=True, aggregate_window_sec=0)"))
@@ -584,6 +666,46 @@ def test_a_dead_proc_fails_the_mesh_loudly_and_the_next_cell_respawns(k: Kernel)
     c = _ok(k.run("%mesh spawn frail --per-host gpus=2"))
     assert "frail: 2 procs" in c.stream()
     assert _ok(k.run("%%mesh exec frail\n7")).result.count("7") == 2
+
+
+def test_a_mesh_whose_allocator_stopped_names_no_rank_as_live_and_stops() -> None:
+    """Every proc went with its allocator (`monarch-nb allocator stop`): the next cell said
+    "rank 1 (1 of 2) was still running" and to go on with `--ranks 1`, which failed alike; and
+    `%mesh stop` of that mesh failed, saying its procs were gone."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from conftest import PY
+
+    rdir = tempfile.mkdtemp(prefix="mnbx-", dir="/tmp")
+    os.chmod(rdir, 0o700)
+    env = {"MONARCH_NB_RUNTIME_DIR": rdir, "MONARCH_NB_ZYGOTE_PRELOAD": ""}
+    kern = Kernel(env=env)
+    try:
+        _ok(kern.run("%mesh spawn lost --per-host gpus=2"))
+        _ok(kern.run("%%mesh exec lost\n1"))
+        stop = subprocess.run(
+            [PY, "-m", "monarch_nb", "allocator", "stop"], env=dict(os.environ, **env), capture_output=True, text=True, timeout=60
+        )
+        assert stop.returncode == 0 and stop.stdout.startswith("stopped 1 allocator"), (stop.stdout, stop.stderr)
+        dead = "all(p.addr in controller_client().rt.supervision.dead for p in lost._procs)"
+        _ok(kern.run("from monarch_nb.actor import controller_client\n" + poll(dead, 30, "both procs known dead")))
+        c = kern.run("%%mesh exec lost\n1")
+        assert c.error is not None, c.msgs
+        text = c.error["evalue"]
+        assert "had died before it ran" in text and "still running" not in text and "--ranks" not in text, text
+        assert "every rank of this mesh had died (0-1): %mesh stop lost ends the mesh; spawn a new one to go on" in text, text
+        # as advised: it failed the cell with "could not stop lost: ... its procs are gone", at every try
+        for _ in range(2):
+            said = _ok(kern.run("%mesh stop lost")).stream()
+            assert said.startswith("mesh 'lost' was already stopped (allocator ") and said.endswith("its procs are gone)\n"), said
+    finally:
+        kern.close()
+        subprocess.run(
+            [PY, "-m", "monarch_nb", "allocator", "stop"], env=dict(os.environ, **env), capture_output=True, timeout=60
+        )
+        shutil.rmtree(rdir, ignore_errors=True)
 
 
 # counts the failures the kernel's unhandled_fault_hook was given, after it showed them: a cell

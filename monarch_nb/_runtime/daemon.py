@@ -57,6 +57,9 @@ def run_allocator(
         tcp_ip, port = split_tcp(bind)
     if gateway and (key is None or not tcp_ip):
         raise ValueError("--gateway needs --key-file and a --bind address (what the job's hosts reach this one at)")
+    # read before the allocator serves: a gateway it cannot open killed it after `allocator start`
+    # had reported it running
+    gw_listen = gateway_listen(gateway) if gateway else None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # a daemon that crashes leaves every thread's Python stack in its log, not only an exit code
     faulthandler.enable()
@@ -74,12 +77,11 @@ def run_allocator(
             alloc.rt.tcp_addr,
             os.path.join(alloc.runtime_dir, LOCAL_KEY_FILE),
         )
-    if gateway and key is not None:
+    if gw_listen and key is not None:
         from .gateway import GatewayServer
 
-        gw_host, _, gw_port = gateway.rpartition(":")
         # the reverse listener binds the address the allocator serves at (a wildcard resolved)
-        srv = GatewayServer((gw_host or "127.0.0.1", int(gw_port)), split_tcp(alloc.rt.tcp_addr)[0], key)
+        srv = GatewayServer(gw_listen, split_tcp(alloc.rt.tcp_addr)[0], key)
         logging.getLogger(__name__).info("gateway for controllers outside the cluster at %s:%d", *srv.addr[:2])
     signal.signal(
         signal.SIGTERM,
@@ -94,6 +96,24 @@ def run_allocator(
     alloc.serve_forever()
 
 
+def gateway_listen(gateway: str) -> tuple[str, int]:
+    """(IP, port) of ``--gateway [127.0.0.1:]PORT``, or a ValueError saying what it takes."""
+    import ipaddress
+
+    host, _, port = gateway.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not (port.isdigit() and int(port) < 65536 and loopback):
+        raise ValueError(
+            f"--gateway {gateway!r}: expected 127.0.0.1:PORT (a loopback IP and a port up to 65535), "
+            "where a port-forward reaches this host"
+        )
+    return host, int(port)
+
+
 def check_bind(bind: str | None, key: bytes | None) -> tuple[str | None, str]:
     """(where to bind, the address to advertise or "") for ``--bind`` in any of Monarch's forms
     (``[proc-id@]tcp://advertised:port[@tcp://bind-ip:port]``) or ``tcp://route:PEER:PORT``;
@@ -106,6 +126,8 @@ def check_bind(bind: str | None, key: bytes | None) -> tuple[str | None, str]:
         advertise, bind = worker_address(bind)
         if advertise == bind:
             advertise = ""
+        elif advertise.startswith("tcp://"):
+            split_tcp(advertise)  # peers dial it: a port past 65535 is refused here, not by each of them
         if bind.startswith("ipc://"):
             # served besides the runtime directory's socket, as Monarch's worker loop serves it
             return bind, ""

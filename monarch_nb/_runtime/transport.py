@@ -262,6 +262,9 @@ def split_tcp(addr: str) -> tuple[str, int]:
     host, sep, port = addr[len("tcp://") :].rpartition(":") if addr.startswith("tcp://") else ("", "", "")
     if not (sep and host and port.isdigit()):
         raise ValueError(_not_an_address(addr))
+    if int(port) > 65535:
+        # zmq takes the port modulo 65536: tcp://127.0.0.1:99999 served at 34463, advertised as 99999
+        raise ValueError(f"{addr!r} is not an address: port {port} is over 65535")
     return host.strip("[]"), int(port)
 
 

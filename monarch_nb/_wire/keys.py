@@ -34,6 +34,9 @@ def write_key_file(path: str, key: bytes | None = None) -> bytes:
     someone planted, is replaced rather than written through and left readable.
     """
     key = key or generate_key()
+    if not path:
+        # the rename below failed with a FileNotFoundError traceback naming '' and a temporary file
+        raise ConfigError("no path given; give keygen the path of the key file to write")
     if os.path.isdir(path):
         raise ConfigError(f"{path!r} is a directory; give keygen the path of the key file to write")
     tmp = f"{path}.{secrets.token_hex(6)}.tmp"

@@ -373,6 +373,13 @@ class ActorMesh(MeshTrait, Generic[T]):
                 return i
         return None
 
+    def _known_failed_all(self) -> list[int]:
+        """Every index (in this view) that :meth:`_known_failed` could name."""
+        sup = self._sup
+        failed = sup.failed if sup is not None else ()
+        dead = _context.runtime().supervision.dead
+        return [i for i, r in enumerate(self._view.ranks) if r in failed or self._procs[r].addr in dead]
+
     def _key(self) -> tuple[str, str]:
         # an actor mesh is its name on its procs (slices and copies share it)
         return (self._name, self._procs[0].addr if self._procs else "")

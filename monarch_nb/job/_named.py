@@ -43,6 +43,10 @@ def make_job(scheduler: str, name: str, hosts: str | int, **options: Any) -> Job
     if scheduler == "local":
         return LocalJob((name,), **options)
     if scheduler == "ssh":
+        if str(hosts).isdigit() or not str(hosts).strip():
+            # a count, as the other schedulers take, or none (%mesh launch ssh NAME without --hosts):
+            # ssh tried to reach a host named "1" (0.0.0.1)
+            raise ValueError(f"an ssh job needs its hosts' names, comma-separated (--hosts h1,h2), got {hosts!r}")
         job = SSHJob(**options)
         job.add_mesh(name, [h for h in str(hosts).split(",") if h])
         return job
@@ -116,7 +120,12 @@ def kill(name: str | None = None) -> None:
         job = job_load(path)
     except FileNotFoundError:
         known = ", ".join(_job_files()) or "none"
-        raise JobError(f"no job named {name or '(current)'!r} (no {path}); known: {known}") from None
+        if not name or name == "(current)":
+            # "no job named '(current)'" named a job nobody had called so
+            raise JobError(
+                f"no current job (none applied with `monarch-nb job apply`: no {path}); name one to kill (known: {known})"
+            ) from None
+        raise JobError(f"no job named {name!r} (no {path}); known: {known}") from None
     job.kill()
     if os.path.exists(path):
         os.unlink(path)

@@ -102,6 +102,13 @@ class KubeConfig:
                 config.load_kube_config(config_file=str(self.local), client_configuration=cfg)
             except config.ConfigException as e:
                 raise JobError(f"cannot load kubeconfig {str(self.local)!r}: {e}") from e
+            except OSError as e:  # a directory, a file not readable
+                raise JobError(f"cannot load kubeconfig {str(self.local)!r}: {e.strerror}") from e
+            except (TypeError, AttributeError, ValueError) as e:
+                # YAML that is no kubeconfig (a word, a list): the client's TypeError named nothing
+                raise JobError(
+                    f"cannot load kubeconfig {str(self.local)!r}: not a kubeconfig (YAML with clusters, contexts and users)"
+                ) from e
         else:
             try:
                 config.load_incluster_config(client_configuration=cfg)

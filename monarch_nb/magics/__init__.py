@@ -18,11 +18,21 @@ _output: KernelOutput | None = None
 
 def load_ipython_extension(ip: Any) -> None:
     global _output
+    from IPython.core.error import UsageError
+
     from ..actor import controller_client
+    from ..errors import ConfigError
 
     ip.register_magics(MeshMagics)
     if _output is None and getattr(ip, "kernel", None) is not None:
-        _output = KernelOutput(ip, controller_client())
+        try:
+            client = controller_client()
+        except ConfigError as e:
+            # a MONARCH_NB_* setting that is wrong (a runtime directory that cannot be made): one
+            # line, as each %mesh then says it, not ten frames of monarch_nb; %load_ext again
+            # once it is fixed
+            raise UsageError(f"monarch_nb: {e}") from None
+        _output = KernelOutput(ip, client)
         _output.install()
 
 

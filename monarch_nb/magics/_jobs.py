@@ -22,7 +22,7 @@ def add_parsers(p: dict[str, Any], parser_cls: type) -> None:
     la = p["launch"] = parser_cls(prog="%mesh launch", description="Apply or re-attach to a named job; bind NAME to its hosts.")
     la.add_argument("scheduler", choices=["slurm", "ssh", "process", "local", "k8s"])
     la.add_argument("name", help="job name; also the host mesh's name and the notebook variable bound to it")
-    la.add_argument("--hosts", default="1", help="a node count (slurm, process, k8s) or host list h1,h2 (ssh)")
+    la.add_argument("--hosts", help="a node count (slurm, process, k8s; default 1) or host list h1,h2 (ssh)")
     la.add_argument("--partition")
     la.add_argument("--time", dest="time_limit", help="Slurm walltime, e.g. 2:00:00")
     la.add_argument("--gpus-per-node", type=int)
@@ -65,6 +65,16 @@ _BY_SCHEDULER = {
 }
 
 
+#: the options whose argument name is not the flag: an error named --monarch-port, which is no option
+_FLAGS = {
+    "time_limit": "--time",
+    "python_exe": "--python",
+    "monarch_port": "--port",
+    "ssh_args": "--ssh-arg",
+    "slurm_args": "--slurm-arg",
+}
+
+
 def do_launch(self: Any, args: argparse.Namespace, cell: str | None) -> Any:
     allowed = _BY_SCHEDULER[args.scheduler]
     options = {}
@@ -73,16 +83,19 @@ def do_launch(self: Any, args: argparse.Namespace, cell: str | None) -> Any:
         if value is None:
             continue
         if key not in allowed:
-            raise UsageError(f"%mesh launch {args.scheduler}: --{key.replace('_', '-')} does not apply to {args.scheduler}")
+            flag = _FLAGS.get(key, "--" + key.replace("_", "-"))
+            raise UsageError(f"%mesh launch {args.scheduler}: {flag} does not apply to {args.scheduler}")
         options[key] = value
     if args.no_exclusive:
         if args.scheduler != "slurm":
             raise UsageError("%mesh launch: --no-exclusive is a Slurm option")
         options["exclusive"] = False
+    self._refuse_taken("%mesh launch", args.name)
     try:
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always", JobReplacedWarning)
-            state = launch(args.scheduler, args.name, args.hosts, **options)
+            hosts = args.hosts if args.hosts is not None else "" if args.scheduler == "ssh" else "1"
+            state = launch(args.scheduler, args.name, hosts, **options)
     except (JobError, NotImplementedError, ValueError) as e:
         raise UsageError(f"%mesh launch: {e}") from None
     for w in said:

@@ -68,8 +68,21 @@ def _kv(text: str) -> dict[str, int]:
             n = 0
         if n < 1:
             raise UsageError(f"--per-host size for {k!r} must be a positive integer, got {v!r}")
+        if k in out:
+            # the last one won: gpus=1,gpus=2 spawned 2 procs, a shape the line did not say
+            raise UsageError(f"--per-host names {k!r} twice ({text!r}): give each dimension once, e.g. hosts=2,gpus=4")
         out[k] = n
     return out
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of seconds, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"a number of seconds above 0, got {text!r}")
+    return v
 
 
 def _parsers() -> dict[str, _Parser]:
@@ -127,12 +140,12 @@ def _parsers() -> dict[str, _Parser]:
     at.add_argument("rank", type=int)
     d = p["dashboard"] = _Parser(prog="%mesh dashboard", description="A live dashboard of a mesh (ipywidgets).")
     d.add_argument("name", nargs="?", help="mesh name (optional when one mesh runs)")
-    d.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    d.add_argument("--interval", type=_positive_seconds, default=1.0, help="seconds between refreshes")
     sk = p["stacks"] = _Parser(prog="%mesh stacks", description="Every thread's Python stack on every rank, merged.")
     sk.add_argument("name", nargs="?", help="mesh name, or a variable holding a proc or actor mesh (optional when one mesh runs)")
     sk.add_argument("--ranks", help="a subset of ranks: 0:4, 0-3, 1,3")
     sk.add_argument("--native", action="store_true", help="add native frames (py-spy dump --native, if installed)")
-    sk.add_argument("--timeout", type=float, default=5.0, help="seconds every rank has to answer")
+    sk.add_argument("--timeout", type=_positive_seconds, default=5.0, help="seconds every rank has to answer")
     tr = p["trace"] = _Parser(
         prog="%mesh trace", description="Every rank's spans of the last while: a trace file and a timeline."
     )
@@ -196,13 +209,52 @@ class MeshMagics(Magics):
     def _bind(self, name: str, value: Any) -> None:
         self.shell.user_ns[name] = value  # type: ignore[union-attr]
 
+    def _taken(self, name: str) -> str | None:
+        """What binding a mesh to the notebook variable ``name`` would lose (a value of the
+        user's that is no mesh, or a builtin it would hide), in words; None when nothing."""
+        import builtins
+
+        from ..actor import ActorMesh, HostMesh, ProcMesh
+
+        ns = self.shell.user_ns  # type: ignore[union-attr]
+        if name in ns:
+            v = ns[name]
+            return (
+                None
+                if isinstance(v, (ProcMesh, ActorMesh, HostMesh))
+                else f"the notebook variable {name!r} holds a {type(v).__name__}"
+            )
+        return f"{name!r} is a Python builtin" if hasattr(builtins, name) else None
+
+    def _refuse_taken(self, what: str, name: str) -> None:
+        # binding over it silently replaced the user's value (`data = load()`, then `%mesh spawn
+        # data`) or hid a builtin (`%mesh spawn print`: every print() then failed)
+        taken = self._taken(name)
+        if taken is not None:
+            undo = f" or `del {name}` first" if name in self.shell.user_ns else ""  # type: ignore[union-attr]
+            raise UsageError(f"{what}: {taken}, which the mesh's variable would replace: choose another name{undo}")
+
+    def _bind_found(self, name: str, pm: Any) -> None:
+        """Bind a mesh found on the allocators (re-attached, restarted), unless that loses a value."""
+        taken = self._taken(name)
+        if taken is None:
+            self._bind(name, pm)
+        else:
+            print(f"not bound: {taken}; ProcMesh.lookup({name!r}) gives the mesh", file=sys.stderr)
+
     def _do_connect(self, args: argparse.Namespace, cell: str | None) -> Any:
+        if args.key_file and not args.targets:
+            # the local allocator takes no key: the file went unread, a wrong path unnoticed
+            raise UsageError(
+                "%mesh connect: --key-file is for the tcp:// allocators named with it: "
+                "%mesh connect tcp://HOST:PORT --key-file KEYFILE (the local allocator needs none)"
+            )
         hm = _mesh.connect(*args.targets, key_file=args.key_file)
         found = _mesh.meshes()
         orphans = set(_mesh.orphaned_meshes())
         for name, pm in found.items():
             if not pm._stopped and name not in orphans:
-                self._bind(name, pm)
+                self._bind_found(name, pm)
         hosts = [h.host for h in hm._refs()]
         names = ", ".join(f"{n} {pm.extent}" for n, pm in found.items() if not pm._stopped and n not in orphans) or "none"
         print(f"connected to {len(hosts)} host(s): {', '.join(hosts)}; meshes: {names}")
@@ -219,6 +271,7 @@ class MeshMagics(Magics):
 
     def _do_spawn(self, args: argparse.Namespace, cell: str | None) -> Any:
         per_host = _kv(args.per_host)
+        self._refuse_taken("%mesh spawn", args.name)
         pm = _mesh.spawn(args.name, per_host, persist=False if args.no_persist else None)
         self._bind(args.name, pm)
         print(f"{args.name}: {plural(len(pm._procs), 'proc')} {pm.extent} on {len({p.host for p in pm._procs})} host(s)")
@@ -257,7 +310,8 @@ class MeshMagics(Magics):
                 for r in _logs.follow(pm, args.rank, tail=args.tail if args.tail is not None else 10):
                     _print_row(r)
             except KeyboardInterrupt:
-                pass
+                return None
+            print(f"(mesh {args.name} is stopped: no more lines will come)")
             return None
         rows = _logs.logs(pm, args.rank, args.tail)
         for r in rows:
@@ -287,7 +341,7 @@ class MeshMagics(Magics):
         reports = _sync.sync(args.paths or None, **kw)
         if mode == "restart":
             for name, pm in _mesh.meshes().items():
-                self._bind(name, pm)
+                self._bind_found(name, pm)
         return reports[0] if len(reports) == 1 else reports
 
     def _do_env(self, args: argparse.Namespace, cell: str | None) -> Any:
@@ -403,6 +457,8 @@ class MeshMagics(Magics):
     def _do_stop(self, args: argparse.Namespace, cell: str | None) -> Any:
         if not args.all and not args.name:
             raise UsageError("%mesh stop: name a mesh or pass --all")
+        if args.all and args.name:
+            raise UsageError(f"%mesh stop: name a mesh or pass --all, not both: `%mesh stop {args.name}` stops only it")
         from ..actor import ActorMesh, ProcMesh
 
         # a mesh of the Python API, by the variable that holds it
@@ -433,7 +489,8 @@ _ONE_LINE = (MeshError, ConnectError, ConfigError, DebugError, ProtocolError, Au
 #: mesh name that is no identifier, a rank set the mesh lacks, a folder that is none, an address
 #: that is none): said in one line as well. An exec cell's own errors are an ExecError, never these
 _TYPED_WRONG: dict[str, tuple[type[Exception], ...]] = {
-    "spawn": (ValueError,),
+    # OSError: too few file descriptors for the procs asked for (it says what to raise the limit to)
+    "spawn": (ValueError, OSError),
     "exec": (MeshError, ValueError),
     "logs": (ValueError,),
     "sync": (FileNotFoundError, ValueError),

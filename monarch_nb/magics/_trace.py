@@ -41,7 +41,13 @@ def trace(name: str | None, last: str, out: str | None, factor: float, incarnati
         return TraceView(rows, "", [], factor, name, last)
     if out is None:
         out = f"trace-{name or 'all'}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    telemetry.chrome_trace(rows, out, factor=factor)
+    try:
+        telemetry.chrome_trace(rows, out, factor=factor)
+    except OSError as e:
+        # the spans stay with the allocators: a next %mesh trace with another --out still has them
+        raise ValueError(
+            f"--out {out!r}: cannot write the trace file: {e.strerror}; give a path in a folder you can write"
+        ) from None
     return TraceView(rows, os.path.abspath(out), telemetry.stragglers(rows, factor), factor, name, last)
 
 
