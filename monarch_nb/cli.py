@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Callable
 
+from ._argtypes import positive_seconds
 from ._numtext import plural
 
 
@@ -285,9 +286,22 @@ def _keygen(args: argparse.Namespace) -> int:
     import os
     import stat
 
-    from ._wire.keys import write_key_file
+    from ._wire.keys import read_key_file, write_key_file
     from .errors import ConfigError
 
+    if not args.force and os.path.isfile(args.path):
+        try:
+            read_key_file(args.path)
+        except ConfigError:
+            pass  # no working key there (a stray file, one others can read): replaced as before
+        else:
+            # a new key locks out every host and job that holds this one, with no way back
+            print(
+                f"monarch-nb keygen: {args.path} already holds a cluster key, and every host given it would refuse "
+                "the new one; pass --force to replace it",
+                file=sys.stderr,
+            )
+            return 1
     try:
         write_key_file(args.path)
     except ConfigError as e:
@@ -388,16 +402,6 @@ def _job_action(args: argparse.Namespace) -> int:
     raise SystemExit(f"unknown job action {args.action!r}")
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a number of seconds, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"a number of seconds above 0, got {text!r}")
-    return v
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="monarch-nb", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -413,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="Monarch's trust_all_connections: loopback only, authenticated with the runtime directory's key",
     )
-    a.add_argument("--lease", type=_positive_seconds, help="seconds without any controller before meshes are reaped")
+    a.add_argument("--lease", type=positive_seconds, help="seconds without any controller before meshes are reaped")
     a.add_argument("--pid", type=int, help="with stop: only this allocator")
     a.add_argument("--announce-dir", help="a job's directory: write this allocator's addresses there (0600) once serving")
     a.add_argument("--announce-name", help="the file name to announce under (default: this host's name)")
@@ -444,10 +448,11 @@ def main(argv: list[str] | None = None) -> int:
     sk.add_argument("mesh", help="the proc mesh's name, as `monarch-nb status` lists it")
     sk.add_argument("--ranks", help="a subset of ranks: 0:4, 0-3, 1,3")
     sk.add_argument("--native", action="store_true", help="add native frames (py-spy dump --native, if installed)")
-    sk.add_argument("--timeout", type=_positive_seconds, default=5.0, help="seconds every rank has to answer (default 5)")
+    sk.add_argument("--timeout", type=positive_seconds, default=5.0, help="seconds every rank has to answer (default 5)")
     sk.set_defaults(fn=_stacks)
     k = sub.add_parser("keygen", help="write a new cluster key file")
     k.add_argument("path")
+    k.add_argument("--force", action="store_true", help="replace a cluster key already at PATH")
     k.set_defaults(fn=_keygen)
     g = sub.add_parser(
         "gc",

@@ -95,6 +95,22 @@ def test_keygen_with_an_empty_path_is_refused(tmp_path) -> None:  # type: ignore
     assert os.listdir(tmp_path) == []  # nor its temporary file
 
 
+def test_keygen_keeps_a_working_key_unless_forced(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # a second `keygen` on the same path replaced the key in silence: every host holding the old
+    # one then refused this user's controllers and allocators
+    key = str(tmp_path / "cluster.key")
+    assert _cli("keygen", key).returncode == 0
+    with open(key) as f:
+        first = f.read()
+    _refused(_cli("keygen", key), f"monarch-nb keygen: {key} already holds a cluster key")
+    with open(key) as f:
+        assert f.read() == first
+    r = _cli("keygen", key, "--force")
+    assert r.returncode == 0 and "wrote a new cluster key" in r.stdout, r.stderr
+    with open(key) as f:
+        assert f.read() != first
+
+
 def test_job_kill_with_no_name_and_no_current_job_says_so(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # "no job named '(current)'": a job nobody had called so
     rdir = tmp_path / "rt"

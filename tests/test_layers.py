@@ -44,6 +44,7 @@ PLACED: dict[str, tuple[str, str]] = {
         "leaves",
         "stdlib-only dict of the last N entries; runtime, actor API and frontends keep their bounded records in it",
     ),
+    "_argtypes": ("leaves", "stdlib-only argparse types the CLI and the magics share"),
     "_callers": ("leaves", "stdlib-only: the stacklevel that makes a warning name the program's line, not ours"),
     "_exec": ("features", "the actor behind %%mesh exec, built on the actor API"),
     "_registry": ("features", "the controller's named meshes, shared by sync/logs/env and mesh"),

@@ -12,6 +12,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from .. import logs as _logs
 from .. import mesh as _mesh
+from .._argtypes import positive_seconds
 from .._meshstop import stop_proc_mesh, stopped_elsewhere
 from .._numtext import plural
 from ..actor import controller_client
@@ -75,16 +76,6 @@ def _kv(text: str) -> dict[str, int]:
     return out
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a number of seconds, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"a number of seconds above 0, got {text!r}")
-    return v
-
-
 def _parsers() -> dict[str, _Parser]:
     p: dict[str, _Parser] = {}
     c = p["connect"] = _Parser(prog="%mesh connect", description="Attach to allocators and re-attach their named meshes.")
@@ -140,12 +131,12 @@ def _parsers() -> dict[str, _Parser]:
     at.add_argument("rank", type=int)
     d = p["dashboard"] = _Parser(prog="%mesh dashboard", description="A live dashboard of a mesh (ipywidgets).")
     d.add_argument("name", nargs="?", help="mesh name (optional when one mesh runs)")
-    d.add_argument("--interval", type=_positive_seconds, default=1.0, help="seconds between refreshes")
+    d.add_argument("--interval", type=positive_seconds, default=1.0, help="seconds between refreshes")
     sk = p["stacks"] = _Parser(prog="%mesh stacks", description="Every thread's Python stack on every rank, merged.")
     sk.add_argument("name", nargs="?", help="mesh name, or a variable holding a proc or actor mesh (optional when one mesh runs)")
     sk.add_argument("--ranks", help="a subset of ranks: 0:4, 0-3, 1,3")
     sk.add_argument("--native", action="store_true", help="add native frames (py-spy dump --native, if installed)")
-    sk.add_argument("--timeout", type=_positive_seconds, default=5.0, help="seconds every rank has to answer")
+    sk.add_argument("--timeout", type=positive_seconds, default=5.0, help="seconds every rank has to answer")
     tr = p["trace"] = _Parser(
         prog="%mesh trace", description="Every rank's spans of the last while: a trace file and a timeline."
     )
