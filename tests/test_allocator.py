@@ -1417,3 +1417,32 @@ def test_a_script_that_starts_the_local_allocator_exits_without_a_resource_warni
     finally:
         subprocess.run([PY, "-m", "monarch_nb", "allocator", "stop"], env=env, capture_output=True, timeout=60)
         shutil.rmtree(rdir, ignore_errors=True)
+
+
+def test_a_job_allocator_whose_lease_ends_before_its_zygote_is_ready_exits_without_a_traceback(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # its zygote still preloading (a slow `import torch`), the allocator failed the zygote's
+    # readiness as it stopped, with no spawn waiting on it: asyncio logged "Future exception was
+    # never retrieved" and a SpawnError traceback into the job's allocator log at every such exit
+    pre = tmp_path / "pre"
+    pre.mkdir()
+    # imports until the test's end: a zygote that is never ready here (no sleep decides it)
+    (pre / "mnb_slow_preload.py").write_text(
+        "import os, time\nwhile not os.path.exists(os.environ['MNB_TEST_NEVER']):\n    time.sleep(0.05)\n"
+    )
+    env = dict(
+        os.environ,
+        MONARCH_NB_RUNTIME_DIR=str(tmp_path / "rt"),
+        MONARCH_NB_ZYGOTE_PRELOAD="mnb_slow_preload",
+        MNB_TEST_NEVER=str(tmp_path / "never"),
+        PYTHONPATH=os.pathsep.join([str(pre), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
+    r = subprocess.run(
+        [PY, "-m", "monarch_nb", "allocator", "run", "--lease", "0.5", "--exit-on-lease"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and "exit-on-lease: exiting" in r.stderr, r.stderr
+    assert "zygote ready" not in r.stderr, r.stderr  # the case asked for: it stopped before
+    assert "never retrieved" not in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -158,7 +158,7 @@ class Procs:
                 if self.closing:
                     logger.info("zygote stopped")
                     if self._zygote_ready and not self._zygote_ready.done():
-                        self._zygote_ready.set_exception(SpawnError("the allocator's zygote exited while starting"))
+                        _fail(self._zygote_ready, SpawnError("the allocator's zygote exited while starting"))
                 else:
                     self._zygote_died()
                 return
@@ -194,7 +194,7 @@ class Procs:
         self._zsock = self._zreq = None
         ready, self._zygote_ready = self._zygote_ready, None
         if ready is not None and not ready.done():
-            ready.set_exception(SpawnError(f"the allocator's zygote {why} while starting"))
+            _fail(ready, SpawnError(f"the allocator's zygote {why} while starting"))
         forked = [
             r
             for r in self.by_token.values()
@@ -443,6 +443,14 @@ def _oom_hint(before: int | None) -> str:
         f" (the kernel's OOM killer killed {now - before} process(es) on this host since it started: most likely "
         "it ran out of memory, its own or its cgroup's limit; `dmesg` says which)"
     )
+
+
+def _fail(ready: asyncio.Future[Any], e: BaseException) -> None:
+    """Fail the zygote's readiness with ``e``, marked as seen: a spawn waiting on it raises it,
+    and with none waiting (the allocator stopping before its zygote was ready) asyncio no longer
+    logs "Future exception was never retrieved" with a traceback at the allocator's exit."""
+    ready.set_exception(e)
+    ready.exception()
 
 
 def _how(code: int) -> str:
