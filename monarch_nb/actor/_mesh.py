@@ -898,11 +898,7 @@ class ProcMesh(MeshTrait):
             raise TypeError(f"spawn(name, Class, ...) needs the actor mesh's name first, a str, got {name!r}")
         if not isinstance(Class, type):
             raise TypeError(f"spawn needs an Actor class, got {Class!r}")
-        if not issubclass(Class, Actor):
-            # Monarch's ValueError, before anything is sent
-            raise ValueError(f"{Class} must subclass monarch_nb.actor.Actor to spawn it.")
-        is_async_actor(Class)  # mixed sync/async endpoints is a ValueError here, before anything is sent
-        _check_init_args(Class, args, kwargs)
+        _check_spawnable(Class, args, kwargs)
         client = _context.client()
         rt = client.rt
         view = self._view
@@ -1586,10 +1582,7 @@ def get_or_spawn_controller(name: str, Class: type[T], *args: Any, **kwargs: Any
     ``ActorError``, as Monarch's (whose spawn runs in an actor of its own).
     """
     try:
-        if not isinstance(Class, type) or not issubclass(Class, Actor):
-            raise ValueError(f"{Class} must subclass monarch_nb.actor.Actor to spawn it.")
-        is_async_actor(Class)
-        _check_init_args(Class, args, kwargs)
+        _check_spawnable(Class, args, kwargs)
     except (TypeError, ValueError) as e:
         # nothing sent: the name is not taken by a controller that could never answer
         refused: Future[Any] = Future._create(f"get_or_spawn_controller({name!r})")
@@ -1672,6 +1665,16 @@ _KILLED = re.compile(r"process \d+ was killed by (\w+)")
 _EXITED = re.compile(r"process \d+ exited with code (\d+)")
 #: a proc's cause when its mesh stopped: how it ended (then, where the stop said, why)
 _STOPPED_PROC = re.compile(r"mesh stopped \((process \d+ (?:exited with code -?\d+|was killed by \w+))\)")
+
+
+def _check_spawnable(Class: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """What Monarch's spawn refuses before anything is sent, refused alike for ``spawn`` and
+    ``get_or_spawn_controller``: a class that is no ``Actor`` or mixes sync and async endpoints
+    (``ValueError``), arguments its ``__init__`` cannot take (``TypeError``)."""
+    if not isinstance(Class, type) or not issubclass(Class, Actor):
+        raise ValueError(f"{Class} must subclass monarch_nb.actor.Actor to spawn it.")
+    is_async_actor(Class)
+    _check_init_args(Class, args, kwargs)
 
 
 def _check_init_args(Class: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
