@@ -22,23 +22,29 @@ def add_parsers(p: dict[str, Any], parser_cls: type) -> None:
     la = p["launch"] = parser_cls(prog="%mesh launch", description="Apply or re-attach to a named job; bind NAME to its hosts.")
     la.add_argument("scheduler", choices=["slurm", "ssh", "process", "local", "k8s"])
     la.add_argument("name", help="job name; also the host mesh's name and the notebook variable bound to it")
-    la.add_argument("--hosts", help="a node count (slurm, process, k8s; default 1) or host list h1,h2 (ssh)")
-    la.add_argument("--partition")
-    la.add_argument("--time", dest="time_limit", help="Slurm walltime, e.g. 2:00:00")
-    la.add_argument("--gpus-per-node", type=int)
-    la.add_argument("--cpus-per-task", type=int)
-    la.add_argument("--mem")
-    la.add_argument("--account")
-    la.add_argument("--qos")
-    la.add_argument("--log-dir", help="Slurm: a directory every node sees (default: the current one)")
-    la.add_argument("--no-exclusive", action="store_true", help="Slurm: share nodes with other jobs")
-    la.add_argument("--python", dest="python_exe", help="the interpreter on the hosts")
-    la.add_argument("--port", dest="monarch_port", type=int, help="allocator port (0: any)")
-    la.add_argument("--ssh-arg", dest="ssh_args", action="append", help="ssh: an extra ssh argument (repeatable)")
-    la.add_argument("--slurm-arg", dest="slurm_args", action="append", help="slurm: an extra sbatch option (repeatable)")
-    la.add_argument("--namespace", help="k8s: the namespace (default: default)")
-    la.add_argument("--image", help="k8s: the pods' image (with monarch_nb); without it, attach to pods labelled with NAME")
-    la.add_argument("--kubeconfig", help="k8s: a kubeconfig file (default: the in-cluster service account)")
+
+    def option(*names: str, **kw: Any) -> None:
+        # an error about an option names it as typed: its flag, by the argument name it sets
+        a = la.add_argument(*names, **kw)
+        _FLAGS[a.dest] = a.option_strings[0]
+
+    option("--hosts", help="a node count (slurm, process, k8s; default 1) or host list h1,h2 (ssh)")
+    option("--partition")
+    option("--time", dest="time_limit", help="Slurm walltime, e.g. 2:00:00")
+    option("--gpus-per-node", type=int)
+    option("--cpus-per-task", type=int)
+    option("--mem")
+    option("--account")
+    option("--qos")
+    option("--log-dir", help="Slurm: a directory every node sees (default: the current one)")
+    option("--no-exclusive", action="store_true", help="Slurm: share nodes with other jobs")
+    option("--python", dest="python_exe", help="the interpreter on the hosts")
+    option("--port", dest="monarch_port", type=int, help="allocator port (0: any)")
+    option("--ssh-arg", dest="ssh_args", action="append", help="ssh: an extra ssh argument (repeatable)")
+    option("--slurm-arg", dest="slurm_args", action="append", help="slurm: an extra sbatch option (repeatable)")
+    option("--namespace", help="k8s: the namespace (default: default)")
+    option("--image", help="k8s: the pods' image (with monarch_nb); without it, attach to pods labelled with NAME")
+    option("--kubeconfig", help="k8s: a kubeconfig file (default: the in-cluster service account)")
     p["jobs"] = parser_cls(prog="%mesh jobs", description="Jobs on this machine and their scheduler state.")
     k = p["kill"] = parser_cls(prog="%mesh kill", description="Kill a job: every allocator and proc it started.")
     k.add_argument("name")
@@ -65,14 +71,9 @@ _BY_SCHEDULER = {
 }
 
 
-#: the options whose argument name is not the flag: an error named --monarch-port, which is no option
-_FLAGS = {
-    "time_limit": "--time",
-    "python_exe": "--python",
-    "monarch_port": "--port",
-    "ssh_args": "--ssh-arg",
-    "slurm_args": "--slurm-arg",
-}
+#: each %mesh launch option's flag by the argument name it sets (--port sets monarch_port): an
+#: error said --monarch-port, which is no option
+_FLAGS: dict[str, str] = {}
 
 
 def do_launch(self: Any, args: argparse.Namespace, cell: str | None) -> Any:
@@ -83,7 +84,7 @@ def do_launch(self: Any, args: argparse.Namespace, cell: str | None) -> Any:
         if value is None:
             continue
         if key not in allowed:
-            flag = _FLAGS.get(key, "--" + key.replace("_", "-"))
+            flag = _FLAGS[key]
             raise UsageError(f"%mesh launch {args.scheduler}: {flag} does not apply to {args.scheduler}")
         options[key] = value
     if args.no_exclusive:
